@@ -1,0 +1,180 @@
+"""Dtype rules shared by the core and the storage layer.
+
+Owns: TensorFlow-style dtype inference for Python values, the ``same_kind``
+write check, bfloat16 (through ``ml_dtypes``), and the explicit list of dtypes a
+checkpoint may hold, with their names as written in files.
+
+>>> import numpy as np
+>>> infer_dtype(1.5), infer_dtype(3), infer_dtype(True)
+(dtype('float32'), dtype('int32'), dtype('bool'))
+>>> dtype_to_str(as_dtype("bfloat16")), str_to_dtype("bfloat16") == as_dtype("bfloat16")
+('bfloat16', True)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .errors import DTypeLockError
+
+__all__ = [
+    "BFLOAT16",
+    "SUPPORTED_DTYPES",
+    "as_dtype",
+    "check_castable",
+    "dtype_to_str",
+    "infer_dtype",
+    "str_to_dtype",
+]
+
+BFLOAT16: np.dtype = np.dtype(ml_dtypes.bfloat16)
+
+#: The dtypes a variable or a checkpoint may hold, by the name written in files.
+#: Everything else (object, structured, strings, datetimes, ...) is refused.
+SUPPORTED_DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(name)
+    for name in (
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    )
+}
+SUPPORTED_DTYPES["bfloat16"] = BFLOAT16
+# Extra ml_dtypes kinds that TensorFlow/JAX checkpoints may carry; readable, not inferred.
+for _name in ("float8_e4m3fn", "float8_e5m2", "int4", "uint4"):
+    if hasattr(ml_dtypes, _name):
+        SUPPORTED_DTYPES[_name] = np.dtype(getattr(ml_dtypes, _name))
+
+_BY_DTYPE: dict[np.dtype, str] = {dt: name for name, dt in SUPPORTED_DTYPES.items()}
+
+
+def as_dtype(dtype: Any) -> np.dtype:
+    """Normalise ``dtype`` (a name, a NumPy dtype or type) to a supported native-endian dtype.
+
+    >>> as_dtype("float32"), as_dtype(np.int64)
+    (dtype('float32'), dtype('int64'))
+    """
+    if isinstance(dtype, str) and dtype in SUPPORTED_DTYPES:
+        return SUPPORTED_DTYPES[dtype]
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"Not a dtype: {dtype!r}.") from exc
+    if dt.byteorder not in ("=", "|"):
+        dt = dt.newbyteorder("=")
+    if dt not in _BY_DTYPE:
+        raise TypeError(
+            f"Unsupported dtype {dt!s}; supported: {', '.join(sorted(SUPPORTED_DTYPES))}."
+        )
+    return dt
+
+
+def dtype_to_str(dtype: np.dtype) -> str:
+    """The name of a supported dtype as written in checkpoint files."""
+    try:
+        return _BY_DTYPE[np.dtype(dtype)]
+    except KeyError:
+        raise TypeError(f"Unsupported dtype {dtype!s}.") from None
+
+
+def str_to_dtype(name: str) -> np.dtype:
+    """Inverse of :func:`dtype_to_str`; only names on the explicit list are accepted."""
+    try:
+        return SUPPORTED_DTYPES[name]
+    except (KeyError, TypeError):
+        raise TypeError(f"Unsupported dtype name {name!r}.") from None
+
+
+def infer_dtype(value: Any) -> np.dtype:
+    """The dtype TensorFlow would give ``value``.
+
+    Python ``float`` -> float32, ``int`` -> int32, ``bool`` -> bool, ``complex`` ->
+    complex128; NumPy arrays and scalars keep theirs; nested lists follow their
+    elements (any float makes float32).
+    """
+    if isinstance(value, np.ndarray | np.generic):
+        return as_dtype(value.dtype)
+    if hasattr(value, "dtype") and not isinstance(value, list | tuple):
+        return as_dtype(value.dtype)
+    kinds = set()
+    _collect_kinds(value, kinds)
+    if not kinds:
+        return np.dtype("float32")
+    if complex in kinds:
+        return np.dtype("complex128")
+    if float in kinds:
+        return np.dtype("float32")
+    if int in kinds:
+        return np.dtype("int32")
+    return np.dtype("bool")
+
+
+def _collect_kinds(value: Any, kinds: set[type]) -> None:
+    if isinstance(value, bool | np.bool_):
+        kinds.add(bool)
+    elif isinstance(value, int | np.integer):
+        kinds.add(int)
+    elif isinstance(value, float | np.floating):
+        kinds.add(float)
+    elif isinstance(value, complex | np.complexfloating):
+        kinds.add(complex)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _collect_kinds(item, kinds)
+    elif isinstance(value, np.ndarray):
+        kinds.add({"b": bool, "i": int, "u": int, "f": float, "c": complex}.get(value.dtype.kind, float))
+    else:
+        raise TypeError(f"Cannot convert {type(value).__name__} {value!r} to an array.")
+
+
+def check_castable(src: np.dtype, dst: np.dtype, *, what: str = "value") -> None:
+    """Raise :class:`DTypeLockError` unless ``src`` converts to ``dst`` under ``same_kind``.
+
+    bfloat16 counts as a float kind both ways (int -> bfloat16 is fine,
+    bfloat16 -> int is not).
+
+    >>> check_castable(np.dtype("int32"), np.dtype("float32"))
+    >>> check_castable(np.dtype("float32"), np.dtype("int32"), what="'v'")
+    Traceback (most recent call last):
+    ...
+    ckptvar.errors.DTypeLockError: Cannot convert 'v' of dtype float32 to dtype int32 (only same_kind conversions are allowed).
+    """
+    src, dst = np.dtype(src), np.dtype(dst)
+    if src == dst:
+        return
+    if _kind(src) is not None and _kind(dst) is not None:
+        order = "biufc"
+        if order.index(_kind(src)) <= order.index(_kind(dst)):  # type: ignore[arg-type]
+            return
+    elif np.can_cast(src, dst, casting="same_kind"):
+        return
+    raise DTypeLockError(
+        f"Cannot convert {what} of dtype {dtype_name(src)} to dtype {dtype_name(dst)} "
+        "(only same_kind conversions are allowed)."
+    )
+
+
+def _kind(dt: np.dtype) -> str | None:
+    if dt in _BY_DTYPE and dt.kind == "V":  # ml_dtypes floats report kind 'V'
+        name = _BY_DTYPE[dt]
+        return "i" if name == "int4" else "u" if name == "uint4" else "f"
+    return dt.kind if dt.kind in "biufc" else None
+
+
+def dtype_name(dt: np.dtype) -> str:
+    """A readable name for any dtype (the file name for supported ones)."""
+    return _BY_DTYPE.get(np.dtype(dt), str(dt))

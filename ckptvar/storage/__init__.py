@@ -1,0 +1,105 @@
+"""Checkpoint formats behind one interface, and the registry that picks one for a path.
+
+>>> from ckptvar.storage import known_formats
+>>> "h5" in known_formats() and "zarr" in known_formats()
+True
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import CheckpointNotFoundError, UnsupportedFormatError
+from .base import ArrayInfo, Backend, LazyArray, Reader, Writer
+
+__all__ = [
+    "ArrayInfo",
+    "Backend",
+    "LazyArray",
+    "Reader",
+    "Writer",
+    "backend_for",
+    "known_formats",
+    "register_backend",
+]
+
+_BACKENDS: dict[str, type[Backend]] = {}
+
+
+def register_backend(cls: type[Backend], *, override: bool = False) -> type[Backend]:
+    """Add a format; refuses to replace a registered name unless ``override=True``."""
+    if cls.name in _BACKENDS and not override and _BACKENDS[cls.name] is not cls:
+        raise ValueError(f"A backend named {cls.name!r} is already registered.")
+    _BACKENDS[cls.name] = cls
+    return cls
+
+
+def known_formats() -> dict[str, tuple[str, ...]]:
+    """Registered format names and their suffixes."""
+    return {name: cls.suffixes for name, cls in _BACKENDS.items()}
+
+
+def _describe() -> str:
+    return ", ".join(f"{n} ({'/'.join(s)})" for n, s in known_formats().items())
+
+
+def backend_for(path: str | Path, format: str | None = None, *, mode: str = "r") -> type[Backend]:
+    """The backend for ``path``: the explicit ``format``, else the suffix, else sniffing.
+
+    ``mode="w"`` only accepts writable formats and defaults to HDF5 when the suffix
+    says nothing. Raises ``UnsupportedFormatError`` naming the known formats.
+    """
+    path = Path(path)
+    if format is not None:
+        cls = _BACKENDS.get(format.lower().lstrip("."))
+        if cls is None:
+            raise UnsupportedFormatError(f"Unknown format {format!r}; known: {_describe()}.")
+    else:
+        cls = _by_suffix(path)
+        if cls is None and mode == "r":
+            if not path.exists() and not _has_sidecars(path):
+                raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.")
+            cls = next((c for c in _BACKENDS.values() if c.sniff(path)), None)
+        if cls is None and mode == "w":
+            if path.suffix:
+                raise UnsupportedFormatError(
+                    f"Cannot write {str(path)!r}: unknown suffix {path.suffix!r}; "
+                    f"writable: {', '.join(n for n, c in _BACKENDS.items() if c.can_write)}."
+                )
+            cls = _BACKENDS["h5"]
+        if cls is None:
+            raise UnsupportedFormatError(
+                f"Cannot tell the format of {str(path)!r}; known: {_describe()}."
+            )
+    if mode == "w" and not cls.can_write:
+        raise UnsupportedFormatError(f"The {cls.name} format ({str(path)!r}) cannot be written.")
+    return cls
+
+
+def _by_suffix(path: Path) -> type[Backend] | None:
+    name = path.name.lower()
+    best: tuple[int, type[Backend]] | None = None
+    for cls in _BACKENDS.values():
+        for suffix in cls.suffixes:
+            if name.endswith(suffix) and (best is None or len(suffix) > best[0]):
+                best = (len(suffix), cls)
+    return best[1] if best else None
+
+
+def _has_sidecars(path: Path) -> bool:
+    # A TensorFlow checkpoint is named by a prefix: "ckpt-1" for ckpt-1.index + data files.
+    return Path(str(path) + ".index").exists()
+
+
+def _register_builtin() -> None:
+    import importlib
+
+    for module in ("._h5", "._zarr", ".foreign"):
+        try:
+            importlib.import_module(module, __name__)
+        except ModuleNotFoundError as exc:  # a backend still being written; others still work
+            if not (exc.name or "").startswith(__name__):
+                raise
+
+
+_register_builtin()

@@ -1,0 +1,221 @@
+"""The one small interface every checkpoint format sits behind.
+
+Storage knows arrays, keys and plain attribute dicts; it never imports the
+variable core. A :class:`Backend` makes :class:`Reader` and :class:`Writer`
+objects for one format:
+
+- A ``Writer`` collects ``(key, array, attrs)`` with :meth:`Writer.add` (no copy
+  is taken: the caller keeps each array unchanged until :meth:`Writer.commit`),
+  plus one msgpack-able metadata dict, and writes everything at ``commit()``:
+  to a temporary sibling, fsynced, then renamed onto the final path (atomic).
+- A ``Reader`` is a read-only ``Mapping[str, LazyArray]``: ``reader[key]`` costs
+  no I/O, ``reader[key][0:10]`` reads only that slice, ``reader.read(key, out=buf)``
+  reads a whole value into a caller's buffer and verifies its checksum.
+
+Keys are ``/``-separated object-graph paths (``model/dense/kernel``); how a key
+maps to a place inside a container is each backend's business (docs/FORMAT.md).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, ClassVar
+
+import numpy as np
+
+__all__ = ["ArrayInfo", "Backend", "LazyArray", "Reader", "Writer"]
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """What a checkpoint says about one stored value, known without reading it.
+
+    ``attrs`` holds what the writer was given (``name``, ``trainable``, ...);
+    ``checksum`` is the stored checksum, ``None`` for formats that carry none.
+    """
+
+    key: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+    checksum: int | None = None
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+
+class LazyArray(abc.ABC):
+    """A stored value that is read only when sliced (``lazy[0:10]``) or read whole."""
+
+    info: ArrayInfo
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.info.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.info.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.info.shape)
+
+    @property
+    def size(self) -> int:
+        return self.info.size
+
+    @property
+    def nbytes(self) -> int:
+        return self.info.nbytes
+
+    def __len__(self) -> int:
+        if not self.info.shape:
+            raise TypeError("len() of a 0-d array")
+        return self.info.shape[0]
+
+    @abc.abstractmethod
+    def __getitem__(self, index: Any) -> np.ndarray:
+        """Read only the elements ``index`` selects (basic slicing at least)."""
+
+    @abc.abstractmethod
+    def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
+        """Read the whole value (into ``out`` when given), verifying its checksum."""
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        arr = self.read()
+        return arr if dtype is None else arr.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"<LazyArray {self.info.key!r} shape={self.info.shape} dtype={self.info.dtype}>"
+
+
+class Reader(Mapping[str, LazyArray], abc.ABC):
+    """A read-only view of one checkpoint. Use as a context manager or call ``close()``."""
+
+    path: Path
+    format: str
+
+    @abc.abstractmethod
+    def keys(self) -> Any:  # KeysView[str], in file order
+        ...
+
+    @abc.abstractmethod
+    def info(self, key: str) -> ArrayInfo:
+        """Metadata of ``key``; raises ``MissingKeyError`` for an unknown key."""
+
+    @abc.abstractmethod
+    def __getitem__(self, key: str) -> LazyArray: ...
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys()
+
+    def metadata(self) -> dict[str, Any]:
+        """The metadata dict given to :meth:`Writer.set_metadata` (empty if none)."""
+        return {}
+
+    def read(self, key: str, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
+        """Read one whole value, into ``out`` when given (same shape and dtype)."""
+        return self[key].read(out=out, verify=verify)
+
+    def read_many(
+        self, keys: Iterable[str], *, verify: bool = True
+    ) -> Iterator[tuple[str, np.ndarray]]:
+        """Read several values into fresh arrays; backends may pipeline I/O and checksums."""
+        for key in keys:
+            yield key, self.read(key, verify=verify)
+
+    def verify(self, key: str) -> None:
+        """Raise ``CorruptCheckpointError`` if ``key``'s bytes do not match its checksum."""
+        self.read(key, verify=True)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release file handles."""
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class Writer(abc.ABC):
+    """Collects values and metadata, then writes them atomically at :meth:`commit`."""
+
+    path: Path
+
+    @abc.abstractmethod
+    def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
+        """Register ``array`` under ``key``; the array must stay unchanged until commit."""
+
+    @abc.abstractmethod
+    def set_metadata(self, metadata: Mapping[str, Any]) -> None:
+        """A msgpack-able dict stored with the checkpoint (object graph, counters, ...)."""
+
+    @abc.abstractmethod
+    def commit(self) -> Path:
+        """Write everything durably and move it onto the final path; returns that path."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Drop everything written so far; the final path is untouched."""
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class Backend(abc.ABC):
+    """One checkpoint format: how to recognise it, read it and (maybe) write it."""
+
+    name: ClassVar[str]
+    suffixes: ClassVar[tuple[str, ...]]
+    can_write: ClassVar[bool] = False
+
+    @classmethod
+    @abc.abstractmethod
+    def sniff(cls, path: Path) -> bool:
+        """True when ``path`` looks like this format by its content (cheap)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def open_reader(cls, path: Path) -> Reader: ...
+
+    @classmethod
+    def open_writer(cls, path: Path, **options: Any) -> Writer:
+        from ..errors import UnsupportedFormatError
+
+        raise UnsupportedFormatError(f"The {cls.name} format is read-only in ckptvar.")
