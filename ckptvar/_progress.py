@@ -1,0 +1,133 @@
+"""A small dependency-free progress bar for the ``ckpt`` command, drawn on stderr.
+
+On a terminal the bar redraws one line in place (at most ten times a second);
+on a pipe or file it writes plain lines at every tenth of the work, so logs
+never fill with carriage returns. A disabled bar writes nothing at all.
+
+>>> import io
+>>> out = io.StringIO()
+>>> with Progress(200, stream=out, enabled=True, tty=False) as bar:
+...     bar.update(100, "a")
+...     bar.update(100, "b")
+>>> out.getvalue().splitlines()[-1]
+'100% 200 B / 200 B (2 values)'
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from types import TracebackType
+from typing import TextIO
+
+__all__ = ["Progress", "human_size"]
+
+
+def human_size(n: float) -> str:
+    """``n`` bytes in binary units, three significant figures.
+
+    >>> human_size(0), human_size(1023), human_size(1536), human_size(3 * 2**30)
+    ('0 B', '1023 B', '1.50 KiB', '3.00 GiB')
+    """
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+    value = float(n)
+    for unit in units:
+        if abs(value) < 1024 or unit == units[-1]:
+            if unit == "B":
+                return f"{int(value)} B"
+            return f"{value:.3g} {unit}" if value >= 100 else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+class Progress:
+    """Counts bytes done out of ``total`` and draws them when ``enabled``.
+
+    Args:
+        total: the bytes the whole job will process.
+        stream: where to draw (stderr by default).
+        enabled: draw at all; when false every method is a no-op.
+        tty: draw in place with carriage returns; defaults to ``stream.isatty()``.
+        width: the number of cells of the bar on a terminal.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        stream: TextIO | None = None,
+        enabled: bool = True,
+        tty: bool | None = None,
+        width: int = 30,
+    ) -> None:
+        self.total = max(int(total), 0)
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        if tty is None:
+            isatty = getattr(self.stream, "isatty", None)
+            tty = bool(isatty()) if callable(isatty) else False
+        self.tty = tty
+        self.width = width
+        self.done = 0
+        self.count = 0
+        self._last_draw = 0.0
+        self._last_tenth = -1
+        self._line_len = 0
+
+    def _fraction(self) -> float:
+        return 1.0 if self.total == 0 else min(self.done / self.total, 1.0)
+
+    def update(self, nbytes: int, label: str = "") -> None:
+        """Record ``nbytes`` more bytes done (one more value, named ``label``)."""
+        self.done += int(nbytes)
+        self.count += 1
+        if not self.enabled:
+            return
+        frac = self._fraction()
+        if self.tty:
+            now = time.monotonic()
+            if now - self._last_draw >= 0.1 or frac >= 1.0:
+                self._last_draw = now
+                self._draw_tty(frac, label)
+        else:
+            tenth = int(frac * 10)
+            if tenth > self._last_tenth:
+                self._last_tenth = tenth
+                self.stream.write(self._text(frac) + "\n")
+                self.stream.flush()
+
+    def _text(self, frac: float) -> str:
+        values = f"{self.count} value" + ("" if self.count == 1 else "s")
+        return (
+            f"{int(frac * 100):3d}% {human_size(self.done)} / {human_size(self.total)} ({values})"
+        )
+
+    def _draw_tty(self, frac: float, label: str) -> None:
+        filled = int(frac * self.width)
+        bar = "#" * filled + "-" * (self.width - filled)
+        line = f"[{bar}] {self._text(frac)}"
+        if label:
+            line += f" {label[:40]}"
+        pad = max(self._line_len - len(line), 0)
+        self._line_len = len(line)
+        self.stream.write("\r" + line + " " * pad)
+        self.stream.flush()
+
+    def close(self) -> None:
+        """Finish the line (terminal mode); safe to call twice."""
+        if self.enabled and self.tty and self._line_len:
+            self._draw_tty(self._fraction(), "")
+            self.stream.write("\n")
+            self.stream.flush()
+            self._line_len = 0
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
