@@ -26,8 +26,41 @@ from .errors import (
 )
 
 # --- core: devices, graph, variables, initializers ---------------------------
+from . import initializers
+from .device import device, list_devices, set_log_device_placement
+from .graph import (
+    AUTO_REUSE,
+    Graph,
+    GraphKeys,
+    add_to_collection,
+    get_collection,
+    get_default_graph,
+    global_variables,
+    local_variables,
+    name_scope,
+    reset_default_graph,
+    trainable_variables,
+    variable_scope,
+)
+from .variables import (
+    Variable,
+    deferred_init,
+    get_variable,
+    global_variables_initializer,
+    report_uninitialized_variables,
+)
 
 # --- trackable objects and checkpoints ----------------------------------------
+from .checkpoint import (
+    Checkpoint,
+    CheckpointManager,
+    Saver,
+    latest_checkpoint,
+    restore_on_create,
+    wait_for_pending_saves,
+)
+from .module import Module
+from .trackable import Trackable
 
 # --- loading and inspection ---------------------------------------------------
 

@@ -1,0 +1,113 @@
+"""Background saves: one writer thread, handles, and errors that are never lost.
+
+A background save has already taken its host snapshot when it is submitted; the
+thread only writes. Each :class:`SaveHandle` reports its error exactly once, to
+whichever comes first: ``handle.wait()``, the owner's ``wait()`` or next save, or
+:func:`wait_for_pending_saves`. An error nobody collected is logged at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+__all__ = ["SaveHandle", "submit", "wait_for_pending_saves"]
+
+logger = logging.getLogger("ckptvar")
+
+_lock = threading.Lock()
+_executor: ThreadPoolExecutor | None = None
+_outstanding: list[SaveHandle] = []  # not yet successfully waited for, or error unreported
+
+
+class SaveHandle:
+    """A save running in the background. ``wait()`` returns its path once durable."""
+
+    def __init__(self, future: Future[str], path: str) -> None:
+        self._future = future
+        self.path = path
+        self._reported = False
+
+    def done(self) -> bool:
+        """True once the save finished (successfully or not)."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> str | None:
+        """Block until durable; re-raise the background error (only the first time).
+
+        Returns the path, or ``None`` if the save failed and its error was reported before.
+        """
+        exc = self._future.exception(timeout)
+        with _lock:
+            first_report = exc is not None and not self._reported
+            self._reported = True
+            if self in _outstanding:
+                _outstanding.remove(self)
+        if exc is None:
+            return self.path
+        if first_report:
+            raise exc
+        return None
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<SaveHandle {self.path!r} {state}>"
+
+
+def submit(fn: Callable[[], str], path: str) -> SaveHandle:
+    """Run ``fn`` (which writes and returns the final path) in the writer thread."""
+    global _executor
+    with _lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptvar-save")
+        _outstanding[:] = [h for h in _outstanding if not _succeeded(h)]
+        handle = SaveHandle(_executor.submit(fn), path)
+        _outstanding.append(handle)
+    return handle
+
+
+def _succeeded(handle: SaveHandle) -> bool:
+    return handle.done() and handle._future.exception() is None
+
+
+def wait_all(handles: list[SaveHandle]) -> None:
+    """Wait for every handle; then raise the first error not reported yet (others stay)."""
+    first: BaseException | None = None
+    for handle in list(handles):
+        handle._future.exception()  # block without reporting
+    for handle in list(handles):
+        try:
+            handle.wait()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            first = exc
+            break
+    if first is not None:
+        raise first
+
+
+def wait_for_pending_saves() -> None:
+    """Block until every background save in this process is durable.
+
+    Raises the first background error not reported yet (each error is raised once).
+    """
+    with _lock:
+        handles = list(_outstanding)
+    wait_all(handles)
+
+
+def _report_at_exit() -> None:
+    with _lock:
+        handles = list(_outstanding)
+    for handle in handles:
+        if handle.done() and not handle._reported and handle._future.exception() is not None:
+            logger.error(
+                "Background save to %r failed and nobody waited for it: %r",
+                handle.path,
+                handle._future.exception(),
+            )
+
+
+atexit.register(_report_at_exit)

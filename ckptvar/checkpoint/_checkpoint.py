@@ -1,0 +1,235 @@
+"""``cv.Checkpoint``: object-based checkpoints keyed by object-graph paths.
+
+Owns the save counter, file naming (``prefix-N.h5`` / ``prefix-N.zarr``), the
+choice of format (suffix, ``format=`` override, HDF5 by default), blocking and
+background saves, and ``restore`` (see ``_restore.py`` for how values are matched,
+checked and applied).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..storage import backend_for, known_formats
+from ..trackable import Trackable
+from ..variables import Variable
+from . import _async
+from ._restore import RestoreState, RestoreStatus
+from ._serialize import gather, host_arrays, metadata
+from ._walk import walk
+
+__all__ = ["Checkpoint", "split_format"]
+
+_COUNTER = "save_counter"
+
+
+def split_format(prefix: str | os.PathLike[str], format: str | None) -> tuple[str, str, str]:
+    """``(prefix without a known suffix, format name, suffix)`` for a save prefix."""
+    prefix = os.fspath(prefix)
+    formats = known_formats()
+    found = None
+    for name, suffixes in formats.items():
+        for suffix in suffixes:
+            if prefix.lower().endswith(suffix) and (found is None or len(suffix) > len(found[1])):
+                found = (name, suffix)
+    if found is not None:
+        prefix = prefix[: -len(found[1])]
+    if format is not None:
+        cls = backend_for(prefix + ".x", format, mode="w")
+        return prefix, cls.name, cls.suffixes[0]
+    if found is not None:
+        cls = backend_for(prefix + found[1], found[0], mode="w")
+        return prefix, cls.name, found[1]
+    cls = backend_for(prefix, "h5", mode="w")
+    return prefix, cls.name, cls.suffixes[0]
+
+
+def write_file(
+    path: str | Path,
+    format: str | None,
+    arrays: list[tuple[str, Any, dict[str, Any]]],
+    meta: dict[str, Any],
+) -> str:
+    """Write one checkpoint atomically (temporary sibling, fsync, rename); returns its path."""
+    path = Path(path)
+    backend = backend_for(path, format, mode="w")
+    if path.parent and not path.parent.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    writer = backend.open_writer(path, durable=True)
+    try:
+        for key, array, attrs in arrays:
+            writer.add(key, array, attrs)
+        writer.set_metadata(meta)
+        return os.fspath(writer.commit())
+    except BaseException:
+        writer.abort()
+        raise
+
+
+class Checkpoint(Trackable):
+    """Groups trackable objects and saves/restores them by their object-graph paths.
+
+    Args:
+        **objects: the top-level objects (modules, trackables, variables, or
+            lists/dicts of them); each becomes the first segment of its keys.
+
+    >>> import ckptvar as cv
+    >>> ckpt = cv.Checkpoint(step=cv.Variable(3, dtype="int64", name="step"))
+    >>> ckpt.step.numpy()
+    array(3)
+    """
+
+    def __init__(self, **objects: Any) -> None:
+        object.__setattr__(self, "_cv_handles", [])
+        for name, value in objects.items():
+            setattr(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+            return
+        if name == _COUNTER:
+            raise ValueError(f"{_COUNTER!r} is reserved: it is the checkpoint's own save counter.")
+        if not isinstance(value, Variable | Trackable | list | tuple | dict):
+            raise TypeError(
+                f"Checkpoint({name}=...) needs a Variable, a trackable object or a "
+                f"list/tuple/dict of them, got {type(value).__name__}."
+            )
+        object.__setattr__(self, name, value)
+        self._track(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        object.__delattr__(self, name)
+        self._untrack(name)
+
+    # -- the save counter --------------------------------------------------------------
+    @property
+    def save_counter(self) -> Variable:
+        """How many times :meth:`save` ran (an int64 variable, stored as ``save_counter``)."""
+        counter = self._trackable_children().get(_COUNTER)
+        if counter is None:
+            counter = Variable(0, dtype="int64", name=_COUNTER, trainable=False, collections=[])
+            self._track(_COUNTER, counter)
+        return counter
+
+    # -- saving -----------------------------------------------------------------------
+    def save(
+        self,
+        prefix: str | os.PathLike[str],
+        *,
+        format: str | None = None,
+        blocking: bool = True,
+        metadata: Any = None,
+    ) -> Any:
+        """Increment the save counter and write ``prefix-N.<suffix>``.
+
+        Returns the path, or with ``blocking=False`` a handle whose ``wait()`` returns it
+        once durable. ``metadata`` (msgpack-able) is stored with the checkpoint.
+        """
+        return self._save(prefix, format=format, blocking=blocking, user=metadata)
+
+    def _save(
+        self,
+        prefix: str | os.PathLike[str],
+        *,
+        format: str | None,
+        blocking: bool,
+        user: Any = None,
+        number: int | None = None,
+        on_commit: Callable[[str], None] | None = None,
+    ) -> Any:
+        self.wait()  # one save in flight per checkpoint; surfaces a background error
+        base, fmt, suffix = split_format(prefix, format)
+        counter = self.save_counter
+        counter.assign_add(1)
+        n = int(counter.numpy()) if number is None else int(number)
+        try:
+            return self._write(f"{base}-{n}{suffix}", fmt, blocking, user, on_commit)
+        except BaseException:
+            counter.assign_sub(1)
+            raise
+
+    def write(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        format: str | None = None,
+        blocking: bool = True,
+        metadata: Any = None,
+    ) -> Any:
+        """Write exactly ``path`` (the save counter does not change).
+
+        The suffix picks the format (``.h5`` or ``.zarr``; none: HDF5); ``format=``
+        overrides it. A suffix that cannot be written raises ``UnsupportedFormatError``.
+        """
+        self.wait()
+        path = os.fspath(path)
+        fmt = backend_for(path, format, mode="w").name
+        return self._write(path, fmt, blocking, metadata, None)
+
+    def _write(
+        self,
+        path: str,
+        fmt: str,
+        blocking: bool,
+        user: Any,
+        on_commit: Callable[[str], None] | None,
+    ) -> Any:
+        plan = gather(self)
+        counter = self._trackable_children().get(_COUNTER)
+        count = int(counter.numpy()) if counter is not None else None
+        meta = metadata(plan, save_counter=count, user=user)
+        arrays = host_arrays(plan, copy=not blocking)
+
+        def run() -> str:
+            final = write_file(path, fmt, arrays, meta)
+            if on_commit is not None:
+                on_commit(final)
+            return final
+
+        if blocking:
+            return run()
+        handle = _async.submit(run, path)
+        self._cv_handles.append(handle)
+        return handle
+
+    def wait(self) -> None:
+        """Block until this checkpoint's background saves are durable.
+
+        Raises the first background error not reported yet (each error is raised once).
+        """
+        handles = self.__dict__.get("_cv_handles")
+        if not handles:
+            return
+        try:
+            _async.wait_all(handles)
+        finally:
+            handles[:] = [h for h in handles if not h.done()]
+
+    # -- restoring --------------------------------------------------------------------
+    def restore(self, path: str | os.PathLike[str] | None, *, verify: bool = True) -> RestoreStatus:
+        """Restore every object that exists now; the rest get their values when created.
+
+        Checks all dtypes and shapes first (``CheckpointMismatchError``, nothing changed)
+        and verifies checksums before changing anything (``verify=False`` skips that).
+        ``None`` restores nothing (the status's assertions then fail).
+        """
+        if path is None:
+            return RestoreStatus(None, warn_unused=False)
+        self.wait()
+        self.save_counter  # noqa: B018 - exists before matching, so it is restored too
+        state = RestoreState(path, root=self, verify=verify)
+        try:
+            state.restore_nodes(walk(self))
+        finally:
+            state.release_reader()
+        return RestoreStatus(state)
+
+    read = restore
+
+    def __repr__(self) -> str:
+        names = ", ".join(n for n in self._trackable_children() if n != _COUNTER)
+        return f"<cv.Checkpoint ({names})>"

@@ -1,0 +1,332 @@
+"""``cv.CheckpointManager``: numbered checkpoints in a directory, with retention.
+
+Owns the state file ``checkpoint_state.json`` in the directory (replaced
+atomically: temporary sibling, fsync, rename, fsync of the directory; updated
+under an advisory lock file so several managers can share a directory), the
+``max_to_keep`` / ``keep_checkpoint_every_n_hours`` / ``checkpoint_interval``
+rules (TensorFlow's), recovery after a restart, and :func:`latest_checkpoint`.
+
+The state has one section per ``checkpoint_name``; a manager only ever deletes
+files listed in its own section, i.e. files it wrote. A checkpoint is listed only
+after its file is durable under its final name, and removed from the list before
+its file is deleted, so every listed checkpoint is complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..storage import known_formats
+from ..storage._atomic import fsync_dir, is_partial, partial_path, remove_path
+from ..variables import Variable
+from ._checkpoint import Checkpoint
+from ._restore import RestoreStatus
+
+__all__ = ["STATE_FILE", "CheckpointManager", "latest_checkpoint"]
+
+logger = logging.getLogger("ckptvar")
+
+STATE_FILE = "checkpoint_state.json"
+_LOCK_FILE = ".checkpoint_state.lock"
+_STATE_VERSION = 1
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    fd = os.open(directory / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _read_state(directory: Path) -> dict[str, Any]:
+    path = directory / STATE_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return {"version": _STATE_VERSION, "sections": {}, "latest": None}
+    try:
+        state = json.loads(raw)
+        if not isinstance(state, dict) or not isinstance(state.get("sections"), dict):
+            raise ValueError("not a state record")
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"The checkpoint state file {str(path)!r} is damaged: {exc}.")
+    if state.get("version", 0) > _STATE_VERSION:
+        raise CorruptCheckpointError(
+            f"{str(path)!r} has state version {state.get('version')}; this ckptvar reads "
+            f"up to {_STATE_VERSION}."
+        )
+    return state
+
+
+def _write_state(directory: Path, state: dict[str, Any]) -> None:
+    final = directory / STATE_FILE
+    tmp = partial_path(final)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(json.dumps(state, indent=1, sort_keys=True).encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        remove_path(tmp)
+        raise
+    fsync_dir(directory)
+
+
+def _exists(path: Path) -> bool:
+    return path.exists() and not is_partial(path.name)
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
+    """The newest checkpoint a ``CheckpointManager`` recorded in ``directory``, or ``None``."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    latest = _read_state(directory).get("latest")
+    if not isinstance(latest, str) or not latest or "/" in latest or latest in (".", ".."):
+        return None
+    path = directory / latest
+    return os.fspath(path) if _exists(path) else None
+
+
+class CheckpointManager:
+    """Saves numbered checkpoints of ``checkpoint`` into ``directory`` and prunes old ones.
+
+    Args:
+        checkpoint: the :class:`Checkpoint` to save.
+        directory: where files and the state file live (created if missing).
+        max_to_keep: keep this many newest checkpoints (``None``: all).
+        keep_checkpoint_every_n_hours: additionally keep (unlisted, never deleted) one
+            checkpoint per this many hours among those pruned.
+        checkpoint_name: file name prefix (``ckpt`` -> ``ckpt-7.h5``).
+        step_counter: a variable or int-returning callable giving the current step, for
+            ``checkpoint_interval``.
+        checkpoint_interval: save only if at least this many steps passed since the last
+            checkpoint (needs ``step_counter`` or a ``checkpoint_number``).
+        init_fn: called by :meth:`restore_or_initialize` when there is nothing to restore.
+        format: ``"h5"`` or ``"zarr"``.
+        async_save: write in the background (see ``Checkpoint.save(blocking=False)``).
+    """
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        directory: str | os.PathLike[str],
+        max_to_keep: int | None = 5,
+        keep_checkpoint_every_n_hours: float | None = None,
+        checkpoint_name: str = "ckpt",
+        step_counter: Variable | Callable[[], int] | None = None,
+        checkpoint_interval: int | None = None,
+        init_fn: Callable[[], Any] | None = None,
+        format: str = "h5",
+        async_save: bool = False,
+    ) -> None:
+        if not isinstance(checkpoint, Checkpoint):
+            raise TypeError(f"CheckpointManager needs a cv.Checkpoint, got {checkpoint!r}.")
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be None or >= 1, got {max_to_keep}.")
+        if not checkpoint_name or "/" in checkpoint_name or checkpoint_name.startswith("."):
+            raise ValueError(f"Bad checkpoint_name {checkpoint_name!r}.")
+        if format not in known_formats():
+            raise ValueError(f"Unknown format {format!r}; known: {sorted(known_formats())}.")
+        self._checkpoint = checkpoint
+        self.directory = Path(directory)
+        self.max_to_keep = max_to_keep
+        self.keep_checkpoint_every_n_hours = keep_checkpoint_every_n_hours
+        self.checkpoint_name = checkpoint_name
+        self.format = format
+        self._suffix = known_formats()[format][0]
+        self._step_counter = step_counter
+        self.checkpoint_interval = checkpoint_interval
+        self._init_fn = init_fn
+        self.async_save = async_save
+        self.restore_status: RestoreStatus | None = None
+        self.skipped: list[tuple[str, str]] = []
+        self._name_re = re.compile(
+            re.escape(checkpoint_name) + r"-(\d+)" + re.escape(self._suffix) + r"$"
+        )
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._section: dict[str, Any] = {}
+        with _locked(self.directory):
+            state = _read_state(self.directory)
+            self._section = self._recover(state)
+            self._clean_temporaries()
+            self._finish_deletions(state)
+
+    # -- state ------------------------------------------------------------------------
+    def _empty_section(self) -> dict[str, Any]:
+        return {
+            "checkpoints": [],
+            "preserved": [],
+            "pending_delete": [],
+            "last_preserved_time": time.time(),
+        }
+
+    def _recover(self, state: dict[str, Any]) -> dict[str, Any]:
+        section = state["sections"].get(self.checkpoint_name) or self._empty_section()
+        for name in ("checkpoints", "preserved", "pending_delete"):
+            section[name] = [e for e in section.get(name, []) if self._own(e)]
+        # A file that vanished (deleted by hand) is no longer listed.
+        section["checkpoints"] = [
+            e for e in section["checkpoints"] if _exists(self.directory / e["path"])
+        ]
+        return section
+
+    def _own(self, entry: Any) -> bool:
+        return isinstance(entry, dict) and bool(self._name_re.match(str(entry.get("path", ""))))
+
+    def _clean_temporaries(self) -> None:
+        """Remove temporaries of this manager's files left by a crash (under the lock)."""
+        mine = (f".{self.checkpoint_name}-", f".{STATE_FILE}.")
+        for entry in os.scandir(self.directory):
+            if is_partial(entry.name) and entry.name.startswith(mine):
+                remove_path(Path(entry.path))
+
+    def _finish_deletions(self, state: dict[str, Any]) -> None:
+        pending = self._section.get("pending_delete", [])
+        if not pending:
+            return
+        for entry in pending:
+            remove_path(self.directory / entry["path"])
+        self._section["pending_delete"] = []
+        self._store(state)
+
+    def _store(self, state: dict[str, Any]) -> None:
+        state["version"] = _STATE_VERSION
+        state["sections"][self.checkpoint_name] = self._section
+        if self._section["checkpoints"]:
+            state["latest"] = self._section["checkpoints"][-1]["path"]
+        elif state.get("latest") and self._name_re.match(str(state["latest"])):
+            state["latest"] = None
+        _write_state(self.directory, state)
+
+    def _record(self, path: str, step: int) -> None:
+        """Called once ``path`` is durable: list it, prune, persist, then delete pruned files."""
+        name = Path(path).name
+        now = time.time()
+        with _locked(self.directory):
+            state = _read_state(self.directory)
+            section = self._recover(state)
+            section["checkpoints"] = [e for e in section["checkpoints"] if e["path"] != name]
+            section["checkpoints"].append({"path": name, "step": int(step), "time": now})
+            doomed = []
+            if self.max_to_keep is not None:
+                while len(section["checkpoints"]) > self.max_to_keep:
+                    old = section["checkpoints"].pop(0)
+                    hours = self.keep_checkpoint_every_n_hours
+                    if hours is not None and old["time"] - section["last_preserved_time"] >= (
+                        hours * 3600
+                    ):
+                        section["last_preserved_time"] = old["time"]
+                        section["preserved"].append(old)
+                    else:
+                        doomed.append(old)
+            section["pending_delete"] = section.get("pending_delete", []) + doomed
+            self._section = section
+            self._store(state)
+            self._finish_deletions(state)
+
+    # -- public -----------------------------------------------------------------------
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return self._checkpoint
+
+    def _sync(self) -> None:
+        self._checkpoint.wait()
+
+    @property
+    def checkpoints(self) -> list[str]:
+        """The kept checkpoints, oldest first (waits for a background save of this manager)."""
+        self._sync()
+        return [os.fspath(self.directory / e["path"]) for e in self._section["checkpoints"]]
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """The newest durable checkpoint, or ``None``."""
+        self._sync()
+        entries = self._section["checkpoints"]
+        return os.fspath(self.directory / entries[-1]["path"]) if entries else None
+
+    def _current_step(self, checkpoint_number: int | None) -> int:
+        if checkpoint_number is not None:
+            return int(checkpoint_number)
+        counter = self._step_counter
+        if counter is None:
+            raise ValueError(
+                "checkpoint_interval needs a step: pass step_counter= to the manager or "
+                "checkpoint_number= to save()."
+            )
+        value = counter.numpy() if isinstance(counter, Variable) else counter()
+        return int(value)
+
+    def save(self, checkpoint_number: int | None = None, check_interval: bool = True) -> str | None:
+        """Save ``<directory>/<checkpoint_name>-N<suffix>``; returns its path.
+
+        ``N`` is ``checkpoint_number`` if given, else the checkpoint's save counter after
+        incrementing. With ``checkpoint_interval`` set (and ``check_interval``), returns
+        ``None`` without saving when fewer steps than the interval passed since the last
+        checkpoint. With ``async_save`` the path is returned before it is durable; it is
+        listed once it is.
+        """
+        self._sync()
+        counter = self._checkpoint.save_counter
+        number = checkpoint_number
+        if number is None:
+            number = int(counter.numpy()) + 1
+        step = int(number)
+        if self.checkpoint_interval is not None and check_interval:
+            step = self._current_step(checkpoint_number)
+            entries = self._section["checkpoints"]
+            last = entries[-1].get("step") if entries else None
+            if last is not None and step < last + self.checkpoint_interval:
+                return None
+        elif self._step_counter is not None and checkpoint_number is None:
+            step = self._current_step(None)
+        prefix = self.directory / self.checkpoint_name
+
+        def on_commit(path: str, step: int = step) -> None:
+            self._record(path, step)
+
+        result = self._checkpoint._save(
+            prefix,
+            format=self.format,
+            blocking=not self.async_save,
+            number=number,
+            on_commit=on_commit,
+        )
+        return result if isinstance(result, str) else result.path
+
+    def restore_or_initialize(self) -> str | None:
+        """Restore the newest checkpoint that loads; else call ``init_fn``. Returns the path.
+
+        A checkpoint that is damaged or gone is skipped (logged, and listed in
+        ``self.skipped`` as ``(path, reason)``) in favour of the next older one.
+        """
+        self.skipped = []
+        for path in reversed(self.checkpoints):
+            try:
+                self.restore_status = self._checkpoint.restore(path)
+            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+                logger.warning("Skipping checkpoint %s: %s", path, exc)
+                self.skipped.append((path, str(exc)))
+                continue
+            return path
+        if self._init_fn is not None:
+            self._init_fn()
+        return None
+
+    def __repr__(self) -> str:
+        return f"<cv.CheckpointManager {os.fspath(self.directory)!r} name={self.checkpoint_name!r}>"

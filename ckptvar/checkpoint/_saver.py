@@ -1,0 +1,112 @@
+"""``cv.Saver``: name-based (TF1-style) checkpoints keyed by variable names.
+
+Owns the mapping from ``var_list`` (``None``: the global variables at save time; a
+list: keyed by each variable's name; a dict: by its keys), ``prefix-<step>.h5``
+naming and ``max_to_keep`` for the files this saver wrote.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..graph import global_variables
+from ..storage import backend_for
+from ..storage._atomic import remove_path
+from ..variables import Variable
+from ._checkpoint import split_format, write_file
+from ._restore import apply_values, missing_keys_error
+from ._serialize import SavePlan, host_arrays, metadata
+
+__all__ = ["Saver"]
+
+
+class Saver:
+    """Saves and restores variables by name.
+
+    Args:
+        var_list: ``None`` (the global variables, looked up at each save/restore), a
+            list of variables (keyed by their names) or a ``{key: Variable}`` dict.
+        max_to_keep: how many of the newest files this saver wrote to keep; ``None``
+            or ``0`` keeps all.
+    """
+
+    def __init__(
+        self,
+        var_list: Sequence[Variable] | Mapping[str, Variable] | None = None,
+        max_to_keep: int | None = 5,
+    ) -> None:
+        if max_to_keep is not None and max_to_keep < 0:
+            raise ValueError(f"max_to_keep must be None or >= 0, got {max_to_keep}.")
+        self._var_list = var_list
+        if var_list is not None:
+            self._mapping()  # validate now
+        self.max_to_keep = max_to_keep
+        self._last: list[str] = []
+
+    @property
+    def last_checkpoints(self) -> list[str]:
+        """Files this saver wrote that it still keeps, oldest first."""
+        return list(self._last)
+
+    def _mapping(self) -> dict[str, Variable]:
+        var_list = self._var_list
+        if var_list is None:
+            var_list = global_variables()
+        if isinstance(var_list, Mapping):
+            items = list(var_list.items())
+        else:
+            items = [(getattr(v, "name", None), v) for v in var_list]
+        out: dict[str, Variable] = {}
+        for key, var in items:
+            if not isinstance(var, Variable):
+                raise TypeError(f"Saver var_list entry {key!r} is not a Variable: {var!r}.")
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"Saver keys must be non-empty strings, got {key!r}.")
+            if key in out and out[key] is not var:
+                raise ValueError(f"Two different variables would be saved under {key!r}.")
+            out[key] = var
+        return out
+
+    def save(
+        self,
+        prefix: str | os.PathLike[str],
+        global_step: int | Variable | None = None,
+        *,
+        format: str | None = None,
+    ) -> str:
+        """Write ``prefix-<global_step>.h5`` (or ``prefix.h5`` without a step); returns it."""
+        base, fmt, suffix = split_format(prefix, format)
+        if global_step is not None:
+            step = int(global_step.numpy() if isinstance(global_step, Variable) else global_step)
+            base = f"{base}-{step}"
+        mapping = self._mapping()
+        if not mapping:
+            raise ValueError("Saver has no variables to save.")
+        plan = SavePlan(variables=mapping)
+        path = write_file(base + suffix, fmt, host_arrays(plan, copy=False), metadata(
+            plan, save_counter=None
+        ) | {"saver": {"version": 1}})
+        if path in self._last:
+            self._last.remove(path)
+        self._last.append(path)
+        if self.max_to_keep:
+            while len(self._last) > self.max_to_keep:
+                remove_path(Path(self._last.pop(0)))
+        return path
+
+    def restore(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
+        """Restore every variable by its key; a missing key raises ``KeyError`` (nothing changed)."""
+        mapping = self._mapping()
+        with backend_for(path).open_reader(Path(path)) as reader:
+            keys = set(reader.keys())
+            missing = [k for k in mapping if k not in keys]
+            if missing:
+                raise missing_keys_error(missing, path)
+            infos = {k: reader.info(k) for k in mapping}
+            apply_values(reader, list(mapping.items()), infos, verify=verify)
+
+    def __repr__(self) -> str:
+        return f"<cv.Saver max_to_keep={self.max_to_keep}>"

@@ -1,0 +1,146 @@
+"""From objects to what a checkpoint file holds: keys, host arrays, attributes, metadata.
+
+No I/O here. :func:`gather` walks an object graph into a :class:`SavePlan`;
+:func:`host_arrays` turns it into ``(key, array, attrs)`` triples — views of the
+variables' own buffers for a blocking save (no copy), or a consistent snapshot
+(one copy each) for a background save; :func:`metadata` builds the msgpack-able
+record stored beside the arrays (object graph aliases, Python state, save counter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from ..errors import CorruptCheckpointError
+from ..trackable import Trackable
+from ..variables import Variable
+from ._walk import walk
+
+__all__ = [
+    "GRAPH_VERSION",
+    "SavePlan",
+    "decode_state",
+    "encode_state",
+    "gather",
+    "host_arrays",
+    "metadata",
+    "read_graph",
+]
+
+#: Version of the object-graph record this module writes under ``metadata["object_graph"]``.
+GRAPH_VERSION = 1
+
+
+@dataclass
+class SavePlan:
+    """What one save writes: variables by key, their aliases, and Python states."""
+
+    variables: dict[str, Variable] = field(default_factory=dict)
+    aliases: dict[str, list[str]] = field(default_factory=dict)
+    python_state: dict[str, bytes] = field(default_factory=dict)
+
+
+def encode_state(state: Any, key: str) -> bytes:
+    """msgpack-encode a trackable's Python state; ``TypeError`` naming ``key`` if it can't."""
+    try:
+        return msgpack.packb(state, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise TypeError(
+            f"The Python state of {key!r} cannot be stored with msgpack ({exc}); "
+            "use None, bool, int (64-bit), float, str, bytes, lists and dicts."
+        ) from exc
+
+
+def decode_state(blob: Any, key: str, path: Any) -> Any:
+    """Inverse of :func:`encode_state`; damage raises ``CorruptCheckpointError``."""
+    if not isinstance(blob, bytes | bytearray):
+        raise CorruptCheckpointError(
+            f"Python state of {key!r} in {str(path)!r} is not msgpack bytes "
+            f"(found {type(blob).__name__})."
+        )
+    try:
+        return msgpack.unpackb(
+            blob, raw=False, strict_map_key=False, max_buffer_size=len(blob) or 1
+        )
+    except Exception as exc:
+        raise CorruptCheckpointError(
+            f"Python state of {key!r} in {str(path)!r} is damaged: {exc}."
+        ) from exc
+
+
+def gather(root: Any) -> SavePlan:
+    """Walk ``root`` and collect every variable (once) and every Python state."""
+    plan = SavePlan()
+    first_key: dict[int, str] = {}
+    for node in walk(root):
+        obj = node.obj
+        if isinstance(obj, Variable):
+            if node.first:
+                first_key[id(obj)] = node.key
+                plan.variables[node.key] = obj
+            else:
+                plan.aliases.setdefault(first_key[id(obj)], []).append(node.key)
+        elif isinstance(obj, Trackable) and node.first and node.parent is not None:
+            state = obj._python_state()
+            if state is not None:
+                plan.python_state[node.key] = encode_state(state, node.key)
+    return plan
+
+
+def _host(var: Variable, copy: bool) -> np.ndarray:
+    value = var.value()
+    if isinstance(value, np.ndarray):
+        return np.array(value, copy=True, order="C") if copy else np.asarray(value, order="C")
+    return np.asarray(var.numpy(), order="C")  # a device array: numpy() is a host copy
+
+
+def host_arrays(plan: SavePlan, *, copy: bool) -> list[tuple[str, np.ndarray, dict[str, Any]]]:
+    """``(key, host array, attrs)`` for each variable; ``copy=True`` takes a snapshot."""
+    out = []
+    for key, var in plan.variables.items():
+        attrs = {"name": var.name, "trainable": bool(var.trainable)}
+        out.append((key, _host(var, copy), attrs))
+    return out
+
+
+def metadata(plan: SavePlan, *, save_counter: int | None, user: Any = None) -> dict[str, Any]:
+    """The msgpack-able record stored with the arrays."""
+    meta: dict[str, Any] = {
+        "object_graph": {
+            "version": GRAPH_VERSION,
+            "aliases": {k: list(v) for k, v in plan.aliases.items()},
+            "python_state": dict(plan.python_state),
+        }
+    }
+    if save_counter is not None:
+        meta["save_counter"] = int(save_counter)
+    if user is not None:
+        meta["user"] = user
+    return meta
+
+
+def read_graph(meta: Any, path: Any) -> tuple[dict[str, str], dict[str, Any]]:
+    """``(alias -> key, key -> encoded state)`` from a file's metadata (empty if absent)."""
+    graph = meta.get("object_graph") if isinstance(meta, dict) else None
+    if graph is None:
+        return {}, {}
+    if not isinstance(graph, dict) or not isinstance(graph.get("aliases", {}), dict):
+        raise CorruptCheckpointError(f"The object graph record of {str(path)!r} is malformed.")
+    version = graph.get("version", GRAPH_VERSION)
+    if not isinstance(version, int) or version > GRAPH_VERSION:
+        raise CorruptCheckpointError(
+            f"{str(path)!r} has object-graph version {version!r}; this ckptvar reads up to "
+            f"{GRAPH_VERSION}. Upgrade ckptvar to restore it."
+        )
+    alias_to_key: dict[str, str] = {}
+    for key, aliases in graph.get("aliases", {}).items():
+        for alias in aliases or ():
+            alias_to_key[str(alias)] = str(key)
+    states = graph.get("python_state", {}) or {}
+    if not isinstance(states, dict):
+        raise CorruptCheckpointError(f"The Python-state record of {str(path)!r} is malformed.")
+    return alias_to_key, dict(states)

@@ -1,0 +1,97 @@
+"""The object-graph walk: from a root, every variable and trackable with its key.
+
+Breadth first, children in their tracked order, so the walk is deterministic and
+a value reachable by several paths is first met by its shortest one. Each
+trackable and container is expanded once (cycles are fine); a variable met again
+by another path is recorded as an alias of its first key (shared variables are
+stored once and restored into every path).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..trackable import Trackable
+from ..variables import Variable
+from ._keys import escape_segment
+
+__all__ = ["Node", "child_items", "walk"]
+
+
+@dataclass(frozen=True)
+class Node:
+    """One object met by the walk.
+
+    ``key`` is its (escaped) path; ``parent`` the trackable or container holding it
+    under the raw name ``name`` (``None`` for the root); ``first`` is False for a
+    variable or trackable already met by an earlier path.
+    """
+
+    key: str
+    obj: Any
+    parent: Any
+    name: str | None
+    first: bool = True
+
+
+def _join(prefix: str, name: str) -> str:
+    seg = escape_segment(name)
+    return f"{prefix}/{seg}" if prefix else seg
+
+
+def child_items(obj: Any, key: str = "") -> Iterator[tuple[str, Any]]:
+    """The ``(raw name, child)`` pairs of a trackable, list, tuple or dict, in order."""
+    if isinstance(obj, Trackable):
+        children = obj._trackable_children()
+        if not isinstance(children, dict):
+            raise TypeError(
+                f"{type(obj).__name__}._trackable_children() must return a dict, "
+                f"got {type(children).__name__} (at {key or '<root>'!r})."
+            )
+        yield from children.items()
+    elif isinstance(obj, list | tuple):
+        for i, child in enumerate(obj):
+            yield str(i), child
+    elif isinstance(obj, dict):
+        for name, child in obj.items():
+            if isinstance(name, bool) or not isinstance(name, str | int):
+                if _is_node(child):
+                    raise TypeError(
+                        f"Cannot checkpoint the dict entry {name!r} under {key or '<root>'!r}: "
+                        "only str and int dict keys can name a checkpoint value."
+                    )
+                continue
+            yield str(name), child
+
+
+def _is_node(value: Any) -> bool:
+    return isinstance(value, Variable | Trackable | list | tuple | dict)
+
+
+def walk(root: Any, root_key: str = "") -> list[Node]:
+    """Every variable, trackable and container reachable from ``root`` (root first)."""
+    nodes: list[Node] = [Node(root_key, root, None, None)]
+    seen: set[int] = {id(root)}
+    queue: deque[tuple[str, Any]] = deque([(root_key, root)])
+    while queue:
+        key, obj = queue.popleft()
+        for name, child in child_items(obj, key):
+            if not _is_node(child):
+                continue
+            child_key = _join(key, name)
+            first = id(child) not in seen
+            if isinstance(child, Variable):
+                seen.add(id(child))
+                nodes.append(Node(child_key, child, obj, name, first))
+                continue
+            if not first:
+                if isinstance(child, Trackable):
+                    nodes.append(Node(child_key, child, obj, name, False))
+                continue
+            seen.add(id(child))
+            nodes.append(Node(child_key, child, obj, name))
+            queue.append((child_key, child))
+    return nodes
