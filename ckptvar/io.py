@@ -1,0 +1,133 @@
+"""Loading and inspection: the public functions over every registered format.
+
+``list_variables``, ``load_variable``, ``load`` and ``open`` read ckptvar's own
+``.h5``/``.zarr`` checkpoints and, read-only, the foreign formats (API.md §7);
+``save`` writes a plain ckptvar checkpoint from a dict of arrays.
+
+>>> import numpy as np, ckptvar as cv
+>>> _ = cv.save("demo.h5", {"w": np.arange(3, dtype=np.float32)})
+>>> cv.list_variables("demo.h5")
+[('w', (3,), dtype('float32'))]
+>>> cv.load("demo.h5")["w"]
+array([0., 1., 2.], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import DeviceError
+from .storage import backend_for
+from .storage.base import Reader
+
+__all__ = ["list_variables", "load", "load_variable", "open", "save"]
+
+PathLike = str | os.PathLike[str]
+
+
+def open(path: PathLike, *, format: str | None = None) -> Reader:  # noqa: A001 - public name
+    """A read-only mapping from key to a lazy array; use it as a context manager.
+
+    ``reader[key]`` costs no I/O; ``reader[key][0:10]`` reads only those rows;
+    ``reader.read(key, out=buf)`` reads a whole value into ``buf``, verified.
+    """
+    p = Path(path)
+    return backend_for(p, format).open_reader(p)
+
+
+def list_variables(path: PathLike) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+    """``[(key, shape, dtype), ...]`` of every value stored at ``path``, in file order."""
+    with open(path) as reader:
+        out = []
+        for key in reader.keys():
+            info = reader.info(key)
+            out.append((key, tuple(info.shape), info.dtype))
+        return out
+
+
+def load_variable(path: PathLike, key: str, *, verify: bool = True) -> np.ndarray:
+    """One stored value as a NumPy array (checksum verified unless ``verify=False``)."""
+    with open(path) as reader:
+        return reader.read(key, verify=verify)
+
+
+def load(
+    path: PathLike,
+    *,
+    device: Any = None,
+    keys: Iterable[str] | None = None,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Every value (or only ``keys``) as ``{key: array}``.
+
+    ``device=None`` gives NumPy arrays; ``device="GPU:0"`` (or ``"cuda:0"``) gives CuPy
+    arrays on that GPU, each value copied to the device as soon as it is read and
+    verified, so host memory holds about one value at a time.
+    """
+    dev = None
+    if device is not None:
+        from .device import resolve
+
+        dev = resolve(device)
+        if not dev.is_gpu:
+            dev = None
+    with open(path) as reader:
+        wanted = list(reader.keys()) if keys is None else list(keys)
+        if dev is None:
+            return dict(reader.read_many(wanted, verify=verify))
+        return _load_to_gpu(reader, wanted, dev, verify)
+
+
+def _load_to_gpu(reader: Reader, keys: list[str], dev: Any, verify: bool) -> dict[str, Any]:
+    from .device import supports_dtype, xp_for
+
+    cp = xp_for(dev)
+    out: dict[str, Any] = {}
+    with cp.cuda.Device(dev.index):
+        stream = cp.cuda.Stream(non_blocking=True)
+        for key, host in reader.read_many(keys, verify=verify):
+            if not supports_dtype(dev, host.dtype):
+                raise DeviceError(
+                    f"Cannot load {key!r} ({host.dtype}) onto {dev}: CuPy has no such dtype; "
+                    "load it with device=None (NumPy) instead."
+                )
+            arr = cp.empty(host.shape, host.dtype)
+            arr.set(host, stream=stream)  # async copy; the host buffer lives until sync
+            out[key] = (arr, host)
+        stream.synchronize()
+    return {k: v[0] for k, v in out.items()}
+
+
+def save(
+    path: PathLike,
+    arrays: Mapping[str, Any],
+    *,
+    format: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    attrs: Mapping[str, Mapping[str, Any]] | None = None,
+    **options: Any,
+) -> Path:
+    """Write ``{key: array}`` as a ckptvar checkpoint at ``path`` (atomically); returns the path.
+
+    Each key is also the value's stored ``name`` unless ``attrs[key]`` says otherwise.
+    ``options`` go to the format's writer (``durable``, ``pack_threshold``,
+    ``compression`` for Zarr; see docs/FORMAT.md).
+    """
+    p = Path(path)
+    writer = backend_for(p, format, mode="w").open_writer(p, **options)
+    try:
+        for key, value in arrays.items():
+            extra = dict(attrs.get(key, {})) if attrs else {}
+            extra.setdefault("name", key)
+            writer.add(key, value, extra)
+        if metadata is not None:
+            writer.set_metadata(metadata)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.commit()

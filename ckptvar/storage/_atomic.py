@@ -1,0 +1,158 @@
+"""Atomic publication of a checkpoint file or directory.
+
+Every write goes to a temporary sibling named ``.<final name>.<32 hex>.partial``;
+files are fsynced, then the temporary is renamed onto the final name and the
+parent directory is fsynced. A directory that already exists is swapped
+atomically (Linux ``renameat2(RENAME_EXCHANGE)``; elsewhere it is renamed aside
+first) and the old one deleted after the new one is in place. Any exception
+deletes the temporary and leaves the final path untouched.
+
+>>> is_partial(".ckpt-3.h5.0123456789abcdef0123456789abcdef.partial")
+True
+>>> is_partial("ckpt-3.h5")
+False
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = [
+    "fsync_dir",
+    "fsync_path",
+    "is_partial",
+    "partial_path",
+    "publish",
+    "remove_path",
+    "temporary_sibling",
+]
+
+_PARTIAL_RE = re.compile(r"^\..+\.[0-9a-f]{32}\.partial$", re.DOTALL)
+
+
+def partial_path(final: Path) -> Path:
+    """A fresh temporary sibling of ``final`` (not created)."""
+    return final.with_name(f".{final.name}.{uuid.uuid4().hex}.partial")
+
+
+def is_partial(name: str | os.PathLike[str]) -> bool:
+    """True when ``name`` (a file or directory name) is a ckptvar temporary."""
+    return bool(_PARTIAL_RE.match(os.path.basename(os.fspath(name))))
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so renames and new entries in it are durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # some file systems cannot fsync directories
+        if exc.errno not in (22, 95):  # EINVAL, EOPNOTSUPP
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_path(path: Path) -> None:
+    """fsync one regular file by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_path(path: Path) -> None:
+    """Delete a file or directory tree if it exists (never follows a symlink)."""
+    with contextlib.suppress(FileNotFoundError):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink()
+
+
+@contextlib.contextmanager
+def temporary_sibling(final: Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``final``; delete it if the block raises.
+
+    The caller creates the file or directory there and calls :func:`publish`.
+    """
+    tmp = partial_path(final)
+    try:
+        yield tmp
+    except BaseException:
+        remove_path(tmp)
+        raise
+
+
+_libc = None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (Linux); False when not supported."""
+    global _libc
+    if not hasattr(os, "uname") or os.uname().sysname != "Linux":
+        return False
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    rc = fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    if rc != 0:
+        err = ctypes.get_errno()
+        if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: not supported here
+            return False
+        raise OSError(err, os.strerror(err), str(a), None, str(b))
+    return True
+
+
+def publish(tmp: Path, final: Path, *, durable: bool = True) -> Path:
+    """Move the complete ``tmp`` onto ``final`` atomically and make it durable.
+
+    Files inside ``tmp`` must already be fsynced (when ``durable``). On failure
+    ``tmp`` is deleted and ``final`` is unchanged.
+    """
+    parent = final.parent
+    try:
+        if durable and tmp.is_dir():
+            fsync_dir(tmp)
+        if final.is_dir() and not final.is_symlink():
+            if not _exchange(tmp, final):
+                aside = partial_path(final)
+                os.rename(final, aside)
+                try:
+                    os.rename(tmp, final)
+                except BaseException:
+                    os.rename(aside, final)
+                    raise
+                tmp = aside
+            # tmp now holds the previous checkpoint
+            if durable:
+                fsync_dir(parent)
+            remove_path(tmp)
+        else:
+            if tmp.is_dir() and final.exists():  # a file replaced by a directory
+                aside = partial_path(final)
+                os.rename(final, aside)
+                os.rename(tmp, final)
+                tmp = aside
+                if durable:
+                    fsync_dir(parent)
+                remove_path(tmp)
+            else:
+                os.replace(tmp, final)
+        if durable:
+            fsync_dir(parent)
+    except BaseException:
+        remove_path(tmp)
+        raise
+    return final

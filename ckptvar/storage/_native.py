@@ -1,0 +1,601 @@
+"""The parts the two native backends (HDF5, Zarr v3) share: writer plan, reader, lazy arrays.
+
+A :class:`NativeWriter` normalises each value to its little-endian C-order byte
+image (a copy only for big-endian or non-contiguous input), decides which values
+are packed into ``_ckptvar/packed`` and which get their own array, hashes on the
+checksum thread while the backend writes, and publishes atomically. A
+:class:`NativeReader` answers everything from the root record and reads bytes
+with ``preadv`` straight into the destination, verifying checksums on the
+checksum thread as it goes.
+"""
+
+from __future__ import annotations
+
+import abc
+import difflib
+import mmap
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._dtypes import SUPPORTED_DTYPES, as_dtype, dtype_to_str
+from ..errors import CorruptCheckpointError, MissingKeyError
+from . import _checksum, _rawio
+from ._atomic import publish, temporary_sibling
+from ._paths import RESERVED_PREFIX, container_paths
+from ._record import Entry, Record, check_plain
+from .base import ArrayInfo, LazyArray, Reader, Writer
+
+__all__ = ["ALIGN", "DEFAULT_PACK_THRESHOLD", "NativeReader", "NativeWriter", "WriteItem"]
+
+#: Values smaller than this many bytes are packed together into ``_ckptvar/packed``.
+DEFAULT_PACK_THRESHOLD = 64 << 10
+#: Alignment of each packed value inside the packed blob.
+ALIGN = 64
+#: Values up to this size are read whole (and verified) even when only sliced.
+_SLICE_WHOLE_BELOW = 1 << 20
+_ZEROS = memoryview(bytes(ALIGN))
+
+PACKED_PATH = f"{RESERVED_PREFIX}/packed"
+
+
+@dataclass(slots=True)
+class WriteItem:
+    """One value on its way to disk."""
+
+    key: str
+    array: np.ndarray  # C-contiguous little-endian byte image holder
+    dtype: str
+    shape: tuple[int, ...]
+    attrs: dict[str, Any]
+    nbytes: int
+    packed: bool = False
+    checksum: int = 0
+    path: str = ""  # container path, for values stored as their own array
+    offset: int = 0  # offset in the packed blob, or the backend's byte offset
+
+    @property
+    def view(self) -> memoryview:
+        return _rawio.byte_view(self.array)
+
+    def hash(self) -> None:
+        self.checksum = _checksum.value_checksum(self.key, self.dtype, self.shape, self.view)
+
+
+def _hash_all(items: list[WriteItem]) -> None:
+    for it in items:
+        it.hash()
+
+
+def _prepare(key: Any, array: Any) -> tuple[np.ndarray, str]:
+    arr = np.asarray(array)
+    dt = as_dtype(arr.dtype)  # raises TypeError for unsupported dtypes
+    name = dtype_to_str(dt)
+    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and np.little_endian is False):
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return arr, name
+
+
+class NativeWriter(Writer):
+    """Collects values; the backend's :meth:`_write` lays them out in a temporary path."""
+
+    container: str = ""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        durable: bool = True,
+        pack_threshold: int = DEFAULT_PACK_THRESHOLD,
+    ) -> None:
+        self.path = Path(path)
+        self.durable = bool(durable)
+        if int(pack_threshold) < 0:
+            raise ValueError(f"pack_threshold must be >= 0, got {pack_threshold!r}.")
+        self.pack_threshold = int(pack_threshold)
+        self._items: dict[str, WriteItem] = {}
+        self._metadata: dict[str, Any] = {}
+        self._state = "open"
+
+    def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
+        self._check_open()
+        if not isinstance(key, str):
+            raise TypeError(f"Checkpoint keys are strings, got {type(key).__name__} {key!r}.")
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"Key {key!r} is not valid Unicode text.") from None
+        if key in self._items:
+            raise ValueError(f"Key {key!r} was already added to the checkpoint {str(self.path)!r}.")
+        arr, name = _prepare(key, array)
+        attrs = dict(attrs or {})
+        self._items[key] = WriteItem(key, arr, name, tuple(int(d) for d in arr.shape), attrs,
+                                     int(arr.nbytes))
+
+    def set_metadata(self, metadata: Mapping[str, Any]) -> None:
+        self._check_open()
+        self._metadata = dict(metadata)
+
+    def abort(self) -> None:
+        self._items.clear()
+        self._state = "aborted"
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise ValueError(f"The writer for {str(self.path)!r} is already {self._state}.")
+
+    def commit(self) -> Path:
+        self._check_open()
+        self._state = "committing"
+        try:
+            items = list(self._items.values())
+            for it in items:
+                it.packed = it.nbytes < self.pack_threshold
+            arrays = [it for it in items if not it.packed]
+            packed = [it for it in items if it.packed]
+            for it, p in zip(arrays, container_paths([it.key for it in arrays]), strict=True):
+                it.path = p
+            pos = 0
+            for it in packed:
+                it.offset = pos
+                pos += -(-it.nbytes // ALIGN) * ALIGN
+            packed_nbytes = pos
+            try:
+                check_plain(self._metadata, "the checkpoint metadata")
+            except ValueError as exc:
+                raise TypeError(f"Cannot store metadata in {str(self.path)!r}: {exc}.") from None
+            # Hash on the checksum thread while the backend writes (in the same order).
+            futures: list[Future[Any]] = [_rawio.submit(it.hash) for it in arrays]
+            if packed:
+                futures.append(_rawio.submit(_hash_all, packed))
+
+            def wait_hashes() -> None:
+                for f in futures:
+                    f.result()
+
+            with temporary_sibling(self.path) as tmp:
+                try:
+                    self._write(tmp, arrays, packed, packed_nbytes, wait_hashes)
+                finally:
+                    for f in futures:  # never leave hashing running on a dropped buffer
+                        f.exception()
+                publish(tmp, self.path, durable=self.durable)
+        except BaseException:
+            self._state = "failed"
+            raise
+        finally:
+            self._items.clear()
+        self._state = "committed"
+        return self.path
+
+    def _record(self, arrays: list[WriteItem], packed: list[WriteItem], packed_loc: Any) -> Record:
+        values: dict[str, Entry] = {}
+        for it in self._items.values():
+            if it.packed:
+                loc: tuple[Any, ...] = ("packed", it.offset, it.nbytes)
+            else:
+                loc = self._array_loc(it)
+            values[it.key] = Entry(it.dtype, it.shape, it.checksum, it.attrs, loc)
+        return Record(
+            container=self.container,
+            values=values,
+            metadata=self._metadata,
+            packed=packed_loc if packed else None,
+        )
+
+    def _array_loc(self, it: WriteItem) -> tuple[Any, ...]:
+        return ("array", it.path, it.offset)
+
+    @abc.abstractmethod
+    def _write(
+        self,
+        tmp: Path,
+        arrays: list[WriteItem],
+        packed: list[WriteItem],
+        packed_nbytes: int,
+        wait_hashes: Callable[[], None],
+    ) -> None:
+        """Write everything into ``tmp`` (fsynced when durable); the caller publishes it."""
+
+
+def packed_iovecs(packed: list[WriteItem]) -> list[memoryview]:
+    """The buffers that lay the packed values out back to back, each padded to ALIGN."""
+    bufs: list[memoryview] = []
+    for it in packed:
+        if it.nbytes:
+            bufs.append(it.view)
+        pad = -it.nbytes % ALIGN
+        if pad:
+            bufs.append(_ZEROS[:pad])
+    return bufs
+
+
+def scalar_attrs(it: WriteItem) -> dict[str, Any]:
+    """The per-array attributes stored on the container object itself."""
+    out: dict[str, Any] = {}
+    for k, v in it.attrs.items():
+        if isinstance(k, str) and (v is None or isinstance(v, bool | int | float | str)):
+            if isinstance(v, int) and not isinstance(v, bool) and not -(1 << 63) <= v < 1 << 63:
+                continue
+            if v is not None:
+                out[k] = v
+    out.update(
+        key=it.key,
+        dtype=it.dtype,
+        shape=list(it.shape),
+        checksum=it.checksum,
+    )
+    out.setdefault("name", it.key)
+    return out
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class NativeReader(Reader):
+    """A reader over a decoded record; backends say where each value's bytes are."""
+
+    def __init__(self, path: Path, record: Record) -> None:
+        self.path = Path(path)
+        self._record = record
+        self._values = record.values
+        self._closed = False
+        self._infos: dict[str, ArrayInfo] = {}
+
+    # -- backend hooks
+    @abc.abstractmethod
+    def _open_array(self, key: str, entry: Entry) -> tuple[int, int, bool]:
+        """``(fd, byte_offset, close_after)`` for an ``("array", ...)`` value."""
+
+    @abc.abstractmethod
+    def _packed_source(self) -> tuple[int, int]:
+        """``(fd, byte_offset_of_blob_start)``."""
+
+    def _read_other(self, key: str, entry: Entry) -> np.ndarray:
+        raise self._corrupt(key, f"has an unknown location {entry.loc!r}")
+
+    def _mmap_region(self, key: str, entry: Entry) -> tuple[Any, int, bool]:
+        """A buffer (mmap) holding the value's bytes, its start, and whether to close it."""
+        if entry.loc[0] == "packed":
+            fd, base = self._packed_source()
+            return self._map(fd), base + entry.loc[1], True
+        fd, off, owned = self._open_array(key, entry)
+        try:
+            return self._map(fd), off, True
+        finally:
+            if owned:
+                os.close(fd)
+
+    def _map(self, fd: int) -> Any:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return b""
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+
+    # -- Mapping
+    def keys(self) -> Any:
+        return self._values.keys()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def _entry(self, key: str) -> Entry:
+        try:
+            return self._values[key]
+        except (KeyError, TypeError):
+            pass
+        hint = ""
+        if isinstance(key, str) and len(self._values) < 100_000:
+            close = difflib.get_close_matches(key, list(self._values), n=3)
+            if close:
+                hint = f" Did you mean {', '.join(repr(c) for c in close)}?"
+        raise MissingKeyError(
+            f"Checkpoint {str(self.path)!r} has no value {key!r} "
+            f"({len(self._values)} values stored).{hint}"
+        )
+
+    def info(self, key: str) -> ArrayInfo:
+        info = self._infos.get(key)
+        if info is None:
+            e = self._entry(key)
+            info = ArrayInfo(key, e.np_dtype, e.shape, e.attrs, e.checksum)
+            self._infos[key] = info
+        return info
+
+    def __getitem__(self, key: str) -> LazyArray:
+        return NativeLazyArray(self, key, self.info(key))
+
+    def metadata(self) -> dict[str, Any]:
+        return self._record.metadata
+
+    @property
+    def format_version(self) -> tuple[int, int]:
+        return self._record.format_version
+
+    def close(self) -> None:
+        self._closed = True
+
+    def _check(self) -> None:
+        if self._closed:
+            raise ValueError(f"The reader of {str(self.path)!r} is closed.")
+
+    def _corrupt(self, key: str, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"Checkpoint {str(self.path)!r}: value {key!r} {what}.")
+
+    # -- whole-value reads
+    def _dest(self, key: str, e: Entry, out: np.ndarray | None) -> np.ndarray:
+        if out is None:
+            return np.empty(e.shape, e.np_dtype)
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"out= must be a NumPy array, got {type(out).__name__}.")
+        if out.shape != e.shape or out.dtype != e.np_dtype:
+            raise ValueError(
+                f"out= for {key!r} has shape {out.shape} and dtype {out.dtype}; the stored "
+                f"value has shape {e.shape} and dtype {e.dtype}."
+            )
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError(f"out= for {key!r} must be a writeable C-contiguous array.")
+        return out
+
+    def _start_read(
+        self, key: str, out: np.ndarray | None, verify: bool
+    ) -> tuple[np.ndarray, Callable[[], None]]:
+        """Read ``key`` into its destination; return it and a function that checks the CRC."""
+        self._check()
+        e = self._entry(key)
+        if e.loc[0] not in ("array", "packed"):
+            arr = self._read_other(key, e)
+            if out is not None:
+                dest = self._dest(key, e, out)
+                dest[...] = arr
+                arr = dest
+            return arr, _noop
+        arr = self._dest(key, e, out)
+        dst = _rawio.byte_view(arr)
+        n = e.nbytes
+        if e.loc[0] == "packed":
+            fd, base = self._packed_source()
+            off, owned = base + e.loc[1], False
+        else:
+            fd, off, owned = self._open_array(key, e)
+        try:
+            seed = _checksum.header_crc(key, e.dtype, e.shape) if verify else 0
+            if not verify or n <= _rawio.PIECE:
+                got = _rawio.pread_into(fd, dst, off) if n else 0
+                if got != n:
+                    raise self._corrupt(key, f"is truncated: {got} of {n} bytes present")
+                if not verify:
+                    return arr, _noop
+                if n >= _rawio.PIECE // 4:
+                    chain = _rawio.CrcChain(seed)
+                    chain.feed_async(dst)
+                    return arr, lambda: self._compare(key, e, chain.result())
+                return arr, lambda: self._compare(key, e, _checksum.crc(dst, seed))
+            chain = _rawio.CrcChain(seed)
+            for pos in range(0, n, _rawio.PIECE):
+                piece = dst[pos : pos + _rawio.PIECE]
+                got = _rawio.pread_into(fd, piece, off + pos)
+                if got != len(piece):
+                    chain.result()
+                    raise self._corrupt(key, f"is truncated: {pos + got} of {n} bytes present")
+                chain.feed_async(piece)
+            return arr, lambda: self._compare(key, e, chain.result())
+        finally:
+            if owned:
+                os.close(fd)
+
+    def _compare(self, key: str, e: Entry, computed: int) -> None:
+        if computed != e.checksum:
+            raise self._corrupt(
+                key,
+                f"fails its checksum (stored {e.checksum:#010x}, computed {computed:#010x}); "
+                "the checkpoint is damaged",
+            )
+
+    def read(self, key: str, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
+        arr, finish = self._start_read(key, out, verify)
+        finish()
+        return arr
+
+    def read_many(
+        self, keys: Iterable[str], *, verify: bool = True
+    ) -> Iterator[tuple[str, np.ndarray]]:
+        """Read values in order, pipelined: the next value is read while this one is hashed.
+
+        Packed values come from one read of the packed blob (when they make up most
+        of it) and are returned as aligned views into that buffer.
+        """
+        self._check()
+        keys = list(keys)
+        entries = [self._entry(k) for k in keys]
+        blob, blob_lo = self._read_packed_span(entries)
+        pending: tuple[str, np.ndarray, Callable[[], None]] | None = None
+        for key, e in zip(keys, entries, strict=True):
+            if blob is not None and e.loc[0] == "packed":
+                arr = self._from_blob(key, e, blob, blob_lo, verify)
+                if pending is not None:
+                    pending[2]()
+                    yield pending[0], pending[1]
+                    pending = None
+                yield key, arr
+                continue
+            arr, finish = self._start_read(key, None, verify)
+            if pending is not None:
+                pending[2]()
+                yield pending[0], pending[1]
+            pending = (key, arr, finish)
+        if pending is not None:
+            pending[2]()
+            yield pending[0], pending[1]
+
+    def _read_packed_span(self, entries: list[Entry]) -> tuple[np.ndarray | None, int]:
+        packed = [e for e in entries if e.loc[0] == "packed"]
+        if len(packed) < 2:
+            return None, 0
+        lo = min(e.loc[1] for e in packed)
+        hi = max(e.loc[1] + e.loc[2] for e in packed)
+        want = sum(e.loc[2] for e in packed)
+        if hi - lo > 2 * want + (1 << 20):
+            return None, 0
+        fd, base = self._packed_source()
+        blob = np.empty(hi - lo, np.uint8)
+        got = _rawio.pread_into(fd, memoryview(blob), base + lo)
+        if got != hi - lo:
+            raise CorruptCheckpointError(
+                f"Checkpoint {str(self.path)!r}: the packed values are truncated "
+                f"({got} of {hi - lo} bytes present)."
+            )
+        return blob, lo
+
+    def _from_blob(
+        self, key: str, e: Entry, blob: np.ndarray, lo: int, verify: bool
+    ) -> np.ndarray:
+        start = e.loc[1] - lo
+        raw = blob[start : start + e.loc[2]]
+        if verify:
+            self._compare(key, e, _checksum.value_checksum(key, e.dtype, e.shape, raw))
+        if e.loc[2] == 0:
+            return np.empty(e.shape, e.np_dtype)
+        return raw.view(e.np_dtype).reshape(e.shape)
+
+    # -- partial reads
+    def _read_elements(self, key: str, e: Entry, start: int, count: int) -> np.ndarray:
+        """Elements ``[start, start + count)`` of the flat value (no checksum)."""
+        self._check()
+        out = np.empty(count, e.np_dtype)
+        if count == 0:
+            return out
+        item = e.np_dtype.itemsize
+        if e.loc[0] == "packed":
+            fd, base = self._packed_source()
+            off, owned = base + e.loc[1], False
+        else:
+            fd, off, owned = self._open_array(key, e)
+        try:
+            want = count * item
+            got = _rawio.pread_into(fd, _rawio.byte_view(out), off + start * item)
+            if got != want:
+                raise self._corrupt(key, "is truncated")
+        finally:
+            if owned:
+                os.close(fd)
+        return out
+
+    # -- verification
+    def verify(self, key: str) -> None:
+        """Raise ``CorruptCheckpointError`` if ``key`` is damaged (hashes through mmap, no copy)."""
+        self._check()
+        e = self._entry(key)
+        if e.loc[0] not in ("array", "packed"):
+            self.read(key, verify=True)
+            return
+        seed = _checksum.header_crc(key, e.dtype, e.shape)
+        if e.nbytes == 0:
+            if e.loc[0] == "array":
+                fd, _, owned = self._open_array(key, e)
+                if owned:
+                    os.close(fd)
+            self._compare(key, e, seed)
+            return
+        buf, start, close = self._mmap_region(key, e)
+        try:
+            with memoryview(buf) as mv:
+                if start + e.nbytes > len(mv):
+                    raise self._corrupt(key, "is truncated")
+                with mv[start : start + e.nbytes] as region:
+                    computed = _checksum.crc(region, seed)
+            self._compare(key, e, computed)
+        finally:
+            if close and isinstance(buf, mmap.mmap):
+                buf.close()
+
+    def verify_all(self) -> list[tuple[str, str]]:
+        """Check every value; return ``[(key, reason), ...]`` for each damaged one (empty if none)."""
+        bad: list[tuple[str, str]] = []
+        for key in self._values:
+            try:
+                self.verify(key)
+            except CorruptCheckpointError as exc:
+                bad.append((key, str(exc)))
+            except OSError as exc:
+                bad.append((key, f"cannot be read: {exc}"))
+        return bad
+
+
+def _noop() -> None:
+    return None
+
+
+class NativeLazyArray(LazyArray):
+    """A stored value; slicing reads only the rows (byte range) the index covers."""
+
+    def __init__(self, reader: NativeReader, key: str, info: ArrayInfo) -> None:
+        self._reader = reader
+        self._key = key
+        self.info = info
+
+    def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
+        return self._reader.read(self._key, out=out, verify=verify)
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        e = self._reader._entry(self._key)
+        shape = e.shape
+        if e.nbytes <= _SLICE_WHOLE_BELOW or e.loc[0] not in ("array", "packed") or not shape:
+            return self.read()[index]
+        idx = index if isinstance(index, tuple) else (index,)
+        if any(i is None for i in idx) or not all(
+            isinstance(i, slice | int | np.integer) or i is Ellipsis for i in idx
+        ):
+            return self.read()[index]  # advanced indexing: read the whole value (verified)
+        if sum(i is Ellipsis for i in idx) > 1:
+            raise IndexError("an index can only have a single ellipsis ('...')")
+        if Ellipsis in idx:
+            at = idx.index(Ellipsis)
+            fill = len(shape) - (len(idx) - 1)
+            idx = idx[:at] + (slice(None),) * fill + idx[at + 1 :]
+        if len(idx) > len(shape):
+            raise IndexError(
+                f"too many indices for {self._key!r}: array is {len(shape)}-dimensional, "
+                f"but {len(idx)} were indexed"
+            )
+        strides = [1] * len(shape)
+        for ax in range(len(shape) - 2, -1, -1):
+            strides[ax] = strides[ax + 1] * shape[ax + 1]
+        base = 0
+        ax = 0
+        while ax < len(idx) and isinstance(idx[ax], int | np.integer):
+            i = int(idx[ax])
+            if not -shape[ax] <= i < shape[ax]:
+                raise IndexError(
+                    f"index {i} is out of bounds for axis {ax} with size {shape[ax]}"
+                )
+            base += (i % shape[ax]) * strides[ax]
+            ax += 1
+        rest = idx[ax:]
+        if ax == len(shape):
+            return self._reader._read_elements(self._key, e, base, 1).reshape(())[()]
+        sub_shape = shape[ax:]
+        if rest and isinstance(rest[0], slice):
+            rng = range(*rest[0].indices(shape[ax]))
+            if len(rng) == 0:
+                return np.empty((0, *shape[ax + 1 :]), e.np_dtype)[rest[1:]]
+            lo, hi = min(rng[0], rng[-1]), max(rng[0], rng[-1]) + 1
+            block = self._reader._read_elements(self._key, e, base + lo * strides[ax],
+                                                (hi - lo) * strides[ax])
+            block = block.reshape((hi - lo, *shape[ax + 1 :]))
+            stop = rng[-1] - lo + (1 if rng.step > 0 else -1)
+            first = slice(rng[0] - lo, stop if stop >= 0 else None, rng.step)
+            return block[(first, *rest[1:])]
+        n = strides[ax - 1] if ax else e.size
+        block = self._reader._read_elements(self._key, e, base, n).reshape(sub_shape)
+        return block[rest] if rest else block
