@@ -63,5 +63,6 @@ from .module import Module
 from .trackable import Trackable
 
 # --- loading and inspection ---------------------------------------------------
+from .io import list_variables, load, load_variable, open, save
 
 __all__ = sorted(name for name in dir() if not name.startswith("_") and name != "annotations")
