@@ -1,0 +1,323 @@
+"""Shared pieces of the foreign-format readers: bounded reads, lazy arrays, a mapping reader.
+
+Owns: :class:`Entry` (where one value's bytes are), :class:`FileArray` (a lazy
+array over a contiguous byte range of a file, reading only the rows a slice
+needs), :class:`EntryReader` (a ``Reader`` over a dict of lazy arrays with key
+aliases), index normalisation and the size limits every parser applies before
+allocating anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...errors import CorruptCheckpointError, MissingKeyError
+from ..base import ArrayInfo, LazyArray, Reader
+
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "EntryReader",
+    "FileArray",
+    "check_shape",
+    "native",
+    "pread_exact",
+    "row_span",
+]
+
+#: Largest metadata block (JSON header, pickle, index) a reader accepts before parsing.
+MAX_HEADER_BYTES = 256 * 1024 * 1024
+
+
+def check_shape(shape: Any, *, what: str, path: Path | str) -> tuple[int, ...]:
+    """Validate a declared shape: a sequence of non-negative ints whose product fits int64."""
+    if not isinstance(shape, list | tuple):
+        raise CorruptCheckpointError(f"{what} in {str(path)!r}: shape {shape!r} is not a list.")
+    dims: list[int] = []
+    total = 1
+    for d in shape:
+        if isinstance(d, bool) or not isinstance(d, int | np.integer) or d < 0:
+            raise CorruptCheckpointError(
+                f"{what} in {str(path)!r}: shape {list(shape)!r} has a dimension that is not "
+                "a non-negative integer."
+            )
+        total *= int(d)
+        if total >= 2**62:
+            raise CorruptCheckpointError(
+                f"{what} in {str(path)!r}: shape {list(shape)!r} declares too many elements."
+            )
+        dims.append(int(d))
+    if len(dims) > 64:
+        raise CorruptCheckpointError(f"{what} in {str(path)!r}: {len(dims)} dimensions (max 64).")
+    return tuple(dims)
+
+
+def native(dtype: np.dtype) -> np.dtype:
+    """``dtype`` in native byte order (ml_dtypes types have no byte order)."""
+    return dtype.newbyteorder("=") if dtype.byteorder not in ("=", "|") else dtype
+
+
+def pread_exact(fd: int, offset: int, size: int, *, what: str, path: Path | str) -> bytes:
+    """Read exactly ``size`` bytes at ``offset``; a short read is a truncated file."""
+    chunks = []
+    got = 0
+    while got < size:
+        chunk = os.pread(fd, min(size - got, 1 << 26), offset + got)
+        if not chunk:
+            raise CorruptCheckpointError(
+                f"{what} in {str(path)!r} is truncated: wanted {size} bytes at offset {offset}, "
+                f"the file ended after {got}."
+            )
+        chunks.append(chunk)
+        got += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def preadinto_exact(fd: int, buf: memoryview, offset: int, *, what: str, path: Path | str) -> None:
+    """Fill ``buf`` from the file at ``offset`` without an intermediate copy."""
+    got = 0
+    n = len(buf)
+    while got < n:
+        k = os.preadv(fd, [buf[got : min(n, got + (1 << 28))]], offset + got)
+        if k <= 0:
+            raise CorruptCheckpointError(
+                f"{what} in {str(path)!r} is truncated: wanted {n} bytes at offset {offset}, "
+                f"the file ended after {got}."
+            )
+        got += k
+
+
+def normalize_index(index: Any, shape: tuple[int, ...]) -> tuple[Any, ...]:
+    """``index`` as a tuple with ``...`` expanded (basic indexing) or unchanged (advanced)."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    if any(i is Ellipsis for i in index):
+        pos = next(k for k, i in enumerate(index) if i is Ellipsis)
+        used = sum(1 for i in index if i is not None and i is not Ellipsis)
+        fill = (slice(None),) * max(0, len(shape) - used)
+        index = index[:pos] + fill + index[pos + 1 :]
+    return index
+
+
+def row_span(index: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[int, int, tuple[Any, ...]]:
+    """The leading-axis element range ``[start, stop)`` that ``index`` touches.
+
+    Returns ``(start, stop, rest)``: reading rows ``start:stop`` of axis 0 and
+    applying ``rest`` to them gives ``full[index]``. Non-basic indices read everything.
+    """
+    n = shape[0] if shape else 0
+    if not shape or not index:
+        return 0, n, index
+    first = index[0]
+    if isinstance(first, int | np.integer) and not isinstance(first, bool):
+        i = int(first)
+        if i < -n or i >= n:
+            raise IndexError(f"index {i} is out of bounds for axis 0 with size {n}")
+        i %= n if n else 1
+        return i, i + 1, (0, *index[1:])
+    if isinstance(first, slice):
+        start, stop, step = first.indices(n)
+        if step > 0:
+            stop = max(start, stop)
+            if stop > start:
+                stop = start + ((stop - start - 1) // step) * step + 1
+            return start, stop, (slice(0, stop - start, step), *index[1:])
+    return 0, n, index
+
+
+class FileArray(LazyArray):
+    """A C-order (or Fortran-order) array stored as raw bytes at ``offset`` in a file.
+
+    ``fetch(offset, size)`` returns the bytes (a file read, or a decompressing
+    stream); ``readinto(buf, offset)`` fills a buffer in place when the source allows.
+    ``check(raw_bytes)`` verifies a whole value (a CRC), if the format carries one.
+    """
+
+    def __init__(
+        self,
+        info: ArrayInfo,
+        *,
+        stored_dtype: np.dtype,
+        offset: int,
+        fetch: Callable[[int, int], bytes],
+        readinto: Callable[[memoryview, int], None] | None = None,
+        check: Callable[[bytes | memoryview], None] | None = None,
+        fortran: bool = False,
+    ) -> None:
+        self.info = info
+        self._stored = stored_dtype
+        self._offset = offset
+        self._fetch = fetch
+        self._readinto = readinto
+        self._check = check
+        self._fortran = fortran
+
+    def _decode(self, data: bytes | bytearray | memoryview, shape: tuple[int, ...]) -> np.ndarray:
+        arr = np.frombuffer(data, dtype=self._stored)
+        arr = arr.reshape(shape, order="F" if self._fortran else "C")
+        if self._stored.byteorder not in ("=", "|"):
+            arr = arr.astype(native(self._stored))
+        if native(self._stored) != self.info.dtype:
+            arr = arr.view(self.info.dtype)
+        return arr
+
+    def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
+        shape = self.info.shape
+        nbytes = self.info.size * self._stored.itemsize
+        if out is not None and (out.shape != shape or out.dtype != self.info.dtype):
+            raise ValueError(
+                f"out for {self.info.key!r} must have shape {shape} and dtype "
+                f"{self.info.dtype}; got {out.shape} {out.dtype}."
+            )
+        direct = (
+            out is not None
+            and self._readinto is not None
+            and not self._fortran
+            and out.flags.c_contiguous
+            and out.flags.writeable
+            and self._stored.byteorder in ("=", "|")
+        )
+        if direct:
+            assert out is not None and self._readinto is not None
+            buf = memoryview(out.reshape(-1).view(np.uint8)) if nbytes else memoryview(b"")
+            if nbytes:
+                self._readinto(buf, self._offset)
+            if verify and self._check is not None:
+                self._check(buf)
+            return out
+        if self._readinto is not None and nbytes:
+            raw = bytearray(nbytes)
+            self._readinto(memoryview(raw), self._offset)
+        else:
+            raw = self._fetch(self._offset, nbytes) if nbytes else b""
+        if verify and self._check is not None:
+            self._check(raw)
+        arr = self._decode(raw, shape)
+        if out is not None:
+            out[...] = arr
+            return out
+        if not arr.flags.writeable:
+            arr = arr.copy()
+        return arr
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        shape = self.info.shape
+        index = normalize_index(index, shape)
+        if self._fortran or not shape:
+            return self.read()[index]
+        start, stop, rest = row_span(index, shape)
+        row_bytes = self._stored.itemsize
+        for d in shape[1:]:
+            row_bytes *= d
+        count = stop - start
+        raw = self._fetch(self._offset + start * row_bytes, count * row_bytes) if count else b""
+        block = self._decode(raw, (count, *shape[1:]))
+        result = block[rest]
+        return np.array(result, copy=True) if isinstance(result, np.ndarray) else result
+
+
+class EntryReader(Reader):
+    """A ``Reader`` over an ordered dict of lazy arrays, with alternative key spellings."""
+
+    def __init__(
+        self,
+        path: Path,
+        format: str,
+        arrays: Mapping[str, LazyArray],
+        *,
+        aliases: Mapping[str, str] | None = None,
+        skipped: Mapping[str, str] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        self.path = path
+        self.format = format
+        self._arrays = dict(arrays)
+        self._aliases = dict(aliases or {})
+        #: Keys present in the file but not readable as arrays, with the reason.
+        self.skipped: dict[str, str] = dict(skipped or {})
+        self._metadata = dict(metadata or {})
+        self._on_close = on_close
+
+    def _resolve(self, key: str) -> str:
+        if key in self._arrays:
+            return key
+        if isinstance(key, str) and key in self._aliases:
+            return self._aliases[key]
+        if key in self.skipped:
+            from ...errors import UnsupportedFormatError
+
+            raise UnsupportedFormatError(
+                f"{key!r} in {str(self.path)!r} cannot be read: {self.skipped[key]}"
+            )
+        raise MissingKeyError(
+            f"No key {key!r} in the {self.format} checkpoint {str(self.path)!r} "
+            f"({len(self._arrays)} keys{_sample(self._arrays)})."
+        )
+
+    def keys(self) -> Any:
+        return self._arrays.keys()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._arrays or key in self._aliases
+
+    def info(self, key: str) -> ArrayInfo:
+        return self._arrays[self._resolve(key)].info
+
+    def __getitem__(self, key: str) -> LazyArray:
+        return self._arrays[self._resolve(key)]
+
+    def metadata(self) -> dict[str, Any]:
+        return dict(self._metadata)
+
+    def close(self) -> None:
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.format} {str(self.path)!r} ({len(self)} keys)>"
+
+
+def _sample(arrays: Mapping[str, Any]) -> str:
+    names = list(arrays)[:5]
+    return ", e.g. " + ", ".join(repr(n) for n in names) if names else ""
+
+
+class FileHandle:
+    """An ``os.open`` descriptor shared by the lazy arrays of one reader."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            from ...errors import CheckpointNotFoundError
+
+            raise CheckpointNotFoundError(f"No checkpoint file at {str(path)!r}.") from None
+        self.size = os.fstat(self.fd).st_size
+
+    def _fd(self) -> int:
+        if self.fd is None:
+            raise ValueError(f"The reader of {str(self.path)!r} is closed.")
+        return self.fd
+
+    def pread(self, offset: int, size: int, what: str = "data") -> bytes:
+        return pread_exact(self._fd(), offset, size, what=what, path=self.path)
+
+    def readinto(self, buf: memoryview, offset: int, what: str = "data") -> None:
+        preadinto_exact(self._fd(), buf, offset, what=what, path=self.path)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            self.close()

@@ -1,0 +1,372 @@
+"""NumPy ``.npz`` archives: a reader that never unpickles, and an atomic writer.
+
+Owns: the ``npz`` backend and ``.npy`` header parsing. Each ``<key>.npy``
+member's header (magic, version 1/2/3, a Python-literal dict with ``descr``,
+``fortran_order``, ``shape``) is parsed with ``ast.literal_eval`` and checked:
+only plain numeric/bool dtypes are accepted (object, structured, string and
+datetime arrays are refused, so nothing is ever unpickled), the declared size
+must match the member size, and deflated members are refused as zip bombs when
+their declared size is impossible for their compressed size. Stored members
+are read in place (only the rows a slice needs); deflated ones are decompressed
+as a stream, never beyond their declared size.
+
+bfloat16 (and the ml_dtypes float8 types) have no ``.npy`` spelling that NumPy
+can read back, so the writer stores their raw bits as unsigned integers
+(``<u2``/``|u1``) and records the real dtype in a ``__ckptvar__.json`` member;
+ckptvar reads them back as bfloat16, and NumPy users get the bits
+(``np.load(f)["k"].view(ml_dtypes.bfloat16)``).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import struct
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ...errors import CorruptCheckpointError, UnsupportedFormatError
+from ..base import ArrayInfo, Backend, LazyArray, Reader, Writer
+from ._common import EntryReader, FileArray, FileHandle, check_shape
+
+__all__ = ["NpzBackend", "NpzWriter", "parse_npy_header"]
+
+_MAGIC = b"\x93NUMPY"
+_SIDECAR = "__ckptvar__.json"
+_MAX_NPY_HEADER = 1 << 20
+_MAX_DEFLATE_RATIO = 1100
+_PLAIN = {
+    np.dtype(n).newbyteorder(o)
+    for n in (
+        "bool",
+        "int8",
+        "uint8",
+        "int16",
+        "uint16",
+        "int32",
+        "uint32",
+        "int64",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    )
+    for o in "<>="
+}
+
+
+def parse_npy_header(head: bytes, *, what: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+    """``(dtype, shape, fortran_order, header_size)`` from the start of a ``.npy`` member.
+
+    ``head`` must hold at least the whole header (the first 64 KiB + 10 bytes suffice
+    for any header ckptvar accepts).
+    """
+    if len(head) < 10 or head[:6] != _MAGIC:
+        raise CorruptCheckpointError(f"{what} is not a .npy array (bad magic {head[:6]!r}).")
+    major = head[6]
+    if major == 1:
+        (hlen,) = struct.unpack_from("<H", head, 8)
+        start = 10
+    elif major in (2, 3):
+        if len(head) < 12:
+            raise CorruptCheckpointError(f"{what}: truncated .npy header.")
+        (hlen,) = struct.unpack_from("<I", head, 8)
+        start = 12
+    else:
+        raise CorruptCheckpointError(f"{what}: unknown .npy format version {major}.")
+    if hlen > _MAX_NPY_HEADER or start + hlen > len(head):
+        raise CorruptCheckpointError(
+            f"{what}: .npy header of {hlen} bytes is truncated or too big."
+        )
+    raw = head[start : start + hlen]
+    try:
+        text = raw.decode("utf-8" if major == 3 else "latin1")
+        meta = ast.literal_eval(text)
+    except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{what}: .npy header is not a literal dict: {exc}.") from None
+    if not isinstance(meta, dict) or set(meta) != {"descr", "fortran_order", "shape"}:
+        raise CorruptCheckpointError(f"{what}: .npy header {text.strip()[:200]!r} is malformed.")
+    descr = meta["descr"]
+    if not isinstance(descr, str):
+        raise CorruptCheckpointError(
+            f"{what}: structured dtype {descr!r} refused (only plain numeric arrays)."
+        )
+    try:
+        dtype = np.dtype(descr)
+    except TypeError:
+        raise CorruptCheckpointError(f"{what}: unknown dtype {descr!r}.") from None
+    if dtype not in _PLAIN:
+        raise CorruptCheckpointError(
+            f"{what}: dtype {descr!r} refused (object, string, void and datetime arrays are "
+            "not read; nothing is ever unpickled)."
+        )
+    if not isinstance(meta["fortran_order"], bool):
+        raise CorruptCheckpointError(f"{what}: fortran_order is not a bool.")
+    if not isinstance(meta["shape"], tuple):
+        raise CorruptCheckpointError(f"{what}: shape {meta['shape']!r} is not a tuple.")
+    shape = check_shape(meta["shape"], what=what, path="")
+    return dtype, shape, meta["fortran_order"], start + hlen
+
+
+def _local_data_offset(fh: FileHandle, info: zipfile.ZipInfo, path: Path) -> int:
+    header = fh.pread(info.header_offset, 30, f"zip local header of {info.filename!r}")
+    if header[:4] != b"PK\x03\x04":
+        raise CorruptCheckpointError(f"Bad zip local header for {info.filename!r} in {path}.")
+    name_len, extra_len = struct.unpack_from("<HH", header, 26)
+    return info.header_offset + 30 + name_len + extra_len
+
+
+class _Member:
+    """Byte access into one zip member (stored: in place; deflated: a bounded stream)."""
+
+    def __init__(
+        self, zf: zipfile.ZipFile, info: zipfile.ZipInfo, fh: FileHandle, path: Path
+    ) -> None:
+        self.zf, self.info, self.fh = zf, info, fh
+        self.what = f"member {info.filename!r} of {str(path)!r}"
+        self.stored = info.compress_type == zipfile.ZIP_STORED
+        if self.stored:
+            self.start = _local_data_offset(fh, info, path)
+            if self.start + info.file_size > fh.size or info.compress_size != info.file_size:
+                raise CorruptCheckpointError(f"The {self.what} runs past the end of the file.")
+        elif info.file_size > max(1 << 16, info.compress_size * _MAX_DEFLATE_RATIO):
+            raise CorruptCheckpointError(
+                f"The {self.what} declares {info.file_size} bytes from {info.compress_size} "
+                "compressed bytes: a zip bomb, refused."
+            )
+
+    def fetch(self, offset: int, size: int) -> bytes:
+        if offset + size > self.info.file_size:
+            raise CorruptCheckpointError(f"The {self.what} is shorter than its header says.")
+        if self.stored:
+            return self.fh.pread(self.start + offset, size, self.what)
+        try:
+            with self.zf.open(self.info) as f:
+                left = offset
+                while left > 0:
+                    chunk = f.read(min(left, 1 << 22))
+                    if not chunk:
+                        break
+                    left -= len(chunk)
+                data = f.read(size)
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+            raise CorruptCheckpointError(f"The {self.what} is damaged: {exc}") from None
+        if len(data) != size:
+            raise CorruptCheckpointError(f"The {self.what} is truncated.")
+        return data
+
+    def readinto(self, buf: memoryview, offset: int) -> None:
+        self.fh.readinto(buf, self.start + offset, self.what)
+
+
+def _open(path: Path) -> Reader:
+    fh = FileHandle(path)
+    try:
+        try:
+            zf = zipfile.ZipFile(path)
+        except (zipfile.BadZipFile, OSError, ValueError) as exc:
+            raise CorruptCheckpointError(f"{str(path)!r} is not a readable .npz: {exc}") from None
+        infos = zf.infolist()
+        sidecar: dict[str, Any] = {}
+        names = [i.filename for i in infos]
+        if len(set(names)) != len(names):
+            raise CorruptCheckpointError(f"{str(path)!r} has duplicate member names.")
+        arrays: dict[str, LazyArray] = {}
+        for info in infos:
+            if info.filename == _SIDECAR:
+                if info.file_size > 64 << 20:
+                    raise CorruptCheckpointError(f"{_SIDECAR} in {str(path)!r} is too large.")
+                member = _Member(zf, info, fh, path)
+                try:
+                    sidecar = json.loads(member.fetch(0, info.file_size))
+                except ValueError as exc:
+                    raise CorruptCheckpointError(f"{_SIDECAR} in {path}: {exc}") from None
+                if not isinstance(sidecar, dict):
+                    raise CorruptCheckpointError(f"{_SIDECAR} in {str(path)!r} is not an object.")
+        dtypes = sidecar.get("dtypes", {}) if isinstance(sidecar.get("dtypes", {}), dict) else {}
+        attrs_all = sidecar.get("attrs", {}) if isinstance(sidecar.get("attrs", {}), dict) else {}
+        for info in infos:
+            if not info.filename.endswith(".npy") or info.is_dir():
+                continue
+            key = info.filename[: -len(".npy")]
+            member = _Member(zf, info, fh, path)
+            what = f"{key!r} in {str(path)!r}"
+            head = member.fetch(0, min(info.file_size, 65536 + 12))
+            dtype, shape, fortran, hsize = parse_npy_header(head, what=what)
+            size = 1
+            for d in shape:
+                size *= d
+            if hsize + size * dtype.itemsize != info.file_size:
+                raise CorruptCheckpointError(
+                    f"{what}: member holds {info.file_size - hsize} data bytes; shape "
+                    f"{shape} of {dtype} needs {size * dtype.itemsize}."
+                )
+            shown = dtype.newbyteorder("=") if dtype.byteorder not in ("=", "|") else dtype
+            real = dtypes.get(key)
+            if real is not None:
+                from ..._dtypes import str_to_dtype
+
+                try:
+                    target = str_to_dtype(real)
+                except TypeError:
+                    raise CorruptCheckpointError(f"{what}: unknown dtype {real!r}.") from None
+                if target.itemsize != shown.itemsize:
+                    raise CorruptCheckpointError(
+                        f"{what}: recorded dtype {real} does not fit stored {dtype}."
+                    )
+                shown = target
+            attrs = {"name": key}
+            if isinstance(attrs_all.get(key), dict):
+                attrs.update(attrs_all[key])
+            arrays[key] = FileArray(
+                ArrayInfo(key=key, dtype=shown, shape=shape, attrs=attrs),
+                stored_dtype=dtype,
+                offset=hsize,
+                fetch=member.fetch,
+                readinto=member.readinto if member.stored and dtype.byteorder in "=|" else None,
+                fortran=fortran and len(shape) > 1,
+            )
+    except BaseException:
+        fh.close()
+        raise
+
+    def close() -> None:
+        fh.close()
+        zf.close()
+
+    meta = sidecar.get("metadata", {})
+    return EntryReader(
+        path, "npz", arrays, metadata=meta if isinstance(meta, dict) else {}, on_close=close
+    )
+
+
+def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    text = repr(
+        {
+            "descr": np.lib.format.dtype_to_descr(dtype),
+            "fortran_order": False,
+            "shape": tuple(shape),
+        }
+    )
+    # Pad so that data starts on a 64-byte boundary, as numpy does.
+    total = len(_MAGIC) + 2 + 2 + len(text) + 1
+    text += " " * (-total % 64) + "\n"
+    raw = text.encode("latin1")
+    if len(raw) < 65536:
+        return _MAGIC + b"\x01\x00" + struct.pack("<H", len(raw)) + raw
+    return _MAGIC + b"\x02\x00" + struct.pack("<I", len(raw)) + raw
+
+
+class NpzWriter(Writer):
+    """Writes an uncompressed ``.npz`` atomically, streaming each array's buffer."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._items: dict[str, tuple[np.ndarray, dict[str, Any]]] = {}
+        self._metadata: dict[str, Any] | None = None
+        self._done = False
+
+    def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
+        if not isinstance(key, str) or not key or key == _SIDECAR[:-5] or "\x00" in key:
+            raise ValueError(f"Invalid npz key {key!r}.")
+        if key in self._items:
+            raise ValueError(f"Key {key!r} was already added to {str(self.path)!r}.")
+        array = np.asarray(array)
+        from ..._dtypes import SUPPORTED_DTYPES
+
+        dt = (
+            array.dtype.newbyteorder("=")
+            if array.dtype.byteorder not in ("=", "|")
+            else (array.dtype)
+        )
+        if dt not in SUPPORTED_DTYPES.values():
+            raise UnsupportedFormatError(f"Cannot write {key!r} of dtype {array.dtype} to npz.")
+        self._items[key] = (array, dict(attrs or {}))
+
+    def set_metadata(self, metadata: Mapping[str, Any]) -> None:
+        self._metadata = dict(metadata)
+
+    def commit(self) -> Path:
+        if self._done:
+            raise ValueError(f"The writer of {str(self.path)!r} was already closed.")
+        from ..._dtypes import dtype_to_str
+        from .._atomic import publish, temporary_sibling
+
+        recorded: dict[str, str] = {}
+        attrs = {k: a for k, (_, a) in self._items.items() if a and a != {"name": k}}
+        with temporary_sibling(self.path) as tmp:
+            with (
+                open(tmp, "xb") as raw,
+                zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED, allowZip64=True) as zf,
+            ):
+                for key, (array, _) in self._items.items():
+                    dt = array.dtype
+                    if dt.kind not in "biufc":  # bfloat16, float8, int4: store the bits
+                        recorded[key] = dtype_to_str(dt)
+                        array = array.view(np.dtype(f"<u{dt.itemsize}"))
+                    buf = np.ascontiguousarray(array)
+                    info = zipfile.ZipInfo(key + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
+                    info.compress_type = zipfile.ZIP_STORED
+                    info.external_attr = 0o644 << 16
+                    with zf.open(info, "w", force_zip64=True) as out:
+                        out.write(_npy_header(buf.dtype, buf.shape))
+                        if buf.nbytes:
+                            out.write(memoryview(buf.reshape(-1).view(np.uint8)))
+                side: dict[str, Any] = {"format": "ckptvar-npz", "version": 1}
+                if recorded:
+                    side["dtypes"] = recorded
+                if attrs:
+                    side["attrs"] = attrs
+                if self._metadata is not None:
+                    side["metadata"] = self._metadata
+                if len(side) > 2:
+                    from ._safetensors import _jsonable
+
+                    info = zipfile.ZipInfo(_SIDECAR, date_time=(1980, 1, 1, 0, 0, 0))
+                    info.external_attr = 0o644 << 16
+                    zf.writestr(info, json.dumps(side, default=_jsonable))
+                zf.close()
+                raw.flush()
+                os.fsync(raw.fileno())
+            publish(tmp, self.path)
+        self._done = True
+        self._items.clear()
+        return self.path
+
+    def abort(self) -> None:
+        self._items.clear()
+        self._done = True
+
+
+class NpzBackend(Backend):
+    """NumPy ``.npz`` archives (read and write; never unpickles)."""
+
+    name: ClassVar[str] = "npz"
+    suffixes: ClassVar[tuple[str, ...]] = (".npz",)
+    can_write: ClassVar[bool] = True
+
+    @classmethod
+    def sniff(cls, path: Path) -> bool:
+        try:
+            with zipfile.ZipFile(path) as zf:
+                names = zf.namelist()
+        except (zipfile.BadZipFile, OSError, ValueError):
+            return False
+        return bool(names) and all(n.endswith(".npy") or n == _SIDECAR for n in names)
+
+    @classmethod
+    def open_reader(cls, path: Path) -> Reader:
+        return _open(Path(path))
+
+    @classmethod
+    def open_writer(cls, path: Path, **options: Any) -> Writer:
+        if options:
+            raise TypeError(f"Unknown npz writer options: {sorted(options)}.")
+        return NpzWriter(Path(path))

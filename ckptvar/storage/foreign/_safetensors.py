@@ -1,0 +1,348 @@
+"""``.safetensors`` files: a strictly validated reader and a zero-copy writer.
+
+Owns: the ``safetensors`` backend. Layout: an 8-byte little-endian header
+length ``N``, ``N`` bytes of UTF-8 JSON (``{key: {"dtype", "shape",
+"data_offsets": [begin, end]}, "__metadata__": {str: str}}``), then the data
+buffer. The reader checks everything before reading any value: the header
+length against the file, unique keys, known dtypes, non-negative shapes,
+offsets inside the buffer, byte counts matching shape x dtype, and that the
+values tile the buffer exactly (no gaps, no overlaps). Values are then read
+lazily, only the rows a slice needs.
+
+The writer streams each array's own buffer after the header (no concatenated
+copy), to a temporary sibling that is fsynced and renamed onto the final path.
+Attributes and a ckptvar metadata dict are kept as JSON strings in
+``__metadata__`` (``ckptvar.attrs``, ``ckptvar.metadata``), which other tools ignore.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import ml_dtypes
+import numpy as np
+
+from ...errors import CorruptCheckpointError, UnsupportedFormatError
+from ..base import ArrayInfo, Backend, Reader, Writer
+from ._common import EntryReader, FileArray, FileHandle, check_shape
+
+__all__ = ["SAFETENSORS_DTYPES", "SafetensorsBackend", "SafetensorsWriter"]
+
+#: The safetensors dtype names NumPy / ml_dtypes can hold.
+SAFETENSORS_DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype("bool"),
+    "U8": np.dtype("uint8"),
+    "I8": np.dtype("int8"),
+    "U16": np.dtype("uint16"),
+    "I16": np.dtype("int16"),
+    "U32": np.dtype("uint32"),
+    "I32": np.dtype("int32"),
+    "U64": np.dtype("uint64"),
+    "I64": np.dtype("int64"),
+    "F16": np.dtype("float16"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F32": np.dtype("float32"),
+    "F64": np.dtype("float64"),
+    "C64": np.dtype("complex64"),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+}
+_NAME_OF = {dt: name for name, dt in SAFETENSORS_DTYPES.items()}
+MAX_HEADER = 100 * 1024 * 1024  # the limit the reference implementation applies
+_METADATA = "__metadata__"
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise CorruptCheckpointError(f"Duplicate key {k!r} in the safetensors header.")
+        out[k] = v
+    return out
+
+
+def parse_header(
+    head: bytes, buffer_size: int, path: Path | str
+) -> tuple[dict[str, tuple[np.dtype, tuple[int, ...], int, int]], dict[str, str]]:
+    """Validate a header; returns ``{key: (dtype, shape, begin, end)}`` and ``__metadata__``."""
+    where = f"safetensors header of {str(path)!r}"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorruptCheckpointError(f"The {where} is not UTF-8: {exc}.") from None
+    if not text.startswith("{"):
+        raise CorruptCheckpointError(f"The {where} does not start with '{{'.")
+    try:
+        obj = json.loads(text, object_pairs_hook=_unique_object)
+    except CorruptCheckpointError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"The {where} is not valid JSON: {exc}.") from None
+    if not isinstance(obj, dict):
+        raise CorruptCheckpointError(f"The {where} is not a JSON object.")
+    meta = obj.pop(_METADATA, {})
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise CorruptCheckpointError(f"{_METADATA} in the {where} must map strings to strings.")
+    entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
+    for key, spec in obj.items():
+        if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+            raise CorruptCheckpointError(
+                f"Tensor {key!r} in the {where}: expected exactly dtype, shape and data_offsets, "
+                f"found {sorted(spec) if isinstance(spec, dict) else type(spec).__name__}."
+            )
+        dtype = SAFETENSORS_DTYPES.get(spec["dtype"]) if isinstance(spec["dtype"], str) else None
+        if dtype is None:
+            raise CorruptCheckpointError(
+                f"Tensor {key!r} in the {where} has unsupported dtype {spec['dtype']!r} "
+                f"(known: {', '.join(SAFETENSORS_DTYPES)})."
+            )
+        shape = check_shape(spec["shape"], what=f"Tensor {key!r}", path=path)
+        offsets = spec["data_offsets"]
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        ):
+            raise CorruptCheckpointError(
+                f"Tensor {key!r} in the {where}: data_offsets {offsets!r} is not [begin, end]."
+            )
+        begin, end = offsets
+        if not 0 <= begin <= end <= buffer_size:
+            raise CorruptCheckpointError(
+                f"Tensor {key!r} in the {where}: data_offsets [{begin}, {end}] fall outside the "
+                f"{buffer_size}-byte data buffer."
+            )
+        n = 1
+        for d in shape:
+            n *= d
+        if end - begin != n * dtype.itemsize:
+            raise CorruptCheckpointError(
+                f"Tensor {key!r} in the {where}: {end - begin} bytes for shape {list(shape)} of "
+                f"{spec['dtype']} (needs {n * dtype.itemsize})."
+            )
+        entries[key] = (dtype, shape, begin, end)
+    pos = 0
+    for key, (_, _, begin, end) in sorted(entries.items(), key=lambda kv: (kv[1][2], kv[1][3])):
+        if begin != pos:
+            raise CorruptCheckpointError(
+                f"Tensor {key!r} in the {where} starts at {begin}, expected {pos}: the values "
+                + ("overlap." if begin < pos else "leave a gap.")
+            )
+        pos = end
+    if pos != buffer_size:
+        raise CorruptCheckpointError(
+            f"The values in the {where} cover {pos} bytes of a {buffer_size}-byte data buffer."
+        )
+    return entries, meta
+
+
+def _open(path: Path) -> Reader:
+    fh = FileHandle(path)
+    try:
+        if fh.size < 8:
+            raise CorruptCheckpointError(
+                f"{str(path)!r} is {fh.size} bytes: too short for a safetensors header."
+            )
+        (n,) = struct.unpack("<Q", fh.pread(0, 8, "header length"))
+        if n > MAX_HEADER or n > fh.size - 8:
+            raise CorruptCheckpointError(
+                f"{str(path)!r} declares a {n}-byte safetensors header; the file has "
+                f"{fh.size - 8} bytes after the length (limit {MAX_HEADER})."
+            )
+        entries, meta = parse_header(fh.pread(8, n, "header"), fh.size - 8 - n, path)
+    except BaseException:
+        fh.close()
+        raise
+    attrs_all: dict[str, Any] = {}
+    metadata: dict[str, Any] = dict(meta)
+    if "ckptvar.attrs" in meta:
+        attrs_all = _loads_json(meta["ckptvar.attrs"], path)
+        del metadata["ckptvar.attrs"]
+    if "ckptvar.metadata" in meta:
+        metadata = _loads_json(meta["ckptvar.metadata"], path)
+    base = 8 + n
+    arrays = {}
+    for key, (dtype, shape, begin, _end) in entries.items():
+        attrs = {"name": key}
+        extra = attrs_all.get(key) if isinstance(attrs_all, dict) else None
+        if isinstance(extra, dict):
+            attrs.update(extra)
+        info = ArrayInfo(key=key, dtype=dtype, shape=shape, attrs=attrs)
+        stored = dtype.newbyteorder("<") if dtype.kind in "biufc" and dtype.itemsize > 1 else dtype
+        arrays[key] = FileArray(
+            info,
+            stored_dtype=stored,
+            offset=base + begin,
+            fetch=fh.pread,
+            readinto=fh.readinto if stored.byteorder in ("=", "|") else None,
+        )
+    return EntryReader(path, "safetensors", arrays, metadata=metadata, on_close=fh.close)
+
+
+def _little() -> bool:
+    import sys
+
+    return sys.byteorder == "little"
+
+
+def _loads_json(text: str, path: Path) -> Any:
+    try:
+        return json.loads(text, object_hook=_unbytes)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"Bad ckptvar metadata in {str(path)!r}: {exc}.") from None
+
+
+def _unbytes(obj: dict[str, Any]) -> Any:
+    if set(obj) == {"__bytes__"} and isinstance(obj["__bytes__"], str):
+        return base64.b64decode(obj["__bytes__"])
+    return obj
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, bytes | bytearray | memoryview):
+        return {"__bytes__": base64.b64encode(bytes(obj)).decode("ascii")}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise TypeError(f"Cannot store {type(obj).__name__} in safetensors metadata.")
+
+
+class SafetensorsWriter(Writer):
+    """Writes ``.safetensors`` atomically, streaming each array's buffer as it is."""
+
+    def __init__(self, path: Path, *, metadata: Mapping[str, str] | None = None) -> None:
+        self.path = Path(path)
+        self._items: dict[str, tuple[np.ndarray, dict[str, Any]]] = {}
+        self._metadata: dict[str, Any] | None = None
+        self._extra = dict(metadata or {})
+        self._done = False
+
+    def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
+        if not isinstance(key, str) or key == _METADATA or not key:
+            raise ValueError(f"Invalid safetensors key {key!r}.")
+        if key in self._items:
+            raise ValueError(f"Key {key!r} was already added to {str(self.path)!r}.")
+        array = np.asarray(array)
+        dt = (
+            array.dtype.newbyteorder("=")
+            if array.dtype.byteorder not in ("=", "|")
+            else (array.dtype)
+        )
+        if dt not in _NAME_OF:
+            raise UnsupportedFormatError(
+                f"Cannot write {key!r} of dtype {array.dtype} to safetensors "
+                f"(supported: {', '.join(str(d) for d in _NAME_OF)})."
+            )
+        self._items[key] = (array, dict(attrs or {}))
+
+    def set_metadata(self, metadata: Mapping[str, Any]) -> None:
+        self._metadata = dict(metadata)
+
+    def _header(self) -> tuple[bytes, list[np.ndarray]]:
+        header: dict[str, Any] = {}
+        meta: dict[str, str] = {str(k): str(v) for k, v in self._extra.items()}
+        attrs = {k: a for k, (_, a) in self._items.items() if a and a != {"name": k}}
+        if attrs:
+            meta["ckptvar.attrs"] = json.dumps(attrs, default=_jsonable, sort_keys=True)
+        if self._metadata is not None:
+            meta["ckptvar.metadata"] = json.dumps(self._metadata, default=_jsonable)
+        if meta:
+            header[_METADATA] = meta
+        buffers = []
+        pos = 0
+        for key, (array, _) in self._items.items():
+            dt = (
+                array.dtype.newbyteorder("=")
+                if array.dtype.byteorder not in ("=", "|")
+                else (array.dtype)
+            )
+            little = (
+                array.astype(dt.newbyteorder("<"))
+                if dt.kind in "biufc"
+                and (
+                    array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and not _little())
+                )
+                else array
+            )
+            buf = np.ascontiguousarray(little)
+            n = buf.nbytes
+            header[key] = {
+                "dtype": _NAME_OF[dt],
+                "shape": list(buf.shape),
+                "data_offsets": [pos, pos + n],
+            }
+            pos += n
+            buffers.append(buf)
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)
+        return struct.pack("<Q", len(raw)) + raw, buffers
+
+    def commit(self) -> Path:
+        if self._done:
+            raise ValueError(f"The writer of {str(self.path)!r} was already closed.")
+        head, buffers = self._header()
+        from .._atomic import publish, temporary_sibling
+
+        with temporary_sibling(self.path) as tmp:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _write_all(fd, memoryview(head))
+                for buf in buffers:
+                    if buf.nbytes:
+                        _write_all(fd, memoryview(buf.reshape(-1).view(np.uint8)))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            publish(tmp, self.path)
+        self._done = True
+        self._items.clear()
+        return self.path
+
+    def abort(self) -> None:
+        self._items.clear()
+        self._done = True
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while len(view):
+        n = os.write(fd, view[: 1 << 30])
+        view = view[n:]
+
+
+class SafetensorsBackend(Backend):
+    """Hugging Face ``.safetensors`` files (read and write)."""
+
+    name: ClassVar[str] = "safetensors"
+    suffixes: ClassVar[tuple[str, ...]] = (".safetensors",)
+    can_write: ClassVar[bool] = True
+
+    @classmethod
+    def sniff(cls, path: Path) -> bool:
+        try:
+            with open(path, "rb") as f:
+                head = f.read(9)
+                f.seek(0, 2)
+                size = f.tell()
+        except OSError:
+            return False
+        if len(head) < 9 or head[8:9] != b"{":
+            return False
+        (n,) = struct.unpack("<Q", head[:8])
+        return n <= min(MAX_HEADER, size - 8)
+
+    @classmethod
+    def open_reader(cls, path: Path) -> Reader:
+        return _open(Path(path))
+
+    @classmethod
+    def open_writer(cls, path: Path, **options: Any) -> Writer:
+        return SafetensorsWriter(Path(path), **options)

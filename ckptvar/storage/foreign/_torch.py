@@ -1,0 +1,475 @@
+"""PyTorch ``.pt``/``.pth``/``.bin`` files read without PyTorch and without running pickle code.
+
+Owns: the ``torch`` backend. Both layouts ``torch.save`` writes are read:
+
+- the zip archive (``<dir>/data.pkl`` + ``<dir>/data/<key>`` storages + ``byteorder``),
+  storages read in place at their offset in the file when stored uncompressed;
+- the legacy stream (``_use_new_zipfile_serialization=False``): magic number,
+  protocol version and system-info pickles, the object pickle, the storage-key
+  list, then each storage as an 8-byte element count and its raw bytes.
+
+The object pickle goes through :mod:`._unpickler` (an allow-list; nothing in
+the file is ever called). Tensors become lazy arrays over their storage with
+offsets and strides checked against the storage size. Nested dicts and lists
+are flattened to ``a.b.0.c`` keys (a ``state_dict``'s own keys stay as they are);
+plain Python leaves (``epoch``, ``name``) go to ``metadata()``.
+TorchScript archives (``torch.jit.save``) are refused.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import zipfile
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ...errors import CorruptCheckpointError, UnsupportedFormatError
+from ..base import ArrayInfo, Backend, LazyArray, Reader
+from ._common import (
+    MAX_HEADER_BYTES,
+    EntryReader,
+    FileArray,
+    FileHandle,
+    check_shape,
+    normalize_index,
+)
+from ._unpickler import StorageRef, TensorRef, safe_load
+
+__all__ = ["TorchBackend"]
+
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_PROTOCOL = 1001
+_MAX_DEFLATE_RATIO = 1100  # deflate cannot expand beyond ~1032:1
+_MAX_DEPTH = 64
+_SUPPORTED = {
+    np.dtype(n)
+    for n in (
+        "float32",
+        "float64",
+        "float16",
+        "complex64",
+        "complex128",
+        "int8",
+        "uint8",
+        "int16",
+        "int32",
+        "int64",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+    )
+}
+
+
+def _supported(dt: Any) -> bool:
+    from ..._dtypes import SUPPORTED_DTYPES
+
+    return isinstance(dt, np.dtype) and (dt in _SUPPORTED or dt in SUPPORTED_DTYPES.values())
+
+
+class _Source:
+    """Where one storage's bytes are: ``fetch(offset, size)`` / ``readinto(buf, offset)``."""
+
+    def __init__(self, fh: FileHandle, start: int, nbytes: int, what: str) -> None:
+        self.fh, self.start, self.nbytes, self.what = fh, start, nbytes, what
+
+    def fetch(self, offset: int, size: int) -> bytes:
+        return self.fh.pread(self.start + offset, size, self.what)
+
+    def readinto(self, buf: memoryview, offset: int) -> None:
+        self.fh.readinto(buf, self.start + offset, self.what)
+
+
+class _CompressedSource:
+    """A storage in a deflated zip member: decompressed as a stream, bounded by its size."""
+
+    readinto = None
+
+    def __init__(self, zf: zipfile.ZipFile, info: zipfile.ZipInfo, nbytes: int, what: str) -> None:
+        self.zf, self.info, self.nbytes, self.what = zf, info, nbytes, what
+
+    def fetch(self, offset: int, size: int) -> bytes:
+        try:
+            with self.zf.open(self.info) as member:
+                _skip(member, offset)
+                data = member.read(size)
+        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+            raise CorruptCheckpointError(f"{self.what}: {exc}") from None
+        if len(data) != size:
+            raise CorruptCheckpointError(f"{self.what} is truncated.")
+        return data
+
+
+def _skip(stream: Any, n: int) -> None:
+    while n > 0:
+        chunk = stream.read(min(n, 1 << 22))
+        if not chunk:
+            return
+        n -= len(chunk)
+
+
+class TorchArray(LazyArray):
+    """A (possibly strided) tensor view of a storage; only the spanned bytes are read."""
+
+    def __init__(self, info: ArrayInfo, ref: TensorRef, source: Any, stored: np.dtype) -> None:
+        self.info = info
+        self._ref = ref
+        self._source = source
+        self._stored = stored  # element dtype with the file's byte order
+        item = stored.itemsize
+        shape, stride = ref.shape, ref.stride
+        self._contiguous = _is_c_contiguous(shape, stride)
+        if info.size:
+            last = ref.offset + sum((d - 1) * s for d, s in zip(shape, stride, strict=True))
+            self._span = (ref.offset * item, (last + 1) * item)
+        else:
+            self._span = (0, 0)
+        if self._contiguous:
+            self._flat = FileArray(
+                info,
+                stored_dtype=stored,
+                offset=ref.offset * item,
+                fetch=source.fetch,
+                readinto=source.readinto if stored.byteorder in ("=", "|") else None,
+            )
+
+    def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
+        if self._contiguous:
+            return self._flat.read(out=out, verify=verify)
+        arr = self._strided()
+        if out is not None:
+            if out.shape != arr.shape or out.dtype != arr.dtype:
+                raise ValueError(
+                    f"out for {self.info.key!r} must have shape {arr.shape} and dtype {arr.dtype}."
+                )
+            out[...] = arr
+            return out
+        return arr
+
+    def _strided(self) -> np.ndarray:
+        start, stop = self._span
+        raw = self._source.fetch(start, stop - start) if stop > start else b""
+        base = np.frombuffer(raw, dtype=self._stored)
+        item = self._stored.itemsize
+        view = (
+            np.lib.stride_tricks.as_strided(
+                base,
+                shape=self._ref.shape,
+                strides=tuple(s * item for s in self._ref.stride),
+                writeable=False,
+            )
+            if len(base)
+            else np.zeros(self._ref.shape, self._stored)
+        )
+        arr = np.array(
+            view,
+            dtype=self._stored.newbyteorder("=")
+            if self._stored.byteorder not in ("=", "|")
+            else self._stored,
+            copy=True,
+        )
+        return arr.view(self.info.dtype) if arr.dtype != self.info.dtype else arr
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        if self._contiguous:
+            return self._flat[index]
+        return np.array(self._strided()[normalize_index(index, self.info.shape)], copy=True)
+
+
+def _is_c_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    expected = 1
+    for d, s in zip(reversed(shape), reversed(stride), strict=True):
+        if d != 1 and s != expected:
+            return False
+        expected *= d
+    return True
+
+
+class _BoundedFile:
+    """A read-only file view whose ``read(n)`` never asks for more than what is left."""
+
+    def __init__(self, f: io.BufferedReader, size: int) -> None:
+        self._f, self._size = f, size
+
+    def read(self, n: int = -1) -> bytes:
+        left = self._size - self._f.tell()
+        return self._f.read(left if n is None or n < 0 else min(n, left))
+
+    def readinto(self, buf: Any) -> int:
+        return self._f.readinto(buf)
+
+    def readline(self) -> bytes:
+        return self._f.readline(min(1 << 20, self._size - self._f.tell()))
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+
+def _flatten(obj: Any, path: Path) -> tuple[dict[str, TensorRef], dict[str, Any]]:
+    tensors: dict[str, TensorRef] = {}
+    meta: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any, depth: int) -> None:
+        if depth > _MAX_DEPTH:
+            raise CorruptCheckpointError(f"{str(path)!r} nests containers too deeply.")
+        if isinstance(value, TensorRef):
+            key = prefix or "tensor"
+            if key in tensors:
+                raise CorruptCheckpointError(f"Two tensors flatten to the key {key!r} in {path}.")
+            tensors[key] = value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v, depth + 1)
+        elif isinstance(value, list | tuple):
+            for i, v in enumerate(value):
+                walk(f"{prefix}.{i}" if prefix else str(i), v, depth + 1)
+        elif isinstance(value, bool | int | float | str) or value is None:
+            meta[prefix or "value"] = value
+
+    walk("", obj, 0)
+    return tensors, meta
+
+
+def _storage_elems(ref: TensorRef) -> int:
+    """The storage size in units of the tensor's dtype (untyped storages count bytes)."""
+    st = ref.storage
+    if st.dtype == ref.dtype:
+        return st.numel
+    return st.numel * st.dtype.itemsize // ref.dtype.itemsize
+
+
+def _check_bounds(key: str, ref: TensorRef, path: Path) -> None:
+    shape = check_shape(list(ref.shape), what=f"Tensor {key!r}", path=path)
+    if not _supported(ref.dtype):
+        raise CorruptCheckpointError(f"Tensor {key!r} in {str(path)!r} has dtype {ref.dtype!r}.")
+    if ref.storage.dtype != ref.dtype and ref.storage.dtype != np.dtype("uint8"):
+        raise CorruptCheckpointError(
+            f"Tensor {key!r} in {str(path)!r}: dtype {ref.dtype} does not match its "
+            f"{ref.storage.dtype} storage."
+        )
+    if 0 in shape:
+        return
+    last = ref.offset + sum((d - 1) * s for d, s in zip(shape, ref.stride, strict=True))
+    elems = _storage_elems(ref)
+    if last >= elems:
+        raise CorruptCheckpointError(
+            f"Tensor {key!r} in {str(path)!r} reaches element {last} of its storage "
+            f"{ref.storage.key!r}, which holds only {elems} (offset {ref.offset}, "
+            f"shape {shape}, stride {ref.stride})."
+        )
+
+
+def _info(key: str, ref: TensorRef) -> ArrayInfo:
+    attrs: dict[str, Any] = {"name": key}
+    if ref.is_parameter:
+        attrs["parameter"] = True
+    if ref.requires_grad:
+        attrs["requires_grad"] = True
+    return ArrayInfo(key=key, dtype=ref.dtype, shape=tuple(ref.shape), attrs=attrs)
+
+
+def _open_zip(path: Path) -> Reader:
+    fh = FileHandle(path)
+    try:
+        try:
+            zf = zipfile.ZipFile(path)
+        except (zipfile.BadZipFile, OSError, ValueError) as exc:
+            raise CorruptCheckpointError(f"{str(path)!r} is not a readable zip: {exc}") from None
+        infos = {i.filename: i for i in zf.infolist()}
+        pkls = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
+        if any(n.endswith("/constants.pkl") or "/code/" in n for n in infos):
+            raise UnsupportedFormatError(
+                f"{str(path)!r} is a TorchScript archive (torch.jit.save), not a torch.save "
+                "checkpoint; load it with torch.jit.load and save its state_dict() instead."
+            )
+        if len(pkls) != 1:
+            raise CorruptCheckpointError(
+                f"{str(path)!r} is a zip but not a torch.save archive "
+                f"(expected one '<dir>/data.pkl', found {len(pkls)})."
+            )
+        prefix = pkls[0][: -len("data.pkl")]
+        pkl_info = infos[pkls[0]]
+        _check_member_size(pkl_info, MAX_HEADER_BYTES, path)
+        try:
+            pkl = zf.read(pkl_info)
+        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+            raise CorruptCheckpointError(f"{pkls[0]} in {str(path)!r}: {exc}") from None
+        order = "little"
+        if prefix + "byteorder" in infos:
+            bo_info = infos[prefix + "byteorder"]
+            _check_member_size(bo_info, 16, path)
+            order = zf.read(bo_info).decode("ascii", "replace").strip()
+            if order not in ("little", "big"):
+                raise CorruptCheckpointError(f"{str(path)!r}: unknown byteorder {order!r}.")
+        storages: dict[str, StorageRef] = {}
+        obj = safe_load(io.BytesIO(pkl), storages=storages, source=repr(str(path)))
+        tensors, meta = _flatten(obj, path)
+        sources: dict[str, Any] = {}
+        for key, st in storages.items():
+            name = f"{prefix}data/{key}"
+            info = infos.get(name)
+            if info is None:
+                raise CorruptCheckpointError(f"{str(path)!r} lacks the storage member {name!r}.")
+            nbytes = st.numel * st.dtype.itemsize
+            if info.file_size != nbytes:
+                raise CorruptCheckpointError(
+                    f"Storage {name!r} in {str(path)!r} holds {info.file_size} bytes; "
+                    f"its {st.numel} elements of {st.dtype} need {nbytes}."
+                )
+            what = f"storage {name!r} of {str(path)!r}"
+            if info.compress_type == zipfile.ZIP_STORED:
+                start = _member_data_offset(fh, info, path)
+                if start + nbytes > fh.size:
+                    raise CorruptCheckpointError(f"{what} runs past the end of the file.")
+                sources[key] = _Source(fh, start, nbytes, what)
+            else:
+                _check_member_size(info, 1 << 62, path)
+                sources[key] = _CompressedSource(zf, info, nbytes, what)
+        arrays = _arrays(tensors, sources, order, path)
+    except BaseException:
+        fh.close()
+        raise
+
+    def close() -> None:
+        fh.close()
+        zf.close()
+
+    return EntryReader(path, "torch", arrays, metadata=meta, on_close=close)
+
+
+def _arrays(
+    tensors: dict[str, TensorRef], sources: dict[str, Any], order: str, path: Path
+) -> dict[str, LazyArray]:
+    arrays: dict[str, LazyArray] = {}
+    for key, ref in tensors.items():
+        _check_bounds(key, ref, path)
+        stored = ref.dtype
+        if order == "big" and stored.itemsize > 1 and stored.kind in "biufc":
+            stored = stored.newbyteorder(">")
+        arrays[key] = TorchArray(_info(key, ref), ref, sources[ref.storage.key], stored)
+    return arrays
+
+
+def _check_member_size(info: zipfile.ZipInfo, limit: int, path: Path) -> None:
+    if info.file_size > limit:
+        raise CorruptCheckpointError(
+            f"{info.filename!r} in {str(path)!r} declares {info.file_size} bytes (limit {limit})."
+        )
+    if info.compress_type != zipfile.ZIP_STORED and info.file_size > max(
+        1 << 16, info.compress_size * _MAX_DEFLATE_RATIO
+    ):
+        raise CorruptCheckpointError(
+            f"{info.filename!r} in {str(path)!r} declares {info.file_size} bytes from "
+            f"{info.compress_size} compressed bytes: a zip bomb, refused."
+        )
+
+
+def _member_data_offset(fh: FileHandle, info: zipfile.ZipInfo, path: Path) -> int:
+    header = fh.pread(info.header_offset, 30, f"zip local header of {info.filename!r}")
+    if header[:4] != b"PK\x03\x04":
+        raise CorruptCheckpointError(
+            f"Bad zip local header for {info.filename!r} in {str(path)!r}."
+        )
+    name_len, extra_len = struct.unpack_from("<HH", header, 26)
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def _open_legacy(path: Path) -> Reader:
+    fh = FileHandle(path)
+    try:
+        with open(path, "rb") as raw:
+            f = _BoundedFile(raw, fh.size)  # type: ignore[arg-type]
+            src = repr(str(path))
+            magic = safe_load(f, storages={}, source=src)  # type: ignore[arg-type]
+            if magic != _LEGACY_MAGIC:
+                raise CorruptCheckpointError(f"{str(path)!r} is not a torch.save file.")
+            version = safe_load(f, storages={}, source=src)  # type: ignore[arg-type]
+            if version != _LEGACY_PROTOCOL:
+                raise CorruptCheckpointError(
+                    f"{str(path)!r}: legacy torch protocol {version!r} (expected 1001)."
+                )
+            sys_info = safe_load(f, storages={}, source=src)  # type: ignore[arg-type]
+            big = isinstance(sys_info, dict) and sys_info.get("little_endian") is False
+            storages: dict[str, StorageRef] = {}
+            obj = safe_load(f, storages=storages, source=src, legacy=True)  # type: ignore[arg-type]
+            keys = safe_load(f, storages={}, source=src)  # type: ignore[arg-type]
+            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+                raise CorruptCheckpointError(f"{str(path)!r}: malformed storage key list.")
+            offset = raw.tell()
+        sources: dict[str, Any] = {}
+        for key in keys:
+            st = storages.get(key)
+            if st is None or key in sources:
+                raise CorruptCheckpointError(f"{str(path)!r}: unexpected storage key {key!r}.")
+            (count,) = struct.unpack("<q" if not big else ">q", fh.pread(offset, 8, "storage"))
+            if count != st.numel:
+                raise CorruptCheckpointError(
+                    f"Storage {key!r} in {str(path)!r} records {count} elements; "
+                    f"the pickle says {st.numel}."
+                )
+            nbytes = st.numel * st.dtype.itemsize
+            start = offset + 8
+            if start + nbytes > fh.size:
+                raise CorruptCheckpointError(
+                    f"Storage {key!r} in {str(path)!r} runs past the end of the file "
+                    f"({start + nbytes} > {fh.size} bytes): truncated."
+                )
+            sources[key] = _Source(fh, start, nbytes, f"storage {key!r} of {str(path)!r}")
+            offset = start + nbytes
+        missing = set(storages) - set(sources)
+        if missing:
+            raise CorruptCheckpointError(f"{str(path)!r} lacks storages {sorted(missing)[:5]}.")
+        tensors, meta = _flatten(obj, path)
+        arrays = _arrays(tensors, sources, "big" if big else "little", path)
+    except BaseException:
+        fh.close()
+        raise
+    return EntryReader(path, "torch", arrays, metadata=meta, on_close=fh.close)
+
+
+class TorchBackend(Backend):
+    """PyTorch ``torch.save`` files (zip and legacy), read-only."""
+
+    name: ClassVar[str] = "torch"
+    suffixes: ClassVar[tuple[str, ...]] = (".pt", ".pth", ".bin")
+
+    @classmethod
+    def sniff(cls, path: Path) -> bool:
+        try:
+            with open(path, "rb") as f:
+                head = f.read(16)
+        except OSError:
+            return False
+        if head.startswith(b"\x80\x02\x8a\x0a") and head[4:14] == _LEGACY_MAGIC.to_bytes(
+            10, "little"
+        ):
+            return True
+        if head.startswith(b"PK\x03\x04"):
+            try:
+                with zipfile.ZipFile(path) as zf:
+                    return any(n.endswith("/data.pkl") for n in zf.namelist())
+            except (zipfile.BadZipFile, OSError):
+                return False
+        return False
+
+    @classmethod
+    def open_reader(cls, path: Path) -> Reader:
+        path = Path(path)
+        if not path.is_file():
+            from ...errors import CheckpointNotFoundError
+
+            raise CheckpointNotFoundError(f"No PyTorch file at {str(path)!r}.")
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if head == b"PK\x03\x04" or zipfile.is_zipfile(path):
+            return _open_zip(path)
+        if head[:2] == b"\x80\x02":
+            return _open_legacy(path)
+        raise CorruptCheckpointError(
+            f"{str(path)!r} is neither a torch.save zip archive nor a legacy torch.save stream "
+            f"(starts with {head!r})."
+        )

@@ -1,0 +1,385 @@
+"""A restricted unpickler for PyTorch checkpoints that never runs code from the file.
+
+Owns: the explicit allow-list of globals a ``torch.save`` pickle may name, and
+the placeholder objects they turn into. No torch module is imported: every
+allowed name maps to a local stand-in (``torch._utils._rebuild_tensor_v2`` ->
+a function returning a :class:`TensorRef`, ``torch.FloatStorage`` -> a
+:class:`StorageType` carrying a NumPy dtype). Anything else named by the pickle
+(``os.system``, ``builtins.eval``, ``subprocess.Popen``, ``torch.jit`` ...)
+raises ``CorruptCheckpointError`` before it is looked up, so it can never be called.
+
+>>> import io, pickle
+>>> RestrictedUnpickler(io.BytesIO(pickle.dumps({"a": [1, 2.5]})), storages={}).load()
+{'a': [1, 2.5]}
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from ...errors import CorruptCheckpointError
+
+__all__ = [
+    "TORCH_DTYPES",
+    "RestrictedUnpickler",
+    "StorageRef",
+    "StorageType",
+    "TensorRef",
+    "TorchDtype",
+]
+
+
+class _Sealed:
+    """Objects a pickle can obtain but never modify (its BUILD opcode is refused)."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        raise CorruptCheckpointError(
+            f"The pickle tries to set the state of {type(self).__name__}; refused."
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TorchDtype(_Sealed):
+    """Stands for ``torch.<name>`` (a dtype object) in a pickle."""
+
+    name: str
+    np_dtype: np.dtype | None
+
+
+@dataclass(frozen=True, slots=True)
+class StorageType(_Sealed):
+    """Stands for ``torch.FloatStorage`` etc. (typed) or ``torch.UntypedStorage`` (bytes)."""
+
+    name: str
+    np_dtype: np.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class StorageRef(_Sealed):
+    """One storage the pickle refers to: a key into the archive and its element count."""
+
+    key: str
+    dtype: np.dtype
+    numel: int
+    location: str
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef(_Sealed):
+    """A tensor as the pickle describes it: a strided view of a storage."""
+
+    storage: StorageRef
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: np.dtype
+    requires_grad: bool = False
+    is_parameter: bool = False
+
+
+class _Callable(_Sealed):
+    """An allowed function, wrapped so the pickle cannot set attributes on it."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any) -> None:
+        object.__setattr__(self, "fn", fn)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __repr__(self) -> str:
+        return f"<allowed {self.fn.__name__}>"
+
+
+_E = np.dtype
+TORCH_DTYPES: dict[str, np.dtype | None] = {
+    "float32": _E("float32"),
+    "float": _E("float32"),
+    "float64": _E("float64"),
+    "double": _E("float64"),
+    "float16": _E("float16"),
+    "half": _E("float16"),
+    "bfloat16": _E(ml_dtypes.bfloat16),
+    "complex64": _E("complex64"),
+    "cfloat": _E("complex64"),
+    "complex128": _E("complex128"),
+    "cdouble": _E("complex128"),
+    "int8": _E("int8"),
+    "uint8": _E("uint8"),
+    "int16": _E("int16"),
+    "short": _E("int16"),
+    "int32": _E("int32"),
+    "int": _E("int32"),
+    "int64": _E("int64"),
+    "long": _E("int64"),
+    "uint16": _E("uint16"),
+    "uint32": _E("uint32"),
+    "uint64": _E("uint64"),
+    "bool": _E("bool"),
+    "float8_e4m3fn": _E(ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": _E(ml_dtypes.float8_e5m2),
+    # Named so a pickle mentioning them is understood; tensors of these dtypes are refused.
+    "complex32": None,
+    "chalf": None,
+    "quint8": None,
+    "qint8": None,
+    "qint32": None,
+    "quint4x2": None,
+    "float8_e4m3fnuz": None,
+    "float8_e5m2fnuz": None,
+}
+
+_STORAGE_TYPES: dict[str, np.dtype] = {
+    "FloatStorage": _E("float32"),
+    "DoubleStorage": _E("float64"),
+    "HalfStorage": _E("float16"),
+    "BFloat16Storage": _E(ml_dtypes.bfloat16),
+    "ComplexFloatStorage": _E("complex64"),
+    "ComplexDoubleStorage": _E("complex128"),
+    "ByteStorage": _E("uint8"),
+    "CharStorage": _E("int8"),
+    "ShortStorage": _E("int16"),
+    "IntStorage": _E("int32"),
+    "LongStorage": _E("int64"),
+    "BoolStorage": _E("bool"),
+}
+
+
+class _Marker(_Sealed):
+    """A harmless stand-in for a tensor type (``torch.Tensor``, ``Parameter``)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        object.__setattr__(self, "name", name)
+
+    def __repr__(self) -> str:
+        return f"<torch {self.name}>"
+
+
+_TENSOR = _Marker("Tensor")
+_PARAMETER = _Marker("Parameter")
+
+
+def _check_int_tuple(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, tuple | list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise CorruptCheckpointError(f"Tensor {what} {value!r} is not a tuple of ints.")
+    return tuple(value)
+
+
+def _rebuild_tensor_v2(
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any = False,
+    backward_hooks: Any = None,
+    metadata: Any = None,
+) -> TensorRef:
+    return _make_tensor(storage, storage_offset, size, stride, requires_grad, None)
+
+
+def _rebuild_tensor_v3(
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any,
+    backward_hooks: Any,
+    dtype: Any,
+    metadata: Any = None,
+) -> TensorRef:
+    return _make_tensor(storage, storage_offset, size, stride, requires_grad, dtype)
+
+
+def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any) -> TensorRef:
+    return _make_tensor(storage, storage_offset, size, stride, False, None)
+
+
+def _make_tensor(
+    storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, dtype: Any
+) -> TensorRef:
+    if not isinstance(storage, StorageRef):
+        raise CorruptCheckpointError(f"A tensor refers to {type(storage).__name__}, not a storage.")
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        raise CorruptCheckpointError(f"Tensor storage offset {offset!r} is not a non-negative int.")
+    shape = _check_int_tuple(size, "size")
+    strides = _check_int_tuple(stride, "stride")
+    if len(shape) != len(strides):
+        raise CorruptCheckpointError(f"Tensor size {shape} and stride {strides} differ in length.")
+    if any(d < 0 for d in shape) or any(s < 0 for s in strides):
+        raise CorruptCheckpointError(
+            f"Tensor size {shape} / stride {strides} has negative entries."
+        )
+    if dtype is None:
+        np_dtype = storage.dtype
+    elif isinstance(dtype, TorchDtype):
+        if dtype.np_dtype is None:
+            raise CorruptCheckpointError(f"Tensors of dtype torch.{dtype.name} are not supported.")
+        np_dtype = dtype.np_dtype
+    else:
+        raise CorruptCheckpointError(f"Tensor dtype {dtype!r} is not a torch dtype.")
+    return TensorRef(storage, offset, shape, strides, np_dtype, bool(requires_grad))
+
+
+def _rebuild_parameter(data: Any, requires_grad: Any, backward_hooks: Any, *state: Any) -> Any:
+    if isinstance(data, TensorRef):
+        return dataclasses.replace(data, is_parameter=True, requires_grad=bool(requires_grad))
+    return data
+
+
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    if func not in _REBUILDERS or new_type not in (_TENSOR, _PARAMETER):
+        raise CorruptCheckpointError("Refused a tensor subclass rebuild in the pickle.")
+    if not isinstance(args, tuple):
+        raise CorruptCheckpointError("Tensor rebuild arguments are not a tuple.")
+    result = func(*args)
+    if new_type is _PARAMETER and isinstance(result, TensorRef):
+        result = dataclasses.replace(result, is_parameter=True)
+    return result
+
+
+def _torch_size(dims: Any = ()) -> tuple[int, ...]:
+    return _check_int_tuple(tuple(dims) if isinstance(dims, list) else dims, "size")
+
+
+def _torch_device(*args: Any) -> str:
+    return ":".join(str(a) for a in args if isinstance(a, str | int))
+
+
+_REBUILD_V2 = _Callable(_rebuild_tensor_v2)
+_REBUILD_V3 = _Callable(_rebuild_tensor_v3)
+_REBUILD_V1 = _Callable(_rebuild_tensor)
+_REBUILD_PARAM = _Callable(_rebuild_parameter)
+_REBUILDERS = (_REBUILD_V2, _REBUILD_V3, _REBUILD_V1, _REBUILD_PARAM)
+
+#: Every global a checkpoint pickle may name, and what it becomes here.
+ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch._utils", "_rebuild_tensor_v2"): _REBUILD_V2,
+    ("torch._utils", "_rebuild_tensor_v3"): _REBUILD_V3,
+    ("torch._utils", "_rebuild_tensor"): _REBUILD_V1,
+    ("torch._utils", "_rebuild_parameter"): _REBUILD_PARAM,
+    ("torch._utils", "_rebuild_parameter_with_state"): _REBUILD_PARAM,
+    ("torch._tensor", "_rebuild_from_type_v2"): _Callable(_rebuild_from_type_v2),
+    ("torch", "Tensor"): _TENSOR,
+    ("torch._tensor", "Tensor"): _TENSOR,
+    ("torch.nn.parameter", "Parameter"): _PARAMETER,
+    ("torch", "Size"): _Callable(_torch_size),
+    ("torch", "device"): _Callable(_torch_device),
+    ("torch.storage", "UntypedStorage"): StorageType("UntypedStorage", np.dtype("uint8")),
+    ("torch", "UntypedStorage"): StorageType("UntypedStorage", np.dtype("uint8")),
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "slice"): slice,
+    ("builtins", "complex"): complex,
+    ("__builtin__", "set"): set,
+}
+for _name, _dt in _STORAGE_TYPES.items():
+    ALLOWED_GLOBALS[("torch", _name)] = StorageType(_name, _dt)
+for _name, _dt in TORCH_DTYPES.items():
+    ALLOWED_GLOBALS[("torch", _name)] = TorchDtype(_name, _dt)
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Unpickles only plain containers, tensors and storages (see ``ALLOWED_GLOBALS``).
+
+    ``storages`` is filled with a :class:`StorageRef` per persistent id; the
+    caller decides where their bytes live (zip members or the legacy stream).
+    """
+
+    def __init__(
+        self,
+        file: io.BufferedIOBase | io.BytesIO,
+        *,
+        storages: dict[str, StorageRef],
+        legacy: bool = False,
+        source: str = "pickle",
+    ) -> None:
+        super().__init__(file, encoding="utf-8")
+        self._storages = storages
+        self._legacy = legacy
+        self._source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return ALLOWED_GLOBALS[(module, name)]
+        except (KeyError, TypeError):
+            raise CorruptCheckpointError(
+                f"Refused to load {self._source}: its pickle names the global "
+                f"{module}.{name}, which is not a tensor, storage or plain container "
+                "(ckptvar never runs code from checkpoint files)."
+            ) from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not isinstance(pid, tuple) or not pid or pid[0] != "storage":
+            raise CorruptCheckpointError(
+                f"Unknown persistent id {str(pid)[:80]!r} in {self._source} (only storages "
+                "are allowed)."
+            )
+        if len(pid) not in (5, 6):
+            raise CorruptCheckpointError(f"Malformed storage reference {pid!r} in {self._source}.")
+        _, storage_type, key, location, numel = pid[:5]
+        if not isinstance(storage_type, StorageType):
+            raise CorruptCheckpointError(
+                f"Storage {key!r} in {self._source} has type {storage_type!r}, not a storage type."
+            )
+        if not isinstance(key, str) or not key or len(key) > 64:
+            raise CorruptCheckpointError(f"Storage key {key!r} in {self._source} is not valid.")
+        if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0 or numel >= 2**56:
+            raise CorruptCheckpointError(
+                f"Storage {key!r} in {self._source} declares {numel!r} elements."
+            )
+        if len(pid) == 6 and pid[5] is not None:
+            raise CorruptCheckpointError(
+                f"Storage {key!r} in {self._source} uses legacy storage views, not supported."
+            )
+        ref = self._storages.get(key)
+        if ref is None:
+            ref = StorageRef(key, storage_type.np_dtype, numel, str(location))
+            self._storages[key] = ref
+        elif ref.dtype != storage_type.np_dtype or ref.numel != numel:
+            raise CorruptCheckpointError(
+                f"Storage {key!r} in {self._source} is declared twice with different types/sizes."
+            )
+        return ref
+
+
+def restricted_loads(data: bytes, *, source: str = "pickle") -> Any:
+    """Unpickle ``data`` that must not refer to any storage (plain values only)."""
+    return RestrictedUnpickler(io.BytesIO(data), storages={}, source=source).load()
+
+
+def safe_load(
+    file: io.BufferedIOBase | io.BytesIO,
+    *,
+    storages: dict[str, StorageRef],
+    source: str,
+    legacy: bool = False,
+) -> Any:
+    """Run the restricted unpickler; every failure becomes ``CorruptCheckpointError``."""
+    try:
+        return RestrictedUnpickler(file, storages=storages, legacy=legacy, source=source).load()
+    except CorruptCheckpointError:
+        raise
+    except RecursionError:
+        raise CorruptCheckpointError(f"The pickle in {source} nests too deeply.") from None
+    except MemoryError:
+        raise CorruptCheckpointError(f"The pickle in {source} asks for too much memory.") from None
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
+        raise CorruptCheckpointError(
+            f"Cannot unpickle {source}: {type(exc).__name__}: {exc}"
+        ) from None

@@ -1,0 +1,408 @@
+#!/usr/bin/env python3
+"""Regenerate the foreign-format fixtures in ``fixtures/`` with the real libraries.
+
+Each section runs only when its library is importable (TensorFlow + Keras,
+PyTorch, safetensors, NumPy) and records, in ``fixtures/manifest.json``, every
+tensor's key, dtype, shape and the SHA-256 of its C-order little-endian bytes
+*as the producing library reports them* (``tf.train.load_checkpoint(...).get_tensor``,
+``torch.load``, ``safetensors.numpy.load_file``, Keras' ``get_weights`` / h5py).
+Sections whose library is missing keep their previous manifest entries, so the
+script can be run once per environment::
+
+    /path/to/tf-venv/bin/python scripts/make_fixtures.py     # tf, keras, safetensors, npz
+    /path/to/torch-venv/bin/python scripts/make_fixtures.py  # torch
+
+ckptvar itself is never imported here: the fixtures are what other tools write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent / "fixtures"
+MANIFEST = ROOT / "manifest.json"
+
+
+def _sha(arr: np.ndarray) -> str:
+    arr = np.ascontiguousarray(arr)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return hashlib.sha256(arr.tobytes()).hexdigest()
+
+
+def _entry(dtype: str, shape: Any, arr: np.ndarray) -> dict[str, Any]:
+    return {"dtype": dtype, "shape": [int(d) for d in shape], "sha256": _sha(arr)}
+
+
+def _have(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def _rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+# --------------------------------------------------------------------------- TensorFlow
+
+
+def make_tf(manifest: dict[str, Any]) -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+
+    producer = f"tensorflow {tf.__version__}"
+    rng = _rng(0)
+
+    # TF2 object-based checkpoint of a small module tree with many dtypes.
+    out = ROOT / "tf2_object"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+
+    class Dense(tf.Module):
+        def __init__(self, n_in: int, n_out: int, name: str) -> None:
+            super().__init__(name=name)
+            self.kernel = tf.Variable(rng.normal(size=(n_in, n_out)).astype("float32"))
+            self.bias = tf.Variable(rng.normal(size=(n_out,)).astype("float32"))
+
+    class Model(tf.Module):
+        def __init__(self) -> None:
+            super().__init__(name="model")
+            self.dense = Dense(4, 3, "dense")
+            self.layers = [Dense(3, 2, "d0"), Dense(2, 2, "d1")]
+            self.half = tf.Variable(rng.normal(size=(3, 2)).astype("float16"))
+            self.bf16 = tf.Variable(tf.cast(rng.normal(size=(2, 5)), tf.bfloat16))
+            self.steps = tf.Variable(np.array([1, -2, 3, 2**40], dtype="int64"))
+            self.mask = tf.Variable(np.array([[True, False], [False, True]]))
+            self.z = tf.Variable(
+                (rng.normal(size=(3,)) + 1j * rng.normal(size=(3,))).astype("complex64")
+            )
+            self.z128 = tf.Variable(np.array([1 + 2j, -3.5j], dtype="complex128"))
+            self.f64 = tf.Variable(rng.normal(size=(2, 2, 2)))
+            self.i8 = tf.Variable(np.array([-128, 0, 127], dtype="int8"))
+            self.u8 = tf.Variable(np.array([0, 200, 255], dtype="uint8"))
+            self.i16 = tf.Variable(np.array([-30000, 5], dtype="int16"))
+            self.i32 = tf.Variable(np.array(7, dtype="int32"))
+            self.u16 = tf.Variable(np.array([65535, 1], dtype="uint16"))
+            self.scalar = tf.Variable(3.25)
+            self.empty = tf.Variable(np.zeros((0, 3), dtype="float32"))
+
+    model = Model()
+    opt_like = tf.Module(name="optimizer")
+    opt_like.iterations = tf.Variable(np.int64(12))
+    ckpt = tf.train.Checkpoint(model=model, optimizer=opt_like)
+    prefix = ckpt.write(str(out / "ckpt-1"))
+    _record_tf(manifest, "tf2_object/ckpt-1", prefix, producer)
+
+    # TF1 name-based checkpoint (Saver V2) with a partitioned variable.
+    out = ROOT / "tf1_saver"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    graph = tf.Graph()
+    with graph.as_default():
+        v1 = tf.compat.v1
+        with v1.variable_scope("layer1"):
+            v1.get_variable("weights", initializer=rng.normal(size=(3, 4)).astype("float32"))
+            v1.get_variable("biases", initializer=np.arange(4, dtype="float32"))
+        v1.get_variable(
+            "embedding",
+            shape=(10, 3),
+            dtype=tf.float32,
+            initializer=v1.random_normal_initializer(seed=1),
+            partitioner=v1.fixed_size_partitioner(3),
+        )
+        v1.get_variable(
+            "wide",
+            shape=(2, 7),
+            dtype=tf.float64,
+            initializer=v1.random_normal_initializer(seed=2, dtype=tf.float64),
+            partitioner=v1.fixed_size_partitioner(2, axis=1),
+        )
+        v1.Variable(np.int64(5), name="global_step")
+        saver = v1.train.Saver()
+        with v1.Session(graph=graph) as sess:
+            sess.run(v1.global_variables_initializer())
+            prefix = saver.save(sess, str(out / "model.ckpt"), write_meta_graph=False)
+    _record_tf(manifest, "tf1_saver/model.ckpt", prefix, producer)
+    for junk in out.glob("checkpoint"):
+        junk.unlink()
+    for junk in (ROOT / "tf2_object").glob("checkpoint"):
+        junk.unlink()
+
+
+def _record_tf(manifest: dict[str, Any], rel: str, prefix: str, producer: str) -> None:
+    import tensorflow as tf
+
+    reader = tf.train.load_checkpoint(prefix)
+    dtypes = reader.get_variable_to_dtype_map()
+    tensors = {}
+    for key, shape in tf.train.list_variables(prefix):
+        if dtypes[key] == tf.string:
+            continue
+        value = reader.get_tensor(key)
+        tensors[key] = _entry(dtypes[key].name, shape, np.asarray(value))
+    manifest["files"][rel] = {"format": "tf", "producer": producer, "tensors": tensors}
+
+
+# --------------------------------------------------------------------------- Keras
+
+
+def make_keras(manifest: dict[str, Any]) -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import h5py
+    import keras
+
+    producer = f"keras {keras.__version__}"
+    keras.utils.set_random_seed(1)
+    out = ROOT / "keras"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+
+    inputs = keras.Input(shape=(5,), name="x")
+    h = keras.layers.Dense(4, activation="relu", name="hidden")(inputs)
+    h = keras.layers.BatchNormalization(name="norm")(h)
+    outputs = keras.layers.Dense(2, name="head")(h)
+    model = keras.Model(inputs, outputs, name="tiny")
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(np.ones((8, 5), "float32"), np.ones((8, 2), "float32"), epochs=1, verbose=0)
+
+    path = out / "tiny.weights.h5"
+    model.save_weights(str(path))
+    tensors = {}
+    with h5py.File(path, "r") as f:
+
+        def visit(name: str, obj: Any) -> None:
+            if isinstance(obj, h5py.Dataset):
+                arr = obj[()]
+                tensors[name] = _entry(str(arr.dtype), arr.shape, arr)
+
+        f.visititems(visit)
+    # Cross-check with Keras' own view: every model weight is in the file, bit for bit.
+    stored = {t["sha256"] for t in tensors.values()}
+    for w in model.weights:
+        assert _sha(np.asarray(w.numpy())) in stored, w.path
+    manifest["files"]["keras/tiny.weights.h5"] = {
+        "format": "keras",
+        "producer": producer,
+        "tensors": tensors,
+    }
+
+    # Legacy Keras HDF5 weights as tf.keras 2.x wrote them (layer_names / weight_names
+    # attributes). Keras 3 only reads this layout, so it is written with h5py in
+    # exactly the structure of tf.keras' legacy ``save_weights_to_hdf5_group``, from
+    # the model's own weights, and then loaded back by Keras to prove it is valid.
+    legacy = out / "tiny_legacy.h5"
+    tensors = {}
+    with h5py.File(legacy, "w") as f:
+        f.attrs["layer_names"] = np.array([ly.name.encode() for ly in model.layers])
+        f.attrs["backend"] = b"tensorflow"
+        f.attrs["keras_version"] = b"2.15.0"
+        for layer in model.layers:
+            g = f.create_group(layer.name)
+            names = [f"{layer.name}/{_legacy_name(w)}:0" for w in layer.weights]
+            g.attrs["weight_names"] = np.array([n.encode() for n in names])
+            for name, w in zip(names, layer.weights, strict=True):
+                arr = np.asarray(w.numpy())
+                g.create_dataset(name, data=arr)
+                tensors[name] = _entry(str(arr.dtype), arr.shape, arr)
+    clone = keras.models.clone_model(model)
+    clone.load_weights(str(legacy))  # Keras accepts the file as legacy h5 weights
+    for a, b in zip(clone.weights, model.weights, strict=True):
+        assert np.array_equal(np.asarray(a.numpy()), np.asarray(b.numpy()))
+    manifest["files"]["keras/tiny_legacy.h5"] = {
+        "format": "keras",
+        "producer": producer + " (legacy h5 layout)",
+        "tensors": tensors,
+    }
+
+
+def _legacy_name(w: Any) -> str:
+    return w.path.split("/")[-1] if hasattr(w, "path") else w.name.split("/")[-1].split(":")[0]
+
+
+# --------------------------------------------------------------------------- safetensors
+
+
+def make_safetensors(manifest: dict[str, Any]) -> None:
+    import ml_dtypes
+    import safetensors
+    from safetensors.numpy import load_file, save_file
+
+    producer = f"safetensors {safetensors.__version__}"
+    rng = _rng(2)
+    out = ROOT / "safetensors"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    tensors = {
+        "model.embed.weight": rng.normal(size=(6, 4)).astype("float32"),
+        "model.layers.0.attn.q_proj.weight": rng.normal(size=(4, 4)).astype("float16"),
+        "model.layers.0.attn.q_proj.bias": rng.normal(size=(4,)).astype(ml_dtypes.bfloat16),
+        "model.norm.eps": np.array(1e-6, dtype="float64"),
+        "ids": np.array([[1, 2, 3], [4, 5, 6]], dtype="int64"),
+        "flags": np.array([True, False, True]),
+        "u8": np.arange(5, dtype="uint8"),
+        "i32": np.array([-1, 2**31 - 1], dtype="int32"),
+        "empty": np.zeros((2, 0), dtype="float32"),
+    }
+    path = out / "model.safetensors"
+    save_file(tensors, str(path), metadata={"format": "np", "note": "fixture"})
+    loaded = load_file(str(path))
+    names = {
+        "float32": "F32",
+        "float16": "F16",
+        "bfloat16": "BF16",
+        "float64": "F64",
+        "int64": "I64",
+        "bool": "BOOL",
+        "uint8": "U8",
+        "int32": "I32",
+    }
+    manifest["files"]["safetensors/model.safetensors"] = {
+        "format": "safetensors",
+        "producer": producer,
+        "metadata": {"format": "np", "note": "fixture"},
+        "tensors": {k: _entry(names[str(v.dtype)], v.shape, v) for k, v in sorted(loaded.items())},
+    }
+
+
+# --------------------------------------------------------------------------- npz
+
+
+def make_npz(manifest: dict[str, Any]) -> None:
+    rng = _rng(3)
+    out = ROOT / "npz"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    arrays = {
+        "weights": rng.normal(size=(5, 3)).astype("float32"),
+        "fortran": np.asfortranarray(rng.normal(size=(3, 4))),
+        "big_endian": np.arange(6, dtype=">i4").reshape(2, 3),
+        "counts": np.arange(10, dtype="uint16"),
+        "scalar": np.array(2.5),
+        "flags": np.array([True, False]),
+        "c64": np.array([1 + 1j, 2 - 3j], dtype="complex64"),
+    }
+    np.savez(out / "plain.npz", **arrays)
+    np.savez_compressed(out / "compressed.npz", **arrays)
+    for name in ("plain.npz", "compressed.npz"):
+        with np.load(out / name, allow_pickle=False) as data:
+            manifest["files"][f"npz/{name}"] = {
+                "format": "npz",
+                "producer": f"numpy {np.__version__}",
+                "tensors": {
+                    k: _entry(str(data[k].dtype.newbyteorder("=")), data[k].shape, data[k])
+                    for k in data.files
+                },
+            }
+
+
+# --------------------------------------------------------------------------- PyTorch
+
+
+def make_torch(manifest: dict[str, Any]) -> None:
+    import torch
+
+    producer = f"torch {torch.__version__}"
+    torch.manual_seed(0)
+    out = ROOT / "torch"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    state: dict[str, Any] = dict(net.state_dict())
+    state.update(
+        {
+            "extra.bf16": torch.randn(3, 2).to(torch.bfloat16),
+            "extra.fp16": torch.randn(5).to(torch.float16),
+            "extra.int64": torch.tensor([1, -2, 2**40]),
+            "extra.bool": torch.tensor([True, False, True]),
+            "extra.f64": torch.randn(2, 2, dtype=torch.float64),
+            "extra.c64": torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64),
+            "extra.u8": torch.tensor([0, 255], dtype=torch.uint8),
+            "extra.i8": torch.tensor([-3, 3], dtype=torch.int8),
+            "extra.i16": torch.tensor([-300, 300], dtype=torch.int16),
+            "extra.i32": torch.tensor([7], dtype=torch.int32),
+            # Views sharing one storage: a transpose (strided), a column, a row with offset.
+            "shared.base": base,
+            "shared.transposed": base.t(),
+            "shared.column": base[:, 2],
+            "shared.row_offset": base[3],
+            "shared.every_other": base[::2, 1::3],
+            "extra.scalar": torch.tensor(1.5),
+            "extra.empty": torch.zeros(0, 3),
+        }
+    )
+    full = {
+        "model": state,
+        "epoch": 3,
+        "name": "fixture",
+        "history": [0.5, 0.25],
+        "param": torch.nn.Parameter(torch.ones(2, 2)),
+    }
+    torch.save(state, out / "state_dict.pt")
+    torch.save(full, out / "nested.pth")
+    torch.save(state, out / "legacy.bin", _use_new_zipfile_serialization=False)
+
+    def rec(rel: str, obj: Any) -> None:
+        tensors: dict[str, Any] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, torch.Tensor):
+                t = value.detach().contiguous()
+                arr = (
+                    t.view(torch.int16).numpy().view("<u2")
+                    if t.dtype == torch.bfloat16
+                    else t.numpy()
+                )
+                tensors[prefix] = _entry(str(t.dtype).replace("torch.", ""), t.shape, arr)
+            elif isinstance(value, dict):
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else str(k), v)
+            elif isinstance(value, list | tuple):
+                for i, v in enumerate(value):
+                    walk(f"{prefix}.{i}" if prefix else str(i), v)
+
+        walk("", obj)
+        manifest["files"][rel] = {"format": "torch", "producer": producer, "tensors": tensors}
+
+    for name in ("state_dict.pt", "nested.pth", "legacy.bin"):
+        rec(f"torch/{name}", torch.load(out / name, weights_only=True))
+
+
+def main() -> int:
+    manifest: dict[str, Any] = {"files": {}}
+    if MANIFEST.exists():
+        manifest = json.loads(MANIFEST.read_text())
+    ran = []
+    sections = [
+        ("tensorflow", make_tf),
+        ("keras", make_keras),
+        ("safetensors", make_safetensors),
+        ("numpy", make_npz),
+        ("torch", make_torch),
+    ]
+    only = set(sys.argv[1:])
+    for lib, fn in sections:
+        if only and fn.__name__.removeprefix("make_") not in only:
+            continue
+        if _have(lib):
+            fn(manifest)
+            ran.append(fn.__name__.removeprefix("make_"))
+        else:
+            print(f"skipping {fn.__name__}: {lib} is not installed")
+    manifest["files"] = dict(sorted(manifest["files"].items()))
+    MANIFEST.write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
+    print("regenerated:", ", ".join(ran) or "nothing")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
