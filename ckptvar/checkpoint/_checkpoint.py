@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..errors import UnsupportedFormatError
 from ..storage import backend_for, known_formats
 from ..trackable import Trackable
 from ..variables import Variable
@@ -38,13 +39,29 @@ def split_format(prefix: str | os.PathLike[str], format: str | None) -> tuple[st
     if found is not None:
         prefix = prefix[: -len(found[1])]
     if format is not None:
-        cls = backend_for(prefix + ".x", format, mode="w")
+        cls = native_backend(prefix + ".x", format)
         return prefix, cls.name, cls.suffixes[0]
     if found is not None:
         cls = backend_for(prefix + found[1], found[0], mode="w")
         return prefix, cls.name, found[1]
     cls = backend_for(prefix, "h5", mode="w")
     return prefix, cls.name, cls.suffixes[0]
+
+
+#: The formats that keep everything a checkpoint holds (attributes, object graph, state).
+NATIVE_FORMATS = ("h5", "zarr")
+
+
+def native_backend(path: str | os.PathLike[str], format: str | None) -> Any:
+    """The writer backend for ``path``; only the native formats can hold a checkpoint."""
+    backend = backend_for(path, format, mode="w")
+    if backend.name not in NATIVE_FORMATS:
+        raise UnsupportedFormatError(
+            f"Cannot write a checkpoint to {os.fspath(path)!r} in the {backend.name} format: "
+            f"checkpoints are written as {' or '.join(NATIVE_FORMATS)} "
+            "(cv.save writes plain arrays to other formats)."
+        )
+    return backend
 
 
 def write_file(
@@ -55,7 +72,7 @@ def write_file(
 ) -> str:
     """Write one checkpoint atomically (temporary sibling, fsync, rename); returns its path."""
     path = Path(path)
-    backend = backend_for(path, format, mode="w")
+    backend = native_backend(path, format)
     if path.parent and not path.parent.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
     writer = backend.open_writer(path, durable=True)
@@ -167,7 +184,7 @@ class Checkpoint(Trackable):
         """
         self.wait()
         path = os.fspath(path)
-        fmt = backend_for(path, format, mode="w").name
+        fmt = native_backend(path, format).name
         return self._write(path, fmt, blocking, metadata, None)
 
     def _write(
@@ -226,7 +243,7 @@ class Checkpoint(Trackable):
             state.restore_nodes(walk(self))
         finally:
             state.release_reader()
-        return RestoreStatus(state)
+        return RestoreStatus(state, root=self)
 
     read = restore
 

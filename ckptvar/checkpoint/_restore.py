@@ -100,7 +100,7 @@ def apply_values(
     infos: dict[str, ArrayInfo],
     *,
     verify: bool = True,
-    budget: int = TEMPORARY_BUDGET,
+    budget: int | None = None,
 ) -> None:
     """Validate, read and check all values, then assign them (all or nothing).
 
@@ -120,6 +120,7 @@ def apply_values(
         else:
             fresh.append((key, var))
     in_place_bytes = sum(infos[k].nbytes for k, _, _ in in_place)
+    budget = TEMPORARY_BUDGET if budget is None else budget
     use_temporaries = not verify or in_place_bytes <= budget
     # Phase 1: everything that can fail.
     values: list[tuple[Variable, np.ndarray]] = []
@@ -177,8 +178,10 @@ class RestoreState:
         self.alias_to_key = {a: k for a, k in self.alias_to_key.items() if k in self.infos}
         self.children: dict[str, set[str]] = {}
         for path_key in [*self.infos, *self.alias_to_key, *self.states]:
-            parent, _, last = path_key.rpartition("/")
-            self.children.setdefault(parent, set()).add(last)
+            parent = ""
+            for seg in path_key.split("/"):  # every prefix knows its next segment
+                self.children.setdefault(parent, set()).add(seg)
+                parent = f"{parent}/{seg}" if parent else seg
         self.consumed_keys: set[str] = set()
         self.consumed_states: set[str] = set()
         self._matched: dict[int, weakref.ref[Any]] = {}
@@ -320,8 +323,11 @@ class RestoreStatus:
     once.
     """
 
-    def __init__(self, state: RestoreState | None, *, warn_unused: bool = True) -> None:
+    def __init__(
+        self, state: RestoreState | None, *, root: Any = None, warn_unused: bool = True
+    ) -> None:
         self._state = state
+        self._root = root  # the state holds it weakly; the status keeps it alive
         self._silenced = not warn_unused
 
     @property

@@ -55,6 +55,10 @@ def encode_state(state: Any, key: str) -> bytes:
         ) from exc
 
 
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
 def decode_state(blob: Any, key: str, path: Any) -> Any:
     """Inverse of :func:`encode_state`; damage raises ``CorruptCheckpointError``."""
     if not isinstance(blob, bytes | bytearray):
@@ -63,9 +67,7 @@ def decode_state(blob: Any, key: str, path: Any) -> Any:
             f"(found {type(blob).__name__})."
         )
     try:
-        return msgpack.unpackb(
-            blob, raw=False, strict_map_key=False, max_buffer_size=len(blob) or 1
-        )
+        return msgpack.unpackb(blob, raw=False, strict_map_key=False, ext_hook=_no_ext)
     except Exception as exc:
         raise CorruptCheckpointError(
             f"Python state of {key!r} in {str(path)!r} is damaged: {exc}."

@@ -1,0 +1,93 @@
+"""cv.Module: tracking, views, names, name scopes and add_variable."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ckptvar as cv
+
+
+class Dense(cv.Module):
+    def __init__(self, units: int, name: str | None = None) -> None:
+        super().__init__(name=name)
+        self.units = units
+
+    def build(self, fan_in: int) -> None:
+        self.kernel = self.add_variable("kernel", (fan_in, self.units))
+        self.bias = self.add_variable("bias", (self.units,), initializer=cv.initializers.zeros)
+
+
+class MLPModel(cv.Module):
+    pass
+
+
+def test_default_name_is_snake_case_class_name(fresh_graph: cv.Graph) -> None:
+    assert MLPModel().name == "mlp_model"
+    assert Dense(2).name == "dense"
+    assert Dense(2, name="head").name == "head"
+    with pytest.raises(ValueError, match="without '/'"):
+        Dense(2, name="a/b")
+
+
+def test_variables_in_assignment_order_depth_first_without_duplicates(
+    fresh_graph: cv.Graph,
+) -> None:
+    m = MLPModel()
+    a = cv.Variable(1.0, name="a")
+    b = cv.Variable(2.0, name="b", trainable=False)
+    inner = Dense(1)
+    inner.w = cv.Variable([1.0], name="w")
+    m.z = a
+    m.inner = inner
+    m.blocks = [b, {"x": cv.Variable(3.0, name="x"), "again": a}, (inner,)]
+    m.config = {"lr": 0.1}  # plain data: tracked as a container, holds no variables
+    m.also_a = a
+    assert [v.name for v in m.variables] == ["a", "w", "b", "x"]
+    assert [v.name for v in m.trainable_variables] == ["a", "w", "x"]
+    assert [v.name for v in m.non_trainable_variables] == ["b"]
+    assert m.submodules == (inner,)
+
+
+def test_reassigning_and_deleting_attributes_updates_tracking(fresh_graph: cv.Graph) -> None:
+    m = MLPModel()
+    m.v = cv.Variable(1.0, name="v")
+    m.w = cv.Variable(2.0, name="w")
+    m.v = 3  # no longer a variable
+    assert [v.name for v in m.variables] == ["w"]
+    del m.w
+    assert m.variables == ()
+
+
+def test_submodules_depth_first(fresh_graph: cv.Graph) -> None:
+    root = MLPModel()
+    a, b, c = Dense(1, name="a"), Dense(1, name="b"), Dense(1, name="c")
+    a.child = c
+    root.layers = [a, b]
+    assert [m.name for m in root.submodules] == ["a", "c", "b"]
+
+
+def test_add_variable_under_the_module_name_scope(fresh_graph: cv.Graph) -> None:
+    d = Dense(3)
+    d.build(2)
+    assert d.kernel.name == "dense/kernel" and d.bias.name == "dense/bias"
+    assert d.kernel.shape == (2, 3) and d.kernel.dtype == np.float32
+    np.testing.assert_array_equal(d.bias.numpy(), np.zeros(3, np.float32))
+    d2 = Dense(3)  # a second module of the same name gets its own scope
+    d2.build(2)
+    assert d2.kernel.name == "dense_1/kernel"
+    with d.name_scope as scope:
+        v = cv.Variable(1.0, name="extra")
+    assert scope == "dense/" and v.name == "dense/extra"
+    with d.name_scope:  # re-entering keeps the same prefix
+        assert cv.Variable(1.0, name="more").name == "dense/more"
+
+
+def test_add_variable_default_initializers(fresh_graph: cv.Graph) -> None:
+    m = MLPModel()
+    f = m.add_variable("f", (64, 64))
+    i = m.add_variable("i", 4, dtype="int64", trainable=False)
+    assert f.numpy().std() > 0  # glorot_uniform, not zeros
+    assert i.dtype == np.int64 and i.shape == (4,) and not i.trainable
+    np.testing.assert_array_equal(i.numpy(), np.zeros(4, np.int64))
+    assert list(m._trackable_children()) == ["f", "i"]

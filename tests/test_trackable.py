@@ -1,0 +1,153 @@
+"""The trackable protocol, Python state in checkpoints, keys and the object-graph walk."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import ckptvar as cv
+from ckptvar.checkpoint._keys import escape_segment, join_key, split_key, unescape_segment
+from ckptvar.checkpoint._walk import walk
+
+
+class TrainState(cv.Trackable):
+    """A step counter, an RNG state and a config dict, kept as plain Python."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.step = 0
+        self.rng = random.Random(seed)
+        self.config = {"lr": 0.1, "layers": [64, 64], "name": "run"}
+
+    def _python_state(self) -> Any:
+        version, internal, gauss = self.rng.getstate()
+        return {"step": self.step, "rng": [version, list(internal), gauss], "config": self.config}
+
+    def _restore_python_state(self, state: Any) -> None:
+        self.step = state["step"]
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.config = state["config"]
+
+
+def test_python_state_round_trips(tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
+    s = TrainState(seed=1)
+    s.step = 41
+    s.rng.random()
+    expected_next = random.Random()
+    expected_next.setstate(s.rng.getstate())
+    ckpt = cv.Checkpoint(state=s, w=cv.Variable([1.0, 2.0], name="w"))
+    path = ckpt.save(tmp_path / "ckpt", format=fmt)
+
+    s2 = TrainState(seed=99)
+    status = cv.Checkpoint(state=s2, w=cv.Variable([0.0, 0.0], name="w2")).restore(path)
+    status.assert_consumed()
+    assert s2.step == 41
+    assert s2.config == {"lr": 0.1, "layers": [64, 64], "name": "run"}
+    assert s2.rng.random() == expected_next.random()
+
+
+def test_python_state_of_an_object_attached_after_restore(
+    tmp_path: Path, fmt: str, fresh_graph: cv.Graph
+) -> None:
+    s = TrainState()
+    s.step = 7
+    path = cv.Checkpoint(state=s).save(tmp_path / "ckpt", format=fmt)
+    ckpt = cv.Checkpoint()
+    status = ckpt.restore(path)
+    later = TrainState()
+    ckpt.state = later
+    assert later.step == 7
+    status.assert_consumed()
+
+
+def test_state_that_msgpack_cannot_store_is_refused(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    class Bad(cv.Trackable):
+        def _python_state(self) -> Any:
+            return {"x": object()}
+
+    with pytest.raises(TypeError, match="'bad'.*msgpack"):
+        cv.Checkpoint(bad=Bad()).save(tmp_path / "ckpt")
+    assert not list(tmp_path.iterdir())
+
+
+def test_state_without_restore_method_fails_clearly(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    class OneWay(cv.Trackable):
+        def _python_state(self) -> Any:
+            return 1
+
+    path = cv.Checkpoint(x=OneWay()).save(tmp_path / "ckpt")
+    with pytest.raises(TypeError, match="_restore_python_state"):
+        cv.Checkpoint(x=OneWay()).restore(path)
+
+
+def test_track_and_defer_protocol(fresh_graph: cv.Graph) -> None:
+    t = cv.Trackable()
+    seen: list[tuple[str, Any]] = []
+    t._defer("child", lambda parent, name, value: seen.append((name, value)))
+    v = cv.Variable(1.0)
+    assert t._deferred_names() == ["child"]
+    t._track("other", v)
+    assert seen == []
+    t._track("child", v)
+    t._track("child", v)  # a handler runs once
+    assert seen == [("child", v)]
+    assert list(t._trackable_children()) == ["other", "child"]
+    t._untrack("other")
+    assert list(t._trackable_children()) == ["child"]
+    with pytest.raises(ValueError, match="non-empty"):
+        t._track("", v)
+
+
+def test_key_escaping() -> None:
+    assert join_key(["model", "layers", "0", "kernel"]) == "model/layers/0/kernel"
+    assert escape_segment("a/b") == "a%2Fb" and escape_segment("50%") == "50%25"
+    assert split_key("a%2Fb/c%252F") == ["a/b", "c%2F"]
+    with pytest.raises(ValueError, match="empty"):
+        escape_segment("")
+    with pytest.raises(ValueError, match="Bad escape"):
+        unescape_segment("%41")
+
+
+@given(st.lists(st.text(min_size=1), min_size=1, max_size=5))
+def test_keys_round_trip(names: list[str]) -> None:
+    key = join_key(names)
+    assert split_key(key) == names
+    assert key.count("/") == len(names) - 1
+
+
+def test_walk_is_breadth_first_and_records_aliases(fresh_graph: cv.Graph) -> None:
+    shared = cv.Variable(1.0, name="shared")
+    deep = cv.Trackable()
+    deep._track("v", shared)
+    root = cv.Trackable()
+    root._track("deep", deep)
+    root._track("list", [cv.Variable(2.0, name="x"), {"k/1": shared}])
+    nodes = [(n.key, n.first) for n in walk(root)]
+    assert nodes == [
+        ("", True),
+        ("deep", True),
+        ("list", True),
+        ("deep/v", True),
+        ("list/0", True),
+        ("list/1", True),
+        ("list/1/k%2F1", False),
+    ]
+
+
+def test_walk_survives_cycles(fresh_graph: cv.Graph) -> None:
+    a, b = cv.Trackable(), cv.Trackable()
+    a._track("b", b)
+    b._track("a", a)
+    b._track("v", cv.Variable(1.0))
+    assert [n.key for n in walk(a) if n.first] == ["", "b", "b/v"]
+
+
+def test_dict_keys_that_cannot_name_a_value(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    ckpt = cv.Checkpoint(d={(1, 2): cv.Variable(1.0), 3: cv.Variable(2.0)})
+    with pytest.raises(TypeError, match=r"\(1, 2\)"):
+        ckpt.save(tmp_path / "ckpt")
