@@ -405,11 +405,13 @@ def variable_scope(
             raise VariableScopeError(
                 f"name_or_scope is a string or a VariableScope, not {name_or_scope!r}."
             )
-        if not local or not _naming.valid_scope_name(local, nested=True):
+        if not _naming.valid_scope_name(local, nested=True):
             raise VariableScopeError(f"{local!r} is not a valid variable scope name.")
         full = _naming.join(old.name, local)
-        # The name scope re-uses the prefix: parent name scope + local name, not uniquified.
-        ns = _naming.join(graph.get_name_scope(), local) + "/"
+        # The name scope re-uses the prefix: parent name scope + local name, not uniquified;
+        # "" re-enters the current scope.
+        ns = _naming.join(graph.get_name_scope(), local) if local else graph.get_name_scope()
+        ns = ns + "/" if ns else ""
         scope = VariableScope(
             full,
             reuse=reuse or old.reuse,
@@ -417,7 +419,7 @@ def variable_scope(
             dtype=dtype if dtype is not None else old.dtype,
             name_scope=ns,
         )
-        name_scope_arg = ns
+        name_scope_arg = ns or None
     graph._count_scope(scope.name)
     graph._set_var_scope(scope)
     try:

@@ -114,7 +114,7 @@ class Initializer:
                 f"it supports kinds {self.kinds!r} (f=float, i/u=int, b=bool, c=complex)."
             )
         out = self._generate(shape, dt)
-        return np.ascontiguousarray(out.astype(dt, copy=False))
+        return np.asarray(out, dtype=dt, order="C")  # (ascontiguousarray would make 0-d 1-d)
 
     def _generate(self, shape: Shape, dtype: np.dtype) -> np.ndarray:
         raise NotImplementedError

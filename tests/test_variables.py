@@ -1,0 +1,486 @@
+"""Variable behaviour (API.md §1) and the hooks the checkpoint layer relies on."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import weakref
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ckptvar as cv
+from ckptvar.errors import DTypeLockError, ShapeLockError, UninitializedVariableError
+from ckptvar.variables import VariableStateError, register_creation_hook
+
+pytestmark = pytest.mark.usefixtures("fresh_graph")
+
+
+def _ptr(v: cv.Variable) -> int:
+    return v.value().ctypes.data
+
+
+# --- creation and dtype inference ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "dtype"),
+    [
+        (1.5, "float32"),
+        (3, "int32"),
+        (True, "bool"),
+        (1 + 2j, "complex128"),
+        ([[1.0, 2.0], [3.0, 4.0]], "float32"),
+        ([1, 2, 3], "int32"),
+        ([False, True], "bool"),
+        ([5 + 4j, 6 + 1j], "complex128"),
+        ([1, 2.5], "float32"),
+        (np.arange(3, dtype=np.int64), "int64"),
+        (np.float64(2.0), "float64"),
+        (np.zeros(2, np.float16), "float16"),
+    ],
+)
+def test_dtype_inference_follows_tensorflow(value, dtype) -> None:
+    assert cv.Variable(value).dtype == np.dtype(dtype)
+
+
+def test_dtype_argument_converts_same_kind_only() -> None:
+    assert cv.Variable([1, 2], dtype="float64").dtype == np.float64
+    assert cv.Variable([1, 2], dtype="bfloat16").dtype == ml_dtypes.bfloat16
+    with pytest.raises(DTypeLockError, match="float.*int32"):
+        cv.Variable([1.5, 2.0], dtype="int32")
+    with pytest.raises(TypeError):
+        cv.Variable(["a", "b"])
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+     "float16", "float32", "float64", "bfloat16", "complex64", "complex128"],
+)
+def test_every_dtype_round_trips_and_assigns(dtype) -> None:
+    dt = cv.initializers.zeros((1,), dtype).dtype
+    v = cv.Variable(np.ones((2, 3), dt), name="v")
+    assert v.dtype == dt and v.shape == (2, 3)
+    v.assign(np.zeros((2, 3), dt))
+    assert v.numpy().dtype == dt and not v.numpy().astype(bool).any()
+    if dt.kind != "b":
+        v.assign_add(np.ones((2, 3), dt))
+        assert (v.numpy().astype(np.complex128) == 1).all()
+
+
+def test_attributes_and_repr() -> None:
+    v = cv.Variable([[1.0, 2.0], [3.0, 4.0]], name="w", trainable=False)
+    assert v.name == "w" and v.shape == (2, 2) and v.dtype == np.float32
+    assert v.device == "CPU:0" and v.trainable is False and v.initialized
+    assert v.constraint is None and v.ndim == 2
+    assert repr(v) == (
+        "<cv.Variable 'w' shape=(2, 2) dtype=float32, numpy=\n"
+        "array([[1., 2.],\n       [3., 4.]], dtype=float32)>"
+    )
+    assert "dtype=bfloat16" in repr(cv.Variable([1.0], dtype="bfloat16"))
+
+
+def test_initial_value_from_variable_is_a_copy() -> None:
+    a = cv.Variable([2.0, 3.0])
+    b = cv.Variable(a)
+    assert not np.shares_memory(a.value(), b.value())
+    a.assign([5, 6])
+    np.testing.assert_array_equal(b.numpy(), [2.0, 3.0])
+    np.testing.assert_array_equal(a.numpy(), [5.0, 6.0])
+    assert b.dtype == np.float32
+
+
+def test_initial_value_array_is_copied() -> None:
+    src = np.array([1.0, 2.0], np.float32)
+    v = cv.Variable(src)
+    src[0] = 99
+    assert v.numpy()[0] == 1.0
+    assert not np.shares_memory(src, v.value())
+
+
+def test_callable_initial_value() -> None:
+    v = cv.Variable(lambda: np.zeros(3))
+    assert v.dtype == np.float64 and v.shape == (3,)
+    calls = []
+
+    def make() -> np.ndarray:
+        calls.append(1)
+        return np.ones((2,), np.float32)
+
+    lazy = cv.Variable(make, shape=(2,), dtype="float32")
+    assert calls == []  # both shape and dtype known: taken at first read
+    np.testing.assert_array_equal(lazy.numpy(), [1, 1])
+    assert calls == [1]
+
+
+def test_callable_result_is_not_aliased() -> None:
+    shared = np.zeros(2, np.float32)
+    v = cv.Variable(lambda: shared, shape=(2,), dtype="float32")
+    v.assign_add([1, 1])
+    assert shared.sum() == 0
+
+
+@pytest.mark.parametrize("init", [cv.initializers.ones, cv.initializers.ones(),
+                                  lambda shape, dtype: np.ones(shape, dtype)])
+def test_initializer_with_shape_and_dtype(init) -> None:
+    v = cv.Variable(init, shape=(2, 3), dtype="float64")
+    assert v.shape == (2, 3) and v.dtype == np.float64
+    np.testing.assert_array_equal(v.numpy(), np.ones((2, 3)))
+
+
+def test_initializer_needs_a_shape() -> None:
+    with pytest.raises(ValueError, match="shape"):
+        cv.Variable(cv.initializers.zeros)
+    with pytest.raises(ValueError):
+        cv.Variable(None)
+
+
+def test_initializer_default_dtype_is_float32() -> None:
+    assert cv.Variable(cv.initializers.zeros, shape=(2,)).dtype == np.float32
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+def test_reads_return_copies() -> None:
+    v = cv.Variable([1.0, 2.0])
+    for read in (v.numpy(), v.read_value(), np.asarray(v), np.array(v)):
+        assert isinstance(read, np.ndarray)
+        assert not np.shares_memory(read, v.value())
+        read[0] = 42
+    np.testing.assert_array_equal(v.numpy(), [1.0, 2.0])
+    assert v.value() is v.value()  # the backing array itself
+
+
+def test_asarray_without_copy_is_read_only() -> None:
+    v = cv.Variable([1.0, 2.0])
+    view = np.asarray(v, copy=False)
+    assert np.shares_memory(view, v.value()) and not view.flags.writeable
+    assert np.asarray(v, dtype=np.float64).dtype == np.float64
+
+
+def test_indexing_returns_arrays() -> None:
+    v = cv.Variable([[1, 2, 3], [4, 5, 6], [7, 8, 9]], dtype="float32")
+    part = v[:2, :2]
+    assert isinstance(part, np.ndarray)
+    np.testing.assert_array_equal(part, [[1, 2], [4, 5]])
+    assert not np.shares_memory(part, v.value())
+    assert type(part + 1) is np.ndarray
+    assert v[1, 1] == 5.0
+    assert len(v) == 3
+    with pytest.raises(TypeError):
+        len(cv.Variable(1.0))
+    assert [row.tolist() for row in v] == v.numpy().tolist()
+    assert float(cv.Variable(2.5)) == 2.5 and int(cv.Variable(3)) == 3
+    assert list(range(cv.Variable(3))) == [0, 1, 2]
+
+
+def test_operators_return_arrays_and_never_change_the_variable() -> None:
+    v = cv.Variable([[1.0, 2.0], [3.0, 4.0]])
+    before = v.numpy()
+    m = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
+    results = {
+        "add": (v + 1, before + 1), "radd": (1 + v, 1 + before),
+        "sub": (v - 1, before - 1), "rsub": (1 - v, 1 - before),
+        "mul": (v * 2, before * 2), "rmul": (2 * v, 2 * before),
+        "div": (v / 2, before / 2), "rdiv": (2 / v, 2 / before),
+        "floordiv": (v // 2, before // 2), "rfloordiv": (7 // v, 7 // before),
+        "mod": (v % 2, before % 2), "rmod": (7 % v, 7 % before),
+        "pow": (v ** 2, before ** 2), "rpow": (2 ** v, 2 ** before),
+        "matmul": (v @ m, before @ m), "rmatmul": (m @ v, m @ before),
+        "neg": (-v, -before), "pos": (+v, +before), "abs": (abs(-v), before),
+        "vv": (v + v, before + before), "arr_left": (m + v, m + before),
+    }
+    for key, (got, want) in results.items():
+        assert isinstance(got, np.ndarray), key
+        np.testing.assert_allclose(got, want, err_msg=key)
+    np.testing.assert_array_equal(v.numpy(), before)
+
+
+def test_comparisons_are_elementwise() -> None:
+    my_tensor = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    a = cv.Variable(my_tensor, name="Mark")
+    b = cv.Variable(my_tensor + 1, name="Mark")
+    assert (a == b).tolist() == [[False, False], [False, False]]
+    assert (a != b).all() and (a < b).all() and (b > a).all() and (a <= a).all()
+    assert (a >= 2).tolist() == [[False, True], [True, True]]
+    assert {a: 1}[a] == 1  # hashable by identity
+
+
+def test_numpy_functions_return_arrays_and_never_change_the_variable() -> None:
+    v = cv.Variable([[1.0, 5.0], [3.0, 4.0]])
+    before = v.numpy()
+    assert np.argmax(v) == 1
+    r = np.reshape(v, (1, 4))
+    assert r.shape == (1, 4) and v.shape == (2, 2)
+    assert not np.shares_memory(r, v.value())
+    assert np.sum(v) == 13.0 and np.mean(v) == 3.25
+    t = np.transpose(v)
+    assert not np.shares_memory(t, v.value())
+    assert np.concatenate([v, v]).shape == (4, 2)
+    np.testing.assert_array_equal(np.sqrt(v), np.sqrt(before))
+    with pytest.raises(ValueError):
+        np.copyto(v, np.zeros((2, 2)))  # the variable is only written through assign
+    v.assign_add(1)
+    np.testing.assert_array_equal(r, before.reshape(1, 4))  # no aliasing of earlier results
+    np.testing.assert_array_equal(v.numpy(), before + 1)
+
+
+def test_ufunc_out_variable_writes_through_assign() -> None:
+    v = cv.Variable([1.0, 2.0])
+    ptr = _ptr(v)
+    np.add(v, 1, out=v)
+    np.testing.assert_array_equal(v.numpy(), [2.0, 3.0])
+    assert _ptr(v) == ptr
+    with pytest.raises(DTypeLockError):
+        np.add(v, 1.5, out=cv.Variable([1, 2]))
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+
+def test_assign_family_in_place() -> None:
+    a = cv.Variable([2.0, 3.0])
+    buf, ptr = a.value(), _ptr(a)
+    assert a.assign([1, 2]) is a
+    assert a.dtype == np.float32
+    np.testing.assert_array_equal(a.numpy(), [1.0, 2.0])
+    np.testing.assert_array_equal(a.assign_add([2, 3]).numpy(), [3.0, 5.0])
+    np.testing.assert_array_equal(a.assign_sub([3, 5]).numpy(), [0.0, 0.0])
+    a[1].assign(7)
+    a[:1].assign([4])
+    np.testing.assert_array_equal(a.numpy(), [4.0, 7.0])
+    assert a.value() is buf and _ptr(a) == ptr
+    assert ctypes.addressof(ctypes.c_char.from_address(ptr)) == ptr
+
+
+def test_slice_assign_like_tensorflow() -> None:
+    A = cv.Variable([[1, 2, 3], [4, 5, 6], [7, 8, 9]], dtype="float32")
+    ptr = _ptr(A)
+    np.testing.assert_array_equal(A[:2, :2], [[1, 2], [4, 5]])
+    out = A[:2, :2].assign(22.0 * np.ones((2, 2)))
+    assert out is A and _ptr(A) == ptr
+    np.testing.assert_array_equal(A.numpy(), [[22, 22, 3], [22, 22, 6], [7, 8, 9]])
+    A[2] = [0, 0, 0]
+    A[:, 2] = 1  # setitem broadcasts into the slice
+    np.testing.assert_array_equal(A.numpy(), [[22, 22, 1], [22, 22, 1], [0, 0, 1]])
+    with pytest.raises(ShapeLockError, match=r"slice's shape \(2, 2\)"):
+        A[:2, :2].assign(np.ones((3,)))
+    assert not hasattr(A[:2, :2] + 1, "assign")  # derived arrays are plain NumPy
+
+
+def test_in_place_operators_write_into_the_variable() -> None:
+    v = cv.Variable([1.0, 2.0])
+    ptr = _ptr(v)
+    alias = v
+    v += 1
+    v *= 2
+    assert v is alias and isinstance(v, cv.Variable) and _ptr(v) == ptr
+    np.testing.assert_array_equal(v.numpy(), [4.0, 6.0])
+
+
+def test_shape_lock_message_names_variable_and_shapes() -> None:
+    with cv.name_scope("dense"):
+        k = cv.Variable([1.0, 2.0], name="kernel")
+    with pytest.raises(ShapeLockError) as err:
+        k.assign([1.0, 2.0, 3.0])
+    assert isinstance(err.value, ValueError)
+    assert str(err.value) == (
+        "Cannot assign to variable 'dense/kernel': shape (3,) does not match the variable's "
+        "shape (2,)."
+    )
+    with pytest.raises(ShapeLockError):
+        k.assign_add(np.ones((2, 2)))
+    np.testing.assert_array_equal(k.numpy(), [1.0, 2.0])
+
+
+def test_dtype_lock_same_kind() -> None:
+    f = cv.Variable([1.0, 2.0])
+    f.assign(np.array([3, 4], np.int64))  # int -> float is fine
+    i = cv.Variable([1, 2])
+    with pytest.raises(DTypeLockError) as err:
+        i.assign([1.5, 2.5])
+    assert isinstance(err.value, TypeError) and "int32" in str(err.value)
+    with pytest.raises(TypeError):
+        i.assign_add(np.array([0.5, 0.5]))
+    with pytest.raises(TypeError):
+        f.assign(np.array([1j, 2j]))
+    np.testing.assert_array_equal(i.numpy(), [1, 2])
+
+
+def test_failed_writes_leave_value_unchanged() -> None:
+    def bad_constraint(x):
+        if x.sum() > 100:
+            raise RuntimeError("too big")
+        return x
+
+    v = cv.Variable([1.0, 2.0], constraint=bad_constraint)
+    attempts = [
+        lambda: v.assign([1.0]),
+        lambda: v.assign(["x", "y"]),
+        lambda: v.assign([1000.0, 0.0]),
+        lambda: v.assign_add([1000.0, 0.0]),
+        lambda: v[0].assign(500.0),
+        lambda: v.assign_sub(np.ones(3)),
+    ]
+    for attempt in attempts:
+        with pytest.raises((ValueError, TypeError, RuntimeError)):
+            attempt()
+        np.testing.assert_array_equal(v.numpy(), [1.0, 2.0])
+
+
+def test_constraint_applied_after_every_write() -> None:
+    v = cv.Variable([0.5, -0.5], constraint=lambda x: np.clip(x, 0, 1))
+    np.testing.assert_array_equal(v.numpy(), [0.5, -0.5])  # not at creation
+    ptr = _ptr(v)
+    v.assign([2.0, -3.0])
+    np.testing.assert_array_equal(v.numpy(), [1.0, 0.0])
+    v.assign_sub([2.0, 0.0])
+    np.testing.assert_array_equal(v.numpy(), [0.0, 0.0])
+    v.assign_add([0.25, 5.0])
+    np.testing.assert_array_equal(v.numpy(), [0.25, 1.0])
+    v[0].assign(9.0)
+    np.testing.assert_array_equal(v.numpy(), [1.0, 1.0])
+    assert _ptr(v) == ptr
+    with pytest.raises(ShapeLockError, match="constraint"):
+        cv.Variable([1.0, 2.0], constraint=lambda x: x[:1]).assign([1.0, 1.0])
+
+
+def test_unlocked_dimensions() -> None:
+    v = cv.Variable(np.zeros((2, 3)), shape=(None, 3))
+    assert v.shape == (None, 3)
+    v.assign(np.ones((5, 3)))
+    assert v.numpy().shape == (5, 3)
+    with pytest.raises(ShapeLockError, match=r"\(None, 3\)"):
+        v.assign(np.ones((5, 4)))
+    free = cv.Variable([1.0, 2.0], validate_shape=False)
+    assert free.shape is None
+    free.assign(np.ones((4, 4)))
+    assert free.numpy().shape == (4, 4)
+    with pytest.raises(ShapeLockError):
+        cv.Variable(np.zeros((2, 3)), shape=(3, None))
+
+
+def test_variables_are_freed_when_unreferenced() -> None:
+    v = cv.Variable(np.zeros(10), name="temp")
+    ref = weakref.ref(v)
+    assert cv.global_variables() == [v]
+    del v
+    gc.collect()
+    assert ref() is None
+    assert cv.global_variables() == []
+
+
+# --- checkpoint-layer hooks ---------------------------------------------------------------------
+
+
+def test_uid_is_unique_and_increasing() -> None:
+    uids = [cv.Variable(1.0)._uid for _ in range(5)]
+    assert uids == sorted(uids) and len(set(uids)) == 5
+
+
+def test_concrete_value_is_materialized_at_construction() -> None:
+    assert cv.Variable([1.0])._materialized
+
+
+def test_initializer_variable_is_not_materialized_until_read() -> None:
+    calls = []
+
+    def init(shape, dtype):
+        calls.append(shape)
+        return np.full(shape, 3, dtype)
+
+    v = cv.Variable(init, shape=(2,), dtype="float32")
+    assert not v._materialized and v.initialized and calls == []
+    assert v._host_buffer() is None
+    np.testing.assert_array_equal(v.numpy(), [3, 3])
+    assert v._materialized and calls == [(2,)]
+    buf = v._host_buffer()
+    assert buf is v.value() and buf.flags.c_contiguous
+
+
+def test_set_initial_value_source_replaces_initializer_and_is_adopted() -> None:
+    def init(shape, dtype):
+        raise AssertionError("the initializer must not run")
+
+    v = cv.Variable(init, shape=(2, 2), dtype="float32", lazy=True)
+    assert not v.initialized
+    stored = np.arange(4, dtype=np.float32).reshape(2, 2)
+    v._set_initial_value_source(lambda: stored)
+    assert v.initialized and not v._materialized
+    assert v.value() is stored  # adopted without a copy on the CPU
+    np.testing.assert_array_equal(v.numpy(), stored)
+    with pytest.raises(RuntimeError) as err:
+        v._set_initial_value_source(lambda: stored)
+    assert isinstance(err.value, VariableStateError)
+
+
+def test_set_initial_value_source_before_first_write() -> None:
+    v = cv.Variable(cv.initializers.zeros, shape=(2,), dtype="float32")
+    v._set_initial_value_source(lambda: np.array([5, 6], np.float32))
+    v.assign_add([1, 1])
+    np.testing.assert_array_equal(v.numpy(), [6, 7])
+
+
+def test_restore_value_in_place_when_materialized() -> None:
+    v = cv.Variable([1.0, 2.0], constraint=lambda x: x * 0)
+    buf = v.value()
+    new = np.array([7.0, 8.0], np.float32)
+    v._restore_value(new)
+    assert v.value() is buf and not np.shares_memory(buf, new)
+    np.testing.assert_array_equal(v.numpy(), [7.0, 8.0])  # the constraint is not applied
+
+
+def test_restore_value_adopts_when_not_materialized() -> None:
+    calls = []
+    v = cv.Variable(lambda shape, dtype: calls.append(1), shape=(2,), dtype="float32")
+    arr = np.array([1.0, 2.0], np.float32)
+    v._restore_value(arr)
+    assert v.value() is arr and calls == []
+    deferred = cv.Variable(cv.initializers.ones, shape=(2,), lazy=True)
+    deferred._restore_value(arr.copy())
+    assert deferred.initialized and cv.report_uninitialized_variables() == []
+
+
+def test_host_buffer_reads_straight_into_the_variable() -> None:
+    v = cv.Variable(np.zeros((2, 2), np.float32))
+    buf = v._host_buffer()
+    buf[...] = 5  # what a loader does with file bytes
+    assert (v.numpy() == 5).all()
+    assert cv.Variable(cv.initializers.zeros, shape=(2,), lazy=True)._host_buffer() is None
+
+
+def test_creation_hooks_run_in_order_before_materialisation() -> None:
+    seen = []
+
+    def first(v):
+        seen.append(("first", v.name, v.shape, v.dtype, v.device, v.trainable,
+                     v._materialized, v in cv.global_variables()))
+
+    def second(v):
+        seen.append(("second", v.name))
+        if v.name == "restored":
+            v._set_initial_value_source(lambda: np.full((3,), 9, np.float32))
+
+    h1, h2 = register_creation_hook(first), register_creation_hook(second)
+    try:
+        v = cv.Variable(cv.initializers.random_normal(seed=1), shape=(3,), name="restored")
+    finally:
+        h1.remove()
+        h2.remove()
+        h2.remove()  # idempotent
+    assert seen == [("first", "restored", (3,), np.float32, "CPU:0", True, False, True),
+                    ("second", "restored")]
+    np.testing.assert_array_equal(v.numpy(), [9, 9, 9])
+    cv.Variable(1.0)
+    assert len(seen) == 2  # removed hooks no longer run
+
+
+def test_creation_hook_sees_get_variable() -> None:
+    names = []
+    with register_creation_hook(lambda v: names.append(v.name)):
+        with cv.variable_scope("s"):
+            cv.get_variable("w", shape=(1,))
+    assert names == ["s/w"]
