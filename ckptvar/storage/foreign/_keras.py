@@ -26,7 +26,7 @@ import numpy as np
 
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..base import ArrayInfo, Backend, LazyArray, Reader
-from ._common import EntryReader, check_shape, normalize_index
+from ._common import EntryReader, check_shape, normalize_index, row_span
 
 __all__ = ["HDF5Backend", "KerasBackend", "check_dataset"]
 
@@ -98,10 +98,20 @@ class H5Array(LazyArray):
         try:
             if not self.info.shape or not self.info.size:
                 return np.array(self.read()[index], copy=True)
-            result = self._dset[index if index else ()]
+            if all(_h5_simple(i) for i in index) and len(index) <= len(self.info.shape):
+                result = self._dset[index if index else ()]
+            else:  # negative steps, newaxis, fancy indices: read the rows spanned, index here
+                start, stop, rest = row_span(index, self.info.shape)
+                result = self._dset[start:stop][rest]
         except OSError as exc:
             raise CorruptCheckpointError(f"Cannot read {self.info.key!r}: {exc}") from None
         return np.asarray(result).astype(self.info.dtype, copy=False)
+
+
+def _h5_simple(i: Any) -> bool:
+    if isinstance(i, slice):
+        return i.step is None or (isinstance(i.step, int) and i.step > 0)
+    return isinstance(i, int | np.integer) and not isinstance(i, bool)
 
 
 class _Walker:

@@ -48,7 +48,7 @@ class _Sealed:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class TorchDtype(_Sealed):
     """Stands for ``torch.<name>`` (a dtype object) in a pickle."""
 
@@ -56,7 +56,7 @@ class TorchDtype(_Sealed):
     np_dtype: np.dtype | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class StorageType(_Sealed):
     """Stands for ``torch.FloatStorage`` etc. (typed) or ``torch.UntypedStorage`` (bytes)."""
 
@@ -64,7 +64,7 @@ class StorageType(_Sealed):
     np_dtype: np.dtype
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class StorageRef(_Sealed):
     """One storage the pickle refers to: a key into the archive and its element count."""
 
@@ -74,7 +74,7 @@ class StorageRef(_Sealed):
     location: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class TensorRef(_Sealed):
     """A tensor as the pickle describes it: a strided view of a storage."""
 

@@ -1,0 +1,296 @@
+"""PyTorch files: hostile pickles never run, hostile sizes are refused before allocation.
+
+The oracles: a marker file that the payload would create, and a Python audit
+hook (in a child process) recording os.system / exec / compile / subprocess events
+while ckptvar reads the files. A positive control shows the same payloads do
+run under plain ``pickle.loads``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import tracemalloc
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptvar as cv
+from ckptvar.errors import CkptError, CorruptCheckpointError, UnsupportedFormatError
+from ckptvar.storage.foreign import TorchBackend
+
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+
+
+class _Reduce:
+    """Pickles as a call of ``fn(*args)`` (what an attacker's payload looks like)."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return self.fn, self.args
+
+
+def _zip_pt(path: Path, pkl: bytes, members: dict[str, bytes] | None = None,
+            top: str = "archive", compress: int = zipfile.ZIP_STORED) -> Path:
+    with zipfile.ZipFile(path, "w", compress) as zf:
+        zf.writestr(f"{top}/data.pkl", pkl)
+        zf.writestr(f"{top}/byteorder", "little")
+        zf.writestr(f"{top}/version", "3\n")
+        for name, data in (members or {}).items():
+            zf.writestr(f"{top}/{name}", data)
+    return path
+
+
+def _legacy_pt(path: Path, pkl: bytes, keys: list[str] | None = None,
+               storages: list[bytes] | None = None) -> Path:
+    buf = io.BytesIO()
+    for obj in (LEGACY_MAGIC, 1001, {"protocol_version": 1001, "little_endian": True}):
+        pickle.dump(obj, buf, protocol=2)
+    buf.write(pkl)
+    pickle.dump(keys or [], buf, protocol=2)
+    for data in storages or []:
+        buf.write(data)
+    path.write_bytes(buf.getvalue())
+    return path
+
+
+def _tensor_pickle(numel: int, offset: int, size: tuple[int, ...], stride: tuple[int, ...],
+                   storage: str = "FloatStorage") -> bytes:
+    """A hand-written protocol-2 pickle of {'w': tensor}, as torch.save writes it."""
+
+    def pint(n: int) -> bytes:
+        return b"J" + struct.pack("<i", n) if n < 2**31 else b"\x8a\x08" + struct.pack("<q", n)
+
+    def ptuple(t: tuple[int, ...]) -> bytes:
+        return b"(" + b"".join(pint(v) for v in t) + b"t"
+
+    return (
+        b"\x80\x02}X\x01\x00\x00\x00w"
+        b"ctorch._utils\n_rebuild_tensor_v2\n("
+        b"(X\x07\x00\x00\x00storage"
+        + f"ctorch\n{storage}\n".encode()
+        + b"X\x01\x00\x00\x000X\x03\x00\x00\x00cpu" + pint(numel) + b"tQ"
+        + pint(offset) + ptuple(size) + ptuple(stride)
+        + b"\x89ccollections\nOrderedDict\n)RtRs."
+    )
+
+
+def test_hand_built_tensor_pickle_reads(tmp_path: Path) -> None:
+    data = np.arange(6, dtype="<f4").tobytes()
+    path = _zip_pt(tmp_path / "ok.pt", _tensor_pickle(6, 1, (2, 2), (1, 2)), {"data/0": data})
+    with cv.open(path) as reader:
+        np.testing.assert_array_equal(reader["w"].read(), np.array([[1, 3], [2, 4]], "f4"))
+
+
+# --------------------------------------------------------------------------- hostile files
+
+
+def _hostile_files(tmp: Path, marker: Path) -> dict[str, Path]:
+    touch = f"open({str(marker)!r}, 'w').write('pwned')"
+    payloads = {
+        "system": pickle.dumps({"w": _Reduce(os.system, f"touch {marker}")}, protocol=2),
+        "eval_stack_global": pickle.dumps({"w": _Reduce(eval, touch)}, protocol=4),
+        "exec": pickle.dumps(_Reduce(exec, touch), protocol=4),
+        "getattr_chain": pickle.dumps(
+            _Reduce(getattr, _Reduce(__import__, "os"), "system"), protocol=4
+        ),
+    }
+    files = {}
+    for name, pkl in payloads.items():
+        files[f"zip_{name}"] = _zip_pt(tmp / f"{name}.pt", pkl)
+        files[f"legacy_{name}"] = _legacy_pt(tmp / f"{name}_legacy.pt", pkl)
+    # An allowed global whose state the pickle tries to overwrite (BUILD).
+    build = (b"\x80\x02ctorch\nFloatStorage\n}X\x08\x00\x00\x00np_dtypeX\x01\x00\x00\x00Osb.")
+    files["build_on_allowed"] = _zip_pt(tmp / "build.pt", build)
+    # TorchScript archive.
+    files["torchscript"] = _zip_pt(
+        tmp / "script.pt", pickle.dumps({}, protocol=2),
+        {"constants.pkl": pickle.dumps((), protocol=2), "code/__torch__.py": b"def f(): pass"},
+    )
+    return files
+
+
+CHILD = r"""
+import json, sys
+events = []
+watch = ("os.system", "exec", "compile", "subprocess.Popen", "os.exec", "os.posix_spawn",
+         "os.spawn", "os.fork", "ctypes.dlopen", "import")
+armed = False
+def hook(event, args):
+    if armed and event.startswith(watch):
+        events.append([event, repr(args)[:200]])
+sys.addaudithook(hook)
+import ckptvar as cv
+import ckptvar.storage.foreign  # everything ckptvar needs is imported before arming
+import zipfile, io, pickle, struct, numpy, encodings.cp437  # zipfile decodes names lazily
+files = json.loads(sys.argv[1])
+outcome = {}
+armed = True
+for name, path in files.items():
+    try:
+        with cv.open(path, format="torch") as reader:
+            [reader[k].read() for k in reader]
+        outcome[name] = "loaded"
+    except cv.CkptError as exc:
+        outcome[name] = type(exc).__name__ + ": " + str(exc)
+    except BaseException as exc:
+        outcome[name] = "UNEXPECTED " + type(exc).__name__ + ": " + str(exc)
+armed = False
+print(json.dumps({"outcome": outcome, "events": events}))
+"""
+
+
+def test_malicious_pickles_never_run(tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    files = _hostile_files(tmp_path, marker)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps({k: str(v) for k, v in files.items()})],
+        capture_output=True, text=True, check=True,
+    )
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["events"] == []
+    assert not marker.exists()
+    for name, outcome in report["outcome"].items():
+        expected = "UnsupportedFormatError" if name == "torchscript" else "CorruptCheckpointError"
+        assert outcome.startswith(expected), (name, outcome)
+    assert "posix.system" in report["outcome"]["zip_system"]
+    assert "builtins.eval" in report["outcome"]["zip_eval_stack_global"]
+    assert "TorchScript" in report["outcome"]["torchscript"]
+    assert len(report["outcome"]) == 10
+
+
+def test_positive_control_plain_pickle_would_run_the_payload(tmp_path: Path) -> None:
+    marker = tmp_path / "marker"
+    path = _hostile_files(tmp_path, marker)["zip_eval_stack_global"]
+    code = ("import pickle, zipfile, sys; "
+            "pickle.loads(zipfile.ZipFile(sys.argv[1]).read('archive/data.pkl'))")
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True)
+    assert marker.read_text() == "pwned"
+
+
+# --------------------------------------------------------------------------- hostile sizes
+
+
+@pytest.mark.parametrize(
+    ("numel", "offset", "size", "stride", "match"),
+    [
+        (6, 0, (3, 3), (3, 1), "reaches element 8"),
+        (6, 6, (1,), (1,), "reaches element 6"),
+        (6, 0, (2, 2), (1, 10), "reaches element 11"),
+        (6, 0, (2**40, 2**40), (1, 1), "too many elements"),
+        (6, -1, (1,), (1,), "offset"),
+        (6, 0, (-1,), (1,), "negative"),
+        (2**50, 0, (2**50,), (1,), "holds 24 bytes"),
+    ],
+)
+def test_tensor_outside_its_storage_is_refused(
+    tmp_path: Path, numel: int, offset: int, size: tuple[int, ...], stride: tuple[int, ...],
+    match: str,
+) -> None:
+    pkl = _tensor_pickle(numel, offset, size, stride)
+    data = np.arange(6, dtype="<f4").tobytes()
+    path = _zip_pt(tmp_path / "oob.pt", pkl, {"data/0": data})
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptCheckpointError, match=match):
+            TorchBackend.open_reader(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 5 << 20
+
+
+def test_legacy_storage_out_of_bounds_and_truncation(tmp_path: Path) -> None:
+    pkl = _tensor_pickle(6, 0, (6,), (1,))
+    good = struct.pack("<q", 6) + np.arange(6, dtype="<f4").tobytes()
+    ok = _legacy_pt(tmp_path / "ok.pt", pkl, ["0"], [good])
+    np.testing.assert_array_equal(cv.load(ok)["w"], np.arange(6, dtype="f4"))
+    short = _legacy_pt(tmp_path / "short.pt", pkl, ["0"], [good[:-4]])
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        cv.load(short)
+    lying = _legacy_pt(tmp_path / "lie.pt", pkl, ["0"], [struct.pack("<q", 2**40) + good[8:]])
+    with pytest.raises(CorruptCheckpointError, match="records"):
+        cv.load(lying)
+
+
+def _set_declared_size(path: Path, member: str, size: int) -> None:
+    """Rewrite a member's uncompressed size in both zip headers (a lying archive)."""
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo(member)
+    struct.pack_into("<I", data, info.header_offset + 22, size)
+    central = data.rfind(b"PK\x01\x02" + data[data.find(b"PK\x01\x02") + 4 : 0])
+    pos = 0
+    while True:
+        pos = data.find(b"PK\x01\x02", pos)
+        assert pos >= 0
+        (nlen,) = struct.unpack_from("<H", data, pos + 28)
+        if data[pos + 46 : pos + 46 + nlen].decode() == member:
+            struct.pack_into("<I", data, pos + 24, size)
+            break
+        pos += 4
+    del central
+    path.write_bytes(bytes(data))
+
+
+def test_zip_bomb_is_refused_before_decompression(tmp_path: Path) -> None:
+    path = _zip_pt(tmp_path / "bomb.pt", pickle.dumps({"a": 1}, protocol=2) * 1,
+                   compress=zipfile.ZIP_DEFLATED)
+    _set_declared_size(path, "archive/data.pkl", 0xFFFF_FFF0)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptCheckpointError, match="zip bomb|limit"):
+            cv.open(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 5 << 20
+
+
+def test_storage_member_size_must_match_the_pickle(tmp_path: Path) -> None:
+    pkl = _tensor_pickle(6, 0, (6,), (1,))
+    path = _zip_pt(tmp_path / "s.pt", pkl, {"data/0": b"\x00" * 20})
+    with pytest.raises(CorruptCheckpointError, match="holds 20 bytes"):
+        cv.open(path)
+    path = _zip_pt(tmp_path / "m.pt", pkl, {})
+    with pytest.raises(CorruptCheckpointError, match="lacks the storage"):
+        cv.open(path)
+
+
+def test_garbage_and_non_torch_inputs_are_clear_errors(tmp_path: Path) -> None:
+    (tmp_path / "g.pt").write_bytes(b"\x80\x02garbage")
+    with pytest.raises(CorruptCheckpointError):
+        cv.open(tmp_path / "g.pt")
+    (tmp_path / "t.pt").write_bytes(b"hello world")
+    with pytest.raises(CorruptCheckpointError, match="neither"):
+        cv.open(tmp_path / "t.pt")
+    with zipfile.ZipFile(tmp_path / "z.pt", "w") as zf:
+        zf.writestr("readme.txt", "x")
+    with pytest.raises(CorruptCheckpointError, match="data.pkl"):
+        cv.open(tmp_path / "z.pt")
+    deep = b"\x80\x02" + b"(" * 100_000 + b"l" * 100_000 + b"."
+    _zip_pt(tmp_path / "deep.pt", deep)
+    with pytest.raises(CkptError):
+        cv.open(tmp_path / "deep.pt")
+
+
+def test_unsupported_tensor_dtype_is_refused(tmp_path: Path) -> None:
+    pkl = _tensor_pickle(2, 0, (2,), (1,), storage="QInt8Storage")
+    path = _zip_pt(tmp_path / "q.pt", pkl, {"data/0": b"\x00\x00"})
+    with pytest.raises(CorruptCheckpointError, match="QInt8Storage"):
+        cv.open(path)
+
+
+def test_torch_reader_is_read_only(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedFormatError):
+        cv.save(tmp_path / "x.pt", {"a": np.zeros(2)})
