@@ -25,11 +25,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from ..storage import known_formats
 from ..storage._atomic import fsync_dir, is_partial, partial_path, remove_path
 from ..variables import Variable
-from ._checkpoint import Checkpoint
+from ._checkpoint import NATIVE_FORMATS, Checkpoint
 from ._restore import RestoreStatus
 
 __all__ = ["STATE_FILE", "CheckpointManager", "latest_checkpoint"]
@@ -140,8 +140,10 @@ class CheckpointManager:
             raise ValueError(f"max_to_keep must be None or >= 1, got {max_to_keep}.")
         if not checkpoint_name or "/" in checkpoint_name or checkpoint_name.startswith("."):
             raise ValueError(f"Bad checkpoint_name {checkpoint_name!r}.")
-        if format not in known_formats():
-            raise ValueError(f"Unknown format {format!r}; known: {sorted(known_formats())}.")
+        if format not in NATIVE_FORMATS or format not in known_formats():
+            raise UnsupportedFormatError(
+                f"CheckpointManager writes {' or '.join(NATIVE_FORMATS)}, not {format!r}."
+            )
         self._checkpoint = checkpoint
         self.directory = Path(directory)
         self.max_to_keep = max_to_keep
@@ -160,6 +162,7 @@ class CheckpointManager:
         )
         self.directory.mkdir(parents=True, exist_ok=True)
         self._section: dict[str, Any] = {}
+        self._created = time.time()
         with _locked(self.directory):
             state = _read_state(self.directory)
             self._section = self._recover(state)
@@ -172,7 +175,7 @@ class CheckpointManager:
             "checkpoints": [],
             "preserved": [],
             "pending_delete": [],
-            "last_preserved_time": time.time(),
+            "last_preserved_time": self._created,
         }
 
     def _recover(self, state: dict[str, Any]) -> dict[str, Any]:

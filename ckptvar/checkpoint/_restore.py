@@ -437,5 +437,6 @@ def restore_on_create(path: str | Path, *, verify: bool = True) -> Iterator[Rest
 
 def missing_keys_error(missing: list[str], path: Any) -> MissingKeyError:
     return MissingKeyError(
-        f"{len(missing)} variable(s) not found in {str(path)!r}: {_listing(missing)}."
+        f"{len(missing)} variable(s) not found in {str(path)!r}: "
+        f"{_listing([repr(k) for k in missing])}; nothing was restored."
     )

@@ -1,0 +1,101 @@
+"""Background saves: snapshot consistency, waiting, and errors that surface exactly once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ckptvar as cv
+from ckptvar.storage import backend_for
+
+
+def _read(path: str, key: str) -> np.ndarray:
+    with backend_for(path).open_reader(Path(path)) as r:
+        return r.read(key)
+
+
+def test_later_assigns_do_not_leak_into_the_file(
+    tmp_path: Path, fmt: str, fresh_graph: cv.Graph
+) -> None:
+    big = cv.Variable(np.zeros(2_000_000, np.float32), name="big")
+    step = cv.Variable(0, dtype="int64", name="step")
+    ckpt = cv.Checkpoint(big=big, step=step)
+    handles = []
+    for i in range(3):
+        big.assign(np.full(2_000_000, i, np.float32))
+        step.assign(i)
+        handles.append(ckpt.save(tmp_path / "ckpt", format=fmt, blocking=False))
+        big.assign(np.full(2_000_000, 100 + i, np.float32))  # after the snapshot
+        step.assign(100 + i)
+    paths = [h.wait() for h in handles]
+    for i, path in enumerate(paths):
+        assert Path(path).name == f"ckpt-{i + 1}.{fmt}"
+        assert int(_read(path, "step")) == i
+        stored = _read(path, "big")
+        assert stored.min() == stored.max() == i
+        assert int(_read(path, "save_counter")) == i + 1
+
+
+def test_wait_functions(tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
+    ckpt = cv.Checkpoint(v=cv.Variable(np.arange(10.0), name="v"))
+    h = ckpt.save(tmp_path / "a", format=fmt, blocking=False)
+    ckpt.wait()
+    assert h.done() and Path(h.path).exists()
+    h2 = ckpt.write(tmp_path / f"b.{fmt}", blocking=False)
+    cv.wait_for_pending_saves()
+    assert h2.done() and h2.wait() == str(tmp_path / f"b.{fmt}")
+    status = cv.Checkpoint(v=cv.Variable(np.zeros(10), name="w")).restore(h2.path)
+    status.assert_existing_objects_matched()
+
+
+def _failing_save(tmp_path: Path, ckpt: cv.Checkpoint) -> object:
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    # the directory cannot be created: the background write fails
+    return ckpt.save(blocker / "ckpt", blocking=False)
+
+
+def test_background_error_surfaces_at_next_save_once(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    ckpt = cv.Checkpoint(v=cv.Variable(1.0, name="v"))
+    handle = _failing_save(tmp_path, ckpt)
+    with pytest.raises(OSError):
+        ckpt.save(tmp_path / "ok")  # reports the earlier failure, does not save
+    assert not (tmp_path / "ok-2.h5").exists()
+    assert handle.wait() is None  # already reported: not raised twice
+    ckpt.wait()
+    cv.wait_for_pending_saves()
+    assert Path(ckpt.save(tmp_path / "ok")).exists()
+
+
+@pytest.mark.parametrize("where", ["handle", "checkpoint", "global"])
+def test_background_error_surfaces_at_wait_once(
+    tmp_path: Path, fresh_graph: cv.Graph, where: str
+) -> None:
+    ckpt = cv.Checkpoint(v=cv.Variable(1.0, name="v"))
+    handle = _failing_save(tmp_path, ckpt)
+    waits = {
+        "handle": handle.wait,  # type: ignore[attr-defined]
+        "checkpoint": ckpt.wait,
+        "global": cv.wait_for_pending_saves,
+    }
+    with pytest.raises(OSError):
+        waits[where]()
+    for wait in waits.values():
+        wait()  # exactly once: every later wait is quiet
+
+
+def test_manager_async_save(tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
+    v = cv.Variable(np.zeros(1000), name="v")
+    manager = cv.CheckpointManager(
+        cv.Checkpoint(v=v), tmp_path, max_to_keep=2, format=fmt, async_save=True
+    )
+    for i in range(4):
+        v.assign(np.full(1000, i))
+        path = manager.save()
+        v.assign(np.full(1000, -1))
+    assert manager.latest_checkpoint == path  # waits for the background save
+    assert [Path(p).name for p in manager.checkpoints] == [f"ckpt-3.{fmt}", f"ckpt-4.{fmt}"]
+    assert _read(path, "v").max() == 3
+    assert cv.latest_checkpoint(tmp_path) == path

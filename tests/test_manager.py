@@ -1,0 +1,184 @@
+"""cv.CheckpointManager: numbering, retention, intervals, state file, restarts, ownership."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ckptvar as cv
+from ckptvar.checkpoint._manager import STATE_FILE
+
+
+def _ckpt(value: float = 0.0) -> tuple[cv.Checkpoint, cv.Variable]:
+    v = cv.Variable(np.full(3, value), name="v")
+    return cv.Checkpoint(v=v), v
+
+
+def _names(paths: list[str]) -> list[str]:
+    return [Path(p).name for p in paths]
+
+
+def test_save_retention_and_latest(tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
+    ckpt, v = _ckpt()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", max_to_keep=3, format=fmt)
+    assert manager.latest_checkpoint is None and cv.latest_checkpoint(tmp_path / "run") is None
+    for i in range(5):
+        v.assign(np.full(3, float(i)))
+        manager.save()
+    assert _names(manager.checkpoints) == [f"ckpt-{i}.{fmt}" for i in (3, 4, 5)]
+    assert manager.latest_checkpoint == str(tmp_path / "run" / f"ckpt-5.{fmt}")
+    assert cv.latest_checkpoint(tmp_path / "run") == manager.latest_checkpoint
+    on_disk = sorted(p.name for p in (tmp_path / "run").iterdir() if not p.name.startswith("."))
+    assert on_disk == sorted([f"ckpt-{i}.{fmt}" for i in (3, 4, 5)] + [STATE_FILE])
+    state = json.loads((tmp_path / "run" / STATE_FILE).read_text())
+    entries = state["sections"]["ckpt"]["checkpoints"]
+    assert [e["step"] for e in entries] == [3, 4, 5] and all(e["time"] > 0 for e in entries)
+    assert manager.save(checkpoint_number=100).endswith(f"ckpt-100.{fmt}")
+
+
+def test_restart_picks_the_state_back_up(tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
+    ckpt, v = _ckpt()
+    first = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=2, format=fmt)
+    for i in range(3):
+        v.assign(np.full(3, float(i)))
+        first.save()
+    del first, ckpt
+    # a "new process": fresh objects, same directory
+    with cv.Graph().as_default():
+        ckpt2, v2 = _ckpt(-1.0)
+        second = cv.CheckpointManager(ckpt2, tmp_path, max_to_keep=2, format=fmt)
+        assert _names(second.checkpoints) == [f"ckpt-2.{fmt}", f"ckpt-3.{fmt}"]
+        assert second.restore_or_initialize() == second.latest_checkpoint
+        np.testing.assert_array_equal(v2.numpy(), [2, 2, 2])
+        assert int(ckpt2.save_counter.numpy()) == 3
+        second.save()
+        assert _names(second.checkpoints) == [f"ckpt-3.{fmt}", f"ckpt-4.{fmt}"]
+        assert not (tmp_path / f"ckpt-2.{fmt}").exists()
+
+
+def test_restore_or_initialize(tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
+    calls = []
+    ckpt, v = _ckpt()
+    manager = cv.CheckpointManager(
+        ckpt, tmp_path, format=fmt, init_fn=lambda: calls.append(1)
+    )
+    assert manager.restore_or_initialize() is None and calls == [1]
+    v.assign([1.0, 1.0, 1.0])
+    good = manager.save()
+    v.assign([2.0, 2.0, 2.0])
+    bad = manager.save()
+    # damage the newest (flip a byte of the stored value): it is skipped for the older one
+    needle = np.full(3, 2.0).tobytes()
+    files = [Path(bad)] if Path(bad).is_file() else sorted(Path(bad).rglob("*"))
+    for f in files:
+        data = bytearray(f.read_bytes()) if f.is_file() else bytearray()
+        at = data.find(needle)
+        if at >= 0:
+            data[at + 3] ^= 0xFF
+            f.write_bytes(bytes(data))
+            break
+    else:
+        pytest.fail("stored value not found")
+    v.assign([0.0, 0.0, 0.0])
+    assert manager.restore_or_initialize() == good
+    assert [p for p, _ in manager.skipped] == [bad]
+    np.testing.assert_array_equal(v.numpy(), [1, 1, 1])
+    assert calls == [1]
+
+
+def test_checkpoint_interval(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    ckpt, _ = _ckpt()
+    step = cv.Variable(0, dtype="int64", name="step")
+    manager = cv.CheckpointManager(
+        ckpt, tmp_path, max_to_keep=None, step_counter=step, checkpoint_interval=10
+    )
+    saved = []
+    for s in range(0, 35, 5):
+        step.assign(s)
+        saved.append(manager.save() is not None)
+    assert saved == [True, False, True, False, True, False, True]
+    assert manager.save(check_interval=False) is not None  # forced
+    assert manager.save(checkpoint_number=31) is None  # 31 < 30 + 10
+    assert manager.save(checkpoint_number=40) is not None
+    no_counter = cv.CheckpointManager(
+        ckpt, tmp_path / "b", checkpoint_interval=5, checkpoint_name="b"
+    )
+    with pytest.raises(ValueError, match="step_counter"):
+        no_counter.save()
+
+
+def test_keep_checkpoint_every_n_hours(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    ckpt, _ = _ckpt()
+    manager = cv.CheckpointManager(
+        ckpt, tmp_path, max_to_keep=1, keep_checkpoint_every_n_hours=1e-9
+    )
+    paths = [manager.save() for _ in range(3)]
+    assert manager.checkpoints == paths[-1:]
+    assert all(Path(p).exists() for p in paths)  # preserved: unlisted, never deleted
+
+
+def test_cleans_its_own_temporaries_only(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    hexid = "0123456789abcdef0123456789abcdef"
+    mine = tmp_path / f".ckpt-7.h5.{hexid}.partial"
+    mine_dir = tmp_path / f".ckpt-8.zarr.{hexid}.partial"
+    state_tmp = tmp_path / f".{STATE_FILE}.{hexid}.partial"
+    theirs = tmp_path / f".other-1.h5.{hexid}.partial"
+    foreign = tmp_path / "ckpt-99.h5"  # not written by a manager: never touched
+    for p in (mine, state_tmp, theirs, foreign):
+        p.write_bytes(b"partial")
+    mine_dir.mkdir()
+    (mine_dir / "zarr.json").write_text("{}")
+    manager = cv.CheckpointManager(_ckpt()[0], tmp_path, max_to_keep=1)
+    assert not mine.exists() and not mine_dir.exists() and not state_tmp.exists()
+    assert theirs.exists() and foreign.exists()
+    manager.save()
+    manager.save()
+    assert foreign.exists() and manager.checkpoints == [str(tmp_path / "ckpt-2.h5")]
+
+
+def test_two_managers_share_a_directory(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    a = cv.CheckpointManager(_ckpt(1.0)[0], tmp_path, max_to_keep=1, checkpoint_name="a")
+    b = cv.CheckpointManager(_ckpt(2.0)[0], tmp_path, max_to_keep=1, checkpoint_name="b")
+    for _ in range(3):
+        a.save()
+        b.save()
+    assert a.checkpoints == [str(tmp_path / "a-3.h5")]
+    assert b.checkpoints == [str(tmp_path / "b-3.h5")]
+    assert Path(a.latest_checkpoint).exists() and Path(b.latest_checkpoint).exists()
+    assert cv.latest_checkpoint(tmp_path) == b.latest_checkpoint
+
+
+def test_a_failed_save_is_never_listed(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    ckpt, _ = _ckpt()
+    manager = cv.CheckpointManager(ckpt, tmp_path)
+    good = manager.save()
+    with cv.deferred_init():
+        ckpt.broken = cv.Variable(cv.initializers.zeros, shape=(2,), dtype="float32")
+    with pytest.raises(cv.UninitializedVariableError):
+        manager.save()
+    assert manager.checkpoints == [good] and cv.latest_checkpoint(tmp_path) == good
+    assert int(ckpt.save_counter.numpy()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "checkpoint_state.json", "ckpt-1.h5",
+    ]
+
+
+def test_a_listed_file_deleted_by_hand_is_dropped(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    manager = cv.CheckpointManager(_ckpt()[0], tmp_path)
+    first, second = manager.save(), manager.save()
+    Path(second).unlink()
+    again = cv.CheckpointManager(_ckpt()[0], tmp_path)
+    assert again.checkpoints == [first]
+
+
+def test_bad_arguments(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    ckpt, _ = _ckpt()
+    with pytest.raises(ValueError, match="max_to_keep"):
+        cv.CheckpointManager(ckpt, tmp_path, max_to_keep=0)
+    with pytest.raises(cv.UnsupportedFormatError, match="'npz'"):
+        cv.CheckpointManager(ckpt, tmp_path, format="npz")
+    with pytest.raises(TypeError, match="Checkpoint"):
+        cv.CheckpointManager(object(), tmp_path)  # type: ignore[arg-type]
