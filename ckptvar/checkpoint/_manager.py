@@ -86,6 +86,20 @@ def _write_state(directory: Path, state: dict[str, Any]) -> None:
     fsync_dir(directory)
 
 
+def discard(path: Path) -> None:
+    """Delete a checkpoint file or directory without ever leaving it half-deleted.
+
+    It is first renamed to a temporary name (atomic), so a crash during the
+    deletion of a directory leaves a recognisable temporary, not a damaged checkpoint.
+    """
+    tmp = partial_path(path)
+    try:
+        os.rename(path, tmp)
+    except FileNotFoundError:
+        return
+    remove_path(tmp)
+
+
 def _exists(path: Path) -> bool:
     return path.exists() and not is_partial(path.name)
 
@@ -203,7 +217,7 @@ class CheckpointManager:
         if not pending:
             return
         for entry in pending:
-            remove_path(self.directory / entry["path"])
+            discard(self.directory / entry["path"])
         self._section["pending_delete"] = []
         self._store(state)
 

@@ -14,9 +14,9 @@ from typing import Any
 
 from ..graph import global_variables
 from ..storage import backend_for
-from ..storage._atomic import remove_path
 from ..variables import Variable
 from ._checkpoint import split_format, write_file
+from ._manager import discard
 from ._restore import apply_values, missing_keys_error
 from ._serialize import SavePlan, host_arrays, metadata
 
@@ -94,7 +94,7 @@ class Saver:
         self._last.append(path)
         if self.max_to_keep:
             while len(self._last) > self.max_to_keep:
-                remove_path(Path(self._last.pop(0)))
+                discard(Path(self._last.pop(0)))
         return path
 
     def restore(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
