@@ -824,6 +824,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action="version", version=f"ckpt (ckptvar) {cv.__version__}"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.set_defaults(_subparsers=sub.choices)
 
     p = sub.add_parser(
         "inspect",
@@ -928,7 +929,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             reconfigure(errors="backslashreplace")
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # reported by the subcommand's parser, so the hint names its --help
+            args._subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # --help, --version, or a usage error already reported
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:

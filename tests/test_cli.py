@@ -1,0 +1,430 @@
+"""The ``ckpt`` command through real subprocesses: exit codes, output, ``--json``.
+
+Checkpoints are written with ``cv.save``; the command runs as ``python -m ckptvar``
+(and once as the installed ``ckpt`` entry point). The pure helpers (block
+iteration, streaming stats, escaping) are also tested in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ckptvar as cv
+from ckptvar.cli import Stats, escape, iter_blocks, main
+
+PATTERN = np.full(256, 1234.5678, dtype=np.float64)  # easy to find in the file's bytes
+
+
+def _cmd(args: tuple[str | Path, ...]) -> list[str]:
+    return [sys.executable, "-m", "ckptvar", *map(str, args)]
+
+
+_ENV = dict(os.environ, PYTHONWARNINGS="error", COLUMNS="100")
+
+
+def ckpt(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """Run ``ckpt ARGS`` in a fresh interpreter."""
+    return subprocess.run(_cmd(args), capture_output=True, text=True, timeout=120, env=_ENV)
+
+
+def ckpt_many(*commands: tuple[str | Path, ...]) -> list[subprocess.CompletedProcess[str]]:
+    """Run several independent ``ckpt`` commands at once (start-up dominates their cost)."""
+    procs = [
+        subprocess.Popen(_cmd(c), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_ENV)
+        for c in commands
+    ]
+    done = []
+    for c, p in zip(commands, procs):
+        out, err = p.communicate(timeout=120)
+        done.append(subprocess.CompletedProcess(_cmd(c), p.returncode, out, err))
+    return done
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    """Run ``ckpt ARGS`` in this process (for the many small cases); (status, stdout, stderr)."""
+    code = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_usage_error(proc: subprocess.CompletedProcess[str], *words: str) -> None:
+    assert proc.returncode == 2, proc
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("ckpt: error: ")
+    for w in words:
+        assert w in lines[0]
+
+
+def values() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "model/dense/kernel": rng.standard_normal((4, 3)).astype(np.float32),
+        "model/dense/bias": np.array([0.5, -1.0, 2.0], dtype=np.float32),
+        "model/embedding": np.array([[1.0, np.nan], [np.inf, -3.0]], dtype=np.float64),
+        "model/pattern": PATTERN,
+        "step": np.array(7, dtype=np.int64),
+    }
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("cli")
+    a = values()
+    cv.save(
+        d / "a.h5", a,
+        attrs={"step": {"trainable": False}},
+        metadata={"note": "evil\x1b[2Jtext\x07"},
+    )
+    b = dict(a)
+    b["model/dense/kernel"] = a["model/dense/kernel"] + np.float32(1e-3)
+    del b["model/pattern"]
+    b["model/extra"] = np.zeros(2, np.float32)
+    cv.save(d / "b.h5", b)
+    cv.save(d / "a_copy.zarr", a)
+    return {"dir": d, "a": d / "a.h5", "b": d / "b.h5", "zarr": d / "a_copy.zarr"}
+
+
+# ----------------------------------------------------------------------------- usage
+
+
+def test_version_help_and_entry_point() -> None:
+    exe = Path(sys.executable).with_name("ckpt")
+    assert exe.exists(), "the ckpt console script is not installed (pip install -e .)"
+    entry = subprocess.Popen(
+        [str(exe), "convert", "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    version, helped = ckpt_many(("--version",), ("--help",))
+    out, _ = entry.communicate(timeout=120)
+    assert version.returncode == 0
+    assert version.stdout.strip() == f"ckpt (ckptvar) {cv.__version__}"
+    assert helped.returncode == 0
+    for word in ("inspect", "convert", "diff", "verify", "ls", "examples:", "exit status"):
+        assert word in helped.stdout
+    # The console script installed next to this interpreter is the same command.
+    assert entry.returncode == 0
+    assert "--rename FROM=TO" in out and "bfloat16" in out and "examples:" in out
+
+
+def test_bad_usage_exits_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    nothing, bogus = ckpt_many((), ("inspect", "x.h5", "--bogus"))
+    assert_usage_error(nothing, "COMMAND")
+    assert_usage_error(bogus, "--bogus", "ckpt inspect --help")
+    cases = [
+        (["inspect"], "PATH"),
+        (["frobnicate"], "frobnicate"),
+        (["convert", "a.h5", "b.h5", "--dtype", "int8"], "int8"),
+        (["convert", "a.h5", "b.h5", "--rename", "noequals"], "FROM=TO"),
+        (["convert", "a.h5", "b.h5", "--rename", "(=x"], "regex"),
+        (["diff", "a.h5", "b.h5", "--atol", "-1"], "--atol"),
+        (["diff", "a.h5"], "B"),
+    ]
+    for argv, word in cases:
+        code, out, err = run_main(capsys, *argv)
+        assert code == 2, argv
+        assert out == ""
+        assert err.count("\n") == 1 and err.startswith("ckpt: error: ") and word in err, err
+
+
+def test_missing_and_unreadable_inputs_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert_usage_error(ckpt("inspect", tmp_path / "nothere.h5"), "nothere.h5")
+    junk = tmp_path / "notes.txt"
+    junk.write_text("hello\n")
+    for argv in (
+        ["verify", tmp_path / "nothere.h5"],
+        ["inspect", junk],
+        ["convert", junk, tmp_path / "out.h5"],
+        ["diff", tmp_path / "nothere.h5", junk],
+        ["ls", tmp_path / "nodir"],
+        ["ls", junk],
+    ):
+        code, out, err = run_main(capsys, *argv)
+        assert code == 2, (argv, out, err)
+        assert err.count("\n") == 1 and err.startswith("ckpt: error: "), err
+        assert Path(argv[1]).name in err
+
+
+# ----------------------------------------------------------------------------- inspect
+
+
+def test_inspect_table_json_tree_filter(files: dict[str, Path]) -> None:
+    table, as_json, tree, filtered = ckpt_many(
+        ("inspect", files["a"]),
+        ("inspect", files["a"], "--json", "--stats"),
+        ("inspect", files["zarr"], "--tree"),
+        ("inspect", files["a"], "--json", "--filter", "model/dense/*"),
+    )
+    # The table: one row per value, a totals line, and the metadata with control
+    # characters escaped (the file's note holds ESC and BEL).
+    assert table.returncode == 0, table.stderr
+    out = table.stdout
+    assert "format: h5" in out
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("KEY"))
+    assert header.split() == ["KEY", "DTYPE", "SHAPE", "SIZE", "TRAINABLE"]
+    kernel = next(line for line in lines if line.startswith("model/dense/kernel"))
+    assert "float32" in kernel and "(4, 3)" in kernel and "48 B" in kernel
+    step = next(line for line in lines if line.startswith("step "))
+    assert "int64" in step and "()" in step and step.split()[-1] == "no"
+    assert "5 variables, 276 elements" in out
+    assert "\x1b" not in out and "\x07" not in out
+    assert "evil\\x1b[2Jtext\\x07" in out
+
+    # --json --stats: exactly the documented object, stats computed over finite elements.
+    assert as_json.returncode == 0, as_json.stderr
+    doc = json.loads(as_json.stdout)
+    assert set(doc) == {"path", "format", "variables"}
+    assert doc["format"] == "h5" and doc["path"] == str(files["a"])
+    by_key = {v["key"]: v for v in doc["variables"]}
+    a = values()
+    assert set(by_key) == set(a)
+    for key, rec in by_key.items():
+        assert set(rec) == {
+            "key", "name", "dtype", "shape", "nbytes", "trainable",
+            "min", "max", "mean", "std", "nan", "inf",
+        }
+        assert rec["name"] == key
+        assert rec["dtype"] == a[key].dtype.name
+        assert rec["shape"] == list(a[key].shape)
+        assert rec["nbytes"] == a[key].nbytes
+    assert by_key["step"]["trainable"] is False
+    k = by_key["model/dense/kernel"]
+    kernel = a["model/dense/kernel"].astype(np.float64)
+    assert k["min"] == pytest.approx(kernel.min()) and k["max"] == pytest.approx(kernel.max())
+    assert k["mean"] == pytest.approx(kernel.mean()) and k["std"] == pytest.approx(kernel.std())
+    assert (k["nan"], k["inf"]) == (0, 0)
+    e = by_key["model/embedding"]  # [[1, nan], [inf, -3]]
+    assert (e["nan"], e["inf"], e["min"], e["max"], e["mean"]) == (1, 1, -3.0, 1.0, -1.0)
+
+    # --tree: the object graph.
+    assert tree.returncode == 0, tree.stderr
+    assert "format: zarr" in tree.stdout
+    tree_lines = tree.stdout.splitlines()
+    assert any(line.startswith(("├── model", "└── model")) for line in tree_lines)
+    assert any(line.startswith(("│   ├── dense", "│   └── dense", "    ├── dense")) for line in tree_lines)
+    kernel_line = next(line for line in tree_lines if "── kernel" in line)
+    assert kernel_line.startswith(("│   │   ", "│       ", "    │   ", "        "))
+    assert "[float32 (4, 3) 48 B]" in kernel_line
+
+    # --filter: fnmatch on keys.
+    keys = [v["key"] for v in json.loads(filtered.stdout)["variables"]]
+    assert sorted(keys) == ["model/dense/bias", "model/dense/kernel"]
+
+
+# ----------------------------------------------------------------------------- convert
+
+
+def test_convert_round_trip_through_every_writable_format(
+    files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chain = [files["a"], tmp_path / "x.zarr", tmp_path / "x.safetensors", tmp_path / "x.npz",
+             tmp_path / "back.h5"]
+    proc = ckpt("convert", chain[0], chain[1])  # one real process, the rest in-process
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""  # no progress bar on a pipe unless asked
+    assert "Wrote 5 values" in proc.stdout and "(h5)" in proc.stdout
+    for src, dst in zip(chain[1:], chain[2:]):
+        code, out, err = run_main(capsys, "convert", src, dst)
+        assert code == 0, err
+        assert "Wrote 5 values" in out and err == ""
+    proc = ckpt("diff", files["a"], chain[-1])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Equal: 5 values (5 identical" in proc.stdout
+    back = cv.load(chain[-1])
+    for key, value in values().items():
+        assert back[key].dtype == value.dtype and back[key].shape == value.shape
+        np.testing.assert_array_equal(back[key], value)
+
+
+def test_convert_dtype_rename_progress(
+    files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dst = tmp_path / "half.h5"
+    proc = ckpt(
+        "convert", files["a"], dst, "--dtype", "bfloat16",
+        "--rename", "^model/=net/", "--rename", r"dense/(\w+)$=fc.\1", "--progress",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "100%" in proc.stderr and "\r" not in proc.stderr  # plain lines on a pipe
+    with cv.open(dst) as reader:
+        assert sorted(reader.keys()) == sorted(
+            ["net/fc.kernel", "net/fc.bias", "net/embedding", "net/pattern", "step"]
+        )
+        assert reader.info("net/fc.kernel").dtype.name == "bfloat16"
+        assert reader.info("net/fc.kernel").attrs["name"] == "model/dense/kernel"
+        assert reader.info("step").dtype == np.int64  # integers are never cast
+        assert reader.info("step").attrs["trainable"] is False
+        kernel = reader.read("net/fc.kernel").astype(np.float32)
+    np.testing.assert_allclose(kernel, values()["model/dense/kernel"], rtol=1e-2)
+    # Refuses to overwrite without --force, a rename that merges keys, and an empty filter.
+    before = dst.read_bytes()
+    for argv, word in (
+        (["convert", files["a"], dst], "--force"),
+        (["convert", files["a"], tmp_path / "m.h5", "--rename", ".*=same"], "same"),
+        (["convert", files["a"], tmp_path / "m.h5", "--filter", "nope*"], "nope"),
+        (["convert", files["a"], files["a"], "--force"], "same path"),
+    ):
+        code, out, err = run_main(capsys, *argv)
+        assert code == 2 and word in err and err.count("\n") == 1, err
+    assert dst.read_bytes() == before
+    assert not (tmp_path / "m.h5").exists()
+    # --force replaces; --filter picks values; --format overrides the suffix.
+    code, out, err = run_main(
+        capsys, "convert", files["a"], tmp_path / "w.bin", "--format", "npz", "--filter", "step"
+    )
+    assert code == 0, err
+    with cv.open(tmp_path / "w.bin", format="npz") as reader:
+        assert list(reader.keys()) == ["step"]
+    code, out, err = run_main(capsys, "convert", files["b"], dst, "--force")
+    assert code == 0, err
+    assert "model/extra" in {k for k, _, _ in cv.list_variables(dst)}
+
+
+# ----------------------------------------------------------------------------- diff
+
+
+def test_diff_exit_codes_and_json(files: dict[str, Path]) -> None:
+    same, different, tolerant = ckpt_many(
+        ("diff", files["a"], files["zarr"]),
+        ("diff", files["a"], files["b"]),
+        ("diff", files["a"], files["b"], "--atol", "0.01", "--json"),
+    )
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert different.returncode == 1
+    out = different.stdout
+    assert "only in A  model/pattern" in out
+    assert "only in B  model/extra" in out
+    kernel_line = next(line for line in out.splitlines() if "model/dense/kernel" in line)
+    assert kernel_line.startswith("different") and "12 of 12 elements" in kernel_line
+    assert tolerant.returncode == 1  # the missing/extra keys still differ
+    doc = json.loads(tolerant.stdout)
+    assert doc["equal"] is False
+    assert doc["only_in_a"] == ["model/pattern"] and doc["only_in_b"] == ["model/extra"]
+    kernel = next(v for v in doc["values"] if v["key"] == "model/dense/kernel")
+    assert kernel["status"] == "close" and kernel["beyond_tolerance"] == 0
+    assert kernel["max_abs"] == pytest.approx(1e-3, rel=1e-2)
+    emb = next(v for v in doc["values"] if v["key"] == "model/embedding")
+    assert emb["status"] == "equal"  # NaN matches NaN, Inf matches Inf
+
+
+def test_diff_shape_dtype_and_nan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cv.save(tmp_path / "p.h5", {"w": np.ones((2, 2), np.float32), "v": np.array([1.0, np.nan]),
+                                "i": np.array([2**53 + 1], np.int64)})
+    cv.save(tmp_path / "q.h5", {"w": np.ones((2, 3), np.float32), "v": np.array([1.0, 2.0]),
+                                "i": np.array([2**53], np.int64)})
+    cv.save(tmp_path / "r.npz", {"w": np.ones((2, 2), np.float64), "v": np.array([1.0, np.nan]),
+                                 "i": np.array([2**53 + 1], np.int64)})
+    code, out, err = run_main(capsys, "diff", tmp_path / "p.h5", tmp_path / "q.h5", "--json")
+    assert code == 1, err
+    by_key = {v["key"]: v for v in json.loads(out)["values"]}
+    assert by_key["w"]["status"] == "shape"
+    assert by_key["w"]["shape_a"] == [2, 2] and by_key["w"]["shape_b"] == [2, 3]
+    assert by_key["v"]["status"] == "different" and by_key["v"]["max_abs"] is None  # NaN vs 2
+    assert by_key["i"]["status"] == "different"  # exact for integers beyond float64's precision
+    code, out, err = run_main(capsys, "diff", tmp_path / "p.h5", tmp_path / "r.npz")
+    assert code == 1
+    assert "dtype      w  float32 -> float64" in out
+
+
+# ----------------------------------------------------------------------------- verify
+
+
+def _flip_byte_in_pattern(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    at = data.find(PATTERN.tobytes()[:64])
+    assert at >= 0, "the test pattern is not stored contiguously in the file"
+    data[at + 100] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_verify_ok_damaged_and_truncated(files: dict[str, Path], tmp_path: Path) -> None:
+    damaged = tmp_path / "damaged.h5"
+    damaged.write_bytes(files["a"].read_bytes())
+    _flip_byte_in_pattern(damaged)
+    truncated = tmp_path / "truncated.h5"
+    truncated.write_bytes(files["a"].read_bytes()[: files["a"].stat().st_size * 2 // 3])
+    ok, bad, short = ckpt_many(("verify", files["a"]), ("verify", damaged), ("verify", truncated))
+
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ok.stdout.strip() == "OK: 5 values verified"
+
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "DAMAGED  model/pattern" in bad.stdout
+    assert "FAILED: 1 of 5 values damaged" in bad.stdout
+    assert "Traceback" not in bad.stderr
+
+    assert short.returncode == 1, short.stdout + short.stderr
+    assert "DAMAGED" in short.stdout and "Traceback" not in short.stderr
+
+
+# ----------------------------------------------------------------------------- ls
+
+
+def test_ls_manager_directory(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    ckpt_obj = cv.Checkpoint(w=cv.Variable(np.zeros(3, np.float32), name="w"))
+    manager = cv.CheckpointManager(ckpt_obj, runs, max_to_keep=3)
+    for step in (1, 2, 3, 10):
+        manager.save(checkpoint_number=step)
+    (runs / "notes.txt").write_text("not a checkpoint")
+    as_json, table, empty = ckpt_many(("ls", runs, "--json"), ("ls", runs), ("ls", tmp_path))
+    assert as_json.returncode == 0, as_json.stderr
+    doc = json.loads(as_json.stdout)
+    assert [c["step"] for c in doc["checkpoints"]] == [2, 3, 10]  # max_to_keep pruned step 1
+    assert [c["latest"] for c in doc["checkpoints"]] == [False, False, True]
+    assert doc["latest"] == manager.latest_checkpoint
+    assert all(c["size"] > 0 for c in doc["checkpoints"])
+    assert table.returncode == 0
+    last = next(line for line in table.stdout.splitlines() if "ckpt-10.h5" in line)
+    assert last.split()[0] == "10" and last.endswith("(latest)")
+    assert "3 checkpoints" in table.stdout
+    assert empty.returncode == 0 and "No checkpoints" in empty.stdout
+
+
+# ----------------------------------------------------------------------------- in-process helpers
+
+
+@pytest.mark.parametrize(
+    ("shape", "budget"),
+    [((), 4), ((0, 3), 4), ((5,), 2), ((7, 3), 4), ((3, 5, 2), 3), ((2, 3, 4), 1), ((4, 4), 100)],
+)
+def test_iter_blocks_cover_every_element_once(shape: tuple[int, ...], budget: int) -> None:
+    seen = np.zeros(shape, dtype=np.int64)
+    for index in iter_blocks(shape, budget):
+        block = seen[index]
+        assert block.size <= max(budget, 1)
+        seen[index] += 1
+    assert (seen == 1).all()
+
+
+def test_streaming_stats_match_numpy() -> None:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((50, 7)) * 3 + 1
+    s = Stats()
+    for index in iter_blocks(x.shape, 13):
+        s.add(x[index])
+    d = s.as_dict()
+    assert d["mean"] == pytest.approx(x.mean()) and d["std"] == pytest.approx(x.std())
+    assert (d["min"], d["max"]) == (x.min(), x.max())
+    empty = Stats()
+    empty.add(np.array([np.nan, np.inf]))
+    assert empty.as_dict() == {
+        "min": None, "max": None, "mean": None, "std": None, "nan": 1, "inf": 1
+    }
+    assert not any(isinstance(v, float) and math.isnan(v) for v in d.values())
+
+
+def test_escape_control_characters() -> None:
+    assert escape("plain/key") == "plain/key"
+    assert escape("a\x00b\x1b[0m\x7f\u202e\n") == "a\\x00b\\x1b[0m\\x7f\\u202e\\x0a"
