@@ -48,12 +48,17 @@ MAGIC = b"\x89CKPTVAR\r\n\x1a\n"
 _UB = struct.Struct("<12sHHQQI")
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 MANIFEST_PATH = f"{RESERVED_PREFIX}/manifest"
+#: Dtypes stored as themselves; the others (bfloat16, float8, int4, ...) as unsigned bits.
+NATIVE_TYPES = frozenset({
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128",
+})
 
 
 def _storage_dtype(name: str) -> np.dtype:
     """The HDF5 storage dtype: the value's own, or unsigned bits for ml_dtypes kinds."""
     dt = SUPPORTED_DTYPES[name]
-    if dt.kind == "V" or name in ("bfloat16",) or type(dt).__module__.startswith("ml_dtypes"):
+    if name not in NATIVE_TYPES:
         return np.dtype(f"<u{dt.itemsize}")
     return dt.newbyteorder("<") if dt.itemsize > 1 else dt
 

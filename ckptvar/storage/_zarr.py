@@ -34,7 +34,7 @@ from .._dtypes import SUPPORTED_DTYPES
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from . import _checksum, _rawio, register_backend
 from ._atomic import fsync_dir, fsync_path
-from ._h5 import _other_reader, check_packed, check_regions
+from ._h5 import NATIVE_TYPES, _other_reader, check_packed, check_regions
 from ._native import PACKED_PATH, NativeReader, NativeWriter, WriteItem, packed_iovecs
 from ._native import scalar_attrs
 from ._paths import RESERVED_PREFIX
@@ -57,15 +57,9 @@ def chunk_key(ndim: int) -> str:
 
 def _storage_dtype(name: str) -> np.dtype:
     dt = SUPPORTED_DTYPES[name]
-    if type(dt).__module__.startswith("ml_dtypes") or dt.kind == "V" or name not in _ZARR_TYPES:
+    if name not in NATIVE_TYPES:
         return np.dtype(f"<u{dt.itemsize}")
     return dt
-
-
-_ZARR_TYPES = {
-    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-    "float16", "float32", "float64", "complex64", "complex128",
-}
 
 
 def _fill(dt: np.dtype) -> Any:
@@ -105,8 +99,9 @@ def array_meta(shape: tuple[int, ...], dt: np.dtype, attributes: dict[str, Any],
 _GROUP = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()
 
 
-def _write_file(path: Path, data: Any, sync: list[Path] | None) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+def _write_file(path: Path, data: Any, sync: list[Path] | None, *, replace: bool = False) -> None:
+    mode = os.O_TRUNC if replace else os.O_EXCL
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | mode | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
         if isinstance(data, list):
             _rawio.pwritev_all(fd, data, 0)
@@ -170,7 +165,7 @@ class ZarrWriter(NativeWriter):
                 d = tmp / sub
                 d.mkdir()
                 dirs.append(d)
-                if group_meta and i < len(parts):
+                if group_meta and i < len(parts) and not (d / "zarr.json").exists():
                     _write_file(d / "zarr.json", _GROUP, sync)
             return tmp / rel
 
@@ -234,7 +229,7 @@ class ZarrWriter(NativeWriter):
             }
         }
         root = {"zarr_format": 3, "node_type": "group", "attributes": root_attrs}
-        _write_file(tmp / "zarr.json", json.dumps(root).encode(), sync)
+        _write_file(tmp / "zarr.json", json.dumps(root).encode(), sync, replace=True)
         if sync is not None:
             for p in sync:
                 fsync_path(p)

@@ -1,0 +1,73 @@
+"""Format stability: the root record of a tiny fixed checkpoint, pinned field by field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import msgpack
+import numpy as np
+import pytest
+import zarr
+
+import ckptvar as cv
+
+VALUES = {
+    "model/w": np.arange(20000, dtype="<f4").reshape(100, 200),
+    "b": np.array([1, 2, 3], np.int8),
+    "s": np.array(2.5),
+}
+ATTRS = {"model/w": {"trainable": True}}
+
+
+def expected(container: str, w_offset: object, packed_offset: object) -> dict:
+    return {
+        "format": "ckptvar",
+        "format_version": [1, 0],
+        "library": "ckptvar 0.1.0",
+        "container": container,
+        "metadata": {"step": 1},
+        "packed": ["_ckptvar/packed", packed_offset, 128],
+        "values": {
+            "model/w": {"attrs": {"name": "model/w", "trainable": True}, "checksum": 1412696452,
+                        "dtype": "float32", "loc": ["array", "model/w", w_offset],
+                        "shape": [100, 200]},
+            "b": {"attrs": {"name": "b"}, "checksum": 287330943, "dtype": "int8",
+                  "loc": ["packed", 0, 3], "shape": [3]},
+            "s": {"attrs": {"name": "s"}, "checksum": 4016038162, "dtype": "float64",
+                  "loc": ["packed", 64, 8], "shape": []},
+        },
+    }
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_root_record_is_pinned(tmp_path: Path, fmt: str) -> None:
+    p = cv.save(tmp_path / f"g.{fmt}", VALUES, metadata={"step": 1}, attrs=ATTRS)
+    if fmt == "h5":
+        with h5py.File(p, "r") as f:
+            data = f["_ckptvar/manifest"][()].tobytes()
+            w_off = f["model/w"].id.get_offset()
+            packed_off = f["_ckptvar/packed"].id.get_offset()
+        record = msgpack.unpackb(data)
+        assert record == expected("h5", w_off, packed_off)
+        assert list(record) == ["format", "format_version", "library", "container", "packed",
+                                "values", "metadata"]
+    else:
+        root = zarr.open_group(p, mode="r")
+        data = root["_ckptvar/record"][...].tobytes()
+        assert msgpack.unpackb(data) == expected("zarr", 0, 0)
+        assert dict(root.attrs) == {"ckptvar": {"format_version": [1, 0],
+                                                "record": "_ckptvar/record",
+                                                "record_nbytes": 350,
+                                                "record_crc32c": 1267116086}}
+    assert list(msgpack.unpackb(data)["values"]) == list(VALUES)  # file order = add order
+
+
+def test_h5_dataset_attributes_are_pinned(tmp_path: Path) -> None:
+    p = cv.save(tmp_path / "g.h5", VALUES, attrs=ATTRS)
+    with h5py.File(p, "r") as f:
+        attrs = dict(f["model/w"].attrs)
+    assert {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in attrs.items()} == {
+        "name": "model/w", "trainable": True, "key": "model/w", "dtype": "float32",
+        "shape": [100, 200], "checksum": 1412696452,
+    }

@@ -1,0 +1,99 @@
+"""The public loading functions: list_variables, load_variable, load, open, save."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ckptvar as cv
+from ckptvar.errors import MissingKeyError
+
+
+@pytest.fixture(params=["h5", "zarr"])
+def fmt(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def values() -> dict[str, np.ndarray]:
+    return {
+        "model/dense/kernel": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "model/dense/bias": np.zeros(4, np.float32),
+        "model/big": np.ones((200, 100), ml_dtypes.bfloat16),
+        "step": np.array(3, np.int64),
+    }
+
+
+def test_save_list_load(tmp_path: Path, fmt: str) -> None:
+    p = cv.save(tmp_path / f"c.{fmt}", values(), metadata={"note": "hi"},
+                attrs={"step": {"trainable": False}})
+    assert p == tmp_path / f"c.{fmt}"
+    listed = cv.list_variables(p)
+    assert [(k, s) for k, s, _ in listed] == [(k, v.shape) for k, v in values().items()]
+    assert listed[2][2] == np.dtype(ml_dtypes.bfloat16)
+    loaded = cv.load(p)
+    assert list(loaded) == list(values())
+    for k, v in values().items():
+        np.testing.assert_array_equal(loaded[k], v)
+        assert loaded[k].dtype == v.dtype
+    np.testing.assert_array_equal(cv.load_variable(p, "model/dense/kernel"), values()["model/dense/kernel"])
+    assert list(cv.load(p, keys=["step"])) == ["step"]
+    with cv.open(p) as r:
+        assert r.metadata() == {"note": "hi"}
+        assert r.info("step").attrs == {"trainable": False, "name": "step"}
+        assert r.info("model/dense/bias").attrs["name"] == "model/dense/bias"
+        np.testing.assert_array_equal(r["model/dense/kernel"][1:3], values()["model/dense/kernel"][1:3])
+
+
+def test_format_argument_overrides_suffix(tmp_path: Path) -> None:
+    p = cv.save(tmp_path / "noext", {"w": np.ones(2)}, format="zarr")
+    assert p.is_dir()
+    with cv.open(p) as r:
+        assert r.format == "zarr"
+
+
+def test_errors(tmp_path: Path, fmt: str) -> None:
+    p = cv.save(tmp_path / f"c.{fmt}", {"w": np.ones(2)})
+    with pytest.raises(MissingKeyError):
+        cv.load_variable(p, "nope")
+    with pytest.raises(KeyError):
+        cv.load(p, keys=["nope"])
+    with pytest.raises(cv.CheckpointNotFoundError):
+        cv.load(tmp_path / f"missing.{fmt}")
+    with pytest.raises(FileNotFoundError):
+        cv.list_variables(tmp_path / f"missing.{fmt}")
+    with pytest.raises(cv.UnsupportedFormatError):
+        cv.save(tmp_path / "x.h5", {"w": np.ones(2)}, format="nosuch")
+    with pytest.raises(cv.UnsupportedFormatError):
+        cv.save(tmp_path / "x.weird", {"w": np.ones(2)})
+    with pytest.raises(cv.DeviceError):
+        cv.load(p, device="GPU:7")
+
+
+def test_load_with_cpu_device_and_no_verify(tmp_path: Path) -> None:
+    p = cv.save(tmp_path / "c.h5", values())
+    out = cv.load(p, device="CPU:0", verify=False)
+    np.testing.assert_array_equal(out["model/dense/kernel"], values()["model/dense/kernel"])
+
+
+def test_load_many_small_values_verifies_each(tmp_path: Path, fmt: str) -> None:
+    vals = {f"v{i}": np.full(i % 50, i, np.int16) for i in range(500)}
+    p = cv.save(tmp_path / f"c.{fmt}", vals)
+    out = cv.load(p)
+    for k, v in vals.items():
+        np.testing.assert_array_equal(out[k], v)
+
+
+@pytest.mark.gpu
+def test_load_onto_gpu(tmp_path: Path) -> None:
+    cp = pytest.importorskip("cupy", reason="CuPy is not installed")
+    if cp.cuda.runtime.getDeviceCount() == 0:  # pragma: no cover
+        pytest.skip("no CUDA device")
+    vals = {"w": np.arange(1 << 20, dtype=np.float32), "s": np.ones(3, np.int64)}
+    p = cv.save(tmp_path / "c.h5", vals)
+    out = cv.load(p, device="GPU:0")
+    for k, v in vals.items():
+        assert isinstance(out[k], cp.ndarray)
+        np.testing.assert_array_equal(cp.asnumpy(out[k]), v)

@@ -1,0 +1,387 @@
+"""Conformance suite for the native backends: one class of claims, subclassed per format."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, ClassVar
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ckptvar._dtypes import SUPPORTED_DTYPES
+from ckptvar.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MissingKeyError,
+    UnsupportedFormatError,
+)
+from ckptvar.storage import backend_for
+from ckptvar.storage._atomic import is_partial
+from ckptvar.storage._native import NativeReader
+
+ODD_KEYS = [
+    "..", ".", "/", "a//b", "%", "%2E", "_ckptvar/record", "zarr.json", "x/zarr.json",
+    "Ünïcødé/名前", "A", "a", "sp ace:colon\\back", "n" * 300, "n" * 300 + "x", "__dunder",
+    "model", "model/kernel", "",
+]
+
+
+def sample(dtype: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    dt = SUPPORTED_DTYPES[dtype]
+    n = int(np.prod(shape))
+    if dt.kind == "b":
+        return rng.integers(0, 2, n).astype(bool).reshape(shape)
+    if dt.kind == "c":
+        return (rng.standard_normal(n) + 1j * rng.standard_normal(n)).astype(dt).reshape(shape)
+    if dt.kind in "iu":
+        return rng.integers(0, 100, n).astype(dt).reshape(shape)
+    return rng.standard_normal(n).astype(dt).reshape(shape)
+
+
+class BackendTests:
+    fmt: ClassVar[str]
+    suffix: ClassVar[str]
+
+    def path(self, tmp_path: Path, name: str = "ck") -> Path:
+        return tmp_path / f"{name}{self.suffix}"
+
+    def write(self, path: Path, values: dict[str, Any], metadata: Any = None,
+              attrs: dict[str, Any] | None = None, **options: Any) -> Path:
+        w = backend_for(path, mode="w").open_writer(path, **options)
+        for k, v in values.items():
+            w.add(k, v, (attrs or {}).get(k))
+        if metadata is not None:
+            w.set_metadata(metadata)
+        return w.commit()
+
+    def reader(self, path: Path) -> NativeReader:
+        r = backend_for(path).open_reader(path)
+        assert r.format == self.fmt
+        return r  # type: ignore[return-value]
+
+    def roundtrip(self, tmp_path: Path, values: dict[str, Any], **options: Any) -> dict[str, Any]:
+        p = self.write(self.path(tmp_path), values, **options)
+        with self.reader(p) as r:
+            assert list(r.keys()) == list(values)
+            return {k: r.read(k) for k in r.keys()}
+
+    # -- round trips
+    @pytest.mark.parametrize("dtype", sorted(SUPPORTED_DTYPES))
+    @pytest.mark.parametrize("pack", [0, 1 << 20], ids=["arrays", "packed"])
+    def test_every_dtype_round_trips(self, tmp_path: Path, dtype: str, pack: int) -> None:
+        values = {"v": sample(dtype, (5, 7)), "s": sample(dtype, ()), "e": sample(dtype, (0, 3))}
+        back = self.roundtrip(tmp_path, values, pack_threshold=pack)
+        for k, v in values.items():
+            assert back[k].dtype == SUPPORTED_DTYPES[dtype]
+            assert back[k].shape == v.shape
+            assert back[k].tobytes() == v.tobytes()
+
+    def test_noncontiguous_and_big_endian_inputs(self, tmp_path: Path) -> None:
+        base = np.arange(2000, dtype=np.float64).reshape(40, 50)
+        values = {"t": base.T, "s": base[::3, 1::2], "be": base.astype(">f8"),
+                  "bes": np.arange(30000, dtype=">i4")}
+        back = self.roundtrip(tmp_path, values, pack_threshold=1024)
+        for k, v in values.items():
+            np.testing.assert_array_equal(back[k], v)
+            assert back[k].dtype.isnative
+
+    def test_bfloat16_stays_bfloat16(self, tmp_path: Path) -> None:
+        v = np.linspace(-3, 3, 70000).astype(ml_dtypes.bfloat16).reshape(700, 100)
+        back = self.roundtrip(tmp_path, {"w": v})
+        assert back["w"].dtype == np.dtype(ml_dtypes.bfloat16)
+        np.testing.assert_array_equal(back["w"].view(np.uint16), v.view(np.uint16))
+
+    def test_odd_keys_round_trip_and_stay_inside(self, tmp_path: Path) -> None:
+        values = {k: np.full((i % 3 + 1) * 20000, i, np.int32) for i, k in enumerate(ODD_KEYS)}
+        values.update({f"small/{k}": np.array([i]) for i, k in enumerate(ODD_KEYS)})
+        outside = set(os.listdir(tmp_path))
+        back = self.roundtrip(tmp_path, values)
+        for k, v in values.items():
+            np.testing.assert_array_equal(back[k], v)
+        assert set(os.listdir(tmp_path)) - outside == {self.path(tmp_path).name}
+
+    def test_attrs_and_metadata_round_trip(self, tmp_path: Path) -> None:
+        meta = {"step": 7, "graph": {"children": [["model", 1]]}, "blob": b"\x00\x01", "f": 1.5,
+                "none": None, "nested": [[1, 2], {"x": "y"}]}
+        attrs = {"w": {"name": "dense/kernel:0", "trainable": False, "extra": [1, 2]}}
+        p = self.write(self.path(tmp_path), {"w": np.ones((300, 300), np.float32),
+                                              "b": np.ones(3)}, meta, attrs)
+        with self.reader(p) as r:
+            assert r.metadata() == meta
+            assert dict(r.info("w").attrs) == attrs["w"]
+            assert r.info("w").checksum is not None
+            assert r.info("b").attrs == {}
+
+    def test_many_small_values_are_packed_into_one_object(self, tmp_path: Path) -> None:
+        values = {f"l{i}/v": np.full(i % 17, i, np.float32) for i in range(2000)}
+        p = self.write(self.path(tmp_path), values)
+        with self.reader(p) as r:
+            got = dict(r.read_many(r.keys()))
+        for k, v in values.items():
+            np.testing.assert_array_equal(got[k], v)
+        if self.fmt == "zarr":
+            assert sum(len(f) for _, _, f in os.walk(p)) < 10
+
+    # -- partial and in-place reads
+    def test_lazy_slicing_reads_only_covered_bytes(self, tmp_path: Path) -> None:
+        v = np.arange(1000 * 1000, dtype=np.float32).reshape(1000, 1000)
+        p = self.write(self.path(tmp_path), {"w": v})
+        with self.reader(p) as r:
+            lazy = r["w"]
+            assert lazy.shape == (1000, 1000) and lazy.dtype == np.float32
+            calls: list[int] = []
+            orig = os.preadv
+
+            def counting(fd: int, bufs: Any, off: int) -> int:
+                calls.append(sum(len(b) for b in bufs))
+                return orig(fd, bufs, off)
+
+            os.preadv = counting  # count bytes through the real syscall
+            try:
+                row = lazy[5]
+                block = lazy[10:20, 3:7]
+                rev = lazy[30:10:-4]
+                item = lazy[999, 998]
+                ell = lazy[..., 2]
+            finally:
+                os.preadv = orig
+            np.testing.assert_array_equal(row, v[5])
+            np.testing.assert_array_equal(block, v[10:20, 3:7])
+            np.testing.assert_array_equal(rev, v[30:10:-4])
+            assert item == v[999, 998]
+            np.testing.assert_array_equal(ell, v[..., 2])
+            assert calls[0] == 4000 and calls[1] == 40000 and calls[3] == 4
+            with pytest.raises(IndexError):
+                lazy[1000]
+
+    def test_read_into_out_buffer(self, tmp_path: Path) -> None:
+        v = sample("float32", (500, 300))
+        p = self.write(self.path(tmp_path), {"w": v, "s": np.arange(4)})
+        with self.reader(p) as r:
+            out = np.zeros_like(v)
+            assert r.read("w", out=out) is out
+            np.testing.assert_array_equal(out, v)
+            with pytest.raises(ValueError, match="shape"):
+                r.read("w", out=np.zeros((3,), np.float32))
+
+    def test_missing_key_and_missing_file(self, tmp_path: Path) -> None:
+        p = self.write(self.path(tmp_path), {"kernel": np.ones(3)})
+        with self.reader(p) as r, pytest.raises(MissingKeyError, match="kernel"):
+            r["kernal"]
+        with pytest.raises(CheckpointNotFoundError):
+            backend_for(self.path(tmp_path, "nope")).open_reader(self.path(tmp_path, "nope"))
+
+    def test_reader_is_read_only(self, tmp_path: Path) -> None:
+        p = self.write(self.path(tmp_path), {"w": np.ones(3)})
+        with self.reader(p) as r:
+            with pytest.raises(TypeError):
+                r["w"] = np.zeros(3)  # type: ignore[index]
+            with pytest.raises(TypeError):
+                del r["w"]  # type: ignore[attr-defined]
+        with pytest.raises(ValueError, match="closed"):
+            r.read("w")
+
+    # -- damage
+    def damage_value(self, path: Path, key: str) -> None:
+        with self.reader(path) as r:
+            e = r._values[key]
+            if self.fmt == "h5":
+                target, off = path, (e.loc[2] if e.loc[0] == "array" else
+                                     r._record.packed[1] + e.loc[1])  # type: ignore[index]
+            elif e.loc[0] == "array":
+                target, off = path / e.loc[1] / "c" / "0", 0
+            else:
+                target, off = path / "_ckptvar" / "packed" / "c" / "0", e.loc[1]
+        with open(target, "r+b") as f:
+            f.seek(off + 3)
+            b = f.read(1)
+            f.seek(off + 3)
+            f.write(bytes([b[0] ^ 0x10]))
+
+    @pytest.mark.parametrize("key", ["big", "small"])
+    def test_flipped_byte_in_a_value_is_caught(self, tmp_path: Path, key: str) -> None:
+        p = self.write(self.path(tmp_path), {"big": np.ones(100000, np.float32),
+                                              "small": np.ones(10, np.float32), "ok": np.ones(3)})
+        self.damage_value(p, key)
+        with self.reader(p) as r:
+            with pytest.raises(CorruptCheckpointError, match=key) as ei:
+                r.read(key)
+            assert str(p) in str(ei.value)
+            with pytest.raises(CorruptCheckpointError):
+                dict(r.read_many(r.keys()))
+            assert [k for k, _ in r.verify_all()] == [key]
+            r.read("ok")
+            assert r.read(key, verify=False).shape == (100000,) if key == "big" else True
+
+    def record_file(self, path: Path) -> tuple[Path, int, int]:
+        with self.reader(path) as r:
+            del r
+        if self.fmt == "h5":
+            from ckptvar.storage._h5 import read_userblock
+
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                _, _, off, n, _ = read_userblock(fd, path)
+            finally:
+                os.close(fd)
+            return path, off, n
+        f = path / "_ckptvar" / "record" / "c" / "0"
+        return f, 0, f.stat().st_size
+
+    def test_flipped_byte_in_the_record_is_caught(self, tmp_path: Path) -> None:
+        p = self.write(self.path(tmp_path), {"w": np.ones(3)}, {"step": 1})
+        f, off, n = self.record_file(p)
+        with open(f, "r+b") as fh:
+            fh.seek(off + n // 2)
+            b = fh.read(1)
+            fh.seek(off + n // 2)
+            fh.write(bytes([b[0] ^ 1]))
+        with pytest.raises(CorruptCheckpointError, match="record"):
+            self.reader(p)
+
+    def test_truncation_is_caught(self, tmp_path: Path) -> None:
+        p = self.write(self.path(tmp_path), {"w": np.ones(100000, np.float32)})
+        target = p if self.fmt == "h5" else p / "w" / "c" / "0"
+        size = target.stat().st_size
+        for cut in (size - 1, size // 2, 600, 10):
+            os.truncate(target, cut)
+            with pytest.raises(CorruptCheckpointError):
+                with self.reader(p) as r:
+                    r.read("w")
+
+    def test_swapped_values_are_caught(self, tmp_path: Path) -> None:
+        a, b = np.ones(100000, np.float32), np.full(100000, 2, np.float32)
+        p = self.write(self.path(tmp_path), {"a": a, "b": b})
+        if self.fmt == "zarr":
+            ca, cb = p / "a" / "c" / "0", p / "b" / "c" / "0"
+            da, db = ca.read_bytes(), cb.read_bytes()
+            ca.write_bytes(db)
+            cb.write_bytes(da)
+        else:
+            with self.reader(p) as r:
+                oa, ob = r._values["a"].loc[2], r._values["b"].loc[2]
+            with open(p, "r+b") as f:
+                f.seek(oa)
+                f.write(b.tobytes())
+        with self.reader(p) as r:
+            with pytest.raises(CorruptCheckpointError, match="'a'"):
+                r.read("a")
+
+    # -- atomicity
+    def test_abort_and_failed_commit_leave_nothing(self, tmp_path: Path) -> None:
+        p = self.path(tmp_path)
+        w = backend_for(p, mode="w").open_writer(p)
+        w.add("w", np.ones(3))
+        w.abort()
+        with pytest.raises(ValueError):
+            w.commit()
+        w = backend_for(p, mode="w").open_writer(p)
+        w.add("w", np.ones(3))
+        w.set_metadata({"bad": object()})
+        with pytest.raises(TypeError):
+            w.commit()
+        assert os.listdir(tmp_path) == []
+
+    def test_overwrite_replaces_atomically(self, tmp_path: Path) -> None:
+        p = self.path(tmp_path)
+        self.write(p, {"old": np.ones(100000)})
+        self.write(p, {"new": np.zeros(5)})
+        with self.reader(p) as r:
+            assert list(r.keys()) == ["new"]
+        assert [n for n in os.listdir(tmp_path) if is_partial(n)] == []
+        assert os.listdir(tmp_path) == [p.name]
+
+    def test_unsupported_dtype_is_refused(self, tmp_path: Path) -> None:
+        p = self.path(tmp_path)
+        w = backend_for(p, mode="w").open_writer(p)
+        with pytest.raises(TypeError, match="Unsupported"):
+            w.add("o", np.array(["a"], dtype=object))
+        with pytest.raises(ValueError, match="already"):
+            w.add("x", np.ones(1))
+            w.add("x", np.ones(1))
+
+    def test_durable_false_still_round_trips(self, tmp_path: Path) -> None:
+        back = self.roundtrip(tmp_path, {"w": np.ones((256, 256))}, durable=False)
+        assert back["w"].sum() == 256 * 256
+
+
+class TestH5Backend(BackendTests):
+    fmt = "h5"
+    suffix = ".h5"
+
+    def test_foreign_hdf5_is_not_ours(self, tmp_path: Path) -> None:
+        import h5py
+
+        from ckptvar.storage._h5 import H5Backend, H5Reader
+
+        p = tmp_path / "plain.h5"
+        with h5py.File(p, "w") as f:
+            f["x"] = np.ones(3)
+        assert not H5Backend.sniff(p)
+        try:  # handed to another registered reader (generic HDF5), or refused
+            reader = H5Backend.open_reader(p)
+        except UnsupportedFormatError as exc:
+            assert "did not write" in str(exc)
+        else:
+            assert not isinstance(reader, H5Reader)
+            reader.close()
+
+    def test_compression_is_refused(self, tmp_path: Path) -> None:
+        with pytest.raises(UnsupportedFormatError, match="zarr"):
+            backend_for(self.path(tmp_path), mode="w").open_writer(
+                self.path(tmp_path), compression="zstd")
+
+
+class TestZarrBackend(BackendTests):
+    fmt = "zarr"
+    suffix = ".zarr"
+
+    def test_deleted_chunk_is_caught(self, tmp_path: Path) -> None:
+        p = self.write(self.path(tmp_path), {"w": np.ones((300, 300)), "s": np.ones(2)})
+        (p / "w" / "c" / "0" / "0").unlink()
+        with self.reader(p) as r:
+            with pytest.raises(CorruptCheckpointError, match="chunk"):
+                r.read("w")
+            assert [k for k, _ in r.verify_all()] == ["w"]
+            np.testing.assert_array_equal(r.read("s"), np.ones(2))
+
+    def test_symlinked_chunk_is_refused(self, tmp_path: Path) -> None:
+        secret = tmp_path / "secret.bin"
+        secret.write_bytes(b"s" * 8 * 300 * 300)
+        p = self.write(self.path(tmp_path), {"w": np.ones((300, 300))})
+        chunk = p / "w" / "c" / "0" / "0"
+        chunk.unlink()
+        chunk.symlink_to(secret)
+        with self.reader(p) as r, pytest.raises(CorruptCheckpointError, match="symlink"):
+            r.read("w")
+
+    @pytest.mark.parametrize("codec", ["zstd", "gzip", "blosc"])
+    def test_opt_in_compression_uses_zarr_codecs(self, tmp_path: Path, codec: str) -> None:
+        import zarr
+
+        v = np.zeros((400, 400), np.float32)
+        v[::7] = 1
+        bf = np.ones((300, 300), ml_dtypes.bfloat16)
+        p = self.write(self.path(tmp_path), {"w": v, "bf": bf, "s": np.ones(3)},
+                       compression=codec)
+        assert (p / "w" / "c" / "0" / "0").stat().st_size < v.nbytes // 4
+        with self.reader(p) as r:
+            np.testing.assert_array_equal(r.read("w"), v)
+            assert r.read("bf").dtype == bf.dtype
+            np.testing.assert_array_equal(r["w"][3:9], v[3:9])
+        np.testing.assert_array_equal(zarr.open_group(p, mode="r")["w"][...], v)
+        shutil.rmtree(p / "w" / "c")
+        with self.reader(p) as r, pytest.raises(CorruptCheckpointError, match="chunk"):
+            r.read("w")
+
+    def test_plain_zarr_dir_is_not_ours(self, tmp_path: Path) -> None:
+        import zarr
+
+        p = tmp_path / "plain.zarr"
+        zarr.open_group(p, mode="w").create_array("x", shape=(3,), dtype="f4")
+        with pytest.raises(UnsupportedFormatError, match="not a ckptvar"):
+            backend_for(p).open_reader(p)

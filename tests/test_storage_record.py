@@ -1,0 +1,180 @@
+"""The root record decoder refuses every hostile or damaged input; key escaping is safe."""
+
+from __future__ import annotations
+
+import os
+import resource
+import struct
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ckptvar as cv
+from ckptvar.errors import CorruptCheckpointError, UnsupportedFormatError
+from ckptvar.storage._paths import container_paths, escape_key, is_valid_container_path
+from ckptvar.storage._record import Entry, Record, decode, encode
+
+
+def good() -> dict:
+    return {
+        "format": "ckptvar", "format_version": [1, 0], "library": "ckptvar 0.1.0",
+        "container": "h5", "packed": ["_ckptvar/packed", 1000, 64],
+        "values": {"w": {"dtype": "float32", "shape": [2, 2], "checksum": 5, "attrs": {},
+                         "loc": ["packed", 0, 16]}},
+        "metadata": {},
+    }
+
+
+def dec(doc: object) -> Record:
+    return decode(msgpack.packb(doc, use_bin_type=True), "x.h5", container="h5")
+
+
+def test_good_record_decodes() -> None:
+    rec = dec(good())
+    assert rec.values["w"] == Entry("float32", (2, 2), 5, {}, ("packed", 0, 16))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda d: d.update(format="other"), "format"),
+        (lambda d: d["values"]["w"].update(dtype="object"), "dtype"),
+        (lambda d: d["values"]["w"].update(dtype="<f4"), "dtype"),
+        (lambda d: d["values"]["w"].update(shape=[-1, 2]), "dimension"),
+        (lambda d: d["values"]["w"].update(shape=[2**40, 2**40]), "too large"),
+        (lambda d: d["values"]["w"].update(shape=[2, 3]), "need"),
+        (lambda d: d["values"]["w"].update(checksum=2**40), "checksum"),
+        (lambda d: d["values"]["w"].update(checksum="x"), "checksum"),
+        (lambda d: d["values"]["w"].update(loc=["packed", 60, 16]), "outside"),
+        (lambda d: d["values"]["w"].update(loc=["array", "../../etc/passwd", 0]), "unsafe"),
+        (lambda d: d["values"]["w"].update(loc=["array", "/abs", 0]), "unsafe"),
+        (lambda d: d["values"]["w"].update(loc=["array", "a/./b", 0]), "unsafe"),
+        (lambda d: d["values"]["w"].update(loc=["array", "a\\b", 0]), "unsafe"),
+        (lambda d: d["values"]["w"].update(loc=["file", "/etc/passwd"]), "location"),
+        (lambda d: d.update(metadata=[1]), "metadata"),
+        (lambda d: d.update(container="zarr"), "container"),
+        (lambda d: d.update(values=[]), "values"),
+        (lambda d: d.update(format_version="1.0"), "format_version"),
+    ],
+)
+def test_schema_violations_are_corrupt(mutate, match: str) -> None:
+    doc = good()
+    mutate(doc)
+    with pytest.raises(CorruptCheckpointError, match=match):
+        dec(doc)
+
+
+def test_newer_major_version_is_refused_clearly() -> None:
+    doc = good()
+    doc["format_version"] = [2, 0]
+    with pytest.raises(UnsupportedFormatError, match="newer"):
+        dec(doc)
+    doc["format_version"] = [1, 7]  # a newer minor version still reads
+    assert dec(doc).format_version == (1, 7)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\x82\xa1a\x01\xa1a\x02",  # duplicate map keys
+        msgpack.packb(msgpack.ExtType(3, b"xx")),  # ext type
+        msgpack.packb({"t": msgpack.Timestamp(1, 0)}),  # the built-in timestamp ext
+        b"\x91" * 5000 + b"\xc0",  # deep nesting
+        b"\xdd\xff\xff\xff\xff",  # an array declaring 2^32 items in 5 bytes
+        b"\xdb\xff\xff\xff\xff",  # a string declaring 4 GiB
+        b"\xa2\xff\xfe",  # invalid UTF-8
+        b"\x81\x01\x02",  # non-string map key
+        b"",
+        msgpack.packb(good()) + b"\x00",  # trailing bytes
+    ],
+)
+def test_hostile_msgpack_is_corrupt(data: bytes) -> None:
+    with pytest.raises(CorruptCheckpointError, match="x.h5"):
+        decode(data, "x.h5", container="h5")
+
+
+def test_deep_metadata_is_refused() -> None:
+    doc = good()
+    deep: object = 1
+    for _ in range(100):
+        deep = [deep]
+    doc["metadata"] = {"d": deep}
+    with pytest.raises(CorruptCheckpointError, match="deeper"):
+        dec(doc)
+
+
+def test_huge_declared_array_in_a_tiny_file_is_refused_without_allocating(tmp_path: Path) -> None:
+    """A ~1 KB .h5 whose record declares 2^40 float64 elements: clear error, memory flat."""
+    from ckptvar.storage._h5 import make_userblock
+
+    p = tmp_path / "evil.h5"
+    doc = good()
+    doc["packed"] = None
+    doc["values"] = {"w": {"dtype": "float64", "shape": [2**20, 2**20], "checksum": 0,
+                           "attrs": {}, "loc": ["array", "w", 4096]}}
+    rec = msgpack.packb(doc)
+    p.write_bytes(make_userblock(512, rec) + rec + bytes(100))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CorruptCheckpointError, match="past the end"):
+        cv.load(p)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50_000  # KiB
+
+
+def test_overlapping_regions_are_refused(tmp_path: Path) -> None:
+    p = cv.save(tmp_path / "a.h5", {"a": np.ones(100000), "b": np.ones(100000)})
+    from ckptvar.storage._h5 import make_userblock, read_userblock
+
+    fd = os.open(p, os.O_RDWR)
+    try:
+        _, _, off, n, _ = read_userblock(fd, p)
+        doc = msgpack.unpackb(os.pread(fd, n, off))
+        doc["values"]["b"]["loc"][2] = doc["values"]["a"]["loc"][2] + 8
+        rec = msgpack.packb(doc)
+        end = os.fstat(fd).st_size
+        os.pwrite(fd, rec, end)
+        os.pwrite(fd, make_userblock(end, rec), 0)
+    finally:
+        os.close(fd)
+    with pytest.raises(CorruptCheckpointError, match="overlaps"):
+        cv.open(p)
+
+
+def test_damaged_userblock_is_caught(tmp_path: Path) -> None:
+    p = cv.save(tmp_path / "a.h5", {"a": np.ones(3)})
+    with open(p, "r+b") as f:
+        f.seek(20)
+        f.write(struct.pack("<Q", 10**12))
+    with pytest.raises(CorruptCheckpointError, match="user block"):
+        cv.open(p)
+
+
+# -- key escaping
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(min_size=0, max_size=40), min_size=1, max_size=8, unique=True))
+def test_escaping_is_safe_and_unique(keys: list[str]) -> None:
+    keys = [k for k in keys if "\ud800" > k or all(not 0xD800 <= ord(c) <= 0xDFFF for c in k)]
+    paths = container_paths(keys)
+    assert len({p.lower() for p in paths}) == len(paths)
+    for p in paths:
+        assert is_valid_container_path(p)
+        assert not p.startswith("_ckptvar")
+        for seg in p.split("/"):
+            assert seg not in ("", ".", "..", "zarr.json") and not seg.startswith("__")
+            assert len(seg.encode()) <= 255
+
+
+def test_escape_examples() -> None:
+    assert escape_key("model/dense/kernel") == "model/dense/kernel"
+    assert escape_key("a/../b") == "a/%2E./b"
+    assert escape_key("_ckptvar/x") == "%5Fckptvar/x"
+    assert escape_key("w:0") == "w%3A0"
+    assert escape_key("é") == "%C3%A9"
+    assert container_paths(["a", "a/b"]) == ["a%t1", "a/b"]
+    long = escape_key("x" * 300)
+    assert len(long) == 180 + 2 + 16 and "%h" in long
