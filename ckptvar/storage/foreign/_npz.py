@@ -311,7 +311,7 @@ class NpzWriter(Writer):
                     if dt.kind not in "biufc":  # bfloat16, float8, int4: store the bits
                         recorded[key] = dtype_to_str(dt)
                         array = array.view(np.dtype(f"<u{dt.itemsize}"))
-                    buf = np.ascontiguousarray(array)
+                    buf = np.require(array, requirements="C")  # keeps 0-d arrays 0-d
                     info = zipfile.ZipInfo(key + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
                     info.compress_type = zipfile.ZIP_STORED
                     info.external_attr = 0o644 << 16

@@ -273,7 +273,7 @@ class SafetensorsWriter(Writer):
                 )
                 else array
             )
-            buf = np.ascontiguousarray(little)
+            buf = np.require(little, requirements="C")  # keeps 0-d arrays 0-d
             n = buf.nbytes
             header[key] = {
                 "dtype": _NAME_OF[dt],
