@@ -17,8 +17,8 @@ array([[2., 3.],
        [4., 5.]], dtype=float32)
 >>> with Graph().as_default():
 ...     w = Variable([1, 2, 3])
-...     (w.dtype, w.name, np.argmax(w), w[1:].tolist())
-(dtype('int32'), 'Variable', np.int64(2), [2, 3])
+...     (w.dtype, w.name, int(np.argmax(w)), w[1:].tolist())
+(dtype('int32'), 'Variable', 2, [2, 3])
 """
 
 from __future__ import annotations
@@ -416,6 +416,7 @@ class Variable:
         self._trainable = bool(trainable)
         if self._trainable and GraphKeys.TRAINABLE_VARIABLES not in collections:
             collections.append(GraphKeys.TRAINABLE_VARIABLES)
+        self._collections = tuple(collections)
         self._graph.add_to_collections(collections, self)
 
         # 3. The value: concrete values are materialised now; initializers wait.
@@ -735,6 +736,27 @@ class Variable:
         return f"{head}, numpy=\n{np.array_repr(self.numpy())}>"
 
     __hash__ = object.__hash__
+
+    def __copy__(self) -> Variable:
+        """A variable is its own shallow copy (as in TensorFlow)."""
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
+        """A new variable with a copy of the value, the same name, settings and collections."""
+        new = Variable(
+            self,
+            name=self._name + "/",  # exactly the same name
+            dtype=self._dtype,
+            shape=self._shape,
+            validate_shape=self._shape is not None,
+            trainable=self._trainable,
+            device=self.device,
+            constraint=self._constraint,
+            collections=self._collections,
+            _graph=self._graph,
+        )
+        memo[id(self)] = new
+        return new
 
     # --- writing -------------------------------------------------------------------------
     def _convert(self, value: Any, what: str) -> Any:

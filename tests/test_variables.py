@@ -484,3 +484,29 @@ def test_creation_hook_sees_get_variable() -> None:
         with cv.variable_scope("s"):
             cv.get_variable("w", shape=(1,))
     assert names == ["s/w"]
+
+
+def test_copy_and_deepcopy() -> None:
+    import copy
+
+    v = cv.Variable([1.0, 2.0], name="orig", shape=(None,), trainable=False)
+    assert copy.copy(v) is v
+    d = copy.deepcopy(v)
+    assert d is not v and d.name == "orig" and d.shape == (None,) and not d.trainable
+    assert not np.shares_memory(d.value(), v.value())
+    d.assign_add([1.0, 1.0])
+    assert v.numpy().tolist() == [1.0, 2.0] and d.numpy().tolist() == [2.0, 3.0]
+    holder = copy.deepcopy({"a": v, "b": v})
+    assert holder["a"] is holder["b"]
+
+
+@pytest.mark.parametrize(
+    "module", ["ckptvar._naming", "ckptvar.device", "ckptvar.graph", "ckptvar.initializers",
+               "ckptvar.variables"],
+)
+def test_module_doctests(module) -> None:
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
