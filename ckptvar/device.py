@@ -7,6 +7,10 @@ logging (:func:`set_log_device_placement`, logger ``"ckptvar"``), and the two ar
 NumPy for the CPU and CuPy for CUDA GPUs. CuPy is imported lazily, on the first question
 about GPUs, and the answer is cached.
 
+Note: the package exports the :class:`device` context manager as ``ckptvar.device``, which
+hides this module as an attribute of the package; import from it by name
+(``from ckptvar.device import Device``) or with ``importlib.import_module("ckptvar.device")``.
+
 >>> str(Device.parse("/device:cpu:0")), str(Device.parse("gpu")), str(Device.parse("cuda:1"))
 ('CPU:0', 'GPU:0', 'GPU:1')
 >>> with device("CPU:0"):

@@ -148,6 +148,35 @@ def _next_uid() -> int:
         return next(_uids)
 
 
+_KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
+
+
+def _check_same_kind(value: Any, dst: np.dtype, what: str) -> None:
+    """Raise :class:`DTypeLockError` unless ``value`` converts to ``dst`` under ``same_kind``.
+
+    Arrays follow NumPy's ``same_kind`` rule exactly (``uint8 -> int32`` is fine,
+    ``int32 -> uint8`` is not). Python scalars and lists are "weak", as in NumPy 2 and
+    TensorFlow: only their kind counts, so ``[1, 2]`` fits a ``uint8`` variable.
+    bfloat16 and the other ``ml_dtypes`` count as floats.
+    """
+    try:
+        src = infer_dtype(value)
+    except TypeError as exc:
+        raise DTypeLockError(f"Cannot convert {what}: {exc}") from None
+    weak = not hasattr(value, "dtype")
+    std = src.kind in _KIND_RANK and dst.kind in _KIND_RANK
+    if weak and std and _KIND_RANK[src.kind] <= _KIND_RANK[dst.kind]:
+        return
+    if not weak and std:
+        if np.can_cast(src, dst, casting="same_kind"):
+            return
+        raise DTypeLockError(
+            f"Cannot convert {what} of dtype {dtype_name(src)} to dtype {dtype_name(dst)} "
+            "(only same_kind conversions are allowed)."
+        )
+    check_castable(src, dst, what=what)
+
+
 def _shape_str(shape: Shape) -> str:
     if shape is None:
         return "<unknown>"
@@ -448,11 +477,7 @@ class Variable:
         """A fresh host array of ``dt`` holding ``value`` (never sharing its memory)."""
         what = f"the initial value of variable {name or 'Variable'!r}"
         src = to_host(value) if is_device_array(value) else value
-        try:
-            src_dtype = infer_dtype(src)
-        except TypeError as exc:
-            raise DTypeLockError(f"Cannot convert {what}: {exc}") from None
-        check_castable(src_dtype, dt, what=what)
+        _check_same_kind(src, dt, what)
         return np.array(src, dtype=dt, copy=True, order="C")
 
     def _make_name(self, name: str | None) -> str:
@@ -766,13 +791,9 @@ class Variable:
             if not self._device_obj.is_gpu:
                 value = to_host(value)
             else:
-                check_castable(value.dtype, self._dtype, what=what)
+                _check_same_kind(value, self._dtype, what)
                 return value.astype(self._dtype, copy=False)
-        try:
-            src_dtype = infer_dtype(value)
-        except TypeError as exc:
-            raise DTypeLockError(f"Cannot convert {what}: {exc}") from None
-        check_castable(src_dtype, self._dtype, what=what)
+        _check_same_kind(value, self._dtype, what)
         return np.asarray(value, dtype=self._dtype)
 
     def _shape_error(self, shape: tuple[int, ...], target: Shape, what: str = "") -> ShapeLockError:

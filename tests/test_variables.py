@@ -510,3 +510,19 @@ def test_module_doctests(module) -> None:
 
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_same_kind_follows_numpy_for_arrays_and_kind_for_python_values() -> None:
+    i32 = cv.Variable([1, 2])
+    i32.assign(np.array([3, 4], np.uint8))  # uint8 -> int32 is same_kind
+    assert i32.numpy().tolist() == [3, 4]
+    u8 = cv.Variable([1, 2], dtype="uint8")
+    u8.assign([5, 6])  # Python ints are weak: only their kind counts
+    with pytest.raises(DTypeLockError):
+        u8.assign(np.array([1, 2], np.int32))  # int32 -> uint8 is not same_kind
+    b16 = cv.Variable([1.0], dtype="bfloat16")
+    b16.assign(np.array([2], np.int8))
+    b16.assign(np.array([3.0], np.float64))
+    with pytest.raises(DTypeLockError):
+        cv.Variable([1], dtype="int8").assign(b16.numpy())
+    assert b16.numpy().tolist() == [3.0]
