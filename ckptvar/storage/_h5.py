@@ -23,6 +23,7 @@ generic HDF5), or refused.
 from __future__ import annotations
 
 import os
+import re
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -77,6 +78,19 @@ class H5Writer(NativeWriter):
         super().__init__(path, **options)
 
     def _write(
+        self,
+        tmp: Path,
+        arrays: list[WriteItem],
+        packed: list[WriteItem],
+        packed_nbytes: int,
+        wait_hashes: Callable[[], None],
+    ) -> None:
+        try:
+            self._write_h5(tmp, arrays, packed, packed_nbytes, wait_hashes)
+        except (RuntimeError, OSError) as exc:
+            raise _as_oserror(exc, tmp) from exc
+
+    def _write_h5(
         self,
         tmp: Path,
         arrays: list[WriteItem],
@@ -164,6 +178,18 @@ class H5Writer(NativeWriter):
         off = dsid.get_offset()
         dsid.close()
         return int(off)
+
+
+def _as_oserror(exc: BaseException, path: Path) -> BaseException:
+    """libhdf5 reports a failed write (ENOSPC, EFBIG, EIO) as RuntimeError or a bare OSError;
+    give the caller an ``OSError`` carrying the errno."""
+    if isinstance(exc, OSError) and exc.errno:
+        return exc
+    m = re.search(r"errno = (\d+)", str(exc))
+    if m is None:
+        return exc
+    code = int(m.group(1))
+    return OSError(code, f"{os.strerror(code)} while writing {str(path)!r} ({exc})", str(path))
 
 
 def make_userblock(record_off: int, record: bytes) -> bytes:
