@@ -56,6 +56,7 @@ from .graph import AUTO_REUSE, Graph, GraphKeys, get_default_graph, get_variable
 __all__ = [
     "CreationHookHandle",
     "Variable",
+    "VariableArgumentError",
     "VariableStateError",
     "deferred_init",
     "get_variable",
@@ -758,13 +759,25 @@ class Variable:
             head += f" device={self.device}"
         if not self._initialized:
             return head + ", numpy=<uninitialized>>"
-        return f"{head}, numpy=\n{np.array_repr(self.numpy())}>"
+        value = self.numpy()
+        if value.ndim == 0:  # as TensorFlow: numpy=5.0
+            return f"{head}, numpy={value}>"
+        return f"{head}, numpy=\n{np.array_repr(value)}>"
 
     __hash__ = object.__hash__
 
     def __copy__(self) -> Variable:
         """A variable is its own shallow copy (as in TensorFlow)."""
         return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickles the value, name, shape lock, ``trainable``, constraint and collections.
+
+        Unpickling makes a new variable with exactly that name in the default graph, placed
+        by default placement.
+        """
+        return (_unpickle_variable, (self.numpy(), self._name, self._shape, self._trainable,
+                                     self._constraint, self._collections))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
         """A new variable with a copy of the value, the same name, settings and collections."""
@@ -931,6 +944,12 @@ class Variable:
     __imod__ = _inplace(operator.mod)
     __ipow__ = _inplace(operator.pow)
     __imatmul__ = _inplace(operator.matmul)
+
+
+def _unpickle_variable(value: np.ndarray, name: str, shape: Shape, trainable: bool,
+                       constraint: Any, collections: Sequence[str]) -> Variable:
+    return Variable(value, name=name + "/", shape=shape, validate_shape=shape is not None,
+                    trainable=trainable, constraint=constraint, collections=collections)
 
 
 def _copy(arr: Any) -> Any:

@@ -526,3 +526,20 @@ def test_same_kind_follows_numpy_for_arrays_and_kind_for_python_values() -> None
     with pytest.raises(DTypeLockError):
         cv.Variable([1], dtype="int8").assign(b16.numpy())
     assert b16.numpy().tolist() == [3.0]
+
+
+def test_pickle_round_trip() -> None:
+    import pickle
+
+    v = cv.Variable(np.arange(4.0).reshape(2, 2), name="p", shape=(None, 2), trainable=False)
+    cv.reset_default_graph()
+    w = pickle.loads(pickle.dumps(v))
+    assert w.name == "p" and w.shape == (None, 2) and not w.trainable and w.dtype == np.float64
+    assert w.numpy().tolist() == v.numpy().tolist()
+    assert cv.global_variables() == [w]
+    b = pickle.loads(pickle.dumps(cv.Variable([1.5], dtype="bfloat16")))
+    assert str(b.dtype) == "bfloat16" and b.numpy().tolist() == [1.5]
+
+
+def test_scalar_repr_is_inline() -> None:
+    assert repr(cv.Variable(5.0, name="s")) == "<cv.Variable 's' shape=() dtype=float32, numpy=5.0>"
