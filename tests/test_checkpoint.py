@@ -84,6 +84,9 @@ def test_default_format_is_h5_and_write_uses_the_exact_path(
     exact = tmp_path / "final.h5"
     assert ckpt.write(exact) == str(exact)
     assert int(ckpt.save_counter.numpy()) == 1  # write() leaves the counter alone
+    fresh = cv.Checkpoint(model=_built())
+    fresh.restore(exact).assert_consumed()  # the counter is in every file
+    assert int(fresh.save_counter.numpy()) == 1
     plain = tmp_path / "nosuffix"
     ckpt.write(plain)
     assert backend_for(plain).name == "h5"
@@ -427,3 +430,31 @@ def test_round_trip_larger_than_2_gib(tmp_path: Path, fresh_graph: cv.Graph) -> 
         assert target.value()[-1] == 7.0
         del target
         os.sync()
+
+
+@pytest.mark.gpu
+def test_gpu_variables_round_trip_and_restore_as_init(
+    tmp_path: Path, fmt: str, fresh_graph: cv.Graph
+) -> None:
+    from conftest import GPU_SKIP_REASON
+
+    if GPU_SKIP_REASON is not None:
+        pytest.skip(GPU_SKIP_REASON)
+    with cv.device("GPU:0"):
+        src = Dense(3)
+        src.build(4)
+    path = cv.Checkpoint(model=src).save(tmp_path / "ckpt", format=fmt)
+    with cv.device("GPU:0"):
+        same = Dense(3)
+        same.build(4)
+        cv.Checkpoint(model=same).restore(path).assert_consumed()
+        lazy = Dense(3)
+        status = cv.Checkpoint(model=lazy).restore(path)
+        init = CountingInit()
+        lazy.kernel = cv.Variable(init, shape=(4, 3), dtype="float32", name="kernel")
+        lazy.bias = cv.Variable(init, shape=(3,), dtype="float32", name="bias")
+    status.assert_consumed()
+    assert init.calls == 0 and lazy.kernel.device == "GPU:0"
+    for a, b, c in zip(_values(src), _values(same), _values(lazy), strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)

@@ -195,10 +195,9 @@ class Checkpoint(Trackable):
         user: Any,
         on_commit: Callable[[str], None] | None,
     ) -> Any:
+        counter = self.save_counter  # every file holds it, so a restore can match it
         plan = gather(self)
-        counter = self._trackable_children().get(_COUNTER)
-        count = int(counter.numpy()) if counter is not None else None
-        meta = metadata(plan, save_counter=count, user=user)
+        meta = metadata(plan, save_counter=int(counter.numpy()), user=user)
         arrays = host_arrays(plan, copy=not blocking)
 
         def run() -> str:

@@ -67,8 +67,11 @@ def child_items(obj: Any, key: str = "") -> Iterator[tuple[str, Any]]:
             yield str(name), child
 
 
+_NODE_TYPES = (Variable, Trackable, list, tuple, dict)
+
+
 def _is_node(value: Any) -> bool:
-    return isinstance(value, Variable | Trackable | list | tuple | dict)
+    return isinstance(value, _NODE_TYPES)
 
 
 def walk(root: Any, root_key: str = "") -> list[Node]:
@@ -79,11 +82,11 @@ def walk(root: Any, root_key: str = "") -> list[Node]:
     while queue:
         key, obj = queue.popleft()
         for name, child in child_items(obj, key):
-            if not _is_node(child):
+            if not isinstance(child, _NODE_TYPES):
                 continue
             child_key = _join(key, name)
             first = id(child) not in seen
-            if isinstance(child, Variable):
+            if type(child) is Variable or isinstance(child, Variable):
                 seen.add(id(child))
                 nodes.append(Node(child_key, child, obj, name, first))
                 continue
