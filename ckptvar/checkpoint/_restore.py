@@ -121,14 +121,10 @@ def apply_values(
             fresh.append((key, var))
     in_place_bytes = sum(infos[k].nbytes for k, _, _ in in_place)
     budget = TEMPORARY_BUDGET if budget is None else budget
-    use_temporaries = not verify or in_place_bytes <= budget
     # Phase 1: everything that can fail.
-    values: list[tuple[Variable, np.ndarray]] = []
-    for key, var in fresh:
-        values.append((var, _fresh(reader, key, infos[key], verify)))
-    if use_temporaries and verify:
-        for key, var, _ in in_place:
-            values.append((var, _fresh(reader, key, infos[key], verify)))
+    values = [(var, _fresh(reader, key, infos[key], verify)) for key, var in fresh]
+    if verify and in_place_bytes <= budget:
+        values += [(var, _fresh(reader, key, infos[key], True)) for key, var, _ in in_place]
         in_place = []
     elif verify:
         for key, _, _ in in_place:
