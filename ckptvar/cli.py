@@ -64,7 +64,10 @@ def escape(text: Any) -> str:
     for ch in text:
         if unicodedata.category(ch) in _ESCAPED_CATEGORIES:
             o = ord(ch)
-            out.append(f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}")
+            if o < 0x100:
+                out.append(f"\\x{o:02x}")
+            else:
+                out.append(f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}")
         else:
             out.append(ch)
     return "".join(out)
@@ -88,7 +91,7 @@ def _num(x: float | None) -> str:
     return f"{x:.4g}"
 
 
-def _finite_or_none(x: float | None) -> float | None:
+def _finite_or_none(x: float | int | None) -> float | int | None:
     return x if x is not None and math.isfinite(x) else None
 
 
@@ -99,7 +102,9 @@ def _table(rows: Sequence[Sequence[str]], right: frozenset[int] = frozenset()) -
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for r in rows:
-        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+        ]
         lines.append("  ".join(cells).rstrip())
     return lines
 
@@ -197,19 +202,30 @@ class Stats:
         self.n = 0
         self.mean = 0.0
         self.m2 = 0.0
-        self.min = math.inf
-        self.max = -math.inf
+        self.min: float | int = math.inf
+        self.max: float | int = -math.inf
         self.nan = 0
         self.inf = 0
 
     def add(self, block: np.ndarray) -> None:
-        x = _as_float64(np.asarray(block)).ravel()
+        block = np.asarray(block)
+        if block.dtype.kind in "biu" and block.size:  # exact extremes for integers
+            lo, hi = int(block.min()), int(block.max())
+            self.min = lo if self.n == 0 else min(self.min, lo)
+            self.max = hi if self.n == 0 else max(self.max, hi)
+            x = block.astype(np.float64).ravel()
+            self._add_finite(x, extremes=False)
+            return
+        x = _as_float64(block).ravel()
         finite = np.isfinite(x)
         if not finite.all():
             nan = int(np.count_nonzero(np.isnan(x)))
             self.nan += nan
             self.inf += int(x.size - np.count_nonzero(finite)) - nan
             x = x[finite]
+        self._add_finite(x, extremes=True)
+
+    def _add_finite(self, x: np.ndarray, *, extremes: bool) -> None:
         if x.size == 0:
             return
         n_b = int(x.size)
@@ -220,14 +236,15 @@ class Stats:
         self.mean += delta * n_b / n
         self.m2 += m2_b + delta * delta * self.n * n_b / n
         self.n = n
-        self.min = min(self.min, float(x.min()))
-        self.max = max(self.max, float(x.max()))
+        if extremes:
+            self.min = min(self.min, float(x.min()))
+            self.max = max(self.max, float(x.max()))
 
     def as_dict(self) -> dict[str, Any]:
         """The stats, ``None`` where no finite element exists."""
         has = self.n > 0
         return {
-            "min": _finite_or_none(self.min) if has else None,
+            "min": _finite_or_none(self.min) if has else None,  # an int for integer values
             "max": _finite_or_none(self.max) if has else None,
             "mean": _finite_or_none(self.mean) if has else None,
             "std": _finite_or_none(math.sqrt(self.m2 / self.n)) if has else None,
@@ -281,6 +298,10 @@ def _tree_lines(records: Sequence[dict[str, Any]]) -> list[str]:
             else:
                 rec = leaves[child]
                 detail = f"{rec['dtype']} {_shape_str(rec['shape'])} {human_size(rec['nbytes'])}"
+                if rec["trainable"] is False:
+                    detail += ", not trainable"
+                if rec["name"] != rec["key"] and rec["name"] != name:
+                    detail += f", name {escape(repr(rec['name']))}"
                 lines.append(f"{prefix}{branch}{escape(name)}  [{detail}]")
 
     walk(root, "")
@@ -290,7 +311,9 @@ def _tree_lines(records: Sequence[dict[str, Any]]) -> list[str]:
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     path = args.path
     with cv.open(path) as reader:
-        keys = [k for k in reader.keys() if args.filter is None or fnmatch.fnmatchcase(k, args.filter)]
+        keys = [
+            k for k in reader.keys() if args.filter is None or fnmatch.fnmatchcase(k, args.filter)
+        ]
         records = [_variable_record(reader, k) for k in keys]
         if args.stats:
             for rec in records:
@@ -305,9 +328,12 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
         _dump_json({"path": str(path), "format": fmt, "variables": records}, out)
         return EXIT_OK
 
-    print(f"{escape(path)}  (format: {escape(fmt)})", file=out)
-    for mkey, mval in (metadata or {}).items():
-        print(f"  {escape(mkey)}: {_summary(mval)}", file=out)
+    print(f"path: {escape(path)}", file=out)
+    print(f"format: {escape(fmt)}", file=out)
+    if metadata:
+        print("metadata:", file=out)
+        for mkey, mval in metadata.items():
+            print(f"  {escape(mkey)}: {_summary(mval)}", file=out)
     print(file=out)
     if args.tree:
         for line in _tree_lines(records):
@@ -333,7 +359,8 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
         for line in _table(rows, right):
             print(line, file=out)
         if len(rows) == 1:
-            print("(no variables" + (f" match {escape(args.filter)!s})" if args.filter else ")"), file=out)
+            what = f" match {escape(args.filter)}" if args.filter else ""
+            print(f"(no variables{what})", file=out)
     n = len(records)
     elements = sum(math.prod(r["shape"]) for r in records)
     total = sum(r["nbytes"] for r in records)
@@ -556,7 +583,8 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
             continue
         key = escape(r["key"])
         if r["status"] == "shape":
-            print(f"shape      {key}  {_shape_str(r['shape_a'])} -> {_shape_str(r['shape_b'])}", file=out)
+            change = f"{_shape_str(r['shape_a'])} -> {_shape_str(r['shape_b'])}"
+            print(f"shape      {key}  {change}", file=out)
             continue
         detail = (
             f"max abs {_num(r['max_abs'])}  max rel {_num(r['max_rel'])}  "
@@ -833,11 +861,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOGS["inspect"],
         formatter_class=fmt,
     )
-    p.add_argument("path", metavar="PATH", help="the checkpoint (file, .zarr directory or TF prefix)")
+    p.add_argument(
+        "path", metavar="PATH", help="the checkpoint (file, .zarr directory or TF prefix)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object for scripts")
     p.add_argument("--stats", action="store_true", help="add min/max/mean/std and NaN/Inf counts")
     p.add_argument("--tree", action="store_true", help="show the keys as the object-graph tree")
-    p.add_argument("--filter", metavar="GLOB", help="only keys matching this glob (fnmatch, case-sensitive)")
+    p.add_argument(
+        "--filter", metavar="GLOB", help="only keys matching this glob (fnmatch, case-sensitive)"
+    )
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser(
@@ -857,7 +889,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--rename", type=_parse_rename, action="append", default=[], metavar="FROM=TO",
         help="regex substitution on keys (repeatable, applied in order)",
     )
-    p.add_argument("--format", metavar="FMT", help="output format (h5, zarr, safetensors, npz); default: DST's suffix")
+    p.add_argument(
+        "--format", metavar="FMT",
+        help="output format (h5, zarr, safetensors, npz); default: DST's suffix",
+    )
     p.add_argument("--filter", metavar="GLOB", help="convert only the keys matching this glob")
     p.add_argument("-f", "--force", action="store_true", help="replace DST if it exists")
     p.add_argument(
@@ -869,15 +904,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "diff",
         help="compare two checkpoints value by value",
-        description="Compare two checkpoints: per-key max abs/rel difference, "
+        description="Compare two checkpoints: per-key max abs/rel difference,\n"
         "missing and extra keys, shape and dtype changes.",
         epilog=_EPILOGS["diff"],
         formatter_class=fmt,
     )
     p.add_argument("a", metavar="A", help="the first checkpoint")
     p.add_argument("b", metavar="B", help="the second (reference) checkpoint")
-    p.add_argument("--atol", type=_non_negative, default=0.0, metavar="X", help="absolute tolerance (default 0)")
-    p.add_argument("--rtol", type=_non_negative, default=0.0, metavar="X", help="relative tolerance (default 0)")
+    for name, what in (("--atol", "absolute"), ("--rtol", "relative")):
+        p.add_argument(
+            name, type=_non_negative, default=0.0, metavar="X", help=f"{what} tolerance (default 0)"
+        )
     p.add_argument("--json", action="store_true", help="print one JSON object for scripts")
     p.set_defaults(func=cmd_diff)
 

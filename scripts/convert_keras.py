@@ -21,11 +21,14 @@ import ckptvar as cv
 FORMATS = {"keras"}  # what ``cv.open(SRC).format`` must be
 
 
+def floating(dtype: np.dtype) -> bool:
+    """True for float16/32/64 and the ml_dtypes floats (bfloat16, float8_*)."""
+    return dtype.kind == "f" or (dtype.kind == "V" and dtype.name.startswith(("bfloat", "float")))
+
+
 def cast(value: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
-    """``value`` as ``dtype`` if it is floating (bfloat16 and float8 included), else unchanged."""
-    kind = value.dtype.kind
-    floating = kind == "f" or (kind == "V" and value.dtype.name.startswith(("bfloat", "float")))
-    return value.astype(dtype) if dtype is not None and floating else value
+    """``value`` as ``dtype`` if it is floating, else unchanged (integers, bools, complex)."""
+    return value.astype(dtype) if dtype is not None and floating(value.dtype) else value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("src", metavar="SRC", help="the .weights.h5 (or legacy Keras .h5) file")
-    parser.add_argument("dst", metavar="DST", help="the output: .h5, .zarr, .safetensors or .npz")
-    parser.add_argument("--dtype", help="cast floating values to this dtype (e.g. bfloat16, float16)")
+    parser.add_argument("dst", metavar="DST", help="output: .h5, .zarr, .safetensors or .npz")
+    parser.add_argument("--dtype", help="cast floating values to this dtype (e.g. bfloat16)")
     parser.add_argument("--format", help="output format when DST's suffix does not say")
     args = parser.parse_args(argv)
     try:
@@ -46,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             import ml_dtypes
 
             dtype = np.dtype(getattr(ml_dtypes, args.dtype, args.dtype))
+            if not floating(dtype):
+                raise ValueError(f"--dtype {args.dtype!r} is not a floating dtype")
         with cv.open(args.src) as reader:
             if reader.format not in FORMATS:
                 raise cv.UnsupportedFormatError(
