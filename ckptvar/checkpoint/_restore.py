@@ -170,7 +170,9 @@ class RestoreState:
         self._finalizer = weakref.finalize(self, _close, self._reader)
         reader = self._reader
         self.infos: dict[str, ArrayInfo] = {k: reader.info(k) for k in reader.keys()}
-        self.alias_to_key, self.states = read_graph(reader.metadata(), self.path)
+        meta = reader.metadata()
+        self.has_save_counter = isinstance(meta, dict) and "save_counter" in meta
+        self.alias_to_key, self.states = read_graph(meta, self.path)
         self.alias_to_key = {a: k for a, k in self.alias_to_key.items() if k in self.infos}
         self.children: dict[str, set[str]] = {}
         for path_key in [*self.infos, *self.alias_to_key, *self.states]:
@@ -412,6 +414,9 @@ def restore_on_create(path: str | Path, *, verify: bool = True) -> Iterator[Rest
         name = info.attrs.get("name")
         by_name.setdefault(name if isinstance(name, str) else key, key)
     state.pending = 1
+    if "save_counter" in state.infos and state.has_save_counter:
+        # a Checkpoint's own counter: restored by name if one is created, never required
+        state.consumed_keys.add("save_counter")
 
     def hook(var: Variable) -> None:
         key = by_name.get(var.name)
