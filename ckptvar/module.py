@@ -191,7 +191,9 @@ class Module(Trackable):
         if isinstance(shape, int | np.integer):
             shape = (int(shape),)
         with self.name_scope:
-            var = Variable(initializer, name=name, shape=tuple(shape), dtype=dt, trainable=trainable)
+            var = Variable(
+                initializer, name=name, shape=tuple(shape), dtype=dt, trainable=trainable
+            )
         self._track(name, var)
         return var
 

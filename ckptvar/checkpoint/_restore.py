@@ -70,7 +70,9 @@ def _fmt_shape(shape: Any) -> str:
     return "unknown" if shape is None else str(tuple(shape))
 
 
-def check_matches(pairs: list[tuple[str, Variable]], infos: dict[str, ArrayInfo], path: Any) -> None:
+def check_matches(
+    pairs: list[tuple[str, Variable]], infos: dict[str, ArrayInfo], path: Any
+) -> None:
     """Raise ``CheckpointMismatchError`` listing every variable whose stored value differs."""
     problems = []
     for key, var in pairs:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from ..graph import global_variables
 from ..storage import backend_for
@@ -98,7 +97,7 @@ class Saver:
         return path
 
     def restore(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
-        """Restore every variable by its key; a missing key raises ``KeyError`` (nothing changed)."""
+        """Restore every variable by its key (a missing key: ``KeyError``, nothing changed)."""
         mapping = self._mapping()
         with backend_for(path).open_reader(Path(path)) as reader:
             keys = set(reader.keys())
