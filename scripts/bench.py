@@ -1,0 +1,738 @@
+#!/usr/bin/env python
+"""Side-by-side checkpoint benchmark: ckptvar against the raw-file limit and every peer.
+
+Each measurement runs in a fresh subprocess (``scripts/_bench_worker.py``); each row is
+the median of ``--repeats`` measurements. Prints markdown tables (times, ratios to the
+raw file and to the best peer, peak RSS growth), writes JSON and, when matplotlib is
+installed, a PNG chart. Uses ckptvar's public API only.
+
+Workloads (``--only``): ``big`` (~1 GiB in 149 float32 tensors: save, load warm/cold,
+restore into existing arrays), ``small`` (20,000 tensors of 64-4096 elements),
+``lazy`` (one 16 MiB tensor out of the 1 GiB checkpoint), ``init`` (restore as
+initialization vs build-then-restore), ``bgsave`` (time blocked by a background save),
+``verify`` (checksums on vs off), ``gpu`` (needs CuPy and a CUDA device).
+
+Examples::
+
+    python scripts/bench.py --quick                      # seconds; a test runs it
+    python scripts/bench.py                              # full run, a few minutes
+    python scripts/bench.py --only small --subjects raw,ckptvar-h5,h5py --repeats 1
+    python scripts/bench.py --tf-python /work/bench-tf-venv/bin/python --png docs/benchmarks.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "_bench_worker.py"
+MARK = "BENCHRESULT "
+
+WORKLOADS = ("big", "small", "lazy", "init", "bgsave", "verify", "gpu")
+FULL_SMALL_COUNT = 20_000
+QUICK_SMALL_COUNT = 200
+
+
+@dataclass(frozen=True)
+class SubjectDef:
+    """One column of the benchmark: which worker adapter, with which options."""
+
+    label: str
+    cls: str
+    kind: str  # "raw", "ckptvar" or "peer"
+    options: dict[str, Any] = field(default_factory=dict)
+    needs: str | None = None  # module that must import (from the probe)
+    save_only: bool = False  # a save variant: loads are the same as its sibling's
+    small_fraction: float = 1.0  # slow subjects run the small workload on fewer tensors
+    restore: bool = False
+    tf: bool = False
+
+
+def subject_defs(nondurable: dict[str, Any] | None) -> list[SubjectDef]:
+    defs = [
+        SubjectDef("raw", "raw", "raw", restore=True),
+        SubjectDef("raw+fsync", "raw", "raw", {"fsync": True}, save_only=True),
+        SubjectDef("ckptvar-h5", "ckptvar", "ckptvar", {"format": "h5"}, "ckptvar", restore=True),
+    ]
+    if nondurable is not None:
+        defs.append(SubjectDef("ckptvar-h5 nd", "ckptvar", "ckptvar",
+                               {"format": "h5", "api": "save", "write_options": nondurable},
+                               "ckptvar", save_only=True))
+    defs.append(SubjectDef("ckptvar-zarr", "ckptvar", "ckptvar", {"format": "zarr"}, "ckptvar",
+                           restore=True))
+    if nondurable is not None:
+        defs.append(SubjectDef("ckptvar-zarr nd", "ckptvar", "ckptvar",
+                               {"format": "zarr", "api": "save", "write_options": nondurable},
+                               "ckptvar", save_only=True))
+    defs += [
+        SubjectDef("safetensors", "safetensors", "peer", needs="safetensors"),
+        SubjectDef("torch", "torch", "peer", needs="torch"),
+        SubjectDef("npz", "npz", "peer"),
+        SubjectDef("h5py", "h5py", "peer", needs="h5py", restore=True),
+        SubjectDef("zarr", "zarr", "peer", needs="zarr", small_fraction=0.05),
+        SubjectDef("zarr 1-chunk", "zarr", "peer", {"one_chunk": True}, "zarr",
+                   small_fraction=0.05),
+        SubjectDef("tf", "tf", "peer", needs="tensorflow", small_fraction=0.1, tf=True),
+    ]
+    return defs
+
+
+def slug(label: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in label)
+
+
+# --------------------------------------------------------------------------- running jobs
+
+
+class Runner:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.log: list[str] = []
+
+    def python_for(self, sd: SubjectDef) -> str:
+        return self.args.tf_python if sd.tf and self.args.tf_python else sys.executable
+
+    def call(self, python: str, job: dict[str, Any], timeout: float = 900) -> dict[str, Any]:
+        env = dict(os.environ)
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        try:
+            proc = subprocess.run([python, str(WORKER), json.dumps(job)], capture_output=True,
+                                  text=True, timeout=timeout, env=env, cwd=str(HERE.parent))
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s"}
+        for line in reversed(proc.stdout.splitlines()):
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+        return {"error": f"worker exited {proc.returncode}: {proc.stderr.strip()[-800:]}"}
+
+
+@dataclass
+class Row:
+    workload: str
+    op: str
+    subject: str
+    kind: str
+    times: list[float] = field(default_factory=list)
+    peaks: list[int] = field(default_factory=list)
+    extra: dict[str, list[float]] = field(default_factory=dict)
+    nbytes: int = 0
+    count: int = 0
+    disk_bytes: int | None = None
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.times) if self.times else None
+
+    @property
+    def peak(self) -> int | None:
+        good = [p for p in self.peaks if p >= 0]
+        return int(statistics.median(good)) if good else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload, "op": self.op, "subject": self.subject,
+            "kind": self.kind, "median_s": self.median, "times_s": self.times,
+            "peak_rss_bytes": self.peak, "nbytes": self.nbytes, "count": self.count,
+            "disk_bytes": self.disk_bytes, "errors": self.errors,
+            "extra": {k: statistics.median(v) for k, v in self.extra.items() if v},
+        }
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def ops_for(sd: SubjectDef, workload: str) -> list[str]:
+    if workload == "big":
+        if sd.save_only:
+            return ["save"]
+        ops = ["save", "load_warm", "load_cold"]
+        return ops + (["restore_warm", "restore_cold"] if sd.restore else [])
+    if workload == "small":
+        return ["save"] if sd.save_only else ["save", "load_warm"]
+    if workload == "lazy" and not sd.save_only:
+        return ["lazy_warm", "lazy_cold"]
+    if sd.kind != "ckptvar" or sd.save_only:
+        return []
+    if workload == "init":
+        return ["init_build", "init_build_restore", "init_restore_first", "load_warm"]
+    if workload == "bgsave":
+        return ["bg_copy", "bg_blocking", "bg_background"]
+    if workload == "verify":
+        return ["verify_on", "verify_off", "verify_restore_on", "verify_restore_off"]
+    return []
+
+
+def run_plan(args: argparse.Namespace, runner: Runner, defs: list[SubjectDef],
+             workloads: list[str]) -> list[Row]:
+    data = Path(args.dir)
+    data.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+    quick = args.quick
+
+    def measure(sd: SubjectDef, workload: str, op: str, path: Path, repeats: int,
+                job_extra: dict[str, Any] | None = None, row_op: str | None = None) -> Row:
+        row = Row(workload, row_op or op, sd.label, sd.kind)
+        for _ in range(repeats):
+            job = {"subject": sd.cls, "options": dict(sd.options), "workload": workload,
+                   "op": op, "path": str(path), "quick": quick,
+                   "count": small_count(sd), **(job_extra or {})}
+            if op.endswith("_off"):
+                job["options"]["verify"] = False
+            t0 = time.perf_counter()
+            res = runner.call(runner.python_for(sd), job)
+            wall = time.perf_counter() - t0
+            if "error" in res:
+                row.errors.append(res["error"])
+                say(f"  {sd.label:<16} {workload:<6} {row.op:<20} ERROR {res['error'][:300]}")
+                break
+            row.times.append(res["t"])
+            row.peaks.append(res["peak_rss"])
+            row.nbytes, row.count = res["nbytes"], res["count"]
+            row.disk_bytes = res.get("disk_bytes", row.disk_bytes)
+            for k in ("total_s", "cached_before"):
+                if k in res:
+                    row.extra.setdefault(k, []).append(res[k])
+            say(f"  {sd.label:<16} {workload:<6} {row.op:<20} {res['t']:9.4f} s  "
+                f"peak {res['peak_rss'] / 2**20:8.1f} MiB  (wall {wall:.1f} s)")
+        rows.append(row)
+        return row
+
+    def small_count(sd: SubjectDef) -> int:
+        n = QUICK_SMALL_COUNT if quick else FULL_SMALL_COUNT
+        return max(20, int(n * sd.small_fraction)) if not quick else n
+
+    def setup(sd: SubjectDef, workload: str, path: Path, **extra: Any) -> bool:
+        job = {"subject": sd.cls, "options": dict(sd.options), "workload": workload,
+               "op": "setup", "path": str(path), "quick": quick, "count": small_count(sd),
+               **extra}
+        res = runner.call(runner.python_for(sd), job)
+        if "error" in res:
+            say(f"  {sd.label:<16} setup of {path.name} failed: {res['error'][:300]}")
+            return False
+        return True
+
+    for sd in defs:
+        if args.subjects and sd.label not in args.subjects:
+            continue
+        big_path = data / f"{slug(sd.label)}-big{suffix(sd)}"
+        big_ready = False
+        for workload in workloads:
+            ops = ops_for(sd, workload)
+            if workload == "gpu" or not ops:
+                continue
+            repeats = args.repeats
+            if workload == "small":
+                path = data / f"{slug(sd.label)}-small{suffix(sd)}"
+                for op in ops:
+                    measure(sd, workload, op, path, repeats)
+                rm(path)
+                continue
+            if workload == "big":
+                for op in ops:
+                    if op == "save":
+                        big_ready = bool(measure(sd, "big", "save", big_path, repeats).times)
+                    else:
+                        if not big_ready:
+                            big_ready = setup(sd, "big", big_path)
+                        measure(sd, "big", op, big_path, repeats)
+                continue
+            if workload == "bgsave":
+                for op in ops:
+                    row = measure(sd, "big", op, data / f"{slug(sd.label)}-bg{suffix(sd)}",
+                                  repeats)
+                    row.workload = workload
+                continue
+            # lazy, init, verify read the big checkpoint
+            if not big_ready:
+                big_ready = setup(sd, "big", big_path)
+                if not big_ready:
+                    continue
+            for op in ops:
+                row = measure(sd, "lazy" if workload == "lazy" else "big", op, big_path, repeats)
+                row.workload = workload
+            if workload == "lazy" and sd.kind == "ckptvar":
+                alone = data / f"{slug(sd.label)}-alone{suffix(sd)}"
+                if setup(sd, "big", alone, alone=True):
+                    for op in ops:
+                        measure(sd, "lazy", op, alone, repeats, {"alone": True},
+                                row_op=op + "_alone")
+                rm(alone)
+        rm(big_path)
+    return rows
+
+
+def suffix(sd: SubjectDef) -> str:
+    if sd.cls == "ckptvar":
+        return "." + sd.options["format"]
+    return {"raw": ".raw", "safetensors": ".safetensors", "torch": ".pt", "npz": ".npz",
+            "h5py": ".h5", "zarr": ".zarr", "tf": ".tfckpt"}[sd.cls]
+
+
+def rm(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    for p in path.parent.glob(path.name + "*"):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
+_LOG: list[str] = []
+
+
+def say(msg: str) -> None:
+    _LOG.append(msg)
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def find(rows: list[Row], workload: str, op: str, subject: str) -> Row | None:
+    for r in rows:
+        if (r.workload, r.op, r.subject) == (workload, op, subject) and r.times:
+            return r
+    return None
+
+
+def per_tensor_us(rows: list[Row], op: str, subject: str) -> float | None:
+    """Cost per tensor above the raw file, in microseconds (small workload)."""
+    r, raw = find(rows, "small", op, subject), find(rows, "small", op, "raw")
+    if op == "save" and subject.startswith("ckptvar") and not subject.endswith(" nd"):
+        raw = find(rows, "small", op, "raw+fsync") or raw
+    if r is None or raw is None:
+        return None
+    return (r.median / r.count - raw.median / raw.count) * 1e6
+
+
+def raw_for(rows: list[Row], r: Row) -> Row | None:
+    """The raw row a subject compares with (durable ckptvar saves: raw+fsync)."""
+    if r.op == "save" and r.kind == "ckptvar" and not r.subject.endswith(" nd"):
+        return find(rows, r.workload, r.op, "raw+fsync") or find(rows, r.workload, r.op, "raw")
+    return find(rows, r.workload, r.op, "raw")
+
+
+def best_peer(rows: list[Row], workload: str, op: str) -> Row | None:
+    peers = [r for r in rows if r.workload == workload and r.op == op and r.kind == "peer"
+             and r.times]
+    return min(peers, key=lambda r: r.median) if peers else None
+
+
+def fmt_t(t: float | None) -> str:
+    if t is None:
+        return "—"
+    if t >= 1:
+        return f"{t:.2f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.1f} ms"
+    return f"{t * 1e6:.0f} µs"
+
+
+def fmt_x(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}×"
+
+
+OP_TITLES = {
+    ("big", "save"): "1 GiB model: save",
+    ("big", "load_warm"): "1 GiB model: load, warm cache",
+    ("big", "load_cold"): "1 GiB model: load, cold cache",
+    ("big", "restore_warm"): "1 GiB model: restore into existing arrays, warm",
+    ("big", "restore_cold"): "1 GiB model: restore into existing arrays, cold",
+    ("lazy", "lazy_warm"): "one 16 MiB tensor of the 1 GiB file, warm",
+    ("lazy", "lazy_cold"): "one 16 MiB tensor of the 1 GiB file, cold",
+    ("lazy", "lazy_warm_alone"): "the same tensor from a 1-tensor checkpoint, warm",
+    ("lazy", "lazy_cold_alone"): "the same tensor from a 1-tensor checkpoint, cold",
+}
+
+
+def summary_table(rows: list[Row], labels: list[str]) -> list[str]:
+    """The issue-style wide table: rows are operations, columns subjects, cells ratios."""
+    cols = [lab for lab in labels if any(r.subject == lab and r.times for r in rows)]
+    out = ["| workload | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for (wl, op), title in OP_TITLES.items():
+        raw = find(rows, wl, op, "raw")
+        if raw is None:
+            continue
+        cells = []
+        for lab in cols:
+            r = find(rows, wl, op, lab)
+            if r is None:
+                cells.append("")
+            elif lab == "raw":
+                cells.append(fmt_t(r.median))
+            else:
+                base = raw_for(rows, r)
+                cells.append(fmt_x(r.median / base.median) if base else fmt_t(r.median))
+        out.append(f"| {title} | " + " | ".join(cells) + " |")
+    for op, title in (("save", "save"), ("load_warm", "load")):
+        if find(rows, "small", op, "raw") is None:
+            continue
+        cells = []
+        for lab in cols:
+            r = find(rows, "small", op, lab)
+            if r is None:
+                cells.append("")
+            elif lab == "raw":
+                cells.append(fmt_t(r.median))
+            else:
+                us = per_tensor_us(rows, op, lab)
+                cells.append("—" if us is None else f"{us:,.0f} µs")
+        n = find(rows, "small", op, "raw").count
+        out.append(f"| {n:,} small tensors: {title}, raw time / cost per tensor above raw | "
+                   + " | ".join(cells) + " |")
+    for op, title in (("save", "peak RSS growth on save (× data)"),
+                      ("load_warm", "peak RSS growth on load (× data)")):
+        if find(rows, "big", op, "raw") is None:
+            continue
+        cells = []
+        for lab in cols:
+            r = find(rows, "big", op, lab)
+            cells.append("" if r is None or r.peak is None else f"{r.peak / r.nbytes:.2f}")
+        out.append(f"| 1 GiB model: {title} | " + " | ".join(cells) + " |")
+    return out
+
+
+def detail_table(rows: list[Row], workload: str) -> list[str]:
+    sel = [r for r in rows if r.workload == workload]
+    if not sel:
+        return []
+    out = ["| op | subject | median | min – max | × raw | × best peer | peak RSS growth "
+           "| on disk |", "|---|---|---|---|---|---|---|---|"]
+    for r in sel:
+        if not r.times:
+            out.append(f"| {r.op} | {r.subject} | error: {r.errors[0][:120] if r.errors else '?'}"
+                       " | | | | | |")
+            continue
+        base = raw_for(rows, r)
+        bp = best_peer(rows, r.workload, r.op)
+        xr = r.median / base.median if base else None
+        xp = r.median / bp.median if bp else None
+        peak = "—" if r.peak is None else (
+            f"{r.peak / 2**20:,.0f} MiB ({r.peak / r.nbytes:.2f}×)" if r.nbytes else
+            f"{r.peak / 2**20:,.0f} MiB")
+        disk = "" if r.disk_bytes is None else f"{r.disk_bytes / 2**20:,.1f} MiB"
+        extra = ""
+        if "total_s" in r.extra:
+            extra = f" (done after {fmt_t(statistics.median(r.extra['total_s']))})"
+        out.append(f"| {r.op} | {r.subject} | {fmt_t(r.median)}{extra} | "
+                   f"{fmt_t(min(r.times))} – {fmt_t(max(r.times))} | {fmt_x(xr)} | {fmt_x(xp)} "
+                   f"| {peak} | {disk} |")
+    return out
+
+
+def goals(rows: list[Row]) -> list[dict[str, Any]]:
+    """Every measurable goal of the issue with its measured ratio."""
+    out: list[dict[str, Any]] = []
+
+    def add(goal: str, target: float, measured: float | None, le: bool = True,
+            note: str = "") -> None:
+        met = None if measured is None else (measured <= target if le else measured >= target)
+        out.append({"goal": goal, "target": target, "measured": measured, "met": met,
+                    "note": note})
+
+    def ratio(wl: str, op: str, subj: str, base_subj: str = "raw") -> float | None:
+        r, b = find(rows, wl, op, subj), find(rows, wl, op, base_subj)
+        return r.median / b.median if r and b else None
+
+    for fmt in ("h5", "zarr"):
+        s = f"ckptvar-{fmt}"
+        add(f"{fmt}: 1 GiB save (durable) ≤ 1.0× raw+fsync", 1.0, ratio("big", "save", s,
+                                                                         "raw+fsync"))
+        if find(rows, "big", "save", s + " nd"):
+            add(f"{fmt}: 1 GiB save (durable=False) ≤ 1.0× raw", 1.0,
+                ratio("big", "save", s + " nd"))
+        add(f"{fmt}: 1 GiB save ≤ 1.0× safetensors", 1.0, ratio("big", "save", s, "safetensors"),
+            note="durable ckptvar vs safetensors without fsync")
+        add(f"{fmt}: 1 GiB load warm ≤ 1.5× raw", 1.5, ratio("big", "load_warm", s))
+        add(f"{fmt}: 1 GiB load cold ≤ 1.15× raw", 1.15, ratio("big", "load_cold", s))
+        add(f"{fmt}: 1 GiB restore warm ≤ 1.5× raw", 1.5, ratio("big", "restore_warm", s))
+        add(f"{fmt}: 1 GiB restore cold ≤ 1.15× raw", 1.15, ratio("big", "restore_cold", s))
+        add(f"{fmt}: small save ≤ 20 µs/tensor above raw", 20, per_tensor_us(rows, "save", s))
+        add(f"{fmt}: small load ≤ 20 µs/tensor above raw", 20,
+            per_tensor_us(rows, "load_warm", s))
+        add(f"{fmt}: 16 MiB lazy warm ≤ 2.5× raw", 2.5, ratio("lazy", "lazy_warm", s))
+        add(f"{fmt}: 16 MiB lazy cold ≤ 1.2× raw", 1.2, ratio("lazy", "lazy_cold", s))
+        a, b = find(rows, "lazy", "lazy_warm", s), find(rows, "lazy", "lazy_warm_alone", s)
+        add(f"{fmt}: lazy read independent of checkpoint size (1 GiB file / 1-tensor file, warm)",
+            1.25, a.median / b.median if a and b else None)
+        r = find(rows, "big", "save", s)
+        add(f"{fmt}: peak extra memory on save ≤ 0.05× model", 0.05,
+            r.peak / r.nbytes if r and r.peak is not None else None)
+        r = find(rows, "big", "load_warm", s)
+        add(f"{fmt}: peak memory on load ≤ 1.05× data", 1.05,
+            r.peak / r.nbytes if r and r.peak is not None else None)
+        r = find(rows, "big", "restore_warm", s)
+        add(f"{fmt}: restore allocates nothing (peak ≤ 0.05× model)", 0.05,
+            r.peak / r.nbytes if r and r.peak is not None else None)
+        for op, what in (("save", "save"), ("load_warm", "load")):
+            tf, me = find(rows, "big", op, "tf"), find(rows, "big", op, s)
+            add(f"{fmt}: 1 GiB {what} ≥ 2× faster than tf.train.Checkpoint", 2.0,
+                tf.median / me.median if tf and me else None, le=False)
+            tf, me = find(rows, "small", op, "tf"), find(rows, "small", op, s)
+            add(f"{fmt}: small {what} ≥ 20× faster than tf.train.Checkpoint", 20.0,
+                (tf.median / tf.count) / (me.median / me.count) if tf and me else None, le=False,
+                note="per tensor (tf runs on fewer tensors)")
+        a, b = find(rows, "init", "init_restore_first", s), find(rows, "init", "load_warm", s)
+        add(f"{fmt}: restore-as-initialization ≤ 1.0× cv.load", 1.0,
+            a.median / b.median if a and b else None)
+        a, b = find(rows, "bgsave", "bg_background", s), find(rows, "bgsave", "bg_copy", s)
+        add(f"{fmt}: background save blocks ≤ 1 memory copy", 1.0,
+            a.median / b.median if a and b else None)
+        r = find(rows, "bgsave", "bg_background", s)
+        add(f"{fmt}: background save holds ≤ 1 snapshot (peak ≤ 1.05× model)", 1.05,
+            r.peak / r.nbytes if r and r.peak is not None else None)
+    return out
+
+
+def goals_table(gl: list[dict[str, Any]]) -> list[str]:
+    out = ["| goal | measured | met |", "|---|---|---|"]
+    for g in gl:
+        m = g["measured"]
+        unit = " µs" if "µs" in g["goal"] else "×"
+        ms = "not measured" if m is None else (f"{m:,.1f}{unit}" if unit == " µs"
+                                               else f"{m:.2f}{unit}")
+        met = {None: "—", True: "met", False: "**missed**"}[g["met"]]
+        out.append(f"| {g['goal']} | {ms} | {met} |")
+    return out
+
+
+def chart(rows: list[Row], labels: list[str], path: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no chart"
+    cols = [lab for lab in labels if lab != "raw" and any(r.subject == lab and r.times
+                                                          for r in rows)]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5.5))
+    big_ops = [("save", "save"), ("load_warm", "load warm"), ("load_cold", "load cold")]
+    width = 0.8 / max(1, len(big_ops))
+    ax = axes[0]
+    for j, (op, name) in enumerate(big_ops):
+        vals = []
+        for lab in cols:
+            r = find(rows, "big", op, lab)
+            base = raw_for(rows, r) if r else None
+            vals.append(r.median / base.median if r and base else 0)
+        ax.bar([i + j * width for i in range(len(cols))], vals, width, label=name)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xticks([i + width for i in range(len(cols))], cols, rotation=60, ha="right")
+    ax.set_ylabel("time / raw file (log)")
+    ax.set_title("~1 GiB, 149 tensors")
+    ax.legend()
+    ax = axes[1]
+    for j, (op, name) in enumerate([("save", "save"), ("load_warm", "load")]):
+        vals = [max(per_tensor_us(rows, op, lab) or 0, 0.1) for lab in cols]
+        ax.bar([i + j * 0.4 for i in range(len(cols))], vals, 0.4, label=name)
+    ax.axhline(20, color="r", lw=0.8, ls="--", label="goal 20 µs")
+    ax.set_yscale("log")
+    ax.set_xticks([i + 0.2 for i in range(len(cols))], cols, rotation=60, ha="right")
+    ax.set_ylabel("µs per tensor above raw (log)")
+    ax.set_title("small tensors")
+    ax.legend()
+    ax = axes[2]
+    lcols = ["raw", *cols]
+    for j, (op, name) in enumerate([("lazy_warm", "warm"), ("lazy_cold", "cold")]):
+        vals = []
+        for lab in lcols:
+            r = find(rows, "lazy", op, lab)
+            vals.append(r.median * 1e3 if r else 0)
+        ax.bar([i + j * 0.4 for i in range(len(lcols))], vals, 0.4, label=name)
+    ax.set_xticks([i + 0.2 for i in range(len(lcols))], lcols, rotation=60, ha="right")
+    ax.set_ylabel("ms")
+    ax.set_title("one 16 MiB tensor out of the 1 GiB file")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return None
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "cpus": os.cpu_count()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["mem_gib"] = round(int(line.split()[1]) / 2**20, 1)
+        info["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
+    except OSError:
+        pass
+    return info
+
+
+# --------------------------------------------------------------------------- main
+
+
+def nondurable_options(probe: dict[str, Any]) -> dict[str, Any] | None:
+    """``{"durable": False}`` when ``cv.save`` reaches a writer that takes it, else None."""
+    if not probe.get("ckptvar"):
+        return None
+    try:
+        import tempfile
+
+        import numpy as np
+
+        import ckptvar as cv
+
+        with tempfile.TemporaryDirectory() as d:
+            for fmt in ("h5", "zarr"):
+                cv.save(os.path.join(d, "probe." + fmt), {"x": np.zeros(2, np.float32)},
+                        durable=False)
+    except Exception:  # noqa: BLE001 - no such option (TypeError), or ckptvar not ready
+        return None
+    return {"durable": False}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat (seconds)")
+    p.add_argument("--only", default="", help=f"comma list of workloads: {','.join(WORKLOADS)}")
+    p.add_argument("--subjects", default="", help="comma list of subject labels (default all)")
+    p.add_argument("--repeats", type=int, default=None, help="measurements per row (default 3)")
+    p.add_argument("--json", default="bench-results/bench.json", help="JSON output path")
+    p.add_argument("--md", default="bench-results/bench.md", help="markdown output path")
+    p.add_argument("--png", default="bench-results/bench.png", help="chart path ('' for none)")
+    p.add_argument("--dir", default="bench-results/data", help="scratch directory for files")
+    p.add_argument("--tf-python", default="",
+                   help="an interpreter with TensorFlow for tf.train.Checkpoint (its own venv)")
+    args = p.parse_args(argv)
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.only = [w for w in args.only.split(",") if w] or list(WORKLOADS)
+    bad = [w for w in args.only if w not in WORKLOADS]
+    if bad:
+        p.error(f"unknown workload(s) {bad}; choose from {WORKLOADS}")
+    args.subjects = [s for s in args.subjects.split(",") if s]
+    if args.tf_python and not Path(args.tf_python).exists():
+        p.error(f"--tf-python {args.tf_python!r} does not exist")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    runner = Runner(args)
+    probe = runner.call(sys.executable, {"op": "probe"})
+    tf_probe = runner.call(args.tf_python, {"op": "probe"}) if args.tf_python else {}
+    nd = nondurable_options(probe)
+    defs = subject_defs(nd)
+    skipped: dict[str, str] = {}
+    active: list[SubjectDef] = []
+    for sd in defs:
+        pr = tf_probe if sd.tf and args.tf_python else probe
+        if args.subjects and sd.label not in args.subjects:
+            continue
+        if sd.needs and not pr.get(sd.needs):
+            why = pr.get(sd.needs + "_error", f"{sd.needs} is not importable")
+            if sd.tf and not args.tf_python:
+                why += " (pass --tf-python with an interpreter that has TensorFlow)"
+            skipped[sd.label] = why
+            continue
+        active.append(sd)
+    if args.subjects:
+        unknown = set(args.subjects) - {sd.label for sd in defs}
+        if unknown:
+            print(f"unknown subjects {sorted(unknown)}; known: {[d.label for d in defs]}",
+                  file=sys.stderr)
+            return 2
+    for label, why in skipped.items():
+        say(f"skipping {label}: {why}")
+    workloads = list(args.only)
+    gpu_note = ""
+    if "gpu" in workloads:
+        if not (probe.get("cupy") and probe.get("cuda_devices")):
+            gpu_note = ("skipped: " + ("CuPy is not installed" if not probe.get("cupy")
+                                       else "no CUDA device"))
+            say(f"gpu workload {gpu_note}")
+        else:
+            gpu_note = "CuPy and a CUDA device present, but the GPU workload is not built yet"
+    if nd is None:
+        say("ckptvar has no durable= write option (or is not importable): "
+            "no 'nd' (non-durable) rows")
+    rows = run_plan(args, runner, active, workloads)
+    labels = [sd.label for sd in active]
+    gl = goals(rows)
+    cold = [r for r in rows if "cached_before" in r.extra]
+    raw_w, raw_c = find(rows, "big", "load_warm", "raw"), find(rows, "big", "load_cold", "raw")
+    cold_note = ""
+    if cold:
+        resident = max(max(r.extra["cached_before"]) for r in cold)
+        cold_note = (f"after os.sync() + posix_fadvise(DONTNEED) at most {resident:.1%} of a "
+                     f"checkpoint's pages stayed in the page cache (mincore)")
+        if raw_w and raw_c:
+            cold_note += (f"; raw load warm {fmt_t(raw_w.median)} vs cold "
+                          f"{fmt_t(raw_c.median)} ({raw_c.median / raw_w.median:.1f}×)")
+    meta = {
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, "scripts/bench.py",
+                             *(argv if argv is not None else sys.argv[1:])]),
+        "quick": args.quick, "repeats": args.repeats, "workloads": workloads,
+        "machine": machine(), "versions": probe,
+        "tf_versions": tf_probe, "skipped": skipped, "gpu": gpu_note,
+        "nondurable_option": nd, "cold_cache": cold_note,
+        "elapsed_s": round(time.perf_counter() - started, 1),
+    }
+    md = [f"# ckptvar benchmark ({meta['date']})", "",
+          f"Machine: {meta['machine'].get('cpu', '?')}, {meta['machine']['cpus']} CPUs, "
+          f"{meta['machine'].get('mem_gib', '?')} GiB; {meta['machine']['platform']}.",
+          f"Command: `{meta['command']}`; medians of {args.repeats}, each in a fresh process; "
+          f"run took {meta['elapsed_s']:.0f} s.", ""]
+    if skipped:
+        md += ["Skipped: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()) + ".", ""]
+    if gpu_note:
+        md += [f"GPU loading: {gpu_note}.", ""]
+    if cold_note:
+        md += [f"Cold cache: {cold_note}.", ""]
+    md += ["## Summary (× = time / raw file in this run; durable ckptvar saves compare with "
+           "raw+fsync)", "", *summary_table(rows, labels), ""]
+    titles = {"big": "~1 GiB model, 149 tensors", "small": "small tensors",
+              "lazy": "one 16 MiB tensor", "init": "restore as initialization (ckptvar)",
+              "bgsave": "background save (ckptvar; bg_copy = one copy of the model)",
+              "verify": "checksums on vs off on load (ckptvar)"}
+    for wl, title in titles.items():
+        t = detail_table(rows, wl)
+        if t:
+            md += [f"## {title}", "", *t, ""]
+    if gl and any(g["measured"] is not None for g in gl):
+        md += ["## Goals", "", *goals_table([g for g in gl if g["measured"] is not None]), ""]
+    text = "\n".join(md)
+    print(text)
+    result = {"meta": meta, "rows": [r.to_json() for r in rows], "goals": gl, "log": _LOG}
+    for out in (args.json, args.md):
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    Path(args.md).write_text(text + "\n")
+    if args.png:
+        why = chart(rows, labels, Path(args.png))
+        if why:
+            say(why)
+    shutil.rmtree(args.dir, ignore_errors=True) if not os.listdir(args.dir) else None
+    say(f"wrote {args.json} and {args.md} in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

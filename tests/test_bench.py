@@ -1,0 +1,101 @@
+"""scripts/bench.py keeps working: its quick mode runs and reports every row it should.
+
+No timing is asserted (timings on a shared machine mean nothing in a test); the tests
+check that each workload produced a measured row per subject, that the loaded values
+were right (the worker compares them with the inputs in quick mode) and that the
+markdown, JSON and goal list are complete.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "scripts" / "bench.py"
+
+
+def run_bench(tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / "bench.json"
+    md = tmp_path / "bench.md"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--json", str(out), "--md", str(md),
+         "--png", "", "--dir", str(tmp_path / "data"), *args],
+        capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    result["_md"] = md.read_text()
+    result["_stdout"] = proc.stdout
+    return result
+
+
+def rows_by(result: dict) -> dict[tuple[str, str, str], dict]:
+    return {(r["workload"], r["op"], r["subject"]): r for r in result["rows"]}
+
+
+def assert_measured(rows: dict, workload: str, op: str, subject: str) -> dict:
+    row = rows.get((workload, op, subject))
+    assert row is not None, f"no row for {workload}/{op}/{subject}"
+    assert not row["errors"], f"{workload}/{op}/{subject}: {row['errors']}"
+    assert len(row["times_s"]) == 1 and row["median_s"] > 0
+    return row
+
+
+def test_quick_run_reports_raw_and_ckptvar(tmp_path: Path) -> None:
+    result = run_bench(tmp_path, "--only", "big,small,lazy", "--subjects", "raw,ckptvar-h5")
+    rows = rows_by(result)
+    for subject in ("raw", "ckptvar-h5"):
+        for op in ("save", "load_warm", "load_cold", "restore_warm", "restore_cold"):
+            assert_measured(rows, "big", op, subject)
+        for op in ("save", "load_warm"):
+            assert_measured(rows, "small", op, subject)
+        for op in ("lazy_warm", "lazy_cold"):
+            assert_measured(rows, "lazy", op, subject)
+    assert_measured(rows, "lazy", "lazy_warm_alone", "ckptvar-h5")
+    # 149 tensors in the model; the small workload's count is what the row says
+    assert rows[("big", "save", "raw")]["count"] == 149
+    assert rows[("small", "save", "raw")]["count"] == rows[("small", "save", "ckptvar-h5")]["count"]
+    # the pages really left the cache before each cold read
+    assert rows[("big", "load_cold", "raw")]["extra"]["cached_before"] < 0.05
+    goals = {g["goal"]: g for g in result["goals"]}
+    assert goals["h5: 1 GiB load warm ≤ 1.5× raw"]["measured"] is not None
+    assert goals["h5: small save ≤ 20 µs/tensor above raw"]["measured"] is not None
+    assert goals["zarr: 1 GiB load warm ≤ 1.5× raw"]["measured"] is None  # not selected
+    md = result["_md"]
+    assert "## Summary" in md and "## Goals" in md and "| 1 GiB model: save |" in md
+    assert result["meta"]["quick"] is True and result["meta"]["machine"]["cpus"]
+    assert set(result["meta"]["skipped"]) <= {"ckptvar-h5", "raw"}  # only the chosen ones
+
+
+@pytest.mark.slow
+def test_quick_run_of_every_workload_and_installed_peer(tmp_path: Path) -> None:
+    result = run_bench(tmp_path)
+    rows = rows_by(result)
+    skipped = result["meta"]["skipped"]
+    peers = ["safetensors", "torch", "npz", "h5py", "zarr", "zarr 1-chunk", "tf"]
+    for subject in [p for p in peers if p not in skipped] + ["raw", "ckptvar-h5"]:
+        for op in ("save", "load_warm", "load_cold"):
+            assert_measured(rows, "big", op, subject)
+        assert_measured(rows, "small", "load_warm", subject)
+        assert_measured(rows, "lazy", "lazy_cold", subject)
+    for fmt in ("h5", "zarr"):
+        s = f"ckptvar-{fmt}"
+        for op in ("init_build", "init_build_restore", "init_restore_first", "load_warm"):
+            assert_measured(rows, "init", op, s)
+        for op in ("bg_copy", "bg_blocking", "bg_background"):
+            assert_measured(rows, "bgsave", op, s)
+        assert rows[("bgsave", "bg_background", s)]["extra"]["total_s"] > 0
+        for op in ("verify_on", "verify_off", "verify_restore_on", "verify_restore_off"):
+            assert_measured(rows, "verify", op, s)
+    assert "GPU loading:" in result["_md"]
+
+
+def test_bad_arguments_are_refused(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(BENCH), "--only", "nope"], capture_output=True,
+                          text=True, timeout=60, cwd=str(tmp_path))
+    assert proc.returncode == 2 and "unknown workload" in proc.stderr
