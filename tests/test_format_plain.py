@@ -124,6 +124,6 @@ def test_zarr_json_documents_are_plain_v3(tmp_path: Path) -> None:
     assert meta["zarr_format"] == 3 and meta["node_type"] == "array"
     assert meta["chunk_grid"]["configuration"]["chunk_shape"] == [200, 200]
     assert meta["codecs"] == [{"name": "bytes", "configuration": {"endian": "little"}}]
-    assert (p / "model/dense/kernel/c/0/0").stat().st_size == 40000 * 4
+    assert (p / "model/dense/kernel/c.0.0").stat().st_size == 40000 * 4
     emb = json.loads((p / "model/emb/zarr.json").read_text())
     assert emb["data_type"] == "uint16" and emb["attributes"]["dtype"] == "bfloat16"

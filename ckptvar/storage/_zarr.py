@@ -51,8 +51,12 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def chunk_key(ndim: int) -> str:
-    """The single chunk's key inside an array: ``c`` for 0-d, else ``c/0/0...``."""
-    return "/".join(["c"] + ["0"] * ndim)
+    """The single chunk's file inside an array: ``c`` for 0-d, else ``c.0.0...``.
+
+    The default chunk key encoding with the ``.`` separator keeps the chunk beside the
+    array's ``zarr.json`` (no ``c/0/`` directories to create: one directory per array).
+    """
+    return ".".join(["c"] + ["0"] * ndim)
 
 
 def _storage_dtype(name: str) -> np.dtype:
@@ -88,7 +92,7 @@ def array_meta(shape: tuple[int, ...], dt: np.dtype, attributes: dict[str, Any],
             "name": "regular",
             "configuration": {"chunk_shape": [max(1, d) for d in shape]},
         },
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
         "fill_value": _fill(dt),
         "codecs": codecs,
         "attributes": attributes,
@@ -183,13 +187,7 @@ class ZarrWriter(NativeWriter):
             return d
 
         def chunk_file(d: Path, ndim: int) -> Path:
-            key = chunk_key(ndim).split("/")
-            cur = d
-            for part in key[:-1]:
-                cur = cur / part
-                cur.mkdir()
-                dirs.append(cur)
-            return cur / key[-1]
+            return d / chunk_key(ndim)
 
         raw = self.compression is None
         arr_dirs: list[Path] = []
@@ -249,8 +247,11 @@ class ZarrWriter(NativeWriter):
         else:
             codec = BloscCodec(cname="zstd", clevel=5 if level is None else level)
         (tmp / it.path).rmdir()  # zarr creates the node itself
+        from zarr.core.chunk_key_encodings import DefaultChunkKeyEncoding
+
         arr = zarr.create_array(
             store=LocalStore(tmp),
+            chunk_key_encoding=DefaultChunkKeyEncoding(separator="."),
             name=it.path,
             shape=it.shape,
             chunks=tuple(max(1, d) for d in it.shape),
