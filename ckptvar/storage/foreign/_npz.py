@@ -24,6 +24,7 @@ import json
 import os
 import struct
 import zipfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -156,7 +157,7 @@ class _Member:
                         break
                     left -= len(chunk)
                 data = f.read(size)
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, zlib.error) as exc:
             raise CorruptCheckpointError(f"The {self.what} is damaged: {exc}") from None
         if len(data) != size:
             raise CorruptCheckpointError(f"The {self.what} is truncated.")

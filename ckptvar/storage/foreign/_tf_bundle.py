@@ -362,6 +362,11 @@ def _open(prefix: str) -> Reader:
     if endianness not in (0, 1):
         raise CorruptCheckpointError(f"{what} declares unknown endianness {endianness}.")
     bundle = _Bundle(prefix, num_shards)
+    shards = {e.shard for e in entries.values() if not e.slices and e.dtype in TF_DTYPES}
+    shards |= {e.shard for parts in slice_entries.values() for _, e in parts}
+    for shard in sorted(shards):
+        if 0 <= shard < num_shards:
+            bundle.shard(shard)  # every data file the index needs must exist
     arrays: dict[str, LazyArray] = {}
     aliases: dict[str, str] = {}
     skipped: dict[str, str] = {}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import struct
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -97,7 +98,7 @@ class _CompressedSource:
             with self.zf.open(self.info) as member:
                 _skip(member, offset)
                 data = member.read(size)
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as exc:
             raise CorruptCheckpointError(f"{self.what}: {exc}") from None
         if len(data) != size:
             raise CorruptCheckpointError(f"{self.what} is truncated.")
@@ -296,7 +297,7 @@ def _open_zip(path: Path) -> Reader:
         _check_member_size(pkl_info, MAX_HEADER_BYTES, path)
         try:
             pkl = zf.read(pkl_info)
-        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as exc:
             raise CorruptCheckpointError(f"{pkls[0]} in {str(path)!r}: {exc}") from None
         order = "little"
         if prefix + "byteorder" in infos:
