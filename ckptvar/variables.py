@@ -434,10 +434,12 @@ class Variable:
         self._shape: Shape = lock
 
         # 2. Name, device, collections.
+        self._device_obj = placement_for(dt, device)  # before naming: a bad device uses no name
         self._name = self._make_name(name)
-        self._device_obj = placement_for(dt, device)
-        log_placement(f"Variable {self._name!r} ({dtype_name(dt)}, shape "
-                              f"{_shape_str(self._shape)})", self._device_obj)
+        log_placement(
+            f"Variable {self._name!r} ({dtype_name(dt)}, shape {_shape_str(self._shape)})",
+            self._device_obj,
+        )
         if collections is None:
             collections = [GraphKeys.GLOBAL_VARIABLES]
         collections = list(dict.fromkeys(collections))
@@ -453,7 +455,7 @@ class Variable:
         if host is not None:
             if deferred:
                 snapshot = host
-                self._initializer_fn = lambda: snapshot
+                self._initializer_fn, self._source_owned = (lambda: snapshot), True
             else:
                 self._value = to_device(host, self._device_obj)
                 self._initialized = True
