@@ -169,3 +169,23 @@ def test_source_for_deferred_variable_before_initializer() -> None:
     assert v.initialized
     assert cv.global_variables_initializer() == []
     assert v.numpy().tolist() == [3.0, 4.0] and init.calls == 0
+
+
+def test_concurrent_first_reads_run_the_initializer_once() -> None:
+    import threading
+
+    init = CountingInit(2.0)
+    v = cv.Variable(init, shape=(256, 256), dtype="float32")
+    barrier = threading.Barrier(8)
+    buffers = []
+
+    def read() -> None:
+        barrier.wait()
+        buffers.append(v.value())
+
+    threads = [threading.Thread(target=read) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert init.calls == 1 and all(b is buffers[0] for b in buffers)

@@ -8,6 +8,8 @@ import weakref
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ckptvar as cv
 from ckptvar._naming import NameRegistry
@@ -320,3 +322,13 @@ def test_collections_hold_variables_weakly_but_store_keeps_get_variable_alive() 
     del obj
     gc.collect()
     assert cv.get_collection("strong") == [[1, 2]]  # non-variables are held normally
+
+
+@given(st.lists(st.text(alphabet="aAbB_1", min_size=1, max_size=4), max_size=40))
+@settings(max_examples=60, deadline=None)
+def test_unique_name_never_repeats(requests) -> None:
+    r = NameRegistry()
+    made = [r.unique_name(name) for name in requests]
+    assert len({m.lower() for m in made}) == len(made)
+    for asked, got in zip(requests, made, strict=True):
+        assert got == asked or (got.startswith(asked + "_") and got[len(asked) + 1:].isdigit())
