@@ -421,7 +421,7 @@ class Variable:
             dt = as_dtype(dtype) if dtype is not None else infer_dtype(initial_value)
             host = self._convert_initial(initial_value, dt, name)
         self._dtype: np.dtype = dt
-        value_shape = tuple(host.shape) if host is not None else tuple(req_shape)  # type: ignore[arg-type]
+        value_shape = tuple(host.shape if host is not None else req_shape)  # type: ignore[arg-type]
         if not validate_shape and shape is None:
             lock: Shape = None
         else:

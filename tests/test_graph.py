@@ -107,7 +107,7 @@ def test_reset_default_graph() -> None:
         cv.reset_default_graph()
 
 
-# --- variable scopes and get_variable --------------------------------------------------------------
+# --- variable scopes and get_variable -----------------------------------------------------------
 
 
 def test_get_variable_defaults() -> None:
