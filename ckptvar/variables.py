@@ -864,7 +864,7 @@ class Variable:
                 new = self._constrained(op(buf, _match_backend(arr, buf)).astype(self._dtype))
                 _write_into(buf, new, self._device_obj)
             else:
-                op(buf, _match_backend(arr, buf), out=buf, casting="unsafe")
+                op(buf, _match_backend(arr, buf), out=buf)  # same dtype: no casting
         return self
 
     def assign_add(self, delta: Any) -> Variable:
