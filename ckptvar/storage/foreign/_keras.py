@@ -25,6 +25,7 @@ import h5py
 import numpy as np
 
 from ...errors import CheckpointNotFoundError, CorruptCheckpointError
+from .._paths import RESERVED_PREFIX
 from ..base import ArrayInfo, Backend, LazyArray, Reader
 from ._common import EntryReader, check_shape, normalize_index, row_span
 
@@ -229,6 +230,11 @@ def _open(path: Path, fmt: str) -> Reader:
     except OSError as exc:
         raise CorruptCheckpointError(f"{str(path)!r} is not a readable HDF5 file: {exc}") from None
     try:
+        if _link_type(f, RESERVED_PREFIX) is not None:
+            raise CorruptCheckpointError(
+                f"{str(path)!r} holds a ckptvar record ({RESERVED_PREFIX!r}) but its user block "
+                "magic is damaged; refusing to read its values without their checksums."
+            )
         arrays, skipped = _collect(f, path, fmt)
     except BaseException:
         f.close()

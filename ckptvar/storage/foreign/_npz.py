@@ -121,6 +121,12 @@ def _local_data_offset(fh: FileHandle, info: zipfile.ZipInfo, path: Path) -> int
     if header[:4] != b"PK\x03\x04":
         raise CorruptCheckpointError(f"Bad zip local header for {info.filename!r} in {path}.")
     name_len, extra_len = struct.unpack_from("<HH", header, 26)
+    name = fh.pread(info.header_offset + 30, name_len, f"zip local header of {info.filename!r}")
+    if name != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
+        raise CorruptCheckpointError(
+            f"Zip member {info.filename!r} in {str(path)!r} is named {name!r} in its local "
+            "header; the archive is damaged."
+        )
     return info.header_offset + 30 + name_len + extra_len
 
 
