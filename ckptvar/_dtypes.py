@@ -148,6 +148,7 @@ def check_castable(src: np.dtype, dst: np.dtype, *, what: str = "value") -> None
     bfloat16 -> int is not).
 
     >>> check_castable(np.dtype("int32"), np.dtype("float32"))
+    >>> check_castable(np.dtype("uint8"), np.dtype("int32"))
     >>> check_castable(np.dtype("float32"), np.dtype("int32"), what="'v'")
     Traceback (most recent call last):
     ...
@@ -156,16 +157,22 @@ def check_castable(src: np.dtype, dst: np.dtype, *, what: str = "value") -> None
     src, dst = np.dtype(src), np.dtype(dst)
     if src == dst:
         return
-    if _kind(src) is not None and _kind(dst) is not None:
-        order = "biufc"
-        if order.index(_kind(src)) <= order.index(_kind(dst)):  # type: ignore[arg-type]
-            return
-    elif np.can_cast(src, dst, casting="same_kind"):
-        return
-    raise DTypeLockError(
-        f"Cannot convert {what} of dtype {dtype_name(src)} to dtype {dtype_name(dst)} "
-        "(only same_kind conversions are allowed)."
-    )
+    s_kind, d_kind = _kind(src), _kind(dst)
+    if s_kind is None or d_kind is None:
+        ok = False
+    elif "V" not in (src.kind, dst.kind):
+        ok = bool(np.can_cast(src, dst, casting="same_kind"))
+    else:  # an ml_dtypes type on one side: compare kinds the way NumPy's same_kind does
+        ok = _KIND_RANK[s_kind] <= _KIND_RANK[d_kind] and not (s_kind == "i" and d_kind == "u")
+    if not ok:
+        raise DTypeLockError(
+            f"Cannot convert {what} of dtype {dtype_name(src)} to dtype {dtype_name(dst)} "
+            "(only same_kind conversions are allowed)."
+        )
+
+
+# bool < integers < floats < complex; signed -> unsigned is never same_kind.
+_KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
 
 
 def _kind(dt: np.dtype) -> str | None:

@@ -60,3 +60,4 @@ def test_errors_are_ckpt_errors_and_builtins(error: str, builtin: type) -> None:
 
 def test_version_is_a_string() -> None:
     assert isinstance(cv.__version__, str) and cv.__version__.count(".") >= 1
+
