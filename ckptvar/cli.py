@@ -109,10 +109,23 @@ def _table(rows: Sequence[Sequence[str]], right: frozenset[int] = frozenset()) -
     return lines
 
 
+_NUMBER_LIST = re.compile(r"\[\n\s+([^\[\]{}\"]*?)\n\s*\]")
+
+
 def _dump_json(obj: Any, out: TextIO) -> None:
-    # ensure_ascii: every non-ASCII or control character is a \\u escape, so the output is
-    # valid JSON and harmless on a terminal; allow_nan=False: non-finite numbers must be None.
-    out.write(json.dumps(obj, ensure_ascii=True, allow_nan=False, indent=2) + "\n")
+    """Indented strict JSON with lists of numbers (shapes) kept on one line.
+
+    ``ensure_ascii``: every non-ASCII or control character is a ``\\u`` escape, so the
+    output is valid JSON and harmless on a terminal; ``allow_nan=False``: a non-finite
+    number would be an error (callers turn them into ``None``).
+    """
+    text = json.dumps(obj, ensure_ascii=True, allow_nan=False, indent=2)
+    # A raw newline only occurs between tokens (strings escape theirs), so a "[" followed by
+    # a newline opens a list; collapse those holding no string, list or object.
+    text = _NUMBER_LIST.sub(
+        lambda m: "[" + ", ".join(x.strip() for x in m[1].split(",\n")) + "]", text
+    )
+    out.write(text + "\n")
 
 
 def _summary(value: Any, limit: int = 70) -> str:
@@ -171,7 +184,7 @@ def _value_blocks(reader: Any, key: str, info: Any) -> Iterator[np.ndarray]:
         yield np.asarray(reader.read(key))
         return
     lazy = reader[key]
-    for index in iter_blocks(shape):
+    for index in iter_blocks(shape, BLOCK_ELEMENTS):
         yield np.asarray(lazy[index])
 
 
@@ -470,9 +483,12 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
         show = args.progress if args.progress is not None else (
             sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES
         )
+        metadata = None if args.no_metadata else (reader.metadata() or None)
         with Progress(total, stream=sys.stderr, enabled=bool(show)) as progress:
             values = _Converted(reader, plan, args.dtype, progress)
-            written = cv.save(dst, values, format=args.format, attrs=attrs or None)
+            written = cv.save(
+                dst, values, format=args.format, attrs=attrs or None, metadata=metadata
+            )
         src_format = reader.format
     n = len(plan)
     print(
@@ -574,26 +590,24 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
         )
         return EXIT_OK if equal else EXIT_MISMATCH
 
-    for k in only_a:
-        print(f"only in A  {escape(k)}", file=out)
-    for k in only_b:
-        print(f"only in B  {escape(k)}", file=out)
+    rows = [["only in A", escape(k), ""] for k in only_a]
+    rows += [["only in B", escape(k), ""] for k in only_b]
     for r in records:
         if r["status"] == "equal":
             continue
-        key = escape(r["key"])
         if r["status"] == "shape":
             change = f"{_shape_str(r['shape_a'])} -> {_shape_str(r['shape_b'])}"
-            print(f"shape      {key}  {change}", file=out)
+            rows.append(["shape", escape(r["key"]), change])
             continue
         detail = (
             f"max abs {_num(r['max_abs'])}  max rel {_num(r['max_rel'])}  "
             f"{r['beyond_tolerance']:,} of {math.prod(r['shape_a']):,} elements beyond tolerance"
         )
         if r["status"] == "dtype":
-            print(f"dtype      {key}  {r['dtype_a']} -> {r['dtype_b']}  {detail}", file=out)
-        else:
-            print(f"{r['status']:<9}  {key}  {detail}", file=out)
+            detail = f"{r['dtype_a']} -> {r['dtype_b']}  {detail}"
+        rows.append([r["status"], escape(r["key"]), detail])
+    for line in _table([[status.ljust(9), key, detail] for status, key, detail in rows]):
+        print(line, file=out)
     counts = {s: sum(1 for r in records if r["status"] == s) for s in ("equal", "close")}
     tol = f"atol={args.atol:g}, rtol={args.rtol:g}"
     if equal:
@@ -793,8 +807,10 @@ examples:
 """,
     "convert": """\
 Writes DST in the format its suffix names (.h5, .zarr, .safetensors, .npz) or
---format. Values are read and written one at a time; only floating values are
-cast by --dtype (integers and booleans keep their dtype, complex values too).
+--format, with SRC's per-value name and trainable flag and its metadata (so a
+converted ckptvar checkpoint still restores with Checkpoint.restore). Each value
+is read, cast and handed to the writer once. Only floating values are cast by
+--dtype (integers, booleans and complex values keep their dtype).
 --rename FROM=TO applies re.sub(FROM, TO, key) to every key; give it several
 times to apply several substitutions in order (the first '=' splits FROM from
 TO). A progress bar appears on stderr for large conversions when stderr is a
@@ -894,6 +910,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="output format (h5, zarr, safetensors, npz); default: DST's suffix",
     )
     p.add_argument("--filter", metavar="GLOB", help="convert only the keys matching this glob")
+    p.add_argument(
+        "--no-metadata", action="store_true",
+        help="do not copy SRC's metadata (object graph, counters, user metadata)",
+    )
     p.add_argument("-f", "--force", action="store_true", help="replace DST if it exists")
     p.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None,

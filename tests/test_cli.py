@@ -225,6 +225,33 @@ def test_inspect_table_json_tree_filter(files: dict[str, Path]) -> None:
     assert sorted(keys) == ["model/dense/bias", "model/dense/kernel"]
 
 
+def test_inspect_escapes_hostile_names(tmp_path: Path) -> None:
+    """Control/format characters in keys, names and metadata never reach the terminal raw."""
+    import unicodedata
+
+    key = "a\x1b[31mred\x07/\u202eb"
+    path = cv.save(
+        tmp_path / "evil.h5",
+        {key: np.zeros(2, np.float32), "ok": np.ones(1)},
+        attrs={"ok": {"name": "n\x00ame\u2028x"}},
+        metadata={"k\x1b": ["v\x9b", {"z": "q\r"}]},
+    )
+    table, tree, as_json = ckpt_many(
+        ("inspect", path), ("inspect", path, "--tree"), ("inspect", path, "--json")
+    )
+    for proc in (table, tree, as_json):
+        assert proc.returncode == 0, proc.stderr
+        bad = [c for c in proc.stdout if c != "\n" and unicodedata.category(c)[0] in "CZ"
+               and c != " "]
+        assert bad == [], bad
+    assert "a\\x1b[31mred\\x07/\\u202eb" in table.stdout
+    assert "k\\x1b: [v\\x9b, {z: q\\x0d}]" in table.stdout
+    assert "name 'n\\x00ame\\u2028x'" in tree.stdout
+    doc = json.loads(as_json.stdout)  # still valid JSON, and the key comes back exactly
+    assert [v["key"] for v in doc["variables"]] == [key, "ok"]
+    assert doc["variables"][1]["name"] == "n\x00ame\u2028x"
+
+
 # ----------------------------------------------------------------------------- convert
 
 
@@ -337,7 +364,7 @@ def test_diff_shape_dtype_and_nan(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert by_key["i"]["status"] == "different"  # exact for integers beyond float64's precision
     code, out, err = run_main(capsys, "diff", tmp_path / "p.h5", tmp_path / "r.npz")
     assert code == 1
-    assert "dtype      w  float32 -> float64" in out
+    assert "dtype      w  float32 -> float64  max abs 0" in out
 
 
 # ----------------------------------------------------------------------------- verify
@@ -431,3 +458,75 @@ def test_streaming_stats_match_numpy() -> None:
 def test_escape_control_characters() -> None:
     assert escape("plain/key") == "plain/key"
     assert escape("a\x00b\x1b[0m\x7f\u202e\n") == "a\\x00b\\x1b[0m\\x7f\\u202e\\x0a"
+
+
+def test_stats_and_diff_stream_large_values_in_blocks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ckptvar.cli as cli
+
+    rng = np.random.default_rng(2)
+    big = rng.standard_normal((37, 11, 5)).astype(np.float32)
+    big[3, 4, 2] = np.nan
+    other = big.copy()
+    other[30, 1, 1] += 0.5
+    cv.save(tmp_path / "big.h5", {"big": big})
+    cv.save(tmp_path / "other.zarr", {"big": other})
+    monkeypatch.setattr(cli, "BLOCK_ELEMENTS", 16)  # every value is now "large": read in slices
+    code, out, err = run_main(capsys, "inspect", tmp_path / "big.h5", "--stats", "--json")
+    assert code == 0, err
+    rec = json.loads(out)["variables"][0]
+    finite = big[np.isfinite(big)].astype(np.float64)
+    assert rec["mean"] == pytest.approx(finite.mean()) and rec["std"] == pytest.approx(finite.std())
+    assert (rec["min"], rec["max"], rec["nan"]) == (float(finite.min()), float(finite.max()), 1)
+    code, out, err = run_main(capsys, "diff", tmp_path / "big.h5", tmp_path / "other.zarr", "--json")
+    assert code == 1, err
+    rec = json.loads(out)["values"][0]
+    assert rec["beyond_tolerance"] == 1
+    assert rec["max_abs"] == pytest.approx(0.5, rel=1e-5)
+
+
+def test_converted_checkpoint_still_restores(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class Dense(cv.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.kernel = cv.Variable(np.arange(6.0).reshape(2, 3), name="kernel")
+            self.bias = cv.Variable(np.ones(3), name="bias", trainable=False)
+
+    saved = cv.Checkpoint(model=Dense()).save(tmp_path / "ckpt")
+    code, out, err = run_main(capsys, "convert", saved, tmp_path / "copy.zarr")
+    assert code == 0, err
+    fresh = Dense()
+    fresh.kernel.assign(np.zeros((2, 3)))
+    cv.Checkpoint(model=fresh).restore(tmp_path / "copy.zarr").assert_consumed()
+    np.testing.assert_array_equal(fresh.kernel.numpy(), np.arange(6.0).reshape(2, 3))
+    with cv.open(tmp_path / "copy.zarr") as reader:
+        assert reader.info("model/bias").attrs["trainable"] is False
+        with cv.open(saved) as source:
+            assert reader.metadata() == source.metadata()
+
+
+@pytest.mark.slow
+def test_inspect_stats_memory_stays_flat(tmp_path: Path) -> None:
+    """A 256 MiB value: ``inspect --stats`` and ``diff`` never hold it in memory whole.
+
+    (``verify`` hashes through a memory map, whose file-backed pages count in the
+    resident size but are page cache, not allocations; it is left out here.)
+    """
+    cv.save(tmp_path / "big.h5", {"big": np.ones(64 * 2**20, dtype=np.float32)})
+    # VmHWM (the peak resident size of this process image) is reset by exec, unlike ru_maxrss.
+    code = (
+        "import sys; from ckptvar.cli import main; rc = main(sys.argv[1:]); "
+        "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0], file=sys.stderr);"
+        " sys.exit(rc)"
+    )
+    big = str(tmp_path / "big.h5")
+    for argv in (["inspect", big, "--stats", "--json"], ["diff", big, big]):
+        proc = subprocess.run(
+            [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr
+        peak_mib = int(proc.stderr.split()[-2]) / 1024
+        assert peak_mib < 160, f"ckpt {argv[0]}: peak RSS {peak_mib:.0f} MiB for a 256 MiB value"
