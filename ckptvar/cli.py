@@ -321,9 +321,22 @@ def _tree_lines(records: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _open(path: str | Path) -> Any:
+    """``cv.open(path)``, with a hint when ``path`` is a directory of checkpoints."""
+    try:
+        return cv.open(path)
+    except cv.UnsupportedFormatError:
+        if Path(path).is_dir():
+            raise _UsageError(
+                f"{str(path)!r} is a directory, not a checkpoint; "
+                f"'ckpt ls {path}' lists the checkpoints in it"
+            ) from None
+        raise
+
+
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     path = args.path
-    with cv.open(path) as reader:
+    with _open(path) as reader:
         keys = [
             k for k in reader.keys() if args.filter is None or fnmatch.fnmatchcase(k, args.filter)
         ]
@@ -454,7 +467,7 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
         raise _UsageError(f"source and destination are the same path {str(src)!r}")
     if (dst.exists() or dst.is_symlink()) and not args.force:
         raise _UsageError(f"{str(dst)!r} exists; pass --force to replace it")
-    with cv.open(src) as reader:
+    with _open(src) as reader:
         plan: dict[str, str] = {}
         attrs: dict[str, dict[str, Any]] = {}
         total = 0
@@ -559,7 +572,7 @@ def _compare(
 
 
 def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
-    with cv.open(args.a) as ra, cv.open(args.b) as rb:
+    with _open(args.a) as ra, _open(args.b) as rb:
         keys_a, keys_b = list(ra.keys()), list(rb.keys())
         set_a, set_b = set(keys_a), set(keys_b)
         only_a = [k for k in keys_a if k not in set_b]
@@ -631,7 +644,7 @@ def cmd_diff(args: argparse.Namespace, out: TextIO) -> int:
 def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
     path = args.path
     try:
-        reader = cv.open(path)
+        reader = _open(path)
     except cv.CorruptCheckpointError as exc:
         print(f"DAMAGED  {escape(path)}: {_one_line(exc)}", file=out)
         print(f"FAILED: {escape(path)} cannot be read", file=out)
@@ -702,7 +715,13 @@ def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
     if not directory.is_dir():
         raise _UsageError(f"{str(directory)!r} is not a directory")
     paths = _manager_checkpoints(directory)
-    latest = cv.latest_checkpoint(directory) if hasattr(cv, "latest_checkpoint") else None
+    try:
+        latest = cv.latest_checkpoint(directory)
+    except cv.CkptError as exc:  # a damaged state file: still list what is on disk
+        sys.stderr.write(
+            f"ckpt: warning: {_one_line(exc).rstrip('.')}; marking the highest step latest\n"
+        )
+        latest = None
     latest_path = Path(latest) if latest else (paths[-1] if paths else None)
     rows = []
     for p in paths:

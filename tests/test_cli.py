@@ -530,3 +530,44 @@ def test_inspect_stats_memory_stays_flat(tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stderr
         peak_mib = int(proc.stderr.split()[-2]) / 1024
         assert peak_mib < 160, f"ckpt {argv[0]}: peak RSS {peak_mib:.0f} MiB for a 256 MiB value"
+
+
+def test_progress_bar_modes() -> None:
+    import io
+
+    from ckptvar._progress import Progress
+
+    tty = io.StringIO()
+    with Progress(300, stream=tty, enabled=True, tty=True, width=10) as bar:
+        for _ in range(3):
+            bar.update(100, "model/w")
+    text = tty.getvalue()
+    assert text.startswith("\r[###-------]  33% 100 B / 300 B (1 value) model/w")
+    assert text.endswith("\n")  # the last redraw clears the label and ends the line
+    assert text.rsplit("\r", 1)[1].rstrip() == "[##########] 100% 300 B / 300 B (3 values)"
+    piped = io.StringIO()
+    with Progress(1000, stream=piped, enabled=True, tty=False) as bar:
+        for _ in range(100):
+            bar.update(10)
+    lines = piped.getvalue().splitlines()
+    assert len(lines) == 11 and "\r" not in piped.getvalue()  # 0%, 10%, ..., 100%
+    assert lines[-1] == "100% 1000 B / 1000 B (100 values)"
+    quiet = io.StringIO()
+    with Progress(10, stream=quiet, enabled=False) as bar:
+        bar.update(10)
+    assert quiet.getvalue() == ""
+
+
+def test_inspect_directory_and_damaged_manager_state(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = tmp_path / "runs"
+    manager = cv.CheckpointManager(cv.Checkpoint(v=cv.Variable([1.0, 2.0])), runs)
+    manager.save()
+    manager.save()
+    code, out, err = run_main(capsys, "inspect", runs)
+    assert code == 2 and "'ckpt ls " in err and err.count("\n") == 1
+    (runs / "checkpoint_state.json").write_text("garbage")
+    code, out, err = run_main(capsys, "ls", runs)
+    assert code == 0 and err.startswith("ckpt: warning: ")
+    assert out.splitlines()[2].endswith("ckpt-2.h5   (latest)")
