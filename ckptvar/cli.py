@@ -284,16 +284,22 @@ def _variable_record(reader: Any, key: str) -> dict[str, Any]:
 
 
 def _tree_lines(records: Sequence[dict[str, Any]]) -> list[str]:
-    """The keys as a tree of their ``/`` segments, leaves annotated with dtype/shape/size."""
+    """The keys as a tree of their segments, leaves annotated with dtype/shape/size.
+
+    Segments are split at ``/`` (object-graph keys); PyTorch-style keys with no ``/``
+    at all (``model.layers.0.weight``) are split at ``.`` instead.
+    """
+    keys = [rec["key"] for rec in records]
+    sep = "." if not any("/" in k for k in keys) and any("." in k for k in keys) else "/"
     root: dict[str, Any] = {}
     leaves: dict[int, dict[str, Any]] = {}
     for rec in records:
         node = root
-        parts = rec["key"].split("/")
+        parts = rec["key"].split(sep)
         for part in parts[:-1]:
             child = node.setdefault(part, {})
             if not isinstance(child, dict):  # a key that is also a prefix of another key
-                child = node[part + "/"] = {}
+                child = node[part + sep] = {}
             node = child
         node[parts[-1] if parts[-1] not in node else parts[-1] + " "] = id(rec)
         leaves[id(rec)] = rec

@@ -571,3 +571,21 @@ def test_inspect_directory_and_damaged_manager_state(
     code, out, err = run_main(capsys, "ls", runs)
     assert code == 0 and err.startswith("ckpt: warning: ")
     assert out.splitlines()[2].endswith("ckpt-2.h5   (latest)")
+
+
+def test_tree_splits_dotted_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    arrays = {"enc.layers.0.weight": np.ones((2, 2)), "enc.layers.0.bias": np.ones(2),
+              "head.weight": np.ones(1)}
+    cv.save(tmp_path / "m.safetensors", arrays)
+    code, out, err = run_main(capsys, "inspect", tmp_path / "m.safetensors", "--tree")
+    assert code == 0, err
+    tree = [line for line in out.splitlines() if "──" in line]
+    assert tree == [
+        "├── enc",
+        "│   └── layers",
+        "│       └── 0",
+        "│           ├── weight  [float64 (2, 2) 32 B]",
+        "│           └── bias  [float64 (2,) 16 B]",
+        "└── head",
+        "    └── weight  [float64 (1,) 8 B]",
+    ]
