@@ -23,6 +23,7 @@ import mmap
 import os
 import shutil
 import sys
+import threading
 import time
 import traceback
 import zlib
@@ -667,19 +668,75 @@ def probe() -> dict[str, Any]:
     return found
 
 
+class AnonPeak:
+    """Samples RssAnon every few milliseconds on a thread: the peak of private memory.
+
+    VmHWM also counts file pages mapped in (a reader that mmaps the checkpoint shows
+    the file's size there although it allocates nothing), so both are reported.
+    """
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval = interval
+        self.base = _status("RssAnon")
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, _status("RssAnon"))
+
+    def __enter__(self) -> AnonPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _status("RssAnon"))
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.base
+
+
+PROFILE: dict[str, Any] = {}
+
+
 def _timed(fn: Callable[[], Any], peak_ok: bool) -> tuple[float, int, Any]:
     gc.collect()
     reset_peak()
     base = _status("VmRSS")
-    t0 = time.perf_counter()
-    result = fn()
-    t = time.perf_counter() - t0
+    prof = None
+    if PROFILE.get("on"):
+        import cProfile
+
+        prof = cProfile.Profile()
+    with AnonPeak() as anon:
+        t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
+        result = fn()
+        if prof is not None:
+            prof.disable()
+        t = time.perf_counter() - t0
     peak = _status("VmHWM") - base if peak_ok else -1
+    PROFILE["anon_peak"] = anon.growth
+    if prof is not None:
+        import io
+        import pstats
+
+        buf = io.StringIO()
+        stats = pstats.Stats(prof, stream=buf)
+        stats.sort_stats("tottime").print_stats(14)
+        text = buf.getvalue()
+        PROFILE["text"] = text[text.find("ncalls") - 3:] if "ncalls" in text else text
     return t, peak, result
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     workload, op, path = job["workload"], job["op"], job["path"]
+    PROFILE["on"] = bool(job.get("profile"))
     t_start = time.perf_counter()
     subject = SUBJECT_CLASSES[job["subject"]](job.get("options") or {})
     t_import = time.perf_counter() - t_start
@@ -787,18 +844,24 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                 gc.collect()
                 reset_peak()
                 base = _status("VmRSS")
-                t0 = time.perf_counter()
-                handle = ckpt.save(prefix, format=subject.format, blocking=False)
-                t = time.perf_counter() - t0
-                handle.wait()
-                out["total_s"] = time.perf_counter() - t0
+                with AnonPeak() as anon:
+                    t0 = time.perf_counter()
+                    handle = ckpt.save(prefix, format=subject.format, blocking=False)
+                    t = time.perf_counter() - t0
+                    handle.wait()
+                    out["total_s"] = time.perf_counter() - t0
                 peak = _status("VmHWM") - base if peak_ok else -1
+                out["anon_peak"] = anon.growth
                 saved = handle
             for f in glob.glob(prefix + "-*"):
                 remove(f)
     else:
         raise ValueError(f"unknown op {op!r}")
     out.update(t=t, peak_rss=peak, import_s=t_import, job_s=time.perf_counter() - t_start)
+    if "anon_peak" in PROFILE and op not in ("bg_background",):
+        out["anon_peak"] = PROFILE["anon_peak"]
+    if "text" in PROFILE:
+        out["profile"] = PROFILE["text"]
     return out
 
 

@@ -80,7 +80,7 @@ def subject_defs(nondurable: dict[str, Any] | None) -> list[SubjectDef]:
         SubjectDef("safetensors", "safetensors", "peer", needs="safetensors"),
         SubjectDef("torch", "torch", "peer", needs="torch"),
         SubjectDef("npz", "npz", "peer"),
-        SubjectDef("h5py", "h5py", "peer", needs="h5py", restore=True),
+        SubjectDef("h5py", "h5py", "peer", needs="h5py", small_fraction=0.25),
         SubjectDef("zarr", "zarr", "peer", needs="zarr", small_fraction=0.05),
         SubjectDef("zarr 1-chunk", "zarr", "peer", {"one_chunk": True}, "zarr",
                    small_fraction=0.05),
@@ -132,6 +132,8 @@ class Row:
     count: int = 0
     disk_bytes: int | None = None
     errors: list[str] = field(default_factory=list)
+    anon: list[int] = field(default_factory=list)
+    profile: str = ""
 
     @property
     def median(self) -> float | None:
@@ -139,14 +141,21 @@ class Row:
 
     @property
     def peak(self) -> int | None:
+        """Median growth of VmHWM (includes file pages mapped in)."""
         good = [p for p in self.peaks if p >= 0]
         return int(statistics.median(good)) if good else None
+
+    @property
+    def anon_peak(self) -> int | None:
+        """Median growth of the sampled peak of RssAnon (private memory)."""
+        return int(statistics.median(self.anon)) if self.anon else None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "workload": self.workload, "op": self.op, "subject": self.subject,
             "kind": self.kind, "median_s": self.median, "times_s": self.times,
-            "peak_rss_bytes": self.peak, "nbytes": self.nbytes, "count": self.count,
+            "peak_rss_bytes": self.peak, "peak_anon_bytes": self.anon_peak,
+            "nbytes": self.nbytes, "count": self.count, "profile": self.profile,
             "disk_bytes": self.disk_bytes, "errors": self.errors,
             "extra": {k: statistics.median(v) for k, v in self.extra.items() if v},
         }
@@ -167,12 +176,13 @@ def ops_for(sd: SubjectDef, workload: str) -> list[str]:
         return ["lazy_warm", "lazy_cold"]
     if sd.kind != "ckptvar" or sd.save_only:
         return []
+    # ckptvar-only extras; their "on"/"blocking"/"load" references are the big rows
     if workload == "init":
-        return ["init_build", "init_build_restore", "init_restore_first", "load_warm"]
+        return ["init_build_restore", "init_restore_first"]
     if workload == "bgsave":
-        return ["bg_copy", "bg_blocking", "bg_background"]
+        return (["bg_copy"] if sd.options.get("format") == "h5" else []) + ["bg_background"]
     if workload == "verify":
-        return ["verify_on", "verify_off", "verify_restore_on", "verify_restore_off"]
+        return ["verify_off", "verify_restore_off"]
     return []
 
 
@@ -192,6 +202,7 @@ def run_plan(args: argparse.Namespace, runner: Runner, defs: list[SubjectDef],
                    "count": small_count(sd), **(job_extra or {})}
             if op.endswith("_off"):
                 job["options"]["verify"] = False
+            row.extra.setdefault("loadavg", []).append(loadavg())
             t0 = time.perf_counter()
             res = runner.call(runner.python_for(sd), job)
             wall = time.perf_counter() - t0
@@ -201,13 +212,19 @@ def run_plan(args: argparse.Namespace, runner: Runner, defs: list[SubjectDef],
                 break
             row.times.append(res["t"])
             row.peaks.append(res["peak_rss"])
+            if "anon_peak" in res:
+                row.anon.append(res["anon_peak"])
             row.nbytes, row.count = res["nbytes"], res["count"]
             row.disk_bytes = res.get("disk_bytes", row.disk_bytes)
             for k in ("total_s", "cached_before"):
                 if k in res:
                     row.extra.setdefault(k, []).append(res[k])
             say(f"  {sd.label:<16} {workload:<6} {row.op:<20} {res['t']:9.4f} s  "
-                f"peak {res['peak_rss'] / 2**20:8.1f} MiB  (wall {wall:.1f} s)")
+                f"peak {res['peak_rss'] / 2**20:7.1f} MiB, anon "
+                f"{res.get('anon_peak', 0) / 2**20:7.1f} MiB  (wall {wall:.1f} s)")
+        if args.profile and sd.kind == "ckptvar" and row.times:
+            res = runner.call(runner.python_for(sd), {**job, "profile": True})
+            row.profile = res.get("profile", res.get("error", ""))
         rows.append(row)
         return row
 
@@ -234,7 +251,9 @@ def run_plan(args: argparse.Namespace, runner: Runner, defs: list[SubjectDef],
             ops = ops_for(sd, workload)
             if workload == "gpu" or not ops:
                 continue
-            repeats = args.repeats
+            repeats = args.repeats if sd.kind != "peer" else args.peer_repeats
+            if workload in ("init", "bgsave", "verify"):
+                repeats = args.extra_repeats  # ckptvar-only extras
             if workload == "small":
                 path = data / f"{slug(sd.label)}-small{suffix(sd)}"
                 for op in ops:
@@ -268,7 +287,7 @@ def run_plan(args: argparse.Namespace, runner: Runner, defs: list[SubjectDef],
                 alone = data / f"{slug(sd.label)}-alone{suffix(sd)}"
                 if setup(sd, "big", alone, alone=True):
                     for op in ops:
-                        measure(sd, "lazy", op, alone, repeats, {"alone": True},
+                        measure(sd, "lazy", op, alone, args.extra_repeats, {"alone": True},
                                 row_op=op + "_alone")
                 rm(alone)
         rm(big_path)
@@ -343,6 +362,10 @@ def fmt_t(t: float | None) -> str:
     return f"{t * 1e6:.0f} µs"
 
 
+def mib(n: int | None) -> str:
+    return "—" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
 def fmt_x(x: float | None) -> str:
     return "—" if x is None else f"{x:.2f}×"
 
@@ -395,14 +418,16 @@ def summary_table(rows: list[Row], labels: list[str]) -> list[str]:
         n = find(rows, "small", op, "raw").count
         out.append(f"| {n:,} small tensors: {title}, raw time / cost per tensor above raw | "
                    + " | ".join(cells) + " |")
-    for op, title in (("save", "peak RSS growth on save (× data)"),
-                      ("load_warm", "peak RSS growth on load (× data)")):
+    for op, title in (("save", "peak private memory growth on save (× data)"),
+                      ("load_warm", "peak private memory growth on load (× data)"),
+                      ("restore_warm", "peak private memory growth on restore (× data)")):
         if find(rows, "big", op, "raw") is None:
             continue
         cells = []
         for lab in cols:
             r = find(rows, "big", op, lab)
-            cells.append("" if r is None or r.peak is None else f"{r.peak / r.nbytes:.2f}")
+            cells.append("" if r is None or r.anon_peak is None
+                         else f"{r.anon_peak / r.nbytes:.2f}")
         out.append(f"| 1 GiB model: {title} | " + " | ".join(cells) + " |")
     return out
 
@@ -411,8 +436,8 @@ def detail_table(rows: list[Row], workload: str) -> list[str]:
     sel = [r for r in rows if r.workload == workload]
     if not sel:
         return []
-    out = ["| op | subject | median | min – max | × raw | × best peer | peak RSS growth "
-           "| on disk |", "|---|---|---|---|---|---|---|---|"]
+    out = ["| op | subject | median | min – max | × raw | × best peer | peak memory growth: "
+           "private / RSS (private × data) | on disk |", "|---|---|---|---|---|---|---|---|"]
     for r in sel:
         if not r.times:
             out.append(f"| {r.op} | {r.subject} | error: {r.errors[0][:120] if r.errors else '?'}"
@@ -423,8 +448,7 @@ def detail_table(rows: list[Row], workload: str) -> list[str]:
         xr = r.median / base.median if base else None
         xp = r.median / bp.median if bp else None
         peak = "—" if r.peak is None else (
-            f"{r.peak / 2**20:,.0f} MiB ({r.peak / r.nbytes:.2f}×)" if r.nbytes else
-            f"{r.peak / 2**20:,.0f} MiB")
+            f"{mib(r.anon_peak)} / {mib(r.peak)} ({(r.anon_peak or 0) / r.nbytes:.2f}×)")
         disk = "" if r.disk_bytes is None else f"{r.disk_bytes / 2**20:,.1f} MiB"
         extra = ""
         if "total_s" in r.extra:
@@ -432,6 +456,51 @@ def detail_table(rows: list[Row], workload: str) -> list[str]:
         out.append(f"| {r.op} | {r.subject} | {fmt_t(r.median)}{extra} | "
                    f"{fmt_t(min(r.times))} – {fmt_t(max(r.times))} | {fmt_x(xr)} | {fmt_x(xp)} "
                    f"| {peak} | {disk} |")
+    return out
+
+
+def ckptvar_tables(rows: list[Row]) -> list[str]:
+    """Restore as initialization, background save and checksums, per format."""
+    fmts = [f for f in ("h5", "zarr") if any(r.subject == f"ckptvar-{f}" for r in rows)]
+    copy = next((r for r in rows if r.op == "bg_copy" and r.times), None)
+    out: list[str] = []
+
+    def cell(r: Row | None, total: bool = False) -> str:
+        if r is None:
+            return "—"
+        t = fmt_t(r.median)
+        if total and "total_s" in r.extra:
+            t += f" (written after {fmt_t(statistics.median(r.extra['total_s']))})"
+        return t + ("" if r.anon_peak is None else f", +{mib(r.anon_peak)}")
+
+    sections = [
+        ("restore as initialization (time, peak private memory growth)",
+         ["build with initializers, then restore", "restore first, then build",
+          "cv.load (reference)"],
+         lambda s: [find(rows, "init", "init_build_restore", s),
+                    find(rows, "init", "init_restore_first", s),
+                    find(rows, "big", "load_warm", s)]),
+        ("background save: time the caller is blocked",
+         ["one copy of the model (reference)", "blocking save (durable)",
+          "save(blocking=False): blocked"],
+         lambda s: [copy, find(rows, "big", "save", s), find(rows, "bgsave", "bg_background", s)]),
+        ("checksums on vs off (warm cache)",
+         ["cv.load, verify on", "cv.load, verify=False", "restore, verify on",
+          "restore, verify=False"],
+         lambda s: [find(rows, "big", "load_warm", s), find(rows, "verify", "verify_off", s),
+                    find(rows, "big", "restore_warm", s),
+                    find(rows, "verify", "verify_restore_off", s)]),
+    ]
+    for title, names, pick in sections:
+        cols = {f: pick(f"ckptvar-{f}") for f in fmts}
+        if not any(r is not None for c in cols.values() for r in c[1:]):
+            continue
+        out += [f"## ckptvar: {title}", "", "| | " + " | ".join(fmts) + " |",
+                "|---" * (len(fmts) + 1) + "|"]
+        for i, name in enumerate(names):
+            out.append(f"| {name} | " + " | ".join(cell(cols[f][i], total=True) for f in fmts)
+                       + " |")
+        out.append("")
     return out
 
 
@@ -472,13 +541,13 @@ def goals(rows: list[Row]) -> list[dict[str, Any]]:
             1.25, a.median / b.median if a and b else None)
         r = find(rows, "big", "save", s)
         add(f"{fmt}: peak extra memory on save ≤ 0.05× model", 0.05,
-            r.peak / r.nbytes if r and r.peak is not None else None)
+            r.anon_peak / r.nbytes if r and r.anon_peak is not None else None)
         r = find(rows, "big", "load_warm", s)
         add(f"{fmt}: peak memory on load ≤ 1.05× data", 1.05,
-            r.peak / r.nbytes if r and r.peak is not None else None)
+            r.anon_peak / r.nbytes if r and r.anon_peak is not None else None)
         r = find(rows, "big", "restore_warm", s)
-        add(f"{fmt}: restore allocates nothing (peak ≤ 0.05× model)", 0.05,
-            r.peak / r.nbytes if r and r.peak is not None else None)
+        add(f"{fmt}: restore writes into the variables (peak ≤ 0.05× model)", 0.05,
+            r.anon_peak / r.nbytes if r and r.anon_peak is not None else None)
         for op, what in (("save", "save"), ("load_warm", "load")):
             tf, me = find(rows, "big", op, "tf"), find(rows, "big", op, s)
             add(f"{fmt}: 1 GiB {what} ≥ 2× faster than tf.train.Checkpoint", 2.0,
@@ -487,15 +556,20 @@ def goals(rows: list[Row]) -> list[dict[str, Any]]:
             add(f"{fmt}: small {what} ≥ 20× faster than tf.train.Checkpoint", 20.0,
                 (tf.median / tf.count) / (me.median / me.count) if tf and me else None, le=False,
                 note="per tensor (tf runs on fewer tensors)")
-        a, b = find(rows, "init", "init_restore_first", s), find(rows, "init", "load_warm", s)
+        a, b = find(rows, "init", "init_restore_first", s), find(rows, "big", "load_warm", s)
         add(f"{fmt}: restore-as-initialization ≤ 1.0× cv.load", 1.0,
             a.median / b.median if a and b else None)
-        a, b = find(rows, "bgsave", "bg_background", s), find(rows, "bgsave", "bg_copy", s)
+        a, b = find(rows, "init", "init_restore_first", s), find(rows, "init",
+                                                                   "init_build_restore", s)
+        add(f"{fmt}: restore-as-initialization vs build-then-restore (informative)", 1.0,
+            a.median / b.median if a and b else None)
+        a = find(rows, "bgsave", "bg_background", s)
+        b = next((r for r in rows if r.op == "bg_copy" and r.times), None)
         add(f"{fmt}: background save blocks ≤ 1 memory copy", 1.0,
             a.median / b.median if a and b else None)
         r = find(rows, "bgsave", "bg_background", s)
         add(f"{fmt}: background save holds ≤ 1 snapshot (peak ≤ 1.05× model)", 1.05,
-            r.peak / r.nbytes if r and r.peak is not None else None)
+            r.anon_peak / r.nbytes if r and r.anon_peak is not None else None)
     return out
 
 
@@ -567,6 +641,13 @@ def chart(rows: list[Row], labels: list[str], path: Path) -> str | None:
     return None
 
 
+def loadavg() -> float:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return -1.0
+
+
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {"platform": platform.platform(), "cpus": os.cpu_count()}
     try:
@@ -612,15 +693,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat (seconds)")
     p.add_argument("--only", default="", help=f"comma list of workloads: {','.join(WORKLOADS)}")
     p.add_argument("--subjects", default="", help="comma list of subject labels (default all)")
-    p.add_argument("--repeats", type=int, default=None, help="measurements per row (default 3)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="measurements per raw/ckptvar row (default 3; quick 1)")
+    p.add_argument("--peer-repeats", type=int, default=None,
+                   help="measurements per peer row (default 2; quick 1)")
+    p.add_argument("--extra-repeats", type=int, default=None,
+                   help="measurements per ckptvar-only extra row (default 2; quick 1)")
     p.add_argument("--json", default="bench-results/bench.json", help="JSON output path")
     p.add_argument("--md", default="bench-results/bench.md", help="markdown output path")
     p.add_argument("--png", default="bench-results/bench.png", help="chart path ('' for none)")
     p.add_argument("--dir", default="bench-results/data", help="scratch directory for files")
+    p.add_argument("--profile", action="store_true",
+                   help="after each ckptvar row, one extra cProfiled run (kept out of the times)")
     p.add_argument("--tf-python", default="",
                    help="an interpreter with TensorFlow for tf.train.Checkpoint (its own venv)")
     args = p.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 3)
+    args.peer_repeats = args.peer_repeats or (1 if args.quick else min(2, args.repeats))
+    args.extra_repeats = args.extra_repeats or (1 if args.quick else min(2, args.repeats))
     args.only = [w for w in args.only.split(",") if w] or list(WORKLOADS)
     bad = [w for w in args.only if w not in WORKLOADS]
     if bad:
@@ -685,6 +775,9 @@ def main(argv: list[str] | None = None) -> int:
         if raw_w and raw_c:
             cold_note += (f"; raw load warm {fmt_t(raw_w.median)} vs cold "
                           f"{fmt_t(raw_c.median)} ({raw_c.median / raw_w.median:.1f}×)")
+    loads = [x for r in rows for x in r.extra.get("loadavg", []) if x >= 0]
+    load_note = (f"1-minute load average before each measurement: median {statistics.median(loads):.1f}, "
+                 f"max {max(loads):.1f} (on {os.cpu_count()} CPUs)") if loads else ""
     meta = {
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, "scripts/bench.py",
@@ -692,7 +785,7 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick, "repeats": args.repeats, "workloads": workloads,
         "machine": machine(), "versions": probe,
         "tf_versions": tf_probe, "skipped": skipped, "gpu": gpu_note,
-        "nondurable_option": nd, "cold_cache": cold_note,
+        "nondurable_option": nd, "cold_cache": cold_note, "load": load_note,
         "elapsed_s": round(time.perf_counter() - started, 1),
     }
     md = [f"# ckptvar benchmark ({meta['date']})", "",
@@ -700,24 +793,37 @@ def main(argv: list[str] | None = None) -> int:
           f"{meta['machine'].get('mem_gib', '?')} GiB; {meta['machine']['platform']}.",
           f"Command: `{meta['command']}`; medians of {args.repeats}, each in a fresh process; "
           f"run took {meta['elapsed_s']:.0f} s.", ""]
+    if args.quick:
+        md += ["Quick mode: tiny sizes (the 149-tensor model holds ~1 MiB, the small workload "
+               f"{QUICK_SMALL_COUNT} tensors), one repeat: this run only shows that the "
+               "benchmark works; its ratios mean nothing.", ""]
     if skipped:
         md += ["Skipped: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()) + ".", ""]
     if gpu_note:
         md += [f"GPU loading: {gpu_note}.", ""]
     if cold_note:
         md += [f"Cold cache: {cold_note}.", ""]
+    if load_note:
+        md += [f"Machine load: {load_note}.", ""]
     md += ["## Summary (× = time / raw file in this run; durable ckptvar saves compare with "
            "raw+fsync)", "", *summary_table(rows, labels), ""]
     titles = {"big": "~1 GiB model, 149 tensors", "small": "small tensors",
-              "lazy": "one 16 MiB tensor", "init": "restore as initialization (ckptvar)",
-              "bgsave": "background save (ckptvar; bg_copy = one copy of the model)",
-              "verify": "checksums on vs off on load (ckptvar)"}
+              "lazy": "one 16 MiB tensor"}
     for wl, title in titles.items():
         t = detail_table(rows, wl)
         if t:
             md += [f"## {title}", "", *t, ""]
+    extra = ckptvar_tables(rows)
+    if extra:
+        md += extra
     if gl and any(g["measured"] is not None for g in gl):
         md += ["## Goals", "", *goals_table([g for g in gl if g["measured"] is not None]), ""]
+    profiled = [r for r in rows if r.profile]
+    if profiled:
+        md += ["## Profiles (cProfile of one extra run, sorted by own time)", ""]
+        for r in profiled:
+            md += [f"### {r.workload} / {r.op} / {r.subject}", "", "```text",
+                   r.profile.rstrip(), "```", ""]
     text = "\n".join(md)
     print(text)
     result = {"meta": meta, "rows": [r.to_json() for r in rows], "goals": gl, "log": _LOG}

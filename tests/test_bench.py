@@ -85,14 +85,17 @@ def test_quick_run_of_every_workload_and_installed_peer(tmp_path: Path) -> None:
         assert_measured(rows, "lazy", "lazy_cold", subject)
     for fmt in ("h5", "zarr"):
         s = f"ckptvar-{fmt}"
-        for op in ("init_build", "init_build_restore", "init_restore_first", "load_warm"):
+        for op in ("init_build_restore", "init_restore_first"):
             assert_measured(rows, "init", op, s)
-        for op in ("bg_copy", "bg_blocking", "bg_background"):
-            assert_measured(rows, "bgsave", op, s)
+        assert_measured(rows, "bgsave", "bg_background", s)
         assert rows[("bgsave", "bg_background", s)]["extra"]["total_s"] > 0
-        for op in ("verify_on", "verify_off", "verify_restore_on", "verify_restore_off"):
+        for op in ("verify_off", "verify_restore_off"):
             assert_measured(rows, "verify", op, s)
-    assert "GPU loading:" in result["_md"]
+    assert_measured(rows, "bgsave", "bg_copy", "ckptvar-h5")
+    md = result["_md"]
+    for title in ("restore as initialization", "background save", "checksums on vs off"):
+        assert f"## ckptvar: {title}" in md
+    assert "GPU loading:" in md
 
 
 def test_bad_arguments_are_refused(tmp_path: Path) -> None:
