@@ -38,6 +38,9 @@ logger = logging.getLogger("ckptvar")
 
 STATE_FILE = "checkpoint_state.json"
 _LOCK_FILE = ".checkpoint_state.lock"
+#: A save holds a shared lock on this file while it writes; crash leftovers are only cleaned
+#: by a manager that can take it exclusively, so a temporary still being written is never removed.
+_SAVING_LOCK_FILE = ".checkpoint_saving.lock"
 _STATE_VERSION = 1
 
 
@@ -84,6 +87,11 @@ def _write_state(directory: Path, state: dict[str, Any]) -> None:
         remove_path(tmp)
         raise
     fsync_dir(directory)
+
+
+def _open_saving_lock(directory: Path) -> int:
+    return os.open(directory / _SAVING_LOCK_FILE,
+                   os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
 
 
 def discard(path: Path) -> None:
@@ -206,11 +214,25 @@ class CheckpointManager:
         return isinstance(entry, dict) and bool(self._name_re.match(str(entry.get("path", ""))))
 
     def _clean_temporaries(self) -> None:
-        """Remove temporaries of this manager's files left by a crash (under the lock)."""
-        mine = (f".{self.checkpoint_name}-", f".{STATE_FILE}.")
-        for entry in os.scandir(self.directory):
-            if is_partial(entry.name) and entry.name.startswith(mine):
-                remove_path(Path(entry.path))
+        """Remove temporaries of this manager's files left by a crash (under the state lock).
+
+        State-file temporaries are only written under the state lock, so any found now is
+        a leftover. Checkpoint temporaries are removed only when no manager, in any
+        process, is saving into the directory (see :meth:`save`), so a save still in
+        flight keeps its temporary.
+        """
+        fd = _open_saving_lock(self.directory)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                prefixes: tuple[str, ...] = (f".{self.checkpoint_name}-", f".{STATE_FILE}.")
+            except BlockingIOError:
+                prefixes = (f".{STATE_FILE}.",)
+            for entry in os.scandir(self.directory):
+                if is_partial(entry.name) and entry.name.startswith(prefixes):
+                    remove_path(Path(entry.path))
+        finally:
+            os.close(fd)
 
     def _finish_deletions(self, state: dict[str, Any]) -> None:
         pending = self._section.get("pending_delete", [])
@@ -317,14 +339,24 @@ class CheckpointManager:
         def on_commit(path: str, step: int = step) -> None:
             self._record(path, step)
 
-        result = self._checkpoint._save(
-            prefix,
-            format=self.format,
-            blocking=not self.async_save,
-            number=number,
-            on_commit=on_commit,
-        )
-        return result if isinstance(result, str) else result.path
+        saving = _open_saving_lock(self.directory)  # shared: "a save is in flight here"
+        try:
+            fcntl.flock(saving, fcntl.LOCK_SH)
+            result = self._checkpoint._save(
+                prefix,
+                format=self.format,
+                blocking=not self.async_save,
+                number=number,
+                on_commit=on_commit,
+            )
+        except BaseException:
+            os.close(saving)
+            raise
+        if isinstance(result, str):
+            os.close(saving)
+            return result
+        result._future.add_done_callback(lambda _f, fd=saving: os.close(fd))
+        return result.path
 
     def restore_or_initialize(self) -> str | None:
         """Restore the newest checkpoint that loads; else call ``init_fn``. Returns the path.
