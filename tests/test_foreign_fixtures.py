@@ -88,7 +88,7 @@ def test_tf_object_keys_accept_the_full_key_and_skip_the_object_graph() -> None:
         full = "model/dense/kernel" + SUFFIX
         assert full in reader
         np.testing.assert_array_equal(reader[full].read(), reader["model/dense/kernel"].read())
-        assert "_CHECKPOINTABLE_OBJECT_GRAPH" not in reader.keys()
+        assert "_CHECKPOINTABLE_OBJECT_GRAPH" not in reader
         assert "_CHECKPOINTABLE_OBJECT_GRAPH" in reader.skipped
         with pytest.raises(cv.UnsupportedFormatError, match="string"):
             reader["_CHECKPOINTABLE_OBJECT_GRAPH"]
@@ -102,7 +102,7 @@ def test_tf_partitioned_variable_is_reassembled_from_its_slices() -> None:
         assert reader.info("embedding").shape == (10, 3)  # 3 slices along axis 0
         assert reader.info("wide").shape == (2, 7)  # 2 slices along axis 1
         np.testing.assert_array_equal(reader["wide"][:, 3:5], reader["wide"].read()[:, 3:5])
-        assert not any(k.startswith("\x00") for k in reader.keys())
+        assert not any(k.startswith("\x00") for k in reader)
 
 
 def test_torch_views_of_one_storage_keep_their_own_strides() -> None:

@@ -1,9 +1,10 @@
 """Bounded byte-mutation fuzzing of the foreign parsers on the real fixtures.
 
-Allowed outcomes: a ``CkptError``, or a load with the original keys, shapes and
-dtypes — with identical values for TensorFlow (every value carries a CRC32C);
-the other formats carry no checksums, so a flipped data byte there can only
-change a value, never crash the reader or allocate beyond the file.
+Allowed outcomes: a ``CkptError``, or a load of NumPy arrays — identical to the
+original for TensorFlow (its index blocks and every value carry a CRC32C). The
+other formats carry no checksums of their own, so a flipped byte in a name or a
+value can change what is read; the property there is that the reader never
+fails with anything but a ``CkptError`` and never hangs or over-allocates.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ mutations = st.lists(
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @settings(
-    max_examples=40,
+    max_examples=60,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
@@ -78,8 +79,9 @@ def test_mutated_files_load_or_raise_ckpt_error(
         loaded = _load(path)
     except CkptError:
         return
-    assert sorted(loaded) == sorted(original)
-    for key, value in loaded.items():
-        assert value.shape == original[key].shape and value.dtype == original[key].dtype
-        if case.startswith("tf"):
+    assert all(isinstance(v, np.ndarray) for v in loaded.values())
+    if case.startswith("tf"):  # checksummed: nothing damaged may come back
+        assert sorted(loaded) == sorted(original)
+        for key, value in loaded.items():
+            assert value.shape == original[key].shape and value.dtype == original[key].dtype
             np.testing.assert_array_equal(value, original[key])

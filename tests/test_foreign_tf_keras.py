@@ -9,6 +9,7 @@ has the FIFO open for reading.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -236,10 +237,8 @@ def _run_watching(
             time.sleep(0.01)
             continue
         opened = True
-        try:
+        with contextlib.suppress(BrokenPipeError):  # the reader may have closed it already
             os.write(fd, b"\0" * 64)
-        except BrokenPipeError:
-            pass
         os.close(fd)
     try:
         out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import struct
+import zipfile
+import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,18 @@ __all__ = [
     "pread_exact",
     "row_span",
 ]
+
+#: What ``zipfile``/``zlib`` raise on a damaged archive (all mapped to CorruptCheckpointError).
+ZIP_ERRORS: tuple[type[BaseException], ...] = (
+    zipfile.BadZipFile,
+    OSError,
+    EOFError,
+    ValueError,
+    NotImplementedError,
+    OverflowError,
+    struct.error,
+    zlib.error,
+)
 
 #: Largest metadata block (JSON header, pickle, index) a reader accepts before parsing.
 MAX_HEADER_BYTES = 256 * 1024 * 1024
@@ -64,6 +79,10 @@ def native(dtype: np.dtype) -> np.dtype:
 
 def pread_exact(fd: int, offset: int, size: int, *, what: str, path: Path | str) -> bytes:
     """Read exactly ``size`` bytes at ``offset``; a short read is a truncated file."""
+    if offset < 0 or size < 0:
+        raise CorruptCheckpointError(
+            f"{what} in {str(path)!r}: invalid byte range ({size} bytes at offset {offset})."
+        )
     chunks = []
     got = 0
     while got < size:
@@ -80,6 +99,8 @@ def pread_exact(fd: int, offset: int, size: int, *, what: str, path: Path | str)
 
 def preadinto_exact(fd: int, buf: memoryview, offset: int, *, what: str, path: Path | str) -> None:
     """Fill ``buf`` from the file at ``offset`` without an intermediate copy."""
+    if offset < 0:
+        raise CorruptCheckpointError(f"{what} in {str(path)!r}: negative offset {offset}.")
     got = 0
     n = len(buf)
     while got < n:
@@ -321,3 +342,21 @@ class FileHandle:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
             self.close()
+
+
+def check_zip_entry_count(fh: FileHandle, count: int, path: Path) -> None:
+    """Refuse a zip whose central directory lists fewer/more members than its end record says.
+
+    ``zipfile`` does not compare them, so a damaged name length can silently hide members.
+    """
+    tail_size = min(fh.size, 65536 + 22)
+    tail = fh.pread(fh.size - tail_size, tail_size, "zip end record")
+    pos = tail.rfind(b"PK\x05\x06")
+    if pos < 0 or pos + 22 > len(tail):
+        raise CorruptCheckpointError(f"{str(path)!r} has no zip end-of-directory record.")
+    (total,) = struct.unpack_from("<H", tail, pos + 10)
+    if total != 0xFFFF and total != count:
+        raise CorruptCheckpointError(
+            f"The zip directory of {str(path)!r} lists {count} members; its end record says "
+            f"{total}. The archive is damaged."
+        )

@@ -22,9 +22,9 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import struct
 import zipfile
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -33,11 +33,19 @@ import numpy as np
 
 from ...errors import CorruptCheckpointError, UnsupportedFormatError
 from ..base import ArrayInfo, Backend, LazyArray, Reader, Writer
-from ._common import EntryReader, FileArray, FileHandle, check_shape
+from ._common import (
+    ZIP_ERRORS,
+    EntryReader,
+    FileArray,
+    FileHandle,
+    check_shape,
+    check_zip_entry_count,
+)
 
 __all__ = ["NpzBackend", "NpzWriter", "parse_npy_header"]
 
 _MAGIC = b"\x93NUMPY"
+_DESCR = re.compile(r"^[<>|=]?(b1|[iu][1248]|f[248]|c(8|16))$")
 _SIDECAR = "__ckptvar__.json"
 _MAX_NPY_HEADER = 1 << 20
 _MAX_DEFLATE_RATIO = 1100
@@ -99,10 +107,12 @@ def parse_npy_header(head: bytes, *, what: str) -> tuple[np.dtype, tuple[int, ..
         raise CorruptCheckpointError(
             f"{what}: structured dtype {descr!r} refused (only plain numeric arrays)."
         )
-    try:
-        dtype = np.dtype(descr)
-    except TypeError:
-        raise CorruptCheckpointError(f"{what}: unknown dtype {descr!r}.") from None
+    if not _DESCR.match(descr):
+        raise CorruptCheckpointError(
+            f"{what}: dtype {descr!r} refused (object, string, void and datetime arrays are "
+            "not read; nothing is ever unpickled)."
+        )
+    dtype = np.dtype(descr)
     if dtype not in _PLAIN:
         raise CorruptCheckpointError(
             f"{what}: dtype {descr!r} refused (object, string, void and datetime arrays are "
@@ -139,8 +149,13 @@ class _Member:
         self.zf, self.info, self.fh = zf, info, fh
         self.what = f"member {info.filename!r} of {str(path)!r}"
         self.stored = info.compress_type == zipfile.ZIP_STORED
+        if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+            raise CorruptCheckpointError(
+                f"The {self.what} uses zip compression method {info.compress_type} "
+                "(only stored and deflated members are read)."
+            )
+        self.start = _local_data_offset(fh, info, path)  # also checks the member's name
         if self.stored:
-            self.start = _local_data_offset(fh, info, path)
             if self.start + info.file_size > fh.size or info.compress_size != info.file_size:
                 raise CorruptCheckpointError(f"The {self.what} runs past the end of the file.")
         elif info.file_size > max(1 << 16, info.compress_size * _MAX_DEFLATE_RATIO):
@@ -163,7 +178,7 @@ class _Member:
                         break
                     left -= len(chunk)
                 data = f.read(size)
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError, zlib.error) as exc:
+        except ZIP_ERRORS as exc:
             raise CorruptCheckpointError(f"The {self.what} is damaged: {exc}") from None
         if len(data) != size:
             raise CorruptCheckpointError(f"The {self.what} is truncated.")
@@ -178,9 +193,10 @@ def _open(path: Path) -> Reader:
     try:
         try:
             zf = zipfile.ZipFile(path)
-        except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        except ZIP_ERRORS as exc:
             raise CorruptCheckpointError(f"{str(path)!r} is not a readable .npz: {exc}") from None
         infos = zf.infolist()
+        check_zip_entry_count(fh, len(infos), path)
         sidecar: dict[str, Any] = {}
         names = [i.filename for i in infos]
         if len(set(names)) != len(names):
@@ -201,6 +217,7 @@ def _open(path: Path) -> Reader:
         attrs_all = sidecar.get("attrs", {}) if isinstance(sidecar.get("attrs", {}), dict) else {}
         for info in infos:
             if not info.filename.endswith(".npy") or info.is_dir():
+                _local_data_offset(fh, info, path)  # a damaged name must not hide a value
                 continue
             key = info.filename[: -len(".npy")]
             member = _Member(zf, info, fh, path)
@@ -364,7 +381,7 @@ class NpzBackend(Backend):
         try:
             with zipfile.ZipFile(path) as zf:
                 names = zf.namelist()
-        except (zipfile.BadZipFile, OSError, ValueError):
+        except ZIP_ERRORS:
             return False
         return bool(names) and all(n.endswith(".npy") or n == _SIDECAR for n in names)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import io
 import struct
 import zipfile
-import zlib
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,10 +30,12 @@ from ...errors import CorruptCheckpointError, UnsupportedFormatError
 from ..base import ArrayInfo, Backend, LazyArray, Reader
 from ._common import (
     MAX_HEADER_BYTES,
+    ZIP_ERRORS,
     EntryReader,
     FileArray,
     FileHandle,
     check_shape,
+    check_zip_entry_count,
     normalize_index,
 )
 from ._unpickler import StorageRef, TensorRef, safe_load
@@ -98,7 +99,7 @@ class _CompressedSource:
             with self.zf.open(self.info) as member:
                 _skip(member, offset)
                 data = member.read(size)
-        except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as exc:
+        except ZIP_ERRORS as exc:
             raise CorruptCheckpointError(f"{self.what}: {exc}") from None
         if len(data) != size:
             raise CorruptCheckpointError(f"{self.what} is truncated.")
@@ -278,9 +279,10 @@ def _open_zip(path: Path) -> Reader:
     try:
         try:
             zf = zipfile.ZipFile(path)
-        except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        except ZIP_ERRORS as exc:
             raise CorruptCheckpointError(f"{str(path)!r} is not a readable zip: {exc}") from None
         infos = {i.filename: i for i in zf.infolist()}
+        check_zip_entry_count(fh, len(zf.infolist()), path)
         pkls = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
         if any(n.endswith("/constants.pkl") or "/code/" in n for n in infos):
             raise UnsupportedFormatError(
@@ -293,17 +295,27 @@ def _open_zip(path: Path) -> Reader:
                 f"(expected one '<dir>/data.pkl', found {len(pkls)})."
             )
         prefix = pkls[0][: -len("data.pkl")]
+        for info in infos.values():  # damaged names or methods must not slip through
+            if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+                raise CorruptCheckpointError(
+                    f"{info.filename!r} in {str(path)!r} uses zip compression method "
+                    f"{info.compress_type} (only stored and deflated members are read)."
+                )
+            _member_data_offset(fh, info, path)
         pkl_info = infos[pkls[0]]
         _check_member_size(pkl_info, MAX_HEADER_BYTES, path)
         try:
             pkl = zf.read(pkl_info)
-        except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as exc:
+        except ZIP_ERRORS as exc:
             raise CorruptCheckpointError(f"{pkls[0]} in {str(path)!r}: {exc}") from None
         order = "little"
         if prefix + "byteorder" in infos:
             bo_info = infos[prefix + "byteorder"]
             _check_member_size(bo_info, 16, path)
-            order = zf.read(bo_info).decode("ascii", "replace").strip()
+            try:
+                order = zf.read(bo_info).decode("ascii", "replace").strip()
+            except ZIP_ERRORS as exc:
+                raise CorruptCheckpointError(f"byteorder in {str(path)!r}: {exc}") from None
             if order not in ("little", "big"):
                 raise CorruptCheckpointError(f"{str(path)!r}: unknown byteorder {order!r}.")
         storages: dict[str, StorageRef] = {}
@@ -459,7 +471,7 @@ class TorchBackend(Backend):
             try:
                 with zipfile.ZipFile(path) as zf:
                     return any(n.endswith("/data.pkl") for n in zf.namelist())
-            except (zipfile.BadZipFile, OSError):
+            except ZIP_ERRORS:
                 return False
         return False
 
