@@ -245,3 +245,22 @@ def test_npz_compressed_members_read_lazily_and_detect_damage(tmp_path: Path) ->
     (tmp_path / "c.npz").write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpointError), cv.open(tmp_path / "c.npz") as reader:
         reader["w"].read()
+
+
+@pytest.mark.parametrize("name", ["plain.npz", "compressed.npz"])
+def test_npz_values_are_checked_against_the_zip_crc(tmp_path: Path, name: str) -> None:
+    src = Path(__file__).resolve().parent.parent / "fixtures" / "npz" / name
+    path = tmp_path / name
+    data = bytearray(src.read_bytes())
+    with zipfile.ZipFile(src) as zf:
+        info = zf.getinfo("weights.npy")
+    assert cv.open(src).info("weights").checksum == info.CRC
+    if name == "plain.npz":
+        name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+        data[info.header_offset + 30 + name_len + extra_len + 128 + 7] ^= 0x04  # a value bit
+        path.write_bytes(bytes(data))
+        with cv.open(path) as reader:
+            assert reader["weights"][4].shape == (3,)  # slices are not checked
+            with pytest.raises(CorruptCheckpointError, match="CRC-32"):
+                reader["weights"].read()
+            reader["weights"].read(verify=False)

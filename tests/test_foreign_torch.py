@@ -294,3 +294,22 @@ def test_unsupported_tensor_dtype_is_refused(tmp_path: Path) -> None:
 def test_torch_reader_is_read_only(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedFormatError):
         cv.save(tmp_path / "x.pt", {"a": np.zeros(2)})
+
+
+def test_a_flipped_byte_in_a_storage_fails_the_zip_crc(tmp_path: Path) -> None:
+    src = Path(__file__).resolve().parent.parent / "fixtures" / "torch" / "state_dict.pt"
+    with cv.open(src) as reader:
+        assert reader.info("0.weight").checksum is not None  # the tensor is its whole storage
+        assert reader.info("shared.column").checksum is None  # a view: no CRC covers it
+        clean = reader["0.weight"].read()
+    with zipfile.ZipFile(src) as zf:
+        info = zf.getinfo("state_dict/data/0")
+    data = bytearray(src.read_bytes())
+    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+    data[info.header_offset + 30 + name_len + extra_len + 5] ^= 0x10
+    path = tmp_path / "damaged.pt"
+    path.write_bytes(bytes(data))
+    with cv.open(path) as reader:
+        with pytest.raises(CorruptCheckpointError, match="CRC-32"):
+            reader["0.weight"].read()
+        assert not np.array_equal(reader["0.weight"].read(verify=False), clean)

@@ -344,6 +344,22 @@ class FileHandle:
             self.close()
 
 
+def zip_crc_check(
+    info: zipfile.ZipInfo, prefix: bytes, what: str
+) -> Callable[[bytes | memoryview], None]:
+    """A check that the member's bytes (``prefix`` + the value's bytes) match its zip CRC-32."""
+
+    def check(data: bytes | memoryview) -> None:
+        actual = zlib.crc32(data, zlib.crc32(prefix)) & 0xFFFFFFFF
+        if actual != info.CRC:
+            raise CorruptCheckpointError(
+                f"{what} fails its zip CRC-32 check (stored {info.CRC:#010x}, computed "
+                f"{actual:#010x}): the archive is damaged."
+            )
+
+    return check
+
+
 def check_zip_entry_count(fh: FileHandle, count: int, path: Path) -> None:
     """Refuse a zip whose central directory lists fewer/more members than its end record says.
 

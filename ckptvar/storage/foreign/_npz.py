@@ -40,6 +40,7 @@ from ._common import (
     FileHandle,
     check_shape,
     check_zip_entry_count,
+    zip_crc_check,
 )
 
 __all__ = ["NpzBackend", "NpzWriter", "parse_npy_header"]
@@ -250,11 +251,12 @@ def _open(path: Path) -> Reader:
             if isinstance(attrs_all.get(key), dict):
                 attrs.update(attrs_all[key])
             arrays[key] = FileArray(
-                ArrayInfo(key=key, dtype=shown, shape=shape, attrs=attrs),
+                ArrayInfo(key=key, dtype=shown, shape=shape, attrs=attrs, checksum=info.CRC),
                 stored_dtype=dtype,
                 offset=hsize,
                 fetch=member.fetch,
                 readinto=member.readinto if member.stored and dtype.byteorder in "=|" else None,
+                check=zip_crc_check(info, head[:hsize], what),
                 fortran=fortran and len(shape) > 1,
             )
     except BaseException:

@@ -18,6 +18,7 @@ TorchScript archives (``torch.jit.save``) are refused.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import struct
 import zipfile
@@ -37,6 +38,7 @@ from ._common import (
     check_shape,
     check_zip_entry_count,
     normalize_index,
+    zip_crc_check,
 )
 from ._unpickler import StorageRef, TensorRef, safe_load
 
@@ -76,8 +78,17 @@ def _supported(dt: Any) -> bool:
 class _Source:
     """Where one storage's bytes are: ``fetch(offset, size)`` / ``readinto(buf, offset)``."""
 
-    def __init__(self, fh: FileHandle, start: int, nbytes: int, what: str) -> None:
+    def __init__(
+        self,
+        fh: FileHandle,
+        start: int,
+        nbytes: int,
+        what: str,
+        info: zipfile.ZipInfo | None = None,
+    ) -> None:
         self.fh, self.start, self.nbytes, self.what = fh, start, nbytes, what
+        self.info = info  # the zip member, whose CRC-32 covers the whole storage
+        self.crc = info.CRC if info is not None else None
 
     def fetch(self, offset: int, size: int) -> bytes:
         return self.fh.pread(self.start + offset, size, self.what)
@@ -93,6 +104,7 @@ class _CompressedSource:
 
     def __init__(self, zf: zipfile.ZipFile, info: zipfile.ZipInfo, nbytes: int, what: str) -> None:
         self.zf, self.info, self.nbytes, self.what = zf, info, nbytes, what
+        self.crc = info.CRC
 
     def fetch(self, offset: int, size: int) -> bytes:
         try:
@@ -118,6 +130,12 @@ class TorchArray(LazyArray):
     """A (possibly strided) tensor view of a storage; only the spanned bytes are read."""
 
     def __init__(self, info: ArrayInfo, ref: TensorRef, source: Any, stored: np.dtype) -> None:
+        check = None
+        crc = getattr(source, "crc", None)
+        whole = ref.offset == 0 and info.nbytes == source.nbytes
+        if crc is not None and whole and _is_c_contiguous(ref.shape, ref.stride):
+            check = zip_crc_check(source.info, b"", source.what)
+            info = dataclasses.replace(info, checksum=crc)
         self.info = info
         self._ref = ref
         self._source = source
@@ -137,6 +155,7 @@ class TorchArray(LazyArray):
                 offset=ref.offset * item,
                 fetch=source.fetch,
                 readinto=source.readinto if stored.byteorder in ("=", "|") else None,
+                check=check,
             )
 
     def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
@@ -338,7 +357,7 @@ def _open_zip(path: Path) -> Reader:
                 start = _member_data_offset(fh, info, path)
                 if start + nbytes > fh.size:
                     raise CorruptCheckpointError(f"{what} runs past the end of the file.")
-                sources[key] = _Source(fh, start, nbytes, what)
+                sources[key] = _Source(fh, start, nbytes, what, info)
             else:
                 _check_member_size(info, 1 << 62, path)
                 sources[key] = _CompressedSource(zf, info, nbytes, what)
