@@ -264,3 +264,29 @@ def test_npz_values_are_checked_against_the_zip_crc(tmp_path: Path, name: str) -
             with pytest.raises(CorruptCheckpointError, match="CRC-32"):
                 reader["weights"].read()
             reader["weights"].read(verify=False)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
+def test_a_failed_write_leaves_the_previous_file_and_no_temporary(
+    tmp_path: Path, suffix: str
+) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / f"w{suffix}"
+    cv.save(path, {"old": np.arange(4, dtype="f4")})
+    before = path.read_bytes()
+    code = (
+        "import resource, signal, sys, numpy as np, ckptvar as cv\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+        "try:\n"
+        f"    cv.save({str(path)!r}, {{'new': np.zeros(100_000, 'f4')}})\n"
+        "except OSError as exc:\n"
+        "    print('failed', exc.errno)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("failed 27"), out.stdout + out.stderr  # EFBIG
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    np.testing.assert_array_equal(cv.load(path)["old"], np.arange(4, dtype="f4"))

@@ -293,8 +293,9 @@ def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
 class NpzWriter(Writer):
     """Writes an uncompressed ``.npz`` atomically, streaming each array's buffer."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, durable: bool = True) -> None:
         self.path = Path(path)
+        self._durable = durable
         self._items: dict[str, tuple[np.ndarray, dict[str, Any]]] = {}
         self._metadata: dict[str, Any] | None = None
         self._done = False
@@ -360,8 +361,9 @@ class NpzWriter(Writer):
                     zf.writestr(info, json.dumps(side, default=_jsonable))
                 zf.close()
                 raw.flush()
-                os.fsync(raw.fileno())
-            publish(tmp, self.path)
+                if self._durable:
+                    os.fsync(raw.fileno())
+            publish(tmp, self.path, durable=self._durable)
         self._done = True
         self._items.clear()
         return self.path
@@ -393,6 +395,4 @@ class NpzBackend(Backend):
 
     @classmethod
     def open_writer(cls, path: Path, **options: Any) -> Writer:
-        if options:
-            raise TypeError(f"Unknown npz writer options: {sorted(options)}.")
-        return NpzWriter(Path(path))
+        return NpzWriter(Path(path), **options)

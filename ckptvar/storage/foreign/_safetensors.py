@@ -219,8 +219,11 @@ def _jsonable(obj: Any) -> Any:
 class SafetensorsWriter(Writer):
     """Writes ``.safetensors`` atomically, streaming each array's buffer as it is."""
 
-    def __init__(self, path: Path, *, metadata: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, path: Path, *, metadata: Mapping[str, str] | None = None, durable: bool = True
+    ) -> None:
         self.path = Path(path)
+        self._durable = durable
         self._items: dict[str, tuple[np.ndarray, dict[str, Any]]] = {}
         self._metadata: dict[str, Any] | None = None
         self._extra = dict(metadata or {})
@@ -299,10 +302,11 @@ class SafetensorsWriter(Writer):
                 for buf in buffers:
                     if buf.nbytes:
                         _write_all(fd, memoryview(buf.reshape(-1).view(np.uint8)))
-                os.fsync(fd)
+                if self._durable:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
-            publish(tmp, self.path)
+            publish(tmp, self.path, durable=self._durable)
         self._done = True
         self._items.clear()
         return self.path
