@@ -482,7 +482,10 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
                 continue
             new = key
             for pattern, repl in args.rename:
-                new = pattern.sub(repl, new)
+                try:
+                    new = pattern.sub(repl, new)
+                except re.error as exc:  # a bad group reference in TO, e.g. \2 with one group
+                    raise _UsageError(f"--rename {pattern.pattern}={repl}: {exc}") from None
             if not new:
                 raise _UsageError(f"--rename maps {key!r} to an empty key")
             if new in plan:

@@ -304,6 +304,7 @@ def test_convert_dtype_rename_progress(
         (["convert", files["a"], tmp_path / "m.h5", "--rename", ".*=same"], "same"),
         (["convert", files["a"], tmp_path / "m.h5", "--filter", "nope*"], "nope"),
         (["convert", files["a"], files["a"], "--force"], "same path"),
+        (["convert", files["a"], tmp_path / "m.h5", "--rename", r"(model)=\2"], "group"),
     ):
         code, out, err = run_main(capsys, *argv)
         assert code == 2 and word in err and err.count("\n") == 1, err
