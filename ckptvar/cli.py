@@ -103,7 +103,8 @@ def _table(rows: Sequence[Sequence[str]], right: frozenset[int] = frozenset()) -
     lines = []
     for r in rows:
         cells = [
-            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
         ]
         lines.append("  ".join(cells).rstrip())
     return lines
@@ -343,9 +344,7 @@ def _open(path: str | Path) -> Any:
 def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     path = args.path
     with _open(path) as reader:
-        keys = [
-            k for k in reader.keys() if args.filter is None or fnmatch.fnmatchcase(k, args.filter)
-        ]
+        keys = [k for k in reader if args.filter is None or fnmatch.fnmatchcase(k, args.filter)]
         records = [_variable_record(reader, k) for k in keys]
         if args.stats:
             for rec in records:
@@ -397,9 +396,7 @@ def cmd_inspect(args: argparse.Namespace, out: TextIO) -> int:
     elements = sum(math.prod(r["shape"]) for r in records)
     total = sum(r["nbytes"] for r in records)
     trainable = sum(math.prod(r["shape"]) for r in records if r["trainable"])
-    line = (
-        f"\n{n} variable{'s' if n != 1 else ''}, {elements:,} elements, {human_size(total)}"
-    )
+    line = f"\n{n} variable{'s' if n != 1 else ''}, {elements:,} elements, {human_size(total)}"
     if any(r["trainable"] is not None for r in records):
         line += f" ({trainable:,} trainable elements)"
     print(line, file=out)
@@ -477,7 +474,7 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
         plan: dict[str, str] = {}
         attrs: dict[str, dict[str, Any]] = {}
         total = 0
-        for key in reader.keys():
+        for key in reader:
             if args.filter is not None and not fnmatch.fnmatchcase(key, args.filter):
                 continue
             new = key
@@ -502,8 +499,10 @@ def cmd_convert(args: argparse.Namespace, out: TextIO) -> int:
             total += size * itemsize
         if not plan:
             raise _UsageError(f"nothing to convert: no key of {str(src)!r} matches {args.filter!r}")
-        show = args.progress if args.progress is not None else (
-            sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES
+        show = (
+            args.progress
+            if args.progress is not None
+            else (sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES)
         )
         metadata = None if args.no_metadata else (reader.metadata() or None)
         with Progress(total, stream=sys.stderr, enabled=bool(show)) as progress:
@@ -544,7 +543,9 @@ def _compare(
     max_abs = max_rel = 0.0
     beyond = 0
     exact_ints = (
-        atol == 0 and rtol == 0 and np.dtype(ia.dtype) == np.dtype(ib.dtype)
+        atol == 0
+        and rtol == 0
+        and np.dtype(ia.dtype) == np.dtype(ib.dtype)
         and np.dtype(ia.dtype).kind in "biu"
     )
     with np.errstate(all="ignore"):
@@ -892,9 +893,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_MAIN_EPILOG,
         formatter_class=fmt,
     )
-    parser.add_argument(
-        "--version", action="version", version=f"ckpt (ckptvar) {cv.__version__}"
-    )
+    parser.add_argument("--version", action="version", version=f"ckpt (ckptvar) {cv.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     parser.set_defaults(_subparsers=sub.choices)
 
@@ -926,25 +925,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", metavar="SRC", help="the checkpoint to read")
     p.add_argument("dst", metavar="DST", help="the file or .zarr directory to write")
     p.add_argument(
-        "--dtype", type=_parse_dtype, metavar="DTYPE",
+        "--dtype",
+        type=_parse_dtype,
+        metavar="DTYPE",
         help=f"cast floating values to DTYPE ({', '.join(_FLOAT_TARGETS)})",
     )
     p.add_argument(
-        "--rename", type=_parse_rename, action="append", default=[], metavar="FROM=TO",
+        "--rename",
+        type=_parse_rename,
+        action="append",
+        default=[],
+        metavar="FROM=TO",
         help="regex substitution on keys (repeatable, applied in order)",
     )
     p.add_argument(
-        "--format", metavar="FMT",
+        "--format",
+        metavar="FMT",
         help="output format (h5, zarr, safetensors, npz); default: DST's suffix",
     )
     p.add_argument("--filter", metavar="GLOB", help="convert only the keys matching this glob")
     p.add_argument(
-        "--no-metadata", action="store_true",
+        "--no-metadata",
+        action="store_true",
         help="do not copy SRC's metadata (object graph, counters, user metadata)",
     )
     p.add_argument("-f", "--force", action="store_true", help="replace DST if it exists")
     p.add_argument(
-        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="show a progress bar on stderr (default: for large conversions on a terminal)",
     )
     p.set_defaults(func=cmd_convert)

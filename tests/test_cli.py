@@ -7,6 +7,7 @@ iteration, streaming stats, escaping) are also tested in-process.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -44,7 +45,7 @@ def ckpt_many(*commands: tuple[str | Path, ...]) -> list[subprocess.CompletedPro
         for c in commands
     ]
     done = []
-    for c, p in zip(commands, procs):
+    for c, p in zip(commands, procs, strict=True):
         out, err = p.communicate(timeout=120)
         done.append(subprocess.CompletedProcess(_cmd(c), p.returncode, out, err))
     return done
@@ -83,7 +84,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("cli")
     a = values()
     cv.save(
-        d / "a.h5", a,
+        d / "a.h5",
+        a,
         attrs={"step": {"trainable": False}},
         metadata={"note": "evil\x1b[2Jtext\x07"},
     )
@@ -193,8 +195,18 @@ def test_inspect_table_json_tree_filter(files: dict[str, Path]) -> None:
     assert set(by_key) == set(a)
     for key, rec in by_key.items():
         assert set(rec) == {
-            "key", "name", "dtype", "shape", "nbytes", "trainable",
-            "min", "max", "mean", "std", "nan", "inf",
+            "key",
+            "name",
+            "dtype",
+            "shape",
+            "nbytes",
+            "trainable",
+            "min",
+            "max",
+            "mean",
+            "std",
+            "nan",
+            "inf",
         }
         assert rec["name"] == key
         assert rec["dtype"] == a[key].dtype.name
@@ -241,8 +253,9 @@ def test_inspect_escapes_hostile_names(tmp_path: Path) -> None:
     )
     for proc in (table, tree, as_json):
         assert proc.returncode == 0, proc.stderr
-        bad = [c for c in proc.stdout if c != "\n" and unicodedata.category(c)[0] in "CZ"
-               and c != " "]
+        bad = [
+            c for c in proc.stdout if c != "\n" and unicodedata.category(c)[0] in "CZ" and c != " "
+        ]
         assert bad == [], bad
     assert "a\\x1b[31mred\\x07/\\u202eb" in table.stdout
     assert "k\\x1b: [v\\x9b, {z: q\\x0d}]" in table.stdout
@@ -258,13 +271,18 @@ def test_inspect_escapes_hostile_names(tmp_path: Path) -> None:
 def test_convert_round_trip_through_every_writable_format(
     files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    chain = [files["a"], tmp_path / "x.zarr", tmp_path / "x.safetensors", tmp_path / "x.npz",
-             tmp_path / "back.h5"]
+    chain = [
+        files["a"],
+        tmp_path / "x.zarr",
+        tmp_path / "x.safetensors",
+        tmp_path / "x.npz",
+        tmp_path / "back.h5",
+    ]
     proc = ckpt("convert", chain[0], chain[1])  # one real process, the rest in-process
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""  # no progress bar on a pipe unless asked
     assert "Wrote 5 values" in proc.stdout and "(h5)" in proc.stdout
-    for src, dst in zip(chain[1:], chain[2:]):
+    for src, dst in itertools.pairwise(chain[1:]):
         code, out, err = run_main(capsys, "convert", src, dst)
         assert code == 0, err
         assert "Wrote 5 values" in out and err == ""
@@ -282,8 +300,16 @@ def test_convert_dtype_rename_progress(
 ) -> None:
     dst = tmp_path / "half.h5"
     proc = ckpt(
-        "convert", files["a"], dst, "--dtype", "bfloat16",
-        "--rename", "^model/=net/", "--rename", r"dense/(\w+)$=fc.\1", "--progress",
+        "convert",
+        files["a"],
+        dst,
+        "--dtype",
+        "bfloat16",
+        "--rename",
+        "^model/=net/",
+        "--rename",
+        r"dense/(\w+)$=fc.\1",
+        "--progress",
     )
     assert proc.returncode == 0, proc.stderr
     assert "100%" in proc.stderr and "\r" not in proc.stderr  # plain lines on a pipe
@@ -306,18 +332,18 @@ def test_convert_dtype_rename_progress(
         (["convert", files["a"], files["a"], "--force"], "same path"),
         (["convert", files["a"], tmp_path / "m.h5", "--rename", r"(model)=\2"], "group"),
     ):
-        code, out, err = run_main(capsys, *argv)
+        code, _, err = run_main(capsys, *argv)
         assert code == 2 and word in err and err.count("\n") == 1, err
     assert dst.read_bytes() == before
     assert not (tmp_path / "m.h5").exists()
     # --force replaces; --filter picks values; --format overrides the suffix.
-    code, out, err = run_main(
+    code, _, err = run_main(
         capsys, "convert", files["a"], tmp_path / "w.bin", "--format", "npz", "--filter", "step"
     )
     assert code == 0, err
     with cv.open(tmp_path / "w.bin", format="npz") as reader:
         assert list(reader.keys()) == ["step"]
-    code, out, err = run_main(capsys, "convert", files["b"], dst, "--force")
+    code, _, err = run_main(capsys, "convert", files["b"], dst, "--force")
     assert code == 0, err
     assert "model/extra" in {k for k, _, _ in cv.list_variables(dst)}
 
@@ -350,12 +376,30 @@ def test_diff_exit_codes_and_json(files: dict[str, Path]) -> None:
 
 
 def test_diff_shape_dtype_and_nan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    cv.save(tmp_path / "p.h5", {"w": np.ones((2, 2), np.float32), "v": np.array([1.0, np.nan]),
-                                "i": np.array([2**53 + 1], np.int64)})
-    cv.save(tmp_path / "q.h5", {"w": np.ones((2, 3), np.float32), "v": np.array([1.0, 2.0]),
-                                "i": np.array([2**53], np.int64)})
-    cv.save(tmp_path / "r.npz", {"w": np.ones((2, 2), np.float64), "v": np.array([1.0, np.nan]),
-                                 "i": np.array([2**53 + 1], np.int64)})
+    cv.save(
+        tmp_path / "p.h5",
+        {
+            "w": np.ones((2, 2), np.float32),
+            "v": np.array([1.0, np.nan]),
+            "i": np.array([2**53 + 1], np.int64),
+        },
+    )
+    cv.save(
+        tmp_path / "q.h5",
+        {
+            "w": np.ones((2, 3), np.float32),
+            "v": np.array([1.0, 2.0]),
+            "i": np.array([2**53], np.int64),
+        },
+    )
+    cv.save(
+        tmp_path / "r.npz",
+        {
+            "w": np.ones((2, 2), np.float64),
+            "v": np.array([1.0, np.nan]),
+            "i": np.array([2**53 + 1], np.int64),
+        },
+    )
     code, out, err = run_main(capsys, "diff", tmp_path / "p.h5", tmp_path / "q.h5", "--json")
     assert code == 1, err
     by_key = {v["key"]: v for v in json.loads(out)["values"]}
@@ -451,7 +495,12 @@ def test_streaming_stats_match_numpy() -> None:
     empty = Stats()
     empty.add(np.array([np.nan, np.inf]))
     assert empty.as_dict() == {
-        "min": None, "max": None, "mean": None, "std": None, "nan": 1, "inf": 1
+        "min": None,
+        "max": None,
+        "mean": None,
+        "std": None,
+        "nan": 1,
+        "inf": 1,
     }
     assert not any(isinstance(v, float) and math.isnan(v) for v in d.values())
 
@@ -480,7 +529,9 @@ def test_stats_and_diff_stream_large_values_in_blocks(
     finite = big[np.isfinite(big)].astype(np.float64)
     assert rec["mean"] == pytest.approx(finite.mean()) and rec["std"] == pytest.approx(finite.std())
     assert (rec["min"], rec["max"], rec["nan"]) == (float(finite.min()), float(finite.max()), 1)
-    code, out, err = run_main(capsys, "diff", tmp_path / "big.h5", tmp_path / "other.zarr", "--json")
+    code, out, err = run_main(
+        capsys, "diff", tmp_path / "big.h5", tmp_path / "other.zarr", "--json"
+    )
     assert code == 1, err
     rec = json.loads(out)["values"][0]
     assert rec["beyond_tolerance"] == 1
@@ -497,7 +548,7 @@ def test_converted_checkpoint_still_restores(
             self.bias = cv.Variable(np.ones(3), name="bias", trainable=False)
 
     saved = cv.Checkpoint(model=Dense()).save(tmp_path / "ckpt")
-    code, out, err = run_main(capsys, "convert", saved, tmp_path / "copy.zarr")
+    code, _out, err = run_main(capsys, "convert", saved, tmp_path / "copy.zarr")
     assert code == 0, err
     fresh = Dense()
     fresh.kernel.assign(np.zeros((2, 3)))
@@ -520,7 +571,8 @@ def test_inspect_stats_memory_stays_flat(tmp_path: Path) -> None:
     # VmHWM (the peak resident size of this process image) is reset by exec, unlike ru_maxrss.
     code = (
         "import sys; from ckptvar.cli import main; rc = main(sys.argv[1:]); "
-        "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0], file=sys.stderr);"
+        "print([s for s in open('/proc/self/status') if s.startswith('VmHWM')][0], "
+        "file=sys.stderr);"
         " sys.exit(rc)"
     )
     big = str(tmp_path / "big.h5")
@@ -575,8 +627,11 @@ def test_inspect_directory_and_damaged_manager_state(
 
 
 def test_tree_splits_dotted_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    arrays = {"enc.layers.0.weight": np.ones((2, 2)), "enc.layers.0.bias": np.ones(2),
-              "head.weight": np.ones(1)}
+    arrays = {
+        "enc.layers.0.weight": np.ones((2, 2)),
+        "enc.layers.0.bias": np.ones(2),
+        "head.weight": np.ones(1),
+    }
     cv.save(tmp_path / "m.safetensors", arrays)
     code, out, err = run_main(capsys, "inspect", tmp_path / "m.safetensors", "--tree")
     assert code == 0, err
@@ -590,3 +645,12 @@ def test_tree_splits_dotted_keys(tmp_path: Path, capsys: pytest.CaptureFixture[s
         "└── head",
         "    └── weight  [float64 (1,) 8 B]",
     ]
+
+
+def test_ls_lists_tensorflow_prefixes(capsys: pytest.CaptureFixture[str]) -> None:
+    tf_dir = Path(__file__).resolve().parents[1] / "fixtures" / "tf2_object"
+    code, out, err = run_main(capsys, "ls", tf_dir, "--json")
+    assert code == 0, err
+    (entry,) = json.loads(out)["checkpoints"]
+    assert entry["path"] == str(tf_dir / "ckpt-1") and entry["step"] == 1 and entry["latest"]
+    assert entry["size"] == sum(p.stat().st_size for p in tf_dir.glob("ckpt-1.*"))

@@ -27,7 +27,9 @@ CASES = {
     "convert_tf_checkpoint.py": ("tf2_object/ckpt-1", "tf2_object/ckpt-1", ".h5"),
     "convert_torch.py": ("torch/state_dict.pt", "torch/state_dict.pt", ".zarr"),
     "convert_safetensors.py": (
-        "safetensors/model.safetensors", "safetensors/model.safetensors", ".h5"
+        "safetensors/model.safetensors",
+        "safetensors/model.safetensors",
+        ".h5",
     ),
     "convert_keras.py": ("keras/tiny.weights.h5", "keras/tiny.weights.h5", ".npz"),
     "convert_npz.py": ("npz/plain.npz", "npz/plain.npz", ".safetensors"),
@@ -42,7 +44,7 @@ def run_all(commands: list[list[str]]) -> list[subprocess.CompletedProcess[str]]
         for c in commands
     ]
     out = []
-    for c, p in zip(commands, procs):
+    for c, p in zip(commands, procs, strict=True):
         stdout, stderr = p.communicate(timeout=120)
         out.append(subprocess.CompletedProcess(c, p.returncode, stdout, stderr))
     return out
@@ -65,7 +67,7 @@ def test_every_script_converts_its_fixture(tmp_path: Path) -> None:
     procs = run_all(
         [script(name, FIXTURES / src, outputs[name]) for name, (src, _, _) in CASES.items()]
     )
-    for (name, (src, entry, _)), proc in zip(CASES.items(), procs):
+    for (name, (src, entry, _)), proc in zip(CASES.items(), procs, strict=True):
         assert proc.returncode == 0, (name, proc.stderr)
         assert proc.stderr == ""
         assert proc.stdout.startswith("Wrote ") and str(outputs[name]) in proc.stdout
@@ -90,7 +92,7 @@ def test_scripts_help_dtype_and_errors(tmp_path: Path) -> None:
         script("convert_npz.py", tmp_path / "missing.npz", tmp_path / "y.h5"),
     ]
     *helps, cast, wrong, missing = run_all(commands)
-    for name, proc in zip(CASES, helps):
+    for name, proc in zip(CASES, helps, strict=True):
         assert proc.returncode == 0, (name, proc.stderr)
         assert proc.stdout.startswith(f"usage: {name} [-h]")
         assert "--dtype" in proc.stdout and f"python scripts/{name}" in proc.stdout
@@ -118,7 +120,13 @@ def test_scripts_use_only_the_public_api(name: str) -> None:
     text = (SCRIPTS / name).read_text()
     imports = [line for line in text.splitlines() if line.startswith(("import ", "from "))]
     assert all(
-        line in ("from __future__ import annotations", "import argparse", "import sys",
-                 "import numpy as np", "import ckptvar as cv")
+        line
+        in (
+            "from __future__ import annotations",
+            "import argparse",
+            "import sys",
+            "import numpy as np",
+            "import ckptvar as cv",
+        )
         for line in imports
     ), imports
