@@ -5,8 +5,8 @@
   (all values agree on the step) or a clean ``CheckpointNotFoundError`` (the file was
   pruned between looking it up and opening it) — never values of mixed steps, never
   ``CorruptCheckpointError``, a lock error or a hang.
-- 1000 save/restore cycles through a manager leak no file descriptors, threads,
-  temporaries or memory.
+- 1000 save/restore cycles through a manager (400 for Zarr, whose saves are slower)
+  leak no file descriptors, threads, temporaries or memory.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _run_readers_and_writer(directory: Path, fmt: str) -> None:
     step = cv.Variable(0, dtype="int64")
     ck = cv.Checkpoint(w=w, b=b, step=step)
     mgr = cv.CheckpointManager(ck, directory, max_to_keep=3, format=fmt)
-    seconds = 1.2
+    seconds = 1.0
     readers = [
         subprocess.Popen([sys.executable, "-c", READER, str(directory), str(seconds)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -130,7 +130,7 @@ def _run_readers_and_writer(directory: Path, fmt: str) -> None:
     ]
     try:
         saves = 0
-        t_end = time.monotonic() + seconds + 1.0  # readers start up meanwhile
+        t_end = time.monotonic() + seconds + 0.7  # readers start up meanwhile
         while time.monotonic() < t_end:
             n = int(ck.save_counter.numpy()) + 1
             w.assign(np.full(20000, n, np.float32))
@@ -174,7 +174,7 @@ def test_a_thousand_save_restore_cycles_leak_nothing(fresh_graph: cv.Graph, fmt:
     base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path
     directory = Path(tempfile.mkdtemp(prefix="ckptvar-leak-", dir=base))
     try:
-        _cycles(directory, fmt, 1000)
+        _cycles(directory, fmt, 1000 if fmt == "h5" else 400)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
