@@ -237,7 +237,7 @@ def test_inspect_table_json_tree_filter(files: dict[str, Path]) -> None:
     assert sorted(keys) == ["model/dense/bias", "model/dense/kernel"]
 
 
-def test_inspect_escapes_hostile_names(tmp_path: Path) -> None:
+def test_inspect_escapes_hostile_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Control/format characters in keys, names and metadata never reach the terminal raw."""
     import unicodedata
 
@@ -248,19 +248,17 @@ def test_inspect_escapes_hostile_names(tmp_path: Path) -> None:
         attrs={"ok": {"name": "n\x00ame\u2028x"}},
         metadata={"k\x1b": ["v\x9b", {"z": "q\r"}]},
     )
-    table, tree, as_json = ckpt_many(
-        ("inspect", path), ("inspect", path, "--tree"), ("inspect", path, "--json")
-    )
-    for proc in (table, tree, as_json):
-        assert proc.returncode == 0, proc.stderr
-        bad = [
-            c for c in proc.stdout if c != "\n" and unicodedata.category(c)[0] in "CZ" and c != " "
-        ]
+    table = ckpt("inspect", path)  # the bytes a terminal would get
+    tree = run_main(capsys, "inspect", path, "--tree")
+    as_json = run_main(capsys, "inspect", path, "--json")
+    for code, out in ((table.returncode, table.stdout), tree[:2], as_json[:2]):
+        assert code == 0
+        bad = [c for c in out if c != "\n" and unicodedata.category(c)[0] in "CZ" and c != " "]
         assert bad == [], bad
     assert "a\\x1b[31mred\\x07/\\u202eb" in table.stdout
     assert "k\\x1b: [v\\x9b, {z: q\\x0d}]" in table.stdout
-    assert "name 'n\\x00ame\\u2028x'" in tree.stdout
-    doc = json.loads(as_json.stdout)  # still valid JSON, and the key comes back exactly
+    assert "name 'n\\x00ame\\u2028x'" in tree[1]
+    doc = json.loads(as_json[1])  # still valid JSON, and the key comes back exactly
     assert [v["key"] for v in doc["variables"]] == [key, "ok"]
     assert doc["variables"][1]["name"] == "n\x00ame\u2028x"
 
@@ -351,13 +349,16 @@ def test_convert_dtype_rename_progress(
 # ----------------------------------------------------------------------------- diff
 
 
-def test_diff_exit_codes_and_json(files: dict[str, Path]) -> None:
-    same, different, tolerant = ckpt_many(
-        ("diff", files["a"], files["zarr"]),
+def test_diff_exit_codes_and_json(
+    files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    different, tolerant = ckpt_many(
         ("diff", files["a"], files["b"]),
         ("diff", files["a"], files["b"], "--atol", "0.01", "--json"),
     )
-    assert same.returncode == 0, same.stdout + same.stderr
+    code, out, err = run_main(capsys, "diff", files["a"], files["zarr"])
+    assert code == 0, out + err
+    assert out == "Equal: 5 values (5 identical, 0 within atol=0, rtol=0)\n"
     assert different.returncode == 1
     out = different.stdout
     assert "only in A  model/pattern" in out
@@ -446,25 +447,27 @@ def test_verify_ok_damaged_and_truncated(files: dict[str, Path], tmp_path: Path)
 # ----------------------------------------------------------------------------- ls
 
 
-def test_ls_manager_directory(tmp_path: Path) -> None:
+def test_ls_manager_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     runs = tmp_path / "runs"
     ckpt_obj = cv.Checkpoint(w=cv.Variable(np.zeros(3, np.float32), name="w"))
     manager = cv.CheckpointManager(ckpt_obj, runs, max_to_keep=3)
     for step in (1, 2, 3, 10):
         manager.save(checkpoint_number=step)
     (runs / "notes.txt").write_text("not a checkpoint")
-    as_json, table, empty = ckpt_many(("ls", runs, "--json"), ("ls", runs), ("ls", tmp_path))
-    assert as_json.returncode == 0, as_json.stderr
-    doc = json.loads(as_json.stdout)
+    table = ckpt("ls", runs)
+    assert table.returncode == 0, table.stderr
+    last = next(line for line in table.stdout.splitlines() if "ckpt-10.h5" in line)
+    assert last.split()[0] == "10" and last.endswith("(latest)")
+    assert "3 checkpoints" in table.stdout
+    code, out, err = run_main(capsys, "ls", runs, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
     assert [c["step"] for c in doc["checkpoints"]] == [2, 3, 10]  # max_to_keep pruned step 1
     assert [c["latest"] for c in doc["checkpoints"]] == [False, False, True]
     assert doc["latest"] == manager.latest_checkpoint
     assert all(c["size"] > 0 for c in doc["checkpoints"])
-    assert table.returncode == 0
-    last = next(line for line in table.stdout.splitlines() if "ckpt-10.h5" in line)
-    assert last.split()[0] == "10" and last.endswith("(latest)")
-    assert "3 checkpoints" in table.stdout
-    assert empty.returncode == 0 and "No checkpoints" in empty.stdout
+    code, out, err = run_main(capsys, "ls", tmp_path)
+    assert code == 0 and out == f"No checkpoints in {tmp_path}\n"
 
 
 # ----------------------------------------------------------------------------- in-process helpers
