@@ -217,6 +217,8 @@ PHASES = [("write", "ENOSPC", "EFBIG"), ("fsync", "EIO", "EIO"), ("rename", "EXD
 d = Path(workdir)
 m = Model()
 NAME = f"{scenario} {fmt}"
+MANAGER = scenario in ("manager", "async")
+ASYNC = scenario == "async"
 
 
 def nfds():
@@ -268,8 +270,8 @@ if os.path.exists(journal):
     phase = j["phase"]
     j["crashes"].append(f"{PHASES[phase][0]}#{k}")
     m.ckpt.save_counter.assign(j["counter"])
-    if scenario == "manager":   # opening a manager cleans up its own temporaries
-        mgr = cv.CheckpointManager(m.ckpt, d, max_to_keep=2, format=fmt)
+    if MANAGER:   # opening a manager cleans up its own temporaries
+        mgr = cv.CheckpointManager(m.ckpt, d, max_to_keep=2, format=fmt, async_save=ASYNC)
         for path in mgr.checkpoints:
             assert same(path, tags[path]), f"{NAME} after crash at #{k}: {path} not intact"
         tags = {p: t for p, t in tags.items() if os.path.exists(p)}
@@ -287,11 +289,12 @@ else:
     phase = 0
     tags = {}       # path -> tag of the values it holds (every known complete checkpoint)
     k = 0
-    if scenario == "manager":
-        mgr = cv.CheckpointManager(m.ckpt, d, max_to_keep=2, format=fmt)
+    if MANAGER:
+        mgr = cv.CheckpointManager(m.ckpt, d, max_to_keep=2, format=fmt, async_save=ASYNC)
         for t in (1, 2, 3):
             m.set(t)
             tags[mgr.save()] = t
+            mgr.checkpoint.wait()
         tags = {p: t for p, t in tags.items() if os.path.exists(p)}
     else:
         for t in (1, 2):
@@ -308,14 +311,17 @@ while phase < len(PHASES):
     m.set(tag)
     before = m.ckpt.save_counter.numpy().item()
     target = str(d / f"ckpt-{before + 1}.{fmt}")
-    listed_before = list(mgr.checkpoints) if scenario == "manager" else []
-    save_journal({"current": k, "phase": phase, "tags": tags, "counter": before, "target": target, "tag": tag,
-                  "stats": stats, "crashes": crashes})
+    listed_before = list(mgr.checkpoints) if MANAGER else []
+    save_journal({"current": k, "phase": phase, "tags": tags, "counter": before,
+                  "target": target, "tag": tag, "stats": stats, "crashes": crashes})
     shim.ckf_arm(op, k, err)
     raised = None
     try:
-        if scenario == "manager":
+        if MANAGER:
             p = mgr.save()
+            if ASYNC:
+                assert p == target
+                mgr.checkpoint.wait()   # a background error surfaces here
         else:
             p = m.ckpt.save(d / "ckpt", format=fmt)
     except Exception as exc:
@@ -328,7 +334,7 @@ while phase < len(PHASES):
         assert p == target, (p, target)
         assert same(p, tag), "an unfaulted save does not load as saved"
         tags[p] = tag
-        if scenario == "manager":
+        if MANAGER:
             assert mgr.latest_checkpoint == p
             tags = {p: t for p, t in tags.items() if os.path.exists(p)}
         check_dir(tags, k)
@@ -339,11 +345,14 @@ while phase < len(PHASES):
     assert raised is not None, f"{NAME} {op_name}#{k} fired but save() did not raise"
     stats["raised"] += 1
     note_error(stats, raised, err)
+    if ASYNC:   # reported exactly once
+        mgr.checkpoint.wait()
+        cv.wait_for_pending_saves()
     if scenario == "checkpoint":
         # the counter is unchanged after a failed save
         assert m.ckpt.save_counter.numpy().item() == before
     stats[settle(tags, target, tag, k)] += 1
-    if scenario == "manager":
+    if MANAGER:
         listed = list(mgr.checkpoints)
         for path in listed:
             assert same(path, tags[path]), f"{NAME} #{k}: listed {path} is not intact"
@@ -368,7 +377,9 @@ while phase < len(PHASES):
 
 # A fresh save after all that works and loads.
 m.set(7)
-p = mgr.save() if scenario == "manager" else m.ckpt.save(d / "ckpt", format=fmt)
+p = mgr.save() if MANAGER else m.ckpt.save(d / "ckpt", format=fmt)
+if ASYNC:
+    mgr.checkpoint.wait()
 assert same(p, 7)
 stats["crashes"] = crashes
 os.unlink(journal)
@@ -453,7 +464,7 @@ def _sweep(shim: Path, base: Path, fmt: str, scenario: str) -> dict[str, object]
     return stats
 
 
-@pytest.mark.parametrize("scenario", ["checkpoint", "manager"])
+@pytest.mark.parametrize("scenario", ["checkpoint", "manager", "async"])
 def test_every_fault_point_of_a_save(
     shim: Path, tmp_path: Path, fmt: str, scenario: str
 ) -> None:
@@ -490,7 +501,7 @@ H5_CRASH = (
 )
 
 
-@pytest.mark.parametrize("scenario", ["checkpoint", "manager"])
+@pytest.mark.parametrize("scenario", ["checkpoint", "manager", "async"])
 @pytest.mark.parametrize("format_", _formats_with(H5_CRASH))
 def test_no_fault_point_crashes_the_process(
     shim: Path, tmp_path: Path, format_: str, scenario: str
@@ -500,7 +511,7 @@ def test_no_fault_point_crashes_the_process(
     assert stats["crashes"] == [], f"the saving process crashed at fault points {stats}"
 
 
-@pytest.mark.parametrize("scenario", ["checkpoint", "manager"])
+@pytest.mark.parametrize("scenario", ["checkpoint", "manager", "async"])
 @pytest.mark.parametrize("format_", _formats_with(""))
 def test_io_errors_surface_as_oserror(
     shim: Path, tmp_path: Path, format_: str, scenario: str
