@@ -313,3 +313,29 @@ def test_a_flipped_byte_in_a_storage_fails_the_zip_crc(tmp_path: Path) -> None:
         with pytest.raises(CorruptCheckpointError, match="CRC-32"):
             reader["0.weight"].read()
         assert not np.array_equal(reader["0.weight"].read(verify=False), clean)
+
+
+@pytest.mark.parametrize(
+    "pkl",
+    [
+        b"\x80\x05\x8e" + struct.pack("<Q", 2**31) + b"x",  # BINBYTES8
+        b"\x80\x05\x96" + struct.pack("<Q", 2**31) + b"x",  # BYTEARRAY8
+        b"\x80\x03B" + struct.pack("<I", 2**31) + b"x",  # BINBYTES
+        b"\x80\x04\x95" + struct.pack("<Q", 2**40) + b"x",  # FRAME
+        b"\x80\x02\x8b" + struct.pack("<i", 2**31 - 1) + b"x",  # LONG4
+    ],
+    ids=["binbytes8", "bytearray8", "binbytes", "frame", "long4"],
+)
+@pytest.mark.parametrize("layout", ["zip", "legacy"])
+def test_pickle_lengths_never_allocate_what_is_not_there(
+    tmp_path: Path, pkl: bytes, layout: str
+) -> None:
+    path = (_zip_pt if layout == "zip" else _legacy_pt)(tmp_path / "big.pt", pkl)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptCheckpointError):
+            cv.open(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 5 << 20

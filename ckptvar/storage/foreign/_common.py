@@ -40,6 +40,7 @@ ZIP_ERRORS: tuple[type[BaseException], ...] = (
     EOFError,
     ValueError,
     NotImplementedError,
+    RuntimeError,  # e.g. an "encrypted" flag bit
     OverflowError,
     struct.error,
     zlib.error,

@@ -128,6 +128,10 @@ def parse_npy_header(head: bytes, *, what: str) -> tuple[np.dtype, tuple[int, ..
 
 
 def _local_data_offset(fh: FileHandle, info: zipfile.ZipInfo, path: Path) -> int:
+    if info.flag_bits & 0x1:
+        raise CorruptCheckpointError(
+            f"Zip member {info.filename!r} in {str(path)!r} is encrypted; not supported."
+        )
     header = fh.pread(info.header_offset, 30, f"zip local header of {info.filename!r}")
     if header[:4] != b"PK\x03\x04":
         raise CorruptCheckpointError(f"Bad zip local header for {info.filename!r} in {path}.")

@@ -401,6 +401,10 @@ def _check_member_size(info: zipfile.ZipInfo, limit: int, path: Path) -> None:
 
 
 def _member_data_offset(fh: FileHandle, info: zipfile.ZipInfo, path: Path) -> int:
+    if info.flag_bits & 0x1:
+        raise CorruptCheckpointError(
+            f"Zip member {info.filename!r} in {str(path)!r} is encrypted; not supported."
+        )
     header = fh.pread(info.header_offset, 30, f"zip local header of {info.filename!r}")
     if header[:4] != b"PK\x03\x04":
         raise CorruptCheckpointError(

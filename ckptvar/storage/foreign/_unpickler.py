@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import io
 import pickle
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -294,8 +295,13 @@ for _name, _dt in TORCH_DTYPES.items():
     ALLOWED_GLOBALS[("torch", _name)] = TorchDtype(_name, _dt)
 
 
-class RestrictedUnpickler(pickle.Unpickler):
+class RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
     """Unpickles only plain containers, tensors and storages (see ``ALLOWED_GLOBALS``).
+
+    Built on the pure-Python unpickler on purpose: the C one allocates a
+    ``BINBYTES``/``BINBYTES8``/``BYTEARRAY8`` object of the *declared* size before
+    reading it, so a 100-byte pickle could ask for gigabytes. Here every read is
+    bounded by the data actually present.
 
     ``storages`` is filled with a :class:`StorageRef` per persistent id; the
     caller decides where their bytes live (zip members or the legacy stream).
@@ -313,6 +319,19 @@ class RestrictedUnpickler(pickle.Unpickler):
         self._storages = storages
         self._legacy = legacy
         self._source = source
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+
+    def _load_bytearray8(self) -> None:
+        (size,) = struct.unpack("<Q", self.read(8))
+        data = self.read(size)  # bounded by what is there, unlike bytearray(size)
+        if len(data) != size:
+            raise CorruptCheckpointError(
+                f"The pickle in {self._source} declares a {size}-byte bytearray; it is truncated."
+            )
+        self.append(bytearray(data))
+
+    dispatch[pickle.BYTEARRAY8[0]] = _load_bytearray8
 
     def find_class(self, module: str, name: str) -> Any:
         try:
