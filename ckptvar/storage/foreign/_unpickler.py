@@ -21,7 +21,7 @@ import io
 import pickle
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import ml_dtypes
 import numpy as np
@@ -320,7 +320,7 @@ class RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
         self._legacy = legacy
         self._source = source
 
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
 
     def _load_bytearray8(self) -> None:
         (size,) = struct.unpack("<Q", self.read(8))
