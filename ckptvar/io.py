@@ -23,6 +23,7 @@ import numpy as np
 
 from .errors import DeviceError
 from .storage import backend_for
+from .storage._record import paused_gc
 from .storage.base import Reader
 
 __all__ = ["list_variables", "load", "load_variable", "open", "save"]
@@ -79,7 +80,8 @@ def load(
     with open(path) as reader:
         wanted = list(reader.keys()) if keys is None else list(keys)
         if dev is None:
-            return dict(reader.read_many(wanted, verify=verify))
+            with paused_gc():
+                return dict(reader.read_many(wanted, verify=verify))
         return _load_to_gpu(reader, wanted, dev, verify)
 
 
@@ -120,14 +122,16 @@ def save(
     """
     p = Path(path)
     writer = backend_for(p, format, mode="w").open_writer(p, **options)
-    try:
-        for key, value in arrays.items():
-            extra = dict(attrs.get(key, {})) if attrs else {}
-            extra.setdefault("name", key)
-            writer.add(key, value, extra)
-        if metadata is not None:
-            writer.set_metadata(metadata)
-    except BaseException:
-        writer.abort()
-        raise
-    return writer.commit()
+    with paused_gc():
+        try:
+            for key, value in arrays.items():
+                extra = dict(attrs.get(key, ())) if attrs else {}
+                if "name" not in extra:
+                    extra["name"] = key
+                writer.add(key, value, extra)
+            if metadata is not None:
+                writer.set_metadata(metadata)
+        except BaseException:
+            writer.abort()
+            raise
+        return writer.commit()

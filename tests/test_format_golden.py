@@ -26,17 +26,17 @@ def expected(container: str, w_offset: object, packed_offset: object) -> dict:
         "format_version": [1, 0],
         "library": "ckptvar 0.1.0",
         "container": container,
-        "metadata": {"step": 1},
         "packed": ["_ckptvar/packed", packed_offset, 128],
-        "values": {
-            "model/w": {"attrs": {"name": "model/w", "trainable": True}, "checksum": 1412696452,
-                        "dtype": "float32", "loc": ["array", "model/w", w_offset],
-                        "shape": [100, 200]},
-            "b": {"attrs": {"name": "b"}, "checksum": 287330943, "dtype": "int8",
-                  "loc": ["packed", 0, 3], "shape": [3]},
-            "s": {"attrs": {"name": "s"}, "checksum": 4016038162, "dtype": "float64",
-                  "loc": ["packed", 64, 8], "shape": []},
-        },
+        "keys": ["model/w", "b", "s"],
+        "dtypes": ["float32", "int8", "float64"],
+        "shapes": [[100, 200], [3], []],
+        "checksums": [1412696452, 287330943, 4016038162],
+        "layouts": ["array", "packed", "packed"],
+        "paths": ["model/w", None, None],
+        "offsets": [w_offset, 0, 64],
+        "attrs": {"name": ["model/w", "b", "s"]},
+        "sparse_attrs": {"model/w": {"trainable": True}},
+        "metadata": {"step": 1},
     }
 
 
@@ -51,16 +51,17 @@ def test_root_record_is_pinned(tmp_path: Path, fmt: str) -> None:
         record = msgpack.unpackb(data)
         assert record == expected("h5", w_off, packed_off)
         assert list(record) == ["format", "format_version", "library", "container", "packed",
-                                "values", "metadata"]
+                                "keys", "dtypes", "shapes", "checksums", "layouts", "paths",
+                                "offsets", "attrs", "sparse_attrs", "metadata"]
     else:
         root = zarr.open_group(p, mode="r")
         data = root["_ckptvar/record"][...].tobytes()
         assert msgpack.unpackb(data) == expected("zarr", 0, 0)
         assert dict(root.attrs) == {"ckptvar": {"format_version": [1, 0],
                                                 "record": "_ckptvar/record",
-                                                "record_nbytes": 350,
-                                                "record_crc32c": 1267116086}}
-    assert list(msgpack.unpackb(data)["values"]) == list(VALUES)  # file order = add order
+                                                "record_nbytes": 319,
+                                                "record_crc32c": 1698160113}}
+    assert msgpack.unpackb(data)["keys"] == list(VALUES)  # file order = add order
 
 
 def test_h5_dataset_attributes_are_pinned(tmp_path: Path) -> None:

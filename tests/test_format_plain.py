@@ -52,16 +52,21 @@ def test_plain_h5py_reads_every_value(tmp_path: Path) -> None:
         record = msgpack.unpackb(f["_ckptvar/manifest"][()].tobytes())
         assert record["format"] == "ckptvar" and record["format_version"][0] == 1
         packed = f["_ckptvar/packed"][()]
-        for key, e in record["values"].items():
-            loc = e["loc"]
-            if loc[0] == "array":
-                ds = f[loc[1]]
-                assert ds.attrs["key"] == key and ds.attrs["dtype"] == e["dtype"]
+        for key, dtype, shape, layout, path, offset, name in zip(
+            record["keys"], record["dtypes"], record["shapes"], record["layouts"],
+            record["paths"], record["offsets"], record["attrs"]["name"], strict=True,
+        ):
+            assert name == key
+            if layout == "array":
+                ds = f[path]
+                assert ds.attrs["key"] == key and ds.attrs["dtype"] == dtype
                 raw = ds[()]
             else:
-                dt = np.dtype(e["dtype"] if e["dtype"] != "bfloat16" else "<u2")
-                raw = packed[loc[1] : loc[1] + loc[2]].view(dt).reshape(e["shape"])
-            got[key] = as_stored(e["dtype"], raw)
+                assert layout == "packed" and path is None
+                dt = np.dtype(dtype if dtype != "bfloat16" else "<u2")
+                nbytes = dt.itemsize * int(np.prod(shape))
+                raw = packed[offset : offset + nbytes].view(dt).reshape(shape)
+            got[key] = as_stored(dtype, raw)
     check(got)
 
 
@@ -88,16 +93,17 @@ def test_plain_zarr_reads_every_value(tmp_path: Path) -> None:
     record = msgpack.unpackb(raw_record.tobytes())
     packed = root["_ckptvar/packed"][...]
     got = {}
-    for key, e in record["values"].items():
-        loc = e["loc"]
-        if loc[0] == "array":
-            arr = root[loc[1]]
-            assert arr.attrs["key"] == key and arr.attrs["checksum"] == e["checksum"]
+    for i, key in enumerate(record["keys"]):
+        dtype, shape = record["dtypes"][i], record["shapes"][i]
+        if record["layouts"][i] == "array":
+            arr = root[record["paths"][i]]
+            assert arr.attrs["key"] == key and arr.attrs["checksum"] == record["checksums"][i]
             raw = arr[...]
         else:
-            dt = np.dtype(e["dtype"] if e["dtype"] != "bfloat16" else "<u2")
-            raw = packed[loc[1] : loc[1] + loc[2]].view(dt).reshape(e["shape"])
-        got[key] = as_stored(e["dtype"], raw)
+            dt = np.dtype(dtype if dtype != "bfloat16" else "<u2")
+            offset, nbytes = record["offsets"][i], dt.itemsize * int(np.prod(shape))
+            raw = packed[offset : offset + nbytes].view(dt).reshape(shape)
+        got[key] = as_stored(dtype, raw)
     check(got)
 
 
@@ -112,10 +118,11 @@ def test_checksums_follow_the_documented_recipe(tmp_path: Path, fmt: str) -> Non
     else:
         root = zarr.open_group(p, mode="r")
         record = msgpack.unpackb(root["_ckptvar/record"][...].tobytes())
-    for key, e in record["values"].items():
-        head = f"{key}\0{e['dtype']}\0{','.join(map(str, e['shape']))}\0".encode()
+    for key, dtype, shape, checksum in zip(record["keys"], record["dtypes"], record["shapes"],
+                                           record["checksums"], strict=True):
+        head = f"{key}\0{dtype}\0{','.join(map(str, shape))}\0".encode()
         v = VALUES[key]
-        assert crc32c.crc32c(v.tobytes(), crc32c.crc32c(head)) == e["checksum"], key
+        assert crc32c.crc32c(v.tobytes(), crc32c.crc32c(head)) == checksum, key
 
 
 def test_zarr_json_documents_are_plain_v3(tmp_path: Path) -> None:

@@ -22,9 +22,10 @@ from ckptvar.storage._record import Entry, Record, decode, encode
 def good() -> dict:
     return {
         "format": "ckptvar", "format_version": [1, 0], "library": "ckptvar 0.1.0",
-        "container": "h5", "packed": ["_ckptvar/packed", 1000, 64],
-        "values": {"w": {"dtype": "float32", "shape": [2, 2], "checksum": 5, "attrs": {},
-                         "loc": ["packed", 0, 16]}},
+        "container": "h5", "packed": ["_ckptvar/packed", 1000, 128],
+        "keys": ["w", "v"], "dtypes": ["float32", "int8"], "shapes": [[2, 2], [3]],
+        "checksums": [5, 6], "layouts": ["packed", "packed"], "paths": [None, None],
+        "offsets": [0, 64], "attrs": {"name": ["w", "v"]}, "sparse_attrs": {"v": {"x": 1}},
         "metadata": {},
     }
 
@@ -35,29 +36,68 @@ def dec(doc: object) -> Record:
 
 def test_good_record_decodes() -> None:
     rec = dec(good())
-    assert rec.values["w"] == Entry("float32", (2, 2), 5, {}, ("packed", 0, 16))
+    assert rec.values["w"] == Entry("float32", (2, 2), 5, {"name": "w"}, ("packed", 0, 16))
+    assert rec.values["v"] == Entry("int8", (3,), 6, {"name": "v", "x": 1}, ("packed", 64, 3))
+    assert list(rec.values) == ["w", "v"]
+
+
+def test_encode_decode_round_trip_keeps_attrs_and_locations() -> None:
+    values = {
+        "a": Entry("float32", (2,), 1, {"name": "a", "trainable": True}, ("packed", 0, 8)),
+        "b": Entry("bfloat16", (), 2, {"name": "b", "extra": [1, {"k": None}]}, ("packed", 64, 2)),
+        "c": Entry("int64", (0, 4), 3, {}, ("array", "c", 4096)),
+    }
+    rec = Record(container="h5", values=values, metadata={"m": 1},
+                 packed=("_ckptvar/packed", 512, 128))
+    back = decode(encode(rec), "x.h5", container="h5")
+    assert back.values == values and back.metadata == {"m": 1}
+
+
+def _set(col: str, i: int, v: object):  # type: ignore[no-untyped-def]
+    return lambda d: d[col].__setitem__(i, v)
 
 
 @pytest.mark.parametrize(
     ("mutate", "match"),
     [
         (lambda d: d.update(format="other"), "format"),
-        (lambda d: d["values"]["w"].update(dtype="object"), "dtype"),
-        (lambda d: d["values"]["w"].update(dtype="<f4"), "dtype"),
-        (lambda d: d["values"]["w"].update(shape=[-1, 2]), "dimension"),
-        (lambda d: d["values"]["w"].update(shape=[2**40, 2**40]), "too large"),
-        (lambda d: d["values"]["w"].update(shape=[2, 3]), "need"),
-        (lambda d: d["values"]["w"].update(checksum=2**40), "checksum"),
-        (lambda d: d["values"]["w"].update(checksum="x"), "checksum"),
-        (lambda d: d["values"]["w"].update(loc=["packed", 60, 16]), "outside"),
-        (lambda d: d["values"]["w"].update(loc=["array", "../../etc/passwd", 0]), "unsafe"),
-        (lambda d: d["values"]["w"].update(loc=["array", "/abs", 0]), "unsafe"),
-        (lambda d: d["values"]["w"].update(loc=["array", "a/./b", 0]), "unsafe"),
-        (lambda d: d["values"]["w"].update(loc=["array", "a\\b", 0]), "unsafe"),
-        (lambda d: d["values"]["w"].update(loc=["file", "/etc/passwd"]), "location"),
+        (_set("dtypes", 0, "object"), "dtype"),
+        (_set("dtypes", 0, "<f4"), "dtype"),
+        (_set("dtypes", 0, 3), "dtype"),
+        (_set("shapes", 0, [-1, 2]), "dimension"),
+        (_set("shapes", 0, [2, 2.0]), "dimension"),
+        (_set("shapes", 0, [True, 2]), "dimension"),
+        (_set("shapes", 0, "22"), "shape"),
+        (_set("shapes", 0, [1] * 65), "shape"),
+        (_set("shapes", 0, [2**40, 2**40]), "too large"),
+        (_set("shapes", 0, [2, 9]), "overlaps"),
+        (_set("shapes", 1, [100]), "outside"),
+        (_set("checksums", 0, 2**40), "checksum"),
+        (_set("checksums", 0, "x"), "checksum"),
+        (_set("offsets", 0, 120), "outside"),
+        (_set("offsets", 1, 8), "overlaps"),
+        (_set("offsets", 1, -8), "offset"),
+        (_set("keys", 1, "w"), "twice"),
+        (_set("keys", 1, 7), "non-string"),
+        (lambda d: d["checksums"].pop(), "items"),
+        (lambda d: d.update(paths={}), "paths"),
+        (_set("paths", 0, "w"), "container path"),
+        (lambda d: (_set("layouts", 0, "array")(d), _set("paths", 0, "../../etc/passwd")(d)),
+         "unsafe"),
+        (lambda d: (_set("layouts", 0, "array")(d), _set("paths", 0, "/abs")(d)), "unsafe"),
+        (lambda d: (_set("layouts", 0, "array")(d), _set("paths", 0, "a/./b")(d)), "unsafe"),
+        (lambda d: (_set("layouts", 0, "array")(d), _set("paths", 0, "a\\b")(d)), "unsafe"),
+        (lambda d: (_set("layouts", 0, "array")(d), _set("paths", 0, None)(d)), "unsafe"),
+        (_set("layouts", 0, "file"), "location"),
+        (_set("layouts", 0, "zarr"), "location"),  # compressed Zarr arrays only in Zarr
+        (lambda d: d["attrs"].update(name=["w"]), "attribute column"),
+        (lambda d: d["attrs"].update(name=["w", {1: 2}]), "map key"),
+        (lambda d: d["sparse_attrs"].update(zz={"a": 1}), "not a stored key"),
+        (lambda d: d["sparse_attrs"].update(v={"name": "again"}), "repeats"),
+        (lambda d: d["sparse_attrs"].update(v=[1]), "not a map"),
         (lambda d: d.update(metadata=[1]), "metadata"),
         (lambda d: d.update(container="zarr"), "container"),
-        (lambda d: d.update(values=[]), "values"),
+        (lambda d: d.update(keys={}), "keys"),
         (lambda d: d.update(format_version="1.0"), "format_version"),
     ],
 )
@@ -113,9 +153,9 @@ def test_huge_declared_array_in_a_tiny_file_is_refused_without_allocating(tmp_pa
 
     p = tmp_path / "evil.h5"
     doc = good()
-    doc["packed"] = None
-    doc["values"] = {"w": {"dtype": "float64", "shape": [2**20, 2**20], "checksum": 0,
-                           "attrs": {}, "loc": ["array", "w", 4096]}}
+    doc.update(packed=None, keys=["w"], dtypes=["float64"], shapes=[[2**20, 2**20]],
+               checksums=[0], layouts=["array"], paths=["w"], offsets=[4096], attrs={},
+               sparse_attrs={})
     rec = msgpack.packb(doc)
     p.write_bytes(make_userblock(512, rec) + rec + bytes(100))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -132,7 +172,8 @@ def test_overlapping_regions_are_refused(tmp_path: Path) -> None:
     try:
         _, _, off, n, _ = read_userblock(fd, p)
         doc = msgpack.unpackb(os.pread(fd, n, off))
-        doc["values"]["b"]["loc"][2] = doc["values"]["a"]["loc"][2] + 8
+        a, b = doc["keys"].index("a"), doc["keys"].index("b")
+        doc["offsets"][b] = doc["offsets"][a] + 8
         rec = msgpack.packb(doc)
         end = os.fstat(fd).st_size
         os.pwrite(fd, rec, end)

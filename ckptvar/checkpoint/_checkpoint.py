@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import UnsupportedFormatError
 from ..storage import backend_for, known_formats
+from ..storage._record import paused_gc
 from ..trackable import Trackable
 from ..variables import Variable
 from . import _async
@@ -196,12 +197,14 @@ class Checkpoint(Trackable):
         on_commit: Callable[[str], None] | None,
     ) -> Any:
         counter = self.save_counter  # every file holds it, so a restore can match it
-        plan = gather(self)
-        meta = metadata(plan, save_counter=int(counter.numpy()), user=user)
-        arrays = host_arrays(plan, copy=not blocking)
+        with paused_gc():
+            plan = gather(self)
+            meta = metadata(plan, save_counter=int(counter.numpy()), user=user)
+            arrays = host_arrays(plan, copy=not blocking)
 
         def run() -> str:
-            final = write_file(path, fmt, arrays, meta)
+            with paused_gc():
+                final = write_file(path, fmt, arrays, meta)
             if on_commit is not None:
                 on_commit(final)
             return final
@@ -237,9 +240,11 @@ class Checkpoint(Trackable):
             return RestoreStatus(None, warn_unused=False)
         self.wait()
         self.save_counter  # noqa: B018 - exists before matching, so it is restored too
-        state = RestoreState(path, root=self, verify=verify)
+        with paused_gc():
+            state = RestoreState(path, root=self, verify=verify)
         try:
-            state.restore_nodes(walk(self))
+            with paused_gc():
+                state.restore_nodes(walk(self))
         finally:
             state.release_reader()
         return RestoreStatus(state, root=self)

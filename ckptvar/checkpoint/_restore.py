@@ -27,7 +27,7 @@ import logging
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ import numpy as np
 from .._dtypes import dtype_name
 from ..errors import CheckpointMismatchError, MissingKeyError, RestoreAssertionError
 from ..storage import ArrayInfo, Reader, backend_for
+from ..storage._record import paused_gc
 from ..trackable import Trackable
 from ..variables import Variable, register_creation_hook
 from ._keys import escape_segment, unescape_segment
@@ -71,12 +72,14 @@ def _fmt_shape(shape: Any) -> str:
 
 
 def check_matches(
-    pairs: list[tuple[str, Variable]], infos: dict[str, ArrayInfo], path: Any
+    pairs: list[tuple[str, Variable]], infos: Mapping[str, ArrayInfo], path: Any
 ) -> None:
     """Raise ``CheckpointMismatchError`` listing every variable whose stored value differs."""
     problems = []
     for key, var in pairs:
         info = infos[key]
+        if var.shape == info.shape and var.dtype == info.dtype:
+            continue
         if np.dtype(var.dtype) != info.dtype or not _shape_matches(var.shape, info.shape):
             problems.append(
                 f"{key!r} (variable {var.name!r}): expected shape {_fmt_shape(var.shape)} "
@@ -90,16 +93,16 @@ def check_matches(
         )
 
 
-def _fresh(reader: Reader, key: str, info: ArrayInfo, verify: bool) -> np.ndarray:
-    out = np.empty(info.shape, dtype=info.dtype)
-    reader.read(key, out=out, verify=verify)
-    return out
+def _read_fresh(reader: Reader, keys: list[str], verify: bool) -> dict[str, np.ndarray]:
+    """Each key's value in a fresh array (packed values: views into one verified read)."""
+    unique = list(dict.fromkeys(keys))
+    return dict(reader.read_many(unique, verify=verify))
 
 
 def apply_values(
     reader: Reader,
     pairs: list[tuple[str, Variable]],
-    infos: dict[str, ArrayInfo],
+    infos: Mapping[str, ArrayInfo],
     *,
     verify: bool = True,
     budget: int | None = None,
@@ -115,27 +118,45 @@ def apply_values(
         by_var.setdefault(id(var), (key, var))
     fresh: list[tuple[str, Variable]] = []
     in_place: list[tuple[str, Variable, np.ndarray]] = []
+    in_place_bytes = 0
     for key, var in by_var.values():
         buf = var._host_buffer() if var._materialized else None
         if buf is not None and buf.shape == infos[key].shape and buf.flags.c_contiguous:
             in_place.append((key, var, buf))
+            in_place_bytes += buf.nbytes
         else:
             fresh.append((key, var))
-    in_place_bytes = sum(infos[k].nbytes for k, _, _ in in_place)
     budget = TEMPORARY_BUDGET if budget is None else budget
     # Phase 1: everything that can fail.
-    values = [(var, _fresh(reader, key, infos[key], verify)) for key, var in fresh]
     if verify and in_place_bytes <= budget:
-        values += [(var, _fresh(reader, key, infos[key], True)) for key, var, _ in in_place]
+        fresh += [(key, var) for key, var, _ in in_place]
         in_place = []
-    elif verify:
-        for key, _, _ in in_place:
-            reader.verify(key)
+    got = _read_fresh(reader, [key for key, _ in fresh], verify) if fresh else {}
+    values: list[tuple[Variable, np.ndarray]] = []
+    given: set[str] = set()
+    for key, var in fresh:
+        value = got[key]
+        if key in given:  # one stored value for several variables: each gets its own
+            value = value.copy()
+        given.add(key)
+        values.append((var, value))
+    bulk = getattr(reader, "read_into_many", None)
+    if verify and in_place:
+        verify_many = getattr(reader, "verify_many", None)
+        if verify_many is not None:
+            verify_many([key for key, _, _ in in_place])
+        else:
+            for key, _, _ in in_place:
+                reader.verify(key)
     # Phase 2: change the variables.
     for var, value in values:
         _give(var, value)
-    for key, _, buf in in_place:  # materialised, hence already initialized
-        reader.read(key, out=buf, verify=False)
+    if in_place:  # materialised, hence already initialized
+        if bulk is not None:
+            bulk([(key, buf) for key, _, buf in in_place], verify=False)
+        else:
+            for key, _, buf in in_place:
+                reader.read(key, out=buf, verify=False)
 
 
 def _give(var: Variable, value: np.ndarray) -> None:
@@ -171,17 +192,27 @@ class RestoreState:
         self._reader: Reader | None = backend_for(self.path).open_reader(self.path)
         self._finalizer = weakref.finalize(self, _close, self._reader)
         reader = self._reader
-        self.infos: dict[str, ArrayInfo] = {k: reader.info(k) for k in reader.keys()}
+        self.infos: Mapping[str, ArrayInfo] = _infos(reader)
         meta = reader.metadata()
         self.has_save_counter = isinstance(meta, dict) and "save_counter" in meta
         self.alias_to_key, self.states = read_graph(meta, self.path)
         self.alias_to_key = {a: k for a, k in self.alias_to_key.items() if k in self.infos}
-        self.children: dict[str, set[str]] = {}
+        children: dict[str, set[str]] = {}
         for path_key in [*self.infos, *self.alias_to_key, *self.states]:
-            parent = ""
-            for seg in path_key.split("/"):  # every prefix knows its next segment
-                self.children.setdefault(parent, set()).add(seg)
-                parent = f"{parent}/{seg}" if parent else seg
+            child = path_key  # every prefix knows its next segment
+            while True:
+                parent, _, seg = child.rpartition("/")
+                known = children.get(parent)
+                if known is None:
+                    children[parent] = {seg}
+                elif seg in known:
+                    break  # the parent's own prefixes are known already
+                else:
+                    known.add(seg)
+                if not parent:
+                    break
+                child = parent
+        self.children = children
         self.consumed_keys: set[str] = set()
         self.consumed_states: set[str] = set()
         self._matched: dict[int, weakref.ref[Any]] = {}
@@ -223,14 +254,18 @@ class RestoreState:
                     m.states.append((node.key, obj))
                 wanted = self.children.get(node.key, ())
                 if wanted:
-                    present = {escape_segment(n) for n in obj._trackable_children()}
+                    present = {
+                        n if type(n) is str and n and "%" not in n and "/" not in n
+                        else escape_segment(n)
+                        for n in obj._trackable_children()
+                    }
                     for seg in sorted(wanted - present):
                         m.deferrals.append((obj, unescape_segment(seg), node.key))
         return m
 
     def restore_nodes(self, nodes: list[Node]) -> None:
         """Restore everything under ``nodes`` now and defer what is missing."""
-        with self._lock:
+        with self._lock, paused_gc():
             m = self._match(nodes)
             decoded = [(k, t, decode_state(self.states[k], k, self.path)) for k, t in m.states]
             apply_values(self.reader, m.variables, self.infos, verify=self.verify)
@@ -252,7 +287,8 @@ class RestoreState:
             seg = escape_segment(name)
             key = f"{parent_key}/{seg}" if parent_key else seg
             try:
-                self.restore_nodes(walk(child, key))
+                with paused_gc():
+                    self.restore_nodes(walk(child, key))
             finally:
                 self.release_reader()
 
@@ -288,6 +324,39 @@ class RestoreState:
                 out.append(f"{node.key} (Python state of {type(obj).__name__})")
         seen: set[str] = set()
         return [x for x in out if not (x in seen or seen.add(x))]
+
+
+class _LazyInfos(Mapping[str, ArrayInfo]):
+    """``{key: ArrayInfo}`` of a native reader, each made when first asked for.
+
+    A native reader answers from its decoded record, even after it is closed.
+    """
+
+    __slots__ = ("_keys", "_reader")
+
+    def __init__(self, reader: Reader) -> None:
+        self._reader = reader
+        self._keys = reader.keys()
+
+    def __getitem__(self, key: str) -> ArrayInfo:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._reader.info(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def _infos(reader: Reader) -> Mapping[str, ArrayInfo]:
+    if hasattr(reader, "read_into_many"):  # a native reader: metadata from its record
+        return _LazyInfos(reader)
+    return {k: reader.info(k) for k in reader.keys()}
 
 
 def _close(reader: Reader | None) -> None:

@@ -21,13 +21,13 @@ from ._keys import escape_segment
 __all__ = ["Node", "child_items", "walk"]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Node:
     """One object met by the walk.
 
     ``key`` is its (escaped) path; ``parent`` the trackable or container holding it
     under the raw name ``name`` (``None`` for the root); ``first`` is False for a
-    variable or trackable already met by an earlier path.
+    variable or trackable already met by an earlier path. Treat it as read-only.
     """
 
     key: str
@@ -38,7 +38,10 @@ class Node:
 
 
 def _join(prefix: str, name: str) -> str:
-    seg = escape_segment(name)
+    if type(name) is str and name and "%" not in name and "/" not in name:
+        seg = name  # nothing to escape (the common case)
+    else:
+        seg = escape_segment(name)
     return f"{prefix}/{seg}" if prefix else seg
 
 

@@ -34,10 +34,10 @@ import numpy as np
 from .._dtypes import SUPPORTED_DTYPES
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from . import _checksum, _rawio, register_backend
-from ._native import PACKED_PATH, NativeReader, NativeWriter, WriteItem, packed_iovecs
+from ._native import PACKED_PATH, NativeReader, NativeWriter, WriteItem, write_packed
 from ._native import scalar_attrs
 from ._paths import RESERVED_PREFIX
-from ._record import FORMAT_VERSION, MAX_RECORD_NBYTES, Record, decode, encode
+from ._record import FORMAT_VERSION, MAX_RECORD_NBYTES, Record, decode
 from .base import Backend
 
 __all__ = ["H5Backend", "H5Reader", "H5Writer", "USERBLOCK_SIZE", "read_userblock"]
@@ -142,10 +142,10 @@ class H5Writer(NativeWriter):
                 if it.nbytes:
                     _rawio.pwrite_all(fd, it.view, it.offset)
             if packed:
-                _rawio.pwritev_all(fd, packed_iovecs(packed), packed_off)
+                write_packed(fd, packed, packed_off)
             wait_hashes()
             # 3. attributes and the root record, through h5py
-            record = encode(self._record(arrays, packed, (PACKED_PATH, packed_off, packed_nbytes)))
+            record = self._encode_record((PACKED_PATH, packed_off, packed_nbytes))
             fid = h5f.open(name, h5f.ACC_RDWR, fapl=fapl)
             try:
                 record_off = self._finish_h5(fid, arrays, record, dcpl, lcpl)
@@ -290,17 +290,46 @@ class H5Reader(NativeReader):
 
 
 def _check_h5_regions(record: Record, path: Any, size: int, record_region: tuple[int, int]) -> None:
-    regions: list[tuple[int, int, str]] = [(0, USERBLOCK_SIZE, "the user block")]
-    regions.append((record_region[0], record_region[1], "the root record"))
+    """Refuse values, the packed blob, the record and the user block that overlap or end
+    past the file (one sort over all of them)."""
+    fixed: list[tuple[int, int, str]] = [(0, USERBLOCK_SIZE, "the user block")]
+    fixed.append((record_region[0], record_region[1], "the root record"))
     if record.packed is not None:
-        regions.append((record.packed[1], record.packed[2], "the packed values"))
-    for key, e in record.values.items():
-        if e.loc[0] == "array":
-            n = e.nbytes
-            if n:
-                regions.append((e.loc[2], n, f"value {key!r}"))
-    check_regions(regions, path, size)
-    check_packed(record, path)
+        fixed.append((record.packed[1], record.packed[2], "the packed values"))
+    cols = record.columns
+    if cols is None:
+        keys = [k for k, e in record.values.items() if e.loc[0] == "array"]
+        starts = np.array([record.values[k].loc[2] for k in keys], np.int64)
+        sizes = np.array([record.values[k].nbytes for k in keys], np.int64)
+    else:
+        own = np.flatnonzero(~cols.packed)
+        keys = [cols.keys[i] for i in own.tolist()]
+        starts, sizes = cols.offsets[own], cols.nbytes[own]
+    labels = [w for _, _, w in fixed]
+    all_starts = np.concatenate([np.array([f[0] for f in fixed], np.int64), starts])
+    all_sizes = np.concatenate([np.array([f[1] for f in fixed], np.int64), sizes])
+    keep = np.flatnonzero(all_sizes > 0)
+    order = keep[np.argsort(all_starts[keep], kind="stable")]
+    s, e = all_starts[order], all_starts[order] + all_sizes[order]
+
+    def what(i: int) -> str:
+        return labels[i] if i < len(labels) else f"value {keys[i - len(labels)]!r}"
+
+    bad = np.flatnonzero(s[1:] < np.maximum.accumulate(e)[:-1])
+    if bad.size:
+        j = int(bad[0]) + 1
+        prev = int(order[int(np.argmax(e[:j]))])
+        raise CorruptCheckpointError(
+            f"Checkpoint {str(path)!r}: {what(int(order[j]))} overlaps {what(prev)} (bytes "
+            f"{int(s[j])}..{int(e[:j].max())}); the file is damaged or hostile."
+        )
+    past = np.flatnonzero(e > size)
+    if past.size:
+        j = int(past[0])
+        raise CorruptCheckpointError(
+            f"Checkpoint {str(path)!r}: {what(int(order[j]))} ends at byte {int(e[j])}, past the "
+            f"end of the file ({size} bytes); the file is truncated."
+        )
 
 
 def check_regions(regions: list[tuple[int, int, str]], path: Any, size: int | None) -> None:
@@ -320,20 +349,6 @@ def check_regions(regions: list[tuple[int, int, str]], path: Any, size: int | No
                 f"Checkpoint {str(path)!r}: {what} ends at byte {end}, past the end of the "
                 f"file ({size} bytes); the file is truncated."
             )
-
-
-def check_packed(record: Record, path: Any) -> None:
-    """Refuse packed values that overlap each other (bounds were checked by the decoder)."""
-    spans = sorted((e.loc[1], e.loc[2], k) for k, e in record.values.items()
-                   if e.loc[0] == "packed" and e.loc[2])
-    end, prev = 0, ""
-    for start, n, key in spans:
-        if start < end:
-            raise CorruptCheckpointError(
-                f"Checkpoint {str(path)!r}: packed value {key!r} overlaps {prev!r}; "
-                "the file is damaged or hostile."
-            )
-        end, prev = start + n, key
 
 
 class H5Backend(Backend):

@@ -12,8 +12,10 @@ checksum thread as it goes.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import difflib
 import mmap
+import operator
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import crc32c as _crc32c
 import numpy as np
 
 from .._dtypes import SUPPORTED_DTYPES, as_dtype, dtype_to_str
@@ -28,7 +31,7 @@ from ..errors import CorruptCheckpointError, MissingKeyError
 from . import _checksum, _rawio
 from ._atomic import publish, temporary_sibling
 from ._paths import RESERVED_PREFIX, container_paths
-from ._record import Entry, Record, check_plain
+from ._record import Entry, Record, check_plain, encode_columns
 from .base import ArrayInfo, LazyArray, Reader, Writer
 
 __all__ = ["ALIGN", "DEFAULT_PACK_THRESHOLD", "NativeReader", "NativeWriter", "WriteItem"]
@@ -67,12 +70,17 @@ class WriteItem:
         self.checksum = _checksum.value_checksum(self.key, self.dtype, self.shape, self.view)
 
 
-def _hash_all(items: list[WriteItem]) -> None:
-    for it in items:
-        it.hash()
+#: Native-byte-order dtypes and their names (the common case of ``_prepare``).
+_NAMES: dict[np.dtype, str] = {
+    dt: name for name, dt in SUPPORTED_DTYPES.items() if dt.byteorder in ("=", "|")
+}
 
 
 def _prepare(key: Any, array: Any) -> tuple[np.ndarray, str]:
+    if type(array) is np.ndarray and array.flags.c_contiguous and np.little_endian:
+        name = _NAMES.get(array.dtype)
+        if name is not None:
+            return array, name
     arr = np.asarray(array)
     dt = as_dtype(arr.dtype)  # raises TypeError for unsupported dtypes
     name = dtype_to_str(dt)
@@ -105,19 +113,22 @@ class NativeWriter(Writer):
         self._state = "open"
 
     def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
-        self._check_open()
-        if not isinstance(key, str):
-            raise TypeError(f"Checkpoint keys are strings, got {type(key).__name__} {key!r}.")
-        try:
-            key.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"Key {key!r} is not valid Unicode text.") from None
+        if self._state != "open":
+            self._check_open()
+        if type(key) is not str:
+            if not isinstance(key, str):
+                raise TypeError(f"Checkpoint keys are strings, got {type(key).__name__} {key!r}.")
+            key = str(key)
+        if not key.isascii():
+            try:
+                key.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"Key {key!r} is not valid Unicode text.") from None
         if key in self._items:
             raise ValueError(f"Key {key!r} was already added to the checkpoint {str(self.path)!r}.")
         arr, name = _prepare(key, array)
-        attrs = dict(attrs or {})
-        self._items[key] = WriteItem(key, arr, name, tuple(int(d) for d in arr.shape), attrs,
-                                     int(arr.nbytes))
+        self._items[key] = WriteItem(key, arr, name, arr.shape, dict(attrs) if attrs else {},
+                                     arr.nbytes)
 
     def set_metadata(self, metadata: Mapping[str, Any]) -> None:
         self._check_open()
@@ -136,25 +147,24 @@ class NativeWriter(Writer):
         self._state = "committing"
         try:
             items = list(self._items.values())
-            for it in items:
-                it.packed = it.nbytes < self.pack_threshold
-            arrays = [it for it in items if not it.packed]
-            packed = [it for it in items if it.packed]
+            threshold = self.pack_threshold
+            arrays = [it for it in items if it.nbytes >= threshold]
+            packed = [it for it in items if it.nbytes < threshold]
             for it, p in zip(arrays, container_paths([it.key for it in arrays]), strict=True):
                 it.path = p
             pos = 0
             for it in packed:
+                it.packed = True
                 it.offset = pos
-                pos += -(-it.nbytes // ALIGN) * ALIGN
+                pos += (it.nbytes + ALIGN - 1) & -ALIGN
             packed_nbytes = pos
             try:
                 check_plain(self._metadata, "the checkpoint metadata")
             except ValueError as exc:
                 raise TypeError(f"Cannot store metadata in {str(self.path)!r}: {exc}.") from None
-            # Hash on the checksum thread while the backend writes (in the same order).
+            # Large values hash on the checksum thread while the backend writes (in the same
+            # order); packed values hash on this thread as they are written (write_packed).
             futures: list[Future[Any]] = [_rawio.submit(it.hash) for it in arrays]
-            if packed:
-                futures.append(_rawio.submit(_hash_all, packed))
 
             def wait_hashes() -> None:
                 for f in futures:
@@ -175,19 +185,21 @@ class NativeWriter(Writer):
         self._state = "committed"
         return self.path
 
-    def _record(self, arrays: list[WriteItem], packed: list[WriteItem], packed_loc: Any) -> Record:
-        values: dict[str, Entry] = {}
-        for it in self._items.values():
-            if it.packed:
-                loc: tuple[Any, ...] = ("packed", it.offset, it.nbytes)
-            else:
-                loc = self._array_loc(it)
-            values[it.key] = Entry(it.dtype, it.shape, it.checksum, it.attrs, loc)
-        return Record(
-            container=self.container,
-            values=values,
-            metadata=self._metadata,
-            packed=packed_loc if packed else None,
+    def _encode_record(self, packed_loc: tuple[str, int, int] | None) -> bytes:
+        """The root record of everything added (call after the checksums are known)."""
+        items = list(self._items.values())
+        array_loc = self._array_loc
+        locs = [("packed", it.offset, it.nbytes) if it.packed else array_loc(it) for it in items]
+        return encode_columns(
+            self.container,
+            packed_loc if any(it.packed for it in items) else None,
+            [it.key for it in items],
+            [it.dtype for it in items],
+            [it.shape for it in items],
+            [it.checksum for it in items],
+            locs,
+            [it.attrs for it in items],
+            self._metadata,
         )
 
     def _array_loc(self, it: WriteItem) -> tuple[Any, ...]:
@@ -203,6 +215,35 @@ class NativeWriter(Writer):
         wait_hashes: Callable[[], None],
     ) -> None:
         """Write everything into ``tmp`` (fsynced when durable); the caller publishes it."""
+
+
+def write_packed(fd: int, packed: list[WriteItem], base: int) -> None:
+    """Hash the packed values and write them from ``base`` (each padded to ALIGN).
+
+    Straight from the arrays' buffers, ``IOV_MAX`` buffers per ``pwritev``; each batch is
+    hashed just before it is written, while its bytes are still in the CPU cache.
+    """
+    crc = _crc32c.crc32c
+    limit = _rawio.IOV_MAX - 1
+    bufs: list[Any] = []
+    start = 0
+    for it in packed:
+        if not bufs:
+            start = it.offset
+        a = it.array
+        head = f"{it.key}\0{it.dtype}\0{','.join(map(str, it.shape))}\0".encode()
+        it.checksum = crc(a, crc(head))
+        n = it.nbytes
+        if n:
+            bufs.append(a)
+        pad = -n % ALIGN
+        if pad:
+            bufs.append(_ZEROS[:pad])
+        if len(bufs) >= limit:
+            _rawio.pwritev_all(fd, bufs, base + start)
+            bufs = []
+    if bufs:
+        _rawio.pwritev_all(fd, bufs, base + start)
 
 
 def packed_iovecs(packed: list[WriteItem]) -> list[memoryview]:
@@ -308,7 +349,7 @@ class NativeReader(Reader):
         info = self._infos.get(key)
         if info is None:
             e = self._entry(key)
-            info = ArrayInfo(key, e.np_dtype, e.shape, e.attrs, e.checksum)
+            info = _make_info(key, e.np_dtype, e.shape, e.attrs, e.checksum)
             self._infos[key] = info
         return info
 
@@ -413,16 +454,28 @@ class NativeReader(Reader):
         """Read values in order, pipelined: the next value is read while this one is hashed.
 
         Packed values come from one read of the packed blob (when they make up most
-        of it) and are returned as aligned views into that buffer.
+        of it) and are returned as aligned views into that buffer, each verified
+        before it is yielded.
         """
         self._check()
         keys = list(keys)
-        entries = [self._entry(k) for k in keys]
+        entry = self._entry
+        entries = [entry(k) for k in keys]
         blob, blob_lo = self._read_packed_span(entries)
+        crc = _crc32c.crc32c
         pending: tuple[str, np.ndarray, Callable[[], None]] | None = None
         for key, e in zip(keys, entries, strict=True):
-            if blob is not None and e.loc[0] == "packed":
-                arr = self._from_blob(key, e, blob, blob_lo, verify)
+            loc = e.loc
+            if blob is not None and loc[0] == "packed":
+                start = loc[1] - blob_lo
+                n = loc[2]
+                raw = blob[start : start + n]
+                if verify:
+                    head = f"{key}\0{e.dtype}\0{','.join(map(str, e.shape))}\0".encode()
+                    got = crc(raw, crc(head))
+                    if got != e.checksum:
+                        self._compare(key, e, got)
+                arr = raw.view(e.np_dtype).reshape(e.shape) if n else np.empty(e.shape, e.np_dtype)
                 if pending is not None:
                     pending[2]()
                     yield pending[0], pending[1]
@@ -439,12 +492,13 @@ class NativeReader(Reader):
             yield pending[0], pending[1]
 
     def _read_packed_span(self, entries: list[Entry]) -> tuple[np.ndarray | None, int]:
-        packed = [e for e in entries if e.loc[0] == "packed"]
-        if len(packed) < 2:
+        locs = [e.loc for e in entries if e.loc[0] == "packed"]
+        if len(locs) < 2:
             return None, 0
-        lo = min(e.loc[1] for e in packed)
-        hi = max(e.loc[1] + e.loc[2] for e in packed)
-        want = sum(e.loc[2] for e in packed)
+        starts = [loc[1] for loc in locs]
+        lo = min(starts)
+        hi = max(map(operator.add, starts, [loc[2] for loc in locs]))
+        want = sum(loc[2] for loc in locs)
         if hi - lo > 2 * want + (1 << 20):
             return None, 0
         fd, base = self._packed_source()
@@ -457,16 +511,105 @@ class NativeReader(Reader):
             )
         return blob, lo
 
-    def _from_blob(
-        self, key: str, e: Entry, blob: np.ndarray, lo: int, verify: bool
-    ) -> np.ndarray:
-        start = e.loc[1] - lo
-        raw = blob[start : start + e.loc[2]]
-        if verify:
-            self._compare(key, e, _checksum.value_checksum(key, e.dtype, e.shape, raw))
-        if e.loc[2] == 0:
-            return np.empty(e.shape, e.np_dtype)
-        return raw.view(e.np_dtype).reshape(e.shape)
+    def verify_many(self, keys: Iterable[str]) -> None:
+        """Raise ``CorruptCheckpointError`` for the first damaged value among ``keys``.
+
+        Packed values are hashed in place through one read-only map of the packed blob
+        (no copy, no per-value system call); the others one by one (:meth:`verify`).
+        """
+        self._check()
+        entry = self._entry
+        keyed = [(k, entry(k)) for k in keys]
+        packed = [(k, e) for k, e in keyed if e.loc[0] == "packed" and e.loc[2]]
+        for k, e in keyed:
+            if e.loc[0] != "packed" or not e.loc[2]:
+                self.verify(k)
+        if not packed:
+            return
+        fd, base = self._packed_source()
+        hi = base + max(e.loc[1] + e.loc[2] for _, e in packed)
+        crc = _crc32c.crc32c
+        mm = self._map(fd)
+        try:
+            with memoryview(mm) as mv:
+                if hi > len(mv):
+                    raise CorruptCheckpointError(
+                        f"Checkpoint {str(self.path)!r}: the packed values are truncated "
+                        f"({len(mv) - base} of {hi - base} bytes present)."
+                    )
+                for key, e in packed:
+                    start = base + e.loc[1]
+                    head = f"{key}\0{e.dtype}\0{','.join(map(str, e.shape))}\0".encode()
+                    got = crc(mv[start : start + e.loc[2]], crc(head))
+                    if got != e.checksum:
+                        self._compare(key, e, got)
+        finally:
+            if isinstance(mm, mmap.mmap):
+                mm.close()
+
+    def read_into_many(self, pairs: list[tuple[str, np.ndarray]], *, verify: bool = True) -> None:
+        """Read each ``(key, out)`` value into ``out`` (same shape and dtype, C-contiguous).
+
+        Packed values are scattered straight into their buffers by ``preadv`` (one call per
+        run of up to ``IOV_MAX`` buffers). With ``verify`` each value is checked after it
+        is read, so on damage some buffers already hold new bytes: verify first
+        (:meth:`verify_many`) when that matters.
+        """
+        self._check()
+        entry = self._entry
+        packed: list[tuple[int, str, Entry, np.ndarray]] = []
+        for key, out in pairs:
+            e = entry(key)
+            out = self._dest(key, e, out)
+            if e.loc[0] == "packed" and e.loc[2]:
+                packed.append((e.loc[1], key, e, out))
+            else:
+                self.read(key, out=out, verify=verify)
+        if not packed:
+            return
+        packed.sort(key=operator.itemgetter(0))
+        fd, base = self._packed_source()
+        scratch = np.empty(_rawio.PIECE, np.uint8)
+        crc = _crc32c.crc32c
+        i = 0
+        while i < len(packed):
+            start = packed[i][0]
+            pos = start
+            bufs: list[Any] = []
+            j = i
+            while j < len(packed) and len(bufs) < _rawio.IOV_MAX - 1:
+                off, _, e, out = packed[j]
+                if off < pos:  # two keys on one range: read it apart
+                    break
+                gap = off - pos
+                if gap > scratch.size:
+                    if bufs:
+                        break
+                    start = pos = off
+                    gap = 0
+                if gap:
+                    bufs.append(scratch[:gap])
+                bufs.append(out)
+                pos = off + e.loc[2]
+                j += 1
+            if j == i:  # an overlapping duplicate: read it on its own
+                off, key, e, out = packed[i]
+                self.read(key, out=out, verify=verify)
+                i += 1
+                continue
+            got = _rawio.preadv_all(fd, bufs, base + start)
+            if got != pos - start:
+                raise CorruptCheckpointError(
+                    f"Checkpoint {str(self.path)!r}: the packed values are truncated "
+                    f"({got} of {pos - start} bytes present)."
+                )
+            if verify:
+                for _, key, e, out in packed[i:j]:
+                    head = f"{key}\0{e.dtype}\0{','.join(map(str, e.shape))}\0".encode()
+                    got = crc(out, crc(head))
+                    if got != e.checksum:
+                        self._compare(key, e, got)
+            i = j
 
     # -- partial reads
     def _read_elements(self, key: str, e: Entry, start: int, count: int) -> np.ndarray:
@@ -534,6 +677,25 @@ class NativeReader(Reader):
 
 def _noop() -> None:
     return None
+
+
+def _make_info(key: str, dtype: np.dtype, shape: tuple[int, ...], attrs: Any,
+               checksum: int) -> ArrayInfo:
+    """``ArrayInfo(key, dtype, shape, attrs, checksum)``, made without the frozen
+    dataclass's per-field ``object.__setattr__`` (a restore makes one per value)."""
+    if _FAST_INFO:
+        info = object.__new__(ArrayInfo)
+        info.__dict__.update(key=key, dtype=dtype, shape=shape, attrs=attrs, checksum=checksum)
+        return info
+    return ArrayInfo(key, dtype, shape, attrs, checksum)
+
+
+_FAST_INFO = (
+    not hasattr(ArrayInfo, "__slots__")
+    and [f.name for f in dataclasses.fields(ArrayInfo)]
+    == ["key", "dtype", "shape", "attrs", "checksum"]
+    and getattr(ArrayInfo, "__post_init__", None) is None
+)
 
 
 class NativeLazyArray(LazyArray):

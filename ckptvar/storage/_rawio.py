@@ -19,11 +19,13 @@ import numpy as np
 from . import _checksum
 
 __all__ = [
+    "IOV_MAX",
     "PIECE",
     "CrcChain",
     "byte_view",
     "pread_exact",
     "pread_into",
+    "preadv_all",
     "pwrite_all",
     "pwritev_all",
     "submit",
@@ -32,7 +34,8 @@ __all__ = [
 #: Large values are read in pieces this big, so reading and hashing overlap.
 PIECE = 32 << 20
 _MAX_IO = 1 << 30  # Linux moves at most ~2 GiB per call; stay well below
-_IOV_MAX = min(getattr(os, "IOV_MAX", 1024) if hasattr(os, "IOV_MAX") else 1024, 1024)
+#: Most buffers handed to one ``pwritev``/``preadv``.
+IOV_MAX = min(getattr(os, "IOV_MAX", 1024) if hasattr(os, "IOV_MAX") else 1024, 1024)
 
 _executor: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
@@ -83,17 +86,28 @@ def pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
         done += os.pwrite(fd, buf[done : done + _MAX_IO], offset + done)
 
 
-def pwritev_all(fd: int, bufs: Sequence[memoryview], offset: int) -> int:
-    """Write the buffers back to back from ``offset``; returns the bytes written."""
+def _bytes_of(buf: Any) -> memoryview:
+    if isinstance(buf, np.ndarray):
+        return byte_view(buf)
+    mv = memoryview(buf)
+    return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
+
+
+def pwritev_all(fd: int, bufs: Sequence[Any], offset: int) -> int:
+    """Write the buffers (memoryviews or C-contiguous arrays) back to back from ``offset``.
+
+    Returns the bytes written; at most ``IOV_MAX`` buffers go to one ``pwritev``.
+    """
     total = 0
     i = 0
     while i < len(bufs):
-        batch = list(bufs[i : i + _IOV_MAX])
-        want = sum(len(b) for b in batch)
+        batch = list(bufs[i : i + IOV_MAX])
+        want = sum(b.nbytes for b in batch)
         got = os.pwritev(fd, batch, offset + total)
         if got < want:  # short write: finish this batch piece by piece
             pos = got
             for b in batch:
+                b = _bytes_of(b)
                 if pos >= len(b):
                     pos -= len(b)
                     continue
@@ -101,7 +115,37 @@ def pwritev_all(fd: int, bufs: Sequence[memoryview], offset: int) -> int:
                 got += len(b) - pos
                 pos = 0
         total += want
-        i += _IOV_MAX
+        i += IOV_MAX
+    return total
+
+
+def preadv_all(fd: int, bufs: Sequence[Any], offset: int) -> int:
+    """Fill the buffers back to back from ``offset``; returns the bytes read (short at EOF).
+
+    ``IOV_MAX`` buffers go to one ``preadv`` (a scatter read straight into them).
+    """
+    total = 0
+    i = 0
+    while i < len(bufs):
+        batch = list(bufs[i : i + IOV_MAX])
+        want = sum(b.nbytes for b in batch)
+        got = os.preadv(fd, batch, offset + total)
+        if got < want:  # short read: finish this batch piece by piece
+            pos = got
+            done = got
+            for b in batch:
+                b = _bytes_of(b)
+                if pos >= len(b):
+                    pos -= len(b)
+                    continue
+                n = pread_into(fd, b[pos:], offset + total + done)
+                done += n
+                if n < len(b) - pos:
+                    return total + done
+                pos = 0
+            got = done
+        total += got
+        i += IOV_MAX
     return total
 
 

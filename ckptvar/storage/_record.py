@@ -1,13 +1,20 @@
 """The root record: one msgpack map that describes every stored value (docs/FORMAT.md).
 
+The record is columnar: one list per field (keys, dtypes, shapes, checksums,
+layouts, paths, offsets) and one list per attribute every value carries, so a
+checkpoint of 20,000 small values decodes as a handful of long arrays rather
+than 20,000 maps, and is validated with a few passes over those lists.
+
 Encoding is plain msgpack (``use_bin_type=True``). Decoding is strict, because
 the record comes from a file that may be damaged or hostile: bounded sizes and
-nesting, no ext types, no duplicate map keys, strict UTF-8, and exact schema
-validation (types, dtype names from the explicit list, non-negative dims, sizes
-that do not overflow). Every violation is a :class:`CorruptCheckpointError`
-naming the file and the key.
+nesting, no ext types, no duplicate map keys or value keys, strict UTF-8, and
+exact schema validation (types, dtype names from the explicit list, non-negative
+dims, sizes that do not overflow, packed values inside the blob and not
+overlapping). Every violation is a :class:`CorruptCheckpointError` naming the
+file and the key.
 
->>> rec = Record(container="h5", values={"w": Entry("float32", (2,), 7, {}, ("packed", 0, 8))})
+>>> rec = Record(container="h5", values={"w": Entry("float32", (2,), 7, {}, ("packed", 0, 8))},
+...              packed=("_ckptvar/packed", 512, 64))
 >>> back = decode(encode(rec), "f.h5", container="h5")
 >>> back.values["w"].shape, back.values["w"].nbytes, back.format_version
 ((2,), 8, (1, 0))
@@ -15,8 +22,13 @@ naming the file and the key.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import gc
+import math
+import operator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from itertools import chain, compress
 from typing import Any
 
 import msgpack
@@ -32,11 +44,14 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_NDIM",
     "MAX_RECORD_NBYTES",
+    "Columns",
     "Entry",
     "Record",
     "check_plain",
     "decode",
     "encode",
+    "encode_columns",
+    "paused_gc",
 ]
 
 FORMAT_NAME = "ckptvar"
@@ -49,9 +64,13 @@ MAX_DEPTH = 64
 MAX_NDIM = 64
 _MAX_NBYTES = 1 << 62
 _LIBRARY = "ckptvar 0.1.0"
+_ITEMSIZE = {name: dt.itemsize for name, dt in SUPPORTED_DTYPES.items()}
+_LAYOUTS = frozenset({"packed", "array", "zarr"})
+_SCALAR_TYPES = frozenset({str, int, float, bool, bytes, type(None)})
+_COLUMNS = ("keys", "dtypes", "shapes", "checksums", "layouts", "paths", "offsets")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Entry:
     """One value: dtype name, shape, checksum, writer attrs and where its bytes are.
 
@@ -59,6 +78,7 @@ class Entry:
     own array (``byte_offset`` is absolute in an HDF5 file, 0 in a Zarr chunk),
     ``("packed", offset, nbytes)`` for a value inside ``_ckptvar/packed``, or
     ``("zarr", container_path)`` for a compressed Zarr array read through zarr.
+    Treat it as immutable (``dataclasses.replace`` makes a changed copy).
     """
 
     dtype: str
@@ -66,6 +86,7 @@ class Entry:
     checksum: int
     attrs: Mapping[str, Any]
     loc: tuple[Any, ...]
+    _nbytes: int = field(default=-1, init=False, repr=False, compare=False)
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -73,14 +94,24 @@ class Entry:
 
     @property
     def size(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
-        return self.size * SUPPORTED_DTYPES[self.dtype].itemsize
+        n = self._nbytes
+        if n < 0:
+            n = self._nbytes = math.prod(self.shape) * _ITEMSIZE[self.dtype]
+        return n
+
+
+@dataclass(slots=True)
+class Columns:
+    """Per-value numbers of a decoded record as arrays, in file order (for bulk checks)."""
+
+    keys: list[str]
+    packed: np.ndarray  # bool
+    offsets: np.ndarray  # int64: packed offset, or the array's byte offset
+    nbytes: np.ndarray  # int64
 
 
 @dataclass
@@ -94,28 +125,59 @@ class Record:
     packed: tuple[str, int, int] | None = None
     format_version: tuple[int, int] = FORMAT_VERSION
     library: str = _LIBRARY
+    #: Set by :func:`decode` (bulk validation); None for a record built in memory.
+    columns: Columns | None = field(default=None, repr=False, compare=False)
 
 
 def encode(record: Record) -> bytes:
     """The msgpack bytes of ``record``."""
-    values = {
-        key: {
-            "dtype": e.dtype,
-            "shape": list(e.shape),
-            "checksum": e.checksum,
-            "attrs": dict(e.attrs),
-            "loc": list(e.loc),
-        }
-        for key, e in record.values.items()
-    }
+    entries = list(record.values.values())
+    return encode_columns(
+        record.container,
+        record.packed,
+        list(record.values),
+        [e.dtype for e in entries],
+        [e.shape for e in entries],
+        [e.checksum for e in entries],
+        [e.loc for e in entries],
+        [e.attrs for e in entries],
+        record.metadata,
+    )
+
+
+def encode_columns(
+    container: str,
+    packed: tuple[str, int, int] | None,
+    keys: list[str],
+    dtypes: list[str],
+    shapes: list[tuple[int, ...]],
+    checksums: list[int],
+    locs: list[tuple[Any, ...]],
+    attrs: list[Mapping[str, Any]],
+    metadata: Mapping[str, Any],
+) -> bytes:
+    """The msgpack bytes of a record given as per-value lists (``locs`` as in :class:`Entry`)."""
+    layouts = [loc[0] for loc in locs]
+    paths = [None if loc[0] == "packed" else loc[1] for loc in locs]
+    offsets = [loc[1] if loc[0] == "packed" else loc[2] if loc[0] == "array" else 0
+               for loc in locs]
+    dense, sparse = _split_attrs(keys, attrs)
     doc = {
         "format": FORMAT_NAME,
         "format_version": list(FORMAT_VERSION),
         "library": _LIBRARY,
-        "container": record.container,
-        "packed": list(record.packed) if record.packed is not None else None,
-        "values": values,
-        "metadata": dict(record.metadata),
+        "container": container,
+        "packed": list(packed) if packed is not None else None,
+        "keys": keys,
+        "dtypes": dtypes,
+        "shapes": shapes,
+        "checksums": checksums,
+        "layouts": layouts,
+        "paths": paths,
+        "offsets": offsets,
+        "attrs": dense,
+        "sparse_attrs": sparse,
+        "metadata": dict(metadata),
     }
     try:
         return msgpack.packb(doc, use_bin_type=True)
@@ -124,6 +186,40 @@ def encode(record: Record) -> bytes:
             f"Checkpoint metadata or attrs must be msgpack-able (dict, list, str, bytes, "
             f"int, float, bool, None): {exc}"
         ) from None
+
+
+def _split_attrs(
+    keys: list[str], attrs: list[Mapping[str, Any]]
+) -> tuple[dict[str, list[Any]], dict[str, dict[str, Any]]]:
+    """Attributes every value has become columns; the others a map from key to extras."""
+    if not attrs:
+        return {}, {}
+    first = tuple(attrs[0])
+    common = list(first)
+    if not all(tuple(a) == first for a in attrs):
+        have = set(first)
+        for a in attrs:
+            have.intersection_update(a)
+        common = [n for n in first if n in have]
+    dense = {n: [a[n] for a in attrs] for n in common}
+    sparse: dict[str, dict[str, Any]] = {}
+    for key, a in zip(keys, attrs, strict=True):
+        if len(a) != len(common):
+            sparse[key] = {k: v for k, v in a.items() if k not in dense}
+    return dense, sparse
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector while many small objects are made (a record of
+    20,000 values, a restore): its passes would otherwise rescan every live object."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _pairs_hook(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
@@ -167,6 +263,11 @@ def decode(data: bytes, path: Any, *, container: str, file_size: int | None = No
             f"Checkpoint {where!r}: the root record is {len(data)} bytes, more than the "
             f"{MAX_RECORD_NBYTES} accepted."
         )
+    with paused_gc():
+        return _decode(data, where, container, file_size)
+
+
+def _decode(data: bytes, where: str, container: str, file_size: int | None) -> Record:
     try:
         doc = msgpack.unpackb(
             data,
@@ -184,6 +285,10 @@ def decode(data: bytes, path: Any, *, container: str, file_size: int | None = No
         return _validate(doc, container, file_size)
     except _Bad as exc:
         raise CorruptCheckpointError(f"Checkpoint {where!r}: bad root record: {exc}.") from None
+
+
+def _types(items: list[Any]) -> set[type]:
+    return set(map(type, items))
 
 
 def _validate(doc: Any, container: str, file_size: int | None) -> Record:
@@ -229,20 +334,45 @@ def _validate(doc: Any, container: str, file_size: int | None) -> Record:
                 f"of the file ({file_size} bytes; truncated?)"
             )
         packed = (packed[0], packed[1], packed[2])
-    raw_values = doc.get("values")
-    if not isinstance(raw_values, dict):
-        raise _Bad("'values' is not a map")
-    values: dict[str, Entry] = {}
+    cols = [doc.get(name) for name in _COLUMNS]
+    for name, col in zip(_COLUMNS, cols, strict=True):
+        if not isinstance(col, list):
+            raise _Bad(f"{name!r} is not a list (the values' columns)")
+    keys, dtypes, shapes, checksums, layouts, paths, offsets = cols
+    n = len(keys)
+    for name, col in zip(_COLUMNS, cols, strict=True):
+        if len(col) != n:
+            raise _Bad(f"{name!r} has {len(col)} items for {n} keys")
+    if n and _types(keys) != {str}:
+        raise _Bad(f"'keys' holds a non-string {next(k for k in keys if type(k) is not str)!r}")
+    if len(set(keys)) != n:
+        seen: set[str] = set()
+        dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise _Bad(f"the key {dup!r} is stored twice")
     packed_nbytes = packed[2] if packed is not None else 0
-    for key, raw in raw_values.items():
-        values[key] = _entry(key, raw, packed_nbytes, container)
+    nbytes = _check_values(keys, dtypes, shapes, checksums, layouts, paths, offsets, container)
+    attrs = _attrs(keys, doc.get("attrs", {}), doc.get("sparse_attrs", {}))
+    is_packed = [lay == "packed" for lay in layouts]
+    off = np.array(offsets, np.int64)
+    nb = np.array(nbytes, np.int64)
+    pk = np.array(is_packed, bool)
+    _check_packed(keys, pk, off, nb, packed_nbytes)
+    locs = [
+        ("packed", o, b) if p else ("array", q, o) if lay == "array" else ("zarr", q)
+        for p, lay, q, o, b in zip(is_packed, layouts, paths, offsets, nbytes, strict=True)
+    ]
+    shape_tuples = map(tuple, shapes)
+    entries = list(map(Entry, dtypes, shape_tuples, checksums, attrs, locs))
+    for e, b in zip(entries, nbytes, strict=True):
+        e._nbytes = b
     return Record(
         container=container,
-        values=values,
+        values=dict(zip(keys, entries, strict=True)),
         metadata=metadata,
         packed=packed,
         format_version=(version[0], version[1]),
         library=library,
+        columns=Columns(keys, pk, off, nb),
     )
 
 
@@ -250,50 +380,113 @@ def _is_count(v: Any) -> bool:
     return type(v) is int and 0 <= v < _MAX_NBYTES
 
 
-def _entry(key: str, raw: Any, packed_nbytes: int, container: str) -> Entry:
-    if not isinstance(raw, dict):
-        raise _Bad(f"the entry of {key!r} is not a map")
-    dtype = raw.get("dtype")
-    if not isinstance(dtype, str) or dtype not in SUPPORTED_DTYPES:
-        raise _Bad(f"{key!r} has unsupported dtype {dtype!r}")
-    shape = raw.get("shape")
-    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
-        raise _Bad(f"{key!r} has shape {shape!r}, expected a list of at most {MAX_NDIM} dims")
-    nbytes = SUPPORTED_DTYPES[dtype].itemsize
-    for d in shape:
-        if not _is_count(d):
-            raise _Bad(f"{key!r} has a bad dimension {d!r} in shape {shape!r}")
-        nbytes *= d
-        if nbytes >= _MAX_NBYTES:
-            raise _Bad(f"{key!r} declares shape {shape!r}, too large to exist")
-    checksum = raw.get("checksum")
-    if type(checksum) is not int or not 0 <= checksum < 1 << 32:
-        raise _Bad(f"{key!r} has checksum {checksum!r}, expected a 32-bit unsigned int")
-    attrs = raw.get("attrs", {})
-    if not isinstance(attrs, dict):
-        raise _Bad(f"{key!r} has attrs that are not a map")
-    if attrs:
-        check_plain(attrs, f"the attrs of {key!r}")
-    loc = raw.get("loc")
-    if not isinstance(loc, list) or not loc:
-        raise _Bad(f"{key!r} has no location")
-    kind = loc[0]
-    if kind == "array" and len(loc) == 3:
-        if not isinstance(loc[1], str) or not is_valid_container_path(loc[1]):
-            raise _Bad(f"{key!r} has an unsafe container path {loc[1]!r}")
-        if not _is_count(loc[2]):
-            raise _Bad(f"{key!r} has a bad byte offset {loc[2]!r}")
-    elif kind == "packed" and len(loc) == 3:
-        if not _is_count(loc[1]) or loc[2] != nbytes:
-            raise _Bad(
-                f"{key!r} is packed with {loc[2]!r} bytes, but dtype {dtype} and shape "
-                f"{tuple(shape)} need {nbytes}"
-            )
-        if loc[1] + nbytes > packed_nbytes:
-            raise _Bad(f"{key!r} lies outside the packed blob ({packed_nbytes} bytes)")
-    elif kind == "zarr" and len(loc) == 2 and container == "zarr":
-        if not isinstance(loc[1], str) or not is_valid_container_path(loc[1]):
-            raise _Bad(f"{key!r} has an unsafe container path {loc[1]!r}")
+def _check_values(
+    keys: list[str],
+    dtypes: list[Any],
+    shapes: list[Any],
+    checksums: list[Any],
+    layouts: list[Any],
+    paths: list[Any],
+    offsets: list[Any],
+    container: str,
+) -> list[int]:
+    """Validate the per-value columns in bulk; return each value's size in bytes."""
+    n = len(keys)
+    if not n:
+        return []
+    if _types(dtypes) != {str} or not set(dtypes) <= _ITEMSIZE.keys():
+        i = next(i for i, d in enumerate(dtypes) if not (type(d) is str and d in _ITEMSIZE))
+        raise _Bad(f"{keys[i]!r} has unsupported dtype {dtypes[i]!r}")
+    if _types(shapes) != {list} or max(map(len, shapes)) > MAX_NDIM:
+        i = next(i for i, s in enumerate(shapes) if type(s) is not list or len(s) > MAX_NDIM)
+        raise _Bad(f"{keys[i]!r} has shape {shapes[i]!r}, expected a list of at most "
+                   f"{MAX_NDIM} dims")
+    dims = list(chain.from_iterable(shapes))
+    if dims and (_types(dims) != {int} or min(dims) < 0 or max(dims) >= _MAX_NBYTES):
+        i = next(i for i, s in enumerate(shapes) if not all(_is_count(d) for d in s))
+        bad = next(d for d in shapes[i] if not _is_count(d))
+        raise _Bad(f"{keys[i]!r} has a bad dimension {bad!r} in shape {shapes[i]!r}")
+    nbytes = list(map(operator.mul, map(math.prod, shapes), map(_ITEMSIZE.__getitem__, dtypes)))
+    if max(nbytes) >= _MAX_NBYTES:
+        i = next(i for i, b in enumerate(nbytes) if b >= _MAX_NBYTES)
+        raise _Bad(f"{keys[i]!r} declares shape {shapes[i]!r}, too large to exist")
+    if _types(checksums) != {int} or min(checksums) < 0 or max(checksums) >= 1 << 32:
+        i = next(i for i, c in enumerate(checksums) if type(c) is not int or not 0 <= c < 1 << 32)
+        raise _Bad(f"{keys[i]!r} has checksum {checksums[i]!r}, expected a 32-bit unsigned int")
+    allowed = _LAYOUTS if container == "zarr" else _LAYOUTS - {"zarr"}
+    if _types(layouts) != {str} or not set(layouts) <= allowed:
+        i = next(i for i, x in enumerate(layouts) if not (type(x) is str and x in allowed))
+        raise _Bad(f"{keys[i]!r} has an unknown location {layouts[i]!r}")
+    if _types(offsets) != {int} or min(offsets) < 0 or max(offsets) >= _MAX_NBYTES:
+        i = next(i for i, o in enumerate(offsets) if not _is_count(o))
+        raise _Bad(f"{keys[i]!r} has a bad byte offset {offsets[i]!r}")
+    own = [lay != "packed" for lay in layouts]
+    if any(p is not None for p in compress(paths, [not o for o in own])):
+        i = next(i for i, p in enumerate(paths) if not own[i] and p is not None)
+        raise _Bad(f"{keys[i]!r} is packed but names a container path {paths[i]!r}")
+    for i in compress(range(n), own):
+        p = paths[i]
+        if not isinstance(p, str) or not is_valid_container_path(p):
+            raise _Bad(f"{keys[i]!r} has an unsafe container path {p!r}")
+        if offsets[i] and (container == "zarr"):
+            raise _Bad(f"{keys[i]!r} has byte offset {offsets[i]} in its Zarr chunk, expected 0")
+    return nbytes
+
+
+def _attrs(keys: list[str], dense: Any, sparse: Any) -> list[dict[str, Any]]:
+    """Each value's attribute dict, from the columns and the per-key extras."""
+    n = len(keys)
+    if not isinstance(dense, dict):
+        raise _Bad("'attrs' is not a map of attribute columns")
+    for name, col in dense.items():
+        if not isinstance(col, list) or len(col) != n:
+            raise _Bad(f"the attribute column {name!r} is not a list of {n} items")
+        if not _types(col) <= _SCALAR_TYPES:
+            check_plain(col, f"the attribute column {name!r}", max_depth=MAX_DEPTH - 2)
+    if not isinstance(sparse, dict):
+        raise _Bad("'sparse_attrs' is not a map")
+    names = list(dense)
+    if len(names) == 1:
+        (only,) = names
+        out = [{only: v} for v in dense[only]]
+    elif names:
+        out = [dict(zip(names, row, strict=True)) for row in zip(*dense.values(), strict=True)]
     else:
-        raise _Bad(f"{key!r} has an unknown location {loc!r}")
-    return Entry(dtype, tuple(shape), checksum, attrs, tuple(loc))
+        out = [{} for _ in range(n)]
+    if sparse:
+        index = {k: i for i, k in enumerate(keys)}
+        for key, extra in sparse.items():
+            i = index.get(key)
+            if i is None:
+                raise _Bad(f"'sparse_attrs' names {key!r}, which is not a stored key")
+            if not isinstance(extra, dict):
+                raise _Bad(f"{key!r} has attrs that are not a map")
+            check_plain(extra, f"the attrs of {key!r}", max_depth=MAX_DEPTH - 2)
+            clash = set(extra) & set(names)
+            if clash:
+                raise _Bad(f"{key!r} repeats the attribute {sorted(clash)[0]!r}")
+            out[i].update(extra)
+    return out
+
+
+def _check_packed(keys: list[str], packed: np.ndarray, offsets: np.ndarray,
+                  nbytes: np.ndarray, blob_nbytes: int) -> None:
+    """Packed values lie inside the blob and never overlap each other."""
+    if not packed.any():
+        return
+    idx = np.flatnonzero(packed)
+    start, size = offsets[idx], nbytes[idx]
+    end = start + size
+    outside = np.flatnonzero(end > blob_nbytes)
+    if outside.size:
+        key = keys[int(idx[outside[0]])]
+        raise _Bad(f"{key!r} lies outside the packed blob ({blob_nbytes} bytes)")
+    nonempty = size > 0
+    idx, start, end = idx[nonempty], start[nonempty], end[nonempty]
+    order = np.argsort(start, kind="stable")
+    s, e = start[order], end[order]
+    bad = np.flatnonzero(s[1:] < e[:-1])
+    if bad.size:
+        j = int(bad[0])
+        a, b = keys[int(idx[order[j]])], keys[int(idx[order[j + 1]])]
+        raise _Bad(f"packed value {b!r} overlaps {a!r}")

@@ -34,11 +34,11 @@ from .._dtypes import SUPPORTED_DTYPES
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from . import _checksum, _rawio, register_backend
 from ._atomic import fsync_dir, fsync_path
-from ._h5 import NATIVE_TYPES, _other_reader, check_packed, check_regions
-from ._native import PACKED_PATH, NativeReader, NativeWriter, WriteItem, packed_iovecs
+from ._h5 import NATIVE_TYPES, _other_reader, check_regions
+from ._native import PACKED_PATH, NativeReader, NativeWriter, WriteItem, write_packed
 from ._native import scalar_attrs
 from ._paths import RESERVED_PREFIX
-from ._record import FORMAT_VERSION, MAX_RECORD_NBYTES, Entry, Record, decode, encode
+from ._record import FORMAT_VERSION, MAX_RECORD_NBYTES, Entry, Record, decode
 from .base import Backend
 
 __all__ = ["RECORD_PATH", "ZarrBackend", "ZarrReader", "ZarrWriter", "chunk_key"]
@@ -107,7 +107,9 @@ def _write_file(path: Path, data: Any, sync: list[Path] | None, *, replace: bool
     mode = os.O_TRUNC if replace else os.O_EXCL
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | mode | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        if isinstance(data, list):
+        if callable(data):
+            data(fd)
+        elif isinstance(data, list):
             _rawio.pwritev_all(fd, data, 0)
         elif len(data):
             _rawio.pwrite_all(fd, memoryview(data), 0)
@@ -199,7 +201,7 @@ class ZarrWriter(NativeWriter):
                 _write_file(chunk_file(d, len(it.shape)), it.view, sync)
         pd = array_dir(PACKED_PATH) if packed else None
         if pd is not None and packed_nbytes:
-            _write_file(chunk_file(pd, 1), packed_iovecs(packed), sync)
+            _write_file(chunk_file(pd, 1), lambda fd: write_packed(fd, packed, 0), sync)
         wait_hashes()
         # 2. metadata that needs the checksums
         for it, d in zip(arrays, arr_dirs, strict=True):
@@ -212,7 +214,7 @@ class ZarrWriter(NativeWriter):
         if pd is not None:
             meta = array_meta((packed_nbytes,), np.dtype("u1"), {"ckptvar": "packed values"})
             _write_file(pd / "zarr.json", json.dumps(meta).encode(), sync)
-        record = encode(self._record(arrays, packed, (PACKED_PATH, 0, packed_nbytes)))
+        record = self._encode_record((PACKED_PATH, 0, packed_nbytes))
         rd = array_dir(RECORD_PATH)
         meta = array_meta((len(record),), np.dtype("u1"), {"ckptvar": "root record (msgpack)"})
         _write_file(rd / "zarr.json", json.dumps(meta).encode(), sync)
@@ -379,9 +381,8 @@ class ZarrReader(NativeReader):
                 f"Checkpoint {str(path)!r}: the root record fails its checksum or length check "
                 "(expected {n} bytes); the checkpoint is damaged."
             )
-        record = decode(data, path, container="zarr")
-        check_packed(record, path)
-        paths = sorted(e.loc[1] for e in record.values.values() if e.loc[0] in ("array", "zarr"))
+        record = decode(data, path, container="zarr")  # packed values: in the blob, no overlap
+        paths = sorted(e.loc[1] for e in record.values.values() if e.loc[0] != "packed")
         for a, b in zip(paths, paths[1:], strict=False):
             if b == a or b.startswith(a + "/"):
                 raise CorruptCheckpointError(
