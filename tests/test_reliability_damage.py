@@ -499,7 +499,7 @@ def test_record_disagrees_with_data(victim: Path, change: str) -> None:
 
 
 def test_detection_is_fast_and_memory_flat(fmt: str, tmp_path: Path) -> None:
-    """A damaged 32 MiB value: caught in well under a second, with at most one value-sized buffer."""
+    """A damaged 32 MiB value: caught well under a second, at most one value-sized buffer."""
     big = np.random.default_rng(5).standard_normal(4 << 20)  # 32 MiB
     p = cv.save(tmp_path / f"big.{fmt}", {"w": big, "b": np.ones(3)})
     file, off = locate_bytes(p, big[1000:1010].tobytes())
@@ -577,7 +577,7 @@ def test_ckpt_verify_fails_on_truncation_and_a_bad_record(
     COUNTS["detected"] += 2
 
 
-# --------------------------------------------------------------------------- restore is all-or-nothing
+# --------------------------------------------------------------------------- all-or-nothing restore
 
 
 @pytest.fixture(params=["temporaries", "verify-then-in-place"])

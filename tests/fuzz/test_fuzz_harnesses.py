@@ -45,9 +45,6 @@ KNOWN = {
     "h5": "a ckptvar .h5 with a damaged magic and damaged HDF5 metadata reaches the foreign "
           "HDF5 reader, whose h5py calls raise a bare RuntimeError (see "
           "test_reliability_damage.py::test_h5_damaged_magic_and_header_is_a_ckpt_error)",
-    "npz": "a member whose 'encrypted' flag bit is set makes zipfile raise a bare "
-           "RuntimeError('... is encrypted, password required') that storage/foreign/_npz.py "
-           "lets through (see test_reliability_hostile.py::test_npz_encrypted_member)",
 }
 
 
