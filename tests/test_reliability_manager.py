@@ -333,3 +333,46 @@ def test_restore_or_initialize_skips_damaged_and_says_why(fresh_graph: cv.Graph,
     assert m2.tag() == 1
     skipped = dict(mgr2.skipped)
     assert paths[2] in skipped and "'w'" in skipped[paths[2]], mgr2.skipped
+
+
+def test_two_processes_saving_into_one_directory_lose_no_update(fmt: str, tmp_path: Path) -> None:
+    """Managers in two processes update the shared state file under its lock: none is lost."""
+    base = Path(_FAST_DIR) if _FAST_DIR else tmp_path
+    directory = Path(tempfile.mkdtemp(prefix="ckptvar-2p-", dir=base))
+    try:
+        pids = []
+        for name in ("left", "right"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    m = Model()
+                    mgr = cv.CheckpointManager(m.ckpt, directory, max_to_keep=4,
+                                               checkpoint_name=name, format=fmt)
+                    for i in range(1, 16):
+                        m.set(i)
+                        mgr.save()
+                    code = 0
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+        for pid in pids:
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+        for name in ("left", "right"):
+            mgr = cv.CheckpointManager(Model().ckpt, directory, max_to_keep=4,
+                                       checkpoint_name=name, format=fmt)
+            assert [Path(p).name for p in mgr.checkpoints] == [
+                f"{name}-{i}.{fmt}" for i in range(12, 16)]
+            for p in mgr.checkpoints:
+                assert loads_as(p, _number_of(p))
+        finals = sorted(e for e in os.listdir(directory) if not e.startswith("."))
+        assert len(finals) == 9, finals  # 4 + 4 checkpoints and the state file
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _number_of(path: str) -> int:
+    return int(Path(path).name.split("-")[1].split(".")[0])
