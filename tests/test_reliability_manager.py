@@ -376,3 +376,30 @@ def test_two_processes_saving_into_one_directory_lose_no_update(fmt: str, tmp_pa
 
 def _number_of(path: str) -> int:
     return int(Path(path).name.split("-")[1].split(".")[0])
+
+
+@pytest.mark.parametrize("damage", ["header", "record"])
+def test_restore_or_initialize_skips_a_checkpoint_that_no_longer_reads(
+    fresh_graph: cv.Graph, fmt: str, tmp_path: Path, damage: str
+) -> None:
+    """Damage to the newest checkpoint's own header (magic, root zarr.json) or record."""
+    m = Model()
+    mgr = cv.CheckpointManager(m.ckpt, tmp_path, max_to_keep=5, format=fmt)
+    paths = []
+    for tag in (1, 2):
+        m.set(tag)
+        paths.append(mgr.save())
+    newest = Path(paths[-1])
+    if fmt == "zarr":
+        target = newest / "zarr.json" if damage == "header" else next(
+            (newest / "_ckptvar" / "record").glob("c*"))
+        os.truncate(target, target.stat().st_size // 2)
+    else:
+        data = bytearray(newest.read_bytes())
+        data[0 if damage == "header" else len(data) - 5] ^= 0x01  # magic / record at the end
+        newest.write_bytes(bytes(data))
+    m2 = Model()
+    mgr2 = cv.CheckpointManager(m2.ckpt, tmp_path, max_to_keep=5, format=fmt)
+    assert mgr2.restore_or_initialize() == paths[0]
+    assert m2.tag() == 1
+    assert [p for p, _ in mgr2.skipped] == [paths[1]]

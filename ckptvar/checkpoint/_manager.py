@@ -368,7 +368,8 @@ class CheckpointManager:
         for path in reversed(self.checkpoints):
             try:
                 self.restore_status = self._checkpoint.restore(path)
-            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+            except (CorruptCheckpointError, CheckpointNotFoundError,
+                    UnsupportedFormatError) as exc:  # a file it wrote that no longer reads
                 logger.warning("Skipping checkpoint %s: %s", path, exc)
                 self.skipped.append((path, str(exc)))
                 continue
