@@ -668,7 +668,10 @@ def cmd_verify(args: argparse.Namespace, out: TextIO) -> int:
             damaged.append(("<metadata>", _one_line(exc)))
         verify_all = getattr(reader, "verify_all", None)
         if callable(verify_all):
-            damaged += [(str(k), str(reason)) for k, reason in verify_all()]
+            try:
+                damaged += [(str(k), str(reason)) for k, reason in verify_all()]
+            except (cv.CorruptCheckpointError, OSError) as exc:  # damage beyond one value
+                damaged.append(("<checkpoint>", _one_line(exc)))
         else:
             for key in keys:
                 try:

@@ -657,3 +657,14 @@ def test_ls_lists_tensorflow_prefixes(capsys: pytest.CaptureFixture[str]) -> Non
     (entry,) = json.loads(out)["checkpoints"]
     assert entry["path"] == str(tf_dir / "ckpt-1") and entry["step"] == 1 and entry["latest"]
     assert entry["size"] == sum(p.stat().st_size for p in tf_dir.glob("ckpt-1.*"))
+
+
+def test_verify_names_a_lost_zarr_chunk(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = cv.save(tmp_path / "c.zarr", {"big": np.arange(300_000, dtype=np.float32)})
+    chunks = [p for p in (path / "big").rglob("c*") if p.is_file()]
+    assert chunks, "expected the value stored as its own Zarr array"
+    for chunk in chunks:
+        chunk.unlink()
+    code, out, err = run_main(capsys, "verify", path)
+    assert code == 1, err
+    assert out.startswith("DAMAGED  big: ") and "FAILED: 1 of 1 values damaged" in out
