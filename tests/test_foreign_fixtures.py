@@ -38,7 +38,8 @@ def _sha(arr: np.ndarray) -> str:
 def test_every_tensor_matches_the_producing_library(name: str) -> None:
     entry = MANIFEST[name]
     path = ROOT / name
-    assert backend_for(path).open_reader(path).format == entry["format"]
+    with backend_for(path).open_reader(path) as direct:
+        assert direct.format == entry["format"]
     with cv.open(path) as reader:
         expected = {_shown(entry["format"], k): v for k, v in entry["tensors"].items()}
         assert sorted(reader.keys()) == sorted(expected)
@@ -151,12 +152,24 @@ def test_readers_never_import_the_frameworks() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_files_are_closed_by_the_reader(tmp_path: Path) -> None:
+def test_files_are_closed_by_the_reader() -> None:
     import os
 
-    before = len(os.listdir("/proc/self/fd"))
+    def open_fixtures() -> list[str]:
+        out = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(str(ROOT)):
+                out.append(target)
+        return out
+
+    before = open_fixtures()  # readers other tests have not closed yet
     for name in sorted(MANIFEST):
         with cv.open(ROOT / name) as reader:
             for key in reader:
                 reader[key].read()
-    assert len(os.listdir("/proc/self/fd")) == before
+            assert len(open_fixtures()) > len(before)  # the reader holds its files while open
+        assert open_fixtures() == before

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import h5py
 import numpy as np
 
-from ...errors import CheckpointNotFoundError, CorruptCheckpointError
+from ...errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
 from .._paths import RESERVED_PREFIX
 from ..base import ArrayInfo, Backend, LazyArray, Reader
 from ._common import EntryReader, check_shape, normalize_index, row_span
@@ -40,6 +40,16 @@ _ALLOWED_FILTERS = {
     32000: "lzf",
 }
 _MAX_OBJECTS = 1_000_000
+#: What h5py raises when libhdf5 meets damaged metadata.
+_H5_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    RuntimeError,
+    KeyError,
+    ValueError,
+    TypeError,
+    AttributeError,
+    IndexError,
+)
 
 
 def check_dataset(dset: h5py.Dataset, what: str) -> None:
@@ -90,7 +100,7 @@ class H5Array(LazyArray):
                     self._dset.read_direct(out)
                 else:
                     out[...] = self._dset[()]
-            except OSError as exc:
+            except _H5_ERRORS as exc:
                 raise CorruptCheckpointError(f"Cannot read {self.info.key!r}: {exc}") from None
         return out
 
@@ -104,7 +114,9 @@ class H5Array(LazyArray):
             else:  # negative steps, newaxis, fancy indices: read the rows spanned, index here
                 start, stop, rest = row_span(index, self.info.shape)
                 result = self._dset[start:stop][rest]
-        except OSError as exc:
+        except IndexError:
+            raise
+        except _H5_ERRORS as exc:
             raise CorruptCheckpointError(f"Cannot read {self.info.key!r}: {exc}") from None
         return np.asarray(result).astype(self.info.dtype, copy=False)
 
@@ -227,7 +239,7 @@ def _open(path: Path, fmt: str) -> Reader:
         raise CheckpointNotFoundError(f"No HDF5 file at {str(path)!r}.")
     try:
         f = h5py.File(path, "r")
-    except OSError as exc:
+    except _H5_ERRORS as exc:
         raise CorruptCheckpointError(f"{str(path)!r} is not a readable HDF5 file: {exc}") from None
     try:
         if _link_type(f, RESERVED_PREFIX) is not None:
@@ -236,6 +248,14 @@ def _open(path: Path, fmt: str) -> Reader:
                 "magic is damaged; refusing to read its values without their checksums."
             )
         arrays, skipped = _collect(f, path, fmt)
+    except CkptError:
+        f.close()
+        raise
+    except _H5_ERRORS as exc:  # libhdf5 failing on damaged metadata
+        f.close()
+        raise CorruptCheckpointError(
+            f"{str(path)!r}: damaged HDF5 structure ({type(exc).__name__}: {exc})."
+        ) from None
     except BaseException:
         f.close()
         raise
@@ -324,7 +344,7 @@ class KerasBackend(Backend):
         try:
             with h5py.File(path, "r") as f:
                 return _layout(f) != "generic"
-        except (OSError, KeyError, ValueError):
+        except Exception:  # noqa: BLE001 - a sniffer never raises; unreadable = not ours
             return False
 
     @classmethod
