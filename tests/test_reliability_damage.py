@@ -245,11 +245,6 @@ def test_h5_damaged_magic_is_not_foreign(originals: dict[str, Path], tmp_path: P
         cv.load_variable(victim, "model/dense/kernel")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a ckptvar .h5 with a damaged magic AND a damaged HDF5 object header reaches the "
-    "foreign HDF5 reader (storage/foreign/_keras.py _open), whose h5py calls raise a bare "
-    "RuntimeError ('Unable to synchronously check link existence (bad object header version "
-    "number)'); every libhdf5 failure on open should become CorruptCheckpointError"))
 def test_h5_damaged_magic_and_header_is_a_ckpt_error(originals: dict[str, Path],
                                                      tmp_path: Path) -> None:
     victim = _copy(originals["h5"], tmp_path)

@@ -41,11 +41,7 @@ def test_atheris_target(target: str, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-KNOWN = {
-    "h5": "a ckptvar .h5 with a damaged magic and damaged HDF5 metadata reaches the foreign "
-          "HDF5 reader, whose h5py calls raise a bare RuntimeError (see "
-          "test_reliability_damage.py::test_h5_damaged_magic_and_header_is_a_ckpt_error)",
-}
+KNOWN: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("target", [
