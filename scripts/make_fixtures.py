@@ -137,6 +137,28 @@ def make_tf(manifest: dict[str, Any]) -> None:
         junk.unlink()
 
 
+def make_tf_sharded(manifest: dict[str, Any]) -> None:
+    """A TF2 checkpoint split over three data files (``MaxShardSizePolicy``)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+
+    out = ROOT / "tf2_sharded"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    rng = _rng(4)
+    module = tf.Module(name="net")
+    module.w = tf.Variable(rng.normal(size=(8, 8)).astype("float32"))
+    module.v = tf.Variable(rng.normal(size=(64,)))
+    module.n = tf.Variable(np.arange(10, dtype="int32"))
+    policy = tf.train.experimental.MaxShardSizePolicy(max_shard_size=300)
+    options = tf.train.CheckpointOptions(experimental_sharding_callback=policy)
+    prefix = tf.train.Checkpoint(net=module).write(str(out / "ckpt"), options=options)
+    assert len(list(out.glob("ckpt.data-*"))) > 1
+    _record_tf(manifest, "tf2_sharded/ckpt", prefix, f"tensorflow {tf.__version__}")
+    for junk in out.glob("checkpoint"):
+        junk.unlink()
+
+
 def _record_tf(manifest: dict[str, Any], rel: str, prefix: str, producer: str) -> None:
     import tensorflow as tf
 
@@ -384,6 +406,7 @@ def main() -> int:
     ran = []
     sections = [
         ("tensorflow", make_tf),
+        ("tensorflow", make_tf_sharded),
         ("keras", make_keras),
         ("safetensors", make_safetensors),
         ("numpy", make_npz),

@@ -280,3 +280,15 @@ def test_positive_control_plain_h5py_does_open_the_secret(tmp_path: Path) -> Non
     code = f"import h5py; h5py.File({str(path)!r}, 'r')['x'][()]"
     _, opened = _run_watching([sys.executable, "-c", code], secret, timeout=30, check=False)
     assert opened
+
+
+def test_sharded_checkpoint_reads_from_every_data_file(tmp_path: Path) -> None:
+    prefix = _copy_tf(tmp_path, "tf2_sharded", "ckpt")
+    shards = sorted(tmp_path.glob("ckpt.data-*"))
+    assert len(shards) == 3
+    with cv.open(prefix) as reader:
+        values = {k: reader[k].read() for k in reader}
+    assert sorted(values) == ["net/n", "net/v", "net/w"]
+    shards[1].unlink()
+    with pytest.raises(CheckpointNotFoundError, match="00001-of-00003"):
+        cv.open(prefix)
