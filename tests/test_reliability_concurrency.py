@@ -65,27 +65,14 @@ print("STATS " + json.dumps(stats))
 '''
 
 
-ZARR_DELETE_RACE = (
-    "a .zarr checkpoint pruned by the manager while a reader is reading it makes the reader "
-    "raise CorruptCheckpointError ('has lost its chunk file', 'the root record is missing') "
-    "instead of a clean CheckpointNotFoundError: storage/_zarr.py should check, when a file "
-    "is missing, whether the checkpoint directory itself is gone (fstat of the root fd vs "
-    "stat of the path) and say not-found"
-)
-
-
-def _formats(racy_zarr: bool) -> list[object]:
+def _formats() -> list[object]:
     from ckptvar.storage import known_formats  # noqa: PLC0415
 
-    out: list[object] = ["h5"]
     marks = [pytest.mark.skipif("zarr" not in known_formats(), reason="no zarr backend yet")]
-    if racy_zarr:  # a race: it may or may not be hit in a given run, hence not strict
-        marks.append(pytest.mark.xfail(reason=ZARR_DELETE_RACE, strict=False))
-    out.append(pytest.param("zarr", marks=marks))
-    return out
+    return ["h5", pytest.param("zarr", marks=marks)]
 
 
-@pytest.mark.parametrize("format_", _formats(racy_zarr=True))
+@pytest.mark.parametrize("format_", _formats())
 def test_readers_see_whole_steps_while_a_manager_saves(
     fresh_graph: cv.Graph, format_: str, tmp_path: Path
 ) -> None:
@@ -98,7 +85,6 @@ def test_readers_see_whole_steps_while_a_manager_saves(
         shutil.rmtree(directory, ignore_errors=True)
 
 
-@pytest.mark.xfail(reason=ZARR_DELETE_RACE, strict=True)
 def test_an_open_zarr_checkpoint_deleted_under_a_reader_is_not_found(
     fresh_graph: cv.Graph, tmp_path: Path
 ) -> None:

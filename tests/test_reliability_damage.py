@@ -294,10 +294,6 @@ def test_zarr_truncated_files(originals: dict[str, Path], tmp_path: Path) -> Non
                 assert repr(key) in str(exc), str(exc)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a truncated or unparsable root zarr.json of a .zarr checkpoint that holds "
-    "_ckptvar/record raises UnsupportedFormatError ('not a ckptvar Zarr checkpoint') rather "
-    "than CorruptCheckpointError (storage/_zarr.py ZarrBackend.open_reader)"))
 def test_zarr_truncated_root_metadata_is_corrupt(originals: dict[str, Path],
                                                  tmp_path: Path) -> None:
     if "zarr" not in originals:

@@ -493,16 +493,8 @@ def _formats_with(known_bug: str) -> list[object]:
     return out
 
 
-H5_CRASH = (
-    "libhdf5 bug on the error path: when H5Dclose fails (disk full while flushing), the id "
-    "stays registered; the CLOSE_STRONG file close then frees the file and the later "
-    "dealloc of the h5py DatasetID (held by the traceback) segfaults in H5FO_top_decr. "
-    "Fix in storage/_h5.py: keep failed ids and the traceback alive instead of freeing them"
-)
-
-
 @pytest.mark.parametrize("scenario", ["checkpoint", "manager", "async"])
-@pytest.mark.parametrize("format_", _formats_with(H5_CRASH))
+@pytest.mark.parametrize("format_", _formats_with(""))
 def test_no_fault_point_crashes_the_process(
     shim: Path, tmp_path: Path, format_: str, scenario: str
 ) -> None:
@@ -771,7 +763,6 @@ print("STATS {}")
 '''
 
 
-@pytest.mark.xfail(strict=True, reason=H5_CRASH + " (reproduced with a real RLIMIT_FSIZE)")
 def test_real_efbig_at_the_end_of_an_h5_save_does_not_crash(tmp_path: Path) -> None:
     """No injection: the kernel's EFBIG while libhdf5 writes its last metadata."""
     proc = subprocess.run([sys.executable, "-c", REAL_EFBIG_WORKER, str(tmp_path)],

@@ -113,15 +113,6 @@ HUGE = {
 }
 
 
-ZARR_ALLOC_FIRST = (
-    "the native reader allocates the destination (np.empty(shape)) before the Zarr backend "
-    "checks the chunk's size against the record: a forged record declaring 2^40 float32 "
-    "raises numpy's MemoryError (not a CkptError), and 2^31-1 elements allocate 8 GiB before "
-    "the refusal. storage/_native.py _start_read should open the array (size check) first, or "
-    "ZarrReader should check every chunk size when it opens"
-)
-
-
 def _huge_params() -> list[object]:
     from ckptvar.storage import known_formats  # noqa: PLC0415
 
@@ -130,8 +121,6 @@ def _huge_params() -> list[object]:
         for key in ("w", "s"):  # a value of its own, and a packed one
             for shape in HUGE:
                 marks = [pytest.mark.skipif(fmt not in known_formats(), reason="no backend")]
-                if fmt == "zarr" and key == "w" and shape != "overflowing product":
-                    marks.append(pytest.mark.xfail(reason=ZARR_ALLOC_FIRST, strict=True))
                 out.append(pytest.param(fmt, key, shape, marks=marks,
                                         id=f"{fmt}-{key}-{shape}"))
     return out

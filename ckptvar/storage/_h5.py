@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .._dtypes import SUPPORTED_DTYPES
-from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from . import _checksum, _rawio, register_backend
 from ._native import PACKED_PATH, NativeReader, NativeWriter, WriteItem, write_packed
 from ._native import scalar_attrs
@@ -124,9 +124,13 @@ class H5Writer(NativeWriter):
             space = h5s.create_simple(shape) if shape else h5s.create(h5s.SCALAR)
             dsid = h5d.create(fid, path.encode(), tid, space, dcpl=dcpl, lcpl=lcpl)
             off = dsid.get_offset()
-            dsid.close()
+            _close(dsid)
             return int(off) if off is not None else 0
 
+        # libhdf5 writes only metadata: every value's bytes, the record's included, are
+        # written by us with pwrite. A raw-data write of libhdf5's own would be flushed
+        # inside H5Dclose, and a close that fails there (disk full) leaves a dangling id
+        # that crashes the process in libhdf5's exit handler.
         # 1. structure
         fid = h5f.create(name, h5f.ACC_TRUNC, fcpl=fcpl, fapl=fapl)
         try:
@@ -151,7 +155,9 @@ class H5Writer(NativeWriter):
                 record_off = self._finish_h5(fid, arrays, record, dcpl, lcpl)
             finally:
                 fid.close()
-            # 4. the user block that leads a reader to the record
+            # 4. the record's bytes, then the user block that leads a reader to them
+            if record:
+                _rawio.pwrite_all(fd, memoryview(record), record_off)
             _rawio.pwrite_all(fd, memoryview(make_userblock(record_off, record)), 0)
             if self.durable:
                 os.fsync(fd)
@@ -168,16 +174,29 @@ class H5Writer(NativeWriter):
             attrs = ds.attrs
             for k, v in scalar_attrs(it).items():
                 attrs[k] = np.array(v, np.uint32) if k == "checksum" else v
-            ds.id.close()
-        data = np.frombuffer(record, np.uint8)
+            _close(ds.id)
+        # Allocated here, written by the caller with pwrite like every value: libhdf5's
+        # own raw-data writes are flushed inside H5Dclose, where a failure is fatal.
         space = h5s.create_simple((len(record),))
         dsid = h5d.create(fid, MANIFEST_PATH.encode(), h5t.py_create(np.dtype("u1")), space,
                           dcpl=dcpl, lcpl=lcpl)
-        if len(record):
-            dsid.write(h5s.ALL, h5s.ALL, data)
         off = dsid.get_offset()
-        dsid.close()
+        _close(dsid)
         return int(off)
+
+
+def _close(oid: Any) -> None:
+    """Close an h5py id; if libhdf5 fails to (disk full while flushing), disown it.
+
+    libhdf5 keeps an id whose close failed registered; the strong file close then tears
+    the object down, and h5py releasing the stale id later crashes inside libhdf5
+    (``H5FO_top_decr``). A locked id is never released by h5py, so nothing is freed twice.
+    """
+    try:
+        oid.close()
+    except BaseException:
+        oid.locked = True
+        raise
 
 
 def _as_oserror(exc: BaseException, path: Path) -> BaseException:
@@ -369,6 +388,15 @@ class H5Backend(Backend):
     @classmethod
     def open_reader(cls, path: Path) -> H5Reader:  # type: ignore[override]
         path = Path(path)
+        try:
+            return cls._open_reader(path)
+        except FileNotFoundError as exc:  # deleted (pruned) between our look and our open
+            if isinstance(exc, CheckpointNotFoundError):
+                raise
+            raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.") from None
+
+    @classmethod
+    def _open_reader(cls, path: Path) -> H5Reader:
         if path.is_file() and not cls.sniff(path):
             other = _other_reader(cls, path)
             if other is not None:

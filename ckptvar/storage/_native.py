@@ -401,15 +401,17 @@ class NativeReader(Reader):
                 dest[...] = arr
                 arr = dest
             return arr, _noop
-        arr = self._dest(key, e, out)
-        dst = _rawio.byte_view(arr)
         n = e.nbytes
+        # Open the source first: opening checks the stored size against the record, so a
+        # forged record declaring a huge value is refused before anything is allocated.
         if e.loc[0] == "packed":
             fd, base = self._packed_source()
             off, owned = base + e.loc[1], False
         else:
             fd, off, owned = self._open_array(key, e)
         try:
+            arr = self._dest(key, e, out)
+            dst = _rawio.byte_view(arr)
             seed = _checksum.header_crc(key, e.dtype, e.shape) if verify else 0
             if not verify or n <= _rawio.PIECE:
                 got = _rawio.pread_into(fd, dst, off) if n else 0
@@ -615,16 +617,16 @@ class NativeReader(Reader):
     def _read_elements(self, key: str, e: Entry, start: int, count: int) -> np.ndarray:
         """Elements ``[start, start + count)`` of the flat value (no checksum)."""
         self._check()
-        out = np.empty(count, e.np_dtype)
         if count == 0:
-            return out
+            return np.empty(0, e.np_dtype)
         item = e.np_dtype.itemsize
-        if e.loc[0] == "packed":
+        if e.loc[0] == "packed":  # opening checks the stored size before anything is allocated
             fd, base = self._packed_source()
             off, owned = base + e.loc[1], False
         else:
             fd, off, owned = self._open_array(key, e)
         try:
+            out = np.empty(count, e.np_dtype)
             want = count * item
             got = _rawio.pread_into(fd, _rawio.byte_view(out), off + start * item)
             if got != want:

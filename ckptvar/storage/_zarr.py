@@ -316,6 +316,24 @@ def _read_root_meta(root_fd: int, path: Any) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
+def _raise_if_deleted(root_fd: int, path: Path) -> None:
+    """Tell "the checkpoint was deleted (pruned) under us" apart from damage.
+
+    A reader holds the directory open; when a manager prunes the checkpoint, the path
+    vanishes or names another directory. That is a clean not-found, not corruption.
+    """
+    held = os.fstat(root_fd)
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        now = None
+    if now is None or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino) or not held.st_nlink:
+        raise CheckpointNotFoundError(
+            f"Checkpoint {str(path)!r} was deleted while it was being read "
+            "(pruned by a CheckpointManager?)."
+        )
+
+
 class ZarrReader(NativeReader):
     """Reads a ckptvar ``.zarr`` directory through its record and chunk files."""
 
@@ -343,6 +361,8 @@ class ZarrReader(NativeReader):
     @staticmethod
     def _load_record(root_fd: int, path: Path) -> Record:
         doc = _read_root_meta(root_fd, path)
+        if doc is None:
+            _raise_if_deleted(root_fd, path)
         info = (doc or {}).get("attributes", {})
         info = info.get("ckptvar") if isinstance(info, dict) else None
         if not isinstance(info, dict):
@@ -367,6 +387,7 @@ class ZarrReader(NativeReader):
         try:
             fd = _open_in(root_fd, f"{RECORD_PATH}/{chunk_key(1)}")
         except OSError as exc:
+            _raise_if_deleted(root_fd, path)
             raise CorruptCheckpointError(
                 f"Checkpoint {str(path)!r}: the root record ({RECORD_PATH}) is missing or "
                 f"unreadable ({exc})."
@@ -379,7 +400,7 @@ class ZarrReader(NativeReader):
         if data is None or _checksum.crc(data) != crc:
             raise CorruptCheckpointError(
                 f"Checkpoint {str(path)!r}: the root record fails its checksum or length check "
-                "(expected {n} bytes); the checkpoint is damaged."
+                f"(expected {n} bytes); the checkpoint is damaged."
             )
         record = decode(data, path, container="zarr")  # packed values: in the blob, no overlap
         paths = sorted(e.loc[1] for e in record.values.values() if e.loc[0] != "packed")
@@ -397,6 +418,7 @@ class ZarrReader(NativeReader):
         try:
             fd = _open_in(self._root_fd, rel)
         except FileNotFoundError:
+            _raise_if_deleted(self._root_fd, self.path)
             raise self._corrupt(key, f"has lost its chunk file {rel!r}") from None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
@@ -495,9 +517,16 @@ class ZarrBackend(Backend):
     def open_reader(cls, path: Path) -> ZarrReader:  # type: ignore[override]
         path = Path(path)
         if path.is_dir() and not cls.sniff(path):
+            if (path / RECORD_PATH).is_dir():
+                raise CorruptCheckpointError(
+                    f"Checkpoint {str(path)!r} holds a ckptvar record ({RECORD_PATH}) but its "
+                    "root zarr.json is damaged or missing; the checkpoint is damaged."
+                )
             other = _other_reader(cls, path)
             if other is not None:
                 return other  # type: ignore[no-any-return]
+            if not path.exists():  # pruned while we looked at it
+                raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.")
             raise UnsupportedFormatError(
                 f"{str(path)!r} is not a ckptvar Zarr checkpoint (no 'ckptvar' attribute in its "
                 "root zarr.json), and no registered reader recognises it."
