@@ -22,6 +22,7 @@ import math
 import os
 import re
 import sys
+import warnings
 import time
 import unicodedata
 from collections.abc import Iterator, Mapping, Sequence
@@ -728,13 +729,18 @@ def cmd_ls(args: argparse.Namespace, out: TextIO) -> int:
     if not directory.is_dir():
         raise _UsageError(f"{str(directory)!r} is not a directory")
     paths = _manager_checkpoints(directory)
-    try:
-        latest = cv.latest_checkpoint(directory)
-    except cv.CkptError as exc:  # a damaged state file: still list what is on disk
-        sys.stderr.write(
-            f"ckpt: warning: {_one_line(exc).rstrip('.')}; marking the highest step latest\n"
-        )
-        latest = None
+    with warnings.catch_warnings(record=True) as caught:  # e.g. a damaged state file
+        warnings.simplefilter("always")
+        try:
+            latest = cv.latest_checkpoint(directory)
+        except cv.CkptError as exc:  # an unreadable state: still list what is on disk
+            sys.stderr.write(
+                f"ckpt: warning: {_one_line(exc).rstrip('.')}; marking the highest step "
+                "latest\n"
+            )
+            latest = None
+    for w in caught:
+        sys.stderr.write(f"ckpt: warning: {_one_line(str(w.message))}\n")
     latest_path = Path(latest) if latest else (paths[-1] if paths else None)
     rows = []
     for p in paths:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -182,3 +183,28 @@ def test_bad_arguments(tmp_path: Path, fresh_graph: cv.Graph) -> None:
         cv.CheckpointManager(ckpt, tmp_path, format="npz")
     with pytest.raises(TypeError, match="Checkpoint"):
         cv.CheckpointManager(object(), tmp_path)  # type: ignore[arg-type]
+
+
+def test_a_damaged_state_file_is_kept_aside_and_the_list_rebuilt(
+    tmp_path: Path, fmt: str
+) -> None:
+    """The state file is only damaged from outside; the directory stays usable."""
+    w = cv.Variable(np.zeros(3, np.float32))
+    mgr = cv.CheckpointManager(cv.Checkpoint(w=w), tmp_path, max_to_keep=3, format=fmt)
+    for step in range(1, 4):
+        w.assign(np.full(3, step, np.float32))
+        mgr.save()
+    state = tmp_path / "checkpoint_state.json"
+    state.write_bytes(state.read_bytes()[:20])  # truncated
+    with pytest.warns(UserWarning, match="was rebuilt from the files"):
+        assert cv.latest_checkpoint(tmp_path) == os.fspath(tmp_path / f"ckpt-3.{fmt}")
+    with pytest.warns(UserWarning, match="could not be read"):
+        again = cv.CheckpointManager(cv.Checkpoint(w=w), tmp_path, max_to_keep=3, format=fmt)
+    assert [Path(p).name for p in again.checkpoints] == [f"ckpt-{i}.{fmt}" for i in (1, 2, 3)]
+    damaged = [p for p in os.listdir(tmp_path) if p.startswith("checkpoint_state.json.damaged")]
+    assert damaged, "the damaged state file is kept, not deleted"
+    w.assign(np.zeros(3, np.float32))
+    again.restore_or_initialize()
+    assert np.array_equal(w.numpy(), np.full(3, 3, np.float32))
+    again.save()  # and the manager carries on, with a healthy state file again
+    assert cv.latest_checkpoint(tmp_path) == os.fspath(tmp_path / f"ckpt-4.{fmt}")

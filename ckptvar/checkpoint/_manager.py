@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,15 @@ def _locked(directory: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _read_state(directory: Path) -> dict[str, Any]:
+def _read_state(directory: Path, *, repair: bool = False) -> dict[str, Any]:
+    """The directory's state; from a damaged state file, a state rebuilt from the files.
+
+    The state file is only ever replaced atomically, so damage comes from outside
+    (disk errors, hand edits). Rather than make the directory unusable, a warning is
+    given and each manager's list is rebuilt from the ``NAME-STEP.h5|.zarr`` files on
+    disk. With ``repair`` (a manager, holding the state lock) the damaged file is kept
+    as ``checkpoint_state.json.damaged-<time>`` and the rebuilt state written in its place.
+    """
     path = directory / STATE_FILE
     try:
         raw = path.read_bytes()
@@ -65,13 +74,53 @@ def _read_state(directory: Path) -> dict[str, Any]:
         if not isinstance(state, dict) or not isinstance(state.get("sections"), dict):
             raise ValueError("not a state record")
     except ValueError as exc:
-        raise CorruptCheckpointError(f"The checkpoint state file {str(path)!r} is damaged: {exc}.")
+        state = _rebuild_state(directory, f"it is damaged ({exc})", repair=repair)
+        if repair:
+            _write_state(directory, state)
+        return state
     if state.get("version", 0) > _STATE_VERSION:
         raise CorruptCheckpointError(
             f"{str(path)!r} has state version {state.get('version')}; this ckptvar reads "
             f"up to {_STATE_VERSION}."
         )
     return state
+
+
+_FILE_RE = re.compile(r"(?P<name>[^/]+)-(?P<step>\d+)(?P<suffix>\.h5|\.zarr)$")
+
+
+def _rebuild_state(directory: Path, why: str, *, repair: bool) -> dict[str, Any]:
+    path = directory / STATE_FILE
+    aside = path.with_name(f"{STATE_FILE}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
+    if repair:
+        os.replace(path, aside)
+    sections: dict[str, Any] = {}
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        m = _FILE_RE.match(entry.name)
+        if m is None or is_partial(entry.name):
+            continue
+        section = sections.setdefault(
+            m["name"], {"checkpoints": [], "preserved": [], "pending_delete": [],
+                        "last_preserved_time": time.time()}
+        )
+        mtime = entry.stat(follow_symlinks=False).st_mtime
+        section["checkpoints"].append({"path": entry.name, "step": int(m["step"]),
+                                       "time": mtime})
+    latest = None
+    for section in sections.values():
+        section["checkpoints"].sort(key=lambda e: (e["step"], e["time"]))
+        newest = section["checkpoints"][-1]
+        if latest is None or newest["time"] >= latest["time"]:
+            latest = newest
+    kept = f" It was kept as {aside.name!r}." if repair else ""
+    warnings.warn(
+        f"The checkpoint state file {str(path)!r} could not be read: {why}.{kept} The list "
+        "of checkpoints was rebuilt from the files in the directory.",
+        UserWarning,
+        stacklevel=3,
+    )
+    return {"version": _STATE_VERSION, "sections": sections,
+            "latest": latest["path"] if latest else None}
 
 
 def _write_state(directory: Path, state: dict[str, Any]) -> None:
@@ -186,7 +235,7 @@ class CheckpointManager:
         self._section: dict[str, Any] = {}
         self._created = time.time()
         with _locked(self.directory):
-            state = _read_state(self.directory)
+            state = _read_state(self.directory, repair=True)
             self._section = self._recover(state)
             self._clean_temporaries()
             self._finish_deletions(state)
@@ -257,7 +306,7 @@ class CheckpointManager:
         name = Path(path).name
         now = time.time()
         with _locked(self.directory):
-            state = _read_state(self.directory)
+            state = _read_state(self.directory, repair=True)
             section = self._recover(state)
             section["checkpoints"] = [e for e in section["checkpoints"] if e["path"] != name]
             section["checkpoints"].append({"path": name, "step": int(step), "time": now})
