@@ -506,6 +506,18 @@ class TF(Subject):
                 out[name] = r.get_tensor(full)
         return out
 
+    def prepare_restore(self, arrays: dict[str, np.ndarray]) -> Any:
+        variables = {k: self.tf.Variable(np.ones_like(a)) for k, a in arrays.items()}
+        return self._checkpoint(variables), variables
+
+    def restore(self, path: str, prepared: Any) -> Any:
+        ckpt, _ = prepared
+        ckpt.read(path).assert_consumed()
+
+    def restored_arrays(self, prepared: Any) -> dict[str, np.ndarray]:
+        _, variables = prepared
+        return {k: v.numpy() for k, v in variables.items()}
+
     def read_one(self, path: str, key: str) -> np.ndarray:
         r = self.tf.train.load_checkpoint(path)
         return r.get_tensor(f"model/params/{_tf_escape(key)}/.ATTRIBUTES/VARIABLE_VALUE")
