@@ -850,8 +850,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             prefix = str(Path(path).with_suffix(""))
             touch_and_free(touch)
             if op == "bg_blocking":
-                t, peak, saved = _timed(lambda: ckpt.save(prefix, format=subject.format),
-                                        peak_ok)
+                t, peak, _ = _timed(lambda: ckpt.save(prefix, format=subject.format), peak_ok)
             else:
                 gc.collect()
                 reset_peak()
@@ -864,7 +863,6 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                     out["total_s"] = time.perf_counter() - t0
                 peak = _status("VmHWM") - base if peak_ok else -1
                 out["anon_peak"] = anon.growth
-                saved = handle
             for f in glob.glob(prefix + "-*"):
                 remove(f)
     else:

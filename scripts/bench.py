@@ -100,7 +100,6 @@ def slug(label: str) -> str:
 class Runner:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.log: list[str] = []
 
     def python_for(self, sd: SubjectDef) -> str:
         return self.args.tf_python if sd.tf and self.args.tf_python else sys.executable
@@ -543,7 +542,8 @@ def goals(rows: list[Row], stat: str = "median") -> list[dict[str, Any]]:
         add(f"{fmt}: 1 GiB load cold ≤ 1.15× raw", 1.15, ratio("big", "load_cold", s))
         add(f"{fmt}: 1 GiB restore warm ≤ 1.5× raw", 1.5, ratio("big", "restore_warm", s))
         add(f"{fmt}: 1 GiB restore cold ≤ 1.15× raw", 1.15, ratio("big", "restore_cold", s))
-        add(f"{fmt}: small save ≤ 20 µs/tensor above raw", 20, per_tensor_us(rows, "save", s, stat))
+        add(f"{fmt}: small save ≤ 20 µs/tensor above raw", 20,
+            per_tensor_us(rows, "save", s, stat))
         add(f"{fmt}: small load ≤ 20 µs/tensor above raw", 20,
             per_tensor_us(rows, "load_warm", s, stat))
         add(f"{fmt}: 16 MiB lazy warm ≤ 2.5× raw", 2.5, ratio("lazy", "lazy_warm", s))
