@@ -33,7 +33,7 @@ import numpy as np
 from .._dtypes import SUPPORTED_DTYPES
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from . import _checksum, _rawio, register_backend
-from ._atomic import fsync_dir, fsync_path
+from ._atomic import fsync_all
 from ._h5 import NATIVE_TYPES, _other_reader, check_regions
 from ._native import PACKED_PATH, NativeReader, NativeWriter, WriteItem, write_packed
 from ._native import scalar_attrs
@@ -231,10 +231,7 @@ class ZarrWriter(NativeWriter):
         root = {"zarr_format": 3, "node_type": "group", "attributes": root_attrs}
         _write_file(tmp / "zarr.json", json.dumps(root).encode(), sync, replace=True)
         if sync is not None:
-            for p in sync:
-                fsync_path(p)
-            for d in reversed(dirs):
-                fsync_dir(d)
+            fsync_all(sync, dirs)
 
     def _write_compressed(self, tmp: Path, it: WriteItem, sdt: np.dtype) -> None:
         import zarr
