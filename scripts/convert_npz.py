@@ -5,65 +5,20 @@ Object arrays are refused (loading them would run pickle code).
 
     python scripts/convert_npz.py weights.npz weights.h5
 
-Thin over the public API (``cv.open`` + ``cv.save``); ``ckpt convert`` does the
-same for every format and adds ``--rename``, ``--filter`` and a progress bar.
+Thin over the public API (``cv.open`` + ``cv.save``, see ``_convert.py``); ``ckpt convert``
+does the same for every format and adds ``--rename``, ``--filter`` and a progress bar.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-import numpy as np
-
-import ckptvar as cv
-
-FORMATS = {"npz"}  # what ``cv.open(SRC).format`` must be
-
-
-def floating(dtype: np.dtype) -> bool:
-    """True for float16/32/64 and the ml_dtypes floats (bfloat16, float8_*)."""
-    return dtype.kind == "f" or (dtype.kind == "V" and dtype.name.startswith(("bfloat", "float")))
-
-
-def cast(value: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
-    """``value`` as ``dtype`` if it is floating, else unchanged (integers, bools, complex)."""
-    return value.astype(dtype) if dtype is not None and floating(value.dtype) else value
+from _convert import run
 
 
 def main(argv: list[str] | None = None) -> int:
-    doc = (__doc__ or "").strip()
-    parser = argparse.ArgumentParser(
-        description=doc.splitlines()[0],
-        epilog=doc.split("\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("src", metavar="SRC", help="the .npz file")
-    parser.add_argument("dst", metavar="DST", help="output: .h5, .zarr, .safetensors or .npz")
-    parser.add_argument("--dtype", help="cast floating values to this dtype (e.g. bfloat16)")
-    parser.add_argument("--format", help="output format when DST's suffix does not say")
-    args = parser.parse_args(argv)
-    try:
-        dtype = None
-        if args.dtype is not None:
-            import ml_dtypes
-
-            dtype = np.dtype(getattr(ml_dtypes, args.dtype, args.dtype))
-            if not floating(dtype):
-                raise ValueError(f"--dtype {args.dtype!r} is not a floating dtype")
-        with cv.open(args.src) as reader:
-            if reader.format not in FORMATS:
-                raise cv.UnsupportedFormatError(
-                    f"{args.src!r} is a {reader.format} checkpoint, not an .npz archive; "
-                    "use `ckpt convert` for any format."
-                )
-            arrays = {key: cast(np.asarray(reader.read(key)), dtype) for key in reader}
-        path = cv.save(args.dst, arrays, format=args.format)
-    except (cv.CkptError, OSError, ValueError, TypeError) as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
-    print(f"Wrote {len(arrays)} values from {args.src} to {path}")
-    return 0
+    return run(__doc__, fmt="npz", kind="an .npz archive",
+               src_help="the .npz file", argv=argv)
 
 
 if __name__ == "__main__":

@@ -115,7 +115,7 @@ def test_scripts_help_dtype_and_errors(tmp_path: Path) -> None:
     assert not (tmp_path / "x.h5").exists() and not (tmp_path / "y.h5").exists()
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", [*sorted(CASES), "_convert.py"])
 def test_scripts_use_only_the_public_api(name: str) -> None:
     text = (SCRIPTS / name).read_text()
     imports = [line for line in text.splitlines() if line.startswith(("import ", "from "))]
@@ -127,6 +127,7 @@ def test_scripts_use_only_the_public_api(name: str) -> None:
             "import sys",
             "import numpy as np",
             "import ckptvar as cv",
+            "from _convert import run",  # the scripts' shared front (itself checked here)
         )
         for line in imports
     ), imports
