@@ -5,7 +5,7 @@
   (all values agree on the step) or a clean ``CheckpointNotFoundError`` (the file was
   pruned between looking it up and opening it) — never values of mixed steps, never
   ``CorruptCheckpointError``, a lock error or a hang.
-- 1000 save/restore cycles through a manager (400 for Zarr, whose saves are slower)
+- 1000 save/restore cycles through a manager, in each format
   leak no file descriptors, threads, temporaries or memory.
 """
 
@@ -160,7 +160,7 @@ def test_a_thousand_save_restore_cycles_leak_nothing(fresh_graph: cv.Graph, fmt:
     base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path
     directory = Path(tempfile.mkdtemp(prefix="ckptvar-leak-", dir=base))
     try:
-        _cycles(directory, fmt, 1000 if fmt == "h5" else 400)
+        _cycles(directory, fmt, 1000)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
