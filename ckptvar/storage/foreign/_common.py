@@ -31,6 +31,7 @@ __all__ = [
     "native",
     "pread_exact",
     "row_span",
+    "zip_member_data_offset",
 ]
 
 #: What ``zipfile``/``zlib`` raise on a damaged archive (all mapped to CorruptCheckpointError).
@@ -377,3 +378,25 @@ def check_zip_entry_count(fh: FileHandle, count: int, path: Path) -> None:
             f"The zip directory of {str(path)!r} lists {count} members; its end record says "
             f"{total}. The archive is damaged."
         )
+
+
+def zip_member_data_offset(fh: FileHandle, info: zipfile.ZipInfo, path: Path) -> int:
+    """Where member ``info``'s data starts, after checking its local header (which must
+    name the same member); encrypted members are refused."""
+    if info.flag_bits & 0x1:
+        raise CorruptCheckpointError(
+            f"Zip member {info.filename!r} in {str(path)!r} is encrypted; not supported."
+        )
+    header = fh.pread(info.header_offset, 30, f"zip local header of {info.filename!r}")
+    if header[:4] != b"PK\x03\x04":
+        raise CorruptCheckpointError(
+            f"Bad zip local header for {info.filename!r} in {str(path)!r}."
+        )
+    name_len, extra_len = struct.unpack_from("<HH", header, 26)
+    name = fh.pread(info.header_offset + 30, name_len, f"zip local header of {info.filename!r}")
+    if name != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
+        raise CorruptCheckpointError(
+            f"Zip member {info.filename!r} in {str(path)!r} is named {name!r} in its local "
+            "header; the archive is damaged."
+        )
+    return info.header_offset + 30 + name_len + extra_len

@@ -41,6 +41,7 @@ from ._common import (
     check_shape,
     check_zip_entry_count,
     zip_crc_check,
+    zip_member_data_offset,
 )
 
 __all__ = ["NpzBackend", "NpzWriter", "parse_npy_header"]
@@ -127,24 +128,6 @@ def parse_npy_header(head: bytes, *, what: str) -> tuple[np.dtype, tuple[int, ..
     return dtype, shape, meta["fortran_order"], start + hlen
 
 
-def _local_data_offset(fh: FileHandle, info: zipfile.ZipInfo, path: Path) -> int:
-    if info.flag_bits & 0x1:
-        raise CorruptCheckpointError(
-            f"Zip member {info.filename!r} in {str(path)!r} is encrypted; not supported."
-        )
-    header = fh.pread(info.header_offset, 30, f"zip local header of {info.filename!r}")
-    if header[:4] != b"PK\x03\x04":
-        raise CorruptCheckpointError(f"Bad zip local header for {info.filename!r} in {path}.")
-    name_len, extra_len = struct.unpack_from("<HH", header, 26)
-    name = fh.pread(info.header_offset + 30, name_len, f"zip local header of {info.filename!r}")
-    if name != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
-        raise CorruptCheckpointError(
-            f"Zip member {info.filename!r} in {str(path)!r} is named {name!r} in its local "
-            "header; the archive is damaged."
-        )
-    return info.header_offset + 30 + name_len + extra_len
-
-
 class _Member:
     """Byte access into one zip member (stored: in place; deflated: a bounded stream)."""
 
@@ -159,7 +142,7 @@ class _Member:
                 f"The {self.what} uses zip compression method {info.compress_type} "
                 "(only stored and deflated members are read)."
             )
-        self.start = _local_data_offset(fh, info, path)  # also checks the member's name
+        self.start = zip_member_data_offset(fh, info, path)  # also checks the member's name
         if self.stored:
             if self.start + info.file_size > fh.size or info.compress_size != info.file_size:
                 raise CorruptCheckpointError(f"The {self.what} runs past the end of the file.")
@@ -222,7 +205,7 @@ def _open(path: Path) -> Reader:
         attrs_all = sidecar.get("attrs", {}) if isinstance(sidecar.get("attrs", {}), dict) else {}
         for info in infos:
             if not info.filename.endswith(".npy") or info.is_dir():
-                _local_data_offset(fh, info, path)  # a damaged name must not hide a value
+                zip_member_data_offset(fh, info, path)  # a damaged name must not hide a value
                 continue
             key = info.filename[: -len(".npy")]
             member = _Member(zf, info, fh, path)

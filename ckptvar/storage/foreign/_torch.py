@@ -39,6 +39,7 @@ from ._common import (
     check_zip_entry_count,
     normalize_index,
     zip_crc_check,
+    zip_member_data_offset,
 )
 from ._unpickler import StorageRef, TensorRef, safe_load
 
@@ -320,7 +321,7 @@ def _open_zip(path: Path) -> Reader:
                     f"{info.filename!r} in {str(path)!r} uses zip compression method "
                     f"{info.compress_type} (only stored and deflated members are read)."
                 )
-            _member_data_offset(fh, info, path)
+            zip_member_data_offset(fh, info, path)
         pkl_info = infos[pkls[0]]
         _check_member_size(pkl_info, MAX_HEADER_BYTES, path)
         try:
@@ -354,7 +355,7 @@ def _open_zip(path: Path) -> Reader:
                 )
             what = f"storage {name!r} of {str(path)!r}"
             if info.compress_type == zipfile.ZIP_STORED:
-                start = _member_data_offset(fh, info, path)
+                start = zip_member_data_offset(fh, info, path)
                 if start + nbytes > fh.size:
                     raise CorruptCheckpointError(f"{what} runs past the end of the file.")
                 sources[key] = _Source(fh, start, nbytes, what, info)
@@ -398,26 +399,6 @@ def _check_member_size(info: zipfile.ZipInfo, limit: int, path: Path) -> None:
             f"{info.filename!r} in {str(path)!r} declares {info.file_size} bytes from "
             f"{info.compress_size} compressed bytes: a zip bomb, refused."
         )
-
-
-def _member_data_offset(fh: FileHandle, info: zipfile.ZipInfo, path: Path) -> int:
-    if info.flag_bits & 0x1:
-        raise CorruptCheckpointError(
-            f"Zip member {info.filename!r} in {str(path)!r} is encrypted; not supported."
-        )
-    header = fh.pread(info.header_offset, 30, f"zip local header of {info.filename!r}")
-    if header[:4] != b"PK\x03\x04":
-        raise CorruptCheckpointError(
-            f"Bad zip local header for {info.filename!r} in {str(path)!r}."
-        )
-    name_len, extra_len = struct.unpack_from("<HH", header, 26)
-    name = fh.pread(info.header_offset + 30, name_len, f"zip local header of {info.filename!r}")
-    if name != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
-        raise CorruptCheckpointError(
-            f"Zip member {info.filename!r} in {str(path)!r} is named {name!r} in its local "
-            "header; the archive is damaged."
-        )
-    return info.header_offset + 30 + name_len + extra_len
 
 
 def _open_legacy(path: Path) -> Reader:
