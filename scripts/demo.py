@@ -80,6 +80,7 @@ def main(workdir: Path) -> None:
         print(f"lazy read of one row of {kernel.shape} kernel:", kernel[0])
     print("\nwhat was saved (`ckpt inspect`):")
     ckpt_cmd = [sys.executable, "-m", "ckptvar", "inspect", str(h5_path)]
+    sys.stdout.flush()  # keep our lines before the command's when stdout is a pipe
     subprocess.run(ckpt_cmd, check=True)
 
 
