@@ -92,14 +92,7 @@ def _has_sidecars(path: Path) -> bool:
 
 
 def _register_builtin() -> None:
-    import importlib
-
-    for module in ("._h5", "._zarr", ".foreign"):
-        try:
-            importlib.import_module(module, __name__)
-        except ModuleNotFoundError as exc:  # a backend still being written; others still work
-            if not (exc.name or "").startswith(__name__):
-                raise
+    from . import _h5, _zarr, foreign  # noqa: F401 - each registers its backends on import
 
 
 _register_builtin()
