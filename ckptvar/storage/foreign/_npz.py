@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ..._dtypes import SUPPORTED_DTYPES
 from ...errors import CorruptCheckpointError, UnsupportedFormatError
 from ..base import ArrayInfo, Backend, LazyArray, Reader, Writer
 from ._common import (
@@ -40,6 +41,7 @@ from ._common import (
     FileHandle,
     check_shape,
     check_zip_entry_count,
+    native,
     zip_crc_check,
     zip_member_data_offset,
 )
@@ -293,13 +295,7 @@ class NpzWriter(Writer):
         if key in self._items:
             raise ValueError(f"Key {key!r} was already added to {str(self.path)!r}.")
         array = np.asarray(array)
-        from ..._dtypes import SUPPORTED_DTYPES
-
-        dt = (
-            array.dtype.newbyteorder("=")
-            if array.dtype.byteorder not in ("=", "|")
-            else (array.dtype)
-        )
+        dt = native(array.dtype)
         if dt not in SUPPORTED_DTYPES.values():
             raise UnsupportedFormatError(f"Cannot write {key!r} of dtype {array.dtype} to npz.")
         self._items[key] = (array, dict(attrs or {}))

@@ -30,7 +30,7 @@ import numpy as np
 
 from ...errors import CorruptCheckpointError, UnsupportedFormatError
 from ..base import ArrayInfo, Backend, Reader, Writer
-from ._common import EntryReader, FileArray, FileHandle, check_shape
+from ._common import EntryReader, FileArray, FileHandle, check_shape, native
 
 __all__ = ["SAFETENSORS_DTYPES", "SafetensorsBackend", "SafetensorsWriter"]
 
@@ -235,11 +235,7 @@ class SafetensorsWriter(Writer):
         if key in self._items:
             raise ValueError(f"Key {key!r} was already added to {str(self.path)!r}.")
         array = np.asarray(array)
-        dt = (
-            array.dtype.newbyteorder("=")
-            if array.dtype.byteorder not in ("=", "|")
-            else (array.dtype)
-        )
+        dt = native(array.dtype)
         if dt not in _NAME_OF:
             raise UnsupportedFormatError(
                 f"Cannot write {key!r} of dtype {array.dtype} to safetensors "
