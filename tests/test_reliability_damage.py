@@ -505,7 +505,7 @@ def test_detection_is_fast_and_memory_flat(fmt: str, tmp_path: Path) -> None:
         tracemalloc.stop()
     assert elapsed < 1.5, elapsed
     assert peak < big.nbytes * 1.25, peak
-    with cv.open(p) as r:  # verify() hashes in place: no value-sized buffer at all
+    with cv.open(p) as r:  # verify() hashes through small per-thread buffers, no value-sized one
         tracemalloc.start()
         try:
             bad = r.verify_all()

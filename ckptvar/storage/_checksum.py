@@ -18,12 +18,13 @@ True
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
 import crc32c as _crc32c
 
-__all__ = ["crc", "finish", "header", "header_crc", "value_checksum"]
+__all__ = ["combine", "crc", "finish", "header", "header_crc", "value_checksum"]
 
 #: Buffers at least this large are hashed with the GIL released, so a second
 #: thread can hash while the first reads or writes.
@@ -37,6 +38,58 @@ def crc(data: Any, value: int = 0) -> int:
         mv = mv.cast("B")
     mode = 1 if mv.nbytes >= _RELEASE_GIL_FROM else 0
     return _crc32c.crc32c(mv, value, gil_release_mode=mode)
+
+
+# CRC-32C (Castagnoli), reflected: what lets pieces hashed apart be joined (combine).
+_POLY = 0x82F63B78
+
+
+def _multmodp(a: int, b: int) -> int:
+    """``a(x) * b(x)`` modulo the CRC polynomial (reflected bit order)."""
+    m = 1 << 31
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    table, p = [], 1 << 30  # x^1
+    for _ in range(32):
+        table.append(p)
+        p = _multmodp(p, p)
+    return table
+
+
+_X2N = _x2n_table()  # x^(2^k) modulo the polynomial, k = 0..31
+
+
+@functools.lru_cache(maxsize=64)
+def _x8nmodp(n: int) -> int:
+    """``x^(8 n)`` modulo the polynomial: the operator that moves a CRC past n bytes."""
+    p, k = 1 << 31, 3  # x^0; 8 n = n * 2^3
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32C of ``A + B`` from ``crc(A)``, ``crc(B)`` and ``len(B)`` (zlib's method).
+
+    Lets the pieces of one value be hashed on several threads at once.
+
+    >>> a, b = b"hello, ", b"world"
+    >>> combine(crc(a), crc(b), len(b)) == crc(a + b) == crc(b, crc(a))
+    True
+    """
+    return _multmodp(_x8nmodp(len2), crc1) ^ crc2
 
 
 def header(key: str, dtype_name: str, shape: Iterable[int]) -> bytes:

@@ -5,18 +5,24 @@ image (a copy only for big-endian or non-contiguous input), decides which values
 are packed into ``_ckptvar/packed`` and which get their own array, hashes on the
 checksum thread while the backend writes, and publishes atomically. A
 :class:`NativeReader` answers everything from the root record and reads bytes
-with ``preadv`` straight into the destination, verifying checksums on the
-checksum thread as it goes.
+with ``preadv`` straight into the destination. Large values are split into
+pieces that the I/O threads read and hash at once (:class:`_Transfer`); the
+pieces' CRCs are joined with :func:`_checksum.combine`.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import difflib
+import functools
+import itertools
 import mmap
 import operator
 import os
+import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -45,6 +51,142 @@ _SLICE_WHOLE_BELOW = 1 << 20
 _ZEROS = memoryview(bytes(ALIGN))
 
 PACKED_PATH = f"{RESERVED_PREFIX}/packed"
+
+#: Values at least this large are read on the I/O threads, in pieces of ``_SPLIT``.
+_PARALLEL_FROM = 1 << 20
+_SPLIT = 8 << 20
+#: Each I/O task moves about this many bytes (small values are grouped).
+_TASK = 8 << 20
+#: ``read_many`` reads this many bytes ahead of what it has yielded.
+_WINDOW = 256 << 20
+#: Scratch buffer each I/O thread hashes through when only verifying.
+_SCRATCH = 256 << 10
+
+
+class _Value:
+    """One value moved by a :class:`_Transfer`: read into ``dest``, or only hashed."""
+
+    __slots__ = ("crcs", "dest", "entry", "got", "key", "pieces", "view")
+
+    def __init__(self, key: str, entry: Entry, dest: np.ndarray | None) -> None:
+        self.key, self.entry, self.dest = key, entry, dest
+        self.view = _rawio.byte_view(dest) if dest is not None else None
+        n = entry.nbytes
+        self.pieces = [(pos, min(_SPLIT, n - pos)) for pos in range(0, n, _SPLIT)]
+        self.got = [0] * len(self.pieces)
+        self.crcs = [0] * len(self.pieces)
+
+
+_local = threading.local()
+
+
+def _scratch() -> memoryview:
+    buf = getattr(_local, "scratch", None)
+    if buf is None:
+        buf = _local.scratch = memoryview(bytearray(_SCRATCH))
+    return buf
+
+
+class _Transfer:
+    """Whole values read into their buffers (or hashed) in pieces on the I/O threads.
+
+    :meth:`finish` waits for every piece, then checks sizes and checksums in the
+    values' order, so the first damaged value is the one reported.
+    """
+
+    def __init__(
+        self, reader: NativeReader, values: list[_Value], verify: bool, *, ahead: bool = False
+    ) -> None:
+        self.reader, self.values, self.verify = reader, values, verify
+        groups: list[list[tuple[_Value, int]]] = []
+        group: list[tuple[_Value, int]] = []
+        size = 0
+        for v in values:
+            for i, (_, n) in enumerate(v.pieces):
+                group.append((v, i))
+                size += n
+                if size >= _TASK:
+                    groups.append(group)
+                    group, size = [], 0
+        if group:
+            groups.append(group)
+        if len(groups) > 1 and not self._cached():
+            # From disk, one reader in file order is fastest: the kernel's readahead sees
+            # one sequential stream (measured: 1 thread 0.36 s/GiB, 4 threads 0.55 s/GiB).
+            groups = [[piece for g in groups for piece in g]]
+        tasks = [functools.partial(self._run, g) for g in groups]
+        self.futures = _rawio.start_all(tasks, background=ahead)
+
+    def _cached(self) -> bool:
+        """Whether the values' bytes are in the page cache (probed at a few pages)."""
+        values = self.values
+        probe = [values[0], values[len(values) // 2], values[-1]]
+        for v in dict.fromkeys(probe):
+            try:
+                fd, base, owned = self.reader._source(v.key, v.entry)
+            except (OSError, CorruptCheckpointError):
+                return False  # the read itself reports it
+            try:
+                last = v.entry.nbytes - 1
+                if not (_rawio.cached(fd, base) and _rawio.cached(fd, base + last)):
+                    return False
+            finally:
+                if owned:
+                    os.close(fd)
+        return True
+
+    def _run(self, group: list[tuple[_Value, int]]) -> None:
+        reader, verify = self.reader, self.verify
+        src: tuple[int, int, bool] | None = None
+        last: _Value | None = None
+        try:
+            for v, i in group:
+                if v is not last:
+                    if src is not None and src[2]:
+                        os.close(src[0])
+                    src, last = None, v
+                    src = reader._source(v.key, v.entry)
+                fd, base, _ = src  # type: ignore[misc]
+                pos, n = v.pieces[i]
+                if v.view is not None:
+                    buf = v.view[pos : pos + n]
+                    got = _rawio.pread_into(fd, buf, base + pos)
+                    if verify and got == n:
+                        v.crcs[i] = _checksum.crc(buf)
+                    v.got[i] = got
+                    continue
+                value = done = 0
+                scratch = _scratch()
+                while done < n:
+                    want = min(len(scratch), n - done)
+                    got = _rawio.pread_into(fd, scratch[:want], base + pos + done)
+                    value = _checksum.crc(scratch[:got], value)
+                    done += got
+                    if got < want:
+                        break
+                v.got[i], v.crcs[i] = done, value
+        finally:
+            if src is not None and src[2]:
+                os.close(src[0])
+
+    def finish(self) -> None:
+        _rawio.wait_all(self.futures)
+        reader = self.reader
+        for v in self.values:
+            e = v.entry
+            got = sum(v.got)
+            if got != e.nbytes:
+                raise reader._corrupt(v.key, f"is truncated: {got} of {e.nbytes} bytes present")
+            if self.verify or v.dest is None:
+                value = _checksum.header_crc(v.key, e.dtype, e.shape)
+                for (_, n), part in zip(v.pieces, v.crcs, strict=True):
+                    value = _checksum.combine(value, part, n)
+                reader._compare(v.key, e, value)
+
+    def abandon(self) -> None:
+        """Wait for the pieces still running; their errors no longer matter."""
+        with contextlib.suppress(BaseException):
+            _rawio.wait_all(self.futures)
 
 
 @dataclass(slots=True)
@@ -302,6 +444,23 @@ class NativeReader(Reader):
     def _read_other(self, key: str, entry: Entry) -> np.ndarray:
         raise self._corrupt(key, f"has an unknown location {entry.loc!r}")
 
+    def _source(self, key: str, entry: Entry) -> tuple[int, int, bool]:
+        """``(fd, byte_offset, close_after)`` of an ``array`` or ``packed`` value's bytes."""
+        if entry.loc[0] == "packed":
+            fd, base = self._packed_source()
+            return fd, base + entry.loc[1], False
+        return self._open_array(key, entry)
+
+    def _check_source(self, key: str, entry: Entry) -> None:
+        """Open and close the value's source: opening checks the stored size against the
+        record, so a forged record declaring a huge value is refused before allocating."""
+        fd, _, owned = self._source(key, entry)
+        if owned:
+            os.close(fd)
+
+    def _parallel(self, key: str, e: Entry) -> bool:
+        return e.nbytes >= _PARALLEL_FROM and e.loc[0] in ("array", "packed")
+
     def _mmap_region(self, key: str, entry: Entry) -> tuple[Any, int, bool]:
         """A buffer (mmap) holding the value's bytes, its start, and whether to close it."""
         if entry.loc[0] == "packed":
@@ -446,6 +605,13 @@ class NativeReader(Reader):
             )
 
     def read(self, key: str, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
+        self._check()
+        e = self._entry(key)
+        if self._parallel(key, e):
+            self._check_source(key, e)
+            arr = self._dest(key, e, out)
+            _Transfer(self, [_Value(key, e, arr)], verify).finish()
+            return arr
         arr, finish = self._start_read(key, out, verify)
         finish()
         return arr
@@ -453,45 +619,76 @@ class NativeReader(Reader):
     def read_many(
         self, keys: Iterable[str], *, verify: bool = True
     ) -> Iterator[tuple[str, np.ndarray]]:
-        """Read values in order, pipelined: the next value is read while this one is hashed.
+        """Read values in order into fresh arrays, reading ahead on the I/O threads.
 
-        Packed values come from one read of the packed blob (when they make up most
-        of it) and are returned as aligned views into that buffer, each verified
-        before it is yielded.
+        Values are read in windows of about ``_WINDOW`` bytes; the next window is
+        read while this one is yielded. Packed values come from one read of the
+        packed blob (when they make up most of it) and are returned as aligned
+        views into that buffer, each verified before it is yielded.
         """
         self._check()
         keys = list(keys)
         entry = self._entry
         entries = [entry(k) for k in keys]
         blob, blob_lo = self._read_packed_span(entries)
-        crc = _crc32c.crc32c
-        pending: tuple[str, np.ndarray, Callable[[], None]] | None = None
+        # Split into windows: runs of keys holding about _WINDOW bytes read apart.
+        windows: list[list[tuple[str, Entry]]] = []
+        cur: list[tuple[str, Entry]] = []
+        size = 0
         for key, e in zip(keys, entries, strict=True):
-            loc = e.loc
-            if blob is not None and loc[0] == "packed":
-                start = loc[1] - blob_lo
-                n = loc[2]
-                raw = blob[start : start + n]
-                if verify:
-                    head = f"{key}\0{e.dtype}\0{','.join(map(str, e.shape))}\0".encode()
-                    got = crc(raw, crc(head))
-                    if got != e.checksum:
-                        self._compare(key, e, got)
-                arr = raw.view(e.np_dtype).reshape(e.shape) if n else np.empty(e.shape, e.np_dtype)
-                if pending is not None:
-                    pending[2]()
-                    yield pending[0], pending[1]
-                    pending = None
-                yield key, arr
-                continue
-            arr, finish = self._start_read(key, None, verify)
-            if pending is not None:
-                pending[2]()
-                yield pending[0], pending[1]
-            pending = (key, arr, finish)
-        if pending is not None:
-            pending[2]()
-            yield pending[0], pending[1]
+            cur.append((key, e))
+            if not (blob is not None and e.loc[0] == "packed"):
+                size += e.nbytes
+            if size >= _WINDOW:
+                windows.append(cur)
+                cur, size = [], 0
+        if cur:
+            windows.append(cur)
+
+        def launch(window: list[tuple[str, Entry]]) -> tuple[Any, dict[str, np.ndarray], _Transfer]:
+            values = []
+            for k, e in window:
+                if self._parallel(k, e) and not (blob is not None and e.loc[0] == "packed"):
+                    self._check_source(k, e)
+                    values.append(_Value(k, e, np.empty(e.shape, e.np_dtype)))
+            transfer = _Transfer(self, values, verify, ahead=True)
+            return window, {v.key: v.dest for v in values}, transfer
+
+        crc = _crc32c.crc32c
+        queue: deque[tuple[Any, dict[str, np.ndarray], _Transfer]] = deque()
+        it = iter(windows)
+        try:
+            for window in itertools.islice(it, 2):
+                queue.append(launch(window))
+            while queue:
+                window, big, transfer = queue[0]
+                transfer.finish()
+                for key, e in window:
+                    arr = big.get(key)
+                    if arr is None and blob is not None and e.loc[0] == "packed":
+                        start = e.loc[1] - blob_lo
+                        n = e.loc[2]
+                        raw = blob[start : start + n]
+                        if verify:
+                            head = f"{key}\0{e.dtype}\0{','.join(map(str, e.shape))}\0".encode()
+                            got = crc(raw, crc(head))
+                            if got != e.checksum:
+                                self._compare(key, e, got)
+                        arr = (
+                            raw.view(e.np_dtype).reshape(e.shape)
+                            if n
+                            else np.empty(e.shape, e.np_dtype)
+                        )
+                    elif arr is None:
+                        arr = self.read(key, verify=verify)
+                    yield key, arr
+                queue.popleft()
+                nxt = next(it, None)
+                if nxt is not None:
+                    queue.append(launch(nxt))
+        finally:
+            for _, _, transfer in queue:
+                transfer.abandon()
 
     def _read_packed_span(self, entries: list[Entry]) -> tuple[np.ndarray | None, int]:
         locs = [e.loc for e in entries if e.loc[0] == "packed"]
@@ -517,15 +714,21 @@ class NativeReader(Reader):
         """Raise ``CorruptCheckpointError`` for the first damaged value among ``keys``.
 
         Packed values are hashed in place through one read-only map of the packed blob
-        (no copy, no per-value system call); the others one by one (:meth:`verify`).
+        (no copy, no per-value system call); large values in pieces on the I/O threads;
+        the rest one by one (:meth:`verify`).
         """
         self._check()
         entry = self._entry
         keyed = [(k, entry(k)) for k in keys]
         packed = [(k, e) for k, e in keyed if e.loc[0] == "packed" and e.loc[2]]
+        big: list[_Value] = []
         for k, e in keyed:
-            if e.loc[0] != "packed" or not e.loc[2]:
+            if self._parallel(k, e) and e.loc[0] == "array":
+                big.append(_Value(k, e, None))
+            elif e.loc[0] != "packed" or not e.loc[2]:
                 self.verify(k)
+        if big:
+            _Transfer(self, big, True).finish()
         if not packed:
             return
         fd, base = self._packed_source()
@@ -560,13 +763,18 @@ class NativeReader(Reader):
         self._check()
         entry = self._entry
         packed: list[tuple[int, str, Entry, np.ndarray]] = []
+        big: list[_Value] = []
         for key, out in pairs:
             e = entry(key)
             out = self._dest(key, e, out)
             if e.loc[0] == "packed" and e.loc[2]:
                 packed.append((e.loc[1], key, e, out))
+            elif self._parallel(key, e):
+                big.append(_Value(key, e, out))
             else:
                 self.read(key, out=out, verify=verify)
+        if big:
+            _Transfer(self, big, verify).finish()
         if not packed:
             return
         packed.sort(key=operator.itemgetter(0))
@@ -651,6 +859,9 @@ class NativeReader(Reader):
                 if owned:
                     os.close(fd)
             self._compare(key, e, seed)
+            return
+        if e.loc[0] == "array":  # pread in pieces on the I/O threads (no map: no SIGBUS)
+            _Transfer(self, [_Value(key, e, None)], True).finish()
             return
         buf, start, close = self._mmap_region(key, e)
         try:

@@ -2,8 +2,13 @@
 
 Writes go straight from the arrays' buffers (``os.pwrite``/``os.pwritev``, no
 copy); reads go straight into the destination buffer (``os.preadv``). Checksums
-run on one background thread (CRC-32C releases the GIL on large buffers), so
-hashing overlaps with the reads and writes on the calling thread.
+of a value being written run on one background thread (CRC-32C releases the GIL
+on large buffers), so hashing overlaps with the writes on the calling thread.
+Large reads are split into pieces that a small pool of I/O threads reads and
+hashes at once (:func:`start_all`): system calls and CRC-32C release the GIL, so
+the pieces move in parallel, and a cold read keeps several requests in flight.
+Set ``CKPTVAR_IO_THREADS`` (default: the CPU count, at least 4, at most 8) to
+change the pool's size; ``1`` does everything on the calling thread.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as _wait
 from typing import Any
 
 import numpy as np
@@ -20,6 +26,7 @@ from . import _checksum
 
 __all__ = [
     "IOV_MAX",
+    "IO_THREADS",
     "PIECE",
     "CrcChain",
     "byte_view",
@@ -28,7 +35,9 @@ __all__ = [
     "preadv_all",
     "pwrite_all",
     "pwritev_all",
+    "start_all",
     "submit",
+    "wait_all",
 ]
 
 #: Large values are read in pieces this big, so reading and hashing overlap.
@@ -37,8 +46,96 @@ _MAX_IO = 1 << 30  # Linux moves at most ~2 GiB per call; stay well below
 #: Most buffers handed to one ``pwritev``/``preadv``.
 IOV_MAX = min(getattr(os, "IOV_MAX", 1024) if hasattr(os, "IOV_MAX") else 1024, 1024)
 
+
+
+def _io_threads() -> int:
+    env = os.environ.get("CKPTVAR_IO_THREADS", "").strip()
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise ValueError(
+                f"CKPTVAR_IO_THREADS must be a whole number of threads, got {env!r}."
+            ) from None
+    return min(8, max(4, os.cpu_count() or 1))
+
+
+#: Threads that read and hash pieces of large values at once.
+IO_THREADS = _io_threads()
+
 _executor: ThreadPoolExecutor | None = None
+_io_pool: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
+
+
+def _forget_pools() -> None:  # a forked child has the pools' objects but not their threads
+    global _executor, _io_pool
+    _executor = _io_pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
+
+
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)
+
+
+def cached(fd: int, offset: int) -> bool:
+    """Whether the byte at ``offset`` is in the page cache (False where that cannot be told).
+
+    A ``preadv2(RWF_NOWAIT)`` of one byte: it fails rather than wait for the disk.
+    """
+    if _NOWAIT is None:
+        return False
+    try:
+        return os.preadv(fd, [bytearray(1)], offset, _NOWAIT) == 1
+    except OSError:  # EAGAIN: not cached; EOPNOTSUPP: cannot tell
+        return False
+
+
+def start_all(tasks: Sequence[Callable[[], Any]], *, background: bool = False) -> list[Future[Any]]:
+    """Start ``tasks`` on the I/O threads.
+
+    With one thread, or one task and not ``background``, they run here, in order.
+    """
+    global _io_pool
+    if IO_THREADS == 1 or (len(tasks) <= 1 and not background):
+        done: list[Future[Any]] = []
+        for task in tasks:
+            f: Future[Any] = Future()
+            try:
+                f.set_result(task())
+            except BaseException as exc:  # handed to wait_all, which raises it
+                f.set_exception(exc)
+            done.append(f)
+            if f.exception() is not None:
+                break
+        return done
+    if _io_pool is None:
+        with _executor_lock:
+            if _io_pool is None:
+                _io_pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="ckptvar-io")
+    return [_io_pool.submit(task) for task in tasks]
+
+
+def wait_all(futures: Sequence[Future[Any]]) -> list[Any]:
+    """Wait for every task, then raise the first one's error (in task order) or return results.
+
+    Nothing is left running when this returns or raises, so no thread still reads into a
+    buffer or through a descriptor the caller is about to release.
+    """
+    try:
+        _wait(futures)
+    except BaseException:  # interrupted: drop what has not started, let the rest finish
+        for f in futures:
+            f.cancel()
+        _wait(futures)
+        raise
+    for f in futures:
+        exc = f.exception()
+        if exc is not None:
+            raise exc
+    return [f.result() for f in futures]
 
 
 def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:

@@ -1,0 +1,238 @@
+"""Large values are read and hashed in pieces on the I/O threads.
+
+Both ways a transfer runs are exercised on real files: spread over the threads (the
+file is in the page cache) and one sequential stream (it is not, or cannot be told),
+with ``ckptvar.storage._rawio.cached`` pinned to choose the path. Pieces are joined
+with ``_checksum.combine``, so damage in any piece of a value must still be caught,
+and no thread may still be reading when a call returns or raises.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ckptvar as cv
+from ckptvar.storage import _checksum, _native, _rawio
+
+
+@pytest.fixture(params=["h5", "zarr"])
+def fmt(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(params=["threads", "sequential"])
+def path_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Pin the transfer's choice: spread over the I/O threads, or one ordered stream."""
+    warm = request.param == "threads"
+    monkeypatch.setattr(_rawio, "cached", lambda fd, offset: warm)
+    if warm:
+        monkeypatch.setattr(_rawio, "IO_THREADS", 4)
+    return str(request.param)
+
+
+def _values() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    return {
+        # three pieces of _SPLIT (8 MiB), the last one short
+        "big": rng.standard_normal((2_700_000,)).astype(np.float64),  # 20.6 MiB
+        "mid": rng.standard_normal((300, 1000)).astype(np.float32),  # 1.1 MiB: one piece
+        "small": np.arange(10, dtype=np.int16),  # packed
+        "empty": np.zeros((0, 4), np.float32),
+    }
+
+
+@given(
+    a=st.binary(max_size=3000),
+    b=st.binary(max_size=3000),
+    seed=st.integers(0, 2**32 - 1),
+)
+@settings(max_examples=200, deadline=None)
+def test_combine_joins_crcs_of_pieces(a: bytes, b: bytes, seed: int) -> None:
+    whole = _checksum.crc(a + b, seed)
+    assert _checksum.combine(_checksum.crc(a, seed), _checksum.crc(b), len(b)) == whole
+
+
+def test_combine_over_long_lengths() -> None:
+    zeros = bytes(5 << 20)
+    a = b"\x01\x02\x03"
+    assert _checksum.combine(_checksum.crc(a), _checksum.crc(zeros), len(zeros)) == (
+        _checksum.crc(a + zeros)
+    )
+
+
+def test_round_trip_through_every_entry_point(fmt: str, path_kind: str, tmp_path: Path) -> None:
+    vals = _values()
+    p = cv.save(tmp_path / f"m.{fmt}", vals)
+    got = cv.load(p)
+    for k, v in vals.items():
+        np.testing.assert_array_equal(got[k], v)
+    with cv.open(p) as r:
+        np.testing.assert_array_equal(r["big"].read(), vals["big"])
+        out = np.empty_like(vals["big"])
+        assert r["big"].read(out=out) is out
+        np.testing.assert_array_equal(out, vals["big"])
+        r.verify_many(list(vals))
+        assert r.verify_all() == []
+        dests = {k: np.empty_like(v) for k, v in vals.items()}
+        r.read_into_many(list(dests.items()))
+        for k, v in vals.items():
+            np.testing.assert_array_equal(dests[k], v)
+
+
+def _flip_in(path: Path, pattern: bytes) -> None:
+    files = sorted(q for q in path.rglob("*") if q.is_file()) if path.is_dir() else [path]
+    for f in files:
+        data = f.read_bytes()
+        at = data.find(pattern)
+        if at >= 0:
+            with open(f, "r+b") as fh:
+                fh.seek(at)
+                fh.write(bytes([data[at] ^ 0x40]))
+            return
+    raise AssertionError("pattern not found")
+
+
+@pytest.mark.parametrize("piece", [0, 1, 2])
+def test_damage_in_any_piece_is_caught(fmt: str, path_kind: str, piece: int,
+                                       tmp_path: Path) -> None:
+    vals = _values()
+    p = Path(cv.save(tmp_path / f"m.{fmt}", vals))
+    start = piece * _native._SPLIT // 8 + 1000  # an element inside that piece
+    _flip_in(p, vals["big"][start : start + 4].tobytes())
+    with pytest.raises(cv.CorruptCheckpointError, match="'big'.*checksum"):
+        cv.load(p)
+    with cv.open(p) as r:
+        with pytest.raises(cv.CorruptCheckpointError, match="'big'"):
+            r.verify_many(["mid", "big"])
+        assert [k for k, _ in r.verify_all()] == ["big"]
+        # unverified reads still return the (damaged) bytes, as asked
+        assert r["big"].read(verify=False).shape == vals["big"].shape
+
+
+def test_restore_meeting_damage_changes_nothing(fmt: str, path_kind: str,
+                                                tmp_path: Path) -> None:
+    vals = _values()
+    model = cv.Module(name="m")
+    model.w = {k: cv.Variable(v) for k, v in vals.items()}
+    p = Path(cv.Checkpoint(model=model).write(tmp_path / f"c.{fmt}"))
+    before = {k: np.full_like(v, 3) for k, v in vals.items()}
+    for k, v in model.w.items():
+        v.assign(before[k])
+    _flip_in(p, vals["big"][2_000_000 : 2_000_004].tobytes())
+    with pytest.raises(cv.CorruptCheckpointError):
+        cv.Checkpoint(model=model).restore(p)
+    for k, v in model.w.items():
+        np.testing.assert_array_equal(v.numpy(), before[k])
+
+
+def test_truncated_value_is_reported_with_its_size(path_kind: str, tmp_path: Path) -> None:
+    vals = _values()
+    p = Path(cv.save(tmp_path / "m.zarr", vals))
+    chunk = next(q for q in (p / "big").rglob("*") if q.is_file() and q.name != "zarr.json")
+    with open(chunk, "r+b") as fh:
+        fh.truncate(chunk.stat().st_size - 100)
+    with pytest.raises(cv.CorruptCheckpointError, match="'big'"):
+        cv.load(p)
+
+
+def test_wait_all_leaves_nothing_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_rawio, "IO_THREADS", 4)
+    finished = threading.Event()
+
+    def slow() -> None:
+        time.sleep(0.3)
+        finished.set()
+
+    def fail() -> None:
+        raise OSError("disk on fire")
+
+    futures = _rawio.start_all([fail, slow])
+    with pytest.raises(OSError, match="disk on fire"):
+        _rawio.wait_all(futures)
+    assert finished.is_set()  # the error waited for the other task
+
+
+def test_first_error_in_task_order_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_rawio, "IO_THREADS", 4)
+
+    def late() -> None:
+        time.sleep(0.1)
+        raise ValueError("first task")
+
+    def early() -> None:
+        raise KeyError("second task")
+
+    with pytest.raises(ValueError, match="first task"):
+        _rawio.wait_all(_rawio.start_all([late, early]))
+
+
+def test_cached_probe_on_a_real_file(tmp_path: Path) -> None:
+    f = tmp_path / "x"
+    f.write_bytes(b"x" * 8192)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.pread(fd, 8192, 0)  # now in the page cache
+        assert _rawio.cached(fd, 100) is (getattr(os, "RWF_NOWAIT", None) is not None)
+        assert _rawio.cached(fd, 1 << 20) is False  # past the end: nothing to read
+    finally:
+        os.close(fd)
+
+
+def test_io_threads_setting_is_checked(tmp_path: Path) -> None:
+    env = dict(os.environ, CKPTVAR_IO_THREADS="many")
+    out = subprocess.run([sys.executable, "-c", "import ckptvar.storage._rawio"],
+                         env=env, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "CKPTVAR_IO_THREADS must be a whole number" in out.stderr
+
+
+def test_reads_work_in_a_forked_child(tmp_path: Path) -> None:
+    """The pools are rebuilt after fork: a child never waits on its parent's threads."""
+    p = cv.save(tmp_path / "m.h5", _values())
+    script = textwrap.dedent(f"""
+        import os, sys
+        import numpy as np
+        import ckptvar as cv
+        from ckptvar.storage import _rawio
+        _rawio.IO_THREADS = 4
+        _rawio.cached = lambda fd, off: True
+        want = cv.load({str(p)!r})["big"]  # starts the parent's pools
+        pid = os.fork()
+        if pid == 0:
+            ok = np.array_equal(cv.load({str(p)!r})["big"], want)
+            os._exit(0 if ok else 3)
+        _, status = os.waitpid(pid, 0)
+        sys.exit(os.waitstatus_to_exitcode(status))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+def test_single_thread_setting_reads_inline(tmp_path: Path) -> None:
+    p = cv.save(tmp_path / "m.zarr", _values())
+    script = textwrap.dedent(f"""
+        import threading
+        import numpy as np
+        import ckptvar as cv
+        from ckptvar.storage import _rawio
+        assert _rawio.IO_THREADS == 1
+        got = cv.load({str(p)!r})
+        assert got["big"].shape == (2_700_000,)
+        assert not [t for t in threading.enumerate() if t.name.startswith("ckptvar-io")]
+    """)
+    env = dict(os.environ, CKPTVAR_IO_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
