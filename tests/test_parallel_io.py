@@ -236,3 +236,38 @@ def test_single_thread_setting_reads_inline(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_snapshot_copies_in_pieces_and_keeps_dtype_and_order(monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    import ml_dtypes
+
+    monkeypatch.setattr(_rawio, "IO_THREADS", 4)
+    rng = np.random.default_rng(3)
+    big = rng.standard_normal((3000, 1000)).astype(np.float32)  # 11.4 MiB: two pieces
+    bf = big.astype(ml_dtypes.bfloat16)
+    strided = big.T  # not C-contiguous: copied whole, in C order
+    small = np.arange(5, dtype=np.int8)
+    copies = _rawio.snapshot([big, bf, strided, small])
+    for src, c in zip([big, bf, strided, small], copies, strict=True):
+        assert c.dtype == src.dtype and c.shape == src.shape and c.flags.c_contiguous
+        assert not np.shares_memory(src, c)
+        np.testing.assert_array_equal(c.astype(np.float64), src.astype(np.float64))
+
+
+def test_background_save_snapshot_is_taken_before_save_returns(fmt: str, tmp_path: Path
+                                                               ) -> None:
+    vals = _values()
+    model = cv.Module(name="m")
+    model.w = {k: cv.Variable(v) for k, v in vals.items()}
+    ckpt = cv.Checkpoint(model=model)
+    handle = ckpt.save(tmp_path / "c", format=fmt, blocking=False)
+    model.w["big"].assign_add(np.ones_like(vals["big"]))  # after the snapshot: not saved
+    path = handle.wait()
+    np.testing.assert_array_equal(_load_big(path), vals["big"])
+
+
+def _load_big(path: Path | str) -> np.ndarray:
+    got = cv.load(path)
+    (key,) = [k for k in got if k.startswith("model/w/big")]
+    return got[key]

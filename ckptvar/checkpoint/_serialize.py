@@ -16,6 +16,7 @@ import msgpack
 import numpy as np
 
 from ..errors import CorruptCheckpointError
+from ..storage._rawio import snapshot
 from ..trackable import Trackable
 from ..variables import Variable
 from ._walk import walk
@@ -101,11 +102,24 @@ def _host(var: Variable, copy: bool) -> np.ndarray:
 
 
 def host_arrays(plan: SavePlan, *, copy: bool) -> list[tuple[str, np.ndarray, dict[str, Any]]]:
-    """``(key, host array, attrs)`` for each variable; ``copy=True`` takes a snapshot."""
+    """``(key, host array, attrs)`` for each variable; ``copy=True`` takes a snapshot.
+
+    The snapshot's large host values are copied in parallel (:func:`snapshot`).
+    """
     out = []
+    on_host: list[int] = []
     for key, var in plan.variables.items():
         attrs = {"name": var.name, "trainable": bool(var.trainable)}
-        out.append((key, _host(var, copy), attrs))
+        value = var.value()
+        if copy and isinstance(value, np.ndarray):
+            on_host.append(len(out))
+            out.append((key, value, attrs))
+        else:
+            out.append((key, _host(var, False), attrs))
+    if on_host:
+        copies = snapshot([out[i][1] for i in on_host])
+        for i, c in zip(on_host, copies, strict=True):
+            out[i] = (out[i][0], c, out[i][2])
     return out
 
 

@@ -13,6 +13,7 @@ change the pool's size; ``1`` does everything on the calling thread.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ __all__ = [
     "preadv_all",
     "pwrite_all",
     "pwritev_all",
+    "snapshot",
     "start_all",
     "submit",
     "wait_all",
@@ -167,6 +169,36 @@ class CrcChain:
         if self._last is not None:
             self._last.result()
         return self.value
+
+
+_COPY_PIECE = 8 << 20
+
+
+def snapshot(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """A C-ordered copy of each array; large ones are copied in pieces on the I/O threads.
+
+    Filling fresh memory is mostly page faults, which run in parallel (1 GiB: 171 ms on
+    one thread, 94 ms on four, on a 2-CPU VM).
+
+    >>> a = np.arange(6).reshape(2, 3)
+    >>> b, = snapshot([a])
+    >>> bool((a == b).all()) and not np.shares_memory(a, b)
+    True
+    """
+    out: list[np.ndarray] = []
+    tasks: list[Callable[[], Any]] = []
+    for a in arrays:
+        if a.nbytes < _COPY_PIECE or not a.flags.c_contiguous:
+            out.append(np.array(a, copy=True, order="C"))
+            continue
+        d = np.empty(a.shape, a.dtype)
+        src, dst = a.reshape(-1), d.reshape(-1)
+        step = max(1, _COPY_PIECE // a.itemsize)
+        for s in range(0, src.size, step):
+            tasks.append(functools.partial(np.copyto, dst[s : s + step], src[s : s + step]))
+        out.append(d)
+    wait_all(start_all(tasks))
+    return out
 
 
 def byte_view(arr: np.ndarray) -> memoryview:
