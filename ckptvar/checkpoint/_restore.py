@@ -76,7 +76,12 @@ def check_matches(
 ) -> None:
     """Raise ``CheckpointMismatchError`` listing every variable whose stored value differs."""
     problems = []
+    fast = getattr(infos, "shape_and_dtype", None)  # a native reader's record: no ArrayInfo
     for key, var in pairs:
+        if fast is not None:
+            shape, dtype = fast(key)
+            if var._shape == shape and var._dtype == dtype:
+                continue
         info = infos[key]
         if var.shape == info.shape and var.dtype == info.dtype:
             continue
@@ -119,10 +124,11 @@ def apply_values(
     fresh: list[tuple[str, Variable]] = []
     in_place: list[tuple[str, Variable, np.ndarray]] = []
     in_place_bytes = 0
+    fast = getattr(infos, "shape_and_dtype", None)
     for key, var in by_var.values():
-        buf = var._host_buffer() if var._materialized else None
-        if buf is not None and buf.shape == infos[key].shape and buf.flags.c_contiguous:
-            in_place.append((key, var, buf))
+        buf = var._host_buffer() if var._value is not None else None
+        if buf is not None and buf.shape == (fast(key)[0] if fast else infos[key].shape):
+            in_place.append((key, var, buf))  # _host_buffer: C-contiguous and writeable
             in_place_bytes += buf.nbytes
         else:
             fresh.append((key, var))
@@ -342,6 +348,10 @@ class _LazyInfos(Mapping[str, ArrayInfo]):
         if key not in self._keys:
             raise KeyError(key)
         return self._reader.info(key)
+
+    def shape_and_dtype(self, key: str) -> tuple[tuple[int, ...], np.dtype]:
+        """``(shape, dtype)`` straight from the record (what a restore checks per value)."""
+        return self._reader.shape_and_dtype(key)
 
     def __contains__(self, key: object) -> bool:
         return key in self._keys

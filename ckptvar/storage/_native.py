@@ -78,6 +78,18 @@ class _Value:
 
 
 _local = threading.local()
+_TAILS: dict[tuple[str, tuple[int, ...]], bytes] = {}
+
+
+def _seed(key: str, e: Entry) -> int:
+    """``header_crc(key, dtype, shape)``, with the dtype-and-shape part of the header cached
+    (a model repeats a few shapes many times; this runs once per packed value)."""
+    tail = _TAILS.get((e.dtype, e.shape))
+    if tail is None:
+        if len(_TAILS) > 4096:
+            _TAILS.clear()
+        tail = _TAILS[(e.dtype, e.shape)] = f"\0{e.dtype}\0{','.join(map(str, e.shape))}\0".encode()
+    return _crc32c.crc32c(tail, _crc32c.crc32c(key.encode()))
 
 
 def _scratch() -> memoryview:
@@ -515,6 +527,11 @@ class NativeReader(Reader):
     def __getitem__(self, key: str) -> LazyArray:
         return NativeLazyArray(self, key, self.info(key))
 
+    def shape_and_dtype(self, key: str) -> tuple[tuple[int, ...], np.dtype]:
+        """The stored value's shape and dtype, straight from the record."""
+        e = self._entry(key)
+        return e.shape, SUPPORTED_DTYPES[e.dtype]
+
     def metadata(self) -> dict[str, Any]:
         return self._record.metadata
 
@@ -670,8 +687,7 @@ class NativeReader(Reader):
                         n = e.loc[2]
                         raw = blob[start : start + n]
                         if verify:
-                            head = f"{key}\0{e.dtype}\0{','.join(map(str, e.shape))}\0".encode()
-                            got = crc(raw, crc(head))
+                            got = crc(raw, _seed(key, e))
                             if got != e.checksum:
                                 self._compare(key, e, got)
                         arr = (
@@ -720,12 +736,15 @@ class NativeReader(Reader):
         self._check()
         entry = self._entry
         keyed = [(k, entry(k)) for k in keys]
-        packed = [(k, e) for k, e in keyed if e.loc[0] == "packed" and e.loc[2]]
+        packed: list[tuple[str, Entry]] = []
         big: list[_Value] = []
         for k, e in keyed:
-            if self._parallel(k, e) and e.loc[0] == "array":
+            loc = e.loc
+            if loc[0] == "packed" and loc[2]:
+                packed.append((k, e))
+            elif loc[0] == "array" and e.nbytes >= _PARALLEL_FROM:
                 big.append(_Value(k, e, None))
-            elif e.loc[0] != "packed" or not e.loc[2]:
+            else:
                 self.verify(k)
         if big:
             _Transfer(self, big, True).finish()
@@ -734,6 +753,7 @@ class NativeReader(Reader):
         fd, base = self._packed_source()
         hi = base + max(e.loc[1] + e.loc[2] for _, e in packed)
         crc = _crc32c.crc32c
+        seed = _seed
         mm = self._map(fd)
         try:
             with memoryview(mm) as mv:
@@ -744,8 +764,7 @@ class NativeReader(Reader):
                     )
                 for key, e in packed:
                     start = base + e.loc[1]
-                    head = f"{key}\0{e.dtype}\0{','.join(map(str, e.shape))}\0".encode()
-                    got = crc(mv[start : start + e.loc[2]], crc(head))
+                    got = crc(mv[start : start + e.loc[2]], seed(key, e))
                     if got != e.checksum:
                         self._compare(key, e, got)
         finally:
@@ -815,8 +834,7 @@ class NativeReader(Reader):
                 )
             if verify:
                 for _, key, e, out in packed[i:j]:
-                    head = f"{key}\0{e.dtype}\0{','.join(map(str, e.shape))}\0".encode()
-                    got = crc(out, crc(head))
+                    got = crc(out, _seed(key, e))
                     if got != e.checksum:
                         self._compare(key, e, got)
             i = j
