@@ -271,3 +271,34 @@ def _load_big(path: Path | str) -> np.ndarray:
     got = cv.load(path)
     (key,) = [k for k in got if k.startswith("model/w/big")]
     return got[key]
+
+
+def test_reads_from_disk_keep_one_stream(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Read-ahead from disk never runs two windows at once (two streams defeat readahead)."""
+    monkeypatch.setattr(_rawio, "IO_THREADS", 4)
+    monkeypatch.setattr(_rawio, "cached", lambda fd, offset: False)
+    monkeypatch.setattr(_native, "_WINDOW", 4 << 20)
+    monkeypatch.setattr(_native, "_SPLIT", 1 << 20)
+    monkeypatch.setattr(_native, "_TASK", 1 << 20)
+    rng = np.random.default_rng(1)
+    vals = {f"w{i}": rng.standard_normal(2 << 17) for i in range(6)}  # 2 MiB each: 3 windows
+    p = cv.save(tmp_path / "m.h5", vals)
+    lock, live, most = threading.Lock(), [0], [0]
+    run = _native._Transfer._run
+
+    def counted(self: _native._Transfer, group: list) -> None:  # type: ignore[type-arg]
+        with lock:
+            live[0] += 1
+            most[0] = max(most[0], live[0])
+        try:
+            time.sleep(0.02)
+            run(self, group)
+        finally:
+            with lock:
+                live[0] -= 1
+
+    monkeypatch.setattr(_native._Transfer, "_run", counted)
+    got = cv.load(p)
+    for k, v in vals.items():
+        np.testing.assert_array_equal(got[k], v)
+    assert most[0] == 1

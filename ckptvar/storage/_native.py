@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import difflib
 import functools
-import itertools
 import mmap
 import operator
 import os
@@ -122,10 +121,13 @@ class _Transfer:
                     group, size = [], 0
         if group:
             groups.append(group)
+        #: True when the pieces run in file order on one thread (the bytes are on disk).
+        self.sequential = False
         if len(groups) > 1 and not self._cached():
             # From disk, one reader in file order is fastest: the kernel's readahead sees
             # one sequential stream (measured: 1 thread 0.36 s/GiB, 4 threads 0.55 s/GiB).
             groups = [[piece for g in groups for piece in g]]
+            self.sequential = True
         tasks = [functools.partial(self._run, g) for g in groups]
         self.futures = _rawio.start_all(tasks, background=ahead)
 
@@ -675,11 +677,23 @@ class NativeReader(Reader):
         queue: deque[tuple[Any, dict[str, np.ndarray], _Transfer]] = deque()
         it = iter(windows)
         try:
-            for window in itertools.islice(it, 2):
-                queue.append(launch(window))
+            first = next(it, None)
+            if first is not None:
+                queue.append(launch(first))
             while queue:
+                # From the page cache, the next window is read while this one is finished
+                # and handed out; from disk, one window at a time (one sequential stream),
+                # the next one starting as soon as this one is in.
+                if not queue[0][2].sequential and len(queue) < 2:
+                    nxt = next(it, None)
+                    if nxt is not None:
+                        queue.append(launch(nxt))
                 window, big, transfer = queue[0]
                 transfer.finish()
+                if transfer.sequential and len(queue) < 2:
+                    nxt = next(it, None)
+                    if nxt is not None:
+                        queue.append(launch(nxt))
                 for key, e in window:
                     arr = big.get(key)
                     if arr is None and blob is not None and e.loc[0] == "packed":
@@ -699,9 +713,6 @@ class NativeReader(Reader):
                         arr = self.read(key, verify=verify)
                     yield key, arr
                 queue.popleft()
-                nxt = next(it, None)
-                if nxt is not None:
-                    queue.append(launch(nxt))
         finally:
             for _, _, transfer in queue:
                 transfer.abandon()
