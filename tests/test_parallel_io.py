@@ -302,3 +302,38 @@ def test_reads_from_disk_keep_one_stream(monkeypatch: pytest.MonkeyPatch, tmp_pa
     for k, v in vals.items():
         np.testing.assert_array_equal(got[k], v)
     assert most[0] == 1
+
+
+def test_pwrite_flushing_writes_every_piece_in_place(tmp_path: Path) -> None:
+    data = np.random.default_rng(2).integers(0, 255, (20 << 20) + 123, dtype=np.uint8)
+    f = tmp_path / "x.bin"
+    fd = os.open(f, os.O_RDWR | os.O_CREAT)
+    try:
+        os.pwrite(fd, b"head", 0)
+        _rawio.pwrite_flushing(fd, memoryview(data), 4)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    raw = f.read_bytes()
+    assert raw[:4] == b"head" and raw[4:] == data.tobytes()
+
+
+def test_start_writeback_is_only_a_hint(tmp_path: Path) -> None:
+    """Where the kernel cannot start writeback (a pipe), nothing is raised: fsync reports."""
+    r, w = os.pipe()
+    try:
+        _rawio.start_writeback(w, 0, 1 << 20)
+        _rawio.start_writeback(r, 0, 0)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_saves_round_trip_with_and_without_writeback(fmt: str, durable: bool,
+                                                     tmp_path: Path) -> None:
+    vals = _values()
+    p = cv.save(tmp_path / f"m.{fmt}", vals, durable=durable)
+    got = cv.load(p)
+    for k, v in vals.items():
+        np.testing.assert_array_equal(got[k], v)

@@ -142,11 +142,14 @@ class H5Writer(NativeWriter):
         fd = os.open(tmp, os.O_WRONLY)
         try:
             # 2. bytes, straight from the buffers, hashed on the checksum thread meanwhile
+            write = _rawio.pwrite_flushing if self.durable else _rawio.pwrite_all
             for it in arrays:
                 if it.nbytes:
-                    _rawio.pwrite_all(fd, it.view, it.offset)
+                    write(fd, it.view, it.offset)
             if packed:
                 write_packed(fd, packed, packed_off)
+                if self.durable:
+                    _rawio.start_writeback(fd, packed_off, packed_nbytes)
             wait_hashes()
             # 3. attributes and the root record, through h5py
             record = self._encode_record((PACKED_PATH, packed_off, packed_nbytes))

@@ -113,6 +113,8 @@ def _write_file(path: Path, data: Any, sync: list[Path] | None, *, replace: bool
             data(fd)
         elif isinstance(data, list):
             _rawio.pwritev_all(fd, data, 0)
+        elif sync is not None and len(data) >= 1 << 20:  # durable: writeback starts now
+            _rawio.pwrite_flushing(fd, memoryview(data), 0)
         elif len(data):
             _rawio.pwrite_all(fd, memoryview(data), 0)
     finally:
@@ -226,7 +228,12 @@ class ZarrWriter(NativeWriter):
         _rawio.wait_all(tree)
         pd = array_dir(PACKED_PATH) if packed else None
         if pd is not None and packed_nbytes:
-            _write_file(chunk_file(pd, 1), lambda fd: write_packed(fd, packed, 0), sync)
+            def packed_bytes(fd: int) -> None:
+                write_packed(fd, packed, 0)
+                if sync is not None:
+                    _rawio.start_writeback(fd, 0, packed_nbytes)
+
+            _write_file(chunk_file(pd, 1), packed_bytes, sync)
         wait_hashes()
         # 2. metadata that needs the checksums
         for it, d in zip(arrays, arr_dirs, strict=True):
