@@ -192,7 +192,7 @@ def test_cached_probe_on_a_real_file(tmp_path: Path) -> None:
 def test_io_threads_setting_is_checked(tmp_path: Path) -> None:
     env = dict(os.environ, CKPTVAR_IO_THREADS="many")
     out = subprocess.run([sys.executable, "-c", "import ckptvar.storage._rawio"],
-                         env=env, capture_output=True, text=True)
+                         env=env, capture_output=True, text=True, check=False)
     assert out.returncode != 0
     assert "CKPTVAR_IO_THREADS must be a whole number" in out.stderr
 
@@ -216,7 +216,7 @@ def test_reads_work_in_a_forked_child(tmp_path: Path) -> None:
         sys.exit(os.waitstatus_to_exitcode(status))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=60)
+                         timeout=60, check=False)
     assert out.returncode == 0, out.stderr
 
 
@@ -234,7 +234,7 @@ def test_single_thread_setting_reads_inline(tmp_path: Path) -> None:
     """)
     env = dict(os.environ, CKPTVAR_IO_THREADS="1")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                         text=True, timeout=60)
+                         text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
 
 

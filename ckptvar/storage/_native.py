@@ -58,6 +58,8 @@ _SPLIT = 8 << 20
 _TASK = 8 << 20
 #: ``read_many`` reads this many bytes ahead of what it has yielded.
 _WINDOW = 256 << 20
+#: ``read_into_many`` reads across gaps up to this size between packed values.
+_MAX_GAP = 32 << 20
 #: Scratch buffer each I/O thread hashes through when only verifying.
 _SCRATCH = 256 << 10
 
@@ -472,7 +474,7 @@ class NativeReader(Reader):
         if owned:
             os.close(fd)
 
-    def _parallel(self, key: str, e: Entry) -> bool:
+    def _parallel(self, e: Entry) -> bool:
         return e.nbytes >= _PARALLEL_FROM and e.loc[0] in ("array", "packed")
 
     def _mmap_region(self, key: str, entry: Entry) -> tuple[Any, int, bool]:
@@ -566,54 +568,31 @@ class NativeReader(Reader):
             raise ValueError(f"out= for {key!r} must be a writeable C-contiguous array.")
         return out
 
-    def _start_read(
-        self, key: str, out: np.ndarray | None, verify: bool
-    ) -> tuple[np.ndarray, Callable[[], None]]:
-        """Read ``key`` into its destination; return it and a function that checks the CRC."""
-        self._check()
-        e = self._entry(key)
+    def _read_whole(self, key: str, e: Entry, out: np.ndarray | None, verify: bool) -> np.ndarray:
+        """Read a value below ``_PARALLEL_FROM`` (or stored elsewhere) on this thread."""
         if e.loc[0] not in ("array", "packed"):
             arr = self._read_other(key, e)
             if out is not None:
                 dest = self._dest(key, e, out)
                 dest[...] = arr
                 arr = dest
-            return arr, _noop
+            return arr
         n = e.nbytes
         # Open the source first: opening checks the stored size against the record, so a
         # forged record declaring a huge value is refused before anything is allocated.
-        if e.loc[0] == "packed":
-            fd, base = self._packed_source()
-            off, owned = base + e.loc[1], False
-        else:
-            fd, off, owned = self._open_array(key, e)
+        fd, off, owned = self._source(key, e)
         try:
             arr = self._dest(key, e, out)
             dst = _rawio.byte_view(arr)
-            seed = _checksum.header_crc(key, e.dtype, e.shape) if verify else 0
-            if not verify or n <= _rawio.PIECE:
-                got = _rawio.pread_into(fd, dst, off) if n else 0
-                if got != n:
-                    raise self._corrupt(key, f"is truncated: {got} of {n} bytes present")
-                if not verify:
-                    return arr, _noop
-                if n >= _rawio.PIECE // 4:
-                    chain = _rawio.CrcChain(seed)
-                    chain.feed_async(dst)
-                    return arr, lambda: self._compare(key, e, chain.result())
-                return arr, lambda: self._compare(key, e, _checksum.crc(dst, seed))
-            chain = _rawio.CrcChain(seed)
-            for pos in range(0, n, _rawio.PIECE):
-                piece = dst[pos : pos + _rawio.PIECE]
-                got = _rawio.pread_into(fd, piece, off + pos)
-                if got != len(piece):
-                    chain.result()
-                    raise self._corrupt(key, f"is truncated: {pos + got} of {n} bytes present")
-                chain.feed_async(piece)
-            return arr, lambda: self._compare(key, e, chain.result())
+            got = _rawio.pread_into(fd, dst, off) if n else 0
         finally:
             if owned:
                 os.close(fd)
+        if got != n:
+            raise self._corrupt(key, f"is truncated: {got} of {n} bytes present")
+        if verify:
+            self._compare(key, e, _checksum.crc(dst, _checksum.header_crc(key, e.dtype, e.shape)))
+        return arr
 
     def _compare(self, key: str, e: Entry, computed: int) -> None:
         if computed != e.checksum:
@@ -626,13 +605,11 @@ class NativeReader(Reader):
     def read(self, key: str, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
         self._check()
         e = self._entry(key)
-        if self._parallel(key, e):
-            self._check_source(key, e)
-            arr = self._dest(key, e, out)
-            _Transfer(self, [_Value(key, e, arr)], verify).finish()
-            return arr
-        arr, finish = self._start_read(key, out, verify)
-        finish()
+        if not self._parallel(e):
+            return self._read_whole(key, e, out, verify)
+        self._check_source(key, e)
+        arr = self._dest(key, e, out)
+        _Transfer(self, [_Value(key, e, arr)], verify).finish()
         return arr
 
     def read_many(
@@ -667,7 +644,7 @@ class NativeReader(Reader):
         def launch(window: list[tuple[str, Entry]]) -> tuple[Any, dict[str, np.ndarray], _Transfer]:
             values = []
             for k, e in window:
-                if self._parallel(k, e) and not (blob is not None and e.loc[0] == "packed"):
+                if self._parallel(e) and not (blob is not None and e.loc[0] == "packed"):
                     self._check_source(k, e)
                     values.append(_Value(k, e, np.empty(e.shape, e.np_dtype)))
             transfer = _Transfer(self, values, verify, ahead=True)
@@ -799,7 +776,7 @@ class NativeReader(Reader):
             out = self._dest(key, e, out)
             if e.loc[0] == "packed" and e.loc[2]:
                 packed.append((e.loc[1], key, e, out))
-            elif self._parallel(key, e):
+            elif self._parallel(e):
                 big.append(_Value(key, e, out))
             else:
                 self.read(key, out=out, verify=verify)
@@ -809,7 +786,7 @@ class NativeReader(Reader):
             return
         packed.sort(key=operator.itemgetter(0))
         fd, base = self._packed_source()
-        scratch = np.empty(_rawio.PIECE, np.uint8)
+        scratch = np.empty(_MAX_GAP, np.uint8)  # skips bytes no key asked for
         crc = _crc32c.crc32c
         i = 0
         while i < len(packed):
@@ -915,10 +892,6 @@ class NativeReader(Reader):
             except OSError as exc:
                 bad.append((key, f"cannot be read: {exc}"))
         return bad
-
-
-def _noop() -> None:
-    return None
 
 
 def _make_info(key: str, dtype: np.dtype, shape: tuple[int, ...], attrs: Any,

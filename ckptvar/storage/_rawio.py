@@ -1,14 +1,14 @@
-"""Raw positional I/O and the background checksum worker shared by the native backends.
+"""Raw positional I/O, the checksum thread and the I/O threads shared by the native backends.
 
 Writes go straight from the arrays' buffers (``os.pwrite``/``os.pwritev``, no
 copy); reads go straight into the destination buffer (``os.preadv``). Checksums
-of a value being written run on one background thread (CRC-32C releases the GIL
-on large buffers), so hashing overlaps with the writes on the calling thread.
-Large reads are split into pieces that a small pool of I/O threads reads and
-hashes at once (:func:`start_all`): system calls and CRC-32C release the GIL, so
-the pieces move in parallel, and a cold read keeps several requests in flight.
-Set ``CKPTVAR_IO_THREADS`` (default: the CPU count, at least 4, at most 8) to
-change the pool's size; ``1`` does everything on the calling thread.
+of values being written run on one background thread (:func:`submit`; CRC-32C
+releases the GIL on large buffers), so hashing overlaps with the writes. Large
+reads, snapshots and a Zarr writer's directory tree run as tasks on a small pool
+of I/O threads (:func:`start_all`, :func:`wait_all`): system calls, copies and
+CRC-32C release the GIL, so pieces move in parallel. Set ``CKPTVAR_IO_THREADS``
+(default: the CPU count, at least 4, at most 8) to change the pool's size; ``1``
+does everything on the calling thread.
 """
 
 from __future__ import annotations
@@ -24,13 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _checksum
-
 __all__ = [
     "IOV_MAX",
     "IO_THREADS",
-    "PIECE",
-    "CrcChain",
     "byte_view",
     "pread_exact",
     "pread_into",
@@ -44,8 +40,6 @@ __all__ = [
     "wait_all",
 ]
 
-#: Large values are read in pieces this big, so reading and hashing overlap.
-PIECE = 32 << 20
 _MAX_IO = 1 << 30  # Linux moves at most ~2 GiB per call; stay well below
 #: Most buffers handed to one ``pwritev``/``preadv``.
 IOV_MAX = min(getattr(os, "IOV_MAX", 1024) if hasattr(os, "IOV_MAX") else 1024, 1024)
@@ -109,7 +103,7 @@ def start_all(tasks: Sequence[Callable[[], Any]], *, background: bool = False) -
             f: Future[Any] = Future()
             try:
                 f.set_result(task())
-            except BaseException as exc:  # handed to wait_all, which raises it
+            except BaseException as exc:  # noqa: BLE001 - handed to wait_all, which raises it
                 f.set_exception(exc)
             done.append(f)
             if f.exception() is not None:
@@ -150,27 +144,6 @@ def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
             if _executor is None:
                 _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptvar-crc")
     return _executor.submit(fn, *args)
-
-
-class CrcChain:
-    """A CRC-32C fed piece by piece on the checksum thread (pieces hash in order)."""
-
-    __slots__ = ("_last", "value")
-
-    def __init__(self, seed: int) -> None:
-        self.value = seed
-        self._last: Future[Any] | None = None
-
-    def _feed(self, piece: Any) -> None:
-        self.value = _checksum.crc(piece, self.value)
-
-    def feed_async(self, piece: Any) -> None:
-        self._last = submit(self._feed, piece)
-
-    def result(self) -> int:
-        if self._last is not None:
-            self._last.result()
-        return self.value
 
 
 _COPY_PIECE = 8 << 20
