@@ -80,7 +80,7 @@ def check_matches(
     for key, var in pairs:
         if fast is not None:
             shape, dtype = fast(key)
-            if var._shape == shape and var._dtype == dtype:
+            if var.shape == shape and var.dtype == dtype:
                 continue
         info = infos[key]
         if var.shape == info.shape and var.dtype == info.dtype:
@@ -126,7 +126,7 @@ def apply_values(
     in_place_bytes = 0
     fast = getattr(infos, "shape_and_dtype", None)
     for key, var in by_var.values():
-        buf = var._host_buffer() if var._value is not None else None
+        buf = var._host_buffer() if var._materialized else None
         if buf is not None and buf.shape == (fast(key)[0] if fast else infos[key].shape):
             in_place.append((key, var, buf))  # _host_buffer: C-contiguous and writeable
             in_place_bytes += buf.nbytes

@@ -94,31 +94,28 @@ def gather(root: Any) -> SavePlan:
     return plan
 
 
-def _host(var: Variable, copy: bool) -> np.ndarray:
-    value = var.value()
-    if isinstance(value, np.ndarray):
-        return np.array(value, copy=True, order="C") if copy else np.asarray(value, order="C")
-    return np.asarray(var.numpy(), order="C")  # a device array: numpy() is a host copy
-
-
 def host_arrays(plan: SavePlan, *, copy: bool) -> list[tuple[str, np.ndarray, dict[str, Any]]]:
     """``(key, host array, attrs)`` for each variable; ``copy=True`` takes a snapshot.
 
-    The snapshot's large host values are copied in parallel (:func:`snapshot`).
+    The snapshot's large host values are copied in parallel (:func:`snapshot`); a device
+    value's ``numpy()`` is a host copy already.
     """
     out = []
-    on_host: list[int] = []
+    to_copy: list[int] = []
     for key, var in plan.variables.items():
         attrs = {"name": var.name, "trainable": bool(var.trainable)}
         value = var.value()
-        if copy and isinstance(value, np.ndarray):
-            on_host.append(len(out))
-            out.append((key, value, attrs))
+        if not isinstance(value, np.ndarray):
+            host = np.asarray(var.numpy(), order="C")
+        elif copy:
+            to_copy.append(len(out))
+            host = value
         else:
-            out.append((key, _host(var, False), attrs))
-    if on_host:
-        copies = snapshot([out[i][1] for i in on_host])
-        for i, c in zip(on_host, copies, strict=True):
+            host = np.asarray(value, order="C")
+        out.append((key, host, attrs))
+    if to_copy:
+        copies = snapshot([out[i][1] for i in to_copy])
+        for i, c in zip(to_copy, copies, strict=True):
             out[i] = (out[i][0], c, out[i][2])
     return out
 

@@ -28,6 +28,7 @@ __all__ = [
     "IOV_MAX",
     "IO_THREADS",
     "byte_view",
+    "cached",
     "pread_exact",
     "pread_into",
     "preadv_all",
@@ -36,6 +37,7 @@ __all__ = [
     "pwritev_all",
     "snapshot",
     "start_all",
+    "start_writeback",
     "submit",
     "wait_all",
 ]
@@ -43,7 +45,6 @@ __all__ = [
 _MAX_IO = 1 << 30  # Linux moves at most ~2 GiB per call; stay well below
 #: Most buffers handed to one ``pwritev``/``preadv``.
 IOV_MAX = min(getattr(os, "IOV_MAX", 1024) if hasattr(os, "IOV_MAX") else 1024, 1024)
-
 
 
 def _io_threads() -> int:
