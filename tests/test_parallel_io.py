@@ -337,3 +337,12 @@ def test_saves_round_trip_with_and_without_writeback(fmt: str, durable: bool,
     got = cv.load(p)
     for k, v in vals.items():
         np.testing.assert_array_equal(got[k], v)
+
+
+@pytest.mark.parametrize("shape", [(), (3,), [2, 5], (np.int64(4), 1), (0, 7)])
+def test_header_crc_is_the_crc_of_the_header(shape: object) -> None:
+    for _ in range(2):  # second time from the cached dtype/shape part
+        for key in ("w", "a/b%2Fc", "é/x"):
+            assert _checksum.header_crc(key, "float32", shape) == _checksum.crc(  # type: ignore[arg-type]
+                _checksum.header(key, "float32", shape)  # type: ignore[arg-type]
+            )

@@ -98,9 +98,23 @@ def header(key: str, dtype_name: str, shape: Iterable[int]) -> bytes:
     return f"{key}\0{dtype_name}\0{dims}\0".encode("utf-8")
 
 
+_TAILS: dict[tuple[str, tuple[int, ...]], bytes] = {}
+
+
 def header_crc(key: str, dtype_name: str, shape: Iterable[int]) -> int:
-    """The CRC-32C of :func:`header`, the seed the data bytes are hashed onto."""
-    return _crc32c.crc32c(header(key, dtype_name, shape))
+    """The CRC-32C of :func:`header`, the seed the data bytes are hashed onto.
+
+    The dtype-and-shape part of the header is cached (a model repeats a few shapes many
+    times, and a restore asks once per value).
+    """
+    dims = shape if type(shape) is tuple else tuple(shape)
+    tail = _TAILS.get((dtype_name, dims))
+    if tail is None:
+        if len(_TAILS) > 4096:
+            _TAILS.clear()
+        tail = f"\0{dtype_name}\0{','.join(str(int(d)) for d in dims)}\0".encode()
+        _TAILS[(dtype_name, dims)] = tail
+    return _crc32c.crc32c(tail, _crc32c.crc32c(key.encode("utf-8")))
 
 
 def finish(seed: int, pieces: Iterable[Any]) -> int:

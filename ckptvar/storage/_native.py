@@ -79,20 +79,6 @@ class _Value:
 
 
 _local = threading.local()
-_TAILS: dict[tuple[str, tuple[int, ...]], bytes] = {}
-
-
-def _seed(key: str, e: Entry) -> int:
-    """``header_crc(key, dtype, shape)``, with the dtype-and-shape part of the header cached
-    (a model repeats a few shapes many times; this runs once per packed value)."""
-    tail = _TAILS.get((e.dtype, e.shape))
-    if tail is None:
-        if len(_TAILS) > 4096:
-            _TAILS.clear()
-        tail = _TAILS[(e.dtype, e.shape)] = f"\0{e.dtype}\0{','.join(map(str, e.shape))}\0".encode()
-    return _crc32c.crc32c(tail, _crc32c.crc32c(key.encode()))
-
-
 def _scratch() -> memoryview:
     buf = getattr(_local, "scratch", None)
     if buf is None:
@@ -389,8 +375,7 @@ def write_packed(fd: int, packed: list[WriteItem], base: int) -> None:
         if not bufs:
             start = it.offset
         a = it.array
-        head = f"{it.key}\0{it.dtype}\0{','.join(map(str, it.shape))}\0".encode()
-        it.checksum = crc(a, crc(head))
+        it.checksum = crc(a, _checksum.header_crc(it.key, it.dtype, it.shape))
         n = it.nbytes
         if n:
             bufs.append(a)
@@ -678,7 +663,7 @@ class NativeReader(Reader):
                         n = e.loc[2]
                         raw = blob[start : start + n]
                         if verify:
-                            got = crc(raw, _seed(key, e))
+                            got = crc(raw, _checksum.header_crc(key, e.dtype, e.shape))
                             if got != e.checksum:
                                 self._compare(key, e, got)
                         arr = (
@@ -741,7 +726,7 @@ class NativeReader(Reader):
         fd, base = self._packed_source()
         hi = base + max(e.loc[1] + e.loc[2] for _, e in packed)
         crc = _crc32c.crc32c
-        seed = _seed
+        seed = _checksum.header_crc
         mm = self._map(fd)
         try:
             with memoryview(mm) as mv:
@@ -752,7 +737,7 @@ class NativeReader(Reader):
                     )
                 for key, e in packed:
                     start = base + e.loc[1]
-                    got = crc(mv[start : start + e.loc[2]], seed(key, e))
+                    got = crc(mv[start : start + e.loc[2]], seed(key, e.dtype, e.shape))
                     if got != e.checksum:
                         self._compare(key, e, got)
         finally:
@@ -822,7 +807,7 @@ class NativeReader(Reader):
                 )
             if verify:
                 for _, key, e, out in packed[i:j]:
-                    got = crc(out, _seed(key, e))
+                    got = crc(out, _checksum.header_crc(key, e.dtype, e.shape))
                     if got != e.checksum:
                         self._compare(key, e, got)
             i = j
