@@ -98,6 +98,37 @@ def test_quick_run_of_every_workload_and_installed_peer(tmp_path: Path) -> None:
     assert "GPU loading:" in md
 
 
+def test_spawn_mode_runs_each_measurement_in_a_new_interpreter(tmp_path: Path) -> None:
+    result = run_bench(tmp_path, "--spawn", "--only", "big", "--subjects", "raw",
+                       "--ops", "save,load_warm")
+    rows = rows_by(result)
+    assert_measured(rows, "big", "save", "raw")
+    assert_measured(rows, "big", "load_warm", "raw")
+    assert result["meta"]["spawn"] is True
+    assert "(a new interpreter)" in result["_md"]
+
+
+def test_fork_server_runs_each_job_in_its_own_process_and_survives_failures(
+    tmp_path: Path,
+) -> None:
+    worker = ROOT / "scripts" / "_bench_worker.py"
+    srv = subprocess.Popen([sys.executable, str(worker), "--serve", "raw"],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                           cwd=str(tmp_path))
+    job = {"subject": "raw", "options": {}, "workload": "big", "path": str(tmp_path / "m.raw"),
+           "quick": True, "count": 20}
+    jobs = [{**job, "op": "save"}, {**job, "op": "no-such-op"}, {**job, "op": "load_warm"}]
+    out, _ = srv.communicate("".join(json.dumps(j) + "\n" for j in jobs), timeout=120)
+    assert srv.returncode == 0
+    results = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
+               if line.startswith("BENCHRESULT ")]
+    assert len(results) == 3
+    save, bad, load = results
+    assert "unknown op 'no-such-op'" in bad["error"]
+    assert save["t"] > 0 and load["t"] > 0 and load["nbytes"] == save["nbytes"]
+    assert len({save["pid"], load["pid"], srv.pid}) == 3
+
+
 def test_bad_arguments_are_refused(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(BENCH), "--only", "nope"], capture_output=True,
                           text=True, timeout=60, cwd=str(tmp_path))
