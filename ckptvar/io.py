@@ -68,7 +68,8 @@ def load(
 
     ``device=None`` gives NumPy arrays; ``device="GPU:0"`` (or ``"cuda:0"``) gives CuPy
     arrays on that GPU, each value copied to the device as soon as it is read and
-    verified, so host memory holds about one value at a time.
+    verified while the I/O threads read ahead, so host memory holds one read-ahead
+    window (at most 512 MiB, or the largest value), never the whole checkpoint.
     """
     dev = None
     if device is not None:
@@ -99,10 +100,13 @@ def _load_to_gpu(reader: Reader, keys: list[str], dev: Any, verify: bool) -> dic
                     "load it with device=None (NumPy) instead."
                 )
             arr = cp.empty(host.shape, host.dtype)
-            arr.set(host, stream=stream)  # async copy; the host buffer lives until sync
-            out[key] = (arr, host)
+            # From pageable memory cudaMemcpyAsync returns once the bytes are staged for
+            # DMA, so ``host`` may be freed right after; only the device copy is pending.
+            arr.set(host, stream=stream)
+            out[key] = arr
+            del host
         stream.synchronize()
-    return {k: v[0] for k, v in out.items()}
+    return out
 
 
 def save(

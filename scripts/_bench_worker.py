@@ -234,10 +234,11 @@ def check_arrays(got: dict[str, np.ndarray], spec: list[tuple[str, tuple[int, ..
         raise AssertionError(f"keys differ: missing {missing}, unexpected {extra}")
     ref = make_arrays(spec) if full else {}
     for k, shape in want.items():
-        a = np.asarray(got[k])
-        if tuple(a.shape) != tuple(shape) or a.dtype != np.float32:
-            raise AssertionError(f"{k}: got {a.shape} {a.dtype}, expected {shape} float32")
-        if full and not np.array_equal(a, ref[k]):
+        a = got[k]  # NumPy, or (gpu workload) CuPy / torch: checked without a copy back
+        dtype = np.dtype(str(a.dtype).removeprefix("torch."))
+        if tuple(a.shape) != tuple(shape) or dtype != np.float32:
+            raise AssertionError(f"{k}: got {tuple(a.shape)} {dtype}, expected {shape} float32")
+        if full and not np.array_equal(to_host(a), ref[k]):
             raise AssertionError(f"{k}: values differ")
 
 
@@ -284,6 +285,10 @@ class Subject:
 
     def read_one(self, path: str, key: str) -> np.ndarray:
         raise NotImplementedError
+
+    def load_gpu(self, path: str) -> dict[str, Any]:
+        """Every tensor on the first CUDA device, copies finished (``gpu`` workload)."""
+        raise NotImplementedError(f"{self.name} has no GPU load")
 
 
 def _raw_index(spec_arrays: dict[str, np.ndarray]) -> bytes:
@@ -332,6 +337,20 @@ class Raw(Subject):
             for k in index:
                 f.readinto(memoryview(arrays[k]).cast("B"))
 
+    def load_gpu(self, path: str) -> dict[str, Any]:
+        """Read a tensor into host memory, copy it to the device, then the next."""
+        import cupy as cp
+
+        out = {}
+        with open(path, "rb", buffering=0) as f:
+            index, _ = self._index(f)
+            for k, (dt, shape, _off) in index.items():
+                a = np.empty(shape, dt)
+                f.readinto(memoryview(a).cast("B"))
+                out[k] = cp.asarray(a, blocking=True)
+        cp.cuda.runtime.deviceSynchronize()
+        return out
+
     def read_one(self, path: str, key: str) -> np.ndarray:
         with open(path, "rb", buffering=0) as f:
             index, base = self._index(f)
@@ -363,6 +382,16 @@ class Safetensors(Subject):
 
         with safe_open(path, framework="np") as f:
             return f.get_tensor(key)
+
+    def load_gpu(self, path: str) -> dict[str, Any]:
+        """``safe_open(..., device="cuda:0")`` through torch (safetensors' GPU path)."""
+        import torch
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt", device="cuda:0") as f:
+            out = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
+        torch.cuda.synchronize()
+        return out
 
 
 class Torch(Subject):
@@ -620,6 +649,13 @@ class CkptVar(Subject):
         with self.cv.open(path) as r:
             return r[self.key(key)].read(verify=self.verify)
 
+    def load_gpu(self, path: str) -> dict[str, Any]:
+        import cupy as cp
+
+        got = self.cv.load(path, device="GPU:0", verify=self.verify)
+        cp.cuda.runtime.deviceSynchronize()
+        return {name: v for k, v in got.items() if (name := self.unkey(k)) is not None}
+
 
 SUBJECT_CLASSES: dict[str, type[Subject]] = {
     "raw": Raw,
@@ -658,6 +694,29 @@ def materialize(variables: dict[str, Any]) -> None:
         v.value()
 
 
+def init_cuda(subject: str) -> None:
+    """Create the CUDA context (and the framework's allocator) before anything is timed."""
+    if subject == "safetensors":
+        import torch
+
+        torch.empty(1, device="cuda:0")
+        torch.cuda.synchronize()
+    else:
+        import cupy as cp
+
+        cp.empty(1, np.uint8)
+        cp.cuda.runtime.deviceSynchronize()
+
+
+def to_host(x: Any) -> np.ndarray:
+    """A NumPy array as it is; a CuPy array or a torch tensor as a NumPy array."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "get"):
+        return x.get()
+    return x.cpu().numpy()
+
+
 # --------------------------------------------------------------------------- the job
 
 
@@ -679,6 +738,13 @@ def probe() -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - any import failure means "not installed"
             found[mod] = None
             found[mod + "_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    if found.get("torch"):
+        try:
+            import torch
+
+            found["torch_cuda"] = bool(torch.cuda.is_available())
+        except Exception:  # noqa: BLE001
+            found["torch_cuda"] = False
     if found.get("cupy"):
         try:
             import cupy
@@ -798,6 +864,32 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         else:
             t, peak, got = _timed(lambda: subject.load(path), peak_ok)
         check_arrays(got, spec, job["quick"])
+    elif op in ("gpu_warm", "gpu_cold"):
+        init_cuda(job["subject"])  # context creation is not part of any subject's load
+        if op == "gpu_cold":
+            touch_and_free(touch)
+            drop_cache(path)
+            out["cached_before"] = cached_fraction(path)
+        else:
+            warm_cache(path)
+            touch_and_free(touch)
+        t, peak, got = _timed(lambda: subject.load_gpu(path), peak_ok)
+        check_arrays(got, spec, job["quick"])
+    elif op == "gpu_h2d":
+        import cupy as cp
+        import cupyx
+
+        init_cuda("raw")
+        host = cupyx.empty_pinned((nbytes,), np.uint8)
+        host.fill(1)
+        dev = cp.empty(nbytes, np.uint8)
+        cp.cuda.runtime.deviceSynchronize()
+
+        def h2d() -> None:
+            dev.set(host)
+            cp.cuda.runtime.deviceSynchronize()
+
+        t, peak, _ = _timed(h2d, peak_ok)
     elif op in ("lazy_warm", "lazy_cold"):
         key = LAZY_KEY
         nb = 4 * int(np.prod(dict(spec)[key]))
