@@ -301,6 +301,7 @@ def run_plan(args: argparse.Namespace, runner: Runner, defs: list[SubjectDef],
             t0 = time.perf_counter()
             res = runner.call(runner.python_for(sd), job)
             wall = time.perf_counter() - t0
+            row.extra.setdefault("wall_s", []).append(wall)
             if "error" in res:
                 row.errors.append(res["error"])
                 say(f"  {sd.label:<16} {workload:<6} {row.op:<20} ERROR {res['error'][:300]}")
@@ -1012,6 +1013,15 @@ def write_outputs(args: argparse.Namespace, meta: dict[str, Any], rows: list[Row
         md += [f"Cold cache: {cold_note}.", ""]
     if load_note:
         md += [f"Machine load: {load_note}.", ""]
+    walls: dict[str, float] = {}
+    for r in rows:
+        walls[r.subject] = walls.get(r.subject, 0.0) + sum(r.extra.get("wall_s", []))
+    if walls:
+        runs = sum(len(r.extra.get("wall_s", [])) for r in rows)
+        md += [f"Where the run's time went: wall seconds per subject over {runs} "
+               "measurements, set-up included: " + ", ".join(
+                   f"{k} {v:.0f}" for k, v in sorted(walls.items(), key=lambda kv: -kv[1]))
+               + ".", ""]
     md += ["## Summary (× = time / raw file in this run; durable ckptvar saves compare with "
            "raw+fsync)", "", *summary_table(rows, labels), ""]
     titles = {"big": "~1 GiB model, 149 tensors", "small": "small tensors",
