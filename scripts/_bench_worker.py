@@ -29,7 +29,7 @@ import threading
 import time
 import traceback
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +201,21 @@ def drop_cache(path: str) -> None:
             os.close(fd)
 
 
+def prepare_cache(path: str, cold: bool, touch: int, out: dict[str, Any]) -> None:
+    """Drop (``cold``) or fill the page cache of ``path``, and touch ``touch`` bytes.
+
+    Cold: the memory is touched first (dropping comes last, so nothing refills the
+    cache) and the fraction of pages still resident is recorded in ``out``.
+    """
+    if cold:
+        touch_and_free(touch)
+        drop_cache(path)
+        out["cached_before"] = cached_fraction(path)
+    else:
+        warm_cache(path)
+        touch_and_free(touch)
+
+
 def cached_fraction(path: str) -> float:
     """Fraction of the files' pages resident in the page cache (mincore)."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -321,19 +336,21 @@ class Raw(Subject):
         n = int.from_bytes(f.read(8), "little")
         return json.loads(f.read(n)), 8 + n
 
-    def load(self, path: str) -> dict[str, np.ndarray]:
-        out = {}
+    def _each(self, path: str) -> Iterator[tuple[str, np.ndarray]]:
+        """Each tensor in file order, read with one ``readinto`` into a fresh array."""
         with open(path, "rb", buffering=0) as f:
-            index, base = self._index(f)
+            index, _ = self._index(f)
             for k, (dt, shape, _off) in index.items():
                 a = np.empty(shape, dt)
                 f.readinto(memoryview(a).cast("B"))
-                out[k] = a
-        return out
+                yield k, a
+
+    def load(self, path: str) -> dict[str, np.ndarray]:
+        return dict(self._each(path))
 
     def restore(self, path: str, arrays: dict[str, np.ndarray]) -> None:
         with open(path, "rb", buffering=0) as f:
-            index, base = self._index(f)
+            index, _ = self._index(f)
             for k in index:
                 f.readinto(memoryview(arrays[k]).cast("B"))
 
@@ -341,13 +358,7 @@ class Raw(Subject):
         """Read a tensor into host memory, copy it to the device, then the next."""
         import cupy as cp
 
-        out = {}
-        with open(path, "rb", buffering=0) as f:
-            index, _ = self._index(f)
-            for k, (dt, shape, _off) in index.items():
-                a = np.empty(shape, dt)
-                f.readinto(memoryview(a).cast("B"))
-                out[k] = cp.asarray(a, blocking=True)
+        out = {k: cp.asarray(a, blocking=True) for k, a in self._each(path)}
         cp.cuda.runtime.deviceSynchronize()
         return out
 
@@ -851,13 +862,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         prepared = None
         if is_restore:
             prepared = subject.prepare_restore(spec)
-        if op.endswith("cold"):
-            touch_and_free(touch)
-            drop_cache(path)
-            out["cached_before"] = cached_fraction(path)
-        else:
-            warm_cache(path)
-            touch_and_free(touch)
+        prepare_cache(path, op.endswith("cold"), touch, out)
         if is_restore:
             t, peak, _ = _timed(lambda: subject.restore(path, prepared), peak_ok)
             got = subject.restored_arrays(prepared)
@@ -866,13 +871,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         check_arrays(got, spec, job["quick"])
     elif op in ("gpu_warm", "gpu_cold"):
         init_cuda(job["subject"])  # context creation is not part of any subject's load
-        if op == "gpu_cold":
-            touch_and_free(touch)
-            drop_cache(path)
-            out["cached_before"] = cached_fraction(path)
-        else:
-            warm_cache(path)
-            touch_and_free(touch)
+        prepare_cache(path, op == "gpu_cold", touch, out)
         t, peak, got = _timed(lambda: subject.load_gpu(path), peak_ok)
         check_arrays(got, spec, job["quick"])
     elif op == "gpu_h2d":
@@ -894,13 +893,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         key = LAZY_KEY
         nb = 4 * int(np.prod(dict(spec)[key]))
         out["nbytes"] = nb
-        if op == "lazy_cold":
-            touch_and_free(2 * nb)
-            drop_cache(path)
-            out["cached_before"] = cached_fraction(path)
-        else:
-            warm_cache(path)
-            touch_and_free(2 * nb)
+        prepare_cache(path, op == "lazy_cold", 2 * nb, out)
         t, peak, got = _timed(lambda: subject.read_one(path, key), peak_ok)
         check_arrays({key: got}, [(key, dict(spec)[key])], job["quick"])
     elif op in ("init_build_restore", "init_restore_first", "init_build"):
