@@ -860,6 +860,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="an interpreter with TensorFlow for tf.train.Checkpoint (its own venv)")
     args = p.parse_args(argv)
     args.gpu = args.torch_cuda = False  # set from the probe in main()
+    args.spawn = args.spawn or not hasattr(os, "fork")  # no fork server without fork()
     args.repeats = args.repeats or (1 if args.quick else 3)
     args.peer_repeats = args.peer_repeats or (1 if args.quick else min(2, args.repeats))
     args.extra_repeats = args.extra_repeats or (1 if args.quick else min(2, args.repeats))
