@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
-import io
 import json
 import os
 import platform
@@ -115,6 +114,7 @@ class Runner:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.servers: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
+        self.logs: dict[tuple[str, str], Any] = {}  # each server's stderr
         self.env = dict(os.environ)
         self.env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
         self.env.setdefault("OMP_NUM_THREADS", "1")
@@ -143,11 +143,12 @@ class Runner:
         key = (python, subject)
         srv = self.servers.get(key)
         if srv is None or srv.poll() is not None:
+            log = self.logs.get(key) or tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
             srv = subprocess.Popen(
                 [python, str(WORKER), "--serve", subject], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=tempfile.TemporaryFile(), env=self.env,
+                stdout=subprocess.PIPE, stderr=log, env=self.env,
                 cwd=str(HERE.parent), start_new_session=True)
-            self.servers[key] = srv
+            self.servers[key], self.logs[key] = srv, log
         return srv
 
     def _serve(self, python: str, job: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -176,13 +177,13 @@ class Runner:
 
     def _server_died(self, python: str, subject: str) -> dict[str, Any]:
         srv = self.servers.pop((python, subject))
-        srv.wait()
-        err = b""
-        if isinstance(srv.stderr, io.BufferedRandom):
-            srv.stderr.seek(0)
-            err = srv.stderr.read()[-800:]
-        return {"error": f"worker server exited {srv.returncode}: "
-                         f"{err.decode(errors='replace').strip()}"}
+        self._reap(srv)
+        log = self.logs[(python, subject)]
+        log.seek(0)
+        err = log.read()[-800:].decode(errors="replace").strip()
+        log.seek(0)
+        log.truncate()
+        return {"error": f"worker server exited {srv.returncode}: {err}"}
 
     def _stop(self, python: str, subject: str, kill: bool = False) -> None:
         srv = self.servers.pop((python, subject), None)
@@ -191,14 +192,24 @@ class Runner:
         if kill:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(srv.pid, signal.SIGKILL)
-        elif srv.stdin is not None:
-            srv.stdin.close()
+        self._reap(srv)
+
+    @staticmethod
+    def _reap(srv: subprocess.Popen[bytes]) -> None:
+        """Close the server's pipes (closing stdin stops a live one) and wait for it."""
+        for pipe in (srv.stdin, srv.stdout):
+            if pipe is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    pipe.close()
         srv.wait()
 
     def close(self) -> None:
         """Stop every server (they exit when their stdin closes)."""
         for python, subject in list(self.servers):
             self._stop(python, subject)
+        for log in self.logs.values():
+            log.close()
+        self.logs.clear()
 
 
 @dataclass

@@ -133,3 +133,27 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(BENCH), "--only", "nope"], capture_output=True,
                           text=True, timeout=60, cwd=str(tmp_path))
     assert proc.returncode == 2 and "unknown workload" in proc.stderr
+
+
+def test_a_server_that_cannot_start_reports_why(tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ckptvar_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["ckptvar_bench"] = bench
+    spec.loader.exec_module(bench)
+    runner = bench.Runner(bench.parse_args(["--quick"]))
+    job = {"subject": "no-such-subject", "op": "save", "workload": "big",
+           "path": str(tmp_path / "x"), "quick": True, "count": 20}
+    try:
+        # the server imports nothing for an unknown subject, so the job itself fails ...
+        assert "KeyError" in runner.call(sys.executable, job, timeout=60)["error"]
+        # ... while an interpreter that cannot run the server at all is reported as such
+        broken = tmp_path / "python"
+        broken.write_text("#!/bin/sh\necho 'no interpreter here' >&2\nexit 3\n")
+        broken.chmod(0o755)
+        res = runner.call(str(broken), {**job, "subject": "raw"}, timeout=60)
+        assert res["error"].startswith("worker server exited 3") and "no interpreter" in res["error"]
+    finally:
+        runner.close()
+    assert not runner.servers
