@@ -912,12 +912,13 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         def restore_then_build() -> dict[str, Any]:
             m = cv.Module(name="model")
             ckpt = cv.Checkpoint(model=m)
-            ckpt.restore(path)
+            status = ckpt.restore(path)  # kept: the values wait for the variables
             init = cv.initializers.random_normal(stddev=0.02, seed=1)
             variables = {_cv_segment(k): cv.Variable(init, shape=s, dtype="float32", name=k)
                          for k, s in spec}
             m.params = variables
             materialize(variables)
+            status.assert_consumed()
             return variables
 
         def build_only() -> dict[str, Any]:
