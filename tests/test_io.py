@@ -97,3 +97,25 @@ def test_load_onto_gpu(tmp_path: Path) -> None:
     for k, v in vals.items():
         assert isinstance(out[k], cp.ndarray)
         np.testing.assert_array_equal(cp.asnumpy(out[k]), v)
+
+
+@pytest.mark.gpu
+def test_load_onto_gpu_streams_through_bounded_host_memory(tmp_path: Path) -> None:
+    cp = pytest.importorskip("cupy", reason="CuPy is not installed")
+    if cp.cuda.runtime.getDeviceCount() == 0:  # pragma: no cover
+        pytest.skip("no CUDA device")
+    import tracemalloc
+
+    n = 16 * (1 << 20)  # 16 values of 64 MiB: 1 GiB, four read-ahead windows
+    vals = {f"w{i}": np.full(n, i, np.float32) for i in range(16)}
+    p = cv.save(tmp_path / "big.h5", vals)
+    del vals
+    tracemalloc.start()  # NumPy reports its buffers to tracemalloc
+    try:
+        out = cv.load(p, device="GPU:0")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 640 << 20, f"host peak {peak >> 20} MiB while loading 1 GiB onto the GPU"
+    for i in range(16):
+        assert float(out[f"w{i}"][-1].get()) == i

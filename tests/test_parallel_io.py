@@ -346,3 +346,30 @@ def test_header_crc_is_the_crc_of_the_header(shape: object) -> None:
             assert _checksum.header_crc(key, "float32", shape) == _checksum.crc(  # type: ignore[arg-type]
                 _checksum.header(key, "float32", shape)  # type: ignore[arg-type]
             )
+
+
+def test_streaming_read_many_holds_at_most_two_windows(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fmt: str
+) -> None:
+    """A consumer that drops each value (a GPU load) keeps two windows alive, not three."""
+    import tracemalloc
+
+    monkeypatch.setattr(_rawio, "IO_THREADS", 4)
+    monkeypatch.setattr(_rawio, "cached", lambda fd, offset: True)  # two windows in flight
+    monkeypatch.setattr(_native, "_WINDOW", 4 << 20)
+    vals = {f"w{i:02d}": np.full(1 << 19, i, np.float64) for i in range(12)}  # 12 × 4 MiB
+    p = cv.save(tmp_path / f"m.{fmt}", vals)
+    del vals
+    seen = []
+    with cv.open(p) as r:
+        keys = list(r.keys())
+        tracemalloc.start()  # NumPy reports its buffers to tracemalloc
+        try:
+            for key, arr in r.read_many(keys):
+                seen.append((key, float(arr[-1])))
+                del arr
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert seen == [(f"w{i:02d}", float(i)) for i in range(12)]
+    assert peak < (2 * 4 + 2) << 20, f"peak {peak / 2**20:.1f} MiB"

@@ -675,6 +675,9 @@ class NativeReader(Reader):
                         arr = self.read(key, verify=verify)
                     yield key, arr
                 queue.popleft()
+                # Hold nothing of this window past here, so a consumer that drops each
+                # value (a GPU load) keeps at most two windows alive, not three.
+                window = big = transfer = arr = None  # type: ignore[assignment]
         finally:
             for _, _, transfer in queue:
                 transfer.abandon()
