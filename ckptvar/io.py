@@ -68,8 +68,9 @@ def load(
 
     ``device=None`` gives NumPy arrays; ``device="GPU:0"`` (or ``"cuda:0"``) gives CuPy
     arrays on that GPU, each value copied to the device as soon as it is read and
-    verified while the I/O threads read ahead, so host memory holds one read-ahead
-    window (at most 512 MiB, or the largest value), never the whole checkpoint.
+    verified while the I/O threads read ahead, so host memory holds the value being
+    copied and the next read-ahead window (at most 512 MiB, or about twice the largest
+    value), never the whole checkpoint.
     """
     dev = None
     if device is not None:
