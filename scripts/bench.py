@@ -922,7 +922,6 @@ def main(argv: list[str] | None = None) -> int:
         say(f"skipping {label}: {why}")
     workloads = list(args.only)
     gpu_note = ""
-    args.gpu = False
     if "gpu" in workloads:
         if not (probe.get("cupy") and probe.get("cuda_devices")):
             gpu_note = ("skipped: " + ("CuPy is not installed" if not probe.get("cupy")
@@ -950,7 +949,8 @@ def main(argv: list[str] | None = None) -> int:
         "extra_repeats": args.extra_repeats, "workloads": workloads, "labels": labels,
         "machine": machine(), "versions": probe,
         "tf_versions": tf_probe, "skipped": skipped, "gpu": gpu_note,
-        "nondurable_option": nd, "spawn": args.spawn, "elapsed_s": round(time.perf_counter() - started, 1),
+        "nondurable_option": nd, "spawn": args.spawn,
+        "elapsed_s": round(time.perf_counter() - started, 1),
     }
     write_outputs(args, meta, rows)
     shutil.rmtree(args.dir, ignore_errors=True) if not os.listdir(args.dir) else None

@@ -153,7 +153,8 @@ def test_a_server_that_cannot_start_reports_why(tmp_path: Path) -> None:
         broken.write_text("#!/bin/sh\necho 'no interpreter here' >&2\nexit 3\n")
         broken.chmod(0o755)
         res = runner.call(str(broken), {**job, "subject": "raw"}, timeout=60)
-        assert res["error"].startswith("worker server exited 3") and "no interpreter" in res["error"]
+        assert res["error"].startswith("worker server exited 3")
+        assert "no interpreter" in res["error"]
     finally:
         runner.close()
     assert not runner.servers
