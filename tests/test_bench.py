@@ -68,6 +68,7 @@ def test_quick_run_reports_raw_and_ckptvar(tmp_path: Path) -> None:
     assert goals["zarr: 1 GiB load warm ≤ 1.5× raw"]["measured"] is None  # not selected
     md = result["_md"]
     assert "## Summary" in md and "## Goals" in md and "| 1 GiB model: save |" in md
+    assert "Where the run's time went: wall seconds per subject over 22 measurements" in md
     assert result["meta"]["quick"] is True and result["meta"]["machine"]["cpus"]
     assert set(result["meta"]["skipped"]) <= {"ckptvar-h5", "raw"}  # only the chosen ones
 
