@@ -14,6 +14,8 @@ naturally catch, so ``except ValueError`` keeps working::
     ├── UnsupportedFormatError(CkptError, ValueError)      unknown suffix/format, or read-only format
     ├── DeviceError(CkptError, ValueError)                 a device that does not exist
     ├── CheckpointNotFoundError(CkptError, FileNotFoundError)
+    ├── DestinationIsDirectoryError(CkptError, IsADirectoryError)  a save onto a directory not ours
+    ├── DestinationExistsError(CkptError, FileExistsError)  a file in the way of a directory save
     └── MissingKeyError(CkptError, KeyError)               a key that is not in a checkpoint
 
 Messages say what failed, for which object, expected vs found, and a hint.
@@ -27,6 +29,8 @@ __all__ = [
     "CkptError",
     "CorruptCheckpointError",
     "DTypeLockError",
+    "DestinationExistsError",
+    "DestinationIsDirectoryError",
     "DeviceError",
     "MissingKeyError",
     "RestoreAssertionError",
@@ -79,6 +83,14 @@ class DeviceError(CkptError, ValueError):
 
 class CheckpointNotFoundError(CkptError, FileNotFoundError):
     """No checkpoint exists at the given path."""
+
+
+class DestinationIsDirectoryError(CkptError, IsADirectoryError):
+    """A save would replace a directory that is not a ckptvar checkpoint of the same kind."""
+
+
+class DestinationExistsError(CkptError, FileExistsError):
+    """A save of a directory checkpoint found a file (or link) at its path."""
 
 
 class MissingKeyError(CkptError, KeyError):

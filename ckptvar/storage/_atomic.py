@@ -7,6 +7,13 @@ atomically (Linux ``renameat2(RENAME_EXCHANGE)``; elsewhere it is renamed aside
 first) and the old one deleted after the new one is in place. Any exception
 deletes the temporary and leaves the final path untouched.
 
+Only what ckptvar wrote is ever replaced: a file checkpoint may replace a file
+(as ``open(path, "w")``, ``np.save`` and h5py do), a directory checkpoint only a
+directory its writer recognises as a checkpoint of its own kind. Anything else
+in the way (a directory of the user's files, a file where a directory should go)
+is refused before a byte is written, and again at the rename
+(:func:`check_destination`).
+
 >>> is_partial(".ckpt-3.h5.0123456789abcdef0123456789abcdef.partial")
 True
 >>> is_partial("ckpt-3.h5")
@@ -21,12 +28,16 @@ import ctypes.util
 import os
 import re
 import shutil
+import stat
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..errors import DestinationExistsError, DestinationIsDirectoryError
+
 __all__ = [
+    "check_destination",
     "fsync_all",
     "fsync_dir",
     "fsync_path",
@@ -134,14 +145,56 @@ def _exchange(a: Path, b: Path) -> bool:
     return True
 
 
-def publish(tmp: Path, final: Path, *, durable: bool = True) -> Path:
+def check_destination(
+    final: Path, *, directory: bool, replaceable: Callable[[Path], bool] | None = None
+) -> None:
+    """Raise unless a new checkpoint may be published at ``final``.
+
+    ``directory`` says what the new checkpoint is. A file may replace a file; a
+    directory may replace only a directory for which ``replaceable`` is true (its
+    writer's "this is one of mine" test). A missing path is always fine, and so is
+    a symbolic link: the link itself is replaced, never what it points to.
+    """
+    try:
+        st = os.lstat(final)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        if not directory:
+            raise DestinationIsDirectoryError(
+                f"Cannot save to {str(final)!r}: it is a directory. A checkpoint file never "
+                "replaces a directory; choose another path (or a directory format such as "
+                "'.zarr' onto a Zarr checkpoint)."
+            )
+        if replaceable is None or not replaceable(final):
+            raise DestinationIsDirectoryError(
+                f"Cannot save to {str(final)!r}: it is a directory that is not a ckptvar "
+                "checkpoint of this format, so it is left as it is. Choose another path, or "
+                "remove the directory yourself."
+            )
+    elif directory and not stat.S_ISLNK(st.st_mode):
+        raise DestinationExistsError(
+            f"Cannot save a directory checkpoint to {str(final)!r}: a file is there, and "
+            "it is left as it is. Choose another path, or remove it yourself."
+        )
+
+
+def publish(
+    tmp: Path,
+    final: Path,
+    *,
+    durable: bool = True,
+    replaceable: Callable[[Path], bool] | None = None,
+) -> Path:
     """Move the complete ``tmp`` onto ``final`` atomically and make it durable.
 
-    Files inside ``tmp`` must already be fsynced (when ``durable``). On failure
-    ``tmp`` is deleted and ``final`` is unchanged.
+    Files inside ``tmp`` must already be fsynced (when ``durable``). What is at
+    ``final`` is checked first (:func:`check_destination`). On failure ``tmp``
+    is deleted and ``final`` is unchanged.
     """
     parent = final.parent
     try:
+        check_destination(final, directory=tmp.is_dir(), replaceable=replaceable)
         if durable and tmp.is_dir():
             fsync_dir(tmp)
         if final.is_dir() and not final.is_symlink():
@@ -158,17 +211,16 @@ def publish(tmp: Path, final: Path, *, durable: bool = True) -> Path:
             if durable:
                 fsync_dir(parent)
             remove_path(tmp)
+        elif tmp.is_dir() and final.is_symlink():  # the link goes, never its target
+            aside = partial_path(final)
+            os.rename(final, aside)
+            os.rename(tmp, final)
+            tmp = aside
+            if durable:
+                fsync_dir(parent)
+            remove_path(tmp)
         else:
-            if tmp.is_dir() and final.exists():  # a file replaced by a directory
-                aside = partial_path(final)
-                os.rename(final, aside)
-                os.rename(tmp, final)
-                tmp = aside
-                if durable:
-                    fsync_dir(parent)
-                remove_path(tmp)
-            else:
-                os.replace(tmp, final)
+            os.replace(tmp, final)
         if durable:
             fsync_dir(parent)
     except BaseException:

@@ -34,7 +34,7 @@ import numpy as np
 from .._dtypes import SUPPORTED_DTYPES, as_dtype, dtype_to_str
 from ..errors import CorruptCheckpointError, MissingKeyError
 from . import _checksum, _rawio
-from ._atomic import publish, temporary_sibling
+from ._atomic import check_destination, publish, temporary_sibling
 from ._paths import RESERVED_PREFIX, container_paths
 from ._record import Entry, Record, check_plain, encode_columns
 from .base import ArrayInfo, LazyArray, Reader, Writer
@@ -239,6 +239,13 @@ class NativeWriter(Writer):
     """Collects values; the backend's :meth:`_write` lays them out in a temporary path."""
 
     container: str = ""
+    #: True when the container is a directory (Zarr), False for one file (HDF5).
+    is_directory: bool = False
+
+    @classmethod
+    def replaceable(cls, path: Path) -> bool:
+        """True when the directory at ``path`` is a checkpoint this writer may replace."""
+        return False
 
     def __init__(
         self,
@@ -306,6 +313,9 @@ class NativeWriter(Writer):
                 check_plain(self._metadata, "the checkpoint metadata")
             except ValueError as exc:
                 raise TypeError(f"Cannot store metadata in {str(self.path)!r}: {exc}.") from None
+            # Refuse early what publish() would refuse: nothing is written in vain.
+            check_destination(self.path, directory=self.is_directory,
+                              replaceable=self.replaceable)
             # Large values hash on the checksum thread while the backend writes (in the same
             # order); packed values hash on this thread as they are written (write_packed).
             futures: list[Future[Any]] = [_rawio.submit(it.hash) for it in arrays]
@@ -320,7 +330,7 @@ class NativeWriter(Writer):
                 finally:
                     for f in futures:  # never leave hashing running on a dropped buffer
                         f.exception()
-                publish(tmp, self.path, durable=self.durable)
+                publish(tmp, self.path, durable=self.durable, replaceable=self.replaceable)
         except BaseException:
             self._state = "failed"
             raise

@@ -127,6 +127,11 @@ class ZarrWriter(NativeWriter):
     """Writes one ``.zarr`` directory (see the module docstring)."""
 
     container = "zarr"
+    is_directory = True
+
+    @classmethod
+    def replaceable(cls, path: Path) -> bool:
+        return ZarrBackend.sniff(path)
 
     def __init__(
         self,

@@ -307,7 +307,9 @@ class NpzWriter(Writer):
         if self._done:
             raise ValueError(f"The writer of {str(self.path)!r} was already closed.")
         from ..._dtypes import dtype_to_str
-        from .._atomic import publish, temporary_sibling
+        from .._atomic import check_destination, publish, temporary_sibling
+
+        check_destination(self.path, directory=False)
 
         recorded: dict[str, str] = {}
         attrs = {k: a for k, (_, a) in self._items.items() if a and a != {"name": k}}

@@ -289,7 +289,9 @@ class SafetensorsWriter(Writer):
         if self._done:
             raise ValueError(f"The writer of {str(self.path)!r} was already closed.")
         head, buffers = self._header()
-        from .._atomic import publish, temporary_sibling
+        from .._atomic import check_destination, publish, temporary_sibling
+
+        check_destination(self.path, directory=False)
 
         with temporary_sibling(self.path) as tmp:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
