@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
-from ckptvar.checkpoint import _restore
+from ckptvar.checkpoint import _apply
 from ckptvar.storage import backend_for
 
 DTYPES = [
@@ -240,7 +240,7 @@ def test_corruption_is_caught_before_anything_changes(
     budget: int | None,
 ) -> None:
     if budget is not None:
-        monkeypatch.setattr(_restore, "TEMPORARY_BUDGET", budget)
+        monkeypatch.setattr(_apply, "TEMPORARY_BUDGET", budget)
     big = np.arange(100_000, dtype=np.float64) * 1.5 + 0.25
     first = cv.Variable(np.ones(1000, np.float32), name="first")
     ckpt = cv.Checkpoint(first=first, big=cv.Variable(big, name="big"))

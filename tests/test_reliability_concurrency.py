@@ -89,7 +89,7 @@ def test_an_open_zarr_checkpoint_deleted_under_a_reader_is_not_found(
     fresh_graph: cv.Graph, tmp_path: Path
 ) -> None:
     """Deterministic form of the race above: prune while a reader holds the checkpoint."""
-    from ckptvar.checkpoint._manager import discard
+    from ckptvar.checkpoint._files import discard
     from ckptvar.storage import known_formats
 
     if "zarr" not in known_formats():

@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptvar as cv
-from ckptvar.checkpoint import _restore
+from ckptvar.checkpoint import _apply
 
 #: Outcome counts of every damage tried in this module (quoted by docs/reliability.md).
 COUNTS: dict[str, int] = {"tried": 0, "detected": 0, "identical": 0}
@@ -574,7 +574,7 @@ def test_ckpt_verify_fails_on_truncation_and_a_bad_record(
 def restore_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Both restore strategies: read into temporaries, or verify all first then read in place."""
     if request.param == "verify-then-in-place":
-        monkeypatch.setattr(_restore, "TEMPORARY_BUDGET", 0)
+        monkeypatch.setattr(_apply, "TEMPORARY_BUDGET", 0)
     yield str(request.param)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
-from ckptvar.checkpoint._restore import apply_values
+from ckptvar.checkpoint._apply import apply_values
 
 VALUES = {
     "a": np.arange(10, dtype=np.float32),

@@ -2,19 +2,24 @@
 
 The only layer that knows both the variable core and storage. Modules:
 ``_keys`` (key escaping), ``_walk`` (the object-graph walk), ``_serialize``
-(objects -> arrays and metadata), ``_restore`` (plan, validate, apply; status;
-restore-on-create), ``_checkpoint`` (``Checkpoint``), ``_saver`` (``Saver``),
-``_manager`` (``CheckpointManager``, ``latest_checkpoint``), ``_async``
-(background saves).
+(objects -> arrays and metadata), ``_steps`` (``prefix-N.suffix`` names),
+``_files`` (writing and discarding one checkpoint file), ``_state`` (a
+directory's state file, ``latest_checkpoint``), ``_apply`` (all-or-nothing
+application of values), ``_object_restore`` (matching objects, deferred values),
+``_status`` (``RestoreStatus``), ``_on_create`` (``restore_on_create``),
+``_checkpoint`` (``Checkpoint``), ``_saver`` (``Saver``), ``_manager``
+(``CheckpointManager``), ``_async`` (background saves).
 """
 
 from __future__ import annotations
 
 from ._async import SaveHandle, wait_for_pending_saves
 from ._checkpoint import Checkpoint
-from ._manager import CheckpointManager, latest_checkpoint
-from ._restore import RestoreStatus, restore_on_create
+from ._manager import CheckpointManager
+from ._on_create import restore_on_create
 from ._saver import Saver
+from ._state import latest_checkpoint
+from ._status import RestoreStatus
 
 __all__ = [
     "Checkpoint",

@@ -1,90 +1,30 @@
 """``cv.Checkpoint``: object-based checkpoints keyed by object-graph paths.
 
-Owns the save counter, file naming (``prefix-N.h5`` / ``prefix-N.zarr``), the
-choice of format (suffix, ``format=`` override, HDF5 by default), blocking and
-background saves, and ``restore`` (see ``_restore.py`` for how values are matched,
-checked and applied).
+Owns the save counter, blocking and background saves, and ``restore``. File
+naming (``prefix-N.h5``) is ``_steps``'s, writing a file ``_files``'s; how values
+are matched, checked and applied is ``_object_restore``'s and ``_apply``'s.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from ..errors import UnsupportedFormatError
-from ..storage import backend_for, known_formats
 from ..storage._record import paused_gc
 from ..trackable import Trackable
 from ..variables import Variable
 from . import _async
-from ._restore import RestoreState, RestoreStatus
+from ._files import native_backend, write_file
+from ._object_restore import RestoreState
 from ._serialize import gather, host_arrays, metadata
+from ._status import RestoreStatus
+from ._steps import split_format, step_name
 from ._walk import walk
 
-__all__ = ["Checkpoint", "split_format"]
+__all__ = ["Checkpoint"]
 
 _COUNTER = "save_counter"
-
-
-def split_format(prefix: str | os.PathLike[str], format: str | None) -> tuple[str, str, str]:
-    """``(prefix without a known suffix, format name, suffix)`` for a save prefix."""
-    prefix = os.fspath(prefix)
-    formats = known_formats()
-    found = None
-    for name, suffixes in formats.items():
-        for suffix in suffixes:
-            if prefix.lower().endswith(suffix) and (found is None or len(suffix) > len(found[1])):
-                found = (name, suffix)
-    if found is not None:
-        prefix = prefix[: -len(found[1])]
-    if format is not None:
-        cls = native_backend(prefix + ".x", format)
-        return prefix, cls.name, cls.suffixes[0]
-    if found is not None:
-        cls = backend_for(prefix + found[1], found[0], mode="w")
-        return prefix, cls.name, found[1]
-    cls = backend_for(prefix, "h5", mode="w")
-    return prefix, cls.name, cls.suffixes[0]
-
-
-#: The formats that keep everything a checkpoint holds (attributes, object graph, state).
-NATIVE_FORMATS = ("h5", "zarr")
-
-
-def native_backend(path: str | os.PathLike[str], format: str | None) -> Any:
-    """The writer backend for ``path``; only the native formats can hold a checkpoint."""
-    backend = backend_for(path, format, mode="w")
-    if backend.name not in NATIVE_FORMATS:
-        raise UnsupportedFormatError(
-            f"Cannot write a checkpoint to {os.fspath(path)!r} in the {backend.name} format: "
-            f"checkpoints are written as {' or '.join(NATIVE_FORMATS)} "
-            "(cv.save writes plain arrays to other formats)."
-        )
-    return backend
-
-
-def write_file(
-    path: str | Path,
-    format: str | None,
-    arrays: list[tuple[str, Any, dict[str, Any]]],
-    meta: dict[str, Any],
-) -> str:
-    """Write one checkpoint atomically (temporary sibling, fsync, rename); returns its path."""
-    path = Path(path)
-    backend = native_backend(path, format)
-    if path.parent and not path.parent.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-    writer = backend.open_writer(path, durable=True)
-    try:
-        for key, array, attrs in arrays:
-            writer.add(key, array, attrs)
-        writer.set_metadata(meta)
-        return os.fspath(writer.commit())
-    except BaseException:
-        writer.abort()
-        raise
 
 
 class Checkpoint(Trackable):
@@ -165,7 +105,7 @@ class Checkpoint(Trackable):
         counter.assign_add(1)
         n = int(counter.numpy()) if number is None else int(number)
         try:
-            return self._write(f"{base}-{n}{suffix}", fmt, blocking, user, on_commit)
+            return self._write(step_name(base, n, suffix), fmt, blocking, user, on_commit)
         except BaseException:
             counter.assign_sub(1)
             raise

@@ -1,10 +1,9 @@
 """``cv.CheckpointManager``: numbered checkpoints in a directory, with retention.
 
-Owns the state file ``checkpoint_state.json`` in the directory (replaced
-atomically: temporary sibling, fsync, rename, fsync of the directory; updated
-under an advisory lock file so several managers can share a directory), the
+Owns the manager's section of the directory's state file (``_state``), the
 ``max_to_keep`` / ``keep_checkpoint_every_n_hours`` / ``checkpoint_interval``
-rules (TensorFlow's), recovery after a restart, and :func:`latest_checkpoint`.
+rules (TensorFlow's), and recovery after a restart (temporaries left by a crash,
+deletions that did not finish).
 
 The state has one section per ``checkpoint_name``; a manager only ever deletes
 files listed in its own section, i.e. files it wrote. A checkpoint is listed only
@@ -14,163 +13,44 @@ its file is deleted, so every listed checkpoint is complete.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
-import json
 import logging
 import os
-import re
 import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from ..storage import known_formats
-from ..storage._atomic import fsync_dir, is_partial, partial_path, remove_path
+from ..storage._atomic import is_partial, remove_path
 from ..variables import Variable
-from ._checkpoint import NATIVE_FORMATS, Checkpoint
-from ._restore import RestoreStatus
+from ._checkpoint import Checkpoint
+from ._files import NATIVE_FORMATS, discard
+from ._state import (
+    STATE_FILE,
+    STATE_VERSION,
+    exists,
+    latest_checkpoint,
+    locked,
+    read_state,
+    write_state,
+)
+from ._status import RestoreStatus
+from ._steps import parse_step_name
 
 __all__ = ["STATE_FILE", "CheckpointManager", "latest_checkpoint"]
 
 logger = logging.getLogger("ckptvar")
 
-STATE_FILE = "checkpoint_state.json"
-_LOCK_FILE = ".checkpoint_state.lock"
 #: A save holds a shared lock on this file while it writes; crash leftovers are only cleaned
 #: by a manager that can take it exclusively, so a temporary still being written is never removed.
 _SAVING_LOCK_FILE = ".checkpoint_saving.lock"
-_STATE_VERSION = 1
-
-
-@contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    fd = os.open(directory / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _read_state(directory: Path, *, repair: bool = False) -> dict[str, Any]:
-    """The directory's state; from a damaged state file, a state rebuilt from the files.
-
-    The state file is only ever replaced atomically, so damage comes from outside
-    (disk errors, hand edits). Rather than make the directory unusable, a warning is
-    given and each manager's list is rebuilt from the ``NAME-STEP.h5|.zarr`` files on
-    disk. With ``repair`` (a manager, holding the state lock) the damaged file is kept
-    as ``checkpoint_state.json.damaged-<time>`` and the rebuilt state written in its place.
-    """
-    path = directory / STATE_FILE
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return {"version": _STATE_VERSION, "sections": {}, "latest": None}
-    try:
-        state = json.loads(raw)
-        if not isinstance(state, dict) or not isinstance(state.get("sections"), dict):
-            raise ValueError("not a state record")
-    except ValueError as exc:
-        state = _rebuild_state(directory, f"it is damaged ({exc})", repair=repair)
-        if repair:
-            _write_state(directory, state)
-        return state
-    if state.get("version", 0) > _STATE_VERSION:
-        raise CorruptCheckpointError(
-            f"{str(path)!r} has state version {state.get('version')}; this ckptvar reads "
-            f"up to {_STATE_VERSION}."
-        )
-    return state
-
-
-_FILE_RE = re.compile(r"(?P<name>[^/]+)-(?P<step>\d+)(?P<suffix>\.h5|\.zarr)$")
-
-
-def _rebuild_state(directory: Path, why: str, *, repair: bool) -> dict[str, Any]:
-    path = directory / STATE_FILE
-    aside = path.with_name(f"{STATE_FILE}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
-    if repair:
-        os.replace(path, aside)
-    sections: dict[str, Any] = {}
-    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-        m = _FILE_RE.match(entry.name)
-        if m is None or is_partial(entry.name):
-            continue
-        section = sections.setdefault(
-            m["name"], {"checkpoints": [], "preserved": [], "pending_delete": [],
-                        "last_preserved_time": time.time()}
-        )
-        mtime = entry.stat(follow_symlinks=False).st_mtime
-        section["checkpoints"].append({"path": entry.name, "step": int(m["step"]),
-                                       "time": mtime})
-    latest = None
-    for section in sections.values():
-        section["checkpoints"].sort(key=lambda e: (e["step"], e["time"]))
-        newest = section["checkpoints"][-1]
-        if latest is None or newest["time"] >= latest["time"]:
-            latest = newest
-    kept = f" It was kept as {aside.name!r}." if repair else ""
-    warnings.warn(
-        f"The checkpoint state file {str(path)!r} could not be read: {why}.{kept} The list "
-        "of checkpoints was rebuilt from the files in the directory.",
-        UserWarning,
-        stacklevel=3,
-    )
-    return {"version": _STATE_VERSION, "sections": sections,
-            "latest": latest["path"] if latest else None}
-
-
-def _write_state(directory: Path, state: dict[str, Any]) -> None:
-    final = directory / STATE_FILE
-    tmp = partial_path(final)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(json.dumps(state, indent=1, sort_keys=True).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        remove_path(tmp)
-        raise
-    fsync_dir(directory)
 
 
 def _open_saving_lock(directory: Path) -> int:
     return os.open(directory / _SAVING_LOCK_FILE,
                    os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-
-
-def discard(path: Path) -> None:
-    """Delete a checkpoint file or directory without ever leaving it half-deleted.
-
-    It is first renamed to a temporary name (atomic), so a crash during the
-    deletion of a directory leaves a recognisable temporary, not a damaged checkpoint.
-    """
-    tmp = partial_path(path)
-    try:
-        os.rename(path, tmp)
-    except FileNotFoundError:
-        return
-    remove_path(tmp)
-
-
-def _exists(path: Path) -> bool:
-    return path.exists() and not is_partial(path.name)
-
-
-def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
-    """The newest checkpoint a ``CheckpointManager`` recorded in ``directory``, or ``None``."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return None
-    latest = _read_state(directory).get("latest")
-    if not isinstance(latest, str) or not latest or "/" in latest or latest in (".", ".."):
-        return None
-    path = directory / latest
-    return os.fspath(path) if _exists(path) else None
 
 
 class CheckpointManager:
@@ -228,14 +108,11 @@ class CheckpointManager:
         self.async_save = async_save
         self.restore_status: RestoreStatus | None = None
         self.skipped: list[tuple[str, str]] = []
-        self._name_re = re.compile(
-            re.escape(checkpoint_name) + r"-(\d+)" + re.escape(self._suffix) + r"$"
-        )
         self.directory.mkdir(parents=True, exist_ok=True)
         self._section: dict[str, Any] = {}
         self._created = time.time()
-        with _locked(self.directory):
-            state = _read_state(self.directory, repair=True)
+        with locked(self.directory):
+            state = read_state(self.directory, repair=True)
             self._section = self._recover(state)
             self._clean_temporaries()
             self._finish_deletions(state)
@@ -255,12 +132,17 @@ class CheckpointManager:
             section[name] = [e for e in section.get(name, []) if self._own(e)]
         # A file that vanished (deleted by hand) is no longer listed.
         section["checkpoints"] = [
-            e for e in section["checkpoints"] if _exists(self.directory / e["path"])
+            e for e in section["checkpoints"] if exists(self.directory / e["path"])
         ]
         return section
 
     def _own(self, entry: Any) -> bool:
-        return isinstance(entry, dict) and bool(self._name_re.match(str(entry.get("path", ""))))
+        return isinstance(entry, dict) and self._is_own_name(str(entry.get("path", "")))
+
+    def _is_own_name(self, name: str) -> bool:
+        """``name`` is ``<checkpoint_name>-N<suffix>``: a file this manager writes."""
+        parsed = parse_step_name(name, prefix=self.checkpoint_name, suffixes=(self._suffix,))
+        return parsed is not None
 
     def _clean_temporaries(self) -> None:
         """Remove temporaries of this manager's files left by a crash (under the state lock).
@@ -293,20 +175,20 @@ class CheckpointManager:
         self._store(state)
 
     def _store(self, state: dict[str, Any]) -> None:
-        state["version"] = _STATE_VERSION
+        state["version"] = STATE_VERSION
         state["sections"][self.checkpoint_name] = self._section
         if self._section["checkpoints"]:
             state["latest"] = self._section["checkpoints"][-1]["path"]
-        elif state.get("latest") and self._name_re.match(str(state["latest"])):
+        elif state.get("latest") and self._is_own_name(str(state["latest"])):
             state["latest"] = None
-        _write_state(self.directory, state)
+        write_state(self.directory, state)
 
     def _record(self, path: str, step: int) -> None:
         """Called once ``path`` is durable: list it, prune, persist, then delete pruned files."""
         name = Path(path).name
         now = time.time()
-        with _locked(self.directory):
-            state = _read_state(self.directory, repair=True)
+        with locked(self.directory):
+            state = read_state(self.directory, repair=True)
             section = self._recover(state)
             section["checkpoints"] = [e for e in section["checkpoints"] if e["path"] != name]
             section["checkpoints"].append({"path": name, "step": int(step), "time": now})

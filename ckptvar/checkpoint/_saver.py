@@ -14,10 +14,11 @@ from pathlib import Path
 from ..graph import global_variables
 from ..storage import backend_for
 from ..variables import Variable
-from ._checkpoint import split_format, write_file
-from ._manager import discard
-from ._restore import apply_values, missing_keys_error
+from ._apply import apply_values
+from ._files import discard, write_file
 from ._serialize import SavePlan, host_arrays, metadata
+from ._status import missing_keys_error
+from ._steps import split_format, step_name
 
 __all__ = ["Saver"]
 
@@ -80,12 +81,14 @@ class Saver:
         base, fmt, suffix = split_format(prefix, format)
         if global_step is not None:
             step = int(global_step.numpy() if isinstance(global_step, Variable) else global_step)
-            base = f"{base}-{step}"
+            path = step_name(base, step, suffix)
+        else:
+            path = base + suffix
         mapping = self._mapping()
         if not mapping:
             raise ValueError("Saver has no variables to save.")
         plan = SavePlan(variables=mapping)
-        path = write_file(base + suffix, fmt, host_arrays(plan, copy=False), metadata(
+        path = write_file(path, fmt, host_arrays(plan, copy=False), metadata(
             plan, save_counter=None
         ) | {"saver": {"version": 1}})
         if path in self._last:

@@ -1,0 +1,184 @@
+"""All-or-nothing application of stored values to variables.
+
+Owns the rule that a restore changes nothing until everything has been checked:
+:func:`check_matches` compares every dtype and shape first
+(``CheckpointMismatchError`` listing every one), then :func:`apply_values` reads
+and verifies every value before any variable changes:
+
+- values for variables without memory yet are read (verified) into fresh arrays
+  that the variables then adopt;
+- values for variables that already hold memory are read into temporaries when
+  they total at most :data:`TEMPORARY_BUDGET` bytes, else every one is verified
+  first and then read straight into the variables' own buffers (reading the file
+  twice, never holding a second copy of a large model).
+
+The optional fast paths a reader may offer are looked up in one place,
+:func:`reader_abilities`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._dtypes import dtype_name
+from ..errors import CheckpointMismatchError
+from ..storage import ArrayInfo, Reader
+from ..variables import Variable
+
+__all__ = [
+    "TEMPORARY_BUDGET",
+    "ReaderAbilities",
+    "apply_values",
+    "check_matches",
+    "reader_abilities",
+]
+
+#: Up to this many bytes of values going into existing variables are read into
+#: temporaries (one pass over the file); above it, verify first, then read in place.
+TEMPORARY_BUDGET = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class ReaderAbilities:
+    """The optional fast paths of one reader (``None`` where it offers none).
+
+    ``shape_and_dtype(key)``: a value's shape and dtype without building an
+    ``ArrayInfo``; ``read_into_many([(key, buf)], verify=)``: bulk reads into
+    caller buffers; ``verify_many(keys)``: bulk checksum verification.
+    """
+
+    shape_and_dtype: Callable[[str], tuple[tuple[int, ...], np.dtype]] | None
+    read_into_many: Callable[..., Any] | None
+    verify_many: Callable[[list[str]], Any] | None
+
+
+def reader_abilities(reader: Any) -> ReaderAbilities:
+    """What ``reader`` offers beyond the ``Reader`` interface (the one place it is asked)."""
+    return ReaderAbilities(
+        shape_and_dtype=getattr(reader, "shape_and_dtype", None),
+        read_into_many=getattr(reader, "read_into_many", None),
+        verify_many=getattr(reader, "verify_many", None),
+    )
+
+
+def _shape_matches(var_shape: tuple[int | None, ...] | None, found: tuple[int, ...]) -> bool:
+    if var_shape is None:
+        return True
+    if len(var_shape) != len(found):
+        return False
+    return all(a is None or a == b for a, b in zip(var_shape, found, strict=True))
+
+
+def _fmt_shape(shape: Any) -> str:
+    return "unknown" if shape is None else str(tuple(shape))
+
+
+def check_matches(
+    pairs: list[tuple[str, Variable]],
+    infos: Mapping[str, ArrayInfo],
+    path: Any,
+    *,
+    fast: Callable[[str], tuple[tuple[int, ...], np.dtype]] | None = None,
+) -> None:
+    """Raise ``CheckpointMismatchError`` listing every variable whose stored value differs.
+
+    ``fast`` (a reader's ``shape_and_dtype``) answers the common case without an
+    ``ArrayInfo``.
+    """
+    problems = []
+    for key, var in pairs:
+        if fast is not None:
+            shape, dtype = fast(key)
+            if var.shape == shape and var.dtype == dtype:
+                continue
+        info = infos[key]
+        if var.shape == info.shape and var.dtype == info.dtype:
+            continue
+        if np.dtype(var.dtype) != info.dtype or not _shape_matches(var.shape, info.shape):
+            problems.append(
+                f"{key!r} (variable {var.name!r}): expected shape {_fmt_shape(var.shape)} "
+                f"dtype {dtype_name(var.dtype)}, found shape {_fmt_shape(info.shape)} "
+                f"dtype {dtype_name(info.dtype)}"
+            )
+    if problems:
+        raise CheckpointMismatchError(
+            f"Cannot restore from {str(path)!r}: {len(problems)} stored value(s) do not match "
+            "their variables; nothing was restored. " + "; ".join(problems) + "."
+        )
+
+
+def _read_fresh(reader: Reader, keys: list[str], verify: bool) -> dict[str, np.ndarray]:
+    """Each key's value in a fresh array (packed values: views into one verified read)."""
+    unique = list(dict.fromkeys(keys))
+    return dict(reader.read_many(unique, verify=verify))
+
+
+def apply_values(
+    reader: Reader,
+    pairs: list[tuple[str, Variable]],
+    infos: Mapping[str, ArrayInfo],
+    *,
+    verify: bool = True,
+    budget: int | None = None,
+) -> None:
+    """Validate, read and check all values, then assign them (all or nothing).
+
+    ``pairs`` may name one variable under several keys or one key for several
+    variables; each variable takes one value.
+    """
+    able = reader_abilities(reader)
+    check_matches(pairs, infos, reader.path, fast=able.shape_and_dtype)
+    by_var: dict[int, tuple[str, Variable]] = {}
+    for key, var in pairs:
+        by_var.setdefault(id(var), (key, var))
+    fresh: list[tuple[str, Variable]] = []
+    in_place: list[tuple[str, Variable, np.ndarray]] = []
+    in_place_bytes = 0
+    fast = able.shape_and_dtype
+    for key, var in by_var.values():
+        buf = var._host_buffer() if var._materialized else None
+        if buf is not None and buf.shape == (fast(key)[0] if fast else infos[key].shape):
+            in_place.append((key, var, buf))  # _host_buffer: C-contiguous and writeable
+            in_place_bytes += buf.nbytes
+        else:
+            fresh.append((key, var))
+    budget = TEMPORARY_BUDGET if budget is None else budget
+    # Phase 1: everything that can fail.
+    if verify and in_place_bytes <= budget:
+        fresh += [(key, var) for key, var, _ in in_place]
+        in_place = []
+    got = _read_fresh(reader, [key for key, _ in fresh], verify) if fresh else {}
+    values: list[tuple[Variable, np.ndarray]] = []
+    given: set[str] = set()
+    for key, var in fresh:
+        value = got[key]
+        if key in given:  # one stored value for several variables: each gets its own
+            value = value.copy()
+        given.add(key)
+        values.append((var, value))
+    if verify and in_place:
+        if able.verify_many is not None:
+            able.verify_many([key for key, _, _ in in_place])
+        else:
+            for key, _, _ in in_place:
+                reader.verify(key)
+    # Phase 2: change the variables.
+    for var, value in values:
+        _give(var, value)
+    if in_place:  # materialised, hence already initialized
+        if able.read_into_many is not None:
+            able.read_into_many([(key, buf) for key, _, buf in in_place], verify=False)
+        else:
+            for key, _, buf in in_place:
+                reader.read(key, out=buf, verify=False)
+
+
+def _give(var: Variable, value: np.ndarray) -> None:
+    if var._materialized:
+        var._restore_value(value)
+    else:
+        var._set_initial_value_source(lambda value=value: value)

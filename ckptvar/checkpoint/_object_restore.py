@@ -1,0 +1,242 @@
+"""Object-based restore: matching objects to stored keys, and deferring the rest.
+
+A restore matches the objects that exist to the file's keys (object-graph paths,
+including the aliases of shared variables) and applies their values all or
+nothing (``_apply``). Values whose objects do not exist yet wait on their parent
+trackable (``Trackable._defer``) and are applied when the object is attached: the
+variable is born with the stored value and its initializer never runs.
+:class:`RestoreState` keeps the accounting (what was consumed, what is pending)
+that the status (``_status``) reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..storage import ArrayInfo, Reader, backend_for
+from ..storage._record import paused_gc
+from ..trackable import Trackable
+from ..variables import Variable
+from ._apply import apply_values, reader_abilities
+from ._keys import escape_segment, unescape_segment
+from ._serialize import decode_state, read_graph
+from ._walk import Node, walk
+
+__all__ = ["RestoreState"]
+
+
+@dataclass
+class _Match:
+    variables: list[tuple[str, Variable]]
+    states: list[tuple[str, Trackable]]
+    deferrals: list[tuple[Trackable, str, str]]  # (parent, raw child name, parent key)
+
+
+class RestoreState:
+    """One restore: what the file holds, what has been matched, and pending values.
+
+    Kept alive by its :class:`RestoreStatus` and by the deferred handlers it leaves
+    on trackables; holds its reader open while values are still pending.
+    """
+
+    def __init__(self, path: str | Path, *, root: Any = None, verify: bool = True) -> None:
+        self.path = Path(path)
+        self.verify = verify
+        self._lock = threading.RLock()
+        self._reader: Reader | None = backend_for(self.path).open_reader(self.path)
+        self._finalizer = weakref.finalize(self, _close, self._reader)
+        reader = self._reader
+        self.infos: Mapping[str, ArrayInfo] = _infos(reader)
+        meta = reader.metadata()
+        self.has_save_counter = isinstance(meta, dict) and "save_counter" in meta
+        self.alias_to_key, self.states = read_graph(meta, self.path)
+        self.alias_to_key = {a: k for a, k in self.alias_to_key.items() if k in self.infos}
+        children: dict[str, set[str]] = {}
+        for path_key in [*self.infos, *self.alias_to_key, *self.states]:
+            child = path_key  # every prefix knows its next segment
+            while True:
+                parent, _, seg = child.rpartition("/")
+                known = children.get(parent)
+                if known is None:
+                    children[parent] = {seg}
+                elif seg in known:
+                    break  # the parent's own prefixes are known already
+                else:
+                    known.add(seg)
+                if not parent:
+                    break
+                child = parent
+        self.children = children
+        self.consumed_keys: set[str] = set()
+        self.consumed_states: set[str] = set()
+        self._matched: dict[int, weakref.ref[Any]] = {}
+        self._root = weakref.ref(root) if root is not None else None
+        self.pending = 0
+
+    # -- reader -----------------------------------------------------------------------
+    @property
+    def reader(self) -> Reader:
+        if self._reader is None:
+            self._reader = backend_for(self.path).open_reader(self.path)
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _close, self._reader)
+        return self._reader
+
+    def release_reader(self) -> None:
+        """Close the file if no value is pending (it is reopened when needed)."""
+        if self._reader is not None and self.pending <= 0:
+            self._finalizer()
+            self._reader = None
+
+    # -- matching ---------------------------------------------------------------------
+    def key_for(self, path_key: str) -> str | None:
+        if path_key in self.infos:
+            return path_key
+        return self.alias_to_key.get(path_key)
+
+    def _match(self, nodes: list[Node]) -> _Match:
+        m = _Match([], [], [])
+        for node in nodes:
+            obj = node.obj
+            if isinstance(obj, Variable):
+                key = self.key_for(node.key)
+                if key is not None:
+                    m.variables.append((key, obj))
+                continue
+            if isinstance(obj, Trackable) and node.first:
+                if node.key in self.states and node.key != "":
+                    m.states.append((node.key, obj))
+                wanted = self.children.get(node.key, ())
+                if wanted:
+                    present = {
+                        n if type(n) is str and n and "%" not in n and "/" not in n
+                        else escape_segment(n)
+                        for n in obj._trackable_children()
+                    }
+                    for seg in sorted(wanted - present):
+                        m.deferrals.append((obj, unescape_segment(seg), node.key))
+        return m
+
+    def mark_consumed(self, key: str, var: Variable) -> None:
+        """Record that ``var`` took the stored value ``key``."""
+        self.consumed_keys.add(key)
+        self._matched[id(var)] = weakref.ref(var)
+
+    def restore_nodes(self, nodes: list[Node]) -> None:
+        """Restore everything under ``nodes`` now and defer what is missing."""
+        with self._lock, paused_gc():
+            m = self._match(nodes)
+            decoded = [(k, t, decode_state(self.states[k], k, self.path)) for k, t in m.states]
+            apply_values(self.reader, m.variables, self.infos, verify=self.verify)
+            for key, trackable, state in decoded:
+                trackable._restore_python_state(state)
+            for key, var in m.variables:
+                self.mark_consumed(key, var)
+            for key, trackable, _ in decoded:
+                self.consumed_states.add(key)
+                self._matched[id(trackable)] = weakref.ref(trackable)
+            for parent, name, parent_key in m.deferrals:
+                parent._defer(name, _Deferred(self, parent_key))
+                self.pending += 1
+
+    def on_attach(self, parent_key: str, name: str, child: Any) -> None:
+        with self._lock:
+            self.pending -= 1
+            seg = escape_segment(name)
+            key = f"{parent_key}/{seg}" if parent_key else seg
+            try:
+                with paused_gc():
+                    self.restore_nodes(walk(child, key))
+            finally:
+                self.release_reader()
+
+    # -- accounting -------------------------------------------------------------------
+    def matched(self, obj: Any) -> bool:
+        ref = self._matched.get(id(obj))
+        return ref is not None and ref() is obj
+
+    def unused(self) -> list[str]:
+        """Stored values (keys and Python states) no object has taken yet."""
+        keys = [k for k in self.infos if k not in self.consumed_keys]
+        keys += [f"{k} (Python state)" for k in self.states if k not in self.consumed_states]
+        return keys
+
+    def unmatched_objects(self) -> list[str]:
+        """Existing variables and stateful trackables under the root with no stored value."""
+        root = self._root() if self._root is not None else None
+        if root is None:
+            return []
+        out = []
+        for node in walk(root):
+            obj = node.obj
+            if isinstance(obj, Variable):
+                if not self.matched(obj):
+                    out.append(f"{node.key} (variable {obj.name!r})")
+            elif (
+                isinstance(obj, Trackable)
+                and node.first
+                and node.parent is not None
+                and not self.matched(obj)
+                and obj._python_state() is not None
+            ):
+                out.append(f"{node.key} (Python state of {type(obj).__name__})")
+        seen: set[str] = set()
+        return [x for x in out if not (x in seen or seen.add(x))]
+
+
+class _LazyInfos(Mapping[str, ArrayInfo]):
+    """``{key: ArrayInfo}`` of a native reader, each made when first asked for.
+
+    A native reader answers from its decoded record, even after it is closed.
+    """
+
+    __slots__ = ("_keys", "_reader")
+
+    def __init__(self, reader: Reader) -> None:
+        self._reader = reader
+        self._keys = reader.keys()
+
+    def __getitem__(self, key: str) -> ArrayInfo:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._reader.info(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def _infos(reader: Reader) -> Mapping[str, ArrayInfo]:
+    if reader_abilities(reader).read_into_many is not None:  # native: from its record
+        return _LazyInfos(reader)
+    return {k: reader.info(k) for k in reader.keys()}
+
+
+def _close(reader: Reader | None) -> None:
+    if reader is not None:
+        with contextlib.suppress(Exception):
+            reader.close()
+
+
+class _Deferred:
+    """The handler a restore leaves on a trackable for a child that does not exist yet."""
+
+    __slots__ = ("parent_key", "state")
+
+    def __init__(self, state: RestoreState, parent_key: str) -> None:
+        self.state = state
+        self.parent_key = parent_key
+
+    def __call__(self, parent: Trackable, name: str, child: Any) -> None:
+        self.state.on_attach(self.parent_key, name, child)

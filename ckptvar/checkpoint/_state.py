@@ -1,0 +1,148 @@
+"""A checkpoint directory's state file ``checkpoint_state.json`` and :func:`latest_checkpoint`.
+
+The state file is replaced atomically (temporary sibling, fsync, rename, fsync of
+the directory) and updated under an advisory lock file (``.checkpoint_state.lock``)
+so that several managers, in any process, can share a directory. It has one
+section per ``checkpoint_name`` (a manager's own list of checkpoints) and the
+directory's ``latest`` checkpoint, which :func:`latest_checkpoint` returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptCheckpointError
+from ..storage._atomic import fsync_dir, is_partial, partial_path, remove_path
+from ._steps import parse_step_name
+
+__all__ = [
+    "STATE_FILE",
+    "STATE_VERSION",
+    "exists",
+    "latest_checkpoint",
+    "locked",
+    "read_state",
+    "write_state",
+]
+
+STATE_FILE = "checkpoint_state.json"
+LOCK_FILE = ".checkpoint_state.lock"
+STATE_VERSION = 1
+
+
+@contextlib.contextmanager
+def locked(directory: Path) -> Iterator[None]:
+    """Hold the directory's state lock (exclusive) for the block."""
+    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def read_state(directory: Path, *, repair: bool = False) -> dict[str, Any]:
+    """The directory's state; from a damaged state file, a state rebuilt from the files.
+
+    The state file is only ever replaced atomically, so damage comes from outside
+    (disk errors, hand edits). Rather than make the directory unusable, a warning is
+    given and each manager's list is rebuilt from the ``NAME-STEP.h5|.zarr`` files on
+    disk. With ``repair`` (a manager, holding the state lock) the damaged file is kept
+    as ``checkpoint_state.json.damaged-<time>`` and the rebuilt state written in its place.
+    """
+    path = directory / STATE_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return {"version": STATE_VERSION, "sections": {}, "latest": None}
+    try:
+        state = json.loads(raw)
+        if not isinstance(state, dict) or not isinstance(state.get("sections"), dict):
+            raise ValueError("not a state record")
+    except ValueError as exc:
+        state = _rebuild_state(directory, f"it is damaged ({exc})", repair=repair)
+        if repair:
+            write_state(directory, state)
+        return state
+    if state.get("version", 0) > STATE_VERSION:
+        raise CorruptCheckpointError(
+            f"{str(path)!r} has state version {state.get('version')}; this ckptvar reads "
+            f"up to {STATE_VERSION}."
+        )
+    return state
+
+
+def _rebuild_state(directory: Path, why: str, *, repair: bool) -> dict[str, Any]:
+    path = directory / STATE_FILE
+    aside = path.with_name(f"{STATE_FILE}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
+    if repair:
+        os.replace(path, aside)
+    sections: dict[str, Any] = {}
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        parsed = parse_step_name(entry.name)
+        if parsed is None or is_partial(entry.name):
+            continue
+        section = sections.setdefault(
+            parsed.prefix, {"checkpoints": [], "preserved": [], "pending_delete": [],
+                            "last_preserved_time": time.time()}
+        )
+        mtime = entry.stat(follow_symlinks=False).st_mtime
+        section["checkpoints"].append({"path": entry.name, "step": parsed.step,
+                                       "time": mtime})
+    latest = None
+    for section in sections.values():
+        section["checkpoints"].sort(key=lambda e: (e["step"], e["time"]))
+        newest = section["checkpoints"][-1]
+        if latest is None or newest["time"] >= latest["time"]:
+            latest = newest
+    kept = f" It was kept as {aside.name!r}." if repair else ""
+    warnings.warn(
+        f"The checkpoint state file {str(path)!r} could not be read: {why}.{kept} The list "
+        "of checkpoints was rebuilt from the files in the directory.",
+        UserWarning,
+        stacklevel=3,
+    )
+    return {"version": STATE_VERSION, "sections": sections,
+            "latest": latest["path"] if latest else None}
+
+
+def write_state(directory: Path, state: dict[str, Any]) -> None:
+    """Replace the state file atomically and durably (the caller holds :func:`locked`)."""
+    final = directory / STATE_FILE
+    tmp = partial_path(final)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(json.dumps(state, indent=1, sort_keys=True).encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        remove_path(tmp)
+        raise
+    fsync_dir(directory)
+
+
+def exists(path: Path) -> bool:
+    """``path`` is there and is not a temporary."""
+    return path.exists() and not is_partial(path.name)
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
+    """The newest checkpoint a ``CheckpointManager`` recorded in ``directory``, or ``None``."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    latest = read_state(directory).get("latest")
+    if not isinstance(latest, str) or not latest or "/" in latest or latest in (".", ".."):
+        return None
+    path = directory / latest
+    return os.fspath(path) if exists(path) else None
+
