@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .checkpoint._files import destination_error, make_parents
 from .errors import DeviceError
 from .storage import backend_for
 from .storage._record import paused_gc
@@ -121,22 +122,30 @@ def save(
 ) -> Path:
     """Write ``{key: array}`` as a ckptvar checkpoint at ``path`` (atomically); returns the path.
 
+    Missing parent directories are created (as ``Checkpoint.save`` does); an
+    ``OSError`` names ``path``, never the temporary the file is written to first.
+
     Each key is also the value's stored ``name`` unless ``attrs[key]`` says otherwise.
     ``options`` go to the format's writer (``durable``, ``pack_threshold``,
     ``compression`` for Zarr; see docs/FORMAT.md).
     """
     p = Path(path)
-    writer = backend_for(p, format, mode="w").open_writer(p, **options)
-    with paused_gc():
-        try:
-            for key, value in arrays.items():
-                extra = dict(attrs.get(key, ())) if attrs else {}
-                if "name" not in extra:
-                    extra["name"] = key
-                writer.add(key, value, extra)
-            if metadata is not None:
-                writer.set_metadata(metadata)
-        except BaseException:
-            writer.abort()
-            raise
-        return writer.commit()
+    backend = backend_for(p, format, mode="w")
+    make_parents(p)
+    try:
+        writer = backend.open_writer(p, **options)
+        with paused_gc():
+            try:
+                for key, value in arrays.items():
+                    extra = dict(attrs.get(key, ())) if attrs else {}
+                    if "name" not in extra:
+                        extra["name"] = key
+                    writer.add(key, value, extra)
+                if metadata is not None:
+                    writer.set_metadata(metadata)
+            except BaseException:
+                writer.abort()
+                raise
+            return writer.commit()
+    except OSError as exc:
+        raise destination_error(exc, p) from exc

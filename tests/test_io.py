@@ -119,3 +119,27 @@ def test_load_onto_gpu_streams_through_bounded_host_memory(tmp_path: Path) -> No
     assert peak < 640 << 20, f"host peak {peak >> 20} MiB while loading 1 GiB onto the GPU"
     for i in range(16):
         assert float(out[f"w{i}"][-1].get()) == i
+
+
+@pytest.mark.parametrize("name", ["a.h5", "a.zarr", "a.npz", "a.safetensors"])
+def test_save_creates_missing_parents(tmp_path: Path, name: str) -> None:
+    target = tmp_path / "new" / "deeper" / name
+    out = cv.save(target, {"w": np.arange(3, dtype=np.float32)})
+    assert Path(out) == target
+    np.testing.assert_array_equal(cv.load(target)["w"], [0, 1, 2])
+
+
+@pytest.mark.parametrize("name", ["x.h5", "x.zarr"])
+def test_a_write_error_names_the_users_path(tmp_path: Path, name: str,
+                                            fresh_graph: cv.Graph) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    for write in (
+        lambda p: cv.save(p, {"w": np.zeros(2)}),
+        lambda p: cv.Checkpoint(w=cv.Variable([1.0])).write(p),
+    ):
+        with pytest.raises(OSError) as info:
+            write(blocker / "sub" / name)
+        msg = str(info.value)
+        assert ".partial" not in msg and str(blocker / "sub" / name) in msg, msg
+    assert blocker.read_text() == "not a directory"

@@ -18,6 +18,7 @@ from . import _async
 from ._files import native_backend, write_file
 from ._object_restore import RestoreState
 from ._serialize import gather, host_arrays, metadata
+from ._state import record_latest
 from ._status import RestoreStatus
 from ._steps import split_format, step_name
 from ._walk import walk
@@ -85,9 +86,12 @@ class Checkpoint(Trackable):
         """Increment the save counter and write ``prefix-N.<suffix>``.
 
         Returns the path, or with ``blocking=False`` a handle whose ``wait()`` returns it
-        once durable. ``metadata`` (msgpack-able) is stored with the checkpoint.
+        once durable. ``metadata`` (msgpack-able) is stored with the checkpoint. Once
+        the file is durable it is recorded as its directory's latest checkpoint (the
+        state file a ``CheckpointManager`` keeps), where ``cv.latest_checkpoint`` finds it.
         """
-        return self._save(prefix, format=format, blocking=blocking, user=metadata)
+        return self._save(prefix, format=format, blocking=blocking, user=metadata,
+                          on_commit=record_latest)
 
     def _save(
         self,
@@ -120,8 +124,11 @@ class Checkpoint(Trackable):
     ) -> Any:
         """Write exactly ``path`` (the save counter does not change).
 
-        The suffix picks the format (``.h5`` or ``.zarr``; none: HDF5); ``format=``
-        overrides it. A suffix that cannot be written raises ``UnsupportedFormatError``.
+        As in TensorFlow, ``write`` neither creates the save counter nor records the
+        file for ``cv.latest_checkpoint``: the file holds ``save_counter`` only once
+        :meth:`save` ran or the property was read. The suffix picks the format (``.h5``
+        or ``.zarr``; none: HDF5); ``format=`` overrides it. A suffix that cannot be
+        written raises ``UnsupportedFormatError``. Missing parent directories are created.
         """
         self.wait()
         path = os.fspath(path)
@@ -136,10 +143,11 @@ class Checkpoint(Trackable):
         user: Any,
         on_commit: Callable[[str], None] | None,
     ) -> Any:
-        counter = self.save_counter  # every file holds it, so a restore can match it
+        counter = self._trackable_children().get(_COUNTER)  # stored only once it exists
         with paused_gc():
             plan = gather(self)
-            meta = metadata(plan, save_counter=int(counter.numpy()), user=user)
+            count = None if counter is None else int(counter.numpy())
+            meta = metadata(plan, save_counter=count, user=user)
             arrays = host_arrays(plan, copy=not blocking)
 
         def run() -> str:
@@ -174,14 +182,17 @@ class Checkpoint(Trackable):
 
         Checks all dtypes and shapes first (``CheckpointMismatchError``, nothing changed)
         and verifies checksums before changing anything (``verify=False`` skips that).
-        ``None`` restores nothing (the status's assertions then fail).
+        ``None`` restores nothing (the status's assertions then fail). A file without
+        a save counter (written by :meth:`write` before any :meth:`save`) neither creates
+        nor expects one.
         """
         if path is None:
             return RestoreStatus(None, warn_unused=False)
         self.wait()
-        self.save_counter  # noqa: B018 - exists before matching, so it is restored too
         with paused_gc():
             state = RestoreState(path, root=self, verify=verify)
+        if state.has_save_counter:
+            self.save_counter  # noqa: B018 - exists before matching, so it is restored too
         try:
             with paused_gc():
                 state.restore_nodes(walk(self))

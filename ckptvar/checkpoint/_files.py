@@ -1,21 +1,31 @@
 """A checkpoint's file on disk: which formats hold one, writing it, retiring it.
 
 :func:`write_file` writes one checkpoint atomically (temporary sibling, fsync,
-rename); :func:`discard` removes one without ever leaving it half-deleted. Used
-by ``Checkpoint``, ``Saver`` and ``CheckpointManager`` alike.
+rename), creating missing parent directories; :func:`discard` removes one without
+ever leaving it half-deleted. Used by ``Checkpoint``, ``Saver``,
+``CheckpointManager`` and ``cv.save`` alike. An ``OSError`` from writing names the
+user's path, never the hidden temporary (:func:`destination_error`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
-from ..errors import UnsupportedFormatError
+from ..errors import CkptError, UnsupportedFormatError
 from ..storage import backend_for
 from ..storage._atomic import partial_path, remove_path
 
-__all__ = ["NATIVE_FORMATS", "discard", "native_backend", "write_file"]
+__all__ = [
+    "NATIVE_FORMATS",
+    "destination_error",
+    "discard",
+    "make_parents",
+    "native_backend",
+    "write_file",
+]
 
 #: The formats that keep everything a checkpoint holds (attributes, object graph, state).
 NATIVE_FORMATS = ("h5", "zarr")
@@ -33,6 +43,46 @@ def native_backend(path: str | os.PathLike[str], format: str | None) -> Any:
     return backend
 
 
+def make_parents(path: Path) -> None:
+    """Create the missing parent directories of ``path`` (errors name ``path``)."""
+    parent = path.parent
+    if parent.is_dir():
+        return
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise destination_error(exc, path) from exc
+
+
+def destination_error(exc: OSError, path: Path) -> OSError:
+    """``exc`` as an error of the same kind about ``path``, the user's destination.
+
+    A writer works on a hidden temporary sibling (``.name.<hex>.partial``); the
+    user never asked for that name, so it is replaced by ``path`` in the message.
+    ckptvar's own errors (they name the destination already) are returned as they are.
+    """
+    if isinstance(exc, CkptError):
+        return exc
+    def unhide(text: str) -> str:
+        full = re.escape(os.fspath(path.parent / f".{path.name}")) + r"\.[0-9a-f]+\.partial"
+        text = re.sub(full, os.fspath(path), text)
+        return re.sub(re.escape(f".{path.name}") + r"\.[0-9a-f]+\.partial", path.name, text)
+
+    if exc.errno is not None and exc.strerror:
+        detail = unhide(exc.strerror)
+        named = None if exc.filename is None else unhide(os.fspath(exc.filename))
+        if named is not None and named != os.fspath(path):
+            detail += f": {named!r}"
+        args: tuple[Any, ...] = (exc.errno, f"Cannot write {os.fspath(path)!r}: {detail}")
+    else:
+        args = (f"Cannot write {os.fspath(path)!r}: {unhide(str(exc))}",)
+    try:
+        new = type(exc)(*args)
+    except Exception:  # noqa: BLE001 - an OSError subclass with another signature
+        new = OSError(*args)
+    return new
+
+
 def write_file(
     path: str | Path,
     format: str | None,
@@ -42,17 +92,19 @@ def write_file(
     """Write one checkpoint atomically (temporary sibling, fsync, rename); returns its path."""
     path = Path(path)
     backend = native_backend(path, format)
-    if path.parent and not path.parent.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-    writer = backend.open_writer(path, durable=True)
+    make_parents(path)
     try:
-        for key, array, attrs in arrays:
-            writer.add(key, array, attrs)
-        writer.set_metadata(meta)
-        return os.fspath(writer.commit())
-    except BaseException:
-        writer.abort()
-        raise
+        writer = backend.open_writer(path, durable=True)
+        try:
+            for key, array, attrs in arrays:
+                writer.add(key, array, attrs)
+            writer.set_metadata(meta)
+            return os.fspath(writer.commit())
+        except BaseException:
+            writer.abort()
+            raise
+    except OSError as exc:
+        raise destination_error(exc, path) from exc
 
 
 def discard(path: Path) -> None:

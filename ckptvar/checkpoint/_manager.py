@@ -21,7 +21,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from ..errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    CorruptCheckpointError,
+    UnsupportedFormatError,
+)
 from ..storage import known_formats
 from ..storage._atomic import is_partial, remove_path
 from ..variables import Variable
@@ -34,6 +39,7 @@ from ._state import (
     latest_checkpoint,
     locked,
     read_state,
+    writable,
     write_state,
 )
 from ._status import RestoreStatus
@@ -70,6 +76,10 @@ class CheckpointManager:
         init_fn: called by :meth:`restore_or_initialize` when there is nothing to restore.
         format: ``"h5"`` or ``"zarr"``.
         async_save: write in the background (see ``Checkpoint.save(blocking=False)``).
+
+    A read-only directory can be opened (``read_only`` is then True):
+    :attr:`checkpoints`, :attr:`latest_checkpoint` and :meth:`restore_or_initialize`
+    work, crash leftovers are left alone, and :meth:`save` raises ``CkptError``.
     """
 
     def __init__(
@@ -111,11 +121,13 @@ class CheckpointManager:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._section: dict[str, Any] = {}
         self._created = time.time()
-        with locked(self.directory):
-            state = read_state(self.directory, repair=True)
+        self.read_only = not writable(self.directory)
+        with locked(self.directory, shared=self.read_only):
+            state = read_state(self.directory, repair=not self.read_only)
             self._section = self._recover(state)
-            self._clean_temporaries()
-            self._finish_deletions(state)
+            if not self.read_only:  # recovery writes; a read-only directory is left as is
+                self._clean_temporaries()
+                self._finish_deletions(state)
 
     # -- state ------------------------------------------------------------------------
     def _empty_section(self) -> dict[str, Any]:
@@ -252,6 +264,11 @@ class CheckpointManager:
         listed once it is.
         """
         self._sync()
+        if not writable(self.directory):
+            raise CkptError(
+                f"Cannot save into {os.fspath(self.directory)!r}: the directory is read-only "
+                "(this manager can list and restore its checkpoints, not write new ones)."
+            )
         counter = self._checkpoint.save_counter
         number = checkpoint_number
         if number is None:

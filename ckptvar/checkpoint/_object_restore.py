@@ -167,6 +167,10 @@ class RestoreState:
         keys += [f"{k} (Python state)" for k in self.states if k not in self.consumed_states]
         return keys
 
+    def _own_counter(self, node: Node, root: Any) -> bool:
+        """The root's ``save_counter`` while the file holds none (not expected, like TF's read)."""
+        return not self.has_save_counter and node.parent is root and node.name == "save_counter"
+
     def unmatched_objects(self) -> list[str]:
         """Existing variables and stateful trackables under the root with no stored value."""
         root = self._root() if self._root is not None else None
@@ -176,7 +180,7 @@ class RestoreState:
         for node in walk(root):
             obj = node.obj
             if isinstance(obj, Variable):
-                if not self.matched(obj):
+                if not self.matched(obj) and not self._own_counter(node, root):
                     out.append(f"{node.key} (variable {obj.name!r})")
             elif (
                 isinstance(obj, Trackable)

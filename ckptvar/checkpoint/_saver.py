@@ -17,6 +17,7 @@ from ..variables import Variable
 from ._apply import apply_values
 from ._files import discard, write_file
 from ._serialize import SavePlan, host_arrays, metadata
+from ._state import record_latest
 from ._status import missing_keys_error
 from ._steps import split_format, step_name
 
@@ -77,7 +78,11 @@ class Saver:
         *,
         format: str | None = None,
     ) -> str:
-        """Write ``prefix-<global_step>.h5`` (or ``prefix.h5`` without a step); returns it."""
+        """Write ``prefix-<global_step>.h5`` (or ``prefix.h5`` without a step); returns it.
+
+        The file is then recorded as its directory's latest checkpoint
+        (``cv.latest_checkpoint`` returns it), as TensorFlow's ``Saver`` does.
+        """
         base, fmt, suffix = split_format(prefix, format)
         if global_step is not None:
             step = int(global_step.numpy() if isinstance(global_step, Variable) else global_step)
@@ -97,6 +102,7 @@ class Saver:
         if self.max_to_keep:
             while len(self._last) > self.max_to_keep:
                 discard(Path(self._last.pop(0)))
+        record_latest(path)
         return path
 
     def restore(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:

@@ -4,7 +4,9 @@ The state file is replaced atomically (temporary sibling, fsync, rename, fsync o
 the directory) and updated under an advisory lock file (``.checkpoint_state.lock``)
 so that several managers, in any process, can share a directory. It has one
 section per ``checkpoint_name`` (a manager's own list of checkpoints) and the
-directory's ``latest`` checkpoint, which :func:`latest_checkpoint` returns.
+directory's ``latest`` checkpoint, which :func:`latest_checkpoint` returns. A
+read-only directory (a training job's checkpoints mounted read-only for an
+evaluation job) is read under a shared lock, or none where no lock file exists.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ __all__ = [
     "latest_checkpoint",
     "locked",
     "read_state",
+    "record_latest",
+    "writable",
     "write_state",
 ]
 
@@ -38,12 +42,32 @@ LOCK_FILE = ".checkpoint_state.lock"
 STATE_VERSION = 1
 
 
+def writable(directory: Path) -> bool:
+    """Whether files can be created in ``directory`` (False on a read-only mount)."""
+    return os.access(directory, os.W_OK | os.X_OK)
+
+
 @contextlib.contextmanager
-def locked(directory: Path) -> Iterator[None]:
-    """Hold the directory's state lock (exclusive) for the block."""
-    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+def locked(directory: Path, *, shared: bool = False) -> Iterator[None]:
+    """Hold the directory's state lock for the block (exclusive, or ``shared`` to read).
+
+    A shared lock opens the lock file read-only, so it works in a read-only
+    directory; where the lock file does not exist there (nobody can be writing), no
+    lock is taken.
+    """
+    if shared:
+        try:
+            fd = os.open(directory / LOCK_FILE, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            if writable(directory):
+                fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            else:
+                yield
+                return
+    else:
+        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # releases the lock
@@ -146,3 +170,18 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
     path = directory / latest
     return os.fspath(path) if exists(path) else None
 
+
+def record_latest(path: str | os.PathLike[str]) -> None:
+    """Record the durable checkpoint ``path`` as its directory's latest.
+
+    What ``Checkpoint.save`` and ``Saver.save`` do after writing, as TensorFlow's
+    do: :func:`latest_checkpoint` then returns it. No manager's list changes (a
+    manager only ever lists and deletes files it wrote).
+    """
+    path = Path(path)
+    directory = path.parent
+    with locked(directory):
+        state = read_state(directory, repair=True)
+        state["version"] = STATE_VERSION
+        state["latest"] = path.name
+        write_state(directory, state)
