@@ -12,20 +12,28 @@ and verifies every value before any variable changes:
   first and then read straight into the variables' own buffers (reading the file
   twice, never holding a second copy of a large model).
 
+With ``cast=True`` a stored value whose dtype differs from its variable's is
+converted under the ``same_kind`` rules (float16/bfloat16 -> float32, int32 ->
+int64, ...; never float -> int), value by value: each value is read, converted
+and dropped before the next, so no second copy of the model is held. A cast is
+never silent: one ``UserWarning`` per restore lists every key cast and both
+dtypes (before any variable changes).
+
 The optional fast paths a reader may offer are looked up in one place,
 :func:`reader_abilities`.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .._dtypes import dtype_name
-from ..errors import CheckpointMismatchError
+from .._dtypes import check_castable, dtype_name
+from ..errors import CheckpointMismatchError, DTypeLockError
 from ..storage import ArrayInfo, Reader
 from ..variables import Variable
 
@@ -83,13 +91,17 @@ def check_matches(
     path: Any,
     *,
     fast: Callable[[str], tuple[tuple[int, ...], np.dtype]] | None = None,
-) -> None:
+    cast: bool = False,
+) -> dict[int, np.dtype]:
     """Raise ``CheckpointMismatchError`` listing every variable whose stored value differs.
 
     ``fast`` (a reader's ``shape_and_dtype``) answers the common case without an
-    ``ArrayInfo``.
+    ``ArrayInfo``. With ``cast``, a stored dtype that converts to the variable's under
+    ``same_kind`` is no mismatch: returns ``{id(variable): stored dtype}`` for those.
     """
     problems = []
+    casts: dict[int, np.dtype] = {}
+    could_cast = False
     for key, var in pairs:
         if fast is not None:
             shape, dtype = fast(key)
@@ -98,17 +110,35 @@ def check_matches(
         info = infos[key]
         if var.shape == info.shape and var.dtype == info.dtype:
             continue
-        if np.dtype(var.dtype) != info.dtype or not _shape_matches(var.shape, info.shape):
+        shape_ok = _shape_matches(var.shape, info.shape)
+        dtype_ok = np.dtype(var.dtype) == info.dtype
+        hint = ""
+        if not dtype_ok:
+            try:
+                check_castable(info.dtype, var.dtype)
+                castable = True
+            except DTypeLockError:
+                castable = False
+            if cast and castable:
+                dtype_ok = True
+                casts[id(var)] = info.dtype
+            elif cast:
+                hint = " (not a same_kind cast)"
+            elif castable and shape_ok:
+                could_cast = True
+        if not (dtype_ok and shape_ok):
             problems.append(
                 f"{key!r} (variable {var.name!r}): expected shape {_fmt_shape(var.shape)} "
                 f"dtype {dtype_name(var.dtype)}, found shape {_fmt_shape(info.shape)} "
-                f"dtype {dtype_name(info.dtype)}"
+                f"dtype {dtype_name(info.dtype)}{hint}"
             )
     if problems:
+        more = " (restore(..., cast=True) converts same_kind dtypes)" if could_cast else ""
         raise CheckpointMismatchError(
             f"Cannot restore from {str(path)!r}: {len(problems)} stored value(s) do not match "
-            "their variables; nothing was restored. " + "; ".join(problems) + "."
+            f"their variables{more}; nothing was restored. " + "; ".join(problems) + "."
         )
+    return casts
 
 
 def _read_fresh(reader: Reader, keys: list[str], verify: bool) -> dict[str, np.ndarray]:
@@ -124,22 +154,28 @@ def apply_values(
     *,
     verify: bool = True,
     budget: int | None = None,
+    cast: bool = False,
 ) -> None:
     """Validate, read and check all values, then assign them (all or nothing).
 
     ``pairs`` may name one variable under several keys or one key for several
-    variables; each variable takes one value.
+    variables; each variable takes one value. ``cast`` converts same_kind dtypes
+    (with a warning naming them).
     """
     able = reader_abilities(reader)
-    check_matches(pairs, infos, reader.path, fast=able.shape_and_dtype)
+    casts = check_matches(pairs, infos, reader.path, fast=able.shape_and_dtype, cast=cast)
     by_var: dict[int, tuple[str, Variable]] = {}
     for key, var in pairs:
         by_var.setdefault(id(var), (key, var))
     fresh: list[tuple[str, Variable]] = []
     in_place: list[tuple[str, Variable, np.ndarray]] = []
+    converted: list[tuple[str, Variable]] = []
     in_place_bytes = 0
     fast = able.shape_and_dtype
     for key, var in by_var.values():
+        if id(var) in casts:
+            converted.append((key, var))
+            continue
         buf = var._host_buffer() if var._materialized else None
         if buf is not None and buf.shape == (fast(key)[0] if fast else infos[key].shape):
             in_place.append((key, var, buf))  # _host_buffer: C-contiguous and writeable
@@ -160,12 +196,18 @@ def apply_values(
             value = value.copy()
         given.add(key)
         values.append((var, value))
+    cast_later = _cast_phase_one(reader, converted, values, verify)
     if verify and in_place:
         if able.verify_many is not None:
             able.verify_many([key for key, _, _ in in_place])
         else:
             for key, _, _ in in_place:
                 reader.verify(key)
+    if cast_later and verify:  # one value at a time: nothing held but the value read
+        for key in dict.fromkeys(key for key, _ in cast_later):
+            reader.verify(key)
+    if converted:
+        _warn_cast(reader.path, [(key, casts[id(var)], var) for key, var in converted])
     # Phase 2: change the variables.
     for var, value in values:
         _give(var, value)
@@ -175,6 +217,60 @@ def apply_values(
         else:
             for key, _, buf in in_place:
                 reader.read(key, out=buf, verify=False)
+    if cast_later:
+        _cast_phase_two(reader, cast_later)
+
+
+def _cast_phase_one(
+    reader: Reader,
+    converted: list[tuple[str, Variable]],
+    values: list[tuple[Variable, np.ndarray]],
+    verify: bool,
+) -> list[tuple[str, Variable]]:
+    """Read and convert the values of variables without memory yet (appended to ``values``).
+
+    Each converted array becomes its variable's memory; the stored-dtype array is
+    dropped before the next is read. Returns the materialised variables, converted
+    in phase two.
+    """
+    later = [(key, var) for key, var in converted if var._materialized]
+    now: dict[str, list[Variable]] = {}
+    for key, var in converted:
+        if not var._materialized:
+            now.setdefault(key, []).append(var)
+    for key, targets in now.items():
+        stored = reader.read(key, verify=verify)
+        for var in targets:
+            values.append((var, stored.astype(var.dtype)))
+        del stored
+    return later
+
+
+def _cast_phase_two(reader: Reader, later: list[tuple[str, Variable]]) -> None:
+    """Read each (verified) value again and convert it into its variable, one at a time."""
+    wanted: dict[str, list[Variable]] = {}
+    for key, var in later:
+        wanted.setdefault(key, []).append(var)
+    for key, targets in wanted.items():
+        stored = reader.read(key, verify=False)
+        for var in targets:
+            buf = var._host_buffer()
+            if buf is not None and buf.shape == stored.shape:
+                np.copyto(buf, stored, casting="unsafe")  # same_kind was checked
+            else:
+                var._restore_value(stored.astype(var.dtype))
+        del stored
+
+
+def _warn_cast(path: Any, casts: list[tuple[str, np.dtype, Variable]]) -> None:
+    items = [f"{key!r} ({dtype_name(src)} -> {dtype_name(var.dtype)})" for key, src, var in casts]
+    shown = ", ".join(items[:20]) + (f", ... ({len(items) - 20} more)" if len(items) > 20 else "")
+    warnings.warn(
+        f"Restore from {str(path)!r} cast {len(items)} stored value(s) to their variables' "
+        f"dtypes (cast=True): {shown}.",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _give(var: Variable, value: np.ndarray) -> None:

@@ -177,20 +177,24 @@ class Checkpoint(Trackable):
             handles[:] = [h for h in handles if not h.done()]
 
     # -- restoring --------------------------------------------------------------------
-    def restore(self, path: str | os.PathLike[str] | None, *, verify: bool = True) -> RestoreStatus:
+    def restore(
+        self, path: str | os.PathLike[str] | None, *, verify: bool = True, cast: bool = False
+    ) -> RestoreStatus:
         """Restore every object that exists now; the rest get their values when created.
 
         Checks all dtypes and shapes first (``CheckpointMismatchError``, nothing changed)
         and verifies checksums before changing anything (``verify=False`` skips that).
         ``None`` restores nothing (the status's assertions then fail). A file without
         a save counter (written by :meth:`write` before any :meth:`save`) neither creates
-        nor expects one.
+        nor expects one. ``cast=True`` converts a stored dtype to the variable's under
+        the same_kind rules (a float16 or bfloat16 checkpoint into a float32 model), value
+        by value, with one ``UserWarning`` naming every key cast.
         """
         if path is None:
             return RestoreStatus(None, warn_unused=False)
         self.wait()
         with paused_gc():
-            state = RestoreState(path, root=self, verify=verify)
+            state = RestoreState(path, root=self, verify=verify, cast=cast)
         if state.has_save_counter:
             self.save_counter  # noqa: B018 - exists before matching, so it is restored too
         try:

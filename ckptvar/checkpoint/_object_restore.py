@@ -45,9 +45,12 @@ class RestoreState:
     on trackables; holds its reader open while values are still pending.
     """
 
-    def __init__(self, path: str | Path, *, root: Any = None, verify: bool = True) -> None:
+    def __init__(
+        self, path: str | Path, *, root: Any = None, verify: bool = True, cast: bool = False
+    ) -> None:
         self.path = Path(path)
         self.verify = verify
+        self.cast = cast
         self._lock = threading.RLock()
         self._reader: Reader | None = backend_for(self.path).open_reader(self.path)
         self._finalizer = weakref.finalize(self, _close, self._reader)
@@ -133,7 +136,8 @@ class RestoreState:
         with self._lock, paused_gc():
             m = self._match(nodes)
             decoded = [(k, t, decode_state(self.states[k], k, self.path)) for k, t in m.states]
-            apply_values(self.reader, m.variables, self.infos, verify=self.verify)
+            apply_values(self.reader, m.variables, self.infos, verify=self.verify,
+                         cast=self.cast)
             for key, trackable, state in decoded:
                 trackable._restore_python_state(state)
             for key, var in m.variables:

@@ -19,16 +19,19 @@ __all__ = ["restore_on_create"]
 
 
 @contextlib.contextmanager
-def restore_on_create(path: str | Path, *, verify: bool = True) -> Iterator[RestoreStatus]:
+def restore_on_create(
+    path: str | Path, *, verify: bool = True, cast: bool = False
+) -> Iterator[RestoreStatus]:
     """Variables created inside the block whose name is stored in ``path`` take that value.
 
     Matches the stored variable names (the ``name`` attribute of every value, in
     ``Checkpoint`` and ``Saver`` files alike) against ``cv.Variable(..., name=...)``
     and ``cv.get_variable``; the initializer of a matched variable never runs. Yields
     a :class:`RestoreStatus` whose ``assert_consumed()`` checks that every stored
-    value found its variable.
+    value found its variable. ``cast=True`` converts a stored dtype to the variable's
+    under the same_kind rules (float16 -> float32, ...), with a warning naming it.
     """
-    state = RestoreState(path, verify=verify)
+    state = RestoreState(path, verify=verify, cast=cast)
     by_name: dict[str, str] = {}
     for key, info in state.infos.items():
         name = info.attrs.get("name")
@@ -43,7 +46,7 @@ def restore_on_create(path: str | Path, *, verify: bool = True) -> Iterator[Rest
         if key is None:
             return
         with state._lock:
-            apply_values(state.reader, [(key, var)], state.infos, verify=verify)
+            apply_values(state.reader, [(key, var)], state.infos, verify=verify, cast=cast)
             state.mark_consumed(key, var)
 
     handle = register_creation_hook(hook)

@@ -105,8 +105,13 @@ class Saver:
         record_latest(path)
         return path
 
-    def restore(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
-        """Restore every variable by its key (a missing key: ``KeyError``, nothing changed)."""
+    def restore(
+        self, path: str | os.PathLike[str], *, verify: bool = True, cast: bool = False
+    ) -> None:
+        """Restore every variable by its key (a missing key: ``KeyError``, nothing changed).
+
+        ``cast=True`` converts same_kind dtypes (float16 -> float32, ...) with a warning.
+        """
         mapping = self._mapping()
         with backend_for(path).open_reader(Path(path)) as reader:
             keys = set(reader.keys())
@@ -114,7 +119,7 @@ class Saver:
             if missing:
                 raise missing_keys_error(missing, path)
             infos = {k: reader.info(k) for k in mapping}
-            apply_values(reader, list(mapping.items()), infos, verify=verify)
+            apply_values(reader, list(mapping.items()), infos, verify=verify, cast=cast)
 
     def __repr__(self) -> str:
         return f"<cv.Saver max_to_keep={self.max_to_keep}>"

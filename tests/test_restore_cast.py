@@ -1,0 +1,146 @@
+"""Restoring with a dtype cast: ``restore(path, cast=True)`` (opt-in, never silent).
+
+A float16/bfloat16 checkpoint goes into a float32 model only when asked, under the
+same_kind rules, value by value (no second copy of the model), with one warning
+naming every key cast. Without ``cast`` (or for a cast same_kind does not allow)
+the restore fails before anything changes.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ckptvar as cv
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _half_checkpoint(path: Path, fmt: str) -> str:
+    src = cv.Module(name="m")
+    src.a = cv.Variable(np.array([1.5, -2.25, 3.0], np.float16), name="a")
+    src.b = cv.Variable(np.array([[0.5, 4.0]], BF16), name="b")
+    src.n = cv.Variable(np.array([7, 8], np.int32), name="n")
+    return cv.Checkpoint(model=src).save(path / "half", format=fmt)
+
+
+def _float32_model(*, built: bool = True) -> cv.Module:
+    m = cv.Module(name="m")
+    if built:
+        m.a = cv.Variable(np.zeros(3, np.float32), name="a")
+        m.b = cv.Variable(np.zeros((1, 2), np.float32), name="b")
+        m.n = cv.Variable(np.zeros(2, np.int64), name="n")
+    return m
+
+
+def test_without_cast_a_half_checkpoint_is_refused(
+    tmp_path: Path, fmt: str, fresh_graph: cv.Graph
+) -> None:
+    path = _half_checkpoint(tmp_path, fmt)
+    m = _float32_model()
+    with pytest.raises(cv.CheckpointMismatchError, match=r"cast=True") as info:
+        cv.Checkpoint(model=m).restore(path)
+    assert "'model/a'" in str(info.value) and "float16" in str(info.value)
+    assert not m.a.numpy().any() and not m.b.numpy().any()
+
+
+def test_cast_into_existing_variables(tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
+    path = _half_checkpoint(tmp_path, fmt)
+    m = _float32_model()
+    buf = m.a.value()
+    with pytest.warns(UserWarning, match="cast 3 stored value") as record:
+        cv.Checkpoint(model=m).restore(path, cast=True).assert_consumed()
+    assert len(record) == 1
+    msg = str(record[0].message)
+    assert "'model/a' (float16 -> float32)" in msg
+    assert "'model/b' (bfloat16 -> float32)" in msg and "'model/n' (int32 -> int64)" in msg
+    assert m.a.value() is buf  # converted into the variable's own buffer
+    np.testing.assert_array_equal(m.a.numpy(), np.array([1.5, -2.25, 3.0], np.float32))
+    np.testing.assert_array_equal(m.b.numpy(), [[0.5, 4.0]])
+    assert m.a.dtype == np.float32 and m.n.dtype == np.int64
+    np.testing.assert_array_equal(m.n.numpy(), [7, 8])
+
+
+def test_cast_into_variables_created_later(tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
+    path = _half_checkpoint(tmp_path, fmt)
+    m = _float32_model(built=False)
+    status = cv.Checkpoint(model=m).restore(path, cast=True)
+    calls = []
+
+    def init(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        calls.append(shape)
+        return np.zeros(shape, dtype)
+
+    with pytest.warns(UserWarning, match=r"'model/a' \(float16 -> float32\)"):
+        m.a = cv.Variable(init, shape=(3,), dtype="float32", name="a")
+    with pytest.warns(UserWarning, match=r"'model/b' \(bfloat16 -> float32\)"):
+        m.b = cv.Variable(init, shape=(1, 2), dtype="float32", name="b")
+    with pytest.warns(UserWarning, match=r"'model/n' \(int32 -> int64\)"):
+        m.n = cv.Variable(init, shape=(2,), dtype="int64", name="n")
+    status.assert_consumed()
+    assert calls == []
+    np.testing.assert_array_equal(m.a.numpy(), [1.5, -2.25, 3.0])
+    assert m.b.numpy().dtype == np.float32
+
+
+def test_cast_that_same_kind_forbids_is_refused(
+    tmp_path: Path, fmt: str, fresh_graph: cv.Graph
+) -> None:
+    src = cv.Module(name="m")
+    src.a = cv.Variable(np.array([1.5, 2.5], np.float32), name="a")
+    src.b = cv.Variable(np.array([1.0], np.float16), name="b")
+    path = cv.Checkpoint(model=src).save(tmp_path / "f", format=fmt)
+    m = cv.Module(name="m")
+    m.a = cv.Variable(np.zeros(2, np.int32), name="a")  # float -> int: never
+    m.b = cv.Variable(np.zeros(1, np.float32), name="b")  # fine, but all or nothing
+    with pytest.raises(cv.CheckpointMismatchError, match="not a same_kind cast") as info:
+        cv.Checkpoint(model=m).restore(path, cast=True)
+    assert "'model/a'" in str(info.value) and "'model/b'" not in str(info.value)
+    assert not m.a.numpy().any() and not m.b.numpy().any()
+
+
+def test_saver_and_restore_on_create_cast(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    with cv.Graph().as_default():
+        v = cv.Variable(np.array([0.5, 1.5], np.float16), name="v")
+        path = cv.Saver([v]).save(tmp_path / "s")
+    with cv.Graph().as_default():
+        w = cv.Variable(np.zeros(2, np.float32), name="v")
+        saver = cv.Saver([w])
+        with pytest.raises(cv.CheckpointMismatchError):
+            saver.restore(path)
+        with pytest.warns(UserWarning, match=r"'v' \(float16 -> float32\)"):
+            saver.restore(path, cast=True)
+        np.testing.assert_array_equal(w.numpy(), [0.5, 1.5])
+    with cv.Graph().as_default():
+        with (
+            pytest.warns(UserWarning, match=r"'v' \(float16 -> float32\)"),
+            cv.restore_on_create(path, cast=True) as status,
+        ):
+            x = cv.get_variable("v", shape=(2,), dtype="float32")
+        status.assert_consumed()
+        np.testing.assert_array_equal(x.numpy(), [0.5, 1.5])
+        assert x.dtype == np.float32
+
+
+def test_cast_streams_value_by_value(tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
+    n, count = 2**20, 8  # eight float32 values of 4 MiB: a 32 MiB model, 16 MiB stored
+    src = cv.Module(name="m")
+    src.ws = [cv.Variable(np.full(n, i, np.float16), name=f"w{i}") for i in range(count)]
+    path = cv.Checkpoint(model=src).save(tmp_path / "big", format=fmt)
+    del src
+    m = cv.Module(name="m")
+    m.ws = [cv.Variable(np.zeros(n, np.float32), name=f"w{i}") for i in range(count)]
+    tracemalloc.start()
+    try:
+        with pytest.warns(UserWarning, match="cast 8 stored value"):
+            cv.Checkpoint(model=m).restore(path, cast=True).assert_consumed()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [float(w.numpy()[-1]) for w in m.ws] == [float(i) for i in range(count)]
+    # at most about one stored value (2 MiB) at a time: far below the stored 16 MiB
+    assert peak < 3 * n * 2, f"peak {peak} bytes"
