@@ -304,6 +304,30 @@ def test_unused_values_warn_once_unless_silenced(
         cv.Checkpoint(model=m).restore(path)  # everything used: nothing to say
 
 
+def test_a_dropped_status_does_not_warn_about_values_still_waiting(
+    tmp_path: Path, fmt: str, fresh_graph: cv.Graph
+) -> None:
+    path = cv.Checkpoint(model=_built()).save(tmp_path / "ckpt", format=fmt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = Model()  # not built: every value waits for its variable
+        ckpt = cv.Checkpoint(model=m)
+        ckpt.restore(path)  # the status is dropped at once
+        assert caught == []
+        m.build()  # the variables take their values as they are created
+        np.testing.assert_array_equal(m.dense.bias.numpy(), np.zeros(3, np.float32))
+        del m, ckpt
+        assert caught == []  # everything was used: nothing to say
+
+        never = Model()  # never built: the values wait, then nothing can take them
+        ckpt = cv.Checkpoint(model=never)
+        ckpt.restore(path)
+        assert caught == []
+        del never, ckpt
+    assert len(caught) == 1
+    assert "model/dense/kernel" in str(caught[0].message)
+
+
 def test_restore_none_is_a_no_op_status(fresh_graph: cv.Graph) -> None:
     status = cv.Checkpoint(model=_built()).restore(None)
     with pytest.raises(cv.RestoreAssertionError, match="None"):

@@ -20,6 +20,7 @@ from ._on_create import restore_on_create
 from ._saver import Saver
 from ._state import latest_checkpoint
 from ._status import RestoreStatus
+from ._steps import StepName, parse_step_name
 
 __all__ = [
     "Checkpoint",
@@ -27,7 +28,9 @@ __all__ = [
     "RestoreStatus",
     "SaveHandle",
     "Saver",
+    "StepName",
     "latest_checkpoint",
+    "parse_step_name",
     "restore_on_create",
     "wait_for_pending_saves",
 ]

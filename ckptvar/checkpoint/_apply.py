@@ -277,4 +277,7 @@ def _give(var: Variable, value: np.ndarray) -> None:
     if var._materialized:
         var._restore_value(value)
     else:
-        var._set_initial_value_source(lambda value=value: value)
+        def source(value: np.ndarray = value) -> np.ndarray:
+            return value
+
+        var._set_initial_value_source(source)

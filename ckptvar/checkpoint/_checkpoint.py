@@ -41,6 +41,8 @@ class Checkpoint(Trackable):
     array(3)
     """
 
+    _cv_handles: list[Any]
+
     def __init__(self, **objects: Any) -> None:
         object.__setattr__(self, "_cv_handles", [])
         for name, value in objects.items():

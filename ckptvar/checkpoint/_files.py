@@ -33,7 +33,7 @@ NATIVE_FORMATS = ("h5", "zarr")
 
 def native_backend(path: str | os.PathLike[str], format: str | None) -> Any:
     """The writer backend for ``path``; only the native formats can hold a checkpoint."""
-    backend = backend_for(path, format, mode="w")
+    backend = backend_for(os.fspath(path), format, mode="w")
     if backend.name not in NATIVE_FORMATS:
         raise UnsupportedFormatError(
             f"Cannot write a checkpoint to {os.fspath(path)!r} in the {backend.name} format: "

@@ -12,6 +12,7 @@ that the status (``_status``) reports.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
@@ -26,6 +27,7 @@ from ..variables import Variable
 from ._apply import apply_values, reader_abilities
 from ._keys import escape_segment, unescape_segment
 from ._serialize import decode_state, read_graph
+from ._status import warn_unused
 from ._walk import Node, walk
 
 __all__ = ["RestoreState"]
@@ -42,15 +44,23 @@ class RestoreState:
     """One restore: what the file holds, what has been matched, and pending values.
 
     Kept alive by its :class:`RestoreStatus` and by the deferred handlers it leaves
-    on trackables; holds its reader open while values are still pending.
+    on trackables; holds its reader open while values are still pending. When it
+    dies (nothing can take a value any more) with values unused and not
+    ``silenced``, it warns once (``_status.warn_unused``).
     """
 
     def __init__(
-        self, path: str | Path, *, root: Any = None, verify: bool = True, cast: bool = False
+        self,
+        path: str | os.PathLike[str],
+        *,
+        root: Any = None,
+        verify: bool = True,
+        cast: bool = False,
     ) -> None:
         self.path = Path(path)
         self.verify = verify
         self.cast = cast
+        self.silenced = True  # until a status that warns takes it over
         self._lock = threading.RLock()
         self._reader: Reader | None = backend_for(self.path).open_reader(self.path)
         self._finalizer = weakref.finalize(self, _close, self._reader)
@@ -81,6 +91,16 @@ class RestoreState:
         self._matched: dict[int, weakref.ref[Any]] = {}
         self._root = weakref.ref(root) if root is not None else None
         self.pending = 0
+
+    def __del__(self) -> None:
+        if self.silenced:
+            return
+        try:
+            unused = self.unused()
+            if unused:
+                warn_unused(self.path, unused)
+        except Exception:  # noqa: BLE001 - a finalizer never raises (e.g. at interpreter exit)
+            return
 
     # -- reader -----------------------------------------------------------------------
     @property
@@ -194,8 +214,7 @@ class RestoreState:
                 and obj._python_state() is not None
             ):
                 out.append(f"{node.key} (Python state of {type(obj).__name__})")
-        seen: set[str] = set()
-        return [x for x in out if not (x in seen or seen.add(x))]
+        return list(dict.fromkeys(out))
 
 
 class _LazyInfos(Mapping[str, ArrayInfo]):

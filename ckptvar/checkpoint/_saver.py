@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from ..graph import global_variables
 from ..storage import backend_for
@@ -56,6 +57,7 @@ class Saver:
         var_list = self._var_list
         if var_list is None:
             var_list = global_variables()
+        items: list[tuple[Any, Any]]
         if isinstance(var_list, Mapping):
             items = list(var_list.items())
         else:
@@ -113,7 +115,7 @@ class Saver:
         ``cast=True`` converts same_kind dtypes (float16 -> float32, ...) with a warning.
         """
         mapping = self._mapping()
-        with backend_for(path).open_reader(Path(path)) as reader:
+        with backend_for(os.fspath(path)).open_reader(Path(path)) as reader:
             keys = set(reader.keys())
             missing = [k for k in mapping if k not in keys]
             if missing:

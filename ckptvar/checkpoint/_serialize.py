@@ -100,7 +100,7 @@ def host_arrays(plan: SavePlan, *, copy: bool) -> list[tuple[str, np.ndarray, di
     The snapshot's large host values are copied in parallel (:func:`snapshot`); a device
     value's ``numpy()`` is a host copy already.
     """
-    out = []
+    out: list[tuple[str, Any, dict[str, Any]]] = []
     to_copy: list[int] = []
     for key, var in plan.variables.items():
         attrs = {"name": var.name, "trainable": bool(var.trainable)}

@@ -2,8 +2,11 @@
 
 The status answers for one restore (``Checkpoint.restore`` or
 ``restore_on_create``): which stored values found no object, which existing
-objects found no value, and warns once about values left unused unless
-:meth:`RestoreStatus.expect_partial` or an assertion was called.
+objects found no value. The "values left unused" warning belongs to the restore
+itself, not to the status (as in TensorFlow): it is given once, when the restore
+ends (its status is gone and no value is waiting for its object any more) with
+values unused, unless :meth:`RestoreStatus.expect_partial` or an assertion was
+called. A value still waiting for an object that may yet be created is not unused.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class Accounting(Protocol):
     """What a status asks of the restore it reports on."""
 
     path: Any
+    silenced: bool
 
     def unused(self) -> list[str]: ...
 
@@ -60,9 +64,9 @@ class RestoreStatus:
     """What a restore matched; returned by ``Checkpoint.restore``.
 
     Values consumed later (variables created after the restore) count too. If the
-    status is dropped while stored values are still unused, and neither
-    :meth:`expect_partial` nor an assertion was called, a ``UserWarning`` is issued
-    once.
+    restore ends (this status is dropped and no value waits for an object any more)
+    while stored values are still unused, and neither :meth:`expect_partial` nor an
+    assertion was called, a ``UserWarning`` is issued once.
     """
 
     def __init__(
@@ -70,7 +74,8 @@ class RestoreStatus:
     ) -> None:
         self._state = state
         self._root = root  # the state holds it weakly; the status keeps it alive
-        self._silenced = not warn_unused
+        if state is not None:  # a restore that failed before its status existed says nothing
+            state.silenced = not warn_unused
 
     @property
     def path(self) -> str | None:
@@ -78,9 +83,9 @@ class RestoreStatus:
         return None if self._state is None else str(self._state.path)
 
     def _require_state(self) -> Accounting:
-        self._silenced = True
         if self._state is None:
             raise RestoreAssertionError("No checkpoint was restored (the path was None).")
+        self._state.silenced = True
         return self._state
 
     def assert_consumed(self) -> RestoreStatus:
@@ -111,18 +116,9 @@ class RestoreStatus:
 
     def expect_partial(self) -> RestoreStatus:
         """Silence the warning about unused values."""
-        self._silenced = True
+        if self._state is not None:
+            self._state.silenced = True
         return self
-
-    def __del__(self) -> None:
-        if self._silenced or self._state is None:
-            return
-        try:
-            unused = self._state.unused()
-        except Exception:
-            return
-        if unused:
-            warn_unused(self._state.path, unused)
 
     def __repr__(self) -> str:
         return f"<RestoreStatus {self.path!r}>"
