@@ -216,3 +216,26 @@ def test_every_reader_says_what_it_skipped_and_why(tmp_path: Path) -> None:
             reader["rows"]
     with cv.open(FIXTURES / "tf2_object" / "ckpt-1") as reader:
         assert "_CHECKPOINTABLE_OBJECT_GRAPH" in reader.bookkeeping
+
+
+def test_torch_leaves_that_are_neither_tensors_nor_plain_values_are_listed(tmp_path: Path) -> None:
+    # {'w': tensor, 'blob': b'xy', 'dt': torch.float32, 'n': 3}, as a hand-written pickle.
+    pkl = (
+        b"\x80\x02}(X\x01\x00\x00\x00w"
+        b"ctorch._utils\n_rebuild_tensor_v2\n("
+        b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpu"
+        b"K\x02tQK\x00K\x02\x85K\x01\x85\x89ccollections\nOrderedDict\n)RtR"
+        b"X\x04\x00\x00\x00blobC\x02xy"
+        b"X\x02\x00\x00\x00dtctorch\nfloat32\n"
+        b"X\x01\x00\x00\x00nK\x03u."
+    )
+    path = tmp_path / "mixed.pt"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("archive/data.pkl", pkl)
+        zf.writestr("archive/byteorder", "little")
+        zf.writestr("archive/data/0", np.array([1, 2], "<f4").tobytes())
+    with cv.open(path) as reader:
+        assert list(reader) == ["w"]
+        assert reader.metadata() == {"n": 3}
+        assert set(reader.skipped) == {"blob", "dt"}
+        assert "torch.float32" in reader.skipped["dt"] and "bytes" in reader.skipped["blob"]

@@ -237,7 +237,7 @@ def _run_watching(
             time.sleep(0.01)
             continue
         opened = True
-        with contextlib.suppress(BrokenPipeError):  # the reader may have closed it already
+        with contextlib.suppress(BrokenPipeError, BlockingIOError):  # closed, or pipe full
             os.write(fd, b"\0" * 64)
         os.close(fd)
     try:

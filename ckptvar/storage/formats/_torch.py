@@ -38,7 +38,7 @@ from ._common import (
     covers_whole,
     normalize_index,
 )
-from ._unpickler import StorageRef, TensorRef, safe_load
+from ._unpickler import StorageRef, TensorRef, TorchDtype, safe_load
 from ._zip import ZIP_ERRORS, ZipArchive, check_member_size, zip_crc_check
 
 __all__ = ["TorchBackend"]
@@ -253,9 +253,13 @@ class _BoundedFile:
         return self._f.tell()
 
 
-def _flatten(obj: Any, path: Path) -> tuple[dict[str, TensorRef], dict[str, Any]]:
+def _flatten(
+    obj: Any, path: Path
+) -> tuple[dict[str, TensorRef], dict[str, Any], dict[str, str]]:
+    """``(tensors, plain leaves for metadata, {key: reason} for anything else)``."""
     tensors: dict[str, TensorRef] = {}
     meta: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
 
     def walk(prefix: str, value: Any, depth: int) -> None:
         if depth > _MAX_DEPTH:
@@ -273,9 +277,14 @@ def _flatten(obj: Any, path: Path) -> tuple[dict[str, TensorRef], dict[str, Any]
                 walk(f"{prefix}.{i}" if prefix else str(i), v, depth + 1)
         elif isinstance(value, bool | int | float | str) or value is None:
             meta[prefix or "value"] = value
+        else:
+            what = f"torch.{value.name}" if isinstance(value, TorchDtype) else type(value).__name__
+            skipped[prefix or "value"] = (
+                f"a {what} object, neither a tensor nor a plain number or string"
+            )
 
     walk("", obj, 0)
-    return tensors, meta
+    return tensors, meta, skipped
 
 
 def _storage_elems(ref: TensorRef) -> int:
@@ -341,7 +350,7 @@ def _open_zip(path: Path) -> Reader:
                 raise CorruptCheckpointError(f"{str(path)!r}: unknown byteorder {order!r}.")
         storages: dict[str, StorageRef] = {}
         obj = safe_load(io.BytesIO(pkl), storages=storages, source=repr(str(path)))
-        tensors, meta = _flatten(obj, path)
+        tensors, meta, skipped = _flatten(obj, path)
         sources: dict[str, Any] = {}
         for key, st in storages.items():
             name = f"{prefix}data/{key}"
@@ -368,7 +377,9 @@ def _open_zip(path: Path) -> Reader:
         archive.close()
         raise
 
-    return EntryReader(path, "torch", arrays, metadata=meta, on_close=archive.close)
+    return EntryReader(
+        path, "torch", arrays, skipped=skipped, metadata=meta, on_close=archive.close
+    )
 
 
 def _arrays(
@@ -429,12 +440,12 @@ def _open_legacy(path: Path) -> Reader:
         missing = set(storages) - set(sources)
         if missing:
             raise CorruptCheckpointError(f"{str(path)!r} lacks storages {sorted(missing)[:5]}.")
-        tensors, meta = _flatten(obj, path)
+        tensors, meta, skipped = _flatten(obj, path)
         arrays = _arrays(tensors, sources, "big" if big else "little", path)
     except BaseException:
         fh.close()
         raise
-    return EntryReader(path, "torch", arrays, metadata=meta, on_close=fh.close)
+    return EntryReader(path, "torch", arrays, skipped=skipped, metadata=meta, on_close=fh.close)
 
 
 class TorchBackend(Backend):
