@@ -9,7 +9,8 @@ tensor's key, dtype, shape and the SHA-256 of its C-order little-endian bytes
 Sections whose library is missing keep their previous manifest entries, so the
 script can be run once per environment::
 
-    /path/to/tf-venv/bin/python scripts/make_fixtures.py     # tf, keras, safetensors, npz
+    /path/to/tf-venv/bin/python scripts/make_fixtures.py     # tf, safetensors, npz
+    KERAS_BACKEND=jax /path/to/keras-venv/bin/python scripts/make_fixtures.py keras
     /path/to/torch-venv/bin/python scripts/make_fixtures.py  # torch
 
 ckptvar itself is never imported here: the fixtures are what other tools write.
@@ -187,9 +188,13 @@ def make_keras(manifest: dict[str, Any]) -> None:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
 
+    # One layer per dtype Keras stores: float32 and float16 as themselves, bfloat16 as
+    # raw 16-bit integers with attrs["dtype"] = "bfloat16" (Keras 3's H5IOStore).
     inputs = keras.Input(shape=(5,), name="x")
     h = keras.layers.Dense(4, activation="relu", name="hidden")(inputs)
     h = keras.layers.BatchNormalization(name="norm")(h)
+    h = keras.layers.Dense(3, name="half", dtype="float16")(h)
+    h = keras.layers.Dense(3, name="brain", dtype="bfloat16")(h)
     outputs = keras.layers.Dense(2, name="head")(h)
     model = keras.Model(inputs, outputs, name="tiny")
     model.compile(optimizer="adam", loss="mse")
@@ -197,20 +202,35 @@ def make_keras(manifest: dict[str, Any]) -> None:
 
     path = out / "tiny.weights.h5"
     model.save_weights(str(path))
-    tensors = {}
-    with h5py.File(path, "r") as f:
-
-        def visit(name: str, obj: Any) -> None:
-            if isinstance(obj, h5py.Dataset):
-                arr = obj[()]
-                tensors[name] = _entry(str(arr.dtype), arr.shape, arr)
-
-        f.visititems(visit)
+    tensors = _keras_h5_tensors(path)
     # Cross-check with Keras' own view: every model weight is in the file, bit for bit.
-    stored = {t["sha256"] for t in tensors.values()}
+    stored = {(t["dtype"], t["sha256"]) for t in tensors.values()}
     for w in model.weights:
-        assert _sha(np.asarray(w.numpy())) in stored, w.path
+        arr = np.asarray(w.numpy())
+        assert (str(arr.dtype), _sha(arr)) in stored, w.path
+    assert {"float32", "float16", "bfloat16"} <= {t["dtype"] for t in tensors.values()}
     manifest["files"]["keras/tiny.weights.h5"] = {
+        "format": "keras",
+        "producer": producer,
+        "tensors": tensors,
+    }
+
+    # The whole model as a .keras archive: config.json, metadata.json, model.weights.h5.
+    archive = out / "tiny.keras"
+    model.save(str(archive))
+    import zipfile
+
+    with zipfile.ZipFile(archive) as zf:
+        names = set(zf.namelist())
+        assert {"config.json", "metadata.json", "model.weights.h5"} <= names, names
+        inner = out / "_inner.weights.h5"
+        inner.write_bytes(zf.read("model.weights.h5"))
+    tensors = _keras_h5_tensors(inner)
+    inner.unlink()
+    reloaded = keras.models.load_model(str(archive))
+    for a, b in zip(reloaded.weights, model.weights, strict=True):
+        assert np.array_equal(np.asarray(a.numpy()), np.asarray(b.numpy()))
+    manifest["files"]["keras/tiny.keras"] = {
         "format": "keras",
         "producer": producer,
         "tensors": tensors,
@@ -220,6 +240,14 @@ def make_keras(manifest: dict[str, Any]) -> None:
     # attributes). Keras 3 only reads this layout, so it is written with h5py in
     # exactly the structure of tf.keras' legacy ``save_weights_to_hdf5_group``, from
     # the model's own weights, and then loaded back by Keras to prove it is valid.
+    # tf.keras 2.x had no bfloat16 convention for h5 weights: this model is float32.
+    inputs = keras.Input(shape=(5,), name="x")
+    h = keras.layers.Dense(4, activation="relu", name="hidden")(inputs)
+    h = keras.layers.BatchNormalization(name="norm")(h)
+    outputs = keras.layers.Dense(2, name="head")(h)
+    model = keras.Model(inputs, outputs, name="tiny")
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(np.ones((8, 5), "float32"), np.ones((8, 2), "float32"), epochs=1, verbose=0)
     legacy = out / "tiny_legacy.h5"
     tensors = {}
     with h5py.File(legacy, "w") as f:
@@ -243,6 +271,26 @@ def make_keras(manifest: dict[str, Any]) -> None:
         "producer": producer + " (legacy h5 layout)",
         "tensors": tensors,
     }
+
+
+def _keras_h5_tensors(path: Path) -> dict[str, Any]:
+    """Every dataset of a Keras 3 weights file, read as Keras reads it (H5IOStore)."""
+    import h5py
+    import ml_dtypes
+
+    tensors: dict[str, Any] = {}
+    with h5py.File(path, "r") as f:
+
+        def visit(name: str, obj: Any) -> None:
+            if isinstance(obj, h5py.Dataset):
+                if obj.attrs.get("dtype") == "bfloat16":
+                    arr = np.array(obj, dtype=ml_dtypes.bfloat16)
+                else:
+                    arr = obj[()]
+                tensors[name] = _entry(str(arr.dtype), arr.shape, arr)
+
+        f.visititems(visit)
+    return tensors
 
 
 def _legacy_name(w: Any) -> str:

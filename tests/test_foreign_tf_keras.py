@@ -23,10 +23,10 @@ import pytest
 
 import ckptvar as cv
 from ckptvar.errors import CheckpointNotFoundError, CorruptCheckpointError
-from ckptvar.storage.foreign._crc32c import crc32c, mask, unmask
-from ckptvar.storage.foreign._protobuf import parse
-from ckptvar.storage.foreign._snappy import decompress
-from ckptvar.storage.foreign._tf_bundle import decode_slice_key
+from ckptvar.storage.formats._crc32c import crc32c, mask, unmask
+from ckptvar.storage.formats._protobuf import parse
+from ckptvar.storage.formats._snappy import decompress
+from ckptvar.storage.formats._tf_bundle import decode_slice_key
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -237,7 +237,7 @@ def _run_watching(
             time.sleep(0.01)
             continue
         opened = True
-        with contextlib.suppress(BrokenPipeError):  # the reader may have closed it already
+        with contextlib.suppress(BrokenPipeError, BlockingIOError):  # closed, or pipe full
             os.write(fd, b"\0" * 64)
         os.close(fd)
     try:

@@ -1,31 +1,15 @@
-"""Formats people already have, read without their frameworks; safetensors and npz written too.
-
-Owns the registration of the foreign backends:
-
-========== ======================================= ===== =====================
-name       files                                   write needs at run time
-========== ======================================= ===== =====================
-tf         ``prefix.index`` + ``prefix.data-*``    no    numpy, crc32c
-torch      ``.pt``, ``.pth``, ``.bin``             no    numpy (no torch)
-safetensors ``.safetensors``                       yes   numpy
-npz        ``.npz``                                yes   numpy
-keras      ``.weights.h5``, legacy Keras ``.h5``   no    h5py
-hdf5       any other HDF5 file (by sniffing)       no    h5py
-========== ======================================= ===== =====================
-
-Every reader is a ``ckptvar.storage.Reader``; every parser checks sizes before
-allocating and raises ``CorruptCheckpointError`` for damaged or hostile input.
-docs/formats.md describes key naming and limits per format.
-"""
+"""Old name of :mod:`ckptvar.storage.formats` (kept so existing imports keep working)."""
 
 from __future__ import annotations
 
-from .. import register_backend
-from ._keras import HDF5Backend, KerasBackend
-from ._npz import NpzBackend
-from ._safetensors import SafetensorsBackend
-from ._tf_bundle import TFBackend
-from ._torch import TorchBackend
+from ..formats import (
+    HDF5Backend,
+    KerasBackend,
+    NpzBackend,
+    SafetensorsBackend,
+    TFBackend,
+    TorchBackend,
+)
 
 __all__ = [
     "HDF5Backend",
@@ -35,14 +19,3 @@ __all__ = [
     "TFBackend",
     "TorchBackend",
 ]
-
-# Order matters for sniffing: specific layouts before the generic HDF5 fallback.
-for _backend in (
-    TFBackend,
-    TorchBackend,
-    SafetensorsBackend,
-    NpzBackend,
-    KerasBackend,
-    HDF5Backend,
-):
-    register_backend(_backend)

@@ -13,8 +13,10 @@ Each value's bytes are checked against the entry's masked CRC32C when read
 whole. Partitioned variables (TF1 ``partitioner=``) are stored as slice entries
 under OrderedCode-encoded keys; they are reassembled into the full tensor.
 Object-based (TF2) keys drop their ``/.ATTRIBUTES/VARIABLE_VALUE`` suffix; the
-full key is accepted as an alias. ``_CHECKPOINTABLE_OBJECT_GRAPH`` and other
-string tensors are not values; they are listed in ``reader.skipped``.
+full key is accepted as an alias. String tensors (and any dtype NumPy cannot
+hold) are user values that cannot be read: they are listed in ``reader.skipped``
+with the reason. ``_CHECKPOINTABLE_OBJECT_GRAPH`` is the format's own
+bookkeeping, listed in ``reader.bookkeeping``, never in ``skipped``.
 """
 
 from __future__ import annotations
@@ -370,18 +372,21 @@ def _open(prefix: str) -> Reader:
     arrays: dict[str, LazyArray] = {}
     aliases: dict[str, str] = {}
     skipped: dict[str, str] = {}
+    bookkeeping: dict[str, str] = {}
     for key, entry in entries.items():
-        shown = key[: -len(ATTRIBUTES_SUFFIX)] if key.endswith(ATTRIBUTES_SUFFIX) else key
+        shown = key.removesuffix(ATTRIBUTES_SUFFIX)
         if shown != key:
             if shown in entries:
                 shown = key
             else:
                 aliases[key] = shown
         dtype = TF_DTYPES.get(entry.dtype)
+        if key == OBJECT_GRAPH_KEY:
+            bookkeeping[key] = "the TensorFlow object graph (a string tensor), not a value."
+            continue
         if dtype is None:
             name = _TF_DTYPE_NAMES.get(entry.dtype, f"enum {entry.dtype}")
-            note = " (the object graph is metadata, not a value)" if key == OBJECT_GRAPH_KEY else ""
-            skipped[shown] = f"TensorFlow dtype {name} has no NumPy equivalent{note}."
+            skipped[shown] = f"TensorFlow dtype {name} has no NumPy equivalent."
             continue
         info = ArrayInfo(
             key=shown,
@@ -405,7 +410,13 @@ def _open(prefix: str) -> Reader:
                 info, entry, bundle, stored, f"Tensor {shown!r} of {prefix!r}"
             )
     return EntryReader(
-        Path(prefix), "tf", arrays, aliases=aliases, skipped=skipped, on_close=bundle.close
+        Path(prefix),
+        "tf",
+        arrays,
+        aliases=aliases,
+        skipped=skipped,
+        bookkeeping=bookkeeping,
+        on_close=bundle.close,
     )
 
 

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import struct
-import zipfile
-import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,24 +25,11 @@ __all__ = [
     "EntryReader",
     "FileArray",
     "check_shape",
+    "covers_whole",
     "native",
     "pread_exact",
     "row_span",
-    "zip_member_data_offset",
 ]
-
-#: What ``zipfile``/``zlib`` raise on a damaged archive (all mapped to CorruptCheckpointError).
-ZIP_ERRORS: tuple[type[BaseException], ...] = (
-    zipfile.BadZipFile,
-    OSError,
-    EOFError,
-    ValueError,
-    NotImplementedError,
-    RuntimeError,  # e.g. an "encrypted" flag bit
-    OverflowError,
-    struct.error,
-    zlib.error,
-)
 
 #: Largest metadata block (JSON header, pickle, index) a reader accepts before parsing.
 MAX_HEADER_BYTES = 256 * 1024 * 1024
@@ -153,6 +137,14 @@ def row_span(index: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[int, int, 
     return 0, n, index
 
 
+def covers_whole(index: tuple[Any, ...], shape: tuple[int, ...]) -> bool:
+    """True when the normalised ``index`` makes a read touch every row of the value."""
+    if not shape:
+        return True
+    start, stop, _ = row_span(index, shape)
+    return start == 0 and stop == shape[0]
+
+
 class FileArray(LazyArray):
     """A C-order (or Fortran-order) array stored as raw bytes at ``offset`` in a file.
 
@@ -231,8 +223,10 @@ class FileArray(LazyArray):
     def __getitem__(self, index: Any) -> np.ndarray:
         shape = self.info.shape
         index = normalize_index(index, shape)
-        if self._fortran or not shape:
-            return self.read()[index]
+        if self._fortran or not shape or (self._check is not None and covers_whole(index, shape)):
+            # Every byte is read anyway: read the whole value and verify its checksum.
+            result = self.read()[index]
+            return np.array(result, copy=True) if isinstance(result, np.ndarray) else result
         start, stop, rest = row_span(index, shape)
         row_bytes = self._stored.itemsize
         for d in shape[1:]:
@@ -255,6 +249,7 @@ class EntryReader(Reader):
         *,
         aliases: Mapping[str, str] | None = None,
         skipped: Mapping[str, str] | None = None,
+        bookkeeping: Mapping[str, str] | None = None,
         metadata: Mapping[str, Any] | None = None,
         on_close: Callable[[], None] | None = None,
     ) -> None:
@@ -262,8 +257,11 @@ class EntryReader(Reader):
         self.format = format
         self._arrays = dict(arrays)
         self._aliases = dict(aliases or {})
-        #: Keys present in the file but not readable as arrays, with the reason.
+        #: User values present in the file that are not read as arrays: ``{key: reason}``.
         self.skipped: dict[str, str] = dict(skipped or {})
+        #: Entries the format keeps for itself (TensorFlow's object graph): ``{key: what}``;
+        #: never user values, so never in ``skipped``.
+        self.bookkeeping: dict[str, str] = dict(bookkeeping or {})
         self._metadata = dict(metadata or {})
         self._on_close = on_close
 
@@ -272,12 +270,11 @@ class EntryReader(Reader):
             return key
         if isinstance(key, str) and key in self._aliases:
             return self._aliases[key]
-        if key in self.skipped:
+        if key in self.skipped or key in self.bookkeeping:
             from ...errors import UnsupportedFormatError
 
-            raise UnsupportedFormatError(
-                f"{key!r} in {str(self.path)!r} cannot be read: {self.skipped[key]}"
-            )
+            reason = self.skipped.get(key) or self.bookkeeping[key]
+            raise UnsupportedFormatError(f"{key!r} in {str(self.path)!r} cannot be read: {reason}")
         raise MissingKeyError(
             f"No key {key!r} in the {self.format} checkpoint {str(self.path)!r} "
             f"({len(self._arrays)} keys{_sample(self._arrays)})."
@@ -297,6 +294,22 @@ class EntryReader(Reader):
 
     def metadata(self) -> dict[str, Any]:
         return dict(self._metadata)
+
+    def verify_all(self) -> list[tuple[str, str]]:
+        """Read and check every value; ``[(key, reason), ...]`` for each damaged one.
+
+        Every key is reported on its own, so several tensors viewing one damaged
+        storage are each listed.
+        """
+        bad: list[tuple[str, str]] = []
+        for key in self._arrays:
+            try:
+                self.verify(key)
+            except CorruptCheckpointError as exc:
+                bad.append((key, str(exc)))
+            except OSError as exc:
+                bad.append((key, f"cannot be read: {exc}"))
+        return bad
 
     def close(self) -> None:
         if self._on_close is not None:
@@ -344,59 +357,3 @@ class FileHandle:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
             self.close()
-
-
-def zip_crc_check(
-    info: zipfile.ZipInfo, prefix: bytes, what: str
-) -> Callable[[bytes | memoryview], None]:
-    """A check that the member's bytes (``prefix`` + the value's bytes) match its zip CRC-32."""
-
-    def check(data: bytes | memoryview) -> None:
-        actual = zlib.crc32(data, zlib.crc32(prefix)) & 0xFFFFFFFF
-        if actual != info.CRC:
-            raise CorruptCheckpointError(
-                f"{what} fails its zip CRC-32 check (stored {info.CRC:#010x}, computed "
-                f"{actual:#010x}): the archive is damaged."
-            )
-
-    return check
-
-
-def check_zip_entry_count(fh: FileHandle, count: int, path: Path) -> None:
-    """Refuse a zip whose central directory lists fewer/more members than its end record says.
-
-    ``zipfile`` does not compare them, so a damaged name length can silently hide members.
-    """
-    tail_size = min(fh.size, 65536 + 22)
-    tail = fh.pread(fh.size - tail_size, tail_size, "zip end record")
-    pos = tail.rfind(b"PK\x05\x06")
-    if pos < 0 or pos + 22 > len(tail):
-        raise CorruptCheckpointError(f"{str(path)!r} has no zip end-of-directory record.")
-    (total,) = struct.unpack_from("<H", tail, pos + 10)
-    if total != 0xFFFF and total != count:
-        raise CorruptCheckpointError(
-            f"The zip directory of {str(path)!r} lists {count} members; its end record says "
-            f"{total}. The archive is damaged."
-        )
-
-
-def zip_member_data_offset(fh: FileHandle, info: zipfile.ZipInfo, path: Path) -> int:
-    """Where member ``info``'s data starts, after checking its local header (which must
-    name the same member); encrypted members are refused."""
-    if info.flag_bits & 0x1:
-        raise CorruptCheckpointError(
-            f"Zip member {info.filename!r} in {str(path)!r} is encrypted; not supported."
-        )
-    header = fh.pread(info.header_offset, 30, f"zip local header of {info.filename!r}")
-    if header[:4] != b"PK\x03\x04":
-        raise CorruptCheckpointError(
-            f"Bad zip local header for {info.filename!r} in {str(path)!r}."
-        )
-    name_len, extra_len = struct.unpack_from("<HH", header, 26)
-    name = fh.pread(info.header_offset + 30, name_len, f"zip local header of {info.filename!r}")
-    if name != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"):
-        raise CorruptCheckpointError(
-            f"Zip member {info.filename!r} in {str(path)!r} is named {name!r} in its local "
-            "header; the archive is damaged."
-        )
-    return info.header_offset + 30 + name_len + extra_len

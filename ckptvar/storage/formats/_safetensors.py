@@ -11,13 +11,18 @@ lazily, only the rows a slice needs.
 
 The writer streams each array's own buffer after the header (no concatenated
 copy), to a temporary sibling that is fsynced and renamed onto the final path.
-Attributes and a ckptvar metadata dict are kept as JSON strings in
-``__metadata__`` (``ckptvar.attrs``, ``ckptvar.metadata``), which other tools ignore.
+
+``__metadata__``: string-to-string metadata (``{"format": "pt"}``, which Hugging
+Face transformers requires) is written at the top level as it was given.
+ckptvar's own metadata lives under keys starting with ``ckptvar``: per-value
+attributes in ``ckptvar.attrs`` and the rest of the metadata dict (values that
+are not strings) in ``ckptvar.metadata``, both JSON strings other tools ignore.
+``ckptvar_metadata=False`` writes none of ckptvar's own keys and keeps the
+string-to-string ones. The reader merges them back into one dict.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import struct
@@ -31,6 +36,7 @@ import numpy as np
 from ...errors import CorruptCheckpointError, UnsupportedFormatError
 from ..base import ArrayInfo, Backend, Reader, Writer
 from ._common import EntryReader, FileArray, FileHandle, check_shape, native
+from ._json import jsonable, loads_json
 
 __all__ = ["SAFETENSORS_DTYPES", "SafetensorsBackend", "SafetensorsWriter"]
 
@@ -56,6 +62,9 @@ SAFETENSORS_DTYPES: dict[str, np.dtype] = {
 _NAME_OF = {dt: name for name, dt in SAFETENSORS_DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024  # the limit the reference implementation applies
 _METADATA = "__metadata__"
+_OWN = "ckptvar"  # the prefix of every __metadata__ key ckptvar writes for itself
+_ATTRS = "ckptvar.attrs"
+_OWN_METADATA = "ckptvar.metadata"
 
 
 def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -162,12 +171,14 @@ def _open(path: Path) -> Reader:
         fh.close()
         raise
     attrs_all: dict[str, Any] = {}
-    metadata: dict[str, Any] = dict(meta)
-    if "ckptvar.attrs" in meta:
-        attrs_all = _loads_json(meta["ckptvar.attrs"], path)
-        del metadata["ckptvar.attrs"]
-    if "ckptvar.metadata" in meta:
-        metadata = _loads_json(meta["ckptvar.metadata"], path)
+    metadata: dict[str, Any] = {k: v for k, v in meta.items() if not k.startswith(_OWN)}
+    if _ATTRS in meta:
+        attrs_all = loads_json(meta[_ATTRS], path)
+    if _OWN_METADATA in meta:
+        own = loads_json(meta[_OWN_METADATA], path)
+        if not isinstance(own, dict):
+            raise CorruptCheckpointError(f"{_OWN_METADATA} in {str(path)!r} is not an object.")
+        metadata.update(own)
     base = 8 + n
     arrays = {}
     for key, (dtype, shape, begin, _end) in entries.items():
@@ -193,36 +204,24 @@ def _little() -> bool:
     return sys.byteorder == "little"
 
 
-def _loads_json(text: str, path: Path) -> Any:
-    try:
-        return json.loads(text, object_hook=_unbytes)
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"Bad ckptvar metadata in {str(path)!r}: {exc}.") from None
-
-
-def _unbytes(obj: dict[str, Any]) -> Any:
-    if set(obj) == {"__bytes__"} and isinstance(obj["__bytes__"], str):
-        return base64.b64decode(obj["__bytes__"])
-    return obj
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, bytes | bytearray | memoryview):
-        return {"__bytes__": base64.b64encode(bytes(obj)).decode("ascii")}
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    raise TypeError(f"Cannot store {type(obj).__name__} in safetensors metadata.")
-
-
 class SafetensorsWriter(Writer):
     """Writes ``.safetensors`` atomically, streaming each array's buffer as it is."""
 
     def __init__(
-        self, path: Path, *, metadata: Mapping[str, str] | None = None, durable: bool = True
+        self,
+        path: Path,
+        *,
+        metadata: Mapping[str, str] | None = None,
+        ckptvar_metadata: bool = True,
+        durable: bool = True,
     ) -> None:
+        """``metadata``: string pairs written at the top level of ``__metadata__``.
+
+        ``ckptvar_metadata=False`` writes none of ckptvar's own keys (``ckptvar.*``:
+        attributes, non-string metadata); string pairs, such as ``format``, are kept.
+        """
         self.path = Path(path)
+        self._own = ckptvar_metadata
         self._durable = durable
         self._items: dict[str, tuple[np.ndarray, dict[str, Any]]] = {}
         self._metadata: dict[str, Any] | None = None
@@ -248,12 +247,19 @@ class SafetensorsWriter(Writer):
 
     def _header(self) -> tuple[bytes, list[np.ndarray]]:
         header: dict[str, Any] = {}
-        meta: dict[str, str] = {str(k): str(v) for k, v in self._extra.items()}
+        meta: dict[str, str] = {}
+        own: dict[str, Any] = {}
+        for k, v in (self._metadata or {}).items():
+            if isinstance(k, str) and isinstance(v, str) and not k.startswith(_OWN):
+                meta[k] = v  # as it was: {"format": "pt"} stays where other tools look
+            else:
+                own[str(k)] = v
+        meta.update({str(k): str(v) for k, v in self._extra.items()})
         attrs = {k: a for k, (_, a) in self._items.items() if a and a != {"name": k}}
-        if attrs:
-            meta["ckptvar.attrs"] = json.dumps(attrs, default=_jsonable, sort_keys=True)
-        if self._metadata is not None:
-            meta["ckptvar.metadata"] = json.dumps(self._metadata, default=_jsonable)
+        if self._own and attrs:
+            meta[_ATTRS] = json.dumps(attrs, default=jsonable, sort_keys=True)
+        if self._own and own:
+            meta[_OWN_METADATA] = json.dumps(own, default=jsonable)
         if meta:
             header[_METADATA] = meta
         buffers = []

@@ -31,23 +31,20 @@ from ...errors import CorruptCheckpointError, UnsupportedFormatError
 from ..base import ArrayInfo, Backend, LazyArray, Reader
 from ._common import (
     MAX_HEADER_BYTES,
-    ZIP_ERRORS,
     EntryReader,
     FileArray,
     FileHandle,
     check_shape,
-    check_zip_entry_count,
+    covers_whole,
     normalize_index,
-    zip_crc_check,
-    zip_member_data_offset,
 )
-from ._unpickler import StorageRef, TensorRef, safe_load
+from ._unpickler import StorageRef, TensorRef, TorchDtype, safe_load
+from ._zip import ZIP_ERRORS, ZipArchive, check_member_size, zip_crc_check
 
 __all__ = ["TorchBackend"]
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
-_MAX_DEFLATE_RATIO = 1100  # deflate cannot expand beyond ~1032:1
 _MAX_DEPTH = 64
 _SUPPORTED = {
     np.dtype(n)
@@ -128,22 +125,32 @@ def _skip(stream: Any, n: int) -> None:
 
 
 class TorchArray(LazyArray):
-    """A (possibly strided) tensor view of a storage; only the spanned bytes are read."""
+    """A (possibly strided) tensor view of a storage; only the spanned bytes are read.
+
+    When the storage has a checksum (a zip member's CRC-32, which covers the whole
+    storage), every read of the whole value is verified: a view covering its whole
+    storage checks the bytes it reads; any other view (a slice, a strided view, one
+    of several tensors sharing a storage) reads the whole storage, checks it, and
+    takes its elements from those checked bytes. ``info.checksum`` is then the
+    storage's CRC-32. A partial slice (``lazy[0:10]``) reads only its rows, unverified.
+    """
 
     def __init__(self, info: ArrayInfo, ref: TensorRef, source: Any, stored: np.dtype) -> None:
         check = None
         crc = getattr(source, "crc", None)
-        whole = ref.offset == 0 and info.nbytes == source.nbytes
-        if crc is not None and whole and _is_c_contiguous(ref.shape, ref.stride):
-            check = zip_crc_check(source.info, b"", source.what)
+        self._contiguous = _is_c_contiguous(ref.shape, ref.stride)
+        self._whole = ref.offset == 0 and info.nbytes == source.nbytes and self._contiguous
+        self._checked = crc is not None
+        if crc is not None:
             info = dataclasses.replace(info, checksum=crc)
+            if self._whole:
+                check = zip_crc_check(source.info, b"", source.what)
         self.info = info
         self._ref = ref
         self._source = source
         self._stored = stored  # element dtype with the file's byte order
         item = stored.itemsize
         shape, stride = ref.shape, ref.stride
-        self._contiguous = _is_c_contiguous(shape, stride)
         if info.size:
             last = ref.offset + sum((d - 1) * s for d, s in zip(shape, stride, strict=True))
             self._span = (ref.offset * item, (last + 1) * item)
@@ -160,9 +167,12 @@ class TorchArray(LazyArray):
             )
 
     def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
-        if self._contiguous:
+        if self._contiguous and (self._whole or not (verify and self._checked)):
             return self._flat.read(out=out, verify=verify)
-        arr = self._strided()
+        if verify and self._checked:
+            arr = self._from_checked_storage()
+        else:
+            arr = self._strided()
         if out is not None:
             if out.shape != arr.shape or out.dtype != arr.dtype:
                 raise ValueError(
@@ -172,9 +182,18 @@ class TorchArray(LazyArray):
             return out
         return arr
 
-    def _strided(self) -> np.ndarray:
+    def _from_checked_storage(self) -> np.ndarray:
+        """The whole storage read and CRC-checked, then this view's elements taken from it."""
+        src = self._source
+        raw = src.fetch(0, src.nbytes) if src.nbytes else b""
+        zip_crc_check(src.info, b"", src.what)(raw)
         start, stop = self._span
-        raw = self._source.fetch(start, stop - start) if stop > start else b""
+        return self._strided(raw[start:stop] if stop > start else b"")
+
+    def _strided(self, raw: bytes | None = None) -> np.ndarray:
+        start, stop = self._span
+        if raw is None:
+            raw = self._source.fetch(start, stop - start) if stop > start else b""
         base = np.frombuffer(raw, dtype=self._stored)
         item = self._stored.itemsize
         view = (
@@ -197,9 +216,12 @@ class TorchArray(LazyArray):
         return arr.view(self.info.dtype) if arr.dtype != self.info.dtype else arr
 
     def __getitem__(self, index: Any) -> np.ndarray:
+        index = normalize_index(index, self.info.shape)
+        if self._checked and not self._whole and covers_whole(index, self.info.shape):
+            return np.array(self.read()[index], copy=True)  # verified through its storage
         if self._contiguous:
             return self._flat[index]
-        return np.array(self._strided()[normalize_index(index, self.info.shape)], copy=True)
+        return np.array(self._strided()[index], copy=True)
 
 
 def _is_c_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
@@ -231,9 +253,13 @@ class _BoundedFile:
         return self._f.tell()
 
 
-def _flatten(obj: Any, path: Path) -> tuple[dict[str, TensorRef], dict[str, Any]]:
+def _flatten(
+    obj: Any, path: Path
+) -> tuple[dict[str, TensorRef], dict[str, Any], dict[str, str]]:
+    """``(tensors, plain leaves for metadata, {key: reason} for anything else)``."""
     tensors: dict[str, TensorRef] = {}
     meta: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
 
     def walk(prefix: str, value: Any, depth: int) -> None:
         if depth > _MAX_DEPTH:
@@ -251,9 +277,14 @@ def _flatten(obj: Any, path: Path) -> tuple[dict[str, TensorRef], dict[str, Any]
                 walk(f"{prefix}.{i}" if prefix else str(i), v, depth + 1)
         elif isinstance(value, bool | int | float | str) or value is None:
             meta[prefix or "value"] = value
+        else:
+            what = f"torch.{value.name}" if isinstance(value, TorchDtype) else type(value).__name__
+            skipped[prefix or "value"] = (
+                f"a {what} object, neither a tensor nor a plain number or string"
+            )
 
     walk("", obj, 0)
-    return tensors, meta
+    return tensors, meta, skipped
 
 
 def _storage_elems(ref: TensorRef) -> int:
@@ -295,14 +326,10 @@ def _info(key: str, ref: TensorRef) -> ArrayInfo:
 
 
 def _open_zip(path: Path) -> Reader:
-    fh = FileHandle(path)
+    archive = ZipArchive(path, kind="zip")
+    fh, zf = archive.fh, archive.zf
     try:
-        try:
-            zf = zipfile.ZipFile(path)
-        except ZIP_ERRORS as exc:
-            raise CorruptCheckpointError(f"{str(path)!r} is not a readable zip: {exc}") from None
-        infos = {i.filename: i for i in zf.infolist()}
-        check_zip_entry_count(fh, len(zf.infolist()), path)
+        infos = archive.members
         pkls = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
         if any(n.endswith("/constants.pkl") or "/code/" in n for n in infos):
             raise UnsupportedFormatError(
@@ -315,32 +342,15 @@ def _open_zip(path: Path) -> Reader:
                 f"(expected one '<dir>/data.pkl', found {len(pkls)})."
             )
         prefix = pkls[0][: -len("data.pkl")]
-        for info in infos.values():  # damaged names or methods must not slip through
-            if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
-                raise CorruptCheckpointError(
-                    f"{info.filename!r} in {str(path)!r} uses zip compression method "
-                    f"{info.compress_type} (only stored and deflated members are read)."
-                )
-            zip_member_data_offset(fh, info, path)
-        pkl_info = infos[pkls[0]]
-        _check_member_size(pkl_info, MAX_HEADER_BYTES, path)
-        try:
-            pkl = zf.read(pkl_info)
-        except ZIP_ERRORS as exc:
-            raise CorruptCheckpointError(f"{pkls[0]} in {str(path)!r}: {exc}") from None
+        pkl = archive.read(pkls[0], MAX_HEADER_BYTES)
         order = "little"
         if prefix + "byteorder" in infos:
-            bo_info = infos[prefix + "byteorder"]
-            _check_member_size(bo_info, 16, path)
-            try:
-                order = zf.read(bo_info).decode("ascii", "replace").strip()
-            except ZIP_ERRORS as exc:
-                raise CorruptCheckpointError(f"byteorder in {str(path)!r}: {exc}") from None
+            order = archive.read(prefix + "byteorder", 16).decode("ascii", "replace").strip()
             if order not in ("little", "big"):
                 raise CorruptCheckpointError(f"{str(path)!r}: unknown byteorder {order!r}.")
         storages: dict[str, StorageRef] = {}
         obj = safe_load(io.BytesIO(pkl), storages=storages, source=repr(str(path)))
-        tensors, meta = _flatten(obj, path)
+        tensors, meta, skipped = _flatten(obj, path)
         sources: dict[str, Any] = {}
         for key, st in storages.items():
             name = f"{prefix}data/{key}"
@@ -355,23 +365,21 @@ def _open_zip(path: Path) -> Reader:
                 )
             what = f"storage {name!r} of {str(path)!r}"
             if info.compress_type == zipfile.ZIP_STORED:
-                start = zip_member_data_offset(fh, info, path)
+                start = archive.data_offset(name)
                 if start + nbytes > fh.size:
                     raise CorruptCheckpointError(f"{what} runs past the end of the file.")
                 sources[key] = _Source(fh, start, nbytes, what, info)
             else:
-                _check_member_size(info, 1 << 62, path)
+                check_member_size(info, 1 << 62, path)
                 sources[key] = _CompressedSource(zf, info, nbytes, what)
         arrays = _arrays(tensors, sources, order, path)
     except BaseException:
-        fh.close()
+        archive.close()
         raise
 
-    def close() -> None:
-        fh.close()
-        zf.close()
-
-    return EntryReader(path, "torch", arrays, metadata=meta, on_close=close)
+    return EntryReader(
+        path, "torch", arrays, skipped=skipped, metadata=meta, on_close=archive.close
+    )
 
 
 def _arrays(
@@ -385,20 +393,6 @@ def _arrays(
             stored = stored.newbyteorder(">")
         arrays[key] = TorchArray(_info(key, ref), ref, sources[ref.storage.key], stored)
     return arrays
-
-
-def _check_member_size(info: zipfile.ZipInfo, limit: int, path: Path) -> None:
-    if info.file_size > limit:
-        raise CorruptCheckpointError(
-            f"{info.filename!r} in {str(path)!r} declares {info.file_size} bytes (limit {limit})."
-        )
-    if info.compress_type != zipfile.ZIP_STORED and info.file_size > max(
-        1 << 16, info.compress_size * _MAX_DEFLATE_RATIO
-    ):
-        raise CorruptCheckpointError(
-            f"{info.filename!r} in {str(path)!r} declares {info.file_size} bytes from "
-            f"{info.compress_size} compressed bytes: a zip bomb, refused."
-        )
 
 
 def _open_legacy(path: Path) -> Reader:
@@ -446,12 +440,12 @@ def _open_legacy(path: Path) -> Reader:
         missing = set(storages) - set(sources)
         if missing:
             raise CorruptCheckpointError(f"{str(path)!r} lacks storages {sorted(missing)[:5]}.")
-        tensors, meta = _flatten(obj, path)
+        tensors, meta, skipped = _flatten(obj, path)
         arrays = _arrays(tensors, sources, "big" if big else "little", path)
     except BaseException:
         fh.close()
         raise
-    return EntryReader(path, "torch", arrays, metadata=meta, on_close=fh.close)
+    return EntryReader(path, "torch", arrays, skipped=skipped, metadata=meta, on_close=fh.close)
 
 
 class TorchBackend(Backend):

@@ -34,17 +34,9 @@ import numpy as np
 from ..._dtypes import SUPPORTED_DTYPES
 from ...errors import CorruptCheckpointError, UnsupportedFormatError
 from ..base import ArrayInfo, Backend, LazyArray, Reader, Writer
-from ._common import (
-    ZIP_ERRORS,
-    EntryReader,
-    FileArray,
-    FileHandle,
-    check_shape,
-    check_zip_entry_count,
-    native,
-    zip_crc_check,
-    zip_member_data_offset,
-)
+from ._common import EntryReader, FileArray, FileHandle, check_shape, native
+from ._json import jsonable
+from ._zip import MAX_DEFLATE_RATIO, ZIP_ERRORS, ZipArchive, zip_crc_check, zip_member_data_offset
 
 __all__ = ["NpzBackend", "NpzWriter", "parse_npy_header"]
 
@@ -52,7 +44,6 @@ _MAGIC = b"\x93NUMPY"
 _DESCR = re.compile(r"^[<>|=]?(b1|[iu][1248]|f[248]|c(8|16))$")
 _SIDECAR = "__ckptvar__.json"
 _MAX_NPY_HEADER = 1 << 20
-_MAX_DEFLATE_RATIO = 1100
 _PLAIN = {
     np.dtype(n).newbyteorder(o)
     for n in (
@@ -148,7 +139,7 @@ class _Member:
         if self.stored:
             if self.start + info.file_size > fh.size or info.compress_size != info.file_size:
                 raise CorruptCheckpointError(f"The {self.what} runs past the end of the file.")
-        elif info.file_size > max(1 << 16, info.compress_size * _MAX_DEFLATE_RATIO):
+        elif info.file_size > max(1 << 16, info.compress_size * MAX_DEFLATE_RATIO):
             raise CorruptCheckpointError(
                 f"The {self.what} declares {info.file_size} bytes from {info.compress_size} "
                 "compressed bytes: a zip bomb, refused."
@@ -179,18 +170,11 @@ class _Member:
 
 
 def _open(path: Path) -> Reader:
-    fh = FileHandle(path)
+    archive = ZipArchive(path, kind=".npz")
+    fh, zf = archive.fh, archive.zf
     try:
-        try:
-            zf = zipfile.ZipFile(path)
-        except ZIP_ERRORS as exc:
-            raise CorruptCheckpointError(f"{str(path)!r} is not a readable .npz: {exc}") from None
-        infos = zf.infolist()
-        check_zip_entry_count(fh, len(infos), path)
+        infos = list(archive.members.values())
         sidecar: dict[str, Any] = {}
-        names = [i.filename for i in infos]
-        if len(set(names)) != len(names):
-            raise CorruptCheckpointError(f"{str(path)!r} has duplicate member names.")
         arrays: dict[str, LazyArray] = {}
         for info in infos:
             if info.filename == _SIDECAR:
@@ -207,7 +191,6 @@ def _open(path: Path) -> Reader:
         attrs_all = sidecar.get("attrs", {}) if isinstance(sidecar.get("attrs", {}), dict) else {}
         for info in infos:
             if not info.filename.endswith(".npy") or info.is_dir():
-                zip_member_data_offset(fh, info, path)  # a damaged name must not hide a value
                 continue
             key = info.filename[: -len(".npy")]
             member = _Member(zf, info, fh, path)
@@ -249,16 +232,12 @@ def _open(path: Path) -> Reader:
                 fortran=fortran and len(shape) > 1,
             )
     except BaseException:
-        fh.close()
+        archive.close()
         raise
-
-    def close() -> None:
-        fh.close()
-        zf.close()
 
     meta = sidecar.get("metadata", {})
     return EntryReader(
-        path, "npz", arrays, metadata=meta if isinstance(meta, dict) else {}, on_close=close
+        path, "npz", arrays, metadata=meta if isinstance(meta, dict) else {}, on_close=archive.close
     )
 
 
@@ -339,11 +318,9 @@ class NpzWriter(Writer):
                 if self._metadata is not None:
                     side["metadata"] = self._metadata
                 if len(side) > 2:
-                    from ._safetensors import _jsonable
-
                     info = zipfile.ZipInfo(_SIDECAR, date_time=(1980, 1, 1, 0, 0, 0))
                     info.external_attr = 0o644 << 16
-                    zf.writestr(info, json.dumps(side, default=_jsonable))
+                    zf.writestr(info, json.dumps(side, default=jsonable))
                 zf.close()
                 raw.flush()
                 if self._durable:

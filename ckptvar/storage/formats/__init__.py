@@ -1,0 +1,52 @@
+"""Formats other tools write, read without those tools; safetensors and npz written too.
+
+Owns the registration of the foreign backends:
+
+========== ======================================= ===== =====================
+name       files                                   write needs at run time
+========== ======================================= ===== =====================
+tf         ``prefix.index`` + ``prefix.data-*``    no    numpy, crc32c
+torch      ``.pt``, ``.pth``, ``.bin``             no    numpy (no torch)
+safetensors ``.safetensors``                       yes   numpy
+npz        ``.npz``                                yes   numpy
+keras      ``.weights.h5``, ``.keras``, legacy     no    h5py
+hdf5       any other HDF5 file (by sniffing)       no    h5py
+========== ======================================= ===== =====================
+
+Every reader is a ``ckptvar.storage.Reader`` with ``skipped`` (``{key: reason}``
+for user values it cannot return) and ``verify_all()``; every parser checks
+sizes before allocating and raises ``CorruptCheckpointError`` for damaged or
+hostile input. Shared pieces: ``_common`` (byte ranges, lazy arrays, the
+mapping reader), ``_zip`` (checked zip archives), ``_json`` (JSON metadata).
+h5py is imported only when an HDF5 file is opened.
+docs/formats.md describes key naming and limits per format.
+"""
+
+from __future__ import annotations
+
+from .. import register_backend
+from ._keras import HDF5Backend, KerasBackend
+from ._npz import NpzBackend
+from ._safetensors import SafetensorsBackend
+from ._tf_bundle import TFBackend
+from ._torch import TorchBackend
+
+__all__ = [
+    "HDF5Backend",
+    "KerasBackend",
+    "NpzBackend",
+    "SafetensorsBackend",
+    "TFBackend",
+    "TorchBackend",
+]
+
+# Order matters for sniffing: specific layouts before the generic HDF5 fallback.
+for _backend in (
+    TFBackend,
+    TorchBackend,
+    SafetensorsBackend,
+    NpzBackend,
+    KerasBackend,
+    HDF5Backend,
+):
+    register_backend(_backend)
