@@ -25,6 +25,8 @@ SCRIPT = textwrap.dedent(
     r'''
     import json, os, random, re, signal, sys, time
     import numpy as np
+    import h5py  # noqa: F401 - loaded before the fork, so a child's first save is not an import
+    import zarr  # noqa: F401
     import ckptvar as cv
     from ckptvar.storage import backend_for
 
