@@ -390,3 +390,9 @@ def test_variable_keeps_calling_an_initial_value_function_with_no_arguments() ->
 
     v = cv.Variable(value)
     assert v.numpy().tolist() == [1.0, 2.0] and calls == [(None, None)]
+
+
+def test_get_variable_refuses_an_initializer_it_cannot_call_with_shape_and_dtype() -> None:
+    with pytest.raises(VariableScopeError, match=r"initializer\(shape, dtype=...\)"):
+        cv.get_variable("z", shape=(2,), initializer=lambda: np.zeros(2))
+    assert cv.global_variables() == []

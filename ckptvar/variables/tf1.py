@@ -286,8 +286,19 @@ def bind_initializer(initializer: Any, shape: tuple[int, ...], dtype: np.dtype,
     init = initializer() if isinstance(initializer, type) else initializer
     kwargs: dict[str, Any] = {"dtype": dtype}
     own = isinstance(init, _init.Initializer) or getattr(init, "__module__", "") == _init.__name__
-    if not own and _accepts(init, "partition_info"):
-        kwargs["partition_info"] = partition_info
+    if not own:
+        if _accepts(init, "partition_info"):
+            kwargs["partition_info"] = partition_info
+        try:
+            inspect.signature(init).bind(tuple(shape), **kwargs)
+        except TypeError as exc:
+            raise VariableScopeError(
+                f"get_variable calls its initializer as initializer(shape, dtype=...); "
+                f"{init!r} cannot be called that way ({exc}). Pass a value, or a function "
+                "of (shape, dtype)."
+            ) from None
+        except ValueError:  # no signature to check (a builtin): call it and see
+            pass
     return FreshValue(lambda: init(tuple(shape), **kwargs))
 
 
@@ -324,8 +335,8 @@ def get_variable(
     initializer: Any = None,
     trainable: bool | None = None,
     collections: Sequence[str] | None = None,
-    partitioner: Callable[..., Sequence[int]] | None = None,
     *,
+    partitioner: Callable[..., Sequence[int]] | None = None,
     device: str | None = None,
     constraint: Callable[[Any], Any] | None = None,
     validate_shape: bool = True,
