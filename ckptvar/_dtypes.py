@@ -78,7 +78,7 @@ def as_dtype(dtype: Any) -> np.dtype:
     if isinstance(dtype, str) and dtype in SUPPORTED_DTYPES:
         return SUPPORTED_DTYPES[dtype]
     try:
-        dt = np.dtype(dtype)
+        dt: np.dtype = np.dtype(dtype)
     except TypeError as exc:
         raise TypeError(f"Not a dtype: {dtype!r}.") from exc
     if dt.byteorder not in ("=", "|"):

@@ -147,7 +147,7 @@ class Graph:
             found = self._extensions.get(key)
             if found is None:
                 found = self._extensions[key] = factory()
-            return found  # type: ignore[no-any-return]
+            return found  # type: ignore[no-any-return,unused-ignore]
 
     # --- collections ---------------------------------------------------------------------
     def add_to_collection(self, name: str, value: Any) -> None:

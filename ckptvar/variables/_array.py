@@ -16,6 +16,7 @@ helpers that copy into a buffer on the host or a GPU (:func:`write_into`,
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from .._dtypes import dtype_name
-from ..device import Device, DeviceError, cupy_or_none, is_device_array, to_host
-from ..errors import DTypeLockError
+from ..device import Device, cupy_or_none, is_device_array, to_host
+from ..errors import DeviceError, DTypeLockError
 from ._shapes import Shape, VariableArgumentError
 
 __all__ = [
@@ -94,29 +95,25 @@ def _slice_result(selected: Any, variable: Any, index: Any) -> Any:
     return out
 
 
-_cupy_slice_cls: Any = None
-
-
+@functools.cache
 def _cupy_slice_class() -> Any:
-    global _cupy_slice_cls
-    if _cupy_slice_cls is None:
-        cp = cupy_or_none()
-        if cp is None:
-            return None
+    """``CupyVariableSlice`` (a ``cupy.ndarray`` with ``assign``), or None without CuPy."""
+    cp = cupy_or_none()
+    if cp is None:
+        return None
 
-        class CupyVariableSlice(cp.ndarray):  # type: ignore[misc,name-defined]
-            _variable = None
-            _index = None
+    class CupyVariableSlice(cp.ndarray):  # type: ignore[misc,name-defined]
+        _variable = None
+        _index = None
 
-            def assign(self, value: Any) -> Any:
-                if self._variable is None:
-                    raise VariableArgumentError(
-                        "Only an array taken directly from a variable can be assigned."
-                    )
-                return self._variable._assign_slice(self._index, value)
+        def assign(self, value: Any) -> Any:
+            if self._variable is None:
+                raise VariableArgumentError(
+                    "Only an array taken directly from a variable can be assigned."
+                )
+            return self._variable._assign_slice(self._index, value)
 
-        _cupy_slice_cls = CupyVariableSlice
-    return _cupy_slice_cls
+    return CupyVariableSlice
 
 
 def operand(x: Any) -> Any:
@@ -198,7 +195,8 @@ class ArrayBehaviour:
                     f"Variable {self._name!r} on {self.device} cannot be viewed as a NumPy "
                     f"array of dtype {dtype} without a copy."
                 )
-            return self._operand()
+            view: np.ndarray = self._operand()
+            return view
         host = self.numpy()
         return host if dtype is None else host.astype(dtype, copy=False)
 
@@ -308,8 +306,8 @@ class ArrayBehaviour:
     __le__ = _binary(operator.le)
     __gt__ = _binary(operator.gt)
     __ge__ = _binary(operator.ge)
-    __eq__ = _binary(operator.eq)  # type: ignore[assignment]
-    __ne__ = _binary(operator.ne)  # type: ignore[assignment]
+    __eq__ = _binary(operator.eq)
+    __ne__ = _binary(operator.ne)
     __neg__ = _unary(operator.neg)
     __pos__ = _unary(operator.pos)
     __abs__ = _unary(abs)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -117,37 +117,7 @@ class Variable(WriteBehaviour, ArrayBehaviour):
         req_shape = normalize_shape(shape)
 
         # 1. Work out what the initial value is and its dtype and shape.
-        host: Any = None  # a concrete initial value, already converted
-        thunk: Callable[[], Any] | None = None
-        owned = False
-        if isinstance(initial_value, Variable):
-            dt = as_dtype(dtype) if dtype is not None else initial_value.dtype
-            host = self._convert_initial(initial_value._materialize(), dt, name)
-        elif isinstance(initial_value, FreshValue) or _init.is_initializer(initial_value):
-            dt = as_dtype("float32" if dtype is None else dtype)
-            if not fully_defined(req_shape):
-                raise VariableArgumentError(
-                    f"An initializer needs a fully defined shape= for variable "
-                    f"{name or 'Variable'!r}, got shape={shape!r}."
-                )
-            if isinstance(initial_value, FreshValue):
-                thunk = initial_value.fn
-            else:
-                init, init_shape = initial_value, defined_dims(req_shape)
-                thunk = lambda: _init.call_initializer(init, init_shape, dt)  # noqa: E731
-            owned = True
-        elif callable(initial_value) and not hasattr(initial_value, "__array__"):
-            # An initial-value function: called with no arguments, as TensorFlow does.
-            if dtype is not None and fully_defined(req_shape):
-                dt = as_dtype(dtype)
-                thunk = initial_value
-            else:
-                value = initial_value()
-                dt = as_dtype(dtype) if dtype is not None else infer_dtype(value)
-                host = self._convert_initial(value, dt, name)
-        else:
-            dt = as_dtype(dtype) if dtype is not None else infer_dtype(initial_value)
-            host = self._convert_initial(initial_value, dt, name)
+        dt, host, thunk, owned = _initial_value(initial_value, dtype, req_shape, shape, name)
         self._dtype: np.dtype = dt
         value_shape = tuple(host.shape if host is not None else req_shape)  # type: ignore[arg-type]
         if not validate_shape and shape is None:
@@ -196,14 +166,6 @@ class Variable(WriteBehaviour, ArrayBehaviour):
         run_creation_hooks(self)
 
     # --- construction helpers ------------------------------------------------------------
-    @staticmethod
-    def _convert_initial(value: Any, dt: np.dtype, name: str | None) -> np.ndarray:
-        """A fresh host array of ``dt`` holding ``value`` (never sharing its memory)."""
-        what = f"the initial value of variable {name or 'Variable'!r}"
-        src = to_host(value) if is_device_array(value) else value
-        check_value_castable(src, dt, what=what)
-        return np.array(src, dtype=dt, copy=True, order="C")
-
     def _make_name(self, name: str | None) -> str:
         if name is None:
             name = "Variable"
@@ -462,3 +424,49 @@ def _unpickle_variable(value: np.ndarray, name: str, shape: Shape, trainable: bo
                        constraint: Any, collections: Sequence[str]) -> Variable:
     return Variable(value, name=name + "/", shape=shape, validate_shape=shape is not None,
                     trainable=trainable, constraint=constraint, collections=collections)
+
+
+class _Initial(NamedTuple):
+    """What a constructor argument gives: a dtype, and a value now or a function for later."""
+
+    dtype: np.dtype
+    host: np.ndarray | None  # a concrete value, already converted
+    thunk: Callable[[], Any] | None  # or a function producing it at first use
+    owned: bool  # whether the function returns a fresh array the variable may adopt
+
+
+def _initial_value(initial_value: Any, dtype: Any, req_shape: Shape, shape: Any,
+                   name: str | None) -> _Initial:
+    """Sort ``initial_value`` into a value now or a function for later, with its dtype."""
+    if isinstance(initial_value, Variable):
+        dt = as_dtype(dtype) if dtype is not None else initial_value.dtype
+        return _Initial(dt, _convert_initial(initial_value._materialize(), dt, name), None,
+                        False)
+    if isinstance(initial_value, FreshValue) or _init.is_initializer(initial_value):
+        dt = as_dtype("float32" if dtype is None else dtype)
+        if not fully_defined(req_shape):
+            raise VariableArgumentError(
+                f"An initializer needs a fully defined shape= for variable "
+                f"{name or 'Variable'!r}, got shape={shape!r}."
+            )
+        if isinstance(initial_value, FreshValue):
+            return _Initial(dt, None, initial_value.fn, True)
+        init, init_shape = initial_value, defined_dims(req_shape)
+        return _Initial(dt, None, lambda: _init.call_initializer(init, init_shape, dt), True)
+    if callable(initial_value) and not hasattr(initial_value, "__array__"):
+        # An initial-value function: called with no arguments, as TensorFlow does.
+        if dtype is not None and fully_defined(req_shape):
+            return _Initial(as_dtype(dtype), None, initial_value, False)
+        value = initial_value()
+        dt = as_dtype(dtype) if dtype is not None else infer_dtype(value)
+        return _Initial(dt, _convert_initial(value, dt, name), None, False)
+    dt = as_dtype(dtype) if dtype is not None else infer_dtype(initial_value)
+    return _Initial(dt, _convert_initial(initial_value, dt, name), None, False)
+
+
+def _convert_initial(value: Any, dt: np.dtype, name: str | None) -> np.ndarray:
+    """A fresh host array of ``dt`` holding ``value`` (never sharing its memory)."""
+    what = f"the initial value of variable {name or 'Variable'!r}"
+    src = to_host(value) if is_device_array(value) else value
+    check_value_castable(src, dt, what=what)
+    return np.array(src, dtype=dt, copy=True, order="C")

@@ -119,7 +119,7 @@ class VariableScope:
     def set_partitioner(self, partitioner: Callable[..., Sequence[int]] | None) -> None:
         self.partitioner = partitioner
 
-    def get_variable(self, name: str, *args: Any, **kwargs: Any) -> Variable | PartitionedVariable:
+    def get_variable(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """``get_variable`` inside this scope (see :func:`ckptvar.get_variable`)."""
         with variable_scope(self):
             return get_variable(name, *args, **kwargs)
