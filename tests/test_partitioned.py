@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pickle
 
 import numpy as np
@@ -176,8 +177,12 @@ def test_variable_with_a_shard() -> None:
     assert w.shard.shape == (250, 64) and w.shape == (250, 64)
     assert w.logical_box == LogicalBox("w", (1000, 64), (500, 0), (250, 64), sliced=True)
     assert cv.Variable(1.0).shard is None
-    copied = pickle.loads(pickle.dumps(w.shard))
-    assert copied == w.shard
+    assert pickle.loads(pickle.dumps(w.shard)) == w.shard
+    with cv.Graph().as_default():
+        again = pickle.loads(pickle.dumps(w))
+        twin = copy.deepcopy(w)
+    assert again.shard == w.shard and twin.shard == w.shard and again.name == "w"
+    assert np.array_equal(again.numpy(), rows)
 
 
 @pytest.mark.parametrize(

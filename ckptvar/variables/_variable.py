@@ -393,13 +393,14 @@ class Variable(WriteBehaviour, ArrayBehaviour):
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickles the value, name, shape lock, ``trainable``, constraint and collections.
+        """Pickles the value, name, shape lock, ``trainable``, constraint, collections, shard.
 
         Unpickling makes a new variable with exactly that name in the default graph, placed
         by default placement.
         """
-        return (_unpickle_variable, (self.numpy(), self._name, self._shape, self._trainable,
-                                     self._constraint, self._collections))
+        args = (self.numpy(), self._name, self._shape, self._trainable, self._constraint,
+                self._collections)
+        return (_unpickle_variable, args if self._shard is None else (*args, self._shard))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
         """A new variable with a copy of the value, the same name, settings and collections."""
@@ -421,9 +422,11 @@ class Variable(WriteBehaviour, ArrayBehaviour):
 
 
 def _unpickle_variable(value: np.ndarray, name: str, shape: Shape, trainable: bool,
-                       constraint: Any, collections: Sequence[str]) -> Variable:
+                       constraint: Any, collections: Sequence[str],
+                       shard: Shard | None = None) -> Variable:
     return Variable(value, name=name + "/", shape=shape, validate_shape=shape is not None,
-                    trainable=trainable, constraint=constraint, collections=collections)
+                    trainable=trainable, constraint=constraint, collections=collections,
+                    shard=shard)
 
 
 class _Initial(NamedTuple):
