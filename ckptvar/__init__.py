@@ -30,7 +30,6 @@ from .errors import (
 from . import initializers
 from .device import device, list_devices, set_log_device_placement
 from .graph import (
-    AUTO_REUSE,
     Graph,
     GraphKeys,
     add_to_collection,
@@ -41,14 +40,21 @@ from .graph import (
     name_scope,
     reset_default_graph,
     trainable_variables,
-    variable_scope,
 )
 from .variables import (
+    AUTO_REUSE,
+    PartitionedVariable,
+    SaveSliceInfo,
+    Shard,
     Variable,
     deferred_init,
+    fixed_size_partitioner,
     get_variable,
     global_variables_initializer,
+    min_max_variable_partitioner,
     report_uninitialized_variables,
+    variable_axis_size_partitioner,
+    variable_scope,
 )
 
 # --- trackable objects and checkpoints ----------------------------------------
@@ -78,8 +84,11 @@ __all__ = [
     "Graph",
     "GraphKeys",
     "Module",
+    "PartitionedVariable",
     "RestoreAssertionError",
+    "SaveSliceInfo",
     "Saver",
+    "Shard",
     "Trackable",
     "UninitializedVariableError",
     "UnsupportedFormatError",
@@ -87,6 +96,7 @@ __all__ = [
     "add_to_collection",
     "deferred_init",
     "device",
+    "fixed_size_partitioner",
     "get_collection",
     "get_default_graph",
     "get_variable",
@@ -99,6 +109,7 @@ __all__ = [
     "load",
     "load_variable",
     "local_variables",
+    "min_max_variable_partitioner",
     "name_scope",
     "open",
     "report_uninitialized_variables",
@@ -107,6 +118,7 @@ __all__ = [
     "save",
     "set_log_device_placement",
     "trainable_variables",
+    "variable_axis_size_partitioner",
     "variable_scope",
     "wait_for_pending_saves",
 ]

@@ -1,8 +1,10 @@
 """Dtype rules shared by the core and the storage layer.
 
-Owns: TensorFlow-style dtype inference for Python values, the ``same_kind``
-write check, bfloat16 (through ``ml_dtypes``), and the explicit list of dtypes a
-checkpoint may hold, with their names as written in files.
+Owns: TensorFlow-style dtype inference for Python values, the one home of the dtype
+kind rules (:func:`kind_of`, :func:`is_floating`, :func:`can_cast_same_kind`, and the
+``same_kind`` write checks built on them, for arrays and for weak Python values),
+bfloat16 and the other ``ml_dtypes`` (through ``ml_dtypes``), and the explicit list of
+dtypes a checkpoint may hold, with their names as written in files.
 
 >>> import numpy as np
 >>> infer_dtype(1.5), infer_dtype(3), infer_dtype(True)
@@ -24,9 +26,14 @@ __all__ = [
     "BFLOAT16",
     "SUPPORTED_DTYPES",
     "as_dtype",
+    "can_cast_same_kind",
     "check_castable",
+    "check_value_castable",
+    "dtype_name",
     "dtype_to_str",
     "infer_dtype",
+    "is_floating",
+    "kind_of",
     "str_to_dtype",
 ]
 
@@ -71,7 +78,7 @@ def as_dtype(dtype: Any) -> np.dtype:
     if isinstance(dtype, str) and dtype in SUPPORTED_DTYPES:
         return SUPPORTED_DTYPES[dtype]
     try:
-        dt = np.dtype(dtype)
+        dt: np.dtype = np.dtype(dtype)
     except TypeError as exc:
         raise TypeError(f"Not a dtype: {dtype!r}.") from exc
     if dt.byteorder not in ("=", "|"):
@@ -110,7 +117,7 @@ def infer_dtype(value: Any) -> np.dtype:
         return as_dtype(value.dtype)
     if hasattr(value, "dtype") and not isinstance(value, list | tuple):
         return as_dtype(value.dtype)
-    kinds = set()
+    kinds: set[type] = set()
     _collect_kinds(value, kinds)
     if not kinds:
         return np.dtype("float32")
@@ -141,6 +148,59 @@ def _collect_kinds(value: Any, kinds: set[type]) -> None:
         raise TypeError(f"Cannot convert {type(value).__name__} {value!r} to an array.")
 
 
+# bool < integers < floats < complex; signed -> unsigned is never same_kind.
+_KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
+
+
+def kind_of(dtype: Any) -> str | None:
+    """The NumPy kind of ``dtype`` (``b``, ``i``, ``u``, ``f``, ``c``), ml_dtypes included.
+
+    bfloat16 and the float8 types are ``"f"``, int4 ``"i"``, uint4 ``"u"``; anything that is
+    not a number (strings, objects, structured) is ``None``.
+
+    >>> kind_of("bfloat16"), kind_of("int4"), kind_of("float32"), kind_of("U3")
+    ('f', 'i', 'f', None)
+    """
+    dt = np.dtype(dtype)
+    if dt.kind == "V":  # ml_dtypes types report kind 'V'; structured dtypes too
+        name = _BY_DTYPE.get(dt)
+        if name is None:
+            return None
+        return "i" if name == "int4" else "u" if name == "uint4" else "f"
+    return dt.kind if dt.kind in "biufc" else None
+
+
+def is_floating(dtype: Any) -> bool:
+    """Whether ``dtype`` is a real floating type: float16/32/64, bfloat16, the float8 types.
+
+    >>> is_floating("bfloat16"), is_floating("float8_e4m3fn"), is_floating("int4")
+    (True, True, False)
+    >>> is_floating("complex64"), is_floating(np.float16)
+    (False, True)
+    """
+    return kind_of(dtype) == "f"
+
+
+def can_cast_same_kind(src: Any, dst: Any) -> bool:
+    """NumPy's ``same_kind`` rule, extended to the ml_dtypes types by their kind.
+
+    >>> can_cast_same_kind("uint8", "int32"), can_cast_same_kind("int32", "uint8")
+    (True, False)
+    >>> can_cast_same_kind("int32", "bfloat16"), can_cast_same_kind("bfloat16", "int32")
+    (True, False)
+    """
+    src, dst = np.dtype(src), np.dtype(dst)
+    if src == dst:
+        return True
+    s_kind, d_kind = kind_of(src), kind_of(dst)
+    if s_kind is None or d_kind is None:
+        return False
+    if "V" not in (src.kind, dst.kind):
+        return bool(np.can_cast(src, dst, casting="same_kind"))
+    # an ml_dtypes type on one side: compare kinds the way NumPy's same_kind does
+    return _KIND_RANK[s_kind] <= _KIND_RANK[d_kind] and not (s_kind == "i" and d_kind == "u")
+
+
 def check_castable(src: np.dtype, dst: np.dtype, *, what: str = "value") -> None:
     """Raise :class:`DTypeLockError` unless ``src`` converts to ``dst`` under ``same_kind``.
 
@@ -154,32 +214,35 @@ def check_castable(src: np.dtype, dst: np.dtype, *, what: str = "value") -> None
     ...
     ckptvar.errors.DTypeLockError: Cannot convert 'v' of dtype float32 to dtype int32 (only same_kind conversions are allowed).
     """
-    src, dst = np.dtype(src), np.dtype(dst)
-    if src == dst:
-        return
-    s_kind, d_kind = _kind(src), _kind(dst)
-    if s_kind is None or d_kind is None:
-        ok = False
-    elif "V" not in (src.kind, dst.kind):
-        ok = bool(np.can_cast(src, dst, casting="same_kind"))
-    else:  # an ml_dtypes type on one side: compare kinds the way NumPy's same_kind does
-        ok = _KIND_RANK[s_kind] <= _KIND_RANK[d_kind] and not (s_kind == "i" and d_kind == "u")
-    if not ok:
+    if not can_cast_same_kind(src, dst):
         raise DTypeLockError(
             f"Cannot convert {what} of dtype {dtype_name(src)} to dtype {dtype_name(dst)} "
             "(only same_kind conversions are allowed)."
         )
 
 
-# bool < integers < floats < complex; signed -> unsigned is never same_kind.
-_KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
+def check_value_castable(value: Any, dst: np.dtype, *, what: str = "value") -> None:
+    """Raise :class:`DTypeLockError` unless ``value`` converts to ``dst`` under ``same_kind``.
 
+    Arrays follow :func:`can_cast_same_kind` (``uint8 -> int32`` is fine, ``int32 ->
+    uint8`` is not). Python scalars and lists are "weak", as in NumPy 2 and TensorFlow:
+    only their kind counts, so ``[1, 2]`` fits a ``uint8`` variable.
 
-def _kind(dt: np.dtype) -> str | None:
-    if dt in _BY_DTYPE and dt.kind == "V":  # ml_dtypes floats report kind 'V'
-        name = _BY_DTYPE[dt]
-        return "i" if name == "int4" else "u" if name == "uint4" else "f"
-    return dt.kind if dt.kind in "biufc" else None
+    >>> check_value_castable([1, 2], np.dtype("uint8"))
+    >>> check_value_castable(np.array([1, 2]), np.dtype("uint8"), what="'v'")
+    Traceback (most recent call last):
+    ...
+    ckptvar.errors.DTypeLockError: Cannot convert 'v' of dtype int64 to dtype uint8 (only same_kind conversions are allowed).
+    """
+    try:
+        src = infer_dtype(value)
+    except TypeError as exc:
+        raise DTypeLockError(f"Cannot convert {what}: {exc}") from None
+    weak = not hasattr(value, "dtype")
+    std = src.kind in _KIND_RANK and dst.kind in _KIND_RANK
+    if weak and std and _KIND_RANK[src.kind] <= _KIND_RANK[dst.kind]:
+        return
+    check_castable(src, dst, what=what)
 
 
 def dtype_name(dt: np.dtype) -> str:

@@ -33,8 +33,19 @@ def join(prefix: str, name: str) -> str:
 
 
 def valid_scope_name(name: str, *, nested: bool) -> bool:
-    """Whether ``name`` may name a scope or variable (TensorFlow's op-name rules)."""
-    return bool((_NESTED_NAME if nested else _ROOT_NAME).match(name))
+    """Whether ``name`` may name a scope or variable.
+
+    TensorFlow's op-name rules, plus any Python identifier (as TensorFlow 2 accepts for
+    ``tf.Module``): a module's default name comes from its class name, and a private
+    class ``_Block`` gives ``__block``.
+
+    >>> valid_scope_name("__block/dense", nested=False), valid_scope_name("_x y", nested=False)
+    (True, False)
+    """
+    if (_NESTED_NAME if nested else _ROOT_NAME).match(name):
+        return True
+    first, _, rest = name.partition("/")
+    return first.isidentifier() and bool(_NESTED_NAME.match(rest))
 
 
 class NameRegistry:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ._dtypes import as_dtype, dtype_name
+from ._dtypes import as_dtype, dtype_name, kind_of
 
 __all__ = [
     "Constant",
@@ -107,7 +107,7 @@ class Initializer:
     def __call__(self, shape: Any, dtype: Any = None) -> np.ndarray:
         shape = _as_shape(shape)
         dt = as_dtype("float32" if dtype is None else dtype)
-        kind = "f" if dt.kind == "V" else dt.kind  # bfloat16 and friends are floats
+        kind = kind_of(dt) or dt.kind  # bfloat16 and float8 are floats, int4 an integer
         if kind not in self.kinds:
             raise TypeError(
                 f"{type(self).__name__} cannot produce dtype {dtype_name(dt)}; "

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from . import initializers as _initializers
-from ._dtypes import as_dtype
+from ._dtypes import as_dtype, kind_of
 from .graph import name_scope as _name_scope
 from .trackable import Trackable
 from .variables import Variable
@@ -59,7 +59,7 @@ def iter_tracked(value: Any, seen: set[int]) -> Iterator[Any]:
             return
         seen.add(id(value))
         yield value
-        children = value._trackable_children().values()
+        children: Any = value._trackable_children().values()
     elif isinstance(value, list | tuple):
         if id(value) in seen:
             return
@@ -186,8 +186,8 @@ class Module(Trackable):
         """
         dt = as_dtype(dtype)
         if initializer is None:
-            is_float = dt.kind in "fc" or dt.kind == "V"
-            initializer = _initializers.glorot_uniform if is_float else _initializers.zeros
+            inexact = kind_of(dt) in ("f", "c")  # bfloat16 and float8 included, int4 not
+            initializer = _initializers.glorot_uniform if inexact else _initializers.zeros
         if isinstance(shape, int | np.integer):
             shape = (int(shape),)
         with self.name_scope:

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 import ckptvar as cv
 from ckptvar._naming import NameRegistry
 from ckptvar.errors import VariableScopeError
-from ckptvar.graph import GraphStateError, get_variable_scope
+from ckptvar.graph import GraphStateError
+from ckptvar.variables import get_variable_scope
 
 pytestmark = pytest.mark.usefixtures("fresh_graph")
 
@@ -332,3 +333,66 @@ def test_unique_name_never_repeats(requests) -> None:
     assert len({m.lower() for m in made}) == len(made)
     for asked, got in zip(requests, made, strict=True):
         assert got == asked or (got.startswith(asked + "_") and got[len(asked) + 1:].isdigit())
+
+
+# --- issue 13 item 7: initializers called as TensorFlow's get_variable calls them ----------------
+
+
+class AllDefaults:
+    """The signature of many initializer classes: every parameter has a default."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __call__(self, shape=None, dtype=None, **kwargs):  # type: ignore[no-untyped-def]
+        self.calls.append((shape, dtype, kwargs))
+        return np.full(shape, 3, dtype=dtype)
+
+
+def test_get_variable_calls_an_all_defaults_initializer_with_shape_and_dtype_once() -> None:
+    init = AllDefaults()
+    v = cv.get_variable("x", shape=(2,), initializer=init)
+    assert v.numpy().tolist() == [3.0, 3.0] and v.numpy().tolist() == [3.0, 3.0]
+    assert len(init.calls) == 1
+    shape, dtype, kwargs = init.calls[0]
+    assert tuple(shape) == (2,) and np.dtype(dtype) == np.float32
+    assert kwargs == {"partition_info": None}  # **kwargs accepts it, as in TF1
+
+
+def test_get_variable_passes_partition_info_only_when_accepted() -> None:
+    seen = []
+
+    def no_info(shape, dtype=None):  # type: ignore[no-untyped-def]
+        seen.append((shape, dtype))
+        return np.zeros(shape, dtype)
+
+    cv.get_variable("a", shape=(3,), dtype="int32", initializer=no_info).numpy()
+    assert seen == [((3,), np.dtype("int32"))]
+
+
+def test_get_variable_initializer_the_same_inside_restore_on_create(tmp_path) -> None:
+    other = cv.Variable([7.0], name="stored")
+    path = cv.Saver([other]).save(tmp_path / "ckpt.h5")
+    init = AllDefaults()
+    with cv.Graph().as_default(), cv.restore_on_create(path):
+        fresh = cv.get_variable("x", shape=(2,), initializer=init)
+        stored = cv.get_variable("stored", shape=(1,), initializer=init)
+    assert fresh.numpy().tolist() == [3.0, 3.0] and stored.numpy().tolist() == [7.0]
+    assert [tuple(c[0]) for c in init.calls] == [(2,)]  # once, for the one not stored
+
+
+def test_variable_keeps_calling_an_initial_value_function_with_no_arguments() -> None:
+    calls = []
+
+    def value(shape=None, dtype=None):  # type: ignore[no-untyped-def]
+        calls.append((shape, dtype))
+        return [1.0, 2.0]
+
+    v = cv.Variable(value)
+    assert v.numpy().tolist() == [1.0, 2.0] and calls == [(None, None)]
+
+
+def test_get_variable_refuses_an_initializer_it_cannot_call_with_shape_and_dtype() -> None:
+    with pytest.raises(VariableScopeError, match=r"initializer\(shape, dtype=...\)"):
+        cv.get_variable("z", shape=(2,), initializer=lambda: np.zeros(2))
+    assert cv.global_variables() == []

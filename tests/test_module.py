@@ -91,3 +91,39 @@ def test_add_variable_default_initializers(fresh_graph: cv.Graph) -> None:
     assert i.dtype == np.int64 and i.shape == (4,) and not i.trainable
     np.testing.assert_array_equal(i.numpy(), np.zeros(4, np.int64))
     assert list(m._trackable_children()) == ["f", "i"]
+
+
+# --- issue 13 item 6: private classes ------------------------------------------------------------
+
+
+class _Block(cv.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with self.name_scope:
+            self.w = cv.Variable([1.0, 2.0], name="w")
+
+
+class _Outer(cv.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with self.name_scope:
+            self.block = _Block()
+
+
+def test_private_module_classes_get_their_default_names_and_round_trip(
+    tmp_path, fresh_graph
+) -> None:
+    block = _Block()
+    assert block.name == "__block" and block.w.name == "__block/w"
+    outer = _Outer()
+    assert outer.block.w.name == "__outer/__block/w"
+    assert _Block().w.name == "__block_1/w"
+    path = cv.Saver().save(tmp_path / "names.h5")
+    assert "__block/w" in [entry[0] for entry in cv.list_variables(path)]
+    ckpt_path = cv.Checkpoint(model=outer).write(tmp_path / "obj.h5")
+    outer.block.w.assign([5.0, 6.0])
+    cv.Checkpoint(model=outer).restore(ckpt_path)
+    assert outer.block.w.numpy().tolist() == [1.0, 2.0]
+    with cv.Graph().as_default(), cv.restore_on_create(path):
+        again = _Block()
+    assert again.w.numpy().tolist() == [1.0, 2.0]

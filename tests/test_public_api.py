@@ -26,6 +26,9 @@ DOCUMENTED = {
     "wait_for_pending_saves", "restore_on_create",
     # loading (§7), plus save(): the writing counterpart of load() used by `ckpt convert`
     "list_variables", "load_variable", "load", "open", "save",
+    # partitioned variables and shards (§11)
+    "PartitionedVariable", "SaveSliceInfo", "Shard", "fixed_size_partitioner",
+    "min_max_variable_partitioner", "variable_axis_size_partitioner",
 }
 
 

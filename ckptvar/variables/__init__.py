@@ -1,0 +1,69 @@
+"""Variables: named, mutable arrays with a locked dtype and shape, and the TF1 variable API.
+
+The package's modules, each owning one idea:
+
+- :mod:`._variable`: :class:`Variable`, its lifecycle (one explicit state) and writes;
+- :mod:`._array`: operators, the NumPy protocols, ``VariableSlice``, buffer copies;
+- :mod:`._shapes`: shape locks; :mod:`._slices`: :class:`Shard`, :class:`SaveSliceInfo`,
+  :class:`LogicalBox` (what box of a logical variable a variable holds);
+- :mod:`._hooks`: creation hooks and :func:`deferred_init`;
+- :mod:`.tf1`: variable scopes, :func:`get_variable` and its store;
+- :mod:`.partitioned`: :class:`PartitionedVariable` and the TF partitioners.
+
+Importing this package loads NumPy and ml_dtypes only: no storage library, no CuPy.
+
+>>> from ckptvar.graph import Graph
+>>> with Graph().as_default():
+...     v = Variable([1.0, 2.0], name="v")
+...     (v + 1).tolist(), v.logical_box.full_shape
+([2.0, 3.0], (2,))
+"""
+
+from __future__ import annotations
+
+from ._array import VariableSlice
+from ._hooks import CreationHookHandle, deferred_init, register_creation_hook
+from ._shapes import VariableArgumentError
+from ._slices import LogicalBox, SaveSliceInfo, Shard
+from ._variable import Variable, VariableStateError
+from .partitioned import (
+    PartitionedVariable,
+    PartitionInfo,
+    fixed_size_partitioner,
+    min_max_variable_partitioner,
+    variable_axis_size_partitioner,
+)
+from .tf1 import (
+    AUTO_REUSE,
+    VariableScope,
+    get_variable,
+    get_variable_scope,
+    global_variables_initializer,
+    report_uninitialized_variables,
+    variable_scope,
+)
+
+__all__ = [
+    "AUTO_REUSE",
+    "CreationHookHandle",
+    "LogicalBox",
+    "PartitionInfo",
+    "PartitionedVariable",
+    "SaveSliceInfo",
+    "Shard",
+    "Variable",
+    "VariableArgumentError",
+    "VariableScope",
+    "VariableSlice",
+    "VariableStateError",
+    "deferred_init",
+    "fixed_size_partitioner",
+    "get_variable",
+    "get_variable_scope",
+    "global_variables_initializer",
+    "min_max_variable_partitioner",
+    "register_creation_hook",
+    "report_uninitialized_variables",
+    "variable_axis_size_partitioner",
+    "variable_scope",
+]

@@ -1,0 +1,186 @@
+"""A variable's lifecycle states and its writes.
+
+Owns the three states a variable is in, exactly one at a time (:class:`Unset`: no value
+until ``initialize()``; :class:`Pending`: a value not yet in memory, produced at first use;
+:class:`Ready`: the backing array), :class:`FreshValue` (an initial-value function whose
+result may be adopted without a copy), and :class:`WriteBehaviour`, the mixin that gives
+a variable ``assign``, ``assign_add``, ``assign_sub`` and slice assignment with the dtype
+(``same_kind``) and shape locks and the constraint.
+
+>>> import numpy as np
+>>> Ready(np.zeros(2)).value.tolist(), isinstance(Unset(lambda: 0, owned=True), Ready)
+([0.0, 0.0], False)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._dtypes import check_value_castable
+from ..device import Device, is_device_array, to_host
+from ..errors import ShapeLockError
+from ._array import match_backend, operand, write_into
+from ._shapes import Shape, compatible, shape_str
+
+__all__ = ["FreshValue", "Pending", "Ready", "Unset", "WriteBehaviour"]
+
+
+@dataclass(frozen=True, slots=True)
+class Unset:
+    """No value yet (deferred): ``initialize()`` calls ``init``; reads raise."""
+
+    init: Callable[[], Any]
+    owned: bool  # whether init() returns a fresh array the variable may adopt
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """Initialized, but the value is produced by ``source()`` at the first read or write."""
+
+    source: Callable[[], Any]
+    owned: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """The value is in memory: ``value`` is the backing array (NumPy or CuPy)."""
+
+    value: Any
+
+
+class FreshValue:
+    """A zero-argument function whose result is a new array that a variable may adopt.
+
+    ``Variable(FreshValue(fn), shape=..., dtype=...)`` calls ``fn()`` at the first use,
+    without copying its result on the CPU (``get_variable`` binds initializers this way).
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self) -> Any:
+        return self.fn()
+
+
+
+class WriteBehaviour:
+    """Writes through the locks; the class using it supplies the state and ``_adopt``."""
+
+    _name: str
+    _dtype: np.dtype
+    _shape: Shape
+    _state: Unset | Pending | Ready
+    _lock: threading.RLock
+    _device_obj: Device
+    _constraint: Callable[[Any], Any] | None
+
+    def _materialize(self) -> Any:  # pragma: no cover - supplied by Variable
+        raise NotImplementedError
+
+    def _adopt(self, arr: Any, *, owned: bool) -> Any:  # pragma: no cover - supplied by Variable
+        raise NotImplementedError
+
+    def _convert(self, value: Any, what: str) -> Any:
+        """``value`` as an array of this dtype (host, or device on a GPU); checks same_kind."""
+        value = operand(value)
+        if is_device_array(value):
+            if not self._device_obj.is_gpu:
+                value = to_host(value)
+            else:
+                check_value_castable(value, self._dtype, what=what)
+                return value.astype(self._dtype, copy=False)
+        check_value_castable(value, self._dtype, what=what)
+        return np.asarray(value, dtype=self._dtype)
+
+    def _shape_error(self, shape: tuple[int, ...], target: Shape, what: str = "") -> ShapeLockError:
+        return ShapeLockError(
+            f"Cannot assign to variable {self._name!r}{what}: shape {tuple(shape)} does not "
+            f"match the variable's shape {shape_str(target)}."
+        )
+
+    def _constrained(self, new: Any) -> Any:
+        result = self._constraint(new)  # type: ignore[misc]
+        result = self._convert(result, f"the result of the constraint of {self._name!r}")
+        if tuple(result.shape) != tuple(new.shape):
+            raise ShapeLockError(
+                f"The constraint of variable {self._name!r} returned shape "
+                f"{tuple(result.shape)}; expected {tuple(new.shape)}."
+            )
+        return result
+
+    def assign(self, value: Any) -> Any:
+        """Write ``value`` in place (same buffer); returns the variable.
+
+        The value is converted to the variable's dtype (``same_kind``) and must have the
+        variable's shape. On any error the value is unchanged.
+        """
+        what = f"a value assigned to variable {self._name!r}"
+        arr = self._convert(value, what)
+        if not compatible(self._shape, tuple(arr.shape)):
+            raise self._shape_error(arr.shape, self._shape)
+        with self._lock:
+            if self._constraint is not None:
+                arr = self._constrained(arr.copy())
+            state = self._state
+            if isinstance(state, Ready) and tuple(state.value.shape) == tuple(arr.shape):
+                write_into(state.value, arr, self._device_obj)
+            else:  # first value, or a new shape along an unlocked dimension
+                self._state = Ready(self._adopt(arr.copy(), owned=True))
+        return self
+
+    def _update(self, delta: Any, op: Any, verb: str) -> Any:
+        what = f"a value {verb} variable {self._name!r}"
+        arr = self._convert(delta, what)
+        with self._lock:
+            buf = self._materialize()
+            try:
+                out_shape = np.broadcast_shapes(tuple(buf.shape), tuple(arr.shape))
+            except ValueError:
+                out_shape = None
+            if out_shape != tuple(buf.shape):
+                raise self._shape_error(arr.shape, tuple(buf.shape))
+            if self._constraint is not None:
+                new = self._constrained(op(buf, match_backend(arr, buf)).astype(self._dtype))
+                write_into(buf, new, self._device_obj)
+            else:
+                op(buf, match_backend(arr, buf), out=buf)  # same dtype: no casting
+        return self
+
+    def assign_add(self, delta: Any) -> Any:
+        """Add ``delta`` (broadcastable to the variable's shape) in place; returns the variable."""
+        return self._update(delta, np.add, "added to")
+
+    def assign_sub(self, delta: Any) -> Any:
+        """Subtract ``delta`` in place; returns the variable."""
+        return self._update(delta, np.subtract, "subtracted from")
+
+    def _assign_slice(self, index: Any, value: Any) -> Any:
+        what = f"a value assigned to variable {self._name!r}[...]"
+        arr = self._convert(value, what)
+        with self._lock:
+            buf = self._materialize()
+            target_shape = tuple(buf[index].shape)
+            try:
+                ok = np.broadcast_shapes(target_shape, tuple(arr.shape)) == target_shape
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ShapeLockError(
+                    f"Cannot assign to a slice of variable {self._name!r}: shape "
+                    f"{tuple(arr.shape)} does not match the slice's shape {target_shape}."
+                )
+            if self._constraint is not None:
+                new = buf.copy()
+                new[index] = match_backend(arr, buf)
+                write_into(buf, self._constrained(new), self._device_obj)
+            else:
+                buf[index] = match_backend(arr, buf)
+        return self
+

@@ -1,0 +1,475 @@
+"""The variable: creation and lifecycle.
+
+Owns :class:`Variable`: creation (dtype inference, the shape lock, naming, placement,
+collections), moving through its lifecycle states (``self._state``: one of
+:class:`~ckptvar.variables._lifecycle.Unset`, ``Pending``, ``Ready``), reading, pickling
+and copying, what box of a logical variable it holds (:attr:`Variable.logical_box`), and
+the hooks the checkpoint layer uses (``_materialized``, ``_set_initial_value_source``,
+``_restore_value``, ``_host_buffer``, ``_uid``). Writes come from
+:class:`~ckptvar.variables._lifecycle.WriteBehaviour`, the array behaviour from
+:class:`~ckptvar.variables._array.ArrayBehaviour`.
+
+>>> import numpy as np
+>>> from ckptvar.graph import Graph
+>>> with Graph().as_default():
+...     v = Variable([[1.0, 2.0], [3.0, 4.0]], name="v")
+...     v.assign_add([[1, 1], [1, 1]]).numpy()
+array([[2., 3.],
+       [4., 5.]], dtype=float32)
+>>> with Graph().as_default():
+...     w = Variable([1, 2, 3])
+...     (w.dtype, w.name, int(np.argmax(w)), w[1:].tolist())
+(dtype('int32'), 'Variable', 2, [2, 3])
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .. import initializers as _init
+from .._dtypes import as_dtype, check_castable, check_value_castable, dtype_name, infer_dtype
+from ..device import is_device_array, log_placement, placement_for, to_device, to_host
+from ..errors import CkptError, ShapeLockError, UninitializedVariableError
+from ..graph import Graph, GraphKeys, get_default_graph
+from ._array import ArrayBehaviour, write_into
+from ._hooks import deferring, next_uid, run_creation_hooks
+from ._lifecycle import FreshValue, Pending, Ready, Unset, WriteBehaviour
+from ._shapes import (
+    Shape,
+    VariableArgumentError,
+    compatible,
+    defined_dims,
+    fully_defined,
+    normalize_shape,
+    shape_str,
+)
+from ._slices import LogicalBox, SaveSliceInfo, Shard, check_shard
+
+__all__ = ["Variable", "VariableStateError"]
+
+
+class VariableStateError(CkptError, RuntimeError):
+    """An internal hook was used in a state that forbids it (e.g. a source after materialising)."""
+
+
+class Variable(WriteBehaviour, ArrayBehaviour):
+    """A named, mutable array with a locked dtype and shape, living on one device.
+
+    Args:
+        initial_value: an array-like, a ``Variable`` (its value is copied), a zero-argument
+            callable returning the value, or an initializer ``init(shape, dtype)`` (with
+            ``shape=`` and, optionally, ``dtype=``, default float32). A variable built from
+            an initializer materialises lazily, at its first read or write.
+        name: default ``"Variable"``; made unique in the graph under the current name
+            scope (``Mark``, ``Mark_1``). A name ending in ``/`` is used exactly, unscoped.
+        dtype: converts the value (``same_kind``); inferred as TensorFlow does otherwise.
+        shape: the locked shape; ``None`` entries unlock a dimension. With
+            ``validate_shape=False`` (and no ``shape``) every dimension is unlocked.
+        trainable: default ``True`` (``False`` when ``collections`` holds
+            ``GraphKeys.LOCAL_VARIABLES``); trainable variables join ``TRAINABLE_VARIABLES``.
+        device: ``"CPU:0"``, ``"GPU:0"``, ``"cuda:1"``...; default: the ``device()`` block's,
+            else the fastest device that supports the dtype.
+        constraint: ``f(value) -> value`` applied after every write.
+        collections: default ``[GraphKeys.GLOBAL_VARIABLES]``.
+        lazy: ``True`` defers initialization (as inside :func:`deferred_init`).
+        shard: a :class:`~ckptvar.Shard`: this variable holds one box of a larger logical
+            variable of the same name (one process's part in a multi-process job).
+
+    Comparisons are elementwise, as for arrays; a variable hashes by identity, so use
+    ``is`` (not ``==`` or ``in``) to find one in a list.
+    """
+
+    _weak_in_collections = True  # graph collections hold variables weakly
+
+    def __init__(
+        self,
+        initial_value: Any = None,
+        *,
+        name: str | None = None,
+        dtype: Any = None,
+        shape: Any = None,
+        trainable: bool | None = None,
+        device: str | None = None,
+        constraint: Callable[[Any], Any] | None = None,
+        collections: Sequence[str] | None = None,
+        validate_shape: bool = True,
+        lazy: bool | None = None,
+        shard: Shard | None = None,
+        _graph: Graph | None = None,
+    ) -> None:
+        if initial_value is None:
+            raise VariableArgumentError(
+                "Variable needs an initial_value: an array-like, a callable, or an "
+                "initializer together with shape=."
+            )
+        if constraint is not None and not callable(constraint):
+            raise VariableArgumentError(f"constraint must be callable, got {constraint!r}.")
+        self._uid = next_uid()
+        self._lock = threading.RLock()
+        self._graph = _graph if _graph is not None else get_default_graph()
+        self._constraint = constraint
+        self._save_slice_info: SaveSliceInfo | None = None
+        deferred = deferring() if lazy is None else bool(lazy)
+        req_shape = normalize_shape(shape)
+
+        # 1. Work out what the initial value is and its dtype and shape.
+        dt, host, thunk, owned = _initial_value(initial_value, dtype, req_shape, shape, name)
+        self._dtype: np.dtype = dt
+        value_shape = tuple(host.shape if host is not None else req_shape)  # type: ignore[arg-type]
+        if not validate_shape and shape is None:
+            lock: Shape = None
+        else:
+            lock = req_shape if req_shape is not None else value_shape
+            if not compatible(lock, value_shape):
+                raise ShapeLockError(
+                    f"Cannot create variable {name or 'Variable'!r}: the initial value has shape "
+                    f"{value_shape}, which does not match shape={shape_str(lock)}."
+                )
+        self._shape: Shape = lock
+        self._shard = None if shard is None else check_shard(shard, lock, name or "Variable")
+
+        # 2. Name, device, collections.
+        self._device_obj = placement_for(dt, device)  # before naming: a bad device uses no name
+        self._name = self._make_name(name)
+        log_placement(
+            f"Variable {self._name!r} ({dtype_name(dt)}, shape {shape_str(self._shape)})",
+            self._device_obj,
+        )
+        if collections is None:
+            collections = [GraphKeys.GLOBAL_VARIABLES]
+        collections = list(dict.fromkeys(collections))
+        if trainable is None:
+            trainable = GraphKeys.LOCAL_VARIABLES not in collections
+        self._trainable = bool(trainable)
+        if self._trainable and GraphKeys.TRAINABLE_VARIABLES not in collections:
+            collections.append(GraphKeys.TRAINABLE_VARIABLES)
+        self._collections = tuple(collections)
+        self._graph.add_to_collections(collections, self)
+
+        # 3. The state: concrete values are materialised now; initializers wait.
+        self._state: Unset | Pending | Ready
+        if host is not None:
+            if deferred:
+                snapshot = host
+                self._state = Unset(lambda: snapshot, owned=True)
+            else:
+                self._state = Ready(to_device(host, self._device_obj))
+        else:
+            assert thunk is not None
+            self._state = Unset(thunk, owned) if deferred else Pending(thunk, owned)
+
+        # 4. Creation hooks (restore-on-create and friends).
+        run_creation_hooks(self)
+
+    # --- construction helpers ------------------------------------------------------------
+    def _make_name(self, name: str | None) -> str:
+        if name is None:
+            name = "Variable"
+        if not isinstance(name, str) or not name or name == "/":
+            raise VariableArgumentError(f"A variable name is a non-empty string, not {name!r}.")
+        if name.endswith("/"):
+            exact = name[:-1]
+            self._graph.mark_used(exact)
+            return exact
+        return self._graph.unique_name(name)
+
+    # --- attributes ----------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def shape(self) -> Shape:
+        """The locked shape: a tuple (``None`` for an unlocked dimension), or ``None``."""
+        return self._shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape) if self._shape is not None else self._materialize().ndim
+
+    @property
+    def device(self) -> str:
+        """Where the value lives: ``"CPU:0"``, ``"GPU:0"``, ..."""
+        return str(self._device_obj)
+
+    @property
+    def trainable(self) -> bool:
+        return self._trainable
+
+    @property
+    def constraint(self) -> Callable[[Any], Any] | None:
+        return self._constraint
+
+    @property
+    def graph(self) -> Graph:
+        return self._graph
+
+    @property
+    def initialized(self) -> bool:
+        """Whether the variable has a value (possibly not yet materialised)."""
+        return not isinstance(self._state, Unset)
+
+    @property
+    def _materialized(self) -> bool:
+        """True once memory holds the value (hook for the checkpoint layer)."""
+        return isinstance(self._state, Ready)
+
+    # --- slices of a logical variable ----------------------------------------------------
+    @property
+    def shard(self) -> Shard | None:
+        """The :class:`~ckptvar.Shard` this variable holds (multi-process), else ``None``."""
+        return self._shard
+
+    @property
+    def save_slice_info(self) -> SaveSliceInfo | None:
+        """For a part of a :class:`~ckptvar.PartitionedVariable`: where it sits in the whole."""
+        return self._save_slice_info
+
+    def _set_save_slice_info(self, info: SaveSliceInfo) -> None:
+        """Mark this variable as one part of a partitioned variable (``get_variable`` does)."""
+        if self._shard is not None:
+            raise VariableArgumentError(
+                f"Variable {self._name!r} already holds a shard; it cannot also be a partition."
+            )
+        if self._shape is None or tuple(info.var_shape) != tuple(self._shape):
+            raise VariableArgumentError(
+                f"SaveSliceInfo var_shape {tuple(info.var_shape)} does not match the shape "
+                f"{shape_str(self._shape)} of variable {self._name!r}."
+            )
+        self._save_slice_info = info
+
+    @property
+    def logical_box(self) -> LogicalBox:
+        """Which logical variable this holds and which box of it: ``(name, full_shape, offset,
+        shape)``. A plain variable holds all of itself (offset zeros, ``sliced`` False)."""
+        if self._save_slice_info is not None:
+            info = self._save_slice_info
+            return LogicalBox(info.full_name, tuple(info.full_shape), tuple(info.var_offset),
+                              tuple(info.var_shape), sliced=True)
+        if self._shard is not None:
+            return LogicalBox(self._name, self._shard.full_shape, self._shard.offset,
+                              defined_dims(self._shard.shape), sliced=True)
+        shape = self._shape
+        if not fully_defined(shape):
+            shape = tuple(self._materialize().shape)
+        dims = defined_dims(shape)
+        return LogicalBox(self._name, dims, (0,) * len(dims), dims, sliced=False)
+
+    # --- materialisation -----------------------------------------------------------------
+    def _materialize(self) -> Any:
+        state = self._state
+        if type(state) is Ready:
+            return state.value
+        with self._lock:
+            state = self._state
+            if isinstance(state, Ready):
+                return state.value
+            if isinstance(state, Unset):
+                raise UninitializedVariableError(
+                    f"Variable {self._name!r} is uninitialized: call its initialize(), "
+                    "global_variables_initializer(), assign a value or restore a checkpoint "
+                    "before reading it."
+                )
+            value = self._adopt(state.source(), owned=state.owned)
+            self._state = Ready(value)
+            return value
+
+    def _adopt(self, arr: Any, *, owned: bool) -> Any:
+        """Make ``arr`` (host or device) the backing array, copying only when needed."""
+        if is_device_array(arr) and not self._device_obj.is_gpu:
+            arr, owned = to_host(arr), True
+        if isinstance(arr, np.ndarray):
+            if arr.dtype != self._dtype:
+                check_castable(arr.dtype, self._dtype,
+                               what=f"the initial value of variable {self._name!r}")
+                arr, owned = arr.astype(self._dtype), True
+            if not compatible(self._shape, arr.shape) or (
+                fully_defined(self._shape) and arr.shape != self._shape
+            ):
+                raise ShapeLockError(
+                    f"Cannot initialize variable {self._name!r}: value shape {arr.shape} does "
+                    f"not match the variable's shape {shape_str(self._shape)}."
+                )
+            if not owned or not arr.flags.c_contiguous or not arr.flags.writeable:
+                arr = np.array(arr, copy=True, order="C")
+            return to_device(arr, self._device_obj)
+        # already a device array
+        return arr if owned else arr.copy()
+
+    def initialize(self) -> Variable:
+        """Give an uninitialized variable its initial value (runs the initializer now).
+
+        A variable that is already initialized is left as it is.
+        """
+        with self._lock:
+            state = self._state
+            if isinstance(state, Unset):
+                self._state = Pending(state.init, state.owned)
+            self._materialize()
+        return self
+
+    def initialized_value(self) -> Any:
+        """Initialize the variable if needed and return (a copy of) its value."""
+        self.initialize()
+        return self.read_value()
+
+    # --- checkpoint hooks ----------------------------------------------------------------
+    def _set_initial_value_source(self, fn: Callable[[], np.ndarray]) -> None:
+        """Replace the pending initial value with ``fn()`` (taken at first read or write).
+
+        ``fn()`` returns a host NumPy array of exactly this variable's dtype and shape,
+        which is adopted without another copy on the CPU (copied to the device on a GPU).
+        The initializer is then never called. Marks the variable initialized. Raises
+        :class:`VariableStateError` (a ``RuntimeError``) once the variable is materialised.
+        """
+        with self._lock:
+            if isinstance(self._state, Ready):
+                raise VariableStateError(
+                    f"Variable {self._name!r} already holds a value; an initial-value source "
+                    "can only be set before it is materialised."
+                )
+            self._state = Pending(fn, owned=True)
+
+    def _restore_value(self, array: np.ndarray) -> None:
+        """Set the value from host ``array`` (exactly this dtype and shape; the caller checked).
+
+        Copies into the existing buffer in place when materialised (host to device on a
+        GPU); otherwise adopts ``array`` itself on the CPU. The constraint is not applied.
+        Marks the variable initialized.
+        """
+        with self._lock:
+            state = self._state
+            if isinstance(state, Ready) and tuple(state.value.shape) == tuple(array.shape):
+                write_into(state.value, array, self._device_obj)
+            else:
+                self._state = Ready(self._adopt(array, owned=True))
+
+    def _host_buffer(self) -> np.ndarray | None:
+        """The backing buffer itself when materialised, on the CPU and C-contiguous; else None."""
+        state = self._state
+        buf = state.value if isinstance(state, Ready) else None
+        if isinstance(buf, np.ndarray) and buf.flags.c_contiguous and buf.flags.writeable:
+            return buf
+        return None
+
+    # --- reading -------------------------------------------------------------------------
+    def numpy(self) -> np.ndarray:
+        """A host NumPy copy of the value."""
+        value = self._materialize()
+        return value.copy() if isinstance(value, np.ndarray) else to_host(value)
+
+    def read_value(self) -> Any:
+        """A copy of the value on the variable's device (NumPy on the CPU, CuPy on a GPU)."""
+        return self._materialize().copy()
+
+    def value(self) -> Any:
+        """The backing array itself (NumPy on the CPU, CuPy on a GPU). Do not write to it."""
+        return self._materialize()
+
+    def __repr__(self) -> str:
+        head = (f"<cv.Variable {self._name!r} shape={shape_str(self._shape)} "
+                f"dtype={dtype_name(self._dtype)}")
+        if self._device_obj.is_gpu:
+            head += f" device={self.device}"
+        if not self.initialized:
+            return head + ", numpy=<uninitialized>>"
+        value = self.numpy()
+        if value.ndim == 0:  # as TensorFlow: numpy=5.0
+            return f"{head}, numpy={value}>"
+        return f"{head}, numpy=\n{np.array_repr(value)}>"
+
+    __hash__ = object.__hash__
+
+    def __copy__(self) -> Variable:
+        """A variable is its own shallow copy (as in TensorFlow)."""
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickles the value, name, shape lock, ``trainable``, constraint, collections, shard.
+
+        Unpickling makes a new variable with exactly that name in the default graph, placed
+        by default placement.
+        """
+        args = (self.numpy(), self._name, self._shape, self._trainable, self._constraint,
+                self._collections)
+        return (_unpickle_variable, args if self._shard is None else (*args, self._shard))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
+        """A new variable with a copy of the value, the same name, settings and collections."""
+        new = Variable(
+            self,
+            name=self._name + "/",  # exactly the same name
+            dtype=self._dtype,
+            shape=self._shape,
+            validate_shape=self._shape is not None,
+            trainable=self._trainable,
+            device=self.device,
+            constraint=self._constraint,
+            collections=self._collections,
+            shard=self._shard,
+            _graph=self._graph,
+        )
+        memo[id(self)] = new
+        return new
+
+
+def _unpickle_variable(value: np.ndarray, name: str, shape: Shape, trainable: bool,
+                       constraint: Any, collections: Sequence[str],
+                       shard: Shard | None = None) -> Variable:
+    return Variable(value, name=name + "/", shape=shape, validate_shape=shape is not None,
+                    trainable=trainable, constraint=constraint, collections=collections,
+                    shard=shard)
+
+
+class _Initial(NamedTuple):
+    """What a constructor argument gives: a dtype, and a value now or a function for later."""
+
+    dtype: np.dtype
+    host: np.ndarray | None  # a concrete value, already converted
+    thunk: Callable[[], Any] | None  # or a function producing it at first use
+    owned: bool  # whether the function returns a fresh array the variable may adopt
+
+
+def _initial_value(initial_value: Any, dtype: Any, req_shape: Shape, shape: Any,
+                   name: str | None) -> _Initial:
+    """Sort ``initial_value`` into a value now or a function for later, with its dtype."""
+    if isinstance(initial_value, Variable):
+        dt = as_dtype(dtype) if dtype is not None else initial_value.dtype
+        return _Initial(dt, _convert_initial(initial_value._materialize(), dt, name), None,
+                        False)
+    if isinstance(initial_value, FreshValue) or _init.is_initializer(initial_value):
+        dt = as_dtype("float32" if dtype is None else dtype)
+        if not fully_defined(req_shape):
+            raise VariableArgumentError(
+                f"An initializer needs a fully defined shape= for variable "
+                f"{name or 'Variable'!r}, got shape={shape!r}."
+            )
+        if isinstance(initial_value, FreshValue):
+            return _Initial(dt, None, initial_value.fn, True)
+        init, init_shape = initial_value, defined_dims(req_shape)
+        return _Initial(dt, None, lambda: _init.call_initializer(init, init_shape, dt), True)
+    if callable(initial_value) and not hasattr(initial_value, "__array__"):
+        # An initial-value function: called with no arguments, as TensorFlow does.
+        if dtype is not None and fully_defined(req_shape):
+            return _Initial(as_dtype(dtype), None, initial_value, False)
+        value = initial_value()
+        dt = as_dtype(dtype) if dtype is not None else infer_dtype(value)
+        return _Initial(dt, _convert_initial(value, dt, name), None, False)
+    dt = as_dtype(dtype) if dtype is not None else infer_dtype(initial_value)
+    return _Initial(dt, _convert_initial(initial_value, dt, name), None, False)
+
+
+def _convert_initial(value: Any, dt: np.dtype, name: str | None) -> np.ndarray:
+    """A fresh host array of ``dt`` holding ``value`` (never sharing its memory)."""
+    what = f"the initial value of variable {name or 'Variable'!r}"
+    src = to_host(value) if is_device_array(value) else value
+    check_value_castable(src, dt, what=what)
+    return np.array(src, dtype=dt, copy=True, order="C")
