@@ -32,8 +32,7 @@ from benchmarks.measure import (
     touch_and_free,
     warm_cache,
 )
-from benchmarks.subjects import SUBJECT_CLASSES, CkptVar, Subject
-from benchmarks.subjects.ckptvar import Model, cv_segment, materialize
+from benchmarks.subjects import SUBJECT_CLASSES, CkptVar, Model, Subject, cv_segment, materialize
 from benchmarks.workloads import LAZY_KEY, Spec, make_arrays, spec_for, spec_nbytes
 
 #: What an operation returns: the time of the call and the growth of VmHWM (-1: unknown).

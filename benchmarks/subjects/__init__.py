@@ -1,20 +1,23 @@
 """The subjects: one adapter per way of storing tensors, all with the same verbs.
 
+One private module per peer (``_torch.py``, never ``torch.py``, so that no name shadows
+the library it measures).
+
 Each module imports its library only when its adapter is built, so this registry
 imports nothing heavy; a job names its subject by the keys of ``SUBJECT_CLASSES``.
 """
 
 from __future__ import annotations
 
+from benchmarks.subjects._ckptvar import CkptVar, Model, cv_segment, materialize
+from benchmarks.subjects._h5py import H5py
+from benchmarks.subjects._npz import Npz
+from benchmarks.subjects._raw import Raw
+from benchmarks.subjects._safetensors import Safetensors
+from benchmarks.subjects._tf import TF
+from benchmarks.subjects._torch import Torch
+from benchmarks.subjects._zarr import Zarr
 from benchmarks.subjects.base import Subject
-from benchmarks.subjects.ckptvar import CkptVar
-from benchmarks.subjects.h5py import H5py
-from benchmarks.subjects.npz import Npz
-from benchmarks.subjects.raw import Raw
-from benchmarks.subjects.safetensors import Safetensors
-from benchmarks.subjects.tf import TF
-from benchmarks.subjects.torch import Torch
-from benchmarks.subjects.zarr import Zarr
 
 SUBJECT_CLASSES: dict[str, type[Subject]] = {
     "raw": Raw,
@@ -27,4 +30,4 @@ SUBJECT_CLASSES: dict[str, type[Subject]] = {
     "ckptvar": CkptVar,
 }
 
-__all__ = ["SUBJECT_CLASSES", "CkptVar", "Subject"]
+__all__ = ["SUBJECT_CLASSES", "CkptVar", "Model", "Subject", "cv_segment", "materialize"]
