@@ -136,13 +136,40 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "unknown workload" in proc.stderr
 
 
-def test_a_server_that_cannot_start_reports_why(tmp_path: Path) -> None:
-    import importlib.util
+def load_bench():  # type: ignore[no-untyped-def]
+    """scripts/bench.py as a module (it puts the repository, and so ``benchmarks``, on the path)."""
+    import importlib.util  # noqa: PLC0415
 
     spec = importlib.util.spec_from_file_location("ckptvar_bench", BENCH)
     bench = importlib.util.module_from_spec(spec)
     sys.modules["ckptvar_bench"] = bench
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_every_operation_the_plan_asks_for_has_a_worker_function() -> None:
+    load_bench()
+    from benchmarks import ops, plan, workloads  # noqa: PLC0415
+
+    asked = {"setup"}
+    for sd in plan.subject_defs({"durable": False}):
+        for wl in workloads.WORKLOADS:
+            asked |= set(plan.ops_for(sd, wl))
+    assert "gpu_h2d" in asked and "bg_background" in asked
+    assert asked <= set(ops.OPS), sorted(asked - set(ops.OPS))
+
+
+def test_each_benchmark_module_is_small_and_says_what_it_owns() -> None:
+    modules = sorted((ROOT / "benchmarks").rglob("*.py"))
+    assert len(modules) > 10
+    for path in modules:
+        text = path.read_text()
+        assert text.startswith('"""'), f"{path}: no module docstring"
+        assert len(text.splitlines()) <= 500, f"{path}: {len(text.splitlines())} lines"
+
+
+def test_a_server_that_cannot_start_reports_why(tmp_path: Path) -> None:
+    bench = load_bench()
     runner = bench.Runner(bench.parse_args(["--quick"]))
     job = {"subject": "no-such-subject", "op": "save", "workload": "big",
            "path": str(tmp_path / "x"), "quick": True, "count": 20}

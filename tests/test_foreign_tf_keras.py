@@ -237,7 +237,8 @@ def _run_watching(
             time.sleep(0.01)
             continue
         opened = True
-        with contextlib.suppress(BrokenPipeError, BlockingIOError):  # closed, or pipe full
+        # the reader may have closed it already, or not drained what was written so far
+        with contextlib.suppress(BrokenPipeError, BlockingIOError):
             os.write(fd, b"\0" * 64)
         os.close(fd)
     try:

@@ -148,13 +148,14 @@ def test_truncated_value_is_reported_with_its_size(path_kind: str, tmp_path: Pat
 
 def test_wait_all_leaves_nothing_running(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_rawio, "IO_THREADS", 4)
-    finished = threading.Event()
+    failed, finished = threading.Event(), threading.Event()
 
     def slow() -> None:
-        time.sleep(0.3)
+        assert failed.wait(timeout=30)  # ends only after the other task has failed
         finished.set()
 
     def fail() -> None:
+        failed.set()
         raise OSError("disk on fire")
 
     futures = _rawio.start_all([fail, slow])
@@ -165,12 +166,14 @@ def test_wait_all_leaves_nothing_running(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_first_error_in_task_order_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_rawio, "IO_THREADS", 4)
+    early_failed = threading.Event()
 
     def late() -> None:
-        time.sleep(0.1)
+        assert early_failed.wait(timeout=30)  # fails after the second task has
         raise ValueError("first task")
 
     def early() -> None:
+        early_failed.set()
         raise KeyError("second task")
 
     with pytest.raises(ValueError, match="first task"):
@@ -324,6 +327,8 @@ def test_start_writeback_is_only_a_hint(tmp_path: Path) -> None:
     try:
         _rawio.start_writeback(w, 0, 1 << 20)
         _rawio.start_writeback(r, 0, 0)
+        os.write(w, b"still usable")  # the hint left both ends as they were
+        assert os.read(r, 64) == b"still usable"
     finally:
         os.close(r)
         os.close(w)

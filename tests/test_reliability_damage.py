@@ -35,9 +35,6 @@ from hypothesis import strategies as st
 import ckptvar as cv
 from ckptvar.checkpoint import _apply
 
-#: Outcome counts of every damage tried in this module (quoted by docs/reliability.md).
-COUNTS: dict[str, int] = {"tried": 0, "detected": 0, "identical": 0}
-
 
 def values() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(1234)
@@ -59,14 +56,8 @@ META = {"note": "damage tests", "epoch": 3}
 
 @pytest.fixture(scope="module")
 def originals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from ckptvar.storage import known_formats
-
     d = tmp_path_factory.mktemp("damage")
-    out = {}
-    for fmt in known_formats():
-        if fmt in ("h5", "zarr"):
-            out[fmt] = cv.save(d / f"orig.{fmt}", values(), metadata=META)
-    return out
+    return {fmt: cv.save(d / f"orig.{fmt}", values(), metadata=META) for fmt in ("h5", "zarr")}
 
 
 @pytest.fixture
@@ -128,29 +119,22 @@ def identical(path: Path) -> bool:
 
 def outcome(path: Path) -> str:
     """'identical' or 'detected'; anything else (wrong values, a foreign exception) fails."""
-    COUNTS["tried"] += 1
     try:
         ok = identical(path)
     except cv.CkptError:
-        COUNTS["detected"] += 1
         return "detected"
     assert ok, f"{path}: damaged checkpoint loaded with different values and no error"
-    COUNTS["identical"] += 1
     return "identical"
 
 
 def expect_corrupt(path: Path, *words: str) -> cv.CorruptCheckpointError:
-    """Loading raises CorruptCheckpointError, fast, mentioning the file and ``words``."""
-    COUNTS["tried"] += 1
-    t0 = time.perf_counter()
+    """Loading raises CorruptCheckpointError mentioning the file and ``words``."""
     with pytest.raises(cv.CorruptCheckpointError) as info:
         cv.load(path)
-    assert time.perf_counter() - t0 < 2.0
     msg = str(info.value)
     assert str(path) in msg or path.name in msg, msg
     for w in words:
         assert w in msg, f"{w!r} not in {msg!r}"
-    COUNTS["detected"] += 1
     return info.value
 
 
@@ -176,8 +160,6 @@ def mutations(draw: st.DrawFn, sizes: list[int], first: int) -> list[tuple[int, 
 @pytest.mark.parametrize("fmt_", ["h5", "zarr"])
 def test_random_byte_mutations(originals: dict[str, Path], fmt_: str) -> None:
     """Hypothesis flips bytes anywhere in any file: identical load or a CkptError."""
-    if fmt_ not in originals:
-        pytest.skip(f"the {fmt_} backend is not in this checkout yet")
     orig = originals[fmt_]
     rel = [f.relative_to(orig.parent) for f in files_of(orig)]
     sizes = [(orig.parent / r).stat().st_size for r in rel]
@@ -208,8 +190,6 @@ def test_random_byte_mutations(originals: dict[str, Path], fmt_: str) -> None:
 @pytest.mark.parametrize("fmt_", ["h5", "zarr"])
 def test_random_truncations(originals: dict[str, Path], fmt_: str) -> None:
     """Hypothesis truncates any file at any offset: identical load or a CkptError."""
-    if fmt_ not in originals:
-        pytest.skip(f"the {fmt_} backend is not in this checkout yet")
     orig = originals[fmt_]
     rel = [f.relative_to(orig.parent) for f in files_of(orig)]
     sizes = [(orig.parent / r).stat().st_size for r in rel]
@@ -270,8 +250,6 @@ def test_h5_truncated_at_many_offsets(originals: dict[str, Path], tmp_path: Path
 
 def test_zarr_truncated_files(originals: dict[str, Path], tmp_path: Path) -> None:
     """Truncating any file the reader depends on is caught, naming the value if it can."""
-    if "zarr" not in originals:
-        pytest.skip("the zarr backend is not in this checkout yet")
     orig = originals["zarr"]
     for f in files_of(orig):
         rel = f.relative_to(orig)
@@ -296,8 +274,6 @@ def test_zarr_truncated_files(originals: dict[str, Path], tmp_path: Path) -> Non
 
 def test_zarr_truncated_root_metadata_is_corrupt(originals: dict[str, Path],
                                                  tmp_path: Path) -> None:
-    if "zarr" not in originals:
-        pytest.skip("the zarr backend is not in this checkout yet")
     victim = _copy(originals["zarr"], tmp_path)
     root = victim / "zarr.json"
     os.truncate(root, root.stat().st_size // 2)
@@ -389,8 +365,6 @@ def test_swapped_arrays(victim: Path) -> None:
 @pytest.mark.parametrize("key", ["model/dense/kernel", "model/emb", "model/dense/bias"])
 def test_deleted_zarr_chunk(originals: dict[str, Path], tmp_path: Path, key: str) -> None:
     """Zarr would fill a missing chunk with the fill value; ckptvar refuses it."""
-    if "zarr" not in originals:
-        pytest.skip("the zarr backend is not in this checkout yet")
     victim = _copy(originals["zarr"], tmp_path)
     file, _ = locate(victim, key)
     file.unlink()
@@ -406,8 +380,6 @@ def test_deleted_zarr_chunk(originals: dict[str, Path], tmp_path: Path, key: str
 
 def test_grown_zarr_chunk(originals: dict[str, Path], tmp_path: Path) -> None:
     """A chunk longer than its value (data disagreeing with the record) is refused."""
-    if "zarr" not in originals:
-        pytest.skip("the zarr backend is not in this checkout yet")
     victim = _copy(originals["zarr"], tmp_path)
     file, _ = locate(victim, "model/emb")
     with open(file, "ab") as f:
@@ -474,10 +446,8 @@ def test_record_disagrees_with_data(victim: Path, change: str) -> None:
            "dtype same size": "twin/a", "packed dtype": "model/dense/bias", "0-d becomes 1-d":
            "step", "bigger shape": "model/emb", "smaller shape": "model/emb",
            "bf16 as f16": "bf"}[change]
-    COUNTS["tried"] += 1
     with pytest.raises(cv.CorruptCheckpointError) as info:
         cv.load(victim)
-    COUNTS["detected"] += 1
     msg = str(info.value)
     assert victim.name in msg
     # a region that no longer fits may be reported as an overlap with a neighbour; a value
@@ -488,22 +458,19 @@ def test_record_disagrees_with_data(victim: Path, change: str) -> None:
 # --------------------------------------------------------------------------- cost of detection
 
 
-def test_detection_is_fast_and_memory_flat(fmt: str, tmp_path: Path) -> None:
-    """A damaged 32 MiB value: caught well under a second, at most one value-sized buffer."""
+def test_detection_is_memory_flat(fmt: str, tmp_path: Path) -> None:
+    """A damaged 32 MiB value: caught with at most one value-sized buffer."""
     big = np.random.default_rng(5).standard_normal(4 << 20)  # 32 MiB
     p = cv.save(tmp_path / f"big.{fmt}", {"w": big, "b": np.ones(3)})
     file, off = locate_bytes(p, big[1000:1010].tobytes())
     flip(file, off, 0x02)
     tracemalloc.start()
     try:
-        t0 = time.perf_counter()
         with pytest.raises(cv.CorruptCheckpointError, match="'w'"):
             cv.load(p)
-        elapsed = time.perf_counter() - t0
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert elapsed < 1.5, elapsed
     assert peak < big.nbytes * 1.25, peak
     with cv.open(p) as r:  # verify() hashes through small per-thread buffers, no value-sized one
         tracemalloc.start()
@@ -514,6 +481,20 @@ def test_detection_is_fast_and_memory_flat(fmt: str, tmp_path: Path) -> None:
             tracemalloc.stop()
     assert [k for k, _ in bad] == ["w"]
     assert peak < 4 << 20, peak
+
+
+@pytest.mark.slow
+def test_detection_is_fast(fmt: str, tmp_path: Path) -> None:
+    """A damaged 32 MiB value is caught well under a second (a timing: slow-marked, as a
+    loaded 2-core machine makes any wall-clock bound flaky)."""
+    big = np.random.default_rng(5).standard_normal(4 << 20)  # 32 MiB
+    p = cv.save(tmp_path / f"big.{fmt}", {"w": big, "b": np.ones(3)})
+    file, off = locate_bytes(p, big[1000:1010].tobytes())
+    flip(file, off, 0x02)
+    t0 = time.perf_counter()
+    with pytest.raises(cv.CorruptCheckpointError, match="'w'"):
+        cv.load(p)
+    assert time.perf_counter() - t0 < 1.5
 
 
 def locate_bytes(path: Path, pattern: bytes) -> tuple[Path, int]:
@@ -547,8 +528,6 @@ def test_ckpt_verify_names_every_damaged_value(victim: Path) -> None:
     named = sorted(ln.split()[1].rstrip(":") for ln in lines)
     assert named == sorted(damaged), proc.stdout
     assert "Traceback" not in proc.stderr
-    COUNTS["tried"] += 1
-    COUNTS["detected"] += 1
 
 
 def test_ckpt_verify_fails_on_truncation_and_a_bad_record(
@@ -563,8 +542,6 @@ def test_ckpt_verify_fails_on_truncation_and_a_bad_record(
     os.truncate(big, big.stat().st_size // 2)
     assert main(["verify", str(victim)]) == 1
     assert "Traceback" not in capsys.readouterr().err
-    COUNTS["tried"] += 2
-    COUNTS["detected"] += 2
 
 
 # --------------------------------------------------------------------------- all-or-nothing restore
@@ -594,10 +571,8 @@ def test_restore_never_half_changes_variables(
            for k, v in src.items()}
     before = {k: v.numpy().copy() for k, v in dst.items()}
     ck2 = cv.Checkpoint(**{k.replace("/", "_"): v for k, v in dst.items()})
-    COUNTS["tried"] += 1
     with pytest.raises(cv.CorruptCheckpointError, match=repr(key)):
         ck2.restore(path)
-    COUNTS["detected"] += 1
     for k, v in dst.items():
         assert np.array_equal(v.numpy(), before[k]), f"{k} changed by a failed restore"
     # Saver (name-based) restores are all-or-nothing too
@@ -606,9 +581,3 @@ def test_restore_never_half_changes_variables(
         saver.restore(path)
     for k, v in dst.items():
         assert np.array_equal(v.numpy(), before[k]), f"{k} changed by a failed Saver.restore"
-
-
-def test_zzz_report_counts() -> None:
-    """Prints the totals (run with -s); the docs quote them."""
-    print(f"\ndamage: {COUNTS}")
-    assert COUNTS["tried"] == COUNTS["detected"] + COUNTS["identical"]

@@ -31,9 +31,6 @@ import pytest
 import ckptvar as cv
 from ckptvar.storage import _checksum, _record
 
-#: Hostile files tried / refused in this module (quoted by docs/reliability.md).
-COUNTS = {"hostile": 0, "refused": 0}
-
 MiB = 1 << 20
 
 
@@ -44,7 +41,6 @@ def _rss() -> int:
 
 def refused_flat(fn, *args):  # type: ignore[no-untyped-def]
     """``fn(*args)`` raises a CkptError with at most a few MiB allocated on the way."""
-    COUNTS["hostile"] += 1
     rss0 = _rss() if os.path.exists("/proc/self/statm") else 0
     tracemalloc.start()
     try:
@@ -56,7 +52,6 @@ def refused_flat(fn, *args):  # type: ignore[no-untyped-def]
     assert peak < 8 * MiB, f"{peak} bytes allocated while refusing: {info.value}"
     if rss0:
         assert _rss() - rss0 < 64 * MiB
-    COUNTS["refused"] += 1
     return info.value
 
 
@@ -114,15 +109,11 @@ HUGE = {
 
 
 def _huge_params() -> list[object]:
-    from ckptvar.storage import known_formats  # noqa: PLC0415
-
     out = []
     for fmt in ("h5", "zarr"):
         for key in ("w", "s"):  # a value of its own, and a packed one
             for shape in HUGE:
-                marks = [pytest.mark.skipif(fmt not in known_formats(), reason="no backend")]
-                out.append(pytest.param(fmt, key, shape, marks=marks,
-                                        id=f"{fmt}-{key}-{shape}"))
+                out.append(pytest.param(fmt, key, shape, id=f"{fmt}-{key}-{shape}"))
     return out
 
 
@@ -150,8 +141,7 @@ class _opened:
         try:
             self.r = cv.open(self.p)
         except cv.CkptError:
-            COUNTS["hostile"] += 1
-            COUNTS["refused"] += 1
+            self.r = None  # refused; the caller sees None
         return self.r
 
     def __exit__(self, *exc):  # type: ignore[no-untyped-def]
@@ -228,10 +218,8 @@ def test_npz_encrypted_member(tmp_path: Path) -> None:
         i = data.find(sig)
         data[i + flag_at] |= 0x01
     p.write_bytes(bytes(data))
-    COUNTS["hostile"] += 1
     with pytest.raises(cv.CkptError):
         cv.load(p)
-    COUNTS["refused"] += 1
 
 
 def test_npz_zip_bomb_is_refused_flat(tmp_path: Path) -> None:
@@ -308,10 +296,6 @@ def test_awkward_names_through_the_object_graph(fresh_graph: cv.Graph, fmt: str,
 
 @pytest.fixture
 def zarr_ckpt(tmp_path: Path) -> Path:
-    from ckptvar.storage import known_formats
-
-    if "zarr" not in known_formats():
-        pytest.skip("the zarr backend is not in this checkout yet")
     return Path(cv.save(tmp_path / "c.zarr", {"model/w": np.arange(20000, dtype=np.float32),
                                               "b": np.ones(3)}))
 
@@ -423,8 +407,3 @@ def test_ckpt_commands_escape_control_characters(fmt: str, tmp_path: Path,
         _, out, err = _main(capsys, *args)
         _clean(out)
         _clean(err)
-
-
-def test_zzz_report_counts() -> None:
-    """Prints the totals (run with -s); the docs quote them."""
-    print(f"\nhostile: {COUNTS}")
