@@ -525,7 +525,7 @@ def test_stats_and_diff_stream_large_values_in_blocks(
     other[30, 1, 1] += 0.5
     cv.save(tmp_path / "big.h5", {"big": big})
     cv.save(tmp_path / "other.zarr", {"big": other})
-    monkeypatch.setattr(cli, "BLOCK_ELEMENTS", 16)  # every value is now "large": read in slices
+    monkeypatch.setattr(cli._blocks, "BLOCK_ELEMENTS", 16)  # every value is now "large": read in slices
     code, out, err = run_main(capsys, "inspect", tmp_path / "big.h5", "--stats", "--json")
     assert code == 0, err
     rec = json.loads(out)["variables"][0]
@@ -591,7 +591,7 @@ def test_inspect_stats_memory_stays_flat(tmp_path: Path) -> None:
 def test_progress_bar_modes() -> None:
     import io
 
-    from ckptvar._progress import Progress
+    from ckptvar.cli._progress import Progress
 
     tty = io.StringIO()
     with Progress(300, stream=tty, enabled=True, tty=True, width=10) as bar:

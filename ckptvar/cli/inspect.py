@@ -1,0 +1,174 @@
+"""``ckpt inspect``: a checkpoint's values as a table, a tree or JSON, optionally with statistics."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import numpy as np
+
+from ._blocks import Stats, value_blocks
+from ._common import EXIT_OK, add_selection, open_checkpoint, select
+from ._output import dtype_str, dump_json, escape, num, shape_str, summary, table
+from ._progress import human_size
+
+EPILOG = """\
+PATH may be a ckptvar checkpoint (.h5, .zarr) or a foreign one: a TensorFlow
+checkpoint prefix (ckpt-1 for ckpt-1.index), PyTorch .pt/.pth/.bin,
+.safetensors, Keras .weights.h5 or .npz. Nothing is executed while reading.
+
+--stats reads every value in blocks of about a million elements, so memory
+stays small whatever the size; min/max/mean/std cover the finite elements only
+(complex values: their magnitude) and NaN/Inf are counted.
+
+--json prints one object: {"path", "format", "variables": [{"key", "name",
+"dtype", "shape", "nbytes", "trainable"}, ...]}; --stats adds "min", "max",
+"mean", "std", "nan", "inf" (null where there is no finite element).
+
+examples:
+  ckpt inspect runs/ckpt-3.h5
+  ckpt inspect runs/ckpt-3.h5 --tree
+  ckpt inspect tf_ckpt/ckpt-1 --filter 'model/*/kernel' --stats
+  ckpt inspect model.safetensors --json | python -m json.tool
+"""
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``inspect`` on the subparsers ``sub``."""
+    p = sub.add_parser(
+        "inspect",
+        help="list the values of a checkpoint",
+        description="List a checkpoint's values: key, dtype, shape, size, trainable.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "path", metavar="PATH", help="the checkpoint (file, .zarr directory or TF prefix)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object for scripts")
+    p.add_argument("--stats", action="store_true", help="add min/max/mean/std and NaN/Inf counts")
+    p.add_argument("--tree", action="store_true", help="show the keys as the object-graph tree")
+    add_selection(p)
+    p.set_defaults(func=run)
+
+
+def _record(reader: Any, key: str) -> dict[str, Any]:
+    info = reader.info(key)
+    attrs = dict(getattr(info, "attrs", {}) or {})
+    trainable = attrs.get("trainable")
+    return {
+        "key": key,
+        "name": str(attrs.get("name", key)),
+        "dtype": dtype_str(info.dtype),
+        "shape": [int(d) for d in info.shape],
+        "nbytes": int(info.nbytes),
+        "trainable": bool(trainable) if isinstance(trainable, (bool, np.bool_)) else None,
+    }
+
+
+def _tree_lines(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The keys as a tree of their segments, leaves annotated with dtype/shape/size.
+
+    Segments are split at ``/`` (object-graph keys); PyTorch-style keys with no ``/``
+    at all (``model.layers.0.weight``) are split at ``.`` instead.
+    """
+    keys = [rec["key"] for rec in records]
+    sep = "." if not any("/" in k for k in keys) and any("." in k for k in keys) else "/"
+    root: dict[str, Any] = {}
+    leaves: dict[int, dict[str, Any]] = {}
+    for rec in records:
+        node = root
+        parts = rec["key"].split(sep)
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):  # a key that is also a prefix of another key
+                child = node[part + sep] = {}
+            node = child
+        node[parts[-1] if parts[-1] not in node else parts[-1] + " "] = id(rec)
+        leaves[id(rec)] = rec
+
+    lines: list[str] = []
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        items = list(node.items())
+        for i, (name, child) in enumerate(items):
+            last = i == len(items) - 1
+            branch = "└── " if last else "├── "
+            if isinstance(child, dict):
+                lines.append(prefix + branch + escape(name))
+                walk(child, prefix + ("    " if last else "│   "))
+            else:
+                rec = leaves[child]
+                detail = f"{rec['dtype']} {shape_str(rec['shape'])} {human_size(rec['nbytes'])}"
+                if rec["trainable"] is False:
+                    detail += ", not trainable"
+                if rec["name"] != rec["key"] and rec["name"] != name:
+                    detail += f", name {escape(repr(rec['name']))}"
+                lines.append(f"{prefix}{branch}{escape(name)}  [{detail}]")
+
+    walk(root, "")
+    return lines
+
+
+def run(args: argparse.Namespace, out: TextIO) -> int:
+    path = args.path
+    with open_checkpoint(path) as reader:
+        keys = select(reader, args)
+        records = [_record(reader, k) for k in keys]
+        if args.stats:
+            for rec in records:
+                stats = Stats()
+                for _, block in value_blocks(reader, rec["key"], reader.info(rec["key"])):
+                    stats.add(block)
+                rec.update(stats.as_dict())
+        fmt = str(reader.format)
+        metadata = reader.metadata() if not args.json else {}
+
+    if args.json:
+        dump_json({"path": str(path), "format": fmt, "variables": records}, out)
+        return EXIT_OK
+
+    print(f"path: {escape(path)}", file=out)
+    print(f"format: {escape(fmt)}", file=out)
+    if metadata:
+        print("metadata:", file=out)
+        for mkey, mval in metadata.items():
+            print(f"  {escape(mkey)}: {summary(mval)}", file=out)
+    print(file=out)
+    if args.tree:
+        for line in _tree_lines(records):
+            print(line, file=out)
+    else:
+        header = ["KEY", "DTYPE", "SHAPE", "SIZE", "TRAINABLE"]
+        if args.stats:
+            header += ["MIN", "MAX", "MEAN", "STD", "NAN", "INF"]
+        rows = [header]
+        for rec in records:
+            tr = rec["trainable"]
+            row = [
+                escape(rec["key"]),
+                rec["dtype"],
+                shape_str(rec["shape"]),
+                human_size(rec["nbytes"]),
+                "-" if tr is None else ("yes" if tr else "no"),
+            ]
+            if args.stats:
+                row += [num(rec[f]) for f in ("min", "max", "mean", "std", "nan", "inf")]
+            rows.append(row)
+        right = frozenset({3} | (set(range(5, 11)) if args.stats else set()))
+        for line in table(rows, right):
+            print(line, file=out)
+        if len(rows) == 1:
+            what = f" match {escape(args.filter)}" if args.filter else ""
+            print(f"(no variables{what})", file=out)
+    n = len(records)
+    elements = sum(math.prod(r["shape"]) for r in records)
+    total = sum(r["nbytes"] for r in records)
+    trainable = sum(math.prod(r["shape"]) for r in records if r["trainable"])
+    line = f"\n{n} variable{'s' if n != 1 else ''}, {elements:,} elements, {human_size(total)}"
+    if any(r["trainable"] is not None for r in records):
+        line += f" ({trainable:,} trainable elements)"
+    print(line, file=out)
+    return EXIT_OK
