@@ -1,9 +1,9 @@
-"""The ``ckpt`` command: inspect, convert, diff, verify and list checkpoints.
+"""The ``ckpt`` command: inspect, show, convert, diff, verify and list checkpoints.
 
 Built on the public API (``import ckptvar as cv``; the few exceptions live in
 ``_library.py``). This module owns the top-level parser and the mapping of errors
 to exit statuses; each subcommand is a module with ``add_parser`` and ``run``
-(``inspect``, ``convert``, ``diff``, ``verify``, ``ls``), ``_output`` owns what is
+(``inspect``, ``show``, ``convert``, ``diff``, ``verify``, ``ls``), ``_output`` owns what is
 printed and ``_blocks`` the block-wise reading and statistics.
 
 ``main(argv) -> int`` returns the exit status: 0 success, 1 a mismatch or
@@ -26,14 +26,14 @@ from collections.abc import Sequence
 
 import ckptvar as cv
 
-from . import convert, diff, inspect, ls, verify
+from . import convert, diff, inspect, ls, show, verify
 from ._blocks import Stats, iter_blocks
 from ._common import EXIT_USAGE, Parser, UsageError
 from ._output import escape, one_line
 
 __all__ = ["Stats", "build_parser", "escape", "iter_blocks", "main"]
 
-_COMMANDS = (inspect, convert, diff, verify, ls)
+_COMMANDS = (inspect, show, convert, diff, verify, ls)
 
 _MAIN_EPILOG = """\
 exit status: 0 success, 1 a difference or damaged value found, 2 bad usage or
@@ -42,6 +42,7 @@ unreadable input (one line on stderr, 'ckpt: error: ...').
 examples:
   ckpt inspect runs/ckpt-3.h5
   ckpt inspect model.safetensors --stats --filter 'encoder/*'
+  ckpt show runs/ckpt-3.h5 'model/dense/kernel[0:2]'
   ckpt convert model.pt model.h5 --dtype bfloat16
   ckpt diff runs/ckpt-2.h5 runs/ckpt-3.h5 --atol 1e-6
   ckpt verify runs/ckpt-3.h5

@@ -23,10 +23,14 @@ __all__ = ["CHECKPOINT_NAME", "skipped_values", "verify_all"]
 CHECKPOINT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<step>\d+)(?P<ext>\.h5|\.hdf5|\.zarr|\.index)$")
 
 
+#: Format bookkeeping a reader lists as skipped that is no user value (TF's object graph).
+_BOOKKEEPING = frozenset({"_CHECKPOINTABLE_OBJECT_GRAPH"})
+
+
 def skipped_values(reader: Any) -> dict[str, str]:
-    """``{key: reason}`` for the values ``reader`` saw but cannot read as numbers."""
+    """``{key: reason}`` for the user values ``reader`` saw but cannot read as numbers."""
     skipped = getattr(reader, "skipped", None) or {}
-    return {str(k): str(v) for k, v in dict(skipped).items()}
+    return {str(k): str(v) for k, v in dict(skipped).items() if k not in _BOOKKEEPING}
 
 
 def verify_all(reader: Any) -> Callable[[], Iterable[tuple[str, str]]] | None:

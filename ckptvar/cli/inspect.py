@@ -10,8 +10,28 @@ from typing import Any, TextIO
 import numpy as np
 
 from ._blocks import Stats, value_blocks
-from ._common import EXIT_OK, add_selection, open_checkpoint, select
-from ._output import dtype_str, dump_json, escape, num, shape_str, summary, table
+from ._common import (
+    EXIT_OK,
+    add_quiet,
+    add_selection,
+    open_checkpoint,
+    progress_for,
+    resolve_latest,
+    select,
+    selected,
+)
+from ._library import skipped_values
+from ._output import (
+    dtype_str,
+    dump_json,
+    escape,
+    natural_key,
+    num,
+    plain,
+    shape_str,
+    summary,
+    table,
+)
 from ._progress import human_size
 
 EPILOG = """\
@@ -23,14 +43,25 @@ checkpoint prefix (ckpt-1 for ckpt-1.index), PyTorch .pt/.pth/.bin,
 stays small whatever the size; min/max/mean/std cover the finite elements only
 (complex values: their magnitude) and NaN/Inf are counted.
 
---json prints one object: {"path", "format", "variables": [{"key", "name",
-"dtype", "shape", "nbytes", "trainable"}, ...]}; --stats adds "min", "max",
-"mean", "std", "nan", "inf" (null where there is no finite element).
+Keys are listed in natural order (vars/2 before vars/10) unless --order stored.
+Values a reader cannot read as numbers (string or compound HDF5 datasets, TF
+string tensors) are listed as skipped, with the reason. --filter and --exclude
+take globs, repeatable (the union of the filters, minus the excludes); a
+selection that matches nothing is an error (exit 2). A manager's directory
+stands for its latest checkpoint (the output says so).
+
+--json prints one object: {"path", "format", "metadata", "variables": [{"key",
+"name", "dtype", "shape", "nbytes", "trainable", "attrs"}, ...], "skipped":
+[{"key", "reason"}, ...]} ("latest_of" names the directory when PATH was one);
+--stats adds "min", "max", "mean", "std", "nan", "inf" (null where there is no
+finite element).
 
 examples:
   ckpt inspect runs/ckpt-3.h5
+  ckpt inspect runs/                      # the latest checkpoint in runs/
   ckpt inspect runs/ckpt-3.h5 --tree
-  ckpt inspect tf_ckpt/ckpt-1 --filter 'model/*/kernel' --stats
+  ckpt inspect tf_ckpt/ckpt-1 --filter 'model/*/kernel' --filter 'model/*/bias' --stats
+  ckpt inspect model.safetensors --exclude '*.bias' --order stored
   ckpt inspect model.safetensors --json | python -m json.tool
 """
 
@@ -45,20 +76,30 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "path", metavar="PATH", help="the checkpoint (file, .zarr directory or TF prefix)"
+        "path",
+        metavar="PATH",
+        help="the checkpoint (file, .zarr directory or TF prefix), or a manager's "
+        "directory (its latest checkpoint)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object for scripts")
     p.add_argument("--stats", action="store_true", help="add min/max/mean/std and NaN/Inf counts")
     p.add_argument("--tree", action="store_true", help="show the keys as the object-graph tree")
     add_selection(p)
+    p.add_argument(
+        "--order",
+        choices=("natural", "stored"),
+        default="natural",
+        help="list keys in natural order (vars/2 before vars/10; the default) or as stored",
+    )
+    add_quiet(p)
     p.set_defaults(func=run)
 
 
-def _record(reader: Any, key: str) -> dict[str, Any]:
+def _record(reader: Any, key: str, *, with_attrs: bool = False) -> dict[str, Any]:
     info = reader.info(key)
-    attrs = dict(getattr(info, "attrs", {}) or {})
+    attrs = dict(info.attrs or {})
     trainable = attrs.get("trainable")
-    return {
+    rec = {
         "key": key,
         "name": str(attrs.get("name", key)),
         "dtype": dtype_str(info.dtype),
@@ -66,6 +107,9 @@ def _record(reader: Any, key: str) -> dict[str, Any]:
         "nbytes": int(info.nbytes),
         "trainable": bool(trainable) if isinstance(trainable, (bool, np.bool_)) else None,
     }
+    if with_attrs:
+        rec["attrs"] = attrs
+    return rec
 
 
 def _tree_lines(records: Sequence[dict[str, Any]]) -> list[str]:
@@ -112,24 +156,50 @@ def _tree_lines(records: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+#: ckptvar's own formats, whose values are variables; any other file holds "values".
+_OWN_FORMATS = frozenset({"h5", "zarr"})
+
+
 def run(args: argparse.Namespace, out: TextIO) -> int:
-    path = args.path
+    path, note = resolve_latest(args.path)
     with open_checkpoint(path) as reader:
-        keys = select(reader, args)
-        records = [_record(reader, k) for k in keys]
+        skipped = {k: v for k, v in skipped_values(reader).items() if selected(k, args)}
+        keys = select(reader, args, where=repr(str(path)), allow_empty=bool(skipped))
+        if args.order == "natural":
+            keys.sort(key=natural_key)
+            skipped = {k: skipped[k] for k in sorted(skipped, key=natural_key)}
+        records = [_record(reader, k, with_attrs=args.json) for k in keys]
         if args.stats:
-            for rec in records:
-                stats = Stats()
-                for _, block in value_blocks(reader, rec["key"], reader.info(rec["key"])):
-                    stats.add(block)
-                rec.update(stats.as_dict())
+            total = sum(r["nbytes"] for r in records)
+            with progress_for(total, args) as bar:
+                for rec in records:
+                    stats = Stats()
+                    key = rec["key"]
+                    for _, block in value_blocks(
+                        reader, key, reader.info(key), lambda n, k=key: bar.update(n, k, values=0)
+                    ):
+                        stats.add(block)
+                    bar.update(0, key)
+                    rec.update(stats.as_dict())
         fmt = str(reader.format)
-        metadata = reader.metadata() if not args.json else {}
+        metadata = reader.metadata()
+    noun = "variable" if fmt in _OWN_FORMATS else "value"
 
     if args.json:
-        dump_json({"path": str(path), "format": fmt, "variables": records}, out)
+        doc: dict[str, Any] = {"path": str(path)}
+        if note:
+            doc["latest_of"] = str(args.path)
+        doc.update(
+            format=fmt,
+            metadata=plain(metadata),
+            variables=plain(records),
+            skipped=[{"key": k, "reason": v} for k, v in skipped.items()],
+        )
+        dump_json(doc, out)
         return EXIT_OK
 
+    if note:
+        print(f"(inspecting {escape(note)})", file=out)
     print(f"path: {escape(path)}", file=out)
     print(f"format: {escape(fmt)}", file=out)
     if metadata:
@@ -141,34 +211,46 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         for line in _tree_lines(records):
             print(line, file=out)
     else:
-        header = ["KEY", "DTYPE", "SHAPE", "SIZE", "TRAINABLE"]
-        if args.stats:
-            header += ["MIN", "MAX", "MEAN", "STD", "NAN", "INF"]
-        rows = [header]
-        for rec in records:
-            tr = rec["trainable"]
-            row = [
-                escape(rec["key"]),
-                rec["dtype"],
-                shape_str(rec["shape"]),
-                human_size(rec["nbytes"]),
-                "-" if tr is None else ("yes" if tr else "no"),
-            ]
-            if args.stats:
-                row += [num(rec[f]) for f in ("min", "max", "mean", "std", "nan", "inf")]
-            rows.append(row)
-        right = frozenset({3} | (set(range(5, 11)) if args.stats else set()))
-        for line in table(rows, right):
+        for line in table(_rows(records, args.stats), _right(args.stats)):
             print(line, file=out)
-        if len(rows) == 1:
-            what = f" match {escape(args.filter)}" if args.filter else ""
-            print(f"(no variables{what})", file=out)
+        if not records:
+            print(f"(no {noun}s)", file=out)
+    if skipped:
+        print(f"\nskipped (cannot be read as numbers): {len(skipped)}", file=out)
+        for line in table([[escape(k), escape(v)] for k, v in skipped.items()]):
+            print("  " + line, file=out)
     n = len(records)
     elements = sum(math.prod(r["shape"]) for r in records)
     total = sum(r["nbytes"] for r in records)
     trainable = sum(math.prod(r["shape"]) for r in records if r["trainable"])
-    line = f"\n{n} variable{'s' if n != 1 else ''}, {elements:,} elements, {human_size(total)}"
+    line = f"\n{n} {noun}{'s' if n != 1 else ''}, {elements:,} elements, {human_size(total)}"
     if any(r["trainable"] is not None for r in records):
         line += f" ({trainable:,} trainable elements)"
+    if skipped:
+        line += f"; {len(skipped)} skipped"
     print(line, file=out)
     return EXIT_OK
+
+
+def _right(stats: bool) -> frozenset[int]:
+    return frozenset({3} | (set(range(5, 11)) if stats else set()))
+
+
+def _rows(records: Sequence[dict[str, Any]], stats: bool) -> list[list[str]]:
+    header = ["KEY", "DTYPE", "SHAPE", "SIZE", "TRAINABLE"]
+    if stats:
+        header += ["MIN", "MAX", "MEAN", "STD", "NAN", "INF"]
+    rows = [header]
+    for rec in records:
+        tr = rec["trainable"]
+        row = [
+            escape(rec["key"]),
+            rec["dtype"],
+            shape_str(rec["shape"]),
+            human_size(rec["nbytes"]),
+            "-" if tr is None else ("yes" if tr else "no"),
+        ]
+        if stats:
+            row += [num(rec[f]) for f in ("min", "max", "mean", "std", "nan", "inf")]
+        rows.append(row)
+    return rows

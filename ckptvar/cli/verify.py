@@ -7,19 +7,30 @@ from typing import Any, TextIO
 
 import ckptvar as cv
 
-from ._common import EXIT_MISMATCH, EXIT_OK, open_checkpoint
+from ._common import (
+    EXIT_MISMATCH,
+    EXIT_OK,
+    add_quiet,
+    add_selection,
+    open_checkpoint,
+    progress_for,
+    select,
+)
 from ._library import verify_all
 from ._output import escape, one_line
 
 EPILOG = """\
 Reads every value and checks it against its stored checksum (formats without
 checksums, such as .npz and .safetensors, are read and checked for structure).
-Every damaged value is named, a truncated file included.
+Every damaged value is named, a truncated file included. --filter/--exclude
+(globs, repeatable) verify only some keys; a selection matching nothing is an
+error (exit 2).
 
 exit status: 0 all values intact, 1 damage found, 2 missing or unreadable input.
 
-example:
+examples:
   ckpt verify runs/ckpt-3.h5
+  ckpt verify model.pt --filter 'encoder.*' --exclude '*.num_batches_tracked'
 """
 
 
@@ -33,6 +44,8 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("path", metavar="PATH", help="the checkpoint to verify")
+    add_selection(p)
+    add_quiet(p)
     p.set_defaults(func=run)
 
 
@@ -46,23 +59,27 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         return EXIT_MISMATCH
     with reader:
         damaged: list[tuple[str, str]] = []
-        keys = list(reader.keys())
+        keys = select(reader, args, where=repr(str(path)))
+        partial = len(keys) != len(reader)
         try:
             reader.metadata()
         except cv.CorruptCheckpointError as exc:
             damaged.append(("<metadata>", one_line(exc)))
+        bar = progress_for(sum(reader.info(k).nbytes for k in keys), args)
         bulk = verify_all(reader)
-        if bulk is not None:
+        if bulk is not None and not partial and not bar.enabled:
             try:
                 damaged += [(str(k), str(reason)) for k, reason in bulk()]
             except (cv.CorruptCheckpointError, OSError) as exc:  # damage beyond one value
                 damaged.append(("<checkpoint>", one_line(exc)))
         else:
-            for key in keys:
-                try:
-                    reader.verify(key)
-                except (cv.CorruptCheckpointError, OSError) as exc:
-                    damaged.append((key, one_line(exc)))
+            with bar:
+                for key in keys:
+                    try:
+                        reader.verify(key)
+                    except (cv.CorruptCheckpointError, OSError) as exc:
+                        damaged.append((key, one_line(exc)))
+                    bar.update(reader.info(key).nbytes, key)
         unchecked = sum(1 for k in keys if reader.info(k).checksum is None)
     n = len(keys)
     if damaged:
