@@ -281,3 +281,56 @@ def test_progress_waits_a_second() -> None:
     with Progress(10, stream=out, enabled=True, tty=True, delay=3600) as bar:
         bar.update(10)
     assert out.getvalue() == ""
+
+
+_MEASURE = """
+import sys, threading, time, tracemalloc
+peak_anon = 0
+def sample():
+    global peak_anon
+    while True:
+        for line in open('/proc/self/status'):
+            if line.startswith('RssAnon'):
+                peak_anon = max(peak_anon, int(line.split()[1]) * 1024)
+        time.sleep(0.005)
+threading.Thread(target=sample, daemon=True).start()
+tracemalloc.start()
+from ckptvar.cli import main
+rc = main(sys.argv[1:])
+print(tracemalloc.get_traced_memory()[1], peak_anon, file=sys.stderr)
+sys.exit(rc)
+"""
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".h5"])
+def test_convert_holds_a_bounded_window(tmp_path: Path, suffix: str) -> None:
+    """6 values of 16 MiB through a 16 MiB window: the values held never approach the whole.
+
+    ``traced`` is the peak of Python and NumPy allocations (tracemalloc); ``anon`` the
+    peak anonymous resident memory, sampled. The spool's pages are page cache (the
+    kernel writes them back and drops them), so they are in neither figure.
+    """
+    mib = 1 << 20
+    src = tmp_path / "src.h5"
+    values = {f"v{i}": np.full(4 * mib, i, np.float32) for i in range(6)}  # 96 MiB
+    cv.save(src, values)
+    figures = {}
+    for window in ("16M", "1G"):
+        dst = tmp_path / f"out-{window}{suffix}"
+        proc = subprocess.run(
+            [sys.executable, "-c", _MEASURE, "convert", str(src), str(dst), "--window", window],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        traced, anon = map(int, proc.stderr.split()[-2:])
+        figures[window] = (traced / mib, anon / mib)
+        got = cv.load(dst)
+        assert list(got) == list(values)
+        for key, value in values.items():
+            np.testing.assert_array_equal(got[key], value)
+        assert not [p for p in tmp_path.iterdir() if "spool" in p.name]
+    print(f"{suffix}: peak traced/anon MiB: streamed {figures['16M']}, in memory {figures['1G']}")
+    streamed, whole = figures["16M"], figures["1G"]
+    assert streamed[0] < 2 * 16 + 8, figures  # two values' worth at most
+    assert whole[0] > 96, figures  # the same measure sees a whole output held in memory
+    assert streamed[1] < whole[1] - 48, figures

@@ -223,7 +223,10 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     elements = sum(math.prod(r["shape"]) for r in records)
     total = sum(r["nbytes"] for r in records)
     trainable = sum(math.prod(r["shape"]) for r in records if r["trainable"])
-    line = f"\n{n} {noun}{'s' if n != 1 else ''}, {elements:,} elements, {human_size(total)}"
+    line = (
+        f"\n{n} {noun}{'s' if n != 1 else ''}, {elements:,} element"
+        f"{'s' if elements != 1 else ''}, {human_size(total)}"
+    )
     if any(r["trainable"] is not None for r in records):
         line += f" ({trainable:,} trainable elements)"
     if skipped:
