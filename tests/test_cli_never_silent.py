@@ -30,7 +30,9 @@ def ckpt(*args: object, code: str = "pass") -> subprocess.CompletedProcess[str]:
     prog = f"{code}; import sys; from ckptvar.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run(
         [sys.executable, "-c", prog, *map(str, args)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -66,7 +68,7 @@ def test_filter_and_exclude_are_unions_in_every_subcommand(tmp_path: Path) -> No
     ):
         proc = ckpt(*argv)
         assert proc.returncode == 2, (argv, proc.stdout)
-        assert proc.stderr.startswith("ckpt: error: no key") and "nothing/*" in proc.stderr or (
+        assert (proc.stderr.startswith("ckpt: error: no key") and "nothing/*" in proc.stderr) or (
             "--exclude '*'" in proc.stderr
         )
     assert not (tmp_path / "z.h5").exists()
@@ -121,8 +123,14 @@ def test_convert_creates_parents_and_names_the_users_path(tmp_path: Path) -> Non
 
 def test_unsupported_dtype_names_every_key_and_suggests_exclude(tmp_path: Path) -> None:
     src = tmp_path / "c.h5"
-    cv.save(src, {"a": np.ones(2, np.complex128), "b": np.zeros(3, np.complex128),
-                  "w": np.ones(2, np.float32)})
+    cv.save(
+        src,
+        {
+            "a": np.ones(2, np.complex128),
+            "b": np.zeros(3, np.complex128),
+            "w": np.ones(2, np.float32),
+        },
+    )
     dst = tmp_path / "c.safetensors"
     proc = ckpt("convert", src, dst)
     assert proc.returncode == 2
@@ -176,16 +184,24 @@ def test_diff_across_dtypes_huge_integers_and_nan(tmp_path: Path) -> None:
     proc = ckpt("diff", bf16, source, "--rtol", "1e-2", "--ignore-dtype")
     assert proc.returncode == 0, proc.stdout
     assert proc.stdout.splitlines()[0].split() == [
-        "dtype", "w", "bfloat16", "->", "float32", "(ignored)"
+        "dtype",
+        "w",
+        "bfloat16",
+        "->",
+        "float32",
+        "(ignored)",
     ]
     assert "Equal: 1 values (0 identical, 1 within atol=0, rtol=0.01)" in proc.stdout
     assert ckpt("diff", bf16, source, "--ignore-dtype").returncode == 1  # exact: different
 
     big = 2**63 - 1
-    cv.save(tmp_path / "p.h5", {"i": np.array([big, -(2**63)], np.int64),
-                                 "v": np.array([1.0, np.nan, 5.0])})
-    cv.save(tmp_path / "q.h5", {"i": np.array([big - 1, big], np.int64),
-                                 "v": np.array([1.0, 2.0, 5.0])})
+    cv.save(
+        tmp_path / "p.h5",
+        {"i": np.array([big, -(2**63)], np.int64), "v": np.array([1.0, np.nan, 5.0])},
+    )
+    cv.save(
+        tmp_path / "q.h5", {"i": np.array([big - 1, big], np.int64), "v": np.array([1.0, 2.0, 5.0])}
+    )
     proc = ckpt("diff", tmp_path / "p.h5", tmp_path / "q.h5", "--json")
     by_key = {r["key"]: r for r in json.loads(proc.stdout)["values"]}
     assert by_key["i"]["max_abs"] == 2**64 - 1 and by_key["i"]["beyond_tolerance"] == 2
@@ -200,13 +216,16 @@ def test_diff_across_dtypes_huge_integers_and_nan(tmp_path: Path) -> None:
 def test_inspect_json_order_latest_values_and_wide_keys(tmp_path: Path) -> None:
     src = tmp_path / "m.h5"
     keys = ["vars/10", "vars/2", "vars/1"]
-    cv.save(src, {k: np.ones(2) for k in keys}, metadata={"step": 7},
-            attrs={"vars/2": {"trainable": False, "note": "frozen"}})
+    cv.save(
+        src,
+        {k: np.ones(2) for k in keys},
+        metadata={"step": 7},
+        attrs={"vars/2": {"trainable": False, "note": "frozen"}},
+    )
     doc = json.loads(ckpt("inspect", src, "--json").stdout)
     assert [v["key"] for v in doc["variables"]] == ["vars/1", "vars/2", "vars/10"]
     assert doc["metadata"] == {"step": 7}
-    assert doc["variables"][1]["attrs"] == {"name": "vars/2", "trainable": False,
-                                            "note": "frozen"}
+    assert doc["variables"][1]["attrs"] == {"name": "vars/2", "trainable": False, "note": "frozen"}
     stored = json.loads(ckpt("inspect", src, "--json", "--order", "stored").stdout)
     with cv.open(src) as reader:
         assert [v["key"] for v in stored["variables"]] == list(reader)
@@ -236,10 +255,13 @@ def test_inspect_json_order_latest_values_and_wide_keys(tmp_path: Path) -> None:
 def _on_a_terminal(argv: list[str]) -> str:
     """Run ``ckpt argv`` with stderr on a pseudo-terminal (bar shown at once); its stderr."""
     master, slave = pty.openpty()
-    prog = ("import sys, ckptvar.cli._common as c; c.PROGRESS_DELAY = 0.0; "
-            "from ckptvar.cli import main; sys.exit(main(sys.argv[1:]))")
-    proc = subprocess.Popen([sys.executable, "-c", prog, *argv], stdout=subprocess.DEVNULL,
-                            stderr=slave)
+    prog = (
+        "import sys, ckptvar.cli._common as c; c.PROGRESS_DELAY = 0.0; "
+        "from ckptvar.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", prog, *argv], stdout=subprocess.DEVNULL, stderr=slave
+    )
     os.close(slave)
     chunks = []
     while True:
@@ -258,8 +280,11 @@ def _on_a_terminal(argv: list[str]) -> str:
 def test_progress_on_a_terminal_only(tmp_path: Path) -> None:
     src = tmp_path / "a.h5"
     cv.save(src, {"w": np.ones(3 << 20, np.float32), "v": np.ones(5)})
-    for argv in (["inspect", str(src), "--stats"], ["diff", str(src), str(src)],
-                 ["verify", str(src)]):
+    for argv in (
+        ["inspect", str(src), "--stats"],
+        ["diff", str(src), str(src)],
+        ["verify", str(src)],
+    ):
         err = _on_a_terminal(argv)
         assert "\r[" in err and "100%" in err, (argv, err)
         assert _on_a_terminal([*argv, "--quiet"]) == "", argv
@@ -319,7 +344,9 @@ def test_convert_holds_a_bounded_window(tmp_path: Path, suffix: str) -> None:
         dst = tmp_path / f"out-{window}{suffix}"
         proc = subprocess.run(
             [sys.executable, "-c", _MEASURE, "convert", str(src), str(dst), "--window", window],
-            capture_output=True, text=True, timeout=300,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert proc.returncode == 0, proc.stderr
         traced, anon = map(int, proc.stderr.split()[-2:])
@@ -334,3 +361,16 @@ def test_convert_holds_a_bounded_window(tmp_path: Path, suffix: str) -> None:
     assert streamed[0] < 2 * 16 + 8, figures  # two values' worth at most
     assert whole[0] > 96, figures  # the same measure sees a whole output held in memory
     assert streamed[1] < whole[1] - 48, figures
+
+
+def test_no_metadata_keeps_the_safetensors_format_entry(tmp_path: Path) -> None:
+    src = FIXTURES / "safetensors" / "model.safetensors"
+    with cv.open(src) as reader:
+        assert reader.metadata() == {"format": "np", "note": "fixture"}
+    dst = tmp_path / "m.safetensors"
+    proc = ckpt("convert", src, dst, "--no-metadata")
+    assert proc.returncode == 0, proc.stderr
+    with cv.open(dst) as reader:
+        assert reader.metadata() == {"format": "np"}  # ckptvar's own and the rest are gone
+    help_text = " ".join(ckpt("convert", "--help").stdout.split())
+    assert "'format' entry" in help_text and "is kept" in help_text

@@ -83,7 +83,9 @@ def resolve_latest(path: str | Path) -> tuple[str | Path, str | None]:
 
 def add_quiet(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "-q", "--quiet", action="store_true",
+        "-q",
+        "--quiet",
+        action="store_true",
         help="no progress bar (one appears on stderr, when it is a terminal, for work "
         "that takes more than a second)",
     )
@@ -134,8 +136,9 @@ def describe_selection(args: argparse.Namespace) -> str:
     return " ".join(parts)
 
 
-def select(keys: Iterable[str], args: argparse.Namespace, *, where: str = "",
-           allow_empty: bool = False) -> list[str]:
+def select(
+    keys: Iterable[str], args: argparse.Namespace, *, where: str = "", allow_empty: bool = False
+) -> list[str]:
     """The keys that the selection keeps, in their order.
 
     A selection that keeps nothing of a non-empty ``keys`` is a usage error (exit 2),

@@ -15,8 +15,10 @@ never fill with carriage returns. A disabled bar writes nothing at all.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import TextIO
 
@@ -106,6 +108,10 @@ class Progress:
                 self._last_tenth = tenth
                 self.stream.write(self._text(frac) + "\n")
                 self.stream.flush()
+
+    def bytes_of(self, label: str) -> Callable[[int], None]:
+        """A callback counting the bytes of one value's blocks (the value itself not yet)."""
+        return functools.partial(self.update, label=label, values=0)
 
     def _text(self, frac: float) -> str:
         values = f"{self.count} value" + ("" if self.count == 1 else "s")

@@ -167,8 +167,14 @@ class _Converted(Mapping[str, np.ndarray]):
     beside DST, whose pages are the kernel's to write back and drop.
     """
 
-    def __init__(self, reader: Any, plan: dict[str, str], dtype: np.dtype | None,
-                 progress: Progress, spool: np.ndarray | None) -> None:
+    def __init__(
+        self,
+        reader: Any,
+        plan: dict[str, str],
+        dtype: np.dtype | None,
+        progress: Progress,
+        spool: np.ndarray | None,
+    ) -> None:
         self._reader = reader
         self._plan = plan  # output key -> source key
         self._dtype = dtype
@@ -194,9 +200,7 @@ class _Converted(Mapping[str, np.ndarray]):
         else:
             out = np.empty(shape, dtype)
         whole = None
-        for index, block in value_blocks(
-            self._reader, src, info, lambda n: self._progress.update(n, key, values=0)
-        ):
+        for index, block in value_blocks(self._reader, src, info, self._progress.bytes_of(key)):
             block = block.astype(dtype, copy=False)
             if out is None:
                 whole = block
@@ -335,7 +339,10 @@ def _convert(reader: Any, src: Path, dst: Path, args: argparse.Namespace, out: T
             values = _Converted(reader, plan, args.dtype, progress, spool)
             try:
                 written = cv.save(
-                    dst, values, format=args.format, attrs=attrs or None,
+                    dst,
+                    values,
+                    format=args.format,
+                    attrs=attrs or None,
                     metadata=metadata or None,
                 )
             except OSError as exc:
@@ -379,8 +386,9 @@ def _make_parents(dst: Path) -> list[Path]:
         except FileExistsError:
             pass
         except OSError as exc:
-            raise OSError(exc.errno, f"cannot create the folder {str(d)!r} for {str(dst)!r}: "
-                          f"{exc.strerror}") from None
+            raise OSError(
+                exc.errno, f"cannot create the folder {str(d)!r} for {str(dst)!r}: {exc.strerror}"
+            ) from None
     return missing
 
 

@@ -93,8 +93,9 @@ def _abs_diff(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, bool]:
         a = a.astype(np.int64) if a.dtype.kind == "b" else a
         b = b.astype(np.int64) if b.dtype.kind == "b" else b
         mixed = a.dtype.kind != b.dtype.kind
-        if not mixed or not ((a.dtype.kind == "i" and (a < 0).any())
-                             or (b.dtype.kind == "i" and (b < 0).any())):
+        if not mixed or not (
+            (a.dtype.kind == "i" and (a < 0).any()) or (b.dtype.kind == "i" and (b < 0).any())
+        ):
             au, bu = a.astype(np.uint64).ravel(), b.astype(np.uint64).ravel()
             signed = a.dtype.kind == "i" and b.dtype.kind == "i"
             ge = (a >= b).ravel() if signed else au >= bu
@@ -185,14 +186,15 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         only_a = [k for k in keys_a if k not in set_b]
         only_b = [k for k in keys_b if k not in set_a]
         if not keys_a and not keys_b and (args.filter or args.exclude):
-            raise UsageError(f"no key of {str(args.a)!r} or {str(args.b)!r} matches "
-                             f"{describe_selection(args)}")
+            raise UsageError(
+                f"no key of {str(args.a)!r} or {str(args.b)!r} matches {describe_selection(args)}"
+            )
         shared = [k for k in keys_a if k in set_b]
         total = sum(ra.info(k).nbytes + rb.info(k).nbytes for k in shared)
         with progress_for(total, args) as bar:
             records = []
             for k in shared:
-                records.append(_compare(ra, rb, k, args, lambda n, k=k: bar.update(n, k, values=0)))
+                records.append(_compare(ra, rb, k, args, bar.bytes_of(k)))
                 bar.update(0, k)
     differing = [r for r in records if r["status"] in ("shape", "dtype", "different")]
     equal = not (only_a or only_b or differing)

@@ -175,9 +175,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                 for rec in records:
                     stats = Stats()
                     key = rec["key"]
-                    for _, block in value_blocks(
-                        reader, key, reader.info(key), lambda n, k=key: bar.update(n, k, values=0)
-                    ):
+                    for _, block in value_blocks(reader, key, reader.info(key), bar.bytes_of(key)):
                         stats.add(block)
                     bar.update(0, key)
                     rec.update(stats.as_dict())

@@ -77,14 +77,13 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             latest = cv.latest_checkpoint(directory)
         except cv.CkptError as exc:  # an unreadable state: still list what is on disk
             sys.stderr.write(
-                f"ckpt: warning: {one_line(exc).rstrip('.')}; marking the highest step "
-                "latest\n"
+                f"ckpt: warning: {one_line(exc).rstrip('.')}; marking the highest step latest\n"
             )
             latest = None
     for w in caught:
         sys.stderr.write(f"ckpt: warning: {one_line(str(w.message))}\n")
     latest_path = Path(latest) if latest else (paths[-1] if paths else None)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for p in paths:
         m = CHECKPOINT_NAME.match(p.name if p.exists() else p.name + ".index")
         stat_target = p if p.exists() else p.with_name(p.name + ".index")

@@ -43,11 +43,20 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("path", metavar="PATH", help="the checkpoint")
     p.add_argument("keys", metavar="KEY[SLICE]", nargs="+", help="a key, optionally sliced")
-    p.add_argument("--precision", type=int, default=None, metavar="N",
-                   help="digits after the decimal point (NumPy's default: 8)")
-    p.add_argument("--threshold", type=int, default=None, metavar="N",
-                   help="summarise with '...' beyond N elements (NumPy's default: 1000; "
-                   "0: never)")
+    p.add_argument(
+        "--precision",
+        type=int,
+        default=None,
+        metavar="N",
+        help="digits after the decimal point (NumPy's default: 8)",
+    )
+    p.add_argument(
+        "--threshold",
+        type=int,
+        default=None,
+        metavar="N",
+        help="summarise with '...' beyond N elements (NumPy's default: 1000; 0: never)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON (one object per key)")
     p.set_defaults(func=run)
 
@@ -115,15 +124,20 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                     "index": text or None,
                     "dtype": value.dtype.name,
                     "shape": list(value.shape),
-                    "value": plain(value.tolist() if value.dtype.kind != "V" else
-                                   value.astype(np.float64).tolist()),
+                    "value": plain(
+                        value.tolist()
+                        if value.dtype.kind != "V"
+                        else value.astype(np.float64).tolist()
+                    ),
                 },
                 out,
             )
             continue
         what = f" of {shape_str(info.shape)}" if text else ""
-        print(f"{escape(key)}{escape(text)}  {value.dtype.name} {shape_str(value.shape)}{what}",
-              file=out)
+        print(
+            f"{escape(key)}{escape(text)}  {value.dtype.name} {shape_str(value.shape)}{what}",
+            file=out,
+        )
         if is_floating(value.dtype) and value.dtype.kind == "V":  # bfloat16, float8: print
             value = value.astype(np.float32)  # through float32, which honours --precision
         with np.printoptions(precision=args.precision, threshold=threshold):
