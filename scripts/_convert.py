@@ -1,8 +1,8 @@
-"""What the ``convert_*.py`` scripts share: one argparse front over ``cv.open`` + ``cv.save``.
+"""What the ``convert_*.py`` scripts share: a thin front over ``ckpt convert``.
 
 Each script names the format it accepts and describes itself in its docstring;
-``ckpt convert`` does the same for every format and adds ``--rename``, ``--filter``
-and a progress bar.
+the conversion itself is ``ckpt convert`` (the same streaming code, the same
+checks and messages), which also offers ``--rename``, ``--filter`` and more.
 """
 
 from __future__ import annotations
@@ -10,19 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-import numpy as np
-
 import ckptvar as cv
-
-
-def floating(dtype: np.dtype) -> bool:
-    """True for float16/32/64 and the ml_dtypes floats (bfloat16, float8_*)."""
-    return dtype.kind == "f" or (dtype.kind == "V" and dtype.name.startswith(("bfloat", "float")))
-
-
-def cast(value: np.ndarray, dtype: np.dtype | None) -> np.ndarray:
-    """``value`` as ``dtype`` if it is floating, else unchanged (integers, bools, complex)."""
-    return value.astype(dtype) if dtype is not None and floating(value.dtype) else value
+from ckptvar.cli import main as ckpt
 
 
 def run(doc: str | None, *, fmt: str, kind: str, src_help: str,
@@ -38,25 +27,23 @@ def run(doc: str | None, *, fmt: str, kind: str, src_help: str,
     parser.add_argument("dst", metavar="DST", help="output: .h5, .zarr, .safetensors or .npz")
     parser.add_argument("--dtype", help="cast floating values to this dtype (e.g. bfloat16)")
     parser.add_argument("--format", help="output format when DST's suffix does not say")
+    parser.add_argument("--skip-unreadable", action="store_true",
+                        help="convert the rest when SRC holds values that are not numbers")
+    parser.add_argument("-f", "--force", action="store_true", help="replace DST if it exists")
     args = parser.parse_args(argv)
     try:
-        dtype = None
-        if args.dtype is not None:
-            import ml_dtypes
-
-            dtype = np.dtype(getattr(ml_dtypes, args.dtype, args.dtype))
-            if not floating(dtype):
-                raise ValueError(f"--dtype {args.dtype!r} is not a floating dtype")
         with cv.open(args.src) as reader:
-            if reader.format != fmt:
-                raise cv.UnsupportedFormatError(
-                    f"{args.src!r} is a {reader.format} checkpoint, not {kind}; "
-                    "use `ckpt convert` for any format."
-                )
-            arrays = {key: cast(np.asarray(reader.read(key)), dtype) for key in reader}
-        path = cv.save(args.dst, arrays, format=args.format)
+            found = reader.format
     except (cv.CkptError, OSError, ValueError, TypeError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
-    print(f"Wrote {len(arrays)} values from {args.src} to {path}")
-    return 0
+    if found != fmt:
+        print(f"{parser.prog}: error: {args.src!r} is a {found} checkpoint, not {kind}; "
+              "use `ckpt convert` for any format.", file=sys.stderr)
+        return 2
+    command = ["convert", args.src, args.dst]
+    for flag in ("dtype", "format"):
+        if getattr(args, flag) is not None:
+            command += [f"--{flag}", getattr(args, flag)]
+    command += ["--skip-unreadable"] * args.skip_unreadable + ["--force"] * args.force
+    return ckpt(command)

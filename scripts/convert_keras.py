@@ -5,8 +5,8 @@ Needs no Keras or TensorFlow; keys are the layer/weight paths stored in the file
 
     python scripts/convert_keras.py model.weights.h5 model.h5
 
-Thin over the public API (``cv.open`` + ``cv.save``, see ``_convert.py``); ``ckpt convert``
-does the same for every format and adds ``--rename``, ``--filter`` and a progress bar.
+A thin front over ``ckpt convert`` (see ``_convert.py``), which
+converts every format and adds ``--rename``, ``--filter`` and a progress bar.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Object arrays are refused (loading them would run pickle code).
 
     python scripts/convert_npz.py weights.npz weights.h5
 
-Thin over the public API (``cv.open`` + ``cv.save``, see ``_convert.py``); ``ckpt convert``
-does the same for every format and adds ``--rename``, ``--filter`` and a progress bar.
+A thin front over ``ckpt convert`` (see ``_convert.py``), which
+converts every format and adds ``--rename``, ``--filter`` and a progress bar.
 """
 
 from __future__ import annotations

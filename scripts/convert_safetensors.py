@@ -5,8 +5,8 @@ The header (sizes, offsets, overlaps, dtypes) is validated before anything is re
 
     python scripts/convert_safetensors.py model.safetensors model.zarr
 
-Thin over the public API (``cv.open`` + ``cv.save``, see ``_convert.py``); ``ckpt convert``
-does the same for every format and adds ``--rename``, ``--filter`` and a progress bar.
+A thin front over ``ckpt convert`` (see ``_convert.py``), which
+converts every format and adds ``--rename``, ``--filter`` and a progress bar.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ checked. Object-based keys lose their ``/.ATTRIBUTES/VARIABLE_VALUE`` suffix
 
     python scripts/convert_tf_checkpoint.py runs/tf/ckpt-1 model.h5
 
-Thin over the public API (``cv.open`` + ``cv.save``, see ``_convert.py``); ``ckpt convert``
-does the same for every format and adds ``--rename``, ``--filter`` and a progress bar.
+A thin front over ``ckpt convert`` (see ``_convert.py``), which
+converts every format and adds ``--rename``, ``--filter`` and a progress bar.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ containers are accepted, anything else is refused.
 
     python scripts/convert_torch.py pytorch_model.bin model.h5 --dtype bfloat16
 
-Thin over the public API (``cv.open`` + ``cv.save``, see ``_convert.py``); ``ckpt convert``
-does the same for every format and adds ``--rename``, ``--filter`` and a progress bar.
+A thin front over ``ckpt convert`` (see ``_convert.py``), which
+converts every format and adds ``--rename``, ``--filter`` and a progress bar.
 """
 
 from __future__ import annotations

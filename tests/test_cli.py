@@ -188,7 +188,8 @@ def test_inspect_table_json_tree_filter(files: dict[str, Path]) -> None:
     # --json --stats: exactly the documented object, stats computed over finite elements.
     assert as_json.returncode == 0, as_json.stderr
     doc = json.loads(as_json.stdout)
-    assert set(doc) == {"path", "format", "variables"}
+    assert set(doc) == {"path", "format", "metadata", "variables", "skipped"}
+    assert doc["skipped"] == []
     assert doc["format"] == "h5" and doc["path"] == str(files["a"])
     by_key = {v["key"]: v for v in doc["variables"]}
     a = values()
@@ -201,6 +202,7 @@ def test_inspect_table_json_tree_filter(files: dict[str, Path]) -> None:
             "shape",
             "nbytes",
             "trainable",
+            "attrs",
             "min",
             "max",
             "mean",
@@ -406,7 +408,8 @@ def test_diff_shape_dtype_and_nan(tmp_path: Path, capsys: pytest.CaptureFixture[
     by_key = {v["key"]: v for v in json.loads(out)["values"]}
     assert by_key["w"]["status"] == "shape"
     assert by_key["w"]["shape_a"] == [2, 2] and by_key["w"]["shape_b"] == [2, 3]
-    assert by_key["v"]["status"] == "different" and by_key["v"]["max_abs"] is None  # NaN vs 2
+    assert by_key["v"]["status"] == "different" and by_key["v"]["max_abs"] == "nan"  # NaN vs 2
+    assert by_key["v"]["nan_mismatch"] == 1
     assert by_key["i"]["status"] == "different"  # exact for integers beyond float64's precision
     code, out, err = run_main(capsys, "diff", tmp_path / "p.h5", tmp_path / "r.npz")
     assert code == 1
@@ -525,7 +528,7 @@ def test_stats_and_diff_stream_large_values_in_blocks(
     other[30, 1, 1] += 0.5
     cv.save(tmp_path / "big.h5", {"big": big})
     cv.save(tmp_path / "other.zarr", {"big": other})
-    monkeypatch.setattr(cli, "BLOCK_ELEMENTS", 16)  # every value is now "large": read in slices
+    monkeypatch.setattr(cli._blocks, "BLOCK_ELEMENTS", 16)  # every value is now "large": read in slices
     code, out, err = run_main(capsys, "inspect", tmp_path / "big.h5", "--stats", "--json")
     assert code == 0, err
     rec = json.loads(out)["variables"][0]
@@ -591,7 +594,7 @@ def test_inspect_stats_memory_stays_flat(tmp_path: Path) -> None:
 def test_progress_bar_modes() -> None:
     import io
 
-    from ckptvar._progress import Progress
+    from ckptvar.cli._progress import Progress
 
     tty = io.StringIO()
     with Progress(300, stream=tty, enabled=True, tty=True, width=10) as bar:
@@ -621,7 +624,12 @@ def test_inspect_directory_and_damaged_manager_state(
     manager = cv.CheckpointManager(cv.Checkpoint(v=cv.Variable([1.0, 2.0])), runs)
     manager.save()
     manager.save()
-    code, out, err = run_main(capsys, "inspect", runs)
+    code, out, err = run_main(capsys, "inspect", runs)  # a manager's directory: its latest
+    assert code == 0, err
+    assert out.splitlines()[0] == f"(inspecting the latest checkpoint of {str(runs)!r})"
+    assert out.splitlines()[1] == f"path: {runs / 'ckpt-2.h5'}"
+    (tmp_path / "plain").mkdir()
+    code, out, err = run_main(capsys, "inspect", tmp_path / "plain")
     assert code == 2 and "'ckpt ls " in err and err.count("\n") == 1
     (runs / "checkpoint_state.json").write_text("garbage")
     code, out, err = run_main(capsys, "ls", runs)
@@ -643,8 +651,8 @@ def test_tree_splits_dotted_keys(tmp_path: Path, capsys: pytest.CaptureFixture[s
         "├── enc",
         "│   └── layers",
         "│       └── 0",
-        "│           ├── weight  [float64 (2, 2) 32 B]",
-        "│           └── bias  [float64 (2,) 16 B]",
+        "│           ├── bias  [float64 (2,) 16 B]",
+        "│           └── weight  [float64 (2, 2) 32 B]",
         "└── head",
         "    └── weight  [float64 (1,) 8 B]",
     ]

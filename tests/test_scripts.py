@@ -128,6 +128,7 @@ def test_scripts_use_only_the_public_api(name: str) -> None:
             "import numpy as np",
             "import ckptvar as cv",
             "from _convert import run",  # the scripts' shared front (itself checked here)
+            "from ckptvar.cli import main as ckpt",  # the same conversion as `ckpt convert`
         )
         for line in imports
     ), imports

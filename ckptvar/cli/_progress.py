@@ -15,8 +15,10 @@ never fill with carriage returns. A disabled bar writes nothing at all.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import TextIO
 
@@ -49,6 +51,8 @@ class Progress:
         enabled: draw at all; when false every method is a no-op.
         tty: draw in place with carriage returns; defaults to ``stream.isatty()``.
         width: the number of cells of the bar on a terminal.
+        delay: draw nothing until this many seconds have passed (a job that ends
+            sooner stays silent).
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class Progress:
         enabled: bool = True,
         tty: bool | None = None,
         width: int = 30,
+        delay: float = 0.0,
     ) -> None:
         self.total = max(int(total), 0)
         self.stream = stream if stream is not None else sys.stderr
@@ -73,15 +78,23 @@ class Progress:
         self._last_draw = 0.0
         self._last_tenth = -1
         self._line_len = 0
+        self._start = time.monotonic()
+        self._delay = delay
 
     def _fraction(self) -> float:
         return 1.0 if self.total == 0 else min(self.done / self.total, 1.0)
 
-    def update(self, nbytes: int, label: str = "") -> None:
-        """Record ``nbytes`` more bytes done (one more value, named ``label``)."""
+    def update(self, nbytes: int, label: str = "", *, values: int = 1) -> None:
+        """Record ``nbytes`` more bytes done and ``values`` more values (the last ``label``).
+
+        A large value reports its blocks with ``values=0`` and ends with ``update(0, label)``,
+        so the bar moves within it.
+        """
         self.done += int(nbytes)
-        self.count += 1
+        self.count += values
         if not self.enabled:
+            return
+        if self._delay and time.monotonic() - self._start < self._delay:
             return
         frac = self._fraction()
         if self.tty:
@@ -95,6 +108,10 @@ class Progress:
                 self._last_tenth = tenth
                 self.stream.write(self._text(frac) + "\n")
                 self.stream.flush()
+
+    def bytes_of(self, label: str) -> Callable[[int], None]:
+        """A callback counting the bytes of one value's blocks (the value itself not yet)."""
+        return functools.partial(self.update, label=label, values=0)
 
     def _text(self, frac: float) -> str:
         values = f"{self.count} value" + ("" if self.count == 1 else "s")

@@ -1,0 +1,104 @@
+"""The ``ckpt`` command: inspect, show, convert, diff, verify and list checkpoints.
+
+Built on the public API (``import ckptvar as cv``; the few exceptions live in
+``_library.py``). This module owns the top-level parser and the mapping of errors
+to exit statuses; each subcommand is a module with ``add_parser`` and ``run``
+(``inspect``, ``show``, ``convert``, ``diff``, ``verify``, ``ls``), ``_output`` owns what is
+printed and ``_blocks`` the block-wise reading and statistics.
+
+``main(argv) -> int`` returns the exit status: 0 success, 1 a mismatch or
+verification failure, 2 bad usage or unreadable/missing input. Errors print one
+line, ``ckpt: error: ...``, on stderr and never a traceback. Every name and
+metadata string read from a file is escaped before it reaches a terminal
+(control characters shown as ``\\x1b``), and ``--json`` output is strict JSON.
+
+>>> main(["--version"])  # doctest: +ELLIPSIS
+ckpt (ckptvar) ...
+0
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import ckptvar as cv
+
+from . import convert, diff, inspect, ls, show, verify
+from ._blocks import Stats, iter_blocks
+from ._common import EXIT_USAGE, Parser, UsageError
+from ._output import escape, one_line
+
+__all__ = ["Stats", "build_parser", "escape", "iter_blocks", "main"]
+
+_COMMANDS = (inspect, show, convert, diff, verify, ls)
+
+_MAIN_EPILOG = """\
+exit status: 0 success, 1 a difference or damaged value found, 2 bad usage or
+unreadable input (one line on stderr, 'ckpt: error: ...').
+
+examples:
+  ckpt inspect runs/ckpt-3.h5
+  ckpt inspect model.safetensors --stats --filter 'encoder/*'
+  ckpt show runs/ckpt-3.h5 'model/dense/kernel[0:2]'
+  ckpt convert model.pt model.h5 --dtype bfloat16
+  ckpt diff runs/ckpt-2.h5 runs/ckpt-3.h5 --atol 1e-6
+  ckpt verify runs/ckpt-3.h5
+  ckpt ls runs/
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ckpt`` argument parser (used by :func:`main` and the docs)."""
+    parser = Parser(
+        prog="ckpt",
+        description="Inspect, convert, compare and verify ckptvar checkpoints\n"
+        "(and TensorFlow, PyTorch, safetensors, Keras and .npz files).",
+        epilog=_MAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"ckpt (ckptvar) {cv.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.set_defaults(_subparsers=sub.choices)
+    for command in _COMMANDS:
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``ckpt`` with ``argv`` (``sys.argv[1:]`` by default); returns the exit status."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if callable(reconfigure):
+            reconfigure(errors="backslashreplace")
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # reported by the subcommand's parser, so the hint names its --help
+            args._subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # --help, --version, or a usage error already reported
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        return int(args.func(args, sys.stdout))
+    except UsageError as exc:
+        sys.stderr.write(f"ckpt: error: {one_line(exc)}\n")
+    except (cv.CkptError, OSError, ValueError, KeyError, TypeError) as exc:
+        if isinstance(exc, BrokenPipeError):
+            return _broken_pipe()
+        sys.stderr.write(f"ckpt: error: {one_line(exc)}\n")
+    except KeyboardInterrupt:
+        sys.stderr.write("ckpt: error: interrupted\n")
+        return 130
+    return EXIT_USAGE
+
+
+def _broken_pipe() -> int:
+    # The reader went away (`ckpt inspect ... | head`): stop quietly, like other tools.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except OSError:
+        pass
+    return 141

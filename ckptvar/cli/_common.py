@@ -1,0 +1,153 @@
+"""What every ``ckpt`` subcommand shares: exit codes, usage errors, opening a checkpoint,
+and key selection (``--filter`` / ``--exclude``)."""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import ckptvar as cv
+
+from ._output import one_line
+from ._progress import Progress
+
+__all__ = [
+    "EXIT_MISMATCH",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "Parser",
+    "UsageError",
+    "add_quiet",
+    "add_selection",
+    "open_checkpoint",
+    "progress_for",
+    "resolve_latest",
+    "select",
+]
+
+EXIT_OK = 0
+EXIT_MISMATCH = 1
+EXIT_USAGE = 2
+
+#: diff, verify and inspect --stats show a bar only when they run longer than this (s).
+PROGRESS_DELAY = 1.0
+
+
+class UsageError(Exception):
+    """Bad usage found after parsing (exit 2)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: ``ckpt: error: <what> (see 'ckpt SUB --help')``."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"ckpt: error: {one_line(message)} (see '{self.prog} --help')\n")
+        raise SystemExit(EXIT_USAGE)
+
+
+def open_checkpoint(path: str | Path) -> Any:
+    """``cv.open(path)``, with a hint when ``path`` is a directory of checkpoints."""
+    try:
+        return cv.open(path)
+    except cv.UnsupportedFormatError:
+        if Path(path).is_dir():
+            raise UsageError(
+                f"{str(path)!r} is a directory, not a checkpoint; "
+                f"'ckpt ls {path}' lists the checkpoints in it"
+            ) from None
+        raise
+
+
+def resolve_latest(path: str | Path) -> tuple[str | Path, str | None]:
+    """``path``, or the latest checkpoint when ``path`` is a manager's directory.
+
+    Returns the path to open and, for a directory, a note saying which one was taken.
+    """
+    p = Path(path)
+    if not p.is_dir():
+        return path, None
+    try:
+        with cv.open(p):
+            return path, None  # a checkpoint that is a directory (.zarr)
+    except cv.UnsupportedFormatError:
+        pass
+    latest = cv.latest_checkpoint(p)
+    if latest is None:
+        return path, None  # open_checkpoint explains
+    return latest, f"the latest checkpoint of {str(path)!r}"
+
+
+def add_quiet(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress bar (one appears on stderr, when it is a terminal, for work "
+        "that takes more than a second)",
+    )
+
+
+def progress_for(total: int, args: argparse.Namespace) -> Progress:
+    """A bar on stderr for a job of ``total`` bytes: on a terminal, after one second."""
+    show = sys.stderr.isatty() and not getattr(args, "quiet", False)
+    return Progress(total, stream=sys.stderr, enabled=show, delay=PROGRESS_DELAY)
+
+
+def add_selection(p: argparse.ArgumentParser) -> None:
+    """``--filter GLOB`` and ``--exclude GLOB``, both repeatable."""
+    p.add_argument(
+        "--filter",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="only keys matching this glob (fnmatch, case-sensitive); repeat for the union",
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="leave out keys matching this glob (repeatable; wins over --filter)",
+    )
+
+
+def selected(key: str, args: argparse.Namespace) -> bool:
+    """True when ``key`` matches some ``--filter`` (or none was given) and no ``--exclude``.
+
+    >>> ns = argparse.Namespace(filter=["a/*", "b/*"], exclude=["*/bias"])
+    >>> [selected(k, ns) for k in ("a/w", "b/w", "a/bias", "c/w")]
+    [True, True, False, False]
+    """
+    filters: list[str] = getattr(args, "filter", None) or []
+    excludes: list[str] = getattr(args, "exclude", None) or []
+    if filters and not any(fnmatch.fnmatchcase(key, p) for p in filters):
+        return False
+    return not any(fnmatch.fnmatchcase(key, p) for p in excludes)
+
+
+def describe_selection(args: argparse.Namespace) -> str:
+    """``--filter 'a/*' --exclude '*/b'``: the selection as the user typed it."""
+    parts = [f"--filter {p!r}" for p in getattr(args, "filter", None) or []]
+    parts += [f"--exclude {p!r}" for p in getattr(args, "exclude", None) or []]
+    return " ".join(parts)
+
+
+def select(
+    keys: Iterable[str], args: argparse.Namespace, *, where: str = "", allow_empty: bool = False
+) -> list[str]:
+    """The keys that the selection keeps, in their order.
+
+    A selection that keeps nothing of a non-empty ``keys`` is a usage error (exit 2),
+    unless ``allow_empty``.
+    """
+    keys = list(keys)
+    kept = [k for k in keys if selected(k, args)]
+    if keys and not kept and not allow_empty:
+        raise UsageError(
+            f"no key{' of ' + where if where else ''} matches {describe_selection(args)}"
+        )
+    return kept

@@ -1,0 +1,412 @@
+"""``ckpt convert``: any readable checkpoint to .h5, .zarr, .safetensors or .npz.
+
+The scripts in ``scripts/convert_*.py`` run this same conversion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import re
+import shlex
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+import ckptvar as cv
+
+from . import _blocks
+from ._blocks import is_floating, value_blocks
+from ._common import EXIT_OK, UsageError, add_selection, open_checkpoint, select, selected
+from ._library import skipped_values
+from ._output import escape, one_line
+from ._progress import Progress, human_size
+
+#: ``convert`` shows its progress bar by itself (on a terminal) from this many bytes on.
+PROGRESS_MIN_BYTES = 16 << 20
+#: Outputs up to this size (or twice the largest value, if more) are built in memory;
+#: a larger one is spooled through a memory-mapped scratch file beside DST.
+DEFAULT_WINDOW = 512 << 20
+
+EPILOG = """\
+Writes DST in the format its suffix names (.h5, .zarr, .safetensors, .npz) or
+--format, with SRC's per-value name and trainable flag and its metadata (so a
+converted ckptvar checkpoint still restores with Checkpoint.restore). DST's
+missing parent folders are created. DST appears whole or not at all.
+
+Each value is read in blocks, cast and handed to the writer once. An output up
+to --window (default: 512M, or twice the largest value) is built in memory; a
+larger one streams through a scratch file beside DST (removed at the end), so
+memory stays bounded however large the checkpoint. Only floating values are
+cast by --dtype (integers, booleans and complex values keep their dtype).
+
+--filter and --exclude take globs and are repeatable: a key is converted when
+it matches any --filter (or none is given) and no --exclude. A selection that
+matches nothing is an error. Values SRC holds that are not numbers (string or
+compound HDF5 datasets, TF string tensors) make the conversion fail, naming
+them, unless --skip-unreadable (then it says how many it left out). A dtype the
+output format cannot store fails before anything is written, naming every such
+key. --rename FROM=TO applies re.sub(FROM, TO, key) to every key; give it
+several times to apply several substitutions in order (the first '=' splits
+FROM from TO). A progress bar (in bytes, moving within large values) appears on
+stderr for large conversions when stderr is a terminal, or always with
+--progress.
+
+examples:
+  ckpt convert pytorch_model.bin model.h5
+  ckpt convert runs/ckpt-3.h5 out/model.safetensors --dtype bfloat16
+  ckpt convert tf_ckpt/ckpt-1 model.zarr --rename '^model/=' --rename 'kernel$=weight'
+  ckpt convert tf_ckpt/ckpt-1 m.safetensors --filter 'model/*' --filter 'optimizer/*'
+  ckpt convert data.h5 weights.npz --skip-unreadable --exclude 'debug/*'
+"""
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``convert`` on the subparsers ``sub``."""
+    p = sub.add_parser(
+        "convert",
+        help="convert a checkpoint to .h5, .zarr, .safetensors or .npz",
+        description="Convert any readable checkpoint to .h5, .zarr, .safetensors or .npz.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("src", metavar="SRC", help="the checkpoint to read")
+    p.add_argument("dst", metavar="DST", help="the file or .zarr directory to write")
+    p.add_argument(
+        "--dtype",
+        type=_parse_dtype,
+        metavar="DTYPE",
+        help=f"cast floating values to DTYPE ({', '.join(_FLOAT_TARGETS)})",
+    )
+    p.add_argument(
+        "--rename",
+        type=_parse_rename,
+        action="append",
+        default=[],
+        metavar="FROM=TO",
+        help="regex substitution on keys (repeatable, applied in order)",
+    )
+    p.add_argument(
+        "--format",
+        metavar="FMT",
+        help="output format (h5, zarr, safetensors, npz); default: DST's suffix",
+    )
+    add_selection(p)
+    p.add_argument(
+        "--no-metadata",
+        action="store_true",
+        help="do not copy SRC's metadata (object graph, counters, user metadata); a "
+        "safetensors 'format' entry (pt, tf, flax, mlx) is kept, as Hugging Face loaders "
+        "require it",
+    )
+    p.add_argument(
+        "--skip-unreadable",
+        action="store_true",
+        help="convert the rest when SRC holds values that cannot be read as numbers "
+        "(string or compound datasets); they are named and counted",
+    )
+    p.add_argument(
+        "--window",
+        type=_parse_size,
+        metavar="SIZE",
+        help="most bytes of output built in memory (default: 512M or twice the largest "
+        "value); a larger output streams through a scratch file beside DST",
+    )
+    p.add_argument("-f", "--force", action="store_true", help="replace DST if it exists")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="show a progress bar on stderr (default: for large conversions on a terminal)",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (--no-progress)")
+    p.set_defaults(func=run)
+
+
+_FLOAT_TARGETS = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
+
+
+def _parse_dtype(name: str) -> np.dtype:
+    if name not in _FLOAT_TARGETS:
+        raise argparse.ArgumentTypeError(
+            f"{name!r} is not a floating dtype; choose one of {', '.join(_FLOAT_TARGETS)}"
+        )
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
+
+
+def _parse_rename(spec: str) -> tuple[re.Pattern[str], str]:
+    pattern, sep, repl = spec.partition("=")
+    if not sep or not pattern:
+        raise argparse.ArgumentTypeError(f"wants FROM=TO (a regex and a replacement), got {spec!r}")
+    try:
+        return re.compile(pattern), repl
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"{pattern!r} is not a valid regex: {exc}") from None
+
+
+_KEPT_ATTRS = ("name", "trainable")
+
+
+class _Converted(Mapping[str, np.ndarray]):
+    """The output values of a conversion, each read (and cast) only when the writer asks.
+
+    A value is read in blocks (a large one through its lazy array, then its stored
+    checksum verified) and cast block by block into its output array: in memory when
+    the whole output fits the window, else a view of a memory-mapped spool file
+    beside DST, whose pages are the kernel's to write back and drop.
+    """
+
+    def __init__(
+        self,
+        reader: Any,
+        plan: dict[str, str],
+        dtype: np.dtype | None,
+        progress: Progress,
+        spool: np.ndarray | None,
+    ) -> None:
+        self._reader = reader
+        self._plan = plan  # output key -> source key
+        self._dtype = dtype
+        self._progress = progress
+        self._spool = spool
+        self._offset = 0
+
+    def _target(self, dtype: np.dtype) -> np.dtype:
+        return self._dtype if self._dtype is not None and is_floating(dtype) else dtype
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        src = self._plan[key]
+        info = self._reader.info(src)
+        dtype = self._target(np.dtype(info.dtype))
+        shape = tuple(info.shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self._spool is not None and nbytes:
+            start = self._offset
+            self._offset += (nbytes + 63) & -64
+            out = self._spool[start : start + nbytes].view(dtype).reshape(shape)
+        elif math.prod(shape) <= _blocks.BLOCK_ELEMENTS:
+            out = None  # read whole and used as it is
+        else:
+            out = np.empty(shape, dtype)
+        whole = None
+        for index, block in value_blocks(self._reader, src, info, self._progress.bytes_of(key)):
+            block = block.astype(dtype, copy=False)
+            if out is None:
+                whole = block
+            else:
+                out[index] = block
+        if math.prod(shape) > _blocks.BLOCK_ELEMENTS and info.checksum is not None:
+            self._reader.verify(src)  # the blocks were read unverified
+        self._progress.update(0, key)
+        if out is None:
+            return whole if whole is not None else np.empty(shape, dtype)
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._plan)
+
+    def __len__(self) -> int:
+        return len(self._plan)
+
+
+def _rename(key: str, renames: list[tuple[re.Pattern[str], str]]) -> str:
+    new = key
+    for pattern, repl in renames:
+        try:
+            new = pattern.sub(repl, new)
+        except re.error as exc:  # a bad group reference in TO, e.g. \2 with one group
+            raise UsageError(f"--rename {pattern.pattern}={repl}: {exc}") from None
+    if not new:
+        raise UsageError(f"--rename maps {key!r} to an empty key")
+    return new
+
+
+def _parse_size(text: str) -> int:
+    """``512M``, ``2G``, ``65536`` -> bytes."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a size (like 512M or 2G): {text!r}")
+    return int(float(m[1]) * units[m[2].upper()])
+
+
+def _unwritable(dst: Path, fmt: str | None, dtypes: set[np.dtype]) -> dict[np.dtype, str]:
+    """The dtypes the output format refuses, each with the writer's reason.
+
+    Asked of the format itself: an empty value of each dtype is saved to a scratch
+    directory through ``cv.save``, so the answer is the writer's own.
+    """
+    refused: dict[np.dtype, str] = {}
+    with tempfile.TemporaryDirectory(prefix="ckpt-probe-") as tmp:
+        for i, dtype in enumerate(sorted(dtypes, key=str)):
+            probe = Path(tmp) / f"probe{i}{dst.suffix}"
+            try:
+                cv.save(probe, {"x": np.zeros((0,), dtype)}, format=fmt, durable=False)
+            except (cv.UnsupportedFormatError, TypeError) as exc:
+                refused[dtype] = one_line(exc)
+            except (cv.CkptError, ValueError, OSError):
+                pass  # not about the dtype: the real conversion reports it
+    return refused
+
+
+def _dtype_error(fmt: str, bad: dict[str, np.dtype]) -> UsageError:
+    keys = list(bad)
+    shown = ", ".join(f"{k!r} ({bad[k].name})" for k in keys[:10])
+    more = f" and {len(keys) - 10} more" if len(keys) > 10 else ""
+    hint = " ".join(f"--exclude {shlex.quote(k)}" for k in keys[:3])
+    text = (
+        f"{fmt} cannot store the dtype of {len(keys)} value{'s' if len(keys) != 1 else ''}: "
+        f"{shown}{more}; leave {'them' if len(keys) != 1 else 'it'} out with {hint}{' ...' if len(keys) > 3 else ''}"
+    )
+    if any(is_floating(d) for d in bad.values()):
+        text += f" or cast floating values with --dtype (one of {', '.join(_FLOAT_TARGETS)})"
+    return UsageError(text)
+
+
+def run(args: argparse.Namespace, out: TextIO) -> int:
+    src, dst = Path(args.src), Path(args.dst)
+    if src.resolve() == dst.resolve():
+        raise UsageError(f"source and destination are the same path {str(src)!r}")
+    if (dst.exists() or dst.is_symlink()) and not args.force:
+        raise UsageError(f"{str(dst)!r} exists; pass --force to replace it")
+    with open_checkpoint(src) as reader:
+        return _convert(reader, src, dst, args, out)
+
+
+def _convert(reader: Any, src: Path, dst: Path, args: argparse.Namespace, out: TextIO) -> int:
+    skipped = {k: v for k, v in skipped_values(reader).items() if selected(k, args)}
+    keys = select(reader, args, where=repr(str(src)), allow_empty=bool(skipped))
+    if skipped and not args.skip_unreadable:
+        shown = "; ".join(f"{k!r}: {v.rstrip('.')}" for k, v in list(skipped.items())[:5])
+        more = f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+        raise UsageError(
+            f"{len(skipped)} value{'s' if len(skipped) != 1 else ''} of {str(src)!r} cannot be "
+            f"read as numbers: {shown}{more}; pass --skip-unreadable to convert the rest"
+        )
+    plan: dict[str, str] = {}
+    attrs: dict[str, dict[str, Any]] = {}
+    out_dtypes: dict[str, np.dtype] = {}
+    total = largest = spool_size = 0
+    for key in keys:
+        new = _rename(key, args.rename)
+        if new in plan:
+            raise UsageError(f"--rename maps both {plan[new]!r} and {key!r} to {new!r}")
+        plan[new] = key
+        info = reader.info(key)
+        kept = {a: info.attrs[a] for a in _KEPT_ATTRS if a in (info.attrs or {})}
+        if kept:
+            attrs[new] = kept
+        dtype = np.dtype(info.dtype)
+        if args.dtype is not None and is_floating(dtype):
+            dtype = args.dtype
+        out_dtypes[key] = dtype
+        nbytes = math.prod(info.shape) * dtype.itemsize
+        total += nbytes
+        spool_size += (nbytes + 63) & -64
+        largest = max(largest, nbytes)
+    if not plan:
+        raise UsageError(f"nothing to convert: {str(src)!r} has no value left to convert")
+    refused = _unwritable(dst, args.format, set(out_dtypes.values()))
+    if refused:
+        fmt = args.format or (dst.suffix.lstrip(".") or "the output format")
+        raise _dtype_error(fmt, {k: d for k, d in out_dtypes.items() if d in refused})
+    show = (
+        args.progress
+        if args.progress is not None
+        else (sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES and not args.quiet)
+    )
+    metadata = dict(reader.metadata() or {})
+    if args.no_metadata:  # none of ckptvar's own; a Hugging Face 'format' entry stays
+        metadata = {k: v for k, v in metadata.items() if k == "format" and isinstance(v, str)}
+    window = args.window if args.window is not None else max(DEFAULT_WINDOW, 2 * largest)
+    created = _make_parents(dst)
+    try:
+        with (
+            Progress(total, stream=sys.stderr, enabled=bool(show)) as progress,
+            _spool(dst, spool_size if total > window else 0) as spool,
+        ):
+            values = _Converted(reader, plan, args.dtype, progress, spool)
+            try:
+                written = cv.save(
+                    dst,
+                    values,
+                    format=args.format,
+                    attrs=attrs or None,
+                    metadata=metadata or None,
+                )
+            except OSError as exc:
+                if isinstance(exc, cv.CkptError):
+                    raise
+                raise OSError(
+                    exc.errno, f"cannot write {str(dst)!r}: {exc.strerror or one_line(exc)}"
+                ) from None
+    except BaseException:
+        for d in reversed(created):  # only the folders this conversion made, if still empty
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+    n = len(plan)
+    print(
+        f"Wrote {n} value{'s' if n != 1 else ''} ({human_size(total)}) from "
+        f"{escape(src)} ({escape(reader.format)}) to {escape(written)}",
+        file=out,
+    )
+    if skipped:
+        names = ", ".join(repr(k) for k in list(skipped)[:5]) + (" ..." if len(skipped) > 5 else "")
+        print(
+            f"Left out {len(skipped)} unreadable value{'s' if len(skipped) != 1 else ''} "
+            f"(--skip-unreadable): {escape(names)}",
+            file=out,
+        )
+    return EXIT_OK
+
+
+def _make_parents(dst: Path) -> list[Path]:
+    """Create DST's missing parent folders; returns those made, outermost first."""
+    missing = []
+    parent = dst.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    missing.reverse()
+    for d in missing:
+        try:
+            d.mkdir()
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise OSError(
+                exc.errno, f"cannot create the folder {str(d)!r} for {str(dst)!r}: {exc.strerror}"
+            ) from None
+    return missing
+
+
+@contextlib.contextmanager
+def _spool(dst: Path, nbytes: int) -> Iterator[np.ndarray | None]:
+    """A scratch file of ``nbytes`` beside DST, mapped as bytes; ``None`` when 0.
+
+    The file is removed when the conversion ends, whatever happens.
+    """
+    if nbytes == 0:
+        yield None
+        return
+    fd, name = tempfile.mkstemp(prefix=f".{dst.name}.spool-", dir=dst.absolute().parent)
+    try:
+        os.ftruncate(fd, nbytes)
+        spool = np.memmap(name, dtype=np.uint8, mode="r+")
+        yield spool
+    finally:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)

@@ -1,0 +1,257 @@
+"""``ckpt inspect``: a checkpoint's values as a table, a tree or JSON, optionally with statistics."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import numpy as np
+
+from ._blocks import Stats, value_blocks
+from ._common import (
+    EXIT_OK,
+    add_quiet,
+    add_selection,
+    open_checkpoint,
+    progress_for,
+    resolve_latest,
+    select,
+    selected,
+)
+from ._library import skipped_values
+from ._output import (
+    dtype_str,
+    dump_json,
+    escape,
+    natural_key,
+    num,
+    plain,
+    shape_str,
+    summary,
+    table,
+)
+from ._progress import human_size
+
+EPILOG = """\
+PATH may be a ckptvar checkpoint (.h5, .zarr) or a foreign one: a TensorFlow
+checkpoint prefix (ckpt-1 for ckpt-1.index), PyTorch .pt/.pth/.bin,
+.safetensors, Keras .weights.h5 or .npz. Nothing is executed while reading.
+
+--stats reads every value in blocks of about a million elements, so memory
+stays small whatever the size; min/max/mean/std cover the finite elements only
+(complex values: their magnitude) and NaN/Inf are counted.
+
+Keys are listed in natural order (vars/2 before vars/10) unless --order stored.
+Values a reader cannot read as numbers (string or compound HDF5 datasets, TF
+string tensors) are listed as skipped, with the reason. --filter and --exclude
+take globs, repeatable (the union of the filters, minus the excludes); a
+selection that matches nothing is an error (exit 2). A manager's directory
+stands for its latest checkpoint (the output says so).
+
+--json prints one object: {"path", "format", "metadata", "variables": [{"key",
+"name", "dtype", "shape", "nbytes", "trainable", "attrs"}, ...], "skipped":
+[{"key", "reason"}, ...]} ("latest_of" names the directory when PATH was one);
+--stats adds "min", "max", "mean", "std", "nan", "inf" (null where there is no
+finite element).
+
+examples:
+  ckpt inspect runs/ckpt-3.h5
+  ckpt inspect runs/                      # the latest checkpoint in runs/
+  ckpt inspect runs/ckpt-3.h5 --tree
+  ckpt inspect tf_ckpt/ckpt-1 --filter 'model/*/kernel' --filter 'model/*/bias' --stats
+  ckpt inspect model.safetensors --exclude '*.bias' --order stored
+  ckpt inspect model.safetensors --json | python -m json.tool
+"""
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``inspect`` on the subparsers ``sub``."""
+    p = sub.add_parser(
+        "inspect",
+        help="list the values of a checkpoint",
+        description="List a checkpoint's values: key, dtype, shape, size, trainable.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "path",
+        metavar="PATH",
+        help="the checkpoint (file, .zarr directory or TF prefix), or a manager's "
+        "directory (its latest checkpoint)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object for scripts")
+    p.add_argument("--stats", action="store_true", help="add min/max/mean/std and NaN/Inf counts")
+    p.add_argument("--tree", action="store_true", help="show the keys as the object-graph tree")
+    add_selection(p)
+    p.add_argument(
+        "--order",
+        choices=("natural", "stored"),
+        default="natural",
+        help="list keys in natural order (vars/2 before vars/10; the default) or as stored",
+    )
+    add_quiet(p)
+    p.set_defaults(func=run)
+
+
+def _record(reader: Any, key: str, *, with_attrs: bool = False) -> dict[str, Any]:
+    info = reader.info(key)
+    attrs = dict(info.attrs or {})
+    trainable = attrs.get("trainable")
+    rec = {
+        "key": key,
+        "name": str(attrs.get("name", key)),
+        "dtype": dtype_str(info.dtype),
+        "shape": [int(d) for d in info.shape],
+        "nbytes": int(info.nbytes),
+        "trainable": bool(trainable) if isinstance(trainable, (bool, np.bool_)) else None,
+    }
+    if with_attrs:
+        rec["attrs"] = attrs
+    return rec
+
+
+def _tree_lines(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The keys as a tree of their segments, leaves annotated with dtype/shape/size.
+
+    Segments are split at ``/`` (object-graph keys); PyTorch-style keys with no ``/``
+    at all (``model.layers.0.weight``) are split at ``.`` instead.
+    """
+    keys = [rec["key"] for rec in records]
+    sep = "." if not any("/" in k for k in keys) and any("." in k for k in keys) else "/"
+    root: dict[str, Any] = {}
+    leaves: dict[int, dict[str, Any]] = {}
+    for rec in records:
+        node = root
+        parts = rec["key"].split(sep)
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):  # a key that is also a prefix of another key
+                child = node[part + sep] = {}
+            node = child
+        node[parts[-1] if parts[-1] not in node else parts[-1] + " "] = id(rec)
+        leaves[id(rec)] = rec
+
+    lines: list[str] = []
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        items = list(node.items())
+        for i, (name, child) in enumerate(items):
+            last = i == len(items) - 1
+            branch = "└── " if last else "├── "
+            if isinstance(child, dict):
+                lines.append(prefix + branch + escape(name))
+                walk(child, prefix + ("    " if last else "│   "))
+            else:
+                rec = leaves[child]
+                detail = f"{rec['dtype']} {shape_str(rec['shape'])} {human_size(rec['nbytes'])}"
+                if rec["trainable"] is False:
+                    detail += ", not trainable"
+                if rec["name"] != rec["key"] and rec["name"] != name:
+                    detail += f", name {escape(repr(rec['name']))}"
+                lines.append(f"{prefix}{branch}{escape(name)}  [{detail}]")
+
+    walk(root, "")
+    return lines
+
+
+#: ckptvar's own formats, whose values are variables; any other file holds "values".
+_OWN_FORMATS = frozenset({"h5", "zarr"})
+
+
+def run(args: argparse.Namespace, out: TextIO) -> int:
+    path, note = resolve_latest(args.path)
+    with open_checkpoint(path) as reader:
+        skipped = {k: v for k, v in skipped_values(reader).items() if selected(k, args)}
+        keys = select(reader, args, where=repr(str(path)), allow_empty=bool(skipped))
+        if args.order == "natural":
+            keys.sort(key=natural_key)
+            skipped = {k: skipped[k] for k in sorted(skipped, key=natural_key)}
+        records = [_record(reader, k, with_attrs=args.json) for k in keys]
+        if args.stats:
+            total = sum(r["nbytes"] for r in records)
+            with progress_for(total, args) as bar:
+                for rec in records:
+                    stats = Stats()
+                    key = rec["key"]
+                    for _, block in value_blocks(reader, key, reader.info(key), bar.bytes_of(key)):
+                        stats.add(block)
+                    bar.update(0, key)
+                    rec.update(stats.as_dict())
+        fmt = str(reader.format)
+        metadata = reader.metadata()
+    noun = "variable" if fmt in _OWN_FORMATS else "value"
+
+    if args.json:
+        doc: dict[str, Any] = {"path": str(path)}
+        if note:
+            doc["latest_of"] = str(args.path)
+        doc.update(
+            format=fmt,
+            metadata=plain(metadata),
+            variables=plain(records),
+            skipped=[{"key": k, "reason": v} for k, v in skipped.items()],
+        )
+        dump_json(doc, out)
+        return EXIT_OK
+
+    if note:
+        print(f"(inspecting {escape(note)})", file=out)
+    print(f"path: {escape(path)}", file=out)
+    print(f"format: {escape(fmt)}", file=out)
+    if metadata:
+        print("metadata:", file=out)
+        for mkey, mval in metadata.items():
+            print(f"  {escape(mkey)}: {summary(mval)}", file=out)
+    print(file=out)
+    if args.tree:
+        for line in _tree_lines(records):
+            print(line, file=out)
+    else:
+        for line in table(_rows(records, args.stats), _right(args.stats)):
+            print(line, file=out)
+        if not records:
+            print(f"(no {noun}s)", file=out)
+    if skipped:
+        print(f"\nskipped (cannot be read as numbers): {len(skipped)}", file=out)
+        for line in table([[escape(k), escape(v)] for k, v in skipped.items()]):
+            print("  " + line, file=out)
+    n = len(records)
+    elements = sum(math.prod(r["shape"]) for r in records)
+    total = sum(r["nbytes"] for r in records)
+    trainable = sum(math.prod(r["shape"]) for r in records if r["trainable"])
+    line = (
+        f"\n{n} {noun}{'s' if n != 1 else ''}, {elements:,} element"
+        f"{'s' if elements != 1 else ''}, {human_size(total)}"
+    )
+    if any(r["trainable"] is not None for r in records):
+        line += f" ({trainable:,} trainable elements)"
+    if skipped:
+        line += f"; {len(skipped)} skipped"
+    print(line, file=out)
+    return EXIT_OK
+
+
+def _right(stats: bool) -> frozenset[int]:
+    return frozenset({3} | (set(range(5, 11)) if stats else set()))
+
+
+def _rows(records: Sequence[dict[str, Any]], stats: bool) -> list[list[str]]:
+    header = ["KEY", "DTYPE", "SHAPE", "SIZE", "TRAINABLE"]
+    if stats:
+        header += ["MIN", "MAX", "MEAN", "STD", "NAN", "INF"]
+    rows = [header]
+    for rec in records:
+        tr = rec["trainable"]
+        row = [
+            escape(rec["key"]),
+            rec["dtype"],
+            shape_str(rec["shape"]),
+            human_size(rec["nbytes"]),
+            "-" if tr is None else ("yes" if tr else "no"),
+        ]
+        if stats:
+            row += [num(rec[f]) for f in ("min", "max", "mean", "std", "nan", "inf")]
+        rows.append(row)
+    return rows
