@@ -229,7 +229,7 @@ def plan_save(layouts: Sequence[Mapping[str, VariableLayout]]) -> SavePlan:
         for key, vl in layout.items():
             holders.setdefault(key, {})[rank] = vl
     load = [0] * size
-    sharded: dict[str, VariablePlan] = {}
+    plans: dict[str, VariablePlan] = {}
     replicated: list[str] = []
     for key in sorted(holders):
         by_rank = holders[key]
@@ -260,7 +260,7 @@ def plan_save(layouts: Sequence[Mapping[str, VariableLayout]]) -> SavePlan:
         isz = _itemsize(first.dtype)
         for it in items:
             load[it.writer] += it.box.size * isz
-        sharded[key] = VariablePlan(
+        plans[key] = VariablePlan(
             key, first.full_shape, first.dtype, False, tuple(items), tuple(sorted(by_rank))
         )
     for key in replicated:
@@ -269,11 +269,11 @@ def plan_save(layouts: Sequence[Mapping[str, VariableLayout]]) -> SavePlan:
         writer = min(sorted(by_rank), key=lambda r: load[r])
         box = Box.full(first.full_shape)
         load[writer] += box.size * _itemsize(first.dtype)
-        items = (WriteItem(key, box, writer, 0),) if box.size else ()
-        sharded[key] = VariablePlan(
-            key, first.full_shape, first.dtype, True, items, tuple(sorted(by_rank))
+        only = (WriteItem(key, box, writer, 0),) if box.size else ()
+        plans[key] = VariablePlan(
+            key, first.full_shape, first.dtype, True, only, tuple(sorted(by_rank))
         )
-    return SavePlan(size, {k: sharded[k] for k in sorted(sharded)})
+    return SavePlan(size, {k: plans[k] for k in sorted(plans)})
 
 
 def _check_tiling(key: str, full_shape: tuple[int, ...], items: Sequence[WriteItem]) -> None:
