@@ -16,7 +16,12 @@ naturally catch, so ``except ValueError`` keeps working::
     ├── CheckpointNotFoundError(CkptError, FileNotFoundError)
     ├── DestinationIsDirectoryError(CkptError, IsADirectoryError)  a save onto a directory not ours
     ├── DestinationExistsError(CkptError, FileExistsError)  a file in the way of a directory save
-    └── MissingKeyError(CkptError, KeyError)               a key that is not in a checkpoint
+    ├── MissingKeyError(CkptError, KeyError)               a key that is not in a checkpoint
+    ├── ShardLayoutError(CkptError, ValueError)            shards that overlap, leave a gap,
+    │                                                      disagree across processes, or a
+    │                                                      restore box no stored slice covers
+    └── DistributedError(CkptError)                        another process failed (names `rank N`)
+        └── DistributedTimeoutError(DistributedError, TimeoutError)  a collective ran past timeout=
 
 Messages say what failed, for which object, expected vs found, and a hint.
 """
@@ -32,9 +37,12 @@ __all__ = [
     "DestinationExistsError",
     "DestinationIsDirectoryError",
     "DeviceError",
+    "DistributedError",
+    "DistributedTimeoutError",
     "MissingKeyError",
     "RestoreAssertionError",
     "ShapeLockError",
+    "ShardLayoutError",
     "UninitializedVariableError",
     "UnsupportedFormatError",
     "VariableScopeError",
@@ -98,3 +106,55 @@ class MissingKeyError(CkptError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message; keep it readable
         return str(self.args[0]) if self.args else ""
+
+
+class ShardLayoutError(CkptError, ValueError):
+    """Slices of one logical variable do not fit together.
+
+    Raised when boxes overlap, fall outside the full shape or leave part of it
+    uncovered, when processes disagree on a variable's full shape or dtype, when
+    replicas of a replicated value differ, or when a restore asks for a region that
+    no stored slice covers (a restore never fills a gap).
+    """
+
+
+class DistributedError(CkptError):
+    """A collective step failed on one or more processes.
+
+    The message names each failing process as ``rank N``; :attr:`ranks` holds
+    their numbers (empty when they are not knowable) and :attr:`failures` maps
+    a rank to the message it reported.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        ranks: tuple[int, ...] = (),
+        failures: dict[int, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+        self.failures = dict(failures or {})
+
+
+class DistributedTimeoutError(DistributedError, TimeoutError):
+    """A collective did not complete within its ``timeout``.
+
+    :attr:`collective` and :attr:`tag` name the step; :attr:`ranks` are the
+    processes that did not arrive, when this process can know them.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        collective: str = "",
+        tag: str = "",
+        timeout: float | None = None,
+        ranks: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__(message, ranks=ranks)
+        self.collective = collective
+        self.tag = tag
+        self.timeout = timeout

@@ -1,0 +1,203 @@
+"""The MPI coordinator (mpi4py), with a timeout on every collective.
+
+MPI collectives cannot time out, so each collective here is built from nonblocking
+point-to-point messages: a process posts ``isend`` to the ranks that need its
+object and polls ``improbe`` for the ranks it needs, sleeping briefly between polls,
+until all have arrived or the deadline passes. It then knows exactly which ranks
+did not arrive, and names them. Each message carries a sequence number, the
+collective's kind and its tag: a late message from an earlier, timed-out collective
+is discarded, and processes that call different collectives raise at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from ..errors import DistributedError, DistributedTimeoutError
+from ._coordinator import DEFAULT_TIMEOUT, Coordinator, Deadline
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+__all__ = ["MPICoordinator"]
+
+#: The MPI message tag of every ckptvar message (on ckptvar's own communicators).
+_MPI_TAG = 0x6376
+
+
+def _import_mpi() -> Any:
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise DistributedError(
+            "the MPI coordinator needs mpi4py and an MPI library: pip install mpi4py mpich"
+        ) from exc
+    return MPI
+
+
+class MPICoordinator(Coordinator):
+    """A coordinator over an mpi4py communicator (``MPI.COMM_WORLD`` by default).
+
+    The communicator is duplicated (with a timeout), so ckptvar's messages never
+    mix with the application's. :meth:`background` duplicates it again.
+    """
+
+    def __init__(
+        self,
+        comm: MPI.Comm | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        _dup: bool = True,
+    ) -> None:
+        super().__init__(timeout=timeout)
+        mpi = _import_mpi()
+        base = mpi.COMM_WORLD if comm is None else comm
+        self._comm = _idup(base, Deadline(self.timeout), mpi) if _dup else base
+        self._rank = int(self._comm.Get_rank())
+        self._size = int(self._comm.Get_size())
+        self._seq = 0
+        self._early: dict[tuple[int, int], tuple[str, str, Any]] = {}
+        self._sends: list[Any] = []
+        self._lock = threading.Lock()
+        self._background: MPICoordinator | None = None
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def comm(self) -> MPI.Comm:
+        """The (duplicated) communicator this coordinator talks on."""
+        return self._comm
+
+    def allgather(self, obj: Any, *, tag: str, timeout: float | None = None) -> list[Any]:
+        others = [r for r in range(self._size) if r != self._rank]
+        got = self._exchange("allgather", tag, obj, others, others, timeout)
+        got[self._rank] = obj
+        return [got[r] for r in range(self._size)]
+
+    def broadcast(self, obj: Any, root: int = 0, *, tag: str, timeout: float | None = None) -> Any:
+        if not 0 <= root < self._size:
+            raise ValueError(f"broadcast root {root} is not a rank of {self._size} processes")
+        if self._rank == root:
+            others = [r for r in range(self._size) if r != root]
+            self._exchange("broadcast", tag, obj, others, [], timeout)
+            return obj
+        return self._exchange("broadcast", tag, None, [], [root], timeout)[root]
+
+    def barrier(self, *, tag: str, timeout: float | None = None) -> None:
+        others = [r for r in range(self._size) if r != self._rank]
+        self._exchange("barrier", tag, None, others, others, timeout)
+
+    def background(self) -> MPICoordinator:
+        with self._lock:
+            if self._background is None:
+                self._background = MPICoordinator(self._comm, timeout=self.timeout)
+            return self._background
+
+    def close(self) -> None:
+        """Forget pending sends; the duplicated communicators are left to MPI_Finalize."""
+        self._closed = True
+        self._sends.clear()
+        if self._background is not None:
+            self._background.close()
+
+    # -- the one primitive -----------------------------------------------------------
+
+    def _exchange(
+        self,
+        kind: str,
+        tag: str,
+        obj: Any,
+        send_to: list[int],
+        recv_from: list[int],
+        timeout: float | None,
+    ) -> dict[int, Any]:
+        if self._closed:
+            raise DistributedError(
+                f"{kind}(tag={tag!r}) on a closed coordinator (rank {self._rank})"
+            )
+        deadline = Deadline(self._resolve(timeout))
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            message = (seq, kind, tag, obj)
+            self._sends = [r for r in self._sends if not r.Test()]
+            for dest in send_to:
+                self._sends.append(self._comm.isend(message, dest=dest, tag=_MPI_TAG))
+            got: dict[int, Any] = {}
+            missing = list(recv_from)
+            while missing:
+                progressed = False
+                for src in list(missing):
+                    found = self._take(src, seq)
+                    if found is None:
+                        continue
+                    s_kind, s_tag, payload = found
+                    if s_kind != kind or s_tag != tag:
+                        raise DistributedError(
+                            f"rank {src} called {s_kind}(tag={s_tag!r}) while rank {self._rank} "
+                            f"called {kind}(tag={tag!r}): the processes are running different "
+                            "collective steps",
+                            ranks=(src,),
+                        )
+                    got[src] = payload
+                    missing.remove(src)
+                    progressed = True
+                if not missing:
+                    break
+                if deadline.expired():
+                    raise DistributedTimeoutError(
+                        f"{kind}(tag={tag!r}) timed out after {deadline.timeout:g} s on rank "
+                        f"{self._rank}: nothing arrived from "
+                        + ", ".join(f"rank {r}" for r in sorted(missing)),
+                        collective=kind,
+                        tag=tag,
+                        timeout=deadline.timeout,
+                        ranks=tuple(sorted(missing)),
+                    )
+                if progressed:
+                    deadline.reset_backoff()
+                else:
+                    deadline.pause()
+            return got
+
+    def _take(self, src: int, seq: int) -> tuple[str, str, Any] | None:
+        """The message of step ``seq`` from ``src`` if it has arrived; drops stale ones."""
+        early = self._early.pop((src, seq), None)
+        if early is not None:
+            return early
+        while True:
+            msg = self._comm.improbe(source=src, tag=_MPI_TAG)
+            if msg is None:
+                return None
+            s_seq, s_kind, s_tag, payload = msg.recv()
+            if s_seq == seq:
+                return s_kind, s_tag, payload
+            if s_seq > seq:  # the sender is ahead of us (we timed out less quickly)
+                self._early[(src, s_seq)] = (s_kind, s_tag, payload)
+                return None
+            # s_seq < seq: a late message of a collective that already timed out here
+
+
+def _idup(comm: Any, deadline: Deadline, mpi: Any) -> Any:
+    """``comm.Idup()`` waited for at most until ``deadline``."""
+    new, request = comm.Idup()
+    while not request.Test():
+        if deadline.expired():
+            raise DistributedTimeoutError(
+                f"duplicating the communicator (MPI_Comm_idup) timed out after "
+                f"{deadline.timeout:g} s on rank {comm.Get_rank()}: not every process "
+                "created its coordinator",
+                collective="comm_dup",
+                tag="",
+                timeout=deadline.timeout,
+            )
+        deadline.pause()
+    return new

@@ -1,0 +1,76 @@
+"""The jax.distributed coordinator on real processes (a coordination service on 127.0.0.1).
+
+tests/mpi/jax_launch.py starts N fresh ``python coordinator_cases.py`` processes that
+call ``jax.distributed.initialize``; they run the same cases as the MPI tests. A
+killed rank is not run here: the survivors do raise ``DistributedTimeoutError``
+naming it (checked by hand), but jax's own shutdown at exit then waits for the dead
+task (see docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptvar.distributed import MPI_ENV_VARS
+
+LAUNCH = Path(__file__).parent / "mpi" / "jax_launch.py"
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("jax") is None,
+    reason="jax is not installed (pip install 'ckptvar[test]' installs it)",
+)
+
+
+def test_jax_coordinator_collectives_vote_timeout_and_planning() -> None:
+    n, timeout = 3, 2.0
+    cases = ["collectives", "vote_raises", "mismatch", "plan", "slow"]
+    with tempfile.TemporaryDirectory(prefix="ckptvar-jax-") as result_dir:
+        env = {k: v for k, v in os.environ.items() if k not in MPI_ENV_VARS}
+        env.update(RESULT_DIR=result_dir, LAUNCH_TIMEOUT="90", CASE_TIMEOUT=str(timeout))
+        try:
+            proc = subprocess.run(
+                [sys.executable, str(LAUNCH), str(n), *cases],
+                capture_output=True,
+                text=True,
+                timeout=150,
+                env=env,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"the jax launch hung:\n{exc.stdout}\n{exc.stderr}")
+        got: dict[str, dict[int, dict[str, Any]]] = {}
+        for path in Path(result_dir).glob("rank*.jsonl"):
+            for line in path.read_text(encoding="utf-8").splitlines():
+                r = json.loads(line)
+                got.setdefault(r["case"], {})[r["rank"]] = r
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for case in cases:
+        assert sorted(got.get(case, {})) == list(range(n)), (case, proc.stdout, proc.stderr)
+    for r in got["collectives"].values():
+        assert r["engine"] == "JaxCoordinator"  # from_env picked the initialised client
+        assert r["gathered"] == [{"rank": i, "sq": i * i} for i in range(n)]
+        assert r["from_root"] == f"hello from {n - 1}"
+        assert r["bg"] == [[i + 100 * k for i in range(n)] for k in range(5)]
+    for r in got["vote_raises"].values():
+        assert r["error"] == "DistributedError" and r["ranks"] == [1]
+        assert "rank 1: OSError: disk full while writing shard 1" in r["message"]
+    for r in got["mismatch"].values():
+        assert "running different collective steps" in r["message"]
+    for r in got["plan"].values():
+        assert r["same"] and r["second_tags"] == ["plan:digests"]
+    for rank in (0, 1):
+        r = got["slow"][rank]
+        assert r["is_timeout"] and r["ranks"] == [2]
+        assert "nothing arrived from rank 2" in r["message"]
+        assert timeout <= r["elapsed"] < timeout + 2.0
+    for r in got["slow"].values():
+        assert r["vote"]["error"] == "DistributedError" and r["vote"]["ranks"] == [0, 1]

@@ -1,0 +1,304 @@
+"""The planner of a multi-process save and the resharding math of a restore (pure; no I/O).
+
+Property tests: random box partitions of 1-3 dim arrays (uneven, zero-size boxes),
+saved by N ranks and restored by M ranks (N, M in 1..4), with replicated values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ckptvar.distributed import (
+    Box,
+    PlanCache,
+    SingleProcessCoordinator,
+    VariableLayout,
+    check_replicas,
+    gather_plan,
+    layout_digest,
+    plan_save,
+    read_plan,
+)
+from ckptvar.errors import CkptError, ShardLayoutError
+
+# -- strategies ---------------------------------------------------------------------
+
+
+@st.composite
+def partition_of(draw: st.DrawFn, shape: tuple[int, ...]) -> list[Box]:
+    """A random guillotine partition of ``shape`` (cuts at 0 or the end give zero-size boxes)."""
+    boxes = [Box.full(shape)]
+    for _ in range(draw(st.integers(0, 6))):
+        i = draw(st.integers(0, len(boxes) - 1))
+        box = boxes[i]
+        axis = draw(st.integers(0, len(shape) - 1))
+        cut = draw(st.integers(0, box.shape[axis]))
+        lo = list(box.shape)
+        lo[axis] = cut
+        off = list(box.offset)
+        off[axis] += cut
+        hi = list(box.shape)
+        hi[axis] -= cut
+        boxes[i : i + 1] = [Box(box.offset, tuple(lo)), Box(tuple(off), tuple(hi))]
+    return boxes
+
+
+@st.composite
+def partitions(draw: st.DrawFn, max_dims: int = 3) -> tuple[tuple[int, ...], list[Box]]:
+    """A full shape of 1-3 dims and a random partition of it."""
+    shape = tuple(draw(st.integers(0, 7)) for _ in range(draw(st.integers(1, max_dims))))
+    return shape, draw(partition_of(shape))
+
+
+def assign(draw: st.DrawFn, boxes: list[Box], n: int) -> list[list[Box]]:
+    owners = [draw(st.integers(0, n - 1)) for _ in boxes]
+    return [[b for b, o in zip(boxes, owners) if o == r] for r in range(n)]
+
+
+# -- Box ----------------------------------------------------------------------------
+
+
+def test_box_basics() -> None:
+    a = Box((1, 2), (3, 4))
+    assert a.stop == (4, 6)
+    assert a.size == 12
+    assert a.slices() == (slice(1, 4), slice(2, 6))
+    assert a.intersect(Box((3, 0), (5, 3))) == Box((3, 2), (1, 1))
+    assert a.intersect(Box((4, 0), (1, 9))) is None  # touching edges share nothing
+    assert Box((2, 3), (1, 1)).relative(a) == (slice(1, 2), slice(1, 2))
+    assert str(a) == "[1:4, 2:6]"
+    assert Box((), ()).size == 1  # a scalar is one element
+    with pytest.raises(ShardLayoutError, match="negative"):
+        Box((-1,), (2,))
+    with pytest.raises(ShardLayoutError, match="numbers of axes"):
+        Box((0,), (2, 2))
+
+
+# -- plan_save: valid layouts -----------------------------------------------------------
+
+
+def test_two_ranks_and_a_replicated_value() -> None:
+    layouts = [
+        {
+            "w": VariableLayout((6, 2), "float32", [Box((0, 0), (4, 2))]),
+            "b": VariableLayout((3,), "float64"),
+        },
+        {
+            "w": VariableLayout((6, 2), "float32", [Box((4, 0), (2, 2))]),
+            "b": VariableLayout((3,), "float64"),
+        },
+    ]
+    plan = plan_save(layouts)
+    assert [(i.key, i.box) for i in plan.writes_for(0)] == [("w", Box((0, 0), (4, 2)))]
+    # rank 1 writes fewer shard bytes, so it gets the replicated value
+    assert [(i.key, i.box) for i in plan.writes_for(1)] == [
+        ("b", Box((0,), (3,))),
+        ("w", Box((4, 0), (2, 2))),
+    ]
+    assert plan.bytes_per_rank() == [32, 16 + 24]
+    assert plan.variables["b"].replicated and plan.variables["b"].holders == (0, 1)
+
+
+def test_zero_size_shards_and_variables_are_valid() -> None:
+    layouts = [
+        {"w": VariableLayout((3,), "int8", [Box((0,), (3,)), Box((3,), (0,))])},
+        {"w": VariableLayout((3,), "int8", [Box((1,), (0,))]), "e": VariableLayout((0, 4), "f4")},
+    ]
+    plan = plan_save(layouts)
+    assert [i.box for i in plan.variables["w"].items] == [Box((0,), (3,))]
+    assert plan.variables["e"].items == ()  # nothing to write, but the variable is planned
+    assert plan.writes_for(1) == ()
+
+
+def test_a_rank_may_hold_several_boxes() -> None:
+    layouts = [{"t": VariableLayout((4,), "f4", [Box((2,), (2,)), Box((0,), (2,))])}]
+    items = plan_save(layouts).writes_for(0)
+    assert [(i.box.offset, i.local_index) for i in items] == [((0,), 1), ((2,), 0)]
+
+
+# -- plan_save: invalid layouts name the variable and the ranks --------------------------
+
+
+@pytest.mark.parametrize(
+    ("layouts", "match"),
+    [
+        (
+            [
+                {"w": VariableLayout((4,), "f4", [Box((0,), (3,))])},
+                {"w": VariableLayout((4,), "f4", [Box((2,), (2,))])},
+            ],
+            r"'w': rank 0's box \[0:3\] overlaps rank 1's box \[2:4\]",
+        ),
+        (
+            [
+                {"w": VariableLayout((4,), "f4", [Box((0,), (1,))])},
+                {"w": VariableLayout((4,), "f4", [Box((2,), (2,))])},
+            ],
+            r"'w': the shards cover 3 of the 4 elements .* \[1:2\] is in no box",
+        ),
+        (
+            [{"w": VariableLayout((4,), "f4", [Box((3,), (2,))])}],
+            r"'w': rank 0's box \[3:5\] .* lies outside its full shape \(4,\)",
+        ),
+        (
+            [
+                {"w": VariableLayout((4,), "f4", [Box((0,), (2,))])},
+                {"w": VariableLayout((5,), "f4", [Box((2,), (3,))])},
+            ],
+            r"'w': the processes disagree on its full shape: \(4,\) on rank 0; \(5,\) on rank 1",
+        ),
+        (
+            [
+                {"w": VariableLayout((4,), "f4", [Box((0,), (4,))])},
+                {"w": VariableLayout((4,), "f8", [])},
+            ],
+            r"'w': the processes disagree on its dtype: f4 on rank 0; f8 on rank 1",
+        ),
+        (
+            [
+                {"w": VariableLayout((4,), "f4", [Box((0,), (4,))])},
+                {"w": VariableLayout((4,), "f4")},
+            ],
+            r"'w': .*kind: sharded on rank 0; replicated \(no shard\) on rank 1",
+        ),
+    ],
+    ids=["overlap", "gap", "outside", "shape", "dtype", "mixed"],
+)
+def test_bad_layouts_are_refused(layouts: list[dict[str, VariableLayout]], match: str) -> None:
+    with pytest.raises(ShardLayoutError, match=match) as info:
+        plan_save(layouts)
+    assert isinstance(info.value, CkptError) and isinstance(info.value, ValueError)
+
+
+def test_replicas_that_differ_name_the_variable_and_ranks() -> None:
+    layouts = [{"b": VariableLayout((2,), "f4")} for _ in range(3)]
+    plan = plan_save(layouts)
+    check_replicas(plan, [{"b": 5}, {"b": 5}, {"b": 5}])
+    with pytest.raises(
+        ShardLayoutError,
+        match=r"'b' .* replicas differ: checksum 5 on rank 0, "
+        r"rank 2; checksum 6 on rank 1",
+    ):
+        check_replicas(plan, [{"b": 5}, {"b": 6}, {"b": 5}])
+
+
+# -- the plan cache and gather_plan (one process) ----------------------------------------
+
+
+def test_plan_cache_skips_the_layout_gather() -> None:
+    class Counting(SingleProcessCoordinator):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tags: list[str] = []
+
+        def allgather(self, obj, *, tag, timeout=None):  # type: ignore[no-untyped-def]
+            self.tags.append(tag)
+            return super().allgather(obj, tag=tag, timeout=timeout)
+
+    coord = Counting()
+    cache = PlanCache(maxsize=2)
+    layout = {"w": VariableLayout((2,), "f4", [Box((0,), (2,))])}
+    p1 = gather_plan(coord, layout, cache=cache)
+    p2 = gather_plan(coord, layout, cache=cache)
+    assert p1 is p2
+    assert coord.tags == ["plan:digests", "plan:layouts", "plan:digests"]
+    other = {"w": VariableLayout((3,), "f4", [Box((0,), (3,))])}
+    assert layout_digest(other) != layout_digest(layout)
+    gather_plan(coord, other, cache=cache)
+    assert coord.tags[-2:] == ["plan:digests", "plan:layouts"]
+    assert len(cache) == 2
+
+
+# -- read_plan --------------------------------------------------------------------------
+
+
+def test_read_plan_copies_each_overlap_once() -> None:
+    stored = [Box((0, 0), (2, 4)), Box((2, 0), (3, 4))]
+    items = read_plan("w", Box((1, 1), (3, 2)), stored, (5, 4))
+    assert [(i.source, i.source_slices, i.dest_slices) for i in items] == [
+        (0, (slice(1, 2), slice(1, 3)), (slice(0, 1), slice(0, 2))),
+        (1, (slice(0, 2), slice(1, 3)), (slice(1, 3), slice(0, 2))),
+    ]
+
+
+def test_read_plan_never_fills_a_gap() -> None:
+    with pytest.raises(
+        ShardLayoutError,
+        match=r"'w': the stored slices cover 2 of the 4 .*"
+        r"\[2:4\] is in no stored box; a restore never fills a gap",
+    ):
+        read_plan("w", Box((0,), (4,)), [Box((0,), (2,))], (4,))
+    with pytest.raises(ShardLayoutError, match="outside the stored full shape"):
+        read_plan("w", Box((3,), (2,)), [Box((0,), (4,))], (4,))
+    with pytest.raises(ShardLayoutError, match="overlap"):
+        read_plan("w", Box((0,), (4,)), [Box((0,), (3,)), Box((2,), (2,))], (4,))
+
+
+# -- properties: N ranks save, M ranks restore --------------------------------------------
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_save_n_restore_m_is_exact(data: st.DataObject) -> None:
+    shape, stored_boxes = data.draw(partitions())
+    n = data.draw(st.integers(1, 4), label="N")
+    m = data.draw(st.integers(1, 4), label="M")
+    full = np.arange(math.prod(shape), dtype=np.int32).reshape(shape)
+    held = assign(data.draw, stored_boxes, n)
+    replicated_on = sorted(set(data.draw(st.lists(st.integers(0, n - 1), min_size=1))))
+    layouts = [
+        {"w": VariableLayout(shape, "int32", held[r])}
+        | ({"b": VariableLayout((3,), "int32")} if r in replicated_on else {})
+        for r in range(n)
+    ]
+    plan = plan_save(layouts)
+    # each element is written exactly once, by the rank that holds it
+    written = np.zeros(shape, dtype=np.int64)
+    stored: list[tuple[Box, np.ndarray]] = []
+    for rank in range(n):
+        for item in plan.writes_for(rank):
+            if item.key == "w":
+                assert item.box == held[rank][item.local_index]
+                written[item.box.slices()] += 1
+                stored.append((item.box, full[item.box.slices()].copy()))
+    assert (written == 1).all()
+    b_writers = [i.writer for i in plan.variables["b"].items]
+    assert len(b_writers) == 1 and b_writers[0] in replicated_on
+    # M ranks restore their own partition of the same array
+    target_boxes = data.draw(partition_of(shape), label="targets")
+    for rank_boxes in assign(data.draw, target_boxes, m):
+        for target in rank_boxes:
+            out = np.full(target.shape, -1, dtype=np.int32)
+            items = read_plan("w", target, [b for b, _ in stored], shape)
+            assert sum(i.box.size for i in items) == target.size  # bytes read == bytes needed
+            for it in items:
+                out[it.dest_slices] = stored[it.source][1][it.source_slices]
+            np.testing.assert_array_equal(out, full[target.slices()])
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_a_missing_or_doubled_box_is_always_caught(data: st.DataObject) -> None:
+    shape, boxes = data.draw(partitions())
+    nonempty = [b for b in boxes if b.size]
+    if not nonempty:
+        return
+    n = data.draw(st.integers(1, 4))
+    victim = data.draw(st.sampled_from(nonempty))
+    if data.draw(st.booleans()):  # drop one box: a gap
+        broken = [b for b in boxes if b is not victim]
+        match = "cover"
+    else:  # hand one box to two ranks: an overlap
+        broken = [*boxes, victim]
+        match = "overlaps"
+    held = assign(data.draw, broken, n)
+    with pytest.raises(ShardLayoutError, match=match):
+        plan_save([{"w": VariableLayout(shape, "f4", held[r])} for r in range(n)])
+    if match == "cover":
+        with pytest.raises(ShardLayoutError, match="never fills"):
+            read_plan("w", Box.full(shape), broken, shape)

@@ -1,0 +1,115 @@
+"""The torch.distributed coordinator on real processes (gloo, ``init_method=file://``).
+
+tests/mpi/torch_launch.py imports torch once and forks the ranks; each runs the
+same cases as the MPI tests (tests/mpi/coordinator_cases.py). Every launch has a
+subprocess timeout, so no test can hang.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptvar.distributed import MPI_ENV_VARS
+
+LAUNCH = Path(__file__).parent / "mpi" / "torch_launch.py"
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None,
+    reason="PyTorch is not installed (pip install 'ckptvar[test]' installs it)",
+)
+
+
+def read_results(result_dir: Path) -> dict[str, dict[int, dict[str, Any]]]:
+    """The JSON lines each rank wrote to ``result_dir``, by case, then by rank."""
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for path in sorted(result_dir.glob("rank*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            r = json.loads(line)
+            out.setdefault(r["case"], {})[r["rank"]] = r
+    return out
+
+
+def launch(
+    n: int, *cases: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], dict[str, dict[int, dict[str, Any]]]]:
+    """Run ``torch_launch.py n cases...`` with a hard timeout: (process, results by case/rank)."""
+    with tempfile.TemporaryDirectory(prefix="ckptvar-torch-") as result_dir:
+        full_env = {k: v for k, v in os.environ.items() if k not in MPI_ENV_VARS}
+        full_env.update(env or {}, RESULT_DIR=result_dir, LAUNCH_TIMEOUT="90")
+        try:
+            proc = subprocess.run(
+                [sys.executable, str(LAUNCH), str(n), *cases],
+                capture_output=True,
+                text=True,
+                timeout=150,
+                env=full_env,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"the torch launch hung:\n{exc.stdout}\n{exc.stderr}")
+        return proc, read_results(Path(result_dir))
+
+
+TIMEOUT = 2.0
+N = 3
+
+
+@pytest.fixture(scope="module")
+def torch_run() -> tuple[subprocess.CompletedProcess[str], dict[str, dict[int, dict[str, Any]]]]:
+    """One launch of 3 ranks running every case; ``killed`` (rank 1 SIGKILLs itself) is last."""
+    return launch(
+        N,
+        "collectives",
+        "vote_raises",
+        "mismatch",
+        "plan",
+        "slow",
+        "killed",
+        env={"CASE_TIMEOUT": str(TIMEOUT)},
+    )
+
+
+def test_torch_coordinator_collectives_vote_timeout_and_planning(torch_run: Any) -> None:
+    proc, got = torch_run
+    for case in ("collectives", "vote_raises", "mismatch", "plan", "slow"):
+        assert sorted(got.get(case, {})) == list(range(N)), (case, proc.stdout, proc.stderr)
+    for r in got["collectives"].values():
+        assert r["engine"] == "TorchCoordinator"  # from_env picked the initialised group
+        assert r["gathered"] == [{"rank": i, "sq": i * i} for i in range(N)]
+        assert r["from_root"] == f"hello from {N - 1}"
+        assert r["fg"] == [[-i - k for i in range(N)] for k in range(5)]
+        assert r["bg"] == [[i + 100 * k for i in range(N)] for k in range(5)]
+    for r in got["vote_raises"].values():
+        assert r["error"] == "DistributedError" and r["ranks"] == [1]
+        assert "rank 1: OSError: disk full while writing shard 1" in r["message"]
+    for r in got["mismatch"].values():
+        assert "running different collective steps" in r["message"]
+    for r in got["plan"].values():
+        assert r["same"] and r["second_tags"] == ["plan:digests"]
+        assert r["bad"]["error"] == "ShardLayoutError"
+    for rank in (0, 1):
+        r = got["slow"][rank]
+        assert r["is_timeout"] and r["ranks"] == [2]
+        assert "nothing arrived from rank 2" in r["message"]
+        assert TIMEOUT <= r["elapsed"] < TIMEOUT + 2.0
+    for r in got["slow"].values():
+        assert r["vote"]["error"] == "DistributedError" and r["vote"]["ranks"] == [0, 1]
+
+
+def test_torch_rank_killed_with_sigkill_survivors_raise_a_timeout(torch_run: Any) -> None:
+    proc, got = torch_run
+    assert "LAUNCH exit codes 0 -9 0" in proc.stdout, proc.stdout + proc.stderr
+    assert sorted(got["killed"]) == [0, 2]  # nothing ends the survivors: they time out
+    for r in got["killed"].values():
+        assert r["is_timeout"] and r["ranks"] == [1]
+        assert "nothing arrived from rank 1" in r["message"]
+        assert TIMEOUT <= r["elapsed"] < TIMEOUT + 2.0
