@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import CorruptCheckpointError
+
 __all__ = [
     "IOV_MAX",
     "IO_THREADS",
@@ -31,6 +33,7 @@ __all__ = [
     "cached",
     "pread_exact",
     "pread_into",
+    "pread_into_exact",
     "preadv_all",
     "pwrite_all",
     "pwrite_flushing",
@@ -307,9 +310,40 @@ def pread_into(fd: int, buf: memoryview, offset: int) -> int:
     return done
 
 
-def pread_exact(fd: int, n: int, offset: int) -> bytes | None:
-    """``n`` bytes at ``offset``, or None if the file ends first."""
-    buf = bytearray(n)
-    if pread_into(fd, memoryview(buf), offset) != n:
-        return None
-    return bytes(buf)
+def pread_exact(fd: int, offset: int, size: int, *, what: str, path: Any) -> bytes:
+    """Exactly ``size`` bytes at ``offset``; a short read means ``what`` in ``path`` is
+    truncated (``CorruptCheckpointError``, as is a negative range).
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryFile() as f:
+    ...     _ = f.write(b"hello"); f.flush()
+    ...     pread_exact(f.fileno(), 1, 3, what="the data", path="f")
+    b'ell'
+    """
+    if offset < 0 or size < 0:
+        raise CorruptCheckpointError(f"{what} in {str(path)!r}: invalid byte range "
+                                     f"({size} bytes at offset {offset}).")
+    chunks = []
+    got = 0
+    while got < size:
+        chunk = os.pread(fd, min(size - got, _MAX_IO), offset + got)
+        if not chunk:
+            raise _truncated(what, path, size, offset, got)
+        chunks.append(chunk)
+        got += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def pread_into_exact(fd: int, buf: memoryview, offset: int, *, what: str, path: Any) -> None:
+    """Fill all of ``buf`` from ``offset`` (no intermediate copy); a short read means
+    ``what`` in ``path`` is truncated (``CorruptCheckpointError``)."""
+    if offset < 0:
+        raise CorruptCheckpointError(f"{what} in {str(path)!r}: negative offset {offset}.")
+    got = pread_into(fd, buf, offset)
+    if got != len(buf):
+        raise _truncated(what, path, len(buf), offset, got)
+
+
+def _truncated(what: str, path: Any, size: int, offset: int, got: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{what} in {str(path)!r} is truncated: wanted {size} bytes at offset "
+                    f"{offset}, the file ended after {got}.")

@@ -13,7 +13,7 @@ dims, sizes that do not overflow, packed values inside the blob and not
 overlapping). Every violation is a :class:`CorruptCheckpointError` naming the
 file and the key.
 
->>> rec = Record(container="h5", values={"w": Entry("float32", (2,), 7, {}, ("packed", 0, 8))},
+>>> rec = Record(container="h5", values={"w": Entry("float32", (2,), 7, {}, Location.packed(0))},
 ...              packed=("_ckptvar/packed", 512, 64))
 >>> back = decode(encode(rec), "f.h5", container="h5")
 >>> back.values["w"].shape, back.values["w"].nbytes, back.format_version
@@ -29,7 +29,7 @@ import operator
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import chain, compress
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -46,6 +46,7 @@ __all__ = [
     "MAX_RECORD_NBYTES",
     "Columns",
     "Entry",
+    "Location",
     "Record",
     "check_plain",
     "decode",
@@ -70,22 +71,47 @@ _SCALAR_TYPES = frozenset({str, int, float, bool, bytes, type(None)})
 _COLUMNS = ("keys", "dtypes", "shapes", "checksums", "layouts", "paths", "offsets")
 
 
+class Location(NamedTuple):
+    """Where a value's bytes are.
+
+    ``kind`` is ``"array"`` for a value stored as its own array at container ``path``
+    (``offset``: absolute in an HDF5 file, 0 in a Zarr chunk), ``"packed"`` for a value
+    inside ``_ckptvar/packed`` (``offset`` in the blob; ``path`` is None), or ``"zarr"``
+    for a compressed Zarr array at ``path``, read through zarr.
+    """
+
+    kind: str
+    path: str | None
+    offset: int
+
+    @classmethod
+    def packed(cls, offset: int) -> Location:
+        return cls(PACKED, None, offset)
+
+    @classmethod
+    def array(cls, path: str, offset: int) -> Location:
+        return cls(ARRAY, path, offset)
+
+    @classmethod
+    def zarr(cls, path: str) -> Location:
+        return cls(ZARR, path, 0)
+
+
+#: The kinds of :class:`Location`.
+PACKED, ARRAY, ZARR = "packed", "array", "zarr"
+
+
 @dataclass(slots=True)
 class Entry:
-    """One value: dtype name, shape, checksum, writer attrs and where its bytes are.
-
-    ``loc`` is ``("array", container_path, byte_offset)`` for a value stored as its
-    own array (``byte_offset`` is absolute in an HDF5 file, 0 in a Zarr chunk),
-    ``("packed", offset, nbytes)`` for a value inside ``_ckptvar/packed``, or
-    ``("zarr", container_path)`` for a compressed Zarr array read through zarr.
-    Treat it as immutable (``dataclasses.replace`` makes a changed copy).
-    """
+    """One value: dtype name, shape, checksum, writer attrs and where its bytes are
+    (:class:`Location`). Treat it as immutable (``dataclasses.replace`` makes a changed
+    copy)."""
 
     dtype: str
     shape: tuple[int, ...]
     checksum: int
     attrs: Mapping[str, Any]
-    loc: tuple[Any, ...]
+    loc: Location
     _nbytes: int = field(default=-1, init=False, repr=False, compare=False)
 
     @property
@@ -152,15 +178,14 @@ def encode_columns(
     dtypes: list[str],
     shapes: list[tuple[int, ...]],
     checksums: list[int],
-    locs: list[tuple[Any, ...]],
+    locs: list[Location],
     attrs: list[Mapping[str, Any]],
     metadata: Mapping[str, Any],
 ) -> bytes:
     """The msgpack bytes of a record given as per-value lists (``locs`` as in :class:`Entry`)."""
-    layouts = [loc[0] for loc in locs]
-    paths = [None if loc[0] == "packed" else loc[1] for loc in locs]
-    offsets = [loc[1] if loc[0] == "packed" else loc[2] if loc[0] == "array" else 0
-               for loc in locs]
+    layouts = [loc.kind for loc in locs]
+    paths = [loc.path for loc in locs]
+    offsets = [loc.offset for loc in locs]
     dense, sparse = _split_attrs(keys, attrs)
     doc = {
         "format": FORMAT_NAME,
@@ -357,10 +382,7 @@ def _validate(doc: Any, container: str, file_size: int | None) -> Record:
     nb = np.array(nbytes, np.int64)
     pk = np.array(is_packed, bool)
     _check_packed(keys, pk, off, nb, packed_nbytes)
-    locs = [
-        ("packed", o, b) if p else ("array", q, o) if lay == "array" else ("zarr", q)
-        for p, lay, q, o, b in zip(is_packed, layouts, paths, offsets, nbytes, strict=True)
-    ]
+    locs = list(map(Location._make, zip(layouts, paths, offsets, strict=True)))
     shape_tuples = map(tuple, shapes)
     entries = list(map(Entry, dtypes, shape_tuples, checksums, attrs, locs))
     for e, b in zip(entries, nbytes, strict=True):

@@ -26,21 +26,27 @@ import errno
 import json
 import os
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
-from .._dtypes import SUPPORTED_DTYPES
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from . import _checksum, _rawio, register_backend
 from ._atomic import fsync_all
-from ._h5 import NATIVE_TYPES, _other_reader, check_regions
-from ._native import PACKED_PATH, NativeReader, NativeWriter, WriteItem, write_packed
-from ._native import scalar_attrs
+from ._container import (
+    PACKED_PATH,
+    ContainerReader,
+    ContainerWriter,
+    Source,
+    WriteItem,
+    WritePlan,
+    scalar_attrs,
+    storage_dtype,
+    write_packed,
+)
 from ._paths import RESERVED_PREFIX
-from ._record import FORMAT_VERSION, MAX_RECORD_NBYTES, Entry, Record, decode
+from ._record import FORMAT_VERSION, MAX_RECORD_NBYTES, PACKED, Entry, Location, Record, decode
 from .base import Backend
 
 __all__ = ["RECORD_PATH", "ZarrBackend", "ZarrReader", "ZarrWriter", "chunk_key"]
@@ -59,13 +65,6 @@ def chunk_key(ndim: int) -> str:
     array's ``zarr.json`` (no ``c/0/`` directories to create: one directory per array).
     """
     return ".".join(["c"] + ["0"] * ndim)
-
-
-def _storage_dtype(name: str) -> np.dtype:
-    dt = SUPPORTED_DTYPES[name]
-    if name not in NATIVE_TYPES:
-        return np.dtype(f"<u{dt.itemsize}")
-    return dt
 
 
 def _fill(dt: np.dtype) -> Any:
@@ -123,7 +122,7 @@ def _write_file(path: Path, data: Any, sync: list[Path] | None, *, replace: bool
         sync.append(path)
 
 
-class ZarrWriter(NativeWriter):
+class ZarrWriter(ContainerWriter):
     """Writes one ``.zarr`` directory (see the module docstring)."""
 
     container = "zarr"
@@ -152,19 +151,13 @@ class ZarrWriter(NativeWriter):
         self.compression_level = compression_level
         super().__init__(path, **options)
 
-    def _array_loc(self, it: WriteItem) -> tuple[Any, ...]:
+    def _array_loc(self, it: WriteItem) -> Location:
         if self.compression is not None:
-            return ("zarr", it.path)
-        return ("array", it.path, 0)
+            return Location.zarr(it.path)
+        return Location.array(it.path, 0)
 
-    def _write(
-        self,
-        tmp: Path,
-        arrays: list[WriteItem],
-        packed: list[WriteItem],
-        packed_nbytes: int,
-        wait_hashes: Callable[[], None],
-    ) -> None:
+    def _write(self, tmp: Path, plan: WritePlan) -> None:
+        arrays, packed, packed_nbytes = plan.arrays, plan.packed, plan.packed_nbytes
         sync: list[Path] | None = [] if self.durable else None
         dirs: list[Path] = [tmp]
         tmp.mkdir()
@@ -239,11 +232,11 @@ class ZarrWriter(NativeWriter):
                     _rawio.start_writeback(fd, 0, packed_nbytes)
 
             _write_file(chunk_file(pd, 1), packed_bytes, sync)
-        wait_hashes()
+        plan.wait_hashes()
         # 2. metadata that needs the checksums
         for it, d in zip(arrays, arr_dirs, strict=True):
             assert d is not None
-            sdt = _storage_dtype(it.dtype)
+            sdt = storage_dtype(it.dtype)
             if raw:
                 meta = array_meta(it.shape, sdt, scalar_attrs(it))
                 _write_file(d / "zarr.json", json.dumps(meta).encode(), sync)
@@ -337,7 +330,8 @@ def _read_root_meta(root_fd: int, path: Any) -> dict[str, Any] | None:
     except OSError as exc:
         raise CorruptCheckpointError(f"{str(path)!r}: cannot open zarr.json ({exc}).") from None
     try:
-        data = _rawio.pread_exact(fd, min(os.fstat(fd).st_size, _MAX_JSON + 1), 0) or b""
+        data = _rawio.pread_exact(fd, 0, min(os.fstat(fd).st_size, _MAX_JSON + 1),
+                                  what="The root zarr.json", path=path)
     finally:
         os.close(fd)
     if len(data) > _MAX_JSON:
@@ -369,7 +363,7 @@ def _raise_if_deleted(root_fd: int, path: Path) -> None:
         )
 
 
-class ZarrReader(NativeReader):
+class ZarrReader(ContainerReader):
     """Reads a ckptvar ``.zarr`` directory through its record and chunk files."""
 
     format = "zarr"
@@ -429,7 +423,7 @@ class ZarrReader(NativeReader):
             ) from None
         try:
             size = os.fstat(fd).st_size
-            data = _rawio.pread_exact(fd, n, 0) if size == n else None
+            data = _rawio.pread_exact(fd, 0, n, what="The root record", path=path) if size == n else None
         finally:
             os.close(fd)
         if data is None or _checksum.crc(data) != crc:
@@ -438,14 +432,12 @@ class ZarrReader(NativeReader):
                 f"(expected {n} bytes); the checkpoint is damaged."
             )
         record = decode(data, path, container="zarr")  # packed values: in the blob, no overlap
-        paths = sorted(e.loc[1] for e in record.values.values() if e.loc[0] != "packed")
+        paths = sorted(e.loc.path or "" for e in record.values.values() if e.loc.kind != PACKED)
         for a, b in zip(paths, paths[1:], strict=False):
             if b == a or b.startswith(a + "/"):
                 raise CorruptCheckpointError(
                     f"Checkpoint {str(path)!r}: two values claim the container path {a!r}."
                 )
-        if record.packed is not None:
-            check_regions([(record.packed[1], record.packed[2], "the packed values")], path, None)
         return record
 
     def _open_chunk(self, key: str, rel: str, nbytes: int) -> int:
@@ -465,11 +457,11 @@ class ZarrReader(NativeReader):
             raise self._corrupt(key, f"has a chunk of {size} bytes, expected {nbytes} ({rel!r})")
         return fd
 
-    def _open_array(self, key: str, entry: Entry) -> tuple[int, int, bool]:
-        rel = f"{entry.loc[1]}/{chunk_key(len(entry.shape))}"
+    def _open_array(self, key: str, entry: Entry) -> Source:
+        rel = f"{entry.loc.path}/{chunk_key(len(entry.shape))}"
         if entry.nbytes == 0:
-            return self._open_in_dir(key, entry.loc[1]), 0, True
-        return self._open_chunk(key, rel, entry.nbytes), 0, True
+            return Source(self._open_in_dir(key, entry.loc.path or ""), 0, True)
+        return Source(self._open_chunk(key, rel, entry.nbytes), 0, True)
 
     def _open_in_dir(self, key: str, rel: str) -> int:
         try:
@@ -490,7 +482,7 @@ class ZarrReader(NativeReader):
         import zarr
         from zarr.storage import LocalStore
 
-        rel = entry.loc[1]
+        rel = entry.loc.path or ""
         if entry.nbytes:
             fd = _open_in(self._root_fd, rel, directory=True)
             os.close(fd)
@@ -503,7 +495,7 @@ class ZarrReader(NativeReader):
             data = np.asarray(arr[...])
         except Exception as exc:  # noqa: BLE001 - any decoding failure is damage
             raise self._corrupt(key, f"cannot be decoded ({type(exc).__name__}: {exc})") from None
-        sdt = _storage_dtype(entry.dtype)
+        sdt = storage_dtype(entry.dtype)
         if data.shape != entry.shape or data.dtype != sdt:
             raise self._corrupt(
                 key, f"is stored as {data.dtype}{data.shape}, the record says {sdt}{entry.shape}"
@@ -520,10 +512,8 @@ class ZarrReader(NativeReader):
         super().close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # best effort at interpreter exit
             self.close()
-        except Exception:  # noqa: BLE001, S110 - best effort
-            pass
 
 
 class ZarrBackend(Backend):
@@ -532,6 +522,7 @@ class ZarrBackend(Backend):
     name: ClassVar[str] = "zarr"
     suffixes: ClassVar[tuple[str, ...]] = (".zarr",)
     can_write: ClassVar[bool] = True
+    hands_over_unrecognised: ClassVar[bool] = True
 
     @classmethod
     def sniff(cls, path: Path) -> bool:
@@ -557,9 +548,6 @@ class ZarrBackend(Backend):
                     f"Checkpoint {str(path)!r} holds a ckptvar record ({RECORD_PATH}) but its "
                     "root zarr.json is damaged or missing; the checkpoint is damaged."
                 )
-            other = _other_reader(cls, path)
-            if other is not None:
-                return other  # type: ignore[no-any-return]
             if not path.exists():  # pruned while we looked at it
                 raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.")
             raise UnsupportedFormatError(

@@ -1,0 +1,306 @@
+"""Many values of one container at once: windowed read-ahead, bulk verify, scatter reads.
+
+Owns: :func:`read_many` (values read in windows of about ``_WINDOW`` bytes on the
+I/O threads, the next window read while this one is handed out; packed values
+from one read of the packed blob), :func:`verify_many` (packed values hashed in
+place through one read-only map) and :func:`read_into_many` (packed values
+scattered into their buffers by ``preadv``). The reader's own single-value
+paths (:mod:`.reader`) handle what none of these speed up.
+"""
+
+from __future__ import annotations
+
+import mmap
+import operator
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import crc32c as _crc32c
+import numpy as np
+
+from ...errors import CorruptCheckpointError
+from .. import _checksum, _rawio
+from .._record import ARRAY, PACKED, Entry
+from .transfer import PARALLEL_FROM, Transfer, TransferValue
+
+if TYPE_CHECKING:
+    from .reader import ContainerReader
+
+__all__ = ["read_into_many", "read_many", "verify_many"]
+
+#: ``read_many`` reads this many bytes ahead of what it has yielded.
+_WINDOW = 256 << 20
+#: ``read_into_many`` reads across gaps up to this size between packed values.
+_MAX_GAP = 32 << 20
+
+
+@dataclass(slots=True)
+class _Window:
+    """A run of values read ahead together: the large ones land in ``big``."""
+
+    items: list[tuple[str, Entry]]
+    big: dict[str, np.ndarray]
+    transfer: Transfer
+
+
+@dataclass(slots=True)
+class _PackedBlob:
+    """The part of the packed blob that holds the requested packed values."""
+
+    data: np.ndarray
+    start: int  # offset of ``data[0]`` inside the blob
+
+    def value(self, e: Entry) -> np.ndarray:
+        at = e.loc.offset - self.start
+        return self.data[at : at + e.nbytes]
+
+
+def _truncated(reader: ContainerReader, got: int, want: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"Checkpoint {str(reader.path)!r}: the packed values are truncated "
+        f"({got} of {want} bytes present)."
+    )
+
+
+def _windows(items: list[tuple[str, Entry]], blob: _PackedBlob | None) -> list[list[tuple[str, Entry]]]:
+    """Runs of values holding about ``_WINDOW`` bytes not already in ``blob``."""
+    windows: list[list[tuple[str, Entry]]] = []
+    cur: list[tuple[str, Entry]] = []
+    size = 0
+    for key, e in items:
+        cur.append((key, e))
+        if not (blob is not None and e.loc.kind == PACKED):
+            size += e.nbytes
+        if size >= _WINDOW:
+            windows.append(cur)
+            cur, size = [], 0
+    if cur:
+        windows.append(cur)
+    return windows
+
+
+def read_many(
+    reader: ContainerReader, keys: list[str], verify: bool
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(key, value)`` in order, each verified before it is yielded.
+
+    Packed values come from one read of the packed blob (when they make up most of
+    it) and are returned as aligned views into that buffer.
+    """
+    entry = reader._entry
+    items = [(k, entry(k)) for k in keys]
+    blob = _read_packed_span(reader, [e for _, e in items])
+    yield from _read_windows(reader, _windows(items, blob), blob, verify)
+
+
+def _read_windows(
+    reader: ContainerReader,
+    windows: list[list[tuple[str, Entry]]],
+    blob: _PackedBlob | None,
+    verify: bool,
+) -> Iterator[tuple[str, np.ndarray]]:
+    def launch(items: list[tuple[str, Entry]]) -> _Window:
+        values = []
+        for k, e in items:
+            if reader._parallel(e) and not (blob is not None and e.loc.kind == PACKED):
+                reader._check_source(k, e)
+                values.append(TransferValue(k, e, np.empty(e.shape, e.np_dtype)))
+        transfer = Transfer(reader, values, verify, ahead=True)
+        return _Window(items, {v.key: v.dest for v in values if v.dest is not None}, transfer)
+
+    crc = _crc32c.crc32c
+    queue: deque[_Window] = deque()
+    it = iter(windows)
+    try:
+        first = next(it, None)
+        if first is not None:
+            queue.append(launch(first))
+        while queue:
+            # From the page cache, the next window is read while this one is finished
+            # and handed out; from disk, one window at a time (one sequential stream),
+            # the next one starting as soon as this one is in.
+            if not queue[0].transfer.sequential and len(queue) < 2:
+                nxt = next(it, None)
+                if nxt is not None:
+                    queue.append(launch(nxt))
+            window = queue[0]
+            window.transfer.finish()
+            if window.transfer.sequential and len(queue) < 2:
+                nxt = next(it, None)
+                if nxt is not None:
+                    queue.append(launch(nxt))
+            for key, e in window.items:
+                arr = window.big.get(key)
+                if arr is None and blob is not None and e.loc.kind == PACKED:
+                    raw = blob.value(e)
+                    if verify:
+                        got = crc(raw, _checksum.header_crc(key, e.dtype, e.shape))
+                        if got != e.checksum:
+                            reader._compare(key, e, got)
+                    arr = (
+                        raw.view(e.np_dtype).reshape(e.shape)
+                        if e.nbytes
+                        else np.empty(e.shape, e.np_dtype)
+                    )
+                elif arr is None:
+                    arr = reader.read(key, verify=verify)
+                yield key, arr
+            queue.popleft()
+            # Hold nothing of this window past here, so a consumer that drops each
+            # value (a GPU load) keeps at most two windows alive, not three.
+            window = arr = None  # type: ignore[assignment]
+    finally:
+        for w in queue:
+            w.transfer.abandon()
+
+
+def _read_packed_span(reader: ContainerReader, entries: list[Entry]) -> _PackedBlob | None:
+    """One read of the part of the packed blob ``entries`` use, when they fill most of it."""
+    locs = [(e.loc.offset, e.nbytes) for e in entries if e.loc.kind == PACKED]
+    if len(locs) < 2:
+        return None
+    lo = min(start for start, _ in locs)
+    hi = max(start + n for start, n in locs)
+    want = sum(n for _, n in locs)
+    if hi - lo > 2 * want + (1 << 20):
+        return None
+    fd, base = reader._packed_source()
+    data = np.empty(hi - lo, np.uint8)
+    got = _rawio.pread_into(fd, memoryview(data), base + lo)
+    if got != hi - lo:
+        raise _truncated(reader, got, hi - lo)
+    return _PackedBlob(data, lo)
+
+
+def verify_many(reader: ContainerReader, keys: Iterable[str]) -> None:
+    """Raise ``CorruptCheckpointError`` for the first damaged value among ``keys``.
+
+    Packed values are hashed in place through one read-only map of the packed blob
+    (no copy, no per-value system call); large values in pieces on the I/O threads;
+    the rest one by one (:meth:`ContainerReader.verify`).
+    """
+    entry = reader._entry
+    packed: list[tuple[str, Entry]] = []
+    big: list[TransferValue] = []
+    for k, e in [(k, entry(k)) for k in keys]:
+        kind = e.loc.kind
+        if kind == PACKED and e.nbytes:
+            packed.append((k, e))
+        elif kind == ARRAY and e.nbytes >= PARALLEL_FROM:
+            big.append(TransferValue(k, e, None))
+        else:
+            reader.verify(k)
+    if big:
+        Transfer(reader, big, True).finish()
+    if not packed:
+        return
+    fd, base = reader._packed_source()
+    hi = base + max(e.loc.offset + e.nbytes for _, e in packed)
+    crc = _crc32c.crc32c
+    seed = _checksum.header_crc
+    mm = reader._map(fd)
+    try:
+        with memoryview(mm) as mv:
+            if hi > len(mv):
+                raise _truncated(reader, len(mv) - base, hi - base)
+            for key, e in packed:
+                start = base + e.loc.offset
+                got = crc(mv[start : start + e.nbytes], seed(key, e.dtype, e.shape))
+                if got != e.checksum:
+                    reader._compare(key, e, got)
+    finally:
+        if isinstance(mm, mmap.mmap):
+            mm.close()
+
+
+@dataclass(slots=True)
+class _Scatter:
+    """A packed value to be read into ``out``, sorted by its offset in the blob."""
+
+    offset: int
+    key: str
+    entry: Entry
+    out: np.ndarray
+
+
+def read_into_many(
+    reader: ContainerReader, pairs: list[tuple[str, np.ndarray]], verify: bool
+) -> None:
+    """Read each ``(key, out)`` value into ``out`` (same shape and dtype, C-contiguous).
+
+    Packed values are scattered straight into their buffers by ``preadv`` (one call per
+    run of up to ``IOV_MAX`` buffers). With ``verify`` each value is checked after it
+    is read, so on damage some buffers already hold new bytes: verify first
+    (:func:`verify_many`) when that matters.
+    """
+    entry = reader._entry
+    packed: list[_Scatter] = []
+    big: list[TransferValue] = []
+    for key, out in pairs:
+        e = entry(key)
+        out = reader._dest(key, e, out)
+        if e.loc.kind == PACKED and e.nbytes:
+            packed.append(_Scatter(e.loc.offset, key, e, out))
+        elif reader._parallel(e):
+            big.append(TransferValue(key, e, out))
+        else:
+            reader.read(key, out=out, verify=verify)
+    if big:
+        Transfer(reader, big, verify).finish()
+    if not packed:
+        return
+    packed.sort(key=operator.attrgetter("offset"))
+    fd, base = reader._packed_source()
+    scratch = np.empty(_MAX_GAP, np.uint8)  # skips bytes no key asked for
+    i = 0
+    while i < len(packed):
+        j, start, end, bufs = _next_run(packed, i, scratch)
+        if j == i:  # an overlapping duplicate: read it on its own
+            s = packed[i]
+            reader.read(s.key, out=s.out, verify=verify)
+            i += 1
+            continue
+        got = _rawio.preadv_all(fd, bufs, base + start)
+        if got != end - start:
+            raise _truncated(reader, got, end - start)
+        if verify:
+            _check_run(reader, packed[i:j])
+        i = j
+
+
+def _next_run(
+    packed: list[_Scatter], i: int, scratch: np.ndarray
+) -> tuple[int, int, int, list[Any]]:
+    """``(j, start, end, bufs)``: values ``packed[i:j]`` filled by one ``preadv`` of
+    ``[start, end)``, gaps between them read into ``scratch``."""
+    start = pos = packed[i].offset
+    bufs: list[Any] = []
+    j = i
+    while j < len(packed) and len(bufs) < _rawio.IOV_MAX - 1:
+        s = packed[j]
+        off = s.offset
+        if off < pos:  # two keys on one range: read it apart
+            break
+        gap = off - pos
+        if gap > scratch.size:
+            if bufs:
+                break
+            start = pos = off
+            gap = 0
+        if gap:
+            bufs.append(scratch[:gap])
+        bufs.append(s.out)
+        pos = off + s.entry.nbytes
+        j += 1
+    return j, start, pos, bufs
+
+
+def _check_run(reader: ContainerReader, run: list[_Scatter]) -> None:
+    crc = _crc32c.crc32c
+    for s in run:
+        e = s.entry
+        got = crc(s.out, _checksum.header_crc(s.key, e.dtype, e.shape))
+        if got != e.checksum:
+            reader._compare(s.key, e, got)
