@@ -44,7 +44,8 @@ def test_good_record_decodes() -> None:
 def test_encode_decode_round_trip_keeps_attrs_and_locations() -> None:
     values = {
         "a": Entry("float32", (2,), 1, {"name": "a", "trainable": True}, Location.packed(0)),
-        "b": Entry("bfloat16", (), 2, {"name": "b", "extra": [1, {"k": None}]}, Location.packed(64)),
+        "b": Entry("bfloat16", (), 2, {"name": "b", "extra": [1, {"k": None}]},
+                   Location.packed(64)),
         "c": Entry("int64", (0, 4), 3, {}, Location.array("c", 4096)),
     }
     rec = Record(container="h5", values=values, metadata={"m": 1},

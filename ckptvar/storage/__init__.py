@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import CheckpointNotFoundError, UnsupportedFormatError
+from ._gc import paused_gc
 from ._rawio import snapshot
-from ._record import paused_gc
 from .base import (
     ArrayInfo,
     Backend,
@@ -113,7 +113,7 @@ def _claimant(chosen: type[Backend], path: Path) -> type[Backend] | None:
             continue
         try:
             ok = cls.sniff(path)
-        except Exception:  # noqa: BLE001 - a sniffer that fails just does not claim the file
+        except Exception:  # a sniffer that fails just does not claim the file
             ok = False
         if ok:
             return cls
@@ -136,7 +136,8 @@ def _has_sidecars(path: Path) -> bool:
 
 
 def _register_builtin() -> None:
-    from . import _h5, _zarr, foreign  # noqa: F401 - each registers its backends on import
+    # After register_backend exists: each of these registers its backends on import.
+    from . import _h5, _zarr, foreign  # noqa: F401, PLC0415
 
 
 _register_builtin()

@@ -139,7 +139,7 @@ def combine(crc1: int, crc2: int, len2: int) -> int:
 def header(key: str, dtype_name: str, shape: Iterable[int]) -> bytes:
     """The bytes that bind a checksum to ``key``, ``dtype_name`` and ``shape``."""
     dims = ",".join(str(int(d)) for d in shape)
-    return f"{key}\0{dtype_name}\0{dims}\0".encode("utf-8")
+    return f"{key}\0{dtype_name}\0{dims}\0".encode()
 
 
 _TAILS: dict[tuple[str, tuple[int, ...]], bytes] = {}

@@ -23,6 +23,7 @@ that recognises it (Keras, generic HDF5), and this backend refuses it.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import re
 import struct
@@ -38,6 +39,7 @@ from ._container import (
     ContainerReader,
     ContainerWriter,
     Source,
+    ValueRanges,
     WriteItem,
     WritePlan,
     check_regions,
@@ -49,7 +51,7 @@ from ._paths import RESERVED_PREFIX
 from ._record import ARRAY, FORMAT_VERSION, MAX_RECORD_NBYTES, PACKED, Entry, Record, decode
 from .base import Backend
 
-__all__ = ["H5Backend", "H5Reader", "H5Writer", "USERBLOCK_SIZE", "read_userblock"]
+__all__ = ["USERBLOCK_SIZE", "H5Backend", "H5Reader", "H5Writer", "read_userblock"]
 
 USERBLOCK_SIZE = 512
 #: First 12 bytes of a ckptvar HDF5 file (the HDF5 superblock follows at byte 512).
@@ -78,68 +80,21 @@ class H5Writer(ContainerWriter):
             raise _as_oserror(exc, tmp) from exc
 
     def _write_h5(self, tmp: Path, plan: WritePlan) -> None:
-        from h5py import h5d, h5f, h5p, h5s, h5t  # noqa: PLC0415 - h5py loads only to write
-
-        arrays, packed, packed_nbytes = plan.arrays, plan.packed, plan.packed_nbytes
-
-        name = os.fsencode(tmp)
-        fapl = h5p.create(h5p.FILE_ACCESS)
-        fapl.set_fclose_degree(h5f.CLOSE_STRONG)
-        fcpl = h5p.create(h5p.FILE_CREATE)
-        fcpl.set_userblock(USERBLOCK_SIZE)
-        dcpl = h5p.create(h5p.DATASET_CREATE)
-        dcpl.set_layout(h5d.CONTIGUOUS)
-        dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
-        dcpl.set_fill_time(h5d.FILL_TIME_NEVER)
-        lcpl = h5p.create(h5p.LINK_CREATE)
-        lcpl.set_create_intermediate_group(True)
-        lcpl.set_char_encoding(h5t.CSET_UTF8)
-        types: dict[str, Any] = {}
-
-        def create(path: str, dtype_name: str | None, shape: tuple[int, ...]) -> int:
-            if dtype_name is None:
-                tid = h5t.py_create(np.dtype("u1"))
-            else:
-                tid = types.get(dtype_name)
-                if tid is None:
-                    tid = types[dtype_name] = h5t.py_create(storage_dtype(dtype_name))
-            space = h5s.create_simple(shape) if shape else h5s.create(h5s.SCALAR)
-            dsid = h5d.create(fid, path.encode(), tid, space, dcpl=dcpl, lcpl=lcpl)
-            off = dsid.get_offset()
-            _close(dsid)
-            return int(off) if off is not None else 0
-
         # libhdf5 writes only metadata: every value's bytes, the record's included, are
         # written by us with pwrite. A raw-data write of libhdf5's own would be flushed
         # inside H5Dclose, and a close that fails there (disk full) leaves a dangling id
         # that crashes the process in libhdf5's exit handler.
+        h5 = _H5File(os.fsencode(tmp))
         # 1. structure
-        fid = h5f.create(name, h5f.ACC_TRUNC, fcpl=fcpl, fapl=fapl)
-        try:
-            for it in arrays:
-                it.offset = create(it.path, it.dtype, it.shape)
-            packed_off = create(PACKED_PATH, None, (packed_nbytes,)) if packed else 0
-        finally:
-            fid.close()
+        packed_off = h5.create_structure(plan)
         fd = os.open(tmp, os.O_WRONLY)
         try:
             # 2. bytes, straight from the buffers, hashed on the checksum thread meanwhile
-            write = _rawio.pwrite_flushing if self.durable else _rawio.pwrite_all
-            for it in arrays:
-                if it.nbytes:
-                    write(fd, it.view, it.offset)
-            if packed:
-                write_packed(fd, packed, packed_off)
-                if self.durable:
-                    _rawio.start_writeback(fd, packed_off, packed_nbytes)
+            self._write_bytes(fd, plan, packed_off)
             plan.wait_hashes()
             # 3. attributes and the root record, through h5py
-            record = self._encode_record((PACKED_PATH, packed_off, packed_nbytes))
-            fid = h5f.open(name, h5f.ACC_RDWR, fapl=fapl)
-            try:
-                record_off = self._finish_h5(fid, arrays, record, dcpl, lcpl)
-            finally:
-                fid.close()
+            record = self._encode_record((PACKED_PATH, packed_off, plan.packed_nbytes))
+            record_off = h5.finish(plan.arrays, len(record))
             # 4. the record's bytes, then the user block that leads a reader to them
             if record:
                 _rawio.pwrite_all(fd, memoryview(record), record_off)
@@ -149,25 +104,83 @@ class H5Writer(ContainerWriter):
         finally:
             os.close(fd)
 
-    @staticmethod
-    def _finish_h5(fid: Any, arrays: list[WriteItem], record: bytes, dcpl: Any, lcpl: Any) -> int:
-        import h5py  # noqa: PLC0415 - h5py loads only to write
-        from h5py import h5d, h5s, h5t  # noqa: PLC0415
+    def _write_bytes(self, fd: int, plan: WritePlan, packed_off: int) -> None:
+        write = _rawio.pwrite_flushing if self.durable else _rawio.pwrite_all
+        for it in plan.arrays:
+            if it.nbytes:
+                write(fd, it.view, it.offset)
+        if plan.packed:
+            write_packed(fd, plan.packed, packed_off)
+            if self.durable:
+                _rawio.start_writeback(fd, packed_off, plan.packed_nbytes)
 
-        for it in arrays:
-            ds = h5py.Dataset(h5d.open(fid, it.path.encode()))
-            attrs = ds.attrs
-            for k, v in scalar_attrs(it).items():
-                attrs[k] = np.array(v, np.uint32) if k == "checksum" else v
-            _close(ds.id)
-        # Allocated here, written by the caller with pwrite like every value: libhdf5's
-        # own raw-data writes are flushed inside H5Dclose, where a failure is fatal.
-        space = h5s.create_simple((len(record),))
-        dsid = h5d.create(fid, MANIFEST_PATH.encode(), h5t.py_create(np.dtype("u1")), space,
-                          dcpl=dcpl, lcpl=lcpl)
+
+def _h5py() -> Any:
+    """h5py, loaded on the first write (reading never calls libhdf5)."""
+    return importlib.import_module("h5py")
+
+
+class _H5File:
+    """The HDF5 side of a write: datasets allocated early, attributes, the manifest."""
+
+    def __init__(self, name: bytes) -> None:
+        h5py = self.h5py = _h5py()
+        h5d, h5f, h5p, h5t = h5py.h5d, h5py.h5f, h5py.h5p, h5py.h5t
+        self.name = name
+        self.fapl = h5p.create(h5p.FILE_ACCESS)
+        self.fapl.set_fclose_degree(h5f.CLOSE_STRONG)
+        self.fcpl = h5p.create(h5p.FILE_CREATE)
+        self.fcpl.set_userblock(USERBLOCK_SIZE)
+        self.dcpl = h5p.create(h5p.DATASET_CREATE)
+        self.dcpl.set_layout(h5d.CONTIGUOUS)
+        self.dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
+        self.dcpl.set_fill_time(h5d.FILL_TIME_NEVER)
+        self.lcpl = h5p.create(h5p.LINK_CREATE)
+        self.lcpl.set_create_intermediate_group(True)
+        self.lcpl.set_char_encoding(h5t.CSET_UTF8)
+        self.types: dict[np.dtype, Any] = {}
+
+    def _create(self, fid: Any, path: str, dtype: np.dtype, shape: tuple[int, ...]) -> int:
+        """Allocate a contiguous dataset, never filled; its byte offset in the file."""
+        h5d, h5s, h5t = self.h5py.h5d, self.h5py.h5s, self.h5py.h5t
+        tid = self.types.get(dtype)
+        if tid is None:
+            tid = self.types[dtype] = h5t.py_create(dtype)
+        space = h5s.create_simple(shape) if shape else h5s.create(h5s.SCALAR)
+        dsid = h5d.create(fid, path.encode(), tid, space, dcpl=self.dcpl, lcpl=self.lcpl)
         off = dsid.get_offset()
         _close(dsid)
-        return int(off)
+        return int(off) if off is not None else 0
+
+    def create_structure(self, plan: WritePlan) -> int:
+        """Create the file with every dataset; sets each array's offset, returns the blob's."""
+        h5f = self.h5py.h5f
+        fid = h5f.create(self.name, h5f.ACC_TRUNC, fcpl=self.fcpl, fapl=self.fapl)
+        try:
+            for it in plan.arrays:
+                it.offset = self._create(fid, it.path, storage_dtype(it.dtype), it.shape)
+            if not plan.packed:
+                return 0
+            return self._create(fid, PACKED_PATH, np.dtype("u1"), (plan.packed_nbytes,))
+        finally:
+            fid.close()
+
+    def finish(self, arrays: list[WriteItem], record_nbytes: int) -> int:
+        """Put each array's attributes on its dataset and allocate the manifest dataset
+        (written by the caller with pwrite like every value: libhdf5's own raw-data
+        writes are flushed inside H5Dclose, where a failure is fatal); its offset."""
+        h5py = self.h5py
+        fid = h5py.h5f.open(self.name, h5py.h5f.ACC_RDWR, fapl=self.fapl)
+        try:
+            for it in arrays:
+                ds = h5py.Dataset(h5py.h5d.open(fid, it.path.encode()))
+                attrs = ds.attrs
+                for k, v in scalar_attrs(it).items():
+                    attrs[k] = np.array(v, np.uint32) if k == "checksum" else v
+                _close(ds.id)
+            return self._create(fid, MANIFEST_PATH, np.dtype("u1"), (record_nbytes,))
+        finally:
+            fid.close()
 
 
 def _close(oid: Any) -> None:
@@ -304,7 +317,7 @@ def _check_h5_regions(record: Record, path: Any, size: int, record_region: tuple
         own = np.flatnonzero(~cols.packed)
         keys = [cols.keys[i] for i in own.tolist()]
         starts, sizes = cols.offsets[own], cols.nbytes[own]
-    check_regions(fixed, path, size, starts=starts, sizes=sizes, keys=keys)
+    check_regions(fixed, path, size, ValueRanges(starts, sizes, keys))
 
 
 class H5Backend(Backend):

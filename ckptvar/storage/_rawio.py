@@ -13,6 +13,7 @@ does everything on the calling thread.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import sys
@@ -65,18 +66,36 @@ def _io_threads() -> int:
 #: Threads that read and hash pieces of large values at once.
 IO_THREADS = _io_threads()
 
-_executor: ThreadPoolExecutor | None = None
-_io_pool: ThreadPoolExecutor | None = None
-_executor_lock = threading.Lock()
+class _Pools:
+    """The checksum thread and the I/O threads, started on first use."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.checksum: ThreadPoolExecutor | None = None
+        self.io: ThreadPoolExecutor | None = None
+
+    def forget(self) -> None:  # a forked child has the pools' objects but not their threads
+        self.checksum = self.io = None
+
+    def io_pool(self) -> ThreadPoolExecutor:
+        if self.io is None:
+            with self.lock:
+                if self.io is None:
+                    self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="ckptvar-io")
+        return self.io
+
+    def checksum_pool(self) -> ThreadPoolExecutor:
+        if self.checksum is None:
+            with self.lock:
+                if self.checksum is None:
+                    self.checksum = ThreadPoolExecutor(max_workers=1,
+                                                       thread_name_prefix="ckptvar-crc")
+        return self.checksum
 
 
-def _forget_pools() -> None:  # a forked child has the pools' objects but not their threads
-    global _executor, _io_pool
-    _executor = _io_pool = None
-
-
+_pools = _Pools()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pools)
+    os.register_at_fork(after_in_child=_pools.forget)
 
 
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)
@@ -100,24 +119,20 @@ def start_all(tasks: Sequence[Callable[[], Any]], *, background: bool = False) -
 
     With one thread, or one task and not ``background``, they run here, in order.
     """
-    global _io_pool
     if IO_THREADS == 1 or (len(tasks) <= 1 and not background):
         done: list[Future[Any]] = []
         for task in tasks:
             f: Future[Any] = Future()
             try:
                 f.set_result(task())
-            except BaseException as exc:  # noqa: BLE001 - handed to wait_all, which raises it
+            except BaseException as exc:  # handed to wait_all, which raises it
                 f.set_exception(exc)
             done.append(f)
             if f.exception() is not None:
                 break
         return done
-    if _io_pool is None:
-        with _executor_lock:
-            if _io_pool is None:
-                _io_pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="ckptvar-io")
-    return [_io_pool.submit(task) for task in tasks]
+    pool = _pools.io_pool()
+    return [pool.submit(task) for task in tasks]
 
 
 def wait_all(futures: Sequence[Future[Any]]) -> list[Any]:
@@ -142,12 +157,7 @@ def wait_all(futures: Sequence[Future[Any]]) -> list[Any]:
 
 def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
     """Run ``fn(*args)`` on the shared checksum thread (tasks run in submission order)."""
-    global _executor
-    if _executor is None:
-        with _executor_lock:
-            if _executor is None:
-                _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptvar-crc")
-    return _executor.submit(fn, *args)
+    return _pools.checksum_pool().submit(fn, *args)
 
 
 _COPY_PIECE = 8 << 20
@@ -184,7 +194,7 @@ def byte_view(arr: np.ndarray) -> memoryview:
     """A flat ``uint8`` memoryview of a C-contiguous array's bytes (no copy)."""
     if arr.size == 0:
         return memoryview(b"")
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return arr.reshape(-1).view(np.uint8).data
 
 
 def pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
@@ -194,13 +204,11 @@ def pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
         done += os.pwrite(fd, buf[done : done + _MAX_IO], offset + done)
 
 
-def _sync_file_range() -> Callable[[int, int, int], Any] | None:
+def _sync_file_range() -> Callable[[int, int, int, int], Any] | None:
     """libc's ``sync_file_range`` (Linux), or None."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        import ctypes
-
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):
         return None
@@ -256,8 +264,8 @@ def pwritev_all(fd: int, bufs: Sequence[Any], offset: int) -> int:
         got = os.pwritev(fd, batch, offset + total)
         if got < want:  # short write: finish this batch piece by piece
             pos = got
-            for b in batch:
-                b = _bytes_of(b)
+            for buf in batch:
+                b = _bytes_of(buf)
                 if pos >= len(b):
                     pos -= len(b)
                     continue
@@ -283,8 +291,8 @@ def preadv_all(fd: int, bufs: Sequence[Any], offset: int) -> int:
         if got < want:  # short read: finish this batch piece by piece
             pos = got
             done = got
-            for b in batch:
-                b = _bytes_of(b)
+            for buf in batch:
+                b = _bytes_of(buf)
                 if pos >= len(b):
                     pos -= len(b)
                     continue
@@ -345,5 +353,7 @@ def pread_into_exact(fd: int, buf: memoryview, offset: int, *, what: str, path: 
 
 
 def _truncated(what: str, path: Any, size: int, offset: int, got: int) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{what} in {str(path)!r} is truncated: wanted {size} bytes at offset "
-                    f"{offset}, the file ended after {got}.")
+    return CorruptCheckpointError(
+        f"{what} in {str(path)!r} is truncated: wanted {size} bytes at offset {offset}, "
+        f"the file ended after {got}."
+    )

@@ -78,7 +78,9 @@ def expand_index(index: Any, ndim: int, *, name: str = "the array") -> tuple[Any
     return idx
 
 
-def element_span(index: Any, shape: tuple[int, ...], *, name: str = "the array") -> ElementSpan | None:
+def element_span(
+    index: Any, shape: tuple[int, ...], *, name: str = "the array"
+) -> ElementSpan | None:
     """The contiguous run of elements ``index`` touches in a C-order array of ``shape``.
 
     ``None`` for advanced indexing or a 0-d array. Raises ``IndexError`` for an

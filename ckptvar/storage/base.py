@@ -50,6 +50,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
+from ..errors import UnsupportedFormatError
+
 __all__ = [
     "ArrayInfo",
     "Backend",
@@ -180,7 +182,7 @@ class Reader(Mapping[str, LazyArray], abc.ABC):
         """Raise ``CorruptCheckpointError`` if ``key``'s bytes do not match its checksum."""
         self.read(key, verify=True)
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:  # optional hook: nothing to release by default
         """Release file handles."""
 
     def __enter__(self) -> Reader:
@@ -291,6 +293,4 @@ class Backend(abc.ABC):
 
     @classmethod
     def open_writer(cls, path: Path, **options: Any) -> Writer:
-        from ..errors import UnsupportedFormatError
-
         raise UnsupportedFormatError(f"The {cls.name} format is read-only in ckptvar.")

@@ -20,6 +20,7 @@ from .layout import (
     PACKED_PATH,
     PLAIN_DTYPES,
     Source,
+    ValueRanges,
     check_regions,
     storage_dtype,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "ContainerReader",
     "ContainerWriter",
     "Source",
+    "ValueRanges",
     "WriteItem",
     "WritePlan",
     "check_regions",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import mmap
 import operator
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 __all__ = ["read_into_many", "read_many", "verify_many"]
 
+#: CRC-32C straight over any C-contiguous buffer (arrays included), no wrapper per value.
+_crc: Callable[[Any, int], int] = _crc32c.crc32c
 #: ``read_many`` reads this many bytes ahead of what it has yielded.
 _WINDOW = 256 << 20
 #: ``read_into_many`` reads across gaps up to this size between packed values.
@@ -64,7 +66,9 @@ def _truncated(reader: ContainerReader, got: int, want: int) -> CorruptCheckpoin
     )
 
 
-def _windows(items: list[tuple[str, Entry]], blob: _PackedBlob | None) -> list[list[tuple[str, Entry]]]:
+def _windows(
+    items: list[tuple[str, Entry]], blob: _PackedBlob | None
+) -> list[list[tuple[str, Entry]]]:
     """Runs of values holding about ``_WINDOW`` bytes not already in ``blob``."""
     windows: list[list[tuple[str, Entry]]] = []
     cur: list[tuple[str, Entry]] = []
@@ -95,55 +99,61 @@ def read_many(
     yield from _read_windows(reader, _windows(items, blob), blob, verify)
 
 
+def _launch(
+    reader: ContainerReader, items: list[tuple[str, Entry]], blob: _PackedBlob | None, verify: bool
+) -> _Window:
+    """Start reading a window's large values (those not in ``blob``) on the I/O threads."""
+    values = []
+    for k, e in items:
+        if reader._parallel(e) and not (blob is not None and e.loc.kind == PACKED):
+            reader._check_source(k, e)
+            values.append(TransferValue(k, e, np.empty(e.shape, e.np_dtype)))
+    transfer = Transfer(reader, values, verify, ahead=True)
+    return _Window(items, {v.key: v.dest for v in values if v.dest is not None}, transfer)
+
+
+def _from_blob(
+    reader: ContainerReader, blob: _PackedBlob, key: str, e: Entry, verify: bool
+) -> np.ndarray:
+    """A packed value as an aligned view into ``blob``, verified first when asked."""
+    raw = blob.value(e)
+    if verify:
+        got = _crc(raw, _checksum.header_crc(key, e.dtype, e.shape))
+        if got != e.checksum:
+            reader._compare(key, e, got)
+    return raw.view(e.np_dtype).reshape(e.shape) if e.nbytes else np.empty(e.shape, e.np_dtype)
+
+
 def _read_windows(
     reader: ContainerReader,
     windows: list[list[tuple[str, Entry]]],
     blob: _PackedBlob | None,
     verify: bool,
 ) -> Iterator[tuple[str, np.ndarray]]:
-    def launch(items: list[tuple[str, Entry]]) -> _Window:
-        values = []
-        for k, e in items:
-            if reader._parallel(e) and not (blob is not None and e.loc.kind == PACKED):
-                reader._check_source(k, e)
-                values.append(TransferValue(k, e, np.empty(e.shape, e.np_dtype)))
-        transfer = Transfer(reader, values, verify, ahead=True)
-        return _Window(items, {v.key: v.dest for v in values if v.dest is not None}, transfer)
-
-    crc = _crc32c.crc32c
     queue: deque[_Window] = deque()
     it = iter(windows)
+
+    def read_ahead() -> None:
+        nxt = next(it, None)
+        if nxt is not None:
+            queue.append(_launch(reader, nxt, blob, verify))
+
     try:
-        first = next(it, None)
-        if first is not None:
-            queue.append(launch(first))
+        read_ahead()
         while queue:
             # From the page cache, the next window is read while this one is finished
             # and handed out; from disk, one window at a time (one sequential stream),
             # the next one starting as soon as this one is in.
             if not queue[0].transfer.sequential and len(queue) < 2:
-                nxt = next(it, None)
-                if nxt is not None:
-                    queue.append(launch(nxt))
+                read_ahead()
             window = queue[0]
             window.transfer.finish()
             if window.transfer.sequential and len(queue) < 2:
-                nxt = next(it, None)
-                if nxt is not None:
-                    queue.append(launch(nxt))
+                read_ahead()
             for key, e in window.items:
                 arr = window.big.get(key)
                 if arr is None and blob is not None and e.loc.kind == PACKED:
-                    raw = blob.value(e)
-                    if verify:
-                        got = crc(raw, _checksum.header_crc(key, e.dtype, e.shape))
-                        if got != e.checksum:
-                            reader._compare(key, e, got)
-                    arr = (
-                        raw.view(e.np_dtype).reshape(e.shape)
-                        if e.nbytes
-                        else np.empty(e.shape, e.np_dtype)
-                    )
+                    arr = _from_blob(reader, blob, key, e, verify)
                 elif arr is None:
                     arr = reader.read(key, verify=verify)
                 yield key, arr
@@ -168,7 +178,7 @@ def _read_packed_span(reader: ContainerReader, entries: list[Entry]) -> _PackedB
         return None
     fd, base = reader._packed_source()
     data = np.empty(hi - lo, np.uint8)
-    got = _rawio.pread_into(fd, memoryview(data), base + lo)
+    got = _rawio.pread_into(fd, data.data, base + lo)
     if got != hi - lo:
         raise _truncated(reader, got, hi - lo)
     return _PackedBlob(data, lo)
@@ -198,7 +208,7 @@ def verify_many(reader: ContainerReader, keys: Iterable[str]) -> None:
         return
     fd, base = reader._packed_source()
     hi = base + max(e.loc.offset + e.nbytes for _, e in packed)
-    crc = _crc32c.crc32c
+    crc = _crc
     seed = _checksum.header_crc
     mm = reader._map(fd)
     try:
@@ -238,9 +248,9 @@ def read_into_many(
     entry = reader._entry
     packed: list[_Scatter] = []
     big: list[TransferValue] = []
-    for key, out in pairs:
+    for key, given in pairs:
         e = entry(key)
-        out = reader._dest(key, e, out)
+        out = reader._dest(key, e, given)
         if e.loc.kind == PACKED and e.nbytes:
             packed.append(_Scatter(e.loc.offset, key, e, out))
         elif reader._parallel(e):
@@ -298,7 +308,7 @@ def _next_run(
 
 
 def _check_run(reader: ContainerReader, run: list[_Scatter]) -> None:
-    crc = _crc32c.crc32c
+    crc = _crc
     for s in run:
         e = s.entry
         got = crc(s.out, _checksum.header_crc(s.key, e.dtype, e.shape))

@@ -11,12 +11,13 @@ from a file neither overlap nor end past it (:func:`check_regions`).
 >>> check_regions([(0, 4, "a"), (2, 4, "b")], "f.h5", 12)
 Traceback (most recent call last):
 ...
-ckptvar.errors.CorruptCheckpointError: Checkpoint 'f.h5': b overlaps a (bytes 2..4); the file is damaged or hostile.
+ckptvar.errors.CorruptCheckpointError: Checkpoint 'f.h5': b overlaps a (bytes 2..4); ...
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -31,6 +32,7 @@ __all__ = [
     "PACKED_PATH",
     "PLAIN_DTYPES",
     "Source",
+    "ValueRanges",
     "check_regions",
     "storage_dtype",
 ]
@@ -65,27 +67,35 @@ class Source(NamedTuple):
     owned: bool
 
 
+@dataclass(frozen=True, slots=True)
+class ValueRanges:
+    """The byte ranges of many values at once: ``keys[i]`` holds ``sizes[i]`` bytes from
+    ``starts[i]``."""
+
+    starts: np.ndarray
+    sizes: np.ndarray
+    keys: Sequence[str]
+
+
 def check_regions(
     regions: Sequence[tuple[int, int, str]],
     path: Any,
     size: int | None,
-    *,
-    starts: np.ndarray | None = None,
-    sizes: np.ndarray | None = None,
-    keys: Sequence[str] = (),
+    values: ValueRanges | None = None,
 ) -> None:
     """Refuse byte ranges that overlap each other or end past ``size`` (None: unknown).
 
-    ``regions`` are ``(start, nbytes, what)``; the values' ranges may come in bulk as
-    ``starts``/``sizes`` arrays named by ``keys`` (one sort over all of them). Empty
-    ranges are ignored.
+    ``regions`` are ``(start, nbytes, what)``; the values' ranges may come in bulk
+    (one sort over all of them). Empty ranges are ignored.
     """
     labels = [w for _, _, w in regions]
     all_starts = np.array([r[0] for r in regions], np.int64)
     all_sizes = np.array([r[1] for r in regions], np.int64)
-    if starts is not None and sizes is not None:
-        all_starts = np.concatenate([all_starts, starts.astype(np.int64, copy=False)])
-        all_sizes = np.concatenate([all_sizes, sizes.astype(np.int64, copy=False)])
+    keys: Sequence[str] = ()
+    if values is not None:
+        all_starts = np.concatenate([all_starts, values.starts.astype(np.int64, copy=False)])
+        all_sizes = np.concatenate([all_sizes, values.sizes.astype(np.int64, copy=False)])
+        keys = values.keys
     keep = np.flatnonzero(all_sizes > 0)
     order = keep[np.argsort(all_starts[keep], kind="stable")]
     s, e = all_starts[order], all_starts[order] + all_sizes[order]
@@ -101,8 +111,8 @@ def check_regions(
             f"Checkpoint {str(path)!r}: {what(int(order[j]))} overlaps {what(prev)} (bytes "
             f"{int(s[j])}..{int(e[:j].max())}); the file is damaged or hostile."
         )
-    past = np.flatnonzero(e > size) if size is not None else ()
-    if len(past):
+    past = np.flatnonzero(e > size) if size is not None else np.zeros(0, np.intp)
+    if past.size:
         j = int(past[0])
         raise CorruptCheckpointError(
             f"Checkpoint {str(path)!r}: {what(int(order[j]))} ends at byte {int(e[j])}, past the "

@@ -295,7 +295,7 @@ class ContainerReader(
                 buf.close()
 
     def verify_all(self) -> list[tuple[str, str]]:
-        """Check every value; return ``[(key, reason), ...]`` for each damaged one (empty if none)."""
+        """Check every value; ``[(key, reason), ...]`` for each damaged one (empty if none)."""
         bad: list[tuple[str, str]] = []
         for key in self._values:
             try:

@@ -24,7 +24,8 @@ from ..._dtypes import SUPPORTED_DTYPES, as_dtype, dtype_to_str
 from .. import _checksum, _rawio
 from .._atomic import check_destination, publish, temporary_sibling
 from .._paths import container_paths
-from .._record import Location, check_plain, encode_columns
+from .._plain import check_plain
+from .._record import Location, ValueColumns, encode_columns
 from ..base import Writer
 from .layout import ALIGN, DEFAULT_PACK_THRESHOLD
 
@@ -211,17 +212,16 @@ class ContainerWriter(Writer):
         items = list(self._items.values())
         array_loc = self._array_loc
         locs = [Location.packed(it.offset) if it.packed else array_loc(it) for it in items]
-        return encode_columns(
-            self.container,
-            packed_loc if any(it.packed for it in items) else None,
+        cols = ValueColumns(
             [it.key for it in items],
             [it.dtype for it in items],
             [it.shape for it in items],
             [it.checksum for it in items],
             locs,
             [it.attrs for it in items],
-            self._metadata,
         )
+        packed = packed_loc if any(it.packed for it in items) else None
+        return encode_columns(self.container, packed, cols, self._metadata)
 
     def _array_loc(self, it: WriteItem) -> Location:
         return Location.array(it.path, it.offset)
@@ -237,7 +237,7 @@ def write_packed(fd: int, packed: list[WriteItem], base: int) -> None:
     Straight from the arrays' buffers, ``IOV_MAX`` buffers per ``pwritev``; each batch is
     hashed just before it is written, while its bytes are still in the CPU cache.
     """
-    crc = _crc32c.crc32c
+    crc: Callable[[Any, int], int] = _crc32c.crc32c  # straight over each array's buffer
     limit = _rawio.IOV_MAX - 1
     bufs: list[Any] = []
     start = 0
