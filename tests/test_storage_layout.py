@@ -177,3 +177,19 @@ def test_paused_gc_and_snapshot_are_public() -> None:
     a = np.arange(4)
     (b,) = st.snapshot([a])
     assert np.array_equal(a, b) and not np.shares_memory(a, b)
+
+
+def test_scatter_reads_stop_short_at_the_end_of_the_file(tmp_path: Path) -> None:
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(range(100)))
+    fd = os.open(p, os.O_RDWR)
+    try:
+        bufs = [bytearray(30), bytearray(30), bytearray(60)]
+        assert _rawio.preadv_all(fd, [memoryview(b) for b in bufs], 0) == 100
+        assert bytes(bufs[1]) == bytes(range(30, 60))
+        assert bytes(bufs[2][:40]) == bytes(range(60, 100))
+        parts = [np.arange(5, dtype=np.uint8), memoryview(b"xyz")]
+        assert _rawio.pwritev_all(fd, parts, 200) == 8
+        assert os.pread(fd, 8, 200) == b"\x00\x01\x02\x03\x04xyz"
+    finally:
+        os.close(fd)

@@ -36,17 +36,17 @@ def dec(doc: object) -> Record:
 
 def test_good_record_decodes() -> None:
     rec = dec(good())
-    assert rec.values["w"] == Entry("float32", (2, 2), 5, {"name": "w"}, Location.packed(0))
-    assert rec.values["v"] == Entry("int8", (3,), 6, {"name": "v", "x": 1}, Location.packed(64))
+    assert rec.values["w"] == Entry("float32", (2, 2), 5, {"name": "w"}, Location.packed(0, 16))
+    assert rec.values["v"] == Entry("int8", (3,), 6, {"name": "v", "x": 1}, Location.packed(64, 3))
     assert list(rec.values) == ["w", "v"]
 
 
 def test_encode_decode_round_trip_keeps_attrs_and_locations() -> None:
     values = {
-        "a": Entry("float32", (2,), 1, {"name": "a", "trainable": True}, Location.packed(0)),
+        "a": Entry("float32", (2,), 1, {"name": "a", "trainable": True}, Location.packed(0, 8)),
         "b": Entry("bfloat16", (), 2, {"name": "b", "extra": [1, {"k": None}]},
-                   Location.packed(64)),
-        "c": Entry("int64", (0, 4), 3, {}, Location.array("c", 4096)),
+                   Location.packed(64, 2)),
+        "c": Entry("int64", (0, 4), 3, {}, Location.array("c", 4096, 0)),
     }
     rec = Record(container="h5", values=values, metadata={"m": 1},
                  packed=("_ckptvar/packed", 512, 128))

@@ -1,4 +1,4 @@
-"""Raw positional I/O, the checksum thread and the I/O threads shared by the native backends.
+"""Raw positional I/O, the checksum thread and the I/O threads shared by the container backends.
 
 Writes go straight from the arrays' buffers (``os.pwrite``/``os.pwritev``, no
 copy); reads go straight into the destination buffer (``os.preadv``). Checksums
@@ -18,7 +18,7 @@ import functools
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as _wait
 from typing import Any
@@ -251,6 +251,17 @@ def _bytes_of(buf: Any) -> memoryview:
     return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
 
 
+def _after(batch: Sequence[Any], pos: int) -> Iterator[memoryview]:
+    """The bytes of the buffers laid back to back, from byte ``pos`` on, buffer by buffer."""
+    for buf in batch:
+        b = _bytes_of(buf)
+        if pos >= len(b):
+            pos -= len(b)
+            continue
+        yield b[pos:]
+        pos = 0
+
+
 def pwritev_all(fd: int, bufs: Sequence[Any], offset: int) -> int:
     """Write the buffers (memoryviews or C-contiguous arrays) back to back from ``offset``.
 
@@ -263,15 +274,9 @@ def pwritev_all(fd: int, bufs: Sequence[Any], offset: int) -> int:
         want = sum(b.nbytes for b in batch)
         got = os.pwritev(fd, batch, offset + total)
         if got < want:  # short write: finish this batch piece by piece
-            pos = got
-            for buf in batch:
-                b = _bytes_of(buf)
-                if pos >= len(b):
-                    pos -= len(b)
-                    continue
-                pwrite_all(fd, b[pos:], offset + total + got)
-                got += len(b) - pos
-                pos = 0
+            for rest in _after(batch, got):
+                pwrite_all(fd, rest, offset + total + got)
+                got += len(rest)
         total += want
         i += IOV_MAX
     return total
@@ -289,19 +294,11 @@ def preadv_all(fd: int, bufs: Sequence[Any], offset: int) -> int:
         want = sum(b.nbytes for b in batch)
         got = os.preadv(fd, batch, offset + total)
         if got < want:  # short read: finish this batch piece by piece
-            pos = got
-            done = got
-            for buf in batch:
-                b = _bytes_of(buf)
-                if pos >= len(b):
-                    pos -= len(b)
-                    continue
-                n = pread_into(fd, b[pos:], offset + total + done)
-                done += n
-                if n < len(b) - pos:
-                    return total + done
-                pos = 0
-            got = done
+            for rest in _after(batch, got):
+                n = pread_into(fd, rest, offset + total + got)
+                got += n
+                if n < len(rest):
+                    return total + got
         total += got
         i += IOV_MAX
     return total

@@ -13,7 +13,7 @@ dims, sizes that do not overflow, packed values inside the blob and not
 overlapping). Every violation is a :class:`CorruptCheckpointError` naming the
 file and the key.
 
->>> rec = Record(container="h5", values={"w": Entry("float32", (2,), 7, {}, Location.packed(0))},
+>>> rec = Record(container="h5", values={"w": Entry("float32", (2,), 7, {}, Location.packed(0, 8))},
 ...              packed=("_ckptvar/packed", 512, 64))
 >>> back = decode(encode(rec), "f.h5", container="h5")
 >>> back.values["w"].shape, back.values["w"].nbytes, back.format_version
@@ -22,6 +22,7 @@ file and the key.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Mapping
@@ -82,24 +83,27 @@ class Location(NamedTuple):
     ``kind`` is ``"array"`` for a value stored as its own array at container ``path``
     (``offset``: absolute in an HDF5 file, 0 in a Zarr chunk), ``"packed"`` for a value
     inside ``_ckptvar/packed`` (``offset`` in the blob; ``path`` is None), or ``"zarr"``
-    for a compressed Zarr array at ``path``, read through zarr.
+    for a compressed Zarr array at ``path``, read through zarr. Only ``kind``, ``path``
+    and ``offset`` are stored in the record.
     """
 
     kind: str
     path: str | None
     offset: int
+    #: The value's size in bytes (as ``Entry.nbytes``; here for the hot loops).
+    nbytes: int
 
     @classmethod
-    def packed(cls, offset: int) -> Location:
-        return cls(PACKED, None, offset)
+    def packed(cls, offset: int, nbytes: int) -> Location:
+        return cls(PACKED, None, offset, nbytes)
 
     @classmethod
-    def array(cls, path: str, offset: int) -> Location:
-        return cls(ARRAY, path, offset)
+    def array(cls, path: str, offset: int, nbytes: int) -> Location:
+        return cls(ARRAY, path, offset, nbytes)
 
     @classmethod
-    def zarr(cls, path: str) -> Location:
-        return cls(ZARR, path, 0)
+    def zarr(cls, path: str, nbytes: int) -> Location:
+        return cls(ZARR, path, 0, nbytes)
 
 
 #: The kinds of :class:`Location`.
@@ -270,7 +274,8 @@ def _validate(doc: Any, container: str, file_size: int | None) -> Record:
     nb = np.array(nbytes, np.int64)
     pk = np.array(is_packed, bool)
     _check_packed(keys, pk, off, nb, packed_nbytes)
-    locs = list(map(Location._make, zip(layouts, paths, offsets, strict=True)))
+    make = functools.partial(tuple.__new__, Location)  # no per-value Python call
+    locs = list(map(make, zip(layouts, paths, offsets, nbytes, strict=True)))
     shape_tuples = map(tuple, shapes)
     entries = list(map(Entry, dtypes, shape_tuples, checksums, attrs, locs))
     for e, b in zip(entries, nbytes, strict=True):

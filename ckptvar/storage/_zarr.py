@@ -98,8 +98,8 @@ class ZarrWriter(ContainerWriter):
 
     def _array_loc(self, it: WriteItem) -> Location:
         if self.compression is not None:
-            return Location.zarr(it.path)
-        return Location.array(it.path, 0)
+            return Location.zarr(it.path, it.nbytes)
+        return Location.array(it.path, 0, it.nbytes)
 
     def _write(self, tmp: Path, plan: WritePlan) -> None:
         tree = _Tree(tmp, [] if self.durable else None)

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 __all__ = ["read_into_many", "read_many", "verify_many"]
 
+_by_offset = operator.itemgetter(0)
+
 #: CRC-32C straight over any C-contiguous buffer (arrays included), no wrapper per value.
 _crc: Callable[[Any, int], int] = _crc32c.crc32c
 #: ``read_many`` reads this many bytes ahead of what it has yielded.
@@ -54,10 +56,6 @@ class _PackedBlob:
     data: np.ndarray
     start: int  # offset of ``data[0]`` inside the blob
 
-    def value(self, e: Entry) -> np.ndarray:
-        at = e.loc.offset - self.start
-        return self.data[at : at + e.nbytes]
-
 
 def _truncated(reader: ContainerReader, got: int, want: int) -> CorruptCheckpointError:
     return CorruptCheckpointError(
@@ -76,7 +74,7 @@ def _windows(
     for key, e in items:
         cur.append((key, e))
         if not (blob is not None and e.loc.kind == PACKED):
-            size += e.nbytes
+            size += e.loc.nbytes
         if size >= _WINDOW:
             windows.append(cur)
             cur, size = [], 0
@@ -86,55 +84,24 @@ def _windows(
 
 
 def read_many(
-    reader: ContainerReader, keys: list[str], verify: bool
+    reader: ContainerReader, keys: Iterable[str], verify: bool
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Yield ``(key, value)`` in order, each verified before it is yielded.
 
-    Packed values come from one read of the packed blob (when they make up most of
-    it) and are returned as aligned views into that buffer.
+    Values are read in windows of about ``_WINDOW`` bytes; from the page cache the
+    next window is read while this one is handed out. Packed values come from one
+    read of the packed blob (when they make up most of it) and are returned as
+    aligned views into that buffer. Nothing happens before the first value is asked.
     """
+    reader._check()
     entry = reader._entry
     items = [(k, entry(k)) for k in keys]
     blob = _read_packed_span(reader, [e for _, e in items])
-    yield from _read_windows(reader, _windows(items, blob), blob, verify)
-
-
-def _launch(
-    reader: ContainerReader, items: list[tuple[str, Entry]], blob: _PackedBlob | None, verify: bool
-) -> _Window:
-    """Start reading a window's large values (those not in ``blob``) on the I/O threads."""
-    values = []
-    for k, e in items:
-        if reader._parallel(e) and not (blob is not None and e.loc.kind == PACKED):
-            reader._check_source(k, e)
-            values.append(TransferValue(k, e, np.empty(e.shape, e.np_dtype)))
-    transfer = Transfer(reader, values, verify, ahead=True)
-    return _Window(items, {v.key: v.dest for v in values if v.dest is not None}, transfer)
-
-
-def _from_blob(
-    reader: ContainerReader, blob: _PackedBlob, key: str, e: Entry, verify: bool
-) -> np.ndarray:
-    """A packed value as an aligned view into ``blob``, verified first when asked."""
-    raw = blob.value(e)
-    if verify:
-        got = _crc(raw, _checksum.header_crc(key, e.dtype, e.shape))
-        if got != e.checksum:
-            reader._compare(key, e, got)
-    return raw.view(e.np_dtype).reshape(e.shape) if e.nbytes else np.empty(e.shape, e.np_dtype)
-
-
-def _read_windows(
-    reader: ContainerReader,
-    windows: list[list[tuple[str, Entry]]],
-    blob: _PackedBlob | None,
-    verify: bool,
-) -> Iterator[tuple[str, np.ndarray]]:
+    windows = iter(_windows(items, blob))
     queue: deque[_Window] = deque()
-    it = iter(windows)
 
     def read_ahead() -> None:
-        nxt = next(it, None)
+        nxt = next(windows, None)
         if nxt is not None:
             queue.append(_launch(reader, nxt, blob, verify))
 
@@ -150,25 +117,56 @@ def _read_windows(
             window.transfer.finish()
             if window.transfer.sequential and len(queue) < 2:
                 read_ahead()
-            for key, e in window.items:
-                arr = window.big.get(key)
-                if arr is None and blob is not None and e.loc.kind == PACKED:
-                    arr = _from_blob(reader, blob, key, e, verify)
-                elif arr is None:
-                    arr = reader.read(key, verify=verify)
-                yield key, arr
+            yield from _hand_out(reader, window, blob, verify)
             queue.popleft()
             # Hold nothing of this window past here, so a consumer that drops each
             # value (a GPU load) keeps at most two windows alive, not three.
-            window = arr = None  # type: ignore[assignment]
+            window = None  # type: ignore[assignment]
     finally:
         for w in queue:
             w.transfer.abandon()
 
 
+def _launch(
+    reader: ContainerReader, items: list[tuple[str, Entry]], blob: _PackedBlob | None, verify: bool
+) -> _Window:
+    """Start reading a window's large values (those not in ``blob``) on the I/O threads."""
+    values = []
+    for k, e in items:
+        if reader._parallel(e) and not (blob is not None and e.loc.kind == PACKED):
+            reader._check_source(k, e)
+            values.append(TransferValue(k, e, np.empty(e.shape, e.np_dtype)))
+    transfer = Transfer(reader, values, verify, ahead=True)
+    return _Window(items, {v.key: v.dest for v in values if v.dest is not None}, transfer)
+
+
+def _hand_out(
+    reader: ContainerReader, window: _Window, blob: _PackedBlob | None, verify: bool
+) -> Iterator[tuple[str, np.ndarray]]:
+    """The values of a window that is in: large ones read ahead, packed ones from
+    ``blob`` (verified here), the rest read one by one."""
+    big = window.big
+    crc = _crc
+    data, lo = (blob.data, blob.start) if blob is not None else (None, 0)
+    for key, e in window.items:
+        arr = big.get(key)
+        if arr is None:
+            kind, _, offset, n = e.loc
+            if data is not None and kind == PACKED:
+                raw = data[offset - lo : offset - lo + n]
+                if verify:
+                    got = crc(raw, _checksum.header_crc(key, e.dtype, e.shape))
+                    if got != e.checksum:
+                        reader._compare(key, e, got)
+                arr = raw.view(e.np_dtype).reshape(e.shape) if n else np.empty(e.shape, e.np_dtype)
+            else:
+                arr = reader.read(key, verify=verify)
+        yield key, arr
+
+
 def _read_packed_span(reader: ContainerReader, entries: list[Entry]) -> _PackedBlob | None:
     """One read of the part of the packed blob ``entries`` use, when they fill most of it."""
-    locs = [(e.loc.offset, e.nbytes) for e in entries if e.loc.kind == PACKED]
+    locs = [(e.loc.offset, e.loc.nbytes) for e in entries if e.loc.kind == PACKED]
     if len(locs) < 2:
         return None
     lo = min(start for start, _ in locs)
@@ -195,10 +193,10 @@ def verify_many(reader: ContainerReader, keys: Iterable[str]) -> None:
     packed: list[tuple[str, Entry]] = []
     big: list[TransferValue] = []
     for k, e in [(k, entry(k)) for k in keys]:
-        kind = e.loc.kind
-        if kind == PACKED and e.nbytes:
+        kind, _, _, nbytes = e.loc
+        if kind == PACKED and nbytes:
             packed.append((k, e))
-        elif kind == ARRAY and e.nbytes >= PARALLEL_FROM:
+        elif kind == ARRAY and nbytes >= PARALLEL_FROM:
             big.append(TransferValue(k, e, None))
         else:
             reader.verify(k)
@@ -207,7 +205,7 @@ def verify_many(reader: ContainerReader, keys: Iterable[str]) -> None:
     if not packed:
         return
     fd, base = reader._packed_source()
-    hi = base + max(e.loc.offset + e.nbytes for _, e in packed)
+    hi = base + max(e.loc.offset + e.loc.nbytes for _, e in packed)
     crc = _crc
     seed = _checksum.header_crc
     mm = reader._map(fd)
@@ -216,8 +214,9 @@ def verify_many(reader: ContainerReader, keys: Iterable[str]) -> None:
             if hi > len(mv):
                 raise _truncated(reader, len(mv) - base, hi - base)
             for key, e in packed:
-                start = base + e.loc.offset
-                got = crc(mv[start : start + e.nbytes], seed(key, e.dtype, e.shape))
+                _, _, at, n = e.loc
+                start = base + at
+                got = crc(mv[start : start + n], seed(key, e.dtype, e.shape))
                 if got != e.checksum:
                     reader._compare(key, e, got)
     finally:
@@ -225,14 +224,9 @@ def verify_many(reader: ContainerReader, keys: Iterable[str]) -> None:
             mm.close()
 
 
-@dataclass(slots=True)
-class _Scatter:
-    """A packed value to be read into ``out``, sorted by its offset in the blob."""
-
-    offset: int
-    key: str
-    entry: Entry
-    out: np.ndarray
+#: A packed value to be read into a buffer: ``(offset_in_blob, key, entry, out)``. A plain
+#: tuple (one per value of a restore), always unpacked by name; sorted by offset.
+_Scatter = tuple[int, str, Entry, np.ndarray]
 
 
 def read_into_many(
@@ -251,8 +245,9 @@ def read_into_many(
     for key, given in pairs:
         e = entry(key)
         out = reader._dest(key, e, given)
-        if e.loc.kind == PACKED and e.nbytes:
-            packed.append(_Scatter(e.loc.offset, key, e, out))
+        kind, _, offset, nbytes = e.loc
+        if kind == PACKED and nbytes:
+            packed.append((offset, key, e, out))
         elif reader._parallel(e):
             big.append(TransferValue(key, e, out))
         else:
@@ -261,15 +256,15 @@ def read_into_many(
         Transfer(reader, big, verify).finish()
     if not packed:
         return
-    packed.sort(key=operator.attrgetter("offset"))
+    packed.sort(key=_by_offset)
     fd, base = reader._packed_source()
     scratch = np.empty(_MAX_GAP, np.uint8)  # skips bytes no key asked for
     i = 0
     while i < len(packed):
         j, start, end, bufs = _next_run(packed, i, scratch)
         if j == i:  # an overlapping duplicate: read it on its own
-            s = packed[i]
-            reader.read(s.key, out=s.out, verify=verify)
+            _, key, _, out = packed[i]
+            reader.read(key, out=out, verify=verify)
             i += 1
             continue
         got = _rawio.preadv_all(fd, bufs, base + start)
@@ -285,12 +280,11 @@ def _next_run(
 ) -> tuple[int, int, int, list[Any]]:
     """``(j, start, end, bufs)``: values ``packed[i:j]`` filled by one ``preadv`` of
     ``[start, end)``, gaps between them read into ``scratch``."""
-    start = pos = packed[i].offset
+    start = pos = _by_offset(packed[i])
     bufs: list[Any] = []
     j = i
     while j < len(packed) and len(bufs) < _rawio.IOV_MAX - 1:
-        s = packed[j]
-        off = s.offset
+        off, _, e, out = packed[j]
         if off < pos:  # two keys on one range: read it apart
             break
         gap = off - pos
@@ -301,16 +295,15 @@ def _next_run(
             gap = 0
         if gap:
             bufs.append(scratch[:gap])
-        bufs.append(s.out)
-        pos = off + s.entry.nbytes
+        bufs.append(out)
+        pos = off + e.loc.nbytes
         j += 1
     return j, start, pos, bufs
 
 
 def _check_run(reader: ContainerReader, run: list[_Scatter]) -> None:
     crc = _crc
-    for s in run:
-        e = s.entry
-        got = crc(s.out, _checksum.header_crc(s.key, e.dtype, e.shape))
+    for _, key, e, out in run:
+        got = crc(out, _checksum.header_crc(key, e.dtype, e.shape))
         if got != e.checksum:
-            reader._compare(s.key, e, got)
+            reader._compare(key, e, got)

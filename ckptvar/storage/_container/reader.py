@@ -85,7 +85,7 @@ class ContainerReader(
             os.close(src.fd)
 
     def _parallel(self, e: Entry) -> bool:
-        return e.nbytes >= PARALLEL_FROM and e.loc.kind in (ARRAY, PACKED)
+        return e.loc.nbytes >= PARALLEL_FROM and e.loc.kind in (ARRAY, PACKED)
 
     def _mmap_region(self, key: str, entry: Entry) -> tuple[Any, int, bool]:
         """A buffer (mmap) holding the value's bytes, its start, and whether to close it."""
@@ -195,7 +195,7 @@ class ContainerReader(
                 dest[...] = arr
                 arr = dest
             return arr
-        n = e.nbytes
+        n = e.loc.nbytes
         # Open the source first: opening checks the stored size against the record, so a
         # forged record declaring a huge value is refused before anything is allocated.
         src = self._source(key, e)
@@ -228,8 +228,7 @@ class ContainerReader(
     ) -> Iterator[tuple[str, np.ndarray]]:
         """Read values in order into fresh arrays, reading ahead on the I/O threads
         (:func:`.bulk.read_many`)."""
-        self._check()
-        yield from bulk.read_many(self, list(keys), verify)
+        return bulk.read_many(self, keys, verify)
 
     def verify_many(self, keys: Iterable[str]) -> None:
         """Raise ``CorruptCheckpointError`` for the first damaged value among ``keys``

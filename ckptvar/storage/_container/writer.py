@@ -11,6 +11,7 @@ a temporary path (:meth:`ContainerWriter._write`).
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from .. import _checksum, _rawio
 from .._atomic import check_destination, publish, temporary_sibling
 from .._paths import container_paths
 from .._plain import check_plain
-from .._record import Location, ValueColumns, encode_columns
+from .._record import PACKED, Location, ValueColumns, encode_columns
 from ..base import Writer
 from .layout import ALIGN, DEFAULT_PACK_THRESHOLD
 
@@ -211,7 +212,9 @@ class ContainerWriter(Writer):
         """The root record of everything added (call after the checksums are known)."""
         items = list(self._items.values())
         array_loc = self._array_loc
-        locs = [Location.packed(it.offset) if it.packed else array_loc(it) for it in items]
+        packed_at = functools.partial(tuple.__new__, Location)  # no Python call per value
+        locs = [packed_at((PACKED, None, it.offset, it.nbytes)) if it.packed else array_loc(it)
+                for it in items]
         cols = ValueColumns(
             [it.key for it in items],
             [it.dtype for it in items],
@@ -224,7 +227,7 @@ class ContainerWriter(Writer):
         return encode_columns(self.container, packed, cols, self._metadata)
 
     def _array_loc(self, it: WriteItem) -> Location:
-        return Location.array(it.path, it.offset)
+        return Location.array(it.path, it.offset, it.nbytes)
 
     @abc.abstractmethod
     def _write(self, tmp: Path, plan: WritePlan) -> None:
