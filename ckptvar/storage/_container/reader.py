@@ -85,7 +85,8 @@ class ContainerReader(
             os.close(src.fd)
 
     def _parallel(self, e: Entry) -> bool:
-        return e.loc.nbytes >= PARALLEL_FROM and e.loc.kind in (ARRAY, PACKED)
+        kind, _, _, nbytes = e.loc
+        return nbytes >= PARALLEL_FROM and kind in (ARRAY, PACKED)
 
     def _mmap_region(self, key: str, entry: Entry) -> tuple[Any, int, bool]:
         """A buffer (mmap) holding the value's bytes, its start, and whether to close it."""
