@@ -23,7 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckptvar as cv
-from ckptvar.storage import _checksum, _native, _rawio
+from ckptvar.storage import _checksum, _rawio
+from ckptvar.storage._container import bulk, transfer
 
 
 @pytest.fixture(params=["h5", "zarr"])
@@ -108,7 +109,7 @@ def test_damage_in_any_piece_is_caught(fmt: str, path_kind: str, piece: int,
                                        tmp_path: Path) -> None:
     vals = _values()
     p = Path(cv.save(tmp_path / f"m.{fmt}", vals))
-    start = piece * _native._SPLIT // 8 + 1000  # an element inside that piece
+    start = piece * transfer._SPLIT // 8 + 1000  # an element inside that piece
     _flip_in(p, vals["big"][start : start + 4].tobytes())
     with pytest.raises(cv.CorruptCheckpointError, match="'big'.*checksum"):
         cv.load(p)
@@ -280,16 +281,16 @@ def test_reads_from_disk_keep_one_stream(monkeypatch: pytest.MonkeyPatch, tmp_pa
     """Read-ahead from disk never runs two windows at once (two streams defeat readahead)."""
     monkeypatch.setattr(_rawio, "IO_THREADS", 4)
     monkeypatch.setattr(_rawio, "cached", lambda fd, offset: False)
-    monkeypatch.setattr(_native, "_WINDOW", 4 << 20)
-    monkeypatch.setattr(_native, "_SPLIT", 1 << 20)
-    monkeypatch.setattr(_native, "_TASK", 1 << 20)
+    monkeypatch.setattr(bulk, "_WINDOW", 4 << 20)
+    monkeypatch.setattr(transfer, "_SPLIT", 1 << 20)
+    monkeypatch.setattr(transfer, "_TASK", 1 << 20)
     rng = np.random.default_rng(1)
     vals = {f"w{i}": rng.standard_normal(2 << 17) for i in range(6)}  # 2 MiB each: 3 windows
     p = cv.save(tmp_path / "m.h5", vals)
     lock, live, most = threading.Lock(), [0], [0]
-    run = _native._Transfer._run
+    run = transfer.Transfer._run
 
-    def counted(self: _native._Transfer, group: list) -> None:  # type: ignore[type-arg]
+    def counted(self: transfer.Transfer, group: list) -> None:  # type: ignore[type-arg]
         with lock:
             live[0] += 1
             most[0] = max(most[0], live[0])
@@ -300,7 +301,7 @@ def test_reads_from_disk_keep_one_stream(monkeypatch: pytest.MonkeyPatch, tmp_pa
             with lock:
                 live[0] -= 1
 
-    monkeypatch.setattr(_native._Transfer, "_run", counted)
+    monkeypatch.setattr(transfer.Transfer, "_run", counted)
     got = cv.load(p)
     for k, v in vals.items():
         np.testing.assert_array_equal(got[k], v)
@@ -361,7 +362,7 @@ def test_streaming_read_many_holds_at_most_two_windows(
 
     monkeypatch.setattr(_rawio, "IO_THREADS", 4)
     monkeypatch.setattr(_rawio, "cached", lambda fd, offset: True)  # two windows in flight
-    monkeypatch.setattr(_native, "_WINDOW", 4 << 20)
+    monkeypatch.setattr(bulk, "_WINDOW", 4 << 20)
     vals = {f"w{i:02d}": np.full(1 << 19, i, np.float64) for i in range(12)}  # 12 × 4 MiB
     p = cv.save(tmp_path / f"m.{fmt}", vals)
     del vals

@@ -20,7 +20,7 @@ from ckptvar.errors import (
 )
 from ckptvar.storage import backend_for
 from ckptvar.storage._atomic import is_partial
-from ckptvar.storage._native import NativeReader
+from ckptvar.storage._container import ContainerReader
 
 ODD_KEYS = [
     "..", ".", "/", "a//b", "%", "%2E", "_ckptvar/record", "zarr.json", "x/zarr.json",
@@ -58,7 +58,7 @@ class BackendTests:
             w.set_metadata(metadata)
         return w.commit()
 
-    def reader(self, path: Path) -> NativeReader:
+    def reader(self, path: Path) -> ContainerReader:
         r = backend_for(path).open_reader(path)
         assert r.format == self.fmt
         return r  # type: ignore[return-value]
@@ -190,12 +190,12 @@ class BackendTests:
         with self.reader(path) as r:
             e = r._values[key]
             if self.fmt == "h5":
-                target, off = path, (e.loc[2] if e.loc[0] == "array" else
-                                     r._record.packed[1] + e.loc[1])  # type: ignore[index]
-            elif e.loc[0] == "array":
-                target, off = path / e.loc[1] / "c.0", 0
+                target, off = path, (e.loc.offset if e.loc.kind == "array" else
+                                     r._record.packed[1] + e.loc.offset)  # type: ignore[index]
+            elif e.loc.kind == "array":
+                target, off = path / str(e.loc.path) / "c.0", 0
             else:
-                target, off = path / "_ckptvar" / "packed" / "c.0", e.loc[1]
+                target, off = path / "_ckptvar" / "packed" / "c.0", e.loc.offset
         with open(target, "r+b") as f:
             f.seek(off + 3)
             b = f.read(1)
@@ -263,7 +263,7 @@ class BackendTests:
             cb.write_bytes(da)
         else:
             with self.reader(p) as r:
-                oa, ob = r._values["a"].loc[2], r._values["b"].loc[2]
+                oa, ob = r._values["a"].loc.offset, r._values["b"].loc.offset
             with open(p, "r+b") as f:
                 f.seek(oa)
                 f.write(b.tobytes())

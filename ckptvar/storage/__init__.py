@@ -1,5 +1,10 @@
 """Checkpoint formats behind one interface, and the registry that picks one for a path.
 
+Besides the interface (:mod:`.base`) and the registry, two helpers the layers
+above use while saving and restoring: :func:`paused_gc` (no cyclic garbage
+collection while many small objects are made) and :func:`snapshot` (copies of
+arrays, large ones in parallel pieces).
+
 >>> from ckptvar.storage import known_formats
 >>> "h5" in known_formats() and "zarr" in known_formats()
 True
@@ -10,17 +15,35 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import CheckpointNotFoundError, UnsupportedFormatError
-from .base import ArrayInfo, Backend, LazyArray, Reader, Writer
+from ._gc import paused_gc
+from ._rawio import snapshot
+from .base import (
+    ArrayInfo,
+    Backend,
+    LazyArray,
+    Reader,
+    SupportsReadIntoMany,
+    SupportsShapeAndDtype,
+    SupportsVerifyAll,
+    SupportsVerifyMany,
+    Writer,
+)
 
 __all__ = [
     "ArrayInfo",
     "Backend",
     "LazyArray",
     "Reader",
+    "SupportsReadIntoMany",
+    "SupportsShapeAndDtype",
+    "SupportsVerifyAll",
+    "SupportsVerifyMany",
     "Writer",
     "backend_for",
     "known_formats",
+    "paused_gc",
     "register_backend",
+    "snapshot",
 ]
 
 _BACKENDS: dict[str, type[Backend]] = {}
@@ -47,7 +70,10 @@ def backend_for(path: str | Path, format: str | None = None, *, mode: str = "r")
     """The backend for ``path``: the explicit ``format``, else the suffix, else sniffing.
 
     ``mode="w"`` only accepts writable formats and defaults to HDF5 when the suffix
-    says nothing. Raises ``UnsupportedFormatError`` naming the known formats.
+    says nothing. When reading, a path the chosen backend does not recognise goes to
+    another backend that does, if the chosen one allows it
+    (``Backend.hands_over_unrecognised``: a Keras ``.h5`` file). Raises
+    ``UnsupportedFormatError`` naming the known formats.
     """
     path = Path(path)
     if format is not None:
@@ -73,7 +99,25 @@ def backend_for(path: str | Path, format: str | None = None, *, mode: str = "r")
             )
     if mode == "w" and not cls.can_write:
         raise UnsupportedFormatError(f"The {cls.name} format ({str(path)!r}) cannot be written.")
+    if mode == "r" and cls.hands_over_unrecognised:
+        cls = _claimant(cls, path) or cls
     return cls
+
+
+def _claimant(chosen: type[Backend], path: Path) -> type[Backend] | None:
+    """Another backend that claims ``path`` when ``chosen`` does not (None otherwise)."""
+    if not (path.is_file() or path.is_dir()) or chosen.sniff(path):
+        return None
+    for cls in _BACKENDS.values():
+        if cls is chosen:
+            continue
+        try:
+            ok = cls.sniff(path)
+        except Exception:  # a sniffer that fails just does not claim the file
+            ok = False
+        if ok:
+            return cls
+    return None
 
 
 def _by_suffix(path: Path) -> type[Backend] | None:
@@ -92,7 +136,8 @@ def _has_sidecars(path: Path) -> bool:
 
 
 def _register_builtin() -> None:
-    from . import _h5, _zarr, foreign  # noqa: F401 - each registers its backends on import
+    # After register_backend exists: each of these registers its backends on import.
+    from . import _h5, _zarr, foreign  # noqa: F401, PLC0415
 
 
 _register_builtin()

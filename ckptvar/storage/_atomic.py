@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import os
 import re
 import shutil
@@ -122,17 +123,16 @@ def temporary_sibling(final: Path) -> Iterator[Path]:
         raise
 
 
-_libc = None
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
 def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two existing paths (Linux); False when not supported."""
-    global _libc
     if not hasattr(os, "uname") or os.uname().sysname != "Linux":
         return False
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    fn = getattr(_libc, "renameat2", None)
+    fn = getattr(_libc(), "renameat2", None)
     if fn is None:
         return False
     at_fdcwd, rename_exchange = -100, 2

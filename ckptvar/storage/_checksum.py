@@ -14,6 +14,14 @@ so the same bytes stored under another key, dtype or shape do not verify
 True
 >>> value_checksum("w", "int32", (3,), a) != value_checksum("v", "int32", (3,), a)
 True
+
+It is also the one home of CRC-32C for the formats ckptvar reads: :func:`crc32c`,
+:func:`extend`, and LevelDB/TensorFlow's :func:`mask`/:func:`unmask`.
+
+>>> hex(crc32c(b"123456789")), extend(crc32c(b"1234"), b"56789") == crc32c(b"123456789")
+('0xe3069283', True)
+>>> unmask(mask(0xE3069283)) == 0xE3069283
+True
 """
 
 from __future__ import annotations
@@ -23,8 +31,20 @@ from collections.abc import Iterable
 from typing import Any
 
 import crc32c as _crc32c
+import numpy as np
 
-__all__ = ["combine", "crc", "finish", "header", "header_crc", "value_checksum"]
+__all__ = [
+    "combine",
+    "crc",
+    "crc32c",
+    "extend",
+    "finish",
+    "header",
+    "header_crc",
+    "mask",
+    "unmask",
+    "value_checksum",
+]
 
 #: Buffers at least this large are hashed with the GIL released, so a second
 #: thread can hash while the first reads or writes.
@@ -38,6 +58,30 @@ def crc(data: Any, value: int = 0) -> int:
         mv = mv.cast("B")
     mode = 1 if mv.nbytes >= _RELEASE_GIL_FROM else 0
     return _crc32c.crc32c(mv, value, gil_release_mode=mode)
+
+
+def crc32c(data: Any) -> int:
+    """The CRC-32C of a bytes-like ``data``."""
+    return crc(data)
+
+
+def extend(value: int, data: Any) -> int:
+    """Continue the CRC-32C ``value`` over more ``data``."""
+    return crc(data, value)
+
+
+_MASK_DELTA = 0xA282EAD8
+
+
+def mask(value: int) -> int:
+    """Rotate right by 15 bits and add a constant (LevelDB ``crc32c::Mask``)."""
+    return ((((value >> 15) | (value << 17)) & 0xFFFFFFFF) + _MASK_DELTA) & 0xFFFFFFFF
+
+
+def unmask(masked: int) -> int:
+    """Inverse of :func:`mask`."""
+    rot = (masked - _MASK_DELTA) & 0xFFFFFFFF
+    return ((rot >> 17) | (rot << 15)) & 0xFFFFFFFF
 
 
 # CRC-32C (Castagnoli), reflected: what lets pieces hashed apart be joined (combine).
@@ -95,7 +139,7 @@ def combine(crc1: int, crc2: int, len2: int) -> int:
 def header(key: str, dtype_name: str, shape: Iterable[int]) -> bytes:
     """The bytes that bind a checksum to ``key``, ``dtype_name`` and ``shape``."""
     dims = ",".join(str(int(d)) for d in shape)
-    return f"{key}\0{dtype_name}\0{dims}\0".encode("utf-8")
+    return f"{key}\0{dtype_name}\0{dims}\0".encode()
 
 
 _TAILS: dict[tuple[str, tuple[int, ...]], bytes] = {}
@@ -131,8 +175,6 @@ def value_checksum(key: str, dtype_name: str, shape: Iterable[int], data: Any) -
 
 
 def _as_bytes(piece: Any) -> Any:
-    import numpy as np
-
     if isinstance(piece, np.ndarray):
         if piece.size == 0:
             return b""

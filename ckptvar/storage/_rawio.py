@@ -1,4 +1,4 @@
-"""Raw positional I/O, the checksum thread and the I/O threads shared by the native backends.
+"""Raw positional I/O, the checksum thread and the I/O threads shared by the container backends.
 
 Writes go straight from the arrays' buffers (``os.pwrite``/``os.pwritev``, no
 copy); reads go straight into the destination buffer (``os.preadv``). Checksums
@@ -13,16 +13,19 @@ does everything on the calling thread.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as _wait
 from typing import Any
 
 import numpy as np
+
+from ..errors import CorruptCheckpointError
 
 __all__ = [
     "IOV_MAX",
@@ -31,6 +34,7 @@ __all__ = [
     "cached",
     "pread_exact",
     "pread_into",
+    "pread_into_exact",
     "preadv_all",
     "pwrite_all",
     "pwrite_flushing",
@@ -62,18 +66,36 @@ def _io_threads() -> int:
 #: Threads that read and hash pieces of large values at once.
 IO_THREADS = _io_threads()
 
-_executor: ThreadPoolExecutor | None = None
-_io_pool: ThreadPoolExecutor | None = None
-_executor_lock = threading.Lock()
+class _Pools:
+    """The checksum thread and the I/O threads, started on first use."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.checksum: ThreadPoolExecutor | None = None
+        self.io: ThreadPoolExecutor | None = None
+
+    def forget(self) -> None:  # a forked child has the pools' objects but not their threads
+        self.checksum = self.io = None
+
+    def io_pool(self) -> ThreadPoolExecutor:
+        if self.io is None:
+            with self.lock:
+                if self.io is None:
+                    self.io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="ckptvar-io")
+        return self.io
+
+    def checksum_pool(self) -> ThreadPoolExecutor:
+        if self.checksum is None:
+            with self.lock:
+                if self.checksum is None:
+                    self.checksum = ThreadPoolExecutor(max_workers=1,
+                                                       thread_name_prefix="ckptvar-crc")
+        return self.checksum
 
 
-def _forget_pools() -> None:  # a forked child has the pools' objects but not their threads
-    global _executor, _io_pool
-    _executor = _io_pool = None
-
-
+_pools = _Pools()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pools)
+    os.register_at_fork(after_in_child=_pools.forget)
 
 
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)
@@ -97,24 +119,20 @@ def start_all(tasks: Sequence[Callable[[], Any]], *, background: bool = False) -
 
     With one thread, or one task and not ``background``, they run here, in order.
     """
-    global _io_pool
     if IO_THREADS == 1 or (len(tasks) <= 1 and not background):
         done: list[Future[Any]] = []
         for task in tasks:
             f: Future[Any] = Future()
             try:
                 f.set_result(task())
-            except BaseException as exc:  # noqa: BLE001 - handed to wait_all, which raises it
+            except BaseException as exc:  # handed to wait_all, which raises it
                 f.set_exception(exc)
             done.append(f)
             if f.exception() is not None:
                 break
         return done
-    if _io_pool is None:
-        with _executor_lock:
-            if _io_pool is None:
-                _io_pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="ckptvar-io")
-    return [_io_pool.submit(task) for task in tasks]
+    pool = _pools.io_pool()
+    return [pool.submit(task) for task in tasks]
 
 
 def wait_all(futures: Sequence[Future[Any]]) -> list[Any]:
@@ -139,12 +157,7 @@ def wait_all(futures: Sequence[Future[Any]]) -> list[Any]:
 
 def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
     """Run ``fn(*args)`` on the shared checksum thread (tasks run in submission order)."""
-    global _executor
-    if _executor is None:
-        with _executor_lock:
-            if _executor is None:
-                _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptvar-crc")
-    return _executor.submit(fn, *args)
+    return _pools.checksum_pool().submit(fn, *args)
 
 
 _COPY_PIECE = 8 << 20
@@ -181,7 +194,7 @@ def byte_view(arr: np.ndarray) -> memoryview:
     """A flat ``uint8`` memoryview of a C-contiguous array's bytes (no copy)."""
     if arr.size == 0:
         return memoryview(b"")
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return arr.reshape(-1).view(np.uint8).data
 
 
 def pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
@@ -191,13 +204,11 @@ def pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
         done += os.pwrite(fd, buf[done : done + _MAX_IO], offset + done)
 
 
-def _sync_file_range() -> Callable[[int, int, int], Any] | None:
+def _sync_file_range() -> Callable[[int, int, int, int], Any] | None:
     """libc's ``sync_file_range`` (Linux), or None."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        import ctypes
-
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):
         return None
@@ -240,6 +251,17 @@ def _bytes_of(buf: Any) -> memoryview:
     return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
 
 
+def _after(batch: Sequence[Any], pos: int) -> Iterator[memoryview]:
+    """The bytes of the buffers laid back to back, from byte ``pos`` on, buffer by buffer."""
+    for buf in batch:
+        b = _bytes_of(buf)
+        if pos >= len(b):
+            pos -= len(b)
+            continue
+        yield b[pos:]
+        pos = 0
+
+
 def pwritev_all(fd: int, bufs: Sequence[Any], offset: int) -> int:
     """Write the buffers (memoryviews or C-contiguous arrays) back to back from ``offset``.
 
@@ -252,15 +274,9 @@ def pwritev_all(fd: int, bufs: Sequence[Any], offset: int) -> int:
         want = sum(b.nbytes for b in batch)
         got = os.pwritev(fd, batch, offset + total)
         if got < want:  # short write: finish this batch piece by piece
-            pos = got
-            for b in batch:
-                b = _bytes_of(b)
-                if pos >= len(b):
-                    pos -= len(b)
-                    continue
-                pwrite_all(fd, b[pos:], offset + total + got)
-                got += len(b) - pos
-                pos = 0
+            for rest in _after(batch, got):
+                pwrite_all(fd, rest, offset + total + got)
+                got += len(rest)
         total += want
         i += IOV_MAX
     return total
@@ -278,19 +294,11 @@ def preadv_all(fd: int, bufs: Sequence[Any], offset: int) -> int:
         want = sum(b.nbytes for b in batch)
         got = os.preadv(fd, batch, offset + total)
         if got < want:  # short read: finish this batch piece by piece
-            pos = got
-            done = got
-            for b in batch:
-                b = _bytes_of(b)
-                if pos >= len(b):
-                    pos -= len(b)
-                    continue
-                n = pread_into(fd, b[pos:], offset + total + done)
-                done += n
-                if n < len(b) - pos:
-                    return total + done
-                pos = 0
-            got = done
+            for rest in _after(batch, got):
+                n = pread_into(fd, rest, offset + total + got)
+                got += n
+                if n < len(rest):
+                    return total + got
         total += got
         i += IOV_MAX
     return total
@@ -307,9 +315,42 @@ def pread_into(fd: int, buf: memoryview, offset: int) -> int:
     return done
 
 
-def pread_exact(fd: int, n: int, offset: int) -> bytes | None:
-    """``n`` bytes at ``offset``, or None if the file ends first."""
-    buf = bytearray(n)
-    if pread_into(fd, memoryview(buf), offset) != n:
-        return None
-    return bytes(buf)
+def pread_exact(fd: int, offset: int, size: int, *, what: str, path: Any) -> bytes:
+    """Exactly ``size`` bytes at ``offset``; a short read means ``what`` in ``path`` is
+    truncated (``CorruptCheckpointError``, as is a negative range).
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryFile() as f:
+    ...     _ = f.write(b"hello"); f.flush()
+    ...     pread_exact(f.fileno(), 1, 3, what="the data", path="f")
+    b'ell'
+    """
+    if offset < 0 or size < 0:
+        raise CorruptCheckpointError(f"{what} in {str(path)!r}: invalid byte range "
+                                     f"({size} bytes at offset {offset}).")
+    chunks = []
+    got = 0
+    while got < size:
+        chunk = os.pread(fd, min(size - got, _MAX_IO), offset + got)
+        if not chunk:
+            raise _truncated(what, path, size, offset, got)
+        chunks.append(chunk)
+        got += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def pread_into_exact(fd: int, buf: memoryview, offset: int, *, what: str, path: Any) -> None:
+    """Fill all of ``buf`` from ``offset`` (no intermediate copy); a short read means
+    ``what`` in ``path`` is truncated (``CorruptCheckpointError``)."""
+    if offset < 0:
+        raise CorruptCheckpointError(f"{what} in {str(path)!r}: negative offset {offset}.")
+    got = pread_into(fd, buf, offset)
+    if got != len(buf):
+        raise _truncated(what, path, len(buf), offset, got)
+
+
+def _truncated(what: str, path: Any, size: int, offset: int, got: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{what} in {str(path)!r} is truncated: wanted {size} bytes at offset {offset}, "
+        f"the file ended after {got}."
+    )

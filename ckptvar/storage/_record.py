@@ -13,7 +13,7 @@ dims, sizes that do not overflow, packed values inside the blob and not
 overlapping). Every violation is a :class:`CorruptCheckpointError` naming the
 file and the key.
 
->>> rec = Record(container="h5", values={"w": Entry("float32", (2,), 7, {}, ("packed", 0, 8))},
+>>> rec = Record(container="h5", values={"w": Entry("float32", (2,), 7, {}, Location.packed(0, 8))},
 ...              packed=("_ckptvar/packed", 512, 64))
 >>> back = decode(encode(rec), "f.h5", container="h5")
 >>> back.values["w"].shape, back.values["w"].nbytes, back.format_version
@@ -22,21 +22,30 @@ file and the key.
 
 from __future__ import annotations
 
-import contextlib
-import gc
+import functools
 import math
 import operator
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import chain, compress
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
 
 from .._dtypes import SUPPORTED_DTYPES
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from ._gc import paused_gc
 from ._paths import is_valid_container_path
+from ._plain import (
+    MAX_DEPTH,
+    BadRecord,
+    attrs_from_columns,
+    check_plain,
+    split_attrs,
+    types_of,
+    unique_pairs,
+)
 
 __all__ = [
     "FORMAT_NAME",
@@ -46,12 +55,13 @@ __all__ = [
     "MAX_RECORD_NBYTES",
     "Columns",
     "Entry",
+    "Location",
     "Record",
+    "ValueColumns",
     "check_plain",
     "decode",
     "encode",
     "encode_columns",
-    "paused_gc",
 ]
 
 FORMAT_NAME = "ckptvar"
@@ -59,33 +69,58 @@ FORMAT_NAME = "ckptvar"
 FORMAT_VERSION = (1, 0)
 #: Largest record a reader accepts (about 5 million values).
 MAX_RECORD_NBYTES = 1 << 30
-#: Deepest nesting of maps/arrays accepted in the record, metadata included.
-MAX_DEPTH = 64
 MAX_NDIM = 64
 _MAX_NBYTES = 1 << 62
 _LIBRARY = "ckptvar 0.1.0"
 _ITEMSIZE = {name: dt.itemsize for name, dt in SUPPORTED_DTYPES.items()}
 _LAYOUTS = frozenset({"packed", "array", "zarr"})
-_SCALAR_TYPES = frozenset({str, int, float, bool, bytes, type(None)})
 _COLUMNS = ("keys", "dtypes", "shapes", "checksums", "layouts", "paths", "offsets")
+
+
+class Location(NamedTuple):
+    """Where a value's bytes are.
+
+    ``kind`` is ``"array"`` for a value stored as its own array at container ``path``
+    (``offset``: absolute in an HDF5 file, 0 in a Zarr chunk), ``"packed"`` for a value
+    inside ``_ckptvar/packed`` (``offset`` in the blob; ``path`` is None), or ``"zarr"``
+    for a compressed Zarr array at ``path``, read through zarr. Only ``kind``, ``path``
+    and ``offset`` are stored in the record.
+    """
+
+    kind: str
+    path: str | None
+    offset: int
+    #: The value's size in bytes (as ``Entry.nbytes``; here for the hot loops).
+    nbytes: int
+
+    @classmethod
+    def packed(cls, offset: int, nbytes: int) -> Location:
+        return cls(PACKED, None, offset, nbytes)
+
+    @classmethod
+    def array(cls, path: str, offset: int, nbytes: int) -> Location:
+        return cls(ARRAY, path, offset, nbytes)
+
+    @classmethod
+    def zarr(cls, path: str, nbytes: int) -> Location:
+        return cls(ZARR, path, 0, nbytes)
+
+
+#: The kinds of :class:`Location`.
+PACKED, ARRAY, ZARR = "packed", "array", "zarr"
 
 
 @dataclass(slots=True)
 class Entry:
-    """One value: dtype name, shape, checksum, writer attrs and where its bytes are.
-
-    ``loc`` is ``("array", container_path, byte_offset)`` for a value stored as its
-    own array (``byte_offset`` is absolute in an HDF5 file, 0 in a Zarr chunk),
-    ``("packed", offset, nbytes)`` for a value inside ``_ckptvar/packed``, or
-    ``("zarr", container_path)`` for a compressed Zarr array read through zarr.
-    Treat it as immutable (``dataclasses.replace`` makes a changed copy).
-    """
+    """One value: dtype name, shape, checksum, writer attrs and where its bytes are
+    (:class:`Location`). Treat it as immutable (``dataclasses.replace`` makes a changed
+    copy)."""
 
     dtype: str
     shape: tuple[int, ...]
     checksum: int
     attrs: Mapping[str, Any]
-    loc: tuple[Any, ...]
+    loc: Location
     _nbytes: int = field(default=-1, init=False, repr=False, compare=False)
 
     @property
@@ -129,39 +164,44 @@ class Record:
     columns: Columns | None = field(default=None, repr=False, compare=False)
 
 
+@dataclass(slots=True)
+class ValueColumns:
+    """Per-value lists, in file order, of what a record says about each value."""
+
+    keys: list[str]
+    dtypes: list[str]
+    shapes: list[tuple[int, ...]]
+    checksums: list[int]
+    locs: list[Location]
+    attrs: list[Mapping[str, Any]]
+
+
 def encode(record: Record) -> bytes:
     """The msgpack bytes of ``record``."""
     entries = list(record.values.values())
-    return encode_columns(
-        record.container,
-        record.packed,
+    cols = ValueColumns(
         list(record.values),
         [e.dtype for e in entries],
         [e.shape for e in entries],
         [e.checksum for e in entries],
         [e.loc for e in entries],
         [e.attrs for e in entries],
-        record.metadata,
     )
+    return encode_columns(record.container, record.packed, cols, record.metadata)
 
 
 def encode_columns(
     container: str,
     packed: tuple[str, int, int] | None,
-    keys: list[str],
-    dtypes: list[str],
-    shapes: list[tuple[int, ...]],
-    checksums: list[int],
-    locs: list[tuple[Any, ...]],
-    attrs: list[Mapping[str, Any]],
+    cols: ValueColumns,
     metadata: Mapping[str, Any],
 ) -> bytes:
-    """The msgpack bytes of a record given as per-value lists (``locs`` as in :class:`Entry`)."""
-    layouts = [loc[0] for loc in locs]
-    paths = [None if loc[0] == "packed" else loc[1] for loc in locs]
-    offsets = [loc[1] if loc[0] == "packed" else loc[2] if loc[0] == "array" else 0
-               for loc in locs]
-    dense, sparse = _split_attrs(keys, attrs)
+    """The msgpack bytes of a record given as per-value lists."""
+    keys, locs = cols.keys, cols.locs
+    layouts = [loc.kind for loc in locs]
+    paths = [loc.path for loc in locs]
+    offsets = [loc.offset for loc in locs]
+    dense, sparse = split_attrs(keys, cols.attrs)
     doc = {
         "format": FORMAT_NAME,
         "format_version": list(FORMAT_VERSION),
@@ -169,9 +209,9 @@ def encode_columns(
         "container": container,
         "packed": list(packed) if packed is not None else None,
         "keys": keys,
-        "dtypes": dtypes,
-        "shapes": shapes,
-        "checksums": checksums,
+        "dtypes": cols.dtypes,
+        "shapes": cols.shapes,
+        "checksums": cols.checksums,
         "layouts": layouts,
         "paths": paths,
         "offsets": offsets,
@@ -186,73 +226,6 @@ def encode_columns(
             f"Checkpoint metadata or attrs must be msgpack-able (dict, list, str, bytes, "
             f"int, float, bool, None): {exc}"
         ) from None
-
-
-def _split_attrs(
-    keys: list[str], attrs: list[Mapping[str, Any]]
-) -> tuple[dict[str, list[Any]], dict[str, dict[str, Any]]]:
-    """Attributes every value has become columns; the others a map from key to extras."""
-    if not attrs:
-        return {}, {}
-    first = tuple(attrs[0])
-    common = list(first)
-    if not all(tuple(a) == first for a in attrs):
-        have = set(first)
-        for a in attrs:
-            have.intersection_update(a)
-        common = [n for n in first if n in have]
-    dense = {n: [a[n] for a in attrs] for n in common}
-    sparse: dict[str, dict[str, Any]] = {}
-    for key, a in zip(keys, attrs, strict=True):
-        if len(a) != len(common):
-            sparse[key] = {k: v for k, v in a.items() if k not in dense}
-    return dense, sparse
-
-
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """Pause the cyclic garbage collector while many small objects are made (a record of
-    20,000 values, a restore): its passes would otherwise rescan every live object."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
-def _pairs_hook(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[Any] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise _Bad(f"duplicate map key {dup!r}")
-    return out
-
-
-class _Bad(ValueError):
-    pass
-
-
-def check_plain(obj: Any, where: str, *, max_depth: int = MAX_DEPTH) -> None:
-    """Raise ``_Bad`` unless ``obj`` holds only plain msgpack types, nested at most ``max_depth``."""
-    stack: list[tuple[Any, int]] = [(obj, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > max_depth:
-            raise _Bad(f"{where} is nested deeper than {max_depth} levels")
-        if isinstance(item, dict):
-            for k, v in item.items():
-                if not isinstance(k, str):
-                    raise _Bad(f"{where} has a non-string map key {k!r}")
-                stack.append((v, depth + 1))
-        elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item)
-        elif item is None or isinstance(item, bool | int | float | str | bytes):
-            continue
-        else:
-            raise _Bad(f"{where} holds an unsupported {type(item).__name__}")
 
 
 def decode(data: bytes, path: Any, *, container: str, file_size: int | None = None) -> Record:
@@ -274,93 +247,35 @@ def _decode(data: bytes, where: str, container: str, file_size: int | None) -> R
             raw=False,
             strict_map_key=True,
             use_list=True,
-            object_pairs_hook=_pairs_hook,
+            object_pairs_hook=unique_pairs,
             max_ext_len=0,
         )
-    except Exception as exc:  # noqa: BLE001 - every msgpack failure means a bad record
+    except Exception as exc:  # every msgpack failure means a bad record
         raise CorruptCheckpointError(
             f"Checkpoint {where!r}: the root record is not valid msgpack ({exc})."
         ) from None
     try:
         return _validate(doc, container, file_size)
-    except _Bad as exc:
+    except BadRecord as exc:
         raise CorruptCheckpointError(f"Checkpoint {where!r}: bad root record: {exc}.") from None
 
 
-def _types(items: list[Any]) -> set[type]:
-    return set(map(type, items))
-
-
 def _validate(doc: Any, container: str, file_size: int | None) -> Record:
-    if not isinstance(doc, dict):
-        raise _Bad("the record is not a map")
-    if doc.get("format") != FORMAT_NAME:
-        raise _Bad(f"'format' is {doc.get('format')!r}, expected {FORMAT_NAME!r}")
-    version = doc.get("format_version")
-    if (
-        not isinstance(version, list)
-        or len(version) != 2
-        or not all(type(v) is int and 0 <= v < 1 << 16 for v in version)
-    ):
-        raise _Bad(f"'format_version' is {version!r}, expected [major, minor]")
-    if version[0] > FORMAT_VERSION[0]:
-        raise UnsupportedFormatError(
-            f"The checkpoint has format version {version[0]}.{version[1]}, newer than the "
-            f"{FORMAT_VERSION[0]}.x this ckptvar reads; upgrade ckptvar to read it."
-        )
-    if doc.get("container") != container:
-        raise _Bad(f"'container' is {doc.get('container')!r}, expected {container!r}")
-    library = doc.get("library", "")
-    if not isinstance(library, str):
-        raise _Bad("'library' is not a string")
-    metadata = doc.get("metadata", {})
-    if not isinstance(metadata, dict):
-        raise _Bad("'metadata' is not a map")
-    check_plain(metadata, "'metadata'")
-    packed = doc.get("packed")
-    if packed is not None:
-        if (
-            not isinstance(packed, list)
-            or len(packed) != 3
-            or not isinstance(packed[0], str)
-            or not is_valid_container_path(packed[0])
-            or not _is_count(packed[1])
-            or not _is_count(packed[2])
-        ):
-            raise _Bad(f"'packed' is {packed!r}, expected [path, offset, nbytes]")
-        if file_size is not None and packed[1] + packed[2] > file_size:
-            raise _Bad(
-                f"the packed region [{packed[1]}, {packed[1] + packed[2]}) ends past the end "
-                f"of the file ({file_size} bytes; truncated?)"
-            )
-        packed = (packed[0], packed[1], packed[2])
-    cols = [doc.get(name) for name in _COLUMNS]
-    for name, col in zip(_COLUMNS, cols, strict=True):
-        if not isinstance(col, list):
-            raise _Bad(f"{name!r} is not a list (the values' columns)")
-    keys, dtypes, shapes, checksums, layouts, paths, offsets = cols
-    n = len(keys)
-    for name, col in zip(_COLUMNS, cols, strict=True):
-        if len(col) != n:
-            raise _Bad(f"{name!r} has {len(col)} items for {n} keys")
-    if n and _types(keys) != {str}:
-        raise _Bad(f"'keys' holds a non-string {next(k for k in keys if type(k) is not str)!r}")
-    if len(set(keys)) != n:
-        seen: set[str] = set()
-        dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise _Bad(f"the key {dup!r} is stored twice")
+    version, library, metadata = _check_header(doc, container)
+    packed = _check_packed_region(doc.get("packed"), file_size)
+    cols = _columns(doc)
+    keys, dtypes, shapes, checksums, layouts, paths, offsets = (cols[n] for n in _COLUMNS)
     packed_nbytes = packed[2] if packed is not None else 0
-    nbytes = _check_values(keys, dtypes, shapes, checksums, layouts, paths, offsets, container)
-    attrs = _attrs(keys, doc.get("attrs", {}), doc.get("sparse_attrs", {}))
+    nbytes = _check_dtypes_and_shapes(keys, dtypes, shapes)
+    _check_locations(cols, container)
+    attrs = attrs_from_columns(keys, doc.get("attrs", {}), doc.get("sparse_attrs", {}))
     is_packed = [lay == "packed" for lay in layouts]
     off = np.array(offsets, np.int64)
     nb = np.array(nbytes, np.int64)
     pk = np.array(is_packed, bool)
     _check_packed(keys, pk, off, nb, packed_nbytes)
-    locs = [
-        ("packed", o, b) if p else ("array", q, o) if lay == "array" else ("zarr", q)
-        for p, lay, q, o, b in zip(is_packed, layouts, paths, offsets, nbytes, strict=True)
-    ]
+    make = functools.partial(tuple.__new__, Location)  # no per-value Python call
+    locs = list(map(make, zip(layouts, paths, offsets, nbytes, strict=True)))
     shape_tuples = map(tuple, shapes)
     entries = list(map(Entry, dtypes, shape_tuples, checksums, attrs, locs))
     for e, b in zip(entries, nbytes, strict=True):
@@ -370,103 +285,142 @@ def _validate(doc: Any, container: str, file_size: int | None) -> Record:
         values=dict(zip(keys, entries, strict=True)),
         metadata=metadata,
         packed=packed,
-        format_version=(version[0], version[1]),
+        format_version=version,
         library=library,
         columns=Columns(keys, pk, off, nb),
     )
+
+
+def _check_header(doc: Any, container: str) -> tuple[tuple[int, int], str, dict[str, Any]]:
+    """``(format_version, library, metadata)`` of a record map, checked."""
+    if not isinstance(doc, dict):
+        raise BadRecord("the record is not a map")
+    if doc.get("format") != FORMAT_NAME:
+        raise BadRecord(f"'format' is {doc.get('format')!r}, expected {FORMAT_NAME!r}")
+    version = doc.get("format_version")
+    if (
+        not isinstance(version, list)
+        or len(version) != 2
+        or not all(type(v) is int and 0 <= v < 1 << 16 for v in version)
+    ):
+        raise BadRecord(f"'format_version' is {version!r}, expected [major, minor]")
+    if version[0] > FORMAT_VERSION[0]:
+        raise UnsupportedFormatError(
+            f"The checkpoint has format version {version[0]}.{version[1]}, newer than the "
+            f"{FORMAT_VERSION[0]}.x this ckptvar reads; upgrade ckptvar to read it."
+        )
+    if doc.get("container") != container:
+        raise BadRecord(f"'container' is {doc.get('container')!r}, expected {container!r}")
+    library = doc.get("library", "")
+    if not isinstance(library, str):
+        raise BadRecord("'library' is not a string")
+    metadata = doc.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise BadRecord("'metadata' is not a map")
+    check_plain(metadata, "'metadata'")
+    return (version[0], version[1]), library, metadata
+
+
+def _check_packed_region(packed: Any, file_size: int | None) -> tuple[str, int, int] | None:
+    """The record's ``packed`` entry as ``(path, offset, nbytes)``, checked (None if absent)."""
+    if packed is None:
+        return None
+    if (
+        not isinstance(packed, list)
+        or len(packed) != 3
+        or not isinstance(packed[0], str)
+        or not is_valid_container_path(packed[0])
+        or not _is_count(packed[1])
+        or not _is_count(packed[2])
+    ):
+        raise BadRecord(f"'packed' is {packed!r}, expected [path, offset, nbytes]")
+    if file_size is not None and packed[1] + packed[2] > file_size:
+        raise BadRecord(
+            f"the packed region [{packed[1]}, {packed[1] + packed[2]}) ends past the end "
+            f"of the file ({file_size} bytes; truncated?)"
+        )
+    return packed[0], packed[1], packed[2]
+
+
+def _columns(doc: dict[str, Any]) -> dict[str, list[Any]]:
+    """The per-value columns: lists of one length, with unique string keys."""
+    cols = {name: doc.get(name) for name in _COLUMNS}
+    for name, col in cols.items():
+        if not isinstance(col, list):
+            raise BadRecord(f"{name!r} is not a list (the values' columns)")
+    keys = cols["keys"]
+    assert keys is not None
+    n = len(keys)
+    for name, col in cols.items():
+        if len(col) != n:  # type: ignore[arg-type]
+            raise BadRecord(f"{name!r} has {len(col)} items for {n} keys")  # type: ignore[arg-type]
+    if n and types_of(keys) != {str}:
+        bad = next(k for k in keys if type(k) is not str)
+        raise BadRecord(f"'keys' holds a non-string {bad!r}")
+    if len(set(keys)) != n:
+        seen: set[str] = set()
+        dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise BadRecord(f"the key {dup!r} is stored twice")
+    return cols  # type: ignore[return-value]
 
 
 def _is_count(v: Any) -> bool:
     return type(v) is int and 0 <= v < _MAX_NBYTES
 
 
-def _check_values(
-    keys: list[str],
-    dtypes: list[Any],
-    shapes: list[Any],
-    checksums: list[Any],
-    layouts: list[Any],
-    paths: list[Any],
-    offsets: list[Any],
-    container: str,
-) -> list[int]:
-    """Validate the per-value columns in bulk; return each value's size in bytes."""
-    n = len(keys)
-    if not n:
+def _check_dtypes_and_shapes(keys: list[str], dtypes: list[Any], shapes: list[Any]) -> list[int]:
+    """Validate dtype names and shapes in bulk; return each value's size in bytes."""
+    if not keys:
         return []
-    if _types(dtypes) != {str} or not set(dtypes) <= _ITEMSIZE.keys():
+    if types_of(dtypes) != {str} or not set(dtypes) <= _ITEMSIZE.keys():
         i = next(i for i, d in enumerate(dtypes) if not (type(d) is str and d in _ITEMSIZE))
-        raise _Bad(f"{keys[i]!r} has unsupported dtype {dtypes[i]!r}")
-    if _types(shapes) != {list} or max(map(len, shapes)) > MAX_NDIM:
+        raise BadRecord(f"{keys[i]!r} has unsupported dtype {dtypes[i]!r}")
+    if types_of(shapes) != {list} or max(map(len, shapes)) > MAX_NDIM:
         i = next(i for i, s in enumerate(shapes) if type(s) is not list or len(s) > MAX_NDIM)
-        raise _Bad(f"{keys[i]!r} has shape {shapes[i]!r}, expected a list of at most "
+        raise BadRecord(f"{keys[i]!r} has shape {shapes[i]!r}, expected a list of at most "
                    f"{MAX_NDIM} dims")
     dims = list(chain.from_iterable(shapes))
-    if dims and (_types(dims) != {int} or min(dims) < 0 or max(dims) >= _MAX_NBYTES):
+    if dims and (types_of(dims) != {int} or min(dims) < 0 or max(dims) >= _MAX_NBYTES):
         i = next(i for i, s in enumerate(shapes) if not all(_is_count(d) for d in s))
         bad = next(d for d in shapes[i] if not _is_count(d))
-        raise _Bad(f"{keys[i]!r} has a bad dimension {bad!r} in shape {shapes[i]!r}")
+        raise BadRecord(f"{keys[i]!r} has a bad dimension {bad!r} in shape {shapes[i]!r}")
     nbytes = list(map(operator.mul, map(math.prod, shapes), map(_ITEMSIZE.__getitem__, dtypes)))
     if max(nbytes) >= _MAX_NBYTES:
         i = next(i for i, b in enumerate(nbytes) if b >= _MAX_NBYTES)
-        raise _Bad(f"{keys[i]!r} declares shape {shapes[i]!r}, too large to exist")
-    if _types(checksums) != {int} or min(checksums) < 0 or max(checksums) >= 1 << 32:
-        i = next(i for i, c in enumerate(checksums) if type(c) is not int or not 0 <= c < 1 << 32)
-        raise _Bad(f"{keys[i]!r} has checksum {checksums[i]!r}, expected a 32-bit unsigned int")
-    allowed = _LAYOUTS if container == "zarr" else _LAYOUTS - {"zarr"}
-    if _types(layouts) != {str} or not set(layouts) <= allowed:
-        i = next(i for i, x in enumerate(layouts) if not (type(x) is str and x in allowed))
-        raise _Bad(f"{keys[i]!r} has an unknown location {layouts[i]!r}")
-    if _types(offsets) != {int} or min(offsets) < 0 or max(offsets) >= _MAX_NBYTES:
-        i = next(i for i, o in enumerate(offsets) if not _is_count(o))
-        raise _Bad(f"{keys[i]!r} has a bad byte offset {offsets[i]!r}")
-    own = [lay != "packed" for lay in layouts]
-    if any(p is not None for p in compress(paths, [not o for o in own])):
-        i = next(i for i, p in enumerate(paths) if not own[i] and p is not None)
-        raise _Bad(f"{keys[i]!r} is packed but names a container path {paths[i]!r}")
-    for i in compress(range(n), own):
-        p = paths[i]
-        if not isinstance(p, str) or not is_valid_container_path(p):
-            raise _Bad(f"{keys[i]!r} has an unsafe container path {p!r}")
-        if offsets[i] and (container == "zarr"):
-            raise _Bad(f"{keys[i]!r} has byte offset {offsets[i]} in its Zarr chunk, expected 0")
+        raise BadRecord(f"{keys[i]!r} declares shape {shapes[i]!r}, too large to exist")
     return nbytes
 
 
-def _attrs(keys: list[str], dense: Any, sparse: Any) -> list[dict[str, Any]]:
-    """Each value's attribute dict, from the columns and the per-key extras."""
-    n = len(keys)
-    if not isinstance(dense, dict):
-        raise _Bad("'attrs' is not a map of attribute columns")
-    for name, col in dense.items():
-        if not isinstance(col, list) or len(col) != n:
-            raise _Bad(f"the attribute column {name!r} is not a list of {n} items")
-        if not _types(col) <= _SCALAR_TYPES:
-            check_plain(col, f"the attribute column {name!r}", max_depth=MAX_DEPTH - 2)
-    if not isinstance(sparse, dict):
-        raise _Bad("'sparse_attrs' is not a map")
-    names = list(dense)
-    if len(names) == 1:
-        (only,) = names
-        out = [{only: v} for v in dense[only]]
-    elif names:
-        out = [dict(zip(names, row, strict=True)) for row in zip(*dense.values(), strict=True)]
-    else:
-        out = [{} for _ in range(n)]
-    if sparse:
-        index = {k: i for i, k in enumerate(keys)}
-        for key, extra in sparse.items():
-            i = index.get(key)
-            if i is None:
-                raise _Bad(f"'sparse_attrs' names {key!r}, which is not a stored key")
-            if not isinstance(extra, dict):
-                raise _Bad(f"{key!r} has attrs that are not a map")
-            check_plain(extra, f"the attrs of {key!r}", max_depth=MAX_DEPTH - 2)
-            clash = set(extra) & set(names)
-            if clash:
-                raise _Bad(f"{key!r} repeats the attribute {sorted(clash)[0]!r}")
-            out[i].update(extra)
-    return out
+def _check_locations(cols: dict[str, list[Any]], container: str) -> None:
+    """Validate checksums, layouts, byte offsets and container paths in bulk."""
+    keys, checksums = cols["keys"], cols["checksums"]
+    layouts, paths, offsets = cols["layouts"], cols["paths"], cols["offsets"]
+    if not keys:
+        return
+    if types_of(checksums) != {int} or min(checksums) < 0 or max(checksums) >= 1 << 32:
+        i = next(i for i, c in enumerate(checksums) if type(c) is not int or not 0 <= c < 1 << 32)
+        raise BadRecord(
+            f"{keys[i]!r} has checksum {checksums[i]!r}, expected a 32-bit unsigned int"
+        )
+    allowed = _LAYOUTS if container == "zarr" else _LAYOUTS - {"zarr"}
+    if types_of(layouts) != {str} or not set(layouts) <= allowed:
+        i = next(i for i, x in enumerate(layouts) if not (type(x) is str and x in allowed))
+        raise BadRecord(f"{keys[i]!r} has an unknown location {layouts[i]!r}")
+    if types_of(offsets) != {int} or min(offsets) < 0 or max(offsets) >= _MAX_NBYTES:
+        i = next(i for i, o in enumerate(offsets) if not _is_count(o))
+        raise BadRecord(f"{keys[i]!r} has a bad byte offset {offsets[i]!r}")
+    own = [lay != "packed" for lay in layouts]
+    if any(p is not None for p in compress(paths, [not o for o in own])):
+        i = next(i for i, p in enumerate(paths) if not own[i] and p is not None)
+        raise BadRecord(f"{keys[i]!r} is packed but names a container path {paths[i]!r}")
+    for i in compress(range(len(keys)), own):
+        p = paths[i]
+        if not isinstance(p, str) or not is_valid_container_path(p):
+            raise BadRecord(f"{keys[i]!r} has an unsafe container path {p!r}")
+        if offsets[i] and (container == "zarr"):
+            raise BadRecord(
+                f"{keys[i]!r} has byte offset {offsets[i]} in its Zarr chunk, expected 0"
+            )
 
 
 def _check_packed(keys: list[str], packed: np.ndarray, offsets: np.ndarray,
@@ -480,7 +434,7 @@ def _check_packed(keys: list[str], packed: np.ndarray, offsets: np.ndarray,
     outside = np.flatnonzero(end > blob_nbytes)
     if outside.size:
         key = keys[int(idx[outside[0]])]
-        raise _Bad(f"{key!r} lies outside the packed blob ({blob_nbytes} bytes)")
+        raise BadRecord(f"{key!r} lies outside the packed blob ({blob_nbytes} bytes)")
     nonempty = size > 0
     idx, start, end = idx[nonempty], start[nonempty], end[nonempty]
     order = np.argsort(start, kind="stable")
@@ -489,4 +443,4 @@ def _check_packed(keys: list[str], packed: np.ndarray, offsets: np.ndarray,
     if bad.size:
         j = int(bad[0])
         a, b = keys[int(idx[order[j]])], keys[int(idx[order[j + 1]])]
-        raise _Bad(f"packed value {b!r} overlaps {a!r}")
+        raise BadRecord(f"packed value {b!r} overlaps {a!r}")

@@ -14,6 +14,29 @@ objects for one format:
 
 Keys are ``/``-separated object-graph paths (``model/dense/kernel``); how a key
 maps to a place inside a container is each backend's business (docs/FORMAT.md).
+
+Optional abilities: a reader may offer more than the ``Reader`` ABC asks for, and
+callers test for each with ``isinstance`` against a small runtime-checkable
+protocol (never by probing for a method's name). A new backend offers one by
+defining the method, and says so by listing the protocol among its bases:
+
+- :class:`SupportsShapeAndDtype`: ``shape_and_dtype(key)`` without making an
+  ``ArrayInfo`` (what a restore checks per value);
+- :class:`SupportsReadIntoMany`: ``read_into_many([(key, out), ...])`` fills
+  many caller buffers in few system calls;
+- :class:`SupportsVerifyMany`: ``verify_many(keys)`` checks many values at once;
+- :class:`SupportsVerifyAll`: ``verify_all()`` lists every damaged value.
+
+ckptvar's own readers (HDF5, Zarr) offer all four.
+
+>>> import os, tempfile
+>>> from ckptvar.storage import backend_for
+>>> path = os.path.join(tempfile.mkdtemp(), "w.h5")
+>>> with backend_for(path, mode="w").open_writer(path) as writer:
+...     writer.add("w", np.zeros(3, np.float32))
+>>> with backend_for(path).open_reader(path) as reader:
+...     isinstance(reader, SupportsReadIntoMany), reader.shape_and_dtype("w")
+(True, ((3,), dtype('float32')))
 """
 
 from __future__ import annotations
@@ -23,11 +46,23 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["ArrayInfo", "Backend", "LazyArray", "Reader", "Writer"]
+from ..errors import UnsupportedFormatError
+
+__all__ = [
+    "ArrayInfo",
+    "Backend",
+    "LazyArray",
+    "Reader",
+    "SupportsReadIntoMany",
+    "SupportsShapeAndDtype",
+    "SupportsVerifyAll",
+    "SupportsVerifyMany",
+    "Writer",
+]
 
 
 @dataclass(frozen=True)
@@ -147,7 +182,7 @@ class Reader(Mapping[str, LazyArray], abc.ABC):
         """Raise ``CorruptCheckpointError`` if ``key``'s bytes do not match its checksum."""
         self.read(key, verify=True)
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:  # optional hook: nothing to release by default
         """Release file handles."""
 
     def __enter__(self) -> Reader:
@@ -160,6 +195,44 @@ class Reader(Mapping[str, LazyArray], abc.ABC):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+@runtime_checkable
+class SupportsShapeAndDtype(Protocol):
+    """A reader that tells a stored value's shape and dtype without an ``ArrayInfo``."""
+
+    def shape_and_dtype(self, key: str) -> tuple[tuple[int, ...], np.dtype]:
+        """``(shape, dtype)`` of ``key``; raises ``MissingKeyError`` for an unknown key."""
+        ...
+
+
+@runtime_checkable
+class SupportsReadIntoMany(Protocol):
+    """A reader that fills many caller buffers at once."""
+
+    def read_into_many(self, pairs: list[tuple[str, np.ndarray]], *, verify: bool = True) -> None:
+        """Read each ``(key, out)`` value into ``out`` (same shape and dtype, C-contiguous,
+        writeable). With ``verify`` a damaged value raises ``CorruptCheckpointError``, but
+        other buffers may already hold new bytes: verify first when that matters."""
+        ...
+
+
+@runtime_checkable
+class SupportsVerifyMany(Protocol):
+    """A reader that checks many values at once."""
+
+    def verify_many(self, keys: Iterable[str]) -> None:
+        """Raise ``CorruptCheckpointError`` for the first damaged value among ``keys``."""
+        ...
+
+
+@runtime_checkable
+class SupportsVerifyAll(Protocol):
+    """A reader that lists every damaged value rather than stopping at the first."""
+
+    def verify_all(self) -> list[tuple[str, str]]:
+        """``[(key, reason), ...]`` for each damaged value; empty when all verify."""
+        ...
 
 
 class Writer(abc.ABC):
@@ -204,6 +277,10 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     suffixes: ClassVar[tuple[str, ...]]
     can_write: ClassVar[bool] = False
+    #: True when a file or directory with this format's suffix that :meth:`sniff` does not
+    #: claim may be another format's (a Keras ``.h5``): ``backend_for`` then hands it to
+    #: the first other backend that claims it.
+    hands_over_unrecognised: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod
@@ -216,6 +293,4 @@ class Backend(abc.ABC):
 
     @classmethod
     def open_writer(cls, path: Path, **options: Any) -> Writer:
-        from ..errors import UnsupportedFormatError
-
         raise UnsupportedFormatError(f"The {cls.name} format is read-only in ckptvar.")

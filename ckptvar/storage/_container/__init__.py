@@ -1,0 +1,46 @@
+"""ckptvar's own checkpoint format, shared by its two containers (HDF5 and Zarr v3).
+
+A checkpoint of this format is a container (one ``.h5`` file or one ``.zarr``
+directory) holding every value's little-endian C-order bytes and a root record
+(:mod:`.._record`) that says where each one is. The backends (``_h5.py``,
+``_zarr.py``) only lay bytes out and find them again; what they share lives here:
+
+- :mod:`.layout`: the packed blob, stored dtypes, byte-range checks;
+- :mod:`.writer`: write planning, packing, hashing while writing, publishing;
+- :mod:`.reader`: the reader base, single reads, verification, lazy slices;
+- :mod:`.bulk`: windowed read-ahead, bulk verify, scatter reads into buffers;
+- :mod:`.transfer`: the parallel read-and-hash engine under both.
+"""
+
+from __future__ import annotations
+
+from .layout import (
+    ALIGN,
+    DEFAULT_PACK_THRESHOLD,
+    PACKED_PATH,
+    PLAIN_DTYPES,
+    Source,
+    ValueRanges,
+    check_regions,
+    storage_dtype,
+)
+from .reader import ContainerLazyArray, ContainerReader
+from .writer import ContainerWriter, WriteItem, WritePlan, scalar_attrs, write_packed
+
+__all__ = [
+    "ALIGN",
+    "DEFAULT_PACK_THRESHOLD",
+    "PACKED_PATH",
+    "PLAIN_DTYPES",
+    "ContainerLazyArray",
+    "ContainerReader",
+    "ContainerWriter",
+    "Source",
+    "ValueRanges",
+    "WriteItem",
+    "WritePlan",
+    "check_regions",
+    "scalar_attrs",
+    "storage_dtype",
+    "write_packed",
+]

@@ -1,0 +1,313 @@
+"""Many values of one container at once: windowed read-ahead, bulk verify, scatter reads.
+
+Owns: :func:`read_many` (values read in windows of about ``_WINDOW`` bytes on the
+I/O threads, the next window read while this one is handed out; packed values
+from one read of the packed blob), :func:`verify_many` (packed values hashed in
+place through one read-only map) and :func:`read_into_many` (packed values
+scattered into their buffers by ``preadv``). The reader's own single-value
+paths (:mod:`.reader`) handle what none of these speed up.
+"""
+
+from __future__ import annotations
+
+import mmap
+import operator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import crc32c as _crc32c
+import numpy as np
+
+from ...errors import CorruptCheckpointError
+from .. import _checksum, _rawio
+from .._record import ARRAY, PACKED, Entry
+from .transfer import PARALLEL_FROM, Transfer, TransferValue
+
+if TYPE_CHECKING:
+    from .reader import ContainerReader
+
+__all__ = ["read_into_many", "read_many", "verify_many"]
+
+_by_offset = operator.itemgetter(0)
+
+#: CRC-32C straight over any C-contiguous buffer (arrays included), no wrapper per value.
+_crc: Callable[[Any, int], int] = _crc32c.crc32c
+#: ``read_many`` reads this many bytes ahead of what it has yielded.
+_WINDOW = 256 << 20
+#: ``read_into_many`` reads across gaps up to this size between packed values.
+_MAX_GAP = 32 << 20
+
+
+@dataclass(slots=True)
+class _Window:
+    """A run of values read ahead together: the large ones land in ``big``."""
+
+    items: list[tuple[str, Entry]]
+    big: dict[str, np.ndarray]
+    transfer: Transfer
+
+
+@dataclass(slots=True)
+class _PackedBlob:
+    """The part of the packed blob that holds the requested packed values."""
+
+    data: np.ndarray
+    start: int  # offset of ``data[0]`` inside the blob
+
+
+def _truncated(reader: ContainerReader, got: int, want: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"Checkpoint {str(reader.path)!r}: the packed values are truncated "
+        f"({got} of {want} bytes present)."
+    )
+
+
+def _windows(
+    items: list[tuple[str, Entry]], blob: _PackedBlob | None
+) -> list[list[tuple[str, Entry]]]:
+    """Runs of values holding about ``_WINDOW`` bytes not already in ``blob``."""
+    windows: list[list[tuple[str, Entry]]] = []
+    cur: list[tuple[str, Entry]] = []
+    size = 0
+    skip_packed = blob is not None
+    for key, e in items:
+        cur.append((key, e))
+        kind, _, _, nbytes = e.loc  # unpacked: the fastest way to read a location
+        if not (skip_packed and kind == PACKED):
+            size += nbytes
+        if size >= _WINDOW:
+            windows.append(cur)
+            cur, size = [], 0
+    if cur:
+        windows.append(cur)
+    return windows
+
+
+def read_many(
+    reader: ContainerReader, keys: Iterable[str], verify: bool
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(key, value)`` in order, each verified before it is yielded.
+
+    Values are read in windows of about ``_WINDOW`` bytes; from the page cache the
+    next window is read while this one is handed out. Packed values come from one
+    read of the packed blob (when they make up most of it) and are returned as
+    aligned views into that buffer. Nothing happens before the first value is asked.
+    """
+    reader._check()
+    entry = reader._entry
+    items = [(k, entry(k)) for k in keys]
+    blob = _read_packed_span(reader, [e for _, e in items])
+    windows = iter(_windows(items, blob))
+    queue: deque[_Window] = deque()
+
+    def read_ahead() -> None:
+        nxt = next(windows, None)
+        if nxt is not None:
+            queue.append(_launch(reader, nxt, blob, verify))
+
+    try:
+        read_ahead()
+        while queue:
+            # From the page cache, the next window is read while this one is finished
+            # and handed out; from disk, one window at a time (one sequential stream),
+            # the next one starting as soon as this one is in.
+            if not queue[0].transfer.sequential and len(queue) < 2:
+                read_ahead()
+            window = queue[0]
+            window.transfer.finish()
+            if window.transfer.sequential and len(queue) < 2:
+                read_ahead()
+            yield from _hand_out(reader, window, blob, verify)
+            queue.popleft()
+            # Hold nothing of this window past here, so a consumer that drops each
+            # value (a GPU load) keeps at most two windows alive, not three.
+            window = None  # type: ignore[assignment]
+    finally:
+        for w in queue:
+            w.transfer.abandon()
+
+
+def _launch(
+    reader: ContainerReader, items: list[tuple[str, Entry]], blob: _PackedBlob | None, verify: bool
+) -> _Window:
+    """Start reading a window's large values (those not in ``blob``) on the I/O threads."""
+    values = []
+    in_blob = blob is not None
+    for k, e in items:
+        if reader._parallel(e) and not (in_blob and e.loc.kind == PACKED):
+            reader._check_source(k, e)
+            values.append(TransferValue(k, e, np.empty(e.shape, e.np_dtype)))
+    transfer = Transfer(reader, values, verify, ahead=True)
+    return _Window(items, {v.key: v.dest for v in values if v.dest is not None}, transfer)
+
+
+def _hand_out(
+    reader: ContainerReader, window: _Window, blob: _PackedBlob | None, verify: bool
+) -> Iterator[tuple[str, np.ndarray]]:
+    """The values of a window that is in: large ones read ahead, packed ones from
+    ``blob`` (verified here), the rest read one by one."""
+    big = window.big
+    crc = _crc
+    data, lo = (blob.data, blob.start) if blob is not None else (None, 0)
+    for key, e in window.items:
+        arr = big.get(key)
+        if arr is None:
+            kind, _, offset, n = e.loc
+            if data is not None and kind == PACKED:
+                raw = data[offset - lo : offset - lo + n]
+                if verify:
+                    got = crc(raw, _checksum.header_crc(key, e.dtype, e.shape))
+                    if got != e.checksum:
+                        reader._compare(key, e, got)
+                arr = raw.view(e.np_dtype).reshape(e.shape) if n else np.empty(e.shape, e.np_dtype)
+            else:
+                arr = reader.read(key, verify=verify)
+        yield key, arr
+
+
+def _read_packed_span(reader: ContainerReader, entries: list[Entry]) -> _PackedBlob | None:
+    """One read of the part of the packed blob ``entries`` use, when they fill most of it."""
+    locs = [(at, n) for kind, _, at, n in [e.loc for e in entries] if kind == PACKED]
+    if len(locs) < 2:
+        return None
+    starts, sizes = zip(*locs, strict=True)  # columns, without a Python loop
+    lo = min(starts)
+    hi = max(map(operator.add, starts, sizes))
+    want = sum(sizes)
+    if hi - lo > 2 * want + (1 << 20):
+        return None
+    fd, base = reader._packed_source()
+    data = np.empty(hi - lo, np.uint8)
+    got = _rawio.pread_into(fd, data.data, base + lo)
+    if got != hi - lo:
+        raise _truncated(reader, got, hi - lo)
+    return _PackedBlob(data, lo)
+
+
+def verify_many(reader: ContainerReader, keys: Iterable[str]) -> None:
+    """Raise ``CorruptCheckpointError`` for the first damaged value among ``keys``.
+
+    Packed values are hashed in place through one read-only map of the packed blob
+    (no copy, no per-value system call); large values in pieces on the I/O threads;
+    the rest one by one (:meth:`ContainerReader.verify`).
+    """
+    entry = reader._entry
+    packed: list[tuple[str, Entry]] = []
+    big: list[TransferValue] = []
+    for k, e in [(k, entry(k)) for k in keys]:
+        kind, _, _, nbytes = e.loc
+        if kind == PACKED and nbytes:
+            packed.append((k, e))
+        elif kind == ARRAY and nbytes >= PARALLEL_FROM:
+            big.append(TransferValue(k, e, None))
+        else:
+            reader.verify(k)
+    if big:
+        Transfer(reader, big, True).finish()
+    if not packed:
+        return
+    fd, base = reader._packed_source()
+    hi = base + max(e.loc.offset + e.loc.nbytes for _, e in packed)
+    crc = _crc
+    seed = _checksum.header_crc
+    mm = reader._map(fd)
+    try:
+        with memoryview(mm) as mv:
+            if hi > len(mv):
+                raise _truncated(reader, len(mv) - base, hi - base)
+            for key, e in packed:
+                _, _, at, n = e.loc
+                start = base + at
+                got = crc(mv[start : start + n], seed(key, e.dtype, e.shape))
+                if got != e.checksum:
+                    reader._compare(key, e, got)
+    finally:
+        if isinstance(mm, mmap.mmap):
+            mm.close()
+
+
+#: A packed value to be read into a buffer: ``(offset_in_blob, key, entry, out)``. A plain
+#: tuple (one per value of a restore), always unpacked by name; sorted by offset.
+_Scatter = tuple[int, str, Entry, np.ndarray]
+
+
+def read_into_many(
+    reader: ContainerReader, pairs: list[tuple[str, np.ndarray]], verify: bool
+) -> None:
+    """Read each ``(key, out)`` value into ``out`` (same shape and dtype, C-contiguous).
+
+    Packed values are scattered straight into their buffers by ``preadv`` (one call per
+    run of up to ``IOV_MAX`` buffers). With ``verify`` each value is checked after it
+    is read, so on damage some buffers already hold new bytes: verify first
+    (:func:`verify_many`) when that matters.
+    """
+    entry = reader._entry
+    packed: list[_Scatter] = []
+    big: list[TransferValue] = []
+    for key, given in pairs:
+        e = entry(key)
+        out = reader._dest(key, e, given)
+        kind, _, offset, nbytes = e.loc
+        if kind == PACKED and nbytes:
+            packed.append((offset, key, e, out))
+        elif reader._parallel(e):
+            big.append(TransferValue(key, e, out))
+        else:
+            reader.read(key, out=out, verify=verify)
+    if big:
+        Transfer(reader, big, verify).finish()
+    if not packed:
+        return
+    packed.sort(key=_by_offset)
+    fd, base = reader._packed_source()
+    scratch = np.empty(_MAX_GAP, np.uint8)  # skips bytes no key asked for
+    i = 0
+    while i < len(packed):
+        j, start, end, bufs = _next_run(packed, i, scratch)
+        if j == i:  # an overlapping duplicate: read it on its own
+            _, key, _, out = packed[i]
+            reader.read(key, out=out, verify=verify)
+            i += 1
+            continue
+        got = _rawio.preadv_all(fd, bufs, base + start)
+        if got != end - start:
+            raise _truncated(reader, got, end - start)
+        if verify:
+            _check_run(reader, packed[i:j])
+        i = j
+
+
+def _next_run(
+    packed: list[_Scatter], i: int, scratch: np.ndarray
+) -> tuple[int, int, int, list[Any]]:
+    """``(j, start, end, bufs)``: values ``packed[i:j]`` filled by one ``preadv`` of
+    ``[start, end)``, gaps between them read into ``scratch``."""
+    start = pos = _by_offset(packed[i])
+    bufs: list[Any] = []
+    j = i
+    while j < len(packed) and len(bufs) < _rawio.IOV_MAX - 1:
+        off, _, e, out = packed[j]
+        if off < pos:  # two keys on one range: read it apart
+            break
+        gap = off - pos
+        if gap > scratch.size:
+            if bufs:
+                break
+            start = pos = off
+            gap = 0
+        if gap:
+            bufs.append(scratch[:gap])
+        bufs.append(out)
+        pos = off + e.loc.nbytes
+        j += 1
+    return j, start, pos, bufs
+
+
+def _check_run(reader: ContainerReader, run: list[_Scatter]) -> None:
+    crc = _crc
+    for _, key, e, out in run:
+        got = crc(out, _checksum.header_crc(key, e.dtype, e.shape))
+        if got != e.checksum:
+            reader._compare(key, e, got)

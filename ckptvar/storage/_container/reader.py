@@ -1,0 +1,348 @@
+"""Single reads of ckptvar's own containers: the reader base and its lazy arrays.
+
+Owns: answering keys, infos and metadata from the decoded root record; reading
+one whole value with ``preadv`` straight into its destination (large ones in
+pieces on the I/O threads, :mod:`.transfer`); verifying one value or all of
+them; and lazy slices that read only the byte run an index covers
+(:mod:`.._slicing`). Reading many values at once lives in :mod:`.bulk`. A
+backend says where each value's bytes are (:meth:`ContainerReader._open_array`,
+:meth:`ContainerReader._packed_source`).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import difflib
+import mmap
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..._dtypes import SUPPORTED_DTYPES
+from ...errors import CorruptCheckpointError, MissingKeyError
+from .. import _checksum, _rawio
+from .._record import ARRAY, PACKED, Entry, Record
+from .._slicing import element_span
+from ..base import (
+    ArrayInfo,
+    LazyArray,
+    Reader,
+    SupportsReadIntoMany,
+    SupportsShapeAndDtype,
+    SupportsVerifyAll,
+    SupportsVerifyMany,
+)
+from . import bulk
+from .layout import Source
+from .transfer import PARALLEL_FROM, Transfer, TransferValue
+
+__all__ = ["ContainerLazyArray", "ContainerReader"]
+
+#: Values up to this size are read whole (and verified) even when only sliced.
+_SLICE_WHOLE_BELOW = 1 << 20
+
+
+class ContainerReader(
+    Reader, SupportsShapeAndDtype, SupportsReadIntoMany, SupportsVerifyMany, SupportsVerifyAll
+):
+    """A reader over a decoded record; backends say where each value's bytes are."""
+
+    def __init__(self, path: Path, record: Record) -> None:
+        self.path = Path(path)
+        self._record = record
+        self._values = record.values
+        self._closed = False
+        self._infos: dict[str, ArrayInfo] = {}
+
+    # -- backend hooks
+    @abc.abstractmethod
+    def _open_array(self, key: str, entry: Entry) -> Source:
+        """Where the bytes of a value stored as its own array are."""
+
+    @abc.abstractmethod
+    def _packed_source(self) -> tuple[int, int]:
+        """``(fd, byte_offset_of_blob_start)``."""
+
+    def _read_other(self, key: str, entry: Entry) -> np.ndarray:
+        raise self._corrupt(key, f"has an unknown location {entry.loc!r}")
+
+    def _source(self, key: str, entry: Entry) -> Source:
+        """Where an ``array`` or ``packed`` value's bytes are."""
+        if entry.loc.kind == PACKED:
+            fd, base = self._packed_source()
+            return Source(fd, base + entry.loc.offset, False)
+        return self._open_array(key, entry)
+
+    def _check_source(self, key: str, entry: Entry) -> None:
+        """Open and close the value's source: opening checks the stored size against the
+        record, so a forged record declaring a huge value is refused before allocating."""
+        src = self._source(key, entry)
+        if src.owned:
+            os.close(src.fd)
+
+    def _parallel(self, e: Entry) -> bool:
+        kind, _, _, nbytes = e.loc
+        return nbytes >= PARALLEL_FROM and kind in (ARRAY, PACKED)
+
+    def _mmap_region(self, key: str, entry: Entry) -> tuple[Any, int, bool]:
+        """A buffer (mmap) holding the value's bytes, its start, and whether to close it."""
+        if entry.loc.kind == PACKED:
+            fd, base = self._packed_source()
+            return self._map(fd), base + entry.loc.offset, True
+        src = self._open_array(key, entry)
+        try:
+            return self._map(src.fd), src.offset, True
+        finally:
+            if src.owned:
+                os.close(src.fd)
+
+    def _map(self, fd: int) -> Any:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return b""
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+
+    # -- Mapping
+    def keys(self) -> Any:
+        return self._values.keys()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def _entry(self, key: str) -> Entry:
+        try:
+            return self._values[key]
+        except (KeyError, TypeError):
+            pass
+        hint = ""
+        if isinstance(key, str) and len(self._values) < 100_000:
+            close = difflib.get_close_matches(key, list(self._values), n=3)
+            if close:
+                hint = f" Did you mean {', '.join(repr(c) for c in close)}?"
+        raise MissingKeyError(
+            f"Checkpoint {str(self.path)!r} has no value {key!r} "
+            f"({len(self._values)} values stored).{hint}"
+        )
+
+    def info(self, key: str) -> ArrayInfo:
+        info = self._infos.get(key)
+        if info is None:
+            e = self._entry(key)
+            info = _make_info(key, e.np_dtype, e.shape, e.attrs, e.checksum)
+            self._infos[key] = info
+        return info
+
+    def __getitem__(self, key: str) -> LazyArray:
+        return ContainerLazyArray(self, key, self.info(key))
+
+    def shape_and_dtype(self, key: str) -> tuple[tuple[int, ...], np.dtype]:
+        """The stored value's shape and dtype, straight from the record."""
+        e = self._entry(key)
+        return e.shape, SUPPORTED_DTYPES[e.dtype]
+
+    def metadata(self) -> dict[str, Any]:
+        return self._record.metadata
+
+    @property
+    def format_version(self) -> tuple[int, int]:
+        return self._record.format_version
+
+    def close(self) -> None:
+        self._closed = True
+
+    def _check(self) -> None:
+        if self._closed:
+            raise ValueError(f"The reader of {str(self.path)!r} is closed.")
+
+    def _corrupt(self, key: str, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"Checkpoint {str(self.path)!r}: value {key!r} {what}.")
+
+    def _compare(self, key: str, e: Entry, computed: int) -> None:
+        if computed != e.checksum:
+            raise self._corrupt(
+                key,
+                f"fails its checksum (stored {e.checksum:#010x}, computed {computed:#010x}); "
+                "the checkpoint is damaged",
+            )
+
+    # -- whole-value reads
+    def _dest(self, key: str, e: Entry, out: np.ndarray | None) -> np.ndarray:
+        if out is None:
+            return np.empty(e.shape, e.np_dtype)
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"out= must be a NumPy array, got {type(out).__name__}.")
+        if out.shape != e.shape or out.dtype != e.np_dtype:
+            raise ValueError(
+                f"out= for {key!r} has shape {out.shape} and dtype {out.dtype}; the stored "
+                f"value has shape {e.shape} and dtype {e.dtype}."
+            )
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError(f"out= for {key!r} must be a writeable C-contiguous array.")
+        return out
+
+    def _read_whole(self, key: str, e: Entry, out: np.ndarray | None, verify: bool) -> np.ndarray:
+        """Read a value below ``PARALLEL_FROM`` (or stored elsewhere) on this thread."""
+        if e.loc.kind not in (ARRAY, PACKED):
+            arr = self._read_other(key, e)
+            if out is not None:
+                dest = self._dest(key, e, out)
+                dest[...] = arr
+                arr = dest
+            return arr
+        n = e.loc.nbytes
+        # Open the source first: opening checks the stored size against the record, so a
+        # forged record declaring a huge value is refused before anything is allocated.
+        src = self._source(key, e)
+        try:
+            arr = self._dest(key, e, out)
+            dst = _rawio.byte_view(arr)
+            got = _rawio.pread_into(src.fd, dst, src.offset) if n else 0
+        finally:
+            if src.owned:
+                os.close(src.fd)
+        if got != n:
+            raise self._corrupt(key, f"is truncated: {got} of {n} bytes present")
+        if verify:
+            self._compare(key, e, _checksum.crc(dst, _checksum.header_crc(key, e.dtype, e.shape)))
+        return arr
+
+    def read(self, key: str, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
+        self._check()
+        e = self._entry(key)
+        if not self._parallel(e):
+            return self._read_whole(key, e, out, verify)
+        self._check_source(key, e)
+        arr = self._dest(key, e, out)
+        Transfer(self, [TransferValue(key, e, arr)], verify).finish()
+        return arr
+
+    # -- many values at once (bulk.py)
+    def read_many(
+        self, keys: Iterable[str], *, verify: bool = True
+    ) -> Iterator[tuple[str, np.ndarray]]:
+        """Read values in order into fresh arrays, reading ahead on the I/O threads
+        (:func:`.bulk.read_many`)."""
+        return bulk.read_many(self, keys, verify)
+
+    def verify_many(self, keys: Iterable[str]) -> None:
+        """Raise ``CorruptCheckpointError`` for the first damaged value among ``keys``
+        (:func:`.bulk.verify_many`)."""
+        self._check()
+        bulk.verify_many(self, keys)
+
+    def read_into_many(self, pairs: list[tuple[str, np.ndarray]], *, verify: bool = True) -> None:
+        """Read each ``(key, out)`` value into ``out`` (same shape and dtype, C-contiguous)
+        (:func:`.bulk.read_into_many`)."""
+        self._check()
+        bulk.read_into_many(self, pairs, verify)
+
+    # -- partial reads
+    def _read_elements(self, key: str, e: Entry, start: int, count: int) -> np.ndarray:
+        """Elements ``[start, start + count)`` of the flat value (no checksum)."""
+        self._check()
+        if count == 0:
+            return np.empty(0, e.np_dtype)
+        item = e.np_dtype.itemsize
+        src = self._source(key, e)  # opening checks the stored size before allocating
+        try:
+            out = np.empty(count, e.np_dtype)
+            want = count * item
+            got = _rawio.pread_into(src.fd, _rawio.byte_view(out), src.offset + start * item)
+            if got != want:
+                raise self._corrupt(key, "is truncated")
+        finally:
+            if src.owned:
+                os.close(src.fd)
+        return out
+
+    # -- verification
+    def verify(self, key: str) -> None:
+        """Raise ``CorruptCheckpointError`` if ``key`` is damaged (hashes through mmap, no copy)."""
+        self._check()
+        e = self._entry(key)
+        kind = e.loc.kind
+        if kind not in (ARRAY, PACKED):
+            self.read(key, verify=True)
+            return
+        seed = _checksum.header_crc(key, e.dtype, e.shape)
+        if e.nbytes == 0:
+            if kind == ARRAY:
+                src = self._open_array(key, e)
+                if src.owned:
+                    os.close(src.fd)
+            self._compare(key, e, seed)
+            return
+        if kind == ARRAY:  # pread in pieces on the I/O threads (no map: no SIGBUS)
+            Transfer(self, [TransferValue(key, e, None)], True).finish()
+            return
+        buf, start, close = self._mmap_region(key, e)
+        try:
+            with memoryview(buf) as mv:
+                if start + e.nbytes > len(mv):
+                    raise self._corrupt(key, "is truncated")
+                with mv[start : start + e.nbytes] as region:
+                    computed = _checksum.crc(region, seed)
+            self._compare(key, e, computed)
+        finally:
+            if close and isinstance(buf, mmap.mmap):
+                buf.close()
+
+    def verify_all(self) -> list[tuple[str, str]]:
+        """Check every value; ``[(key, reason), ...]`` for each damaged one (empty if none)."""
+        bad: list[tuple[str, str]] = []
+        for key in self._values:
+            try:
+                self.verify(key)
+            except CorruptCheckpointError as exc:
+                bad.append((key, str(exc)))
+            except OSError as exc:
+                bad.append((key, f"cannot be read: {exc}"))
+        return bad
+
+
+def _make_info(key: str, dtype: np.dtype, shape: tuple[int, ...], attrs: Any,
+               checksum: int) -> ArrayInfo:
+    """``ArrayInfo(key, dtype, shape, attrs, checksum)``, made without the frozen
+    dataclass's per-field ``object.__setattr__`` (a restore makes one per value)."""
+    if _FAST_INFO:
+        info = object.__new__(ArrayInfo)
+        info.__dict__.update(key=key, dtype=dtype, shape=shape, attrs=attrs, checksum=checksum)
+        return info
+    return ArrayInfo(key, dtype, shape, attrs, checksum)
+
+
+_FAST_INFO = (
+    not hasattr(ArrayInfo, "__slots__")
+    and [f.name for f in dataclasses.fields(ArrayInfo)]
+    == ["key", "dtype", "shape", "attrs", "checksum"]
+    and getattr(ArrayInfo, "__post_init__", None) is None
+)
+
+
+class ContainerLazyArray(LazyArray):
+    """A stored value; slicing reads only the run of elements the index covers."""
+
+    def __init__(self, reader: ContainerReader, key: str, info: ArrayInfo) -> None:
+        self._reader = reader
+        self._key = key
+        self.info = info
+
+    def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
+        return self._reader.read(self._key, out=out, verify=verify)
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        e = self._reader._entry(self._key)
+        if e.nbytes <= _SLICE_WHOLE_BELOW or e.loc.kind not in (ARRAY, PACKED):
+            return self.read()[index]
+        span = element_span(index, e.shape, name=repr(self._key))
+        if span is None:  # advanced indexing or 0-d: read the whole value (verified)
+            return self.read()[index]
+        block = self._reader._read_elements(self._key, e, span.start, span.count)
+        return block.reshape(span.shape)[span.index]  # type: ignore[no-any-return]

@@ -1,0 +1,178 @@
+"""The parallel read-and-hash engine of the container readers.
+
+Owns: splitting whole values into pieces, reading them into their buffers (or
+only hashing them) on the I/O threads, choosing one sequential stream when the
+bytes are on disk rather than in the page cache, and checking sizes and
+checksums once every piece is in. The pieces' CRCs are joined with
+:func:`.._checksum.combine`, so hashing runs where the bytes are read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...errors import CorruptCheckpointError
+from .. import _checksum, _rawio
+from .._record import Entry
+from .layout import Source
+
+if TYPE_CHECKING:
+    from .reader import ContainerReader
+
+__all__ = ["PARALLEL_FROM", "Transfer", "TransferValue"]
+
+#: Values at least this large are read on the I/O threads, in pieces of ``_SPLIT``.
+PARALLEL_FROM = 1 << 20
+_SPLIT = 8 << 20
+#: Each I/O task moves about this many bytes (small values are grouped).
+_TASK = 8 << 20
+#: Scratch buffer each I/O thread hashes through when only verifying.
+_SCRATCH = 256 << 10
+
+
+class TransferValue:
+    """One value moved by a :class:`Transfer`: read into ``dest``, or only hashed."""
+
+    __slots__ = ("crcs", "dest", "entry", "got", "key", "pieces", "view")
+
+    def __init__(self, key: str, entry: Entry, dest: np.ndarray | None) -> None:
+        self.key, self.entry, self.dest = key, entry, dest
+        self.view = _rawio.byte_view(dest) if dest is not None else None
+        n = entry.nbytes
+        #: ``(position, nbytes)`` of each piece inside the value.
+        self.pieces = [(pos, min(_SPLIT, n - pos)) for pos in range(0, n, _SPLIT)]
+        self.got = [0] * len(self.pieces)
+        self.crcs = [0] * len(self.pieces)
+
+
+_local = threading.local()
+
+
+def _scratch() -> memoryview:
+    buf = getattr(_local, "scratch", None)
+    if buf is None:
+        buf = _local.scratch = memoryview(bytearray(_SCRATCH))
+    return buf
+
+
+class Transfer:
+    """Whole values read into their buffers (or hashed) in pieces on the I/O threads.
+
+    :meth:`finish` waits for every piece, then checks sizes and checksums in the
+    values' order, so the first damaged value is the one reported.
+    """
+
+    def __init__(
+        self,
+        reader: ContainerReader,
+        values: list[TransferValue],
+        verify: bool,
+        *,
+        ahead: bool = False,
+    ) -> None:
+        self.reader, self.values, self.verify = reader, values, verify
+        groups: list[list[tuple[TransferValue, int]]] = []
+        group: list[tuple[TransferValue, int]] = []
+        size = 0
+        for v in values:
+            for i, (_, n) in enumerate(v.pieces):
+                group.append((v, i))
+                size += n
+                if size >= _TASK:
+                    groups.append(group)
+                    group, size = [], 0
+        if group:
+            groups.append(group)
+        #: True when the pieces run in file order on one thread (the bytes are on disk).
+        self.sequential = False
+        if len(groups) > 1 and not self._cached():
+            # From disk, one reader in file order is fastest: the kernel's readahead sees
+            # one sequential stream (measured: 1 thread 0.36 s/GiB, 4 threads 0.55 s/GiB).
+            groups = [[piece for g in groups for piece in g]]
+            self.sequential = True
+        tasks = [functools.partial(self._run, g) for g in groups]
+        self.futures = _rawio.start_all(tasks, background=ahead)
+
+    def _cached(self) -> bool:
+        """Whether the values' bytes are in the page cache (probed at a few pages)."""
+        values = self.values
+        probe = [values[0], values[len(values) // 2], values[-1]]
+        for v in dict.fromkeys(probe):
+            try:
+                src = self.reader._source(v.key, v.entry)
+            except (OSError, CorruptCheckpointError):
+                return False  # the read itself reports it
+            try:
+                last = v.entry.nbytes - 1
+                if not (_rawio.cached(src.fd, src.offset)
+                        and _rawio.cached(src.fd, src.offset + last)):
+                    return False
+            finally:
+                if src.owned:
+                    os.close(src.fd)
+        return True
+
+    def _run(self, group: list[tuple[TransferValue, int]]) -> None:
+        reader, verify = self.reader, self.verify
+        src: Source | None = None
+        last: TransferValue | None = None
+        try:
+            for v, i in group:
+                if v is not last or src is None:
+                    if src is not None and src.owned:
+                        os.close(src.fd)
+                    src, last = None, v
+                    src = reader._source(v.key, v.entry)
+                pos, n = v.pieces[i]
+                at = src.offset + pos
+                if v.view is not None:
+                    buf = v.view[pos : pos + n]
+                    got = _rawio.pread_into(src.fd, buf, at)
+                    if verify and got == n:
+                        v.crcs[i] = _checksum.crc(buf)
+                    v.got[i] = got
+                else:
+                    v.got[i], v.crcs[i] = _hash_range(src.fd, at, n)
+        finally:
+            if src is not None and src.owned:
+                os.close(src.fd)
+
+    def finish(self) -> None:
+        """Wait for every piece; raise for the first value short of bytes or damaged."""
+        _rawio.wait_all(self.futures)
+        reader = self.reader
+        for v in self.values:
+            e = v.entry
+            got = sum(v.got)
+            if got != e.nbytes:
+                raise reader._corrupt(v.key, f"is truncated: {got} of {e.nbytes} bytes present")
+            if self.verify or v.dest is None:
+                value = _checksum.header_crc(v.key, e.dtype, e.shape)
+                for (_, n), part in zip(v.pieces, v.crcs, strict=True):
+                    value = _checksum.combine(value, part, n)
+                reader._compare(v.key, e, value)
+
+    def abandon(self) -> None:
+        """Wait for the pieces still running; their errors no longer matter."""
+        with contextlib.suppress(BaseException):
+            _rawio.wait_all(self.futures)
+
+
+def _hash_range(fd: int, offset: int, n: int) -> tuple[int, int]:
+    """``(bytes_read, crc)`` of ``n`` bytes at ``offset``, read through this thread's scratch."""
+    value = done = 0
+    scratch = _scratch()
+    while done < n:
+        want = min(len(scratch), n - done)
+        got = _rawio.pread_into(fd, scratch[:want], offset + done)
+        value = _checksum.crc(scratch[:got], value)
+        done += got
+        if got < want:
+            break
+    return done, value

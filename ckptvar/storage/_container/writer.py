@@ -1,0 +1,281 @@
+"""Write planning and packing for ckptvar's own containers (HDF5, Zarr v3).
+
+Owns: normalising each value to its little-endian C-order byte image (a copy
+only for big-endian or non-contiguous input), deciding which values are packed
+into ``_ckptvar/packed`` and which get their own array (:class:`WritePlan`),
+hashing on the checksum thread while the backend writes, the root record of
+what was added, and publishing atomically. A backend only lays the plan out in
+a temporary path (:meth:`ContainerWriter._write`).
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import crc32c as _crc32c
+import numpy as np
+
+from ..._dtypes import SUPPORTED_DTYPES, as_dtype, dtype_to_str
+from .. import _checksum, _rawio
+from .._atomic import check_destination, publish, temporary_sibling
+from .._paths import container_paths
+from .._plain import check_plain
+from .._record import PACKED, Location, ValueColumns, encode_columns
+from ..base import Writer
+from .layout import ALIGN, DEFAULT_PACK_THRESHOLD
+
+__all__ = ["ContainerWriter", "WriteItem", "WritePlan", "scalar_attrs", "write_packed"]
+
+_ZEROS = memoryview(bytes(ALIGN))
+
+
+@dataclass(slots=True)
+class WriteItem:
+    """One value on its way to disk."""
+
+    key: str
+    array: np.ndarray  # C-contiguous little-endian byte image holder
+    dtype: str
+    shape: tuple[int, ...]
+    attrs: dict[str, Any]
+    nbytes: int
+    packed: bool = False
+    checksum: int = 0
+    path: str = ""  # container path, for values stored as their own array
+    offset: int = 0  # offset in the packed blob, or the backend's byte offset
+
+    @property
+    def view(self) -> memoryview:
+        return _rawio.byte_view(self.array)
+
+    def hash(self) -> None:
+        self.checksum = _checksum.value_checksum(self.key, self.dtype, self.shape, self.view)
+
+
+@dataclass(slots=True)
+class WritePlan:
+    """What a backend lays out: values stored as their own arrays, and packed ones."""
+
+    arrays: list[WriteItem]
+    packed: list[WriteItem]
+    #: Size of the packed blob (each packed value padded to ``ALIGN``).
+    packed_nbytes: int
+    #: Blocks until every large value's checksum is known (they hash meanwhile).
+    wait_hashes: Callable[[], None] = field(default=lambda: None)
+
+
+#: Dtypes already in the host's byte order and their names (the common case of ``_prepare``).
+_NAMES: dict[np.dtype, str] = {
+    dt: name for name, dt in SUPPORTED_DTYPES.items() if dt.byteorder in ("=", "|")
+}
+_HOST_IS_LITTLE_ENDIAN = bool(np.little_endian)
+
+
+def _prepare(array: Any) -> tuple[np.ndarray, str]:
+    """The value's little-endian C-order byte image and its dtype name."""
+    if type(array) is np.ndarray and array.flags.c_contiguous and _HOST_IS_LITTLE_ENDIAN:
+        name = _NAMES.get(array.dtype)
+        if name is not None:
+            return array, name
+    arr = np.asarray(array)
+    dt = as_dtype(arr.dtype)  # raises TypeError for unsupported dtypes
+    name = dtype_to_str(dt)
+    order = arr.dtype.byteorder
+    if order == ">" or (order == "=" and not _HOST_IS_LITTLE_ENDIAN):
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return arr, name
+
+
+def _check_key(key: Any) -> str:
+    if type(key) is not str:
+        if not isinstance(key, str):
+            raise TypeError(f"Checkpoint keys are strings, got {type(key).__name__} {key!r}.")
+        key = str(key)
+    if not key.isascii():
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"Key {key!r} is not valid Unicode text.") from None
+    return key
+
+
+class ContainerWriter(Writer):
+    """Collects values; the backend's :meth:`_write` lays them out in a temporary path."""
+
+    container: str = ""
+    #: True when the container is a directory (Zarr), False for one file (HDF5).
+    is_directory: bool = False
+
+    @classmethod
+    def replaceable(cls, path: Path) -> bool:
+        """True when the directory at ``path`` is a checkpoint this writer may replace."""
+        return False
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        durable: bool = True,
+        pack_threshold: int = DEFAULT_PACK_THRESHOLD,
+    ) -> None:
+        self.path = Path(path)
+        self.durable = bool(durable)
+        if int(pack_threshold) < 0:
+            raise ValueError(f"pack_threshold must be >= 0, got {pack_threshold!r}.")
+        self.pack_threshold = int(pack_threshold)
+        self._items: dict[str, WriteItem] = {}
+        self._metadata: dict[str, Any] = {}
+        self._state = "open"
+
+    def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
+        if self._state != "open":
+            self._check_open()
+        key = _check_key(key)
+        if key in self._items:
+            raise ValueError(f"Key {key!r} was already added to the checkpoint {str(self.path)!r}.")
+        arr, name = _prepare(array)
+        self._items[key] = WriteItem(key, arr, name, arr.shape, dict(attrs) if attrs else {},
+                                     arr.nbytes)
+
+    def set_metadata(self, metadata: Mapping[str, Any]) -> None:
+        self._check_open()
+        self._metadata = dict(metadata)
+
+    def abort(self) -> None:
+        self._items.clear()
+        self._state = "aborted"
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise ValueError(f"The writer for {str(self.path)!r} is already {self._state}.")
+
+    def _plan(self) -> WritePlan:
+        """Own arrays (with their container paths) and packed values (with their offsets)."""
+        items = list(self._items.values())
+        threshold = self.pack_threshold
+        arrays = [it for it in items if it.nbytes >= threshold]
+        packed = [it for it in items if it.nbytes < threshold]
+        for it, p in zip(arrays, container_paths([it.key for it in arrays]), strict=True):
+            it.path = p
+        pos = 0
+        for it in packed:
+            it.packed = True
+            it.offset = pos
+            pos += (it.nbytes + ALIGN - 1) & -ALIGN
+        return WritePlan(arrays, packed, pos)
+
+    def commit(self) -> Path:
+        self._check_open()
+        self._state = "committing"
+        try:
+            plan = self._plan()
+            try:
+                check_plain(self._metadata, "the checkpoint metadata")
+            except ValueError as exc:
+                raise TypeError(f"Cannot store metadata in {str(self.path)!r}: {exc}.") from None
+            # Refuse early what publish() would refuse: nothing is written in vain.
+            check_destination(self.path, directory=self.is_directory,
+                              replaceable=self.replaceable)
+            # Large values hash on the checksum thread while the backend writes (in the same
+            # order); packed values hash on this thread as they are written (write_packed).
+            futures: list[Future[Any]] = [_rawio.submit(it.hash) for it in plan.arrays]
+
+            def wait_hashes() -> None:
+                for f in futures:
+                    f.result()
+
+            plan.wait_hashes = wait_hashes
+            with temporary_sibling(self.path) as tmp:
+                try:
+                    self._write(tmp, plan)
+                finally:
+                    for f in futures:  # never leave hashing running on a dropped buffer
+                        f.exception()
+                publish(tmp, self.path, durable=self.durable, replaceable=self.replaceable)
+        except BaseException:
+            self._state = "failed"
+            raise
+        finally:
+            self._items.clear()
+        self._state = "committed"
+        return self.path
+
+    def _encode_record(self, packed_loc: tuple[str, int, int] | None) -> bytes:
+        """The root record of everything added (call after the checksums are known)."""
+        items = list(self._items.values())
+        array_loc = self._array_loc
+        packed_at = functools.partial(tuple.__new__, Location)  # no Python call per value
+        locs = [packed_at((PACKED, None, it.offset, it.nbytes)) if it.packed else array_loc(it)
+                for it in items]
+        cols = ValueColumns(
+            [it.key for it in items],
+            [it.dtype for it in items],
+            [it.shape for it in items],
+            [it.checksum for it in items],
+            locs,
+            [it.attrs for it in items],
+        )
+        packed = packed_loc if any(it.packed for it in items) else None
+        return encode_columns(self.container, packed, cols, self._metadata)
+
+    def _array_loc(self, it: WriteItem) -> Location:
+        return Location.array(it.path, it.offset, it.nbytes)
+
+    @abc.abstractmethod
+    def _write(self, tmp: Path, plan: WritePlan) -> None:
+        """Write everything into ``tmp`` (fsynced when durable); the caller publishes it."""
+
+
+def write_packed(fd: int, packed: list[WriteItem], base: int) -> None:
+    """Hash the packed values and write them from ``base`` (each padded to ALIGN).
+
+    Straight from the arrays' buffers, ``IOV_MAX`` buffers per ``pwritev``; each batch is
+    hashed just before it is written, while its bytes are still in the CPU cache.
+    """
+    crc: Callable[[Any, int], int] = _crc32c.crc32c  # straight over each array's buffer
+    limit = _rawio.IOV_MAX - 1
+    bufs: list[Any] = []
+    start = 0
+    for it in packed:
+        if not bufs:
+            start = it.offset
+        a = it.array
+        it.checksum = crc(a, _checksum.header_crc(it.key, it.dtype, it.shape))
+        n = it.nbytes
+        if n:
+            bufs.append(a)
+        pad = -n % ALIGN
+        if pad:
+            bufs.append(_ZEROS[:pad])
+        if len(bufs) >= limit:
+            _rawio.pwritev_all(fd, bufs, base + start)
+            bufs = []
+    if bufs:
+        _rawio.pwritev_all(fd, bufs, base + start)
+
+
+def scalar_attrs(it: WriteItem) -> dict[str, Any]:
+    """The per-array attributes stored on the container object itself."""
+    out: dict[str, Any] = {}
+    for k, v in it.attrs.items():
+        if not isinstance(k, str) or v is None or not isinstance(v, bool | int | float | str):
+            continue
+        if isinstance(v, int) and not isinstance(v, bool) and not -(1 << 63) <= v < 1 << 63:
+            continue
+        out[k] = v
+    out.update(
+        key=it.key,
+        dtype=it.dtype,
+        shape=list(it.shape),
+        checksum=it.checksum,
+    )
+    out.setdefault("name", it.key)
+    return out

@@ -1,0 +1,134 @@
+"""Plain msgpack values in the root record: the checks they pass, and attribute columns.
+
+Owns: what counts as a plain value (maps with string keys, lists, str, bytes,
+int, float, bool, None; nested at most ``MAX_DEPTH`` deep), the one error a bad
+record raises inside the decoder (:class:`BadRecord`), map decoding that refuses
+duplicate keys, and how per-value attribute dicts become columns (every value
+has the attribute) plus per-key extras, and back.
+
+>>> dense, sparse = split_attrs(["a", "b"], [{"n": 1}, {"n": 2, "x": True}])
+>>> dense, sparse
+({'n': [1, 2]}, {'b': {'x': True}})
+>>> attrs_from_columns(["a", "b"], dense, sparse)
+[{'n': 1}, {'n': 2, 'x': True}]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "MAX_DEPTH",
+    "BadRecord",
+    "attrs_from_columns",
+    "check_plain",
+    "split_attrs",
+    "types_of",
+    "unique_pairs",
+]
+
+#: Deepest nesting of maps/arrays accepted in the record, metadata included.
+MAX_DEPTH = 64
+_SCALAR_TYPES = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+def types_of(items: list[Any]) -> set[type]:
+    return set(map(type, items))
+
+
+def split_attrs(
+    keys: list[str], attrs: list[Mapping[str, Any]]
+) -> tuple[dict[str, list[Any]], dict[str, dict[str, Any]]]:
+    """Attributes every value has become columns; the others a map from key to extras."""
+    if not attrs:
+        return {}, {}
+    first = tuple(attrs[0])
+    common = list(first)
+    if not all(tuple(a) == first for a in attrs):
+        have = set(first)
+        for a in attrs:
+            have.intersection_update(a)
+        common = [n for n in first if n in have]
+    dense = {n: [a[n] for a in attrs] for n in common}
+    sparse: dict[str, dict[str, Any]] = {}
+    for key, a in zip(keys, attrs, strict=True):
+        if len(a) != len(common):
+            sparse[key] = {k: v for k, v in a.items() if k not in dense}
+    return dense, sparse
+
+
+def unique_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[Any] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise BadRecord(f"duplicate map key {dup!r}")
+    return out
+
+
+class BadRecord(ValueError):
+    """A record (or a value in it) that breaks the schema; the decoder names the file."""
+
+
+def check_plain(obj: Any, where: str, *, max_depth: int = MAX_DEPTH) -> None:
+    """Raise ``BadRecord`` unless ``obj`` holds only plain msgpack types, nested at most
+    ``max_depth`` deep."""
+    stack: list[tuple[Any, int]] = [(obj, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > max_depth:
+            raise BadRecord(f"{where} is nested deeper than {max_depth} levels")
+        if isinstance(item, dict):
+            for k, v in item.items():
+                if not isinstance(k, str):
+                    raise BadRecord(f"{where} has a non-string map key {k!r}")
+                stack.append((v, depth + 1))
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+        elif item is None or isinstance(item, bool | int | float | str | bytes):
+            continue
+        else:
+            raise BadRecord(f"{where} holds an unsupported {type(item).__name__}")
+
+
+def attrs_from_columns(keys: list[str], dense: Any, sparse: Any) -> list[dict[str, Any]]:
+    """Each value's attribute dict, from the columns and the per-key extras."""
+    n = len(keys)
+    if not isinstance(dense, dict):
+        raise BadRecord("'attrs' is not a map of attribute columns")
+    for name, col in dense.items():
+        if not isinstance(col, list) or len(col) != n:
+            raise BadRecord(f"the attribute column {name!r} is not a list of {n} items")
+        if not types_of(col) <= _SCALAR_TYPES:
+            check_plain(col, f"the attribute column {name!r}", max_depth=MAX_DEPTH - 2)
+    if not isinstance(sparse, dict):
+        raise BadRecord("'sparse_attrs' is not a map")
+    names = list(dense)
+    if len(names) == 1:
+        (only,) = names
+        out = [{only: v} for v in dense[only]]
+    elif names:
+        out = [dict(zip(names, row, strict=True)) for row in zip(*dense.values(), strict=True)]
+    else:
+        out = [{} for _ in range(n)]
+    if sparse:
+        _merge_sparse(out, keys, set(names), sparse)
+    return out
+
+
+def _merge_sparse(out: list[dict[str, Any]], keys: list[str], names: set[str],
+                  sparse: dict[Any, Any]) -> None:
+    """Add each key's extra attributes (checked) to its dict in ``out``."""
+    index = {k: i for i, k in enumerate(keys)}
+    for key, extra in sparse.items():
+        i = index.get(key)
+        if i is None:
+            raise BadRecord(f"'sparse_attrs' names {key!r}, which is not a stored key")
+        if not isinstance(extra, dict):
+            raise BadRecord(f"{key!r} has attrs that are not a map")
+        check_plain(extra, f"the attrs of {key!r}", max_depth=MAX_DEPTH - 2)
+        clash = set(extra) & names
+        if clash:
+            raise BadRecord(f"{key!r} repeats the attribute {sorted(clash)[0]!r}")
+        out[i].update(extra)

@@ -1,0 +1,179 @@
+"""The files of a ckptvar Zarr v3 checkpoint: their JSON documents, writing them, and
+opening them safely.
+
+Owns: the ``zarr.json`` documents of groups and one-chunk arrays, where an array's
+single chunk file is (:func:`chunk_key`), creating a file once (:func:`write_file`),
+opening a path below the checkpoint one component at a time without following
+symlinks (:func:`open_in`), reading the root ``zarr.json`` strictly
+(:func:`read_root_meta`), and telling a checkpoint deleted under a reader apart
+from damage (:func:`raise_if_deleted`).
+
+>>> chunk_key(0), chunk_key(2)
+('c', 'c.0.0')
+>>> array_meta((3,), np.dtype("<f4"), {})["fill_value"]
+0.0
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from . import _rawio
+from ._paths import RESERVED_PREFIX
+
+__all__ = [
+    "GROUP_DOC",
+    "O_DIR",
+    "RECORD_PATH",
+    "array_meta",
+    "chunk_key",
+    "fill_value",
+    "open_in",
+    "raise_if_deleted",
+    "read_root_meta",
+    "write_file",
+]
+
+RECORD_PATH = f"{RESERVED_PREFIX}/record"
+_MAX_JSON = 1 << 20
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_CLOEXEC
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def chunk_key(ndim: int) -> str:
+    """The single chunk's file inside an array: ``c`` for 0-d, else ``c.0.0...``.
+
+    The default chunk key encoding with the ``.`` separator keeps the chunk beside the
+    array's ``zarr.json`` (no ``c/0/`` directories to create: one directory per array).
+    """
+    return ".".join(["c"] + ["0"] * ndim)
+
+
+def fill_value(dt: np.dtype) -> Any:
+    if dt.kind == "b":
+        return False
+    if dt.kind == "c":
+        return [0.0, 0.0]
+    if dt.kind == "f":
+        return 0.0
+    return 0
+
+
+def array_meta(shape: tuple[int, ...], dt: np.dtype, attributes: dict[str, Any],
+               codecs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The ``zarr.json`` document of a one-chunk, uncompressed Zarr v3 array."""
+    if codecs is None:
+        codecs = [{"name": "bytes", "configuration": {"endian": "little"}}]
+        if dt.itemsize == 1:
+            codecs = [{"name": "bytes"}]
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": list(shape),
+        "data_type": dt.name,
+        "chunk_grid": {
+            "name": "regular",
+            "configuration": {"chunk_shape": [max(1, d) for d in shape]},
+        },
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
+        "fill_value": fill_value(dt),
+        "codecs": codecs,
+        "attributes": attributes,
+        "storage_transformers": [],
+    }
+
+
+GROUP_DOC = json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}).encode()
+
+
+def write_file(path: Path, data: Any, sync: list[Path] | None, *, replace: bool = False) -> None:
+    mode = os.O_TRUNC if replace else os.O_EXCL
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | mode | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        if callable(data):
+            data(fd)
+        elif isinstance(data, list):
+            _rawio.pwritev_all(fd, data, 0)
+        elif sync is not None and len(data) >= 1 << 20:  # durable: writeback starts now
+            _rawio.pwrite_flushing(fd, memoryview(data), 0)
+        elif len(data):
+            _rawio.pwrite_all(fd, memoryview(data), 0)
+    finally:
+        os.close(fd)
+    if sync is not None:
+        sync.append(path)
+
+
+def open_in(root_fd: int, rel: str, *, directory: bool = False) -> int:
+    """Open ``rel`` under ``root_fd`` one component at a time, never following a symlink."""
+    parts = rel.split("/")
+    cur = root_fd
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            flags = O_DIR if (not last or directory) else os.O_RDONLY | _O_CLOEXEC
+            nxt = os.open(part, flags | _O_NOFOLLOW, dir_fd=cur)
+            if cur != root_fd:
+                os.close(cur)
+            cur = nxt
+    except BaseException:
+        if cur != root_fd:
+            os.close(cur)
+        raise
+    return cur
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        raise ValueError("duplicate key in JSON object")
+    return d
+
+
+def read_root_meta(root_fd: int, path: Any) -> dict[str, Any] | None:
+    """The root ``zarr.json`` as a dict, or None when there is none."""
+    try:
+        fd = open_in(root_fd, "zarr.json")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{str(path)!r}: cannot open zarr.json ({exc}).") from None
+    try:
+        data = _rawio.pread_exact(fd, 0, min(os.fstat(fd).st_size, _MAX_JSON + 1),
+                                  what="The root zarr.json", path=path)
+    finally:
+        os.close(fd)
+    if len(data) > _MAX_JSON:
+        raise CorruptCheckpointError(f"{str(path)!r}: the root zarr.json is larger than 1 MiB.")
+    try:
+        doc = json.loads(data.decode("utf-8"), object_pairs_hook=_pairs)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError(
+            f"{str(path)!r}: the root zarr.json is not valid JSON ({exc})."
+        ) from None
+    return doc if isinstance(doc, dict) else None
+
+
+def raise_if_deleted(root_fd: int, path: Path) -> None:
+    """Tell "the checkpoint was deleted (pruned) under us" apart from damage.
+
+    A reader holds the directory open; when a manager prunes the checkpoint, the path
+    vanishes or names another directory. That is a clean not-found, not corruption.
+    """
+    held = os.fstat(root_fd)
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        now = None
+    if now is None or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino) or not held.st_nlink:
+        raise CheckpointNotFoundError(
+            f"Checkpoint {str(path)!r} was deleted while it was being read "
+            "(pruned by a CheckpointManager?)."
+        )
