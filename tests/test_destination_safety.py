@@ -64,8 +64,8 @@ def test_checkpoint_save_onto_a_directory_is_refused(tmp_path: Path) -> None:
 def test_saver_save_onto_a_directory_is_refused(tmp_path: Path) -> None:
     target = tmp_path / "model-1.h5"
     files = _user_dir(target)
-    cv.Variable(np.ones(3), name="w")
-    saver = cv.Saver()
+    w = cv.Variable(np.ones(3), name="w")  # kept alive: collections hold variables weakly
+    saver = cv.Saver([w])
     _refused(lambda: saver.save(tmp_path / "model", global_step=1), target)
     _assert_intact(target, files)
 
