@@ -24,6 +24,7 @@ Messages say what failed, for which object, expected vs found, and a hint.
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointExistsError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CkptError",
@@ -98,3 +99,7 @@ class MissingKeyError(CkptError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message; keep it readable
         return str(self.args[0]) if self.args else ""
+
+
+class CheckpointExistsError(CkptError, FileExistsError):
+    """A step is already committed: a create-only write (the commit marker) found it there."""
