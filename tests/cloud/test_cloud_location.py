@@ -61,6 +61,10 @@ def test_put_stat_read_list_delete(loc: Location) -> None:
     assert loc.read_ranges("a/x.bin", [(0, 5), (6, 5), (4, 0)]) == [b"hello", b"world", b""]
     assert [o.key for o in loc.list()] == ["a/b/y.bin", "a/x.bin", "z.bin"]
     assert [o.key for o in loc.list("a/")] == ["a/b/y.bin", "a/x.bin"]
+    loc.put("ab.bin", b"not below a/")
+    assert [o.key for o in loc.list("a")] == ["a/b/y.bin", "a/x.bin"]
+    assert [o.key for o in loc.list("a/b")] == ["a/b/y.bin"]
+    loc.delete("ab.bin")
     dirs, objs = loc.list_dir("a")
     assert dirs == ["a/b"] and [(o.key, o.size) for o in objs] == [("a/x.bin", 11)]
     assert loc.delete_prefix("a") == 2

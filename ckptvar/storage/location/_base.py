@@ -140,7 +140,10 @@ class Location(ABC):
 
     @abstractmethod
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        """Every object whose key starts with ``prefix`` (recursive), sorted by key."""
+        """Every object below the "directory" ``prefix`` (recursive), sorted by key.
+
+        ``list("a")`` and ``list("a/")`` both mean ``a/...``: never ``ab`` or ``a`` itself.
+        """
 
     @abstractmethod
     def list_dir(self, prefix: str = "") -> tuple[list[str], list[ObjectInfo]]:

@@ -57,12 +57,13 @@ class LocalLocation(Location):
         return self._path(key).is_file()
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
+        base = _clean_key(prefix) + "/" if _clean_key(prefix) else ""
         found: list[ObjectInfo] = []
-        for dirpath, _, files in os.walk(self.root):
+        for dirpath, _, files in os.walk(self._path(base)):
             for name in files:
                 full = Path(dirpath, name)
                 key = full.relative_to(self.root).as_posix()
-                if key.startswith(prefix) and ".partial-" not in name:
+                if key.startswith(base) and ".partial-" not in name:
                     found.append(ObjectInfo(key, full.stat().st_size))
         return sorted(found, key=lambda o: o.key)
 

@@ -252,11 +252,8 @@ class ObjectStoreLocation(Location):
         return True
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        full = (
-            self._key(prefix) if prefix.strip("/") else (self.prefix + "/" if self.prefix else "")
-        )
-        if prefix.endswith("/") and full and not full.endswith("/"):
-            full += "/"
+        full = self._key(prefix)
+        full = full + "/" if full else ""
         self.stats.add("list")
 
         def run() -> list[ObjectInfo]:
