@@ -14,6 +14,7 @@ naturally catch, so ``except ValueError`` keeps working::
     ├── UnsupportedFormatError(CkptError, ValueError)      unknown suffix/format, or read-only format
     ├── DeviceError(CkptError, ValueError)                 a device that does not exist
     ├── CheckpointNotFoundError(CkptError, FileNotFoundError)
+    ├── CheckpointExistsError(CkptError, FileExistsError)  a step already committed (create-only write)
     ├── DestinationIsDirectoryError(CkptError, IsADirectoryError)  a save onto a directory not ours
     ├── DestinationExistsError(CkptError, FileExistsError)  a file in the way of a directory save
     ├── MissingKeyError(CkptError, KeyError)               a key that is not in a checkpoint
@@ -29,6 +30,7 @@ Messages say what failed, for which object, expected vs found, and a hint.
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointExistsError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CkptError",
@@ -158,3 +160,7 @@ class DistributedTimeoutError(DistributedError, TimeoutError):
         self.collective = collective
         self.tag = tag
         self.timeout = timeout
+
+
+class CheckpointExistsError(CkptError, FileExistsError):
+    """A step is already committed: a create-only write (the commit marker) found it there."""

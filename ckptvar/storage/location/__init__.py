@@ -1,0 +1,115 @@
+"""Where checkpoint bytes live: local directories and object stores behind one interface.
+
+>>> from ckptvar.storage.location import open_location, is_url
+>>> is_url("s3://bucket/run") and not is_url("/tmp/run")
+True
+>>> open_location("/tmp/run").url
+'/tmp/run'
+
+:func:`open_location` parses a path or URL (a ``str``: ``pathlib.Path`` would
+mangle ``s3://``) into a :class:`Location`; :mod:`._commit` makes steps visible by
+commit marker. The readers, writers and the manager use only this package's
+names; see docs/cloud.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ...errors import UnsupportedFormatError
+from ._base import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_PART_SIZE,
+    Location,
+    ObjectInfo,
+    ObjectWriter,
+    StorageError,
+)
+from ._commit import (
+    MARKER_SUFFIX,
+    CommitRecord,
+    clean_uncommitted,
+    commit,
+    is_committed,
+    latest_committed_step,
+    list_committed_steps,
+    marker_key,
+    prune,
+    read_commit,
+    step_number,
+)
+from ._local import LocalLocation
+from ._object import CLOUD_SCHEMES, ObjectStoreLocation, RequestStats
+from ._upload import tree_checksum, upload_step
+
+__all__ = [
+    "CLOUD_SCHEMES",
+    "DEFAULT_CONCURRENCY",
+    "DEFAULT_PART_SIZE",
+    "MARKER_SUFFIX",
+    "CommitRecord",
+    "LocalLocation",
+    "Location",
+    "ObjectInfo",
+    "ObjectStoreLocation",
+    "ObjectWriter",
+    "RequestStats",
+    "StorageError",
+    "clean_uncommitted",
+    "commit",
+    "is_committed",
+    "is_url",
+    "latest_committed_step",
+    "list_committed_steps",
+    "marker_key",
+    "open_location",
+    "prune",
+    "read_commit",
+    "split_url",
+    "step_number",
+    "tree_checksum",
+    "upload_step",
+]
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def is_url(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a URL (``scheme://...``) rather than a local path."""
+    return isinstance(path, str) and _URL.match(path) is not None
+
+
+def open_location(
+    path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
+) -> Location:
+    """A :class:`Location` rooted at a local path, ``file://`` URL or object-store URL."""
+    if not is_url(path):
+        return LocalLocation(path)
+    url = str(path)
+    scheme = _URL.match(url).group(1).lower()  # type: ignore[union-attr]
+    if scheme == "file":
+        return LocalLocation(url[len("file://") :])
+    if scheme in CLOUD_SCHEMES:
+        return ObjectStoreLocation(url, storage_options=storage_options)
+    raise UnsupportedFormatError(
+        f"{url!r}: no storage for the {scheme}:// scheme; supported are local paths, file:// "
+        f"and {', '.join(s + '://' for s in CLOUD_SCHEMES)}"
+    )
+
+
+def split_url(
+    path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
+) -> tuple[Location, str]:
+    """The parent location of ``path`` and the key of its last component.
+
+    ``split_url("s3://b/run/ckpt-3.h5")`` → ``(Location("s3://b/run"), "ckpt-3.h5")``: the
+    form the commit functions take (a step is a key below a location).
+    """
+    text = os.fspath(path).rstrip("/")
+    parent, _, name = text.rpartition("/")
+    if not name or (is_url(text) and parent.endswith(":/")):
+        raise ValueError(f"{text!r} has no key below a location (expected .../name)")
+    return open_location(parent or ".", storage_options=storage_options), name

@@ -1,0 +1,275 @@
+"""The ``Location`` interface: where a checkpoint's bytes live, local or in an object store.
+
+A location is a root (a directory, or a bucket plus prefix) holding *keys*:
+``/``-separated relative names such as ``"run/ckpt-3.h5"``. Everything above
+this layer (readers, writers, the manager, the commit protocol) speaks keys and
+never touches a filesystem or a network client directly.
+
+URLs are ``str`` throughout (``"s3://b/run/ckpt-3.h5"``), never ``pathlib.Path``,
+which would turn ``//`` into ``/``.
+"""
+
+from __future__ import annotations
+
+import io
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Self
+
+import crc32c as _crc32c
+
+from ...errors import CkptError
+
+__all__ = ["Location", "ObjectInfo", "ObjectWriter", "StorageError"]
+
+#: Default size of one ranged GET and of one multipart part.
+DEFAULT_PART_SIZE = 8 * 1024 * 1024
+#: Default number of requests one call keeps in flight.
+DEFAULT_CONCURRENCY = 8
+
+
+class StorageError(CkptError, OSError):
+    """A storage operation failed (network, server, permissions) after any safe retries."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One stored object: its key (relative to the location) and its size in bytes."""
+
+    key: str
+    size: int
+    etag: str | None = None
+
+
+class ObjectWriter(ABC):
+    """A write-only, streaming file: ``write()`` bytes in order, ``close()`` to publish.
+
+    Nothing is visible at the key until ``close()`` returns; ``abort()`` (or leaving
+    a ``with`` block by an exception) discards everything written. ``crc32c`` is the
+    running CRC-32C of the bytes written, so a caller can bind them in an index
+    without reading them back.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.bytes_written = 0
+        self.crc32c = 0
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        """Append ``data``; may block while earlier parts upload (bounded memory)."""
+        if self.closed:
+            raise ValueError(f"write to a closed writer for {self.url}")
+        view = memoryview(data).cast("B")
+        self._write(view)
+        self.bytes_written += view.nbytes
+        self.crc32c = _crc32c.crc32c(view, self.crc32c)
+        return view.nbytes
+
+    def close(self) -> None:
+        """Finish the upload; the object becomes visible atomically."""
+        if not self.closed:
+            self.closed = True
+            self._close()
+
+    def abort(self) -> None:
+        """Discard the upload; nothing appears at the key."""
+        if not self.closed:
+            self.closed = True
+            self._abort()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def writable(self) -> bool:
+        return True
+
+    @abstractmethod
+    def _write(self, view: memoryview) -> None: ...
+
+    @abstractmethod
+    def _close(self) -> None: ...
+
+    @abstractmethod
+    def _abort(self) -> None: ...
+
+
+class Location(ABC):
+    """A root holding keys. Subclasses: :class:`LocalLocation`, :class:`ObjectStoreLocation`."""
+
+    #: ``True`` for object stores (no rename; commit by marker).
+    is_remote: bool = False
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/") if "://" in url else url
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    def join(self, key: str) -> str:
+        """The URL (or path) of ``key``, spelled as a ``str``."""
+        key = _clean_key(key)
+        if not key:
+            return self.url
+        sep = "" if self.url.endswith("/") else "/"
+        return f"{self.url}{sep}{key}"
+
+    @abstractmethod
+    def child(self, key: str) -> Location:
+        """A location rooted at ``key`` (sharing this one's client and options)."""
+
+    # --- metadata -------------------------------------------------------------------------
+    @abstractmethod
+    def stat(self, key: str) -> ObjectInfo:
+        """Size (and etag) of one object; ``CheckpointNotFoundError`` if it does not exist."""
+
+    def size(self, key: str) -> int:
+        """Size in bytes of one object."""
+        return self.stat(key).size
+
+    @abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether an object is stored at ``key`` exactly."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object below the "directory" ``prefix`` (recursive), sorted by key.
+
+        ``list("a")`` and ``list("a/")`` both mean ``a/...``: never ``ab`` or ``a`` itself.
+        """
+
+    @abstractmethod
+    def list_dir(self, prefix: str = "") -> tuple[list[str], list[ObjectInfo]]:
+        """One level below ``prefix`` (a "directory" key or ``""``): child prefixes and objects.
+
+        Child prefixes and object keys are full keys (including ``prefix``), without a
+        trailing ``/``.
+        """
+
+    # --- reads ----------------------------------------------------------------------------
+    @abstractmethod
+    def read(self, key: str) -> bytes:
+        """The whole object (small objects: records, markers)."""
+
+    @abstractmethod
+    def read_ranges_into(
+        self, key: str, offsets: Sequence[int], outs: Sequence[memoryview | bytearray]
+    ) -> None:
+        """Fill each ``outs[i]`` with the bytes at ``offsets[i]``; ranges are read in parallel.
+
+        A range that runs past the end of the object raises ``CorruptCheckpointError``
+        naming the key and the range: a reader never sees a short buffer.
+        """
+
+    def read_into(self, key: str, offset: int, out: memoryview | bytearray) -> None:
+        """``pread``: fill ``out`` with the bytes of ``key`` starting at ``offset``."""
+        self.read_ranges_into(key, [offset], [out])
+
+    def read_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytearray]:
+        """The bytes of each ``(offset, length)`` range, read in parallel."""
+        outs = [bytearray(length) for _, length in ranges]
+        self.read_ranges_into(key, [off for off, _ in ranges], outs)
+        return outs
+
+    def open_file(self, key: str, *, buffer_size: int = 1024 * 1024) -> io.BufferedReader:
+        """A read-only, seekable binary file over ``key`` (e.g. for ``h5py.File(f)``).
+
+        Each buffer refill is one ranged read; nothing else of the object is fetched.
+        """
+        raw = _RangedRaw(self, key, self.size(key))
+        return io.BufferedReader(raw, buffer_size=buffer_size)
+
+    # --- writes ---------------------------------------------------------------------------
+    @abstractmethod
+    def put(
+        self, key: str, data: bytes | bytearray | memoryview, *, create_only: bool = False
+    ) -> None:
+        """Store ``data`` at ``key`` atomically.
+
+        With ``create_only=True`` the write is conditional (``If-None-Match: *`` on S3,
+        ``link`` on a filesystem): if an object already exists at ``key``, nothing is
+        written and ``CheckpointExistsError`` names the key.
+        """
+
+    @abstractmethod
+    def open_writer(
+        self,
+        key: str,
+        *,
+        part_size: int | None = None,
+        max_concurrency: int | None = None,
+    ) -> ObjectWriter:
+        """A streaming writer for ``key``: parts upload in the background.
+
+        Memory stays bounded by about ``(max_concurrency + 1) * part_size``, whatever
+        the object's size. The object appears only when the writer is closed.
+        """
+
+    def upload_file(self, local_path: str, key: str, *, part_size: int | None = None) -> int:
+        """Stream a local file to ``key`` through :meth:`open_writer`; returns its CRC-32C."""
+        buf = bytearray(part_size or DEFAULT_PART_SIZE)
+        view = memoryview(buf)
+        with open(local_path, "rb") as src, self.open_writer(key, part_size=part_size) as dst:
+            while n := src.readinto(buf):
+                dst.write(view[:n])
+        return dst.crc32c
+
+    # --- deletes --------------------------------------------------------------------------
+    @abstractmethod
+    def delete(self, keys: str | Iterable[str]) -> None:
+        """Delete objects; a key that does not exist is not an error."""
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object under ``prefix`` (a "directory"); returns how many."""
+        prefix = _clean_key(prefix)
+        if not prefix:
+            raise ValueError("delete_prefix refuses to delete a whole location")
+        keys = [o.key for o in self.list(prefix + "/")]
+        self.delete(keys)
+        return len(keys)
+
+
+def _clean_key(key: str) -> str:
+    """A key without leading/trailing ``/``; refuses ``..`` and empty components."""
+    key = key.strip("/")
+    if key and any(part in ("", ".", "..") for part in key.split("/")):
+        raise ValueError(f"invalid storage key {key!r}: empty, '.' or '..' component")
+    return key
+
+
+class _RangedRaw(io.RawIOBase):
+    """A raw, seekable reader whose every ``readinto`` is one ranged read."""
+
+    def __init__(self, location: Location, key: str, size: int) -> None:
+        super().__init__()
+        self._location, self._key, self._size, self._pos = location, key, size, 0
+        self.name = location.join(key)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(view.nbytes, self._size - self._pos))
+        if n:
+            self._location.read_into(self._key, self._pos, view[:n])
+            self._pos += n
+        return n

@@ -1,0 +1,190 @@
+"""Benchmark: this layer's parallel ranged read and streaming upload vs obstore's own calls.
+
+Against an S3 server on loopback (moto's, started here unless ``--endpoint`` is
+given), for the same bytes: obstore's ``get_ranges`` (8 MiB ranges, no
+coalescing) vs :meth:`ObjectStoreLocation.read_into` into one buffer, and
+obstore's multipart ``put`` vs :meth:`ObjectStoreLocation.open_writer`. Prints
+GiB/s and the ratio layer/obstore (best of ``--repeat`` runs each)::
+
+    python -m ckptvar.storage.location._bench --size-mib 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ._base import DEFAULT_CONCURRENCY, DEFAULT_PART_SIZE
+from ._object import ObjectStoreLocation
+
+__all__ = ["bench_cloud", "main"]
+
+GiB = 1024**3
+
+
+def _best(fn: Callable[[], Any], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_cloud(
+    endpoint: str, *, size_mib: int = 256, repeat: int = 2, split_reads: bool = True
+) -> dict[str, float]:
+    """Throughputs (GiB/s) and ratios for ``size_mib`` MiB against the server at ``endpoint``.
+
+    ``read_*`` is the layer with one streamed GET per range (``read_part_size=0``);
+    ``read_split_*`` (with ``split_reads``) the default, 8 MiB ranged GETs in parallel.
+    """
+    import obstore
+
+    bucket = f"bench-{uuid.uuid4().hex[:12]}"
+    req = urllib.request.Request(f"{endpoint}/{bucket}", method="PUT")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        resp.read()
+    opts = {
+        "endpoint": endpoint,
+        "access_key_id": "bench",
+        "secret_access_key": "bench",
+        "region": "us-east-1",
+        "allow_http": True,
+    }
+    loc = ObjectStoreLocation(f"s3://{bucket}", storage_options={**opts, "read_part_size": 0})
+    split = ObjectStoreLocation(f"s3://{bucket}", storage_options=opts)
+    nbytes = size_mib * 1024 * 1024
+    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    view = memoryview(data)
+    part = DEFAULT_PART_SIZE
+
+    def obstore_put() -> None:
+        obstore.put(
+            loc.store, "base.bin", view, chunk_size=part, max_concurrency=DEFAULT_CONCURRENCY
+        )
+
+    def layer_put() -> None:
+        with loc.open_writer("layer.bin", part_size=part) as w:
+            for start in range(0, nbytes, part):
+                w.write(view[start : start + part])
+
+    t_put_base = _best(obstore_put, repeat)
+    t_put_layer = _best(layer_put, repeat)
+    starts = list(range(0, nbytes, part))
+    lengths = [min(part, nbytes - s) for s in starts]
+    out = np.empty(nbytes, dtype=np.uint8)
+
+    def obstore_get() -> None:
+        obstore.get_ranges(loc.store, "base.bin", starts=starts, lengths=lengths, coalesce=0)
+
+    def layer_get() -> None:
+        loc.read_into("layer.bin", 0, memoryview(out))
+
+    t_get_base = _best(obstore_get, repeat)
+    t_get_layer = _best(layer_get, repeat)
+    if not np.array_equal(out, data):
+        raise RuntimeError("the layer read back other bytes than it uploaded")
+    extra: dict[str, float] = {}
+    if split_reads:
+        out[:] = 0
+        t_split = _best(lambda: split.read_into("layer.bin", 0, memoryview(out)), 1)
+        if not np.array_equal(out, data):
+            raise RuntimeError("the layer read back other bytes than it uploaded")
+        extra = {
+            "read_split_gib_s": nbytes / GiB / t_split,
+            "read_split_ratio": t_get_base / t_split,
+        }
+    loc.delete(["base.bin", "layer.bin"])
+    gib = nbytes / GiB
+    return {
+        "size_mib": float(size_mib),
+        "read_layer_gib_s": gib / t_get_layer,
+        "read_obstore_gib_s": gib / t_get_base,
+        "read_ratio": t_get_base / t_get_layer,
+        "upload_layer_gib_s": gib / t_put_layer,
+        "upload_obstore_gib_s": gib / t_put_base,
+        "upload_ratio": t_put_base / t_put_layer,
+        **extra,
+    }
+
+
+def start_moto_process(timeout: float = 30.0) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``python -m moto.server`` on a free loopback port; returns it and its endpoint."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2):
+                return proc, endpoint
+        except OSError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"the moto server did not start on {endpoint} within {timeout} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size-mib", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--endpoint", help="an S3 endpoint (default: start moto on 127.0.0.1)")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument(
+        "--no-split", action="store_true", help="skip the default (8 MiB parallel) read"
+    )
+    args = parser.parse_args(argv)
+    server = None
+    endpoint = args.endpoint
+    if endpoint is None:  # moto in its own process, so the server does not share our GIL
+        server, endpoint = start_moto_process()
+    try:
+        figures = bench_cloud(
+            endpoint, size_mib=args.size_mib, repeat=args.repeat, split_reads=not args.no_split
+        )
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(10)
+    if args.json:
+        print(json.dumps(figures))
+    else:
+        f = figures
+        print(
+            f"read   layer {f['read_layer_gib_s']:.2f} GiB/s   obstore get_ranges "
+            f"{f['read_obstore_gib_s']:.2f} GiB/s   ratio {f['read_ratio']:.2f}"
+            "   (read_part_size=0: one streamed GET)"
+        )
+        if "read_split_ratio" in f:
+            print(
+                f"read   layer {f['read_split_gib_s']:.2f} GiB/s   (default: 8 MiB GETs in "
+                f"parallel)   ratio {f['read_split_ratio']:.2f}"
+            )
+        print(
+            f"upload layer {f['upload_layer_gib_s']:.2f} GiB/s   obstore put        "
+            f"{f['upload_obstore_gib_s']:.2f} GiB/s   ratio {f['upload_ratio']:.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

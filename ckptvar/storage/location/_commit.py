@@ -1,0 +1,245 @@
+"""Commit by marker: how a step becomes visible where no atomic rename exists.
+
+A *step* is a key below a location: one object (``run/ckpt-3.h5``) or a prefix of
+objects (``run/ckpt-3.zarr/...``). A save
+
+1. writes the data objects (any order, any number of writers),
+2. writes the index/record that binds the data's checksums,
+3. calls :func:`commit`, which creates ``<step>.commit`` with a create-only
+   conditional write (``If-None-Match: *``). Its JSON content binds the index's
+   checksum and names the key that holds the data (the step itself by default;
+   a writer that may race others writes to its own ``data`` key instead, so the
+   committed step holds only the winner's bytes).
+
+The marker is the last object a save writes. Readers, ``latest_checkpoint`` and
+the manager list only steps with a marker (:func:`list_committed_steps`);
+:func:`prune` deletes the marker first and the data after, so a step is never
+visible without its data; :func:`clean_uncommitted` removes leftovers of failed
+saves that are older than the latest committed step. Of two writers committing
+one step, exactly one create-only write succeeds; the other raises
+:class:`CheckpointExistsError` naming the step. The same protocol serves the
+multi-process save: every rank writes its data, one rank writes the index and
+calls :func:`commit`.
+
+Marker content (UTF-8 JSON, one object)::
+
+    {"ckptvar_commit": 1, "step": "run/ckpt-3.h5", "data": "run/ckpt-3.h5",
+     "index_checksum": "crc32c:1a2b3c4d", "writer": "<uuid4 hex>", "time": 1764036000.0}
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+from ...errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CkptError,
+    CorruptCheckpointError,
+)
+from ._base import Location, _clean_key
+
+__all__ = [
+    "MARKER_SUFFIX",
+    "CommitRecord",
+    "clean_uncommitted",
+    "commit",
+    "is_committed",
+    "latest_committed_step",
+    "list_committed_steps",
+    "marker_key",
+    "prune",
+    "read_commit",
+    "step_number",
+]
+
+MARKER_SUFFIX = ".commit"
+_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """What a commit marker says: the step, where its data is, and the bound index checksum."""
+
+    step: str
+    data: str
+    index_checksum: str
+    writer: str
+    time: float
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "ckptvar_commit": _FORMAT_VERSION,
+                "step": self.step,
+                "data": self.data,
+                "index_checksum": self.index_checksum,
+                "writer": self.writer,
+                "time": self.time,
+            },
+            sort_keys=True,
+        ).encode()
+
+
+def marker_key(step: str) -> str:
+    """The key of a step's commit marker: a sibling, ``<step>.commit``."""
+    return _clean_key(step) + MARKER_SUFFIX
+
+
+def step_number(key: str) -> int | None:
+    """The step number in a step's name: the digits ending its stem (``ckpt-12.h5`` → 12)."""
+    stem = key.rstrip("/").rsplit("/", 1)[-1].split(".", 1)[0]
+    m = re.search(r"(\d+)$", stem)
+    return int(m.group(1)) if m else None
+
+
+def _has_data(location: Location, data: str) -> bool:
+    if location.exists(data):
+        return True
+    return bool(location.list(data + "/"))
+
+
+def commit(
+    location: Location,
+    step_prefix: str,
+    index_checksum: str,
+    *,
+    data: str | None = None,
+    writer: str | None = None,
+) -> CommitRecord:
+    """Make ``step_prefix`` visible: create its marker with a create-only write.
+
+    Call it after every data object and the index are written. ``data`` is the key
+    holding the step's bytes (default: ``step_prefix``). Raises
+    ``CheckpointExistsError`` naming the step if it is already committed (by another
+    writer), and ``CkptError`` if there is no data to commit.
+    """
+    step = _clean_key(step_prefix)
+    data = _clean_key(data) if data is not None else step
+    if not _has_data(location, data):
+        raise CkptError(
+            f"cannot commit step {location.join(step)}: no data at {location.join(data)} "
+            "(write the data and the index before the commit marker)"
+        )
+    record = CommitRecord(step, data, index_checksum, writer or uuid.uuid4().hex, time.time())
+    try:
+        location.put(marker_key(step), record.to_json(), create_only=True)
+    except CheckpointExistsError:
+        existing = read_commit(location, step)
+        # A retried request whose first attempt did succeed finds its own marker.
+        if existing is not None and existing.writer == record.writer:
+            return existing
+        who = f" by writer {existing.writer}" if existing else ""
+        raise CheckpointExistsError(
+            f"step {location.join(step)} is already committed{who}; a step is written once: "
+            "save under a new step, or prune this one first"
+        ) from None
+    return record
+
+
+def read_commit(location: Location, step: str) -> CommitRecord | None:
+    """The step's commit record, or ``None`` if it has no marker."""
+    key = marker_key(step)
+    try:
+        raw = location.read(key)
+    except CheckpointNotFoundError:
+        return None
+    try:
+        obj = json.loads(raw)
+        if obj.get("ckptvar_commit") != _FORMAT_VERSION:
+            raise ValueError(f"unknown marker version {obj.get('ckptvar_commit')!r}")
+        return CommitRecord(
+            str(obj["step"]),
+            _clean_key(str(obj["data"])),
+            str(obj["index_checksum"]),
+            str(obj["writer"]),
+            float(obj["time"]),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(
+            f"{location.join(key)}: damaged commit marker: {exc}"
+        ) from None
+
+
+def is_committed(location: Location, step: str, index_checksum: str | None = None) -> bool:
+    """Whether ``step`` has a commit marker.
+
+    With ``index_checksum``, a marker binding another checksum raises
+    ``CorruptCheckpointError`` naming the step (its index was replaced after the commit).
+    """
+    record = read_commit(location, step)
+    if record is None:
+        return False
+    if index_checksum is not None and record.index_checksum != index_checksum:
+        raise CorruptCheckpointError(
+            f"step {location.join(step)}: its commit marker binds index checksum "
+            f"{record.index_checksum}, but the index has {index_checksum}"
+        )
+    return True
+
+
+def list_committed_steps(location: Location, prefix: str = "") -> list[str]:
+    """Keys of the committed steps directly below ``prefix``, by step number then name.
+
+    One listing request: only markers count, so an uncommitted step is never listed.
+    """
+    _, objects = location.list_dir(prefix)
+    steps = [o.key[: -len(MARKER_SUFFIX)] for o in objects if o.key.endswith(MARKER_SUFFIX)]
+    return sorted(steps, key=lambda s: (step_number(s) is None, step_number(s) or 0, s))
+
+
+def latest_committed_step(location: Location, prefix: str = "") -> str | None:
+    """The committed step with the highest step number, or ``None``."""
+    numbered = [s for s in list_committed_steps(location, prefix) if step_number(s) is not None]
+    return numbered[-1] if numbered else None
+
+
+def _delete_data(location: Location, data: str) -> None:
+    location.delete(data)
+    location.delete_prefix(data)
+
+
+def prune(location: Location, step: str) -> None:
+    """Delete a step: its marker first (it stops being visible), then its data."""
+    step = _clean_key(step)
+    record = read_commit(location, step)
+    location.delete(marker_key(step))
+    _delete_data(location, record.data if record else step)
+    if record and record.data != step:
+        _delete_data(location, step)
+
+
+def clean_uncommitted(
+    location: Location, prefix: str = "", *, older_than_latest: bool = True
+) -> list[str]:
+    """Delete leftovers of failed saves below ``prefix``; returns the keys deleted.
+
+    A leftover is a step-numbered object or prefix that no marker commits (as step
+    or as data). With ``older_than_latest`` (the manager's rule) only leftovers with
+    a step number below the latest committed one go: a save in flight for a newer
+    step is never touched.
+    """
+    dirs, objects = location.list_dir(prefix)
+    markers = {o.key for o in objects if o.key.endswith(MARKER_SUFFIX)}
+    committed = [m[: -len(MARKER_SUFFIX)] for m in markers]
+    protected = set(committed)
+    for step in committed:
+        record = read_commit(location, step)
+        if record is not None:
+            protected.add(record.data)
+    numbers = [n for n in map(step_number, committed) if n is not None]
+    latest = max(numbers) if numbers else None
+    removed: list[str] = []
+    for key in dirs + [o.key for o in objects if o.key not in markers]:
+        n = step_number(key)
+        if key in protected or n is None:
+            continue
+        if older_than_latest and (latest is None or n >= latest):
+            continue
+        _delete_data(location, key)
+        removed.append(key)
+    return removed

@@ -1,0 +1,161 @@
+"""Helpers of the cloud tests: a bucket on the local S3 server, and a fault-injecting proxy.
+
+The fixtures that use them are in ``conftest.py`` beside this file.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from ckptvar.storage.location import ObjectStoreLocation, open_location
+
+
+def make_bucket(endpoint: str, name: str) -> None:
+    """Create a bucket on the server (moto accepts unsigned requests)."""
+    req = urllib.request.Request(f"{endpoint}/{name}", method="PUT")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        resp.read()
+
+
+def options_for(endpoint: str, **extra: Any) -> dict[str, Any]:
+    """storage_options for the local server: endpoint, dummy keys, plain HTTP, short retries."""
+    return {
+        "endpoint": endpoint,
+        "access_key_id": "testing",
+        "secret_access_key": "testing",
+        "region": "us-east-1",
+        "allow_http": True,
+        "timeout": "30s",
+        "max_retries": 3,
+        "retry_timeout": 20,
+        "init_backoff": 0.05,
+        "max_backoff": 0.5,
+        **extra,
+    }
+
+
+@dataclass
+class S3Bucket:
+    endpoint: str
+    name: str
+    url: str
+    storage_options: dict[str, Any]
+
+    def location(self, sub: str = "", **extra: Any) -> ObjectStoreLocation:
+        url = f"{self.url}/{sub}" if sub else self.url
+        opts = {**self.storage_options, **extra}
+        loc = open_location(url, storage_options=opts)
+        assert isinstance(loc, ObjectStoreLocation)
+        return loc
+
+
+class FaultProxy:
+    """A real TCP proxy on 127.0.0.1 in front of the S3 server, counting bytes each way.
+
+    ``break_after_upload(n)``: once ``n`` more bytes went client → server, every open
+    connection is dropped and new ones are closed at once, until ``heal()``.
+    """
+
+    def __init__(self, upstream: str) -> None:
+        import socket
+        import threading
+
+        host, port = upstream.removeprefix("http://").split(":")
+        self._upstream = (host, int(port))
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(0.2)
+        self.endpoint = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._conns: list[Any] = []
+        self.bytes_up = self.bytes_down = self.connections = 0
+        self._budget: int | None = None
+        self._once = False
+        self.drops = 0
+        self.broken = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.bytes_up = self.bytes_down = self.connections = 0
+
+    def break_after_upload(self, nbytes: int, *, once: bool = False) -> None:
+        """Drop connections once ``nbytes`` more went up; ``once``: drop one, then heal."""
+        with self._lock:
+            self._budget, self._once = nbytes, once
+
+    def heal(self) -> None:
+        with self._lock:
+            self._budget, self.broken = None, False
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close()
+        self._drop_all()
+
+    def _drop_all(self) -> None:
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for c in conns:
+            try:
+                c.close()
+            except OSError:
+                pass
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self._stop.is_set():
+            try:
+                client, _ = self._sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            if self.broken:
+                client.close()
+                continue
+            try:
+                server = socket.create_connection(self._upstream, timeout=10)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self.connections += 1
+                self._conns += [client, server]
+            for src, dst, up in ((client, server, True), (server, client, False)):
+                threading.Thread(target=self._pump, args=(src, dst, up), daemon=True).start()
+
+    def _pump(self, src: Any, dst: Any, up: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                drop = False
+                with self._lock:
+                    if up:
+                        self.bytes_up += len(data)
+                        if self._budget is not None:
+                            self._budget -= len(data)
+                            if self._budget <= 0:
+                                drop, self.drops = True, self.drops + 1
+                                if self._once:
+                                    self._budget = None
+                                else:
+                                    self.broken = True
+                    else:
+                        self.bytes_down += len(data)
+                if drop or self.broken:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+            if self.broken:
+                self._drop_all()
