@@ -351,3 +351,38 @@ def test_restore_on_create_casts_a_box_with_a_warning(tmp_path: Path) -> None:
         with pytest.warns(UserWarning, match=r"'emb/table' \(float16 -> float32\)"):
             value = np.asarray(table)
     np.testing.assert_array_equal(value, FULL)
+
+
+def test_zarr_checkpoint_of_a_partitioned_variable_restores_into_other_parts(
+    tmp_path: Path,
+) -> None:
+    table = _partitioned(4)
+    table.assign(FULL)
+    path = cv.Saver().save(str(tmp_path / "model"), format="zarr")
+    assert _stored_keys(path) == {"emb/table": (10, 3)}
+    cv.reset_default_graph()
+    three = _partitioned(3)
+    cv.global_variables_initializer()
+    with cv.open(path) as reader:  # in place, through the lazy Zarr reader
+        apply_targets(reader, [("emb/table", logical_of(three))], {}, budget=0)
+    np.testing.assert_array_equal(np.asarray(three), FULL)
+
+
+def test_a_partitioned_variable_at_two_paths_is_stored_once(tmp_path: Path) -> None:
+    table = _partitioned(2)
+    table.assign(FULL)
+    path = cv.Checkpoint(a=table, b=[table]).save(str(tmp_path / "ckpt"))
+    assert [k for k in _stored_keys(path) if k != "save_counter"] == ["a"]
+    cv.reset_default_graph()
+    other = _partitioned(3)
+    cv.Checkpoint(b=[other]).restore(path).expect_partial()
+    np.testing.assert_array_equal(np.asarray(other), FULL)
+
+
+def test_restore_on_create_gives_a_shard_its_box(tmp_path: Path) -> None:
+    path = cv.save(tmp_path / "w.h5", {"w": FULL})
+    with cv.restore_on_create(path) as status:
+        shard = cv.Variable(_never, shape=(3, 3), dtype="float32", name="w",
+                            shard=cv.Shard(full_shape=(10, 3), offset=(6, 0)))
+    status.assert_consumed()
+    np.testing.assert_array_equal(shard.numpy(), FULL[6:9])

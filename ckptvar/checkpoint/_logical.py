@@ -13,16 +13,18 @@ multi-process coordinator can replace.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointMismatchError, ShapeLockError
+from .._dtypes import check_castable, dtype_name
+from ..errors import CheckpointMismatchError, DTypeLockError, ShapeLockError
 from ..storage import Reader
 from ..variables import PartitionedVariable, Variable
-from ._apply import reader_abilities
+from ._apply import TEMPORARY_BUDGET, _give, apply_values, check_matches, reader_abilities
 
 __all__ = [
     "BoxRead",
@@ -206,9 +208,6 @@ def check_logical(
     path: Any, *, cast: bool,
 ) -> list[str]:
     """Problems (one line each) of restoring ``items``: logical full shape and dtype."""
-    from .._dtypes import check_castable, dtype_name
-    from ..errors import DTypeLockError
-
     problems = []
     for key, logical in items:
         shape, dtype = stored(key)
@@ -230,6 +229,7 @@ def check_logical(
 
 
 def mismatch_error(path: Any, problems: list[str]) -> CheckpointMismatchError:
+    """The error for :func:`check_logical`'s problems: nothing was restored."""
     return CheckpointMismatchError(
         f"Cannot restore from {str(path)!r}: {len(problems)} stored value(s) do not match "
         "their variables; nothing was restored. " + "; ".join(problems) + "."
@@ -255,8 +255,6 @@ def apply_targets(
     are read and verified before any variable changes, into temporaries up to ``budget``
     bytes (above it, into the parts' own buffers after every value is verified).
     """
-    from ._apply import TEMPORARY_BUDGET, _give, apply_values, check_matches
-
     plain = [(k, v) for k, v in pairs if isinstance(v, Variable)]
     logicals = [(k, v) for k, v in pairs if isinstance(v, Logical)]
     if not logicals:
@@ -299,11 +297,9 @@ def apply_targets(
         else:
             for key in keys:
                 reader.verify(key)
-    casts = [f"{k!r} ({stored(k)[1]} -> {lg.dtype})" for k, lg in logicals
+    casts = [f"{k!r} ({dtype_name(stored(k)[1])} -> {dtype_name(lg.dtype)})" for k, lg in logicals
              if np.dtype(stored(k)[1]) != lg.dtype]
     if casts:
-        import warnings
-
         warnings.warn(
             f"Restore from {str(reader.path)!r} cast {len(casts)} stored value(s) to their "
             f"variables' dtypes (cast=True): {', '.join(casts)}.", UserWarning, stacklevel=4)
