@@ -386,3 +386,20 @@ def test_restore_on_create_gives_a_shard_its_box(tmp_path: Path) -> None:
                             shard=cv.Shard(full_shape=(10, 3), offset=(6, 0)))
     status.assert_consumed()
     np.testing.assert_array_equal(shard.numpy(), FULL[6:9])
+
+
+@pytest.mark.parametrize("budget", [None, 0])  # into temporaries / into the parts' buffers
+def test_damaged_logical_value_changes_no_part(tmp_path: Path, budget: int | None) -> None:
+    value = np.arange(3000, dtype=np.float32).reshape(1000, 3) + 0.5
+    path = cv.save(tmp_path / "m.h5", {"emb/table": value})
+    data = Path(path).read_bytes()
+    at = data.find(value[700].tobytes())  # a row the last part needs
+    assert at > 0
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        fh.write(bytes([data[at] ^ 0x40]))
+    table = _partitioned(3, shape=(1000, 3))
+    cv.global_variables_initializer()
+    with cv.open(path) as reader, pytest.raises(cv.CorruptCheckpointError):
+        apply_targets(reader, [("emb/table", logical_of(table))], {}, budget=budget)
+    assert not np.asarray(table).any()

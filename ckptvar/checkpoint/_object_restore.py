@@ -26,7 +26,7 @@ from ..trackable import Trackable
 from ..variables import PartitionedVariable, Variable
 from ._apply import reader_abilities
 from ._keys import escape_segment, unescape_segment
-from ._logical import Logical, apply_targets, as_target
+from ._logical import BoxReader, Logical, apply_targets, as_target, read_boxes
 from ._serialize import decode_state, read_graph
 from ._status import warn_unused
 from ._walk import Node, walk
@@ -92,6 +92,8 @@ class RestoreState:
         self._matched: dict[int, weakref.ref[Any]] = {}
         self._root = weakref.ref(root) if root is not None else None
         self.pending = 0
+        #: reads boxes of stored values into parts' buffers (a coordinator may replace it)
+        self.box_reader: BoxReader = read_boxes
 
     def __del__(self) -> None:
         if self.silenced:
@@ -158,7 +160,7 @@ class RestoreState:
             m = self._match(nodes)
             decoded = [(k, t, decode_state(self.states[k], k, self.path)) for k, t in m.states]
             apply_targets(self.reader, [(k, t) for k, t, _ in m.variables], self.infos,
-                          verify=self.verify, cast=self.cast)
+                          verify=self.verify, cast=self.cast, box_reader=self.box_reader)
             for key, trackable, state in decoded:
                 trackable._restore_python_state(state)
             for key, _, obj in m.variables:
