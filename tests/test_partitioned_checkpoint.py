@@ -403,3 +403,12 @@ def test_damaged_logical_value_changes_no_part(tmp_path: Path, budget: int | Non
     with cv.open(path) as reader, pytest.raises(cv.CorruptCheckpointError):
         apply_targets(reader, [("emb/table", logical_of(table))], {}, budget=budget)
     assert not np.asarray(table).any()
+
+
+def test_restore_on_create_refuses_a_part_that_cannot_fit_when_it_is_made(
+    tmp_path: Path,
+) -> None:
+    path = _saved_by_saver(tmp_path)
+    with (pytest.raises(cv.CheckpointMismatchError, match=r"'emb/table/part_0'.*\(4, 5\)"),
+          cv.restore_on_create(path)):
+        _partitioned(3, shape=(10, 5), init=_never)

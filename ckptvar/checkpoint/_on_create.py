@@ -105,6 +105,7 @@ def restore_on_create(
         key = by_name.get(match.group(1)) if match else None
         if key is None:
             return
+        _check_part_fits(state, key, var)
         if var._materialized:  # made from a concrete value: restored once its box is known
             parts.append((key, var))
         else:  # read when first needed; the initializer never runs
@@ -130,3 +131,18 @@ _PART = re.compile(r"(.+)/part_[0-9]+")
 def logical_of_part(var: Variable) -> Logical:
     box = var.logical_box
     return Logical(box.name, tuple(box.full_shape), np.dtype(var.dtype), (var,))
+
+
+def _check_part_fits(state: RestoreState, key: str, var: Variable) -> None:
+    """Refuse a part that cannot be a box of the stored value, before it takes a source.
+
+    (Its offset is set just after creation; the full check runs when it is read.)
+    """
+    info = state.infos[key]
+    stored, shape = tuple(info.shape), tuple(var.shape or ())
+    if len(stored) != len(shape) or any(
+            s is None or s > t for s, t in zip(shape, stored, strict=True)) or sum(
+            s != t for s, t in zip(shape, stored, strict=True)) > 1:
+        problem = (f"{key!r} (partition {var.name!r}): a part of shape {shape} cannot be a "
+                   f"box of the stored shape {stored}")
+        raise mismatch_error(state.path, [problem])
