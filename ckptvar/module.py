@@ -1,6 +1,7 @@
 """``cv.Module``: a container of variables and sub-modules that tracks what it is given.
 
-Owns automatic tracking on attribute assignment (variables, trackables and
+Owns automatic tracking on attribute assignment (variables, partitioned variables —
+saved as one logical variable, their parts listed in ``variables`` — trackables and
 lists/tuples/dicts of them, nested, in assignment order), the ``variables`` /
 ``trainable_variables`` / ``non_trainable_variables`` / ``submodules`` views (depth
 first, deterministic, without duplicates), the default snake_case name, the
@@ -30,7 +31,7 @@ from . import initializers as _initializers
 from ._dtypes import as_dtype, kind_of
 from .graph import name_scope as _name_scope
 from .trackable import Trackable
-from .variables import Variable
+from .variables import PartitionedVariable, Variable
 
 __all__ = ["Module", "iter_tracked"]
 
@@ -44,7 +45,7 @@ def _snake_case(name: str) -> str:
 
 
 def _is_tracked_value(value: Any) -> bool:
-    return isinstance(value, Variable | Trackable | list | tuple | dict)
+    return isinstance(value, Variable | PartitionedVariable | Trackable | list | tuple | dict)
 
 
 def iter_tracked(value: Any, seen: set[int]) -> Iterator[Any]:
@@ -53,6 +54,10 @@ def iter_tracked(value: Any, seen: set[int]) -> Iterator[Any]:
         if id(value) not in seen:
             seen.add(id(value))
             yield value
+        return
+    if isinstance(value, PartitionedVariable):  # its parts are the module's variables
+        for part in value:
+            yield from iter_tracked(part, seen)
         return
     if isinstance(value, Trackable):
         if id(value) in seen:

@@ -5,7 +5,8 @@ Owns :class:`Trackable`, the base of every object the checkpoint walk visits
 small hooks, all optional:
 
 - ``_trackable_children()`` -> an ordered ``{name: child}`` dict. A child is a
-  ``cv.Variable``, another ``Trackable``, or a list/tuple/dict of those (nested
+  ``cv.Variable``, a ``cv.PartitionedVariable`` (stored as one logical variable),
+  another ``Trackable``, or a list/tuple/dict of those (nested
   containers too). The default returns the children registered with
   :meth:`Trackable._track`.
 - ``_python_state()`` -> any msgpack-able value (``None``: no state), and

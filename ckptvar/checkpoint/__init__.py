@@ -5,7 +5,8 @@ The only layer that knows both the variable core and storage. Modules:
 (objects -> arrays and metadata), ``_steps`` (``prefix-N.suffix`` names),
 ``_files`` (writing and discarding one checkpoint file), ``_state`` (a
 directory's state file, ``latest_checkpoint``), ``_apply`` (all-or-nothing
-application of values), ``_object_restore`` (matching objects, deferred values),
+application of values), ``_logical`` (logical variables: partitioned variables and
+shards saved as one value, restored box by box), ``_object_restore`` (matching objects, deferred values),
 ``_status`` (``RestoreStatus``), ``_on_create`` (``restore_on_create``),
 ``_checkpoint`` (``Checkpoint``), ``_saver`` (``Saver``), ``_manager``
 (``CheckpointManager``), ``_async`` (background saves).

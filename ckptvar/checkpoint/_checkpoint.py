@@ -13,7 +13,7 @@ from typing import Any
 
 from ..storage._record import paused_gc
 from ..trackable import Trackable
-from ..variables import Variable
+from ..variables import PartitionedVariable, Variable
 from . import _async
 from ._files import native_backend, write_file
 from ._object_restore import RestoreState
@@ -54,7 +54,7 @@ class Checkpoint(Trackable):
             return
         if name == _COUNTER:
             raise ValueError(f"{_COUNTER!r} is reserved: it is the checkpoint's own save counter.")
-        if not isinstance(value, Variable | Trackable | list | tuple | dict):
+        if not isinstance(value, Variable | PartitionedVariable | Trackable | list | tuple | dict):
             raise TypeError(
                 f"Checkpoint({name}=...) needs a Variable, a trackable object or a "
                 f"list/tuple/dict of them, got {type(value).__name__}."

@@ -23,9 +23,10 @@ from typing import Any
 from ..storage import ArrayInfo, Reader, backend_for
 from ..storage._record import paused_gc
 from ..trackable import Trackable
-from ..variables import Variable
-from ._apply import apply_values, reader_abilities
+from ..variables import PartitionedVariable, Variable
+from ._apply import reader_abilities
 from ._keys import escape_segment, unescape_segment
+from ._logical import BoxReader, Logical, apply_targets, as_target, read_boxes
 from ._serialize import decode_state, read_graph
 from ._status import warn_unused
 from ._walk import Node, walk
@@ -35,7 +36,7 @@ __all__ = ["RestoreState"]
 
 @dataclass
 class _Match:
-    variables: list[tuple[str, Variable]]
+    variables: list[tuple[str, Variable | Logical, Any]]  # (key, target, tracked object)
     states: list[tuple[str, Trackable]]
     deferrals: list[tuple[Trackable, str, str]]  # (parent, raw child name, parent key)
 
@@ -91,6 +92,8 @@ class RestoreState:
         self._matched: dict[int, weakref.ref[Any]] = {}
         self._root = weakref.ref(root) if root is not None else None
         self.pending = 0
+        #: reads boxes of stored values into parts' buffers (a coordinator may replace it)
+        self.box_reader: BoxReader = read_boxes
 
     def __del__(self) -> None:
         if self.silenced:
@@ -127,10 +130,10 @@ class RestoreState:
         m = _Match([], [], [])
         for node in nodes:
             obj = node.obj
-            if isinstance(obj, Variable):
+            if isinstance(obj, Variable | PartitionedVariable):
                 key = self.key_for(node.key)
                 if key is not None:
-                    m.variables.append((key, obj))
+                    m.variables.append((key, as_target(obj), obj))
                 continue
             if isinstance(obj, Trackable) and node.first:
                 if node.key in self.states and node.key != "":
@@ -146,7 +149,7 @@ class RestoreState:
                         m.deferrals.append((obj, unescape_segment(seg), node.key))
         return m
 
-    def mark_consumed(self, key: str, var: Variable) -> None:
+    def mark_consumed(self, key: str, var: Variable | PartitionedVariable) -> None:
         """Record that ``var`` took the stored value ``key``."""
         self.consumed_keys.add(key)
         self._matched[id(var)] = weakref.ref(var)
@@ -156,12 +159,12 @@ class RestoreState:
         with self._lock, paused_gc():
             m = self._match(nodes)
             decoded = [(k, t, decode_state(self.states[k], k, self.path)) for k, t in m.states]
-            apply_values(self.reader, m.variables, self.infos, verify=self.verify,
-                         cast=self.cast)
+            apply_targets(self.reader, [(k, t) for k, t, _ in m.variables], self.infos,
+                          verify=self.verify, cast=self.cast, box_reader=self.box_reader)
             for key, trackable, state in decoded:
                 trackable._restore_python_state(state)
-            for key, var in m.variables:
-                self.mark_consumed(key, var)
+            for key, _, obj in m.variables:
+                self.mark_consumed(key, obj)
             for key, trackable, _ in decoded:
                 self.consumed_states.add(key)
                 self._matched[id(trackable)] = weakref.ref(trackable)
@@ -203,7 +206,7 @@ class RestoreState:
         out = []
         for node in walk(root):
             obj = node.obj
-            if isinstance(obj, Variable):
+            if isinstance(obj, Variable | PartitionedVariable):
                 if not self.matched(obj) and not self._own_counter(node, root):
                     out.append(f"{node.key} (variable {obj.name!r})")
             elif (

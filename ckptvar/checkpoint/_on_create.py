@@ -1,17 +1,34 @@
 """Restore on create: ``with cv.restore_on_create(path):`` matches new variables by name.
 
 Variables created inside the block whose name is stored in the file take the
-stored value through a creation hook, and their initializer never runs.
+stored value through a creation hook, and their initializer never runs. The parts
+``name/part_i`` of a partitioned variable (``get_variable(..., partitioner=)``) whose
+logical ``name`` is stored take their own box of the stored value, whatever its layout;
+so does a variable holding a ``Shard`` of a stored logical variable.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
+from .._dtypes import dtype_name
 from ..variables import Variable, register_creation_hook
-from ._apply import apply_values
+from ._logical import (
+    BoxRead,
+    Logical,
+    apply_targets,
+    as_target,
+    check_logical,
+    mismatch_error,
+    read_boxes,
+)
 from ._object_restore import RestoreState
 from ._status import RestoreStatus
 
@@ -41,18 +58,91 @@ def restore_on_create(
         # a Checkpoint's own counter: restored by name if one is created, never required
         state.consumed_keys.add("save_counter")
 
+    parts: list[tuple[str, Variable]] = []  # materialised parts waiting for their box
+
+    def take_box(key: str, var: Variable) -> np.ndarray:
+        """``var``'s box of the stored value ``key`` (its slice info is set by now)."""
+        box = var.logical_box
+        logical = logical_of_part(var)
+        with state._lock:
+            info = state.infos[key]
+            problems = check_logical([(key, logical)], lambda _: (info.shape, info.dtype),
+                                     state.path, cast=cast)
+            if problems:
+                raise mismatch_error(state.path, problems)
+            if np.dtype(info.dtype) != np.dtype(var.dtype):
+                warnings.warn(
+                    f"Restore from {str(state.path)!r} cast 1 stored value(s) to their "
+                    f"variables' dtypes (cast=True): {key!r} ({dtype_name(info.dtype)} -> "
+                    f"{dtype_name(var.dtype)}) for {var.name!r}.", UserWarning, stacklevel=2)
+            out = np.empty(tuple(box.shape), var.dtype)
+            read_boxes(state.reader, [BoxRead(key, tuple(box.offset), out.shape, out)],
+                       verify=verify)
+            state.mark_consumed(key, var)
+        return out
+
+    def restore_parts() -> None:
+        with state._lock:
+            ready = [(k, v) for k, v in parts if v.save_slice_info is not None]
+            parts[:] = [(k, v) for k, v in parts if v.save_slice_info is None]
+            if ready:
+                apply_targets(state.reader, [(k, logical_of_part(v)) for k, v in ready],
+                              state.infos, verify=verify, cast=cast)
+                for k, v in ready:
+                    state.mark_consumed(k, v)
+
     def hook(var: Variable) -> None:
+        restore_parts()  # parts made earlier know their boxes now
         key = by_name.get(var.name)
+        if key is not None:
+            with state._lock:
+                target = as_target(var)
+                apply_targets(state.reader, [(key, target)], state.infos, verify=verify,
+                              cast=cast)
+                state.mark_consumed(key, var)
+            return
+        match = _PART.fullmatch(var.name)
+        key = by_name.get(match.group(1)) if match else None
         if key is None:
             return
-        with state._lock:
-            apply_values(state.reader, [(key, var)], state.infos, verify=verify, cast=cast)
-            state.mark_consumed(key, var)
+        _check_part_fits(state, key, var)
+        if var._materialized:  # made from a concrete value: restored once its box is known
+            parts.append((key, var))
+        else:  # read when first needed; the initializer never runs
+            var._set_initial_value_source(functools.partial(take_box, key, var))
+            pending_sources.append(var)
 
+    pending_sources: list[Variable] = []
     handle = register_creation_hook(hook)
     try:
         yield RestoreStatus(state, warn_unused=False)
+        restore_parts()
+        for var in pending_sources:  # read now, while the file is open
+            var.initialize()
     finally:
         handle.remove()
         state.pending = 0
         state.release_reader()
+
+
+_PART = re.compile(r"(.+)/part_[0-9]+")
+
+
+def logical_of_part(var: Variable) -> Logical:
+    box = var.logical_box
+    return Logical(box.name, tuple(box.full_shape), np.dtype(var.dtype), (var,))
+
+
+def _check_part_fits(state: RestoreState, key: str, var: Variable) -> None:
+    """Refuse a part that cannot be a box of the stored value, before it takes a source.
+
+    (Its offset is set just after creation; the full check runs when it is read.)
+    """
+    info = state.infos[key]
+    stored, shape = tuple(info.shape), tuple(var.shape or ())
+    if len(stored) != len(shape) or any(
+            s is None or s > t for s, t in zip(shape, stored, strict=True)) or sum(
+            s != t for s, t in zip(shape, stored, strict=True)) > 1:
+        problem = (f"{key!r} (partition {var.name!r}): a part of shape {shape} cannot be a "
+                   f"box of the stored shape {stored}")
+        raise mismatch_error(state.path, [problem])

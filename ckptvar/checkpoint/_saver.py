@@ -1,7 +1,8 @@
 """``cv.Saver``: name-based (TF1-style) checkpoints keyed by variable names.
 
 Owns the mapping from ``var_list`` (``None``: the global variables at save time; a
-list: keyed by each variable's name; a dict: by its keys), ``prefix-<step>.h5``
+list: keyed by each variable's name; a dict: by its keys; the parts of a partitioned
+variable are one logical variable keyed by its full name), ``prefix-<step>.h5``
 naming and ``max_to_keep`` for the files this saver wrote.
 """
 
@@ -14,9 +15,9 @@ from typing import Any
 
 from ..graph import global_variables
 from ..storage import backend_for
-from ..variables import Variable
-from ._apply import apply_values
+from ..variables import PartitionedVariable, Variable
 from ._files import discard, write_file
+from ._logical import Logical, apply_targets, group_by_name
 from ._serialize import SavePlan, host_arrays, metadata
 from ._state import record_latest
 from ._status import missing_keys_error
@@ -37,7 +38,8 @@ class Saver:
 
     def __init__(
         self,
-        var_list: Sequence[Variable] | Mapping[str, Variable] | None = None,
+        var_list: Sequence[Variable | PartitionedVariable]
+        | Mapping[str, Variable | PartitionedVariable] | None = None,
         max_to_keep: int | None = 5,
     ) -> None:
         if max_to_keep is not None and max_to_keep < 0:
@@ -53,7 +55,7 @@ class Saver:
         """Files this saver wrote that it still keeps, oldest first."""
         return list(self._last)
 
-    def _mapping(self) -> dict[str, Variable]:
+    def _mapping(self) -> dict[str, Variable | Logical]:
         var_list = self._var_list
         if var_list is None:
             var_list = global_variables()
@@ -62,16 +64,12 @@ class Saver:
             items = list(var_list.items())
         else:
             items = [(getattr(v, "name", None), v) for v in var_list]
-        out: dict[str, Variable] = {}
         for key, var in items:
-            if not isinstance(var, Variable):
+            if not isinstance(var, Variable | PartitionedVariable):
                 raise TypeError(f"Saver var_list entry {key!r} is not a Variable: {var!r}.")
             if not isinstance(key, str) or not key:
                 raise ValueError(f"Saver keys must be non-empty strings, got {key!r}.")
-            if key in out and out[key] is not var:
-                raise ValueError(f"Two different variables would be saved under {key!r}.")
-            out[key] = var
-        return out
+        return group_by_name(items)
 
     def save(
         self,
@@ -117,11 +115,26 @@ class Saver:
         mapping = self._mapping()
         with backend_for(os.fspath(path)).open_reader(Path(path)) as reader:
             keys = set(reader.keys())
+            mapping = _stored_as_parts(mapping, keys)
             missing = [k for k in mapping if k not in keys]
             if missing:
                 raise missing_keys_error(missing, path)
             infos = {k: reader.info(k) for k in mapping}
-            apply_values(reader, list(mapping.items()), infos, verify=verify, cast=cast)
+            apply_targets(reader, list(mapping.items()), infos, verify=verify, cast=cast)
 
     def __repr__(self) -> str:
         return f"<cv.Saver max_to_keep={self.max_to_keep}>"
+
+
+def _stored_as_parts(mapping: dict[str, Variable | Logical], keys: set[str]) -> dict[
+        str, Variable | Logical]:
+    """Parts stored under their own names (``emb/table/part_0``, ...) restore by those names
+    when the file has no logical value for them (as ckptvar wrote before it stored one)."""
+    out: dict[str, Variable | Logical] = {}
+    for key, target in mapping.items():
+        if (isinstance(target, Logical) and key not in keys
+                and all(p.name in keys for p in target.parts)):
+            out.update((p.name, p) for p in target.parts)
+        else:
+            out[key] = target
+    return out

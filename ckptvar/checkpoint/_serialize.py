@@ -3,7 +3,8 @@
 No I/O here. :func:`gather` walks an object graph into a :class:`SavePlan`;
 :func:`host_arrays` turns it into ``(key, array, attrs)`` triples — views of the
 variables' own buffers for a blocking save (no copy), or a consistent snapshot
-(one copy each) for a background save; :func:`metadata` builds the msgpack-able
+(one copy each) for a background save; a logical variable (a partitioned variable, a
+shard) is one value, assembled from its parts into one new host array; :func:`metadata` builds the msgpack-able
 record stored beside the arrays (object graph aliases, Python state, save counter).
 """
 
@@ -18,7 +19,8 @@ import numpy as np
 from ..errors import CorruptCheckpointError
 from ..storage._rawio import snapshot
 from ..trackable import Trackable
-from ..variables import Variable
+from ..variables import PartitionedVariable, Variable
+from ._logical import Logical, as_target, assemble
 from ._walk import walk
 
 __all__ = [
@@ -40,7 +42,7 @@ GRAPH_VERSION = 1
 class SavePlan:
     """What one save writes: variables by key, their aliases, and Python states."""
 
-    variables: dict[str, Variable] = field(default_factory=dict)
+    variables: dict[str, Variable | Logical] = field(default_factory=dict)
     aliases: dict[str, list[str]] = field(default_factory=dict)
     python_state: dict[str, bytes] = field(default_factory=dict)
 
@@ -81,10 +83,10 @@ def gather(root: Any) -> SavePlan:
     first_key: dict[int, str] = {}
     for node in walk(root):
         obj = node.obj
-        if isinstance(obj, Variable):
+        if isinstance(obj, Variable | PartitionedVariable):
             if node.first:
                 first_key[id(obj)] = node.key
-                plan.variables[node.key] = obj
+                plan.variables[node.key] = as_target(obj)
             else:
                 plan.aliases.setdefault(first_key[id(obj)], []).append(node.key)
         elif isinstance(obj, Trackable) and node.first and node.parent is not None:
@@ -104,6 +106,9 @@ def host_arrays(plan: SavePlan, *, copy: bool) -> list[tuple[str, np.ndarray, di
     to_copy: list[int] = []
     for key, var in plan.variables.items():
         attrs = {"name": var.name, "trainable": bool(var.trainable)}
+        if isinstance(var, Logical):  # a new host array already: a snapshot
+            out.append((key, assemble(var, key), attrs))
+            continue
         value = var.value()
         if not isinstance(value, np.ndarray):
             host = np.asarray(var.numpy(), order="C")

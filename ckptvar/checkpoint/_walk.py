@@ -1,7 +1,8 @@
 """The object-graph walk: from a root, every variable and trackable with its key.
 
 Breadth first, children in their tracked order, so the walk is deterministic and
-a value reachable by several paths is first met by its shortest one. Each
+a value reachable by several paths is first met by its shortest one. A
+``PartitionedVariable`` is a leaf, like a variable (it is stored as one logical value). Each
 trackable and container is expanded once (cycles are fine); a variable met again
 by another path is recorded as an alias of its first key (shared variables are
 stored once and restored into every path).
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..trackable import Trackable
-from ..variables import Variable
+from ..variables import PartitionedVariable, Variable
 from ._keys import escape_segment
 
 __all__ = ["Node", "child_items", "walk"]
@@ -70,7 +71,7 @@ def child_items(obj: Any, key: str = "") -> Iterator[tuple[str, Any]]:
             yield str(name), child
 
 
-_NODE_TYPES = (Variable, Trackable, list, tuple, dict)
+_NODE_TYPES = (Variable, PartitionedVariable, Trackable, list, tuple, dict)
 
 
 def _is_node(value: Any) -> bool:
@@ -89,7 +90,7 @@ def walk(root: Any, root_key: str = "") -> list[Node]:
                 continue
             child_key = _join(key, name)
             first = id(child) not in seen
-            if type(child) is Variable or isinstance(child, Variable):
+            if type(child) is Variable or isinstance(child, Variable | PartitionedVariable):
                 seen.add(id(child))
                 nodes.append(Node(child_key, child, obj, name, first))
                 continue
