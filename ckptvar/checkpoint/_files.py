@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ..errors import CkptError, UnsupportedFormatError
 from ..storage import backend_for
 from ..storage._atomic import partial_path, remove_path
+from ..storage.location import is_url
 
 __all__ = [
     "NATIVE_FORMATS",
@@ -88,8 +90,20 @@ def write_file(
     format: str | None,
     arrays: list[tuple[str, Any, dict[str, Any]]],
     meta: dict[str, Any],
+    storage_options: Mapping[str, Any] | None = None,
 ) -> str:
-    """Write one checkpoint atomically (temporary sibling, fsync, rename); returns its path."""
+    """Write one checkpoint atomically (temporary sibling, fsync, rename); returns its path.
+
+    At an object-store URL: written to a local temporary, streamed up and committed by
+    marker (:func:`ckptvar.storage._remote.save_remote`); returns the URL.
+    """
+    if is_url(path):
+        from ..storage._remote import save_remote
+
+        fmt = native_backend(os.fspath(path), format).name
+        return save_remote(
+            os.fspath(path), lambda tmp: write_file(tmp, fmt, arrays, meta), storage_options
+        )
     path = Path(path)
     backend = native_backend(path, format)
     make_parents(path)
