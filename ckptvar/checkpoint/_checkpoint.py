@@ -185,7 +185,12 @@ class Checkpoint(Trackable):
 
     # -- restoring --------------------------------------------------------------------
     def restore(
-        self, path: str | os.PathLike[str] | None, *, verify: bool = True, cast: bool = False
+        self,
+        path: str | os.PathLike[str] | None,
+        *,
+        verify: bool = True,
+        cast: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> RestoreStatus:
         """Restore every object that exists now; the rest get their values when created.
 
@@ -201,7 +206,8 @@ class Checkpoint(Trackable):
             return RestoreStatus(None, warn_unused=False)
         self.wait()
         with paused_gc():
-            state = RestoreState(path, root=self, verify=verify, cast=cast)
+            state = RestoreState(path, root=self, verify=verify, cast=cast,
+                                 storage_options=storage_options)
         if state.has_save_counter:
             self.save_counter  # noqa: B018 - exists before matching, so it is restored too
         try:

@@ -382,7 +382,9 @@ class CheckpointManager:
         self.skipped = []
         for path in reversed(self.checkpoints):
             try:
-                self.restore_status = self._checkpoint.restore(path)
+                self.restore_status = self._checkpoint.restore(
+                    path, storage_options=self._storage_options
+                )
             except (CorruptCheckpointError, CheckpointNotFoundError,
                     UnsupportedFormatError) as exc:  # a file it wrote that no longer reads
                 logger.warning("Skipping checkpoint %s: %s", path, exc)

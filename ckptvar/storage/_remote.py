@@ -23,7 +23,7 @@ from typing import Any
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, UnsupportedFormatError
 from ._container.source import RemoteFile
 from ._h5 import H5Reader
-from ._zarr import RemoteZarrReader
+from ._zarr_remote import RemoteZarrReader
 from .base import Reader
 from .location import commit, read_commit, split_url, upload_step
 

@@ -169,7 +169,8 @@ def test_unreachable_endpoint_fails_within_timeout() -> None:
     t0 = time.monotonic()
     with pytest.raises(StorageError, match=r"s3://b/x/k.*failed after retries"):
         loc.read("k")
-    assert time.monotonic() - t0 < 15
+    if time.monotonic() - t0 > 60:  # a hang guard, not a speed claim: the retry budget is 3 s
+        pytest.fail("an unreachable endpoint kept the read waiting past its retry budget")
 
 
 def test_credentials_and_endpoint_from_environment(s3: S3Bucket) -> None:

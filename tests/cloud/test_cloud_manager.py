@@ -109,3 +109,21 @@ def test_two_writers_race_for_one_step(s3: S3Bucket, ext: str) -> None:
         assert [o.key for o in loc.list()] == sorted(
             [f"ckpt-3.{ext}.commit", read_commit(loc, f"ckpt-3.{ext}").data]
         )
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_restore_from_a_url_writes_into_the_variables(s3: S3Bucket, fmt: str) -> None:
+    opts = s3.storage_options
+    ckpt, v = _model(5.0)
+    run = f"{s3.url}/run"
+    manager = cv.CheckpointManager(ckpt, run, format=fmt, storage_options=opts)
+    saved = manager.save()
+    v.assign(np.zeros((64, 32), np.float32))
+    ckpt.restore(saved, storage_options=opts).assert_consumed()
+    np.testing.assert_array_equal(v.numpy(), np.full((64, 32), 5.0, np.float32))
+
+    fresh, w = _model(0.0)
+    again = cv.CheckpointManager(fresh, run, format=fmt, storage_options=opts)
+    assert again.restore_or_initialize() == saved
+    np.testing.assert_array_equal(w.numpy(), np.full((64, 32), 5.0, np.float32))
+    assert int(fresh.save_counter.numpy()) == 1
