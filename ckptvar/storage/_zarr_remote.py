@@ -56,18 +56,25 @@ class RemoteZarrReader(ZarrReader):
                 "'ckptvar' attribute)."
             )
         version = info.get("format_version")
-        if (isinstance(version, list) and len(version) == 2 and type(version[0]) is int
-                and version[0] > FORMAT_VERSION[0]):
+        if (
+            isinstance(version, list)
+            and len(version) == 2
+            and type(version[0]) is int
+            and version[0] > FORMAT_VERSION[0]
+        ):
             raise UnsupportedFormatError(
                 f"Checkpoint {url!r} has format version {version[0]}.{version[1]}, newer "
                 f"than the {FORMAT_VERSION[0]}.x this ckptvar reads; upgrade ckptvar to read it."
             )
         n, crc = info.get("record_nbytes"), info.get("record_crc32c")
-        if (info.get("record") != RECORD_PATH or type(n) is not int or type(crc) is not int
-                or not 0 <= n <= MAX_RECORD_NBYTES):
+        if (
+            info.get("record") != RECORD_PATH
+            or type(n) is not int
+            or type(crc) is not int
+            or not 0 <= n <= MAX_RECORD_NBYTES
+        ):
             raise CorruptCheckpointError(
-                f"Checkpoint {url!r}: the root zarr.json's ckptvar attribute is damaged "
-                f"({info!r})."
+                f"Checkpoint {url!r}: the root zarr.json's ckptvar attribute is damaged ({info!r})."
             )
         key = self._obj(f"{RECORD_PATH}/{chunk_key(1)}")
         try:
@@ -118,8 +125,11 @@ class RemoteZarrReader(ZarrReader):
         e = self._values.get(key)
         where = ""
         if e is not None:
-            rel = (f"{PACKED_PATH}/{chunk_key(1)}" if e.loc.kind == PACKED
-                   else f"{e.loc.path}/{chunk_key(len(e.shape))}")
+            rel = (
+                f"{PACKED_PATH}/{chunk_key(1)}"
+                if e.loc.kind == PACKED
+                else f"{e.loc.path}/{chunk_key(len(e.shape))}"
+            )
             where = f" (object {self._loc.join(self._obj(rel))})"
         return CorruptCheckpointError(f"Checkpoint {self.path!r}: value {key!r} {what}{where}.")
 

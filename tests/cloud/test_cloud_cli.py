@@ -28,6 +28,7 @@ def _ckpt(s3: S3Bucket, *args: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=180,
+        check=False,
     )
 
 

@@ -127,3 +127,18 @@ def test_restore_from_a_url_writes_into_the_variables(s3: S3Bucket, fmt: str) ->
     assert again.restore_or_initialize() == saved
     np.testing.assert_array_equal(w.numpy(), np.full((64, 32), 5.0, np.float32))
     assert int(fresh.save_counter.numpy()) == 1
+
+
+def test_background_save_to_a_url(s3: S3Bucket) -> None:
+    opts = s3.storage_options
+    ckpt, v = _model(4.0)
+    manager = cv.CheckpointManager(
+        ckpt, f"{s3.url}/run", max_to_keep=1, async_save=True, storage_options=opts
+    )
+    first = manager.save()
+    v.assign(np.full((64, 32), 6.0, np.float32))  # the save holds its own snapshot
+    second = manager.save()
+    assert manager.checkpoints == [second]  # waits for the background save
+    assert list_committed_steps(s3.location("run")) == ["ckpt-2.h5"]
+    assert first.endswith("ckpt-1.h5")
+    np.testing.assert_array_equal(cv.load(second, storage_options=opts)["v"], v.numpy())
