@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 
 # --- errors -----------------------------------------------------------------
 from .errors import (
+    CheckpointExistsError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CkptError,
@@ -75,6 +76,7 @@ from .io import list_variables, load, load_variable, open, save
 __all__ = [
     "AUTO_REUSE",
     "Checkpoint",
+    "CheckpointExistsError",
     "CheckpointManager",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",

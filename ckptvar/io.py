@@ -25,26 +25,37 @@ from .checkpoint._files import destination_error, make_parents
 from .errors import DeviceError
 from .storage import backend_for
 from .storage._record import paused_gc
+from .storage._remote import open_remote_reader, remote_format, save_remote
 from .storage.base import Reader
+from .storage.location import is_url
 
 __all__ = ["list_variables", "load", "load_variable", "open", "save"]
 
 PathLike = str | os.PathLike[str]
+Options = Mapping[str, Any] | None
 
 
-def open(path: PathLike, *, format: str | None = None) -> Reader:  # noqa: A001 - public name
+def open(
+    path: PathLike, *, format: str | None = None, storage_options: Options = None
+) -> Reader:
     """A read-only mapping from key to a lazy array; use it as a context manager.
 
     ``reader[key]`` costs no I/O; ``reader[key][0:10]`` reads only those rows;
     ``reader.read(key, out=buf)`` reads a whole value into ``buf``, verified.
+    ``path`` may be an object-store URL (``s3://bucket/run/ckpt-3.h5``, a committed
+    step; ranged GETs only), with ``storage_options`` for its client.
     """
+    if is_url(path):
+        return open_remote_reader(str(path), format, storage_options)
     p = Path(path)
     return backend_for(p, format).open_reader(p)
 
 
-def list_variables(path: PathLike) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+def list_variables(
+    path: PathLike, *, storage_options: Options = None
+) -> list[tuple[str, tuple[int, ...], np.dtype]]:
     """``[(key, shape, dtype), ...]`` of every value stored at ``path``, in file order."""
-    with open(path) as reader:
+    with open(path, storage_options=storage_options) as reader:
         out = []
         for key in reader.keys():
             info = reader.info(key)
@@ -52,9 +63,11 @@ def list_variables(path: PathLike) -> list[tuple[str, tuple[int, ...], np.dtype]
         return out
 
 
-def load_variable(path: PathLike, key: str, *, verify: bool = True) -> np.ndarray:
+def load_variable(
+    path: PathLike, key: str, *, verify: bool = True, storage_options: Options = None
+) -> np.ndarray:
     """One stored value as a NumPy array (checksum verified unless ``verify=False``)."""
-    with open(path) as reader:
+    with open(path, storage_options=storage_options) as reader:
         return reader.read(key, verify=verify)
 
 
@@ -64,6 +77,7 @@ def load(
     device: Any = None,
     keys: Iterable[str] | None = None,
     verify: bool = True,
+    storage_options: Options = None,
 ) -> dict[str, Any]:
     """Every value (or only ``keys``) as ``{key: array}``.
 
@@ -80,7 +94,7 @@ def load(
         dev = resolve(device)
         if not dev.is_gpu:
             dev = None
-    with open(path) as reader:
+    with open(path, storage_options=storage_options) as reader:
         wanted = list(reader.keys()) if keys is None else list(keys)
         if dev is None:
             with paused_gc():
@@ -111,16 +125,21 @@ def _load_to_gpu(reader: Reader, keys: list[str], dev: Any, verify: bool) -> dic
     return out
 
 
-def save(
+def save(  # noqa: PLR0913 - the public signature (API.md)
     path: PathLike,
     arrays: Mapping[str, Any],
     *,
     format: str | None = None,
     metadata: Mapping[str, Any] | None = None,
     attrs: Mapping[str, Mapping[str, Any]] | None = None,
+    storage_options: Options = None,
     **options: Any,
-) -> Path:
+) -> Path | str:
     """Write ``{key: array}`` as a ckptvar checkpoint at ``path`` (atomically); returns the path.
+
+    At an object-store URL the checkpoint becomes a committed step (data, root record,
+    then the create-only commit marker) and the URL is returned as a ``str``; a step
+    already committed raises ``CheckpointExistsError`` naming it.
 
     Missing parent directories are created (as ``Checkpoint.save`` does); an
     ``OSError`` names ``path``, never the temporary the file is written to first.
@@ -129,6 +148,14 @@ def save(
     ``options`` go to the format's writer (``durable``, ``pack_threshold``,
     ``compression`` for Zarr; see docs/FORMAT.md).
     """
+    if is_url(path):
+        url = str(path)
+        fmt = remote_format(url.rsplit("/", 1)[-1], format) or "h5"
+        return save_remote(
+            url,
+            lambda tmp: save(tmp, arrays, format=fmt, metadata=metadata, attrs=attrs, **options),
+            storage_options,
+        )
     p = Path(path)
     backend = backend_for(p, format, mode="w")
     make_parents(p)

@@ -12,7 +12,7 @@ DOCUMENTED = {
     # errors (API.md §10)
     "CkptError", "UninitializedVariableError", "CheckpointMismatchError",
     "RestoreAssertionError", "CorruptCheckpointError", "DeviceError",
-    "UnsupportedFormatError", "CheckpointNotFoundError",
+    "UnsupportedFormatError", "CheckpointNotFoundError", "CheckpointExistsError",
     # variables, names, collections, initialization (§1, §2)
     "Variable", "Graph", "GraphKeys", "AUTO_REUSE", "name_scope", "variable_scope",
     "get_variable", "get_default_graph", "reset_default_graph", "global_variables",
@@ -52,6 +52,7 @@ def test_every_public_name_resolves() -> None:
         ("DeviceError", ValueError),
         ("UnsupportedFormatError", ValueError),
         ("CheckpointNotFoundError", FileNotFoundError),
+        ("CheckpointExistsError", FileExistsError),
     ],
 )
 def test_errors_are_ckpt_errors_and_builtins(error: str, builtin: type) -> None:

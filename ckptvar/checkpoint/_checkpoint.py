@@ -8,7 +8,7 @@ are matched, checked and applied is ``_object_restore``'s and ``_apply``'s.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..storage._record import paused_gc
@@ -84,6 +84,7 @@ class Checkpoint(Trackable):
         format: str | None = None,
         blocking: bool = True,
         metadata: Any = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> Any:
         """Increment the save counter and write ``prefix-N.<suffix>``.
 
@@ -93,7 +94,7 @@ class Checkpoint(Trackable):
         state file a ``CheckpointManager`` keeps), where ``cv.latest_checkpoint`` finds it.
         """
         return self._save(prefix, format=format, blocking=blocking, user=metadata,
-                          on_commit=record_latest)
+                          on_commit=record_latest, storage_options=storage_options)
 
     def _save(
         self,
@@ -104,6 +105,7 @@ class Checkpoint(Trackable):
         user: Any = None,
         number: int | None = None,
         on_commit: Callable[[str], None] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> Any:
         self.wait()  # one save in flight per checkpoint; surfaces a background error
         base, fmt, suffix = split_format(prefix, format)
@@ -111,7 +113,8 @@ class Checkpoint(Trackable):
         counter.assign_add(1)
         n = int(counter.numpy()) if number is None else int(number)
         try:
-            return self._write(step_name(base, n, suffix), fmt, blocking, user, on_commit)
+            return self._write(step_name(base, n, suffix), fmt, blocking, user, on_commit,
+                               storage_options)
         except BaseException:
             counter.assign_sub(1)
             raise
@@ -123,6 +126,7 @@ class Checkpoint(Trackable):
         format: str | None = None,
         blocking: bool = True,
         metadata: Any = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> Any:
         """Write exactly ``path`` (the save counter does not change).
 
@@ -135,7 +139,7 @@ class Checkpoint(Trackable):
         self.wait()
         path = os.fspath(path)
         fmt = native_backend(path, format).name
-        return self._write(path, fmt, blocking, metadata, None)
+        return self._write(path, fmt, blocking, metadata, None, storage_options)
 
     def _write(
         self,
@@ -144,6 +148,7 @@ class Checkpoint(Trackable):
         blocking: bool,
         user: Any,
         on_commit: Callable[[str], None] | None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> Any:
         counter = self._trackable_children().get(_COUNTER)  # stored only once it exists
         with paused_gc():
@@ -154,7 +159,7 @@ class Checkpoint(Trackable):
 
         def run() -> str:
             with paused_gc():
-                final = write_file(path, fmt, arrays, meta)
+                final = write_file(path, fmt, arrays, meta, storage_options)
             if on_commit is not None:
                 on_commit(final)
             return final
@@ -180,7 +185,12 @@ class Checkpoint(Trackable):
 
     # -- restoring --------------------------------------------------------------------
     def restore(
-        self, path: str | os.PathLike[str] | None, *, verify: bool = True, cast: bool = False
+        self,
+        path: str | os.PathLike[str] | None,
+        *,
+        verify: bool = True,
+        cast: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> RestoreStatus:
         """Restore every object that exists now; the rest get their values when created.
 
@@ -196,7 +206,8 @@ class Checkpoint(Trackable):
             return RestoreStatus(None, warn_unused=False)
         self.wait()
         with paused_gc():
-            state = RestoreState(path, root=self, verify=verify, cast=cast)
+            state = RestoreState(path, root=self, verify=verify, cast=cast,
+                                 storage_options=storage_options)
         if state.has_save_counter:
             self.save_counter  # noqa: B018 - exists before matching, so it is restored too
         try:

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ..errors import CkptError, UnsupportedFormatError
 from ..storage import backend_for
 from ..storage._atomic import partial_path, remove_path
+from ..storage._remote import open_remote_reader, save_remote
+from ..storage.location import is_url
 
 __all__ = [
     "NATIVE_FORMATS",
@@ -41,6 +44,20 @@ def native_backend(path: str | os.PathLike[str], format: str | None) -> Any:
             "(cv.save writes plain arrays to other formats)."
         )
     return backend
+
+
+def checkpoint_location(path: str | os.PathLike[str]) -> Any:
+    """``path`` as a ``Path``, or a URL kept as a ``str`` (``Path`` would mangle ``s3://``)."""
+    return os.fspath(path) if is_url(path) else Path(path)
+
+
+def open_checkpoint_reader(
+    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> Any:
+    """A reader of the checkpoint at ``path``: a local file or a committed step at a URL."""
+    if is_url(path):
+        return open_remote_reader(os.fspath(path), None, storage_options)
+    return backend_for(Path(path)).open_reader(Path(path))
 
 
 def make_parents(path: Path) -> None:
@@ -88,8 +105,18 @@ def write_file(
     format: str | None,
     arrays: list[tuple[str, Any, dict[str, Any]]],
     meta: dict[str, Any],
+    storage_options: Mapping[str, Any] | None = None,
 ) -> str:
-    """Write one checkpoint atomically (temporary sibling, fsync, rename); returns its path."""
+    """Write one checkpoint atomically (temporary sibling, fsync, rename); returns its path.
+
+    At an object-store URL: written to a local temporary, streamed up and committed by
+    marker (:func:`ckptvar.storage._remote.save_remote`); returns the URL.
+    """
+    if is_url(path):
+        fmt = native_backend(os.fspath(path), format).name
+        return str(save_remote(
+            os.fspath(path), lambda tmp: write_file(tmp, fmt, arrays, meta), storage_options
+        ))
     path = Path(path)
     backend = native_backend(path, format)
     make_parents(path)

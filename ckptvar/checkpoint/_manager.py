@@ -17,7 +17,7 @@ import fcntl
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,14 @@ from ..errors import (
 )
 from ..storage import known_formats
 from ..storage._atomic import is_partial, remove_path
+from ..storage.location import (
+    Location,
+    clean_uncommitted,
+    is_url,
+    list_committed_steps,
+    open_location,
+    prune,
+)
 from ..variables import Variable
 from ._checkpoint import Checkpoint
 from ._files import NATIVE_FORMATS, discard
@@ -94,6 +102,7 @@ class CheckpointManager:
         init_fn: Callable[[], Any] | None = None,
         format: str = "h5",
         async_save: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(checkpoint, Checkpoint):
             raise TypeError(f"CheckpointManager needs a cv.Checkpoint, got {checkpoint!r}.")
@@ -106,7 +115,17 @@ class CheckpointManager:
                 f"CheckpointManager writes {' or '.join(NATIVE_FORMATS)}, not {format!r}."
             )
         self._checkpoint = checkpoint
-        self.directory = Path(directory)
+        self._location: Location | None = None
+        self._storage_options = storage_options
+        if is_url(directory):
+            if keep_checkpoint_every_n_hours is not None:
+                raise CkptError(
+                    "keep_checkpoint_every_n_hours is not supported on an object store "
+                    f"({directory!r}): every committed step is listed, so a preserved one "
+                    "could not be told apart from a kept one."
+                )
+            self._location = open_location(directory, storage_options=storage_options)
+        self.directory: Any = self._location.url if self._location else Path(directory)
         self.max_to_keep = max_to_keep
         self.keep_checkpoint_every_n_hours = keep_checkpoint_every_n_hours
         self.checkpoint_name = checkpoint_name
@@ -118,16 +137,51 @@ class CheckpointManager:
         self.async_save = async_save
         self.restore_status: RestoreStatus | None = None
         self.skipped: list[tuple[str, str]] = []
-        self.directory.mkdir(parents=True, exist_ok=True)
         self._section: dict[str, Any] = {}
         self._created = time.time()
-        self.read_only = not writable(self.directory)
-        with locked(self.directory, shared=self.read_only):
-            state = read_state(self.directory, repair=not self.read_only)
+        if self._location is not None:
+            self.read_only = False
+            self._section = self._empty_section()
+            self._section["checkpoints"] = self._remote_list()
+            clean_uncommitted(self._location, older_than_latest=True)
+            return
+        self._init_local(Path(directory))
+
+    def _init_local(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.read_only = not writable(directory)
+        with locked(directory, shared=self.read_only):
+            state = read_state(directory, repair=not self.read_only)
             self._section = self._recover(state)
             if not self.read_only:  # recovery writes; a read-only directory is left as is
                 self._clean_temporaries()
                 self._finish_deletions(state)
+
+    # -- an object store: the commit markers are the state ------------------------------
+    def _remote_list(self) -> list[dict[str, Any]]:
+        """This manager's committed steps, oldest first (one listing request)."""
+        assert self._location is not None
+        entries = []
+        for key in list_committed_steps(self._location):
+            parsed = parse_step_name(key, prefix=self.checkpoint_name, suffixes=(self._suffix,))
+            if parsed is not None:
+                entries.append({"path": key, "step": parsed.step})
+        return sorted(entries, key=lambda e: e["step"])
+
+    def _record_remote(self, step: int) -> None:
+        """After a commit: prune beyond ``max_to_keep`` (marker first), clean leftovers."""
+        assert self._location is not None
+        entries = self._remote_list()
+        if self.max_to_keep is not None:
+            while len(entries) > self.max_to_keep:
+                prune(self._location, entries.pop(0)["path"])
+        clean_uncommitted(self._location, older_than_latest=True)
+        self._section["checkpoints"] = entries
+
+    def _full(self, name: str) -> str:
+        if self._location is not None:
+            return str(self._location.join(name))
+        return os.fspath(Path(self.directory) / name)
 
     # -- state ------------------------------------------------------------------------
     def _empty_section(self) -> dict[str, Any]:
@@ -233,14 +287,14 @@ class CheckpointManager:
     def checkpoints(self) -> list[str]:
         """The kept checkpoints, oldest first (waits for a background save of this manager)."""
         self._sync()
-        return [os.fspath(self.directory / e["path"]) for e in self._section["checkpoints"]]
+        return [self._full(e["path"]) for e in self._section["checkpoints"]]
 
     @property
     def latest_checkpoint(self) -> str | None:
         """The newest durable checkpoint, or ``None``."""
         self._sync()
         entries = self._section["checkpoints"]
-        return os.fspath(self.directory / entries[-1]["path"]) if entries else None
+        return self._full(entries[-1]["path"]) if entries else None
 
     def _current_step(self, checkpoint_number: int | None) -> int:
         if checkpoint_number is not None:
@@ -264,7 +318,7 @@ class CheckpointManager:
         listed once it is.
         """
         self._sync()
-        if not writable(self.directory):
+        if self._location is None and not writable(self.directory):
             raise CkptError(
                 f"Cannot save into {os.fspath(self.directory)!r}: the directory is read-only "
                 "(this manager can list and restore its checkpoints, not write new ones)."
@@ -282,6 +336,8 @@ class CheckpointManager:
                 return None
         elif self._step_counter is not None and checkpoint_number is None:
             step = self._current_step(None)
+        if self._location is not None:
+            return str(self._save_remote(number, step))
         prefix = self.directory / self.checkpoint_name
 
         def on_commit(path: str, step: int = step) -> None:
@@ -306,6 +362,17 @@ class CheckpointManager:
         result._future.add_done_callback(lambda _f, fd=saving: os.close(fd))
         return result.path
 
+    def _save_remote(self, number: int, step: int) -> str:
+        result = self._checkpoint._save(
+            self._full(self.checkpoint_name),
+            format=self.format,
+            blocking=not self.async_save,
+            number=number,
+            on_commit=lambda _path: self._record_remote(step),
+            storage_options=self._storage_options,
+        )
+        return str(result) if isinstance(result, str) else str(result.path)
+
     def restore_or_initialize(self) -> str | None:
         """Restore the newest checkpoint that loads; else call ``init_fn``. Returns the path.
 
@@ -315,7 +382,9 @@ class CheckpointManager:
         self.skipped = []
         for path in reversed(self.checkpoints):
             try:
-                self.restore_status = self._checkpoint.restore(path)
+                self.restore_status = self._checkpoint.restore(
+                    path, storage_options=self._storage_options
+                )
             except (CorruptCheckpointError, CheckpointNotFoundError,
                     UnsupportedFormatError) as exc:  # a file it wrote that no longer reads
                 logger.warning("Skipping checkpoint %s: %s", path, exc)

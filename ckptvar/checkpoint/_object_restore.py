@@ -57,13 +57,18 @@ class RestoreState:
         root: Any = None,
         verify: bool = True,
         cast: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self.path = Path(path)
+        from ..storage.location import is_url  # noqa: PLC0415 - keeps the imports as they are
+
+        # A URL stays a str (Path would mangle "s3://"); its reader reads by ranged GETs.
+        self.path: Any = path if is_url(path) else Path(path)
+        self._storage_options = storage_options
         self.verify = verify
         self.cast = cast
         self.silenced = True  # until a status that warns takes it over
         self._lock = threading.RLock()
-        self._reader: Reader | None = backend_for(self.path).open_reader(self.path)
+        self._reader: Reader | None = self._open_reader()
         self._finalizer = weakref.finalize(self, _close, self._reader)
         reader = self._reader
         self.infos: Mapping[str, ArrayInfo] = _infos(reader)
@@ -106,10 +111,17 @@ class RestoreState:
             return
 
     # -- reader -----------------------------------------------------------------------
+    def _open_reader(self) -> Reader:
+        if isinstance(self.path, Path):
+            return backend_for(self.path).open_reader(self.path)
+        from ._files import open_checkpoint_reader  # noqa: PLC0415 - a committed step at a URL
+
+        return open_checkpoint_reader(self.path, self._storage_options)  # type: ignore[no-any-return]
+
     @property
     def reader(self) -> Reader:
         if self._reader is None:
-            self._reader = backend_for(self.path).open_reader(self.path)
+            self._reader = self._open_reader()
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _close, self._reader)
         return self._reader

@@ -17,12 +17,13 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError
 from ..storage._atomic import fsync_dir, is_partial, partial_path, remove_path
+from ..storage.location import is_url, list_committed_steps, open_location
 from ._steps import parse_step_name
 
 __all__ = [
@@ -159,8 +160,20 @@ def exists(path: Path) -> bool:
     return path.exists() and not is_partial(path.name)
 
 
-def latest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
-    """The newest checkpoint a ``CheckpointManager`` recorded in ``directory``, or ``None``."""
+def latest_checkpoint(
+    directory: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
+) -> str | None:
+    """The newest checkpoint a ``CheckpointManager`` recorded in ``directory``, or ``None``.
+
+    At an object-store URL: the committed step with the highest step number (only
+    steps with a commit marker count), as a URL ``str``.
+    """
+    if is_url(directory):
+        loc = open_location(directory, storage_options=storage_options)
+        steps = [s for s in list_committed_steps(loc) if parse_step_name(s) is not None]
+        if not steps:
+            return None
+        return loc.join(max(steps, key=lambda s: parse_step_name(s).step))  # type: ignore[union-attr]
     directory = Path(directory)
     if not directory.is_dir():
         return None
@@ -176,8 +189,11 @@ def record_latest(path: str | os.PathLike[str]) -> None:
 
     What ``Checkpoint.save`` and ``Saver.save`` do after writing, as TensorFlow's
     do: :func:`latest_checkpoint` then returns it. No manager's list changes (a
-    manager only ever lists and deletes files it wrote).
+    manager only ever lists and deletes files it wrote). At an object-store URL the
+    commit marker is the record: nothing more is written.
     """
+    if is_url(path):
+        return
     path = Path(path)
     directory = path.parent
     with locked(directory):

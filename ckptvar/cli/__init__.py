@@ -28,7 +28,13 @@ import ckptvar as cv
 
 from . import convert, diff, inspect, ls, show, verify
 from ._blocks import Stats, iter_blocks
-from ._common import EXIT_USAGE, Parser, UsageError
+from ._common import (
+    EXIT_USAGE,
+    Parser,
+    UsageError,
+    add_storage_option,
+    set_storage_options,
+)
 from ._output import escape, one_line
 
 __all__ = ["Stats", "build_parser", "escape", "iter_blocks", "main"]
@@ -47,6 +53,7 @@ examples:
   ckpt diff runs/ckpt-2.h5 runs/ckpt-3.h5 --atol 1e-6
   ckpt verify runs/ckpt-3.h5
   ckpt ls runs/
+  ckpt inspect s3://bucket/run/ckpt-3.h5 --storage-option endpoint=http://127.0.0.1:9000
 """
 
 
@@ -64,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(_subparsers=sub.choices)
     for command in _COMMANDS:
         command.add_parser(sub)
+    for sub_parser in sub.choices.values():
+        add_storage_option(sub_parser)
     return parser
 
 
@@ -81,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, or a usage error already reported
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
+        set_storage_options(args.storage_option)
         return int(args.func(args, sys.stdout))
     except UsageError as exc:
         sys.stderr.write(f"ckpt: error: {one_line(exc)}\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,10 +24,14 @@ __all__ = [
     "UsageError",
     "add_quiet",
     "add_selection",
+    "add_storage_option",
+    "is_url",
     "open_checkpoint",
     "progress_for",
     "resolve_latest",
     "select",
+    "set_storage_options",
+    "storage_options",
 ]
 
 EXIT_OK = 0
@@ -49,8 +54,51 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
+_STORAGE_OPTIONS: dict[str, Any] = {}
+
+
+def is_url(path: object) -> bool:
+    """Whether ``path`` is a URL (``s3://bucket/key``) rather than a local path."""
+    return isinstance(path, str) and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path) is not None
+
+
+def add_storage_option(p: argparse.ArgumentParser) -> None:
+    """``--storage-option KEY=VALUE`` (repeatable): the object-store client's settings."""
+    p.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of the object-store client for s3:// (gs://, az://) paths, e.g. "
+        "endpoint=http://127.0.0.1:9000 or allow_http=true (repeatable; default: the "
+        "AWS_*/GOOGLE_*/AZURE_* environment)",
+    )
+
+
+def set_storage_options(pairs: Iterable[str]) -> None:
+    """Parse the ``--storage-option`` values for every URL this command opens."""
+    _STORAGE_OPTIONS.clear()
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--storage-option {pair!r}: expected KEY=VALUE")
+        parsed: Any = value
+        if value.lower() in ("true", "false"):
+            parsed = value.lower() == "true"
+        elif value.isdigit():
+            parsed = int(value)
+        _STORAGE_OPTIONS[key.strip()] = parsed
+
+
+def storage_options() -> dict[str, Any] | None:
+    """The ``--storage-option`` settings given (None: none)."""
+    return dict(_STORAGE_OPTIONS) or None
+
+
 def open_checkpoint(path: str | Path) -> Any:
     """``cv.open(path)``, with a hint when ``path`` is a directory of checkpoints."""
+    if is_url(path):
+        return cv.open(path, storage_options=storage_options())
     try:
         return cv.open(path)
     except cv.UnsupportedFormatError:
@@ -67,6 +115,11 @@ def resolve_latest(path: str | Path) -> tuple[str | Path, str | None]:
 
     Returns the path to open and, for a directory, a note saying which one was taken.
     """
+    if is_url(path):
+        if str(path).rstrip("/").lower().endswith((".h5", ".hdf5", ".zarr")):
+            return path, None
+        url = cv.latest_checkpoint(str(path), storage_options=storage_options())
+        return (path, None) if url is None else (url, f"the latest checkpoint of {str(path)!r}")
     p = Path(path)
     if not p.is_dir():
         return path, None

@@ -7,6 +7,8 @@ the command changes.
 - :func:`skipped_values`: what a reader left out (string/compound HDF5 datasets,
   TF string tensors); readers know it as a ``skipped`` attribute, undeclared.
 - :func:`verify_all`: the bulk verify some readers offer, found by name.
+- :func:`committed_steps`: the committed steps below an object-store URL, with
+  their sizes and commit times (the location layer is not public).
 - :data:`CHECKPOINT_NAME`: the manager's ``PREFIX-STEP.suffix`` file-name rule
   (its home is the checkpoint package, where it is private).
 """
@@ -17,7 +19,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["CHECKPOINT_NAME", "skipped_values", "verify_all"]
+__all__ = ["CHECKPOINT_NAME", "committed_steps", "skipped_values", "verify_all"]
 
 #: ``PREFIX-STEP.h5`` / ``.hdf5`` / ``.zarr`` / TensorFlow ``PREFIX-STEP.index``.
 CHECKPOINT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<step>\d+)(?P<ext>\.h5|\.hdf5|\.zarr|\.index)$")
@@ -37,3 +39,19 @@ def verify_all(reader: Any) -> Callable[[], Iterable[tuple[str, str]]] | None:
     """The reader's bulk verify (``[(key, reason), ...]`` for damaged values), if it has one."""
     fn = getattr(reader, "verify_all", None)
     return fn if callable(fn) else None
+
+
+def committed_steps(url: str, storage_options: Any) -> list[tuple[str, float, int]]:
+    """``[(step_url, commit_time, size), ...]`` of the committed steps directly below ``url``."""
+    from ckptvar.storage.location import list_committed_steps, open_location, read_commit
+
+    loc = open_location(url, storage_options=storage_options)
+    rows = []
+    for step in list_committed_steps(loc):
+        record = read_commit(loc, step)
+        if record is None:  # pruned while we looked
+            continue
+        objects = loc.list(record.data) if not loc.exists(record.data) else []
+        size = sum(o.size for o in objects) if objects else loc.size(record.data)
+        rows.append((loc.join(step), record.time, size))
+    return rows

@@ -23,7 +23,16 @@ import ckptvar as cv
 
 from . import _blocks
 from ._blocks import is_floating, value_blocks
-from ._common import EXIT_OK, UsageError, add_selection, open_checkpoint, select, selected
+from ._common import (
+    EXIT_OK,
+    UsageError,
+    add_selection,
+    is_url,
+    open_checkpoint,
+    select,
+    selected,
+    storage_options,
+)
 from ._library import skipped_values
 from ._output import escape, one_line
 from ._progress import Progress, human_size
@@ -275,6 +284,12 @@ def _dtype_error(fmt: str, bad: dict[str, np.dtype]) -> UsageError:
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
+    if is_url(args.src) or is_url(args.dst):
+        # An object store: read by ranged GETs, written as a committed step (streamed up).
+        if args.src == args.dst:
+            raise UsageError(f"source and destination are the same path {args.src!r}")
+        with open_checkpoint(args.src) as reader:
+            return _convert(reader, args.src, args.dst, args, out)
     src, dst = Path(args.src), Path(args.dst)
     if src.resolve() == dst.resolve():
         raise UsageError(f"source and destination are the same path {str(src)!r}")
@@ -284,7 +299,11 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         return _convert(reader, src, dst, args, out)
 
 
-def _convert(reader: Any, src: Path, dst: Path, args: argparse.Namespace, out: TextIO) -> int:
+def _convert(
+    reader: Any, src: Path | str, dst_arg: Path | str, args: argparse.Namespace, out: TextIO
+) -> int:
+    remote_dst = is_url(dst_arg)
+    dst = Path(dst_arg)  # a URL's name and suffix only: nothing local is made for it
     skipped = {k: v for k, v in skipped_values(reader).items() if selected(k, args)}
     keys = select(reader, args, where=repr(str(src)), allow_empty=bool(skipped))
     if skipped and not args.skip_unreadable:
@@ -330,26 +349,27 @@ def _convert(reader: Any, src: Path, dst: Path, args: argparse.Namespace, out: T
     if args.no_metadata:  # none of ckptvar's own; a Hugging Face 'format' entry stays
         metadata = {k: v for k, v in metadata.items() if k == "format" and isinstance(v, str)}
     window = args.window if args.window is not None else max(DEFAULT_WINDOW, 2 * largest)
-    created = _make_parents(dst)
+    created = [] if remote_dst else _make_parents(dst)
     try:
         with (
             Progress(total, stream=sys.stderr, enabled=bool(show)) as progress,
-            _spool(dst, spool_size if total > window else 0) as spool,
+            _spool(dst, spool_size if total > window else 0, local=not remote_dst) as spool,
         ):
             values = _Converted(reader, plan, args.dtype, progress, spool)
             try:
                 written = cv.save(
-                    dst,
+                    dst_arg if remote_dst else dst,
                     values,
                     format=args.format,
                     attrs=attrs or None,
                     metadata=metadata or None,
+                    **({"storage_options": storage_options()} if remote_dst else {}),
                 )
             except OSError as exc:
                 if isinstance(exc, cv.CkptError):
                     raise
                 raise OSError(
-                    exc.errno, f"cannot write {str(dst)!r}: {exc.strerror or one_line(exc)}"
+                    exc.errno, f"cannot write {str(dst_arg)!r}: {exc.strerror or one_line(exc)}"
                 ) from None
     except BaseException:
         for d in reversed(created):  # only the folders this conversion made, if still empty
@@ -393,15 +413,17 @@ def _make_parents(dst: Path) -> list[Path]:
 
 
 @contextlib.contextmanager
-def _spool(dst: Path, nbytes: int) -> Iterator[np.ndarray | None]:
-    """A scratch file of ``nbytes`` beside DST, mapped as bytes; ``None`` when 0.
+def _spool(dst: Path, nbytes: int, *, local: bool = True) -> Iterator[np.ndarray | None]:
+    """A scratch file of ``nbytes`` beside DST (in the temporary directory when DST is a
+    URL), mapped as bytes; ``None`` when 0.
 
     The file is removed when the conversion ends, whatever happens.
     """
     if nbytes == 0:
         yield None
         return
-    fd, name = tempfile.mkstemp(prefix=f".{dst.name}.spool-", dir=dst.absolute().parent)
+    where = dst.absolute().parent if local else None
+    fd, name = tempfile.mkstemp(prefix=f".{dst.name}.spool-", dir=where)
     try:
         os.ftruncate(fd, nbytes)
         spool = np.memmap(name, dtype=np.uint8, mode="r+")

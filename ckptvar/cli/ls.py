@@ -11,18 +11,21 @@ from typing import Any, TextIO
 
 import ckptvar as cv
 
-from ._common import EXIT_OK, UsageError
-from ._library import CHECKPOINT_NAME
+from ._common import EXIT_OK, UsageError, is_url, storage_options
+from ._library import CHECKPOINT_NAME, committed_steps
 from ._output import dump_json, escape, one_line, table
 from ._progress import human_size
 
 EPILOG = """\
 Lists the checkpoints of a CheckpointManager directory (files named
 PREFIX-STEP.h5, PREFIX-STEP.zarr or TensorFlow PREFIX-STEP.index) with their
-step, modification time and size on disk, and marks the latest.
+step, modification time and size on disk, and marks the latest. At an
+object-store URL (s3://bucket/run) only committed steps are listed, with their
+commit time and stored size.
 
 example:
   ckpt ls runs/
+  ckpt ls s3://bucket/run --storage-option endpoint=http://127.0.0.1:9000
 """
 
 
@@ -64,7 +67,31 @@ def _manager_checkpoints(directory: Path) -> list[Path]:
     return [p for _, _, p in found]
 
 
+def _remote_rows(url: str) -> tuple[list[dict[str, Any]], str | None]:
+    """The rows of the committed steps below ``url``, and the latest one's URL."""
+    latest = cv.latest_checkpoint(url, storage_options=storage_options())
+    rows = []
+    for step_url, when, size in committed_steps(url, storage_options()):
+        m = CHECKPOINT_NAME.match(step_url.rsplit("/", 1)[-1])
+        if m is None:
+            continue
+        rows.append(
+            {
+                "path": step_url,
+                "step": int(m["step"]),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(when)),
+                "mtime": when,
+                "size": size,
+                "latest": step_url == latest,
+            }
+        )
+    rows.sort(key=lambda r: (r["step"], r["mtime"]))
+    return rows, latest
+
+
 def run(args: argparse.Namespace, out: TextIO) -> int:
+    if is_url(args.directory):
+        return _print(args, out, args.directory, *_remote_rows(args.directory))
     directory = Path(args.directory)
     if not directory.exists():
         raise cv.CheckpointNotFoundError(f"No directory {str(directory)!r}.")
@@ -98,11 +125,21 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                 "latest": latest_path is not None and _same(p, latest_path),
             }
         )
+    return _print(args, out, directory, rows, str(latest_path) if latest_path else None)
+
+
+def _print(
+    args: argparse.Namespace,
+    out: TextIO,
+    directory: Path | str,
+    rows: list[dict[str, Any]],
+    latest: str | None,
+) -> int:
     if args.json:
         dump_json(
             {
                 "directory": str(directory),
-                "latest": str(latest_path) if latest_path is not None else None,
+                "latest": latest,
                 "checkpoints": rows,
             },
             out,

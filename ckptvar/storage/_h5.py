@@ -47,6 +47,8 @@ from ._container import (
     storage_dtype,
     write_packed,
 )
+from ._container import source as _src
+from ._container.source import RemoteFile
 from ._paths import RESERVED_PREFIX
 from ._record import ARRAY, FORMAT_VERSION, MAX_RECORD_NBYTES, PACKED, Entry, Record, decode
 from .base import Backend
@@ -216,9 +218,13 @@ def make_userblock(record_off: int, record: bytes) -> bytes:
     return head + bytes(USERBLOCK_SIZE - len(head))
 
 
-def read_userblock(fd: int, path: Any) -> tuple[int, int, int, int, int]:
+def read_userblock(fd: int | RemoteFile, path: Any) -> tuple[int, int, int, int, int]:
     """``(major, minor, record_offset, record_nbytes, record_crc)`` from a ckptvar HDF5 file."""
-    head = os.pread(fd, _UB.size + 4, 0)
+    if fd.__class__ is int:
+        head = os.pread(fd, _UB.size + 4, 0)
+    else:
+        buf = bytearray(_UB.size + 4)
+        head = bytes(buf[: _src.pread_into(fd, buf, 0)])
     if len(head) != _UB.size + 4 or head[:12] != MAGIC:
         raise CorruptCheckpointError(f"{str(path)!r} is not a ckptvar HDF5 file (no user block).")
     (crc,) = struct.unpack("<I", head[_UB.size :])
@@ -231,56 +237,89 @@ def read_userblock(fd: int, path: Any) -> tuple[int, int, int, int, int]:
     return major, minor, off, n, rcrc
 
 
+def _read_exact(fd: int | RemoteFile, offset: int, n: int, *, what: str, path: Any) -> bytes:
+    if fd.__class__ is int:
+        return _rawio.pread_exact(fd, offset, n, what=what, path=path)
+    buf = bytearray(n)
+    got = _src.pread_into(fd, buf, offset)
+    if got != n:
+        raise CorruptCheckpointError(
+            f"{what} in {str(path)!r} is truncated: {got} of {n} bytes at offset {offset}."
+        )
+    return bytes(buf)
+
+
+def _load_record(fd: int | RemoteFile, size: int, path: Any) -> Record:
+    major, minor, off, n, rcrc = read_userblock(fd, path)
+    if major > FORMAT_VERSION[0]:
+        raise UnsupportedFormatError(
+            f"Checkpoint {str(path)!r} has format version {major}.{minor}, newer than "
+            f"the {FORMAT_VERSION[0]}.x this ckptvar reads; upgrade ckptvar to read it."
+        )
+    if n > MAX_RECORD_NBYTES or off < USERBLOCK_SIZE or off + n > size:
+        raise CorruptCheckpointError(
+            f"Checkpoint {str(path)!r}: the root record [{off}, {off + n}) lies outside "
+            f"the file ({size} bytes); the file is truncated or damaged."
+        )
+    data = _read_exact(fd, off, n, what="The root record", path=path)
+    if _checksum.crc(data) != rcrc:
+        raise CorruptCheckpointError(
+            f"Checkpoint {str(path)!r}: the root record fails its checksum; "
+            "the file is damaged."
+        )
+    record = decode(data, path, container="h5", file_size=size)
+    _check_h5_regions(record, path, size, (off, n))
+    return record
+
+
 class H5Reader(ContainerReader):
-    """Reads a ckptvar ``.h5`` file with ``pread`` only (libhdf5 is never called)."""
+    """Reads a ckptvar ``.h5`` file with ``pread`` only (libhdf5 is never called).
+
+    ``source`` reads the file's bytes from an object store instead (ranged GETs);
+    ``path`` is then its URL.
+    """
 
     format = "h5"
 
-    def __init__(self, path: Path) -> None:
-        path = Path(path)
+    def __init__(self, path: Path | str, *, source: RemoteFile | None = None) -> None:
+        fd: int | RemoteFile
+        if source is None:
+            path = Path(path)
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.") from None
+        else:
+            fd = source
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.") from None
-        try:
-            size = os.fstat(fd).st_size
-            major, minor, off, n, rcrc = read_userblock(fd, path)
-            if major > FORMAT_VERSION[0]:
-                raise UnsupportedFormatError(
-                    f"Checkpoint {str(path)!r} has format version {major}.{minor}, newer than "
-                    f"the {FORMAT_VERSION[0]}.x this ckptvar reads; upgrade ckptvar to read it."
-                )
-            if n > MAX_RECORD_NBYTES or off < USERBLOCK_SIZE or off + n > size:
-                raise CorruptCheckpointError(
-                    f"Checkpoint {str(path)!r}: the root record [{off}, {off + n}) lies outside "
-                    f"the file ({size} bytes); the file is truncated or damaged."
-                )
-            data = _rawio.pread_exact(fd, off, n, what="The root record", path=path)
-            if _checksum.crc(data) != rcrc:
-                raise CorruptCheckpointError(
-                    f"Checkpoint {str(path)!r}: the root record fails its checksum; "
-                    "the file is damaged."
-                )
-            record = decode(data, path, container="h5", file_size=size)
-            _check_h5_regions(record, path, size, (off, n))
+            size = os.fstat(fd).st_size if source is None else source.size  # type: ignore[arg-type]
+            record = _load_record(fd, size, path)
         except BaseException:
-            os.close(fd)
+            _src.close(fd)
             raise
         self._fd = fd
         self._mm: Any = None
         super().__init__(path, record)
         self._packed_base = record.packed[1] if record.packed else 0
+        self._packed: int | RemoteFile = fd
+        if source is not None and record.packed:
+            # A window of the object: mapping it (verify) fetches the packed blob only.
+            self._packed = RemoteFile(source.location, source.key, record.packed[2],
+                                      source.base + self._packed_base)
+            self._packed_base = 0
 
     def _open_array(self, key: str, entry: Entry) -> Source:
         self._check()
         return Source(self._fd, entry.loc.offset, False)
 
-    def _packed_source(self) -> tuple[int, int]:
+    def _packed_source(self) -> tuple[int | RemoteFile, int]:
         self._check()
-        return self._fd, self._packed_base
+        return self._packed, self._packed_base
 
     def _mmap_region(self, key: str, entry: Entry) -> tuple[Any, int, bool]:
         self._check()
+        if self._fd.__class__ is not int:
+            return super()._mmap_region(key, entry)
         if self._mm is None:
             self._mm = self._map(self._fd)
         if entry.loc.kind == PACKED:
@@ -293,7 +332,7 @@ class H5Reader(ContainerReader):
             if mm is not None and hasattr(mm, "close"):
                 with contextlib.suppress(BufferError):  # a view of it is still alive
                     mm.close()
-            os.close(self._fd)
+            _src.close(self._fd)
         super().close()
 
     def __del__(self) -> None:

@@ -370,7 +370,7 @@ class ZarrReader(ContainerReader):
         except OSError as exc:
             raise self._corrupt(key, f"has lost its array {rel!r} ({exc})") from None
 
-    def _packed_source(self) -> tuple[int, int]:
+    def _packed_source(self) -> tuple[Any, int]:
         self._check()
         if self._packed_fd is None:
             assert self._record.packed is not None

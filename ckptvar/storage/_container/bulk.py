@@ -22,6 +22,7 @@ import numpy as np
 
 from ...errors import CorruptCheckpointError
 from .. import _checksum, _rawio
+from . import source as _src
 from .._record import ARRAY, PACKED, Entry
 from .transfer import PARALLEL_FROM, Transfer, TransferValue
 
@@ -180,7 +181,7 @@ def _read_packed_span(reader: ContainerReader, entries: list[Entry]) -> _PackedB
         return None
     fd, base = reader._packed_source()
     data = np.empty(hi - lo, np.uint8)
-    got = _rawio.pread_into(fd, data.data, base + lo)
+    got = _src.pread_into(fd, data.data, base + lo)
     if got != hi - lo:
         raise _truncated(reader, got, hi - lo)
     return _PackedBlob(data, lo)
@@ -271,7 +272,7 @@ def read_into_many(
             reader.read(key, out=out, verify=verify)
             i += 1
             continue
-        got = _rawio.preadv_all(fd, bufs, base + start)
+        got = _src.preadv_all(fd, bufs, base + start)
         if got != end - start:
             raise _truncated(reader, got, end - start)
         if verify:

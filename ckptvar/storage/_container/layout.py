@@ -59,10 +59,11 @@ def storage_dtype(name: str) -> np.dtype:
 
 
 class Source(NamedTuple):
-    """Where a value's bytes are: a descriptor, the byte offset, and whether the caller
-    closes the descriptor when done (a Zarr chunk file) or not (the reader's own file)."""
+    """Where a value's bytes are: a descriptor (or a remote byte source,
+    :class:`.source.RemoteFile`), the byte offset, and whether the caller closes it when
+    done (a Zarr chunk file) or not (the reader's own file)."""
 
-    fd: int
+    fd: Any
     offset: int
     owned: bool
 

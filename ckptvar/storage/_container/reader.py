@@ -15,7 +15,6 @@ import abc
 import dataclasses
 import difflib
 import mmap
-import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,9 @@ from ..base import (
     SupportsVerifyMany,
 )
 from . import bulk
+from . import source as _src
 from .layout import Source
+from .source import RemoteFile
 from .transfer import PARALLEL_FROM, Transfer, TransferValue
 
 __all__ = ["ContainerLazyArray", "ContainerReader"]
@@ -51,8 +52,9 @@ class ContainerReader(
 ):
     """A reader over a decoded record; backends say where each value's bytes are."""
 
-    def __init__(self, path: Path, record: Record) -> None:
-        self.path = Path(path)
+    def __init__(self, path: Path | str, record: Record) -> None:
+        # A URL stays a str: Path would turn "s3://" into "s3:/".
+        self.path: Any = path if isinstance(path, str) and "://" in path else Path(path)
         self._record = record
         self._values = record.values
         self._closed = False
@@ -64,8 +66,8 @@ class ContainerReader(
         """Where the bytes of a value stored as its own array are."""
 
     @abc.abstractmethod
-    def _packed_source(self) -> tuple[int, int]:
-        """``(fd, byte_offset_of_blob_start)``."""
+    def _packed_source(self) -> tuple[int | RemoteFile, int]:
+        """``(fd, byte_offset_of_blob_start)``: a descriptor or a remote byte source."""
 
     def _read_other(self, key: str, entry: Entry) -> np.ndarray:
         raise self._corrupt(key, f"has an unknown location {entry.loc!r}")
@@ -82,7 +84,7 @@ class ContainerReader(
         record, so a forged record declaring a huge value is refused before allocating."""
         src = self._source(key, entry)
         if src.owned:
-            os.close(src.fd)
+            _src.close(src.fd)
 
     def _parallel(self, e: Entry) -> bool:
         kind, _, _, nbytes = e.loc
@@ -98,13 +100,10 @@ class ContainerReader(
             return self._map(src.fd), src.offset, True
         finally:
             if src.owned:
-                os.close(src.fd)
+                _src.close(src.fd)
 
-    def _map(self, fd: int) -> Any:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return b""
-        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    def _map(self, fd: int | RemoteFile) -> Any:
+        return _src.map_all(fd)
 
     # -- Mapping
     def keys(self) -> Any:
@@ -203,10 +202,10 @@ class ContainerReader(
         try:
             arr = self._dest(key, e, out)
             dst = _rawio.byte_view(arr)
-            got = _rawio.pread_into(src.fd, dst, src.offset) if n else 0
+            got = _src.pread_into(src.fd, dst, src.offset) if n else 0
         finally:
             if src.owned:
-                os.close(src.fd)
+                _src.close(src.fd)
         if got != n:
             raise self._corrupt(key, f"is truncated: {got} of {n} bytes present")
         if verify:
@@ -254,12 +253,12 @@ class ContainerReader(
         try:
             out = np.empty(count, e.np_dtype)
             want = count * item
-            got = _rawio.pread_into(src.fd, _rawio.byte_view(out), src.offset + start * item)
+            got = _src.pread_into(src.fd, _rawio.byte_view(out), src.offset + start * item)
             if got != want:
                 raise self._corrupt(key, "is truncated")
         finally:
             if src.owned:
-                os.close(src.fd)
+                _src.close(src.fd)
         return out
 
     # -- verification
@@ -276,7 +275,7 @@ class ContainerReader(
             if kind == ARRAY:
                 src = self._open_array(key, e)
                 if src.owned:
-                    os.close(src.fd)
+                    _src.close(src.fd)
             self._compare(key, e, seed)
             return
         if kind == ARRAY:  # pread in pieces on the I/O threads (no map: no SIGBUS)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ...errors import CorruptCheckpointError
 from .. import _checksum, _rawio
+from . import source as _src
 from .._record import Entry
 from .layout import Source
 
@@ -110,12 +110,12 @@ class Transfer:
                 return False  # the read itself reports it
             try:
                 last = v.entry.nbytes - 1
-                if not (_rawio.cached(src.fd, src.offset)
-                        and _rawio.cached(src.fd, src.offset + last)):
+                if not (_src.cached(src.fd, src.offset)
+                        and _src.cached(src.fd, src.offset + last)):
                     return False
             finally:
                 if src.owned:
-                    os.close(src.fd)
+                    _src.close(src.fd)
         return True
 
     def _run(self, group: list[tuple[TransferValue, int]]) -> None:
@@ -126,14 +126,14 @@ class Transfer:
             for v, i in group:
                 if v is not last or src is None:
                     if src is not None and src.owned:
-                        os.close(src.fd)
+                        _src.close(src.fd)
                     src, last = None, v
                     src = reader._source(v.key, v.entry)
                 pos, n = v.pieces[i]
                 at = src.offset + pos
                 if v.view is not None:
                     buf = v.view[pos : pos + n]
-                    got = _rawio.pread_into(src.fd, buf, at)
+                    got = _src.pread_into(src.fd, buf, at)
                     if verify and got == n:
                         v.crcs[i] = _checksum.crc(buf)
                     v.got[i] = got
@@ -141,7 +141,7 @@ class Transfer:
                     v.got[i], v.crcs[i] = _hash_range(src.fd, at, n)
         finally:
             if src is not None and src.owned:
-                os.close(src.fd)
+                _src.close(src.fd)
 
     def finish(self) -> None:
         """Wait for every piece; raise for the first value short of bytes or damaged."""
@@ -164,13 +164,13 @@ class Transfer:
             _rawio.wait_all(self.futures)
 
 
-def _hash_range(fd: int, offset: int, n: int) -> tuple[int, int]:
+def _hash_range(fd: Any, offset: int, n: int) -> tuple[int, int]:
     """``(bytes_read, crc)`` of ``n`` bytes at ``offset``, read through this thread's scratch."""
     value = done = 0
     scratch = _scratch()
     while done < n:
         want = min(len(scratch), n - done)
-        got = _rawio.pread_into(fd, scratch[:want], offset + done)
+        got = _src.pread_into(fd, scratch[:want], offset + done)
         value = _checksum.crc(scratch[:got], value)
         done += got
         if got < want:

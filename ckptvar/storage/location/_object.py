@@ -238,6 +238,15 @@ class ObjectStoreLocation(Location):
             _stats=self.stats,
         )
 
+    def zarr_store(self, key: str = "") -> Any:
+        """An obstore store rooted at ``key`` (for ``zarr.storage.ObjectStore``)."""
+        from obstore.store import from_url
+
+        config, client, retry = _split_options(self.storage_options)
+        return from_url(
+            self.join(key), config=config or None, client_options=client, retry_config=retry
+        )
+
     # --- metadata -------------------------------------------------------------------------
     def stat(self, key: str) -> ObjectInfo:
         self.stats.add("head")

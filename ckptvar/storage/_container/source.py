@@ -1,0 +1,102 @@
+"""Byte sources of the container readers: a local file descriptor, or an object's bytes.
+
+Owns the few calls the readers make on a value's source (:class:`.layout.Source`
+``fd``): ``pread_into``, ``preadv_all``, ``close``, ``map_all`` and ``cached``.
+A local source is an ``int`` descriptor and takes the same ``preadv`` path as
+before (one type check per call); a :class:`RemoteFile` reads ranges of one
+object (or a window of it) through a :class:`~ckptvar.storage.location.Location`:
+each read is ranged GETs straight into the caller's buffer, in parallel.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from .. import _rawio
+
+__all__ = ["RemoteFile", "cached", "close", "map_all", "pread_into", "preadv_all"]
+
+
+class RemoteFile:
+    """``size`` bytes of object ``key`` from byte ``base``, read by ranged GETs."""
+
+    __slots__ = ("base", "key", "location", "size")
+
+    def __init__(self, location: Any, key: str, size: int, base: int = 0) -> None:
+        self.location = location
+        self.key = key
+        self.size = size
+        self.base = base
+
+    def pread_into(self, buf: Any, offset: int) -> int:
+        """Fill ``buf`` from ``offset``; returns the bytes read (fewer only past ``size``)."""
+        view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
+        n = max(0, min(len(view), self.size - offset))
+        if n:
+            self.location.read_into(self.key, self.base + offset, view[:n])
+        return n
+
+    def preadv_all(self, bufs: Sequence[Any], offset: int) -> int:
+        """Fill the buffers back to back from ``offset``: one parallel ranged read."""
+        offsets: list[int] = []
+        outs: list[memoryview] = []
+        pos = offset
+        for b in bufs:
+            view = memoryview(b).cast("B")
+            n = max(0, min(len(view), self.size - pos))
+            if n:
+                offsets.append(self.base + pos)
+                outs.append(view[:n])
+            pos += len(view)
+            if n < len(view):
+                break
+        if outs:
+            self.location.read_ranges_into(self.key, offsets, outs)
+        return sum(len(o) for o in outs)
+
+    def read_all(self) -> bytearray:
+        out = bytearray(self.size)
+        if self.size:
+            self.location.read_into(self.key, self.base, memoryview(out))
+        return out
+
+
+def pread_into(fd: int | RemoteFile, buf: Any, offset: int) -> int:
+    """``_rawio.pread_into`` on a descriptor, a ranged read on a :class:`RemoteFile`."""
+    if fd.__class__ is int:
+        return _rawio.pread_into(fd, buf, offset)
+    return fd.pread_into(buf, offset)  # type: ignore[union-attr]
+
+
+def preadv_all(fd: int | RemoteFile, bufs: Sequence[Any], offset: int) -> int:
+    """``_rawio.preadv_all`` on a descriptor, parallel ranged reads on a :class:`RemoteFile`."""
+    if fd.__class__ is int:
+        return _rawio.preadv_all(fd, bufs, offset)
+    return fd.preadv_all(bufs, offset)  # type: ignore[union-attr]
+
+
+def close(fd: int | RemoteFile) -> None:
+    """Close a descriptor (a remote source holds nothing open)."""
+    if fd.__class__ is int:
+        os.close(fd)
+
+
+def map_all(fd: int | RemoteFile) -> Any:
+    """A buffer of the whole source: a read-only map of a file, the bytes of a remote one."""
+    if fd.__class__ is int:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return b""
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    return fd.read_all()  # type: ignore[union-attr]
+
+
+def cached(fd: int | RemoteFile, offset: int) -> bool:
+    """Whether a page is in the page cache; a remote source counts as cached (its pieces
+    are best read in parallel)."""
+    if fd.__class__ is int:
+        return _rawio.cached(fd, offset)
+    return True

@@ -1,0 +1,137 @@
+"""ckptvar's own Zarr v3 checkpoints on an object store, read by ranged GETs.
+
+Owns :class:`RemoteZarrReader`: the root ``zarr.json`` and the record by one GET
+each, each value from its chunk object (or the packed blob) through a
+:class:`._container.source.RemoteFile`; the reads themselves are the container
+reader's, as for a local directory.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from . import _checksum
+from ._container import PACKED_PATH, ContainerReader, Source, storage_dtype
+from ._container.source import RemoteFile
+from ._record import FORMAT_VERSION, MAX_RECORD_NBYTES, PACKED, Entry, Record, decode
+from ._zarr import RECORD_PATH, ZarrReader, _zarr_api, chunk_key
+
+__all__ = ["RemoteZarrReader"]
+
+
+class RemoteZarrReader(ZarrReader):
+    """A ckptvar ``.zarr`` checkpoint on an object store: the root ``zarr.json`` and the
+    record by one GET each, values by ranged GETs of their chunk objects."""
+
+    def __init__(self, url: str, location: Any, prefix: str) -> None:
+        self._loc = location
+        self._prefix = prefix
+        self._packed_rf: RemoteFile | None = None
+        record = self._load_remote_record(url)
+        ContainerReader.__init__(self, url, record)
+
+    def _obj(self, rel: str) -> str:
+        return f"{self._prefix}/{rel}" if self._prefix else rel
+
+    def _load_remote_record(self, url: str) -> Record:
+        try:
+            raw = self._loc.read(self._obj("zarr.json"))
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"No checkpoint at {url!r} (no zarr.json).") from None
+        try:
+            doc = json.loads(raw.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CorruptCheckpointError(
+                f"{url!r}: the root zarr.json is not valid JSON ({exc})."
+            ) from None
+        info = (doc if isinstance(doc, dict) else {}).get("attributes", {})
+        info = info.get("ckptvar") if isinstance(info, dict) else None
+        if not isinstance(info, dict):
+            raise UnsupportedFormatError(
+                f"{url!r} is not a ckptvar Zarr checkpoint (its root zarr.json has no "
+                "'ckptvar' attribute)."
+            )
+        version = info.get("format_version")
+        if (
+            isinstance(version, list)
+            and len(version) == 2
+            and type(version[0]) is int
+            and version[0] > FORMAT_VERSION[0]
+        ):
+            raise UnsupportedFormatError(
+                f"Checkpoint {url!r} has format version {version[0]}.{version[1]}, newer "
+                f"than the {FORMAT_VERSION[0]}.x this ckptvar reads; upgrade ckptvar to read it."
+            )
+        n, crc = info.get("record_nbytes"), info.get("record_crc32c")
+        if (
+            info.get("record") != RECORD_PATH
+            or type(n) is not int
+            or type(crc) is not int
+            or not 0 <= n <= MAX_RECORD_NBYTES
+        ):
+            raise CorruptCheckpointError(
+                f"Checkpoint {url!r}: the root zarr.json's ckptvar attribute is damaged ({info!r})."
+            )
+        key = self._obj(f"{RECORD_PATH}/{chunk_key(1)}")
+        try:
+            data = self._loc.read(key)
+        except CheckpointNotFoundError:
+            raise CorruptCheckpointError(
+                f"Checkpoint {url!r}: the root record ({key}) is missing."
+            ) from None
+        if len(data) != n or _checksum.crc(data) != crc:
+            raise CorruptCheckpointError(
+                f"Checkpoint {url!r}: the root record ({key}) fails its checksum or length "
+                f"check (expected {n} bytes); the checkpoint is damaged."
+            )
+        return decode(data, url, container="zarr")
+
+    def _open_array(self, key: str, entry: Entry) -> Source:
+        self._check()
+        rel = f"{entry.loc.path}/{chunk_key(len(entry.shape))}"
+        return Source(RemoteFile(self._loc, self._obj(rel), entry.nbytes), 0, False)
+
+    def _packed_source(self) -> tuple[int | RemoteFile, int]:
+        self._check()
+        if self._packed_rf is None:
+            assert self._record.packed is not None
+            self._packed_rf = RemoteFile(
+                self._loc, self._obj(f"{PACKED_PATH}/{chunk_key(1)}"), self._record.packed[2]
+            )
+        return self._packed_rf, 0
+
+    def _read_other(self, key: str, entry: Entry) -> np.ndarray:
+        zarr = _zarr_api()
+        rel = entry.loc.path or ""
+        try:
+            store = zarr.storage.ObjectStore(self._loc.zarr_store(self._prefix), read_only=True)
+            data = np.asarray(zarr.open_array(store=store, path=rel, mode="r")[...])
+        except Exception as exc:  # noqa: BLE001 - any decoding failure is damage
+            raise self._corrupt(key, f"cannot be decoded ({type(exc).__name__}: {exc})") from None
+        sdt = storage_dtype(entry.dtype)
+        if data.shape != entry.shape or data.dtype != sdt:
+            raise self._corrupt(
+                key, f"is stored as {data.dtype}{data.shape}, the record says {sdt}{entry.shape}"
+            )
+        out = np.ascontiguousarray(data).view(entry.np_dtype)
+        self._compare(key, entry, _checksum.value_checksum(key, entry.dtype, entry.shape, out))
+        return out
+
+    def _corrupt(self, key: str, what: str) -> CorruptCheckpointError:
+        e = self._values.get(key)
+        where = ""
+        if e is not None:
+            rel = (
+                f"{PACKED_PATH}/{chunk_key(1)}"
+                if e.loc.kind == PACKED
+                else f"{e.loc.path}/{chunk_key(len(e.shape))}"
+            )
+            where = f" (object {self._loc.join(self._obj(rel))})"
+        return CorruptCheckpointError(f"Checkpoint {self.path!r}: value {key!r} {what}{where}.")
+
+    def close(self) -> None:
+        ContainerReader.close(self)
