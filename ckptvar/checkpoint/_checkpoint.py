@@ -15,6 +15,7 @@ from ..storage._record import paused_gc
 from ..trackable import Trackable
 from ..variables import Variable
 from . import _async
+from ._collective import collective_restore, collective_write, needs_collective
 from ._files import native_backend, write_file
 from ._object_restore import RestoreState
 from ._serialize import gather, host_arrays, metadata
@@ -24,6 +25,21 @@ from ._steps import split_format, step_name
 from ._walk import walk
 
 __all__ = ["Checkpoint"]
+
+
+class _Restored:
+    """What a multi-process restore reports to its status: every key was restored."""
+
+    def __init__(self, path: str | os.PathLike[str], keys: list[str]) -> None:
+        self.path = path
+        self.keys = keys
+        self.silenced = True
+
+    def unused(self) -> list[str]:
+        return []
+
+    def unmatched_objects(self) -> list[str]:
+        return []
 
 _COUNTER = "save_counter"
 
@@ -77,13 +93,15 @@ class Checkpoint(Trackable):
         return counter
 
     # -- saving -----------------------------------------------------------------------
-    def save(
+    def save(  # noqa: PLR0913
         self,
         prefix: str | os.PathLike[str],
         *,
         format: str | None = None,
         blocking: bool = True,
         metadata: Any = None,
+        coordinator: Any = None,
+        timeout: float | None = None,
     ) -> Any:
         """Increment the save counter and write ``prefix-N.<suffix>``.
 
@@ -91,11 +109,14 @@ class Checkpoint(Trackable):
         once durable. ``metadata`` (msgpack-able) is stored with the checkpoint. Once
         the file is durable it is recorded as its directory's latest checkpoint (the
         state file a ``CheckpointManager`` keeps), where ``cv.latest_checkpoint`` finds it.
+        With ``coordinator`` (a ``cv.distributed`` coordinator of more than one
+        process), every process calls this and they write ONE checkpoint together
+        (docs/distributed.md); every collective waits at most ``timeout`` seconds.
         """
         return self._save(prefix, format=format, blocking=blocking, user=metadata,
-                          on_commit=record_latest)
+                          on_commit=record_latest, coordinator=coordinator, timeout=timeout)
 
-    def _save(
+    def _save(  # noqa: PLR0913
         self,
         prefix: str | os.PathLike[str],
         *,
@@ -104,6 +125,8 @@ class Checkpoint(Trackable):
         user: Any = None,
         number: int | None = None,
         on_commit: Callable[[str], None] | None = None,
+        coordinator: Any = None,
+        timeout: float | None = None,
     ) -> Any:
         self.wait()  # one save in flight per checkpoint; surfaces a background error
         base, fmt, suffix = split_format(prefix, format)
@@ -111,18 +134,21 @@ class Checkpoint(Trackable):
         counter.assign_add(1)
         n = int(counter.numpy()) if number is None else int(number)
         try:
-            return self._write(step_name(base, n, suffix), fmt, blocking, user, on_commit)
+            return self._write(step_name(base, n, suffix), fmt, blocking, user, on_commit,
+                               coordinator, timeout)
         except BaseException:
             counter.assign_sub(1)
             raise
 
-    def write(
+    def write(  # noqa: PLR0913
         self,
         path: str | os.PathLike[str],
         *,
         format: str | None = None,
         blocking: bool = True,
         metadata: Any = None,
+        coordinator: Any = None,
+        timeout: float | None = None,
     ) -> Any:
         """Write exactly ``path`` (the save counter does not change).
 
@@ -131,19 +157,22 @@ class Checkpoint(Trackable):
         :meth:`save` ran or the property was read. The suffix picks the format (``.h5``
         or ``.zarr``; none: HDF5); ``format=`` overrides it. A suffix that cannot be
         written raises ``UnsupportedFormatError``. Missing parent directories are created.
+        ``coordinator``/``timeout``: as in :meth:`save`.
         """
         self.wait()
         path = os.fspath(path)
         fmt = native_backend(path, format).name
-        return self._write(path, fmt, blocking, metadata, None)
+        return self._write(path, fmt, blocking, metadata, None, coordinator, timeout)
 
-    def _write(
+    def _write(  # noqa: PLR0913, PLR0917
         self,
         path: str,
         fmt: str,
         blocking: bool,
         user: Any,
         on_commit: Callable[[str], None] | None,
+        coordinator: Any = None,
+        timeout: float | None = None,
     ) -> Any:
         counter = self._trackable_children().get(_COUNTER)  # stored only once it exists
         with paused_gc():
@@ -151,6 +180,20 @@ class Checkpoint(Trackable):
             count = None if counter is None else int(counter.numpy())
             meta = metadata(plan, save_counter=count, user=user)
             arrays = host_arrays(plan, copy=not blocking)
+
+        if needs_collective(coordinator, plan.variables.values()):
+            coord = coordinator if blocking else coordinator.background()
+
+            def run_collective() -> str:
+                with paused_gc():
+                    return collective_write(path, fmt, arrays, meta, plan.variables, coord,
+                                            timeout=timeout, on_commit=on_commit)
+
+            if blocking:
+                return run_collective()
+            handle = _async.submit(run_collective, path)
+            self._cv_handles.append(handle)
+            return handle
 
         def run() -> str:
             with paused_gc():
@@ -180,7 +223,13 @@ class Checkpoint(Trackable):
 
     # -- restoring --------------------------------------------------------------------
     def restore(
-        self, path: str | os.PathLike[str] | None, *, verify: bool = True, cast: bool = False
+        self,
+        path: str | os.PathLike[str] | None,
+        *,
+        verify: bool = True,
+        cast: bool = False,
+        coordinator: Any = None,
+        timeout: float | None = None,
     ) -> RestoreStatus:
         """Restore every object that exists now; the rest get their values when created.
 
@@ -191,10 +240,16 @@ class Checkpoint(Trackable):
         nor expects one. ``cast=True`` converts a stored dtype to the variable's under
         the same_kind rules (a float16 or bfloat16 checkpoint into a float32 model), value
         by value, with one ``UserWarning`` naming every key cast.
+
+        With ``coordinator`` (more than one process), every process calls this; each
+        reads only the parts of the stored values its variables hold (resharding), and
+        if any process cannot restore, every process raises and no variable changes.
         """
         if path is None:
             return RestoreStatus(None, warn_unused=False)
         self.wait()
+        if needs_collective(coordinator, gather(self).variables.values()):
+            return self._restore_collective(path, coordinator, timeout, verify)
         with paused_gc():
             state = RestoreState(path, root=self, verify=verify, cast=cast)
         if state.has_save_counter:
@@ -207,6 +262,17 @@ class Checkpoint(Trackable):
         return RestoreStatus(state, root=self)
 
     read = restore
+
+    def _restore_collective(
+        self, path: str | os.PathLike[str], coord: Any, timeout: float | None, verify: bool
+    ) -> RestoreStatus:
+        self.save_counter  # noqa: B018 - restored with the rest
+        plan = gather(self)
+        pairs = list(plan.variables.items())
+        with paused_gc():
+            collective_restore(path, pairs, coord, timeout=timeout, verify=verify,
+                               optional=(_COUNTER,))
+        return RestoreStatus(_Restored(path, [k for k, _ in pairs]), root=self)
 
     def __repr__(self) -> str:
         names = ", ".join(n for n in self._trackable_children() if n != _COUNTER)
