@@ -112,6 +112,18 @@ def test_a_failing_rank_fails_every_rank_and_commits_nothing(tmp_path: Path, kin
     assert np.array_equal(values["w"], (np.arange(37 * 5) * 3 + 1).astype("float32").reshape(37, 5))
 
 
+def test_a_rank_killed_mid_write_hangs_nobody_and_commits_nothing(tmp_path: Path) -> None:
+    # mpich usually ends the survivors itself; a survivor left alive raises within 2 s
+    proc, got, _ = run_mpi(3, CASES, "fault", str(tmp_path), "kill", timeout=60)
+    assert proc.returncode != 0
+    for r in got.get("fault", {}).values():
+        assert r["ok"] and "rank 1" in r["error"], r
+    run = tmp_path / "run"
+    assert not [p for p in run.iterdir() if p.name.startswith("ckpt-2")]
+    assert cv.latest_checkpoint(run) == str(run / "ckpt-1.h5")
+    assert sorted(cv.load(run / "ckpt-1.h5")) == ["b", "e", "save_counter", "w", "z"]
+
+
 @pytest.mark.parametrize("kind", ["uncovered", "missing"])
 def test_a_restore_failing_on_one_rank_changes_nothing_anywhere(saved: Path, kind: str) -> None:
     got = _run(2, "badrestore", str(saved), kind)

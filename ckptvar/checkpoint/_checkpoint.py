@@ -18,7 +18,7 @@ from . import _async
 from ._collective import collective_restore, collective_write, needs_collective
 from ._files import native_backend, write_file
 from ._object_restore import RestoreState
-from ._serialize import gather, host_arrays, metadata
+from ._serialize import decode_state, gather, host_arrays, metadata, read_graph
 from ._state import record_latest
 from ._status import RestoreStatus
 from ._steps import split_format, step_name
@@ -270,8 +270,13 @@ class Checkpoint(Trackable):
         plan = gather(self)
         pairs = list(plan.variables.items())
         with paused_gc():
-            collective_restore(path, pairs, coord, timeout=timeout, verify=verify,
-                               optional=(_COUNTER,))
+            meta = collective_restore(path, pairs, coord, timeout=timeout, verify=verify,
+                                      optional=(_COUNTER,))
+        _, states = read_graph(meta, path)
+        decoded = {k: decode_state(v, k, path) for k, v in states.items()}
+        for node in walk(self):
+            if isinstance(node.obj, Trackable) and node.first and node.key in decoded:
+                node.obj._restore_python_state(decoded[node.key])
         return RestoreStatus(_Restored(path, [k for k, _ in pairs]), root=self)
 
     def __repr__(self) -> str:

@@ -20,14 +20,17 @@ The layout is :mod:`ckptvar.storage._sharded`'s.
 
 from __future__ import annotations
 
+import hashlib
+import marshal
 import os
 import time
 import weakref
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from ..distributed import Box, Coordinator, PlanCache, VariableLayout, gather_plan
@@ -57,12 +60,41 @@ def plan_cache(coord: Coordinator) -> PlanCache:
     return cache
 
 
-def _layout_of(var: Variable, array: np.ndarray) -> VariableLayout:
+_Raw = tuple[str, tuple[int, ...], str, tuple[int, ...] | None, tuple[int, ...]]
+
+
+class _LazyLayout(Mapping[str, VariableLayout]):
+    """This rank's layouts, built only when the plan is not cached (a miss)."""
+
+    def __init__(self, raw: list[_Raw]) -> None:
+        self._raw = raw
+        self._built: dict[str, VariableLayout] | None = None
+
+    def _get(self) -> dict[str, VariableLayout]:
+        if self._built is None:
+            self._built = {
+                key: VariableLayout(full, dtype,
+                                    None if offset is None else (Box(offset, shape),))
+                for key, full, dtype, offset, shape in self._raw
+            }
+        return self._built
+
+    def __getitem__(self, key: str) -> VariableLayout:
+        return self._get()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+
+def _raw_layout(var: Variable, key: str, array: np.ndarray) -> _Raw:
     shard = getattr(var, "_shard", None)
+    shape = array.shape
     if shard is None:
-        return VariableLayout(tuple(array.shape), array.dtype.str, None)
-    box = var.logical_box
-    return VariableLayout(tuple(box.full_shape), array.dtype.str, (Box(box.offset, box.shape),))
+        return (key, shape, array.dtype.str, None, shape)
+    return (key, tuple(shard.full_shape), array.dtype.str, tuple(shard.offset), shape)
 
 
 def collective_write(  # noqa: C901, PLR0912, PLR0913, PLR0915, PLR0917 - the protocol, step by step
@@ -80,18 +112,20 @@ def collective_write(  # noqa: C901, PLR0912, PLR0913, PLR0915, PLR0917 - the pr
     final = Path(path)
     tag = f"save:{final.name}"
     clock = _Clock()
-    layout: dict[str, VariableLayout] = {}
+    raw: list[_Raw] = []
     checks: dict[str, int] = {}
     values: dict[str, tuple[np.ndarray, dict[str, Any]]] = {}
     for key, array, attrs in arrays:
-        vl = _layout_of(variables[key], array)
-        layout[key] = vl
+        entry = _raw_layout(variables[key], key, array)
+        raw.append(entry)
         values[key] = (array, attrs)
-        if vl.replicated and array.nbytes <= (1 << 20):  # large replicas: not compared
+        if entry[3] is None and array.nbytes <= (1 << 20):  # large replicas: not compared
             checks[key] = zlib.crc32(np.ascontiguousarray(array).tobytes())
+    raw.sort()
+    digest = hashlib.blake2b(marshal.dumps(raw), digest_size=16).hexdigest()
     plan = gather_plan(
-        coord, layout, checksums=checks, cache=plan_cache(coord), tag=f"{tag}:plan",
-        timeout=timeout,
+        coord, _LazyLayout(raw), checksums=checks, cache=plan_cache(coord),
+        digest=digest, tag=f"{tag}:plan", timeout=timeout,
     )
     clock.lap("plan")
     suffix = native_backend(final, fmt).suffixes[0]
@@ -120,17 +154,16 @@ def collective_write(  # noqa: C901, PLR0912, PLR0913, PLR0915, PLR0917 - the pr
         where = Path(shared)
         # write: this rank's boxes into its own file
         failure = None
-        mine = plan.writes_for(coord.rank)
+        mine = _mine(plan, coord.rank)
         try:
             if mine:
                 writer = native_backend(where / rank_file(coord.rank, suffix), fmt).open_writer(
                     where / rank_file(coord.rank, suffix), durable=True
                 )
                 try:
-                    for item in mine:
-                        array, attrs = values[item.key]
-                        j = plan.variables[item.key].items.index(item)
-                        writer.add(box_key(item.key, j), array, attrs)
+                    for key, stored in mine:
+                        array, attrs = values[key]
+                        writer.add(stored, array, attrs)
                     writer.set_metadata({"sharded": {"rank": coord.rank}})
                     writer.commit()
                 except BaseException:
@@ -183,6 +216,44 @@ def needs_collective(coord: Any, variables: Iterable[Variable]) -> bool:
                                       for v in variables))
 
 
+# One entry each: a repeated save with the same (cached) plan reuses them.
+_MINE: dict[int, tuple[Any, int, list[tuple[str, str]]]] = {}
+_PACKED: dict[int, tuple[Any, tuple[Any, ...], bytes]] = {}
+
+
+def _mine(plan: Any, rank: int) -> list[tuple[str, str]]:
+    """``(key, stored key)`` of each box ``rank`` writes under ``plan``."""
+    hit = _MINE.get(id(plan))
+    if hit is not None and hit[0] is plan and hit[1] == rank:
+        return hit[2]
+    mine = [(key, box_key(key, j)) for key, vp in plan.variables.items()
+            for j, item in enumerate(vp.items) if item.writer == rank]
+    _MINE.clear()
+    _MINE[id(plan)] = (plan, rank, mine)
+    return mine
+
+
+def _packed_variables(
+    plan: Any, values: Mapping[str, tuple[np.ndarray, dict[str, Any]]]
+) -> bytes:
+    """The index's ``variables`` map, msgpack-packed (reused while plan and attributes agree)."""
+    sig = tuple(tuple(attrs.items()) for _, attrs in values.values())
+    hit = _PACKED.get(id(plan))
+    if hit is not None and hit[0] is plan and hit[1] == sig:
+        return hit[2]
+    variables: dict[str, dict[str, Any]] = {}
+    for key, vp in plan.variables.items():
+        boxes = [[list(item.box.offset), list(item.box.shape), item.writer, box_key(key, j)]
+                 for j, item in enumerate(vp.items)]
+        attrs = values[key][1] if key in values else {}
+        variables[key] = {"shape": list(vp.full_shape), "dtype": vp.dtype, "attrs": attrs,
+                          "boxes": boxes}
+    packed: bytes = msgpack.packb(variables, use_bin_type=True)
+    _PACKED.clear()
+    _PACKED[id(plan)] = (plan, sig, packed)
+    return packed
+
+
 def _commit(  # noqa: PLR0913, PLR0917
     tmp: Path,
     final: Path,
@@ -194,20 +265,10 @@ def _commit(  # noqa: PLR0913, PLR0917
     size: int,
 ) -> None:
     files = [rank_file(r, suffix) for r in range(size)]
-    used: set[int] = set()
-    variables: dict[str, dict[str, Any]] = {}
-    for key, vp in plan.variables.items():
-        boxes = []
-        for j, item in enumerate(vp.items):
-            boxes.append([list(item.box.offset), list(item.box.shape), item.writer,
-                          box_key(key, j)])
-            used.add(item.writer)
-        attrs = values[key][1] if key in values else {}
-        variables[key] = {"shape": list(vp.full_shape), "dtype": vp.dtype, "attrs": attrs,
-                          "boxes": boxes}
+    packed = _packed_variables(plan, values)
     index = tmp / INDEX_FILE
     with open(index, "wb") as f:
-        f.write(pack_index(fmt, size, files, variables, meta))
+        f.write(pack_index(fmt, size, files, packed, meta))
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(tmp)

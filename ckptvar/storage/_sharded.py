@@ -45,6 +45,8 @@ __all__ = [
 INDEX_FILE = "ckptvar-index.msgpack"
 INDEX_FORMAT = "ckptvar-sharded"
 INDEX_VERSION = 1
+#: Stored boxes up to this size are read whole (and verified) even when only partly needed.
+_SLICE_WHOLE_BELOW = 1 << 20
 _MAX_INDEX = 1 << 30
 
 
@@ -62,23 +64,27 @@ def pack_index(
     container: str,
     processes: int,
     files: list[str],
-    variables: dict[str, dict[str, Any]],
+    variables: bytes,
     metadata: dict[str, Any],
 ) -> bytes:
-    """The index record (msgpack): see the module docstring and docs/FORMAT.md."""
-    packed: bytes = msgpack.packb(
-        {
-            "format": INDEX_FORMAT,
-            "version": INDEX_VERSION,
-            "container": container,
-            "processes": processes,
-            "files": files,
-            "variables": variables,
-            "metadata": metadata,
-        },
-        use_bin_type=True,
-    )
-    return packed
+    """The index record (msgpack map); ``variables`` is the packed ``variables`` map.
+
+    See the module docstring and docs/FORMAT.md.
+    """
+    packer = msgpack.Packer(use_bin_type=True)
+    head = {
+        "format": INDEX_FORMAT,
+        "version": INDEX_VERSION,
+        "container": container,
+        "processes": processes,
+        "files": files,
+        "metadata": metadata,
+    }
+    parts = [packer.pack_map_header(len(head) + 1)]
+    for k, v in head.items():
+        parts += [packer.pack(k), packer.pack(v)]
+    parts += [packer.pack("variables"), variables]
+    return b"".join(parts)
 
 
 def _load_index(path: Path) -> dict[str, Any]:
@@ -192,8 +198,9 @@ class ShardedReader(Reader, SupportsVerifyAll):
     def read_box(self, key: str, target: Any, *, verify: bool = True) -> np.ndarray:
         """The part ``target`` (a ``Box``) of ``key``: only the overlapping bytes are read.
 
-        A stored box read whole is verified against its checksum; a part of a large
-        box is read as a lazy slice (its byte run only). Raises ``ShardLayoutError``
+        A stored box read whole (needed whole, or up to 1 MiB) is verified against its
+        checksum; a part of a larger box is read as its run of elements only
+        (:attr:`bytes_read` counts what was read). Raises ``ShardLayoutError``
         when ``target`` is not fully covered, ``CorruptCheckpointError`` naming the
         variable and the file when a file is missing or damaged.
         """
@@ -204,11 +211,14 @@ class ShardedReader(Reader, SupportsVerifyAll):
         for item in plan:
             box, f, stored = boxes[item.source]
             sub = self._sub(key, f)
+            isz = info.dtype.itemsize
             try:
-                if item.box == box:
-                    part = sub.read(stored, verify=verify)
-                else:
+                if item.box == box or box.size * isz <= _SLICE_WHOLE_BELOW:
+                    part = sub.read(stored, verify=verify)[item.source_slices]
+                    self.bytes_read += box.size * isz
+                else:  # the run of elements from the first to the last one needed
                     part = sub[stored][item.source_slices]
+                    self.bytes_read += _span(item.source_slices, box.shape) * isz
             except MissingKeyError:
                 raise CorruptCheckpointError(
                     f"Variable {key!r}: its slice {box} is missing from file "
@@ -219,7 +229,6 @@ class ShardedReader(Reader, SupportsVerifyAll):
                     f"Variable {key!r}: its slice {box} in file "
                     f"{str(self.path / self._files[f])!r} is damaged: {exc}"
                 ) from exc
-            self.bytes_read += int(part.nbytes)
             out[item.dest_slices] = part
         return out
 
@@ -283,6 +292,15 @@ class ShardedLazyArray(LazyArray):
             return np.asarray(self.read()[index])
         value = self._reader.read_box(self._info.key, box)
         return np.asarray(value[rest]) if rest else value
+
+
+def _span(slices: tuple[slice, ...], shape: tuple[int, ...]) -> int:
+    """Elements from the first to the last element of ``slices`` of a C-ordered ``shape``."""
+    first = [s.start for s in slices]
+    last = [s.stop - 1 for s in slices]
+    if not shape:
+        return 1
+    return int(np.ravel_multi_index(last, shape) - np.ravel_multi_index(first, shape) + 1)
 
 
 def _as_box(index: Any, shape: tuple[int, ...]) -> tuple[Any, tuple[Any, ...]]:

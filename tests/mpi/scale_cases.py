@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -107,6 +108,8 @@ def fault(d: Path, kind: str) -> None:
     slept: list[bool] = []
     if RANK == 1:
         def add(self, key, array, attrs=None):  # type: ignore[no-untyped-def]
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
             if kind in ("raise", "bgraise"):
                 raise OSError(28, "No space left on device (injected)")
             if not slept:
@@ -122,7 +125,7 @@ def fault(d: Path, kind: str) -> None:
                       timeout=30).wait()
         else:
             ckpt.save(d / "run" / "ckpt.h5", coordinator=coord,
-                      timeout=2 if kind == "slow" else 30)
+                      timeout=30 if kind == "raise" else 2)
         report("fault", ok=False, error="no error")
     except DistributedError as exc:
         report("fault", ok=True, type=type(exc).__name__, error=str(exc), good=good,
