@@ -116,3 +116,14 @@ def test_python_state_comes_back_with_a_coordinated_restore(tmp_path: Path) -> N
                      shard=cv.Shard(full_shape=(8, 3), offset=(0, 0)))
     cv.Checkpoint(w=w2, step=other).restore(path, coordinator=coord)
     assert other.n == 41 and np.array_equal(w2.numpy(), FULL)
+
+
+def test_ckpt_convert_consolidates_into_one_file(tmp_path: Path) -> None:
+    path = _save(tmp_path, ".zarr")
+    one = tmp_path / "one.h5"
+    proc = subprocess.run([sys.executable, "-m", "ckptvar", "convert", path, str(one)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert one.is_file()
+    values = cv.load(one)
+    assert np.array_equal(values["w"], FULL) and values["b"].tolist() == [1, 1]
