@@ -127,3 +127,11 @@ def test_ckpt_convert_consolidates_into_one_file(tmp_path: Path) -> None:
     assert one.is_file()
     values = cv.load(one)
     assert np.array_equal(values["w"], FULL) and values["b"].tolist() == [1, 1]
+
+
+def test_plain_variables_restore_from_a_multi_process_checkpoint(tmp_path: Path) -> None:
+    path = _save(tmp_path, ".h5")
+    w = cv.Variable(np.zeros((8, 3), "float32"), name="w")
+    b = cv.Variable(np.zeros(2, "int64"), name="b")
+    cv.Checkpoint(w=w, b=b).restore(path).assert_consumed()
+    assert np.array_equal(w.numpy(), FULL) and b.numpy().tolist() == [1, 1]
