@@ -15,15 +15,31 @@ from ..storage._record import paused_gc
 from ..trackable import Trackable
 from ..variables import PartitionedVariable, Variable
 from . import _async
+from ._collective import collective_restore, collective_write, needs_collective
 from ._files import native_backend, write_file
 from ._object_restore import RestoreState
-from ._serialize import gather, host_arrays, metadata
+from ._serialize import decode_state, gather, host_arrays, metadata, read_graph
 from ._state import record_latest
 from ._status import RestoreStatus
 from ._steps import split_format, step_name
 from ._walk import walk
 
 __all__ = ["Checkpoint"]
+
+
+class _Restored:
+    """What a multi-process restore reports to its status: every key was restored."""
+
+    def __init__(self, path: str | os.PathLike[str], keys: list[str]) -> None:
+        self.path = path
+        self.keys = keys
+        self.silenced = True
+
+    def unused(self) -> list[str]:
+        return []
+
+    def unmatched_objects(self) -> list[str]:
+        return []
 
 _COUNTER = "save_counter"
 
@@ -77,7 +93,7 @@ class Checkpoint(Trackable):
         return counter
 
     # -- saving -----------------------------------------------------------------------
-    def save(
+    def save(  # noqa: PLR0913
         self,
         prefix: str | os.PathLike[str],
         *,
@@ -85,6 +101,8 @@ class Checkpoint(Trackable):
         blocking: bool = True,
         metadata: Any = None,
         storage_options: Mapping[str, Any] | None = None,
+        coordinator: Any = None,
+        timeout: float | None = None,
     ) -> Any:
         """Increment the save counter and write ``prefix-N.<suffix>``.
 
@@ -92,11 +110,15 @@ class Checkpoint(Trackable):
         once durable. ``metadata`` (msgpack-able) is stored with the checkpoint. Once
         the file is durable it is recorded as its directory's latest checkpoint (the
         state file a ``CheckpointManager`` keeps), where ``cv.latest_checkpoint`` finds it.
+        With ``coordinator`` (a ``cv.distributed`` coordinator of more than one
+        process), every process calls this and they write ONE checkpoint together
+        (docs/distributed.md); every collective waits at most ``timeout`` seconds.
         """
         return self._save(prefix, format=format, blocking=blocking, user=metadata,
-                          on_commit=record_latest, storage_options=storage_options)
+                          on_commit=record_latest, storage_options=storage_options,
+                          coordinator=coordinator, timeout=timeout)
 
-    def _save(
+    def _save(  # noqa: PLR0913
         self,
         prefix: str | os.PathLike[str],
         *,
@@ -106,6 +128,8 @@ class Checkpoint(Trackable):
         number: int | None = None,
         on_commit: Callable[[str], None] | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        coordinator: Any = None,
+        timeout: float | None = None,
     ) -> Any:
         self.wait()  # one save in flight per checkpoint; surfaces a background error
         base, fmt, suffix = split_format(prefix, format)
@@ -114,12 +138,12 @@ class Checkpoint(Trackable):
         n = int(counter.numpy()) if number is None else int(number)
         try:
             return self._write(step_name(base, n, suffix), fmt, blocking, user, on_commit,
-                               storage_options)
+                               storage_options, coordinator, timeout)
         except BaseException:
             counter.assign_sub(1)
             raise
 
-    def write(
+    def write(  # noqa: PLR0913
         self,
         path: str | os.PathLike[str],
         *,
@@ -127,6 +151,8 @@ class Checkpoint(Trackable):
         blocking: bool = True,
         metadata: Any = None,
         storage_options: Mapping[str, Any] | None = None,
+        coordinator: Any = None,
+        timeout: float | None = None,
     ) -> Any:
         """Write exactly ``path`` (the save counter does not change).
 
@@ -135,13 +161,15 @@ class Checkpoint(Trackable):
         :meth:`save` ran or the property was read. The suffix picks the format (``.h5``
         or ``.zarr``; none: HDF5); ``format=`` overrides it. A suffix that cannot be
         written raises ``UnsupportedFormatError``. Missing parent directories are created.
+        ``coordinator``/``timeout``: as in :meth:`save`.
         """
         self.wait()
         path = os.fspath(path)
         fmt = native_backend(path, format).name
-        return self._write(path, fmt, blocking, metadata, None, storage_options)
+        return self._write(path, fmt, blocking, metadata, None, storage_options,
+                           coordinator, timeout)
 
-    def _write(
+    def _write(  # noqa: PLR0913, PLR0917
         self,
         path: str,
         fmt: str,
@@ -149,6 +177,8 @@ class Checkpoint(Trackable):
         user: Any,
         on_commit: Callable[[str], None] | None,
         storage_options: Mapping[str, Any] | None = None,
+        coordinator: Any = None,
+        timeout: float | None = None,
     ) -> Any:
         counter = self._trackable_children().get(_COUNTER)  # stored only once it exists
         with paused_gc():
@@ -156,6 +186,20 @@ class Checkpoint(Trackable):
             count = None if counter is None else int(counter.numpy())
             meta = metadata(plan, save_counter=count, user=user)
             arrays = host_arrays(plan, copy=not blocking)
+
+        if needs_collective(coordinator, plan.variables.values()):
+            coord = coordinator if blocking else coordinator.background()
+
+            def run_collective() -> str:
+                with paused_gc():
+                    return collective_write(path, fmt, arrays, meta, plan.variables, coord,
+                                            timeout=timeout, on_commit=on_commit)
+
+            if blocking:
+                return run_collective()
+            handle = _async.submit(run_collective, path)
+            self._cv_handles.append(handle)
+            return handle
 
         def run() -> str:
             with paused_gc():
@@ -191,6 +235,8 @@ class Checkpoint(Trackable):
         verify: bool = True,
         cast: bool = False,
         storage_options: Mapping[str, Any] | None = None,
+        coordinator: Any = None,
+        timeout: float | None = None,
     ) -> RestoreStatus:
         """Restore every object that exists now; the rest get their values when created.
 
@@ -201,10 +247,16 @@ class Checkpoint(Trackable):
         nor expects one. ``cast=True`` converts a stored dtype to the variable's under
         the same_kind rules (a float16 or bfloat16 checkpoint into a float32 model), value
         by value, with one ``UserWarning`` naming every key cast.
+
+        With ``coordinator`` (more than one process), every process calls this; each
+        reads only the parts of the stored values its variables hold (resharding), and
+        if any process cannot restore, every process raises and no variable changes.
         """
         if path is None:
             return RestoreStatus(None, warn_unused=False)
         self.wait()
+        if needs_collective(coordinator, gather(self).variables.values()):
+            return self._restore_collective(path, coordinator, timeout, verify)
         with paused_gc():
             state = RestoreState(path, root=self, verify=verify, cast=cast,
                                  storage_options=storage_options)
@@ -218,6 +270,22 @@ class Checkpoint(Trackable):
         return RestoreStatus(state, root=self)
 
     read = restore
+
+    def _restore_collective(
+        self, path: str | os.PathLike[str], coord: Any, timeout: float | None, verify: bool
+    ) -> RestoreStatus:
+        self.save_counter  # noqa: B018 - restored with the rest
+        plan = gather(self)
+        pairs = list(plan.variables.items())
+        with paused_gc():
+            meta = collective_restore(path, pairs, coord, timeout=timeout, verify=verify,
+                                      optional=(_COUNTER,))
+        _, states = read_graph(meta, path)
+        decoded = {k: decode_state(v, k, path) for k, v in states.items()}
+        for node in walk(self):
+            if isinstance(node.obj, Trackable) and node.first and node.key in decoded:
+                node.obj._restore_python_state(decoded[node.key])
+        return RestoreStatus(_Restored(path, [k for k, _ in pairs]), root=self)
 
     def __repr__(self) -> str:
         names = ", ".join(n for n in self._trackable_children() if n != _COUNTER)

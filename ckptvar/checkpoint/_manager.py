@@ -25,6 +25,8 @@ from ..errors import (
     CheckpointNotFoundError,
     CkptError,
     CorruptCheckpointError,
+    DistributedError,
+    DistributedTimeoutError,
     UnsupportedFormatError,
 )
 from ..storage import known_formats
@@ -84,6 +86,9 @@ class CheckpointManager:
         init_fn: called by :meth:`restore_or_initialize` when there is nothing to restore.
         format: ``"h5"`` or ``"zarr"``.
         async_save: write in the background (see ``Checkpoint.save(blocking=False)``).
+        coordinator: a ``cv.distributed`` coordinator: every process creates the manager
+            and calls :meth:`save` (``timeout=`` bounds each collective); they write one
+            checkpoint, rank 0 keeps the state file and prunes.
 
     A read-only directory can be opened (``read_only`` is then True):
     :attr:`checkpoints`, :attr:`latest_checkpoint` and :meth:`restore_or_initialize`
@@ -103,6 +108,7 @@ class CheckpointManager:
         format: str = "h5",
         async_save: bool = False,
         storage_options: Mapping[str, Any] | None = None,
+        coordinator: Any = None,
     ) -> None:
         if not isinstance(checkpoint, Checkpoint):
             raise TypeError(f"CheckpointManager needs a cv.Checkpoint, got {checkpoint!r}.")
@@ -135,6 +141,9 @@ class CheckpointManager:
         self.checkpoint_interval = checkpoint_interval
         self._init_fn = init_fn
         self.async_save = async_save
+        #: a ``cv.distributed`` coordinator: saves are collective, rank 0 keeps the state
+        self.coordinator = coordinator
+        primary = coordinator is None or coordinator.is_primary
         self.restore_status: RestoreStatus | None = None
         self.skipped: list[tuple[str, str]] = []
         self._section: dict[str, Any] = {}
@@ -145,15 +154,15 @@ class CheckpointManager:
             self._section["checkpoints"] = self._remote_list()
             clean_uncommitted(self._location, older_than_latest=True)
             return
-        self._init_local(Path(directory))
+        self._init_local(Path(directory), primary)
 
-    def _init_local(self, directory: Path) -> None:
+    def _init_local(self, directory: Path, primary: bool = True) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.read_only = not writable(directory)
         with locked(directory, shared=self.read_only):
             state = read_state(directory, repair=not self.read_only)
             self._section = self._recover(state)
-            if not self.read_only:  # recovery writes; a read-only directory is left as is
+            if not self.read_only and primary:  # recovery writes; read-only: left as is
                 self._clean_temporaries()
                 self._finish_deletions(state)
 
@@ -282,6 +291,11 @@ class CheckpointManager:
 
     def _sync(self) -> None:
         self._checkpoint.wait()
+        if self.coordinator is not None and self.coordinator.size > 1 and (
+            not self.coordinator.is_primary
+        ):
+            with locked(self.directory, shared=True):  # rank 0 keeps the state: read it
+                self._section = self._recover(read_state(self.directory))
 
     @property
     def checkpoints(self) -> list[str]:
@@ -308,7 +322,13 @@ class CheckpointManager:
         value = counter.numpy() if isinstance(counter, Variable) else counter()
         return int(value)
 
-    def save(self, checkpoint_number: int | None = None, check_interval: bool = True) -> str | None:
+    def save(
+        self,
+        checkpoint_number: int | None = None,
+        check_interval: bool = True,
+        *,
+        timeout: float | None = None,
+    ) -> str | None:
         """Save ``<directory>/<checkpoint_name>-N<suffix>``; returns its path.
 
         ``N`` is ``checkpoint_number`` if given, else the checkpoint's save counter after
@@ -352,12 +372,16 @@ class CheckpointManager:
                 blocking=not self.async_save,
                 number=number,
                 on_commit=on_commit,
+                coordinator=self.coordinator,
+                timeout=timeout,
             )
         except BaseException:
             os.close(saving)
             raise
         if isinstance(result, str):
             os.close(saving)
+            if self.coordinator is not None:
+                self._sync()
             return result
         result._future.add_done_callback(lambda _f, fd=saving: os.close(fd))
         return result.path
@@ -383,10 +407,12 @@ class CheckpointManager:
         for path in reversed(self.checkpoints):
             try:
                 self.restore_status = self._checkpoint.restore(
-                    path, storage_options=self._storage_options
+                    path, storage_options=self._storage_options, coordinator=self.coordinator
                 )
-            except (CorruptCheckpointError, CheckpointNotFoundError,
-                    UnsupportedFormatError) as exc:  # a file it wrote that no longer reads
+            except DistributedTimeoutError:
+                raise
+            except (CorruptCheckpointError, CheckpointNotFoundError, UnsupportedFormatError,
+                    DistributedError) as exc:  # a file it wrote that no longer reads
                 logger.warning("Skipping checkpoint %s: %s", path, exc)
                 self.skipped.append((path, str(exc)))
                 continue

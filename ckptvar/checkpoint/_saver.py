@@ -16,6 +16,8 @@ from typing import Any
 from ..graph import global_variables
 from ..storage import backend_for
 from ..variables import PartitionedVariable, Variable
+from ._apply import apply_values
+from ._collective import collective_restore, collective_write, needs_collective
 from ._files import discard, write_file
 from ._logical import Logical, apply_targets, group_by_name
 from ._serialize import SavePlan, host_arrays, metadata
@@ -77,8 +79,13 @@ class Saver:
         global_step: int | Variable | None = None,
         *,
         format: str | None = None,
+        coordinator: Any = None,
+        timeout: float | None = None,
     ) -> str:
         """Write ``prefix-<global_step>.h5`` (or ``prefix.h5`` without a step); returns it.
+
+        With ``coordinator`` (more than one process) every process calls this and they
+        write one checkpoint together (docs/distributed.md); ``timeout`` bounds each step.
 
         The file is then recorded as its directory's latest checkpoint
         (``cv.latest_checkpoint`` returns it), as TensorFlow's ``Saver`` does.
@@ -93,26 +100,46 @@ class Saver:
         if not mapping:
             raise ValueError("Saver has no variables to save.")
         plan = SavePlan(variables=mapping)
-        path = write_file(path, fmt, host_arrays(plan, copy=False), metadata(
-            plan, save_counter=None
-        ) | {"saver": {"version": 1}})
+        meta = metadata(plan, save_counter=None) | {"saver": {"version": 1}}
+        primary = collective = needs_collective(coordinator, mapping.values())
+        if collective:
+            primary = coordinator.is_primary
+            path = collective_write(path, fmt, host_arrays(plan, copy=False), meta, mapping,
+                                    coordinator, timeout=timeout, on_commit=record_latest)
+        else:
+            primary = True
+            path = write_file(path, fmt, host_arrays(plan, copy=False), meta)
         if path in self._last:
             self._last.remove(path)
         self._last.append(path)
         if self.max_to_keep:
             while len(self._last) > self.max_to_keep:
-                discard(Path(self._last.pop(0)))
-        record_latest(path)
+                old = Path(self._last.pop(0))
+                if primary:  # in a multi-process save, rank 0 alone deletes
+                    discard(old)
+        if not collective:  # a collective save recorded it when committing
+            record_latest(path)
         return path
 
     def restore(
-        self, path: str | os.PathLike[str], *, verify: bool = True, cast: bool = False
+        self,
+        path: str | os.PathLike[str],
+        *,
+        verify: bool = True,
+        cast: bool = False,
+        coordinator: Any = None,
+        timeout: float | None = None,
     ) -> None:
         """Restore every variable by its key (a missing key: ``KeyError``, nothing changed).
 
         ``cast=True`` converts same_kind dtypes (float16 -> float32, ...) with a warning.
+        With ``coordinator``, all processes restore together, all or nothing.
         """
         mapping = self._mapping()
+        if needs_collective(coordinator, mapping.values()):
+            collective_restore(path, list(mapping.items()), coordinator, timeout=timeout,
+                               verify=verify)
+            return
         with backend_for(os.fspath(path)).open_reader(Path(path)) as reader:
             keys = set(reader.keys())
             mapping = _stored_as_parts(mapping, keys)

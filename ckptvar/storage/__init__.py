@@ -137,7 +137,7 @@ def _has_sidecars(path: Path) -> bool:
 
 def _register_builtin() -> None:
     # After register_backend exists: each of these registers its backends on import.
-    from . import _h5, _zarr, foreign  # noqa: F401, PLC0415
+    from . import _h5, _sharded, _zarr, foreign  # noqa: F401, PLC0415
 
 
 _register_builtin()

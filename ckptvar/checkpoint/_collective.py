@@ -1,0 +1,340 @@
+"""One checkpoint written by many processes, and restored by any number of them.
+
+The save protocol (every step bounded by the coordinator's timeout):
+
+1. plan: :func:`~ckptvar.distributed.gather_plan` (cached per coordinator, so a
+   repeated save with the same layout skips the gather of the layouts);
+2. prepare: rank 0 creates the temporary step directory and tells the others;
+3. write: each rank writes the boxes the plan gives it into its own ordinary
+   ckptvar file ``rank-NNNNN.<suffix>`` (each box has exactly one writer; a
+   replicated value is written once);
+4. vote: any failure makes every rank raise ``DistributedError`` naming the failing
+   ranks; rank 0 removes the temporary, nothing is committed;
+5. commit: rank 0 writes the global index, fsyncs, renames the directory into place
+   and records it; a last vote tells every rank the outcome.
+
+A restore reads, on each rank, only the parts of the stored boxes that overlap the
+boxes it holds, checks everything first, and votes before any variable changes.
+The layout is :mod:`ckptvar.storage._sharded`'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import marshal
+import os
+import time
+import weakref
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from ..distributed import Box, Coordinator, PlanCache, VariableLayout, gather_plan
+from ..errors import CheckpointMismatchError, CkptError
+from ..storage import backend_for
+from ..storage._atomic import fsync_dir, fsync_path, partial_path, remove_path
+from ..storage._sharded import INDEX_FILE, ShardedReader, box_key, pack_index, rank_file
+from ..variables import Variable
+from ._files import make_parents, native_backend
+
+__all__ = [
+    "collective_restore", "collective_write", "last_timings", "needs_collective", "plan_cache"
+]
+
+#: Seconds each step of this process's last collective save took (plan, prepare, write,
+#: vote, commit): what the ``scale`` benchmark reports as the protocol's overhead.
+last_timings: dict[str, float] = {}
+
+_CACHES: weakref.WeakKeyDictionary[Coordinator, PlanCache] = weakref.WeakKeyDictionary()
+
+
+def plan_cache(coord: Coordinator) -> PlanCache:
+    """The plan cache kept for ``coord`` (a repeated layout skips the layout gather)."""
+    cache = _CACHES.get(coord)
+    if cache is None:
+        cache = _CACHES[coord] = PlanCache()
+    return cache
+
+
+_Raw = tuple[str, tuple[int, ...], str, tuple[int, ...] | None, tuple[int, ...]]
+
+
+class _LazyLayout(Mapping[str, VariableLayout]):
+    """This rank's layouts, built only when the plan is not cached (a miss)."""
+
+    def __init__(self, raw: list[_Raw]) -> None:
+        self._raw = raw
+        self._built: dict[str, VariableLayout] | None = None
+
+    def _get(self) -> dict[str, VariableLayout]:
+        if self._built is None:
+            self._built = {
+                key: VariableLayout(full, dtype,
+                                    None if offset is None else (Box(offset, shape),))
+                for key, full, dtype, offset, shape in self._raw
+            }
+        return self._built
+
+    def __getitem__(self, key: str) -> VariableLayout:
+        return self._get()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+
+def _raw_layout(var: Variable, key: str, array: np.ndarray) -> _Raw:
+    shard = getattr(var, "_shard", None)
+    shape = array.shape
+    if shard is None:
+        return (key, shape, array.dtype.str, None, shape)
+    return (key, tuple(shard.full_shape), array.dtype.str, tuple(shard.offset), shape)
+
+
+def collective_write(  # noqa: C901, PLR0912, PLR0913, PLR0915, PLR0917 - the protocol, step by step
+    path: str,
+    fmt: str,
+    arrays: Sequence[tuple[str, np.ndarray, dict[str, Any]]],
+    meta: dict[str, Any],
+    variables: Mapping[str, Variable],
+    coord: Coordinator,
+    *,
+    timeout: float | None = None,
+    on_commit: Callable[[str], None] | None = None,
+) -> str:
+    """Write one checkpoint at ``path`` from every rank's ``arrays`` (collective)."""
+    final = Path(path)
+    tag = f"save:{final.name}"
+    clock = _Clock()
+    raw: list[_Raw] = []
+    checks: dict[str, int] = {}
+    values: dict[str, tuple[np.ndarray, dict[str, Any]]] = {}
+    for key, array, attrs in arrays:
+        entry = _raw_layout(variables[key], key, array)
+        raw.append(entry)
+        values[key] = (array, attrs)
+        if entry[3] is None and array.nbytes <= (1 << 20):  # large replicas: not compared
+            checks[key] = zlib.crc32(np.ascontiguousarray(array).tobytes())
+    raw.sort()
+    digest = hashlib.blake2b(marshal.dumps(raw), digest_size=16).hexdigest()
+    plan = gather_plan(
+        coord, _LazyLayout(raw), checksums=checks, cache=plan_cache(coord),
+        digest=digest, tag=f"{tag}:plan", timeout=timeout,
+    )
+    clock.lap("plan")
+    suffix = native_backend(final, fmt).suffixes[0]
+    # prepare: rank 0 creates the temporary step
+    tmp: Path | None = None
+    failure: BaseException | None = None
+    if coord.is_primary:
+        try:
+            make_parents(final)
+            if final.exists():
+                raise CkptError(f"Cannot save {str(final)!r}: it exists already.")
+            tmp = partial_path(final)
+            tmp.mkdir()
+            if fmt == "zarr":
+                (tmp / "zarr.json").write_bytes(
+                    b'{"zarr_format": 3, "node_type": "group", "attributes": '
+                    b'{"ckptvar_sharded": {"index": "' + INDEX_FILE.encode() + b'"}}}'
+                )
+        except BaseException as exc:  # noqa: BLE001 - reported through the vote
+            failure = exc
+    shared = coord.broadcast(None if tmp is None else os.fspath(tmp), tag=f"{tag}:prepare",
+                             timeout=timeout)
+    try:
+        coord.vote(failure, tag=f"{tag}:prepare", timeout=timeout)
+        clock.lap("prepare")
+        where = Path(shared)
+        # write: this rank's boxes into its own file
+        failure = None
+        mine = _mine(plan, coord.rank)
+        try:
+            if mine:
+                writer = native_backend(where / rank_file(coord.rank, suffix), fmt).open_writer(
+                    where / rank_file(coord.rank, suffix), durable=True
+                )
+                try:
+                    for key, stored in mine:
+                        array, attrs = values[key]
+                        writer.add(stored, array, attrs)
+                    writer.set_metadata({"sharded": {"rank": coord.rank}})
+                    writer.commit()
+                except BaseException:
+                    writer.abort()
+                    raise
+        except BaseException as exc:  # noqa: BLE001 - reported through the vote
+            failure = exc
+        clock.lap("write")
+        coord.vote(failure, tag=f"{tag}:write", timeout=timeout)
+        clock.lap("vote")
+        # commit: rank 0 writes the index and renames the step into place
+        failure = None
+        if coord.is_primary:
+            try:
+                _commit(where, final, fmt, suffix, plan, values, meta, coord.size)
+                if on_commit is not None:
+                    on_commit(os.fspath(final))
+            except BaseException as exc:  # noqa: BLE001 - reported through the vote
+                failure = exc
+        coord.vote(failure, tag=f"{tag}:commit", timeout=timeout)
+        clock.lap("commit")
+    except BaseException:
+        if coord.is_primary and tmp is not None and tmp.exists():
+            remove_path(tmp)
+        raise
+    last_timings.clear()
+    last_timings.update(clock.laps)
+    return os.fspath(final)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self._t
+        self._t = now
+
+
+def needs_collective(coord: Any, variables: Iterable[Variable]) -> bool:
+    """Whether a save/restore with ``coord`` takes the multi-process path.
+
+    More than one process, or a coordinator given with a variable that holds a shard.
+    """
+    if coord is None:
+        return False
+    return bool(coord.size > 1 or any(getattr(v, "_shard", None) is not None
+                                      for v in variables))
+
+
+# One entry each: a repeated save with the same (cached) plan reuses them.
+_MINE: dict[int, tuple[Any, int, list[tuple[str, str]]]] = {}
+_PACKED: dict[int, tuple[Any, tuple[Any, ...], bytes]] = {}
+
+
+def _mine(plan: Any, rank: int) -> list[tuple[str, str]]:
+    """``(key, stored key)`` of each box ``rank`` writes under ``plan``."""
+    hit = _MINE.get(id(plan))
+    if hit is not None and hit[0] is plan and hit[1] == rank:
+        return hit[2]
+    mine = [(key, box_key(key, j)) for key, vp in plan.variables.items()
+            for j, item in enumerate(vp.items) if item.writer == rank]
+    _MINE.clear()
+    _MINE[id(plan)] = (plan, rank, mine)
+    return mine
+
+
+def _packed_variables(
+    plan: Any, values: Mapping[str, tuple[np.ndarray, dict[str, Any]]]
+) -> bytes:
+    """The index's ``variables`` map, msgpack-packed (reused while plan and attributes agree)."""
+    sig = tuple(tuple(attrs.items()) for _, attrs in values.values())
+    hit = _PACKED.get(id(plan))
+    if hit is not None and hit[0] is plan and hit[1] == sig:
+        return hit[2]
+    variables: dict[str, dict[str, Any]] = {}
+    for key, vp in plan.variables.items():
+        boxes = [[list(item.box.offset), list(item.box.shape), item.writer, box_key(key, j)]
+                 for j, item in enumerate(vp.items)]
+        attrs = values[key][1] if key in values else {}
+        variables[key] = {"shape": list(vp.full_shape), "dtype": vp.dtype, "attrs": attrs,
+                          "boxes": boxes}
+    packed: bytes = msgpack.packb(variables, use_bin_type=True)
+    _PACKED.clear()
+    _PACKED[id(plan)] = (plan, sig, packed)
+    return packed
+
+
+def _commit(  # noqa: PLR0913, PLR0917
+    tmp: Path,
+    final: Path,
+    fmt: str,
+    suffix: str,
+    plan: Any,
+    values: Mapping[str, tuple[np.ndarray, dict[str, Any]]],
+    meta: dict[str, Any],
+    size: int,
+) -> None:
+    files = [rank_file(r, suffix) for r in range(size)]
+    packed = _packed_variables(plan, values)
+    index = tmp / INDEX_FILE
+    with open(index, "wb") as f:
+        f.write(pack_index(fmt, size, files, packed, meta))
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    if final.exists():
+        raise CkptError(f"Cannot commit {str(final)!r}: it appeared while saving.")
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    fsync_path(final)
+
+
+# -- restore ---------------------------------------------------------------------------
+def collective_restore(  # noqa: PLR0913
+    path: str | os.PathLike[str],
+    pairs: Sequence[tuple[str, Variable]],
+    coord: Coordinator,
+    *,
+    timeout: float | None = None,
+    verify: bool = True,
+    optional: Sequence[str] = (),
+) -> dict[str, Any]:
+    """Restore ``pairs`` (key, variable) from ``path`` on every rank, all or nothing.
+
+    Each rank reads only the parts of the stored boxes that overlap what its variables
+    hold. Every check (keys, dtypes, shapes, coverage, checksums) runs before any
+    variable changes; a failure on any rank makes every rank raise ``DistributedError``.
+    Keys in ``optional`` may be absent. Returns the checkpoint's metadata.
+    """
+    tag = f"restore:{Path(path).name}"
+    staged: list[tuple[Variable, np.ndarray]] = []
+    failure: BaseException | None = None
+    meta: dict[str, Any] = {}
+    try:
+        with backend_for(os.fspath(path)).open_reader(Path(path)) as reader:
+            meta = reader.metadata()
+            missing = [k for k, _ in pairs if k not in reader and k not in optional]
+            if missing:
+                raise CheckpointMismatchError(
+                    f"{str(path)!r} has no value for {', '.join(map(repr, missing))}."
+                )
+            for key, var in pairs:
+                if key not in reader:
+                    continue
+                staged.append((var, _read_for(reader, key, var, path, verify)))
+    except BaseException as exc:  # noqa: BLE001 - reported through the vote
+        failure = exc
+    coord.vote(failure, tag=tag, timeout=timeout)
+    for var, value in staged:
+        var._restore_value(value)
+    return meta
+
+
+def _read_for(reader: Any, key: str, var: Variable, path: Any, verify: bool) -> np.ndarray:
+    info = reader.info(key)
+    if np.dtype(info.dtype) != np.dtype(var.dtype):
+        raise CheckpointMismatchError(
+            f"{key!r} in {str(path)!r} is {info.dtype}, the variable {var.name!r} is {var.dtype}."
+        )
+    box = var.logical_box
+    if tuple(box.full_shape) != tuple(info.shape):
+        raise CheckpointMismatchError(
+            f"{key!r} in {str(path)!r} has shape {tuple(info.shape)}, the variable "
+            f"{var.name!r} holds a box of a {tuple(box.full_shape)} value."
+        )
+    target = Box(box.offset, box.shape)
+    if isinstance(reader, ShardedReader):
+        return reader.read_box(key, target, verify=verify)
+    if target == Box.full(info.shape):
+        return np.asarray(reader.read(key, verify=verify))
+    return np.asarray(reader[key][target.slices()])

@@ -1,0 +1,360 @@
+"""The multi-process checkpoint layout: one directory step, one ordinary file per writer, one index.
+
+A checkpoint written by several processes is a directory ``prefix-N.h5`` (or
+``.zarr``) holding
+
+- ``rank-00000.h5`` ... (``.zarr``): an ordinary ckptvar checkpoint per process that
+  wrote something, holding the boxes it wrote under the keys ``<key>/.box/<j>``
+  (checksums as in any ckptvar file);
+- ``ckptvar-index.msgpack``: the global index, written last by rank 0, which lists
+  each logical key with its full shape, dtype, attributes and boxes
+  ``(offset, shape, file, stored key)``, plus the checkpoint's metadata;
+- for ``.zarr`` a root ``zarr.json`` (a plain Zarr v3 group whose members are the
+  per-process groups).
+
+:class:`ShardedReader` shows the logical variables: a slice reads only the parts of
+the stored boxes it overlaps (:func:`~ckptvar.distributed.read_plan`), never filling
+a gap. The layout is found by its index (``backend_for`` hands an ``.h5``/``.zarr``
+directory that is not an ordinary checkpoint to this backend).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+from ..distributed._plan import Box, read_plan
+from ..errors import CkptError, CorruptCheckpointError, MissingKeyError
+from . import register_backend
+from .base import ArrayInfo, Backend, LazyArray, Reader, SupportsVerifyAll
+
+__all__ = [
+    "INDEX_FILE",
+    "INDEX_FORMAT",
+    "ShardedBackend",
+    "ShardedReader",
+    "box_key",
+    "pack_index",
+    "rank_file",
+]
+
+INDEX_FILE = "ckptvar-index.msgpack"
+INDEX_FORMAT = "ckptvar-sharded"
+INDEX_VERSION = 1
+#: Stored boxes up to this size are read whole (and verified) even when only partly needed.
+_SLICE_WHOLE_BELOW = 1 << 20
+_MAX_INDEX = 1 << 30
+
+
+def rank_file(rank: int, suffix: str) -> str:
+    """The name of one process's file inside the step directory."""
+    return f"rank-{rank:05d}{suffix}"
+
+
+def box_key(key: str, j: int) -> str:
+    """The key under which box ``j`` of the logical ``key`` is stored in a process's file."""
+    return f"{key}/.box/{j}"
+
+
+def pack_index(
+    container: str,
+    processes: int,
+    files: list[str],
+    variables: bytes,
+    metadata: dict[str, Any],
+) -> bytes:
+    """The index record (msgpack map); ``variables`` is the packed ``variables`` map.
+
+    See the module docstring and docs/FORMAT.md.
+    """
+    packer = msgpack.Packer(use_bin_type=True)
+    head = {
+        "format": INDEX_FORMAT,
+        "version": INDEX_VERSION,
+        "container": container,
+        "processes": processes,
+        "files": files,
+        "metadata": metadata,
+    }
+    parts = [packer.pack_map_header(len(head) + 1)]
+    for k, v in head.items():
+        parts += [packer.pack(k), packer.pack(v)]
+    parts += [packer.pack("variables"), variables]
+    return b"".join(parts)
+
+
+def _load_index(path: Path) -> dict[str, Any]:
+    where = path / INDEX_FILE
+    try:
+        raw = where.read_bytes()
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"{str(path)!r} has no {INDEX_FILE}: it is not a complete multi-process checkpoint."
+        ) from None
+    if len(raw) > _MAX_INDEX:
+        raise CorruptCheckpointError(f"{str(where)!r} is larger than 1 GiB.")
+    try:
+        doc = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as exc:  # noqa: BLE001 - any decoding failure is damage
+        raise CorruptCheckpointError(f"{str(where)!r} is damaged: {exc}.") from None
+    if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT:
+        raise CorruptCheckpointError(f"{str(where)!r} is not a ckptvar multi-process index.")
+    if not isinstance(doc.get("version"), int) or doc["version"] > INDEX_VERSION:
+        raise CorruptCheckpointError(
+            f"{str(where)!r} has index version {doc.get('version')!r}; this ckptvar reads up "
+            f"to {INDEX_VERSION}."
+        )
+    if not isinstance(doc.get("variables"), dict) or not isinstance(doc.get("files"), list):
+        raise CorruptCheckpointError(f"{str(where)!r} is malformed (no variables/files).")
+    return doc
+
+
+class ShardedReader(Reader, SupportsVerifyAll):
+    """The logical variables of a multi-process checkpoint; per-process files open on demand.
+
+    :attr:`bytes_read` counts the value bytes this reader asked its files for.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._index = _load_index(self.path)
+        #: what ``ckpt inspect`` shows: the per-process files' format, written by N processes
+        self.format = f"{self._index.get('container')} ({self._index.get('processes')} processes)"
+        self._files: list[str] = [str(f) for f in self._index["files"]]
+        self._subs: dict[int, Reader] = {}
+        self._infos: dict[str, ArrayInfo] = {}
+        self._boxes: dict[str, list[tuple[Any, int, str]]] = {}
+        self.bytes_read = 0
+        for key, rec in self._index["variables"].items():
+            try:
+                shape = tuple(int(n) for n in rec["shape"])
+                dtype = np.dtype(rec["dtype"])
+                boxes = [
+                    (Box(tuple(o), tuple(s)), int(f), str(k)) for o, s, f, k in rec["boxes"]
+                ]
+            except (KeyError, TypeError, ValueError, CkptError) as exc:
+                raise CorruptCheckpointError(
+                    f"The index of {str(self.path)!r} is malformed at variable {key!r}: {exc}."
+                ) from None
+            if any(not 0 <= f < len(self._files) for _, f, _ in boxes):
+                raise CorruptCheckpointError(
+                    f"The index of {str(self.path)!r} names a file that it does not list "
+                    f"for variable {key!r}."
+                )
+            self._infos[key] = ArrayInfo(key, dtype, shape, dict(rec.get("attrs") or {}))
+            self._boxes[key] = boxes
+
+    # -- the Reader interface ----------------------------------------------------------
+    def keys(self) -> Any:
+        return self._infos.keys()
+
+    def info(self, key: str) -> ArrayInfo:
+        try:
+            return self._infos[key]
+        except KeyError:
+            raise MissingKeyError(f"No variable {key!r} in {str(self.path)!r}.") from None
+
+    def __getitem__(self, key: str) -> LazyArray:
+        return ShardedLazyArray(self, self.info(key))
+
+    def metadata(self) -> dict[str, Any]:
+        meta = self._index.get("metadata")
+        return dict(meta) if isinstance(meta, dict) else {}
+
+    def read(self, key: str, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
+        value = self.read_box(key, Box.full(self.info(key).shape), verify=verify)
+        if out is None:
+            return value
+        out[...] = value
+        return out
+
+    def verify(self, key: str) -> None:
+        for _, f, stored in self._boxes_of(key):
+            self._verify_one(key, f, stored)
+
+    def verify_all(self) -> list[tuple[str, str]]:
+        bad: list[tuple[str, str]] = []
+        for key in self._infos:
+            try:
+                self.verify(key)
+            except CorruptCheckpointError as exc:
+                bad.append((key, str(exc)))
+        return bad
+
+    def close(self) -> None:
+        subs, self._subs = self._subs, {}
+        for sub in subs.values():
+            sub.close()
+
+    # -- boxes ---------------------------------------------------------------------------
+    def stored_boxes(self, key: str) -> list[Any]:
+        """The boxes stored for ``key`` (``Box`` objects, in index order)."""
+        return [b for b, _, _ in self._boxes_of(key)]
+
+    def read_box(self, key: str, target: Any, *, verify: bool = True) -> np.ndarray:
+        """The part ``target`` (a ``Box``) of ``key``: only the overlapping bytes are read.
+
+        A stored box read whole (needed whole, or up to 1 MiB) is verified against its
+        checksum; a part of a larger box is read as its run of elements only
+        (:attr:`bytes_read` counts what was read). Raises ``ShardLayoutError``
+        when ``target`` is not fully covered, ``CorruptCheckpointError`` naming the
+        variable and the file when a file is missing or damaged.
+        """
+        info = self.info(key)
+        boxes = self._boxes_of(key)
+        plan = read_plan(key, target, [b for b, _, _ in boxes], info.shape)
+        out = np.empty(target.shape, dtype=info.dtype)
+        for item in plan:
+            box, f, stored = boxes[item.source]
+            sub = self._sub(key, f)
+            isz = info.dtype.itemsize
+            dest = out[item.dest_slices] if out.ndim else out
+            try:
+                if item.box == box and dest.flags.c_contiguous:  # straight into place
+                    sub.read(stored, out=dest, verify=verify)
+                    self.bytes_read += box.size * isz
+                    continue
+                if item.box == box or box.size * isz <= _SLICE_WHOLE_BELOW:
+                    part = sub.read(stored, verify=verify)[item.source_slices]
+                    self.bytes_read += box.size * isz
+                else:  # the run of elements from the first to the last one needed
+                    part = sub[stored][item.source_slices]
+                    self.bytes_read += _span(item.source_slices, box.shape) * isz
+            except MissingKeyError:
+                raise CorruptCheckpointError(
+                    f"Variable {key!r}: its slice {box} is missing from file "
+                    f"{str(self.path / self._files[f])!r}."
+                ) from None
+            except CorruptCheckpointError as exc:
+                raise CorruptCheckpointError(
+                    f"Variable {key!r}: its slice {box} in file "
+                    f"{str(self.path / self._files[f])!r} is damaged: {exc}"
+                ) from exc
+            dest[...] = part
+        return out
+
+    def _boxes_of(self, key: str) -> list[tuple[Any, int, str]]:
+        self.info(key)
+        return self._boxes[key]
+
+    def _verify_one(self, key: str, f: int, stored: str) -> None:
+        sub = self._sub(key, f)
+        try:
+            sub.verify(stored)
+        except (MissingKeyError, CorruptCheckpointError) as exc:
+            raise CorruptCheckpointError(
+                f"Variable {key!r}: its slice in file {str(self.path / self._files[f])!r} "
+                f"is damaged or missing: {exc}"
+            ) from exc
+
+    def _sub(self, key: str, f: int) -> Reader:
+        sub = self._subs.get(f)
+        if sub is not None:
+            return sub
+        from . import backend_for  # noqa: PLC0415 - the registry imports this module
+
+        where = self.path / self._files[f]
+        if not where.exists():
+            raise CorruptCheckpointError(
+                f"Variable {key!r}: its slice file {str(where)!r} is missing."
+            )
+        try:
+            sub = backend_for(where).open_reader(where)
+        except (CkptError, OSError) as exc:
+            raise CorruptCheckpointError(
+                f"Variable {key!r}: its slice file {str(where)!r} cannot be read: {exc}"
+            ) from exc
+        self._subs[f] = sub
+        return sub
+
+
+class ShardedLazyArray(LazyArray):
+    """One logical variable of a :class:`ShardedReader`; slicing reads only what it needs."""
+
+    def __init__(self, reader: ShardedReader, info: ArrayInfo) -> None:
+        self._reader = reader
+        self._info = info
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._info.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._info.dtype
+
+    def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
+        return self._reader.read(self._info.key, out=out, verify=verify)
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+
+        box, rest = _as_box(index, self.shape)
+        if box is None:
+            return np.asarray(self.read()[index])
+        value = self._reader.read_box(self._info.key, box)
+        return np.asarray(value[rest]) if rest else value
+
+
+def _span(slices: tuple[slice, ...], shape: tuple[int, ...]) -> int:
+    """Elements from the first to the last element of ``slices`` of a C-ordered ``shape``."""
+    first = [s.start for s in slices]
+    last = [s.stop - 1 for s in slices]
+    if not shape:
+        return 1
+    return int(np.ravel_multi_index(last, shape) - np.ravel_multi_index(first, shape) + 1)
+
+
+def _as_box(index: Any, shape: tuple[int, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """A box for basic step-1 slices/ints, and what is left to apply (ints drop axes)."""
+    idx = index if isinstance(index, tuple) else (index,)
+    if len(idx) > len(shape) or any(i is Ellipsis or i is None for i in idx):
+        return None, ()
+    offset: list[int] = []
+    extent: list[int] = []
+    rest: list[Any] = []
+    for i, n in zip(idx + (slice(None),) * (len(shape) - len(idx)), shape, strict=True):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(n)
+            if step != 1:
+                return None, ()
+            offset.append(start)
+            extent.append(max(stop - start, 0))
+            rest.append(slice(None))
+        elif isinstance(i, int | np.integer):
+            k = int(i) + (n if int(i) < 0 else 0)
+            if not 0 <= k < n:
+                raise IndexError(f"index {int(i)} is out of bounds for an axis of size {n}")
+            offset.append(k)
+            extent.append(1)
+            rest.append(0)
+        else:
+            return None, ()
+    return Box(tuple(offset), tuple(extent)), tuple(rest)
+
+
+class ShardedBackend(Backend):
+    """Reads the multi-process layout (written by ``ckptvar.checkpoint._collective``)."""
+
+    name: ClassVar[str] = "sharded"
+    suffixes: ClassVar[tuple[str, ...]] = ()
+    can_write: ClassVar[bool] = False
+
+    @classmethod
+    def sniff(cls, path: Path) -> bool:
+        return os.path.isfile(os.path.join(path, INDEX_FILE))
+
+    @classmethod
+    def open_reader(cls, path: Path) -> ShardedReader:
+        return ShardedReader(Path(path))
+
+
+def is_sharded(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a committed multi-process checkpoint."""
+    return ShardedBackend.sniff(Path(path))
+
+
+register_backend(ShardedBackend)

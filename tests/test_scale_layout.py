@@ -1,0 +1,137 @@
+"""The multi-process layout in one process: a shard saved with a coordinator, read back.
+
+A ``SingleProcessCoordinator`` with a variable that holds a shard takes the same
+collective path as N processes (the per-rank file, the index, the commit), so the
+layout, its reader and the restore's checks are tested here without ``mpiexec``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+import ckptvar as cv
+from ckptvar.distributed import Box, SingleProcessCoordinator
+from ckptvar.errors import CorruptCheckpointError, DistributedError, ShardLayoutError
+from ckptvar.storage._sharded import INDEX_FILE, ShardedReader
+
+FULL = (np.arange(8 * 3, dtype="float32") * 2).reshape(8, 3)
+
+
+def _save(tmp_path: Path, suffix: str) -> str:
+    coord = SingleProcessCoordinator()
+    w = cv.Variable(FULL.copy(), name="w", shard=cv.Shard(full_shape=(8, 3), offset=(0, 0)))
+    b = cv.Variable(np.ones(2, "int64"), name="b")
+    return str(cv.Checkpoint(w=w, b=b).save(tmp_path / f"ckpt{suffix}", coordinator=coord))
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".zarr"])
+def test_a_coordinated_save_is_one_directory_with_an_index(tmp_path: Path, suffix: str) -> None:
+    path = Path(_save(tmp_path, suffix))
+    assert path.is_dir() and (path / INDEX_FILE).is_file()
+    assert (path / f"rank-00000{suffix}").exists()
+    assert cv.latest_checkpoint(tmp_path) == str(path)
+    values = cv.load(path)
+    assert np.array_equal(values["w"], FULL) and values["b"].tolist() == [1, 1]
+    assert dict((k, s) for k, s, _ in cv.list_variables(path))["w"] == (8, 3)
+
+
+def test_restore_into_a_smaller_box_reads_only_its_rows(tmp_path: Path) -> None:
+    path = _save(tmp_path, ".h5")
+    part = cv.Variable(np.zeros((3, 3), "float32"), name="w",
+                       shard=cv.Shard(full_shape=(8, 3), offset=(2, 0)))
+    b = cv.Variable(np.zeros(2, "int64"), name="b")
+    cv.Checkpoint(w=part, b=b).restore(path, coordinator=SingleProcessCoordinator())
+    assert np.array_equal(part.numpy(), FULL[2:5]) and b.numpy().tolist() == [1, 1]
+    with ShardedReader(Path(path)) as reader:
+        assert np.array_equal(reader.read_box("w", Box((2, 1), (3, 2))), FULL[2:5, 1:3])
+        assert reader.bytes_read == FULL.nbytes  # a small box is read whole (and verified)
+
+
+def test_an_uncovered_box_fails_and_changes_nothing(tmp_path: Path) -> None:
+    path = Path(_save(tmp_path, ".h5"))
+    index = msgpack.unpackb((path / INDEX_FILE).read_bytes())
+    index["variables"]["w"]["boxes"][0][1] = [4, 3]  # the index now covers rows 0:4 only
+    (path / INDEX_FILE).write_bytes(msgpack.packb(index, use_bin_type=True))
+    with ShardedReader(path) as reader, pytest.raises(ShardLayoutError, match="never fills"):
+        reader.read_box("w", Box((4, 0), (4, 3)))
+    w = cv.Variable(np.full((4, 3), 7, "float32"), name="w",
+                    shard=cv.Shard(full_shape=(8, 3), offset=(4, 0)))
+    b = cv.Variable(np.zeros(2, "int64"), name="b")
+    with pytest.raises(DistributedError, match=r"rank 0.*never fills"):
+        cv.Checkpoint(w=w, b=b).restore(path, coordinator=SingleProcessCoordinator())
+    assert (w.numpy() == 7).all() and (b.numpy() == 0).all()  # nothing changed
+
+
+def test_a_damaged_index_is_a_corrupt_checkpoint(tmp_path: Path) -> None:
+    path = Path(_save(tmp_path, ".h5"))
+    (path / INDEX_FILE).write_bytes(msgpack.packb({"format": "something else"}))
+    with pytest.raises(CorruptCheckpointError, match="not a ckptvar multi-process index"):
+        cv.load(path)
+    (path / INDEX_FILE).write_bytes(b"\xc1garbage")
+    with pytest.raises(CorruptCheckpointError, match="damaged"):
+        cv.load(path)
+
+
+def test_ckpt_verify_names_the_damaged_slice_file(tmp_path: Path) -> None:
+    path = Path(_save(tmp_path, ".h5"))
+    rank_file = path / "rank-00000.h5"
+    data = bytearray(rank_file.read_bytes())
+    at = bytes(data).find(FULL.tobytes()[:48])
+    assert at > 0
+    data[at + 5] ^= 0x55
+    rank_file.write_bytes(bytes(data))
+    proc = subprocess.run([sys.executable, "-m", "ckptvar", "verify", str(path)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode != 0
+    assert "rank-00000.h5" in proc.stdout + proc.stderr
+    with pytest.raises(CorruptCheckpointError, match=r"'w'.*rank-00000\.h5"):
+        cv.load(path)
+
+
+def test_python_state_comes_back_with_a_coordinated_restore(tmp_path: Path) -> None:
+    class Step(cv.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def _python_state(self) -> dict[str, int]:
+            return {"n": self.n}
+
+        def _restore_python_state(self, state: dict[str, int]) -> None:
+            self.n = state["n"]
+
+    coord = SingleProcessCoordinator()
+    step = Step()
+    step.n = 41
+    w = cv.Variable(FULL.copy(), name="w", shard=cv.Shard(full_shape=(8, 3), offset=(0, 0)))
+    path = cv.Checkpoint(w=w, step=step).save(tmp_path / "ckpt", coordinator=coord)
+    other = Step()
+    w2 = cv.Variable(np.zeros((8, 3), "float32"), name="w",
+                     shard=cv.Shard(full_shape=(8, 3), offset=(0, 0)))
+    cv.Checkpoint(w=w2, step=other).restore(path, coordinator=coord)
+    assert other.n == 41 and np.array_equal(w2.numpy(), FULL)
+
+
+def test_ckpt_convert_consolidates_into_one_file(tmp_path: Path) -> None:
+    path = _save(tmp_path, ".zarr")
+    one = tmp_path / "one.h5"
+    proc = subprocess.run([sys.executable, "-m", "ckptvar", "convert", path, str(one)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert one.is_file()
+    values = cv.load(one)
+    assert np.array_equal(values["w"], FULL) and values["b"].tolist() == [1, 1]
+
+
+def test_plain_variables_restore_from_a_multi_process_checkpoint(tmp_path: Path) -> None:
+    path = _save(tmp_path, ".h5")
+    w = cv.Variable(np.zeros((8, 3), "float32"), name="w")
+    b = cv.Variable(np.zeros(2, "int64"), name="b")
+    cv.Checkpoint(w=w, b=b).restore(path).assert_consumed()
+    assert np.array_equal(w.numpy(), FULL) and b.numpy().tolist() == [1, 1]
