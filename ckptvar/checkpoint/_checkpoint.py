@@ -15,7 +15,12 @@ from ..storage._record import paused_gc
 from ..trackable import Trackable
 from ..variables import PartitionedVariable, Variable
 from . import _async
-from ._collective import collective_restore, collective_write, needs_collective
+from ._collective import (
+    collective_restore,
+    collective_write,
+    needs_collective,
+    rank_variables,
+)
 from ._files import native_backend, write_file
 from ._object_restore import RestoreState
 from ._serialize import decode_state, gather, host_arrays, metadata, read_graph
@@ -183,11 +188,14 @@ class Checkpoint(Trackable):
         counter = self._trackable_children().get(_COUNTER)  # stored only once it exists
         with paused_gc():
             plan = gather(self)
+            collective = needs_collective(coordinator, plan.variables.values())
+            if collective:  # each rank writes its own shard, never an assembled value
+                plan.variables = rank_variables(plan.variables)
             count = None if counter is None else int(counter.numpy())
             meta = metadata(plan, save_counter=count, user=user)
             arrays = host_arrays(plan, copy=not blocking)
 
-        if needs_collective(coordinator, plan.variables.values()):
+        if collective:
             coord = coordinator if blocking else coordinator.background()
 
             def run_collective() -> str:
@@ -276,7 +284,7 @@ class Checkpoint(Trackable):
     ) -> RestoreStatus:
         self.save_counter  # noqa: B018 - restored with the rest
         plan = gather(self)
-        pairs = list(plan.variables.items())
+        pairs = list(rank_variables(plan.variables).items())
         with paused_gc():
             meta = collective_restore(path, pairs, coord, timeout=timeout, verify=verify,
                                       optional=(_COUNTER,))

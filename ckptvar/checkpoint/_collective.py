@@ -39,6 +39,7 @@ from ..storage import backend_for
 from ..storage._atomic import fsync_dir, fsync_path, partial_path, remove_path
 from ..storage._sharded import INDEX_FILE, ShardedReader, box_key, pack_index, rank_file
 from ..variables import Variable
+from ._logical import Logical
 from ._files import make_parents, native_backend
 
 __all__ = [
@@ -90,7 +91,7 @@ class _LazyLayout(Mapping[str, VariableLayout]):
 
 
 def _raw_layout(var: Variable, key: str, array: np.ndarray) -> _Raw:
-    shard = getattr(var, "_shard", None)
+    shard = var.shard if isinstance(var, Variable) else None
     shape = array.shape
     if shard is None:
         return (key, shape, array.dtype.str, None, shape)
@@ -205,15 +206,36 @@ class _Clock:
         self._t = now
 
 
-def needs_collective(coord: Any, variables: Iterable[Variable]) -> bool:
+def rank_variables(variables: Mapping[str, Any]) -> dict[str, Any]:
+    """What this rank writes or reads for each key of a multi-process save/restore.
+
+    A logical value made of one variable that holds a shard (how a one-process save
+    sees a shard) is that variable: each rank then writes or reads its own box. Other
+    values (plain variables, partitioned variables assembled on this rank) are as given.
+    """
+    out: dict[str, Any] = {}
+    for key, var in variables.items():
+        if isinstance(var, Logical) and len(var.parts) == 1 and var.parts[0].shard is not None:
+            out[key] = var.parts[0]
+        else:
+            out[key] = var
+    return out
+
+
+def needs_collective(coord: Any, variables: Iterable[Any]) -> bool:
     """Whether a save/restore with ``coord`` takes the multi-process path.
 
     More than one process, or a coordinator given with a variable that holds a shard.
     """
     if coord is None:
         return False
-    return bool(coord.size > 1 or any(getattr(v, "_shard", None) is not None
-                                      for v in variables))
+    if coord.size > 1:
+        return True
+    for var in variables:
+        parts = var.parts if isinstance(var, Logical) else (var,)
+        if any(isinstance(p, Variable) and p.shard is not None for p in parts):
+            return True
+    return False
 
 
 # One entry each: a repeated save with the same (cached) plan reuses them.

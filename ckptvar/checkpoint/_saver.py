@@ -17,7 +17,12 @@ from ..graph import global_variables
 from ..storage import backend_for
 from ..variables import PartitionedVariable, Variable
 from ._apply import apply_values
-from ._collective import collective_restore, collective_write, needs_collective
+from ._collective import (
+    collective_restore,
+    collective_write,
+    needs_collective,
+    rank_variables,
+)
 from ._files import discard, write_file
 from ._logical import Logical, apply_targets, group_by_name
 from ._serialize import SavePlan, host_arrays, metadata
@@ -99,9 +104,11 @@ class Saver:
         mapping = self._mapping()
         if not mapping:
             raise ValueError("Saver has no variables to save.")
+        collective = needs_collective(coordinator, mapping.values())
+        if collective:
+            mapping = rank_variables(mapping)
         plan = SavePlan(variables=mapping)
         meta = metadata(plan, save_counter=None) | {"saver": {"version": 1}}
-        primary = collective = needs_collective(coordinator, mapping.values())
         if collective:
             primary = coordinator.is_primary
             path = collective_write(path, fmt, host_arrays(plan, copy=False), meta, mapping,
@@ -137,7 +144,8 @@ class Saver:
         """
         mapping = self._mapping()
         if needs_collective(coordinator, mapping.values()):
-            collective_restore(path, list(mapping.items()), coordinator, timeout=timeout,
+            collective_restore(path, list(rank_variables(mapping).items()), coordinator,
+                               timeout=timeout,
                                verify=verify)
             return
         with backend_for(os.fspath(path)).open_reader(Path(path)) as reader:
