@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+import ml_dtypes
 import numpy as np
 
 import ckptvar as cv
@@ -24,7 +25,6 @@ import ckptvar as cv
 from . import _blocks
 from ._blocks import is_floating, value_blocks
 from ._common import EXIT_OK, UsageError, add_selection, open_checkpoint, select, selected
-from ._library import skipped_values
 from ._output import escape, one_line
 from ._progress import Progress, human_size
 
@@ -140,9 +140,8 @@ def _parse_dtype(name: str) -> np.dtype:
     try:
         return np.dtype(name)
     except TypeError:
-        import ml_dtypes
-
-        return np.dtype(getattr(ml_dtypes, name))
+        found: np.dtype = np.dtype(getattr(ml_dtypes, name))
+        return found
 
 
 def _parse_rename(spec: str) -> tuple[re.Pattern[str], str]:
@@ -200,8 +199,8 @@ class _Converted(Mapping[str, np.ndarray]):
         else:
             out = np.empty(shape, dtype)
         whole = None
-        for index, block in value_blocks(self._reader, src, info, self._progress.bytes_of(key)):
-            block = block.astype(dtype, copy=False)
+        for index, stored in value_blocks(self._reader, src, info, self._progress.bytes_of(key)):
+            block = stored.astype(dtype, copy=False)
             if out is None:
                 whole = block
             else:
@@ -285,7 +284,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _convert(reader: Any, src: Path, dst: Path, args: argparse.Namespace, out: TextIO) -> int:
-    skipped = {k: v for k, v in skipped_values(reader).items() if selected(k, args)}
+    skipped = {k: v for k, v in reader.skipped.items() if selected(k, args)}
     keys = select(reader, args, where=repr(str(src)), allow_empty=bool(skipped))
     if skipped and not args.skip_unreadable:
         shown = "; ".join(f"{k!r}: {v.rstrip('.')}" for k, v in list(skipped.items())[:5])
@@ -327,8 +326,11 @@ def _convert(reader: Any, src: Path, dst: Path, args: argparse.Namespace, out: T
         else (sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES and not args.quiet)
     )
     metadata = dict(reader.metadata() or {})
+    options: dict[str, Any] = {}
     if args.no_metadata:  # none of ckptvar's own; a Hugging Face 'format' entry stays
         metadata = {k: v for k, v in metadata.items() if k == "format" and isinstance(v, str)}
+        if cv.storage.backend_for(dst, args.format, mode="w").name == "safetensors":
+            options["ckptvar_metadata"] = False  # not even the per-value attributes
     window = args.window if args.window is not None else max(DEFAULT_WINDOW, 2 * largest)
     created = _make_parents(dst)
     try:
@@ -344,6 +346,7 @@ def _convert(reader: Any, src: Path, dst: Path, args: argparse.Namespace, out: T
                     format=args.format,
                     attrs=attrs or None,
                     metadata=metadata or None,
+                    **options,
                 )
             except OSError as exc:
                 if isinstance(exc, cv.CkptError):

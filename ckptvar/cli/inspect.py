@@ -20,7 +20,6 @@ from ._common import (
     select,
     selected,
 )
-from ._library import skipped_values
 from ._output import (
     dtype_str,
     dump_json,
@@ -163,7 +162,7 @@ _OWN_FORMATS = frozenset({"h5", "zarr"})
 def run(args: argparse.Namespace, out: TextIO) -> int:
     path, note = resolve_latest(args.path)
     with open_checkpoint(path) as reader:
-        skipped = {k: v for k, v in skipped_values(reader).items() if selected(k, args)}
+        skipped = {k: v for k, v in reader.skipped.items() if selected(k, args)}
         keys = select(reader, args, where=repr(str(path)), allow_empty=bool(skipped))
         if args.order == "natural":
             keys.sort(key=natural_key)

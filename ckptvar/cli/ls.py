@@ -12,7 +12,6 @@ from typing import Any, TextIO
 import ckptvar as cv
 
 from ._common import EXIT_OK, UsageError
-from ._library import CHECKPOINT_NAME
 from ._output import dump_json, escape, one_line, table
 from ._progress import human_size
 
@@ -40,6 +39,15 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+#: The files a CheckpointManager directory holds: ``PREFIX-STEP`` + one of these.
+_SUFFIXES = (".h5", ".hdf5", ".zarr", ".index")
+
+
+def _step_of(name: str) -> cv.checkpoint.StepName | None:
+    """``name`` read as ``PREFIX-STEP.suffix`` by the library's own rule, or ``None``."""
+    return cv.checkpoint.parse_step_name(name, suffixes=_SUFFIXES)
+
+
 def _disk_size(path: Path) -> int:
     if path.is_dir():
         return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
@@ -55,11 +63,11 @@ def _manager_checkpoints(directory: Path) -> list[Path]:
     for entry in directory.iterdir():
         if entry.name.startswith("."):
             continue
-        m = CHECKPOINT_NAME.match(entry.name)
+        m = _step_of(entry.name)
         if m is None:
             continue
-        path = entry.with_name(entry.name[: -len(".index")]) if m["ext"] == ".index" else entry
-        found.append((int(m["step"]), entry.stat().st_mtime, path))
+        path = entry.with_name(entry.name[: -len(".index")]) if m.suffix == ".index" else entry
+        found.append((m.step, entry.stat().st_mtime, path))
     found.sort(key=lambda t: (t[0], t[1]))
     return [p for _, _, p in found]
 
@@ -85,13 +93,13 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     latest_path = Path(latest) if latest else (paths[-1] if paths else None)
     rows: list[dict[str, Any]] = []
     for p in paths:
-        m = CHECKPOINT_NAME.match(p.name if p.exists() else p.name + ".index")
+        m = _step_of(p.name if p.exists() else p.name + ".index")
         stat_target = p if p.exists() else p.with_name(p.name + ".index")
         mtime = stat_target.stat().st_mtime
         rows.append(
             {
                 "path": str(p),
-                "step": int(m["step"]) if m else None,
+                "step": m.step if m else None,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(mtime)),
                 "mtime": mtime,
                 "size": _disk_size(stat_target),

@@ -12,6 +12,7 @@ so a process that timed out and moved on never confuses a late one.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import threading
 from typing import Any
@@ -192,8 +193,6 @@ class TorchCoordinator(Coordinator):
         """Delete this rank's keys of earlier steps: everyone has read them by now."""
         keep = self._key(seq, self._rank)
         for key in [k for k in self._mine if k != keep]:
-            try:
+            with contextlib.suppress(RuntimeError, OSError):  # a store without delete keeps it
                 self._store.delete_key(key)
-            except (RuntimeError, OSError):  # a store without delete keeps the key; harmless
-                pass
             self._mine.remove(key)

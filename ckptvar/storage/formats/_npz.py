@@ -34,7 +34,7 @@ import numpy as np
 from ..._dtypes import SUPPORTED_DTYPES
 from ...errors import CorruptCheckpointError, UnsupportedFormatError
 from ..base import ArrayInfo, Backend, LazyArray, Reader, Writer
-from ._common import EntryReader, FileArray, FileHandle, check_shape, native
+from ._common import EntryReader, FileArray, FileHandle, check_shape, little_endian
 from ._json import jsonable
 from ._zip import MAX_DEFLATE_RATIO, ZIP_ERRORS, ZipArchive, zip_crc_check, zip_member_data_offset
 
@@ -62,7 +62,7 @@ _PLAIN = {
         "complex64",
         "complex128",
     )
-    for o in "<>="
+    for o in ("<", ">", "=")
 }
 
 
@@ -274,7 +274,7 @@ class NpzWriter(Writer):
         if key in self._items:
             raise ValueError(f"Key {key!r} was already added to {str(self.path)!r}.")
         array = np.asarray(array)
-        dt = native(array.dtype)
+        dt = little_endian(array.dtype)
         if dt not in SUPPORTED_DTYPES.values():
             raise UnsupportedFormatError(f"Cannot write {key!r} of dtype {array.dtype} to npz.")
         self._items[key] = (array, dict(attrs or {}))
@@ -297,11 +297,11 @@ class NpzWriter(Writer):
                 open(tmp, "xb") as raw,
                 zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED, allowZip64=True) as zf,
             ):
-                for key, (array, _) in self._items.items():
-                    dt = array.dtype
+                for key, (given, _) in self._items.items():
+                    array, dt = given, given.dtype
                     if dt.kind not in "biufc":  # bfloat16, float8, int4: store the bits
                         recorded[key] = dtype_to_str(dt)
-                        array = array.view(np.dtype(f"<u{dt.itemsize}"))
+                        array = given.view(np.dtype(f"<u{dt.itemsize}"))
                     buf = np.require(array, requirements="C")  # keeps 0-d arrays 0-d
                     info = zipfile.ZipInfo(key + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
                     info.compress_type = zipfile.ZIP_STORED
@@ -309,7 +309,7 @@ class NpzWriter(Writer):
                     with zf.open(info, "w", force_zip64=True) as out:
                         out.write(_npy_header(buf.dtype, buf.shape))
                         if buf.nbytes:
-                            out.write(memoryview(buf.reshape(-1).view(np.uint8)))
+                            out.write(buf.reshape(-1).view(np.uint8).data)
                 side: dict[str, Any] = {"format": "ckptvar-npz", "version": 1}
                 if recorded:
                     side["dtypes"] = recorded

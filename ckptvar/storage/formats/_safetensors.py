@@ -35,7 +35,7 @@ import numpy as np
 
 from ...errors import CorruptCheckpointError, UnsupportedFormatError
 from ..base import ArrayInfo, Backend, Reader, Writer
-from ._common import EntryReader, FileArray, FileHandle, check_shape, native
+from ._common import EntryReader, FileArray, FileHandle, check_shape, little_endian
 from ._json import jsonable, loads_json
 
 __all__ = ["SAFETENSORS_DTYPES", "SafetensorsBackend", "SafetensorsWriter"]
@@ -234,7 +234,7 @@ class SafetensorsWriter(Writer):
         if key in self._items:
             raise ValueError(f"Key {key!r} was already added to {str(self.path)!r}.")
         array = np.asarray(array)
-        dt = native(array.dtype)
+        dt = little_endian(array.dtype)
         if dt not in _NAME_OF:
             raise UnsupportedFormatError(
                 f"Cannot write {key!r} of dtype {array.dtype} to safetensors "
@@ -305,7 +305,7 @@ class SafetensorsWriter(Writer):
                 _write_all(fd, memoryview(head))
                 for buf in buffers:
                     if buf.nbytes:
-                        _write_all(fd, memoryview(buf.reshape(-1).view(np.uint8)))
+                        _write_all(fd, buf.reshape(-1).view(np.uint8).data)
                 if self._durable:
                     os.fsync(fd)
             finally:
@@ -345,7 +345,7 @@ class SafetensorsBackend(Backend):
         if len(head) < 9 or head[8:9] != b"{":
             return False
         (n,) = struct.unpack("<Q", head[:8])
-        return n <= min(MAX_HEADER, size - 8)
+        return bool(n <= min(MAX_HEADER, size - 8))
 
     @classmethod
     def open_reader(cls, path: Path) -> Reader:

@@ -36,7 +36,6 @@ from ._common import (
     FileHandle,
     check_shape,
     covers_whole,
-    normalize_index,
 )
 from ._unpickler import StorageRef, TensorRef, TorchDtype, safe_load
 from ._zip import ZIP_ERRORS, ZipArchive, check_member_size, zip_crc_check
@@ -169,10 +168,7 @@ class TorchArray(LazyArray):
     def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
         if self._contiguous and (self._whole or not (verify and self._checked)):
             return self._flat.read(out=out, verify=verify)
-        if verify and self._checked:
-            arr = self._from_checked_storage()
-        else:
-            arr = self._strided()
+        arr = self._from_checked_storage() if verify and self._checked else self._strided()
         if out is not None:
             if out.shape != arr.shape or out.dtype != arr.dtype:
                 raise ValueError(
@@ -216,7 +212,6 @@ class TorchArray(LazyArray):
         return arr.view(self.info.dtype) if arr.dtype != self.info.dtype else arr
 
     def __getitem__(self, index: Any) -> np.ndarray:
-        index = normalize_index(index, self.info.shape)
         if self._checked and not self._whole and covers_whole(index, self.info.shape):
             return np.array(self.read()[index], copy=True)  # verified through its storage
         if self._contiguous:
@@ -399,7 +394,7 @@ def _open_legacy(path: Path) -> Reader:
     fh = FileHandle(path)
     try:
         with open(path, "rb") as raw:
-            f = _BoundedFile(raw, fh.size)  # type: ignore[arg-type]
+            f = _BoundedFile(raw, fh.size)
             src = repr(str(path))
             magic = safe_load(f, storages={}, source=src)  # type: ignore[arg-type]
             if magic != _LEGACY_MAGIC:
