@@ -14,6 +14,7 @@ import shlex
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -283,9 +284,20 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         return _convert(reader, src, dst, args, out)
 
 
-def _convert(reader: Any, src: Path, dst: Path, args: argparse.Namespace, out: TextIO) -> int:
-    skipped = {k: v for k, v in reader.skipped.items() if selected(k, args)}
-    keys = select(reader, args, where=repr(str(src)), allow_empty=bool(skipped))
+@dataclass
+class _Plan:
+    """What a conversion writes: new key -> source key, kept attributes, output dtypes, sizes."""
+
+    keys: dict[str, str] = field(default_factory=dict)
+    attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    dtypes: dict[str, np.dtype] = field(default_factory=dict)
+    total: int = 0
+    largest: int = 0
+    spool_size: int = 0
+
+
+def _refuse_unreadable(skipped: dict[str, str], src: Path, args: argparse.Namespace) -> None:
+    """Without --skip-unreadable, values that cannot be read as numbers stop the conversion."""
     if skipped and not args.skip_unreadable:
         shown = "; ".join(f"{k!r}: {v.rstrip('.')}" for k, v in list(skipped.items())[:5])
         more = f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
@@ -293,27 +305,37 @@ def _convert(reader: Any, src: Path, dst: Path, args: argparse.Namespace, out: T
             f"{len(skipped)} value{'s' if len(skipped) != 1 else ''} of {str(src)!r} cannot be "
             f"read as numbers: {shown}{more}; pass --skip-unreadable to convert the rest"
         )
-    plan: dict[str, str] = {}
-    attrs: dict[str, dict[str, Any]] = {}
-    out_dtypes: dict[str, np.dtype] = {}
-    total = largest = spool_size = 0
+
+
+def _make_plan(reader: Any, keys: list[str], args: argparse.Namespace) -> _Plan:
+    plan = _Plan()
     for key in keys:
         new = _rename(key, args.rename)
-        if new in plan:
-            raise UsageError(f"--rename maps both {plan[new]!r} and {key!r} to {new!r}")
-        plan[new] = key
+        if new in plan.keys:
+            raise UsageError(f"--rename maps both {plan.keys[new]!r} and {key!r} to {new!r}")
+        plan.keys[new] = key
         info = reader.info(key)
         kept = {a: info.attrs[a] for a in _KEPT_ATTRS if a in (info.attrs or {})}
         if kept:
-            attrs[new] = kept
+            plan.attrs[new] = kept
         dtype = np.dtype(info.dtype)
         if args.dtype is not None and is_floating(dtype):
             dtype = args.dtype
-        out_dtypes[key] = dtype
+        plan.dtypes[key] = dtype
         nbytes = math.prod(info.shape) * dtype.itemsize
-        total += nbytes
-        spool_size += (nbytes + 63) & -64
-        largest = max(largest, nbytes)
+        plan.total += nbytes
+        plan.spool_size += (nbytes + 63) & -64
+        plan.largest = max(plan.largest, nbytes)
+    return plan
+
+
+def _convert(reader: Any, src: Path, dst: Path, args: argparse.Namespace, out: TextIO) -> int:
+    skipped = {k: v for k, v in reader.skipped.items() if selected(k, args)}
+    keys = select(reader, args, where=repr(str(src)), allow_empty=bool(skipped))
+    _refuse_unreadable(skipped, src, args)
+    p = _make_plan(reader, keys, args)
+    plan, attrs, out_dtypes = p.keys, p.attrs, p.dtypes
+    total, largest, spool_size = p.total, p.largest, p.spool_size
     if not plan:
         raise UsageError(f"nothing to convert: {str(src)!r} has no value left to convert")
     refused = _unwritable(dst, args.format, set(out_dtypes.values()))

@@ -74,19 +74,19 @@ class JaxCoordinator(Coordinator):
         return self._size
 
     def allgather(self, obj: Any, *, tag: str, timeout: float | None = None) -> list[Any]:
-        got = self._exchange("allgather", tag, obj, True, list(range(self._size)), timeout)
+        got = self._exchange("allgather", tag, obj, True, list(range(self._size)), timeout=timeout)
         return [got[r] for r in range(self._size)]
 
     def broadcast(self, obj: Any, root: int = 0, *, tag: str, timeout: float | None = None) -> Any:
         if not 0 <= root < self._size:
             raise ValueError(f"broadcast root {root} is not a rank of {self._size} processes")
         if self._rank == root:
-            self._exchange("broadcast", tag, obj, True, [], timeout)
+            self._exchange("broadcast", tag, obj, True, [], timeout=timeout)
             return obj
-        return self._exchange("broadcast", tag, None, False, [root], timeout)[root]
+        return self._exchange("broadcast", tag, None, False, [root], timeout=timeout)[root]
 
     def barrier(self, *, tag: str, timeout: float | None = None) -> None:
-        self._exchange("barrier", tag, None, True, list(range(self._size)), timeout)
+        self._exchange("barrier", tag, None, True, list(range(self._size)), timeout=timeout)
 
     def background(self) -> JaxCoordinator:
         with self._lock:
@@ -104,7 +104,14 @@ class JaxCoordinator(Coordinator):
         return f"{self._prefix}/{seq}/{rank}"
 
     def _exchange(
-        self, kind: str, tag: str, obj: Any, send: bool, recv_from: list[int], timeout: float | None
+        self,
+        kind: str,
+        tag: str,
+        obj: Any,
+        send: bool,
+        recv_from: list[int],
+        *,
+        timeout: float | None,
     ) -> dict[int, Any]:
         seconds = self._resolve(timeout)
         end = time.monotonic() + seconds

@@ -243,18 +243,7 @@ def plan_save(layouts: Sequence[Mapping[str, VariableLayout]]) -> SavePlan:
         if first.replicated:
             replicated.append(key)
             continue
-        items = []
-        for rank, vl in by_rank.items():
-            assert vl.boxes is not None
-            for i, box in enumerate(vl.boxes):
-                if not box.within(first.full_shape):
-                    raise ShardLayoutError(
-                        f"variable {key!r}: rank {rank}'s box {box} (offset {box.offset}, "
-                        f"shape {box.shape}) lies outside its full shape {first.full_shape}"
-                    )
-                if box.size:
-                    items.append(WriteItem(key, box, rank, i))
-        items.sort(key=lambda it: (it.box.offset, it.writer))
+        items = _write_items(key, first.full_shape, by_rank)
         _check_tiling(key, first.full_shape, items)
         isz = _itemsize(first.dtype)
         for it in items:
@@ -273,6 +262,25 @@ def plan_save(layouts: Sequence[Mapping[str, VariableLayout]]) -> SavePlan:
             key, first.full_shape, first.dtype, True, only, tuple(sorted(by_rank))
         )
     return SavePlan(size, {k: plans[k] for k in sorted(plans)})
+
+
+def _write_items(
+    key: str, full_shape: tuple[int, ...], by_rank: Mapping[int, VariableLayout]
+) -> list[WriteItem]:
+    """Every non-empty box of a sharded variable, each written by its holder, by offset."""
+    items = []
+    for rank, vl in by_rank.items():
+        assert vl.boxes is not None
+        for i, box in enumerate(vl.boxes):
+            if not box.within(full_shape):
+                raise ShardLayoutError(
+                    f"variable {key!r}: rank {rank}'s box {box} (offset {box.offset}, "
+                    f"shape {box.shape}) lies outside its full shape {full_shape}"
+                )
+            if box.size:
+                items.append(WriteItem(key, box, rank, i))
+    items.sort(key=lambda it: (it.box.offset, it.writer))
+    return items
 
 
 def _check_tiling(key: str, full_shape: tuple[int, ...], items: Sequence[WriteItem]) -> None:

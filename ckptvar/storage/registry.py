@@ -86,7 +86,7 @@ def _claimant(chosen: type[Backend], path: Path) -> type[Backend] | None:
             continue
         try:
             ok = cls.sniff(path)
-        except Exception:  # a sniffer that fails just does not claim the file
+        except Exception:  # noqa: BLE001 - a sniffer that fails just does not claim the file
             ok = False
         if ok:
             return cls

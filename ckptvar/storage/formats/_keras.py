@@ -99,11 +99,11 @@ def _open(path: Path, fmt: str, *, read_unwritten: bool = False) -> Reader:
         f = h5py.File(path, "r")
     except H5_ERRORS as exc:
         raise CorruptCheckpointError(f"{str(path)!r} is not a readable HDF5 file: {exc}") from None
-    return _reader(f, path, fmt, ReadOptions(read_unwritten=read_unwritten), f.close)
+    return _reader(f, path, fmt, options=ReadOptions(read_unwritten=read_unwritten), close=f.close)
 
 
 def _reader(
-    f: h5py.File, path: Path, fmt: str, options: ReadOptions, close: Any, metadata: Any = None
+    f: h5py.File, path: Path, fmt: str, *, options: ReadOptions, close: Any, metadata: Any = None
 ) -> Reader:
     """An ``EntryReader`` over the open HDF5 file ``f``; ``close`` runs when it is closed."""
     try:
@@ -159,6 +159,52 @@ class _MemberFile(io.RawIOBase):
         return len(data)
 
 
+def _archive_metadata(archive: ZipArchive, path: Path) -> dict[str, Any]:
+    """The parsed ``config.json`` and ``metadata.json`` of a ``.keras`` archive."""
+    metadata: dict[str, Any] = {}
+    for name in _ARCHIVE_JSON:
+        if name not in archive.members:
+            continue
+        raw = archive.read(name, _MAX_JSON_BYTES)
+        try:
+            metadata[name[: -len(".json")]] = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise CorruptCheckpointError(f"{name} in {str(path)!r}: {exc}") from None
+    return metadata
+
+
+def _weights_file(archive: ZipArchive, path: Path) -> tuple[Any, Any]:
+    """``(file object, spill file or None)`` over the archive's ``model.weights.h5``.
+
+    A stored member is read in place; a deflated one is decompressed once into an
+    anonymous temporary file (the spill), which the caller closes with the reader.
+    """
+    info = archive.members[_ARCHIVE_WEIGHTS]
+    check_member_size(info, _MAX_WEIGHTS_BYTES, path)
+    if info.compress_type == zipfile.ZIP_STORED:
+        start = archive.data_offset(_ARCHIVE_WEIGHTS)
+        if start + info.file_size > archive.fh.size:
+            raise CorruptCheckpointError(
+                f"{_ARCHIVE_WEIGHTS} in {str(path)!r} runs past the end of the file."
+            )
+        assert archive.fh.fd is not None
+        return _MemberFile(archive.fh.fd, start, info.file_size), None
+    spill = tempfile.TemporaryFile()  # noqa: SIM115 - closed with the reader
+    try:
+        with archive.zf.open(info) as member:
+            shutil.copyfileobj(member, spill, 1 << 22)
+    except ZIP_ERRORS as exc:
+        spill.close()
+        raise CorruptCheckpointError(
+            f"{_ARCHIVE_WEIGHTS} in {str(path)!r} is damaged: {exc}"
+        ) from None
+    except BaseException:
+        spill.close()
+        raise
+    spill.seek(0)
+    return spill, spill
+
+
 def _open_archive(path: Path, *, read_unwritten: bool = False) -> Reader:
     """A Keras 3 ``.keras`` zip: its ``model.weights.h5`` values, its JSON as metadata."""
     import h5py
@@ -176,36 +222,8 @@ def _open_archive(path: Path, *, read_unwritten: bool = False) -> Reader:
                 + (f" (it holds {other[0]!r}, which ckptvar does not read)" if other else "")
                 + f"; members: {sorted(members)[:10]}."
             )
-        metadata: dict[str, Any] = {}
-        for name in _ARCHIVE_JSON:
-            if name not in members:
-                continue
-            raw = archive.read(name, _MAX_JSON_BYTES)
-            try:
-                metadata[name[: -len(".json")]] = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-                raise CorruptCheckpointError(f"{name} in {str(path)!r}: {exc}") from None
-        info = members[_ARCHIVE_WEIGHTS]
-        check_member_size(info, _MAX_WEIGHTS_BYTES, path)
-        if info.compress_type == zipfile.ZIP_STORED:
-            start = archive.data_offset(_ARCHIVE_WEIGHTS)
-            if start + info.file_size > archive.fh.size:
-                raise CorruptCheckpointError(
-                    f"{_ARCHIVE_WEIGHTS} in {str(path)!r} runs past the end of the file."
-                )
-            assert archive.fh.fd is not None
-            fileobj: Any = _MemberFile(archive.fh.fd, start, info.file_size)
-        else:  # deflated: decompressed once, into an anonymous temporary file
-            spill = tempfile.TemporaryFile()  # noqa: SIM115 - closed with the reader
-            try:
-                with archive.zf.open(info) as member:
-                    shutil.copyfileobj(member, spill, 1 << 22)
-            except ZIP_ERRORS as exc:
-                raise CorruptCheckpointError(
-                    f"{_ARCHIVE_WEIGHTS} in {str(path)!r} is damaged: {exc}"
-                ) from None
-            spill.seek(0)
-            fileobj = spill
+        metadata = _archive_metadata(archive, path)
+        fileobj, spill = _weights_file(archive, path)
         try:
             f = h5py.File(fileobj, "r")
         except H5_ERRORS as exc:
@@ -224,7 +242,50 @@ def _open_archive(path: Path, *, read_unwritten: bool = False) -> Reader:
             spill.close()
         archive.close()
 
-    return _reader(f, path, "keras", ReadOptions(read_unwritten=read_unwritten), close, metadata)
+    options = ReadOptions(read_unwritten=read_unwritten)
+    return _reader(f, path, "keras", options=options, close=close, metadata=metadata)
+
+
+_Item = tuple[str, Any, dict[str, Any]]  # (key, HDF5 object or link, extra attributes)
+
+
+def _legacy_items(f: h5py.File, walker: Walker, layout: str, path: Path) -> list[_Item]:
+    """Legacy Keras weights: ``layer_names``, each layer's ``weight_names``, the optimizer's."""
+    import h5py
+
+    items: list[_Item] = []
+    root = f if layout == "legacy-root" else hard_group(f, "model_weights")
+    assert root is not None
+    for layer in _as_strings(root.attrs["layer_names"]):
+        g = walker.resolve(root, layer, repr(layer))
+        if not isinstance(g, h5py.Group):
+            raise CorruptCheckpointError(f"Layer group {layer!r} is missing in {path}.")
+        for wname in _as_strings(g.attrs.get("weight_names", [])):
+            obj = walker.resolve(g, wname, repr(wname))
+            items.append((wname, obj, {"layer": layer}))
+    og = hard_group(f, "optimizer_weights")
+    if og is not None:
+        for wname in _as_strings(og.attrs.get("weight_names", [])):
+            obj = walker.resolve(og, wname, repr(wname))
+            items.append((f"optimizer_weights/{wname}", obj, {}))
+    return items
+
+
+def _dataset_items(f: h5py.File, walker: Walker, layout: str) -> list[_Item]:
+    """Every dataset by its path; Keras 3 ``.../vars/<i>`` also get their layer's name."""
+    items: list[_Item] = []
+    for full, obj in walker.datasets(f):
+        extra: dict[str, Any] = {}
+        parts = full.split("/")
+        if layout == "keras3" and len(parts) >= 3 and parts[-2] == "vars":
+            vars_group = walker.resolve(f, "/".join(parts[:-1]), repr(full))
+            name = vars_group.attrs.get("name")
+            if isinstance(name, bytes):
+                name = name.decode("utf-8", "replace")
+            if isinstance(name, str):
+                extra["layer"] = name
+        items.append((full, obj, extra))
+    return items
 
 
 def _collect(
@@ -234,34 +295,8 @@ def _collect(
 
     walker = Walker(f, path)
     layout = _layout(f) if fmt == "keras" else "generic"
-    items: list[tuple[str, Any, dict[str, Any]]] = []
-    if layout.startswith("legacy"):
-        root = f if layout == "legacy-root" else hard_group(f, "model_weights")
-        assert root is not None
-        for layer in _as_strings(root.attrs["layer_names"]):
-            g = walker.resolve(root, layer, repr(layer))
-            if not isinstance(g, h5py.Group):
-                raise CorruptCheckpointError(f"Layer group {layer!r} is missing in {path}.")
-            for wname in _as_strings(g.attrs.get("weight_names", [])):
-                obj = walker.resolve(g, wname, repr(wname))
-                items.append((wname, obj, {"layer": layer}))
-        og = hard_group(f, "optimizer_weights")
-        if og is not None:
-            for wname in _as_strings(og.attrs.get("weight_names", [])):
-                obj = walker.resolve(og, wname, repr(wname))
-                items.append((f"optimizer_weights/{wname}", obj, {}))
-    else:
-        for full, obj in walker.datasets(f):
-            extra: dict[str, Any] = {}
-            parts = full.split("/")
-            if layout == "keras3" and len(parts) >= 3 and parts[-2] == "vars":
-                vars_group = walker.resolve(f, "/".join(parts[:-1]), repr(full))
-                name = vars_group.attrs.get("name")
-                if isinstance(name, bytes):
-                    name = name.decode("utf-8", "replace")
-                if isinstance(name, str):
-                    extra["layer"] = name
-            items.append((full, obj, extra))
+    items = (_legacy_items(f, walker, layout, path) if layout.startswith("legacy")
+             else _dataset_items(f, walker, layout))
     arrays: dict[str, LazyArray] = {}
     skipped: dict[str, str] = {}
     for key, obj, extra in items:

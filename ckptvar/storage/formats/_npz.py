@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import os
 import re
 import struct
@@ -31,7 +32,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..._dtypes import SUPPORTED_DTYPES
+from ..._dtypes import SUPPORTED_DTYPES, dtype_to_str, str_to_dtype
 from ...errors import CorruptCheckpointError, UnsupportedFormatError
 from ..base import ArrayInfo, Backend, LazyArray, Reader, Writer
 from ._common import EntryReader, FileArray, FileHandle, check_shape, little_endian
@@ -44,26 +45,43 @@ _MAGIC = b"\x93NUMPY"
 _DESCR = re.compile(r"^[<>|=]?(b1|[iu][1248]|f[248]|c(8|16))$")
 _SIDECAR = "__ckptvar__.json"
 _MAX_NPY_HEADER = 1 << 20
+#: The NumPy dtypes a ``.npy`` member may hold, in any byte order: ckptvar's supported
+#: dtypes that NumPy has built in (bfloat16, float8 and int4 are stored as their bits).
 _PLAIN = {
-    np.dtype(n).newbyteorder(o)
-    for n in (
-        "bool",
-        "int8",
-        "uint8",
-        "int16",
-        "uint16",
-        "int32",
-        "uint32",
-        "int64",
-        "uint64",
-        "float16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-    )
+    dt.newbyteorder(o) for dt in SUPPORTED_DTYPES.values() if dt.isbuiltin == 1
     for o in ("<", ">", "=")
 }
+
+
+def _npy_preamble(head: bytes, *, what: str) -> tuple[int, int, int]:
+    """``(major version, header start, header length)`` of a ``.npy`` member."""
+    if len(head) < 10 or head[:6] != _MAGIC:
+        raise CorruptCheckpointError(f"{what} is not a .npy array (bad magic {head[:6]!r}).")
+    major = head[6]
+    if major == 1:
+        (hlen,) = struct.unpack_from("<H", head, 8)
+        return major, 10, int(hlen)
+    if major in (2, 3):
+        if len(head) < 12:
+            raise CorruptCheckpointError(f"{what}: truncated .npy header.")
+        (hlen,) = struct.unpack_from("<I", head, 8)
+        return major, 12, int(hlen)
+    raise CorruptCheckpointError(f"{what}: unknown .npy format version {major}.")
+
+
+def _plain_dtype(descr: Any, *, what: str) -> np.dtype:
+    """The dtype a ``descr`` names, if it is a plain numeric one (nothing is unpickled)."""
+    if not isinstance(descr, str):
+        raise CorruptCheckpointError(
+            f"{what}: structured dtype {descr!r} refused (only plain numeric arrays)."
+        )
+    dtype = np.dtype(descr) if _DESCR.match(descr) else None
+    if dtype is None or dtype not in _PLAIN:
+        raise CorruptCheckpointError(
+            f"{what}: dtype {descr!r} refused (object, string, void and datetime arrays are "
+            "not read; nothing is ever unpickled)."
+        )
+    return dtype
 
 
 def parse_npy_header(head: bytes, *, what: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
@@ -72,19 +90,7 @@ def parse_npy_header(head: bytes, *, what: str) -> tuple[np.dtype, tuple[int, ..
     ``head`` must hold at least the whole header (the first 64 KiB + 10 bytes suffice
     for any header ckptvar accepts).
     """
-    if len(head) < 10 or head[:6] != _MAGIC:
-        raise CorruptCheckpointError(f"{what} is not a .npy array (bad magic {head[:6]!r}).")
-    major = head[6]
-    if major == 1:
-        (hlen,) = struct.unpack_from("<H", head, 8)
-        start = 10
-    elif major in (2, 3):
-        if len(head) < 12:
-            raise CorruptCheckpointError(f"{what}: truncated .npy header.")
-        (hlen,) = struct.unpack_from("<I", head, 8)
-        start = 12
-    else:
-        raise CorruptCheckpointError(f"{what}: unknown .npy format version {major}.")
+    major, start, hlen = _npy_preamble(head, what=what)
     if hlen > _MAX_NPY_HEADER or start + hlen > len(head):
         raise CorruptCheckpointError(
             f"{what}: .npy header of {hlen} bytes is truncated or too big."
@@ -97,22 +103,7 @@ def parse_npy_header(head: bytes, *, what: str) -> tuple[np.dtype, tuple[int, ..
         raise CorruptCheckpointError(f"{what}: .npy header is not a literal dict: {exc}.") from None
     if not isinstance(meta, dict) or set(meta) != {"descr", "fortran_order", "shape"}:
         raise CorruptCheckpointError(f"{what}: .npy header {text.strip()[:200]!r} is malformed.")
-    descr = meta["descr"]
-    if not isinstance(descr, str):
-        raise CorruptCheckpointError(
-            f"{what}: structured dtype {descr!r} refused (only plain numeric arrays)."
-        )
-    if not _DESCR.match(descr):
-        raise CorruptCheckpointError(
-            f"{what}: dtype {descr!r} refused (object, string, void and datetime arrays are "
-            "not read; nothing is ever unpickled)."
-        )
-    dtype = np.dtype(descr)
-    if dtype not in _PLAIN:
-        raise CorruptCheckpointError(
-            f"{what}: dtype {descr!r} refused (object, string, void and datetime arrays are "
-            "not read; nothing is ever unpickled)."
-        )
+    dtype = _plain_dtype(meta["descr"], what=what)
     if not isinstance(meta["fortran_order"], bool):
         raise CorruptCheckpointError(f"{what}: fortran_order is not a bool.")
     if not isinstance(meta["shape"], tuple):
@@ -169,68 +160,78 @@ class _Member:
         self.fh.readinto(buf, self.start + offset, self.what)
 
 
+def _read_sidecar(archive: ZipArchive, path: Path) -> dict[str, Any]:
+    """ckptvar's ``__ckptvar__.json`` member (dtypes, attributes, metadata), if present."""
+    info = archive.members.get(_SIDECAR)
+    if info is None:
+        return {}
+    if info.file_size > 64 << 20:
+        raise CorruptCheckpointError(f"{_SIDECAR} in {str(path)!r} is too large.")
+    member = _Member(archive.zf, info, archive.fh, path)
+    try:
+        sidecar = json.loads(member.fetch(0, info.file_size))
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{_SIDECAR} in {path}: {exc}") from None
+    if not isinstance(sidecar, dict):
+        raise CorruptCheckpointError(f"{_SIDECAR} in {str(path)!r} is not an object.")
+    return sidecar
+
+
+def _shown_dtype(stored: np.dtype, real: Any, what: str) -> np.dtype:
+    """The dtype a value is read as: the recorded one (bfloat16 stored as bits) or ``stored``."""
+    shown = little_endian(stored)
+    if real is None:
+        return shown
+    try:
+        target = str_to_dtype(real)
+    except TypeError:
+        raise CorruptCheckpointError(f"{what}: unknown dtype {real!r}.") from None
+    if target.itemsize != shown.itemsize:
+        raise CorruptCheckpointError(f"{what}: recorded dtype {real} does not fit stored {stored}.")
+    return target
+
+
+def _array(
+    archive: ZipArchive, info: zipfile.ZipInfo, path: Path, sidecar: dict[str, Any]
+) -> FileArray:
+    """The lazy array of one ``.npy`` member, its header and size checked."""
+    key = info.filename[: -len(".npy")]
+    member = _Member(archive.zf, info, archive.fh, path)
+    what = f"{key!r} in {str(path)!r}"
+    head = member.fetch(0, min(info.file_size, 65536 + 12))
+    dtype, shape, fortran, hsize = parse_npy_header(head, what=what)
+    size = math.prod(shape)
+    if hsize + size * dtype.itemsize != info.file_size:
+        raise CorruptCheckpointError(
+            f"{what}: member holds {info.file_size - hsize} data bytes; shape "
+            f"{shape} of {dtype} needs {size * dtype.itemsize}."
+        )
+    dtypes = sidecar.get("dtypes", {}) if isinstance(sidecar.get("dtypes", {}), dict) else {}
+    attrs_all = sidecar.get("attrs", {}) if isinstance(sidecar.get("attrs", {}), dict) else {}
+    shown = _shown_dtype(dtype, dtypes.get(key), what)
+    attrs = {"name": key}
+    if isinstance(attrs_all.get(key), dict):
+        attrs.update(attrs_all[key])
+    return FileArray(
+        ArrayInfo(key=key, dtype=shown, shape=shape, attrs=attrs, checksum=info.CRC),
+        stored_dtype=dtype,
+        offset=hsize,
+        fetch=member.fetch,
+        readinto=member.readinto if member.stored and dtype.byteorder in "=|" else None,
+        check=zip_crc_check(info, head[:hsize], what),
+        fortran=fortran and len(shape) > 1,
+    )
+
+
 def _open(path: Path) -> Reader:
     archive = ZipArchive(path, kind=".npz")
-    fh, zf = archive.fh, archive.zf
     try:
-        infos = list(archive.members.values())
-        sidecar: dict[str, Any] = {}
-        arrays: dict[str, LazyArray] = {}
-        for info in infos:
-            if info.filename == _SIDECAR:
-                if info.file_size > 64 << 20:
-                    raise CorruptCheckpointError(f"{_SIDECAR} in {str(path)!r} is too large.")
-                member = _Member(zf, info, fh, path)
-                try:
-                    sidecar = json.loads(member.fetch(0, info.file_size))
-                except ValueError as exc:
-                    raise CorruptCheckpointError(f"{_SIDECAR} in {path}: {exc}") from None
-                if not isinstance(sidecar, dict):
-                    raise CorruptCheckpointError(f"{_SIDECAR} in {str(path)!r} is not an object.")
-        dtypes = sidecar.get("dtypes", {}) if isinstance(sidecar.get("dtypes", {}), dict) else {}
-        attrs_all = sidecar.get("attrs", {}) if isinstance(sidecar.get("attrs", {}), dict) else {}
-        for info in infos:
-            if not info.filename.endswith(".npy") or info.is_dir():
-                continue
-            key = info.filename[: -len(".npy")]
-            member = _Member(zf, info, fh, path)
-            what = f"{key!r} in {str(path)!r}"
-            head = member.fetch(0, min(info.file_size, 65536 + 12))
-            dtype, shape, fortran, hsize = parse_npy_header(head, what=what)
-            size = 1
-            for d in shape:
-                size *= d
-            if hsize + size * dtype.itemsize != info.file_size:
-                raise CorruptCheckpointError(
-                    f"{what}: member holds {info.file_size - hsize} data bytes; shape "
-                    f"{shape} of {dtype} needs {size * dtype.itemsize}."
-                )
-            shown = dtype.newbyteorder("=") if dtype.byteorder not in ("=", "|") else dtype
-            real = dtypes.get(key)
-            if real is not None:
-                from ..._dtypes import str_to_dtype
-
-                try:
-                    target = str_to_dtype(real)
-                except TypeError:
-                    raise CorruptCheckpointError(f"{what}: unknown dtype {real!r}.") from None
-                if target.itemsize != shown.itemsize:
-                    raise CorruptCheckpointError(
-                        f"{what}: recorded dtype {real} does not fit stored {dtype}."
-                    )
-                shown = target
-            attrs = {"name": key}
-            if isinstance(attrs_all.get(key), dict):
-                attrs.update(attrs_all[key])
-            arrays[key] = FileArray(
-                ArrayInfo(key=key, dtype=shown, shape=shape, attrs=attrs, checksum=info.CRC),
-                stored_dtype=dtype,
-                offset=hsize,
-                fetch=member.fetch,
-                readinto=member.readinto if member.stored and dtype.byteorder in "=|" else None,
-                check=zip_crc_check(info, head[:hsize], what),
-                fortran=fortran and len(shape) > 1,
-            )
+        sidecar = _read_sidecar(archive, path)
+        arrays: dict[str, LazyArray] = {
+            info.filename[: -len(".npy")]: _array(archive, info, path, sidecar)
+            for info in archive.members.values()
+            if info.filename.endswith(".npy") and not info.is_dir()
+        }
     except BaseException:
         archive.close()
         raise
@@ -285,7 +286,6 @@ class NpzWriter(Writer):
     def commit(self) -> Path:
         if self._done:
             raise ValueError(f"The writer of {str(self.path)!r} was already closed.")
-        from ..._dtypes import dtype_to_str
         from .._atomic import check_destination, publish, temporary_sibling
 
         check_destination(self.path, directory=False)

@@ -24,6 +24,7 @@ string-to-string ones. The reader merges them back into one dict.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Mapping
@@ -76,11 +77,11 @@ def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def parse_header(
-    head: bytes, buffer_size: int, path: Path | str
-) -> tuple[dict[str, tuple[np.dtype, tuple[int, ...], int, int]], dict[str, str]]:
-    """Validate a header; returns ``{key: (dtype, shape, begin, end)}`` and ``__metadata__``."""
-    where = f"safetensors header of {str(path)!r}"
+_Entry = tuple[np.dtype, tuple[int, ...], int, int]  # (dtype, shape, begin, end)
+
+
+def _header_json(head: bytes, where: str) -> dict[str, Any]:
+    """The header as a JSON object (UTF-8, starting with ``{``, no duplicate keys)."""
     try:
         text = head.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -95,49 +96,59 @@ def parse_header(
         raise CorruptCheckpointError(f"The {where} is not valid JSON: {exc}.") from None
     if not isinstance(obj, dict):
         raise CorruptCheckpointError(f"The {where} is not a JSON object.")
+    return obj
+
+
+def _entry(key: str, spec: Any, buffer_size: int, where: str, path: Path | str) -> _Entry:
+    """One tensor's header entry, checked: dtype, shape, and offsets that fit its size."""
+    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+        raise CorruptCheckpointError(
+            f"Tensor {key!r} in the {where}: expected exactly dtype, shape and data_offsets, "
+            f"found {sorted(spec) if isinstance(spec, dict) else type(spec).__name__}."
+        )
+    dtype = SAFETENSORS_DTYPES.get(spec["dtype"]) if isinstance(spec["dtype"], str) else None
+    if dtype is None:
+        raise CorruptCheckpointError(
+            f"Tensor {key!r} in the {where} has unsupported dtype {spec['dtype']!r} "
+            f"(known: {', '.join(SAFETENSORS_DTYPES)})."
+        )
+    shape = check_shape(spec["shape"], what=f"Tensor {key!r}", path=path)
+    offsets = spec["data_offsets"]
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+    ):
+        raise CorruptCheckpointError(
+            f"Tensor {key!r} in the {where}: data_offsets {offsets!r} is not [begin, end]."
+        )
+    begin, end = offsets
+    if not 0 <= begin <= end <= buffer_size:
+        raise CorruptCheckpointError(
+            f"Tensor {key!r} in the {where}: data_offsets [{begin}, {end}] fall outside the "
+            f"{buffer_size}-byte data buffer."
+        )
+    n = math.prod(shape)
+    if end - begin != n * dtype.itemsize:
+        raise CorruptCheckpointError(
+            f"Tensor {key!r} in the {where}: {end - begin} bytes for shape {list(shape)} of "
+            f"{spec['dtype']} (needs {n * dtype.itemsize})."
+        )
+    return dtype, shape, begin, end
+
+
+def parse_header(
+    head: bytes, buffer_size: int, path: Path | str
+) -> tuple[dict[str, _Entry], dict[str, str]]:
+    """Validate a header; returns ``{key: (dtype, shape, begin, end)}`` and ``__metadata__``."""
+    where = f"safetensors header of {str(path)!r}"
+    obj = _header_json(head, where)
     meta = obj.pop(_METADATA, {})
     if not isinstance(meta, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
     ):
         raise CorruptCheckpointError(f"{_METADATA} in the {where} must map strings to strings.")
-    entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
-    for key, spec in obj.items():
-        if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
-            raise CorruptCheckpointError(
-                f"Tensor {key!r} in the {where}: expected exactly dtype, shape and data_offsets, "
-                f"found {sorted(spec) if isinstance(spec, dict) else type(spec).__name__}."
-            )
-        dtype = SAFETENSORS_DTYPES.get(spec["dtype"]) if isinstance(spec["dtype"], str) else None
-        if dtype is None:
-            raise CorruptCheckpointError(
-                f"Tensor {key!r} in the {where} has unsupported dtype {spec['dtype']!r} "
-                f"(known: {', '.join(SAFETENSORS_DTYPES)})."
-            )
-        shape = check_shape(spec["shape"], what=f"Tensor {key!r}", path=path)
-        offsets = spec["data_offsets"]
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-        ):
-            raise CorruptCheckpointError(
-                f"Tensor {key!r} in the {where}: data_offsets {offsets!r} is not [begin, end]."
-            )
-        begin, end = offsets
-        if not 0 <= begin <= end <= buffer_size:
-            raise CorruptCheckpointError(
-                f"Tensor {key!r} in the {where}: data_offsets [{begin}, {end}] fall outside the "
-                f"{buffer_size}-byte data buffer."
-            )
-        n = 1
-        for d in shape:
-            n *= d
-        if end - begin != n * dtype.itemsize:
-            raise CorruptCheckpointError(
-                f"Tensor {key!r} in the {where}: {end - begin} bytes for shape {list(shape)} of "
-                f"{spec['dtype']} (needs {n * dtype.itemsize})."
-            )
-        entries[key] = (dtype, shape, begin, end)
+    entries = {key: _entry(key, spec, buffer_size, where, path) for key, spec in obj.items()}
     pos = 0
     for key, (_, _, begin, end) in sorted(entries.items(), key=lambda kv: (kv[1][2], kv[1][3])):
         if begin != pos:

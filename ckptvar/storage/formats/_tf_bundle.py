@@ -22,6 +22,8 @@ bookkeeping, listed in ``reader.bookkeeping``, never in ``skipped``.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -130,7 +132,18 @@ class SlicedArray(LazyArray):
         return np.array(self.read()[index], copy=True)
 
 
-def _open(prefix: str) -> Reader:
+@dataclass
+class _Index:
+    """A decoded ``.index`` file: its header and its entries, whole tensors and slices."""
+
+    path: Path
+    num_shards: int
+    big_endian: bool
+    entries: dict[str, BundleEntry]
+    slices: dict[str, list[tuple[tuple[tuple[int, int], ...], BundleEntry]]]
+
+
+def _read_index(prefix: str) -> _Index:
     index_path = Path(prefix + ".index")
     fh = FileHandle(index_path)
     try:
@@ -146,14 +159,13 @@ def _open(prefix: str) -> Reader:
     for raw_key, value in iter_table(data, what=what):
         if raw_key == b"":
             header = parse(value, what=f"bundle header of {str(index_path)!r}")
-            continue
-        if raw_key[:1] == b"\x00":
+        elif raw_key[:1] == b"\x00":
             name, extents = decode_slice_key(raw_key)
             entry = parse_entry(f"{name} (slice)", value, index_path)
             slice_entries.setdefault(name, []).append((extents, entry))
-            continue
-        key = raw_key.decode("utf-8", "surrogateescape")
-        entries[key] = parse_entry(key, value, index_path)
+        else:
+            key = raw_key.decode("utf-8", "surrogateescape")
+            entries[key] = parse_entry(key, value, index_path)
     if header is None:
         raise CorruptCheckpointError(f"{what} has no bundle header (empty key).")
     num_shards = int(header.get(1, [1])[-1])
@@ -162,23 +174,37 @@ def _open(prefix: str) -> Reader:
         raise CorruptCheckpointError(f"{what} declares {num_shards} shards.")
     if endianness not in (0, 1):
         raise CorruptCheckpointError(f"{what} declares unknown endianness {endianness}.")
-    bundle = _Bundle(prefix, num_shards)
-    shards = {e.shard for e in entries.values() if not e.slices and e.dtype in TF_DTYPES}
-    shards |= {e.shard for parts in slice_entries.values() for _, e in parts}
+    return _Index(index_path, num_shards, endianness == 1, entries, slice_entries)
+
+
+def _open_bundle(prefix: str, index: _Index) -> _Bundle:
+    """The shard files of ``index``; every data file the index needs must exist."""
+    bundle = _Bundle(prefix, index.num_shards)
+    shards = {e.shard for e in index.entries.values() if not e.slices and e.dtype in TF_DTYPES}
+    shards |= {e.shard for parts in index.slices.values() for _, e in parts}
     for shard in sorted(shards):
-        if 0 <= shard < num_shards:
-            bundle.shard(shard)  # every data file the index needs must exist
+        if 0 <= shard < index.num_shards:
+            bundle.shard(shard)
+    return bundle
+
+
+def _shown_key(key: str, entries: Mapping[str, BundleEntry]) -> str:
+    """``key`` without its ``/.ATTRIBUTES/VARIABLE_VALUE`` suffix, unless that name is taken."""
+    shown = key.removesuffix(ATTRIBUTES_SUFFIX)
+    return key if shown != key and shown in entries else shown
+
+
+def _open(prefix: str) -> Reader:
+    index = _read_index(prefix)
+    bundle = _open_bundle(prefix, index)
     arrays: dict[str, LazyArray] = {}
     aliases: dict[str, str] = {}
     skipped: dict[str, str] = {}
     bookkeeping: dict[str, str] = {}
-    for key, entry in entries.items():
-        shown = key.removesuffix(ATTRIBUTES_SUFFIX)
+    for key, entry in index.entries.items():
+        shown = _shown_key(key, index.entries)
         if shown != key:
-            if shown in entries:
-                shown = key
-            else:
-                aliases[key] = shown
+            aliases[key] = shown
         dtype = TF_DTYPES.get(entry.dtype)
         if key == OBJECT_GRAPH_KEY:
             bookkeeping[key] = "the TensorFlow object graph (a string tensor), not a value."
@@ -194,17 +220,15 @@ def _open(prefix: str) -> Reader:
             attrs={"name": shown},
             checksum=None if entry.crc is None else unmask(entry.crc),
         )
-        stored = (
-            dtype.newbyteorder(">")
-            if endianness == 1 and dtype.itemsize > 1 and (dtype.kind in "biufc")
-            else dtype
-        )
+        big = index.big_endian and dtype.itemsize > 1 and dtype.kind in "biufc"
+        stored = dtype.newbyteorder(">") if big else dtype
         if entry.slices:
             arrays[shown] = _sliced(
-                info, entry, slice_entries.get(key, []), bundle, stored, index_path
+                info, entry, index.slices.get(key, []),
+                bundle=bundle, stored=stored, path=index.path,
             )
         else:
-            _check_entry(entry, info, stored, num_shards, index_path)
+            _check_entry(entry, info, stored, index.num_shards, index.path)
             arrays[shown] = _stored_array(
                 info, entry, bundle, stored, f"Tensor {shown!r} of {prefix!r}"
             )
@@ -239,6 +263,7 @@ def _sliced(
     info: ArrayInfo,
     entry: BundleEntry,
     stored_slices: list[tuple[tuple[tuple[int, int], ...], BundleEntry]],
+    *,
     bundle: _Bundle,
     stored: np.dtype,
     path: Path,

@@ -320,9 +320,29 @@ def _info(key: str, ref: TensorRef) -> ArrayInfo:
     return ArrayInfo(key=key, dtype=ref.dtype, shape=tuple(ref.shape), attrs=attrs)
 
 
+def _storage_source(archive: ZipArchive, name: str, st: StorageRef, path: Path) -> Any:
+    """Where one storage's bytes are: a stored member in place, or a deflated stream."""
+    info = archive.members.get(name)
+    if info is None:
+        raise CorruptCheckpointError(f"{str(path)!r} lacks the storage member {name!r}.")
+    nbytes = st.numel * st.dtype.itemsize
+    if info.file_size != nbytes:
+        raise CorruptCheckpointError(
+            f"Storage {name!r} in {str(path)!r} holds {info.file_size} bytes; "
+            f"its {st.numel} elements of {st.dtype} need {nbytes}."
+        )
+    what = f"storage {name!r} of {str(path)!r}"
+    if info.compress_type == zipfile.ZIP_STORED:
+        start = archive.data_offset(name)
+        if start + nbytes > archive.fh.size:
+            raise CorruptCheckpointError(f"{what} runs past the end of the file.")
+        return _Source(archive.fh, start, nbytes, what, info)
+    check_member_size(info, 1 << 62, path)
+    return _CompressedSource(archive.zf, info, nbytes, what)
+
+
 def _open_zip(path: Path) -> Reader:
     archive = ZipArchive(path, kind="zip")
-    fh, zf = archive.fh, archive.zf
     try:
         infos = archive.members
         pkls = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
@@ -346,27 +366,8 @@ def _open_zip(path: Path) -> Reader:
         storages: dict[str, StorageRef] = {}
         obj = safe_load(io.BytesIO(pkl), storages=storages, source=repr(str(path)))
         tensors, meta, skipped = _flatten(obj, path)
-        sources: dict[str, Any] = {}
-        for key, st in storages.items():
-            name = f"{prefix}data/{key}"
-            info = infos.get(name)
-            if info is None:
-                raise CorruptCheckpointError(f"{str(path)!r} lacks the storage member {name!r}.")
-            nbytes = st.numel * st.dtype.itemsize
-            if info.file_size != nbytes:
-                raise CorruptCheckpointError(
-                    f"Storage {name!r} in {str(path)!r} holds {info.file_size} bytes; "
-                    f"its {st.numel} elements of {st.dtype} need {nbytes}."
-                )
-            what = f"storage {name!r} of {str(path)!r}"
-            if info.compress_type == zipfile.ZIP_STORED:
-                start = archive.data_offset(name)
-                if start + nbytes > fh.size:
-                    raise CorruptCheckpointError(f"{what} runs past the end of the file.")
-                sources[key] = _Source(fh, start, nbytes, what, info)
-            else:
-                check_member_size(info, 1 << 62, path)
-                sources[key] = _CompressedSource(zf, info, nbytes, what)
+        sources = {key: _storage_source(archive, f"{prefix}data/{key}", st, path)
+                   for key, st in storages.items()}
         arrays = _arrays(tensors, sources, order, path)
     except BaseException:
         archive.close()
