@@ -26,10 +26,11 @@ from ...errors import (
 )
 from .._rawio import pread_exact, pread_into_exact
 from .._slicing import element_span
-from ..base import ArrayInfo, LazyArray, Reader
+from ..base import ArrayInfo, LazyArray, Reader, Writer
 
 __all__ = [
     "MAX_HEADER_BYTES",
+    "CollectingWriter",
     "EntryReader",
     "FileArray",
     "check_shape",
@@ -162,6 +163,41 @@ class FileArray(LazyArray):
         raw = self._fetch(self._offset + offset, nbytes) if nbytes else b""
         result = self._decode(raw, span.shape)[span.index]
         return np.array(result, copy=True) if isinstance(result, np.ndarray) else result
+
+
+class CollectingWriter(Writer):
+    """A ``Writer`` that collects ``(key, array, attrs)`` and writes them all at ``commit``.
+
+    Shared by the safetensors and npz writers: the collection, the metadata, ``abort``,
+    and which attributes are worth storing (anything beyond the key as its name).
+    """
+
+    def __init__(self, path: Path, *, durable: bool = True) -> None:
+        self.path = Path(path)
+        self._durable = durable
+        self._items: dict[str, tuple[np.ndarray, dict[str, Any]]] = {}
+        self._metadata: dict[str, Any] | None = None
+        self._done = False
+
+    def _collect(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None) -> None:
+        if key in self._items:
+            raise ValueError(f"Key {key!r} was already added to {str(self.path)!r}.")
+        self._items[key] = (array, dict(attrs or {}))
+
+    def set_metadata(self, metadata: Mapping[str, Any]) -> None:
+        self._metadata = dict(metadata)
+
+    def abort(self) -> None:
+        self._items.clear()
+        self._done = True
+
+    def _check_open(self) -> None:
+        if self._done:
+            raise ValueError(f"The writer of {str(self.path)!r} was already closed.")
+
+    def _stored_attrs(self) -> dict[str, dict[str, Any]]:
+        """``{key: attrs}`` for the values whose attributes say more than their name."""
+        return {k: a for k, (_, a) in self._items.items() if a and a != {"name": k}}
 
 
 class EntryReader(Reader):

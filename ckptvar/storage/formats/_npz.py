@@ -35,7 +35,14 @@ import numpy as np
 from ..._dtypes import SUPPORTED_DTYPES, dtype_to_str, str_to_dtype
 from ...errors import CorruptCheckpointError, UnsupportedFormatError
 from ..base import ArrayInfo, Backend, LazyArray, Reader, Writer
-from ._common import EntryReader, FileArray, FileHandle, check_shape, little_endian
+from ._common import (
+    CollectingWriter,
+    EntryReader,
+    FileArray,
+    FileHandle,
+    check_shape,
+    little_endian,
+)
 from ._json import jsonable
 from ._zip import MAX_DEFLATE_RATIO, ZIP_ERRORS, ZipArchive, zip_crc_check, zip_member_data_offset
 
@@ -259,39 +266,26 @@ def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
     return _MAGIC + b"\x02\x00" + struct.pack("<I", len(raw)) + raw
 
 
-class NpzWriter(Writer):
+class NpzWriter(CollectingWriter):
     """Writes an uncompressed ``.npz`` atomically, streaming each array's buffer."""
-
-    def __init__(self, path: Path, *, durable: bool = True) -> None:
-        self.path = Path(path)
-        self._durable = durable
-        self._items: dict[str, tuple[np.ndarray, dict[str, Any]]] = {}
-        self._metadata: dict[str, Any] | None = None
-        self._done = False
 
     def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
         if not isinstance(key, str) or not key or key == _SIDECAR[:-5] or "\x00" in key:
             raise ValueError(f"Invalid npz key {key!r}.")
-        if key in self._items:
-            raise ValueError(f"Key {key!r} was already added to {str(self.path)!r}.")
         array = np.asarray(array)
         dt = little_endian(array.dtype)
         if dt not in SUPPORTED_DTYPES.values():
             raise UnsupportedFormatError(f"Cannot write {key!r} of dtype {array.dtype} to npz.")
-        self._items[key] = (array, dict(attrs or {}))
-
-    def set_metadata(self, metadata: Mapping[str, Any]) -> None:
-        self._metadata = dict(metadata)
+        self._collect(key, array, attrs)
 
     def commit(self) -> Path:
-        if self._done:
-            raise ValueError(f"The writer of {str(self.path)!r} was already closed.")
+        self._check_open()
         from .._atomic import check_destination, publish, temporary_sibling
 
         check_destination(self.path, directory=False)
 
         recorded: dict[str, str] = {}
-        attrs = {k: a for k, (_, a) in self._items.items() if a and a != {"name": k}}
+        attrs = self._stored_attrs()
         with temporary_sibling(self.path) as tmp:
             with (
                 open(tmp, "xb") as raw,
@@ -329,10 +323,6 @@ class NpzWriter(Writer):
         self._done = True
         self._items.clear()
         return self.path
-
-    def abort(self) -> None:
-        self._items.clear()
-        self._done = True
 
 
 class NpzBackend(Backend):

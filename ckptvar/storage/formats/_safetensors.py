@@ -36,7 +36,14 @@ import numpy as np
 
 from ...errors import CorruptCheckpointError, UnsupportedFormatError
 from ..base import ArrayInfo, Backend, Reader, Writer
-from ._common import EntryReader, FileArray, FileHandle, check_shape, little_endian
+from ._common import (
+    CollectingWriter,
+    EntryReader,
+    FileArray,
+    FileHandle,
+    check_shape,
+    little_endian,
+)
 from ._json import jsonable, loads_json
 
 __all__ = ["SAFETENSORS_DTYPES", "SafetensorsBackend", "SafetensorsWriter"]
@@ -215,7 +222,7 @@ def _little() -> bool:
     return sys.byteorder == "little"
 
 
-class SafetensorsWriter(Writer):
+class SafetensorsWriter(CollectingWriter):
     """Writes ``.safetensors`` atomically, streaming each array's buffer as it is."""
 
     def __init__(
@@ -231,19 +238,13 @@ class SafetensorsWriter(Writer):
         ``ckptvar_metadata=False`` writes none of ckptvar's own keys (``ckptvar.*``:
         attributes, non-string metadata); string pairs, such as ``format``, are kept.
         """
-        self.path = Path(path)
+        super().__init__(path, durable=durable)
         self._own = ckptvar_metadata
-        self._durable = durable
-        self._items: dict[str, tuple[np.ndarray, dict[str, Any]]] = {}
-        self._metadata: dict[str, Any] | None = None
         self._extra = dict(metadata or {})
-        self._done = False
 
     def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
         if not isinstance(key, str) or key == _METADATA or not key:
             raise ValueError(f"Invalid safetensors key {key!r}.")
-        if key in self._items:
-            raise ValueError(f"Key {key!r} was already added to {str(self.path)!r}.")
         array = np.asarray(array)
         dt = little_endian(array.dtype)
         if dt not in _NAME_OF:
@@ -251,10 +252,7 @@ class SafetensorsWriter(Writer):
                 f"Cannot write {key!r} of dtype {array.dtype} to safetensors "
                 f"(supported: {', '.join(str(d) for d in _NAME_OF)})."
             )
-        self._items[key] = (array, dict(attrs or {}))
-
-    def set_metadata(self, metadata: Mapping[str, Any]) -> None:
-        self._metadata = dict(metadata)
+        self._collect(key, array, attrs)
 
     def _header(self) -> tuple[bytes, list[np.ndarray]]:
         header: dict[str, Any] = {}
@@ -266,7 +264,7 @@ class SafetensorsWriter(Writer):
             else:
                 own[str(k)] = v
         meta.update({str(k): str(v) for k, v in self._extra.items()})
-        attrs = {k: a for k, (_, a) in self._items.items() if a and a != {"name": k}}
+        attrs = self._stored_attrs()
         if self._own and attrs:
             meta[_ATTRS] = json.dumps(attrs, default=jsonable, sort_keys=True)
         if self._own and own:
@@ -303,8 +301,7 @@ class SafetensorsWriter(Writer):
         return struct.pack("<Q", len(raw)) + raw, buffers
 
     def commit(self) -> Path:
-        if self._done:
-            raise ValueError(f"The writer of {str(self.path)!r} was already closed.")
+        self._check_open()
         head, buffers = self._header()
         from .._atomic import check_destination, publish, temporary_sibling
 
@@ -325,10 +322,6 @@ class SafetensorsWriter(Writer):
         self._done = True
         self._items.clear()
         return self.path
-
-    def abort(self) -> None:
-        self._items.clear()
-        self._done = True
 
 
 def _write_all(fd: int, view: memoryview) -> None:
