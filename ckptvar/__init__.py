@@ -15,6 +15,20 @@ __version__ = "0.1.0"
 # there only as a decision, with API.md.
 
 # --- errors -----------------------------------------------------------------
+# --- core: devices, graph, variables, initializers ---------------------------
+# --- many processes (API.md §11) ----------------------------------------------
+from . import distributed, initializers
+
+# --- trackable objects and checkpoints ----------------------------------------
+from .checkpoint import (
+    Checkpoint,
+    CheckpointManager,
+    Saver,
+    latest_checkpoint,
+    restore_on_create,
+    wait_for_pending_saves,
+)
+from .device import device, list_devices, set_log_device_placement
 from .errors import (
     CheckpointExistsError,
     CheckpointMismatchError,
@@ -22,14 +36,13 @@ from .errors import (
     CkptError,
     CorruptCheckpointError,
     DeviceError,
+    DistributedError,
+    DistributedTimeoutError,
     RestoreAssertionError,
+    ShardLayoutError,
     UninitializedVariableError,
     UnsupportedFormatError,
 )
-
-# --- core: devices, graph, variables, initializers ---------------------------
-from . import initializers
-from .device import device, list_devices, set_log_device_placement
 from .graph import (
     Graph,
     GraphKeys,
@@ -42,6 +55,11 @@ from .graph import (
     reset_default_graph,
     trainable_variables,
 )
+
+# --- loading and inspection ---------------------------------------------------
+from .io import list_variables, load, load_variable, open, save
+from .module import Module
+from .trackable import Trackable
 from .variables import (
     AUTO_REUSE,
     PartitionedVariable,
@@ -58,21 +76,6 @@ from .variables import (
     variable_scope,
 )
 
-# --- trackable objects and checkpoints ----------------------------------------
-from .checkpoint import (
-    Checkpoint,
-    CheckpointManager,
-    Saver,
-    latest_checkpoint,
-    restore_on_create,
-    wait_for_pending_saves,
-)
-from .module import Module
-from .trackable import Trackable
-
-# --- loading and inspection ---------------------------------------------------
-from .io import list_variables, load, load_variable, open, save
-
 __all__ = [
     "AUTO_REUSE",
     "Checkpoint",
@@ -83,6 +86,8 @@ __all__ = [
     "CkptError",
     "CorruptCheckpointError",
     "DeviceError",
+    "DistributedError",
+    "DistributedTimeoutError",
     "Graph",
     "GraphKeys",
     "Module",
@@ -91,6 +96,7 @@ __all__ = [
     "SaveSliceInfo",
     "Saver",
     "Shard",
+    "ShardLayoutError",
     "Trackable",
     "UninitializedVariableError",
     "UnsupportedFormatError",
@@ -98,6 +104,7 @@ __all__ = [
     "add_to_collection",
     "deferred_init",
     "device",
+    "distributed",
     "fixed_size_partitioner",
     "get_collection",
     "get_default_graph",

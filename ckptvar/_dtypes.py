@@ -121,12 +121,10 @@ def infer_dtype(value: Any) -> np.dtype:
     _collect_kinds(value, kinds)
     if not kinds:
         return np.dtype("float32")
-    if complex in kinds:
-        return np.dtype("complex128")
-    if float in kinds:
-        return np.dtype("float32")
-    if int in kinds:
-        return np.dtype("int32")
+    # the widest kind present decides, as in TensorFlow
+    for kind, name in ((complex, "complex128"), (float, "float32"), (int, "int32")):
+        if kind in kinds:
+            return np.dtype(name)
     return np.dtype("bool")
 
 

@@ -33,8 +33,8 @@ from .errors import DeviceError
 
 __all__ = [
     "Device",
-    "current_device",
     "cupy_or_none",
+    "current_device",
     "default_device",
     "device",
     "gpu_count",
@@ -125,7 +125,7 @@ def gpu_count() -> int:
 
                     count = int(cupy.cuda.runtime.getDeviceCount())
                     _cupy_module = cupy
-                except Exception:  # ImportError, or a CUDA runtime/driver error
+                except Exception:  # noqa: BLE001 - ImportError, or any CUDA runtime/driver error
                     count = 0
                 _gpu_count = count
     return _gpu_count
@@ -184,7 +184,8 @@ def to_host(array: Any) -> np.ndarray:
     if isinstance(array, np.ndarray):
         return array
     if hasattr(array, "get") and type(array).__module__.startswith("cupy"):
-        return array.get()
+        host: np.ndarray = array.get()
+        return host
     return np.asarray(array)
 
 
@@ -205,7 +206,7 @@ def _stack() -> list[Device | None]:
     return stack
 
 
-class device:  # noqa: N801 - a context manager used like a function, as tf.device
+class device:  # lower case: a context manager used like a function, as tf.device
     """Place variables created inside the ``with`` block on one device.
 
     ``device(None)`` goes back to default placement. Asking for a device that does not

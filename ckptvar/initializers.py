@@ -219,9 +219,11 @@ def _truncated(rng: np.random.Generator, mean: float, stddev: float, size: Shape
 
 def _real(dtype: np.dtype, draw: Any, shape: Shape, seed: int | None) -> np.ndarray:
     rng = _rng(seed)
+    drawn: np.ndarray = draw(rng, shape)
     if dtype.kind == "c":
-        return draw(rng, shape) + 1j * draw(rng, shape)
-    return draw(rng, shape)
+        imaginary: np.ndarray = draw(rng, shape)
+        return drawn + 1j * imaginary
+    return drawn
 
 
 class TruncatedNormal(Initializer):

@@ -20,7 +20,7 @@ FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 def test_importing_ckptvar_does_not_import_h5py() -> None:
     code = (
-        "import sys, ckptvar, ckptvar.storage.formats, ckptvar.storage.foreign\n"
+        "import sys, ckptvar, ckptvar.storage.formats\n"
         "assert 'h5py' not in sys.modules, 'h5py imported'\n"
         "r = ckptvar.open(sys.argv[1]); r.close()\n"
         "assert 'h5py' in sys.modules\n"
@@ -49,10 +49,12 @@ def test_writers_share_helpers_not_each_other() -> None:
                    if line.startswith("import"))
 
 
-def test_the_old_package_name_still_imports() -> None:
-    from ckptvar.storage import foreign, formats
+def test_the_formats_register_through_the_registry_module() -> None:
+    from ckptvar.storage import formats, registry
 
-    assert foreign.TorchBackend is formats.TorchBackend
+    assert not (PKG.parent / "foreign" / "__init__.py").exists(), "the old alias package is gone"
+    assert registry.backend_for("m.pt") is formats.TorchBackend
+    assert cv.storage.backend_for is registry.backend_for
 
 
 @pytest.mark.parametrize("name", ["../evil", "/abs/evil", "a\\..\\evil"])

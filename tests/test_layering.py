@@ -217,3 +217,35 @@ def test_storage_never_imports_core() -> None:
 def test_no_module_takes_another_packages_private_name() -> None:
     crossings = list(dict.fromkeys(_private_crossings()))
     assert not crossings, "\n".join(crossings)
+
+
+# --------------------------------------------------------------------------- ratchets
+# The two rules above still fail in files other areas own (the backends' registration
+# import, the checkpoint layer's use of private storage modules); these keep every other
+# module to the rule now, and stay true once those are fixed.
+
+#: The only cycle left: ``storage/__init__`` imports the built-in backends so they
+#: register, and ``_h5``/``_zarr`` take ``register_backend`` from the package, not
+#: from ``storage.registry``.
+KNOWN_CYCLE = {"ckptvar.storage", "ckptvar.storage._h5", "ckptvar.storage._zarr"}
+#: The modules that still take another package's private modules or names.
+KNOWN_CROSSERS = ["ckptvar.checkpoint", "ckptvar.io", "ckptvar.storage.location"]
+
+
+def test_no_import_cycle_but_the_backend_registration() -> None:
+    cycles = _cycles(_graph(runtime_only=True))
+    assert all(set(c) <= KNOWN_CYCLE for c in cycles), f"import cycles: {cycles}"
+
+
+def test_no_private_crossing_outside_the_known_modules() -> None:
+    crossings = [c for c in dict.fromkeys(_private_crossings())
+                 if not _in(c.split(":")[0], KNOWN_CROSSERS)]
+    assert not crossings, "\n".join(crossings)
+
+
+def test_the_storage_rules_see_nested_packages() -> None:
+    nested = {m for m in MODULES if m.startswith(("ckptvar.storage.formats.",
+                                                 "ckptvar.storage._container.",
+                                                 "ckptvar.storage.location."))}
+    assert {"ckptvar.storage.formats._keras", "ckptvar.storage._container.reader"} <= nested
+    assert "ckptvar.storage.registry" in MODULES

@@ -29,6 +29,9 @@ DOCUMENTED = {
     # partitioned variables and shards (§11)
     "PartitionedVariable", "SaveSliceInfo", "Shard", "fixed_size_partitioner",
     "min_max_variable_partitioner", "variable_axis_size_partitioner",
+    # many processes (§11) and object stores (§12)
+    "distributed", "DistributedError", "DistributedTimeoutError", "ShardLayoutError",
+    "CheckpointExistsError",
 }
 
 
@@ -52,6 +55,9 @@ def test_every_public_name_resolves() -> None:
         ("DeviceError", ValueError),
         ("UnsupportedFormatError", ValueError),
         ("CheckpointNotFoundError", FileNotFoundError),
+        ("ShardLayoutError", ValueError),
+        ("DistributedError", Exception),
+        ("DistributedTimeoutError", TimeoutError),
         ("CheckpointExistsError", FileExistsError),
     ],
 )
@@ -65,3 +71,9 @@ def test_errors_are_ckpt_errors_and_builtins(error: str, builtin: type) -> None:
 def test_version_is_a_string() -> None:
     assert isinstance(cv.__version__, str) and cv.__version__.count(".") >= 1
 
+
+
+def test_the_scale_out_names_are_the_ones_api_md_describes() -> None:
+    assert issubclass(cv.DistributedTimeoutError, cv.DistributedError)
+    assert callable(cv.distributed.from_env)
+    assert cv.distributed is __import__("ckptvar.distributed").distributed

@@ -1,7 +1,7 @@
 """The ``ckpt`` command: inspect, show, convert, diff, verify and list checkpoints.
 
-Built on the public API (``import ckptvar as cv``; the few exceptions live in
-``_library.py``). This module owns the top-level parser and the mapping of errors
+Built on the public API only (``import ckptvar as cv``: ``cv.storage``'s declared
+reader abilities, ``cv.checkpoint.parse_step_name``). This module owns the top-level parser and the mapping of errors
 to exit statuses; each subcommand is a module with ``add_parser`` and ``run``
 (``inspect``, ``show``, ``convert``, ``diff``, ``verify``, ``ls``), ``_output`` owns what is
 printed and ``_blocks`` the block-wise reading and statistics.

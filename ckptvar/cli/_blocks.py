@@ -88,7 +88,8 @@ def is_floating(dtype: np.dtype) -> bool:
 
 def _as_float64(x: np.ndarray) -> np.ndarray:
     if x.dtype.kind == "c":
-        return np.abs(x).astype(np.float64)
+        magnitude: np.ndarray = np.abs(x)
+        return magnitude.astype(np.float64)
     return x.astype(np.float64)
 
 

@@ -43,7 +43,7 @@ def escape(text: Any) -> str:
     """
     text = str(text)
     if text.isprintable():
-        return text
+        return str(text)
     out = []
     for ch in text:
         if unicodedata.category(ch) in _ESCAPED_CATEGORIES:
@@ -73,7 +73,7 @@ def shape_str(shape: Sequence[int] | None) -> str:
 
 
 def dtype_str(dtype: Any) -> str:
-    return np.dtype(dtype).name
+    return str(np.dtype(dtype).name)
 
 
 def num(x: float | None) -> str:

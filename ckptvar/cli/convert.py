@@ -14,9 +14,11 @@ import shlex
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import ml_dtypes
 import numpy as np
 
 import ckptvar as cv
@@ -33,7 +35,6 @@ from ._common import (
     selected,
     storage_options,
 )
-from ._library import skipped_values
 from ._output import escape, one_line
 from ._progress import Progress, human_size
 
@@ -149,9 +150,8 @@ def _parse_dtype(name: str) -> np.dtype:
     try:
         return np.dtype(name)
     except TypeError:
-        import ml_dtypes
-
-        return np.dtype(getattr(ml_dtypes, name))
+        found: np.dtype = np.dtype(getattr(ml_dtypes, name))
+        return found
 
 
 def _parse_rename(spec: str) -> tuple[re.Pattern[str], str]:
@@ -209,8 +209,8 @@ class _Converted(Mapping[str, np.ndarray]):
         else:
             out = np.empty(shape, dtype)
         whole = None
-        for index, block in value_blocks(self._reader, src, info, self._progress.bytes_of(key)):
-            block = block.astype(dtype, copy=False)
+        for index, stored in value_blocks(self._reader, src, info, self._progress.bytes_of(key)):
+            block = stored.astype(dtype, copy=False)
             if out is None:
                 whole = block
             else:
@@ -299,13 +299,20 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         return _convert(reader, src, dst, args, out)
 
 
-def _convert(
-    reader: Any, src: Path | str, dst_arg: Path | str, args: argparse.Namespace, out: TextIO
-) -> int:
-    remote_dst = is_url(dst_arg)
-    dst = Path(dst_arg)  # a URL's name and suffix only: nothing local is made for it
-    skipped = {k: v for k, v in skipped_values(reader).items() if selected(k, args)}
-    keys = select(reader, args, where=repr(str(src)), allow_empty=bool(skipped))
+@dataclass
+class _Plan:
+    """What a conversion writes: new key -> source key, kept attributes, output dtypes, sizes."""
+
+    keys: dict[str, str] = field(default_factory=dict)
+    attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    dtypes: dict[str, np.dtype] = field(default_factory=dict)
+    total: int = 0
+    largest: int = 0
+    spool_size: int = 0
+
+
+def _refuse_unreadable(skipped: dict[str, str], src: Path | str, args: argparse.Namespace) -> None:
+    """Without --skip-unreadable, values that cannot be read as numbers stop the conversion."""
     if skipped and not args.skip_unreadable:
         shown = "; ".join(f"{k!r}: {v.rstrip('.')}" for k, v in list(skipped.items())[:5])
         more = f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
@@ -313,27 +320,41 @@ def _convert(
             f"{len(skipped)} value{'s' if len(skipped) != 1 else ''} of {str(src)!r} cannot be "
             f"read as numbers: {shown}{more}; pass --skip-unreadable to convert the rest"
         )
-    plan: dict[str, str] = {}
-    attrs: dict[str, dict[str, Any]] = {}
-    out_dtypes: dict[str, np.dtype] = {}
-    total = largest = spool_size = 0
+
+
+def _make_plan(reader: Any, keys: list[str], args: argparse.Namespace) -> _Plan:
+    plan = _Plan()
     for key in keys:
         new = _rename(key, args.rename)
-        if new in plan:
-            raise UsageError(f"--rename maps both {plan[new]!r} and {key!r} to {new!r}")
-        plan[new] = key
+        if new in plan.keys:
+            raise UsageError(f"--rename maps both {plan.keys[new]!r} and {key!r} to {new!r}")
+        plan.keys[new] = key
         info = reader.info(key)
         kept = {a: info.attrs[a] for a in _KEPT_ATTRS if a in (info.attrs or {})}
         if kept:
-            attrs[new] = kept
+            plan.attrs[new] = kept
         dtype = np.dtype(info.dtype)
         if args.dtype is not None and is_floating(dtype):
             dtype = args.dtype
-        out_dtypes[key] = dtype
+        plan.dtypes[key] = dtype
         nbytes = math.prod(info.shape) * dtype.itemsize
-        total += nbytes
-        spool_size += (nbytes + 63) & -64
-        largest = max(largest, nbytes)
+        plan.total += nbytes
+        plan.spool_size += (nbytes + 63) & -64
+        plan.largest = max(plan.largest, nbytes)
+    return plan
+
+
+def _convert(
+    reader: Any, src: Path | str, dst_arg: Path | str, args: argparse.Namespace, out: TextIO
+) -> int:
+    remote_dst = is_url(dst_arg)
+    dst = Path(dst_arg)  # a URL's name and suffix only: nothing local is made for it
+    skipped = {k: v for k, v in reader.skipped.items() if selected(k, args)}
+    keys = select(reader, args, where=repr(str(src)), allow_empty=bool(skipped))
+    _refuse_unreadable(skipped, src, args)
+    p = _make_plan(reader, keys, args)
+    plan, attrs, out_dtypes = p.keys, p.attrs, p.dtypes
+    total, largest, spool_size = p.total, p.largest, p.spool_size
     if not plan:
         raise UsageError(f"nothing to convert: {str(src)!r} has no value left to convert")
     refused = _unwritable(dst, args.format, set(out_dtypes.values()))
@@ -346,10 +367,15 @@ def _convert(
         else (sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES and not args.quiet)
     )
     metadata = dict(reader.metadata() or {})
+    options: dict[str, Any] = {}
     if args.no_metadata:  # none of ckptvar's own; a Hugging Face 'format' entry stays
         metadata = {k: v for k, v in metadata.items() if k == "format" and isinstance(v, str)}
+        if cv.storage.backend_for(dst, args.format, mode="w").name == "safetensors":
+            options["ckptvar_metadata"] = False  # not even the per-value attributes
     window = args.window if args.window is not None else max(DEFAULT_WINDOW, 2 * largest)
     created = [] if remote_dst else _make_parents(dst)
+    if remote_dst:
+        options["storage_options"] = storage_options()
     try:
         with (
             Progress(total, stream=sys.stderr, enabled=bool(show)) as progress,
@@ -363,7 +389,7 @@ def _convert(
                     format=args.format,
                     attrs=attrs or None,
                     metadata=metadata or None,
-                    **({"storage_options": storage_options()} if remote_dst else {}),
+                    **options,
                 )
             except OSError as exc:
                 if isinstance(exc, cv.CkptError):
@@ -414,15 +440,14 @@ def _make_parents(dst: Path) -> list[Path]:
 
 @contextlib.contextmanager
 def _spool(dst: Path, nbytes: int, *, local: bool = True) -> Iterator[np.ndarray | None]:
-    """A scratch file of ``nbytes`` beside DST (in the temporary directory when DST is a
-    URL), mapped as bytes; ``None`` when 0.
+    """A scratch file of ``nbytes`` beside DST, mapped as bytes; ``None`` when 0.
 
     The file is removed when the conversion ends, whatever happens.
     """
     if nbytes == 0:
         yield None
         return
-    where = dst.absolute().parent if local else None
+    where = dst.absolute().parent if local else None  # a URL: the temporary directory
     fd, name = tempfile.mkstemp(prefix=f".{dst.name}.spool-", dir=where)
     try:
         os.ftruncate(fd, nbytes)

@@ -178,6 +178,27 @@ def _compare(
     return rec
 
 
+def _rows_of(r: dict[str, Any]) -> list[list[str]]:
+    """The table rows of one compared value: none when equal (bar an ignored dtype change)."""
+    rows = []
+    if r["dtype_changed"] and r["status"] != "dtype":  # --ignore-dtype: said on its own line
+        rows.append(["dtype", escape(r["key"]), f"{r['dtype_a']} -> {r['dtype_b']} (ignored)"])
+    if r["status"] == "equal":
+        return rows
+    if r["status"] == "shape":
+        change = f"{shape_str(r['shape_a'])} -> {shape_str(r['shape_b'])}"
+        return [*rows, ["shape", escape(r["key"]), change]]
+    detail = (
+        f"max abs {num(r['max_abs'])}  max rel {num(r['max_rel'])}  "
+        f"{r['beyond_tolerance']:,} of {math.prod(r['shape_a']):,} elements beyond tolerance"
+    )
+    if r["nan_mismatch"]:
+        detail += f" ({r['nan_mismatch']:,} NaN against a number)"
+    if r["status"] == "dtype":
+        detail = f"{r['dtype_a']} -> {r['dtype_b']}  {detail}"
+    return [*rows, [r["status"], escape(r["key"]), detail]]
+
+
 def run(args: argparse.Namespace, out: TextIO) -> int:
     with open_checkpoint(args.a) as ra, open_checkpoint(args.b) as rb:
         keys_a = [k for k in ra if selected(k, args)]
@@ -218,23 +239,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     rows = [["only in A", escape(k), ""] for k in only_a]
     rows += [["only in B", escape(k), ""] for k in only_b]
     for r in records:
-        if r["dtype_changed"] and r["status"] != "dtype":  # --ignore-dtype: said on its own line
-            rows.append(["dtype", escape(r["key"]), f"{r['dtype_a']} -> {r['dtype_b']} (ignored)"])
-        if r["status"] == "equal":
-            continue
-        if r["status"] == "shape":
-            change = f"{shape_str(r['shape_a'])} -> {shape_str(r['shape_b'])}"
-            rows.append(["shape", escape(r["key"]), change])
-            continue
-        detail = (
-            f"max abs {num(r['max_abs'])}  max rel {num(r['max_rel'])}  "
-            f"{r['beyond_tolerance']:,} of {math.prod(r['shape_a']):,} elements beyond tolerance"
-        )
-        if r["nan_mismatch"]:
-            detail += f" ({r['nan_mismatch']:,} NaN against a number)"
-        if r["status"] == "dtype":
-            detail = f"{r['dtype_a']} -> {r['dtype_b']}  {detail}"
-        rows.append([r["status"], escape(r["key"]), detail])
+        rows += _rows_of(r)
     for line in table([[status.ljust(9), key, detail] for status, key, detail in rows]):
         print(line, file=out)
     counts = {s: sum(1 for r in records if r["status"] == s) for s in ("equal", "close")}

@@ -20,7 +20,6 @@ from ._common import (
     select,
     selected,
 )
-from ._library import skipped_values
 from ._output import (
     dtype_str,
     dump_json,
@@ -160,28 +159,32 @@ def _tree_lines(records: Sequence[dict[str, Any]]) -> list[str]:
 _OWN_FORMATS = frozenset({"h5", "zarr"})
 
 
+def _add_stats(reader: Any, records: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Add min/max/mean/std/nan/inf to each record, reading values block by block."""
+    total = sum(r["nbytes"] for r in records)
+    with progress_for(total, args) as bar:
+        for rec in records:
+            stats = Stats()
+            key = rec["key"]
+            for _, block in value_blocks(reader, key, reader.info(key), bar.bytes_of(key)):
+                stats.add(block)
+            bar.update(0, key)
+            rec.update(stats.as_dict())
+
+
 def run(args: argparse.Namespace, out: TextIO) -> int:
     path, note = resolve_latest(args.path)
     with open_checkpoint(path) as reader:
-        skipped = {k: v for k, v in skipped_values(reader).items() if selected(k, args)}
+        skipped = {k: v for k, v in reader.skipped.items() if selected(k, args)}
         keys = select(reader, args, where=repr(str(path)), allow_empty=bool(skipped))
         if args.order == "natural":
             keys.sort(key=natural_key)
             skipped = {k: skipped[k] for k in sorted(skipped, key=natural_key)}
         records = [_record(reader, k, with_attrs=args.json) for k in keys]
         if args.stats:
-            total = sum(r["nbytes"] for r in records)
-            with progress_for(total, args) as bar:
-                for rec in records:
-                    stats = Stats()
-                    key = rec["key"]
-                    for _, block in value_blocks(reader, key, reader.info(key), bar.bytes_of(key)):
-                        stats.add(block)
-                    bar.update(0, key)
-                    rec.update(stats.as_dict())
+            _add_stats(reader, records, args)
         fmt = str(reader.format)
         metadata = reader.metadata()
-    noun = "variable" if fmt in _OWN_FORMATS else "value"
 
     if args.json:
         doc: dict[str, Any] = {"path": str(path)}
@@ -205,6 +208,19 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         for mkey, mval in metadata.items():
             print(f"  {escape(mkey)}: {summary(mval)}", file=out)
     print(file=out)
+    noun = "variable" if fmt in _OWN_FORMATS else "value"
+    _print_values(records, skipped, noun, args, out)
+    return EXIT_OK
+
+
+def _print_values(
+    records: list[dict[str, Any]],
+    skipped: dict[str, str],
+    noun: str,
+    args: argparse.Namespace,
+    out: TextIO,
+) -> None:
+    """The table (or tree) of values, the skipped ones, and the totals line."""
     if args.tree:
         for line in _tree_lines(records):
             print(line, file=out)
@@ -230,7 +246,6 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     if skipped:
         line += f"; {len(skipped)} skipped"
     print(line, file=out)
-    return EXIT_OK
 
 
 def _right(stats: bool) -> frozenset[int]:

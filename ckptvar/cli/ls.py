@@ -12,7 +12,6 @@ from typing import Any, TextIO
 import ckptvar as cv
 
 from ._common import EXIT_OK, UsageError, is_url, storage_options
-from ._library import CHECKPOINT_NAME, committed_steps
 from ._output import dump_json, escape, one_line, table
 from ._progress import human_size
 
@@ -43,6 +42,15 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+#: The files a CheckpointManager directory holds: ``PREFIX-STEP`` + one of these.
+_SUFFIXES = (".h5", ".hdf5", ".zarr", ".index")
+
+
+def _step_of(name: str) -> cv.checkpoint.StepName | None:
+    """``name`` read as ``PREFIX-STEP.suffix`` by the library's own rule, or ``None``."""
+    return cv.checkpoint.parse_step_name(name, suffixes=_SUFFIXES)
+
+
 def _disk_size(path: Path) -> int:
     if path.is_dir():
         return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
@@ -58,27 +66,43 @@ def _manager_checkpoints(directory: Path) -> list[Path]:
     for entry in directory.iterdir():
         if entry.name.startswith("."):
             continue
-        m = CHECKPOINT_NAME.match(entry.name)
+        m = _step_of(entry.name)
         if m is None:
             continue
-        path = entry.with_name(entry.name[: -len(".index")]) if m["ext"] == ".index" else entry
-        found.append((int(m["step"]), entry.stat().st_mtime, path))
+        path = entry.with_name(entry.name[: -len(".index")]) if m.suffix == ".index" else entry
+        found.append((m.step, entry.stat().st_mtime, path))
     found.sort(key=lambda t: (t[0], t[1]))
     return [p for _, _, p in found]
+
+
+def _committed_steps(url: str) -> list[tuple[str, float, int]]:
+    """``[(step_url, commit_time, size), ...]`` of the committed steps directly below ``url``."""
+    from ckptvar.storage.location import list_committed_steps, open_location, read_commit
+
+    loc = open_location(url, storage_options=storage_options())
+    found = []
+    for step in list_committed_steps(loc):
+        record = read_commit(loc, step)
+        if record is None:  # pruned while we looked
+            continue
+        objects = loc.list(record.data) if not loc.exists(record.data) else []
+        size = sum(o.size for o in objects) if objects else loc.size(record.data)
+        found.append((loc.join(step), record.time, size))
+    return found
 
 
 def _remote_rows(url: str) -> tuple[list[dict[str, Any]], str | None]:
     """The rows of the committed steps below ``url``, and the latest one's URL."""
     latest = cv.latest_checkpoint(url, storage_options=storage_options())
     rows = []
-    for step_url, when, size in committed_steps(url, storage_options()):
-        m = CHECKPOINT_NAME.match(step_url.rsplit("/", 1)[-1])
+    for step_url, when, size in _committed_steps(url):
+        m = _step_of(step_url.rsplit("/", 1)[-1])
         if m is None:
             continue
         rows.append(
             {
                 "path": step_url,
-                "step": int(m["step"]),
+                "step": m.step,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(when)),
                 "mtime": when,
                 "size": size,
@@ -112,13 +136,13 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     latest_path = Path(latest) if latest else (paths[-1] if paths else None)
     rows: list[dict[str, Any]] = []
     for p in paths:
-        m = CHECKPOINT_NAME.match(p.name if p.exists() else p.name + ".index")
+        m = _step_of(p.name if p.exists() else p.name + ".index")
         stat_target = p if p.exists() else p.with_name(p.name + ".index")
         mtime = stat_target.stat().st_mtime
         rows.append(
             {
                 "path": str(p),
-                "step": int(m["step"]) if m else None,
+                "step": m.step if m else None,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(mtime)),
                 "mtime": mtime,
                 "size": _disk_size(stat_target),

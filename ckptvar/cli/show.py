@@ -138,8 +138,9 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             f"{escape(key)}{escape(text)}  {value.dtype.name} {shape_str(value.shape)}{what}",
             file=out,
         )
-        if is_floating(value.dtype) and value.dtype.kind == "V":  # bfloat16, float8: print
-            value = value.astype(np.float32)  # through float32, which honours --precision
+        # bfloat16, float8: printed through float32, which honours --precision
+        printable = (value.astype(np.float32)
+                     if is_floating(value.dtype) and value.dtype.kind == "V" else value)
         with np.printoptions(precision=args.precision, threshold=threshold):
-            print(np.array2string(value, separator=", "), file=out)
+            print(np.array2string(printable, separator=", "), file=out)
     return EXIT_OK

@@ -16,7 +16,6 @@ from ._common import (
     progress_for,
     select,
 )
-from ._library import verify_all
 from ._output import escape, one_line
 
 EPILOG = """\
@@ -66,10 +65,10 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         except cv.CorruptCheckpointError as exc:
             damaged.append(("<metadata>", one_line(exc)))
         bar = progress_for(sum(reader.info(k).nbytes for k in keys), args)
-        bulk = verify_all(reader)
-        if bulk is not None and not partial and not bar.enabled:
+        bulk = isinstance(reader, cv.storage.SupportsVerifyAll)
+        if bulk and not partial and not bar.enabled:
             try:
-                damaged += [(str(k), str(reason)) for k, reason in bulk()]
+                damaged += [(str(k), str(reason)) for k, reason in reader.verify_all()]
             except (cv.CorruptCheckpointError, OSError) as exc:  # damage beyond one value
                 damaged.append(("<checkpoint>", one_line(exc)))
         else:

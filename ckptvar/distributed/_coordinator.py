@@ -97,7 +97,7 @@ class Coordinator(ABC):
         call it (the first call may be collective); later calls return the same object.
         """
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook: nothing to release by default
         """Release what this coordinator holds (it does not end the engine)."""
 
     def __enter__(self) -> Self:

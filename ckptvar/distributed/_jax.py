@@ -9,6 +9,7 @@ against one deadline; on timeout it checks which keys are still absent
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import threading
 import time
@@ -73,19 +74,19 @@ class JaxCoordinator(Coordinator):
         return self._size
 
     def allgather(self, obj: Any, *, tag: str, timeout: float | None = None) -> list[Any]:
-        got = self._exchange("allgather", tag, obj, True, list(range(self._size)), timeout)
+        got = self._exchange("allgather", tag, obj, True, list(range(self._size)), timeout=timeout)
         return [got[r] for r in range(self._size)]
 
     def broadcast(self, obj: Any, root: int = 0, *, tag: str, timeout: float | None = None) -> Any:
         if not 0 <= root < self._size:
             raise ValueError(f"broadcast root {root} is not a rank of {self._size} processes")
         if self._rank == root:
-            self._exchange("broadcast", tag, obj, True, [], timeout)
+            self._exchange("broadcast", tag, obj, True, [], timeout=timeout)
             return obj
-        return self._exchange("broadcast", tag, None, False, [root], timeout)[root]
+        return self._exchange("broadcast", tag, None, False, [root], timeout=timeout)[root]
 
     def barrier(self, *, tag: str, timeout: float | None = None) -> None:
-        self._exchange("barrier", tag, None, True, list(range(self._size)), timeout)
+        self._exchange("barrier", tag, None, True, list(range(self._size)), timeout=timeout)
 
     def background(self) -> JaxCoordinator:
         with self._lock:
@@ -103,7 +104,14 @@ class JaxCoordinator(Coordinator):
         return f"{self._prefix}/{seq}/{rank}"
 
     def _exchange(
-        self, kind: str, tag: str, obj: Any, send: bool, recv_from: list[int], timeout: float | None
+        self,
+        kind: str,
+        tag: str,
+        obj: Any,
+        send: bool,
+        recv_from: list[int],
+        *,
+        timeout: float | None,
     ) -> dict[int, Any]:
         seconds = self._resolve(timeout)
         end = time.monotonic() + seconds
@@ -149,10 +157,9 @@ class JaxCoordinator(Coordinator):
                 got[r] = payload
             if kind != "broadcast":
                 for old in [k for k in self._mine if k != self._key(seq, self._rank)]:
-                    try:
+                    # a key left behind is harmless; the client raises its own error types
+                    with contextlib.suppress(Exception):
                         self._client.key_value_delete(old)
-                    except Exception:  # noqa: BLE001, S110 - a key left behind is harmless
-                        pass
                     self._mine.remove(old)
             return got
 

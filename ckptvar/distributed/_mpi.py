@@ -78,7 +78,7 @@ class MPICoordinator(Coordinator):
 
     def allgather(self, obj: Any, *, tag: str, timeout: float | None = None) -> list[Any]:
         others = [r for r in range(self._size) if r != self._rank]
-        got = self._exchange("allgather", tag, obj, others, others, timeout)
+        got = self._exchange("allgather", tag, obj, others, others, timeout=timeout)
         got[self._rank] = obj
         return [got[r] for r in range(self._size)]
 
@@ -87,13 +87,13 @@ class MPICoordinator(Coordinator):
             raise ValueError(f"broadcast root {root} is not a rank of {self._size} processes")
         if self._rank == root:
             others = [r for r in range(self._size) if r != root]
-            self._exchange("broadcast", tag, obj, others, [], timeout)
+            self._exchange("broadcast", tag, obj, others, [], timeout=timeout)
             return obj
-        return self._exchange("broadcast", tag, None, [], [root], timeout)[root]
+        return self._exchange("broadcast", tag, None, [], [root], timeout=timeout)[root]
 
     def barrier(self, *, tag: str, timeout: float | None = None) -> None:
         others = [r for r in range(self._size) if r != self._rank]
-        self._exchange("barrier", tag, None, others, others, timeout)
+        self._exchange("barrier", tag, None, others, others, timeout=timeout)
 
     def background(self) -> MPICoordinator:
         with self._lock:
@@ -117,6 +117,7 @@ class MPICoordinator(Coordinator):
         obj: Any,
         send_to: list[int],
         recv_from: list[int],
+        *,
         timeout: float | None,
     ) -> dict[int, Any]:
         if self._closed:

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .._dtypes import as_dtype
 from ..errors import ShardLayoutError
 
 __all__ = [
@@ -59,7 +60,7 @@ class Box:
         object.__setattr__(self, "offset", offset)
         object.__setattr__(self, "shape", shape)
         # derived once: planning touches them for every box of every variable
-        object.__setattr__(self, "_stop", tuple(o + s for o, s in zip(offset, shape)))
+        object.__setattr__(self, "_stop", tuple(o + s for o, s in zip(offset, shape, strict=True)))
         object.__setattr__(self, "_size", math.prod(shape))
 
     @classmethod
@@ -93,18 +94,18 @@ class Box:
         )
 
     def within(self, shape: Sequence[int]) -> bool:
-        return len(shape) == self.ndim and all(e <= n for e, n in zip(self.stop, shape))
+        return len(shape) == self.ndim and all(e <= n for e, n in zip(self.stop, shape, strict=True))
 
     def intersect(self, other: Box) -> Box | None:
         """The common part of two boxes, or ``None`` when it has no elements."""
         lo = tuple(max(a, b) for a, b in zip(self.offset, other.offset, strict=True))
         hi = tuple(min(a, b) for a, b in zip(self.stop, other.stop, strict=True))
-        if any(h <= low for low, h in zip(lo, hi)):
+        if any(h <= low for low, h in zip(lo, hi, strict=True)):
             return None
-        return Box(lo, tuple(h - low for low, h in zip(lo, hi)))
+        return Box(lo, tuple(h - low for low, h in zip(lo, hi, strict=True)))
 
     def __str__(self) -> str:
-        return "[" + ", ".join(f"{o}:{e}" for o, e in zip(self.offset, self.stop)) + "]"
+        return "[" + ", ".join(f"{o}:{e}" for o, e in zip(self.offset, self.stop, strict=True)) + "]"
 
 
 @dataclass(frozen=True)
@@ -191,8 +192,6 @@ class SavePlan:
 
 @functools.lru_cache(maxsize=256)
 def _itemsize(dtype: str) -> int:
-    from .._dtypes import as_dtype
-
     try:
         return int(as_dtype(dtype).itemsize)
     except (TypeError, ValueError):  # an unknown name still plans: weigh it as one byte
@@ -244,18 +243,7 @@ def plan_save(layouts: Sequence[Mapping[str, VariableLayout]]) -> SavePlan:
         if first.replicated:
             replicated.append(key)
             continue
-        items = []
-        for rank, vl in by_rank.items():
-            assert vl.boxes is not None
-            for i, box in enumerate(vl.boxes):
-                if not box.within(first.full_shape):
-                    raise ShardLayoutError(
-                        f"variable {key!r}: rank {rank}'s box {box} (offset {box.offset}, "
-                        f"shape {box.shape}) lies outside its full shape {first.full_shape}"
-                    )
-                if box.size:
-                    items.append(WriteItem(key, box, rank, i))
-        items.sort(key=lambda it: (it.box.offset, it.writer))
+        items = _write_items(key, first.full_shape, by_rank)
         _check_tiling(key, first.full_shape, items)
         isz = _itemsize(first.dtype)
         for it in items:
@@ -274,6 +262,25 @@ def plan_save(layouts: Sequence[Mapping[str, VariableLayout]]) -> SavePlan:
             key, first.full_shape, first.dtype, True, only, tuple(sorted(by_rank))
         )
     return SavePlan(size, {k: plans[k] for k in sorted(plans)})
+
+
+def _write_items(
+    key: str, full_shape: tuple[int, ...], by_rank: Mapping[int, VariableLayout]
+) -> list[WriteItem]:
+    """Every non-empty box of a sharded variable, each written by its holder, by offset."""
+    items = []
+    for rank, vl in by_rank.items():
+        assert vl.boxes is not None
+        for i, box in enumerate(vl.boxes):
+            if not box.within(full_shape):
+                raise ShardLayoutError(
+                    f"variable {key!r}: rank {rank}'s box {box} (offset {box.offset}, "
+                    f"shape {box.shape}) lies outside its full shape {full_shape}"
+                )
+            if box.size:
+                items.append(WriteItem(key, box, rank, i))
+    items.sort(key=lambda it: (it.box.offset, it.writer))
+    return items
 
 
 def _check_tiling(key: str, full_shape: tuple[int, ...], items: Sequence[WriteItem]) -> None:

@@ -12,6 +12,7 @@ so a process that timed out and moved on never confuses a late one.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import threading
 from typing import Any
@@ -79,19 +80,19 @@ class TorchCoordinator(Coordinator):
         return self._size
 
     def allgather(self, obj: Any, *, tag: str, timeout: float | None = None) -> list[Any]:
-        got = self._exchange("allgather", tag, obj, True, range(self._size), timeout)
+        got = self._exchange("allgather", tag, obj, True, range(self._size), timeout=timeout)
         return [got[r] for r in range(self._size)]
 
     def broadcast(self, obj: Any, root: int = 0, *, tag: str, timeout: float | None = None) -> Any:
         if not 0 <= root < self._size:
             raise ValueError(f"broadcast root {root} is not a rank of {self._size} processes")
         if self._rank == root:
-            self._exchange("broadcast", tag, obj, True, [], timeout)
+            self._exchange("broadcast", tag, obj, True, [], timeout=timeout)
             return obj
-        return self._exchange("broadcast", tag, None, False, [root], timeout)[root]
+        return self._exchange("broadcast", tag, None, False, [root], timeout=timeout)[root]
 
     def barrier(self, *, tag: str, timeout: float | None = None) -> None:
-        self._exchange("barrier", tag, None, True, range(self._size), timeout)
+        self._exchange("barrier", tag, None, True, range(self._size), timeout=timeout)
 
     def background(self) -> TorchCoordinator:
         with self._lock:
@@ -115,6 +116,7 @@ class TorchCoordinator(Coordinator):
         obj: Any,
         send: bool,
         recv_from: Any,
+        *,
         timeout: float | None,
     ) -> dict[int, Any]:
         seconds = self._resolve(timeout)
@@ -192,8 +194,6 @@ class TorchCoordinator(Coordinator):
         """Delete this rank's keys of earlier steps: everyone has read them by now."""
         keep = self._key(seq, self._rank)
         for key in [k for k in self._mine if k != keep]:
-            try:
+            with contextlib.suppress(RuntimeError, OSError):  # a store without delete keeps it
                 self._store.delete_key(key)
-            except (RuntimeError, OSError):  # a store without delete keeps the key; harmless
-                pass
             self._mine.remove(key)

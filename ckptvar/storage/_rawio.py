@@ -125,7 +125,7 @@ def start_all(tasks: Sequence[Callable[[], Any]], *, background: bool = False) -
             f: Future[Any] = Future()
             try:
                 f.set_result(task())
-            except BaseException as exc:  # handed to wait_all, which raises it
+            except BaseException as exc:  # noqa: BLE001 - handed to wait_all, which raises it
                 f.set_exception(exc)
             done.append(f)
             if f.exception() is not None:
@@ -214,7 +214,7 @@ def _sync_file_range() -> Callable[[int, int, int, int], Any] | None:
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 _SFR = _sync_file_range()

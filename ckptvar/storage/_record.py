@@ -220,7 +220,8 @@ def encode_columns(
         "metadata": dict(metadata),
     }
     try:
-        return msgpack.packb(doc, use_bin_type=True)
+        encoded: bytes = msgpack.packb(doc, use_bin_type=True)
+        return encoded
     except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(
             f"Checkpoint metadata or attrs must be msgpack-able (dict, list, str, bytes, "
@@ -250,7 +251,7 @@ def _decode(data: bytes, where: str, container: str, file_size: int | None) -> R
             object_pairs_hook=unique_pairs,
             max_ext_len=0,
         )
-    except Exception as exc:  # every msgpack failure means a bad record
+    except Exception as exc:  # noqa: BLE001 - every msgpack failure means a bad record
         raise CorruptCheckpointError(
             f"Checkpoint {where!r}: the root record is not valid msgpack ({exc})."
         ) from None

@@ -45,7 +45,7 @@ import abc
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
@@ -138,10 +138,16 @@ class LazyArray(abc.ABC):
 
 
 class Reader(Mapping[str, LazyArray], abc.ABC):
-    """A read-only view of one checkpoint. Use as a context manager or call ``close()``."""
+    """A read-only view of one checkpoint. Use as a context manager or call ``close()``.
+
+    ``skipped`` is ``{key: reason}`` for the user values present in the file that the
+    reader cannot return as arrays (string tensors, compound HDF5 datasets); empty
+    for a format that stores only arrays. A reader that skips values sets its own.
+    """
 
     path: Path
     format: str
+    skipped: Mapping[str, str] = MappingProxyType({})
 
     @abc.abstractmethod
     def keys(self) -> Any:  # KeysView[str], in file order

@@ -103,8 +103,8 @@ def _cupy_slice_class() -> Any:
         return None
 
     class CupyVariableSlice(cp.ndarray):  # type: ignore[misc,name-defined]
-        _variable = None
-        _index = None
+        _variable: Any = None
+        _index: Any = None
 
         def assign(self, value: Any) -> Any:
             if self._variable is None:

@@ -24,7 +24,7 @@ docs/formats.md describes key naming and limits per format.
 
 from __future__ import annotations
 
-from .. import register_backend
+from ..registry import register_backend
 from ._keras import HDF5Backend, KerasBackend
 from ._npz import NpzBackend
 from ._safetensors import SafetensorsBackend

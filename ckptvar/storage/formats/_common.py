@@ -3,13 +3,14 @@
 Owns: :class:`Entry` (where one value's bytes are), :class:`FileArray` (a lazy
 array over a contiguous byte range of a file, reading only the rows a slice
 needs), :class:`EntryReader` (a ``Reader`` over a dict of lazy arrays with key
-aliases), index normalisation and the size limits every parser applies before
+aliases), byte order and the size limits every parser applies before
 allocating anything.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -17,18 +18,24 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import CorruptCheckpointError, MissingKeyError
-from ..base import ArrayInfo, LazyArray, Reader
+from ...errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MissingKeyError,
+    UnsupportedFormatError,
+)
+from .._rawio import pread_exact, pread_into_exact
+from .._slicing import element_span
+from ..base import ArrayInfo, LazyArray, Reader, Writer
 
 __all__ = [
     "MAX_HEADER_BYTES",
+    "CollectingWriter",
     "EntryReader",
     "FileArray",
     "check_shape",
     "covers_whole",
-    "native",
-    "pread_exact",
-    "row_span",
+    "little_endian",
 ]
 
 #: Largest metadata block (JSON header, pickle, index) a reader accepts before parsing.
@@ -58,91 +65,15 @@ def check_shape(shape: Any, *, what: str, path: Path | str) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def native(dtype: np.dtype) -> np.dtype:
-    """``dtype`` in native byte order (ml_dtypes types have no byte order)."""
+def little_endian(dtype: np.dtype) -> np.dtype:
+    """``dtype`` in the machine's byte order (ml_dtypes types have no byte order)."""
     return dtype.newbyteorder("=") if dtype.byteorder not in ("=", "|") else dtype
 
 
-def pread_exact(fd: int, offset: int, size: int, *, what: str, path: Path | str) -> bytes:
-    """Read exactly ``size`` bytes at ``offset``; a short read is a truncated file."""
-    if offset < 0 or size < 0:
-        raise CorruptCheckpointError(
-            f"{what} in {str(path)!r}: invalid byte range ({size} bytes at offset {offset})."
-        )
-    chunks = []
-    got = 0
-    while got < size:
-        chunk = os.pread(fd, min(size - got, 1 << 26), offset + got)
-        if not chunk:
-            raise CorruptCheckpointError(
-                f"{what} in {str(path)!r} is truncated: wanted {size} bytes at offset {offset}, "
-                f"the file ended after {got}."
-            )
-        chunks.append(chunk)
-        got += len(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def preadinto_exact(fd: int, buf: memoryview, offset: int, *, what: str, path: Path | str) -> None:
-    """Fill ``buf`` from the file at ``offset`` without an intermediate copy."""
-    if offset < 0:
-        raise CorruptCheckpointError(f"{what} in {str(path)!r}: negative offset {offset}.")
-    got = 0
-    n = len(buf)
-    while got < n:
-        k = os.preadv(fd, [buf[got : min(n, got + (1 << 28))]], offset + got)
-        if k <= 0:
-            raise CorruptCheckpointError(
-                f"{what} in {str(path)!r} is truncated: wanted {n} bytes at offset {offset}, "
-                f"the file ended after {got}."
-            )
-        got += k
-
-
-def normalize_index(index: Any, shape: tuple[int, ...]) -> tuple[Any, ...]:
-    """``index`` as a tuple with ``...`` expanded (basic indexing) or unchanged (advanced)."""
-    if not isinstance(index, tuple):
-        index = (index,)
-    if any(i is Ellipsis for i in index):
-        pos = next(k for k, i in enumerate(index) if i is Ellipsis)
-        used = sum(1 for i in index if i is not None and i is not Ellipsis)
-        fill = (slice(None),) * max(0, len(shape) - used)
-        index = index[:pos] + fill + index[pos + 1 :]
-    return index
-
-
-def row_span(index: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[int, int, tuple[Any, ...]]:
-    """The leading-axis element range ``[start, stop)`` that ``index`` touches.
-
-    Returns ``(start, stop, rest)``: reading rows ``start:stop`` of axis 0 and
-    applying ``rest`` to them gives ``full[index]``. Non-basic indices read everything.
-    """
-    n = shape[0] if shape else 0
-    if not shape or not index:
-        return 0, n, index
-    first = index[0]
-    if isinstance(first, int | np.integer) and not isinstance(first, bool):
-        i = int(first)
-        if i < -n or i >= n:
-            raise IndexError(f"index {i} is out of bounds for axis 0 with size {n}")
-        i %= n if n else 1
-        return i, i + 1, (0, *index[1:])
-    if isinstance(first, slice):
-        start, stop, step = first.indices(n)
-        if step > 0:
-            stop = max(start, stop)
-            if stop > start:
-                stop = start + ((stop - start - 1) // step) * step + 1
-            return start, stop, (slice(0, stop - start, step), *index[1:])
-    return 0, n, index
-
-
-def covers_whole(index: tuple[Any, ...], shape: tuple[int, ...]) -> bool:
-    """True when the normalised ``index`` makes a read touch every row of the value."""
-    if not shape:
-        return True
-    start, stop, _ = row_span(index, shape)
-    return start == 0 and stop == shape[0]
+def covers_whole(index: Any, shape: tuple[int, ...]) -> bool:
+    """True when reading ``full[index]`` touches every element of the value."""
+    span = element_span(index, shape)
+    return span is None or (span.start == 0 and span.count == math.prod(shape))
 
 
 class FileArray(LazyArray):
@@ -176,8 +107,8 @@ class FileArray(LazyArray):
         arr = np.frombuffer(data, dtype=self._stored)
         arr = arr.reshape(shape, order="F" if self._fortran else "C")
         if self._stored.byteorder not in ("=", "|"):
-            arr = arr.astype(native(self._stored))
-        if native(self._stored) != self.info.dtype:
+            arr = arr.astype(little_endian(self._stored))
+        if little_endian(self._stored) != self.info.dtype:
             arr = arr.view(self.info.dtype)
         return arr
 
@@ -199,19 +130,20 @@ class FileArray(LazyArray):
         )
         if direct:
             assert out is not None and self._readinto is not None
-            buf = memoryview(out.reshape(-1).view(np.uint8)) if nbytes else memoryview(b"")
+            buf = out.reshape(-1).view(np.uint8).data if nbytes else memoryview(b"")
             if nbytes:
                 self._readinto(buf, self._offset)
             if verify and self._check is not None:
                 self._check(buf)
             return out
+        raw: bytes | bytearray
         if self._readinto is not None and nbytes:
             raw = bytearray(nbytes)
             self._readinto(memoryview(raw), self._offset)
         else:
             raw = self._fetch(self._offset, nbytes) if nbytes else b""
         if verify and self._check is not None:
-            self._check(raw)
+            self._check(memoryview(raw) if isinstance(raw, bytearray) else raw)
         arr = self._decode(raw, shape)
         if out is not None:
             out[...] = arr
@@ -222,20 +154,50 @@ class FileArray(LazyArray):
 
     def __getitem__(self, index: Any) -> np.ndarray:
         shape = self.info.shape
-        index = normalize_index(index, shape)
-        if self._fortran or not shape or (self._check is not None and covers_whole(index, shape)):
+        span = None if self._fortran else element_span(index, shape)
+        if span is None or (self._check is not None and span.count == math.prod(shape)):
             # Every byte is read anyway: read the whole value and verify its checksum.
             result = self.read()[index]
             return np.array(result, copy=True) if isinstance(result, np.ndarray) else result
-        start, stop, rest = row_span(index, shape)
-        row_bytes = self._stored.itemsize
-        for d in shape[1:]:
-            row_bytes *= d
-        count = stop - start
-        raw = self._fetch(self._offset + start * row_bytes, count * row_bytes) if count else b""
-        block = self._decode(raw, (count, *shape[1:]))
-        result = block[rest]
+        offset, nbytes = span.byte_range(self._stored.itemsize)
+        raw = self._fetch(self._offset + offset, nbytes) if nbytes else b""
+        result = self._decode(raw, span.shape)[span.index]
         return np.array(result, copy=True) if isinstance(result, np.ndarray) else result
+
+
+class CollectingWriter(Writer):
+    """A ``Writer`` that collects ``(key, array, attrs)`` and writes them all at ``commit``.
+
+    Shared by the safetensors and npz writers: the collection, the metadata, ``abort``,
+    and which attributes are worth storing (anything beyond the key as its name).
+    """
+
+    def __init__(self, path: Path, *, durable: bool = True) -> None:
+        self.path = Path(path)
+        self._durable = durable
+        self._items: dict[str, tuple[np.ndarray, dict[str, Any]]] = {}
+        self._metadata: dict[str, Any] | None = None
+        self._done = False
+
+    def _collect(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None) -> None:
+        if key in self._items:
+            raise ValueError(f"Key {key!r} was already added to {str(self.path)!r}.")
+        self._items[key] = (array, dict(attrs or {}))
+
+    def set_metadata(self, metadata: Mapping[str, Any]) -> None:
+        self._metadata = dict(metadata)
+
+    def abort(self) -> None:
+        self._items.clear()
+        self._done = True
+
+    def _check_open(self) -> None:
+        if self._done:
+            raise ValueError(f"The writer of {str(self.path)!r} was already closed.")
+
+    def _stored_attrs(self) -> dict[str, dict[str, Any]]:
+        """``{key: attrs}`` for the values whose attributes say more than their name."""
+        return {k: a for k, (_, a) in self._items.items() if a and a != {"name": k}}
 
 
 class EntryReader(Reader):
@@ -271,8 +233,6 @@ class EntryReader(Reader):
         if isinstance(key, str) and key in self._aliases:
             return self._aliases[key]
         if key in self.skipped or key in self.bookkeeping:
-            from ...errors import UnsupportedFormatError
-
             reason = self.skipped.get(key) or self.bookkeeping[key]
             raise UnsupportedFormatError(f"{key!r} in {str(self.path)!r} cannot be read: {reason}")
         raise MissingKeyError(
@@ -333,8 +293,6 @@ class FileHandle:
         try:
             self.fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
-            from ...errors import CheckpointNotFoundError
-
             raise CheckpointNotFoundError(f"No checkpoint file at {str(path)!r}.") from None
         self.size = os.fstat(self.fd).st_size
 
@@ -347,7 +305,7 @@ class FileHandle:
         return pread_exact(self._fd(), offset, size, what=what, path=self.path)
 
     def readinto(self, buf: memoryview, offset: int, what: str = "data") -> None:
-        preadinto_exact(self._fd(), buf, offset, what=what, path=self.path)
+        pread_into_exact(self._fd(), buf, offset, what=what, path=self.path)
 
     def close(self) -> None:
         if self.fd is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import os
 import re
 import struct
@@ -31,10 +32,17 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..._dtypes import SUPPORTED_DTYPES
+from ..._dtypes import SUPPORTED_DTYPES, dtype_to_str, str_to_dtype
 from ...errors import CorruptCheckpointError, UnsupportedFormatError
 from ..base import ArrayInfo, Backend, LazyArray, Reader, Writer
-from ._common import EntryReader, FileArray, FileHandle, check_shape, native
+from ._common import (
+    CollectingWriter,
+    EntryReader,
+    FileArray,
+    FileHandle,
+    check_shape,
+    little_endian,
+)
 from ._json import jsonable
 from ._zip import MAX_DEFLATE_RATIO, ZIP_ERRORS, ZipArchive, zip_crc_check, zip_member_data_offset
 
@@ -44,26 +52,43 @@ _MAGIC = b"\x93NUMPY"
 _DESCR = re.compile(r"^[<>|=]?(b1|[iu][1248]|f[248]|c(8|16))$")
 _SIDECAR = "__ckptvar__.json"
 _MAX_NPY_HEADER = 1 << 20
+#: The NumPy dtypes a ``.npy`` member may hold, in any byte order: ckptvar's supported
+#: dtypes that NumPy has built in (bfloat16, float8 and int4 are stored as their bits).
 _PLAIN = {
-    np.dtype(n).newbyteorder(o)
-    for n in (
-        "bool",
-        "int8",
-        "uint8",
-        "int16",
-        "uint16",
-        "int32",
-        "uint32",
-        "int64",
-        "uint64",
-        "float16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-    )
-    for o in "<>="
+    dt.newbyteorder(o) for dt in SUPPORTED_DTYPES.values() if dt.isbuiltin == 1
+    for o in ("<", ">", "=")
 }
+
+
+def _npy_preamble(head: bytes, *, what: str) -> tuple[int, int, int]:
+    """``(major version, header start, header length)`` of a ``.npy`` member."""
+    if len(head) < 10 or head[:6] != _MAGIC:
+        raise CorruptCheckpointError(f"{what} is not a .npy array (bad magic {head[:6]!r}).")
+    major = head[6]
+    if major == 1:
+        (hlen,) = struct.unpack_from("<H", head, 8)
+        return major, 10, int(hlen)
+    if major in (2, 3):
+        if len(head) < 12:
+            raise CorruptCheckpointError(f"{what}: truncated .npy header.")
+        (hlen,) = struct.unpack_from("<I", head, 8)
+        return major, 12, int(hlen)
+    raise CorruptCheckpointError(f"{what}: unknown .npy format version {major}.")
+
+
+def _plain_dtype(descr: Any, *, what: str) -> np.dtype:
+    """The dtype a ``descr`` names, if it is a plain numeric one (nothing is unpickled)."""
+    if not isinstance(descr, str):
+        raise CorruptCheckpointError(
+            f"{what}: structured dtype {descr!r} refused (only plain numeric arrays)."
+        )
+    dtype = np.dtype(descr) if _DESCR.match(descr) else None
+    if dtype is None or dtype not in _PLAIN:
+        raise CorruptCheckpointError(
+            f"{what}: dtype {descr!r} refused (object, string, void and datetime arrays are "
+            "not read; nothing is ever unpickled)."
+        )
+    return dtype
 
 
 def parse_npy_header(head: bytes, *, what: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
@@ -72,19 +97,7 @@ def parse_npy_header(head: bytes, *, what: str) -> tuple[np.dtype, tuple[int, ..
     ``head`` must hold at least the whole header (the first 64 KiB + 10 bytes suffice
     for any header ckptvar accepts).
     """
-    if len(head) < 10 or head[:6] != _MAGIC:
-        raise CorruptCheckpointError(f"{what} is not a .npy array (bad magic {head[:6]!r}).")
-    major = head[6]
-    if major == 1:
-        (hlen,) = struct.unpack_from("<H", head, 8)
-        start = 10
-    elif major in (2, 3):
-        if len(head) < 12:
-            raise CorruptCheckpointError(f"{what}: truncated .npy header.")
-        (hlen,) = struct.unpack_from("<I", head, 8)
-        start = 12
-    else:
-        raise CorruptCheckpointError(f"{what}: unknown .npy format version {major}.")
+    major, start, hlen = _npy_preamble(head, what=what)
     if hlen > _MAX_NPY_HEADER or start + hlen > len(head):
         raise CorruptCheckpointError(
             f"{what}: .npy header of {hlen} bytes is truncated or too big."
@@ -97,22 +110,7 @@ def parse_npy_header(head: bytes, *, what: str) -> tuple[np.dtype, tuple[int, ..
         raise CorruptCheckpointError(f"{what}: .npy header is not a literal dict: {exc}.") from None
     if not isinstance(meta, dict) or set(meta) != {"descr", "fortran_order", "shape"}:
         raise CorruptCheckpointError(f"{what}: .npy header {text.strip()[:200]!r} is malformed.")
-    descr = meta["descr"]
-    if not isinstance(descr, str):
-        raise CorruptCheckpointError(
-            f"{what}: structured dtype {descr!r} refused (only plain numeric arrays)."
-        )
-    if not _DESCR.match(descr):
-        raise CorruptCheckpointError(
-            f"{what}: dtype {descr!r} refused (object, string, void and datetime arrays are "
-            "not read; nothing is ever unpickled)."
-        )
-    dtype = np.dtype(descr)
-    if dtype not in _PLAIN:
-        raise CorruptCheckpointError(
-            f"{what}: dtype {descr!r} refused (object, string, void and datetime arrays are "
-            "not read; nothing is ever unpickled)."
-        )
+    dtype = _plain_dtype(meta["descr"], what=what)
     if not isinstance(meta["fortran_order"], bool):
         raise CorruptCheckpointError(f"{what}: fortran_order is not a bool.")
     if not isinstance(meta["shape"], tuple):
@@ -169,68 +167,78 @@ class _Member:
         self.fh.readinto(buf, self.start + offset, self.what)
 
 
+def _read_sidecar(archive: ZipArchive, path: Path) -> dict[str, Any]:
+    """ckptvar's ``__ckptvar__.json`` member (dtypes, attributes, metadata), if present."""
+    info = archive.members.get(_SIDECAR)
+    if info is None:
+        return {}
+    if info.file_size > 64 << 20:
+        raise CorruptCheckpointError(f"{_SIDECAR} in {str(path)!r} is too large.")
+    member = _Member(archive.zf, info, archive.fh, path)
+    try:
+        sidecar = json.loads(member.fetch(0, info.file_size))
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{_SIDECAR} in {path}: {exc}") from None
+    if not isinstance(sidecar, dict):
+        raise CorruptCheckpointError(f"{_SIDECAR} in {str(path)!r} is not an object.")
+    return sidecar
+
+
+def _shown_dtype(stored: np.dtype, real: Any, what: str) -> np.dtype:
+    """The dtype a value is read as: the recorded one (bfloat16 stored as bits) or ``stored``."""
+    shown = little_endian(stored)
+    if real is None:
+        return shown
+    try:
+        target = str_to_dtype(real)
+    except TypeError:
+        raise CorruptCheckpointError(f"{what}: unknown dtype {real!r}.") from None
+    if target.itemsize != shown.itemsize:
+        raise CorruptCheckpointError(f"{what}: recorded dtype {real} does not fit stored {stored}.")
+    return target
+
+
+def _array(
+    archive: ZipArchive, info: zipfile.ZipInfo, path: Path, sidecar: dict[str, Any]
+) -> FileArray:
+    """The lazy array of one ``.npy`` member, its header and size checked."""
+    key = info.filename[: -len(".npy")]
+    member = _Member(archive.zf, info, archive.fh, path)
+    what = f"{key!r} in {str(path)!r}"
+    head = member.fetch(0, min(info.file_size, 65536 + 12))
+    dtype, shape, fortran, hsize = parse_npy_header(head, what=what)
+    size = math.prod(shape)
+    if hsize + size * dtype.itemsize != info.file_size:
+        raise CorruptCheckpointError(
+            f"{what}: member holds {info.file_size - hsize} data bytes; shape "
+            f"{shape} of {dtype} needs {size * dtype.itemsize}."
+        )
+    dtypes = sidecar.get("dtypes", {}) if isinstance(sidecar.get("dtypes", {}), dict) else {}
+    attrs_all = sidecar.get("attrs", {}) if isinstance(sidecar.get("attrs", {}), dict) else {}
+    shown = _shown_dtype(dtype, dtypes.get(key), what)
+    attrs = {"name": key}
+    if isinstance(attrs_all.get(key), dict):
+        attrs.update(attrs_all[key])
+    return FileArray(
+        ArrayInfo(key=key, dtype=shown, shape=shape, attrs=attrs, checksum=info.CRC),
+        stored_dtype=dtype,
+        offset=hsize,
+        fetch=member.fetch,
+        readinto=member.readinto if member.stored and dtype.byteorder in "=|" else None,
+        check=zip_crc_check(info, head[:hsize], what),
+        fortran=fortran and len(shape) > 1,
+    )
+
+
 def _open(path: Path) -> Reader:
     archive = ZipArchive(path, kind=".npz")
-    fh, zf = archive.fh, archive.zf
     try:
-        infos = list(archive.members.values())
-        sidecar: dict[str, Any] = {}
-        arrays: dict[str, LazyArray] = {}
-        for info in infos:
-            if info.filename == _SIDECAR:
-                if info.file_size > 64 << 20:
-                    raise CorruptCheckpointError(f"{_SIDECAR} in {str(path)!r} is too large.")
-                member = _Member(zf, info, fh, path)
-                try:
-                    sidecar = json.loads(member.fetch(0, info.file_size))
-                except ValueError as exc:
-                    raise CorruptCheckpointError(f"{_SIDECAR} in {path}: {exc}") from None
-                if not isinstance(sidecar, dict):
-                    raise CorruptCheckpointError(f"{_SIDECAR} in {str(path)!r} is not an object.")
-        dtypes = sidecar.get("dtypes", {}) if isinstance(sidecar.get("dtypes", {}), dict) else {}
-        attrs_all = sidecar.get("attrs", {}) if isinstance(sidecar.get("attrs", {}), dict) else {}
-        for info in infos:
-            if not info.filename.endswith(".npy") or info.is_dir():
-                continue
-            key = info.filename[: -len(".npy")]
-            member = _Member(zf, info, fh, path)
-            what = f"{key!r} in {str(path)!r}"
-            head = member.fetch(0, min(info.file_size, 65536 + 12))
-            dtype, shape, fortran, hsize = parse_npy_header(head, what=what)
-            size = 1
-            for d in shape:
-                size *= d
-            if hsize + size * dtype.itemsize != info.file_size:
-                raise CorruptCheckpointError(
-                    f"{what}: member holds {info.file_size - hsize} data bytes; shape "
-                    f"{shape} of {dtype} needs {size * dtype.itemsize}."
-                )
-            shown = dtype.newbyteorder("=") if dtype.byteorder not in ("=", "|") else dtype
-            real = dtypes.get(key)
-            if real is not None:
-                from ..._dtypes import str_to_dtype
-
-                try:
-                    target = str_to_dtype(real)
-                except TypeError:
-                    raise CorruptCheckpointError(f"{what}: unknown dtype {real!r}.") from None
-                if target.itemsize != shown.itemsize:
-                    raise CorruptCheckpointError(
-                        f"{what}: recorded dtype {real} does not fit stored {dtype}."
-                    )
-                shown = target
-            attrs = {"name": key}
-            if isinstance(attrs_all.get(key), dict):
-                attrs.update(attrs_all[key])
-            arrays[key] = FileArray(
-                ArrayInfo(key=key, dtype=shown, shape=shape, attrs=attrs, checksum=info.CRC),
-                stored_dtype=dtype,
-                offset=hsize,
-                fetch=member.fetch,
-                readinto=member.readinto if member.stored and dtype.byteorder in "=|" else None,
-                check=zip_crc_check(info, head[:hsize], what),
-                fortran=fortran and len(shape) > 1,
-            )
+        sidecar = _read_sidecar(archive, path)
+        arrays: dict[str, LazyArray] = {
+            info.filename[: -len(".npy")]: _array(archive, info, path, sidecar)
+            for info in archive.members.values()
+            if info.filename.endswith(".npy") and not info.is_dir()
+        }
     except BaseException:
         archive.close()
         raise
@@ -258,50 +266,36 @@ def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
     return _MAGIC + b"\x02\x00" + struct.pack("<I", len(raw)) + raw
 
 
-class NpzWriter(Writer):
+class NpzWriter(CollectingWriter):
     """Writes an uncompressed ``.npz`` atomically, streaming each array's buffer."""
-
-    def __init__(self, path: Path, *, durable: bool = True) -> None:
-        self.path = Path(path)
-        self._durable = durable
-        self._items: dict[str, tuple[np.ndarray, dict[str, Any]]] = {}
-        self._metadata: dict[str, Any] | None = None
-        self._done = False
 
     def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
         if not isinstance(key, str) or not key or key == _SIDECAR[:-5] or "\x00" in key:
             raise ValueError(f"Invalid npz key {key!r}.")
-        if key in self._items:
-            raise ValueError(f"Key {key!r} was already added to {str(self.path)!r}.")
         array = np.asarray(array)
-        dt = native(array.dtype)
+        dt = little_endian(array.dtype)
         if dt not in SUPPORTED_DTYPES.values():
             raise UnsupportedFormatError(f"Cannot write {key!r} of dtype {array.dtype} to npz.")
-        self._items[key] = (array, dict(attrs or {}))
-
-    def set_metadata(self, metadata: Mapping[str, Any]) -> None:
-        self._metadata = dict(metadata)
+        self._collect(key, array, attrs)
 
     def commit(self) -> Path:
-        if self._done:
-            raise ValueError(f"The writer of {str(self.path)!r} was already closed.")
-        from ..._dtypes import dtype_to_str
+        self._check_open()
         from .._atomic import check_destination, publish, temporary_sibling
 
         check_destination(self.path, directory=False)
 
         recorded: dict[str, str] = {}
-        attrs = {k: a for k, (_, a) in self._items.items() if a and a != {"name": k}}
+        attrs = self._stored_attrs()
         with temporary_sibling(self.path) as tmp:
             with (
                 open(tmp, "xb") as raw,
                 zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED, allowZip64=True) as zf,
             ):
-                for key, (array, _) in self._items.items():
-                    dt = array.dtype
+                for key, (given, _) in self._items.items():
+                    array, dt = given, given.dtype
                     if dt.kind not in "biufc":  # bfloat16, float8, int4: store the bits
                         recorded[key] = dtype_to_str(dt)
-                        array = array.view(np.dtype(f"<u{dt.itemsize}"))
+                        array = given.view(np.dtype(f"<u{dt.itemsize}"))
                     buf = np.require(array, requirements="C")  # keeps 0-d arrays 0-d
                     info = zipfile.ZipInfo(key + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
                     info.compress_type = zipfile.ZIP_STORED
@@ -309,7 +303,7 @@ class NpzWriter(Writer):
                     with zf.open(info, "w", force_zip64=True) as out:
                         out.write(_npy_header(buf.dtype, buf.shape))
                         if buf.nbytes:
-                            out.write(memoryview(buf.reshape(-1).view(np.uint8)))
+                            out.write(buf.reshape(-1).view(np.uint8).data)
                 side: dict[str, Any] = {"format": "ckptvar-npz", "version": 1}
                 if recorded:
                     side["dtypes"] = recorded
@@ -329,10 +323,6 @@ class NpzWriter(Writer):
         self._done = True
         self._items.clear()
         return self.path
-
-    def abort(self) -> None:
-        self._items.clear()
-        self._done = True
 
 
 class NpzBackend(Backend):

@@ -45,6 +45,10 @@ def signed64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+#: Fixed-width wire types: ``{wire: (bytes, struct format, name)}``.
+_FIXED = {1: (8, "<Q", "fixed64"), 5: (4, "<I", "fixed32")}
+
+
 def parse(data: bytes | memoryview, *, what: str = "record") -> dict[int, list[int | bytes]]:
     """Split one message into ``{field_number: [raw values in order]}``.
 
@@ -64,11 +68,12 @@ def parse(data: bytes | memoryview, *, what: str = "record") -> dict[int, list[i
         value: int | bytes
         if wire == 0:
             value, pos = read_varint(data, pos, what=what)
-        elif wire == 1:
-            if pos + 8 > n:
-                raise CorruptCheckpointError(f"Truncated fixed64 field {number} in {what}.")
-            (value,) = struct.unpack_from("<Q", data, pos)
-            pos += 8
+        elif wire in _FIXED:
+            size, fmt, name = _FIXED[wire]
+            if pos + size > n:
+                raise CorruptCheckpointError(f"Truncated {name} field {number} in {what}.")
+            (value,) = struct.unpack_from(fmt, data, pos)
+            pos += size
         elif wire == 2:
             length, pos = read_varint(data, pos, what=what)
             if length > n - pos:
@@ -77,11 +82,6 @@ def parse(data: bytes | memoryview, *, what: str = "record") -> dict[int, list[i
                 )
             value = bytes(data[pos : pos + length])
             pos += length
-        elif wire == 5:
-            if pos + 4 > n:
-                raise CorruptCheckpointError(f"Truncated fixed32 field {number} in {what}.")
-            (value,) = struct.unpack_from("<I", data, pos)
-            pos += 4
         else:
             raise CorruptCheckpointError(
                 f"Unsupported wire type {wire} (field {number}) in {what}."

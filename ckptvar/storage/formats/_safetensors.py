@@ -24,6 +24,7 @@ string-to-string ones. The reader merges them back into one dict.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Mapping
@@ -35,7 +36,14 @@ import numpy as np
 
 from ...errors import CorruptCheckpointError, UnsupportedFormatError
 from ..base import ArrayInfo, Backend, Reader, Writer
-from ._common import EntryReader, FileArray, FileHandle, check_shape, native
+from ._common import (
+    CollectingWriter,
+    EntryReader,
+    FileArray,
+    FileHandle,
+    check_shape,
+    little_endian,
+)
 from ._json import jsonable, loads_json
 
 __all__ = ["SAFETENSORS_DTYPES", "SafetensorsBackend", "SafetensorsWriter"]
@@ -76,11 +84,11 @@ def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def parse_header(
-    head: bytes, buffer_size: int, path: Path | str
-) -> tuple[dict[str, tuple[np.dtype, tuple[int, ...], int, int]], dict[str, str]]:
-    """Validate a header; returns ``{key: (dtype, shape, begin, end)}`` and ``__metadata__``."""
-    where = f"safetensors header of {str(path)!r}"
+_Entry = tuple[np.dtype, tuple[int, ...], int, int]  # (dtype, shape, begin, end)
+
+
+def _header_json(head: bytes, where: str) -> dict[str, Any]:
+    """The header as a JSON object (UTF-8, starting with ``{``, no duplicate keys)."""
     try:
         text = head.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -95,49 +103,59 @@ def parse_header(
         raise CorruptCheckpointError(f"The {where} is not valid JSON: {exc}.") from None
     if not isinstance(obj, dict):
         raise CorruptCheckpointError(f"The {where} is not a JSON object.")
+    return obj
+
+
+def _entry(key: str, spec: Any, buffer_size: int, where: str, path: Path | str) -> _Entry:
+    """One tensor's header entry, checked: dtype, shape, and offsets that fit its size."""
+    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+        raise CorruptCheckpointError(
+            f"Tensor {key!r} in the {where}: expected exactly dtype, shape and data_offsets, "
+            f"found {sorted(spec) if isinstance(spec, dict) else type(spec).__name__}."
+        )
+    dtype = SAFETENSORS_DTYPES.get(spec["dtype"]) if isinstance(spec["dtype"], str) else None
+    if dtype is None:
+        raise CorruptCheckpointError(
+            f"Tensor {key!r} in the {where} has unsupported dtype {spec['dtype']!r} "
+            f"(known: {', '.join(SAFETENSORS_DTYPES)})."
+        )
+    shape = check_shape(spec["shape"], what=f"Tensor {key!r}", path=path)
+    offsets = spec["data_offsets"]
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+    ):
+        raise CorruptCheckpointError(
+            f"Tensor {key!r} in the {where}: data_offsets {offsets!r} is not [begin, end]."
+        )
+    begin, end = offsets
+    if not 0 <= begin <= end <= buffer_size:
+        raise CorruptCheckpointError(
+            f"Tensor {key!r} in the {where}: data_offsets [{begin}, {end}] fall outside the "
+            f"{buffer_size}-byte data buffer."
+        )
+    n = math.prod(shape)
+    if end - begin != n * dtype.itemsize:
+        raise CorruptCheckpointError(
+            f"Tensor {key!r} in the {where}: {end - begin} bytes for shape {list(shape)} of "
+            f"{spec['dtype']} (needs {n * dtype.itemsize})."
+        )
+    return dtype, shape, begin, end
+
+
+def parse_header(
+    head: bytes, buffer_size: int, path: Path | str
+) -> tuple[dict[str, _Entry], dict[str, str]]:
+    """Validate a header; returns ``{key: (dtype, shape, begin, end)}`` and ``__metadata__``."""
+    where = f"safetensors header of {str(path)!r}"
+    obj = _header_json(head, where)
     meta = obj.pop(_METADATA, {})
     if not isinstance(meta, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
     ):
         raise CorruptCheckpointError(f"{_METADATA} in the {where} must map strings to strings.")
-    entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
-    for key, spec in obj.items():
-        if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
-            raise CorruptCheckpointError(
-                f"Tensor {key!r} in the {where}: expected exactly dtype, shape and data_offsets, "
-                f"found {sorted(spec) if isinstance(spec, dict) else type(spec).__name__}."
-            )
-        dtype = SAFETENSORS_DTYPES.get(spec["dtype"]) if isinstance(spec["dtype"], str) else None
-        if dtype is None:
-            raise CorruptCheckpointError(
-                f"Tensor {key!r} in the {where} has unsupported dtype {spec['dtype']!r} "
-                f"(known: {', '.join(SAFETENSORS_DTYPES)})."
-            )
-        shape = check_shape(spec["shape"], what=f"Tensor {key!r}", path=path)
-        offsets = spec["data_offsets"]
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-        ):
-            raise CorruptCheckpointError(
-                f"Tensor {key!r} in the {where}: data_offsets {offsets!r} is not [begin, end]."
-            )
-        begin, end = offsets
-        if not 0 <= begin <= end <= buffer_size:
-            raise CorruptCheckpointError(
-                f"Tensor {key!r} in the {where}: data_offsets [{begin}, {end}] fall outside the "
-                f"{buffer_size}-byte data buffer."
-            )
-        n = 1
-        for d in shape:
-            n *= d
-        if end - begin != n * dtype.itemsize:
-            raise CorruptCheckpointError(
-                f"Tensor {key!r} in the {where}: {end - begin} bytes for shape {list(shape)} of "
-                f"{spec['dtype']} (needs {n * dtype.itemsize})."
-            )
-        entries[key] = (dtype, shape, begin, end)
+    entries = {key: _entry(key, spec, buffer_size, where, path) for key, spec in obj.items()}
     pos = 0
     for key, (_, _, begin, end) in sorted(entries.items(), key=lambda kv: (kv[1][2], kv[1][3])):
         if begin != pos:
@@ -204,7 +222,7 @@ def _little() -> bool:
     return sys.byteorder == "little"
 
 
-class SafetensorsWriter(Writer):
+class SafetensorsWriter(CollectingWriter):
     """Writes ``.safetensors`` atomically, streaming each array's buffer as it is."""
 
     def __init__(
@@ -220,30 +238,21 @@ class SafetensorsWriter(Writer):
         ``ckptvar_metadata=False`` writes none of ckptvar's own keys (``ckptvar.*``:
         attributes, non-string metadata); string pairs, such as ``format``, are kept.
         """
-        self.path = Path(path)
+        super().__init__(path, durable=durable)
         self._own = ckptvar_metadata
-        self._durable = durable
-        self._items: dict[str, tuple[np.ndarray, dict[str, Any]]] = {}
-        self._metadata: dict[str, Any] | None = None
         self._extra = dict(metadata or {})
-        self._done = False
 
     def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
         if not isinstance(key, str) or key == _METADATA or not key:
             raise ValueError(f"Invalid safetensors key {key!r}.")
-        if key in self._items:
-            raise ValueError(f"Key {key!r} was already added to {str(self.path)!r}.")
         array = np.asarray(array)
-        dt = native(array.dtype)
+        dt = little_endian(array.dtype)
         if dt not in _NAME_OF:
             raise UnsupportedFormatError(
                 f"Cannot write {key!r} of dtype {array.dtype} to safetensors "
                 f"(supported: {', '.join(str(d) for d in _NAME_OF)})."
             )
-        self._items[key] = (array, dict(attrs or {}))
-
-    def set_metadata(self, metadata: Mapping[str, Any]) -> None:
-        self._metadata = dict(metadata)
+        self._collect(key, array, attrs)
 
     def _header(self) -> tuple[bytes, list[np.ndarray]]:
         header: dict[str, Any] = {}
@@ -255,7 +264,7 @@ class SafetensorsWriter(Writer):
             else:
                 own[str(k)] = v
         meta.update({str(k): str(v) for k, v in self._extra.items()})
-        attrs = {k: a for k, (_, a) in self._items.items() if a and a != {"name": k}}
+        attrs = self._stored_attrs()
         if self._own and attrs:
             meta[_ATTRS] = json.dumps(attrs, default=jsonable, sort_keys=True)
         if self._own and own:
@@ -292,8 +301,7 @@ class SafetensorsWriter(Writer):
         return struct.pack("<Q", len(raw)) + raw, buffers
 
     def commit(self) -> Path:
-        if self._done:
-            raise ValueError(f"The writer of {str(self.path)!r} was already closed.")
+        self._check_open()
         head, buffers = self._header()
         from .._atomic import check_destination, publish, temporary_sibling
 
@@ -305,7 +313,7 @@ class SafetensorsWriter(Writer):
                 _write_all(fd, memoryview(head))
                 for buf in buffers:
                     if buf.nbytes:
-                        _write_all(fd, memoryview(buf.reshape(-1).view(np.uint8)))
+                        _write_all(fd, buf.reshape(-1).view(np.uint8).data)
                 if self._durable:
                     os.fsync(fd)
             finally:
@@ -314,10 +322,6 @@ class SafetensorsWriter(Writer):
         self._done = True
         self._items.clear()
         return self.path
-
-    def abort(self) -> None:
-        self._items.clear()
-        self._done = True
 
 
 def _write_all(fd: int, view: memoryview) -> None:
@@ -345,7 +349,7 @@ class SafetensorsBackend(Backend):
         if len(head) < 9 or head[8:9] != b"{":
             return False
         (n,) = struct.unpack("<Q", head[:8])
-        return n <= min(MAX_HEADER, size - 8)
+        return bool(n <= min(MAX_HEADER, size - 8))
 
     @classmethod
     def open_reader(cls, path: Path) -> Reader:

@@ -20,7 +20,7 @@ import struct
 from collections.abc import Iterator
 
 from ...errors import CorruptCheckpointError
-from ._crc32c import crc32c, unmask
+from .._checksum import crc32c, unmask
 from ._protobuf import read_varint
 
 __all__ = ["TABLE_MAGIC", "iter_table"]

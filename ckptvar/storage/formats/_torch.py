@@ -36,7 +36,6 @@ from ._common import (
     FileHandle,
     check_shape,
     covers_whole,
-    normalize_index,
 )
 from ._unpickler import StorageRef, TensorRef, TorchDtype, safe_load
 from ._zip import ZIP_ERRORS, ZipArchive, check_member_size, zip_crc_check
@@ -169,10 +168,7 @@ class TorchArray(LazyArray):
     def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
         if self._contiguous and (self._whole or not (verify and self._checked)):
             return self._flat.read(out=out, verify=verify)
-        if verify and self._checked:
-            arr = self._from_checked_storage()
-        else:
-            arr = self._strided()
+        arr = self._from_checked_storage() if verify and self._checked else self._strided()
         if out is not None:
             if out.shape != arr.shape or out.dtype != arr.dtype:
                 raise ValueError(
@@ -216,7 +212,6 @@ class TorchArray(LazyArray):
         return arr.view(self.info.dtype) if arr.dtype != self.info.dtype else arr
 
     def __getitem__(self, index: Any) -> np.ndarray:
-        index = normalize_index(index, self.info.shape)
         if self._checked and not self._whole and covers_whole(index, self.info.shape):
             return np.array(self.read()[index], copy=True)  # verified through its storage
         if self._contiguous:
@@ -325,9 +320,29 @@ def _info(key: str, ref: TensorRef) -> ArrayInfo:
     return ArrayInfo(key=key, dtype=ref.dtype, shape=tuple(ref.shape), attrs=attrs)
 
 
+def _storage_source(archive: ZipArchive, name: str, st: StorageRef, path: Path) -> Any:
+    """Where one storage's bytes are: a stored member in place, or a deflated stream."""
+    info = archive.members.get(name)
+    if info is None:
+        raise CorruptCheckpointError(f"{str(path)!r} lacks the storage member {name!r}.")
+    nbytes = st.numel * st.dtype.itemsize
+    if info.file_size != nbytes:
+        raise CorruptCheckpointError(
+            f"Storage {name!r} in {str(path)!r} holds {info.file_size} bytes; "
+            f"its {st.numel} elements of {st.dtype} need {nbytes}."
+        )
+    what = f"storage {name!r} of {str(path)!r}"
+    if info.compress_type == zipfile.ZIP_STORED:
+        start = archive.data_offset(name)
+        if start + nbytes > archive.fh.size:
+            raise CorruptCheckpointError(f"{what} runs past the end of the file.")
+        return _Source(archive.fh, start, nbytes, what, info)
+    check_member_size(info, 1 << 62, path)
+    return _CompressedSource(archive.zf, info, nbytes, what)
+
+
 def _open_zip(path: Path) -> Reader:
     archive = ZipArchive(path, kind="zip")
-    fh, zf = archive.fh, archive.zf
     try:
         infos = archive.members
         pkls = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
@@ -351,27 +366,8 @@ def _open_zip(path: Path) -> Reader:
         storages: dict[str, StorageRef] = {}
         obj = safe_load(io.BytesIO(pkl), storages=storages, source=repr(str(path)))
         tensors, meta, skipped = _flatten(obj, path)
-        sources: dict[str, Any] = {}
-        for key, st in storages.items():
-            name = f"{prefix}data/{key}"
-            info = infos.get(name)
-            if info is None:
-                raise CorruptCheckpointError(f"{str(path)!r} lacks the storage member {name!r}.")
-            nbytes = st.numel * st.dtype.itemsize
-            if info.file_size != nbytes:
-                raise CorruptCheckpointError(
-                    f"Storage {name!r} in {str(path)!r} holds {info.file_size} bytes; "
-                    f"its {st.numel} elements of {st.dtype} need {nbytes}."
-                )
-            what = f"storage {name!r} of {str(path)!r}"
-            if info.compress_type == zipfile.ZIP_STORED:
-                start = archive.data_offset(name)
-                if start + nbytes > fh.size:
-                    raise CorruptCheckpointError(f"{what} runs past the end of the file.")
-                sources[key] = _Source(fh, start, nbytes, what, info)
-            else:
-                check_member_size(info, 1 << 62, path)
-                sources[key] = _CompressedSource(zf, info, nbytes, what)
+        sources = {key: _storage_source(archive, f"{prefix}data/{key}", st, path)
+                   for key, st in storages.items()}
         arrays = _arrays(tensors, sources, order, path)
     except BaseException:
         archive.close()
@@ -399,7 +395,7 @@ def _open_legacy(path: Path) -> Reader:
     fh = FileHandle(path)
     try:
         with open(path, "rb") as raw:
-            f = _BoundedFile(raw, fh.size)  # type: ignore[arg-type]
+            f = _BoundedFile(raw, fh.size)
             src = repr(str(path))
             magic = safe_load(f, storages={}, source=src)  # type: ignore[arg-type]
             if magic != _LEGACY_MAGIC:

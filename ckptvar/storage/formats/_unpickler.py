@@ -20,6 +20,7 @@ import dataclasses
 import io
 import pickle
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -92,6 +93,7 @@ class _Callable(_Sealed):
     """An allowed function, wrapped so the pickle cannot set attributes on it."""
 
     __slots__ = ("fn",)
+    fn: Any
 
     def __init__(self, fn: Any) -> None:
         object.__setattr__(self, "fn", fn)
@@ -161,6 +163,7 @@ class _Marker(_Sealed):
     """A harmless stand-in for a tensor type (``torch.Tensor``, ``Parameter``)."""
 
     __slots__ = ("name",)
+    name: str
 
     def __init__(self, name: str) -> None:
         object.__setattr__(self, "name", name)
@@ -291,11 +294,11 @@ ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
 }
 for _name, _dt in _STORAGE_TYPES.items():
     ALLOWED_GLOBALS[("torch", _name)] = StorageType(_name, _dt)
-for _name, _dt in TORCH_DTYPES.items():
-    ALLOWED_GLOBALS[("torch", _name)] = TorchDtype(_name, _dt)
+for _name, _torch_dt in TORCH_DTYPES.items():
+    ALLOWED_GLOBALS[("torch", _name)] = TorchDtype(_name, _torch_dt)
 
 
-class RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
+class RestrictedUnpickler(pickle._Unpickler):
     """Unpickles only plain containers, tensors and storages (see ``ALLOWED_GLOBALS``).
 
     Built on the pure-Python unpickler on purpose: the C one allocates a
@@ -306,6 +309,10 @@ class RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
     ``storages`` is filled with a :class:`StorageRef` per persistent id; the
     caller decides where their bytes live (zip members or the legacy stream).
     """
+
+    # Set by the pure-Python unpickler's load(); declared for the handlers below.
+    read: Callable[[int], bytes]
+    append: Callable[[Any], None]
 
     def __init__(
         self,
@@ -320,7 +327,7 @@ class RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
         self._legacy = legacy
         self._source = source
 
-    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
 
     def _load_bytearray8(self) -> None:
         (size,) = struct.unpack("<Q", self.read(8))

@@ -73,7 +73,7 @@ def check_zip_entry_count(fh: FileHandle, count: int, path: Path) -> None:
     if pos < 0 or pos + 22 > len(tail):
         raise CorruptCheckpointError(f"{str(path)!r} has no zip end-of-directory record.")
     (total,) = struct.unpack_from("<H", tail, pos + 10)
-    if total != 0xFFFF and total != count:
+    if total not in (0xFFFF, count):
         raise CorruptCheckpointError(
             f"The zip directory of {str(path)!r} lists {count} members; its end record says "
             f"{total}. The archive is damaged."
@@ -99,7 +99,7 @@ def zip_member_data_offset(fh: FileHandle, info: zipfile.ZipInfo, path: Path) ->
             f"Zip member {info.filename!r} in {str(path)!r} is named {name!r} in its local "
             "header; the archive is damaged."
         )
-    return info.header_offset + 30 + name_len + extra_len
+    return int(info.header_offset) + 30 + int(name_len) + int(extra_len)
 
 
 def check_member_size(info: zipfile.ZipInfo, limit: int, path: Path) -> None:

@@ -1,0 +1,108 @@
+"""The registry of checkpoint formats: which backend reads or writes a path.
+
+Owns ``register_backend`` (a backend adds itself on import), ``known_formats`` and
+``backend_for`` (explicit format, else suffix, else sniffing, and the hand-over of a
+file the chosen backend does not recognise to one that does). Re-exported by
+:mod:`ckptvar.storage`; the backends import it from here.
+
+>>> from ckptvar.storage.registry import known_formats
+>>> "safetensors" in known_formats()
+True
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import CheckpointNotFoundError, UnsupportedFormatError
+from .base import Backend
+
+__all__ = ["backend_for", "known_formats", "register_backend"]
+
+_BACKENDS: dict[str, type[Backend]] = {}
+
+
+def register_backend(cls: type[Backend], *, override: bool = False) -> type[Backend]:
+    """Add a format; refuses to replace a registered name unless ``override=True``."""
+    if cls.name in _BACKENDS and not override and _BACKENDS[cls.name] is not cls:
+        raise ValueError(f"A backend named {cls.name!r} is already registered.")
+    _BACKENDS[cls.name] = cls
+    return cls
+
+
+def known_formats() -> dict[str, tuple[str, ...]]:
+    """Registered format names and their suffixes."""
+    return {name: cls.suffixes for name, cls in _BACKENDS.items()}
+
+
+def _describe() -> str:
+    return ", ".join(f"{n} ({'/'.join(s)})" for n, s in known_formats().items())
+
+
+def backend_for(path: str | Path, format: str | None = None, *, mode: str = "r") -> type[Backend]:
+    """The backend for ``path``: the explicit ``format``, else the suffix, else sniffing.
+
+    ``mode="w"`` only accepts writable formats and defaults to HDF5 when the suffix
+    says nothing. When reading, a path the chosen backend does not recognise goes to
+    another backend that does, if the chosen one allows it
+    (``Backend.hands_over_unrecognised``: a Keras ``.h5`` file). Raises
+    ``UnsupportedFormatError`` naming the known formats.
+    """
+    path = Path(path)
+    if format is not None:
+        cls = _BACKENDS.get(format.lower().lstrip("."))
+        if cls is None:
+            raise UnsupportedFormatError(f"Unknown format {format!r}; known: {_describe()}.")
+    else:
+        cls = _by_suffix(path)
+        if cls is None and mode == "r":
+            if not path.exists() and not _has_sidecars(path):
+                raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.")
+            cls = next((c for c in _BACKENDS.values() if c.sniff(path)), None)
+        if cls is None and mode == "w":
+            if path.suffix:
+                raise UnsupportedFormatError(
+                    f"Cannot write {str(path)!r}: unknown suffix {path.suffix!r}; "
+                    f"writable: {', '.join(n for n, c in _BACKENDS.items() if c.can_write)}."
+                )
+            cls = _BACKENDS["h5"]
+        if cls is None:
+            raise UnsupportedFormatError(
+                f"Cannot tell the format of {str(path)!r}; known: {_describe()}."
+            )
+    if mode == "w" and not cls.can_write:
+        raise UnsupportedFormatError(f"The {cls.name} format ({str(path)!r}) cannot be written.")
+    if mode == "r" and cls.hands_over_unrecognised:
+        cls = _claimant(cls, path) or cls
+    return cls
+
+
+def _claimant(chosen: type[Backend], path: Path) -> type[Backend] | None:
+    """Another backend that claims ``path`` when ``chosen`` does not (None otherwise)."""
+    if not (path.is_file() or path.is_dir()) or chosen.sniff(path):
+        return None
+    for cls in _BACKENDS.values():
+        if cls is chosen:
+            continue
+        try:
+            ok = cls.sniff(path)
+        except Exception:  # noqa: BLE001 - a sniffer that fails just does not claim the file
+            ok = False
+        if ok:
+            return cls
+    return None
+
+
+def _by_suffix(path: Path) -> type[Backend] | None:
+    name = path.name.lower()
+    best: tuple[int, type[Backend]] | None = None
+    for cls in _BACKENDS.values():
+        for suffix in cls.suffixes:
+            if name.endswith(suffix) and (best is None or len(suffix) > best[0]):
+                best = (len(suffix), cls)
+    return best[1] if best else None
+
+
+def _has_sidecars(path: Path) -> bool:
+    # A TensorFlow checkpoint is named by a prefix: "ckpt-1" for ckpt-1.index + data files.
+    return Path(str(path) + ".index").exists()
