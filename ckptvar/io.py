@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _frameworks
 from .checkpoint._files import destination_error, make_parents
 from .errors import DeviceError
 from .storage import backend_for
@@ -64,8 +65,13 @@ def load(
     device: Any = None,
     keys: Iterable[str] | None = None,
     verify: bool = True,
+    like: str = "numpy",
 ) -> dict[str, Any]:
     """Every value (or only ``keys``) as ``{key: array}``.
+
+    ``like="torch" | "jax" | "cupy"`` gives that framework's arrays instead of NumPy's
+    (``"cupy"`` implies ``device="GPU:0"`` unless ``device=`` says otherwise); the
+    conversion shares memory where the framework allows (docs/guide.md, "Framework arrays").
 
     ``device=None`` gives NumPy arrays; ``device="GPU:0"`` (or ``"cuda:0"``) gives CuPy
     arrays on that GPU, each value copied to the device as soon as it is read and
@@ -73,6 +79,14 @@ def load(
     copied and the next read-ahead window (at most 512 MiB, or about twice the largest
     value), never the whole checkpoint.
     """
+    _frameworks.check_like(like)
+    if like != "numpy":
+        if like == "cupy" and device is None:
+            device = "GPU:0"
+        arrays = load(path, device=device, keys=keys, verify=verify)
+        for key, value in arrays.items():
+            arrays[key] = _frameworks.from_numpy(value, like, what=f"{key!r} in {str(path)!r}")
+        return arrays
     dev = None
     if device is not None:
         from .device import resolve
@@ -128,6 +142,9 @@ def save(
     Each key is also the value's stored ``name`` unless ``attrs[key]`` says otherwise.
     ``options`` go to the format's writer (``durable``, ``pack_threshold``,
     ``compression`` for Zarr; see docs/FORMAT.md).
+
+    Values may be PyTorch tensors, JAX or CuPy arrays: on the CPU their memory is
+    written as it is (no copy, bfloat16 included), from a GPU after one copy to the host.
     """
     p = Path(path)
     backend = backend_for(p, format, mode="w")
@@ -140,7 +157,9 @@ def save(
                     extra = dict(attrs.get(key, ())) if attrs else {}
                     if "name" not in extra:
                         extra["name"] = key
-                    writer.add(key, value, extra)
+                    host = value if type(value) is np.ndarray else _frameworks.to_numpy(
+                        value, what=f"{key!r}")
+                    writer.add(key, host, extra)
                 if metadata is not None:
                     writer.set_metadata(metadata)
             except BaseException:
