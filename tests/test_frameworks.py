@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -31,13 +32,6 @@ def _torch() -> Any:
 
 def _jax() -> Any:
     return pytest.importorskip("jax", reason="JAX is not installed (the test extra has it)")
-
-
-def _aligned(n: int, dtype: Any, align: int = 64) -> np.ndarray:
-    dt = np.dtype(dtype)
-    raw = np.empty(n * dt.itemsize + align, np.uint8)
-    off = (-raw.ctypes.data) % align
-    return raw[off : off + n * dt.itemsize].view(dt)
 
 
 def test_import_ckptvar_imports_no_framework(tmp_path: Path) -> None:
@@ -184,44 +178,62 @@ def test_variable_from_torch_tensor_copies_once(fresh_graph: cv.Graph) -> None:
 
 
 # --------------------------------------------------------------------------- jax
+# JAX starts threads and warns at every later os.fork(); the suite turns warnings into errors
+# and other tests fork, so the JAX checks run in a fresh interpreter each.
 
 
-def test_jax_cpu_array_is_viewed_not_copied() -> None:
-    jax = _jax()
-    jnp = jax.numpy
-    x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
-    a = fw.to_numpy(x)
-    assert a.ctypes.data == x.unsafe_buffer_pointer()
-    xb = jnp.ones(7, dtype=jnp.bfloat16)
-    ab = fw.to_numpy(xb)
-    assert ab.dtype == np.dtype(ml_dtypes.bfloat16) and ab.ctypes.data == xb.unsafe_buffer_pointer()
+def _run_jax(tmp_path: Path, body: str) -> None:
+    _jax()
+    code = "import numpy as np, ml_dtypes, jax, jax.numpy as jnp, ckptvar as cv\n" \
+           "from ckptvar import _frameworks as fw\n" + textwrap.dedent(body)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_save_dict_of_jax_arrays_round_trips(tmp_path: Path, fmt: str) -> None:
-    jax = _jax()
-    jnp = jax.numpy
-    state = {"w": jnp.linspace(0, 1, 40, dtype=jnp.float32).reshape(8, 5),
-             "b": jnp.arange(5, dtype=jnp.bfloat16), "i": jnp.array([1, 2], dtype=jnp.int32)}
-    p = cv.save(tmp_path / f"j.{fmt}", state)
-    back = cv.load(p, like="jax")
-    for k, x in state.items():
-        assert isinstance(back[k], jax.Array) and back[k].dtype == x.dtype
-        assert bool(jnp.array_equal(back[k], x))
-    v = cv.Variable(state["w"], name="jw")
-    np.testing.assert_array_equal(v.numpy(), np.asarray(state["w"]))
+def test_jax_cpu_array_is_viewed_not_copied(tmp_path: Path) -> None:
+    _run_jax(tmp_path, """
+        x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
+        a = fw.to_numpy(x)
+        assert a.ctypes.data == x.unsafe_buffer_pointer()  # the same memory: zero copies
+        xb = jnp.ones(7, dtype=jnp.bfloat16)
+        ab = fw.to_numpy(xb)
+        assert ab.dtype == np.dtype(ml_dtypes.bfloat16)
+        assert ab.ctypes.data == xb.unsafe_buffer_pointer()
+    """)
 
 
-def test_load_like_jax_shares_aligned_memory_and_copies_unaligned() -> None:
-    jax = _jax()
-    a = _aligned(1 << 14, np.float32)
-    a[:] = 3
-    x = fw.from_numpy(a, "jax")
-    assert x.unsafe_buffer_pointer() == a.ctypes.data  # 64-byte aligned: zero copies
-    u = _aligned(1 << 14 + 1, np.float32)[4:]  # 16 bytes past an aligned start
-    u[:] = 2
-    y = fw.from_numpy(u, "jax")
-    assert y.unsafe_buffer_pointer() != u.ctypes.data and float(y.sum()) == 2 * u.size
-    assert isinstance(fw.from_numpy(np.ones(2, ml_dtypes.bfloat16), "jax"), jax.Array)
+@pytest.mark.parametrize("suffix", ["h5", "zarr"])
+def test_save_dict_of_jax_arrays_round_trips(tmp_path: Path, suffix: str) -> None:
+    _run_jax(tmp_path, f"""
+        state = {{"w": jnp.linspace(0, 1, 40, dtype=jnp.float32).reshape(8, 5),
+                  "b": jnp.arange(5, dtype=jnp.bfloat16), "i": jnp.array([1, 2], jnp.int32)}}
+        p = cv.save("j.{suffix}", state)
+        back = cv.load(p, like="jax")
+        for k, x in state.items():
+            assert isinstance(back[k], jax.Array) and back[k].dtype == x.dtype, k
+            assert bool(jnp.array_equal(back[k], x)), k
+        v = cv.Variable(state["w"], name="jw")
+        np.testing.assert_array_equal(v.numpy(), np.asarray(state["w"]))
+    """)
+
+
+def test_load_like_jax_shares_aligned_memory_and_copies_unaligned(tmp_path: Path) -> None:
+    _run_jax(tmp_path, """
+        def aligned(n):
+            raw = np.empty(4 * n + 64, np.uint8)
+            off = (-raw.ctypes.data) % 64
+            return raw[off : off + 4 * n].view(np.float32)
+        a = aligned(1 << 14)
+        a[:] = 3
+        x = fw.from_numpy(a, "jax")
+        assert x.unsafe_buffer_pointer() == a.ctypes.data  # 64-byte aligned: zero copies
+        u = aligned((1 << 14) + 4)[4:]  # 16 bytes past an aligned start: copied once
+        u[:] = 2
+        y = fw.from_numpy(u, "jax")
+        assert y.unsafe_buffer_pointer() != u.ctypes.data and float(y.sum()) == 2 * u.size
+        assert isinstance(fw.from_numpy(np.ones(2, ml_dtypes.bfloat16), "jax"), jax.Array)
+    """)
 
 
 # --------------------------------------------------------------------------- cupy / GPU
