@@ -167,6 +167,11 @@ def test_variable_from_torch_tensor_copies_once(fresh_graph: cv.Graph) -> None:
     assert vb.dtype == np.dtype(ml_dtypes.bfloat16)
     vf = cv.Variable(lambda: torch.zeros(2, dtype=torch.float16), name="f")
     assert vf.dtype == np.float16
+    src = torch.ones(3)  # an initial-value function called later, at the first read
+    vl = cv.Variable(lambda: src, dtype="float32", shape=(3,), name="later")
+    np.testing.assert_array_equal(vl.numpy(), [1, 1, 1])
+    src += 1
+    np.testing.assert_array_equal(vl.numpy(), [1, 1, 1])
     tracemalloc.start()
     try:
         big = torch.ones(8 * MiB)

@@ -461,7 +461,8 @@ def _initial_value(initial_value: Any, dtype: Any, req_shape: Shape, shape: Any,
     if callable(initial_value) and not hasattr(initial_value, "__array__"):
         # An initial-value function: called with no arguments, as TensorFlow does.
         if dtype is not None and fully_defined(req_shape):
-            return _Initial(as_dtype(dtype), None, initial_value, False)
+            fn = initial_value
+            return _Initial(as_dtype(dtype), None, lambda: _host_view(fn(), name), False)
         value = _host_view(initial_value(), name)
         dt = as_dtype(dtype) if dtype is not None else infer_dtype(value)
         return _Initial(dt, _convert_initial(value, dt, name), None, False)
