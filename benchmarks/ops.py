@@ -32,6 +32,7 @@ from benchmarks.measure import (
     touch_and_free,
     warm_cache,
 )
+from benchmarks import round2
 from benchmarks.subjects import SUBJECT_CLASSES, CkptVar, Model, Subject, cv_segment, materialize
 from benchmarks.workloads import LAZY_KEY, Spec, make_arrays, spec_for, spec_nbytes
 
@@ -238,6 +239,7 @@ OPS: dict[str, Callable[[Job], Timing | None]] = {
     "bg_copy": op_bg_copy,
     "bg_blocking": op_bg_save,
     "bg_background": op_bg_save,
+    **round2.OPS,
 }
 
 

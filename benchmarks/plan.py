@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks import round2
 from benchmarks.harness import Runner, loadavg, say
 from benchmarks.results import Row
 from benchmarks.workloads import FULL_SMALL_COUNT, QUICK_SMALL_COUNT
@@ -60,6 +61,11 @@ def subject_defs(nondurable: dict[str, Any] | None) -> list[SubjectDef]:
         SubjectDef("tf", "tf", "peer", needs="tensorflow", small_fraction=0.1, tf=True,
                    restore=True),
     ]
+    # framework arrays (round2.py): saved without fsync, as torch.save and safetensors do
+    defs += [SubjectDef(f"ckptvar-{f} torch nd", "ckptvar_torch", "ckptvar",
+                        {"format": f, "write_options": nondurable}, "torch")
+             for f in ("h5", "zarr") if nondurable is not None]
+    defs.append(SubjectDef("safetensors torch", "safetensors_torch", "peer", needs="safetensors"))
     return defs
 
 
@@ -68,6 +74,8 @@ def slug(label: str) -> str:
 
 
 def ops_for(sd: SubjectDef, workload: str) -> list[str]:
+    if workload in round2.WORKLOADS or sd.cls in ("ckptvar_torch", "safetensors_torch"):
+        return round2.ops_for(sd, workload) if workload in round2.WORKLOADS else []
     if workload == "big":
         if sd.save_only:
             return ["save"]
@@ -100,7 +108,7 @@ def ops_for(sd: SubjectDef, workload: str) -> list[str]:
 
 def run_plan(args: argparse.Namespace, runner: Runner, defs: list[SubjectDef],
              workloads: list[str]) -> list[Row]:
-    data = Path(args.dir)
+    data = Path(args.dir).resolve()  # the workers run in the repository root
     data.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
     quick = args.quick
@@ -158,6 +166,8 @@ def run_plan(args: argparse.Namespace, runner: Runner, defs: list[SubjectDef],
     for sd in defs:
         if args.subjects and sd.label not in args.subjects:
             continue
+        if not any(ops_for(sd, w) for w in workloads if w not in round2.WORKLOADS):
+            continue
         big_path = data / f"{slug(sd.label)}-big{suffix(sd)}"
         big_ready = False
         for workload in workloads:
@@ -210,14 +220,19 @@ def run_plan(args: argparse.Namespace, runner: Runner, defs: list[SubjectDef],
                                 row_op=op + "_alone")
                 rm(alone)
         rm(big_path)
-    return rows
+    chosen = [sd for sd in defs if not args.subjects or sd.label in args.subjects]
+    # the round-2 rows, subjects interleaved; --extra-repeats keeps the full run short
+    round2.run(chosen, workloads, quick=quick, repeats=args.extra_repeats, data=data,
+               suffix=suffix, measure=measure, setup=setup, rm=rm)
+    return round2.merge(rows)
 
 
 def suffix(sd: SubjectDef) -> str:
-    if sd.cls == "ckptvar":
+    if sd.cls in ("ckptvar", "ckptvar_torch"):
         return "." + sd.options["format"]
     return {"raw": ".raw", "safetensors": ".safetensors", "torch": ".pt", "npz": ".npz",
-            "h5py": ".h5", "zarr": ".zarr", "tf": ".tfckpt"}[sd.cls]
+            "h5py": ".h5", "zarr": ".zarr", "tf": ".tfckpt",
+            "safetensors_torch": ".safetensors"}[sd.cls]
 
 
 def rm(path: Path) -> None:

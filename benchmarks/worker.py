@@ -74,7 +74,8 @@ def run_one(job: dict[str, Any]) -> tuple[dict[str, Any], bool]:
 #: What each subject imports: a server imports it once, before forking measurements.
 PRELOAD = {"safetensors": ("safetensors", "safetensors.numpy"), "torch": ("torch",),
            "h5py": ("h5py",), "zarr": ("zarr",), "tf": ("tensorflow",),
-           "ckptvar": ("ckptvar",)}
+           "ckptvar": ("ckptvar",), "ckptvar_torch": ("ckptvar", "torch"),
+           "safetensors_torch": ("safetensors.torch",)}
 
 
 def serve(subject: str) -> int:

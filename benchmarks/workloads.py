@@ -17,7 +17,8 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 #: The workloads the driver knows (``--only``).
-WORKLOADS = ("big", "small", "lazy", "init", "bgsave", "verify", "gpu")
+WORKLOADS = ("big", "small", "lazy", "init", "bgsave", "verify", "gpu", "counts", "open",
+             "frameworks")
 FULL_SMALL_COUNT = 20_000
 QUICK_SMALL_COUNT = 200
 
@@ -68,6 +69,10 @@ def small_spec(count: int) -> Spec:
 
 
 def spec_for(job: dict[str, Any]) -> Spec:
+    from benchmarks import round2  # noqa: PLC0415 - round2 builds on this module
+
+    if (spec := round2.spec_for(job)) is not None:
+        return spec
     if job["workload"] == "small":
         return small_spec(job["count"])
     if job.get("alone"):

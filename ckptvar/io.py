@@ -15,12 +15,14 @@ array([0., 1., 2.], dtype=float32)
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from . import _frameworks
 from .checkpoint._files import destination_error, make_parents
 from .errors import DeviceError
 from .storage import backend_for
@@ -78,8 +80,13 @@ def load(
     keys: Iterable[str] | None = None,
     verify: bool = True,
     storage_options: Options = None,
+    like: str = "numpy",
 ) -> dict[str, Any]:
     """Every value (or only ``keys``) as ``{key: array}``.
+
+    ``like="torch" | "jax" | "cupy"`` gives that framework's arrays instead of NumPy's
+    (``"cupy"`` implies ``device="GPU:0"`` unless ``device=`` says otherwise); the
+    conversion shares memory where the framework allows (docs/guide.md, "Framework arrays").
 
     ``device=None`` gives NumPy arrays; ``device="GPU:0"`` (or ``"cuda:0"``) gives CuPy
     arrays on that GPU, each value copied to the device as soon as it is read and
@@ -87,6 +94,15 @@ def load(
     copied and the next read-ahead window (at most 512 MiB, or about twice the largest
     value), never the whole checkpoint.
     """
+    _frameworks.check_like(like)
+    if like != "numpy":
+        if like == "cupy" and device is None:
+            device = "GPU:0"
+        arrays = load(path, device=device, keys=keys, verify=verify,
+                      storage_options=storage_options)
+        for key, value in arrays.items():
+            arrays[key] = _frameworks.from_numpy(value, like, what=f"{key!r} in {str(path)!r}")
+        return arrays
     dev = None
     if device is not None:
         from .device import resolve
@@ -96,10 +112,24 @@ def load(
             dev = None
     with open(path, storage_options=storage_options) as reader:
         wanted = list(reader.keys()) if keys is None else list(keys)
+        if keys is None and reader.skipped:
+            _warn_skipped(path, reader.skipped)
         if dev is None:
             with paused_gc():
                 return dict(reader.read_many(wanted, verify=verify))
         return _load_to_gpu(reader, wanted, dev, verify)
+
+
+def _warn_skipped(path: PathLike, skipped: Mapping[str, str]) -> None:
+    """Never silent: say once which stored values a load leaves out, and why."""
+    shown = "; ".join(f"{k!r} ({why.rstrip('.')})" for k, why in list(skipped.items())[:10])
+    more = f"; and {len(skipped) - 10} more" if len(skipped) > 10 else ""
+    warnings.warn(
+        f"cv.load({str(path)!r}) leaves out {len(skipped)} value(s) that cannot be read as "
+        f"numeric arrays: {shown}{more}.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _load_to_gpu(reader: Reader, keys: list[str], dev: Any, verify: bool) -> dict[str, Any]:
@@ -147,6 +177,9 @@ def save(  # noqa: PLR0913 - the public signature (API.md)
     Each key is also the value's stored ``name`` unless ``attrs[key]`` says otherwise.
     ``options`` go to the format's writer (``durable``, ``pack_threshold``,
     ``compression`` for Zarr; see docs/FORMAT.md).
+
+    Values may be PyTorch tensors, JAX or CuPy arrays: on the CPU their memory is
+    written as it is (no copy, bfloat16 included), from a GPU after one copy to the host.
     """
     if is_url(path):
         url = str(path)
@@ -167,7 +200,9 @@ def save(  # noqa: PLR0913 - the public signature (API.md)
                     extra = dict(attrs.get(key, ())) if attrs else {}
                     if "name" not in extra:
                         extra["name"] = key
-                    writer.add(key, value, extra)
+                    host = value if type(value) is np.ndarray else _frameworks.to_numpy(
+                        value, what=f"{key!r}")
+                    writer.add(key, host, extra)
                 if metadata is not None:
                     writer.set_metadata(metadata)
             except BaseException:

@@ -73,6 +73,36 @@ def test_quick_run_reports_raw_and_ckptvar(tmp_path: Path) -> None:
     assert set(result["meta"]["skipped"]) <= {"ckptvar-h5", "raw"}  # only the chosen ones
 
 
+def test_quick_run_of_the_count_open_and_framework_rows(tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="the framework rows save torch tensors (test extra)")
+    pytest.importorskip("safetensors", reason="safetensors is the peer of these rows")
+    subjects = "raw,raw+fsync,ckptvar-h5,ckptvar-h5 nd,safetensors,torch,ckptvar-h5 torch nd," \
+               "safetensors torch"
+    result = run_bench(tmp_path, "--only", "counts,open,frameworks", "--subjects", subjects,
+                       "--extra-repeats", "2")
+    rows = rows_by(result)
+    for n in (50, 100, 200):  # the quick counts
+        for subject in ("raw", "ckptvar-h5", "safetensors"):
+            for op in ("save", "load_warm"):
+                row = rows[(f"count{n}", op, subject)]
+                # repeats are interleaved across subjects, then merged into one row
+                assert not row["errors"] and len(row["times_s"]) == 2 and row["count"] == n
+        assert len(rows[(f"count{n}", "restore_warm", "ckptvar-h5")]["times_s"]) == 2
+        assert (f"count{n}", "save", "ckptvar-h5 nd") in rows
+    for subject in ("raw", "ckptvar-h5", "safetensors"):
+        for op in ("open_one_warm", "open_one_cold"):
+            assert not rows[("open200", op, subject)]["errors"]
+    for subject in ("raw", "torch", "ckptvar-h5 torch nd", "safetensors torch"):
+        for op in ("save", "load_warm"):
+            row = rows[("frameworks", op, subject)]
+            assert not row["errors"] and len(row["times_s"]) == 2
+    md = result["_md"]
+    assert "## Cost per variable above the raw file, by count" in md
+    assert "| 200 | save |" in md and "## Open a 200-variable checkpoint" in md
+    assert "| ckptvar-h5 torch nd |" in md and "## Framework arrays" in md
+    assert not (ROOT / "data").exists()  # the scratch files went to --dir, not the repo
+
+
 @pytest.mark.slow
 def test_quick_run_of_every_workload_and_installed_peer(tmp_path: Path) -> None:
     result = run_bench(tmp_path)

@@ -10,6 +10,7 @@ imports nothing heavy; a job names its subject by the keys of ``SUBJECT_CLASSES`
 from __future__ import annotations
 
 from benchmarks.subjects._ckptvar import CkptVar, Model, cv_segment, materialize
+from benchmarks.subjects._frameworks import CkptVarTorch, SafetensorsTorch
 from benchmarks.subjects._h5py import H5py
 from benchmarks.subjects._npz import Npz
 from benchmarks.subjects._raw import Raw
@@ -28,6 +29,8 @@ SUBJECT_CLASSES: dict[str, type[Subject]] = {
     "zarr": Zarr,
     "tf": TF,
     "ckptvar": CkptVar,
+    "ckptvar_torch": CkptVarTorch,
+    "safetensors_torch": SafetensorsTorch,
 }
 
 __all__ = ["SUBJECT_CLASSES", "CkptVar", "Model", "Subject", "cv_segment", "materialize"]

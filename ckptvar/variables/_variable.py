@@ -32,6 +32,7 @@ import numpy as np
 
 from .. import initializers as _init
 from .._dtypes import as_dtype, check_castable, check_value_castable, dtype_name, infer_dtype
+from .._frameworks import framework_of, to_numpy
 from ..device import is_device_array, log_placement, placement_for, to_device, to_host
 from ..errors import CkptError, ShapeLockError, UninitializedVariableError
 from ..graph import Graph, GraphKeys, get_default_graph
@@ -441,6 +442,7 @@ class _Initial(NamedTuple):
 def _initial_value(initial_value: Any, dtype: Any, req_shape: Shape, shape: Any,
                    name: str | None) -> _Initial:
     """Sort ``initial_value`` into a value now or a function for later, with its dtype."""
+    initial_value = _host_view(initial_value, name)
     if isinstance(initial_value, Variable):
         dt = as_dtype(dtype) if dtype is not None else initial_value.dtype
         return _Initial(dt, _convert_initial(initial_value._materialize(), dt, name), None,
@@ -459,12 +461,20 @@ def _initial_value(initial_value: Any, dtype: Any, req_shape: Shape, shape: Any,
     if callable(initial_value) and not hasattr(initial_value, "__array__"):
         # An initial-value function: called with no arguments, as TensorFlow does.
         if dtype is not None and fully_defined(req_shape):
-            return _Initial(as_dtype(dtype), None, initial_value, False)
-        value = initial_value()
+            fn = initial_value
+            return _Initial(as_dtype(dtype), None, lambda: _host_view(fn(), name), False)
+        value = _host_view(initial_value(), name)
         dt = as_dtype(dtype) if dtype is not None else infer_dtype(value)
         return _Initial(dt, _convert_initial(value, dt, name), None, False)
     dt = as_dtype(dtype) if dtype is not None else infer_dtype(initial_value)
     return _Initial(dt, _convert_initial(initial_value, dt, name), None, False)
+
+
+def _host_view(value: Any, name: str | None) -> Any:
+    """A torch tensor or JAX array as a NumPy view of its memory (copied later, once)."""
+    if framework_of(value) in ("torch", "jax"):
+        return to_numpy(value, what=f"the initial value of variable {name or 'Variable'!r}")
+    return value
 
 
 def _convert_initial(value: Any, dt: np.dtype, name: str | None) -> np.ndarray:
