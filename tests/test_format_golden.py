@@ -23,7 +23,7 @@ ATTRS = {"model/w": {"trainable": True}}
 def expected(container: str, w_offset: object, packed_offset: object) -> dict:
     return {
         "format": "ckptvar",
-        "format_version": [1, 0],
+        "format_version": [1, 1],
         "library": "ckptvar 0.1.0",
         "container": container,
         "packed": ["_ckptvar/packed", packed_offset, 128],
@@ -57,10 +57,10 @@ def test_root_record_is_pinned(tmp_path: Path, fmt: str) -> None:
         root = zarr.open_group(p, mode="r")
         data = root["_ckptvar/record"][...].tobytes()
         assert msgpack.unpackb(data) == expected("zarr", 0, 0)
-        assert dict(root.attrs) == {"ckptvar": {"format_version": [1, 0],
+        assert dict(root.attrs) == {"ckptvar": {"format_version": [1, 1],
                                                 "record": "_ckptvar/record",
                                                 "record_nbytes": 319,
-                                                "record_crc32c": 1698160113}}
+                                                "record_crc32c": 1736268641}}
     assert msgpack.unpackb(data)["keys"] == list(VALUES)  # file order = add order
 
 

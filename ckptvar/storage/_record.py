@@ -17,7 +17,7 @@ file and the key.
 ...              packed=("_ckptvar/packed", 512, 64))
 >>> back = decode(encode(rec), "f.h5", container="h5")
 >>> back.values["w"].shape, back.values["w"].nbytes, back.format_version
-((2,), 8, (1, 0))
+((2,), 8, (1, 1))
 """
 
 from __future__ import annotations
@@ -46,6 +46,16 @@ from ._plain import (
     types_of,
     unique_pairs,
 )
+from ._record_index import (
+    INDEX_FROM,
+    LAYOUT_CODES,
+    IndexedValues,
+    KeyIndex,
+    SortedKeys,
+    check_packed,
+    encode_index,
+    read_head,
+)
 
 __all__ = [
     "FORMAT_NAME",
@@ -66,7 +76,7 @@ __all__ = [
 
 FORMAT_NAME = "ckptvar"
 #: (major, minor). A reader refuses a newer major version; minor additions are ignorable.
-FORMAT_VERSION = (1, 0)
+FORMAT_VERSION = (1, 1)
 #: Largest record a reader accepts (about 5 million values).
 MAX_RECORD_NBYTES = 1 << 30
 MAX_NDIM = 64
@@ -220,8 +230,16 @@ def encode_columns(
         "metadata": dict(metadata),
     }
     try:
-        encoded: bytes = msgpack.packb(doc, use_bin_type=True)
-        return encoded
+        if len(keys) >= INDEX_FROM:
+            nbytes = list(map(operator.mul, map(math.prod, cols.shapes),
+                              map(_ITEMSIZE.__getitem__, cols.dtypes)))
+            doc["index"] = encode_index(keys, {
+                "dtypes": cols.dtypes, "shapes": cols.shapes, "checksums": cols.checksums,
+                "layouts": layouts, "paths": paths, "offsets": offsets, "attrs": cols.attrs,
+                "nbytes": nbytes,
+            })
+        out: bytes = msgpack.packb(doc, use_bin_type=True)
+        return out
     except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(
             f"Checkpoint metadata or attrs must be msgpack-able (dict, list, str, bytes, "
@@ -238,6 +256,10 @@ def decode(data: bytes, path: Any, *, container: str, file_size: int | None = No
             f"{MAX_RECORD_NBYTES} accepted."
         )
     with paused_gc():
+        # The Zarr reader checks every container path at open, so it needs every value.
+        lazy = _decode_indexed(data, where, container, file_size) if container == "h5" else None
+        if lazy is not None:
+            return lazy
         return _decode(data, where, container, file_size)
 
 
@@ -274,7 +296,7 @@ def _validate(doc: Any, container: str, file_size: int | None) -> Record:
     off = np.array(offsets, np.int64)
     nb = np.array(nbytes, np.int64)
     pk = np.array(is_packed, bool)
-    _check_packed(keys, pk, off, nb, packed_nbytes)
+    check_packed(keys, pk, off, nb, packed_nbytes)
     make = functools.partial(tuple.__new__, Location)  # no per-value Python call
     locs = list(map(make, zip(layouts, paths, offsets, nbytes, strict=True)))
     shape_tuples = map(tuple, shapes)
@@ -424,24 +446,74 @@ def _check_locations(cols: dict[str, list[Any]], container: str) -> None:
             )
 
 
-def _check_packed(keys: list[str], packed: np.ndarray, offsets: np.ndarray,
-                  nbytes: np.ndarray, blob_nbytes: int) -> None:
-    """Packed values lie inside the blob and never overlap each other."""
-    if not packed.any():
-        return
-    idx = np.flatnonzero(packed)
-    start, size = offsets[idx], nbytes[idx]
-    end = start + size
-    outside = np.flatnonzero(end > blob_nbytes)
-    if outside.size:
-        key = keys[int(idx[outside[0]])]
-        raise BadRecord(f"{key!r} lies outside the packed blob ({blob_nbytes} bytes)")
-    nonempty = size > 0
-    idx, start, end = idx[nonempty], start[nonempty], end[nonempty]
-    order = np.argsort(start, kind="stable")
-    s, e = start[order], end[order]
-    bad = np.flatnonzero(s[1:] < e[:-1])
-    if bad.size:
-        j = int(bad[0])
-        a, b = keys[int(idx[order[j]])], keys[int(idx[order[j + 1]])]
-        raise BadRecord(f"packed value {b!r} overlaps {a!r}")
+#: The fields an indexed record leaves undecoded until every value is needed.
+_DEFERRED = frozenset({*_COLUMNS, "attrs", "sparse_attrs"})
+
+
+def _decode_indexed(data: bytes, where: str, container: str,
+                    file_size: int | None) -> Record | None:
+    """A record with a key index, decoded lazily: the columns skipped (checked when every
+    value is first needed), the index checked in bulk; None without an index."""
+    head = read_head(data, _DEFERRED)
+    if head is None:
+        return None
+    try:
+        version, library, metadata = _check_header(head, container)
+        packed = _check_packed_region(head.get("packed"), file_size)
+        index = KeyIndex.parse(head["index"], container)
+        pk = index.layouts == 0
+        check_packed(SortedKeys(index), pk, index.offsets, index.nbytes,
+                     packed[2] if packed is not None else 0)
+    except BadRecord as exc:
+        raise CorruptCheckpointError(f"Checkpoint {where!r}: bad root record: {exc}.") from None
+    record = Record(
+        container=container,
+        metadata=metadata,
+        packed=packed,
+        format_version=version,
+        library=library,
+        columns=Columns(SortedKeys(index), pk, index.offsets, index.nbytes),  # type: ignore[arg-type]
+    )
+    record.values = IndexedValues(  # type: ignore[assignment]
+        index,
+        functools.partial(_indexed_entry, index, where),
+        functools.partial(_decode_all, index, (data, where, container, file_size)),
+    )
+    return record
+
+
+def _indexed_entry(idx: KeyIndex, where: str, key: str, i: int) -> Entry:
+    """The entry of ``key``, the ``i``-th value of the key index, checked."""
+    try:
+        dtype, shape, path, attrs = idx.row(i)
+        nbytes = _check_dtypes_and_shapes([key], [dtype], [shape])[0]
+        if nbytes != int(idx.nbytes[i]):
+            raise BadRecord(f"the index gives {key!r} {int(idx.nbytes[i])} bytes, its dtype "
+                            f"and shape {nbytes}")
+    except BadRecord as exc:
+        raise CorruptCheckpointError(f"Checkpoint {where!r}: bad root record: {exc}.") from None
+    loc = Location(LAYOUT_CODES[int(idx.layouts[i])], path, int(idx.offsets[i]), nbytes)
+    e = Entry(dtype, tuple(shape), int(idx.checksums[i]), attrs, loc)
+    e._nbytes = nbytes
+    return e
+
+
+def _decode_all(idx: KeyIndex, src: tuple[bytes, str, str, int | None],
+                handed_out: Mapping[str, Entry]) -> dict[str, Entry]:
+    """Every value of an indexed record (strict full decode of ``(data, where, container,
+    file_size)``), which must agree with its key index and the entries ``handed_out``."""
+    data, where, container, file_size = src
+    with paused_gc():
+        rec = _decode(data, where, container, file_size)
+    full, cols = rec.values, rec.columns
+    assert cols is not None
+    if not idx.agrees(cols.packed, cols.offsets, cols.nbytes) or any(
+        full.get(k) != e for k, e in handed_out.items()
+    ):
+        raise CorruptCheckpointError(
+            f"Checkpoint {where!r}: bad root record: its key index does not agree with its "
+            "columns."
+        )
+    return full
+
+
