@@ -23,11 +23,10 @@ from typing import Any
 import numpy as np
 
 from . import _frameworks
-from .checkpoint._files import destination_error, make_parents
+from .checkpoint import destination_error, make_parents
+from .device import resolve, supports_dtype, xp_for
 from .errors import DeviceError
-from .storage import backend_for
-from .storage._record import paused_gc
-from .storage._remote import open_remote_reader, remote_format, save_remote
+from .storage import backend_for, open_remote_reader, paused_gc, remote_format, save_remote
 from .storage.base import Reader
 from .storage.location import is_url
 
@@ -59,7 +58,7 @@ def list_variables(
     """``[(key, shape, dtype), ...]`` of every value stored at ``path``, in file order."""
     with open(path, storage_options=storage_options) as reader:
         out = []
-        for key in reader.keys():
+        for key in reader.keys():  # noqa: SIM118 - a Reader is no dict
             info = reader.info(key)
             out.append((key, tuple(info.shape), info.dtype))
         return out
@@ -105,8 +104,6 @@ def load(
         return arrays
     dev = None
     if device is not None:
-        from .device import resolve
-
         dev = resolve(device)
         if not dev.is_gpu:
             dev = None
@@ -133,8 +130,6 @@ def _warn_skipped(path: PathLike, skipped: Mapping[str, str]) -> None:
 
 
 def _load_to_gpu(reader: Reader, keys: list[str], dev: Any, verify: bool) -> dict[str, Any]:
-    from .device import supports_dtype, xp_for
-
     cp = xp_for(dev)
     out: dict[str, Any] = {}
     with cp.cuda.Device(dev.index):
@@ -155,7 +150,7 @@ def _load_to_gpu(reader: Reader, keys: list[str], dev: Any, verify: bool) -> dic
     return out
 
 
-def save(  # noqa: PLR0913 - the public signature (API.md)
+def save(
     path: PathLike,
     arrays: Mapping[str, Any],
     *,

@@ -48,7 +48,7 @@ def _is_tracked_value(value: Any) -> bool:
     return isinstance(value, Variable | PartitionedVariable | Trackable | list | tuple | dict)
 
 
-def iter_tracked(value: Any, seen: set[int]) -> Iterator[Any]:
+def iter_tracked(value: Any, seen: set[int]) -> Iterator[Any]:  # noqa: C901 - one branch per kind of container walked
     """Depth-first: every Variable and Trackable reachable from ``value``, once each."""
     if isinstance(value, Variable):
         if id(value) not in seen:

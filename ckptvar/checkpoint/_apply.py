@@ -34,7 +34,13 @@ import numpy as np
 
 from .._dtypes import check_castable, dtype_name
 from ..errors import CheckpointMismatchError, DTypeLockError
-from ..storage import ArrayInfo, Reader
+from ..storage import (
+    ArrayInfo,
+    Reader,
+    SupportsReadIntoMany,
+    SupportsShapeAndDtype,
+    SupportsVerifyMany,
+)
 from ..variables import Variable
 
 __all__ = [
@@ -65,11 +71,14 @@ class ReaderAbilities:
 
 
 def reader_abilities(reader: Any) -> ReaderAbilities:
-    """What ``reader`` offers beyond the ``Reader`` interface (the one place it is asked)."""
+    """What ``reader`` offers beyond the ``Reader`` interface (the one place it is asked):
+    the optional protocols of :mod:`ckptvar.storage.base` it implements."""
     return ReaderAbilities(
-        shape_and_dtype=getattr(reader, "shape_and_dtype", None),
-        read_into_many=getattr(reader, "read_into_many", None),
-        verify_many=getattr(reader, "verify_many", None),
+        shape_and_dtype=(reader.shape_and_dtype
+                         if isinstance(reader, SupportsShapeAndDtype) else None),
+        read_into_many=(reader.read_into_many
+                        if isinstance(reader, SupportsReadIntoMany) else None),
+        verify_many=reader.verify_many if isinstance(reader, SupportsVerifyMany) else None,
     )
 
 
@@ -85,7 +94,7 @@ def _fmt_shape(shape: Any) -> str:
     return "unknown" if shape is None else str(tuple(shape))
 
 
-def check_matches(
+def check_matches(  # noqa: C901 - one pass collects every mismatch kind, to report them all at once
     pairs: list[tuple[str, Variable]],
     infos: Mapping[str, ArrayInfo],
     path: Any,
@@ -147,7 +156,7 @@ def _read_fresh(reader: Reader, keys: list[str], verify: bool) -> dict[str, np.n
     return dict(reader.read_many(unique, verify=verify))
 
 
-def apply_values(
+def apply_values(  # noqa: C901, PLR0912 - the all-or-nothing protocol, step by step
     reader: Reader,
     pairs: list[tuple[str, Variable]],
     infos: Mapping[str, ArrayInfo],
@@ -210,7 +219,7 @@ def apply_values(
         _warn_cast(reader.path, [(key, casts[id(var)], var) for key, var in converted])
     # Phase 2: change the variables.
     for var, value in values:
-        _give(var, value)
+        give_value(var, value)
     if in_place:  # materialised, hence already initialized
         if able.read_into_many is not None:
             able.read_into_many([(key, buf) for key, _, buf in in_place], verify=False)
@@ -273,7 +282,7 @@ def _warn_cast(path: Any, casts: list[tuple[str, np.dtype, Variable]]) -> None:
     )
 
 
-def _give(var: Variable, value: np.ndarray) -> None:
+def give_value(var: Variable, value: np.ndarray) -> None:
     if var._materialized:
         var._restore_value(value)
     else:

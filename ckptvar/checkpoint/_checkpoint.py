@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..storage._record import paused_gc
+from ..storage import paused_gc
 from ..trackable import Trackable
 from ..variables import PartitionedVariable, Variable
 from . import _async
@@ -98,7 +98,7 @@ class Checkpoint(Trackable):
         return counter
 
     # -- saving -----------------------------------------------------------------------
-    def save(  # noqa: PLR0913
+    def save(
         self,
         prefix: str | os.PathLike[str],
         *,
@@ -123,7 +123,7 @@ class Checkpoint(Trackable):
                           on_commit=record_latest, storage_options=storage_options,
                           coordinator=coordinator, timeout=timeout)
 
-    def _save(  # noqa: PLR0913
+    def _save(
         self,
         prefix: str | os.PathLike[str],
         *,
@@ -148,7 +148,7 @@ class Checkpoint(Trackable):
             counter.assign_sub(1)
             raise
 
-    def write(  # noqa: PLR0913
+    def write(
         self,
         path: str | os.PathLike[str],
         *,
@@ -174,7 +174,7 @@ class Checkpoint(Trackable):
         return self._write(path, fmt, blocking, metadata, None, storage_options,
                            coordinator, timeout)
 
-    def _write(  # noqa: PLR0913, PLR0917
+    def _write(  # noqa: PLR0917
         self,
         path: str,
         fmt: str,

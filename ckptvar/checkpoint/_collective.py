@@ -35,12 +35,21 @@ import numpy as np
 
 from ..distributed import Box, Coordinator, PlanCache, VariableLayout, gather_plan
 from ..errors import CheckpointMismatchError, CkptError
-from ..storage import backend_for
-from ..storage._atomic import fsync_dir, fsync_path, partial_path, remove_path
-from ..storage._sharded import INDEX_FILE, ShardedReader, box_key, pack_index, rank_file
+from ..storage import (
+    INDEX_FILE,
+    ShardedReader,
+    backend_for,
+    box_key,
+    fsync_dir,
+    fsync_path,
+    pack_index,
+    partial_path,
+    rank_file,
+    remove_path,
+)
 from ..variables import Variable
-from ._logical import Logical
 from ._files import make_parents, native_backend
+from ._logical import Logical
 
 __all__ = [
     "collective_restore", "collective_write", "last_timings", "needs_collective", "plan_cache"
@@ -90,7 +99,7 @@ class _LazyLayout(Mapping[str, VariableLayout]):
         return len(self._raw)
 
 
-def _raw_layout(var: Variable, key: str, array: np.ndarray) -> _Raw:
+def _raw_layout(var: Variable | Logical, key: str, array: np.ndarray) -> _Raw:
     shard = var.shard if isinstance(var, Variable) else None
     shape = array.shape
     if shard is None:
@@ -98,12 +107,12 @@ def _raw_layout(var: Variable, key: str, array: np.ndarray) -> _Raw:
     return (key, tuple(shard.full_shape), array.dtype.str, tuple(shard.offset), shape)
 
 
-def collective_write(  # noqa: C901, PLR0912, PLR0913, PLR0915, PLR0917 - the protocol, step by step
+def collective_write(  # noqa: C901, PLR0912, PLR0915, PLR0917 - the protocol, step by step
     path: str,
     fmt: str,
     arrays: Sequence[tuple[str, np.ndarray, dict[str, Any]]],
     meta: dict[str, Any],
-    variables: Mapping[str, Variable],
+    variables: Mapping[str, Variable | Logical],
     coord: Coordinator,
     *,
     timeout: float | None = None,
@@ -276,7 +285,7 @@ def _packed_variables(
     return packed
 
 
-def _commit(  # noqa: PLR0913, PLR0917
+def _commit(  # noqa: PLR0917
     tmp: Path,
     final: Path,
     fmt: str,
@@ -302,7 +311,7 @@ def _commit(  # noqa: PLR0913, PLR0917
 
 
 # -- restore ---------------------------------------------------------------------------
-def collective_restore(  # noqa: PLR0913
+def collective_restore(
     path: str | os.PathLike[str],
     pairs: Sequence[tuple[str, Variable]],
     coord: Coordinator,

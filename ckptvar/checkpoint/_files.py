@@ -16,9 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CkptError, UnsupportedFormatError
-from ..storage import backend_for
-from ..storage._atomic import partial_path, remove_path
-from ..storage._remote import open_remote_reader, save_remote
+from ..storage import backend_for, open_remote_reader, partial_path, remove_path, save_remote
 from ..storage.location import is_url
 
 __all__ = [
@@ -126,7 +124,8 @@ def write_file(
             for key, array, attrs in arrays:
                 writer.add(key, array, attrs)
             writer.set_metadata(meta)
-            return os.fspath(writer.commit())
+            written: str = os.fspath(writer.commit())
+            return written
         except BaseException:
             writer.abort()
             raise

@@ -24,7 +24,7 @@ from .._dtypes import check_castable, dtype_name
 from ..errors import CheckpointMismatchError, DTypeLockError, ShapeLockError
 from ..storage import Reader
 from ..variables import PartitionedVariable, Variable
-from ._apply import TEMPORARY_BUDGET, _give, apply_values, check_matches, reader_abilities
+from ._apply import TEMPORARY_BUDGET, apply_values, check_matches, give_value, reader_abilities
 
 __all__ = [
     "BoxRead",
@@ -236,7 +236,7 @@ def mismatch_error(path: Any, problems: list[str]) -> CheckpointMismatchError:
     )
 
 
-def apply_targets(
+def apply_targets(  # noqa: C901, PLR0912 - the all-or-nothing protocol over plain and logical values
     reader: Reader,
     pairs: Sequence[tuple[str, Variable | Logical]],
     infos: Any,
@@ -306,7 +306,7 @@ def apply_targets(
     apply_values(reader, plain, infos, verify=verify, cast=cast, budget=budget)
     # Phase 2: change the variables.
     for part, r in fresh:
-        _give(part, r.out)
+        give_value(part, r.out)
     if in_place:
         box_reader(reader, [r for _, r in in_place], verify=False)
 

@@ -29,8 +29,7 @@ from ..errors import (
     DistributedTimeoutError,
     UnsupportedFormatError,
 )
-from ..storage import known_formats
-from ..storage._atomic import is_partial, remove_path
+from ..storage import is_partial, known_formats, remove_path
 from ..storage.location import (
     Location,
     clean_uncommitted,
@@ -95,7 +94,7 @@ class CheckpointManager:
     work, crash leftovers are left alone, and :meth:`save` raises ``CkptError``.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0917 - TensorFlow's CheckpointManager argument list (API.md)
         self,
         checkpoint: Checkpoint,
         directory: str | os.PathLike[str],
@@ -322,7 +321,7 @@ class CheckpointManager:
         value = counter.numpy() if isinstance(counter, Variable) else counter()
         return int(value)
 
-    def save(
+    def save(  # noqa: C901 - the save steps in order (sync, write, state, prune)
         self,
         checkpoint_number: int | None = None,
         check_interval: bool = True,
@@ -384,7 +383,8 @@ class CheckpointManager:
                 self._sync()
             return result
         result._future.add_done_callback(lambda _f, fd=saving: os.close(fd))
-        return result.path
+        path: str = result.path
+        return path
 
     def _save_remote(self, number: int, step: int) -> str:
         result = self._checkpoint._save(

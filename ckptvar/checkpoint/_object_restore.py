@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..storage import ArrayInfo, Reader, backend_for
-from ..storage._record import paused_gc
+from ..storage import ArrayInfo, Reader, backend_for, paused_gc
 from ..trackable import Trackable
 from ..variables import PartitionedVariable, Variable
 from ._apply import reader_abilities
@@ -173,7 +172,7 @@ class RestoreState:
             decoded = [(k, t, decode_state(self.states[k], k, self.path)) for k, t in m.states]
             apply_targets(self.reader, [(k, t) for k, t, _ in m.variables], self.infos,
                           verify=self.verify, cast=self.cast, box_reader=self.box_reader)
-            for key, trackable, state in decoded:
+            for _key, trackable, state in decoded:
                 trackable._restore_python_state(state)
             for key, _, obj in m.variables:
                 self.mark_consumed(key, obj)
@@ -262,7 +261,7 @@ class _LazyInfos(Mapping[str, ArrayInfo]):
 def _infos(reader: Reader) -> Mapping[str, ArrayInfo]:
     if reader_abilities(reader).read_into_many is not None:  # native: from its record
         return _LazyInfos(reader)
-    return {k: reader.info(k) for k in reader.keys()}
+    return {k: reader.info(k) for k in reader.keys()}  # noqa: SIM118 - a Reader is no dict
 
 
 def _close(reader: Reader | None) -> None:

@@ -36,7 +36,7 @@ __all__ = ["restore_on_create"]
 
 
 @contextlib.contextmanager
-def restore_on_create(
+def restore_on_create(  # noqa: C901, PLR0915 - the context manager's whole lifecycle in one place
     path: str | Path, *, verify: bool = True, cast: bool = False
 ) -> Iterator[RestoreStatus]:
     """Variables created inside the block whose name is stored in ``path`` take that value.

@@ -16,7 +16,6 @@ from typing import Any
 from ..graph import global_variables
 from ..storage import backend_for
 from ..variables import PartitionedVariable, Variable
-from ._apply import apply_values
 from ._collective import (
     collective_restore,
     collective_write,

@@ -17,7 +17,7 @@ import msgpack
 import numpy as np
 
 from ..errors import CorruptCheckpointError
-from ..storage._rawio import snapshot
+from ..storage import snapshot
 from ..trackable import Trackable
 from ..variables import PartitionedVariable, Variable
 from ._logical import Logical, as_target, assemble
@@ -50,7 +50,8 @@ class SavePlan:
 def encode_state(state: Any, key: str) -> bytes:
     """msgpack-encode a trackable's Python state; ``TypeError`` naming ``key`` if it can't."""
     try:
-        return msgpack.packb(state, use_bin_type=True)
+        packed: bytes = msgpack.packb(state, use_bin_type=True)
+        return packed
     except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(
             f"The Python state of {key!r} cannot be stored with msgpack ({exc}); "

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from ..storage._atomic import fsync_dir, is_partial, partial_path, remove_path
+from ..storage import fsync_dir, is_partial, partial_path, remove_path
 from ..storage.location import is_url, list_committed_steps, open_location
 from ._steps import parse_step_name
 

@@ -344,6 +344,19 @@ def _make_plan(reader: Any, keys: list[str], args: argparse.Namespace) -> _Plan:
     return plan
 
 
+def _metadata_options(
+    reader: Any, dst: Path, args: argparse.Namespace
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The metadata to write and the save options ``--no-metadata`` asks for."""
+    metadata = dict(reader.metadata() or {})
+    options: dict[str, Any] = {}
+    if args.no_metadata:  # none of ckptvar's own; a Hugging Face 'format' entry stays
+        metadata = {k: v for k, v in metadata.items() if k == "format" and isinstance(v, str)}
+        if cv.storage.backend_for(dst, args.format, mode="w").name == "safetensors":
+            options["ckptvar_metadata"] = False  # not even the per-value attributes
+    return metadata, options
+
+
 def _convert(
     reader: Any, src: Path | str, dst_arg: Path | str, args: argparse.Namespace, out: TextIO
 ) -> int:
@@ -366,12 +379,7 @@ def _convert(
         if args.progress is not None
         else (sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES and not args.quiet)
     )
-    metadata = dict(reader.metadata() or {})
-    options: dict[str, Any] = {}
-    if args.no_metadata:  # none of ckptvar's own; a Hugging Face 'format' entry stays
-        metadata = {k: v for k, v in metadata.items() if k == "format" and isinstance(v, str)}
-        if cv.storage.backend_for(dst, args.format, mode="w").name == "safetensors":
-            options["ckptvar_metadata"] = False  # not even the per-value attributes
+    metadata, options = _metadata_options(reader, dst, args)
     window = args.window if args.window is not None else max(DEFAULT_WINDOW, 2 * largest)
     created = [] if remote_dst else _make_parents(dst)
     if remote_dst:

@@ -77,12 +77,11 @@ def _manager_checkpoints(directory: Path) -> list[Path]:
 
 def _committed_steps(url: str) -> list[tuple[str, float, int]]:
     """``[(step_url, commit_time, size), ...]`` of the committed steps directly below ``url``."""
-    from ckptvar.storage.location import list_committed_steps, open_location, read_commit
-
-    loc = open_location(url, storage_options=storage_options())
+    location = cv.storage.location
+    loc = location.open_location(url, storage_options=storage_options())
     found = []
-    for step in list_committed_steps(loc):
-        record = read_commit(loc, step)
+    for step in location.list_committed_steps(loc):
+        record = location.read_commit(loc, step)
         if record is None:  # pruned while we looked
             continue
         objects = loc.list(record.data) if not loc.exists(record.data) else []

@@ -3,7 +3,11 @@
 Besides the interface (:mod:`.base`) and the registry, two helpers the layers
 above use while saving and restoring: :func:`paused_gc` (no cyclic garbage
 collection while many small objects are made) and :func:`snapshot` (copies of
-arrays, large ones in parallel pieces).
+arrays, large ones in parallel pieces). For the checkpoint layer it also names the
+crash-safe file helpers (``partial_path``, ``is_partial``, ``remove_path``,
+``fsync_dir``, ``fsync_path``), the remote-URL entry points (``open_remote_reader``,
+``save_remote``, ``remote_format``) and the sharded layout (``ShardedReader``,
+``INDEX_FILE``, ``rank_file``, ``box_key``, ``pack_index``).
 
 >>> from ckptvar.storage import known_formats
 >>> "h5" in known_formats() and "zarr" in known_formats()
@@ -12,6 +16,7 @@ True
 
 from __future__ import annotations
 
+from ._atomic import fsync_dir, fsync_path, is_partial, partial_path, remove_path
 from ._gc import paused_gc
 from ._rawio import snapshot
 from .base import (
@@ -30,20 +35,35 @@ from .registry import backend_for, known_formats, register_backend
 # isort: split
 # The built-in backends register themselves on import, so after the registry exists.
 from . import _h5, _sharded, _zarr, formats  # noqa: F401
+from ._remote import open_remote_reader, remote_format, save_remote
+from ._sharded import INDEX_FILE, ShardedReader, box_key, pack_index, rank_file
 
 __all__ = [
+    "INDEX_FILE",
     "ArrayInfo",
     "Backend",
     "LazyArray",
     "Reader",
+    "ShardedReader",
     "SupportsReadIntoMany",
     "SupportsShapeAndDtype",
     "SupportsVerifyAll",
     "SupportsVerifyMany",
     "Writer",
     "backend_for",
+    "box_key",
+    "fsync_dir",
+    "fsync_path",
+    "is_partial",
     "known_formats",
+    "open_remote_reader",
+    "pack_index",
+    "partial_path",
     "paused_gc",
+    "rank_file",
     "register_backend",
+    "remote_format",
+    "remove_path",
+    "save_remote",
     "snapshot",
 ]

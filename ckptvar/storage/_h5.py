@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
-from . import _checksum, _rawio, register_backend
+from . import _checksum, _rawio
 from ._container import (
     PACKED_PATH,
     ContainerReader,
@@ -52,6 +52,7 @@ from ._container.source import RemoteFile
 from ._paths import RESERVED_PREFIX
 from ._record import ARRAY, FORMAT_VERSION, MAX_RECORD_NBYTES, PACKED, Entry, Record, decode
 from .base import Backend
+from .registry import register_backend
 
 __all__ = ["USERBLOCK_SIZE", "H5Backend", "H5Reader", "H5Writer", "read_userblock"]
 
@@ -376,7 +377,7 @@ class H5Backend(Backend):
             return False
 
     @classmethod
-    def open_reader(cls, path: Path) -> H5Reader:  # type: ignore[override]
+    def open_reader(cls, path: Path) -> H5Reader:
         path = Path(path)
         try:
             return cls._open_reader(path)
@@ -402,7 +403,7 @@ class H5Backend(Backend):
         return H5Reader(path)
 
     @classmethod
-    def open_writer(cls, path: Path, **options: Any) -> H5Writer:  # type: ignore[override]
+    def open_writer(cls, path: Path, **options: Any) -> H5Writer:
         return H5Writer(Path(path), **options)
 
 

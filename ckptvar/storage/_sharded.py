@@ -27,10 +27,10 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-from ..distributed._plan import Box, read_plan
+from ..distributed import Box, read_plan
 from ..errors import CkptError, CorruptCheckpointError, MissingKeyError
-from . import register_backend
 from .base import ArrayInfo, Backend, LazyArray, Reader, SupportsVerifyAll
+from .registry import backend_for, register_backend
 
 __all__ = [
     "INDEX_FILE",
@@ -255,8 +255,6 @@ class ShardedReader(Reader, SupportsVerifyAll):
         sub = self._subs.get(f)
         if sub is not None:
             return sub
-        from . import backend_for  # noqa: PLC0415 - the registry imports this module
-
         where = self.path / self._files[f]
         if not where.exists():
             raise CorruptCheckpointError(

@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
-from . import _checksum, _rawio, register_backend
+from . import _checksum, _rawio
 from ._atomic import fsync_all
 from ._container import (
     PACKED_PATH,
@@ -61,6 +61,7 @@ from ._zarr_files import (
     write_file,
 )
 from .base import Backend
+from .registry import register_backend
 
 __all__ = ["RECORD_PATH", "ZarrBackend", "ZarrReader", "ZarrWriter", "chunk_key"]
 
@@ -145,7 +146,7 @@ class ZarrWriter(ContainerWriter):
             fsync_all(tree.sync, tree.dirs)
 
     def _write_compressed(self, tmp: Path, it: WriteItem, sdt: np.dtype) -> None:
-        zarr = _zarr_api()
+        zarr = zarr_api()
         level = self.compression_level
         if self.compression == "zstd":
             codec: Any = zarr.codecs.ZstdCodec(level=3 if level is None else level)
@@ -170,7 +171,7 @@ class ZarrWriter(ContainerWriter):
             arr[...] = it.array.view(sdt)
 
 
-def _zarr_api() -> Any:
+def zarr_api() -> Any:
     """zarr-python, loaded only for compressed arrays (with the modules used from it)."""
     for name in ("zarr.codecs", "zarr.storage", "zarr.core.chunk_key_encodings"):
         importlib.import_module(name)
@@ -380,7 +381,7 @@ class ZarrReader(ContainerReader):
         return self._packed_fd, 0
 
     def _read_other(self, key: str, entry: Entry) -> np.ndarray:
-        zarr = _zarr_api()
+        zarr = zarr_api()
 
         rel = entry.loc.path or ""
         if entry.nbytes:
@@ -394,7 +395,7 @@ class ZarrReader(ContainerReader):
             store = zarr.storage.LocalStore(self.path, read_only=True)
             arr = zarr.open_array(store=store, path=rel, mode="r")
             data = np.asarray(arr[...])
-        except Exception as exc:  # any decoding failure is damage
+        except Exception as exc:  # noqa: BLE001 - any decoding failure is damage
             raise self._corrupt(key, f"cannot be decoded ({type(exc).__name__}: {exc})") from None
         sdt = storage_dtype(entry.dtype)
         if data.shape != entry.shape or data.dtype != sdt:
@@ -441,7 +442,7 @@ class ZarrBackend(Backend):
         return isinstance(attrs, dict) and isinstance(attrs.get("ckptvar"), dict)
 
     @classmethod
-    def open_reader(cls, path: Path) -> ZarrReader:  # type: ignore[override]
+    def open_reader(cls, path: Path) -> ZarrReader:
         path = Path(path)
         if path.is_dir() and not cls.sniff(path):
             if (path / RECORD_PATH).is_dir():
@@ -458,7 +459,7 @@ class ZarrBackend(Backend):
         return ZarrReader(path)
 
     @classmethod
-    def open_writer(cls, path: Path, **options: Any) -> ZarrWriter:  # type: ignore[override]
+    def open_writer(cls, path: Path, **options: Any) -> ZarrWriter:
         return ZarrWriter(Path(path), **options)
 
 

@@ -18,7 +18,7 @@ from . import _checksum
 from ._container import PACKED_PATH, ContainerReader, Source, storage_dtype
 from ._container.source import RemoteFile
 from ._record import FORMAT_VERSION, MAX_RECORD_NBYTES, PACKED, Entry, Record, decode
-from ._zarr import RECORD_PATH, ZarrReader, _zarr_api, chunk_key
+from ._zarr import RECORD_PATH, ZarrReader, chunk_key, zarr_api
 
 __all__ = ["RemoteZarrReader"]
 
@@ -105,7 +105,7 @@ class RemoteZarrReader(ZarrReader):
         return self._packed_rf, 0
 
     def _read_other(self, key: str, entry: Entry) -> np.ndarray:
-        zarr = _zarr_api()
+        zarr = zarr_api()
         rel = entry.loc.path or ""
         try:
             store = zarr.storage.ObjectStore(self._loc.zarr_store(self._prefix), read_only=True)

@@ -422,7 +422,7 @@ class Variable(WriteBehaviour, ArrayBehaviour):
         return new
 
 
-def _unpickle_variable(value: np.ndarray, name: str, shape: Shape, trainable: bool,
+def _unpickle_variable(value: np.ndarray, name: str, shape: Shape, trainable: bool,  # noqa: PLR0917 - existing pickles pass these positionally
                        constraint: Any, collections: Sequence[str],
                        shard: Shard | None = None) -> Variable:
     return Variable(value, name=name + "/", shape=shape, validate_shape=shape is not None,

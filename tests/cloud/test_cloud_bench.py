@@ -1,12 +1,12 @@
 """The cloud benchmark runs (small) and reports every figure; the full 256 MiB run is manual:
-``python -m ckptvar.storage.location._bench --size-mib 256``."""
+``python -m ckptvar.storage.location.bench --size-mib 256``."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from ckptvar.storage.location._bench import bench_checkpoints, bench_cloud
+from ckptvar.storage.location.bench import bench_checkpoints, bench_cloud
 
 
 def test_bench_cloud_reports_ratios(moto_endpoint: str) -> None:
@@ -21,7 +21,7 @@ def test_bench_cloud_command_starts_its_own_server() -> None:
         [
             sys.executable,
             "-m",
-            "ckptvar.storage.location._bench",
+            "ckptvar.storage.location.bench",
             "--size-mib",
             "8",
             "--repeat",

@@ -22,8 +22,8 @@ import numpy as np
 
 from ...errors import CorruptCheckpointError
 from .. import _checksum, _rawio
-from . import source as _src
 from .._record import ARRAY, PACKED, Entry
+from . import source as _src
 from .transfer import PARALLEL_FROM, Transfer, TransferValue
 
 if TYPE_CHECKING:

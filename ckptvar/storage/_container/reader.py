@@ -338,10 +338,13 @@ class ContainerLazyArray(LazyArray):
 
     def __getitem__(self, index: Any) -> np.ndarray:
         e = self._reader._entry(self._key)
+        whole: np.ndarray
         if e.nbytes <= _SLICE_WHOLE_BELOW or e.loc.kind not in (ARRAY, PACKED):
-            return self.read()[index]
+            whole = self.read()[index]
+            return whole
         span = element_span(index, e.shape, name=repr(self._key))
         if span is None:  # advanced indexing or 0-d: read the whole value (verified)
-            return self.read()[index]
+            whole = self.read()[index]
+            return whole
         block = self._reader._read_elements(self._key, e, span.start, span.count)
         return block.reshape(span.shape)[span.index]  # type: ignore[no-any-return]

@@ -18,8 +18,8 @@ import numpy as np
 
 from ...errors import CorruptCheckpointError
 from .. import _checksum, _rawio
-from . import source as _src
 from .._record import Entry
+from . import source as _src
 from .layout import Source
 
 if TYPE_CHECKING:

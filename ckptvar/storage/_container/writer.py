@@ -95,16 +95,15 @@ def _prepare(array: Any) -> tuple[np.ndarray, str]:
 
 
 def _check_key(key: Any) -> str:
-    if type(key) is not str:
-        if not isinstance(key, str):
-            raise TypeError(f"Checkpoint keys are strings, got {type(key).__name__} {key!r}.")
-        key = str(key)
-    if not key.isascii():
+    if not isinstance(key, str):
+        raise TypeError(f"Checkpoint keys are strings, got {type(key).__name__} {key!r}.")
+    text = str(key)  # the same object for a str; a plain str for a subclass
+    if not text.isascii():
         try:
-            key.encode("utf-8")
+            text.encode("utf-8")
         except UnicodeEncodeError:
-            raise ValueError(f"Key {key!r} is not valid Unicode text.") from None
-    return key
+            raise ValueError(f"Key {text!r} is not valid Unicode text.") from None
+    return text
 
 
 class ContainerWriter(Writer):

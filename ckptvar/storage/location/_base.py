@@ -11,6 +11,7 @@ which would turn ``//`` into ``/``.
 
 from __future__ import annotations
 
+import builtins
 import io
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -115,7 +116,7 @@ class Location(ABC):
 
     def join(self, key: str) -> str:
         """The URL (or path) of ``key``, spelled as a ``str``."""
-        key = _clean_key(key)
+        key = clean_key(key)
         if not key:
             return self.url
         sep = "" if self.url.endswith("/") else "/"
@@ -146,7 +147,7 @@ class Location(ABC):
         """
 
     @abstractmethod
-    def list_dir(self, prefix: str = "") -> tuple[list[str], list[ObjectInfo]]:
+    def list_dir(self, prefix: str = "") -> tuple[builtins.list[str], builtins.list[ObjectInfo]]:
         """One level below ``prefix`` (a "directory" key or ``""``): child prefixes and objects.
 
         Child prefixes and object keys are full keys (including ``prefix``), without a
@@ -172,7 +173,7 @@ class Location(ABC):
         """``pread``: fill ``out`` with the bytes of ``key`` starting at ``offset``."""
         self.read_ranges_into(key, [offset], [out])
 
-    def read_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytearray]:
+    def read_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> builtins.list[bytearray]:
         """The bytes of each ``(offset, length)`` range, read in parallel."""
         outs = [bytearray(length) for _, length in ranges]
         self.read_ranges_into(key, [off for off, _ in ranges], outs)
@@ -228,7 +229,7 @@ class Location(ABC):
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object under ``prefix`` (a "directory"); returns how many."""
-        prefix = _clean_key(prefix)
+        prefix = clean_key(prefix)
         if not prefix:
             raise ValueError("delete_prefix refuses to delete a whole location")
         keys = [o.key for o in self.list(prefix + "/")]
@@ -236,7 +237,7 @@ class Location(ABC):
         return len(keys)
 
 
-def _clean_key(key: str) -> str:
+def clean_key(key: str) -> str:
     """A key without leading/trailing ``/``; refuses ``..`` and empty components."""
     key = key.strip("/")
     if key and any(part in ("", ".", "..") for part in key.split("/")):

@@ -41,7 +41,7 @@ from ...errors import (
     CkptError,
     CorruptCheckpointError,
 )
-from ._base import Location, _clean_key
+from ._base import Location, clean_key
 
 __all__ = [
     "MARKER_SUFFIX",
@@ -87,7 +87,7 @@ class CommitRecord:
 
 def marker_key(step: str) -> str:
     """The key of a step's commit marker: a sibling, ``<step>.commit``."""
-    return _clean_key(step) + MARKER_SUFFIX
+    return clean_key(step) + MARKER_SUFFIX
 
 
 def step_number(key: str) -> int | None:
@@ -118,8 +118,8 @@ def commit(
     ``CheckpointExistsError`` naming the step if it is already committed (by another
     writer), and ``CkptError`` if there is no data to commit.
     """
-    step = _clean_key(step_prefix)
-    data = _clean_key(data) if data is not None else step
+    step = clean_key(step_prefix)
+    data = clean_key(data) if data is not None else step
     if not _has_data(location, data):
         raise CkptError(
             f"cannot commit step {location.join(step)}: no data at {location.join(data)} "
@@ -154,7 +154,7 @@ def read_commit(location: Location, step: str) -> CommitRecord | None:
             raise ValueError(f"unknown marker version {obj.get('ckptvar_commit')!r}")
         return CommitRecord(
             str(obj["step"]),
-            _clean_key(str(obj["data"])),
+            clean_key(str(obj["data"])),
             str(obj["index_checksum"]),
             str(obj["writer"]),
             float(obj["time"]),
@@ -205,7 +205,7 @@ def _delete_data(location: Location, data: str) -> None:
 
 def prune(location: Location, step: str) -> None:
     """Delete a step: its marker first (it stops being visible), then its data."""
-    step = _clean_key(step)
+    step = clean_key(step)
     record = read_commit(location, step)
     location.delete(marker_key(step))
     _delete_data(location, record.data if record else step)

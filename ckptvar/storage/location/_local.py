@@ -7,6 +7,7 @@ write has the same meaning as ``If-None-Match: *`` on an object store.
 
 from __future__ import annotations
 
+import builtins
 import os
 import shutil
 import uuid
@@ -18,7 +19,7 @@ from ._base import (
     Location,
     ObjectInfo,
     ObjectWriter,
-    _clean_key,
+    clean_key,
 )
 
 __all__ = ["LocalLocation"]
@@ -34,7 +35,7 @@ class LocalLocation(Location):
         self.root = Path(root)
 
     def _path(self, key: str) -> Path:
-        key = _clean_key(key)
+        key = clean_key(key)
         return self.root / key if key else self.root
 
     def join(self, key: str) -> str:
@@ -51,13 +52,13 @@ class LocalLocation(Location):
             raise CheckpointNotFoundError(f"{path}: no such file") from None
         if not path.is_file():
             raise CheckpointNotFoundError(f"{path}: not a file")
-        return ObjectInfo(_clean_key(key), st.st_size, f"{st.st_mtime_ns:x}-{st.st_size:x}")
+        return ObjectInfo(clean_key(key), st.st_size, f"{st.st_mtime_ns:x}-{st.st_size:x}")
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        base = _clean_key(prefix) + "/" if _clean_key(prefix) else ""
+        base = clean_key(prefix) + "/" if clean_key(prefix) else ""
         found: list[ObjectInfo] = []
         for dirpath, _, files in os.walk(self._path(base)):
             for name in files:
@@ -67,8 +68,8 @@ class LocalLocation(Location):
                     found.append(ObjectInfo(key, full.stat().st_size))
         return sorted(found, key=lambda o: o.key)
 
-    def list_dir(self, prefix: str = "") -> tuple[list[str], list[ObjectInfo]]:
-        base = _clean_key(prefix)
+    def list_dir(self, prefix: str = "") -> tuple[builtins.list[str], builtins.list[ObjectInfo]]:
+        base = clean_key(prefix)
         path = self._path(base)
         dirs: list[str] = []
         objs: list[ObjectInfo] = []

@@ -24,6 +24,9 @@ Without them obstore reads the standard environment (``AWS_ENDPOINT_URL``,
 
 from __future__ import annotations
 
+import builtins
+import contextlib
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -45,7 +48,7 @@ from ._base import (
     ObjectInfo,
     ObjectWriter,
     StorageError,
-    _clean_key,
+    clean_key,
 )
 
 __all__ = ["CLOUD_SCHEMES", "ObjectStoreLocation", "RequestStats"]
@@ -123,7 +126,18 @@ class RequestStats:
             self.other_requests = 0
 
 
-def _split_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict]:
+def _store_from_url(
+    url: str, config: dict[str, Any], client: dict[str, Any], retry: dict[str, Any]
+) -> Any:
+    """An obstore store for ``url``. The option keys depend on the cloud, known only at run
+    time, so obstore checks them (its typed overloads are per cloud)."""
+    from obstore.store import from_url
+
+    make: Callable[..., Any] = from_url
+    return make(url, config=config or None, client_options=client, retry_config=retry)
+
+
+def _split_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     config: dict[str, Any] = {}
     client: dict[str, Any] = dict(_CLIENT_DEFAULTS)
     retry_in: dict[str, Any] = dict(_RETRY_DEFAULTS)
@@ -179,7 +193,7 @@ class ObjectStoreLocation(Location):
         if parts.scheme not in CLOUD_SCHEMES or not parts.netloc:
             raise CkptError(f"{url!r} is not an object-store URL like s3://bucket/prefix")
         self.scheme, self.bucket = parts.scheme, parts.netloc
-        self.prefix = _clean_key(parts.path)
+        self.prefix = clean_key(parts.path)
         self.storage_options = dict(storage_options or {})
         self.stats = _stats or RequestStats()
         opts = self.storage_options
@@ -187,23 +201,16 @@ class ObjectStoreLocation(Location):
         self.read_part_size = int(opts.get("read_part_size", self.part_size))
         self.max_concurrency = int(opts.get("max_concurrency", DEFAULT_CONCURRENCY))
         if _store is None:
-            from obstore.store import from_url
-
             config, client, retry = _split_options(self.storage_options)
             try:
-                _store = from_url(
-                    f"{self.scheme}://{self.bucket}",
-                    config=config or None,
-                    client_options=client,
-                    retry_config=retry,
-                )
+                _store = _store_from_url(f"{self.scheme}://{self.bucket}", config, client, retry)
             except Exception as exc:  # noqa: BLE001 - obstore's config errors have several types
                 raise CkptError(f"cannot configure a client for {self.url}: {exc}") from None
         self.store = _store
 
     # --- helpers --------------------------------------------------------------------------
     def _key(self, key: str) -> str:
-        key = _clean_key(key)
+        key = clean_key(key)
         return f"{self.prefix}/{key}" if self.prefix and key else (self.prefix or key)
 
     def _rel(self, full: str) -> str:
@@ -240,18 +247,14 @@ class ObjectStoreLocation(Location):
 
     def zarr_store(self, key: str = "") -> Any:
         """An obstore store rooted at ``key`` (for ``zarr.storage.ObjectStore``)."""
-        from obstore.store import from_url
-
         config, client, retry = _split_options(self.storage_options)
-        return from_url(
-            self.join(key), config=config or None, client_options=client, retry_config=retry
-        )
+        return _store_from_url(self.join(key), config, client, retry)
 
     # --- metadata -------------------------------------------------------------------------
     def stat(self, key: str) -> ObjectInfo:
         self.stats.add("head")
         meta = self._call("HEAD", key, lambda: self._obs.head(self.store, self._key(key)))
-        return ObjectInfo(_clean_key(key), int(meta["size"]), meta.get("e_tag"))
+        return ObjectInfo(clean_key(key), int(meta["size"]), meta.get("e_tag"))
 
     def exists(self, key: str) -> bool:
         try:
@@ -278,7 +281,7 @@ class ObjectStoreLocation(Location):
 
         return sorted(self._call("LIST", prefix, run), key=lambda o: o.key)
 
-    def list_dir(self, prefix: str = "") -> tuple[list[str], list[ObjectInfo]]:
+    def list_dir(self, prefix: str = "") -> tuple[builtins.list[str], builtins.list[ObjectInfo]]:
         full = self._key(prefix)
         self.stats.add("list")
         res = self._call(
@@ -303,7 +306,7 @@ class ObjectStoreLocation(Location):
         self.stats.add("get", len(data))
         return data
 
-    def read_ranges_into(
+    def read_ranges_into(  # noqa: C901 - split, fetch with resumes, and check, in one piece
         self,
         key: str,
         offsets: Sequence[int],
@@ -330,8 +333,9 @@ class ObjectStoreLocation(Location):
                     result = self._call(
                         "GET range",
                         key,
-                        lambda lo=start + done: self._obs.get(
-                            self.store, path, options={"range": (lo, start + n)}
+                        functools.partial(
+                            self._obs.get, self.store, path,
+                            options={"range": (start + done, start + n)},
                         ),
                     )
                     self.stats.add("get")
@@ -396,10 +400,8 @@ class ObjectStoreLocation(Location):
         for start in range(0, len(paths), 1000):
             batch = paths[start : start + 1000]
             self.stats.add("delete")
-            try:
-                self._call("DELETE", batch[0], lambda b=batch: self._obs.delete(self.store, b))
-            except CheckpointNotFoundError:
-                pass
+            with contextlib.suppress(CheckpointNotFoundError):
+                self._call("DELETE", batch[0], functools.partial(self._obs.delete, self.store, batch))
 
 
 class _ObjectStoreWriter(ObjectWriter):
@@ -439,10 +441,9 @@ class _ObjectStoreWriter(ObjectWriter):
 
     def _abort(self) -> None:
         # obstore aborts the multipart upload when its context exits with an exception.
-        try:
+        # Any error: the upload already failed, and nothing was published.
+        with contextlib.suppress(Exception):
             self._w.__exit__(RuntimeError, RuntimeError("aborted"), None)
-        except Exception:  # noqa: BLE001, S110 - the upload already failed; nothing was published
-            pass
 
 
 def _first_line(exc: BaseException) -> str:

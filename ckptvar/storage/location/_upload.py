@@ -16,8 +16,9 @@ from pathlib import Path
 
 import crc32c as _crc32c
 
+from ...errors import CheckpointExistsError
 from ._base import DEFAULT_PART_SIZE, Location
-from ._commit import CommitRecord, commit
+from ._commit import CommitRecord, commit, read_commit
 
 __all__ = ["tree_checksum", "upload_step"]
 
@@ -41,12 +42,8 @@ def upload_step(
     Raises ``CheckpointExistsError`` (naming the step) if the step is already
     committed: checked before any byte is sent, and again by the create-only marker.
     """
-    from ._commit import read_commit
-
     src = Path(local)
     if read_commit(location, step) is not None:
-        from ...errors import CheckpointExistsError
-
         raise CheckpointExistsError(f"step {location.join(step)} is already committed")
     if src.is_file():
         crc = location.upload_file(os.fspath(src), step, part_size=part_size)

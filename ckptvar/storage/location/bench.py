@@ -6,7 +6,7 @@ coalescing) vs :meth:`ObjectStoreLocation.read_into` into one buffer, and
 obstore's multipart ``put`` vs :meth:`ObjectStoreLocation.open_writer`. Prints
 GiB/s and the ratio layer/obstore (best of ``--repeat`` runs each)::
 
-    python -m ckptvar.storage.location._bench --size-mib 256
+    python -m ckptvar.storage.location.bench --size-mib 256
 
 With ``--checkpoints``, the checkpoint level instead (:func:`bench_checkpoints`):
 ``cv.save``/``cv.load`` of a ``--size-mib`` HDF5 model of 64 values to and from
