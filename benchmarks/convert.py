@@ -20,11 +20,12 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+import ckptvar as cv
 
 VALUES = 8
 
@@ -47,8 +48,6 @@ def _measure(cmd: list[str]) -> dict[str, float]:
 
 def run(directory: Path, total: int) -> list[dict[str, Any]]:
     """Build the source, run every conversion once; the rows, as dicts."""
-    import ckptvar as cv
-
     rows_per = total // (VALUES * 1024 * 4)
     src = directory / "src.h5"
     cv.save(src, {f"v{i}": np.full((rows_per, 1024), i, np.float32) for i in range(VALUES)})
