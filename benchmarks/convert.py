@@ -8,9 +8,9 @@ with ``--quick``) and converts it to ``.safetensors`` and to ``.h5`` twice each:
 - ``in memory``: a window larger than the total (the whole output built in memory);
 
 and, as the floor, ``cp`` of the source file (the raw disk limit for the same bytes).
-Each row gives the wall time, its ratio to ``cp``, and the peak resident memory of the
-converting process (``ru_maxrss`` of the child; it includes pages of the memory-mapped
-scratch file, which the kernel can drop) and its ratio to the window.
+Each row gives the wall time, its ratio to ``cp``, and the peak anonymous memory of the
+converting process (sampled from ``/proc``; pages of the memory-mapped scratch file are
+page cache, not counted), beside the window.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,19 +32,28 @@ VALUES = 8
 
 
 def _measure(cmd: list[str]) -> dict[str, float]:
-    """Wall time and peak RSS of ``cmd``, measured in a fresh process of its own."""
-    code = (
-        "import json, resource, subprocess, sys, time\n"
-        "t0 = time.perf_counter()\n"
-        "subprocess.run(json.loads(sys.argv[1]), check=True, capture_output=True, timeout=1800)\n"
-        "wall = time.perf_counter() - t0\n"
-        "peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024\n"
-        "print(json.dumps({'wall': wall, 'peak_mib': peak}))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(cmd)], check=True,
-                         capture_output=True, text=True, timeout=1900)
-    result: dict[str, float] = json.loads(out.stdout)
-    return result
+    """Wall time and peak anonymous memory of ``cmd`` (sampled from /proc every 5 ms).
+
+    Anonymous memory is what a conversion holds itself; pages of its memory-mapped
+    scratch file are page cache (they count in RSS, and the kernel can drop them).
+    """
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak_kib = 0
+    status = Path(f"/proc/{proc.pid}/status")
+    while proc.poll() is None:
+        try:
+            for line in status.read_text().splitlines():
+                if line.startswith("RssAnon:"):
+                    peak_kib = max(peak_kib, int(line.split()[1]))
+        except OSError:  # it just ended
+            pass
+        time.sleep(0.005)
+    wall = time.perf_counter() - t0
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd!r} failed ({proc.returncode}): {err}")
+    return {"wall": wall, "peak_mib": peak_kib / 1024}
 
 
 def run(directory: Path, total: int) -> list[dict[str, Any]]:
