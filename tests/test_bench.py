@@ -216,3 +216,20 @@ def test_a_server_that_cannot_start_reports_why(tmp_path: Path) -> None:
     finally:
         runner.close()
     assert not runner.servers
+
+
+def test_the_convert_workload_reports_every_row(tmp_path: Path) -> None:
+    """``python -m benchmarks.convert --quick --json``: raw floor, streamed and in-memory rows."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.convert", "--quick", "--json", "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert rows[0]["row"] == "source" and rows[0]["bytes"] >= 16 << 20
+    names = [r["row"] for r in rows[1:]]
+    assert names == ["cp (raw)", ".safetensors streamed", ".safetensors in memory",
+                     ".h5 streamed", ".h5 in memory"]
+    for r in rows[1:]:
+        assert r["wall"] > 0 and r["peak_mib"] > 0 and r["x_raw"] > 0
+    assert list(tmp_path.iterdir()) == []  # the scratch files are gone
