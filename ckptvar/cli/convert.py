@@ -113,7 +113,7 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="do not copy SRC's metadata (object graph, counters, user metadata); a "
         "safetensors 'format' entry (pt, tf, flax, mlx) is kept, as Hugging Face loaders "
-        "require it",
+        "require it (a PyTorch SRC converted to safetensors gets format=pt, and says so)",
     )
     p.add_argument(
         "--skip-unreadable",
@@ -357,6 +357,17 @@ def _metadata_options(
     return metadata, options
 
 
+def _hf_format(reader: Any, dst: Path, args: argparse.Namespace, metadata: dict[str, Any]) -> bool:
+    """Give a safetensors file made from a PyTorch file ``format: pt``, as Hugging Face's
+    own converter does (transformers refuses a file without it). True when added."""
+    if reader.format != "torch" or "format" in metadata:
+        return False
+    if cv.storage.backend_for(dst, args.format, mode="w").name != "safetensors":
+        return False
+    metadata["format"] = "pt"
+    return True
+
+
 def _convert(
     reader: Any, src: Path | str, dst_arg: Path | str, args: argparse.Namespace, out: TextIO
 ) -> int:
@@ -380,6 +391,7 @@ def _convert(
         else (sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES and not args.quiet)
     )
     metadata, options = _metadata_options(reader, dst, args)
+    added_format = _hf_format(reader, dst, args, metadata)
     window = args.window if args.window is not None else max(DEFAULT_WINDOW, 2 * largest)
     created = [] if remote_dst else _make_parents(dst)
     if remote_dst:
@@ -416,6 +428,9 @@ def _convert(
         f"{escape(src)} ({escape(reader.format)}) to {escape(written)}",
         file=out,
     )
+    if added_format:
+        print("Added the metadata entry format=pt (a PyTorch source), as Hugging Face "
+              "loaders require", file=out)
     if skipped:
         names = ", ".join(repr(k) for k in list(skipped)[:5]) + (" ..." if len(skipped) > 5 else "")
         print(
