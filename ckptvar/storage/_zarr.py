@@ -397,6 +397,10 @@ class ZarrReader(ContainerReader):
             data = np.asarray(arr[...])
         except Exception as exc:  # noqa: BLE001 - any decoding failure is damage
             raise self._corrupt(key, f"cannot be decoded ({type(exc).__name__}: {exc})") from None
+        return self._checked_value(key, entry, data)
+
+    def _checked_value(self, key: str, entry: Entry, data: np.ndarray) -> np.ndarray:
+        """``data`` decoded from Zarr, checked against ``entry`` and viewed as its dtype."""
         sdt = storage_dtype(entry.dtype)
         if data.shape != entry.shape or data.dtype != sdt:
             raise self._corrupt(

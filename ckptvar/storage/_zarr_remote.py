@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from . import _checksum
-from ._container import PACKED_PATH, ContainerReader, Source, storage_dtype
+from ._container import PACKED_PATH, ContainerReader, Source
 from ._container.source import RemoteFile
 from ._record import FORMAT_VERSION, MAX_RECORD_NBYTES, PACKED, Entry, Record, decode
 from ._zarr import RECORD_PATH, ZarrReader, chunk_key, zarr_api
@@ -112,14 +112,7 @@ class RemoteZarrReader(ZarrReader):
             data = np.asarray(zarr.open_array(store=store, path=rel, mode="r")[...])
         except Exception as exc:  # noqa: BLE001 - any decoding failure is damage
             raise self._corrupt(key, f"cannot be decoded ({type(exc).__name__}: {exc})") from None
-        sdt = storage_dtype(entry.dtype)
-        if data.shape != entry.shape or data.dtype != sdt:
-            raise self._corrupt(
-                key, f"is stored as {data.dtype}{data.shape}, the record says {sdt}{entry.shape}"
-            )
-        out = np.ascontiguousarray(data).view(entry.np_dtype)
-        self._compare(key, entry, _checksum.value_checksum(key, entry.dtype, entry.shape, out))
-        return out
+        return self._checked_value(key, entry, data)
 
     def _corrupt(self, key: str, what: str) -> CorruptCheckpointError:
         e = self._values.get(key)

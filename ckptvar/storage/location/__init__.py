@@ -26,6 +26,7 @@ from ._base import (
     Location,
     ObjectInfo,
     ObjectWriter,
+    PositionalRaw,
     StorageError,
 )
 from ._commit import (
@@ -56,6 +57,7 @@ __all__ = [
     "ObjectInfo",
     "ObjectStoreLocation",
     "ObjectWriter",
+    "PositionalRaw",
     "RequestStats",
     "StorageError",
     "clean_uncommitted",

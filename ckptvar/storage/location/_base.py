@@ -22,7 +22,7 @@ import crc32c as _crc32c
 
 from ...errors import CkptError
 
-__all__ = ["Location", "ObjectInfo", "ObjectWriter", "StorageError"]
+__all__ = ["Location", "ObjectInfo", "ObjectWriter", "PositionalRaw", "StorageError"]
 
 #: Default size of one ranged GET and of one multipart part.
 DEFAULT_PART_SIZE = 8 * 1024 * 1024
@@ -245,13 +245,19 @@ def clean_key(key: str) -> str:
     return key
 
 
-class _RangedRaw(io.RawIOBase):
-    """A raw, seekable reader whose every ``readinto`` is one ranged read."""
+class PositionalRaw(io.RawIOBase):
+    """A read-only, seekable raw stream over ``size`` bytes; :meth:`read_at` fetches them.
 
-    def __init__(self, location: Location, key: str, size: int) -> None:
+    It keeps the position; a subclass says only how to read bytes at one.
+    """
+
+    def __init__(self, size: int) -> None:
         super().__init__()
-        self._location, self._key, self._size, self._pos = location, key, size, 0
-        self.name = location.join(key)
+        self._size, self._pos = size, 0
+
+    @abstractmethod
+    def read_at(self, pos: int, view: memoryview) -> int:
+        """Fill ``view`` (at most ``size - pos`` bytes) from ``pos``; returns how many."""
 
     def readable(self) -> bool:
         return True
@@ -271,6 +277,19 @@ class _RangedRaw(io.RawIOBase):
         view = memoryview(buffer).cast("B")
         n = max(0, min(view.nbytes, self._size - self._pos))
         if n:
-            self._location.read_into(self._key, self._pos, view[:n])
+            n = self.read_at(self._pos, view[:n])
             self._pos += n
         return n
+
+
+class _RangedRaw(PositionalRaw):
+    """A raw, seekable reader whose every ``readinto`` is one ranged read."""
+
+    def __init__(self, location: Location, key: str, size: int) -> None:
+        super().__init__(size)
+        self._location, self._key = location, key
+        self.name = location.join(key)
+
+    def read_at(self, pos: int, view: memoryview) -> int:
+        self._location.read_into(self._key, pos, view)
+        return view.nbytes

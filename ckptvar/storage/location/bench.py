@@ -46,6 +46,22 @@ def _best(fn: Callable[[], Any], repeat: int) -> float:
     return best
 
 
+def _new_bucket(endpoint: str) -> tuple[str, dict[str, Any]]:
+    """Create a fresh bucket on the S3 server at ``endpoint``; its name and storage options."""
+    bucket = f"bench-{uuid.uuid4().hex[:12]}"
+    req = urllib.request.Request(f"{endpoint}/{bucket}", method="PUT")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        resp.read()
+    opts: dict[str, Any] = {
+        "endpoint": endpoint,
+        "access_key_id": "bench",
+        "secret_access_key": "bench",
+        "region": "us-east-1",
+        "allow_http": True,
+    }
+    return bucket, opts
+
+
 def bench_cloud(
     endpoint: str, *, size_mib: int = 256, repeat: int = 2, split_reads: bool = True
 ) -> dict[str, float]:
@@ -56,17 +72,7 @@ def bench_cloud(
     """
     import obstore
 
-    bucket = f"bench-{uuid.uuid4().hex[:12]}"
-    req = urllib.request.Request(f"{endpoint}/{bucket}", method="PUT")
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        resp.read()
-    opts = {
-        "endpoint": endpoint,
-        "access_key_id": "bench",
-        "secret_access_key": "bench",
-        "region": "us-east-1",
-        "allow_http": True,
-    }
+    bucket, opts = _new_bucket(endpoint)
     loc = ObjectStoreLocation(f"s3://{bucket}", storage_options={**opts, "read_part_size": 0})
     split = ObjectStoreLocation(f"s3://{bucket}", storage_options=opts)
     nbytes = size_mib * 1024 * 1024
@@ -176,17 +182,7 @@ def bench_checkpoints(endpoint: str, *, size_mib: int = 256, repeat: int = 2) ->
     """
     import obstore
 
-    bucket = f"bench-{uuid.uuid4().hex[:12]}"
-    req = urllib.request.Request(f"{endpoint}/{bucket}", method="PUT")
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        resp.read()
-    opts = {
-        "endpoint": endpoint,
-        "access_key_id": "bench",
-        "secret_access_key": "bench",
-        "region": "us-east-1",
-        "allow_http": True,
-    }
+    bucket, opts = _new_bucket(endpoint)
     loc = ObjectStoreLocation(f"s3://{bucket}", storage_options=opts)
     nbytes = size_mib << 20
     data = np.ones(nbytes, np.uint8)
