@@ -16,9 +16,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, Self
 
-from ..errors import DistributedError
+from ..errors import DistributedError, DistributedTimeoutError
 
-__all__ = ["DEFAULT_TIMEOUT", "Coordinator", "SingleProcessCoordinator", "describe_failure"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Coordinator",
+    "RankedCoordinator",
+    "SingleProcessCoordinator",
+    "describe_failure",
+]
 
 #: Seconds a collective waits when its caller gives no ``timeout``.
 DEFAULT_TIMEOUT = 300.0
@@ -144,6 +150,47 @@ class Coordinator(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} rank {self.rank} of {self.size}>"
+
+
+class RankedCoordinator(Coordinator):
+    """A coordinator whose ``rank`` and ``size`` are fixed when it is made.
+
+    Subclasses set ``self._rank`` and ``self._size`` in ``__init__``.
+    """
+
+    _rank: int
+    _size: int
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def _check_step(self, src: int, s_kind: str, s_tag: str, kind: str, tag: str) -> None:
+        """Raise if rank ``src`` sent ``s_kind``/``s_tag`` for this rank's ``kind``/``tag``."""
+        if s_kind != kind or s_tag != tag:
+            raise DistributedError(
+                f"rank {src} called {s_kind}(tag={s_tag!r}) while rank {self._rank} "
+                f"called {kind}(tag={tag!r}): the processes are running different "
+                "collective steps",
+                ranks=(src,),
+            )
+
+    def _timed_out(
+        self, kind: str, tag: str, seconds: float, missing: Sequence[int]
+    ) -> DistributedTimeoutError:
+        """The error for a collective whose ``missing`` ranks sent nothing in ``seconds``."""
+        return DistributedTimeoutError(
+            f"{kind}(tag={tag!r}) timed out after {seconds:g} s on rank "
+            f"{self._rank}: nothing arrived from " + _rank_list(missing),
+            collective=kind,
+            tag=tag,
+            timeout=seconds,
+            ranks=tuple(missing),
+        )
 
 
 class SingleProcessCoordinator(Coordinator):

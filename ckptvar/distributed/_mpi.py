@@ -15,7 +15,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DistributedError, DistributedTimeoutError
-from ._coordinator import DEFAULT_TIMEOUT, Coordinator, Deadline
+from ._coordinator import DEFAULT_TIMEOUT, Deadline, RankedCoordinator
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -36,7 +36,7 @@ def _import_mpi() -> Any:
     return MPI
 
 
-class MPICoordinator(Coordinator):
+class MPICoordinator(RankedCoordinator):
     """A coordinator over an mpi4py communicator (``MPI.COMM_WORLD`` by default).
 
     The communicator is duplicated (with a timeout), so ckptvar's messages never
@@ -62,14 +62,6 @@ class MPICoordinator(Coordinator):
         self._lock = threading.Lock()
         self._background: MPICoordinator | None = None
         self._closed = False
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
 
     @property
     def comm(self) -> MPI.Comm:
@@ -141,28 +133,14 @@ class MPICoordinator(Coordinator):
                     if found is None:
                         continue
                     s_kind, s_tag, payload = found
-                    if s_kind != kind or s_tag != tag:
-                        raise DistributedError(
-                            f"rank {src} called {s_kind}(tag={s_tag!r}) while rank {self._rank} "
-                            f"called {kind}(tag={tag!r}): the processes are running different "
-                            "collective steps",
-                            ranks=(src,),
-                        )
+                    self._check_step(src, s_kind, s_tag, kind, tag)
                     got[src] = payload
                     missing.remove(src)
                     progressed = True
                 if not missing:
                     break
                 if deadline.expired():
-                    raise DistributedTimeoutError(
-                        f"{kind}(tag={tag!r}) timed out after {deadline.timeout:g} s on rank "
-                        f"{self._rank}: nothing arrived from "
-                        + ", ".join(f"rank {r}" for r in sorted(missing)),
-                        collective=kind,
-                        tag=tag,
-                        timeout=deadline.timeout,
-                        ranks=tuple(sorted(missing)),
-                    )
+                    raise self._timed_out(kind, tag, deadline.timeout, sorted(missing))
                 if progressed:
                     deadline.reset_backoff()
                 else:

@@ -1,0 +1,128 @@
+"""Collectives over a shared key-value store: the common core of the jax and torch coordinators.
+
+Each collective takes the next sequence number; a sending process sets
+``<prefix>/<seq>/<rank>`` to its pickled ``(kind, tag, obj)`` and reads the keys of
+the ranks it needs before one deadline. A payload whose kind or tag differ from the
+caller's raises at once (the processes run different steps); on timeout the missing
+ranks are named. Once everyone has read them, a process deletes its earlier keys.
+Subclasses say how bytes are set, waited for and deleted, and how the background
+twin is made.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from abc import abstractmethod
+from collections.abc import Sequence
+from typing import Any, Self
+
+from ._coordinator import DEFAULT_TIMEOUT, Deadline, RankedCoordinator
+
+__all__ = ["KeyValueCoordinator"]
+
+
+class KeyValueCoordinator(RankedCoordinator):
+    """A coordinator that exchanges objects through a key-value store shared by all ranks."""
+
+    def __init__(
+        self, *, rank: int, size: int, timeout: float = DEFAULT_TIMEOUT, prefix: str
+    ) -> None:
+        super().__init__(timeout=timeout)
+        self._rank = int(rank)
+        self._size = int(size)
+        self._prefix = prefix
+        self._seq = 0
+        self._mine: list[str] = []
+        self._lock = threading.Lock()
+        self._background: Self | None = None
+
+    # -- the hooks -------------------------------------------------------------------
+
+    @abstractmethod
+    def _set(self, key: str, data: bytes) -> None:
+        """Store ``data`` under ``key``."""
+
+    @abstractmethod
+    def _fetch(
+        self, kind: str, tag: str, wanted: dict[int, str], deadline: Deadline
+    ) -> dict[int, bytes]:
+        """The bytes of every wanted key (by rank), waiting until ``deadline``.
+
+        Raises :class:`DistributedTimeoutError` (see :meth:`_timed_out`) naming the
+        ranks whose keys are still missing, or :class:`DistributedError` when the
+        store itself fails.
+        """
+
+    @abstractmethod
+    def _delete(self, key: str) -> None:
+        """Delete ``key``; a store that cannot keeps it (harmless), without raising."""
+
+    @abstractmethod
+    def _twin(self, prefix: str) -> Self:
+        """A coordinator on the same store, ranks and timeout, under ``prefix``."""
+
+    # -- the collectives -------------------------------------------------------------
+
+    def allgather(self, obj: Any, *, tag: str, timeout: float | None = None) -> list[Any]:
+        got = self._exchange("allgather", tag, obj, True, range(self._size), timeout=timeout)
+        return [got[r] for r in range(self._size)]
+
+    def broadcast(self, obj: Any, root: int = 0, *, tag: str, timeout: float | None = None) -> Any:
+        if not 0 <= root < self._size:
+            raise ValueError(f"broadcast root {root} is not a rank of {self._size} processes")
+        if self._rank == root:
+            self._exchange("broadcast", tag, obj, True, [], timeout=timeout)
+            return obj
+        return self._exchange("broadcast", tag, None, False, [root], timeout=timeout)[root]
+
+    def barrier(self, *, tag: str, timeout: float | None = None) -> None:
+        self._exchange("barrier", tag, None, True, range(self._size), timeout=timeout)
+
+    def background(self) -> Self:
+        with self._lock:
+            if self._background is None:
+                self._background = self._twin(f"{self._prefix}/background")
+            return self._background
+
+    def _key(self, seq: int, rank: int) -> str:
+        return f"{self._prefix}/{seq}/{rank}"
+
+    def _exchange(
+        self,
+        kind: str,
+        tag: str,
+        obj: Any,
+        send: bool,
+        recv_from: Sequence[int],
+        *,
+        timeout: float | None,
+    ) -> dict[int, Any]:
+        deadline = Deadline(self._resolve(timeout))
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            if send:
+                key = self._key(seq, self._rank)
+                self._set(key, pickle.dumps((kind, tag, obj), protocol=5))
+                self._mine.append(key)
+            wanted = {r: self._key(seq, r) for r in recv_from if not (r == self._rank and send)}
+            raw = self._fetch(kind, tag, wanted, deadline) if wanted else {}
+            got: dict[int, Any] = {}
+            for r in recv_from:
+                if r == self._rank and send:
+                    got[r] = obj
+                    continue
+                s_kind, s_tag, payload = pickle.loads(raw[r])
+                self._check_step(r, s_kind, s_tag, kind, tag)
+                got[r] = payload
+            if kind != "broadcast":
+                self._forget_before(seq)
+            return got
+
+    def _forget_before(self, seq: int) -> None:
+        """Delete this rank's keys of earlier steps: everyone has read them by now."""
+        keep = self._key(seq, self._rank)
+        for key in [k for k in self._mine if k != keep]:
+            self._delete(key)
+            self._mine.remove(key)
