@@ -22,6 +22,7 @@ __all__ = [
     "EXIT_USAGE",
     "Parser",
     "UsageError",
+    "add_command",
     "add_quiet",
     "add_selection",
     "add_storage_option",
@@ -60,6 +61,20 @@ _STORAGE_OPTIONS: dict[str, Any] = {}
 def is_url(path: object) -> bool:
     """Whether ``path`` is a URL (``s3://bucket/key``) rather than a local path."""
     return isinstance(path, str) and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path) is not None
+
+
+def add_command(sub: Any, name: str, *, help: str, description: str,
+                epilog: str) -> argparse.ArgumentParser:
+    """Register subcommand ``name`` on the subparsers ``sub`` with its help texts; the
+    epilog keeps its line breaks."""
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name,
+        help=help,
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    return parser
 
 
 def add_storage_option(p: argparse.ArgumentParser) -> None:

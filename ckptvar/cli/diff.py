@@ -13,6 +13,7 @@ from ._common import (
     EXIT_MISMATCH,
     EXIT_OK,
     UsageError,
+    add_command,
     add_quiet,
     add_selection,
     describe_selection,
@@ -46,13 +47,13 @@ examples:
 
 def add_parser(sub: Any) -> None:
     """Register ``diff`` on the subparsers ``sub``."""
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "diff",
         help="compare two checkpoints value by value",
         description="Compare two checkpoints: per-key max abs/rel difference,\n"
         "missing and extra keys, shape and dtype changes.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("a", metavar="A", help="the first checkpoint")
     p.add_argument("b", metavar="B", help="the second (reference) checkpoint")

@@ -11,7 +11,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from ._blocks import is_floating
-from ._common import EXIT_OK, UsageError, open_checkpoint
+from ._common import EXIT_OK, UsageError, add_command, open_checkpoint
 from ._output import dump_json, escape, plain, shape_str
 
 EPILOG = """\
@@ -33,13 +33,13 @@ examples:
 
 def add_parser(sub: Any) -> None:
     """Register ``show`` on the subparsers ``sub``."""
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "show",
         help="print the values of a key (or a slice of it)",
         description="Print the values of KEY (or KEY[slice]) of a checkpoint, reading only "
         "what is shown.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("path", metavar="PATH", help="the checkpoint")
     p.add_argument("keys", metavar="KEY[SLICE]", nargs="+", help="a key, optionally sliced")

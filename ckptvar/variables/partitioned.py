@@ -30,6 +30,7 @@ from ._variable import Variable
 __all__ = [
     "PartitionInfo",
     "PartitionedVariable",
+    "defined_shape",
     "fixed_size_partitioner",
     "make_partitioned",
     "min_max_variable_partitioner",
@@ -219,6 +220,17 @@ def variable_axis_size_partitioner(max_shard_bytes: int, axis: int = 0,
 # --- creating the parts ----------------------------------------------------------------------
 
 
+def defined_shape(shape: Any, what: str) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints; :class:`VariableScopeError` naming ``what`` (say
+    ``"a new variable ('w')"``) when it is not fully defined."""
+    req = normalize_shape(shape)
+    if not fully_defined(req):
+        raise VariableScopeError(
+            f"Shape of {what} must be fully defined, but instead was {shape!r}."
+        )
+    return defined_dims(req)
+
+
 def part_sizes(dim: int, n: int) -> list[int]:
     """``dim`` rows cut into ``n`` parts, the first ``dim % n`` one row longer (as TF1)."""
     base, extra = divmod(dim, n)
@@ -280,13 +292,7 @@ def make_partitioned(
             )
     else:
         dt = as_dtype(dtype if dtype is not None else "float32")
-        req = normalize_shape(shape)
-        if not fully_defined(req):
-            raise VariableScopeError(
-                f"Shape of a new partitioned variable ({full!r}) must be fully defined, but "
-                f"instead was {shape!r}."
-            )
-        full_shape = defined_dims(req)
+        full_shape = defined_shape(shape, f"a new partitioned variable ({full!r})")
     if not full_shape:
         raise VariableScopeError(
             f"A partitioned variable must have rank at least 1; {full!r} is a scalar."

@@ -31,9 +31,9 @@ from .._dtypes import as_dtype, dtype_name, is_floating
 from ..errors import VariableScopeError
 from ..graph import Graph, GraphKeys, get_default_graph
 from ._lifecycle import FreshValue
-from ._shapes import fully_defined, normalize_shape, shape_str
+from ._shapes import normalize_shape, shape_str
 from ._variable import Variable
-from .partitioned import PartitionedVariable, PartitionInfo, make_partitioned
+from .partitioned import PartitionedVariable, PartitionInfo, defined_shape, make_partitioned
 
 __all__ = [
     "AUTO_REUSE",
@@ -408,14 +408,9 @@ def get_variable(
         created = _new_variable(graph, state, full, initializer, req_dtype, None, None, kwargs)
     else:
         dt = as_dtype(req_dtype if req_dtype is not None else "float32")
-        var_shape = normalize_shape(shape)
-        if not fully_defined(var_shape):
-            raise VariableScopeError(
-                f"Shape of a new variable ({full!r}) must be fully defined, but instead was "
-                f"{shape!r}."
-            )
+        var_shape = defined_shape(shape, f"a new variable ({full!r})")
         init = initializer if initializer is not None else _default_initializer(dt, full)
-        bound = bind_initializer(init, tuple(var_shape), dt)  # type: ignore[arg-type]
+        bound = bind_initializer(init, var_shape, dt)
         created = _new_variable(graph, state, full, bound, dt, var_shape, None, kwargs)
     state.keep(full, created)
     return created
