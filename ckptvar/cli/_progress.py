@@ -15,11 +15,11 @@ never fill with carriage returns. A disabled bar writes nothing at all.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import time
 from collections.abc import Callable
-from types import TracebackType
 from typing import TextIO
 
 __all__ = ["Progress", "human_size"]
@@ -42,7 +42,7 @@ def human_size(n: float) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-class Progress:
+class Progress(contextlib.AbstractContextManager["Progress"]):
     """Counts bytes done out of ``total`` and draws them when ``enabled``.
 
     Args:
@@ -138,13 +138,5 @@ class Progress:
             self.stream.flush()
             self._line_len = 0
 
-    def __enter__(self) -> Progress:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

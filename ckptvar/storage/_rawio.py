@@ -262,23 +262,26 @@ def _after(batch: Sequence[Any], pos: int) -> Iterator[memoryview]:
         pos = 0
 
 
+def _iov_batches(bufs: Sequence[Any]) -> Iterator[tuple[list[Any], int]]:
+    """The buffers in runs of at most ``IOV_MAX``, each with its total byte count."""
+    for i in range(0, len(bufs), IOV_MAX):
+        batch = list(bufs[i : i + IOV_MAX])
+        yield batch, sum(b.nbytes for b in batch)
+
+
 def pwritev_all(fd: int, bufs: Sequence[Any], offset: int) -> int:
     """Write the buffers (memoryviews or C-contiguous arrays) back to back from ``offset``.
 
     Returns the bytes written; at most ``IOV_MAX`` buffers go to one ``pwritev``.
     """
     total = 0
-    i = 0
-    while i < len(bufs):
-        batch = list(bufs[i : i + IOV_MAX])
-        want = sum(b.nbytes for b in batch)
+    for batch, want in _iov_batches(bufs):
         got = os.pwritev(fd, batch, offset + total)
         if got < want:  # short write: finish this batch piece by piece
             for rest in _after(batch, got):
                 pwrite_all(fd, rest, offset + total + got)
                 got += len(rest)
         total += want
-        i += IOV_MAX
     return total
 
 
@@ -288,10 +291,7 @@ def preadv_all(fd: int, bufs: Sequence[Any], offset: int) -> int:
     ``IOV_MAX`` buffers go to one ``preadv`` (a scatter read straight into them).
     """
     total = 0
-    i = 0
-    while i < len(bufs):
-        batch = list(bufs[i : i + IOV_MAX])
-        want = sum(b.nbytes for b in batch)
+    for batch, want in _iov_batches(bufs):
         got = os.preadv(fd, batch, offset + total)
         if got < want:  # short read: finish this batch piece by piece
             for rest in _after(batch, got):
@@ -300,7 +300,6 @@ def preadv_all(fd: int, bufs: Sequence[Any], offset: int) -> int:
                 if n < len(rest):
                     return total + got
         total += got
-        i += IOV_MAX
     return total
 
 

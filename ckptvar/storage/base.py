@@ -42,6 +42,7 @@ ckptvar's own readers (HDF5, Zarr) offer all four.
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +51,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import UnsupportedFormatError
+from ..errors import CorruptCheckpointError, UnsupportedFormatError
 
 __all__ = [
     "ArrayInfo",
@@ -137,7 +138,7 @@ class LazyArray(abc.ABC):
         return f"<LazyArray {self.info.key!r} shape={self.info.shape} dtype={self.info.dtype}>"
 
 
-class Reader(Mapping[str, LazyArray], abc.ABC):
+class Reader(Mapping[str, LazyArray], contextlib.AbstractContextManager["Reader"], abc.ABC):
     """A read-only view of one checkpoint. Use as a context manager or call ``close()``.
 
     ``skipped`` is ``{key: reason}`` for the user values present in the file that the
@@ -191,16 +192,21 @@ class Reader(Mapping[str, LazyArray], abc.ABC):
     def close(self) -> None:  # optional hook: nothing to release by default
         """Release file handles."""
 
-    def __enter__(self) -> Reader:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def verify_each(reader: Reader, keys: Iterable[str]) -> list[tuple[str, str]]:
+    """Check each key with ``reader.verify``; ``[(key, reason), ...]`` for each damaged one."""
+    bad: list[tuple[str, str]] = []
+    for key in keys:
+        try:
+            reader.verify(key)
+        except CorruptCheckpointError as exc:
+            bad.append((key, str(exc)))
+        except OSError as exc:
+            bad.append((key, f"cannot be read: {exc}"))
+    return bad
 
 
 @runtime_checkable
@@ -241,7 +247,7 @@ class SupportsVerifyAll(Protocol):
         ...
 
 
-class Writer(abc.ABC):
+class Writer(contextlib.AbstractContextManager["Writer"], abc.ABC):
     """Collects values and metadata, then writes them atomically at :meth:`commit`."""
 
     path: Path
@@ -261,9 +267,6 @@ class Writer(abc.ABC):
     @abc.abstractmethod
     def abort(self) -> None:
         """Drop everything written so far; the final path is untouched."""
-
-    def __enter__(self) -> Writer:
-        return self
 
     def __exit__(
         self,

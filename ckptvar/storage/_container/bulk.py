@@ -24,7 +24,7 @@ from ...errors import CorruptCheckpointError
 from .. import _checksum, _rawio
 from .._record import ARRAY, PACKED, Entry
 from . import source as _src
-from .transfer import PARALLEL_FROM, Transfer, TransferValue
+from .transfer import PARALLEL_FROM, Transfer, TransferValue, runs_by_size
 
 if TYPE_CHECKING:
     from .reader import ContainerReader
@@ -69,21 +69,14 @@ def _windows(
     items: list[tuple[str, Entry]], blob: _PackedBlob | None
 ) -> list[list[tuple[str, Entry]]]:
     """Runs of values holding about ``_WINDOW`` bytes not already in ``blob``."""
-    windows: list[list[tuple[str, Entry]]] = []
-    cur: list[tuple[str, Entry]] = []
-    size = 0
     skip_packed = blob is not None
-    for key, e in items:
-        cur.append((key, e))
-        kind, _, _, nbytes = e.loc  # unpacked: the fastest way to read a location
-        if not (skip_packed and kind == PACKED):
-            size += nbytes
-        if size >= _WINDOW:
-            windows.append(cur)
-            cur, size = [], 0
-    if cur:
-        windows.append(cur)
-    return windows
+
+    def sized() -> Iterator[tuple[tuple[str, Entry], int]]:
+        for key, e in items:
+            kind, _, _, nbytes = e.loc  # unpacked: the fastest way to read a location
+            yield (key, e), 0 if skip_packed and kind == PACKED else nbytes
+
+    return runs_by_size(sized(), _WINDOW)
 
 
 def read_many(

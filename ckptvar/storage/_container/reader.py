@@ -34,6 +34,7 @@ from ..base import (
     SupportsShapeAndDtype,
     SupportsVerifyAll,
     SupportsVerifyMany,
+    verify_each,
 )
 from . import bulk
 from . import source as _src
@@ -295,15 +296,7 @@ class ContainerReader(
 
     def verify_all(self) -> list[tuple[str, str]]:
         """Check every value; ``[(key, reason), ...]`` for each damaged one (empty if none)."""
-        bad: list[tuple[str, str]] = []
-        for key in self._values:
-            try:
-                self.verify(key)
-            except CorruptCheckpointError as exc:
-                bad.append((key, str(exc)))
-            except OSError as exc:
-                bad.append((key, f"cannot be read: {exc}"))
-        return bad
+        return verify_each(self, self._values)
 
 
 def _make_info(key: str, dtype: np.dtype, shape: tuple[int, ...], attrs: Any,

@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from .layout import Source
 if TYPE_CHECKING:
     from .reader import ContainerReader
 
-__all__ = ["PARALLEL_FROM", "Transfer", "TransferValue"]
+__all__ = ["PARALLEL_FROM", "Transfer", "TransferValue", "runs_by_size"]
 
 #: Values at least this large are read on the I/O threads, in pieces of ``_SPLIT``.
 PARALLEL_FROM = 1 << 20
@@ -34,6 +35,24 @@ _SPLIT = 8 << 20
 _TASK = 8 << 20
 #: Scratch buffer each I/O thread hashes through when only verifying.
 _SCRATCH = 256 << 10
+
+_T = TypeVar("_T")
+
+
+def runs_by_size(sized: Iterable[tuple[_T, int]], limit: int) -> list[list[_T]]:
+    """The items in order, cut into runs each closed once its sizes reach ``limit``."""
+    runs: list[list[_T]] = []
+    cur: list[_T] = []
+    size = 0
+    for item, n in sized:
+        cur.append(item)
+        size += n
+        if size >= limit:
+            runs.append(cur)
+            cur, size = [], 0
+    if cur:
+        runs.append(cur)
+    return runs
 
 
 class TransferValue:
@@ -77,18 +96,9 @@ class Transfer:
         ahead: bool = False,
     ) -> None:
         self.reader, self.values, self.verify = reader, values, verify
-        groups: list[list[tuple[TransferValue, int]]] = []
-        group: list[tuple[TransferValue, int]] = []
-        size = 0
-        for v in values:
-            for i, (_, n) in enumerate(v.pieces):
-                group.append((v, i))
-                size += n
-                if size >= _TASK:
-                    groups.append(group)
-                    group, size = [], 0
-        if group:
-            groups.append(group)
+        groups = runs_by_size(
+            (((v, i), n) for v in values for i, (_, n) in enumerate(v.pieces)), _TASK
+        )
         #: True when the pieces run in file order on one thread (the bytes are on disk).
         self.sequential = False
         if len(groups) > 1 and not self._cached():

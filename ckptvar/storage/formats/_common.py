@@ -26,7 +26,7 @@ from ...errors import (
 )
 from .._rawio import pread_exact, pread_into_exact
 from .._slicing import element_span
-from ..base import ArrayInfo, LazyArray, Reader, Writer
+from ..base import ArrayInfo, LazyArray, Reader, Writer, verify_each
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -261,15 +261,7 @@ class EntryReader(Reader):
         Every key is reported on its own, so several tensors viewing one damaged
         storage are each listed.
         """
-        bad: list[tuple[str, str]] = []
-        for key in self._arrays:
-            try:
-                self.verify(key)
-            except CorruptCheckpointError as exc:
-                bad.append((key, str(exc)))
-            except OSError as exc:
-                bad.append((key, f"cannot be read: {exc}"))
-        return bad
+        return verify_each(self, self._arrays)
 
     def close(self) -> None:
         if self._on_close is not None:
