@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from ._dims import as_dims
 from ._dtypes import as_dtype, dtype_name, kind_of
 
 __all__ = [
@@ -65,13 +66,7 @@ Shape = tuple[int, ...]
 def _as_shape(shape: Any) -> Shape:
     if isinstance(shape, int | np.integer):
         return (int(shape),)
-    try:
-        dims = tuple(int(d) for d in shape)
-    except TypeError:
-        raise TypeError(f"An initializer needs a shape (a tuple of ints), not {shape!r}.") from None
-    if any(d < 0 for d in dims):
-        raise ValueError(f"Negative dimension in shape {dims}.")
-    return dims
+    return as_dims(shape, "An initializer's shape")
 
 
 def compute_fans(shape: Sequence[int]) -> tuple[int, int]:

@@ -17,7 +17,7 @@ serve ``ckptvar.io``.
 from __future__ import annotations
 
 from ._async import SaveHandle, wait_for_pending_saves
-from ._checkpoint import Checkpoint
+from ._checkpoint import Checkpoint, SaveOptions
 from ._files import destination_error, make_parents
 from ._manager import CheckpointManager
 from ._on_create import restore_on_create
@@ -31,6 +31,7 @@ __all__ = [
     "CheckpointManager",
     "RestoreStatus",
     "SaveHandle",
+    "SaveOptions",
     "Saver",
     "StepName",
     "destination_error",

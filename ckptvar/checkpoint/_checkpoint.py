@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypedDict, Unpack, cast
 
 from ..storage import paused_gc
 from ..trackable import Trackable
@@ -29,7 +29,7 @@ from ._status import RestoreStatus
 from ._steps import split_format, step_name
 from ._walk import walk
 
-__all__ = ["Checkpoint"]
+__all__ = ["Checkpoint", "SaveOptions"]
 
 
 class _Restored:
@@ -47,6 +47,39 @@ class _Restored:
         return []
 
 _COUNTER = "save_counter"
+
+
+class SaveOptions(TypedDict, total=False):
+    """The keyword options of :meth:`Checkpoint.save` and :meth:`Checkpoint.write`.
+
+    - ``format``: ``"h5"`` or ``"zarr"`` (default: from the suffix; none: HDF5).
+    - ``blocking`` (default ``True``): ``False`` returns at once with a handle whose
+      ``wait()`` returns the path once durable; the values are snapshotted first.
+    - ``metadata``: msgpack-able data stored with the checkpoint.
+    - ``storage_options``: the object-store client's settings for a URL (docs/cloud.md).
+    - ``coordinator``: a ``cv.distributed`` coordinator of more than one process: every
+      process calls ``save``/``write`` and they write ONE checkpoint together
+      (docs/distributed.md).
+    - ``timeout``: seconds every collective waits at most (with ``coordinator``).
+    """
+
+    format: str | None
+    blocking: bool
+    metadata: Any
+    storage_options: Mapping[str, Any] | None
+    coordinator: Any
+    timeout: float | None
+
+
+def _checked(options: Mapping[str, Any], method: str) -> SaveOptions:
+    """``options`` when every key is a :class:`SaveOptions` key; ``TypeError`` otherwise."""
+    unknown = set(options) - SaveOptions.__optional_keys__
+    if unknown:
+        raise TypeError(
+            f"Checkpoint.{method}() got an unexpected keyword argument "
+            f"{sorted(unknown)[0]!r} (its options: {', '.join(sorted(SaveOptions.__optional_keys__))})."
+        )
+    return cast(SaveOptions, options)
 
 
 class Checkpoint(Trackable):
@@ -98,67 +131,38 @@ class Checkpoint(Trackable):
         return counter
 
     # -- saving -----------------------------------------------------------------------
-    def save(
-        self,
-        prefix: str | os.PathLike[str],
-        *,
-        format: str | None = None,
-        blocking: bool = True,
-        metadata: Any = None,
-        storage_options: Mapping[str, Any] | None = None,
-        coordinator: Any = None,
-        timeout: float | None = None,
-    ) -> Any:
+    def save(self, prefix: str | os.PathLike[str], **options: Unpack[SaveOptions]) -> Any:
         """Increment the save counter and write ``prefix-N.<suffix>``.
 
         Returns the path, or with ``blocking=False`` a handle whose ``wait()`` returns it
-        once durable. ``metadata`` (msgpack-able) is stored with the checkpoint. Once
-        the file is durable it is recorded as its directory's latest checkpoint (the
-        state file a ``CheckpointManager`` keeps), where ``cv.latest_checkpoint`` finds it.
-        With ``coordinator`` (a ``cv.distributed`` coordinator of more than one
-        process), every process calls this and they write ONE checkpoint together
-        (docs/distributed.md); every collective waits at most ``timeout`` seconds.
+        once durable. Once the file is durable it is recorded as its directory's latest
+        checkpoint (the state file a ``CheckpointManager`` keeps), where
+        ``cv.latest_checkpoint`` finds it. The options (``format``, ``blocking``,
+        ``metadata``, ``storage_options``, ``coordinator``, ``timeout``) are
+        :class:`SaveOptions`'s.
         """
-        return self._save(prefix, format=format, blocking=blocking, user=metadata,
-                          on_commit=record_latest, storage_options=storage_options,
-                          coordinator=coordinator, timeout=timeout)
+        return self._save(prefix, _checked(options, "save"), on_commit=record_latest)
 
     def _save(
         self,
         prefix: str | os.PathLike[str],
+        options: SaveOptions,
         *,
-        format: str | None,
-        blocking: bool,
-        user: Any = None,
         number: int | None = None,
         on_commit: Callable[[str], None] | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        coordinator: Any = None,
-        timeout: float | None = None,
     ) -> Any:
         self.wait()  # one save in flight per checkpoint; surfaces a background error
-        base, fmt, suffix = split_format(prefix, format)
+        base, fmt, suffix = split_format(prefix, options.get("format"))
         counter = self.save_counter
         counter.assign_add(1)
         n = int(counter.numpy()) if number is None else int(number)
         try:
-            return self._write(step_name(base, n, suffix), fmt, blocking, user, on_commit,
-                               storage_options, coordinator, timeout)
+            return self._write(step_name(base, n, suffix), fmt, options, on_commit)
         except BaseException:
             counter.assign_sub(1)
             raise
 
-    def write(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        format: str | None = None,
-        blocking: bool = True,
-        metadata: Any = None,
-        storage_options: Mapping[str, Any] | None = None,
-        coordinator: Any = None,
-        timeout: float | None = None,
-    ) -> Any:
+    def write(self, path: str | os.PathLike[str], **options: Unpack[SaveOptions]) -> Any:
         """Write exactly ``path`` (the save counter does not change).
 
         As in TensorFlow, ``write`` neither creates the save counter nor records the
@@ -166,25 +170,24 @@ class Checkpoint(Trackable):
         :meth:`save` ran or the property was read. The suffix picks the format (``.h5``
         or ``.zarr``; none: HDF5); ``format=`` overrides it. A suffix that cannot be
         written raises ``UnsupportedFormatError``. Missing parent directories are created.
-        ``coordinator``/``timeout``: as in :meth:`save`.
+        The options are :class:`SaveOptions`'s, as for :meth:`save`.
         """
+        options = _checked(options, "write")
         self.wait()
         path = os.fspath(path)
-        fmt = native_backend(path, format).name
-        return self._write(path, fmt, blocking, metadata, None, storage_options,
-                           coordinator, timeout)
+        fmt = native_backend(path, options.get("format")).name
+        return self._write(path, fmt, options, None)
 
-    def _write(  # noqa: PLR0917
+    def _write(
         self,
         path: str,
         fmt: str,
-        blocking: bool,
-        user: Any,
+        options: SaveOptions,
         on_commit: Callable[[str], None] | None,
-        storage_options: Mapping[str, Any] | None = None,
-        coordinator: Any = None,
-        timeout: float | None = None,
     ) -> Any:
+        blocking = options.get("blocking", True)
+        coordinator: Any = options.get("coordinator")
+        timeout = options.get("timeout")
         counter = self._trackable_children().get(_COUNTER)  # stored only once it exists
         with paused_gc():
             plan = gather(self)
@@ -192,7 +195,7 @@ class Checkpoint(Trackable):
             if collective:  # each rank writes its own shard, never an assembled value
                 plan.variables = rank_variables(plan.variables)
             count = None if counter is None else int(counter.numpy())
-            meta = metadata(plan, save_counter=count, user=user)
+            meta = metadata(plan, save_counter=count, user=options.get("metadata"))
             arrays = host_arrays(plan, copy=not blocking)
 
         if collective:
@@ -211,7 +214,7 @@ class Checkpoint(Trackable):
 
         def run() -> str:
             with paused_gc():
-                final = write_file(path, fmt, arrays, meta, storage_options)
+                final = write_file(path, fmt, arrays, meta, options.get("storage_options"))
             if on_commit is not None:
                 on_commit(final)
             return final

@@ -39,7 +39,7 @@ from ..storage.location import (
     prune,
 )
 from ..variables import Variable
-from ._checkpoint import Checkpoint
+from ._checkpoint import Checkpoint, SaveOptions
 from ._files import NATIVE_FORMATS, discard
 from ._state import (
     STATE_FILE,
@@ -365,15 +365,9 @@ class CheckpointManager:
         saving = _open_saving_lock(self.directory)  # shared: "a save is in flight here"
         try:
             fcntl.flock(saving, fcntl.LOCK_SH)
-            result = self._checkpoint._save(
-                prefix,
-                format=self.format,
-                blocking=not self.async_save,
-                number=number,
-                on_commit=on_commit,
-                coordinator=self.coordinator,
-                timeout=timeout,
-            )
+            options: SaveOptions = {"format": self.format, "blocking": not self.async_save,
+                                    "coordinator": self.coordinator, "timeout": timeout}
+            result = self._checkpoint._save(prefix, options, number=number, on_commit=on_commit)
         except BaseException:
             os.close(saving)
             raise
@@ -387,13 +381,13 @@ class CheckpointManager:
         return path
 
     def _save_remote(self, number: int, step: int) -> str:
+        options: SaveOptions = {"format": self.format, "blocking": not self.async_save,
+                                "storage_options": self._storage_options}
         result = self._checkpoint._save(
             self._full(self.checkpoint_name),
-            format=self.format,
-            blocking=not self.async_save,
+            options,
             number=number,
             on_commit=lambda _path: self._record_remote(step),
-            storage_options=self._storage_options,
         )
         return str(result) if isinstance(result, str) else str(result.path)
 

@@ -30,16 +30,24 @@ from . import convert, diff, inspect, ls, show, verify
 from ._blocks import Stats, iter_blocks
 from ._common import (
     EXIT_USAGE,
+    Command,
     Parser,
     UsageError,
-    add_storage_option,
+    add_command,
     set_storage_options,
 )
 from ._output import escape, one_line
 
 __all__ = ["Stats", "build_parser", "escape", "iter_blocks", "main"]
 
-_COMMANDS = (inspect, show, convert, diff, verify, ls)
+_COMMANDS: dict[str, Command] = {
+    "inspect": inspect,
+    "show": show,
+    "convert": convert,
+    "diff": diff,
+    "verify": verify,
+    "ls": ls,
+}
 
 _MAIN_EPILOG = """\
 exit status: 0 success, 1 a difference or damaged value found, 2 bad usage or
@@ -69,10 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ckpt (ckptvar) {cv.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     parser.set_defaults(_subparsers=sub.choices)
-    for command in _COMMANDS:
-        command.add_parser(sub)
-    for sub_parser in sub.choices.values():
-        add_storage_option(sub_parser)
+    for name, command in _COMMANDS.items():
+        add_command(sub, name, command)
     return parser
 
 

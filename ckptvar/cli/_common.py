@@ -9,7 +9,7 @@ import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol, TextIO
 
 import ckptvar as cv
 
@@ -20,6 +20,7 @@ __all__ = [
     "EXIT_MISMATCH",
     "EXIT_OK",
     "EXIT_USAGE",
+    "Command",
     "Parser",
     "UsageError",
     "add_command",
@@ -63,17 +64,31 @@ def is_url(path: object) -> bool:
     return isinstance(path, str) and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path) is not None
 
 
-def add_command(sub: Any, name: str, *, help: str, description: str,
-                epilog: str) -> argparse.ArgumentParser:
-    """Register subcommand ``name`` on the subparsers ``sub`` with its help texts; the
-    epilog keeps its line breaks."""
+class Command(Protocol):
+    """A subcommand module: its help texts, its arguments and what it runs."""
+
+    HELP: str
+    DESCRIPTION: str
+    EPILOG: str
+
+    def add_arguments(self, p: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace, out: TextIO) -> int: ...
+
+
+def add_command(sub: Any, name: str, command: Command) -> argparse.ArgumentParser:
+    """Register ``command`` as ``name`` on the subparsers ``sub`` (the epilog keeps its
+    line breaks); ``args.func`` is then its ``run``."""
     parser: argparse.ArgumentParser = sub.add_parser(
         name,
-        help=help,
-        description=description,
-        epilog=epilog,
+        help=command.HELP,
+        description=command.DESCRIPTION,
+        epilog=command.EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    command.add_arguments(parser)
+    add_storage_option(parser)
+    parser.set_defaults(func=command.run)
     return parser
 
 

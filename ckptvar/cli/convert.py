@@ -77,15 +77,12 @@ examples:
 """
 
 
-def add_parser(sub: Any) -> None:
-    """Register ``convert`` on the subparsers ``sub``."""
-    p = sub.add_parser(
-        "convert",
-        help="convert a checkpoint to .h5, .zarr, .safetensors or .npz",
-        description="Convert any readable checkpoint to .h5, .zarr, .safetensors or .npz.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+HELP = "convert a checkpoint to .h5, .zarr, .safetensors or .npz"
+DESCRIPTION = "Convert any readable checkpoint to .h5, .zarr, .safetensors or .npz."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``ckpt convert``."""
     p.add_argument("src", metavar="SRC", help="the checkpoint to read")
     p.add_argument("dst", metavar="DST", help="the file or .zarr directory to write")
     p.add_argument(
@@ -136,7 +133,6 @@ def add_parser(sub: Any) -> None:
         help="show a progress bar on stderr (default: for large conversions on a terminal)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (--no-progress)")
-    p.set_defaults(func=run)
 
 
 _FLOAT_TARGETS = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")

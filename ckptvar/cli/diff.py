@@ -13,7 +13,6 @@ from ._common import (
     EXIT_MISMATCH,
     EXIT_OK,
     UsageError,
-    add_command,
     add_quiet,
     add_selection,
     describe_selection,
@@ -45,16 +44,15 @@ examples:
 """
 
 
-def add_parser(sub: Any) -> None:
-    """Register ``diff`` on the subparsers ``sub``."""
-    p = add_command(
-        sub,
-        "diff",
-        help="compare two checkpoints value by value",
-        description="Compare two checkpoints: per-key max abs/rel difference,\n"
-        "missing and extra keys, shape and dtype changes.",
-        epilog=EPILOG,
-    )
+HELP = "compare two checkpoints value by value"
+DESCRIPTION = (
+    "Compare two checkpoints: per-key max abs/rel difference,\n"
+    "missing and extra keys, shape and dtype changes."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``ckpt diff``."""
     p.add_argument("a", metavar="A", help="the first checkpoint")
     p.add_argument("b", metavar="B", help="the second (reference) checkpoint")
     for name, what in (("--atol", "absolute"), ("--rtol", "relative")):
@@ -70,7 +68,6 @@ def add_parser(sub: Any) -> None:
     add_selection(p)
     p.add_argument("--json", action="store_true", help="print one JSON object for scripts")
     add_quiet(p)
-    p.set_defaults(func=run)
 
 
 def _non_negative(text: str) -> float:

@@ -65,15 +65,12 @@ examples:
 """
 
 
-def add_parser(sub: Any) -> None:
-    """Register ``inspect`` on the subparsers ``sub``."""
-    p = sub.add_parser(
-        "inspect",
-        help="list the values of a checkpoint",
-        description="List a checkpoint's values: key, dtype, shape, size, trainable.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+HELP = "list the values of a checkpoint"
+DESCRIPTION = "List a checkpoint's values: key, dtype, shape, size, trainable."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``ckpt inspect``."""
     p.add_argument(
         "path",
         metavar="PATH",
@@ -91,7 +88,6 @@ def add_parser(sub: Any) -> None:
         help="list keys in natural order (vars/2 before vars/10; the default) or as stored",
     )
     add_quiet(p)
-    p.set_defaults(func=run)
 
 
 def _record(reader: Any, key: str, *, with_attrs: bool = False) -> dict[str, Any]:

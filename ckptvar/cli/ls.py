@@ -28,18 +28,14 @@ example:
 """
 
 
-def add_parser(sub: Any) -> None:
-    """Register ``ls`` on the subparsers ``sub``."""
-    p = sub.add_parser(
-        "ls",
-        help="list a checkpoint manager's directory",
-        description="List a CheckpointManager directory: step, time, size, and the latest.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+HELP = "list a checkpoint manager's directory"
+DESCRIPTION = "List a CheckpointManager directory: step, time, size, and the latest."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``ckpt ls``."""
     p.add_argument("directory", metavar="DIRECTORY", help="the manager's directory")
     p.add_argument("--json", action="store_true", help="print one JSON object for scripts")
-    p.set_defaults(func=run)
 
 
 #: The files a CheckpointManager directory holds: ``PREFIX-STEP`` + one of these.

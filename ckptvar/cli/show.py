@@ -11,7 +11,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from ._blocks import is_floating
-from ._common import EXIT_OK, UsageError, add_command, open_checkpoint
+from ._common import EXIT_OK, UsageError, open_checkpoint
 from ._output import dump_json, escape, plain, shape_str
 
 EPILOG = """\
@@ -31,16 +31,12 @@ examples:
 """
 
 
-def add_parser(sub: Any) -> None:
-    """Register ``show`` on the subparsers ``sub``."""
-    p = add_command(
-        sub,
-        "show",
-        help="print the values of a key (or a slice of it)",
-        description="Print the values of KEY (or KEY[slice]) of a checkpoint, reading only "
-        "what is shown.",
-        epilog=EPILOG,
-    )
+HELP = "print the values of a key (or a slice of it)"
+DESCRIPTION = "Print the values of KEY (or KEY[slice]) of a checkpoint, reading only those."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``ckpt show``."""
     p.add_argument("path", metavar="PATH", help="the checkpoint")
     p.add_argument("keys", metavar="KEY[SLICE]", nargs="+", help="a key, optionally sliced")
     p.add_argument(
@@ -58,7 +54,6 @@ def add_parser(sub: Any) -> None:
         help="summarise with '...' beyond N elements (NumPy's default: 1000; 0: never)",
     )
     p.add_argument("--json", action="store_true", help="print JSON (one object per key)")
-    p.set_defaults(func=run)
 
 
 _INT = re.compile(r"[+-]?\d+")

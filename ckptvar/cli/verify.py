@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, TextIO
+from typing import TextIO
 
 import ckptvar as cv
 
@@ -33,19 +33,15 @@ examples:
 """
 
 
-def add_parser(sub: Any) -> None:
-    """Register ``verify`` on the subparsers ``sub``."""
-    p = sub.add_parser(
-        "verify",
-        help="check every value against its checksum",
-        description="Check every value of a checkpoint against its stored checksum.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+HELP = "check every value against its checksum"
+DESCRIPTION = "Check every value of a checkpoint against its stored checksum."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``ckpt verify``."""
     p.add_argument("path", metavar="PATH", help="the checkpoint to verify")
     add_selection(p)
     add_quiet(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:

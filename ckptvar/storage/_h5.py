@@ -28,7 +28,7 @@ import os
 import re
 import struct
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -360,13 +360,11 @@ def _check_h5_regions(record: Record, path: Any, size: int, record_region: tuple
     check_regions(fixed, path, size, ValueRanges(starts, sizes, keys))
 
 
-class H5Backend(Backend):
+class H5Backend(
+    Backend, name="h5", suffixes=(".h5", ".hdf5"), writer=H5Writer, hands_over_unrecognised=True
+):
     """ckptvar's own HDF5 files."""
 
-    name: ClassVar[str] = "h5"
-    suffixes: ClassVar[tuple[str, ...]] = (".h5", ".hdf5")
-    can_write: ClassVar[bool] = True
-    hands_over_unrecognised: ClassVar[bool] = True
 
     @classmethod
     def sniff(cls, path: Path) -> bool:
@@ -401,10 +399,6 @@ class H5Backend(Backend):
                 "(no user block magic, no HDF5 signature); the file is damaged."
             )
         return H5Reader(path)
-
-    @classmethod
-    def open_writer(cls, path: Path, **options: Any) -> H5Writer:
-        return H5Writer(Path(path), **options)
 
 
 register_backend(H5Backend)

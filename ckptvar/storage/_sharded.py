@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -334,12 +334,9 @@ def _as_box(index: Any, shape: tuple[int, ...]) -> tuple[Any, tuple[Any, ...]]:
     return Box(tuple(offset), tuple(extent)), tuple(rest)
 
 
-class ShardedBackend(Backend):
+class ShardedBackend(Backend, name="sharded", suffixes=()):
     """Reads the multi-process layout (written by ``ckptvar.checkpoint._collective``)."""
 
-    name: ClassVar[str] = "sharded"
-    suffixes: ClassVar[tuple[str, ...]] = ()
-    can_write: ClassVar[bool] = False
 
     @classmethod
     def sniff(cls, path: Path) -> bool:

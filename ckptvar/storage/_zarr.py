@@ -29,7 +29,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -47,7 +47,7 @@ from ._container import (
     storage_dtype,
     write_packed,
 )
-from ._record import FORMAT_VERSION, MAX_RECORD_NBYTES, PACKED, Entry, Location, Record, decode
+from ._record import FORMAT_VERSION, PACKED, Entry, Location, Record, decode
 from ._zarr_files import (
     GROUP_DOC,
     O_DIR,
@@ -58,6 +58,7 @@ from ._zarr_files import (
     open_in,
     raise_if_deleted,
     read_root_meta,
+    root_record_ref,
     write_file,
 )
 from .base import Backend
@@ -292,27 +293,7 @@ class ZarrReader(ContainerReader):
         doc = read_root_meta(root_fd, path)
         if doc is None:
             raise_if_deleted(root_fd, path)
-        info = (doc or {}).get("attributes", {})
-        info = info.get("ckptvar") if isinstance(info, dict) else None
-        if not isinstance(info, dict):
-            raise CorruptCheckpointError(
-                f"{str(path)!r} is not a ckptvar Zarr checkpoint (its root zarr.json has no "
-                "'ckptvar' attribute)."
-            )
-        version = info.get("format_version")
-        if (isinstance(version, list) and len(version) == 2 and type(version[0]) is int
-                and version[0] > FORMAT_VERSION[0]):
-            raise UnsupportedFormatError(
-                f"Checkpoint {str(path)!r} has format version {version[0]}.{version[1]}, newer "
-                f"than the {FORMAT_VERSION[0]}.x this ckptvar reads; upgrade ckptvar to read it."
-            )
-        n, crc = info.get("record_nbytes"), info.get("record_crc32c")
-        if (info.get("record") != RECORD_PATH or type(n) is not int or type(crc) is not int
-                or not 0 <= n <= MAX_RECORD_NBYTES):
-            raise CorruptCheckpointError(
-                f"Checkpoint {str(path)!r}: the root zarr.json's ckptvar attribute is damaged "
-                f"({info!r})."
-            )
+        n, crc = root_record_ref(doc or {}, str(path), not_ours=CorruptCheckpointError)
         try:
             fd = open_in(root_fd, f"{RECORD_PATH}/{chunk_key(1)}")
         except OSError as exc:
@@ -422,13 +403,11 @@ class ZarrReader(ContainerReader):
             self.close()
 
 
-class ZarrBackend(Backend):
+class ZarrBackend(
+    Backend, name="zarr", suffixes=(".zarr",), writer=ZarrWriter, hands_over_unrecognised=True
+):
     """ckptvar's own Zarr v3 directories."""
 
-    name: ClassVar[str] = "zarr"
-    suffixes: ClassVar[tuple[str, ...]] = (".zarr",)
-    can_write: ClassVar[bool] = True
-    hands_over_unrecognised: ClassVar[bool] = True
 
     @classmethod
     def sniff(cls, path: Path) -> bool:
@@ -461,10 +440,6 @@ class ZarrBackend(Backend):
                 "root zarr.json), and no registered reader recognises it."
             )
         return ZarrReader(path)
-
-    @classmethod
-    def open_writer(cls, path: Path, **options: Any) -> ZarrWriter:
-        return ZarrWriter(Path(path), **options)
 
 
 register_backend(ZarrBackend)

@@ -23,9 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    CorruptCheckpointError,
+    UnsupportedFormatError,
+)
 from . import _rawio
 from ._paths import RESERVED_PREFIX
+from ._record import FORMAT_VERSION, MAX_RECORD_NBYTES
 
 __all__ = [
     "GROUP_DOC",
@@ -37,6 +43,7 @@ __all__ = [
     "open_in",
     "raise_if_deleted",
     "read_root_meta",
+    "root_record_ref",
     "write_file",
 ]
 
@@ -177,3 +184,37 @@ def raise_if_deleted(root_fd: int, path: Path) -> None:
             f"Checkpoint {str(path)!r} was deleted while it was being read "
             "(pruned by a CheckpointManager?)."
         )
+
+
+def root_record_ref(doc: Any, where: str, *, not_ours: type[CkptError]) -> tuple[int, int]:
+    """The root record's ``(nbytes, crc32c)`` that a root ``zarr.json`` document names.
+
+    ``where`` names the checkpoint in messages. No ``ckptvar`` attribute raises
+    ``not_ours``; a newer major format version, ``UnsupportedFormatError``; a damaged
+    attribute, ``CorruptCheckpointError``.
+
+    >>> root_record_ref({"attributes": {"ckptvar": {"record": RECORD_PATH,
+    ...     "record_nbytes": 10, "record_crc32c": 7}}}, "x.zarr", not_ours=CkptError)
+    (10, 7)
+    """
+    attrs = doc.get("attributes", {}) if isinstance(doc, dict) else {}
+    info = attrs.get("ckptvar") if isinstance(attrs, dict) else None
+    if not isinstance(info, dict):
+        raise not_ours(
+            f"{where!r} is not a ckptvar Zarr checkpoint (its root zarr.json has no "
+            "'ckptvar' attribute)."
+        )
+    version = info.get("format_version")
+    if (isinstance(version, list) and len(version) == 2 and type(version[0]) is int
+            and version[0] > FORMAT_VERSION[0]):
+        raise UnsupportedFormatError(
+            f"Checkpoint {where!r} has format version {version[0]}.{version[1]}, newer "
+            f"than the {FORMAT_VERSION[0]}.x this ckptvar reads; upgrade ckptvar to read it."
+        )
+    n, crc = info.get("record_nbytes"), info.get("record_crc32c")
+    if (info.get("record") != RECORD_PATH or type(n) is not int or type(crc) is not int
+            or not 0 <= n <= MAX_RECORD_NBYTES):
+        raise CorruptCheckpointError(
+            f"Checkpoint {where!r}: the root zarr.json's ckptvar attribute is damaged ({info!r})."
+        )
+    return n, crc

@@ -17,8 +17,9 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, Unsupporte
 from . import _checksum
 from ._container import PACKED_PATH, ContainerReader, Source
 from ._container.source import RemoteFile
-from ._record import FORMAT_VERSION, MAX_RECORD_NBYTES, PACKED, Entry, Record, decode
+from ._record import PACKED, Entry, Record, decode
 from ._zarr import RECORD_PATH, ZarrReader, chunk_key, zarr_api
+from ._zarr_files import root_record_ref
 
 __all__ = ["RemoteZarrReader"]
 
@@ -48,34 +49,7 @@ class RemoteZarrReader(ZarrReader):
             raise CorruptCheckpointError(
                 f"{url!r}: the root zarr.json is not valid JSON ({exc})."
             ) from None
-        info = (doc if isinstance(doc, dict) else {}).get("attributes", {})
-        info = info.get("ckptvar") if isinstance(info, dict) else None
-        if not isinstance(info, dict):
-            raise UnsupportedFormatError(
-                f"{url!r} is not a ckptvar Zarr checkpoint (its root zarr.json has no "
-                "'ckptvar' attribute)."
-            )
-        version = info.get("format_version")
-        if (
-            isinstance(version, list)
-            and len(version) == 2
-            and type(version[0]) is int
-            and version[0] > FORMAT_VERSION[0]
-        ):
-            raise UnsupportedFormatError(
-                f"Checkpoint {url!r} has format version {version[0]}.{version[1]}, newer "
-                f"than the {FORMAT_VERSION[0]}.x this ckptvar reads; upgrade ckptvar to read it."
-            )
-        n, crc = info.get("record_nbytes"), info.get("record_crc32c")
-        if (
-            info.get("record") != RECORD_PATH
-            or type(n) is not int
-            or type(crc) is not int
-            or not 0 <= n <= MAX_RECORD_NBYTES
-        ):
-            raise CorruptCheckpointError(
-                f"Checkpoint {url!r}: the root zarr.json's ckptvar attribute is damaged ({info!r})."
-            )
+        n, crc = root_record_ref(doc, url, not_ours=UnsupportedFormatError)
         key = self._obj(f"{RECORD_PATH}/{chunk_key(1)}")
         try:
             data = self._loc.read(key)

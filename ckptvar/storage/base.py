@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType, TracebackType
@@ -285,6 +285,9 @@ class Backend(abc.ABC):
 
     name: ClassVar[str]
     suffixes: ClassVar[tuple[str, ...]]
+    #: what :meth:`open_writer` builds as ``writer(path, **options)``; ``None``: read-only
+    writer: ClassVar[Callable[..., Writer] | None] = None
+    #: whether this format can be written (set from :attr:`writer`)
     can_write: ClassVar[bool] = False
     #: True when a file or directory with this format's suffix that :meth:`sniff` does not
     #: claim may be another format's (a Keras ``.h5``): ``backend_for`` then hands it to
@@ -300,6 +303,30 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def open_reader(cls, path: Path) -> Reader: ...
 
+    def __init_subclass__(
+        cls,
+        *,
+        name: str | None = None,
+        suffixes: tuple[str, ...] | None = None,
+        writer: Callable[..., Writer] | None = None,
+        hands_over_unrecognised: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Declare a format in its class statement: ``class B(Backend, name="npz", ...)``."""
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            cls.name = name
+        if suffixes is not None:
+            cls.suffixes = suffixes
+        if writer is not None:
+            cls.writer = writer
+        if hands_over_unrecognised is not None:
+            cls.hands_over_unrecognised = hands_over_unrecognised
+        cls.can_write = cls.writer is not None
+
     @classmethod
     def open_writer(cls, path: Path, **options: Any) -> Writer:
-        raise UnsupportedFormatError(f"The {cls.name} format is read-only in ckptvar.")
+        """A writer for a new checkpoint at ``path`` (``options``: the writer's own)."""
+        if cls.writer is None:
+            raise UnsupportedFormatError(f"The {cls.name} format is read-only in ckptvar.")
+        return cls.writer(Path(path), **options)

@@ -16,6 +16,7 @@ helpers that copy into a buffer on the host or a GPU (:func:`write_into`,
 
 from __future__ import annotations
 
+import builtins
 import functools
 import operator
 from collections.abc import Callable, Iterator
@@ -290,8 +291,8 @@ class ArrayBehaviour:
     __rpow__ = _reflected(operator.pow)
     __matmul__ = _binary(operator.matmul)
     __rmatmul__ = _reflected(operator.matmul)
-    __divmod__ = _binary(divmod)
-    __rdivmod__ = _reflected(divmod)
+    __divmod__ = _binary(builtins.divmod)
+    __rdivmod__ = _reflected(builtins.divmod)
     __and__ = _binary(operator.and_)
     __rand__ = _reflected(operator.and_)
     __or__ = _binary(operator.or_)
@@ -310,7 +311,7 @@ class ArrayBehaviour:
     __ne__ = _binary(operator.ne)
     __neg__ = _unary(operator.neg)
     __pos__ = _unary(operator.pos)
-    __abs__ = _unary(abs)
+    __abs__ = _unary(operator.abs)
     __invert__ = _unary(operator.invert)
     # In-place operators write into the variable (NumPy style), through assign.
     __iadd__ = _inplace(operator.add)

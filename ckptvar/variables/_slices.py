@@ -17,19 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._dims import as_dims
 from ._shapes import Shape, VariableArgumentError, defined_dims, fully_defined
 
 __all__ = ["LogicalBox", "SaveSliceInfo", "Shard", "check_shard"]
 
 
 def _dims(value: Any, what: str) -> tuple[int, ...]:
-    try:
-        dims = tuple(int(d) for d in value)
-    except TypeError:
-        raise VariableArgumentError(f"{what} is a tuple of ints, not {value!r}.") from None
-    if any(d < 0 for d in dims):
-        raise VariableArgumentError(f"{what} has a negative entry: {dims}.")
-    return dims
+    return as_dims(value, what, VariableArgumentError)
 
 
 @dataclass(frozen=True)

@@ -23,19 +23,10 @@ import numpy as np
 
 from ..._dtypes import SUPPORTED_DTYPES
 from ...errors import CorruptCheckpointError, MissingKeyError
-from .. import _checksum, _rawio
+from .. import _checksum, _rawio, base
 from .._record import ARRAY, PACKED, Entry, Record
 from .._slicing import element_span
-from ..base import (
-    ArrayInfo,
-    LazyArray,
-    Reader,
-    SupportsReadIntoMany,
-    SupportsShapeAndDtype,
-    SupportsVerifyAll,
-    SupportsVerifyMany,
-    verify_each,
-)
+from ..base import ArrayInfo, LazyArray, Reader, verify_each
 from . import bulk
 from . import source as _src
 from .layout import Source
@@ -49,7 +40,11 @@ _SLICE_WHOLE_BELOW = 1 << 20
 
 
 class ContainerReader(
-    Reader, SupportsShapeAndDtype, SupportsReadIntoMany, SupportsVerifyMany, SupportsVerifyAll
+    Reader,
+    base.SupportsShapeAndDtype,
+    base.SupportsReadIntoMany,
+    base.SupportsVerifyMany,
+    base.SupportsVerifyAll,
 ):
     """A reader over a decoded record; backends say where each value's bytes are."""
 

@@ -96,12 +96,10 @@ class FileArray(LazyArray):
         fortran: bool = False,
     ) -> None:
         self.info = info
-        self._stored = stored_dtype
-        self._offset = offset
-        self._fetch = fetch
-        self._readinto = readinto
-        self._check = check
-        self._fortran = fortran
+        # where the bytes are and how they are laid out
+        self._stored, self._offset, self._fortran = stored_dtype, offset, fortran
+        # how they are read and verified
+        self._fetch, self._readinto, self._check = fetch, readinto, check
 
     def _decode(self, data: bytes | bytearray | memoryview, shape: tuple[int, ...]) -> np.ndarray:
         arr = np.frombuffer(data, dtype=self._stored)

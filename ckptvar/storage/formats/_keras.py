@@ -31,19 +31,19 @@ dtypes are read; anything else is listed in ``reader.skipped``.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ...errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
 from .._paths import RESERVED_PREFIX
+from .._positional import PositionalRaw
 from ..base import ArrayInfo, Backend, LazyArray, Reader
 from ._common import EntryReader, check_shape
 from ._h5_safe import (
@@ -127,35 +127,16 @@ def _reader(
     return EntryReader(path, fmt, arrays, skipped=skipped, metadata=metadata, on_close=close)
 
 
-class _MemberFile(io.RawIOBase):
+class _MemberFile(PositionalRaw):
     """A read-only, seekable window onto ``size`` bytes at ``start`` of an open file."""
 
     def __init__(self, fd: int, start: int, size: int) -> None:
-        super().__init__()
-        self._fd, self._start, self._size, self._pos = fd, start, size, 0
+        super().__init__(size)
+        self._fd, self._start = fd, start
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buf: Any) -> int:
-        view = memoryview(buf).cast("B")
-        n = min(len(view), max(0, self._size - self._pos))
-        if n == 0:
-            return 0
-        data = os.pread(self._fd, n, self._start + self._pos)
+    def read_at(self, pos: int, view: memoryview) -> int:
+        data = os.pread(self._fd, len(view), self._start + pos)
         view[: len(data)] = data
-        self._pos += len(data)
         return len(data)
 
 
@@ -336,11 +317,9 @@ def _is_hdf5(path: Path) -> bool:
     return False
 
 
-class KerasBackend(Backend):
+class KerasBackend(Backend, name="keras", suffixes=(".weights.h5", ".keras")):
     """Keras 3 ``.weights.h5``, ``.keras`` archives and legacy Keras HDF5 weights, read-only."""
 
-    name: ClassVar[str] = "keras"
-    suffixes: ClassVar[tuple[str, ...]] = (".weights.h5", ".keras")
 
     @classmethod
     def sniff(cls, path: Path) -> bool:
@@ -370,11 +349,9 @@ class KerasBackend(Backend):
         return _open(path, "keras", read_unwritten=read_unwritten)
 
 
-class HDF5Backend(Backend):
+class HDF5Backend(Backend, name="hdf5", suffixes=()):
     """Any HDF5 file ckptvar did not write: every dataset by its path, read-only."""
 
-    name: ClassVar[str] = "hdf5"
-    suffixes: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def sniff(cls, path: Path) -> bool:

@@ -28,13 +28,13 @@ import struct
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
 from ..._dtypes import SUPPORTED_DTYPES, dtype_to_str, str_to_dtype
 from ...errors import CorruptCheckpointError, UnsupportedFormatError
-from ..base import ArrayInfo, Backend, LazyArray, Reader, Writer
+from ..base import ArrayInfo, Backend, LazyArray, Reader
 from ._common import (
     CollectingWriter,
     EntryReader,
@@ -44,7 +44,14 @@ from ._common import (
     little_endian,
 )
 from ._json import jsonable
-from ._zip import MAX_DEFLATE_RATIO, ZIP_ERRORS, ZipArchive, zip_crc_check, zip_member_data_offset
+from ._zip import (
+    MAX_DEFLATE_RATIO,
+    ZIP_ERRORS,
+    ZipArchive,
+    read_member_range,
+    zip_crc_check,
+    zip_member_data_offset,
+)
 
 __all__ = ["NpzBackend", "NpzWriter", "parse_npy_header"]
 
@@ -148,20 +155,7 @@ class _Member:
             raise CorruptCheckpointError(f"The {self.what} is shorter than its header says.")
         if self.stored:
             return self.fh.pread(self.start + offset, size, self.what)
-        try:
-            with self.zf.open(self.info) as f:
-                left = offset
-                while left > 0:
-                    chunk = f.read(min(left, 1 << 22))
-                    if not chunk:
-                        break
-                    left -= len(chunk)
-                data = f.read(size)
-        except ZIP_ERRORS as exc:
-            raise CorruptCheckpointError(f"The {self.what} is damaged: {exc}") from None
-        if len(data) != size:
-            raise CorruptCheckpointError(f"The {self.what} is truncated.")
-        return data
+        return read_member_range(self.zf, self.info, offset, size, f"The {self.what}")
 
     def readinto(self, buf: memoryview, offset: int) -> None:
         self.fh.readinto(buf, self.start + offset, self.what)
@@ -325,12 +319,9 @@ class NpzWriter(CollectingWriter):
         return self.path
 
 
-class NpzBackend(Backend):
+class NpzBackend(Backend, name="npz", suffixes=(".npz",), writer=NpzWriter):
     """NumPy ``.npz`` archives (read and write; never unpickles)."""
 
-    name: ClassVar[str] = "npz"
-    suffixes: ClassVar[tuple[str, ...]] = (".npz",)
-    can_write: ClassVar[bool] = True
 
     @classmethod
     def sniff(cls, path: Path) -> bool:
@@ -344,7 +335,3 @@ class NpzBackend(Backend):
     @classmethod
     def open_reader(cls, path: Path) -> Reader:
         return _open(Path(path))
-
-    @classmethod
-    def open_writer(cls, path: Path, **options: Any) -> Writer:
-        return NpzWriter(Path(path), **options)

@@ -29,21 +29,14 @@ import os
 import struct
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 
 from ...errors import CorruptCheckpointError, UnsupportedFormatError
-from ..base import ArrayInfo, Backend, Reader, Writer
-from ._common import (
-    CollectingWriter,
-    EntryReader,
-    FileArray,
-    FileHandle,
-    check_shape,
-    little_endian,
-)
+from ..base import ArrayInfo, Backend, Reader
+from . import _common
 from ._json import jsonable, loads_json
 
 __all__ = ["SAFETENSORS_DTYPES", "SafetensorsBackend", "SafetensorsWriter"]
@@ -119,7 +112,7 @@ def _entry(key: str, spec: Any, buffer_size: int, where: str, path: Path | str) 
             f"Tensor {key!r} in the {where} has unsupported dtype {spec['dtype']!r} "
             f"(known: {', '.join(SAFETENSORS_DTYPES)})."
         )
-    shape = check_shape(spec["shape"], what=f"Tensor {key!r}", path=path)
+    shape = _common.check_shape(spec["shape"], what=f"Tensor {key!r}", path=path)
     offsets = spec["data_offsets"]
     if (
         not isinstance(offsets, list)
@@ -172,7 +165,7 @@ def parse_header(
 
 
 def _open(path: Path) -> Reader:
-    fh = FileHandle(path)
+    fh = _common.FileHandle(path)
     try:
         if fh.size < 8:
             raise CorruptCheckpointError(
@@ -206,14 +199,14 @@ def _open(path: Path) -> Reader:
             attrs.update(extra)
         info = ArrayInfo(key=key, dtype=dtype, shape=shape, attrs=attrs)
         stored = dtype.newbyteorder("<") if dtype.kind in "biufc" and dtype.itemsize > 1 else dtype
-        arrays[key] = FileArray(
+        arrays[key] = _common.FileArray(
             info,
             stored_dtype=stored,
             offset=base + begin,
             fetch=fh.pread,
             readinto=fh.readinto if stored.byteorder in ("=", "|") else None,
         )
-    return EntryReader(path, "safetensors", arrays, metadata=metadata, on_close=fh.close)
+    return _common.EntryReader(path, "safetensors", arrays, metadata=metadata, on_close=fh.close)
 
 
 def _little() -> bool:
@@ -222,7 +215,7 @@ def _little() -> bool:
     return sys.byteorder == "little"
 
 
-class SafetensorsWriter(CollectingWriter):
+class SafetensorsWriter(_common.CollectingWriter):
     """Writes ``.safetensors`` atomically, streaming each array's buffer as it is."""
 
     def __init__(
@@ -246,7 +239,7 @@ class SafetensorsWriter(CollectingWriter):
         if not isinstance(key, str) or key == _METADATA or not key:
             raise ValueError(f"Invalid safetensors key {key!r}.")
         array = np.asarray(array)
-        dt = little_endian(array.dtype)
+        dt = _common.little_endian(array.dtype)
         if dt not in _NAME_OF:
             raise UnsupportedFormatError(
                 f"Cannot write {key!r} of dtype {array.dtype} to safetensors "
@@ -330,12 +323,11 @@ def _write_all(fd: int, view: memoryview) -> None:
         view = view[n:]
 
 
-class SafetensorsBackend(Backend):
+class SafetensorsBackend(
+    Backend, name="safetensors", suffixes=(".safetensors",), writer=SafetensorsWriter
+):
     """Hugging Face ``.safetensors`` files (read and write)."""
 
-    name: ClassVar[str] = "safetensors"
-    suffixes: ClassVar[tuple[str, ...]] = (".safetensors",)
-    can_write: ClassVar[bool] = True
 
     @classmethod
     def sniff(cls, path: Path) -> bool:
@@ -354,7 +346,3 @@ class SafetensorsBackend(Backend):
     @classmethod
     def open_reader(cls, path: Path) -> Reader:
         return _open(Path(path))
-
-    @classmethod
-    def open_writer(cls, path: Path, **options: Any) -> Writer:
-        return SafetensorsWriter(Path(path), **options)

@@ -25,7 +25,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -332,11 +332,9 @@ def _prefix_of(path: Path) -> str:
     return s
 
 
-class TFBackend(Backend):
+class TFBackend(Backend, name="tf", suffixes=(".index",)):
     """TensorFlow TensorBundle checkpoints (``prefix.index`` + ``prefix.data-*``), read-only."""
 
-    name: ClassVar[str] = "tf"
-    suffixes: ClassVar[tuple[str, ...]] = (".index",)
 
     @classmethod
     def sniff(cls, path: Path) -> bool:

@@ -23,7 +23,7 @@ import io
 import struct
 import zipfile
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +38,7 @@ from ._common import (
     covers_whole,
 )
 from ._unpickler import StorageRef, TensorRef, TorchDtype, safe_load
-from ._zip import ZIP_ERRORS, ZipArchive, check_member_size, zip_crc_check
+from ._zip import ZIP_ERRORS, ZipArchive, check_member_size, read_member_range, zip_crc_check
 
 __all__ = ["TorchBackend"]
 
@@ -104,23 +104,7 @@ class _CompressedSource:
         self.crc = info.CRC
 
     def fetch(self, offset: int, size: int) -> bytes:
-        try:
-            with self.zf.open(self.info) as member:
-                _skip(member, offset)
-                data = member.read(size)
-        except ZIP_ERRORS as exc:
-            raise CorruptCheckpointError(f"{self.what}: {exc}") from None
-        if len(data) != size:
-            raise CorruptCheckpointError(f"{self.what} is truncated.")
-        return data
-
-
-def _skip(stream: Any, n: int) -> None:
-    while n > 0:
-        chunk = stream.read(min(n, 1 << 22))
-        if not chunk:
-            return
-        n -= len(chunk)
+        return read_member_range(self.zf, self.info, offset, size, self.what)
 
 
 class TorchArray(LazyArray):
@@ -444,11 +428,9 @@ def _open_legacy(path: Path) -> Reader:
     return EntryReader(path, "torch", arrays, skipped=skipped, metadata=meta, on_close=fh.close)
 
 
-class TorchBackend(Backend):
+class TorchBackend(Backend, name="torch", suffixes=(".pt", ".pth", ".bin")):
     """PyTorch ``torch.save`` files (zip and legacy), read-only."""
 
-    name: ClassVar[str] = "torch"
-    suffixes: ClassVar[tuple[str, ...]] = (".pt", ".pth", ".bin")
 
     @classmethod
     def sniff(cls, path: Path) -> bool:

@@ -25,6 +25,7 @@ __all__ = [
     "ZipArchive",
     "check_member_size",
     "check_zip_entry_count",
+    "read_member_range",
     "zip_crc_check",
     "zip_member_data_offset",
 ]
@@ -115,6 +116,26 @@ def check_member_size(info: zipfile.ZipInfo, limit: int, path: Path) -> None:
             f"{info.filename!r} in {str(path)!r} declares {info.file_size} bytes from "
             f"{info.compress_size} compressed bytes: a zip bomb, refused."
         )
+
+
+def read_member_range(
+    zf: zipfile.ZipFile, info: zipfile.ZipInfo, offset: int, size: int, what: str
+) -> bytes:
+    """``size`` bytes at ``offset`` of a (compressed) member, decompressing up to there.
+
+    A damaged or truncated member raises ``CorruptCheckpointError`` naming ``what``.
+    """
+    try:
+        with zf.open(info) as member:
+            left = offset
+            while left > 0 and (chunk := member.read(min(left, 1 << 22))):
+                left -= len(chunk)
+            data = member.read(size)
+    except ZIP_ERRORS as exc:
+        raise CorruptCheckpointError(f"{what} is damaged: {exc}") from None
+    if len(data) != size:
+        raise CorruptCheckpointError(f"{what} is truncated.")
+    return data
 
 
 def _unsafe_name(name: str) -> bool:

@@ -21,6 +21,7 @@ from typing import Self
 import crc32c as _crc32c
 
 from ...errors import CkptError
+from .._positional import PositionalRaw
 
 __all__ = ["Location", "ObjectInfo", "ObjectWriter", "PositionalRaw", "StorageError"]
 
@@ -107,6 +108,9 @@ class Location(ABC):
 
     #: ``True`` for object stores (no rename; commit by marker).
     is_remote: bool = False
+    #: bytes in one part of a streaming upload, and parts in flight at once
+    part_size: int = DEFAULT_PART_SIZE
+    max_concurrency: int = DEFAULT_CONCURRENCY
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/") if "://" in url else url
@@ -199,23 +203,26 @@ class Location(ABC):
         written and ``CheckpointExistsError`` names the key.
         """
 
-    @abstractmethod
     def open_writer(
-        self,
-        key: str,
-        *,
-        part_size: int | None = None,
-        max_concurrency: int | None = None,
+        self, key: str, *, part_size: int | None = None, max_concurrency: int | None = None
     ) -> ObjectWriter:
         """A streaming writer for ``key``: parts upload in the background.
 
         Memory stays bounded by about ``(max_concurrency + 1) * part_size``, whatever
-        the object's size. The object appears only when the writer is closed.
+        the object's size (both default to the location's own settings). The object
+        appears only when the writer is closed.
         """
+        return self._open_writer(
+            key, part_size or self.part_size, max_concurrency or self.max_concurrency
+        )
+
+    @abstractmethod
+    def _open_writer(self, key: str, part_size: int, max_concurrency: int) -> ObjectWriter:
+        """:meth:`open_writer` with its limits resolved."""
 
     def upload_file(self, local_path: str, key: str, *, part_size: int | None = None) -> int:
         """Stream a local file to ``key`` through :meth:`open_writer`; returns its CRC-32C."""
-        buf = bytearray(part_size or DEFAULT_PART_SIZE)
+        buf = bytearray(part_size or self.part_size)
         view = memoryview(buf)
         with open(local_path, "rb") as src, self.open_writer(key, part_size=part_size) as dst:
             while n := src.readinto(buf):
@@ -243,43 +250,6 @@ def clean_key(key: str) -> str:
     if key and any(part in ("", ".", "..") for part in key.split("/")):
         raise ValueError(f"invalid storage key {key!r}: empty, '.' or '..' component")
     return key
-
-
-class PositionalRaw(io.RawIOBase):
-    """A read-only, seekable raw stream over ``size`` bytes; :meth:`read_at` fetches them.
-
-    It keeps the position; a subclass says only how to read bytes at one.
-    """
-
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self._size, self._pos = size, 0
-
-    @abstractmethod
-    def read_at(self, pos: int, view: memoryview) -> int:
-        """Fill ``view`` (at most ``size - pos`` bytes) from ``pos``; returns how many."""
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
-        view = memoryview(buffer).cast("B")
-        n = max(0, min(view.nbytes, self._size - self._pos))
-        if n:
-            n = self.read_at(self._pos, view[:n])
-            self._pos += n
-        return n
 
 
 class _RangedRaw(PositionalRaw):

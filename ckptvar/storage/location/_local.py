@@ -133,13 +133,7 @@ class LocalLocation(Location):
         finally:
             tmp.unlink(missing_ok=True)
 
-    def open_writer(
-        self,
-        key: str,
-        *,
-        part_size: int | None = None,
-        max_concurrency: int | None = None,
-    ) -> ObjectWriter:
+    def _open_writer(self, key: str, part_size: int, max_concurrency: int) -> ObjectWriter:
         return _LocalWriter(self._path(key))
 
     def delete(self, keys: str | Iterable[str]) -> None:

@@ -383,16 +383,8 @@ class ObjectStoreLocation(Location):
         )
         self.stats.add("put", len(payload))
 
-    def open_writer(
-        self,
-        key: str,
-        *,
-        part_size: int | None = None,
-        max_concurrency: int | None = None,
-    ) -> ObjectWriter:
-        return _ObjectStoreWriter(
-            self, key, part_size or self.part_size, max_concurrency or self.max_concurrency
-        )
+    def _open_writer(self, key: str, part_size: int, max_concurrency: int) -> ObjectWriter:
+        return _ObjectStoreWriter(self, key, part_size, max_concurrency)
 
     # --- deletes --------------------------------------------------------------------------
     def delete(self, keys: str | Iterable[str]) -> None:
