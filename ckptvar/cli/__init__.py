@@ -1,10 +1,11 @@
 """The ``ckpt`` command: inspect, show, convert, diff, verify and list checkpoints.
 
 Built on the public API only (``import ckptvar as cv``: ``cv.storage``'s declared
-reader abilities, ``cv.checkpoint.parse_step_name``). This module owns the top-level parser and the mapping of errors
-to exit statuses; each subcommand is a module with ``add_parser`` and ``run``
-(``inspect``, ``show``, ``convert``, ``diff``, ``verify``, ``ls``), ``_output`` owns what is
-printed and ``_blocks`` the block-wise reading and statistics.
+reader abilities, ``cv.checkpoint.parse_step_name``). This module owns the top-level
+parser and the mapping of errors to exit statuses; each subcommand is a module
+(``inspect``, ``show``, ``convert``, ``diff``, ``verify``, ``ls``) with ``HELP``,
+``DESCRIPTION``, ``EPILOG``, ``add_arguments`` and ``run`` (``_common.Command``),
+``_output`` owns what is printed and ``_blocks`` the block-wise reading and statistics.
 
 ``main(argv) -> int`` returns the exit status: 0 success, 1 a mismatch or
 verification failure, 2 bad usage or unreadable/missing input. Errors print one
