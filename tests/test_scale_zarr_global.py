@@ -31,19 +31,20 @@ CASES = str(Path(__file__).parent / "mpi" / "zarr_global_cases.py")
 mpi = pytest.mark.skipif(_mpi_skip_reason() is not None, reason=_mpi_skip_reason() or "")
 
 SHAPES = {
-    "rows": ((37, 6), "float32"),
-    "blocks": ((9, 7), "int32"),
-    "gap": ((6, 3), "float64"),
-    "irregular": ((37, 2), "int64"),
-    "nested/deep/v": ((4, 10), "uint8"),
+    "rows": ((37, 512), "float32"),
+    "blocks": ((91, 203), "int32"),
+    "gap": ((6, 2048), "float64"),
+    "irregular": ((37, 256), "int64"),
+    "nested/deep/v": ((40, 2001), "uint8"),
+    "small": ((4, 6), "float32"),
 }
-GLOBAL = ["blocks", "gap", "nested/deep/v", "rep", "rows", "save_counter"]
+GLOBAL = ["blocks", "gap", "nested/deep/v", "rep", "rows"]
 
 
 def full(key: str) -> np.ndarray:
     """The logical values tests/mpi/zarr_global_cases.py saves."""
     if key == "rep":
-        return np.arange(5, dtype="float64") / 4
+        return np.arange(10_000, dtype="float64") / 4
     shape, dtype = SHAPES[key]
     return (np.arange(math.prod(shape)) * 7 + 3).astype(dtype).reshape(shape)
 
@@ -77,19 +78,20 @@ def test_plain_zarr_reads_each_regular_grid_as_one_array(saved: tuple[Path, dict
     assert sorted(reports[n]) == list(range(n))
     for r in reports[n].values():
         assert r["plain"] == {"rows": True, "blocks": True, "gap": True, "irregular": None,
-                              "nested/deep/v": True, "rep": True}, r
+                              "nested/deep/v": True, "rep": True, "small": None}, r
     group = zarr.open_group(path, mode="r")
     rows = group["rows"]
-    assert rows.shape == (37, 6)
-    assert rows.chunks == ((19, 6) if n == 2 else (10, 6))  # uneven last edge: 18 / 7 rows
+    assert rows.shape == (37, 512)
+    assert rows.chunks == ((19, 512) if n == 2 else (10, 512))  # uneven last edge: 18 / 7 rows
     assert np.array_equal(rows[...], full("rows"))
     assert np.array_equal(group["rows"][30:37, 2:5], full("rows")[30:37, 2:5])
     assert np.array_equal(group["blocks"][...], full("blocks"))
-    assert group["blocks"].chunks == ((5, 7) if n == 2 else (5, 4))
+    assert group["blocks"].chunks == ((46, 203) if n == 2 else (46, 102))  # edges: 45, 101
     assert np.array_equal(group["nested/deep/v"][...], full("nested/deep/v"))
     assert np.array_equal(group["gap"][...], full("gap"))
     assert np.array_equal(group["rep"][...], full("rep"))
-    assert "irregular" not in group  # not a grid: its boxes stay in the per-process files
+    # not a grid, or under 64 KiB: the boxes stay in the per-process files
+    assert "irregular" not in group and "small" not in group and "save_counter" not in group
     # one chunk file per box, none for the zero-size box, no checksum files left over
     assert sorted(p.name for p in (path / "rows").iterdir()) == sorted(
         ["zarr.json"] + [f"c.{i}.0" for i in range(n)])
@@ -106,14 +108,15 @@ def test_the_index_names_each_chunk_its_writer_and_checksum(
     assert index["version"] == 2
     rows = index["variables"]["rows"]
     c = -(-37 // n)
-    assert rows["grid"] == {"path": "rows", "chunk_shape": [c, 6]}
+    assert rows["grid"] == {"path": "rows", "chunk_shape": [c, 512]}
     # box j is rank j's rows, written by rank j into rows/c.j.0
     assert [b[2:] for b in rows["boxes"]] == [[j, f"rows/c.{j}.0"] for j in range(n)]
     for key in GLOBAL:
         var = index["variables"][key]
         assert "grid" in var, key
         assert len(index["checksums"][key]) == len(var["boxes"])
-    assert "grid" not in index["variables"]["irregular"]
+    for key in ("irregular", "small", "save_counter"):
+        assert "grid" not in index["variables"][key]
     assert all(b[3].startswith("irregular/.box/") for b in index["variables"]["irregular"]["boxes"])
 
 
@@ -150,7 +153,7 @@ def test_ckpt_verify_inspect_and_convert(saved: tuple[Path, dict], tmp_path: Pat
     )
     assert verify.returncode == 0, verify.stderr
     assert inspect.returncode == 0 and "zarr (4 processes)" in inspect.stdout
-    assert "rows" in inspect.stdout and "(37, 6)" in inspect.stdout
+    assert "rows" in inspect.stdout and "(37, 512)" in inspect.stdout
     assert convert.returncode == 0, convert.stderr
     one = cv.load(tmp_path / "one.h5")
     for key in [*SHAPES, "rep"]:
@@ -204,10 +207,13 @@ def test_one_process_save_is_a_global_array_and_reads_parts(tmp_path: Path) -> N
     big = np.arange(512 * 1024, dtype="float32").reshape(512, 1024)  # 2 MiB
     w = cv.Variable(big, name="w", shard=cv.Shard(full_shape=big.shape, offset=(0, 0)))
     empty = cv.Variable(np.zeros((0, 3), "int16"), name="empty")
-    path = Path(_sharded_zarr_save(str(tmp_path / "ckpt.zarr"), {"w": w, "empty": empty}))
+    small = cv.Variable(np.arange(3.0), name="small")
+    path = Path(_sharded_zarr_save(str(tmp_path / "ckpt.zarr"),
+                                   {"w": w, "empty": empty, "small": small}))
     group = zarr.open_group(path, mode="r")
     assert np.array_equal(group["w"][...], big)
-    assert group["empty"].shape == (0, 3)
+    assert "empty" not in group and "small" not in group  # packed in rank-00000.zarr
+    assert cv.load(path)["small"].tolist() == [0.0, 1.0, 2.0]
     assert (path / "w" / "c.0.0").stat().st_size == big.nbytes
     with cv.open(path) as reader:
         row = reader["w"][100:101, :]  # a run of one row of a 2 MiB chunk
@@ -277,7 +283,7 @@ def test_the_per_process_layout_of_index_version_1_still_reads(tmp_path: Path) -
 
 
 def test_an_index_from_a_newer_version_or_with_a_bad_grid_is_refused(tmp_path: Path) -> None:
-    w = cv.Variable(np.arange(6.0), name="w", shard=cv.Shard(full_shape=(6,), offset=(0,)))
+    w = cv.Variable(np.arange(1e4), name="w", shard=cv.Shard(full_shape=(10_000,), offset=(0,)))
     path = Path(_sharded_zarr_save(str(tmp_path / "ckpt.zarr"), {"w": w}))
     index = _index(path)
     for change, words in [

@@ -2,7 +2,8 @@
 
 When the boxes of a logical variable form Zarr's regular chunk grid (every box has
 the shape of the box at the origin, except boxes truncated at the far edges; one box
-per grid cell), the variable is stored as ONE plain Zarr v3 array in the step's root
+per grid cell) and its value has at least 64 KiB (smaller ones stay packed in the
+per-process files), the variable is stored as ONE plain Zarr v3 array in the step's root
 group, its chunk shape the box shape, instead of one array per box in per-process
 files. Each chunk file is written by exactly one process, the box's writer (no
 sharding codec: a shard would hold boxes of several writers); edge chunks are padded
@@ -41,6 +42,7 @@ from ..distributed import Box
 from ..errors import CkptError, CorruptCheckpointError
 from . import _checksum, _rawio
 from ._atomic import fsync_all
+from ._container import DEFAULT_PACK_THRESHOLD
 from ._paths import container_paths, is_valid_container_path
 from ._zarr_files import GROUP_DOC, array_meta, open_in, write_file
 
@@ -248,36 +250,34 @@ def _chunk_data(gv: GridVariable, box: Box, array: np.ndarray) -> np.ndarray:
     return out
 
 
-_CACHE: dict[int, tuple[Any, int, GridLayout | None]] = {}
+_CACHE: dict[int, tuple[Any, tuple[int, int], GridLayout | None]] = {}
 
 
-def grid_layout(plan: Any, size: int, reserved: Iterable[str] = ()) -> GridLayout | None:
+def grid_layout(
+    plan: Any, size: int, reserved: Iterable[str] = (), *, min_nbytes: int = DEFAULT_PACK_THRESHOLD
+) -> GridLayout | None:
     """The variables of ``plan`` (a :class:`~ckptvar.distributed.SavePlan`) that a ``.zarr``
     step stores as global arrays, or ``None`` when there are none.
 
-    A variable qualifies when its dtype is a core Zarr numeric type and its boxes
-    form a regular grid (a replicated value is one box; a zero-size value has no
-    boxes). Array paths are the keys escaped as in any ckptvar container, clear of
-    ``reserved`` names. The result is cached for the last plan.
+    A variable qualifies when its dtype is a core Zarr numeric type, its whole value
+    has at least ``min_nbytes`` bytes (smaller values stay packed in the per-process
+    files, as a one-process Zarr checkpoint packs them: thousands of tiny arrays
+    would cost a directory and files each) and its boxes form a regular grid (a
+    replicated value is one box). Array paths are the keys escaped as in any
+    ckptvar container, clear of ``reserved`` names. The result is cached for the
+    last plan.
     """
     hit = _CACHE.get(id(plan))
-    if hit is not None and hit[0] is plan and hit[1] == size:
+    if hit is not None and hit[0] is plan and hit[1] == (size, min_nbytes):
         return hit[2]
     chosen: list[tuple[str, Any, tuple[int, ...]]] = []
     for key, vp in plan.variables.items():
         dt = np.dtype(vp.dtype)
-        if dt.name not in GRID_DTYPES:
+        if dt.name not in GRID_DTYPES or math.prod(vp.full_shape) * dt.itemsize < min_nbytes:
             continue
-        boxes = [item.box for item in vp.items]
-        if boxes:
-            chunk = grid_chunk(vp.full_shape, boxes)
-            if chunk is None:
-                continue
-        elif math.prod(vp.full_shape) == 0:
-            chunk = tuple(max(1, n) for n in vp.full_shape)
-        else:  # nothing to write yet elements to cover: the planner refuses it
-            continue
-        chosen.append((key, vp, chunk))
+        chunk = grid_chunk(vp.full_shape, [item.box for item in vp.items])
+        if chunk is not None:
+            chosen.append((key, vp, chunk))
     layout: GridLayout | None = None
     if chosen:
         paths = container_paths([k for k, _, _ in chosen], reserved)
@@ -291,7 +291,7 @@ def grid_layout(plan: Any, size: int, reserved: Iterable[str] = ()) -> GridLayou
             )
         layout = GridLayout(size, variables, _group_writers(variables.values()))
     _CACHE.clear()
-    _CACHE[id(plan)] = (plan, size, layout)
+    _CACHE[id(plan)] = (plan, (size, min_nbytes), layout)
     return layout
 
 

@@ -8,11 +8,12 @@ to ``$RESULT_DIR/rank<r>.jsonl`` (``{"case", "rank", "ok", ...}``).
   rank reads every variable back with plain zarr-python (no ckptvar) and compares.
 - ``restore DIR N...``: M ranks restore each ``DIR/n<N>`` checkpoint into their own boxes.
 
-The model (``VALUES``/:func:`box`): ``rows`` split by rows into chunks of
-``ceil(37 / N)`` rows (uneven last edge); ``blocks`` a 2-D grid of 2 x N/2 blocks (1 x N for odd N)
+The model (:data:`SHAPES`/:func:`box`; all but ``small`` at least 64 KiB):
+``rows`` split by rows into chunks of ``ceil(37 / N)`` rows (uneven last edge); ``blocks`` a 2-D grid of 2 x N/2 blocks (1 x N for odd N)
 with truncated edges; ``gap`` split into N-1 equal row blocks, the last rank holding a
 zero-size box; ``irregular`` an uneven row split that is no grid; ``nested/deep/v`` a
-column split under nested groups; ``rep`` a replicated value.
+column split under nested groups; ``rep`` a replicated value; ``small`` a row split
+too small to be its own array.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ RANK, SIZE = coord.rank, coord.size
 OUT = Path(os.environ["RESULT_DIR"]) / f"rank{RANK}.jsonl"
 
 SHAPES = {
-    "rows": ((37, 6), "float32"),
-    "blocks": ((9, 7), "int32"),
-    "gap": ((6, 3), "float64"),
-    "irregular": ((37, 2), "int64"),
-    "nested/deep/v": ((4, 10), "uint8"),
+    "rows": ((37, 512), "float32"),
+    "blocks": ((91, 203), "int32"),
+    "gap": ((6, 2048), "float64"),
+    "irregular": ((37, 256), "int64"),
+    "nested/deep/v": ((40, 2001), "uint8"),
+    "small": ((4, 6), "float32"),
 }
 
 
@@ -48,7 +50,7 @@ def report(case: str, **fields: object) -> None:
 
 def full(key: str) -> np.ndarray:
     if key == "rep":
-        return np.arange(5, dtype="float64") / 4
+        return np.arange(10_000, dtype="float64") / 4
     shape, dtype = SHAPES[key]
     return (np.arange(math.prod(shape)) * 7 + 3).astype(dtype).reshape(shape)
 
@@ -56,7 +58,7 @@ def full(key: str) -> np.ndarray:
 def box(key: str, rank: int, size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The box ``rank`` of ``size`` holds of ``key``: ``(offset, shape)``."""
     (n0, n1), _ = SHAPES[key]
-    if key == "rows":
+    if key in ("rows", "small"):
         c = -(-n0 // size)
         lo, hi = min(rank * c, n0), min((rank + 1) * c, n0)
         return (lo, 0), (hi - lo, n1)
@@ -91,7 +93,7 @@ def model(fill: bool) -> tuple[cv.Checkpoint, dict[str, cv.Variable]]:
         value = full(key)[sl] if fill else np.zeros(extent, dtype)
         vs[key] = cv.Variable(value, name=key.replace("/", "_"),
                               shard=cv.Shard(full_shape=shape, offset=offset))
-    vs["rep"] = cv.Variable(full("rep") if fill else np.zeros(5), name="rep")
+    vs["rep"] = cv.Variable(full("rep") if fill else np.zeros(10_000), name="rep")
     nested = cv.Checkpoint(deep=cv.Checkpoint(v=vs["nested/deep/v"]))
     flat = {k: v for k, v in vs.items() if "/" not in k}
     return cv.Checkpoint(nested=nested, **flat), vs
