@@ -226,6 +226,28 @@ def test_one_process_save_is_a_global_array_and_reads_parts(tmp_path: Path) -> N
         assert np.array_equal(whole, big)
 
 
+def test_keys_that_would_meet_the_step_s_own_files_are_kept_apart(tmp_path: Path) -> None:
+    value = np.arange(20_000, dtype="float32")  # 80 KiB each: global arrays if they can be
+    names = ["rank-00000.zarr", "sums-00000.msgpack", "ckptvar-index.msgpack", "zarr.json"]
+    shard = cv.Shard(full_shape=value.shape, offset=(0,))  # the multi-process layout
+    variables: dict[str, object] = {n: cv.Variable(value + i, name=f"v{i}", shard=shard)
+                                    for i, n in enumerate(names)}
+    nested = cv.Variable(value - 1, name="nested", shard=shard)
+    variables["rank-00000.zarr"] = cv.Checkpoint(x=nested, y=variables["rank-00000.zarr"])
+    coord = cv.distributed.SingleProcessCoordinator()
+    path = Path(cv.Checkpoint(**variables).save(str(tmp_path / "ckpt.zarr"), coordinator=coord))
+    got = cv.load(path)
+    assert np.array_equal(got["rank-00000.zarr/x"], value - 1)
+    assert np.array_equal(got["rank-00000.zarr/y"], value)
+    for i, key in enumerate(names[1:], start=1):
+        assert np.array_equal(got[key], value + i), key
+    index = _index(path)
+    assert "grid" not in index["variables"]["rank-00000.zarr/x"]  # its group: rank 0's file
+    for key in names[1:]:
+        assert index["variables"][key]["grid"]["path"] != key  # renamed (%t1 / escaped)
+    assert (path / "rank-00000.zarr" / "zarr.json").is_file()
+
+
 def test_an_hdf5_step_keeps_index_version_1(tmp_path: Path) -> None:
     w = cv.Variable(np.arange(6.0), name="w", shard=cv.Shard(full_shape=(6,), offset=(0,)))
     path = Path(_sharded_zarr_save(str(tmp_path / "ckpt.h5"), {"w": w}))

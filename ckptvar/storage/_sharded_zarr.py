@@ -43,7 +43,7 @@ from ..errors import CkptError, CorruptCheckpointError
 from . import _checksum, _rawio
 from ._atomic import fsync_all
 from ._container import DEFAULT_PACK_THRESHOLD
-from ._paths import container_paths, is_valid_container_path
+from ._paths import container_paths, escape_key, is_valid_container_path
 from ._zarr_files import GROUP_DOC, array_meta, open_in, write_file
 
 __all__ = [
@@ -270,17 +270,21 @@ def grid_layout(
     hit = _CACHE.get(id(plan))
     if hit is not None and hit[0] is plan and hit[1] == (size, min_nbytes):
         return hit[2]
+    taken = [*reserved, *(sums_file(r) for r in range(size))]
+    top = {name.lower() for name in taken}
     chosen: list[tuple[str, Any, tuple[int, ...]]] = []
     for key, vp in plan.variables.items():
         dt = np.dtype(vp.dtype)
         if dt.name not in GRID_DTYPES or math.prod(vp.full_shape) * dt.itemsize < min_nbytes:
             continue
+        if "/" in key and escape_key(key).split("/")[0].lower() in top:
+            continue  # its group would be a per-process file's name
         chunk = grid_chunk(vp.full_shape, [item.box for item in vp.items])
         if chunk is not None:
             chosen.append((key, vp, chunk))
     layout: GridLayout | None = None
     if chosen:
-        paths = container_paths([k for k, _, _ in chosen], reserved)
+        paths = container_paths([k for k, _, _ in chosen], taken)
         variables: dict[str, GridVariable] = {}
         for (key, vp, chunk), path in zip(chosen, paths, strict=True):
             writers = tuple(item.writer for item in vp.items)
