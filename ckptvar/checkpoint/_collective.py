@@ -7,7 +7,9 @@ The save protocol (every step bounded by the coordinator's timeout):
 2. prepare: rank 0 creates the temporary step directory and tells the others;
 3. write: each rank writes the boxes the plan gives it into its own ordinary
    ckptvar file ``rank-NNNNN.<suffix>`` (each box has exactly one writer; a
-   replicated value is written once);
+   replicated value is written once); in a ``.zarr`` step, a variable whose boxes
+   form a regular grid is instead one global Zarr array whose chunks its writers
+   write (:func:`~ckptvar.storage.grid_layout`);
 4. vote: any failure makes every rank raise ``DistributedError`` naming the failing
    ranks; rank 0 removes the temporary, nothing is committed;
 5. commit: rank 0 writes the global index, fsyncs, renames the directory into place
@@ -42,6 +44,7 @@ from ..storage import (
     box_key,
     fsync_dir,
     fsync_path,
+    grid_layout,
     pack_index,
     partial_path,
     rank_file,
@@ -164,8 +167,11 @@ def collective_write(  # noqa: C901, PLR0912, PLR0915, PLR0917 - the protocol, s
         where = Path(shared)
         # write: this rank's boxes into its own file
         failure = None
-        mine = _mine(plan, coord.rank)
+        grid = _grid(plan, fmt, suffix, coord.size)
+        mine = _mine(plan, coord.rank, grid)
         try:
+            if grid is not None:
+                grid.write(where, coord.rank, values)
             if mine:
                 writer = native_backend(where / rank_file(coord.rank, suffix), fmt).open_writer(
                     where / rank_file(coord.rank, suffix), durable=True
@@ -188,7 +194,7 @@ def collective_write(  # noqa: C901, PLR0912, PLR0915, PLR0917 - the protocol, s
         failure = None
         if coord.is_primary:
             try:
-                _commit(where, final, fmt, suffix, plan, values, meta, coord.size)
+                _commit(where, final, fmt, suffix, plan, values, meta, coord.size, grid)
                 if on_commit is not None:
                     on_commit(os.fspath(final))
             except BaseException as exc:  # noqa: BLE001 - reported through the vote
@@ -248,40 +254,53 @@ def needs_collective(coord: Any, variables: Iterable[Any]) -> bool:
 
 
 # One entry each: a repeated save with the same (cached) plan reuses them.
-_MINE: dict[int, tuple[Any, int, list[tuple[str, str]]]] = {}
-_PACKED: dict[int, tuple[Any, tuple[Any, ...], bytes]] = {}
+_MINE: dict[int, tuple[Any, int, Any, list[tuple[str, str]]]] = {}
+_PACKED: dict[int, tuple[Any, tuple[Any, ...], Any, bytes]] = {}
 
 
-def _mine(plan: Any, rank: int) -> list[tuple[str, str]]:
-    """``(key, stored key)`` of each box ``rank`` writes under ``plan``."""
+def _grid(plan: Any, fmt: str, suffix: str, size: int) -> Any:
+    """The variables a ``.zarr`` step stores as global arrays (``None``: none, or HDF5)."""
+    if fmt != "zarr":
+        return None
+    reserved = [INDEX_FILE, "zarr.json"] + [rank_file(r, suffix) for r in range(size)]
+    return grid_layout(plan, size, reserved)
+
+
+def _mine(plan: Any, rank: int, grid: Any = None) -> list[tuple[str, str]]:
+    """``(key, stored key)`` of each box ``rank`` writes under ``plan`` into its own file."""
     hit = _MINE.get(id(plan))
-    if hit is not None and hit[0] is plan and hit[1] == rank:
-        return hit[2]
+    if hit is not None and hit[0] is plan and hit[1] == rank and hit[2] is grid:
+        return hit[3]
     mine = [(key, box_key(key, j)) for key, vp in plan.variables.items()
+            if grid is None or key not in grid
             for j, item in enumerate(vp.items) if item.writer == rank]
     _MINE.clear()
-    _MINE[id(plan)] = (plan, rank, mine)
+    _MINE[id(plan)] = (plan, rank, grid, mine)
     return mine
 
 
 def _packed_variables(
-    plan: Any, values: Mapping[str, tuple[np.ndarray, dict[str, Any]]]
+    plan: Any, values: Mapping[str, tuple[np.ndarray, dict[str, Any]]], grid: Any = None
 ) -> bytes:
     """The index's ``variables`` map, msgpack-packed (reused while plan and attributes agree)."""
     sig = tuple(tuple(attrs.items()) for _, attrs in values.values())
     hit = _PACKED.get(id(plan))
-    if hit is not None and hit[0] is plan and hit[1] == sig:
-        return hit[2]
+    if hit is not None and hit[0] is plan and hit[1] == sig and hit[2] is grid:
+        return hit[3]
     variables: dict[str, dict[str, Any]] = {}
     for key, vp in plan.variables.items():
-        boxes = [[list(item.box.offset), list(item.box.shape), item.writer, box_key(key, j)]
+        gv = grid.variables.get(key) if grid is not None else None
+        boxes = [[list(item.box.offset), list(item.box.shape), item.writer,
+                  box_key(key, j) if gv is None else gv.chunk_rel(item.box)]
                  for j, item in enumerate(vp.items)]
         attrs = values[key][1] if key in values else {}
         variables[key] = {"shape": list(vp.full_shape), "dtype": vp.dtype, "attrs": attrs,
                           "boxes": boxes}
+        if gv is not None:
+            variables[key]["grid"] = gv.index_entry()
     packed: bytes = msgpack.packb(variables, use_bin_type=True)
     _PACKED.clear()
-    _PACKED[id(plan)] = (plan, sig, packed)
+    _PACKED[id(plan)] = (plan, sig, grid, packed)
     return packed
 
 
@@ -294,12 +313,14 @@ def _commit(  # noqa: PLR0917
     values: Mapping[str, tuple[np.ndarray, dict[str, Any]]],
     meta: dict[str, Any],
     size: int,
+    grid: Any = None,
 ) -> None:
     files = [rank_file(r, suffix) for r in range(size)]
-    packed = _packed_variables(plan, values)
+    packed = _packed_variables(plan, values, grid)
+    sums = None if grid is None else grid.collect(tmp)
     index = tmp / INDEX_FILE
     with open(index, "wb") as f:
-        f.write(pack_index(fmt, size, files, packed, meta))
+        f.write(pack_index(fmt, size, files, packed, meta, checksums=sums))
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(tmp)

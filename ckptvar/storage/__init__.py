@@ -7,7 +7,7 @@ arrays, large ones in parallel pieces). For the checkpoint layer it also names t
 crash-safe file helpers (``partial_path``, ``is_partial``, ``remove_path``,
 ``fsync_dir``, ``fsync_path``), the remote-URL entry points (``open_remote_reader``,
 ``save_remote``, ``remote_format``) and the sharded layout (``ShardedReader``,
-``INDEX_FILE``, ``rank_file``, ``box_key``, ``pack_index``).
+``INDEX_FILE``, ``rank_file``, ``box_key``, ``pack_index``, ``grid_layout``).
 
 >>> from ckptvar.storage import known_formats
 >>> "h5" in known_formats() and "zarr" in known_formats()
@@ -37,6 +37,7 @@ from .registry import backend_for, known_formats, register_backend
 from . import _h5, _sharded, _zarr, formats  # noqa: F401
 from ._remote import open_remote_reader, remote_format, save_remote
 from ._sharded import INDEX_FILE, ShardedReader, box_key, pack_index, rank_file
+from ._sharded_zarr import grid_layout
 
 __all__ = [
     "INDEX_FILE",
@@ -54,6 +55,7 @@ __all__ = [
     "box_key",
     "fsync_dir",
     "fsync_path",
+    "grid_layout",
     "is_partial",
     "known_formats",
     "open_remote_reader",

@@ -10,7 +10,10 @@ A checkpoint written by several processes is a directory ``prefix-N.h5`` (or
   each logical key with its full shape, dtype, attributes and boxes
   ``(offset, shape, file, stored key)``, plus the checkpoint's metadata;
 - for ``.zarr`` a root ``zarr.json`` (a plain Zarr v3 group whose members are the
-  per-process groups).
+  per-process groups) and, for each variable whose boxes form a regular grid, one
+  plain Zarr v3 array at its key whose chunks are the boxes, each chunk file written
+  by its box's writer (:mod:`._sharded_zarr`; index version 2 lists the grid and the
+  chunks' checksums).
 
 :class:`ShardedReader` shows the logical variables: a slice reads only the parts of
 the stored boxes it overlaps (:func:`~ckptvar.distributed.read_plan`), never filling
@@ -29,6 +32,8 @@ import numpy as np
 
 from ..distributed import Box, read_plan
 from ..errors import CkptError, CorruptCheckpointError, MissingKeyError
+from ._sharded_zarr import GridVariable, read_part
+from ._zarr_files import O_DIR
 from .base import ArrayInfo, Backend, LazyArray, Reader, SupportsVerifyAll
 from .registry import backend_for, register_backend
 
@@ -44,7 +49,8 @@ __all__ = [
 
 INDEX_FILE = "ckptvar-index.msgpack"
 INDEX_FORMAT = "ckptvar-sharded"
-INDEX_VERSION = 1
+#: 2 when some variables are global Zarr arrays (``grid`` entries, ``checksums``), else 1.
+INDEX_VERSION = 2
 #: Stored boxes up to this size are read whole (and verified) even when only partly needed.
 _SLICE_WHOLE_BELOW = 1 << 20
 _MAX_INDEX = 1 << 30
@@ -66,20 +72,25 @@ def pack_index(
     files: list[str],
     variables: bytes,
     metadata: dict[str, Any],
+    *,
+    checksums: dict[str, list[int]] | None = None,
 ) -> bytes:
     """The index record (msgpack map); ``variables`` is the packed ``variables`` map.
 
+    ``checksums`` (the chunks of global Zarr arrays, per key) makes it version 2.
     See the module docstring and docs/FORMAT.md.
     """
     packer = msgpack.Packer(use_bin_type=True)
-    head = {
+    head: dict[str, Any] = {
         "format": INDEX_FORMAT,
-        "version": INDEX_VERSION,
+        "version": 1 if checksums is None else INDEX_VERSION,
         "container": container,
         "processes": processes,
         "files": files,
         "metadata": metadata,
     }
+    if checksums is not None:
+        head["checksums"] = checksums
     parts = [packer.pack_map_header(len(head) + 1)]
     for k, v in head.items():
         parts += [packer.pack(k), packer.pack(v)]
@@ -103,7 +114,7 @@ def _load_index(path: Path) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{str(where)!r} is damaged: {exc}.") from None
     if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT:
         raise CorruptCheckpointError(f"{str(where)!r} is not a ckptvar multi-process index.")
-    if not isinstance(doc.get("version"), int) or doc["version"] > INDEX_VERSION:
+    if not isinstance(doc.get("version"), int) or not 1 <= doc["version"] <= INDEX_VERSION:
         raise CorruptCheckpointError(
             f"{str(where)!r} has index version {doc.get('version')!r}; this ckptvar reads up "
             f"to {INDEX_VERSION}."
@@ -128,7 +139,11 @@ class ShardedReader(Reader, SupportsVerifyAll):
         self._subs: dict[int, Reader] = {}
         self._infos: dict[str, ArrayInfo] = {}
         self._boxes: dict[str, list[tuple[Any, int, str]]] = {}
+        #: variables stored as global Zarr arrays, and their chunks' checksums
+        self._grids: dict[str, tuple[GridVariable, list[int]]] = {}
+        self._root_fd: int | None = None
         self.bytes_read = 0
+        sums = self._index.get("checksums") or {}
         for key, rec in self._index["variables"].items():
             try:
                 shape = tuple(int(n) for n in rec["shape"])
@@ -136,7 +151,14 @@ class ShardedReader(Reader, SupportsVerifyAll):
                 boxes = [
                     (Box(tuple(o), tuple(s)), int(f), str(k)) for o, s, f, k in rec["boxes"]
                 ]
-            except (KeyError, TypeError, ValueError, CkptError) as exc:
+                if rec.get("grid") is not None:
+                    gv = GridVariable.from_index(key, shape, dtype, rec["grid"],
+                                                 [b for b, _, _ in boxes])
+                    crcs = [int(c) for c in sums[key]]
+                    if len(crcs) != len(boxes):
+                        raise ValueError("it has not one checksum per chunk")
+                    self._grids[key] = (gv, crcs)
+            except (KeyError, TypeError, ValueError, AttributeError, CkptError) as exc:
                 raise CorruptCheckpointError(
                     f"The index of {str(self.path)!r} is malformed at variable {key!r}: {exc}."
                 ) from None
@@ -173,6 +195,12 @@ class ShardedReader(Reader, SupportsVerifyAll):
         return out
 
     def verify(self, key: str) -> None:
+        grid = self._grids.get(key)
+        if grid is not None:
+            for j, box in enumerate(grid[0].boxes):
+                read_part(self._root(), self.path, grid[0], j, Box.full(box.shape).slices(),
+                          crc=grid[1][j], whole=True, verify=True)
+            return
         for _, f, stored in self._boxes_of(key):
             self._verify_one(key, f, stored)
 
@@ -189,6 +217,14 @@ class ShardedReader(Reader, SupportsVerifyAll):
         subs, self._subs = self._subs, {}
         for sub in subs.values():
             sub.close()
+        fd, self._root_fd = self._root_fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_root_fd", None)
+        if fd is not None:
+            os.close(fd)
 
     # -- boxes ---------------------------------------------------------------------------
     def stored_boxes(self, key: str) -> list[Any]:
@@ -208,11 +244,21 @@ class ShardedReader(Reader, SupportsVerifyAll):
         boxes = self._boxes_of(key)
         plan = read_plan(key, target, [b for b, _, _ in boxes], info.shape)
         out = np.empty(target.shape, dtype=info.dtype)
+        grid = self._grids.get(key)
         for item in plan:
             box, f, stored = boxes[item.source]
-            sub = self._sub(key, f)
             isz = info.dtype.itemsize
             dest = out[item.dest_slices] if out.ndim else out
+            if grid is not None:
+                whole = item.box == box or box.size * isz <= _SLICE_WHOLE_BELOW
+                part, nbytes = read_part(
+                    self._root(), self.path, grid[0], item.source, item.source_slices,
+                    crc=grid[1][item.source], whole=whole, verify=verify,
+                )
+                self.bytes_read += nbytes
+                dest[...] = part
+                continue
+            sub = self._sub(key, f)
             try:
                 if item.box == box and dest.flags.c_contiguous:  # straight into place
                     sub.read(stored, out=dest, verify=verify)
@@ -240,6 +286,15 @@ class ShardedReader(Reader, SupportsVerifyAll):
     def _boxes_of(self, key: str) -> list[tuple[Any, int, str]]:
         self.info(key)
         return self._boxes[key]
+
+    def _root(self) -> int:
+        """The step directory, held open (chunk files are opened below it, no symlinks)."""
+        if self._root_fd is None:
+            try:
+                self._root_fd = os.open(self.path, O_DIR)
+            except OSError as exc:
+                raise CorruptCheckpointError(f"{str(self.path)!r} cannot be opened: {exc}.") from None
+        return self._root_fd
 
     def _verify_one(self, key: str, f: int, stored: str) -> None:
         sub = self._sub(key, f)
