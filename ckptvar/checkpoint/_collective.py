@@ -35,6 +35,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from .._dtypes import dtype_to_str
 from ..distributed import Box, Coordinator, PlanCache, VariableLayout, gather_plan
 from ..errors import CheckpointMismatchError, CkptError
 from ..storage import (
@@ -106,8 +107,8 @@ def _raw_layout(var: Variable | Logical, key: str, array: np.ndarray) -> _Raw:
     shard = var.shard if isinstance(var, Variable) else None
     shape = array.shape
     if shard is None:
-        return (key, shape, array.dtype.str, None, shape)
-    return (key, tuple(shard.full_shape), array.dtype.str, tuple(shard.offset), shape)
+        return (key, shape, dtype_to_str(array.dtype), None, shape)
+    return (key, tuple(shard.full_shape), dtype_to_str(array.dtype), tuple(shard.offset), shape)
 
 
 def collective_write(  # noqa: C901, PLR0912, PLR0915, PLR0917 - the protocol, step by step

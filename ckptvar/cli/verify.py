@@ -75,7 +75,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                     except (cv.CorruptCheckpointError, OSError) as exc:
                         damaged.append((key, one_line(exc)))
                     bar.update(reader.info(key).nbytes, key)
-        unchecked = sum(1 for k in keys if reader.info(k).checksum is None)
+        unchecked = sum(1 for k in keys if not reader.info(k).checked)
     n = len(keys)
     if damaged:
         for key, reason in damaged:

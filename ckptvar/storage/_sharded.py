@@ -30,6 +30,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from .._dtypes import as_dtype
 from ..distributed import Box, read_plan
 from ..errors import CkptError, CorruptCheckpointError, MissingKeyError
 from ._sharded_zarr import GridVariable, read_part
@@ -147,7 +148,7 @@ class ShardedReader(Reader, SupportsVerifyAll):
         for key, rec in self._index["variables"].items():
             try:
                 shape = tuple(int(n) for n in rec["shape"])
-                dtype = np.dtype(rec["dtype"])
+                dtype = as_dtype(rec["dtype"])  # a name (bfloat16) or a NumPy string
                 boxes = [
                     (Box(tuple(o), tuple(s)), int(f), str(k)) for o, s, f, k in rec["boxes"]
                 ]
@@ -167,7 +168,8 @@ class ShardedReader(Reader, SupportsVerifyAll):
                     f"The index of {str(self.path)!r} names a file that it does not list "
                     f"for variable {key!r}."
                 )
-            self._infos[key] = ArrayInfo(key, dtype, shape, dict(rec.get("attrs") or {}))
+            self._infos[key] = ArrayInfo(key, dtype, shape, dict(rec.get("attrs") or {}),
+                                       piecewise=True)  # every box and chunk has one
             self._boxes[key] = boxes
 
     # -- the Reader interface ----------------------------------------------------------

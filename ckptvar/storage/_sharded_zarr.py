@@ -38,6 +38,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from .._dtypes import as_dtype
 from ..distributed import Box
 from ..errors import CkptError, CorruptCheckpointError
 from . import _checksum, _rawio
@@ -274,7 +275,7 @@ def grid_layout(
     top = {name.lower() for name in taken}
     chosen: list[tuple[str, Any, tuple[int, ...]]] = []
     for key, vp in plan.variables.items():
-        dt = np.dtype(vp.dtype)
+        dt = as_dtype(vp.dtype)
         if dt.name not in GRID_DTYPES or math.prod(vp.full_shape) * dt.itemsize < min_nbytes:
             continue
         if "/" in key and escape_key(key).split("/")[0].lower() in top:

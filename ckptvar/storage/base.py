@@ -71,7 +71,10 @@ class ArrayInfo:
     """What a checkpoint says about one stored value, known without reading it.
 
     ``attrs`` holds what the writer was given (``name``, ``trainable``, ...);
-    ``checksum`` is the stored checksum, ``None`` for formats that carry none.
+    ``checksum`` is the stored checksum of the whole value, ``None`` for formats that
+    carry none; ``piecewise`` is true when the value is instead checked by the checksums
+    of its pieces (the boxes of a multi-process checkpoint). :attr:`checked` says whether
+    reading it verifies anything.
     """
 
     key: str
@@ -79,6 +82,12 @@ class ArrayInfo:
     shape: tuple[int, ...]
     attrs: Mapping[str, Any] = field(default_factory=dict)
     checksum: int | None = None
+    piecewise: bool = False
+
+    @property
+    def checked(self) -> bool:
+        """Whether a read of this value is verified against stored checksums."""
+        return self.checksum is not None or self.piecewise
 
     @property
     def size(self) -> int:

@@ -22,6 +22,7 @@ import time
 import traceback
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 import ckptvar as cv
@@ -32,7 +33,13 @@ coord = cv.distributed.from_env()
 RANK, SIZE = coord.rank, coord.size
 OUT = Path(os.environ["RESULT_DIR"]) / f"rank{RANK}.jsonl"
 
-SHAPES = {"w": ((37, 5), "float32", 0), "e": ((6, 10), "int64", 1), "z": ((3, 2), "float64", 0)}
+#: key: (full shape, dtype, the axis it is split along); "h" is bfloat16 (kept by name)
+SHAPES = {
+    "w": ((37, 5), "float32", 0),
+    "e": ((6, 10), "int64", 1),
+    "z": ((3, 2), "float64", 0),
+    "h": ((9, 4), ml_dtypes.bfloat16, 0),
+}
 
 
 def report(case: str, **fields: object) -> None:
