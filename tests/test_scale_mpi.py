@@ -158,3 +158,16 @@ def test_manager_saver_and_background_saves_on_three_processes(tmp_path: Path) -
         assert [n for n in r["listed"] if n.startswith("ckpt")] == ["ckpt-2.h5", "ckpt-3.h5"]
     assert {r["counter"] for r in got["manager_restore"].values()} == {3}
     assert cv.latest_checkpoint(tmp_path / "saver") == str(tmp_path / "saver" / "model-7.h5")
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".zarr"])
+def test_ckpt_verify_counts_every_box_checked(saved: Path, suffix: str) -> None:
+    import subprocess
+    import sys
+
+    path = saved / "n4" / f"ckpt-1{suffix}"
+    proc = subprocess.run([sys.executable, "-m", "ckptvar.cli", "verify", str(path)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK" in proc.stdout
+    assert "without a stored checksum" not in proc.stdout  # every box has its checksum
