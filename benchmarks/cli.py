@@ -10,7 +10,9 @@ Workloads (``--only``): ``big`` (~1 GiB in 149 float32 tensors: save, load warm/
 restore into existing arrays), ``small`` (20,000 tensors of 64-4096 elements),
 ``lazy`` (one 16 MiB tensor out of the 1 GiB checkpoint), ``init`` (restore as
 initialization vs build-then-restore), ``bgsave`` (time blocked by a background save),
-``verify`` (checksums on vs off), ``gpu`` (needs CuPy and a CUDA device).
+``verify`` (checksums on vs off), ``gpu`` (needs CuPy and a CUDA device), ``scale``
+(4 processes save one checkpoint, 3 and 1 restore it, and the save protocol's overhead
+for 10,000 variables; needs mpi4py and ``mpiexec``: :mod:`benchmarks.scale`).
 
 Examples::
 

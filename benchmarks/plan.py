@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import round2
+from benchmarks import round2, scale
 from benchmarks.harness import Runner, loadavg, say
 from benchmarks.results import Row
 from benchmarks.workloads import FULL_SMALL_COUNT, QUICK_SMALL_COUNT
@@ -224,7 +225,27 @@ def run_plan(args: argparse.Namespace, runner: Runner, defs: list[SubjectDef],
     # the round-2 rows, subjects interleaved; --extra-repeats keeps the full run short
     round2.run(chosen, workloads, quick=quick, repeats=args.extra_repeats, data=data,
                suffix=suffix, measure=measure, setup=setup, rm=rm)
+    if "scale" in workloads and (not args.subjects or "ckptvar-h5" in args.subjects):
+        rows += scale_rows(quick, args.extra_repeats, data)
     return round2.merge(rows)
+
+
+def scale_rows(quick: bool, repeats: int, data: Path) -> list[Row]:
+    """The ``scale`` workload's rows (:mod:`benchmarks.scale`, under ``mpiexec``)."""
+    why = scale.available()
+    if why is not None:
+        say(f"scale workload skipped: {why}")
+        return []
+    say("scale workload: 4 processes save, 3 and 1 restore (mpiexec)")
+    total = scale.QUICK_TOTAL if quick else scale.BENCH_TOTAL
+    try:
+        m = scale.measure(total, max(repeats, 3), str(data))
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        say(f"scale workload failed: {str(exc)[-500:]}")
+        return []
+    return scale.to_rows(m, lambda op, times, extra: Row(
+        "scale", op, "ckptvar-h5", "ckptvar", times=list(times), extra=dict(extra),
+        nbytes=m["nbytes"]))
 
 
 def suffix(sd: SubjectDef) -> str:

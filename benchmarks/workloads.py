@@ -18,7 +18,7 @@ GiB = 1 << 30
 
 #: The workloads the driver knows (``--only``).
 WORKLOADS = ("big", "small", "lazy", "init", "bgsave", "verify", "gpu", "counts", "open",
-             "frameworks")
+             "frameworks", "scale")
 FULL_SMALL_COUNT = 20_000
 QUICK_SMALL_COUNT = 200
 

@@ -24,6 +24,7 @@ from ckptvar.distributed import (
     plan_save,
     read_plan,
 )
+from ckptvar.distributed._plan import _plan_split, plan_save_plain
 from ckptvar.errors import CkptError, ShardLayoutError
 
 # -- strategies ---------------------------------------------------------------------
@@ -302,3 +303,78 @@ def test_a_missing_or_doubled_box_is_always_caught(data: st.DataObject) -> None:
     if match == "cover":
         with pytest.raises(ShardLayoutError, match="never fills"):
             read_plan("w", Box.full(shape), broken, shape)
+
+
+# -- the plain-data planner (what ranks exchange) agrees with plan_save -------------------
+
+
+@st.composite
+def slab_layouts(draw: st.DrawFn) -> list[dict[str, object]]:
+    """Plain layouts of N ranks, one box each per key: mostly slabs along one axis, some
+    arbitrary boxes, overlaps, gaps, boxes outside, scalars, replicated values, dtype clashes."""
+    n = draw(st.integers(1, 4))
+    layouts: list[dict[str, object]] = [{} for _ in range(n)]
+    for k in range(draw(st.integers(1, 6))):
+        key = f"k{k}"
+        full = tuple(draw(st.integers(0, 5)) for _ in range(draw(st.integers(0, 3))))
+        kind = draw(st.sampled_from(["slab", "slab", "slab", "any", "replicated"]))
+        if kind == "replicated":
+            for r in range(n):
+                layouts[r][key] = (full, "<f4", None)
+            continue
+        if kind == "slab" and full:
+            axis = draw(st.integers(0, len(full) - 1))
+            cuts = sorted(draw(st.integers(0, full[axis])) for _ in range(n - 1))
+            cuts = [0, *cuts, full[axis]]
+            ranks = draw(st.permutations(range(n)))
+            for j, r in enumerate(ranks):
+                off, shp = [0] * len(full), list(full)
+                off[axis], shp[axis] = cuts[j], cuts[j + 1] - cuts[j]
+                shp[axis] += draw(st.sampled_from([0] * 8 + [1, -1]))  # overlap / gap / outside
+                shp[axis] = max(shp[axis], 0)
+                dtype = draw(st.sampled_from(["<f4"] * 9 + ["<f8"]))
+                layouts[r][key] = (full, dtype, [(tuple(off), tuple(shp))])
+        else:
+            for r in range(n):
+                off = tuple(draw(st.integers(0, d)) for d in full)
+                shp = tuple(draw(st.integers(0, d - o)) for d, o in zip(full, off, strict=True))
+                layouts[r][key] = (full, "<f4", [(off, shp)])
+    return layouts
+
+
+def _as_layouts(plain: list[dict[str, object]]) -> list[dict[str, VariableLayout]]:
+    return [
+        {k: VariableLayout(f, d, None if b is None else tuple(Box(*x) for x in b))
+         for k, (f, d, b) in lay.items()}  # type: ignore[misc]
+        for lay in plain
+    ]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plain=slab_layouts())
+def test_the_plain_planner_gives_plan_saves_plan_and_errors(plain: list[dict[str, object]]) -> None:
+    try:
+        want, want_error = plan_save(_as_layouts(plain)), None
+    except ShardLayoutError as exc:
+        want, want_error = None, str(exc)
+    try:
+        got, got_error = plan_save_plain(plain), None  # type: ignore[arg-type]
+    except ShardLayoutError as exc:
+        got, got_error = None, str(exc)
+    assert got_error == want_error
+    if want is None or got is None:
+        return
+    assert list(got.variables.items()) == list(want.variables.items())
+    for r in range(want.size):
+        assert got.writes_for(r) == want.writes_for(r)
+    assert got.bytes_per_rank() == want.bytes_per_rank()
+
+
+def test_the_common_layout_is_planned_without_plan_save() -> None:
+    """4 ranks x 2,000 row-sharded variables take the vectorised path, and it is the same plan."""
+    plain = [{f"v{i}": ((8, 3), "<f4", [((2 * r, 0), (2, 3))]) for i in range(2000)}
+             for r in range(4)]
+    fast = _plan_split(plain)  # type: ignore[arg-type]
+    assert fast is not None
+    assert fast.variables == plan_save(_as_layouts(plain)).variables  # type: ignore[arg-type]
+    assert [it.writer for it in fast.variables["v7"].items] == [0, 1, 2, 3]

@@ -7,6 +7,7 @@ layout, its reader and the restore's checks are tested here without ``mpiexec``.
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -135,3 +136,71 @@ def test_plain_variables_restore_from_a_multi_process_checkpoint(tmp_path: Path)
     b = cv.Variable(np.zeros(2, "int64"), name="b")
     cv.Checkpoint(w=w, b=b).restore(path).assert_consumed()
     assert np.array_equal(w.numpy(), FULL) and b.numpy().tolist() == [1, 1]
+
+
+def test_bulk_reads_go_straight_into_the_buffers_and_bulk_checks_name_the_file(
+    tmp_path: Path,
+) -> None:
+    path = Path(_save(tmp_path, ".h5"))
+    w, b = np.zeros((8, 3), "float32"), np.zeros(2, "int64")
+    with ShardedReader(path) as reader:
+        reader.verify_many(["w", "b"])
+        reader.read_into_many([("w", w), ("b", b)])
+        assert reader.bytes_read == w.nbytes + b.nbytes
+        with pytest.raises(ValueError, match="C-contiguous float32"):
+            reader.read_into_many([("w", np.zeros((3, 8), "float32"))])
+    assert np.array_equal(w, FULL) and b.tolist() == [1, 1]
+    rank_file = path / "rank-00000.h5"
+    data = bytearray(rank_file.read_bytes())
+    data[bytes(data).find(FULL.tobytes()[:48]) + 5] ^= 0x55
+    rank_file.write_bytes(bytes(data))
+    with ShardedReader(path) as reader:
+        with pytest.raises(CorruptCheckpointError, match=r"'w'.*rank-00000\.h5"):
+            reader.verify_many(["b", "w"])
+        with pytest.raises(CorruptCheckpointError, match=r"'w'.*rank-00000\.h5"):
+            reader.read_into_many([("w", w)], verify=True)
+
+
+class _Counting(SingleProcessCoordinator):
+    """A real single-process coordinator that records each collective and its payload size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def allgather(self, obj, *, tag, timeout=None):  # type: ignore[no-untyped-def]
+        self.calls.append((tag, len(pickle.dumps(obj))))
+        return super().allgather(obj, tag=tag, timeout=timeout)
+
+    def broadcast(self, obj, root=0, *, tag, timeout=None):  # type: ignore[no-untyped-def]
+        self.calls.append((tag, len(pickle.dumps(obj))))
+        return super().broadcast(obj, root, tag=tag, timeout=timeout)
+
+
+def test_a_repeated_save_exchanges_one_small_digest_instead_of_the_layouts(
+    tmp_path: Path,
+) -> None:
+    coord = _Counting()
+    n = 2000
+    vs = {f"v{i}": cv.Variable(np.full(4, i, "float32"), name=f"v{i}",
+                               shard=cv.Shard(full_shape=(4,), offset=(0,))) for i in range(n)}
+    ckpt = cv.Checkpoint(**vs)
+    saves = []
+    for _ in range(2):
+        coord.calls.clear()
+        ckpt.save(tmp_path / "c.h5", coordinator=coord)
+        saves.append(list(coord.calls))
+    first, second = ([tag.split(":")[-1] for tag, _ in calls] for calls in saves)
+    assert first == ["digests", "layouts", "prepare", "prepare", "write", "commit"]
+    assert second == ["digests", "prepare", "prepare", "write", "commit"]  # no layouts
+    layouts = next(size for tag, size in saves[0] if tag.endswith(":layouts"))
+    assert layouts > 20 * n  # the layouts grow with the variables ...
+    assert all(size < 600 for _, size in saves[1])  # ... every exchange of the repeat is small
+    with ShardedReader(tmp_path / "c-2.h5") as reader:
+        assert reader.read("v1999").tolist() == [1999] * 4
+    vs["v0"].assign(np.zeros(4, "float32"))
+    bigger = cv.Variable(np.zeros(8, "float32"), name="w",
+                         shard=cv.Shard(full_shape=(8,), offset=(0,)))
+    coord.calls.clear()
+    cv.Checkpoint(w=bigger, **vs).save(tmp_path / "d.h5", coordinator=coord)
+    assert "layouts" in [tag.split(":")[-1] for tag, _ in coord.calls]  # a new layout: planned

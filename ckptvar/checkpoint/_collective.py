@@ -93,6 +93,13 @@ class _LazyLayout(Mapping[str, VariableLayout]):
             }
         return self._built
 
+    def plain(self) -> dict[str, Any]:
+        """What ``gather_plan`` exchanges: ``key -> (full shape, dtype, boxes or None)``."""
+        return {
+            key: (full, dtype, None if offset is None else [(offset, shape)])
+            for key, full, dtype, offset, shape in self._raw
+        }
+
     def __getitem__(self, key: str) -> VariableLayout:
         return self._get()[key]
 
@@ -103,12 +110,34 @@ class _LazyLayout(Mapping[str, VariableLayout]):
         return len(self._raw)
 
 
-def _raw_layout(var: Variable | Logical, key: str, array: np.ndarray) -> _Raw:
-    shard = var.shard if isinstance(var, Variable) else None
-    shape = array.shape
-    if shard is None:
-        return (key, shape, dtype_to_str(array.dtype), None, shape)
-    return (key, tuple(shard.full_shape), dtype_to_str(array.dtype), tuple(shard.offset), shape)
+def _raw_layouts(
+    arrays: Sequence[tuple[str, np.ndarray, dict[str, Any]]],
+    variables: Mapping[str, Variable | Logical],
+) -> tuple[list[_Raw], dict[str, int]]:
+    """This rank's layout rows (sorted) and the checksums of its small replicated values.
+
+    One pass, no per-variable objects: this runs on every save, cached plan or not.
+    """
+    raw: list[_Raw] = []
+    add = raw.append
+    checks: dict[str, int] = {}
+    names: dict[np.dtype, str] = {}  # one name per dtype, not one call per value
+    for key, array, _ in arrays:
+        var = variables[key]
+        shard = var.shard if isinstance(var, Variable) else None
+        dtype = array.dtype
+        name = names.get(dtype)
+        if name is None:
+            name = names[dtype] = dtype_to_str(dtype)  # a name: bfloat16 is no bare V2
+        shape = array.shape
+        if shard is None:
+            add((key, shape, name, None, shape))
+            if array.nbytes <= (1 << 20):  # large replicas: not compared
+                checks[key] = zlib.crc32(np.ascontiguousarray(array).tobytes())
+        else:
+            add((key, shard.full_shape, name, shard.offset, shape))
+    raw.sort()
+    return raw, checks
 
 
 def collective_write(  # noqa: C901, PLR0912, PLR0915, PLR0917 - the protocol, step by step
@@ -126,17 +155,10 @@ def collective_write(  # noqa: C901, PLR0912, PLR0915, PLR0917 - the protocol, s
     final = Path(path)
     tag = f"save:{final.name}"
     clock = _Clock()
-    raw: list[_Raw] = []
-    checks: dict[str, int] = {}
-    values: dict[str, tuple[np.ndarray, dict[str, Any]]] = {}
-    for key, array, attrs in arrays:
-        entry = _raw_layout(variables[key], key, array)
-        raw.append(entry)
-        values[key] = (array, attrs)
-        if entry[3] is None and array.nbytes <= (1 << 20):  # large replicas: not compared
-            checks[key] = zlib.crc32(np.ascontiguousarray(array).tobytes())
-    raw.sort()
-    digest = hashlib.blake2b(marshal.dumps(raw), digest_size=16).hexdigest()
+    raw, checks = _raw_layouts(arrays, variables)
+    values = {key: (array, attrs) for key, array, attrs in arrays}
+    # marshal version 2 (no reference table) is the fastest stable serialisation of the rows
+    digest = hashlib.blake2b(marshal.dumps(raw, 2), digest_size=16).hexdigest()
     plan = gather_plan(
         coord, _LazyLayout(raw), checksums=checks, cache=plan_cache(coord),
         digest=digest, tag=f"{tag}:plan", timeout=timeout,

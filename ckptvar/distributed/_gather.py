@@ -14,13 +14,12 @@ from collections.abc import Mapping
 
 from ._coordinator import Coordinator
 from ._plan import (
-    Box,
     PlanCache,
     SavePlan,
     VariableLayout,
     check_replicas,
     layout_digest,
-    plan_save,
+    plan_save_plain,
 )
 
 __all__ = ["gather_plan"]
@@ -57,7 +56,7 @@ def gather_plan(
         plan = cache.get(digests)
     if plan is None:
         plain = coord.allgather(_to_plain(layout), tag=f"{tag}:layouts", timeout=timeout)
-        plan = plan_save([_from_plain(p) for p in plain])
+        plan = plan_save_plain(plain)
         if cache is not None:
             cache.put(digests, plan)
     check_replicas(plan, [c for _, c, _ in first])
@@ -70,7 +69,13 @@ _Plain = dict[
 
 
 def _to_plain(layout: Mapping[str, VariableLayout]) -> _Plain:
-    """Tuples instead of dataclasses: several times smaller and faster to pickle."""
+    """Tuples instead of dataclasses: several times smaller and faster to pickle.
+
+    A layout that keeps its plain form (a ``plain()`` method) hands it over as is.
+    """
+    plain = getattr(layout, "plain", None)
+    if callable(plain):
+        return plain()  # type: ignore[no-any-return]
     return {
         key: (
             vl.full_shape,
@@ -80,9 +85,3 @@ def _to_plain(layout: Mapping[str, VariableLayout]) -> _Plain:
         for key, vl in layout.items()
     }
 
-
-def _from_plain(plain: _Plain) -> dict[str, VariableLayout]:
-    return {
-        key: VariableLayout(shape, dtype, None if boxes is None else tuple(Box(*b) for b in boxes))
-        for key, (shape, dtype, boxes) in plain.items()
-    }

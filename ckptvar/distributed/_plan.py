@@ -16,9 +16,13 @@ import hashlib
 import itertools
 import marshal
 import math
+import operator
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
 
 from .._dtypes import as_dtype
 from ..errors import ShardLayoutError
@@ -34,8 +38,11 @@ __all__ = [
     "check_replicas",
     "layout_digest",
     "plan_save",
+    "plan_save_plain",
     "read_plan",
 ]
+
+_T = TypeVar("_T")
 
 #: Cells examined at most when looking for an example of an uncovered region.
 _MAX_GRID_CELLS = 1_000_000
@@ -49,18 +56,22 @@ class Box:
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        offset = tuple(int(o) for o in self.offset)
-        shape = tuple(int(s) for s in self.shape)
+        offset, shape = self.offset, self.shape
+        # planning makes one Box per shard per rank: tuples of ints skip the conversion
+        if not (type(offset) is tuple and type(shape) is tuple
+                and all(type(v) is int for v in offset + shape)):
+            offset = tuple(int(o) for o in offset)
+            shape = tuple(int(s) for s in shape)
+            object.__setattr__(self, "offset", offset)
+            object.__setattr__(self, "shape", shape)
         if len(offset) != len(shape):
             raise ShardLayoutError(
                 f"box offset {offset} and shape {shape} have different numbers of axes"
             )
-        if any(o < 0 for o in offset) or any(s < 0 for s in shape):
+        if offset and min(*offset, *shape) < 0:
             raise ShardLayoutError(f"box offset {offset} / shape {shape} has a negative entry")
-        object.__setattr__(self, "offset", offset)
-        object.__setattr__(self, "shape", shape)
         # derived once: planning touches them for every box of every variable
-        object.__setattr__(self, "_stop", tuple(o + s for o, s in zip(offset, shape, strict=True)))
+        object.__setattr__(self, "_stop", tuple(map(operator.add, offset, shape)))
         object.__setattr__(self, "_size", math.prod(shape))
 
     @classmethod
@@ -121,13 +132,19 @@ class VariableLayout:
     boxes: tuple[Box, ...] | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "full_shape", tuple(int(n) for n in self.full_shape))
-        object.__setattr__(self, "dtype", str(self.dtype))
-        if self.boxes is not None:
+        full = self.full_shape
+        if not (type(full) is tuple and all(type(n) is int for n in full)):
+            object.__setattr__(self, "full_shape", tuple(int(n) for n in full))
+        if type(self.dtype) is not str:
+            object.__setattr__(self, "dtype", str(self.dtype))
+        boxes = self.boxes
+        if boxes is not None and not (
+            type(boxes) is tuple and all(type(b) is Box for b in boxes)
+        ):
             object.__setattr__(
                 self,
                 "boxes",
-                tuple(b if isinstance(b, Box) else Box(*b) for b in self.boxes),
+                tuple(b if isinstance(b, Box) else Box(*b) for b in boxes),
             )
 
     @property
@@ -264,15 +281,187 @@ def plan_save(layouts: Sequence[Mapping[str, VariableLayout]]) -> SavePlan:
     return SavePlan(size, {k: plans[k] for k in sorted(plans)})
 
 
+#: One rank's layout as plain data: key -> (full shape, dtype, [(offset, shape), ...] or None).
+PlainLayout = Mapping[
+    str, tuple[tuple[int, ...], str, Sequence[tuple[tuple[int, ...], tuple[int, ...]]] | None]
+]
+
+
+def plan_save_plain(layouts: Sequence[PlainLayout]) -> SavePlan:
+    """:func:`plan_save` of plain layouts (what ranks exchange): the same plan, the same errors.
+
+    The common layout (every rank holds every key, one box each, each variable split
+    along one axis) is checked with NumPy, a few array operations for all variables
+    at once, and no ``VariableLayout`` is built; anything else goes to :func:`plan_save`.
+    """
+    fast = _plan_split(layouts)
+    if fast is not None:
+        return fast
+    return plan_save([
+        {key: VariableLayout(full, dtype, None if boxes is None else
+                             tuple(Box(tuple(o), tuple(s)) for o, s in boxes))
+         for key, (full, dtype, boxes) in plain.items()}
+        for plain in layouts
+    ])
+
+
+def _box(offset: tuple[int, ...], shape: tuple[int, ...], stop: tuple[int, ...],
+         size: int) -> Box:
+    """A ``Box`` of checked plain ints, without ``__post_init__`` (thousands per plan)."""
+    box = object.__new__(Box)
+    box.__dict__.update(offset=offset, shape=shape, _stop=stop, _size=size)
+    return box
+
+
+def _frozen(cls: type[_T], **fields: object) -> _T:
+    """An instance of the frozen dataclass ``cls`` from checked fields, without ``__init__``."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
+
+
+def _plan_split(layouts: Sequence[PlainLayout]) -> SavePlan | None:  # noqa: C901
+    """The plan of the common layout, or ``None`` when :func:`plan_save` must decide."""
+    size = len(layouts)
+    if not size:
+        return None
+    keys = list(layouts[0])
+    if any(list(lay) != keys for lay in layouts[1:]):
+        return None
+    rows = [list(lay.values()) for lay in layouts]
+    first = rows[0]
+    for other in rows[1:]:
+        for (full, dtype, boxes), (f2, d2, b2) in zip(first, other, strict=True):
+            if full != f2 or dtype != d2 or (boxes is None) != (b2 is None):
+                return None
+    load = np.zeros(size, np.int64)
+    plans: dict[str, VariablePlan] = {}
+    holders = tuple(range(size))
+    by_ndim: dict[int, list[int]] = {}
+    for i, (full, _, boxes) in enumerate(first):
+        if boxes is not None:
+            by_ndim.setdefault(len(full), []).append(i)
+    for ndim, idx in by_ndim.items():
+        group = _split_group([[row[i][2] for row in rows] for i in idx],
+                             [first[i][0] for i in idx], ndim)
+        if group is None:
+            return None
+        sizes, order, box_rows = group
+        isz = np.array([_itemsize(first[i][1]) for i in idx], np.int64)
+        load += (sizes * isz[:, None]).sum(axis=0)
+        for i, picks in zip(idx, order, strict=True):
+            key = keys[i]
+            full, dtype, _ = first[i]
+            items = tuple(
+                _frozen(WriteItem, key=key, box=box_rows[r][i_box], writer=r, local_index=0)
+                for r, i_box in picks
+            )
+            plans[key] = _frozen(
+                VariablePlan, key=key, full_shape=tuple(int(d) for d in full), dtype=str(dtype),
+                replicated=False, items=items, holders=holders,
+            )
+    replicated = sorted((keys[i], first[i][0], first[i][1])
+                        for i in range(len(keys)) if first[i][2] is None)
+    _place_replicas(replicated, [int(v) for v in load], plans)
+    return SavePlan(size, {k: plans[k] for k in sorted(plans)})
+
+
+def _split_group(  # noqa: PLR0911 - each early return: not the common layout
+    boxes: list[list[Any]], fulls: list[Any], ndim: int
+) -> tuple[Any, list[list[tuple[int, int]]], list[list[Box]]] | None:
+    """Check ``ndim``-axis variables at once (``boxes[v][rank]`` is that rank's box list).
+
+    Returns each variable's bytes per rank (elements), its ``(rank, box number)`` picks in
+    offset order (non-empty boxes only) and the boxes per rank, or ``None`` when the
+    layout is not the common one (or is wrong: :func:`plan_save` then says how).
+    """
+    n = len(boxes)
+    size = len(boxes[0]) if n else 0
+    try:
+        if any(b is None or len(b) != 1 for per in boxes for b in per):
+            return None
+        off = np.array([[b[0][0] for b in per] for per in boxes], np.int64)
+        shp = np.array([[b[0][1] for b in per] for per in boxes], np.int64)
+        full = np.array(fulls, np.int64)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if off.size != n * size * ndim or shp.size != off.size or full.size != n * ndim:
+        return None
+    off = off.reshape(n, size, ndim)
+    shp = shp.reshape(n, size, ndim)
+    full = full.reshape(n, 1, ndim)
+    stop = off + shp
+    if (off < 0).any() or (shp < 0).any() or (stop > full).any():
+        return None
+    sizes = shp.prod(axis=2)
+    if not np.array_equal(sizes.sum(axis=1), full.reshape(n, ndim).prod(axis=1)):
+        return None
+    nonzero = sizes > 0
+    if ndim == 0:  # a scalar: exactly one rank holds it (the sum above says so)
+        order = np.argsort(~nonzero, axis=1, kind="stable")
+    else:
+        order = _split_order(off, shp, stop, full, nonzero)
+        if order is None:
+            return None
+    # one Box per rank and variable, made from checked ints; a variable's picks skip empties
+    o_l, s_l, e_l, z_l = off.tolist(), shp.tolist(), stop.tolist(), sizes.tolist()
+    by_rank = [[_box(tuple(o_l[v][r]), tuple(s_l[v][r]), tuple(e_l[v][r]), z_l[v][r])
+                for v in range(n)] for r in range(size)]
+    nz = nonzero.tolist()
+    picks = [[(r, v) for r in order_v if nz[v][r]] for v, order_v in enumerate(order.tolist())]
+    return sizes, picks, by_rank
+
+
+def _split_order(off: Any, shp: Any, stop: Any, full: Any, nonzero: Any) -> Any:
+    """Per variable, its ranks sorted by offset, when its non-empty boxes are disjoint slabs
+    along one axis (full on every other axis, one after another); else ``None``."""
+    n, size, ndim = off.shape
+    order = np.zeros((n, size), np.int64)
+    done = np.zeros(n, bool)
+    for axis in range(ndim):
+        others = [a for a in range(ndim) if a != axis]
+        whole = ((off[:, :, others] == 0) & (shp[:, :, others] == full[:, :, others])).all(axis=2)
+        slab = (whole | ~nonzero).all(axis=1) & ~done
+        if not slab.any():
+            continue
+        # empty boxes sort last; the rest by their start along ``axis``
+        start = np.where(nonzero, off[:, :, axis], np.iinfo(np.int64).max)
+        o = np.argsort(start, axis=1, kind="stable")
+        s_start = np.take_along_axis(off[:, :, axis], o, axis=1)
+        s_stop = np.take_along_axis(stop[:, :, axis], o, axis=1)
+        s_nz = np.take_along_axis(nonzero, o, axis=1)
+        gap_ok = (s_start[:, 1:] >= s_stop[:, :-1]) | ~s_nz[:, 1:]
+        ok = slab & gap_ok.all(axis=1)
+        order[ok] = o[ok]
+        done |= ok
+    return order if done.all() else None
+
+
+def _place_replicas(
+    replicated: list[tuple[str, tuple[int, ...], str]],
+    loads: list[int],
+    plans: dict[str, VariablePlan],
+) -> None:
+    """Give each replicated value (in key order) the holder with the fewest bytes so far."""
+    holders = tuple(range(len(loads)))
+    for key, full, dtype in replicated:
+        writer = min(holders, key=lambda r: loads[r])
+        box = Box.full(full)
+        loads[writer] += box.size * _itemsize(dtype)
+        only = (WriteItem(key, box, writer, 0),) if box.size else ()
+        plans[key] = VariablePlan(key, box.shape, str(dtype), True, only, holders)
+
+
 def _write_items(
     key: str, full_shape: tuple[int, ...], by_rank: Mapping[int, VariableLayout]
 ) -> list[WriteItem]:
     """Every non-empty box of a sharded variable, each written by its holder, by offset."""
     items = []
+    ndim = len(full_shape)
     for rank, vl in by_rank.items():
         assert vl.boxes is not None
         for i, box in enumerate(vl.boxes):
-            if not box.within(full_shape):
+            if len(box.offset) != ndim or not all(map(operator.le, box.stop, full_shape)):
                 raise ShardLayoutError(
                     f"variable {key!r}: rank {rank}'s box {box} (offset {box.offset}, "
                     f"shape {box.shape}) lies outside its full shape {full_shape}"
@@ -285,6 +474,39 @@ def _write_items(
 
 def _check_tiling(key: str, full_shape: tuple[int, ...], items: Sequence[WriteItem]) -> None:
     """Boxes (sorted by offset, no zero-size ones) must not overlap and must cover everything."""
+    if not _disjoint_rows(full_shape, items):
+        _check_overlaps(key, items)
+    covered = sum(it.box.size for it in items)
+    total = math.prod(full_shape)
+    if covered != total:
+        gap = _uncovered_example(Box.full(full_shape), [it.box for it in items])
+        where = f"; e.g. {gap} is in no box" if gap is not None else ""
+        raise ShardLayoutError(
+            f"variable {key!r}: the shards cover {covered} of the {total} elements of its "
+            f"full shape {full_shape}{where}"
+        )
+
+
+def _disjoint_rows(full_shape: tuple[int, ...], items: Sequence[WriteItem]) -> bool:
+    """True for the common layout, shown disjoint in one pass: whole rows, one after another.
+
+    Each box spans every axis but the first, and (sorted by offset) each starts at or
+    after the end of the one before. ``False`` means: check pair by pair.
+    """
+    if not full_shape:
+        return len(items) <= 1
+    rest = full_shape[1:]
+    end = 0
+    for it in items:
+        box = it.box
+        if box.offset[0] < end or box.shape[1:] != rest or any(box.offset[1:]):
+            return False
+        end = box.stop[0]
+    return True
+
+
+def _check_overlaps(key: str, items: Sequence[WriteItem]) -> None:
+    """Raise for the first two boxes (sorted by offset) that share an element."""
     # sweep along axis 0: only boxes that start before this one ends can overlap it
     for i, a in enumerate(items):
         a_stop0 = a.box.stop[0] if a.box.ndim else 1
@@ -298,15 +520,6 @@ def _check_tiling(key: str, full_shape: tuple[int, ...], items: Sequence[WriteIt
                     f"{b.writer}'s box {b.box} (common part {common}); each element must "
                     "belong to exactly one shard"
                 )
-    covered = sum(it.box.size for it in items)
-    total = math.prod(full_shape)
-    if covered != total:
-        gap = _uncovered_example(Box.full(full_shape), [it.box for it in items])
-        where = f"; e.g. {gap} is in no box" if gap is not None else ""
-        raise ShardLayoutError(
-            f"variable {key!r}: the shards cover {covered} of the {total} elements of its "
-            f"full shape {full_shape}{where}"
-        )
 
 
 def _uncovered_example(target: Box, boxes: Sequence[Box]) -> Box | None:
@@ -335,8 +548,10 @@ def check_replicas(plan: SavePlan, checksums: Sequence[Mapping[str, object]]) ->
     ranks of each differing checksum. Ranks that give no checksum for a key are
     not compared.
     """
-    for key, vp in plan.variables.items():
-        if not vp.replicated:
+    given = set().union(*checksums)  # usually few keys: never walk every variable
+    for key in sorted(given):
+        vp = plan.variables.get(key)
+        if vp is None or not vp.replicated:
             continue
         seen = {r: checksums[r][key] for r in vp.holders if key in checksums[r]}
         groups: dict[object, list[int]] = {}

@@ -24,6 +24,7 @@ directory that is not an ordinary checkpoint to this backend).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,15 @@ from ..distributed import Box, read_plan
 from ..errors import CkptError, CorruptCheckpointError, MissingKeyError
 from ._sharded_zarr import GridVariable, read_part
 from ._zarr_files import O_DIR
-from .base import ArrayInfo, Backend, LazyArray, Reader, SupportsVerifyAll
+from .base import (
+    ArrayInfo,
+    Backend,
+    LazyArray,
+    Reader,
+    SupportsReadIntoMany,
+    SupportsVerifyAll,
+    SupportsVerifyMany,
+)
 from .registry import backend_for, register_backend
 
 __all__ = [
@@ -125,7 +134,7 @@ def _load_index(path: Path) -> dict[str, Any]:
     return doc
 
 
-class ShardedReader(Reader, SupportsVerifyAll):
+class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVerifyMany):
     """The logical variables of a multi-process checkpoint; per-process files open on demand.
 
     :attr:`bytes_read` counts the value bytes this reader asked its files for.
@@ -190,11 +199,87 @@ class ShardedReader(Reader, SupportsVerifyAll):
         return dict(meta) if isinstance(meta, dict) else {}
 
     def read(self, key: str, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
-        value = self.read_box(key, Box.full(self.info(key).shape), verify=verify)
-        if out is None:
-            return value
-        out[...] = value
+        info = self.info(key)
+        full = Box.full(info.shape)
+        if out is None or not _fits(out, info):
+            value = self.read_box(key, full, verify=verify)
+            if out is None:
+                return value
+            out[...] = value
+            return out
+        self._read_into(key, full, out, verify)
         return out
+
+    def read_into_many(self, pairs: list[tuple[str, np.ndarray]], *, verify: bool = True) -> None:
+        """Read each ``(key, out)`` value into ``out`` (its shape and dtype, C-contiguous).
+
+        Whole stored boxes go straight into ``out``, one bulk read per process file (that
+        file's parallel engine); the rest as :meth:`read`. With ``verify`` a damaged
+        value raises, but other buffers may already hold new bytes: verify first.
+        """
+        per_file: dict[int, list[tuple[str, str, np.ndarray]]] = {}
+        for key, out in pairs:
+            info = self.info(key)
+            if not _fits(out, info):
+                raise ValueError(
+                    f"out= for {key!r} must be a writeable C-contiguous {info.dtype} array of "
+                    f"shape {info.shape}, not {out.dtype} {out.shape}."
+                )
+            if key in self._grids:  # a global Zarr array: its chunks, not process files
+                self._read_into(key, Box.full(info.shape), out, verify)
+                continue
+            boxes = self._boxes_of(key)
+            plan = read_plan(key, Box.full(info.shape), [b for b, _, _ in boxes], info.shape)
+            rest = []
+            for item in plan:
+                _, f, stored = boxes[item.source]
+                dest = out[item.dest_slices] if out.ndim else out
+                if dest.flags.c_contiguous:  # the whole stored box (a full read)
+                    per_file.setdefault(f, []).append((key, stored, dest))
+                    self.bytes_read += dest.nbytes
+                else:
+                    rest.append(item)
+            if rest:
+                self._copy_items(key, boxes, rest, out, verify)
+        for f, jobs in sorted(per_file.items()):
+            self._read_file(f, jobs, verify)
+
+    def _read_file(self, f: int, jobs: list[tuple[str, str, np.ndarray]], verify: bool) -> None:
+        """Read whole stored boxes of process file ``f`` into their buffers, in bulk."""
+        sub = self._sub(jobs[0][0], f)
+        try:
+            if isinstance(sub, SupportsReadIntoMany):
+                sub.read_into_many([(stored, dest) for _, stored, dest in jobs], verify=verify)
+            else:
+                for _, stored, dest in jobs:
+                    sub.read(stored, out=dest, verify=verify)
+        except (MissingKeyError, CorruptCheckpointError) as exc:
+            names = ", ".join(sorted({repr(k) for k, _, _ in jobs}))
+            raise CorruptCheckpointError(
+                f"Variables {names}: a slice in file {str(self.path / self._files[f])!r} "
+                f"is damaged or missing: {exc}"
+            ) from exc
+
+    def verify_many(self, keys: Iterable[str]) -> None:
+        """Raise ``CorruptCheckpointError`` for a damaged value among ``keys`` (one bulk
+        check per process file, that file's parallel engine)."""
+        per_file: dict[int, list[tuple[str, str]]] = {}
+        for key in keys:
+            if key in self._grids:
+                self.verify(key)
+                continue
+            for _, f, stored in self._boxes_of(key):
+                per_file.setdefault(f, []).append((key, stored))
+        for f, jobs in sorted(per_file.items()):
+            sub = self._sub(jobs[0][0], f)
+            if isinstance(sub, SupportsVerifyMany):
+                try:
+                    sub.verify_many([stored for _, stored in jobs])
+                    continue
+                except (MissingKeyError, CorruptCheckpointError):
+                    pass  # find the value, for the message below
+            for key, stored in jobs:
+                self._verify_one(key, f, stored)
 
     def verify(self, key: str) -> None:
         grid = self._grids.get(key)
@@ -243,13 +328,24 @@ class ShardedReader(Reader, SupportsVerifyAll):
         variable and the file when a file is missing or damaged.
         """
         info = self.info(key)
-        boxes = self._boxes_of(key)
-        plan = read_plan(key, target, [b for b, _, _ in boxes], info.shape)
         out = np.empty(target.shape, dtype=info.dtype)
+        self._read_into(key, target, out, verify)
+        return out
+
+    def _read_into(self, key: str, target: Any, out: np.ndarray, verify: bool) -> None:
+        """:meth:`read_box` into ``out`` (``target``'s shape, the value's dtype)."""
+        boxes = self._boxes_of(key)
+        plan = read_plan(key, target, [b for b, _, _ in boxes], self._infos[key].shape)
+        self._copy_items(key, boxes, plan, out, verify)
+
+    def _copy_items(
+        self, key: str, boxes: list[tuple[Any, int, str]], plan: list[Any], out: np.ndarray,
+        verify: bool,
+    ) -> None:
+        isz = out.dtype.itemsize
         grid = self._grids.get(key)
         for item in plan:
             box, f, stored = boxes[item.source]
-            isz = info.dtype.itemsize
             dest = out[item.dest_slices] if out.ndim else out
             if grid is not None:
                 whole = item.box == box or box.size * isz <= _SLICE_WHOLE_BELOW
@@ -283,7 +379,6 @@ class ShardedReader(Reader, SupportsVerifyAll):
                     f"{str(self.path / self._files[f])!r} is damaged: {exc}"
                 ) from exc
             dest[...] = part
-        return out
 
     def _boxes_of(self, key: str) -> list[tuple[Any, int, str]]:
         self.info(key)
@@ -352,6 +447,14 @@ class ShardedLazyArray(LazyArray):
             return np.asarray(self.read()[index])
         value = self._reader.read_box(self._info.key, box)
         return np.asarray(value[rest]) if rest else value
+
+
+def _fits(out: Any, info: ArrayInfo) -> bool:
+    """Whether ``out`` can take ``info``'s value in place (same shape and dtype, C order)."""
+    return (
+        isinstance(out, np.ndarray) and out.shape == tuple(info.shape)
+        and out.dtype == info.dtype and out.flags.c_contiguous and out.flags.writeable
+    )
 
 
 def _span(slices: tuple[slice, ...], shape: tuple[int, ...]) -> int:
