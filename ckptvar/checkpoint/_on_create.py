@@ -225,9 +225,11 @@ class _Steps:
         except BaseException as exc:  # noqa: BLE001 - reported through the vote
             failure = exc
         self.coord.vote(failure, tag=f"{self.tag}:{what}", timeout=self.timeout)
+        lazy = {id(var) for var, _ in staged.values if not var._materialized}
         staged.apply(state.path)
-        for var, value in staged.values:
-            self.taken[id(var)] = value
+        for var, value in staged.values:  # (a materialised variable copied its value)
+            if id(var) in lazy:
+                self.taken[id(var)] = value
         for key, var in items:
             state.mark_consumed(key, var)
 
