@@ -49,6 +49,7 @@ __all__ = [
     "apply_values",
     "check_matches",
     "reader_abilities",
+    "warn_cast",
 ]
 
 #: Up to this many bytes of values going into existing variables are read into
@@ -216,7 +217,7 @@ def apply_values(  # noqa: C901, PLR0912 - the all-or-nothing protocol, step by 
         for key in dict.fromkeys(key for key, _ in cast_later):
             reader.verify(key)
     if converted:
-        _warn_cast(reader.path, [(key, casts[id(var)], var) for key, var in converted])
+        warn_cast(reader.path, [(key, casts[id(var)], var) for key, var in converted])
     # Phase 2: change the variables.
     for var, value in values:
         give_value(var, value)
@@ -271,7 +272,8 @@ def _cast_phase_two(reader: Reader, later: list[tuple[str, Variable]]) -> None:
         del stored
 
 
-def _warn_cast(path: Any, casts: list[tuple[str, np.dtype, Variable]]) -> None:
+def warn_cast(path: Any, casts: list[tuple[str, np.dtype, Variable]]) -> None:
+    """One ``UserWarning`` naming every value a restore from ``path`` converted."""
     items = [f"{key!r} ({dtype_name(src)} -> {dtype_name(var.dtype)})" for key, src, var in casts]
     shown = ", ".join(items[:20]) + (f", ... ({len(items) - 20} more)" if len(items) > 20 else "")
     warnings.warn(

@@ -15,15 +15,11 @@ from ..storage import paused_gc
 from ..trackable import Trackable
 from ..variables import PartitionedVariable, Variable
 from . import _async
-from ._collective import (
-    collective_restore,
-    collective_write,
-    needs_collective,
-    rank_variables,
-)
+from ._collective import collective_write, needs_collective, rank_variables
+from ._collective_state import CollectiveRestoreState
 from ._files import native_backend, write_file
 from ._object_restore import RestoreState
-from ._serialize import decode_state, gather, host_arrays, metadata, read_graph
+from ._serialize import gather, host_arrays, metadata
 from ._state import record_latest
 from ._status import RestoreStatus
 from ._steps import split_format, step_name
@@ -31,20 +27,6 @@ from ._walk import walk
 
 __all__ = ["Checkpoint", "SaveOptions"]
 
-
-class _Restored:
-    """What a multi-process restore reports to its status: every key was restored."""
-
-    def __init__(self, path: str | os.PathLike[str], keys: list[str]) -> None:
-        self.path = path
-        self.keys = keys
-        self.silenced = True
-
-    def unused(self) -> list[str]:
-        return []
-
-    def unmatched_objects(self) -> list[str]:
-        return []
 
 _COUNTER = "save_counter"
 
@@ -262,12 +244,14 @@ class Checkpoint(Trackable):
         With ``coordinator`` (more than one process), every process calls this; each
         reads only the parts of the stored values its variables hold (resharding), and
         if any process cannot restore, every process raises and no variable changes.
+        Objects created later take their values when attached, on every process together
+        (that step is a collective too: the processes must create them in the same order).
         """
         if path is None:
             return RestoreStatus(None, warn_unused=False)
         self.wait()
         if needs_collective(coordinator, gather(self).variables.values()):
-            return self._restore_collective(path, coordinator, timeout, verify)
+            return self._restore_collective(path, coordinator, timeout, verify, cast)
         with paused_gc():
             state = RestoreState(path, root=self, verify=verify, cast=cast,
                                  storage_options=storage_options)
@@ -283,20 +267,27 @@ class Checkpoint(Trackable):
     read = restore
 
     def _restore_collective(
-        self, path: str | os.PathLike[str], coord: Any, timeout: float | None, verify: bool
+        self, path: str | os.PathLike[str], coord: Any, timeout: float | None, verify: bool,
+        cast: bool,
     ) -> RestoreStatus:
-        self.save_counter  # noqa: B018 - restored with the rest
-        plan = gather(self)
-        pairs = list(rank_variables(plan.variables).items())
-        with paused_gc():
-            meta = collective_restore(path, pairs, coord, timeout=timeout, verify=verify,
-                                      optional=(_COUNTER,))
-        _, states = read_graph(meta, path)
-        decoded = {k: decode_state(v, k, path) for k, v in states.items()}
-        for node in walk(self):
-            if isinstance(node.obj, Trackable) and node.first and node.key in decoded:
-                node.obj._restore_python_state(decoded[node.key])
-        return RestoreStatus(_Restored(path, [k for k, _ in pairs]), root=self)
+        state: CollectiveRestoreState | None = None
+        failure: BaseException | None = None
+        try:
+            with paused_gc():
+                state = CollectiveRestoreState(path, coordinator=coord, root=self, verify=verify,
+                                               cast=cast, timeout=timeout)
+        except BaseException as exc:  # noqa: BLE001 - reported through the vote
+            failure = exc
+        coord.vote(failure, tag=f"restore:{os.path.basename(os.fspath(path))}:open",
+                   timeout=timeout)
+        assert state is not None
+        if state.has_save_counter:
+            self.save_counter  # noqa: B018 - exists before matching, so it is restored too
+        try:
+            state.restore_nodes(walk(self))
+        finally:
+            state.release_reader()
+        return RestoreStatus(state, root=self)
 
     def __repr__(self) -> str:
         names = ", ".join(n for n in self._trackable_children() if n != _COUNTER)

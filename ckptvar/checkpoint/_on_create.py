@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from .._dtypes import dtype_name
+from ..errors import CheckpointMismatchError
 from ..variables import Variable, register_creation_hook
+from ._collective import Staged, stage_reads
 from ._logical import (
     BoxRead,
     Logical,
@@ -37,7 +41,12 @@ __all__ = ["restore_on_create"]
 
 @contextlib.contextmanager
 def restore_on_create(  # noqa: C901, PLR0915 - the context manager's whole lifecycle in one place
-    path: str | Path, *, verify: bool = True, cast: bool = False
+    path: str | Path,
+    *,
+    verify: bool = True,
+    cast: bool = False,
+    coordinator: Any = None,
+    timeout: float | None = None,
 ) -> Iterator[RestoreStatus]:
     """Variables created inside the block whose name is stored in ``path`` take that value.
 
@@ -47,7 +56,19 @@ def restore_on_create(  # noqa: C901, PLR0915 - the context manager's whole life
     a :class:`RestoreStatus` whose ``assert_consumed()`` checks that every stored
     value found its variable. ``cast=True`` converts a stored dtype to the variable's
     under the same_kind rules (float16 -> float32, ...), with a warning naming it.
+
+    With ``coordinator`` (more than one process), every process runs the block and
+    creates the same variables in the same order: each matched variable (or each
+    group of parts, once their boxes are known) is a collective step in which every
+    process reads only its own box and votes; if any process cannot restore it, every
+    process raises ``DistributedError`` and no variable takes a stored value.
+    ``timeout`` bounds each step.
     """
+    if coordinator is not None and coordinator.size > 1:
+        with _collective(path, verify=verify, cast=cast, coord=coordinator,
+                         timeout=timeout) as status:
+            yield status
+        return
     state = RestoreState(path, verify=verify, cast=cast)
     by_name: dict[str, str] = {}
     for key, info in state.infos.items():
@@ -146,3 +167,98 @@ def _check_part_fits(state: RestoreState, key: str, var: Variable) -> None:
         problem = (f"{key!r} (partition {var.name!r}): a part of shape {shape} cannot be a "
                    f"box of the stored shape {stored}")
         raise mismatch_error(state.path, [problem])
+
+
+@contextlib.contextmanager
+def _collective(
+    path: str | Path, *, verify: bool, cast: bool, coord: Any, timeout: float | None
+) -> Iterator[RestoreStatus]:
+    """``restore_on_create`` on every rank of ``coord``: each restore step is voted on."""
+    name = os.path.basename(os.fspath(path))
+    state: RestoreState | None = None
+    failure: BaseException | None = None
+    try:
+        state = RestoreState(path, verify=verify, cast=cast)
+    except BaseException as exc:  # noqa: BLE001 - reported through the vote
+        failure = exc
+    coord.vote(failure, tag=f"restore_on_create:{name}:open", timeout=timeout)
+    assert state is not None
+    steps = _Steps(state, coord, f"restore_on_create:{name}", timeout)
+    state.pending = 1
+    if "save_counter" in state.infos and state.has_save_counter:
+        state.consumed_keys.add("save_counter")
+    handle = register_creation_hook(steps.hook)
+    try:
+        yield RestoreStatus(state, warn_unused=False)
+        steps.restore_parts()
+        steps.taken.clear()
+    finally:
+        handle.remove()
+        state.pending = 0
+        state.release_reader()
+
+
+class _Steps:
+    """The collective steps of one ``restore_on_create`` with a coordinator."""
+
+    def __init__(self, state: RestoreState, coord: Any, tag: str, timeout: float | None) -> None:
+        self.state = state
+        self.coord = coord
+        self.tag = tag
+        self.timeout = timeout
+        self.by_name: dict[str, str] = {}
+        for key, info in state.infos.items():
+            stored_name = info.attrs.get("name")
+            self.by_name.setdefault(stored_name if isinstance(stored_name, str) else key, key)
+        self.parts: list[tuple[str, Variable]] = []  # parts waiting for their box
+        self.taken: dict[int, np.ndarray] = {}  # values of parts restored, until first used
+
+    def step(self, items: list[tuple[str, Variable]], what: str) -> None:
+        """Read each variable's box, vote, then give every variable its value."""
+        state = self.state
+        staged = Staged()
+        failure: BaseException | None = None
+        try:
+            with state._lock:
+                staged = stage_reads(state.reader, items, state.path, verify=state.verify,
+                                     cast=state.cast)
+        except BaseException as exc:  # noqa: BLE001 - reported through the vote
+            failure = exc
+        self.coord.vote(failure, tag=f"{self.tag}:{what}", timeout=self.timeout)
+        lazy = {id(var) for var, _ in staged.values if not var._materialized}
+        staged.apply(state.path)
+        for var, value in staged.values:  # (a materialised variable copied its value)
+            if id(var) in lazy:
+                self.taken[id(var)] = value
+        for key, var in items:
+            state.mark_consumed(key, var)
+
+    def restore_parts(self) -> None:
+        ready = [(k, v) for k, v in self.parts if v.save_slice_info is not None]
+        if ready:
+            self.parts[:] = [(k, v) for k, v in self.parts if v.save_slice_info is None]
+            self.step(ready, ready[0][1].name)
+
+    def first_use(self, var: Variable) -> np.ndarray:
+        """A part used before the next step: that step runs now (on every process)."""
+        self.restore_parts()
+        value = self.taken.pop(id(var), None)
+        if value is None:
+            raise CheckpointMismatchError(
+                f"Cannot restore {var.name!r} from {str(self.state.path)!r} with a coordinator: "
+                "it was read before its box of the stored value was known."
+            )
+        return value
+
+    def hook(self, var: Variable) -> None:
+        self.restore_parts()  # parts made earlier know their boxes now
+        key = self.by_name.get(var.name)
+        if key is not None:
+            self.step([(key, var)], var.name)
+            return
+        match = _PART.fullmatch(var.name)
+        key = self.by_name.get(match.group(1)) if match else None
+        if key is not None:  # its box is known once the partitioner has set it
+            self.parts.append((key, var))
+            if not var._materialized:  # the initializer never runs
+                var._set_initial_value_source(functools.partial(self.first_use, var))

@@ -144,8 +144,7 @@ class Saver:
         mapping = self._mapping()
         if needs_collective(coordinator, mapping.values()):
             collective_restore(path, list(rank_variables(mapping).items()), coordinator,
-                               timeout=timeout,
-                               verify=verify)
+                               timeout=timeout, verify=verify, cast=cast)
             return
         with backend_for(os.fspath(path)).open_reader(Path(path)) as reader:
             keys = set(reader.keys())

@@ -1,6 +1,9 @@
 """``python torch_launch.py N CASE [CASE...]``: N real processes running coordinator
 cases on torch.distributed (gloo, ``init_method=file://``).
 
+``$CASES_MODULE`` names another module of this folder whose ``main(cases)`` runs on
+every rank instead (default ``coordinator_cases``).
+
 torch is imported once, here, and the ranks are forked from this process (so N
 ranks cost one torch import). Each rank exits 0 when its cases ran; the launcher
 waits at most ``LAUNCH_TIMEOUT`` seconds, kills what is left and exits with the
@@ -9,6 +12,7 @@ worst status (a rank killed by signal S counts as 128 + S).
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -20,7 +24,7 @@ from pathlib import Path
 import torch.distributed  # noqa: F401 - imported once, before the fork
 
 sys.path.insert(0, str(Path(__file__).parent))
-import coordinator_cases
+cases_module = importlib.import_module(os.environ.get("CASES_MODULE", "coordinator_cases"))
 
 
 def main() -> int:
@@ -35,7 +39,7 @@ def main() -> int:
             )
             code = 0
             try:
-                coordinator_cases.main(cases)
+                cases_module.main(cases)
             except BaseException:  # noqa: BLE001 - report anything, then exit non-zero
                 traceback.print_exc()
                 code = 1
