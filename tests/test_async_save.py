@@ -99,3 +99,22 @@ def test_manager_async_save(tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> 
     assert [Path(p).name for p in manager.checkpoints] == [f"ckpt-3.{fmt}", f"ckpt-4.{fmt}"]
     assert _read(path, "v").max() == 3
     assert cv.latest_checkpoint(tmp_path) == path
+
+
+def test_a_save_in_flight_when_the_interpreter_exits_is_finished(tmp_path: Path) -> None:
+    """Exiting without wait(): the save completes (the pools it uses are not shut first)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, numpy as np, ckptvar as cv\n"
+        "c = cv.Checkpoint(v=cv.Variable(np.arange(4 << 20, dtype='float32'), name='v'))\n"
+        "c.save(sys.argv[1], blocking=False)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ck")],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "failed" not in proc.stderr, proc.stderr
+    value = cv.load(tmp_path / "ck-1.h5")["v"]
+    assert np.array_equal(value, np.arange(4 << 20, dtype="float32"))
+    assert cv.latest_checkpoint(tmp_path) == str(tmp_path / "ck-1.h5")

@@ -3,7 +3,9 @@
 A background save has already taken its host snapshot when it is submitted; the
 thread only writes. Each :class:`SaveHandle` reports its error exactly once, to
 whichever comes first: ``handle.wait()``, the owner's ``wait()`` or next save, or
-:func:`wait_for_pending_saves`. An error nobody collected is logged at exit.
+:func:`wait_for_pending_saves`. A save still running when the interpreter exits is
+finished first (as TensorFlow's async checkpointing does), and an error nobody
+collected is logged at exit.
 """
 
 from __future__ import annotations
@@ -110,4 +112,16 @@ def _report_at_exit() -> None:
             )
 
 
+def _finish_at_exit() -> None:
+    """Let the saves in flight finish before the thread pools they use are shut down."""
+    with _lock:
+        handles = list(_outstanding)
+    for handle in handles:
+        handle._future.exception()  # wait, without reporting (reported below, if failed)
+
+
 atexit.register(_report_at_exit)
+# The interpreter's thread-pool shutdown (concurrent.futures' exit hook) runs before
+# ``atexit`` handlers and makes every pool refuse new work, which would fail a save in
+# flight. Hooks registered here run in reverse order, so this one runs before it.
+threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined]
