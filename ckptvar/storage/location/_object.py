@@ -19,7 +19,9 @@ module maps its calls and errors onto ckptvar's:
 (``allow_http``, ``timeout``, ``connect_timeout``, ...) and retry keys
 (``max_retries``, ``retry_timeout``, ``init_backoff``, ``max_backoff``, seconds).
 Without them obstore reads the standard environment (``AWS_ENDPOINT_URL``,
-``AWS_ACCESS_KEY_ID``, ``AWS_ALLOW_HTTP``, ...).
+``AWS_ACCESS_KEY_ID``, ``GOOGLE_SERVICE_ACCOUNT_KEY``, ``AZURE_STORAGE_ACCOUNT_NAME``, ...);
+the client keys (``AWS_ALLOW_HTTP``, ``GOOGLE_ALLOW_HTTP``, ``AZURE_ALLOW_HTTP``, ...) are read
+here, for the URL's cloud, since passing client options hides obstore's own reading of them.
 """
 
 from __future__ import annotations
@@ -81,6 +83,12 @@ _STREAM_ATTEMPTS = 3
 #: Defaults: no network call without a timeout, and a bounded total retry time.
 _CLIENT_DEFAULTS = {"timeout": "120s", "connect_timeout": "10s"}
 _RETRY_DEFAULTS: dict[str, Any] = {"max_retries": 6, "retry_timeout": 120.0}
+#: The environment prefix of each cloud's settings (``GOOGLE_ALLOW_HTTP``, ...).
+_ENV_PREFIX = {
+    "s3": "AWS", "s3a": "AWS", "gs": "GOOGLE",
+    "az": "AZURE", "abfs": "AZURE", "abfss": "AZURE", "azure": "AZURE",
+}  # fmt: skip
+_BOOL_CLIENT_KEYS = ("allow_http", "allow_invalid_certificates", "http1_only", "http2_only")
 
 T = TypeVar("T")
 
@@ -137,7 +145,9 @@ def _store_from_url(
     return make(url, config=config or None, client_options=client, retry_config=retry)
 
 
-def _split_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def _split_options(
+    options: Mapping[str, Any], scheme: str
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     config: dict[str, Any] = {}
     client: dict[str, Any] = dict(_CLIENT_DEFAULTS)
     retry_in: dict[str, Any] = dict(_RETRY_DEFAULTS)
@@ -161,11 +171,17 @@ def _split_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str
     }
     if backoff:
         retry["backoff"] = backoff
-    # Passing client options hides obstore's own reading of these two variables.
-    for key, env in (("allow_http", "AWS_ALLOW_HTTP"), ("allow_http", "ALLOW_HTTP")):
-        if key not in client and env in os.environ:
-            client[key] = os.environ[env]
-    for key in ("allow_http", "allow_invalid_certificates"):
+    # Passing client options hides obstore's own reading of the client keys from the
+    # environment (AWS_ALLOW_HTTP, GOOGLE_ALLOW_HTTP, AZURE_ALLOW_HTTP, AZURE_PROXY_URL, ...):
+    # read them here, for the URL's cloud, where storage_options do not set the key
+    # (plus the bare ALLOW_HTTP, read for every cloud).
+    prefix = _ENV_PREFIX.get(scheme, "AWS")
+    for key in sorted(_CLIENT_KEYS - options.keys()):
+        names = [f"{prefix}_{key.upper()}"] + (["ALLOW_HTTP"] if key == "allow_http" else [])
+        found = [os.environ[n] for n in names if n in os.environ]
+        if found:
+            client[key] = found[0]
+    for key in _BOOL_CLIENT_KEYS:
         if key in client and isinstance(client[key], str):
             client[key] = client[key].lower() in ("1", "true", "yes")
     return config, client, retry
@@ -201,7 +217,7 @@ class ObjectStoreLocation(Location):
         self.read_part_size = int(opts.get("read_part_size", self.part_size))
         self.max_concurrency = int(opts.get("max_concurrency", DEFAULT_CONCURRENCY))
         if _store is None:
-            config, client, retry = _split_options(self.storage_options)
+            config, client, retry = _split_options(self.storage_options, self.scheme)
             try:
                 _store = _store_from_url(f"{self.scheme}://{self.bucket}", config, client, retry)
             except Exception as exc:  # noqa: BLE001 - obstore's config errors have several types
@@ -247,7 +263,7 @@ class ObjectStoreLocation(Location):
 
     def zarr_store(self, key: str = "") -> Any:
         """An obstore store rooted at ``key`` (for ``zarr.storage.ObjectStore``)."""
-        config, client, retry = _split_options(self.storage_options)
+        config, client, retry = _split_options(self.storage_options, self.scheme)
         return _store_from_url(self.join(key), config, client, retry)
 
     # --- metadata -------------------------------------------------------------------------
