@@ -10,9 +10,11 @@ module maps its calls and errors onto ckptvar's:
   retries raises :class:`StorageError` naming the operation and the URL;
 - a missing object raises ``CheckpointNotFoundError``; a create-only put onto an
   existing key raises ``CheckpointExistsError``;
-- large ranged reads are cut into ``part_size`` requests run on a thread pool,
-  each copied straight into the caller's buffer as it arrives (at most
-  ``max_concurrency`` parts in memory).
+- ranged reads are planned as obstore's ``get_ranges`` plans them (ranges
+  less than 1 MiB apart merged into one request; ``read_part_size`` > 0 also
+  cuts them into requests of about that size), run ``max_concurrency`` at a
+  time, and streamed 1 MiB at a time straight into the caller's buffers (or to a
+  sink that hashes them): no response is ever buffered whole.
 
 ``storage_options`` keys: the S3/GCS/Azure config keys of obstore (``endpoint``,
 ``access_key_id``, ``secret_access_key``, ``region``, ...), client keys
@@ -50,6 +52,12 @@ from ._base import (
     StorageError,
     clean_key,
 )
+from ._ranges import COALESCE as _COALESCE
+from ._ranges import MAX_REQUEST as _MAX_REQUEST
+from ._ranges import Cursor as _Cursor
+from ._ranges import RequestStats
+from ._ranges import SinkError as _SinkError
+from ._ranges import plan_requests as _plan_requests
 
 __all__ = ["CLOUD_SCHEMES", "ObjectStoreLocation", "RequestStats"]
 
@@ -93,37 +101,6 @@ def _import_obstore() -> Any:
             "reading or writing an object-store URL needs obstore: pip install 'ckptvar[cloud]'"
         ) from None
     return obstore
-
-
-class RequestStats:
-    """Counts of requests and payload bytes at this layer's boundary (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.get_requests = self.bytes_read = 0
-        self.put_requests = self.bytes_written = 0
-        self.other_requests = 0
-
-    def add(self, kind: str, nbytes: int = 0) -> None:
-        with self._lock:
-            if kind == "get":
-                self.get_requests += 1
-                self.bytes_read += nbytes
-            elif kind == "put":
-                self.put_requests += 1
-                self.bytes_written += nbytes
-            elif kind == "bytes":  # payload of a streamed GET
-                self.bytes_read += nbytes
-            elif kind == "upload":  # bytes handed to a multipart writer
-                self.bytes_written += nbytes
-            else:
-                self.other_requests += 1
-
-    def reset(self) -> None:
-        with self._lock:
-            self.get_requests = self.bytes_read = 0
-            self.put_requests = self.bytes_written = 0
-            self.other_requests = 0
 
 
 def _store_from_url(
@@ -198,7 +175,7 @@ class ObjectStoreLocation(Location):
         self.stats = _stats or RequestStats()
         opts = self.storage_options
         self.part_size = int(opts.get("part_size", DEFAULT_PART_SIZE))
-        self.read_part_size = int(opts.get("read_part_size", self.part_size))
+        self.read_part_size = int(opts.get("read_part_size", 0))
         self.max_concurrency = int(opts.get("max_concurrency", DEFAULT_CONCURRENCY))
         if _store is None:
             config, client, retry = _split_options(self.storage_options)
@@ -306,7 +283,7 @@ class ObjectStoreLocation(Location):
         self.stats.add("get", len(data))
         return data
 
-    def read_ranges_into(  # noqa: C901 - split, fetch with resumes, and check, in one piece
+    def read_ranges_into(
         self,
         key: str,
         offsets: Sequence[int],
@@ -314,59 +291,132 @@ class ObjectStoreLocation(Location):
         *,
         part_size: int | None = None,
         max_concurrency: int | None = None,
+        on_filled: Callable[[int], None] | None = None,
     ) -> None:
-        part_size = self.read_part_size if part_size is None else part_size
-        max_concurrency = max_concurrency or self.max_concurrency
-        pieces: list[tuple[int, memoryview]] = []
-        for offset, out in zip(offsets, outs, strict=True):
-            view = memoryview(out).cast("B")
-            step = part_size or max(1, view.nbytes)
-            for start in range(0, view.nbytes, step):
-                pieces.append((offset + start, view[start : start + step]))
+        views = [memoryview(out).cast("B") for out in outs]
+        split = self.read_part_size if part_size is None else part_size
+        if split:  # cut long ranges, so that they are fetched by parallel requests
+            offs: list[int] = []
+            pieces: list[memoryview] = []
+            owner: list[int] = []
+            for i, (offset, view) in enumerate(zip(offsets, views, strict=True)):
+                for start in range(0, view.nbytes, split):
+                    offs.append(offset + start)
+                    pieces.append(view[start : start + split])
+                    owner.append(i)
+        else:
+            offs, pieces, owner = list(offsets), views, list(range(len(views)))
+        left = [0] * len(views)
+        for i in owner:
+            left[i] += 1
+        lock = threading.Lock()
+
+        def sink(j: int, pos: int, chunk: memoryview) -> None:
+            pieces[j][pos : pos + chunk.nbytes] = chunk
+
+        def done(j: int) -> None:
+            i = owner[j]
+            with lock:
+                left[i] -= 1
+                last = left[i] == 0
+            if last and on_filled is not None:
+                on_filled(i)
+
+        self.stream_ranges(
+            key,
+            offs,
+            [p.nbytes for p in pieces],
+            sink,
+            on_done=done,
+            split=split,
+            max_concurrency=max_concurrency,
+        )
+
+    def stream_ranges(
+        self,
+        key: str,
+        offsets: Sequence[int],
+        lengths: Sequence[int],
+        sink: Callable[[int, int, memoryview], None],
+        *,
+        on_done: Callable[[int], None] | None = None,
+        size: int | None = None,
+        split: int | None = None,
+        max_concurrency: int | None = None,
+    ) -> None:
+        """Stream ranges to ``sink(i, position_in_range, chunk)``, in order within each range.
+
+        The ranges are planned as obstore's ``get_ranges`` plans them: sorted, and
+        merged into one request when less than ``_COALESCE`` apart; a request is cut
+        only between ranges, once it reaches ``split`` bytes (``read_part_size``; 0:
+        never) or ``_MAX_REQUEST``. Up to ``max_concurrency`` requests are in flight;
+        each response is streamed ``_STREAM_CHUNK`` at a time straight to the sink
+        (the bytes of gaps are dropped), so nothing is buffered whole. A response
+        cut off mid-body is resumed from where it stopped. ``on_done(i)`` is called
+        once range ``i`` is complete, on the thread that completed it. ``size``, the
+        object's size when the caller knows it, lets a request that spans nearly all of
+        it ask for the whole object (no ``Range``: some servers copy the range out).
+        """
+        split = self.read_part_size if split is None else split
+        requests = _plan_requests(offsets, lengths, split or _MAX_REQUEST)
         path = self._key(key)
 
-        def fetch(piece: tuple[int, memoryview]) -> None:
-            start, dest = piece
-            n, done = dest.nbytes, 0
-            for attempt in range(_STREAM_ATTEMPTS):  # a body cut mid-stream: fetch the rest
-                try:
-                    result = self._call(
-                        "GET range",
-                        key,
-                        functools.partial(
-                            self._obs.get, self.store, path,
-                            options={"range": (start + done, start + n)},
-                        ),
-                    )
-                    self.stats.add("get")
-                    for chunk in result.stream(min_chunk_size=_STREAM_CHUNK):
-                        m = len(chunk)
-                        if done + m > n:
-                            break
-                        dest[done : done + m] = memoryview(chunk).cast("B")
-                        done += m
-                        self.stats.add("bytes", m)
-                    break
-                except (CkptError, ValueError):
-                    raise
-                except Exception:  # noqa: BLE001 - a body cut mid-stream: retry from `done`
-                    if attempt == _STREAM_ATTEMPTS - 1:
-                        raise StorageError(
-                            f"GET range {self.join(key)}: the response was cut off "
-                            f"{_STREAM_ATTEMPTS} times (bytes {start}..{start + n})"
-                        ) from None
-            if done != n:
-                raise CorruptCheckpointError(
-                    f"{self.join(key)}: bytes {start}..{start + n} asked for, {done} returned"
-                )
+        def fetch(req: list[int]) -> None:
+            cur = _Cursor(req, offsets, lengths, sink, on_done)
+            if size is not None and cur.start < _COALESCE and cur.end > size - _COALESCE:
+                cur.start = cur.pos = 0
+                cur.whole = size
+            self._fetch(key, path, cur)
 
-        if len(pieces) <= 1:
-            for piece in pieces:
-                fetch(piece)
+        for j, n in enumerate(lengths):
+            if n <= 0 and on_done is not None:
+                on_done(j)
+        if len(requests) <= 1:
+            for req in requests:
+                fetch(req)
             return
-        with ThreadPoolExecutor(min(max_concurrency, len(pieces))) as pool:
-            for fut in [pool.submit(fetch, p) for p in pieces]:
-                fut.result()
+        workers = min(max_concurrency or self.max_concurrency, len(requests))
+        with ThreadPoolExecutor(workers) as pool:
+            futures = [pool.submit(fetch, r) for r in requests]
+        for fut in futures:
+            fut.result()
+
+    def _fetch(self, key: str, path: str, cur: _Cursor) -> None:
+        """One request's bytes, streamed through ``cur``; a body cut off mid-stream is
+        asked for again from where it stopped. An error of the sink ends the request."""
+        for attempt in range(_STREAM_ATTEMPTS):
+            try:
+                whole = cur.whole is not None and cur.pos == 0
+                result = self._call(
+                    "GET" if whole else "GET range",
+                    key,
+                    functools.partial(
+                        self._obs.get,
+                        self.store,
+                        path,
+                        options=None if whole else {"range": (cur.pos, cur.end)},
+                    ),
+                )
+                self.stats.add("get")
+                chunks = iter(result.stream(min_chunk_size=_STREAM_CHUNK))
+                while cur.pos < cur.end and (raw := next(chunks, None)) is not None:
+                    self.stats.add("bytes", cur.feed(memoryview(raw).cast("B")))
+                break
+            except _SinkError as exc:
+                raise exc.__cause__ from None  # type: ignore[misc]
+            except CkptError:
+                raise
+            except Exception:  # noqa: BLE001 - a body cut mid-stream: resume from `pos`
+                if attempt == _STREAM_ATTEMPTS - 1:
+                    raise StorageError(
+                        f"GET range {self.join(key)}: the response was cut off "
+                        f"{_STREAM_ATTEMPTS} times (bytes {cur.start}..{cur.end})"
+                    ) from None
+        if cur.pos != cur.end:
+            raise CorruptCheckpointError(
+                f"{self.join(key)}: bytes {cur.start}..{cur.end} asked for, "
+                f"{cur.pos - cur.start} returned (the object ends at {cur.pos})"
+            )
 
     # --- writes ---------------------------------------------------------------------------
     def put(
