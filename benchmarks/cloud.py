@@ -87,6 +87,7 @@ def options_for(endpoint: str) -> dict[str, Any]:
         "secret_access_key": "bench",
         "region": "us-east-1",
         "allow_http": True,
+        "timeout": "600s",
     }
 
 
@@ -195,8 +196,10 @@ def _run_child(job: dict[str, Any]) -> dict[str, float]:
 
 # --- the workload -------------------------------------------------------------------------
 def _store(bucket: str, opts: dict[str, Any]) -> Any:
-    config = {k: v for k, v in opts.items() if k != "allow_http"}
-    return from_url(f"s3://{bucket}", config=config, client_options={"allow_http": True})
+    config = {k: v for k, v in opts.items() if k not in ("allow_http", "timeout")}
+    # Generous timeouts: the machine may be busy, and a timed-out part fails the baseline.
+    return from_url(f"s3://{bucket}", config=config,
+                    client_options={"allow_http": True, "timeout": "600s"})
 
 
 def _data_key(bucket: str, opts: dict[str, Any], step: str) -> str:

@@ -29,13 +29,13 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
-import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
+
+import crc32c as _crc32c
 
 from ...errors import (
     CheckpointExistsError,
@@ -52,6 +52,7 @@ from ._base import (
     StorageError,
     clean_key,
 )
+from ._options import split_options as _split_options
 from ._ranges import COALESCE as _COALESCE
 from ._ranges import MAX_REQUEST as _MAX_REQUEST
 from ._ranges import Cursor as _Cursor
@@ -64,31 +65,10 @@ __all__ = ["CLOUD_SCHEMES", "ObjectStoreLocation", "RequestStats"]
 #: URL schemes served by obstore.
 CLOUD_SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "azure")
 
-_CLIENT_KEYS = {
-    "allow_http",
-    "allow_invalid_certificates",
-    "connect_timeout",
-    "default_content_type",
-    "http1_only",
-    "http2_only",
-    "pool_idle_timeout",
-    "pool_max_idle_per_host",
-    "proxy_url",
-    "proxy_ca_certificate",
-    "proxy_excludes",
-    "read_timeout",
-    "timeout",
-    "user_agent",
-}
-_RETRY_KEYS = {"max_retries", "retry_timeout", "init_backoff", "max_backoff"}
-#: This layer's own keys: request size of reads (0: one request per range) and of
-#: multipart parts, and requests in flight per call.
-_LAYER_KEYS = {"read_part_size", "part_size", "max_concurrency"}
 _STREAM_CHUNK = 1024 * 1024
 _STREAM_ATTEMPTS = 3
-#: Defaults: no network call without a timeout, and a bounded total retry time.
-_CLIENT_DEFAULTS = {"timeout": "120s", "connect_timeout": "10s"}
-_RETRY_DEFAULTS: dict[str, Any] = {"max_retries": 6, "retry_timeout": 120.0}
+#: Parts in flight of a file upload (a save): 4 x 8 MiB, under 5% of a 1 GiB checkpoint.
+_UPLOAD_CONCURRENCY = 4
 
 T = TypeVar("T")
 
@@ -114,38 +94,6 @@ def _store_from_url(
     return make(url, config=config or None, client_options=client, retry_config=retry)
 
 
-def _split_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    config: dict[str, Any] = {}
-    client: dict[str, Any] = dict(_CLIENT_DEFAULTS)
-    retry_in: dict[str, Any] = dict(_RETRY_DEFAULTS)
-    for key, value in options.items():
-        if key in _LAYER_KEYS:
-            continue
-        if key in _CLIENT_KEYS:
-            client[key] = value
-        elif key in _RETRY_KEYS:
-            retry_in[key] = value
-        else:
-            config[key] = value
-    retry: dict[str, Any] = {
-        "max_retries": int(retry_in["max_retries"]),
-        "retry_timeout": timedelta(seconds=float(retry_in["retry_timeout"])),
-    }
-    backoff = {
-        k: timedelta(seconds=float(retry_in[k]))
-        for k in ("init_backoff", "max_backoff")
-        if k in retry_in
-    }
-    if backoff:
-        retry["backoff"] = backoff
-    # Passing client options hides obstore's own reading of these two variables.
-    for key, env in (("allow_http", "AWS_ALLOW_HTTP"), ("allow_http", "ALLOW_HTTP")):
-        if key not in client and env in os.environ:
-            client[key] = os.environ[env]
-    for key in ("allow_http", "allow_invalid_certificates"):
-        if key in client and isinstance(client[key], str):
-            client[key] = client[key].lower() in ("1", "true", "yes")
-    return config, client, retry
 
 
 class ObjectStoreLocation(Location):
@@ -444,6 +392,17 @@ class ObjectStoreLocation(Location):
             self, key, part_size or self.part_size, max_concurrency or self.max_concurrency
         )
 
+    def upload_file(self, local_path: str, key: str, *, part_size: int | None = None) -> int:
+        """Stream a local file up: each part read into bytes of its own and handed over
+        without a copy, ``_UPLOAD_CONCURRENCY`` parts in flight (memory: about
+        ``(_UPLOAD_CONCURRENCY + 1) * part_size``). Returns the file's CRC-32C."""
+        part = part_size or self.part_size
+        writer = _ObjectStoreWriter(self, key, part, min(self.max_concurrency, _UPLOAD_CONCURRENCY))
+        with open(local_path, "rb", buffering=0) as src, writer:
+            while data := src.read(part):
+                writer.write_owned(data)
+        return writer.crc32c
+
     # --- deletes --------------------------------------------------------------------------
     def delete(self, keys: str | Iterable[str]) -> None:
         paths = [self._key(k) for k in ([keys] if isinstance(keys, str) else keys)]
@@ -470,6 +429,19 @@ class _ObjectStoreWriter(ObjectWriter):
                 loc.store, loc._key(key), buffer_size=part_size, max_concurrency=concurrency
             ),
         )
+
+    def write_owned(self, data: bytes) -> None:
+        """``write`` of bytes nobody else holds: handed to obstore as they are, no copy."""
+        if self.closed:
+            raise ValueError(f"write to a closed writer for {self.url}")
+        try:
+            self._loc._call("upload", self._key, lambda: self._w.write(data))
+        except BaseException:
+            self._abort()
+            raise
+        self._loc.stats.add("upload", len(data))
+        self.bytes_written += len(data)
+        self.crc32c = _crc32c.crc32c(data, self.crc32c)
 
     def _write(self, view: memoryview) -> None:
         try:
