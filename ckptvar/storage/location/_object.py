@@ -67,8 +67,8 @@ CLOUD_SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "azure")
 
 _STREAM_CHUNK = 1024 * 1024
 _STREAM_ATTEMPTS = 3
-#: Parts in flight of a file upload (a save): 4 x 8 MiB, under 5% of a 1 GiB checkpoint.
-_UPLOAD_CONCURRENCY = 4
+#: Parts in flight of a file upload (a save): 3 x 8 MiB, under 5% of a 1 GiB checkpoint.
+_UPLOAD_CONCURRENCY = 3
 
 T = TypeVar("T")
 
