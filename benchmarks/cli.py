@@ -12,7 +12,9 @@ restore into existing arrays), ``small`` (20,000 tensors of 64-4096 elements),
 initialization vs build-then-restore), ``bgsave`` (time blocked by a background save),
 ``verify`` (checksums on vs off), ``gpu`` (needs CuPy and a CUDA device), ``scale``
 (4 processes save one checkpoint, 3 and 1 restore it, and the save protocol's overhead
-for 10,000 variables; needs mpi4py and ``mpiexec``: :mod:`benchmarks.scale`).
+for 10,000 variables; needs mpi4py and ``mpiexec``: :mod:`benchmarks.scale`), and, only
+when asked for, ``cloud`` (:mod:`benchmarks.cloud`: checkpoints on a moto S3 server it
+starts, against obstore's own calls).
 
 Examples::
 
@@ -39,6 +41,9 @@ from benchmarks.plan import SubjectDef, run_plan, subject_defs
 from benchmarks.report import write_outputs
 from benchmarks.results import rows_from_json
 from benchmarks.workloads import WORKLOADS
+
+#: Workloads with their own run and report, run only when named in ``--only``.
+OWN_RUN = ("cloud",)
 
 
 def nondurable_options(probe: dict[str, Any]) -> dict[str, Any] | None:
@@ -94,7 +99,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.peer_repeats = args.peer_repeats or (1 if args.quick else min(2, args.repeats))
     args.extra_repeats = args.extra_repeats or (1 if args.quick else min(2, args.repeats))
     args.only = [w for w in args.only.split(",") if w] or list(WORKLOADS)
-    bad = [w for w in args.only if w not in WORKLOADS]
+    bad = [w for w in args.only if w not in (*WORKLOADS, *OWN_RUN)]
     if bad:
         p.error(f"unknown workload(s) {bad}; choose from {WORKLOADS}")
     args.subjects = [s for s in args.subjects.split(",") if s]
@@ -106,6 +111,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if "cloud" in args.only:  # its own run and report (a server, obstore baselines)
+        from benchmarks import cloud  # noqa: PLC0415 - needs obstore and moto, only here
+
+        args.only.remove("cloud")
+        cloud.main(["--quick"] if args.quick else
+                   (["--repeats", str(args.repeats)] if args.repeats else []))
+        if not args.only:
+            return 0
     if args.report_from:
         data = json.loads(Path(args.report_from).read_text())
         LOG.extend(data.get("log", []))

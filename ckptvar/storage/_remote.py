@@ -10,24 +10,55 @@ at the step's own key (a plain Zarr group at its URL) under a create-only claim
 ``<step>.claim``; an HDF5 file under its writer's own key ``<step>.<writer>.data``,
 which the marker names. Either way, of two writers racing for one step exactly
 one commits, and the committed step holds only its bytes.
+
+The marker binds the checkpoint's index: ``record-crc32c:<hex>``, the CRC-32C of its
+root record (which binds every value's checksum). An HDF5 save also stores its index
+as an object of its own, ``<step>.<writer>.index`` (the file's user block, then the
+root record: the bytes a reader needs before any value), which the marker names, so
+opening reads two small objects and never the data until a value is read. A reader checks it against the
+record it opens, so a data object or record replaced or damaged after the commit is
+a ``CorruptCheckpointError`` naming the step, the marker and the object. (A marker
+binding ``crc32c:<hex>``, the checksum of every byte uploaded, as
+:func:`~.location.upload_step` writes by default, can only be checked by reading
+everything, so opening does not check it.)
 """
 
 from __future__ import annotations
 
+import json
+import os
 import tempfile
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, UnsupportedFormatError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsupportedFormatError,
+)
+from . import _checksum
 from ._container.source import RemoteFile
-from ._h5 import H5Reader
+from ._h5 import USERBLOCK_SIZE, H5Reader, read_userblock
 from ._zarr_remote import RemoteZarrReader
 from .base import Reader
-from .location import commit, read_commit, split_url, upload_step
+from .location import (
+    CommitRecord,
+    Location,
+    commit,
+    marker_key,
+    read_commit,
+    split_url,
+    upload_step,
+)
 
-__all__ = ["open_remote_reader", "remote_format", "save_remote"]
+__all__ = ["RECORD_CHECKSUM", "open_remote_reader", "record_checksum", "remote_format",
+           "save_remote"]
+
+#: How a marker spells the checksum of a checkpoint's root record.
+RECORD_CHECKSUM = "record-crc32c:"
 
 _SUFFIXES = {".h5": "h5", ".hdf5": "h5", ".zarr": "zarr"}
 
@@ -61,9 +92,93 @@ def open_remote_reader(
     if fmt is None:
         fmt = "h5" if parent.exists(record.data) else "zarr"
     if fmt == "h5":
-        source = RemoteFile(parent, record.data, parent.size(record.data))
+        size = parent.size(record.data)
+        known = _h5_index(parent, name, record, size)
+        source = RemoteFile(parent, record.data, size, known=known)
+        *_, record_crc = read_userblock(source, parent.join(name))
+        _check_bound(parent, name, record, record_crc)
         return H5Reader(parent.join(name), source=source)
-    return RemoteZarrReader(parent.join(name), parent, record.data)
+    reader = RemoteZarrReader(parent.join(name), parent, record.data)
+    try:
+        _check_bound(parent, name, record, reader.record_crc)
+    except BaseException:
+        reader.close()
+        raise
+    return reader
+
+
+def _h5_index(
+    parent: Location, name: str, record: CommitRecord, size: int
+) -> list[tuple[int, bytes]]:
+    """The regions of the HDF5 data object a reader needs first (user block, root record),
+    from the step's index object when the marker names one, else the user block alone."""
+    if not record.index:
+        first = bytearray(min(size, USERBLOCK_SIZE))
+        parent.read_into(record.data, 0, first)  # read once, used twice
+        return [(0, bytes(first))]
+    raw = parent.read(record.index)
+    head, body = raw[:USERBLOCK_SIZE], raw[USERBLOCK_SIZE:]
+    bound = record.index_checksum
+    found = f"{RECORD_CHECKSUM}{_checksum.crc(body):08x}"
+    if len(head) < USERBLOCK_SIZE or (bound.startswith(RECORD_CHECKSUM) and found != bound):
+        raise CorruptCheckpointError(
+            f"Checkpoint {parent.join(name)!r}: its index object {parent.join(record.index)} "
+            f"is damaged (its root record has {found}; the commit marker "
+            f"{parent.join(marker_key(name))} binds index checksum {bound})."
+        )
+    _, _, offset, nbytes, _ = read_userblock(RemoteFile(parent, record.index, len(raw),
+                                                        known=[(0, head)]), parent.join(name))
+    if nbytes != len(body):
+        raise CorruptCheckpointError(
+            f"Checkpoint {parent.join(name)!r}: its index object {parent.join(record.index)} "
+            f"holds {len(body)} record bytes, its user block says {nbytes}; it is damaged."
+        )
+    return [(0, head), (offset, body)]
+
+
+def write_h5_index(local: Path, out: Path) -> None:
+    """Write the index object of the local ckptvar HDF5 file ``local`` to ``out``: its
+    user block, then its root record."""
+    fd = os.open(local, os.O_RDONLY)
+    try:
+        _, _, offset, nbytes, _ = read_userblock(fd, local)
+        head = os.pread(fd, USERBLOCK_SIZE, 0)
+        body = os.pread(fd, nbytes, offset)
+    finally:
+        os.close(fd)
+    if len(head) != USERBLOCK_SIZE or len(body) != nbytes:
+        raise CorruptCheckpointError(f"{str(local)!r}: the file ends inside its root record.")
+    out.write_bytes(head + body)
+
+
+def _check_bound(parent: Location, name: str, record: CommitRecord, record_crc: int) -> None:
+    """Refuse a checkpoint whose root record is not the one its commit marker binds."""
+    bound = record.index_checksum
+    if not bound.startswith(RECORD_CHECKSUM):
+        return  # the checksum of the uploaded bytes: only a full read could check it
+    found = f"{RECORD_CHECKSUM}{record_crc:08x}"
+    if bound != found:
+        raise CorruptCheckpointError(
+            f"Checkpoint {parent.join(name)!r}: its commit marker "
+            f"{parent.join(marker_key(name))} binds index checksum {bound}, but the root "
+            f"record in {parent.join(record.data)} has {found}; the checkpoint was damaged "
+            "or replaced after its commit."
+        )
+
+
+def record_checksum(local: Path) -> str:
+    """What a marker binds for the local ckptvar checkpoint ``local``: its root record's
+    CRC-32C (from the HDF5 user block, or the Zarr root ``zarr.json``)."""
+    if local.is_dir():
+        doc = json.loads((local / "zarr.json").read_text("utf-8"))
+        crc = int(doc["attributes"]["ckptvar"]["record_crc32c"])
+    else:
+        fd = os.open(local, os.O_RDONLY)
+        try:
+            *_, crc = read_userblock(fd, local)
+        finally:
+            os.close(fd)
+    return f"{RECORD_CHECKSUM}{crc:08x}"
 
 
 def _upload_claimed(parent: Any, local: Path, name: str) -> None:
@@ -78,7 +193,7 @@ def _upload_claimed(parent: Any, local: Path, name: str) -> None:
             f"{parent.join(claim)}); if no writer is running, delete the claim and save again"
         ) from None
     try:
-        upload_step(parent, local, name)
+        upload_step(parent, local, name, index_checksum=record_checksum(local))
     finally:
         parent.delete(claim)
 
@@ -109,10 +224,15 @@ def save_remote(
         # of two writers racing for the step the committed one holds only the winner's bytes.
         writer = uuid.uuid4().hex
         data = f"{name}.{writer[:12]}.data"
-        crc = parent.upload_file(str(local), data)
+        index = f"{name}.{writer[:12]}.index"
+        bound = record_checksum(local)
+        index_file = Path(tmp) / "index"
+        write_h5_index(local, index_file)
+        parent.upload_file(str(local), data)
         try:
-            commit(parent, name, f"crc32c:{crc:08x}", data=data, writer=writer)
+            parent.put(index, index_file.read_bytes())
+            commit(parent, name, bound, data=data, writer=writer, index=index)
         except BaseException:
-            parent.delete(data)
+            parent.delete([data, index])
             raise
     return parent.join(name)

@@ -32,6 +32,8 @@ class RemoteZarrReader(ZarrReader):
         self._loc = location
         self._prefix = prefix
         self._packed_rf: RemoteFile | None = None
+        #: CRC-32C of the root record's bytes (what a commit marker binds).
+        self.record_crc = 0
         record = self._load_remote_record(url)
         ContainerReader.__init__(self, url, record)
 
@@ -62,6 +64,7 @@ class RemoteZarrReader(ZarrReader):
                 f"Checkpoint {url!r}: the root record ({key}) fails its checksum or length "
                 f"check (expected {n} bytes); the checkpoint is damaged."
             )
+        self.record_crc = crc
         return decode(data, url, container="zarr")
 
     def _open_array(self, key: str, entry: Entry) -> Source:

@@ -24,6 +24,7 @@ from ...errors import CorruptCheckpointError
 from .. import _checksum, _rawio
 from .._record import ARRAY, PACKED, Entry
 from . import source as _src
+from .stream import stream_many, streamable
 from .transfer import PARALLEL_FROM, Transfer, TransferValue, runs_by_size
 
 if TYPE_CHECKING:
@@ -92,6 +93,12 @@ def read_many(
     reader._check()
     entry = reader._entry
     items = [(k, entry(k)) for k in keys]
+    if reader.remote:  # packed values too: in the same stream as the rest of their object
+        flags = [e.loc.kind in (ARRAY, PACKED) for _, e in items]
+        todo = [item for item, flag in zip(items, flags, strict=True) if flag]
+        if streamable(reader, todo):
+            yield from _read_streamed(reader, items, flags, todo, verify=verify)
+            return
     blob = _read_packed_span(reader, [e for _, e in items])
     windows = iter(_windows(items, blob))
     queue: deque[_Window] = deque()
@@ -113,7 +120,7 @@ def read_many(
             window.transfer.finish()
             if window.transfer.sequential and len(queue) < 2:
                 read_ahead()
-            yield from _hand_out(reader, window, blob, verify)
+            yield from _hand_out(reader, window.items, window.big, blob, verify)
             queue.popleft()
             # Hold nothing of this window past here, so a consumer that drops each
             # value (a GPU load) keeps at most two windows alive, not three.
@@ -121,6 +128,27 @@ def read_many(
     finally:
         for w in queue:
             w.transfer.abandon()
+
+
+def _read_streamed(
+    reader: ContainerReader,
+    items: list[tuple[str, Entry]],
+    flags: list[bool],
+    todo: list[tuple[str, Entry]],
+    *,
+    verify: bool,
+) -> Iterator[tuple[str, np.ndarray]]:
+    """``read_many`` from an object store: the values of ``todo`` by :func:`.stream.stream_many`
+    (one long GET per object), the rest one by one."""
+    values = stream_many(reader, todo, verify, _WINDOW)
+    try:
+        for item, flag in zip(items, flags, strict=True):
+            if flag:
+                yield item[0], next(values)
+            else:
+                yield from _hand_out(reader, [item], {}, None, verify)
+    finally:
+        values.close()
 
 
 def _launch(
@@ -138,14 +166,17 @@ def _launch(
 
 
 def _hand_out(
-    reader: ContainerReader, window: _Window, blob: _PackedBlob | None, verify: bool
+    reader: ContainerReader,
+    items: list[tuple[str, Entry]],
+    big: dict[str, np.ndarray],
+    blob: _PackedBlob | None,
+    verify: bool,
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """The values of a window that is in: large ones read ahead, packed ones from
-    ``blob`` (verified here), the rest read one by one."""
-    big = window.big
+    """The values of a window that is in: large ones read ahead (``big``), packed ones
+    from ``blob`` (verified here), the rest read one by one."""
     crc = _crc
     data, lo = (blob.data, blob.start) if blob is not None else (None, 0)
-    for key, e in window.items:
+    for key, e in items:
         arr = big.get(key)
         if arr is None:
             kind, _, offset, n = e.loc

@@ -51,6 +51,8 @@ class ContainerReader(
     def __init__(self, path: Path | str, record: Record) -> None:
         # A URL stays a str: Path would turn "s3://" into "s3:/".
         self.path: Any = path if isinstance(path, str) and "://" in path else Path(path)
+        #: Whether the bytes are in an object store (read by streamed ranged GETs).
+        self.remote = isinstance(path, str) and "://" in path
         self._record = record
         self._values = record.values
         self._closed = False

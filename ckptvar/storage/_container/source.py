@@ -21,20 +21,36 @@ __all__ = ["RemoteFile", "cached", "close", "map_all", "pread_into", "preadv_all
 
 
 class RemoteFile:
-    """``size`` bytes of object ``key`` from byte ``base``, read by ranged GETs."""
+    """``size`` bytes of object ``key`` from byte ``base``, read by ranged GETs.
 
-    __slots__ = ("base", "key", "location", "size")
+    ``known``: ``(offset, bytes)`` regions already fetched (the user block, the record);
+    reads inside one of them send no request.
+    """
 
-    def __init__(self, location: Any, key: str, size: int, base: int = 0) -> None:
+    __slots__ = ("base", "key", "known", "location", "size")
+
+    def __init__(
+        self,
+        location: Any,
+        key: str,
+        size: int,
+        base: int = 0,
+        known: Sequence[tuple[int, bytes]] = (),
+    ) -> None:
         self.location = location
         self.key = key
         self.size = size
         self.base = base
+        self.known = tuple(known)
 
     def pread_into(self, buf: Any, offset: int) -> int:
         """Fill ``buf`` from ``offset``; returns the bytes read (fewer only past ``size``)."""
         view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
         n = max(0, min(len(view), self.size - offset))
+        for at, data in self.known:
+            if at <= offset and offset + n <= at + len(data):
+                view[:n] = data[offset - at : offset - at + n]
+                return n
         if n:
             self.location.read_into(self.key, self.base + offset, view[:n])
         return n

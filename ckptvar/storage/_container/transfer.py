@@ -70,6 +70,9 @@ class TransferValue:
         self.crcs = [0] * len(self.pieces)
 
 
+#: A piece of a remote read: ``(offset_in_object, nbytes, value, piece_index)``.
+_Piece = tuple[int, int, TransferValue, int]
+
 _local = threading.local()
 
 
@@ -96,11 +99,17 @@ class Transfer:
         ahead: bool = False,
     ) -> None:
         self.reader, self.values, self.verify = reader, values, verify
+        #: True when the pieces run in file order on one thread (the bytes are on disk).
+        self.sequential = False
+        if reader.remote and values:
+            # An object store: one streamed scatter read per object, its requests
+            # planned by the location (adjacent pieces: one request), hashed as they arrive.
+            tasks = [functools.partial(self._run_remote, *g) for g in self._by_object()]
+            self.futures = _rawio.start_all(tasks, background=ahead)
+            return
         groups = runs_by_size(
             (((v, i), n) for v in values for i, (_, n) in enumerate(v.pieces)), _TASK
         )
-        #: True when the pieces run in file order on one thread (the bytes are on disk).
-        self.sequential = False
         if len(groups) > 1 and not self._cached():
             # From disk, one reader in file order is fastest: the kernel's readahead sees
             # one sequential stream (measured: 1 thread 0.36 s/GiB, 4 threads 0.55 s/GiB).
@@ -152,6 +161,34 @@ class Transfer:
         finally:
             if src is not None and src.owned:
                 _src.close(src.fd)
+
+    def _by_object(self) -> list[tuple[_src.RemoteFile, list[_Piece]]]:
+        """The pieces grouped by the remote object holding them."""
+        groups: dict[tuple[int, str], tuple[_src.RemoteFile, list[_Piece]]] = {}
+        for v in self.values:
+            src = self.reader._source(v.key, v.entry)
+            rf = src.fd
+            assert isinstance(rf, _src.RemoteFile)
+            at = rf.base + src.offset
+            _, pieces = groups.setdefault((id(rf.location), rf.key), (rf, []))
+            pieces.extend((at + pos, n, v, i) for i, (pos, n) in enumerate(v.pieces))
+        return list(groups.values())
+
+    def _run_remote(self, rf: _src.RemoteFile, group: list[_Piece]) -> None:
+        hash_all = self.verify
+
+        def sink(j: int, pos: int, chunk: memoryview) -> None:
+            _, _, v, i = group[j]
+            if v.view is not None:
+                at = v.pieces[i][0] + pos
+                v.view[at : at + chunk.nbytes] = chunk
+            if hash_all or v.view is None:
+                v.crcs[i] = _checksum.crc(chunk, v.crcs[i])
+            v.got[i] += chunk.nbytes
+
+        # A short object: finish() names the first value short of bytes.
+        with contextlib.suppress(CorruptCheckpointError):
+            rf.location.stream_ranges(rf.key, [g[0] for g in group], [g[1] for g in group], sink)
 
     def finish(self) -> None:
         """Wait for every piece; raise for the first value short of bytes or damaged."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import builtins
 import io
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Self
 
@@ -29,6 +29,7 @@ __all__ = ["Location", "ObjectInfo", "ObjectWriter", "PositionalRaw", "StorageEr
 DEFAULT_PART_SIZE = 8 * 1024 * 1024
 #: Default number of requests one call keeps in flight.
 DEFAULT_CONCURRENCY = 8
+_STREAM_SCRATCH = 8 * 1024 * 1024
 
 
 class StorageError(CkptError, OSError):
@@ -165,13 +166,44 @@ class Location(ABC):
 
     @abstractmethod
     def read_ranges_into(
-        self, key: str, offsets: Sequence[int], outs: Sequence[memoryview | bytearray]
+        self,
+        key: str,
+        offsets: Sequence[int],
+        outs: Sequence[memoryview | bytearray],
+        *,
+        on_filled: Callable[[int], None] | None = None,
     ) -> None:
         """Fill each ``outs[i]`` with the bytes at ``offsets[i]``; ranges are read in parallel.
 
-        A range that runs past the end of the object raises ``CorruptCheckpointError``
-        naming the key and the range: a reader never sees a short buffer.
+        ``on_filled(i)`` is called as soon as ``outs[i]`` is complete (on the thread that
+        completed it). A range that runs past the end of the object raises
+        ``CorruptCheckpointError`` naming the key and the range: a reader never sees a
+        short buffer.
         """
+
+    def stream_ranges(
+        self,
+        key: str,
+        offsets: Sequence[int],
+        lengths: Sequence[int],
+        sink: Callable[[int, int, memoryview], None],
+        *,
+        on_done: Callable[[int], None] | None = None,
+    ) -> None:
+        """Hand the bytes of each range to ``sink(i, position_in_range, chunk)``, in order
+        within each range; ``on_done(i)`` once range ``i`` is complete.
+
+        This default reads each range through a scratch buffer; an object store
+        streams its responses instead. A short range raises ``CorruptCheckpointError``.
+        """
+        scratch = memoryview(bytearray(_STREAM_SCRATCH))
+        for j, (offset, n) in enumerate(zip(offsets, lengths, strict=True)):
+            for pos in range(0, n, _STREAM_SCRATCH):
+                m = min(_STREAM_SCRATCH, n - pos)
+                self.read_into(key, offset + pos, scratch[:m])
+                sink(j, pos, scratch[:m])
+            if on_done is not None:
+                on_done(j)
 
     def read_into(self, key: str, offset: int, out: memoryview | bytearray) -> None:
         """``pread``: fill ``out`` with the bytes of ``key`` starting at ``offset``."""

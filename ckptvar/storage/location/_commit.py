@@ -9,7 +9,9 @@ objects (``run/ckpt-3.zarr/...``). A save
    conditional write (``If-None-Match: *``). Its JSON content binds the index's
    checksum and names the key that holds the data (the step itself by default;
    a writer that may race others writes to its own ``data`` key instead, so the
-   committed step holds only the winner's bytes).
+   committed step holds only the winner's bytes) and, if the index is also stored
+   as an object of its own, that object's key (``index``), so that a reader finds
+   it without reading the data.
 
 The marker is the last object a save writes. Readers, ``latest_checkpoint`` and
 the manager list only steps with a marker (:func:`list_committed_steps`);
@@ -25,6 +27,9 @@ Marker content (UTF-8 JSON, one object)::
 
     {"ckptvar_commit": 1, "step": "run/ckpt-3.h5", "data": "run/ckpt-3.h5",
      "index_checksum": "crc32c:1a2b3c4d", "writer": "<uuid4 hex>", "time": 1764036000.0}
+
+(plus ``"index": "<key>"`` when the index is an object of its own; pruning deletes it
+with the data.)
 """
 
 from __future__ import annotations
@@ -70,19 +75,21 @@ class CommitRecord:
     index_checksum: str
     writer: str
     time: float
+    #: The key of the index stored as an object of its own ("" if none).
+    index: str = ""
 
     def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "ckptvar_commit": _FORMAT_VERSION,
-                "step": self.step,
-                "data": self.data,
-                "index_checksum": self.index_checksum,
-                "writer": self.writer,
-                "time": self.time,
-            },
-            sort_keys=True,
-        ).encode()
+        doc: dict[str, object] = {
+            "ckptvar_commit": _FORMAT_VERSION,
+            "step": self.step,
+            "data": self.data,
+            "index_checksum": self.index_checksum,
+            "writer": self.writer,
+            "time": self.time,
+        }
+        if self.index:
+            doc["index"] = self.index
+        return json.dumps(doc, sort_keys=True).encode()
 
 
 def marker_key(step: str) -> str:
@@ -110,11 +117,13 @@ def commit(
     *,
     data: str | None = None,
     writer: str | None = None,
+    index: str | None = None,
 ) -> CommitRecord:
     """Make ``step_prefix`` visible: create its marker with a create-only write.
 
     Call it after every data object and the index are written. ``data`` is the key
-    holding the step's bytes (default: ``step_prefix``). Raises
+    holding the step's bytes (default: ``step_prefix``); ``index`` the key of the
+    index stored as an object of its own, if it is. Raises
     ``CheckpointExistsError`` naming the step if it is already committed (by another
     writer), and ``CkptError`` if there is no data to commit.
     """
@@ -125,7 +134,10 @@ def commit(
             f"cannot commit step {location.join(step)}: no data at {location.join(data)} "
             "(write the data and the index before the commit marker)"
         )
-    record = CommitRecord(step, data, index_checksum, writer or uuid.uuid4().hex, time.time())
+    record = CommitRecord(
+        step, data, index_checksum, writer or uuid.uuid4().hex, time.time(),
+        clean_key(index) if index else "",
+    )
     try:
         location.put(marker_key(step), record.to_json(), create_only=True)
     except CheckpointExistsError:
@@ -158,6 +170,7 @@ def read_commit(location: Location, step: str) -> CommitRecord | None:
             str(obj["index_checksum"]),
             str(obj["writer"]),
             float(obj["time"]),
+            clean_key(str(obj.get("index") or "")),
         )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptCheckpointError(
@@ -209,6 +222,8 @@ def prune(location: Location, step: str) -> None:
     record = read_commit(location, step)
     location.delete(marker_key(step))
     _delete_data(location, record.data if record else step)
+    if record and record.index:
+        location.delete(record.index)
     if record and record.data != step:
         _delete_data(location, step)
 
@@ -231,6 +246,8 @@ def clean_uncommitted(
         record = read_commit(location, step)
         if record is not None:
             protected.add(record.data)
+            if record.index:
+                protected.add(record.index)
     numbers = [n for n in map(step_number, committed) if n is not None]
     latest = max(numbers) if numbers else None
     removed: list[str] = []

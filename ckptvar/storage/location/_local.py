@@ -11,7 +11,7 @@ import builtins
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from ...errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
@@ -90,7 +90,12 @@ class LocalLocation(Location):
             raise CheckpointNotFoundError(f"{self.join(key)}: no such file") from None
 
     def read_ranges_into(
-        self, key: str, offsets: Sequence[int], outs: Sequence[memoryview | bytearray]
+        self,
+        key: str,
+        offsets: Sequence[int],
+        outs: Sequence[memoryview | bytearray],
+        *,
+        on_filled: Callable[[int], None] | None = None,
     ) -> None:
         path = self._path(key)
         try:
@@ -98,7 +103,7 @@ class LocalLocation(Location):
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{path}: no such file") from None
         try:
-            for offset, out in zip(offsets, outs, strict=True):
+            for i, (offset, out) in enumerate(zip(offsets, outs, strict=True)):
                 view = memoryview(out).cast("B")
                 done = 0
                 while done < view.nbytes:
@@ -109,6 +114,8 @@ class LocalLocation(Location):
                             f"but the file ends at {offset + done}"
                         )
                     done += n
+                if on_filled is not None:
+                    on_filled(i)
         finally:
             os.close(fd)
 

@@ -36,8 +36,13 @@ def upload_step(
     *,
     part_size: int | None = None,
     threads: int = 4,
+    index_checksum: str | None = None,
 ) -> CommitRecord:
     """Upload a local checkpoint file or directory as ``step`` and commit it.
+
+    The marker binds ``index_checksum`` when given (a checkpoint's own index, e.g. its
+    root record's checksum, which readers check when they open it), else the checksum
+    of every byte uploaded (see the module docstring).
 
     Raises ``CheckpointExistsError`` (naming the step) if the step is already
     committed: checked before any byte is sent, and again by the create-only marker.
@@ -47,7 +52,7 @@ def upload_step(
         raise CheckpointExistsError(f"step {location.join(step)} is already committed")
     if src.is_file():
         crc = location.upload_file(os.fspath(src), step, part_size=part_size)
-        return commit(location, step, f"crc32c:{crc:08x}")
+        return commit(location, step, index_checksum or f"crc32c:{crc:08x}")
     files = sorted(p for p in src.rglob("*") if p.is_file())
     root_meta = [p for p in files if p.relative_to(src).as_posix() == "zarr.json"]
     rest = [p for p in files if p not in root_meta]
@@ -65,4 +70,4 @@ def upload_step(
     with ThreadPoolExecutor(max(1, threads)) as pool:
         entries = list(pool.map(send, rest))
     entries += [send(p) for p in root_meta]  # the root metadata last: the tree is complete
-    return commit(location, step, tree_checksum(entries))
+    return commit(location, step, index_checksum or tree_checksum(entries))
