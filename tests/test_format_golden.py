@@ -72,3 +72,44 @@ def test_h5_dataset_attributes_are_pinned(tmp_path: Path) -> None:
         "name": "model/w", "trainable": True, "key": "model/w", "dtype": "float32",
         "shape": [100, 200], "checksum": 1412696452,
     }
+
+
+# -- checkpoints written by earlier versions of the format, kept as files ---------------
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def golden_values() -> dict[str, np.ndarray]:
+    """What ``tests/golden/format-1.1.{h5,zarr}`` hold (written by the format-1.1 writer
+    with ``metadata={"step": 7}`` and ``attrs={"emb": {"trainable": False}}``)."""
+    import ml_dtypes
+
+    vals = {
+        "emb": (np.arange(384 * 1024, dtype=np.float32) % 1000 * 0.5).reshape(384, 1024),
+        "model/kernel": np.arange(64 * 64, dtype="<f4").reshape(64, 64) / 7,
+        "model/bf": np.arange(8).astype(ml_dtypes.bfloat16),
+    }
+    for i in range(1100):
+        vals[f"small/v{i:04d}"] = np.arange(i % 7, dtype=np.int16) + i
+    return vals
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_format_1_1_files_still_read_bit_exact(fmt: str) -> None:
+    path = GOLDEN / f"format-1.1.{fmt}"
+    want = golden_values()
+    got = cv.load(path)
+    assert list(got) == list(want)
+    assert all(_same(got[k], v) for k, v in want.items())
+    with cv.open(path) as r:
+        assert r.format_version == (1, 1)
+        assert r.metadata() == {"step": 7}
+        assert r.info("emb").attrs["trainable"] is False
+        assert _same(r["small/v0500"].read(), want["small/v0500"])
+        assert _same(r["emb"][100:300], want["emb"][100:300])  # a slice, verified whole
+        assert _same(r["emb"][5, 7:9], want["emb"][5, 7:9])
+        assert r.verify_all() == []
