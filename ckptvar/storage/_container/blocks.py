@@ -20,6 +20,7 @@ that buffer, so the memory a slice costs stays the slice's.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import crc32c as _crc32c
 import numpy as np
 
-from .. import _checksum
+from .. import _checksum, _rawio
 from .._record import BLOCK_SIZE, Entry, block_count
 from . import source as _src
 
@@ -38,6 +39,10 @@ __all__ = ["BLOCK_SIZE", "blocks_agree", "hash_blocks", "read_span"]
 _SCRATCH = 256 << 10
 
 _crc: Callable[..., int] = _crc32c.crc32c
+#: A span of a local file at least this large is read and verified in pieces of about
+#: ``_PIECE`` bytes (whole blocks) on the I/O threads.
+_PARALLEL_FROM = 8 << 20
+_PIECE = 4 << 20
 
 
 @functools.lru_cache(maxsize=8)
@@ -120,6 +125,22 @@ def read_span(fd: Any, base: int, entry: Entry, out: memoryview, start: int, *,
     at ``base`` in ``fd``) into ``out``; with ``verify``, check the blocks that hold them
     (or, for a value without block checksums, the whole value: ``seed()`` is its
     header's CRC). Raises :class:`SpanError` for short or damaged bytes."""
+    n = len(out)
+    if n >= _PARALLEL_FROM and fd.__class__ is int and (entry.blocks is not None or not verify):
+        # pieces that start and end on block boundaries (but the span's own ends)
+        step = max(block_size, _PIECE - _PIECE % block_size)
+        cuts = [start, *range((start // step + 1) * step, start + n, step), start + n]
+        tasks = [functools.partial(_read_span, fd, base, entry, out[a - start : b - start], a,
+                                   verify=verify, seed=seed, block_size=block_size)
+                 for a, b in itertools.pairwise(cuts)]
+        _rawio.wait_all(_rawio.start_all(tasks))
+        return
+    _read_span(fd, base, entry, out, start, verify=verify, seed=seed, block_size=block_size)
+
+
+def _read_span(fd: Any, base: int, entry: Entry, out: memoryview, start: int, *, verify: bool,
+               seed: Callable[[], int], block_size: int) -> None:
+    """:func:`read_span` on this thread."""
     n, total = len(out), entry.nbytes
     if n and _src.pread_into(fd, out, base + start) != n:
         raise SpanError(f"is truncated: bytes {start}..{start + n} of {total} are not present")
