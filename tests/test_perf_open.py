@@ -197,3 +197,29 @@ def test_zarr_values_sharing_a_path_are_refused_when_all_are_needed(tmp_path: Pa
     _rewrite_zarr_record(p, doc)
     with pytest.raises(cv.CorruptCheckpointError, match="two values claim the container path"):
         cv.open(p)
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_reading_every_value_switches_to_one_full_decode(
+    tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restore asks for every key one by one: after 1/64 of them (at least 256), the
+    record is decoded once, whole, instead of row by row (counted, not timed)."""
+    from ckptvar.storage import _record_index
+
+    vals = _values(20_000)
+    p = cv.save(tmp_path / f"m.{fmt}", vals)
+    rows = [0]
+    row = _record_index.KeyIndex.row
+
+    def counting_row(self: _record_index.KeyIndex, i: int) -> object:
+        rows[0] += 1
+        return row(self, i)
+
+    monkeypatch.setattr(_record_index.KeyIndex, "row", counting_row)
+    outs = [(k, np.empty_like(v)) for k, v in vals.items()]
+    with cv.open(p) as r:
+        r.read_into_many(outs)
+        assert r._values.decoded_all
+    assert rows[0] == 20_000 // 64
+    assert all(np.array_equal(o, vals[k]) for k, o in outs)
