@@ -23,7 +23,7 @@ ATTRS = {"model/w": {"trainable": True}}
 def expected(container: str, w_offset: object, packed_offset: object) -> dict:
     return {
         "format": "ckptvar",
-        "format_version": [1, 1],
+        "format_version": [1, 2],
         "library": "ckptvar 0.1.0",
         "container": container,
         "packed": ["_ckptvar/packed", packed_offset, 128],
@@ -57,11 +57,35 @@ def test_root_record_is_pinned(tmp_path: Path, fmt: str) -> None:
         root = zarr.open_group(p, mode="r")
         data = root["_ckptvar/record"][...].tobytes()
         assert msgpack.unpackb(data) == expected("zarr", 0, 0)
-        assert dict(root.attrs) == {"ckptvar": {"format_version": [1, 1],
+        assert dict(root.attrs) == {"ckptvar": {"format_version": [1, 2],
                                                 "record": "_ckptvar/record",
                                                 "record_nbytes": 319,
-                                                "record_crc32c": 1736268641}}
+                                                "record_crc32c": 1638060241}}
     assert msgpack.unpackb(data)["keys"] == list(VALUES)  # file order = add order
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_block_checksums_follow_the_spec(tmp_path: Path, fmt: str) -> None:
+    """Format 1.2: a value of more than one block carries the CRC-32C of each 256 KiB
+    block of its bytes; the value's checksum is still one CRC-32C over all of them."""
+    import crc32c
+
+    big = np.arange(100_000, dtype="<f4")  # 400,000 bytes: two blocks
+    p = cv.save(tmp_path / f"b.{fmt}", {"big": big, "small": np.ones(3, np.int8)})
+    if fmt == "h5":
+        with h5py.File(p, "r") as f:
+            record = msgpack.unpackb(f["_ckptvar/manifest"][()].tobytes())
+    else:
+        record = msgpack.unpackb((p / "_ckptvar/record/c.0").read_bytes())
+    assert list(record)[:15] == ["format", "format_version", "library", "container", "packed",
+                                 "keys", "dtypes", "shapes", "checksums", "layouts", "paths",
+                                 "offsets", "block_size", "block_checksums", "attrs"]
+    data, size = big.tobytes(), 256 << 10
+    assert record["block_size"] == size
+    want = np.array([crc32c.crc32c(data[:size]), crc32c.crc32c(data[size:])], "<u4")
+    assert record["block_checksums"] == [want.tobytes(), None]
+    header = crc32c.crc32c(b"big\x00float32\x00100000\x00")
+    assert record["checksums"][0] == crc32c.crc32c(data, header)
 
 
 def test_h5_dataset_attributes_are_pinned(tmp_path: Path) -> None:
@@ -72,3 +96,44 @@ def test_h5_dataset_attributes_are_pinned(tmp_path: Path) -> None:
         "name": "model/w", "trainable": True, "key": "model/w", "dtype": "float32",
         "shape": [100, 200], "checksum": 1412696452,
     }
+
+
+# -- checkpoints written by earlier versions of the format, kept as files ---------------
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def golden_values() -> dict[str, np.ndarray]:
+    """What ``tests/golden/format-1.1.{h5,zarr}`` hold (written by the format-1.1 writer
+    with ``metadata={"step": 7}`` and ``attrs={"emb": {"trainable": False}}``)."""
+    import ml_dtypes
+
+    vals = {
+        "emb": (np.arange(384 * 1024, dtype=np.float32) % 1000 * 0.5).reshape(384, 1024),
+        "model/kernel": np.arange(64 * 64, dtype="<f4").reshape(64, 64) / 7,
+        "model/bf": np.arange(8).astype(ml_dtypes.bfloat16),
+    }
+    for i in range(1100):
+        vals[f"small/v{i:04d}"] = np.arange(i % 7, dtype=np.int16) + i
+    return vals
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_format_1_1_files_still_read_bit_exact(fmt: str) -> None:
+    path = GOLDEN / f"format-1.1.{fmt}"
+    want = golden_values()
+    got = cv.load(path)
+    assert list(got) == list(want)
+    assert all(_same(got[k], v) for k, v in want.items())
+    with cv.open(path) as r:
+        assert r.format_version == (1, 1)
+        assert r.metadata() == {"step": 7}
+        assert r.info("emb").attrs["trainable"] is False
+        assert _same(r["small/v0500"].read(), want["small/v0500"])
+        assert _same(r["emb"][100:300], want["emb"][100:300])  # a slice, verified whole
+        assert _same(r["emb"][5, 7:9], want["emb"][5, 7:9])
+        assert r.verify_all() == []

@@ -74,7 +74,7 @@ def test_h5_userblock_layout(tmp_path: Path) -> None:
     p = cv.save(tmp_path / "c.h5", VALUES)
     head = p.read_bytes()[:512]
     magic, major, minor, off, n, _crc = struct.unpack("<12sHHQQI", head[:36])
-    assert magic == b"\x89CKPTVAR\r\n\x1a\n" and (major, minor) == (1, 1)
+    assert magic == b"\x89CKPTVAR\r\n\x1a\n" and (major, minor) == (1, 2)
     assert head[40:] == bytes(472)
     with h5py.File(p, "r") as f:
         ds = f["_ckptvar/manifest"]

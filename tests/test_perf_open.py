@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
+from ckptvar.storage._record import FORMAT_VERSION
 from ckptvar.storage._record_index import INDEX_FROM
 
 N = INDEX_FROM + 500
@@ -56,11 +57,12 @@ def _rewrite_h5_record(p: Path, doc: dict) -> None:
     p.write_bytes(bytes(raw))
 
 
-def test_one_value_of_many_is_read_without_decoding_the_others(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_one_value_of_many_is_read_without_decoding_the_others(tmp_path: Path, fmt: str) -> None:
     vals = _values()
-    p = cv.save(tmp_path / "m.h5", vals, attrs={"layer_3/v7": {"trainable": False}})
+    p = cv.save(tmp_path / f"m.{fmt}", vals, attrs={"layer_3/v7": {"trainable": False}})
     with cv.open(p) as r:
-        assert r.format_version == (1, 1)
+        assert r.format_version == FORMAT_VERSION
         np.testing.assert_array_equal(r["layer_12/v34"].read(), vals["layer_12/v34"])
         assert r.info("layer_3/v7").attrs == {"name": "layer_3/v7", "trainable": False}
         assert "layer_0/v0" in r and "nope" not in r and len(r) == N
@@ -146,3 +148,78 @@ def test_a_damaged_index_row_is_a_corrupt_checkpoint(tmp_path: Path) -> None:
     _rewrite_h5_record(z, doc)
     with pytest.raises(cv.CorruptCheckpointError, match="does not cut its blob"):
         cv.open(z)
+
+
+def test_opening_a_zarr_checkpoint_decodes_one_row(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Zarr, like HDF5, finds one value through the key index: no full decode, one row
+    decoded; the check that no two values share a container path waits for the first
+    operation that needs every value (counted, not timed)."""
+    from ckptvar.storage import _record, _record_index
+
+    vals = _values()
+    vals.update({f"big/{i}": np.full(20_000, i, np.float32) for i in range(3)})  # own arrays
+    p = cv.save(tmp_path / "m.zarr", vals)
+    counts = {"full": 0, "rows": 0}
+    full, row = _record._decode, _record_index.KeyIndex.row
+
+    def counting_full(*args: object) -> object:
+        counts["full"] += 1
+        return full(*args)  # type: ignore[arg-type]
+
+    def counting_row(self: _record_index.KeyIndex, i: int) -> object:
+        counts["rows"] += 1
+        return row(self, i)
+
+    monkeypatch.setattr(_record, "_decode", counting_full)
+    monkeypatch.setattr(_record_index.KeyIndex, "row", counting_row)
+    with cv.open(p) as r:
+        np.testing.assert_array_equal(r["big/1"].read(), vals["big/1"])
+        assert counts == {"full": 0, "rows": 1}
+        assert len(r.keys()) == len(vals)
+        assert counts == {"full": 1, "rows": 1}
+
+
+def test_zarr_values_sharing_a_path_are_refused_when_all_are_needed(tmp_path: Path) -> None:
+    vals = _values()
+    vals.update({"big/a": np.ones(20_000, np.float32), "big/b": np.zeros(20_000, np.float32)})
+    p = cv.save(tmp_path / "m.zarr", vals)
+    doc = _zarr_record(p)
+    i, j = doc["keys"].index("big/a"), doc["keys"].index("big/b")
+    doc["paths"][j] = doc["paths"][i]  # the columns say b is stored where a is
+    _rewrite_zarr_record(p, doc)
+    with cv.open(p) as r:  # one value through the index (its own checksum still holds)
+        np.testing.assert_array_equal(r["big/a"].read(), vals["big/a"])
+    with pytest.raises(cv.CorruptCheckpointError, match="two values claim the container path"):
+        cv.load(p)
+    del doc["index"]  # without an index (format 1.0) the columns are checked at open
+    doc["format_version"] = [1, 0]
+    _rewrite_zarr_record(p, doc)
+    with pytest.raises(cv.CorruptCheckpointError, match="two values claim the container path"):
+        cv.open(p)
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_reading_every_value_switches_to_one_full_decode(
+    tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restore asks for every key one by one: after 1/64 of them (at least 256), the
+    record is decoded once, whole, instead of row by row (counted, not timed)."""
+    from ckptvar.storage import _record_index
+
+    vals = _values(20_000)
+    p = cv.save(tmp_path / f"m.{fmt}", vals)
+    rows = [0]
+    row = _record_index.KeyIndex.row
+
+    def counting_row(self: _record_index.KeyIndex, i: int) -> object:
+        rows[0] += 1
+        return row(self, i)
+
+    monkeypatch.setattr(_record_index.KeyIndex, "row", counting_row)
+    outs = [(k, np.empty_like(v)) for k, v in vals.items()]
+    with cv.open(p) as r:
+        r.read_into_many(outs)
+        assert r._values.decoded_all
+    assert rows[0] == 20_000 // 64
+    assert all(np.array_equal(o, vals[k]) for k, o in outs)

@@ -17,7 +17,10 @@ file and the key.
 ...              packed=("_ckptvar/packed", 512, 64))
 >>> back = decode(encode(rec), "f.h5", container="h5")
 >>> back.values["w"].shape, back.values["w"].nbytes, back.format_version
-((2,), 8, (1, 1))
+((2,), 8, (1, 2))
+
+A value larger than one block (format 1.2) also carries the CRC-32C of each block of
+``block_size`` bytes (``Entry.blocks``), so a slice is verified by the blocks it reads.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import math
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from itertools import chain, compress
 from typing import Any, NamedTuple
 
 import msgpack
@@ -43,8 +45,20 @@ from ._plain import (
     attrs_from_columns,
     check_plain,
     split_attrs,
-    types_of,
     unique_pairs,
+)
+from ._record_checks import (
+    BLOCK_SIZE,
+    COLUMNS,
+    ITEMSIZE,
+    MAX_NDIM,
+    block_count,
+    check_block_size,
+    check_blocks,
+    check_dtypes_and_shapes,
+    check_locations,
+    columns,
+    is_count,
 )
 from ._record_index import (
     INDEX_FROM,
@@ -58,6 +72,7 @@ from ._record_index import (
 )
 
 __all__ = [
+    "BLOCK_SIZE",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MAX_DEPTH",
@@ -68,6 +83,7 @@ __all__ = [
     "Location",
     "Record",
     "ValueColumns",
+    "block_count",
     "check_plain",
     "decode",
     "encode",
@@ -76,15 +92,10 @@ __all__ = [
 
 FORMAT_NAME = "ckptvar"
 #: (major, minor). A reader refuses a newer major version; minor additions are ignorable.
-FORMAT_VERSION = (1, 1)
+FORMAT_VERSION = (1, 2)
 #: Largest record a reader accepts (about 5 million values).
 MAX_RECORD_NBYTES = 1 << 30
-MAX_NDIM = 64
-_MAX_NBYTES = 1 << 62
 _LIBRARY = "ckptvar 0.1.0"
-_ITEMSIZE = {name: dt.itemsize for name, dt in SUPPORTED_DTYPES.items()}
-_LAYOUTS = frozenset({"packed", "array", "zarr"})
-_COLUMNS = ("keys", "dtypes", "shapes", "checksums", "layouts", "paths", "offsets")
 
 
 class Location(NamedTuple):
@@ -131,6 +142,9 @@ class Entry:
     checksum: int
     attrs: Mapping[str, Any]
     loc: Location
+    #: The little-endian ``uint32`` CRC-32C of each block of the value's bytes (1.2), or
+    #: None (a value of at most one block, or from an older file).
+    blocks: bytes | None = None
     _nbytes: int = field(default=-1, init=False, repr=False, compare=False)
 
     @property
@@ -145,7 +159,7 @@ class Entry:
     def nbytes(self) -> int:
         n = self._nbytes
         if n < 0:
-            n = self._nbytes = math.prod(self.shape) * _ITEMSIZE[self.dtype]
+            n = self._nbytes = math.prod(self.shape) * ITEMSIZE[self.dtype]
         return n
 
 
@@ -172,6 +186,8 @@ class Record:
     library: str = _LIBRARY
     #: Set by :func:`decode` (bulk validation); None for a record built in memory.
     columns: Columns | None = field(default=None, repr=False, compare=False)
+    #: Bytes per block of the values' ``Entry.blocks``.
+    block_size: int = BLOCK_SIZE
 
 
 @dataclass(slots=True)
@@ -184,6 +200,8 @@ class ValueColumns:
     checksums: list[int]
     locs: list[Location]
     attrs: list[Mapping[str, Any]]
+    #: Each value's block checksums (``Entry.blocks``), or None for none of them.
+    blocks: list[bytes | None] | None = None
 
 
 def encode(record: Record) -> bytes:
@@ -196,8 +214,10 @@ def encode(record: Record) -> bytes:
         [e.checksum for e in entries],
         [e.loc for e in entries],
         [e.attrs for e in entries],
+        [e.blocks for e in entries],
     )
-    return encode_columns(record.container, record.packed, cols, record.metadata)
+    return encode_columns(record.container, record.packed, cols, record.metadata,
+                          block_size=record.block_size)
 
 
 def encode_columns(
@@ -205,14 +225,17 @@ def encode_columns(
     packed: tuple[str, int, int] | None,
     cols: ValueColumns,
     metadata: Mapping[str, Any],
+    *,
+    block_size: int = BLOCK_SIZE,
 ) -> bytes:
-    """The msgpack bytes of a record given as per-value lists."""
+    """The msgpack bytes of a record given as per-value lists (``cols.blocks``: blocks of
+    ``block_size`` bytes)."""
     keys, locs = cols.keys, cols.locs
     layouts = [loc.kind for loc in locs]
     paths = [loc.path for loc in locs]
     offsets = [loc.offset for loc in locs]
     dense, sparse = split_attrs(keys, cols.attrs)
-    doc = {
+    doc: dict[str, Any] = {
         "format": FORMAT_NAME,
         "format_version": list(FORMAT_VERSION),
         "library": _LIBRARY,
@@ -225,18 +248,24 @@ def encode_columns(
         "layouts": layouts,
         "paths": paths,
         "offsets": offsets,
+    }
+    blocks = cols.blocks if cols.blocks is not None and any(cols.blocks) else None
+    if blocks is not None:
+        doc["block_size"] = block_size
+        doc["block_checksums"] = blocks
+    doc.update({
         "attrs": dense,
         "sparse_attrs": sparse,
         "metadata": dict(metadata),
-    }
+    })
     try:
         if len(keys) >= INDEX_FROM:
             nbytes = list(map(operator.mul, map(math.prod, cols.shapes),
-                              map(_ITEMSIZE.__getitem__, cols.dtypes)))
+                              map(ITEMSIZE.__getitem__, cols.dtypes)))
             doc["index"] = encode_index(keys, {
                 "dtypes": cols.dtypes, "shapes": cols.shapes, "checksums": cols.checksums,
                 "layouts": layouts, "paths": paths, "offsets": offsets, "attrs": cols.attrs,
-                "nbytes": nbytes,
+                "nbytes": nbytes, "blocks": blocks,
             })
         out: bytes = msgpack.packb(doc, use_bin_type=True)
         return out
@@ -256,8 +285,7 @@ def decode(data: bytes, path: Any, *, container: str, file_size: int | None = No
             f"{MAX_RECORD_NBYTES} accepted."
         )
     with paused_gc():
-        # The Zarr reader checks every container path at open, so it needs every value.
-        lazy = _decode_indexed(data, where, container, file_size) if container == "h5" else None
+        lazy = _decode_indexed(data, where, container, file_size)
         if lazy is not None:
             return lazy
         return _decode(data, where, container, file_size)
@@ -286,12 +314,14 @@ def _decode(data: bytes, where: str, container: str, file_size: int | None) -> R
 def _validate(doc: Any, container: str, file_size: int | None) -> Record:
     version, library, metadata = _check_header(doc, container)
     packed = _check_packed_region(doc.get("packed"), file_size)
-    cols = _columns(doc)
-    keys, dtypes, shapes, checksums, layouts, paths, offsets = (cols[n] for n in _COLUMNS)
+    cols = columns(doc)
+    keys, dtypes, shapes, checksums, layouts, paths, offsets = (cols[n] for n in COLUMNS)
     packed_nbytes = packed[2] if packed is not None else 0
-    nbytes = _check_dtypes_and_shapes(keys, dtypes, shapes)
-    _check_locations(cols, container)
+    nbytes = check_dtypes_and_shapes(keys, dtypes, shapes)
+    check_locations(cols, container)
     attrs = attrs_from_columns(keys, doc.get("attrs", {}), doc.get("sparse_attrs", {}))
+    block_size = check_block_size(doc)
+    blocks = check_blocks(keys, doc.get("block_checksums"), nbytes, block_size)
     is_packed = [lay == "packed" for lay in layouts]
     off = np.array(offsets, np.int64)
     nb = np.array(nbytes, np.int64)
@@ -300,7 +330,7 @@ def _validate(doc: Any, container: str, file_size: int | None) -> Record:
     make = functools.partial(tuple.__new__, Location)  # no per-value Python call
     locs = list(map(make, zip(layouts, paths, offsets, nbytes, strict=True)))
     shape_tuples = map(tuple, shapes)
-    entries = list(map(Entry, dtypes, shape_tuples, checksums, attrs, locs))
+    entries = list(map(Entry, dtypes, shape_tuples, checksums, attrs, locs, blocks))
     for e, b in zip(entries, nbytes, strict=True):
         e._nbytes = b
     return Record(
@@ -311,6 +341,7 @@ def _validate(doc: Any, container: str, file_size: int | None) -> Record:
         format_version=version,
         library=library,
         columns=Columns(keys, pk, off, nb),
+        block_size=block_size,
     )
 
 
@@ -353,8 +384,8 @@ def _check_packed_region(packed: Any, file_size: int | None) -> tuple[str, int, 
         or len(packed) != 3
         or not isinstance(packed[0], str)
         or not is_valid_container_path(packed[0])
-        or not _is_count(packed[1])
-        or not _is_count(packed[2])
+        or not is_count(packed[1])
+        or not is_count(packed[2])
     ):
         raise BadRecord(f"'packed' is {packed!r}, expected [path, offset, nbytes]")
     if file_size is not None and packed[1] + packed[2] > file_size:
@@ -365,102 +396,24 @@ def _check_packed_region(packed: Any, file_size: int | None) -> tuple[str, int, 
     return packed[0], packed[1], packed[2]
 
 
-def _columns(doc: dict[str, Any]) -> dict[str, list[Any]]:
-    """The per-value columns: lists of one length, with unique string keys."""
-    cols = {name: doc.get(name) for name in _COLUMNS}
-    for name, col in cols.items():
-        if not isinstance(col, list):
-            raise BadRecord(f"{name!r} is not a list (the values' columns)")
-    keys = cols["keys"]
-    assert keys is not None
-    n = len(keys)
-    for name, col in cols.items():
-        if len(col) != n:  # type: ignore[arg-type]
-            raise BadRecord(f"{name!r} has {len(col)} items for {n} keys")  # type: ignore[arg-type]
-    if n and types_of(keys) != {str}:
-        bad = next(k for k in keys if type(k) is not str)
-        raise BadRecord(f"'keys' holds a non-string {bad!r}")
-    if len(set(keys)) != n:
-        seen: set[str] = set()
-        dup = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise BadRecord(f"the key {dup!r} is stored twice")
-    return cols  # type: ignore[return-value]
-
-
-def _is_count(v: Any) -> bool:
-    return type(v) is int and 0 <= v < _MAX_NBYTES
-
-
-def _check_dtypes_and_shapes(keys: list[str], dtypes: list[Any], shapes: list[Any]) -> list[int]:
-    """Validate dtype names and shapes in bulk; return each value's size in bytes."""
-    if not keys:
-        return []
-    if types_of(dtypes) != {str} or not set(dtypes) <= _ITEMSIZE.keys():
-        i = next(i for i, d in enumerate(dtypes) if not (type(d) is str and d in _ITEMSIZE))
-        raise BadRecord(f"{keys[i]!r} has unsupported dtype {dtypes[i]!r}")
-    if types_of(shapes) != {list} or max(map(len, shapes)) > MAX_NDIM:
-        i = next(i for i, s in enumerate(shapes) if type(s) is not list or len(s) > MAX_NDIM)
-        raise BadRecord(f"{keys[i]!r} has shape {shapes[i]!r}, expected a list of at most "
-                   f"{MAX_NDIM} dims")
-    dims = list(chain.from_iterable(shapes))
-    if dims and (types_of(dims) != {int} or min(dims) < 0 or max(dims) >= _MAX_NBYTES):
-        i = next(i for i, s in enumerate(shapes) if not all(_is_count(d) for d in s))
-        bad = next(d for d in shapes[i] if not _is_count(d))
-        raise BadRecord(f"{keys[i]!r} has a bad dimension {bad!r} in shape {shapes[i]!r}")
-    nbytes = list(map(operator.mul, map(math.prod, shapes), map(_ITEMSIZE.__getitem__, dtypes)))
-    if max(nbytes) >= _MAX_NBYTES:
-        i = next(i for i, b in enumerate(nbytes) if b >= _MAX_NBYTES)
-        raise BadRecord(f"{keys[i]!r} declares shape {shapes[i]!r}, too large to exist")
-    return nbytes
-
-
-def _check_locations(cols: dict[str, list[Any]], container: str) -> None:
-    """Validate checksums, layouts, byte offsets and container paths in bulk."""
-    keys, checksums = cols["keys"], cols["checksums"]
-    layouts, paths, offsets = cols["layouts"], cols["paths"], cols["offsets"]
-    if not keys:
-        return
-    if types_of(checksums) != {int} or min(checksums) < 0 or max(checksums) >= 1 << 32:
-        i = next(i for i, c in enumerate(checksums) if type(c) is not int or not 0 <= c < 1 << 32)
-        raise BadRecord(
-            f"{keys[i]!r} has checksum {checksums[i]!r}, expected a 32-bit unsigned int"
-        )
-    allowed = _LAYOUTS if container == "zarr" else _LAYOUTS - {"zarr"}
-    if types_of(layouts) != {str} or not set(layouts) <= allowed:
-        i = next(i for i, x in enumerate(layouts) if not (type(x) is str and x in allowed))
-        raise BadRecord(f"{keys[i]!r} has an unknown location {layouts[i]!r}")
-    if types_of(offsets) != {int} or min(offsets) < 0 or max(offsets) >= _MAX_NBYTES:
-        i = next(i for i, o in enumerate(offsets) if not _is_count(o))
-        raise BadRecord(f"{keys[i]!r} has a bad byte offset {offsets[i]!r}")
-    own = [lay != "packed" for lay in layouts]
-    if any(p is not None for p in compress(paths, [not o for o in own])):
-        i = next(i for i, p in enumerate(paths) if not own[i] and p is not None)
-        raise BadRecord(f"{keys[i]!r} is packed but names a container path {paths[i]!r}")
-    for i in compress(range(len(keys)), own):
-        p = paths[i]
-        if not isinstance(p, str) or not is_valid_container_path(p):
-            raise BadRecord(f"{keys[i]!r} has an unsafe container path {p!r}")
-        if offsets[i] and (container == "zarr"):
-            raise BadRecord(
-                f"{keys[i]!r} has byte offset {offsets[i]} in its Zarr chunk, expected 0"
-            )
-
-
 #: The fields an indexed record leaves undecoded until every value is needed.
-_DEFERRED = frozenset({*_COLUMNS, "attrs", "sparse_attrs"})
+_DEFERRED = frozenset({*COLUMNS, "attrs", "sparse_attrs", "block_checksums"})
+#: Those of them a record may lack.
+_OPTIONAL = frozenset({"block_checksums"})
 
 
 def _decode_indexed(data: bytes, where: str, container: str,
                     file_size: int | None) -> Record | None:
     """A record with a key index, decoded lazily: the columns skipped (checked when every
     value is first needed), the index checked in bulk; None without an index."""
-    head = read_head(data, _DEFERRED)
+    head = read_head(data, _DEFERRED, _OPTIONAL)
     if head is None:
         return None
     try:
         version, library, metadata = _check_header(head, container)
         packed = _check_packed_region(head.get("packed"), file_size)
-        index = KeyIndex.parse(head["index"], container)
+        block_size = check_block_size(head)
+        index = KeyIndex.parse(head["index"], container, block_size)
         pk = index.layouts == 0
         check_packed(SortedKeys(index), pk, index.offsets, index.nbytes,
                      packed[2] if packed is not None else 0)
@@ -473,6 +426,7 @@ def _decode_indexed(data: bytes, where: str, container: str,
         format_version=version,
         library=library,
         columns=Columns(SortedKeys(index), pk, index.offsets, index.nbytes),  # type: ignore[arg-type]
+        block_size=block_size,
     )
     record.values = IndexedValues(  # type: ignore[assignment]
         index,
@@ -486,14 +440,14 @@ def _indexed_entry(idx: KeyIndex, where: str, key: str, i: int) -> Entry:
     """The entry of ``key``, the ``i``-th value of the key index, checked."""
     try:
         dtype, shape, path, attrs = idx.row(i)
-        nbytes = _check_dtypes_and_shapes([key], [dtype], [shape])[0]
+        nbytes = check_dtypes_and_shapes([key], [dtype], [shape])[0]
         if nbytes != int(idx.nbytes[i]):
             raise BadRecord(f"the index gives {key!r} {int(idx.nbytes[i])} bytes, its dtype "
                             f"and shape {nbytes}")
     except BadRecord as exc:
         raise CorruptCheckpointError(f"Checkpoint {where!r}: bad root record: {exc}.") from None
     loc = Location(LAYOUT_CODES[int(idx.layouts[i])], path, int(idx.offsets[i]), nbytes)
-    e = Entry(dtype, tuple(shape), int(idx.checksums[i]), attrs, loc)
+    e = Entry(dtype, tuple(shape), int(idx.checksums[i]), attrs, loc, idx.blocks(i))
     e._nbytes = nbytes
     return e
 

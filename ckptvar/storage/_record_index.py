@@ -13,7 +13,7 @@ check that packed values lie inside the blob without overlapping (both decoders)
 >>> idx = encode_index(["b", "a"], {"dtypes": ["int8", "float32"], "shapes": [[3], [2]],
 ...     "checksums": [7, 9], "layouts": ["packed", "packed"], "paths": [None, None],
 ...     "offsets": [0, 64], "attrs": [{}, {"t": 1}], "nbytes": [3, 8]})
->>> ki = KeyIndex.parse(idx, "h5")
+>>> ki = KeyIndex.parse(idx, "h5", 4096)
 >>> ki.find("a"), ki.find("b"), ki.find("c"), ki.row(ki.find("a"))
 (0, 1, -1, ('float32', [2], None, {'t': 1}))
 """
@@ -52,35 +52,48 @@ _BIN = {
 }
 
 
-def encode_index(keys: Sequence[str], cols: Mapping[str, Sequence[Any]]) -> dict[str, bytes]:
+def encode_index(keys: Sequence[str], cols: Mapping[str, Sequence[Any] | None]) -> dict[str, bytes]:
     """The ``index`` map of a record whose columns (file order) are given: ``dtypes``,
-    ``shapes``, ``checksums``, ``layouts``, ``paths``, ``offsets``, ``attrs``, ``nbytes``."""
+    ``shapes``, ``checksums``, ``layouts``, ``paths``, ``offsets``, ``attrs``, ``nbytes``,
+    and optionally ``blocks`` (each value's block checksums or None; format 1.2)."""
     dtypes, shapes, paths, attrs = cols["dtypes"], cols["shapes"], cols["paths"], cols["attrs"]
+    layouts = cols["layouts"]
+    assert dtypes is not None and shapes is not None and paths is not None and attrs is not None
+    assert layouts is not None
     order = sorted(range(len(keys)), key=keys.__getitem__)  # code point = UTF-8 byte order
     kb = [keys[i].encode("utf-8") for i in order]
     pack = msgpack.Packer(use_bin_type=True).pack
     rows = [pack((dtypes[i], list(shapes[i]), paths[i], attrs[i])) for i in order]
     take = np.array(order, np.intp)
 
-    def col(values: Sequence[int], name: str) -> bytes:
+    def col(values: Sequence[int] | None, name: str) -> bytes:
         return np.asarray(values, np.uint64)[take].astype(_BIN[name][0]).tobytes()
 
-    return {
+    out = {
         "keys": b"".join(kb),
         "key_ends": np.cumsum(np.fromiter(map(len, kb), np.uint64, len(kb))).astype("<u8").tobytes(),
         "offsets": col(cols["offsets"], "offsets"),
         "nbytes": col(cols["nbytes"], "nbytes"),
         "checksums": col(cols["checksums"], "checksums"),
-        "layouts": col([_CODE[x] for x in cols["layouts"]], "layouts"),
+        "layouts": col([_CODE[x] for x in layouts], "layouts"),
         "rows": b"".join(rows),
         "row_ends": np.cumsum(np.fromiter(map(len, rows), np.uint64, len(rows))).astype("<u8").tobytes(),
     }
+    blocks = cols.get("blocks")
+    if blocks:
+        sorted_blocks = [blocks[i] or b"" for i in order]
+        counts = np.fromiter((len(b) // 4 for b in sorted_blocks), np.uint64, len(order))
+        out["block_ends"] = np.cumsum(counts).astype("<u8").tobytes()
+        out["block_crcs"] = b"".join(sorted_blocks)
+    return out
 
 
-def read_head(data: bytes, deferred: frozenset[str]) -> dict[str, Any] | None:
+def read_head(data: bytes, deferred: frozenset[str],
+              optional: frozenset[str] = frozenset()) -> dict[str, Any] | None:
     """The top-level fields of a record of format >= 1.1 that carries an index, those in
-    ``deferred`` skipped undecoded (``None`` stands in); None for an older record or one
-    that does not parse (the strict full decode then names the problem)."""
+    ``deferred`` skipped undecoded (``None`` stands in; all present but the ``optional``
+    ones); None for an older record or one that does not parse (the strict full decode
+    then names the problem)."""
     u = msgpack.Unpacker(raw=False, strict_map_key=True, use_list=True, max_ext_len=0,
                          object_pairs_hook=unique_pairs, max_buffer_size=max(len(data), 1))
     head: dict[str, Any] = {}
@@ -99,7 +112,7 @@ def read_head(data: bytes, deferred: frozenset[str]) -> dict[str, Any] | None:
                 isinstance(head[name], list) and head[name][:2] >= [1, 1]
             ):
                 return None  # no index before 1.1: decode it all at once
-        if u.tell() != len(data) or "index" not in head or not deferred <= head.keys():
+        if u.tell() != len(data) or "index" not in head or not deferred - optional <= head.keys():
             return None
     except Exception:  # noqa: BLE001 (any failure: the strict decode names the problem)
         return None
@@ -109,19 +122,22 @@ def read_head(data: bytes, deferred: frozenset[str]) -> dict[str, Any] | None:
 class KeyIndex:
     """A parsed, checked key index: ``find`` a key, then its ``row`` and numbers."""
 
-    __slots__ = ("_kends", "_rends", "checksums", "keyblob", "layouts", "n", "nbytes",
-                 "offsets", "rowblob")
+    __slots__ = ("_bends", "_kends", "_rends", "blockblob", "checksums", "keyblob", "layouts",
+                 "n", "nbytes", "offsets", "rowblob")
 
-    def __init__(self, keyblob: bytes, rowblob: bytes, cols: dict[str, np.ndarray]) -> None:
-        self.keyblob, self.rowblob = keyblob, rowblob
+    def __init__(self, keyblob: bytes, rowblob: bytes, cols: dict[str, np.ndarray],
+                 blockblob: bytes = b"") -> None:
+        self.keyblob, self.rowblob, self.blockblob = keyblob, rowblob, blockblob
+        self._bends: np.ndarray | None = cols.get("block_ends")
         self._kends, self._rends = cols["key_ends"], cols["row_ends"]
         self.offsets, self.nbytes = cols["offsets"], cols["nbytes"]
         self.checksums, self.layouts = cols["checksums"], cols["layouts"]
         self.n = len(self._kends)
 
     @classmethod
-    def parse(cls, doc: Any, container: str) -> KeyIndex:
-        """Check the ``index`` map's shape and numbers in bulk (``BadRecord`` if broken)."""
+    def parse(cls, doc: Any, container: str, block_size: int) -> KeyIndex:
+        """Check the ``index`` map's shape and numbers in bulk (``BadRecord`` if broken);
+        block checksums are of blocks of ``block_size`` bytes."""
         if not isinstance(doc, dict):
             raise BadRecord("'index' is not a map")
         blobs = {}
@@ -141,7 +157,16 @@ class KeyIndex:
             _check_columns(blobs, cols, container)
         elif blobs["keys"] or blobs["rows"]:
             raise BadRecord("'index' holds keys or rows for no values")
-        return cls(blobs["keys"], blobs["rows"], cols)
+        blockblob = _parse_blocks(doc, cols, n, block_size)
+        return cls(blobs["keys"], blobs["rows"], cols, blockblob)
+
+    def blocks(self, i: int) -> bytes | None:
+        """The block checksums of the ``i``-th value (format 1.2), or None."""
+        ends = self._bends
+        if ends is None:
+            return None
+        lo, hi = int(ends[i - 1]) if i else 0, int(ends[i])
+        return self.blockblob[4 * lo : 4 * hi] if hi > lo else None
 
     def key(self, i: int) -> str:
         """The ``i``-th key in sorted order."""
@@ -212,6 +237,30 @@ class KeyIndex:
         return dtype, shape, path, attrs
 
 
+def _parse_blocks(doc: dict[str, Any], cols: dict[str, np.ndarray], n: int,
+                  block_size: int) -> bytes:
+    """The index's block checksums (format 1.2, optional): ``block_ends`` (``uint64[n]``,
+    sorted order) cutting ``block_crcs`` (``uint32`` each); every value has none or one
+    per block of its bytes. Adds ``block_ends`` to ``cols``."""
+    ends_blob, crcs = doc.get("block_ends"), doc.get("block_crcs")
+    if ends_blob is None and crcs is None:
+        return b""
+    if not isinstance(ends_blob, bytes) or not isinstance(crcs, bytes):
+        raise BadRecord("'index' fields 'block_ends' and 'block_crcs' are not binary")
+    if len(ends_blob) != 8 * n:
+        raise BadRecord(f"'index' field 'block_ends' has {len(ends_blob)} bytes for {n} values")
+    ends = np.frombuffer(ends_blob, "<u8").astype(np.int64)
+    counts = np.diff(ends, prepend=0)
+    if (counts < 0).any() or (n and 4 * int(ends[-1]) != len(crcs)) or (not n and crcs):
+        raise BadRecord("'index' field 'block_ends' does not cut 'block_crcs' in order")
+    want = -(-cols["nbytes"] // block_size)
+    if ((counts != 0) & (counts != want)).any():
+        raise BadRecord("'index' gives a value a number of block checksums other than its "
+                        "number of blocks")
+    cols["block_ends"] = ends
+    return crcs
+
+
 def _check_columns(blobs: dict[str, bytes], cols: dict[str, np.ndarray], container: str) -> None:
     """The binary columns of a non-empty index: ends that cut their blobs in order, sizes
     and offsets that can exist, known layouts (``BadRecord`` if not)."""
@@ -272,7 +321,9 @@ class SortedKeys(Sequence[str]):
 class IndexedValues(Mapping[str, Any]):
     """``Record.values`` of a record read through its key index: one value is found by
     binary search and decoded alone; listing or iterating decodes (and checks) the whole
-    record once, and the entries already handed out must agree with it."""
+    record once, and the entries already handed out must agree with it. So does asking
+    for more than ``1/64`` of the values one by one (a restore of them all): a key found
+    alone costs about twenty times its share of the whole decode."""
 
     def __init__(self, index: KeyIndex, entry: Callable[[str, int], Any],
                  load_all: Callable[[Mapping[str, Any]], dict[str, Any]]) -> None:
@@ -280,6 +331,7 @@ class IndexedValues(Mapping[str, Any]):
         self._make, self._load_all = entry, load_all
         self._cache: dict[str, Any] = {}
         self._full: dict[str, Any] | None = None
+        self._switch = max(256, index.n // 64)
 
     @property
     def decoded_all(self) -> bool:
@@ -294,6 +346,8 @@ class IndexedValues(Mapping[str, Any]):
         if e is None:
             if type(key) is not str:
                 raise KeyError(key)
+            if len(self._cache) >= self._switch:
+                return self._all()[key]
             i = self._index.find(key)
             if i < 0:
                 raise KeyError(key)

@@ -9,7 +9,8 @@ directory) holding every value's little-endian C-order bytes and a root record
 - :mod:`.writer`: write planning, packing, hashing while writing, publishing;
 - :mod:`.reader`: the reader base, single reads, verification, lazy slices;
 - :mod:`.bulk`: windowed read-ahead, bulk verify, scatter reads into buffers;
-- :mod:`.transfer`: the parallel read-and-hash engine under both.
+- :mod:`.transfer`: the parallel read-and-hash engine under both;
+- :mod:`.blocks`: per-block checksums (format 1.2) and verified partial reads.
 """
 
 from __future__ import annotations

@@ -29,13 +29,14 @@ from .._slicing import element_span
 from ..base import ArrayInfo, LazyArray, Reader, verify_each
 from . import bulk
 from . import source as _src
+from .blocks import SpanError, blocks_agree, read_span
 from .layout import Source
 from .source import RemoteFile
 from .transfer import PARALLEL_FROM, Transfer, TransferValue
 
 __all__ = ["ContainerLazyArray", "ContainerReader"]
 
-#: Values up to this size are read whole (and verified) even when only sliced.
+#: Values up to this size without block checksums are read whole when only sliced.
 _SLICE_WHOLE_BELOW = 1 << 20
 
 
@@ -241,8 +242,11 @@ class ContainerReader(
         bulk.read_into_many(self, pairs, verify)
 
     # -- partial reads
-    def _read_elements(self, key: str, e: Entry, start: int, count: int) -> np.ndarray:
-        """Elements ``[start, start + count)`` of the flat value (no checksum)."""
+    def _read_elements(self, key: str, e: Entry, start: int, count: int, *,
+                       verify: bool = True) -> np.ndarray:
+        """Elements ``[start, start + count)`` of the flat value, read straight into the
+        result; verified by the blocks that hold them (format 1.2), or for a value
+        without block checksums by hashing the whole value (:func:`.blocks.read_span`)."""
         self._check()
         if count == 0:
             return np.empty(0, e.np_dtype)
@@ -250,10 +254,11 @@ class ContainerReader(
         src = self._source(key, e)  # opening checks the stored size before allocating
         try:
             out = np.empty(count, e.np_dtype)
-            want = count * item
-            got = _src.pread_into(src.fd, _rawio.byte_view(out), src.offset + start * item)
-            if got != want:
-                raise self._corrupt(key, "is truncated")
+            read_span(src.fd, src.offset, e, _rawio.byte_view(out), start * item,
+                      verify=verify, block_size=self._record.block_size,
+                      seed=lambda: _checksum.header_crc(key, e.dtype, e.shape))
+        except SpanError as exc:
+            raise self._corrupt(key, exc.what) from None
         finally:
             if src.owned:
                 _src.close(src.fd)
@@ -269,6 +274,10 @@ class ContainerReader(
             self.read(key, verify=True)
             return
         seed = _checksum.header_crc(key, e.dtype, e.shape)
+        if e.blocks is not None and not blocks_agree(seed, e.blocks, e.nbytes,
+                                                     self._record.block_size, e.checksum):
+            raise self._corrupt(key, "has block checksums that do not join to its checksum; "
+                                     "the checkpoint's record is damaged")
         if e.nbytes == 0:
             if kind == ARRAY:
                 src = self._open_array(key, e)
@@ -329,11 +338,12 @@ class ContainerLazyArray(LazyArray):
     def __getitem__(self, index: Any) -> np.ndarray:
         e = self._reader._entry(self._key)
         whole: np.ndarray
-        if e.nbytes <= _SLICE_WHOLE_BELOW or e.loc.kind not in (ARRAY, PACKED):
+        if e.loc.kind not in (ARRAY, PACKED) or (
+                e.blocks is None and e.nbytes <= _SLICE_WHOLE_BELOW):
             whole = self.read()[index]
             return whole
         span = element_span(index, e.shape, name=repr(self._key))
-        if span is None:  # advanced indexing or 0-d: read the whole value (verified)
+        if span is None or span.count == e.size:  # advanced indexing, 0-d, or all of it
             whole = self.read()[index]
             return whole
         block = self._reader._read_elements(self._key, e, span.start, span.count)

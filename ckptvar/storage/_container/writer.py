@@ -26,8 +26,9 @@ from .. import _checksum, _rawio
 from .._atomic import check_destination, publish, temporary_sibling
 from .._paths import container_paths
 from .._plain import check_plain
-from .._record import PACKED, Location, ValueColumns, encode_columns
+from .._record import PACKED, ZARR, Location, ValueColumns, encode_columns
 from ..base import Writer
+from .blocks import BLOCK_SIZE, hash_blocks
 from .layout import ALIGN, DEFAULT_PACK_THRESHOLD
 
 __all__ = ["ContainerWriter", "WriteItem", "WritePlan", "scalar_attrs", "write_packed"]
@@ -49,13 +50,18 @@ class WriteItem:
     checksum: int = 0
     path: str = ""  # container path, for values stored as their own array
     offset: int = 0  # offset in the packed blob, or the backend's byte offset
+    blocks: bytes | None = None  # CRC-32C per block, for values of more than one block
 
     @property
     def view(self) -> memoryview:
         return _rawio.byte_view(self.array)
 
     def hash(self) -> None:
-        self.checksum = _checksum.value_checksum(self.key, self.dtype, self.shape, self.view)
+        seed = _checksum.header_crc(self.key, self.dtype, self.shape)
+        if self.nbytes > BLOCK_SIZE:
+            self.checksum, self.blocks = hash_blocks(self.view, seed)
+        else:
+            self.checksum = _checksum.crc(self.view, seed)
 
 
 @dataclass(slots=True)
@@ -221,6 +227,7 @@ class ContainerWriter(Writer):
             [it.checksum for it in items],
             locs,
             [it.attrs for it in items],
+            [None if loc.kind == ZARR else it.blocks for it, loc in zip(items, locs, strict=True)],
         )
         packed = packed_loc if any(it.packed for it in items) else None
         return encode_columns(self.container, packed, cols, self._metadata)
@@ -247,8 +254,11 @@ def write_packed(fd: int, packed: list[WriteItem], base: int) -> None:
         if not bufs:
             start = it.offset
         a = it.array
-        it.checksum = crc(a, _checksum.header_crc(it.key, it.dtype, it.shape))
         n = it.nbytes
+        if n > BLOCK_SIZE:
+            it.hash()
+        else:
+            it.checksum = crc(a, _checksum.header_crc(it.key, it.dtype, it.shape))
         if n:
             bufs.append(a)
         pad = -n % ALIGN

@@ -1,0 +1,173 @@
+"""Per-block checksums (format 1.2): hashing a value by blocks, and verified partial reads.
+
+Owns: the CRC-32C of each block of ``block_size`` bytes of a value's bytes, with the
+value's own checksum joined from them (one pass over the bytes, on the checksum
+thread, as before); the check that a record's blocks agree with the value's checksum;
+and :func:`read_span`, which reads a byte run of a value straight into its
+destination and verifies the blocks it covers (the parts of the first and last block
+outside the run are hashed from the file through a small buffer, never held beside the
+result). A value without block checksums (files of format 1.1 and older, values of at
+most one block) is verified whole the same way: its other bytes are hashed through
+that buffer, so the memory a slice costs stays the slice's.
+
+>>> import numpy as np
+>>> data = np.arange(5000, dtype=np.uint8)
+>>> whole, blocks = hash_blocks(memoryview(data), 7, 4096)
+>>> whole == _checksum.crc(data, 7), len(blocks), blocks_agree(7, blocks, 5000, 4096, whole)
+(True, 8, True)
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import crc32c as _crc32c
+import numpy as np
+
+from .. import _checksum, _rawio
+from .._record import BLOCK_SIZE, Entry, block_count
+from . import source as _src
+
+__all__ = ["BLOCK_SIZE", "blocks_agree", "hash_blocks", "read_span"]
+
+#: The buffer the parts of a span's edge blocks (or, without blocks, the rest of the
+#: value) are hashed through, per thread.
+_SCRATCH = 256 << 10
+
+_crc: Callable[..., int] = _crc32c.crc32c
+#: A span of a local file at least this large is read and verified in pieces of about
+#: ``_PIECE`` bytes (whole blocks) on the I/O threads.
+_PARALLEL_FROM = 8 << 20
+_PIECE = 4 << 20
+
+
+@functools.lru_cache(maxsize=8)
+def _shift(n: int) -> Callable[[int], int]:
+    """``crc -> combine(crc, 0, n)`` by four table look-ups (the shift is linear)."""
+    tables = [[_checksum.combine(v << (8 * k), 0, n) for v in range(256)] for k in range(4)]
+    t0, t1, t2, t3 = tables
+
+    def shift(c: int) -> int:
+        return t0[c & 255] ^ t1[(c >> 8) & 255] ^ t2[(c >> 16) & 255] ^ t3[c >> 24]
+
+    return shift
+
+
+def hash_blocks(view: memoryview, seed: int, block_size: int = BLOCK_SIZE) -> tuple[int, bytes]:
+    """``(checksum, blocks)`` of a value's bytes: the value's CRC-32C continued from
+    ``seed``, and the little-endian ``uint32`` CRC-32C of each block."""
+    n = len(view)
+    crcs = np.empty(block_count(n, block_size), "<u4")
+    for i, pos in enumerate(range(0, n, block_size)):
+        crcs[i] = _crc(view[pos : pos + block_size], 0, 1)
+    blocks = crcs.tobytes()
+    return _join(seed, crcs.tolist(), n, block_size), blocks
+
+
+def _join(seed: int, crcs: list[int], n: int, block_size: int) -> int:
+    """The CRC-32C over all blocks continued from ``seed``, from the blocks' CRCs."""
+    if not crcs:
+        return seed
+    shift = _shift(block_size)
+    value = seed
+    for c in crcs[:-1]:
+        value = shift(value) ^ c
+    return _checksum.combine(value, crcs[-1], n - (len(crcs) - 1) * block_size)
+
+
+def blocks_agree(seed: int, blocks: bytes, nbytes: int, block_size: int, checksum: int) -> bool:
+    """Whether a value's block checksums join to its checksum (``seed``: its header's)."""
+    crcs = np.frombuffer(blocks, "<u4").tolist()
+    return len(crcs) == block_count(nbytes, block_size) and _join(
+        seed, crcs, nbytes, block_size) == checksum
+
+
+_local = threading.local()
+
+
+def _scratch() -> memoryview:
+    buf = getattr(_local, "scratch", None)
+    if buf is None:
+        buf = _local.scratch = memoryview(bytearray(_SCRATCH))
+    return buf
+
+
+def _hash_file(fd: Any, offset: int, n: int, value: int) -> tuple[int, int]:
+    """``(bytes_read, crc)``: the CRC-32C ``value`` continued over ``n`` bytes of the
+    source at ``offset``, read through this thread's scratch buffer."""
+    scratch = _scratch()
+    done = 0
+    while done < n:
+        want = min(len(scratch), n - done)
+        got = _src.pread_into(fd, scratch[:want], offset + done)
+        value = _checksum.crc(scratch[:got], value)
+        done += got
+        if got < want:
+            break
+    return done, value
+
+
+class SpanError(Exception):
+    """A span failed its check: ``what`` completes "value 'key' ..."."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
+def read_span(fd: Any, base: int, entry: Entry, out: memoryview, start: int, *,
+              verify: bool, seed: Callable[[], int], block_size: int) -> None:
+    """Read ``len(out)`` bytes of the value from byte ``start`` (the value's bytes begin
+    at ``base`` in ``fd``) into ``out``; with ``verify``, check the blocks that hold them
+    (or, for a value without block checksums, the whole value: ``seed()`` is its
+    header's CRC). Raises :class:`SpanError` for short or damaged bytes."""
+    n = len(out)
+    if n >= _PARALLEL_FROM and fd.__class__ is int and (entry.blocks is not None or not verify):
+        # pieces that start and end on block boundaries (but the span's own ends)
+        step = max(block_size, _PIECE - _PIECE % block_size)
+        cuts = [start, *range((start // step + 1) * step, start + n, step), start + n]
+        tasks = [functools.partial(_read_span, fd, base, entry, out[a - start : b - start], a,
+                                   verify=verify, seed=seed, block_size=block_size)
+                 for a, b in itertools.pairwise(cuts)]
+        _rawio.wait_all(_rawio.start_all(tasks))
+        return
+    _read_span(fd, base, entry, out, start, verify=verify, seed=seed, block_size=block_size)
+
+
+def _read_span(fd: Any, base: int, entry: Entry, out: memoryview, start: int, *, verify: bool,
+               seed: Callable[[], int], block_size: int) -> None:
+    """:func:`read_span` on this thread."""
+    n, total = len(out), entry.nbytes
+    if n and _src.pread_into(fd, out, base + start) != n:
+        raise SpanError(f"is truncated: bytes {start}..{start + n} of {total} are not present")
+    if not verify or not n:
+        return
+    end = start + n
+    blocks = entry.blocks
+    if blocks is None:
+        units = [(0, total, seed(), entry.checksum)]
+    else:
+        crcs = np.frombuffer(blocks, "<u4")
+        first, last = start // block_size, (end - 1) // block_size
+        units = [(k * block_size, min((k + 1) * block_size, total), 0, int(crcs[k]))
+                 for k in range(first, last + 1)]
+    for lo, hi, seed_value, want in units:
+        value = seed_value
+        if lo < start:
+            got, value = _hash_file(fd, base + lo, start - lo, value)
+            if got != start - lo:
+                raise SpanError(f"is truncated: bytes {lo}..{start} of {total} are not present")
+        value = _crc(out[max(lo, start) - start : min(hi, end) - start], value, 1)
+        if hi > end:
+            got, value = _hash_file(fd, base + end, hi - end, value)
+            if got != hi - end:
+                raise SpanError(f"is truncated: bytes {end}..{hi} of {total} are not present")
+        if value != want:
+            what = "fails its checksum" if blocks is None else (
+                f"fails the checksum of its block {lo // block_size} (bytes {lo}..{hi})")
+            raise SpanError(f"{what} (stored {want:#010x}, computed {value:#010x}); the "
+                            "checkpoint is damaged")

@@ -1,0 +1,180 @@
+"""Per-block checksums (format 1.2): a lazy slice reads and verifies only the blocks that
+hold it, straight into the result; damage is caught in the blocks read and nowhere else;
+files without block checksums still read, a slice then verifying the whole value."""
+
+from __future__ import annotations
+
+import shutil
+import tracemalloc
+from pathlib import Path
+
+import h5py
+import msgpack
+import numpy as np
+import pytest
+
+import ckptvar as cv
+from ckptvar.storage._record import BLOCK_SIZE
+from ckptvar.storage._record_index import INDEX_FROM
+
+MiB = 1 << 20
+ROWS, COLS = 1024, 16384  # 64 MiB of float32, 64 KiB rows: four rows per block
+
+
+def _big() -> np.ndarray:
+    return np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS)
+
+
+def _data_offset(p: Path, key: str) -> tuple[Path, int]:
+    """The file holding ``key``'s bytes and where they start in it."""
+    if p.suffix == ".h5":
+        with h5py.File(p, "r") as f:
+            return p, int(f[key].id.get_offset())
+    return p / key / "c.0.0", 0
+
+
+def _flip(p: Path, key: str, at: int) -> None:
+    """Flip one byte of ``key``'s stored bytes, ``at`` bytes into the value."""
+    f, base = _data_offset(p, key)
+    with open(f, "r+b") as fh:
+        fh.seek(base + at)
+        b = fh.read(1)
+        fh.seek(base + at)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.fixture(scope="module")
+def big() -> np.ndarray:
+    return _big()
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_slices_round_trip_through_their_blocks(tmp_path: Path, fmt: str, big: np.ndarray) -> None:
+    p = cv.save(tmp_path / f"c.{fmt}", {"w": big, "v": np.arange(70_000, dtype=np.float64)})
+    with cv.open(p) as r:
+        e = r._values["w"]
+        assert e.blocks is not None and len(e.blocks) == 4 * (big.nbytes // BLOCK_SIZE)
+        for index in [slice(1, 3), slice(5, 9), 7, (100, slice(3, 900)), slice(1000, None),
+                      (slice(10, 200, 7), slice(None, None, -3)), (Ellipsis, 5), -1,
+                      slice(300, 100, -1), (slice(0, 0),)]:
+            np.testing.assert_array_equal(r["w"][index], big[index])
+        v = np.arange(70_000, dtype=np.float64)  # 560,000 bytes: three blocks, not 1 MiB
+        assert r._values["v"].blocks is not None
+        np.testing.assert_array_equal(r["v"][1000:1010], v[1000:1010])
+        assert r.verify_all() == []
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_damage_is_caught_in_the_blocks_read_and_only_there(
+    tmp_path: Path, fmt: str, big: np.ndarray
+) -> None:
+    p = cv.save(tmp_path / f"c.{fmt}", {"w": big})
+    row = big[0].nbytes
+    _flip(p, "w", 40 * row + 12)  # block 10 (rows 40..43)
+    with cv.open(p) as r:
+        lazy = r["w"]
+        for index in [slice(40, 41), slice(43, 44), slice(30, 50), 41, (42, slice(9, 10))]:
+            with pytest.raises(cv.CorruptCheckpointError) as err:
+                lazy[index]
+            msg = str(err.value)
+            assert "'w'" in msg and str(p) in msg and "block 10 " in msg, msg
+        # the blocks around it are intact: slices that do not touch block 10 still read
+        np.testing.assert_array_equal(lazy[36:40], big[36:40])
+        np.testing.assert_array_equal(lazy[44:300], big[44:300])
+        np.testing.assert_array_equal(lazy[39, 5:], big[39, 5:])
+        with pytest.raises(cv.CorruptCheckpointError, match="checksum"):
+            lazy.read()  # the whole value fails its own checksum
+        assert [k for k, _ in r.verify_all()] == ["w"]
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_slice_costs_the_slice_in_memory(tmp_path: Path, fmt: str, big: np.ndarray) -> None:
+    """16 MiB of rows that start and end inside blocks: read straight into the result;
+    the edge blocks' other bytes are hashed through a small buffer."""
+    p = cv.save(tmp_path / f"c.{fmt}", {"w": big})
+    with cv.open(p) as r:
+        lazy = r["w"]
+        lazy[0:1]  # first use: the reader's own set-up is not the slice's cost
+        tracemalloc.start()
+        try:
+            got = lazy[101:357]  # 256 rows of 64 KiB: 16 MiB, not block-aligned
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert got.nbytes == 16 * MiB
+    np.testing.assert_array_equal(got, big[101:357])
+    assert peak <= 1.05 * got.nbytes, peak / got.nbytes
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_files_without_block_checksums_verify_the_whole_value(tmp_path: Path, fmt: str) -> None:
+    """The format-1.1 golden file: a slice of its 1.5 MiB value hashes the whole value."""
+    src = Path(__file__).parent / "golden" / f"format-1.1.{fmt}"
+    p = tmp_path / src.name
+    (shutil.copytree if fmt == "zarr" else shutil.copyfile)(src, p)
+    with cv.open(p) as r:
+        assert r._values["emb"].blocks is None
+        emb = r["emb"][10:20]
+    _flip(p, "emb", 300 * 4096)  # row 300: outside the slice
+    with cv.open(p) as r:
+        with pytest.raises(cv.CorruptCheckpointError) as err:
+            r["emb"][10:20]
+        assert "'emb'" in str(err.value) and "checksum" in str(err.value)
+    assert emb.shape == (10, 1024)
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_blocks_are_found_through_the_key_index(tmp_path: Path, fmt: str, big: np.ndarray) -> None:
+    vals = {f"s/{i}": np.full(3, i, np.int32) for i in range(INDEX_FROM)}
+    vals["w"] = big[:64]  # 4 MiB: 16 blocks
+    p = cv.save(tmp_path / f"c.{fmt}", vals)
+    _flip(p, "w", 5 * BLOCK_SIZE + 1)
+    with cv.open(p) as r:
+        np.testing.assert_array_equal(r["w"][0:16], big[0:16])
+        with pytest.raises(cv.CorruptCheckpointError, match="block 5 "):
+            r["w"][20:21]
+        assert not r._values.decoded_all  # only the index was used
+        assert r._values["w"] == dict(r._values.items())["w"]  # the columns agree
+
+
+def test_a_record_with_malformed_block_checksums_is_refused(tmp_path: Path) -> None:
+    import json
+
+    import crc32c
+
+    p = cv.save(tmp_path / "c.zarr", {"w": np.ones(200_000, np.float32)})
+
+    def rewrite(mutate) -> None:  # type: ignore[no-untyped-def]
+        doc = msgpack.unpackb((p / "_ckptvar/record/c.0").read_bytes())
+        mutate(doc)
+        data = msgpack.packb(doc, use_bin_type=True)
+        (p / "_ckptvar/record/c.0").write_bytes(data)
+        meta = json.loads((p / "zarr.json").read_text())
+        meta["attributes"]["ckptvar"].update(record_nbytes=len(data),
+                                              record_crc32c=crc32c.crc32c(data))
+        (p / "zarr.json").write_text(json.dumps(meta))
+
+    good = msgpack.unpackb((p / "_ckptvar/record/c.0").read_bytes())
+    cases = [
+        (lambda d: d["block_checksums"].__setitem__(0, d["block_checksums"][0][:-4]),
+         "block checksums for"),
+        (lambda d: d["block_checksums"].__setitem__(0, "x"), "not binary"),
+        (lambda d: d.update(block_size=1000), "block_size"),
+        (lambda d: d.pop("block_size"), "without 'block_size'"),
+        (lambda d: d.update(block_checksums=[]), "not a list of 1"),
+    ]
+    for mutate, match in cases:
+        rewrite(lambda d: d.update(good))
+        rewrite(mutate)
+        with pytest.raises(cv.CorruptCheckpointError, match=match):
+            cv.open(p)
+    # well formed, but blocks that do not join to the value's checksum: verify says so
+    rewrite(lambda d: d.update(good))
+    crcs = bytearray(good["block_checksums"][0])
+    crcs[0] ^= 1
+    rewrite(lambda d: d["block_checksums"].__setitem__(0, bytes(crcs)))
+    with cv.open(p) as r:
+        assert [k for k, _ in r.verify_all()] == ["w"]
+        assert "do not join" in r.verify_all()[0][1]
+        with pytest.raises(cv.CorruptCheckpointError, match="block 0 "):
+            r["w"][0:10]
