@@ -12,12 +12,10 @@ is a collective too. A failure on any rank makes every rank raise
 from __future__ import annotations
 
 import os
-import weakref
 from typing import Any
 
 from ..errors import CheckpointMismatchError
 from ..storage import paused_gc
-from ..trackable import Trackable
 from ..variables import PartitionedVariable, Variable
 from ._collective import Staged, restore_pairs, stage_reads
 from ._object_restore import RestoreState
@@ -69,16 +67,7 @@ class CollectiveRestoreState(RestoreState):
             self.coordinator.vote(failure, tag=f"restore:{os.path.basename(str(self.path))}:{where}",
                                   timeout=self.timeout)
             staged.apply(self.path)
-            for _key, trackable, state in decoded:
-                trackable._restore_python_state(state)
-            for key, _, obj in m.variables:
-                self.mark_consumed(key, obj)
-            for key, trackable, _ in decoded:
-                self.consumed_states.add(key)
-                self._matched[id(trackable)] = weakref.ref(trackable)
-            for parent, name, parent_key in m.deferrals:
-                parent._defer(name, _Attach(self, parent_key))
-                self.pending += 1
+            self._settle(m, decoded)
 
     def _check_all_matched(self, nodes: list[Node], matched: set[int]) -> None:
         root = self._root() if self._root is not None else None
@@ -92,17 +81,3 @@ class CollectiveRestoreState(RestoreState):
             raise CheckpointMismatchError(
                 f"{str(self.path)!r} has no value for {', '.join(dict.fromkeys(missing))}."
             )
-
-
-
-class _Attach:
-    """The handler left on a trackable for a child that does not exist yet."""
-
-    __slots__ = ("parent_key", "state")
-
-    def __init__(self, state: CollectiveRestoreState, parent_key: str) -> None:
-        self.state = state
-        self.parent_key = parent_key
-
-    def __call__(self, parent: Trackable, name: str, child: Any) -> None:
-        self.state.on_attach(self.parent_key, name, child)

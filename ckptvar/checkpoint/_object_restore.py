@@ -30,7 +30,7 @@ from ._serialize import decode_state, read_graph
 from ._status import warn_unused
 from ._walk import Node, walk
 
-__all__ = ["RestoreState"]
+__all__ = ["Deferred", "RestoreState"]
 
 
 @dataclass
@@ -172,16 +172,20 @@ class RestoreState:
             decoded = [(k, t, decode_state(self.states[k], k, self.path)) for k, t in m.states]
             apply_targets(self.reader, [(k, t) for k, t, _ in m.variables], self.infos,
                           verify=self.verify, cast=self.cast, box_reader=self.box_reader)
-            for _key, trackable, state in decoded:
-                trackable._restore_python_state(state)
-            for key, _, obj in m.variables:
-                self.mark_consumed(key, obj)
-            for key, trackable, _ in decoded:
-                self.consumed_states.add(key)
-                self._matched[id(trackable)] = weakref.ref(trackable)
-            for parent, name, parent_key in m.deferrals:
-                parent._defer(name, _Deferred(self, parent_key))
-                self.pending += 1
+            self._settle(m, decoded)
+
+    def _settle(self, m: Any, decoded: list[tuple[str, Any, Any]]) -> None:
+        """After the values went in: Python states, what was consumed, the deferrals."""
+        for _key, trackable, state in decoded:
+            trackable._restore_python_state(state)
+        for key, _, obj in m.variables:
+            self.mark_consumed(key, obj)
+        for key, trackable, _ in decoded:
+            self.consumed_states.add(key)
+            self._matched[id(trackable)] = weakref.ref(trackable)
+        for parent, name, parent_key in m.deferrals:
+            parent._defer(name, Deferred(self, parent_key))
+            self.pending += 1
 
     def on_attach(self, parent_key: str, name: str, child: Any) -> None:
         with self._lock:
@@ -270,7 +274,7 @@ def _close(reader: Reader | None) -> None:
             reader.close()
 
 
-class _Deferred:
+class Deferred:
     """The handler a restore leaves on a trackable for a child that does not exist yet."""
 
     __slots__ = ("parent_key", "state")

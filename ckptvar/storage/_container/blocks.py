@@ -32,7 +32,7 @@ from .. import _checksum, _rawio
 from .._record import BLOCK_SIZE, Entry, block_count
 from . import source as _src
 
-__all__ = ["BLOCK_SIZE", "blocks_agree", "hash_blocks", "read_span"]
+__all__ = ["BLOCK_SIZE", "blocks_agree", "hash_blocks", "hash_range", "read_span", "scratch_buffer"]
 
 #: The buffer the parts of a span's edge blocks (or, without blocks, the rest of the
 #: value) are hashed through, per thread.
@@ -89,17 +89,18 @@ def blocks_agree(seed: int, blocks: bytes, nbytes: int, block_size: int, checksu
 _local = threading.local()
 
 
-def _scratch() -> memoryview:
+def scratch_buffer() -> memoryview:
+    """This thread's scratch buffer (256 KiB), for hashing bytes that are not kept."""
     buf = getattr(_local, "scratch", None)
     if buf is None:
         buf = _local.scratch = memoryview(bytearray(_SCRATCH))
     return buf
 
 
-def _hash_file(fd: Any, offset: int, n: int, value: int) -> tuple[int, int]:
+def hash_range(fd: Any, offset: int, n: int, value: int = 0) -> tuple[int, int]:
     """``(bytes_read, crc)``: the CRC-32C ``value`` continued over ``n`` bytes of the
     source at ``offset``, read through this thread's scratch buffer."""
-    scratch = _scratch()
+    scratch = scratch_buffer()
     done = 0
     while done < n:
         want = min(len(scratch), n - done)
@@ -158,12 +159,12 @@ def _read_span(fd: Any, base: int, entry: Entry, out: memoryview, start: int, *,
     for lo, hi, seed_value, want in units:
         value = seed_value
         if lo < start:
-            got, value = _hash_file(fd, base + lo, start - lo, value)
+            got, value = hash_range(fd, base + lo, start - lo, value)
             if got != start - lo:
                 raise SpanError(f"is truncated: bytes {lo}..{start} of {total} are not present")
         value = _crc(out[max(lo, start) - start : min(hi, end) - start], value, 1)
         if hi > end:
-            got, value = _hash_file(fd, base + end, hi - end, value)
+            got, value = hash_range(fd, base + end, hi - end, value)
             if got != hi - end:
                 raise SpanError(f"is truncated: bytes {end}..{hi} of {total} are not present")
         if value != want:

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -21,6 +20,7 @@ from ...errors import CorruptCheckpointError
 from .. import _checksum, _rawio
 from .._record import Entry
 from . import source as _src
+from .blocks import hash_range
 from .layout import Source
 
 if TYPE_CHECKING:
@@ -33,8 +33,6 @@ PARALLEL_FROM = 1 << 20
 _SPLIT = 8 << 20
 #: Each I/O task moves about this many bytes (small values are grouped).
 _TASK = 8 << 20
-#: Scratch buffer each I/O thread hashes through when only verifying.
-_SCRATCH = 256 << 10
 
 _T = TypeVar("_T")
 
@@ -72,16 +70,6 @@ class TransferValue:
 
 #: A piece of a remote read: ``(offset_in_object, nbytes, value, piece_index)``.
 _Piece = tuple[int, int, TransferValue, int]
-
-_local = threading.local()
-
-
-def _scratch() -> memoryview:
-    buf = getattr(_local, "scratch", None)
-    if buf is None:
-        buf = _local.scratch = memoryview(bytearray(_SCRATCH))
-    return buf
-
 
 class Transfer:
     """Whole values read into their buffers (or hashed) in pieces on the I/O threads.
@@ -157,7 +145,7 @@ class Transfer:
                         v.crcs[i] = _checksum.crc(buf)
                     v.got[i] = got
                 else:
-                    v.got[i], v.crcs[i] = _hash_range(src.fd, at, n)
+                    v.got[i], v.crcs[i] = hash_range(src.fd, at, n)
         finally:
             if src is not None and src.owned:
                 _src.close(src.fd)
@@ -209,17 +197,3 @@ class Transfer:
         """Wait for the pieces still running; their errors no longer matter."""
         with contextlib.suppress(BaseException):
             _rawio.wait_all(self.futures)
-
-
-def _hash_range(fd: Any, offset: int, n: int) -> tuple[int, int]:
-    """``(bytes_read, crc)`` of ``n`` bytes at ``offset``, read through this thread's scratch."""
-    value = done = 0
-    scratch = _scratch()
-    while done < n:
-        want = min(len(scratch), n - done)
-        got = _src.pread_into(fd, scratch[:want], offset + done)
-        value = _checksum.crc(scratch[:got], value)
-        done += got
-        if got < want:
-            break
-    return done, value

@@ -23,7 +23,22 @@ import crc32c as _crc32c
 from ...errors import CkptError
 from .._positional import PositionalRaw
 
-__all__ = ["Location", "ObjectInfo", "ObjectWriter", "PositionalRaw", "StorageError"]
+__all__ = [
+    "Buffers",
+    "Location",
+    "ObjectInfo",
+    "ObjectWriter",
+    "OnRange",
+    "PositionalRaw",
+    "Sink",
+    "StorageError",
+]
+
+#: Buffers to fill, one per range; a callback told the index of a range once it is done;
+#: a consumer of streamed bytes: ``sink(range_index, position_in_range, chunk)``.
+Buffers = Sequence[memoryview | bytearray]
+OnRange = Callable[[int], None] | None
+Sink = Callable[[int, int, memoryview], None]
 
 #: Default size of one ranged GET and of one multipart part.
 DEFAULT_PART_SIZE = 8 * 1024 * 1024
@@ -166,12 +181,7 @@ class Location(ABC):
 
     @abstractmethod
     def read_ranges_into(
-        self,
-        key: str,
-        offsets: Sequence[int],
-        outs: Sequence[memoryview | bytearray],
-        *,
-        on_filled: Callable[[int], None] | None = None,
+        self, key: str, offsets: Sequence[int], outs: Buffers, *, on_filled: OnRange = None
     ) -> None:
         """Fill each ``outs[i]`` with the bytes at ``offsets[i]``; ranges are read in parallel.
 
@@ -182,13 +192,8 @@ class Location(ABC):
         """
 
     def stream_ranges(
-        self,
-        key: str,
-        offsets: Sequence[int],
-        lengths: Sequence[int],
-        sink: Callable[[int, int, memoryview], None],
-        *,
-        on_done: Callable[[int], None] | None = None,
+        self, key: str, offsets: Sequence[int], lengths: Sequence[int], sink: Sink, *,
+        on_done: OnRange = None,
     ) -> None:
         """Hand the bytes of each range to ``sink(i, position_in_range, chunk)``, in order
         within each range; ``on_done(i)`` once range ``i`` is complete.

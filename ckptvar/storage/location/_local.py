@@ -11,14 +11,16 @@ import builtins
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from ...errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
 from ._base import (
+    Buffers,
     Location,
     ObjectInfo,
     ObjectWriter,
+    OnRange,
     clean_key,
 )
 
@@ -90,12 +92,7 @@ class LocalLocation(Location):
             raise CheckpointNotFoundError(f"{self.join(key)}: no such file") from None
 
     def read_ranges_into(
-        self,
-        key: str,
-        offsets: Sequence[int],
-        outs: Sequence[memoryview | bytearray],
-        *,
-        on_filled: Callable[[int], None] | None = None,
+        self, key: str, offsets: Sequence[int], outs: Buffers, *, on_filled: OnRange = None
     ) -> None:
         path = self._path(key)
         try:

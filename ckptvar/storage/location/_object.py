@@ -48,9 +48,12 @@ from ...errors import (
 from ._base import (
     DEFAULT_CONCURRENCY,
     DEFAULT_PART_SIZE,
+    Buffers,
     Location,
     ObjectInfo,
     ObjectWriter,
+    OnRange,
+    Sink,
     StorageError,
     clean_key,
 )
@@ -234,14 +237,9 @@ class ObjectStoreLocation(Location):
         return data
 
     def read_ranges_into(
-        self,
-        key: str,
-        offsets: Sequence[int],
-        outs: Sequence[memoryview | bytearray],
-        *,
-        part_size: int | None = None,
-        max_concurrency: int | None = None,
-        on_filled: Callable[[int], None] | None = None,
+        self, key: str, offsets: Sequence[int], outs: Buffers, *,
+        part_size: int | None = None, max_concurrency: int | None = None,
+        on_filled: OnRange = None,
     ) -> None:
         views = [memoryview(out).cast("B") for out in outs]
         split = self.read_part_size if part_size is None else part_size
@@ -283,15 +281,8 @@ class ObjectStoreLocation(Location):
         )
 
     def stream_ranges(
-        self,
-        key: str,
-        offsets: Sequence[int],
-        lengths: Sequence[int],
-        sink: Callable[[int, int, memoryview], None],
-        *,
-        on_done: Callable[[int], None] | None = None,
-        size: int | None = None,
-        split: int | None = None,
+        self, key: str, offsets: Sequence[int], lengths: Sequence[int], sink: Sink, *,
+        on_done: OnRange = None, size: int | None = None, split: int | None = None,
         max_concurrency: int | None = None,
     ) -> None:
         """Stream ranges to ``sink(i, position_in_range, chunk)``, in order within each range.
