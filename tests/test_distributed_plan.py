@@ -24,7 +24,8 @@ from ckptvar.distributed import (
     plan_save,
     read_plan,
 )
-from ckptvar.distributed._plan import _plan_split, plan_save_plain
+from ckptvar.distributed._plan import plan_save_plain
+from ckptvar.distributed._plan_fast import plan_split
 from ckptvar.errors import CkptError, ShardLayoutError
 
 # -- strategies ---------------------------------------------------------------------
@@ -374,7 +375,7 @@ def test_the_common_layout_is_planned_without_plan_save() -> None:
     """4 ranks x 2,000 row-sharded variables take the vectorised path, and it is the same plan."""
     plain = [{f"v{i}": ((8, 3), "<f4", [((2 * r, 0), (2, 3))]) for i in range(2000)}
              for r in range(4)]
-    fast = _plan_split(plain)  # type: ignore[arg-type]
+    fast = plan_split(plain)  # type: ignore[arg-type]
     assert fast is not None
     assert fast.variables == plan_save(_as_layouts(plain)).variables  # type: ignore[arg-type]
     assert [it.writer for it in fast.variables["v7"].items] == [0, 1, 2, 3]

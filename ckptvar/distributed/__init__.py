@@ -15,22 +15,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._boxes import Box, SavePlan, VariableLayout, VariablePlan, WriteItem
 from ._coordinator import DEFAULT_TIMEOUT, Coordinator, SingleProcessCoordinator
 from ._env import MPI_ENV_VARS, from_env
 from ._gather import gather_plan
-from ._plan import (
-    Box,
-    PlanCache,
-    ReadItem,
-    SavePlan,
-    VariableLayout,
-    VariablePlan,
-    WriteItem,
-    check_replicas,
-    layout_digest,
-    plan_save,
-    read_plan,
-)
+from ._plan import PlanCache, check_replicas, layout_digest, plan_save
+from ._read_plan import ReadItem, read_plan
 
 if TYPE_CHECKING:
     from ._jax import JaxCoordinator

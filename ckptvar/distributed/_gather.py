@@ -12,15 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ._boxes import SavePlan, VariableLayout
 from ._coordinator import Coordinator
-from ._plan import (
-    PlanCache,
-    SavePlan,
-    VariableLayout,
-    check_replicas,
-    layout_digest,
-    plan_save_plain,
-)
+from ._plan import PlanCache, check_replicas, layout_digest, plan_save_plain
 
 __all__ = ["gather_plan"]
 
