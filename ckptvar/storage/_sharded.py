@@ -35,7 +35,7 @@ from .._dtypes import as_dtype
 from ..distributed import Box, read_plan
 from ..errors import CkptError, CorruptCheckpointError, MissingKeyError
 from ._sharded_zarr import GridVariable, read_part
-from ._zarr_files import O_DIR
+from ._step_files import LocalStepFiles, StepFiles
 from .base import (
     ArrayInfo,
     Backend,
@@ -45,7 +45,7 @@ from .base import (
     SupportsVerifyAll,
     SupportsVerifyMany,
 )
-from .registry import backend_for, register_backend
+from .registry import register_backend
 
 __all__ = [
     "INDEX_FILE",
@@ -63,7 +63,6 @@ INDEX_FORMAT = "ckptvar-sharded"
 INDEX_VERSION = 2
 #: Stored boxes up to this size are read whole (and verified) even when only partly needed.
 _SLICE_WHOLE_BELOW = 1 << 20
-_MAX_INDEX = 1 << 30
 
 
 def rank_file(rank: int, suffix: str) -> str:
@@ -108,29 +107,22 @@ def pack_index(
     return b"".join(parts)
 
 
-def _load_index(path: Path) -> dict[str, Any]:
-    where = path / INDEX_FILE
-    try:
-        raw = where.read_bytes()
-    except FileNotFoundError:
-        raise CorruptCheckpointError(
-            f"{str(path)!r} has no {INDEX_FILE}: it is not a complete multi-process checkpoint."
-        ) from None
-    if len(raw) > _MAX_INDEX:
-        raise CorruptCheckpointError(f"{str(where)!r} is larger than 1 GiB.")
+def _load_index(files: StepFiles) -> dict[str, Any]:
+    raw = files.read_index(INDEX_FILE)
+    where = files.where(INDEX_FILE)
     try:
         doc = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except Exception as exc:  # noqa: BLE001 - any decoding failure is damage
-        raise CorruptCheckpointError(f"{str(where)!r} is damaged: {exc}.") from None
+        raise CorruptCheckpointError(f"{where!r} is damaged: {exc}.") from None
     if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT:
-        raise CorruptCheckpointError(f"{str(where)!r} is not a ckptvar multi-process index.")
+        raise CorruptCheckpointError(f"{where!r} is not a ckptvar multi-process index.")
     if not isinstance(doc.get("version"), int) or not 1 <= doc["version"] <= INDEX_VERSION:
         raise CorruptCheckpointError(
-            f"{str(where)!r} has index version {doc.get('version')!r}; this ckptvar reads up "
+            f"{where!r} has index version {doc.get('version')!r}; this ckptvar reads up "
             f"to {INDEX_VERSION}."
         )
     if not isinstance(doc.get("variables"), dict) or not isinstance(doc.get("files"), list):
-        raise CorruptCheckpointError(f"{str(where)!r} is malformed (no variables/files).")
+        raise CorruptCheckpointError(f"{where!r} is malformed (no variables/files).")
     return doc
 
 
@@ -140,9 +132,11 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
     :attr:`bytes_read` counts the value bytes this reader asked its files for.
     """
 
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self._index = _load_index(self.path)
+    def __init__(self, path: Path | str, files: StepFiles | None = None) -> None:
+        #: the step: a local directory, or the URL of a committed step (``files`` given)
+        self.path: Any = Path(path) if files is None else path
+        self._src = LocalStepFiles(Path(path)) if files is None else files
+        self._index = _load_index(self._src)
         #: what ``ckpt inspect`` shows: the per-process files' format, written by N processes
         self.format = f"{self._index.get('container')} ({self._index.get('processes')} processes)"
         self._files: list[str] = [str(f) for f in self._index["files"]]
@@ -151,7 +145,6 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         self._boxes: dict[str, list[tuple[Any, int, str]]] = {}
         #: variables stored as global Zarr arrays, and their chunks' checksums
         self._grids: dict[str, tuple[GridVariable, list[int]]] = {}
-        self._root_fd: int | None = None
         self.bytes_read = 0
         sums = self._index.get("checksums") or {}
         for key, rec in self._index["variables"].items():
@@ -256,7 +249,7 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         except (MissingKeyError, CorruptCheckpointError) as exc:
             names = ", ".join(sorted({repr(k) for k, _, _ in jobs}))
             raise CorruptCheckpointError(
-                f"Variables {names}: a slice in file {str(self.path / self._files[f])!r} "
+                f"Variables {names}: a slice in file {self._where(f)!r} "
                 f"is damaged or missing: {exc}"
             ) from exc
 
@@ -285,7 +278,7 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         grid = self._grids.get(key)
         if grid is not None:
             for j, box in enumerate(grid[0].boxes):
-                read_part(self._root(), self.path, grid[0], j, Box.full(box.shape).slices(),
+                read_part(self._root(), Path(self._src.display), grid[0], j, Box.full(box.shape).slices(),
                           crc=grid[1][j], whole=True, verify=True)
             return
         for _, f, stored in self._boxes_of(key):
@@ -304,14 +297,7 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         subs, self._subs = self._subs, {}
         for sub in subs.values():
             sub.close()
-        fd, self._root_fd = self._root_fd, None
-        if fd is not None:
-            os.close(fd)
-
-    def __del__(self) -> None:
-        fd = getattr(self, "_root_fd", None)
-        if fd is not None:
-            os.close(fd)
+        self._src.close()
 
     # -- boxes ---------------------------------------------------------------------------
     def stored_boxes(self, key: str) -> list[Any]:
@@ -350,7 +336,7 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
             if grid is not None:
                 whole = item.box == box or box.size * isz <= _SLICE_WHOLE_BELOW
                 part, nbytes = read_part(
-                    self._root(), self.path, grid[0], item.source, item.source_slices,
+                    self._root(), Path(self._src.display), grid[0], item.source, item.source_slices,
                     crc=grid[1][item.source], whole=whole, verify=verify,
                 )
                 self.bytes_read += nbytes
@@ -371,12 +357,12 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
             except MissingKeyError:
                 raise CorruptCheckpointError(
                     f"Variable {key!r}: its slice {box} is missing from file "
-                    f"{str(self.path / self._files[f])!r}."
+                    f"{self._where(f)!r}."
                 ) from None
             except CorruptCheckpointError as exc:
                 raise CorruptCheckpointError(
                     f"Variable {key!r}: its slice {box} in file "
-                    f"{str(self.path / self._files[f])!r} is damaged: {exc}"
+                    f"{self._where(f)!r} is damaged: {exc}"
                 ) from exc
             dest[...] = part
 
@@ -386,12 +372,7 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
 
     def _root(self) -> int:
         """The step directory, held open (chunk files are opened below it, no symlinks)."""
-        if self._root_fd is None:
-            try:
-                self._root_fd = os.open(self.path, O_DIR)
-            except OSError as exc:
-                raise CorruptCheckpointError(f"{str(self.path)!r} cannot be opened: {exc}.") from None
-        return self._root_fd
+        return self._src.root_fd()
 
     def _verify_one(self, key: str, f: int, stored: str) -> None:
         sub = self._sub(key, f)
@@ -399,7 +380,7 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
             sub.verify(stored)
         except (MissingKeyError, CorruptCheckpointError) as exc:
             raise CorruptCheckpointError(
-                f"Variable {key!r}: its slice in file {str(self.path / self._files[f])!r} "
+                f"Variable {key!r}: its slice in file {self._where(f)!r} "
                 f"is damaged or missing: {exc}"
             ) from exc
 
@@ -407,19 +388,22 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         sub = self._subs.get(f)
         if sub is not None:
             return sub
-        where = self.path / self._files[f]
-        if not where.exists():
-            raise CorruptCheckpointError(
-                f"Variable {key!r}: its slice file {str(where)!r} is missing."
-            )
+        where = self._where(f)
         try:
-            sub = backend_for(where).open_reader(where)
+            sub = self._src.open_reader(self._files[f])
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"Variable {key!r}: its slice file {where!r} is missing."
+            ) from None
         except (CkptError, OSError) as exc:
             raise CorruptCheckpointError(
-                f"Variable {key!r}: its slice file {str(where)!r} cannot be read: {exc}"
+                f"Variable {key!r}: its slice file {where!r} cannot be read: {exc}"
             ) from exc
         self._subs[f] = sub
         return sub
+
+    def _where(self, f: int) -> str:
+        return self._src.where(self._files[f])
 
 
 class ShardedLazyArray(LazyArray):

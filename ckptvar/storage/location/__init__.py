@@ -44,7 +44,7 @@ from ._commit import (
 )
 from ._local import LocalLocation
 from ._object import CLOUD_SCHEMES, ObjectStoreLocation, RequestStats
-from ._upload import tree_checksum, upload_step
+from ._upload import tree_checksum, upload_step, upload_tree
 
 __all__ = [
     "CLOUD_SCHEMES",
@@ -74,6 +74,7 @@ __all__ = [
     "step_number",
     "tree_checksum",
     "upload_step",
+    "upload_tree",
 ]
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")

@@ -20,7 +20,7 @@ from ...errors import CheckpointExistsError
 from ._base import DEFAULT_PART_SIZE, Location
 from ._commit import CommitRecord, commit, read_commit
 
-__all__ = ["tree_checksum", "upload_step"]
+__all__ = ["tree_checksum", "upload_step", "upload_tree"]
 
 
 def tree_checksum(entries: list[tuple[str, int, int]]) -> str:
@@ -53,13 +53,31 @@ def upload_step(
     if src.is_file():
         crc = location.upload_file(os.fspath(src), step, part_size=part_size)
         return commit(location, step, index_checksum or f"crc32c:{crc:08x}")
+    entries = upload_tree(location, src, step, part_size=part_size, threads=threads)
+    return commit(location, step, index_checksum or tree_checksum(entries))
+
+
+def upload_tree(
+    location: Location,
+    local: str | os.PathLike[str],
+    prefix: str,
+    *,
+    part_size: int | None = None,
+    threads: int = 4,
+) -> list[tuple[str, int, int]]:
+    """Upload every file below the local directory ``local`` to ``prefix/<relative path>``.
+
+    The root ``zarr.json``, if any, goes last (a tree is complete once its root is there).
+    Returns ``(relative key, size, crc32c)`` of each file; commits nothing.
+    """
+    src = Path(local)
     files = sorted(p for p in src.rglob("*") if p.is_file())
     root_meta = [p for p in files if p.relative_to(src).as_posix() == "zarr.json"]
     rest = [p for p in files if p not in root_meta]
 
     def send(path: Path) -> tuple[str, int, int]:
         rel = path.relative_to(src).as_posix()
-        key = f"{step}/{rel}"
+        key = f"{prefix}/{rel}"
         if path.stat().st_size <= (part_size or DEFAULT_PART_SIZE):
             data = path.read_bytes()
             location.put(key, data)
@@ -70,4 +88,4 @@ def upload_step(
     with ThreadPoolExecutor(max(1, threads)) as pool:
         entries = list(pool.map(send, rest))
     entries += [send(p) for p in root_meta]  # the root metadata last: the tree is complete
-    return commit(location, step, index_checksum or tree_checksum(entries))
+    return entries

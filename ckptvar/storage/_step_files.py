@@ -1,0 +1,140 @@
+"""Where the files of a multi-process checkpoint are: a local directory or a committed step
+at an object-store URL.
+
+A :class:`~._sharded.ShardedReader` asks its :class:`StepFiles` for the index bytes and
+for a reader of each per-process file, so one reader serves both places.
+:class:`LocalStepFiles` opens files below a directory (global Zarr arrays' chunks are
+read through its directory descriptor, never through a symlink);
+:class:`RemoteStepFiles` opens the per-process objects below the step's key with ranged
+GETs (:mod:`._remote` makes them).
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ._zarr_files import O_DIR
+from .base import Reader
+from .registry import backend_for
+
+__all__ = ["LocalStepFiles", "RemoteStepFiles", "StepFiles"]
+
+#: An index larger than this is refused as damage (it lists boxes, not values).
+MAX_INDEX = 1 << 30
+
+
+class StepFiles(ABC):
+    """The files of one multi-process step, by their names in its index."""
+
+    #: how the step is named in messages (a path or a URL)
+    display: str
+
+    @abstractmethod
+    def where(self, name: str) -> str:
+        """The path or URL of the file ``name``, for messages."""
+
+    @abstractmethod
+    def read_index(self, name: str) -> bytes:
+        """The bytes of the index file ``name``; ``CorruptCheckpointError`` if it is
+        missing or larger than 1 GiB."""
+
+    @abstractmethod
+    def open_reader(self, name: str) -> Reader:
+        """A reader of the per-process file ``name``; ``FileNotFoundError`` if it is gone."""
+
+    def root_fd(self) -> int:
+        """A descriptor of the step directory (global Zarr arrays' chunks are read below it)."""
+        raise CorruptCheckpointError(
+            f"{self.display}: global Zarr arrays of a multi-process checkpoint are read from "
+            "a local directory only (object-store saves store each box in its writer's file)."
+        )
+
+    def close(self) -> None:  # noqa: B027 - most places hold nothing open
+        """Release what the files hold open."""
+
+
+class LocalStepFiles(StepFiles):
+    """The files of a step directory on a local filesystem."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.display = str(self.path)
+        self._fd: int | None = None
+
+    def where(self, name: str) -> str:
+        return str(self.path / name)
+
+    def read_index(self, name: str) -> bytes:
+        where = self.path / name
+        try:
+            if where.stat().st_size > MAX_INDEX:
+                raise CorruptCheckpointError(f"{str(where)!r} is larger than 1 GiB.")
+            return where.read_bytes()
+        except FileNotFoundError:
+            raise CorruptCheckpointError(
+                f"{self.display!r} has no {name}: it is not a complete multi-process checkpoint."
+            ) from None
+
+    def open_reader(self, name: str) -> Reader:
+        where = self.path / name
+        if not where.exists():
+            raise FileNotFoundError(where)
+        return backend_for(where).open_reader(where)
+
+    def root_fd(self) -> int:
+        if self._fd is None:
+            try:
+                self._fd = os.open(self.path, O_DIR)
+            except OSError as exc:
+                raise CorruptCheckpointError(f"{self.display!r} cannot be opened: {exc}.") from None
+        return self._fd
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+
+class RemoteStepFiles(StepFiles):
+    """The objects of a committed multi-process step below ``prefix`` of a location."""
+
+    def __init__(
+        self, location: Any, prefix: str, open_file: Callable[[Any, str, str], Reader]
+    ) -> None:
+        self._loc = location
+        self._prefix = prefix
+        self._open_file = open_file
+        self.display = location.join(prefix)
+
+    def _key(self, name: str) -> str:
+        return f"{self._prefix}/{name}"
+
+    def where(self, name: str) -> str:
+        return str(self._loc.join(self._key(name)))
+
+    def read_index(self, name: str) -> bytes:
+        key = self._key(name)
+        try:
+            if self._loc.size(key) > MAX_INDEX:
+                raise CorruptCheckpointError(f"{self.where(name)} is larger than 1 GiB.")
+            return bytes(self._loc.read(key))
+        except CheckpointNotFoundError:
+            raise CorruptCheckpointError(
+                f"{self.display} has no {name}: it is not a complete multi-process checkpoint."
+            ) from None
+
+    def open_reader(self, name: str) -> Reader:
+        try:
+            return self._open_file(self._loc, self._key(name), self.where(name))
+        except CheckpointNotFoundError as exc:
+            raise FileNotFoundError(self.where(name)) from exc
