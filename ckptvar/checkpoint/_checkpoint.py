@@ -185,8 +185,10 @@ class Checkpoint(Trackable):
 
             def run_collective() -> str:
                 with paused_gc():
-                    return collective_write(path, fmt, arrays, meta, plan.variables, coord,
-                                            timeout=timeout, on_commit=on_commit)
+                    return collective_write(
+                        path, fmt, arrays, meta, plan.variables, coord, timeout=timeout,
+                        on_commit=on_commit, storage_options=options.get("storage_options"),
+                    )
 
             if blocking:
                 return run_collective()
@@ -251,7 +253,8 @@ class Checkpoint(Trackable):
             return RestoreStatus(None, warn_unused=False)
         self.wait()
         if needs_collective(coordinator, gather(self).variables.values()):
-            return self._restore_collective(path, coordinator, timeout, verify, cast)
+            return self._restore_collective(path, coordinator, timeout, verify, cast,
+                                            storage_options)
         with paused_gc():
             state = RestoreState(path, root=self, verify=verify, cast=cast,
                                  storage_options=storage_options)
@@ -266,16 +269,17 @@ class Checkpoint(Trackable):
 
     read = restore
 
-    def _restore_collective(
+    def _restore_collective(  # noqa: PLR0917
         self, path: str | os.PathLike[str], coord: Any, timeout: float | None, verify: bool,
-        cast: bool,
+        cast: bool, storage_options: Mapping[str, Any] | None,
     ) -> RestoreStatus:
         state: CollectiveRestoreState | None = None
         failure: BaseException | None = None
         try:
             with paused_gc():
                 state = CollectiveRestoreState(path, coordinator=coord, root=self, verify=verify,
-                                               cast=cast, timeout=timeout)
+                                               cast=cast, timeout=timeout,
+                                               storage_options=storage_options)
         except BaseException as exc:  # noqa: BLE001 - reported through the vote
             failure = exc
         coord.vote(failure, tag=f"restore:{os.path.basename(os.fspath(path))}:open",

@@ -37,23 +37,20 @@ import numpy as np
 
 from .._dtypes import can_cast_same_kind, dtype_name, dtype_to_str
 from ..distributed import Box, Coordinator, PlanCache, VariableLayout, gather_plan
-from ..errors import CheckpointMismatchError, CkptError
+from ..errors import CheckpointMismatchError
 from ..storage import (
     INDEX_FILE,
     ShardedReader,
-    backend_for,
     box_key,
-    fsync_dir,
-    fsync_path,
     grid_layout,
     pack_index,
-    partial_path,
     rank_file,
-    remove_path,
 )
+from ..storage.location import is_url
 from ..variables import Variable
 from ._apply import give_value, warn_cast
-from ._files import make_parents, native_backend
+from ._collective_targets import LocalTarget, RemoteTarget, Target
+from ._files import native_backend, open_checkpoint_reader
 from ._logical import Logical
 
 __all__ = [
@@ -142,7 +139,7 @@ def _raw_layouts(
     return raw, checks
 
 
-def collective_write(  # noqa: C901, PLR0912, PLR0915, PLR0917 - the protocol, step by step
+def collective_write(  # noqa: PLR0917 - the protocol, step by step
     path: str,
     fmt: str,
     arrays: Sequence[tuple[str, np.ndarray, dict[str, Any]]],
@@ -152,10 +149,13 @@ def collective_write(  # noqa: C901, PLR0912, PLR0915, PLR0917 - the protocol, s
     *,
     timeout: float | None = None,
     on_commit: Callable[[str], None] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> str:
-    """Write one checkpoint at ``path`` from every rank's ``arrays`` (collective)."""
-    final = Path(path)
-    tag = f"save:{final.name}"
+    """Write one checkpoint at ``path`` (a shared directory's path, or an object-store
+    URL) from every rank's ``arrays`` (collective). Returns the path or URL."""
+    target: Target = (RemoteTarget(path, fmt, storage_options) if is_url(path)
+                      else LocalTarget(path, fmt))
+    tag = f"save:{os.path.basename(path.rstrip('/'))}"
     clock = _Clock()
     raw, checks = _raw_layouts(arrays, variables)
     values = {key: (array, attrs) for key, array, attrs in arrays}
@@ -166,73 +166,73 @@ def collective_write(  # noqa: C901, PLR0912, PLR0915, PLR0917 - the protocol, s
         digest=digest, tag=f"{tag}:plan", timeout=timeout,
     )
     clock.lap("plan")
-    suffix = native_backend(final, fmt).suffixes[0]
-    # prepare: rank 0 creates the temporary step
-    tmp: Path | None = None
+    suffix = native_backend(path, fmt).suffixes[0]
+    # prepare: rank 0 makes the step ready (a temporary directory, or a claim on the URL)
+    token: str | None = None
     failure: BaseException | None = None
     if coord.is_primary:
         try:
-            make_parents(final)
-            if final.exists():
-                raise CkptError(f"Cannot save {str(final)!r}: it exists already.")
-            tmp = partial_path(final)
-            tmp.mkdir()
-            if fmt == "zarr":
-                (tmp / "zarr.json").write_bytes(
-                    b'{"zarr_format": 3, "node_type": "group", "attributes": '
-                    b'{"ckptvar_sharded": {"index": "' + INDEX_FILE.encode() + b'"}}}'
-                )
+            token = target.prepare()
         except BaseException as exc:  # noqa: BLE001 - reported through the vote
             failure = exc
-    shared = coord.broadcast(None if tmp is None else os.fspath(tmp), tag=f"{tag}:prepare",
-                             timeout=timeout)
+    shared = coord.broadcast(token, tag=f"{tag}:prepare", timeout=timeout)
     try:
         coord.vote(failure, tag=f"{tag}:prepare", timeout=timeout)
         clock.lap("prepare")
-        where = Path(shared)
+        target.attach(shared)
         # write: this rank's boxes into its own file
         failure = None
-        grid = _grid(plan, fmt, suffix, coord.size)
+        grid = _grid(plan, fmt, suffix, coord.size) if target.grids else None
         mine = _mine(plan, coord.rank, grid)
         try:
-            if grid is not None:
-                grid.write(where, coord.rank, values)
-            if mine:
-                writer = native_backend(where / rank_file(coord.rank, suffix), fmt).open_writer(
-                    where / rank_file(coord.rank, suffix), durable=True
-                )
-                try:
-                    for key, stored in mine:
-                        array, attrs = values[key]
-                        writer.add(stored, array, attrs)
-                    writer.set_metadata({"sharded": {"rank": coord.rank}})
-                    writer.commit()
-                except BaseException:
-                    writer.abort()
-                    raise
+            _write_mine(target, grid, mine, values, coord.rank, suffix)
         except BaseException as exc:  # noqa: BLE001 - reported through the vote
             failure = exc
         clock.lap("write")
         coord.vote(failure, tag=f"{tag}:write", timeout=timeout)
         clock.lap("vote")
-        # commit: rank 0 writes the index and renames the step into place
+        # commit: rank 0 writes the index and makes the step visible
         failure = None
         if coord.is_primary:
             try:
-                _commit(where, final, fmt, suffix, plan, values, meta, coord.size, grid)
+                final = target.commit(_index(target, fmt, suffix, plan, values, meta,
+                                             coord.size, grid))
                 if on_commit is not None:
-                    on_commit(os.fspath(final))
+                    on_commit(final)
             except BaseException as exc:  # noqa: BLE001 - reported through the vote
                 failure = exc
         coord.vote(failure, tag=f"{tag}:commit", timeout=timeout)
         clock.lap("commit")
     except BaseException:
-        if coord.is_primary and tmp is not None and tmp.exists():
-            remove_path(tmp)
+        if coord.is_primary and token is not None:
+            target.abort()
         raise
     last_timings.clear()
     last_timings.update(clock.laps)
-    return os.fspath(final)
+    return path if is_url(path) else os.fspath(Path(path))
+
+
+def _write_mine(  # noqa: PLR0917
+    target: Target,
+    grid: Any,
+    mine: list[tuple[str, str]],
+    values: Mapping[str, tuple[np.ndarray, dict[str, Any]]],
+    rank: int,
+    suffix: str,
+) -> None:
+    """The write step on one rank: its chunks of global arrays, then its own file."""
+    if grid is not None:
+        grid.write(target.where, rank, values)
+    if not mine:
+        return
+
+    def fill(writer: Any) -> None:
+        for key, stored in mine:
+            array, attrs = values[key]
+            writer.add(stored, array, attrs)
+        writer.set_metadata({"sharded": {"rank": rank}})
+
+    target.write_rank(rank_file(rank, suffix), fill)
 
 
 class _Clock:
@@ -329,9 +329,8 @@ def _packed_variables(
     return packed
 
 
-def _commit(  # noqa: PLR0917
-    tmp: Path,
-    final: Path,
+def _index(  # noqa: PLR0917
+    target: Target,
     fmt: str,
     suffix: str,
     plan: Any,
@@ -339,21 +338,12 @@ def _commit(  # noqa: PLR0917
     meta: dict[str, Any],
     size: int,
     grid: Any = None,
-) -> None:
+) -> bytes:
+    """The step's global index (the chunks' checksums of global arrays collected first)."""
     files = [rank_file(r, suffix) for r in range(size)]
     packed = _packed_variables(plan, values, grid)
-    sums = None if grid is None else grid.collect(tmp)
-    index = tmp / INDEX_FILE
-    with open(index, "wb") as f:
-        f.write(pack_index(fmt, size, files, packed, meta, checksums=sums))
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(tmp)
-    if final.exists():
-        raise CkptError(f"Cannot commit {str(final)!r}: it appeared while saving.")
-    os.rename(tmp, final)
-    fsync_dir(final.parent)
-    fsync_path(final)
+    sums = None if grid is None else grid.collect(target.where)
+    return pack_index(fmt, size, files, packed, meta, checksums=sums)
 
 
 # -- restore ---------------------------------------------------------------------------
@@ -458,6 +448,7 @@ def collective_restore(
     verify: bool = True,
     optional: Sequence[str] = (),
     cast: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Restore ``pairs`` (key, variable) from ``path`` on every rank, all or nothing.
 
@@ -465,14 +456,15 @@ def collective_restore(
     hold. Every check (keys, dtypes, shapes, coverage, checksums) runs before any
     variable changes; a failure on any rank makes every rank raise ``DistributedError``.
     Keys in ``optional`` may be absent. ``cast``: as :func:`stage_reads` (each rank
-    warns, once, naming what it converted). Returns the checkpoint's metadata.
+    warns, once, naming what it converted). ``storage_options``: for a URL ``path``.
+    Returns the checkpoint's metadata.
     """
-    tag = f"restore:{Path(path).name}"
+    tag = f"restore:{os.path.basename(os.fspath(path).rstrip('/'))}"
     staged = Staged()
     failure: BaseException | None = None
     meta: dict[str, Any] = {}
     try:
-        with backend_for(os.fspath(path)).open_reader(Path(path)) as reader:
+        with open_checkpoint_reader(path, storage_options) as reader:
             meta = reader.metadata()
             missing = [k for k, _ in pairs if k not in reader and k not in optional]
             if missing:

@@ -12,6 +12,7 @@ is a collective too. A failure on any rank makes every rank raise
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CheckpointMismatchError
@@ -37,8 +38,10 @@ class CollectiveRestoreState(RestoreState):
         verify: bool = True,
         cast: bool = False,
         timeout: float | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(path, root=root, verify=verify, cast=cast)
+        super().__init__(path, root=root, verify=verify, cast=cast,
+                         storage_options=storage_options)
         self.coordinator = coordinator
         self.timeout = timeout
 

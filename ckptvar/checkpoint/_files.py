@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import CkptError, UnsupportedFormatError
 from ..storage import backend_for, open_remote_reader, partial_path, remove_path, save_remote
-from ..storage.location import is_url
+from ..storage.location import is_url, prune, split_url
 
 __all__ = [
     "NATIVE_FORMATS",
@@ -133,12 +133,20 @@ def write_file(
         raise destination_error(exc, path) from exc
 
 
-def discard(path: Path) -> None:
+def discard(
+    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> None:
     """Delete a checkpoint file or directory without ever leaving it half-deleted.
 
     It is first renamed to a temporary name (atomic), so a crash during the
     deletion of a directory leaves a recognisable temporary, not a damaged checkpoint.
+    At an object-store URL the step's commit marker goes first, then its data.
     """
+    if is_url(path):
+        parent, name = split_url(os.fspath(path), storage_options=storage_options)
+        prune(parent, name)
+        return
+    path = Path(path)
     tmp = partial_path(path)
     try:
         os.rename(path, tmp)

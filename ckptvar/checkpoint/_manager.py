@@ -151,7 +151,8 @@ class CheckpointManager:
             self.read_only = False
             self._section = self._empty_section()
             self._section["checkpoints"] = self._remote_list()
-            clean_uncommitted(self._location, older_than_latest=True)
+            if primary:
+                clean_uncommitted(self._location, older_than_latest=True)
             return
         self._init_local(Path(directory), primary)
 
@@ -293,6 +294,9 @@ class CheckpointManager:
         if self.coordinator is not None and self.coordinator.size > 1 and (
             not self.coordinator.is_primary
         ):
+            if self._location is not None:  # the commit markers are the state
+                self._section["checkpoints"] = self._remote_list()
+                return
             with locked(self.directory, shared=True):  # rank 0 keeps the state: read it
                 self._section = self._recover(read_state(self.directory))
 
@@ -356,7 +360,10 @@ class CheckpointManager:
         elif self._step_counter is not None and checkpoint_number is None:
             step = self._current_step(None)
         if self._location is not None:
-            return str(self._save_remote(number, step))
+            result = str(self._save_remote(number, step, timeout))
+            if self.coordinator is not None and not self.async_save:
+                self._sync()
+            return result
         prefix = self.directory / self.checkpoint_name
 
         def on_commit(path: str, step: int = step) -> None:
@@ -380,9 +387,10 @@ class CheckpointManager:
         path: str = result.path
         return path
 
-    def _save_remote(self, number: int, step: int) -> str:
+    def _save_remote(self, number: int, step: int, timeout: float | None) -> str:
         options: SaveOptions = {"format": self.format, "blocking": not self.async_save,
-                                "storage_options": self._storage_options}
+                                "storage_options": self._storage_options,
+                                "coordinator": self.coordinator, "timeout": timeout}
         result = self._checkpoint._save(
             self._full(self.checkpoint_name),
             options,

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from ..graph import global_variables
-from ..storage import backend_for
 from ..variables import PartitionedVariable, Variable
 from ._collective import (
     collective_restore,
@@ -22,7 +20,7 @@ from ._collective import (
     needs_collective,
     rank_variables,
 )
-from ._files import discard, write_file
+from ._files import discard, open_checkpoint_reader, write_file
 from ._logical import Logical, apply_targets, group_by_name
 from ._serialize import SavePlan, host_arrays, metadata
 from ._state import record_latest
@@ -85,11 +83,13 @@ class Saver:
         format: str | None = None,
         coordinator: Any = None,
         timeout: float | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> str:
         """Write ``prefix-<global_step>.h5`` (or ``prefix.h5`` without a step); returns it.
 
         With ``coordinator`` (more than one process) every process calls this and they
         write one checkpoint together (docs/distributed.md); ``timeout`` bounds each step.
+        ``prefix`` may be an object-store URL (``storage_options``: its client's settings).
 
         The file is then recorded as its directory's latest checkpoint
         (``cv.latest_checkpoint`` returns it), as TensorFlow's ``Saver`` does.
@@ -111,18 +111,19 @@ class Saver:
         if collective:
             primary = coordinator.is_primary
             path = collective_write(path, fmt, host_arrays(plan, copy=False), meta, mapping,
-                                    coordinator, timeout=timeout, on_commit=record_latest)
+                                    coordinator, timeout=timeout, on_commit=record_latest,
+                                    storage_options=storage_options)
         else:
             primary = True
-            path = write_file(path, fmt, host_arrays(plan, copy=False), meta)
+            path = write_file(path, fmt, host_arrays(plan, copy=False), meta, storage_options)
         if path in self._last:
             self._last.remove(path)
         self._last.append(path)
         if self.max_to_keep:
             while len(self._last) > self.max_to_keep:
-                old = Path(self._last.pop(0))
+                old = self._last.pop(0)
                 if primary:  # in a multi-process save, rank 0 alone deletes
-                    discard(old)
+                    discard(old, storage_options)
         if not collective:  # a collective save recorded it when committing
             record_latest(path)
         return path
@@ -135,6 +136,7 @@ class Saver:
         cast: bool = False,
         coordinator: Any = None,
         timeout: float | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         """Restore every variable by its key (a missing key: ``KeyError``, nothing changed).
 
@@ -144,9 +146,10 @@ class Saver:
         mapping = self._mapping()
         if needs_collective(coordinator, mapping.values()):
             collective_restore(path, list(rank_variables(mapping).items()), coordinator,
-                               timeout=timeout, verify=verify, cast=cast)
+                               timeout=timeout, verify=verify, cast=cast,
+                               storage_options=storage_options)
             return
-        with backend_for(os.fspath(path)).open_reader(Path(path)) as reader:
+        with open_checkpoint_reader(path, storage_options) as reader:
             keys = set(reader.keys())
             mapping = _stored_as_parts(mapping, keys)
             missing = [k for k in mapping if k not in keys]

@@ -7,7 +7,8 @@ arrays, large ones in parallel pieces). For the checkpoint layer it also names t
 crash-safe file helpers (``partial_path``, ``is_partial``, ``remove_path``,
 ``fsync_dir``, ``fsync_path``), the remote-URL entry points (``open_remote_reader``,
 ``save_remote``, ``remote_format``) and the sharded layout (``ShardedReader``,
-``INDEX_FILE``, ``rank_file``, ``box_key``, ``pack_index``, ``grid_layout``).
+``INDEX_FILE``, ``rank_file``, ``box_key``, ``pack_index``, ``grid_layout``, and
+``RemoteStep``: the object-store side of a multi-process save).
 
 >>> from ckptvar.storage import known_formats
 >>> "h5" in known_formats() and "zarr" in known_formats()
@@ -37,6 +38,7 @@ from .registry import backend_for, known_formats, register_backend
 from . import _h5, _sharded, _zarr, formats  # noqa: F401
 from ._remote import open_remote_reader, remote_format, save_remote
 from ._sharded import INDEX_FILE, ShardedReader, box_key, pack_index, rank_file
+from ._sharded_remote import RemoteStep
 from ._sharded_zarr import grid_layout
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "Backend",
     "LazyArray",
     "Reader",
+    "RemoteStep",
     "ShardedReader",
     "SupportsReadIntoMany",
     "SupportsShapeAndDtype",

@@ -42,6 +42,7 @@ from ..errors import (
 from . import _checksum
 from ._container.source import RemoteFile
 from ._h5 import USERBLOCK_SIZE, H5Reader, read_userblock
+from ._sharded_remote import is_sharded_record, open_sharded_remote
 from ._zarr_remote import RemoteZarrReader
 from .base import Reader
 from .location import (
@@ -88,6 +89,8 @@ def open_remote_reader(
             f"No committed checkpoint at {url!r}: there is no commit marker {url}.commit "
             "(a save that failed or is still running is never read)."
         )
+    if is_sharded_record(record):  # written by several processes
+        return open_sharded_remote(parent, name, record)
     fmt = remote_format(name, format)
     if fmt is None:
         fmt = "h5" if parent.exists(record.data) else "zarr"

@@ -1,0 +1,161 @@
+"""Where a multi-process save puts its step: a shared local directory, or an object store.
+
+:func:`~._collective.collective_write` runs the protocol (plan, prepare, write, vote,
+commit) and asks its target for the place-specific parts:
+
+- :class:`LocalTarget`: rank 0 creates a hidden temporary directory beside the final
+  path; each rank writes its file into it; rank 0 writes the index, fsyncs and renames
+  the directory into place (needs a filesystem every process sees).
+- :class:`RemoteTarget`: rank 0 claims the step's key (create-only); each rank writes
+  its file to a local temporary and uploads it below the step; rank 0 uploads the
+  index and creates the commit marker (:class:`~ckptvar.storage.RemoteStep`). No
+  shared filesystem is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..errors import CkptError
+from ..storage import (
+    INDEX_FILE,
+    RemoteStep,
+    Writer,
+    fsync_dir,
+    fsync_path,
+    partial_path,
+    remove_path,
+)
+from ..storage.location import split_url
+from ._files import make_parents, native_backend
+
+__all__ = ["ZARR_ROOT", "LocalTarget", "RemoteTarget", "Target"]
+
+#: The root ``zarr.json`` of a multi-process ``.zarr`` step: a plain group naming the index.
+ZARR_ROOT = (b'{"zarr_format": 3, "node_type": "group", "attributes": '
+             b'{"ckptvar_sharded": {"index": "' + INDEX_FILE.encode() + b'"}}}')
+
+
+class Target:
+    """The place-specific steps of a multi-process save (see the module docstring)."""
+
+    #: whether values may be stored as global Zarr arrays (needs a shared directory)
+    grids = False
+
+    def __init__(self, fmt: str) -> None:
+        self.fmt = fmt
+
+    def prepare(self) -> str:
+        """Rank 0: make the step ready for writing; returns what every rank attaches to."""
+        raise NotImplementedError
+
+    def attach(self, token: str) -> None:
+        """Every rank: take what :meth:`prepare` returned on rank 0."""
+
+    @property
+    def where(self) -> Path:
+        """The shared step directory being written (targets with :attr:`grids` only)."""
+        raise NotImplementedError
+
+    def write_rank(self, name: str, fill: Callable[[Writer], None]) -> None:
+        """Write this rank's file ``name``: ``fill`` adds its values and metadata."""
+        raise NotImplementedError
+
+    def commit(self, index: bytes) -> str:
+        """Rank 0, after every rank wrote: store ``index`` and make the step visible."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Rank 0, on failure after :meth:`prepare`: remove what the save wrote."""
+
+
+class LocalTarget(Target):
+    """A step directory on a filesystem every rank sees; committed by an atomic rename."""
+
+    grids = True
+
+    def __init__(self, path: str, fmt: str) -> None:
+        super().__init__(fmt)
+        self.final = Path(path)
+        self._tmp: Path | None = None
+        self._where: Path | None = None
+
+    def prepare(self) -> str:
+        make_parents(self.final)
+        if self.final.exists():
+            raise CkptError(f"Cannot save {str(self.final)!r}: it exists already.")
+        tmp = partial_path(self.final)
+        tmp.mkdir()
+        self._tmp = tmp
+        if self.fmt == "zarr":
+            (tmp / "zarr.json").write_bytes(ZARR_ROOT)
+        return os.fspath(tmp)
+
+    def attach(self, token: str) -> None:
+        self._where = Path(token)
+
+    @property
+    def where(self) -> Path:
+        assert self._where is not None, "attach() first"
+        return self._where
+
+    def write_rank(self, name: str, fill: Callable[[Writer], None]) -> None:
+        _write_file(self.where / name, self.fmt, fill, durable=True)
+
+    def commit(self, index: bytes) -> str:
+        tmp = self.where
+        with open(tmp / INDEX_FILE, "wb") as f:
+            f.write(index)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        if self.final.exists():
+            raise CkptError(f"Cannot commit {str(self.final)!r}: it appeared while saving.")
+        os.rename(tmp, self.final)
+        fsync_dir(self.final.parent)
+        fsync_path(self.final)
+        self._tmp = None
+        return os.fspath(self.final)
+
+    def abort(self) -> None:
+        tmp, self._tmp = self._tmp, None
+        if tmp is not None and tmp.exists():
+            remove_path(tmp)
+
+
+class RemoteTarget(Target):
+    """A step at an object-store URL; committed by a create-only marker (no rename)."""
+
+    def __init__(self, url: str, fmt: str, storage_options: Mapping[str, Any] | None) -> None:
+        super().__init__(fmt)
+        self.step = RemoteStep(*split_url(url, storage_options=storage_options))
+
+    def prepare(self) -> str:
+        self.step.claim()
+        return self.step.name
+
+    def write_rank(self, name: str, fill: Callable[[Writer], None]) -> None:
+        with tempfile.TemporaryDirectory(prefix="ckptvar-upload-") as tmp:
+            local = Path(tmp) / name
+            _write_file(local, self.fmt, fill, durable=False)  # durable once uploaded
+            self.step.upload(local, name)
+
+    def commit(self, index: bytes) -> str:
+        return self.step.commit(index, ZARR_ROOT if self.fmt == "zarr" else None)
+
+    def abort(self) -> None:
+        self.step.abort()
+
+
+def _write_file(path: Path, fmt: str, fill: Callable[[Writer], None], *, durable: bool) -> None:
+    writer = native_backend(path, fmt).open_writer(path, durable=durable)
+    try:
+        fill(writer)
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise

@@ -1,0 +1,148 @@
+"""Multi-process checkpoints at object-store URLs: the same layout as on disk, committed by
+marker.
+
+A step ``s3://b/run/ckpt-3.h5`` written by N processes holds, below its own key,
+``rank-00000.h5`` ... (or ``rank-00000.zarr/...``: each process's ordinary ckptvar
+checkpoint, uploaded by that process), ``ckptvar-index.msgpack`` (the global index,
+uploaded by rank 0 after every process reported success) and, for ``.zarr``, a root
+``zarr.json``. Then rank 0 creates the commit marker ``ckpt-3.h5.commit`` with a
+create-only write; it binds ``index-crc32c:<hex>``, the CRC-32C of the index's bytes
+(which list every box and, through each process file's own record, every checksum).
+
+Before any byte is written rank 0 takes the step with a create-only claim object
+``<step>.claim``: of two jobs racing for one step the second stops at once, and the
+step's key holds only the claimant's objects. A failed save deletes what it wrote and
+its claim; a claim left by a job that died is removed by ``CheckpointManager``'s
+clean-up of uncommitted steps older than the latest one, or by hand.
+
+Readers (:func:`open_sharded_remote`) read the marker, then the index (checked against
+the marker), then only the per-process objects and byte ranges a read needs. Global
+Zarr arrays (one array per variable across processes) are a local-disk layout; on an
+object store each box is stored in its writer's file.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointExistsError, CorruptCheckpointError
+from . import _checksum
+from ._container.source import RemoteFile
+from ._h5 import H5Reader
+from ._sharded import INDEX_FILE, ShardedReader
+from ._step_files import RemoteStepFiles
+from ._zarr_remote import RemoteZarrReader
+from .base import Reader
+from .location import CommitRecord, Location, commit, marker_key, read_commit, upload_tree
+
+__all__ = ["INDEX_CHECKSUM", "RemoteStep", "is_sharded_record", "open_sharded_remote"]
+
+#: How a commit marker spells the checksum of a multi-process step's index.
+INDEX_CHECKSUM = "index-crc32c:"
+
+
+def index_binding(index: bytes) -> str:
+    """What a marker binds for a multi-process step whose index is ``index``."""
+    return f"{INDEX_CHECKSUM}{_checksum.crc(index):08x}"
+
+
+def is_sharded_record(record: CommitRecord) -> bool:
+    """Whether a commit marker commits a multi-process step (its index is the step's)."""
+    return record.index == f"{record.data}/{INDEX_FILE}"
+
+
+class RemoteStep:
+    """The object-store side of one multi-process save (every rank makes one).
+
+    Rank 0 calls :meth:`claim` before anything is written, :meth:`commit` after the
+    write vote, :meth:`abort` on failure; every rank calls :meth:`upload` for its file.
+    """
+
+    def __init__(self, parent: Location, name: str) -> None:
+        self.parent = parent
+        self.name = name
+        self.url = parent.join(name)
+        self._claim = f"{name}.claim"
+        self._claimed = False
+
+    def claim(self) -> None:
+        """Refuse a committed step; take the step with a create-only claim object."""
+        if read_commit(self.parent, self.name) is not None:
+            raise CheckpointExistsError(
+                f"step {self.url} is already committed; a step is written once: save under "
+                "a new step, or prune this one first"
+            )
+        try:
+            self.parent.put(self._claim, uuid.uuid4().hex.encode(), create_only=True)
+        except CheckpointExistsError:
+            raise CheckpointExistsError(
+                f"step {self.url} is being written by another writer (claim "
+                f"{self.parent.join(self._claim)}); if no writer is running, delete the claim "
+                "and save again"
+            ) from None
+        self._claimed = True
+
+    def upload(self, local: Path, name: str) -> None:
+        """Upload one process's local checkpoint (a file or a Zarr directory) as ``name``."""
+        key = f"{self.name}/{name}"
+        if local.is_dir():
+            upload_tree(self.parent, local, key)
+        else:
+            self.parent.upload_file(os.fspath(local), key)
+
+    def commit(self, index: bytes, zarr_root: bytes | None = None) -> str:
+        """Upload the root ``zarr.json`` (if any) and the index, then the marker; release the
+        claim. ``CheckpointExistsError`` if another writer committed the step."""
+        if zarr_root is not None:
+            self.parent.put(f"{self.name}/zarr.json", zarr_root)
+        index_key = f"{self.name}/{INDEX_FILE}"
+        self.parent.put(index_key, index)
+        commit(self.parent, self.name, index_binding(index), index=index_key)
+        self._release()
+        return self.url
+
+    def abort(self) -> None:
+        """Delete what this save wrote below the step, and its claim (rank 0, on failure)."""
+        if self._claimed:
+            self.parent.delete_prefix(f"{self.name}/")
+            self._release()
+
+    def _release(self) -> None:
+        if self._claimed:
+            self.parent.delete(self._claim)
+            self._claimed = False
+
+
+def _open_file(location: Any, key: str, display: str) -> Reader:
+    """A lazy reader of one process's file (HDF5 object or Zarr prefix) at ``key``."""
+    if key.endswith(".zarr"):
+        return RemoteZarrReader(display, location, key)
+    return H5Reader(display, source=RemoteFile(location, key, location.size(key)))
+
+
+class _BoundStepFiles(RemoteStepFiles):
+    """The step's objects; the index is refused unless the marker binds its checksum."""
+
+    def __init__(self, location: Any, record: CommitRecord) -> None:
+        super().__init__(location, record.data, _open_file)
+        self._record = record
+
+    def read_index(self, name: str) -> bytes:
+        raw = super().read_index(name)
+        found = index_binding(raw)
+        if found != self._record.index_checksum:
+            raise CorruptCheckpointError(
+                f"Checkpoint {self.display}: its commit marker "
+                f"{self._loc.join(marker_key(self._record.step))} binds index checksum "
+                f"{self._record.index_checksum}, but {self.where(name)} has {found}; the "
+                "checkpoint was damaged or replaced after its commit."
+            )
+        return raw
+
+
+def open_sharded_remote(parent: Location, name: str, record: CommitRecord) -> ShardedReader:
+    """A lazy reader of the committed multi-process step ``name`` below ``parent``."""
+    return ShardedReader(parent.join(name), files=_BoundStepFiles(parent, record))

@@ -1,0 +1,139 @@
+"""One checkpoint written by N processes to an object store, restored on M (real ``mpiexec``
+against the session's moto S3 server); the rank-side code is tests/mpi/cloud_cases.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_distributed_mpi import _mpi_skip_reason, run_mpi
+
+import ckptvar as cv
+from ckptvar.errors import CorruptCheckpointError
+from ckptvar.storage.location import read_commit
+
+from ._s3 import S3Bucket
+from .test_cloud_cli import _ckpt
+
+pytestmark = pytest.mark.skipif(_mpi_skip_reason() is not None,
+                                reason=_mpi_skip_reason() or "")
+
+CASES = str(Path(__file__).parent.parent / "mpi" / "cloud_cases.py")
+
+
+def _run(s3: S3Bucket, n: int, *args: str) -> dict[str, dict[int, dict[str, Any]]]:
+    proc, got, _ = run_mpi(n, CASES, *args, timeout=120,
+                           env={"S3_OPTIONS": json.dumps(s3.storage_options)})
+    assert got.get("crash") is None, got["crash"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return got
+
+
+def _keys(s3: S3Bucket, prefix: str) -> list[str]:
+    return sorted(o.key for o in s3.location().list(prefix))
+
+
+def _expected(key: str) -> np.ndarray:
+    shapes = {"w": ((37, 5), "float32"), "e": ((6, 10), "int64"), "z": ((3, 2), "float64")}
+    shape, dtype = shapes[key]
+    return (np.arange(int(np.prod(shape))) * 3 + 1).astype(dtype).reshape(shape)
+
+
+def test_three_processes_save_to_s3_and_two_and_one_restore(s3: S3Bucket) -> None:
+    got = _run(s3, 3, "save", s3.url)
+    for suffix in (".h5", ".zarr"):
+        paths = {r["path"] for r in got[f"save{suffix}"].values()}
+        assert paths == {f"{s3.url}/n3/ckpt-1{suffix}"}  # a URL, the same on every rank
+    # the step holds one object per process file, the index, and nothing else
+    h5 = _keys(s3, "n3/ckpt-1.h5/")
+    assert h5 == [f"n3/ckpt-1.h5/{n}" for n in
+                  ("ckptvar-index.msgpack", "rank-00000.h5", "rank-00001.h5", "rank-00002.h5")]
+    assert "n3/ckpt-1.h5.claim" not in _keys(s3, "n3/")  # released at the commit
+    record = read_commit(s3.location("n3"), "ckpt-1.h5")
+    assert record is not None and record.index_checksum.startswith("index-crc32c:")
+    # M != N: every rank reads its own shard, both formats
+    for m in (2, 1):
+        restored = _run(s3, m, "restore", s3.url, "3")
+        for suffix in (".h5", ".zarr"):
+            ranks = restored[f"restore3{suffix}"]
+            assert sorted(ranks) == list(range(m))
+            assert all(r["ok"] and r["counter"] == 1 for r in ranks.values()), ranks
+    # one process sees the logical values, lazily
+    for suffix in (".h5", ".zarr"):
+        url = f"{s3.url}/n3/ckpt-1{suffix}"
+        values = cv.load(url, storage_options=s3.storage_options)
+        for key in ("w", "e", "z"):
+            assert np.array_equal(values[key], _expected(key)), (suffix, key)
+        with cv.open(url, storage_options=s3.storage_options) as reader:
+            assert np.array_equal(reader["w"][10:30, 2:4], _expected("w")[10:30, 2:4])
+    assert cv.latest_checkpoint(f"{s3.url}/n3", storage_options=s3.storage_options) in {
+        f"{s3.url}/n3/ckpt-1.h5", f"{s3.url}/n3/ckpt-1.zarr"}
+    # the ckpt command sees one checkpoint, and checks every box against its checksum
+    res = _ckpt(s3, "verify", f"{s3.url}/n3/ckpt-1.zarr")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "OK" in res.stdout and "without a stored checksum" not in res.stdout
+    res = _ckpt(s3, "inspect", f"{s3.url}/n3/ckpt-1.h5", "--json")
+    assert res.returncode == 0, res.stderr
+    shown = json.loads(res.stdout)
+    assert "3 processes" in json.dumps(shown) and '"w"' in res.stdout
+
+
+def test_a_multiprocess_zarr_step_on_s3_is_a_plain_zarr_group(s3: S3Bucket) -> None:
+    import obstore.store
+    import zarr
+
+    _run(s3, 2, "save", s3.url)
+    store = obstore.store.S3Store(
+        s3.name, prefix="n2/ckpt-1.zarr", endpoint=s3.endpoint, access_key_id="testing",
+        secret_access_key="testing", region="us-east-1", client_options={"allow_http": True},
+    )
+    group = zarr.open_group(zarr.storage.ObjectStore(store, read_only=True), mode="r")
+    assert group.attrs["ckptvar_sharded"] == {"index": "ckptvar-index.msgpack"}
+    # each process's file is an ordinary ckptvar Zarr checkpoint: a group of its own
+    for name in ("rank-00000.zarr", "rank-00001.zarr"):
+        assert isinstance(group[name], zarr.Group)
+
+
+def test_a_failing_rank_commits_nothing_on_s3(s3: S3Bucket) -> None:
+    got = _run(s3, 3, "fault", s3.url)
+    for rank in (0, 1, 2):
+        r = got["fault"][rank]
+        assert r["ok"], r
+        assert "rank 1" in r["error"]
+        assert r["good"] == f"{s3.url}/run/ckpt-1.h5"
+    keys = _keys(s3, "run/")
+    assert not [k for k in keys if k.startswith("run/ckpt-2")], keys  # no data, claim, marker
+    opts = s3.storage_options
+    assert cv.latest_checkpoint(f"{s3.url}/run", storage_options=opts) == f"{s3.url}/run/ckpt-1.h5"
+    assert np.array_equal(cv.load(f"{s3.url}/run/ckpt-1.h5", storage_options=opts)["w"],
+                          _expected("w"))
+
+
+def test_manager_saver_and_background_saves_of_three_processes_on_s3(s3: S3Bucket) -> None:
+    got = _run(s3, 3, "manager", s3.url)
+    for case in ("manager", "manager_restore", "saver", "background"):
+        assert sorted(got[case]) == [0, 1, 2], case
+        assert all(r["ok"] for r in got[case].values()), got[case]
+    mgr = f"{s3.url}/mgr"
+    for r in got["manager"].values():
+        assert r["kept"] == [f"{mgr}/ckpt-2.h5", f"{mgr}/ckpt-3.h5"]
+        assert r["latest"] == f"{mgr}/ckpt-3.h5"
+    assert {r["counter"] for r in got["manager_restore"].values()} == {3}
+    # pruned steps are gone entirely (marker, index, process files)
+    assert not [k for k in _keys(s3, "mgr/") if k.startswith("mgr/ckpt-1")]
+    # the Saver kept one step: the older one's objects are gone
+    assert [k for k in _keys(s3, "saver/") if "model-6" in k] == []
+    assert "saver/model-7.h5.commit" in _keys(s3, "saver/")
+
+
+def test_a_damaged_index_on_s3_is_refused_naming_the_marker(s3: S3Bucket) -> None:
+    _run(s3, 2, "save", s3.url)
+    loc = s3.location("n2")
+    index = bytearray(loc.read("ckpt-1.h5/ckptvar-index.msgpack"))
+    index[-3] ^= 0xFF
+    loc.put("ckpt-1.h5/ckptvar-index.msgpack", bytes(index))
+    with pytest.raises(CorruptCheckpointError, match=r"ckpt-1\.h5\.commit.*index-crc32c"):
+        cv.load(f"{s3.url}/n2/ckpt-1.h5", storage_options=s3.storage_options)
