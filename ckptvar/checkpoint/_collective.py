@@ -15,9 +15,8 @@ The save protocol (every step bounded by the coordinator's timeout):
 5. commit: rank 0 writes the global index, fsyncs, renames the directory into place
    and records it; a last vote tells every rank the outcome.
 
-A restore reads, on each rank, only the parts of the stored boxes that overlap the
-boxes it holds, checks everything first, and votes before any variable changes.
-The layout is :mod:`ckptvar.storage._sharded`'s.
+The restore is :mod:`._collective_restore`'s; the layout is
+:mod:`ckptvar.storage._sharded`'s.
 """
 
 from __future__ import annotations
@@ -35,12 +34,10 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from .._dtypes import can_cast_same_kind, dtype_name, dtype_to_str
+from .._dtypes import dtype_to_str
 from ..distributed import Box, Coordinator, PlanCache, VariableLayout, gather_plan
-from ..errors import CheckpointMismatchError
 from ..storage import (
     INDEX_FILE,
-    ShardedReader,
     box_key,
     grid_layout,
     pack_index,
@@ -48,14 +45,12 @@ from ..storage import (
 )
 from ..storage.location import is_url
 from ..variables import Variable
-from ._apply import give_value, warn_cast
 from ._collective_targets import LocalTarget, RemoteTarget, Target
-from ._files import native_backend, open_checkpoint_reader
+from ._files import native_backend
 from ._logical import Logical
 
 __all__ = [
-    "Staged", "collective_restore", "collective_write", "last_timings", "needs_collective",
-    "plan_cache", "restore_pairs", "stage_reads",
+    "collective_write", "last_timings", "needs_collective", "plan_cache", "rank_variables",
 ]
 
 #: Seconds each step of this process's last collective save took (plan, prepare, write,
@@ -344,148 +339,3 @@ def _index(  # noqa: PLR0917
     packed = _packed_variables(plan, values, grid)
     sums = None if grid is None else grid.collect(target.where)
     return pack_index(fmt, size, files, packed, meta, checksums=sums)
-
-
-# -- restore ---------------------------------------------------------------------------
-#: ``(key, variable)``: the variable reads its own box of the stored value ``key``.
-Pair = tuple[str, Variable]
-
-
-def restore_pairs(items: Iterable[tuple[str, Variable | Logical]]) -> list[Pair]:
-    """``(key, variable)`` for every variable holding a box of ``items``' values."""
-    out: list[Pair] = []
-    for key, target in items:
-        parts = target.parts if isinstance(target, Logical) else (target,)
-        out.extend((key, part) for part in parts)
-    return out
-
-
-class Staged:
-    """Values read by one rank for a restore, not applied yet (:func:`stage_reads`)."""
-
-    def __init__(self) -> None:
-        self.values: list[tuple[Variable, np.ndarray]] = []
-        #: ``(key, stored dtype, variable)`` of each value converted (``cast=True``)
-        self.casts: list[tuple[str, np.dtype, Variable]] = []
-
-    def apply(self, path: Any) -> None:
-        """Give every variable its value (after the vote), then say what was cast."""
-        for var, value in self.values:
-            give_value(var, value)
-        if self.casts:
-            warn_cast(path, self.casts)
-
-
-def stage_reads(
-    reader: Any, pairs: Sequence[Pair], path: Any, *, verify: bool = True, cast: bool = False
-) -> Staged:
-    """Read each variable's box of its stored value, checking everything first.
-
-    Every mismatch (dtype, full shape) is reported at once in one
-    ``CheckpointMismatchError`` before anything is read; with ``cast``, a stored dtype
-    that converts to the variable's under ``same_kind`` is read and converted. Nothing
-    is changed: the caller votes, then :meth:`Staged.apply`.
-    """
-    problems: list[str] = []
-    could_cast = False
-    staged = Staged()
-    plans: list[tuple[str, Variable, Box, np.dtype]] = []
-    for key, var in pairs:
-        info = reader.info(key)
-        stored, want = np.dtype(info.dtype), np.dtype(var.dtype)
-        # a plain variable holds all of the value (its box is not asked: that could
-        # run its initializer when its shape is not fully defined)
-        box = var.logical_box if (var.shard is not None or var.save_slice_info is not None) \
-            else None
-        shape_ok = (_fits(var.shape, tuple(info.shape)) if box is None
-                    else tuple(box.full_shape) == tuple(info.shape))
-        dtype_ok = stored == want
-        hint = ""
-        if not dtype_ok:
-            castable = can_cast_same_kind(stored, want)
-            if cast and castable:
-                dtype_ok = True
-                staged.casts.append((key, stored, var))
-            elif cast:
-                hint = " (not a same_kind cast)"
-            elif castable:
-                could_cast = True
-        if not (shape_ok and dtype_ok):
-            what = (f"shape {var.shape}" if box is None
-                    else f"a box of a {tuple(box.full_shape)} value")
-            problems.append(f"{key!r} (variable {var.name!r}): expected {what} of dtype "
-                            f"{dtype_name(want)}, found shape {tuple(info.shape)} dtype "
-                            f"{dtype_name(stored)}{hint}")
-            continue
-        target = Box.full(info.shape) if box is None else Box(box.offset, box.shape)
-        plans.append((key, var, target, want))
-    if problems:
-        more = " (restore(..., cast=True) converts same_kind dtypes)" if could_cast else ""
-        raise CheckpointMismatchError(
-            f"Cannot restore from {str(path)!r}: {len(problems)} stored value(s) do not match "
-            f"their variables{more}; nothing was restored. " + "; ".join(problems) + "."
-        )
-    for key, var, target, want in plans:
-        value = _read_for(reader, key, target, verify)
-        staged.values.append((var, value if value.dtype == want else value.astype(want)))
-    return staged
-
-
-def _fits(var_shape: Any, stored: tuple[int, ...]) -> bool:
-    if var_shape is None:
-        return True
-    shape = tuple(var_shape)
-    return len(shape) == len(stored) and all(
-        s is None or s == t for s, t in zip(shape, stored, strict=True))
-
-
-def collective_restore(
-    path: str | os.PathLike[str],
-    pairs: Sequence[tuple[str, Variable | Logical]],
-    coord: Coordinator,
-    *,
-    timeout: float | None = None,
-    verify: bool = True,
-    optional: Sequence[str] = (),
-    cast: bool = False,
-    storage_options: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Restore ``pairs`` (key, variable) from ``path`` on every rank, all or nothing.
-
-    Each rank reads only the parts of the stored boxes that overlap what its variables
-    hold. Every check (keys, dtypes, shapes, coverage, checksums) runs before any
-    variable changes; a failure on any rank makes every rank raise ``DistributedError``.
-    Keys in ``optional`` may be absent. ``cast``: as :func:`stage_reads` (each rank
-    warns, once, naming what it converted). ``storage_options``: for a URL ``path``.
-    Returns the checkpoint's metadata.
-    """
-    tag = f"restore:{os.path.basename(os.fspath(path).rstrip('/'))}"
-    staged = Staged()
-    failure: BaseException | None = None
-    meta: dict[str, Any] = {}
-    try:
-        with open_checkpoint_reader(path, storage_options) as reader:
-            meta = reader.metadata()
-            missing = [k for k, _ in pairs if k not in reader and k not in optional]
-            if missing:
-                raise CheckpointMismatchError(
-                    f"{str(path)!r} has no value for {', '.join(map(repr, missing))}."
-                )
-            present = restore_pairs((k, v) for k, v in pairs if k in reader)
-            staged = stage_reads(reader, present, path, verify=verify, cast=cast)
-    except BaseException as exc:  # noqa: BLE001 - reported through the vote
-        failure = exc
-    coord.vote(failure, tag=tag, timeout=timeout)
-    staged.apply(path)
-    return meta
-
-
-def _read_for(reader: Any, key: str, target: Box, verify: bool) -> np.ndarray:
-    """The box ``target`` of the stored value ``key`` (in its stored dtype), verified."""
-    if isinstance(reader, ShardedReader):
-        return reader.read_box(key, target, verify=verify)
-    if target == Box.full(reader.info(key).shape):
-        return np.asarray(reader.read(key, verify=verify))
-    if verify:
-        reader.verify(key)
-    return np.asarray(reader[key][target.slices()])

@@ -2,7 +2,7 @@
 
 :class:`CollectiveRestoreState` is a :class:`~._object_restore.RestoreState` whose
 every step is a collective: each rank matches its objects, reads only its own boxes
-(:func:`~._collective.stage_reads`), and all ranks vote before any variable changes.
+(:func:`~._collective_restore.stage_reads`), and all ranks vote before any variable changes.
 Values whose objects do not exist yet wait on their parent as in one process; when
 the object is attached (on every rank: the processes run the same code), that step
 is a collective too. A failure on any rank makes every rank raise
@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import CheckpointMismatchError
 from ..storage import paused_gc
 from ..variables import PartitionedVariable, Variable
-from ._collective import Staged, restore_pairs, stage_reads
+from ._collective_restore import Staged, restore_pairs, stage_reads
 from ._object_restore import RestoreState
 from ._serialize import decode_state
 from ._walk import Node

@@ -23,7 +23,7 @@ import numpy as np
 from .._dtypes import dtype_name
 from ..errors import CheckpointMismatchError
 from ..variables import Variable, register_creation_hook
-from ._collective import Staged, stage_reads
+from ._collective_restore import Staged, stage_reads
 from ._logical import (
     BoxRead,
     Logical,
@@ -226,7 +226,8 @@ class _Steps:
             failure = exc
         self.coord.vote(failure, tag=f"{self.tag}:{what}", timeout=self.timeout)
         lazy = {id(var) for var, _ in staged.values if not var._materialized}
-        staged.apply(state.path)
+        with state._lock:  # values read in place come from the shared reader
+            staged.apply(state.path)
         for var, value in staged.values:  # (a materialised variable copied its value)
             if id(var) in lazy:
                 self.taken[id(var)] = value

@@ -14,12 +14,8 @@ from typing import Any
 
 from ..graph import global_variables
 from ..variables import PartitionedVariable, Variable
-from ._collective import (
-    collective_restore,
-    collective_write,
-    needs_collective,
-    rank_variables,
-)
+from ._collective import collective_write, needs_collective, rank_variables
+from ._collective_restore import collective_restore
 from ._files import discard, open_checkpoint_reader, write_file
 from ._logical import Logical, apply_targets, group_by_name
 from ._serialize import SavePlan, host_arrays, metadata

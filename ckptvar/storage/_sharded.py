@@ -34,7 +34,8 @@ import numpy as np
 from .._dtypes import as_dtype
 from ..distributed import Box, read_plan
 from ..errors import CkptError, CorruptCheckpointError, MissingKeyError
-from ._sharded_zarr import GridVariable, read_part
+from ._box_index import as_box, fits_whole, run_start, span_of
+from ._sharded_zarr import GridVariable, check_part, read_part
 from ._step_files import LocalStepFiles, StepFiles
 from .base import (
     ArrayInfo,
@@ -42,6 +43,7 @@ from .base import (
     LazyArray,
     Reader,
     SupportsReadIntoMany,
+    SupportsReadRunInto,
     SupportsVerifyAll,
     SupportsVerifyMany,
 )
@@ -194,7 +196,7 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
     def read(self, key: str, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
         info = self.info(key)
         full = Box.full(info.shape)
-        if out is None or not _fits(out, info):
+        if out is None or not fits_whole(out, info):
             value = self.read_box(key, full, verify=verify)
             if out is None:
                 return value
@@ -213,7 +215,7 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         per_file: dict[int, list[tuple[str, str, np.ndarray]]] = {}
         for key, out in pairs:
             info = self.info(key)
-            if not _fits(out, info):
+            if not fits_whole(out, info):
                 raise ValueError(
                     f"out= for {key!r} must be a writeable C-contiguous {info.dtype} array of "
                     f"shape {info.shape}, not {out.dtype} {out.shape}."
@@ -275,14 +277,20 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
                 self._verify_one(key, f, stored)
 
     def verify(self, key: str) -> None:
+        self.verify_box(key, Box.full(self.info(key).shape))
+
+    def verify_box(self, key: str, target: Any) -> None:
+        """Verify every stored box (or global array chunk) of ``key`` that overlaps
+        ``target`` (a ``Box``), whole: what a later ``verify=False`` read of it may trust."""
+        boxes = self._boxes_of(key)
         grid = self._grids.get(key)
-        if grid is not None:
-            for j, box in enumerate(grid[0].boxes):
-                read_part(self._root(), Path(self._src.display), grid[0], j, Box.full(box.shape).slices(),
-                          crc=grid[1][j], whole=True, verify=True)
-            return
-        for _, f, stored in self._boxes_of(key):
-            self._verify_one(key, f, stored)
+        for item in read_plan(key, target, [b for b, _, _ in boxes], self._infos[key].shape):
+            _, f, stored = boxes[item.source]
+            if grid is None:
+                self._verify_one(key, f, stored)
+                continue
+            check_part(self._root(), Path(self._src.display), grid[0], item.source,
+                       crc=grid[1][item.source])
 
     def verify_all(self) -> list[tuple[str, str]]:
         bad: list[tuple[str, str]] = []
@@ -318,6 +326,20 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         self._read_into(key, target, out, verify)
         return out
 
+    def read_box_into(
+        self, key: str, target: Any, out: np.ndarray, *, verify: bool = True
+    ) -> None:
+        """:meth:`read_box` straight into ``out`` (``target``'s shape, the stored dtype,
+        C-contiguous and writeable)."""
+        info = self.info(key)
+        if (out.shape != tuple(target.shape) or out.dtype != info.dtype
+                or not out.flags.c_contiguous or not out.flags.writeable):
+            raise ValueError(
+                f"out= for the box {target} of {key!r} must be a writeable C-contiguous "
+                f"{info.dtype} array of shape {tuple(target.shape)}, not {out.dtype} {out.shape}."
+            )
+        self._read_into(key, target, out, verify)
+
     def _read_into(self, key: str, target: Any, out: np.ndarray, verify: bool) -> None:
         """:meth:`read_box` into ``out`` (``target``'s shape, the value's dtype)."""
         boxes = self._boxes_of(key)
@@ -337,10 +359,11 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
                 whole = item.box == box or box.size * isz <= _SLICE_WHOLE_BELOW
                 part, nbytes = read_part(
                     self._root(), Path(self._src.display), grid[0], item.source, item.source_slices,
-                    crc=grid[1][item.source], whole=whole, verify=verify,
+                    crc=grid[1][item.source], whole=whole, verify=verify, out=dest,
                 )
                 self.bytes_read += nbytes
-                dest[...] = part
+                if part is not dest:
+                    dest[...] = part
                 continue
             sub = self._sub(key, f)
             try:
@@ -352,8 +375,14 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
                     part = sub.read(stored, verify=verify)[item.source_slices]
                     self.bytes_read += box.size * isz
                 else:  # the run of elements from the first to the last one needed
+                    start = run_start(item.source_slices, box.shape)
+                    if (start is not None and dest.flags.c_contiguous
+                            and isinstance(sub, SupportsReadRunInto)):  # one run, in place
+                        sub.read_run_into(stored, start, dest.reshape(-1), verify=verify)
+                        self.bytes_read += dest.nbytes
+                        continue
                     part = sub[stored][item.source_slices]
-                    self.bytes_read += _span(item.source_slices, box.shape) * isz
+                    self.bytes_read += span_of(item.source_slices, box.shape) * isz
             except MissingKeyError:
                 raise CorruptCheckpointError(
                     f"Variable {key!r}: its slice {box} is missing from file "
@@ -426,56 +455,11 @@ class ShardedLazyArray(LazyArray):
 
     def __getitem__(self, index: Any) -> np.ndarray:
 
-        box, rest = _as_box(index, self.shape)
+        box, rest = as_box(index, self.shape)
         if box is None:
             return np.asarray(self.read()[index])
         value = self._reader.read_box(self._info.key, box)
         return np.asarray(value[rest]) if rest else value
-
-
-def _fits(out: Any, info: ArrayInfo) -> bool:
-    """Whether ``out`` can take ``info``'s value in place (same shape and dtype, C order)."""
-    return (
-        isinstance(out, np.ndarray) and out.shape == tuple(info.shape)
-        and out.dtype == info.dtype and out.flags.c_contiguous and out.flags.writeable
-    )
-
-
-def _span(slices: tuple[slice, ...], shape: tuple[int, ...]) -> int:
-    """Elements from the first to the last element of ``slices`` of a C-ordered ``shape``."""
-    first = [s.start for s in slices]
-    last = [s.stop - 1 for s in slices]
-    if not shape:
-        return 1
-    return int(np.ravel_multi_index(last, shape) - np.ravel_multi_index(first, shape) + 1)
-
-
-def _as_box(index: Any, shape: tuple[int, ...]) -> tuple[Any, tuple[Any, ...]]:
-    """A box for basic step-1 slices/ints, and what is left to apply (ints drop axes)."""
-    idx = index if isinstance(index, tuple) else (index,)
-    if len(idx) > len(shape) or any(i is Ellipsis or i is None for i in idx):
-        return None, ()
-    offset: list[int] = []
-    extent: list[int] = []
-    rest: list[Any] = []
-    for i, n in zip(idx + (slice(None),) * (len(shape) - len(idx)), shape, strict=True):
-        if isinstance(i, slice):
-            start, stop, step = i.indices(n)
-            if step != 1:
-                return None, ()
-            offset.append(start)
-            extent.append(max(stop - start, 0))
-            rest.append(slice(None))
-        elif isinstance(i, int | np.integer):
-            k = int(i) + (n if int(i) < 0 else 0)
-            if not 0 <= k < n:
-                raise IndexError(f"index {int(i)} is out of bounds for an axis of size {n}")
-            offset.append(k)
-            extent.append(1)
-            rest.append(0)
-        else:
-            return None, ()
-    return Box(tuple(offset), tuple(extent)), tuple(rest)
 
 
 class ShardedBackend(Backend, name="sharded", suffixes=()):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from ..distributed import Box
 from ..errors import CkptError, CorruptCheckpointError
 from . import _checksum, _rawio
 from ._atomic import fsync_all
+from ._box_index import run_start
 from ._container import DEFAULT_PACK_THRESHOLD
 from ._paths import container_paths, escape_key, is_valid_container_path
 from ._zarr_files import GROUP_DOC, array_meta, open_in, write_file
@@ -313,6 +315,18 @@ def _group_writers(variables: Iterable[GridVariable]) -> dict[int, list[str]]:
     return out
 
 
+def _damaged(gv: GridVariable, box: Box, where: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"Variable {gv.key!r}: its slice {box} in file {where!r} is damaged (checksum mismatch)."
+    )
+
+
+def check_part(root_fd: int, root: Path, gv: GridVariable, j: int, *, crc: int) -> None:
+    """Verify chunk ``j`` of a global array whole, hashed through a memory map (no copy)."""
+    read_part(root_fd, root, gv, j, Box.full(gv.boxes[j].shape).slices(), crc=crc,
+              whole=True, verify=True, out=None, check_only=True)
+
+
 def read_part(
     root_fd: int,
     root: Path,
@@ -323,13 +337,18 @@ def read_part(
     crc: int,
     whole: bool,
     verify: bool,
+    out: np.ndarray | None = None,
+    check_only: bool = False,
 ) -> tuple[np.ndarray, int]:
     """``part`` (slices of box ``j``) of a global array, and the bytes read for it.
 
     With ``whole`` the chunk is read whole and, with ``verify``, checked against
     ``crc``; otherwise only the run of elements from the first to the last one
-    needed is read. ``CorruptCheckpointError`` names the variable and the file when
-    the chunk is missing, not exactly one chunk long, or fails its checksum.
+    needed is read: straight into ``out`` (C-contiguous, ``part``'s shape) when given
+    and ``part`` is one run, then returned. ``check_only``: verify the whole chunk
+    through a memory map and return nothing of it. ``CorruptCheckpointError`` names the
+    variable and the file when the chunk is missing, not exactly one chunk long, or
+    fails its checksum.
     """
     box = gv.boxes[j]
     rel = gv.chunk_rel(box)
@@ -352,15 +371,25 @@ def read_part(
                 f"file holds {size} bytes, a chunk is {gv.chunk_nbytes}."
             )
         isz = gv.dtype.itemsize
+        if check_only and size:  # hashed where it lies, nothing returned
+            with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
+                chunk = np.frombuffer(mapped, dtype=gv.dtype).reshape(gv.chunk)
+                bad = gv.checksum(box, chunk) != crc
+                del chunk
+            if bad:
+                raise _damaged(gv, box, where)
+            return np.empty((0,), gv.dtype), size
         if whole:
             data = _rawio.pread_exact(fd, 0, size, what="A chunk", path=where)
             chunk = np.frombuffer(data, dtype=gv.dtype).reshape(gv.chunk)
             if verify and gv.checksum(box, chunk) != crc:
-                raise CorruptCheckpointError(
-                    f"Variable {gv.key!r}: its slice {box} in file {where!r} is damaged "
-                    "(checksum mismatch)."
-                )
+                raise _damaged(gv, box, where)
             return chunk[part], size
+        start = run_start(part, gv.chunk)
+        if out is not None and start is not None and out.flags.c_contiguous:
+            _rawio.pread_into_exact(fd, _rawio.byte_view(out), start * isz, what="A chunk",
+                                    path=where)
+            return out, out.nbytes
         first = [s.start for s in part]
         last = [s.stop - 1 for s in part]
         lo = int(np.ravel_multi_index(first, gv.chunk))

@@ -24,10 +24,12 @@ defining the method, and says so by listing the protocol among its bases:
   ``ArrayInfo`` (what a restore checks per value);
 - :class:`SupportsReadIntoMany`: ``read_into_many([(key, out), ...])`` fills
   many caller buffers in few system calls;
+- :class:`SupportsReadRunInto`: ``read_run_into(key, start, out)`` fills a caller's
+  buffer with a run of a value's elements (a part of a stored shard, when resharding);
 - :class:`SupportsVerifyMany`: ``verify_many(keys)`` checks many values at once;
 - :class:`SupportsVerifyAll`: ``verify_all()`` lists every damaged value.
 
-ckptvar's own readers (HDF5, Zarr) offer all four.
+ckptvar's own readers (HDF5, Zarr) offer all five.
 
 >>> import os, tempfile
 >>> from ckptvar.storage import backend_for
@@ -235,6 +237,19 @@ class SupportsReadIntoMany(Protocol):
         """Read each ``(key, out)`` value into ``out`` (same shape and dtype, C-contiguous,
         writeable). With ``verify`` a damaged value raises ``CorruptCheckpointError``, but
         other buffers may already hold new bytes: verify first when that matters."""
+        ...
+
+
+@runtime_checkable
+class SupportsReadRunInto(Protocol):
+    """A reader that reads a run of a value's elements straight into a caller's buffer."""
+
+    def read_run_into(
+        self, key: str, start: int, out: np.ndarray, *, verify: bool = True
+    ) -> None:
+        """Fill ``out`` (flat, C-contiguous, the stored dtype) with elements ``[start,
+        start + out.size)`` of ``key`` in C order, verified by what the format can check
+        of them (ckptvar's own: the blocks holding them)."""
         ...
 
 

@@ -44,6 +44,7 @@ class ContainerReader(
     Reader,
     base.SupportsShapeAndDtype,
     base.SupportsReadIntoMany,
+    base.SupportsReadRunInto,
     base.SupportsVerifyMany,
     base.SupportsVerifyAll,
 ):
@@ -242,18 +243,39 @@ class ContainerReader(
         bulk.read_into_many(self, pairs, verify)
 
     # -- partial reads
+    def read_run_into(
+        self, key: str, start: int, out: np.ndarray, *, verify: bool = True
+    ) -> None:
+        """Fill the flat ``out`` with elements ``[start, start + out.size)`` of ``key``."""
+        e = self._entry(key)
+        count = out.size
+        if (out.dtype != e.np_dtype or out.ndim != 1 or not out.flags.c_contiguous
+                or not out.flags.writeable or not 0 <= start <= start + count <= e.size):
+            raise ValueError(
+                f"read_run_into({key!r}): out must be a writeable flat C-contiguous "
+                f"{e.np_dtype} array inside the value's {e.size} elements, not {out.dtype} "
+                f"{out.shape} from element {start}."
+            )
+        if e.loc.kind not in (ARRAY, PACKED) or (
+                e.blocks is None and e.nbytes <= _SLICE_WHOLE_BELOW):
+            out[...] = self.read(key, verify=verify).reshape(-1)[start:start + count]
+            return
+        self._read_elements(key, e, start, count, verify=verify, out=out)
+
     def _read_elements(self, key: str, e: Entry, start: int, count: int, *,
-                       verify: bool = True) -> np.ndarray:
+                       verify: bool = True, out: np.ndarray | None = None) -> np.ndarray:
         """Elements ``[start, start + count)`` of the flat value, read straight into the
-        result; verified by the blocks that hold them (format 1.2), or for a value
-        without block checksums by hashing the whole value (:func:`.blocks.read_span`)."""
+        result (``out`` when given); verified by the blocks that hold them (format 1.2),
+        or for a value without block checksums by hashing the whole value
+        (:func:`.blocks.read_span`)."""
         self._check()
         if count == 0:
-            return np.empty(0, e.np_dtype)
+            return np.empty(0, e.np_dtype) if out is None else out
         item = e.np_dtype.itemsize
         src = self._source(key, e)  # opening checks the stored size before allocating
         try:
-            out = np.empty(count, e.np_dtype)
+            if out is None:
+                out = np.empty(count, e.np_dtype)
             read_span(src.fd, src.offset, e, _rawio.byte_view(out), start * item,
                       verify=verify, block_size=self._record.block_size,
                       seed=lambda: _checksum.header_crc(key, e.dtype, e.shape))
