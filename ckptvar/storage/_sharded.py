@@ -43,7 +43,7 @@ from .base import (
     LazyArray,
     Reader,
     SupportsReadIntoMany,
-    SupportsReadRunInto,
+    SupportsRuns,
     SupportsVerifyAll,
     SupportsVerifyMany,
 )
@@ -285,9 +285,9 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         boxes = self._boxes_of(key)
         grid = self._grids.get(key)
         for item in read_plan(key, target, [b for b, _, _ in boxes], self._infos[key].shape):
-            _, f, stored = boxes[item.source]
+            box, f, stored = boxes[item.source]
             if grid is None:
-                self._verify_one(key, f, stored)
+                self._verify_part(key, f, stored, item, box)
                 continue
             check_part(self._root(), Path(self._src.display), grid[0], item.source,
                        crc=grid[1][item.source])
@@ -377,7 +377,7 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
                 else:  # the run of elements from the first to the last one needed
                     start = run_start(item.source_slices, box.shape)
                     if (start is not None and dest.flags.c_contiguous
-                            and isinstance(sub, SupportsReadRunInto)):  # one run, in place
+                            and isinstance(sub, SupportsRuns)):  # one run, in place
                         sub.read_run_into(stored, start, dest.reshape(-1), verify=verify)
                         self.bytes_read += dest.nbytes
                         continue
@@ -402,6 +402,21 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
     def _root(self) -> int:
         """The step directory, held open (chunk files are opened below it, no symlinks)."""
         return self._src.root_fd()
+
+    def _verify_part(self, key: str, f: int, stored: str, item: Any, box: Any) -> None:
+        """Verify the part ``item`` of a stored box: only its blocks when it is one run."""
+        start = None if item.box == box else run_start(item.source_slices, box.shape)
+        sub = self._sub(key, f)
+        if start is None or not isinstance(sub, SupportsRuns):
+            self._verify_one(key, f, stored)
+            return
+        try:
+            sub.verify_run(stored, start, item.box.size)
+        except (MissingKeyError, CorruptCheckpointError) as exc:
+            raise CorruptCheckpointError(
+                f"Variable {key!r}: its slice {box} in file {self._where(f)!r} is damaged "
+                f"or missing: {exc}"
+            ) from exc
 
     def _verify_one(self, key: str, f: int, stored: str) -> None:
         sub = self._sub(key, f)

@@ -24,8 +24,9 @@ defining the method, and says so by listing the protocol among its bases:
   ``ArrayInfo`` (what a restore checks per value);
 - :class:`SupportsReadIntoMany`: ``read_into_many([(key, out), ...])`` fills
   many caller buffers in few system calls;
-- :class:`SupportsReadRunInto`: ``read_run_into(key, start, out)`` fills a caller's
-  buffer with a run of a value's elements (a part of a stored shard, when resharding);
+- :class:`SupportsRuns`: ``read_run_into(key, start, out)`` fills a caller's buffer
+  with a run of a value's elements and ``verify_run(key, start, count)`` checks one
+  (a part of a stored shard, when resharding);
 - :class:`SupportsVerifyMany`: ``verify_many(keys)`` checks many values at once;
 - :class:`SupportsVerifyAll`: ``verify_all()`` lists every damaged value.
 
@@ -241,8 +242,8 @@ class SupportsReadIntoMany(Protocol):
 
 
 @runtime_checkable
-class SupportsReadRunInto(Protocol):
-    """A reader that reads a run of a value's elements straight into a caller's buffer."""
+class SupportsRuns(Protocol):
+    """A reader that reads or checks a run of a value's elements (C order) alone."""
 
     def read_run_into(
         self, key: str, start: int, out: np.ndarray, *, verify: bool = True
@@ -250,6 +251,12 @@ class SupportsReadRunInto(Protocol):
         """Fill ``out`` (flat, C-contiguous, the stored dtype) with elements ``[start,
         start + out.size)`` of ``key`` in C order, verified by what the format can check
         of them (ckptvar's own: the blocks holding them)."""
+        ...
+
+    def verify_run(self, key: str, start: int, count: int) -> None:
+        """Raise ``CorruptCheckpointError`` unless elements ``[start, start + count)`` of
+        ``key`` verify (ckptvar's own: the blocks holding them; without block checksums,
+        the whole value)."""
         ...
 
 

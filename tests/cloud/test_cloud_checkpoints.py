@@ -157,3 +157,21 @@ def test_step_already_committed_is_refused_before_upload(s3: S3Bucket, tmp_path:
         upload_step(loc, local, "ckpt-1.h5")
     assert loc.stats.bytes_written == 0
     assert isinstance(loc, ObjectStoreLocation)
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".zarr"])
+def test_saver_on_urls_keeps_max_to_keep_committed_steps(s3: S3Bucket, suffix: str) -> None:
+    opts = s3.storage_options
+    v = cv.Variable(np.arange(6.0).reshape(2, 3), name="v")
+    saver = cv.Saver(var_list=[v], max_to_keep=2)
+    paths = [saver.save(f"{s3.url}/tf1/model{suffix}", global_step=step, storage_options=opts)
+             for step in (10, 20, 30)]
+    assert paths == [f"{s3.url}/tf1/model-{s}{suffix}" for s in (10, 20, 30)]
+    # the oldest is pruned: marker first, then its data; the kept ones are committed
+    keys = sorted(o.key for o in s3.location().list("tf1/"))
+    assert not [k for k in keys if "model-10" in k], keys
+    assert list_committed_steps(s3.location("tf1")) == [f"model-20{suffix}", f"model-30{suffix}"]
+    assert cv.latest_checkpoint(f"{s3.url}/tf1", storage_options=opts) == paths[-1]
+    v.assign(np.zeros((2, 3)))
+    saver.restore(paths[-1], storage_options=opts)
+    assert v.numpy().tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]

@@ -29,7 +29,7 @@ from .._slicing import element_span
 from ..base import ArrayInfo, LazyArray, Reader, verify_each
 from . import bulk
 from . import source as _src
-from .blocks import SpanError, blocks_agree, read_span
+from .blocks import SpanError, blocks_agree, hash_range, read_span
 from .layout import Source
 from .source import RemoteFile
 from .transfer import PARALLEL_FROM, Transfer, TransferValue
@@ -44,7 +44,7 @@ class ContainerReader(
     Reader,
     base.SupportsShapeAndDtype,
     base.SupportsReadIntoMany,
-    base.SupportsReadRunInto,
+    base.SupportsRuns,
     base.SupportsVerifyMany,
     base.SupportsVerifyAll,
 ):
@@ -261,6 +261,30 @@ class ContainerReader(
             out[...] = self.read(key, verify=verify).reshape(-1)[start:start + count]
             return
         self._read_elements(key, e, start, count, verify=verify, out=out)
+
+    def verify_run(self, key: str, start: int, count: int) -> None:
+        """Raise ``CorruptCheckpointError`` unless elements ``[start, start + count)`` of
+        ``key`` verify: the blocks that hold them (without block checksums: the value)."""
+        e = self._entry(key)
+        if e.blocks is None or e.loc.kind not in (ARRAY, PACKED) or count <= 0:
+            self.verify(key)
+            return
+        item, size = e.np_dtype.itemsize, self._record.block_size
+        crcs = np.frombuffer(e.blocks, "<u4")
+        src = self._source(key, e)
+        try:
+            for k in range(start * item // size, ((start + count) * item - 1) // size + 1):
+                lo, hi = k * size, min((k + 1) * size, e.nbytes)
+                got, value = hash_range(src.fd, src.offset + lo, hi - lo)
+                if got != hi - lo:
+                    raise self._corrupt(key, f"is truncated: bytes {lo}..{hi} of {e.nbytes} "
+                                             "are not present")
+                if value != int(crcs[k]):
+                    raise self._corrupt(key, f"fails the checksum of its block {k} (bytes "
+                                             f"{lo}..{hi}); the checkpoint is damaged")
+        finally:
+            if src.owned:
+                _src.close(src.fd)
 
     def _read_elements(self, key: str, e: Entry, start: int, count: int, *,
                        verify: bool = True, out: np.ndarray | None = None) -> np.ndarray:
