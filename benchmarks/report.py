@@ -228,7 +228,14 @@ def chart(rows: list[Row], labels: list[str], path: Path) -> str | None:
 
 
 def write_outputs(args: argparse.Namespace, meta: dict[str, Any], rows: list[Row]) -> None:
-    """Markdown (stdout and --md), JSON (--json) and the chart (--png) for measured rows."""
+    """Markdown (stdout and --md), JSON (--json) and the chart (--png) for measured rows.
+
+    The measurements are written first (JSON without goals), so a run is never lost to a
+    report that fails: ``--report-from`` rebuilds the rest from that file.
+    """
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(
+        {"meta": meta, "rows": [r.to_json() for r in rows], "goals": [], "log": LOG}, indent=1))
     labels = meta.get("labels") or list(dict.fromkeys(r.subject for r in rows))
     gl = all_goals(rows)
     cold = [r for r in rows if "cached_before" in r.extra]

@@ -172,8 +172,9 @@ def _us(rows: list[Row], wl: str, op: str, subj: str) -> str:
 
 
 def _count_table(rows: list[Row]) -> list[str]:
-    cwl = sorted({r.workload for r in rows if r.workload.startswith("count")},
-                 key=lambda w: int(w[5:]))
+    # count1000, count10000, ... (rows of the "counts" workload itself are not counts)
+    cwl = sorted({r.workload for r in rows if r.workload[5:].isdigit()
+                  and r.workload.startswith("count")}, key=lambda w: int(w[5:]))
     subs = [s for s in COUNT_SUBJECTS if s not in ("raw", "raw+fsync")
             and any(r.subject == s for r in rows if r.workload in cwl)]
     if not cwl:

@@ -233,3 +233,15 @@ def test_the_convert_workload_reports_every_row(tmp_path: Path) -> None:
     for r in rows[1:]:
         assert r["wall"] > 0 and r["peak_mib"] > 0 and r["x_raw"] > 0
     assert list(tmp_path.iterdir()) == []  # the scratch files are gone
+
+
+def test_the_count_table_ignores_rows_of_the_counts_workload_itself() -> None:
+    load_bench()
+    from benchmarks import round2
+    from benchmarks.results import Row
+
+    rows = [Row("counts", "setup", "raw", "raw", times=[0.1]),
+            Row("count1000", "save", "raw", "raw", times=[0.01], count=1000),
+            Row("count1000", "save", "ckptvar-h5", "ckptvar", times=[0.02], count=1000)]
+    table = "\n".join(round2.tables(rows))
+    assert "| 1,000 |" in table or "| 1000 |" in table
