@@ -203,7 +203,9 @@ def _ms(r: Row | None, base: Row | None = None) -> str:
 def _open_tables(rows: list[Row]) -> list[str]:
     out: list[str] = []
     ops = ("open_one_warm", "open_one_cold")
-    for wl in [w for w in dict.fromkeys(r.workload for r in rows) if w.startswith("open")]:
+    # open1k, open100k, ... (rows of the "open" workload itself name no count)
+    for wl in [w for w in dict.fromkeys(r.workload for r in rows)
+               if w.startswith("open") and w[4:]]:
         out += [f"## Open a {wl[4:]}-variable checkpoint and read one value "
                 "(× safetensors)", "", "| subject | warm | cold |", "|---|---|---|"]
         st = [find(rows, wl, op, "safetensors") for op in ops]

@@ -243,5 +243,8 @@ def test_the_count_table_ignores_rows_of_the_counts_workload_itself() -> None:
     rows = [Row("counts", "setup", "raw", "raw", times=[0.1]),
             Row("count1000", "save", "raw", "raw", times=[0.01], count=1000),
             Row("count1000", "save", "ckptvar-h5", "ckptvar", times=[0.02], count=1000)]
+    rows += [Row("open", "open_one_warm", "raw", "raw", times=[0.001]),
+             Row("open100k", "open_one_warm", "safetensors", "peer", times=[0.2])]
     table = "\n".join(round2.tables(rows))
     assert "| 1,000 |" in table or "| 1000 |" in table
+    assert "Open a 100k-variable checkpoint" in table and "Open a -variable" not in table

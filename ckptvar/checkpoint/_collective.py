@@ -135,7 +135,7 @@ def _raw_layouts(
 
 
 def collective_write(  # noqa: PLR0917 - the protocol, step by step
-    path: str,
+    path: str | os.PathLike[str],
     fmt: str,
     arrays: Sequence[tuple[str, np.ndarray, dict[str, Any]]],
     meta: dict[str, Any],
@@ -148,6 +148,7 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
 ) -> str:
     """Write one checkpoint at ``path`` (a shared directory's path, or an object-store
     URL) from every rank's ``arrays`` (collective). Returns the path or URL."""
+    path = os.fspath(path)
     target: Target = (RemoteTarget(path, fmt, storage_options) if is_url(path)
                       else LocalTarget(path, fmt))
     tag = f"save:{os.path.basename(path.rstrip('/'))}"
