@@ -309,3 +309,41 @@ def test_large_restores_verify_first_then_read_into_the_variables(
     with pytest.raises((CorruptCheckpointError, DistributedError), match="'w'"):
         ckpt.restore(path, coordinator=coord)
     assert np.array_equal(part.numpy(), np.ones((400, 1024), "float32"))
+
+
+def test_a_repeated_save_reuses_its_layout_rows_and_keeps_no_model_alive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gc
+    import weakref
+
+    from ckptvar.checkpoint import _collective
+
+    calls: list[int] = []
+    real = _collective._raw_layouts
+
+    def counting(arrays, variables):  # type: ignore[no-untyped-def]
+        calls.append(len(arrays))
+        return real(arrays, variables)
+
+    monkeypatch.setattr(_collective, "_raw_layouts", counting)
+    coord = SingleProcessCoordinator()
+
+    def model() -> tuple[cv.Checkpoint, cv.Variable]:
+        w = cv.Variable(FULL.copy(), name="w", shard=cv.Shard(full_shape=(8, 3), offset=(0, 0)))
+        b = cv.Variable(np.ones(2, "int64"), name="b")
+        return cv.Checkpoint(w=w, b=b), b
+
+    ckpt, b = model()
+    ckpt.save(tmp_path / "a" / "ckpt.h5", coordinator=coord)
+    b.assign(np.full(2, 7, "int64"))  # a replicated value changes: its checksum is new
+    second = ckpt.save(tmp_path / "a" / "ckpt.h5", coordinator=coord)
+    assert len(calls) == 1  # the same variables again: the rows were reused
+    assert cv.load(second)["b"].tolist() == [7, 7]
+    other, _ = model()  # new variable objects under the same keys: rows made again
+    other.save(tmp_path / "b" / "ckpt.h5", coordinator=coord)
+    assert len(calls) == 2
+    ref = weakref.ref(b)
+    del ckpt, b
+    gc.collect()
+    assert ref() is None  # the cache holds weak references only

@@ -134,6 +134,59 @@ def _raw_layouts(
     return raw, checks
 
 
+class _RowsCache:
+    """The last save's layout rows and digest, for the same variables saved again.
+
+    A variable's dtype, shape and shard are fixed when it is made, so the same keys
+    naming the same variable objects (checked through weak references: the cache
+    keeps no model alive) with arrays of the same shapes have the same rows; only the
+    checksums of small replicated values are computed again.
+    """
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self.refs: list[weakref.ref[Variable]] = []
+        self.shapes: list[tuple[int, ...]] = []
+        self.raw: list[_Raw] = []
+        self.digest = ""
+        #: positions in ``arrays`` of the small replicated values (checksummed each save)
+        self.replicated: list[int] = []
+
+    def hit(self, keys: list[str], vals: list[Any], shapes: list[tuple[int, ...]]) -> bool:
+        return (keys == self.keys and shapes == self.shapes
+                and all(r() is v for r, v in zip(self.refs, vals, strict=True)))
+
+
+_ROWS = _RowsCache()
+
+
+def _layout_rows(
+    arrays: Sequence[tuple[str, np.ndarray, dict[str, Any]]],
+    variables: Mapping[str, Variable | Logical],
+) -> tuple[list[_Raw], dict[str, int], str]:
+    """This rank's layout rows, replica checksums and the rows' digest (:class:`_RowsCache`)."""
+    keys = [key for key, _, _ in arrays]
+    vals = [variables[key] for key in keys]
+    shapes = [array.shape for _, array, _ in arrays]
+    cache = _ROWS
+    if cache.hit(keys, vals, shapes):
+        checks = {}
+        for i in cache.replicated:
+            key, array, _ = arrays[i]
+            checks[key] = zlib.crc32(np.ascontiguousarray(array).tobytes())
+        return cache.raw, checks, cache.digest
+    raw, checks = _raw_layouts(arrays, variables)
+    # marshal version 2 (no reference table) is the fastest stable serialisation of the rows
+    digest = hashlib.blake2b(marshal.dumps(raw, 2), digest_size=16).hexdigest()
+    if all(type(v) is Variable for v in vals):
+        cache.keys, cache.shapes, cache.raw, cache.digest = keys, shapes, raw, digest
+        cache.refs = [weakref.ref(v) for v in vals]  # type: ignore[arg-type]
+        cache.replicated = [i for i, key in enumerate(keys) if key in checks]
+    else:
+        cache.keys, cache.refs = [], []
+    return raw, checks, digest
+
+
 def collective_write(  # noqa: PLR0917 - the protocol, step by step
     path: str | os.PathLike[str],
     fmt: str,
@@ -153,10 +206,8 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
                       else LocalTarget(path, fmt))
     tag = f"save:{os.path.basename(path.rstrip('/'))}"
     clock = _Clock()
-    raw, checks = _raw_layouts(arrays, variables)
+    raw, checks, digest = _layout_rows(arrays, variables)
     values = {key: (array, attrs) for key, array, attrs in arrays}
-    # marshal version 2 (no reference table) is the fastest stable serialisation of the rows
-    digest = hashlib.blake2b(marshal.dumps(raw, 2), digest_size=16).hexdigest()
     plan = gather_plan(
         coord, _LazyLayout(raw), checksums=checks, cache=plan_cache(coord),
         digest=digest, tag=f"{tag}:plan", timeout=timeout,
