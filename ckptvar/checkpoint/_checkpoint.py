@@ -178,17 +178,24 @@ class Checkpoint(Trackable):
                 plan.variables = rank_variables(plan.variables)
             count = None if counter is None else int(counter.numpy())
             meta = metadata(plan, save_counter=count, user=options.get("metadata"))
-            arrays = host_arrays(plan, copy=not blocking)
+            # The job drops the snapshot when it ends: the executor's worker still holds
+            # the job a moment after its future is done, and a next background save
+            # snapshots as soon as it is (two snapshots would then be alive at once).
+            snapshot = [host_arrays(plan, copy=not blocking)]
 
         if collective:
             coord = coordinator if blocking else coordinator.background()
 
             def run_collective() -> str:
-                with paused_gc():
-                    return collective_write(
-                        path, fmt, arrays, meta, plan.variables, coord, timeout=timeout,
-                        on_commit=on_commit, storage_options=options.get("storage_options"),
-                    )
+                try:
+                    with paused_gc():
+                        return collective_write(
+                            path, fmt, snapshot[0], meta, plan.variables, coord,
+                            timeout=timeout, on_commit=on_commit,
+                            storage_options=options.get("storage_options"),
+                        )
+                finally:
+                    snapshot.clear()
 
             if blocking:
                 return run_collective()
@@ -197,8 +204,12 @@ class Checkpoint(Trackable):
             return handle
 
         def run() -> str:
-            with paused_gc():
-                final = write_file(path, fmt, arrays, meta, options.get("storage_options"))
+            try:
+                with paused_gc():
+                    final = write_file(path, fmt, snapshot[0], meta,
+                                       options.get("storage_options"))
+            finally:
+                snapshot.clear()
             if on_commit is not None:
                 on_commit(final)
             return final
