@@ -35,7 +35,14 @@ import msgpack
 import numpy as np
 
 from .._dtypes import dtype_to_str
-from ..distributed import Box, Coordinator, PlanCache, VariableLayout, gather_plan
+from ..distributed import (
+    Box,
+    Coordinator,
+    PlanCache,
+    SupportsPlain,
+    VariableLayout,
+    gather_plan,
+)
 from ..storage import (
     INDEX_FILE,
     box_key,
@@ -71,7 +78,7 @@ def plan_cache(coord: Coordinator) -> PlanCache:
 _Raw = tuple[str, tuple[int, ...], str, tuple[int, ...] | None, tuple[int, ...]]
 
 
-class _LazyLayout(Mapping[str, VariableLayout]):
+class _LazyLayout(Mapping[str, VariableLayout], SupportsPlain):
     """This rank's layouts, built only when the plan is not cached (a miss)."""
 
     def __init__(self, raw: list[_Raw]) -> None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ._boxes import Box, SavePlan, VariableLayout, VariablePlan, WriteItem
 from ._coordinator import DEFAULT_TIMEOUT, Coordinator, SingleProcessCoordinator
 from ._env import MPI_ENV_VARS, from_env
-from ._gather import gather_plan
+from ._gather import SupportsPlain, gather_plan
 from ._plan import PlanCache, check_replicas, layout_digest, plan_save
 from ._read_plan import ReadItem, read_plan
 
@@ -38,6 +38,7 @@ __all__ = [
     "ReadItem",
     "SavePlan",
     "SingleProcessCoordinator",
+    "SupportsPlain",
     "TorchCoordinator",
     "VariableLayout",
     "VariablePlan",

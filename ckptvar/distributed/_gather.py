@@ -11,12 +11,23 @@ every rank.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
 
 from ._boxes import SavePlan, VariableLayout
 from ._coordinator import Coordinator
 from ._plan import PlanCache, check_replicas, layout_digest, plan_save_plain
 
-__all__ = ["gather_plan"]
+__all__ = ["SupportsPlain", "gather_plan"]
+
+
+@runtime_checkable
+class SupportsPlain(Protocol):
+    """A layout that keeps its plain form (what :func:`gather_plan` exchanges) at hand:
+    ``{key: (full shape, dtype, [(offset, shape), ...] or None)}``."""
+
+    def plain(self) -> dict[str, Any]:
+        """The layout as plain tuples."""
+        ...
 
 
 def gather_plan(
@@ -65,11 +76,10 @@ _Plain = dict[
 def _to_plain(layout: Mapping[str, VariableLayout]) -> _Plain:
     """Tuples instead of dataclasses: several times smaller and faster to pickle.
 
-    A layout that keeps its plain form (a ``plain()`` method) hands it over as is.
+    A layout that keeps its plain form (:class:`SupportsPlain`) hands it over as is.
     """
-    plain = getattr(layout, "plain", None)
-    if callable(plain):
-        return plain()  # type: ignore[no-any-return]
+    if isinstance(layout, SupportsPlain):
+        return layout.plain()
     return {
         key: (
             vl.full_shape,
