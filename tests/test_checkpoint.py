@@ -482,3 +482,23 @@ def test_gpu_variables_round_trip_and_restore_as_init(
     for a, b, c in zip(_values(src), _values(same), _values(lazy), strict=True):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)
+
+
+def test_a_restore_without_a_coordinator_walks_the_object_graph_once(
+    tmp_path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    from ckptvar.checkpoint import _checkpoint, _walk
+
+    walks: list[int] = []
+    real = _walk.walk
+
+    def counting(root, *args, **kwargs):  # type: ignore[no-untyped-def]
+        walks.append(1)
+        return real(root, *args, **kwargs)
+
+    ck = cv.Checkpoint(a=cv.Variable(np.arange(3.0), name="a"))
+    path = ck.write(tmp_path / "c.h5")
+    monkeypatch.setattr(_checkpoint, "walk", counting)
+    monkeypatch.setattr(_checkpoint, "gather", lambda *a, **k: pytest.fail("gathered"))
+    ck.restore(path).assert_consumed()
+    assert len(walks) == 1

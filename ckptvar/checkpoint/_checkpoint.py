@@ -263,7 +263,9 @@ class Checkpoint(Trackable):
         if path is None:
             return RestoreStatus(None, warn_unused=False)
         self.wait()
-        if needs_collective(coordinator, gather(self).variables.values()):
+        # (the object graph is gathered only when a coordinator may make this collective)
+        if coordinator is not None and needs_collective(
+                coordinator, gather(self).variables.values()):
             return self._restore_collective(path, coordinator, timeout, verify, cast,
                                             storage_options)
         with paused_gc():
