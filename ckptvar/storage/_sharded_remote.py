@@ -136,7 +136,7 @@ class _BoundStepFiles(RemoteStepFiles):
         if found != self._record.index_checksum:
             raise CorruptCheckpointError(
                 f"Checkpoint {self.display}: its commit marker "
-                f"{self._loc.join(marker_key(self._record.step))} binds index checksum "
+                f"{self.location.join(marker_key(self._record.step))} binds index checksum "
                 f"{self._record.index_checksum}, but {self.where(name)} has {found}; the "
                 "checkpoint was damaged or replaced after its commit."
             )

@@ -111,7 +111,8 @@ class RemoteStepFiles(StepFiles):
     def __init__(
         self, location: Any, prefix: str, open_file: Callable[[Any, str, str], Reader]
     ) -> None:
-        self._loc = location
+        #: the location the step lies below
+        self.location = location
         self._prefix = prefix
         self._open_file = open_file
         self.display = location.join(prefix)
@@ -120,14 +121,14 @@ class RemoteStepFiles(StepFiles):
         return f"{self._prefix}/{name}"
 
     def where(self, name: str) -> str:
-        return str(self._loc.join(self._key(name)))
+        return str(self.location.join(self._key(name)))
 
     def read_index(self, name: str) -> bytes:
         key = self._key(name)
         try:
-            if self._loc.size(key) > MAX_INDEX:
+            if self.location.size(key) > MAX_INDEX:
                 raise CorruptCheckpointError(f"{self.where(name)} is larger than 1 GiB.")
-            return bytes(self._loc.read(key))
+            return bytes(self.location.read(key))
         except CheckpointNotFoundError:
             raise CorruptCheckpointError(
                 f"{self.display} has no {name}: it is not a complete multi-process checkpoint."
@@ -135,6 +136,6 @@ class RemoteStepFiles(StepFiles):
 
     def open_reader(self, name: str) -> Reader:
         try:
-            return self._open_file(self._loc, self._key(name), self.where(name))
+            return self._open_file(self.location, self._key(name), self.where(name))
         except CheckpointNotFoundError as exc:
             raise FileNotFoundError(self.where(name)) from exc
