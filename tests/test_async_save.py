@@ -118,3 +118,24 @@ def test_a_save_in_flight_when_the_interpreter_exits_is_finished(tmp_path: Path)
     value = cv.load(tmp_path / "ck-1.h5")["v"]
     assert np.array_equal(value, np.arange(4 << 20, dtype="float32"))
     assert cv.latest_checkpoint(tmp_path) == str(tmp_path / "ck-1.h5")
+
+
+def test_a_finished_background_save_holds_no_snapshot(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The job drops its snapshot itself: the executor's worker keeps a finished job a
+    moment after its future is done, and the next save would snapshot meanwhile."""
+    from ckptvar.checkpoint import _async
+
+    jobs: list = []  # type: ignore[type-arg]
+    real = _async.submit
+
+    def spy(fn, path):  # type: ignore[no-untyped-def]
+        jobs.append(fn)
+        return real(fn, path)
+
+    monkeypatch.setattr(_async, "submit", spy)
+    ckpt = cv.Checkpoint(w=cv.Variable(np.ones(1000), name="w"))
+    ckpt.save(tmp_path / "ckpt", blocking=False).wait()
+    assert len(jobs) == 1
+    held = [c.cell_contents for c in jobs[0].__closure__ or ()
+            if isinstance(c.cell_contents, list)]
+    assert held == [[]]  # the snapshot's holder, emptied when the job ended

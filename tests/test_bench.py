@@ -248,3 +248,35 @@ def test_the_count_table_ignores_rows_of_the_counts_workload_itself() -> None:
     table = "\n".join(round2.tables(rows))
     assert "| 1,000 |" in table or "| 1000 |" in table
     assert "Open a 100k-variable checkpoint" in table and "Open a -variable" not in table
+
+
+def test_measurements_are_written_before_a_failing_report(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import argparse
+    import json
+
+    load_bench()
+    from benchmarks import report
+    from benchmarks.results import Row
+
+    def broken(rows):  # type: ignore[no-untyped-def]
+        raise RuntimeError("a report bug")
+
+    monkeypatch.setattr(report, "all_goals", broken)  # the first step of the report
+    args = argparse.Namespace(json=str(tmp_path / "b.json"), md=str(tmp_path / "b.md"), png="")
+    rows = [Row("big", "save", "raw", "raw", times=[0.25])]
+    with pytest.raises(RuntimeError, match="a report bug"):
+        report.write_outputs(args, {"labels": ["raw"]}, rows)
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert [r["times_s"] for r in saved["rows"]] == [[0.25]]
+
+
+def test_the_protocol_overhead_leaves_out_the_ranks_write_skew() -> None:
+    load_bench()
+    from benchmarks import scale
+
+    # one save, two ranks started at one barrier: rank 0 wrote for 0.1 s and waited 0.3 s
+    # in the vote for rank 1, which wrote for 0.4 s
+    laps = [[{"plan": 0.01, "write": 0.1, "vote": 0.3, "commit": 0.02},
+             {"plan": 0.01, "write": 0.4, "vote": 0.0, "commit": 0.02}]]
+    assert scale.overheads(laps) == pytest.approx([0.33])
+    assert scale.wall_overheads(laps) == pytest.approx([0.03])
