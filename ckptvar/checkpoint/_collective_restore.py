@@ -52,7 +52,8 @@ class Staged:
         self.casts: list[tuple[str, np.dtype, Variable]] = []
         #: ``(key, box, variable's buffer)``: checked already, read into place at apply
         self.in_place: list[tuple[str, Box, np.ndarray]] = []
-        self._reader: Any = None
+        #: the reader the values in place are read from at :meth:`apply` (still open then)
+        self.reader: Any = None
 
     def apply(self, path: Any) -> None:
         """Give every variable its value (after the vote), then say what was cast.
@@ -63,7 +64,7 @@ class Staged:
         for var, value in self.values:
             give_value(var, value)
         for key, box, buf in self.in_place:
-            self._reader.read_box_into(key, box, buf, verify=False)  # verified when staged
+            self.reader.read_box_into(key, box, buf, verify=False)  # verified when staged
         if self.casts:
             warn_cast(path, self.casts)
 
@@ -137,7 +138,7 @@ def _stage(
         if verify:
             reader.verify_box(key, target)
     staged.in_place = [(key, target, buf) for _, key, target, buf in in_place]
-    staged._reader = reader
+    staged.reader = reader
 
 
 def _in_place(

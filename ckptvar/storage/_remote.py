@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import (
-    CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     UnsupportedFormatError,
@@ -48,9 +47,11 @@ from .base import Reader
 from .location import (
     CommitRecord,
     Location,
+    claim,
     commit,
     marker_key,
     read_commit,
+    refuse_committed,
     split_url,
     upload_step,
 )
@@ -187,18 +188,11 @@ def record_checksum(local: Path) -> str:
 def _upload_claimed(parent: Any, local: Path, name: str) -> None:
     """Upload a directory at the step's own key under a create-only claim ``<step>.claim``:
     of two writers racing for the step, the second stops before writing any byte."""
-    claim = f"{name}.claim"
-    try:
-        parent.put(claim, uuid.uuid4().hex.encode(), create_only=True)
-    except CheckpointExistsError:
-        raise CheckpointExistsError(
-            f"step {parent.join(name)} is being written by another writer (claim "
-            f"{parent.join(claim)}); if no writer is running, delete the claim and save again"
-        ) from None
+    key = claim(parent, name)
     try:
         upload_step(parent, local, name, index_checksum=record_checksum(local))
     finally:
-        parent.delete(claim)
+        parent.delete(key)
 
 
 def save_remote(
@@ -212,11 +206,7 @@ def save_remote(
     (before anything is written, and again by the create-only marker).
     """
     parent, name = split_url(url, storage_options=storage_options)
-    if read_commit(parent, name) is not None:
-        raise CheckpointExistsError(
-            f"step {parent.join(name)} is already committed; a step is written once: save "
-            "under a new step, or prune this one first"
-        )
+    refuse_committed(parent, name)
     with tempfile.TemporaryDirectory(prefix="ckptvar-upload-") as tmp:
         local = Path(tmp) / name
         write_local(local)

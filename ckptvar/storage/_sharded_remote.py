@@ -24,11 +24,10 @@ object store each box is stored in its writer's file.
 from __future__ import annotations
 
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointExistsError, CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from . import _checksum
 from ._container.source import RemoteFile
 from ._h5 import H5Reader
@@ -36,7 +35,15 @@ from ._sharded import INDEX_FILE, ShardedReader
 from ._step_files import RemoteStepFiles
 from ._zarr_remote import RemoteZarrReader
 from .base import Reader
-from .location import CommitRecord, Location, commit, marker_key, read_commit, upload_tree
+from .location import (
+    CommitRecord,
+    Location,
+    claim,
+    commit,
+    marker_key,
+    refuse_committed,
+    upload_tree,
+)
 
 __all__ = ["INDEX_CHECKSUM", "RemoteStep", "is_sharded_record", "open_sharded_remote"]
 
@@ -65,25 +72,12 @@ class RemoteStep:
         self.parent = parent
         self.name = name
         self.url = parent.join(name)
-        self._claim = f"{name}.claim"
-        self._claimed = False
+        self._claim: str | None = None  # the claim's key while this save holds it
 
     def claim(self) -> None:
         """Refuse a committed step; take the step with a create-only claim object."""
-        if read_commit(self.parent, self.name) is not None:
-            raise CheckpointExistsError(
-                f"step {self.url} is already committed; a step is written once: save under "
-                "a new step, or prune this one first"
-            )
-        try:
-            self.parent.put(self._claim, uuid.uuid4().hex.encode(), create_only=True)
-        except CheckpointExistsError:
-            raise CheckpointExistsError(
-                f"step {self.url} is being written by another writer (claim "
-                f"{self.parent.join(self._claim)}); if no writer is running, delete the claim "
-                "and save again"
-            ) from None
-        self._claimed = True
+        refuse_committed(self.parent, self.name)
+        self._claim = claim(self.parent, self.name)
 
     def upload(self, local: Path, name: str) -> None:
         """Upload one process's local checkpoint (a file or a Zarr directory) as ``name``."""
@@ -106,14 +100,14 @@ class RemoteStep:
 
     def abort(self) -> None:
         """Delete what this save wrote below the step, and its claim (rank 0, on failure)."""
-        if self._claimed:
+        if self._claim is not None:
             self.parent.delete_prefix(f"{self.name}/")
             self._release()
 
     def _release(self) -> None:
-        if self._claimed:
+        if self._claim is not None:
             self.parent.delete(self._claim)
-            self._claimed = False
+            self._claim = None
 
 
 def _open_file(location: Any, key: str, display: str) -> Reader:

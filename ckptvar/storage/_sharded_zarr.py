@@ -321,35 +321,9 @@ def _damaged(gv: GridVariable, box: Box, where: str) -> CorruptCheckpointError:
     )
 
 
-def check_part(root_fd: int, root: Path, gv: GridVariable, j: int, *, crc: int) -> None:
-    """Verify chunk ``j`` of a global array whole, hashed through a memory map (no copy)."""
-    read_part(root_fd, root, gv, j, Box.full(gv.boxes[j].shape).slices(), crc=crc,
-              whole=True, verify=True, out=None, check_only=True)
-
-
-def read_part(
-    root_fd: int,
-    root: Path,
-    gv: GridVariable,
-    j: int,
-    part: tuple[slice, ...],
-    *,
-    crc: int,
-    whole: bool,
-    verify: bool,
-    out: np.ndarray | None = None,
-    check_only: bool = False,
-) -> tuple[np.ndarray, int]:
-    """``part`` (slices of box ``j``) of a global array, and the bytes read for it.
-
-    With ``whole`` the chunk is read whole and, with ``verify``, checked against
-    ``crc``; otherwise only the run of elements from the first to the last one
-    needed is read: straight into ``out`` (C-contiguous, ``part``'s shape) when given
-    and ``part`` is one run, then returned. ``check_only``: verify the whole chunk
-    through a memory map and return nothing of it. ``CorruptCheckpointError`` names the
-    variable and the file when the chunk is missing, not exactly one chunk long, or
-    fails its checksum.
-    """
+def _open_chunk(root_fd: int, root: Path, gv: GridVariable, j: int) -> tuple[int, str]:
+    """Open chunk ``j``'s file below the step (no symlinks) and check its size; returns
+    the descriptor (the caller closes it) and the file's path for messages."""
     box = gv.boxes[j]
     rel = gv.chunk_rel(box)
     where = str(root / rel)
@@ -365,26 +339,63 @@ def read_part(
         ) from None
     try:
         size = os.fstat(fd).st_size
-        if size != gv.chunk_nbytes:
-            raise CorruptCheckpointError(
-                f"Variable {gv.key!r}: its slice {box} in file {where!r} is damaged: the "
-                f"file holds {size} bytes, a chunk is {gv.chunk_nbytes}."
-            )
-        isz = gv.dtype.itemsize
-        if check_only and size:  # hashed where it lies, nothing returned
-            with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped:
-                chunk = np.frombuffer(mapped, dtype=gv.dtype).reshape(gv.chunk)
-                bad = gv.checksum(box, chunk) != crc
-                del chunk
-            if bad:
-                raise _damaged(gv, box, where)
-            return np.empty((0,), gv.dtype), size
+    except BaseException:
+        os.close(fd)
+        raise
+    if size != gv.chunk_nbytes:
+        os.close(fd)
+        raise CorruptCheckpointError(
+            f"Variable {gv.key!r}: its slice {box} in file {where!r} is damaged: the "
+            f"file holds {size} bytes, a chunk is {gv.chunk_nbytes}."
+        )
+    return fd, where
+
+
+def check_part(root_fd: int, root: Path, gv: GridVariable, j: int, *, crc: int) -> None:
+    """Verify chunk ``j`` of a global array whole, hashed through a memory map (no copy)."""
+    fd, where = _open_chunk(root_fd, root, gv, j)
+    try:
+        with mmap.mmap(fd, gv.chunk_nbytes, prot=mmap.PROT_READ) as mapped:
+            chunk = np.frombuffer(mapped, dtype=gv.dtype).reshape(gv.chunk)
+            bad = gv.checksum(gv.boxes[j], chunk) != crc
+            del chunk  # the map closes only once no array views it
+    finally:
+        os.close(fd)
+    if bad:
+        raise _damaged(gv, gv.boxes[j], where)
+
+
+def read_part(
+    root_fd: int,
+    root: Path,
+    gv: GridVariable,
+    j: int,
+    part: tuple[slice, ...],
+    *,
+    crc: int,
+    whole: bool,
+    verify: bool,
+    out: np.ndarray | None = None,
+) -> tuple[np.ndarray, int]:
+    """``part`` (slices of box ``j``) of a global array, and the bytes read for it.
+
+    With ``whole`` the chunk is read whole and, with ``verify``, checked against
+    ``crc``; otherwise only the run of elements from the first to the last one
+    needed is read: straight into ``out`` (C-contiguous, ``part``'s shape) when given
+    and ``part`` is one run, then returned. ``CorruptCheckpointError`` names the
+    variable and the file when the chunk is missing, not exactly one chunk long, or
+    fails its checksum.
+    """
+    box = gv.boxes[j]
+    fd, where = _open_chunk(root_fd, root, gv, j)
+    isz = gv.dtype.itemsize
+    try:
         if whole:
-            data = _rawio.pread_exact(fd, 0, size, what="A chunk", path=where)
+            data = _rawio.pread_exact(fd, 0, gv.chunk_nbytes, what="A chunk", path=where)
             chunk = np.frombuffer(data, dtype=gv.dtype).reshape(gv.chunk)
             if verify and gv.checksum(box, chunk) != crc:
                 raise _damaged(gv, box, where)
-            return chunk[part], size
+            return chunk[part], gv.chunk_nbytes
         start = run_start(part, gv.chunk)
         if out is not None and start is not None and out.flags.c_contiguous:
             _rawio.pread_into_exact(fd, _rawio.byte_view(out), start * isz, what="A chunk",

@@ -30,8 +30,10 @@ from ._base import (
     StorageError,
 )
 from ._commit import (
+    CLAIM_SUFFIX,
     MARKER_SUFFIX,
     CommitRecord,
+    claim,
     clean_uncommitted,
     commit,
     is_committed,
@@ -40,6 +42,7 @@ from ._commit import (
     marker_key,
     prune,
     read_commit,
+    refuse_committed,
     step_number,
 )
 from ._local import LocalLocation
@@ -47,6 +50,7 @@ from ._object import CLOUD_SCHEMES, ObjectStoreLocation, RequestStats
 from ._upload import tree_checksum, upload_step, upload_tree
 
 __all__ = [
+    "CLAIM_SUFFIX",
     "CLOUD_SCHEMES",
     "DEFAULT_CONCURRENCY",
     "DEFAULT_PART_SIZE",
@@ -60,6 +64,7 @@ __all__ = [
     "PositionalRaw",
     "RequestStats",
     "StorageError",
+    "claim",
     "clean_uncommitted",
     "commit",
     "is_committed",
@@ -70,6 +75,7 @@ __all__ = [
     "open_location",
     "prune",
     "read_commit",
+    "refuse_committed",
     "split_url",
     "step_number",
     "tree_checksum",

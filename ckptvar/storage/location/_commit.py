@@ -49,8 +49,10 @@ from ...errors import (
 from ._base import Location, clean_key
 
 __all__ = [
+    "CLAIM_SUFFIX",
     "MARKER_SUFFIX",
     "CommitRecord",
+    "claim",
     "clean_uncommitted",
     "commit",
     "is_committed",
@@ -59,10 +61,12 @@ __all__ = [
     "marker_key",
     "prune",
     "read_commit",
+    "refuse_committed",
     "step_number",
 ]
 
 MARKER_SUFFIX = ".commit"
+CLAIM_SUFFIX = ".claim"
 _FORMAT_VERSION = 1
 
 
@@ -151,6 +155,31 @@ def commit(
             "save under a new step, or prune this one first"
         ) from None
     return record
+
+
+def refuse_committed(location: Location, step: str) -> None:
+    """Raise ``CheckpointExistsError`` naming ``step`` if it is committed (a writer checks
+    this before it writes anything; the create-only marker checks it again)."""
+    if read_commit(location, step) is not None:
+        raise CheckpointExistsError(
+            f"step {location.join(step)} is already committed; a step is written once: save "
+            "under a new step, or prune this one first"
+        )
+
+
+def claim(location: Location, step: str) -> str:
+    """Take ``step`` for one writer before it writes at the step's own key: a create-only
+    claim object ``<step>.claim``. Returns its key (delete it when done). Of two writers
+    racing for one step the second gets ``CheckpointExistsError`` naming the claim."""
+    key = clean_key(step) + CLAIM_SUFFIX
+    try:
+        location.put(key, uuid.uuid4().hex.encode(), create_only=True)
+    except CheckpointExistsError:
+        raise CheckpointExistsError(
+            f"step {location.join(step)} is being written by another writer (claim "
+            f"{location.join(key)}); if no writer is running, delete the claim and save again"
+        ) from None
+    return key
 
 
 def read_commit(location: Location, step: str) -> CommitRecord | None:

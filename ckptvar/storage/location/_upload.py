@@ -16,9 +16,8 @@ from pathlib import Path
 
 import crc32c as _crc32c
 
-from ...errors import CheckpointExistsError
 from ._base import DEFAULT_PART_SIZE, Location
-from ._commit import CommitRecord, commit, read_commit
+from ._commit import CommitRecord, commit, refuse_committed
 
 __all__ = ["tree_checksum", "upload_step", "upload_tree"]
 
@@ -48,8 +47,7 @@ def upload_step(
     committed: checked before any byte is sent, and again by the create-only marker.
     """
     src = Path(local)
-    if read_commit(location, step) is not None:
-        raise CheckpointExistsError(f"step {location.join(step)} is already committed")
+    refuse_committed(location, step)
     if src.is_file():
         crc = location.upload_file(os.fspath(src), step, part_size=part_size)
         return commit(location, step, index_checksum or f"crc32c:{crc:08x}")
