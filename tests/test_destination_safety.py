@@ -123,3 +123,37 @@ def test_convert_onto_a_directory_is_refused(tmp_path: Path, suffix: str) -> Non
     assert proc.returncode == 2, proc.stderr
     assert "directory" in proc.stderr and "Traceback" not in proc.stderr
     _assert_intact(target, files)
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_manager_never_writes_over_or_prunes_a_users_file(tmp_path: Path, fmt: str) -> None:
+    """A user's own ``ckpt-1.<suffix>`` (not a checkpoint) is refused, never pruned."""
+    suffix = ".h5" if fmt == "h5" else ".zarr"
+    users = tmp_path / f"ckpt-1{suffix}"
+    users.write_bytes(b"my own notes, not a checkpoint")
+    v = cv.Variable(np.arange(3.0), name="v")
+    mgr = cv.CheckpointManager(cv.Checkpoint(v=v), tmp_path, max_to_keep=1, format=fmt)
+    with pytest.raises(cv.errors.DestinationExistsError) as info:
+        mgr.save()
+    assert str(users) in str(info.value)
+    assert "not a ckptvar checkpoint" in str(info.value)
+    assert users.read_bytes() == b"my own notes, not a checkpoint"
+    assert mgr.latest_checkpoint is None
+    # Later steps save and prune their own files; the user's file stays.
+    for n in (2, 3, 4):
+        v.assign(np.full(3, float(n)))
+        mgr.save(checkpoint_number=n)
+    assert users.read_bytes() == b"my own notes, not a checkpoint"
+    assert [Path(p).name for p in mgr.checkpoints] == [f"ckpt-4{suffix}"]
+    assert not (tmp_path / f"ckpt-2{suffix}").exists()
+
+
+def test_manager_does_not_prune_a_listed_file_replaced_by_a_users(tmp_path: Path) -> None:
+    """A listed step that a user replaced with a file of their own is left, not deleted."""
+    v = cv.Variable(np.arange(3.0), name="v")
+    mgr = cv.CheckpointManager(cv.Checkpoint(v=v), tmp_path, max_to_keep=1)
+    first = Path(mgr.save())
+    first.write_bytes(b"the user's file now")
+    mgr.save()
+    assert first.read_bytes() == b"the user's file now"
+    assert [Path(p).name for p in mgr.checkpoints] == ["ckpt-2.h5"]

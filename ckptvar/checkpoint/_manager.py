@@ -25,11 +25,12 @@ from ..errors import (
     CheckpointNotFoundError,
     CkptError,
     CorruptCheckpointError,
+    DestinationExistsError,
     DistributedError,
     DistributedTimeoutError,
     UnsupportedFormatError,
 )
-from ..storage import is_partial, known_formats, remove_path
+from ..storage import is_own_checkpoint, is_partial, known_formats, remove_path
 from ..storage.location import (
     Location,
     clean_uncommitted,
@@ -52,7 +53,7 @@ from ._state import (
     write_state,
 )
 from ._status import RestoreStatus
-from ._steps import parse_step_name
+from ._steps import parse_step_name, step_name
 
 __all__ = ["STATE_FILE", "CheckpointManager", "latest_checkpoint"]
 
@@ -240,12 +241,33 @@ class CheckpointManager:
         finally:
             os.close(fd)
 
+    def _refuse_foreign(self, number: int) -> None:
+        """Raise if the step's name is taken by something that is not a ckptvar checkpoint.
+
+        A user's own file named like this manager's step is never written over (and so
+        never listed, never pruned).
+        """
+        final = self.directory / step_name(self.checkpoint_name, number, self._suffix)
+        if os.path.lexists(final) and not is_own_checkpoint(final):
+            raise DestinationExistsError(
+                f"Cannot save step {number} to {os.fspath(final)!r}: something that is not a "
+                "ckptvar checkpoint is there, and this manager never writes over or deletes "
+                "what it did not write. Move it away, or give the manager another directory "
+                "or checkpoint_name."
+            )
+
     def _finish_deletions(self, state: dict[str, Any]) -> None:
         pending = self._section.get("pending_delete", [])
         if not pending:
             return
         for entry in pending:
-            discard(self.directory / entry["path"])
+            path = self.directory / entry["path"]
+            if os.path.lexists(path) and not is_own_checkpoint(path):
+                logger.warning(
+                    "Not pruning %s: it is not a ckptvar checkpoint (left as it is).", path
+                )
+                continue
+            discard(path)
         self._section["pending_delete"] = []
         self._store(state)
 
@@ -364,6 +386,7 @@ class CheckpointManager:
             if self.coordinator is not None and not self.async_save:
                 self._sync()
             return result
+        self._refuse_foreign(number)
         prefix = self.directory / self.checkpoint_name
 
         def on_commit(path: str, step: int = step) -> None:

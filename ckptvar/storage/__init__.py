@@ -32,7 +32,7 @@ from .base import (
     SupportsVerifyMany,
     Writer,
 )
-from .registry import backend_for, known_formats, register_backend
+from .registry import backend_for, is_own_checkpoint, known_formats, register_backend
 
 # isort: split
 # The built-in backends register themselves on import, so after the registry exists.
@@ -61,6 +61,7 @@ __all__ = [
     "fsync_dir",
     "fsync_path",
     "grid_layout",
+    "is_own_checkpoint",
     "is_partial",
     "known_formats",
     "open_remote_reader",

@@ -17,7 +17,11 @@ from pathlib import Path
 from ..errors import CheckpointNotFoundError, UnsupportedFormatError
 from .base import Backend
 
-__all__ = ["backend_for", "known_formats", "register_backend"]
+__all__ = ["backend_for", "is_own_checkpoint", "known_formats", "register_backend"]
+
+#: ckptvar's own formats: what a checkpoint it wrote is (one file, a Zarr tree, or the
+#: multi-process layout).
+_OWN = ("h5", "zarr", "sharded")
 
 _BACKENDS: dict[str, type[Backend]] = {}
 
@@ -28,6 +32,18 @@ def register_backend(cls: type[Backend], *, override: bool = False) -> type[Back
         raise ValueError(f"A backend named {cls.name!r} is already registered.")
     _BACKENDS[cls.name] = cls
     return cls
+
+
+def is_own_checkpoint(path: str | Path) -> bool:
+    """True when ``path`` is, by its content, a checkpoint ckptvar wrote (any own format).
+
+    A missing path, another tool's file or an unrelated directory is not.
+
+    >>> is_own_checkpoint("/nonexistent/ckpt-1.h5")
+    False
+    """
+    path = Path(path)
+    return any(name in _BACKENDS and _BACKENDS[name].sniff(path) for name in _OWN)
 
 
 def known_formats() -> dict[str, tuple[str, ...]]:
