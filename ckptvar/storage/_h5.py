@@ -310,19 +310,19 @@ class H5Reader(ContainerReader):
             self._packed_base = 0
 
     def _open_array(self, key: str, entry: Entry) -> Source:
-        self._check()
+        self.check_open()
         return Source(self._fd, entry.loc.offset, False)
 
-    def _packed_source(self) -> tuple[int | RemoteFile, int]:
-        self._check()
+    def packed_source(self) -> tuple[int | RemoteFile, int]:
+        self.check_open()
         return self._packed, self._packed_base
 
     def _mmap_region(self, key: str, entry: Entry) -> tuple[Any, int, bool]:
-        self._check()
+        self.check_open()
         if self._fd.__class__ is not int:
             return super()._mmap_region(key, entry)
         if self._mm is None:
-            self._mm = self._map(self._fd)
+            self._mm = _src.map_all(self._fd)
         if entry.loc.kind == PACKED:
             return self._mm, self._packed_base + entry.loc.offset, False
         return self._mm, entry.loc.offset, False

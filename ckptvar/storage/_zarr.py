@@ -318,20 +318,20 @@ class ZarrReader(ContainerReader):
         return decode(data, path, container="zarr")
 
     def _open_chunk(self, key: str, rel: str, nbytes: int) -> int:
-        self._check()
+        self.check_open()
         try:
             fd = open_in(self._root_fd, rel)
         except FileNotFoundError:
             raise_if_deleted(self._root_fd, self.path)
-            raise self._corrupt(key, f"has lost its chunk file {rel!r}") from None
+            raise self.corrupt(key, f"has lost its chunk file {rel!r}") from None
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise self._corrupt(key, f"has a symlink on its path {rel!r} (refused)") from None
-            raise self._corrupt(key, f"cannot be opened at {rel!r} ({exc})") from None
+                raise self.corrupt(key, f"has a symlink on its path {rel!r} (refused)") from None
+            raise self.corrupt(key, f"cannot be opened at {rel!r} ({exc})") from None
         size = os.fstat(fd).st_size
         if size != nbytes:
             os.close(fd)
-            raise self._corrupt(key, f"has a chunk of {size} bytes, expected {nbytes} ({rel!r})")
+            raise self.corrupt(key, f"has a chunk of {size} bytes, expected {nbytes} ({rel!r})")
         return fd
 
     def _open_array(self, key: str, entry: Entry) -> Source:
@@ -344,10 +344,10 @@ class ZarrReader(ContainerReader):
         try:
             return open_in(self._root_fd, rel, directory=True)
         except OSError as exc:
-            raise self._corrupt(key, f"has lost its array {rel!r} ({exc})") from None
+            raise self.corrupt(key, f"has lost its array {rel!r} ({exc})") from None
 
-    def _packed_source(self) -> tuple[Any, int]:
-        self._check()
+    def packed_source(self) -> tuple[Any, int]:
+        self.check_open()
         if self._packed_fd is None:
             assert self._record.packed is not None
             self._packed_fd = self._open_chunk(
@@ -365,20 +365,20 @@ class ZarrReader(ContainerReader):
             try:
                 os.close(open_in(self._root_fd, f"{rel}/{chunk_key(len(entry.shape))}"))
             except OSError:
-                raise self._corrupt(key, f"has lost its chunk file under {rel!r}") from None
+                raise self.corrupt(key, f"has lost its chunk file under {rel!r}") from None
         try:
             store = zarr.storage.LocalStore(self.path, read_only=True)
             arr = zarr.open_array(store=store, path=rel, mode="r")
             data = np.asarray(arr[...])
         except Exception as exc:  # noqa: BLE001 - any decoding failure is damage
-            raise self._corrupt(key, f"cannot be decoded ({type(exc).__name__}: {exc})") from None
+            raise self.corrupt(key, f"cannot be decoded ({type(exc).__name__}: {exc})") from None
         return self._checked_value(key, entry, data)
 
     def _checked_value(self, key: str, entry: Entry, data: np.ndarray) -> np.ndarray:
         """``data`` decoded from Zarr, checked against ``entry`` and viewed as its dtype."""
         sdt = storage_dtype(entry.dtype)
         if data.shape != entry.shape or data.dtype != sdt:
-            raise self._corrupt(
+            raise self.corrupt(
                 key, f"is stored as {data.dtype}{data.shape}, the record says {sdt}{entry.shape}"
             )
         out = np.ascontiguousarray(data).view(entry.np_dtype)

@@ -68,12 +68,12 @@ class RemoteZarrReader(ZarrReader):
         return decode(data, url, container="zarr")
 
     def _open_array(self, key: str, entry: Entry) -> Source:
-        self._check()
+        self.check_open()
         rel = f"{entry.loc.path}/{chunk_key(len(entry.shape))}"
         return Source(RemoteFile(self._loc, self._obj(rel), entry.nbytes), 0, False)
 
-    def _packed_source(self) -> tuple[int | RemoteFile, int]:
-        self._check()
+    def packed_source(self) -> tuple[int | RemoteFile, int]:
+        self.check_open()
         if self._packed_rf is None:
             assert self._record.packed is not None
             self._packed_rf = RemoteFile(
@@ -88,10 +88,10 @@ class RemoteZarrReader(ZarrReader):
             store = zarr.storage.ObjectStore(self._loc.zarr_store(self._prefix), read_only=True)
             data = np.asarray(zarr.open_array(store=store, path=rel, mode="r")[...])
         except Exception as exc:  # noqa: BLE001 - any decoding failure is damage
-            raise self._corrupt(key, f"cannot be decoded ({type(exc).__name__}: {exc})") from None
+            raise self.corrupt(key, f"cannot be decoded ({type(exc).__name__}: {exc})") from None
         return self._checked_value(key, entry, data)
 
-    def _corrupt(self, key: str, what: str) -> CorruptCheckpointError:
+    def corrupt(self, key: str, what: str) -> CorruptCheckpointError:
         e = self._values.get(key)
         where = ""
         if e is not None:

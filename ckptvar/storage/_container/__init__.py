@@ -9,6 +9,7 @@ directory) holding every value's little-endian C-order bytes and a root record
 - :mod:`.writer`: write planning, packing, hashing while writing, publishing;
 - :mod:`.reader`: the reader base, single reads, verification, lazy slices;
 - :mod:`.bulk`: windowed read-ahead, bulk verify, scatter reads into buffers;
+- :mod:`.access`: the seam the reader offers its read engines (:class:`.access.ValueAccess`);
 - :mod:`.transfer`: the parallel read-and-hash engine under both;
 - :mod:`.blocks`: per-block checksums (format 1.2) and verified partial reads.
 """

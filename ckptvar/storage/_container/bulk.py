@@ -15,7 +15,7 @@ import operator
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import crc32c as _crc32c
 import numpy as np
@@ -24,11 +24,10 @@ from ...errors import CorruptCheckpointError
 from .. import _checksum, _rawio
 from .._record import ARRAY, PACKED, Entry
 from . import source as _src
+from .access import PARALLEL_FROM, ValueAccess, compare, destination, entries, parallel
+from .access import check_source as _check_source
 from .stream import stream_many, streamable
-from .transfer import PARALLEL_FROM, Transfer, TransferValue, runs_by_size
-
-if TYPE_CHECKING:
-    from .reader import ContainerReader
+from .transfer import Transfer, TransferValue, runs_by_size
 
 __all__ = ["read_into_many", "read_many", "verify_many"]
 
@@ -59,7 +58,7 @@ class _PackedBlob:
     start: int  # offset of ``data[0]`` inside the blob
 
 
-def _truncated(reader: ContainerReader, got: int, want: int) -> CorruptCheckpointError:
+def _truncated(reader: ValueAccess, got: int, want: int) -> CorruptCheckpointError:
     return CorruptCheckpointError(
         f"Checkpoint {str(reader.path)!r}: the packed values are truncated "
         f"({got} of {want} bytes present)."
@@ -81,7 +80,7 @@ def _windows(
 
 
 def read_many(
-    reader: ContainerReader, keys: Iterable[str], verify: bool
+    reader: ValueAccess, keys: Iterable[str], verify: bool
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Yield ``(key, value)`` in order, each verified before it is yielded.
 
@@ -90,9 +89,8 @@ def read_many(
     read of the packed blob (when they make up most of it) and are returned as
     aligned views into that buffer. Nothing happens before the first value is asked.
     """
-    reader._check()
-    entry = reader._entry
-    items = [(k, entry(k)) for k in keys]
+    reader.check_open()
+    items = entries(reader, keys)
     if reader.remote:  # packed values too: in the same stream as the rest of their object
         flags = [e.loc.kind in (ARRAY, PACKED) for _, e in items]
         todo = [item for item, flag in zip(items, flags, strict=True) if flag]
@@ -131,7 +129,7 @@ def read_many(
 
 
 def _read_streamed(
-    reader: ContainerReader,
+    reader: ValueAccess,
     items: list[tuple[str, Entry]],
     flags: list[bool],
     todo: list[tuple[str, Entry]],
@@ -152,21 +150,21 @@ def _read_streamed(
 
 
 def _launch(
-    reader: ContainerReader, items: list[tuple[str, Entry]], blob: _PackedBlob | None, verify: bool
+    reader: ValueAccess, items: list[tuple[str, Entry]], blob: _PackedBlob | None, verify: bool
 ) -> _Window:
     """Start reading a window's large values (those not in ``blob``) on the I/O threads."""
     values = []
     in_blob = blob is not None
     for k, e in items:
-        if reader._parallel(e) and not (in_blob and e.loc.kind == PACKED):
-            reader._check_source(k, e)
+        if parallel(e) and not (in_blob and e.loc.kind == PACKED):
+            _check_source(reader, k, e)
             values.append(TransferValue(k, e, np.empty(e.shape, e.np_dtype)))
     transfer = Transfer(reader, values, verify, ahead=True)
     return _Window(items, {v.key: v.dest for v in values if v.dest is not None}, transfer)
 
 
 def _hand_out(
-    reader: ContainerReader,
+    reader: ValueAccess,
     items: list[tuple[str, Entry]],
     big: dict[str, np.ndarray],
     blob: _PackedBlob | None,
@@ -185,14 +183,14 @@ def _hand_out(
                 if verify:
                     got = crc(raw, _checksum.header_crc(key, e.dtype, e.shape))
                     if got != e.checksum:
-                        reader._compare(key, e, got)
+                        compare(reader, key, e, got)
                 arr = raw.view(e.np_dtype).reshape(e.shape) if n else np.empty(e.shape, e.np_dtype)
             else:
                 arr = reader.read(key, verify=verify)
         yield key, arr
 
 
-def _read_packed_span(reader: ContainerReader, entries: list[Entry]) -> _PackedBlob | None:
+def _read_packed_span(reader: ValueAccess, entries: list[Entry]) -> _PackedBlob | None:
     """One read of the part of the packed blob ``entries`` use, when they fill most of it."""
     locs = [(at, n) for kind, _, at, n in [e.loc for e in entries] if kind == PACKED]
     if len(locs) < 2:
@@ -203,7 +201,7 @@ def _read_packed_span(reader: ContainerReader, entries: list[Entry]) -> _PackedB
     want = sum(sizes)
     if hi - lo > 2 * want + (1 << 20):
         return None
-    fd, base = reader._packed_source()
+    fd, base = reader.packed_source()
     data = np.empty(hi - lo, np.uint8)
     got = _src.pread_into(fd, data.data, base + lo)
     if got != hi - lo:
@@ -211,17 +209,16 @@ def _read_packed_span(reader: ContainerReader, entries: list[Entry]) -> _PackedB
     return _PackedBlob(data, lo)
 
 
-def verify_many(reader: ContainerReader, keys: Iterable[str]) -> None:
+def verify_many(reader: ValueAccess, keys: Iterable[str]) -> None:
     """Raise ``CorruptCheckpointError`` for the first damaged value among ``keys``.
 
     Packed values are hashed in place through one read-only map of the packed blob
     (no copy, no per-value system call); large values in pieces on the I/O threads;
-    the rest one by one (:meth:`ContainerReader.verify`).
+    the rest one by one (:meth:`.access.ValueAccess.verify`).
     """
-    entry = reader._entry
     packed: list[tuple[str, Entry]] = []
     big: list[TransferValue] = []
-    for k, e in [(k, entry(k)) for k in keys]:
+    for k, e in entries(reader, keys):
         kind, _, _, nbytes = e.loc
         if kind == PACKED and nbytes:
             packed.append((k, e))
@@ -233,11 +230,11 @@ def verify_many(reader: ContainerReader, keys: Iterable[str]) -> None:
         Transfer(reader, big, True).finish()
     if not packed:
         return
-    fd, base = reader._packed_source()
+    fd, base = reader.packed_source()
     hi = base + max(e.loc.offset + e.loc.nbytes for _, e in packed)
     crc = _crc
     seed = _checksum.header_crc
-    mm = reader._map(fd)
+    mm = _src.map_all(fd)
     try:
         with memoryview(mm) as mv:
             if hi > len(mv):
@@ -247,7 +244,7 @@ def verify_many(reader: ContainerReader, keys: Iterable[str]) -> None:
                 start = base + at
                 got = crc(mv[start : start + n], seed(key, e.dtype, e.shape))
                 if got != e.checksum:
-                    reader._compare(key, e, got)
+                    compare(reader, key, e, got)
     finally:
         if isinstance(mm, mmap.mmap):
             mm.close()
@@ -259,7 +256,7 @@ _Scatter = tuple[int, str, Entry, np.ndarray]
 
 
 def read_into_many(
-    reader: ContainerReader, pairs: list[tuple[str, np.ndarray]], verify: bool
+    reader: ValueAccess, pairs: list[tuple[str, np.ndarray]], verify: bool
 ) -> None:
     """Read each ``(key, out)`` value into ``out`` (same shape and dtype, C-contiguous).
 
@@ -268,16 +265,16 @@ def read_into_many(
     is read, so on damage some buffers already hold new bytes: verify first
     (:func:`verify_many`) when that matters.
     """
-    entry = reader._entry
+    entry = reader.entry
     packed: list[_Scatter] = []
     big: list[TransferValue] = []
     for key, given in pairs:
         e = entry(key)
-        out = reader._dest(key, e, given)
+        out = destination(key, e, given)
         kind, _, offset, nbytes = e.loc
         if kind == PACKED and nbytes:
             packed.append((offset, key, e, out))
-        elif reader._parallel(e):
+        elif parallel(e):
             big.append(TransferValue(key, e, out))
         else:
             reader.read(key, out=out, verify=verify)
@@ -286,7 +283,7 @@ def read_into_many(
     if not packed:
         return
     packed.sort(key=_by_offset)
-    fd, base = reader._packed_source()
+    fd, base = reader.packed_source()
     scratch = np.empty(_MAX_GAP, np.uint8)  # skips bytes no key asked for
     i = 0
     while i < len(packed):
@@ -330,9 +327,9 @@ def _next_run(
     return j, start, pos, bufs
 
 
-def _check_run(reader: ContainerReader, run: list[_Scatter]) -> None:
+def _check_run(reader: ValueAccess, run: list[_Scatter]) -> None:
     crc = _crc
     for _, key, e, out in run:
         got = crc(out, _checksum.header_crc(key, e.dtype, e.shape))
         if got != e.checksum:
-            reader._compare(key, e, got)
+            compare(reader, key, e, got)

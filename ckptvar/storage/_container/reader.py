@@ -6,7 +6,8 @@ pieces on the I/O threads, :mod:`.transfer`); verifying one value or all of
 them; and lazy slices that read only the byte run an index covers
 (:mod:`.._slicing`). Reading many values at once lives in :mod:`.bulk`. A
 backend says where each value's bytes are (:meth:`ContainerReader._open_array`,
-:meth:`ContainerReader._packed_source`).
+:meth:`ContainerReader.packed_source`). The reader is the :class:`.access.ValueAccess`
+the read engines receive.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from .. import _checksum, _rawio, base
 from .._record import ARRAY, PACKED, Entry, Record
 from .._slicing import element_span
 from ..base import ArrayInfo, LazyArray, Reader, verify_each
-from . import bulk
+from . import access, bulk
 from . import source as _src
 from .blocks import SpanError, blocks_agree, hash_range, read_span
 from .layout import Source
 from .source import RemoteFile
-from .transfer import PARALLEL_FROM, Transfer, TransferValue
+from .transfer import Transfer, TransferValue
 
 __all__ = ["ContainerLazyArray", "ContainerReader"]
 
@@ -66,44 +67,30 @@ class ContainerReader(
         """Where the bytes of a value stored as its own array are."""
 
     @abc.abstractmethod
-    def _packed_source(self) -> tuple[int | RemoteFile, int]:
+    def packed_source(self) -> tuple[int | RemoteFile, int]:
         """``(fd, byte_offset_of_blob_start)``: a descriptor or a remote byte source."""
 
     def _read_other(self, key: str, entry: Entry) -> np.ndarray:
-        raise self._corrupt(key, f"has an unknown location {entry.loc!r}")
+        raise self.corrupt(key, f"has an unknown location {entry.loc!r}")
 
-    def _source(self, key: str, entry: Entry) -> Source:
+    def source(self, key: str, entry: Entry) -> Source:
         """Where an ``array`` or ``packed`` value's bytes are."""
         if entry.loc.kind == PACKED:
-            fd, base = self._packed_source()
+            fd, base = self.packed_source()
             return Source(fd, base + entry.loc.offset, False)
         return self._open_array(key, entry)
-
-    def _check_source(self, key: str, entry: Entry) -> None:
-        """Open and close the value's source: opening checks the stored size against the
-        record, so a forged record declaring a huge value is refused before allocating."""
-        src = self._source(key, entry)
-        if src.owned:
-            _src.close(src.fd)
-
-    def _parallel(self, e: Entry) -> bool:
-        kind, _, _, nbytes = e.loc
-        return nbytes >= PARALLEL_FROM and kind in (ARRAY, PACKED)
 
     def _mmap_region(self, key: str, entry: Entry) -> tuple[Any, int, bool]:
         """A buffer (mmap) holding the value's bytes, its start, and whether to close it."""
         if entry.loc.kind == PACKED:
-            fd, base = self._packed_source()
-            return self._map(fd), base + entry.loc.offset, True
+            fd, base = self.packed_source()
+            return _src.map_all(fd), base + entry.loc.offset, True
         src = self._open_array(key, entry)
         try:
-            return self._map(src.fd), src.offset, True
+            return _src.map_all(src.fd), src.offset, True
         finally:
             if src.owned:
                 _src.close(src.fd)
-
-    def _map(self, fd: int | RemoteFile) -> Any:
-        return _src.map_all(fd)
 
     # -- Mapping
     def keys(self) -> Any:
@@ -115,7 +102,8 @@ class ContainerReader(
     def __len__(self) -> int:
         return len(self._values)
 
-    def _entry(self, key: str) -> Entry:
+    def entry(self, key: str) -> Entry:
+        """The record's entry of ``key``; ``MissingKeyError`` naming close keys if none."""
         try:
             return self._values[key]
         except (KeyError, TypeError):
@@ -133,7 +121,7 @@ class ContainerReader(
     def info(self, key: str) -> ArrayInfo:
         info = self._infos.get(key)
         if info is None:
-            e = self._entry(key)
+            e = self.entry(key)
             info = _make_info(key, e.np_dtype, e.shape, e.attrs, e.checksum)
             self._infos[key] = info
         return info
@@ -143,7 +131,7 @@ class ContainerReader(
 
     def shape_and_dtype(self, key: str) -> tuple[tuple[int, ...], np.dtype]:
         """The stored value's shape and dtype, straight from the record."""
-        e = self._entry(key)
+        e = self.entry(key)
         return e.shape, SUPPORTED_DTYPES[e.dtype]
 
     def metadata(self) -> dict[str, Any]:
@@ -156,69 +144,52 @@ class ContainerReader(
     def close(self) -> None:
         self._closed = True
 
-    def _check(self) -> None:
+    def check_open(self) -> None:
+        """Raise ``ValueError`` if the reader is closed."""
         if self._closed:
             raise ValueError(f"The reader of {str(self.path)!r} is closed.")
 
-    def _corrupt(self, key: str, what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"Checkpoint {str(self.path)!r}: value {key!r} {what}.")
+    def corrupt(self, key: str, what: str) -> CorruptCheckpointError:
+        """The error saying value ``key`` ``what``."""
+        return access.corrupt(self.path, key, what)
 
     def _compare(self, key: str, e: Entry, computed: int) -> None:
-        if computed != e.checksum:
-            raise self._corrupt(
-                key,
-                f"fails its checksum (stored {e.checksum:#010x}, computed {computed:#010x}); "
-                "the checkpoint is damaged",
-            )
+        access.compare(self, key, e, computed)
 
     # -- whole-value reads
-    def _dest(self, key: str, e: Entry, out: np.ndarray | None) -> np.ndarray:
-        if out is None:
-            return np.empty(e.shape, e.np_dtype)
-        if not isinstance(out, np.ndarray):
-            raise TypeError(f"out= must be a NumPy array, got {type(out).__name__}.")
-        if out.shape != e.shape or out.dtype != e.np_dtype:
-            raise ValueError(
-                f"out= for {key!r} has shape {out.shape} and dtype {out.dtype}; the stored "
-                f"value has shape {e.shape} and dtype {e.dtype}."
-            )
-        if not out.flags.c_contiguous or not out.flags.writeable:
-            raise ValueError(f"out= for {key!r} must be a writeable C-contiguous array.")
-        return out
-
     def _read_whole(self, key: str, e: Entry, out: np.ndarray | None, verify: bool) -> np.ndarray:
         """Read a value below ``PARALLEL_FROM`` (or stored elsewhere) on this thread."""
         if e.loc.kind not in (ARRAY, PACKED):
             arr = self._read_other(key, e)
             if out is not None:
-                dest = self._dest(key, e, out)
+                dest = access.destination(key, e, out)
                 dest[...] = arr
                 arr = dest
             return arr
         n = e.loc.nbytes
         # Open the source first: opening checks the stored size against the record, so a
         # forged record declaring a huge value is refused before anything is allocated.
-        src = self._source(key, e)
+        src = self.source(key, e)
         try:
-            arr = self._dest(key, e, out)
+            arr = access.destination(key, e, out)
             dst = _rawio.byte_view(arr)
             got = _src.pread_into(src.fd, dst, src.offset) if n else 0
         finally:
             if src.owned:
                 _src.close(src.fd)
         if got != n:
-            raise self._corrupt(key, f"is truncated: {got} of {n} bytes present")
+            raise self.corrupt(key, f"is truncated: {got} of {n} bytes present")
         if verify:
             self._compare(key, e, _checksum.crc(dst, _checksum.header_crc(key, e.dtype, e.shape)))
         return arr
 
     def read(self, key: str, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
-        self._check()
-        e = self._entry(key)
-        if not self._parallel(e):
+        self.check_open()
+        e = self.entry(key)
+        if not access.parallel(e):
             return self._read_whole(key, e, out, verify)
-        self._check_source(key, e)
-        arr = self._dest(key, e, out)
+        access.check_source(self, key, e)
+        arr = access.destination(key, e, out)
         Transfer(self, [TransferValue(key, e, arr)], verify).finish()
         return arr
 
@@ -233,13 +204,13 @@ class ContainerReader(
     def verify_many(self, keys: Iterable[str]) -> None:
         """Raise ``CorruptCheckpointError`` for the first damaged value among ``keys``
         (:func:`.bulk.verify_many`)."""
-        self._check()
+        self.check_open()
         bulk.verify_many(self, keys)
 
     def read_into_many(self, pairs: list[tuple[str, np.ndarray]], *, verify: bool = True) -> None:
         """Read each ``(key, out)`` value into ``out`` (same shape and dtype, C-contiguous)
         (:func:`.bulk.read_into_many`)."""
-        self._check()
+        self.check_open()
         bulk.read_into_many(self, pairs, verify)
 
     # -- partial reads
@@ -247,7 +218,7 @@ class ContainerReader(
         self, key: str, start: int, out: np.ndarray, *, verify: bool = True
     ) -> None:
         """Fill the flat ``out`` with elements ``[start, start + out.size)`` of ``key``."""
-        e = self._entry(key)
+        e = self.entry(key)
         count = out.size
         if (out.dtype != e.np_dtype or out.ndim != 1 or not out.flags.c_contiguous
                 or not out.flags.writeable or not 0 <= start <= start + count <= e.size):
@@ -265,22 +236,22 @@ class ContainerReader(
     def verify_run(self, key: str, start: int, count: int) -> None:
         """Raise ``CorruptCheckpointError`` unless elements ``[start, start + count)`` of
         ``key`` verify: the blocks that hold them (without block checksums: the value)."""
-        e = self._entry(key)
+        e = self.entry(key)
         if e.blocks is None or e.loc.kind not in (ARRAY, PACKED) or count <= 0:
             self.verify(key)
             return
         item, size = e.np_dtype.itemsize, self._record.block_size
         crcs = np.frombuffer(e.blocks, "<u4")
-        src = self._source(key, e)
+        src = self.source(key, e)
         try:
             for k in range(start * item // size, ((start + count) * item - 1) // size + 1):
                 lo, hi = k * size, min((k + 1) * size, e.nbytes)
                 got, value = hash_range(src.fd, src.offset + lo, hi - lo)
                 if got != hi - lo:
-                    raise self._corrupt(key, f"is truncated: bytes {lo}..{hi} of {e.nbytes} "
+                    raise self.corrupt(key, f"is truncated: bytes {lo}..{hi} of {e.nbytes} "
                                              "are not present")
                 if value != int(crcs[k]):
-                    raise self._corrupt(key, f"fails the checksum of its block {k} (bytes "
+                    raise self.corrupt(key, f"fails the checksum of its block {k} (bytes "
                                              f"{lo}..{hi}); the checkpoint is damaged")
         finally:
             if src.owned:
@@ -292,11 +263,11 @@ class ContainerReader(
         result (``out`` when given); verified by the blocks that hold them (format 1.2),
         or for a value without block checksums by hashing the whole value
         (:func:`.blocks.read_span`)."""
-        self._check()
+        self.check_open()
         if count == 0:
             return np.empty(0, e.np_dtype) if out is None else out
         item = e.np_dtype.itemsize
-        src = self._source(key, e)  # opening checks the stored size before allocating
+        src = self.source(key, e)  # opening checks the stored size before allocating
         try:
             if out is None:
                 out = np.empty(count, e.np_dtype)
@@ -304,7 +275,7 @@ class ContainerReader(
                       verify=verify, block_size=self._record.block_size,
                       seed=lambda: _checksum.header_crc(key, e.dtype, e.shape))
         except SpanError as exc:
-            raise self._corrupt(key, exc.what) from None
+            raise self.corrupt(key, exc.what) from None
         finally:
             if src.owned:
                 _src.close(src.fd)
@@ -313,8 +284,8 @@ class ContainerReader(
     # -- verification
     def verify(self, key: str) -> None:
         """Raise ``CorruptCheckpointError`` if ``key`` is damaged (hashes through mmap, no copy)."""
-        self._check()
-        e = self._entry(key)
+        self.check_open()
+        e = self.entry(key)
         kind = e.loc.kind
         if kind not in (ARRAY, PACKED):
             self.read(key, verify=True)
@@ -322,7 +293,7 @@ class ContainerReader(
         seed = _checksum.header_crc(key, e.dtype, e.shape)
         if e.blocks is not None and not blocks_agree(seed, e.blocks, e.nbytes,
                                                      self._record.block_size, e.checksum):
-            raise self._corrupt(key, "has block checksums that do not join to its checksum; "
+            raise self.corrupt(key, "has block checksums that do not join to its checksum; "
                                      "the checkpoint's record is damaged")
         if e.nbytes == 0:
             if kind == ARRAY:
@@ -338,7 +309,7 @@ class ContainerReader(
         try:
             with memoryview(buf) as mv:
                 if start + e.nbytes > len(mv):
-                    raise self._corrupt(key, "is truncated")
+                    raise self.corrupt(key, "is truncated")
                 with mv[start : start + e.nbytes] as region:
                     computed = _checksum.crc(region, seed)
             self._compare(key, e, computed)
@@ -382,7 +353,7 @@ class ContainerLazyArray(LazyArray):
         return self._reader.read(self._key, out=out, verify=verify)
 
     def __getitem__(self, index: Any) -> np.ndarray:
-        e = self._reader._entry(self._key)
+        e = self._reader.entry(self._key)
         whole: np.ndarray
         if e.loc.kind not in (ARRAY, PACKED) or (
                 e.blocks is None and e.nbytes <= _SLICE_WHOLE_BELOW):

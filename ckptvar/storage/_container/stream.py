@@ -18,17 +18,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ...errors import CkptError, CorruptCheckpointError
 from .. import _checksum, _rawio
 from .._record import Entry
+from .access import ValueAccess, compare
 from .source import RemoteFile
-
-if TYPE_CHECKING:
-    from .reader import ContainerReader
 
 __all__ = ["stream_many", "streamable"]
 
@@ -42,18 +39,18 @@ class _Closed(CkptError):
     """The consumer went away: the streams stop."""
 
 
-def streamable(reader: ContainerReader, todo: list[tuple[str, Entry]]) -> bool:
+def streamable(reader: ValueAccess, todo: list[tuple[str, Entry]]) -> bool:
     """Whether the values can be streamed: remote, and no key asked twice."""
     if len({k for k, _ in todo}) != len(todo):
         return False
-    return all(isinstance(reader._source(k, e).fd, RemoteFile) for k, e in todo)
+    return all(isinstance(reader.source(k, e).fd, RemoteFile) for k, e in todo)
 
 
 class _Streams:
     """The shared state of the streams (producers) and the consumer."""
 
     def __init__(
-        self, reader: ContainerReader, todo: list[tuple[str, Entry]], window: int
+        self, reader: ValueAccess, todo: list[tuple[str, Entry]], window: int
     ) -> None:
         self.reader, self.todo, self.window = reader, todo, window
         n = len(todo)
@@ -157,7 +154,7 @@ class _Streams:
                 self.waiting = False
             failed = self.failed[t]
         if isinstance(failed, CorruptCheckpointError):  # the object is short
-            raise self.reader._corrupt(
+            raise self.reader.corrupt(
                 key, f"is truncated: {self.got[t]} of {e.nbytes} bytes present"
             ) from None
         if failed is not None:
@@ -167,11 +164,11 @@ class _Streams:
         arr = self.arrays[t]
         assert arr is not None
         if self.got[t] != e.nbytes:
-            raise self.reader._corrupt(
+            raise self.reader.corrupt(
                 key, f"is truncated: {self.got[t]} of {e.nbytes} bytes present"
             )
         if verify and self.crcs[t] != e.checksum:
-            self.reader._compare(key, e, self.crcs[t])
+            compare(self.reader, key, e, self.crcs[t])
         with self.cond:
             self.ahead -= e.nbytes
             self.arrays[t] = self.views[t] = None
@@ -185,7 +182,7 @@ class _Streams:
 
 
 def stream_many(
-    reader: ContainerReader, todo: list[tuple[str, Entry]], verify: bool, window: int
+    reader: ValueAccess, todo: list[tuple[str, Entry]], verify: bool, window: int
 ) -> Generator[np.ndarray, None, None]:
     """The values of ``todo`` (checked by :func:`streamable`), in order, each verified.
 
@@ -194,7 +191,7 @@ def stream_many(
     state = _Streams(reader, todo, window)
     by_object: dict[tuple[int, str], tuple[RemoteFile, list[tuple[int, int]]]] = {}
     for t, (key, e) in enumerate(todo):
-        src = reader._source(key, e)
+        src = reader.source(key, e)
         rf = src.fd
         assert isinstance(rf, RemoteFile)
         _, items = by_object.setdefault((id(rf.location), rf.key), (rf, []))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
@@ -20,16 +20,13 @@ from ...errors import CorruptCheckpointError
 from .. import _checksum, _rawio
 from .._record import Entry
 from . import source as _src
+from .access import ValueAccess, compare
 from .blocks import hash_range
 from .layout import Source
 
-if TYPE_CHECKING:
-    from .reader import ContainerReader
+__all__ = ["Transfer", "TransferValue", "runs_by_size"]
 
-__all__ = ["PARALLEL_FROM", "Transfer", "TransferValue", "runs_by_size"]
-
-#: Values at least this large are read on the I/O threads, in pieces of ``_SPLIT``.
-PARALLEL_FROM = 1 << 20
+#: Values at least ``PARALLEL_FROM`` large are read on the I/O threads, in pieces of this.
 _SPLIT = 8 << 20
 #: Each I/O task moves about this many bytes (small values are grouped).
 _TASK = 8 << 20
@@ -80,7 +77,7 @@ class Transfer:
 
     def __init__(
         self,
-        reader: ContainerReader,
+        reader: ValueAccess,
         values: list[TransferValue],
         verify: bool,
         *,
@@ -112,7 +109,7 @@ class Transfer:
         probe = [values[0], values[len(values) // 2], values[-1]]
         for v in dict.fromkeys(probe):
             try:
-                src = self.reader._source(v.key, v.entry)
+                src = self.reader.source(v.key, v.entry)
             except (OSError, CorruptCheckpointError):
                 return False  # the read itself reports it
             try:
@@ -135,7 +132,7 @@ class Transfer:
                     if src is not None and src.owned:
                         _src.close(src.fd)
                     src, last = None, v
-                    src = reader._source(v.key, v.entry)
+                    src = reader.source(v.key, v.entry)
                 pos, n = v.pieces[i]
                 at = src.offset + pos
                 if v.view is not None:
@@ -154,7 +151,7 @@ class Transfer:
         """The pieces grouped by the remote object holding them."""
         groups: dict[tuple[int, str], tuple[_src.RemoteFile, list[_Piece]]] = {}
         for v in self.values:
-            src = self.reader._source(v.key, v.entry)
+            src = self.reader.source(v.key, v.entry)
             rf = src.fd
             assert isinstance(rf, _src.RemoteFile)
             at = rf.base + src.offset
@@ -186,12 +183,12 @@ class Transfer:
             e = v.entry
             got = sum(v.got)
             if got != e.nbytes:
-                raise reader._corrupt(v.key, f"is truncated: {got} of {e.nbytes} bytes present")
+                raise reader.corrupt(v.key, f"is truncated: {got} of {e.nbytes} bytes present")
             if self.verify or v.dest is None:
                 value = _checksum.header_crc(v.key, e.dtype, e.shape)
                 for (_, n), part in zip(v.pieces, v.crcs, strict=True):
                     value = _checksum.combine(value, part, n)
-                reader._compare(v.key, e, value)
+                compare(reader, v.key, e, value)
 
     def abandon(self) -> None:
         """Wait for the pieces still running; their errors no longer matter."""
