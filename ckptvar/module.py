@@ -30,7 +30,7 @@ import numpy as np
 from . import initializers as _initializers
 from ._dtypes import as_dtype, kind_of
 from .graph import name_scope as _name_scope
-from .trackable import Trackable
+from .trackable import Trackable, trackable_children
 from .variables import PartitionedVariable, Variable
 
 __all__ = ["Module", "iter_tracked"]
@@ -64,7 +64,7 @@ def iter_tracked(value: Any, seen: set[int]) -> Iterator[Any]:  # noqa: C901 - o
             return
         seen.add(id(value))
         yield value
-        children: Any = value._trackable_children().values()
+        children: Any = trackable_children(value).values()
     elif isinstance(value, list | tuple):
         if id(value) in seen:
             return
@@ -125,13 +125,13 @@ class Module(Trackable):
         if name.startswith("_cv_"):
             return
         if _is_tracked_value(value):
-            self._track(name, value)
+            self.track(name, value)
         else:
-            self._untrack(name)
+            self.untrack(name)
 
     def __delattr__(self, name: str) -> None:
         object.__delattr__(self, name)
-        self._untrack(name)
+        self.untrack(name)
 
     # -- names ------------------------------------------------------------------------
     @property
@@ -151,7 +151,7 @@ class Module(Trackable):
     # -- views ------------------------------------------------------------------------
     def _reachable(self) -> Iterator[Any]:
         seen: set[int] = {id(self)}
-        for child in self._trackable_children().values():
+        for child in self.trackable_children().values():
             yield from iter_tracked(child, seen)
 
     @property
@@ -199,7 +199,7 @@ class Module(Trackable):
             var = Variable(
                 initializer, name=name, shape=tuple(shape), dtype=dt, trainable=trainable
             )
-        self._track(name, var)
+        self.track(name, var)
         return var
 
     def __repr__(self) -> str:

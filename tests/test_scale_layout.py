@@ -101,10 +101,10 @@ def test_python_state_comes_back_with_a_coordinated_restore(tmp_path: Path) -> N
             super().__init__()
             self.n = 0
 
-        def _python_state(self) -> dict[str, int]:
+        def python_state(self) -> dict[str, int]:
             return {"n": self.n}
 
-        def _restore_python_state(self, state: dict[str, int]) -> None:
+        def restore_python_state(self, state: dict[str, int]) -> None:
             self.n = state["n"]
 
     coord = SingleProcessCoordinator()

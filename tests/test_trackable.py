@@ -23,11 +23,11 @@ class TrainState(cv.Trackable):
         self.rng = random.Random(seed)
         self.config = {"lr": 0.1, "layers": [64, 64], "name": "run"}
 
-    def _python_state(self) -> Any:
+    def python_state(self) -> Any:
         version, internal, gauss = self.rng.getstate()
         return {"step": self.step, "rng": [version, list(internal), gauss], "config": self.config}
 
-    def _restore_python_state(self, state: Any) -> None:
+    def restore_python_state(self, state: Any) -> None:
         self.step = state["step"]
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
@@ -67,7 +67,7 @@ def test_python_state_of_an_object_attached_after_restore(
 
 def test_state_that_msgpack_cannot_store_is_refused(tmp_path: Path, fresh_graph: cv.Graph) -> None:
     class Bad(cv.Trackable):
-        def _python_state(self) -> Any:
+        def python_state(self) -> Any:
             return {"x": object()}
 
     with pytest.raises(TypeError, match="'bad'.*msgpack"):
@@ -77,30 +77,77 @@ def test_state_that_msgpack_cannot_store_is_refused(tmp_path: Path, fresh_graph:
 
 def test_state_without_restore_method_fails_clearly(tmp_path: Path, fresh_graph: cv.Graph) -> None:
     class OneWay(cv.Trackable):
-        def _python_state(self) -> Any:
+        def python_state(self) -> Any:
             return 1
 
     path = cv.Checkpoint(x=OneWay()).save(tmp_path / "ckpt")
-    with pytest.raises(TypeError, match="_restore_python_state"):
+    with pytest.raises(TypeError, match=r"restore_python_state\(state\)"):
         cv.Checkpoint(x=OneWay()).restore(path)
 
 
 def test_track_and_defer_protocol(fresh_graph: cv.Graph) -> None:
     t = cv.Trackable()
     seen: list[tuple[str, Any]] = []
-    t._defer("child", lambda parent, name, value: seen.append((name, value)))
+    t.defer_restore("child", lambda parent, name, value: seen.append((name, value)))
     v = cv.Variable(1.0)
-    assert t._deferred_names() == ["child"]
-    t._track("other", v)
+    assert t.deferred_names() == ["child"]
+    t.track("other", v)
     assert seen == []
-    t._track("child", v)
-    t._track("child", v)  # a handler runs once
+    t.track("child", v)
+    t.track("child", v)  # a handler runs once
     assert seen == [("child", v)]
-    assert list(t._trackable_children()) == ["other", "child"]
-    t._untrack("other")
-    assert list(t._trackable_children()) == ["child"]
+    assert list(t.trackable_children()) == ["other", "child"]
+    t.untrack("other")
+    assert list(t.trackable_children()) == ["child"]
     with pytest.raises(ValueError, match="non-empty"):
-        t._track("", v)
+        t.track("", v)
+
+
+def test_the_private_spellings_of_earlier_versions_are_still_honoured(
+    tmp_path: Path, fresh_graph: cv.Graph
+) -> None:
+    class Old(cv.Trackable):
+        def __init__(self) -> None:
+            self.n = 0
+            self.w = cv.Variable([1.0, 2.0], name="old_w")
+
+        def _trackable_children(self) -> dict[str, Any]:
+            return {"w": self.w}
+
+        def _python_state(self) -> Any:
+            return {"n": self.n}
+
+        def _restore_python_state(self, state: Any) -> None:
+            self.n = state["n"]
+
+    old = Old()
+    old.n = 5
+    with pytest.warns(DeprecationWarning) as record:
+        path = cv.Checkpoint(x=old).save(tmp_path / "ckpt")
+    said = " ".join(str(w.message) for w in record)
+    assert "Old overrides _trackable_children()" in said and "_python_state()" in said
+    assert "x/w" in {name for name, _, _ in cv.list_variables(path)}
+    back = Old()
+    back.w.assign([0.0, 0.0])
+    with pytest.warns(DeprecationWarning, match="_restore_python_state"):
+        cv.Checkpoint(x=back).restore(path).assert_consumed()  # the others: warned already
+    assert back.n == 5 and back.w.numpy().tolist() == [1.0, 2.0]
+    # the old aliases of the calls still work, and the old hook answers the new name
+    t = cv.Trackable()
+    t._track("a", back.w)
+    assert list(t._trackable_children()) == ["a"] and t._deferred_names() == []
+
+
+def test_an_attribute_named_like_the_protocol_does_not_hide_it(
+    tmp_path: Path, fresh_graph: cv.Graph
+) -> None:
+    s = TrainState()
+    s.step = 3
+    ckpt = cv.Checkpoint(state=s, python_state=cv.Variable([1.0], name="ps"))
+    path = ckpt.save(tmp_path / "ckpt")
+    other = TrainState()
+    cv.Checkpoint(state=other, python_state=cv.Variable([0.0], name="ps2")).restore(path)
+    assert other.step == 3
 
 
 def test_key_escaping() -> None:

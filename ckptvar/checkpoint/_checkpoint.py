@@ -96,20 +96,20 @@ class Checkpoint(Trackable):
                 f"list/tuple/dict of them, got {type(value).__name__}."
             )
         object.__setattr__(self, name, value)
-        self._track(name, value)
+        self.track(name, value)
 
     def __delattr__(self, name: str) -> None:
         object.__delattr__(self, name)
-        self._untrack(name)
+        self.untrack(name)
 
     # -- the save counter --------------------------------------------------------------
     @property
     def save_counter(self) -> Variable:
         """How many times :meth:`save` ran (an int64 variable, stored as ``save_counter``)."""
-        counter = self._trackable_children().get(_COUNTER)
+        counter = self.trackable_children().get(_COUNTER)
         if counter is None:
             counter = Variable(0, dtype="int64", name=_COUNTER, trainable=False, collections=[])
-            self._track(_COUNTER, counter)
+            self.track(_COUNTER, counter)
         return counter
 
     # -- saving -----------------------------------------------------------------------
@@ -170,7 +170,7 @@ class Checkpoint(Trackable):
         blocking = options.get("blocking", True)
         coordinator: Any = options.get("coordinator")
         timeout = options.get("timeout")
-        counter = self._trackable_children().get(_COUNTER)  # stored only once it exists
+        counter = self.trackable_children().get(_COUNTER)  # stored only once it exists
         with paused_gc():
             plan = gather(self)
             collective = needs_collective(coordinator, plan.variables.values())
@@ -307,5 +307,5 @@ class Checkpoint(Trackable):
         return RestoreStatus(state, root=self)
 
     def __repr__(self) -> str:
-        names = ", ".join(n for n in self._trackable_children() if n != _COUNTER)
+        names = ", ".join(n for n in self.trackable_children() if n != _COUNTER)
         return f"<cv.Checkpoint ({names})>"

@@ -3,7 +3,7 @@
 A restore matches the objects that exist to the file's keys (object-graph paths,
 including the aliases of shared variables) and applies their values all or
 nothing (``_apply``). Values whose objects do not exist yet wait on their parent
-trackable (``Trackable._defer``) and are applied when the object is attached: the
+trackable (``Trackable.defer_restore``) and are applied when the object is attached: the
 variable is born with the stored value and its initializer never runs.
 :class:`RestoreState` keeps the accounting (what was consumed, what is pending)
 that the status (``_status``) reports.
@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from ..storage import ArrayInfo, Reader, backend_for, paused_gc
-from ..trackable import Trackable
+from ..trackable import (
+    Trackable,
+    defer_restore,
+    python_state,
+    restore_python_state,
+    trackable_children,
+)
 from ..variables import PartitionedVariable, Variable
 from ._apply import reader_abilities
 from ._keys import escape_segment, unescape_segment
@@ -154,7 +160,7 @@ class RestoreState:
                     present = {
                         n if type(n) is str and n and "%" not in n and "/" not in n
                         else escape_segment(n)
-                        for n in obj._trackable_children()
+                        for n in trackable_children(obj)
                     }
                     for seg in sorted(wanted - present):
                         m.deferrals.append((obj, unescape_segment(seg), node.key))
@@ -177,14 +183,14 @@ class RestoreState:
     def _settle(self, m: Any, decoded: list[tuple[str, Any, Any]]) -> None:
         """After the values went in: Python states, what was consumed, the deferrals."""
         for _key, trackable, state in decoded:
-            trackable._restore_python_state(state)
+            restore_python_state(trackable, state)
         for key, _, obj in m.variables:
             self.mark_consumed(key, obj)
         for key, trackable, _ in decoded:
             self.consumed_states.add(key)
             self._matched[id(trackable)] = weakref.ref(trackable)
         for parent, name, parent_key in m.deferrals:
-            parent._defer(name, Deferred(self, parent_key))
+            defer_restore(parent, name, Deferred(self, parent_key))
             self.pending += 1
 
     def on_attach(self, parent_key: str, name: str, child: Any) -> None:
@@ -229,7 +235,7 @@ class RestoreState:
                 and node.first
                 and node.parent is not None
                 and not self.matched(obj)
-                and obj._python_state() is not None
+                and python_state(obj) is not None
             ):
                 out.append(f"{node.key} (Python state of {type(obj).__name__})")
         return list(dict.fromkeys(out))

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError
 from ..storage import snapshot
-from ..trackable import Trackable
+from ..trackable import Trackable, python_state
 from ..variables import PartitionedVariable, Variable
 from ._logical import Logical, as_target, assemble
 from ._walk import walk
@@ -91,7 +91,7 @@ def gather(root: Any) -> SavePlan:
             else:
                 plan.aliases.setdefault(first_key[id(obj)], []).append(node.key)
         elif isinstance(obj, Trackable) and node.first and node.parent is not None:
-            state = obj._python_state()
+            state = python_state(obj)
             if state is not None:
                 plan.python_state[node.key] = encode_state(state, node.key)
     return plan

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..trackable import Trackable
+from ..trackable import Trackable, trackable_children
 from ..variables import PartitionedVariable, Variable
 from ._keys import escape_segment
 
@@ -49,10 +49,10 @@ def _join(prefix: str, name: str) -> str:
 def child_items(obj: Any, key: str = "") -> Iterator[tuple[str, Any]]:
     """The ``(raw name, child)`` pairs of a trackable, list, tuple or dict, in order."""
     if isinstance(obj, Trackable):
-        children = obj._trackable_children()
+        children = trackable_children(obj)
         if not isinstance(children, dict):
             raise TypeError(
-                f"{type(obj).__name__}._trackable_children() must return a dict, "
+                f"{type(obj).__name__}.trackable_children() must return a dict, "
                 f"got {type(children).__name__} (at {key or '<root>'!r})."
             )
         yield from children.items()
