@@ -1,10 +1,11 @@
 """The import graph of the package obeys the layers of STYLE.md.
 
 Checked statically over every ``ckptvar/**.py``, with the imports inside functions
-(``ast`` sees them all): no import cycles, the core (device, graph, initializers,
+and those under ``if TYPE_CHECKING:`` (``ast`` sees them all): no import cycles, the core (device, graph, initializers,
 variables, trackable, module) never imports storage, storage never imports the core,
 and no module takes another package's ``_private`` module or another module's
-``_private`` name. The implicit import of a module's parent packages is not counted:
+``_private`` name, and no module reaches ``obj._name`` into another module's class.
+Every module says in its first docstring line what it owns. The implicit import of a module's parent packages is not counted:
 ``ckptvar/__init__`` imports every layer, so it would join everything into one cycle.
 """
 
@@ -176,8 +177,20 @@ def test_cycle_finder_finds_a_cycle_and_only_cycles() -> None:
 
 
 def test_no_import_cycles() -> None:
-    cycles = _cycles(_graph(runtime_only=True))
+    """Type-checking-only imports count: a circle drawn only for the type checker is still
+    a circle in the design (the modules cannot be read, or moved, one without the other)."""
+    cycles = _cycles(_graph(runtime_only=False))
     assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_cycle_rule_sees_type_checking_only_imports() -> None:
+    type_only = [i for m in MODULES for i in imports_of(m) if i.type_only]
+    assert type_only, "no TYPE_CHECKING import found: the walk misses them"
+    full = _graph(runtime_only=False)
+    assert all(i.target in full[i.source] for i in type_only if i.target != i.source)
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import x\n")
+    imp = tree.body[1].body[0]  # type: ignore[attr-defined]
+    assert id(imp) in _type_checking_nodes(tree)
 
 
 def test_core_never_imports_storage() -> None:
@@ -212,6 +225,91 @@ def test_storage_never_imports_core() -> None:
 def test_no_module_takes_another_packages_private_name() -> None:
     crossings = list(dict.fromkeys(_private_crossings()))
     assert not crossings, "\n".join(crossings)
+
+
+# --------------------------------------------------------------------------- private reaches
+
+#: Private names of other libraries taken on purpose, each for a reason no public API meets.
+FOREIGN_PRIVATE = {
+    # runs before the interpreter joins threads and shuts the pools (atexit is too late
+    # to finish a background save)
+    "threading._register_atexit",
+    # the pure-Python unpickler: the only one whose globals can be restricted per load
+    "pickle._Unpickler",
+    # torch.distributed's store of the default process group (no public accessor)
+    "dist.distributed_c10d._get_default_store",
+}
+
+
+def _own_names(tree: ast.AST) -> set[str]:
+    """The names a module defines: functions, classes, assigned names and attributes,
+    keyword arguments (``set_defaults(_x=...)``) and string constants (``__slots__``)."""
+    names: set[str] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(n.name)
+        elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+            names.add(n.attr)
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            names.add(n.id)
+        elif isinstance(n, ast.keyword) and n.arg:
+            names.add(n.arg)
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+            names.add(n.value)
+    return names
+
+
+def private_reaches(source: str, where: str = "<string>") -> list[str]:
+    """``obj._name`` accesses in ``source`` that reach into another module's class.
+
+    An access is this module's own when ``obj`` is ``self`` or ``cls``, or when
+    ``_name`` is defined in this module (its own classes, or a class it defines the
+    name for); any other ``_name`` belongs to another module. Dunder names are public.
+    """
+    tree = ast.parse(source)
+    own = _own_names(tree)
+    out = []
+    for n in ast.walk(tree):
+        if not (isinstance(n, ast.Attribute) and n.attr.startswith("_")
+                and not n.attr.startswith("__")):
+            continue
+        if isinstance(n.value, ast.Name) and n.value.id in {"self", "cls"}:
+            continue
+        text = ast.unparse(n)
+        if n.attr in own or text in FOREIGN_PRIVATE:
+            continue
+        out.append(f"{where}:{n.lineno} {text}")
+    return out
+
+
+def test_the_reach_finder_sees_a_reach_and_only_reaches() -> None:
+    code = (
+        "class A:\n    def _mine(self): return self._x\n"
+        "def f(a, b):\n    a._mine(); b._theirs; b.__len__; return b.public\n"
+    )
+    assert private_reaches(code) == ["<string>:4 b._theirs"]
+
+
+def test_no_module_reaches_into_another_modules_private_attributes() -> None:
+    reaches = [r for mod, path in sorted(MODULES.items())
+               for r in private_reaches(path.read_text(), mod)]
+    assert not reaches, "\n".join(reaches)
+
+
+# --------------------------------------------------------------------------- each module's idea
+
+
+def test_every_module_says_in_its_first_line_what_it_owns() -> None:
+    """A module owns one idea and says which in its docstring's first line (a whole line:
+    a sentence ending in ``.`` or ``:``, followed by a blank line or nothing)."""
+    bad = []
+    for mod, path in sorted(MODULES.items()):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        lines = doc.splitlines() or [""]
+        if (len(lines[0]) < 20 or not lines[0].endswith((".", ":"))
+                or (len(lines) > 1 and lines[1].strip())):
+            bad.append(f"{mod}: {lines[0]!r}")
+    assert not bad, "\n".join(bad)
 
 
 def test_the_storage_rules_see_nested_packages() -> None:

@@ -41,7 +41,7 @@ from ..storage import (
     SupportsShapeAndDtype,
     SupportsVerifyMany,
 )
-from ..variables import Variable
+from ..variables import Variable, give_restored, host_buffer, is_materialized, restore_value
 
 __all__ = [
     "TEMPORARY_BUDGET",
@@ -186,9 +186,9 @@ def apply_values(  # noqa: C901, PLR0912 - the all-or-nothing protocol, step by 
         if id(var) in casts:
             converted.append((key, var))
             continue
-        buf = var._host_buffer() if var._materialized else None
+        buf = host_buffer(var) if is_materialized(var) else None
         if buf is not None and buf.shape == (fast(key)[0] if fast else infos[key].shape):
-            in_place.append((key, var, buf))  # _host_buffer: C-contiguous and writeable
+            in_place.append((key, var, buf))  # host_buffer: C-contiguous and writeable
             in_place_bytes += buf.nbytes
         else:
             fresh.append((key, var))
@@ -243,10 +243,10 @@ def _cast_phase_one(
     dropped before the next is read. Returns the materialised variables, converted
     in phase two.
     """
-    later = [(key, var) for key, var in converted if var._materialized]
+    later = [(key, var) for key, var in converted if is_materialized(var)]
     now: dict[str, list[Variable]] = {}
     for key, var in converted:
-        if not var._materialized:
+        if not is_materialized(var):
             now.setdefault(key, []).append(var)
     for key, targets in now.items():
         stored = reader.read(key, verify=verify)
@@ -264,11 +264,11 @@ def _cast_phase_two(reader: Reader, later: list[tuple[str, Variable]]) -> None:
     for key, targets in wanted.items():
         stored = reader.read(key, verify=False)
         for var in targets:
-            buf = var._host_buffer()
+            buf = host_buffer(var)
             if buf is not None and buf.shape == stored.shape:
                 np.copyto(buf, stored, casting="unsafe")  # same_kind was checked
             else:
-                var._restore_value(stored.astype(var.dtype))
+                restore_value(var, stored.astype(var.dtype))
         del stored
 
 
@@ -285,10 +285,5 @@ def warn_cast(path: Any, casts: list[tuple[str, np.dtype, Variable]]) -> None:
 
 
 def give_value(var: Variable, value: np.ndarray) -> None:
-    if var._materialized:
-        var._restore_value(value)
-    else:
-        def source(value: np.ndarray = value) -> np.ndarray:
-            return value
-
-        var._set_initial_value_source(source)
+    """Assign a restored value (materialised), or make it the initial value (pending)."""
+    give_restored(var, value)

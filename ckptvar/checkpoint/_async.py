@@ -37,6 +37,11 @@ class SaveHandle:
         """True once the save finished (successfully or not)."""
         return self._future.done()
 
+    def add_done_callback(self, fn: Callable[[SaveHandle], object]) -> None:
+        """Call ``fn(handle)`` once the save finished (at once if it has), on whichever
+        thread finishes it; ``fn``'s errors are logged, never raised."""
+        self._future.add_done_callback(lambda _future: fn(self))
+
     def wait(self, timeout: float | None = None) -> str | None:
         """Block until durable; re-raise the background error (only the first time).
 

@@ -123,9 +123,9 @@ class Checkpoint(Trackable):
         ``metadata``, ``storage_options``, ``coordinator``, ``timeout``) are
         :class:`SaveOptions`'s.
         """
-        return self._save(prefix, _checked(options, "save"), on_commit=record_latest)
+        return self.save_step(prefix, _checked(options, "save"), on_commit=record_latest)
 
-    def _save(
+    def save_step(
         self,
         prefix: str | os.PathLike[str],
         options: SaveOptions,
@@ -133,6 +133,13 @@ class Checkpoint(Trackable):
         number: int | None = None,
         on_commit: Callable[[str], None] | None = None,
     ) -> Any:
+        """:meth:`save` for an owner of step numbers (``cv.CheckpointManager``).
+
+        Increments the save counter and writes ``prefix-N.<suffix>`` with ``N`` the
+        given ``number`` (default: the counter), then calls ``on_commit(path)`` once
+        the file is durable instead of recording it as the latest checkpoint. The
+        options are checked :class:`SaveOptions`. Returns what :meth:`save` returns.
+        """
         self.wait()  # one save in flight per checkpoint; surfaces a background error
         base, fmt, suffix = split_format(prefix, options.get("format"))
         counter = self.save_counter

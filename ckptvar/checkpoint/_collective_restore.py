@@ -1,5 +1,4 @@
-"""The restore of a checkpoint by many processes: each reads only what it holds, all or
-nothing.
+"""The restore of a checkpoint by many processes: each reads only what it holds, all or nothing.
 
 Each rank maps the boxes its variables hold onto the stored boxes and reads only the
 overlapping parts (:func:`stage_reads`), checking keys, dtypes, shapes, coverage and
@@ -23,7 +22,7 @@ from .._dtypes import can_cast_same_kind, dtype_name
 from ..distributed import Box, Coordinator
 from ..errors import CheckpointMismatchError
 from ..storage import ShardedReader
-from ..variables import Variable
+from ..variables import Variable, host_buffer, is_materialized
 from ._apply import TEMPORARY_BUDGET, give_value, warn_cast
 from ._files import open_checkpoint_reader
 from ._logical import Logical
@@ -148,7 +147,7 @@ def _in_place(
     out = []
     seen: set[int] = set()
     for key, var, target, want in plans:
-        buf = var._host_buffer() if var._materialized else None
+        buf = host_buffer(var) if is_materialized(var) else None
         if (buf is not None and id(var) not in seen and buf.shape == tuple(target.shape)
                 and buf.dtype == want == reader.info(key).dtype):
             seen.add(id(var))

@@ -52,7 +52,7 @@ class CollectiveRestoreState(RestoreState):
         error (it would keep its initial value on this rank only).
         """
         where = nodes[0].key if nodes else ""
-        with self._lock, paused_gc():
+        with self.lock, paused_gc():
             failure: BaseException | None = None
             staged = Staged()
             m: Any = None

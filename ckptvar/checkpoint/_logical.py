@@ -23,7 +23,7 @@ import numpy as np
 from .._dtypes import check_castable, dtype_name
 from ..errors import CheckpointMismatchError, DTypeLockError, ShapeLockError
 from ..storage import Reader
-from ..variables import PartitionedVariable, Variable
+from ..variables import PartitionedVariable, Variable, host_buffer, is_materialized
 from ._apply import TEMPORARY_BUDGET, apply_values, check_matches, give_value, reader_abilities
 
 __all__ = [
@@ -278,7 +278,7 @@ def apply_targets(  # noqa: C901, PLR0912 - the all-or-nothing protocol over pla
     in_place_bytes = 0
     for key, logical in logicals:
         for part, offset, shape in logical.boxes():
-            buf = part._host_buffer() if part._materialized else None
+            buf = host_buffer(part) if is_materialized(part) else None
             if buf is not None and buf.shape == shape:
                 in_place.append((part, BoxRead(key, offset, shape, buf)))
                 in_place_bytes += buf.nbytes

@@ -397,7 +397,7 @@ class CheckpointManager:
             fcntl.flock(saving, fcntl.LOCK_SH)
             options: SaveOptions = {"format": self.format, "blocking": not self.async_save,
                                     "coordinator": self.coordinator, "timeout": timeout}
-            result = self._checkpoint._save(prefix, options, number=number, on_commit=on_commit)
+            result = self._checkpoint.save_step(prefix, options, number=number, on_commit=on_commit)
         except BaseException:
             os.close(saving)
             raise
@@ -406,7 +406,7 @@ class CheckpointManager:
             if self.coordinator is not None:
                 self._sync()
             return result
-        result._future.add_done_callback(lambda _f, fd=saving: os.close(fd))
+        result.add_done_callback(lambda _h, fd=saving: os.close(fd))
         path: str = result.path
         return path
 
@@ -414,7 +414,7 @@ class CheckpointManager:
         options: SaveOptions = {"format": self.format, "blocking": not self.async_save,
                                 "storage_options": self._storage_options,
                                 "coordinator": self.coordinator, "timeout": timeout}
-        result = self._checkpoint._save(
+        result = self._checkpoint.save_step(
             self._full(self.checkpoint_name),
             options,
             number=number,

@@ -72,7 +72,8 @@ class RestoreState:
         self.verify = verify
         self.cast = cast
         self.silenced = True  # until a status that warns takes it over
-        self._lock = threading.RLock()
+        #: Serialises reads from the shared reader and the bookkeeping of matches.
+        self.lock = threading.RLock()
         self._reader: Reader | None = self._open_reader()
         self._finalizer = weakref.finalize(self, _close, self._reader)
         reader = self._reader
@@ -173,7 +174,7 @@ class RestoreState:
 
     def restore_nodes(self, nodes: list[Node]) -> None:
         """Restore everything under ``nodes`` now and defer what is missing."""
-        with self._lock, paused_gc():
+        with self.lock, paused_gc():
             m = self._match(nodes)
             decoded = [(k, t, decode_state(self.states[k], k, self.path)) for k, t in m.states]
             apply_targets(self.reader, [(k, t) for k, t, _ in m.variables], self.infos,
@@ -194,7 +195,7 @@ class RestoreState:
             self.pending += 1
 
     def on_attach(self, parent_key: str, name: str, child: Any) -> None:
-        with self._lock:
+        with self.lock:
             self.pending -= 1
             seg = escape_segment(name)
             key = f"{parent_key}/{seg}" if parent_key else seg

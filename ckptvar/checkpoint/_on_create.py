@@ -22,7 +22,12 @@ import numpy as np
 
 from .._dtypes import dtype_name
 from ..errors import CheckpointMismatchError
-from ..variables import Variable, register_creation_hook
+from ..variables import (
+    Variable,
+    is_materialized,
+    register_creation_hook,
+    set_initial_value_source,
+)
 from ._collective_restore import Staged, stage_reads
 from ._logical import (
     BoxRead,
@@ -85,7 +90,7 @@ def restore_on_create(  # noqa: C901, PLR0915 - the context manager's whole life
         """``var``'s box of the stored value ``key`` (its slice info is set by now)."""
         box = var.logical_box
         logical = logical_of_part(var)
-        with state._lock:
+        with state.lock:
             info = state.infos[key]
             problems = check_logical([(key, logical)], lambda _: (info.shape, info.dtype),
                                      state.path, cast=cast)
@@ -103,7 +108,7 @@ def restore_on_create(  # noqa: C901, PLR0915 - the context manager's whole life
         return out
 
     def restore_parts() -> None:
-        with state._lock:
+        with state.lock:
             ready = [(k, v) for k, v in parts if v.save_slice_info is not None]
             parts[:] = [(k, v) for k, v in parts if v.save_slice_info is None]
             if ready:
@@ -116,7 +121,7 @@ def restore_on_create(  # noqa: C901, PLR0915 - the context manager's whole life
         restore_parts()  # parts made earlier know their boxes now
         key = by_name.get(var.name)
         if key is not None:
-            with state._lock:
+            with state.lock:
                 target = as_target(var)
                 apply_targets(state.reader, [(key, target)], state.infos, verify=verify,
                               cast=cast)
@@ -127,10 +132,10 @@ def restore_on_create(  # noqa: C901, PLR0915 - the context manager's whole life
         if key is None:
             return
         _check_part_fits(state, key, var)
-        if var._materialized:  # made from a concrete value: restored once its box is known
+        if is_materialized(var):  # made from a concrete value: restored once its box is known
             parts.append((key, var))
         else:  # read when first needed; the initializer never runs
-            var._set_initial_value_source(functools.partial(take_box, key, var))
+            set_initial_value_source(var, functools.partial(take_box, key, var))
             pending_sources.append(var)
 
     pending_sources: list[Variable] = []
@@ -219,14 +224,14 @@ class _Steps:
         staged = Staged()
         failure: BaseException | None = None
         try:
-            with state._lock:
+            with state.lock:
                 staged = stage_reads(state.reader, items, state.path, verify=state.verify,
                                      cast=state.cast)
         except BaseException as exc:  # noqa: BLE001 - reported through the vote
             failure = exc
         self.coord.vote(failure, tag=f"{self.tag}:{what}", timeout=self.timeout)
-        lazy = {id(var) for var, _ in staged.values if not var._materialized}
-        with state._lock:  # values read in place come from the shared reader
+        lazy = {id(var) for var, _ in staged.values if not is_materialized(var)}
+        with state.lock:  # values read in place come from the shared reader
             staged.apply(state.path)
         for var, value in staged.values:  # (a materialised variable copied its value)
             if id(var) in lazy:
@@ -261,5 +266,5 @@ class _Steps:
         key = self.by_name.get(match.group(1)) if match else None
         if key is not None:  # its box is known once the partitioner has set it
             self.parts.append((key, var))
-            if not var._materialized:  # the initializer never runs
-                var._set_initial_value_source(functools.partial(self.first_use, var))
+            if not is_materialized(var):  # the initializer never runs
+                set_initial_value_source(var, functools.partial(self.first_use, var))

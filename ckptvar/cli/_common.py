@@ -1,5 +1,6 @@
-"""What every ``ckpt`` subcommand shares: exit codes, usage errors, opening a checkpoint,
-and key selection (``--filter`` / ``--exclude``)."""
+"""What every ``ckpt`` subcommand shares: exit codes, usage errors, opening, key selection.
+
+Key selection is ``--filter`` / ``--exclude``."""
 
 from __future__ import annotations
 

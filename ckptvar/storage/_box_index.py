@@ -1,5 +1,7 @@
-"""Between NumPy indexes and boxes: which box a basic index selects, which run of a
-C-ordered array a box's slices cover, and whether a buffer can take a value in place.
+"""Between NumPy indexes and boxes: the box an index selects, the run it covers, in place.
+
+Which box a basic index selects, which run of a C-ordered array a box's slices cover,
+and whether a buffer can take a value in place.
 
 >>> run_start((slice(2, 4), slice(0, 3)), (5, 3))   # rows 2..3 of a (5, 3) array: one run
 6

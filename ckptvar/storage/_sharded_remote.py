@@ -1,5 +1,4 @@
-"""Multi-process checkpoints at object-store URLs: the same layout as on disk, committed by
-marker.
+"""Multi-process checkpoints at object-store URLs: the layout of disk, committed by marker.
 
 A step ``s3://b/run/ckpt-3.h5`` written by N processes holds, below its own key,
 ``rank-00000.h5`` ... (or ``rank-00000.zarr/...``: each process's ordinary ckptvar

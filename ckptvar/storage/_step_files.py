@@ -1,5 +1,4 @@
-"""Where the files of a multi-process checkpoint are: a local directory or a committed step
-at an object-store URL.
+"""Where a multi-process checkpoint's files are: a local directory or a committed URL step.
 
 A :class:`~._sharded.ShardedReader` asks its :class:`StepFiles` for the index bytes and
 for a reader of each per-process file, so one reader serves both places.

@@ -1,5 +1,4 @@
-"""The files of a ckptvar Zarr v3 checkpoint: their JSON documents, writing them, and
-opening them safely.
+"""The files of a ckptvar Zarr v3 checkpoint: JSON documents, writing, opening safely.
 
 Owns: the ``zarr.json`` documents of groups and one-chunk arrays, where an array's
 single chunk file is (:func:`chunk_key`), creating a file once (:func:`write_file`),

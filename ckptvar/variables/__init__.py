@@ -10,6 +10,10 @@ The package's modules, each owning one idea:
 - :mod:`.tf1`: variable scopes, :func:`get_variable` and its store;
 - :mod:`.partitioned`: :class:`PartitionedVariable` and the TF partitioners.
 
+The restore seam (:func:`is_materialized`, :func:`host_buffer`, :func:`restore_value`,
+:func:`set_initial_value_source`, :func:`give_restored`) is what the checkpoint layer
+may do to a variable beyond its public API; it is exported here, not from ``cv``.
+
 Importing this package loads NumPy and ml_dtypes only: no storage library, no CuPy.
 
 >>> from ckptvar.graph import Graph
@@ -23,9 +27,19 @@ from __future__ import annotations
 
 from ._array import VariableSlice
 from ._hooks import CreationHookHandle, deferred_init, register_creation_hook
+from ._lifecycle import convert_value
 from ._shapes import VariableArgumentError
 from ._slices import LogicalBox, SaveSliceInfo, Shard
-from ._variable import Variable, VariableStateError
+from ._variable import (
+    Variable,
+    VariableStateError,
+    give_restored,
+    host_buffer,
+    is_materialized,
+    restore_value,
+    set_initial_value_source,
+    set_save_slice_info,
+)
 from .partitioned import (
     PartitionedVariable,
     PartitionInfo,
@@ -56,14 +70,21 @@ __all__ = [
     "VariableScope",
     "VariableSlice",
     "VariableStateError",
+    "convert_value",
     "deferred_init",
     "fixed_size_partitioner",
     "get_variable",
     "get_variable_scope",
+    "give_restored",
     "global_variables_initializer",
+    "host_buffer",
+    "is_materialized",
     "min_max_variable_partitioner",
     "register_creation_hook",
     "report_uninitialized_variables",
+    "restore_value",
+    "set_initial_value_source",
+    "set_save_slice_info",
     "variable_axis_size_partitioner",
     "variable_scope",
 ]

@@ -22,10 +22,7 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ._variable import Variable
+from typing import Any
 
 __all__ = [
     "CreationHookHandle",
@@ -36,14 +33,18 @@ __all__ = [
     "run_creation_hooks",
 ]
 
-_hooks: list[Callable[[Variable], None]] = []
+#: A creation hook, called with the new ``Variable`` (typed as ``Any``: this module sits
+#: below :mod:`._variable`, which imports it, so it does not name the class).
+Hook = Callable[[Any], None]
+
+_hooks: list[Hook] = []
 _hooks_lock = threading.Lock()
 
 
 class CreationHookHandle:
     """Returned by :func:`register_creation_hook`; ``remove()`` unregisters the hook."""
 
-    def __init__(self, fn: Callable[[Variable], None]) -> None:
+    def __init__(self, fn: Hook) -> None:
         self._fn = fn
 
     def remove(self) -> None:
@@ -61,13 +62,13 @@ class CreationHookHandle:
         self.remove()
 
 
-def register_creation_hook(fn: Callable[[Variable], None]) -> CreationHookHandle:
+def register_creation_hook(fn: Hook) -> CreationHookHandle:
     """Call ``fn(variable)`` at the end of every ``Variable.__init__`` (all threads).
 
     When a hook runs, the variable's name, shape, dtype, device and ``trainable`` are set
     and it is in its collections; a variable built from an initializer has not run it yet
     (nothing is materialised), so the hook may supply the value with
-    ``variable._set_initial_value_source(fn)``. Hooks run in registration order.
+    ``ckptvar.variables.set_initial_value_source(variable, fn)``. Hooks run in registration order.
     """
     with _hooks_lock:
         _hooks.append(fn)

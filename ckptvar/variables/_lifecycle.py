@@ -27,7 +27,7 @@ from ..errors import ShapeLockError
 from ._array import match_backend, operand, write_into
 from ._shapes import Shape, compatible, shape_str
 
-__all__ = ["FreshValue", "Pending", "Ready", "Unset", "WriteBehaviour"]
+__all__ = ["FreshValue", "Pending", "Ready", "Unset", "WriteBehaviour", "convert_value"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,3 +184,8 @@ class WriteBehaviour:
                 buf[index] = match_backend(arr, buf)
         return self
 
+
+
+def convert_value(var: WriteBehaviour, value: Any, what: str) -> Any:
+    """``value`` as an array of ``var``'s dtype (host, or device on a GPU); same_kind checked."""
+    return var._convert(value, what)

@@ -4,8 +4,9 @@ Owns :class:`Variable`: creation (dtype inference, the shape lock, naming, place
 collections), moving through its lifecycle states (``self._state``: one of
 :class:`~ckptvar.variables._lifecycle.Unset`, ``Pending``, ``Ready``), reading, pickling
 and copying, what box of a logical variable it holds (:attr:`Variable.logical_box`), and
-the hooks the checkpoint layer uses (``_materialized``, ``_set_initial_value_source``,
-``_restore_value``, ``_host_buffer``, ``_uid``). Writes come from
+the hooks the checkpoint layer uses, reached only through the restore seam at the end
+of this module (:func:`is_materialized`, :func:`host_buffer`, :func:`restore_value`,
+:func:`set_initial_value_source`, :func:`give_restored`). Writes come from
 :class:`~ckptvar.variables._lifecycle.WriteBehaviour`, the array behaviour from
 :class:`~ckptvar.variables._array.ArrayBehaviour`.
 
@@ -50,7 +51,16 @@ from ._shapes import (
 )
 from ._slices import LogicalBox, SaveSliceInfo, Shard, check_shard
 
-__all__ = ["Variable", "VariableStateError"]
+__all__ = [
+    "Variable",
+    "VariableStateError",
+    "give_restored",
+    "host_buffer",
+    "is_materialized",
+    "restore_value",
+    "set_initial_value_source",
+    "set_save_slice_info",
+]
 
 
 class VariableStateError(CkptError, RuntimeError):
@@ -483,3 +493,42 @@ def _convert_initial(value: Any, dt: np.dtype, name: str | None) -> np.ndarray:
     src = to_host(value) if is_device_array(value) else value
     check_value_castable(src, dt, what=what)
     return np.array(src, dtype=dt, copy=True, order="C")
+
+
+# --------------------------------------------------------------------------- the restore seam
+# What the checkpoint layer (and the sibling modules tf1, partitioned) may do to a
+# variable beyond its public API: these functions are the only door to the hooks.
+
+
+def is_materialized(var: Variable) -> bool:
+    """Whether memory holds ``var``'s value (not merely pending)."""
+    return var._materialized
+
+
+def host_buffer(var: Variable) -> np.ndarray | None:
+    """``var``'s backing buffer itself when materialised on the CPU, C-contiguous and
+    writeable (a restore may read straight into it); else ``None``."""
+    return var._host_buffer()
+
+
+def restore_value(var: Variable, array: np.ndarray) -> None:
+    """Give ``var`` the host ``array`` (its exact dtype and shape; the caller checked)."""
+    var._restore_value(array)
+
+
+def set_initial_value_source(var: Variable, fn: Callable[[], np.ndarray]) -> None:
+    """Make ``fn()`` ``var``'s initial value, taken at first use (the initializer never runs)."""
+    var._set_initial_value_source(fn)
+
+
+def give_restored(var: Variable, value: np.ndarray) -> None:
+    """A restored ``value`` for ``var``: assigned if materialised, else its initial value."""
+    if var._materialized:
+        var._restore_value(value)
+    else:
+        var._set_initial_value_source(lambda: value)
+
+
+def set_save_slice_info(var: Variable, info: SaveSliceInfo) -> None:
+    """Mark ``var`` as one part of a partitioned variable (``get_variable`` does)."""
+    var._set_save_slice_info(info)

@@ -23,6 +23,7 @@ import numpy as np
 
 from .._dtypes import as_dtype, dtype_name, infer_dtype
 from ..errors import ShapeLockError, VariableScopeError
+from ._lifecycle import convert_value
 from ._shapes import defined_dims, fully_defined, normalize_shape
 from ._slices import SaveSliceInfo
 from ._variable import Variable
@@ -125,7 +126,7 @@ class PartitionedVariable:
     def assign(self, value: Any) -> PartitionedVariable:
         """Write the full ``value`` into the parts; checks dtype and shape before any write."""
         what = f"a value assigned to partitioned variable {self._name!r}"
-        arr = self._parts[0]._convert(value, what)
+        arr = convert_value(self._parts[0], value, what)
         if tuple(arr.shape) != self._shape:
             raise ShapeLockError(
                 f"Cannot assign to partitioned variable {self._name!r}: shape "

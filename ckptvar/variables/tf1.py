@@ -32,7 +32,7 @@ from ..errors import VariableScopeError
 from ..graph import Graph, GraphKeys, get_default_graph
 from ._lifecycle import FreshValue
 from ._shapes import normalize_shape, shape_str
-from ._variable import Variable
+from ._variable import Variable, set_save_slice_info
 from .partitioned import PartitionedVariable, PartitionInfo, defined_shape, make_partitioned
 
 __all__ = [
@@ -426,7 +426,7 @@ def _new_variable(graph: Graph, state: _Tf1State, full: str, initial: Any, dtype
         variable = Variable(initial, name=full, dtype=dtype, shape=shape, _graph=graph,
                             **kwargs)
     if info is not None:
-        variable._set_save_slice_info(info)
+        set_save_slice_info(variable, info)
         state.keep(full, variable)
     return variable
 

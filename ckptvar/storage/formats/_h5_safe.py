@@ -1,5 +1,4 @@
-"""HDF5 files ckptvar did not write, read safely: the walk that refuses to reach outside, and
-lazy datasets.
+"""HDF5 files ckptvar did not write, read safely: a walk that stays inside, lazy datasets.
 
 Owns: :class:`Walker` (resolves paths one link at a time; refuses external and
 user-defined links, virtual datasets, external raw storage and filters other than

@@ -1,5 +1,6 @@
-"""Planning and following ranged reads: which byte ranges go in one request, and where
-each byte of a streamed response belongs.
+"""Planning and following ranged reads: ranges merged into requests, bytes to their owners.
+
+Which byte ranges go in one request, and where each byte of a streamed response belongs.
 
 Owns :func:`plan_requests` (ranges merged across small gaps, as obstore's
 ``get_ranges`` merges them, and cut into requests of bounded size) and
