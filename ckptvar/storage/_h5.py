@@ -54,7 +54,16 @@ from ._record import ARRAY, FORMAT_VERSION, MAX_RECORD_NBYTES, PACKED, Entry, Re
 from .base import Backend
 from .registry import register_backend
 
-__all__ = ["USERBLOCK_SIZE", "H5Backend", "H5Reader", "H5Writer", "read_userblock"]
+__all__ = [
+    "USERBLOCK_SIZE",
+    "H5Backend",
+    "H5Reader",
+    "H5Writer",
+    "index_regions",
+    "read_index",
+    "read_userblock",
+    "record_crc",
+]
 
 USERBLOCK_SIZE = 512
 #: First 12 bytes of a ckptvar HDF5 file (the HDF5 superblock follows at byte 512).
@@ -236,6 +245,50 @@ def read_userblock(fd: int | RemoteFile, path: Any) -> tuple[int, int, int, int,
         )
     _, major, minor, off, n, rcrc = _UB.unpack(head[: _UB.size])
     return major, minor, off, n, rcrc
+
+
+def record_crc(local: Path) -> int:
+    """The root record's CRC-32C of the local ckptvar HDF5 file ``local`` (its user block)."""
+    fd = os.open(local, os.O_RDONLY)
+    try:
+        return read_userblock(fd, local)[4]
+    finally:
+        os.close(fd)
+
+
+def read_index(local: Path) -> bytes:
+    """The index of the local ckptvar HDF5 file ``local``: its user block, then its root
+    record (the bytes a reader needs before any value; stored as an object of its own
+    beside a remote step, :func:`index_regions`)."""
+    fd = os.open(local, os.O_RDONLY)
+    try:
+        _, _, offset, nbytes, _ = read_userblock(fd, local)
+        head = os.pread(fd, USERBLOCK_SIZE, 0)
+        body = os.pread(fd, nbytes, offset)
+    finally:
+        os.close(fd)
+    if len(head) != USERBLOCK_SIZE or len(body) != nbytes:
+        raise CorruptCheckpointError(f"{str(local)!r}: the file ends inside its root record.")
+    return head + body
+
+
+def index_regions(raw: bytes, index: RemoteFile, path: Any) -> list[tuple[int, bytes]]:
+    """Where the bytes of an index (:func:`read_index`) sit in its file: ``[(0, user
+    block), (record offset, root record)]``. ``index`` is the index object itself, for
+    messages; ``CorruptCheckpointError`` if the two parts do not fit each other."""
+    head, body = raw[:USERBLOCK_SIZE], raw[USERBLOCK_SIZE:]
+    if len(head) < USERBLOCK_SIZE:
+        raise CorruptCheckpointError(
+            f"Checkpoint {str(path)!r}: its index object {index.location.join(index.key)} "
+            f"is damaged (it ends inside its user block)."
+        )
+    _, _, offset, nbytes, _ = read_userblock(index, path)
+    if nbytes != len(body):
+        raise CorruptCheckpointError(
+            f"Checkpoint {str(path)!r}: its index object {index.location.join(index.key)} "
+            f"holds {len(body)} record bytes, its user block says {nbytes}; it is damaged."
+        )
+    return [(0, head), (offset, body)]
 
 
 def _read_exact(fd: int | RemoteFile, offset: int, n: int, *, what: str, path: Any) -> bytes:

@@ -26,7 +26,6 @@ everything, so opening does not check it.)
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import uuid
 from collections.abc import Callable, Mapping
@@ -40,7 +39,7 @@ from ..errors import (
 )
 from . import _checksum
 from ._container.source import RemoteFile
-from ._h5 import USERBLOCK_SIZE, H5Reader, read_userblock
+from ._h5 import USERBLOCK_SIZE, H5Reader, index_regions, read_index, read_userblock, record_crc
 from ._sharded_remote import is_sharded_record, open_sharded_remote
 from ._zarr_remote import RemoteZarrReader
 from .base import Reader
@@ -121,38 +120,16 @@ def _h5_index(
         parent.read_into(record.data, 0, first)  # read once, used twice
         return [(0, bytes(first))]
     raw = parent.read(record.index)
-    head, body = raw[:USERBLOCK_SIZE], raw[USERBLOCK_SIZE:]
     bound = record.index_checksum
-    found = f"{RECORD_CHECKSUM}{_checksum.crc(body):08x}"
-    if len(head) < USERBLOCK_SIZE or (bound.startswith(RECORD_CHECKSUM) and found != bound):
+    found = f"{RECORD_CHECKSUM}{_checksum.crc(raw[USERBLOCK_SIZE:]):08x}"
+    if bound.startswith(RECORD_CHECKSUM) and found != bound:
         raise CorruptCheckpointError(
             f"Checkpoint {parent.join(name)!r}: its index object {parent.join(record.index)} "
             f"is damaged (its root record has {found}; the commit marker "
             f"{parent.join(marker_key(name))} binds index checksum {bound})."
         )
-    _, _, offset, nbytes, _ = read_userblock(RemoteFile(parent, record.index, len(raw),
-                                                        known=[(0, head)]), parent.join(name))
-    if nbytes != len(body):
-        raise CorruptCheckpointError(
-            f"Checkpoint {parent.join(name)!r}: its index object {parent.join(record.index)} "
-            f"holds {len(body)} record bytes, its user block says {nbytes}; it is damaged."
-        )
-    return [(0, head), (offset, body)]
-
-
-def write_h5_index(local: Path, out: Path) -> None:
-    """Write the index object of the local ckptvar HDF5 file ``local`` to ``out``: its
-    user block, then its root record."""
-    fd = os.open(local, os.O_RDONLY)
-    try:
-        _, _, offset, nbytes, _ = read_userblock(fd, local)
-        head = os.pread(fd, USERBLOCK_SIZE, 0)
-        body = os.pread(fd, nbytes, offset)
-    finally:
-        os.close(fd)
-    if len(head) != USERBLOCK_SIZE or len(body) != nbytes:
-        raise CorruptCheckpointError(f"{str(local)!r}: the file ends inside its root record.")
-    out.write_bytes(head + body)
+    index = RemoteFile(parent, record.index, len(raw), known=[(0, raw[:USERBLOCK_SIZE])])
+    return index_regions(raw, index, parent.join(name))
 
 
 def _check_bound(parent: Location, name: str, record: CommitRecord, record_crc: int) -> None:
@@ -177,11 +154,7 @@ def record_checksum(local: Path) -> str:
         doc = json.loads((local / "zarr.json").read_text("utf-8"))
         crc = int(doc["attributes"]["ckptvar"]["record_crc32c"])
     else:
-        fd = os.open(local, os.O_RDONLY)
-        try:
-            *_, crc = read_userblock(fd, local)
-        finally:
-            os.close(fd)
+        crc = record_crc(local)
     return f"{RECORD_CHECKSUM}{crc:08x}"
 
 
@@ -219,11 +192,10 @@ def save_remote(
         data = f"{name}.{writer[:12]}.data"
         index = f"{name}.{writer[:12]}.index"
         bound = record_checksum(local)
-        index_file = Path(tmp) / "index"
-        write_h5_index(local, index_file)
+        index_bytes = read_index(local)
         parent.upload_file(str(local), data)
         try:
-            parent.put(index, index_file.read_bytes())
+            parent.put(index, index_bytes)
             commit(parent, name, bound, data=data, writer=writer, index=index)
         except BaseException:
             parent.delete([data, index])
