@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import ckptvar as cv
 from ckptvar.errors import CorruptCheckpointError, UnsupportedFormatError
 from ckptvar.storage._paths import container_paths, escape_key, is_valid_container_path
-from ckptvar.storage._record import Entry, Location, Record, decode, encode
+from ckptvar.storage._record import Entry, Extent, Record, decode, encode
 
 
 def good() -> dict:
@@ -36,17 +36,17 @@ def dec(doc: object) -> Record:
 
 def test_good_record_decodes() -> None:
     rec = dec(good())
-    assert rec.values["w"] == Entry("float32", (2, 2), 5, {"name": "w"}, Location.packed(0, 16))
-    assert rec.values["v"] == Entry("int8", (3,), 6, {"name": "v", "x": 1}, Location.packed(64, 3))
+    assert rec.values["w"] == Entry("float32", (2, 2), 5, {"name": "w"}, Extent.packed(0, 16))
+    assert rec.values["v"] == Entry("int8", (3,), 6, {"name": "v", "x": 1}, Extent.packed(64, 3))
     assert list(rec.values) == ["w", "v"]
 
 
 def test_encode_decode_round_trip_keeps_attrs_and_locations() -> None:
     values = {
-        "a": Entry("float32", (2,), 1, {"name": "a", "trainable": True}, Location.packed(0, 8)),
+        "a": Entry("float32", (2,), 1, {"name": "a", "trainable": True}, Extent.packed(0, 8)),
         "b": Entry("bfloat16", (), 2, {"name": "b", "extra": [1, {"k": None}]},
-                   Location.packed(64, 2)),
-        "c": Entry("int64", (0, 4), 3, {}, Location.array("c", 4096, 0)),
+                   Extent.packed(64, 2)),
+        "c": Entry("int64", (0, 4), 3, {}, Extent.array("c", 4096, 0)),
     }
     rec = Record(container="h5", values=values, metadata={"m": 1},
                  packed=("_ckptvar/packed", 512, 128))

@@ -18,7 +18,7 @@ from ._collective import collective_write, needs_collective, rank_variables
 from ._collective_restore import collective_restore
 from ._files import discard, open_checkpoint_reader, write_file
 from ._logical import Logical, apply_targets, group_by_name
-from ._serialize import SavePlan, host_arrays, metadata
+from ._serialize import SaveContents, host_arrays, metadata
 from ._state import record_latest
 from ._status import missing_keys_error
 from ._steps import split_format, step_name
@@ -102,7 +102,7 @@ class Saver:
         collective = needs_collective(coordinator, mapping.values())
         if collective:
             mapping = rank_variables(mapping)
-        plan = SavePlan(variables=mapping)
+        plan = SaveContents(variables=mapping)
         meta = metadata(plan, save_counter=None) | {"saver": {"version": 1}}
         if collective:
             primary = coordinator.is_primary

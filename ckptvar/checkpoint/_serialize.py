@@ -1,6 +1,6 @@
 """From objects to what a checkpoint file holds: keys, host arrays, attributes, metadata.
 
-No I/O here. :func:`gather` walks an object graph into a :class:`SavePlan`;
+No I/O here. :func:`gather` walks an object graph into a :class:`SaveContents`;
 :func:`host_arrays` turns it into ``(key, array, attrs)`` triples — views of the
 variables' own buffers for a blocking save (no copy), or a consistent snapshot
 (one copy each) for a background save; a logical variable (a partitioned variable, a
@@ -25,7 +25,7 @@ from ._walk import walk
 
 __all__ = [
     "GRAPH_VERSION",
-    "SavePlan",
+    "SaveContents",
     "decode_state",
     "encode_state",
     "gather",
@@ -39,7 +39,7 @@ GRAPH_VERSION = 1
 
 
 @dataclass
-class SavePlan:
+class SaveContents:
     """What one save writes: variables by key, their aliases, and Python states."""
 
     variables: dict[str, Variable | Logical] = field(default_factory=dict)
@@ -78,9 +78,9 @@ def decode_state(blob: Any, key: str, path: Any) -> Any:
         ) from exc
 
 
-def gather(root: Any) -> SavePlan:
+def gather(root: Any) -> SaveContents:
     """Walk ``root`` and collect every variable (once) and every Python state."""
-    plan = SavePlan()
+    plan = SaveContents()
     first_key: dict[int, str] = {}
     for node in walk(root):
         obj = node.obj
@@ -97,7 +97,7 @@ def gather(root: Any) -> SavePlan:
     return plan
 
 
-def host_arrays(plan: SavePlan, *, copy: bool) -> list[tuple[str, np.ndarray, dict[str, Any]]]:
+def host_arrays(plan: SaveContents, *, copy: bool) -> list[tuple[str, np.ndarray, dict[str, Any]]]:
     """``(key, host array, attrs)`` for each variable; ``copy=True`` takes a snapshot.
 
     The snapshot's large host values are copied in parallel (:func:`snapshot`); a device
@@ -126,7 +126,7 @@ def host_arrays(plan: SavePlan, *, copy: bool) -> list[tuple[str, np.ndarray, di
     return out
 
 
-def metadata(plan: SavePlan, *, save_counter: int | None, user: Any = None) -> dict[str, Any]:
+def metadata(plan: SaveContents, *, save_counter: int | None, user: Any = None) -> dict[str, Any]:
     """The msgpack-able record stored with the arrays."""
     meta: dict[str, Any] = {
         "object_graph": {

@@ -40,7 +40,7 @@ from ._container import (
     ContainerWriter,
     Source,
     ValueRanges,
-    WriteItem,
+    ValueWrite,
     WritePlan,
     check_regions,
     scalar_attrs,
@@ -177,7 +177,7 @@ class _H5File:
         finally:
             fid.close()
 
-    def finish(self, arrays: list[WriteItem], record_nbytes: int) -> int:
+    def finish(self, arrays: list[ValueWrite], record_nbytes: int) -> int:
         """Put each array's attributes on its dataset and allocate the manifest dataset
         (written by the caller with pwrite like every value: libhdf5's own raw-data
         writes are flushed inside H5Dclose, where a failure is fatal); its offset."""

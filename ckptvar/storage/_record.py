@@ -13,7 +13,7 @@ dims, sizes that do not overflow, packed values inside the blob and not
 overlapping). Every violation is a :class:`CorruptCheckpointError` naming the
 file and the key.
 
->>> rec = Record(container="h5", values={"w": Entry("float32", (2,), 7, {}, Location.packed(0, 8))},
+>>> rec = Record(container="h5", values={"w": Entry("float32", (2,), 7, {}, Extent.packed(0, 8))},
 ...              packed=("_ckptvar/packed", 512, 64))
 >>> back = decode(encode(rec), "f.h5", container="h5")
 >>> back.values["w"].shape, back.values["w"].nbytes, back.format_version
@@ -80,7 +80,7 @@ __all__ = [
     "MAX_RECORD_NBYTES",
     "Columns",
     "Entry",
-    "Location",
+    "Extent",
     "Record",
     "ValueColumns",
     "block_count",
@@ -98,8 +98,9 @@ MAX_RECORD_NBYTES = 1 << 30
 _LIBRARY = "ckptvar 0.1.0"
 
 
-class Location(NamedTuple):
-    """Where a value's bytes are.
+class Extent(NamedTuple):
+    """Where a value's bytes are inside its container (not where the container is: that is a
+    ``storage.location.Location``).
 
     ``kind`` is ``"array"`` for a value stored as its own array at container ``path``
     (``offset``: absolute in an HDF5 file, 0 in a Zarr chunk), ``"packed"`` for a value
@@ -115,33 +116,33 @@ class Location(NamedTuple):
     nbytes: int
 
     @classmethod
-    def packed(cls, offset: int, nbytes: int) -> Location:
+    def packed(cls, offset: int, nbytes: int) -> Extent:
         return cls(PACKED, None, offset, nbytes)
 
     @classmethod
-    def array(cls, path: str, offset: int, nbytes: int) -> Location:
+    def array(cls, path: str, offset: int, nbytes: int) -> Extent:
         return cls(ARRAY, path, offset, nbytes)
 
     @classmethod
-    def zarr(cls, path: str, nbytes: int) -> Location:
+    def zarr(cls, path: str, nbytes: int) -> Extent:
         return cls(ZARR, path, 0, nbytes)
 
 
-#: The kinds of :class:`Location`.
+#: The kinds of :class:`Extent`.
 PACKED, ARRAY, ZARR = "packed", "array", "zarr"
 
 
 @dataclass(slots=True)
 class Entry:
     """One value: dtype name, shape, checksum, writer attrs and where its bytes are
-    (:class:`Location`). Treat it as immutable (``dataclasses.replace`` makes a changed
+    (:class:`Extent`). Treat it as immutable (``dataclasses.replace`` makes a changed
     copy)."""
 
     dtype: str
     shape: tuple[int, ...]
     checksum: int
     attrs: Mapping[str, Any]
-    loc: Location
+    loc: Extent
     #: The little-endian ``uint32`` CRC-32C of each block of the value's bytes (1.2), or
     #: None (a value of at most one block, or from an older file).
     blocks: bytes | None = None
@@ -198,7 +199,7 @@ class ValueColumns:
     dtypes: list[str]
     shapes: list[tuple[int, ...]]
     checksums: list[int]
-    locs: list[Location]
+    locs: list[Extent]
     attrs: list[Mapping[str, Any]]
     #: Each value's block checksums (``Entry.blocks``), or None for none of them.
     blocks: list[bytes | None] | None = None
@@ -327,7 +328,7 @@ def _validate(doc: Any, container: str, file_size: int | None) -> Record:
     nb = np.array(nbytes, np.int64)
     pk = np.array(is_packed, bool)
     check_packed(keys, pk, off, nb, packed_nbytes)
-    make = functools.partial(tuple.__new__, Location)  # no per-value Python call
+    make = functools.partial(tuple.__new__, Extent)  # no per-value Python call
     locs = list(map(make, zip(layouts, paths, offsets, nbytes, strict=True)))
     shape_tuples = map(tuple, shapes)
     entries = list(map(Entry, dtypes, shape_tuples, checksums, attrs, locs, blocks))
@@ -446,7 +447,7 @@ def _indexed_entry(idx: KeyIndex, where: str, key: str, i: int) -> Entry:
                             f"and shape {nbytes}")
     except BadRecord as exc:
         raise CorruptCheckpointError(f"Checkpoint {where!r}: bad root record: {exc}.") from None
-    loc = Location(LAYOUT_CODES[int(idx.layouts[i])], path, int(idx.offsets[i]), nbytes)
+    loc = Extent(LAYOUT_CODES[int(idx.layouts[i])], path, int(idx.offsets[i]), nbytes)
     e = Entry(dtype, tuple(shape), int(idx.checksums[i]), attrs, loc, idx.blocks(i))
     e._nbytes = nbytes
     return e

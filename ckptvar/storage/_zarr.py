@@ -40,13 +40,13 @@ from ._container import (
     ContainerReader,
     ContainerWriter,
     Source,
-    WriteItem,
+    ValueWrite,
     WritePlan,
     scalar_attrs,
     storage_dtype,
     write_packed,
 )
-from ._record import FORMAT_VERSION, Entry, Location, Record, decode
+from ._record import FORMAT_VERSION, Entry, Extent, Record, decode
 from ._zarr_files import (
     GROUP_DOC,
     O_DIR,
@@ -97,10 +97,10 @@ class ZarrWriter(ContainerWriter):
         self.compression_level = compression_level
         super().__init__(path, **options)
 
-    def _array_loc(self, it: WriteItem) -> Location:
+    def _array_loc(self, it: ValueWrite) -> Extent:
         if self.compression is not None:
-            return Location.zarr(it.path, it.nbytes)
-        return Location.array(it.path, 0, it.nbytes)
+            return Extent.zarr(it.path, it.nbytes)
+        return Extent.array(it.path, 0, it.nbytes)
 
     def _write(self, tmp: Path, plan: WritePlan) -> None:
         tree = _Tree(tmp, [] if self.durable else None)
@@ -145,7 +145,7 @@ class ZarrWriter(ContainerWriter):
         if tree.sync is not None:
             fsync_all(tree.sync, tree.dirs)
 
-    def _write_compressed(self, tmp: Path, it: WriteItem, sdt: np.dtype) -> None:
+    def _write_compressed(self, tmp: Path, it: ValueWrite, sdt: np.dtype) -> None:
         zarr = zarr_api()
         level = self.compression_level
         if self.compression == "zstd":
@@ -227,7 +227,7 @@ class _Tree:
         self._made.add(rel)
         return d
 
-    def write_chunks(self, arrays: list[WriteItem], raw: bool) -> list[Path]:
+    def write_chunks(self, arrays: list[ValueWrite], raw: bool) -> list[Path]:
         """Each array's directory, and its chunk file when ``raw`` (uncompressed).
 
         Directories and group documents are made on an I/O thread, ahead of the chunk

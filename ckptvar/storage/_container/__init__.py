@@ -27,7 +27,7 @@ from .layout import (
     storage_dtype,
 )
 from .reader import ContainerLazyArray, ContainerReader
-from .writer import ContainerWriter, WriteItem, WritePlan, scalar_attrs, write_packed
+from .writer import ContainerWriter, ValueWrite, WritePlan, scalar_attrs, write_packed
 
 __all__ = [
     "ALIGN",
@@ -39,7 +39,7 @@ __all__ = [
     "ContainerWriter",
     "Source",
     "ValueRanges",
-    "WriteItem",
+    "ValueWrite",
     "WritePlan",
     "check_regions",
     "scalar_attrs",

@@ -26,18 +26,18 @@ from .. import _checksum, _rawio
 from .._atomic import check_destination, publish, temporary_sibling
 from .._paths import container_paths
 from .._plain import check_plain
-from .._record import PACKED, ZARR, Location, ValueColumns, encode_columns
+from .._record import PACKED, ZARR, Extent, ValueColumns, encode_columns
 from ..base import Writer
 from .blocks import BLOCK_SIZE, hash_blocks
 from .layout import ALIGN, DEFAULT_PACK_THRESHOLD
 
-__all__ = ["ContainerWriter", "WriteItem", "WritePlan", "scalar_attrs", "write_packed"]
+__all__ = ["ContainerWriter", "ValueWrite", "WritePlan", "scalar_attrs", "write_packed"]
 
 _ZEROS = memoryview(bytes(ALIGN))
 
 
 @dataclass(slots=True)
-class WriteItem:
+class ValueWrite:
     """One value on its way to disk."""
 
     key: str
@@ -68,8 +68,8 @@ class WriteItem:
 class WritePlan:
     """What a backend lays out: values stored as their own arrays, and packed ones."""
 
-    arrays: list[WriteItem]
-    packed: list[WriteItem]
+    arrays: list[ValueWrite]
+    packed: list[ValueWrite]
     #: Size of the packed blob (each packed value padded to ``ALIGN``).
     packed_nbytes: int
     #: Blocks until every large value's checksum is known (they hash meanwhile).
@@ -136,7 +136,7 @@ class ContainerWriter(Writer):
         if int(pack_threshold) < 0:
             raise ValueError(f"pack_threshold must be >= 0, got {pack_threshold!r}.")
         self.pack_threshold = int(pack_threshold)
-        self._items: dict[str, WriteItem] = {}
+        self._items: dict[str, ValueWrite] = {}
         self._metadata: dict[str, Any] = {}
         self._state = "open"
 
@@ -147,7 +147,7 @@ class ContainerWriter(Writer):
         if key in self._items:
             raise ValueError(f"Key {key!r} was already added to the checkpoint {str(self.path)!r}.")
         arr, name = _prepare(array)
-        self._items[key] = WriteItem(key, arr, name, arr.shape, dict(attrs) if attrs else {},
+        self._items[key] = ValueWrite(key, arr, name, arr.shape, dict(attrs) if attrs else {},
                                      arr.nbytes)
 
     def set_metadata(self, metadata: Mapping[str, Any]) -> None:
@@ -217,7 +217,7 @@ class ContainerWriter(Writer):
         """The root record of everything added (call after the checksums are known)."""
         items = list(self._items.values())
         array_loc = self._array_loc
-        packed_at = functools.partial(tuple.__new__, Location)  # no Python call per value
+        packed_at = functools.partial(tuple.__new__, Extent)  # no Python call per value
         locs = [packed_at((PACKED, None, it.offset, it.nbytes)) if it.packed else array_loc(it)
                 for it in items]
         cols = ValueColumns(
@@ -232,15 +232,15 @@ class ContainerWriter(Writer):
         packed = packed_loc if any(it.packed for it in items) else None
         return encode_columns(self.container, packed, cols, self._metadata)
 
-    def _array_loc(self, it: WriteItem) -> Location:
-        return Location.array(it.path, it.offset, it.nbytes)
+    def _array_loc(self, it: ValueWrite) -> Extent:
+        return Extent.array(it.path, it.offset, it.nbytes)
 
     @abc.abstractmethod
     def _write(self, tmp: Path, plan: WritePlan) -> None:
         """Write everything into ``tmp`` (fsynced when durable); the caller publishes it."""
 
 
-def write_packed(fd: int, packed: list[WriteItem], base: int) -> None:
+def write_packed(fd: int, packed: list[ValueWrite], base: int) -> None:
     """Hash the packed values and write them from ``base`` (each padded to ALIGN).
 
     Straight from the arrays' buffers, ``IOV_MAX`` buffers per ``pwritev``; each batch is
@@ -271,7 +271,7 @@ def write_packed(fd: int, packed: list[WriteItem], base: int) -> None:
         _rawio.pwritev_all(fd, bufs, base + start)
 
 
-def scalar_attrs(it: WriteItem) -> dict[str, Any]:
+def scalar_attrs(it: ValueWrite) -> dict[str, Any]:
     """The per-array attributes stored on the container object itself."""
     out: dict[str, Any] = {}
     for k, v in it.attrs.items():
