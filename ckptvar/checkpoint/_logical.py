@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from .._dtypes import check_castable, dtype_name
+from ..distributed import Box
 from ..errors import CheckpointMismatchError, DTypeLockError, ShapeLockError
 from ..storage import Reader
 from ..variables import PartitionedVariable, Variable, host_buffer, is_materialized
@@ -33,7 +34,6 @@ __all__ = [
     "apply_targets",
     "as_target",
     "assemble",
-    "box_index",
     "check_logical",
     "group_by_name",
     "is_logical",
@@ -41,11 +41,6 @@ __all__ = [
     "mismatch_error",
     "read_boxes",
 ]
-
-
-def box_index(offset: Sequence[int], shape: Sequence[int]) -> tuple[slice, ...]:
-    """The basic index that selects the box ``offset``/``shape``."""
-    return tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
 
 
 @dataclass(frozen=True)
@@ -74,7 +69,7 @@ class Logical:
         boxes = [(o, s) for _, o, s in self.boxes()]
         total = sum(math.prod(s) for _, s in boxes)
         overlap = next(((a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:]
-                        if _overlaps(a, b)), None)
+                        if Box(*a).intersect(Box(*b)) is not None), None)
         if overlap is not None or total != math.prod(self.full_shape):
             what = (f"boxes {overlap[0]} and {overlap[1]} (offset, shape) overlap"
                     if overlap is not None else
@@ -85,12 +80,6 @@ class Logical:
                 "variable only when it holds all of it (all the parts of a partitioned "
                 "variable; a shard needs the multi-process save)."
             )
-
-
-def _overlaps(a: tuple[tuple[int, ...], tuple[int, ...]],
-              b: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
-    return all(oa < ob + sb and ob < oa + sa and sa and sb
-               for oa, sa, ob, sb in zip(a[0], a[1], b[0], b[1], strict=True))
 
 
 def is_logical(obj: Any) -> bool:
@@ -165,7 +154,7 @@ def assemble(logical: Logical, key: str) -> np.ndarray:
     full = np.empty(logical.full_shape, logical.dtype)
     for part, offset, shape in boxes:
         value = part.value()
-        full[box_index(offset, shape)] = value if isinstance(value, np.ndarray) else part.numpy()
+        full[Box(offset, shape).slices()] = value if isinstance(value, np.ndarray) else part.numpy()
     return full
 
 
@@ -200,7 +189,7 @@ def read_boxes(reader: Reader, requests: Sequence[BoxRead], *, verify: bool = Tr
     for r in requests:
         if r.out.size == 0:
             continue
-        np.copyto(r.out, reader[r.key][box_index(r.offset, r.shape)], casting="unsafe")
+        np.copyto(r.out, reader[r.key][Box(r.offset, r.shape).slices()], casting="unsafe")
 
 
 def check_logical(

@@ -1,14 +1,12 @@
-"""Between NumPy indexes and boxes: the box an index selects, the run it covers, in place.
+"""Between NumPy indexes and boxes: the box a basic index selects, and in-place targets.
 
-Which box a basic index selects, which run of a C-ordered array a box's slices cover,
-and whether a buffer can take a value in place.
+Which box a basic index selects (:func:`as_box`) and whether a buffer can take a
+value in place (:func:`fits_whole`). Which run of a C-ordered array a box's slices
+cover is :mod:`._slicing`'s.
 
->>> run_start((slice(2, 4), slice(0, 3)), (5, 3))   # rows 2..3 of a (5, 3) array: one run
-6
->>> run_start((slice(2, 4), slice(0, 2)), (5, 3)) is None   # a column cut: not one run
-True
->>> span_of((slice(2, 4), slice(0, 2)), (5, 3))   # the run from the first to the last one
-5
+>>> box, rest = as_box((1, slice(0, 2)), (3, 4))
+>>> str(box), rest
+('[1:2, 0:2]', (0, slice(None, None, None)))
 """
 
 from __future__ import annotations
@@ -20,26 +18,7 @@ import numpy as np
 from ..distributed import Box
 from .base import ArrayInfo
 
-__all__ = ["as_box", "fits_whole", "run_start", "span_of"]
-
-
-def run_start(slices: tuple[slice, ...], shape: tuple[int, ...]) -> int | None:
-    """The first flat element of ``slices`` (step 1) of a C-ordered ``shape`` when they
-    select one contiguous run of elements, else ``None``.
-
-    They do when, past the first axis they cut to more than one index, every axis is
-    taken whole.
-    """
-    if not shape:
-        return 0
-    cut = False
-    for s, n in zip(slices, shape, strict=True):
-        if cut and (s.start, s.stop) != (0, n):
-            return None
-        if s.stop - s.start > 1:
-            cut = True
-    return int(np.ravel_multi_index([s.start for s in slices], shape)) if all(
-        s.stop > s.start for s in slices) else None
+__all__ = ["as_box", "fits_whole"]
 
 
 def fits_whole(out: Any, info: ArrayInfo) -> bool:
@@ -48,15 +27,6 @@ def fits_whole(out: Any, info: ArrayInfo) -> bool:
         isinstance(out, np.ndarray) and out.shape == tuple(info.shape)
         and out.dtype == info.dtype and out.flags.c_contiguous and out.flags.writeable
     )
-
-
-def span_of(slices: tuple[slice, ...], shape: tuple[int, ...]) -> int:
-    """Elements from the first to the last element of ``slices`` of a C-ordered ``shape``."""
-    first = [s.start for s in slices]
-    last = [s.stop - 1 for s in slices]
-    if not shape:
-        return 1
-    return int(np.ravel_multi_index(last, shape) - np.ravel_multi_index(first, shape) + 1)
 
 
 def as_box(index: Any, shape: tuple[int, ...]) -> tuple[Any, tuple[Any, ...]]:

@@ -34,8 +34,9 @@ import numpy as np
 from .._dtypes import as_dtype
 from ..distributed import Box, read_plan
 from ..errors import CkptError, CorruptCheckpointError, MissingKeyError
-from ._box_index import as_box, fits_whole, run_start, span_of
+from ._box_index import as_box, fits_whole
 from ._sharded_zarr import GridVariable, check_part, read_part
+from ._slicing import run_start, span_bounds
 from ._step_files import LocalStepFiles, StepFiles
 from .base import (
     ArrayInfo,
@@ -382,7 +383,8 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
                         self.bytes_read += dest.nbytes
                         continue
                     part = sub[stored][item.source_slices]
-                    self.bytes_read += span_of(item.source_slices, box.shape) * isz
+                    lo, hi = span_bounds(item.source_slices, box.shape)
+                    self.bytes_read += (hi - lo) * isz
             except MissingKeyError:
                 raise CorruptCheckpointError(
                     f"Variable {key!r}: its slice {box} is missing from file "

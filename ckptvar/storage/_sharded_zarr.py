@@ -44,9 +44,9 @@ from ..distributed import Box
 from ..errors import CkptError, CorruptCheckpointError
 from . import _checksum, _rawio
 from ._atomic import fsync_all
-from ._box_index import run_start
 from ._container import DEFAULT_PACK_THRESHOLD
 from ._paths import container_paths, escape_key, is_valid_container_path
+from ._slicing import c_strides, run_start, span_bounds
 from ._zarr_files import GROUP_DOC, array_meta, open_in, write_file
 
 __all__ = [
@@ -401,15 +401,12 @@ def read_part(
             _rawio.pread_into_exact(fd, _rawio.byte_view(out), start * isz, what="A chunk",
                                     path=where)
             return out, out.nbytes
-        first = [s.start for s in part]
-        last = [s.stop - 1 for s in part]
-        lo = int(np.ravel_multi_index(first, gv.chunk))
-        hi = int(np.ravel_multi_index(last, gv.chunk)) + 1
+        lo, hi = span_bounds(part, gv.chunk)
         data = _rawio.pread_exact(fd, lo * isz, (hi - lo) * isz, what="A chunk", path=where)
     finally:
         os.close(fd)
     flat = np.frombuffer(data, dtype=gv.dtype)
-    strides = tuple(isz * math.prod(gv.chunk[i + 1 :]) for i in range(len(gv.chunk)))
+    strides = c_strides(gv.chunk, isz)
     shape = tuple(s.stop - s.start for s in part)
     view = np.lib.stride_tricks.as_strided(flat, shape=shape, strides=strides, writeable=False)
     return view, len(data)

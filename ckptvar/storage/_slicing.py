@@ -1,4 +1,4 @@
-"""Lazy-slice arithmetic: which contiguous run of a C-order array an index touches.
+"""Contiguous-run arithmetic: which run of a C-order array an index or box's slices touch.
 
 A lazy array reads only part of a stored value when sliced. For a basic index
 (integers, slices, one ``...``) on a C-order array, :func:`element_span` finds
@@ -20,6 +20,19 @@ value.
 (96, 64)
 >>> element_span([0, 1], (2, 3)) is None
 True
+
+The same arithmetic for the step-1 slices of a box (:func:`run_start`,
+:func:`span_bounds`) and the strides of a C-order array (:func:`c_strides`) live
+here too: this module is their one home.
+
+>>> run_start((slice(2, 4), slice(0, 3)), (5, 3))   # rows 2..3 of a (5, 3) array: one run
+6
+>>> run_start((slice(2, 4), slice(0, 2)), (5, 3)) is None   # a column cut: not one run
+True
+>>> span_bounds((slice(2, 4), slice(0, 2)), (5, 3))   # first to last element, flat
+(6, 11)
+>>> c_strides((2, 3, 4), 8)
+(96, 32, 8)
 """
 
 from __future__ import annotations
@@ -30,7 +43,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ElementSpan", "element_span", "expand_index"]
+__all__ = [
+    "ElementSpan",
+    "c_strides",
+    "element_span",
+    "expand_index",
+    "run_start",
+    "span_bounds",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +111,7 @@ def element_span(
     idx = expand_index(index, len(shape), name=name)
     if idx is None:
         return None
-    strides = [1] * len(shape)
-    for ax in range(len(shape) - 2, -1, -1):
-        strides[ax] = strides[ax + 1] * shape[ax + 1]
+    strides = c_strides(shape)
     base = 0
     ax = 0
     while ax < len(idx) and _is_int(idx[ax]):
@@ -116,3 +134,40 @@ def element_span(
     first = slice(rng[0] - lo, stop if stop >= 0 else None, rng.step)
     return ElementSpan(base + lo * strides[ax], (hi - lo) * strides[ax], (hi - lo, *tail),
                        (first, *rest[1:]))
+
+
+def c_strides(shape: tuple[int, ...], itemsize: int = 1) -> tuple[int, ...]:
+    """The strides of a C-order array of ``shape`` (in elements, or bytes of ``itemsize``)."""
+    out = [itemsize] * len(shape)
+    for ax in range(len(shape) - 2, -1, -1):
+        out[ax] = out[ax + 1] * shape[ax + 1]
+    return tuple(out)
+
+
+def run_start(slices: tuple[slice, ...], shape: tuple[int, ...]) -> int | None:
+    """The first flat element of ``slices`` (step 1) of a C-ordered ``shape`` when they
+    select one contiguous run of elements, else ``None``.
+
+    They do when, past the first axis they cut to more than one index, every axis is
+    taken whole.
+    """
+    if not shape:
+        return 0
+    cut = False
+    for s, n in zip(slices, shape, strict=True):
+        if cut and (s.start, s.stop) != (0, n):
+            return None
+        if s.stop - s.start > 1:
+            cut = True
+    return int(np.ravel_multi_index([s.start for s in slices], shape)) if all(
+        s.stop > s.start for s in slices) else None
+
+
+def span_bounds(slices: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[int, int]:
+    """``(first, stop)``: the flat elements from the first to past the last element of the
+    step-1 ``slices`` of a C-ordered ``shape`` (each slice non-empty)."""
+    if not shape:
+        return 0, 1
+    lo = int(np.ravel_multi_index([s.start for s in slices], shape))
+    hi = int(np.ravel_multi_index([s.stop - 1 for s in slices], shape)) + 1
+    return lo, hi
