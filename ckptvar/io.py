@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from . import _frameworks
-from .checkpoint import destination_error, make_parents
+from .checkpoint import write_values
 from .device import resolve, supports_dtype, xp_for
 from .errors import DeviceError
 from .storage import backend_for, open_remote_reader, paused_gc, remote_format, save_remote
@@ -186,23 +186,16 @@ def save(
         )
     p = Path(path)
     backend = backend_for(p, format, mode="w")
-    make_parents(p)
-    try:
-        writer = backend.open_writer(p, **options)
-        with paused_gc():
-            try:
-                for key, value in arrays.items():
-                    extra = dict(attrs.get(key, ())) if attrs else {}
-                    if "name" not in extra:
-                        extra["name"] = key
-                    host = value if type(value) is np.ndarray else _frameworks.to_numpy(
-                        value, what=f"{key!r}")
-                    writer.add(key, host, extra)
-                if metadata is not None:
-                    writer.set_metadata(metadata)
-            except BaseException:
-                writer.abort()
-                raise
-            return writer.commit()
-    except OSError as exc:
-        raise destination_error(exc, p) from exc
+
+    def values() -> Iterator[tuple[str, Any, dict[str, Any]]]:
+        for key, value in arrays.items():
+            extra = dict(attrs.get(key, ())) if attrs else {}
+            if "name" not in extra:
+                extra["name"] = key
+            host = value if type(value) is np.ndarray else _frameworks.to_numpy(
+                value, what=f"{key!r}")
+            yield key, host, extra
+
+    with paused_gc():
+        written: Path = write_values(p, backend, values(), metadata, **options)
+    return written

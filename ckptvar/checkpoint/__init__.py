@@ -10,15 +10,15 @@ shards saved as one value, restored box by box), ``_object_restore`` (matching o
 ``_status`` (``RestoreStatus``), ``_on_create`` (``restore_on_create``),
 ``_checkpoint`` (``Checkpoint``), ``_saver`` (``Saver``), ``_manager``
 (``CheckpointManager``), ``_async`` (background saves).
-``destination_error`` and ``make_parents`` (checks before a file is written) also
-serve ``ckptvar.io``.
+``write_values`` (the one save path of a local file), ``destination_error`` and
+``make_parents`` also serve ``ckptvar.io``.
 """
 
 from __future__ import annotations
 
 from ._async import SaveHandle, wait_for_pending_saves
 from ._checkpoint import Checkpoint, SaveOptions
-from ._files import destination_error, make_parents
+from ._files import destination_error, make_parents, write_values
 from ._manager import CheckpointManager
 from ._on_create import restore_on_create
 from ._saver import Saver
@@ -40,4 +40,5 @@ __all__ = [
     "parse_step_name",
     "restore_on_create",
     "wait_for_pending_saves",
+    "write_values",
 ]

@@ -1,9 +1,11 @@
 """A checkpoint's file on disk: which formats hold one, writing it, retiring it.
 
-:func:`write_file` writes one checkpoint atomically (temporary sibling, fsync,
-rename), creating missing parent directories; :func:`discard` removes one without
-ever leaving it half-deleted. Used by ``Checkpoint``, ``Saver``,
-``CheckpointManager`` and ``cv.save`` alike. An ``OSError`` from writing names the
+:func:`write_values` is the one save path of a local file: parents created, a
+writer from the backend, every value added, committed atomically (temporary
+sibling, fsync, rename) or aborted. :func:`write_file` (``Checkpoint``,
+``Saver``, ``CheckpointManager``) and ``cv.save`` both go through it; they differ
+only in which formats they accept and how a URL is written. :func:`discard`
+removes a checkpoint without ever leaving it half-deleted. An ``OSError`` from writing names the
 user's path, never the hidden temporary (:func:`destination_error`).
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ __all__ = [
     "make_parents",
     "native_backend",
     "write_file",
+    "write_values",
 ]
 
 #: The formats that keep everything a checkpoint holds (attributes, object graph, state).
@@ -115,17 +118,33 @@ def write_file(
         return str(save_remote(
             os.fspath(path), lambda tmp: write_file(tmp, fmt, arrays, meta), storage_options
         ))
-    path = Path(path)
-    backend = native_backend(path, format)
+    written: str | Path = write_values(Path(path), native_backend(path, format), arrays, meta,
+                                       durable=True)
+    return os.fspath(written)
+
+
+def write_values(
+    path: Path,
+    backend: Any,
+    arrays: Iterable[tuple[str, Any, dict[str, Any]]],
+    meta: Mapping[str, Any] | None,
+    **options: Any,
+) -> Any:
+    """Write ``(key, host array, attrs)`` values and ``meta`` to the local ``path`` with
+    ``backend``'s writer (``options`` go to it), atomically; returns what its commit
+    returns. Missing parents are created; on any error the writer is aborted and an
+    ``OSError`` names ``path``, never the temporary (:func:`destination_error`).
+    ``arrays`` may be a generator: each value is made as it is added.
+    """
     make_parents(path)
     try:
-        writer = backend.open_writer(path, durable=True)
+        writer = backend.open_writer(path, **options)
         try:
             for key, array, attrs in arrays:
                 writer.add(key, array, attrs)
-            writer.set_metadata(meta)
-            written: str = os.fspath(writer.commit())
-            return written
+            if meta is not None:
+                writer.set_metadata(meta)
+            return writer.commit()
         except BaseException:
             writer.abort()
             raise
