@@ -175,3 +175,36 @@ def test_scatter_reads_stop_short_at_the_end_of_the_file(tmp_path: Path) -> None
         assert os.pread(fd, 8, 200) == b"\x00\x01\x02\x03\x04xyz"
     finally:
         os.close(fd)
+
+
+def test_which_reader_sniffs_first_is_declared_not_imported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptvar.storage import registry
+    from ckptvar.storage.base import Backend
+
+    order = [c.name for c in registry.sniff_order()]
+    assert order[:3] == ["h5", "sharded", "zarr"] and order[-1] == "hdf5"
+    plain = tmp_path / "m"  # no suffix: the format is sniffed
+    cv.save(plain, {"w": np.zeros(2, np.float32)}, format="h5")
+
+    def claims_all(name: str, priority: int) -> type[Backend]:
+        class Greedy(Backend, name=name, suffixes=(), sniff_priority=priority):
+            """Claims every path."""
+
+            @classmethod
+            def sniff(cls, path: Path) -> bool:
+                return True
+
+            @classmethod
+            def open_reader(cls, path: Path) -> st.Reader:
+                raise NotImplementedError
+
+        return Greedy
+
+    late = claims_all("greedy-late", 95)  # registered last, sniffs last: not chosen
+    monkeypatch.setitem(registry._BACKENDS, late.name, late)
+    assert backend_for(plain).name == "h5"
+    early = claims_all("greedy-early", 0)  # registered last, declared first: chosen
+    monkeypatch.setitem(registry._BACKENDS, early.name, early)
+    assert backend_for(plain) is early

@@ -414,7 +414,8 @@ def _check_h5_regions(record: Record, path: Any, size: int, record_region: tuple
 
 
 class H5Backend(
-    Backend, name="h5", suffixes=(".h5", ".hdf5"), writer=H5Writer, hands_over_unrecognised=True
+    Backend, name="h5", suffixes=(".h5", ".hdf5"), writer=H5Writer, hands_over_unrecognised=True,
+    sniff_priority=10,
 ):
     """ckptvar's own HDF5 files."""
 

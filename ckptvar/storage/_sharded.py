@@ -479,8 +479,11 @@ class ShardedLazyArray(LazyArray):
         return np.asarray(value[rest]) if rest else value
 
 
-class ShardedBackend(Backend, name="sharded", suffixes=()):
-    """Reads the multi-process layout (written by ``ckptvar.checkpoint._collective``)."""
+class ShardedBackend(Backend, name="sharded", suffixes=(), sniff_priority=20):
+    """Reads the multi-process layout (written by ``ckptvar.checkpoint._collective``).
+
+    It sniffs before Zarr: a multi-process step directory may hold a Zarr group.
+    """
 
 
     @classmethod

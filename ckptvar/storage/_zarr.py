@@ -398,7 +398,8 @@ class ZarrReader(ContainerReader):
 
 
 class ZarrBackend(
-    Backend, name="zarr", suffixes=(".zarr",), writer=ZarrWriter, hands_over_unrecognised=True
+    Backend, name="zarr", suffixes=(".zarr",), writer=ZarrWriter, hands_over_unrecognised=True,
+    sniff_priority=30,
 ):
     """ckptvar's own Zarr v3 directories."""
 

@@ -324,6 +324,10 @@ class Backend(abc.ABC):
     #: claim may be another format's (a Keras ``.h5``): ``backend_for`` then hands it to
     #: the first other backend that claims it.
     hands_over_unrecognised: ClassVar[bool] = False
+    #: When a path's suffix says nothing, backends sniff it in ascending order of this
+    #: (ties: registration order): ckptvar's own formats first, the generic HDF5
+    #: reader last, so a specific layout is never taken for a generic one.
+    sniff_priority: ClassVar[int] = 50
 
     @classmethod
     @abc.abstractmethod
@@ -341,6 +345,7 @@ class Backend(abc.ABC):
         suffixes: tuple[str, ...] | None = None,
         writer: Callable[..., Writer] | None = None,
         hands_over_unrecognised: bool | None = None,
+        sniff_priority: int | None = None,
         **kwargs: Any,
     ) -> None:
         """Declare a format in its class statement: ``class B(Backend, name="npz", ...)``."""
@@ -353,6 +358,8 @@ class Backend(abc.ABC):
             cls.writer = writer
         if hands_over_unrecognised is not None:
             cls.hands_over_unrecognised = hands_over_unrecognised
+        if sniff_priority is not None:
+            cls.sniff_priority = sniff_priority
         cls.can_write = cls.writer is not None
 
     @classmethod

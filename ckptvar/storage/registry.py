@@ -17,7 +17,13 @@ from pathlib import Path
 from ..errors import CheckpointNotFoundError, UnsupportedFormatError
 from .base import Backend
 
-__all__ = ["backend_for", "is_own_checkpoint", "known_formats", "register_backend"]
+__all__ = [
+    "backend_for",
+    "is_own_checkpoint",
+    "known_formats",
+    "register_backend",
+    "sniff_order",
+]
 
 #: ckptvar's own formats: what a checkpoint it wrote is (one file, a Zarr tree, or the
 #: multi-process layout).
@@ -74,7 +80,7 @@ def backend_for(path: str | Path, format: str | None = None, *, mode: str = "r")
         if cls is None and mode == "r":
             if not path.exists() and not _has_sidecars(path):
                 raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.")
-            cls = next((c for c in _BACKENDS.values() if c.sniff(path)), None)
+            cls = next((c for c in sniff_order() if c.sniff(path)), None)
         if cls is None and mode == "w":
             if path.suffix:
                 raise UnsupportedFormatError(
@@ -97,7 +103,7 @@ def _claimant(chosen: type[Backend], path: Path) -> type[Backend] | None:
     """Another backend that claims ``path`` when ``chosen`` does not (None otherwise)."""
     if not (path.is_file() or path.is_dir()) or chosen.sniff(path):
         return None
-    for cls in _BACKENDS.values():
+    for cls in sniff_order():
         if cls is chosen:
             continue
         try:
@@ -107,6 +113,12 @@ def _claimant(chosen: type[Backend], path: Path) -> type[Backend] | None:
         if ok:
             return cls
     return None
+
+
+def sniff_order() -> list[type[Backend]]:
+    """The registered backends in the order they sniff a path (``Backend.sniff_priority``,
+    then registration order): declared, never the order of an import line."""
+    return sorted(_BACKENDS.values(), key=lambda c: c.sniff_priority)
 
 
 def _by_suffix(path: Path) -> type[Backend] | None:

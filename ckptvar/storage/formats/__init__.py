@@ -40,7 +40,7 @@ __all__ = [
     "TorchBackend",
 ]
 
-# Order matters for sniffing: specific layouts before the generic HDF5 fallback.
+# Sniffing order is declared by each backend (``sniff_priority``), not by this loop.
 for _backend in (
     TFBackend,
     TorchBackend,

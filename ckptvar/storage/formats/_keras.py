@@ -317,7 +317,7 @@ def _is_hdf5(path: Path) -> bool:
     return False
 
 
-class KerasBackend(Backend, name="keras", suffixes=(".weights.h5", ".keras")):
+class KerasBackend(Backend, name="keras", suffixes=(".weights.h5", ".keras"), sniff_priority=60):
     """Keras 3 ``.weights.h5``, ``.keras`` archives and legacy Keras HDF5 weights, read-only."""
 
 
@@ -349,8 +349,11 @@ class KerasBackend(Backend, name="keras", suffixes=(".weights.h5", ".keras")):
         return _open(path, "keras", read_unwritten=read_unwritten)
 
 
-class HDF5Backend(Backend, name="hdf5", suffixes=()):
-    """Any HDF5 file ckptvar did not write: every dataset by its path, read-only."""
+class HDF5Backend(Backend, name="hdf5", suffixes=(), sniff_priority=90):
+    """Any HDF5 file ckptvar did not write: every dataset by its path, read-only.
+
+    It sniffs last: any HDF5 file is one, so every specific HDF5 layout goes first.
+    """
 
 
     @classmethod
