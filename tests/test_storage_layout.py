@@ -20,6 +20,7 @@ import ckptvar as cv
 import ckptvar.storage as st
 from ckptvar.storage import (
     SupportsReadIntoMany,
+    SupportsRuns,
     SupportsShapeAndDtype,
     SupportsVerifyAll,
     SupportsVerifyMany,
@@ -29,7 +30,8 @@ from ckptvar.storage import (
 from ckptvar.storage._slicing import element_span
 
 STORAGE = Path(st.__file__).parent
-ABILITIES = (SupportsShapeAndDtype, SupportsReadIntoMany, SupportsVerifyMany, SupportsVerifyAll)
+ABILITIES = (SupportsShapeAndDtype, SupportsReadIntoMany, SupportsRuns, SupportsVerifyMany,
+             SupportsVerifyAll)
 
 
 def _storage_modules() -> list[str]:

@@ -62,6 +62,7 @@ __all__ = [
     "LazyArray",
     "Reader",
     "SupportsReadIntoMany",
+    "SupportsRuns",
     "SupportsShapeAndDtype",
     "SupportsVerifyAll",
     "SupportsVerifyMany",
