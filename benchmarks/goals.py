@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks import round3
 from benchmarks.results import Row, find, per_tensor_us
 
 
@@ -99,6 +100,8 @@ def goals(rows: list[Row], stat: str = "median") -> list[dict[str, Any]]:
         r = find(rows, "bgsave", "bg_background", s)
         add(f"{fmt}: background save holds ≤ 1 snapshot (peak ≤ 1.05× model)", 1.05,
             r.anon_peak / r.nbytes if r and r.anon_peak is not None else None)
+    for goal, us in round3.goals(rows, stat):
+        add(goal, round3.GOAL_US, us)
     return out
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import round2, scale
+from benchmarks import round2, round3, scale
 from benchmarks.harness import Runner, loadavg, say
 from benchmarks.results import Row
 from benchmarks.workloads import FULL_SMALL_COUNT, QUICK_SMALL_COUNT
@@ -47,6 +47,11 @@ def subject_defs(nondurable: dict[str, Any] | None) -> list[SubjectDef]:
                                "ckptvar", save_only=True))
     defs.append(SubjectDef("ckptvar-zarr", "ckptvar", "ckptvar", {"format": "zarr"}, "ckptvar",
                            restore=True))
+    # the other public paths (round3.py's per-value rows only)
+    defs += [SubjectDef("ckptvar-h5 saver", "ckptvar", "ckptvar", {"format": "h5", "api": "saver"},
+                        "ckptvar", restore=True),
+             SubjectDef("ckptvar-h5 save", "ckptvar", "ckptvar", {"format": "h5", "api": "save"},
+                        "ckptvar")]
     if nondurable is not None:
         defs.append(SubjectDef("ckptvar-zarr nd", "ckptvar", "ckptvar",
                                {"format": "zarr", "api": "save", "write_options": nondurable},
@@ -74,7 +79,9 @@ def slug(label: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in label)
 
 
-def ops_for(sd: SubjectDef, workload: str) -> list[str]:
+def ops_for(sd: SubjectDef, workload: str) -> list[str]:  # noqa: PLR0911 - one rule a case
+    if workload in round3.WORKLOADS or sd.label in round3.OWN_SUBJECTS:
+        return round3.ops_for(sd, workload)
     if workload in round2.WORKLOADS or sd.cls in ("ckptvar_torch", "safetensors_torch"):
         return round2.ops_for(sd, workload) if workload in round2.WORKLOADS else []
     if workload == "big":
@@ -167,7 +174,8 @@ def run_plan(args: argparse.Namespace, runner: Runner, defs: list[SubjectDef],
     for sd in defs:
         if args.subjects and sd.label not in args.subjects:
             continue
-        if not any(ops_for(sd, w) for w in workloads if w not in round2.WORKLOADS):
+        if not any(ops_for(sd, w) for w in workloads
+                   if w not in round2.WORKLOADS + round3.WORKLOADS):
             continue
         big_path = data / f"{slug(sd.label)}-big{suffix(sd)}"
         big_ready = False
@@ -225,6 +233,8 @@ def run_plan(args: argparse.Namespace, runner: Runner, defs: list[SubjectDef],
     # the round-2 rows, subjects interleaved; --extra-repeats keeps the full run short
     round2.run(chosen, workloads, quick=quick, repeats=args.extra_repeats, data=data,
                suffix=suffix, measure=measure, setup=setup, rm=rm)
+    round3.run(chosen, workloads, quick=quick, repeats=args.extra_repeats, data=data,
+               suffix=suffix, measure=measure, rm=rm)
     if "scale" in workloads and (not args.subjects or "ckptvar-h5" in args.subjects):
         rows += scale_rows(quick, args.extra_repeats, data)
     return round2.merge(rows)

@@ -18,7 +18,7 @@ GiB = 1 << 30
 
 #: The workloads the driver knows (``--only``).
 WORKLOADS = ("big", "small", "lazy", "init", "bgsave", "verify", "gpu", "counts", "open",
-             "frameworks", "scale")
+             "frameworks", "scale", "paths")
 FULL_SMALL_COUNT = 20_000
 QUICK_SMALL_COUNT = 200
 
@@ -69,9 +69,9 @@ def small_spec(count: int) -> Spec:
 
 
 def spec_for(job: dict[str, Any]) -> Spec:
-    from benchmarks import round2  # noqa: PLC0415 - round2 builds on this module
+    from benchmarks import round2, round3  # noqa: PLC0415 - they build on this module
 
-    if (spec := round2.spec_for(job)) is not None:
+    if (spec := round2.spec_for(job)) is not None or (spec := round3.spec_for(job)) is not None:
         return spec
     if job["workload"] == "small":
         return small_spec(job["count"])

@@ -21,8 +21,10 @@ class CkptVar(Subject):
     saved with ``cv.Checkpoint(model=...).write(path)``; keys are
     ``model/params/<name with '.' for '/'>``. ``api="save"``: ``cv.save(path, arrays,
     **write_options)`` with the workload's own keys (how writer options such as
-    ``durable=False`` are reached). ``cv.load`` results are mapped back to the
-    workload's names; ``verify=False`` in the options turns checksums off on load.
+    ``durable=False`` are reached). ``api="saver"``: the variables in a list through
+    ``cv.Saver(var_list=...)`` (keys: the variables' names, the workload's own), its
+    ``save`` and ``restore``. ``cv.load`` results are mapped back to the workload's
+    names; ``verify=False`` in the options turns checksums off on load.
     """
 
     name = "ckptvar"
@@ -48,6 +50,8 @@ class CkptVar(Subject):
         if self.api == "save":
             return make_arrays(spec)
         cv = self.cv
+        if self.api == "saver":
+            return cv.Saver(var_list=self._filled(spec), max_to_keep=None)
         variables = {}
         for k, s in spec:  # filled in place: one allocation per variable, no input copy
             v = cv.Variable(cv.initializers.zeros(), shape=s, dtype="float32", name=k)
@@ -55,17 +59,29 @@ class CkptVar(Subject):
             variables[cv_segment(k)] = v
         return cv.Checkpoint(model=self._module(variables))
 
+    def _filled(self, spec: Spec) -> list[Any]:
+        """The workload's variables, named by its keys, holding its values."""
+        cv = self.cv
+        out = []
+        for k, s in spec:
+            v = cv.Variable(cv.initializers.zeros(), shape=s, dtype="float32", name=k)
+            fill(k, np.asarray(v.value()))
+            out.append(v)
+        return out
+
     def save(self, path: str, prepared: Any) -> None:
         if self.api == "save":
             self.cv.save(path, prepared, **self.write_options)
+        elif self.api == "saver":
+            prepared.save(path)  # the suffix names the format; no step number
         else:
             prepared.write(path)
 
     def key(self, name: str) -> str:
-        return name if self.api == "save" else self.PREFIX + cv_segment(name)
+        return name if self.api in ("save", "saver") else self.PREFIX + cv_segment(name)
 
     def unkey(self, key: str) -> str | None:
-        if self.api == "save":
+        if self.api in ("save", "saver"):
             return key
         if not key.startswith(self.PREFIX):
             return None  # save_counter
@@ -82,6 +98,11 @@ class CkptVar(Subject):
 
     def prepare_restore(self, spec: Spec) -> Any:
         cv = self.cv
+        if self.api == "saver":
+            variables = {k: cv.Variable(cv.initializers.ones(), shape=s, dtype="float32",
+                                        name=k) for k, s in spec}
+            materialize(variables)
+            return cv.Saver(var_list=list(variables.values()), max_to_keep=None), variables
         variables = {cv_segment(k): cv.Variable(cv.initializers.ones(), shape=s,
                                                   dtype="float32", name=k) for k, s in spec}
         ckpt = cv.Checkpoint(model=self._module(variables))
@@ -89,12 +110,13 @@ class CkptVar(Subject):
         return ckpt, variables
 
     def restore(self, path: str, prepared: Any) -> Any:
-        ckpt, _ = prepared
+        ckpt, _ = prepared  # a Checkpoint, or a Saver
         return ckpt.restore(path, verify=self.verify)
 
     def restored_arrays(self, prepared: Any) -> dict[str, np.ndarray]:
         _, variables = prepared
-        return {k.replace(".", "/"): np.asarray(v.value()) for k, v in variables.items()}
+        return {(k if self.api == "saver" else k.replace(".", "/")): np.asarray(v.value())
+                for k, v in variables.items()}
 
     def read_one(self, path: str, key: str) -> np.ndarray:
         with self.cv.open(path) as r:

@@ -26,7 +26,7 @@ The optional fast paths a reader may offer are looked up in one place,
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,7 @@ __all__ = [
     "apply_values",
     "check_matches",
     "reader_abilities",
+    "stored_infos",
     "warn_cast",
 ]
 
@@ -81,6 +82,41 @@ def reader_abilities(reader: Any) -> ReaderAbilities:
                         if isinstance(reader, SupportsReadIntoMany) else None),
         verify_many=reader.verify_many if isinstance(reader, SupportsVerifyMany) else None,
     )
+
+
+class _LazyInfos(Mapping[str, ArrayInfo]):
+    """``{key: ArrayInfo}`` of a native reader, each made when first asked for.
+
+    A native reader answers from its decoded record, even after it is closed.
+    """
+
+    __slots__ = ("_keys", "_reader")
+
+    def __init__(self, reader: Reader) -> None:
+        self._reader = reader
+        self._keys = reader.keys()
+
+    def __getitem__(self, key: str) -> ArrayInfo:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._reader.info(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def stored_infos(reader: Reader) -> Mapping[str, ArrayInfo]:
+    """``{key: ArrayInfo}`` of everything ``reader`` holds; a native reader's are made
+    only when asked for (a restore that matches by shape and dtype asks for none)."""
+    if reader_abilities(reader).read_into_many is not None:  # native: from its record
+        return _LazyInfos(reader)
+    return {k: reader.info(k) for k in reader.keys()}  # noqa: SIM118 - a Reader is no dict
 
 
 def _shape_matches(var_shape: tuple[int | None, ...] | None, found: tuple[int, ...]) -> bool:
@@ -157,7 +193,7 @@ def _read_fresh(reader: Reader, keys: list[str], verify: bool) -> dict[str, np.n
     return dict(reader.read_many(unique, verify=verify))
 
 
-def apply_values(  # noqa: C901, PLR0912 - the all-or-nothing protocol, step by step
+def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol, step by step
     reader: Reader,
     pairs: list[tuple[str, Variable]],
     infos: Mapping[str, ArrayInfo],
@@ -177,35 +213,38 @@ def apply_values(  # noqa: C901, PLR0912 - the all-or-nothing protocol, step by 
     by_var: dict[int, tuple[str, Variable]] = {}
     for key, var in pairs:
         by_var.setdefault(id(var), (key, var))
-    fresh: list[tuple[str, Variable]] = []
+    # ``buf`` is the variable's own memory when it can take the value in place, else None
+    fresh: list[tuple[str, Variable, np.ndarray | None]] = []
     in_place: list[tuple[str, Variable, np.ndarray]] = []
     converted: list[tuple[str, Variable]] = []
     in_place_bytes = 0
     fast = able.shape_and_dtype
     for key, var in by_var.values():
-        if id(var) in casts:
+        if casts and id(var) in casts:
             converted.append((key, var))
             continue
         buf = host_buffer(var) if is_materialized(var) else None
-        if buf is not None and buf.shape == (fast(key)[0] if fast else infos[key].shape):
+        # check_matches compared the shapes: a fully defined variable shape is the stored one
+        if buf is not None and (buf.shape == var.shape or buf.shape == (
+                fast(key)[0] if fast else infos[key].shape)):
             in_place.append((key, var, buf))  # host_buffer: C-contiguous and writeable
             in_place_bytes += buf.nbytes
         else:
-            fresh.append((key, var))
+            fresh.append((key, var, None))
     budget = TEMPORARY_BUDGET if budget is None else budget
     # Phase 1: everything that can fail.
-    if verify and in_place_bytes <= budget:
-        fresh += [(key, var) for key, var, _ in in_place]
+    if verify and in_place_bytes <= budget:  # small: read into temporaries too (one pass)
+        fresh += in_place
         in_place = []
-    got = _read_fresh(reader, [key for key, _ in fresh], verify) if fresh else {}
-    values: list[tuple[Variable, np.ndarray]] = []
+    got = _read_fresh(reader, [key for key, _, _ in fresh], verify) if fresh else {}
+    values: list[tuple[Variable, np.ndarray, np.ndarray | None]] = []
     given: set[str] = set()
-    for key, var in fresh:
+    for key, var, buf in fresh:
         value = got[key]
-        if key in given:  # one stored value for several variables: each gets its own
+        if buf is None and key in given:  # one stored value for several variables
             value = value.copy()
         given.add(key)
-        values.append((var, value))
+        values.append((var, value, buf))
     cast_later = _cast_phase_one(reader, converted, values, verify)
     if verify and in_place:
         if able.verify_many is not None:
@@ -219,8 +258,12 @@ def apply_values(  # noqa: C901, PLR0912 - the all-or-nothing protocol, step by 
     if converted:
         warn_cast(reader.path, [(key, casts[id(var)], var) for key, var in converted])
     # Phase 2: change the variables.
-    for var, value in values:
-        give_value(var, value)
+    copyto = np.copyto
+    for var, value, buf in values:
+        if buf is not None:
+            copyto(buf, value)  # the variable's own host memory, same shape and dtype
+        else:
+            give_value(var, value)
     if in_place:  # materialised, hence already initialized
         if able.read_into_many is not None:
             able.read_into_many([(key, buf) for key, _, buf in in_place], verify=False)
@@ -234,7 +277,7 @@ def apply_values(  # noqa: C901, PLR0912 - the all-or-nothing protocol, step by 
 def _cast_phase_one(
     reader: Reader,
     converted: list[tuple[str, Variable]],
-    values: list[tuple[Variable, np.ndarray]],
+    values: list[tuple[Variable, np.ndarray, np.ndarray | None]],
     verify: bool,
 ) -> list[tuple[str, Variable]]:
     """Read and convert the values of variables without memory yet (appended to ``values``).
@@ -251,7 +294,7 @@ def _cast_phase_one(
     for key, targets in now.items():
         stored = reader.read(key, verify=verify)
         for var in targets:
-            values.append((var, stored.astype(var.dtype)))
+            values.append((var, stored.astype(var.dtype), None))
         del stored
     return later
 

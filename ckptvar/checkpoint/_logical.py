@@ -117,9 +117,11 @@ def group_by_name(items: Iterable[tuple[str, Any]]) -> dict[str, Variable | Logi
             logical = logical_of(var)
             _put(out, key, logical)
             continue
-        box = var.logical_box
-        if box.sliced and key == var.name:
-            groups.setdefault(box.name, []).append(var)
+        if var.save_slice_info is None and var.shard is None:
+            _put(out, key, var)  # a plain variable: no box to compute
+            continue
+        if key == var.name:
+            groups.setdefault(var.logical_box.name, []).append(var)
         else:
             _put(out, key, var)
     for name, parts in groups.items():

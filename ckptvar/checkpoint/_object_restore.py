@@ -15,7 +15,7 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from ..trackable import (
     trackable_children,
 )
 from ..variables import PartitionedVariable, Variable
-from ._apply import reader_abilities
+from ._apply import stored_infos
 from ._keys import escape_segment, unescape_segment
 from ._logical import BoxReader, Logical, apply_targets, as_target, read_boxes
 from ._serialize import decode_state, read_graph
@@ -77,7 +77,7 @@ class RestoreState:
         self._reader: Reader | None = self._open_reader()
         self._finalizer = weakref.finalize(self, _close, self._reader)
         reader = self._reader
-        self.infos: Mapping[str, ArrayInfo] = _infos(reader)
+        self.infos: Mapping[str, ArrayInfo] = stored_infos(reader)
         meta = reader.metadata()
         self.has_save_counter = isinstance(meta, dict) and "save_counter" in meta
         self.alias_to_key, self.states = read_graph(meta, self.path)
@@ -240,39 +240,6 @@ class RestoreState:
             ):
                 out.append(f"{node.key} (Python state of {type(obj).__name__})")
         return list(dict.fromkeys(out))
-
-
-class _LazyInfos(Mapping[str, ArrayInfo]):
-    """``{key: ArrayInfo}`` of a native reader, each made when first asked for.
-
-    A native reader answers from its decoded record, even after it is closed.
-    """
-
-    __slots__ = ("_keys", "_reader")
-
-    def __init__(self, reader: Reader) -> None:
-        self._reader = reader
-        self._keys = reader.keys()
-
-    def __getitem__(self, key: str) -> ArrayInfo:
-        if key not in self._keys:
-            raise KeyError(key)
-        return self._reader.info(key)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-
-def _infos(reader: Reader) -> Mapping[str, ArrayInfo]:
-    if reader_abilities(reader).read_into_many is not None:  # native: from its record
-        return _LazyInfos(reader)
-    return {k: reader.info(k) for k in reader.keys()}  # noqa: SIM118 - a Reader is no dict
 
 
 def _close(reader: Reader | None) -> None:

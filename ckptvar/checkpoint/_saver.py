@@ -9,11 +9,13 @@ naming and ``max_to_keep`` for the files this saver wrote.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 from ..graph import global_variables
+from ..storage import paused_gc
 from ..variables import PartitionedVariable, Variable
+from ._apply import stored_infos
 from ._collective import collective_write, needs_collective, rank_variables
 from ._collective_restore import collective_restore
 from ._files import discard, open_checkpoint_reader, write_file
@@ -65,7 +67,7 @@ class Saver:
         else:
             items = [(getattr(v, "name", None), v) for v in var_list]
         for key, var in items:
-            if not isinstance(var, Variable | PartitionedVariable):
+            if not isinstance(var, (Variable, PartitionedVariable)):  # a tuple: faster than a union
                 raise TypeError(f"Saver var_list entry {key!r} is not a Variable: {var!r}.")
             if not isinstance(key, str) or not key:
                 raise ValueError(f"Saver keys must be non-empty strings, got {key!r}.")
@@ -96,6 +98,11 @@ class Saver:
             path = step_name(base, step, suffix)
         else:
             path = base + suffix
+        with paused_gc():  # tens of thousands of small objects, none cyclic
+            return self._save(path, fmt, coordinator, timeout, storage_options)
+
+    def _save(self, path: str, fmt: str, coordinator: Any, timeout: float | None,
+              storage_options: Mapping[str, Any] | None) -> str:
         mapping = self._mapping()
         if not mapping:
             raise ValueError("Saver has no variables to save.")
@@ -139,6 +146,13 @@ class Saver:
         ``cast=True`` converts same_kind dtypes (float16 -> float32, ...) with a warning.
         With ``coordinator``, all processes restore together, all or nothing.
         """
+        with paused_gc():  # tens of thousands of small objects, none cyclic
+            self._restore(path, verify=verify, cast=cast, coordinator=coordinator,
+                          timeout=timeout, storage_options=storage_options)
+
+    def _restore(self, path: str | os.PathLike[str], *, verify: bool, cast: bool,
+                 coordinator: Any, timeout: float | None,
+                 storage_options: Mapping[str, Any] | None) -> None:
         mapping = self._mapping()
         if needs_collective(coordinator, mapping.values()):
             collective_restore(path, list(rank_variables(mapping).items()), coordinator,
@@ -146,19 +160,18 @@ class Saver:
                                storage_options=storage_options)
             return
         with open_checkpoint_reader(path, storage_options) as reader:
-            keys = set(reader.keys())
-            mapping = _stored_as_parts(mapping, keys)
-            missing = [k for k in mapping if k not in keys]
+            infos = stored_infos(reader)
+            mapping = _stored_as_parts(mapping, infos)
+            missing = [k for k in mapping if k not in infos]
             if missing:
                 raise missing_keys_error(missing, path)
-            infos = {k: reader.info(k) for k in mapping}
             apply_targets(reader, list(mapping.items()), infos, verify=verify, cast=cast)
 
     def __repr__(self) -> str:
         return f"<cv.Saver max_to_keep={self.max_to_keep}>"
 
 
-def _stored_as_parts(mapping: dict[str, Variable | Logical], keys: set[str]) -> dict[
+def _stored_as_parts(mapping: dict[str, Variable | Logical], keys: Container[str]) -> dict[
         str, Variable | Logical]:
     """Parts stored under their own names (``emb/table/part_0``, ...) restore by those names
     when the file has no logical value for them (as ckptvar wrote before it stored one)."""

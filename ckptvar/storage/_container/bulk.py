@@ -172,19 +172,20 @@ def _hand_out(
 ) -> Iterator[tuple[str, np.ndarray]]:
     """The values of a window that is in: large ones read ahead (``big``), packed ones
     from ``blob`` (verified here), the rest read one by one."""
-    crc = _crc
+    crc, seed_of, ndarray = _crc, _checksum.header_crc, np.ndarray
     data, lo = (blob.data, blob.start) if blob is not None else (None, 0)
     for key, e in items:
         arr = big.get(key)
         if arr is None:
             kind, _, offset, n = e.loc
             if data is not None and kind == PACKED:
-                raw = data[offset - lo : offset - lo + n]
-                if verify:
-                    got = crc(raw, _checksum.header_crc(key, e.dtype, e.shape))
+                # a view of the value's bytes in the blob, made in one call
+                arr = ndarray(e.shape, e.np_dtype, data, offset - lo) if n else np.empty(
+                    e.shape, e.np_dtype)
+                if verify:  # over the bytes (an extension dtype may export no buffer)
+                    got = crc(data[offset - lo : offset - lo + n], seed_of(key, e.dtype, e.shape))
                     if got != e.checksum:
                         compare(reader, key, e, got)
-                arr = raw.view(e.np_dtype).reshape(e.shape) if n else np.empty(e.shape, e.np_dtype)
             else:
                 arr = reader.read(key, verify=verify)
         yield key, arr

@@ -1,0 +1,87 @@
+"""The per-value work of every public save/restore path, counted (not timed).
+
+Wall time on a shared machine means nothing in a test; the number of Python function
+calls per value is deterministic and is what regressed when the ``Saver`` lost its
+per-value speed (a ``LogicalBox`` built for every plain variable, four record lookups
+and an ``ArrayInfo`` per value on restore). These tests profile one call of each path
+over many small variables and bound the calls per value, and name the calls a plain
+(unpartitioned) variable must never pay for.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ckptvar as cv
+
+N = 2_000
+
+
+def _profile(fn: Callable[[], object]) -> tuple[int, dict[str, int]]:
+    """``(total calls, {function name: calls})`` of one call of ``fn``."""
+    fn()  # the first call pays for imports and caches
+    p = cProfile.Profile()
+    p.enable()
+    fn()
+    p.disable()
+    st = pstats.Stats(p)
+    by_name: dict[str, int] = {}
+    for (_file, _line, name), (_cc, nc, *_rest) in st.stats.items():  # type: ignore[attr-defined]
+        by_name[name] = by_name.get(name, 0) + nc
+    return st.total_calls, by_name  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> tuple[list[cv.Variable], dict[str, np.ndarray], Path]:
+    arrays = {f"p/{i // 100}/v{i % 100}": np.full(16, i, np.float32) for i in range(N)}
+    variables = [cv.Variable(a, name=k) for k, a in arrays.items()]
+    return variables, arrays, tmp_path
+
+
+# calls per value (the first figure measured after the fix, then the bound with headroom;
+# before it: Saver.save 46, Saver.restore 76, Checkpoint.restore 74)
+BOUNDS = {"saver.save": 40, "saver.restore": 50, "ckpt.write": 46, "ckpt.restore": 64,
+          "cv.save": 23, "cv.load": 20}
+
+
+def test_plain_variables_pay_nothing_for_partitioning(model) -> None:
+    variables, _, tmp = model
+    saver = cv.Saver(var_list=variables, max_to_keep=None)
+    for what, fn in (("save", lambda: saver.save(tmp / "s.h5")),
+                     ("restore", lambda: saver.restore(tmp / "s.h5"))):
+        _, calls = _profile(fn)
+        assert calls.get("logical_box", 0) == 0, what
+        assert calls.get("defined_dims", 0) == 0, what
+    # the restore looks each value up at most twice (the shape check, the bulk read) and
+    # makes no ArrayInfo when every stored shape and dtype matches its variable
+    _, calls = _profile(lambda: saver.restore(tmp / "s.h5"))
+    assert calls.get("_entry", 0) <= 2 * N
+    assert calls.get("_make_info", 0) == 0
+    for v in variables[:: N // 10]:
+        assert v.numpy()[0] == int(v.name.rsplit("/", 1)[1][1:]) + 100 * int(
+            v.name.split("/")[1])
+
+
+@pytest.mark.parametrize("path", sorted(BOUNDS))
+def test_calls_per_value_stay_bounded(model, path: str) -> None:
+    variables, arrays, tmp = model
+    saver = cv.Saver(var_list=variables, max_to_keep=None)
+    ckpt = cv.Checkpoint(vars={k.replace("/", "."): v for k, v in zip(arrays, variables,
+                                                                       strict=True)})
+    saver.save(tmp / "sv.h5")
+    ckpt.write(tmp / "ck.h5")
+    cv.save(tmp / "s.h5", arrays)
+    fn = {"saver.save": lambda: saver.save(tmp / "sv.h5"),
+          "saver.restore": lambda: saver.restore(tmp / "sv.h5"),
+          "ckpt.write": lambda: ckpt.write(tmp / "ck.h5"),
+          "ckpt.restore": lambda: ckpt.restore(tmp / "ck.h5"),
+          "cv.save": lambda: cv.save(tmp / "s.h5", arrays),
+          "cv.load": lambda: cv.load(tmp / "s.h5")}[path]
+    total, _ = _profile(fn)
+    assert total / N <= BOUNDS[path], f"{path}: {total / N:.1f} calls per value"
