@@ -1,4 +1,4 @@
-"""The import graph of the package obeys the layers of STYLE.md.
+"""The import graph of the package obeys the layers of docs/ARCHITECTURE.md.
 
 Checked statically over every ``ckptvar/**.py``, with the imports inside functions
 and those under ``if TYPE_CHECKING:`` (``ast`` sees them all): no import cycles, the core (device, graph, initializers,

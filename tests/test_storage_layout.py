@@ -1,4 +1,4 @@
-"""The storage layer's house rules: module size and purpose, doctests, declared reader
+"""The storage layer's house rules: doctests, declared reader
 abilities, the hand-over of files that are not ours, one lazy-slice arithmetic, and the
 one exact-read helper."""
 
