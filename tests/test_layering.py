@@ -1,4 +1,4 @@
-"""The import graph of the package obeys the layers of STYLE.md.
+"""The import graph of the package obeys the layers of docs/ARCHITECTURE.md.
 
 Checked statically over every ``ckptvar/**.py``, with the imports inside functions
 and those under ``if TYPE_CHECKING:`` (``ast`` sees them all): no import cycles, the core (device, graph, initializers,
@@ -225,6 +225,32 @@ def test_storage_never_imports_core() -> None:
 def test_no_module_takes_another_packages_private_name() -> None:
     crossings = list(dict.fromkeys(_private_crossings()))
     assert not crossings, "\n".join(crossings)
+
+
+# --------------------------------------------------------------------------- storage's three ideas
+
+#: Where other tools' files are read and written, and where bytes live.
+FOREIGN_FORMATS = ["ckptvar.storage.formats"]
+LOCATIONS = ["ckptvar.storage.location"]
+#: ckptvar's own format: the record, the containers, the multi-process layout.
+OWN_FORMAT = [f"ckptvar.storage.{m}" for m in (
+    "_record", "_record_index", "_record_checks", "_plain", "_h5", "_zarr", "_zarr_files",
+    "_zarr_remote", "_container", "_sharded", "_sharded_zarr", "_sharded_remote",
+    "_step_files", "_box_index", "_remote")]
+
+
+def test_storage_keeps_its_three_ideas_apart() -> None:
+    """Foreign formats and locations never import the own format; the own format never
+    imports the foreign formats (direct imports, type-checking ones included)."""
+    assert all(m in MODULES for m in OWN_FORMAT + FOREIGN_FORMATS + LOCATIONS)
+    graph = _graph(runtime_only=False)
+    bad = []
+    for mod in MODULES:
+        if _in(mod, FOREIGN_FORMATS + LOCATIONS):
+            bad += [f"{mod} -> {t}" for t in graph[mod] if _in(t, OWN_FORMAT)]
+        if _in(mod, OWN_FORMAT):
+            bad += [f"{mod} -> {t}" for t in graph[mod] if _in(t, FOREIGN_FORMATS)]
+    assert not bad, "\n".join(sorted(bad))
 
 
 # --------------------------------------------------------------------------- private reaches

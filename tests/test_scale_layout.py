@@ -347,3 +347,14 @@ def test_a_repeated_save_reuses_its_layout_rows_and_keeps_no_model_alive(
     del ckpt, b
     gc.collect()
     assert ref() is None  # the cache holds weak references only
+
+
+def test_a_lazy_value_of_the_layout_is_a_lazy_array_like_any_other(tmp_path: Path) -> None:
+    w = cv.Variable(FULL.copy(), name="w", shard=cv.Shard(full_shape=(8, 3), offset=(0, 0)))
+    path = cv.Checkpoint(w=w).save(tmp_path / "ckpt", coordinator=SingleProcessCoordinator())
+    with cv.open(path) as reader:
+        lazy = reader["w"]
+        assert lazy.info == reader.info("w")  # the LazyArray contract: info, shape, dtype
+        assert (lazy.shape, lazy.dtype) == ((8, 3), np.dtype("float32"))
+        assert repr(lazy) == "<LazyArray 'w' shape=(8, 3) dtype=float32>"
+        np.testing.assert_array_equal(lazy[2:5], FULL[2:5])

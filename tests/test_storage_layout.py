@@ -1,6 +1,7 @@
-"""The storage layer's house rules: module size and purpose, doctests, declared reader
-abilities, the hand-over of files that are not ours, one lazy-slice arithmetic, and the
-one exact-read helper."""
+"""The storage layer's house rules: doctests, declared abilities, sniffing, exact reads.
+
+Declared reader abilities, the order readers sniff in, the hand-over of files that are
+not ours, one lazy-slice arithmetic, and the one exact-read helper."""
 
 from __future__ import annotations
 

@@ -457,25 +457,17 @@ class ShardedLazyArray(LazyArray):
 
     def __init__(self, reader: ShardedReader, info: ArrayInfo) -> None:
         self._reader = reader
-        self._info = info
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self._info.shape
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self._info.dtype
+        self.info = info
 
     def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
-        return self._reader.read(self._info.key, out=out, verify=verify)
+        return self._reader.read(self.info.key, out=out, verify=verify)
 
     def __getitem__(self, index: Any) -> np.ndarray:
 
         box, rest = as_box(index, self.shape)
         if box is None:
             return np.asarray(self.read()[index])
-        value = self._reader.read_box(self._info.key, box)
+        value = self._reader.read_box(self.info.key, box)
         return np.asarray(value[rest]) if rest else value
 
 
