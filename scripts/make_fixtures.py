@@ -447,6 +447,82 @@ def make_torch(manifest: dict[str, Any]) -> None:
         rec(f"torch/{name}", torch.load(out / name, weights_only=True))
 
 
+# --------------------------------------------------------------------------- PyTorch DCP
+
+
+def _dcp_rank(rank: int, world: int, init: str, out: str) -> None:
+    """One rank of the two-process DCP save: a row-sharded and a column-sharded DTensor."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    full_rows = torch.arange(40, dtype=torch.float32).reshape(8, 5)
+    full_cols = torch.arange(36, dtype=torch.float64).reshape(3, 12) / 7
+    state = {
+        "rows": distribute_tensor(full_rows, mesh, [Shard(0)]),
+        "cols": distribute_tensor(full_cols, mesh, [Shard(1)]),
+        "bf16": distribute_tensor(torch.linspace(-2, 2, 10).to(torch.bfloat16), mesh, [Shard(0)]),
+        "replicated": torch.tensor([1, 2, 3], dtype=torch.int64),
+        "step": 11,
+    }
+    dcp.save(state, checkpoint_id=out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def make_dcp(manifest: dict[str, Any]) -> None:
+    import tempfile
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import torch.multiprocessing as mp
+
+    producer = f"torch {torch.__version__}"
+    torch.manual_seed(0)
+    out = ROOT / "dcp"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+
+    # One process: a model and its Adam state after one step.
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    net(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    state = {"model": net.state_dict(), "optim": opt.state_dict(), "epoch": 3}
+    dcp.save(state, checkpoint_id=str(out / "single"))
+
+    # Two processes (gloo): DTensors sharded across two .distcp files.
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{tmp}/rendezvous"
+        mp.start_processes(
+            _dcp_rank, args=(2, init, str(out / "two_ranks")), nprocs=2, start_method="spawn"
+        )
+
+    def rec(rel: str, expected: dict[str, Any]) -> None:
+        tensors = {}
+        for key, value in expected.items():
+            arr = value.view(torch.int16).numpy() if value.dtype == torch.bfloat16 else value.numpy()
+            dtype = str(value.dtype).removeprefix("torch.")
+            tensors[key] = _entry(dtype, value.shape, arr)
+        manifest["files"][rel] = {"format": "dcp", "producer": producer, "tensors": tensors}
+
+    # What DCP's own loader reads back (dcp.load into empty tensors of the right shape).
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for rel in ("dcp/single", "dcp/two_ranks"):
+        meta = FileSystemReader(str(ROOT / rel)).read_metadata()
+        target = {
+            k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            for k, m in meta.state_dict_metadata.items()
+            if hasattr(m, "size")
+        }
+        dcp.load(target, checkpoint_id=str(ROOT / rel), no_dist=True)
+        rec(rel, target)
+
+
 def main() -> int:
     manifest: dict[str, Any] = {"files": {}}
     if MANIFEST.exists():
@@ -459,6 +535,7 @@ def main() -> int:
         ("safetensors", make_safetensors),
         ("numpy", make_npz),
         ("torch", make_torch),
+        ("torch", make_dcp),
     ]
     only = set(sys.argv[1:])
     for lib, fn in sections:

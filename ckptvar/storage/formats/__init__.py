@@ -8,6 +8,7 @@ name       files                                   write needs at run time
 tf         ``prefix.index`` + ``prefix.data-*``    no    numpy, crc32c
 torch      ``.pt``, ``.pth``, ``.bin``             no    numpy (no torch)
 safetensors ``.safetensors``                       yes   numpy
+hf-safetensors ``*.safetensors.index.json`` + shards yes  numpy
 npz        ``.npz``                                yes   numpy
 keras      ``.weights.h5``, ``.keras``, legacy     no    h5py
 hdf5       any other HDF5 file (by sniffing)       no    h5py
@@ -25,6 +26,7 @@ docs/formats.md describes key naming and limits per format.
 from __future__ import annotations
 
 from ..registry import register_backend
+from ._hf_sharded import HFShardedBackend, parse_shard_size
 from ._keras import HDF5Backend, KerasBackend
 from ._npz import NpzBackend
 from ._safetensors import SafetensorsBackend
@@ -33,11 +35,13 @@ from ._torch import TorchBackend
 
 __all__ = [
     "HDF5Backend",
+    "HFShardedBackend",
     "KerasBackend",
     "NpzBackend",
     "SafetensorsBackend",
     "TFBackend",
     "TorchBackend",
+    "parse_shard_size",
 ]
 
 # Order matters for sniffing: specific layouts before the generic HDF5 fallback.
@@ -45,6 +49,7 @@ for _backend in (
     TFBackend,
     TorchBackend,
     SafetensorsBackend,
+    HFShardedBackend,
     NpzBackend,
     KerasBackend,
     HDF5Backend,
