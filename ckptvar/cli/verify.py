@@ -19,13 +19,14 @@ from ._common import (
 from ._output import escape, one_line
 
 EPILOG = """\
-Reads every value and checks it against its stored checksum (formats without
-checksums, such as .npz and .safetensors, are read and checked for structure).
+Reads every value and checks it against its stored checksum. Formats without
+checksums (.safetensors, PyTorch DCP, Orbax) are read and checked for structure,
+and the result says "READABLE ... not checksummed" instead of "OK".
 Every damaged value is named, a truncated file included. --filter/--exclude
 (globs, repeatable) verify only some keys; a selection matching nothing is an
 error (exit 2).
 
-exit status: 0 all values intact, 1 damage found, 2 missing or unreadable input.
+exit status: 0 all values intact (or readable, where not checksummed), 1 damage found, 2 missing or unreadable input.
 
 examples:
   ckpt verify runs/ckpt-3.h5
@@ -76,12 +77,20 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                         damaged.append((key, one_line(exc)))
                     bar.update(reader.info(key).nbytes, key)
         unchecked = sum(1 for k in keys if not reader.info(k).checked)
+        fmt = reader.format
     n = len(keys)
     if damaged:
         for key, reason in damaged:
             print(f"DAMAGED  {escape(key)}: {escape(one_line(reason))}", file=out)
         print(f"FAILED: {len(damaged)} of {n} values damaged in {escape(path)}", file=out)
         return EXIT_MISMATCH
+    if n and unchecked == n:
+        print(
+            f"READABLE: {n} value{'s' if n != 1 else ''} read and checked for structure; not "
+            f"checksummed ({escape(fmt)} stores no checksums to verify them against)",
+            file=out,
+        )
+        return EXIT_OK
     note = ""
     if unchecked:
         note = f" ({unchecked} without a stored checksum: read and checked for structure only)"

@@ -9,6 +9,7 @@ tf         ``prefix.index`` + ``prefix.data-*``    no    numpy, crc32c
 torch      ``.pt``, ``.pth``, ``.bin``             no    numpy (no torch)
 safetensors ``.safetensors``                       yes   numpy
 hf-safetensors ``*.safetensors.index.json`` + shards yes  numpy
+dcp        a directory: ``.metadata`` + ``*.distcp`` no    numpy (no torch)
 npz        ``.npz``                                yes   numpy
 keras      ``.weights.h5``, ``.keras``, legacy     no    h5py
 hdf5       any other HDF5 file (by sniffing)       no    h5py
@@ -26,6 +27,7 @@ docs/formats.md describes key naming and limits per format.
 from __future__ import annotations
 
 from ..registry import register_backend
+from ._dcp import DcpBackend
 from ._hf_sharded import HFShardedBackend, parse_shard_size
 from ._keras import HDF5Backend, KerasBackend
 from ._npz import NpzBackend
@@ -34,6 +36,7 @@ from ._tf_bundle import TFBackend
 from ._torch import TorchBackend
 
 __all__ = [
+    "DcpBackend",
     "HDF5Backend",
     "HFShardedBackend",
     "KerasBackend",
@@ -48,6 +51,7 @@ __all__ = [
 for _backend in (
     TFBackend,
     TorchBackend,
+    DcpBackend,
     SafetensorsBackend,
     HFShardedBackend,
     NpzBackend,
