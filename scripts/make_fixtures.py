@@ -19,6 +19,7 @@ ckptvar itself is never imported here: the fixtures are what other tools write.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -523,6 +524,63 @@ def make_dcp(manifest: dict[str, Any]) -> None:
         rec(rel, target)
 
 
+# --------------------------------------------------------------------------- Orbax
+
+
+def _orbax_tree() -> dict[str, Any]:
+    import jax.numpy as jnp
+
+    rng = _rng(7)
+    return {
+        "params": {
+            "dense": {
+                "kernel": rng.standard_normal((4, 3)).astype(np.float32),
+                "bias": np.arange(3, dtype=np.float32),
+            },
+            "embed": jnp.asarray(rng.standard_normal((5, 2)), dtype=jnp.bfloat16),
+            "big": np.arange(600, dtype=np.float32).reshape(30, 20),
+        },
+        "opt_state": {"count": np.array(7, dtype=np.int32), "mu": np.ones((3,), np.float64)},
+        "mask": np.array([True, False, True]),
+    }
+
+
+def make_orbax(manifest: dict[str, Any]) -> None:
+    import jax
+    import orbax.checkpoint as ocp
+
+    version = importlib.metadata.version("orbax-checkpoint")
+    producer = f"orbax-checkpoint {version}"
+    out = ROOT / "orbax"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    tree = _orbax_tree()
+
+    # OCDBT (the default), through a CheckpointManager: step 5 of a run directory.
+    with ocp.CheckpointManager(out / "ocdbt_run") as mngr:
+        mngr.save(5, args=ocp.args.StandardSave(tree))
+        mngr.wait_until_finished()
+    # Per-array Zarr (use_ocdbt=False), the older layout, straight to a directory.
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False)
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save((out / "zarr_step").absolute(), args=ocp.args.PyTreeSave(tree))
+
+    def rec(rel: str, restored: Any) -> None:
+        tensors = {}
+        for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]:
+            key = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+            arr = np.asarray(leaf)
+            name = str(arr.dtype)
+            raw = arr.view(np.uint16) if name == "bfloat16" else arr
+            tensors[key] = _entry(name, arr.shape, raw)
+        manifest["files"][rel] = {"format": "orbax", "producer": producer, "tensors": tensors}
+
+    with ocp.CheckpointManager(out / "ocdbt_run") as mngr:
+        rec("orbax/ocdbt_run/5", mngr.restore(5, args=ocp.args.StandardRestore()))
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+        rec("orbax/zarr_step", ckptr.restore((out / "zarr_step").absolute()))
+
+
 def main() -> int:
     manifest: dict[str, Any] = {"files": {}}
     if MANIFEST.exists():
@@ -536,6 +594,7 @@ def main() -> int:
         ("numpy", make_npz),
         ("torch", make_torch),
         ("torch", make_dcp),
+        ("orbax", make_orbax),
     ]
     only = set(sys.argv[1:])
     for lib, fn in sections:

@@ -10,6 +10,7 @@ torch      ``.pt``, ``.pth``, ``.bin``             no    numpy (no torch)
 safetensors ``.safetensors``                       yes   numpy
 hf-safetensors ``*.safetensors.index.json`` + shards yes  numpy
 dcp        a directory: ``.metadata`` + ``*.distcp`` no    numpy (no torch)
+orbax      a step directory (``_CHECKPOINT_METADATA``) no    numcodecs; tensorstore for OCDBT
 npz        ``.npz``                                yes   numpy
 keras      ``.weights.h5``, ``.keras``, legacy     no    h5py
 hdf5       any other HDF5 file (by sniffing)       no    h5py
@@ -31,6 +32,7 @@ from ._dcp import DcpBackend
 from ._hf_sharded import HFShardedBackend, parse_shard_size
 from ._keras import HDF5Backend, KerasBackend
 from ._npz import NpzBackend
+from ._orbax import OrbaxBackend
 from ._safetensors import SafetensorsBackend
 from ._tf_bundle import TFBackend
 from ._torch import TorchBackend
@@ -41,6 +43,7 @@ __all__ = [
     "HFShardedBackend",
     "KerasBackend",
     "NpzBackend",
+    "OrbaxBackend",
     "SafetensorsBackend",
     "TFBackend",
     "TorchBackend",
@@ -52,6 +55,7 @@ for _backend in (
     TFBackend,
     TorchBackend,
     DcpBackend,
+    OrbaxBackend,
     SafetensorsBackend,
     HFShardedBackend,
     NpzBackend,

@@ -36,7 +36,7 @@ import numpy as np
 
 from ...errors import CorruptCheckpointError, MissingKeyError, UnsupportedFormatError
 from ..base import ArrayInfo, Backend, LazyArray, Reader, verify_each
-from ._common import MAX_HEADER_BYTES, FileHandle, check_shape
+from ._common import MAX_HEADER_BYTES, FileHandle, bounding_box, check_shape, shift_index
 from ._unpickler import DCP_GLOBALS, DcpRecord, StorageRef, TensorRef, TorchDtype, safe_load
 from ._zip import ZIP_ERRORS
 
@@ -206,7 +206,7 @@ class DcpArray(LazyArray):
 
     def __getitem__(self, index: Any) -> np.ndarray:
         shape = self.info.shape
-        lo, hi = _box(index, shape)
+        lo, hi = bounding_box(index, shape)
         if lo is None or hi is None:
             result = self.read()[index]
         else:
@@ -214,58 +214,9 @@ class DcpArray(LazyArray):
             if box.size:
                 self._fill(box, lo, hi)
             full_index = index if isinstance(index, tuple) else (index,)
-            local = _shift(full_index, lo, shape)
+            local = shift_index(full_index, lo, shape)
             result = box[local]
         return np.array(result, copy=True) if isinstance(result, np.ndarray) else result
-
-
-def _box(index: Any, shape: tuple[int, ...]) -> tuple[Any, Any]:
-    """The bounding box ``(lo, hi)`` of a basic index (ints and slices), or ``(None, None)``."""
-    idx = index if isinstance(index, tuple) else (index,)
-    if any(i is Ellipsis or i is None for i in idx) or len(idx) > len(shape):
-        return None, None
-    lo, hi = [], []
-    for dim, i in enumerate(idx):
-        n = shape[dim]
-        if isinstance(i, int | np.integer) and not isinstance(i, bool):
-            k = int(i) + n if i < 0 else int(i)
-            if not 0 <= k < n:
-                return None, None  # numpy raises the IndexError
-            lo.append(k)
-            hi.append(k + 1)
-        elif isinstance(i, slice):
-            r = range(*i.indices(n))
-            if len(r) == 0:
-                lo.append(0)
-                hi.append(0)
-            else:
-                lo.append(min(r[0], r[-1]))
-                hi.append(max(r[0], r[-1]) + 1)
-        else:
-            return None, None
-    for dim in range(len(idx), len(shape)):
-        lo.append(0)
-        hi.append(shape[dim])
-    return tuple(lo), tuple(hi)
-
-
-def _shift(idx: tuple[Any, ...], lo: tuple[int, ...], shape: tuple[int, ...]) -> tuple[Any, ...]:
-    """``idx`` rewritten for the box starting at ``lo``."""
-    out: list[Any] = []
-    for dim, i in enumerate(idx):
-        if isinstance(i, slice):
-            start, stop, step = i.indices(shape[dim])
-            r = range(start, stop, step)
-            if len(r) == 0:
-                out.append(slice(0, 0))
-                continue
-            first, last = r[0] - lo[dim], r[-1] - lo[dim]
-            end = last + (1 if step > 0 else -1)
-            out.append(slice(first, end if end >= 0 else None, step))
-        else:
-            k = int(i) + shape[dim] if i < 0 else int(i)
-            out.append(k - lo[dim])
-    return tuple(out)
 
 
 class DcpReader(Reader):
