@@ -581,6 +581,39 @@ def make_orbax(manifest: dict[str, Any]) -> None:
         rec("orbax/zarr_step", ckptr.restore((out / "zarr_step").absolute()))
 
 
+# --------------------------------------------------------------------------- HF sharded
+
+
+def make_hf_sharded(manifest: dict[str, Any]) -> None:
+    import torch
+    import transformers
+
+    producer = f"transformers {transformers.__version__}"
+    torch.manual_seed(0)
+    out = ROOT / "hf_sharded"
+    shutil.rmtree(out, ignore_errors=True)
+    config = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+    )
+    model = transformers.BertModel(config)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="20KB")
+    # What transformers reads back is what the manifest records.
+    loaded = transformers.BertModel.from_pretrained(out)
+    tensors = {}
+    for key, value in loaded.state_dict().items():
+        tensors[key] = _entry("float32", value.shape, value.numpy())
+    manifest["files"]["hf_sharded"] = {
+        "format": "hf-safetensors",
+        "producer": producer,
+        "tensors": tensors,
+    }
+
+
 def main() -> int:
     manifest: dict[str, Any] = {"files": {}}
     if MANIFEST.exists():
@@ -595,6 +628,7 @@ def main() -> int:
         ("torch", make_torch),
         ("torch", make_dcp),
         ("orbax", make_orbax),
+        ("transformers", make_hf_sharded),
     ]
     only = set(sys.argv[1:])
     for lib, fn in sections:

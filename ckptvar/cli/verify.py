@@ -45,6 +45,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_quiet(p)
 
 
+def _info(reader: cv.storage.Reader, key: str) -> cv.storage.ArrayInfo | None:
+    """``reader.info(key)``, or None when what describes it (a shard's header) is damaged."""
+    try:
+        return reader.info(key)
+    except (cv.CorruptCheckpointError, OSError):
+        return None
+
+
 def run(args: argparse.Namespace, out: TextIO) -> int:
     path = args.path
     try:
@@ -61,7 +69,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             reader.metadata()
         except cv.CorruptCheckpointError as exc:
             damaged.append(("<metadata>", one_line(exc)))
-        bar = progress_for(sum(reader.info(k).nbytes for k in keys), args)
+        infos = {k: _info(reader, k) for k in keys}  # None: a damaged header, reported below
+        bar = progress_for(sum(i.nbytes for i in infos.values() if i is not None), args)
         bulk = isinstance(reader, cv.storage.SupportsVerifyAll)
         if bulk and not partial and not bar.enabled:
             try:
@@ -75,8 +84,9 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                         reader.verify(key)
                     except (cv.CorruptCheckpointError, OSError) as exc:
                         damaged.append((key, one_line(exc)))
-                    bar.update(reader.info(key).nbytes, key)
-        unchecked = sum(1 for k in keys if not reader.info(k).checked)
+                    info = infos[key]
+                    bar.update(info.nbytes if info is not None else 0, key)
+        unchecked = sum(1 for i in infos.values() if i is not None and not i.checked)
         fmt = reader.format
     n = len(keys)
     if damaged:
