@@ -4,6 +4,8 @@ the layout transformers writes, loaded back by the real transformers 5; safetens
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
+from ckptvar.cli import main
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "hf_sharded"
 INDEX = FIXTURE / "model.safetensors.index.json"
@@ -24,10 +27,25 @@ HF_FORMATS = ("pt", "tf", "flax", "mlx")
 
 
 def ckpt(*args: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ckptvar", *map(str, args)],
-        capture_output=True, text=True, timeout=120, env=dict(os.environ), check=False,
-    )
+    """``ckpt ARGS`` run in this process (start-up would dominate); a completed process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def ckpt_processes(*commands: tuple[object, ...]) -> list[subprocess.CompletedProcess[str]]:
+    """Several ``ckpt`` commands as real processes, run at once."""
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "ckptvar", *map(str, c)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+        for c in commands
+    ]
+    done = []
+    for c, p in zip(commands, procs, strict=True):
+        out, err = p.communicate(timeout=120)
+        done.append(subprocess.CompletedProcess(c, p.returncode, out, err))
+    return done
 
 
 def _header(path: Path) -> dict[str, object]:
@@ -76,14 +94,15 @@ def test_a_read_opens_only_the_shard_it_needs() -> None:
 
 def test_every_command_takes_the_folder_or_the_index(tmp_path: Path) -> None:
     key = "encoder.layer.1.output.dense.weight"
-    inspect, show, verify = ckpt("inspect", FIXTURE), ckpt("show", INDEX, key), ckpt("verify", FIXTURE)
+    out = tmp_path / "one.safetensors"
+    inspect, show, verify, conv = ckpt_processes(
+        ("inspect", FIXTURE), ("show", INDEX, key), ("verify", FIXTURE), ("convert", INDEX, out)
+    )
     assert inspect.returncode == 0, inspect.stderr
     assert "format: hf-safetensors" in inspect.stdout and key in inspect.stdout
     assert "total_size: 25280" in inspect.stdout
     assert show.returncode == 0 and "(16, 32)" in show.stdout, show.stderr
     assert verify.returncode == 0 and "READABLE: 39 values" in verify.stdout, verify.stdout
-    out = tmp_path / "one.safetensors"
-    conv = ckpt("convert", INDEX, out)
     assert conv.returncode == 0, conv.stderr
     diff = ckpt("diff", FIXTURE, out)
     assert diff.returncode == 0 and "Equal: 39 values" in diff.stdout, diff.stdout + diff.stderr
@@ -208,6 +227,7 @@ def test_safetensors_from_a_saver_checkpoint_carries_format_pt(tmp_path: Path) -
     assert bad.returncode == 2 and "KEY=VALUE" in bad.stderr
 
 
+@pytest.mark.slow  # importing transformers alone takes 4 s of CPU (15 s on a busy machine)
 def test_transformers_loads_what_convert_writes(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers", reason="the test extra installs it")
     src, values = _saver_h5(tmp_path)
