@@ -250,7 +250,7 @@ def test_inspect_shows_the_keras_layer_names_in_the_table_and_the_tree(
     with cv.open(path) as reader:
         layers = {k: reader.info(k).attrs.get("layer") for k in reader}
     assert layers["layers/dense/vars/0"] == "hidden" and layers["layers/dense/vars/0"] not in (
-        "layers/dense/vars/0".split("/"))
+        ["layers", "dense", "vars", "0"])
     assert main(["inspect", str(path)]) == 0
     table = capsys.readouterr().out.splitlines()
     header = next(line for line in table if line.startswith("KEY"))

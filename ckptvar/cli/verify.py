@@ -88,7 +88,16 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                     bar.update(info.nbytes if info is not None else 0, key)
         unchecked = sum(1 for i in infos.values() if i is not None and not i.checked)
         fmt = reader.format
-    n = len(keys)
+    return _report(path, fmt, (len(keys), unchecked), damaged, out)
+
+
+def _report(
+    path: str, fmt: str, counts: tuple[int, int], damaged: list[tuple[str, str]], out: TextIO
+) -> int:
+    """Print the verdict: each damaged value, or READABLE (nothing checksummed), or OK.
+
+    ``counts`` is (values checked, values without a stored checksum)."""
+    n, unchecked = counts
     if damaged:
         for key, reason in damaged:
             print(f"DAMAGED  {escape(key)}: {escape(one_line(reason))}", file=out)

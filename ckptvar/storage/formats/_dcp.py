@@ -97,6 +97,36 @@ class _Files:
         self._open.clear()
 
 
+def _torch_chunk(raw: bytes, what: str) -> tuple[TensorRef, StorageRef, bytes]:
+    """The tensor, its storage and the storage's bytes (CRC-checked) of a torch.save archive."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+            pkls = [m for m in zf.namelist() if m.endswith("/data.pkl") and m.count("/") == 1]
+            if len(pkls) != 1:
+                raise CorruptCheckpointError(f"{what} is not a torch.save archive.")
+            if zf.getinfo(pkls[0]).file_size > min(MAX_HEADER_BYTES, 64 * len(raw) + 4096):
+                raise CorruptCheckpointError(f"{what}: its pickle declares too many bytes.")
+            storages: dict[str, StorageRef] = {}
+            ref = safe_load(io.BytesIO(zf.read(pkls[0])), storages=storages, source=what)
+            if not isinstance(ref, TensorRef) or len(storages) != 1:
+                raise CorruptCheckpointError(f"{what} does not hold exactly one tensor.")
+            st = next(iter(storages.values()))
+            member = zf.getinfo(f"{pkls[0][: -len('data.pkl')]}data/{st.key}")
+            nbytes = st.numel * st.dtype.itemsize
+            if member.file_size != nbytes or member.compress_type != zipfile.ZIP_STORED:
+                raise CorruptCheckpointError(
+                    f"{what}: its storage holds {member.file_size} bytes; {st.numel} "
+                    f"{st.dtype} elements need {nbytes}."
+                )
+            return ref, st, zf.read(member)  # zipfile checks the member's CRC-32
+    except CorruptCheckpointError:
+        raise
+    except KeyError as exc:
+        raise CorruptCheckpointError(f"{what} lacks a member: {exc}.") from None
+    except ZIP_ERRORS as exc:
+        raise CorruptCheckpointError(f"{what} is damaged: {exc}") from None
+
+
 def _chunk_array(raw: bytes, chunk: _Chunk, dtype: np.dtype, what: str) -> np.ndarray:
     """The chunk's values from its bytes: a ``torch.save`` archive, or raw bytes."""
     n = math.prod(chunk.sizes)
@@ -107,50 +137,21 @@ def _chunk_array(raw: bytes, chunk: _Chunk, dtype: np.dtype, what: str) -> np.nd
                 f"{n * dtype.itemsize} raw bytes of its {list(chunk.sizes)} {dtype} values."
             )
         return np.frombuffer(raw, dtype=dtype).reshape(chunk.sizes).copy()
-    try:
-        with zipfile.ZipFile(io.BytesIO(raw)) as zf:
-            names = zf.namelist()
-            pkls = [m for m in names if m.endswith("/data.pkl") and m.count("/") == 1]
-            if len(pkls) != 1:
-                raise CorruptCheckpointError(f"{what} is not a torch.save archive.")
-            prefix = pkls[0][: -len("data.pkl")]
-            pkl_info = zf.getinfo(pkls[0])
-            if pkl_info.file_size > min(MAX_HEADER_BYTES, 64 * len(raw) + 4096):
-                raise CorruptCheckpointError(f"{what}: its pickle declares too many bytes.")
-            storages: dict[str, StorageRef] = {}
-            ref = safe_load(io.BytesIO(zf.read(pkls[0])), storages=storages, source=what)
-            if not isinstance(ref, TensorRef) or len(storages) != 1:
-                raise CorruptCheckpointError(f"{what} does not hold exactly one tensor.")
-            st = next(iter(storages.values()))
-            member = zf.getinfo(f"{prefix}data/{st.key}")
-            nbytes = st.numel * st.dtype.itemsize
-            if member.file_size != nbytes or member.compress_type != zipfile.ZIP_STORED:
-                raise CorruptCheckpointError(
-                    f"{what}: its storage holds {member.file_size} bytes; {st.numel} "
-                    f"{st.dtype} elements need {nbytes}."
-                )
-            data = zf.read(member)  # checks the member's CRC-32
-    except CorruptCheckpointError:
-        raise
-    except KeyError as exc:
-        raise CorruptCheckpointError(f"{what} lacks a member: {exc}.") from None
-    except ZIP_ERRORS as exc:
-        raise CorruptCheckpointError(f"{what} is damaged: {exc}") from None
+    ref, st, data = _torch_chunk(raw, what)
     if ref.shape != chunk.sizes or ref.dtype != dtype or st.dtype not in (dtype, np.dtype("u1")):
         raise CorruptCheckpointError(
             f"{what} holds a {list(ref.shape)} {ref.dtype} tensor; the metadata says "
             f"{list(chunk.sizes)} {dtype}."
         )
-    elems = len(data) // dtype.itemsize
-    if n:
-        last = ref.offset + sum((d - 1) * s for d, s in zip(ref.shape, ref.stride, strict=True))
-        if last >= elems:
-            raise CorruptCheckpointError(
-                f"{what}: its tensor reaches element {last} of a {elems}-element storage."
-            )
-    base = np.frombuffer(data, dtype=dtype, count=elems)
     if not n:
         return np.zeros(chunk.sizes, dtype)
+    elems = len(data) // dtype.itemsize
+    last = ref.offset + sum((d - 1) * s for d, s in zip(ref.shape, ref.stride, strict=True))
+    if last >= elems:
+        raise CorruptCheckpointError(
+            f"{what}: its tensor reaches element {last} of a {elems}-element storage."
+        )
+    base = np.frombuffer(data, dtype=dtype, count=elems)
     view = np.lib.stride_tricks.as_strided(
         base[ref.offset :],
         shape=ref.shape,
@@ -184,13 +185,13 @@ class DcpArray(LazyArray):
     def _fill(self, out: np.ndarray, lo: tuple[int, ...], hi: tuple[int, ...]) -> None:
         """Fill ``out`` with the box ``[lo, hi)`` of the value from the chunks that meet it."""
         for chunk in self._chunks:
-            a = [max(l, o) for l, o in zip(lo, chunk.offsets, strict=True)]
+            a = [max(x, o) for x, o in zip(lo, chunk.offsets, strict=True)]
             b = [min(h, o + s) for h, o, s in zip(hi, chunk.offsets, chunk.sizes, strict=True)]
             if any(x >= y for x, y in zip(a, b, strict=True)) and self.info.shape:
                 continue
             part = self._read_chunk(chunk)
             src = tuple(slice(x - o, y - o) for x, y, o in zip(a, b, chunk.offsets, strict=True))
-            dst = tuple(slice(x - l, y - l) for x, y, l in zip(a, b, lo, strict=True))
+            dst = tuple(slice(x - z, y - z) for x, y, z in zip(a, b, lo, strict=True))
             out[dst] = part[src]
 
     def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
@@ -210,7 +211,7 @@ class DcpArray(LazyArray):
         if lo is None or hi is None:
             result = self.read()[index]
         else:
-            box = np.empty(tuple(h - l for l, h in zip(lo, hi, strict=True)), self.info.dtype)
+            box = np.empty(tuple(h - x for x, h in zip(lo, hi, strict=True)), self.info.dtype)
             if box.size:
                 self._fill(box, lo, hi)
             full_index = index if isinstance(index, tuple) else (index,)
@@ -324,9 +325,9 @@ def _storage_map(meta: DcpRecord, folder: Path, where: str) -> dict[tuple[str, A
         raise CorruptCheckpointError(f"{where}: storage_data is not a dict.")
     out: dict[tuple[str, Any], tuple[Path, int, int]] = {}
     sizes: dict[Path, int] = {}
-    for index, info in storage.items():
-        index = _record(index, "MetadataIndex", where)
-        info = _record(info, "_StorageInfo", where)
+    for raw_index, raw_info in storage.items():
+        index = _record(raw_index, "MetadataIndex", where)
+        info = _record(raw_info, "_StorageInfo", where)
         fqn = index.field("fqn", 0)
         offset = index.field("offset", 1, None)
         offset = None if offset is None else _dims(offset, "chunk offset", where)
@@ -396,8 +397,7 @@ def _bytes_entry(file: Path, start: int, length: int, key: str) -> Any:
     return safe_load(io.BytesIO(data), storages={}, source=what)
 
 
-def _open(path: Path) -> Reader:
-    folder = path.parent if path.name == METADATA_NAME else path
+def _read_metadata(folder: Path) -> DcpRecord:
     meta_file = folder / METADATA_NAME
     where = repr(str(meta_file))
     fh = FileHandle(meta_file)
@@ -408,10 +408,49 @@ def _open(path: Path) -> Reader:
     finally:
         fh.close()
     storages: dict[str, StorageRef] = {}
-    top = safe_load(io.BytesIO(data), storages={}, source=where, extra_globals=DCP_GLOBALS)
+    top = safe_load(io.BytesIO(data), storages=storages, source=where, extra_globals=DCP_GLOBALS)
     if storages:
         raise CorruptCheckpointError(f"{where} refers to tensor storages; not DCP metadata.")
-    meta = _record(top, "Metadata", where)
+    return _record(top, "Metadata", where)
+
+
+def _chunks(
+    key: str, raw_chunks: list[Any], places: dict[tuple[str, Any], tuple[Path, int, int]], where: str
+) -> list[_Chunk]:
+    chunks = []
+    for raw in raw_chunks:
+        c = _record(raw, "ChunkStorageMetadata", where)
+        offsets = _dims(c.field("offsets", 0), "chunk offsets", where)
+        sizes = _dims(c.field("sizes", 1), "chunk sizes", where)
+        place = places.get((key, offsets))
+        if place is None:
+            raise CorruptCheckpointError(
+                f"{where}: the chunk of {key!r} at {list(offsets)} has no stored bytes."
+            )
+        chunks.append(_Chunk(offsets, sizes, *place))
+    return chunks
+
+
+def _bytes_value(
+    key: str, places: dict[tuple[str, Any], tuple[Path, int, int]], where: str
+) -> tuple[Any, str | None]:
+    """``(value, None)`` for a plain non-tensor entry, ``(None, reason)`` otherwise."""
+    place = places.get((key, None))
+    if place is None:
+        raise CorruptCheckpointError(f"{where}: no bytes stored for {key!r}.")
+    try:
+        value = _bytes_entry(*place, key)
+    except CorruptCheckpointError as exc:
+        return None, f"a pickled Python object DCP stored for it is refused: {exc}"
+    if not _plain(value):
+        return None, "a pickled Python object that is not a plain value"
+    return value, None
+
+
+def _open(path: Path) -> Reader:
+    folder = path.parent if path.name == METADATA_NAME else path
+    where = repr(str(folder / METADATA_NAME))
+    meta = _read_metadata(folder)
     entries = meta.field("state_dict_metadata", 0)
     if not isinstance(entries, dict):
         raise CorruptCheckpointError(f"{where}: state_dict_metadata is not a dict.")
@@ -424,36 +463,19 @@ def _open(path: Path) -> Reader:
         if not isinstance(key, str):
             raise CorruptCheckpointError(f"{where}: the key {key!r} is not a string.")
         if isinstance(entry, DcpRecord) and entry.kind == "BytesStorageMetadata":
-            place = places.get((key, None))
-            if place is None:
-                raise CorruptCheckpointError(f"{where}: no bytes stored for {key!r}.")
-            try:
-                value = _bytes_entry(*place, key)
-            except CorruptCheckpointError as exc:
-                skipped[key] = f"a pickled Python object DCP stored for it is refused: {exc}"
-                continue
-            if _plain(value):
+            value, reason = _bytes_value(key, places, where)
+            if reason is None:
                 metadata[key] = value
             else:
-                skipped[key] = "a pickled Python object that is not a plain value"
+                skipped[key] = reason
             continue
-        entry = _record(entry, "TensorStorageMetadata", where)
+        tensor = _record(entry, "TensorStorageMetadata", where)
         try:
-            dtype, shape, raw_chunks = _tensor_info(key, entry, where)
+            dtype, shape, raw_chunks = _tensor_info(key, tensor, where)
         except UnsupportedFormatError as exc:
             skipped[key] = str(exc)
             continue
-        chunks = []
-        for raw in raw_chunks:
-            c = _record(raw, "ChunkStorageMetadata", where)
-            offsets = _dims(c.field("offsets", 0), "chunk offsets", where)
-            sizes = _dims(c.field("sizes", 1), "chunk sizes", where)
-            place = places.get((key, offsets))
-            if place is None:
-                raise CorruptCheckpointError(
-                    f"{where}: the chunk of {key!r} at {list(offsets)} has no stored bytes."
-                )
-            chunks.append(_Chunk(offsets, sizes, *place))
+        chunks = _chunks(key, raw_chunks, places, where)
         _check_tiling(key, shape, chunks, where)
         info = ArrayInfo(key=key, dtype=dtype, shape=shape, attrs={"name": key})
         arrays[key] = DcpArray(info, chunks, files)

@@ -132,26 +132,6 @@ def _read_index(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
     return weight_map, dict(meta)
 
 
-class _ShardArray(LazyArray):
-    """One value of a sharded checkpoint: its shard is opened on first use."""
-
-    def __init__(self, owner: HFShardedReader, key: str) -> None:
-        self._owner, self._key = owner, key
-
-    def _lazy(self) -> LazyArray:
-        return self._owner.shard_reader(self._key)[self._key]
-
-    @property  # type: ignore[override]
-    def info(self) -> ArrayInfo:
-        return self._owner.info(self._key)
-
-    def __getitem__(self, index: Any) -> np.ndarray:
-        return self._lazy()[index]
-
-    def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
-        return self._lazy().read(out=out, verify=verify)
-
-
 class HFShardedReader(Reader):
     """A read-only view of a sharded (or single-file) Hugging Face safetensors model.
 
@@ -211,8 +191,7 @@ class HFShardedReader(Reader):
         return self.shard_reader(key).info(key)
 
     def __getitem__(self, key: str) -> LazyArray:
-        self._shard_of(key)
-        return _ShardArray(self, key)
+        return self.shard_reader(key)[key]  # reads that shard's header, no other
 
     def read(self, key: str, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
         return self.shard_reader(key).read(key, out=out, verify=verify)
@@ -361,7 +340,7 @@ class HFShardedWriter(Writer):
                 fd = os.open(tmp / INDEX_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 try:
                     view = memoryview(text.encode("utf-8"))
-                    while len(view):
+                    while len(view) > 0:
                         view = view[os.write(fd, view) :]
                     if self._durable:
                         os.fsync(fd)

@@ -104,19 +104,18 @@ def _ocdbt_fetch(folder: Path) -> Fetch:
 
 
 def _dtype(name: Any, what: str) -> np.dtype:
-    if name == "bfloat16":
-        return np.dtype(ml_dtypes.bfloat16)
     if not isinstance(name, str):
         raise UnsupportedFormatError(f"{what}: dtype {name!r} is not supported.")
+    found = getattr(ml_dtypes, name, None)  # bfloat16, float8_*: no byte order in the name
+    if found is not None:
+        known: np.dtype = np.dtype(found)
+        return known
     try:
-        dt = np.dtype(name)
+        dt: np.dtype = np.dtype(name)
     except TypeError:
-        dt = None
-    if dt is None or dt.kind not in "biufc" or dt.fields is not None:
-        found = getattr(ml_dtypes, name, None)
-        if found is None:
-            raise UnsupportedFormatError(f"{what}: dtype {name!r} is not supported.")
-        dt = np.dtype(found)
+        raise UnsupportedFormatError(f"{what}: dtype {name!r} is not supported.") from None
+    if dt.kind not in "biufc" or dt.fields is not None:
+        raise UnsupportedFormatError(f"{what}: dtype {name!r} is not supported.")
     return dt
 
 
@@ -200,11 +199,11 @@ class ZarrV2Array(LazyArray):
             out[()] = self._chunk(())[()] if self._chunks == () else self._chunk(())
             return
         ranges = [
-            range(l // c, -(-h // c)) for l, h, c in zip(lo, hi, self._chunks, strict=True)
+            range(a0 // c, -(-h // c)) for a0, h, c in zip(lo, hi, self._chunks, strict=True)
         ]
         for index in itertools.product(*ranges):
             start = [i * c for i, c in zip(index, self._chunks, strict=True)]
-            a = [max(l, s) for l, s in zip(lo, start, strict=True)]
+            a = [max(x, s) for x, s in zip(lo, start, strict=True)]
             b = [
                 min(h, s + c, d)
                 for h, s, c, d in zip(hi, start, self._chunks, shape, strict=True)
@@ -213,7 +212,7 @@ class ZarrV2Array(LazyArray):
                 continue
             part = self._chunk(tuple(index))
             src = tuple(slice(x - s, y - s) for x, y, s in zip(a, b, start, strict=True))
-            dst = tuple(slice(x - l, y - l) for x, y, l in zip(a, b, lo, strict=True))
+            dst = tuple(slice(x - z, y - z) for x, y, z in zip(a, b, lo, strict=True))
             out[dst] = part[src]
 
     def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
@@ -233,7 +232,7 @@ class ZarrV2Array(LazyArray):
         if lo is None or hi is None:
             result = self.read()[index]
         else:  # only the chunks the index's bounding box meets
-            box = np.empty(tuple(h - l for l, h in zip(lo, hi, strict=True)), self.info.dtype)
+            box = np.empty(tuple(h - x for x, h in zip(lo, hi, strict=True)), self.info.dtype)
             if box.size:
                 self._fill_box(box, lo, hi)
             result = box[shift_index(index if isinstance(index, tuple) else (index,), lo, shape)]
