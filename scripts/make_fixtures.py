@@ -19,6 +19,7 @@ ckptvar itself is never imported here: the fixtures are what other tools write.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -447,6 +448,172 @@ def make_torch(manifest: dict[str, Any]) -> None:
         rec(f"torch/{name}", torch.load(out / name, weights_only=True))
 
 
+# --------------------------------------------------------------------------- PyTorch DCP
+
+
+def _dcp_rank(rank: int, world: int, init: str, out: str) -> None:
+    """One rank of the two-process DCP save: a row-sharded and a column-sharded DTensor."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    full_rows = torch.arange(40, dtype=torch.float32).reshape(8, 5)
+    full_cols = torch.arange(36, dtype=torch.float64).reshape(3, 12) / 7
+    state = {
+        "rows": distribute_tensor(full_rows, mesh, [Shard(0)]),
+        "cols": distribute_tensor(full_cols, mesh, [Shard(1)]),
+        "bf16": distribute_tensor(torch.linspace(-2, 2, 10).to(torch.bfloat16), mesh, [Shard(0)]),
+        "replicated": torch.tensor([1, 2, 3], dtype=torch.int64),
+        "step": 11,
+    }
+    dcp.save(state, checkpoint_id=out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def make_dcp(manifest: dict[str, Any]) -> None:
+    import tempfile
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import torch.multiprocessing as mp
+
+    producer = f"torch {torch.__version__}"
+    torch.manual_seed(0)
+    out = ROOT / "dcp"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+
+    # One process: a model and its Adam state after one step.
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    net(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    state = {"model": net.state_dict(), "optim": opt.state_dict(), "epoch": 3}
+    dcp.save(state, checkpoint_id=str(out / "single"))
+
+    # Two processes (gloo): DTensors sharded across two .distcp files.
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{tmp}/rendezvous"
+        mp.start_processes(
+            _dcp_rank, args=(2, init, str(out / "two_ranks")), nprocs=2, start_method="spawn"
+        )
+
+    def rec(rel: str, expected: dict[str, Any]) -> None:
+        tensors = {}
+        for key, value in expected.items():
+            arr = value.view(torch.int16).numpy() if value.dtype == torch.bfloat16 else value.numpy()
+            dtype = str(value.dtype).removeprefix("torch.")
+            tensors[key] = _entry(dtype, value.shape, arr)
+        manifest["files"][rel] = {"format": "dcp", "producer": producer, "tensors": tensors}
+
+    # What DCP's own loader reads back (dcp.load into empty tensors of the right shape).
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for rel in ("dcp/single", "dcp/two_ranks"):
+        meta = FileSystemReader(str(ROOT / rel)).read_metadata()
+        target = {
+            k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            for k, m in meta.state_dict_metadata.items()
+            if hasattr(m, "size")
+        }
+        dcp.load(target, checkpoint_id=str(ROOT / rel), no_dist=True)
+        rec(rel, target)
+
+
+# --------------------------------------------------------------------------- Orbax
+
+
+def _orbax_tree() -> dict[str, Any]:
+    import jax.numpy as jnp
+
+    rng = _rng(7)
+    return {
+        "params": {
+            "dense": {
+                "kernel": rng.standard_normal((4, 3)).astype(np.float32),
+                "bias": np.arange(3, dtype=np.float32),
+            },
+            "embed": jnp.asarray(rng.standard_normal((5, 2)), dtype=jnp.bfloat16),
+            "big": np.arange(600, dtype=np.float32).reshape(30, 20),
+        },
+        "opt_state": {"count": np.array(7, dtype=np.int32), "mu": np.ones((3,), np.float64)},
+        "mask": np.array([True, False, True]),
+    }
+
+
+def make_orbax(manifest: dict[str, Any]) -> None:
+    import jax
+    import orbax.checkpoint as ocp
+
+    version = importlib.metadata.version("orbax-checkpoint")
+    producer = f"orbax-checkpoint {version}"
+    out = ROOT / "orbax"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    tree = _orbax_tree()
+
+    # OCDBT (the default), through a CheckpointManager: step 5 of a run directory.
+    with ocp.CheckpointManager(out / "ocdbt_run") as mngr:
+        mngr.save(5, args=ocp.args.StandardSave(tree))
+        mngr.wait_until_finished()
+    # Per-array Zarr (use_ocdbt=False), the older layout, straight to a directory.
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False)
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save((out / "zarr_step").absolute(), args=ocp.args.PyTreeSave(tree))
+
+    def rec(rel: str, restored: Any) -> None:
+        tensors = {}
+        for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]:
+            key = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+            arr = np.asarray(leaf)
+            name = str(arr.dtype)
+            raw = arr.view(np.uint16) if name == "bfloat16" else arr
+            tensors[key] = _entry(name, arr.shape, raw)
+        manifest["files"][rel] = {"format": "orbax", "producer": producer, "tensors": tensors}
+
+    with ocp.CheckpointManager(out / "ocdbt_run") as mngr:
+        rec("orbax/ocdbt_run/5", mngr.restore(5, args=ocp.args.StandardRestore()))
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+        rec("orbax/zarr_step", ckptr.restore((out / "zarr_step").absolute()))
+
+
+# --------------------------------------------------------------------------- HF sharded
+
+
+def make_hf_sharded(manifest: dict[str, Any]) -> None:
+    import torch
+    import transformers
+
+    producer = f"transformers {transformers.__version__}"
+    torch.manual_seed(0)
+    out = ROOT / "hf_sharded"
+    shutil.rmtree(out, ignore_errors=True)
+    config = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+    )
+    model = transformers.BertModel(config)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="20KB")
+    # What transformers reads back is what the manifest records.
+    loaded = transformers.BertModel.from_pretrained(out)
+    tensors = {}
+    for key, value in loaded.state_dict().items():
+        tensors[key] = _entry("float32", value.shape, value.numpy())
+    manifest["files"]["hf_sharded"] = {
+        "format": "hf-safetensors",
+        "producer": producer,
+        "tensors": tensors,
+    }
+
+
 def main() -> int:
     manifest: dict[str, Any] = {"files": {}}
     if MANIFEST.exists():
@@ -459,6 +626,9 @@ def main() -> int:
         ("safetensors", make_safetensors),
         ("numpy", make_npz),
         ("torch", make_torch),
+        ("torch", make_dcp),
+        ("orbax", make_orbax),
+        ("transformers", make_hf_sharded),
     ]
     only = set(sys.argv[1:])
     for lib, fn in sections:

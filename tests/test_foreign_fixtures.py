@@ -138,5 +138,6 @@ def test_files_are_closed_by_the_reader() -> None:
         with cv.open(ROOT / name) as reader:
             for key in reader:
                 reader[key].read()
-            assert len(open_fixtures()) > len(before)  # the reader holds its files while open
+            if MANIFEST[name]["format"] != "orbax":  # Orbax: each chunk file read whole, closed
+                assert len(open_fixtures()) > len(before)  # the reader holds its files
         assert open_fixtures() == before

@@ -239,3 +239,28 @@ def test_torch_leaves_that_are_neither_tensors_nor_plain_values_are_listed(tmp_p
         assert reader.metadata() == {"n": 3}
         assert set(reader.skipped) == {"blob", "dt"}
         assert "torch.float32" in reader.skipped["dt"] and "bytes" in reader.skipped["blob"]
+
+
+def test_inspect_shows_the_keras_layer_names_in_the_table_and_the_tree(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from ckptvar.cli import main
+
+    path = FIXTURES / "keras" / "tiny.weights.h5"
+    with cv.open(path) as reader:
+        layers = {k: reader.info(k).attrs.get("layer") for k in reader}
+    assert layers["layers/dense/vars/0"] == "hidden" and layers["layers/dense/vars/0"] not in (
+        ["layers", "dense", "vars", "0"])
+    assert main(["inspect", str(path)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    header = next(line for line in table if line.startswith("KEY"))
+    assert header.split()[:2] == ["KEY", "LAYER"]
+    row = next(line for line in table if line.startswith("layers/dense/vars/0 "))
+    assert row.split()[1] == "hidden"
+    assert next(line for line in table if line.startswith("optimizer/vars/0 ")).split()[1] == "adam"
+    assert main(["inspect", str(path), "--tree"]) == 0
+    tree = capsys.readouterr().out
+    assert "layer 'hidden'" in tree and "layer 'norm'" in tree
+    # A legacy file's keys already hold the layer name: no column repeats it.
+    assert main(["inspect", str(FIXTURES / "keras" / "tiny_legacy.h5")]) == 0
+    assert "LAYER" not in capsys.readouterr().out

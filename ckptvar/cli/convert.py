@@ -74,6 +74,7 @@ examples:
   ckpt convert tf_ckpt/ckpt-1 model.zarr --rename '^model/=' --rename 'kernel$=weight'
   ckpt convert tf_ckpt/ckpt-1 m.safetensors --filter 'model/*' --filter 'optimizer/*'
   ckpt convert data.h5 weights.npz --skip-unreadable --exclude 'debug/*'
+  ckpt convert dcp_checkpoint/ hf_model/ --format hf-safetensors --max-shard-size 5GB
 """
 
 
@@ -113,6 +114,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "require it (a PyTorch SRC converted to safetensors gets format=pt, and says so)",
     )
     p.add_argument(
+        "--metadata",
+        type=_parse_metadata,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="add a string entry to DST's metadata (repeatable; in a safetensors header: "
+        "__metadata__, beside format=pt)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=_parse_shard_size,
+        metavar="SIZE",
+        help="with --format hf-safetensors: the largest shard (like transformers: 5GB = "
+        "5*10^9 bytes, 500MB, 20KiB; default 5GB); one file when everything fits",
+    )
+    p.add_argument(
         "--skip-unreadable",
         action="store_true",
         help="convert the rest when SRC holds values that cannot be read as numbers "
@@ -148,6 +165,20 @@ def _parse_dtype(name: str) -> np.dtype:
     except TypeError:
         found: np.dtype = np.dtype(getattr(ml_dtypes, name))
         return found
+
+
+def _parse_metadata(spec: str) -> tuple[str, str]:
+    key, sep, value = spec.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"wants KEY=VALUE, got {spec!r}")
+    return key, value
+
+
+def _parse_shard_size(text: str) -> int:
+    try:
+        return int(cv.storage.formats.parse_shard_size(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _parse_rename(spec: str) -> tuple[re.Pattern[str], str]:
@@ -348,17 +379,27 @@ def _metadata_options(
     options: dict[str, Any] = {}
     if args.no_metadata:  # none of ckptvar's own; a Hugging Face 'format' entry stays
         metadata = {k: v for k, v in metadata.items() if k == "format" and isinstance(v, str)}
-        if cv.storage.backend_for(dst, args.format, mode="w").name == "safetensors":
+        if _writes_safetensors(dst, args):
             options["ckptvar_metadata"] = False  # not even the per-value attributes
+    metadata.update(dict(args.metadata))
+    if args.max_shard_size is not None:
+        if cv.storage.backend_for(dst, args.format, mode="w").name != "hf-safetensors":
+            raise UsageError("--max-shard-size applies to --format hf-safetensors only")
+        options["max_shard_size"] = args.max_shard_size
     return metadata, options
 
 
-def _hf_format(reader: Any, dst: Path, args: argparse.Namespace, metadata: dict[str, Any]) -> bool:
-    """Give a safetensors file made from a PyTorch file ``format: pt``, as Hugging Face's
-    own converter does (transformers refuses a file without it). True when added."""
-    if reader.format != "torch" or "format" in metadata:
-        return False
-    if cv.storage.backend_for(dst, args.format, mode="w").name != "safetensors":
+def _writes_safetensors(dst: Path, args: argparse.Namespace) -> bool:
+    """Whether DST is a safetensors file or a Hugging Face sharded safetensors folder."""
+    name = cv.storage.backend_for(dst, args.format, mode="w").name
+    return name in ("safetensors", "hf-safetensors")
+
+
+def _hf_format(dst: Path, args: argparse.Namespace, metadata: dict[str, Any]) -> bool:
+    """Give safetensors output ``format: pt`` unless SRC names another format, as Hugging
+    Face's own converter does (transformers refuses a header whose metadata has no
+    ``format``). True when added."""
+    if "format" in metadata or not _writes_safetensors(dst, args):
         return False
     metadata["format"] = "pt"
     return True
@@ -387,7 +428,7 @@ def _convert(
         else (sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES and not args.quiet)
     )
     metadata, options = _metadata_options(reader, dst, args)
-    added_format = _hf_format(reader, dst, args, metadata)
+    added_format = _hf_format(dst, args, metadata)
     window = args.window if args.window is not None else max(DEFAULT_WINDOW, 2 * largest)
     created = [] if remote_dst else _make_parents(dst)
     if remote_dst:
@@ -425,8 +466,7 @@ def _convert(
         file=out,
     )
     if added_format:
-        print("Added the metadata entry format=pt (a PyTorch source), as Hugging Face "
-              "loaders require", file=out)
+        print("Added the metadata entry format=pt, as Hugging Face loaders require", file=out)
     if skipped:
         names = ", ".join(repr(k) for k in list(skipped)[:5]) + (" ..." if len(skipped) > 5 else "")
         print(

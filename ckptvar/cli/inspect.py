@@ -43,6 +43,8 @@ stays small whatever the size; min/max/mean/std cover the finite elements only
 (complex values: their magnitude) and NaN/Inf are counted.
 
 Keys are listed in natural order (vars/2 before vars/10) unless --order stored.
+A Keras file's own layer names (its keys are HDF5 paths such as
+layers/dense/vars/0) appear in a LAYER column and in the tree.
 Values a reader cannot read as numbers (string or compound HDF5 datasets, TF
 string tensors) are listed as skipped, with the reason. --filter and --exclude
 take globs, repeatable (the union of the filters, minus the excludes); a
@@ -104,6 +106,8 @@ def _record(reader: Any, key: str, *, with_attrs: bool = False) -> dict[str, Any
     }
     if with_attrs:
         rec["attrs"] = attrs
+    elif "layer" in attrs and str(attrs["layer"]) not in key.split("/"):
+        rec["layer"] = str(attrs["layer"])  # a Keras 3 layer's own name, which its key lacks
     return rec
 
 
@@ -145,6 +149,8 @@ def _tree_lines(records: Sequence[dict[str, Any]]) -> list[str]:
                     detail += ", not trainable"
                 if rec["name"] != rec["key"] and rec["name"] != name:
                     detail += f", name {escape(repr(rec['name']))}"
+                if "layer" in rec:
+                    detail += f", layer {escape(repr(rec['layer']))}"
                 lines.append(f"{prefix}{branch}{escape(name)}  [{detail}]")
 
     walk(root, "")
@@ -221,7 +227,8 @@ def _print_values(
         for line in _tree_lines(records):
             print(line, file=out)
     else:
-        for line in table(_rows(records, args.stats), _right(args.stats)):
+        layers = any("layer" in r for r in records)
+        for line in table(_rows(records, args.stats), _right(args.stats, layers)):
             print(line, file=out)
         if not records:
             print(f"(no {noun}s)", file=out)
@@ -244,12 +251,14 @@ def _print_values(
     print(line, file=out)
 
 
-def _right(stats: bool) -> frozenset[int]:
-    return frozenset({3} | (set(range(5, 11)) if stats else set()))
+def _right(stats: bool, layers: bool = False) -> frozenset[int]:
+    shift = 1 if layers else 0
+    return frozenset({3 + shift} | (set(range(5 + shift, 11 + shift)) if stats else set()))
 
 
 def _rows(records: Sequence[dict[str, Any]], stats: bool) -> list[list[str]]:
-    header = ["KEY", "DTYPE", "SHAPE", "SIZE", "TRAINABLE"]
+    layers = any("layer" in r for r in records)
+    header = ["KEY", *(["LAYER"] if layers else []), "DTYPE", "SHAPE", "SIZE", "TRAINABLE"]
     if stats:
         header += ["MIN", "MAX", "MEAN", "STD", "NAN", "INF"]
     rows = [header]
@@ -257,6 +266,7 @@ def _rows(records: Sequence[dict[str, Any]], stats: bool) -> list[list[str]]:
         tr = rec["trainable"]
         row = [
             escape(rec["key"]),
+            *([escape(rec.get("layer", "-"))] if layers else []),
             rec["dtype"],
             shape_str(rec["shape"]),
             human_size(rec["nbytes"]),

@@ -19,13 +19,14 @@ from ._common import (
 from ._output import escape, one_line
 
 EPILOG = """\
-Reads every value and checks it against its stored checksum (formats without
-checksums, such as .npz and .safetensors, are read and checked for structure).
+Reads every value and checks it against its stored checksum. Formats without
+checksums (.safetensors, PyTorch DCP, Orbax) are read and checked for structure,
+and the result says "READABLE ... not checksummed" instead of "OK".
 Every damaged value is named, a truncated file included. --filter/--exclude
 (globs, repeatable) verify only some keys; a selection matching nothing is an
 error (exit 2).
 
-exit status: 0 all values intact, 1 damage found, 2 missing or unreadable input.
+exit status: 0 all values intact (or readable, where not checksummed), 1 damage found, 2 missing or unreadable input.
 
 examples:
   ckpt verify runs/ckpt-3.h5
@@ -44,6 +45,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_quiet(p)
 
 
+def _info(reader: cv.storage.Reader, key: str) -> cv.storage.ArrayInfo | None:
+    """``reader.info(key)``, or None when what describes it (a shard's header) is damaged."""
+    try:
+        return reader.info(key)
+    except (cv.CorruptCheckpointError, OSError):
+        return None
+
+
 def run(args: argparse.Namespace, out: TextIO) -> int:
     path = args.path
     try:
@@ -60,7 +69,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             reader.metadata()
         except cv.CorruptCheckpointError as exc:
             damaged.append(("<metadata>", one_line(exc)))
-        bar = progress_for(sum(reader.info(k).nbytes for k in keys), args)
+        infos = {k: _info(reader, k) for k in keys}  # None: a damaged header, reported below
+        bar = progress_for(sum(i.nbytes for i in infos.values() if i is not None), args)
         bulk = isinstance(reader, cv.storage.SupportsVerifyAll)
         if bulk and not partial and not bar.enabled:
             try:
@@ -74,14 +84,32 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                         reader.verify(key)
                     except (cv.CorruptCheckpointError, OSError) as exc:
                         damaged.append((key, one_line(exc)))
-                    bar.update(reader.info(key).nbytes, key)
-        unchecked = sum(1 for k in keys if not reader.info(k).checked)
-    n = len(keys)
+                    info = infos[key]
+                    bar.update(info.nbytes if info is not None else 0, key)
+        unchecked = sum(1 for i in infos.values() if i is not None and not i.checked)
+        fmt = reader.format
+    return _report(path, fmt, (len(keys), unchecked), damaged, out)
+
+
+def _report(
+    path: str, fmt: str, counts: tuple[int, int], damaged: list[tuple[str, str]], out: TextIO
+) -> int:
+    """Print the verdict: each damaged value, or READABLE (nothing checksummed), or OK.
+
+    ``counts`` is (values checked, values without a stored checksum)."""
+    n, unchecked = counts
     if damaged:
         for key, reason in damaged:
             print(f"DAMAGED  {escape(key)}: {escape(one_line(reason))}", file=out)
         print(f"FAILED: {len(damaged)} of {n} values damaged in {escape(path)}", file=out)
         return EXIT_MISMATCH
+    if n and unchecked == n:
+        print(
+            f"READABLE: {n} value{'s' if n != 1 else ''} read and checked for structure; not "
+            f"checksummed ({escape(fmt)} stores no checksums to verify them against)",
+            file=out,
+        )
+        return EXIT_OK
     note = ""
     if unchecked:
         note = f" ({unchecked} without a stored checksum: read and checked for structure only)"

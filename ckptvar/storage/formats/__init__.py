@@ -8,6 +8,9 @@ name       files                                   write needs at run time
 tf         ``prefix.index`` + ``prefix.data-*``    no    numpy, crc32c
 torch      ``.pt``, ``.pth``, ``.bin``             no    numpy (no torch)
 safetensors ``.safetensors``                       yes   numpy
+hf-safetensors ``*.safetensors.index.json`` + shards yes  numpy
+dcp        a directory: ``.metadata`` + ``*.distcp`` no    numpy (no torch)
+orbax      a step directory (``_CHECKPOINT_METADATA``) no    numcodecs; tensorstore for OCDBT
 npz        ``.npz``                                yes   numpy
 keras      ``.weights.h5``, ``.keras``, legacy     no    h5py
 hdf5       any other HDF5 file (by sniffing)       no    h5py
@@ -25,26 +28,36 @@ docs/formats.md describes key naming and limits per format.
 from __future__ import annotations
 
 from ..registry import register_backend
+from ._dcp import DcpBackend
+from ._hf_sharded import HFShardedBackend, parse_shard_size
 from ._keras import HDF5Backend, KerasBackend
 from ._npz import NpzBackend
+from ._orbax import OrbaxBackend
 from ._safetensors import SafetensorsBackend
 from ._tf_bundle import TFBackend
 from ._torch import TorchBackend
 
 __all__ = [
+    "DcpBackend",
     "HDF5Backend",
+    "HFShardedBackend",
     "KerasBackend",
     "NpzBackend",
+    "OrbaxBackend",
     "SafetensorsBackend",
     "TFBackend",
     "TorchBackend",
+    "parse_shard_size",
 ]
 
 # Sniffing order is declared by each backend (``sniff_priority``), not by this loop.
 for _backend in (
     TFBackend,
     TorchBackend,
+    DcpBackend,
+    OrbaxBackend,
     SafetensorsBackend,
+    HFShardedBackend,
     NpzBackend,
     KerasBackend,
     HDF5Backend,

@@ -33,9 +33,11 @@ __all__ = [
     "CollectingWriter",
     "EntryReader",
     "FileArray",
+    "bounding_box",
     "check_shape",
     "covers_whole",
     "little_endian",
+    "shift_index",
 ]
 
 #: Largest metadata block (JSON header, pickle, index) a reader accepts before parsing.
@@ -74,6 +76,55 @@ def covers_whole(index: Any, shape: tuple[int, ...]) -> bool:
     """True when reading ``full[index]`` touches every element of the value."""
     span = element_span(index, shape)
     return span is None or (span.start == 0 and span.count == math.prod(shape))
+
+
+def bounding_box(index: Any, shape: tuple[int, ...]) -> tuple[Any, Any]:
+    """The bounding box ``(lo, hi)`` of a basic index (ints and slices), or ``(None, None)``."""
+    idx = index if isinstance(index, tuple) else (index,)
+    if any(i is Ellipsis or i is None for i in idx) or len(idx) > len(shape):
+        return None, None
+    lo, hi = [], []
+    for dim, i in enumerate(idx):
+        n = shape[dim]
+        if isinstance(i, int | np.integer) and not isinstance(i, bool):
+            k = int(i) + n if i < 0 else int(i)
+            if not 0 <= k < n:
+                return None, None  # numpy raises the IndexError
+            lo.append(k)
+            hi.append(k + 1)
+        elif isinstance(i, slice):
+            r = range(*i.indices(n))
+            if len(r) == 0:
+                lo.append(0)
+                hi.append(0)
+            else:
+                lo.append(min(r[0], r[-1]))
+                hi.append(max(r[0], r[-1]) + 1)
+        else:
+            return None, None
+    for dim in range(len(idx), len(shape)):
+        lo.append(0)
+        hi.append(shape[dim])
+    return tuple(lo), tuple(hi)
+
+
+def shift_index(idx: tuple[Any, ...], lo: tuple[int, ...], shape: tuple[int, ...]) -> tuple[Any, ...]:
+    """``idx`` rewritten for the box starting at ``lo``."""
+    out: list[Any] = []
+    for dim, i in enumerate(idx):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(shape[dim])
+            r = range(start, stop, step)
+            if len(r) == 0:
+                out.append(slice(0, 0))
+                continue
+            first, last = r[0] - lo[dim], r[-1] - lo[dim]
+            end = last + (1 if step > 0 else -1)
+            out.append(slice(first, end if end >= 0 else None, step))
+        else:
+            k = int(i) + shape[dim] if i < 0 else int(i)
+            out.append(k - lo[dim])
+    return tuple(out)
 
 
 class FileArray(LazyArray):

@@ -30,7 +30,9 @@ import numpy as np
 from ...errors import CorruptCheckpointError
 
 __all__ = [
+    "DCP_GLOBALS",
     "TORCH_DTYPES",
+    "DcpRecord",
     "RestrictedUnpickler",
     "StorageRef",
     "StorageType",
@@ -298,6 +300,87 @@ for _name, _torch_dt in TORCH_DTYPES.items():
     ALLOWED_GLOBALS[("torch", _name)] = TorchDtype(_name, _torch_dt)
 
 
+class DcpRecord:
+    """Stands for one of torch DCP's metadata classes: its pickled state kept as plain data.
+
+    Made only by the unpickler (``NEWOBJ`` of an allowed DCP class, then ``BUILD`` once);
+    ``kind`` names the DCP class, ``state`` is what the pickle set (a dict or a tuple).
+    """
+
+    __slots__ = ("state",)
+    kind: ClassVar[str] = ""
+    state: Any
+
+    def __setstate__(self, state: Any) -> None:
+        if getattr(self, "state", None) is not None:
+            raise CorruptCheckpointError(f"The pickle sets the state of a DCP {self.kind} twice.")
+        if not isinstance(state, dict | tuple):
+            raise CorruptCheckpointError(
+                f"The pickle gives a DCP {self.kind} a {type(state).__name__} state."
+            )
+        object.__setattr__(self, "state", state)
+
+    def field(self, name: str, position: int, default: Any = ...) -> Any:
+        """The field ``name`` of a dict state, or item ``position`` of a tuple state;
+        ``default`` (when given) for a field the state leaves out."""
+        state = getattr(self, "state", None)
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            merged = dict(state[0] or {}) if isinstance(state[0], dict) else {}
+            state = {**merged, **state[1]}  # (dict state, slots state)
+        if isinstance(state, dict):
+            if name in state:
+                return state[name]
+        elif isinstance(state, tuple) and position < len(state):
+            return state[position]
+        if default is not ...:
+            return default
+        raise CorruptCheckpointError(f"A DCP {self.kind} has no field {name!r}.")
+
+
+def _dcp_class(name: str) -> type[DcpRecord]:
+    return type(name, (DcpRecord,), {"__slots__": (), "kind": name})
+
+
+def _dcp_path(*parts: Any) -> str:
+    return "/".join(str(p) for p in parts if isinstance(p, str))
+
+
+def _dcp_layout(name: Any) -> str:
+    return str(name)
+
+
+def _dcp_memory_format(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise CorruptCheckpointError(f"A DCP memory format {value!r} is not an int.")
+    return value
+
+
+_DCP_MODULE = "torch.distributed.checkpoint.metadata"
+#: The globals a DCP ``.metadata`` pickle may name besides the tensor basics (torch.Size,
+#: dtypes): torch 2.x's metadata classes, and the small helpers their states use.
+DCP_GLOBALS: dict[tuple[str, str], Any] = {
+    (_DCP_MODULE, n): _dcp_class(n)
+    for n in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+    )
+}
+DCP_GLOBALS[(_DCP_MODULE, "_StorageInfo")] = _dcp_class("_StorageInfo")
+DCP_GLOBALS[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = DCP_GLOBALS[
+    (_DCP_MODULE, "_StorageInfo")
+]
+DCP_GLOBALS[(_DCP_MODULE, "_MEM_FORMAT_ENCODING")] = _Callable(_dcp_memory_format)
+DCP_GLOBALS[("torch.serialization", "_get_layout")] = _Callable(_dcp_layout)
+DCP_GLOBALS[("pathlib", "PosixPath")] = _Callable(_dcp_path)
+DCP_GLOBALS[("pathlib", "WindowsPath")] = _Callable(_dcp_path)
+DCP_GLOBALS[("pathlib", "PurePosixPath")] = _Callable(_dcp_path)
+
+
 class RestrictedUnpickler(pickle._Unpickler):
     """Unpickles only plain containers, tensors and storages (see ``ALLOWED_GLOBALS``).
 
@@ -321,11 +404,14 @@ class RestrictedUnpickler(pickle._Unpickler):
         storages: dict[str, StorageRef],
         legacy: bool = False,
         source: str = "pickle",
+        extra_globals: dict[tuple[str, str], Any] | None = None,
     ) -> None:
+        """``extra_globals``: more allowed names for this pickle only (``DCP_GLOBALS``)."""
         super().__init__(file, encoding="utf-8")
         self._storages = storages
         self._legacy = legacy
         self._source = source
+        self._extra = extra_globals or {}
 
     dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
 
@@ -342,6 +428,8 @@ class RestrictedUnpickler(pickle._Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         try:
+            if (module, name) in self._extra:
+                return self._extra[(module, name)]
             return ALLOWED_GLOBALS[(module, name)]
         except (KeyError, TypeError):
             raise CorruptCheckpointError(
@@ -395,10 +483,13 @@ def safe_load(
     storages: dict[str, StorageRef],
     source: str,
     legacy: bool = False,
+    extra_globals: dict[tuple[str, str], Any] | None = None,
 ) -> Any:
     """Run the restricted unpickler; every failure becomes ``CorruptCheckpointError``."""
     try:
-        return RestrictedUnpickler(file, storages=storages, legacy=legacy, source=source).load()
+        return RestrictedUnpickler(
+            file, storages=storages, legacy=legacy, source=source, extra_globals=extra_globals
+        ).load()
     except CorruptCheckpointError:
         raise
     except RecursionError:

@@ -1,0 +1,374 @@
+"""Orbax checkpoints (a step directory, per-array Zarr or OCDBT) read without JAX or Orbax.
+
+Owns: the ``orbax`` backend. A step directory holds ``_CHECKPOINT_METADATA``
+(JSON) and either ``_METADATA`` itself (one item, ``Checkpointer.save``) or one
+folder per item (``CheckpointManager``: ``default/``, ...), each with
+``_METADATA`` (JSON: the pytree's key paths and value types). An item's arrays
+are Zarr v2 arrays named by their key path joined with ``.``: one folder per
+array (``use_ocdbt=False``, the older layout), or keys of one OCDBT key-value
+store (``manifest.ocdbt``, the default since Orbax 0.5), opened through
+``tensorstore`` (the ``ckptvar[orbax]`` extra; without it a clear error names
+the extra).
+
+Either way ckptvar parses each ``.zarray`` itself (shape, chunks, dtype
+``bfloat16`` included, ``order``, compressor) and decompresses only the chunks
+a read needs, with ``numcodecs`` (installed with zarr). Keys are the pytree's
+paths joined by ``/`` (``params/dense/kernel``); with several items, each key
+starts with its item's name. Every declared size is checked before anything is
+allocated, and a chunk whose decoded size is not its grid cell's is refused.
+Orbax stores no checksums: values are reported as unchecked.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from ...errors import (
+    CorruptCheckpointError,
+    MissingKeyError,
+    UnsupportedFormatError,
+)
+from ..base import ArrayInfo, Backend, LazyArray, Reader, verify_each
+from ._common import bounding_box, check_shape, shift_index
+
+__all__ = ["OrbaxBackend"]
+
+CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+ITEM_METADATA = "_METADATA"
+MAX_JSON_BYTES = 64 * 1024 * 1024
+#: Most chunks one value may be split into (a hostile ``chunks`` of ones is refused).
+MAX_CHUNKS = 1 << 20
+_ARRAY_TYPES = ("np.ndarray", "jax.Array", "scalar")
+_EXTRA = "pip install 'ckptvar[orbax]'"
+
+Fetch = Callable[[str], bytes | None]  # key -> bytes, None when absent
+
+
+def _json(raw: bytes | None, what: str) -> Any:
+    if raw is None:
+        raise CorruptCheckpointError(f"{what} is missing.")
+    if len(raw) > MAX_JSON_BYTES:
+        raise CorruptCheckpointError(f"{what} is {len(raw)} bytes (limit {MAX_JSON_BYTES}).")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{what} is not valid JSON: {exc}.") from None
+
+
+def _dir_fetch(folder: Path) -> Fetch:
+    def fetch(key: str) -> bytes | None:
+        path = folder / key
+        try:
+            return path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except IsADirectoryError:
+            return None
+
+    return fetch
+
+
+def _ocdbt_fetch(folder: Path) -> Fetch:
+    try:
+        import tensorstore as ts
+    except ImportError:
+        raise UnsupportedFormatError(
+            f"{str(folder)!r} is an Orbax OCDBT checkpoint; reading it needs tensorstore: "
+            f"{_EXTRA}."
+        ) from None
+    try:
+        kv = ts.KvStore.open({"driver": "ocdbt", "base": folder.absolute().as_uri()}).result()
+    except Exception as exc:  # noqa: BLE001 - tensorstore raises ValueError/OSError kinds
+        raise CorruptCheckpointError(
+            f"The OCDBT store in {str(folder)!r} cannot be opened: {exc}"
+        ) from None
+
+    def fetch(key: str) -> bytes | None:
+        try:
+            result = kv.read(key).result()
+        except Exception as exc:  # noqa: BLE001
+            raise CorruptCheckpointError(
+                f"{key!r} in the OCDBT store {str(folder)!r} cannot be read: {exc}"
+            ) from None
+        return None if result.state == "missing" else bytes(result.value)
+
+    return fetch
+
+
+def _dtype(name: Any, what: str) -> np.dtype:
+    if not isinstance(name, str):
+        raise UnsupportedFormatError(f"{what}: dtype {name!r} is not supported.")
+    found = getattr(ml_dtypes, name, None)  # bfloat16, float8_*: no byte order in the name
+    if found is not None:
+        known: np.dtype = np.dtype(found)
+        return known
+    try:
+        dt: np.dtype = np.dtype(name)
+    except TypeError:
+        raise UnsupportedFormatError(f"{what}: dtype {name!r} is not supported.") from None
+    if dt.kind not in "biufc" or dt.fields is not None:
+        raise UnsupportedFormatError(f"{what}: dtype {name!r} is not supported.")
+    return dt
+
+
+class ZarrV2Array(LazyArray):
+    """One Zarr v2 array behind ``fetch``: chunks decoded only when a read needs them."""
+
+    def __init__(self, key: str, name: str, fetch: Fetch, where: str) -> None:
+        what = f"The array {name!r} of {where}"
+        meta = _json(fetch(f"{name}/.zarray"), f"{what} (.zarray)")
+        if not isinstance(meta, dict) or meta.get("zarr_format") != 2:
+            raise CorruptCheckpointError(f"{what}: .zarray is not Zarr v2 array metadata.")
+        shape = check_shape(meta.get("shape"), what=what, path=where)
+        chunks = check_shape(meta.get("chunks"), what=what, path=where)
+        if len(chunks) != len(shape) or (shape and 0 in chunks):
+            raise CorruptCheckpointError(f"{what}: chunks {list(chunks)} do not fit {list(shape)}.")
+        self._grid = tuple(-(-s // c) for s, c in zip(shape, chunks, strict=True))
+        if math.prod(self._grid) > MAX_CHUNKS:
+            raise CorruptCheckpointError(f"{what}: {math.prod(self._grid)} chunks (limit {MAX_CHUNKS}).")
+        stored = _dtype(meta.get("dtype"), what)
+        self._stored = stored
+        dtype = stored.newbyteorder("=") if stored.byteorder not in ("=", "|") else stored
+        self._fortran = meta.get("order", "C") == "F"
+        if meta.get("filters"):
+            raise UnsupportedFormatError(f"{what}: Zarr filters {meta['filters']!r} are not read.")
+        self._codec_config = meta.get("compressor")
+        self._sep = meta.get("dimension_separator", ".")
+        if self._sep not in (".", "/"):
+            raise CorruptCheckpointError(f"{what}: dimension_separator {self._sep!r}.")
+        self._fill = meta.get("fill_value")
+        self._chunks = chunks
+        self._name, self._fetch, self._what = name, fetch, what
+        self._codec: Any = None
+        self.info = ArrayInfo(key=key, dtype=dtype, shape=shape, attrs={"name": key})
+
+    def _decoder(self) -> Any:
+        if self._codec is None and self._codec_config is not None:
+            import numcodecs
+
+            try:
+                self._codec = numcodecs.get_codec(dict(self._codec_config))
+            except (ValueError, TypeError, KeyError) as exc:
+                raise UnsupportedFormatError(
+                    f"{self._what}: compressor {self._codec_config!r} is not known: {exc}"
+                ) from None
+        return self._codec
+
+    def _chunk(self, index: tuple[int, ...]) -> np.ndarray:
+        key = f"{self._name}/" + (self._sep.join(str(i) for i in index) if index else "0")
+        raw = self._fetch(key)
+        nbytes = math.prod(self._chunks) * self._stored.itemsize
+        if raw is None:
+            if self._fill is None:
+                raise CorruptCheckpointError(
+                    f"{self._what} has lost its chunk {key!r} (and declares no fill value)."
+                )
+            return np.full(self._chunks, self._fill, dtype=self.info.dtype)
+        codec = self._decoder()
+        if codec is not None:
+            try:
+                out = np.empty(nbytes, np.uint8)
+                data = codec.decode(raw, out=out)
+                decoded = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else data
+            except Exception as exc:  # noqa: BLE001 - codecs raise many kinds
+                raise CorruptCheckpointError(
+                    f"{self._what}: chunk {key!r} cannot be decompressed: {exc}"
+                ) from None
+            raw = bytes(decoded) if not isinstance(decoded, np.ndarray) else decoded.tobytes()
+        if len(raw) != nbytes:
+            raise CorruptCheckpointError(
+                f"{self._what}: chunk {key!r} holds {len(raw)} bytes; its "
+                f"{list(self._chunks)} {self._stored} cell needs {nbytes}."
+            )
+        arr = np.frombuffer(raw, dtype=self._stored).reshape(
+            self._chunks, order="F" if self._fortran else "C"
+        )
+        return arr.astype(self.info.dtype, copy=False)
+
+    def _fill_box(self, out: np.ndarray, lo: tuple[int, ...], hi: tuple[int, ...]) -> None:
+        shape = self.info.shape
+        if not shape:
+            out[()] = self._chunk(())[()] if self._chunks == () else self._chunk(())
+            return
+        ranges = [
+            range(a0 // c, -(-h // c)) for a0, h, c in zip(lo, hi, self._chunks, strict=True)
+        ]
+        for index in itertools.product(*ranges):
+            start = [i * c for i, c in zip(index, self._chunks, strict=True)]
+            a = [max(x, s) for x, s in zip(lo, start, strict=True)]
+            b = [
+                min(h, s + c, d)
+                for h, s, c, d in zip(hi, start, self._chunks, shape, strict=True)
+            ]
+            if any(x >= y for x, y in zip(a, b, strict=True)):
+                continue
+            part = self._chunk(tuple(index))
+            src = tuple(slice(x - s, y - s) for x, y, s in zip(a, b, start, strict=True))
+            dst = tuple(slice(x - z, y - z) for x, y, z in zip(a, b, lo, strict=True))
+            out[dst] = part[src]
+
+    def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
+        shape = self.info.shape
+        if out is not None and (out.shape != shape or out.dtype != self.info.dtype):
+            raise ValueError(
+                f"out for {self.info.key!r} must have shape {shape} and dtype {self.info.dtype}."
+            )
+        result = out if out is not None else np.empty(shape, self.info.dtype)
+        if self.info.size:
+            self._fill_box(result, (0,) * len(shape), shape)
+        return result
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        shape = self.info.shape
+        lo, hi = bounding_box(index, shape)
+        if lo is None or hi is None:
+            result = self.read()[index]
+        else:  # only the chunks the index's bounding box meets
+            box = np.empty(tuple(h - x for x, h in zip(lo, hi, strict=True)), self.info.dtype)
+            if box.size:
+                self._fill_box(box, lo, hi)
+            result = box[shift_index(index if isinstance(index, tuple) else (index,), lo, shape)]
+        return np.array(result, copy=True) if isinstance(result, np.ndarray) else result
+
+
+class OrbaxReader(Reader):
+    """A read-only view of one Orbax step directory."""
+
+    format = "orbax"
+
+    def __init__(
+        self, path: Path, arrays: dict[str, LazyArray], metadata: dict[str, Any], skipped: dict[str, str]
+    ) -> None:
+        self.path = path
+        self._arrays = arrays
+        self._meta = metadata
+        self.skipped = skipped
+
+    def keys(self) -> Any:
+        return self._arrays.keys()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._arrays
+
+    def _get(self, key: str) -> LazyArray:
+        try:
+            return self._arrays[key]
+        except (KeyError, TypeError):
+            if key in self.skipped:
+                raise UnsupportedFormatError(
+                    f"{key!r} in {str(self.path)!r} cannot be read: {self.skipped[key]}"
+                ) from None
+            raise MissingKeyError(
+                f"No key {key!r} in the Orbax checkpoint {str(self.path)!r} "
+                f"({len(self._arrays)} keys)."
+            ) from None
+
+    def info(self, key: str) -> ArrayInfo:
+        return self._get(key).info
+
+    def __getitem__(self, key: str) -> LazyArray:
+        return self._get(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._arrays)
+
+    def metadata(self) -> dict[str, Any]:
+        return dict(self._meta)
+
+    def verify_all(self) -> list[tuple[str, str]]:
+        """Read every value; ``[(key, reason), ...]`` for each that cannot be read."""
+        return verify_each(self, self._arrays)
+
+
+def _items(step: Path) -> list[tuple[str, Path]]:
+    if (step / ITEM_METADATA).is_file():
+        return [("", step)]
+    items = sorted(p for p in step.iterdir() if p.is_dir() and (p / ITEM_METADATA).is_file())
+    if not items:
+        raise CorruptCheckpointError(
+            f"The Orbax step {str(step)!r} has no item (no {ITEM_METADATA} in it or its folders)."
+        )
+    if len(items) == 1:
+        return [("", items[0])]
+    return [(p.name + "/", p) for p in items]
+
+
+def _item_arrays(
+    prefix: str, folder: Path, arrays: dict[str, LazyArray], skipped: dict[str, str]
+) -> None:
+    where = repr(str(folder))
+    meta = _json(_dir_fetch(folder)(ITEM_METADATA), f"{str(folder / ITEM_METADATA)!r}")
+    tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
+    if not isinstance(tree, dict):
+        raise CorruptCheckpointError(f"{str(folder / ITEM_METADATA)!r} has no tree_metadata.")
+    if meta.get("use_zarr3"):
+        raise UnsupportedFormatError(
+            f"The Orbax item {str(folder)!r} was saved with use_zarr3=True (Zarr v3 arrays), "
+            "which ckptvar does not read yet; save with the default (Zarr v2) instead."
+        )
+    ocdbt = (folder / "manifest.ocdbt").is_file() or bool(meta.get("use_ocdbt"))
+    fetch = _ocdbt_fetch(folder) if ocdbt else _dir_fetch(folder)
+    for entry in tree.values():
+        if not isinstance(entry, dict) or not isinstance(entry.get("key_metadata"), list):
+            raise CorruptCheckpointError(f"{where}: a tree_metadata entry has no key_metadata.")
+        parts = []
+        for part in entry["key_metadata"]:
+            if not isinstance(part, dict) or not isinstance(part.get("key"), str | int):
+                raise CorruptCheckpointError(f"{where}: a key_metadata entry {part!r} is bad.")
+            parts.append(str(part["key"]))
+        name = ".".join(parts)
+        if not name or ".." in name.split("/") or name.startswith("/") or "\\" in name:
+            raise CorruptCheckpointError(f"{where}: the parameter name {name!r} is refused.")
+        key = prefix + "/".join(parts)
+        value = entry.get("value_metadata") or {}
+        kind = value.get("value_type") if isinstance(value, dict) else None
+        if isinstance(value, dict) and value.get("skip_deserialize"):
+            skipped[key] = "saved with skip_deserialize (its value is not in the checkpoint)"
+        elif kind not in _ARRAY_TYPES:
+            skipped[key] = f"an Orbax {kind!r} value, not an array"
+        else:
+            arrays[key] = ZarrV2Array(key, name, fetch, where)
+
+
+def _open(path: Path) -> Reader:
+    step = path.parent if path.name in (CHECKPOINT_METADATA, ITEM_METADATA) else path
+    arrays: dict[str, LazyArray] = {}
+    skipped: dict[str, str] = {}
+    for prefix, folder in _items(step):
+        _item_arrays(prefix, folder, arrays, skipped)
+    metadata: dict[str, Any] = {}
+    raw = _dir_fetch(step)(CHECKPOINT_METADATA)
+    if raw is not None:
+        top = _json(raw, repr(str(step / CHECKPOINT_METADATA)))
+        if isinstance(top, dict):
+            custom = top.get("custom_metadata")
+            if isinstance(custom, dict):
+                metadata.update(custom)
+            if top.get("metrics"):
+                metadata["metrics"] = top["metrics"]
+    return OrbaxReader(step, arrays, metadata, skipped)
+
+
+class OrbaxBackend(Backend, name="orbax", suffixes=()):
+    """Orbax step directories (per-array Zarr, or OCDBT through tensorstore), read-only."""
+
+    @classmethod
+    def sniff(cls, path: Path) -> bool:
+        path = Path(path)
+        if path.name in (CHECKPOINT_METADATA, ITEM_METADATA) and path.is_file():
+            return True
+        return path.is_dir() and (
+            (path / CHECKPOINT_METADATA).is_file() or (path / ITEM_METADATA).is_file()
+        )
+
+    @classmethod
+    def open_reader(cls, path: Path) -> Reader:
+        return _open(Path(path))

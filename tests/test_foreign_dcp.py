@@ -1,0 +1,159 @@
+"""PyTorch DCP directories (made by torch 2.13 ``dcp.save``, one and two processes) read as one
+logical checkpoint without torch and without running pickle code; damaged or hostile ones
+refused naming the file."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ckptvar as cv
+from ckptvar.storage.formats._unpickler import restricted_loads
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "dcp"
+TWO = FIXTURES / "two_ranks"
+
+
+def ckpt(*args: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptvar", *map(str, args)], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ), check=False)
+
+
+def _open_data_files(folder: Path) -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(folder)) and target.endswith(".distcp"):
+            out.append(Path(target).name)
+    return sorted(out)
+
+
+def test_sharded_values_are_assembled_and_slices_read_only_their_chunks() -> None:
+    with cv.open(TWO) as reader:
+        assert reader.format == "dcp"
+        assert sorted(reader) == ["bf16", "cols", "replicated", "rows"]
+        assert reader.metadata() == {"step": 11}
+        np.testing.assert_array_equal(reader["rows"][5:7, 1:3],
+                                      np.arange(40, dtype=np.float32).reshape(8, 5)[5:7, 1:3])
+        assert _open_data_files(TWO) == ["__1_0.distcp"]  # rows 4..7 live in rank 1's file
+        cols = np.arange(36, dtype=np.float64).reshape(3, 12) / 7
+        np.testing.assert_array_equal(reader["cols"][:, 2:4], cols[:, 2:4])
+        assert _open_data_files(TWO) == ["__0_0.distcp", "__1_0.distcp"]
+        np.testing.assert_array_equal(reader.read("cols"), cols)
+        np.testing.assert_array_equal(reader["cols"][1, ::-3], cols[1, ::-3])
+    assert _open_data_files(TWO) == []
+
+
+def test_convert_verify_and_inspect(tmp_path: Path) -> None:
+    st, hf = tmp_path / "m.safetensors", tmp_path / "hf"
+    verify, inspect = ckpt("verify", TWO), ckpt("inspect", FIXTURES / "single")
+    assert verify.returncode == 0, verify.stderr
+    assert verify.stdout.startswith("READABLE: 4 values") and "not checksummed" in verify.stdout
+    assert "optim.state.0.exp_avg" in inspect.stdout and "optim.param_groups.0.lr: 0.01" in inspect.stdout
+    assert ckpt("convert", TWO, st).returncode == 0
+    proc = ckpt("convert", FIXTURES / "single", hf, "--format", "hf-safetensors",
+                "--max-shard-size", "100B")
+    assert proc.returncode == 0, proc.stderr
+    for src, dst in ((TWO, st), (FIXTURES / "single", hf)):
+        want, got = cv.load(src), cv.load(dst)
+        assert want.keys() == got.keys()
+        for k, v in want.items():
+            np.testing.assert_array_equal(got[k], v)
+    assert len(list(hf.glob("model-*.safetensors"))) > 1
+
+
+def _copy(tmp_path: Path, name: str = "two_ranks") -> Path:
+    dst = tmp_path / name
+    shutil.copytree(FIXTURES / name, dst)
+    return dst
+
+
+def test_a_pickle_naming_any_other_global_is_refused(tmp_path: Path) -> None:
+    folder = _copy(tmp_path)
+    (folder / ".metadata").write_bytes(pickle.dumps(os.system))
+    with pytest.raises(cv.CorruptCheckpointError, match=r"\.metadata.*names the global posix\.system"):
+        cv.open(folder)
+    # DCP's classes are allowed in a DCP .metadata only, never in a torch.save pickle.
+    dcp_global = b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n)\x81."
+    with pytest.raises(cv.CorruptCheckpointError, match="names the global"):
+        restricted_loads(dcp_global)
+
+
+def test_damaged_data_files_are_named(tmp_path: Path) -> None:
+    folder = _copy(tmp_path)
+    data = folder / "__1_0.distcp"
+    data.write_bytes(data.read_bytes()[:3000])
+    with pytest.raises(cv.CorruptCheckpointError, match=r"__1_0\.distcp.*truncated"):
+        cv.open(folder)
+    folder = _copy(tmp_path, "single")
+    (folder / "__0_0.distcp").unlink()
+    with pytest.raises(cv.CorruptCheckpointError, match=r"'__0_0\.distcp'.*missing"):
+        cv.open(folder)
+    folder = tmp_path / "flipped"
+    shutil.copytree(TWO, folder)
+    raw = bytearray((folder / "__0_0.distcp").read_bytes())
+    at = raw.find(np.arange(4, dtype=np.float32).tobytes())  # rows' first values
+    assert at > 0
+    raw[at + 5] ^= 0x10
+    (folder / "__0_0.distcp").write_bytes(bytes(raw))
+    with cv.open(folder) as reader:
+        with pytest.raises(cv.CorruptCheckpointError, match=r"'rows'.*__0_0\.distcp.*CRC"):
+            reader.read("rows")
+        np.testing.assert_array_equal(reader["rows"][4:], np.arange(20, 40).reshape(4, 5))
+    verify = ckpt("verify", folder)
+    assert verify.returncode == 1 and "DAMAGED  rows" in verify.stdout, verify.stdout
+
+
+def _rewrite_metadata(folder: Path, change: object) -> None:
+    """Edit the real DCP metadata with torch (as a hostile writer could) and save it back."""
+    torch_dcp = pytest.importorskip("torch.distributed.checkpoint")
+    meta = torch_dcp.FileSystemReader(str(folder)).read_metadata()
+    change(meta)  # type: ignore[operator]
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+
+
+def test_chunks_outside_their_value_or_overlapping_are_refused(tmp_path: Path) -> None:
+    import torch
+
+    def outside(meta: object) -> None:
+        chunk = meta.state_dict_metadata["rows"].chunks[1]  # type: ignore[attr-defined]
+        chunk.offsets = torch.Size([6, 0])
+
+    def huge(meta: object) -> None:
+        meta.state_dict_metadata["rows"].size = torch.Size([2**40, 2**40])  # type: ignore[attr-defined]
+
+    def overlap(meta: object) -> None:
+        sd = meta.state_dict_metadata  # type: ignore[attr-defined]
+        sd["rows"].chunks[1].sizes = torch.Size([4, 5])
+        sd["rows"].chunks[0].sizes = torch.Size([5, 5])
+
+    for name, change, pattern in (
+        ("outside", outside, r"'rows' at \[6, 0\].*outside its shape \[8, 5\]"),
+        ("huge", huge, "too many elements|hold 40 elements"),
+        ("overlap", overlap, "overlap"),
+    ):
+        folder = tmp_path / name
+        shutil.copytree(TWO, folder)
+        if name == "outside":  # keep the storage index pointing at the moved chunk
+            def both(meta: object, change: object = change) -> None:
+                change(meta)  # type: ignore[operator]
+                sd = meta.storage_data  # type: ignore[attr-defined]
+                for index in list(sd):
+                    if index.fqn == "rows" and tuple(index.offset) == (4, 0):
+                        sd[type(index)("rows", torch.Size([6, 0]), index.index)] = sd.pop(index)
+            _rewrite_metadata(folder, both)
+        else:
+            _rewrite_metadata(folder, change)
+        with pytest.raises(cv.CorruptCheckpointError, match=pattern):
+            cv.open(folder)

@@ -1,0 +1,105 @@
+"""Orbax step directories (made by orbax-checkpoint 0.12: OCDBT through a CheckpointManager,
+per-array Zarr with use_ocdbt=False) read without JAX or Orbax; OCDBT needs the orbax extra
+and says so; damaged or hostile arrays refused naming the array and the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ckptvar as cv
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "orbax"
+ZARR = FIXTURES / "zarr_step"
+OCDBT = FIXTURES / "ocdbt_run" / "5"
+KEYS = ["mask", "opt_state/count", "opt_state/mu", "params/big", "params/dense/bias",
+        "params/dense/kernel", "params/embed"]
+
+
+def ckpt(*args: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptvar", *map(str, args)], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ), check=False)
+
+
+def test_both_layouts_read_the_same_tree() -> None:
+    pytest.importorskip("tensorstore", reason="the orbax extra (in the test extra) installs it")
+    zarr_values, ocdbt_values = cv.load(ZARR), cv.load(OCDBT)
+    assert sorted(zarr_values) == sorted(ocdbt_values) == KEYS
+    for key in KEYS:
+        np.testing.assert_array_equal(zarr_values[key], ocdbt_values[key])
+    assert str(zarr_values["params/embed"].dtype) == "bfloat16"
+    with cv.open(OCDBT / "_CHECKPOINT_METADATA") as reader:  # the file names the step too
+        assert reader.format == "orbax"
+        np.testing.assert_array_equal(reader["params/big"][3:5, ::7],
+                                      np.arange(600, dtype=np.float32).reshape(30, 20)[3:5, ::7])
+
+
+def test_ocdbt_without_tensorstore_names_the_extra() -> None:
+    code = (
+        "import sys; sys.modules['tensorstore'] = None\n"
+        "import ckptvar as cv\n"
+        f"cv.open({str(OCDBT)!r})\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 1
+    assert "UnsupportedFormatError" in proc.stderr and "pip install 'ckptvar[orbax]'" in proc.stderr
+    with cv.open(ZARR) as reader:  # the per-array Zarr layout needs no extra
+        assert sorted(reader) == KEYS
+
+
+def test_cli_inspect_verify_convert(tmp_path: Path) -> None:
+    out = tmp_path / "m.safetensors"
+    inspect, verify, convert = (ckpt("inspect", ZARR), ckpt("verify", ZARR),
+                                ckpt("convert", ZARR, out))
+    assert "format: orbax" in inspect.stdout and "params/dense/kernel" in inspect.stdout
+    assert verify.returncode == 0 and "not checksummed" in verify.stdout, verify.stdout
+    assert convert.returncode == 0, convert.stderr
+    want = cv.load(ZARR)
+    got = cv.load(out)
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v)
+
+
+def _edit_zarray(folder: Path, name: str, **changes: object) -> None:
+    path = folder / name / ".zarray"
+    meta = json.loads(path.read_text())
+    meta.update(changes)
+    path.write_text(json.dumps(meta))
+
+
+def test_damaged_and_hostile_arrays_are_refused(tmp_path: Path) -> None:
+    cases = {
+        "huge": ({"shape": [2**40, 2**40]}, "too many elements"),
+        "tiny_chunks": ({"shape": [10**7, 10**7], "chunks": [1, 1]}, "chunks \\(limit"),
+        "bad_dtype": ({"dtype": "|O"}, "dtype '\\|O' is not supported"),
+    }
+    for name, (changes, pattern) in cases.items():
+        folder = tmp_path / name
+        shutil.copytree(ZARR, folder)
+        _edit_zarray(folder, "params.big", **changes)
+        with pytest.raises((cv.CorruptCheckpointError, cv.UnsupportedFormatError), match=pattern):
+            cv.open(folder)
+    folder = tmp_path / "damaged"
+    shutil.copytree(ZARR, folder)
+    chunk = folder / "params.big" / "0.0"
+    chunk.write_bytes(chunk.read_bytes()[:100])
+    (folder / "params.dense.bias" / "0").unlink()
+    with cv.open(folder) as reader:
+        with pytest.raises(cv.CorruptCheckpointError, match=r"params\.big.*'params\.big/0\.0'"):
+            reader.read("params/big")
+        with pytest.raises(cv.CorruptCheckpointError, match=r"lost its chunk 'params\.dense\.bias/0'"):
+            reader.read("params/dense/bias")
+        np.testing.assert_array_equal(reader.read("opt_state/mu"), np.ones(3))
+    verify = ckpt("verify", folder)
+    assert verify.returncode == 1 and "DAMAGED  params/big" in verify.stdout
+    (folder / "_METADATA").write_text("{not json")
+    with pytest.raises(cv.CorruptCheckpointError, match="_METADATA.*not valid JSON"):
+        cv.open(folder)
