@@ -102,7 +102,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--format",
         metavar="FMT",
-        help="output format (h5, zarr, safetensors, npz); default: DST's suffix",
+        choices=_WritableFormats(),
+        help="output format (%(choices)s); default: DST's suffix",
+    )
+    p.add_argument(
+        "--pack-threshold",
+        type=_parse_size,
+        metavar="SIZE",
+        help=".h5/.zarr output: pack values under SIZE bytes into one blob (0: every value "
+        "its own dataset, named by its key, for plain h5py/zarr; default: packing only in "
+        "checkpoints of more than 2,048 values)",
     )
     add_selection(p)
     p.add_argument(
@@ -133,6 +142,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="show a progress bar on stderr (default: for large conversions on a terminal)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (--no-progress)")
+
+
+class _WritableFormats:
+    """The ``--format`` choices: the registry's writable formats, asked only when used
+    (so a format registered later appears, and ``ckpt --help`` reads no registry)."""
+
+    def _names(self) -> list[str]:
+        names: list[str] = cv.storage.writable_formats()
+        return names
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
 
 
 _FLOAT_TARGETS = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
@@ -369,6 +393,8 @@ def _convert(
 ) -> int:
     remote_dst = is_url(dst_arg)
     dst = Path(dst_arg)  # a URL's name and suffix only: nothing local is made for it
+    # cv.save's own refusal of a destination no writer takes, before anything is read
+    out_format = cv.storage.backend_for(dst_arg, args.format, mode="w").name
     skipped = {k: v for k, v in reader.skipped.items() if selected(k, args)}
     keys = select(reader, args, where=repr(str(src)), allow_empty=bool(skipped))
     _refuse_unreadable(skipped, src, args)
@@ -387,6 +413,12 @@ def _convert(
         else (sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES and not args.quiet)
     )
     metadata, options = _metadata_options(reader, dst, args)
+    if args.pack_threshold is not None:
+        if out_format not in ("h5", "zarr"):
+            raise UsageError(
+                f"--pack-threshold applies to .h5 and .zarr outputs, not {out_format}"
+            )
+        options["pack_threshold"] = args.pack_threshold
     added_format = _hf_format(reader, dst, args, metadata)
     window = args.window if args.window is not None else max(DEFAULT_WINDOW, 2 * largest)
     created = [] if remote_dst else _make_parents(dst)
@@ -410,9 +442,10 @@ def _convert(
             except OSError as exc:
                 if isinstance(exc, cv.CkptError):
                     raise
-                raise OSError(
-                    exc.errno, f"cannot write {str(dst_arg)!r}: {exc.strerror or one_line(exc)}"
-                ) from None
+                detail = exc.strerror or one_line(exc)
+                if str(dst_arg) not in detail:  # cv.save's errors name DST already
+                    detail = f"cannot write {str(dst_arg)!r}: {detail}"
+                raise UsageError(detail) from None
     except BaseException:
         for d in reversed(created):  # only the folders this conversion made, if still empty
             with contextlib.suppress(OSError):
@@ -441,6 +474,13 @@ def _make_parents(dst: Path) -> list[Path]:
     """Create DST's missing parent folders; returns those made, outermost first."""
     missing = []
     parent = dst.absolute().parent
+    for above in (parent, *parent.parents):
+        if above.exists() or above.is_symlink():
+            if not above.is_dir():
+                raise UsageError(
+                    f"cannot write {str(dst)!r}: {str(above)!r} is a file, not a folder"
+                )
+            break
     while not parent.exists() and parent != parent.parent:
         missing.append(parent)
         parent = parent.parent

@@ -20,9 +20,11 @@ from .layout import (
     DEFAULT_PACK_THRESHOLD,
     PACKED_PATH,
     PLAIN_DTYPES,
+    PLAIN_MAX_VALUES,
     Source,
     ValueRanges,
     check_regions,
+    pack_limit,
     storage_dtype,
 )
 from .reader import ContainerLazyArray, ContainerReader
@@ -33,6 +35,7 @@ __all__ = [
     "DEFAULT_PACK_THRESHOLD",
     "PACKED_PATH",
     "PLAIN_DTYPES",
+    "PLAIN_MAX_VALUES",
     "ContainerLazyArray",
     "ContainerReader",
     "ContainerWriter",
@@ -41,6 +44,7 @@ __all__ = [
     "WriteItem",
     "WritePlan",
     "check_regions",
+    "pack_limit",
     "scalar_attrs",
     "storage_dtype",
     "write_packed",
