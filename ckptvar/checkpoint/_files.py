@@ -104,6 +104,7 @@ def write_file(
     arrays: list[tuple[str, Any, dict[str, Any]]],
     meta: dict[str, Any],
     storage_options: Mapping[str, Any] | None = None,
+    *,
     pack_threshold: int | None = None,
 ) -> str:
     """Write one checkpoint atomically (temporary sibling, fsync, rename); returns its path.

@@ -16,10 +16,7 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
-
-import ml_dtypes
-import numpy as np
+from typing import TYPE_CHECKING, Any, TextIO
 
 import ckptvar as cv
 
@@ -35,8 +32,16 @@ from ._common import (
     selected,
     storage_options,
 )
+from ._lazy import lazy_module
 from ._output import escape, one_line
 from ._progress import Progress, human_size
+
+if TYPE_CHECKING:
+    import ml_dtypes
+    import numpy as np
+else:  # loaded on first use: `ckpt --help` imports no NumPy
+    np = lazy_module("numpy")
+    ml_dtypes = lazy_module("ml_dtypes")
 
 #: ``convert`` shows its progress bar by itself (on a terminal) from this many bytes on.
 PROGRESS_MIN_BYTES = 16 << 20
@@ -187,7 +192,7 @@ def _parse_rename(spec: str) -> tuple[re.Pattern[str], str]:
 _KEPT_ATTRS = ("name", "trainable")
 
 
-class _Converted(Mapping[str, np.ndarray]):
+class _Converted(Mapping[str, "np.ndarray"]):
     """The output values of a conversion, each read (and cast) only when the writer asks.
 
     A value is read in blocks (a large one through its lazy array, then its stored
@@ -289,6 +294,14 @@ def _unwritable(dst: Path, fmt: str | None, dtypes: set[np.dtype]) -> dict[np.dt
     return refused
 
 
+def _refuse_dtypes(dst: Path, args: argparse.Namespace, out_dtypes: dict[str, np.dtype]) -> None:
+    """Stop before anything is written when the output format cannot store some dtype."""
+    refused = _unwritable(dst, args.format, set(out_dtypes.values()))
+    if refused:
+        fmt = args.format or (dst.suffix.lstrip(".") or "the output format")
+        raise _dtype_error(fmt, {k: d for k, d in out_dtypes.items() if d in refused})
+
+
 def _dtype_error(fmt: str, bad: dict[str, np.dtype]) -> UsageError:
     keys = list(bad)
     shown = ", ".join(f"{k!r} ({bad[k].name})" for k in keys[:10])
@@ -377,6 +390,15 @@ def _metadata_options(
     return metadata, options
 
 
+def _pack_option(out_format: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``--pack-threshold`` as a save option (only ckptvar's own formats pack)."""
+    if args.pack_threshold is None:
+        return {}
+    if out_format not in ("h5", "zarr"):
+        raise UsageError(f"--pack-threshold applies to .h5 and .zarr outputs, not {out_format}")
+    return {"pack_threshold": args.pack_threshold}
+
+
 def _hf_format(reader: Any, dst: Path, args: argparse.Namespace, metadata: dict[str, Any]) -> bool:
     """Give a safetensors file made from a PyTorch file ``format: pt``, as Hugging Face's
     own converter does (transformers refuses a file without it). True when added."""
@@ -403,22 +425,14 @@ def _convert(
     total, largest, spool_size = p.total, p.largest, p.spool_size
     if not plan:
         raise UsageError(f"nothing to convert: {str(src)!r} has no value left to convert")
-    refused = _unwritable(dst, args.format, set(out_dtypes.values()))
-    if refused:
-        fmt = args.format or (dst.suffix.lstrip(".") or "the output format")
-        raise _dtype_error(fmt, {k: d for k, d in out_dtypes.items() if d in refused})
+    _refuse_dtypes(dst, args, out_dtypes)
     show = (
         args.progress
         if args.progress is not None
         else (sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES and not args.quiet)
     )
     metadata, options = _metadata_options(reader, dst, args)
-    if args.pack_threshold is not None:
-        if out_format not in ("h5", "zarr"):
-            raise UsageError(
-                f"--pack-threshold applies to .h5 and .zarr outputs, not {out_format}"
-            )
-        options["pack_threshold"] = args.pack_threshold
+    options.update(_pack_option(out_format, args))
     added_format = _hf_format(reader, dst, args, metadata)
     window = args.window if args.window is not None else max(DEFAULT_WINDOW, 2 * largest)
     created = [] if remote_dst else _make_parents(dst)

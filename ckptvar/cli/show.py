@@ -6,13 +6,17 @@ import argparse
 import math
 import re
 import sys
-from typing import Any, TextIO
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ._blocks import is_floating
 from ._common import EXIT_OK, UsageError, open_checkpoint
+from ._lazy import lazy_module
 from ._output import dump_json, escape, plain, shape_str
+
+if TYPE_CHECKING:
+    import numpy as np
+else:  # loaded on first use: `ckpt --help` imports no NumPy
+    np = lazy_module("numpy")
 
 EPILOG = """\
 KEY may end with a NumPy slice in brackets: 'model/kernel[0:2, :4]',

@@ -222,7 +222,9 @@ class _AttrWriter:
 
     def put(self, oid: Any, name: str, value: Any) -> None:
         if isinstance(value, str):
-            arr = np.array(value, dtype=self.str_dtype)
+            # an HDF5 string ends at NUL: such a character is written as the text "\x00"
+            # (the manifest keeps every key and attribute exactly)
+            arr = np.array(value.replace("\x00", "\\x00"), dtype=self.str_dtype)
         elif isinstance(value, list):
             arr = np.asarray(value, dtype=np.int64)
         else:

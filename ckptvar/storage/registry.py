@@ -96,28 +96,33 @@ def backend_for(path: str | Path, format: str | None = None, *, mode: str = "r")
         if cls is None:
             raise UnsupportedFormatError(f"Unknown format {format!r}; known: {_describe()}.")
     else:
-        cls = _by_suffix(path)
-        if cls is None and mode == "r":
-            if not path.exists() and not _has_sidecars(path):
-                raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.")
-            cls = next((c for c in _BACKENDS.values() if c.sniff(path)), None)
-        if cls is None and mode == "w":
-            if path.suffix:
-                raise _cannot_write(path, f"unknown suffix {path.suffix!r}")
-            cls = _BACKENDS["h5"]
-        if cls is None and path.is_dir():
-            raise UnsupportedFormatError(
-                f"{str(path)!r} is a directory, not a checkpoint (none of the known formats "
-                f"holds it: {_describe()})."
-            )
-        if cls is None:
-            raise UnsupportedFormatError(
-                f"Cannot tell the format of {str(path)!r}; known: {_describe()}."
-            )
+        cls = _guess(path, mode)
     if mode == "w" and not cls.can_write:
         raise _cannot_write(path, f"the {cls.name} format is read-only")
     if mode == "r" and cls.hands_over_unrecognised:
         cls = _claimant(cls, path) or cls
+    return cls
+
+
+def _guess(path: Path, mode: str) -> type[Backend]:
+    """The backend of ``path`` by its suffix, else (reading) by sniffing, else (writing) HDF5
+    when it has no suffix; raises naming the known (or writable) formats."""
+    cls = _by_suffix(path)
+    if cls is None and mode == "r":
+        if not path.exists() and not _has_sidecars(path):
+            raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.")
+        cls = next((c for c in _BACKENDS.values() if c.sniff(path)), None)
+    if cls is None and mode == "w":
+        if path.suffix:
+            raise _cannot_write(path, f"unknown suffix {path.suffix!r}")
+        cls = _BACKENDS["h5"]
+    if cls is None and path.is_dir():
+        raise UnsupportedFormatError(
+            f"{str(path)!r} is a directory, not a checkpoint (none of the known formats "
+            f"holds it: {_describe()})."
+        )
+    if cls is None:
+        raise UnsupportedFormatError(f"Cannot tell the format of {str(path)!r}; known: {_describe()}.")
     return cls
 
 
