@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -144,6 +146,19 @@ _LAZY: dict[str, str] = {
 }
 #: Public subpackages, loaded on first use like the names.
 _SUBMODULES = frozenset({"distributed", "initializers"})
+
+
+class _Package(ModuleType):
+    """The package: a public name that is also a submodule's name (``cv.device``, the
+    function in ``ckptvar/device.py``) stays the public name when the submodule loads."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _LAZY and isinstance(value, ModuleType):
+            return  # the import system binding the submodule over the public name
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:

@@ -113,6 +113,17 @@ class Progress(contextlib.AbstractContextManager["Progress"]):
                 self.stream.write(self._text(frac) + "\n")
                 self.stream.flush()
 
+    def note(self, text: str) -> None:
+        """Say what the job does once the bar is full (writing, syncing to disk): after the
+        bar on a terminal, on a line of its own otherwise."""
+        if not self.enabled:
+            return
+        if self.tty:
+            self._draw_tty(self._fraction(), text)
+        else:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
     def bytes_of(self, label: str) -> Callable[[int], None]:
         """A callback counting the bytes of one value's blocks (the value itself not yet)."""
         return functools.partial(self.update, label=label, values=0)
@@ -128,7 +139,7 @@ class Progress(contextlib.AbstractContextManager["Progress"]):
         bar = "#" * filled + "-" * (self.width - filled)
         line = f"[{bar}] {self._text(frac)}"
         if label:
-            line += f" {label[:40]}"
+            line += f" {label[:60]}"
         pad = max(self._line_len - len(line), 0)
         self._line_len = len(line)
         self.stream.write("\r" + line + " " * pad)

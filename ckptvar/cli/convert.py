@@ -8,11 +8,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import mmap
 import os
 import re
 import shlex
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,6 +210,8 @@ class _Converted(Mapping[str, "np.ndarray"]):
         dtype: np.dtype | None,
         progress: Progress,
         spool: np.ndarray | None,
+        *,
+        finishing: str = "",
     ) -> None:
         self._reader = reader
         self._plan = plan  # output key -> source key
@@ -215,6 +219,8 @@ class _Converted(Mapping[str, "np.ndarray"]):
         self._progress = progress
         self._spool = spool
         self._offset = 0
+        self._given = 0
+        self._finishing = finishing  # said once every value is read: what comes next
 
     def _target(self, dtype: np.dtype) -> np.dtype:
         return self._dtype if self._dtype is not None and is_floating(dtype) else dtype
@@ -233,6 +239,16 @@ class _Converted(Mapping[str, "np.ndarray"]):
             out = None  # read whole and used as it is
         else:
             out = np.empty(shape, dtype)
+        self._given += 1
+        if dtype == np.dtype(info.dtype) and isinstance(self._reader, cv.storage.SupportsReadIntoMany):
+            # no cast: one verified pass, read by position straight into the output
+            # (parallel reads and hashing; the source is never mapped)
+            if out is None:
+                out = np.empty(shape, dtype)
+            self._reader.read_into_many([(src, out)], verify=True)
+            self._progress.update(nbytes, key)
+            self._finished()
+            return out
         whole = None
         for index, stored in value_blocks(self._reader, src, info, self._progress.bytes_of(key)):
             block = stored.astype(dtype, copy=False)
@@ -243,9 +259,14 @@ class _Converted(Mapping[str, "np.ndarray"]):
         if math.prod(shape) > _blocks.BLOCK_ELEMENTS and info.checksum is not None:
             self._reader.verify(src)  # the blocks were read unverified
         self._progress.update(0, key)
+        self._finished()
         if out is None:
             return whole if whole is not None else np.empty(shape, dtype)
         return out
+
+    def _finished(self) -> None:
+        if self._given == len(self._plan) and self._finishing:
+            self._progress.note(self._finishing)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._plan)
@@ -443,7 +464,10 @@ def _convert(
             Progress(total, stream=sys.stderr, enabled=bool(show)) as progress,
             _spool(dst, spool_size if total > window else 0, local=not remote_dst) as spool,
         ):
-            values = _Converted(reader, plan, args.dtype, progress, spool)
+            finishing = (f"writing {escape(dst_arg)} and syncing it to disk ..."
+                         if not remote_dst else f"uploading {escape(dst_arg)} ...")
+            values = _Converted(reader, plan, args.dtype, progress, spool,
+                                finishing=finishing)
             try:
                 written = cv.save(
                     dst_arg if remote_dst else dst,
@@ -511,22 +535,44 @@ def _make_parents(dst: Path) -> list[Path]:
     return missing
 
 
+#: How often the spool's pages are released from the process while a conversion runs (s).
+TRIM_INTERVAL = 0.005
+
+
 @contextlib.contextmanager
 def _spool(dst: Path, nbytes: int, *, local: bool = True) -> Iterator[np.ndarray | None]:
-    """A scratch file of ``nbytes`` beside DST, mapped as bytes; ``None`` when 0.
+    """A scratch file of ``nbytes`` beside DST, mapped (shared) as bytes; ``None`` when 0.
 
-    The file is removed when the conversion ends, whatever happens.
+    While it is in use, a thread releases the mapping's pages from the process every
+    ``TRIM_INTERVAL`` (``madvise(MADV_DONTNEED)``: the bytes stay in the file and the page
+    cache, and come back on the next access), so the process's resident size tracks what
+    it touches now, not the whole output. The file is removed when the conversion ends,
+    whatever happens.
     """
     if nbytes == 0:
         yield None
         return
     where = dst.absolute().parent if local else None  # a URL: the temporary directory
     fd, name = tempfile.mkstemp(prefix=f".{dst.name}.spool-", dir=where)
+    stop = threading.Event()
+    trimmer: threading.Thread | None = None
     try:
         os.ftruncate(fd, nbytes)
-        spool = np.memmap(name, dtype=np.uint8, mode="r+")
+        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        spool = np.frombuffer(mapped, dtype=np.uint8)
+        if hasattr(mmap, "MADV_DONTNEED"):  # Linux, macOS
+
+            def trim() -> None:
+                while not stop.wait(TRIM_INTERVAL):
+                    mapped.madvise(mmap.MADV_DONTNEED)
+
+            trimmer = threading.Thread(target=trim, name="ckpt-convert-trim", daemon=True)
+            trimmer.start()
         yield spool
     finally:
+        stop.set()
+        if trimmer is not None:
+            trimmer.join()
         os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name)
