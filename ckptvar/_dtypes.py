@@ -24,6 +24,7 @@ from .errors import DTypeLockError
 
 __all__ = [
     "BFLOAT16",
+    "ML_DTYPES",
     "SUPPORTED_DTYPES",
     "as_dtype",
     "can_cast_same_kind",
@@ -61,8 +62,15 @@ SUPPORTED_DTYPES: dict[str, np.dtype] = {
     )
 }
 SUPPORTED_DTYPES["bfloat16"] = BFLOAT16
-# Extra ml_dtypes kinds that TensorFlow/JAX checkpoints may carry; readable, not inferred.
-for _name in ("float8_e4m3fn", "float8_e5m2", "int4", "uint4"):
+#: Every other type ml_dtypes defines (TensorFlow, JAX, PyTorch and MX checkpoints carry
+#: them); stored as their bits, never inferred. Sub-byte types take one byte per element.
+ML_DTYPES = (
+    "float8_e4m3fn", "float8_e5m2", "int4", "uint4",
+    "float8_e4m3", "float8_e3m4", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3b11fnuz",
+    "float8_e8m0fnu", "float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn",
+    "int1", "int2", "uint1", "uint2", "complex32", "bcomplex32",
+)
+for _name in ML_DTYPES:
     if hasattr(ml_dtypes, _name):
         SUPPORTED_DTYPES[_name] = np.dtype(getattr(ml_dtypes, _name))
 
@@ -160,11 +168,15 @@ def kind_of(dtype: Any) -> str | None:
     ('f', 'i', 'f', None)
     """
     dt = np.dtype(dtype)
-    if dt.kind == "V":  # ml_dtypes types report kind 'V'; structured dtypes too
+    if dt.isbuiltin != 1:  # ml_dtypes types report kinds V, f or W; structured dtypes V
         name = _BY_DTYPE.get(dt)
         if name is None:
             return None
-        return "i" if name == "int4" else "u" if name == "uint4" else "f"
+        if name.startswith("int"):
+            return "i"
+        if name.startswith("uint"):
+            return "u"
+        return "c" if "complex" in name else "f"
     return dt.kind if dt.kind in "biufc" else None
 
 
@@ -193,7 +205,7 @@ def can_cast_same_kind(src: Any, dst: Any) -> bool:
     s_kind, d_kind = kind_of(src), kind_of(dst)
     if s_kind is None or d_kind is None:
         return False
-    if "V" not in (src.kind, dst.kind):
+    if src.isbuiltin == 1 and dst.isbuiltin == 1:
         return bool(np.can_cast(src, dst, casting="same_kind"))
     # an ml_dtypes type on one side: compare kinds the way NumPy's same_kind does
     return _KIND_RANK[s_kind] <= _KIND_RANK[d_kind] and not (s_kind == "i" and d_kind == "u")

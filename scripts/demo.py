@@ -2,11 +2,13 @@
 restore-as-initialization, and the ``ckpt`` command on what was saved.
 
 Run it with ``python scripts/demo.py [WORKDIR]`` (default: a fresh temporary directory).
+The files it writes stay there, so the ``ckpt`` commands it prints at the end can be
+tried on them; it says which directory to remove when done.
 """
 
 from __future__ import annotations
 
-import shutil
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -57,7 +59,7 @@ def main(workdir: Path) -> None:
     model = MLP()
     x = np.ones((1, 4), dtype="float32")
     model(x)  # builds the variables
-    step = cv.Variable(0, dtype="int64", name="step")
+    step = cv.Variable(0, dtype="int64", name="step", trainable=False)  # a counter
     ckpt = cv.Checkpoint(model=model, step=step)
     step.assign(42)
     h5_path = ckpt.save(workdir / "runs" / "ckpt")
@@ -82,14 +84,17 @@ def main(workdir: Path) -> None:
     ckpt_cmd = [sys.executable, "-m", "ckptvar", "inspect", str(h5_path)]
     sys.stdout.flush()  # keep our lines before the command's when stdout is a pipe
     subprocess.run(ckpt_cmd, check=True)
+    h5, zr = shlex.quote(str(h5_path)), shlex.quote(str(zarr_path))
+    print(f"\nthe files stay in {workdir}; try next:\n"
+          f"  ckpt inspect {h5} --tree\n"
+          f"  ckpt show {h5} model/layers/1/bias\n"
+          f"  ckpt diff {h5} {zr}\n"
+          f"  ckpt convert {zr} {shlex.quote(str(workdir / 'model.safetensors'))}\n"
+          f"(remove them with: rm -r {shlex.quote(str(workdir))})")
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1:
         main(Path(sys.argv[1]))
-    else:
-        tmp = Path(tempfile.mkdtemp(prefix="ckptvar-demo-"))
-        try:
-            main(tmp)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    else:  # kept: the commands printed at the end read these files
+        main(Path(tempfile.mkdtemp(prefix="ckptvar-demo-")))

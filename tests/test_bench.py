@@ -228,10 +228,12 @@ def test_the_convert_workload_reports_every_row(tmp_path: Path) -> None:
     rows = json.loads(proc.stdout)
     assert rows[0]["row"] == "source" and rows[0]["bytes"] >= 16 << 20
     names = [r["row"] for r in rows[1:]]
-    assert names == ["cp (raw)", ".safetensors streamed", ".safetensors in memory",
-                     ".h5 streamed", ".h5 in memory"]
+    assert names == ["cp (raw)", ".safetensors save(load())", ".safetensors streamed",
+                     ".safetensors in memory", ".h5 save(load())", ".h5 streamed", ".h5 in memory"]
     for r in rows[1:]:
-        assert r["wall"] > 0 and r["peak_mib"] > 0 and r["x_raw"] > 0
+        assert r["wall"] > 0 and r["peak_mib"] > 0 and r["x_raw"] > 0 and r["rss_mib"] > 0
+        if r["row"] != "cp (raw)":
+            assert r["x_save_load"] > 0
     assert list(tmp_path.iterdir()) == []  # the scratch files are gone
 
 

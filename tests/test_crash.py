@@ -30,6 +30,8 @@ SCRIPT = textwrap.dedent(
     import ckptvar as cv
     from ckptvar.storage import backend_for
 
+    cv.CheckpointManager  # noqa: B018 - ckptvar loads names on first use: load before the fork
+
     directory, fmt, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     budget, window = float(sys.argv[4]), float(sys.argv[5])
     FINAL = re.compile(r"^ckpt-\d+\.(h5|zarr)$")

@@ -42,7 +42,9 @@ def expected(container: str, w_offset: object, packed_offset: object) -> dict:
 
 @pytest.mark.parametrize("fmt", ["h5", "zarr"])
 def test_root_record_is_pinned(tmp_path: Path, fmt: str) -> None:
-    p = cv.save(tmp_path / f"g.{fmt}", VALUES, metadata={"step": 1}, attrs=ATTRS)
+    # the packed layout, pinned (a checkpoint this small packs nothing by default)
+    p = cv.save(tmp_path / f"g.{fmt}", VALUES, metadata={"step": 1}, attrs=ATTRS,
+                pack_threshold=64 << 10)
     if fmt == "h5":
         with h5py.File(p, "r") as f:
             data = f["_ckptvar/manifest"][()].tobytes()
@@ -57,10 +59,14 @@ def test_root_record_is_pinned(tmp_path: Path, fmt: str) -> None:
         root = zarr.open_group(p, mode="r")
         data = root["_ckptvar/record"][...].tobytes()
         assert msgpack.unpackb(data) == expected("zarr", 0, 0)
-        assert dict(root.attrs) == {"ckptvar": {"format_version": [1, 2],
-                                                "record": "_ckptvar/record",
-                                                "record_nbytes": 319,
-                                                "record_crc32c": 1638060241}}
+        attrs = dict(root.attrs)
+        assert attrs.pop("description").startswith("A ckptvar checkpoint")
+        assert attrs == {"format": "ckptvar", "format_version": "1.2",
+                         "manifest": "_ckptvar/record",
+                         "ckptvar": {"format_version": [1, 2],
+                                     "record": "_ckptvar/record",
+                                     "record_nbytes": 319,
+                                     "record_crc32c": 1638060241}}
     assert msgpack.unpackb(data)["keys"] == list(VALUES)  # file order = add order
 
 

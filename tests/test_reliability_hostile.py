@@ -297,7 +297,7 @@ def test_awkward_names_through_the_object_graph(fresh_graph: cv.Graph, fmt: str,
 @pytest.fixture
 def zarr_ckpt(tmp_path: Path) -> Path:
     return Path(cv.save(tmp_path / "c.zarr", {"model/w": np.arange(20000, dtype=np.float32),
-                                              "b": np.ones(3)}))
+                                              "b": np.ones(3)}, pack_threshold=64 << 10))
 
 
 def _secret(tmp_path: Path, nbytes: int) -> Path:

@@ -43,6 +43,9 @@ class SaveOptions(TypedDict, total=False):
       process calls ``save``/``write`` and they write ONE checkpoint together
       (docs/distributed.md).
     - ``timeout``: seconds every collective waits at most (with ``coordinator``).
+    - ``pack_threshold``: values under this many bytes are packed into one blob (``0``:
+      every value its own array; default: packing only in checkpoints of more than 2,048
+      values; docs/FORMAT.md, "Packing").
     """
 
     format: str | None
@@ -51,6 +54,7 @@ class SaveOptions(TypedDict, total=False):
     storage_options: Mapping[str, Any] | None
     coordinator: Any
     timeout: float | None
+    pack_threshold: int | None
 
 
 def _checked(options: Mapping[str, Any], method: str) -> SaveOptions:
@@ -200,6 +204,7 @@ class Checkpoint(Trackable):
                             path, fmt, snapshot[0], meta, plan.variables, coord,
                             timeout=timeout, on_commit=on_commit,
                             storage_options=options.get("storage_options"),
+                            pack_threshold=options.get("pack_threshold"),
                         )
                 finally:
                     snapshot.clear()
@@ -214,7 +219,8 @@ class Checkpoint(Trackable):
             try:
                 with paused_gc():
                     final = write_file(path, fmt, snapshot[0], meta,
-                                       options.get("storage_options"))
+                                       options.get("storage_options"),
+                                       pack_threshold=options.get("pack_threshold"))
             finally:
                 snapshot.clear()
             if on_commit is not None:

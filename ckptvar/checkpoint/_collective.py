@@ -205,12 +205,15 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
     timeout: float | None = None,
     on_commit: Callable[[str], None] | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    pack_threshold: int | None = None,
 ) -> str:
     """Write one checkpoint at ``path`` (a shared directory's path, or an object-store
-    URL) from every rank's ``arrays`` (collective). Returns the path or URL."""
+    URL) from every rank's ``arrays`` (collective). Returns the path or URL.
+    ``pack_threshold`` goes to the writer of each rank's file."""
     path = os.fspath(path)
     target: Target = (RemoteTarget(path, fmt, storage_options) if is_url(path)
                       else LocalTarget(path, fmt))
+    target.pack_threshold = pack_threshold
     tag = f"save:{os.path.basename(path.rstrip('/'))}"
     clock = _Clock()
     raw, checks, digest = _layout_rows(arrays, variables)

@@ -48,6 +48,8 @@ class Target:
 
     def __init__(self, fmt: str) -> None:
         self.fmt = fmt
+        #: the writer's ``pack_threshold`` for each rank's file (None: its default)
+        self.pack_threshold: int | None = None
 
     def prepare(self) -> str:
         """Rank 0: make the step ready for writing; returns what every rank attaches to."""
@@ -104,7 +106,8 @@ class LocalTarget(Target):
         return self._where
 
     def write_rank(self, name: str, fill: Callable[[Writer], None]) -> None:
-        _write_file(self.where / name, self.fmt, fill, durable=True)
+        _write_file(self.where / name, self.fmt, fill, durable=True,
+                    pack_threshold=self.pack_threshold)
 
     def commit(self, index: bytes) -> str:
         tmp = self.where
@@ -141,7 +144,8 @@ class RemoteTarget(Target):
     def write_rank(self, name: str, fill: Callable[[Writer], None]) -> None:
         with tempfile.TemporaryDirectory(prefix="ckptvar-upload-") as tmp:
             local = Path(tmp) / name
-            _write_file(local, self.fmt, fill, durable=False)  # durable once uploaded
+            _write_file(local, self.fmt, fill, durable=False,  # durable once uploaded
+                        pack_threshold=self.pack_threshold)
             self.step.upload(local, name)
 
     def commit(self, index: bytes) -> str:
@@ -151,8 +155,10 @@ class RemoteTarget(Target):
         self.step.abort()
 
 
-def _write_file(path: Path, fmt: str, fill: Callable[[Writer], None], *, durable: bool) -> None:
-    writer = native_backend(path, fmt).open_writer(path, durable=durable)
+def _write_file(path: Path, fmt: str, fill: Callable[[Writer], None], *, durable: bool,
+                pack_threshold: int | None = None) -> None:
+    writer = native_backend(path, fmt).open_writer(path, durable=durable,
+                                                   pack_threshold=pack_threshold)
     try:
         fill(writer)
         writer.commit()

@@ -107,19 +107,24 @@ def write_file(
     arrays: list[tuple[str, Any, dict[str, Any]]],
     meta: dict[str, Any],
     storage_options: Mapping[str, Any] | None = None,
+    *,
+    pack_threshold: int | None = None,
 ) -> str:
     """Write one checkpoint atomically (temporary sibling, fsync, rename); returns its path.
 
     At an object-store URL: written to a local temporary, streamed up and committed by
     marker (:func:`ckptvar.storage._remote.save_remote`); returns the URL.
+    ``pack_threshold``: the writer's (docs/FORMAT.md, "Writer options"; None: its default).
     """
     if is_url(path):
         fmt = native_backend(os.fspath(path), format).name
         return str(save_remote(
-            os.fspath(path), lambda tmp: write_file(tmp, fmt, arrays, meta), storage_options
+            os.fspath(path),
+            lambda tmp: write_file(tmp, fmt, arrays, meta, pack_threshold=pack_threshold),
+            storage_options,
         ))
     written: str | Path = write_values(Path(path), native_backend(path, format), arrays, meta,
-                                       durable=True)
+                                       durable=True, pack_threshold=pack_threshold)
     return os.fspath(written)
 
 

@@ -89,6 +89,8 @@ class CheckpointManager:
         coordinator: a ``cv.distributed`` coordinator: every process creates the manager
             and calls :meth:`save` (``timeout=`` bounds each collective); they write one
             checkpoint, rank 0 keeps the state file and prunes.
+        pack_threshold: the writer's (``0``: every value its own array; default:
+            docs/FORMAT.md, "Packing"), for every save.
 
     A read-only directory can be opened (``read_only`` is then True):
     :attr:`checkpoints`, :attr:`latest_checkpoint` and :meth:`restore_or_initialize`
@@ -109,6 +111,7 @@ class CheckpointManager:
         async_save: bool = False,
         storage_options: Mapping[str, Any] | None = None,
         coordinator: Any = None,
+        pack_threshold: int | None = None,
     ) -> None:
         if not isinstance(checkpoint, Checkpoint):
             raise TypeError(f"CheckpointManager needs a cv.Checkpoint, got {checkpoint!r}.")
@@ -123,6 +126,7 @@ class CheckpointManager:
         self._checkpoint = checkpoint
         self._location: Location | None = None
         self._storage_options = storage_options
+        self.pack_threshold = pack_threshold
         if is_url(directory):
             if keep_checkpoint_every_n_hours is not None:
                 raise CkptError(
@@ -396,7 +400,8 @@ class CheckpointManager:
         try:
             fcntl.flock(saving, fcntl.LOCK_SH)
             options: SaveOptions = {"format": self.format, "blocking": not self.async_save,
-                                    "coordinator": self.coordinator, "timeout": timeout}
+                                    "coordinator": self.coordinator, "timeout": timeout,
+                                    "pack_threshold": self.pack_threshold}
             result = self._checkpoint.save_step(prefix, options, number=number, on_commit=on_commit)
         except BaseException:
             os.close(saving)
@@ -413,7 +418,8 @@ class CheckpointManager:
     def _save_remote(self, number: int, step: int, timeout: float | None) -> str:
         options: SaveOptions = {"format": self.format, "blocking": not self.async_save,
                                 "storage_options": self._storage_options,
-                                "coordinator": self.coordinator, "timeout": timeout}
+                                "coordinator": self.coordinator, "timeout": timeout,
+                                "pack_threshold": self.pack_threshold}
         result = self._checkpoint.save_step(
             self._full(self.checkpoint_name),
             options,

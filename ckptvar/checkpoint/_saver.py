@@ -82,8 +82,12 @@ class Saver:
         coordinator: Any = None,
         timeout: float | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        pack_threshold: int | None = None,
     ) -> str:
         """Write ``prefix-<global_step>.h5`` (or ``prefix.h5`` without a step); returns it.
+
+        ``pack_threshold``: values under this many bytes are packed into one blob (``0``:
+        every value its own array; default: docs/FORMAT.md, "Packing").
 
         With ``coordinator`` (more than one process) every process calls this and they
         write one checkpoint together (docs/distributed.md); ``timeout`` bounds each step.
@@ -115,10 +119,12 @@ class Saver:
             primary = coordinator.is_primary
             path = collective_write(path, fmt, host_arrays(plan, copy=False), meta, mapping,
                                     coordinator, timeout=timeout, on_commit=record_latest,
-                                    storage_options=storage_options)
+                                    storage_options=storage_options,
+                                    pack_threshold=pack_threshold)
         else:
             primary = True
-            path = write_file(path, fmt, host_arrays(plan, copy=False), meta, storage_options)
+            path = write_file(path, fmt, host_arrays(plan, copy=False), meta, storage_options,
+                              pack_threshold=pack_threshold)
         if path in self._last:
             self._last.remove(path)
         self._last.append(path)

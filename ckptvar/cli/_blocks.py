@@ -10,13 +10,17 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 import ckptvar as cv
 
+from ._lazy import lazy_module
 from ._output import finite_or_none
+
+if TYPE_CHECKING:
+    import numpy as np
+else:  # loaded on first use: `ckpt --help` imports no NumPy
+    np = lazy_module("numpy")
 
 __all__ = ["BLOCK_ELEMENTS", "Stats", "is_floating", "iter_blocks", "value_blocks"]
 

@@ -12,11 +12,16 @@ import math
 import re
 import unicodedata
 from collections.abc import Mapping, Sequence
-from typing import Any, TextIO
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ckptvar import CkptError
+
+from ._lazy import lazy_module
+
+if TYPE_CHECKING:
+    import numpy as np
+else:  # loaded on first use: `ckpt --help` imports no NumPy
+    np = lazy_module("numpy")
 
 __all__ = [
     "display_width",

@@ -26,18 +26,22 @@ __all__ = ["Progress", "human_size"]
 
 
 def human_size(n: float) -> str:
-    """``n`` bytes in binary units, three significant figures.
+    """``n`` bytes in binary units, at least three significant figures, never an exponent.
+
+    The one home of sizes the CLI prints (inspect, ls, convert, the progress bar).
 
     >>> human_size(0), human_size(1023), human_size(1536), human_size(3 * 2**30)
     ('0 B', '1023 B', '1.50 KiB', '3.00 GiB')
+    >>> human_size(1000 * 1024), human_size(1023.9 * 1024), human_size(1045 * 2**20)
+    ('1000 KiB', '1.00 MiB', '1.02 GiB')
     """
     units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
     value = float(n)
     for unit in units:
-        if abs(value) < 1024 or unit == units[-1]:
-            if unit == "B":
-                return f"{int(value)} B"
-            return f"{value:.3g} {unit}" if value >= 100 else f"{value:.2f} {unit}"
+        if unit == "B" and abs(value) < 1024:
+            return f"{int(value)} B"
+        if abs(value) < 1023.5 or unit == units[-1]:  # 1023.6 KiB prints as 1.00 MiB
+            return f"{value:.0f} {unit}" if abs(value) >= 100 else f"{value:.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")  # pragma: no cover
 
@@ -109,6 +113,17 @@ class Progress(contextlib.AbstractContextManager["Progress"]):
                 self.stream.write(self._text(frac) + "\n")
                 self.stream.flush()
 
+    def note(self, text: str) -> None:
+        """Say what the job does once the bar is full (writing, syncing to disk): after the
+        bar on a terminal, on a line of its own otherwise."""
+        if not self.enabled:
+            return
+        if self.tty:
+            self._draw_tty(self._fraction(), text)
+        else:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
     def bytes_of(self, label: str) -> Callable[[int], None]:
         """A callback counting the bytes of one value's blocks (the value itself not yet)."""
         return functools.partial(self.update, label=label, values=0)
@@ -124,7 +139,7 @@ class Progress(contextlib.AbstractContextManager["Progress"]):
         bar = "#" * filled + "-" * (self.width - filled)
         line = f"[{bar}] {self._text(frac)}"
         if label:
-            line += f" {label[:40]}"
+            line += f" {label[:60]}"
         pad = max(self._line_len - len(line), 0)
         self._line_len = len(line)
         self.stream.write("\r" + line + " " * pad)

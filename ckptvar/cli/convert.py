@@ -8,18 +8,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import mmap
 import os
 import re
 import shlex
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
-
-import ml_dtypes
-import numpy as np
+from typing import TYPE_CHECKING, Any, TextIO
 
 import ckptvar as cv
 
@@ -35,8 +34,16 @@ from ._common import (
     selected,
     storage_options,
 )
+from ._lazy import lazy_module
 from ._output import escape, one_line
 from ._progress import Progress, human_size
+
+if TYPE_CHECKING:
+    import ml_dtypes
+    import numpy as np
+else:  # loaded on first use: `ckpt --help` imports no NumPy
+    np = lazy_module("numpy")
+    ml_dtypes = lazy_module("ml_dtypes")
 
 #: ``convert`` shows its progress bar by itself (on a terminal) from this many bytes on.
 PROGRESS_MIN_BYTES = 16 << 20
@@ -103,7 +110,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--format",
         metavar="FMT",
-        help="output format (h5, zarr, safetensors, npz); default: DST's suffix",
+        choices=_WritableFormats(),
+        help="output format (%(choices)s); default: DST's suffix",
+    )
+    p.add_argument(
+        "--pack-threshold",
+        type=_parse_size,
+        metavar="SIZE",
+        help=".h5/.zarr output: pack values under SIZE bytes into one blob (0: every value "
+        "its own dataset, named by its key, for plain h5py/zarr; default: packing only in "
+        "checkpoints of more than 2,048 values)",
     )
     add_selection(p)
     p.add_argument(
@@ -152,6 +168,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (--no-progress)")
 
 
+class _WritableFormats:
+    """The ``--format`` choices: the registry's writable formats, asked only when used
+    (so a format registered later appears, and ``ckpt --help`` reads no registry)."""
+
+    def _names(self) -> list[str]:
+        names: list[str] = cv.storage.writable_formats()
+        return names
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+
 _FLOAT_TARGETS = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")
 
 
@@ -194,7 +225,7 @@ def _parse_rename(spec: str) -> tuple[re.Pattern[str], str]:
 _KEPT_ATTRS = ("name", "trainable")
 
 
-class _Converted(Mapping[str, np.ndarray]):
+class _Converted(Mapping[str, "np.ndarray"]):
     """The output values of a conversion, each read (and cast) only when the writer asks.
 
     A value is read in blocks (a large one through its lazy array, then its stored
@@ -210,6 +241,8 @@ class _Converted(Mapping[str, np.ndarray]):
         dtype: np.dtype | None,
         progress: Progress,
         spool: np.ndarray | None,
+        *,
+        finishing: str = "",
     ) -> None:
         self._reader = reader
         self._plan = plan  # output key -> source key
@@ -217,6 +250,8 @@ class _Converted(Mapping[str, np.ndarray]):
         self._progress = progress
         self._spool = spool
         self._offset = 0
+        self._given = 0
+        self._finishing = finishing  # said once every value is read: what comes next
 
     def _target(self, dtype: np.dtype) -> np.dtype:
         return self._dtype if self._dtype is not None and is_floating(dtype) else dtype
@@ -235,6 +270,16 @@ class _Converted(Mapping[str, np.ndarray]):
             out = None  # read whole and used as it is
         else:
             out = np.empty(shape, dtype)
+        self._given += 1
+        if dtype == np.dtype(info.dtype) and isinstance(self._reader, cv.storage.SupportsReadIntoMany):
+            # no cast: one verified pass, read by position straight into the output
+            # (parallel reads and hashing; the source is never mapped)
+            if out is None:
+                out = np.empty(shape, dtype)
+            self._reader.read_into_many([(src, out)], verify=True)
+            self._progress.update(nbytes, key)
+            self._finished()
+            return out
         whole = None
         for index, stored in value_blocks(self._reader, src, info, self._progress.bytes_of(key)):
             block = stored.astype(dtype, copy=False)
@@ -245,9 +290,14 @@ class _Converted(Mapping[str, np.ndarray]):
         if math.prod(shape) > _blocks.BLOCK_ELEMENTS and info.checksum is not None:
             self._reader.verify(src)  # the blocks were read unverified
         self._progress.update(0, key)
+        self._finished()
         if out is None:
             return whole if whole is not None else np.empty(shape, dtype)
         return out
+
+    def _finished(self) -> None:
+        if self._given == len(self._plan) and self._finishing:
+            self._progress.note(self._finishing)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._plan)
@@ -294,6 +344,14 @@ def _unwritable(dst: Path, fmt: str | None, dtypes: set[np.dtype]) -> dict[np.dt
             except (cv.CkptError, ValueError, OSError):
                 pass  # not about the dtype: the real conversion reports it
     return refused
+
+
+def _refuse_dtypes(dst: Path, args: argparse.Namespace, out_dtypes: dict[str, np.dtype]) -> None:
+    """Stop before anything is written when the output format cannot store some dtype."""
+    refused = _unwritable(dst, args.format, set(out_dtypes.values()))
+    if refused:
+        fmt = args.format or (dst.suffix.lstrip(".") or "the output format")
+        raise _dtype_error(fmt, {k: d for k, d in out_dtypes.items() if d in refused})
 
 
 def _dtype_error(fmt: str, bad: dict[str, np.dtype]) -> UsageError:
@@ -389,6 +447,15 @@ def _metadata_options(
     return metadata, options
 
 
+def _pack_option(out_format: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``--pack-threshold`` as a save option (only ckptvar's own formats pack)."""
+    if args.pack_threshold is None:
+        return {}
+    if out_format not in ("h5", "zarr"):
+        raise UsageError(f"--pack-threshold applies to .h5 and .zarr outputs, not {out_format}")
+    return {"pack_threshold": args.pack_threshold}
+
+
 def _writes_safetensors(dst: Path, args: argparse.Namespace) -> bool:
     """Whether DST is a safetensors file or a Hugging Face sharded safetensors folder."""
     name = cv.storage.backend_for(dst, args.format, mode="w").name
@@ -410,6 +477,8 @@ def _convert(
 ) -> int:
     remote_dst = is_url(dst_arg)
     dst = Path(dst_arg)  # a URL's name and suffix only: nothing local is made for it
+    # cv.save's own refusal of a destination no writer takes, before anything is read
+    out_format = cv.storage.backend_for(dst_arg, args.format, mode="w").name
     skipped = {k: v for k, v in reader.skipped.items() if selected(k, args)}
     keys = select(reader, args, where=repr(str(src)), allow_empty=bool(skipped))
     _refuse_unreadable(skipped, src, args)
@@ -418,16 +487,14 @@ def _convert(
     total, largest, spool_size = p.total, p.largest, p.spool_size
     if not plan:
         raise UsageError(f"nothing to convert: {str(src)!r} has no value left to convert")
-    refused = _unwritable(dst, args.format, set(out_dtypes.values()))
-    if refused:
-        fmt = args.format or (dst.suffix.lstrip(".") or "the output format")
-        raise _dtype_error(fmt, {k: d for k, d in out_dtypes.items() if d in refused})
+    _refuse_dtypes(dst, args, out_dtypes)
     show = (
         args.progress
         if args.progress is not None
         else (sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES and not args.quiet)
     )
     metadata, options = _metadata_options(reader, dst, args)
+    options.update(_pack_option(out_format, args))
     added_format = _hf_format(dst, args, metadata)
     window = args.window if args.window is not None else max(DEFAULT_WINDOW, 2 * largest)
     created = [] if remote_dst else _make_parents(dst)
@@ -438,7 +505,10 @@ def _convert(
             Progress(total, stream=sys.stderr, enabled=bool(show)) as progress,
             _spool(dst, spool_size if total > window else 0, local=not remote_dst) as spool,
         ):
-            values = _Converted(reader, plan, args.dtype, progress, spool)
+            finishing = (f"writing {escape(dst_arg)} and syncing it to disk ..."
+                         if not remote_dst else f"uploading {escape(dst_arg)} ...")
+            values = _Converted(reader, plan, args.dtype, progress, spool,
+                                finishing=finishing)
             try:
                 written = cv.save(
                     dst_arg if remote_dst else dst,
@@ -451,9 +521,10 @@ def _convert(
             except OSError as exc:
                 if isinstance(exc, cv.CkptError):
                     raise
-                raise OSError(
-                    exc.errno, f"cannot write {str(dst_arg)!r}: {exc.strerror or one_line(exc)}"
-                ) from None
+                detail = exc.strerror or one_line(exc)
+                if str(dst_arg) not in detail:  # cv.save's errors name DST already
+                    detail = f"cannot write {str(dst_arg)!r}: {detail}"
+                raise UsageError(detail) from None
     except BaseException:
         for d in reversed(created):  # only the folders this conversion made, if still empty
             with contextlib.suppress(OSError):
@@ -481,6 +552,13 @@ def _make_parents(dst: Path) -> list[Path]:
     """Create DST's missing parent folders; returns those made, outermost first."""
     missing = []
     parent = dst.absolute().parent
+    for above in (parent, *parent.parents):
+        if above.exists() or above.is_symlink():
+            if not above.is_dir():
+                raise UsageError(
+                    f"cannot write {str(dst)!r}: {str(above)!r} is a file, not a folder"
+                )
+            break
     while not parent.exists() and parent != parent.parent:
         missing.append(parent)
         parent = parent.parent
@@ -497,22 +575,44 @@ def _make_parents(dst: Path) -> list[Path]:
     return missing
 
 
+#: How often the spool's pages are released from the process while a conversion runs (s).
+TRIM_INTERVAL = 0.005
+
+
 @contextlib.contextmanager
 def _spool(dst: Path, nbytes: int, *, local: bool = True) -> Iterator[np.ndarray | None]:
-    """A scratch file of ``nbytes`` beside DST, mapped as bytes; ``None`` when 0.
+    """A scratch file of ``nbytes`` beside DST, mapped (shared) as bytes; ``None`` when 0.
 
-    The file is removed when the conversion ends, whatever happens.
+    While it is in use, a thread releases the mapping's pages from the process every
+    ``TRIM_INTERVAL`` (``madvise(MADV_DONTNEED)``: the bytes stay in the file and the page
+    cache, and come back on the next access), so the process's resident size tracks what
+    it touches now, not the whole output. The file is removed when the conversion ends,
+    whatever happens.
     """
     if nbytes == 0:
         yield None
         return
     where = dst.absolute().parent if local else None  # a URL: the temporary directory
     fd, name = tempfile.mkstemp(prefix=f".{dst.name}.spool-", dir=where)
+    stop = threading.Event()
+    trimmer: threading.Thread | None = None
     try:
         os.ftruncate(fd, nbytes)
-        spool = np.memmap(name, dtype=np.uint8, mode="r+")
+        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        spool = np.frombuffer(mapped, dtype=np.uint8)
+        if hasattr(mmap, "MADV_DONTNEED"):  # Linux, macOS
+
+            def trim() -> None:
+                while not stop.wait(TRIM_INTERVAL):
+                    mapped.madvise(mmap.MADV_DONTNEED)
+
+            trimmer = threading.Thread(target=trim, name="ckpt-convert-trim", daemon=True)
+            trimmer.start()
         yield spool
     finally:
+        stop.set()
+        if trimmer is not None:
+            trimmer.join()
         os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name)

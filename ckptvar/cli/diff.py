@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any, TextIO
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ._blocks import value_blocks
 from ._common import (
@@ -20,7 +18,13 @@ from ._common import (
     progress_for,
     selected,
 )
+from ._lazy import lazy_module
 from ._output import dtype_str, dump_json, escape, num, plain, shape_str, table
+
+if TYPE_CHECKING:
+    import numpy as np
+else:  # loaded on first use: `ckpt --help` imports no NumPy
+    np = lazy_module("numpy")
 
 EPILOG = """\
 Compares every key present in both checkpoints, block by block. An element

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Sequence
-from typing import Any, TextIO
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ._blocks import Stats, value_blocks
 from ._common import (
@@ -20,6 +18,7 @@ from ._common import (
     select,
     selected,
 )
+from ._lazy import lazy_module
 from ._output import (
     dtype_str,
     dump_json,
@@ -32,6 +31,11 @@ from ._output import (
     table,
 )
 from ._progress import human_size
+
+if TYPE_CHECKING:
+    import numpy as np
+else:  # loaded on first use: `ckpt --help` imports no NumPy
+    np = lazy_module("numpy")
 
 EPILOG = """\
 PATH may be a ckptvar checkpoint (.h5, .zarr) or a foreign one: a TensorFlow

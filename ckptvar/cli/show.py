@@ -6,13 +6,17 @@ import argparse
 import math
 import re
 import sys
-from typing import Any, TextIO
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ._blocks import is_floating
 from ._common import EXIT_OK, UsageError, open_checkpoint
+from ._lazy import lazy_module
 from ._output import dump_json, escape, plain, shape_str
+
+if TYPE_CHECKING:
+    import numpy as np
+else:  # loaded on first use: `ckpt --help` imports no NumPy
+    np = lazy_module("numpy")
 
 EPILOG = """\
 KEY may end with a NumPy slice in brackets: 'model/kernel[0:2, :4]',
@@ -41,14 +45,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("keys", metavar="KEY[SLICE]", nargs="+", help="a key, optionally sliced")
     p.add_argument(
         "--precision",
-        type=int,
+        type=_count,
         default=None,
         metavar="N",
         help="digits after the decimal point (NumPy's default: 8)",
     )
     p.add_argument(
         "--threshold",
-        type=int,
+        type=_count,
         default=None,
         metavar="N",
         help="summarise with '...' beyond N elements (NumPy's default: 1000; 0: never)",
@@ -57,6 +61,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _INT = re.compile(r"[+-]?\d+")
+
+
+def _count(text: str) -> int:
+    """A whole number of at least 0 (checked while parsing, before anything prints)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a whole number, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
 
 
 def _part(text: str) -> Any:

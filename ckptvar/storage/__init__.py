@@ -32,7 +32,13 @@ from .base import (
     SupportsVerifyMany,
     Writer,
 )
-from .registry import backend_for, is_own_checkpoint, known_formats, register_backend
+from .registry import (
+    backend_for,
+    is_own_checkpoint,
+    known_formats,
+    register_backend,
+    writable_formats,
+)
 
 # isort: split
 # The built-in backends register themselves on import, so after the registry exists.
@@ -74,4 +80,5 @@ __all__ = [
     "remove_path",
     "save_remote",
     "snapshot",
+    "writable_formats",
 ]

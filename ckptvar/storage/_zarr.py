@@ -115,6 +115,9 @@ class ZarrWriter(ContainerWriter):
                     _rawio.start_writeback(fd, 0, plan.packed_nbytes)
 
             tree.write(pd / chunk_key(1), packed_bytes)
+        else:  # only empty values (a zero-size Zarr array has no chunk): hash them here
+            for it in plan.packed:
+                it.hash()
         plan.wait_hashes()
         # 2. metadata that needs the checksums
         for it, d in zip(plan.arrays, arr_dirs, strict=True):
@@ -133,6 +136,14 @@ class ZarrWriter(ContainerWriter):
         if record:
             tree.write(rd / chunk_key(1), record)
         root_attrs = {
+            "format": "ckptvar",
+            "format_version": f"{FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}",
+            "manifest": RECORD_PATH,
+            "description": (
+                "A ckptvar checkpoint: each value is an array at its key (small values of a "
+                f"checkpoint of many are packed into {PACKED_PATH}); the manifest (msgpack) "
+                "lists every value and where its bytes are (docs/FORMAT.md)."
+            ),
             "ckptvar": {
                 "format_version": list(FORMAT_VERSION),
                 "record": RECORD_PATH,
@@ -350,9 +361,12 @@ class ZarrReader(ContainerReader):
         self.check_open()
         if self._packed_fd is None:
             assert self._record.packed is not None
-            self._packed_fd = self._open_chunk(
-                "(packed values)", f"{PACKED_PATH}/{chunk_key(1)}", self._record.packed[2]
-            )
+            if self._record.packed[2] == 0:  # only empty values: Zarr stores no chunk
+                self._packed_fd = self._open_in_dir("(packed values)", PACKED_PATH)
+            else:
+                self._packed_fd = self._open_chunk(
+                    "(packed values)", f"{PACKED_PATH}/{chunk_key(1)}", self._record.packed[2]
+                )
         return self._packed_fd, 0
 
     def _read_other(self, key: str, entry: Entry) -> np.ndarray:

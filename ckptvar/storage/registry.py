@@ -23,6 +23,7 @@ __all__ = [
     "known_formats",
     "register_backend",
     "sniff_order",
+    "writable_formats",
 ]
 
 #: ckptvar's own formats: what a checkpoint it wrote is (one file, a Zarr tree, or the
@@ -57,8 +58,26 @@ def known_formats() -> dict[str, tuple[str, ...]]:
     return {name: cls.suffixes for name, cls in _BACKENDS.items()}
 
 
+def writable_formats() -> list[str]:
+    """The registered formats that can be written, in registration order.
+
+    >>> writable_formats()[:2]
+    ['h5', 'zarr']
+    """
+    return [name for name, cls in _BACKENDS.items() if cls.can_write]
+
+
 def _describe() -> str:
-    return ", ".join(f"{n} ({'/'.join(s)})" for n, s in known_formats().items())
+    """The known formats, with their suffixes where they have some (a directory layout
+    found by its content has none)."""
+    return ", ".join(f"{n} ({'/'.join(s)})" if s else n for n, s in known_formats().items())
+
+
+def _cannot_write(path: Path, why: str) -> UnsupportedFormatError:
+    """The one message for a destination no writer takes (cv.save and ckpt convert)."""
+    return UnsupportedFormatError(
+        f"Cannot write {str(path)!r}: {why}; writable: {', '.join(writable_formats())}."
+    )
 
 
 def backend_for(path: str | Path, format: str | None = None, *, mode: str = "r") -> type[Backend]:
@@ -73,29 +92,38 @@ def backend_for(path: str | Path, format: str | None = None, *, mode: str = "r")
     path = Path(path)
     if format is not None:
         cls = _BACKENDS.get(format.lower().lstrip("."))
+        if cls is None and mode == "w":
+            raise _cannot_write(path, f"unknown format {format!r}")
         if cls is None:
             raise UnsupportedFormatError(f"Unknown format {format!r}; known: {_describe()}.")
     else:
-        cls = _by_suffix(path)
-        if cls is None and mode == "r":
-            if not path.exists() and not _has_sidecars(path):
-                raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.")
-            cls = next((c for c in sniff_order() if c.sniff(path)), None)
-        if cls is None and mode == "w":
-            if path.suffix:
-                raise UnsupportedFormatError(
-                    f"Cannot write {str(path)!r}: unknown suffix {path.suffix!r}; "
-                    f"writable: {', '.join(n for n, c in _BACKENDS.items() if c.can_write)}."
-                )
-            cls = _BACKENDS["h5"]
-        if cls is None:
-            raise UnsupportedFormatError(
-                f"Cannot tell the format of {str(path)!r}; known: {_describe()}."
-            )
+        cls = _guess(path, mode)
     if mode == "w" and not cls.can_write:
-        raise UnsupportedFormatError(f"The {cls.name} format ({str(path)!r}) cannot be written.")
+        raise _cannot_write(path, f"the {cls.name} format is read-only")
     if mode == "r" and cls.hands_over_unrecognised:
         cls = _claimant(cls, path) or cls
+    return cls
+
+
+def _guess(path: Path, mode: str) -> type[Backend]:
+    """The backend of ``path`` by its suffix, else (reading) by sniffing, else (writing) HDF5
+    when it has no suffix; raises naming the known (or writable) formats."""
+    cls = _by_suffix(path)
+    if cls is None and mode == "r":
+        if not path.exists() and not _has_sidecars(path):
+            raise CheckpointNotFoundError(f"No checkpoint at {str(path)!r}.")
+        cls = next((c for c in sniff_order() if c.sniff(path)), None)
+    if cls is None and mode == "w":
+        if path.suffix:
+            raise _cannot_write(path, f"unknown suffix {path.suffix!r}")
+        cls = _BACKENDS["h5"]
+    if cls is None and path.is_dir():
+        raise UnsupportedFormatError(
+            f"{str(path)!r} is a directory, not a checkpoint (none of the known formats "
+            f"holds it: {_describe()})."
+        )
+    if cls is None:
+        raise UnsupportedFormatError(f"Cannot tell the format of {str(path)!r}; known: {_describe()}.")
     return cls
 
 

@@ -21,9 +21,11 @@ from .layout import (
     DEFAULT_PACK_THRESHOLD,
     PACKED_PATH,
     PLAIN_DTYPES,
+    PLAIN_MAX_VALUES,
     Source,
     ValueRanges,
     check_regions,
+    pack_limit,
     storage_dtype,
 )
 from .reader import ContainerLazyArray, ContainerReader
@@ -34,6 +36,7 @@ __all__ = [
     "DEFAULT_PACK_THRESHOLD",
     "PACKED_PATH",
     "PLAIN_DTYPES",
+    "PLAIN_MAX_VALUES",
     "ContainerLazyArray",
     "ContainerReader",
     "ContainerWriter",
@@ -42,6 +45,7 @@ __all__ = [
     "ValueWrite",
     "WritePlan",
     "check_regions",
+    "pack_limit",
     "scalar_attrs",
     "storage_dtype",
     "write_packed",

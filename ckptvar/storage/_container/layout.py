@@ -31,14 +31,20 @@ __all__ = [
     "DEFAULT_PACK_THRESHOLD",
     "PACKED_PATH",
     "PLAIN_DTYPES",
+    "PLAIN_MAX_VALUES",
     "Source",
     "ValueRanges",
     "check_regions",
+    "pack_limit",
     "storage_dtype",
 ]
 
-#: Values smaller than this many bytes are packed together into ``_ckptvar/packed``.
+#: Values smaller than this many bytes are packed together into ``_ckptvar/packed``
+#: (by default only in a checkpoint of more than ``PLAIN_MAX_VALUES`` values).
 DEFAULT_PACK_THRESHOLD = 64 << 10
+#: With the default ``pack_threshold`` (None), a checkpoint of at most this many values
+#: stores every value as its own array, visible by its key to plain h5py/h5ls and zarr.
+PLAIN_MAX_VALUES = 2048
 #: Alignment of each packed value inside the packed blob.
 ALIGN = 64
 #: Container path of the packed blob.
@@ -48,6 +54,21 @@ PLAIN_DTYPES = frozenset({
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
     "float16", "float32", "float64", "complex64", "complex128",
 })
+
+
+def pack_limit(pack_threshold: int | None, count: int) -> int:
+    """The size in bytes under which a value is packed, in a checkpoint of ``count`` values.
+
+    An explicit ``pack_threshold`` applies as given (0: nothing is packed); the default
+    (None) packs nothing in a checkpoint of at most ``PLAIN_MAX_VALUES`` values and the
+    values under ``DEFAULT_PACK_THRESHOLD`` bytes in a larger one.
+
+    >>> pack_limit(None, 41), pack_limit(None, 20_000), pack_limit(0, 20_000), pack_limit(8, 3)
+    (0, 65536, 0, 8)
+    """
+    if pack_threshold is not None:
+        return int(pack_threshold)
+    return DEFAULT_PACK_THRESHOLD if count > PLAIN_MAX_VALUES else 0
 
 
 def storage_dtype(name: str) -> np.dtype:

@@ -29,7 +29,7 @@ from .._plain import check_plain
 from .._record import PACKED, ZARR, Extent, ValueColumns, encode_columns
 from ..base import Writer
 from .blocks import BLOCK_SIZE, hash_blocks
-from .layout import ALIGN, DEFAULT_PACK_THRESHOLD
+from .layout import ALIGN, pack_limit
 
 __all__ = ["ContainerWriter", "ValueWrite", "WritePlan", "scalar_attrs", "write_packed"]
 
@@ -129,13 +129,20 @@ class ContainerWriter(Writer):
         path: Path,
         *,
         durable: bool = True,
-        pack_threshold: int = DEFAULT_PACK_THRESHOLD,
+        pack_threshold: int | None = None,
     ) -> None:
         self.path = Path(path)
         self.durable = bool(durable)
-        if int(pack_threshold) < 0:
-            raise ValueError(f"pack_threshold must be >= 0, got {pack_threshold!r}.")
-        self.pack_threshold = int(pack_threshold)
+        if pack_threshold is not None:
+            if isinstance(pack_threshold, bool) or not isinstance(pack_threshold, int | np.integer):
+                raise TypeError(
+                    f"pack_threshold is a number of bytes (or None), got {pack_threshold!r}."
+                )
+            if int(pack_threshold) < 0:
+                raise ValueError(f"pack_threshold must be >= 0, got {pack_threshold!r}.")
+            pack_threshold = int(pack_threshold)
+        #: Values under this many bytes are packed; None: the default rule (``pack_limit``).
+        self.pack_threshold = pack_threshold
         self._items: dict[str, ValueWrite] = {}
         self._metadata: dict[str, Any] = {}
         self._state = "open"
@@ -165,7 +172,7 @@ class ContainerWriter(Writer):
     def _plan(self) -> WritePlan:
         """Own arrays (with their container paths) and packed values (with their offsets)."""
         items = list(self._items.values())
-        threshold = self.pack_threshold
+        threshold = pack_limit(self.pack_threshold, len(items))
         arrays = [it for it in items if it.nbytes >= threshold]
         packed = [it for it in items if it.nbytes < threshold]
         for it, p in zip(arrays, container_paths([it.key for it in arrays]), strict=True):

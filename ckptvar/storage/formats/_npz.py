@@ -287,7 +287,7 @@ class NpzWriter(CollectingWriter):
             ):
                 for key, (given, _) in self._items.items():
                     array, dt = given, given.dtype
-                    if dt.kind not in "biufc":  # bfloat16, float8, int4: store the bits
+                    if dt.isbuiltin != 1:  # bfloat16, float8, int4, ...: store the bits
                         recorded[key] = dtype_to_str(dt)
                         array = given.view(np.dtype(f"<u{dt.itemsize}"))
                     buf = np.require(array, requirements="C")  # keeps 0-d arrays 0-d

@@ -59,6 +59,9 @@ SAFETENSORS_DTYPES: dict[str, np.dtype] = {
     "C64": np.dtype("complex64"),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
+    "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
 }
 _NAME_OF = {dt: name for name, dt in SAFETENSORS_DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024  # the limit the reference implementation applies

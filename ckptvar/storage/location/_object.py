@@ -93,8 +93,14 @@ def _store_from_url(
 ) -> Any:
     """An obstore store for ``url``. The option keys depend on the cloud, known only at run
     time, so obstore checks them (its typed overloads are per cloud)."""
-    from obstore.store import from_url
+    from obstore.store import S3Store, from_url
 
+    scheme, _, rest = url.partition("://")
+    if scheme in ("s3", "s3a"):  # S3Store takes every S3 key (from_url not aws_endpoint_url_s3)
+        bucket, _, prefix = rest.partition("/")
+        s3: Callable[..., Any] = S3Store
+        return s3(bucket, prefix=prefix or None, config=config or None, client_options=client,
+                  retry_config=retry)
     make: Callable[..., Any] = from_url
     return make(url, config=config or None, client_options=client, retry_config=retry)
 

@@ -43,6 +43,34 @@ _ENV_PREFIX = {
     "az": "AZURE", "abfs": "AZURE", "abfss": "AZURE", "azure": "AZURE",
 }  # fmt: skip
 _BOOL_CLIENT_KEYS = ("allow_http", "allow_invalid_certificates", "http1_only", "http2_only")
+#: Environment settings that obstore applies over a general one the caller may have
+#: passed, as a setting of its own (not an alias obstore would merge): the S3-only
+#: ``AWS_ENDPOINT_URL_S3`` beats ``endpoint``. Keyed by the name without the cloud's prefix.
+_OVERRIDES = {"endpoint_url_s3": "endpoint"}
+
+
+def _explicit_wins(config: dict[str, Any], prefix: str) -> None:
+    """What the caller passes wins over the environment, for every key.
+
+    obstore merges the environment with ``config`` alias by alias, so an explicit
+    ``endpoint`` (or ``access_key_id``, ``region``, ...) replaces ``AWS_ENDPOINT_URL``; but an
+    environment variable of a more specific setting (``_OVERRIDES``) would still beat it.
+    Such a variable gets the caller's value too.
+
+    >>> import os
+    >>> os.environ["AWS_ENDPOINT_URL_S3"] = "http://127.0.0.1:9"
+    >>> config = {"endpoint": "http://127.0.0.1:9000"}
+    >>> _explicit_wins(config, "AWS"); config["aws_endpoint_url_s3"]
+    'http://127.0.0.1:9000'
+    >>> del os.environ["AWS_ENDPOINT_URL_S3"]
+    """
+    own = f"{prefix.lower()}_"
+    given = {k.lower().removeprefix(own): v for k, v in config.items()}
+    for name in os.environ:
+        key = name.lower()
+        general = _OVERRIDES.get(key.removeprefix(own)) if key.startswith(own) else None
+        if general in given and key not in config:
+            config[key] = given[general]
 
 
 def split_options(
@@ -77,6 +105,7 @@ def split_options(
     # read them here, for the URL's cloud, where storage_options do not set the key
     # (plus the bare ALLOW_HTTP, read for every cloud).
     prefix = _ENV_PREFIX.get(scheme, "AWS")
+    _explicit_wins(config, prefix)
     for key in sorted(_CLIENT_KEYS - options.keys()):
         names = [f"{prefix}_{key.upper()}"] + (["ALLOW_HTTP"] if key == "allow_http" else [])
         found = [os.environ[n] for n in names if n in os.environ]
