@@ -15,12 +15,11 @@ commit) and asks its target for the place-specific parts:
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import CkptError
+from ..errors import CheckpointExistsError
 from ..storage import (
     INDEX_FILE,
     RemoteStep,
@@ -30,7 +29,7 @@ from ..storage import (
     partial_path,
     remove_path,
 )
-from ..storage.location import split_url
+from ..storage.location import split_url, staging_directory
 from ._files import make_parents, native_backend
 
 __all__ = ["ZARR_ROOT", "LocalTarget", "RemoteTarget", "Target"]
@@ -86,8 +85,11 @@ class LocalTarget(Target):
 
     def prepare(self) -> str:
         make_parents(self.final)
-        if self.final.exists():
-            raise CkptError(f"Cannot save {str(self.final)!r}: it exists already.")
+        if os.path.lexists(self.final):
+            raise CheckpointExistsError(
+                f"Cannot save {str(self.final)!r}: it is committed already; a step is "
+                "written once: save under a new step, or prune this one first."
+            )
         tmp = partial_path(self.final)
         tmp.mkdir()
         self._tmp = tmp
@@ -113,8 +115,11 @@ class LocalTarget(Target):
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(tmp)
-        if self.final.exists():
-            raise CkptError(f"Cannot commit {str(self.final)!r}: it appeared while saving.")
+        if os.path.lexists(self.final):
+            raise CheckpointExistsError(
+                f"Cannot commit {str(self.final)!r}: another writer committed it while this "
+                "save was writing."
+            )
         os.rename(tmp, self.final)
         fsync_dir(self.final.parent)
         fsync_path(self.final)
@@ -139,7 +144,7 @@ class RemoteTarget(Target):
         return self.step.name
 
     def write_rank(self, name: str, fill: Callable[[Writer], None]) -> None:
-        with tempfile.TemporaryDirectory(prefix="ckptvar-upload-") as tmp:
+        with staging_directory() as tmp:
             local = Path(tmp) / name
             _write_file(local, self.fmt, fill, durable=False)  # durable once uploaded
             self.step.upload(local, name)

@@ -13,6 +13,7 @@ its file is deleted, so every listed checkpoint is complete.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import (
+    CheckpointExistsError,
     CheckpointNotFoundError,
     CkptError,
     CorruptCheckpointError,
@@ -166,6 +168,8 @@ class CheckpointManager:
             if not self.read_only and primary:  # recovery writes; read-only: left as is
                 self._clean_temporaries()
                 self._finish_deletions(state)
+                if state["sections"].get(self.checkpoint_name) != self._section:
+                    self._store(state)  # the cache now says what the directory holds
 
     # -- an object store: the commit markers are the state ------------------------------
     def _remote_list(self) -> list[dict[str, Any]]:
@@ -203,6 +207,14 @@ class CheckpointManager:
         }
 
     def _recover(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This manager's section: the state file's, checked against the directory.
+
+        The committed files are the record, the state file a cache of them: a listed
+        file that is gone is dropped, and a committed step of this manager's naming
+        that the state does not know (a crash between the rename and the state
+        write, a state file lost, damaged or stale) is listed, with its file's time.
+        Steps are ordered by number.
+        """
         section = state["sections"].get(self.checkpoint_name) or self._empty_section()
         for name in ("checkpoints", "preserved", "pending_delete"):
             section[name] = [e for e in section.get(name, []) if self._own(e)]
@@ -210,7 +222,32 @@ class CheckpointManager:
         section["checkpoints"] = [
             e for e in section["checkpoints"] if exists(self.directory / e["path"])
         ]
+        known = {e["path"] for name in ("checkpoints", "preserved", "pending_delete")
+                 for e in section[name]}
+        for name, number in self._committed_on_disk():
+            path = self.directory / name
+            if name in known or not is_own_checkpoint(path):
+                continue
+            with contextlib.suppress(FileNotFoundError):  # pruned by another process
+                section["checkpoints"].append(
+                    {"path": name, "step": number, "time": path.stat().st_mtime})
+        section["checkpoints"].sort(key=lambda e: (self._number(e["path"]), e["time"]))
         return section
+
+    def _committed_on_disk(self) -> list[tuple[str, int]]:
+        """``(name, number)`` of every file or directory of this manager's naming that is
+        under its final name (a committed step, or a user's file of that name)."""
+        found = []
+        for entry in os.scandir(self.directory):
+            parsed = parse_step_name(entry.name, prefix=self.checkpoint_name,
+                                     suffixes=(self._suffix,))
+            if parsed is not None and not is_partial(entry.name):
+                found.append((entry.name, parsed.step))
+        return found
+
+    def _number(self, name: str) -> int:
+        parsed = parse_step_name(name, prefix=self.checkpoint_name, suffixes=(self._suffix,))
+        return parsed.step if parsed is not None else -1
 
     def _own(self, entry: Any) -> bool:
         return isinstance(entry, dict) and self._is_own_name(str(entry.get("path", "")))
@@ -254,6 +291,23 @@ class CheckpointManager:
                 "ckptvar checkpoint is there, and this manager never writes over or deletes "
                 "what it did not write. Move it away, or give the manager another directory "
                 "or checkpoint_name."
+            )
+
+    def _refuse_committed(self, number: int) -> None:
+        """Raise ``CheckpointExistsError`` if step ``number`` is committed already.
+
+        A step is written once, by one process or many, locally or on an object store
+        (as Orbax does): a restarted job restores the latest step and saves the next.
+        Every process decides from the same record, so all raise the same error.
+        """
+        name = step_name(self.checkpoint_name, number, self._suffix)
+        if any(e["path"] == name for e in self._section["checkpoints"]) or (
+            self._location is None and os.path.lexists(self.directory / name)
+        ):
+            raise CheckpointExistsError(
+                f"Cannot save step {number}: {self._full(name)!r} is committed already, and a "
+                "step is written once. Restore it (restore_or_initialize) and save the next, "
+                "save under another checkpoint_number, or prune it first."
             )
 
     def _finish_deletions(self, state: dict[str, Any]) -> None:
@@ -312,15 +366,14 @@ class CheckpointManager:
         return self._checkpoint
 
     def _sync(self) -> None:
+        """Wait for this manager's background save, then read the record (every process:
+        the committed steps, through the state file's cache where there is one)."""
         self._checkpoint.wait()
-        if self.coordinator is not None and self.coordinator.size > 1 and (
-            not self.coordinator.is_primary
-        ):
-            if self._location is not None:  # the commit markers are the state
-                self._section["checkpoints"] = self._remote_list()
-                return
-            with locked(self.directory, shared=True):  # rank 0 keeps the state: read it
-                self._section = self._recover(read_state(self.directory))
+        if self._location is not None:  # the commit markers are the state
+            self._section["checkpoints"] = self._remote_list()
+            return
+        with locked(self.directory, shared=True):
+            self._section = self._recover(read_state(self.directory))
 
     @property
     def checkpoints(self) -> list[str]:
@@ -382,11 +435,13 @@ class CheckpointManager:
         elif self._step_counter is not None and checkpoint_number is None:
             step = self._current_step(None)
         if self._location is not None:
+            self._refuse_committed(number)
             result = str(self._save_remote(number, step, timeout))
             if self.coordinator is not None and not self.async_save:
                 self._sync()
             return result
         self._refuse_foreign(number)
+        self._refuse_committed(number)
         prefix = self.directory / self.checkpoint_name
 
         def on_commit(path: str, step: int = step) -> None:

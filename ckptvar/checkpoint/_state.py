@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from ..storage import fsync_dir, is_partial, partial_path, remove_path
+from ..storage import fsync_dir, is_own_checkpoint, is_partial, partial_path, remove_path
 from ..storage.location import is_url, list_committed_steps, open_location
-from ._steps import parse_step_name
+from ._steps import StepName, parse_step_name
 
 __all__ = [
     "STATE_FILE",
@@ -179,9 +179,46 @@ def latest_checkpoint(
         return None
     latest = read_state(directory).get("latest")
     if not isinstance(latest, str) or not latest or "/" in latest or latest in (".", ".."):
-        return None
-    path = directory / latest
-    return os.fspath(path) if exists(path) else None
+        latest = None
+    path = directory / latest if latest else None
+    if path is not None and not exists(path):
+        path = None
+    cached = parse_step_name(latest) if latest else None
+    if latest and cached is None and path is not None:
+        return os.fspath(path)  # a file saved without a step number (Saver, global_step=None)
+    newer = _newest_step(directory, cached)
+    if newer is not None:
+        return os.fspath(newer)
+    return os.fspath(path) if path is not None else None
+
+
+def _newest_step(directory: Path, cached: StepName | None) -> Path | None:
+    """The committed step the state file's cache does not know yet, if any: of the cached
+    latest's naming with a higher number, or (no cache) the newest step in ``directory``.
+
+    The committed files are the record: a crash between a step's rename and the state
+    write, or a lost state file, leaves the cache behind them.
+    """
+    best: tuple[float, int, Path] | None = None
+    for entry in os.scandir(directory):
+        if is_partial(entry.name):
+            continue
+        if cached is not None:
+            parsed = parse_step_name(entry.name, prefix=cached.prefix, suffixes=(cached.suffix,))
+            if parsed is None or parsed.step <= cached.step:
+                continue
+        else:
+            parsed = parse_step_name(entry.name)
+            if parsed is None:
+                continue
+        path = Path(entry.path)
+        if not is_own_checkpoint(path):
+            continue
+        key = (parsed.step, 0.0) if cached is not None else (0, entry.stat().st_mtime)
+        rank = (key[1], key[0], path)
+        if best is None or rank[:2] > best[:2]:
+            best = rank
+    return best[2] if best is not None else None
 
 
 def record_latest(path: str | os.PathLike[str]) -> None:

@@ -27,15 +27,14 @@ import ctypes
 import ctypes.util
 import functools
 import os
-import re
 import shutil
 import stat
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import DestinationExistsError, DestinationIsDirectoryError
+from .location import is_partial, partial_path
 
 __all__ = [
     "check_destination",
@@ -48,19 +47,6 @@ __all__ = [
     "remove_path",
     "temporary_sibling",
 ]
-
-_PARTIAL_RE = re.compile(r"^\..+\.[0-9a-f]{32}\.partial$", re.DOTALL)
-
-
-def partial_path(final: Path) -> Path:
-    """A fresh temporary sibling of ``final`` (not created)."""
-    return final.with_name(f".{final.name}.{uuid.uuid4().hex}.partial")
-
-
-def is_partial(name: str | os.PathLike[str]) -> bool:
-    """True when ``name`` (a file or directory name) is a ckptvar temporary."""
-    return bool(_PARTIAL_RE.match(os.path.basename(os.fspath(name))))
-
 
 def fsync_dir(path: Path) -> None:
     """fsync a directory so renames and new entries in it are durable."""

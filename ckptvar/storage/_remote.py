@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -53,6 +52,7 @@ from .location import (
     read_commit,
     refuse_committed,
     split_url,
+    staging_directory,
     upload_step,
 )
 
@@ -207,7 +207,7 @@ def save_remote(
     """
     parent, name = split_url(url, storage_options=storage_options)
     refuse_committed(parent, name)
-    with tempfile.TemporaryDirectory(prefix="ckptvar-upload-") as tmp:
+    with staging_directory() as tmp:
         local = Path(tmp) / name
         write_local(local)
         if local.is_dir():  # Zarr: a plain Zarr group at the step's own URL

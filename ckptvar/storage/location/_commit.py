@@ -35,7 +35,6 @@ with the data.)
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from ...errors import (
     CorruptCheckpointError,
 )
 from ._base import Location, clean_key
+from ._names import step_number
 
 __all__ = [
     "CLAIM_SUFFIX",
@@ -99,13 +99,6 @@ class CommitRecord:
 def marker_key(step: str) -> str:
     """The key of a step's commit marker: a sibling, ``<step>.commit``."""
     return clean_key(step) + MARKER_SUFFIX
-
-
-def step_number(key: str) -> int | None:
-    """The step number in a step's name: the digits ending its stem (``ckpt-12.h5`` → 12)."""
-    stem = key.rstrip("/").rsplit("/", 1)[-1].split(".", 1)[0]
-    m = re.search(r"(\d+)$", stem)
-    return int(m.group(1)) if m else None
 
 
 def _has_data(location: Location, data: str) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import builtins
 import os
 import shutil
-import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from ._base import (
     OnRange,
     clean_key,
 )
+from ._names import is_partial, partial_path
 
 __all__ = ["LocalLocation"]
 
@@ -66,7 +66,7 @@ class LocalLocation(Location):
             for name in files:
                 full = Path(dirpath, name)
                 key = full.relative_to(self.root).as_posix()
-                if key.startswith(base) and ".partial-" not in name:
+                if key.startswith(base) and not is_partial(name):
                     found.append(ObjectInfo(key, full.stat().st_size))
         return sorted(found, key=lambda o: o.key)
 
@@ -81,7 +81,7 @@ class LocalLocation(Location):
             key = f"{base}/{entry.name}" if base else entry.name
             if entry.is_dir():
                 dirs.append(key)
-            elif ".partial-" not in entry.name:
+            elif not is_partial(entry.name):
                 objs.append(ObjectInfo(key, entry.stat().st_size))
         return dirs, objs
 
@@ -155,7 +155,7 @@ class LocalLocation(Location):
 
 
 def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.partial-{uuid.uuid4().hex}")
+    return partial_path(path)
 
 
 class _LocalWriter(ObjectWriter):
