@@ -5,7 +5,8 @@ commit) and asks its target for the place-specific parts:
 
 - :class:`LocalTarget`: rank 0 creates a hidden temporary directory beside the final
   path; each rank writes its file into it; rank 0 writes the index, fsyncs and renames
-  the directory into place (needs a filesystem every process sees).
+  the directory into place, create-only (``storage.location.publish``; needs a
+  filesystem every process sees).
 - :class:`RemoteTarget`: rank 0 claims the step's key (create-only); each rank writes
   its file to a local temporary and uploads it below the step; rank 0 uploads the
   index and creates the commit marker (:class:`~ckptvar.storage.RemoteStep`). No
@@ -29,7 +30,7 @@ from ..storage import (
     partial_path,
     remove_path,
 )
-from ..storage.location import split_url, staging_directory
+from ..storage.location import publish, split_url, staging_directory
 from ._files import make_parents, native_backend
 
 __all__ = ["ZARR_ROOT", "LocalTarget", "RemoteTarget", "Target"]
@@ -115,13 +116,13 @@ class LocalTarget(Target):
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(tmp)
-        if os.path.lexists(self.final):
+        try:
+            publish(tmp, self.final, create_only=True)  # never onto another writer's step
+        except CheckpointExistsError:
             raise CheckpointExistsError(
                 f"Cannot commit {str(self.final)!r}: another writer committed it while this "
                 "save was writing."
-            )
-        os.rename(tmp, self.final)
-        fsync_dir(self.final.parent)
+            ) from None
         fsync_path(self.final)
         self._tmp = None
         return os.fspath(self.final)

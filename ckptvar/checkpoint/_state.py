@@ -1,7 +1,8 @@
 """A checkpoint directory's state file ``checkpoint_state.json`` and :func:`latest_checkpoint`.
 
-The state file is replaced atomically (temporary sibling, fsync, rename, fsync of
-the directory) and updated under an advisory lock file (``.checkpoint_state.lock``)
+The state file only caches what is committed in the directory (the manager checks
+it against the step files). It is replaced atomically (``storage.location.publish``:
+temporary sibling, fsync, rename, fsync of the directory) and updated under an advisory lock file (``.checkpoint_state.lock``)
 so that several managers, in any process, can share a directory. It has one
 section per ``checkpoint_name`` (a manager's own list of checkpoints) and the
 directory's ``latest`` checkpoint, which :func:`latest_checkpoint` returns. A
@@ -22,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from ..storage import fsync_dir, is_own_checkpoint, is_partial, partial_path, remove_path
-from ..storage.location import is_url, list_committed_steps, open_location
+from ..storage import is_own_checkpoint, is_partial
+from ..storage.location import is_url, list_committed_steps, open_location, write_atomically
 from ._steps import StepName, parse_step_name
 
 __all__ = [
@@ -141,18 +142,7 @@ def _rebuild_state(directory: Path, why: str, *, repair: bool) -> dict[str, Any]
 
 def write_state(directory: Path, state: dict[str, Any]) -> None:
     """Replace the state file atomically and durably (the caller holds :func:`locked`)."""
-    final = directory / STATE_FILE
-    tmp = partial_path(final)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(json.dumps(state, indent=1, sort_keys=True).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        remove_path(tmp)
-        raise
-    fsync_dir(directory)
+    write_atomically(directory / STATE_FILE, json.dumps(state, indent=1, sort_keys=True).encode())
 
 
 def exists(path: Path) -> bool:

@@ -11,14 +11,14 @@ at the step's own key (a plain Zarr group at its URL) under a create-only claim
 which the marker names. Either way, of two writers racing for one step exactly
 one commits, and the committed step holds only its bytes.
 
-The marker binds the checkpoint's index: ``record-crc32c:<hex>``, the CRC-32C of its
-root record (which binds every value's checksum). An HDF5 save also stores its index
+The marker binds the checkpoint's index: ``record-crc32c:<hex>`` (a
+``location.Binding``), the CRC-32C of its root record (which binds every value's checksum). An HDF5 save also stores its index
 as an object of its own, ``<step>.<writer>.index`` (the file's user block, then the
 root record: the bytes a reader needs before any value), which the marker names, so
 opening reads two small objects and never the data until a value is read. A reader checks it against the
 record it opens, so a data object or record replaced or damaged after the commit is
 a ``CorruptCheckpointError`` naming the step, the marker and the object. (A marker
-binding ``crc32c:<hex>``, the checksum of every byte uploaded, as
+binding ``bytes-crc32c:<hex>``, the checksum of every byte uploaded, as
 :func:`~.location.upload_step` writes by default, can only be checked by reading
 everything, so opening does not check it.)
 """
@@ -44,6 +44,7 @@ from ._sharded_remote import is_sharded_record, open_sharded_remote
 from ._zarr_remote import RemoteZarrReader
 from .base import Reader
 from .location import (
+    Binding,
     CommitRecord,
     Location,
     claim,
@@ -59,8 +60,12 @@ from .location import (
 __all__ = ["RECORD_CHECKSUM", "open_remote_reader", "record_checksum", "remote_format",
            "save_remote"]
 
-#: How a marker spells the checksum of a checkpoint's root record.
+#: How a marker spells the checksum of a checkpoint's root record (a ``Binding``'s prefix).
 RECORD_CHECKSUM = "record-crc32c:"
+
+
+def _record_binding(crc: int) -> Binding:
+    return Binding("record", crc)
 
 _SUFFIXES = {".h5": "h5", ".hdf5": "h5", ".zarr": "zarr"}
 
@@ -122,13 +127,14 @@ def _h5_index(
         return [(0, bytes(first))]
     raw = parent.read(record.index)
     head, body = raw[:USERBLOCK_SIZE], raw[USERBLOCK_SIZE:]
-    bound = record.index_checksum
-    found = f"{RECORD_CHECKSUM}{_checksum.crc(body):08x}"
-    if len(head) < USERBLOCK_SIZE or (bound.startswith(RECORD_CHECKSUM) and found != bound):
+    bound = record.binding
+    found = _record_binding(_checksum.crc(body))
+    if len(head) < USERBLOCK_SIZE or (bound is not None and bound.what == "record"
+                                      and found != bound):
         raise CorruptCheckpointError(
             f"Checkpoint {parent.join(name)!r}: its index object {parent.join(record.index)} "
             f"is damaged (its root record has {found}; the commit marker "
-            f"{parent.join(marker_key(name))} binds index checksum {bound})."
+            f"{parent.join(marker_key(name))} binds index checksum {record.index_checksum})."
         )
     _, _, offset, nbytes, _ = read_userblock(RemoteFile(parent, record.index, len(raw),
                                                         known=[(0, head)]), parent.join(name))
@@ -157,10 +163,10 @@ def write_h5_index(local: Path, out: Path) -> None:
 
 def _check_bound(parent: Location, name: str, record: CommitRecord, record_crc: int) -> None:
     """Refuse a checkpoint whose root record is not the one its commit marker binds."""
-    bound = record.index_checksum
-    if not bound.startswith(RECORD_CHECKSUM):
+    bound = record.binding
+    if bound is None or bound.what != "record":
         return  # the checksum of the uploaded bytes: only a full read could check it
-    found = f"{RECORD_CHECKSUM}{record_crc:08x}"
+    found = _record_binding(record_crc)
     if bound != found:
         raise CorruptCheckpointError(
             f"Checkpoint {parent.join(name)!r}: its commit marker "
@@ -182,7 +188,7 @@ def record_checksum(local: Path) -> str:
             *_, crc = read_userblock(fd, local)
         finally:
             os.close(fd)
-    return f"{RECORD_CHECKSUM}{crc:08x}"
+    return str(_record_binding(crc))
 
 
 def _upload_claimed(parent: Any, local: Path, name: str) -> None:

@@ -36,6 +36,7 @@ from ._step_files import RemoteStepFiles
 from ._zarr_remote import RemoteZarrReader
 from .base import Reader
 from .location import (
+    Binding,
     CommitRecord,
     Location,
     claim,
@@ -53,7 +54,7 @@ INDEX_CHECKSUM = "index-crc32c:"
 
 def index_binding(index: bytes) -> str:
     """What a marker binds for a multi-process step whose index is ``index``."""
-    return f"{INDEX_CHECKSUM}{_checksum.crc(index):08x}"
+    return str(Binding("index", _checksum.crc(index)))
 
 
 def is_sharded_record(record: CommitRecord) -> bool:
@@ -127,7 +128,7 @@ class _BoundStepFiles(RemoteStepFiles):
     def read_index(self, name: str) -> bytes:
         raw = super().read_index(name)
         found = index_binding(raw)
-        if found != self._record.index_checksum:
+        if Binding.parse(found) != self._record.binding:
             raise CorruptCheckpointError(
                 f"Checkpoint {self.display}: its commit marker "
                 f"{self.location.join(marker_key(self._record.step))} binds index checksum "

@@ -58,6 +58,17 @@ from ._names import (
     this_host,
 )
 from ._object import CLOUD_SCHEMES, ObjectStoreLocation, RequestStats
+from ._publish import (
+    Binding,
+    check_destination,
+    fsync_all,
+    fsync_dir,
+    fsync_path,
+    publish,
+    remove_path,
+    temporary_sibling,
+    write_atomically,
+)
 from ._upload import tree_checksum, upload_step, upload_tree
 
 __all__ = [
@@ -67,6 +78,7 @@ __all__ = [
     "DEFAULT_PART_SIZE",
     "MARKER_SUFFIX",
     "STAGING_PREFIX",
+    "Binding",
     "CommitRecord",
     "LocalLocation",
     "Location",
@@ -77,9 +89,13 @@ __all__ = [
     "RequestStats",
     "StepName",
     "StorageError",
+    "check_destination",
     "claim",
     "clean_uncommitted",
     "commit",
+    "fsync_all",
+    "fsync_dir",
+    "fsync_path",
     "is_committed",
     "is_partial",
     "is_url",
@@ -91,16 +107,20 @@ __all__ = [
     "parse_step_name",
     "partial_path",
     "prune",
+    "publish",
     "read_commit",
     "refuse_committed",
+    "remove_path",
     "split_url",
     "staging_directory",
     "step_name",
     "step_number",
+    "temporary_sibling",
     "this_host",
     "tree_checksum",
     "upload_step",
     "upload_tree",
+    "write_atomically",
 ]
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")

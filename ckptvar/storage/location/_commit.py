@@ -26,7 +26,10 @@ calls :func:`commit`.
 Marker content (UTF-8 JSON, one object)::
 
     {"ckptvar_commit": 1, "step": "run/ckpt-3.h5", "data": "run/ckpt-3.h5",
-     "index_checksum": "crc32c:1a2b3c4d", "writer": "<uuid4 hex>", "time": 1764036000.0}
+     "index_checksum": "record-crc32c:1a2b3c4d", "writer": "<uuid4 hex>", "time": 1764036000.0}
+
+``index_checksum`` (named so since the first version) holds a
+:class:`~._publish.Binding`: ``bytes-``, ``record-`` or ``index-crc32c:<hex>``.
 
 (plus ``"index": "<key>"`` when the index is an object of its own; pruning deletes it
 with the data.)
@@ -47,6 +50,7 @@ from ...errors import (
 )
 from ._base import Location, clean_key
 from ._names import step_number
+from ._publish import Binding
 
 __all__ = [
     "CLAIM_SUFFIX",
@@ -81,6 +85,11 @@ class CommitRecord:
     time: float
     #: The key of the index stored as an object of its own ("" if none).
     index: str = ""
+
+    @property
+    def binding(self) -> Binding | None:
+        """What the marker binds, read from ``index_checksum`` (every spelling ever written)."""
+        return Binding.parse(self.index_checksum)
 
     def to_json(self) -> bytes:
         doc: dict[str, object] = {

@@ -3,9 +3,9 @@
 :func:`upload_step` streams a file (HDF5: one object, by multipart upload with
 bounded memory) or a directory tree (Zarr: one object per file, the root's
 ``zarr.json`` last) below ``step``, then calls :func:`commit` with an index
-checksum that binds every byte uploaded: for a file, ``crc32c:<hex>`` of its
-bytes; for a tree, ``crc32c:<hex>`` of the sorted ``key size crc32c`` lines of
-its files. A failure at any point leaves no marker: the step is not visible.
+checksum that binds every byte uploaded (a :class:`~._publish.Binding`
+``bytes-crc32c:<hex>``): for a file, of its bytes; for a tree, of the sorted
+``key size crc32c`` lines of its files. A failure at any point leaves no marker: the step is not visible.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import crc32c as _crc32c
 
 from ._base import DEFAULT_PART_SIZE, Location
 from ._commit import CommitRecord, commit, refuse_committed
+from ._publish import Binding
 
 __all__ = ["tree_checksum", "upload_step", "upload_tree"]
 
@@ -25,7 +26,7 @@ __all__ = ["tree_checksum", "upload_step", "upload_tree"]
 def tree_checksum(entries: list[tuple[str, int, int]]) -> str:
     """The index checksum of a tree: CRC-32C of its sorted ``key size crc`` lines."""
     text = "".join(f"{k} {n} {c:08x}\n" for k, n, c in sorted(entries))
-    return f"crc32c:{_crc32c.crc32c(text.encode()):08x}"
+    return str(Binding("bytes", _crc32c.crc32c(text.encode())))
 
 
 def upload_step(
@@ -50,7 +51,7 @@ def upload_step(
     refuse_committed(location, step)
     if src.is_file():
         crc = location.upload_file(os.fspath(src), step, part_size=part_size)
-        return commit(location, step, index_checksum or f"crc32c:{crc:08x}")
+        return commit(location, step, index_checksum or str(Binding("bytes", crc)))
     entries = upload_tree(location, src, step, part_size=part_size, threads=threads)
     return commit(location, step, index_checksum or tree_checksum(entries))
 
