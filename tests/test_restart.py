@@ -121,3 +121,25 @@ def test_saving_a_committed_step_again_is_refused(tmp_path: Path, fresh_graph: c
     assert Path(first).read_bytes() == before
     assert int(ckpt.save_counter.numpy()) == 1  # the failed save did not count
     assert mgr.save() == str(tmp_path / "ckpt-2.h5")
+
+
+def test_a_save_counter_behind_the_directory_continues_past_it(
+    tmp_path: Path, fresh_graph: cv.Graph, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job that did not restore: its next save is a new step, never an overwrite."""
+    ckpt, v = _model(1.0)
+    mgr = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=3)
+    for _ in range(3):
+        mgr.save()
+    kept = {p: Path(p).read_bytes() for p in mgr.checkpoints}
+    ckpt2, v2 = _model(7.0)  # a fresh job that forgot restore_or_initialize()
+    again = cv.CheckpointManager(ckpt2, tmp_path, max_to_keep=3)
+    with caplog.at_level("WARNING", logger="ckptvar"):
+        path = again.save()
+    assert path == str(tmp_path / "ckpt-4.h5")
+    assert "Step 1 is committed already" in caplog.text and "as step 4" in caplog.text
+    assert int(ckpt2.save_counter.numpy()) == 4
+    assert int(cv.load(path)["save_counter"]) == 4
+    for p, raw in kept.items():  # ckpt-1 pruned by the rule, the others untouched
+        assert not Path(p).exists() or Path(p).read_bytes() == raw
+    assert [Path(p).name for p in again.checkpoints] == ["ckpt-2.h5", "ckpt-3.h5", "ckpt-4.h5"]

@@ -36,6 +36,7 @@ from ..storage import is_own_checkpoint, is_partial, known_formats, remove_path
 from ..storage.location import (
     Location,
     clean_uncommitted,
+    is_committed,
     is_url,
     list_committed_steps,
     open_location,
@@ -293,12 +294,48 @@ class CheckpointManager:
                 "or checkpoint_name."
             )
 
+    def _committed_numbers(self) -> set[int]:
+        """The numbers of this manager's committed steps (listed, or kept by the hours rule)."""
+        entries = self._section["checkpoints"] + self._section.get("preserved", [])
+        return {self._number(e["path"]) for e in entries}
+
+    def _next_number(self, number: int) -> int:
+        """``number`` (the save counter's next), or past the newest committed step if it is
+        committed already (a job that did not restore, a counter behind the directory).
+
+        A committed step is never written again; the save counter moves with the step
+        so that the file holds its own number. Said in the log.
+        """
+        committed = self._committed_numbers()
+        if number not in committed:
+            return number
+        after = max(committed) + 1
+        logger.warning(
+            "Step %d is committed already in %s; this save continues past the newest "
+            "committed step, as step %d (restore_or_initialize() first to go on from it).",
+            number, os.fspath(self.directory), after,
+        )
+        self._checkpoint.save_counter.assign(after - 1)
+        return after
+
+    def _count_if_committed(self, number: int) -> None:
+        """After a save that raised: if its step got committed all the same (an error after
+        the rename or the marker), the save counter counts it, so the next save goes on."""
+        with contextlib.suppress(OSError, CkptError):
+            name = step_name(self.checkpoint_name, number, self._suffix)
+            done = (is_committed(self._location, name) if self._location is not None
+                    else is_own_checkpoint(self.directory / name))
+            if done:
+                counter = self._checkpoint.save_counter
+                counter.assign(max(int(counter.numpy()), number))
+
     def _refuse_committed(self, number: int) -> None:
         """Raise ``CheckpointExistsError`` if step ``number`` is committed already.
 
         A step is written once, by one process or many, locally or on an object store
-        (as Orbax does): a restarted job restores the latest step and saves the next.
-        Every process decides from the same record, so all raise the same error.
+        (as Orbax does): an explicit ``checkpoint_number`` that is committed is refused; a
+        number from the save counter continues past it (:meth:`_next_number`). Every
+        process decides from the same record, so all do the same.
         """
         name = step_name(self.checkpoint_name, number, self._suffix)
         if any(e["path"] == name for e in self._section["checkpoints"]) or (
@@ -424,7 +461,7 @@ class CheckpointManager:
         counter = self._checkpoint.save_counter
         number = checkpoint_number
         if number is None:
-            number = int(counter.numpy()) + 1
+            number = self._next_number(int(counter.numpy()) + 1)
         step = int(number)
         if self.checkpoint_interval is not None and check_interval:
             step = self._current_step(checkpoint_number)
@@ -436,7 +473,11 @@ class CheckpointManager:
             step = self._current_step(None)
         if self._location is not None:
             self._refuse_committed(number)
-            result = str(self._save_remote(number, step, timeout))
+            try:
+                result = str(self._save_remote(number, step, timeout))
+            except BaseException:
+                self._count_if_committed(number)
+                raise
             if self.coordinator is not None and not self.async_save:
                 self._sync()
             return result
@@ -455,6 +496,7 @@ class CheckpointManager:
             result = self._checkpoint._save(prefix, options, number=number, on_commit=on_commit)
         except BaseException:
             os.close(saving)
+            self._count_if_committed(number)
             raise
         if isinstance(result, str):
             os.close(saving)

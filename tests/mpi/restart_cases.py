@@ -12,7 +12,8 @@ objects, a fresh manager) reports what it lists, restores, and saves the next st
 - ``stale``: it is the one written after step 2 (a crash before step 3 was recorded);
 - ``damaged``: it holds garbage;
 - ``disagree``: it lists a pruned step and not the newest one;
-- ``again``: nothing is changed, and the restarted job saves step 3 again (refused).
+- ``again``: nothing is changed, and the restarted job saves step 3 again (refused), and
+  then, without restoring, from a save counter behind the directory (continues past).
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ def run(case: str, root: Path) -> None:
             fields["error"] = type(exc).__name__
             fields["message"] = str(exc)
     w.assign(np.full(w.shape, 4.0))
+    if case == "again":  # a counter behind the directory: the save continues past step 3
+        ckpt.save_counter.assign(1)
     fields["next"] = Path(again.save() or "-").name
     fields["after"] = [Path(p).name for p in again.checkpoints]
     coord.barrier(tag=f"{case}:done", timeout=60)
