@@ -142,9 +142,8 @@ def test_kill_9_during_saves_never_damages_checkpoints(tmp_path: Path, fmt: str)
         assert manager.restore_or_initialize() is not None
         assert int(step.numpy()) > 0
         assert (big.numpy() == int(step.numpy())).all()
-        # the killed save may have committed a step it could not record: it is listed too,
+        # killed saves may have committed steps they could not record: they are listed too,
         # and pruned by the rule at the next save
-        assert len(manager.checkpoints) <= 4
         manager.save()
         assert len(manager.checkpoints) == 3
     print(f"{fmt}: {trials} kill -9 trials, all survived")

@@ -32,7 +32,7 @@ from ..errors import (
     DistributedTimeoutError,
     UnsupportedFormatError,
 )
-from ..storage import is_own_checkpoint, is_partial, known_formats, remove_path
+from ..storage import is_own_checkpoint, is_partial, known_formats
 from ..storage.location import (
     Location,
     clean_uncommitted,
@@ -41,10 +41,13 @@ from ..storage.location import (
     list_committed_steps,
     open_location,
     prune,
+    remove_local,
+    temporaries,
 )
 from ..variables import Variable
 from ._checkpoint import Checkpoint, SaveOptions
 from ._files import NATIVE_FORMATS, discard
+from ._reclaim import idle, open_saving_lock, reclaim_staging
 from ._state import (
     STATE_FILE,
     STATE_VERSION,
@@ -61,16 +64,6 @@ from ._steps import parse_step_name, step_name
 __all__ = ["STATE_FILE", "CheckpointManager", "latest_checkpoint"]
 
 logger = logging.getLogger("ckptvar")
-
-#: A save holds a shared lock on this file while it writes; crash leftovers are only cleaned
-#: by a manager that can take it exclusively, so a temporary still being written is never removed.
-_SAVING_LOCK_FILE = ".checkpoint_saving.lock"
-
-
-def _open_saving_lock(directory: Path) -> int:
-    return os.open(directory / _SAVING_LOCK_FILE,
-                   os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-
 
 class CheckpointManager:
     """Saves numbered checkpoints of ``checkpoint`` into ``directory`` and prunes old ones.
@@ -151,6 +144,7 @@ class CheckpointManager:
         self.skipped: list[tuple[str, str]] = []
         self._section: dict[str, Any] = {}
         self._created = time.time()
+        reclaim_staging()  # this host's staging directories of dead saves
         if self._location is not None:
             self.read_only = False
             self._section = self._empty_section()
@@ -258,26 +252,32 @@ class CheckpointManager:
         parsed = parse_step_name(name, prefix=self.checkpoint_name, suffixes=(self._suffix,))
         return parsed is not None
 
-    def _clean_temporaries(self) -> None:
+    def _clean_temporaries(self, prefixes: tuple[str, ...] | None = None) -> None:
         """Remove temporaries of this manager's files left by a crash (under the state lock).
 
         State-file temporaries are only written under the state lock, so any found now is
         a leftover. Checkpoint temporaries are removed only when no manager, in any
         process, is saving into the directory (see :meth:`save`), so a save still in
-        flight keeps its temporary.
+        flight keeps its temporary. ``prefixes`` picks temporaries that are dead whoever
+        saves (those of a step just committed).
         """
-        fd = _open_saving_lock(self.directory)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                prefixes: tuple[str, ...] = (f".{self.checkpoint_name}-", f".{STATE_FILE}.")
-            except BlockingIOError:
-                prefixes = (f".{STATE_FILE}.",)
-            for entry in os.scandir(self.directory):
-                if is_partial(entry.name) and entry.name.startswith(prefixes):
-                    remove_path(Path(entry.path))
-        finally:
-            os.close(fd)
+        if prefixes is not None:
+            remove_local(temporaries(self.directory, prefixes))
+            return
+        with idle(self.directory) as nobody_saving:
+            mine: tuple[str, ...] = (f".{STATE_FILE}.",)
+            if nobody_saving:
+                mine += (f".{self.checkpoint_name}-",)
+            remove_local(temporaries(self.directory, mine))
+
+    def _reclaim(self) -> None:
+        """Before a save: remove what dead saves left (temporaries in the directory, on
+        the primary process; staging directories of this host's dead processes)."""
+        reclaim_staging()
+        primary = self.coordinator is None or self.coordinator.is_primary
+        if primary and self._location is None:
+            with locked(self.directory):
+                self._clean_temporaries()
 
     def _refuse_foreign(self, number: int) -> None:
         """Raise if the step's name is taken by something that is not a ckptvar checkpoint.
@@ -380,6 +380,7 @@ class CheckpointManager:
             section = self._recover(state)
             section["checkpoints"] = [e for e in section["checkpoints"] if e["path"] != name]
             section["checkpoints"].append({"path": name, "step": int(step), "time": now})
+            section["checkpoints"].sort(key=lambda e: (self._number(e["path"]), e["time"]))
             doomed = []
             if self.max_to_keep is not None:
                 while len(section["checkpoints"]) > self.max_to_keep:
@@ -396,6 +397,7 @@ class CheckpointManager:
             self._section = section
             self._store(state)
             self._finish_deletions(state)
+            self._clean_temporaries((f".{name}.",))  # a dead save's of this step
 
     # -- public -----------------------------------------------------------------------
     @property
@@ -458,6 +460,7 @@ class CheckpointManager:
                 f"Cannot save into {os.fspath(self.directory)!r}: the directory is read-only "
                 "(this manager can list and restore its checkpoints, not write new ones)."
             )
+        self._reclaim()
         counter = self._checkpoint.save_counter
         number = checkpoint_number
         if number is None:
@@ -488,7 +491,7 @@ class CheckpointManager:
         def on_commit(path: str, step: int = step) -> None:
             self._record(path, step)
 
-        saving = _open_saving_lock(self.directory)  # shared: "a save is in flight here"
+        saving = open_saving_lock(self.directory)  # shared: "a save is in flight here"
         try:
             fcntl.flock(saving, fcntl.LOCK_SH)
             options: SaveOptions = {"format": self.format, "blocking": not self.async_save,

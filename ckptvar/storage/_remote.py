@@ -194,11 +194,13 @@ def record_checksum(local: Path) -> str:
 def _upload_claimed(parent: Any, local: Path, name: str) -> None:
     """Upload a directory at the step's own key under a create-only claim ``<step>.claim``:
     of two writers racing for the step, the second stops before writing any byte."""
-    key = claim(parent, name)
+    held = claim(parent, name)
     try:
-        upload_step(parent, local, name, index_checksum=record_checksum(local))
+        refuse_committed(parent, name)
+        upload_step(parent, local, name, index_checksum=record_checksum(local),
+                    before_commit=held.check)
     finally:
-        parent.delete(key)
+        held.release()
 
 
 def save_remote(

@@ -12,8 +12,10 @@ create-only write; it binds ``index-crc32c:<hex>``, the CRC-32C of the index's b
 Before any byte is written rank 0 takes the step with a create-only claim object
 ``<step>.claim``: of two jobs racing for one step the second stops at once, and the
 step's key holds only the claimant's objects. A failed save deletes what it wrote and
-its claim; a claim left by a job that died is removed by ``CheckpointManager``'s
-clean-up of uncommitted steps older than the latest one, or by hand.
+its claim. The claim names its holder (host, process, job) and is renewed while the
+step is written; a claim left by a job that died stops blocking (``location._claim``):
+the next save of the step takes it over, and ``CheckpointManager``'s clean-up and
+``ckpt gc`` remove it with what it left.
 
 Readers (:func:`open_sharded_remote`) read the marker, then the index (checked against
 the marker), then only the per-process objects and byte ranges a read needs. Global
@@ -37,6 +39,7 @@ from ._zarr_remote import RemoteZarrReader
 from .base import Reader
 from .location import (
     Binding,
+    Claim,
     CommitRecord,
     Location,
     claim,
@@ -73,7 +76,7 @@ class RemoteStep:
         self.parent = parent
         self.name = name
         self.url = parent.join(name)
-        self._claim: str | None = None  # the claim's key while this save holds it
+        self._claim: Claim | None = None  # while this save holds the step
 
     def claim(self) -> None:
         """Refuse a committed step; take the step with a create-only claim object."""
@@ -95,6 +98,8 @@ class RemoteStep:
             self.parent.put(f"{self.name}/zarr.json", zarr_root)
         index_key = f"{self.name}/{INDEX_FILE}"
         self.parent.put(index_key, index)
+        if self._claim is not None:
+            self._claim.check()
         commit(self.parent, self.name, index_binding(index), index=index_key)
         self._release()
         return self.url
@@ -107,7 +112,7 @@ class RemoteStep:
 
     def _release(self) -> None:
         if self._claim is not None:
-            self.parent.delete(self._claim)
+            self._claim.release()
             self._claim = None
 
 

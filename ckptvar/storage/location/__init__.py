@@ -29,11 +29,10 @@ from ._base import (
     PositionalRaw,
     StorageError,
 )
+from ._claim import CLAIM_LEASE, CLAIM_SUFFIX, Claim, Holder, claim, process_alive, read_claim
 from ._commit import (
-    CLAIM_SUFFIX,
     MARKER_SUFFIX,
     CommitRecord,
-    claim,
     clean_uncommitted,
     commit,
     is_committed,
@@ -44,6 +43,7 @@ from ._commit import (
     read_commit,
     refuse_committed,
 )
+from ._leftovers import Leftover, remove_local, staging_leftovers, temporaries, uncommitted
 from ._local import LocalLocation
 from ._names import (
     STAGING_PREFIX,
@@ -72,6 +72,7 @@ from ._publish import (
 from ._upload import tree_checksum, upload_step, upload_tree
 
 __all__ = [
+    "CLAIM_LEASE",
     "CLAIM_SUFFIX",
     "CLOUD_SCHEMES",
     "DEFAULT_CONCURRENCY",
@@ -79,7 +80,10 @@ __all__ = [
     "MARKER_SUFFIX",
     "STAGING_PREFIX",
     "Binding",
+    "Claim",
     "CommitRecord",
+    "Holder",
+    "Leftover",
     "LocalLocation",
     "Location",
     "ObjectInfo",
@@ -106,18 +110,24 @@ __all__ = [
     "parse_staging_name",
     "parse_step_name",
     "partial_path",
+    "process_alive",
     "prune",
     "publish",
+    "read_claim",
     "read_commit",
     "refuse_committed",
+    "remove_local",
     "remove_path",
     "split_url",
     "staging_directory",
+    "staging_leftovers",
     "step_name",
     "step_number",
+    "temporaries",
     "temporary_sibling",
     "this_host",
     "tree_checksum",
+    "uncommitted",
     "upload_step",
     "upload_tree",
     "write_atomically",

@@ -11,6 +11,7 @@ checksum that binds every byte uploaded (a :class:`~._publish.Binding`
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,6 +38,7 @@ def upload_step(
     part_size: int | None = None,
     threads: int = 4,
     index_checksum: str | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> CommitRecord:
     """Upload a local checkpoint file or directory as ``step`` and commit it.
 
@@ -46,14 +48,19 @@ def upload_step(
 
     Raises ``CheckpointExistsError`` (naming the step) if the step is already
     committed: checked before any byte is sent, and again by the create-only marker.
+    ``before_commit`` runs just before the marker (a claim's check that it still holds).
     """
     src = Path(local)
     refuse_committed(location, step)
     if src.is_file():
         crc = location.upload_file(os.fspath(src), step, part_size=part_size)
-        return commit(location, step, index_checksum or str(Binding("bytes", crc)))
-    entries = upload_tree(location, src, step, part_size=part_size, threads=threads)
-    return commit(location, step, index_checksum or tree_checksum(entries))
+        binding = index_checksum or str(Binding("bytes", crc))
+    else:
+        entries = upload_tree(location, src, step, part_size=part_size, threads=threads)
+        binding = index_checksum or tree_checksum(entries)
+    if before_commit is not None:
+        before_commit()
+    return commit(location, step, binding)
 
 
 def upload_tree(
