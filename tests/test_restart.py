@@ -8,6 +8,7 @@ prunes exactly what the directory holds, and saves the next step.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -143,3 +144,122 @@ def test_a_save_counter_behind_the_directory_continues_past_it(
     for p, raw in kept.items():  # ckpt-1 pruned by the rule, the others untouched
         assert not Path(p).exists() or Path(p).read_bytes() == raw
     assert [Path(p).name for p in again.checkpoints] == ["ckpt-2.h5", "ckpt-3.h5", "ckpt-4.h5"]
+
+
+# --------------------------------------------------------------------------- leftovers
+
+HEX = "0123456789abcdef" * 2
+
+
+def _dead_pid() -> int:
+    """The id of a process of this host that has exited."""
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, timeout=60, check=True)
+    return int(proc.stdout)
+
+
+def _ckpt_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptvar", *args], capture_output=True,
+                          text=True, timeout=120, env=env, check=False)
+
+
+def _leave_leftovers(d: Path, tmpdir: Path) -> dict[str, int]:
+    """What dead saves leave in ``d`` and in ``tmpdir`` (names -> bytes)."""
+    left = {
+        f".ckpt-3.h5.{HEX}.partial": 1000,               # a file checkpoint's temporary
+        f".checkpoint_state.json.{HEX}.partial": 10,      # the state file's
+        f".ckpt-3.h5.partial-{HEX}": 20,                  # a local location's, old naming
+    }
+    for name, n in left.items():
+        (d / name).write_bytes(b"x" * n)
+    tree = d / f".ckpt-4.zarr.{HEX}.partial"               # a directory checkpoint's
+    (tree / "v").mkdir(parents=True)
+    (tree / "v" / "c0").write_bytes(b"y" * 300)
+    left[tree.name] = 300
+    stage = tmpdir / f"ckptvar-upload-{cv.storage.location.this_host()}-{_dead_pid()}-abc_1"
+    stage.mkdir()
+    (stage / "ckpt-3.h5").write_bytes(b"z" * 5000)
+    left[stage.name] = 5000
+    alive = tmpdir / f"ckptvar-upload-{cv.storage.location.this_host()}-{os.getpid()}-live"
+    alive.mkdir()  # this process's own: never touched
+    return left
+
+
+def test_ckpt_gc_removes_what_dead_saves_left_and_says_how_much(
+    tmp_path: Path, fresh_graph: cv.Graph
+) -> None:
+    d, tmpdir = tmp_path / "run", tmp_path / "tmp"
+    d.mkdir(), tmpdir.mkdir()
+    ckpt, _ = _model(1.0)
+    mgr = cv.CheckpointManager(ckpt, d)
+    kept = Path(mgr.save())
+    left = _leave_leftovers(d, tmpdir)
+    env = {k: v for k, v in os.environ.items() if k not in MPI_ENV_VARS}
+    env.update(TMPDIR=str(tmpdir), PYTHONPATH=os.pathsep.join(sys.path))
+    dry = _ckpt_cli("gc", str(d), "--dry-run", env=env)
+    assert dry.returncode == 0, dry.stderr
+    for name, n in left.items():
+        assert f"{name}  {n} bytes" in dry.stdout, (name, dry.stdout)
+    total = sum(left.values())
+    assert f"would remove {len(left)} leftovers, {total} bytes" in dry.stdout
+    assert all((d / n).exists() or (tmpdir / n).exists() for n in left)  # nothing removed
+    done = _ckpt_cli("gc", str(d), env=env)
+    assert done.returncode == 0, done.stderr
+    assert f"removed {len(left)} leftovers, {total} bytes" in done.stdout
+    assert not any((d / n).exists() or (tmpdir / n).exists() for n in left)
+    assert sorted(p.name for p in tmpdir.iterdir()) == [
+        f"ckptvar-upload-{cv.storage.location.this_host()}-{os.getpid()}-live"]
+    assert [p.name for p in d.iterdir() if not p.name.startswith(".")] == [
+        "checkpoint_state.json", kept.name]
+    cv.load(kept)
+    again = _ckpt_cli("gc", str(d), env=env)
+    assert "removed 0 leftovers, 0 bytes" in again.stdout
+
+
+def test_the_managers_next_save_removes_dead_leftovers(
+    tmp_path: Path, fresh_graph: cv.Graph, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d, tmpdir = tmp_path / "run", tmp_path / "tmp"
+    d.mkdir(), tmpdir.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    ckpt, _ = _model(1.0)
+    mgr = cv.CheckpointManager(ckpt, d)
+    mgr.save()
+    left = _leave_leftovers(d, tmpdir)
+    mgr.save()
+    assert [n for n in left if (d / n).exists() or (tmpdir / n).exists()] == []
+
+
+def test_a_save_in_flight_keeps_its_temporary_from_gc(
+    tmp_path: Path, fresh_graph: cv.Graph
+) -> None:
+    """While a manager saves into the directory, gc leaves checkpoint temporaries alone."""
+    from ckptvar.checkpoint._reclaim import open_saving_lock
+
+    d = tmp_path
+    cv.CheckpointManager(_model(1.0)[0], d).save()
+    tmp = d / f".ckpt-2.h5.{HEX}.partial"
+    tmp.write_bytes(b"being written")
+    fd = open_saving_lock(d)  # what a save in flight holds
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        assert [x for x in cv.checkpoint.gc(d) if x.path.startswith(str(d))] == []
+        assert tmp.exists()
+    finally:
+        os.close(fd)
+    assert [Path(x.path).name for x in cv.checkpoint.gc(d) if x.path.startswith(str(d))] == [
+        tmp.name]
+    assert not tmp.exists()
+
+
+def test_local_location_temporaries_are_the_ones_cleanup_knows(tmp_path: Path) -> None:
+    from ckptvar.storage.location import LocalLocation, is_partial
+
+    loc = LocalLocation(tmp_path)
+    with loc.open_writer("a/b.bin") as w:
+        w.write(b"x" * 10)
+        names = [p.name for p in (tmp_path / "a").iterdir()]
+        assert len(names) == 1 and is_partial(names[0]) and names[0].endswith(".partial")
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["b.bin"]
+    assert is_partial(f".b.bin.partial-{HEX}")  # what older versions named them
