@@ -16,8 +16,9 @@ claim stops blocking once its holder is gone:
 - from another host: when it was not renewed for a lease (a later writer waits
   that long, at most, then takes the step over).
 
-Taking over deletes the dead claim and what it left below the step, then claims
-again (create-only): of writers racing, one wins. A live holder that finds its
+Taking over is itself create-only: the taker first creates
+``<step>.claim.<dead writer>.takeover``, so of writers racing for a dead claim one
+wins; it deletes what the dead writer left below the step and writes its own claim. A live holder that finds its
 claim replaced (it was paused for longer than a lease) stops before its commit.
 Claims written before holders were recorded (a bare id) count as dead.
 """
@@ -184,11 +185,9 @@ def claim(location: Location, step: str, *, lease: float = CLAIM_LEASE) -> Claim
         if not exists:
             continue  # released meanwhile
         if holder is None or holder.gone():
-            who = holder.describe() if holder else "a writer that did not say who it was"
-            logger.warning("Taking over step %s: its claim was held by %s, which is gone.",
-                           location.join(step), who)
-            location.delete(key)
-            location.delete_prefix(step + "/")
+            taken = _take_over(location, step, holder, mine)
+            if taken is not None:
+                return taken
             continue
         if holder.host == this_host() or (seen is not None and holder.time != seen.time):
             raise CheckpointExistsError(
@@ -198,3 +197,31 @@ def claim(location: Location, step: str, *, lease: float = CLAIM_LEASE) -> Claim
             )
         seen = holder  # another host's: wait for a renewal, or for the lease to run out
         time.sleep(max(0.05, min(1.0, holder.time + holder.lease - time.time() + 0.05)))
+
+
+def _take_over(location: Location, step: str, dead: Holder | None, mine: Holder) -> Claim | None:
+    """Replace the claim of the ``dead`` holder by ``mine``; ``None`` if another writer is
+    taking it over (it holds the create-only takeover token of that holder)."""
+    key = step + CLAIM_SUFFIX
+    token = f"{key}.{dead.writer if dead else 'unnamed'}.takeover"
+    try:
+        location.put(token, mine.to_json(), create_only=True)
+    except CheckpointExistsError:
+        try:
+            other = Holder.from_json(location.read(token))
+        except CheckpointNotFoundError:
+            return None
+        if other is None or other.gone():  # a taker that died in turn
+            location.delete(token)
+        else:
+            time.sleep(0.05)
+        return None
+    try:
+        who = dead.describe() if dead else "a writer that did not say who it was"
+        logger.warning("Taking over step %s: its claim was held by %s, which is gone.",
+                       location.join(step), who)
+        location.delete_prefix(step + "/")
+        location.put(key, mine.to_json())  # the claim is now this writer's
+    finally:
+        location.delete(token)
+    return Claim(location, step, mine)
