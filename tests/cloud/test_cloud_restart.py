@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -167,3 +168,36 @@ def test_two_live_writers_racing_for_a_dead_claim_commit_once(s3: S3Bucket) -> N
     assert read_claim(loc, "ckpt-7.zarr")[1] == held[0].holder
     held[0].release()
     assert not [o.key for o in loc.list() if o.key.startswith("ckpt-7")]
+
+
+# --------------------------------------------------------------------------- crash harness
+
+
+def _mpi_or_skip() -> None:
+    from test_distributed_mpi import _mpi_skip_reason
+
+    if _mpi_skip_reason():
+        pytest.skip(_mpi_skip_reason() or "")
+
+
+def test_restart_after_kills_of_three_processes_saving_to_s3(s3: S3Bucket, tmp_path: Path) -> None:
+    from test_crash import _check, restart_harness
+
+    _mpi_or_skip()
+    counts = restart_harness(f"{s3.url}/run", "h5", processes=3, kills=2, seed=13,
+                             work=tmp_path, opts=s3.storage_options)
+    _check(counts, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 3])
+def test_restart_after_100_kills_of_saves_to_s3(
+    s3: S3Bucket, tmp_path: Path, processes: int
+) -> None:
+    from test_crash import _check, restart_harness
+
+    if processes > 1:
+        _mpi_or_skip()
+    counts = restart_harness(f"{s3.url}/run", "h5", processes=processes, kills=100,
+                             seed=107 + processes, work=tmp_path, opts=s3.storage_options)
+    _check(counts, 100)
