@@ -226,7 +226,7 @@ def _intact(where: str, fmt: str, n: int, opts: dict[str, object] | None) -> boo
             and np.array_equal(got["b"], np.full(7, n, np.float32)))
 
 
-def restart_harness(  # noqa: C901, PLR0915 - the harness, step by step
+def restart_harness(  # noqa: C901, PLR0912, PLR0915 - the harness, step by step
     where: str, fmt: str, *, processes: int, kills: int, seed: int, work: Path,
     opts: dict[str, object] | None = None, window: float = 1.0,
 ) -> dict[str, int]:
@@ -237,8 +237,9 @@ def restart_harness(  # noqa: C901, PLR0915 - the harness, step by step
     import signal
     import time
 
-    from ckptvar.distributed import MPI_ENV_VARS
     from test_distributed_mpi import find_mpiexec
+
+    from ckptvar.distributed import MPI_ENV_VARS
 
     rng = random.Random(seed)
     results, tmpdir = work / "results", work / "tmp"

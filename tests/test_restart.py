@@ -19,11 +19,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_distributed_mpi import _mpi_skip_reason, read_results, run_mpi
 
 import ckptvar as cv
 from ckptvar.distributed import MPI_ENV_VARS
-
-from test_distributed_mpi import _mpi_skip_reason, read_results, run_mpi
 
 CASES = Path(__file__).parent / "mpi" / "restart_cases.py"
 STATE_CASES = ["deleted", "stale", "damaged", "disagree", "again"]
@@ -128,12 +127,12 @@ def test_a_save_counter_behind_the_directory_continues_past_it(
     tmp_path: Path, fresh_graph: cv.Graph, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A job that did not restore: its next save is a new step, never an overwrite."""
-    ckpt, v = _model(1.0)
+    ckpt, _ = _model(1.0)
     mgr = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=3)
     for _ in range(3):
         mgr.save()
     kept = {p: Path(p).read_bytes() for p in mgr.checkpoints}
-    ckpt2, v2 = _model(7.0)  # a fresh job that forgot restore_or_initialize()
+    ckpt2, _ = _model(7.0)  # a fresh job that forgot restore_or_initialize()
     again = cv.CheckpointManager(ckpt2, tmp_path, max_to_keep=3)
     with caplog.at_level("WARNING", logger="ckptvar"):
         path = again.save()

@@ -62,7 +62,7 @@ def test_a_dead_jobs_claim_never_blocks_the_restarted_save(s3: S3Bucket, fmt: st
     saves step 2, and nothing of the dead save is left afterwards."""
     opts = s3.storage_options
     run = f"{s3.url}/run"
-    ckpt, v = _model(1.0)
+    ckpt, _ = _model(1.0)
     cv.CheckpointManager(ckpt, run, max_to_keep=3, format=fmt, storage_options=opts).save()
     loc = s3.location("run")
     dead = _holder(pid=_dead_pid(), job="4242")
