@@ -9,7 +9,8 @@ application of values), ``_logical`` (logical variables: partitioned variables a
 shards saved as one value, restored box by box), ``_object_restore`` (matching objects, deferred values),
 ``_status`` (``RestoreStatus``), ``_on_create`` (``restore_on_create``),
 ``_checkpoint`` (``Checkpoint``), ``_saver`` (``Saver``), ``_manager``
-(``CheckpointManager``), ``_async`` (background saves).
+(``CheckpointManager``), ``_reclaim`` (``gc``: what dead saves left), ``_async``
+(background saves).
 ``write_values`` (the one save path of a local file), ``destination_error`` and
 ``make_parents`` also serve ``ckptvar.io``.
 """
@@ -21,6 +22,7 @@ from ._checkpoint import Checkpoint, SaveOptions
 from ._files import destination_error, make_parents, write_values
 from ._manager import CheckpointManager
 from ._on_create import restore_on_create
+from ._reclaim import Leftover, gc
 from ._saver import Saver
 from ._state import latest_checkpoint
 from ._status import RestoreStatus
@@ -29,12 +31,14 @@ from ._steps import StepName, parse_step_name
 __all__ = [
     "Checkpoint",
     "CheckpointManager",
+    "Leftover",
     "RestoreStatus",
     "SaveHandle",
     "SaveOptions",
     "Saver",
     "StepName",
     "destination_error",
+    "gc",
     "latest_checkpoint",
     "make_parents",
     "parse_step_name",

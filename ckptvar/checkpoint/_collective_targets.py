@@ -5,7 +5,8 @@ commit) and asks its target for the place-specific parts:
 
 - :class:`LocalTarget`: rank 0 creates a hidden temporary directory beside the final
   path; each rank writes its file into it; rank 0 writes the index, fsyncs and renames
-  the directory into place (needs a filesystem every process sees).
+  the directory into place, create-only (``storage.location.publish``; needs a
+  filesystem every process sees).
 - :class:`RemoteTarget`: rank 0 claims the step's key (create-only); each rank writes
   its file to a local temporary and uploads it below the step; rank 0 uploads the
   index and creates the commit marker (:class:`~ckptvar.storage.RemoteStep`). No
@@ -15,12 +16,11 @@ commit) and asks its target for the place-specific parts:
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import CkptError
+from ..errors import CheckpointExistsError
 from ..storage import (
     INDEX_FILE,
     RemoteStep,
@@ -30,7 +30,7 @@ from ..storage import (
     partial_path,
     remove_path,
 )
-from ..storage.location import split_url
+from ..storage.location import publish, split_url, staging_directory
 from ._files import make_parents, native_backend
 
 __all__ = ["ZARR_ROOT", "LocalTarget", "RemoteTarget", "Target"]
@@ -88,8 +88,11 @@ class LocalTarget(Target):
 
     def prepare(self) -> str:
         make_parents(self.final)
-        if self.final.exists():
-            raise CkptError(f"Cannot save {str(self.final)!r}: it exists already.")
+        if os.path.lexists(self.final):
+            raise CheckpointExistsError(
+                f"Cannot save {str(self.final)!r}: it is committed already; a step is "
+                "written once: save under a new step, or prune this one first."
+            )
         tmp = partial_path(self.final)
         tmp.mkdir()
         self._tmp = tmp
@@ -116,10 +119,13 @@ class LocalTarget(Target):
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(tmp)
-        if self.final.exists():
-            raise CkptError(f"Cannot commit {str(self.final)!r}: it appeared while saving.")
-        os.rename(tmp, self.final)
-        fsync_dir(self.final.parent)
+        try:
+            publish(tmp, self.final, create_only=True)  # never onto another writer's step
+        except CheckpointExistsError:
+            raise CheckpointExistsError(
+                f"Cannot commit {str(self.final)!r}: another writer committed it while this "
+                "save was writing."
+            ) from None
         fsync_path(self.final)
         self._tmp = None
         return os.fspath(self.final)
@@ -142,7 +148,7 @@ class RemoteTarget(Target):
         return self.step.name
 
     def write_rank(self, name: str, fill: Callable[[Writer], None]) -> None:
-        with tempfile.TemporaryDirectory(prefix="ckptvar-upload-") as tmp:
+        with staging_directory() as tmp:
             local = Path(tmp) / name
             _write_file(local, self.fmt, fill, durable=False,  # durable once uploaded
                         pack_threshold=self.pack_threshold)

@@ -13,6 +13,7 @@ its file is deleted, so every listed checkpoint is complete.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import (
+    CheckpointExistsError,
     CheckpointNotFoundError,
     CkptError,
     CorruptCheckpointError,
@@ -30,18 +32,22 @@ from ..errors import (
     DistributedTimeoutError,
     UnsupportedFormatError,
 )
-from ..storage import is_own_checkpoint, is_partial, known_formats, remove_path
+from ..storage import is_own_checkpoint, is_partial, known_formats
 from ..storage.location import (
     Location,
     clean_uncommitted,
+    is_committed,
     is_url,
     list_committed_steps,
     open_location,
     prune,
+    remove_local,
+    temporaries,
 )
 from ..variables import Variable
 from ._checkpoint import Checkpoint, SaveOptions
 from ._files import NATIVE_FORMATS, discard
+from ._reclaim import idle, open_saving_lock, reclaim_staging
 from ._state import (
     STATE_FILE,
     STATE_VERSION,
@@ -58,16 +64,6 @@ from ._steps import parse_step_name, step_name
 __all__ = ["STATE_FILE", "CheckpointManager", "latest_checkpoint"]
 
 logger = logging.getLogger("ckptvar")
-
-#: A save holds a shared lock on this file while it writes; crash leftovers are only cleaned
-#: by a manager that can take it exclusively, so a temporary still being written is never removed.
-_SAVING_LOCK_FILE = ".checkpoint_saving.lock"
-
-
-def _open_saving_lock(directory: Path) -> int:
-    return os.open(directory / _SAVING_LOCK_FILE,
-                   os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-
 
 class CheckpointManager:
     """Saves numbered checkpoints of ``checkpoint`` into ``directory`` and prunes old ones.
@@ -152,6 +148,7 @@ class CheckpointManager:
         self.skipped: list[tuple[str, str]] = []
         self._section: dict[str, Any] = {}
         self._created = time.time()
+        reclaim_staging()  # this host's staging directories of dead saves
         if self._location is not None:
             self.read_only = False
             self._section = self._empty_section()
@@ -170,6 +167,8 @@ class CheckpointManager:
             if not self.read_only and primary:  # recovery writes; read-only: left as is
                 self._clean_temporaries()
                 self._finish_deletions(state)
+                if state["sections"].get(self.checkpoint_name) != self._section:
+                    self._store(state)  # the cache now says what the directory holds
 
     # -- an object store: the commit markers are the state ------------------------------
     def _remote_list(self) -> list[dict[str, Any]]:
@@ -207,6 +206,14 @@ class CheckpointManager:
         }
 
     def _recover(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This manager's section: the state file's, checked against the directory.
+
+        The committed files are the record, the state file a cache of them: a listed
+        file that is gone is dropped, and a committed step of this manager's naming
+        that the state does not know (a crash between the rename and the state
+        write, a state file lost, damaged or stale) is listed, with its file's time.
+        Steps are ordered by number.
+        """
         section = state["sections"].get(self.checkpoint_name) or self._empty_section()
         for name in ("checkpoints", "preserved", "pending_delete"):
             section[name] = [e for e in section.get(name, []) if self._own(e)]
@@ -214,7 +221,32 @@ class CheckpointManager:
         section["checkpoints"] = [
             e for e in section["checkpoints"] if exists(self.directory / e["path"])
         ]
+        known = {e["path"] for name in ("checkpoints", "preserved", "pending_delete")
+                 for e in section[name]}
+        for name, number in self._committed_on_disk():
+            path = self.directory / name
+            if name in known or not is_own_checkpoint(path):
+                continue
+            with contextlib.suppress(FileNotFoundError):  # pruned by another process
+                section["checkpoints"].append(
+                    {"path": name, "step": number, "time": path.stat().st_mtime})
+        section["checkpoints"].sort(key=lambda e: (self._number(e["path"]), e["time"]))
         return section
+
+    def _committed_on_disk(self) -> list[tuple[str, int]]:
+        """``(name, number)`` of every file or directory of this manager's naming that is
+        under its final name (a committed step, or a user's file of that name)."""
+        found = []
+        for entry in os.scandir(self.directory):
+            parsed = parse_step_name(entry.name, prefix=self.checkpoint_name,
+                                     suffixes=(self._suffix,))
+            if parsed is not None and not is_partial(entry.name):
+                found.append((entry.name, parsed.step))
+        return found
+
+    def _number(self, name: str) -> int:
+        parsed = parse_step_name(name, prefix=self.checkpoint_name, suffixes=(self._suffix,))
+        return parsed.step if parsed is not None else -1
 
     def _own(self, entry: Any) -> bool:
         return isinstance(entry, dict) and self._is_own_name(str(entry.get("path", "")))
@@ -224,26 +256,32 @@ class CheckpointManager:
         parsed = parse_step_name(name, prefix=self.checkpoint_name, suffixes=(self._suffix,))
         return parsed is not None
 
-    def _clean_temporaries(self) -> None:
+    def _clean_temporaries(self, prefixes: tuple[str, ...] | None = None) -> None:
         """Remove temporaries of this manager's files left by a crash (under the state lock).
 
         State-file temporaries are only written under the state lock, so any found now is
         a leftover. Checkpoint temporaries are removed only when no manager, in any
         process, is saving into the directory (see :meth:`save`), so a save still in
-        flight keeps its temporary.
+        flight keeps its temporary. ``prefixes`` picks temporaries that are dead whoever
+        saves (those of a step just committed).
         """
-        fd = _open_saving_lock(self.directory)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                prefixes: tuple[str, ...] = (f".{self.checkpoint_name}-", f".{STATE_FILE}.")
-            except BlockingIOError:
-                prefixes = (f".{STATE_FILE}.",)
-            for entry in os.scandir(self.directory):
-                if is_partial(entry.name) and entry.name.startswith(prefixes):
-                    remove_path(Path(entry.path))
-        finally:
-            os.close(fd)
+        if prefixes is not None:
+            remove_local(temporaries(self.directory, prefixes))
+            return
+        with idle(self.directory) as nobody_saving:
+            mine: tuple[str, ...] = (f".{STATE_FILE}.",)
+            if nobody_saving:
+                mine += (f".{self.checkpoint_name}-",)
+            remove_local(temporaries(self.directory, mine))
+
+    def _reclaim(self) -> None:
+        """Before a save: remove what dead saves left (temporaries in the directory, on
+        the primary process; staging directories of this host's dead processes)."""
+        reclaim_staging()
+        primary = self.coordinator is None or self.coordinator.is_primary
+        if primary and self._location is None:
+            with locked(self.directory):
+                self._clean_temporaries()
 
     def _refuse_foreign(self, number: int) -> None:
         """Raise if the step's name is taken by something that is not a ckptvar checkpoint.
@@ -258,6 +296,59 @@ class CheckpointManager:
                 "ckptvar checkpoint is there, and this manager never writes over or deletes "
                 "what it did not write. Move it away, or give the manager another directory "
                 "or checkpoint_name."
+            )
+
+    def _committed_numbers(self) -> set[int]:
+        """The numbers of this manager's committed steps (listed, or kept by the hours rule)."""
+        entries = self._section["checkpoints"] + self._section.get("preserved", [])
+        return {self._number(e["path"]) for e in entries}
+
+    def _next_number(self, number: int) -> int:
+        """``number`` (the save counter's next), or past the newest committed step if it is
+        committed already (a job that did not restore, a counter behind the directory).
+
+        A committed step is never written again; the save counter moves with the step
+        so that the file holds its own number. Said in the log.
+        """
+        committed = self._committed_numbers()
+        if number not in committed:
+            return number
+        after = max(committed) + 1
+        logger.warning(
+            "Step %d is committed already in %s; this save continues past the newest "
+            "committed step, as step %d (restore_or_initialize() first to go on from it).",
+            number, os.fspath(self.directory), after,
+        )
+        self._checkpoint.save_counter.assign(after - 1)
+        return after
+
+    def _count_if_committed(self, number: int) -> None:
+        """After a save that raised: if its step got committed all the same (an error after
+        the rename or the marker), the save counter counts it, so the next save goes on."""
+        with contextlib.suppress(OSError, CkptError):
+            name = step_name(self.checkpoint_name, number, self._suffix)
+            done = (is_committed(self._location, name) if self._location is not None
+                    else is_own_checkpoint(self.directory / name))
+            if done:
+                counter = self._checkpoint.save_counter
+                counter.assign(max(int(counter.numpy()), number))
+
+    def _refuse_committed(self, number: int) -> None:
+        """Raise ``CheckpointExistsError`` if step ``number`` is committed already.
+
+        A step is written once, by one process or many, locally or on an object store
+        (as Orbax does): an explicit ``checkpoint_number`` that is committed is refused; a
+        number from the save counter continues past it (:meth:`_next_number`). Every
+        process decides from the same record, so all do the same.
+        """
+        name = step_name(self.checkpoint_name, number, self._suffix)
+        if any(e["path"] == name for e in self._section["checkpoints"]) or (
+            self._location is None and os.path.lexists(self.directory / name)
+        ):
+            raise CheckpointExistsError(
+                f"Cannot save step {number}: {self._full(name)!r} is committed already, and a "
+                "step is written once. Restore it (restore_or_initialize) and save the next, "
+                "save under another checkpoint_number, or prune it first."
             )
 
     def _finish_deletions(self, state: dict[str, Any]) -> None:
@@ -293,6 +384,7 @@ class CheckpointManager:
             section = self._recover(state)
             section["checkpoints"] = [e for e in section["checkpoints"] if e["path"] != name]
             section["checkpoints"].append({"path": name, "step": int(step), "time": now})
+            section["checkpoints"].sort(key=lambda e: (self._number(e["path"]), e["time"]))
             doomed = []
             if self.max_to_keep is not None:
                 while len(section["checkpoints"]) > self.max_to_keep:
@@ -309,6 +401,7 @@ class CheckpointManager:
             self._section = section
             self._store(state)
             self._finish_deletions(state)
+            self._clean_temporaries((f".{name}.",))  # a dead save's of this step
 
     # -- public -----------------------------------------------------------------------
     @property
@@ -316,15 +409,14 @@ class CheckpointManager:
         return self._checkpoint
 
     def _sync(self) -> None:
+        """Wait for this manager's background save, then read the record (every process:
+        the committed steps, through the state file's cache where there is one)."""
         self._checkpoint.wait()
-        if self.coordinator is not None and self.coordinator.size > 1 and (
-            not self.coordinator.is_primary
-        ):
-            if self._location is not None:  # the commit markers are the state
-                self._section["checkpoints"] = self._remote_list()
-                return
-            with locked(self.directory, shared=True):  # rank 0 keeps the state: read it
-                self._section = self._recover(read_state(self.directory))
+        if self._location is not None:  # the commit markers are the state
+            self._section["checkpoints"] = self._remote_list()
+            return
+        with locked(self.directory, shared=True):
+            self._section = self._recover(read_state(self.directory))
 
     @property
     def checkpoints(self) -> list[str]:
@@ -372,10 +464,11 @@ class CheckpointManager:
                 f"Cannot save into {os.fspath(self.directory)!r}: the directory is read-only "
                 "(this manager can list and restore its checkpoints, not write new ones)."
             )
+        self._reclaim()
         counter = self._checkpoint.save_counter
         number = checkpoint_number
         if number is None:
-            number = int(counter.numpy()) + 1
+            number = self._next_number(int(counter.numpy()) + 1)
         step = int(number)
         if self.checkpoint_interval is not None and check_interval:
             step = self._current_step(checkpoint_number)
@@ -386,17 +479,23 @@ class CheckpointManager:
         elif self._step_counter is not None and checkpoint_number is None:
             step = self._current_step(None)
         if self._location is not None:
-            result = str(self._save_remote(number, step, timeout))
+            self._refuse_committed(number)
+            try:
+                result = str(self._save_remote(number, step, timeout))
+            except BaseException:
+                self._count_if_committed(number)
+                raise
             if self.coordinator is not None and not self.async_save:
                 self._sync()
             return result
         self._refuse_foreign(number)
+        self._refuse_committed(number)
         prefix = self.directory / self.checkpoint_name
 
         def on_commit(path: str, step: int = step) -> None:
             self._record(path, step)
 
-        saving = _open_saving_lock(self.directory)  # shared: "a save is in flight here"
+        saving = open_saving_lock(self.directory)  # shared: "a save is in flight here"
         try:
             fcntl.flock(saving, fcntl.LOCK_SH)
             options: SaveOptions = {"format": self.format, "blocking": not self.async_save,
@@ -405,6 +504,7 @@ class CheckpointManager:
             result = self._checkpoint.save_step(prefix, options, number=number, on_commit=on_commit)
         except BaseException:
             os.close(saving)
+            self._count_if_committed(number)
             raise
         if isinstance(result, str):
             os.close(saving)

@@ -1,7 +1,8 @@
 """A checkpoint directory's state file ``checkpoint_state.json`` and :func:`latest_checkpoint`.
 
-The state file is replaced atomically (temporary sibling, fsync, rename, fsync of
-the directory) and updated under an advisory lock file (``.checkpoint_state.lock``)
+The state file only caches what is committed in the directory (the manager checks
+it against the step files). It is replaced atomically (``storage.location.publish``:
+temporary sibling, fsync, rename, fsync of the directory) and updated under an advisory lock file (``.checkpoint_state.lock``)
 so that several managers, in any process, can share a directory. It has one
 section per ``checkpoint_name`` (a manager's own list of checkpoints) and the
 directory's ``latest`` checkpoint, which :func:`latest_checkpoint` returns. A
@@ -22,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from ..storage import fsync_dir, is_partial, partial_path, remove_path
-from ..storage.location import is_url, list_committed_steps, open_location
-from ._steps import parse_step_name
+from ..storage import is_own_checkpoint, is_partial
+from ..storage.location import is_url, list_committed_steps, open_location, write_atomically
+from ._steps import StepName, parse_step_name
 
 __all__ = [
     "STATE_FILE",
@@ -141,18 +142,7 @@ def _rebuild_state(directory: Path, why: str, *, repair: bool) -> dict[str, Any]
 
 def write_state(directory: Path, state: dict[str, Any]) -> None:
     """Replace the state file atomically and durably (the caller holds :func:`locked`)."""
-    final = directory / STATE_FILE
-    tmp = partial_path(final)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(json.dumps(state, indent=1, sort_keys=True).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        remove_path(tmp)
-        raise
-    fsync_dir(directory)
+    write_atomically(directory / STATE_FILE, json.dumps(state, indent=1, sort_keys=True).encode())
 
 
 def exists(path: Path) -> bool:
@@ -179,9 +169,46 @@ def latest_checkpoint(
         return None
     latest = read_state(directory).get("latest")
     if not isinstance(latest, str) or not latest or "/" in latest or latest in (".", ".."):
-        return None
-    path = directory / latest
-    return os.fspath(path) if exists(path) else None
+        latest = None
+    path = directory / latest if latest else None
+    if path is not None and not exists(path):
+        path = None
+    cached = parse_step_name(latest) if latest else None
+    if latest and cached is None and path is not None:
+        return os.fspath(path)  # a file saved without a step number (Saver, global_step=None)
+    newer = _newest_step(directory, cached)
+    if newer is not None:
+        return os.fspath(newer)
+    return os.fspath(path) if path is not None else None
+
+
+def _newest_step(directory: Path, cached: StepName | None) -> Path | None:
+    """The committed step the state file's cache does not know yet, if any: of the cached
+    latest's naming with a higher number, or (no cache) the newest step in ``directory``.
+
+    The committed files are the record: a crash between a step's rename and the state
+    write, or a lost state file, leaves the cache behind them.
+    """
+    best: tuple[float, int, Path] | None = None
+    for entry in os.scandir(directory):
+        if is_partial(entry.name):
+            continue
+        if cached is not None:
+            parsed = parse_step_name(entry.name, prefix=cached.prefix, suffixes=(cached.suffix,))
+            if parsed is None or parsed.step <= cached.step:
+                continue
+        else:
+            parsed = parse_step_name(entry.name)
+            if parsed is None:
+                continue
+        path = Path(entry.path)
+        if not is_own_checkpoint(path):
+            continue
+        key = (parsed.step, 0.0) if cached is not None else (0, entry.stat().st_mtime)
+        rank = (key[1], key[0], path)
+        if best is None or rank[:2] > best[:2]:
+            best = rank
+    return best[2] if best is not None else None
 
 
 def record_latest(path: str | os.PathLike[str]) -> None:

@@ -1,9 +1,10 @@
-"""Numbered checkpoint names: ``prefix-N.suffix``, built and parsed in this one place.
+"""Numbered checkpoint names: ``prefix-N.suffix`` with the checkpoint formats' suffixes.
 
 ``Checkpoint.save``, ``Saver.save`` (with a ``global_step``) and
 ``CheckpointManager`` name their files ``<prefix>-<step><suffix>``
-(``runs/ckpt-7.h5``, ``runs/ckpt-7.zarr``); this module splits a save prefix into
-base, format and suffix, builds such names, and reads the step back.
+(``runs/ckpt-7.h5``, ``runs/ckpt-7.zarr``) by the one step-name grammar of
+``storage.location``; this module splits a save prefix into base, format and
+suffix, and reads steps back with the checkpoint formats' suffixes.
 
 >>> step_name("runs/ckpt", 7, ".h5")
 'runs/ckpt-7.h5'
@@ -16,22 +17,14 @@ True
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable
-from typing import NamedTuple
 
 from ..storage import backend_for, known_formats
+from ..storage.location import StepName, step_name
+from ..storage.location import parse_step_name as parse_name
 from ._files import NATIVE_FORMATS, native_backend
 
 __all__ = ["StepName", "checkpoint_suffixes", "parse_step_name", "split_format", "step_name"]
-
-
-class StepName(NamedTuple):
-    """A parsed ``prefix-N.suffix`` file name."""
-
-    prefix: str
-    step: int
-    suffix: str
 
 
 def checkpoint_suffixes() -> tuple[str, ...]:
@@ -40,28 +33,18 @@ def checkpoint_suffixes() -> tuple[str, ...]:
     return tuple(formats[f][0] for f in NATIVE_FORMATS if f in formats)
 
 
-def step_name(prefix: str, step: int, suffix: str) -> str:
-    """``prefix-step`` + ``suffix``."""
-    return f"{prefix}-{int(step)}{suffix}"
-
-
 def parse_step_name(
     name: str, *, prefix: str | None = None, suffixes: Iterable[str] | None = None
 ) -> StepName | None:
     """Read ``name`` (a file name, no directory) as ``prefix-N.suffix``; ``None`` if it is not.
 
-    ``prefix`` requires that prefix; ``suffixes`` are the accepted suffixes
-    (default: :func:`checkpoint_suffixes`).
+    The grammar is :func:`ckptvar.storage.location.parse_step_name`'s; ``suffixes``
+    defaults to the checkpoint formats' (:func:`checkpoint_suffixes`).
     """
     sufs = tuple(checkpoint_suffixes() if suffixes is None else suffixes)
     if not sufs:
         return None
-    head = re.escape(prefix) if prefix is not None else r"[^/]+"
-    alts = "|".join(re.escape(s) for s in sorted(sufs, key=len, reverse=True))
-    m = re.fullmatch(rf"(?P<prefix>{head})-(?P<step>\d+)(?P<suffix>{alts})", name)
-    if m is None:
-        return None
-    return StepName(m["prefix"], int(m["step"]), m["suffix"])
+    return parse_name(name, prefix=prefix, suffixes=sufs)
 
 
 def split_format(prefix: str | os.PathLike[str], format: str | None) -> tuple[str, str, str]:

@@ -1,9 +1,9 @@
-"""The ``ckpt`` command: inspect, show, convert, diff, verify and list checkpoints.
+"""The ``ckpt`` command: inspect, show, convert, diff, verify, list and clean up checkpoints.
 
 Built on the public API only (``import ckptvar as cv``: ``cv.storage``'s declared
-reader abilities, ``cv.checkpoint.parse_step_name``). This module owns the top-level
+reader abilities, ``cv.checkpoint.parse_step_name``, ``cv.checkpoint.gc``). This module owns the top-level
 parser and the mapping of errors to exit statuses; each subcommand is a module
-(``inspect``, ``show``, ``convert``, ``diff``, ``verify``, ``ls``) with ``HELP``,
+(``inspect``, ``show``, ``convert``, ``diff``, ``verify``, ``ls``, ``gc``) with ``HELP``,
 ``DESCRIPTION``, ``EPILOG``, ``add_arguments`` and ``run`` (``_common.Command``),
 ``_output`` owns what is printed and ``_blocks`` the block-wise reading and statistics.
 
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import ckptvar as cv
 
-from . import convert, diff, inspect, ls, show, verify
+from . import convert, diff, gc, inspect, ls, show, verify
 from ._blocks import Stats, iter_blocks
 from ._common import (
     EXIT_USAGE,
@@ -48,6 +48,7 @@ _COMMANDS: dict[str, Command] = {
     "diff": diff,
     "verify": verify,
     "ls": ls,
+    "gc": gc,
 }
 
 _MAIN_EPILOG = """\
@@ -62,6 +63,7 @@ examples:
   ckpt diff runs/ckpt-2.h5 runs/ckpt-3.h5 --atol 1e-6
   ckpt verify runs/ckpt-3.h5
   ckpt ls runs/
+  ckpt gc runs/ --dry-run
   ckpt inspect s3://bucket/run/ckpt-3.h5 --storage-option endpoint=http://127.0.0.1:9000
 """
 

@@ -11,14 +11,14 @@ at the step's own key (a plain Zarr group at its URL) under a create-only claim
 which the marker names. Either way, of two writers racing for one step exactly
 one commits, and the committed step holds only its bytes.
 
-The marker binds the checkpoint's index: ``record-crc32c:<hex>``, the CRC-32C of its
-root record (which binds every value's checksum). An HDF5 save also stores its index
+The marker binds the checkpoint's index: ``record-crc32c:<hex>`` (a
+``location.Binding``), the CRC-32C of its root record (which binds every value's checksum). An HDF5 save also stores its index
 as an object of its own, ``<step>.<writer>.index`` (the file's user block, then the
 root record: the bytes a reader needs before any value), which the marker names, so
 opening reads two small objects and never the data until a value is read. A reader checks it against the
 record it opens, so a data object or record replaced or damaged after the commit is
 a ``CorruptCheckpointError`` naming the step, the marker and the object. (A marker
-binding ``crc32c:<hex>``, the checksum of every byte uploaded, as
+binding ``bytes-crc32c:<hex>``, the checksum of every byte uploaded, as
 :func:`~.location.upload_step` writes by default, can only be checked by reading
 everything, so opening does not check it.)
 """
@@ -26,7 +26,6 @@ everything, so opening does not check it.)
 from __future__ import annotations
 
 import json
-import tempfile
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -44,6 +43,7 @@ from ._sharded_remote import is_sharded_record, open_sharded_remote
 from ._zarr_remote import RemoteZarrReader
 from .base import Reader
 from .location import (
+    Binding,
     CommitRecord,
     Location,
     claim,
@@ -52,14 +52,19 @@ from .location import (
     read_commit,
     refuse_committed,
     split_url,
+    staging_directory,
     upload_step,
 )
 
 __all__ = ["RECORD_CHECKSUM", "open_remote_reader", "record_checksum", "remote_format",
            "save_remote"]
 
-#: How a marker spells the checksum of a checkpoint's root record.
+#: How a marker spells the checksum of a checkpoint's root record (a ``Binding``'s prefix).
 RECORD_CHECKSUM = "record-crc32c:"
+
+
+def _record_binding(crc: int) -> Binding:
+    return Binding("record", crc)
 
 _SUFFIXES = {".h5": "h5", ".hdf5": "h5", ".zarr": "zarr"}
 
@@ -120,13 +125,15 @@ def _h5_index(
         parent.read_into(record.data, 0, first)  # read once, used twice
         return [(0, bytes(first))]
     raw = parent.read(record.index)
-    bound = record.index_checksum
-    found = f"{RECORD_CHECKSUM}{_checksum.crc(raw[USERBLOCK_SIZE:]):08x}"
-    if bound.startswith(RECORD_CHECKSUM) and found != bound:
+    head, body = raw[:USERBLOCK_SIZE], raw[USERBLOCK_SIZE:]
+    bound = record.binding
+    found = _record_binding(_checksum.crc(body))
+    if len(head) < USERBLOCK_SIZE or (bound is not None and bound.what == "record"
+                                      and found != bound):
         raise CorruptCheckpointError(
             f"Checkpoint {parent.join(name)!r}: its index object {parent.join(record.index)} "
             f"is damaged (its root record has {found}; the commit marker "
-            f"{parent.join(marker_key(name))} binds index checksum {bound})."
+            f"{parent.join(marker_key(name))} binds index checksum {record.index_checksum})."
         )
     index = RemoteFile(parent, record.index, len(raw), known=[(0, raw[:USERBLOCK_SIZE])])
     return index_regions(raw, index, parent.join(name))
@@ -134,10 +141,10 @@ def _h5_index(
 
 def _check_bound(parent: Location, name: str, record: CommitRecord, record_crc: int) -> None:
     """Refuse a checkpoint whose root record is not the one its commit marker binds."""
-    bound = record.index_checksum
-    if not bound.startswith(RECORD_CHECKSUM):
+    bound = record.binding
+    if bound is None or bound.what != "record":
         return  # the checksum of the uploaded bytes: only a full read could check it
-    found = f"{RECORD_CHECKSUM}{record_crc:08x}"
+    found = _record_binding(record_crc)
     if bound != found:
         raise CorruptCheckpointError(
             f"Checkpoint {parent.join(name)!r}: its commit marker "
@@ -155,17 +162,19 @@ def record_checksum(local: Path) -> str:
         crc = int(doc["attributes"]["ckptvar"]["record_crc32c"])
     else:
         crc = record_crc(local)
-    return f"{RECORD_CHECKSUM}{crc:08x}"
+    return str(_record_binding(crc))
 
 
 def _upload_claimed(parent: Any, local: Path, name: str) -> None:
     """Upload a directory at the step's own key under a create-only claim ``<step>.claim``:
     of two writers racing for the step, the second stops before writing any byte."""
-    key = claim(parent, name)
+    held = claim(parent, name)
     try:
-        upload_step(parent, local, name, index_checksum=record_checksum(local))
+        refuse_committed(parent, name)
+        upload_step(parent, local, name, index_checksum=record_checksum(local),
+                    before_commit=held.check)
     finally:
-        parent.delete(key)
+        held.release()
 
 
 def save_remote(
@@ -180,7 +189,7 @@ def save_remote(
     """
     parent, name = split_url(url, storage_options=storage_options)
     refuse_committed(parent, name)
-    with tempfile.TemporaryDirectory(prefix="ckptvar-upload-") as tmp:
+    with staging_directory() as tmp:
         local = Path(tmp) / name
         write_local(local)
         if local.is_dir():  # Zarr: a plain Zarr group at the step's own URL

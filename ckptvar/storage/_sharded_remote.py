@@ -11,8 +11,10 @@ create-only write; it binds ``index-crc32c:<hex>``, the CRC-32C of the index's b
 Before any byte is written rank 0 takes the step with a create-only claim object
 ``<step>.claim``: of two jobs racing for one step the second stops at once, and the
 step's key holds only the claimant's objects. A failed save deletes what it wrote and
-its claim; a claim left by a job that died is removed by ``CheckpointManager``'s
-clean-up of uncommitted steps older than the latest one, or by hand.
+its claim. The claim names its holder (host, process, job) and is renewed while the
+step is written; a claim left by a job that died stops blocking (``location._claim``):
+the next save of the step takes it over, and ``CheckpointManager``'s clean-up and
+``ckpt gc`` remove it with what it left.
 
 Readers (:func:`open_sharded_remote`) read the marker, then the index (checked against
 the marker), then only the per-process objects and byte ranges a read needs. Global
@@ -35,6 +37,8 @@ from ._step_files import RemoteStepFiles
 from ._zarr_remote import RemoteZarrReader
 from .base import Reader
 from .location import (
+    Binding,
+    Claim,
     CommitRecord,
     Location,
     claim,
@@ -52,7 +56,7 @@ INDEX_CHECKSUM = "index-crc32c:"
 
 def index_binding(index: bytes) -> str:
     """What a marker binds for a multi-process step whose index is ``index``."""
-    return f"{INDEX_CHECKSUM}{_checksum.crc(index):08x}"
+    return str(Binding("index", _checksum.crc(index)))
 
 
 def is_sharded_record(record: CommitRecord) -> bool:
@@ -71,7 +75,7 @@ class RemoteStep:
         self.parent = parent
         self.name = name
         self.url = parent.join(name)
-        self._claim: str | None = None  # the claim's key while this save holds it
+        self._claim: Claim | None = None  # while this save holds the step
 
     def claim(self) -> None:
         """Refuse a committed step; take the step with a create-only claim object."""
@@ -93,6 +97,8 @@ class RemoteStep:
             self.parent.put(f"{self.name}/zarr.json", zarr_root)
         index_key = f"{self.name}/{INDEX_FILE}"
         self.parent.put(index_key, index)
+        if self._claim is not None:
+            self._claim.check()
         commit(self.parent, self.name, index_binding(index), index=index_key)
         self._release()
         return self.url
@@ -105,7 +111,7 @@ class RemoteStep:
 
     def _release(self) -> None:
         if self._claim is not None:
-            self.parent.delete(self._claim)
+            self._claim.release()
             self._claim = None
 
 
@@ -126,7 +132,7 @@ class _BoundStepFiles(RemoteStepFiles):
     def read_index(self, name: str) -> bytes:
         raw = super().read_index(name)
         found = index_binding(raw)
-        if found != self._record.index_checksum:
+        if Binding.parse(found) != self._record.binding:
             raise CorruptCheckpointError(
                 f"Checkpoint {self.display}: its commit marker "
                 f"{self.location.join(marker_key(self._record.step))} binds index checksum "

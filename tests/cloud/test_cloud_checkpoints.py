@@ -45,7 +45,7 @@ def test_hdf5_streamed_up_and_read_back_by_ranges(s3: S3Bucket, tmp_path: Path) 
     local = cv.save(tmp_path / "ckpt-1.h5", arrays, pack_threshold=0)
     loc = s3.location("run")
     record = upload_step(loc, local, "ckpt-1.h5", part_size=5 * MiB)
-    assert record.index_checksum == f"crc32c:{crc32c.crc32c(Path(local).read_bytes()):08x}"
+    assert record.index_checksum == f"bytes-crc32c:{crc32c.crc32c(Path(local).read_bytes()):08x}"
     assert list_committed_steps(loc) == ["ckpt-1.h5"] and is_committed(loc, "ckpt-1.h5")
 
     # ckptvar-style read: offsets from the file's metadata, values by one ranged GET each,
@@ -134,7 +134,7 @@ def test_upload_failure_leaves_no_commit(s3: S3Bucket, proxy: FaultProxy, tmp_pa
     assert loc_ok.read("ckpt-1.h5") == Path(first).read_bytes()
     record = read_commit(loc_ok, "ckpt-1.h5")
     assert record is not None
-    assert record.index_checksum == f"crc32c:{crc32c.crc32c(Path(first).read_bytes()):08x}"
+    assert record.index_checksum == f"bytes-crc32c:{crc32c.crc32c(Path(first).read_bytes()):08x}"
 
 
 def test_failed_commit_marker_write_is_clear(s3: S3Bucket, proxy: FaultProxy) -> None:

@@ -109,7 +109,8 @@ def test_clean_uncommitted_older_than_latest(loc: Location) -> None:
     _write_step(loc, "ckpt-4.zarr", b"a save in flight")
     loc.put("README", b"not a step")
     removed = clean_uncommitted(loc)
-    assert removed == ["ckpt-1.zarr"]
+    # the loser's bytes at the latest step go too: no save can commit that step any more
+    assert removed == ["ckpt-1.zarr", "ckpt-3.h5.attempt-b"]
     keys = {o.key for o in loc.list()}
     assert "ckpt-4.zarr/data.bin" in keys and "ckpt-3.h5.attempt-a" in keys and "README" in keys
     assert not any(k.startswith("ckpt-1.zarr") for k in keys)

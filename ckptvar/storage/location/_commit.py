@@ -26,7 +26,10 @@ calls :func:`commit`.
 Marker content (UTF-8 JSON, one object)::
 
     {"ckptvar_commit": 1, "step": "run/ckpt-3.h5", "data": "run/ckpt-3.h5",
-     "index_checksum": "crc32c:1a2b3c4d", "writer": "<uuid4 hex>", "time": 1764036000.0}
+     "index_checksum": "record-crc32c:1a2b3c4d", "writer": "<uuid4 hex>", "time": 1764036000.0}
+
+``index_checksum`` (named so since the first version) holds a
+:class:`~._publish.Binding`: ``bytes-``, ``record-`` or ``index-crc32c:<hex>``.
 
 (plus ``"index": "<key>"`` when the index is an object of its own; pruning deletes it
 with the data.)
@@ -35,7 +38,6 @@ with the data.)
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -47,12 +49,13 @@ from ...errors import (
     CorruptCheckpointError,
 )
 from ._base import Location, clean_key
+from ._claim import CLAIM_SUFFIX, read_claim
+from ._names import step_number
+from ._publish import Binding
 
 __all__ = [
-    "CLAIM_SUFFIX",
     "MARKER_SUFFIX",
     "CommitRecord",
-    "claim",
     "clean_uncommitted",
     "commit",
     "is_committed",
@@ -66,7 +69,6 @@ __all__ = [
 ]
 
 MARKER_SUFFIX = ".commit"
-CLAIM_SUFFIX = ".claim"
 _FORMAT_VERSION = 1
 
 
@@ -81,6 +83,11 @@ class CommitRecord:
     time: float
     #: The key of the index stored as an object of its own ("" if none).
     index: str = ""
+
+    @property
+    def binding(self) -> Binding | None:
+        """What the marker binds, read from ``index_checksum`` (every spelling ever written)."""
+        return Binding.parse(self.index_checksum)
 
     def to_json(self) -> bytes:
         doc: dict[str, object] = {
@@ -99,13 +106,6 @@ class CommitRecord:
 def marker_key(step: str) -> str:
     """The key of a step's commit marker: a sibling, ``<step>.commit``."""
     return clean_key(step) + MARKER_SUFFIX
-
-
-def step_number(key: str) -> int | None:
-    """The step number in a step's name: the digits ending its stem (``ckpt-12.h5`` → 12)."""
-    stem = key.rstrip("/").rsplit("/", 1)[-1].split(".", 1)[0]
-    m = re.search(r"(\d+)$", stem)
-    return int(m.group(1)) if m else None
 
 
 def _has_data(location: Location, data: str) -> bool:
@@ -165,21 +165,6 @@ def refuse_committed(location: Location, step: str) -> None:
             f"step {location.join(step)} is already committed; a step is written once: save "
             "under a new step, or prune this one first"
         )
-
-
-def claim(location: Location, step: str) -> str:
-    """Take ``step`` for one writer before it writes at the step's own key: a create-only
-    claim object ``<step>.claim``. Returns its key (delete it when done). Of two writers
-    racing for one step the second gets ``CheckpointExistsError`` naming the claim."""
-    key = clean_key(step) + CLAIM_SUFFIX
-    try:
-        location.put(key, uuid.uuid4().hex.encode(), create_only=True)
-    except CheckpointExistsError:
-        raise CheckpointExistsError(
-            f"step {location.join(step)} is being written by another writer (claim "
-            f"{location.join(key)}); if no writer is running, delete the claim and save again"
-        ) from None
-    return key
 
 
 def read_commit(location: Location, step: str) -> CommitRecord | None:
@@ -258,17 +243,44 @@ def prune(location: Location, step: str) -> None:
 
 
 def clean_uncommitted(
-    location: Location, prefix: str = "", *, older_than_latest: bool = True
+    location: Location, prefix: str = "", *, older_than_latest: bool = True,
+    dry_run: bool = False,
 ) -> list[str]:
     """Delete leftovers of failed saves below ``prefix``; returns the keys deleted.
 
-    A leftover is a step-numbered object or prefix that no marker commits (as step
-    or as data). With ``older_than_latest`` (the manager's rule) only leftovers with
-    a step number below the latest committed one go: a save in flight for a newer
-    step is never touched.
+    A leftover is a step-numbered object or prefix that no marker commits (as step,
+    data or index), or a claim whose holder is gone (:mod:`._claim`) with what it
+    left below its step. With ``older_than_latest`` (the manager's rule) an
+    uncommitted object goes only if its step number is at most the latest committed
+    one (no save can commit it any more), or its step's claim is dead: a save in
+    flight for a newer step is never touched. With ``dry_run`` nothing is deleted.
     """
     dirs, objects = location.list_dir(prefix)
     markers = {o.key for o in objects if o.key.endswith(MARKER_SUFFIX)}
+    claims = {o.key[: -len(CLAIM_SUFFIX)] for o in objects if o.key.endswith(CLAIM_SUFFIX)}
+    protected, latest = _committed(location, markers)
+    dead = _dead_claims(location, claims)
+    removed = [step + CLAIM_SUFFIX for step in sorted(dead)]
+    if not dry_run:
+        location.delete(removed)
+    live = claims - dead
+    for key in dirs + [o.key for o in objects if o.key not in markers]:
+        n = step_number(key)
+        if key in protected or n is None or key.endswith(CLAIM_SUFFIX):
+            continue
+        step = next((s for s in claims if key == s or key.startswith(s + ".")), None)
+        if step in live:
+            continue  # a writer is still at it
+        if older_than_latest and step is None and (latest is None or n > latest):
+            continue
+        if not dry_run:
+            _delete_data(location, key)
+        removed.append(key)
+    return removed
+
+
+def _committed(location: Location, markers: set[str]) -> tuple[set[str], int | None]:
+    """The keys committed steps use (step, data, index), and the latest step number."""
     committed = [m[: -len(MARKER_SUFFIX)] for m in markers]
     protected = set(committed)
     for step in committed:
@@ -278,14 +290,14 @@ def clean_uncommitted(
             if record.index:
                 protected.add(record.index)
     numbers = [n for n in map(step_number, committed) if n is not None]
-    latest = max(numbers) if numbers else None
-    removed: list[str] = []
-    for key in dirs + [o.key for o in objects if o.key not in markers]:
-        n = step_number(key)
-        if key in protected or n is None:
-            continue
-        if older_than_latest and (latest is None or n >= latest):
-            continue
-        _delete_data(location, key)
-        removed.append(key)
-    return removed
+    return protected, max(numbers) if numbers else None
+
+
+def _dead_claims(location: Location, steps: set[str]) -> set[str]:
+    """The steps among ``steps`` whose claim's holder is gone."""
+    dead = set()
+    for step in steps:
+        exists, holder = read_claim(location, step)
+        if exists and (holder is None or holder.gone()):
+            dead.add(step)
+    return dead

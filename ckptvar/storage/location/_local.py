@@ -1,8 +1,10 @@
 """``LocalLocation``: the :class:`Location` interface on a local directory.
 
-Writes are atomic (temporary file, ``fsync``, ``os.replace``); a create-only put
-publishes with ``os.link``, which fails if the name exists, so the conditional
-write has the same meaning as ``If-None-Match: *`` on an object store.
+Writes are atomic and durable, by the rename strategy of :mod:`._publish`
+(temporary sibling, ``fsync``, rename); a create-only put renames without
+replacing (``RENAME_NOREPLACE``, or ``os.link``), which fails if the name exists,
+so the conditional write has the same meaning as ``If-None-Match: *`` on an
+object store.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import builtins
 import os
 import shutil
-import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from ._base import (
     OnRange,
     clean_key,
 )
+from ._names import is_partial, partial_path
+from ._publish import publish, write_atomically
 
 __all__ = ["LocalLocation"]
 
@@ -66,7 +69,7 @@ class LocalLocation(Location):
             for name in files:
                 full = Path(dirpath, name)
                 key = full.relative_to(self.root).as_posix()
-                if key.startswith(base) and ".partial-" not in name:
+                if key.startswith(base) and not is_partial(name):
                     found.append(ObjectInfo(key, full.stat().st_size))
         return sorted(found, key=lambda o: o.key)
 
@@ -81,7 +84,7 @@ class LocalLocation(Location):
             key = f"{base}/{entry.name}" if base else entry.name
             if entry.is_dir():
                 dirs.append(key)
-            elif ".partial-" not in entry.name:
+            elif not is_partial(entry.name):
                 objs.append(ObjectInfo(key, entry.stat().st_size))
         return dirs, objs
 
@@ -120,22 +123,11 @@ class LocalLocation(Location):
         self, key: str, data: bytes | bytearray | memoryview, *, create_only: bool = False
     ) -> None:
         path = self._path(key)
-        tmp = _tmp_name(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            if create_only:
-                try:
-                    os.link(tmp, path)
-                except FileExistsError:
-                    raise CheckpointExistsError(f"{path} already exists") from None
-            else:
-                os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+            write_atomically(path, data, create_only=create_only)
+        except CheckpointExistsError:
+            raise CheckpointExistsError(f"{path} already exists") from None
 
     def _open_writer(self, key: str, part_size: int, max_concurrency: int) -> ObjectWriter:
         return _LocalWriter(self._path(key))
@@ -154,17 +146,13 @@ class LocalLocation(Location):
         return n
 
 
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.partial-{uuid.uuid4().hex}")
-
-
 class _LocalWriter(ObjectWriter):
     """Writes a temporary sibling; ``close`` fsyncs and renames it into place."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(os.fspath(path))
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._path, self._tmp = path, _tmp_name(path)
+        self._path, self._tmp = path, partial_path(path)
         self._f = open(self._tmp, "wb")  # noqa: SIM115 (closed in _close/_abort)
 
     def _write(self, view: memoryview) -> None:
@@ -175,7 +163,7 @@ class _LocalWriter(ObjectWriter):
             self._f.flush()
             os.fsync(self._f.fileno())
             self._f.close()
-            os.replace(self._tmp, self._path)
+            publish(self._tmp, self._path)
         except BaseException:
             self._abort()
             raise

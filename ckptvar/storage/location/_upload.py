@@ -3,14 +3,15 @@
 :func:`upload_step` streams a file (HDF5: one object, by multipart upload with
 bounded memory) or a directory tree (Zarr: one object per file, the root's
 ``zarr.json`` last) below ``step``, then calls :func:`commit` with an index
-checksum that binds every byte uploaded: for a file, ``crc32c:<hex>`` of its
-bytes; for a tree, ``crc32c:<hex>`` of the sorted ``key size crc32c`` lines of
-its files. A failure at any point leaves no marker: the step is not visible.
+checksum that binds every byte uploaded (a :class:`~._publish.Binding`
+``bytes-crc32c:<hex>``): for a file, of its bytes; for a tree, of the sorted
+``key size crc32c`` lines of its files. A failure at any point leaves no marker: the step is not visible.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import crc32c as _crc32c
 
 from ._base import DEFAULT_PART_SIZE, Location
 from ._commit import CommitRecord, commit, refuse_committed
+from ._publish import Binding
 
 __all__ = ["tree_checksum", "upload_step", "upload_tree"]
 
@@ -25,7 +27,7 @@ __all__ = ["tree_checksum", "upload_step", "upload_tree"]
 def tree_checksum(entries: list[tuple[str, int, int]]) -> str:
     """The index checksum of a tree: CRC-32C of its sorted ``key size crc`` lines."""
     text = "".join(f"{k} {n} {c:08x}\n" for k, n, c in sorted(entries))
-    return f"crc32c:{_crc32c.crc32c(text.encode()):08x}"
+    return str(Binding("bytes", _crc32c.crc32c(text.encode())))
 
 
 def upload_step(
@@ -36,6 +38,7 @@ def upload_step(
     part_size: int | None = None,
     threads: int = 4,
     index_checksum: str | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> CommitRecord:
     """Upload a local checkpoint file or directory as ``step`` and commit it.
 
@@ -45,14 +48,19 @@ def upload_step(
 
     Raises ``CheckpointExistsError`` (naming the step) if the step is already
     committed: checked before any byte is sent, and again by the create-only marker.
+    ``before_commit`` runs just before the marker (a claim's check that it still holds).
     """
     src = Path(local)
     refuse_committed(location, step)
     if src.is_file():
         crc = location.upload_file(os.fspath(src), step, part_size=part_size)
-        return commit(location, step, index_checksum or f"crc32c:{crc:08x}")
-    entries = upload_tree(location, src, step, part_size=part_size, threads=threads)
-    return commit(location, step, index_checksum or tree_checksum(entries))
+        binding = index_checksum or str(Binding("bytes", crc))
+    else:
+        entries = upload_tree(location, src, step, part_size=part_size, threads=threads)
+        binding = index_checksum or tree_checksum(entries)
+    if before_commit is not None:
+        before_commit()
+    return commit(location, step, binding)
 
 
 def upload_tree(

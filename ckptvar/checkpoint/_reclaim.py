@@ -1,0 +1,115 @@
+"""Reclaiming what dead saves left: ``cv.checkpoint.gc``, ``ckpt gc`` and a manager's next save.
+
+In a checkpoint directory a dead save leaves temporaries (``.<name>.<hex>.partial``);
+a manager's save holds a shared lock on ``.checkpoint_saving.lock`` while it writes,
+so temporaries are removed only while no manager, in any process, saves there
+(the lock of a killed process is released by the kernel). At an object-store URL
+it leaves claims of dead writers and objects below uncommitted steps
+(``storage.location.uncommitted``); on this host, staging directories in ``TMPDIR``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointNotFoundError, CkptError
+from ..storage.location import (
+    Leftover,
+    LocalLocation,
+    is_url,
+    open_location,
+    remove_local,
+    staging_leftovers,
+    temporaries,
+    uncommitted,
+)
+from ._state import STATE_FILE
+
+__all__ = ["SAVING_LOCK_FILE", "Leftover", "gc", "idle", "open_saving_lock", "reclaim_staging"]
+
+#: A save holds a shared lock on this file while it writes; crash leftovers are only cleaned
+#: by whoever can take it exclusively, so a temporary still being written is never removed.
+SAVING_LOCK_FILE = ".checkpoint_saving.lock"
+
+
+def open_saving_lock(directory: Path) -> int:
+    """Open (creating) the directory's saving lock file; the caller closes the descriptor."""
+    return os.open(directory / SAVING_LOCK_FILE,
+                   os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+
+@contextlib.contextmanager
+def idle(directory: Path) -> Iterator[bool]:
+    """Yield whether no manager saves into ``directory`` (holding that for the block)."""
+    if not (directory / SAVING_LOCK_FILE).exists():
+        yield True  # no manager ever saved here
+        return
+    fd = open_saving_lock(directory)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def reclaim_staging(*, dry_run: bool = False) -> list[Leftover]:
+    """Staging directories of this host's dead processes (removed unless ``dry_run``)."""
+    found = staging_leftovers()
+    if not dry_run:
+        remove_local(found)
+    return found
+
+
+def gc(
+    path: str | os.PathLike[str],
+    *,
+    dry_run: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+) -> list[Leftover]:
+    """Remove what dead saves left at ``path`` and in this host's ``TMPDIR``.
+
+    ``path`` is a checkpoint directory or an object-store (or ``file://``) URL. What
+    is removed: temporaries (while no manager saves into the directory), staging
+    directories of dead processes, claims of dead writers and objects below steps
+    no save can commit any more. A save in flight is never touched. Returns what was
+    removed (with ``dry_run``: what would be), each with its size in bytes.
+
+    >>> import pathlib, tempfile
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (d / ".ckpt-1.h5.0123456789abcdef0123456789abcdef.partial").write_bytes(b"xx")
+    >>> [(x.nbytes, x.what) for x in gc(d) if x.path.startswith(str(d))]
+    [(2, 'temporary')]
+    >>> list(d.iterdir())
+    []
+    """
+    found: list[Leftover] = []
+    if is_url(path):
+        location = open_location(path, storage_options=storage_options)
+        found += uncommitted(location, dry_run=dry_run)
+        if isinstance(location, LocalLocation):
+            found += _local(location.root, dry_run=dry_run)
+    else:
+        directory = Path(path)
+        if not directory.is_dir():
+            raise CheckpointNotFoundError(f"{os.fspath(directory)!r} is not a directory.")
+        found += _local(directory, dry_run=dry_run)
+    return found + reclaim_staging(dry_run=dry_run)
+
+
+def _local(directory: Path, *, dry_run: bool) -> list[Leftover]:
+    if not dry_run and not os.access(directory, os.W_OK | os.X_OK):
+        raise CkptError(f"Cannot remove leftovers in {os.fspath(directory)!r}: it is read-only.")
+    with idle(directory) as nobody_saving:
+        found = temporaries(directory, ("",) if nobody_saving else (f".{STATE_FILE}.",))
+        if not dry_run:
+            remove_local(found)
+    return found

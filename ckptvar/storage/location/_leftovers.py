@@ -1,0 +1,104 @@
+"""What dead saves leave, found and reclaimed, with the bytes it holds.
+
+- *temporaries* beside a final name (``.<name>.<hex>.partial``, :mod:`._names`);
+- *staging directories* in ``TMPDIR`` (``ckptvar-upload-<host>-<pid>-...``) whose
+  process is gone;
+- below an object-store (or ``file://``) location: *claims* whose holder is gone
+  (:mod:`._claim`) and *uncommitted objects* no save can commit any more
+  (:func:`~._commit.clean_uncommitted`'s rule).
+
+Incomplete multipart uploads are not among them: the object-store client cannot
+list them (docs/cloud.md recommends the bucket lifecycle rule that aborts them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._base import Location
+from ._claim import CLAIM_SUFFIX, process_alive
+from ._commit import clean_uncommitted
+from ._names import STAGING_PREFIX, is_partial, parse_staging_name, this_host
+from ._publish import remove_path
+
+__all__ = ["Leftover", "remove_local", "staging_leftovers", "temporaries", "uncommitted"]
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """One thing a dead save left: where it is, how many bytes, and what it is."""
+
+    path: str
+    nbytes: int
+    what: str
+
+
+def _size(path: Path) -> int:
+    """Bytes below ``path`` (a file, or a tree; links not followed)."""
+    try:
+        if not path.is_dir() or path.is_symlink():
+            return path.lstat().st_size
+    except FileNotFoundError:
+        return 0
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def temporaries(directory: Path, prefixes: tuple[str, ...] = ("",)) -> list[Leftover]:
+    """The temporaries in ``directory`` whose names start with one of ``prefixes``."""
+    found = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            if is_partial(entry.name) and entry.name.startswith(prefixes):
+                path = Path(entry.path)
+                found.append(Leftover(os.fspath(path), _size(path), "temporary"))
+    return found
+
+
+def staging_leftovers(tmpdir: str | None = None) -> list[Leftover]:
+    """Staging directories in ``tmpdir`` (default ``TMPDIR``) of this host's dead processes."""
+    where = Path(tmpdir or tempfile.gettempdir())
+    found = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in sorted(os.scandir(where), key=lambda e: e.name):
+            if not entry.name.startswith(STAGING_PREFIX):
+                continue
+            owner = parse_staging_name(entry.name)
+            if owner is None or owner[0] != this_host() or process_alive(owner[1]):
+                continue
+            path = Path(entry.path)
+            found.append(Leftover(os.fspath(path), _size(path), "staging directory"))
+    return found
+
+
+def remove_local(leftovers: Iterable[Leftover]) -> None:
+    """Delete local leftovers (files or trees)."""
+    for left in leftovers:
+        remove_path(Path(left.path))
+
+
+def uncommitted(
+    location: Location, prefix: str = "", *, dry_run: bool = False
+) -> list[Leftover]:
+    """Claims of dead writers and uncommitted objects below ``location`` (deleted unless
+    ``dry_run``), by the manager's rule: a save in flight is never touched."""
+    keys = clean_uncommitted(location, prefix, older_than_latest=True, dry_run=True)
+    found = []
+    for key in keys:
+        size = sum(o.size for o in location.list(key + "/"))
+        if location.exists(key):
+            size += location.size(key)
+        what = "claim of a dead writer" if key.endswith(CLAIM_SUFFIX) else "uncommitted object"
+        found.append(Leftover(location.join(key), size, what))
+    if not dry_run and keys:
+        clean_uncommitted(location, prefix, older_than_latest=True)
+    return found

@@ -1,0 +1,203 @@
+"""Restart on an object store (local S3 server): a dead writer's claim never blocks, its
+leftovers are reclaimed, and two live writers still never both commit a step."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ckptvar as cv
+from ckptvar.errors import CheckpointExistsError
+from ckptvar.storage.location import (
+    CLAIM_SUFFIX,
+    Claim,
+    Holder,
+    claim,
+    list_committed_steps,
+    read_claim,
+    this_host,
+)
+
+from ._s3 import S3Bucket
+
+
+def _dead_pid() -> int:
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, timeout=60, check=True)
+    return int(proc.stdout)
+
+
+def _holder(**kw: object) -> Holder:
+    base = Holder.mine()
+    return Holder(**{**base.__dict__, **kw})  # type: ignore[arg-type]
+
+
+def _model(value: float) -> tuple[cv.Checkpoint, cv.Variable]:
+    v = cv.Variable(np.full((32, 8), value, np.float32), name="v")
+    return cv.Checkpoint(v=v), v
+
+
+def test_a_claim_names_its_holder_and_is_released(s3: S3Bucket) -> None:
+    loc = s3.location("run")
+    held = claim(loc, "ckpt-1.zarr")
+    exists, holder = read_claim(loc, "ckpt-1.zarr")
+    assert exists and holder is not None
+    assert (holder.host, holder.pid) == (this_host(), os.getpid()) and holder.lease > 0
+    with pytest.raises(CheckpointExistsError, match=rf"host {this_host()}, pid {os.getpid()}"):
+        claim(loc, "ckpt-1.zarr")  # a live writer: still refused
+    held.release()
+    assert read_claim(loc, "ckpt-1.zarr") == (False, None)
+
+
+@pytest.mark.parametrize("fmt", ["zarr", "h5"])
+def test_a_dead_jobs_claim_never_blocks_the_restarted_save(s3: S3Bucket, fmt: str) -> None:
+    """A job killed mid-save left its claim and objects below step 2: the restarted job
+    saves step 2, and nothing of the dead save is left afterwards."""
+    opts = s3.storage_options
+    run = f"{s3.url}/run"
+    ckpt, _ = _model(1.0)
+    cv.CheckpointManager(ckpt, run, max_to_keep=3, format=fmt, storage_options=opts).save()
+    loc = s3.location("run")
+    dead = _holder(pid=_dead_pid(), job="4242")
+    loc.put(f"ckpt-2.{fmt}{CLAIM_SUFFIX}", dead.to_json())
+    loc.put(f"ckpt-2.{fmt}/rank-00000.h5", b"x" * 4096)  # a dead multi-process save's
+    loc.put(f"ckpt-2.{fmt}.0123456789ab.data", b"y" * 2048)  # a dead single-file save's
+    ckpt2, v2 = _model(0.0)
+    mgr = cv.CheckpointManager(ckpt2, run, max_to_keep=3, format=fmt, storage_options=opts)
+    assert mgr.restore_or_initialize() == f"{run}/ckpt-1.{fmt}"
+    v2.assign(np.full((32, 8), 2.0, np.float32))
+    assert mgr.save() == f"{run}/ckpt-2.{fmt}"
+    np.testing.assert_array_equal(cv.load(f"{run}/ckpt-2.{fmt}", storage_options=opts)["v"],
+                                  np.full((32, 8), 2.0, np.float32))
+    keys = sorted(o.key for o in loc.list())
+    assert not [k for k in keys if k.endswith(CLAIM_SUFFIX)], keys
+    assert not [k for k in keys if "rank-00000" in k or "0123456789ab" in k], keys
+    assert list_committed_steps(loc) == [f"ckpt-1.{fmt}", f"ckpt-2.{fmt}"]
+
+
+def test_a_claim_from_another_host_holds_while_renewed_and_expires_after(
+    s3: S3Bucket,
+) -> None:
+    loc = s3.location("run")
+    # renewed by its (other host's) writer: refused once the renewal is seen
+    other = _holder(host="node-elsewhere", lease=0.6)
+    loc.put(f"ckpt-5.zarr{CLAIM_SUFFIX}", other.to_json())
+    renewing = Claim(loc, "ckpt-5.zarr", other)
+    try:
+        with pytest.raises(CheckpointExistsError, match="node-elsewhere"):
+            claim(loc, "ckpt-5.zarr")
+    finally:
+        renewing.release()
+    # not renewed: taken over after its lease, with what it left below the step
+    stale = _holder(host="node-elsewhere", lease=0.6)
+    loc.put(f"ckpt-6.zarr{CLAIM_SUFFIX}", stale.to_json())
+    loc.put("ckpt-6.zarr/zarr.json", b"{}")
+    t0 = time.monotonic()
+    held = claim(loc, "ckpt-6.zarr")
+    assert time.monotonic() - t0 < 10
+    assert not loc.exists("ckpt-6.zarr/zarr.json")
+    held.release()
+
+
+def test_ckpt_gc_at_a_url_removes_dead_claims_and_uncommitted_objects(s3: S3Bucket) -> None:
+    opts = s3.storage_options
+    run = f"{s3.url}/run"
+    ckpt, _ = _model(1.0)
+    mgr = cv.CheckpointManager(ckpt, run, format="zarr", storage_options=opts)
+    mgr.save()
+    mgr.save()
+    loc = s3.location("run")
+    loc.put("ckpt-1.zarr.abcdef012345.data", b"a" * 100)  # below the latest: dead
+    loc.put(f"ckpt-3.zarr{CLAIM_SUFFIX}", _holder(pid=_dead_pid()).to_json())
+    loc.put("ckpt-3.zarr/rank-00001.h5", b"b" * 300)
+    live = claim(loc, "ckpt-4.zarr")  # a save in flight: never touched
+    loc.put("ckpt-4.zarr/rank-00000.h5", b"c" * 50)
+    try:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        cmd = [sys.executable, "-m", "ckptvar", "gc", run]
+        for k, val in opts.items():
+            cmd += ["--storage-option", f"{k}={val}"]
+        proc = subprocess.run([*cmd, "--dry-run"], capture_output=True, text=True,
+                              timeout=120, env=env, check=False)
+        assert proc.returncode == 0, proc.stderr
+        assert "would remove" in proc.stdout and loc.exists("ckpt-3.zarr/rank-00001.h5")
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env,
+                              check=False)
+        assert proc.returncode == 0, proc.stderr
+        out = proc.stdout
+        assert f"claim of a dead writer  {run}/ckpt-3.zarr{CLAIM_SUFFIX}" in out, out
+        assert f"uncommitted object  {run}/ckpt-3.zarr  300 bytes" in out, out
+        assert f"uncommitted object  {run}/ckpt-1.zarr.abcdef012345.data  100 bytes" in out
+        keys = sorted(o.key for o in loc.list())
+        assert "ckpt-4.zarr/rank-00000.h5" in keys and f"ckpt-4.zarr{CLAIM_SUFFIX}" in keys
+        assert not [k for k in keys if k.startswith(("ckpt-3", "ckpt-1.zarr.abc"))], keys
+        assert list_committed_steps(loc) == ["ckpt-1.zarr", "ckpt-2.zarr"]
+    finally:
+        live.release()
+
+
+def test_two_live_writers_racing_for_a_dead_claim_commit_once(s3: S3Bucket) -> None:
+    loc = s3.location("run")
+    loc.put(f"ckpt-7.zarr{CLAIM_SUFFIX}", _holder(pid=_dead_pid()).to_json())
+    got: dict[str, object] = {}
+    go = threading.Barrier(2)
+
+    def race(name: str) -> None:
+        go.wait(timeout=30)
+        try:
+            got[name] = claim(loc, "ckpt-7.zarr")
+        except CheckpointExistsError as exc:
+            got[name] = exc
+
+    threads = [threading.Thread(target=race, args=(n,)) for n in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    held = [c for c in got.values() if isinstance(c, Claim)]
+    refused = [c for c in got.values() if isinstance(c, CheckpointExistsError)]
+    assert len(held) == 1 and len(refused) == 1, got  # one takes the step over, one is refused
+    held[0].check()
+    assert read_claim(loc, "ckpt-7.zarr")[1] == held[0].holder
+    held[0].release()
+    assert not [o.key for o in loc.list() if o.key.startswith("ckpt-7")]
+
+
+# --------------------------------------------------------------------------- crash harness
+
+
+def _mpi_or_skip() -> None:
+    from test_distributed_mpi import _mpi_skip_reason
+
+    if _mpi_skip_reason():
+        pytest.skip(_mpi_skip_reason() or "")
+
+
+def test_restart_after_kills_of_three_processes_saving_to_s3(s3: S3Bucket, tmp_path: Path) -> None:
+    from test_crash import _check, restart_harness
+
+    _mpi_or_skip()
+    counts = restart_harness(f"{s3.url}/run", "h5", processes=3, kills=2, seed=13,
+                             work=tmp_path, opts=s3.storage_options)
+    _check(counts, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 3])
+def test_restart_after_100_kills_of_saves_to_s3(
+    s3: S3Bucket, tmp_path: Path, processes: int
+) -> None:
+    from test_crash import _check, restart_harness
+
+    if processes > 1:
+        _mpi_or_skip()
+    counts = restart_harness(f"{s3.url}/run", "h5", processes=processes, kills=100,
+                             seed=107 + processes, work=tmp_path, opts=s3.storage_options)
+    _check(counts, 100)

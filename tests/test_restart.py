@@ -1,0 +1,264 @@
+"""Restart after anything: the committed steps are the record, the state file a cache.
+
+The state-file cases (deleted, stale by one step, damaged, disagreeing with the
+directory, a step saved again) run in one process and in three (``mpiexec``), by
+the same script (tests/mpi/restart_cases.py): the restarted job lists, restores and
+prunes exactly what the directory holds, and saves the next step.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_distributed_mpi import _mpi_skip_reason, read_results, run_mpi
+
+import ckptvar as cv
+from ckptvar.distributed import MPI_ENV_VARS
+
+CASES = Path(__file__).parent / "mpi" / "restart_cases.py"
+STATE_CASES = ["deleted", "stale", "damaged", "disagree", "again"]
+
+
+def _run(n: int, root: Path) -> dict[str, dict[int, dict[str, Any]]]:
+    if n > 1:
+        reason = _mpi_skip_reason()
+        if reason is not None:
+            pytest.skip(reason)
+        proc, got, _ = run_mpi(n, str(CASES), str(root), *STATE_CASES, timeout=120)
+    else:
+        with tempfile.TemporaryDirectory(prefix="ckptvar-restart-") as result_dir:
+            env = {k: v for k, v in os.environ.items() if k not in MPI_ENV_VARS}
+            env["RESULT_DIR"] = result_dir
+            proc = subprocess.run([sys.executable, str(CASES), str(root), *STATE_CASES],
+                                  capture_output=True, text=True, timeout=120, env=env,
+                                  check=False)
+            got = read_results(Path(result_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return got
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_the_state_file_is_only_a_cache(n: int, tmp_path: Path) -> None:
+    got = _run(n, tmp_path)
+    for case in STATE_CASES:
+        assert sorted(got.get(case, {})) == list(range(n)), (case, got.get(case))
+        for rank, r in got[case].items():
+            where = (case, rank)
+            assert r["ok"], (where, r)
+            assert r["listed"] == ["ckpt-2.h5", "ckpt-3.h5"], (where, r)
+            assert r["latest"] == r["dir_latest"] == r["restored"] == "ckpt-3.h5", (where, r)
+            assert r["values"] == r["values_max"] == 3.0, (where, r)  # the newest, bit-exact
+            assert r["next"] == "ckpt-4.h5", (where, r)
+            assert r["after"] == ["ckpt-3.h5", "ckpt-4.h5"], (where, r)  # pruned by the rule
+            assert r["on_disk"] == ["ckpt-3.h5", "ckpt-4.h5"], (where, r)
+        if case == "damaged":
+            # said once, by the process that found it damaged (and rebuilt it)
+            assert any("could not be read" in w for r in got[case].values() for w in r["warned"])
+    for r in got["again"].values():  # every process: the same clear error
+        assert r["error"] == "CheckpointExistsError", r
+        assert "ckpt-3.h5" in r["message"] and "committed already" in r["message"], r
+
+
+def _model(value: float) -> tuple[cv.Checkpoint, cv.Variable]:
+    v = cv.Variable(np.full(4, value), name="v")
+    return cv.Checkpoint(v=v), v
+
+
+def test_a_step_committed_when_the_state_write_failed_is_listed_and_pruned(
+    tmp_path: Path, fresh_graph: cv.Graph, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rename happened, the state write raised: the step is the manager's all the same."""
+    from ckptvar.checkpoint import _state
+
+    ckpt, v = _model(1.0)
+    mgr = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=2)
+    mgr.save()
+    real = _state.write_state
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_state, "write_state", broken)
+    monkeypatch.setattr("ckptvar.checkpoint._manager.write_state", broken)
+    v.assign(np.full(4, 2.0))
+    with pytest.raises(OSError, match="No space"):
+        mgr.save()
+    monkeypatch.setattr("ckptvar.checkpoint._manager.write_state", real)
+    monkeypatch.setattr(_state, "write_state", real)
+    assert (tmp_path / "ckpt-2.h5").exists()
+    assert [Path(p).name for p in mgr.checkpoints] == ["ckpt-1.h5", "ckpt-2.h5"]
+    assert cv.latest_checkpoint(tmp_path) == str(tmp_path / "ckpt-2.h5")
+    ckpt2, v2 = _model(0.0)
+    again = cv.CheckpointManager(ckpt2, tmp_path, max_to_keep=2)
+    assert again.restore_or_initialize() == str(tmp_path / "ckpt-2.h5")
+    np.testing.assert_array_equal(v2.numpy(), np.full(4, 2.0))
+    for value in (3.0, 4.0):
+        v2.assign(np.full(4, value))
+        again.save()
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-3.h5", "ckpt-4.h5"]
+    doc = json.loads((tmp_path / "checkpoint_state.json").read_text())
+    assert [e["path"] for e in doc["sections"]["ckpt"]["checkpoints"]] == [
+        "ckpt-3.h5", "ckpt-4.h5"]
+
+
+def test_saving_a_committed_step_again_is_refused(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    ckpt, v = _model(1.0)
+    mgr = cv.CheckpointManager(ckpt, tmp_path)
+    first = mgr.save()
+    before = Path(first).read_bytes()
+    v.assign(np.full(4, 9.0))
+    with pytest.raises(cv.errors.CheckpointExistsError, match="committed already"):
+        mgr.save(checkpoint_number=1)
+    assert Path(first).read_bytes() == before
+    assert int(ckpt.save_counter.numpy()) == 1  # the failed save did not count
+    assert mgr.save() == str(tmp_path / "ckpt-2.h5")
+
+
+def test_a_save_counter_behind_the_directory_continues_past_it(
+    tmp_path: Path, fresh_graph: cv.Graph, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job that did not restore: its next save is a new step, never an overwrite."""
+    ckpt, _ = _model(1.0)
+    mgr = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=3)
+    for _ in range(3):
+        mgr.save()
+    kept = {p: Path(p).read_bytes() for p in mgr.checkpoints}
+    ckpt2, _ = _model(7.0)  # a fresh job that forgot restore_or_initialize()
+    again = cv.CheckpointManager(ckpt2, tmp_path, max_to_keep=3)
+    with caplog.at_level("WARNING", logger="ckptvar"):
+        path = again.save()
+    assert path == str(tmp_path / "ckpt-4.h5")
+    assert "Step 1 is committed already" in caplog.text and "as step 4" in caplog.text
+    assert int(ckpt2.save_counter.numpy()) == 4
+    assert int(cv.load(path)["save_counter"]) == 4
+    for p, raw in kept.items():  # ckpt-1 pruned by the rule, the others untouched
+        assert not Path(p).exists() or Path(p).read_bytes() == raw
+    assert [Path(p).name for p in again.checkpoints] == ["ckpt-2.h5", "ckpt-3.h5", "ckpt-4.h5"]
+
+
+# --------------------------------------------------------------------------- leftovers
+
+HEX = "0123456789abcdef" * 2
+
+
+def _dead_pid() -> int:
+    """The id of a process of this host that has exited."""
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, timeout=60, check=True)
+    return int(proc.stdout)
+
+
+def _ckpt_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptvar", *args], capture_output=True,
+                          text=True, timeout=120, env=env, check=False)
+
+
+def _leave_leftovers(d: Path, tmpdir: Path) -> dict[str, int]:
+    """What dead saves leave in ``d`` and in ``tmpdir`` (names -> bytes)."""
+    left = {
+        f".ckpt-3.h5.{HEX}.partial": 1000,               # a file checkpoint's temporary
+        f".checkpoint_state.json.{HEX}.partial": 10,      # the state file's
+        f".ckpt-3.h5.partial-{HEX}": 20,                  # a local location's, old naming
+    }
+    for name, n in left.items():
+        (d / name).write_bytes(b"x" * n)
+    tree = d / f".ckpt-4.zarr.{HEX}.partial"               # a directory checkpoint's
+    (tree / "v").mkdir(parents=True)
+    (tree / "v" / "c0").write_bytes(b"y" * 300)
+    left[tree.name] = 300
+    stage = tmpdir / f"ckptvar-upload-{cv.storage.location.this_host()}-{_dead_pid()}-abc_1"
+    stage.mkdir()
+    (stage / "ckpt-3.h5").write_bytes(b"z" * 5000)
+    left[stage.name] = 5000
+    alive = tmpdir / f"ckptvar-upload-{cv.storage.location.this_host()}-{os.getpid()}-live"
+    alive.mkdir()  # this process's own: never touched
+    return left
+
+
+def test_ckpt_gc_removes_what_dead_saves_left_and_says_how_much(
+    tmp_path: Path, fresh_graph: cv.Graph
+) -> None:
+    d, tmpdir = tmp_path / "run", tmp_path / "tmp"
+    d.mkdir(), tmpdir.mkdir()
+    ckpt, _ = _model(1.0)
+    mgr = cv.CheckpointManager(ckpt, d)
+    kept = Path(mgr.save())
+    left = _leave_leftovers(d, tmpdir)
+    env = {k: v for k, v in os.environ.items() if k not in MPI_ENV_VARS}
+    env.update(TMPDIR=str(tmpdir), PYTHONPATH=os.pathsep.join(sys.path))
+    dry = _ckpt_cli("gc", str(d), "--dry-run", env=env)
+    assert dry.returncode == 0, dry.stderr
+    for name, n in left.items():
+        assert f"{name}  {n} bytes" in dry.stdout, (name, dry.stdout)
+    total = sum(left.values())
+    assert f"would remove {len(left)} leftovers, {total} bytes" in dry.stdout
+    assert all((d / n).exists() or (tmpdir / n).exists() for n in left)  # nothing removed
+    done = _ckpt_cli("gc", str(d), env=env)
+    assert done.returncode == 0, done.stderr
+    assert f"removed {len(left)} leftovers, {total} bytes" in done.stdout
+    assert not any((d / n).exists() or (tmpdir / n).exists() for n in left)
+    assert sorted(p.name for p in tmpdir.iterdir()) == [
+        f"ckptvar-upload-{cv.storage.location.this_host()}-{os.getpid()}-live"]
+    assert [p.name for p in d.iterdir() if not p.name.startswith(".")] == [
+        "checkpoint_state.json", kept.name]
+    cv.load(kept)
+    again = _ckpt_cli("gc", str(d), env=env)
+    assert "removed 0 leftovers, 0 bytes" in again.stdout
+
+
+def test_the_managers_next_save_removes_dead_leftovers(
+    tmp_path: Path, fresh_graph: cv.Graph, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d, tmpdir = tmp_path / "run", tmp_path / "tmp"
+    d.mkdir(), tmpdir.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    ckpt, _ = _model(1.0)
+    mgr = cv.CheckpointManager(ckpt, d)
+    mgr.save()
+    left = _leave_leftovers(d, tmpdir)
+    mgr.save()
+    assert [n for n in left if (d / n).exists() or (tmpdir / n).exists()] == []
+
+
+def test_a_save_in_flight_keeps_its_temporary_from_gc(
+    tmp_path: Path, fresh_graph: cv.Graph
+) -> None:
+    """While a manager saves into the directory, gc leaves checkpoint temporaries alone."""
+    from ckptvar.checkpoint._reclaim import open_saving_lock
+
+    d = tmp_path
+    cv.CheckpointManager(_model(1.0)[0], d).save()
+    tmp = d / f".ckpt-2.h5.{HEX}.partial"
+    tmp.write_bytes(b"being written")
+    fd = open_saving_lock(d)  # what a save in flight holds
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        assert [x for x in cv.checkpoint.gc(d) if x.path.startswith(str(d))] == []
+        assert tmp.exists()
+    finally:
+        os.close(fd)
+    assert [Path(x.path).name for x in cv.checkpoint.gc(d) if x.path.startswith(str(d))] == [
+        tmp.name]
+    assert not tmp.exists()
+
+
+def test_local_location_temporaries_are_the_ones_cleanup_knows(tmp_path: Path) -> None:
+    from ckptvar.storage.location import LocalLocation, is_partial
+
+    loc = LocalLocation(tmp_path)
+    with loc.open_writer("a/b.bin") as w:
+        w.write(b"x" * 10)
+        names = [p.name for p in (tmp_path / "a").iterdir()]
+        assert len(names) == 1 and is_partial(names[0]) and names[0].endswith(".partial")
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["b.bin"]
+    assert is_partial(f".b.bin.partial-{HEX}")  # what older versions named them
