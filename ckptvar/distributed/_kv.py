@@ -5,12 +5,17 @@ Each collective takes the next sequence number; a sending process sets
 the ranks it needs before one deadline. A payload whose kind or tag differ from the
 caller's raises at once (the processes run different steps); on timeout the missing
 ranks are named. Once everyone has read them, a process deletes its earlier keys.
-Subclasses say how bytes are set, waited for and deleted, and how the background
-twin is made.
+A process that ends (an uncaught exception, an exit: see :mod:`._failure`) sets
+``<prefix>/down/<rank>`` to the number of its last collective and what it posted;
+a process waiting for its part of a later collective reads that key while it polls
+(:meth:`KeyValueCoordinator._check_down`) and raises at once, naming it.
+Subclasses say how bytes are set, read, waited for and deleted, and how the
+background twin is made.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import threading
 from abc import abstractmethod
@@ -18,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any, Self
 
 from ._coordinator import DEFAULT_TIMEOUT, Deadline, RankedCoordinator
+from ._failure import peer_failed, watch
 
 __all__ = ["KeyValueCoordinator"]
 
@@ -36,6 +42,8 @@ class KeyValueCoordinator(RankedCoordinator):
         self._mine: list[str] = []
         self._lock = threading.Lock()
         self._background: Self | None = None
+        self._down: dict[int, tuple[int, str]] = {}
+        watch(self)
 
     # -- the hooks -------------------------------------------------------------------
 
@@ -53,6 +61,10 @@ class KeyValueCoordinator(RankedCoordinator):
         ranks whose keys are still missing, or :class:`DistributedError` when the
         store itself fails.
         """
+
+    @abstractmethod
+    def _try_get(self, key: str) -> bytes | None:
+        """The bytes under ``key`` now, or ``None`` if it is absent (never waits)."""
 
     @abstractmethod
     def _delete(self, key: str) -> None:
@@ -84,6 +96,33 @@ class KeyValueCoordinator(RankedCoordinator):
             if self._background is None:
                 self._background = self._twin(f"{self._prefix}/background")
             return self._background
+
+    def post_failure(self, what: str) -> None:
+        """Tell every peer this process is ending (``what``), after collective ``seq``."""
+        data = pickle.dumps((self._seq, what), protocol=5)
+        # the store may be gone: the peers then time out instead
+        with contextlib.suppress(Exception):
+            self._set(self._down_key(self._rank), data)
+
+    def _down_key(self, rank: int) -> str:
+        return f"{self._prefix}/down/{rank}"
+
+    def _check_down(self, kind: str, tag: str, missing: Sequence[int]) -> None:
+        """Raise if a rank in ``missing`` posted that it ended before this collective."""
+        for r in missing:
+            if r not in self._down:
+                try:
+                    data = self._try_get(self._down_key(r))
+                except Exception:  # noqa: BLE001 - the store failing is found by the wait
+                    continue
+                if data is not None:
+                    last, what = pickle.loads(data)
+                    self._down[r] = (int(last), str(what))
+        error = peer_failed(
+            kind, tag, me=self._rank, seq=self._seq, waiting_for=list(missing), down=self._down
+        )
+        if error is not None:
+            raise error
 
     def _key(self, seq: int, rank: int) -> str:
         return f"{self._prefix}/{seq}/{rank}"
