@@ -16,8 +16,9 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from ..storage.location import (
 from ..variables import Variable
 from ._checkpoint import Checkpoint, SaveOptions
 from ._files import NATIVE_FORMATS, discard
+from ._preemption import SignalSave
 from ._state import (
     STATE_FILE,
     STATE_VERSION,
@@ -89,6 +91,8 @@ class CheckpointManager:
         coordinator: a ``cv.distributed`` coordinator: every process creates the manager
             and calls :meth:`save` (``timeout=`` bounds each collective); they write one
             checkpoint, rank 0 keeps the state file and prunes.
+        save_on_signal: signals (e.g. ``(signal.SIGTERM,)``) that make the next step
+            boundary a save, then are re-delivered: see :meth:`save_on_signal`.
 
     A read-only directory can be opened (``read_only`` is then True):
     :attr:`checkpoints`, :attr:`latest_checkpoint` and :meth:`restore_or_initialize`
@@ -109,6 +113,7 @@ class CheckpointManager:
         async_save: bool = False,
         storage_options: Mapping[str, Any] | None = None,
         coordinator: Any = None,
+        save_on_signal: Sequence[int] = (),
     ) -> None:
         if not isinstance(checkpoint, Checkpoint):
             raise TypeError(f"CheckpointManager needs a cv.Checkpoint, got {checkpoint!r}.")
@@ -148,6 +153,9 @@ class CheckpointManager:
         self.skipped: list[tuple[str, str]] = []
         self._section: dict[str, Any] = {}
         self._created = time.time()
+        self._on_signal = SignalSave()
+        if save_on_signal:
+            self._on_signal.install(save_on_signal)
         if self._location is not None:
             self.read_only = False
             self._section = self._empty_section()
@@ -360,8 +368,13 @@ class CheckpointManager:
         incrementing. With ``checkpoint_interval`` set (and ``check_interval``), returns
         ``None`` without saving when fewer steps than the interval passed since the last
         checkpoint. With ``async_save`` the path is returned before it is durable; it is
-        listed once it is.
+        listed once it is. After a signal of :meth:`save_on_signal`, this save is the
+        preemption save (whatever the interval), then the signal is re-delivered.
         """
+        signum = self._on_signal.due(self.coordinator, timeout)
+        if signum is not None:
+            return self._on_signal.save_then_redeliver(signum, lambda: self.save(
+                checkpoint_number, check_interval=False, timeout=timeout), self._sync)
         self._sync()
         if self._location is None and not writable(self.directory):
             raise CkptError(
@@ -409,6 +422,32 @@ class CheckpointManager:
         result._future.add_done_callback(lambda _f, fd=saving: os.close(fd))
         path: str = result.path
         return path
+
+    def save_on_signal(self, *signals: int) -> None:
+        """On any of ``signals`` (default ``SIGTERM``), save at the next step boundary.
+
+        The handler only notes the signal. At the next :meth:`save` or
+        :meth:`reached_preemption` (on every process: a small collective), the current
+        state is saved as a committed step (a background save in flight finished first,
+        the new one finished before going on); then the previous handlers are put back
+        and the signal is re-delivered, so the process ends as it would have.
+        """
+        self._on_signal.install(signals or (signal.SIGTERM,))
+
+    def reached_preemption(self, checkpoint_number: int | None = None,
+                           *, timeout: float | None = None) -> bool:
+        """A step boundary between saves: if a signal of :meth:`save_on_signal` arrived
+        (on any process), save step ``checkpoint_number`` now and re-deliver the signal.
+
+        Returns ``False`` when no signal arrived; ``True`` after the save if the
+        re-delivered signal did not end the process (its handler returned).
+        """
+        signum = self._on_signal.due(self.coordinator, timeout)
+        if signum is None:
+            return False
+        self._on_signal.save_then_redeliver(signum, lambda: self.save(
+            checkpoint_number, check_interval=False, timeout=timeout), self._sync)
+        return True
 
     def _save_remote(self, number: int, step: int, timeout: float | None) -> str:
         options: SaveOptions = {"format": self.format, "blocking": not self.async_save,
