@@ -59,6 +59,7 @@ class JaxCoordinator(KeyValueCoordinator):
             raise ValueError("JaxCoordinator(client=...) needs rank= and size=")
         super().__init__(rank=rank, size=size, timeout=timeout, prefix=prefix)
         self._client = client
+        self._announce()
 
     def _twin(self, prefix: str) -> JaxCoordinator:
         return JaxCoordinator(

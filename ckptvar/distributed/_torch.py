@@ -68,6 +68,7 @@ class TorchCoordinator(KeyValueCoordinator):
             raise ValueError(f"rank {rank} is not in 0..{size - 1}")
         super().__init__(rank=rank, size=size, timeout=timeout, prefix=prefix)
         self._store = store
+        self._announce()
 
     def _twin(self, prefix: str) -> TorchCoordinator:
         return TorchCoordinator(

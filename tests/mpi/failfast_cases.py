@@ -10,6 +10,7 @@ seconds from the failure to it), then lets it go uncaught, as a training script 
 - ``raise``: a collective save of step 1; then rank 1 raises in its own code, and the
   others call ``mgr.save()`` for step 2.
 - ``exit``: the same, but rank 1 calls ``sys.exit(3)``.
+- ``kill``: the same, but rank 1 is killed (``SIGKILL``).
 - ``mismatch``: a collective restore where ranks 1 and 2 hold a target whose shape
   differs from the stored one; nothing is caught by the ranks.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -84,6 +86,8 @@ def main(case: str, out: Path) -> None:
         stamp.write_text(str(time.time()))
         if case == "exit":
             sys.exit(3)
+        if case == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError("loss is NaN at step 2")
     try:
         mgr.save()
