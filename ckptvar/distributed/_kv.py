@@ -165,17 +165,18 @@ class KeyValueCoordinator(RankedCoordinator):
     def _check_down(self, kind: str, tag: str, missing: Sequence[int]) -> None:
         """Raise if a rank in ``missing`` posted that it ended before this collective."""
         for r in missing:
-            if r not in self._down:
-                try:
-                    data = self._try_get(self._down_key(r))
-                except Exception:  # noqa: BLE001 - the store failing is found by the wait
-                    continue
+            if r in self._down:
+                continue
+            try:
+                data = self._try_get(self._down_key(r))
                 if data is not None:
                     last, what = pickle.loads(data)
                     self._down[r] = (int(last), str(what))
                 elif self._killed(r) and self._try_get(self._key(self._seq, r)) is None:
                     pid = self._where[r][2]  # type: ignore[index]
                     self._down[r] = (self._seq - 1, f"was killed (process {pid} is gone)")
+            except Exception:  # noqa: BLE001 - the store failing is found by the wait
+                continue
         error = peer_failed(
             kind, tag, me=self._rank, seq=self._seq, waiting_for=list(missing), down=self._down
         )
