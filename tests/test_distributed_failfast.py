@@ -149,10 +149,15 @@ def test_under_python_m_mpi4py_a_raising_rank_ends_the_job_in_seconds() -> None:
 
 
 @pytest.mark.skipif(_mpi_skip_reason() is not None, reason=_mpi_skip_reason() or "")
+@pytest.mark.parametrize("case", ["mismatch", "mismatch_manager"])
 def test_a_mismatched_target_raises_checkpoint_mismatch_where_it_is_and_distributed_elsewhere(
+    case: str,
 ) -> None:
-    got, seconds, output = run_job("mpi", "mismatch")
+    got, seconds, output = run_job("mpi", case)
     assert seconds < RUN_BOUND, output
+    assert "INITIALISED" not in output  # restore_or_initialize neither skipped nor initialised
+    for r in got.values():
+        assert "ckpt-2.h5" in r["message"], r  # the newest step, not an older one
     assert sorted(got) == [0, 1, 2], output
     for rank in (1, 2):  # as one process with such a target would
         assert got[rank]["error"] == "CheckpointMismatchError", got[rank]

@@ -66,6 +66,10 @@ logger = logging.getLogger("ckptvar")
 _SAVING_LOCK_FILE = ".checkpoint_saving.lock"
 
 
+#: What ``restore_or_initialize`` skips a checkpoint for (also as another process's failure).
+_SKIPPED = ("CorruptCheckpointError", "CheckpointNotFoundError", "UnsupportedFormatError")
+
+
 def _open_saving_lock(directory: Path) -> int:
     return os.open(directory / _SAVING_LOCK_FILE,
                    os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -475,8 +479,14 @@ class CheckpointManager:
                 )
             except DistributedTimeoutError:
                 raise
-            except (CorruptCheckpointError, CheckpointNotFoundError, UnsupportedFormatError,
-                    DistributedError) as exc:  # a file it wrote that no longer reads
+            except DistributedError as exc:  # skipped only where the file is what failed
+                if not all(m.startswith(_SKIPPED) for m in exc.failures.values()):
+                    raise
+                logger.warning("Skipping checkpoint %s: %s", path, exc)
+                self.skipped.append((path, str(exc)))
+                continue
+            except (CorruptCheckpointError, CheckpointNotFoundError,
+                    UnsupportedFormatError) as exc:  # a file it wrote that no longer reads
                 logger.warning("Skipping checkpoint %s: %s", path, exc)
                 self.skipped.append((path, str(exc)))
                 continue

@@ -13,6 +13,8 @@ seconds from the failure to it), then lets it go uncaught, as a training script 
 - ``kill``: the same, but rank 1 is killed (``SIGKILL``).
 - ``mismatch``: a collective restore where ranks 1 and 2 hold a target whose shape
   differs from the stored one; nothing is caught by the ranks.
+- ``mismatch_manager``: the same through ``restore_or_initialize`` (which must not
+  skip to an older step or initialise on any rank).
 """
 
 from __future__ import annotations
@@ -71,12 +73,18 @@ def main(case: str, out: Path) -> None:
     ckpt = cv.Checkpoint(w=cv.Variable(np.arange(12.0).reshape(3, 4), name="w"))
     mgr = cv.CheckpointManager(ckpt, out / "run", coordinator=coord)
     mgr.save()
-    if case == "mismatch":
+    if case.startswith("mismatch"):
+        mgr.save()  # two steps: a skip to the older one would be wrong too
         shape = (4, 4) if coord.rank in (1, 2) else (3, 4)
         target = cv.Checkpoint(w=cv.Variable(np.zeros(shape), name="w"))
         t0 = time.time()
         try:
-            target.restore(mgr.latest_checkpoint, coordinator=coord)
+            if case == "mismatch":
+                target.restore(mgr.latest_checkpoint, coordinator=coord)
+            else:
+                cv.CheckpointManager(target, out / "run", coordinator=coord,
+                                     init_fn=lambda: print("INITIALISED", flush=True)
+                                     ).restore_or_initialize()
         except Exception as exc:
             report(coord, out, exc, t0)
             raise
