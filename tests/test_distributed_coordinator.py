@@ -46,15 +46,19 @@ def test_vote_passes_on_success_and_raises_naming_the_rank() -> None:
     coord.vote(None, tag="save")
     coord.vote(True, tag="save")
     cause = OSError("no space left on device")
-    with pytest.raises(
-        DistributedError,
-        match=r"'save 3' failed on 1 of 1 processes \(rank 0\): "
-        r"rank 0: OSError: no space left on device",
-    ) as info:
+    with pytest.raises(OSError) as own:  # the failing process raises its own error, as alone
         coord.vote(cause, tag="save 3")
+    assert own.value is cause
+    assert own.value.__notes__ == [
+        "(on rank 0: 'save 3' failed on 1 of 1 processes (rank 0): "
+        "rank 0: OSError: no space left on device)"
+    ]
+    timeout = DistributedTimeoutError("barrier timed out", ranks=(2,))
+    with pytest.raises(DistributedError, match=r"'save 4' failed on 1 of 1") as info:
+        coord.vote(timeout, tag="save 4")  # a distributed failure: the vote's error, chained
     assert info.value.ranks == (0,)
-    assert info.value.failures == {0: "OSError: no space left on device"}
-    assert info.value.__cause__ is cause
+    assert info.value.failures == {0: "DistributedTimeoutError: barrier timed out"}
+    assert info.value.__cause__ is timeout
     with pytest.raises(DistributedError, match="no exception given"):
         coord.vote(False, tag="save")
     with pytest.raises(TypeError, match="vote"):

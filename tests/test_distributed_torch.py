@@ -88,9 +88,10 @@ def test_torch_coordinator_collectives_vote_timeout_and_planning(torch_run: Any)
         assert r["from_root"] == f"hello from {N - 1}"
         assert r["fg"] == [[-i - k for i in range(N)] for k in range(5)]
         assert r["bg"] == [[i + 100 * k for i in range(N)] for k in range(5)]
-    for r in got["vote_raises"].values():
-        assert r["error"] == "DistributedError" and r["ranks"] == [1]
-        assert "rank 1: OSError: disk full while writing shard 1" in r["message"]
+    for rank, r in got["vote_raises"].items():  # rank 1 raises its own error, the others name it
+        text = r["message"] if rank != 1 else r["notes"][0]
+        assert r["error"] == ("OSError" if rank == 1 else "DistributedError")
+        assert "rank 1: OSError: disk full while writing shard 1" in text
     for r in got["mismatch"].values():
         assert "running different collective steps" in r["message"]
     for r in got["plan"].values():
@@ -105,11 +106,11 @@ def test_torch_coordinator_collectives_vote_timeout_and_planning(torch_run: Any)
         assert r["vote"]["error"] == "DistributedError" and r["vote"]["ranks"] == [0, 1]
 
 
-def test_torch_rank_killed_with_sigkill_survivors_raise_a_timeout(torch_run: Any) -> None:
+def test_torch_rank_killed_with_sigkill_survivors_raise_at_once(torch_run: Any) -> None:
     proc, got = torch_run
     assert "LAUNCH exit codes 0 -9 0" in proc.stdout, proc.stdout + proc.stderr
-    assert sorted(got["killed"]) == [0, 2]  # nothing ends the survivors: they time out
+    assert sorted(got["killed"]) == [0, 2]  # nothing ends the survivors: they see it is gone
     for r in got["killed"].values():
-        assert r["is_timeout"] and r["ranks"] == [1]
-        assert "nothing arrived from rank 1" in r["message"]
-        assert TIMEOUT <= r["elapsed"] < TIMEOUT + 2.0
+        assert not r["is_timeout"] and r["ranks"] == [1]
+        assert "rank 1 was killed (process " in r["message"]
+        assert r["elapsed"] < TIMEOUT  # before the collective's timeout

@@ -17,8 +17,9 @@ import contextlib
 import fcntl
 import logging
 import os
+import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from ..storage.location import (
 from ..variables import Variable
 from ._checkpoint import Checkpoint, SaveOptions
 from ._files import NATIVE_FORMATS, discard
+from ._preemption import SignalSave
 from ._reclaim import idle, open_saving_lock, reclaim_staging
 from ._state import (
     STATE_FILE,
@@ -64,6 +66,10 @@ from ._steps import parse_step_name, step_name
 __all__ = ["STATE_FILE", "CheckpointManager", "latest_checkpoint"]
 
 logger = logging.getLogger("ckptvar")
+
+#: What ``restore_or_initialize`` skips a checkpoint for (also as another process's failure).
+_SKIPPED = ("CorruptCheckpointError", "CheckpointNotFoundError", "UnsupportedFormatError")
+
 
 class CheckpointManager:
     """Saves numbered checkpoints of ``checkpoint`` into ``directory`` and prunes old ones.
@@ -87,6 +93,8 @@ class CheckpointManager:
             checkpoint, rank 0 keeps the state file and prunes.
         pack_threshold: the writer's (``0``: every value its own array; default:
             docs/FORMAT.md, "Packing"), for every save.
+        save_on_signal: signals (e.g. ``(signal.SIGTERM,)``) that make the next step
+            boundary a save, then are re-delivered: see :meth:`save_on_signal`.
 
     A read-only directory can be opened (``read_only`` is then True):
     :attr:`checkpoints`, :attr:`latest_checkpoint` and :meth:`restore_or_initialize`
@@ -108,6 +116,7 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         coordinator: Any = None,
         pack_threshold: int | None = None,
+        save_on_signal: Sequence[int] = (),
     ) -> None:
         if not isinstance(checkpoint, Checkpoint):
             raise TypeError(f"CheckpointManager needs a cv.Checkpoint, got {checkpoint!r}.")
@@ -149,6 +158,9 @@ class CheckpointManager:
         self._section: dict[str, Any] = {}
         self._created = time.time()
         reclaim_staging()  # this host's staging directories of dead saves
+        self._on_signal = SignalSave()
+        if save_on_signal:
+            self._on_signal.install(save_on_signal)
         if self._location is not None:
             self.read_only = False
             self._section = self._empty_section()
@@ -456,8 +468,13 @@ class CheckpointManager:
         incrementing. With ``checkpoint_interval`` set (and ``check_interval``), returns
         ``None`` without saving when fewer steps than the interval passed since the last
         checkpoint. With ``async_save`` the path is returned before it is durable; it is
-        listed once it is.
+        listed once it is. After a signal of :meth:`save_on_signal`, this save is the
+        preemption save (whatever the interval), then the signal is re-delivered.
         """
+        signum = self._on_signal.due(self.coordinator, timeout)
+        if signum is not None:
+            return self._on_signal.save_then_redeliver(signum, lambda: self.save(
+                checkpoint_number, check_interval=False, timeout=timeout), self._sync)
         self._sync()
         if self._location is None and not writable(self.directory):
             raise CkptError(
@@ -515,6 +532,32 @@ class CheckpointManager:
         path: str = result.path
         return path
 
+    def save_on_signal(self, *signals: int) -> None:
+        """On any of ``signals`` (default ``SIGTERM``), save at the next step boundary.
+
+        The handler only notes the signal. At the next :meth:`save` or
+        :meth:`reached_preemption` (on every process: a small collective), the current
+        state is saved as a committed step (a background save in flight finished first,
+        the new one finished before going on); then the previous handlers are put back
+        and the signal is re-delivered, so the process ends as it would have.
+        """
+        self._on_signal.install(signals or (signal.SIGTERM,))
+
+    def reached_preemption(self, checkpoint_number: int | None = None,
+                           *, timeout: float | None = None) -> bool:
+        """A step boundary between saves: if a signal of :meth:`save_on_signal` arrived
+        (on any process), save step ``checkpoint_number`` now and re-deliver the signal.
+
+        Returns ``False`` when no signal arrived; ``True`` after the save if the
+        re-delivered signal did not end the process (its handler returned).
+        """
+        signum = self._on_signal.due(self.coordinator, timeout)
+        if signum is None:
+            return False
+        self._on_signal.save_then_redeliver(signum, lambda: self.save(
+            checkpoint_number, check_interval=False, timeout=timeout), self._sync)
+        return True
+
     def _save_remote(self, number: int, step: int, timeout: float | None) -> str:
         options: SaveOptions = {"format": self.format, "blocking": not self.async_save,
                                 "storage_options": self._storage_options,
@@ -542,8 +585,14 @@ class CheckpointManager:
                 )
             except DistributedTimeoutError:
                 raise
-            except (CorruptCheckpointError, CheckpointNotFoundError, UnsupportedFormatError,
-                    DistributedError) as exc:  # a file it wrote that no longer reads
+            except DistributedError as exc:  # skipped only where the file is what failed
+                if not all(m.startswith(_SKIPPED) for m in exc.failures.values()):
+                    raise
+                logger.warning("Skipping checkpoint %s: %s", path, exc)
+                self.skipped.append((path, str(exc)))
+                continue
+            except (CorruptCheckpointError, CheckpointNotFoundError,
+                    UnsupportedFormatError) as exc:  # a file it wrote that no longer reads
                 logger.warning("Skipping checkpoint %s: %s", path, exc)
                 self.skipped.append((path, str(exc)))
                 continue

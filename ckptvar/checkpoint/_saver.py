@@ -103,10 +103,11 @@ class Saver:
         else:
             path = base + suffix
         with paused_gc():  # tens of thousands of small objects, none cyclic
-            return self._save(path, fmt, coordinator, timeout, storage_options, pack_threshold)
+            return self._save(path, fmt, coordinator, timeout, storage_options,
+                              pack_threshold=pack_threshold)
 
     def _save(self, path: str, fmt: str, coordinator: Any, timeout: float | None,
-              storage_options: Mapping[str, Any] | None, pack_threshold: int | None) -> str:
+              storage_options: Mapping[str, Any] | None, *, pack_threshold: int | None) -> str:
         mapping = self._mapping()
         if not mapping:
             raise ValueError("Saver has no variables to save.")

@@ -127,9 +127,13 @@ class Coordinator(ABC):
         """The all-or-nothing step: every process reports success or its error.
 
         ``outcome`` is ``None`` or ``True`` for success, an exception (or ``False``)
-        for failure. Returns only if every process succeeded; otherwise every process
-        raises :class:`~ckptvar.errors.DistributedError` naming the failing ranks and
-        their messages (chained to this process's own exception, if it had one).
+        for failure. Returns only if every process succeeded. Otherwise a process
+        whose ``outcome`` is an exception raises that exception, as it would alone (a
+        note names the failing ranks; a ``DistributedError`` outcome is chained to the
+        vote's), so a user's ``except`` clause works the same on
+        one process and many; every other process raises
+        :class:`~ckptvar.errors.DistributedError` naming the failing ranks and their
+        messages.
         """
         mine = describe_failure(outcome)
         reports = self.allgather(mine, tag=f"vote:{tag}", timeout=timeout)
@@ -144,8 +148,11 @@ class Coordinator(ABC):
             ranks=ranks,
             failures=failures,
         )
-        if isinstance(outcome, BaseException):
+        if isinstance(outcome, DistributedError):  # already a many-process failure
             raise error from outcome
+        if isinstance(outcome, BaseException):
+            outcome.add_note(f"(on rank {self.rank}: {error})")
+            raise outcome
         raise error
 
     def __repr__(self) -> str:

@@ -3,8 +3,9 @@
 After ``jax.distributed.initialize(...)`` every process holds a client of the
 coordination service. Each collective here sets ``<prefix>/<seq>/<rank>`` (bytes)
 and reads the keys it needs with ``blocking_key_value_get_bytes(key, timeout_ms)``
-against one deadline; on timeout it checks which keys are still absent
-(``key_value_try_get_bytes``) and names those ranks.
+in short waits against one deadline; between two waits it reads whether a rank it
+waits for posted that it ended (see :mod:`._kv`). On timeout it checks which keys
+are still absent (``key_value_try_get_bytes``) and names those ranks.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from ._coordinator import DEFAULT_TIMEOUT, Deadline
 from ._kv import KeyValueCoordinator
 
 __all__ = ["JaxCoordinator", "jax_client"]
+
+#: Seconds of one wait for a key, between two looks for a rank that posted its end.
+_DOWN_EVERY = 0.1
 
 
 def jax_client() -> Any:
@@ -55,6 +59,7 @@ class JaxCoordinator(KeyValueCoordinator):
             raise ValueError("JaxCoordinator(client=...) needs rank= and size=")
         super().__init__(rank=rank, size=size, timeout=timeout, prefix=prefix)
         self._client = client
+        self._announce()
 
     def _twin(self, prefix: str) -> JaxCoordinator:
         return JaxCoordinator(
@@ -68,6 +73,14 @@ class JaxCoordinator(KeyValueCoordinator):
     def _set(self, key: str, data: bytes) -> None:
         self._client.key_value_set_bytes(key, data)
 
+    def _try_get(self, key: str) -> bytes | None:
+        try:
+            return bytes(self._client.key_value_try_get_bytes(key))
+        except Exception as exc:
+            if "NOT_FOUND" in str(exc):
+                return None
+            raise
+
     def _delete(self, key: str) -> None:
         # a key left behind is harmless; the client raises its own error types
         with contextlib.suppress(Exception):
@@ -76,20 +89,25 @@ class JaxCoordinator(KeyValueCoordinator):
     def _fetch(
         self, kind: str, tag: str, wanted: dict[int, str], deadline: Deadline
     ) -> dict[int, bytes]:
-        """``blocking_key_value_get_bytes`` for each key in turn, against one deadline."""
+        """``blocking_key_value_get_bytes`` for each key in turn, in short waits."""
         got: dict[int, bytes] = {}
         for r, key in wanted.items():
-            left_ms = max(1, int(deadline.remaining() * 1000))
-            try:
-                got[r] = self._client.blocking_key_value_get_bytes(key, left_ms)
-            except Exception as exc:
-                missing = self._missing({x: k for x, k in wanted.items() if x not in got})
-                if not missing:
-                    raise DistributedError(
-                        f"{kind}(tag={tag!r}) on rank {self._rank}: the jax "
-                        f"coordination service failed: {exc}"
-                    ) from exc
-                raise self._timed_out(kind, tag, deadline.timeout, missing) from None
+            while r not in got:
+                wait_ms = max(1, int(min(deadline.remaining(), _DOWN_EVERY) * 1000))
+                try:
+                    got[r] = self._client.blocking_key_value_get_bytes(key, wait_ms)
+                except Exception as exc:
+                    rest = {x: k for x, k in wanted.items() if x not in got}
+                    if "DEADLINE_EXCEEDED" in str(exc) and not deadline.expired():
+                        self._check_down(kind, tag, list(rest))
+                        continue
+                    missing = self._missing(rest)
+                    if not missing:
+                        raise DistributedError(
+                            f"{kind}(tag={tag!r}) on rank {self._rank}: the jax "
+                            f"coordination service failed: {exc}"
+                        ) from exc
+                    raise self._timed_out(kind, tag, deadline.timeout, missing) from None
         return got
 
     def _missing(self, wanted: dict[int, str]) -> list[int]:

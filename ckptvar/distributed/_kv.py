@@ -5,12 +5,23 @@ Each collective takes the next sequence number; a sending process sets
 the ranks it needs before one deadline. A payload whose kind or tag differ from the
 caller's raises at once (the processes run different steps); on timeout the missing
 ranks are named. Once everyone has read them, a process deletes its earlier keys.
-Subclasses say how bytes are set, waited for and deleted, and how the background
-twin is made.
+A process that ends (an uncaught exception, an exit: see :mod:`._failure`) sets
+``<prefix>/down/<rank>`` to the number of its last collective and what it posted;
+a process waiting for its part of a later collective reads that key while it polls
+(:meth:`KeyValueCoordinator._check_down`) and raises at once, naming it. A process
+killed outright posts nothing: each coordinator also sets ``<prefix>/alive/<rank>``
+to where it runs (the kernel's boot id, its pid namespace, its pid); a waiting
+process on the same machine and pid namespace sees that the process is gone (or a
+zombie) and raises at once. On another machine it raises at its timeout, unless
+the launcher ends it first (docs/distributed.md).
+Subclasses say how bytes are set, read, waited for and deleted, and how the
+background twin is made.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
 import threading
 from abc import abstractmethod
@@ -18,8 +29,42 @@ from collections.abc import Sequence
 from typing import Any, Self
 
 from ._coordinator import DEFAULT_TIMEOUT, Deadline, RankedCoordinator
+from ._failure import peer_failed, watch
 
-__all__ = ["KeyValueCoordinator"]
+__all__ = ["KeyValueCoordinator", "process_gone", "where_am_i"]
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def where_am_i() -> tuple[str, str, int]:
+    """(boot id, pid namespace, pid): a pid means the same process only if both others match."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return _read("/proc/sys/kernel/random/boot_id"), namespace, os.getpid()
+
+
+def process_gone(where: tuple[str, str, int]) -> bool:
+    """True if ``where`` (see :func:`where_am_i`) is a process of this machine that ended."""
+    boot, namespace, pid = where
+    here = where_am_i()
+    if not boot or not namespace or (boot, namespace) != here[:2]:
+        return False  # another machine or namespace (or unknowable): cannot tell
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # e.g. not permitted: it exists
+        return False
+    stat = _read(f"/proc/{pid}/stat")
+    return stat.rpartition(")")[2].split()[:1] == ["Z"]  # a zombie has ended
 
 
 class KeyValueCoordinator(RankedCoordinator):
@@ -36,6 +81,9 @@ class KeyValueCoordinator(RankedCoordinator):
         self._mine: list[str] = []
         self._lock = threading.Lock()
         self._background: Self | None = None
+        self._down: dict[int, tuple[int, str]] = {}
+        self._where: dict[int, tuple[str, str, int] | None] = {}
+        watch(self)
 
     # -- the hooks -------------------------------------------------------------------
 
@@ -53,6 +101,10 @@ class KeyValueCoordinator(RankedCoordinator):
         ranks whose keys are still missing, or :class:`DistributedError` when the
         store itself fails.
         """
+
+    @abstractmethod
+    def _try_get(self, key: str) -> bytes | None:
+        """The bytes under ``key`` now, or ``None`` if it is absent (never waits)."""
 
     @abstractmethod
     def _delete(self, key: str) -> None:
@@ -84,6 +136,52 @@ class KeyValueCoordinator(RankedCoordinator):
             if self._background is None:
                 self._background = self._twin(f"{self._prefix}/background")
             return self._background
+
+    def post_failure(self, what: str) -> None:
+        """Tell every peer this process is ending (``what``), after collective ``seq``."""
+        data = pickle.dumps((self._seq, what), protocol=5)
+        # the store may be gone: the peers then time out instead
+        with contextlib.suppress(Exception):
+            self._set(self._down_key(self._rank), data)
+
+    def _down_key(self, rank: int) -> str:
+        return f"{self._prefix}/down/{rank}"
+
+    def _alive_key(self, rank: int) -> str:
+        return f"{self._prefix}/alive/{rank}"
+
+    def _announce(self) -> None:
+        """Say where this process runs (called by a subclass once its store is set)."""
+        self._set(self._alive_key(self._rank), pickle.dumps(where_am_i(), protocol=5))
+
+    def _killed(self, rank: int) -> bool:
+        """True if ``rank`` runs on this machine and its process has ended."""
+        if self._where.get(rank) is None:
+            data = self._try_get(self._alive_key(rank))
+            self._where[rank] = None if data is None else pickle.loads(data)
+        where = self._where[rank]
+        return where is not None and process_gone(where)
+
+    def _check_down(self, kind: str, tag: str, missing: Sequence[int]) -> None:
+        """Raise if a rank in ``missing`` posted that it ended before this collective."""
+        for r in missing:
+            if r in self._down:
+                continue
+            try:
+                data = self._try_get(self._down_key(r))
+                if data is not None:
+                    last, what = pickle.loads(data)
+                    self._down[r] = (int(last), str(what))
+                elif self._killed(r) and self._try_get(self._key(self._seq, r)) is None:
+                    pid = self._where[r][2]  # type: ignore[index]
+                    self._down[r] = (self._seq - 1, f"was killed (process {pid} is gone)")
+            except Exception:  # noqa: BLE001 - the store failing is found by the wait
+                continue
+        error = peer_failed(
+            kind, tag, me=self._rank, seq=self._seq, waiting_for=list(missing), down=self._down
+        )
+        if error is not None:
+            raise error
 
     def _key(self, seq: int, rank: int) -> str:
         return f"{self._prefix}/{seq}/{rank}"

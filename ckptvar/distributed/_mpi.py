@@ -7,15 +7,21 @@ until all have arrived or the deadline passes. It then knows exactly which ranks
 did not arrive, and names them. Each message carries a sequence number, the
 collective's kind and its tag: a late message from an earlier, timed-out collective
 is discarded, and processes that call different collectives raise at once.
+
+A process that ends (an uncaught exception, an exit: see :mod:`._failure`) sends
+each peer one message on a second tag; a peer polling for that process's part of
+a later collective sees it and raises at once, naming it.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DistributedError, DistributedTimeoutError
 from ._coordinator import DEFAULT_TIMEOUT, Deadline, RankedCoordinator
+from ._failure import peer_failed, watch
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -24,6 +30,10 @@ __all__ = ["MPICoordinator"]
 
 #: The MPI message tag of every ckptvar message (on ckptvar's own communicators).
 _MPI_TAG = 0x6376
+#: The tag of "this process is ending" messages (see :meth:`MPICoordinator.post_failure`).
+_FAIL_TAG = 0x6377
+#: How long an ending process waits for its "ending" messages to leave.
+_POST_WAIT = 1.0
 
 
 def _import_mpi() -> Any:
@@ -62,6 +72,9 @@ class MPICoordinator(RankedCoordinator):
         self._lock = threading.Lock()
         self._background: MPICoordinator | None = None
         self._closed = False
+        self._mpi = mpi
+        self._down: dict[int, tuple[int, str]] = {}
+        watch(self)
 
     @property
     def comm(self) -> MPI.Comm:
@@ -99,6 +112,32 @@ class MPICoordinator(RankedCoordinator):
         self._sends.clear()
         if self._background is not None:
             self._background.close()
+
+    def post_failure(self, what: str) -> None:
+        """Tell every peer this process is ending (``what``), after collective ``seq``."""
+        if self._closed or self._mpi.Is_finalized():
+            return
+        message = (self._rank, self._seq, what)
+        requests = [self._comm.isend(message, dest=r, tag=_FAIL_TAG)
+                    for r in range(self._size) if r != self._rank]
+        end = time.monotonic() + _POST_WAIT
+        while not all(r.Test() for r in requests) and time.monotonic() < end:
+            time.sleep(1e-3)
+
+    def _peer_failed(self, kind: str, tag: str, seq: int, missing: list[int]) -> None:
+        """Raise if a rank in ``missing`` posted that it ended before collective ``seq``."""
+        while True:
+            msg = self._comm.improbe(source=self._mpi.ANY_SOURCE, tag=_FAIL_TAG)
+            if msg is None:
+                break
+            src, last, what = msg.recv()
+            self._down[int(src)] = (int(last), str(what))
+        if not self._down:
+            return
+        error = peer_failed(kind, tag, me=self._rank, seq=seq, waiting_for=missing,
+                            down=self._down)
+        if error is not None:
+            raise error
 
     # -- the one primitive -----------------------------------------------------------
 
@@ -139,6 +178,7 @@ class MPICoordinator(RankedCoordinator):
                     progressed = True
                 if not missing:
                     break
+                self._peer_failed(kind, tag, seq, missing)
                 if deadline.expired():
                     raise self._timed_out(kind, tag, deadline.timeout, sorted(missing))
                 if progressed:

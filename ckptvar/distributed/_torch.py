@@ -7,12 +7,15 @@ instead exchanges its (small, pickled) objects through the group's c10d ``Store`
 ``<prefix>/<seq>/<rank>`` and polls ``store.check(keys)`` for the keys it needs
 until a deadline. So every call has its own timeout and, on timeout, the coordinator
 checks which keys are missing and names those ranks. The store is shared state,
-so a process that timed out and moved on never confuses a late one.
+so a process that timed out and moved on never confuses a late one. While it
+waits it also reads, a few times a second, whether a rank it waits for posted
+that it ended (see :mod:`._kv`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
 from ..errors import DistributedError
@@ -20,6 +23,9 @@ from ._coordinator import DEFAULT_TIMEOUT, Deadline
 from ._kv import KeyValueCoordinator
 
 __all__ = ["TorchCoordinator"]
+
+#: Seconds between two looks for a rank that posted its end, while a collective waits.
+_DOWN_EVERY = 0.1
 
 
 def _dist() -> Any:
@@ -62,6 +68,7 @@ class TorchCoordinator(KeyValueCoordinator):
             raise ValueError(f"rank {rank} is not in 0..{size - 1}")
         super().__init__(rank=rank, size=size, timeout=timeout, prefix=prefix)
         self._store = store
+        self._announce()
 
     def _twin(self, prefix: str) -> TorchCoordinator:
         return TorchCoordinator(
@@ -70,6 +77,9 @@ class TorchCoordinator(KeyValueCoordinator):
 
     def _set(self, key: str, data: bytes) -> None:
         self._store.set(key, data)
+
+    def _try_get(self, key: str) -> bytes | None:
+        return bytes(self._store.get(key)) if self._store.check([key]) else None
 
     def _delete(self, key: str) -> None:
         with contextlib.suppress(RuntimeError, OSError):  # a store without delete keeps it
@@ -88,6 +98,7 @@ class TorchCoordinator(KeyValueCoordinator):
         FileStore, so it is not used.)
         """
         keys = list(wanted.values())
+        look = time.monotonic() + _DOWN_EVERY
         while True:
             try:
                 if self._store.check(keys):
@@ -101,6 +112,9 @@ class TorchCoordinator(KeyValueCoordinator):
                 if not missing:
                     return
                 raise self._timed_out(kind, tag, deadline.timeout, missing)
+            if time.monotonic() >= look:
+                self._check_down(kind, tag, self._missing(wanted))
+                look = time.monotonic() + _DOWN_EVERY
             deadline.pause()
 
     def _missing(self, wanted: dict[int, str]) -> list[int]:

@@ -82,8 +82,9 @@ def vote_raises(coord: Coordinator) -> None:
         outcome = OSError("disk full while writing shard 1")
     try:
         coord.vote(outcome, tag="save step 7", timeout=20)
-    except DistributedError as exc:
-        report(coord, **error_fields(exc), cause=repr(exc.__cause__))
+    except (DistributedError, OSError) as exc:  # rank 1 raises its own error, as alone
+        report(coord, **error_fields(exc), cause=repr(exc.__cause__),
+               notes=list(getattr(exc, "__notes__", [])))
     else:
         report(coord, error=None)
 

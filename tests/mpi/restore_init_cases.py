@@ -77,12 +77,19 @@ def save(d: Path) -> None:
 
 
 def expect_error(case: str, fn: Callable[[], object], variables: Callable[[], list[Any]]) -> None:
-    """``fn`` must raise ``DistributedError`` on this rank; ``variables()`` unchanged after."""
+    """``fn`` must raise on this rank; ``variables()`` unchanged after.
+
+    A rank that found the failure raises its own error (``own``), as one process
+    would, with a note naming the failing ranks; the others ``DistributedError``.
+    """
     try:
         fn()
         report(case, ok=False, error="no error")
-    except cv.DistributedError as exc:
-        report(case, ok=True, error=str(exc), ranks=list(exc.ranks),
+    except cv.CkptError as exc:
+        own = not isinstance(exc, cv.DistributedError)
+        report(case, ok=True, own=own, type=type(exc).__name__,
+               error=" ".join([str(exc), *getattr(exc, "__notes__", [])]),
+               ranks=[RANK] if own else list(exc.ranks),
                unchanged=[bool(v) for v in variables()])
 
 

@@ -99,10 +99,11 @@ def main(d: Path) -> None:
     try:
         bg.save(timeout=30)
         report("bgfail", ok=False, error="no error")
-    except cv.DistributedError as exc:
+    except (cv.DistributedError, OSError) as exc:  # rank 1 raises its own OSError, as alone
         after = bg.save(timeout=30)
         ckpt.wait()
-        report("bgfail", ok=True, error=str(exc), bad=bad, after=after,
+        report("bgfail", ok=True, error=" ".join([str(exc), *getattr(exc, "__notes__", [])]),
+               bad=bad, after=after,
                kept=sorted(p.name for p in (d / "bg").iterdir() if p.name.startswith("ckpt")))
 
 

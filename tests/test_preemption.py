@@ -1,0 +1,134 @@
+"""Preemption with real signals: ``save_on_signal`` saves the current state as a committed
+step at the next step boundary, then re-delivers the signal (the process ends by it).
+
+One process (a subprocess training loop gets SIGTERM; synchronous and background
+saves), three under a plain ``mpiexec`` (SIGTERM to one rank, and to all), and in
+this process a Python handler that runs after the save. The job is
+tests/mpi/preempt_job.py; a restarted job (same code, fresh process) restores the step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_distributed_mpi import _mpi_skip_reason, find_mpiexec
+
+import ckptvar as cv
+from ckptvar.distributed import MPI_ENV_VARS
+
+JOB = Path(__file__).parent / "mpi" / "preempt_job.py"
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in MPI_ENV_VARS}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _wait_for_steps(out: Path, ranks: int, at_least: int, proc: subprocess.Popen[bytes]) -> None:
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        assert proc.poll() is None, proc.communicate()[0]
+        try:
+            if all(int((out / f"step{r}").read_text() or 0) >= at_least for r in range(ranks)):
+                return
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"the job did not reach step {at_least} in 60 s")
+
+
+def _restart(out: Path) -> dict[str, Any]:
+    """The same job in a fresh process: what it restores."""
+    subprocess.run([sys.executable, str(JOB), str(out), "report"], env=_env(), timeout=60,
+                   check=True)
+    restored: dict[str, Any] = json.loads((out / "restored0.json").read_text())
+    return restored
+
+
+def _assert_restored_current_state(out: Path, restored: dict[str, Any], seen: int) -> None:
+    step = restored["step"]
+    assert step >= seen  # the state when the signal came, not an older save
+    assert restored["path"] == os.fspath(out / "run" / f"ckpt-{step}.h5")
+    assert restored["w"] == [[float(step)] * 3] * 4  # consistent: no half-applied step
+    assert not [p.name for p in (out / "run").iterdir() if "partial" in p.name]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigterm_saves_the_current_state_then_ends_the_process_by_sigterm(
+    tmp_path: Path, mode: str
+) -> None:
+    proc = subprocess.Popen([sys.executable, str(JOB), str(tmp_path), mode], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    _wait_for_steps(tmp_path, 1, 20, proc)
+    seen = int((tmp_path / "step0").read_text())
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM, output  # re-delivered: ended as it would be
+    last = int((tmp_path / "step0").read_text())
+    restored = _restart(tmp_path)
+    _assert_restored_current_state(tmp_path, restored, seen)
+    assert restored["step"] == last + 1  # the boundary right after the last finished step
+
+
+@pytest.mark.skipif(_mpi_skip_reason() is not None, reason=_mpi_skip_reason() or "")
+@pytest.mark.parametrize("to", ["one", "all"])
+def test_sigterm_under_mpiexec_makes_one_collective_save(tmp_path: Path, to: str) -> None:
+    mpiexec = find_mpiexec()
+    assert mpiexec is not None
+    proc = subprocess.Popen([mpiexec, "-n", "3", sys.executable, str(JOB), str(tmp_path), "sync"],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    _wait_for_steps(tmp_path, 3, 10, proc)
+    seen = max(int((tmp_path / f"step{r}").read_text()) for r in range(3))
+    for r in [1] if to == "one" else [0, 1, 2]:
+        os.kill(int((tmp_path / f"pid{r}").read_text()), signal.SIGTERM)
+    try:
+        output, _ = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the job did not end after SIGTERM")
+    assert proc.returncode != 0
+    text = output.decode(errors="replace")
+    assert "Terminated" in text or "signal 15" in text or "EXIT CODE: 15" in text, text
+    restored = _restart(tmp_path)  # one process restores the 3-process step
+    _assert_restored_current_state(tmp_path, restored, seen)
+    steps = [int((tmp_path / f"step{r}").read_text()) for r in range(3)]
+    assert restored["step"] == max(steps) + 1  # every rank saved the same step
+
+
+def test_a_python_handler_runs_after_the_save(tmp_path: Path) -> None:
+    calls: list[tuple[int, list[str]]] = []
+    w = cv.Variable(np.zeros(3), name="w")
+    ckpt = cv.Checkpoint(w=w)
+    mgr = cv.CheckpointManager(ckpt, tmp_path)
+
+    def handler(signum: int, _frame: object) -> None:
+        calls.append((signum, [os.path.basename(p) for p in mgr.checkpoints]))
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        mgr.save_on_signal(signal.SIGUSR1)
+        assert not mgr.reached_preemption(1)  # no signal yet: nothing happens
+        w.assign(np.full(3, 5.0))
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)
+        assert calls == [] and mgr.checkpoints == []  # the handler only noted it
+        assert mgr.reached_preemption(5)  # saved, then the signal went to `handler`
+        assert calls == [(signal.SIGUSR1, ["ckpt-5.h5"])]
+        assert signal.getsignal(signal.SIGUSR1) is handler  # put back
+        assert not mgr.reached_preemption(6)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    again = cv.Checkpoint(w=cv.Variable(np.zeros(3), name="w"))
+    again.restore(mgr.latest_checkpoint)
+    assert again.w.numpy().tolist() == [5.0, 5.0, 5.0]
