@@ -164,7 +164,7 @@ def assemble(logical: Logical, key: str) -> np.ndarray:
         return np.asarray(boxes[0][0].numpy(), order="C")
     full = np.empty(logical.full_shape, logical.dtype)
     for part, offset, shape in boxes:
-        value = part.value()
+        value = part._read_buffer()
         full[box_index(offset, shape)] = value if isinstance(value, np.ndarray) else part.numpy()
     return full
 

@@ -110,7 +110,7 @@ def host_arrays(plan: SavePlan, *, copy: bool) -> list[tuple[str, np.ndarray, di
         if isinstance(var, Logical):  # a new host array already: a snapshot
             out.append((key, assemble(var, key), attrs))
             continue
-        value = var.value()
+        value = var._read_buffer()
         if not isinstance(value, np.ndarray):
             host = np.asarray(var.numpy(), order="C")
         elif copy:

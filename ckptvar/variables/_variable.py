@@ -5,7 +5,7 @@ collections), moving through its lifecycle states (``self._state``: one of
 :class:`~ckptvar.variables._lifecycle.Unset`, ``Pending``, ``Ready``), reading, pickling
 and copying, what box of a logical variable it holds (:attr:`Variable.logical_box`), and
 the hooks the checkpoint layer uses (``_materialized``, ``_set_initial_value_source``,
-``_restore_value``, ``_host_buffer``, ``_uid``). Writes come from
+``_restore_value``, ``_host_buffer``, ``_read_buffer``, ``_uid``, ``_version``). Writes come from
 :class:`~ckptvar.variables._lifecycle.WriteBehaviour`, the array behaviour from
 :class:`~ckptvar.variables._array.ArrayBehaviour`.
 
@@ -110,6 +110,8 @@ class Variable(WriteBehaviour, ArrayBehaviour):
         if constraint is not None and not callable(constraint):
             raise VariableArgumentError(f"constraint must be callable, got {constraint!r}.")
         self._uid = next_uid()
+        self._writes = 0  # finished writes (see _version)
+        self._exposed = False  # value() handed the backing array out: writes may go unseen
         self._lock = threading.RLock()
         self._graph = _graph if _graph is not None else get_default_graph()
         self._constraint = constraint
@@ -281,6 +283,7 @@ class Variable(WriteBehaviour, ArrayBehaviour):
                 )
             value = self._adopt(state.source(), owned=state.owned)
             self._state = Ready(value)
+            self._wrote()
             return value
 
     def _adopt(self, arr: Any, *, owned: bool) -> Any:
@@ -338,6 +341,7 @@ class Variable(WriteBehaviour, ArrayBehaviour):
                     "can only be set before it is materialised."
                 )
             self._state = Pending(fn, owned=True)
+            self._wrote()
 
     def _restore_value(self, array: np.ndarray) -> None:
         """Set the value from host ``array`` (exactly this dtype and shape; the caller checked).
@@ -352,14 +356,34 @@ class Variable(WriteBehaviour, ArrayBehaviour):
                 write_into(state.value, array, self._device_obj)
             else:
                 self._state = Ready(self._adopt(array, owned=True))
+            self._wrote()
 
     def _host_buffer(self) -> np.ndarray | None:
-        """The backing buffer itself when materialised, on the CPU and C-contiguous; else None."""
+        """The backing buffer itself when materialised, on the CPU and C-contiguous; else None.
+
+        The caller (a restore) writes into it: handing it out counts as a write.
+        """
         state = self._state
         buf = state.value if isinstance(state, Ready) else None
         if isinstance(buf, np.ndarray) and buf.flags.c_contiguous and buf.flags.writeable:
+            self._wrote()
             return buf
         return None
+
+    def _read_buffer(self) -> Any:
+        """The backing array, for reading only (a save): unlike ``value()``, not handed out."""
+        return self._materialize()
+
+    @property
+    def _version(self) -> int | None:
+        """How many writes the value has had, or None when that is not known.
+
+        Every write path counts (``assign`` and its family, slice assignment, ``+=``, NumPy
+        ``out=``, restore, initialization). ``value()`` hands out the backing array itself,
+        whose in-place writes nobody sees: from then on the version is None and an
+        incremental checkpoint compares this variable by its block checksums instead.
+        """
+        return None if self._exposed else self._writes
 
     # --- reading -------------------------------------------------------------------------
     def numpy(self) -> np.ndarray:
@@ -372,8 +396,14 @@ class Variable(WriteBehaviour, ArrayBehaviour):
         return self._materialize().copy()
 
     def value(self) -> Any:
-        """The backing array itself (NumPy on the CPU, CuPy on a GPU). Do not write to it."""
-        return self._materialize()
+        """The backing array itself (NumPy on the CPU, CuPy on a GPU). Do not write to it.
+
+        Writes into it in place are not seen by the version counter, so once this is called
+        an incremental checkpoint compares the variable by its checksums (docs/checkpoints.md).
+        """
+        value = self._materialize()
+        self._exposed = True
+        return value
 
     def __repr__(self) -> str:
         head = (f"<cv.Variable {self._name!r} shape={shape_str(self._shape)} "
