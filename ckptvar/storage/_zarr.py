@@ -26,6 +26,7 @@ import errno
 import importlib
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ from ._container import (
     storage_dtype,
     write_packed,
 )
+from ._container.reuse import Held
 from ._record import FORMAT_VERSION, Entry, Location, Record, decode
 from ._zarr_files import (
     GROUP_DOC,
@@ -96,6 +98,20 @@ class ZarrWriter(ContainerWriter):
         self.compression = compression
         self.compression_level = compression_level
         super().__init__(path, **options)
+
+    def _open_base(self, base: Path) -> tuple[Any, Any] | None:
+        """An incremental save's base: its record; a value's bytes are its chunk file
+        there, which the new step hard-links (so every step stands alone)."""
+        if self.compression is not None:
+            return None  # compressed values are written by zarr-python: always whole
+        with ZarrReader(base) as reader:
+            record = reader.record
+
+        def holder(key: str, entry: Entry) -> Held:
+            path = entry.loc.path or ""
+            return Held(os.fspath(base / path / chunk_key(len(entry.shape))), path, 0)
+
+        return record, holder
 
     def _array_loc(self, it: WriteItem) -> Location:
         if self.compression is not None:
@@ -196,6 +212,19 @@ class _Tree:
     def write(self, path: Path, data: Any) -> None:
         write_file(path, data, self.sync)
 
+    def link(self, source: str, path: Path) -> None:
+        """``path`` becomes another name of the committed chunk file ``source`` (zero copy);
+        a copy where the file system has no hard links or ``source`` is on another one."""
+        try:
+            os.link(source, path, follow_symlinks=False)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP,
+                                 errno.EOPNOTSUPP):
+                raise
+            shutil.copyfile(source, path, follow_symlinks=False)
+            if self.sync is not None:
+                self.sync.append(path)
+
     def _group(self, d: Path) -> None:
         if not (d / "zarr.json").exists():
             self.write(d / "zarr.json", GROUP_DOC)
@@ -253,7 +282,9 @@ class _Tree:
                 d = arr_dirs[i]
                 if d is None:  # making the tree failed: wait_all below raises why
                     break
-                if raw and it.nbytes:
+                if it.held is not None and it.nbytes:
+                    self.link(it.held.file, d / chunk_key(len(it.shape)))
+                elif raw and it.nbytes:
                     self.write(d / chunk_key(len(it.shape)), it.view)
         except BaseException:
             with contextlib.suppress(BaseException):
