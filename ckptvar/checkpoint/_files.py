@@ -104,8 +104,15 @@ def write_file(
     arrays: list[tuple[str, Any, dict[str, Any]]],
     meta: dict[str, Any],
     storage_options: Mapping[str, Any] | None = None,
+    *,
+    base: Path | None = None,
+    known: Mapping[str, bool] | None = None,
 ) -> str:
     """Write one checkpoint atomically (temporary sibling, fsync, rename); returns its path.
+
+    ``base``: a committed checkpoint whose stored bytes the new one may refer to instead
+    of writing the unchanged values again (an incremental step; ``known``: what the caller
+    knows unchanged or changed, by key).
 
     At an object-store URL: written to a local temporary, streamed up and committed by
     marker (:func:`ckptvar.storage._remote.save_remote`); returns the URL.
@@ -119,7 +126,10 @@ def write_file(
     backend = native_backend(path, format)
     make_parents(path)
     try:
-        writer = backend.open_writer(path, durable=True)
+        options: dict[str, Any] = {"durable": True}
+        if base is not None:
+            options.update(base=base, known=known or {})
+        writer = backend.open_writer(path, **options)
         try:
             for key, array, attrs in arrays:
                 writer.add(key, array, attrs)

@@ -14,6 +14,7 @@ its file is deleted, so every listed checkpoint is complete.
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import time
@@ -42,6 +43,7 @@ from ..storage.location import (
 from ..variables import Variable
 from ._checkpoint import Checkpoint, SaveOptions
 from ._files import NATIVE_FORMATS, discard
+from ._incremental import Incremental, held
 from ._state import (
     STATE_FILE,
     STATE_VERSION,
@@ -89,6 +91,11 @@ class CheckpointManager:
         coordinator: a ``cv.distributed`` coordinator: every process creates the manager
             and calls :meth:`save` (``timeout=`` bounds each collective); they write one
             checkpoint, rank 0 keeps the state file and prunes.
+        incremental: write only the values that changed since this manager's latest
+            step; the others refer to the bytes stored already (docs/checkpoints.md,
+            "Incremental checkpoints"). A pruned step whose bytes a kept step refers to
+            stays on disk (``pending_delete`` with ``held_for`` in the state file) until
+            no kept step does.
 
     A read-only directory can be opened (``read_only`` is then True):
     :attr:`checkpoints`, :attr:`latest_checkpoint` and :meth:`restore_or_initialize`
@@ -109,6 +116,7 @@ class CheckpointManager:
         async_save: bool = False,
         storage_options: Mapping[str, Any] | None = None,
         coordinator: Any = None,
+        incremental: bool = False,
     ) -> None:
         if not isinstance(checkpoint, Checkpoint):
             raise TypeError(f"CheckpointManager needs a cv.Checkpoint, got {checkpoint!r}.")
@@ -120,6 +128,14 @@ class CheckpointManager:
             raise UnsupportedFormatError(
                 f"CheckpointManager writes {' or '.join(NATIVE_FORMATS)}, not {format!r}."
             )
+        if incremental and (is_url(directory) or (coordinator is not None
+                                                    and coordinator.size > 1)):
+            raise CkptError(
+                "incremental=True is not supported yet on an object store or with a "
+                "coordinator of more than one process; save full steps there."
+            )
+        #: ``incremental=True``: the last committed step this manager builds on
+        self._incremental = Incremental() if incremental else None
         self._checkpoint = checkpoint
         self._location: Location | None = None
         self._storage_options = storage_options
@@ -260,7 +276,13 @@ class CheckpointManager:
         pending = self._section.get("pending_delete", [])
         if not pending:
             return
+        kept = [e["path"] for e in self._section["checkpoints"] + self._section["preserved"]]
+        holding = held(self.directory, kept, [e["path"] for e in pending])
+        still = []
         for entry in pending:
+            if entry["path"] in holding:  # a kept incremental step refers to its bytes
+                still.append({**entry, "held_for": holding[entry["path"]]})
+                continue
             path = self.directory / entry["path"]
             if os.path.lexists(path) and not is_own_checkpoint(path):
                 logger.warning(
@@ -268,7 +290,7 @@ class CheckpointManager:
                 )
                 continue
             discard(path)
-        self._section["pending_delete"] = []
+        self._section["pending_delete"] = still
         self._store(state)
 
     def _store(self, state: dict[str, Any]) -> None:
@@ -388,6 +410,7 @@ class CheckpointManager:
             return result
         self._refuse_foreign(number)
         prefix = self.directory / self.checkpoint_name
+        incremental = None if self._incremental is None else self._incremental_base(number)
 
         def on_commit(path: str, step: int = step) -> None:
             self._record(path, step)
@@ -397,7 +420,8 @@ class CheckpointManager:
             fcntl.flock(saving, fcntl.LOCK_SH)
             options: SaveOptions = {"format": self.format, "blocking": not self.async_save,
                                     "coordinator": self.coordinator, "timeout": timeout}
-            result = self._checkpoint._save(prefix, options, number=number, on_commit=on_commit)
+            result = self._checkpoint._save(prefix, options, number=number, on_commit=on_commit,
+                                            incremental=incremental)
         except BaseException:
             os.close(saving)
             raise
@@ -409,6 +433,22 @@ class CheckpointManager:
         result._future.add_done_callback(lambda _f, fd=saving: os.close(fd))
         path: str = result.path
         return path
+
+    def _incremental_base(self, number: int) -> Any:
+        """What an incremental save of step ``number`` builds on (the latest kept step)."""
+        assert self._incremental is not None
+        name = step_name(self.checkpoint_name, number, self._suffix)
+        entries = self._section["checkpoints"]
+        base = self.directory / entries[-1]["path"] if entries else None
+        if base is not None and base.name == name:
+            base = None  # written again: a full step
+        kept = [e["path"] for e in entries + self._section["preserved"]]
+        if held(self.directory, kept, [name]):
+            raise CkptError(
+                f"Cannot save step {number} again: kept incremental steps refer to the bytes "
+                f"of {os.fspath(self.directory / name)!r}; save under a new number."
+            )
+        return functools.partial(self._incremental.start, base)
 
     def _save_remote(self, number: int, step: int, timeout: float | None) -> str:
         options: SaveOptions = {"format": self.format, "blocking": not self.async_save,

@@ -9,6 +9,8 @@ from typing import Any, TextIO
 
 import numpy as np
 
+import ckptvar as cv
+
 from ._blocks import Stats, value_blocks
 from ._common import (
     EXIT_OK,
@@ -53,7 +55,9 @@ stands for its latest checkpoint (the output says so).
 "name", "dtype", "shape", "nbytes", "trainable", "attrs"}, ...], "skipped":
 [{"key", "reason"}, ...]} ("latest_of" names the directory when PATH was one);
 --stats adds "min", "max", "mean", "std", "nan", "inf" (null where there is no
-finite element).
+finite element). An incremental step adds "shared": {key: [steps]}, the steps
+that hold (HDF5) or share (Zarr hard links) each value's bytes, also listed
+below the table.
 
 examples:
   ckpt inspect runs/ckpt-3.h5
@@ -181,6 +185,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             _add_stats(reader, records, args)
         fmt = str(reader.format)
         metadata = reader.metadata()
+        shared = reader.shared() if isinstance(reader, cv.storage.SupportsShared) else {}
+        shared = {k: shared[k] for k in keys if k in shared}
 
     if args.json:
         doc: dict[str, Any] = {"path": str(path)}
@@ -192,6 +198,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             variables=plain(records),
             skipped=[{"key": k, "reason": v} for k, v in skipped.items()],
         )
+        if shared:
+            doc["shared"] = shared
         dump_json(doc, out)
         return EXIT_OK
 
@@ -206,6 +214,12 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     print(file=out)
     noun = "variable" if fmt in _OWN_FORMATS else "value"
     _print_values(records, skipped, noun, args, out)
+    if shared:
+        print(f"\nshared with other steps (incremental): {len(shared)} of the {noun}s; "
+              "the bytes are in", file=out)
+        for line in table([[escape(k), ", ".join(escape(n) for n in names) or "-"]
+                           for k, names in shared.items()]):
+            print("  " + line, file=out)
     return EXIT_OK
 
 

@@ -61,10 +61,11 @@ from ._record import (
     Record,
     decode,
 )
-from .base import Backend
+from .base import Backend, SupportsShared
 from .registry import register_backend
 
-__all__ = ["USERBLOCK_SIZE", "H5Backend", "H5Reader", "H5Writer", "read_userblock"]
+__all__ = ["USERBLOCK_SIZE", "H5Backend", "H5Reader", "H5Writer", "external_files",
+           "read_userblock"]
 
 USERBLOCK_SIZE = 512
 #: First 12 bytes of a ckptvar HDF5 file (the HDF5 superblock follows at byte 512).
@@ -312,7 +313,7 @@ def _load_record(fd: int | RemoteFile, size: int, path: Any) -> Record:
     return record
 
 
-class H5Reader(ContainerReader):
+class H5Reader(ContainerReader, SupportsShared):
     """Reads a ckptvar ``.h5`` file with ``pread`` only (libhdf5 is never called).
 
     ``source`` reads the file's bytes from an object store instead (ranged GETs);
@@ -399,6 +400,10 @@ class H5Reader(ContainerReader):
             return self._mm, self._packed_base + entry.loc.offset, False
         return self._mm, entry.loc.offset, False
 
+    def shared(self) -> dict[str, list[str]]:
+        """The values an incremental step refers to: key -> [the file that holds them]."""
+        return {key: [file] for key, (file, _) in self._record.external.items()}
+
     def close(self) -> None:
         if not self._closed:
             mm = self._mm
@@ -478,6 +483,16 @@ class H5Backend(
                 "(no user block magic, no HDF5 signature); the file is damaged."
             )
         return H5Reader(path)
+
+
+def external_files(path: Path) -> set[str]:
+    """The sibling files whose bytes the checkpoint at ``path`` refers to (an incremental
+    HDF5 step's external values); empty for anything else, or nothing at ``path``."""
+    path = Path(path)
+    if not path.is_file() or not H5Backend.sniff(path):
+        return set()
+    with H5Reader(path) as reader:
+        return {file for file, _ in reader.record.external.values()}
 
 
 register_backend(H5Backend)

@@ -48,7 +48,7 @@ from ._container import (
     write_packed,
 )
 from ._container.reuse import Held
-from ._record import FORMAT_VERSION, Entry, Location, Record, decode
+from ._record import ARRAY, FORMAT_VERSION, Entry, Location, Record, decode
 from ._zarr_files import (
     GROUP_DOC,
     O_DIR,
@@ -62,7 +62,7 @@ from ._zarr_files import (
     root_record_ref,
     write_file,
 )
-from .base import Backend
+from .base import Backend, SupportsShared
 from .registry import register_backend
 
 __all__ = ["RECORD_PATH", "ZarrBackend", "ZarrReader", "ZarrWriter", "chunk_key"]
@@ -294,7 +294,7 @@ class _Tree:
         return [d for d in arr_dirs if d is not None]
 
 
-class ZarrReader(ContainerReader):
+class ZarrReader(ContainerReader, SupportsShared):
     """Reads a ckptvar ``.zarr`` directory through its record and chunk files."""
 
     format = "zarr"
@@ -317,6 +317,39 @@ class ZarrReader(ContainerReader):
         self._root_fd = root_fd
         self._packed_fd: int | None = None
         super().__init__(path, record)
+
+    def shared(self) -> dict[str, list[str]]:
+        """The values whose chunk file other checkpoints beside this one share (hard links
+        of an incremental step): key -> those checkpoints' names."""
+        out: dict[str, list[str]] = {}
+        linked = []
+        for key in self.keys():
+            e = self._entry(key)
+            if e.loc.kind != ARRAY or not e.nbytes or e.loc.path is None:
+                continue
+            rel = f"{e.loc.path}/{chunk_key(len(e.shape))}"
+            try:
+                st = os.stat(rel, dir_fd=self._root_fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if st.st_nlink > 1:
+                linked.append((key, rel, (st.st_dev, st.st_ino)))
+        if not linked:
+            return out
+        here = Path(self.path)
+        siblings = sorted(p for p in here.parent.glob("*.zarr")
+                          if p.name != here.name and not p.name.startswith("."))
+        for key, rel, ident in linked:
+            names = []
+            for other in siblings:
+                try:
+                    st = os.stat(other / rel, follow_symlinks=False)
+                except OSError:
+                    continue
+                if (st.st_dev, st.st_ino) == ident:
+                    names.append(other.name)
+            out[key] = names
+        return out
 
     @staticmethod
     def _load_record(root_fd: int, path: Path) -> Record:

@@ -38,10 +38,9 @@ class Held:
     offset: int
 
 
-def _same(entry: Entry | None, dtype: str, shape: tuple[int, ...], attrs: Mapping[str, Any]
-          ) -> bool:
+def _same(entry: Entry | None, dtype: str, shape: tuple[int, ...]) -> bool:
     return (entry is not None and entry.loc.kind == ARRAY and entry.dtype == dtype
-            and tuple(entry.shape) == tuple(shape) and dict(entry.attrs) == dict(attrs))
+            and tuple(entry.shape) == tuple(shape))
 
 
 def match(
@@ -53,15 +52,15 @@ def match(
     """Set ``held`` (and the base's checksums) on each of ``items`` whose bytes ``base``
     holds; returns how many. Items hashed to decide are marked ``hashed``.
 
-    ``items`` are the writer's own-array items (``key``, ``dtype``, ``shape``, ``attrs``,
-    ``hash()``, ``checksum``, ``blocks``); ``holder(key, entry)`` says where the base's
+    ``items`` are the writer's own-array items (``key``, ``dtype``, ``shape``, ``hash()``,
+    ``checksum``, ``blocks``; the attributes may differ: the new record has the new ones); ``holder(key, entry)`` says where the base's
     bytes of ``key`` are.
     """
     values = base.values
     reused = 0
     for it in items:
         entry = values.get(it.key)
-        if entry is None or not _same(entry, it.dtype, it.shape, it.attrs):
+        if entry is None or not _same(entry, it.dtype, it.shape):
             continue
         state = known.get(it.key)
         if state is False:  # written since the base: no need to look
