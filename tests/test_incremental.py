@@ -66,7 +66,7 @@ def test_unchanged_values_are_not_written_again(tmp_path: Path, fmt: str,
 
 def test_a_changed_value_is_written_and_the_state_restores(tmp_path: Path, fmt: str,
                                                          fresh_graph: cv.Graph) -> None:
-    ckpt, frozen, head = _model()
+    ckpt, frozen, _ = _model()
     manager = cv.CheckpointManager(ckpt, tmp_path, format=fmt, incremental=True)
     manager.save()
     frozen[5] = 42.0  # a slice write is a change
@@ -96,9 +96,9 @@ def test_values_unknown_to_the_counter_are_compared_by_checksums(
 
 def test_a_new_manager_builds_on_the_latest_step_by_checksums(
         tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
-    ckpt, frozen, head = _model()
+    ckpt, _, _ = _model()
     cv.CheckpointManager(ckpt, tmp_path, format=fmt, incremental=True).save()
-    ckpt2, frozen2, head2 = _model(seed=0)  # a restarted process: same values, new variables
+    ckpt2, _, head2 = _model(seed=0)  # a restarted process: same values, new variables
     manager = cv.CheckpointManager(ckpt2, tmp_path, format=fmt, incremental=True)
     manager.restore_or_initialize()
     head2.assign_add(1)
@@ -171,7 +171,7 @@ def test_a_missing_holder_is_a_clear_error(tmp_path: Path, fresh_graph: cv.Graph
     head.assign_add(1)
     p2 = manager.save()
     os.remove(tmp_path / "ckpt-1.h5")  # by hand, behind the manager's back
-    with pytest.raises(cv.CorruptCheckpointError, match="ckpt-1.h5.*gone"):
+    with pytest.raises(cv.CorruptCheckpointError, match=r"ckpt-1\.h5.*gone"):
         cv.load(p2)
 
 

@@ -57,7 +57,7 @@ def test_each_write_bumps_the_version(name: str, fresh_graph: cv.Graph) -> None:
 def test_reads_leave_the_version(fresh_graph: cv.Graph) -> None:
     v = _var()
     before = v._version
-    v.numpy(), v.read_value(), np.asarray(v), v[0], v + 1, np.sum(v), repr(v)  # noqa: B018
+    v.numpy(), v.read_value(), np.asarray(v), v[0], v + 1, np.sum(v), repr(v)
     assert np.asarray(v, copy=False).flags.writeable is False  # no write through __array__
     assert v._version == before
 

@@ -185,8 +185,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             _add_stats(reader, records, args)
         fmt = str(reader.format)
         metadata = reader.metadata()
-        shared = reader.shared() if isinstance(reader, cv.storage.SupportsShared) else {}
-        shared = {k: shared[k] for k in keys if k in shared}
+        shared = _shared(reader, keys)
 
     if args.json:
         doc: dict[str, Any] = {"path": str(path)}
@@ -214,13 +213,26 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     print(file=out)
     noun = "variable" if fmt in _OWN_FORMATS else "value"
     _print_values(records, skipped, noun, args, out)
-    if shared:
-        print(f"\nshared with other steps (incremental): {len(shared)} of the {noun}s; "
-              "the bytes are in", file=out)
-        for line in table([[escape(k), ", ".join(escape(n) for n in names) or "-"]
-                           for k, names in shared.items()]):
-            print("  " + line, file=out)
+    _print_shared(shared, noun, out)
     return EXIT_OK
+
+
+def _shared(reader: Any, keys: list[str]) -> dict[str, list[str]]:
+    """Of ``keys``, those whose bytes other steps hold or share (an incremental step)."""
+    if not isinstance(reader, cv.storage.SupportsShared):
+        return {}
+    shared = reader.shared()
+    return {k: shared[k] for k in keys if k in shared}
+
+
+def _print_shared(shared: dict[str, list[str]], noun: str, out: TextIO) -> None:
+    if not shared:
+        return
+    print(f"\nshared with other steps (incremental): {len(shared)} {noun}(s), "
+          "the bytes in", file=out)
+    for line in table([[escape(k), ", ".join(escape(n) for n in names) or "-"]
+                       for k, names in shared.items()]):
+        print("  " + line, file=out)
 
 
 def _print_values(

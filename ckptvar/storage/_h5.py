@@ -48,9 +48,9 @@ from ._container import (
     write_packed,
 )
 from ._container import source as _src
+from ._container.reuse import Held
 from ._container.source import RemoteFile
 from ._paths import RESERVED_PREFIX
-from ._container.reuse import Held
 from ._record import (
     ARRAY,
     FORMAT_VERSION,
@@ -92,8 +92,9 @@ class H5Writer(ContainerWriter):
         holds them (the base itself, or the file the base refers to), never a chain."""
         if base.parent != self.path.parent:
             return None  # external links name a sibling file
-        with H5Reader(base) as reader:
-            record = reader.record
+        reader = H5Reader(base)
+        record = reader.record
+        reader.close()
 
         def holder(key: str, entry: Entry) -> Held:
             file, path = record.external.get(key, (base.name, entry.loc.path or ""))
@@ -491,8 +492,11 @@ def external_files(path: Path) -> set[str]:
     path = Path(path)
     if not path.is_file() or not H5Backend.sniff(path):
         return set()
-    with H5Reader(path) as reader:
+    reader = H5Reader(path)
+    try:
         return {file for file, _ in reader.record.external.values()}
+    finally:
+        reader.close()
 
 
 register_backend(H5Backend)

@@ -104,8 +104,9 @@ class ZarrWriter(ContainerWriter):
         there, which the new step hard-links (so every step stands alone)."""
         if self.compression is not None:
             return None  # compressed values are written by zarr-python: always whole
-        with ZarrReader(base) as reader:
-            record = reader.record
+        reader = ZarrReader(base)
+        record = reader.record
+        reader.close()
 
         def holder(key: str, entry: Entry) -> Held:
             path = entry.loc.path or ""
