@@ -276,8 +276,8 @@ class CheckpointManager:
         pending = self._section.get("pending_delete", [])
         if not pending:
             return
-        kept = [e["path"] for e in self._section["checkpoints"] + self._section["preserved"]]
-        holding = held(self.directory, kept, [e["path"] for e in pending])
+        doomed = [e["path"] for e in pending]
+        holding = held(self.directory, self._steps_on_disk(exclude=doomed), doomed)
         still = []
         for entry in pending:
             if entry["path"] in holding:  # a kept incremental step refers to its bytes
@@ -292,6 +292,13 @@ class CheckpointManager:
             discard(path)
         self._section["pending_delete"] = still
         self._store(state)
+
+    def _steps_on_disk(self, exclude: list[str]) -> list[str]:
+        """This manager's step names in the directory, listed or not (a step committed
+        just before a crash is not listed yet), but for ``exclude``."""
+        skip = set(exclude)
+        return sorted(e.name for e in os.scandir(self.directory)
+                      if e.name not in skip and self._is_own_name(e.name))
 
     def _store(self, state: dict[str, Any]) -> None:
         state["version"] = STATE_VERSION
@@ -442,8 +449,7 @@ class CheckpointManager:
         base = self.directory / entries[-1]["path"] if entries else None
         if base is not None and base.name == name:
             base = None  # written again: a full step
-        kept = [e["path"] for e in entries + self._section["preserved"]]
-        if held(self.directory, kept, [name]):
+        if held(self.directory, self._steps_on_disk(exclude=[name]), [name]):
             raise CkptError(
                 f"Cannot save step {number} again: kept incremental steps refer to the bytes "
                 f"of {os.fspath(self.directory / name)!r}; save under a new number."
