@@ -84,10 +84,11 @@ SCRIPT = textwrap.dedent(
             want = expected(int(final.match(name).group(1)))
             for k, v in want.items():
                 assert np.array_equal(got[k], v), (name, k)
-        # every step on disk is listed, held for a kept step, or a step committed just
-        # before a kill and not yet listed (newer than every listed one: never referred to)
-        newest = max((int(final.match(n).group(1)) for n in listed), default=0)
-        stray = {n for n in on_disk - listed - held if int(final.match(n).group(1)) < newest}
+        # every step on disk is listed, held for a kept step, or a killed save's step,
+        # committed just before the kill and never listed (`ckpt gc` removes those)
+        killed = {op["step"] for op in ops if op["kill"] is not None}
+        stray = {n for n in on_disk - listed - held
+                 if int(final.match(n).group(1)) not in killed}
         assert not stray, (stray, listed, held)
         return sorted(listed)
 

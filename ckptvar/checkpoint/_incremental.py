@@ -78,17 +78,35 @@ class Incremental:
         return IncrementalSave(base, known, versions, self)
 
 
+#: ``external_files`` by (path, inode, size, mtime): a committed step never changes.
+_REFS: dict[tuple[str, int, int, int], frozenset[str]] = {}
+
+
+def _references(path: Path) -> frozenset[str]:
+    st = os.stat(path)
+    ident = (os.fspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    refs = _REFS.get(ident)
+    if refs is None:
+        refs = frozenset(external_files(path))
+        if len(_REFS) > 4096:
+            _REFS.clear()
+        _REFS[ident] = refs
+    return refs
+
+
 def held(directory: Path, kept: Iterable[str], doomed: Iterable[str]) -> dict[str, list[str]]:
     """Of the file names ``doomed``, those a step in ``kept`` refers to, with its referrers.
 
     A kept step that cannot be read is taken to refer to everything doomed (nothing it
-    may need is deleted on a guess).
+    may need is deleted on a guess); one that is gone refers to nothing.
     """
     doomed = set(doomed)
     out: dict[str, list[str]] = {}
     for name in kept:
         try:
-            refs = external_files(directory / name)
+            refs: Iterable[str] = _references(directory / name)
+        except FileNotFoundError:
+            continue
         except (CkptError, OSError) as exc:
             logger.warning("Keeping every pruned step: cannot read %s (%s).",
                            directory / name, exc)

@@ -290,6 +290,8 @@ class CheckpointManager:
                 )
                 continue
             discard(path)
+        if still == pending:  # all held, as before: nothing to record
+            return
         self._section["pending_delete"] = still
         self._store(state)
 
@@ -449,7 +451,8 @@ class CheckpointManager:
         base = self.directory / entries[-1]["path"] if entries else None
         if base is not None and base.name == name:
             base = None  # written again: a full step
-        if held(self.directory, self._steps_on_disk(exclude=[name]), [name]):
+        if os.path.lexists(self.directory / name) and held(
+                self.directory, self._steps_on_disk(exclude=[name]), [name]):
             raise CkptError(
                 f"Cannot save step {number} again: kept incremental steps refer to the bytes "
                 f"of {os.fspath(self.directory / name)!r}; save under a new number."
