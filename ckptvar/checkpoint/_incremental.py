@@ -100,17 +100,17 @@ def held(directory: Path, kept: Iterable[str], doomed: Iterable[str]) -> dict[st
     A kept step that cannot be read is taken to refer to everything doomed (nothing it
     may need is deleted on a guess); one that is gone refers to nothing.
     """
-    doomed = set(doomed)
+    gone = frozenset(doomed)
     out: dict[str, list[str]] = {}
     for name in kept:
         try:
-            refs: Iterable[str] = _references(directory / name)
+            refs = _references(directory / name)
         except FileNotFoundError:
             continue
         except (CkptError, OSError) as exc:
             logger.warning("Keeping every pruned step: cannot read %s (%s).",
                            directory / name, exc)
-            refs = doomed
-        for ref in refs & doomed:
+            refs = gone
+        for ref in sorted(refs & gone):
             out.setdefault(ref, []).append(name)
     return out
