@@ -139,6 +139,13 @@ def test_kill_during_incremental_save_and_prune(tmp_path: Path, fmt: str) -> Non
     assert out["kept"][-1] == f"ckpt-7.{fmt}"
 
 
+def test_a_held_step_keeps_what_it_refers_to(tmp_path: Path) -> None:
+    """Step 2 is held for step 3's head, and refers to step 1 for emb: step 1 stays too
+    (found by the property test below: every file left on disk must load)."""
+    ops = [_op(1, []), _op(2, ["frozen", "head"]), _op(3, ["frozen", "emb"])]
+    assert _run(tmp_path, {"format": "h5", "keep": 1, "ops": ops})["kept"] == ["ckpt-3.h5"]
+
+
 _KEYS = ["frozen", "head", "emb", "s0", "s1"]
 
 

@@ -97,12 +97,20 @@ def _references(path: Path) -> frozenset[str]:
 def held(directory: Path, kept: Iterable[str], doomed: Iterable[str]) -> dict[str, list[str]]:
     """Of the file names ``doomed``, those a step in ``kept`` refers to, with its referrers.
 
-    A kept step that cannot be read is taken to refer to everything doomed (nothing it
-    may need is deleted on a guess); one that is gone refers to nothing.
+    A doomed step that is held is kept whole, so what it refers to is held in turn (every
+    file left on disk stays loadable). A step that cannot be read is taken to refer to
+    everything doomed (nothing it may need is deleted on a guess); one that is gone
+    refers to nothing.
     """
     gone = frozenset(doomed)
     out: dict[str, list[str]] = {}
-    for name in kept:
+    todo = list(kept)
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
         try:
             refs = _references(directory / name)
         except FileNotFoundError:
@@ -113,4 +121,5 @@ def held(directory: Path, kept: Iterable[str], doomed: Iterable[str]) -> dict[st
             refs = gone
         for ref in sorted(refs & gone):
             out.setdefault(ref, []).append(name)
-    return out
+            todo.append(ref)  # held whole: what it refers to stays too
+    return {ref: sorted(by) for ref, by in out.items()}
