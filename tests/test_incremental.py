@@ -227,3 +227,20 @@ def test_incremental_is_refused_where_it_is_not_supported(fresh_graph: cv.Graph)
     ckpt, _, _ = _model()
     with pytest.raises(cv.CkptError, match="not supported"):
         cv.CheckpointManager(ckpt, "s3://bucket/run", incremental=True)
+
+
+def test_background_saves_build_on_each_other(tmp_path: Path, fmt: str,
+                                              fresh_graph: cv.Graph) -> None:
+    """A background save snapshots the versions with the values: a write after the
+    snapshot is a change for the next step, never lost."""
+    ckpt, frozen, head = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=None, format=fmt,
+                                   async_save=True, incremental=True)
+    manager.save()
+    head.assign_add(1)  # after the snapshot of step 1
+    p2 = manager.save()
+    want = head.numpy()
+    ckpt.wait()
+    assert np.array_equal(cv.load(p2)["head"], want)
+    with cv.open(p2) as r:
+        assert set(r.shared()) == {"frozen"}
