@@ -82,10 +82,26 @@ class WriteBehaviour:
     _device_obj: Device
     _constraint: Callable[[Any], Any] | None
     _writes: int
+    _exposed: bool
 
     def _wrote(self) -> None:
-        """Count a write that has finished (the version counter; see ``Variable._version``)."""
+        """Count a write that has finished (the version counter, ``_version``)."""
         self._writes += 1
+
+    @property
+    def _version(self) -> int | None:
+        """How many writes the value has had, or None when that is not known.
+
+        Every write path counts (``assign`` and its family, slice assignment, ``+=``, NumPy
+        ``out=``, restore, initialization). ``value()`` hands out the backing array itself,
+        whose in-place writes nobody sees: from then on the version is None and an
+        incremental checkpoint compares this variable by its block checksums instead.
+        """
+        return None if self._exposed else self._writes
+
+    def _read_buffer(self) -> Any:
+        """The backing array, for reading only (a save): unlike ``value()``, not handed out."""
+        return self._materialize()
 
     def _materialize(self) -> Any:  # pragma: no cover - supplied by Variable
         raise NotImplementedError

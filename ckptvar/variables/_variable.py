@@ -5,7 +5,8 @@ collections), moving through its lifecycle states (``self._state``: one of
 :class:`~ckptvar.variables._lifecycle.Unset`, ``Pending``, ``Ready``), reading, pickling
 and copying, what box of a logical variable it holds (:attr:`Variable.logical_box`), and
 the hooks the checkpoint layer uses (``_materialized``, ``_set_initial_value_source``,
-``_restore_value``, ``_host_buffer``, ``_read_buffer``, ``_uid``, ``_version``). Writes come from
+``_restore_value``, ``_host_buffer``, ``_uid``; ``_version`` and ``_read_buffer`` come with
+the writes). Writes come from
 :class:`~ckptvar.variables._lifecycle.WriteBehaviour`, the array behaviour from
 :class:`~ckptvar.variables._array.ArrayBehaviour`.
 
@@ -359,31 +360,14 @@ class Variable(WriteBehaviour, ArrayBehaviour):
             self._wrote()
 
     def _host_buffer(self) -> np.ndarray | None:
-        """The backing buffer itself when materialised, on the CPU and C-contiguous; else None.
-
-        The caller (a restore) writes into it: handing it out counts as a write.
-        """
+        """The backing buffer when materialised, on the CPU and C-contiguous; else None.
+        The caller (a restore) writes into it: handing it out counts as a write."""
         state = self._state
         buf = state.value if isinstance(state, Ready) else None
         if isinstance(buf, np.ndarray) and buf.flags.c_contiguous and buf.flags.writeable:
             self._wrote()
             return buf
         return None
-
-    def _read_buffer(self) -> Any:
-        """The backing array, for reading only (a save): unlike ``value()``, not handed out."""
-        return self._materialize()
-
-    @property
-    def _version(self) -> int | None:
-        """How many writes the value has had, or None when that is not known.
-
-        Every write path counts (``assign`` and its family, slice assignment, ``+=``, NumPy
-        ``out=``, restore, initialization). ``value()`` hands out the backing array itself,
-        whose in-place writes nobody sees: from then on the version is None and an
-        incremental checkpoint compares this variable by its block checksums instead.
-        """
-        return None if self._exposed else self._writes
 
     # --- reading -------------------------------------------------------------------------
     def numpy(self) -> np.ndarray:
@@ -396,11 +380,9 @@ class Variable(WriteBehaviour, ArrayBehaviour):
         return self._materialize().copy()
 
     def value(self) -> Any:
-        """The backing array itself (NumPy on the CPU, CuPy on a GPU). Do not write to it.
-
-        Writes into it in place are not seen by the version counter, so once this is called
-        an incremental checkpoint compares the variable by its checksums (docs/checkpoints.md).
-        """
+        """The backing array itself (NumPy on the CPU, CuPy on a GPU). Do not write to it:
+        the version counter cannot see such writes, so from now on an incremental
+        checkpoint compares this variable by its checksums (docs/checkpoints.md)."""
         value = self._materialize()
         self._exposed = True
         return value
