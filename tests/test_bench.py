@@ -237,6 +237,25 @@ def test_the_convert_workload_reports_every_row(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # the scratch files are gone
 
 
+@pytest.mark.slow
+def test_the_incremental_workload_reports_every_row(tmp_path: Path) -> None:
+    """``python -m benchmarks.incremental --quick --json``: both formats, three workloads;
+    an incremental frozen-backbone step writes about what changed."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.incremental", "--quick", "--json", "--dir",
+         str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert [(r["format"], r["workload"]) for r in rows] == [
+        (f, w) for f in ("h5", "zarr") for w in ("frozen", "embedding-1%", "embedding-10%")]
+    for r in rows:
+        assert r["full"]["written"] >= r["state"]
+        if r["workload"] == "frozen":
+            assert r["written_over_changed"] <= 1.10
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_count_table_ignores_rows_of_the_counts_workload_itself() -> None:
     load_bench()
     from benchmarks import round2

@@ -18,6 +18,7 @@ from . import _async
 from ._collective import collective_write, needs_collective, rank_variables
 from ._collective_state import CollectiveRestoreState
 from ._files import native_backend, write_file
+from ._incremental import IncrementalSave
 from ._object_restore import RestoreState
 from ._serialize import gather, host_arrays, metadata
 from ._state import record_latest
@@ -136,6 +137,7 @@ class Checkpoint(Trackable):
         *,
         number: int | None = None,
         on_commit: Callable[[str], None] | None = None,
+        incremental: Callable[[Mapping[str, Any]], IncrementalSave] | None = None,
     ) -> Any:
         """:meth:`save` for an owner of step numbers (``cv.CheckpointManager``).
 
@@ -150,7 +152,8 @@ class Checkpoint(Trackable):
         counter.assign_add(1)
         n = int(counter.numpy()) if number is None else int(number)
         try:
-            return self._write(step_name(base, n, suffix), fmt, options, on_commit)
+            return self._write(step_name(base, n, suffix), fmt, options, on_commit,
+                               incremental)
         except BaseException:
             counter.assign_sub(1)
             raise
@@ -177,7 +180,10 @@ class Checkpoint(Trackable):
         fmt: str,
         options: SaveOptions,
         on_commit: Callable[[str], None] | None,
+        incremental: Callable[[Mapping[str, Any]], IncrementalSave] | None = None,
     ) -> Any:
+        """Write ``path``; ``incremental(variables)`` (a manager's) gives the step to build
+        on, called before any value is read."""
         blocking = options.get("blocking", True)
         coordinator: Any = options.get("coordinator")
         timeout = options.get("timeout")
@@ -189,6 +195,7 @@ class Checkpoint(Trackable):
                 plan.variables = rank_variables(plan.variables)
             count = None if counter is None else int(counter.numpy())
             meta = metadata(plan, save_counter=count, user=options.get("metadata"))
+            inc = None if incremental is None or collective else incremental(plan.variables)
             # The job drops the snapshot when it ends: the executor's worker still holds
             # the job a moment after its future is done, and a next background save
             # snapshots as soon as it is (two snapshots would then be alive at once).
@@ -220,9 +227,13 @@ class Checkpoint(Trackable):
                 with paused_gc():
                     final = write_file(path, fmt, snapshot[0], meta,
                                        options.get("storage_options"),
-                                       pack_threshold=options.get("pack_threshold"))
+                                       pack_threshold=options.get("pack_threshold"),
+                                       base=None if inc is None else inc.base,
+                                       known=None if inc is None else inc.known)
             finally:
                 snapshot.clear()
+            if inc is not None:
+                inc.committed(final)
             if on_commit is not None:
                 on_commit(final)
             return final

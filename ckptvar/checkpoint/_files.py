@@ -109,8 +109,14 @@ def write_file(
     storage_options: Mapping[str, Any] | None = None,
     *,
     pack_threshold: int | None = None,
+    base: Path | None = None,
+    known: Mapping[str, bool] | None = None,
 ) -> str:
     """Write one checkpoint atomically (temporary sibling, fsync, rename); returns its path.
+
+    ``base``: a committed checkpoint whose stored bytes the new one may refer to instead
+    of writing the unchanged values again (an incremental step; ``known``: what the caller
+    knows unchanged or changed, by key).
 
     At an object-store URL: written to a local temporary, streamed up and committed by
     marker (:func:`ckptvar.storage._remote.save_remote`); returns the URL.
@@ -123,8 +129,11 @@ def write_file(
             lambda tmp: write_file(tmp, fmt, arrays, meta, pack_threshold=pack_threshold),
             storage_options,
         ))
+    options: dict[str, Any] = {"durable": True, "pack_threshold": pack_threshold}
+    if base is not None:
+        options.update(base=base, known=known or {})
     written: str | Path = write_values(Path(path), native_backend(path, format), arrays, meta,
-                                       durable=True, pack_threshold=pack_threshold)
+                                       **options)
     return os.fspath(written)
 
 

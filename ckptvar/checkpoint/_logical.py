@@ -24,7 +24,7 @@ from .._dtypes import check_castable, dtype_name
 from ..distributed import Box
 from ..errors import CheckpointMismatchError, DTypeLockError, ShapeLockError
 from ..storage import Reader
-from ..variables import PartitionedVariable, Variable, host_buffer, is_materialized
+from ..variables import PartitionedVariable, Variable, host_buffer, is_materialized, read_buffer
 from ._apply import TEMPORARY_BUDGET, apply_values, check_matches, give_value, reader_abilities
 
 __all__ = [
@@ -155,7 +155,7 @@ def assemble(logical: Logical, key: str) -> np.ndarray:
         return np.asarray(boxes[0][0].numpy(), order="C")
     full = np.empty(logical.full_shape, logical.dtype)
     for part, offset, shape in boxes:
-        value = part.value()
+        value = read_buffer(part)
         full[Box(offset, shape).slices()] = value if isinstance(value, np.ndarray) else part.numpy()
     return full
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import logging
 import os
 import signal
@@ -48,6 +49,7 @@ from ..storage.location import (
 from ..variables import Variable
 from ._checkpoint import Checkpoint, SaveOptions
 from ._files import NATIVE_FORMATS, discard
+from ._incremental import Incremental, held
 from ._preemption import SignalSave
 from ._reclaim import idle, open_saving_lock, reclaim_staging
 from ._state import (
@@ -69,6 +71,22 @@ logger = logging.getLogger("ckptvar")
 
 #: What ``restore_or_initialize`` skips a checkpoint for (also as another process's failure).
 _SKIPPED = ("CorruptCheckpointError", "CheckpointNotFoundError", "UnsupportedFormatError")
+
+
+def _check_arguments(
+    checkpoint: Any, max_to_keep: int | None, checkpoint_name: str, format: str
+) -> None:
+    """Raise on a manager argument that can never work (before anything is touched)."""
+    if not isinstance(checkpoint, Checkpoint):
+        raise TypeError(f"CheckpointManager needs a cv.Checkpoint, got {checkpoint!r}.")
+    if max_to_keep is not None and max_to_keep < 1:
+        raise ValueError(f"max_to_keep must be None or >= 1, got {max_to_keep}.")
+    if not checkpoint_name or "/" in checkpoint_name or checkpoint_name.startswith("."):
+        raise ValueError(f"Bad checkpoint_name {checkpoint_name!r}.")
+    if format not in NATIVE_FORMATS or format not in known_formats():
+        raise UnsupportedFormatError(
+            f"CheckpointManager writes {' or '.join(NATIVE_FORMATS)}, not {format!r}."
+        )
 
 
 class CheckpointManager:
@@ -95,6 +113,11 @@ class CheckpointManager:
             docs/FORMAT.md, "Packing"), for every save.
         save_on_signal: signals (e.g. ``(signal.SIGTERM,)``) that make the next step
             boundary a save, then are re-delivered: see :meth:`save_on_signal`.
+        incremental: write only the values that changed since this manager's latest
+            step; the others refer to the bytes stored already (docs/checkpoints.md,
+            "Incremental checkpoints"). A pruned step whose bytes a kept step refers to
+            stays on disk (``pending_delete`` with ``held_for`` in the state file) until
+            no kept step does.
 
     A read-only directory can be opened (``read_only`` is then True):
     :attr:`checkpoints`, :attr:`latest_checkpoint` and :meth:`restore_or_initialize`
@@ -117,17 +140,17 @@ class CheckpointManager:
         coordinator: Any = None,
         pack_threshold: int | None = None,
         save_on_signal: Sequence[int] = (),
+        incremental: bool = False,
     ) -> None:
-        if not isinstance(checkpoint, Checkpoint):
-            raise TypeError(f"CheckpointManager needs a cv.Checkpoint, got {checkpoint!r}.")
-        if max_to_keep is not None and max_to_keep < 1:
-            raise ValueError(f"max_to_keep must be None or >= 1, got {max_to_keep}.")
-        if not checkpoint_name or "/" in checkpoint_name or checkpoint_name.startswith("."):
-            raise ValueError(f"Bad checkpoint_name {checkpoint_name!r}.")
-        if format not in NATIVE_FORMATS or format not in known_formats():
-            raise UnsupportedFormatError(
-                f"CheckpointManager writes {' or '.join(NATIVE_FORMATS)}, not {format!r}."
+        _check_arguments(checkpoint, max_to_keep, checkpoint_name, format)
+        if incremental and (is_url(directory) or (coordinator is not None
+                                                    and coordinator.size > 1)):
+            raise CkptError(
+                "incremental=True is not supported yet on an object store or with a "
+                "coordinator of more than one process; save full steps there."
             )
+        #: ``incremental=True``: the last committed step this manager builds on
+        self._incremental = Incremental() if incremental else None
         self._checkpoint = checkpoint
         self._location: Location | None = None
         self._storage_options = storage_options
@@ -367,7 +390,13 @@ class CheckpointManager:
         pending = self._section.get("pending_delete", [])
         if not pending:
             return
+        doomed = [e["path"] for e in pending]
+        holding = held(self.directory, self._steps_on_disk(exclude=doomed), doomed)
+        still = []
         for entry in pending:
+            if entry["path"] in holding:  # a kept incremental step refers to its bytes
+                still.append({**entry, "held_for": holding[entry["path"]]})
+                continue
             path = self.directory / entry["path"]
             if os.path.lexists(path) and not is_own_checkpoint(path):
                 logger.warning(
@@ -375,8 +404,17 @@ class CheckpointManager:
                 )
                 continue
             discard(path)
-        self._section["pending_delete"] = []
+        if still == pending:  # all held, as before: nothing to record
+            return
+        self._section["pending_delete"] = still
         self._store(state)
+
+    def _steps_on_disk(self, exclude: list[str]) -> list[str]:
+        """This manager's step names in the directory, listed or not (a step committed
+        just before a crash is not listed yet), but for ``exclude``."""
+        skip = set(exclude)
+        return sorted(e.name for e in os.scandir(self.directory)
+                      if e.name not in skip and self._is_own_name(e.name))
 
     def _store(self, state: dict[str, Any]) -> None:
         state["version"] = STATE_VERSION
@@ -508,6 +546,7 @@ class CheckpointManager:
         self._refuse_foreign(number)
         self._refuse_committed(number)
         prefix = self.directory / self.checkpoint_name
+        incremental = None if self._incremental is None else self._incremental_base(number)
 
         def on_commit(path: str, step: int = step) -> None:
             self._record(path, step)
@@ -518,7 +557,8 @@ class CheckpointManager:
             options: SaveOptions = {"format": self.format, "blocking": not self.async_save,
                                     "coordinator": self.coordinator, "timeout": timeout,
                                     "pack_threshold": self.pack_threshold}
-            result = self._checkpoint.save_step(prefix, options, number=number, on_commit=on_commit)
+            result = self._checkpoint.save_step(prefix, options, number=number, on_commit=on_commit,
+                                             incremental=incremental)
         except BaseException:
             os.close(saving)
             self._count_if_committed(number)
@@ -557,6 +597,22 @@ class CheckpointManager:
         self._on_signal.save_then_redeliver(signum, lambda: self.save(
             checkpoint_number, check_interval=False, timeout=timeout), self._sync)
         return True
+
+    def _incremental_base(self, number: int) -> Any:
+        """What an incremental save of step ``number`` builds on (the latest kept step)."""
+        assert self._incremental is not None
+        name = step_name(self.checkpoint_name, number, self._suffix)
+        entries = self._section["checkpoints"]
+        base = self.directory / entries[-1]["path"] if entries else None
+        if base is not None and base.name == name:
+            base = None  # written again: a full step
+        if os.path.lexists(self.directory / name) and held(
+                self.directory, self._steps_on_disk(exclude=[name]), [name]):
+            raise CkptError(
+                f"Cannot save step {number} again: kept incremental steps refer to the bytes "
+                f"of {os.fspath(self.directory / name)!r}; save under a new number."
+            )
+        return functools.partial(self._incremental.start, base)
 
     def _save_remote(self, number: int, step: int, timeout: float | None) -> str:
         options: SaveOptions = {"format": self.format, "blocking": not self.async_save,

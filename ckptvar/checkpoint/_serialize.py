@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import CorruptCheckpointError
 from ..storage import snapshot
 from ..trackable import Trackable, python_state
-from ..variables import PartitionedVariable, Variable
+from ..variables import PartitionedVariable, Variable, read_buffer
 from ._logical import Logical, as_target, assemble
 from ._walk import walk
 
@@ -110,7 +110,7 @@ def host_arrays(plan: SaveContents, *, copy: bool) -> list[tuple[str, np.ndarray
         if isinstance(var, Logical):  # a new host array already: a snapshot
             out.append((key, assemble(var, key), attrs))
             continue
-        value = var.value()
+        value = read_buffer(var)
         if not isinstance(value, np.ndarray):
             host = np.asarray(var.numpy(), order="C")
         elif copy:

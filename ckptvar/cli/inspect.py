@@ -7,6 +7,8 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
+import ckptvar as cv
+
 from ._blocks import Stats, value_blocks
 from ._common import (
     EXIT_OK,
@@ -59,7 +61,9 @@ stands for its latest checkpoint (the output says so).
 "name", "dtype", "shape", "nbytes", "trainable", "attrs"}, ...], "skipped":
 [{"key", "reason"}, ...]} ("latest_of" names the directory when PATH was one);
 --stats adds "min", "max", "mean", "std", "nan", "inf" (null where there is no
-finite element).
+finite element). An incremental step adds "shared": {key: [steps]}, the steps
+that hold (HDF5) or share (Zarr hard links) each value's bytes, also listed
+below the table.
 
 examples:
   ckpt inspect runs/ckpt-3.h5
@@ -191,6 +195,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             _add_stats(reader, records, args)
         fmt = str(reader.format)
         metadata = reader.metadata()
+        shared = _shared(reader, keys)
 
     if args.json:
         doc: dict[str, Any] = {"path": str(path)}
@@ -202,6 +207,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             variables=plain(records),
             skipped=[{"key": k, "reason": v} for k, v in skipped.items()],
         )
+        if shared:
+            doc["shared"] = shared
         dump_json(doc, out)
         return EXIT_OK
 
@@ -216,7 +223,26 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     print(file=out)
     noun = "variable" if fmt in _OWN_FORMATS else "value"
     _print_values(records, skipped, noun, args, out)
+    _print_shared(shared, noun, out)
     return EXIT_OK
+
+
+def _shared(reader: Any, keys: list[str]) -> dict[str, list[str]]:
+    """Of ``keys``, those whose bytes other steps hold or share (an incremental step)."""
+    if not isinstance(reader, cv.storage.SupportsShared):
+        return {}
+    shared = reader.shared()
+    return {k: shared[k] for k in keys if k in shared}
+
+
+def _print_shared(shared: dict[str, list[str]], noun: str, out: TextIO) -> None:
+    if not shared:
+        return
+    print(f"\nshared with other steps (incremental): {len(shared)} {noun}(s), "
+          "the bytes in", file=out)
+    for line in table([[escape(k), ", ".join(escape(n) for n in names) or "-"]
+                       for k, names in shared.items()]):
+        print("  " + line, file=out)
 
 
 def _print_values(

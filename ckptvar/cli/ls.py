@@ -20,7 +20,9 @@ Lists the checkpoints of a CheckpointManager directory (files named
 PREFIX-STEP.h5, PREFIX-STEP.zarr or TensorFlow PREFIX-STEP.index) with their
 step, modification time and size on disk, and marks the latest. At an
 object-store URL (s3://bucket/run) only committed steps are listed, with their
-commit time and stored size.
+commit time and stored size. An HDF5 step whose bytes incremental steps refer to
+says which ("holds bytes of ckpt-5.h5"; in --json: "referred_by"); the manager
+keeps it on disk while they do.
 
 example:
   ckpt ls runs/
@@ -129,6 +131,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     for w in caught:
         sys.stderr.write(f"ckpt: warning: {one_line(str(w.message))}\n")
     latest_path = Path(latest) if latest else (paths[-1] if paths else None)
+    holders = _referred_by(paths)
     rows: list[dict[str, Any]] = []
     for p in paths:
         m = _step_of(p.name if p.exists() else p.name + ".index")
@@ -144,6 +147,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                 "latest": latest_path is not None and _same(p, latest_path),
             }
         )
+        if p.name in holders:
+            rows[-1]["referred_by"] = holders[p.name]
     return _print(args, out, directory, rows, str(latest_path) if latest_path else None)
 
 
@@ -175,7 +180,7 @@ def _print(
                 r["time"].replace("T", " "),
                 human_size(r["size"]),
                 escape(Path(r["path"]).name),
-                "(latest)" if r["latest"] else "",
+                _note(r),
             ]
         )
     for line in table(rows_out, right=frozenset({0, 2})):
@@ -183,6 +188,31 @@ def _print(
     total = sum(r["size"] for r in rows)
     print(f"\n{len(rows)} checkpoint{'s' if len(rows) != 1 else ''}, {human_size(total)}", file=out)
     return EXIT_OK
+
+
+def _referred_by(paths: list[Path]) -> dict[str, list[str]]:
+    """The incremental HDF5 steps' references: holder file name -> the steps using it."""
+    out: dict[str, set[str]] = {}
+    for p in paths:
+        if p.suffix != ".h5" or not p.is_file():
+            continue
+        try:
+            with cv.open(p) as reader:
+                shared = reader.shared() if isinstance(reader,
+                                                       cv.storage.SupportsShared) else {}
+        except cv.CkptError:
+            continue  # listed as it is; `ckpt verify` says what is wrong
+        for names in shared.values():
+            if names:
+                out.setdefault(names[0], set()).add(p.name)
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _note(row: dict[str, Any]) -> str:
+    notes = ["(latest)"] if row["latest"] else []
+    if row.get("referred_by"):
+        notes.append(f"(holds bytes of {', '.join(escape(n) for n in row['referred_by'])})")
+    return " ".join(notes)
 
 
 def _same(a: Path, b: Path) -> bool:

@@ -8,7 +8,8 @@ crash-safe file helpers (``partial_path``, ``is_partial``, ``remove_path``,
 ``fsync_dir``, ``fsync_path``), the remote-URL entry points (``open_remote_reader``,
 ``save_remote``, ``remote_format``) and the sharded layout (``ShardedReader``,
 ``INDEX_FILE``, ``rank_file``, ``box_key``, ``pack_index``, ``grid_layout``, and
-``RemoteStep``: the object-store side of a multi-process save).
+``RemoteStep``: the object-store side of a multi-process save), and for incremental
+steps ``external_files`` (the files an HDF5 step's values are in).
 
 >>> from ckptvar.storage import known_formats
 >>> "h5" in known_formats() and "zarr" in known_formats()
@@ -28,6 +29,7 @@ from .base import (
     SupportsReadIntoMany,
     SupportsRuns,
     SupportsShapeAndDtype,
+    SupportsShared,
     SupportsVerifyAll,
     SupportsVerifyMany,
     Writer,
@@ -43,6 +45,7 @@ from .registry import (
 # isort: split
 # The built-in backends register themselves on import, so after the registry exists.
 from . import _h5, _sharded, _zarr, formats  # noqa: F401
+from ._h5 import external_files
 from ._remote import open_remote_reader, remote_format, save_remote
 from ._sharded import INDEX_FILE, ShardedReader, box_key, pack_index, rank_file
 from ._sharded_remote import RemoteStep
@@ -59,11 +62,13 @@ __all__ = [
     "SupportsReadIntoMany",
     "SupportsRuns",
     "SupportsShapeAndDtype",
+    "SupportsShared",
     "SupportsVerifyAll",
     "SupportsVerifyMany",
     "Writer",
     "backend_for",
     "box_key",
+    "external_files",
     "fsync_dir",
     "fsync_path",
     "grid_layout",

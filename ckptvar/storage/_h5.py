@@ -48,10 +48,20 @@ from ._container import (
     write_packed,
 )
 from ._container import source as _src
+from ._container.reuse import Held
 from ._container.source import RemoteFile
 from ._paths import RESERVED_PREFIX
-from ._record import ARRAY, FORMAT_VERSION, MAX_RECORD_NBYTES, PACKED, Entry, Record, decode
-from .base import Backend
+from ._record import (
+    ARRAY,
+    FORMAT_VERSION,
+    MAX_RECORD_NBYTES,
+    PACKED,
+    Entry,
+    Extent,
+    Record,
+    decode,
+)
+from .base import Backend, SupportsShared
 from .registry import register_backend
 
 __all__ = [
@@ -59,6 +69,7 @@ __all__ = [
     "H5Backend",
     "H5Reader",
     "H5Writer",
+    "external_files",
     "index_regions",
     "read_index",
     "read_userblock",
@@ -84,6 +95,30 @@ class H5Writer(ContainerWriter):
                 "use a .zarr checkpoint for compression."
             )
         super().__init__(path, **options)
+
+    def _open_base(self, base: Path) -> tuple[Any, Any] | None:
+        """An incremental save's base: its record; a value's bytes are in the file that
+        holds them (the base itself, or the file the base refers to), never a chain."""
+        if base.parent != self.path.parent:
+            return None  # external links name a sibling file
+        reader = H5Reader(base)
+        record = reader.record
+        reader.close()
+
+        def holder(key: str, entry: Entry) -> Held:
+            file, path = record.external.get(key, (base.name, entry.loc.path or ""))
+            return Held(file, path, entry.loc.offset)
+
+        return record, holder
+
+    def _array_loc(self, it: ValueWrite) -> Extent:
+        if it.held is not None:
+            return Extent.array(it.path, it.held.offset, it.nbytes)
+        return Extent.array(it.path, it.offset, it.nbytes)
+
+    def _external(self, items: list[ValueWrite]) -> dict[str, tuple[str, str]] | None:
+        return {it.key: (it.held.file, it.held.path) for it in items
+                if it.held is not None} or None
 
     def _write(self, tmp: Path, plan: WritePlan) -> None:
         try:
@@ -119,7 +154,7 @@ class H5Writer(ContainerWriter):
     def _write_bytes(self, fd: int, plan: WritePlan, packed_off: int) -> None:
         write = _rawio.pwrite_flushing if self.durable else _rawio.pwrite_all
         for it in plan.arrays:
-            if it.nbytes:
+            if it.nbytes and it.held is None:
                 write(fd, it.view, it.offset)
         if plan.packed:
             write_packed(fd, plan.packed, packed_off)
@@ -170,6 +205,10 @@ class _H5File:
         fid = h5f.create(self.name, h5f.ACC_TRUNC, fcpl=self.fcpl, fapl=self.fapl)
         try:
             for it in plan.arrays:
+                if it.held is not None:  # the bytes are in another file: link to them
+                    fid.links.create_external(it.path.encode(), it.held.file.encode(),
+                                              b"/" + it.held.path.encode(), lcpl=self.lcpl)
+                    continue
                 it.offset = self._create(fid, it.path, storage_dtype(it.dtype), it.shape)
             if not plan.packed:
                 return 0
@@ -192,6 +231,8 @@ class _H5File:
             finally:
                 _close(root)
             for it in arrays:
+                if it.held is not None:  # a link: the attributes are the holder's
+                    continue
                 dsid = h5py.h5d.open(fid, it.path.encode())
                 try:
                     for k, v in scalar_attrs(it).items():
@@ -382,7 +423,7 @@ def _load_record(fd: int | RemoteFile, size: int, path: Any) -> Record:
     return record
 
 
-class H5Reader(ContainerReader):
+class H5Reader(ContainerReader, SupportsShared):
     """Reads a ckptvar ``.h5`` file with ``pread`` only (libhdf5 is never called).
 
     ``source`` reads the file's bytes from an object store instead (ranged GETs);
@@ -409,6 +450,7 @@ class H5Reader(ContainerReader):
             raise
         self._fd = fd
         self._mm: Any = None
+        self._holders: dict[str, int] = {}  # the files external values are in, opened
         super().__init__(path, record)
         self._packed_base = record.packed[1] if record.packed else 0
         self._packed: int | RemoteFile = fd
@@ -420,7 +462,38 @@ class H5Reader(ContainerReader):
 
     def _open_array(self, key: str, entry: Entry) -> Source:
         self.check_open()
+        if self._record.external and key in self._record.external:
+            return Source(self._holder(key, entry), entry.loc.offset, False)
         return Source(self._fd, entry.loc.offset, False)
+
+    def _holder(self, key: str, entry: Entry) -> int:
+        """The descriptor of the sibling file holding ``key``'s bytes (an incremental step),
+        its byte range checked against its size."""
+        name = self._record.external[key][0]
+        if self.remote:
+            raise UnsupportedFormatError(
+                f"Checkpoint {str(self.path)!r} is an incremental step: {key!r} is stored in "
+                f"{name!r}; reading such a step from an object store is not supported."
+            )
+        fd = self._holders.get(name)
+        if fd is None:
+            where = Path(self.path).parent / name
+            try:
+                fd = os.open(where, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    f"Checkpoint {str(self.path)!r}: the bytes of {key!r} are in {name!r} "
+                    "beside it (an incremental step), which is gone."
+                ) from None
+            self._holders[name] = fd
+        size = os.fstat(fd).st_size
+        if entry.loc.offset < USERBLOCK_SIZE or entry.loc.offset + entry.nbytes > size:
+            raise CorruptCheckpointError(
+                f"Checkpoint {str(self.path)!r}: the bytes of {key!r} at "
+                f"[{entry.loc.offset}, {entry.loc.offset + entry.nbytes}) lie outside "
+                f"{name!r} ({size} bytes), the file that holds them."
+            )
+        return fd
 
     def packed_source(self) -> tuple[int | RemoteFile, int]:
         self.check_open()
@@ -428,13 +501,18 @@ class H5Reader(ContainerReader):
 
     def _mmap_region(self, key: str, entry: Entry) -> tuple[Any, int, bool]:
         self.check_open()
-        if self._fd.__class__ is not int:
+        if self._fd.__class__ is not int or (self._record.external
+                                             and key in self._record.external):
             return super()._mmap_region(key, entry)
         if self._mm is None:
             self._mm = _src.map_all(self._fd)
         if entry.loc.kind == PACKED:
             return self._mm, self._packed_base + entry.loc.offset, False
         return self._mm, entry.loc.offset, False
+
+    def shared(self) -> dict[str, list[str]]:
+        """The values an incremental step refers to: key -> [the file that holds them]."""
+        return {key: [file] for key, (file, _) in self._record.external.items()}
 
     def close(self) -> None:
         if not self._closed:
@@ -443,6 +521,9 @@ class H5Reader(ContainerReader):
                 with contextlib.suppress(BufferError):  # a view of it is still alive
                     mm.close()
             _src.close(self._fd)
+            for fd in self._holders.values():
+                os.close(fd)
+            self._holders.clear()
         super().close()
 
     def __del__(self) -> None:
@@ -458,12 +539,16 @@ def _check_h5_regions(record: Record, path: Any, size: int, record_region: tuple
     if record.packed is not None:
         fixed.append((record.packed[1], record.packed[2], "the packed values"))
     cols = record.columns
+    ext = record.external  # an incremental step's values in other files: checked there
     if cols is None:
-        keys = [k for k, e in record.values.items() if e.loc.kind == ARRAY]
+        keys = [k for k, e in record.values.items() if e.loc.kind == ARRAY and k not in ext]
         starts = np.array([record.values[k].loc.offset for k in keys], np.int64)
         sizes = np.array([record.values[k].nbytes for k in keys], np.int64)
     else:
-        own = np.flatnonzero(~cols.packed)
+        mask = ~cols.packed
+        if ext:
+            mask &= np.array([k not in ext for k in cols.keys], bool)
+        own = np.flatnonzero(mask)
         keys = [cols.keys[i] for i in own.tolist()]
         starts, sizes = cols.offsets[own], cols.nbytes[own]
     check_regions(fixed, path, size, ValueRanges(starts, sizes, keys))
@@ -519,6 +604,19 @@ class H5Backend(
                 "signature), so not a checkpoint ckptvar can read."
             )
         return H5Reader(path)
+
+
+def external_files(path: Path) -> set[str]:
+    """The sibling files whose bytes the checkpoint at ``path`` refers to (an incremental
+    HDF5 step's external values); empty for anything else, or nothing at ``path``."""
+    path = Path(path)
+    if not path.is_file() or not H5Backend.sniff(path):
+        return set()
+    reader = H5Reader(path)
+    try:
+        return {file for file, _ in reader.record.external.values()}
+    finally:
+        reader.close()
 
 
 register_backend(H5Backend)

@@ -73,6 +73,7 @@ from ._record_index import (
 
 __all__ = [
     "BLOCK_SIZE",
+    "EXTERNAL_VERSION",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MAX_DEPTH",
@@ -84,15 +85,19 @@ __all__ = [
     "Record",
     "ValueColumns",
     "block_count",
+    "check_external",
     "check_plain",
     "decode",
     "encode",
     "encode_columns",
+    "is_sibling_name",
 ]
 
 FORMAT_NAME = "ckptvar"
 #: (major, minor). A reader refuses a newer major version; minor additions are ignorable.
 FORMAT_VERSION = (1, 2)
+#: The version of a record with ``external`` values (an incremental HDF5 step).
+EXTERNAL_VERSION = (1, 3)
 #: Largest record a reader accepts (about 5 million values).
 MAX_RECORD_NBYTES = 1 << 30
 _LIBRARY = "ckptvar 0.1.0"
@@ -189,6 +194,10 @@ class Record:
     columns: Columns | None = field(default=None, repr=False, compare=False)
     #: Bytes per block of the values' ``Entry.blocks``.
     block_size: int = BLOCK_SIZE
+    #: 1.3, HDF5 only: the values whose bytes another file holds (an incremental step),
+    #: by key: ``(file name, container path there)``, the file a sibling of this one;
+    #: the value's ``offset`` is in that file (docs/FORMAT.md).
+    external: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -228,9 +237,10 @@ def encode_columns(
     metadata: Mapping[str, Any],
     *,
     block_size: int = BLOCK_SIZE,
+    external: Mapping[str, tuple[str, str]] | None = None,
 ) -> bytes:
     """The msgpack bytes of a record given as per-value lists (``cols.blocks``: blocks of
-    ``block_size`` bytes)."""
+    ``block_size`` bytes; ``external``: the values another file holds, format 1.3)."""
     keys, locs = cols.keys, cols.locs
     layouts = [loc.kind for loc in locs]
     paths = [loc.path for loc in locs]
@@ -238,7 +248,7 @@ def encode_columns(
     dense, sparse = split_attrs(keys, cols.attrs)
     doc: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "format_version": list(FORMAT_VERSION),
+        "format_version": list(EXTERNAL_VERSION if external else FORMAT_VERSION),
         "library": _LIBRARY,
         "container": container,
         "packed": list(packed) if packed is not None else None,
@@ -254,6 +264,8 @@ def encode_columns(
     if blocks is not None:
         doc["block_size"] = block_size
         doc["block_checksums"] = blocks
+    if external:
+        doc["external"] = {k: list(v) for k, v in external.items()}
     doc.update({
         "attrs": dense,
         "sparse_attrs": sparse,
@@ -323,6 +335,13 @@ def _validate(doc: Any, container: str, file_size: int | None) -> Record:
     attrs = attrs_from_columns(keys, doc.get("attrs", {}), doc.get("sparse_attrs", {}))
     block_size = check_block_size(doc)
     blocks = check_blocks(keys, doc.get("block_checksums"), nbytes, block_size)
+    external = check_external(doc.get("external"), container)
+    if external:
+        at = dict(zip(keys, layouts, strict=True))
+        for key in external:
+            if at.get(key) != ARRAY:
+                raise BadRecord(f"the external value {key!r} is not a value stored as its own "
+                                "array")
     is_packed = [lay == "packed" for lay in layouts]
     off = np.array(offsets, np.int64)
     nb = np.array(nbytes, np.int64)
@@ -343,6 +362,7 @@ def _validate(doc: Any, container: str, file_size: int | None) -> Record:
         library=library,
         columns=Columns(keys, pk, off, nb),
         block_size=block_size,
+        external=external,
     )
 
 
@@ -414,6 +434,7 @@ def _decode_indexed(data: bytes, where: str, container: str,
         version, library, metadata = _check_header(head, container)
         packed = _check_packed_region(head.get("packed"), file_size)
         block_size = check_block_size(head)
+        external = check_external(head.get("external"), container)
         index = KeyIndex.parse(head["index"], container, block_size)
         pk = index.layouts == 0
         check_packed(SortedKeys(index), pk, index.offsets, index.nbytes,
@@ -428,6 +449,7 @@ def _decode_indexed(data: bytes, where: str, container: str,
         library=library,
         columns=Columns(SortedKeys(index), pk, index.offsets, index.nbytes),  # type: ignore[arg-type]
         block_size=block_size,
+        external=external,
     )
     record.values = IndexedValues(  # type: ignore[assignment]
         index,
@@ -472,3 +494,25 @@ def _decode_all(idx: KeyIndex, src: tuple[bytes, str, str, int | None],
     return full
 
 
+
+
+def is_sibling_name(name: Any) -> bool:
+    """``name`` is a plain file name in the same directory (no separators, no dot file)."""
+    return (isinstance(name, str) and 0 < len(name) <= 255 and not name.startswith(".")
+            and "/" not in name and "\\" not in name and "\0" not in name)
+
+
+def check_external(external: Any, container: str) -> dict[str, tuple[str, str]]:
+    """The record's ``external`` map (1.3) checked: key -> ``(sibling file, path there)``."""
+    if external is None:
+        return {}
+    if container != "h5" or not isinstance(external, dict):
+        raise BadRecord("'external' is not a map of keys to [file, path] (HDF5 only)")
+    out: dict[str, tuple[str, str]] = {}
+    for key, where in external.items():
+        if (not isinstance(where, list) or len(where) != 2 or not is_sibling_name(where[0])
+                or not isinstance(where[1], str) or not is_valid_container_path(where[1])):
+            raise BadRecord(f"'external' gives {where!r} for {key!r}, not [sibling file "
+                            "name, container path]")
+        out[key] = (where[0], where[1])
+    return out

@@ -26,6 +26,7 @@ import errno
 import importlib
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,8 @@ from ._container import (
     storage_dtype,
     write_packed,
 )
-from ._record import FORMAT_VERSION, Entry, Extent, Record, decode
+from ._container.reuse import Held
+from ._record import ARRAY, FORMAT_VERSION, Entry, Extent, Record, decode
 from ._zarr_files import (
     GROUP_DOC,
     O_DIR,
@@ -60,7 +62,7 @@ from ._zarr_files import (
     root_record_ref,
     write_file,
 )
-from .base import Backend
+from .base import Backend, SupportsShared
 from .registry import register_backend
 
 __all__ = ["RECORD_PATH", "ZarrBackend", "ZarrReader", "ZarrWriter", "chunk_key"]
@@ -96,6 +98,21 @@ class ZarrWriter(ContainerWriter):
         self.compression = compression
         self.compression_level = compression_level
         super().__init__(path, **options)
+
+    def _open_base(self, base: Path) -> tuple[Any, Any] | None:
+        """An incremental save's base: its record; a value's bytes are its chunk file
+        there, which the new step hard-links (so every step stands alone)."""
+        if self.compression is not None:
+            return None  # compressed values are written by zarr-python: always whole
+        reader = ZarrReader(base)
+        record = reader.record
+        reader.close()
+
+        def holder(key: str, entry: Entry) -> Held:
+            path = entry.loc.path or ""
+            return Held(os.fspath(base / path / chunk_key(len(entry.shape))), path, 0)
+
+        return record, holder
 
     def _array_loc(self, it: ValueWrite) -> Extent:
         if self.compression is not None:
@@ -207,6 +224,19 @@ class _Tree:
     def write(self, path: Path, data: Any) -> None:
         write_file(path, data, self.sync)
 
+    def link(self, source: str, path: Path) -> None:
+        """``path`` becomes another name of the committed chunk file ``source`` (zero copy);
+        a copy where the file system has no hard links or ``source`` is on another one."""
+        try:
+            os.link(source, path, follow_symlinks=False)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP,
+                                 errno.EOPNOTSUPP):
+                raise
+            shutil.copyfile(source, path, follow_symlinks=False)
+            if self.sync is not None:
+                self.sync.append(path)
+
     def _group(self, d: Path) -> None:
         if not (d / "zarr.json").exists():
             self.write(d / "zarr.json", GROUP_DOC)
@@ -264,7 +294,9 @@ class _Tree:
                 d = arr_dirs[i]
                 if d is None:  # making the tree failed: wait_all below raises why
                     break
-                if raw and it.nbytes:
+                if it.held is not None and it.nbytes:
+                    self.link(it.held.file, d / chunk_key(len(it.shape)))
+                elif raw and it.nbytes:
                     self.write(d / chunk_key(len(it.shape)), it.view)
         except BaseException:
             with contextlib.suppress(BaseException):
@@ -274,7 +306,7 @@ class _Tree:
         return [d for d in arr_dirs if d is not None]
 
 
-class ZarrReader(ContainerReader):
+class ZarrReader(ContainerReader, SupportsShared):
     """Reads a ckptvar ``.zarr`` directory through its record and chunk files."""
 
     format = "zarr"
@@ -297,6 +329,39 @@ class ZarrReader(ContainerReader):
         self._root_fd = root_fd
         self._packed_fd: int | None = None
         super().__init__(path, record)
+
+    def shared(self) -> dict[str, list[str]]:
+        """The values whose chunk file other checkpoints beside this one share (hard links
+        of an incremental step): key -> those checkpoints' names."""
+        out: dict[str, list[str]] = {}
+        linked = []
+        for key in self.keys():
+            e = self.entry(key)
+            if e.loc.kind != ARRAY or not e.nbytes or e.loc.path is None:
+                continue
+            rel = f"{e.loc.path}/{chunk_key(len(e.shape))}"
+            try:
+                st = os.stat(rel, dir_fd=self._root_fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if st.st_nlink > 1:
+                linked.append((key, rel, (st.st_dev, st.st_ino)))
+        if not linked:
+            return out
+        here = Path(self.path)
+        siblings = sorted(p for p in here.parent.glob("*.zarr")
+                          if p.name != here.name and not p.name.startswith("."))
+        for key, rel, ident in linked:
+            names = []
+            for other in siblings:
+                try:
+                    st = os.stat(other / rel, follow_symlinks=False)
+                except OSError:
+                    continue
+                if (st.st_dev, st.st_ino) == ident:
+                    names.append(other.name)
+            out[key] = names
+        return out
 
     @staticmethod
     def _load_record(root_fd: int, path: Path) -> Record:

@@ -64,6 +64,7 @@ __all__ = [
     "SupportsReadIntoMany",
     "SupportsRuns",
     "SupportsShapeAndDtype",
+    "SupportsShared",
     "SupportsVerifyAll",
     "SupportsVerifyMany",
     "Writer",
@@ -228,6 +229,17 @@ class SupportsShapeAndDtype(Protocol):
 
     def shape_and_dtype(self, key: str) -> tuple[tuple[int, ...], np.dtype]:
         """``(shape, dtype)`` of ``key``; raises ``MissingKeyError`` for an unknown key."""
+        ...
+
+
+@runtime_checkable
+class SupportsShared(Protocol):
+    """A reader of a checkpoint whose values may share their bytes with other checkpoints
+    (incremental steps, docs/checkpoints.md)."""
+
+    def shared(self) -> dict[str, list[str]]:
+        """For each value whose bytes are shared: the other checkpoints (file names beside
+        this one) that hold or share them; the first is the holder when there is one."""
         ...
 
 

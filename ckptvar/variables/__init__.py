@@ -36,9 +36,11 @@ from ._variable import (
     give_restored,
     host_buffer,
     is_materialized,
+    read_buffer,
     restore_value,
     set_initial_value_source,
     set_save_slice_info,
+    write_version,
 )
 from .partitioned import (
     PartitionedVariable,
@@ -80,6 +82,7 @@ __all__ = [
     "host_buffer",
     "is_materialized",
     "min_max_variable_partitioner",
+    "read_buffer",
     "register_creation_hook",
     "report_uninitialized_variables",
     "restore_value",
@@ -87,4 +90,5 @@ __all__ = [
     "set_save_slice_info",
     "variable_axis_size_partitioner",
     "variable_scope",
+    "write_version",
 ]

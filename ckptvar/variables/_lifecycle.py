@@ -5,7 +5,8 @@ until ``initialize()``; :class:`Pending`: a value not yet in memory, produced at
 :class:`Ready`: the backing array), :class:`FreshValue` (an initial-value function whose
 result may be adopted without a copy), and :class:`WriteBehaviour`, the mixin that gives
 a variable ``assign``, ``assign_add``, ``assign_sub`` and slice assignment with the dtype
-(``same_kind``) and shape locks and the constraint.
+(``same_kind``) and shape locks and the constraint. Every write counts itself once it has
+finished (``_wrote``): the variable's version counter, which incremental checkpoints read.
 
 >>> import numpy as np
 >>> Ready(np.zeros(2)).value.tolist(), isinstance(Unset(lambda: 0, owned=True), Ready)
@@ -80,6 +81,12 @@ class WriteBehaviour:
     _lock: threading.RLock
     _device_obj: Device
     _constraint: Callable[[Any], Any] | None
+    _writes: int
+    _exposed: bool
+
+    def _wrote(self) -> None:
+        """Count a write that has finished (the version counter, ``_version``)."""
+        self._writes += 1
 
     def _materialize(self) -> Any:  # pragma: no cover - supplied by Variable
         raise NotImplementedError
@@ -133,6 +140,7 @@ class WriteBehaviour:
                 write_into(state.value, arr, self._device_obj)
             else:  # first value, or a new shape along an unlocked dimension
                 self._state = Ready(self._adopt(arr.copy(), owned=True))
+            self._wrote()
         return self
 
     def _update(self, delta: Any, op: Any, verb: str) -> Any:
@@ -151,6 +159,7 @@ class WriteBehaviour:
                 write_into(buf, new, self._device_obj)
             else:
                 op(buf, match_backend(arr, buf), out=buf)  # same dtype: no casting
+            self._wrote()
         return self
 
     def assign_add(self, delta: Any) -> Any:
@@ -182,6 +191,7 @@ class WriteBehaviour:
                 write_into(buf, self._constrained(new), self._device_obj)
             else:
                 buf[index] = match_backend(arr, buf)
+            self._wrote()
         return self
 
 

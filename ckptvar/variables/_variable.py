@@ -6,7 +6,8 @@ collections), moving through its lifecycle states (``self._state``: one of
 and copying, what box of a logical variable it holds (:attr:`Variable.logical_box`), and
 the hooks the checkpoint layer uses, reached only through the restore seam at the end
 of this module (:func:`is_materialized`, :func:`host_buffer`, :func:`restore_value`,
-:func:`set_initial_value_source`, :func:`give_restored`). Writes come from
+:func:`set_initial_value_source`, :func:`give_restored`; for incremental saves
+:func:`write_version` and :func:`read_buffer`). Writes come from
 :class:`~ckptvar.variables._lifecycle.WriteBehaviour`, the array behaviour from
 :class:`~ckptvar.variables._array.ArrayBehaviour`.
 
@@ -57,9 +58,11 @@ __all__ = [
     "give_restored",
     "host_buffer",
     "is_materialized",
+    "read_buffer",
     "restore_value",
     "set_initial_value_source",
     "set_save_slice_info",
+    "write_version",
 ]
 
 
@@ -120,6 +123,8 @@ class Variable(WriteBehaviour, ArrayBehaviour):
         if constraint is not None and not callable(constraint):
             raise VariableArgumentError(f"constraint must be callable, got {constraint!r}.")
         self._uid = next_uid()
+        self._writes = 0  # finished writes (see _version)
+        self._exposed = False  # value() handed the backing array out: writes may go unseen
         self._lock = threading.RLock()
         self._graph = _graph if _graph is not None else get_default_graph()
         self._constraint = constraint
@@ -291,6 +296,7 @@ class Variable(WriteBehaviour, ArrayBehaviour):
                 )
             value = self._adopt(state.source(), owned=state.owned)
             self._state = Ready(value)
+            self._wrote()
             return value
 
     def _adopt(self, arr: Any, *, owned: bool) -> Any:
@@ -348,6 +354,7 @@ class Variable(WriteBehaviour, ArrayBehaviour):
                     "can only be set before it is materialised."
                 )
             self._state = Pending(fn, owned=True)
+            self._wrote()
 
     def _restore_value(self, array: np.ndarray) -> None:
         """Set the value from host ``array`` (exactly this dtype and shape; the caller checked).
@@ -362,12 +369,30 @@ class Variable(WriteBehaviour, ArrayBehaviour):
                 write_into(state.value, array, self._device_obj)
             else:
                 self._state = Ready(self._adopt(array, owned=True))
+            self._wrote()
+
+    @property
+    def _version(self) -> int | None:
+        """How many writes the value has had, or None when that is not known.
+
+        Every write path counts (``assign`` and its family, slice assignment, ``+=``, NumPy
+        ``out=``, restore, initialization). ``value()`` hands out the backing array itself,
+        whose in-place writes nobody sees: from then on the version is None and an
+        incremental checkpoint compares this variable by its block checksums instead.
+        """
+        return None if self._exposed else self._writes
+
+    def _read_buffer(self) -> Any:
+        """The backing array, for reading only (a save): unlike ``value()``, not handed out."""
+        return self._materialize()
 
     def _host_buffer(self) -> np.ndarray | None:
-        """The backing buffer itself when materialised, on the CPU and C-contiguous; else None."""
+        """The backing buffer when materialised, on the CPU and C-contiguous; else None.
+        The caller (a restore) writes into it: handing it out counts as a write."""
         state = self._state
         buf = state.value if isinstance(state, Ready) else None
         if isinstance(buf, np.ndarray) and buf.flags.c_contiguous and buf.flags.writeable:
+            self._wrote()
             return buf
         return None
 
@@ -382,8 +407,12 @@ class Variable(WriteBehaviour, ArrayBehaviour):
         return self._materialize().copy()
 
     def value(self) -> Any:
-        """The backing array itself (NumPy on the CPU, CuPy on a GPU). Do not write to it."""
-        return self._materialize()
+        """The backing array itself (NumPy on the CPU, CuPy on a GPU). Do not write to it:
+        the version counter cannot see such writes, so from now on an incremental
+        checkpoint compares this variable by its checksums (docs/checkpoints.md)."""
+        value = self._materialize()
+        self._exposed = True
+        return value
 
     def __repr__(self) -> str:
         head = (f"<cv.Variable {self._name!r} shape={shape_str(self._shape)} "
@@ -527,6 +556,19 @@ def give_restored(var: Variable, value: np.ndarray) -> None:
         var._restore_value(value)
     else:
         var._set_initial_value_source(lambda: value)
+
+
+def write_version(var: Variable) -> tuple[int, int] | None:
+    """``(identity, writes)`` of ``var``'s value: equal between two looks only when no
+    write happened in between; ``None`` when unknown (its buffer was handed out by
+    ``value()``: compare it by its checksums instead)."""
+    version = var._version
+    return None if version is None else (var._uid, version)
+
+
+def read_buffer(var: Variable) -> Any:
+    """``var``'s backing array, for reading only (a save): not handed out to the user."""
+    return var._read_buffer()
 
 
 def set_save_slice_info(var: Variable, info: SaveSliceInfo) -> None:

@@ -141,6 +141,11 @@ class ContainerReader(
     def format_version(self) -> tuple[int, int]:
         return self._record.format_version
 
+    @property
+    def record(self) -> Record:
+        """The decoded root record (treat it as read-only)."""
+        return self._record
+
     def close(self) -> None:
         self._closed = True
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -30,10 +31,12 @@ from .._record import PACKED, ZARR, Extent, ValueColumns, encode_columns
 from ..base import Writer
 from .blocks import BLOCK_SIZE, hash_blocks
 from .layout import ALIGN, pack_limit
+from .reuse import Held, match
 
 __all__ = ["ContainerWriter", "ValueWrite", "WritePlan", "scalar_attrs", "write_packed"]
 
 _ZEROS = memoryview(bytes(ALIGN))
+logger = logging.getLogger("ckptvar")
 
 
 @dataclass(slots=True)
@@ -51,6 +54,8 @@ class ValueWrite:
     path: str = ""  # container path, for values stored as their own array
     offset: int = 0  # offset in the packed blob, or the backend's byte offset
     blocks: bytes | None = None  # CRC-32C per block, for values of more than one block
+    held: Held | None = None  # the base's bytes, reused (an incremental save)
+    hashed: bool = False  # hashed already (to compare with the base)
 
     @property
     def view(self) -> memoryview:
@@ -130,8 +135,18 @@ class ContainerWriter(Writer):
         *,
         durable: bool = True,
         pack_threshold: int | None = None,
+        base: Path | None = None,
+        known: Mapping[str, bool] | None = None,
     ) -> None:
+        """``base``: a committed checkpoint of this container whose bytes the new one may
+        refer to instead of writing them again (an incremental save; ``known``: key -> True
+        when unchanged since ``base`` was written, False when changed; others are compared
+        by their block checksums)."""
         self.path = Path(path)
+        self.base = None if base is None else Path(base)
+        self.known: Mapping[str, bool] = known or {}
+        #: The keys whose bytes the base holds (set by ``commit``).
+        self.reused: list[str] = []
         self.durable = bool(durable)
         if pack_threshold is not None:
             if isinstance(pack_threshold, bool) or not isinstance(pack_threshold, int | np.integer):
@@ -196,9 +211,12 @@ class ContainerWriter(Writer):
             # Refuse early what publish() would refuse: nothing is written in vain.
             check_destination(self.path, directory=self.is_directory,
                               replaceable=self.replaceable)
+            if self.base is not None:
+                self._match_base(plan, self.base)
             # Large values hash on the checksum thread while the backend writes (in the same
             # order); packed values hash on this thread as they are written (write_packed).
-            futures: list[Future[Any]] = [_rawio.submit(it.hash) for it in plan.arrays]
+            futures: list[Future[Any]] = [_rawio.submit(it.hash) for it in plan.arrays
+                                          if it.held is None and not it.hashed]
 
             def wait_hashes() -> None:
                 for f in futures:
@@ -220,6 +238,25 @@ class ContainerWriter(Writer):
         self._state = "committed"
         return self.path
 
+    def _match_base(self, plan: WritePlan, base: Path) -> None:
+        """Mark the values whose bytes ``base`` holds (``held``); a base that cannot be
+        read is logged and everything is written."""
+        try:
+            found = self._open_base(base)
+        except (OSError, ValueError) as exc:  # CkptError subclasses ValueError or OSError
+            logger.warning("Incremental save of %s: cannot read the base %s (%s); writing "
+                           "every value.", self.path, base, exc)
+            return
+        if found is None:
+            return
+        record, holder = found
+        match(plan.arrays, record, self.known, holder)
+        self.reused = [it.key for it in plan.arrays if it.held is not None]
+
+    def _open_base(self, base: Path) -> tuple[Any, Callable[[str, Any], Held]] | None:
+        """The base's record and where each of its values' bytes are; None: not supported."""
+        return None
+
     def _encode_record(self, packed_loc: tuple[str, int, int] | None) -> bytes:
         """The root record of everything added (call after the checksums are known)."""
         items = list(self._items.values())
@@ -237,7 +274,12 @@ class ContainerWriter(Writer):
             [None if loc.kind == ZARR else it.blocks for it, loc in zip(items, locs, strict=True)],
         )
         packed = packed_loc if any(it.packed for it in items) else None
-        return encode_columns(self.container, packed, cols, self._metadata)
+        return encode_columns(self.container, packed, cols, self._metadata,
+                              external=self._external(items))
+
+    def _external(self, items: list[ValueWrite]) -> dict[str, tuple[str, str]] | None:
+        """The record's ``external`` map (values another file holds); None: none."""
+        return None
 
     def _array_loc(self, it: ValueWrite) -> Extent:
         return Extent.array(it.path, it.offset, it.nbytes)

@@ -1,0 +1,125 @@
+"""Incremental saves: what a new step may take from the last one, and what pruning must keep.
+
+Owns :class:`Incremental`, a ``CheckpointManager``'s memory of its last committed step
+(its file name and the version of every ``cv.Variable`` whose value it holds), which turns
+into an :class:`IncrementalSave` for each save: the base step and, per key, whether the
+value is known unchanged since (same variable, same version) or known changed; the storage
+layer compares the rest by block checksums. And :func:`held`: which of the files a prune
+would delete are still referred to by a kept step (an HDF5 step's external values), so
+the manager keeps them until no kept step does (docs/checkpoints.md, "Incremental
+checkpoints").
+
+>>> inc = Incremental()
+>>> inc.start(None, {}).known
+{}
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import CkptError
+from ..storage import external_files
+from ..variables import Variable, write_version
+
+__all__ = ["Incremental", "IncrementalSave", "held"]
+
+logger = logging.getLogger("ckptvar")
+
+
+@dataclass
+class IncrementalSave:
+    """One incremental save: its base step, what is known about each value, the versions."""
+
+    base: Path | None
+    known: dict[str, bool]
+    versions: dict[str, tuple[int, int]] = field(default_factory=dict)
+    owner: Incremental | None = None
+
+    def committed(self, path: str | os.PathLike[str]) -> None:
+        """The step is durable: the next save builds on it."""
+        if self.owner is not None:
+            self.owner.remember(Path(path).name, self.versions)
+
+
+class Incremental:
+    """A manager's last committed step and the variables' versions it holds."""
+
+    def __init__(self) -> None:
+        self._name: str | None = None
+        self._versions: dict[str, tuple[int, int]] = {}
+
+    def remember(self, name: str, versions: dict[str, tuple[int, int]]) -> None:
+        self._name, self._versions = name, versions
+
+    def start(self, base: Path | None, variables: Mapping[str, Any]) -> IncrementalSave:
+        """The save of ``variables`` (key -> ``cv.Variable`` or a logical value) on ``base``.
+
+        Call before the values are read: a write that lands after is counted as a change.
+        """
+        versions: dict[str, tuple[int, int]] = {}
+        for key, var in variables.items():
+            if isinstance(var, Variable):
+                version = write_version(var)
+                if version is not None:
+                    versions[key] = version
+        known: dict[str, bool] = {}
+        if base is not None and base.name == self._name:
+            old = self._versions
+            for key, now in versions.items():
+                before = old.get(key)
+                if before is not None:
+                    known[key] = before == now
+        return IncrementalSave(base, known, versions, self)
+
+
+#: ``external_files`` by (path, inode, size, mtime): a committed step never changes.
+_REFS: dict[tuple[str, int, int, int], frozenset[str]] = {}
+
+
+def _references(path: Path) -> frozenset[str]:
+    st = os.stat(path)
+    ident = (os.fspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    refs = _REFS.get(ident)
+    if refs is None:
+        refs = frozenset(external_files(path))
+        if len(_REFS) > 4096:
+            _REFS.clear()
+        _REFS[ident] = refs
+    return refs
+
+
+def held(directory: Path, kept: Iterable[str], doomed: Iterable[str]) -> dict[str, list[str]]:
+    """Of the file names ``doomed``, those a step in ``kept`` refers to, with its referrers.
+
+    A doomed step that is held is kept whole, so what it refers to is held in turn (every
+    file left on disk stays loadable). A step that cannot be read is taken to refer to
+    everything doomed (nothing it may need is deleted on a guess); one that is gone
+    refers to nothing.
+    """
+    gone = frozenset(doomed)
+    out: dict[str, list[str]] = {}
+    todo = list(kept)
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            refs = _references(directory / name)
+        except FileNotFoundError:
+            continue
+        except (CkptError, OSError) as exc:
+            logger.warning("Keeping every pruned step: cannot read %s (%s).",
+                           directory / name, exc)
+            refs = gone
+        for ref in sorted(refs & gone):
+            out.setdefault(ref, []).append(name)
+            todo.append(ref)  # held whole: what it refers to stays too
+    return {ref: sorted(by) for ref, by in out.items()}

@@ -1,0 +1,76 @@
+"""Reusing a committed checkpoint's stored bytes: the storage side of incremental saves.
+
+Owns the decision, for each value stored as its own array, whether the **base** (a
+committed checkpoint of the same container, usually the previous step) already holds
+exactly its bytes, and where they are (:class:`Held`). The caller says what it knows
+(``known``: key -> True when the value is unchanged since the base was written, False when
+it changed; the version counter of a ``cv.Variable``); any other value is hashed by blocks
+(which the write does anyway) and reused when its checksum and every block checksum equal
+the base's. The backend then refers to the bytes instead of writing them: an HDF5 external
+link, a hard-linked Zarr chunk file (docs/FORMAT.md, "Incremental steps").
+
+Granularity is the whole value: a value with one changed block is written whole
+(docs/checkpoints.md says why). Packed (small) values are always written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .._record import ARRAY, Entry, Record
+
+__all__ = ["Held", "match"]
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """Where a reused value's bytes are, in the file that physically holds them.
+
+    ``file``: the holder (HDF5: its file name, a sibling of the new file; Zarr: the chunk
+    file's full path), ``path``: the value's container path there, ``offset``: the byte
+    offset of the data in it (0 in a Zarr chunk).
+    """
+
+    file: str
+    path: str
+    offset: int
+
+
+def _same(entry: Entry | None, dtype: str, shape: tuple[int, ...]) -> bool:
+    return (entry is not None and entry.loc.kind == ARRAY and entry.dtype == dtype
+            and tuple(entry.shape) == tuple(shape))
+
+
+def match(
+    items: list[Any],
+    base: Record,
+    known: Mapping[str, bool],
+    holder: Callable[[str, Entry], Held],
+) -> int:
+    """Set ``held`` (and the base's checksums) on each of ``items`` whose bytes ``base``
+    holds; returns how many. Items hashed to decide are marked ``hashed``.
+
+    ``items`` are the writer's own-array items (``key``, ``dtype``, ``shape``, ``hash()``,
+    ``checksum``, ``blocks``; the attributes may differ: the new record has the new ones); ``holder(key, entry)`` says where the base's
+    bytes of ``key`` are.
+    """
+    values = base.values
+    reused = 0
+    for it in items:
+        entry = values.get(it.key)
+        if entry is None or not _same(entry, it.dtype, it.shape):
+            continue
+        state = known.get(it.key)
+        if state is False:  # written since the base: no need to look
+            continue
+        if state is None:
+            it.hash()
+            it.hashed = True
+            if it.checksum != entry.checksum or it.blocks != entry.blocks:
+                continue
+        it.checksum, it.blocks = entry.checksum, entry.blocks
+        it.held = holder(it.key, entry)
+        reused += 1
+    return reused

@@ -1,0 +1,251 @@
+"""CheckpointManager(incremental=True): unchanged values are not written again, and every
+step stays a complete checkpoint for ckptvar, the CLI and plain h5py / zarr-python."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import zarr
+
+import ckptvar as cv
+from ckptvar.storage import backend_for
+
+N_FROZEN, N_HEAD = 300_000, 70_000  # 1.2 MB and 280 KB: stored as their own arrays
+
+
+def _model(seed: int = 0) -> tuple[cv.Checkpoint, cv.Variable, cv.Variable]:
+    rng = np.random.default_rng(seed)
+    frozen = cv.Variable(rng.random(N_FROZEN, dtype=np.float32), name="frozen")
+    head = cv.Variable(np.zeros(N_HEAD, np.float32), name="head")
+    return cv.Checkpoint(frozen=frozen, head=head), frozen, head
+
+
+def _size(path: Path) -> int:
+    """Bytes a checkpoint adds on disk: a Zarr chunk file linked from elsewhere adds none."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*")
+               if p.is_file() and p.stat().st_nlink == 1)
+
+
+def _chunk(step: Path, key: str) -> os.stat_result:
+    return (step / key / "c.0").stat()
+
+
+def test_unchanged_values_are_not_written_again(tmp_path: Path, fmt: str,
+                                                fresh_graph: cv.Graph) -> None:
+    ckpt, frozen, head = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=None, format=fmt,
+                                   incremental=True)
+    paths, heads, sizes = [], [], []
+    for i in range(4):
+        head.assign(np.full(N_HEAD, float(i), np.float32))
+        paths.append(Path(manager.save()))
+        heads.append(head.numpy())
+        sizes.append(_size(paths[-1]))  # before a later step links its chunks
+    first, later = sizes[0], sizes[1:]
+    assert first > frozen.numpy().nbytes
+    assert all(n < frozen.numpy().nbytes // 2 for n in later), (first, later)
+    for p, h in zip(paths, heads, strict=True):  # every step complete, bit-exact
+        got = cv.load(p)
+        assert np.array_equal(got["frozen"], frozen.numpy()) and np.array_equal(got["head"], h)
+    if fmt == "zarr":  # one inode for the frozen value, a new one for the head each step
+        assert len({_chunk(p, "frozen").st_ino for p in paths}) == 1
+        assert len({_chunk(p, "head").st_ino for p in paths}) == len(paths)
+    else:
+        with cv.open(paths[-1]) as r:
+            assert r.shared() == {"frozen": [paths[0].name]}  # the holder, never a chain
+
+
+def test_a_changed_value_is_written_and_the_state_restores(tmp_path: Path, fmt: str,
+                                                         fresh_graph: cv.Graph) -> None:
+    ckpt, frozen, _ = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path, format=fmt, incremental=True)
+    manager.save()
+    frozen[5] = 42.0  # a slice write is a change
+    p2 = manager.save()
+    assert cv.load(p2)["frozen"][5] == 42.0
+    want = frozen.numpy()
+    frozen.assign(np.zeros(N_FROZEN))
+    ckpt.restore(p2)
+    assert np.array_equal(frozen.numpy(), want)
+
+
+def test_values_unknown_to_the_counter_are_compared_by_checksums(
+        tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
+    """``value()`` handed out the buffer: an in-place write is found by the block checksums,
+    and an untouched value is still shared."""
+    ckpt, frozen, head = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path, format=fmt, incremental=True)
+    p1 = Path(manager.save())
+    head.value()[7] = 3.0  # in place, unseen by the version counter
+    frozen.value()  # handed out, not written
+    p2 = Path(manager.save())
+    assert cv.load(p2)["head"][7] == 3.0
+    with cv.open(p2) as r:
+        shared = r.shared()
+    assert set(shared) == {"frozen"} and shared["frozen"] == [p1.name]
+
+
+def test_a_new_manager_builds_on_the_latest_step_by_checksums(
+        tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
+    ckpt, _, _ = _model()
+    cv.CheckpointManager(ckpt, tmp_path, format=fmt, incremental=True).save()
+    ckpt2, _, head2 = _model(seed=0)  # a restarted process: same values, new variables
+    manager = cv.CheckpointManager(ckpt2, tmp_path, format=fmt, incremental=True)
+    manager.restore_or_initialize()
+    head2.assign_add(1)
+    p = Path(manager.save())
+    with cv.open(p) as r:
+        assert set(r.shared()) == {"frozen"}
+
+
+def test_plain_h5py_and_zarr_read_every_value_by_name(tmp_path: Path, fmt: str,
+                                                      fresh_graph: cv.Graph) -> None:
+    ckpt, frozen, head = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path, format=fmt, incremental=True)
+    manager.save()
+    head.assign_add(2)
+    p2 = manager.save()
+    if fmt == "h5":
+        with h5py.File(p2, "r") as f:
+            link = f.get("frozen", getlink=True)
+            assert isinstance(link, h5py.ExternalLink) and link.filename == "ckpt-1.h5"
+            assert np.array_equal(f["frozen"][()], frozen.numpy())  # h5py follows it
+            assert np.array_equal(f["head"][()], head.numpy())
+    else:
+        root = zarr.open_group(p2, mode="r")
+        assert np.array_equal(root["frozen"][...], frozen.numpy())
+        assert np.array_equal(root["head"][...], head.numpy())
+
+
+def test_pruning_keeps_the_bytes_a_kept_step_refers_to(tmp_path: Path, fmt: str,
+                                                       fresh_graph: cv.Graph) -> None:
+    ckpt, frozen, head = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=2, format=fmt,
+                                   incremental=True)
+    for i in range(5):
+        head.assign(np.full(N_HEAD, float(i), np.float32))
+        manager.save()
+    assert [Path(p).name for p in manager.checkpoints] == [f"ckpt-4.{fmt}", f"ckpt-5.{fmt}"]
+    for p in manager.checkpoints:
+        assert np.array_equal(cv.load(p)["frozen"], frozen.numpy())
+    state = json.loads((tmp_path / "checkpoint_state.json").read_text())["sections"]["ckpt"]
+    held = {e["path"]: e.get("held_for") for e in state["pending_delete"]}
+    if fmt == "h5":  # the step holding the frozen bytes stays, held for the kept steps
+        assert held == {"ckpt-1.h5": ["ckpt-4.h5", "ckpt-5.h5"]}
+        assert (tmp_path / "ckpt-1.h5").is_file() and not (tmp_path / "ckpt-2.h5").exists()
+    else:  # hard links: the pruned steps are gone, their shared chunks live on
+        assert held == {} and not (tmp_path / "ckpt-1.zarr").exists()
+    frozen.assign_add(1)  # now nothing refers to step 1 (nor to 5, which refers to 1)
+    head.assign_add(1)
+    manager.save()
+    manager.save()
+    assert not (tmp_path / f"ckpt-1.{fmt}").exists()
+    for p in manager.checkpoints:
+        assert np.array_equal(cv.load(p)["frozen"], frozen.numpy())
+
+
+def test_a_referenced_step_is_not_written_again(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    ckpt, _, head = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path, format="h5", incremental=True)
+    manager.save(checkpoint_number=1)
+    head.assign_add(1)
+    manager.save(checkpoint_number=2)
+    with pytest.raises(cv.CkptError, match="committed already|refer to the bytes"):
+        manager.save(checkpoint_number=1)
+    assert np.array_equal(cv.load(tmp_path / "ckpt-2.h5")["head"], head.numpy())
+
+
+def test_a_missing_holder_is_a_clear_error(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    ckpt, _, head = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=None, format="h5",
+                                   incremental=True)
+    manager.save()
+    head.assign_add(1)
+    p2 = manager.save()
+    os.remove(tmp_path / "ckpt-1.h5")  # by hand, behind the manager's back
+    with pytest.raises(cv.CorruptCheckpointError, match=r"ckpt-1\.h5.*gone"):
+        cv.load(p2)
+
+
+def test_plain_arrays_are_shared_by_their_checksums(tmp_path: Path, fmt: str) -> None:
+    """The storage level: a writer given a base reuses values whose block checksums match."""
+    rng = np.random.default_rng(1)
+    a, b = rng.random(100_000), rng.random((200, 300)).astype(np.float32)
+    base = cv.save(tmp_path / f"a.{fmt}", {"a": a, "b": b})
+    b2 = b.copy()
+    b2[199, 299] += 1  # the last block changes
+    writer = backend_for(tmp_path / f"b.{fmt}", None, mode="w").open_writer(
+        tmp_path / f"b.{fmt}", base=base)
+    writer.add("a", a)
+    writer.add("b", b2)
+    writer.commit()
+    assert writer.reused == ["a"]
+    got = cv.load(tmp_path / f"b.{fmt}")
+    assert np.array_equal(got["a"], a) and np.array_equal(got["b"], b2)
+
+
+def _ckpt_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptvar.cli", *args], capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def test_cli_inspect_verify_convert(tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
+    ckpt, frozen, head = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", max_to_keep=None, format=fmt,
+                                   incremental=True)
+    manager.save()
+    head.assign_add(1)
+    p2 = manager.save()
+    res = _ckpt_cli("inspect", "--json", p2)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["shared"] == {"frozen": [f"ckpt-1.{fmt}"]}
+    res = _ckpt_cli("inspect", p2)
+    assert "shared with other steps" in res.stdout and f"ckpt-1.{fmt}" in res.stdout
+    res = _ckpt_cli("ls", "--json", str(tmp_path / "run"))
+    rows = {Path(r["path"]).name: r for r in json.loads(res.stdout)["checkpoints"]}
+    if fmt == "h5":
+        assert rows["ckpt-1.h5"]["referred_by"] == ["ckpt-2.h5"]
+    assert all("referred_by" not in r for n, r in rows.items() if n != "ckpt-1.h5")
+    res = _ckpt_cli("verify", p2)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = tmp_path / f"standalone.{fmt}"
+    res = _ckpt_cli("convert", p2, str(out))
+    assert res.returncode == 0, res.stderr
+    cv.storage.remove_path(tmp_path / "run")  # every step gone: the copy stands alone
+    got = cv.load(out)
+    assert np.array_equal(got["frozen"], frozen.numpy()) and np.array_equal(got["head"],
+                                                                            head.numpy())
+    with cv.open(out) as r:
+        assert r.shared() == {}
+
+
+def test_incremental_is_refused_where_it_is_not_supported(fresh_graph: cv.Graph) -> None:
+    ckpt, _, _ = _model()
+    with pytest.raises(cv.CkptError, match="not supported"):
+        cv.CheckpointManager(ckpt, "s3://bucket/run", incremental=True)
+
+
+def test_background_saves_build_on_each_other(tmp_path: Path, fmt: str,
+                                              fresh_graph: cv.Graph) -> None:
+    """A background save snapshots the versions with the values: a write after the
+    snapshot is a change for the next step, never lost."""
+    ckpt, frozen, head = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=None, format=fmt,
+                                   async_save=True, incremental=True)
+    manager.save()
+    head.assign_add(1)  # after the snapshot of step 1
+    p2 = manager.save()
+    want = head.numpy()
+    ckpt.wait()
+    assert np.array_equal(cv.load(p2)["head"], want)
+    with cv.open(p2) as r:
+        assert set(r.shared()) == {"frozen"}
