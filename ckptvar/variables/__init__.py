@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from ._array import VariableSlice
 from ._hooks import CreationHookHandle, deferred_init, register_creation_hook
+from ._lifecycle import FreshValue
 from ._shapes import VariableArgumentError
 from ._slices import LogicalBox, SaveSliceInfo, Shard
 from ._variable import Variable, VariableStateError
@@ -46,6 +47,7 @@ from .tf1 import (
 __all__ = [
     "AUTO_REUSE",
     "CreationHookHandle",
+    "FreshValue",
     "LogicalBox",
     "PartitionInfo",
     "PartitionedVariable",
