@@ -21,6 +21,7 @@ from ._checkpoint import Checkpoint, SaveOptions
 from ._files import destination_error, make_parents
 from ._manager import CheckpointManager
 from ._on_create import restore_on_create
+from ._pytree import is_plain, load_tree, save_tree
 from ._saver import Saver
 from ._state import latest_checkpoint
 from ._status import RestoreStatus
@@ -35,9 +36,12 @@ __all__ = [
     "Saver",
     "StepName",
     "destination_error",
+    "is_plain",
     "latest_checkpoint",
+    "load_tree",
     "make_parents",
     "parse_step_name",
     "restore_on_create",
+    "save_tree",
     "wait_for_pending_saves",
 ]
