@@ -8,6 +8,8 @@ tests/mpi/framework_cases.py. Every launch has a timeout, so no test can hang.
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
 import sys
@@ -19,6 +21,7 @@ import pytest
 from test_distributed_torch import launch, pytestmark  # noqa: F401 - skips without torch
 
 import ckptvar as cv
+from ckptvar.distributed import MPI_ENV_VARS
 
 torch = pytest.importorskip("torch")
 
@@ -66,15 +69,40 @@ def test_fsdp2_save_on_4_processes(saved: tuple[Path, dict[str, Any]]) -> None:
     assert values["optimizer/state/0/step"] == 3.0
 
 
+@pytest.fixture(scope="module")
+def jaxed(saved: tuple[Path, dict[str, Any]]) -> dict[str, Any]:
+    """One JAX process with 8 CPU devices reads the torch checkpoints and writes its own."""
+    pytest.importorskip("jax")
+    d, _ = saved
+    env = {k: v for k, v in os.environ.items() if k not in MPI_ENV_VARS}
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "mpi" /
+                                               "jax_framework_case.py"), str(d)],
+                          capture_output=True, text=True, timeout=180, env=env, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def test_jax_named_shardings_reshard_and_cross_framework(jaxed: dict[str, Any]) -> None:
+    assert jaxed["devices"] == 8
+    assert "opt/0/mu/w" in jaxed["keys"] and "opt/0/count" in jaxed["keys"]
+    for target in ("4x2", "8x1"):  # saved on a 2 x 4 mesh, read into another mesh shape
+        assert all(jaxed[target].values()), jaxed[target]
+    assert "'params/w'" in jaxed["mismatch"] and "(8, 11)" in jaxed["mismatch"]
+    assert all(jaxed["from_torch"].values()), jaxed["from_torch"]  # torch 4 procs -> JAX 8
+    assert jaxed["fsdp_to_jax"]
+
+
 @pytest.mark.parametrize("m", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_fsdp2_restore_on_another_process_count(saved: tuple[Path, dict[str, Any]],
-                                                m: int) -> None:
+                                                jaxed: dict[str, Any], m: int) -> None:
     d, got = saved
     restored = _run(m, "restore", str(d))
     # training goes on as if it had never stopped, bit for bit, on another process count
     assert restored["fsdp"][0]["losses"] == got["fsdp"][0]["losses"][3:] == _reference(6)[3:]
     for r in range(m):
         assert all(restored["dt"][r]["ok"].values()), restored["dt"][r]
+        assert restored["from_jax"][r]["ok"]  # JAX (8 devices) -> torch DTensors
 
 
 def test_dtensors_saved_from_their_sharding(saved: tuple[Path, dict[str, Any]]) -> None:

@@ -165,6 +165,12 @@ def main(cases: list[str]) -> None:  # noqa: C901, PLR0915 - one job, several ch
                            and trees[key].to_local().data_ptr() == locals_before[key]
                            and torch.equal(trees[key].full_tensor(), want))
             report("dt", ok=ok)
+            if (d / "jax.h5").exists():  # written from jax arrays on a 4 x 2 mesh
+                from torch.distributed.tensor import Shard, distribute_tensor
+
+                t = distribute_tensor(torch.zeros(12, 8), mesh, [Shard(1)])
+                cv.load(d / "jax.h5", like={"j": t}, coordinator=coord, timeout=30)
+                report("from_jax", ok=torch.equal(t.full_tensor(), full((12, 8), 9)))
         elif action == "train":
             model, opt = build(mesh)
             x, y = batch()
