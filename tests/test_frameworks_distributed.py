@@ -103,6 +103,16 @@ def test_fsdp2_restore_on_another_process_count(saved: tuple[Path, dict[str, Any
     for r in range(m):
         assert all(restored["dt"][r]["ok"].values()), restored["dt"][r]
         assert restored["from_jax"][r]["ok"]  # JAX (8 devices) -> torch DTensors
+        # a process failing a save or a restore: all raise naming it, nothing changes
+        save = restored["fail"][r]
+        assert save["raised"] == "DistributedError" and "rank 1: TypeError" in save["message"]
+        assert "'oops'" in save["message"], save
+        assert restored["fail_restore"][r]["raised"] == "DistributedError"
+        load = restored["fail_load"][r]  # the last rank asks for a key the checkpoint lacks
+        assert load["raised"] == "DistributedError" and f"rank {m - 1}" in load["message"]
+        assert "'nope'" in load["message"] and load["untouched"], load
+        assert restored["untouched"][r]["ok"]
+    assert not (d / "fail").exists() or not list((d / "fail").iterdir())  # nothing committed
 
 
 def test_dtensors_saved_from_their_sharding(saved: tuple[Path, dict[str, Any]]) -> None:

@@ -214,13 +214,21 @@ def save_tree(  # noqa: PLR0917
 
     ``save_flat(path, arrays, metadata)`` writes a one-process checkpoint (``cv.save``).
     """
-    leaves = flatten(tree)
-    arrays = {k: v for k, v in leaves.items() if _is_array(v) and not _is_abstract(v)}
-    python = {k: _py_value(v) for k, v in leaves.items() if k not in arrays}
-    bad = [k for k, v in leaves.items() if _is_abstract(v)]
-    if bad:
-        raise TypeError(f"Cannot save {bad[0]!r}: a jax.ShapeDtypeStruct holds no values.")
-    meta = _with_python(metadata, python)
+    failure: BaseException | None = None
+    arrays: dict[str, Any] = {}
+    meta: Any = None
+    try:  # with a coordinator, a tree this process cannot store is voted on
+        leaves = flatten(tree)
+        arrays = {k: v for k, v in leaves.items() if _is_array(v) and not _is_abstract(v)}
+        python = {k: _py_value(v) for k, v in leaves.items() if k not in arrays}
+        bad = [k for k, v in leaves.items() if _is_abstract(v)]
+        if bad:
+            raise TypeError(f"Cannot save {bad[0]!r}: a jax.ShapeDtypeStruct holds no values.")
+        meta = _with_python(metadata, python)
+    except BaseException as exc:
+        if coordinator is None:
+            raise
+        failure = exc
     if coordinator is None and any(_sharded(v) for v in arrays.values()):
         coordinator = from_env()
     if coordinator is None:
@@ -229,11 +237,12 @@ def save_tree(  # noqa: PLR0917
         return save_flat(path, host, meta)
     coord = coordinator
     graph = _graph()
-    failure: BaseException | None = None
     rows: list[tuple[str, np.ndarray, dict[str, Any]]] = []
     variables: dict[str, Any] = {}
     fmt = "h5"
     try:
+        if failure is not None:
+            raise failure
         fmt = native_backend(path, format).name
         for key, value in arrays.items():
             mine, var = _leaf_for_save(graph, key, value)
@@ -418,7 +427,14 @@ def load_tree(  # noqa: PLR0917
     storage_options: Mapping[str, Any] | None,
 ) -> Any:
     """``like``'s structure read from ``path`` (all or nothing; collective with a coordinator)."""
-    leaves = flatten(like)
+    try:
+        leaves = flatten(like)
+    except BaseException as exc:
+        if coordinator is None:
+            raise
+        coordinator.vote(exc, tag=f"load:{os.path.basename(os.fspath(path))}:tree",
+                         timeout=timeout)
+        raise
     arrays = {k: v for k, v in leaves.items() if _is_array(v)}
     if coordinator is None and any(_sharded(v) or (_is_abstract(v) and getattr(
             v, "sharding", None) is not None and not v.sharding.is_fully_addressable)

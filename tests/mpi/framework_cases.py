@@ -12,8 +12,8 @@ Run through torch_launch.py with ``CASES_MODULE=framework_cases``:
   ``DIR/dt.h5``;
 - ``restore``: a fresh FSDP2 model and optimizer restore ``DIR/fsdp-1.h5`` and train
   3 steps; the DTensors of ``DIR/dt.h5`` are loaded into other placements in place;
-- ``fail``: like ``save``, but rank 1 fails while writing: every rank must raise
-  naming it, nothing is committed, the DTensors are untouched.
+  then :func:`failures`: a process failing a save or a restore fails every process,
+  which raise naming it; nothing is committed, the model and DTensors are untouched.
 
 Bit-identical losses on any process count: the batch lives on rank 0 only (the other
 ranks' losses are multiplied by 0) and gradients are summed, not averaged
@@ -103,7 +103,40 @@ def dt_shapes(size: int) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in dtensors(size, False).items()}
 
 
-def main(cases: list[str]) -> None:  # noqa: C901, PLR0915 - one job, several checks
+def failures(d: Path, mesh: Any, *, rank: int, size: int, coord: Any, report: Any) -> None:
+    """Rank 1 cannot save its tree; no process finds a checkpoint; the last rank asks for a
+    key the checkpoint lacks: every process raises naming the rank, nothing changes."""
+    import torch
+
+    model, opt = build(mesh)
+    train(model, opt, rank, 1)
+    before = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    trees = dtensors(size, True)
+    bad = {"w": trees["uneven"], "oops": object() if rank == 1 else np.zeros(2)}
+    try:
+        cv.save(d / "fail" / "t.h5", bad, coordinator=coord, timeout=30)
+        report("fail", raised=None)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        report("fail", raised=type(exc).__name__, message=str(exc))
+    try:
+        cv.Checkpoint(model=model, optimizer=opt).restore(
+            d / "missing-1.h5", coordinator=coord, timeout=30)
+        report("fail_restore", raised=None)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        report("fail_restore", raised=type(exc).__name__, message=str(exc))
+    zeros = dtensors(size, False)
+    bad_like = {"uneven": zeros["uneven"], "nope" if rank == size - 1 else "rep": zeros["rep"]}
+    try:
+        cv.load(d / "dt.h5", like=bad_like, coordinator=coord, timeout=30)
+        report("fail_load", raised=None)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        report("fail_load", raised=type(exc).__name__, message=str(exc),
+               untouched=not zeros["uneven"].to_local().any().item())
+    after = {k: v.to_local() for k, v in model.state_dict().items()}
+    report("untouched", ok=all(torch.equal(before[k], after[k]) for k in before))
+
+
+def main(cases: list[str]) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -141,19 +174,6 @@ def main(cases: list[str]) -> None:  # noqa: C901, PLR0915 - one job, several ch
             status = cv.Checkpoint(model=model, optimizer=opt).restore(
                 d / "fsdp-1.h5", coordinator=coord, timeout=30)
             status.assert_consumed()
-            if os.environ.get("FW_DEBUG"):
-                stored = cv.load(d / "fsdp-1.h5")
-                bad = []
-                sd = opt.state_dict()
-                for i, st in sd["state"].items():
-                    for name, t in st.items():
-                        v = t.full_tensor() if hasattr(t, "full_tensor") else t
-                        if not np.array_equal(v.numpy(), stored[f"optimizer/state/{i}/{name}"]):
-                            bad.append(f"{i}/{name}")
-                for k, t in model.state_dict().items():
-                    if not np.array_equal(t.full_tensor().numpy(), stored[f"model/{k}"]):
-                        bad.append(k)
-                report("debug", bad=bad, groups=repr(sd["param_groups"]))
             report("fsdp", losses=train(model, opt, rank))
             trees = dtensors(size, False)
             locals_before = {k: v.to_local().data_ptr() for k, v in trees.items()}
@@ -171,37 +191,6 @@ def main(cases: list[str]) -> None:  # noqa: C901, PLR0915 - one job, several ch
                 t = distribute_tensor(torch.zeros(12, 8), mesh, [Shard(1)])
                 cv.load(d / "jax.h5", like={"j": t}, coordinator=coord, timeout=30)
                 report("from_jax", ok=torch.equal(t.full_tensor(), full((12, 8), 9)))
-        elif action == "train":
-            model, opt = build(mesh)
-            x, y = batch()
-            for _ in range(3):
-                opt.zero_grad()
-                loss = ((model(x) - y) ** 2).mean() * (1.0 if rank == 0 else 0.0)
-                loss.backward()
-                g = [p.grad.full_tensor().flatten().tolist() for p in model.parameters()]
-                w = [p.full_tensor().flatten().tolist() for p in model.parameters()]
-                report("train", g=g, w=w, loss=float(loss.item()))
-                opt.step()
-        elif action == "fail":
-            model, opt = build(mesh)
-            train(model, opt, rank, 1)
-            before = {k: v.to_local().clone() for k, v in model.state_dict().items()}
-            if rank == 1:
-                (d / "fail").mkdir(parents=True, exist_ok=True)
-            trees = dtensors(size, True)
-            bad = {"w": trees["uneven"], "oops": object() if rank == 1 else np.zeros(2)}
-            try:
-                cv.save(d / "fail" / "t.h5", bad, coordinator=coord, timeout=30)
-                report("fail", raised=None)
-            except Exception as exc:  # noqa: BLE001 - reported to the test
-                report("fail", raised=type(exc).__name__, message=str(exc))
-            try:
-                cv.Checkpoint(model=model, optimizer=opt).restore(
-                    d / "missing-1.h5", coordinator=coord, timeout=30)
-                report("fail_restore", raised=None)
-            except Exception as exc:  # noqa: BLE001 - reported to the test
-                report("fail_restore", raised=type(exc).__name__, message=str(exc))
-            after = {k: v.to_local() for k, v in model.state_dict().items()}
-            report("untouched", ok=all(torch.equal(before[k], after[k]) for k in before))
+            failures(d, mesh, rank=rank, size=size, coord=coord, report=report)
     finally:
         dist.destroy_process_group()
