@@ -115,6 +115,15 @@ def test_fsdp2_restore_on_another_process_count(saved: tuple[Path, dict[str, Any
     assert not (d / "fail").exists() or not list((d / "fail").iterdir())  # nothing committed
 
 
+def test_peak_host_memory_is_the_shard_at_most(saved: tuple[Path, dict[str, Any]]) -> None:
+    _, got = saved
+    for r, m in got["memory"].items():
+        assert m["ok"], m
+        assert m["save"] <= 0.05 * m["shard"], (r, m)  # written from the tensor's memory
+        # read into one temporary of the shard (at most TEMPORARY_BUDGET bytes), then copied
+        assert m["load"] <= 1.05 * m["shard"], (r, m)
+
+
 def test_dtensors_saved_from_their_sharding(saved: tuple[Path, dict[str, Any]]) -> None:
     d, _ = saved
     import framework_cases as fc

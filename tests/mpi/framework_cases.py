@@ -9,7 +9,7 @@ Run through torch_launch.py with ``CASES_MODULE=framework_cases``:
   ``cv.Checkpoint(model=, optimizer=)`` to ``DIR/fsdp-1.h5``, trains 3 more (the
   uninterrupted run); DTensors on a 2 x 2 mesh (``Shard(0), Shard(1)``), an uneven
   ``Shard(0)`` and a replicated one are saved with ``cv.save(..., coordinator=)`` to
-  ``DIR/dt.h5``;
+  ``DIR/dt.h5``; then the host memory of saving and loading a 16 MiB shard per process;
 - ``restore``: a fresh FSDP2 model and optimizer restore ``DIR/fsdp-1.h5`` and train
   3 steps; the DTensors of ``DIR/dt.h5`` are loaded into other placements in place;
   then :func:`failures`: a process failing a save or a restore fails every process,
@@ -136,6 +136,37 @@ def failures(d: Path, mesh: Any, *, rank: int, size: int, coord: Any, report: An
     report("untouched", ok=all(torch.equal(before[k], after[k]) for k in before))
 
 
+def memory(d: Path, size: int, coord: Any) -> dict[str, int]:
+    """Peak host memory (tracemalloc: NumPy's allocations) of saving and loading a 16 MiB
+    DTensor shard per process; a warm-up save first (imports, the plan cache)."""
+    import tracemalloc
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (size,))
+    rows, cols = 4096 * size, 1024
+    big = distribute_tensor(torch.ones(rows, cols), mesh, [Shard(0)])
+    shard = big.to_local().numel() * 4
+    cv.save(d / "mem-warm.h5", {"w": big}, coordinator=coord, timeout=30)
+    into = distribute_tensor(torch.zeros(rows, cols), mesh, [Shard(0)])
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        cv.save(d / "mem.h5", {"w": big}, coordinator=coord, timeout=30)
+        save = tracemalloc.get_traced_memory()[1] - base
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        cv.load(d / "mem.h5", like={"w": into}, coordinator=coord, timeout=30)
+        load = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    return {"shard": shard, "save": save, "load": load,
+            "ok": bool(torch.equal(into.to_local(), big.to_local()))}
+
+
 def main(cases: list[str]) -> None:
     import torch
     import torch.distributed as dist
@@ -169,6 +200,7 @@ def main(cases: list[str]) -> None:
             trees = dtensors(size, True)
             cv.save(d / "dt.h5", trees, coordinator=coord, timeout=30)
             report("dt", ok=True)
+            report("memory", **memory(d, size, coord))
         elif action == "restore":
             model, opt = build(mesh)
             status = cv.Checkpoint(model=model, optimizer=opt).restore(
