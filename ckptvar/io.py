@@ -23,7 +23,12 @@ from typing import Any
 import numpy as np
 
 from . import _frameworks
-from .checkpoint import write_values
+from .checkpoint import (
+    is_plain,
+    load_tree,
+    save_tree,
+    write_values,
+)
 from .device import resolve, supports_dtype, xp_for
 from .errors import DeviceError
 from .storage import backend_for, open_remote_reader, paused_gc, remote_format, save_remote
@@ -79,9 +84,21 @@ def load(
     keys: Iterable[str] | None = None,
     verify: bool = True,
     storage_options: Options = None,
-    like: str = "numpy",
-) -> dict[str, Any]:
+    like: Any = "numpy",
+    coordinator: Any = None,
+    timeout: float | None = None,
+    cast: bool = False,
+) -> Any:
     """Every value (or only ``keys``) as ``{key: array}``.
+
+    ``like=tree`` (a dict/list/tuple/namedtuple of arrays and Python values) returns
+    ``tree``'s structure read from ``path``, the values stored under the ``/``-joined
+    paths, each array of its like's kind (docs/frameworks.md): a ``DTensor`` is filled
+    in place, a ``jax.Array`` or ``jax.ShapeDtypeStruct(..., sharding=)`` gives a
+    ``jax.Array`` with that sharding. Shapes and dtypes must match (``cast=True``
+    converts same-kind dtypes); nothing is loaded unless everything is. With
+    ``coordinator`` (or sharded likes) every process calls it and reads only the boxes
+    it needs.
 
     ``like="torch" | "jax" | "cupy"`` gives that framework's arrays instead of NumPy's
     (``"cupy"`` implies ``device="GPU:0"`` unless ``device=`` says otherwise); the
@@ -93,6 +110,8 @@ def load(
     copied and the next read-ahead window (at most 512 MiB, or about twice the largest
     value), never the whole checkpoint.
     """
+    if not isinstance(like, str) or coordinator is not None:
+        return load_tree(path, like, coordinator, timeout, verify, cast, storage_options)
     _frameworks.check_like(like)
     if like != "numpy":
         if like == "cupy" and device is None:
@@ -152,15 +171,23 @@ def _load_to_gpu(reader: Reader, keys: list[str], dev: Any, verify: bool) -> dic
 
 def save(
     path: PathLike,
-    arrays: Mapping[str, Any],
+    arrays: Any,
     *,
     format: str | None = None,
     metadata: Mapping[str, Any] | None = None,
     attrs: Mapping[str, Mapping[str, Any]] | None = None,
     storage_options: Options = None,
+    coordinator: Any = None,
+    timeout: float | None = None,
     **options: Any,
 ) -> Path | str:
     """Write ``{key: array}`` as a ckptvar checkpoint at ``path`` (atomically); returns the path.
+
+    ``arrays`` may also be a tree (nested dicts, lists, tuples, namedtuples of arrays and
+    Python values): each array is stored under its ``/``-joined path, the Python values
+    (``None``, numbers, strings) in the metadata with their types (docs/frameworks.md).
+    With ``coordinator`` (or sharded arrays: ``DTensor``, multi-process ``jax.Array``)
+    every process calls it and writes only the boxes it owns (one checkpoint).
 
     At an object-store URL the checkpoint becomes a committed step (data, root record,
     then the create-only commit marker) and the URL is returned as a ``str``; a step
@@ -176,6 +203,15 @@ def save(
     Values may be PyTorch tensors, JAX or CuPy arrays: on the CPU their memory is
     written as it is (no copy, bfloat16 included), from a GPU after one copy to the host.
     """
+    if coordinator is not None or not is_plain(arrays):
+        if attrs or options or (storage_options and coordinator is None):
+            raise TypeError("cv.save of a tree or with coordinator= takes no attrs=, "
+                            "storage_options= or writer options")
+
+        def flat(p: PathLike, host: Mapping[str, Any], meta: Any) -> Path | str:
+            return save(p, host, format=format, metadata=meta, storage_options=storage_options)
+
+        return save_tree(path, arrays, format, metadata, coordinator, timeout, flat)  # type: ignore[no-any-return]
     if is_url(path):
         url = str(path)
         fmt = remote_format(url.rsplit("/", 1)[-1], format) or "h5"

@@ -22,6 +22,7 @@ from ._checkpoint import Checkpoint, SaveOptions
 from ._files import destination_error, make_parents, write_values
 from ._manager import CheckpointManager
 from ._on_create import restore_on_create
+from ._pytree import is_plain, load_tree, save_tree
 from ._reclaim import Leftover, gc
 from ._saver import Saver
 from ._state import latest_checkpoint
@@ -39,10 +40,13 @@ __all__ = [
     "StepName",
     "destination_error",
     "gc",
+    "is_plain",
     "latest_checkpoint",
+    "load_tree",
     "make_parents",
     "parse_step_name",
     "restore_on_create",
+    "save_tree",
     "wait_for_pending_saves",
     "write_values",
 ]

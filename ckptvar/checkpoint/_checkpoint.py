@@ -18,6 +18,7 @@ from . import _async
 from ._collective import collective_write, needs_collective, rank_variables
 from ._collective_state import CollectiveRestoreState
 from ._files import native_backend, write_file
+from ._frameworks import SupportsStateDict, begin_restores, end_restores, trackable_for
 from ._incremental import IncrementalSave
 from ._object_restore import RestoreState
 from ._serialize import gather, host_arrays, metadata
@@ -95,13 +96,15 @@ class Checkpoint(Trackable):
             return
         if name == _COUNTER:
             raise ValueError(f"{_COUNTER!r} is reserved: it is the checkpoint's own save counter.")
-        if not isinstance(value, Variable | PartitionedVariable | Trackable | list | tuple | dict):
+        if not isinstance(value, Variable | PartitionedVariable | Trackable | list | tuple | dict
+                          | SupportsStateDict):
             raise TypeError(
-                f"Checkpoint({name}=...) needs a Variable, a trackable object or a "
-                f"list/tuple/dict of them, got {type(value).__name__}."
+                f"Checkpoint({name}=...) needs a Variable, a trackable object, an object "
+                "with state_dict()/load_state_dict() or a list/tuple/dict of them, got "
+                f"{type(value).__name__}."
             )
         object.__setattr__(self, name, value)
-        self.track(name, value)
+        self.track(name, trackable_for(value))
 
     def __delattr__(self, name: str) -> None:
         object.__delattr__(self, name)
@@ -297,11 +300,15 @@ class Checkpoint(Trackable):
                                  storage_options=storage_options)
         if state.has_save_counter:
             self.save_counter  # noqa: B018 - exists before matching, so it is restored too
+        adapters = begin_restores(self, state.states, state.infos, state.path)
+        ok = False
         try:
             with paused_gc():
                 state.restore_nodes(walk(self))
+            ok = True
         finally:
             state.release_reader()
+            end_restores(adapters, ok=ok)
         return RestoreStatus(state, root=self)
 
     read = restore
@@ -312,22 +319,31 @@ class Checkpoint(Trackable):
     ) -> RestoreStatus:
         state: CollectiveRestoreState | None = None
         failure: BaseException | None = None
+        adapters: list[Any] = []
         try:
             with paused_gc():
                 state = CollectiveRestoreState(path, coordinator=coord, root=self, verify=verify,
                                                cast=cast, timeout=timeout,
                                                storage_options=storage_options)
+                if state.has_save_counter:
+                    self.save_counter  # noqa: B018 - exists before matching: restored too
+                adapters = begin_restores(self, state.states, state.infos, state.path)
         except BaseException as exc:  # noqa: BLE001 - reported through the vote
             failure = exc
-        coord.vote(failure, tag=f"restore:{os.path.basename(os.fspath(path))}:open",
-                   timeout=timeout)
+        try:
+            coord.vote(failure, tag=f"restore:{os.path.basename(os.fspath(path))}:open",
+                       timeout=timeout)
+        except BaseException:
+            end_restores(adapters, ok=False)
+            raise
         assert state is not None
-        if state.has_save_counter:
-            self.save_counter  # noqa: B018 - exists before matching, so it is restored too
+        ok = False
         try:
             state.restore_nodes(walk(self))
+            ok = True
         finally:
             state.release_reader()
+            end_restores(adapters, ok=ok)
         return RestoreStatus(state, root=self)
 
     def __repr__(self) -> str:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from ._array import VariableSlice
 from ._hooks import CreationHookHandle, deferred_init, register_creation_hook
-from ._lifecycle import convert_value
+from ._lifecycle import FreshValue, convert_value
 from ._shapes import VariableArgumentError
 from ._slices import LogicalBox, SaveSliceInfo, Shard
 from ._variable import (
@@ -62,6 +62,7 @@ from .tf1 import (
 __all__ = [
     "AUTO_REUSE",
     "CreationHookHandle",
+    "FreshValue",
     "LogicalBox",
     "PartitionInfo",
     "PartitionedVariable",

@@ -1,0 +1,424 @@
+"""Framework state in a checkpoint: objects with ``state_dict()`` and torch tensors as variables.
+
+Owns :class:`SupportsStateDict` (torch modules, optimizers, LR schedulers, Hugging Face
+models: anything with ``state_dict()``/``load_state_dict()``), :class:`StateDictTrackable`
+(how such an object takes part in a :class:`~ckptvar.Checkpoint`) and
+:func:`tensor_variable` (a torch tensor, or a ``DTensor``'s local shard, seen as a
+variable over the tensor's own memory, so a save writes it without a copy and a restore
+writes into it in place).
+
+Keys are the state dict's paths under the object's name: ``model/fc.weight``,
+``optimizer/state/0/exp_avg``. Values that are not tensors (step counts,
+hyper-parameters, ``param_groups``, ``None``) are the object's Python state, kept with
+their Python types (tuples stay tuples, int keys stay ints). A restore is the
+checkpoint's usual all-or-nothing restore into the tensors that exist (CPU tensors in
+place); tensors that are stored but do not exist yet (a fresh optimizer's ``exp_avg``),
+that have no storage (a module on the ``meta`` device) or that cannot be viewed from the
+host (CUDA) are read into new host tensors, and the object's ``load_state_dict`` takes
+them, and the Python state, once every value was read and checked.
+
+A ``DTensor`` (``Shard(dim)``/``Replicate`` placements, any mesh) is a variable holding
+its local box of the logical value (a :class:`~ckptvar.Shard`); of replicas of one box,
+only the process at coordinate 0 of the replicating mesh axes saves it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from .._frameworks import framework_of, to_numpy
+from ..errors import CkptError
+from ..graph import Graph
+from ..trackable import Trackable
+from ..variables import FreshValue, Shard, Variable
+from ._serialize import decode_state
+
+__all__ = [
+    "FrameworkStateError",
+    "StateDictTrackable",
+    "SupportsStateDict",
+    "begin_restores",
+    "dtensor_box",
+    "end_restores",
+    "is_dtensor",
+    "tensor_variable",
+    "trackable_for",
+]
+
+
+class FrameworkStateError(CkptError, TypeError):
+    """Framework state that cannot be checkpointed as it is (says which value and why)."""
+
+
+@runtime_checkable
+class SupportsStateDict(Protocol):
+    """An object whose state is ``state_dict()`` and goes back by ``load_state_dict(sd)``."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any) -> Any: ...
+
+
+def is_dtensor(value: Any) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor`` (nothing is imported to find out)."""
+    if "torch.distributed.tensor" not in sys.modules or framework_of(value) != "torch":
+        return False
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 - loaded already
+
+    return isinstance(value, DTensor)
+
+
+def dtensor_box(t: Any, what: str) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+    """``(offset, local shape, owner)`` of this process's box of the DTensor ``t``.
+
+    ``owner`` is False on a process whose box another process (coordinate 0 along every
+    mesh axis the value is replicated over) saves.
+    """
+    from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415
+    from torch.distributed.tensor._utils import (  # noqa: PLC0415 - what DCP uses too
+        compute_local_shape_and_global_offset,
+    )
+
+    for p in t.placements:
+        if type(p) not in (Shard, Replicate):
+            raise FrameworkStateError(
+                f"Cannot checkpoint {what}: its DTensor placement {p} is not supported "
+                "(Shard(dim) and Replicate() are; redistribute a Partial value first)."
+            )
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    coord = t.device_mesh.get_coordinate()
+    owner = coord is not None and all(
+        c == 0 for c, p in zip(coord, t.placements, strict=True) if isinstance(p, Replicate))
+    return tuple(int(o) for o in offset), tuple(int(s) for s in shape), owner
+
+
+def _view(t: Any) -> np.ndarray | None:
+    """A writable NumPy view of a CPU tensor's memory, or None when there is none."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        return None
+    view = to_numpy(t)
+    return view if view.flags.c_contiguous and view.flags.writeable else None
+
+
+def _variable(graph: Graph, name: str, host: np.ndarray, shard: Shard | None) -> Variable:
+    """A CPU variable whose buffer is ``host`` itself (no copy)."""
+    with graph.as_default():
+        var = Variable(FreshValue(lambda: host), shape=host.shape, dtype=host.dtype,
+                       device="CPU:0", collections=[], trainable=False, name=name,
+                       shard=shard)
+    var.initialize()
+    return var
+
+
+def tensor_variable(graph: Graph, name: str, t: Any, *, saving: bool) -> Variable | None:
+    """``t`` (a torch tensor or DTensor) as a variable over its memory.
+
+    Saving: ``None`` for a DTensor box another process saves; a tensor the host cannot
+    view (CUDA, non-contiguous) is copied to the host once. Restoring: ``None`` when the
+    host cannot view it (the caller reads into a new tensor instead).
+    """
+    if is_dtensor(t):
+        offset, _, owner = dtensor_box(t, repr(name))
+        if saving and not owner:
+            return None
+        local = t.to_local()
+        host = _view(local)
+        if host is None:
+            if not saving:
+                return None
+            host = np.ascontiguousarray(to_numpy(local, what=repr(name)))
+        return _variable(graph, name, host, Shard(tuple(t.shape), offset))
+    if t.device.type == "meta":
+        if saving:
+            raise FrameworkStateError(
+                f"Cannot save {name!r}: it is a tensor on the 'meta' device (no storage).")
+        return None
+    host = _view(t)
+    if host is None:
+        if not saving:
+            return None
+        host = np.ascontiguousarray(to_numpy(t, what=repr(name)))
+    return _variable(graph, name, host, None)
+
+
+# -- the Python state: the state dict's structure, tensors left out -----------------------
+
+
+_TENSOR = {"T": 1}
+
+
+def _encode(value: Any, where: str) -> Any:
+    """The state dict's structure as msgpack-able data; tensors become :data:`_TENSOR`."""
+    if framework_of(value) == "torch":
+        return _TENSOR
+    if isinstance(value, dict):
+        items = []
+        for k, v in value.items():
+            if isinstance(k, bool) or not isinstance(k, str | int):
+                raise FrameworkStateError(
+                    f"Cannot checkpoint {where}: its dict key {k!r} is not a str or int.")
+            items.append([k, _encode(v, f"{where}/{k}")])
+        return {"d": items}
+    if isinstance(value, tuple):
+        return {"t": [_encode(v, f"{where}/{i}") for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return {"l": [_encode(v, f"{where}/{i}") for i, v in enumerate(value)]}
+    if value is None or isinstance(value, bool | int | float | str | bytes):
+        return {"v": value}
+    if isinstance(value, np.generic):
+        return {"v": value.item()}
+    raise FrameworkStateError(
+        f"Cannot checkpoint {where}: a {type(value).__module__}.{type(value).__qualname__} "
+        "is neither a tensor nor a plain Python value (None, bool, int, float, str, bytes, "
+        "list, tuple, dict)."
+    )
+
+
+def _tensor_paths(enc: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    """The path (raw keys) of every tensor of an encoded structure."""
+    if enc == _TENSOR:
+        yield prefix
+    elif "d" in enc:
+        for k, v in enc["d"]:
+            yield from _tensor_paths(v, (*prefix, k))
+    elif "t" in enc or "l" in enc:
+        for i, v in enumerate(enc.get("t", enc.get("l"))):
+            yield from _tensor_paths(v, (*prefix, i))
+
+
+def _decode(enc: Any, tensors: dict[tuple[Any, ...], Any], prefix: tuple[Any, ...] = ()) -> Any:
+    if enc == _TENSOR:
+        return tensors[prefix]
+    if "d" in enc:
+        return {k: _decode(v, tensors, (*prefix, k)) for k, v in enc["d"]}
+    if "t" in enc:
+        return tuple(_decode(v, tensors, (*prefix, i)) for i, v in enumerate(enc["t"]))
+    if "l" in enc:
+        return [_decode(v, tensors, (*prefix, i)) for i, v in enumerate(enc["l"])]
+    return enc["v"]
+
+
+def _tensors(sd: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    if framework_of(sd) == "torch":
+        yield prefix, sd
+    elif isinstance(sd, dict):
+        for k, v in sd.items():
+            yield from _tensors(v, (*prefix, k))
+    elif isinstance(sd, list | tuple):
+        for i, v in enumerate(sd):
+            yield from _tensors(v, (*prefix, i))
+
+
+def _nest(flat: dict[tuple[Any, ...], Any]) -> dict[str, Any]:
+    """``{path: variable}`` as nested dicts of children (keys ``a/b/c``)."""
+    out: dict[str, Any] = {}
+    for path, var in flat.items():
+        node = out
+        for seg in path[:-1]:
+            node = node.setdefault(str(seg), {})
+        node[str(path[-1])] = var
+    return out
+
+
+def _identity(t: Any) -> tuple[Any, ...]:
+    local = t.to_local() if is_dtensor(t) else t
+    return (local.data_ptr(), tuple(local.shape), local.dtype, tuple(local.stride()))
+
+
+class _Restoring:
+    """One restore in progress: the variables it fills and what ``load_state_dict`` gets."""
+
+    def __init__(self, enc: Any, tensors: dict[tuple[Any, ...], Any],
+                 variables: dict[tuple[Any, ...], Variable], fresh: bool) -> None:
+        self.enc = enc
+        self.tensors = tensors
+        self.variables = variables
+        #: True when ``load_state_dict`` must run (new tensors, or Python state to take)
+        self.fresh = fresh
+        self.assign = False
+
+
+class StateDictTrackable(Trackable):
+    """How an object with ``state_dict()``/``load_state_dict()`` takes part in a checkpoint.
+
+    ``cv.Checkpoint(model=module)`` wraps ``module`` in one of these; its children are
+    the state dict's tensors (as variables over their memory) and its Python state the
+    rest of the state dict.
+    """
+
+    def __init__(self, obj: SupportsStateDict) -> None:
+        self.obj = obj
+        self._graph = Graph()
+        self._cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], Variable | None]] = {}
+        self._restoring: _Restoring | None = None
+        self._state: Any = None
+
+    def _var(self, path: tuple[Any, ...], t: Any, saving: bool) -> Variable | None:
+        if saving and is_dtensor(t) and not dtensor_box(t, repr(path))[2]:
+            return None  # a replica another process saves
+        ident = _identity(t)
+        hit = self._cache.get(path)
+        if hit is not None and hit[0] == ident and hit[1] is not None:
+            return hit[1]
+        name = "/".join(map(str, path))
+        var = tensor_variable(self._graph, name, t, saving=saving)
+        self._cache[path] = (ident, var)
+        return var
+
+    def trackable_children(self) -> dict[str, Any]:
+        if self._restoring is not None:
+            return _nest(dict(self._restoring.variables))
+        flat: dict[tuple[Any, ...], Any] = {}
+        for path, t in _tensors(self.obj.state_dict()):
+            var = self._var(path, t, saving=True)
+            if var is not None:
+                flat[path] = var
+        return _nest(flat)
+
+    def python_state(self) -> Any:
+        if self._restoring is not None:
+            return self._restoring.enc
+        return _encode(self.obj.state_dict(), type(self.obj).__name__)
+
+    def restore_python_state(self, state: Any) -> None:
+        self._state = state
+
+    # -- the restore: before matching, and once every value went in ----------------------
+    def begin_restore(self, key: str, stored: Any, infos: Any) -> None:
+        """Make a variable for every tensor the checkpoint holds for this object.
+
+        ``stored`` is the decoded Python state (``None``: none stored; the current state
+        dict's structure is used), ``infos`` the checkpoint's ``{key: ArrayInfo}``.
+        """
+        torch = sys.modules.get("torch", None)
+        sd = self.obj.state_dict()
+        current = dict(_tensors(sd))
+        # Python state (an optimizer's, a scheduler's) goes back through load_state_dict,
+        # so the stored structure is restored whole, new tensors included; a state dict
+        # of tensors only (a module's) keeps its own structure
+        fresh = isinstance(stored, dict) and _has_values(stored)
+        enc = stored if fresh else _encode(sd, key)
+        paths = list(_tensor_paths(enc))
+        tensors: dict[tuple[Any, ...], Any] = {}
+        variables: dict[tuple[Any, ...], Variable] = {}
+        assign = False
+        params = _params_by_index(self.obj, torch)
+        for path in paths:
+            t = current.get(path)
+            full = f"{key}/" + "/".join(map(str, path))
+            info = infos.get(full) if hasattr(infos, "get") else None
+            if t is not None:
+                var = self._var(path, t, saving=False)
+                if var is not None:
+                    tensors[path], variables[path] = t, var
+                    continue
+                assign = assign or t.device.type == "meta"
+            if info is None or torch is None:  # not stored: the status reports it
+                continue
+            t_new = _new_tensor(torch, t, path, info, params)
+            var = tensor_variable(self._graph, "/".join(map(str, path)), t_new, saving=False)
+            if var is None:
+                raise FrameworkStateError(f"Cannot restore {full!r}: no host memory for it.")
+            tensors[path], variables[path] = t_new, var
+            fresh = True
+        for path, t in current.items():  # tensors the checkpoint lacks: reported unmatched
+            if path not in variables:
+                var = self._var(path, t, saving=False)
+                if var is not None:
+                    variables[path] = var
+                    tensors[path] = t
+        self._restoring = _Restoring(enc, tensors, variables, fresh)
+        self._restoring.assign = assign
+
+    def finish_restore(self) -> None:
+        """After a successful restore: ``load_state_dict`` when new tensors or state came."""
+        r, self._restoring = self._restoring, None
+        if r is None or not r.fresh:
+            return
+        enc = self._state if self._state is not None else r.enc
+        sd = _decode(enc, r.tensors)
+        if r.assign:
+            self.obj.load_state_dict(sd, assign=True)  # type: ignore[call-arg]
+        else:
+            self.obj.load_state_dict(sd)
+        # the variables stay the object's: its tensors are the ones they fill (a later
+        # walk, the status's included, meets them again)
+        for path, t in _tensors(self.obj.state_dict()):
+            var = r.variables.get(path)
+            if var is not None and path in r.tensors and _identity(t) == _identity(r.tensors[path]):
+                self._cache[path] = (_identity(t), var)
+
+    def abort_restore(self) -> None:
+        """After a failed restore: nothing was given to the object."""
+        self._restoring = None
+
+    def __repr__(self) -> str:
+        return f"<StateDictTrackable of {type(self.obj).__name__}>"
+
+
+def _has_values(enc: Any) -> bool:
+    """Whether an encoded structure holds anything but tensors and containers."""
+    if enc == _TENSOR:
+        return False
+    if "v" in enc:
+        return True
+    if "d" in enc:
+        return any(_has_values(v) for _, v in enc["d"])
+    return any(_has_values(v) for v in enc.get("t", enc.get("l", [])))
+
+
+def _params_by_index(obj: Any, torch: Any) -> list[Any]:
+    """An optimizer's parameters in ``state_dict`` order (its ``state`` keys); else []."""
+    groups = getattr(obj, "param_groups", None) if torch is not None else None
+    if not isinstance(groups, list):
+        return []
+    return [p for g in groups if isinstance(g, dict) for p in g.get("params", ())]
+
+
+def _new_tensor(torch: Any, t: Any, path: tuple[Any, ...], info: Any,
+                params: list[Any]) -> Any:
+    """A new tensor for a stored value: like the optimizer's parameter when it matches."""
+    dtype = torch.from_numpy(np.empty(0, np.dtype(info.dtype))).dtype
+    shape = tuple(info.shape)
+    like = t
+    if like is None and len(path) == 3 and path[0] == "state" and isinstance(path[1], int) \
+            and path[1] < len(params):
+        like = params[path[1]]
+    if like is not None and tuple(like.shape) == shape:
+        if is_dtensor(like):
+            return torch.empty_like(like, dtype=dtype)
+        if like.device.type == "cpu":
+            return torch.empty(shape, dtype=dtype)
+    return torch.empty(shape, dtype=dtype)
+
+
+def begin_restores(root: Trackable, states: Any, infos: Any, path: Any) -> list[StateDictTrackable]:
+    """Put the state-dict objects ``root`` tracks in restore mode (see ``begin_restore``)."""
+    out = []
+    for name, obj in root.trackable_children().items():
+        if isinstance(obj, StateDictTrackable):
+            blob = states.get(name)
+            stored = None if blob is None else decode_state(blob, name, path)
+            obj.begin_restore(name, stored, infos)
+            out.append(obj)
+    return out
+
+
+def end_restores(adapters: list[StateDictTrackable], *, ok: bool) -> None:
+    """After the restore: give the objects their state (``ok``), or forget it."""
+    for a in adapters:
+        if ok:
+            a.finish_restore()
+        else:
+            a.abort_restore()
+
+
+def trackable_for(value: Any) -> Any:
+    """``value`` as something a checkpoint tracks: a state-dict object gets its wrapper."""
+    if isinstance(value, SupportsStateDict) and not isinstance(value, Trackable):
+        return StateDictTrackable(value)
+    return value

@@ -1,0 +1,469 @@
+"""Pytrees in ``cv.save(path, tree)`` and ``cv.load(path, like=tree)``, sharded leaves too.
+
+Nested containers of arrays of any framework, sharded ones included.
+
+Owns :func:`flatten` (a tree's leaves by their ``/``-joined paths), :func:`is_plain`
+(whether ``cv.save`` can write a mapping as it always did), :func:`save_tree` and
+:func:`load_tree`. A tree is dicts (str or int keys), lists, tuples and namedtuples of
+leaves; a leaf is an array (NumPy, torch, JAX, CuPy; a NumPy scalar) or a Python value
+(``None``, bool, int, float, str, bytes), which is kept in the checkpoint's metadata
+with its type. ``load_tree`` returns ``like``'s structure with ``like``'s kinds of
+arrays: NumPy for NumPy, a new torch tensor on the like's device for a tensor, a
+``jax.Array`` with the like's sharding for a ``jax.Array`` or a
+``jax.ShapeDtypeStruct(..., sharding=...)``; a ``DTensor`` is filled in place.
+
+Sharded leaves (a ``DTensor``; a ``jax.Array`` whose devices span several processes)
+are saved collectively through the multi-process protocol (``_collective``): each
+process writes only the box it owns (of replicas of one box, one process writes it),
+and a restore reads only the boxes each process needs (``_collective_restore``),
+whatever mesh, placement or process count wrote them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from .._frameworks import framework_of, from_numpy, to_numpy
+from ..distributed import Coordinator, from_env
+from ..errors import CheckpointMismatchError, CkptError
+from ..graph import Graph
+from ..variables import FreshValue, Shard, Variable
+from ._collective import collective_write
+from ._collective_restore import collective_restore, stage_reads
+from ._files import native_backend, open_checkpoint_reader
+from ._frameworks import FrameworkStateError, is_dtensor, tensor_variable
+
+__all__ = ["flatten", "is_plain", "load_tree", "save_tree"]
+
+#: Where the Python values of a tree are kept in the checkpoint's metadata.
+META_KEY = "pytree"
+
+_PY = (bool, int, float, str, bytes)
+
+
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
+def _children(tree: Any) -> Iterator[tuple[str, Any]] | None:
+    if isinstance(tree, Mapping):
+        out = []
+        for k, v in tree.items():
+            if isinstance(k, bool) or not isinstance(k, str | int):
+                raise TypeError(f"A tree's dict keys are str or int, got {k!r}.")
+            out.append((str(k), v))
+        return iter(out)
+    if _is_namedtuple(tree):
+        return iter(zip(type(tree)._fields, tree, strict=True))
+    if isinstance(tree, list | tuple):
+        return ((str(i), v) for i, v in enumerate(tree))
+    return None
+
+
+def _is_array(value: Any) -> bool:
+    if isinstance(value, np.ndarray | np.generic):
+        return True
+    if framework_of(value) is not None:
+        return True
+    return _is_abstract(value)
+
+
+def _is_abstract(value: Any) -> bool:
+    """A ``jax.ShapeDtypeStruct`` (a shape, a dtype and maybe a sharding; no data)."""
+    return type(value).__name__ == "ShapeDtypeStruct" and framework_of(value) == "jax"
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{path: leaf}`` in order; paths are the ``/``-joined keys and indexes.
+
+    >>> flatten({"a": [1, None], "b": {"c": 2.5}})
+    {'a/0': 1, 'a/1': None, 'b/c': 2.5}
+    """
+    out: dict[str, Any] = {}
+    _flatten(tree, prefix, out)
+    return out
+
+
+def _flatten(tree: Any, prefix: str, out: dict[str, Any]) -> None:
+    kids = None if _is_array(tree) else _children(tree)
+    if kids is None:
+        if not (tree is None or isinstance(tree, _PY) or _is_array(tree)):
+            raise TypeError(
+                f"Cannot store {prefix or 'the tree'!r}: a {type(tree).__module__}."
+                f"{type(tree).__qualname__} is neither an array nor a Python value (None, "
+                "bool, int, float, str, bytes), nor a dict/list/tuple of them."
+            )
+        if prefix in out:
+            raise ValueError(f"Two leaves of the tree have the key {prefix!r}.")
+        out[prefix] = tree
+        return
+    empty = True
+    for name, child in kids:
+        empty = False
+        _flatten(child, f"{prefix}/{name}" if prefix else name, out)
+    if empty and prefix:
+        out[prefix] = tree  # an empty container stays, as a Python value (its kind kept)
+
+
+def is_plain(arrays: Any) -> bool:
+    """True for a flat ``{str: array}`` mapping without sharded arrays (``cv.save`` as always)."""
+    if not isinstance(arrays, Mapping):
+        return False
+    for k, v in arrays.items():
+        if not isinstance(k, str) or not _is_array(v) or _is_abstract(v) or _sharded(v):
+            return False
+    return True
+
+
+def _sharded(value: Any) -> bool:
+    """A DTensor, or a jax.Array spread over devices of several processes."""
+    if is_dtensor(value):
+        return True
+    if framework_of(value) == "jax" and hasattr(value, "is_fully_addressable"):
+        return not value.is_fully_addressable
+    return False
+
+
+def _py_value(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return {"seq": type(value).__name__ if type(value) in (list, tuple) else "tuple",
+                "items": []}
+    if isinstance(value, Mapping):
+        return {"seq": "dict", "items": []}
+    return value
+
+
+def _from_py(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"seq", "items"}:
+        return {"list": [], "tuple": (), "dict": {}}[value["seq"]]
+    return value
+
+
+# -- saving -----------------------------------------------------------------------------
+
+
+def _graph() -> Graph:
+    return Graph()
+
+
+def _jax_box(value: Any, key: str) -> tuple[tuple[int, ...], np.ndarray] | None:
+    """This process's box of a multi-process jax.Array (offset, host value), or None when
+    another process writes it. The boxes a process owns must form one box."""
+    shape = tuple(value.shape)
+    owners: dict[tuple[tuple[int, int], ...], int] = {}
+    for dev, index in value.sharding.devices_indices_map(shape).items():
+        box = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=False))
+        box = box + tuple((0, n) for n in shape[len(box):])
+        owners[box] = min(owners.get(box, dev.process_index), dev.process_index)
+    import jax  # noqa: PLC0415 - a jax value is here
+
+    me = jax.process_index()
+    mine = [b for b, p in owners.items() if p == me and all(hi > lo for lo, hi in b)]
+    if not mine:
+        return None
+    lo = tuple(min(b[i][0] for b in mine) for i in range(len(shape)))
+    hi = tuple(max(b[i][1] for b in mine) for i in range(len(shape)))
+    ext = tuple(h - low for low, h in zip(lo, hi, strict=True))
+    if sum(math.prod(h - low for low, h in b) for b in mine) != math.prod(ext):
+        raise FrameworkStateError(
+            f"Cannot save {key!r}: the boxes process {me} writes of it do not form one box "
+            "(a mesh whose process-local devices are not contiguous along the sharded axes).")
+    host = np.empty(ext, np.dtype(value.dtype))
+    done = set()
+    for shard in value.addressable_shards:
+        idx = tuple(s.indices(n)[:2] for s, n in zip(shard.index, shape, strict=False))
+        idx = idx + tuple((0, n) for n in shape[len(idx):])
+        if idx in done or owners.get(idx) != me:
+            continue
+        done.add(idx)
+        rel = tuple(slice(a - o, b - o) for (a, b), o in zip(idx, lo, strict=True))
+        host[rel] = np.asarray(shard.data)
+    return lo, host
+
+
+def _leaf_for_save(graph: Graph, key: str, value: Any) -> tuple[np.ndarray | None, Any]:
+    """``(host array, variable or None)`` of one array leaf; ``(None, None)``: not this process's."""
+    if is_dtensor(value):
+        var = tensor_variable(graph, key, value, saving=True)
+        return (None, None) if var is None else (var.value(), var)
+    if framework_of(value) == "jax" and _sharded(value):
+        got = _jax_box(value, key)
+        if got is None:
+            return None, None
+        offset, host = got
+        with graph.as_default():
+            var = Variable(FreshValue(lambda: host), shape=host.shape, dtype=host.dtype,
+                           device="CPU:0", collections=[], trainable=False, name=key,
+                           shard=Shard(tuple(value.shape), offset))
+        var.initialize()
+        return host, var
+    host = value if isinstance(value, np.ndarray) else to_numpy(value, what=repr(key))
+    return np.ascontiguousarray(np.asarray(host)), None
+
+
+def save_tree(  # noqa: PLR0917
+    path: str | os.PathLike[str], tree: Any, format: str | None, metadata: Any,
+    coordinator: Coordinator | None, timeout: float | None,
+    save_flat: Any,
+) -> Any:
+    """Write ``tree``; with a coordinator (or sharded leaves), collectively.
+
+    ``save_flat(path, arrays, metadata)`` writes a one-process checkpoint (``cv.save``).
+    """
+    failure: BaseException | None = None
+    arrays: dict[str, Any] = {}
+    meta: Any = None
+    try:  # with a coordinator, a tree this process cannot store is voted on
+        leaves = flatten(tree)
+        arrays = {k: v for k, v in leaves.items() if _is_array(v) and not _is_abstract(v)}
+        python = {k: _py_value(v) for k, v in leaves.items() if k not in arrays}
+        bad = [k for k, v in leaves.items() if _is_abstract(v)]
+        if bad:
+            raise TypeError(f"Cannot save {bad[0]!r}: a jax.ShapeDtypeStruct holds no values.")
+        meta = _with_python(metadata, python)
+    except BaseException as exc:
+        if coordinator is None:
+            raise
+        failure = exc
+    if coordinator is None and any(_sharded(v) for v in arrays.values()):
+        coordinator = from_env()
+    if coordinator is None:
+        host = {k: (v if isinstance(v, np.ndarray) else to_numpy(v, what=repr(k)))
+                for k, v in arrays.items()}
+        return save_flat(path, host, meta)
+    coord = coordinator
+    graph = _graph()
+    rows: list[tuple[str, np.ndarray, dict[str, Any]]] = []
+    variables: dict[str, Any] = {}
+    fmt = "h5"
+    try:
+        if failure is not None:
+            raise failure
+        fmt = native_backend(path, format).name
+        for key, value in arrays.items():
+            mine, var = _leaf_for_save(graph, key, value)
+            if mine is None:
+                continue  # another process writes this box
+            rows.append((key, mine, {"name": key}))
+            variables[key] = var
+    except BaseException as exc:  # noqa: BLE001 - reported through the vote
+        failure = exc
+    coord.vote(failure, tag=f"save:{os.path.basename(os.fspath(path))}:tree", timeout=timeout)
+    return collective_write(path, fmt, rows, meta or {}, variables, coord, timeout=timeout)
+
+
+def _with_python(metadata: Any, python: dict[str, Any]) -> Any:
+    """The metadata stored: the user's, with the tree's Python values under ``"pytree"``."""
+    if not python:
+        return metadata
+    if metadata is not None and (not isinstance(metadata, Mapping) or META_KEY in metadata):
+        raise ValueError(
+            f"A tree with Python values keeps them in the metadata under {META_KEY!r}: "
+            f"metadata= must then be a dict without that key, got {metadata!r}.")
+    return {**(metadata or {}), META_KEY: python}
+
+
+# -- loading ----------------------------------------------------------------------------
+
+
+def _like_shape_dtype(like: Any) -> tuple[tuple[int, ...], np.dtype]:
+    if isinstance(like, np.ndarray | np.generic):
+        return tuple(np.shape(like)), np.dtype(like.dtype)
+    if framework_of(like) == "torch":
+        import torch  # noqa: PLC0415 - a torch value is here
+
+        dt = torch.empty(0, dtype=like.dtype)
+        return tuple(like.shape), to_numpy(dt).dtype
+    return tuple(like.shape), np.dtype(like.dtype)
+
+
+def _jax_target_box(like: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The box covering what this process's devices of ``like``'s sharding hold."""
+    shape = tuple(like.shape)
+    sharding = like.sharding
+    los, his = [n for n in shape], [0 for _ in shape]
+    any_dev = False
+    for dev, index in sharding.devices_indices_map(shape).items():
+        if dev.process_index != _process_index():
+            continue
+        any_dev = True
+        for i, (s, n) in enumerate(zip(index, shape, strict=False)):
+            a, b = s.indices(n)[:2]
+            los[i], his[i] = min(los[i], a), max(his[i], b)
+        for i in range(len(index), len(shape)):
+            los[i], his[i] = 0, shape[i]
+    if not any_dev:
+        return (0,) * len(shape), (0,) * len(shape)
+    return tuple(los), tuple(h - low for low, h in zip(los, his, strict=True))
+
+
+def _process_index() -> int:
+    import jax  # noqa: PLC0415
+
+    return int(jax.process_index())
+
+
+def _lazy(graph: Graph, key: str, shape: tuple[int, ...], dtype: np.dtype,
+          shard: Shard | None) -> Variable:
+    def unset() -> np.ndarray:
+        raise CkptError(f"{key!r} was not restored")
+
+    with graph.as_default():
+        return Variable(FreshValue(unset), shape=shape, dtype=dtype, device="CPU:0",
+                        collections=[], trainable=False, name=key, lazy=True, shard=shard)
+
+
+def _target(graph: Graph, key: str, like: Any) -> tuple[Variable, Any]:
+    """The variable a leaf is restored through, and how to turn it into the result."""
+    if is_dtensor(like):
+        var = tensor_variable(graph, key, like, saving=False)
+        if var is None:
+            raise FrameworkStateError(
+                f"Cannot load {key!r} into its DTensor in place: its local tensor is not "
+                "host memory (a CUDA DTensor is restored through Checkpoint instead).")
+        return var, ("dtensor", like)
+    shape, dtype = _like_shape_dtype(like)
+    sharding = getattr(like, "sharding", None) if framework_of(like) == "jax" else None
+    if sharding is not None and not sharding.is_fully_addressable:
+        offset, ext = _jax_target_box(like)
+        return _lazy(graph, key, ext, dtype, Shard(shape, offset)), ("jax", like, offset)
+    if sharding is not None and not _single_device(sharding):
+        return _lazy(graph, key, shape, dtype, None), ("jax", like, (0,) * len(shape))
+    return _lazy(graph, key, shape, dtype, None), ("plain", like)
+
+
+def _single_device(sharding: Any) -> bool:
+    return len(sharding.device_set) == 1
+
+
+def _result(var: Variable, how: tuple[Any, ...]) -> Any:  # noqa: PLR0911 - one per kind
+    kind, like = how[0], how[1]
+    if kind == "dtensor":
+        return like
+    host = var.value()
+    if kind == "jax":
+        import jax  # noqa: PLC0415
+
+        offset = how[2]
+        shape = tuple(like.shape)
+
+        def piece(index: Any) -> np.ndarray:
+            sl = tuple(slice(s.indices(n)[0] - o, s.indices(n)[1] - o)
+                       for s, n, o in zip(index, shape, offset, strict=False))
+            return np.ascontiguousarray(host[sl])
+
+        return jax.make_array_from_callback(shape, like.sharding, piece)
+    if isinstance(like, np.generic):
+        return host[()]
+    if isinstance(like, np.ndarray):
+        return host
+    fw = framework_of(like)
+    if fw == "torch":
+        t = from_numpy(host, "torch")
+        return t if like.device.type == "cpu" else t.to(like.device)
+    if fw == "jax":
+        sharding = getattr(like, "sharding", None)
+        if sharding is not None:
+            import jax  # noqa: PLC0415
+
+            return jax.device_put(host, sharding)
+        return from_numpy(host, "jax")
+    if fw == "cupy":
+        return from_numpy(host, "cupy")
+    return host
+
+
+def _rebuild(like: Any, prefix: str, values: Mapping[str, Any]) -> Any:
+    kids = None if _is_array(like) else _children(like)
+    if kids is None:
+        return values[prefix]
+    items = [(n, _rebuild(c, f"{prefix}/{n}" if prefix else n, values)) for n, c in kids]
+    if not items and prefix in values:
+        return values[prefix]
+    if isinstance(like, Mapping):
+        keys = list(like.keys())
+        kind: Any = type(like)
+        return kind(zip(keys, [v for _, v in items], strict=True))
+    if _is_namedtuple(like):
+        return type(like)(*[v for _, v in items])
+    if isinstance(like, tuple):
+        return tuple(v for _, v in items)
+    return [v for _, v in items]
+
+
+def _python_values(path: Any, leaves: Mapping[str, Any], arrays: Mapping[str, Any],
+                   storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The stored Python values of ``leaves`` that are no arrays (all there, or raise)."""
+    with open_checkpoint_reader(path, storage_options) as reader:
+        meta = reader.metadata()
+    python = meta.get(META_KEY, {}) if isinstance(meta, dict) else {}
+    missing = [k for k in leaves if k not in arrays and k not in python]
+    if missing:
+        raise CheckpointMismatchError(
+            f"{str(path)!r} has no value for {', '.join(map(repr, missing))} (Python values "
+            "of the tree); nothing was loaded.")
+    return {k: _from_py(python[k]) for k in leaves if k not in arrays}
+
+
+def _restore_here(path: Any, pairs: list[tuple[str, Variable]], verify: bool, cast: bool,
+                  storage_options: Mapping[str, Any] | None) -> None:
+    """One process: every value read and checked, then given (the errors as they are)."""
+    with open_checkpoint_reader(path, storage_options) as reader:
+        missing = [k for k, _ in pairs if k not in reader]
+        if missing:
+            raise CheckpointMismatchError(
+                f"{str(path)!r} has no value for {', '.join(map(repr, missing))}; nothing "
+                "was loaded.")
+        stage_reads(reader, pairs, path, verify=verify, cast=cast).apply(path)
+
+
+def load_tree(  # noqa: PLR0917
+    path: str | os.PathLike[str], like: Any, coordinator: Coordinator | None,
+    timeout: float | None, verify: bool, cast: bool,
+    storage_options: Mapping[str, Any] | None,
+) -> Any:
+    """``like``'s structure read from ``path`` (all or nothing; collective with a coordinator)."""
+    try:
+        leaves = flatten(like)
+    except BaseException as exc:
+        if coordinator is None:
+            raise
+        coordinator.vote(exc, tag=f"load:{os.path.basename(os.fspath(path))}:tree",
+                         timeout=timeout)
+        raise
+    arrays = {k: v for k, v in leaves.items() if _is_array(v)}
+    if coordinator is None and any(_sharded(v) or (_is_abstract(v) and getattr(
+            v, "sharding", None) is not None and not v.sharding.is_fully_addressable)
+            for v in arrays.values()):
+        coordinator = from_env()
+    graph = _graph()
+    pairs: list[tuple[str, Variable]] = []
+    hows: dict[str, tuple[Any, ...]] = {}
+    failure: BaseException | None = None
+    values: dict[str, Any] = {}
+    try:
+        for key, value in arrays.items():
+            var, how = _target(graph, key, value)
+            pairs.append((key, var))
+            hows[key] = how
+        if len(arrays) < len(leaves):
+            values = _python_values(path, leaves, arrays, storage_options)
+    except BaseException as exc:
+        if coordinator is None:
+            raise
+        failure = exc
+    if coordinator is None:
+        _restore_here(path, pairs, verify, cast, storage_options)
+    else:
+        coordinator.vote(failure, tag=f"load:{os.path.basename(os.fspath(path))}:tree",
+                         timeout=timeout)
+        collective_restore(path, pairs, coordinator, timeout=timeout, verify=verify,
+                           cast=cast, storage_options=storage_options)
+    for key, var in pairs:
+        values[key] = _result(var, hows[key])
+    return _rebuild(like, "", values)

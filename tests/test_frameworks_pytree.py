@@ -1,0 +1,119 @@
+"""Pytrees in cv.save/cv.load: nested dicts, lists, tuples and namedtuples of NumPy, torch
+and JAX arrays and Python values, stored under their /-joined paths and loaded back with
+like= into the same structure and the same kinds of arrays."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ckptvar as cv
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (the test extra has it)")
+jax = pytest.importorskip("jax", reason="JAX is not installed (the test extra has it)")
+jnp = jax.numpy
+
+
+class AdamState(NamedTuple):
+    """The shape of optax's ScaleByAdamState (optax is not installed here)."""
+
+    count: Any
+    mu: Any
+    nu: Any
+
+
+def _tree() -> dict[str, Any]:
+    return {
+        "params": {"w": np.arange(6, dtype=np.float32).reshape(2, 3),
+                   "t": torch.arange(4, dtype=torch.bfloat16)},
+        "opt": [AdamState(jnp.int32(3), {"w": jnp.ones((2, 3))}, {"w": jnp.full((2, 3), 2.0)}),
+                None],
+        "hyper": {"lr": 1e-3, "betas": (0.9, 0.99), "name": "adamw", "steps": 7, "on": True},
+        "scale": np.float64(0.5),
+        "empty": [],
+        3: "int key",
+    }
+
+
+def _zeros() -> dict[str, Any]:
+    return {
+        "params": {"w": np.zeros((2, 3), np.float32), "t": torch.zeros(4, dtype=torch.bfloat16)},
+        "opt": [AdamState(jnp.int32(0), {"w": jnp.zeros((2, 3))}, {"w": jnp.zeros((2, 3))}),
+                None],
+        "hyper": {"lr": 0.0, "betas": (0.0, 0.0), "name": "", "steps": 0, "on": False},
+        "scale": np.float64(0),
+        "empty": [],
+        3: "",
+    }
+
+
+def test_a_tree_round_trips_with_its_structure_and_kinds(tmp_path: Path) -> None:
+    path = cv.save(tmp_path / "t.h5", _tree())
+    assert [k for k, _, _ in cv.list_variables(path)] == [
+        "params/w", "params/t", "opt/0/count", "opt/0/mu/w", "opt/0/nu/w", "scale"]
+    out = cv.load(path, like=_zeros())
+    assert isinstance(out["params"]["w"], np.ndarray)
+    assert out["params"]["w"].tolist() == [[0, 1, 2], [3, 4, 5]]
+    t = out["params"]["t"]
+    assert isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.tolist() == [0, 1, 2, 3]
+    state = out["opt"][0]
+    assert type(state) is AdamState and isinstance(state.count, jax.Array)
+    assert int(state.count) == 3 and state.count.dtype == jnp.int32
+    assert np.asarray(state.nu["w"]).tolist() == [[2.0] * 3] * 2
+    assert out["opt"][1] is None
+    assert out["hyper"] == {"lr": 1e-3, "betas": (0.9, 0.99), "name": "adamw", "steps": 7,
+                            "on": True}
+    assert type(out["hyper"]["betas"]) is tuple and type(out["hyper"]["steps"]) is int
+    assert type(out["scale"]) is np.float64 and out["scale"] == 0.5
+    assert out["empty"] == [] and out[3] == "int key"
+    # one plain process still sees the arrays by their keys
+    assert cv.load(path)["opt/0/mu/w"].tolist() == [[1.0] * 3] * 2
+    assert cv.load(path)["params/t"].dtype == np.dtype(ml_dtypes.bfloat16)
+
+
+def test_a_leaf_that_does_not_fit_names_its_key_and_nothing_is_loaded(tmp_path: Path) -> None:
+    path = cv.save(tmp_path / "t.h5", _tree())
+    like = _zeros()
+    like["opt"][0] = AdamState(jnp.int32(0), {"w": jnp.zeros((3, 2))}, {"w": jnp.zeros((2, 3))})
+    with pytest.raises(cv.CheckpointMismatchError, match=r"'opt/0/mu/w'.*\(3, 2\)"):
+        cv.load(path, like=like)
+    like = _zeros()
+    like["params"]["w"] = np.zeros((2, 3), np.float64)
+    with pytest.raises(cv.CheckpointMismatchError, match=r"'params/w'.*float64.*float32"):
+        cv.load(path, like=like)
+    with pytest.warns(UserWarning, match=r"'params/w' \(float32 -> float64\)"):
+        out = cv.load(path, like=like, cast=True)
+    assert out["params"]["w"].dtype == np.float64 and out["params"]["w"][1, 2] == 5
+    like = _zeros()
+    like["hyper"]["missing"] = 1
+    with pytest.raises(cv.CheckpointMismatchError, match=r"'hyper/missing'"):
+        cv.load(path, like=like)
+
+
+def test_flat_dicts_save_as_before_and_bad_leaves_are_named(tmp_path: Path) -> None:
+    path = cv.save(tmp_path / "flat.h5", {"a/b": np.ones(2), "c": np.zeros(1)},
+                   metadata={"run": 1})
+    assert [k for k, _, _ in cv.list_variables(path)] == ["a/b", "c"]
+    with cv.open(path) as reader:
+        assert reader.metadata() == {"run": 1}
+    out = cv.load(path, like={"a": {"b": np.empty(2)}, "c": np.empty(1)})  # same keys
+    assert out["a"]["b"].tolist() == [1.0, 1.0]
+    with pytest.raises(TypeError, match=r"'x/0'.*builtins\.object"):
+        cv.save(tmp_path / "bad.h5", {"x": [object()]})
+    assert not (tmp_path / "bad.h5").exists()
+    p = cv.save(tmp_path / "m.h5", {"x": 1, "y": np.ones(1)}, metadata={"run": 2})
+    with cv.open(p) as reader:
+        assert reader.metadata()["run"] == 2
+
+
+def test_jax_arrays_come_back_with_the_target_sharding(tmp_path: Path) -> None:
+    dev = jax.devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+    path = cv.save(tmp_path / "j.h5", {"w": jnp.arange(6.0).reshape(2, 3)})
+    out = cv.load(path, like={"w": jax.ShapeDtypeStruct((2, 3), jnp.float32, sharding=sharding)})
+    assert isinstance(out["w"], jax.Array) and out["w"].sharding == sharding
+    assert np.asarray(out["w"]).tolist() == [[0, 1, 2], [3, 4, 5]]

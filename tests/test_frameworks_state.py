@@ -1,0 +1,123 @@
+"""Framework state in cv.Checkpoint: torch modules, optimizers and LR schedulers (anything
+with state_dict()/load_state_dict()) saved under their state-dict keys and restored in
+place, all or nothing; training resumed from a checkpoint is bit-identical to training
+that never stopped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptvar as cv
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (the test extra has it)")
+
+
+def _build(device: str = "cpu") -> tuple[Any, Any, Any]:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.99))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, sched
+
+
+_X = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+_Y = torch.randn(16, 1, generator=torch.Generator().manual_seed(2))
+
+
+def _step(model: Any, opt: Any, sched: Any) -> float:
+    opt.zero_grad()
+    loss = ((model(_X) - _Y) ** 2).mean()
+    loss.backward()
+    opt.step()
+    sched.step()
+    return float(loss.item())
+
+
+def test_resumed_training_is_bit_identical(tmp_path: Path) -> None:
+    model, opt, sched = _build()
+    uninterrupted = [_step(model, opt, sched) for _ in range(6)]
+
+    model, opt, sched = _build()
+    first = [_step(model, opt, sched) for _ in range(3)]
+    path = cv.Checkpoint(model=model, optimizer=opt, sched=sched).save(tmp_path / "ckpt")
+    keys = {k for k, _, _ in cv.list_variables(path)}
+    assert {"model/0.weight", "model/2.bias", "optimizer/state/0/exp_avg",
+            "optimizer/state/3/exp_avg_sq", "optimizer/state/0/step"} <= keys
+
+    model2, opt2, sched2 = _build()
+    with torch.no_grad():
+        for p in model2.parameters():
+            p.add_(1.0)
+    ptrs = [p.data_ptr() for p in model2.parameters()]
+    assert not opt2.state  # a fresh optimizer: its state comes from the checkpoint
+    status = cv.Checkpoint(model=model2, optimizer=opt2, sched=sched2).restore(path)
+    status.assert_consumed()
+    assert [p.data_ptr() for p in model2.parameters()] == ptrs  # in place
+    groups = opt2.state_dict()["param_groups"]
+    assert groups[0]["betas"] == (0.8, 0.99) and type(groups[0]["betas"]) is tuple
+    assert sched2.last_epoch == 3 and isinstance(sched2.state_dict()["_last_lr"], list)
+    resumed = [_step(model2, opt2, sched2) for _ in range(3)]
+    assert first + resumed == uninterrupted
+
+
+def test_restore_changes_nothing_when_a_value_does_not_fit(tmp_path: Path) -> None:
+    model, opt, sched = _build()
+    _step(model, opt, sched)
+    path = cv.Checkpoint(model=model, optimizer=opt).save(tmp_path / "ckpt")
+    torch.manual_seed(3)
+    other = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    other_opt = torch.optim.AdamW(other.parameters(), lr=0.5)
+    before = [p.detach().clone() for p in other.parameters()]
+    with pytest.raises(cv.CheckpointMismatchError, match=r"model/2\.weight"):
+        cv.Checkpoint(model=other, optimizer=other_opt).restore(path)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters(), strict=True))
+    assert not other_opt.state and other_opt.param_groups[0]["lr"] == 0.5
+
+
+def test_module_on_meta_device_gets_its_storage_from_the_checkpoint(tmp_path: Path) -> None:
+    model, _, _ = _build()
+    path = cv.Checkpoint(model=model).save(tmp_path / "ckpt")
+    lazy, _, _ = _build(device="meta")
+    assert all(p.is_meta for p in lazy.parameters())
+    cv.Checkpoint(model=lazy).restore(path).assert_consumed()
+    for a, b in zip(model.parameters(), lazy.parameters(), strict=True):
+        assert not b.is_meta and torch.equal(a, b)
+    out = lazy(_X)  # a working module
+    assert out.shape == (16, 1)
+
+
+def test_python_state_keeps_its_types(tmp_path: Path) -> None:
+    class Thing:
+        def __init__(self) -> None:
+            self.sd: dict[str, Any] = {"w": torch.ones(3), "meta": {1: (2, 3.5), "n": None,
+                                                                   "names": ["a", "b"]}}
+
+        def state_dict(self) -> dict[str, Any]:
+            return self.sd
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            self.sd = sd
+
+    src = Thing()
+    path = cv.Checkpoint(thing=src).save(tmp_path / "ckpt")
+    assert cv.load(path)["thing/w"].tolist() == [1.0, 1.0, 1.0]
+    dst = Thing()
+    dst.sd = {"w": torch.zeros(3), "meta": {}}
+    cv.Checkpoint(thing=dst).restore(path).assert_consumed()
+    assert dst.sd["meta"] == {1: (2, 3.5), "n": None, "names": ["a", "b"]}
+    assert type(dst.sd["meta"][1]) is tuple and torch.equal(dst.sd["w"], torch.ones(3))
+
+
+def test_status_reports_tensors_the_checkpoint_lacks(tmp_path: Path) -> None:
+    small = torch.nn.Linear(2, 2)
+    path = cv.Checkpoint(model=small).save(tmp_path / "ckpt")
+    big = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    status = cv.Checkpoint(model=big).restore(path)
+    with pytest.raises(cv.RestoreAssertionError, match=r"model/0\.weight"):
+        status.assert_consumed()
+    np.testing.assert_array_equal(cv.load(path)["model/weight"], small.weight.detach().numpy())
