@@ -186,7 +186,7 @@ def apply_values(  # noqa: C901, PLR0912 - the all-or-nothing protocol, step by 
         if id(var) in casts:
             converted.append((key, var))
             continue
-        buf = host_buffer(var) if is_materialized(var) else None
+        buf = host_buffer(var)
         if buf is not None and buf.shape == (fast(key)[0] if fast else infos[key].shape):
             in_place.append((key, var, buf))  # host_buffer: C-contiguous and writeable
             in_place_bytes += buf.nbytes
@@ -284,6 +284,5 @@ def warn_cast(path: Any, casts: list[tuple[str, np.dtype, Variable]]) -> None:
     )
 
 
-def give_value(var: Variable, value: np.ndarray) -> None:
-    """Assign a restored value (materialised), or make it the initial value (pending)."""
-    give_restored(var, value)
+#: Assign a restored value (materialised), or make it the initial value (pending).
+give_value = give_restored
