@@ -125,13 +125,13 @@ class Module(Trackable):
         if name.startswith("_cv_"):
             return
         if _is_tracked_value(value):
-            self.track(name, value)
+            self._track(name, value)
         else:
-            self.untrack(name)
+            self._untrack(name)
 
     def __delattr__(self, name: str) -> None:
         object.__delattr__(self, name)
-        self.untrack(name)
+        self._untrack(name)
 
     # -- names ------------------------------------------------------------------------
     @property
@@ -151,7 +151,7 @@ class Module(Trackable):
     # -- views ------------------------------------------------------------------------
     def _reachable(self) -> Iterator[Any]:
         seen: set[int] = {id(self)}
-        for child in self.trackable_children().values():
+        for child in trackable_children(self).values():
             yield from iter_tracked(child, seen)
 
     @property
@@ -199,7 +199,7 @@ class Module(Trackable):
             var = Variable(
                 initializer, name=name, shape=tuple(shape), dtype=dt, trainable=trainable
             )
-        self.track(name, var)
+        self._track(name, var)
         return var
 
     def __repr__(self) -> str:

@@ -116,6 +116,8 @@ class Trackable:
         """Forget the child ``name`` (no error if there is none)."""
         self.__dict__.get(self._CV_CHILDREN, {}).pop(name, None)
 
+    # The aliases the library's own subclasses call (``cv.Module``, ``cv.Checkpoint``
+    # track their attributes): a user's attribute named ``track`` cannot hide them.
     _track = track
     _untrack = untrack
 

@@ -149,6 +149,18 @@ def test_an_attribute_named_like_the_protocol_does_not_hide_it(
     cv.Checkpoint(state=other, python_state=cv.Variable([0.0], name="ps2")).restore(path)
     assert other.step == 3
 
+    class Named(cv.Module):  # attributes named like the protocol's methods are tracked
+        def __init__(self) -> None:
+            super().__init__()
+            self.track = cv.Variable([1.0], name="t")
+            self.trackable_children = cv.Variable([2.0], name="c")
+
+    named = Named()
+    assert [v.name for v in named.variables] == ["t", "c"]
+    ckpt = cv.Checkpoint(track=named, untrack=cv.Variable([4.0], name="u"))
+    keys = {k for k, _, _ in cv.list_variables(ckpt.save(tmp_path / "named"))}
+    assert {"track/track", "track/trackable_children", "untrack"} <= keys
+
 
 def test_key_escaping() -> None:
     assert join_key(["model", "layers", "0", "kernel"]) == "model/layers/0/kernel"

@@ -223,7 +223,7 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
         if casts and id(var) in casts:
             converted.append((key, var))
             continue
-        buf = host_buffer(var) if is_materialized(var) else None
+        buf = host_buffer(var)
         # check_matches compared the shapes: a fully defined variable shape is the stored one
         if buf is not None and (buf.shape == var.shape or buf.shape == (
                 fast(key)[0] if fast else infos[key].shape)):
@@ -327,6 +327,5 @@ def warn_cast(path: Any, casts: list[tuple[str, np.dtype, Variable]]) -> None:
     )
 
 
-def give_value(var: Variable, value: np.ndarray) -> None:
-    """Assign a restored value (materialised), or make it the initial value (pending)."""
-    give_restored(var, value)
+#: Assign a restored value (materialised), or make it the initial value (pending).
+give_value = give_restored

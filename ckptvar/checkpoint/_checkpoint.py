@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypedDict, Unpack, cast
 
 from ..storage import paused_gc
-from ..trackable import Trackable
+from ..trackable import Trackable, trackable_children
 from ..variables import PartitionedVariable, Variable
 from . import _async
 from ._collective import collective_write, needs_collective, rank_variables
@@ -104,20 +104,20 @@ class Checkpoint(Trackable):
                 f"{type(value).__name__}."
             )
         object.__setattr__(self, name, value)
-        self.track(name, trackable_for(value))
+        self._track(name, trackable_for(value))
 
     def __delattr__(self, name: str) -> None:
         object.__delattr__(self, name)
-        self.untrack(name)
+        self._untrack(name)
 
     # -- the save counter --------------------------------------------------------------
     @property
     def save_counter(self) -> Variable:
         """How many times :meth:`save` ran (an int64 variable, stored as ``save_counter``)."""
-        counter = self.trackable_children().get(_COUNTER)
+        counter = trackable_children(self).get(_COUNTER)
         if counter is None:
             counter = Variable(0, dtype="int64", name=_COUNTER, trainable=False, collections=[])
-            self.track(_COUNTER, counter)
+            self._track(_COUNTER, counter)
         return counter
 
     # -- saving -----------------------------------------------------------------------
@@ -190,7 +190,7 @@ class Checkpoint(Trackable):
         blocking = options.get("blocking", True)
         coordinator: Any = options.get("coordinator")
         timeout = options.get("timeout")
-        counter = self.trackable_children().get(_COUNTER)  # stored only once it exists
+        counter = trackable_children(self).get(_COUNTER)  # stored only once it exists
         with paused_gc():
             plan = gather(self)
             collective = needs_collective(coordinator, plan.variables.values())
@@ -347,5 +347,5 @@ class Checkpoint(Trackable):
         return RestoreStatus(state, root=self)
 
     def __repr__(self) -> str:
-        names = ", ".join(n for n in self.trackable_children() if n != _COUNTER)
+        names = ", ".join(n for n in trackable_children(self) if n != _COUNTER)
         return f"<cv.Checkpoint ({names})>"

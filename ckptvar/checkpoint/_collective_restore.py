@@ -22,7 +22,7 @@ from .._dtypes import can_cast_same_kind, dtype_name
 from ..distributed import Box, Coordinator
 from ..errors import CheckpointMismatchError
 from ..storage import ShardedReader
-from ..variables import Variable, host_buffer, is_materialized
+from ..variables import Variable, host_buffer
 from ._apply import TEMPORARY_BUDGET, give_value, warn_cast
 from ._files import open_checkpoint_reader
 from ._logical import Logical
@@ -147,7 +147,7 @@ def _in_place(
     out = []
     seen: set[int] = set()
     for key, var, target, want in plans:
-        buf = host_buffer(var) if is_materialized(var) else None
+        buf = host_buffer(var)
         if (buf is not None and id(var) not in seen and buf.shape == tuple(target.shape)
                 and buf.dtype == want == reader.info(key).dtype):
             seen.add(id(var))

@@ -24,7 +24,7 @@ from .._dtypes import check_castable, dtype_name
 from ..distributed import Box
 from ..errors import CheckpointMismatchError, DTypeLockError, ShapeLockError
 from ..storage import Reader
-from ..variables import PartitionedVariable, Variable, host_buffer, is_materialized, read_buffer
+from ..variables import PartitionedVariable, Variable, host_buffer, read_buffer
 from ._apply import TEMPORARY_BUDGET, apply_values, check_matches, give_value, reader_abilities
 
 __all__ = [
@@ -269,7 +269,7 @@ def apply_targets(  # noqa: C901, PLR0912 - the all-or-nothing protocol over pla
     in_place_bytes = 0
     for key, logical in logicals:
         for part, offset, shape in logical.boxes():
-            buf = host_buffer(part) if is_materialized(part) else None
+            buf = host_buffer(part)
             if buf is not None and buf.shape == shape:
                 in_place.append((part, BoxRead(key, offset, shape, buf)))
                 in_place_bytes += buf.nbytes
