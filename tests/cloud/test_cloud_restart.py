@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -99,9 +98,8 @@ def test_a_claim_from_another_host_holds_while_renewed_and_expires_after(
     stale = _holder(host="node-elsewhere", lease=0.6)
     loc.put(f"ckpt-6.zarr{CLAIM_SUFFIX}", stale.to_json())
     loc.put("ckpt-6.zarr/zarr.json", b"{}")
-    t0 = time.monotonic()
-    held = claim(loc, "ckpt-6.zarr")
-    assert time.monotonic() - t0 < 10
+    held = claim(loc, "ckpt-6.zarr")  # waits out the lease (0.6 s), then takes it over
+    assert read_claim(loc, "ckpt-6.zarr")[1] == held.holder
     assert not loc.exists("ckpt-6.zarr/zarr.json")
     held.release()
 
@@ -172,6 +170,8 @@ def test_two_live_writers_racing_for_a_dead_claim_commit_once(s3: S3Bucket) -> N
 
 # --------------------------------------------------------------------------- crash harness
 
+_ZERO = dict.fromkeys(("broken", "lost", "blocked", "leftovers", "not_latest"), 0)
+
 
 def _mpi_or_skip() -> None:
     from test_distributed_mpi import _mpi_skip_reason
@@ -181,12 +181,12 @@ def _mpi_or_skip() -> None:
 
 
 def test_restart_after_kills_of_three_processes_saving_to_s3(s3: S3Bucket, tmp_path: Path) -> None:
-    from test_crash import _check, restart_harness
+    from test_crash import restart_harness
 
     _mpi_or_skip()
     counts = restart_harness(f"{s3.url}/run", "h5", processes=3, kills=2, seed=13,
                              work=tmp_path, opts=s3.storage_options)
-    _check(counts, 2)
+    assert counts == {"kills": 2, **_ZERO}
 
 
 @pytest.mark.slow
@@ -194,10 +194,10 @@ def test_restart_after_kills_of_three_processes_saving_to_s3(s3: S3Bucket, tmp_p
 def test_restart_after_100_kills_of_saves_to_s3(
     s3: S3Bucket, tmp_path: Path, processes: int
 ) -> None:
-    from test_crash import _check, restart_harness
+    from test_crash import restart_harness
 
     if processes > 1:
         _mpi_or_skip()
     counts = restart_harness(f"{s3.url}/run", "h5", processes=processes, kills=100,
                              seed=107 + processes, work=tmp_path, opts=s3.storage_options)
-    _check(counts, 100)
+    assert counts == {"kills": 100, **_ZERO}
