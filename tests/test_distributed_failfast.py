@@ -55,6 +55,12 @@ def _start(engine: str, case: str, out: str) -> tuple[list[subprocess.Popen[str]
         cmd = [mpiexec, "-n", str(N), sys.executable, *module, str(CASES), case, out]
         return [subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT)], " ".join(cmd)
+    if engine == "torchrun":  # torch's own launcher: a TCPStore in its agent, env:// here
+        env.update(ENGINE="torch", INIT_METHOD="env://")
+        cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(N),
+               "--master-port", str(_free_port()), str(CASES), case, out]
+        return [subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT)], " ".join(cmd)
     if engine == "torch":
         env.update(ENGINE="torch", INIT_METHOD=(Path(out) / "torch-init").as_uri())
     else:
@@ -121,6 +127,24 @@ def test_a_rank_that_fails_in_its_own_code_fails_the_others_in_seconds(
         assert r["seconds"] < FAIL_BOUND, r
     print(f"{engine} {case}: peers raised {max(r['seconds'] for r in got.values()):.2f} s "
           f"after the failure; the run took {seconds:.1f} s")
+
+
+@pytest.mark.slow  # 25 s: three torch imports
+@pytest.mark.skipif(not (Path(sys.executable).parent / "torchrun").exists(),
+                    reason="torchrun is not installed beside this Python (pip install torch)")
+def test_under_torchrun_a_raising_rank_fails_the_others_in_seconds() -> None:
+    got, seconds, output = run_job("torchrun", "raise")
+    assert seconds < RUN_BOUND, output
+    # each other rank raised DistributedError naming rank 1, or torchrun ended it first
+    ended = output.count("Signal 15 (SIGTERM) received by PID")
+    assert len(got) + ended >= N - 1, output
+    for r in got.values():
+        assert r["error"] == "DistributedError" and r["ranks"] == [1], r
+        assert "rank 1 raised RuntimeError: loss is NaN at step 2" in r["message"], r
+        assert r["seconds"] < FAIL_BOUND, r
+    print(f"torchrun raise: {len(got)} peers raised, the last "
+          f"{max((r['seconds'] for r in got.values()), default=0):.2f} s after the failure; "
+          f"the run took {seconds:.1f} s")
 
 
 @pytest.mark.parametrize("engine", _engines())
