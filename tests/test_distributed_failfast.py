@@ -125,6 +125,8 @@ def test_a_rank_that_fails_in_its_own_code_fails_the_others_in_seconds(
         assert r["error"] == "DistributedError" and r["ranks"] == [1], r
         assert what in r["message"] and "save:ckpt-2.h5" in r["message"], r
         assert r["seconds"] < FAIL_BOUND, r
+    # the job's own sys.excepthook, set before ckptvar's, still ran: on every rank that raised
+    assert output.count("USER HOOK") == (3 if case == "raise" else 2), output
     print(f"{engine} {case}: peers raised {max(r['seconds'] for r in got.values()):.2f} s "
           f"after the failure; the run took {seconds:.1f} s")
 
@@ -188,3 +190,16 @@ def test_a_mismatched_target_raises_checkpoint_mismatch_where_it_is_and_distribu
         assert "expected shape (4, 4)" in got[rank]["message"]
     assert got[0]["error"] == "DistributedError" and got[0]["ranks"] == [1, 2]
     assert "rank 1: CheckpointMismatchError" in got[0]["message"]
+
+
+def test_a_peer_is_failed_only_for_collectives_the_ended_process_never_joined() -> None:
+    from ckptvar.distributed._failure import peer_failed
+
+    down = {1: (4, "exited")}  # rank 1 took part in collectives up to number 4
+    assert peer_failed("barrier", "t", me=0, seq=4, waiting_for=[1], down=down) is None
+    assert peer_failed("barrier", "t", me=0, seq=5, waiting_for=[2], down=down) is None
+    error = peer_failed("barrier", "t", me=0, seq=5, waiting_for=[1, 2], down=down)
+    assert error is not None and error.ranks == (1,) and error.failures == {1: "exited"}
+    assert str(error) == ("barrier(tag='t') on rank 0 cannot complete: rank 1 exited "
+                          "(it ended without taking part in this collective)")
+
