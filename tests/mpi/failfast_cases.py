@@ -62,6 +62,8 @@ def start_engine() -> None:
             coordinator_address=os.environ["JAX_COORDINATOR"],
             num_processes=int(os.environ["WORLD_SIZE"]),
             process_id=int(os.environ["RANK"]),
+            # how long jax's own shutdown waits for a dead task (its default: 100 s)
+            heartbeat_timeout_seconds=int(os.environ.get("JAX_HEARTBEAT", "100")),
         )
     else:
         from mpi4py import MPI  # noqa: F401 - initialises MPI under a plain mpiexec
