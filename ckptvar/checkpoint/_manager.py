@@ -641,14 +641,11 @@ class CheckpointManager:
                 )
             except DistributedTimeoutError:
                 raise
-            except DistributedError as exc:  # skipped only where the file is what failed
-                if not all(m.startswith(_SKIPPED) for m in exc.failures.values()):
-                    raise
-                logger.warning("Skipping checkpoint %s: %s", path, exc)
-                self.skipped.append((path, str(exc)))
-                continue
-            except (CorruptCheckpointError, CheckpointNotFoundError,
-                    UnsupportedFormatError) as exc:  # a file it wrote that no longer reads
+            except (CorruptCheckpointError, CheckpointNotFoundError, UnsupportedFormatError,
+                    DistributedError) as exc:  # a file it wrote that no longer reads
+                if isinstance(exc, DistributedError) and not all(
+                        m.startswith(_SKIPPED) for m in exc.failures.values()):
+                    raise  # another process failed otherwise (a mismatch, its end)
                 logger.warning("Skipping checkpoint %s: %s", path, exc)
                 self.skipped.append((path, str(exc)))
                 continue

@@ -26,7 +26,7 @@ from typing import Protocol, runtime_checkable
 
 from ..errors import DistributedError
 
-__all__ = ["FailurePost", "describe_exit", "peer_failed", "watch"]
+__all__ = ["FailurePost", "describe_exit", "forget", "peer_failed", "watch"]
 
 #: What an exit without an exception is posted as.
 EXITED = "exited"
@@ -89,6 +89,12 @@ def watch(coordinator: FailurePost) -> None:
 
     sys.excepthook = excepthook
     atexit.register(_hooks.post_all, EXITED)
+
+
+def forget(coordinator: FailurePost) -> None:
+    """Stop posting to ``coordinator``'s peers (it was closed)."""
+    with _hooks.lock:
+        _hooks.watched[:] = [c for c in _hooks.watched if c is not coordinator]
 
 
 def describe_exit(rank: int, what: str) -> str:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import DistributedError, DistributedTimeoutError
 from ._coordinator import DEFAULT_TIMEOUT, Deadline, RankedCoordinator
-from ._failure import peer_failed, watch
+from ._failure import forget, peer_failed, watch
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -109,6 +109,7 @@ class MPICoordinator(RankedCoordinator):
     def close(self) -> None:
         """Forget pending sends; the duplicated communicators are left to MPI_Finalize."""
         self._closed = True
+        forget(self)
         self._sends.clear()
         if self._background is not None:
             self._background.close()

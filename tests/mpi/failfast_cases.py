@@ -62,12 +62,21 @@ def start_engine() -> None:
             coordinator_address=os.environ["JAX_COORDINATOR"],
             num_processes=int(os.environ["WORLD_SIZE"]),
             process_id=int(os.environ["RANK"]),
+            # how long jax's own shutdown waits for a dead task (its default: 100 s)
+            heartbeat_timeout_seconds=int(os.environ.get("JAX_HEARTBEAT", "100")),
         )
     else:
         from mpi4py import MPI  # noqa: F401 - initialises MPI under a plain mpiexec
 
 
+def user_hook(kind: type[BaseException], exc: BaseException, tb: object) -> None:
+    """The job's own excepthook, set before ckptvar's: it must still run."""
+    print(f"USER HOOK {kind.__name__}", flush=True)
+    sys.__excepthook__(kind, exc, tb)  # type: ignore[arg-type]
+
+
 def main(case: str, out: Path) -> None:
+    sys.excepthook = user_hook
     start_engine()
     coord = from_env()  # the default timeout: 300 s
     ckpt = cv.Checkpoint(w=cv.Variable(np.arange(12.0).reshape(3, 4), name="w"))
