@@ -147,6 +147,12 @@ def test_max_shard_size_is_checked_before_anything_is_written(tmp_path: Path) ->
     assert not list(tmp_path.iterdir())
 
 
+def test_the_writer_takes_the_folder_not_the_index(tmp_path: Path) -> None:
+    with pytest.raises(cv.UnsupportedFormatError, match="writes a folder"):
+        cv.save(tmp_path / "m" / "model.safetensors.index.json", {"w": np.ones(2)})
+    assert not (tmp_path / "m" / "model.safetensors.index.json").exists()
+
+
 def _copy(tmp_path: Path) -> Path:
     copy = tmp_path / "copy"
     shutil.copytree(FIXTURE, copy)
