@@ -144,6 +144,7 @@ class HFShardedReader(Reader):
         self.path = path
         self._map = weight_map
         self._meta = metadata
+        self.skipped: dict[str, str] = {}  # safetensors holds numbers only
         self._shards: dict[Path, Reader] = {}
         self.open_files: list[Path] = []
         self._first = next(iter(dict.fromkeys(weight_map.values())), None)
