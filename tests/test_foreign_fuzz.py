@@ -29,6 +29,14 @@ CASES = {
     "torch_legacy": ("torch/legacy.bin", None),
     "tf_index": ("tf1_saver/model.ckpt", "model.ckpt.index"),
     "tf_data": ("tf2_object/ckpt-1", "ckpt-1.data-00000-of-00001"),
+    # directory checkpoints: (the directory, the file in it that is damaged)
+    "dcp_metadata": ("dcp/two_ranks", ".metadata"),
+    "dcp_data": ("dcp/two_ranks", "__1_0.distcp"),
+    "hf_index": ("hf_sharded", "model.safetensors.index.json"),
+    "hf_shard": ("hf_sharded", "model-00002-of-00002.safetensors"),
+    "orbax_zarray": ("orbax/zarr_step", "params.big/.zarray"),
+    "orbax_chunk": ("orbax/zarr_step", "params.big/0.0"),
+    "orbax_metadata": ("orbax/zarr_step", "_METADATA"),
 }
 
 
@@ -59,7 +67,11 @@ def test_mutated_files_load_or_raise_ckpt_error(
     rel, target = CASES[case]
     src = FIXTURES / rel
     tmp = tmp_path_factory.mktemp(case)
-    if target is None:
+    if src.is_dir():
+        path = tmp / src.name
+        shutil.copytree(src, path)
+        victim = path / str(target)
+    elif target is None:
         path = tmp / src.name
         shutil.copy(src, path)
         victim = path

@@ -147,6 +147,12 @@ def test_max_shard_size_is_checked_before_anything_is_written(tmp_path: Path) ->
     assert not list(tmp_path.iterdir())
 
 
+def test_the_writer_takes_the_folder_not_the_index(tmp_path: Path) -> None:
+    with pytest.raises(cv.UnsupportedFormatError, match="writes a folder"):
+        cv.save(tmp_path / "m" / "model.safetensors.index.json", {"w": np.ones(2)})
+    assert not (tmp_path / "m" / "model.safetensors.index.json").exists()
+
+
 def _copy(tmp_path: Path) -> Path:
     copy = tmp_path / "copy"
     shutil.copytree(FIXTURE, copy)
@@ -243,3 +249,37 @@ def test_transformers_loads_what_convert_writes(tmp_path: Path) -> None:
         assert set(state) == set(values)
         for key, value in values.items():
             np.testing.assert_array_equal(state[key].numpy(), value, err_msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("CKPTVAR_TRANSFORMERS4_PYTHON"),
+    reason="set CKPTVAR_TRANSFORMERS4_PYTHON to a Python with transformers 4.x and torch "
+    "(a throwaway venv: pip install torch 'transformers==4.57.*'); transformers 5 is in the "
+    "test extra and cannot share one environment with 4",
+)
+def test_transformers_4_loads_what_convert_writes(tmp_path: Path) -> None:
+    python = os.environ["CKPTVAR_TRANSFORMERS4_PYTHON"]
+    src, values = _saver_h5(tmp_path)
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    single.mkdir()
+    assert ckpt("convert", src, single / "model.safetensors").returncode == 0
+    assert ckpt("convert", src, sharded, "--format", "hf-safetensors",
+                "--max-shard-size", "8KB").returncode == 0
+    np.savez(tmp_path / "expected.npz", **values)
+    code = (
+        "import sys, numpy as np, transformers\n"
+        "assert transformers.__version__.startswith('4.'), transformers.__version__\n"
+        "want = np.load(sys.argv[1])\n"
+        "for folder in sys.argv[2:]:\n"
+        "    state = transformers.BertModel.from_pretrained(folder).state_dict()\n"
+        "    assert set(state) == set(want.files), folder\n"
+        "    for k in want.files:\n"
+        "        assert np.array_equal(state[k].numpy(), want[k]), (folder, k)\n"
+        "print('ok')\n"
+    )
+    for folder in (single, sharded):
+        shutil.copy(FIXTURE / "config.json", folder / "config.json")
+    proc = subprocess.run([python, "-c", code, str(tmp_path / "expected.npz"), str(single),
+                           str(sharded)], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

@@ -9,6 +9,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tracemalloc
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -100,6 +102,19 @@ def test_damaged_and_hostile_arrays_are_refused(tmp_path: Path) -> None:
         np.testing.assert_array_equal(reader.read("opt_state/mu"), np.ones(3))
     verify = ckpt("verify", folder)
     assert verify.returncode == 1 and "DAMAGED  params/big" in verify.stdout
+    # A gzip chunk that would inflate to 64 MiB is stopped at its cell's 2400 bytes.
+    bomb = tmp_path / "bomb"
+    shutil.copytree(ZARR, bomb)
+    _edit_zarray(bomb, "params.big", compressor={"id": "gzip", "level": 1})
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+    (bomb / "params.big" / "0.0").write_bytes(packer.compress(bytes(64 << 20)) + packer.flush())
+    tracemalloc.start()
+    try:
+        with pytest.raises(cv.CorruptCheckpointError, match="holds 2401 bytes"):
+            cv.load(bomb)
+        assert tracemalloc.get_traced_memory()[1] < 8 << 20
+    finally:
+        tracemalloc.stop()
     (folder / "_METADATA").write_text("{not json")
     with pytest.raises(cv.CorruptCheckpointError, match="_METADATA.*not valid JSON"):
         cv.open(folder)

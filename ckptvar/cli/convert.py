@@ -127,7 +127,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not copy SRC's metadata (object graph, counters, user metadata); a "
         "safetensors 'format' entry (pt, tf, flax, mlx) is kept, as Hugging Face loaders "
-        "require it (a PyTorch SRC converted to safetensors gets format=pt, and says so)",
+        "require it (safetensors output gets format=pt when SRC names none, and says so)",
     )
     p.add_argument(
         "--metadata",

@@ -1,20 +1,22 @@
-"""Formats other tools write, read without those tools; safetensors and npz written too.
+"""Formats other tools write, read without those tools; safetensors (also sharded) and npz written.
 
 Owns the registration of the foreign backends:
 
-========== ======================================= ===== =====================
-name       files                                   write needs at run time
-========== ======================================= ===== =====================
-tf         ``prefix.index`` + ``prefix.data-*``    no    numpy, crc32c
-torch      ``.pt``, ``.pth``, ``.bin``             no    numpy (no torch)
-safetensors ``.safetensors``                       yes   numpy
-hf-safetensors ``*.safetensors.index.json`` + shards yes  numpy
-dcp        a directory: ``.metadata`` + ``*.distcp`` no    numpy (no torch)
-orbax      a step directory (``_CHECKPOINT_METADATA``) no    numcodecs; tensorstore for OCDBT
-npz        ``.npz``                                yes   numpy
-keras      ``.weights.h5``, ``.keras``, legacy     no    h5py
-hdf5       any other HDF5 file (by sniffing)       no    h5py
-========== ======================================= ===== =====================
+============== ================================================ ===== ================
+name           files                                            write needs at run time
+============== ================================================ ===== ================
+tf             ``prefix.index`` + ``prefix.data-*``             no    numpy, crc32c
+torch          ``.pt``, ``.pth``, ``.bin``                      no    numpy (no torch)
+dcp            a folder: ``.metadata`` + ``*.distcp``           no    numpy (no torch)
+orbax          a step folder (``_CHECKPOINT_METADATA``)         no    numcodecs;
+                                                                      tensorstore for
+                                                                      OCDBT
+safetensors    ``.safetensors``                                 yes   numpy
+hf-safetensors ``model.safetensors.index.json`` + shards        yes   numpy
+npz            ``.npz``                                         yes   numpy
+keras          ``.weights.h5``, ``.keras``, legacy              no    h5py
+hdf5           any other HDF5 file (by sniffing)                no    h5py
+============== ================================================ ===== ================
 
 Every reader is a ``ckptvar.storage.Reader`` with ``skipped`` (``{key: reason}``
 for user values it cannot return) and ``verify_all()``; every parser checks

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import CorruptCheckpointError, MissingKeyError
+from ...errors import CorruptCheckpointError, MissingKeyError, UnsupportedFormatError
 from ..base import ArrayInfo, Backend, LazyArray, Reader, Writer, verify_each
 from ._safetensors import SafetensorsBackend, SafetensorsWriter
 
@@ -144,6 +144,7 @@ class HFShardedReader(Reader):
         self.path = path
         self._map = weight_map
         self._meta = metadata
+        self.skipped: dict[str, str] = {}  # safetensors holds numbers only
         self._shards: dict[Path, Reader] = {}
         self.open_files: list[Path] = []
         self._first = next(iter(dict.fromkeys(weight_map.values())), None)
@@ -272,6 +273,11 @@ class HFShardedWriter(Writer):
         """``metadata``: string pairs for every shard's ``__metadata__`` (``format: pt`` is
         always written); ``ckptvar_metadata=False`` leaves out ckptvar's own keys."""
         self.path = Path(path)
+        if self.path.name.endswith(INDEX_SUFFIX):
+            raise UnsupportedFormatError(
+                f"Cannot write {str(path)!r}: the hf-safetensors format writes a folder (its "
+                f"shards and {INDEX_NAME}); name the folder, e.g. {str(self.path.parent)!r}."
+            )
         self._limit = parse_shard_size(max_shard_size)
         self._extra = {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
         self._own = ckptvar_metadata

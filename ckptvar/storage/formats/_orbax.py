@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ MAX_CHUNKS = 1 << 20
 _ARRAY_TYPES = ("np.ndarray", "jax.Array", "scalar")
 _EXTRA = "pip install 'ckptvar[orbax]'"
 
-Fetch = Callable[[str], bytes | None]  # key -> bytes, None when absent
+Fetch = Callable[[str, int], bytes | None]  # (key, most bytes expected) -> bytes, None: absent
 
 
 def _json(raw: bytes | None, what: str) -> Any:
@@ -64,13 +65,16 @@ def _json(raw: bytes | None, what: str) -> Any:
 
 
 def _dir_fetch(folder: Path) -> Fetch:
-    def fetch(key: str) -> bytes | None:
+    def fetch(key: str, limit: int) -> bytes | None:
         path = folder / key
         try:
+            size = path.stat().st_size
+            if size > limit:
+                raise CorruptCheckpointError(
+                    f"{str(path)!r} is {size} bytes; at most {limit} are expected there."
+                )
             return path.read_bytes()
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        except IsADirectoryError:
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return None
 
     return fetch
@@ -91,14 +95,21 @@ def _ocdbt_fetch(folder: Path) -> Fetch:
             f"The OCDBT store in {str(folder)!r} cannot be opened: {exc}"
         ) from None
 
-    def fetch(key: str) -> bytes | None:
+    def fetch(key: str, limit: int) -> bytes | None:
         try:
             result = kv.read(key).result()
         except Exception as exc:  # noqa: BLE001
             raise CorruptCheckpointError(
                 f"{key!r} in the OCDBT store {str(folder)!r} cannot be read: {exc}"
             ) from None
-        return None if result.state == "missing" else bytes(result.value)
+        if result.state == "missing":
+            return None
+        if len(result.value) > limit:
+            raise CorruptCheckpointError(
+                f"{key!r} in the OCDBT store {str(folder)!r} is {len(result.value)} bytes; at "
+                f"most {limit} are expected there."
+            )
+        return bytes(result.value)
 
     return fetch
 
@@ -119,12 +130,21 @@ def _dtype(name: Any, what: str) -> np.dtype:
     return dt
 
 
+def _inflate(raw: bytes, nbytes: int, *, gzip: bool, what: str) -> bytes:
+    """A zlib/gzip stream decompressed to at most ``nbytes + 1`` bytes (a bomb stops there)."""
+    try:
+        out = zlib.decompressobj(31 if gzip else 15).decompress(raw, nbytes + 1)
+    except zlib.error as exc:
+        raise CorruptCheckpointError(f"{what} cannot be decompressed: {exc}") from None
+    return out
+
+
 class ZarrV2Array(LazyArray):
     """One Zarr v2 array behind ``fetch``: chunks decoded only when a read needs them."""
 
     def __init__(self, key: str, name: str, fetch: Fetch, where: str) -> None:
         what = f"The array {name!r} of {where}"
-        meta = _json(fetch(f"{name}/.zarray"), f"{what} (.zarray)")
+        meta = _json(fetch(f"{name}/.zarray", MAX_JSON_BYTES), f"{what} (.zarray)")
         if not isinstance(meta, dict) or meta.get("zarr_format") != 2:
             raise CorruptCheckpointError(f"{what}: .zarray is not Zarr v2 array metadata.")
         shape = check_shape(meta.get("shape"), what=what, path=where)
@@ -164,16 +184,24 @@ class ZarrV2Array(LazyArray):
 
     def _chunk(self, index: tuple[int, ...]) -> np.ndarray:
         key = f"{self._name}/" + (self._sep.join(str(i) for i in index) if index else "0")
-        raw = self._fetch(key)
         nbytes = math.prod(self._chunks) * self._stored.itemsize
+        raw = self._fetch(key, nbytes + nbytes // 8 + 65536)  # room for a codec's overhead
         if raw is None:
             if self._fill is None:
                 raise CorruptCheckpointError(
                     f"{self._what} has lost its chunk {key!r} (and declares no fill value)."
                 )
-            return np.full(self._chunks, self._fill, dtype=self.info.dtype)
+            try:
+                return np.full(self._chunks, self._fill, dtype=self.info.dtype)
+            except (TypeError, ValueError, OverflowError):
+                raise CorruptCheckpointError(
+                    f"{self._what}: fill value {self._fill!r} does not fit {self.info.dtype}."
+                ) from None
         codec = self._decoder()
-        if codec is not None:
+        config = self._codec_config if isinstance(self._codec_config, dict) else {}
+        if config.get("id") in ("zlib", "gzip"):  # inflated at most to the cell's size
+            raw = _inflate(raw, nbytes, gzip=config.get("id") == "gzip", what=f"{self._what}: chunk {key!r}")
+        elif codec is not None:
             try:
                 out = np.empty(nbytes, np.uint8)
                 data = codec.decode(raw, out=out)
@@ -305,7 +333,9 @@ def _item_arrays(
     prefix: str, folder: Path, arrays: dict[str, LazyArray], skipped: dict[str, str]
 ) -> None:
     where = repr(str(folder))
-    meta = _json(_dir_fetch(folder)(ITEM_METADATA), f"{str(folder / ITEM_METADATA)!r}")
+    meta = _json(
+        _dir_fetch(folder)(ITEM_METADATA, MAX_JSON_BYTES), f"{str(folder / ITEM_METADATA)!r}"
+    )
     tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
     if not isinstance(tree, dict):
         raise CorruptCheckpointError(f"{str(folder / ITEM_METADATA)!r} has no tree_metadata.")
@@ -345,7 +375,7 @@ def _open(path: Path) -> Reader:
     for prefix, folder in _items(step):
         _item_arrays(prefix, folder, arrays, skipped)
     metadata: dict[str, Any] = {}
-    raw = _dir_fetch(step)(CHECKPOINT_METADATA)
+    raw = _dir_fetch(step)(CHECKPOINT_METADATA, MAX_JSON_BYTES)
     if raw is not None:
         top = _json(raw, repr(str(step / CHECKPOINT_METADATA)))
         if isinstance(top, dict):
