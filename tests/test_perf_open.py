@@ -89,7 +89,7 @@ def test_every_key_is_found_through_the_index(tmp_path: Path, fmt: str) -> None:
 
 
 def test_a_row_that_contradicts_its_size_is_refused_when_read(tmp_path: Path) -> None:
-    z = cv.save(tmp_path / "bad.h5", _values())
+    z = cv.save(tmp_path / "bad.h5", _values(), pack_threshold=64 << 10)  # packed
     doc = _h5_record(z)
     nbytes = np.frombuffer(doc["index"]["nbytes"], "<u8").copy()
     nbytes[5] += 4  # packed values sit 64 bytes apart: still inside, still no overlap

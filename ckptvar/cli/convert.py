@@ -15,7 +15,7 @@ import shlex
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -45,6 +45,9 @@ else:  # loaded on first use: `ckpt --help` imports no NumPy
     np = lazy_module("numpy")
     ml_dtypes = lazy_module("ml_dtypes")
 
+#: An uncast value larger than this is read in runs of this size (each verified by the
+#: block checksums it covers), so the progress bar moves within it.
+RUN_BYTES = 64 << 20
 #: ``convert`` shows its progress bar by itself (on a terminal) from this many bytes on.
 PROGRESS_MIN_BYTES = 16 << 20
 #: Outputs up to this size (or twice the largest value, if more) are built in memory;
@@ -243,6 +246,7 @@ class _Converted(Mapping[str, "np.ndarray"]):
         spool: np.ndarray | None,
         *,
         finishing: str = "",
+        release: Callable[[], None] = lambda: None,
     ) -> None:
         self._reader = reader
         self._plan = plan  # output key -> source key
@@ -252,6 +256,7 @@ class _Converted(Mapping[str, "np.ndarray"]):
         self._offset = 0
         self._given = 0
         self._finishing = finishing  # said once every value is read: what comes next
+        self._release = release  # drops the spool's pages from the process (kept on disk)
 
     def _target(self, dtype: np.dtype) -> np.dtype:
         return self._dtype if self._dtype is not None and is_floating(dtype) else dtype
@@ -272,16 +277,14 @@ class _Converted(Mapping[str, "np.ndarray"]):
             out = np.empty(shape, dtype)
         self._given += 1
         if dtype == np.dtype(info.dtype) and isinstance(self._reader, cv.storage.SupportsReadIntoMany):
-            # no cast: one verified pass, read by position straight into the output
-            # (parallel reads and hashing; the source is never mapped)
-            if out is None:
-                out = np.empty(shape, dtype)
-            self._reader.read_into_many([(src, out)], verify=True)
-            self._progress.update(nbytes, key)
-            self._finished()
+            out = np.empty(shape, dtype) if out is None else out
+            self._read_uncast(key, src, out)
             return out
         whole = None
-        for index, stored in value_blocks(self._reader, src, info, self._progress.bytes_of(key)):
+        counted = self._progress.bytes_of(key)
+        ratio = dtype.itemsize / np.dtype(info.dtype).itemsize  # the bar counts output bytes
+        for index, stored in value_blocks(self._reader, src, info,
+                                          lambda n: counted(int(n * ratio))):
             block = stored.astype(dtype, copy=False)
             if out is None:
                 whole = block
@@ -295,7 +298,26 @@ class _Converted(Mapping[str, "np.ndarray"]):
             return whole if whole is not None else np.empty(shape, dtype)
         return out
 
+    def _read_uncast(self, key: str, src: str, out: np.ndarray) -> None:
+        """One verified pass, read by position straight into ``out`` (parallel reads and
+        hashing, as ``cv.load``; the source is never mapped); a value of more than
+        ``RUN_BYTES`` in runs, each verified by its blocks' checksums, so the bar moves."""
+        flat = out.reshape(-1)
+        if out.nbytes > RUN_BYTES and isinstance(self._reader, cv.storage.SupportsRuns):
+            step = max(1, RUN_BYTES // out.dtype.itemsize)
+            for start in range(0, flat.size, step):
+                run = flat[start : start + step]
+                self._reader.read_run_into(src, start, run, verify=True)
+                self._progress.update(run.nbytes, key, values=0)
+            self._progress.update(0, key)
+        else:
+            self._reader.read_into_many([(src, out)], verify=True)
+            self._progress.update(out.nbytes, key)
+        self._finished()
+
     def _finished(self) -> None:
+        if self._spool is not None:
+            self._release()
         if self._given == len(self._plan) and self._finishing:
             self._progress.note(self._finishing)
 
@@ -503,12 +525,13 @@ def _convert(
     try:
         with (
             Progress(total, stream=sys.stderr, enabled=bool(show)) as progress,
-            _spool(dst, spool_size if total > window else 0, local=not remote_dst) as spool,
+            _spool(dst, spool_size if total > window else 0, local=not remote_dst) as (
+                spool, release),
         ):
             finishing = (f"writing {escape(dst_arg)} and syncing it to disk ..."
                          if not remote_dst else f"uploading {escape(dst_arg)} ...")
             values = _Converted(reader, plan, args.dtype, progress, spool,
-                                finishing=finishing)
+                                finishing=finishing, release=release)
             try:
                 written = cv.save(
                     dst_arg if remote_dst else dst,
@@ -580,8 +603,11 @@ TRIM_INTERVAL = 0.005
 
 
 @contextlib.contextmanager
-def _spool(dst: Path, nbytes: int, *, local: bool = True) -> Iterator[np.ndarray | None]:
-    """A scratch file of ``nbytes`` beside DST, mapped (shared) as bytes; ``None`` when 0.
+def _spool(
+    dst: Path, nbytes: int, *, local: bool = True
+) -> Iterator[tuple[np.ndarray | None, Callable[[], None]]]:
+    """A scratch file of ``nbytes`` beside DST, mapped (shared) as bytes (``None`` when 0),
+    and a function that releases its pages from the process at once.
 
     While it is in use, a thread releases the mapping's pages from the process every
     ``TRIM_INTERVAL`` (``madvise(MADV_DONTNEED)``: the bytes stay in the file and the page
@@ -590,7 +616,7 @@ def _spool(dst: Path, nbytes: int, *, local: bool = True) -> Iterator[np.ndarray
     whatever happens.
     """
     if nbytes == 0:
-        yield None
+        yield None, lambda: None
         return
     where = dst.absolute().parent if local else None  # a URL: the temporary directory
     fd, name = tempfile.mkstemp(prefix=f".{dst.name}.spool-", dir=where)
@@ -600,15 +626,18 @@ def _spool(dst: Path, nbytes: int, *, local: bool = True) -> Iterator[np.ndarray
         os.ftruncate(fd, nbytes)
         mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
         spool = np.frombuffer(mapped, dtype=np.uint8)
-        if hasattr(mmap, "MADV_DONTNEED"):  # Linux, macOS
 
-            def trim() -> None:
-                while not stop.wait(TRIM_INTERVAL):
-                    mapped.madvise(mmap.MADV_DONTNEED)
+        def release() -> None:
+            if hasattr(mmap, "MADV_DONTNEED"):  # Linux, macOS
+                mapped.madvise(mmap.MADV_DONTNEED)
 
-            trimmer = threading.Thread(target=trim, name="ckpt-convert-trim", daemon=True)
-            trimmer.start()
-        yield spool
+        def trim() -> None:
+            while not stop.wait(TRIM_INTERVAL):
+                release()
+
+        trimmer = threading.Thread(target=trim, name="ckpt-convert-trim", daemon=True)
+        trimmer.start()
+        yield spool, release
     finally:
         stop.set()
         if trimmer is not None:
