@@ -249,3 +249,17 @@ def test_background_saves_build_on_each_other(tmp_path: Path, fmt: str,
     assert np.array_equal(cv.load(p2)["head"], want)
     with cv.open(p2) as r:
         assert set(r.shared()) == {"frozen"}
+
+
+def test_a_holder_is_never_reached_through_a_symlink(tmp_path: Path,
+                                                     fresh_graph: cv.Graph) -> None:
+    ckpt, _, head = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=None, format="h5",
+                                   incremental=True)
+    manager.save()
+    head.assign_add(1)
+    p2 = manager.save()
+    os.rename(tmp_path / "ckpt-1.h5", tmp_path / "elsewhere.h5")
+    os.symlink(tmp_path / "elsewhere.h5", tmp_path / "ckpt-1.h5")
+    with pytest.raises(cv.CorruptCheckpointError, match="cannot be read"):
+        cv.load(p2)
