@@ -208,13 +208,13 @@ def test_cli_inspect_verify_convert(tmp_path: Path, fmt: str, fresh_graph: cv.Gr
     res = _ckpt_cli("inspect", "--json", p2)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["shared"] == {"frozen": [f"ckpt-1.{fmt}"]}
-    res = _ckpt_cli("inspect", p2)
-    assert "shared with other steps" in res.stdout and f"ckpt-1.{fmt}" in res.stdout
-    res = _ckpt_cli("ls", "--json", str(tmp_path / "run"))
-    rows = {Path(r["path"]).name: r for r in json.loads(res.stdout)["checkpoints"]}
-    if fmt == "h5":
+    if fmt == "h5":  # (the text forms, once)
+        res = _ckpt_cli("inspect", p2)
+        assert "shared with other steps" in res.stdout and "ckpt-1.h5" in res.stdout
+        res = _ckpt_cli("ls", "--json", str(tmp_path / "run"))
+        rows = {Path(r["path"]).name: r for r in json.loads(res.stdout)["checkpoints"]}
         assert rows["ckpt-1.h5"]["referred_by"] == ["ckpt-2.h5"]
-    assert all("referred_by" not in r for n, r in rows.items() if n != "ckpt-1.h5")
+        assert "referred_by" not in rows["ckpt-2.h5"]
     res = _ckpt_cli("verify", p2)
     assert res.returncode == 0, res.stdout + res.stderr
     out = tmp_path / f"standalone.{fmt}"
@@ -249,3 +249,17 @@ def test_background_saves_build_on_each_other(tmp_path: Path, fmt: str,
     assert np.array_equal(cv.load(p2)["head"], want)
     with cv.open(p2) as r:
         assert set(r.shared()) == {"frozen"}
+
+
+def test_a_holder_is_never_reached_through_a_symlink(tmp_path: Path,
+                                                     fresh_graph: cv.Graph) -> None:
+    ckpt, _, head = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=None, format="h5",
+                                   incremental=True)
+    manager.save()
+    head.assign_add(1)
+    p2 = manager.save()
+    os.rename(tmp_path / "ckpt-1.h5", tmp_path / "elsewhere.h5")
+    os.symlink(tmp_path / "elsewhere.h5", tmp_path / "ckpt-1.h5")
+    with pytest.raises(cv.CorruptCheckpointError, match="cannot be read"):
+        cv.load(p2)

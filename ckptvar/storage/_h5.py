@@ -479,11 +479,16 @@ class H5Reader(ContainerReader, SupportsShared):
         if fd is None:
             where = Path(self.path).parent / name
             try:
-                fd = os.open(where, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
             except FileNotFoundError:
                 raise CorruptCheckpointError(
                     f"Checkpoint {str(self.path)!r}: the bytes of {key!r} are in {name!r} "
                     "beside it (an incremental step), which is gone."
+                ) from None
+            except OSError as exc:  # a symlink (ELOOP), a directory, no permission
+                raise CorruptCheckpointError(
+                    f"Checkpoint {str(self.path)!r}: the bytes of {key!r} are in {name!r} "
+                    f"beside it (an incremental step), which cannot be read ({exc.strerror})."
                 ) from None
             self._holders[name] = fd
         size = os.fstat(fd).st_size

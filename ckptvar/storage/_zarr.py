@@ -139,7 +139,9 @@ class ZarrWriter(ContainerWriter):
         # 2. metadata that needs the checksums
         for it, d in zip(plan.arrays, arr_dirs, strict=True):
             sdt = storage_dtype(it.dtype)
-            if raw:
+            if it.held is not None and it.held.same_attrs:  # the same document: share it
+                tree.link(os.fspath(Path(it.held.file).parent / "zarr.json"), d / "zarr.json")
+            elif raw:
                 tree.write(d / "zarr.json", _doc(array_meta(it.shape, sdt, scalar_attrs(it))))
             else:
                 self._write_compressed(tmp, it, sdt)

@@ -36,6 +36,8 @@ class Held:
     file: str
     path: str
     offset: int
+    #: The base stored the value with the same attributes (its metadata may be reused too).
+    same_attrs: bool = False
 
 
 def _same(entry: Entry | None, dtype: str, shape: tuple[int, ...]) -> bool:
@@ -71,6 +73,8 @@ def match(
             if it.checksum != entry.checksum or it.blocks != entry.blocks:
                 continue
         it.checksum, it.blocks = entry.checksum, entry.blocks
-        it.held = holder(it.key, entry)
+        where = holder(it.key, entry)
+        it.held = Held(where.file, where.path, where.offset,
+                       same_attrs=dict(entry.attrs) == dict(it.attrs))
         reused += 1
     return reused
