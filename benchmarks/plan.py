@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import round2, round3, scale
+from benchmarks import round2, round3, scale, simulate
 from benchmarks.harness import Runner, loadavg, say
 from benchmarks.results import Row
 from benchmarks.workloads import FULL_SMALL_COUNT, QUICK_SMALL_COUNT
@@ -240,20 +240,34 @@ def run_plan(args: argparse.Namespace, runner: Runner, defs: list[SubjectDef],
     return round2.merge(rows)
 
 
+def atscale_rows(quick: bool) -> list[Row]:
+    """The protocol at scale, simulated in this process (:mod:`benchmarks.simulate`)."""
+    say("scale workload: the save and read planners on simulated ranks")
+    if quick:
+        result = simulate.run(simulate.QUICK_RANKS, simulate.QUICK_VARIABLES,
+                              simulate.QUICK_TOP, 1)
+    else:
+        result = simulate.run(simulate.BENCH_RANKS, 1000, simulate.BENCH_TOP, 1)
+    return simulate.to_rows(result, lambda op, times, extra: Row(
+        "atscale", op, "ckptvar-h5", "ckptvar", times=list(times), extra=extra))
+
+
 def scale_rows(quick: bool, repeats: int, data: Path) -> list[Row]:
-    """The ``scale`` workload's rows (:mod:`benchmarks.scale`, under ``mpiexec``)."""
+    """The ``scale`` workload's rows (:mod:`benchmarks.scale`, under ``mpiexec``), and the
+    simulated ones of :func:`atscale_rows`."""
+    rows = atscale_rows(quick)
     why = scale.available()
     if why is not None:
         say(f"scale workload skipped: {why}")
-        return []
+        return rows
     say("scale workload: 4 processes save, 3 and 1 restore (mpiexec)")
     total = scale.QUICK_TOTAL if quick else scale.BENCH_TOTAL
     try:
         m = scale.measure(total, max(repeats, 3), str(data))
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         say(f"scale workload failed: {str(exc)[-500:]}")
-        return []
-    return scale.to_rows(m, lambda op, times, extra: Row(
+        return rows
+    return rows + scale.to_rows(m, lambda op, times, extra: Row(
         "scale", op, "ckptvar-h5", "ckptvar", times=list(times), extra=dict(extra),
         nbytes=m["nbytes"]))
 

@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks import round2, round3, scale
+from benchmarks import round2, round3, scale, simulate
 from benchmarks.goals import all_goals, goals_table
 from benchmarks.harness import LOG, say
 from benchmarks.results import Row, best_peer, find, per_tensor_us, raw_for
@@ -306,6 +306,10 @@ def write_outputs(args: argparse.Namespace, meta: dict[str, Any], rows: list[Row
     md += round2.tables(rows)
     md += round3.tables(rows)
     md += scale.tables(rows)
+    sim = simulate.from_rows(rows)
+    if sim is not None:
+        md += ["## The protocol at scale (simulated ranks, benchmarks/simulate.py)", "",
+               *simulate.tables(sim), ""]
     if gl and any(g["measured"] is not None for g in gl):
         md += ["## Goals", "", *goals_table([g for g in gl if g["measured"] is not None]), ""]
     profiled = [r for r in rows if r.profile]

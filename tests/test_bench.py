@@ -103,6 +103,24 @@ def test_quick_run_of_the_count_open_and_framework_rows(tmp_path: Path) -> None:
     assert not (ROOT / "data").exists()  # the scratch files went to --dir, not the repo
 
 
+def test_quick_run_of_every_public_path_per_value(tmp_path: Path) -> None:
+    # the Saver, Checkpoint and cv.save/cv.load rows exist so the per-value cost cannot slip
+    result = run_bench(tmp_path, "--only", "paths", "--subjects",
+                       "raw,raw+fsync,ckptvar-h5,ckptvar-h5 saver,ckptvar-h5 save")
+    rows = rows_by(result)
+    for subject in ("raw", "ckptvar-h5", "ckptvar-h5 saver", "ckptvar-h5 save"):
+        for op in ("save", "load_warm"):
+            assert_measured(rows, "paths200", op, subject)
+        assert rows[("paths200", "save", subject)]["count"] == 200
+    for subject in ("raw", "ckptvar-h5", "ckptvar-h5 saver"):
+        assert_measured(rows, "paths200", "restore_warm", subject)
+    assert ("paths200", "restore_warm", "ckptvar-h5 save") not in rows  # no variables
+    md = result["_md"]
+    assert "## Per-value cost of each public path" in md and "| 200 | restore_warm |" in md
+    goals = {g["goal"] for g in result["goals"]}
+    assert "h5 Saver: restore of 200 values ≤ 5 µs/value above raw" in goals
+
+
 @pytest.mark.slow
 def test_quick_run_of_every_workload_and_installed_peer(tmp_path: Path) -> None:
     result = run_bench(tmp_path)

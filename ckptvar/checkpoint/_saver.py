@@ -168,8 +168,9 @@ class Saver:
             return
         with open_checkpoint_reader(path, storage_options) as reader:
             infos = stored_infos(reader)
-            mapping = _stored_as_parts(mapping, infos)
-            missing = [k for k in mapping if k not in infos]
+            keys = reader.keys()  # answers `in` without a Python call per key
+            mapping = _stored_as_parts(mapping, keys)
+            missing = [k for k in mapping if k not in keys]
             if missing:
                 raise missing_keys_error(missing, path)
             apply_targets(reader, list(mapping.items()), infos, verify=verify, cast=cast)

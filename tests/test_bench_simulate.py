@@ -1,0 +1,62 @@
+"""The protocol at scale, simulated small (benchmarks/simulate.py): the real planners on
+hundreds of simulated ranks. Asserts the properties that must hold at any scale (no
+timing: the machine is shared): the index grows with the boxes, not boxes x ranks;
+what a rank sends to plan is its own layout whatever the number of ranks; a cached
+plan costs each rank only the digests; every N -> M restore with ragged slabs fetches
+at most 5% more than it needs."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import simulate
+from ckptvar.distributed import Box, read_plan
+
+
+@pytest.fixture(scope="module")
+def saves() -> dict[int, simulate.SaveFigures]:
+    return {r: simulate.simulate_save(r, 40, repeats=1) for r in (64, 256)}
+
+
+def test_every_box_planned_once(saves) -> None:
+    for ranks, s in saves.items():
+        assert s.boxes == ranks * 40  # every rank's ragged slab of every variable
+
+
+def test_index_grows_with_boxes_not_boxes_times_ranks(saves) -> None:
+    small, big = saves[64], saves[256]
+    per_box = small.index_bytes / small.boxes, big.index_bytes / big.boxes
+    assert per_box[1] <= 1.2 * per_box[0], per_box  # 4x the boxes, about 4x the bytes
+    assert per_box[1] < 64
+
+
+def test_bytes_each_rank_sends_and_receives(saves) -> None:
+    small, big = saves[64], saves[256]
+    # uncached: a rank sends its own layout, the same size at any scale, and receives
+    # everyone else's; cached: only a digest (and the cache's keys) each way
+    assert small.sent_uncached == big.sent_uncached
+    assert big.received_uncached == pytest.approx(255 * big.sent_uncached, rel=0.02)
+    assert big.sent_cached < 200
+    assert big.received_cached <= 255 * big.sent_cached
+    assert big.received_cached * 10 < big.received_uncached  # 40 variables; more: wider gap
+
+
+def test_read_amplification_of_every_reshard(tmp_path) -> None:
+    top = 12
+    amp = simulate.amplification_matrix(top)
+    assert amp.shape == (top, top)
+    assert (amp >= 1.0).all()
+    assert amp.max() <= 1.05, amp.max()
+    assert amp[0, 0] == 1.0  # one writer, one reader: the whole value, nothing more
+
+
+def test_fetched_charges_what_the_sharded_reader_reads() -> None:
+    cols = 1024  # 4 KiB rows: a 1 MiB box holds 256 rows
+    small = Box((0, 0), (200, cols))
+    assert simulate.fetched(Box((10, 0), (5, cols)), small, cols) == small.size * 4  # whole
+    big = Box((0, 0), (4096, cols))  # 16 MiB
+    part = Box((100, 0), (64, cols))  # 256 KiB straddling two 256 KiB blocks
+    assert simulate.fetched(part, big, cols) == 2 * simulate.BLOCK
+    assert simulate.fetched(big, big, cols) == big.size * 4
+    items = read_plan("w", Box((0, 0), (4096, cols)), [big], (4096, cols))
+    assert [simulate.fetched(it.box, big, cols) for it in items] == [big.size * 4]
