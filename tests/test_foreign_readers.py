@@ -90,6 +90,26 @@ class TestKerasLegacyH5(ReaderTests):
     fixture, fmt = "keras/tiny_legacy.h5", "keras"
 
 
+class TestHFSharded(ReaderTests):
+    fixture, fmt = "hf_sharded", "hf-safetensors"
+
+
+class TestDcpSingle(ReaderTests):
+    fixture, fmt = "dcp/single", "dcp"
+
+
+class TestDcpTwoRanks(ReaderTests):
+    fixture, fmt = "dcp/two_ranks", "dcp"
+
+
+class TestOrbaxZarr(ReaderTests):
+    fixture, fmt = "orbax/zarr_step", "orbax"
+
+
+class TestOrbaxOcdbt(ReaderTests):
+    fixture, fmt = "orbax/ocdbt_run/5", "orbax"
+
+
 class TestGenericHDF5(ReaderTests):
     """Any HDF5 file ckptvar did not write, made here by h5py (no manifest entry)."""
 
@@ -115,4 +135,5 @@ def test_every_fixture_runs_the_reader_suite() -> None:
     covered = {cls.fixture for cls in ReaderTests.__subclasses__()}
     assert set(MANIFEST) <= covered
     formats = {cls.fmt for cls in ReaderTests.__subclasses__()}
-    assert formats == {"tf", "torch", "safetensors", "npz", "keras", "hdf5"}
+    assert formats == {"tf", "torch", "safetensors", "npz", "keras", "hdf5", "hf-safetensors",
+                       "dcp", "orbax"}

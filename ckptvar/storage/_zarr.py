@@ -119,6 +119,20 @@ class ZarrWriter(ContainerWriter):
             return Extent.zarr(it.path, it.nbytes)
         return Extent.array(it.path, 0, it.nbytes)
 
+    def _write_array_docs(
+        self, tree: _Tree, tmp: Path, plan: WritePlan, arr_dirs: list[Path]
+    ) -> None:
+        """Each value's ``zarr.json`` (a reused one linked), once its checksums are known."""
+        raw = self.compression is None
+        for it, d in zip(plan.arrays, arr_dirs, strict=True):
+            sdt = storage_dtype(it.dtype)
+            if it.held is not None and it.held.same_attrs:  # the same document: share it
+                tree.link(os.fspath(Path(it.held.file).parent / "zarr.json"), d / "zarr.json")
+            elif raw:
+                tree.write(d / "zarr.json", _doc(array_meta(it.shape, sdt, scalar_attrs(it))))
+            else:
+                self._write_compressed(tmp, it, sdt)
+
     def _write(self, tmp: Path, plan: WritePlan) -> None:
         tree = _Tree(tmp, [] if self.durable else None)
         raw = self.compression is None
@@ -137,14 +151,7 @@ class ZarrWriter(ContainerWriter):
                 it.hash()
         plan.wait_hashes()
         # 2. metadata that needs the checksums
-        for it, d in zip(plan.arrays, arr_dirs, strict=True):
-            sdt = storage_dtype(it.dtype)
-            if it.held is not None and it.held.same_attrs:  # the same document: share it
-                tree.link(os.fspath(Path(it.held.file).parent / "zarr.json"), d / "zarr.json")
-            elif raw:
-                tree.write(d / "zarr.json", _doc(array_meta(it.shape, sdt, scalar_attrs(it))))
-            else:
-                self._write_compressed(tmp, it, sdt)
+        self._write_array_docs(tree, tmp, plan, arr_dirs)
         if pd is not None:
             meta = array_meta((plan.packed_nbytes,), np.dtype("u1"), {"ckptvar": "packed values"})
             tree.write(pd / "zarr.json", _doc(meta))

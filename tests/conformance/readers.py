@@ -87,7 +87,9 @@ class ReaderTests:
     def source(self, tmp: Path) -> Path:
         """The file (or TensorFlow prefix) to open: a copy of the fixture in ``tmp``."""
         src = FIXTURES / self.fixture
-        if src.exists():
+        if src.is_dir():  # a folder checkpoint (Hugging Face shards, DCP, Orbax)
+            shutil.copytree(src, tmp / src.name)
+        elif src.exists():
             shutil.copy(src, tmp / src.name)
         else:  # a prefix: copy its siblings
             for f in src.parent.glob(src.name + ".*"):
@@ -105,6 +107,9 @@ class ReaderTests:
 
     def data_files(self, path: Path) -> list[Path]:
         """The files that hold the values of ``path`` (for a prefix: its data files)."""
+        if path.is_dir():  # a folder: its largest files hold the values
+            files = [p for p in path.rglob("*") if p.is_file()]
+            return sorted(files, key=lambda p: p.stat().st_size, reverse=True)
         if path.exists():
             return [path]
         return sorted(p for p in path.parent.glob(path.name + ".data-*"))
@@ -196,7 +201,8 @@ class ReaderTests:
             where = tmp_path / f"t{trial}"
             where.mkdir()
             path = self.source(where)
-            files = [path] if path.exists() else sorted(where.glob(path.name + ".*"))
+            files = (sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir()
+                     else [path] if path.exists() else sorted(where.glob(path.name + ".*")))
             size = sum(f.stat().st_size for f in files)
             victim = rng.choice(files)
             data = bytearray(victim.read_bytes())
