@@ -157,3 +157,27 @@ def test_chunks_outside_their_value_or_overlapping_are_refused(tmp_path: Path) -
             _rewrite_metadata(folder, change)
         with pytest.raises(cv.CorruptCheckpointError, match=pattern):
             cv.open(folder)
+
+
+def test_dcp_with_safetensors_serialization_is_read_from_its_safetensors_files(
+    tmp_path: Path,
+) -> None:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("safetensors.torch")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    state = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.tensor([1, -2, 3, 4])}
+    writer = FileSystemWriter(tmp_path / "st", serialization_format=SerializationFormat.SAFETENSORS)
+    with pytest.warns(UserWarning):  # torch: "assuming the intent is to save in a single process"
+        dcp.save(state, storage_writer=writer)
+    got = cv.load(tmp_path / "st")
+    assert got.keys() == state.keys()
+    for key, value in state.items():
+        np.testing.assert_array_equal(got[key], value.numpy())
+    data = tmp_path / "st" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-8])  # a truncated safetensors file
+    with cv.open(tmp_path / "st") as reader:
+        with pytest.raises(cv.CorruptCheckpointError, match=r"__0_0\.distcp"):
+            reader.read("a")
