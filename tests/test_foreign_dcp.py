@@ -22,8 +22,21 @@ TWO = FIXTURES / "two_ranks"
 
 
 def ckpt(*args: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptvar", *map(str, args)], capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ), check=False)
+    return ckpt_many(args)[0]
+
+
+def ckpt_many(*commands: tuple[object, ...]) -> list[subprocess.CompletedProcess[str]]:
+    """``ckpt`` commands as real processes, run at once (start-up dominates their cost)."""
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "ckptvar", *map(str, c)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+        for c in commands
+    ]
+    done = []
+    for c, p in zip(commands, procs, strict=True):
+        out, err = p.communicate(timeout=120)
+        done.append(subprocess.CompletedProcess(c, p.returncode, out, err))
+    return done
 
 
 def _open_data_files(folder: Path) -> list[str]:
@@ -56,13 +69,15 @@ def test_sharded_values_are_assembled_and_slices_read_only_their_chunks() -> Non
 
 def test_convert_verify_and_inspect(tmp_path: Path) -> None:
     st, hf = tmp_path / "m.safetensors", tmp_path / "hf"
-    verify, inspect = ckpt("verify", TWO), ckpt("inspect", FIXTURES / "single")
+    verify, inspect, conv, proc = ckpt_many(
+        ("verify", TWO), ("inspect", FIXTURES / "single"), ("convert", TWO, st),
+        ("convert", FIXTURES / "single", hf, "--format", "hf-safetensors",
+         "--max-shard-size", "100B"),
+    )
     assert verify.returncode == 0, verify.stderr
     assert verify.stdout.startswith("READABLE: 4 values") and "not checksummed" in verify.stdout
     assert "optim.state.0.exp_avg" in inspect.stdout and "optim.param_groups.0.lr: 0.01" in inspect.stdout
-    assert ckpt("convert", TWO, st).returncode == 0
-    proc = ckpt("convert", FIXTURES / "single", hf, "--format", "hf-safetensors",
-                "--max-shard-size", "100B")
+    assert conv.returncode == 0, conv.stderr
     assert proc.returncode == 0, proc.stderr
     for src, dst in ((TWO, st), (FIXTURES / "single", hf)):
         want, got = cv.load(src), cv.load(dst)
