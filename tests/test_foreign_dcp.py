@@ -22,8 +22,21 @@ TWO = FIXTURES / "two_ranks"
 
 
 def ckpt(*args: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptvar", *map(str, args)], capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ), check=False)
+    return ckpt_many(args)[0]
+
+
+def ckpt_many(*commands: tuple[object, ...]) -> list[subprocess.CompletedProcess[str]]:
+    """``ckpt`` commands as real processes, run at once (start-up dominates their cost)."""
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "ckptvar", *map(str, c)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+        for c in commands
+    ]
+    done = []
+    for c, p in zip(commands, procs, strict=True):
+        out, err = p.communicate(timeout=120)
+        done.append(subprocess.CompletedProcess(c, p.returncode, out, err))
+    return done
 
 
 def _open_data_files(folder: Path) -> list[str]:
@@ -56,13 +69,15 @@ def test_sharded_values_are_assembled_and_slices_read_only_their_chunks() -> Non
 
 def test_convert_verify_and_inspect(tmp_path: Path) -> None:
     st, hf = tmp_path / "m.safetensors", tmp_path / "hf"
-    verify, inspect = ckpt("verify", TWO), ckpt("inspect", FIXTURES / "single")
+    verify, inspect, conv, proc = ckpt_many(
+        ("verify", TWO), ("inspect", FIXTURES / "single"), ("convert", TWO, st),
+        ("convert", FIXTURES / "single", hf, "--format", "hf-safetensors",
+         "--max-shard-size", "100B"),
+    )
     assert verify.returncode == 0, verify.stderr
     assert verify.stdout.startswith("READABLE: 4 values") and "not checksummed" in verify.stdout
     assert "optim.state.0.exp_avg" in inspect.stdout and "optim.param_groups.0.lr: 0.01" in inspect.stdout
-    assert ckpt("convert", TWO, st).returncode == 0
-    proc = ckpt("convert", FIXTURES / "single", hf, "--format", "hf-safetensors",
-                "--max-shard-size", "100B")
+    assert conv.returncode == 0, conv.stderr
     assert proc.returncode == 0, proc.stderr
     for src, dst in ((TWO, st), (FIXTURES / "single", hf)):
         want, got = cv.load(src), cv.load(dst)
@@ -157,3 +172,27 @@ def test_chunks_outside_their_value_or_overlapping_are_refused(tmp_path: Path) -
             _rewrite_metadata(folder, change)
         with pytest.raises(cv.CorruptCheckpointError, match=pattern):
             cv.open(folder)
+
+
+def test_dcp_with_safetensors_serialization_is_read_from_its_safetensors_files(
+    tmp_path: Path,
+) -> None:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("safetensors.torch")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    state = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.tensor([1, -2, 3, 4])}
+    writer = FileSystemWriter(tmp_path / "st", serialization_format=SerializationFormat.SAFETENSORS)
+    with pytest.warns(UserWarning):  # torch: "assuming the intent is to save in a single process"
+        dcp.save(state, storage_writer=writer)
+    got = cv.load(tmp_path / "st")
+    assert got.keys() == state.keys()
+    for key, value in state.items():
+        np.testing.assert_array_equal(got[key], value.numpy())
+    data = tmp_path / "st" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-8])  # a truncated safetensors file
+    with cv.open(tmp_path / "st") as reader:
+        with pytest.raises(cv.CorruptCheckpointError, match=r"__0_0\.distcp"):
+            reader.read("a")

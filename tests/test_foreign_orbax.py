@@ -26,8 +26,21 @@ KEYS = ["mask", "opt_state/count", "opt_state/mu", "params/big", "params/dense/b
 
 
 def ckpt(*args: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckptvar", *map(str, args)], capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ), check=False)
+    return ckpt_many(args)[0]
+
+
+def ckpt_many(*commands: tuple[object, ...]) -> list[subprocess.CompletedProcess[str]]:
+    """``ckpt`` commands as real processes, run at once (start-up dominates their cost)."""
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "ckptvar", *map(str, c)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+        for c in commands
+    ]
+    done = []
+    for c, p in zip(commands, procs, strict=True):
+        out, err = p.communicate(timeout=120)
+        done.append(subprocess.CompletedProcess(c, p.returncode, out, err))
+    return done
 
 
 def test_both_layouts_read_the_same_tree() -> None:
@@ -59,8 +72,8 @@ def test_ocdbt_without_tensorstore_names_the_extra() -> None:
 
 def test_cli_inspect_verify_convert(tmp_path: Path) -> None:
     out = tmp_path / "m.safetensors"
-    inspect, verify, convert = (ckpt("inspect", ZARR), ckpt("verify", ZARR),
-                                ckpt("convert", ZARR, out))
+    inspect, verify, convert = ckpt_many(("inspect", ZARR), ("verify", ZARR),
+                                         ("convert", ZARR, out))
     assert "format: orbax" in inspect.stdout and "params/dense/kernel" in inspect.stdout
     assert verify.returncode == 0 and "not checksummed" in verify.stdout, verify.stdout
     assert convert.returncode == 0, convert.stderr

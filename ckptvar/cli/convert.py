@@ -487,8 +487,11 @@ def _writes_safetensors(dst: Path, args: argparse.Namespace) -> bool:
 def _hf_format(dst: Path, args: argparse.Namespace, metadata: dict[str, Any]) -> bool:
     """Give safetensors output ``format: pt`` unless SRC names another format, as Hugging
     Face's own converter does (transformers refuses a header whose metadata has no
-    ``format``). True when added."""
+    ``format``). With ``--no-metadata`` and nothing else to write, the header keeps no
+    metadata at all, which transformers accepts. True when added."""
     if "format" in metadata or not _writes_safetensors(dst, args):
+        return False
+    if args.no_metadata and not metadata:
         return False
     metadata["format"] = "pt"
     return True

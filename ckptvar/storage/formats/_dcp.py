@@ -5,7 +5,7 @@ is a directory holding ``.metadata`` (a pickle of ``Metadata``: per key, its
 dtype, global shape and chunks; per chunk, the file, offset and length of its
 bytes) and the data files ``__<rank>_<n>.distcp``. Each chunk is a whole
 ``torch.save`` archive (the default) or, with DCP's safetensors serialization,
-the chunk's raw bytes.
+a value of the data file, which is then a safetensors file (keys: the DCP keys).
 
 ``.metadata`` goes through the restricted unpickler with only DCP's metadata
 classes added (:data:`._unpickler.DCP_GLOBALS`): any other global is refused. A
@@ -15,7 +15,9 @@ checked before its bytes are used: inside the global shape, chunks of one value
 covering it without overlap (checked pairwise up to 1024 chunks a value, by
 volume beyond), its file present and holding its byte range, its archive's
 tensor of the declared shape and dtype, within its storage, with the storage's
-zip CRC-32 intact. DCP's metadata stores no checksums of its own, so values are
+zip CRC-32 intact (or, with the safetensors serialization, the file's header
+validated by the safetensors reader and the value of the declared shape and
+dtype). DCP's metadata stores no checksums of its own, so values are
 reported as unchecked (``ckpt verify`` says "not checksummed").
 
 Non-tensor entries (``BytesStorageMetadata``: an optimizer's ``lr``, an
@@ -37,6 +39,7 @@ import numpy as np
 from ...errors import CorruptCheckpointError, MissingKeyError, UnsupportedFormatError
 from ..base import ArrayInfo, Backend, LazyArray, Reader, verify_each
 from ._common import MAX_HEADER_BYTES, FileHandle, bounding_box, check_shape, shift_index
+from ._safetensors import SafetensorsBackend
 from ._unpickler import DCP_GLOBALS, DcpRecord, StorageRef, TensorRef, TorchDtype, safe_load
 from ._zip import ZIP_ERRORS
 
@@ -79,10 +82,12 @@ class _Chunk:
 
 
 class _Files:
-    """The data files of one checkpoint, each opened on first use."""
+    """The data files of one checkpoint, each opened on first use; a file DCP wrote with
+    its safetensors serialization is read through the safetensors reader."""
 
     def __init__(self) -> None:
         self._open: dict[Path, FileHandle] = {}
+        self._tables: dict[Path, Reader | None] = {}
 
     def get(self, path: Path) -> FileHandle:
         fh = self._open.get(path)
@@ -91,7 +96,21 @@ class _Files:
             self._open[path] = fh
         return fh
 
+    def safetensors(self, path: Path) -> Reader | None:
+        """The safetensors reader of ``path`` when it is one, else None."""
+        if path not in self._tables:
+            fh = self.get(path)
+            head = fh.pread(0, 9, "header") if fh.size >= 9 else b""
+            self._tables[path] = (
+                SafetensorsBackend.open_reader(path) if head[8:9] == b"{" else None
+            )
+        return self._tables[path]
+
     def close(self) -> None:
+        for reader in self._tables.values():
+            if reader is not None:
+                reader.close()
+        self._tables.clear()
         for fh in self._open.values():
             fh.close()
         self._open.clear()
@@ -128,15 +147,12 @@ def _torch_chunk(raw: bytes, what: str) -> tuple[TensorRef, StorageRef, bytes]:
 
 
 def _chunk_array(raw: bytes, chunk: _Chunk, dtype: np.dtype, what: str) -> np.ndarray:
-    """The chunk's values from its bytes: a ``torch.save`` archive, or raw bytes."""
+    """The chunk's values from its bytes, a ``torch.save`` archive."""
     n = math.prod(chunk.sizes)
     if not raw.startswith(b"PK\x03\x04"):
-        if len(raw) != n * dtype.itemsize:
-            raise CorruptCheckpointError(
-                f"{what} holds {len(raw)} bytes, neither a torch.save archive nor the "
-                f"{n * dtype.itemsize} raw bytes of its {list(chunk.sizes)} {dtype} values."
-            )
-        return np.frombuffer(raw, dtype=dtype).reshape(chunk.sizes).copy()
+        raise CorruptCheckpointError(
+            f"{what} is not a torch.save archive (its file is not a safetensors file either)."
+        )
     ref, st, data = _torch_chunk(raw, what)
     if ref.shape != chunk.sizes or ref.dtype != dtype or st.dtype not in (dtype, np.dtype("u1")):
         raise CorruptCheckpointError(
@@ -173,6 +189,18 @@ class DcpArray(LazyArray):
         what = (
             f"the chunk at {list(chunk.offsets)} of {self.info.key!r} in {str(chunk.file)!r}"
         )
+        table = self._files.safetensors(chunk.file)
+        if table is not None:  # DCP's safetensors serialization: the chunk is the key's value
+            key = self.info.key
+            if key not in table:
+                raise CorruptCheckpointError(f"{what}: the file holds no {key!r}.")
+            info = table.info(key)
+            if info.shape != chunk.sizes or info.dtype != self.info.dtype:
+                raise CorruptCheckpointError(
+                    f"{what} holds a {list(info.shape)} {info.dtype} value; the metadata "
+                    f"says {list(chunk.sizes)} {self.info.dtype}."
+                )
+            return table.read(key)
         fh = self._files.get(chunk.file)
         if chunk.start + chunk.length > fh.size:
             raise CorruptCheckpointError(
