@@ -132,6 +132,7 @@ def hook(event, args):
 sys.addaudithook(hook)
 import ckptvar as cv
 import ckptvar.storage.formats  # everything ckptvar needs is imported before arming
+cv.open, cv.CkptError  # ckptvar loads its names on first use: load them before arming
 import zipfile, io, pickle, struct, numpy, encodings.cp437  # zipfile decodes names lazily
 files = json.loads(sys.argv[1])
 outcome = {}

@@ -172,7 +172,7 @@ def test_pack_threshold_is_accepted_by_every_save(tmp_path: Path) -> None:
 
 def _ckpt(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ckptvar", *args], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, check=False)
 
 
 def test_ckpt_convert_pack_threshold(tmp_path: Path) -> None:
