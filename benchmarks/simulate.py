@@ -316,7 +316,7 @@ def tables(result: dict[str, Any]) -> list[str]:
     for s in result["saves"]:
         out.append(
             f"| {s['ranks']:,} × {s['variables']:,} | {s['boxes']:,} | "
-            f"{s['uncached_s'] * 1e3:,.0f} ms ({s.get('uncached_cpu_s', 0) * 1e3:,.0f}) | "
+            f"{s['uncached_s'] * 1e3:,.0f} ms ({_cpu(s)}) | "
             f"{s['cached_s'] * 1e3:,.2f} ms | "
             f"{s['index_bytes'] / 2**20:,.1f} MiB ({s['index_bytes'] / s['boxes']:.1f}) | "
             f"{_b(s['sent_uncached'])} / {_b(s['received_uncached'])} | "
@@ -325,6 +325,11 @@ def tables(result: dict[str, Any]) -> list[str]:
     out += ["", f"Read amplification, every N → M in 1..{a['top']} (ragged slabs): worst "
             f"{a['max']:.3f} (at {a['worst'][0]} → {a['worst'][1]}), mean {a['mean']:.3f}."]
     return out
+
+
+def _cpu(s: dict[str, Any]) -> str:
+    cpu = s.get("uncached_cpu_s")
+    return "—" if cpu is None else f"{cpu * 1e3:,.0f}"
 
 
 def _b(n: int) -> str:
