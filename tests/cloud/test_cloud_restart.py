@@ -4,6 +4,7 @@ leftovers are reclaimed, and two live writers still never both commit a step."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -201,3 +202,36 @@ def test_restart_after_100_kills_of_saves_to_s3(
     counts = restart_harness(f"{s3.url}/run", "h5", processes=processes, kills=100,
                              seed=107 + processes, work=tmp_path, opts=s3.storage_options)
     assert counts == {"kills": 100, **_ZERO}
+
+
+# --------------------------------------------------------------------------- tiers
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_local_tier_persisted_to_s3_restores_on_a_new_machine(
+    s3: S3Bucket, tmp_path: Path, fmt: str
+) -> None:
+    opts = s3.storage_options
+    run = f"{s3.url}/run"
+    ckpt, v = _model(0.0)
+    mgr = cv.CheckpointManager(ckpt, run, max_to_keep=2, format=fmt, storage_options=opts,
+                               local_directory=tmp_path / "local", local_max_to_keep=1,
+                               persistent_every=2)
+    for step in range(1, 6):
+        v.assign(np.full((32, 8), float(step), np.float32))
+        mgr.save()
+    mgr.wait_until_finished()
+    assert list_committed_steps(s3.location("run")) == [f"ckpt-2.{fmt}", f"ckpt-4.{fmt}"]
+    assert sorted(p.name for p in (tmp_path / "local").glob("ckpt-*")) == [f"ckpt-5.{fmt}"]
+    shutil.rmtree(tmp_path / "local")  # a new machine
+    ckpt2, v2 = _model(-1.0)
+    again = cv.CheckpointManager(ckpt2, run, max_to_keep=2, format=fmt, storage_options=opts,
+                                 local_directory=tmp_path / "local", local_max_to_keep=1,
+                                 persistent_every=2)
+    assert again.restore_or_initialize() == f"{run}/ckpt-4.{fmt}"
+    np.testing.assert_array_equal(v2.numpy(), np.full((32, 8), 4.0, np.float32))
+    again.save()
+    again.save()
+    again.wait_until_finished()
+    assert list_committed_steps(s3.location("run")) == [f"ckpt-4.{fmt}", f"ckpt-6.{fmt}"]
+    assert not [o.key for o in s3.location("run").list() if o.key.endswith(CLAIM_SUFFIX)]
