@@ -235,3 +235,25 @@ def test_a_local_tier_persisted_to_s3_restores_on_a_new_machine(
     again.wait_until_finished()
     assert list_committed_steps(s3.location("run")) == [f"ckpt-4.{fmt}", f"ckpt-6.{fmt}"]
     assert not [o.key for o in s3.location("run").list() if o.key.endswith(CLAIM_SUFFIX)]
+
+
+def test_restart_after_kills_of_tiered_saves_persisting_to_s3(s3: S3Bucket, tmp_path: Path) -> None:
+    """Kills land in local saves and in the background uploads of their persistent copies."""
+    from test_crash import restart_harness
+
+    counts = restart_harness(f"{s3.url}/run", "h5", processes=1, kills=2, seed=17,
+                             work=tmp_path, opts=s3.storage_options,
+                             tier=str(tmp_path / "local"))
+    assert counts == {"kills": 2, **_ZERO}
+
+
+@pytest.mark.slow
+def test_restart_after_100_kills_of_tiered_saves_persisting_to_s3(
+    s3: S3Bucket, tmp_path: Path
+) -> None:
+    from test_crash import restart_harness
+
+    counts = restart_harness(f"{s3.url}/run", "h5", processes=1, kills=100, seed=117,
+                             work=tmp_path, opts=s3.storage_options,
+                             tier=str(tmp_path / "local"))
+    assert counts == {"kills": 100, **_ZERO}
