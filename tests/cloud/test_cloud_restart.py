@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -257,3 +258,25 @@ def test_restart_after_100_kills_of_tiered_saves_persisting_to_s3(
                              work=tmp_path, opts=s3.storage_options,
                              tier=str(tmp_path / "local"))
     assert counts == {"kills": 100, **_ZERO}
+
+
+def test_a_killed_writer_not_yet_reaped_is_gone(s3: S3Bucket) -> None:
+    """A zombie (killed, its parent has not waited for it) holds no claim."""
+    import signal
+
+    from ckptvar.storage.location import process_alive
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert process_alive(child.pid)
+        os.kill(child.pid, signal.SIGKILL)
+        for _ in range(200):  # the kernel makes it a zombie; nobody reaps it yet
+            if not process_alive(child.pid):
+                break
+            time.sleep(0.01)
+        assert not process_alive(child.pid)
+        loc = s3.location("run")
+        loc.put(f"ckpt-1.zarr{CLAIM_SUFFIX}", _holder(pid=child.pid).to_json())
+        claim(loc, "ckpt-1.zarr").release()  # taken over, not refused
+    finally:
+        child.wait(timeout=60)
