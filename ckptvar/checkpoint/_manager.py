@@ -18,9 +18,12 @@ import fcntl
 import functools
 import logging
 import os
+import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +37,21 @@ from ..errors import (
     DistributedTimeoutError,
     UnsupportedFormatError,
 )
-from ..storage import is_own_checkpoint, is_partial, known_formats
+from ..storage import is_own_checkpoint, is_partial, known_formats, save_remote
 from ..storage.location import (
     Location,
     clean_uncommitted,
+    fsync_all,
+    fsync_path,
     is_committed,
     is_url,
     list_committed_steps,
     open_location,
     prune,
+    publish,
     remove_local,
     temporaries,
+    temporary_sibling,
 )
 from ..variables import Variable
 from ._checkpoint import Checkpoint, SaveOptions
@@ -89,6 +96,19 @@ def _check_arguments(
         )
 
 
+def _copy_checkpoint(src: Path, dst: Path, *, durable: bool = False) -> None:
+    """Copy the checkpoint file or directory ``src`` to ``dst`` (fsynced when ``durable``)."""
+    if src.is_dir():
+        shutil.copytree(src, dst)
+        if durable:
+            fsync_all([p for p in dst.rglob("*") if p.is_file()],
+                      [dst, *(p for p in dst.rglob("*") if p.is_dir())])
+        return
+    shutil.copyfile(src, dst)
+    if durable:
+        fsync_path(dst)
+
+
 class CheckpointManager:
     """Saves numbered checkpoints of ``checkpoint`` into ``directory`` and prunes old ones.
 
@@ -119,6 +139,14 @@ class CheckpointManager:
             stays on disk (``pending_delete`` with ``held_for`` in the state file) until
             no kept step does.
 
+    Tiers (keyword-only): with ``local_directory`` every step is saved there (fast,
+    blocking) and every ``persistent_every``-th is also copied to ``directory`` (a
+    path or URL) in the background; ``local_max_to_keep`` steps stay local, a step
+    never pruned there before its persistent copy is committed. Restore takes the
+    newest step committed in either tier (the local copy first); a process that lost
+    its local tier restores from the persistent one. :meth:`wait_until_finished`
+    waits for the background copies. One process only, for now.
+
     A read-only directory can be opened (``read_only`` is then True):
     :attr:`checkpoints`, :attr:`latest_checkpoint` and :meth:`restore_or_initialize`
     work, crash leftovers are left alone, and :meth:`save` raises ``CkptError``.
@@ -141,6 +169,10 @@ class CheckpointManager:
         pack_threshold: int | None = None,
         save_on_signal: Sequence[int] = (),
         incremental: bool = False,
+        *,
+        local_directory: str | os.PathLike[str] | None = None,
+        local_max_to_keep: int | None = None,
+        persistent_every: int = 1,
     ) -> None:
         _check_arguments(checkpoint, max_to_keep, checkpoint_name, format)
         if incremental and (is_url(directory) or (coordinator is not None
@@ -184,6 +216,14 @@ class CheckpointManager:
         self._on_signal = SignalSave()
         if save_on_signal:
             self._on_signal.install(save_on_signal)
+        self._local_tier: CheckpointManager | None = None
+        self.local_max_to_keep = local_max_to_keep
+        self.persistent_every = persistent_every
+        self._persisting: dict[int, Future[None]] = {}
+        self._tier_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        if local_directory is not None:
+            self._init_tiers(local_directory, step_counter, checkpoint_interval)
         if self._location is not None:
             self.read_only = False
             self._section = self._empty_section()
@@ -338,14 +378,14 @@ class CheckpointManager:
         entries = self._section["checkpoints"] + self._section.get("preserved", [])
         return {self._number(e["path"]) for e in entries}
 
-    def _next_number(self, number: int) -> int:
+    def _next_number(self, number: int, committed: set[int] | None = None) -> int:
         """``number`` (the save counter's next), or past the newest committed step if it is
         committed already (a job that did not restore, a counter behind the directory).
 
         A committed step is never written again; the save counter moves with the step
         so that the file holds its own number. Said in the log.
         """
-        committed = self._committed_numbers()
+        committed = self._committed_numbers() if committed is None else committed
         if number not in committed:
             return number
         after = max(committed) + 1
@@ -472,14 +512,15 @@ class CheckpointManager:
     def checkpoints(self) -> list[str]:
         """The kept checkpoints, oldest first (waits for a background save of this manager)."""
         self._sync()
+        if self._local_tier is not None:
+            return [path for _, path in self._tiered()]
         return [self._full(e["path"]) for e in self._section["checkpoints"]]
 
     @property
     def latest_checkpoint(self) -> str | None:
         """The newest durable checkpoint, or ``None``."""
-        self._sync()
-        entries = self._section["checkpoints"]
-        return self._full(entries[-1]["path"]) if entries else None
+        listed = self.checkpoints
+        return listed[-1] if listed else None
 
     def _current_step(self, checkpoint_number: int | None) -> int:
         if checkpoint_number is not None:
@@ -508,11 +549,15 @@ class CheckpointManager:
         checkpoint. With ``async_save`` the path is returned before it is durable; it is
         listed once it is. After a signal of :meth:`save_on_signal`, this save is the
         preemption save (whatever the interval), then the signal is re-delivered.
+        With a local tier, the step is saved there and, every
+        ``persistent_every`` steps, copied to ``directory`` in the background.
         """
         signum = self._on_signal.due(self.coordinator, timeout)
         if signum is not None:
             return self._on_signal.save_then_redeliver(signum, lambda: self.save(
                 checkpoint_number, check_interval=False, timeout=timeout), self._sync)
+        if self._local_tier is not None:
+            return self._save_tiered(checkpoint_number, check_interval, timeout)
         self._sync()
         if self._location is None and not writable(self.directory):
             raise CkptError(
@@ -520,19 +565,10 @@ class CheckpointManager:
                 "(this manager can list and restore its checkpoints, not write new ones)."
             )
         self._reclaim()
-        counter = self._checkpoint.save_counter
-        number = checkpoint_number
-        if number is None:
-            number = self._next_number(int(counter.numpy()) + 1)
-        step = int(number)
-        if self.checkpoint_interval is not None and check_interval:
-            step = self._current_step(checkpoint_number)
-            entries = self._section["checkpoints"]
-            last = entries[-1].get("step") if entries else None
-            if last is not None and step < last + self.checkpoint_interval:
-                return None
-        elif self._step_counter is not None and checkpoint_number is None:
-            step = self._current_step(None)
+        numbers = self._numbers(checkpoint_number, check_interval)
+        if numbers is None:
+            return None
+        number, step = numbers
         if self._location is not None:
             self._refuse_committed(number)
             try:
@@ -571,6 +607,24 @@ class CheckpointManager:
         result.add_done_callback(lambda _h, fd=saving: os.close(fd))
         path: str = result.path
         return path
+
+    def _numbers(self, checkpoint_number: int | None, check_interval: bool
+                 ) -> tuple[int, int] | None:
+        """``(N of the file name, step)`` of the next save; ``None``: the interval says skip."""
+        counter = self._checkpoint.save_counter
+        number = checkpoint_number
+        if number is None:
+            number = self._next_number(int(counter.numpy()) + 1)
+        step = int(number)
+        if self.checkpoint_interval is not None and check_interval:
+            step = self._current_step(checkpoint_number)
+            entries = self._section["checkpoints"]
+            last = entries[-1].get("step") if entries else None
+            if last is not None and step < last + self.checkpoint_interval:
+                return None
+        elif self._step_counter is not None and checkpoint_number is None:
+            step = self._current_step(None)
+        return int(number), step
 
     def save_on_signal(self, *signals: int) -> None:
         """On any of ``signals`` (default ``SIGTERM``), save at the next step boundary.
@@ -634,7 +688,9 @@ class CheckpointManager:
         ``self.skipped`` as ``(path, reason)``) in favour of the next older one.
         """
         self.skipped = []
-        for path in reversed(self.checkpoints):
+        order = ([p for _, p in reversed(self._tiered(every_copy=True))]
+                 if self._local_tier is not None else list(reversed(self.checkpoints)))
+        for path in order:
             try:
                 self.restore_status = self._checkpoint.restore(
                     path, storage_options=self._storage_options, coordinator=self.coordinator
@@ -653,6 +709,133 @@ class CheckpointManager:
         if self._init_fn is not None:
             self._init_fn()
         return None
+
+    # -- tiers: every step on a fast local tier, every N-th also persisted ----------------
+    def _init_tiers(self, local_directory: str | os.PathLike[str],
+                    step_counter: Variable | Callable[[], int] | None,
+                    checkpoint_interval: int | None) -> None:
+        if self.coordinator is not None and self.coordinator.size > 1:
+            raise CkptError(
+                "local_directory= (a local tier) is not supported with many processes yet; "
+                "save to one directory or URL."
+            )
+        if self.persistent_every < 1:
+            raise ValueError(f"persistent_every must be >= 1, got {self.persistent_every}.")
+        if self.local_max_to_keep is not None and self.local_max_to_keep < 1:
+            raise ValueError(
+                f"local_max_to_keep must be None or >= 1, got {self.local_max_to_keep}.")
+        # the local tier prunes only through this manager (never a step still to persist)
+        self._local_tier = CheckpointManager(
+            self._checkpoint, local_directory, max_to_keep=None,
+            checkpoint_name=self.checkpoint_name, step_counter=step_counter,
+            checkpoint_interval=checkpoint_interval, format=self.format,
+        )
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptvar-persist")
+
+    def _tiered(self, *, every_copy: bool = False) -> list[tuple[int, str]]:
+        """``(number, path)`` of the steps committed in either tier, oldest first: the local
+        copy where there is one (``every_copy``: then the persistent one too)."""
+        assert self._local_tier is not None
+        local = [(self._number(Path(p).name), p) for p in self._local_tier.checkpoints]
+        persistent = [(self._number(e["path"]), self._full(e["path"]))
+                      for e in self._section["checkpoints"]]
+        if every_copy:  # the newest step first from the local tier, then the persistent
+            return sorted(persistent + local, key=lambda e: (e[0], e in local))
+        merged = dict(persistent) | dict(local)
+        return sorted(merged.items())
+
+    def _save_tiered(self, checkpoint_number: int | None, check_interval: bool,
+                     timeout: float | None) -> str | None:
+        assert self._local_tier is not None and self._pool is not None
+        self._raise_persist_error()
+        self._checkpoint.wait()  # the persistent tier's list is kept by its copies
+        if checkpoint_number is None:  # a step committed in either tier is never reused
+            committed = self._committed_numbers() | self._local_tier._committed_numbers()
+            self._next_number(int(self._checkpoint.save_counter.numpy()) + 1, committed)
+        path = self._local_tier.save(checkpoint_number, check_interval, timeout=timeout)
+        if path is None:
+            return None
+        number = self._number(Path(path).name)
+        if number % self.persistent_every == 0:
+            self._persisting[number] = self._pool.submit(self._persist, number, path)
+        self._prune_local()
+        return path
+
+    def _persist(self, number: int, local: str) -> None:
+        """Copy the local tier's committed step ``number`` to this directory as step
+        ``number`` (background thread), record it and prune by ``max_to_keep``."""
+        name = step_name(self.checkpoint_name, number, self._suffix)
+        src = Path(local)
+        if self._location is not None:
+            save_remote(self._full(name), lambda tmp: _copy_checkpoint(src, tmp),
+                        self._storage_options)
+            self._record_remote(number)
+        else:
+            final = self.directory / name
+            saving = open_saving_lock(self.directory)
+            try:
+                fcntl.flock(saving, fcntl.LOCK_SH)
+                with temporary_sibling(final) as tmp:
+                    _copy_checkpoint(src, tmp, durable=True)
+                    publish(tmp, final, create_only=True)
+                self._record(os.fspath(final), number)
+            finally:
+                os.close(saving)
+        self._prune_local()
+
+    def _persisted(self, number: int) -> bool:
+        future = self._persisting.get(number)
+        if future is None:
+            return number in self._committed_numbers()
+        return future.done() and future.exception() is None
+
+    def _prune_local(self) -> None:
+        """Keep ``local_max_to_keep`` local steps; a step due a persistent copy stays until
+        that copy is committed (and so do the newer ones)."""
+        assert self._local_tier is not None
+        if self.local_max_to_keep is None:
+            return
+        with self._tier_lock:
+            local = self._local_tier
+            local._sync()
+            names = [e["path"] for e in local._section["checkpoints"]]
+            for name in names[: max(0, len(names) - self.local_max_to_keep)]:
+                number = self._number(name)
+                if number % self.persistent_every == 0 and not self._persisted(number):
+                    break
+                local._drop(name)
+
+    def _drop(self, name: str) -> None:
+        """Delete this manager's step ``name`` (local directory), state first."""
+        with locked(self.directory):
+            state = read_state(self.directory, repair=True)
+            section = self._recover(state)
+            doomed = [e for e in section["checkpoints"] if e["path"] == name]
+            section["checkpoints"] = [e for e in section["checkpoints"] if e["path"] != name]
+            section["pending_delete"] = section.get("pending_delete", []) + doomed
+            self._section = section
+            self._store(state)
+            self._finish_deletions(state)
+
+    def _raise_persist_error(self) -> None:
+        for number, future in list(self._persisting.items()):
+            if future.done():
+                if future.exception() is None:
+                    del self._persisting[number]
+                    continue
+                del self._persisting[number]
+                raise future.exception()  # type: ignore[misc]
+
+    def wait_until_finished(self) -> None:
+        """Block until every save of this manager is durable, background persistent copies
+        included; raises the first error of one not reported yet."""
+        self._checkpoint.wait()
+        for future in list(self._persisting.values()):
+            with contextlib.suppress(BaseException):
+                future.result()
+        self._raise_persist_error()
+        if self._local_tier is not None:
+            self._prune_local()
 
     def __repr__(self) -> str:
         return f"<cv.CheckpointManager {os.fspath(self.directory)!r} name={self.checkpoint_name!r}>"

@@ -2,7 +2,9 @@
 
 Usage: ``crash_job.py WHERE FMT JOB`` (plain ``python`` for one process, or under
 ``mpiexec -n N python -m mpi4py``); ``$RESULT_DIR``: where each rank appends its
-events; ``$S3_OPTIONS``: storage options (JSON) when WHERE is a URL.
+events; ``$S3_OPTIONS``: storage options (JSON) when WHERE is a URL; ``$LOCAL_TIER``: a
+local directory, for a tiered manager (every step there, every one persisted to WHERE
+in the background).
 
 The job opens a ``CheckpointManager`` on WHERE as a restarted job does, restores
 the latest committed step and checks it bit-exact (every value is a function of
@@ -37,6 +39,7 @@ coord = cv.distributed.from_env(timeout=60)
 RANK, SIZE = coord.rank, coord.size
 OUT = Path(os.environ["RESULT_DIR"]) / f"job{job}-rank{RANK}.jsonl"
 opts = json.loads(os.environ.get("S3_OPTIONS") or "null")
+tier = os.environ.get("LOCAL_TIER") or None
 ROWS, COLS = 48, 2000
 LOCAL_NAMES = {"checkpoint_state.json", ".checkpoint_state.lock", ".checkpoint_saving.lock"}
 
@@ -58,7 +61,7 @@ def values(step: int) -> dict[str, np.ndarray]:
             "step": np.array(step, np.int64)}
 
 
-def leftovers() -> list[str]:
+def leftovers() -> list[str]:  # noqa: C901 - each place a save leaves things
     """What is at WHERE (and in TMPDIR) that no committed step owns (rank 0)."""
     found = []
     for entry in os.scandir(tempfile.gettempdir()):
@@ -66,6 +69,12 @@ def leftovers() -> list[str]:
             owner = parse_staging_name(entry.name)
             if owner is None or not process_alive(owner[1]):
                 found.append(entry.path)
+    if tier is not None:
+        mgr.wait_until_finished()  # the first step's persistent copy, and its clean-up
+        listed = {Path(p).name for p in mgr.checkpoints}
+        for name in os.listdir(tier):
+            if is_partial(name) or (name not in LOCAL_NAMES and name not in listed):
+                found.append(f"{tier}/{name}")
     if "://" not in where:
         listed = {Path(p).name for p in mgr.checkpoints}
         for name in os.listdir(where):
@@ -91,8 +100,9 @@ w = cv.Variable(np.zeros((rows()[1] - rows()[0], COLS)), name="w",
 b = cv.Variable(np.zeros(7, np.float32), name="b")
 step = cv.Variable(0, dtype="int64", name="step")
 ckpt = cv.Checkpoint(w=w, b=b, step=step)
+tiers = {"local_directory": tier, "local_max_to_keep": 2} if tier else {}
 mgr = cv.CheckpointManager(ckpt, where, max_to_keep=3, format=fmt, storage_options=opts,
-                           coordinator=coord if SIZE > 1 else None)
+                           coordinator=coord if SIZE > 1 else None, **tiers)
 restored = mgr.restore_or_initialize()
 s = int(step.numpy())
 want = values(s)

@@ -48,24 +48,36 @@ CLAIM_LEASE = 60.0
 _JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID", "TORCHELASTIC_RUN_ID")
 
 
-def _started(pid: int) -> str:
-    """The process's start time in clock ticks since boot (Linux), or ``""``."""
+def _stat(pid: int) -> tuple[str, str]:
+    """The process's state letter and start time in clock ticks since boot (Linux's
+    ``/proc/<pid>/stat``), or ``("", "")`` where there is none."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[0].decode(), fields[19].decode()
     except (OSError, IndexError):
-        return ""
+        return "", ""
+
+
+def _started(pid: int) -> str:
+    return _stat(pid)[1]
 
 
 def process_alive(pid: int, started: str = "") -> bool:
-    """Whether process ``pid`` of this host runs (and, given ``started``, is that one)."""
+    """Whether process ``pid`` of this host runs (and, given ``started``, is that one).
+
+    A killed process not yet reaped by its parent (a zombie) is not alive.
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass
-    return not started or _started(pid) in ("", started)
+    state, start = _stat(pid)
+    if state in ("Z", "X", "x"):
+        return False
+    return not started or start in ("", started)
 
 
 @dataclass(frozen=True)

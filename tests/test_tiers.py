@@ -1,0 +1,102 @@
+"""CheckpointManager with a local and a persistent tier (API.md section 14)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ckptvar as cv
+
+
+def _model(value: float) -> tuple[cv.Checkpoint, cv.Variable]:
+    v = cv.Variable(np.full(1000, value), name="v")
+    return cv.Checkpoint(v=v), v
+
+
+def _names(paths: list[str]) -> list[str]:
+    return [f"{Path(p).parent.name}/{Path(p).name}" for p in paths]
+
+
+def _manager(ckpt: cv.Checkpoint, tmp: Path, **kw: object) -> cv.CheckpointManager:
+    return cv.CheckpointManager(ckpt, tmp / "persistent", max_to_keep=3,
+                                local_directory=tmp / "local", local_max_to_keep=2,
+                                **{"persistent_every": 2, **kw})  # type: ignore[arg-type]
+
+
+def test_every_step_locally_every_second_persisted(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    ckpt, v = _model(0.0)
+    mgr = _manager(ckpt, tmp_path)
+    for step in range(1, 8):
+        v.assign(np.full(1000, float(step)))
+        assert mgr.save() == str(tmp_path / "local" / f"ckpt-{step}.h5")
+    mgr.wait_until_finished()
+    local = sorted(p.name for p in (tmp_path / "local").glob("ckpt-*"))
+    persistent = sorted(p.name for p in (tmp_path / "persistent").glob("ckpt-*"))
+    assert local == ["ckpt-6.h5", "ckpt-7.h5"]
+    assert persistent == ["ckpt-2.h5", "ckpt-4.h5", "ckpt-6.h5"]
+    for name in persistent:
+        step = int(name.split("-")[1].split(".")[0])
+        np.testing.assert_array_equal(cv.load(tmp_path / "persistent" / name)["v"],
+                                      np.full(1000, float(step)))
+    # every step committed in either tier, the local copy where there is one
+    assert _names(mgr.checkpoints) == ["persistent/ckpt-2.h5", "persistent/ckpt-4.h5",
+                                       "local/ckpt-6.h5", "local/ckpt-7.h5"]
+    assert mgr.latest_checkpoint == str(tmp_path / "local" / "ckpt-7.h5")
+
+
+def test_restore_takes_the_newest_step_of_either_tier(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    ckpt, v = _model(0.0)
+    mgr = _manager(ckpt, tmp_path)
+    for step in range(1, 6):
+        v.assign(np.full(1000, float(step)))
+        mgr.save()
+    mgr.wait_until_finished()
+    ckpt2, v2 = _model(-1.0)  # a restart on the same machine: step 5 is local only
+    again = _manager(ckpt2, tmp_path)
+    assert again.restore_or_initialize() == str(tmp_path / "local" / "ckpt-5.h5")
+    np.testing.assert_array_equal(v2.numpy(), np.full(1000, 5.0))
+    shutil.rmtree(tmp_path / "local")  # a new machine: the local tier is gone
+    ckpt3, v3 = _model(-1.0)
+    third = _manager(ckpt3, tmp_path)
+    assert third.restore_or_initialize() == str(tmp_path / "persistent" / "ckpt-4.h5")
+    np.testing.assert_array_equal(v3.numpy(), np.full(1000, 4.0))
+    v3.assign(np.full(1000, 5.5))
+    assert third.save() == str(tmp_path / "local" / "ckpt-5.h5")  # goes on from step 4
+    third.wait_until_finished()
+
+
+def test_a_local_step_is_never_pruned_before_its_persistent_copy(
+    tmp_path: Path, fresh_graph: cv.Graph
+) -> None:
+    ckpt, v = _model(0.0)
+    mgr = _manager(ckpt, tmp_path)
+    v.assign(np.full(1000, 1.0))
+    mgr.save()
+    # hold the persistent tier's state lock: step 2's copy cannot be recorded yet
+    fd = os.open(tmp_path / "persistent" / ".checkpoint_state.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        for step in range(2, 7):
+            v.assign(np.full(1000, float(step)))
+            mgr.save()
+        local = sorted(p.name for p in (tmp_path / "local").glob("ckpt-*"))
+        assert "ckpt-2.h5" in local  # due a persistent copy that is not committed
+        assert len(local) > 2
+    finally:
+        os.close(fd)
+    mgr.wait_until_finished()
+    assert sorted(p.name for p in (tmp_path / "local").glob("ckpt-*")) == ["ckpt-5.h5",
+                                                                          "ckpt-6.h5"]
+    assert sorted(p.name for p in (tmp_path / "persistent").glob("ckpt-*")) == [
+        "ckpt-2.h5", "ckpt-4.h5", "ckpt-6.h5"]
+
+
+def test_tiers_refuse_bad_settings(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    ckpt, _ = _model(0.0)
+    with pytest.raises(ValueError, match="persistent_every"):
+        _manager(ckpt, tmp_path / "a", persistent_every=0)
