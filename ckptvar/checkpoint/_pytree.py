@@ -33,9 +33,10 @@ from ..errors import CheckpointMismatchError, CkptError
 from ..graph import Graph
 from ..variables import FreshValue, Shard, Variable
 from ._collective import collective_write
-from ._collective_restore import collective_restore, stage_reads
+from ._collective_restore import collective_restore
 from ._files import native_backend, open_checkpoint_reader
 from ._frameworks import FrameworkStateError, is_dtensor, tensor_variable
+from ._logical import apply_targets, as_target
 
 __all__ = ["flatten", "is_plain", "load_tree", "save_tree"]
 
@@ -426,7 +427,10 @@ def _restore_here(path: Any, pairs: list[tuple[str, Variable]], verify: bool, ca
             raise CheckpointMismatchError(
                 f"{str(path)!r} has no value for {', '.join(map(repr, missing))}; nothing "
                 "was loaded.")
-        stage_reads(reader, pairs, path, verify=verify, cast=cast).apply(path)
+        infos = {k: reader.info(k) for k, _ in pairs}
+        # the one-process restore: many values read at once, verified, then given
+        apply_targets(reader, [(k, as_target(v)) for k, v in pairs], infos, verify=verify,
+                      cast=cast)
 
 
 def load_tree(  # noqa: PLR0917
