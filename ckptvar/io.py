@@ -204,12 +204,13 @@ def save(
     written as it is (no copy, bfloat16 included), from a GPU after one copy to the host.
     """
     if coordinator is not None or not is_plain(arrays):
-        if attrs or options or (storage_options and coordinator is None):
-            raise TypeError("cv.save of a tree or with coordinator= takes no attrs=, "
+        if attrs or (coordinator is not None and (options or storage_options)):
+            raise TypeError("cv.save of a tree takes no attrs=, and with coordinator= no "
                             "storage_options= or writer options")
 
         def flat(p: PathLike, host: Mapping[str, Any], meta: Any) -> Path | str:
-            return save(p, host, format=format, metadata=meta, storage_options=storage_options)
+            return save(p, host, format=format, metadata=meta, storage_options=storage_options,
+                        **options)
 
         return save_tree(path, arrays, format, metadata, coordinator, timeout, flat)  # type: ignore[no-any-return]
     if is_url(path):

@@ -140,3 +140,34 @@ def test_dtensors_saved_from_their_sharding(saved: tuple[Path, dict[str, Any]]) 
                          capture_output=True, text=True, timeout=60, check=False)
     assert ver.returncode == 0, ver.stdout + ver.stderr
     assert np.all(values["rep"] == fc.full((5,), 2).numpy())
+
+
+def test_jax_distributed_two_processes_save_and_reshard(tmp_path: Path) -> None:
+    pytest.importorskip("jax")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in MPI_ENV_VARS}
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               JAX_COORDINATOR=f"127.0.0.1:{port}", WORLD_SIZE="2")
+    script = str(Path(__file__).parent / "mpi" / "jax_dist_case.py")
+    procs = [subprocess.Popen([sys.executable, script, str(tmp_path)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=150)
+            assert p.returncode == 0, out[-2000:] + err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r in outs:
+        assert r["engine"] == "JaxCoordinator" and r["local"] == 2 and r["global"] == 4, r
+        assert r["ok"] and r["sharding"] and r["step"] == 4 and r["r"], r
+    values = cv.load(tmp_path / "jd.h5")  # one plain process: the logical value
+    sys.path.insert(0, str(Path(__file__).parent / "mpi"))
+    import jax_dist_case
+
+    assert values["w"].tobytes() == jax_dist_case.FULL.tobytes()

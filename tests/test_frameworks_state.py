@@ -46,6 +46,9 @@ def test_resumed_training_is_bit_identical(tmp_path: Path) -> None:
     first = [_step(model, opt, sched) for _ in range(3)]
     path = cv.Checkpoint(model=model, optimizer=opt, sched=sched).save(tmp_path / "ckpt")
     keys = {k for k, _, _ in cv.list_variables(path)}
+    with cv.open(path) as reader:  # a module's parameters train; optimizer state does not
+        assert reader.info("model/0.weight").attrs["trainable"] is True
+        assert reader.info("optimizer/state/0/exp_avg").attrs["trainable"] is False
     assert {"model/0.weight", "model/2.bias", "optimizer/state/0/exp_avg",
             "optimizer/state/3/exp_avg_sq", "optimizer/state/0/step"} <= keys
 

@@ -40,6 +40,7 @@ from ._serialize import decode_state
 __all__ = [
     "FrameworkStateError",
     "StateDictTrackable",
+    "SupportsNamedParameters",
     "SupportsStateDict",
     "begin_restores",
     "dtensor_box",
@@ -61,6 +62,13 @@ class SupportsStateDict(Protocol):
     def state_dict(self) -> Any: ...
 
     def load_state_dict(self, state_dict: Any) -> Any: ...
+
+
+@runtime_checkable
+class SupportsNamedParameters(Protocol):
+    """A module whose parameters say whether they train (``requires_grad``)."""
+
+    def named_parameters(self) -> Any: ...
 
 
 def is_dtensor(value: Any) -> bool:
@@ -104,17 +112,19 @@ def _view(t: Any) -> np.ndarray | None:
     return view if view.flags.c_contiguous and view.flags.writeable else None
 
 
-def _variable(graph: Graph, name: str, host: np.ndarray, shard: Shard | None) -> Variable:
+def _variable(graph: Graph, name: str, host: np.ndarray, shard: Shard | None,
+              trainable: bool = False) -> Variable:
     """A CPU variable whose buffer is ``host`` itself (no copy)."""
     with graph.as_default():
         var = Variable(FreshValue(lambda: host), shape=host.shape, dtype=host.dtype,
-                       device="CPU:0", collections=[], trainable=False, name=name,
+                       device="CPU:0", collections=[], trainable=trainable, name=name,
                        shard=shard)
     var.initialize()
     return var
 
 
-def tensor_variable(graph: Graph, name: str, t: Any, *, saving: bool) -> Variable | None:
+def tensor_variable(graph: Graph, name: str, t: Any, *, saving: bool,
+                    trainable: bool = False) -> Variable | None:
     """``t`` (a torch tensor or DTensor) as a variable over its memory.
 
     Saving: ``None`` for a DTensor box another process saves; a tensor the host cannot
@@ -131,7 +141,7 @@ def tensor_variable(graph: Graph, name: str, t: Any, *, saving: bool) -> Variabl
             if not saving:
                 return None
             host = np.ascontiguousarray(to_numpy(local, what=repr(name)))
-        return _variable(graph, name, host, Shard(tuple(t.shape), offset))
+        return _variable(graph, name, host, Shard(tuple(t.shape), offset), trainable)
     if t.device.type == "meta":
         if saving:
             raise FrameworkStateError(
@@ -142,7 +152,7 @@ def tensor_variable(graph: Graph, name: str, t: Any, *, saving: bool) -> Variabl
         if not saving:
             return None
         host = np.ascontiguousarray(to_numpy(t, what=repr(name)))
-    return _variable(graph, name, host, None)
+    return _variable(graph, name, host, None, trainable)
 
 
 # -- the Python state: the state dict's structure, tensors left out -----------------------
@@ -256,6 +266,7 @@ class StateDictTrackable(Trackable):
         self._cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], Variable | None]] = {}
         self._restoring: _Restoring | None = None
         self._state: Any = None
+        self._names: frozenset[str] = frozenset()  # of the parameters that train
 
     def _var(self, path: tuple[Any, ...], t: Any, saving: bool) -> Variable | None:
         if saving and is_dtensor(t) and not dtensor_box(t, repr(path))[2]:
@@ -265,14 +276,22 @@ class StateDictTrackable(Trackable):
         if hit is not None and hit[0] == ident and hit[1] is not None:
             return hit[1]
         name = "/".join(map(str, path))
-        var = tensor_variable(self._graph, name, t, saving=saving)
+        var = tensor_variable(self._graph, name, t, saving=saving,
+                              trainable=name in self._names)
         self._cache[path] = (ident, var)
         return var
+
+    def _trainable(self) -> frozenset[str]:
+        """The state-dict keys of parameters that train (a module's; none otherwise)."""
+        if not isinstance(self.obj, SupportsNamedParameters):
+            return frozenset()
+        return frozenset(n for n, p in self.obj.named_parameters() if p.requires_grad)
 
     def trackable_children(self) -> dict[str, Any]:
         if self._restoring is not None:
             return _nest(dict(self._restoring.variables))
         flat: dict[tuple[Any, ...], Any] = {}
+        self._names = self._trainable()
         for path, t in _tensors(self.obj.state_dict()):
             var = self._var(path, t, saving=True)
             if var is not None:
@@ -297,6 +316,7 @@ class StateDictTrackable(Trackable):
         torch = sys.modules.get("torch", None)
         sd = self.obj.state_dict()
         current = dict(_tensors(sd))
+        self._names = self._trainable()
         # Python state (an optimizer's, a scheduler's) goes back through load_state_dict,
         # so the stored structure is restored whole, new tensors included; a state dict
         # of tensors only (a module's) keeps its own structure

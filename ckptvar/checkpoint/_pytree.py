@@ -34,9 +34,10 @@ from ..errors import CheckpointMismatchError, CkptError
 from ..graph import Graph
 from ..variables import FreshValue, Shard, Variable
 from ._collective import collective_write
-from ._collective_restore import collective_restore, stage_reads
+from ._collective_restore import collective_restore
 from ._files import native_backend, open_checkpoint_reader
 from ._frameworks import FrameworkStateError, is_dtensor, tensor_variable
+from ._logical import apply_targets, as_target
 
 __all__ = ["flatten", "is_plain", "load_tree", "save_tree"]
 
@@ -341,23 +342,31 @@ def _single_device(sharding: Any) -> bool:
     return len(sharding.device_set) == 1
 
 
+def _jax_result(host: np.ndarray, like: Any, offset: tuple[int, ...]) -> Any:
+    """A jax.Array with ``like``'s sharding from ``host``, the box at ``offset`` of it."""
+    import jax  # noqa: PLC0415 - a jax value is here
+
+    shape = tuple(like.shape)
+    pieces = []
+    for dev, index in like.sharding.addressable_devices_indices_map(shape).items():
+        sl = tuple(slice(s.indices(n)[0] - o, s.indices(n)[1] - o)
+                   for s, n, o in zip(index, shape, offset, strict=False))
+        piece = np.ascontiguousarray(host[sl])  # a view when it is one run of rows
+        try:  # on the CPU, an aligned view is shared, not copied
+            pieces.append(jax.device_put(piece, dev, may_alias=True))
+        except TypeError:  # an older jax without may_alias=
+            pieces.append(jax.device_put(piece, dev))
+    return jax.make_array_from_single_device_arrays(shape, like.sharding, pieces)
+
+
 def _result(var: Variable, how: tuple[Any, ...]) -> Any:  # noqa: PLR0911 - one per kind
     kind, like = how[0], how[1]
     if kind == "dtensor":
         return like
     host = var.value()
     if kind == "jax":
-        import jax  # noqa: PLC0415
+        return _jax_result(host, like, how[2])
 
-        offset = how[2]
-        shape = tuple(like.shape)
-
-        def piece(index: Any) -> np.ndarray:
-            sl = tuple(slice(s.indices(n)[0] - o, s.indices(n)[1] - o)
-                       for s, n, o in zip(index, shape, offset, strict=False))
-            return np.ascontiguousarray(host[sl])
-
-        return jax.make_array_from_callback(shape, like.sharding, piece)
     if isinstance(like, np.generic):
         return host[()]
     if isinstance(like, np.ndarray):
@@ -419,7 +428,10 @@ def _restore_here(path: Any, pairs: list[tuple[str, Variable]], verify: bool, ca
             raise CheckpointMismatchError(
                 f"{str(path)!r} has no value for {', '.join(map(repr, missing))}; nothing "
                 "was loaded.")
-        stage_reads(reader, pairs, path, verify=verify, cast=cast).apply(path)
+        infos = {k: reader.info(k) for k, _ in pairs}
+        # the one-process restore: many values read at once, verified, then given
+        apply_targets(reader, [(k, as_target(v)) for k, v in pairs], infos, verify=verify,
+                      cast=cast)
 
 
 def load_tree(  # noqa: PLR0917

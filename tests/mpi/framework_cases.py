@@ -224,5 +224,8 @@ def main(cases: list[str]) -> None:
                 cv.load(d / "jax.h5", like={"j": t}, coordinator=coord, timeout=30)
                 report("from_jax", ok=torch.equal(t.full_tensor(), full((12, 8), 9)))
             failures(d, mesh, rank=rank, size=size, coord=coord, report=report)
+        # rank 0 hosts the c10d store the coordinator's collectives read: it must not
+        # leave while another rank still reads its last vote (a gloo barrier, no store)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
