@@ -49,7 +49,7 @@ def test_convert_to_an_unwritable_suffix_says_what_cv_save_says(
     with pytest.raises(cv.UnsupportedFormatError) as info:
         cv.save(dst, {"w": np.ones(3)})
     assert error_of(ckpt("convert", good, dst, *extra)) == str(info.value)
-    assert "writable: h5, zarr, safetensors, npz" in str(info.value)
+    assert "writable: h5, zarr, safetensors, hf-safetensors, npz" in str(info.value)
     assert not dst.exists()
 
 
