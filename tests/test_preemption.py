@@ -48,6 +48,16 @@ def _wait_for_steps(out: Path, ranks: int, at_least: int, proc: subprocess.Popen
     pytest.fail(f"the job did not reach step {at_least} in 60 s")
 
 
+def _read_step(path: Path) -> int:
+    """The step a job wrote to ``path`` (it rewrites the file: retry past an empty read)."""
+    deadline = time.monotonic() + 10
+    while True:
+        text = path.read_text()
+        if text or time.monotonic() > deadline:
+            return int(text)
+        time.sleep(0.01)
+
+
 def _restart(out: Path) -> dict[str, Any]:
     """The same job in a fresh process: what it restores."""
     subprocess.run([sys.executable, str(JOB), str(out), "report"], env=_env(), timeout=60,
@@ -71,11 +81,11 @@ def test_sigterm_saves_the_current_state_then_ends_the_process_by_sigterm(
     proc = subprocess.Popen([sys.executable, str(JOB), str(tmp_path), mode], env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     _wait_for_steps(tmp_path, 1, 20, proc)
-    seen = int((tmp_path / "step0").read_text())
+    seen = _read_step(tmp_path / "step0")
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGTERM, output  # re-delivered: ended as it would be
-    last = int((tmp_path / "step0").read_text())
+    last = _read_step(tmp_path / "step0")
     restored = _restart(tmp_path)
     _assert_restored_current_state(tmp_path, restored, seen)
     assert restored["step"] == last + 1  # the boundary right after the last finished step
@@ -89,7 +99,7 @@ def test_sigterm_under_mpiexec_makes_one_collective_save(tmp_path: Path, to: str
     proc = subprocess.Popen([mpiexec, "-n", "3", sys.executable, str(JOB), str(tmp_path), "sync"],
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     _wait_for_steps(tmp_path, 3, 10, proc)
-    seen = max(int((tmp_path / f"step{r}").read_text()) for r in range(3))
+    seen = max(_read_step(tmp_path / f"step{r}") for r in range(3))
     for r in [1] if to == "one" else [0, 1, 2]:
         os.kill(int((tmp_path / f"pid{r}").read_text()), signal.SIGTERM)
     try:
@@ -102,7 +112,7 @@ def test_sigterm_under_mpiexec_makes_one_collective_save(tmp_path: Path, to: str
     assert "Terminated" in text or "signal 15" in text or "EXIT CODE: 15" in text, text
     restored = _restart(tmp_path)  # one process restores the 3-process step
     _assert_restored_current_state(tmp_path, restored, seen)
-    steps = [int((tmp_path / f"step{r}").read_text()) for r in range(3)]
+    steps = [_read_step(tmp_path / f"step{r}") for r in range(3)]
     assert restored["step"] == max(steps) + 1  # every rank saved the same step
 
 
