@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import round2
 from benchmarks.measure import (
     PROFILE,
     AnonPeak,
@@ -32,7 +33,6 @@ from benchmarks.measure import (
     touch_and_free,
     warm_cache,
 )
-from benchmarks import round2
 from benchmarks.subjects import SUBJECT_CLASSES, CkptVar, Model, Subject, cv_segment, materialize
 from benchmarks.workloads import LAZY_KEY, Spec, make_arrays, spec_for, spec_nbytes
 

@@ -31,9 +31,9 @@ from .checkpoint import (
 )
 from .device import resolve, supports_dtype, xp_for
 from .errors import DeviceError
+from .locations import is_url
 from .storage import backend_for, open_remote_reader, paused_gc, remote_format, save_remote
 from .storage.base import Reader
-from .storage.location import is_url
 
 __all__ = ["list_variables", "load", "load_variable", "open", "save"]
 

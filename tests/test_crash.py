@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
-from ckptvar.storage._atomic import is_partial
+from ckptvar.storage.atomic import is_partial
 
 SCRIPT = textwrap.dedent(
     r'''
@@ -201,7 +201,7 @@ JOB = Path(__file__).parent / "mpi" / "crash_job.py"
 def _committed(where: str, fmt: str, opts: dict[str, object] | None) -> dict[int, str]:
     """The committed steps at ``where`` (number -> path), by the record itself (names or
     markers)."""
-    from ckptvar.storage.location import list_committed_steps, open_location, step_number
+    from ckptvar.locations import list_committed_steps, open_location, step_number
 
     if "://" in where:
         steps = list_committed_steps(open_location(where, storage_options=opts))

@@ -7,10 +7,10 @@ import logging
 
 import numpy as np
 import pytest
+from conftest import gpu_test
 
 import ckptvar as cv
 from ckptvar.device import Device, default_device, gpu_count, placement_for
-from conftest import gpu_test
 
 devmod = importlib.import_module("ckptvar.device")  # ``ckptvar.device`` is the context manager
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
-from ckptvar.storage.formats._unpickler import restricted_loads
+from ckptvar.formats._unpickler import restricted_loads
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "dcp"
 TWO = FIXTURES / "two_ranks"

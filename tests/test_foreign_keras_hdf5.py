@@ -14,8 +14,8 @@ import pytest
 
 import ckptvar as cv
 from ckptvar.errors import CorruptCheckpointError
+from ckptvar.formats import HDF5Backend, KerasBackend
 from ckptvar.storage import backend_for
-from ckptvar.storage.formats import HDF5Backend, KerasBackend
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())["files"]

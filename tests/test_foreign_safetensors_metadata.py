@@ -14,7 +14,7 @@ import pytest
 import safetensors.numpy
 
 import ckptvar as cv
-from ckptvar.storage.formats import SafetensorsBackend
+from ckptvar.formats import SafetensorsBackend
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 

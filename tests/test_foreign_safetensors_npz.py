@@ -16,7 +16,7 @@ import pytest
 
 import ckptvar as cv
 from ckptvar.errors import CorruptCheckpointError, UnsupportedFormatError
-from ckptvar.storage.formats import NpzBackend, SafetensorsBackend
+from ckptvar.formats import NpzBackend, SafetensorsBackend
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

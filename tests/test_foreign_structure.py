@@ -14,13 +14,13 @@ import pytest
 import ckptvar as cv
 from ckptvar.errors import CorruptCheckpointError
 
-PKG = Path(__file__).resolve().parent.parent / "ckptvar" / "storage" / "formats"
+PKG = Path(__file__).resolve().parent.parent / "ckptvar" / "formats"
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 
 def test_importing_ckptvar_does_not_import_h5py() -> None:
     code = (
-        "import sys, ckptvar, ckptvar.storage.formats\n"
+        "import sys, ckptvar, ckptvar.formats\n"
         "assert 'h5py' not in sys.modules, 'h5py imported'\n"
         "r = ckptvar.open(sys.argv[1]); r.close()\n"
         "assert 'h5py' in sys.modules\n"
@@ -50,7 +50,8 @@ def test_writers_share_helpers_not_each_other() -> None:
 
 
 def test_the_formats_register_through_the_registry_module() -> None:
-    from ckptvar.storage import formats, registry
+    from ckptvar import formats
+    from ckptvar.storage import registry
 
     assert not (PKG.parent / "foreign" / "__init__.py").exists(), "the old alias package is gone"
     assert registry.backend_for("m.pt") is formats.TorchBackend

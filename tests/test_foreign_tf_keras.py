@@ -23,10 +23,10 @@ import pytest
 
 import ckptvar as cv
 from ckptvar.errors import CheckpointNotFoundError, CorruptCheckpointError
-from ckptvar.storage._checksum import crc32c, mask, unmask
-from ckptvar.storage.formats._protobuf import parse
-from ckptvar.storage.formats._snappy import decompress
-from ckptvar.storage.formats._tf_index import decode_slice_key
+from ckptvar.formats._protobuf import parse
+from ckptvar.formats._snappy import decompress
+from ckptvar.formats._tf_index import decode_slice_key
+from ckptvar.storage.checksum import crc32c, mask, unmask
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 

@@ -25,7 +25,7 @@ import pytest
 
 import ckptvar as cv
 from ckptvar.errors import CkptError, CorruptCheckpointError, UnsupportedFormatError
-from ckptvar.storage.formats import TorchBackend
+from ckptvar.formats import TorchBackend
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 
@@ -131,7 +131,7 @@ def hook(event, args):
         events.append([event, repr(args)[:200]])
 sys.addaudithook(hook)
 import ckptvar as cv
-import ckptvar.storage.formats  # everything ckptvar needs is imported before arming
+import ckptvar.formats  # everything ckptvar needs is imported before arming
 cv.open, cv.CkptError  # ckptvar loads its names on first use: load them before arming
 import zipfile, io, pickle, struct, numpy, encodings.cp437  # zipfile decodes names lazily
 files = json.loads(sys.argv[1])

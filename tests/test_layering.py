@@ -230,8 +230,8 @@ def test_no_module_takes_another_packages_private_name() -> None:
 # --------------------------------------------------------------------------- storage's three ideas
 
 #: Where other tools' files are read and written, and where bytes live.
-FOREIGN_FORMATS = ["ckptvar.storage.formats"]
-LOCATIONS = ["ckptvar.storage.location"]
+FOREIGN_FORMATS = ["ckptvar.formats"]
+LOCATIONS = ["ckptvar.locations"]
 #: ckptvar's own format: the record, the containers, the multi-process layout.
 OWN_FORMAT = [f"ckptvar.storage.{m}" for m in (
     "_record", "_record_index", "_record_checks", "_plain", "_h5", "_zarr", "_zarr_files",
@@ -339,8 +339,8 @@ def test_every_module_says_in_its_first_line_what_it_owns() -> None:
 
 
 def test_the_storage_rules_see_nested_packages() -> None:
-    nested = {m for m in MODULES if m.startswith(("ckptvar.storage.formats.",
+    nested = {m for m in MODULES if m.startswith(("ckptvar.formats.",
                                                  "ckptvar.storage._container.",
-                                                 "ckptvar.storage.location."))}
-    assert {"ckptvar.storage.formats._keras", "ckptvar.storage._container.reader"} <= nested
+                                                 "ckptvar.locations."))}
+    assert {"ckptvar.formats._keras", "ckptvar.storage._container.reader"} <= nested
     assert "ckptvar.storage.registry" in MODULES

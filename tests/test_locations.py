@@ -11,7 +11,7 @@ import pytest
 from cloud._s3 import S3Bucket, make_bucket, options_for
 from conformance.locations import LocationTests
 
-from ckptvar.storage.location import LocalLocation, Location, open_location
+from ckptvar.locations import LocalLocation, Location, open_location
 
 _BUCKETS = itertools.count()
 

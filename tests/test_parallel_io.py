@@ -2,7 +2,7 @@
 
 Both ways a transfer runs are exercised on real files: spread over the threads (the
 file is in the page cache) and one sequential stream (it is not, or cannot be told),
-with ``ckptvar.storage._rawio.cached`` pinned to choose the path. Pieces are joined
+with ``ckptvar.storage.rawio.cached`` pinned to choose the path. Pieces are joined
 with ``_checksum.combine``, so damage in any piece of a value must still be caught,
 and no thread may still be reading when a call returns or raises.
 """
@@ -23,7 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckptvar as cv
-from ckptvar.storage import _checksum, _rawio
+from ckptvar.storage import checksum as _checksum
+from ckptvar.storage import rawio as _rawio
 from ckptvar.storage._container import bulk, transfer
 
 
@@ -195,7 +196,7 @@ def test_cached_probe_on_a_real_file(tmp_path: Path) -> None:
 
 def test_io_threads_setting_is_checked(tmp_path: Path) -> None:
     env = dict(os.environ, CKPTVAR_IO_THREADS="many")
-    out = subprocess.run([sys.executable, "-c", "import ckptvar.storage._rawio"],
+    out = subprocess.run([sys.executable, "-c", "import ckptvar.storage.rawio"],
                          env=env, capture_output=True, text=True, check=False)
     assert out.returncode != 0
     assert "CKPTVAR_IO_THREADS must be a whole number" in out.stderr
@@ -208,7 +209,7 @@ def test_reads_work_in_a_forked_child(tmp_path: Path) -> None:
         import os, sys
         import numpy as np
         import ckptvar as cv
-        from ckptvar.storage import _rawio
+        from ckptvar.storage import rawio as _rawio
         _rawio.IO_THREADS = 4
         _rawio.cached = lambda fd, off: True
         want = cv.load({str(p)!r})["big"]  # starts the parent's pools
@@ -230,7 +231,7 @@ def test_single_thread_setting_reads_inline(tmp_path: Path) -> None:
         import threading
         import numpy as np
         import ckptvar as cv
-        from ckptvar.storage import _rawio
+        from ckptvar.storage import rawio as _rawio
         assert _rawio.IO_THREADS == 1
         got = cv.load({str(p)!r})
         assert got["big"].shape == (2_700_000,)

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
-from ckptvar.storage._atomic import is_partial
+from ckptvar.storage.atomic import is_partial
 
 READER = r'''
 import json, sys, time

@@ -402,7 +402,7 @@ def _rewrite_record(path: Path, edit) -> None:  # type: ignore[no-untyped-def]
     if path.is_dir():
         import json
 
-        from ckptvar.storage import _checksum
+        from ckptvar.storage import checksum as _checksum
 
         file.write_bytes(new)
         meta = json.loads((path / "zarr.json").read_text())

@@ -155,7 +155,7 @@ import errno, json, os, re, sys
 from pathlib import Path
 import numpy as np
 import ckptvar as cv
-from ckptvar.storage._atomic import is_partial
+from ckptvar.storage.atomic import is_partial
 
 FINAL = re.compile(r"^ckpt-(\d+)\.(h5|zarr)$")
 
@@ -278,7 +278,7 @@ if os.path.exists(journal):
     j["stats"][settle(tags, j["target"], j["tag"], k)] += 1
     if scenario == "checkpoint":   # a crash may leave a temporary; a user deletes it
         for e in leftovers(d):
-            cv.storage._atomic.remove_path(d / e)
+            cv.storage.atomic.remove_path(d / e)
     check_dir(tags, k)
     stats = j["stats"]
     crashes = j["crashes"]

@@ -29,7 +29,8 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
-from ckptvar.storage import _checksum, _record
+from ckptvar.storage import _record
+from ckptvar.storage import checksum as _checksum
 
 MiB = 1 << 20
 
@@ -150,7 +151,7 @@ class _opened:
 
 
 def test_h5_user_block_declaring_a_huge_record(tmp_path: Path) -> None:
-    from ckptvar.storage._h5 import MAGIC, _UB
+    from ckptvar.storage._h5 import _UB, MAGIC
 
     p = cv.save(tmp_path / "x.h5", {"w": np.ones(3)})
     for off, n in [(512, 1 << 40), (1 << 62, 100), (512, (1 << 30) + 1)]:

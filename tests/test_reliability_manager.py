@@ -35,8 +35,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import ckptvar as cv
-from ckptvar.storage import _rawio
-from ckptvar.storage._atomic import is_partial
+from ckptvar.storage import rawio as _rawio
+from ckptvar.storage.atomic import is_partial
 
 FINAL = re.compile(r"^ckpt-(\d+)\.(h5|zarr)$")
 

@@ -175,11 +175,11 @@ def _leave_leftovers(d: Path, tmpdir: Path) -> dict[str, int]:
     (tree / "v").mkdir(parents=True)
     (tree / "v" / "c0").write_bytes(b"y" * 300)
     left[tree.name] = 300
-    stage = tmpdir / f"ckptvar-upload-{cv.storage.location.this_host()}-{_dead_pid()}-abc_1"
+    stage = tmpdir / f"ckptvar-upload-{cv.locations.this_host()}-{_dead_pid()}-abc_1"
     stage.mkdir()
     (stage / "ckpt-3.h5").write_bytes(b"z" * 5000)
     left[stage.name] = 5000
-    alive = tmpdir / f"ckptvar-upload-{cv.storage.location.this_host()}-{os.getpid()}-live"
+    alive = tmpdir / f"ckptvar-upload-{cv.locations.this_host()}-{os.getpid()}-live"
     alive.mkdir()  # this process's own: never touched
     return left
 
@@ -207,7 +207,7 @@ def test_ckpt_gc_removes_what_dead_saves_left_and_says_how_much(
     assert f"removed {len(left)} leftovers, {total} bytes" in done.stdout
     assert not any((d / n).exists() or (tmpdir / n).exists() for n in left)
     assert sorted(p.name for p in tmpdir.iterdir()) == [
-        f"ckptvar-upload-{cv.storage.location.this_host()}-{os.getpid()}-live"]
+        f"ckptvar-upload-{cv.locations.this_host()}-{os.getpid()}-live"]
     assert [p.name for p in d.iterdir() if not p.name.startswith(".")] == [
         "checkpoint_state.json", kept.name]
     cv.load(kept)
@@ -253,7 +253,7 @@ def test_a_save_in_flight_keeps_its_temporary_from_gc(
 
 
 def test_local_location_temporaries_are_the_ones_cleanup_knows(tmp_path: Path) -> None:
-    from ckptvar.storage.location import LocalLocation, is_partial
+    from ckptvar.locations import LocalLocation, is_partial
 
     loc = LocalLocation(tmp_path)
     with loc.open_writer("a/b.bin") as w:

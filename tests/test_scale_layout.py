@@ -242,7 +242,7 @@ def test_rows_of_a_large_stored_box_go_straight_into_the_result(
 
 
 def test_run_start_finds_one_contiguous_run_or_none() -> None:
-    from ckptvar.storage._slicing import run_start
+    from ckptvar.storage.slicing import run_start
 
     shape = (4, 5, 6)
     for sl in [(slice(1, 3), slice(0, 5), slice(0, 6)), (slice(2, 3), slice(1, 4), slice(0, 6)),

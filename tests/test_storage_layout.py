@@ -25,10 +25,10 @@ from ckptvar.storage import (
     SupportsShapeAndDtype,
     SupportsVerifyAll,
     SupportsVerifyMany,
-    _rawio,
     backend_for,
 )
-from ckptvar.storage._slicing import element_span
+from ckptvar.storage import rawio as _rawio
+from ckptvar.storage.slicing import element_span
 
 STORAGE = Path(st.__file__).parent
 ABILITIES = (SupportsShapeAndDtype, SupportsReadIntoMany, SupportsRuns, SupportsVerifyMany,

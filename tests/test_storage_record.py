@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 import ckptvar as cv
 from ckptvar.errors import CorruptCheckpointError, UnsupportedFormatError
-from ckptvar.storage._paths import container_paths, escape_key, is_valid_container_path
 from ckptvar.storage._record import Entry, Extent, Record, decode, encode
+from ckptvar.storage.paths import container_paths, escape_key, is_valid_container_path
 
 
 def good() -> dict:

@@ -502,7 +502,7 @@ def test_copy_and_deepcopy() -> None:
 
 @pytest.mark.parametrize(
     "module", ["ckptvar._naming", "ckptvar.device", "ckptvar.graph", "ckptvar.initializers",
-               "ckptvar.storage._rawio", "ckptvar.storage._checksum",
+               "ckptvar.storage.rawio", "ckptvar.storage.checksum",
                "ckptvar.variables"],
 )
 def test_module_doctests(module) -> None:

@@ -43,6 +43,7 @@ from ..distributed import (
     VariableLayout,
     gather_plan,
 )
+from ..locations import is_url
 from ..storage import (
     INDEX_FILE,
     box_key,
@@ -50,7 +51,6 @@ from ..storage import (
     pack_index,
     rank_file,
 )
-from ..storage.location import is_url
 from ..variables import Variable
 from ._collective_targets import LocalTarget, RemoteTarget, Target
 from ._files import native_backend

@@ -5,7 +5,7 @@ commit) and asks its target for the place-specific parts:
 
 - :class:`LocalTarget`: rank 0 creates a hidden temporary directory beside the final
   path; each rank writes its file into it; rank 0 writes the index, fsyncs and renames
-  the directory into place, create-only (``storage.location.publish``; needs a
+  the directory into place, create-only (``locations.publish``; needs a
   filesystem every process sees).
 - :class:`RemoteTarget`: rank 0 claims the step's key (create-only); each rank writes
   its file to a local temporary and uploads it below the step; rank 0 uploads the
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointExistsError
+from ..locations import publish, split_url, staging_directory
 from ..storage import (
     INDEX_FILE,
     RemoteStep,
@@ -30,7 +31,6 @@ from ..storage import (
     partial_path,
     remove_path,
 )
-from ..storage.location import publish, split_url, staging_directory
 from ._files import make_parents, native_backend
 
 __all__ = ["ZARR_ROOT", "LocalTarget", "RemoteTarget", "Target"]

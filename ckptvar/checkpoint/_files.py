@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CkptError, UnsupportedFormatError
+from ..locations import is_url, prune, split_url
 from ..storage import backend_for, open_remote_reader, partial_path, remove_path, save_remote
-from ..storage.location import is_url, prune, split_url
 
 __all__ = [
     "NATIVE_FORMATS",

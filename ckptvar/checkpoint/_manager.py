@@ -37,8 +37,7 @@ from ..errors import (
     DistributedTimeoutError,
     UnsupportedFormatError,
 )
-from ..storage import is_own_checkpoint, is_partial, known_formats, save_remote
-from ..storage.location import (
+from ..locations import (
     Location,
     clean_uncommitted,
     fsync_all,
@@ -53,6 +52,7 @@ from ..storage.location import (
     temporaries,
     temporary_sibling,
 )
+from ..storage import is_own_checkpoint, is_partial, known_formats, save_remote
 from ..variables import Variable
 from ._checkpoint import Checkpoint, SaveOptions
 from ._files import NATIVE_FORMATS, discard

@@ -64,7 +64,7 @@ class RestoreState:
         cast: bool = False,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        from ..storage.location import is_url  # noqa: PLC0415 - keeps the imports as they are
+        from ..locations import is_url  # noqa: PLC0415 - keeps the imports as they are
 
         # A URL stays a str (Path would mangle "s3://"); its reader reads by ranged GETs.
         self.path: Any = path if is_url(path) else Path(path)

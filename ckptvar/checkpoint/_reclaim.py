@@ -5,7 +5,7 @@ a manager's save holds a shared lock on ``.checkpoint_saving.lock`` while it wri
 so temporaries are removed only while no manager, in any process, saves there
 (the lock of a killed process is released by the kernel). At an object-store URL
 it leaves claims of dead writers and objects below uncommitted steps
-(``storage.location.uncommitted``); on this host, staging directories in ``TMPDIR``.
+(``locations.uncommitted``); on this host, staging directories in ``TMPDIR``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, CkptError
-from ..storage.location import (
+from ..locations import (
     Leftover,
     LocalLocation,
     is_url,

@@ -1,7 +1,7 @@
 """A checkpoint directory's state file ``checkpoint_state.json`` and :func:`latest_checkpoint`.
 
 The state file only caches what is committed in the directory (the manager checks
-it against the step files). It is replaced atomically (``storage.location.publish``:
+it against the step files). It is replaced atomically (``locations.publish``:
 temporary sibling, fsync, rename, fsync of the directory) and updated under an advisory lock file (``.checkpoint_state.lock``)
 so that several managers, in any process, can share a directory. It has one
 section per ``checkpoint_name`` (a manager's own list of checkpoints) and the
@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError
+from ..locations import is_url, list_committed_steps, open_location, write_atomically
 from ..storage import is_own_checkpoint, is_partial
-from ..storage.location import is_url, list_committed_steps, open_location, write_atomically
 from ._steps import StepName, parse_step_name
 
 __all__ = [

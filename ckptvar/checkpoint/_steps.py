@@ -3,7 +3,7 @@
 ``Checkpoint.save``, ``Saver.save`` (with a ``global_step``) and
 ``CheckpointManager`` name their files ``<prefix>-<step><suffix>``
 (``runs/ckpt-7.h5``, ``runs/ckpt-7.zarr``) by the one step-name grammar of
-``storage.location``; this module splits a save prefix into base, format and
+``locations``; this module splits a save prefix into base, format and
 suffix, and reads steps back with the checkpoint formats' suffixes.
 
 >>> step_name("runs/ckpt", 7, ".h5")
@@ -19,9 +19,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+from ..locations import StepName, step_name
+from ..locations import parse_step_name as parse_name
 from ..storage import backend_for, known_formats
-from ..storage.location import StepName, step_name
-from ..storage.location import parse_step_name as parse_name
 from ._files import NATIVE_FORMATS, native_backend
 
 __all__ = ["StepName", "checkpoint_suffixes", "parse_step_name", "split_format", "step_name"]
@@ -38,7 +38,7 @@ def parse_step_name(
 ) -> StepName | None:
     """Read ``name`` (a file name, no directory) as ``prefix-N.suffix``; ``None`` if it is not.
 
-    The grammar is :func:`ckptvar.storage.location.parse_step_name`'s; ``suffixes``
+    The grammar is :func:`ckptvar.locations.parse_step_name`'s; ``suffixes``
     defaults to the checkpoint formats' (:func:`checkpoint_suffixes`).
     """
     sufs = tuple(checkpoint_suffixes() if suffixes is None else suffixes)

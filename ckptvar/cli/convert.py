@@ -210,7 +210,7 @@ def _parse_metadata(spec: str) -> tuple[str, str]:
 
 def _parse_shard_size(text: str) -> int:
     try:
-        return int(cv.storage.formats.parse_shard_size(text))
+        return int(cv.formats.parse_shard_size(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

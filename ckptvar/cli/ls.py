@@ -75,7 +75,7 @@ def _manager_checkpoints(directory: Path) -> list[Path]:
 
 def _committed_steps(url: str) -> list[tuple[str, float, int]]:
     """``[(step_url, commit_time, size), ...]`` of the committed steps directly below ``url``."""
-    location = cv.storage.location
+    location = cv.locations
     loc = location.open_location(url, storage_options=storage_options())
     found = []
     for step in location.list_committed_steps(loc):

@@ -29,7 +29,7 @@ docs/formats.md describes key naming and limits per format.
 
 from __future__ import annotations
 
-from ..registry import register_backend
+from ..storage.registry import register_backend
 from ._dcp import DcpBackend
 from ._hf_sharded import HFShardedBackend, parse_shard_size
 from ._keras import HDF5Backend, KerasBackend

@@ -18,15 +18,15 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import (
+from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     MissingKeyError,
     UnsupportedFormatError,
 )
-from .._rawio import pread_exact, pread_into_exact
-from .._slicing import element_span
-from ..base import ArrayInfo, LazyArray, Reader, Writer, verify_each
+from ..storage.base import ArrayInfo, LazyArray, Reader, Writer, verify_each
+from ..storage.rawio import pread_exact, pread_into_exact
+from ..storage.slicing import element_span
 
 __all__ = [
     "MAX_HEADER_BYTES",

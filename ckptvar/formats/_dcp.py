@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import CorruptCheckpointError, MissingKeyError, UnsupportedFormatError
-from ..base import ArrayInfo, Backend, LazyArray, Reader, verify_each
+from ..errors import CorruptCheckpointError, MissingKeyError, UnsupportedFormatError
+from ..storage.base import ArrayInfo, Backend, LazyArray, Reader, verify_each
 from ._common import MAX_HEADER_BYTES, FileHandle, bounding_box, check_shape, shift_index
 from ._safetensors import SafetensorsBackend
 from ._unpickler import DCP_GLOBALS, DcpRecord, StorageRef, TensorRef, TorchDtype, safe_load

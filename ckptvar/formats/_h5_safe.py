@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...errors import CorruptCheckpointError
-from .._slicing import element_span, expand_index
-from ..base import ArrayInfo, LazyArray
+from ..errors import CorruptCheckpointError
+from ..storage.base import ArrayInfo, LazyArray
+from ..storage.slicing import element_span, expand_index
 
 if TYPE_CHECKING:
     import h5py

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import CorruptCheckpointError, MissingKeyError, UnsupportedFormatError
-from ..base import ArrayInfo, Backend, LazyArray, Reader, Writer, verify_each
+from ..errors import CorruptCheckpointError, MissingKeyError, UnsupportedFormatError
+from ..storage.base import ArrayInfo, Backend, LazyArray, Reader, Writer, verify_each
 from ._safetensors import SafetensorsBackend, SafetensorsWriter
 
 __all__ = ["HFShardedBackend", "HFShardedWriter", "parse_shard_size"]
@@ -312,7 +312,7 @@ class HFShardedWriter(Writer):
     def commit(self) -> Path:
         if self._done:
             raise ValueError(f"The writer of {str(self.path)!r} was already closed.")
-        from .._atomic import check_destination, publish, temporary_sibling
+        from ..storage.atomic import check_destination, publish, temporary_sibling
 
         check_destination(self.path, directory=True, replaceable=_is_layout_only)
         groups = self._groups()

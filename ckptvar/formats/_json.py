@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 
 __all__ = ["jsonable", "loads_json"]
 

@@ -41,10 +41,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
-from .._paths import RESERVED_PREFIX
-from .._positional import PositionalRaw
-from ..base import ArrayInfo, Backend, LazyArray, Reader
+from ..errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
+from ..locations.positional import PositionalRaw
+from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
+from ..storage.paths import RESERVED_PREFIX
 from ._common import EntryReader, check_shape
 from ._h5_safe import (
     H5_ERRORS,

@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from ..._dtypes import SUPPORTED_DTYPES, dtype_to_str, str_to_dtype
-from ...errors import CorruptCheckpointError, UnsupportedFormatError
-from ..base import ArrayInfo, Backend, LazyArray, Reader
+from .._dtypes import SUPPORTED_DTYPES, dtype_to_str, str_to_dtype
+from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
 from ._common import (
     CollectingWriter,
     EntryReader,
@@ -274,7 +274,7 @@ class NpzWriter(CollectingWriter):
 
     def commit(self) -> Path:
         self._check_open()
-        from .._atomic import check_destination, publish, temporary_sibling
+        from ..storage.atomic import check_destination, publish, temporary_sibling
 
         check_destination(self.path, directory=False)
 

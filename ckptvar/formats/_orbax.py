@@ -32,12 +32,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ...errors import (
-    CorruptCheckpointError,
-    MissingKeyError,
-    UnsupportedFormatError,
-)
-from ..base import ArrayInfo, Backend, LazyArray, Reader, verify_each
+from ..errors import CorruptCheckpointError, MissingKeyError, UnsupportedFormatError
+from ..storage.base import ArrayInfo, Backend, LazyArray, Reader, verify_each
 from ._common import bounding_box, check_shape, shift_index
 
 __all__ = ["OrbaxBackend"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import struct
 
-from ...errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 
 __all__ = ["parse", "read_varint", "signed64"]
 

@@ -34,8 +34,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ...errors import CorruptCheckpointError, UnsupportedFormatError
-from ..base import ArrayInfo, Backend, Reader
+from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from ..storage.base import ArrayInfo, Backend, Reader
 from . import _common
 from ._json import jsonable, loads_json
 
@@ -299,7 +299,7 @@ class SafetensorsWriter(_common.CollectingWriter):
     def commit(self) -> Path:
         self._check_open()
         head, buffers = self._header()
-        from .._atomic import check_destination, publish, temporary_sibling
+        from ..storage.atomic import check_destination, publish, temporary_sibling
 
         check_destination(self.path, directory=False)
 

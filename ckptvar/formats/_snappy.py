@@ -10,7 +10,7 @@ b'hello'
 
 from __future__ import annotations
 
-from ...errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from ._protobuf import read_varint
 
 __all__ = ["decompress"]

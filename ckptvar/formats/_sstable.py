@@ -19,8 +19,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator
 
-from ...errors import CorruptCheckpointError
-from .._checksum import crc32c, unmask
+from ..errors import CorruptCheckpointError
+from ..storage.checksum import crc32c, unmask
 from ._protobuf import read_varint
 
 __all__ = ["TABLE_MAGIC", "iter_table"]

@@ -29,15 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import CheckpointNotFoundError, CorruptCheckpointError
-from .._checksum import crc32c, unmask
-from ..base import ArrayInfo, Backend, LazyArray, Reader
-from ._common import (
-    MAX_HEADER_BYTES,
-    EntryReader,
-    FileArray,
-    FileHandle,
-)
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
+from ..storage.checksum import crc32c, unmask
+from ._common import MAX_HEADER_BYTES, EntryReader, FileArray, FileHandle
 from ._protobuf import parse
 from ._sstable import iter_table
 from ._tf_index import TF_DTYPE_NAMES, TF_DTYPES, BundleEntry, decode_slice_key, parse_entry

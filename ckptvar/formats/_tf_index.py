@@ -17,7 +17,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from ...errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from ._common import check_shape
 from ._protobuf import parse, signed64
 

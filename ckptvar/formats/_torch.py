@@ -27,16 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import CorruptCheckpointError, UnsupportedFormatError
-from ..base import ArrayInfo, Backend, LazyArray, Reader
-from ._common import (
-    MAX_HEADER_BYTES,
-    EntryReader,
-    FileArray,
-    FileHandle,
-    check_shape,
-    covers_whole,
-)
+from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
+from ._common import MAX_HEADER_BYTES, EntryReader, FileArray, FileHandle, check_shape, covers_whole
 from ._unpickler import StorageRef, TensorRef, TorchDtype, safe_load
 from ._zip import ZIP_ERRORS, ZipArchive, check_member_size, read_member_range, zip_crc_check
 
@@ -67,7 +60,7 @@ _SUPPORTED = {
 
 
 def _supported(dt: Any) -> bool:
-    from ..._dtypes import SUPPORTED_DTYPES
+    from .._dtypes import SUPPORTED_DTYPES
 
     return isinstance(dt, np.dtype) and (dt in _SUPPORTED or dt in SUPPORTED_DTYPES.values())
 
@@ -455,7 +448,7 @@ class TorchBackend(Backend, name="torch", suffixes=(".pt", ".pth", ".bin")):
     def open_reader(cls, path: Path) -> Reader:
         path = Path(path)
         if not path.is_file():
-            from ...errors import CheckpointNotFoundError
+            from ..errors import CheckpointNotFoundError
 
             raise CheckpointNotFoundError(f"No PyTorch file at {str(path)!r}.")
         with open(path, "rb") as f:

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import ml_dtypes
 import numpy as np
 
-from ...errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 
 __all__ = [
     "DCP_GLOBALS",

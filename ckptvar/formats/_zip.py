@@ -16,7 +16,7 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-from ...errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from ._common import FileHandle
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Where checkpoint bytes live: local directories and object stores behind one interface.
 
->>> from ckptvar.storage.location import open_location, is_url
+>>> from ckptvar.locations import open_location, is_url
 >>> is_url("s3://bucket/run") and not is_url("/tmp/run")
 True
 >>> open_location("/tmp/run").url
@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ...errors import UnsupportedFormatError
+from ..errors import UnsupportedFormatError
 from ._base import (
     DEFAULT_CONCURRENCY,
     DEFAULT_PART_SIZE,

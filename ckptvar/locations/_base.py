@@ -20,8 +20,8 @@ from typing import Self
 
 import crc32c as _crc32c
 
-from ...errors import CkptError
-from .._positional import PositionalRaw
+from ..errors import CkptError
+from .positional import PositionalRaw
 
 __all__ = [
     "Buffers",

@@ -33,7 +33,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from ...errors import CheckpointExistsError, CheckpointNotFoundError
+from ..errors import CheckpointExistsError, CheckpointNotFoundError
 from ._base import Location, clean_key
 from ._names import this_host
 

@@ -42,7 +42,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ...errors import (
+from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CkptError,

@@ -15,15 +15,8 @@ import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from ...errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
-from ._base import (
-    Buffers,
-    Location,
-    ObjectInfo,
-    ObjectWriter,
-    OnRange,
-    clean_key,
-)
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
+from ._base import Buffers, Location, ObjectInfo, ObjectWriter, OnRange, clean_key
 from ._names import is_partial, partial_path
 from ._publish import publish, write_atomically
 

@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 
 import crc32c as _crc32c
 
-from ...errors import (
+from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CkptError,

@@ -48,11 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...errors import (
-    CheckpointExistsError,
-    DestinationExistsError,
-    DestinationIsDirectoryError,
-)
+from ..errors import CheckpointExistsError, DestinationExistsError, DestinationIsDirectoryError
 from ._names import partial_path
 
 __all__ = [

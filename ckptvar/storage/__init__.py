@@ -18,9 +18,8 @@ True
 
 from __future__ import annotations
 
-from ._atomic import fsync_dir, fsync_path, is_partial, partial_path, remove_path
 from ._gc import paused_gc
-from ._rawio import snapshot
+from .atomic import fsync_dir, fsync_path, is_partial, partial_path, remove_path
 from .base import (
     ArrayInfo,
     Backend,
@@ -34,6 +33,7 @@ from .base import (
     SupportsVerifyMany,
     Writer,
 )
+from .rawio import snapshot
 from .registry import (
     backend_for,
     is_own_checkpoint,
@@ -44,7 +44,11 @@ from .registry import (
 
 # isort: split
 # The built-in backends register themselves on import, so after the registry exists.
-from . import _h5, _sharded, _zarr, formats  # noqa: F401
+from . import _h5, _sharded, _zarr  # noqa: F401
+
+# isort: split
+# Then other tools' formats (ckptvar.formats), after ckptvar's own.
+from .. import formats  # noqa: F401
 from ._h5 import external_files
 from ._remote import open_remote_reader, remote_format, save_remote
 from ._sharded import INDEX_FILE, ShardedReader, box_key, pack_index, rank_file

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
-from . import _checksum, _rawio
+from . import checksum as _checksum
+from . import rawio as _rawio
 from ._container import (
     PACKED_PATH,
     ContainerReader,
@@ -50,7 +51,6 @@ from ._container import (
 from ._container import source as _src
 from ._container.reuse import Held
 from ._container.source import RemoteFile
-from ._paths import RESERVED_PREFIX
 from ._record import (
     ARRAY,
     FORMAT_VERSION,
@@ -62,6 +62,7 @@ from ._record import (
     decode,
 )
 from .base import Backend, SupportsShared
+from .paths import RESERVED_PREFIX
 from .registry import register_backend
 
 __all__ = [

@@ -38,7 +38,6 @@ import numpy as np
 from .._dtypes import SUPPORTED_DTYPES
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ._gc import paused_gc
-from ._paths import is_valid_container_path
 from ._plain import (
     MAX_DEPTH,
     BadRecord,
@@ -70,6 +69,7 @@ from ._record_index import (
     encode_index,
     read_head,
 )
+from .paths import is_valid_container_path
 
 __all__ = [
     "BLOCK_SIZE",
@@ -105,7 +105,7 @@ _LIBRARY = "ckptvar 0.1.0"
 
 class Extent(NamedTuple):
     """Where a value's bytes are inside its container (not where the container is: that is a
-    ``storage.location.Location``).
+    ``locations.Location``).
 
     ``kind`` is ``"array"`` for a value stored as its own array at container ``path``
     (``offset``: absolute in an HDF5 file, 0 in a Zarr chunk), ``"packed"`` for a value

@@ -19,8 +19,8 @@ from itertools import chain, compress, pairwise
 from typing import Any
 
 from .._dtypes import SUPPORTED_DTYPES
-from ._paths import is_valid_container_path
 from ._plain import BadRecord, types_of
+from .paths import is_valid_container_path
 
 __all__ = [
     "BLOCK_SIZE", "COLUMNS", "ITEMSIZE", "MAX_NBYTES", "MAX_NDIM", "block_count",

@@ -26,8 +26,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ._paths import is_valid_container_path
 from ._plain import MAX_DEPTH, BadRecord, check_plain, unique_pairs
+from .paths import is_valid_container_path
 
 __all__ = [
     "INDEX_FROM", "LAYOUT_CODES", "IndexedValues", "KeyIndex", "SortedKeys", "check_packed",

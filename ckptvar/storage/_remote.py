@@ -36,13 +36,7 @@ from ..errors import (
     CorruptCheckpointError,
     UnsupportedFormatError,
 )
-from . import _checksum
-from ._container.source import RemoteFile
-from ._h5 import USERBLOCK_SIZE, H5Reader, index_regions, read_index, read_userblock, record_crc
-from ._sharded_remote import is_sharded_record, open_sharded_remote
-from ._zarr_remote import RemoteZarrReader
-from .base import Reader
-from .location import (
+from ..locations import (
     Binding,
     CommitRecord,
     Location,
@@ -55,6 +49,12 @@ from .location import (
     staging_directory,
     upload_step,
 )
+from . import checksum as _checksum
+from ._container.source import RemoteFile
+from ._h5 import USERBLOCK_SIZE, H5Reader, index_regions, read_index, read_userblock, record_crc
+from ._sharded_remote import is_sharded_record, open_sharded_remote
+from ._zarr_remote import RemoteZarrReader
+from .base import Reader
 
 __all__ = ["RECORD_CHECKSUM", "open_remote_reader", "record_checksum", "remote_format",
            "save_remote"]

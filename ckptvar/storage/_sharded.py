@@ -36,7 +36,6 @@ from ..distributed import Box, read_plan
 from ..errors import CkptError, CorruptCheckpointError, MissingKeyError
 from ._box_index import as_box, fits_whole
 from ._sharded_zarr import GridVariable, check_part, read_part
-from ._slicing import run_start, span_bounds
 from ._step_files import LocalStepFiles, StepFiles
 from .base import (
     ArrayInfo,
@@ -49,6 +48,7 @@ from .base import (
     SupportsVerifyMany,
 )
 from .registry import register_backend
+from .slicing import run_start, span_bounds
 
 __all__ = [
     "INDEX_FILE",

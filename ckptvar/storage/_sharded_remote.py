@@ -29,14 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from . import _checksum
-from ._container.source import RemoteFile
-from ._h5 import H5Reader
-from ._sharded import INDEX_FILE, ShardedReader
-from ._step_files import RemoteStepFiles
-from ._zarr_remote import RemoteZarrReader
-from .base import Reader
-from .location import (
+from ..locations import (
     Binding,
     Claim,
     CommitRecord,
@@ -47,6 +40,13 @@ from .location import (
     refuse_committed,
     upload_tree,
 )
+from . import checksum as _checksum
+from ._container.source import RemoteFile
+from ._h5 import H5Reader
+from ._sharded import INDEX_FILE, ShardedReader
+from ._step_files import RemoteStepFiles
+from ._zarr_remote import RemoteZarrReader
+from .base import Reader
 
 __all__ = ["INDEX_CHECKSUM", "RemoteStep", "is_sharded_record", "open_sharded_remote"]
 

@@ -42,12 +42,13 @@ import numpy as np
 from .._dtypes import as_dtype
 from ..distributed import Box
 from ..errors import CkptError, CorruptCheckpointError
-from . import _checksum, _rawio
-from ._atomic import fsync_all
+from . import checksum as _checksum
+from . import rawio as _rawio
 from ._container import DEFAULT_PACK_THRESHOLD
-from ._paths import container_paths, escape_key, is_valid_container_path
-from ._slicing import c_strides, run_start, span_bounds
 from ._zarr_files import GROUP_DOC, array_meta, open_in, write_file
+from .atomic import fsync_all
+from .paths import container_paths, escape_key, is_valid_container_path
+from .slicing import c_strides, run_start, span_bounds
 
 __all__ = [
     "GRID_DTYPES",

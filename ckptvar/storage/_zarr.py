@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
-from . import _checksum, _rawio
-from ._atomic import fsync_all
+from . import checksum as _checksum
+from . import rawio as _rawio
 from ._container import (
     PACKED_PATH,
     ContainerReader,
@@ -62,6 +62,7 @@ from ._zarr_files import (
     root_record_ref,
     write_file,
 )
+from .atomic import fsync_all
 from .base import Backend, SupportsShared
 from .registry import register_backend
 

@@ -28,9 +28,9 @@ from ..errors import (
     CorruptCheckpointError,
     UnsupportedFormatError,
 )
-from . import _rawio
-from ._paths import RESERVED_PREFIX
+from . import rawio as _rawio
 from ._record import FORMAT_VERSION, MAX_RECORD_NBYTES
+from .paths import RESERVED_PREFIX
 
 __all__ = [
     "GROUP_DOC",

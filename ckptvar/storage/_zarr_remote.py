@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
-from . import _checksum
+from . import checksum as _checksum
 from ._container import PACKED_PATH, ContainerReader, Source
 from ._container.source import RemoteFile
 from ._record import PACKED, Entry, Record, decode

@@ -1,6 +1,6 @@
 """Atomic publication of a checkpoint file or directory: the rename strategy's names.
 
-They live in :mod:`ckptvar.storage.location` (``_publish``: how a save becomes
+They live in :mod:`ckptvar.locations` (``_publish``: how a save becomes
 visible, by rename or by marker), where the local location uses them too; this
 module keeps the names the container writers and foreign writers import.
 
@@ -12,7 +12,7 @@ False
 
 from __future__ import annotations
 
-from .location import (
+from ..locations import (
     check_destination,
     fsync_all,
     fsync_dir,

@@ -30,7 +30,7 @@ from email.utils import formatdate
 from pathlib import Path
 from typing import Any
 
-from ckptvar.storage.location import ObjectStoreLocation, open_location
+from ckptvar.locations import ObjectStoreLocation, open_location
 
 #: Azurite's pinned version (npm), and its well-known development account.
 AZURITE_VERSION = "3.35.0"

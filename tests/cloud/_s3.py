@@ -9,7 +9,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from ckptvar.storage.location import ObjectStoreLocation, open_location
+from ckptvar.locations import ObjectStoreLocation, open_location
 
 
 def make_bucket(endpoint: str, name: str) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
-from ckptvar.storage.location import (
+from ckptvar.locations import (
     commit,
     latest_committed_step,
     list_committed_steps,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
-from ckptvar.storage.location import CommitRecord, marker_key, read_commit
+from ckptvar.locations import CommitRecord, marker_key, read_commit
 
 from ._s3 import S3Bucket
 

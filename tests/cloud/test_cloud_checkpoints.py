@@ -13,8 +13,7 @@ import zarr
 
 import ckptvar as cv
 from ckptvar.errors import CheckpointExistsError
-from ckptvar.storage._checksum import value_checksum
-from ckptvar.storage.location import (
+from ckptvar.locations import (
     ObjectStoreLocation,
     StorageError,
     commit,
@@ -25,6 +24,7 @@ from ckptvar.storage.location import (
     read_commit,
     upload_step,
 )
+from ckptvar.storage.checksum import value_checksum
 
 from ._s3 import FaultProxy, S3Bucket
 

@@ -12,7 +12,7 @@ import pytest
 
 import ckptvar as cv
 from ckptvar.errors import CheckpointExistsError
-from ckptvar.storage.location import (
+from ckptvar.locations import (
     LocalLocation,
     Location,
     clean_uncommitted,
@@ -158,7 +158,7 @@ def test_commit_race_threads(s3: S3Bucket) -> None:
 
 _PROCESS_RACER = r"""
 import sys, time
-from ckptvar.storage.location import open_location, commit
+from ckptvar.locations import open_location, commit
 from ckptvar.errors import CheckpointExistsError
 url, name, start_at, endpoint = sys.argv[1:5]
 opts = {"endpoint": endpoint, "access_key_id": "t", "secret_access_key": "t",

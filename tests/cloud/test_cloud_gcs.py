@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
-from ckptvar.storage.location import (
+from ckptvar.locations import (
     LocalLocation,
     StorageError,
     clean_uncommitted,

@@ -13,12 +13,7 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
-from ckptvar.storage.location import (
-    StorageError,
-    latest_committed_step,
-    list_committed_steps,
-    read_commit,
-)
+from ckptvar.locations import StorageError, latest_committed_step, list_committed_steps, read_commit
 
 from ._s3 import FaultProxy, S3Bucket
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import ckptvar as cv
-from ckptvar.storage.location import (
+from ckptvar.locations import (
     LocalLocation,
     ObjectStoreLocation,
     StorageError,
@@ -88,7 +88,7 @@ def test_credentials_and_endpoint_from_environment(s3: S3Bucket) -> None:
         "AWS_ALLOW_HTTP": "true",
     }
     code = (
-        "import sys\nfrom ckptvar.storage.location import open_location\n"
+        "import sys\nfrom ckptvar.locations import open_location\n"
         "loc = open_location(sys.argv[1])\nloc.put('env.txt', b'from env')\n"
         "print(loc.read('env.txt').decode())\n"
     )
@@ -110,7 +110,7 @@ def test_without_the_cloud_extra_a_url_names_the_extra(tmp_path: Path) -> None:
     blocker.mkdir()
     (blocker / "__init__.py").write_text("raise ImportError('not installed')\n")
     code = (
-        "from ckptvar.storage.location import open_location\n"
+        "from ckptvar.locations import open_location\n"
         "import ckptvar as cv\n"
         "try:\n    open_location('s3://b/k')\nexcept cv.CkptError as e:\n    print(e)\n"
     )

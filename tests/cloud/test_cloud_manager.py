@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
-from ckptvar.storage.location import list_committed_steps, marker_key, read_commit
+from ckptvar.locations import list_committed_steps, marker_key, read_commit
 
 from ._s3 import S3Bucket
 

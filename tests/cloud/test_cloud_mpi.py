@@ -13,7 +13,7 @@ from test_distributed_mpi import _mpi_skip_reason, run_mpi
 
 import ckptvar as cv
 from ckptvar.errors import CorruptCheckpointError
-from ckptvar.storage.location import read_commit
+from ckptvar.locations import read_commit
 
 from ._s3 import S3Bucket
 from .test_cloud_cli import _ckpt

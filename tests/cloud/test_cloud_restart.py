@@ -16,7 +16,7 @@ import pytest
 
 import ckptvar as cv
 from ckptvar.errors import CheckpointExistsError
-from ckptvar.storage.location import (
+from ckptvar.locations import (
     CLAIM_SUFFIX,
     Claim,
     Holder,
@@ -264,7 +264,7 @@ def test_a_killed_writer_not_yet_reaped_is_gone(s3: S3Bucket) -> None:
     """A zombie (killed, its parent has not waited for it) holds no claim."""
     import signal
 
-    from ckptvar.storage.location import process_alive
+    from ckptvar.locations import process_alive
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

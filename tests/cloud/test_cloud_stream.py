@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
+from ckptvar.locations import read_commit
 from ckptvar.storage._container import bulk
-from ckptvar.storage.location import read_commit
 
 from ._s3 import FaultProxy, S3Bucket
 

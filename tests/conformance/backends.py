@@ -18,9 +18,9 @@ import pytest
 from ckptvar._dtypes import SUPPORTED_DTYPES
 from ckptvar.errors import CheckpointNotFoundError, CorruptCheckpointError, MissingKeyError
 from ckptvar.storage import backend_for
-from ckptvar.storage._atomic import is_partial
 from ckptvar.storage._container import ContainerReader
 from ckptvar.storage._record import BLOCK_SIZE
+from ckptvar.storage.atomic import is_partial
 
 __all__ = ["ODD_KEYS", "BackendTests", "sample"]
 

@@ -20,7 +20,7 @@ import pytest
 
 import ckptvar as cv
 from ckptvar.errors import CheckpointExistsError
-from ckptvar.storage.location import Location
+from ckptvar.locations import Location
 
 __all__ = ["LocationTests"]
 

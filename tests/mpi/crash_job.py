@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 import ckptvar as cv
-from ckptvar.storage.location import (
+from ckptvar.locations import (
     STAGING_PREFIX,
     is_partial,
     list_committed_steps,

@@ -24,8 +24,8 @@ import os
 import resource
 import sys
 import time
-import tracemalloc
 import traceback
+import tracemalloc
 from pathlib import Path
 
 import numpy as np

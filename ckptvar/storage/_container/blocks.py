@@ -28,7 +28,8 @@ from typing import Any
 import crc32c as _crc32c
 import numpy as np
 
-from .. import _checksum, _rawio
+from .. import checksum as _checksum
+from .. import rawio as _rawio
 from .._record import BLOCK_SIZE, Entry, block_count
 from . import source as _src
 

@@ -21,7 +21,8 @@ import crc32c as _crc32c
 import numpy as np
 
 from ...errors import CorruptCheckpointError
-from .. import _checksum, _rawio
+from .. import checksum as _checksum
+from .. import rawio as _rawio
 from .._record import ARRAY, PACKED, Entry
 from . import source as _src
 from .access import PARALLEL_FROM, ValueAccess, compare, destination, entries, parallel

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..._dtypes import SUPPORTED_DTYPES
 from ...errors import CorruptCheckpointError
-from .._paths import RESERVED_PREFIX
+from ..paths import RESERVED_PREFIX
 
 __all__ = [
     "ALIGN",

@@ -24,10 +24,12 @@ import numpy as np
 
 from ..._dtypes import SUPPORTED_DTYPES
 from ...errors import CorruptCheckpointError, MissingKeyError
-from .. import _checksum, _rawio, base
+from .. import base
+from .. import checksum as _checksum
+from .. import rawio as _rawio
 from .._record import ARRAY, PACKED, Entry, Record
-from .._slicing import element_span
 from ..base import ArrayInfo, LazyArray, Reader, verify_each
+from ..slicing import element_span
 from . import access, bulk
 from . import source as _src
 from .blocks import SpanError, blocks_agree, hash_range, read_span

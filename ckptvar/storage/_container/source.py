@@ -4,7 +4,7 @@ Owns the few calls the readers make on a value's source (:class:`.layout.Source`
 ``fd``): ``pread_into``, ``preadv_all``, ``close``, ``map_all`` and ``cached``.
 A local source is an ``int`` descriptor and takes the same ``preadv`` path as
 before (one type check per call); a :class:`RemoteFile` reads ranges of one
-object (or a window of it) through a :class:`~ckptvar.storage.location.Location`:
+object (or a window of it) through a :class:`~ckptvar.locations.Location`:
 each read is ranged GETs straight into the caller's buffer, in parallel.
 """
 
@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .. import _rawio
+from .. import rawio as _rawio
 
 __all__ = ["RemoteFile", "cached", "close", "map_all", "pread_into", "preadv_all"]
 

@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from ...errors import CkptError, CorruptCheckpointError
-from .. import _checksum, _rawio
+from .. import checksum as _checksum
+from .. import rawio as _rawio
 from .._record import Entry
 from .access import ValueAccess, compare
 from .source import RemoteFile

@@ -17,7 +17,8 @@ from typing import TypeVar
 import numpy as np
 
 from ...errors import CorruptCheckpointError
-from .. import _checksum, _rawio
+from .. import checksum as _checksum
+from .. import rawio as _rawio
 from .._record import Entry
 from . import source as _src
 from .access import ValueAccess, compare

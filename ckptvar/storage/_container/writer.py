@@ -23,12 +23,13 @@ import crc32c as _crc32c
 import numpy as np
 
 from ..._dtypes import SUPPORTED_DTYPES, as_dtype, dtype_to_str
-from .. import _checksum, _rawio
-from .._atomic import check_destination, publish, temporary_sibling
-from .._paths import container_paths
+from .. import checksum as _checksum
+from .. import rawio as _rawio
 from .._plain import check_plain
 from .._record import PACKED, ZARR, Extent, ValueColumns, encode_columns
+from ..atomic import check_destination, publish, temporary_sibling
 from ..base import Writer
+from ..paths import container_paths
 from .blocks import BLOCK_SIZE, hash_blocks
 from .layout import ALIGN, pack_limit
 from .reuse import Held, match
