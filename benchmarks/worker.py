@@ -71,10 +71,13 @@ def run_one(job: dict[str, Any]) -> tuple[dict[str, Any], bool]:
                 "traceback": traceback.format_exc()[-2000:]}, False
 
 
+_CKPTVAR = ("ckptvar", "ckptvar.io", "ckptvar.checkpoint", "ckptvar.storage")
 #: What each subject imports: a server imports it once, before forking measurements.
 PRELOAD = {"safetensors": ("safetensors", "safetensors.numpy"), "torch": ("torch",),
            "h5py": ("h5py",), "zarr": ("zarr",), "tf": ("tensorflow",),
-           "ckptvar": ("ckptvar",), "ckptvar_torch": ("ckptvar", "torch"),
+           # ckptvar loads its public names on first use: import what `import ckptvar`
+           # imported before that (io, checkpoint, storage; not h5py or zarr)
+           "ckptvar": _CKPTVAR, "ckptvar_torch": (*_CKPTVAR, "torch"),
            "safetensors_torch": ("safetensors.torch",)}
 
 
