@@ -87,8 +87,14 @@ class ZarrWriter(ContainerWriter):
         *,
         compression: str | None = None,
         compression_level: int | None = None,
+        copies: list[tuple[str, str]] | None = None,
         **options: Any,
     ) -> None:
+        """``copies``: a reused chunk file (or array document) is not linked but listed
+        there as ``(path in the base, path in the new checkpoint)``, both relative, for
+        the caller to copy (an object store's incremental step: ``base`` then holds
+        only the base's record, read from the store)."""
+        self.copies = copies
         if compression in (False, "none"):
             compression = None
         if compression is not None and compression not in _CODECS:
@@ -135,7 +141,10 @@ class ZarrWriter(ContainerWriter):
                 self._write_compressed(tmp, it, sdt)
 
     def _write(self, tmp: Path, plan: WritePlan) -> None:
-        tree = _Tree(tmp, [] if self.durable else None)
+        deferred = None
+        if self.copies is not None and self.base is not None:
+            deferred = (self.base, self.copies)
+        tree = _Tree(tmp, [] if self.durable else None, deferred)
         raw = self.compression is None
         # 1. the bytes, straight from the buffers (hashing runs meanwhile)
         arr_dirs = tree.write_chunks(plan.arrays, raw)
@@ -223,8 +232,11 @@ def _doc(doc: dict[str, Any]) -> bytes:
 class _Tree:
     """The directories and files of a Zarr checkpoint being written under ``root``."""
 
-    def __init__(self, root: Path, sync: list[Path] | None) -> None:
+    def __init__(self, root: Path, sync: list[Path] | None,
+                 deferred: tuple[Path, list[tuple[str, str]]] | None = None) -> None:
         self.root = root
+        #: ``(base, copies)``: links are listed in ``copies`` (relative), not made
+        self.deferred = deferred
         #: Files to fsync (None when the write is not durable), and every directory made.
         self.sync = sync
         self.dirs: list[Path] = [root]
@@ -237,6 +249,11 @@ class _Tree:
     def link(self, source: str, path: Path) -> None:
         """``path`` becomes another name of the committed chunk file ``source`` (zero copy);
         a copy where the file system has no hard links or ``source`` is on another one."""
+        if self.deferred is not None:
+            base, copies = self.deferred
+            copies.append((Path(source).relative_to(base).as_posix(),
+                           path.relative_to(self.root).as_posix()))
+            return
         try:
             os.link(source, path, follow_symlinks=False)
         except OSError as exc:

@@ -1,0 +1,107 @@
+"""Incremental steps on an object store (local S3 server): a Zarr step's unchanged values are
+server-side copies of the previous step's chunk objects (no byte through the client, counted
+by a TCP proxy), and the step stands alone once the older one is pruned; HDF5 writes full
+steps and says so."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import ckptvar as cv
+from ckptvar.locations import list_committed_steps
+
+from ._s3 import FaultProxy, S3Bucket
+
+FROZEN = (512, 1024)  # 2 MiB of float32: the unchanged value
+HEAD = (16, 16)
+
+
+def _model() -> tuple[cv.Checkpoint, cv.Variable, cv.Variable]:
+    rng = np.random.default_rng(0)
+    frozen = cv.Variable(rng.standard_normal(FROZEN).astype(np.float32), name="frozen")
+    head = cv.Variable(np.zeros(HEAD, np.float32), name="head")
+    return cv.Checkpoint(frozen=frozen, head=head), frozen, head
+
+
+def test_unchanged_values_are_server_side_copies(s3: S3Bucket, proxy: FaultProxy) -> None:
+    opts = {**s3.storage_options, "endpoint": proxy.endpoint}
+    run = f"{s3.url}/run"
+    ckpt, frozen, head = _model()
+    manager = cv.CheckpointManager(ckpt, run, max_to_keep=1, format="zarr",
+                                   storage_options=opts, incremental=True, pack_threshold=0)
+    proxy.reset_counts()
+    first = manager.save()
+    full_up = proxy.bytes_up
+    assert full_up > frozen.numpy().nbytes  # the first step is written whole
+
+    head.assign_add(1.0)
+    proxy.reset_counts()
+    second = manager.save()
+    step_up = proxy.bytes_up
+    # the frozen value (2 MiB) is not sent again: only the head, documents, record, marker
+    assert step_up < 64 * 1024, step_up
+    assert step_up < full_up / 20
+
+    # the older step is pruned (max_to_keep=1): the new one stands alone, bit-exact
+    loc = s3.location("run")
+    assert list_committed_steps(loc) == ["ckpt-2.zarr"]
+    assert not any(o.key.startswith("ckpt-1.") for o in loc.list())
+    assert manager.checkpoints == [second] and first != second
+    got = cv.load(second, storage_options=s3.storage_options)
+    assert np.array_equal(got["frozen"], frozen.numpy())
+    assert np.array_equal(got["head"], head.numpy())
+    with cv.open(second, storage_options=s3.storage_options) as r:
+        for key in r.keys():
+            r.verify(key)  # every checksum holds (raises otherwise)
+
+    # a plain zarr reader sees the copied value by name, as in any step
+    zarr = pytest.importorskip("zarr")
+    store = zarr.storage.ObjectStore(loc.zarr_store("ckpt-2.zarr"), read_only=True)
+    group = zarr.open_group(store, mode="r")
+    assert np.array_equal(np.asarray(group["frozen"][...]), frozen.numpy())
+
+
+def test_changed_and_hashed_values_are_written(s3: S3Bucket, proxy: FaultProxy) -> None:
+    """A changed variable is uploaded again; a new manager (no versions known) compares by
+    checksums and copies what the base holds; the last step loads with the others gone."""
+    opts = {**s3.storage_options, "endpoint": proxy.endpoint}
+    run = f"{s3.url}/run"
+    nbytes = int(np.prod(FROZEN)) * 4
+    ckpt, frozen, _ = _model()
+    manager = cv.CheckpointManager(ckpt, run, max_to_keep=None, format="zarr",
+                                   storage_options=opts, incremental=True, pack_threshold=0)
+    manager.save()
+    frozen.assign(frozen.numpy() * 2)
+    proxy.reset_counts()
+    manager.save()
+    assert proxy.bytes_up > nbytes  # changed: written
+    restarted = cv.CheckpointManager(ckpt, run, max_to_keep=None, format="zarr",
+                                     storage_options=opts, incremental=True, pack_threshold=0)
+    proxy.reset_counts()
+    last = restarted.save()
+    assert proxy.bytes_up < nbytes / 20, proxy.bytes_up  # equal checksums: copied
+    loc = s3.location("run")
+    for name in ("ckpt-1.zarr", "ckpt-2.zarr"):  # the older steps gone, marker and data
+        loc.delete([o.key for o in loc.list() if o.key.startswith(name)])
+    assert list_committed_steps(loc) == ["ckpt-3.zarr"]
+    got = cv.load(last, storage_options=s3.storage_options)
+    assert np.array_equal(got["frozen"], frozen.numpy())
+
+
+def test_hdf5_on_an_object_store_writes_full_steps(s3: S3Bucket, proxy: FaultProxy,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    opts = {**s3.storage_options, "endpoint": proxy.endpoint}
+    ckpt, frozen, head = _model()
+    with caplog.at_level(logging.WARNING, logger="ckptvar"):
+        manager = cv.CheckpointManager(ckpt, f"{s3.url}/run", max_to_keep=1, format="h5",
+                                       storage_options=opts, incremental=True)
+    assert "writes full steps" in caplog.text
+    manager.save()
+    head.assign_add(1.0)
+    proxy.reset_counts()
+    last = manager.save()
+    assert proxy.bytes_up > frozen.numpy().nbytes  # whole
+    assert np.array_equal(cv.load(last, storage_options=s3.storage_options)["head"], head.numpy())
