@@ -6,12 +6,13 @@ steps and says so."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import ckptvar as cv
-from ckptvar.locations import list_committed_steps
+from ckptvar.locations import list_committed_steps, open_location
 
 from ._s3 import FaultProxy, S3Bucket
 
@@ -105,3 +106,22 @@ def test_hdf5_on_an_object_store_writes_full_steps(s3: S3Bucket, proxy: FaultPro
     last = manager.save()
     assert proxy.bytes_up > frozen.numpy().nbytes  # whole
     assert np.array_equal(cv.load(last, storage_options=s3.storage_options)["head"], head.numpy())
+
+
+def test_location_copy_on_the_server_and_locally(s3: S3Bucket, proxy: FaultProxy,
+                                                 tmp_path: Path) -> None:
+    """``Location.copy``: the bytes arrive at the new key; on S3 none pass the client."""
+    data = np.random.default_rng(1).bytes(1 << 20)
+    remote = s3.location(endpoint=proxy.endpoint)
+    local = open_location(str(tmp_path))
+    for loc in (remote, local):
+        loc.put("a/x", data)
+        proxy.reset_counts()
+        loc.copy("a/x", "b/y")
+        assert loc.read("b/y") == data
+        with pytest.raises(cv.CheckpointNotFoundError):
+            loc.copy("a/missing", "b/z")
+    remote.put("c/x", data)
+    proxy.reset_counts()
+    remote.copy("c/x", "d/y")
+    assert proxy.bytes_up < 4096 and proxy.bytes_down < 4096  # only the request itself
