@@ -55,7 +55,7 @@ def test_unchanged_values_are_server_side_copies(s3: S3Bucket, proxy: FaultProxy
     assert np.array_equal(got["frozen"], frozen.numpy())
     assert np.array_equal(got["head"], head.numpy())
     with cv.open(second, storage_options=s3.storage_options) as r:
-        for key in r.keys():
+        for key in list(r.keys()):
             r.verify(key)  # every checksum holds (raises otherwise)
 
     # a plain zarr reader sees the copied value by name, as in any step
@@ -125,3 +125,40 @@ def test_location_copy_on_the_server_and_locally(s3: S3Bucket, proxy: FaultProxy
     proxy.reset_counts()
     remote.copy("c/x", "d/y")
     assert proxy.bytes_up < 4096 and proxy.bytes_down < 4096  # only the request itself
+
+
+def test_background_saves_and_an_unreadable_base(s3: S3Bucket, proxy: FaultProxy,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Background saves build on the step committed before them; a base whose record
+    cannot be read is logged and the step is written whole (never a copy of nothing)."""
+    opts = {**s3.storage_options, "endpoint": proxy.endpoint}
+    nbytes = int(np.prod(FROZEN)) * 4
+    ckpt, frozen, head = _model()
+    manager = cv.CheckpointManager(ckpt, f"{s3.url}/run", max_to_keep=1, format="zarr",
+                                   storage_options=opts, incremental=True, pack_threshold=0,
+                                   async_save=True)
+    manager.save()
+    head.assign_add(1.0)  # after step 1's snapshot: a change for step 2
+    manager.wait_until_finished()
+    proxy.reset_counts()
+    manager.save()  # copies frozen from step 1
+    manager.wait_until_finished()
+    assert proxy.bytes_up < nbytes / 20, proxy.bytes_up
+    loc = s3.location("run")
+    loc.delete("ckpt-2.zarr/_ckptvar/record/c.0")  # the base's record is gone
+    head.assign_add(1.0)
+    proxy.reset_counts()
+    with caplog.at_level(logging.WARNING, logger="ckptvar"):
+        last = manager.save()
+        manager.wait_until_finished()
+    assert "cannot read the base" in caplog.text
+    assert proxy.bytes_up > nbytes
+    got = cv.load(last, storage_options=s3.storage_options)
+    assert np.array_equal(got["frozen"], frozen.numpy()) and got["head"][0, 0] == 2
+    for _ in range(2):  # back to back: each builds on the one before, pruned after it
+        head.assign_add(1.0)
+        last = manager.save()
+    manager.wait_until_finished()
+    assert manager.checkpoints == [last]
+    got = cv.load(last, storage_options=s3.storage_options)
+    assert np.array_equal(got["frozen"], frozen.numpy()) and got["head"][0, 0] == 4
