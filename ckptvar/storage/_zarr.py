@@ -70,6 +70,10 @@ __all__ = ["RECORD_PATH", "ZarrBackend", "ZarrReader", "ZarrWriter", "chunk_key"
 
 _CODECS = ("zstd", "gzip", "blosc")
 
+#: The largest object one server-side copy takes (S3 ``CopyObject``): a larger reused chunk
+#: of an object-store step is written again instead.
+COPY_LIMIT = 5 * 2**30
+
 
 class ZarrWriter(ContainerWriter):
     """Writes one ``.zarr`` directory (see the module docstring)."""
@@ -120,6 +124,16 @@ class ZarrWriter(ContainerWriter):
             return Held(os.fspath(base / path / chunk_key(len(entry.shape))), path, 0)
 
         return record, holder
+
+    def _match_base(self, plan: WritePlan, base: Path) -> None:
+        """As every container's; a chunk to be copied on a server must fit one copy."""
+        super()._match_base(plan, base)
+        if self.copies is None:
+            return
+        for it in plan.arrays:
+            if it.held is not None and it.nbytes > COPY_LIMIT:
+                it.held = None  # written (and hashed) like a changed value
+        self.reused = [it.key for it in plan.arrays if it.held is not None]
 
     def _array_loc(self, it: ValueWrite) -> Extent:
         if self.compression is not None:

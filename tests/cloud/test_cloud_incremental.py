@@ -162,3 +162,23 @@ def test_background_saves_and_an_unreadable_base(s3: S3Bucket, proxy: FaultProxy
     assert manager.checkpoints == [last]
     got = cv.load(last, storage_options=s3.storage_options)
     assert np.array_equal(got["frozen"], frozen.numpy()) and got["head"][0, 0] == 4
+
+
+def test_a_chunk_larger_than_one_copy_is_uploaded(s3: S3Bucket, proxy: FaultProxy,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """S3 copies at most 5 GiB per request: a larger unchanged chunk is written again
+    (shown with the limit lowered to 1 MiB), the step whole and bit-exact."""
+    from ckptvar.storage import _zarr
+
+    monkeypatch.setattr(_zarr, "COPY_LIMIT", 1 << 20)
+    opts = {**s3.storage_options, "endpoint": proxy.endpoint}
+    ckpt, frozen, head = _model()
+    manager = cv.CheckpointManager(ckpt, f"{s3.url}/run", max_to_keep=1, format="zarr",
+                                   storage_options=opts, incremental=True, pack_threshold=0)
+    manager.save()
+    head.assign_add(1.0)
+    proxy.reset_counts()
+    last = manager.save()
+    assert proxy.bytes_up > frozen.numpy().nbytes
+    got = cv.load(last, storage_options=s3.storage_options)
+    assert np.array_equal(got["frozen"], frozen.numpy()) and got["head"][0, 0] == 1
