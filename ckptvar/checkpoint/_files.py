@@ -19,7 +19,14 @@ from typing import Any
 
 from ..errors import CkptError, UnsupportedFormatError
 from ..locations import is_url, prune, split_url
-from ..storage import backend_for, open_remote_reader, partial_path, remove_path, save_remote
+from ..storage import (
+    backend_for,
+    open_remote_reader,
+    partial_path,
+    remove_path,
+    save_remote,
+    save_remote_incremental,
+)
 
 __all__ = [
     "NATIVE_FORMATS",
@@ -109,8 +116,9 @@ def write_file(
     storage_options: Mapping[str, Any] | None = None,
     *,
     pack_threshold: int | None = None,
-    base: Path | None = None,
+    base: Path | str | None = None,
     known: Mapping[str, bool] | None = None,
+    copies: list[tuple[str, str]] | None = None,
 ) -> str:
     """Write one checkpoint atomically (temporary sibling, fsync, rename); returns its path.
 
@@ -119,11 +127,23 @@ def write_file(
     knows unchanged or changed, by key).
 
     At an object-store URL: written to a local temporary, streamed up and committed by
-    marker (:func:`ckptvar.storage._remote.save_remote`); returns the URL.
+    marker (:func:`ckptvar.storage._remote.save_remote`); returns the URL. There an
+    incremental Zarr step (``base``: the URL of a committed step beside it) takes its
+    unchanged values as server-side copies of the base's chunk objects; an HDF5 step
+    (one object, which a copy cannot take in part) is written whole.
+    ``copies`` (a local Zarr write): reused files are listed there, not linked.
     ``pack_threshold``: the writer's (docs/FORMAT.md, "Writer options"; None: its default).
     """
     if is_url(path):
         fmt = native_backend(os.fspath(path), format).name
+        if base is not None and fmt == "zarr":
+            return save_remote_incremental(
+                os.fspath(path), os.fspath(base),
+                lambda tmp, record, listed: write_file(
+                    tmp, fmt, arrays, meta, pack_threshold=pack_threshold, base=record,
+                    known=known, copies=listed),
+                storage_options,
+            )
         return str(save_remote(
             os.fspath(path),
             lambda tmp: write_file(tmp, fmt, arrays, meta, pack_threshold=pack_threshold),
@@ -131,7 +151,9 @@ def write_file(
         ))
     options: dict[str, Any] = {"durable": True, "pack_threshold": pack_threshold}
     if base is not None:
-        options.update(base=base, known=known or {})
+        options.update(base=Path(base), known=known or {})
+    if copies is not None:
+        options.update(copies=copies)
     written: str | Path = write_values(Path(path), native_backend(path, format), arrays, meta,
                                        **options)
     return os.fspath(written)

@@ -36,7 +36,7 @@ logger = logging.getLogger("ckptvar")
 class IncrementalSave:
     """One incremental save: its base step, what is known about each value, the versions."""
 
-    base: Path | None
+    base: Path | str | None  # a local path, or the URL of a step on an object store
     known: dict[str, bool]
     versions: dict[str, tuple[int, int]] = field(default_factory=dict)
     owner: Incremental | None = None
@@ -44,7 +44,7 @@ class IncrementalSave:
     def committed(self, path: str | os.PathLike[str]) -> None:
         """The step is durable: the next save builds on it."""
         if self.owner is not None:
-            self.owner.remember(Path(path).name, self.versions)
+            self.owner.remember(_name(path), self.versions)
 
 
 class Incremental:
@@ -57,7 +57,7 @@ class Incremental:
     def remember(self, name: str, versions: dict[str, tuple[int, int]]) -> None:
         self._name, self._versions = name, versions
 
-    def start(self, base: Path | None, variables: Mapping[str, Any]) -> IncrementalSave:
+    def start(self, base: Path | str | None, variables: Mapping[str, Any]) -> IncrementalSave:
         """The save of ``variables`` (key -> ``cv.Variable`` or a logical value) on ``base``.
 
         Call before the values are read: a write that lands after is counted as a change.
@@ -69,13 +69,18 @@ class Incremental:
                 if version is not None:
                     versions[key] = version
         known: dict[str, bool] = {}
-        if base is not None and base.name == self._name:
+        if base is not None and _name(base) == self._name:
             old = self._versions
             for key, now in versions.items():
                 before = old.get(key)
                 if before is not None:
                     known[key] = before == now
         return IncrementalSave(base, known, versions, self)
+
+
+def _name(path: str | os.PathLike[str]) -> str:
+    """A step's name: the last part of its path or URL."""
+    return os.fspath(path).rstrip("/").rpartition("/")[2]
 
 
 #: ``external_files`` by (path, inode, size, mtime): a committed step never changes.

@@ -175,12 +175,16 @@ class CheckpointManager:
         persistent_every: int = 1,
     ) -> None:
         _check_arguments(checkpoint, max_to_keep, checkpoint_name, format)
-        if incremental and (is_url(directory) or (coordinator is not None
-                                                    and coordinator.size > 1)):
+        if incremental and coordinator is not None and coordinator.size > 1:
             raise CkptError(
-                "incremental=True is not supported yet on an object store or with a "
-                "coordinator of more than one process; save full steps there."
+                "incremental=True is not supported yet with a coordinator of more than one "
+                "process; save full steps there."
             )
+        if incremental and is_url(directory) and format != "zarr":
+            logger.warning(
+                "incremental=True on an object store (%s) with format=%r writes full steps: "
+                "an HDF5 step is one object, which a server-side copy cannot take in part; "
+                "use format='zarr' to copy unchanged values on the server.", directory, format)
         #: ``incremental=True``: the last committed step this manager builds on
         self._incremental = Incremental() if incremental else None
         self._checkpoint = checkpoint
@@ -678,8 +682,18 @@ class CheckpointManager:
             options,
             number=number,
             on_commit=lambda _path: self._record_remote(step),
+            incremental=None if self._incremental is None else self._remote_base,
         )
         return str(result) if isinstance(result, str) else str(result.path)
+
+    def _remote_base(self, variables: Mapping[str, Any]) -> Any:
+        """An incremental save on an object store: its base is the latest committed step
+        (read when the save starts, after the one before it committed); Zarr only."""
+        assert self._incremental is not None
+        entries = self._section["checkpoints"]
+        base = (self._full(entries[-1]["path"])
+                if entries and self.format == "zarr" else None)
+        return self._incremental.start(base, variables)
 
     def restore_or_initialize(self) -> str | None:
         """Restore the newest checkpoint that loads; else call ``init_fn``. Returns the path.

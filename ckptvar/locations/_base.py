@@ -266,6 +266,14 @@ class Location(ABC):
                 dst.write(view[:n])
         return dst.crc32c
 
+    def copy(self, source: str, key: str) -> None:
+        """Store at ``key`` a copy of the object at ``source`` (both in this location).
+
+        An object store copies on the server (no byte through this process); this default
+        reads and writes it. A missing ``source`` raises ``CheckpointNotFoundError``.
+        """
+        self.put(key, self.read(source))
+
     # --- deletes --------------------------------------------------------------------------
     @abstractmethod
     def delete(self, keys: str | Iterable[str]) -> None:

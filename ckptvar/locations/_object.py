@@ -394,6 +394,13 @@ class ObjectStoreLocation(Location):
                 writer.write_owned(data)
         return writer.crc32c
 
+    def copy(self, source: str, key: str) -> None:
+        """A server-side copy (S3 ``CopyObject``: up to 5 GiB an object): no byte of it
+        passes through this process."""
+        self._call("COPY", source,
+                   lambda: self._obs.copy(self.store, self._key(source), self._key(key)))
+        self.stats.add("copy")
+
     # --- deletes --------------------------------------------------------------------------
     def delete(self, keys: str | Iterable[str]) -> None:
         paths = [self._key(k) for k in ([keys] if isinstance(keys, str) else keys)]

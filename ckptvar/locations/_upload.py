@@ -6,12 +6,15 @@ bounded memory) or a directory tree (Zarr: one object per file, the root's
 checksum that binds every byte uploaded (a :class:`~._publish.Binding`
 ``bytes-crc32c:<hex>``): for a file, of its bytes; for a tree, of the sorted
 ``key size crc32c`` lines of its files. A failure at any point leaves no marker: the step is not visible.
+A tree may take some of its objects as server-side copies of committed ones
+(``copies``: an incremental step, docs/checkpoints.md); its marker then binds the
+checkpoint's own index, which names every value's checksum.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -39,6 +42,7 @@ def upload_step(
     threads: int = 4,
     index_checksum: str | None = None,
     before_commit: Callable[[], None] | None = None,
+    copies: Sequence[tuple[str, str]] = (),
 ) -> CommitRecord:
     """Upload a local checkpoint file or directory as ``step`` and commit it.
 
@@ -49,14 +53,19 @@ def upload_step(
     Raises ``CheckpointExistsError`` (naming the step) if the step is already
     committed: checked before any byte is sent, and again by the create-only marker.
     ``before_commit`` runs just before the marker (a claim's check that it still holds).
+    ``copies``: ``(source key, path below step)`` objects a tree takes by server-side copy
+    (requires ``index_checksum``: the bytes copied are not read here).
     """
+    if copies and (index_checksum is None or Path(local).is_file()):
+        raise ValueError("upload_step: copies need a directory and an index_checksum")
     src = Path(local)
     refuse_committed(location, step)
     if src.is_file():
         crc = location.upload_file(os.fspath(src), step, part_size=part_size)
         binding = index_checksum or str(Binding("bytes", crc))
     else:
-        entries = upload_tree(location, src, step, part_size=part_size, threads=threads)
+        entries = upload_tree(location, src, step, part_size=part_size, threads=threads,
+                              copies=copies)
         binding = index_checksum or tree_checksum(entries)
     if before_commit is not None:
         before_commit()
@@ -70,11 +79,14 @@ def upload_tree(
     *,
     part_size: int | None = None,
     threads: int = 4,
+    copies: Sequence[tuple[str, str]] = (),
 ) -> list[tuple[str, int, int]]:
-    """Upload every file below the local directory ``local`` to ``prefix/<relative path>``.
+    """Upload every file below the local directory ``local`` to ``prefix/<relative path>``,
+    and copy on the server each ``(source key, relative path)`` of ``copies`` there.
 
     The root ``zarr.json``, if any, goes last (a tree is complete once its root is there).
-    Returns ``(relative key, size, crc32c)`` of each file; commits nothing.
+    Returns ``(relative key, size, crc32c)`` of each file uploaded (not the copies);
+    commits nothing.
     """
     src = Path(local)
     files = sorted(p for p in src.rglob("*") if p.is_file())
@@ -91,7 +103,11 @@ def upload_tree(
         crc = location.upload_file(os.fspath(path), key, part_size=part_size)
         return rel, path.stat().st_size, crc
 
+    def copy(pair: tuple[str, str]) -> None:
+        location.copy(pair[0], f"{prefix}/{pair[1]}")
+
     with ThreadPoolExecutor(max(1, threads)) as pool:
         entries = list(pool.map(send, rest))
+        list(pool.map(copy, copies))
     entries += [send(p) for p in root_meta]  # the root metadata last: the tree is complete
     return entries

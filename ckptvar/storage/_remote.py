@@ -26,6 +26,7 @@ everything, so opening does not check it.)
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -53,11 +54,14 @@ from . import checksum as _checksum
 from ._container.source import RemoteFile
 from ._h5 import USERBLOCK_SIZE, H5Reader, index_regions, read_index, read_userblock, record_crc
 from ._sharded_remote import is_sharded_record, open_sharded_remote
+from ._zarr_files import RECORD_PATH, chunk_key
 from ._zarr_remote import RemoteZarrReader
 from .base import Reader
 
 __all__ = ["RECORD_CHECKSUM", "open_remote_reader", "record_checksum", "remote_format",
-           "save_remote"]
+           "save_remote", "save_remote_incremental"]
+
+logger = logging.getLogger("ckptvar")
 
 #: How a marker spells the checksum of a checkpoint's root record (a ``Binding``'s prefix).
 RECORD_CHECKSUM = "record-crc32c:"
@@ -165,14 +169,15 @@ def record_checksum(local: Path) -> str:
     return str(_record_binding(crc))
 
 
-def _upload_claimed(parent: Any, local: Path, name: str) -> None:
+def _upload_claimed(parent: Any, local: Path, name: str,
+                    copies: list[tuple[str, str]] | None = None) -> None:
     """Upload a directory at the step's own key under a create-only claim ``<step>.claim``:
     of two writers racing for the step, the second stops before writing any byte."""
     held = claim(parent, name)
     try:
         refuse_committed(parent, name)
         upload_step(parent, local, name, index_checksum=record_checksum(local),
-                    before_commit=held.check)
+                    before_commit=held.check, copies=copies or ())
     finally:
         held.release()
 
@@ -209,4 +214,46 @@ def save_remote(
         except BaseException:
             parent.delete([data, index])
             raise
+    return parent.join(name)
+
+
+def save_remote_incremental(
+    url: str,
+    base: str,
+    write_local: Callable[[Path, Path | None, list[tuple[str, str]]], Any],
+    storage_options: Mapping[str, Any] | None = None,
+) -> str:
+    """:func:`save_remote` of a Zarr step that takes the values the committed step ``base``
+    (beside it) holds unchanged as server-side copies of its chunk objects.
+
+    ``write_local(tmp_path, base_record, copies)`` writes the step locally with
+    ``base_record`` (a local directory holding only the base's record, None when it
+    cannot be read: every value is then written) as its base, listing the files it
+    takes from the base in ``copies`` instead of writing them; they are copied on the
+    server before the marker. The new step stands alone: pruning ``base`` never breaks it.
+    """
+    parent, name = split_url(url, storage_options=storage_options)
+    base_parent, base_name = split_url(base, storage_options=storage_options)
+    if base_parent.url != parent.url:
+        raise ValueError(f"The base {base!r} of an incremental step is not beside {url!r}.")
+    refuse_committed(parent, name)
+    with staging_directory() as tmp:
+        record: Path | None = Path(tmp) / ".base" / base_name
+        record_key = f"{RECORD_PATH}/{chunk_key(1)}"
+        try:
+            root_doc = parent.read(f"{base_name}/zarr.json")
+            record_bytes = parent.read(f"{base_name}/{record_key}")
+        except (OSError, ValueError) as exc:  # CkptError subclasses one of them
+            logger.warning("Incremental save of %s: cannot read the base %s (%s); writing "
+                           "every value.", url, base, exc)
+            record = None
+        else:
+            assert record is not None
+            (record / record_key).parent.mkdir(parents=True)
+            (record / "zarr.json").write_bytes(root_doc)
+            (record / record_key).write_bytes(record_bytes)
+        copies: list[tuple[str, str]] = []
+        local = Path(tmp) / name
+        write_local(local, record, copies)
+        _upload_claimed(parent, local, name, [(f"{base_name}/{src}", dst) for src, dst in copies])
     return parent.join(name)

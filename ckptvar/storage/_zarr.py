@@ -70,6 +70,10 @@ __all__ = ["RECORD_PATH", "ZarrBackend", "ZarrReader", "ZarrWriter", "chunk_key"
 
 _CODECS = ("zstd", "gzip", "blosc")
 
+#: The largest object one server-side copy takes (S3 ``CopyObject``): a larger reused chunk
+#: of an object-store step is written again instead.
+COPY_LIMIT = 5 * 2**30
+
 
 class ZarrWriter(ContainerWriter):
     """Writes one ``.zarr`` directory (see the module docstring)."""
@@ -87,8 +91,14 @@ class ZarrWriter(ContainerWriter):
         *,
         compression: str | None = None,
         compression_level: int | None = None,
+        copies: list[tuple[str, str]] | None = None,
         **options: Any,
     ) -> None:
+        """``copies``: a reused chunk file (or array document) is not linked but listed
+        there as ``(path in the base, path in the new checkpoint)``, both relative, for
+        the caller to copy (an object store's incremental step: ``base`` then holds
+        only the base's record, read from the store)."""
+        self.copies = copies
         if compression in (False, "none"):
             compression = None
         if compression is not None and compression not in _CODECS:
@@ -115,6 +125,16 @@ class ZarrWriter(ContainerWriter):
 
         return record, holder
 
+    def _match_base(self, plan: WritePlan, base: Path) -> None:
+        """As every container's; a chunk to be copied on a server must fit one copy."""
+        super()._match_base(plan, base)
+        if self.copies is None:
+            return
+        for it in plan.arrays:
+            if it.held is not None and it.nbytes > COPY_LIMIT:
+                it.held = None  # written (and hashed) like a changed value
+        self.reused = [it.key for it in plan.arrays if it.held is not None]
+
     def _array_loc(self, it: ValueWrite) -> Extent:
         if self.compression is not None:
             return Extent.zarr(it.path, it.nbytes)
@@ -135,7 +155,10 @@ class ZarrWriter(ContainerWriter):
                 self._write_compressed(tmp, it, sdt)
 
     def _write(self, tmp: Path, plan: WritePlan) -> None:
-        tree = _Tree(tmp, [] if self.durable else None)
+        deferred = None
+        if self.copies is not None and self.base is not None:
+            deferred = (self.base, self.copies)
+        tree = _Tree(tmp, [] if self.durable else None, deferred)
         raw = self.compression is None
         # 1. the bytes, straight from the buffers (hashing runs meanwhile)
         arr_dirs = tree.write_chunks(plan.arrays, raw)
@@ -223,8 +246,11 @@ def _doc(doc: dict[str, Any]) -> bytes:
 class _Tree:
     """The directories and files of a Zarr checkpoint being written under ``root``."""
 
-    def __init__(self, root: Path, sync: list[Path] | None) -> None:
+    def __init__(self, root: Path, sync: list[Path] | None,
+                 deferred: tuple[Path, list[tuple[str, str]]] | None = None) -> None:
         self.root = root
+        #: ``(base, copies)``: links are listed in ``copies`` (relative), not made
+        self.deferred = deferred
         #: Files to fsync (None when the write is not durable), and every directory made.
         self.sync = sync
         self.dirs: list[Path] = [root]
@@ -237,6 +263,11 @@ class _Tree:
     def link(self, source: str, path: Path) -> None:
         """``path`` becomes another name of the committed chunk file ``source`` (zero copy);
         a copy where the file system has no hard links or ``source`` is on another one."""
+        if self.deferred is not None:
+            base, copies = self.deferred
+            copies.append((Path(source).relative_to(base).as_posix(),
+                           path.relative_to(self.root).as_posix()))
+            return
         try:
             os.link(source, path, follow_symlinks=False)
         except OSError as exc:

@@ -1,0 +1,184 @@
+"""Incremental steps on an object store (local S3 server): a Zarr step's unchanged values are
+server-side copies of the previous step's chunk objects (no byte through the client, counted
+by a TCP proxy), and the step stands alone once the older one is pruned; HDF5 writes full
+steps and says so."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ckptvar as cv
+from ckptvar.locations import list_committed_steps, open_location
+
+from ._s3 import FaultProxy, S3Bucket
+
+FROZEN = (512, 1024)  # 2 MiB of float32: the unchanged value
+HEAD = (16, 16)
+
+
+def _model() -> tuple[cv.Checkpoint, cv.Variable, cv.Variable]:
+    rng = np.random.default_rng(0)
+    frozen = cv.Variable(rng.standard_normal(FROZEN).astype(np.float32), name="frozen")
+    head = cv.Variable(np.zeros(HEAD, np.float32), name="head")
+    return cv.Checkpoint(frozen=frozen, head=head), frozen, head
+
+
+def test_unchanged_values_are_server_side_copies(s3: S3Bucket, proxy: FaultProxy) -> None:
+    opts = {**s3.storage_options, "endpoint": proxy.endpoint}
+    run = f"{s3.url}/run"
+    ckpt, frozen, head = _model()
+    manager = cv.CheckpointManager(ckpt, run, max_to_keep=1, format="zarr",
+                                   storage_options=opts, incremental=True, pack_threshold=0)
+    proxy.reset_counts()
+    first = manager.save()
+    full_up = proxy.bytes_up
+    assert full_up > frozen.numpy().nbytes  # the first step is written whole
+
+    head.assign_add(1.0)
+    proxy.reset_counts()
+    second = manager.save()
+    step_up = proxy.bytes_up
+    # the frozen value (2 MiB) is not sent again: only the head, documents, record, marker
+    assert step_up < 64 * 1024, step_up
+    assert step_up < full_up / 20
+
+    # the older step is pruned (max_to_keep=1): the new one stands alone, bit-exact
+    loc = s3.location("run")
+    assert list_committed_steps(loc) == ["ckpt-2.zarr"]
+    assert not any(o.key.startswith("ckpt-1.") for o in loc.list())
+    assert manager.checkpoints == [second] and first != second
+    got = cv.load(second, storage_options=s3.storage_options)
+    assert np.array_equal(got["frozen"], frozen.numpy())
+    assert np.array_equal(got["head"], head.numpy())
+    with cv.open(second, storage_options=s3.storage_options) as r:
+        for key in list(r.keys()):
+            r.verify(key)  # every checksum holds (raises otherwise)
+
+    # a plain zarr reader sees the copied value by name, as in any step
+    zarr = pytest.importorskip("zarr")
+    store = zarr.storage.ObjectStore(loc.zarr_store("ckpt-2.zarr"), read_only=True)
+    group = zarr.open_group(store, mode="r")
+    assert np.array_equal(np.asarray(group["frozen"][...]), frozen.numpy())
+
+
+def test_changed_and_hashed_values_are_written(s3: S3Bucket, proxy: FaultProxy) -> None:
+    """A changed variable is uploaded again; a new manager (no versions known) compares by
+    checksums and copies what the base holds; the last step loads with the others gone."""
+    opts = {**s3.storage_options, "endpoint": proxy.endpoint}
+    run = f"{s3.url}/run"
+    nbytes = int(np.prod(FROZEN)) * 4
+    ckpt, frozen, _ = _model()
+    manager = cv.CheckpointManager(ckpt, run, max_to_keep=None, format="zarr",
+                                   storage_options=opts, incremental=True, pack_threshold=0)
+    manager.save()
+    frozen.assign(frozen.numpy() * 2)
+    proxy.reset_counts()
+    manager.save()
+    assert proxy.bytes_up > nbytes  # changed: written
+    restarted = cv.CheckpointManager(ckpt, run, max_to_keep=None, format="zarr",
+                                     storage_options=opts, incremental=True, pack_threshold=0)
+    proxy.reset_counts()
+    last = restarted.save()
+    assert proxy.bytes_up < nbytes / 20, proxy.bytes_up  # equal checksums: copied
+    loc = s3.location("run")
+    for name in ("ckpt-1.zarr", "ckpt-2.zarr"):  # the older steps gone, marker and data
+        loc.delete([o.key for o in loc.list() if o.key.startswith(name)])
+    assert list_committed_steps(loc) == ["ckpt-3.zarr"]
+    got = cv.load(last, storage_options=s3.storage_options)
+    assert np.array_equal(got["frozen"], frozen.numpy())
+
+
+def test_hdf5_on_an_object_store_writes_full_steps(s3: S3Bucket, proxy: FaultProxy,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    opts = {**s3.storage_options, "endpoint": proxy.endpoint}
+    ckpt, frozen, head = _model()
+    with caplog.at_level(logging.WARNING, logger="ckptvar"):
+        manager = cv.CheckpointManager(ckpt, f"{s3.url}/run", max_to_keep=1, format="h5",
+                                       storage_options=opts, incremental=True)
+    assert "writes full steps" in caplog.text
+    manager.save()
+    head.assign_add(1.0)
+    proxy.reset_counts()
+    last = manager.save()
+    assert proxy.bytes_up > frozen.numpy().nbytes  # whole
+    assert np.array_equal(cv.load(last, storage_options=s3.storage_options)["head"], head.numpy())
+
+
+def test_location_copy_on_the_server_and_locally(s3: S3Bucket, proxy: FaultProxy,
+                                                 tmp_path: Path) -> None:
+    """``Location.copy``: the bytes arrive at the new key; on S3 none pass the client."""
+    data = np.random.default_rng(1).bytes(1 << 20)
+    remote = s3.location(endpoint=proxy.endpoint)
+    local = open_location(str(tmp_path))
+    for loc in (remote, local):
+        loc.put("a/x", data)
+        proxy.reset_counts()
+        loc.copy("a/x", "b/y")
+        assert loc.read("b/y") == data
+        with pytest.raises(cv.CheckpointNotFoundError):
+            loc.copy("a/missing", "b/z")
+    remote.put("c/x", data)
+    proxy.reset_counts()
+    remote.copy("c/x", "d/y")
+    assert proxy.bytes_up < 4096 and proxy.bytes_down < 4096  # only the request itself
+
+
+def test_background_saves_and_an_unreadable_base(s3: S3Bucket, proxy: FaultProxy,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Background saves build on the step committed before them; a base whose record
+    cannot be read is logged and the step is written whole (never a copy of nothing)."""
+    opts = {**s3.storage_options, "endpoint": proxy.endpoint}
+    nbytes = int(np.prod(FROZEN)) * 4
+    ckpt, frozen, head = _model()
+    manager = cv.CheckpointManager(ckpt, f"{s3.url}/run", max_to_keep=1, format="zarr",
+                                   storage_options=opts, incremental=True, pack_threshold=0,
+                                   async_save=True)
+    manager.save()
+    head.assign_add(1.0)  # after step 1's snapshot: a change for step 2
+    manager.wait_until_finished()
+    proxy.reset_counts()
+    manager.save()  # copies frozen from step 1
+    manager.wait_until_finished()
+    assert proxy.bytes_up < nbytes / 20, proxy.bytes_up
+    loc = s3.location("run")
+    loc.delete("ckpt-2.zarr/_ckptvar/record/c.0")  # the base's record is gone
+    head.assign_add(1.0)
+    proxy.reset_counts()
+    with caplog.at_level(logging.WARNING, logger="ckptvar"):
+        last = manager.save()
+        manager.wait_until_finished()
+    assert "cannot read the base" in caplog.text
+    assert proxy.bytes_up > nbytes
+    got = cv.load(last, storage_options=s3.storage_options)
+    assert np.array_equal(got["frozen"], frozen.numpy()) and got["head"][0, 0] == 2
+    for _ in range(2):  # back to back: each builds on the one before, pruned after it
+        head.assign_add(1.0)
+        last = manager.save()
+    manager.wait_until_finished()
+    assert manager.checkpoints == [last]
+    got = cv.load(last, storage_options=s3.storage_options)
+    assert np.array_equal(got["frozen"], frozen.numpy()) and got["head"][0, 0] == 4
+
+
+def test_a_chunk_larger_than_one_copy_is_uploaded(s3: S3Bucket, proxy: FaultProxy,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """S3 copies at most 5 GiB per request: a larger unchanged chunk is written again
+    (shown with the limit lowered to 1 MiB), the step whole and bit-exact."""
+    from ckptvar.storage import _zarr
+
+    monkeypatch.setattr(_zarr, "COPY_LIMIT", 1 << 20)
+    opts = {**s3.storage_options, "endpoint": proxy.endpoint}
+    ckpt, frozen, head = _model()
+    manager = cv.CheckpointManager(ckpt, f"{s3.url}/run", max_to_keep=1, format="zarr",
+                                   storage_options=opts, incremental=True, pack_threshold=0)
+    manager.save()
+    head.assign_add(1.0)
+    proxy.reset_counts()
+    last = manager.save()
+    assert proxy.bytes_up > frozen.numpy().nbytes
+    got = cv.load(last, storage_options=s3.storage_options)
+    assert np.array_equal(got["frozen"], frozen.numpy()) and got["head"][0, 0] == 1
