@@ -131,3 +131,29 @@ def test_damaged_and_hostile_arrays_are_refused(tmp_path: Path) -> None:
     (folder / "_METADATA").write_text("{not json")
     with pytest.raises(cv.CorruptCheckpointError, match="_METADATA.*not valid JSON"):
         cv.open(folder)
+
+
+def test_a_run_directory_opens_at_its_latest_step(tmp_path: Path) -> None:
+    """Like Orbax's latest_step() and TensorFlow's latest_checkpoint: 10 beats 2, and an
+    unfinished save (Orbax's tmp folder) or a stray numbered folder is not a step."""
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURES / "run", run)
+    (run / "11.orbax-checkpoint-tmp-1700000000").mkdir()
+    (run / "12").mkdir()  # no step metadata: not finished
+    with cv.open(run) as reader:
+        assert reader.format == "orbax"
+        assert reader.path == run / "10"
+        meta = reader.metadata()
+        assert meta["orbax.latest_step"] == 10 and meta["orbax.steps"] == [2, 10]
+        assert int(reader["step"].read()) == 10
+    assert float(cv.load(run)["w"][0, 0]) == 10.0
+    shown = ckpt("inspect", run)
+    assert shown.returncode == 0, shown.stderr
+    assert "orbax.latest_step: 10" in shown.stdout and "orbax.steps" in shown.stdout
+    shutil.rmtree(run / "10")
+    with cv.open(run) as reader:
+        assert reader.metadata()["orbax.latest_step"] == 2 and int(reader["step"].read()) == 2
+    for step in ("2", "12"):
+        shutil.rmtree(run / step)
+    with pytest.raises(cv.CkptError):
+        cv.open(run)

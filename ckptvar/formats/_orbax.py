@@ -10,6 +10,10 @@ store (``manifest.ocdbt``, the default since Orbax 0.5), opened through
 ``tensorstore`` (the ``ckptvar[orbax]`` extra; without it a clear error names
 the extra).
 
+A ``CheckpointManager`` directory (numbered step folders) opens at its latest
+finished step, as Orbax's ``latest_step()`` and TensorFlow's ``latest_checkpoint``
+pick it; the reader's metadata says which (``orbax.latest_step``, ``orbax.steps``).
+
 Either way ckptvar parses each ``.zarray`` itself (shape, chunks, dtype
 ``bfloat16`` included, ``order``, compressor) and decompresses only the chunks
 a read needs, with ``numcodecs`` (installed with zarr). Keys are the pytree's
@@ -24,6 +28,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,6 +50,7 @@ MAX_JSON_BYTES = 64 * 1024 * 1024
 MAX_CHUNKS = 1 << 20
 _ARRAY_TYPES = ("np.ndarray", "jax.Array", "scalar")
 _EXTRA = "pip install 'ckptvar[orbax]'"
+_STEP_NAME = re.compile(r"(?:.+_)?(\d+)")
 
 Fetch = Callable[[str, int], bytes | None]  # (key, most bytes expected) -> bytes, None: absent
 
@@ -364,8 +370,47 @@ def _item_arrays(
             arrays[key] = ZarrV2Array(key, name, fetch, where)
 
 
+def _is_step(folder: Path) -> bool:
+    """Whether ``folder`` is a finished Orbax step (its metadata, or an item's, is there)."""
+    if (folder / CHECKPOINT_METADATA).is_file() or (folder / ITEM_METADATA).is_file():
+        return True
+    try:
+        return any(p.is_dir() and (p / ITEM_METADATA).is_file() for p in folder.iterdir())
+    except OSError:
+        return False
+
+
+def steps(run: Path) -> dict[int, Path]:
+    """The finished steps of a ``CheckpointManager`` directory: ``{step: folder}``.
+
+    A step folder is named by its number (``5``, ``00005``, or ``prefix_5`` with
+    ``step_prefix``), as Orbax names them; unfinished saves (``5.orbax-checkpoint-tmp-...``)
+    and folders without a step's metadata are left out, as Orbax leaves them out.
+    """
+    found: dict[int, Path] = {}
+    try:
+        children = sorted(run.iterdir())
+    except OSError:
+        return found
+    for child in children:
+        number = _STEP_NAME.fullmatch(child.name)
+        if number is not None and child.is_dir() and _is_step(child):
+            found.setdefault(int(number.group(1)), child)
+    return found
+
+
 def _open(path: Path) -> Reader:
     step = path.parent if path.name in (CHECKPOINT_METADATA, ITEM_METADATA) else path
+    run_note: dict[str, Any] = {}
+    if step.is_dir() and not _is_step(step):
+        found = steps(step)
+        if not found:
+            raise CorruptCheckpointError(
+                f"{str(step)!r} is neither an Orbax step nor a run directory with finished steps."
+            )
+        latest = max(found)
+        run_note = {"orbax.latest_step": latest, "orbax.steps": sorted(found)}
+        step = found[latest]
     arrays: dict[str, LazyArray] = {}
     skipped: dict[str, str] = {}
     for prefix, folder in _items(step):
@@ -380,6 +425,7 @@ def _open(path: Path) -> Reader:
                 metadata.update(custom)
             if top.get("metrics"):
                 metadata["metrics"] = top["metrics"]
+    metadata.update(run_note)
     return OrbaxReader(step, arrays, metadata, skipped)
 
 
@@ -391,9 +437,11 @@ class OrbaxBackend(Backend, name="orbax", suffixes=()):
         path = Path(path)
         if path.name in (CHECKPOINT_METADATA, ITEM_METADATA) and path.is_file():
             return True
-        return path.is_dir() and (
-            (path / CHECKPOINT_METADATA).is_file() or (path / ITEM_METADATA).is_file()
-        )
+        if not path.is_dir():
+            return False
+        if (path / CHECKPOINT_METADATA).is_file() or (path / ITEM_METADATA).is_file():
+            return True
+        return bool(steps(path))  # a CheckpointManager directory: its latest step
 
     @classmethod
     def open_reader(cls, path: Path) -> Reader:
