@@ -22,7 +22,9 @@ ckptvar's own metadata lives under keys starting with ``ckptvar``: per-value
 attributes in ``ckptvar.attrs`` and the rest of the metadata dict (values that
 are not strings) in ``ckptvar.metadata``, both JSON strings other tools ignore.
 ``ckptvar_metadata=False`` writes none of ckptvar's own keys and keeps the
-string-to-string ones. The reader merges them back into one dict.
+string-to-string ones. Whenever ``__metadata__`` is written it has a ``format``
+(``pt`` unless the caller gave one), as ``ckpt convert`` and Hugging Face's own
+converter write it. The reader merges them back into one dict.
 """
 
 from __future__ import annotations
@@ -363,6 +365,9 @@ class SafetensorsWriter(_common.CollectingWriter):
         if self._own and own:
             meta[_OWN_METADATA] = json.dumps(own, default=jsonable)
         if meta:
+            # Hugging Face loaders refuse a header whose metadata names no format;
+            # a format the caller gave is kept as it is.
+            meta.setdefault("format", "pt")
             header[_METADATA] = meta
         buffers = []
         pos = 0
