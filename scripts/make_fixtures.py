@@ -582,7 +582,7 @@ def make_orbax(manifest: dict[str, Any]) -> None:
 
 
 def make_orbax_more(manifest: dict[str, Any]) -> None:
-    """A CheckpointManager run of two steps (per-array Zarr), and a use_zarr3=True step."""
+    """A CheckpointManager run of two steps (per-array Zarr), and use_zarr3=True steps."""
     import jax
     import orbax.checkpoint as ocp
 
@@ -601,10 +601,15 @@ def make_orbax_more(manifest: dict[str, Any]) -> None:
             tree = {"w": small["w"] + step, "step": np.array(step, np.int32)}
             mngr.save(step, args=ocp.args.PyTreeSave(tree))
         mngr.wait_until_finished()
-    handler3 = ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)
-    with ocp.Checkpointer(handler3) as ckptr:
-        tree3 = {**_orbax_tree()["params"], "mask": np.array([True, False, True])}
-        ckptr.save((out / "zarr3_step").absolute(), args=ocp.args.PyTreeSave(tree3))
+    # Zarr v3 (use_zarr3=True): per-array folders, and OCDBT; "zeros" equals the fill
+    # value, so Orbax stores no chunk for it.
+    tree3 = {**_orbax_tree()["params"], "mask": np.array([True, False, True]),
+             "zeros": np.zeros((4, 4), np.float32)}
+    for name, ocdbt in (("zarr3_step", False), ("ocdbt_zarr3_step", True)):
+        shutil.rmtree(out / name, ignore_errors=True)
+        handler3 = ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_zarr3=True)
+        with ocp.Checkpointer(handler3) as ckptr:
+            ckptr.save((out / name).absolute(), args=ocp.args.PyTreeSave(tree3))
 
     def rec(rel: str, restored: Any) -> None:
         tensors = {}
@@ -619,8 +624,9 @@ def make_orbax_more(manifest: dict[str, Any]) -> None:
     with ocp.CheckpointManager((out / "run").absolute(), item_handlers=handler) as mngr:
         for step in (2, 10):
             rec(f"orbax/run/{step}", mngr.restore(step))
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True)) as ckptr:
-        rec("orbax/zarr3_step", ckptr.restore((out / "zarr3_step").absolute()))
+    for name in ("zarr3_step", "ocdbt_zarr3_step"):
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True)) as ckptr:
+            rec(f"orbax/{name}", ckptr.restore((out / name).absolute()))
 
 
 # --------------------------------------------------------------------------- HF sharded
