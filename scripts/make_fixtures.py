@@ -581,6 +581,54 @@ def make_orbax(manifest: dict[str, Any]) -> None:
         rec("orbax/zarr_step", ckptr.restore((out / "zarr_step").absolute()))
 
 
+def make_orbax_more(manifest: dict[str, Any]) -> None:
+    """A CheckpointManager run of two steps (per-array Zarr), and use_zarr3=True steps."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    version = importlib.metadata.version("orbax-checkpoint")
+    producer = f"orbax-checkpoint {version}"
+    out = ROOT / "orbax"
+    small = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "step": np.array(0, np.int32)}
+    for name in ("run", "zarr3_step"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    options = ocp.CheckpointManagerOptions(max_to_keep=None)
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False)
+    with ocp.CheckpointManager(
+        (out / "run").absolute(), options=options, item_handlers=handler
+    ) as mngr:
+        for step in (2, 10):  # 10 is the latest: numerically, not by name
+            tree = {"w": small["w"] + step, "step": np.array(step, np.int32)}
+            mngr.save(step, args=ocp.args.PyTreeSave(tree))
+        mngr.wait_until_finished()
+    # Zarr v3 (use_zarr3=True): per-array folders, and OCDBT; "zeros" equals the fill
+    # value, so Orbax stores no chunk for it.
+    tree3 = {**_orbax_tree()["params"], "mask": np.array([True, False, True]),
+             "zeros": np.zeros((4, 4), np.float32)}
+    for name, ocdbt in (("zarr3_step", False), ("ocdbt_zarr3_step", True)):
+        shutil.rmtree(out / name, ignore_errors=True)
+        handler3 = ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_zarr3=True)
+        with ocp.Checkpointer(handler3) as ckptr:
+            ckptr.save((out / name).absolute(), args=ocp.args.PyTreeSave(tree3))
+
+    def rec(rel: str, restored: Any) -> None:
+        tensors = {}
+        for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]:
+            key = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+            arr = np.asarray(leaf)
+            name = str(arr.dtype)
+            raw = arr.view(np.uint16) if name == "bfloat16" else arr
+            tensors[key] = _entry(name, arr.shape, raw)
+        manifest["files"][rel] = {"format": "orbax", "producer": producer, "tensors": tensors}
+
+    with ocp.CheckpointManager((out / "run").absolute(), item_handlers=handler) as mngr:
+        for step in (2, 10):
+            rec(f"orbax/run/{step}", mngr.restore(step))
+    for name in ("zarr3_step", "ocdbt_zarr3_step"):
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True)) as ckptr:
+            rec(f"orbax/{name}", ckptr.restore((out / name).absolute()))
+
+
 # --------------------------------------------------------------------------- HF sharded
 
 
@@ -628,6 +676,7 @@ def main() -> int:
         ("torch", make_torch),
         ("torch", make_dcp),
         ("orbax", make_orbax),
+        ("orbax", make_orbax_more),
         ("transformers", make_hf_sharded),
     ]
     only = set(sys.argv[1:])

@@ -131,3 +131,78 @@ def test_damaged_and_hostile_arrays_are_refused(tmp_path: Path) -> None:
     (folder / "_METADATA").write_text("{not json")
     with pytest.raises(cv.CorruptCheckpointError, match="_METADATA.*not valid JSON"):
         cv.open(folder)
+
+
+def test_a_run_directory_opens_at_its_latest_step(tmp_path: Path) -> None:
+    """Like Orbax's latest_step() and TensorFlow's latest_checkpoint: 10 beats 2, and an
+    unfinished save (Orbax's tmp folder) or a stray numbered folder is not a step."""
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURES / "run", run)
+    (run / "11.orbax-checkpoint-tmp-1700000000").mkdir()
+    (run / "12").mkdir()  # no step metadata: not finished
+    with cv.open(run) as reader:
+        assert reader.format == "orbax"
+        assert reader.path == run / "10"
+        meta = reader.metadata()
+        assert meta["orbax.latest_step"] == 10 and meta["orbax.steps"] == [2, 10]
+        assert int(reader["step"].read()) == 10
+    assert float(cv.load(run)["w"][0, 0]) == 10.0
+    shown = ckpt("inspect", run)
+    assert shown.returncode == 0, shown.stderr
+    assert "orbax.latest_step: 10" in shown.stdout and "orbax.steps" in shown.stdout
+    shutil.rmtree(run / "10")
+    with cv.open(run) as reader:
+        assert reader.metadata()["orbax.latest_step"] == 2 and int(reader["step"].read()) == 2
+    for step in ("2", "12"):
+        shutil.rmtree(run / step)
+    with pytest.raises(cv.CkptError):
+        cv.open(run)
+
+
+ZARR3 = FIXTURES / "zarr3_step"
+
+
+def _shard_index(shard: Path, entries: list[tuple[int, int]]) -> None:
+    """Rewrite a one-chunk shard's trailing index (offset, nbytes) and its CRC-32C."""
+    from ckptvar.storage.checksum import crc32c
+
+    raw = shard.read_bytes()
+    body = b"".join(o.to_bytes(8, "little") + n.to_bytes(8, "little") for o, n in entries)
+    shard.write_bytes(raw[: -len(body) - 4] + body + crc32c(body).to_bytes(4, "little"))
+
+
+def test_zarr3_items_are_read_and_damage_is_refused(tmp_path: Path) -> None:
+    """use_zarr3=True (sharding_indexed + zstd, crc32c on the shard index), read without
+    Orbax; the same tree as the Zarr v2 step."""
+    values = cv.load(ZARR3)
+    assert sorted(values) == ["big", "dense/bias", "dense/kernel", "embed", "mask", "zeros"]
+    v2 = cv.load(ZARR)
+    for key in ("big", "dense/bias", "dense/kernel", "embed"):
+        assert values[key].dtype == v2[f"params/{key}"].dtype
+        np.testing.assert_array_equal(values[key], v2[f"params/{key}"])
+    np.testing.assert_array_equal(values["zeros"], np.zeros((4, 4), np.float32))
+
+    folder = tmp_path / "z3"
+    shutil.copytree(ZARR3, folder)
+    big = folder / "big" / "c" / "0" / "0"
+    size = big.stat().st_size
+    data = bytearray(big.read_bytes())
+    data[-5] ^= 0xFF  # the index, under its CRC-32C
+    big.write_bytes(bytes(data))
+    bias = folder / "dense.bias" / "c" / "0"
+    _shard_index(bias, [(0, size * 10)])  # an inner chunk past the shard's end
+    (folder / "mask" / "c" / "0").unlink()  # a shard never written: the fill value (false)
+    kernel = folder / "dense.kernel" / "c" / "0" / "0"
+    _shard_index(kernel, [((1 << 64) - 1, (1 << 64) - 1)])  # an inner chunk never written
+    with cv.open(folder) as reader:
+        with pytest.raises(cv.CorruptCheckpointError, match=r"'big/c/0/0'.*CRC-32C"):
+            reader.read("big")
+        with pytest.raises(cv.CorruptCheckpointError, match="outside its"):
+            reader.read("dense/bias")
+        np.testing.assert_array_equal(reader.read("mask"), np.zeros(3, bool))
+        np.testing.assert_array_equal(reader.read("dense/kernel"), np.zeros((4, 3), np.float32))
+    meta = json.loads((folder / "embed" / "zarr.json").read_text())
+    meta["codecs"][0]["configuration"]["codecs"].append({"name": "blosc", "configuration": {}})
+    (folder / "embed" / "zarr.json").write_text(json.dumps(meta))
+    with pytest.raises(cv.UnsupportedFormatError, match="codec 'blosc' is not read"):
+        cv.open(folder)

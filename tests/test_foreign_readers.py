@@ -110,6 +110,22 @@ class TestOrbaxOcdbt(ReaderTests):
     fixture, fmt = "orbax/ocdbt_run/5", "orbax"
 
 
+class TestOrbaxRunStep2(ReaderTests):
+    fixture, fmt = "orbax/run/2", "orbax"
+
+
+class TestOrbaxRunStep10(ReaderTests):
+    fixture, fmt = "orbax/run/10", "orbax"
+
+
+class TestOrbaxZarr3(ReaderTests):
+    fixture, fmt = "orbax/zarr3_step", "orbax"
+
+
+class TestOrbaxOcdbtZarr3(ReaderTests):
+    fixture, fmt = "orbax/ocdbt_zarr3_step", "orbax"
+
+
 class TestGenericHDF5(ReaderTests):
     """Any HDF5 file ckptvar did not write, made here by h5py (no manifest entry)."""
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors
 import safetensors.numpy
 
 import ckptvar as cv
@@ -102,3 +103,24 @@ def test_damaged_ckptvar_metadata_is_an_error(bad: str, tmp_path: Path) -> None:
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + np.float32(2).tobytes())
     with pytest.raises(cv.CorruptCheckpointError, match="ckptvar"):
         cv.open(path)
+
+
+def test_cv_save_writes_format_pt_with_any_metadata_unless_given(tmp_path: Path) -> None:
+    """As ``ckpt convert`` does: transformers refuses a header whose metadata has no format."""
+    w = {"w": np.ones(3, np.float32)}
+    cases = {
+        "plain": ({}, None),  # no metadata at all: no __metadata__, which loaders accept
+        "meta": ({"metadata": {"step": 7}}, "pt"),
+        "strings": ({"metadata": {"source": "x"}, "ckptvar_metadata": False}, "pt"),
+        "attrs": ({"attrs": {"w": {"trainable": False}}}, "pt"),
+        "given": ({"metadata": {"format": "flax", "step": 7}}, "flax"),
+    }
+    for name, (options, fmt) in cases.items():
+        path = tmp_path / f"{name}.safetensors"
+        cv.save(path, w, **options)
+        header = _header_metadata(path)
+        assert header.get("format") == fmt, (name, header)
+        with safetensors.safe_open(str(path), "np") as f:
+            assert f.metadata() == (header or None), name
+    with cv.open(tmp_path / "meta.safetensors") as reader:
+        assert reader.metadata() == {"format": "pt", "step": 7}

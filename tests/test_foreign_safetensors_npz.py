@@ -107,7 +107,7 @@ def test_safetensors_round_trip_every_dtype(tmp_path: Path) -> None:
             got = reader[key].read()
             assert got.dtype == value.dtype.newbyteorder("="), key
             np.testing.assert_array_equal(got, value)
-        assert reader.metadata() == {"step": 3, "raw": b"\x00\x01"}
+        assert reader.metadata() == {"format": "pt", "step": 3, "raw": b"\x00\x01"}  # format: pt added
         assert reader.info("f32").attrs == {"name": "f32", "trainable": False}
     head = path.read_bytes()
     (n,) = struct.unpack("<Q", head[:8])

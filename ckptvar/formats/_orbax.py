@@ -10,6 +10,14 @@ store (``manifest.ocdbt``, the default since Orbax 0.5), opened through
 ``tensorstore`` (the ``ckptvar[orbax]`` extra; without it a clear error names
 the extra).
 
+A ``CheckpointManager`` directory (numbered step folders) opens at its latest
+finished step, as Orbax's ``latest_step()`` and TensorFlow's ``latest_checkpoint``
+pick it; the reader's metadata says which (``orbax.latest_step``, ``orbax.steps``).
+
+Items saved with ``use_zarr3=True`` hold Zarr v3 arrays (``zarr.json``), read
+by :class:`ZarrV3Array`: regular grid, ``bytes``, ``sharding_indexed`` (index
+checked against its CRC-32C), ``zstd``/``gzip``/``crc32c``.
+
 Either way ckptvar parses each ``.zarray`` itself (shape, chunks, dtype
 ``bfloat16`` included, ``order``, compressor) and decompresses only the chunks
 a read needs, with ``numcodecs`` (installed with zarr). Keys are the pytree's
@@ -24,6 +32,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,6 +54,7 @@ MAX_JSON_BYTES = 64 * 1024 * 1024
 MAX_CHUNKS = 1 << 20
 _ARRAY_TYPES = ("np.ndarray", "jax.Array", "scalar")
 _EXTRA = "pip install 'ckptvar[orbax]'"
+_STEP_NAME = re.compile(r"(?:.+_)?(\d+)")
 
 Fetch = Callable[[str, int], bytes | None]  # (key, most bytes expected) -> bytes, None: absent
 
@@ -263,6 +273,219 @@ class ZarrV2Array(LazyArray):
         return np.array(result, copy=True) if isinstance(result, np.ndarray) else result
 
 
+_NO_CHUNK = (1 << 64) - 1  # a sharding index entry for an inner chunk that was not written
+_BYTES_CODECS = ("zstd", "gzip", "crc32c")
+
+
+def _fill_value(value: Any, dtype: np.dtype, what: str) -> Any:
+    """A Zarr v3 ``fill_value`` (number, bool, ``"NaN"``/``"Infinity"``, ``"0x…"`` bits)."""
+    if isinstance(value, str):
+        special = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+        if value in special:
+            return special[value]
+        if value.startswith("0x"):
+            try:
+                bits = int(value, 16)
+                return np.array(bits, dtype=f"<u{dtype.itemsize}").view(dtype)[()]
+            except (ValueError, TypeError, OverflowError):
+                pass
+        raise CorruptCheckpointError(f"{what}: fill_value {value!r} is not understood.")
+    if isinstance(value, list) and len(value) == 2:
+        return complex(value[0], value[1])
+    return value
+
+
+def _codec(entry: Any, what: str) -> tuple[str, dict[str, Any]]:
+    if isinstance(entry, str):
+        return entry, {}
+    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+        raise CorruptCheckpointError(f"{what}: codec {entry!r} is not a Zarr v3 codec.")
+    config = entry.get("configuration") or {}
+    if not isinstance(config, dict):
+        raise CorruptCheckpointError(f"{what}: codec {entry['name']!r} has a bad configuration.")
+    return entry["name"], config
+
+
+def _chain(codecs: Any, what: str) -> tuple[str, dict[str, Any], list[tuple[str, dict[str, Any]]]]:
+    """``(array-to-bytes name, its configuration, [bytes-to-bytes codecs])``, checked."""
+    if not isinstance(codecs, list) or not codecs:
+        raise CorruptCheckpointError(f"{what}: codecs {codecs!r} is not a list of codecs.")
+    first = _codec(codecs[0], what)
+    if first[0] not in ("bytes", "sharding_indexed"):
+        raise UnsupportedFormatError(
+            f"{what}: the Zarr v3 codec {first[0]!r} is not read (ckptvar reads bytes, "
+            f"sharding_indexed, {', '.join(_BYTES_CODECS)})."
+        )
+    rest = [_codec(c, what) for c in codecs[1:]]
+    for name, _ in rest:
+        if name not in _BYTES_CODECS:
+            raise UnsupportedFormatError(
+                f"{what}: the Zarr v3 codec {name!r} is not read (ckptvar reads bytes, "
+                f"sharding_indexed, {', '.join(_BYTES_CODECS)})."
+            )
+    return first[0], first[1], rest
+
+
+def _undo(raw: bytes, codecs: list[tuple[str, dict[str, Any]]], nbytes: int, what: str) -> bytes:
+    """Bytes-to-bytes codecs undone, last first; a CRC-32C is checked, a stream inflates
+    to at most ``nbytes + 1`` bytes."""
+    from ..storage.checksum import crc32c
+
+    for name, _config in reversed(codecs):
+        if name == "crc32c":
+            if len(raw) < 4 or crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+                raise CorruptCheckpointError(f"{what} fails its CRC-32C.")
+            raw = raw[:-4]
+        elif name == "gzip":
+            raw = _inflate(raw, nbytes, gzip=True, what=what)
+        else:  # zstd
+            import numcodecs
+
+            try:
+                out = np.empty(nbytes, np.uint8)
+                decoded = numcodecs.Zstd().decode(raw, out=out)
+            except Exception as exc:  # noqa: BLE001 - codecs raise many kinds
+                raise CorruptCheckpointError(f"{what} cannot be decompressed: {exc}") from None
+            raw = np.asarray(decoded).tobytes()
+    return raw
+
+
+def _key_encoding(encoding: Any, what: str) -> tuple[str, str]:
+    """``(prefix, separator)`` of chunk keys: ``c/0/0`` (default) or ``0.0`` (v2)."""
+    encoding = encoding or {"name": "default"}
+    if not isinstance(encoding, dict) or encoding.get("name") not in ("default", "v2"):
+        raise UnsupportedFormatError(f"{what}: chunk_key_encoding {encoding!r} is not read.")
+    default = encoding["name"] == "default"
+    sep = (encoding.get("configuration") or {}).get("separator", "/" if default else ".")
+    if sep not in (".", "/"):
+        raise CorruptCheckpointError(f"{what}: chunk key separator {sep!r}.")
+    return ("c" if default else ""), sep
+
+
+class ZarrV3Array(ZarrV2Array):
+    """One Zarr v3 array (``use_zarr3=True``) behind ``fetch``: plain chunks or shards
+    (``sharding_indexed``), decoded only when a read needs them."""
+
+    def __init__(self, key: str, name: str, fetch: Fetch, where: str) -> None:
+        what = f"The array {name!r} of {where}"
+        meta = _json(fetch(f"{name}/zarr.json", MAX_JSON_BYTES), f"{what} (zarr.json)")
+        if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+            raise CorruptCheckpointError(f"{what}: zarr.json is not Zarr v3 array metadata.")
+        shape = check_shape(meta.get("shape"), what=what, path=where)
+        grid = meta.get("chunk_grid")
+        if not isinstance(grid, dict) or grid.get("name") != "regular":
+            raise UnsupportedFormatError(f"{what}: chunk grid {grid!r} is not read (only regular).")
+        outer = check_shape((grid.get("configuration") or {}).get("chunk_shape"), what=what, path=where)
+        if len(outer) != len(shape) or (shape and 0 in outer):
+            raise CorruptCheckpointError(f"{what}: chunks {list(outer)} do not fit {list(shape)}.")
+        dtype = _dtype(meta.get("data_type"), what)
+        kind, config, self._codecs = _chain(meta.get("codecs"), what)
+        self._per_shard: tuple[int, ...] | None = None
+        chunks = outer
+        if kind == "sharding_indexed":
+            chunks, config = self._sharding(config, outer, what, where)
+        endian = config.get("endian", "little")
+        if endian not in ("little", "big"):
+            raise CorruptCheckpointError(f"{what}: endian {endian!r}.")
+        self._stored = dtype.newbyteorder("<" if endian == "little" else ">") if dtype.itemsize > 1 else dtype
+        self._grid = tuple(-(-s // c) for s, c in zip(shape, chunks, strict=True))
+        if math.prod(self._grid) > MAX_CHUNKS:
+            raise CorruptCheckpointError(f"{what}: {math.prod(self._grid)} chunks (limit {MAX_CHUNKS}).")
+        self._prefix, self._sep = _key_encoding(meta.get("chunk_key_encoding"), what)
+        self._fill = _fill_value(meta.get("fill_value"), dtype, what)
+        self._fortran = False
+        self._chunks = chunks
+        self._outer = outer
+        self._name, self._fetch, self._what = name, fetch, what
+        self._codec_config = None
+        self._codec = None
+        self._shard_cache: tuple[tuple[int, ...], bytes | None] | None = None
+        self.info = ArrayInfo(key=key, dtype=dtype, shape=shape, attrs={"name": key})
+
+    def _sharding(
+        self, config: dict[str, Any], outer: tuple[int, ...], what: str, where: str
+    ) -> tuple[tuple[int, ...], dict[str, Any]]:
+        """The inner chunk shape and its ``bytes`` codec's configuration; sets the index layout."""
+        chunks = check_shape(config.get("chunk_shape"), what=what, path=where)
+        if len(chunks) != len(outer) or any(c == 0 or o % c for o, c in zip(outer, chunks, strict=True)):
+            raise CorruptCheckpointError(
+                f"{what}: inner chunks {list(chunks)} do not divide shards {list(outer)}."
+            )
+        if self._codecs:
+            raise UnsupportedFormatError(f"{what}: codecs after sharding_indexed are not read.")
+        kind, inner, self._codecs = _chain(config.get("codecs"), f"{what} (inner chunks)")
+        if kind != "bytes":
+            raise UnsupportedFormatError(f"{what}: nested sharding is not read.")
+        index_kind, _, index_codecs = _chain(config.get("index_codecs", ["bytes"]), f"{what} (index)")
+        if index_kind != "bytes" or [n for n, _ in index_codecs] not in ([], ["crc32c"]):
+            raise UnsupportedFormatError(f"{what}: shard index codecs {index_codecs!r} are not read.")
+        self._index_crc = bool(index_codecs)
+        location = config.get("index_location", "end")
+        if location not in ("start", "end"):
+            raise CorruptCheckpointError(f"{what}: index_location {location!r}.")
+        self._index_at_end = location == "end"
+        self._per_shard = tuple(o // c for o, c in zip(outer, chunks, strict=True))
+        return chunks, inner
+
+    def _key(self, index: tuple[int, ...]) -> str:
+        if self._prefix:
+            return f"{self._name}/c" + "".join(f"{self._sep}{i}" for i in index)
+        return f"{self._name}/" + (self._sep.join(str(i) for i in index) if index else "0")
+
+    def _filled(self) -> np.ndarray:
+        try:
+            return np.full(self._chunks, self._fill, dtype=self.info.dtype)
+        except (TypeError, ValueError, OverflowError):
+            raise CorruptCheckpointError(
+                f"{self._what}: fill value {self._fill!r} does not fit {self.info.dtype}."
+            ) from None
+
+    def _decode(self, raw: bytes, where: str) -> np.ndarray:
+        nbytes = math.prod(self._chunks) * self._stored.itemsize
+        raw = _undo(raw, self._codecs, nbytes, where)
+        if len(raw) != nbytes:
+            raise CorruptCheckpointError(
+                f"{where} holds {len(raw)} bytes; its {list(self._chunks)} {self._stored} cell "
+                f"needs {nbytes}."
+            )
+        arr = np.frombuffer(raw, dtype=self._stored).reshape(self._chunks)
+        return arr.astype(self.info.dtype, copy=False)
+
+    def _chunk(self, index: tuple[int, ...]) -> np.ndarray:
+        cell = math.prod(self._chunks) * self._stored.itemsize
+        if self._per_shard is None:
+            key = self._key(index)
+            raw = self._fetch(key, cell + cell // 8 + 65536)
+            return self._filled() if raw is None else self._decode(raw, f"{self._what}: chunk {key!r}")
+        shard_at = tuple(i // p for i, p in zip(index, self._per_shard, strict=True))
+        key = self._key(shard_at)
+        if self._shard_cache is None or self._shard_cache[0] != shard_at:
+            n = math.prod(self._per_shard)
+            self._shard_cache = (shard_at, self._fetch(key, n * (cell + cell // 8 + 1024) + 65536))
+        shard = self._shard_cache[1]
+        if shard is None:
+            return self._filled()
+        where = f"{self._what}: shard {key!r}"
+        n = math.prod(self._per_shard)
+        size = 16 * n + (4 if self._index_crc else 0)
+        if len(shard) < size:
+            raise CorruptCheckpointError(f"{where} is {len(shard)} bytes, shorter than its index.")
+        index_raw = shard[-size:] if self._index_at_end else shard[:size]
+        if self._index_crc:
+            index_raw = _undo(index_raw, [("crc32c", {})], size - 4, f"{where} (index)")
+        table = np.frombuffer(index_raw, dtype="<u8").reshape(n, 2)
+        inner = tuple(i % p for i, p in zip(index, self._per_shard, strict=True))
+        offset, nbytes = (int(v) for v in table[np.ravel_multi_index(inner, self._per_shard)])
+        if offset == _NO_CHUNK and nbytes == _NO_CHUNK:
+            return self._filled()
+        if offset + nbytes > len(shard):
+            raise CorruptCheckpointError(
+                f"{where}: inner chunk {list(inner)} at [{offset}, {offset + nbytes}) lies "
+                f"outside its {len(shard)} bytes."
+            )
+        return self._decode(shard[offset : offset + nbytes], f"{where}, inner chunk {list(inner)}")
+
+
 class OrbaxReader(Reader):
     """A read-only view of one Orbax step directory."""
 
@@ -335,11 +558,7 @@ def _item_arrays(
     tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
     if not isinstance(tree, dict):
         raise CorruptCheckpointError(f"{str(folder / ITEM_METADATA)!r} has no tree_metadata.")
-    if meta.get("use_zarr3"):
-        raise UnsupportedFormatError(
-            f"The Orbax item {str(folder)!r} was saved with use_zarr3=True (Zarr v3 arrays), "
-            "which ckptvar does not read yet; save with the default (Zarr v2) instead."
-        )
+    array_type = ZarrV3Array if meta.get("use_zarr3") else ZarrV2Array
     ocdbt = (folder / "manifest.ocdbt").is_file() or bool(meta.get("use_ocdbt"))
     fetch = _ocdbt_fetch(folder) if ocdbt else _dir_fetch(folder)
     for entry in tree.values():
@@ -361,11 +580,50 @@ def _item_arrays(
         elif kind not in _ARRAY_TYPES:
             skipped[key] = f"an Orbax {kind!r} value, not an array"
         else:
-            arrays[key] = ZarrV2Array(key, name, fetch, where)
+            arrays[key] = array_type(key, name, fetch, where)
+
+
+def _is_step(folder: Path) -> bool:
+    """Whether ``folder`` is a finished Orbax step (its metadata, or an item's, is there)."""
+    if (folder / CHECKPOINT_METADATA).is_file() or (folder / ITEM_METADATA).is_file():
+        return True
+    try:
+        return any(p.is_dir() and (p / ITEM_METADATA).is_file() for p in folder.iterdir())
+    except OSError:
+        return False
+
+
+def steps(run: Path) -> dict[int, Path]:
+    """The finished steps of a ``CheckpointManager`` directory: ``{step: folder}``.
+
+    A step folder is named by its number (``5``, ``00005``, or ``prefix_5`` with
+    ``step_prefix``), as Orbax names them; unfinished saves (``5.orbax-checkpoint-tmp-...``)
+    and folders without a step's metadata are left out, as Orbax leaves them out.
+    """
+    found: dict[int, Path] = {}
+    try:
+        children = sorted(run.iterdir())
+    except OSError:
+        return found
+    for child in children:
+        number = _STEP_NAME.fullmatch(child.name)
+        if number is not None and child.is_dir() and _is_step(child):
+            found.setdefault(int(number.group(1)), child)
+    return found
 
 
 def _open(path: Path) -> Reader:
     step = path.parent if path.name in (CHECKPOINT_METADATA, ITEM_METADATA) else path
+    run_note: dict[str, Any] = {}
+    if step.is_dir() and not _is_step(step):
+        found = steps(step)
+        if not found:
+            raise CorruptCheckpointError(
+                f"{str(step)!r} is neither an Orbax step nor a run directory with finished steps."
+            )
+        latest = max(found)
+        run_note = {"orbax.latest_step": latest, "orbax.steps": sorted(found)}
+        step = found[latest]
     arrays: dict[str, LazyArray] = {}
     skipped: dict[str, str] = {}
     for prefix, folder in _items(step):
@@ -380,6 +638,7 @@ def _open(path: Path) -> Reader:
                 metadata.update(custom)
             if top.get("metrics"):
                 metadata["metrics"] = top["metrics"]
+    metadata.update(run_note)
     return OrbaxReader(step, arrays, metadata, skipped)
 
 
@@ -391,9 +650,11 @@ class OrbaxBackend(Backend, name="orbax", suffixes=()):
         path = Path(path)
         if path.name in (CHECKPOINT_METADATA, ITEM_METADATA) and path.is_file():
             return True
-        return path.is_dir() and (
-            (path / CHECKPOINT_METADATA).is_file() or (path / ITEM_METADATA).is_file()
-        )
+        if not path.is_dir():
+            return False
+        if (path / CHECKPOINT_METADATA).is_file() or (path / ITEM_METADATA).is_file():
+            return True
+        return bool(steps(path))  # a CheckpointManager directory: its latest step
 
     @classmethod
     def open_reader(cls, path: Path) -> Reader:

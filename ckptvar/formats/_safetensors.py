@@ -9,6 +9,10 @@ offsets inside the buffer, byte counts matching shape x dtype, and that the
 values tile the buffer exactly (no gaps, no overlaps). Values are then read
 lazily, only the rows a slice needs.
 
+Sub-byte dtypes (``F4``, ``F6_E2M3``, ``F6_E3M2``) are packed as the safetensors
+library stores them: the header keeps the logical shape, the data is a
+little-endian bit stream (see :func:`pack_bits`); in memory they are one per byte.
+
 The writer streams each array's own buffer after the header (no concatenated
 copy), to a temporary sibling that is fsynced and renamed onto the final path.
 
@@ -18,7 +22,9 @@ ckptvar's own metadata lives under keys starting with ``ckptvar``: per-value
 attributes in ``ckptvar.attrs`` and the rest of the metadata dict (values that
 are not strings) in ``ckptvar.metadata``, both JSON strings other tools ignore.
 ``ckptvar_metadata=False`` writes none of ckptvar's own keys and keeps the
-string-to-string ones. The reader merges them back into one dict.
+string-to-string ones. Whenever ``__metadata__`` is written it has a ``format``
+(``pt`` unless the caller gave one), as ``ckpt convert`` and Hugging Face's own
+converter write it. The reader merges them back into one dict.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +41,18 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
-from ..storage.base import ArrayInfo, Backend, Reader
+from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
 from . import _common
 from ._json import jsonable, loads_json
 
-__all__ = ["SAFETENSORS_DTYPES", "SafetensorsBackend", "SafetensorsWriter"]
+__all__ = [
+    "PACKED_BITS",
+    "SAFETENSORS_DTYPES",
+    "SafetensorsBackend",
+    "SafetensorsWriter",
+    "pack_bits",
+    "unpack_bits",
+]
 
 #: The safetensors dtype names NumPy / ml_dtypes can hold.
 SAFETENSORS_DTYPES: dict[str, np.dtype] = {
@@ -62,13 +75,81 @@ SAFETENSORS_DTYPES: dict[str, np.dtype] = {
     "F8_E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
     "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz),
     "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
+    "F4": np.dtype(ml_dtypes.float4_e2m1fn),
+    "F6_E2M3": np.dtype(ml_dtypes.float6_e2m3fn),
+    "F6_E3M2": np.dtype(ml_dtypes.float6_e3m2fn),
 }
+#: Sub-byte dtypes and their width in bits: packed in the file, one per byte in memory.
+PACKED_BITS: dict[str, int] = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 _NAME_OF = {dt: name for name, dt in SAFETENSORS_DTYPES.items()}
+_BITS_OF = {SAFETENSORS_DTYPES[name]: bits for name, bits in PACKED_BITS.items()}
 MAX_HEADER = 100 * 1024 * 1024  # the limit the reference implementation applies
 _METADATA = "__metadata__"
 _OWN = "ckptvar"  # the prefix of every __metadata__ key ckptvar writes for itself
 _ATTRS = "ckptvar.attrs"
 _OWN_METADATA = "ckptvar.metadata"
+
+
+def pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Pack ``bits``-wide codes (one per byte, C order) into a little-endian bit stream.
+
+    Value ``i`` occupies bits ``bits*i .. bits*i + bits - 1`` of the stream, counting from
+    the least significant bit of byte 0: for 4 bits, the first value of each pair is
+    the low nibble (torch's ``float4_e2m1fn_x2``); for 6 bits, four values fill three
+    bytes. The count times ``bits`` must be a multiple of 8.
+    """
+    flat = codes.reshape(-1).view(np.uint8) & np.uint8((1 << bits) - 1)
+    if bits == 4:
+        return np.asarray(flat[0::2] | (flat[1::2] << np.uint8(4)), dtype=np.uint8)
+    group = flat.reshape(-1, 4).astype(np.uint32)
+    word = group[:, 0] | (group[:, 1] << 6) | (group[:, 2] << 12) | (group[:, 3] << 18)
+    out = np.empty((len(word), 3), dtype=np.uint8)
+    for i in range(3):
+        out[:, i] = (word >> (8 * i)) & 0xFF
+    return out.reshape(-1)
+
+
+def unpack_bits(raw: bytes | bytearray | memoryview, count: int, bits: int) -> np.ndarray:
+    """The inverse of :func:`pack_bits`: ``count`` codes, one per byte (uint8)."""
+    data = np.frombuffer(raw, dtype=np.uint8)
+    out = np.empty(count, dtype=np.uint8)
+    if bits == 4:
+        out[0::2] = data & 0x0F
+        out[1::2] = data >> 4
+        return out
+    group = data.reshape(-1, 3).astype(np.uint32)
+    word = group[:, 0] | (group[:, 1] << 8) | (group[:, 2] << 16)
+    for i in range(4):
+        out[i::4] = (word >> (6 * i)) & 0x3F
+    return out
+
+
+class _PackedArray(LazyArray):
+    """A sub-byte value (``F4``/``F6_*``): read whole, unpacked to one byte per value, then sliced."""
+
+    def __init__(
+        self, info: ArrayInfo, *, bits: int, offset: int, fetch: Callable[[int, int, str], bytes]
+    ) -> None:
+        self.info = info
+        self._bits, self._offset, self._fetch = bits, offset, fetch
+
+    def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
+        shape, n = self.info.shape, self.info.size
+        if out is not None and (out.shape != shape or out.dtype != self.info.dtype):
+            raise ValueError(
+                f"out for {self.info.key!r} must have shape {shape} and dtype "
+                f"{self.info.dtype}; got {out.shape} {out.dtype}."
+            )
+        raw = self._fetch(self._offset, n * self._bits // 8, "data") if n else b""
+        arr = unpack_bits(raw, n, self._bits).view(self.info.dtype).reshape(shape)
+        if out is not None:
+            out[...] = arr
+            return out
+        return arr
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        result = self.read()[index]
+        return np.array(result, copy=True) if isinstance(result, np.ndarray) else result
 
 
 def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -132,10 +213,16 @@ def _entry(key: str, spec: Any, buffer_size: int, where: str, path: Path | str) 
             f"{buffer_size}-byte data buffer."
         )
     n = math.prod(shape)
-    if end - begin != n * dtype.itemsize:
+    bits = n * PACKED_BITS.get(spec["dtype"], 8 * dtype.itemsize)
+    if bits % 8:
+        raise CorruptCheckpointError(
+            f"Tensor {key!r} in the {where}: {n} values of {spec['dtype']} are {bits} bits, "
+            "which do not end at a byte boundary."
+        )
+    if end - begin != bits // 8:
         raise CorruptCheckpointError(
             f"Tensor {key!r} in the {where}: {end - begin} bytes for shape {list(shape)} of "
-            f"{spec['dtype']} (needs {n * dtype.itemsize})."
+            f"{spec['dtype']} (needs {bits // 8})."
         )
     return dtype, shape, begin, end
 
@@ -194,13 +281,18 @@ def _open(path: Path) -> Reader:
             raise CorruptCheckpointError(f"{_OWN_METADATA} in {str(path)!r} is not an object.")
         metadata.update(own)
     base = 8 + n
-    arrays = {}
+    arrays: dict[str, LazyArray] = {}
     for key, (dtype, shape, begin, _end) in entries.items():
         attrs = {"name": key}
         extra = attrs_all.get(key) if isinstance(attrs_all, dict) else None
         if isinstance(extra, dict):
             attrs.update(extra)
         info = ArrayInfo(key=key, dtype=dtype, shape=shape, attrs=attrs)
+        if dtype in _BITS_OF:
+            arrays[key] = _PackedArray(
+                info, bits=_BITS_OF[dtype], offset=base + begin, fetch=fh.pread
+            )
+            continue
         stored = dtype.newbyteorder("<") if dtype.kind in "biufc" and dtype.itemsize > 1 else dtype
         arrays[key] = _common.FileArray(
             info,
@@ -248,6 +340,13 @@ class SafetensorsWriter(_common.CollectingWriter):
                 f"Cannot write {key!r} of dtype {array.dtype} to safetensors "
                 f"(supported: {', '.join(str(d) for d in _NAME_OF)})."
             )
+        if dt in _BITS_OF and (array.size * _BITS_OF[dt]) % 8:
+            raise UnsupportedFormatError(
+                f"Cannot write {key!r} to safetensors: {array.size} values of {dt} are "
+                f"{array.size * _BITS_OF[dt]} bits, and safetensors packs {_NAME_OF[dt]} "
+                f"values so that each tensor ends at a byte boundary (the count must be a "
+                f"multiple of {8 // math.gcd(8, _BITS_OF[dt])})."
+            )
         self._collect(key, array, attrs)
 
     def _header(self) -> tuple[bytes, list[np.ndarray]]:
@@ -266,6 +365,9 @@ class SafetensorsWriter(_common.CollectingWriter):
         if self._own and own:
             meta[_OWN_METADATA] = json.dumps(own, default=jsonable)
         if meta:
+            # Hugging Face loaders refuse a header whose metadata names no format;
+            # a format the caller gave is kept as it is.
+            meta.setdefault("format", "pt")
             header[_METADATA] = meta
         buffers = []
         pos = 0
@@ -284,10 +386,13 @@ class SafetensorsWriter(_common.CollectingWriter):
                 else array
             )
             buf = np.require(little, requirements="C")  # keeps 0-d arrays 0-d
+            shape = list(buf.shape)
+            if dt in _BITS_OF:
+                buf = pack_bits(buf, _BITS_OF[dt])
             n = buf.nbytes
             header[key] = {
                 "dtype": _NAME_OF[dt],
-                "shape": list(buf.shape),
+                "shape": shape,
                 "data_offsets": [pos, pos + n],
             }
             pos += n
