@@ -30,15 +30,21 @@ from __future__ import annotations
 import io
 import math
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError, MissingKeyError, UnsupportedFormatError
-from ..storage.base import ArrayInfo, Backend, LazyArray, Reader, verify_each
-from ._common import MAX_HEADER_BYTES, FileHandle, bounding_box, check_shape, shift_index
+from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
+from ._common import (
+    MAX_HEADER_BYTES,
+    EntryReader,
+    FileHandle,
+    bounding_box,
+    check_shape,
+    shift_index,
+)
 from ._safetensors import SafetensorsBackend
 from ._unpickler import DCP_GLOBALS, DcpRecord, StorageRef, TensorRef, TorchDtype, safe_load
 from ._zip import ZIP_ERRORS
@@ -248,10 +254,8 @@ class DcpArray(LazyArray):
         return np.array(result, copy=True) if isinstance(result, np.ndarray) else result
 
 
-class DcpReader(Reader):
-    """A read-only view of a DCP checkpoint directory."""
-
-    format = "dcp"
+class DcpReader(EntryReader):
+    """A read-only view of a DCP checkpoint directory (its rank files closed with it)."""
 
     def __init__(
         self,
@@ -261,49 +265,8 @@ class DcpReader(Reader):
         metadata: dict[str, Any],
         skipped: dict[str, str],
     ) -> None:
-        self.path = path
-        self._arrays = arrays
-        self._files = files
-        self._meta = metadata
-        self.skipped = skipped
-
-    def keys(self) -> Any:
-        return self._arrays.keys()
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._arrays
-
-    def _get(self, key: str) -> DcpArray:
-        try:
-            return self._arrays[key]
-        except (KeyError, TypeError):
-            if key in self.skipped:
-                raise UnsupportedFormatError(
-                    f"{key!r} in {str(self.path)!r} cannot be read: {self.skipped[key]}"
-                ) from None
-            raise MissingKeyError(
-                f"No key {key!r} in the DCP checkpoint {str(self.path)!r} "
-                f"({len(self._arrays)} keys)."
-            ) from None
-
-    def info(self, key: str) -> ArrayInfo:
-        return self._get(key).info
-
-    def __getitem__(self, key: str) -> LazyArray:
-        return self._get(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._arrays)
-
-    def metadata(self) -> dict[str, Any]:
-        return dict(self._meta)
-
-    def verify_all(self) -> list[tuple[str, str]]:
-        """Read every value, chunk by chunk; ``[(key, reason), ...]`` for each damaged one."""
-        return verify_each(self, self._arrays)
-
-    def close(self) -> None:
-        self._files.close()
+        super().__init__(path, "dcp", arrays, skipped=skipped, metadata=metadata,
+                         on_close=files.close)
 
 
 def _tensor_info(key: str, entry: DcpRecord, where: str) -> tuple[np.dtype, tuple[int, ...], list[Any]]:

@@ -34,16 +34,16 @@ import json
 import math
 import re
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from ..errors import CorruptCheckpointError, MissingKeyError, UnsupportedFormatError
-from ..storage.base import ArrayInfo, Backend, LazyArray, Reader, verify_each
-from ._common import bounding_box, check_shape, shift_index
+from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
+from ._common import EntryReader, bounding_box, check_shape, shift_index
 
 __all__ = ["OrbaxBackend"]
 
@@ -486,53 +486,13 @@ class ZarrV3Array(ZarrV2Array):
         return self._decode(shard[offset : offset + nbytes], f"{where}, inner chunk {list(inner)}")
 
 
-class OrbaxReader(Reader):
+class OrbaxReader(EntryReader):
     """A read-only view of one Orbax step directory."""
-
-    format = "orbax"
 
     def __init__(
         self, path: Path, arrays: dict[str, LazyArray], metadata: dict[str, Any], skipped: dict[str, str]
     ) -> None:
-        self.path = path
-        self._arrays = arrays
-        self._meta = metadata
-        self.skipped = skipped
-
-    def keys(self) -> Any:
-        return self._arrays.keys()
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._arrays
-
-    def _get(self, key: str) -> LazyArray:
-        try:
-            return self._arrays[key]
-        except (KeyError, TypeError):
-            if key in self.skipped:
-                raise UnsupportedFormatError(
-                    f"{key!r} in {str(self.path)!r} cannot be read: {self.skipped[key]}"
-                ) from None
-            raise MissingKeyError(
-                f"No key {key!r} in the Orbax checkpoint {str(self.path)!r} "
-                f"({len(self._arrays)} keys)."
-            ) from None
-
-    def info(self, key: str) -> ArrayInfo:
-        return self._get(key).info
-
-    def __getitem__(self, key: str) -> LazyArray:
-        return self._get(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._arrays)
-
-    def metadata(self) -> dict[str, Any]:
-        return dict(self._meta)
-
-    def verify_all(self) -> list[tuple[str, str]]:
-        """Read every value; ``[(key, reason), ...]`` for each that cannot be read."""
-        return verify_each(self, self._arrays)
+        super().__init__(path, "orbax", arrays, skipped=skipped, metadata=metadata)
 
 
 def _items(step: Path) -> list[tuple[str, Path]]:
