@@ -214,6 +214,40 @@ class FileArray(LazyArray):
         return np.array(result, copy=True) if isinstance(result, np.ndarray) else result
 
 
+class BoxArray(LazyArray):
+    """A lazy value assembled box by box: a read or a slice fills only the box it needs.
+
+    Subclasses set ``info`` and implement :meth:`fill` (copy the box ``[lo, hi)`` of the
+    value into ``out``, from whatever pieces the format stores: DCP chunks, Zarr chunks).
+    """
+
+    def fill(self, out: np.ndarray, lo: tuple[int, ...], hi: tuple[int, ...]) -> None:
+        raise NotImplementedError
+
+    def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
+        shape = self.info.shape
+        if out is not None and (out.shape != shape or out.dtype != self.info.dtype):
+            raise ValueError(
+                f"out for {self.info.key!r} must have shape {shape} and dtype {self.info.dtype}."
+            )
+        result = out if out is not None else np.empty(shape, self.info.dtype)
+        if self.info.size:
+            self.fill(result, (0,) * len(shape), shape)
+        return result
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        shape = self.info.shape
+        lo, hi = bounding_box(index, shape)
+        if lo is None or hi is None:
+            result = self.read()[index]
+        else:  # only the pieces the index's bounding box meets
+            box = np.empty(tuple(h - x for x, h in zip(lo, hi, strict=True)), self.info.dtype)
+            if box.size:
+                self.fill(box, lo, hi)
+            result = box[shift_index(index if isinstance(index, tuple) else (index,), lo, shape)]
+        return np.array(result, copy=True) if isinstance(result, np.ndarray) else result
+
+
 class CollectingWriter(Writer):
     """A ``Writer`` that collects ``(key, array, attrs)`` and writes them all at ``commit``.
 

@@ -36,14 +36,13 @@ from typing import Any
 import numpy as np
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
-from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
+from ..storage.base import ArrayInfo, Backend, Reader
 from ._common import (
     MAX_HEADER_BYTES,
+    BoxArray,
     EntryReader,
     FileHandle,
-    bounding_box,
     check_shape,
-    shift_index,
 )
 from ._safetensors import SafetensorsBackend
 from ._unpickler import DCP_GLOBALS, DcpRecord, StorageRef, TensorRef, TorchDtype, safe_load
@@ -183,7 +182,7 @@ def _chunk_array(raw: bytes, chunk: _Chunk, dtype: np.dtype, what: str) -> np.nd
     return np.array(view, copy=True)
 
 
-class DcpArray(LazyArray):
+class DcpArray(BoxArray):
     """One logical value of a DCP checkpoint, assembled from the chunks a read needs."""
 
     def __init__(self, info: ArrayInfo, chunks: list[_Chunk], files: _Files) -> None:
@@ -216,7 +215,7 @@ class DcpArray(LazyArray):
         raw = fh.pread(chunk.start, chunk.length, "chunk")
         return _chunk_array(raw, chunk, self.info.dtype, what)
 
-    def _fill(self, out: np.ndarray, lo: tuple[int, ...], hi: tuple[int, ...]) -> None:
+    def fill(self, out: np.ndarray, lo: tuple[int, ...], hi: tuple[int, ...]) -> None:
         """Fill ``out`` with the box ``[lo, hi)`` of the value from the chunks that meet it."""
         for chunk in self._chunks:
             a = [max(x, o) for x, o in zip(lo, chunk.offsets, strict=True)]
@@ -227,31 +226,6 @@ class DcpArray(LazyArray):
             src = tuple(slice(x - o, y - o) for x, y, o in zip(a, b, chunk.offsets, strict=True))
             dst = tuple(slice(x - z, y - z) for x, y, z in zip(a, b, lo, strict=True))
             out[dst] = part[src]
-
-    def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
-        shape = self.info.shape
-        if out is not None and (out.shape != shape or out.dtype != self.info.dtype):
-            raise ValueError(
-                f"out for {self.info.key!r} must have shape {shape} and dtype {self.info.dtype}."
-            )
-        result = out if out is not None else np.empty(shape, self.info.dtype)
-        if self.info.size:
-            self._fill(result, (0,) * len(shape), shape)
-        return result
-
-    def __getitem__(self, index: Any) -> np.ndarray:
-        shape = self.info.shape
-        lo, hi = bounding_box(index, shape)
-        if lo is None or hi is None:
-            result = self.read()[index]
-        else:
-            box = np.empty(tuple(h - x for x, h in zip(lo, hi, strict=True)), self.info.dtype)
-            if box.size:
-                self._fill(box, lo, hi)
-            full_index = index if isinstance(index, tuple) else (index,)
-            local = shift_index(full_index, lo, shape)
-            result = box[local]
-        return np.array(result, copy=True) if isinstance(result, np.ndarray) else result
 
 
 class DcpReader(EntryReader):

@@ -43,7 +43,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
-from ._common import EntryReader, bounding_box, check_shape, shift_index
+from ._common import BoxArray, EntryReader, check_shape
 
 __all__ = ["OrbaxBackend"]
 
@@ -145,7 +145,7 @@ def _inflate(raw: bytes, nbytes: int, *, gzip: bool, what: str) -> bytes:
     return out
 
 
-class ZarrV2Array(LazyArray):
+class ZarrV2Array(BoxArray):
     """One Zarr v2 array behind ``fetch``: chunks decoded only when a read needs them."""
 
     def __init__(self, key: str, name: str, fetch: Fetch, where: str) -> None:
@@ -227,7 +227,7 @@ class ZarrV2Array(LazyArray):
         )
         return arr.astype(self.info.dtype, copy=False)
 
-    def _fill_box(self, out: np.ndarray, lo: tuple[int, ...], hi: tuple[int, ...]) -> None:
+    def fill(self, out: np.ndarray, lo: tuple[int, ...], hi: tuple[int, ...]) -> None:
         shape = self.info.shape
         if not shape:
             out[()] = self._chunk(())[()] if self._chunks == () else self._chunk(())
@@ -248,29 +248,6 @@ class ZarrV2Array(LazyArray):
             src = tuple(slice(x - s, y - s) for x, y, s in zip(a, b, start, strict=True))
             dst = tuple(slice(x - z, y - z) for x, y, z in zip(a, b, lo, strict=True))
             out[dst] = part[src]
-
-    def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
-        shape = self.info.shape
-        if out is not None and (out.shape != shape or out.dtype != self.info.dtype):
-            raise ValueError(
-                f"out for {self.info.key!r} must have shape {shape} and dtype {self.info.dtype}."
-            )
-        result = out if out is not None else np.empty(shape, self.info.dtype)
-        if self.info.size:
-            self._fill_box(result, (0,) * len(shape), shape)
-        return result
-
-    def __getitem__(self, index: Any) -> np.ndarray:
-        shape = self.info.shape
-        lo, hi = bounding_box(index, shape)
-        if lo is None or hi is None:
-            result = self.read()[index]
-        else:  # only the chunks the index's bounding box meets
-            box = np.empty(tuple(h - x for x, h in zip(lo, hi, strict=True)), self.info.dtype)
-            if box.size:
-                self._fill_box(box, lo, hi)
-            result = box[shift_index(index if isinstance(index, tuple) else (index,), lo, shape)]
-        return np.array(result, copy=True) if isinstance(result, np.ndarray) else result
 
 
 _NO_CHUNK = (1 << 64) - 1  # a sharding index entry for an inner chunk that was not written
