@@ -231,14 +231,24 @@ def _leaf_for_save(graph: Graph, key: str, value: Any) -> list[tuple[np.ndarray,
     return [(np.asarray(host, order="C"), None)]  # 0-d stays 0-d (ascontiguousarray: 1-d)
 
 
+def _no_options(path: str | os.PathLike[str], options: bool) -> None:
+    if options:
+        raise TypeError(
+            f"Cannot save {os.fspath(path)!r} with storage_options= or writer options: its "
+            "tree has sharded leaves (a DTensor, a jax.Array over several devices), which "
+            "the multi-process protocol writes, durably, box by box (docs/frameworks.md).")
+
+
 def save_tree(  # noqa: PLR0917
     path: str | os.PathLike[str], tree: Any, format: str | None, metadata: Any,
     coordinator: Coordinator | None, timeout: float | None,
-    save_flat: Any,
+    save_flat: Any, *, options: bool = False,
 ) -> Any:
     """Write ``tree``; with a coordinator (or sharded leaves), collectively.
 
     ``save_flat(path, arrays, metadata)`` writes a one-process checkpoint (``cv.save``).
+    ``options``: the caller gave writer options or ``storage_options=``, which only
+    ``save_flat`` takes (a collective save raises ``TypeError`` rather than drop them).
     """
     failure: BaseException | None = None
     arrays: dict[str, Any] = {}
@@ -261,6 +271,7 @@ def save_tree(  # noqa: PLR0917
         host = {k: (v if isinstance(v, np.ndarray) else to_numpy(v, what=repr(k)))
                 for k, v in arrays.items()}
         return save_flat(path, host, meta)
+    _no_options(path, options)
     coord = coordinator
     graph = _graph()
     rows: list[tuple[str, np.ndarray, dict[str, Any]]] = []
