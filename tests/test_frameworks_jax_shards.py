@@ -46,6 +46,18 @@ import msgpack
 with open(index, "rb") as f:
     boxes = {k: len(v["boxes"]) for k, v in msgpack.unpackb(f.read())["variables"].items()}
 
+# a .zarr step: the shards are the chunks of one global Zarr array, as plain zarr reads it
+big_w = rng.standard_normal((512, 256)).astype(np.float32)
+zpath = cv.save(os.path.join(d, "t.zarr"), {"w": jax.device_put(big_w, NamedSharding(src, P("x", "y"))),
+                                            "w_small": tree["w"]})
+import zarr
+zlike = {"w": jax.ShapeDtypeStruct(big_w.shape, big_w.dtype, sharding=NamedSharding(dst, P("x"))),
+         "w_small": like["w"]}
+zgot = cv.load(zpath, like=zlike)
+zarr_ok = [bool(np.array_equal(zarr.open_group(zpath, mode="r")["w"][:], big_w)),
+           bool(np.array_equal(np.asarray(zgot["w"]), big_w)),
+           bool(np.array_equal(np.asarray(zgot["w_small"]), w))]
+
 try:  # writer options are the one-file writer's: refused, never dropped
     cv.save(os.path.join(d, "nd.h5"), tree, durable=False)
     refused = ""
@@ -66,7 +78,7 @@ print(json.dumps({
     "sharding": all(got[k].sharding == like[k].sharding for k in ("w", "b", "r")),
     "step": got["step"], "count": [int(got["count"]), list(plain["count"].shape)],
     "stored": stored, "boxes": boxes,
-    "refused": refused, "peak": peak, "nbytes": big.nbytes}))
+    "zarr": zarr_ok, "refused": refused, "peak": peak, "nbytes": big.nbytes}))
 '''
 
 
@@ -84,6 +96,7 @@ def test_a_multi_device_jax_array_is_saved_shard_by_shard(tmp_path: Path) -> Non
     assert got["bits"] == {"w": True, "b": True, "r": True}  # 2x4 -> 4x2 mesh, bit for bit
     assert got["sharding"] and got["plain"] and got["step"] == 3
     assert got["count"] == [5, []]
+    assert got["zarr"] == [True, True, True]  # global array, and read back onto 4 x 2
     assert "writer options" in got["refused"] and "nd.h5" in got["refused"], got["refused"]
     # one logical value each (its full shape), stored as its distinct boxes once each
     assert got["stored"] == {"w": [64, 40], "b": [8, 40], "r": [4, 40]}
