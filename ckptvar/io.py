@@ -212,7 +212,8 @@ def save(
             return save(p, host, format=format, metadata=meta, storage_options=storage_options,
                         **options)
 
-        return save_tree(path, arrays, format, metadata, coordinator, timeout, flat)  # type: ignore[no-any-return]
+        return save_tree(path, arrays, format, metadata, coordinator, timeout, flat,  # type: ignore[no-any-return]
+                         options=bool(options or storage_options))
     if is_url(path):
         url = str(path)
         fmt = remote_format(url.rsplit("/", 1)[-1], format) or "h5"

@@ -88,18 +88,23 @@ class _LazyLayout(Mapping[str, VariableLayout], SupportsPlain):
     def _get(self) -> dict[str, VariableLayout]:
         if self._built is None:
             self._built = {
-                key: VariableLayout(full, dtype,
-                                    None if offset is None else (Box(offset, shape),))
-                for key, full, dtype, offset, shape in self._raw
+                key: VariableLayout(full, dtype, None if boxes is None else tuple(
+                    Box(offset, shape) for offset, shape in boxes))
+                for key, (full, dtype, boxes) in self.plain().items()
             }
         return self._built
 
     def plain(self) -> dict[str, Any]:
-        """What ``gather_plan`` exchanges: ``key -> (full shape, dtype, boxes or None)``."""
-        return {
-            key: (full, dtype, None if offset is None else [(offset, shape)])
-            for key, full, dtype, offset, shape in self._raw
-        }
+        """What ``gather_plan`` exchanges: ``key -> (full shape, dtype, boxes or None)``;
+        the rows of a key this rank holds several boxes of are merged."""
+        out: dict[str, Any] = {}
+        for key, full, dtype, offset, shape in self._raw:
+            had = out.get(key)
+            if had is not None and offset is not None and had[2] is not None:
+                had[2].append((offset, shape))
+            else:
+                out[key] = (full, dtype, None if offset is None else [(offset, shape)])
+        return out
 
     def __getitem__(self, key: str) -> VariableLayout:
         return self._get()[key]
@@ -117,14 +122,19 @@ def _raw_layouts(
 ) -> tuple[list[_Raw], dict[str, int]]:
     """This rank's layout rows (sorted) and the checksums of its small replicated values.
 
-    One pass, no per-variable objects: this runs on every save, cached plan or not.
+    A key may have several rows (boxes): its variable is then a :class:`Logical` whose
+    parts hold those boxes, in the rows' order. One pass, no per-variable objects: this runs on every save, cached plan or not.
     """
     raw: list[_Raw] = []
     add = raw.append
     checks: dict[str, int] = {}
     names: dict[np.dtype, str] = {}  # one name per dtype, not one call per value
+    seen: dict[str, int] = {}
     for key, array, _ in arrays:
         var = variables[key]
+        if isinstance(var, Logical):  # several boxes of ``key`` here: one row each, in order
+            n = seen[key] = seen.get(key, -1) + 1
+            var = var.parts[n]
         shard = var.shard if isinstance(var, Variable) else None
         dtype = array.dtype
         name = names.get(dtype)
@@ -218,6 +228,7 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
     clock = _Clock()
     raw, checks, digest = _layout_rows(arrays, variables)
     values = {key: (array, attrs) for key, array, attrs in arrays}
+    boxed = _boxed(arrays, variables)
     plan = gather_plan(
         coord, _LazyLayout(raw), checksums=checks, cache=plan_cache(coord),
         digest=digest, tag=f"{tag}:plan", timeout=timeout,
@@ -242,7 +253,7 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
         grid = _grid(plan, fmt, suffix, coord.size) if target.grids else None
         mine = _mine(plan, coord.rank, grid)
         try:
-            _write_mine(target, grid, mine, values, coord.rank, suffix)
+            _write_mine(target, grid, mine, values, boxed, coord.rank, suffix)
         except BaseException as exc:  # noqa: BLE001 - reported through the vote
             failure = exc
         clock.lap("write")
@@ -272,20 +283,23 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
 def _write_mine(  # noqa: PLR0917
     target: Target,
     grid: Any,
-    mine: list[tuple[str, str]],
+    mine: list[tuple[str, str, tuple[int, ...]]],
     values: Mapping[str, tuple[np.ndarray, dict[str, Any]]],
+    boxed: Mapping[tuple[str, tuple[int, ...]], np.ndarray],
     rank: int,
     suffix: str,
 ) -> None:
     """The write step on one rank: its chunks of global arrays, then its own file."""
     if grid is not None:
-        grid.write(target.where, rank, values)
+        grid.write(target.where, rank, values, boxed=boxed)
     if not mine:
         return
 
     def fill(writer: Any) -> None:
-        for key, stored in mine:
+        for key, stored, offset in mine:
             array, attrs = values[key]
+            if boxed:
+                array = boxed.get((key, offset), array)
             writer.add(stored, array, attrs)
         writer.set_metadata({"sharded": {"rank": rank}})
 
@@ -336,7 +350,7 @@ def needs_collective(coord: Any, variables: Iterable[Any]) -> bool:
 
 
 # One entry each: a repeated save with the same (cached) plan reuses them.
-_MINE: dict[int, tuple[Any, int, Any, list[tuple[str, str]]]] = {}
+_MINE: dict[int, tuple[Any, int, Any, list[tuple[str, str, tuple[int, ...]]]]] = {}
 _PACKED: dict[int, tuple[Any, tuple[Any, ...], Any, bytes]] = {}
 
 
@@ -348,12 +362,31 @@ def _grid(plan: Any, fmt: str, suffix: str, size: int) -> Any:
     return grid_layout(plan, size, reserved)
 
 
-def _mine(plan: Any, rank: int, grid: Any = None) -> list[tuple[str, str]]:
-    """``(key, stored key)`` of each box ``rank`` writes under ``plan`` into its own file."""
+def _boxed(
+    arrays: Sequence[tuple[str, np.ndarray, dict[str, Any]]],
+    variables: Mapping[str, Variable | Logical],
+) -> dict[tuple[str, tuple[int, ...]], np.ndarray]:
+    """``(key, offset) -> value`` of the keys this rank holds several boxes of."""
+    out: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
+    seen: dict[str, int] = {}
+    for key, array, _ in arrays:
+        var = variables[key]
+        if isinstance(var, Logical):
+            n = seen[key] = seen.get(key, -1) + 1
+            shard = var.parts[n].shard
+            if shard is not None:
+                out[key, tuple(int(o) for o in shard.offset)] = array
+    return out
+
+
+def _mine(plan: Any, rank: int, grid: Any = None) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``(key, stored key, box offset)`` of each box ``rank`` writes under ``plan`` into its
+    own file."""
     hit = _MINE.get(id(plan))
     if hit is not None and hit[0] is plan and hit[1] == rank and hit[2] is grid:
         return hit[3]
-    mine = [(key, box_key(key, j)) for key, vp in plan.variables.items()
+    mine = [(key, box_key(key, j), tuple(int(o) for o in item.box.offset))
+            for key, vp in plan.variables.items()
             if grid is None or key not in grid
             for j, item in enumerate(vp.items) if item.writer == rank]
     _MINE.clear()

@@ -12,16 +12,16 @@ arrays: NumPy for NumPy, a new torch tensor on the like's device for a tensor, a
 ``jax.Array`` with the like's sharding for a ``jax.Array`` or a
 ``jax.ShapeDtypeStruct(..., sharding=...)``; a ``DTensor`` is filled in place.
 
-Sharded leaves (a ``DTensor``; a ``jax.Array`` whose devices span several processes)
-are saved collectively through the multi-process protocol (``_collective``): each
-process writes only the box it owns (of replicas of one box, one process writes it),
+Sharded leaves (a ``DTensor``; a ``jax.Array`` over several devices, of one process or
+many) are saved collectively through the multi-process protocol (``_collective``): each
+process writes only the boxes it owns, each from its shard's buffer, never assembled
+(of replicas of one box, one process writes it),
 and a restore reads only the boxes each process needs (``_collective_restore``),
 whatever mesh, placement or process count wrote them.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -37,7 +37,7 @@ from ._collective import collective_write
 from ._collective_restore import collective_restore
 from ._files import native_backend, open_checkpoint_reader
 from ._frameworks import FrameworkStateError, is_dtensor, tensor_variable
-from ._logical import apply_targets, as_target
+from ._logical import Logical, apply_targets, as_target
 
 __all__ = ["flatten", "is_plain", "load_tree", "save_tree"]
 
@@ -126,7 +126,8 @@ def is_plain(arrays: Any) -> bool:
     for k, v in arrays.items():
         if v.__class__ is ndarray and k.__class__ is str:  # the common case, in one test
             continue
-        if not isinstance(k, str) or not _is_array(v) or _is_abstract(v) or _sharded(v):
+        if (not isinstance(k, str) or not _is_array(v) or _is_abstract(v) or _sharded(v)
+                or _multi_device(v)):
             return False
     return True
 
@@ -162,69 +163,92 @@ def _graph() -> Graph:
     return Graph()
 
 
-def _jax_box(value: Any, key: str) -> tuple[tuple[int, ...], np.ndarray] | None:
-    """This process's box of a multi-process jax.Array (offset, host value), or None when
-    another process writes it. The boxes a process owns must form one box."""
+def _jax_boxes(value: Any) -> list[tuple[tuple[int, ...], np.ndarray]]:
+    """``(offset, host view)`` of each box of a jax.Array this process writes: one replica
+    of each distinct box of its sharding, by the lowest process holding it. Each shard's
+    buffer is written as it is: the whole value is never assembled on the host."""
     shape = tuple(value.shape)
+
+    def box_of(index: Any) -> tuple[tuple[int, int], ...]:
+        box = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=False))
+        return box + tuple((0, n) for n in shape[len(box):])
+
     owners: dict[tuple[tuple[int, int], ...], int] = {}
     for dev, index in value.sharding.devices_indices_map(shape).items():
-        box = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=False))
-        box = box + tuple((0, n) for n in shape[len(box):])
+        box = box_of(index)
         owners[box] = min(owners.get(box, dev.process_index), dev.process_index)
     import jax  # noqa: PLC0415 - a jax value is here
 
     me = jax.process_index()
-    mine = [b for b, p in owners.items() if p == me and all(hi > lo for lo, hi in b)]
-    if not mine:
-        return None
-    lo = tuple(min(b[i][0] for b in mine) for i in range(len(shape)))
-    hi = tuple(max(b[i][1] for b in mine) for i in range(len(shape)))
-    ext = tuple(h - low for low, h in zip(lo, hi, strict=True))
-    if sum(math.prod(h - low for low, h in b) for b in mine) != math.prod(ext):
-        raise FrameworkStateError(
-            f"Cannot save {key!r}: the boxes process {me} writes of it do not form one box "
-            "(a mesh whose process-local devices are not contiguous along the sharded axes).")
-    host = np.empty(ext, np.dtype(value.dtype))
+    out: list[tuple[tuple[int, ...], np.ndarray]] = []
     done = set()
     for shard in value.addressable_shards:
-        idx = tuple(s.indices(n)[:2] for s, n in zip(shard.index, shape, strict=False))
-        idx = idx + tuple((0, n) for n in shape[len(idx):])
-        if idx in done or owners.get(idx) != me:
+        box = box_of(shard.index)
+        if box in done or owners.get(box) != me or not all(hi > lo for lo, hi in box):
             continue
-        done.add(idx)
-        rel = tuple(slice(a - o, b - o) for (a, b), o in zip(idx, lo, strict=True))
-        host[rel] = np.asarray(shard.data)
-    return lo, host
+        done.add(box)
+        host = to_numpy(shard.data, what="a shard")
+        out.append((tuple(lo for lo, _ in box), host))
+    out.sort(key=lambda item: item[0])
+    return out
 
 
-def _leaf_for_save(graph: Graph, key: str, value: Any) -> tuple[np.ndarray | None, Any]:
-    """``(host array, variable or None)`` of one array leaf; ``(None, None)``: not this process's."""
+def _multi_device(value: Any) -> bool:
+    """A jax.Array whose sharding spans several devices (of this process or more)."""
+    if framework_of(value) != "jax" or _is_abstract(value):
+        return False
+    sharding = getattr(value, "sharding", None)
+    return sharding is not None and len(sharding.device_set) > 1
+
+
+def _box_variable(graph: Graph, key: str, host: np.ndarray, shard: Shard) -> Variable:
+    """A variable naming the box ``host`` holds, left uninitialized: the save writes
+    ``host`` itself (a read-only view of a device buffer, which a variable would copy)."""
+    with graph.as_default():
+        return Variable(FreshValue(lambda: host), shape=host.shape, dtype=host.dtype,
+                        device="CPU:0", collections=[], trainable=False, name=key,
+                        shard=shard)
+
+
+def _leaf_for_save(graph: Graph, key: str, value: Any) -> list[tuple[np.ndarray, Any]]:
+    """``(host array, variable or None)`` of each box of one array leaf this process
+    writes (none: another process writes it; several: a jax.Array's distinct shards, whose
+    variable is then one :class:`Logical` of them)."""
     if is_dtensor(value):
         var = tensor_variable(graph, key, value, saving=True)
-        return (None, None) if var is None else (var.value(), var)
-    if framework_of(value) == "jax" and _sharded(value):
-        got = _jax_box(value, key)
-        if got is None:
-            return None, None
-        offset, host = got
-        with graph.as_default():
-            var = Variable(FreshValue(lambda: host), shape=host.shape, dtype=host.dtype,
-                           device="CPU:0", collections=[], trainable=False, name=key,
-                           shard=Shard(tuple(value.shape), offset))
-        var.initialize()
-        return host, var
+        return [] if var is None else [(var.value(), var)]
+    if _multi_device(value) and value.sharding.is_fully_replicated:  # one box: all of it
+        return [(to_numpy(value.addressable_shards[0].data, what=repr(key)), None)]
+    if _multi_device(value):
+        full = tuple(int(n) for n in value.shape)
+        parts = [(host, _box_variable(graph, key, host, Shard(full, offset)))
+                 for offset, host in _jax_boxes(value)]
+        if len(parts) <= 1:
+            return parts
+        logical = Logical(key, full, np.dtype(value.dtype), tuple(v for _, v in parts))
+        return [(host, logical) for host, _ in parts]
     host = value if isinstance(value, np.ndarray) else to_numpy(value, what=repr(key))
-    return np.ascontiguousarray(np.asarray(host)), None
+    return [(np.asarray(host, order="C"), None)]  # 0-d stays 0-d (ascontiguousarray: 1-d)
+
+
+def _no_options(path: str | os.PathLike[str], options: bool) -> None:
+    if options:
+        raise TypeError(
+            f"Cannot save {os.fspath(path)!r} with storage_options= or writer options: its "
+            "tree has sharded leaves (a DTensor, a jax.Array over several devices), which "
+            "the multi-process protocol writes, durably, box by box (docs/frameworks.md).")
 
 
 def save_tree(  # noqa: PLR0917
     path: str | os.PathLike[str], tree: Any, format: str | None, metadata: Any,
     coordinator: Coordinator | None, timeout: float | None,
-    save_flat: Any,
+    save_flat: Any, *, options: bool = False,
 ) -> Any:
     """Write ``tree``; with a coordinator (or sharded leaves), collectively.
 
     ``save_flat(path, arrays, metadata)`` writes a one-process checkpoint (``cv.save``).
+    ``options``: the caller gave writer options or ``storage_options=``, which only
+    ``save_flat`` takes (a collective save raises ``TypeError`` rather than drop them).
     """
     failure: BaseException | None = None
     arrays: dict[str, Any] = {}
@@ -241,12 +265,13 @@ def save_tree(  # noqa: PLR0917
         if coordinator is None:
             raise
         failure = exc
-    if coordinator is None and any(_sharded(v) for v in arrays.values()):
-        coordinator = from_env()
+    if coordinator is None and any(_sharded(v) or _multi_device(v) for v in arrays.values()):
+        coordinator = from_env()  # one process included: its shards written as boxes
     if coordinator is None:
         host = {k: (v if isinstance(v, np.ndarray) else to_numpy(v, what=repr(k)))
                 for k, v in arrays.items()}
         return save_flat(path, host, meta)
+    _no_options(path, options)
     coord = coordinator
     graph = _graph()
     rows: list[tuple[str, np.ndarray, dict[str, Any]]] = []
@@ -257,11 +282,9 @@ def save_tree(  # noqa: PLR0917
             raise failure
         fmt = native_backend(path, format).name
         for key, value in arrays.items():
-            mine, var = _leaf_for_save(graph, key, value)
-            if mine is None:
-                continue  # another process writes this box
-            rows.append((key, mine, {"name": key}))
-            variables[key] = var
+            for mine, var in _leaf_for_save(graph, key, value):  # none: another's boxes
+                rows.append((key, mine, {"name": key}))
+                variables[key] = var
     except BaseException as exc:  # noqa: BLE001 - reported through the vote
         failure = exc
     coord.vote(failure, tag=f"save:{os.path.basename(os.fspath(path))}:tree", timeout=timeout)

@@ -179,9 +179,12 @@ class GridLayout:
         return {w for gv in self.variables.values() for w in gv.writers}
 
     def write(self, where: Path, rank: int,
-              values: Mapping[str, tuple[np.ndarray, Any]], *, durable: bool = True) -> None:
+              values: Mapping[str, tuple[np.ndarray, Any]], *, durable: bool = True,
+              boxed: Mapping[tuple[str, tuple[int, ...]], np.ndarray] | None = None) -> None:
         """Write ``rank``'s chunks, the array and group documents it owns, and its
-        checksum file, into the step directory ``where`` (fsynced when ``durable``)."""
+        checksum file, into the step directory ``where`` (fsynced when ``durable``).
+        ``boxed`` gives the value of each box of a key ``rank`` holds several boxes of
+        (by ``(key, offset)``); other keys' value is ``values[key]``'s."""
         sync: list[Path] | None = [] if durable else None
         dirs: set[Path] = set()
         sums: dict[str, list[list[int]]] = {}
@@ -199,7 +202,10 @@ class GridLayout:
             for j, (box, writer) in enumerate(zip(gv.boxes, gv.writers, strict=True)):
                 if writer != rank:
                     continue
-                data = _chunk_data(gv, box, values[gv.key][0])
+                value = values[gv.key][0]
+                if boxed:
+                    value = boxed.get((gv.key, tuple(int(o) for o in box.offset)), value)
+                data = _chunk_data(gv, box, value)
                 rel = gv.chunk_rel(box)
                 make(gv.path)
                 write_file(where / rel, _rawio.byte_view(data), sync)
