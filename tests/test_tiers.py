@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -100,3 +101,39 @@ def test_tiers_refuse_bad_settings(tmp_path: Path, fresh_graph: cv.Graph) -> Non
     ckpt, _ = _model(0.0)
     with pytest.raises(ValueError, match="persistent_every"):
         _manager(ckpt, tmp_path / "a", persistent_every=0)
+
+
+def test_a_preemption_save_is_persisted_before_the_signal_comes_back(
+    tmp_path: Path, fresh_graph: cv.Graph
+) -> None:
+    ckpt, v = _model(0.0)
+    mgr = _manager(ckpt, tmp_path, persistent_every=10)
+    seen: list[list[str]] = []
+
+    def handler(_signum: int, _frame: object) -> None:  # runs after the re-delivery
+        seen.append(sorted(p.name for p in (tmp_path / "persistent").glob("ckpt-*")))
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        mgr.save_on_signal(signal.SIGUSR1)
+        for step in range(1, 3):
+            v.assign(np.full(1000, float(step)))
+            mgr.save(step)  # local only (persistent_every=10)
+        v.assign(np.full(1000, 3.0))
+        assert not mgr.reached_preemption(3)  # no signal yet
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert mgr.reached_preemption(3)  # step 3: not a multiple of 10, persisted anyway
+        assert seen == [["ckpt-3.h5"]]  # committed before the handler ran
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    for step in range(4, 7):  # later steps: persistent_every again; step 3 stays until pruned
+        mgr.save(step)
+    mgr.wait_until_finished()
+    assert sorted(p.name for p in (tmp_path / "persistent").glob("ckpt-*")) == ["ckpt-3.h5"]
+    assert sorted(p.name for p in (tmp_path / "local").glob("ckpt-*")) == ["ckpt-5.h5",
+                                                                          "ckpt-6.h5"]
+    shutil.rmtree(tmp_path / "local")
+    ckpt2, v2 = _model(-1.0)
+    assert _manager(ckpt2, tmp_path).restore_or_initialize() == str(
+        tmp_path / "persistent" / "ckpt-3.h5")
+    np.testing.assert_array_equal(v2.numpy(), np.full(1000, 3.0))

@@ -145,7 +145,8 @@ class CheckpointManager:
     never pruned there before its persistent copy is committed. Restore takes the
     newest step committed in either tier (the local copy first); a process that lost
     its local tier restores from the persistent one. :meth:`wait_until_finished`
-    waits for the background copies. One process only, for now.
+    waits for the background copies. A preemption save (``save_on_signal``) is
+    persisted too, before the signal is re-delivered. One process only, for now.
 
     A read-only directory can be opened (``read_only`` is then True):
     :attr:`checkpoints`, :attr:`latest_checkpoint` and :meth:`restore_or_initialize`
@@ -220,6 +221,8 @@ class CheckpointManager:
         self.local_max_to_keep = local_max_to_keep
         self.persistent_every = persistent_every
         self._persisting: dict[int, Future[None]] = {}
+        #: steps due a persistent copy outside ``persistent_every`` (preemption saves)
+        self._also_persisted: set[int] = set()
         self._tier_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         if local_directory is not None:
@@ -554,8 +557,9 @@ class CheckpointManager:
         """
         signum = self._on_signal.due(self.coordinator, timeout)
         if signum is not None:
-            return self._on_signal.save_then_redeliver(signum, lambda: self.save(
-                checkpoint_number, check_interval=False, timeout=timeout), self._sync)
+            return self._on_signal.save_then_redeliver(
+                signum, lambda: self._preemption_save(checkpoint_number, timeout),
+                self._finish_preemption)
         if self._local_tier is not None:
             return self._save_tiered(checkpoint_number, check_interval, timeout)
         self._sync()
@@ -648,9 +652,25 @@ class CheckpointManager:
         signum = self._on_signal.due(self.coordinator, timeout)
         if signum is None:
             return False
-        self._on_signal.save_then_redeliver(signum, lambda: self.save(
-            checkpoint_number, check_interval=False, timeout=timeout), self._sync)
+        self._on_signal.save_then_redeliver(
+            signum, lambda: self._preemption_save(checkpoint_number, timeout),
+            self._finish_preemption)
         return True
+
+    def _preemption_save(self, checkpoint_number: int | None,
+                         timeout: float | None) -> str | None:
+        """The preemption save: whatever the interval; with tiers also persisted (the
+        local disk may not outlive the preemption), whatever ``persistent_every`` says."""
+        if self._local_tier is not None:
+            return self._save_tiered(checkpoint_number, False, timeout, persist=True)
+        return self.save(checkpoint_number, check_interval=False, timeout=timeout)
+
+    def _finish_preemption(self) -> None:
+        """Before the signal is re-delivered: the save committed, with tiers its
+        persistent copy too."""
+        self._sync()
+        if self._local_tier is not None:
+            self.wait_until_finished()
 
     def _incremental_base(self, number: int) -> Any:
         """What an incremental save of step ``number`` builds on (the latest kept step)."""
@@ -745,7 +765,7 @@ class CheckpointManager:
         return sorted(merged.items())
 
     def _save_tiered(self, checkpoint_number: int | None, check_interval: bool,
-                     timeout: float | None) -> str | None:
+                     timeout: float | None, *, persist: bool = False) -> str | None:
         assert self._local_tier is not None and self._pool is not None
         self._raise_persist_error()
         self._checkpoint.wait()  # the persistent tier's list is kept by its copies
@@ -756,7 +776,9 @@ class CheckpointManager:
         if path is None:
             return None
         number = self._number(Path(path).name)
-        if number % self.persistent_every == 0:
+        if persist or number % self.persistent_every == 0:
+            if number % self.persistent_every:
+                self._also_persisted.add(number)
             self._persisting[number] = self._pool.submit(self._persist, number, path)
         self._prune_local()
         return path
@@ -801,7 +823,8 @@ class CheckpointManager:
             names = [e["path"] for e in local._section["checkpoints"]]
             for name in names[: max(0, len(names) - self.local_max_to_keep)]:
                 number = self._number(name)
-                if number % self.persistent_every == 0 and not self._persisted(number):
+                due = number % self.persistent_every == 0 or number in self._also_persisted
+                if due and not self._persisted(number):
                     break
                 local._drop(name)
 
