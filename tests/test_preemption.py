@@ -139,6 +139,34 @@ def test_sigterm_under_mpiexec_makes_one_collective_save(tmp_path: Path, to: str
     assert restored["step"] == max(steps) + 1  # every rank saved the same step
 
 
+@pytest.mark.skipif(_mpi_skip_reason() is not None, reason=_mpi_skip_reason() or "")
+def test_sigterm_to_one_rank_of_a_tiered_job_persists_the_collective_save(
+    tmp_path: Path,
+) -> None:
+    mpiexec = find_mpiexec()
+    assert mpiexec is not None
+    proc = subprocess.Popen([mpiexec, "-n", "3", sys.executable, str(JOB), str(tmp_path),
+                             "tiered"], env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    _wait_for_steps(tmp_path, 3, 10, proc)
+    seen = max(_read_step(tmp_path / f"step{r}") for r in range(3))
+    os.kill(int((tmp_path / "pid1").read_text()), signal.SIGTERM)
+    try:
+        output, _ = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the job did not end after SIGTERM")
+    assert proc.returncode != 0, output
+    step = max(_read_step(tmp_path / f"step{r}") for r in range(3)) + 1
+    persistent = sorted(p.name for p in (tmp_path / "run").iterdir()
+                        if not p.name.startswith("."))
+    assert persistent == ["checkpoint_state.json", f"ckpt-{step}.h5"], output
+    shutil.rmtree(tmp_path / "local")  # the preempted machines' disks are gone
+    restored = _restart(tmp_path, "tiered-report")
+    _assert_restored_current_state(tmp_path, restored, seen)
+    assert restored["step"] == step
+
+
 def test_a_python_handler_runs_after_the_save(tmp_path: Path) -> None:
     calls: list[tuple[int, list[str]]] = []
     w = cv.Variable(np.zeros(3), name="w")

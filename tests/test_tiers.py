@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_distributed_mpi import _mpi_skip_reason, run_mpi
 
 import ckptvar as cv
 
@@ -137,3 +138,33 @@ def test_a_preemption_save_is_persisted_before_the_signal_comes_back(
     assert _manager(ckpt2, tmp_path).restore_or_initialize() == str(
         tmp_path / "persistent" / "ckpt-3.h5")
     np.testing.assert_array_equal(v2.numpy(), np.full(1000, 3.0))
+
+
+TIERS_CASES = Path(__file__).parent / "mpi" / "tiers_cases.py"
+
+
+def _mpi(tmp: Path, case: str) -> dict[int, dict[str, object]]:
+    reason = _mpi_skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    proc, got, _ = run_mpi(3, str(TIERS_CASES), str(tmp), case, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(got.get(case, {})) == [0, 1, 2], got
+    return got[case]
+
+
+def test_three_processes_share_a_local_tier_and_rank_0_persists(tmp_path: Path) -> None:
+    for r in _mpi(tmp_path, "save").values():
+        assert r["local"] == ["ckpt-5.h5"], r
+        assert r["persistent"] == ["ckpt-2.h5", "ckpt-4.h5"], r
+        assert r["listed"] == ["persistent/ckpt-2.h5", "persistent/ckpt-4.h5",
+                               "local/ckpt-5.h5"], r
+    for r in _mpi(tmp_path, "restore").values():  # the same machines: the local step 5
+        assert r["restored"] == str(tmp_path / "local" / "ckpt-5.h5"), r
+        assert r["values"] == [5.0], r
+    shutil.rmtree(tmp_path / "local")  # new machines: every process restores step 4
+    for r in _mpi(tmp_path, "restore").values():
+        assert r["restored"] == str(tmp_path / "persistent" / "ckpt-4.h5"), r
+        assert r["values"] == [4.0], r
+    for r in _mpi(tmp_path, "per-rank").values():  # a per-node local directory: refused
+        assert r["error"] == "CkptError" and "not the same directory" in r["message"], r
