@@ -147,7 +147,9 @@ class CheckpointManager:
     newest step committed in either tier (the local copy first); a process that lost
     its local tier restores from the persistent one. :meth:`wait_until_finished`
     waits for the background copies. A preemption save (``save_on_signal``) is
-    persisted too, before the signal is re-delivered. One process only, for now.
+    persisted too, before the signal is re-delivered. With a coordinator of several
+    processes the local tier is one directory they share (a per-node one is refused):
+    rank 0 persists, and :meth:`wait_until_finished` is a collective.
 
     A read-only directory can be opened (``read_only`` is then True):
     :attr:`checkpoints`, :attr:`latest_checkpoint` and :meth:`restore_or_initialize`
