@@ -8,6 +8,9 @@ appends one JSON line to ``$RESULT_DIR/rank<r>.jsonl``. Every rank holds its row
   ``local_max_to_keep=1``, then ``wait_until_finished()``; reports what each tier holds;
 - ``restore``: a fresh job restores (reports the path and its rows' values);
 - ``per-rank``: each rank names its own local directory (refused, said on every rank).
+
+With ``$PERSISTENT`` (a URL; ``$S3_OPTIONS`` its storage options, JSON) the persistent
+tier is there instead of ``DIR/persistent``; ``$FORMAT``: ``h5`` (default) or ``zarr``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ coord = cv.distributed.from_env(timeout=60)
 RANK, SIZE = coord.rank, coord.size
 OUT = Path(os.environ["RESULT_DIR"]) / f"rank{RANK}.jsonl"
 ROWS = 12
+PERSISTENT = os.environ.get("PERSISTENT")
+OPTS = json.loads(os.environ.get("S3_OPTIONS", "null"))
+FORMAT = os.environ.get("FORMAT", "h5")
 
 
 def report(case: str, **fields: object) -> None:
@@ -40,9 +46,10 @@ def model(value: float) -> tuple[cv.Checkpoint, cv.Variable]:
 
 
 def manager(ckpt: cv.Checkpoint, d: Path, local: Path) -> cv.CheckpointManager:
-    return cv.CheckpointManager(ckpt, d / "persistent", max_to_keep=3, coordinator=coord,
+    return cv.CheckpointManager(ckpt, PERSISTENT or d / "persistent", max_to_keep=3,
+                                coordinator=coord, storage_options=OPTS,
                                 local_directory=local, local_max_to_keep=1,
-                                persistent_every=2)
+                                persistent_every=2, format=FORMAT)
 
 
 def steps(d: Path) -> list[str]:
