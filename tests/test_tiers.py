@@ -143,28 +143,30 @@ def test_a_preemption_save_is_persisted_before_the_signal_comes_back(
 TIERS_CASES = Path(__file__).parent / "mpi" / "tiers_cases.py"
 
 
-def _mpi(tmp: Path, case: str) -> dict[int, dict[str, object]]:
+def _mpi(tmp: Path, *cases: str) -> dict[str, dict[int, dict[str, object]]]:
     reason = _mpi_skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    proc, got, _ = run_mpi(3, str(TIERS_CASES), str(tmp), case, timeout=120)
+    proc, got, _ = run_mpi(3, str(TIERS_CASES), str(tmp), *cases, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert sorted(got.get(case, {})) == [0, 1, 2], got
-    return got[case]
+    for case in cases:
+        assert sorted(got.get(case, {})) == [0, 1, 2], got
+    return got
 
 
 def test_three_processes_share_a_local_tier_and_rank_0_persists(tmp_path: Path) -> None:
-    for r in _mpi(tmp_path, "save").values():
+    saved = _mpi(tmp_path, "save", "per-rank")
+    for r in saved["save"].values():
         assert r["local"] == ["ckpt-5.h5"], r
         assert r["persistent"] == ["ckpt-2.h5", "ckpt-4.h5"], r
         assert r["listed"] == ["persistent/ckpt-2.h5", "persistent/ckpt-4.h5",
                                "local/ckpt-5.h5"], r
-    for r in _mpi(tmp_path, "restore").values():  # the same machines: the local step 5
+    for r in saved["per-rank"].values():  # a per-node local directory: refused
+        assert r["error"] == "CkptError" and "not the same directory" in r["message"], r
+    for r in _mpi(tmp_path, "restore")["restore"].values():  # the same machines: step 5
         assert r["restored"] == str(tmp_path / "local" / "ckpt-5.h5"), r
         assert r["values"] == [5.0], r
     shutil.rmtree(tmp_path / "local")  # new machines: every process restores step 4
-    for r in _mpi(tmp_path, "restore").values():
+    for r in _mpi(tmp_path, "restore")["restore"].values():
         assert r["restored"] == str(tmp_path / "persistent" / "ckpt-4.h5"), r
         assert r["values"] == [4.0], r
-    for r in _mpi(tmp_path, "per-rank").values():  # a per-node local directory: refused
-        assert r["error"] == "CkptError" and "not the same directory" in r["message"], r

@@ -1,6 +1,6 @@
 """A tiered manager (a local and a persistent tier) with a coordinator of N processes.
 
-Usage: ``tiers_cases.py DIR CASE`` under ``mpiexec -n N python -m mpi4py``; each rank
+Usage: ``tiers_cases.py DIR CASE...`` under ``mpiexec -n N python -m mpi4py``; each rank
 appends one JSON line to ``$RESULT_DIR/rank<r>.jsonl``. Every rank holds its rows of
 ``w`` (a sharded variable); the local tier ``DIR/local`` is shared by the ranks.
 
@@ -79,4 +79,5 @@ def main(d: Path, case: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    for name in sys.argv[2:]:
+        main(Path(sys.argv[1]), name)
