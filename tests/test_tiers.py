@@ -155,7 +155,7 @@ def _mpi(tmp: Path, *cases: str) -> dict[str, dict[int, dict[str, object]]]:
 
 
 def test_three_processes_share_a_local_tier_and_rank_0_persists(tmp_path: Path) -> None:
-    saved = _mpi(tmp_path, "save", "per-rank")
+    saved = _mpi(tmp_path, "save", "per-rank", "fail")
     for r in saved["save"].values():
         assert r["local"] == ["ckpt-5.h5"], r
         assert r["persistent"] == ["ckpt-2.h5", "ckpt-4.h5"], r
@@ -163,6 +163,9 @@ def test_three_processes_share_a_local_tier_and_rank_0_persists(tmp_path: Path) 
                                "local/ckpt-5.h5"], r
     for r in saved["per-rank"].values():  # a per-node local directory: refused
         assert r["error"] == "CkptError" and "not the same directory" in r["message"], r
+    for r in saved["fail"].values():  # rank 0's copy failed: said on every process
+        assert r["error"] == "CkptError" and "ckpt-2.h5' exists already" in r["message"], r
+    assert (tmp_path / "fail" / "persistent" / "ckpt-2.h5" / "mine").read_text() == "mine"
     for r in _mpi(tmp_path, "restore")["restore"].values():  # the same machines: step 5
         assert r["restored"] == str(tmp_path / "local" / "ckpt-5.h5"), r
         assert r["values"] == [5.0], r

@@ -7,7 +7,9 @@ appends one JSON line to ``$RESULT_DIR/rank<r>.jsonl``. Every rank holds its row
 - ``save``: steps 1-5 (``w`` = the step), ``persistent_every=2``, ``max_to_keep=3``,
   ``local_max_to_keep=1``, then ``wait_until_finished()``; reports what each tier holds;
 - ``restore``: a fresh job restores (reports the path and its rows' values);
-- ``per-rank``: each rank names its own local directory (refused, said on every rank).
+- ``per-rank``: each rank names its own local directory (refused, said on every rank);
+- ``fail``: in ``DIR/fail``, a foreign ``ckpt-2.h5`` in the persistent directory makes
+  rank 0's copy of step 2 fail: ``wait_until_finished()`` raises on every rank.
 
 With ``$PERSISTENT`` (a URL; ``$S3_OPTIONS`` its storage options, JSON) the persistent
 tier is there instead of ``DIR/persistent``; ``$FORMAT``: ``h5`` (default) or ``zarr``.
@@ -61,6 +63,18 @@ def main(d: Path, case: str) -> None:
     if case == "per-rank":
         try:
             manager(ckpt, d, d / f"local-rank{RANK}")
+        except cv.CkptError as exc:
+            report(case, error=type(exc).__name__, message=str(exc))
+        return
+    if case == "fail":
+        mgr = manager(ckpt, d / "fail", d / "fail" / "local")
+        if RANK == 0:
+            (d / "fail" / "persistent" / "ckpt-2.h5").mkdir()
+            (d / "fail" / "persistent" / "ckpt-2.h5" / "mine").write_text("mine")
+        for _ in range(2):
+            mgr.save()
+        try:
+            mgr.wait_until_finished()
         except cv.CkptError as exc:
             report(case, error=type(exc).__name__, message=str(exc))
         return
