@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,11 @@ def _copy_checkpoint(src: Path, dst: Path, *, durable: bool = False) -> None:
     shutil.copyfile(src, dst)
     if durable:
         fsync_path(dst)
+
+
+#: With several processes, rank 0's persistent copies are waited for in rounds of this
+#: many seconds, each ending in a small collective (well inside any coordinator timeout).
+_PERSIST_POLL_S = 5.0
 
 
 class CheckpointManager:
@@ -890,21 +896,34 @@ class CheckpointManager:
 
     def _agree_persisted(self, timeout: float | None, *, wait: bool = False) -> None:
         """Many processes: rank 0's persistent copies (waited for and the local tier
-        pruned, with ``wait``); every process raises a failed one's error (a collective)."""
-        error: str | None = None
-        if self._primary():
-            try:
-                if wait:
-                    for future in list(self._persisting.values()):
-                        with contextlib.suppress(BaseException):
-                            future.result()
-                    self._prune_local()
-                self._raise_persist_error()
-            except Exception as exc:  # noqa: BLE001 - said on every process, below
-                error = f"{type(exc).__name__}: {exc}"
-        error = self.coordinator.broadcast(error, tag="tiers-persisted", timeout=timeout)
-        if error is not None:
-            raise CkptError(f"A persistent copy of a local step failed on rank 0: {error}")
+        pruned, with ``wait``); every process raises a failed one's error (a collective).
+
+        A long copy is waited for in rounds of :data:`_PERSIST_POLL_S` seconds, each
+        ending in a small collective, so that no process waits past the coordinator's
+        timeout for rank 0's upload."""
+        while True:
+            said: str | None = None  # None: done; else "pending" or rank 0's error
+            failure: BaseException | None = None
+            if self._primary():
+                pending = [f for f in self._persisting.values() if not f.done()]
+                if wait and pending:
+                    futures_wait(pending, timeout=_PERSIST_POLL_S)
+                    pending = [f for f in pending if not f.done()]
+                if wait and pending:
+                    said = "pending"
+                else:
+                    try:
+                        if wait:
+                            self._prune_local()
+                        self._raise_persist_error()
+                    except Exception as exc:  # noqa: BLE001 - said on every process, below
+                        failure, said = exc, f"{type(exc).__name__}: {exc}"
+            said = self.coordinator.broadcast(said, tag="tiers-persisted", timeout=timeout)
+            if said != "pending":
+                break
+        if said is not None:
+            raise CkptError(
+                f"A persistent copy of a local step failed on rank 0: {said}") from failure
 
     def wait_until_finished(self, *, timeout: float | None = None) -> None:
         """Block until every save of this manager is durable, background persistent copies
