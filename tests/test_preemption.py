@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,9 +59,9 @@ def _read_step(path: Path) -> int:
         time.sleep(0.01)
 
 
-def _restart(out: Path) -> dict[str, Any]:
+def _restart(out: Path, mode: str = "report") -> dict[str, Any]:
     """The same job in a fresh process: what it restores."""
-    subprocess.run([sys.executable, str(JOB), str(out), "report"], env=_env(), timeout=60,
+    subprocess.run([sys.executable, str(JOB), str(out), mode], env=_env(), timeout=60,
                    check=True)
     restored: dict[str, Any] = json.loads((out / "restored0.json").read_text())
     return restored
@@ -91,6 +92,28 @@ def test_sigterm_saves_the_current_state_then_ends_the_process_by_sigterm(
     assert restored["step"] == last + 1  # the boundary right after the last finished step
 
 
+def test_sigterm_with_tiers_persists_the_preemption_save_before_the_process_ends(
+    tmp_path: Path,
+) -> None:
+    # persistent_every=1000: only the preemption save is due a persistent copy, and the
+    # process is killed by the re-delivered SIGTERM only once that copy is committed
+    proc = subprocess.Popen([sys.executable, str(JOB), str(tmp_path), "tiered"], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    _wait_for_steps(tmp_path, 1, 20, proc)
+    seen = _read_step(tmp_path / "step0")
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM, output
+    last = _read_step(tmp_path / "step0")
+    persistent = sorted(p.name for p in (tmp_path / "run").iterdir()
+                        if not p.name.startswith("."))
+    assert persistent == ["checkpoint_state.json", f"ckpt-{last + 1}.h5"], persistent
+    shutil.rmtree(tmp_path / "local")  # the preempted machine's disk is gone
+    restored = _restart(tmp_path, "tiered-report")
+    _assert_restored_current_state(tmp_path, restored, seen)
+    assert restored["step"] == last + 1
+
+
 @pytest.mark.skipif(_mpi_skip_reason() is not None, reason=_mpi_skip_reason() or "")
 @pytest.mark.parametrize("to", ["one", "all"])
 def test_sigterm_under_mpiexec_makes_one_collective_save(tmp_path: Path, to: str) -> None:
@@ -114,6 +137,34 @@ def test_sigterm_under_mpiexec_makes_one_collective_save(tmp_path: Path, to: str
     _assert_restored_current_state(tmp_path, restored, seen)
     steps = [_read_step(tmp_path / f"step{r}") for r in range(3)]
     assert restored["step"] == max(steps) + 1  # every rank saved the same step
+
+
+@pytest.mark.skipif(_mpi_skip_reason() is not None, reason=_mpi_skip_reason() or "")
+def test_sigterm_to_one_rank_of_a_tiered_job_persists_the_collective_save(
+    tmp_path: Path,
+) -> None:
+    mpiexec = find_mpiexec()
+    assert mpiexec is not None
+    proc = subprocess.Popen([mpiexec, "-n", "3", sys.executable, str(JOB), str(tmp_path),
+                             "tiered"], env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    _wait_for_steps(tmp_path, 3, 10, proc)
+    seen = max(_read_step(tmp_path / f"step{r}") for r in range(3))
+    os.kill(int((tmp_path / "pid1").read_text()), signal.SIGTERM)
+    try:
+        output, _ = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the job did not end after SIGTERM")
+    assert proc.returncode != 0, output
+    step = max(_read_step(tmp_path / f"step{r}") for r in range(3)) + 1
+    persistent = sorted(p.name for p in (tmp_path / "run").iterdir()
+                        if not p.name.startswith("."))
+    assert persistent == ["checkpoint_state.json", f"ckpt-{step}.h5"], output
+    shutil.rmtree(tmp_path / "local")  # the preempted machines' disks are gone
+    restored = _restart(tmp_path, "tiered-report")
+    _assert_restored_current_state(tmp_path, restored, seen)
+    assert restored["step"] == step
 
 
 def test_a_python_handler_runs_after_the_save(tmp_path: Path) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_distributed_mpi import _mpi_skip_reason, run_mpi
 
 import ckptvar as cv
 
@@ -100,3 +102,74 @@ def test_tiers_refuse_bad_settings(tmp_path: Path, fresh_graph: cv.Graph) -> Non
     ckpt, _ = _model(0.0)
     with pytest.raises(ValueError, match="persistent_every"):
         _manager(ckpt, tmp_path / "a", persistent_every=0)
+
+
+def test_a_preemption_save_is_persisted_before_the_signal_comes_back(
+    tmp_path: Path, fresh_graph: cv.Graph
+) -> None:
+    ckpt, v = _model(0.0)
+    mgr = _manager(ckpt, tmp_path, persistent_every=10)
+    seen: list[list[str]] = []
+
+    def handler(_signum: int, _frame: object) -> None:  # runs after the re-delivery
+        seen.append(sorted(p.name for p in (tmp_path / "persistent").glob("ckpt-*")))
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        mgr.save_on_signal(signal.SIGUSR1)
+        for step in range(1, 3):
+            v.assign(np.full(1000, float(step)))
+            mgr.save(step)  # local only (persistent_every=10)
+        v.assign(np.full(1000, 3.0))
+        assert not mgr.reached_preemption(3)  # no signal yet
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert mgr.reached_preemption(3)  # step 3: not a multiple of 10, persisted anyway
+        assert seen == [["ckpt-3.h5"]]  # committed before the handler ran
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    for step in range(4, 7):  # later steps: persistent_every again; step 3 stays until pruned
+        mgr.save(step)
+    mgr.wait_until_finished()
+    assert sorted(p.name for p in (tmp_path / "persistent").glob("ckpt-*")) == ["ckpt-3.h5"]
+    assert sorted(p.name for p in (tmp_path / "local").glob("ckpt-*")) == ["ckpt-5.h5",
+                                                                          "ckpt-6.h5"]
+    shutil.rmtree(tmp_path / "local")
+    ckpt2, v2 = _model(-1.0)
+    assert _manager(ckpt2, tmp_path).restore_or_initialize() == str(
+        tmp_path / "persistent" / "ckpt-3.h5")
+    np.testing.assert_array_equal(v2.numpy(), np.full(1000, 3.0))
+
+
+TIERS_CASES = Path(__file__).parent / "mpi" / "tiers_cases.py"
+
+
+def _mpi(tmp: Path, *cases: str) -> dict[str, dict[int, dict[str, object]]]:
+    reason = _mpi_skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    proc, got, _ = run_mpi(3, str(TIERS_CASES), str(tmp), *cases, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for case in cases:
+        assert sorted(got.get(case, {})) == [0, 1, 2], got
+    return got
+
+
+def test_three_processes_share_a_local_tier_and_rank_0_persists(tmp_path: Path) -> None:
+    saved = _mpi(tmp_path, "save", "per-rank", "fail")
+    for r in saved["save"].values():
+        assert r["local"] == ["ckpt-5.h5"], r
+        assert r["persistent"] == ["ckpt-2.h5", "ckpt-4.h5"], r
+        assert r["listed"] == ["persistent/ckpt-2.h5", "persistent/ckpt-4.h5",
+                               "local/ckpt-5.h5"], r
+    for r in saved["per-rank"].values():  # a per-node local directory: refused
+        assert r["error"] == "CkptError" and "not the same directory" in r["message"], r
+    for r in saved["fail"].values():  # rank 0's copy failed: said on every process
+        assert r["error"] == "CkptError" and "ckpt-2.h5' exists already" in r["message"], r
+    assert (tmp_path / "fail" / "persistent" / "ckpt-2.h5" / "mine").read_text() == "mine"
+    for r in _mpi(tmp_path, "restore")["restore"].values():  # the same machines: step 5
+        assert r["restored"] == str(tmp_path / "local" / "ckpt-5.h5"), r
+        assert r["values"] == [5.0], r
+    shutil.rmtree(tmp_path / "local")  # new machines: every process restores step 4
+    for r in _mpi(tmp_path, "restore")["restore"].values():
+        assert r["restored"] == str(tmp_path / "persistent" / "ckpt-4.h5"), r
+        assert r["values"] == [4.0], r

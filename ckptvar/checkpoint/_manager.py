@@ -22,8 +22,10 @@ import shutil
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +111,11 @@ def _copy_checkpoint(src: Path, dst: Path, *, durable: bool = False) -> None:
         fsync_path(dst)
 
 
+#: With several processes, rank 0's persistent copies are waited for in rounds of this
+#: many seconds, each ending in a small collective (well inside any coordinator timeout).
+_PERSIST_POLL_S = 5.0
+
+
 class CheckpointManager:
     """Saves numbered checkpoints of ``checkpoint`` into ``directory`` and prunes old ones.
 
@@ -145,7 +152,10 @@ class CheckpointManager:
     never pruned there before its persistent copy is committed. Restore takes the
     newest step committed in either tier (the local copy first); a process that lost
     its local tier restores from the persistent one. :meth:`wait_until_finished`
-    waits for the background copies. One process only, for now.
+    waits for the background copies. A preemption save (``save_on_signal``) is
+    persisted too, before the signal is re-delivered. With a coordinator of several
+    processes the local tier is one directory they share (a per-node one is refused):
+    rank 0 persists, and :meth:`wait_until_finished` is a collective.
 
     A read-only directory can be opened (``read_only`` is then True):
     :attr:`checkpoints`, :attr:`latest_checkpoint` and :meth:`restore_or_initialize`
@@ -224,6 +234,8 @@ class CheckpointManager:
         self.local_max_to_keep = local_max_to_keep
         self.persistent_every = persistent_every
         self._persisting: dict[int, Future[None]] = {}
+        #: steps due a persistent copy outside ``persistent_every`` (preemption saves)
+        self._also_persisted: set[int] = set()
         self._tier_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         if local_directory is not None:
@@ -558,8 +570,9 @@ class CheckpointManager:
         """
         signum = self._on_signal.due(self.coordinator, timeout)
         if signum is not None:
-            return self._on_signal.save_then_redeliver(signum, lambda: self.save(
-                checkpoint_number, check_interval=False, timeout=timeout), self._sync)
+            return self._on_signal.save_then_redeliver(
+                signum, lambda: self._preemption_save(checkpoint_number, timeout),
+                self._finish_preemption)
         if self._local_tier is not None:
             return self._save_tiered(checkpoint_number, check_interval, timeout)
         self._sync()
@@ -652,9 +665,25 @@ class CheckpointManager:
         signum = self._on_signal.due(self.coordinator, timeout)
         if signum is None:
             return False
-        self._on_signal.save_then_redeliver(signum, lambda: self.save(
-            checkpoint_number, check_interval=False, timeout=timeout), self._sync)
+        self._on_signal.save_then_redeliver(
+            signum, lambda: self._preemption_save(checkpoint_number, timeout),
+            self._finish_preemption)
         return True
+
+    def _preemption_save(self, checkpoint_number: int | None,
+                         timeout: float | None) -> str | None:
+        """The preemption save: whatever the interval; with tiers also persisted (the
+        local disk may not outlive the preemption), whatever ``persistent_every`` says."""
+        if self._local_tier is not None:
+            return self._save_tiered(checkpoint_number, False, timeout, persist=True)
+        return self.save(checkpoint_number, check_interval=False, timeout=timeout)
+
+    def _finish_preemption(self) -> None:
+        """Before the signal is re-delivered: the save committed, with tiers its
+        persistent copy too."""
+        self._sync()
+        if self._local_tier is not None:
+            self.wait_until_finished()
 
     def _incremental_base(self, number: int) -> Any:
         """What an incremental save of step ``number`` builds on (the latest kept step)."""
@@ -704,6 +733,8 @@ class CheckpointManager:
         self.skipped = []
         order = ([p for _, p in reversed(self._tiered(every_copy=True))]
                  if self._local_tier is not None else list(reversed(self.checkpoints)))
+        if self._local_tier is not None and self._many():  # one order (shared tiers)
+            order = self.coordinator.broadcast(order, tag="tiers-order")
         for path in order:
             try:
                 self.restore_status = self._checkpoint.restore(
@@ -728,23 +759,46 @@ class CheckpointManager:
     def _init_tiers(self, local_directory: str | os.PathLike[str],
                     step_counter: Variable | Callable[[], int] | None,
                     checkpoint_interval: int | None) -> None:
-        if self.coordinator is not None and self.coordinator.size > 1:
-            raise CkptError(
-                "local_directory= (a local tier) is not supported with many processes yet; "
-                "save to one directory or URL."
-            )
         if self.persistent_every < 1:
             raise ValueError(f"persistent_every must be >= 1, got {self.persistent_every}.")
         if self.local_max_to_keep is not None and self.local_max_to_keep < 1:
             raise ValueError(
                 f"local_max_to_keep must be None or >= 1, got {self.local_max_to_keep}.")
         # the local tier prunes only through this manager (never a step still to persist)
+        if self._many():
+            self._check_shared(Path(local_directory))
         self._local_tier = CheckpointManager(
             self._checkpoint, local_directory, max_to_keep=None,
             checkpoint_name=self.checkpoint_name, step_counter=step_counter,
             checkpoint_interval=checkpoint_interval, format=self.format,
+            coordinator=self.coordinator,
         )
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptvar-persist")
+
+    def _many(self) -> bool:
+        return self.coordinator is not None and self.coordinator.size > 1
+
+    def _check_shared(self, local: Path) -> None:
+        """Many processes: the local tier is one directory every process sees (a shared
+        one, as a manager's directory is); refuse one that is per node."""
+        local.mkdir(parents=True, exist_ok=True)
+        probe = local / f".tier-probe-{uuid.uuid4().hex}"
+        token = self.coordinator.broadcast(probe.name, tag="tiers-probe")
+        if self.coordinator.is_primary:
+            probe.touch()
+        self.coordinator.barrier(tag="tiers-probe-made")
+        seen = self.coordinator.allgather((local / token).exists(), tag="tiers-probe-seen")
+        self.coordinator.barrier(tag="tiers-probe-read")
+        if self.coordinator.is_primary:
+            (local / token).unlink()
+        if not all(seen):
+            blind = [r for r, ok in enumerate(seen) if not ok]
+            raise CkptError(
+                f"local_directory {os.fspath(local)!r} is not the same directory on every "
+                f"process (ranks {blind} do not see what rank 0 wrote there): with a "
+                "coordinator of several processes the local tier is one directory shared by "
+                "the job's processes, as a manager's directory is."
+            )
 
     def _tiered(self, *, every_copy: bool = False) -> list[tuple[int, str]]:
         """``(number, path)`` of the steps committed in either tier, oldest first: the local
@@ -759,18 +813,28 @@ class CheckpointManager:
         return sorted(merged.items())
 
     def _save_tiered(self, checkpoint_number: int | None, check_interval: bool,
-                     timeout: float | None) -> str | None:
+                     timeout: float | None, *, persist: bool = False) -> str | None:
         assert self._local_tier is not None and self._pool is not None
-        self._raise_persist_error()
+        if self._many():  # rank 0 copies: every process learns of a failed copy
+            self._agree_persisted(timeout)
+        else:
+            self._raise_persist_error()
         self._checkpoint.wait()  # the persistent tier's list is kept by its copies
         if checkpoint_number is None:  # a step committed in either tier is never reused
             committed = self._committed_numbers() | self._local_tier._committed_numbers()
+            if self._many():
+                committed = self.coordinator.broadcast(committed, tag="tiers-committed",
+                                                       timeout=timeout)
             self._next_number(int(self._checkpoint.save_counter.numpy()) + 1, committed)
         path = self._local_tier.save(checkpoint_number, check_interval, timeout=timeout)
         if path is None:
             return None
         number = self._number(Path(path).name)
-        if number % self.persistent_every == 0:
+        if not self._primary():  # the committed step is shared: rank 0 persists it
+            return path
+        if persist or number % self.persistent_every == 0:
+            if number % self.persistent_every:
+                self._also_persisted.add(number)
             self._persisting[number] = self._pool.submit(self._persist, number, path)
         self._prune_local()
         return path
@@ -807,7 +871,7 @@ class CheckpointManager:
         """Keep ``local_max_to_keep`` local steps; a step due a persistent copy stays until
         that copy is committed (and so do the newer ones)."""
         assert self._local_tier is not None
-        if self.local_max_to_keep is None:
+        if self.local_max_to_keep is None or not self._primary():
             return
         with self._tier_lock:
             local = self._local_tier
@@ -815,7 +879,8 @@ class CheckpointManager:
             names = [e["path"] for e in local._section["checkpoints"]]
             for name in names[: max(0, len(names) - self.local_max_to_keep)]:
                 number = self._number(name)
-                if number % self.persistent_every == 0 and not self._persisted(number):
+                due = number % self.persistent_every == 0 or number in self._also_persisted
+                if due and not self._persisted(number):
                     break
                 local._drop(name)
 
@@ -840,10 +905,51 @@ class CheckpointManager:
                 del self._persisting[number]
                 raise future.exception()  # type: ignore[misc]
 
-    def wait_until_finished(self) -> None:
+    def _primary(self) -> bool:
+        return self.coordinator is None or self.coordinator.is_primary
+
+    def _agree_persisted(self, timeout: float | None, *, wait: bool = False) -> None:
+        """Many processes: rank 0's persistent copies (waited for and the local tier
+        pruned, with ``wait``); every process raises a failed one's error (a collective).
+
+        A long copy is waited for in rounds of :data:`_PERSIST_POLL_S` seconds, each
+        ending in a small collective, so that no process waits past the coordinator's
+        timeout for rank 0's upload."""
+        while True:
+            said: str | None = None  # None: done; else "pending" or rank 0's error
+            failure: BaseException | None = None
+            if self._primary():
+                pending = [f for f in self._persisting.values() if not f.done()]
+                if wait and pending:
+                    futures_wait(pending, timeout=_PERSIST_POLL_S)
+                    pending = [f for f in pending if not f.done()]
+                if wait and pending:
+                    said = "pending"
+                else:
+                    try:
+                        if wait:
+                            self._prune_local()
+                        self._raise_persist_error()
+                    except Exception as exc:  # noqa: BLE001 - said on every process, below
+                        failure, said = exc, f"{type(exc).__name__}: {exc}"
+            said = self.coordinator.broadcast(said, tag="tiers-persisted", timeout=timeout)
+            if said != "pending":
+                break
+        if said is not None:
+            raise CkptError(
+                f"A persistent copy of a local step failed on rank 0: {said}") from failure
+
+    def wait_until_finished(self, *, timeout: float | None = None) -> None:
         """Block until every save of this manager is durable, background persistent copies
-        included; raises the first error of one not reported yet."""
+        included; raises the first error of one not reported yet. With tiers and a
+        coordinator of several processes, a collective: every process returns once rank
+        0's copies are committed (and raises a failed one's error)."""
         self._checkpoint.wait()
+        if self._local_tier is not None and self._many():
+            self._agree_persisted(timeout, wait=True)
+            self._sync()  # every process lists what rank 0 copied and pruned
+            self._local_tier._sync()
+            return
         for future in list(self._persisting.values()):
             with contextlib.suppress(BaseException):
                 future.result()

@@ -49,11 +49,13 @@ from ..locations import (
     split_url,
     staging_directory,
     upload_step,
+    upload_tree,
 )
 from . import checksum as _checksum
 from ._container.source import RemoteFile
 from ._h5 import USERBLOCK_SIZE, H5Reader, index_regions, read_index, read_userblock, record_crc
-from ._sharded_remote import is_sharded_record, open_sharded_remote
+from ._sharded import INDEX_FILE
+from ._sharded_remote import index_binding, is_sharded_record, open_sharded_remote
 from ._zarr_files import RECORD_PATH, chunk_key
 from ._zarr_remote import RemoteZarrReader
 from .base import Reader
@@ -176,6 +178,13 @@ def _upload_claimed(parent: Any, local: Path, name: str,
     held = claim(parent, name)
     try:
         refuse_committed(parent, name)
+        index = local / INDEX_FILE
+        if index.is_file():  # a multi-process step (a copy of one): the marker binds its index
+            index_bytes = index.read_bytes()
+            upload_tree(parent, local, name)
+            held.check()
+            commit(parent, name, index_binding(index_bytes), index=f"{name}/{INDEX_FILE}")
+            return
         upload_step(parent, local, name, index_checksum=record_checksum(local),
                     before_commit=held.check, copies=copies or ())
     finally:

@@ -3,6 +3,7 @@ leftovers are reclaimed, and two live writers still never both commit a step."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -10,9 +11,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from test_distributed_mpi import _mpi_skip_reason, run_mpi
 
 import ckptvar as cv
 from ckptvar.errors import CheckpointExistsError
@@ -27,6 +30,8 @@ from ckptvar.locations import (
 )
 
 from ._s3 import S3Bucket
+
+TIERS_CASES = Path(__file__).parent.parent / "mpi" / "tiers_cases.py"
 
 
 def _dead_pid() -> int:
@@ -280,3 +285,28 @@ def test_a_killed_writer_not_yet_reaped_is_gone(s3: S3Bucket) -> None:
         claim(loc, "ckpt-1.zarr").release()  # taken over, not refused
     finally:
         child.wait(timeout=60)
+
+
+@pytest.mark.skipif(_mpi_skip_reason() is not None, reason=_mpi_skip_reason() or "")
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_three_processes_with_a_shared_local_tier_persist_to_s3(
+    s3: S3Bucket, tmp_path: Path, fmt: str
+) -> None:
+    run = f"{s3.url}/tiers"
+    env = {"PERSISTENT": run, "S3_OPTIONS": json.dumps(s3.storage_options), "FORMAT": fmt}
+
+    def case(name: str) -> dict[int, dict[str, Any]]:
+        proc, got, _ = run_mpi(3, str(TIERS_CASES), str(tmp_path), name, timeout=120, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert sorted(got.get(name, {})) == [0, 1, 2], got
+        return got[name]
+
+    for r in case("save").values():
+        assert r["local"] == [f"ckpt-5.{fmt}"], r
+        assert r["listed"] == [f"tiers/ckpt-2.{fmt}", f"tiers/ckpt-4.{fmt}",
+                               f"local/ckpt-5.{fmt}"], r
+    assert list_committed_steps(s3.location("tiers")) == [f"ckpt-2.{fmt}", f"ckpt-4.{fmt}"]
+    shutil.rmtree(tmp_path / "local")  # new machines: every process restores from S3
+    for r in case("restore").values():
+        assert r["restored"] == f"{run}/ckpt-4.{fmt}", r
+        assert r["values"] == [4.0], r

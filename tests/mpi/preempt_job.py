@@ -7,7 +7,9 @@ boundary: ``mgr.save()`` every ``SAVE_EVERY`` steps (``MODE=async``: in the
 background, so a save is often in flight when the signal comes), else
 ``mgr.reached_preemption()``. Each rank writes ``DIR/pid<rank>`` and, after every
 step, ``DIR/step<rank>``; with ``MODE=report`` it only restores and writes
-``DIR/restored<rank>.json``. It never ends by itself before 100000 steps.
+``DIR/restored<rank>.json``. ``MODE=tiered`` (``tiered-report``): the same with a
+local tier ``DIR/local`` and ``persistent_every=1000`` (only the preemption save
+reaches ``DIR/run``). It never ends by itself before 100000 steps.
 """
 
 from __future__ import annotations
@@ -35,9 +37,14 @@ def main(out: Path, mode: str) -> None:
     w = cv.Variable(np.zeros((4, 3)), name="w")
     step = cv.Variable(np.int64(0), name="step")
     ckpt = cv.Checkpoint(w=w, step=step)
+    tiers = {}
+    if mode.startswith("tiered"):  # persisted only by the preemption save
+        mode = mode.removeprefix("tiered").lstrip("-") or "sync"
+        tiers = {"local_directory": out / "local", "local_max_to_keep": 2,
+                 "persistent_every": 1000}
     mgr = cv.CheckpointManager(ckpt, out / "run", coordinator=coord, max_to_keep=3,
                                async_save=mode == "async",
-                               save_on_signal=(signal.SIGTERM,))
+                               save_on_signal=(signal.SIGTERM,), **tiers)
     restored = mgr.restore_or_initialize()
     if mode == "report":
         (out / f"restored{rank}.json").write_text(json.dumps({
