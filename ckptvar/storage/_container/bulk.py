@@ -40,6 +40,8 @@ _crc: Callable[[Any, int], int] = _crc32c.crc32c
 _WINDOW = 256 << 20
 #: ``read_into_many`` reads across gaps up to this size between packed values.
 _MAX_GAP = 32 << 20
+#: ``read_many`` keeps at most this many checked chunk files open per window for the read.
+_HOLD = 128
 
 
 @dataclass(slots=True)
@@ -154,13 +156,25 @@ def _launch(
     reader: ValueAccess, items: list[tuple[str, Entry]], blob: _PackedBlob | None, verify: bool
 ) -> _Window:
     """Start reading a window's large values (those not in ``blob``) on the I/O threads."""
-    values = []
+    values: list[TransferValue] = []
     in_blob = blob is not None
-    for k, e in items:
-        if parallel(e) and not (in_blob and e.loc.kind == PACKED):
-            _check_source(reader, k, e)
-            values.append(TransferValue(k, e, np.empty(e.shape, e.np_dtype)))
-    transfer = Transfer(reader, values, verify, ahead=True)
+    try:
+        for k, e in items:
+            if parallel(e) and not (in_blob and e.loc.kind == PACKED):
+                # opened (its size checked) before the buffer is allocated, and kept open
+                # for the read, up to ``_HOLD`` descriptors a window
+                if len(values) < _HOLD:
+                    held = TransferValue(k, e, None, reader.source(k, e))
+                    values.append(held)
+                    values[-1] = TransferValue(k, e, np.empty(e.shape, e.np_dtype), held.src)
+                else:
+                    _check_source(reader, k, e)
+                    values.append(TransferValue(k, e, np.empty(e.shape, e.np_dtype)))
+        transfer = Transfer(reader, values, verify, ahead=True)
+    except BaseException:
+        for v in values:
+            v.release()
+        raise
     return _Window(items, {v.key: v.dest for v in values if v.dest is not None}, transfer)
 
 

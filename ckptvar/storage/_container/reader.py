@@ -195,9 +195,16 @@ class ContainerReader(
         e = self.entry(key)
         if not access.parallel(e):
             return self._read_whole(key, e, out, verify)
-        access.check_source(self, key, e)
-        arr = access.destination(key, e, out)
-        Transfer(self, [TransferValue(key, e, arr)], verify).finish()
+        # opened first (the size check precedes the allocation), then read through
+        src = self.source(key, e)
+        try:
+            arr = access.destination(key, e, out)
+            value = TransferValue(key, e, arr, src)
+        except BaseException:
+            if src.owned:
+                _src.close(src.fd)
+            raise
+        Transfer(self, [value], verify).finish()
         return arr
 
     # -- many values at once (bulk.py)
