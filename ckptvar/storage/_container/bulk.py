@@ -40,8 +40,22 @@ _crc: Callable[[Any, int], int] = _crc32c.crc32c
 _WINDOW = 256 << 20
 #: ``read_into_many`` reads across gaps up to this size between packed values.
 _MAX_GAP = 32 << 20
-#: ``read_many`` keeps at most this many checked chunk files open per window for the read.
-_HOLD = 128
+
+
+def _hold_limit() -> int:
+    """How many checked chunk files ``read_many`` keeps open per window for the read: an
+    eighth of the descriptor limit (two windows in flight), between 16 and 1,024."""
+    try:
+        import resource  # noqa: PLC0415 - POSIX only
+    except ImportError:  # not POSIX
+        return 128
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1024 if soft == resource.RLIM_INFINITY else max(16, min(1024, soft // 8))
+
+
+#: ``read_many`` keeps at most this many checked chunk files open per window for the read
+#: (the rest are checked, closed, and opened again to be read).
+_HOLD = _hold_limit()
 
 
 @dataclass(slots=True)
