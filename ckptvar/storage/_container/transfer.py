@@ -105,6 +105,14 @@ class Transfer:
         self._lock = threading.Lock()
         #: True when the pieces run in file order on one thread (the bytes are on disk).
         self.sequential = False
+        try:
+            self._start(ahead)
+        except BaseException:
+            self._release()  # the sources the values came with
+            raise
+
+    def _start(self, ahead: bool) -> None:
+        reader, values = self.reader, self.values
         if reader.remote and values:
             # An object store: one streamed scatter read per object, its requests
             # planned by the location (adjacent pieces: one request), hashed as they arrive.
