@@ -93,3 +93,55 @@ def test_restore_in_place_and_fresh_share_nothing(tmp_path: Path, budget: int | 
         np.testing.assert_array_equal(v.numpy(), VALUES["a"])
     fresh1.assign(np.full(10, 5, np.float32))
     np.testing.assert_array_equal(fresh2.numpy(), VALUES["a"])  # no shared buffer
+
+
+def _chunk_opens(monkeypatch: pytest.MonkeyPatch, call: object) -> int:
+    """How many times ``call()`` opens a Zarr chunk file (``c.0``): ``os.open`` is wrapped,
+    every call still reaching the real system call."""
+    import os
+
+    real = os.open
+    opened: list[str] = []
+
+    def counting(path: object, *args: object, **kwargs: object) -> int:
+        opened.append(os.fsdecode(path))  # type: ignore[arg-type]
+        return real(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", counting)
+    try:
+        call()  # type: ignore[operator]
+    finally:
+        monkeypatch.setattr(os, "open", real)
+    return sum(1 for p in opened if p.startswith("c."))
+
+
+def test_zarr_load_opens_each_chunk_file_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # values of 1 and 9 MiB (read in pieces on the I/O threads), and small ones
+    arrays = {f"w{i}": np.full(1 << 18, i, np.float32) for i in range(8)}
+    arrays["x"] = np.arange(9 << 18, dtype=np.float32)
+    arrays["s"] = np.arange(5, dtype=np.int16)
+    path = tmp_path / "m.zarr"
+    cv.save(path, arrays)
+    got: dict[str, np.ndarray] = {}
+    # the record's chunk, then each value's chunk once: the size check's descriptor is
+    # the one the read uses (it was opened twice, once to check and once to read)
+    assert _chunk_opens(monkeypatch, lambda: got.update(cv.load(path))) == 1 + len(arrays)
+    for k, v in arrays.items():
+        np.testing.assert_array_equal(got[k], v)
+    with cv.open(path) as r:
+        assert _chunk_opens(monkeypatch, lambda: r.read("x")) == 1
+        np.testing.assert_array_equal(r.read("x"), arrays["x"])
+
+
+def test_zarr_load_still_refuses_a_resized_chunk(tmp_path: Path) -> None:
+    arrays = {f"w{i}": np.full(1 << 18, i, np.float32) for i in range(3)}
+    path = tmp_path / "m.zarr"
+    cv.save(path, arrays)
+    chunk = path / "w1" / "c.0"
+    chunk.write_bytes(chunk.read_bytes()[:-8])
+    with pytest.raises(cv.CorruptCheckpointError, match="w1"):
+        cv.load(path)
+    with cv.open(path) as r, pytest.raises(cv.CorruptCheckpointError, match="w1"):
+        r.read("w1")

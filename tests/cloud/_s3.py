@@ -70,6 +70,8 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._conns: list[Any] = []
         self.bytes_up = self.bytes_down = self.connections = 0
+        #: HTTP GET requests seen going up (request lines starting ``GET /``).
+        self.gets = 0
         self._budget: int | None = None
         self._once = False
         self.drops = 0
@@ -80,7 +82,7 @@ class FaultProxy:
 
     def reset_counts(self) -> None:
         with self._lock:
-            self.bytes_up = self.bytes_down = self.connections = 0
+            self.bytes_up = self.bytes_down = self.connections = self.gets = 0
 
     def break_after_upload(self, nbytes: int, *, once: bool = False) -> None:
         """Drop connections once ``nbytes`` more went up; ``once``: drop one, then heal."""
@@ -136,6 +138,7 @@ class FaultProxy:
                 with self._lock:
                     if up:
                         self.bytes_up += len(data)
+                        self.gets += data.startswith(b"GET /") + data.count(b"\r\nGET /")
                         if self._budget is not None:
                             self._budget -= len(data)
                             if self._budget <= 0:

@@ -15,7 +15,7 @@ import ckptvar as cv
 from ckptvar.errors import CorruptCheckpointError
 from ckptvar.locations import read_commit
 
-from ._s3 import S3Bucket
+from ._s3 import FaultProxy, S3Bucket, options_for
 from .test_cloud_cli import _ckpt
 
 pytestmark = pytest.mark.skipif(_mpi_skip_reason() is not None,
@@ -137,3 +137,30 @@ def test_a_damaged_index_on_s3_is_refused_naming_the_marker(s3: S3Bucket) -> Non
     loc.put("ckpt-1.h5/ckptvar-index.msgpack", bytes(index))
     with pytest.raises(CorruptCheckpointError, match=r"ckpt-1\.h5\.commit.*index-crc32c"):
         cv.load(f"{s3.url}/n2/ckpt-1.h5", storage_options=s3.storage_options)
+
+
+def test_a_resharding_restore_from_s3_fetches_each_rank_share_once(
+    s3: S3Bucket, proxy: FaultProxy
+) -> None:
+    """3 -> 2 through a counting proxy: within the temporary budget each rank reads its
+    rows once, verified as they stream (the stored slab's edge blocks come with the run,
+    in the same request); above it (verify, then read in place), the verify pass streams
+    the blocks by one request per stored slab, not one per 256 KiB block."""
+    got = _run(s3, 3, "reshard", s3.url, "save", "-")
+    assert all(r["ok"] for r in got["reshard_save"].values())
+    via = S3Bucket(s3.endpoint, s3.name, s3.url, options_for(proxy.endpoint))
+    counts = {}
+    for budget in ("-", str(1 << 20)):
+        proxy.reset_counts()
+        ranks = _run(via, 2, "reshard", s3.url, "restore", budget)["reshard_restore"]
+        assert sorted(ranks) == [0, 1] and all(r["ok"] for r in ranks.values()), ranks
+        need = sum(r["need"] for r in ranks.values())
+        counts[budget] = (proxy.bytes_down, proxy.gets, need)
+    down, gets, need = counts["-"]
+    # one pass: the rows plus the parts of the edge blocks outside them (fetched in the
+    # same request as the run), the commit record, the index and the files' records
+    assert down <= 1.05 * need, counts
+    assert gets <= 24, counts  # 20 here (22 before: two more for the edge blocks)
+    down, gets, need = counts[str(1 << 20)]
+    assert down <= 2.1 * need, counts  # verify, then read in place: two passes
+    assert gets <= 30, counts  # 26 here; 57 before: one GET per 256 KiB block verified

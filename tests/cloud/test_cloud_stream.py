@@ -104,3 +104,26 @@ def test_read_part_size_splits_a_stream_into_parallel_requests(s3: S3Bucket) -> 
         assert 3 <= stats.get_requests <= 5  # 12 MiB of data in requests of about 4 MiB
     for key, value in arrays.items():
         np.testing.assert_array_equal(got[key], value)
+
+
+@pytest.mark.parametrize("part_size", [0, 64 << 10])
+def test_a_slice_streams_its_edge_blocks_with_it_and_finds_damage_there(
+    s3: S3Bucket, part_size: int
+) -> None:
+    """A sliced read from an object store fetches the run and the parts of its first and
+    last 256 KiB block outside it in one request (ranges cut into parallel requests by
+    ``read_part_size`` too), hashed as they arrive: damage just outside the slice, in its
+    edge block, is found; an undamaged slice reads back."""
+    value = np.arange(1000 * 1024, dtype=np.float32).reshape(1000, 1024)  # 4 KiB rows
+    url = cv.save(f"{s3.url}/run/ckpt-1.zarr", {"w": value}, storage_options=s3.storage_options)
+    opts = {**s3.storage_options, "read_part_size": part_size}
+    with cv.open(url, storage_options=opts) as reader:
+        np.testing.assert_array_equal(reader["w"][70:530], value[70:530])  # not on blocks
+    loc = s3.location("run")
+    key = next(o.key for o in loc.list("ckpt-1.zarr/w") if "/c" in o.key)
+    data = bytearray(loc.read(key))
+    data[65 * 4096 + 8] ^= 0xFF  # row 65: in the 64..128 block, outside rows 70..530
+    loc.put(key, bytes(data))
+    with cv.open(url, storage_options=opts) as reader, pytest.raises(
+            cv.CorruptCheckpointError, match=r"'w' fails the checksum of its block 1 "):
+        reader["w"][70:530]

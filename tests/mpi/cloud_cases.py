@@ -7,6 +7,9 @@ options of the local S3 server. Each rank appends one JSON line per case to
 - ``save URL``: N ranks save the test model to ``URL/n<N>/ckpt-1.h5`` and ``.zarr``.
 - ``restore URL N...``: M ranks restore every ``URL/n<N>`` checkpoint into their shards.
 - ``fault URL``: a good save, then one whose write fails on rank 1.
+- ``reshard URL save|restore BUDGET``: N ranks save 24 MiB of row slabs (``URL/rs``);
+  M ranks restore them, their temporary budget lowered to ``BUDGET`` bytes (``-``: the
+  default), each reporting the bytes its slabs hold.
 - ``manager URL``: a CheckpointManager (max_to_keep=2) saving three steps, restoring on
   a fresh model; a Saver; a background save.
 """
@@ -103,6 +106,33 @@ def manager(url: str) -> None:
     report("background", ok=not check(vs), path=done)
 
 
+RS_SHAPE = (1530, 4096)  # float32: 24 MiB; 256 KiB checksum blocks of 16 rows, slabs not on them
+
+
+def _slab(size: int, rank: int) -> tuple[int, int]:
+    rows = RS_SHAPE[0]
+    return rank * rows // size, (rank + 1) * rows // size
+
+
+def reshard(url: str, what: str, budget: str) -> None:
+    lo, hi = _slab(SIZE, RANK)
+    full = np.arange(np.prod(RS_SHAPE), dtype=np.float32).reshape(RS_SHAPE)
+    value = full[lo:hi] if what == "save" else np.zeros((hi - lo, RS_SHAPE[1]), np.float32)
+    var = cv.Variable(value, name="w", shard=cv.Shard(full_shape=RS_SHAPE, offset=(lo, 0)))
+    ckpt = cv.Checkpoint(w=var)
+    if what == "save":
+        path = ckpt.save(f"{url}/rs/ckpt.h5", coordinator=coord, timeout=60, storage_options=OPTS)
+        report("reshard_save", ok=True, path=path)
+        return
+    if budget != "-":  # the module constant the restore reads (no other way to lower it)
+        from ckptvar.checkpoint import _collective_restore
+
+        _collective_restore.TEMPORARY_BUDGET = int(budget)  # type: ignore[attr-defined]
+    ckpt.restore(f"{url}/rs/ckpt-1.h5", coordinator=coord, timeout=60, storage_options=OPTS)
+    report("reshard_restore", ok=bool(np.array_equal(var.numpy(), full[lo:hi])),
+           need=int(value.nbytes))
+
+
 def main() -> None:
     action, url = sys.argv[1], sys.argv[2]
     try:
@@ -112,6 +142,8 @@ def main() -> None:
             restore(url, sys.argv[3:])
         elif action == "fault":
             fault(url)
+        elif action == "reshard":
+            reshard(url, sys.argv[3], sys.argv[4])
         elif action == "manager":
             manager(url)
     except Exception:

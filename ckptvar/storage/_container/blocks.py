@@ -33,7 +33,15 @@ from .. import rawio as _rawio
 from .._record import BLOCK_SIZE, Entry, block_count
 from . import source as _src
 
-__all__ = ["BLOCK_SIZE", "blocks_agree", "hash_blocks", "hash_range", "read_span", "scratch_buffer"]
+__all__ = [
+    "BLOCK_SIZE",
+    "blocks_agree",
+    "hash_blocks",
+    "hash_range",
+    "read_span",
+    "scratch_buffer",
+    "stream_units",
+]
 
 #: The buffer the parts of a span's edge blocks (or, without blocks, the rest of the
 #: value) are hashed through, per thread.
@@ -140,23 +148,81 @@ def read_span(fd: Any, base: int, entry: Entry, out: memoryview, start: int, *,
     _read_span(fd, base, entry, out, start, verify=verify, seed=seed, block_size=block_size)
 
 
+def _units(entry: Entry, start: int, end: int, seed: Callable[[], int],
+           block_size: int) -> list[tuple[int, int, int, int]]:
+    """``(lo, hi, seed, stored_crc)`` of each checked unit holding bytes ``[start, end)``:
+    the blocks, or the whole value when it has no block checksums."""
+    if entry.blocks is None:
+        return [(0, entry.nbytes, seed(), entry.checksum)]
+    crcs = np.frombuffer(entry.blocks, "<u4")
+    first, last = start // block_size, (end - 1) // block_size
+    return [(k * block_size, min((k + 1) * block_size, entry.nbytes), 0, int(crcs[k]))
+            for k in range(first, last + 1)]
+
+
+def stream_units(rf: _src.RemoteFile, base: int, units: list[tuple[int, int, int, int]],
+                 out: memoryview, start: int) -> list[int]:
+    """Stream the units (``(lo, hi, seed, _)``, adjacent, in order) of a value whose bytes
+    begin at ``base`` in ``rf``, as three adjacent ranges the location fetches by one
+    request: bytes ``[start, start + len(out))`` land in ``out`` as they arrive, and every
+    byte is hashed into its unit's CRC (returned, in order). Raises :class:`SpanError`
+    when the object is short."""
+    lo, hi, end = units[0][0], units[-1][1], start + len(out)
+    firsts = (lo, start, end)
+    lengths = [start - lo, len(out), hi - end]
+    # each range streams in order (perhaps on its own thread): a CRC per (range, unit),
+    # joined in byte order afterwards
+    crcs = [[0] * len(units) for _ in firsts]
+    sizes = [[0] * len(units) for _ in firsts]
+    got = [0, 0, 0]
+
+    def sink(j: int, pos: int, chunk: memoryview) -> None:
+        n = chunk.nbytes
+        if j == 1:
+            out[pos : pos + n] = chunk
+        got[j] += n
+        at, i, k = firsts[j] + pos, 0, 0
+        row, count = crcs[j], sizes[j]
+        while i < n:  # the chunk may cross a unit's end
+            while at >= units[k][1]:
+                k += 1
+            step = min(n - i, units[k][1] - at)
+            row[k] = _crc(chunk[i : i + step], row[k], 1)
+            count[k] += step
+            i, at = i + step, at + step
+
+    if base + hi > rf.size:
+        raise SpanError(f"is truncated: bytes {lo}..{hi} are not all present")
+    rf.location.stream_ranges(rf.key, [rf.base + base + f for f in firsts], lengths, sink)
+    if got != lengths:
+        raise SpanError(f"is truncated: bytes {lo}..{hi} are not all present")
+    values = []
+    for k, unit in enumerate(units):
+        value = unit[2]
+        for j in range(3):
+            if sizes[j][k]:
+                value = _checksum.combine(value, crcs[j][k], sizes[j][k])
+        values.append(value)
+    return values
+
+
 def _read_span(fd: Any, base: int, entry: Entry, out: memoryview, start: int, *, verify: bool,
                seed: Callable[[], int], block_size: int) -> None:
     """:func:`read_span` on this thread."""
     n, total = len(out), entry.nbytes
+    end = start + n
+    if verify and n and isinstance(fd, _src.RemoteFile):
+        # an object store: the edge blocks and the run in one request, hashed as they arrive
+        units = _units(entry, start, end, seed, block_size)
+        for (lo, hi, _, want), value in zip(units, stream_units(fd, base, units, out, start),
+                                            strict=True):
+            _check_unit(entry, lo, hi, want, value, block_size=block_size)
+        return
     if n and _src.pread_into(fd, out, base + start) != n:
         raise SpanError(f"is truncated: bytes {start}..{start + n} of {total} are not present")
     if not verify or not n:
         return
-    end = start + n
-    blocks = entry.blocks
-    if blocks is None:
-        units = [(0, total, seed(), entry.checksum)]
-    else:
-        crcs = np.frombuffer(blocks, "<u4")
-        first, last = start // block_size, (end - 1) // block_size
-        units = [(k * block_size, min((k + 1) * block_size, total), 0, int(crcs[k]))
-                 for k in range(first, last + 1)]
+    units = _units(entry, start, end, seed, block_size)
     for lo, hi, seed_value, want in units:
         value = seed_value
         if lo < start:
@@ -168,8 +234,13 @@ def _read_span(fd: Any, base: int, entry: Entry, out: memoryview, start: int, *,
             got, value = hash_range(fd, base + end, hi - end, value)
             if got != hi - end:
                 raise SpanError(f"is truncated: bytes {end}..{hi} of {total} are not present")
-        if value != want:
-            what = "fails its checksum" if blocks is None else (
-                f"fails the checksum of its block {lo // block_size} (bytes {lo}..{hi})")
-            raise SpanError(f"{what} (stored {want:#010x}, computed {value:#010x}); the "
-                            "checkpoint is damaged")
+        _check_unit(entry, lo, hi, want, value, block_size=block_size)
+
+
+def _check_unit(entry: Entry, lo: int, hi: int, want: int, value: int, *, block_size: int) -> None:
+    """Raise :class:`SpanError` unless the unit ``[lo, hi)`` hashed to its stored CRC."""
+    if value != want:
+        what = "fails its checksum" if entry.blocks is None else (
+            f"fails the checksum of its block {lo // block_size} (bytes {lo}..{hi})")
+        raise SpanError(f"{what} (stored {want:#010x}, computed {value:#010x}); the "
+                        "checkpoint is damaged")

@@ -42,6 +42,22 @@ _WINDOW = 256 << 20
 _MAX_GAP = 32 << 20
 
 
+def _hold_limit() -> int:
+    """How many checked chunk files ``read_many`` keeps open per window for the read: an
+    eighth of the descriptor limit (two windows in flight), between 16 and 1,024."""
+    try:
+        import resource  # noqa: PLC0415 - POSIX only
+    except ImportError:  # not POSIX
+        return 128
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 1024 if soft == resource.RLIM_INFINITY else max(16, min(1024, soft // 8))
+
+
+#: ``read_many`` keeps at most this many checked chunk files open per window for the read
+#: (the rest are checked, closed, and opened again to be read).
+_HOLD = _hold_limit()
+
+
 @dataclass(slots=True)
 class _Window:
     """A run of values read ahead together: the large ones land in ``big``."""
@@ -154,13 +170,25 @@ def _launch(
     reader: ValueAccess, items: list[tuple[str, Entry]], blob: _PackedBlob | None, verify: bool
 ) -> _Window:
     """Start reading a window's large values (those not in ``blob``) on the I/O threads."""
-    values = []
+    values: list[TransferValue] = []
     in_blob = blob is not None
-    for k, e in items:
-        if parallel(e) and not (in_blob and e.loc.kind == PACKED):
-            _check_source(reader, k, e)
-            values.append(TransferValue(k, e, np.empty(e.shape, e.np_dtype)))
-    transfer = Transfer(reader, values, verify, ahead=True)
+    try:
+        for k, e in items:
+            if parallel(e) and not (in_blob and e.loc.kind == PACKED):
+                # opened (its size checked) before the buffer is allocated, and kept open
+                # for the read, up to ``_HOLD`` descriptors a window
+                if len(values) < _HOLD:
+                    held = TransferValue(k, e, None, reader.source(k, e))
+                    values.append(held)
+                    values[-1] = TransferValue(k, e, np.empty(e.shape, e.np_dtype), held.src)
+                else:
+                    _check_source(reader, k, e)
+                    values.append(TransferValue(k, e, np.empty(e.shape, e.np_dtype)))
+        transfer = Transfer(reader, values, verify, ahead=True)
+    except BaseException:
+        for v in values:
+            v.release()
+        raise
     return _Window(items, {v.key: v.dest for v in values if v.dest is not None}, transfer)
 
 

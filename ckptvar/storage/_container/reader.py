@@ -32,7 +32,7 @@ from ..base import ArrayInfo, LazyArray, Reader, verify_each
 from ..slicing import element_span
 from . import access, bulk
 from . import source as _src
-from .blocks import SpanError, blocks_agree, hash_range, read_span
+from .blocks import SpanError, blocks_agree, hash_range, read_span, stream_units
 from .layout import Source
 from .source import RemoteFile
 from .transfer import Transfer, TransferValue
@@ -195,9 +195,16 @@ class ContainerReader(
         e = self.entry(key)
         if not access.parallel(e):
             return self._read_whole(key, e, out, verify)
-        access.check_source(self, key, e)
-        arr = access.destination(key, e, out)
-        Transfer(self, [TransferValue(key, e, arr)], verify).finish()
+        # opened first (the size check precedes the allocation), then read through
+        src = self.source(key, e)
+        try:
+            arr = access.destination(key, e, out)
+            value = TransferValue(key, e, arr, src)
+        except BaseException:
+            if src.owned:
+                _src.close(src.fd)
+            raise
+        Transfer(self, [value], verify).finish()
         return arr
 
     # -- many values at once (bulk.py)
@@ -251,6 +258,9 @@ class ContainerReader(
         crcs = np.frombuffer(e.blocks, "<u4")
         src = self.source(key, e)
         try:
+            if isinstance(src.fd, RemoteFile):  # one request over the blocks, not one each
+                self._verify_blocks_remote(key, e, src, start * item, (start + count) * item)
+                return
             for k in range(start * item // size, ((start + count) * item - 1) // size + 1):
                 lo, hi = k * size, min((k + 1) * size, e.nbytes)
                 got, value = hash_range(src.fd, src.offset + lo, hi - lo)
@@ -263,6 +273,23 @@ class ContainerReader(
         finally:
             if src.owned:
                 _src.close(src.fd)
+
+    def _verify_blocks_remote(self, key: str, e: Entry, src: Source, lo: int, hi: int) -> None:
+        """Verify the blocks holding bytes ``[lo, hi)`` of a value in an object store,
+        streamed by one request and hashed as they arrive."""
+        size = self._record.block_size
+        crcs = np.frombuffer(e.blocks or b"", "<u4")
+        units = [(k * size, min((k + 1) * size, e.nbytes), 0, int(crcs[k]))
+                 for k in range(lo // size, (hi - 1) // size + 1)]
+        assert isinstance(src.fd, RemoteFile)
+        try:
+            values = stream_units(src.fd, src.offset, units, memoryview(b""), units[0][0])
+        except SpanError as exc:
+            raise self.corrupt(key, exc.what) from None
+        for (a, b, _, want), value in zip(units, values, strict=True):
+            if value != want:
+                raise self.corrupt(key, f"fails the checksum of its block {a // size} (bytes "
+                                         f"{a}..{b}); the checkpoint is damaged")
 
     def _read_elements(self, key: str, e: Entry, start: int, count: int, *,
                        verify: bool = True, out: np.ndarray | None = None) -> np.ndarray:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterable
 from typing import TypeVar
 
@@ -52,18 +53,34 @@ def runs_by_size(sized: Iterable[tuple[_T, int]], limit: int) -> list[list[_T]]:
 
 
 class TransferValue:
-    """One value moved by a :class:`Transfer`: read into ``dest``, or only hashed."""
+    """One value moved by a :class:`Transfer`: read into ``dest``, or only hashed.
 
-    __slots__ = ("crcs", "dest", "entry", "got", "key", "pieces", "view")
+    ``src``: the value's source when the caller already opened it (its size checked
+    before ``dest`` was allocated); the transfer reads through it and closes it once the
+    value's last piece is in, so a chunk file is opened once, not once to check and once
+    to read.
+    """
 
-    def __init__(self, key: str, entry: Entry, dest: np.ndarray | None) -> None:
-        self.key, self.entry, self.dest = key, entry, dest
+    __slots__ = ("crcs", "dest", "entry", "got", "key", "left", "pieces", "src", "view")
+
+    def __init__(
+        self, key: str, entry: Entry, dest: np.ndarray | None, src: Source | None = None
+    ) -> None:
+        self.key, self.entry, self.dest, self.src = key, entry, dest, src
         self.view = _rawio.byte_view(dest) if dest is not None else None
         n = entry.nbytes
         #: ``(position, nbytes)`` of each piece inside the value.
         self.pieces = [(pos, min(_SPLIT, n - pos)) for pos in range(0, n, _SPLIT)]
         self.got = [0] * len(self.pieces)
         self.crcs = [0] * len(self.pieces)
+        #: Pieces not yet read; the one that reads the last closes ``src``.
+        self.left = len(self.pieces)
+
+    def release(self) -> None:
+        """Close ``src`` if the value owns it (idempotent)."""
+        src, self.src = self.src, None
+        if src is not None and src.owned:
+            _src.close(src.fd)
 
 
 #: A piece of a remote read: ``(offset_in_object, nbytes, value, piece_index)``.
@@ -85,8 +102,17 @@ class Transfer:
         ahead: bool = False,
     ) -> None:
         self.reader, self.values, self.verify = reader, values, verify
+        self._lock = threading.Lock()
         #: True when the pieces run in file order on one thread (the bytes are on disk).
         self.sequential = False
+        try:
+            self._start(ahead)
+        except BaseException:
+            self._release()  # the sources the values came with
+            raise
+
+    def _start(self, ahead: bool) -> None:
+        reader, values = self.reader, self.values
         if reader.remote and values:
             # An object store: one streamed scatter read per object, its requests
             # planned by the location (adjacent pieces: one request), hashed as they arrive.
@@ -109,41 +135,59 @@ class Transfer:
         values = self.values
         probe = [values[0], values[len(values) // 2], values[-1]]
         for v in dict.fromkeys(probe):
-            try:
-                src = self.reader.source(v.key, v.entry)
-            except (OSError, CorruptCheckpointError):
-                return False  # the read itself reports it
+            src = v.src
+            if src is None:
+                try:
+                    src = self.reader.source(v.key, v.entry)
+                except (OSError, CorruptCheckpointError):
+                    return False  # the read itself reports it
             try:
                 last = v.entry.nbytes - 1
                 if not (_src.cached(src.fd, src.offset)
                         and _src.cached(src.fd, src.offset + last)):
                     return False
             finally:
-                if src.owned:
+                if src is not v.src and src.owned:
                     _src.close(src.fd)
         return True
 
+    def _done(self, v: TransferValue) -> None:
+        """One piece of ``v`` is in: the last one closes its source."""
+        with self._lock:
+            v.left -= 1
+            last = v.left == 0
+        if last:
+            v.release()
+
     def _run(self, group: list[tuple[TransferValue, int]]) -> None:
         reader, verify = self.reader, self.verify
-        src: Source | None = None
+        src: Source | None = None  # opened here (for a value that came without one)
         last: TransferValue | None = None
         try:
             for v, i in group:
-                if v is not last or src is None:
-                    if src is not None and src.owned:
-                        _src.close(src.fd)
-                    src, last = None, v
-                    src = reader.source(v.key, v.entry)
-                pos, n = v.pieces[i]
-                at = src.offset + pos
-                if v.view is not None:
-                    buf = v.view[pos : pos + n]
-                    got = _src.pread_into(src.fd, buf, at)
-                    if verify and got == n:
-                        v.crcs[i] = _checksum.crc(buf)
-                    v.got[i] = got
+                if v.src is not None:
+                    use = v.src
                 else:
-                    v.got[i], v.crcs[i] = hash_range(src.fd, at, n)
+                    if v is not last or src is None:
+                        if src is not None and src.owned:
+                            _src.close(src.fd)
+                        src, last = None, v
+                        src = reader.source(v.key, v.entry)
+                    use = src
+                pos, n = v.pieces[i]
+                at = use.offset + pos
+                try:
+                    if v.view is not None:
+                        buf = v.view[pos : pos + n]
+                        got = _src.pread_into(use.fd, buf, at)
+                        if verify and got == n:
+                            v.crcs[i] = _checksum.crc(buf)
+                        v.got[i] = got
+                    else:
+                        v.got[i], v.crcs[i] = hash_range(use.fd, at, n)
+                finally:
+                    if use is not src:
+                        self._done(v)
         finally:
             if src is not None and src.owned:
                 _src.close(src.fd)
@@ -152,7 +196,7 @@ class Transfer:
         """The pieces grouped by the remote object holding them."""
         groups: dict[tuple[int, str], tuple[_src.RemoteFile, list[_Piece]]] = {}
         for v in self.values:
-            src = self.reader.source(v.key, v.entry)
+            src = v.src if v.src is not None else self.reader.source(v.key, v.entry)
             rf = src.fd
             assert isinstance(rf, _src.RemoteFile)
             at = rf.base + src.offset
@@ -178,7 +222,10 @@ class Transfer:
 
     def finish(self) -> None:
         """Wait for every piece; raise for the first value short of bytes or damaged."""
-        _rawio.wait_all(self.futures)
+        try:
+            _rawio.wait_all(self.futures)
+        finally:
+            self._release()
         reader = self.reader
         for v in self.values:
             e = v.entry
@@ -195,3 +242,9 @@ class Transfer:
         """Wait for the pieces still running; their errors no longer matter."""
         with contextlib.suppress(BaseException):
             _rawio.wait_all(self.futures)
+        self._release()
+
+    def _release(self) -> None:
+        """Close the sources the values came with that no piece closed (a failed read)."""
+        for v in self.values:
+            v.release()
