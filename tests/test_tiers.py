@@ -173,3 +173,12 @@ def test_three_processes_share_a_local_tier_and_rank_0_persists(tmp_path: Path) 
     for r in _mpi(tmp_path, "restore")["restore"].values():
         assert r["restored"] == str(tmp_path / "persistent" / "ckpt-4.h5"), r
         assert r["values"] == [4.0], r
+
+
+def test_incremental_with_a_local_tier_is_refused_not_ignored(tmp_path: Path) -> None:
+    """An option the tiers cannot honour yet is an error, never dropped silently."""
+    ckpt = cv.Checkpoint(w=cv.Variable(np.zeros(3), name="w_tier_incremental"))
+    with pytest.raises(cv.CkptError, match="local tier"):
+        cv.CheckpointManager(ckpt, tmp_path / "persistent", local_directory=tmp_path / "local",
+                             incremental=True)
+    assert not (tmp_path / "persistent").exists()

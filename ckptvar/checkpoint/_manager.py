@@ -116,6 +116,25 @@ def _copy_checkpoint(src: Path, dst: Path, *, durable: bool = False) -> None:
 _PERSIST_POLL_S = 5.0
 
 
+def _check_incremental(directory: Any, format: str, coordinator: Any, local_directory: Any) -> None:
+    """Refuse (or, where full steps are still right, say) what incremental saves cannot do."""
+    if coordinator is not None and coordinator.size > 1:
+        raise CkptError(
+            "incremental=True is not supported yet with a coordinator of more than one "
+            "process; save full steps there."
+        )
+    if local_directory is not None:
+        raise CkptError(
+            "incremental=True is not supported yet with a local tier (local_directory=): "
+            "its steps would be written whole without saying so; use one or the other."
+        )
+    if is_url(directory) and format != "zarr":
+        logger.warning(
+            "incremental=True on an object store (%s) with format=%r writes full steps: "
+            "an HDF5 step is one object, which a server-side copy cannot take in part; "
+            "use format='zarr' to copy unchanged values on the server.", directory, format)
+
+
 class CheckpointManager:
     """Saves numbered checkpoints of ``checkpoint`` into ``directory`` and prunes old ones.
 
@@ -185,16 +204,8 @@ class CheckpointManager:
         persistent_every: int = 1,
     ) -> None:
         _check_arguments(checkpoint, max_to_keep, checkpoint_name, format)
-        if incremental and coordinator is not None and coordinator.size > 1:
-            raise CkptError(
-                "incremental=True is not supported yet with a coordinator of more than one "
-                "process; save full steps there."
-            )
-        if incremental and is_url(directory) and format != "zarr":
-            logger.warning(
-                "incremental=True on an object store (%s) with format=%r writes full steps: "
-                "an HDF5 step is one object, which a server-side copy cannot take in part; "
-                "use format='zarr' to copy unchanged values on the server.", directory, format)
+        if incremental:
+            _check_incremental(directory, format, coordinator, local_directory)
         #: ``incremental=True``: the last committed step this manager builds on
         self._incremental = Incremental() if incremental else None
         self._checkpoint = checkpoint
