@@ -7,10 +7,16 @@ at most 5% more than it needs."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
-from benchmarks import simulate
 from ckptvar.distributed import Box, read_plan
+
+# benchmarks/ is a package of the repository, not of ckptvar: import it from there
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import simulate  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -676,3 +676,37 @@ def test_verify_names_a_lost_zarr_chunk(tmp_path: Path, capsys: pytest.CaptureFi
     code, out, err = run_main(capsys, "verify", path)
     assert code == 1, err
     assert out.startswith("DAMAGED  big: ") and "FAILED: 1 of 1 values damaged" in out
+
+
+_SHARDED_SAVE = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import ckptvar as cv
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+w = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, P("x", "y")))
+cv.save(sys.argv[1], {"w": w, "b": np.ones(3, np.float32)})
+"""
+
+
+def test_inspect_shows_the_stored_boxes_of_a_sharded_checkpoint(tmp_path: Path) -> None:
+    """One logical value per array, with its boxes (API 13): a BOXES column, --boxes, --json."""
+    path = tmp_path / "s.h5"
+    subprocess.run([sys.executable, "-c", _SHARDED_SAVE, str(path)], check=True, timeout=120,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    shown = subprocess.run([sys.executable, "-m", "ckptvar.cli", "inspect", str(path), "--boxes"],
+                           capture_output=True, text=True, timeout=120, check=True).stdout
+    rows = {line.split()[0]: line.split() for line in shown.splitlines() if line[:2] in ("w ", "b ")}
+    assert rows["w"][-1] == "8" and rows["b"][-1] == "1", shown
+    assert "at (4, 6) shape (4, 2)" in shown and "w: 8 boxes" in shown, shown
+    doc = json.loads(subprocess.run(
+        [sys.executable, "-m", "ckptvar.cli", "inspect", str(path), "--json"],
+        capture_output=True, text=True, timeout=120, check=True).stdout)
+    w = next(v for v in doc["variables"] if v["key"] == "w")
+    assert w["shape"] == [8, 8] and len(w["boxes"]) == 8
+    assert {"offset": [4, 6], "shape": [4, 2]} in w["boxes"]
+    plain = subprocess.run([sys.executable, "-m", "ckptvar.cli", "inspect",
+                            str(tmp_path / "s.h5"), "--boxes", "--filter", "b"],
+                           capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "b: 1 box" in plain

@@ -90,6 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object for scripts")
     p.add_argument("--stats", action="store_true", help="add min/max/mean/std and NaN/Inf counts")
     p.add_argument("--tree", action="store_true", help="show the keys as the object-graph tree")
+    p.add_argument(
+        "--boxes",
+        action="store_true",
+        help="list the stored boxes (offset, shape) of each value of a checkpoint written by "
+        "many processes (the table's BOXES column counts them)",
+    )
     add_selection(p)
     p.add_argument(
         "--order",
@@ -196,6 +202,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         fmt = str(reader.format)
         metadata = reader.metadata()
         shared = _shared(reader, keys)
+        _add_boxes(reader, records)
 
     if args.json:
         doc: dict[str, Any] = {"path": str(path)}
@@ -224,7 +231,33 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     noun = "variable" if fmt in _OWN_FORMATS else "value"
     _print_values(records, skipped, noun, args, out)
     _print_shared(shared, noun, out)
+    if args.boxes:
+        _print_boxes(records, out)
     return EXIT_OK
+
+
+def _add_boxes(reader: Any, records: list[dict[str, Any]]) -> None:
+    """Each record's stored boxes, for a reader of the multi-process layout."""
+    if not isinstance(reader, cv.storage.SupportsStoredBoxes):
+        return
+    for rec in records:
+        rec["boxes"] = [{"offset": [int(o) for o in b.offset], "shape": [int(d) for d in b.shape]}
+                        for b in reader.stored_boxes(rec["key"])]
+
+
+def _print_boxes(records: list[dict[str, Any]], out: TextIO) -> None:
+    """Each value's stored boxes (a checkpoint of many processes), or why there are none."""
+    if not any("boxes" in r for r in records):
+        print("\nboxes: none (each value is stored whole; boxes are the layout of a "
+              "checkpoint written by many processes)", file=out)
+        return
+    print("\nstored boxes (offset, shape):", file=out)
+    for rec in records:
+        boxes = rec.get("boxes", [])
+        print(f"  {escape(rec['key'])}: {len(boxes)} box{'es' if len(boxes) != 1 else ''}",
+              file=out)
+        for b in boxes:
+            print(f"    at {shape_str(b['offset'])} shape {shape_str(b['shape'])}", file=out)
 
 
 def _shared(reader: Any, keys: list[str]) -> dict[str, list[str]]:
@@ -291,6 +324,9 @@ def _rows(records: Sequence[dict[str, Any]], stats: bool) -> list[list[str]]:
     header = ["KEY", *(["LAYER"] if layers else []), "DTYPE", "SHAPE", "SIZE", "TRAINABLE"]
     if stats:
         header += ["MIN", "MAX", "MEAN", "STD", "NAN", "INF"]
+    boxed = any("boxes" in r for r in records)  # a checkpoint of many processes
+    if boxed:
+        header.append("BOXES")
     rows = [header]
     for rec in records:
         tr = rec["trainable"]
@@ -304,5 +340,7 @@ def _rows(records: Sequence[dict[str, Any]], stats: bool) -> list[list[str]]:
         ]
         if stats:
             row += [num(rec[f]) for f in ("min", "max", "mean", "std", "nan", "inf")]
+        if boxed:
+            row.append(str(len(rec.get("boxes", ()))))
         rows.append(row)
     return rows

@@ -44,6 +44,7 @@ from .base import (
     Reader,
     SupportsReadIntoMany,
     SupportsRuns,
+    SupportsStoredBoxes,
     SupportsVerifyAll,
     SupportsVerifyMany,
 )
@@ -129,7 +130,8 @@ def _load_index(files: StepFiles) -> dict[str, Any]:
     return doc
 
 
-class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVerifyMany):
+class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVerifyMany,
+                    SupportsStoredBoxes):
     """The logical variables of a multi-process checkpoint; per-process files open on demand.
 
     :attr:`bytes_read` counts the value bytes this reader asked its files for.
@@ -141,7 +143,8 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         self._src = LocalStepFiles(Path(path)) if files is None else files
         self._index = _load_index(self._src)
         #: what ``ckpt inspect`` shows: the per-process files' format, written by N processes
-        self.format = f"{self._index.get('container')} ({self._index.get('processes')} processes)"
+        n = self._index.get("processes")
+        self.format = f"{self._index.get('container')} ({n} process{'' if n == 1 else 'es'})"
         self._files: list[str] = [str(f) for f in self._index["files"]]
         self._subs: dict[int, Reader] = {}
         self._infos: dict[str, ArrayInfo] = {}

@@ -65,6 +65,7 @@ __all__ = [
     "SupportsRuns",
     "SupportsShapeAndDtype",
     "SupportsShared",
+    "SupportsStoredBoxes",
     "SupportsVerifyAll",
     "SupportsVerifyMany",
     "Writer",
@@ -240,6 +241,16 @@ class SupportsShared(Protocol):
     def shared(self) -> dict[str, list[str]]:
         """For each value whose bytes are shared: the other checkpoints (file names beside
         this one) that hold or share them; the first is the holder when there is one."""
+        ...
+
+
+@runtime_checkable
+class SupportsStoredBoxes(Protocol):
+    """A reader of a checkpoint whose values are stored as boxes of a logical array (the
+    multi-process layout: shards of partitioned variables, DTensors, sharded jax.Arrays)."""
+
+    def stored_boxes(self, key: str) -> list[Any]:
+        """The boxes stored for ``key``, each with ``offset`` and ``shape`` (index order)."""
         ...
 
 
