@@ -196,3 +196,33 @@ def test_dcp_with_safetensors_serialization_is_read_from_its_safetensors_files(
     with cv.open(tmp_path / "st") as reader:
         with pytest.raises(cv.CorruptCheckpointError, match=r"__0_0\.distcp"):
             reader.read("a")
+
+
+class _EnumsByName(pickle.Pickler):
+    """Pickles Enum members by name, ``getattr(cls, name)``, as Python 3.12 (and some
+    3.11 releases) do: DCP metadata written there names ``builtins.getattr``."""
+
+    def reducer_override(self, obj: object) -> object:
+        import enum
+
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def test_metadata_with_enums_pickled_by_name_is_read_and_getattr_stays_narrow(
+    tmp_path: Path,
+) -> None:
+    torch_dcp = pytest.importorskip("torch.distributed.checkpoint")
+    folder = tmp_path / "by_name"
+    shutil.copytree(TWO, folder)
+    meta = torch_dcp.FileSystemReader(str(folder)).read_metadata()
+    with open(folder / ".metadata", "wb") as f:
+        _EnumsByName(f, protocol=4).dump(meta)
+    assert b"getattr" in (folder / ".metadata").read_bytes()
+    np.testing.assert_array_equal(cv.load(folder)["rows"], cv.load(TWO)["rows"])
+    # the getattr a DCP pickle may name takes only a member of that enum, nothing else
+    from ckptvar.formats._unpickler import DCP_GLOBALS  # noqa: PLC0415
+
+    with pytest.raises(cv.CorruptCheckpointError, match="only the members"):
+        DCP_GLOBALS[("builtins", "getattr")]("x", "upper")

@@ -374,7 +374,30 @@ DCP_GLOBALS[(_DCP_MODULE, "_StorageInfo")] = _dcp_class("_StorageInfo")
 DCP_GLOBALS[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = DCP_GLOBALS[
     (_DCP_MODULE, "_StorageInfo")
 ]
-DCP_GLOBALS[(_DCP_MODULE, "_MEM_FORMAT_ENCODING")] = _Callable(_dcp_memory_format)
+_MEM_FORMAT = _Callable(_dcp_memory_format)
+#: ``_MEM_FORMAT_ENCODING``'s members: an Enum member pickles by value on some Pythons
+#: (``_MEM_FORMAT_ENCODING(0)``) and by name on others (``getattr(cls, "TORCH_...")``).
+_MEM_FORMAT_MEMBERS = {
+    "TORCH_CONTIGUOUS_FORMAT": 0,
+    "TORCH_CHANNELS_LAST": 1,
+    "TORCH_PRESERVE_FORMAT": 2,
+}
+
+
+def _dcp_getattr(obj: Any, name: Any) -> int:
+    """``getattr`` as a DCP pickle may use it: a member of the memory-format enum, by name,
+    and nothing else."""
+    if obj is _MEM_FORMAT and isinstance(name, str) and name in _MEM_FORMAT_MEMBERS:
+        return _MEM_FORMAT_MEMBERS[name]
+    raise CorruptCheckpointError(
+        f"A DCP pickle asks for the attribute {str(name)[:80]!r} of {obj!r}; only the members "
+        f"of {_DCP_MODULE}._MEM_FORMAT_ENCODING are allowed (ckptvar never runs code from "
+        "checkpoint files)."
+    )
+
+
+DCP_GLOBALS[(_DCP_MODULE, "_MEM_FORMAT_ENCODING")] = _MEM_FORMAT
+DCP_GLOBALS[("builtins", "getattr")] = _Callable(_dcp_getattr)
 DCP_GLOBALS[("torch.serialization", "_get_layout")] = _Callable(_dcp_layout)
 DCP_GLOBALS[("pathlib", "PosixPath")] = _Callable(_dcp_path)
 DCP_GLOBALS[("pathlib", "WindowsPath")] = _Callable(_dcp_path)
