@@ -7,36 +7,18 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from ckpt_runs import ckpt
+from ckpt_runs import ckpt_processes as ckpt_many
 
 import ckptvar as cv
 from ckptvar.formats._unpickler import restricted_loads
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "dcp"
 TWO = FIXTURES / "two_ranks"
-
-
-def ckpt(*args: object) -> subprocess.CompletedProcess[str]:
-    return ckpt_many(args)[0]
-
-
-def ckpt_many(*commands: tuple[object, ...]) -> list[subprocess.CompletedProcess[str]]:
-    """``ckpt`` commands as real processes, run at once (start-up dominates their cost)."""
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "ckptvar", *map(str, c)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-        for c in commands
-    ]
-    done = []
-    for c, p in zip(commands, procs, strict=True):
-        out, err = p.communicate(timeout=120)
-        done.append(subprocess.CompletedProcess(c, p.returncode, out, err))
-    return done
 
 
 def _open_data_files(folder: Path) -> list[str]:
@@ -222,7 +204,7 @@ def test_metadata_with_enums_pickled_by_name_is_read_and_getattr_stays_narrow(
     assert b"getattr" in (folder / ".metadata").read_bytes()
     np.testing.assert_array_equal(cv.load(folder)["rows"], cv.load(TWO)["rows"])
     # the getattr a DCP pickle may name takes only a member of that enum, nothing else
-    from ckptvar.formats._unpickler import DCP_GLOBALS  # noqa: PLC0415
+    from ckptvar.formats._unpickler import DCP_GLOBALS
 
     with pytest.raises(cv.CorruptCheckpointError, match="only the members"):
         DCP_GLOBALS[("builtins", "getattr")]("x", "upper")

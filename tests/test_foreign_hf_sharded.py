@@ -11,11 +11,11 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from ckpt_runs import ckpt_processes
 
 import ckptvar as cv
 from ckptvar.cli import main
@@ -32,20 +32,6 @@ def ckpt(*args: object) -> subprocess.CompletedProcess[str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main([str(a) for a in args])
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
-
-
-def ckpt_processes(*commands: tuple[object, ...]) -> list[subprocess.CompletedProcess[str]]:
-    """Several ``ckpt`` commands as real processes, run at once."""
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "ckptvar", *map(str, c)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-        for c in commands
-    ]
-    done = []
-    for c, p in zip(commands, procs, strict=True):
-        out, err = p.communicate(timeout=120)
-        done.append(subprocess.CompletedProcess(c, p.returncode, out, err))
-    return done
 
 
 def _header(path: Path) -> dict[str, object]:

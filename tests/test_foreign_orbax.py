@@ -5,7 +5,6 @@ and says so; damaged or hostile arrays refused naming the array and the file."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ckpt_runs import ckpt
+from ckpt_runs import ckpt_processes as ckpt_many
 
 import ckptvar as cv
 
@@ -23,24 +24,6 @@ ZARR = FIXTURES / "zarr_step"
 OCDBT = FIXTURES / "ocdbt_run" / "5"
 KEYS = ["mask", "opt_state/count", "opt_state/mu", "params/big", "params/dense/bias",
         "params/dense/kernel", "params/embed"]
-
-
-def ckpt(*args: object) -> subprocess.CompletedProcess[str]:
-    return ckpt_many(args)[0]
-
-
-def ckpt_many(*commands: tuple[object, ...]) -> list[subprocess.CompletedProcess[str]]:
-    """``ckpt`` commands as real processes, run at once (start-up dominates their cost)."""
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "ckptvar", *map(str, c)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-        for c in commands
-    ]
-    done = []
-    for c, p in zip(commands, procs, strict=True):
-        out, err = p.communicate(timeout=120)
-        done.append(subprocess.CompletedProcess(c, p.returncode, out, err))
-    return done
 
 
 def test_both_layouts_read_the_same_tree() -> None:
