@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="ckpt",
         description="Inspect, convert, compare and verify ckptvar checkpoints\n"
-        "(and TensorFlow, PyTorch, safetensors, Keras and .npz files).",
+        "(and TensorFlow, PyTorch and DCP, safetensors and Hugging Face shards,\n"
+        "Orbax, Keras and .npz files).",
         epilog=_MAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

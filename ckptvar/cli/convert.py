@@ -1,4 +1,4 @@
-"""``ckpt convert``: any readable checkpoint to .h5, .zarr, .safetensors or .npz.
+"""``ckpt convert``: any readable checkpoint to .h5, .zarr, .safetensors, HF shards or .npz.
 
 The scripts in ``scripts/convert_*.py`` run this same conversion.
 """
@@ -88,8 +88,11 @@ examples:
 """
 
 
-HELP = "convert a checkpoint to .h5, .zarr, .safetensors or .npz"
-DESCRIPTION = "Convert any readable checkpoint to .h5, .zarr, .safetensors or .npz."
+HELP = "convert a checkpoint to .h5, .zarr, .safetensors, a Hugging Face folder or .npz"
+DESCRIPTION = (
+    "Convert any readable checkpoint to .h5, .zarr, .safetensors, a Hugging Face sharded "
+    "folder (--format hf-safetensors) or .npz."
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
