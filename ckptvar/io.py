@@ -14,6 +14,7 @@ array([0., 1., 2.], dtype=float32)
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import _frameworks
+from ._staging import fill_device, to_writable, upload
 from .checkpoint import (
     is_plain,
     load_tree,
@@ -33,7 +35,7 @@ from .device import resolve, supports_dtype, xp_for
 from .errors import DeviceError
 from .locations import is_url
 from .storage import backend_for, open_remote_reader, paused_gc, remote_format, save_remote
-from .storage.base import Reader
+from .storage.base import Reader, SupportsRuns
 
 __all__ = ["list_variables", "load", "load_variable", "open", "save"]
 
@@ -103,16 +105,22 @@ def load(
     ``like="torch" | "jax" | "cupy"`` gives that framework's arrays instead of NumPy's
     (``"cupy"`` implies ``device="GPU:0"`` unless ``device=`` says otherwise); the
     conversion shares memory where the framework allows (docs/guide.md, "Framework arrays").
+    ``like="torch", device="cuda:0"`` gives CUDA tensors of every dtype (bfloat16 too).
 
     ``device=None`` gives NumPy arrays; ``device="GPU:0"`` (or ``"cuda:0"``) gives CuPy
-    arrays on that GPU, each value copied to the device as soon as it is read and
-    verified while the I/O threads read ahead, so host memory holds the value being
-    copied and the next read-ahead window (at most 512 MiB, or about twice the largest
-    value), never the whole checkpoint.
+    arrays on that GPU. From ckptvar's own files each value goes through one reused,
+    double-buffered pinned host buffer (two halves of ``CKPTVAR_STAGING_BYTES``, 64 MiB
+    each): a piece is read and verified (by the blocks that hold it) into one half while
+    the other half is copied to the device, so host memory never holds more than the
+    buffer. From other formats each value is read to the host and copied.
     """
     if not isinstance(like, str) or coordinator is not None:
         return load_tree(path, like, coordinator, timeout, verify, cast, storage_options)
     _frameworks.check_like(like)
+    if like == "torch" and device is not None and resolve(device).is_gpu:
+        with open(path, storage_options=storage_options) as reader:
+            wanted = list(reader.keys()) if keys is None else list(keys)
+            return _load_to_torch_gpu(reader, wanted, resolve(device), verify)
     if like != "numpy":
         if like == "cupy" and device is None:
             device = "GPU:0"
@@ -151,14 +159,19 @@ def _warn_skipped(path: PathLike, skipped: Mapping[str, str]) -> None:
 def _load_to_gpu(reader: Reader, keys: list[str], dev: Any, verify: bool) -> dict[str, Any]:
     cp = xp_for(dev)
     out: dict[str, Any] = {}
+    if isinstance(reader, SupportsRuns):  # through the pinned buffer, a piece at a time
+        with cp.cuda.Device(dev.index):
+            for key in keys:
+                info = reader.info(key)
+                _check_gpu_dtype(dev, key, info.dtype)
+                arr = cp.empty(info.shape, info.dtype)
+                fill_device(reader, key, arr, verify=verify)
+                out[key] = arr
+        return out
     with cp.cuda.Device(dev.index):
         stream = cp.cuda.Stream(non_blocking=True)
         for key, host in reader.read_many(keys, verify=verify):
-            if not supports_dtype(dev, host.dtype):
-                raise DeviceError(
-                    f"Cannot load {key!r} ({host.dtype}) onto {dev}: CuPy has no such dtype; "
-                    "load it with device=None (NumPy) instead."
-                )
+            _check_gpu_dtype(dev, key, host.dtype)
             arr = cp.empty(host.shape, host.dtype)
             # From pageable memory cudaMemcpyAsync returns once the bytes are staged for
             # DMA, so ``host`` may be freed right after; only the device copy is pending.
@@ -167,6 +180,33 @@ def _load_to_gpu(reader: Reader, keys: list[str], dev: Any, verify: bool) -> dic
             del host
         stream.synchronize()
     return out
+
+
+def _load_to_torch_gpu(reader: Reader, keys: list[str], dev: Any,
+                       verify: bool) -> dict[str, Any]:
+    """CUDA torch tensors (bfloat16 and float8 included), each filled through the pinned
+    buffer when the reader reads runs, else copied from its host value."""
+    torch = importlib.import_module("torch")
+    out: dict[str, Any] = {}
+    runs = isinstance(reader, SupportsRuns)
+    for key in keys:
+        info = reader.info(key)
+        probe = _frameworks.from_numpy(np.empty(0, info.dtype), "torch", what=repr(key))
+        t = torch.empty(tuple(info.shape), dtype=probe.dtype, device=f"cuda:{dev.index}")
+        if runs:
+            fill_device(reader, key, t, verify=verify)
+        else:
+            upload(reader.read(key, verify=verify), t)
+        out[key] = t
+    return out
+
+
+def _check_gpu_dtype(dev: Any, key: str, dtype: Any) -> None:
+    if not supports_dtype(dev, dtype):
+        raise DeviceError(
+            f"Cannot load {key!r} ({dtype}) onto {dev}: CuPy has no such dtype; "
+            "load it with device=None (NumPy) instead."
+        )
 
 
 def save(
@@ -201,7 +241,9 @@ def save(
     ``compression`` for Zarr; see docs/FORMAT.md).
 
     Values may be PyTorch tensors, JAX or CuPy arrays: on the CPU their memory is
-    written as it is (no copy, bfloat16 included), from a GPU after one copy to the host.
+    written as it is (no copy, bfloat16 included); from a GPU each value is staged
+    through a bounded, reused pinned host buffer (``CKPTVAR_STAGING_BYTES``, two halves of 64 MiB),
+    never copied to the host whole (docs/frameworks.md).
     """
     if coordinator is not None or not is_plain(arrays):
         if attrs or (coordinator is not None and (options or storage_options)):
@@ -230,8 +272,7 @@ def save(
             extra = dict(attrs.get(key, ())) if attrs else {}
             if "name" not in extra:
                 extra["name"] = key
-            host = value if type(value) is np.ndarray else _frameworks.to_numpy(
-                value, what=f"{key!r}")
+            host = value if type(value) is np.ndarray else to_writable(value, what=f"{key!r}")
             yield key, host, extra
 
     with paused_gc():

@@ -106,7 +106,7 @@ def test_load_onto_gpu_streams_through_bounded_host_memory(tmp_path: Path) -> No
         pytest.skip("no CUDA device")
     import tracemalloc
 
-    n = 16 * (1 << 20)  # 16 values of 64 MiB: 1 GiB, four read-ahead windows
+    n = 16 * (1 << 20)  # 16 values of 64 MiB: 1 GiB
     vals = {f"w{i}": np.full(n, i, np.float32) for i in range(16)}
     p = cv.save(tmp_path / "big.h5", vals)
     del vals
@@ -116,7 +116,8 @@ def test_load_onto_gpu_streams_through_bounded_host_memory(tmp_path: Path) -> No
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert peak < 640 << 20, f"host peak {peak >> 20} MiB while loading 1 GiB onto the GPU"
+    # through the pinned buffer (CUDA memory, not traced): no host copy of any value
+    assert peak < 32 << 20, f"host peak {peak >> 20} MiB while loading 1 GiB onto the GPU"
     for i in range(16):
         assert float(out[f"w{i}"][-1].get()) == i
 

@@ -54,7 +54,8 @@ class CkptVar(Subject):
             return cv.Saver(var_list=self._filled(spec), max_to_keep=None)
         variables = {}
         for k, s in spec:  # filled in place: one allocation per variable, no input copy
-            v = cv.Variable(cv.initializers.zeros(), shape=s, dtype="float32", name=k)
+            v = cv.Variable(cv.initializers.zeros(), shape=s, dtype="float32", name=k,
+                            device="CPU:0")
             fill(k, np.asarray(v.value()))
             variables[cv_segment(k)] = v
         return cv.Checkpoint(model=self._module(variables))
@@ -64,7 +65,8 @@ class CkptVar(Subject):
         cv = self.cv
         out = []
         for k, s in spec:
-            v = cv.Variable(cv.initializers.zeros(), shape=s, dtype="float32", name=k)
+            v = cv.Variable(cv.initializers.zeros(), shape=s, dtype="float32", name=k,
+                            device="CPU:0")
             fill(k, np.asarray(v.value()))
             out.append(v)
         return out
@@ -100,11 +102,12 @@ class CkptVar(Subject):
         cv = self.cv
         if self.api == "saver":
             variables = {k: cv.Variable(cv.initializers.ones(), shape=s, dtype="float32",
-                                        name=k) for k, s in spec}
+                                        name=k, device="CPU:0") for k, s in spec}
             materialize(variables)
             return cv.Saver(var_list=list(variables.values()), max_to_keep=None), variables
         variables = {cv_segment(k): cv.Variable(cv.initializers.ones(), shape=s,
-                                                  dtype="float32", name=k) for k, s in spec}
+                                                  dtype="float32", name=k, device="CPU:0")
+                     for k, s in spec}
         ckpt = cv.Checkpoint(model=self._module(variables))
         materialize(variables)  # the buffers exist (and are backed) before the timed call
         return ckpt, variables
@@ -139,7 +142,8 @@ class Model:
     def build(self) -> tuple[Any, dict[str, Any]]:
         cv = self.cv
         init = cv.initializers.random_normal(stddev=0.02, seed=1)
-        variables = {cv_segment(k): cv.Variable(init, shape=s, dtype="float32", name=k)
+        variables = {cv_segment(k): cv.Variable(init, shape=s, dtype="float32", name=k,
+                            device="CPU:0")
                      for k, s in self.spec}
         m = cv.Module(name="model")
         m.params = variables

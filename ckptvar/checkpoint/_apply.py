@@ -33,15 +33,25 @@ from typing import Any
 import numpy as np
 
 from .._dtypes import check_castable, dtype_name
+from .._staging import fill_device, fillable, upload
 from ..errors import CheckpointMismatchError, DTypeLockError
 from ..storage import (
     ArrayInfo,
     Reader,
     SupportsReadIntoMany,
+    SupportsRuns,
     SupportsShapeAndDtype,
     SupportsVerifyMany,
 )
-from ..variables import Variable, give_restored, host_buffer, is_materialized, restore_value
+from ..variables import (
+    Variable,
+    device_buffer,
+    device_value,
+    give_restored,
+    host_buffer,
+    is_materialized,
+    restore_value,
+)
 
 __all__ = [
     "TEMPORARY_BUDGET",
@@ -216,6 +226,10 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
     # ``buf`` is the variable's own memory when it can take the value in place, else None
     fresh: list[tuple[str, Variable, np.ndarray | None]] = []
     in_place: list[tuple[str, Variable, np.ndarray]] = []
+    # GPU variables of the stored shape: verified first, then copied straight into their
+    # memory through the pinned buffer (no host copy of the values at all)
+    on_device: list[tuple[str, Any]] = []
+    runs = isinstance(reader, SupportsRuns)
     converted: list[tuple[str, Variable]] = []
     in_place_bytes = 0
     fast = able.shape_and_dtype
@@ -223,7 +237,14 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
         if casts and id(var) in casts:
             converted.append((key, var))
             continue
-        buf = host_buffer(var)
+        dbuf = device_value(var)  # a framework's GPU tensor the variable stands for
+        buf = None if dbuf is not None else host_buffer(var)
+        if buf is None and dbuf is None and runs:
+            dbuf = device_buffer(var)
+        if runs and dbuf is not None and fillable(dbuf) and tuple(dbuf.shape) == (
+                fast(key)[0] if fast else infos[key].shape):
+            on_device.append((key, dbuf))
+            continue
         # check_matches compared the shapes: a fully defined variable shape is the stored one
         if buf is not None and (buf.shape == var.shape or buf.shape == (
                 fast(key)[0] if fast else infos[key].shape)):
@@ -246,11 +267,12 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
         given.add(key)
         values.append((var, value, buf))
     cast_later = _cast_phase_one(reader, converted, values, verify)
-    if verify and in_place:
+    checked = [key for key, _, _ in in_place] + [key for key, _ in on_device]
+    if verify and checked:
         if able.verify_many is not None:
-            able.verify_many([key for key, _, _ in in_place])
+            able.verify_many(checked)
         else:
-            for key, _, _ in in_place:
+            for key in checked:
                 reader.verify(key)
     if cast_later and verify:  # one value at a time: nothing held but the value read
         for key in dict.fromkeys(key for key, _ in cast_later):
@@ -270,6 +292,8 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
         else:
             for key, _, buf in in_place:
                 reader.read(key, out=buf, verify=False)
+    for key, dbuf in on_device:
+        fill_device(reader, key, dbuf, verify=False)
     if cast_later:
         _cast_phase_two(reader, cast_later)
 
@@ -328,4 +352,11 @@ def warn_cast(path: Any, casts: list[tuple[str, np.dtype, Variable]]) -> None:
 
 
 #: Assign a restored value (materialised), or make it the initial value (pending).
-give_value = give_restored
+def give_value(var: Variable, value: np.ndarray) -> None:
+    """A restored host ``value`` for ``var``: into the GPU tensor it stands for (copied
+    in place), else assigned or made its initial value (``give_restored``)."""
+    tensor = device_value(var)
+    if tensor is not None:
+        upload(value, tensor)
+    else:
+        give_restored(var, value)

@@ -46,6 +46,7 @@ from ..distributed import (
 from ..locations import is_url
 from ..storage import (
     INDEX_FILE,
+    as_host,
     box_key,
     grid_layout,
     pack_index,
@@ -144,7 +145,7 @@ def _raw_layouts(
         if shard is None:
             add((key, shape, name, None, shape))
             if array.nbytes <= (1 << 20):  # large replicas: not compared
-                checks[key] = zlib.crc32(np.ascontiguousarray(array).tobytes())
+                checks[key] = zlib.crc32(np.ascontiguousarray(as_host(array)).tobytes())
         else:
             add((key, shard.full_shape, name, shard.offset, shape))
     raw.sort()
@@ -190,7 +191,7 @@ def _layout_rows(
         checks = {}
         for i in cache.replicated:
             key, array, _ = arrays[i]
-            checks[key] = zlib.crc32(np.ascontiguousarray(array).tobytes())
+            checks[key] = zlib.crc32(np.ascontiguousarray(as_host(array)).tobytes())
         return cache.raw, checks, cache.digest
     raw, checks = _raw_layouts(arrays, variables)
     # marshal version 2 (no reference table) is the fastest stable serialisation of the rows

@@ -31,10 +31,11 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from .._frameworks import framework_of, to_numpy
+from .._staging import element_dtype, is_on_gpu
 from ..errors import CkptError
 from ..graph import Graph
 from ..trackable import Trackable
-from ..variables import FreshValue, Shard, Variable
+from ..variables import FreshValue, Shard, Variable, set_device_value
 from ._serialize import decode_state
 
 __all__ = [
@@ -123,36 +124,50 @@ def _variable(graph: Graph, name: str, host: np.ndarray, shard: Shard | None,
     return var
 
 
+def _device_variable(graph: Graph, name: str, t: Any, shard: Shard | None,
+                     trainable: bool) -> Variable:
+    """A variable standing for GPU tensor ``t``, left unmaterialized: a save stages ``t``
+    through the pinned buffer (its snapshot: a copy on the device), a restore writes into
+    ``t`` itself (``variables.set_device_value``)."""
+    with graph.as_default():
+        var = Variable(FreshValue(lambda: to_numpy(t, what=repr(name))),
+                       shape=tuple(t.shape), dtype=element_dtype(t), device="CPU:0",
+                       collections=[], trainable=trainable, name=name, shard=shard)
+    set_device_value(var, t)
+    return var
+
+
 def tensor_variable(graph: Graph, name: str, t: Any, *, saving: bool,
                     trainable: bool = False) -> Variable | None:
     """``t`` (a torch tensor or DTensor) as a variable over its memory.
 
-    Saving: ``None`` for a DTensor box another process saves; a tensor the host cannot
-    view (CUDA, non-contiguous) is copied to the host once. Restoring: ``None`` when the
-    host cannot view it (the caller reads into a new tensor instead).
+    Saving: ``None`` for a DTensor box another process saves; a CUDA tensor is staged
+    through the pinned buffer at the save (never copied to the host whole); another
+    tensor the host cannot view (non-contiguous) is copied to the host once. Restoring:
+    a CUDA tensor (not a DTensor's shard) is filled in place through the pinned buffer;
+    ``None`` when the host cannot view it otherwise (the caller reads into a new tensor).
     """
+    shard = None
     if is_dtensor(t):
         offset, _, owner = dtensor_box(t, repr(name))
         if saving and not owner:
             return None
-        local = t.to_local()
-        host = _view(local)
-        if host is None:
-            if not saving:
-                return None
-            host = np.ascontiguousarray(to_numpy(local, what=repr(name)))
-        return _variable(graph, name, host, Shard(tuple(t.shape), offset), trainable)
-    if t.device.type == "meta":
+        shard = Shard(tuple(t.shape), offset)
+        t = t.to_local()
+    elif t.device.type == "meta":
         if saving:
             raise FrameworkStateError(
                 f"Cannot save {name!r}: it is a tensor on the 'meta' device (no storage).")
         return None
     host = _view(t)
-    if host is None:
-        if not saving:
-            return None
-        host = np.ascontiguousarray(to_numpy(t, what=repr(name)))
-    return _variable(graph, name, host, None, trainable)
+    if host is not None:
+        return _variable(graph, name, host, shard, trainable)
+    if is_on_gpu(t) and (saving or shard is None):
+        return _device_variable(graph, name, t, shard, trainable)
+    if not saving:
+        return None
+    host = np.ascontiguousarray(to_numpy(t, what=repr(name)))
+    return _variable(graph, name, host, shard, trainable)
 
 
 # -- the Python state: the state dict's structure, tensors left out -----------------------
@@ -401,7 +416,8 @@ def _params_by_index(obj: Any, torch: Any) -> list[Any]:
 
 def _new_tensor(torch: Any, t: Any, path: tuple[Any, ...], info: Any,
                 params: list[Any]) -> Any:
-    """A new tensor for a stored value: like the optimizer's parameter when it matches."""
+    """A new tensor for a stored value: like the optimizer's parameter when it matches
+    (on its GPU: ``load_state_dict`` then keeps the very tensor the restore filled)."""
     dtype = torch.from_numpy(np.empty(0, np.dtype(info.dtype))).dtype
     shape = tuple(info.shape)
     like = t
@@ -411,8 +427,8 @@ def _new_tensor(torch: Any, t: Any, path: tuple[Any, ...], info: Any,
     if like is not None and tuple(like.shape) == shape:
         if is_dtensor(like):
             return torch.empty_like(like, dtype=dtype)
-        if like.device.type == "cpu":
-            return torch.empty(shape, dtype=dtype)
+        if is_on_gpu(like):  # filled in place through the pinned buffer, then kept as is
+            return torch.empty(shape, dtype=dtype, device=like.device)
     return torch.empty(shape, dtype=dtype)
 
 

@@ -29,10 +29,12 @@ from typing import Any
 import numpy as np
 
 from .._frameworks import framework_of, from_numpy, to_numpy
+from .._staging import staged, to_writable
 from ..distributed import Coordinator, from_env
 from ..errors import CheckpointMismatchError, CkptError
 from ..graph import Graph
-from ..variables import FreshValue, Shard, Variable
+from ..storage import is_chunked
+from ..variables import FreshValue, Shard, Variable, device_value
 from ._collective import collective_write
 from ._collective_restore import collective_restore
 from ._files import native_backend, open_checkpoint_reader
@@ -71,7 +73,7 @@ def _is_array(value: Any) -> bool:
         return True
     if framework_of(value) is not None:
         return True
-    return _is_abstract(value)
+    return _is_abstract(value) or is_chunked(value)
 
 
 def _is_abstract(value: Any) -> bool:
@@ -187,7 +189,7 @@ def _jax_boxes(value: Any) -> list[tuple[tuple[int, ...], np.ndarray]]:
         if box in done or owners.get(box) != me or not all(hi > lo for lo, hi in box):
             continue
         done.add(box)
-        host = to_numpy(shard.data, what="a shard")
+        host = to_writable(shard.data, what="a shard")  # a GPU's: staged, not copied
         out.append((tuple(lo for lo, _ in box), host))
     out.sort(key=lambda item: item[0])
     return out
@@ -210,15 +212,18 @@ def _box_variable(graph: Graph, key: str, host: np.ndarray, shard: Shard) -> Var
                         shard=shard)
 
 
-def _leaf_for_save(graph: Graph, key: str, value: Any) -> list[tuple[np.ndarray, Any]]:
+def _leaf_for_save(graph: Graph, key: str, value: Any) -> list[tuple[Any, Any]]:
     """``(host array, variable or None)`` of each box of one array leaf this process
     writes (none: another process writes it; several: a jax.Array's distinct shards, whose
     variable is then one :class:`Logical` of them)."""
     if is_dtensor(value):
         var = tensor_variable(graph, key, value, saving=True)
-        return [] if var is None else [(var.value(), var)]
+        if var is None:
+            return []
+        tensor = device_value(var)  # a GPU tensor: staged, never copied whole
+        return [(var.value() if tensor is None else staged(tensor), var)]
     if _multi_device(value) and value.sharding.is_fully_replicated:  # one box: all of it
-        return [(to_numpy(value.addressable_shards[0].data, what=repr(key)), None)]
+        return [(to_writable(value.addressable_shards[0].data, what=repr(key)), None)]
     if _multi_device(value):
         full = tuple(int(n) for n in value.shape)
         parts = [(host, _box_variable(graph, key, host, Shard(full, offset)))
@@ -268,7 +273,7 @@ def save_tree(  # noqa: PLR0917
     if coordinator is None and any(_sharded(v) or _multi_device(v) for v in arrays.values()):
         coordinator = from_env()  # one process included: its shards written as boxes
     if coordinator is None:
-        host = {k: (v if isinstance(v, np.ndarray) else to_numpy(v, what=repr(k)))
+        host = {k: (v if isinstance(v, np.ndarray) else to_writable(v, what=repr(k)))
                 for k, v in arrays.items()}
         return save_flat(path, host, meta)
     _no_options(path, options)

@@ -16,10 +16,11 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from .._staging import staged, staged_copy
 from ..errors import CorruptCheckpointError
 from ..storage import snapshot
 from ..trackable import Trackable, python_state
-from ..variables import PartitionedVariable, Variable, read_buffer
+from ..variables import PartitionedVariable, Variable, device_value, read_buffer
 from ._logical import Logical, as_target, assemble
 from ._walk import walk
 
@@ -100,8 +101,9 @@ def gather(root: Any) -> SaveContents:
 def host_arrays(plan: SaveContents, *, copy: bool) -> list[tuple[str, np.ndarray, dict[str, Any]]]:
     """``(key, host array, attrs)`` for each variable; ``copy=True`` takes a snapshot.
 
-    The snapshot's large host values are copied in parallel (:func:`snapshot`); a device
-    value's ``numpy()`` is a host copy already.
+    The snapshot's large host values are copied in parallel (:func:`snapshot`). A value
+    on a GPU is staged through the pinned buffer (``ckptvar._staging``), never copied to
+    the host whole; its snapshot is a copy on its device.
     """
     out: list[tuple[str, Any, dict[str, Any]]] = []
     to_copy: list[int] = []
@@ -110,10 +112,15 @@ def host_arrays(plan: SaveContents, *, copy: bool) -> list[tuple[str, np.ndarray
         if isinstance(var, Logical):  # a new host array already: a snapshot
             out.append((key, assemble(var, key), attrs))
             continue
+        tensor = device_value(var)
+        if tensor is not None:  # a framework tensor on a GPU: staged, never copied whole
+            out.append((key, staged_copy(tensor) if copy else staged(tensor), attrs))
+            continue
         value = read_buffer(var)
-        if not isinstance(value, np.ndarray):
-            host = np.asarray(var.numpy(), order="C")
-        elif copy:
+        if not isinstance(value, np.ndarray):  # on a GPU: staged, never copied whole
+            out.append((key, staged_copy(value) if copy else staged(value), attrs))
+            continue
+        if copy:
             to_copy.append(len(out))
             host = value
         else:

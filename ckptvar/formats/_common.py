@@ -25,6 +25,7 @@ from ..errors import (
     UnsupportedFormatError,
 )
 from ..storage.base import ArrayInfo, LazyArray, Reader, Writer, verify_each
+from ..storage.chunked import as_host
 from ..storage.rawio import pread_exact, pread_into_exact
 from ..storage.slicing import element_span
 
@@ -265,7 +266,7 @@ class CollectingWriter(Writer):
     def _collect(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None) -> None:
         if key in self._items:
             raise ValueError(f"Key {key!r} was already added to {str(self.path)!r}.")
-        self._items[key] = (array, dict(attrs or {}))
+        self._items[key] = (as_host(array), dict(attrs or {}))
 
     def set_metadata(self, metadata: Mapping[str, Any]) -> None:
         self._metadata = dict(metadata)

@@ -35,6 +35,7 @@ import numpy as np
 from .._dtypes import SUPPORTED_DTYPES, dtype_to_str, str_to_dtype
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
+from ..storage.chunked import as_host
 from ._common import (
     CollectingWriter,
     EntryReader,
@@ -266,7 +267,7 @@ class NpzWriter(CollectingWriter):
     def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
         if not isinstance(key, str) or not key or key == _SIDECAR[:-5] or "\x00" in key:
             raise ValueError(f"Invalid npz key {key!r}.")
-        array = np.asarray(array)
+        array = np.asarray(as_host(array))
         dt = little_endian(array.dtype)
         if dt not in SUPPORTED_DTYPES.values():
             raise UnsupportedFormatError(f"Cannot write {key!r} of dtype {array.dtype} to npz.")

@@ -42,6 +42,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
+from ..storage.chunked import as_host
 from . import _common
 from ._json import jsonable, loads_json
 
@@ -333,7 +334,7 @@ class SafetensorsWriter(_common.CollectingWriter):
     def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
         if not isinstance(key, str) or key == _METADATA or not key:
             raise ValueError(f"Invalid safetensors key {key!r}.")
-        array = np.asarray(array)
+        array = np.asarray(as_host(array))
         dt = _common.little_endian(array.dtype)
         if dt not in _NAME_OF:
             raise UnsupportedFormatError(

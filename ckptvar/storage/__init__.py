@@ -34,6 +34,7 @@ from .base import (
     SupportsVerifyMany,
     Writer,
 )
+from .chunked import Chunked, as_host, is_chunked, materialize
 from .rawio import snapshot
 from .registry import (
     backend_for,
@@ -60,6 +61,7 @@ __all__ = [
     "INDEX_FILE",
     "ArrayInfo",
     "Backend",
+    "Chunked",
     "LazyArray",
     "Reader",
     "RemoteStep",
@@ -72,15 +74,18 @@ __all__ = [
     "SupportsVerifyAll",
     "SupportsVerifyMany",
     "Writer",
+    "as_host",
     "backend_for",
     "box_key",
     "external_files",
     "fsync_dir",
     "fsync_path",
     "grid_layout",
+    "is_chunked",
     "is_own_checkpoint",
     "is_partial",
     "known_formats",
+    "materialize",
     "open_remote_reader",
     "pack_index",
     "partial_path",

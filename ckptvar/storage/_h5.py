@@ -23,10 +23,12 @@ that recognises it (Keras, generic HDF5), and this backend refuses it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import re
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -155,12 +157,21 @@ class H5Writer(ContainerWriter):
     def _write_bytes(self, fd: int, plan: WritePlan, packed_off: int) -> None:
         write = _rawio.pwrite_flushing if self.durable else _rawio.pwrite_all
         for it in plan.arrays:
-            if it.nbytes and it.held is None:
+            if it.held is not None:
+                continue
+            if it.source is not None:  # a piece at a time, hashed on the way
+                it.write_with(functools.partial(_write_at, write, fd, it.offset))
+            elif it.nbytes:
                 write(fd, it.view, it.offset)
         if plan.packed:
             write_packed(fd, plan.packed, packed_off)
             if self.durable:
                 _rawio.start_writeback(fd, packed_off, plan.packed_nbytes)
+
+
+def _write_at(write: Callable[[int, memoryview, int], None], fd: int, base: int,
+              piece: memoryview, pos: int) -> None:
+    write(fd, piece, base + pos)
 
 
 def _h5py() -> Any:

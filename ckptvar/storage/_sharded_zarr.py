@@ -47,6 +47,7 @@ from . import rawio as _rawio
 from ._container import DEFAULT_PACK_THRESHOLD
 from ._zarr_files import GROUP_DOC, array_meta, open_in, write_file
 from .atomic import fsync_all
+from .chunked import as_host
 from .paths import container_paths, escape_key, is_valid_container_path
 from .slicing import c_strides, run_start, span_bounds
 
@@ -202,7 +203,7 @@ class GridLayout:
             for j, (box, writer) in enumerate(zip(gv.boxes, gv.writers, strict=True)):
                 if writer != rank:
                     continue
-                value = values[gv.key][0]
+                value = as_host(values[gv.key][0])
                 if boxed:
                     value = boxed.get((gv.key, tuple(int(o) for o in box.offset)), value)
                 data = _chunk_data(gv, box, value)

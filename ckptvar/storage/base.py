@@ -309,7 +309,11 @@ class Writer(contextlib.AbstractContextManager["Writer"], abc.ABC):
 
     @abc.abstractmethod
     def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
-        """Register ``array`` under ``key``; the array must stay unchanged until commit."""
+        """Register ``array`` under ``key``; the array must stay unchanged until commit.
+
+        ``array`` may also be a :class:`~ckptvar.storage.Chunked` value (a GPU tensor
+        staged through the pinned buffer): ckptvar's own writers take it a piece at a
+        time, others make it whole first (``storage.as_host``)."""
 
     @abc.abstractmethod
     def set_metadata(self, metadata: Mapping[str, Any]) -> None:

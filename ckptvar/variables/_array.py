@@ -82,17 +82,28 @@ def _slice_result(selected: Any, variable: Any, index: Any) -> Any:
                                                                                np.generic):
         out = np.array(selected, copy=True).view(VariableSlice)
     else:  # a CuPy array: attach assign() through a subclass when CuPy allows it
-        out = selected.copy()
-        cls = _cupy_slice_class()
-        if cls is not None:
-            try:
-                out = out.view(array_class=cls)
-            except TypeError:
-                return out
-        else:
-            return out
+        out = _as_cupy_slice(selected.copy())
+        if out is None:
+            return selected.copy()
     out._variable = variable
     out._index = index
+    return out
+
+
+def _as_cupy_slice(arr: Any) -> Any:
+    """``arr`` (a CuPy array) as a ``CupyVariableSlice`` over the same memory, or None."""
+    cls = _cupy_slice_class()
+    if cls is None:
+        return None
+    try:
+        out = arr.view(array_class=cls)
+    except TypeError:  # a CuPy without view(array_class=): build the subclass over the memory
+        out = None
+    if not isinstance(out, cls):
+        try:
+            out = cls(arr.shape, arr.dtype, arr.data, strides=arr.strides)
+        except TypeError:
+            return None
     return out
 
 

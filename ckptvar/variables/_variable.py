@@ -129,6 +129,7 @@ class Variable(WriteBehaviour, ArrayBehaviour):
         self._graph = _graph if _graph is not None else get_default_graph()
         self._constraint = constraint
         self._save_slice_info: SaveSliceInfo | None = None
+        self._device_value: Any = None
         deferred = deferring() if lazy is None else bool(lazy)
         req_shape = normalize_shape(shape)
 
@@ -386,6 +387,16 @@ class Variable(WriteBehaviour, ArrayBehaviour):
         """The backing array, for reading only (a save): unlike ``value()``, not handed out."""
         return self._materialize()
 
+    def _device_buffer(self) -> Any:
+        """The backing CuPy array when materialised on a GPU and C-contiguous; else None.
+        The caller (a restore) writes into it: handing it out counts as a write."""
+        state = self._state
+        buf = state.value if isinstance(state, Ready) else None
+        if buf is not None and is_device_array(buf) and buf.flags.c_contiguous:
+            self._wrote()
+            return buf
+        return None
+
     def _host_buffer(self) -> np.ndarray | None:
         """The backing buffer when materialised, on the CPU and C-contiguous; else None.
         The caller (a restore) writes into it: handing it out counts as a write."""
@@ -540,6 +551,12 @@ def host_buffer(var: Variable) -> np.ndarray | None:
     return var._host_buffer()
 
 
+def device_buffer(var: Variable) -> Any:
+    """``var``'s backing CuPy array when materialised on a GPU and C-contiguous (a
+    restore may copy straight into it through the pinned buffer); else ``None``."""
+    return var._device_buffer()
+
+
 def restore_value(var: Variable, array: np.ndarray) -> None:
     """Give ``var`` the host ``array`` (its exact dtype and shape; the caller checked)."""
     var._restore_value(array)
@@ -569,6 +586,18 @@ def write_version(var: Variable) -> tuple[int, int] | None:
 def read_buffer(var: Variable) -> Any:
     """``var``'s backing array, for reading only (a save): not handed out to the user."""
     return var._read_buffer()
+
+
+def set_device_value(var: Variable, value: Any) -> None:
+    """Make ``var`` stand for ``value``, a framework tensor on a GPU (a CUDA torch tensor):
+    a save stages ``value`` through the pinned buffer instead of reading ``var``'s buffer,
+    and a restore writes into ``value``'s own memory; ``var`` itself stays unmaterialized."""
+    var._device_value = value
+
+
+def device_value(var: Variable) -> Any:
+    """The GPU tensor :func:`set_device_value` gave ``var``, or None."""
+    return var._device_value
 
 
 def set_save_slice_info(var: Variable, info: SaveSliceInfo) -> None:

@@ -35,6 +35,7 @@ from . import source as _src
 
 __all__ = [
     "BLOCK_SIZE",
+    "BlockHasher",
     "blocks_agree",
     "hash_blocks",
     "hash_range",
@@ -75,6 +76,45 @@ def hash_blocks(view: memoryview, seed: int, block_size: int = BLOCK_SIZE) -> tu
         crcs[i] = _crc(view[pos : pos + block_size], 0, 1)
     blocks = crcs.tobytes()
     return _join(seed, crcs.tolist(), n, block_size), blocks
+
+
+class BlockHasher:
+    """:func:`hash_blocks` over bytes that arrive in pieces of any length.
+
+    >>> data = memoryview(np.arange(5000, dtype=np.uint8))
+    >>> h = BlockHasher(7, 4096)
+    >>> for i in range(0, 5000, 1500):
+    ...     h.update(data[i : i + 1500])
+    >>> h.result() == hash_blocks(data, 7, 4096)
+    True
+    """
+
+    def __init__(self, seed: int, block_size: int = BLOCK_SIZE) -> None:
+        self.seed = seed
+        self.block_size = block_size
+        self.crcs: list[int] = []
+        self.n = 0
+        self._cur = 0
+        self._filled = 0
+
+    def update(self, piece: memoryview) -> None:
+        """Hash the next ``piece`` of the value's bytes."""
+        bs = self.block_size
+        pos, n = 0, len(piece)
+        self.n += n
+        while pos < n:
+            take = min(bs - self._filled, n - pos)
+            self._cur = _crc(piece[pos : pos + take], self._cur, 1)
+            self._filled += take
+            pos += take
+            if self._filled == bs:
+                self.crcs.append(self._cur)
+                self._cur = self._filled = 0
+
+    def result(self) -> tuple[int, bytes]:
+        """``(checksum, blocks)`` of everything hashed, as :func:`hash_blocks` gives."""
+        crcs = self.crcs + ([self._cur] if self._filled else [])
+        return _join(self.seed, crcs, self.n, self.block_size), np.array(crcs, "<u4").tobytes()
 
 
 def _join(seed: int, crcs: list[int], n: int, block_size: int) -> int:

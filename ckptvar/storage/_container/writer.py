@@ -29,14 +29,16 @@ from .._plain import check_plain
 from .._record import PACKED, ZARR, Extent, ValueColumns, encode_columns
 from ..atomic import check_destination, publish, temporary_sibling
 from ..base import Writer
+from ..chunked import Chunked, HostPieces, is_chunked, materialize, piece_bytes
 from ..paths import container_paths
-from .blocks import BLOCK_SIZE, hash_blocks
+from .blocks import BLOCK_SIZE, BlockHasher, hash_blocks
 from .layout import ALIGN, pack_limit
 from .reuse import Held, match
 
 __all__ = ["ContainerWriter", "ValueWrite", "WritePlan", "scalar_attrs", "write_packed"]
 
 _ZEROS = memoryview(bytes(ALIGN))
+_NO_BYTES = np.empty(0, np.uint8)
 logger = logging.getLogger("ckptvar")
 
 
@@ -57,17 +59,46 @@ class ValueWrite:
     blocks: bytes | None = None  # CRC-32C per block, for values of more than one block
     held: Held | None = None  # the base's bytes, reused (an incremental save)
     hashed: bool = False  # hashed already (to compare with the base)
+    #: The value's bytes come a piece at a time from here (``array`` is then empty until
+    #: :meth:`materialize`): a GPU tensor through the pinned staging buffer.
+    source: Chunked | None = None
 
     @property
     def view(self) -> memoryview:
         return _rawio.byte_view(self.array)
 
     def hash(self) -> None:
+        if self.source is not None:  # one pass over the pieces, nothing written
+            self.write_with(None)
+            return
         seed = _checksum.header_crc(self.key, self.dtype, self.shape)
         if self.nbytes > BLOCK_SIZE:
             self.checksum, self.blocks = hash_blocks(self.view, seed)
         else:
             self.checksum = _checksum.crc(self.view, seed)
+
+    def materialize(self) -> None:
+        """Make a chunked value one host array (packed or compressed values need it)."""
+        if self.source is not None:
+            self.array = materialize(self.source).reshape(-1).view(np.uint8)
+            self.source = None
+
+    def write_with(self, write: Callable[[memoryview, int], None] | None) -> None:
+        """``write(piece, position)`` each piece of a chunked value, hashing it on the way
+        (``write=None``: only hash). The checksums are known when it returns."""
+        assert self.source is not None
+        hasher = BlockHasher(_checksum.header_crc(self.key, self.dtype, self.shape))
+        pos = 0
+        for piece in self.source.byte_chunks():
+            hasher.update(piece)
+            if write is not None:
+                write(piece, pos)
+            pos += len(piece)
+        if pos != self.nbytes:
+            raise ValueError(f"Value {self.key!r} of {self.nbytes} bytes gave {pos} bytes.")
+        self.checksum, blocks = hasher.result()
+        self.blocks = blocks if self.nbytes > BLOCK_SIZE else None
+        self.hashed = True
 
 
 @dataclass(slots=True)
@@ -130,6 +161,12 @@ class ContainerWriter(Writer):
         """True when the directory at ``path`` is a checkpoint this writer may replace."""
         return False
 
+    @property
+    def streams_chunks(self) -> bool:
+        """Whether :meth:`_write` takes chunked values a piece at a time (else they are
+        made whole on the host first)."""
+        return True
+
     def __init__(
         self,
         path: Path,
@@ -169,9 +206,26 @@ class ContainerWriter(Writer):
         key = _check_key(key)
         if key in self._items:
             raise ValueError(f"Key {key!r} was already added to the checkpoint {str(self.path)!r}.")
+        if type(array) is np.ndarray:
+            if (not (array.flags.c_contiguous and _HOST_IS_LITTLE_ENDIAN
+                     and array.dtype in _NAMES)
+                    and array.ndim and array.nbytes > piece_bytes()):
+                # strided or big-endian: a slab at a time, no full C-ordered copy
+                self._add_chunked(key, HostPieces(array), attrs)
+                return
+        elif is_chunked(array):
+            chunked: Any = array  # a Chunked value given where a host array is declared
+            self._add_chunked(key, chunked, attrs)
+            return
         arr, name = _prepare(array)
         self._items[key] = ValueWrite(key, arr, name, arr.shape, dict(attrs) if attrs else {},
                                      arr.nbytes)
+
+    def _add_chunked(self, key: str, value: Chunked, attrs: Mapping[str, Any] | None) -> None:
+        dt = as_dtype(np.dtype(value.dtype))
+        self._items[key] = ValueWrite(key, _NO_BYTES, dtype_to_str(dt), tuple(value.shape),
+                                     dict(attrs) if attrs else {}, int(value.nbytes),
+                                     source=value)
 
     def set_metadata(self, metadata: Mapping[str, Any]) -> None:
         self._check_open()
@@ -191,6 +245,8 @@ class ContainerWriter(Writer):
         threshold = pack_limit(self.pack_threshold, len(items))
         arrays = [it for it in items if it.nbytes >= threshold]
         packed = [it for it in items if it.nbytes < threshold]
+        for it in packed:  # small: copied whole from their device, one at a time
+            it.materialize()
         for it, p in zip(arrays, container_paths([it.key for it in arrays]), strict=True):
             it.path = p
         pos = 0
@@ -212,12 +268,17 @@ class ContainerWriter(Writer):
             # Refuse early what publish() would refuse: nothing is written in vain.
             check_destination(self.path, directory=self.is_directory,
                               replaceable=self.replaceable)
+            if not self.streams_chunks:  # e.g. a compressing codec takes whole values
+                for it in plan.arrays:
+                    it.materialize()
             if self.base is not None:
                 self._match_base(plan, self.base)
             # Large values hash on the checksum thread while the backend writes (in the same
             # order); packed values hash on this thread as they are written (write_packed).
+            # Chunked values hash while they are written (ValueWrite.write_with).
             futures: list[Future[Any]] = [_rawio.submit(it.hash) for it in plan.arrays
-                                          if it.held is None and not it.hashed]
+                                          if it.held is None and not it.hashed
+                                          and it.source is None]
 
             def wait_hashes() -> None:
                 for f in futures:
