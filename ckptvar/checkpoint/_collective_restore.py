@@ -7,12 +7,17 @@ change (:meth:`Staged.apply`). As in one process (:mod:`._apply`), values for
 variables that already hold memory are read into temporaries when they total at most
 ``TEMPORARY_BUDGET`` bytes on this rank; above it, the stored boxes they overlap are
 verified first and the values read straight into the variables' own buffers after
-the vote (reading twice, never holding a second copy of the rank's shards).
+the vote (reading twice, never holding a second copy of the rank's shards). From an
+object store, where a second pass is a second download, the values above the budget are
+read once, verified as they stream, into a spool file (an unlinked temporary in
+``TMPDIR``: page cache, not process memory, and nothing left behind by a crash), and
+copied from it into the variables after the vote.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -21,6 +26,7 @@ import numpy as np
 from .._dtypes import can_cast_same_kind, dtype_name
 from ..distributed import Box, Coordinator
 from ..errors import CheckpointMismatchError
+from ..locations import is_url
 from ..storage import ShardedReader
 from ..variables import Variable, host_buffer
 from ._apply import TEMPORARY_BUDGET, give_value, warn_cast
@@ -53,6 +59,9 @@ class Staged:
         self.in_place: list[tuple[str, Box, np.ndarray]] = []
         #: the reader the values in place are read from at :meth:`apply` (still open then)
         self.reader: Any = None
+        #: ``(spooled value, variable's buffer)``: read and verified once, copied at apply
+        self.spooled: list[tuple[np.ndarray, np.ndarray]] = []
+        self._spool: Any = None
 
     def apply(self, path: Any) -> None:
         """Give every variable its value (after the vote), then say what was cast.
@@ -64,8 +73,25 @@ class Staged:
             give_value(var, value)
         for key, box, buf in self.in_place:
             self.reader.read_box_into(key, box, buf, verify=False)  # verified when staged
+        for value, buf in self.spooled:
+            np.copyto(buf, value)
+        self.close()
         if self.casts:
             warn_cast(path, self.casts)
+
+    def spool(self, nbytes: int) -> Any:
+        """An unlinked temporary file of ``nbytes`` bytes for values read once (kept open
+        until :meth:`close`)."""
+        self._spool = tempfile.TemporaryFile(prefix="ckptvar-spool-")  # noqa: SIM115
+        self._spool.truncate(nbytes)
+        return self._spool
+
+    def close(self) -> None:
+        """Drop the spooled values and their file (a failed vote leaves them unused)."""
+        self.spooled = []
+        spool, self._spool = self._spool, None
+        if spool is not None:
+            spool.close()
 
 
 def stage_reads(
@@ -133,11 +159,30 @@ def _stage(
         if id(var) not in direct:
             value = _read_for(reader, key, target, verify)
             staged.values.append((var, value if value.dtype == want else value.astype(want)))
+    if in_place and verify and is_url(os.fspath(reader.path)):
+        _spool_reads(reader, staged, in_place)  # one download, not a verify and a read
+        in_place = []
     for _, key, target, _ in in_place:
         if verify:
             reader.verify_box(key, target)
     staged.in_place = [(key, target, buf) for _, key, target, buf in in_place]
     staged.reader = reader
+
+
+def _spool_reads(reader: Any, staged: Staged,
+                 in_place: list[tuple[Variable, str, Box, np.ndarray]]) -> None:
+    """Read each box once, verified, into the staged spool file (copied at apply)."""
+    offsets, total = [], 0
+    for *_, buf in in_place:
+        offsets.append(total)
+        total += -(-buf.nbytes // 4096) * 4096  # page-aligned views
+    f = staged.spool(total)
+    for (_, key, target, buf), at in zip(in_place, offsets, strict=True):
+        if not buf.nbytes:
+            continue
+        view = np.memmap(f, dtype=buf.dtype, mode="r+", offset=at, shape=buf.shape)
+        reader.read_box_into(key, target, view, verify=True)
+        staged.spooled.append((view, buf))
 
 
 def _in_place(
@@ -204,6 +249,7 @@ def collective_restore(
         coord.vote(failure, tag=tag, timeout=timeout)
         staged.apply(path)
     finally:
+        staged.close()
         if reader is not None:
             reader.close()
     return meta
