@@ -161,8 +161,10 @@ def test_three_processes_share_a_local_tier_and_rank_0_persists(tmp_path: Path) 
         assert r["persistent"] == ["ckpt-2.h5", "ckpt-4.h5"], r
         assert r["listed"] == ["persistent/ckpt-2.h5", "persistent/ckpt-4.h5",
                                "local/ckpt-5.h5"], r
-    for r in saved["per-rank"].values():  # a per-node local directory: refused
-        assert r["error"] == "CkptError" and "not the same directory" in r["message"], r
+    for rank, r in saved["per-rank"].items():  # one local directory per rank: each its part
+        assert r["local"] == ["ckpt-2.h5"] and r["persistent"] == ["ckpt-2.h5"], r
+        assert f"rank-{rank:05d}.h5" in r["parts"], r
+        assert not any(f"rank-{q:05d}" in p for p in r["parts"] for q in range(3) if q != rank)
     for r in saved["fail"].values():  # rank 0's copy failed: said on every process
         assert r["error"] == "CkptError" and "ckpt-2.h5' exists already" in r["message"], r
     assert (tmp_path / "fail" / "persistent" / "ckpt-2.h5" / "mine").read_text() == "mine"

@@ -310,3 +310,22 @@ def test_three_processes_with_a_shared_local_tier_persist_to_s3(
     for r in case("restore").values():
         assert r["restored"] == f"{run}/ckpt-4.{fmt}", r
         assert r["values"] == [4.0], r
+
+
+@pytest.mark.skipif(_mpi_skip_reason() is not None, reason=_mpi_skip_reason() or "")
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_per_node_local_tiers_persist_to_s3_and_restore_after_losing_a_node(
+    s3: S3Bucket, tmp_path: Path, fmt: str
+) -> None:
+    """4 processes as 2 nodes (``mpiexec -n 4``), each node its own local directory: every
+    process uploads its own part, rank 0 commits the step's marker after all uploads; a
+    node's lost directory makes every process restore the newest step from S3."""
+    from test_node_tiers import check_save_lose_restore
+
+    run = f"{s3.url}/nodes"
+    env = {"PERSISTENT": run, "S3_OPTIONS": json.dumps(s3.storage_options), "FORMAT": fmt}
+    check_save_lose_restore(tmp_path, run, fmt, env)
+    assert list_committed_steps(s3.location("nodes")) == [
+        f"ckpt-{n}.{fmt}" for n in (2, 4, 6)]
+    loaded = cv.load(f"{run}/ckpt-6.{fmt}", storage_options=s3.storage_options)
+    assert np.array_equal(loaded["b"], np.full(7, 60.0))

@@ -7,7 +7,8 @@ appends one JSON line to ``$RESULT_DIR/rank<r>.jsonl``. Every rank holds its row
 - ``save``: steps 1-5 (``w`` = the step), ``persistent_every=2``, ``max_to_keep=3``,
   ``local_max_to_keep=1``, then ``wait_until_finished()``; reports what each tier holds;
 - ``restore``: a fresh job restores (reports the path and its rows' values);
-- ``per-rank``: each rank names its own local directory (refused, said on every rank);
+- ``per-rank``: each rank names its own local directory (one "node" each): steps 1-2,
+  step 2 persisted; reports what its own directory holds;
 - ``fail``: in ``DIR/fail``, a foreign ``ckpt-2.h5`` in the persistent directory makes
   rank 0's copy of step 2 fail: ``wait_until_finished()`` raises on every rank.
 
@@ -61,10 +62,14 @@ def steps(d: Path) -> list[str]:
 def main(d: Path, case: str) -> None:
     ckpt, w = model(-1.0)
     if case == "per-rank":
-        try:
-            manager(ckpt, d, d / f"local-rank{RANK}")
-        except cv.CkptError as exc:
-            report(case, error=type(exc).__name__, message=str(exc))
+        mgr = manager(ckpt, d / "per-rank", d / "per-rank" / f"local-rank{RANK}")
+        for step in (1, 2):
+            w.assign(np.full(w.shape, float(step)))
+            mgr.save()
+        mgr.wait_until_finished()
+        here = d / "per-rank" / f"local-rank{RANK}"
+        report(case, local=steps(here), persistent=steps(d / "per-rank" / "persistent"),
+               parts=sorted(p.name for p in (here / "ckpt-2.h5").iterdir()))
         return
     if case == "fail":
         mgr = manager(ckpt, d / "fail", d / "fail" / "local")
