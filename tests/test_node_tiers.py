@@ -3,7 +3,10 @@ simulated nodes, each node's local directory seen only by its own 2 processes.""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,8 +35,10 @@ def node_case(tmp: Path, name: str, env: dict[str, str] | None = None,
 
 def check_save_lose_restore(tmp: Path, persistent: str, fmt: str,
                             env: dict[str, str] | None = None) -> None:
-    """Save 5 steps (every 2nd persisted), restore the local step 5, lose node 1's
-    directory, restore the persistent step 6 bit-exact on every process."""
+    """Save 5 steps (every 2nd persisted); restore the local step 5; with node 1's step 5
+    gone, the newest step complete on every node (local 4); save step 14; with node 1's
+    whole directory gone (a new machine), every process restores step 14 from the
+    persistent tier. Every restore bit-exact, the same step on every process."""
     for rank, r in node_case(tmp, "save", env).items():
         assert r["local"] == [f"ckpt-4.{fmt}", f"ckpt-5.{fmt}"], r
         node = rank // 2  # a node holds its processes' files and its own index only
@@ -42,23 +47,36 @@ def check_save_lose_restore(tmp: Path, persistent: str, fmt: str,
         assert not any(f"rank-{q:05d}" in p for p in r["parts"]
                        for q in range(4) if q // 2 != node), r
         assert r["listed"][-2:] == [f"node{node}/ckpt-4.{fmt}", f"node{node}/ckpt-5.{fmt}"], r
-    restored = node_case(tmp, "restore", env)
-    for rank, r in restored.items():  # the same machines: the newest local step
-        assert r["restored"] == str(tmp / "nodes" / f"node{rank // 2}" / f"ckpt-5.{fmt}"), r
-        assert r["exact"] and r["counter"] == 5, r
+
+    def local(rank: int, step: int) -> str:
+        return str(tmp / "nodes" / f"node{rank // 2}" / f"ckpt-{step}.{fmt}")
+
+    for rank, r in node_case(tmp, "restore", env).items():  # the same machines: step 5
+        assert r["restored"] == local(rank, 5) and r["exact"] and r["counter"] == 5, r
+    shutil.rmtree(tmp / "nodes" / "node1" / f"ckpt-5.{fmt}")  # step 5: on node 0 only
+    for rank, r in node_case(tmp, "next", env).items():
+        assert r["saved"] == local(rank, 14), r
     shutil.rmtree(tmp / "nodes" / "node1")  # a new machine for node 1
-    for r in node_case(tmp, "restore", env).values():  # everyone: the persistent step 6
-        assert r["restored"] == f"{persistent}/ckpt-6.{fmt}", r
-        assert r["exact"] and r["counter"] == 6, r
+    for r in node_case(tmp, "restore", env).values():  # everyone: the persistent step 14
+        assert r["restored"] == f"{persistent}/ckpt-14.{fmt}", r
+        assert r["exact"] and r["counter"] == 5, r  # step 14 was the 5th save
 
 
-@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_restore_takes_the_newest_step_complete_on_every_node(tmp_path: Path) -> None:
+    node_case(tmp_path, "save")
+    shutil.rmtree(tmp_path / "nodes" / "node1" / "ckpt-5.h5")  # node 1 lost step 5 only
+    for rank, r in node_case(tmp_path, "restore").items():
+        assert r["restored"] == str(tmp_path / "nodes" / f"node{rank // 2}" / "ckpt-4.h5"), r
+        assert r["exact"] and r["counter"] == 4, r
+
+
+@pytest.mark.parametrize("fmt", ["h5", pytest.param("zarr", marks=pytest.mark.slow)])
 def test_per_node_local_tiers_save_persist_and_restore_after_losing_a_node(
     tmp_path: Path, fmt: str
 ) -> None:
     check_save_lose_restore(tmp_path, str(tmp_path / "persistent"), fmt, {"FORMAT": fmt})
     steps = sorted(p.name for p in (tmp_path / "persistent").glob("ckpt-*"))
-    assert steps == [f"ckpt-{n}.{fmt}" for n in (2, 4, 6)]
+    assert steps == [f"ckpt-{n}.{fmt}" for n in (14, 2, 4)]
     for name in steps:  # each persistent copy is one whole step, every process's file
         step = int(name.split("-")[1].split(".")[0])
         loaded = cv.load(tmp_path / "persistent" / name)
@@ -80,7 +98,41 @@ def test_a_process_killed_mid_persist_commits_nothing_and_keeps_the_local_steps(
     for rank, r in node_case(kill, "restore").items():  # the local step 2, bit-exact
         assert r["restored"] == str(kill / "nodes" / f"node{rank // 2}" / "ckpt-2.h5"), r
         assert r["exact"], r
+    node_case(kill, "next")  # the restarted job goes on: step 12, persisted
     assert not list((kill / "persistent").glob(".ckpt-*")), "the dead copy is reclaimed"
+    assert sorted(p.name for p in (kill / "persistent").glob("ckpt-*")) == ["ckpt-12.h5"]
+
+
+def test_a_local_step_stays_on_every_node_until_its_persistent_copy_is_committed(
+    tmp_path: Path,
+) -> None:
+    hold = tmp_path / "hold"
+    (hold / "persistent").mkdir(parents=True)
+    got: dict[str, Any] = {}
+    job = threading.Thread(target=lambda: got.update(
+        run=run_mpi(4, str(CASES), str(tmp_path), "hold", timeout=120)))
+    job.start()
+
+    def wait_for(pattern: str) -> None:
+        deadline = time.monotonic() + 60
+        while len(list(hold.glob(pattern))) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    wait_for("ready-*")  # the managers are made (they read the persistent state)
+    fd = os.open(hold / "persistent" / ".checkpoint_state.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # rank 0 cannot record a copy: none is committed
+        (hold / "locked").touch()
+        wait_for("saved-*")
+    finally:
+        os.close(fd)
+    job.join(timeout=120)
+    proc, results, _ = got["run"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in results["held"].values():  # step 2 is due a copy: it and the newer ones stay
+        assert r["local"] == ["ckpt-2.h5", "ckpt-3.h5", "ckpt-4.h5", "ckpt-5.h5"], r
+    for r in results["hold"].values():  # copies committed: local_max_to_keep=1
+        assert r["local"] == ["ckpt-5.h5"] and r["persistent"] == ["ckpt-2.h5", "ckpt-4.h5"], r
 
 
 def test_per_node_local_tiers_with_background_saves(tmp_path: Path) -> None:

@@ -846,16 +846,18 @@ class CheckpointManager:
                      timeout: float | None, *, persist: bool = False) -> str | None:
         assert self._local_tier is not None and self._pool is not None
         if self._nodes is not None:  # every process's copy ended the same (a collective)
-            self._raise_persist_error()
+            self._agree_node_persists(timeout)
         elif self._many():  # rank 0 copies: every process learns of a failed copy
             self._agree_persisted(timeout)
         else:
             self._raise_persist_error()
         self._checkpoint.wait()  # the persistent tier's list is kept by its copies
-        self._agree_number(checkpoint_number, timeout)
+        if not self._agree_number(checkpoint_number, check_interval, timeout):
+            return None  # per-node tiers: the interval, decided the same everywhere
         if self.async_save:  # the last save is done (waited above): prune before the next
             self._prune_local()
-        path = self._local_tier.save(checkpoint_number, check_interval, timeout=timeout)
+        path = self._local_tier.save(checkpoint_number, check_interval and self._nodes is None,
+                                     timeout=timeout)
         if path is None:
             return None
         number = self._number(Path(path).name)
@@ -871,15 +873,28 @@ class CheckpointManager:
             self._prune_local()
         return path
 
-    def _agree_number(self, checkpoint_number: int | None, timeout: float | None) -> None:
+    def _agree_number(self, checkpoint_number: int | None, check_interval: bool,
+                      timeout: float | None) -> bool:
         """Move the save counter past every step committed in either tier (on any node),
-        the same on every process; refuse an explicit number committed on some node."""
-        assert self._local_tier is not None
-        committed = self._committed_numbers() | self._local_tier._committed_numbers()
+        the same on every process; refuse an explicit number committed on some node.
+
+        Per-node tiers: returns ``False`` (on every process) when ``checkpoint_interval``
+        says skip, judged from the newest step any node or the persistent tier holds."""
+        local = self._local_tier
+        assert local is not None
+        committed = self._committed_numbers() | local._committed_numbers()
         if self._nodes is not None:  # a step committed on any node is never reused
-            gathered = self.coordinator.allgather(committed, tag="tiers-committed",
+            entries = local._section["checkpoints"] + self._section["checkpoints"]
+            last = max((int(e["step"]) for e in entries if e.get("step") is not None),
+                       default=None)
+            gathered = self.coordinator.allgather((committed, last), tag="tiers-committed",
                                                   timeout=timeout)
-            committed = set().union(*gathered)
+            committed = set().union(*(c for c, _ in gathered))
+            lasts = [n for _, n in gathered if n is not None]
+            if self.checkpoint_interval is not None and check_interval and lasts and (
+                    local._current_step(checkpoint_number)
+                    < max(lasts) + self.checkpoint_interval):
+                return False
         elif self._many():
             committed = self.coordinator.broadcast(committed, tag="tiers-committed",
                                                    timeout=timeout)
@@ -889,6 +904,19 @@ class CheckpointManager:
             raise CheckpointExistsError(  # on every process: no node writes it again
                 f"Cannot save step {checkpoint_number}: it is committed already (in the "
                 "persistent tier or on some node's local tier), and a step is written once.")
+        return True
+
+    def _agree_node_persists(self, timeout: float | None) -> None:
+        """Per-node tiers, before a save: a persistent copy that failed on any process
+        (they end alike, within moments of each other) is raised on every process."""
+        failed = sorted(n for n, f in self._persisting.items()
+                        if f.done() and f.exception() is not None)
+        everyone = self.coordinator.allgather(failed, tag="tiers-copies", timeout=timeout)
+        for number in sorted(set().union(*everyone)):
+            future = self._persisting.get(number)
+            if future is not None:
+                futures_wait([future], timeout=timeout)
+        self._raise_persist_error()
 
     def _persist(self, number: int, local: str, pending: Any = None) -> None:
         """Copy the local tier's committed step ``number`` to this directory as step

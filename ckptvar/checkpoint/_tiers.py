@@ -15,7 +15,9 @@ only where every node committed it (:func:`restore_order`).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -52,6 +54,7 @@ def discover_nodes(coord: Any, local: Path, timeout: float | None = None) -> Nod
         coord.barrier(tag="tiers-probe-read", timeout=timeout)
     finally:
         probe.unlink(missing_ok=True)
+    _reclaim_probes(local)
     groups = sorted({tuple(v) for v in views})
     if any(rank not in view or tuple(views[other]) != tuple(view)
            for rank, view in enumerate(views) for other in view):
@@ -62,6 +65,20 @@ def discover_nodes(coord: Any, local: Path, timeout: float | None = None) -> Nod
             "same directory, and no other node's."
         )
     return Nodes(tuple(groups))
+
+
+#: a probe older than this was left by a process that died while it looked
+_PROBE_STALE_S = 3600.0
+
+
+def _reclaim_probes(local: Path) -> None:
+    """Remove the probes dead processes left in ``local``."""
+    now = time.time()
+    for entry in os.scandir(local):
+        if entry.name.startswith(_PROBE):
+            with contextlib.suppress(FileNotFoundError):
+                if now - entry.stat().st_mtime > _PROBE_STALE_S:
+                    os.unlink(entry.path)
 
 
 def _writers(index: bytes) -> set[int]:

@@ -9,7 +9,13 @@ same ``b`` (replicated); each value is a function of the step.
 - ``save``: steps 1-5, ``persistent_every=2``, ``max_to_keep=3``, ``local_max_to_keep=2``,
   then ``wait_until_finished()``; reports what this node's tier and the persistent one hold;
 - ``restore``: a fresh job restores (the path, whether its values are the step's bit for
-  bit), then saves the next step (``next``);
+  bit, the save counter);
+- ``next``: a fresh job restores, then saves step ``restored + 10`` (persisted: even);
+- ``hold``: in ``DIR/hold`` (``local_max_to_keep=1``): writes ``DIR/hold/ready-<rank>``,
+  waits for ``DIR/hold/locked``, then steps 1-5 while the test holds the persistent
+  tier's state lock (no copy can be recorded); reports this node's steps and
+  writes ``DIR/hold/saved-<rank>``; then ``wait_until_finished()`` (the test lets go)
+  and reports them again;
 - ``kill``: in ``DIR/kill``: saves step 1 (local only) and step 2, whose persistent copy
   rank 2 does not survive: it SIGKILLs itself once the copy's temporary appears.
 
@@ -73,12 +79,15 @@ def node_dir(d: Path) -> Path:
     return d / "nodes" / f"node{RANK // 2}"
 
 
-def manager(ckpt: cv.Checkpoint, d: Path, **kw: object) -> cv.CheckpointManager:
+def manager(ckpt: cv.Checkpoint, d: Path, keep: int = 2) -> cv.CheckpointManager:
     return cv.CheckpointManager(ckpt, PERSISTENT or d / "persistent", max_to_keep=3,
                                 coordinator=coord, storage_options=OPTS,
-                                local_directory=node_dir(d), local_max_to_keep=2,
-                                persistent_every=2, format=FORMAT, async_save=ASYNC,
-                                **kw)  # type: ignore[arg-type]
+                                local_directory=node_dir(d), local_max_to_keep=keep,
+                                persistent_every=2, format=FORMAT, async_save=ASYNC)
+
+
+def number(path: str | None) -> int:
+    return int(Path(path).name.split("-")[1].split(".")[0]) if path else -1
 
 
 def steps(d: Path) -> list[str]:
@@ -109,6 +118,21 @@ def main(d: Path, case: str) -> None:
         mgr.wait_until_finished()
         report(case, survived=True)
         return
+    if case == "hold":
+        hold = d / "hold"
+        mgr = manager(ckpt, hold, keep=1)
+        (hold / f"ready-{RANK}").touch()
+        deadline = time.monotonic() + 60
+        while not (hold / "locked").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for step in range(1, 6):
+            set_step(w, b, step)
+            mgr.save()
+        report("held", local=steps(node_dir(hold)))
+        (hold / f"saved-{RANK}").touch()
+        mgr.wait_until_finished()
+        report(case, local=steps(node_dir(hold)), persistent=steps(hold / "persistent"))
+        return
     mgr = manager(ckpt, d)
     if case == "save":
         took = []
@@ -123,14 +147,15 @@ def main(d: Path, case: str) -> None:
                parts=sorted(os.listdir(here / f"ckpt-5.{FORMAT}")),
                listed=[f"{Path(p).parent.name}/{Path(p).name}" for p in mgr.checkpoints],
                took=took)
-    elif case == "restore":
+    elif case in ("restore", "next"):
         path = mgr.restore_or_initialize()
-        step = int(Path(path).name.split("-")[1].split(".")[0]) if path else -1
-        report(case, restored=path, exact=exact(w, b, step),
+        step = number(path)
+        report("restore", restored=path, exact=exact(w, b, step),
                counter=int(ckpt.save_counter.numpy()))
-        set_step(w, b, step + 1)
-        report("next", saved=mgr.save())
-        mgr.wait_until_finished()
+        if case == "next":
+            set_step(w, b, step + 10)
+            report(case, saved=mgr.save(step + 10))
+            mgr.wait_until_finished()
 
 
 if __name__ == "__main__":
