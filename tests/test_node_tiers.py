@@ -150,15 +150,10 @@ def test_a_background_save_into_a_local_tier_returns_before_the_step_is_written(
     mgr = cv.CheckpointManager(ckpt, tmp_path / "persistent", local_directory=tmp_path / "l",
                                persistent_every=1, async_save=True)
     v.assign(np.full(v.shape, 1.0))
-    t0 = time.perf_counter()
     path = mgr.save()
-    returned = time.perf_counter() - t0
     assert path == str(tmp_path / "l" / "ckpt-1.h5")
     assert not (tmp_path / "l" / "ckpt-1.h5").exists(), "written in the background"
     v.assign(np.full(v.shape, 2.0))  # after the snapshot: not in step 1
-    t1 = time.perf_counter()
     mgr.wait_until_finished()
-    waited = time.perf_counter() - t1
     for tier in ("l", "persistent"):
         assert cv.load(tmp_path / tier / "ckpt-1.h5")["v"].max() == 1.0
-    assert returned < 10 and waited > 0, (returned, waited)

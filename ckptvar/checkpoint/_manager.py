@@ -174,9 +174,13 @@ class CheckpointManager:
     newest step committed in either tier (the local copy first); a process that lost
     its local tier restores from the persistent one. :meth:`wait_until_finished`
     waits for the background copies. A preemption save (``save_on_signal``) is
-    persisted too, before the signal is re-delivered. With a coordinator of several
-    processes the local tier is one directory they share (a per-node one is refused):
-    rank 0 persists, and :meth:`wait_until_finished` is a collective.
+    persisted too, before the signal is re-delivered. With ``async_save`` the local
+    save runs in the background as well. With a coordinator of several processes the
+    local tier is one directory they share (rank 0 persists) or one per node (found by
+    looking: each node holds its processes' part of a step, every process copies its
+    own part, rank 0 commits the copy; restore takes the newest step complete on every
+    node or persisted); :meth:`wait_until_finished` is then a collective
+    (docs/checkpoints.md, "Tiers").
 
     A read-only directory can be opened (``read_only`` is then True):
     :attr:`checkpoints`, :attr:`latest_checkpoint` and :meth:`restore_or_initialize`

@@ -1,5 +1,7 @@
-"""Tiers on per-node local disks: which processes share a node's directory, the
-persistent copy of a step whose parts lie on several nodes, and the restore order.
+"""Tiers on per-node local disks: the nodes, a spread step's persistent copy, restore order.
+
+Which processes share a node's directory, the persistent copy of a step whose parts
+lie on several nodes, and the order a restore tries the steps in.
 
 A tiered manager's local tier (``local_directory=``) may be one directory every
 process sees, or one per node that only that node's processes see. Which it is, is
