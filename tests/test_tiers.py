@@ -143,11 +143,12 @@ def test_a_preemption_save_is_persisted_before_the_signal_comes_back(
 TIERS_CASES = Path(__file__).parent / "mpi" / "tiers_cases.py"
 
 
-def _mpi(tmp: Path, *cases: str) -> dict[str, dict[int, dict[str, object]]]:
+def _mpi(tmp: Path, *cases: str, env: dict[str, str] | None = None
+         ) -> dict[str, dict[int, dict[str, object]]]:
     reason = _mpi_skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    proc, got, _ = run_mpi(3, str(TIERS_CASES), str(tmp), *cases, timeout=120)
+    proc, got, _ = run_mpi(3, str(TIERS_CASES), str(tmp), *cases, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for case in cases:
         assert sorted(got.get(case, {})) == [0, 1, 2], got
@@ -175,6 +176,15 @@ def test_three_processes_share_a_local_tier_and_rank_0_persists(tmp_path: Path) 
     for r in _mpi(tmp_path, "restore")["restore"].values():
         assert r["restored"] == str(tmp_path / "persistent" / "ckpt-4.h5"), r
         assert r["values"] == [4.0], r
+
+
+def test_three_processes_with_background_saves_into_a_shared_local_tier(tmp_path: Path) -> None:
+    """``async_save=True``: the collective local saves run in the background; rank 0's
+    copy of a step starts once that step is committed; the same steps as blocking."""
+    for r in _mpi(tmp_path, "save", env={"ASYNC": "1"})["save"].values():
+        assert r["local"] == ["ckpt-5.h5"] and r["persistent"] == ["ckpt-2.h5", "ckpt-4.h5"], r
+    for r in _mpi(tmp_path, "restore", env={"ASYNC": "1"})["restore"].values():
+        assert r["restored"] == str(tmp_path / "local" / "ckpt-5.h5") and r["values"] == [5.0], r
 
 
 def test_incremental_with_a_local_tier_is_refused_not_ignored(tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ appends one JSON line to ``$RESULT_DIR/rank<r>.jsonl``. Every rank holds its row
   rank 0's copy of step 2 fail: ``wait_until_finished()`` raises on every rank.
 
 With ``$PERSISTENT`` (a URL; ``$S3_OPTIONS`` its storage options, JSON) the persistent
-tier is there instead of ``DIR/persistent``; ``$FORMAT``: ``h5`` (default) or ``zarr``.
+tier is there instead of ``DIR/persistent``; ``$FORMAT``: ``h5`` (default) or ``zarr``;
+``$ASYNC=1``: ``async_save=True`` (the local saves run in the background too).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ ROWS = 12
 PERSISTENT = os.environ.get("PERSISTENT")
 OPTS = json.loads(os.environ.get("S3_OPTIONS", "null"))
 FORMAT = os.environ.get("FORMAT", "h5")
+ASYNC = os.environ.get("ASYNC") == "1"
 
 
 def report(case: str, **fields: object) -> None:
@@ -52,7 +54,7 @@ def manager(ckpt: cv.Checkpoint, d: Path, local: Path) -> cv.CheckpointManager:
     return cv.CheckpointManager(ckpt, PERSISTENT or d / "persistent", max_to_keep=3,
                                 coordinator=coord, storage_options=OPTS,
                                 local_directory=local, local_max_to_keep=1,
-                                persistent_every=2, format=FORMAT)
+                                persistent_every=2, format=FORMAT, async_save=ASYNC)
 
 
 def steps(d: Path) -> list[str]:
