@@ -212,6 +212,17 @@ def _committed(where: str, fmt: str, opts: dict[str, object] | None) -> dict[int
     return {int(m.group(1)): os.path.join(where, m.group()) for m in found if m}
 
 
+def _local_steps(tier: str | None, fmt: str, processes: int) -> dict[int, str]:
+    """The local tier's committed steps; on per-node disks (``{node}`` in ``tier``, 2
+    processes a node) those committed on every node (number -> node 0's path)."""
+    if tier is None:
+        return {}
+    if "{node}" not in tier:
+        return _committed(tier, fmt, None)
+    nodes = [_committed(tier.format(node=k), fmt, None) for k in range(processes // 2)]
+    return {n: p for n, p in nodes[0].items() if all(n in other for other in nodes[1:])}
+
+
 def _events(results: Path, job: int) -> dict[int, list[dict[str, object]]]:
     out: dict[int, list[dict[str, object]]] = {}
     for path in results.glob(f"job{job}-rank*.jsonl"):
@@ -266,8 +277,10 @@ def restart_harness(  # noqa: C901, PLR0912, PLR0915 - the harness, step by step
     problems: list[str] = []
     last_saved = 0
     for job in range(kills + 1):
-        tiers = [_committed(where, fmt, opts), _committed(tier, fmt, None) if tier else {}]
+        tiers = [_committed(where, fmt, opts), _local_steps(tier, fmt, processes)]
         committed = sorted(set(tiers[0]) | set(tiers[1])) if job else []
+        if tier is not None and "{node}" in tier:
+            tiers = tiers[:1]  # a node's part of a step is not a whole checkpoint
         if committed and committed[-1] < last_saved:
             counts["lost"] += 1
             problems.append(f"job {job}: step {last_saved} was saved, newest committed is "
@@ -357,6 +370,27 @@ def test_restart_after_100_kills_of_one_process(tmp_path: Path, fmt: str) -> Non
     where = str(tmp_path / "run")
     _check(restart_harness(where, fmt, processes=1, kills=100, seed=101, work=tmp_path,
                            window=0.5), 100)
+
+
+def test_restart_after_kills_of_four_processes_with_per_node_tiers(tmp_path: Path) -> None:
+    """4 processes as 2 nodes, each its own local directory, every step persisted: kills
+    land in the local saves and in the persistent copies."""
+    from test_distributed_mpi import _mpi_skip_reason
+
+    if _mpi_skip_reason():
+        pytest.skip(_mpi_skip_reason() or "")
+    _check(restart_harness(str(tmp_path / "run"), "h5", processes=4, kills=2, seed=13,
+                           work=tmp_path, tier=str(tmp_path / "node{node}")), 2)
+
+
+@pytest.mark.slow
+def test_restart_after_100_kills_of_four_processes_with_per_node_tiers(tmp_path: Path) -> None:
+    from test_distributed_mpi import _mpi_skip_reason
+
+    if _mpi_skip_reason():
+        pytest.skip(_mpi_skip_reason() or "")
+    _check(restart_harness(str(tmp_path / "run"), "h5", processes=4, kills=100, seed=107,
+                           work=tmp_path, tier=str(tmp_path / "node{node}")), 100)
 
 
 @pytest.mark.slow
