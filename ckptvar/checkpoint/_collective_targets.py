@@ -70,9 +70,13 @@ class Nodes:
 _NODE_DIRECTORIES: dict[str, Nodes] = {}
 
 
-def register_nodes(directory: str | os.PathLike[str], nodes: Nodes) -> None:
-    """Saves into ``directory`` (a local tier on per-node disks) are written per node."""
-    _NODE_DIRECTORIES[os.path.realpath(directory)] = nodes
+def register_nodes(directory: str | os.PathLike[str], nodes: Nodes | None) -> None:
+    """Saves into ``directory`` (a local tier on per-node disks) are written per node
+    (``None``: it is one shared directory again)."""
+    if nodes is None or len(nodes.groups) < 2:
+        _NODE_DIRECTORIES.pop(os.path.realpath(directory), None)
+    else:
+        _NODE_DIRECTORIES[os.path.realpath(directory)] = nodes
 
 
 def nodes_of(directory: str | os.PathLike[str]) -> Nodes | None:
@@ -288,7 +292,7 @@ def target_for(path: str, fmt: str, storage_options: Mapping[str, Any] | None,
     if remote:
         return RemoteTarget(path, fmt, storage_options)
     nodes = nodes_of(Path(path).parent)
-    if nodes is not None and len(nodes.groups) > 1:
+    if nodes is not None:
         return NodeLocalTarget(path, fmt, nodes)
     return LocalTarget(path, fmt)
 

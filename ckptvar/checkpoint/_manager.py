@@ -794,9 +794,9 @@ class CheckpointManager:
         tier: type[CheckpointManager] = CheckpointManager
         if self._many():  # one shared directory, or one per node: found by looking
             nodes = discover_nodes(self.coordinator, Path(local_directory))
+            register_nodes(local_directory, nodes)
             if len(nodes.groups) > 1:
                 self._nodes = nodes
-                register_nodes(local_directory, nodes)
                 if nodes.leads(self.coordinator.rank):
                     tier = _NodeLocalTier
         # the local tier prunes only through this manager (never a step still to persist)

@@ -62,8 +62,9 @@ def values(step: int) -> dict[str, np.ndarray]:
             "step": np.array(step, np.int64)}
 
 
-def leftovers() -> list[str]:  # noqa: C901 - each place a save leaves things
-    """What is at WHERE (and in TMPDIR) that no committed step owns (rank 0)."""
+def leftovers() -> list[str]:  # noqa: C901, PLR0912 - each place a save leaves things
+    """What is at WHERE (and in TMPDIR) that no committed step owns (rank 0; a node's
+    first rank: its local tier)."""
     found = []
     for entry in os.scandir(tempfile.gettempdir()):
         if entry.name.startswith(STAGING_PREFIX):

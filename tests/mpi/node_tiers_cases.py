@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 import ckptvar as cv
+from ckptvar.locations import open_location
 
 coord = cv.distributed.from_env(timeout=60)
 RANK, SIZE = coord.rank, coord.size
@@ -95,10 +96,19 @@ def steps(d: Path) -> list[str]:
 
 
 def kill_when_copying(persistent: Path) -> None:
-    """Rank 2: SIGKILL this process once the persistent copy of step 2 has begun."""
+    """Rank 2: SIGKILL this process once the persistent copy of step 2 has begun (its
+    temporary directory, or on an object store its claim, is there): before its own
+    part is copied, so rank 0 can never commit it."""
+    loc = open_location(PERSISTENT, storage_options=OPTS) if PERSISTENT else None
+
+    def begun() -> bool:
+        if loc is not None:
+            return any(o.key.startswith("ckpt-2.") for o in loc.list())
+        return any(persistent.glob(".ckpt-2.*"))
+
     def watch() -> None:
         while True:
-            if any(persistent.glob(".ckpt-2.*")):
+            if begun():
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(0.0002)
 
@@ -150,11 +160,11 @@ def main(d: Path, case: str) -> None:
     elif case in ("restore", "next"):
         path = mgr.restore_or_initialize()
         step = number(path)
-        report("restore", restored=path, exact=exact(w, b, step),
-               counter=int(ckpt.save_counter.numpy()))
+        was = exact(w, b, step)
+        report("restore", restored=path, exact=was, counter=int(ckpt.save_counter.numpy()))
         if case == "next":
             set_step(w, b, step + 10)
-            report(case, saved=mgr.save(step + 10))
+            report(case, restored=path, exact=was, saved=mgr.save(step + 10))
             mgr.wait_until_finished()
 
 
