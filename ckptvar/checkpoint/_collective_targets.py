@@ -185,7 +185,10 @@ class LocalTarget(Target):
         if src.is_dir():
             shutil.copytree(src, dst)
             for sub in sorted(dst.rglob("*")):
-                fsync_path(sub) if sub.is_file() else fsync_dir(sub)
+                if sub.is_file():
+                    fsync_path(sub)
+                else:
+                    fsync_dir(sub)
             fsync_dir(dst)
         else:
             shutil.copyfile(src, dst)
@@ -265,8 +268,6 @@ class NodeLocalTarget(LocalTarget):
             )
         make_parents(self.final)
         self.where.mkdir(exist_ok=True)
-        if self.fmt == "zarr" and not (self.where / "zarr.json").exists():
-            (self.where / "zarr.json").write_bytes(ZARR_ROOT)
 
     def leads(self, rank: int) -> bool:
         return self.nodes.leads(rank)
@@ -274,6 +275,8 @@ class NodeLocalTarget(LocalTarget):
     def commit(self, index: bytes) -> str:
         """This node's: the whole step's index beside the node's own, then the rename."""
         assert self.persistent_index is not None, "persistent_index first"
+        if self.fmt == "zarr":  # rank 0's node has it from prepare(): the same bytes
+            (self.where / "zarr.json").write_bytes(ZARR_ROOT)
         with open(self.where / PERSISTENT_INDEX, "wb") as f:
             f.write(self.persistent_index)
             f.flush()
