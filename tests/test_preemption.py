@@ -167,6 +167,37 @@ def test_sigterm_to_one_rank_of_a_tiered_job_persists_the_collective_save(
     assert restored["step"] == step
 
 
+def test_sigterm_to_one_rank_of_a_job_with_per_node_tiers_persists_the_save(
+    tmp_path: Path,
+) -> None:
+    """4 processes as 2 nodes, each its own local directory: SIGTERM to rank 2; every
+    process copies its part of the preemption save before the signal comes back."""
+    mpiexec = find_mpiexec()
+    assert mpiexec is not None
+    proc = subprocess.Popen([mpiexec, "-n", "4", sys.executable, str(JOB), str(tmp_path),
+                             "tiered-nodes"], env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    _wait_for_steps(tmp_path, 4, 10, proc)
+    seen = max(_read_step(tmp_path / f"step{r}") for r in range(4))
+    os.kill(int((tmp_path / "pid2").read_text()), signal.SIGTERM)
+    try:
+        output, _ = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the job did not end after SIGTERM")
+    assert proc.returncode != 0, output
+    step = max(_read_step(tmp_path / f"step{r}") for r in range(4)) + 1
+    persistent = sorted(p.name for p in (tmp_path / "run").iterdir()
+                        if not p.name.startswith("."))
+    assert persistent == ["checkpoint_state.json", f"ckpt-{step}.h5"], output
+    for node in ("node0", "node1"):  # each node holds its own part of the step
+        assert (tmp_path / "local" / node / f"ckpt-{step}.h5").is_dir()
+    shutil.rmtree(tmp_path / "local")  # the preempted machines' disks are gone
+    restored = _restart(tmp_path, "tiered-report")
+    _assert_restored_current_state(tmp_path, restored, seen)
+    assert restored["step"] == step
+
+
 def test_a_python_handler_runs_after_the_save(tmp_path: Path) -> None:
     calls: list[tuple[int, list[str]]] = []
     w = cv.Variable(np.zeros(3), name="w")

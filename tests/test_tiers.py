@@ -143,11 +143,12 @@ def test_a_preemption_save_is_persisted_before_the_signal_comes_back(
 TIERS_CASES = Path(__file__).parent / "mpi" / "tiers_cases.py"
 
 
-def _mpi(tmp: Path, *cases: str) -> dict[str, dict[int, dict[str, object]]]:
+def _mpi(tmp: Path, *cases: str, env: dict[str, str] | None = None
+         ) -> dict[str, dict[int, dict[str, object]]]:
     reason = _mpi_skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    proc, got, _ = run_mpi(3, str(TIERS_CASES), str(tmp), *cases, timeout=120)
+    proc, got, _ = run_mpi(3, str(TIERS_CASES), str(tmp), *cases, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for case in cases:
         assert sorted(got.get(case, {})) == [0, 1, 2], got
@@ -161,8 +162,10 @@ def test_three_processes_share_a_local_tier_and_rank_0_persists(tmp_path: Path) 
         assert r["persistent"] == ["ckpt-2.h5", "ckpt-4.h5"], r
         assert r["listed"] == ["persistent/ckpt-2.h5", "persistent/ckpt-4.h5",
                                "local/ckpt-5.h5"], r
-    for r in saved["per-rank"].values():  # a per-node local directory: refused
-        assert r["error"] == "CkptError" and "not the same directory" in r["message"], r
+    for rank, r in saved["per-rank"].items():  # one local directory per rank: each its part
+        assert r["local"] == ["ckpt-2.h5"] and r["persistent"] == ["ckpt-2.h5"], r
+        assert f"rank-{rank:05d}.h5" in r["parts"], r
+        assert not any(f"rank-{q:05d}" in p for p in r["parts"] for q in range(3) if q != rank)
     for r in saved["fail"].values():  # rank 0's copy failed: said on every process
         assert r["error"] == "CkptError" and "ckpt-2.h5' exists already" in r["message"], r
     assert (tmp_path / "fail" / "persistent" / "ckpt-2.h5" / "mine").read_text() == "mine"
@@ -173,6 +176,15 @@ def test_three_processes_share_a_local_tier_and_rank_0_persists(tmp_path: Path) 
     for r in _mpi(tmp_path, "restore")["restore"].values():
         assert r["restored"] == str(tmp_path / "persistent" / "ckpt-4.h5"), r
         assert r["values"] == [4.0], r
+
+
+def test_three_processes_with_background_saves_into_a_shared_local_tier(tmp_path: Path) -> None:
+    """``async_save=True``: the collective local saves run in the background; rank 0's
+    copy of a step starts once that step is committed; the same steps as blocking."""
+    for r in _mpi(tmp_path, "save", env={"ASYNC": "1"})["save"].values():
+        assert r["local"] == ["ckpt-5.h5"] and r["persistent"] == ["ckpt-2.h5", "ckpt-4.h5"], r
+    for r in _mpi(tmp_path, "restore", env={"ASYNC": "1"})["restore"].values():
+        assert r["restored"] == str(tmp_path / "local" / "ckpt-5.h5") and r["values"] == [5.0], r
 
 
 def test_incremental_with_a_local_tier_is_refused_not_ignored(tmp_path: Path) -> None:

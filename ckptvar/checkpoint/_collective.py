@@ -15,12 +15,19 @@ The save protocol (every step bounded by the coordinator's timeout):
 5. commit: rank 0 writes the global index, fsyncs, renames the directory into place
    and records it; a last vote tells every rank the outcome.
 
+On per-node local disks (:class:`~._collective_targets.NodeLocalTarget`, a tiered
+manager's local tier) every node's first rank does what rank 0 does for its node's
+directory; a replicated value is also written once per node that holds it (into its
+writer's ``replica-NNNNN`` file), each node's index points at its own copies, and the
+whole step's index (one writer per value) is kept beside it for the persistent copy.
+
 The restore is :mod:`._collective_restore`'s; the layout is
 :mod:`ckptvar.storage._sharded`'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import marshal
 import os
@@ -39,6 +46,7 @@ from ..distributed import (
     Box,
     Coordinator,
     PlanCache,
+    SavePlan,
     SupportsPlain,
     VariableLayout,
     gather_plan,
@@ -53,7 +61,7 @@ from ..storage import (
     rank_file,
 )
 from ..variables import Variable
-from ._collective_targets import LocalTarget, RemoteTarget, Target
+from ._collective_targets import Nodes, Target, replica_file, target_for
 from ._files import native_backend
 from ._logical import Logical
 
@@ -222,8 +230,7 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
     URL) from every rank's ``arrays`` (collective). Returns the path or URL.
     ``pack_threshold`` goes to the writer of each rank's file."""
     path = os.fspath(path)
-    target: Target = (RemoteTarget(path, fmt, storage_options) if is_url(path)
-                      else LocalTarget(path, fmt))
+    target = target_for(path, fmt, storage_options, is_url(path))
     target.pack_threshold = pack_threshold
     tag = f"save:{os.path.basename(path.rstrip('/'))}"
     clock = _Clock()
@@ -245,6 +252,7 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
         except BaseException as exc:  # noqa: BLE001 - reported through the vote
             failure = exc
     shared = coord.broadcast(token, tag=f"{tag}:prepare", timeout=timeout)
+    leads = target.leads(coord.rank)
     try:
         coord.vote(failure, tag=f"{tag}:prepare", timeout=timeout)
         clock.lap("prepare")
@@ -254,31 +262,64 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
         grid = _grid(plan, fmt, suffix, coord.size) if target.grids else None
         mine = _mine(plan, coord.rank, grid)
         try:
+            target.begin()
             _write_mine(target, grid, mine, values, boxed, coord.rank, suffix)
+            if target.nodes is not None:
+                _write_replicas(target, target.nodes, plan, values, coord.rank, suffix)
         except BaseException as exc:  # noqa: BLE001 - reported through the vote
             failure = exc
         clock.lap("write")
         coord.vote(failure, tag=f"{tag}:write", timeout=timeout)
         clock.lap("vote")
-        # commit: rank 0 writes the index and makes the step visible
-        failure = None
-        if coord.is_primary:
-            try:
-                final = target.commit(_index(target, fmt, suffix, plan, values, meta,
-                                             coord.size, grid))
-                if on_commit is not None:
-                    on_commit(final)
-            except BaseException as exc:  # noqa: BLE001 - reported through the vote
-                failure = exc
+        # commit: rank 0 (per node: each node's first rank) writes the index and makes
+        # the step visible
+        failure = _commit(target, coord, tag, timeout, on_commit,
+                          lambda: _index(target, fmt, suffix, plan, values, meta, coord.size,
+                                         grid),
+                          lambda: _node_indexes(target, fmt, suffix, plan, values, meta,
+                                                coord.size))
         coord.vote(failure, tag=f"{tag}:commit", timeout=timeout)
         clock.lap("commit")
     except BaseException:
-        if coord.is_primary and token is not None:
+        if leads and shared is not None:
             target.abort()
         raise
     last_timings.clear()
     last_timings.update(clock.laps)
     return path if is_url(path) else os.fspath(Path(path))
+
+
+def _commit(  # noqa: PLR0917
+    target: Target,
+    coord: Coordinator,
+    tag: str,
+    timeout: float | None,
+    on_commit: Callable[[str], None] | None,
+    index: Callable[[], bytes],
+    node_indexes: Callable[[], list[bytes]],
+) -> BaseException | None:
+    """The commit step: rank 0 builds the index (per node: every node's, sent to each
+    node's first rank), the committing ranks store it; returns this rank's failure."""
+    failure: BaseException | None = None
+    mine: Any = None
+    if coord.is_primary:
+        try:
+            mine = index() if target.nodes is None else (index(), node_indexes())
+        except BaseException as exc:  # noqa: BLE001 - reported through the vote
+            failure = exc
+    if target.nodes is not None:
+        mine = coord.broadcast(mine, tag=f"{tag}:index", timeout=timeout)
+        if mine is not None:
+            target.persistent_index = mine[0]
+            mine = mine[1][target.nodes.node_of(coord.rank)]
+    if target.leads(coord.rank) and mine is not None:
+        try:
+            final = target.commit(mine)
+            if on_commit is not None:
+                on_commit(final)
+        except BaseException as exc:  # noqa: BLE001 - reported through the vote
+            failure = exc
+    return failure
 
 
 def _write_mine(  # noqa: PLR0917
@@ -305,6 +346,62 @@ def _write_mine(  # noqa: PLR0917
         writer.set_metadata({"sharded": {"rank": rank}})
 
     target.write_rank(rank_file(rank, suffix), fill)
+
+
+def _replicas(nodes: Nodes, plan: SavePlan, node: int) -> dict[str, int]:
+    """``key -> rank`` of the replicated values ``node`` keeps a copy of itself: those
+    whose writer is on another node, each written by the node's first holder."""
+    group = nodes.groups[node]
+    out: dict[str, int] = {}
+    for key, vp in plan.variables.items():
+        if vp.replicated and vp.items and vp.items[0].writer not in group:
+            here = [r for r in vp.holders if r in group]
+            if here:
+                out[key] = here[0]
+    return out
+
+
+def _write_replicas(  # noqa: PLR0917
+    target: Target, nodes: Nodes, plan: SavePlan,
+    values: Mapping[str, tuple[np.ndarray, dict[str, Any]]], rank: int, suffix: str,
+) -> None:
+    """A per-node step: this rank's copies of the replicated values its node keeps."""
+    mine = [key for key, writer in _replicas(nodes, plan, nodes.node_of(rank)).items()
+            if writer == rank]
+    if not mine:
+        return
+
+    def fill(writer: Any) -> None:
+        for key in mine:
+            array, attrs = values[key]
+            writer.add(box_key(key, 0), array, attrs)
+        writer.set_metadata({"sharded": {"rank": rank, "replicas": True}})
+
+    target.write_rank(replica_file(rank, suffix), fill)
+
+
+def _node_indexes(  # noqa: PLR0917
+    target: Target, fmt: str, suffix: str, plan: SavePlan,
+    values: Mapping[str, tuple[np.ndarray, dict[str, Any]]], meta: dict[str, Any], size: int,
+) -> list[bytes]:
+    """Each node's index: the step's, with the replicated values it keeps read from its
+    own copies (``replica-NNNNN`` files, listed after the ranks' files)."""
+    nodes = target.nodes
+    assert nodes is not None
+    out = []
+    for node, group in enumerate(nodes.groups):
+        copies = _replicas(nodes, plan, node)
+        files = [rank_file(r, suffix) for r in range(size)] + [
+            replica_file(r, suffix) for r in group]
+        variables = {
+            key: dataclasses.replace(vp, items=tuple(
+                dataclasses.replace(it, writer=size + group.index(copies[key]))
+                for it in vp.items)) if key in copies else vp
+            for key, vp in plan.variables.items()
+        }
+        packed = _packed_variables(SavePlan(plan.size, variables), values)
+        out.append(pack_index(fmt, size, files, packed, meta))
+    return out
 
 
 class _Clock:

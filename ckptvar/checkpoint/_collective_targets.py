@@ -7,6 +7,11 @@ commit) and asks its target for the place-specific parts:
   path; each rank writes its file into it; rank 0 writes the index, fsyncs and renames
   the directory into place, create-only (``locations.publish``; needs a
   filesystem every process sees).
+- :class:`NodeLocalTarget`: a step on per-node local disks (a local tier whose
+  directory each node has its own of, :class:`Nodes`): each node's first rank makes
+  the same temporary there, every rank writes its file (and its node's copies of
+  replicated values, ``replica-NNNNN``) into its own node's, and each node's first
+  rank writes that node's index and renames it into place.
 - :class:`RemoteTarget`: rank 0 claims the step's key (create-only); each rank writes
   its file to a local temporary and uploads it below the step; rank 0 uploads the
   index and creates the commit marker (:class:`~ckptvar.storage.RemoteStep`). No
@@ -16,7 +21,9 @@ commit) and asks its target for the place-specific parts:
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +40,53 @@ from ..storage import (
 )
 from ._files import make_parents, native_backend
 
-__all__ = ["ZARR_ROOT", "LocalTarget", "RemoteTarget", "Target"]
+__all__ = [
+    "PERSISTENT_INDEX", "ZARR_ROOT", "LocalTarget", "NodeLocalTarget", "Nodes", "RemoteTarget",
+    "Target", "nodes_of", "register_nodes", "replica_file", "target_for",
+]
+
+#: In a step on per-node disks: the index of the whole step as one directory holds it
+#: (every value's one writer), which its persistent copy is committed with.
+PERSISTENT_INDEX = "ckptvar-tier-index.msgpack"
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Which processes share a node-local directory: ``groups[k]``, the ranks of node ``k``
+    (sorted, nodes ordered by their first rank)."""
+
+    groups: tuple[tuple[int, ...], ...]
+
+    def node_of(self, rank: int) -> int:
+        return next(k for k, group in enumerate(self.groups) if rank in group)
+
+    def leads(self, rank: int) -> bool:
+        """Whether ``rank`` is its node's first (the one that commits there)."""
+        return self.groups[self.node_of(rank)][0] == rank
+
+
+#: per-node local directories (their real paths) and their nodes, registered by a tiered
+#: manager: a multi-process save into one of them takes :class:`NodeLocalTarget`
+_NODE_DIRECTORIES: dict[str, Nodes] = {}
+
+
+def register_nodes(directory: str | os.PathLike[str], nodes: Nodes | None) -> None:
+    """Saves into ``directory`` (a local tier on per-node disks) are written per node
+    (``None``: it is one shared directory again)."""
+    if nodes is None or len(nodes.groups) < 2:
+        _NODE_DIRECTORIES.pop(os.path.realpath(directory), None)
+    else:
+        _NODE_DIRECTORIES[os.path.realpath(directory)] = nodes
+
+
+def nodes_of(directory: str | os.PathLike[str]) -> Nodes | None:
+    return _NODE_DIRECTORIES.get(os.path.realpath(directory))
+
+
+def replica_file(rank: int, suffix: str) -> str:
+    """A rank's file of its node's copies of replicated values (per-node steps)."""
+    return f"replica-{rank:05d}{suffix}"
+
 
 #: The root ``zarr.json`` of a multi-process ``.zarr`` step: a plain group naming the index.
 ZARR_ROOT = (b'{"zarr_format": 3, "node_type": "group", "attributes": '
@@ -45,6 +98,10 @@ class Target:
 
     #: whether values may be stored as global Zarr arrays (needs a shared directory)
     grids = False
+    #: the step is committed on every node (:class:`NodeLocalTarget`), not by rank 0 alone
+    nodes: Nodes | None = None
+    #: per-node steps: the whole step's index, kept beside each node's (set before commit)
+    persistent_index: bytes | None = None
 
     def __init__(self, fmt: str) -> None:
         self.fmt = fmt
@@ -73,6 +130,17 @@ class Target:
 
     def abort(self) -> None:
         """Rank 0, on failure after :meth:`prepare`: remove what the save wrote."""
+
+    def begin(self) -> None:
+        """Every rank, before it writes (its failure is voted on)."""
+
+    def leads(self, rank: int) -> bool:
+        """Whether ``rank`` commits (and aborts) the step: rank 0, or each node's first."""
+        return rank == 0
+
+    def put_file(self, name: str, src: Path) -> None:
+        """Store the finished file (or Zarr directory) ``src`` as this rank's ``name``."""
+        raise NotImplementedError
 
 
 class LocalTarget(Target):
@@ -111,6 +179,20 @@ class LocalTarget(Target):
     def write_rank(self, name: str, fill: Callable[[Writer], None]) -> None:
         _write_file(self.where / name, self.fmt, fill, durable=True,
                     pack_threshold=self.pack_threshold)
+
+    def put_file(self, name: str, src: Path) -> None:
+        dst = self.where / name
+        if src.is_dir():
+            shutil.copytree(src, dst)
+            for sub in sorted(dst.rglob("*")):
+                if sub.is_file():
+                    fsync_path(sub)
+                else:
+                    fsync_dir(sub)
+            fsync_dir(dst)
+        else:
+            shutil.copyfile(src, dst)
+            fsync_path(dst)
 
     def commit(self, index: bytes) -> str:
         tmp = self.where
@@ -154,11 +236,68 @@ class RemoteTarget(Target):
                         pack_threshold=self.pack_threshold)
             self.step.upload(local, name)
 
+    def put_file(self, name: str, src: Path) -> None:
+        self.step.upload(src, name)
+
     def commit(self, index: bytes) -> str:
         return self.step.commit(index, ZARR_ROOT if self.fmt == "zarr" else None)
 
     def abort(self) -> None:
         self.step.abort()
+
+
+class NodeLocalTarget(LocalTarget):
+    """A step on per-node local disks: each node holds its processes' files, its copies of
+    replicated values and its own index; committed by a rename on every node."""
+
+    grids = False
+
+    def __init__(self, path: str, fmt: str, nodes: Nodes) -> None:
+        super().__init__(path, fmt)
+        self.nodes: Nodes = nodes
+
+    def attach(self, token: str) -> None:
+        self._where = self.final.parent / Path(token).name  # the same name on every node
+
+    def begin(self) -> None:
+        """Make this node's temporary (rank 0 made its node's already); idempotent."""
+        if os.path.lexists(self.final):
+            raise CheckpointExistsError(
+                f"Cannot save {str(self.final)!r}: it is committed already on this node; a "
+                "step is written once: save under a new step, or prune this one first."
+            )
+        make_parents(self.final)
+        self.where.mkdir(exist_ok=True)
+
+    def leads(self, rank: int) -> bool:
+        return self.nodes.leads(rank)
+
+    def commit(self, index: bytes) -> str:
+        """This node's: the whole step's index beside the node's own, then the rename."""
+        assert self.persistent_index is not None, "persistent_index first"
+        if self.fmt == "zarr":  # rank 0's node has it from prepare(): the same bytes
+            (self.where / "zarr.json").write_bytes(ZARR_ROOT)
+        with open(self.where / PERSISTENT_INDEX, "wb") as f:
+            f.write(self.persistent_index)
+            f.flush()
+            os.fsync(f.fileno())
+        return super().commit(index)
+
+    def abort(self) -> None:
+        self._tmp = None
+        if self._where is not None and self._where.exists():
+            remove_path(self._where)
+
+
+def target_for(path: str, fmt: str, storage_options: Mapping[str, Any] | None,
+               remote: bool) -> Target:
+    """The target of a multi-process save to ``path`` (``remote``: a URL)."""
+    if remote:
+        return RemoteTarget(path, fmt, storage_options)
+    nodes = nodes_of(Path(path).parent)
+    if nodes is not None:
+        return NodeLocalTarget(path, fmt, nodes)
+    return LocalTarget(path, fmt)
 
 
 def _write_file(path: Path, fmt: str, fill: Callable[[Writer], None], *, durable: bool,

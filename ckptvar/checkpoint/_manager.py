@@ -22,7 +22,6 @@ import shutil
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -56,7 +55,9 @@ from ..locations import (
 )
 from ..storage import is_own_checkpoint, is_partial, known_formats, save_remote
 from ..variables import Variable
+from . import _async
 from ._checkpoint import Checkpoint, SaveOptions
+from ._collective_targets import Nodes, register_nodes
 from ._files import NATIVE_FORMATS, discard
 from ._incremental import Incremental, held
 from ._preemption import SignalSave
@@ -73,6 +74,7 @@ from ._state import (
 )
 from ._status import RestoreStatus
 from ._steps import parse_step_name, step_name
+from ._tiers import discover_nodes, persist_parts, restore_order
 
 __all__ = ["STATE_FILE", "CheckpointManager", "latest_checkpoint"]
 
@@ -172,9 +174,13 @@ class CheckpointManager:
     newest step committed in either tier (the local copy first); a process that lost
     its local tier restores from the persistent one. :meth:`wait_until_finished`
     waits for the background copies. A preemption save (``save_on_signal``) is
-    persisted too, before the signal is re-delivered. With a coordinator of several
-    processes the local tier is one directory they share (a per-node one is refused):
-    rank 0 persists, and :meth:`wait_until_finished` is a collective.
+    persisted too, before the signal is re-delivered. With ``async_save`` the local
+    save runs in the background as well. With a coordinator of several processes the
+    local tier is one directory they share (rank 0 persists) or one per node (found by
+    looking: each node holds its processes' part of a step, every process copies its
+    own part, rank 0 commits the copy; restore takes the newest step complete on every
+    node or persisted); :meth:`wait_until_finished` is then a collective
+    (docs/checkpoints.md, "Tiers").
 
     A read-only directory can be opened (``read_only`` is then True):
     :attr:`checkpoints`, :attr:`latest_checkpoint` and :meth:`restore_or_initialize`
@@ -232,7 +238,7 @@ class CheckpointManager:
         self.async_save = async_save
         #: a ``cv.distributed`` coordinator: saves are collective, rank 0 keeps the state
         self.coordinator = coordinator
-        primary = coordinator is None or coordinator.is_primary
+        primary = self._keeps_directory()
         self.restore_status: RestoreStatus | None = None
         self.skipped: list[tuple[str, str]] = []
         self._section: dict[str, Any] = {}
@@ -376,12 +382,23 @@ class CheckpointManager:
                 mine += (f".{self.checkpoint_name}-",)
             remove_local(temporaries(self.directory, mine))
 
+    #: the local tier of a tiered manager on a node's own disk: its first rank keeps it
+    _node_leader = False
+    #: the local tier on per-node disks: which processes share each node's directory
+    _nodes: Nodes | None = None
+    #: this manager's last background save (``async_save``), for its tier's copy
+    _pending_save: Any = None
+
+    def _keeps_directory(self) -> bool:
+        """Whether this process keeps the directory (state file, clean-up, pruning): the
+        one process, rank 0, or on a per-node local tier each node's first rank."""
+        return self.coordinator is None or self.coordinator.is_primary or self._node_leader
+
     def _reclaim(self) -> None:
         """Before a save: remove what dead saves left (temporaries in the directory, on
         the primary process; staging directories of this host's dead processes)."""
         reclaim_staging()
-        primary = self.coordinator is None or self.coordinator.is_primary
-        if primary and self._location is None:
+        if self._keeps_directory() and self._location is None:
             with locked(self.directory):
                 self._clean_temporaries()
 
@@ -633,6 +650,7 @@ class CheckpointManager:
                 self._sync()
             return result
         result.add_done_callback(lambda _h, fd=saving: os.close(fd))
+        self._pending_save = result
         path: str = result.path
         return path
 
@@ -742,10 +760,8 @@ class CheckpointManager:
         ``self.skipped`` as ``(path, reason)``) in favour of the next older one.
         """
         self.skipped = []
-        order = ([p for _, p in reversed(self._tiered(every_copy=True))]
-                 if self._local_tier is not None else list(reversed(self.checkpoints)))
-        if self._local_tier is not None and self._many():  # one order (shared tiers)
-            order = self.coordinator.broadcast(order, tag="tiers-order")
+        order = (self._restore_order() if self._local_tier is not None
+                 else list(reversed(self.checkpoints)))
         for path in order:
             try:
                 self.restore_status = self._checkpoint.restore(
@@ -775,41 +791,27 @@ class CheckpointManager:
         if self.local_max_to_keep is not None and self.local_max_to_keep < 1:
             raise ValueError(
                 f"local_max_to_keep must be None or >= 1, got {self.local_max_to_keep}.")
+        tier: type[CheckpointManager] = CheckpointManager
+        if self._many():  # one shared directory, or one per node: found by looking
+            nodes = discover_nodes(self.coordinator, Path(local_directory))
+            register_nodes(local_directory, nodes)
+            if len(nodes.groups) > 1:
+                self._nodes = nodes
+                if nodes.leads(self.coordinator.rank):
+                    tier = _NodeLocalTier
         # the local tier prunes only through this manager (never a step still to persist)
-        if self._many():
-            self._check_shared(Path(local_directory))
-        self._local_tier = CheckpointManager(
+        self._local_tier = tier(
             self._checkpoint, local_directory, max_to_keep=None,
             checkpoint_name=self.checkpoint_name, step_counter=step_counter,
             checkpoint_interval=checkpoint_interval, format=self.format,
-            coordinator=self.coordinator,
+            async_save=self.async_save, coordinator=self.coordinator,
         )
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptvar-persist")
+        #: steps whose persistent copy this process saw committed (per-node tiers)
+        self._done_persists: set[int] = set()
 
     def _many(self) -> bool:
         return self.coordinator is not None and self.coordinator.size > 1
-
-    def _check_shared(self, local: Path) -> None:
-        """Many processes: the local tier is one directory every process sees (a shared
-        one, as a manager's directory is); refuse one that is per node."""
-        local.mkdir(parents=True, exist_ok=True)
-        probe = local / f".tier-probe-{uuid.uuid4().hex}"
-        token = self.coordinator.broadcast(probe.name, tag="tiers-probe")
-        if self.coordinator.is_primary:
-            probe.touch()
-        self.coordinator.barrier(tag="tiers-probe-made")
-        seen = self.coordinator.allgather((local / token).exists(), tag="tiers-probe-seen")
-        self.coordinator.barrier(tag="tiers-probe-read")
-        if self.coordinator.is_primary:
-            (local / token).unlink()
-        if not all(seen):
-            blind = [r for r, ok in enumerate(seen) if not ok]
-            raise CkptError(
-                f"local_directory {os.fspath(local)!r} is not the same directory on every "
-                f"process (ranks {blind} do not see what rank 0 wrote there): with a "
-                "coordinator of several processes the local tier is one directory shared by "
-                "the job's processes, as a manager's directory is."
-            )
 
     def _tiered(self, *, every_copy: bool = False) -> list[tuple[int, str]]:
         """``(number, path)`` of the steps committed in either tier, oldest first: the local
@@ -823,36 +825,114 @@ class CheckpointManager:
         merged = dict(persistent) | dict(local)
         return sorted(merged.items())
 
+    def _restore_order(self) -> list[str]:
+        """The paths a tiered restore tries, newest first, the same steps on every process."""
+        assert self._local_tier is not None
+        if not self._many():
+            return [p for _, p in reversed(self._tiered(every_copy=True))]
+        if self._nodes is None:  # one shared local tier: rank 0's order
+            order = [p for _, p in reversed(self._tiered(every_copy=True))]
+            return list(self.coordinator.broadcast(order, tag="tiers-order"))
+        # per-node disks: a local step counts where every node committed it
+        self._sync()
+        local = self._local_tier
+        local._sync()
+        mine = sorted(self._number(e["path"]) for e in local._section["checkpoints"])
+        everyone = self.coordinator.allgather(mine, tag="tiers-local-steps")
+        persistent = self.coordinator.broadcast(
+            sorted(self._committed_numbers()), tag="tiers-persistent-steps")
+        return [os.fspath(local.directory / step_name(self.checkpoint_name, n, self._suffix))
+                if tier == "local" else self._full(step_name(self.checkpoint_name, n,
+                                                             self._suffix))
+                for n, tier in restore_order(everyone, persistent)]
+
     def _save_tiered(self, checkpoint_number: int | None, check_interval: bool,
                      timeout: float | None, *, persist: bool = False) -> str | None:
         assert self._local_tier is not None and self._pool is not None
-        if self._many():  # rank 0 copies: every process learns of a failed copy
+        if self._nodes is not None:  # every process's copy ended the same (a collective)
+            self._agree_node_persists(timeout)
+        elif self._many():  # rank 0 copies: every process learns of a failed copy
             self._agree_persisted(timeout)
         else:
             self._raise_persist_error()
         self._checkpoint.wait()  # the persistent tier's list is kept by its copies
-        if checkpoint_number is None:  # a step committed in either tier is never reused
-            committed = self._committed_numbers() | self._local_tier._committed_numbers()
-            if self._many():
-                committed = self.coordinator.broadcast(committed, tag="tiers-committed",
-                                                       timeout=timeout)
-            self._next_number(int(self._checkpoint.save_counter.numpy()) + 1, committed)
-        path = self._local_tier.save(checkpoint_number, check_interval, timeout=timeout)
+        if not self._agree_number(checkpoint_number, check_interval, timeout):
+            return None  # per-node tiers: the interval, decided the same everywhere
+        if self.async_save:  # the last save is done (waited above): prune before the next
+            self._prune_local()
+        path = self._local_tier.save(checkpoint_number, check_interval and self._nodes is None,
+                                     timeout=timeout)
         if path is None:
             return None
         number = self._number(Path(path).name)
-        if not self._primary():  # the committed step is shared: rank 0 persists it
-            return path
-        if persist or number % self.persistent_every == 0:
-            if number % self.persistent_every:
-                self._also_persisted.add(number)
-            self._persisting[number] = self._pool.submit(self._persist, number, path)
-        self._prune_local()
+        due = persist or number % self.persistent_every == 0
+        if due and number % self.persistent_every:
+            self._also_persisted.add(number)
+        if due and self._nodes is not None:  # every process copies its own part
+            self._persisting[number] = self._persist_parts(number, path, timeout)
+        elif due and self._primary():  # the committed step is shared: rank 0 persists it
+            pending = self._local_tier._pending_save if self.async_save else None
+            self._persisting[number] = self._pool.submit(self._persist, number, path, pending)
+        if not self.async_save:
+            self._prune_local()
         return path
 
-    def _persist(self, number: int, local: str) -> None:
+    def _agree_number(self, checkpoint_number: int | None, check_interval: bool,
+                      timeout: float | None) -> bool:
+        """Move the save counter past every step committed in either tier (on any node),
+        the same on every process; refuse an explicit number committed on some node.
+
+        Per-node tiers: returns ``False`` (on every process) when ``checkpoint_interval``
+        says skip, judged from the newest step any node or the persistent tier holds."""
+        local = self._local_tier
+        assert local is not None
+        committed = self._committed_numbers() | local._committed_numbers()
+        if self._nodes is not None:  # a step committed on any node is never reused
+            entries = local._section["checkpoints"] + self._section["checkpoints"]
+            last = max((int(e["step"]) for e in entries if e.get("step") is not None),
+                       default=None)
+            gathered = self.coordinator.allgather((committed, last), tag="tiers-committed",
+                                                  timeout=timeout)
+            committed = set().union(*(c for c, _ in gathered))
+            lasts = [n for _, n in gathered if n is not None]
+            if self.checkpoint_interval is not None and check_interval and lasts and (
+                    local._current_step(checkpoint_number)
+                    < max(lasts) + self.checkpoint_interval):
+                return False
+        elif self._many():
+            committed = self.coordinator.broadcast(committed, tag="tiers-committed",
+                                                   timeout=timeout)
+        if checkpoint_number is None:  # a step committed in either tier is never reused
+            self._next_number(int(self._checkpoint.save_counter.numpy()) + 1, committed)
+        elif self._nodes is not None and int(checkpoint_number) in committed:
+            raise CheckpointExistsError(  # on every process: no node writes it again
+                f"Cannot save step {checkpoint_number}: it is committed already (in the "
+                "persistent tier or on some node's local tier), and a step is written once.")
+        return True
+
+    def _agree_node_persists(self, timeout: float | None) -> None:
+        """Per-node tiers, before a save: a persistent copy that failed on any process
+        (they end alike, within moments of each other) is raised on every process."""
+        failed = sorted(n for n, f in self._persisting.items()
+                        if f.done() and f.exception() is not None)
+        everyone = self.coordinator.allgather(failed, tag="tiers-copies", timeout=timeout)
+        for number in sorted(set().union(*everyone)):
+            future = self._persisting.get(number)
+            if future is not None:
+                futures_wait([future], timeout=timeout)
+        self._raise_persist_error()
+
+    def _persist(self, number: int, local: str, pending: Any = None) -> None:
         """Copy the local tier's committed step ``number`` to this directory as step
-        ``number`` (background thread), record it and prune by ``max_to_keep``."""
+        ``number`` (background thread), record it and prune by ``max_to_keep``.
+        ``pending``: the local tier's background save of that step, waited for first
+        (a step it did not commit is not copied: its save reports its error)."""
+        if pending is not None:
+            written = threading.Event()
+            pending.add_done_callback(lambda _h: written.set())
+            written.wait()
+            if not is_own_checkpoint(local):
+                return
         name = step_name(self.checkpoint_name, number, self._suffix)
         src = Path(local)
         if self._location is not None:
@@ -872,28 +952,88 @@ class CheckpointManager:
                 os.close(saving)
         self._prune_local()
 
+    def _persist_parts(self, number: int, local: str, timeout: float | None
+                       ) -> Future[None]:
+        """Per-node local tiers: the persistent copy of step ``number``, a collective of
+        every process on the coordinator's background channel, run in the background
+        save thread (after this process's local save of it, never beside another
+        collective of that channel). Its future ends the same way on every process."""
+        done: Future[None] = Future()
+        coord = self.coordinator.background()
+        name = step_name(self.checkpoint_name, number, self._suffix)
+
+        def on_commit(final: str) -> None:  # rank 0
+            if self._location is not None:
+                self._record_remote(number)
+            else:
+                self._record(final, number)
+
+        def job() -> str:
+            try:
+                here = coord.allgather(is_own_checkpoint(local), tag=f"persist:{name}:local",
+                                       timeout=timeout)
+                if not all(here):
+                    raise CkptError(
+                        f"Step {number} is not committed on every node's local tier (not on "
+                        f"ranks {[r for r, ok in enumerate(here) if not ok]}): not persisted.")
+                saving = None if self._location is not None else open_saving_lock(
+                    self.directory)
+                try:
+                    if saving is not None:
+                        fcntl.flock(saving, fcntl.LOCK_SH)
+                    persist_parts(coord, Path(local), self._full(name), self.format,
+                                  self._storage_options, on_commit, timeout)
+                finally:
+                    if saving is not None:
+                        os.close(saving)
+                self._done_persists.add(number)
+                done.set_result(None)
+                self._prune_local()
+            except BaseException as exc:  # noqa: BLE001 - the future reports it
+                if not done.done():
+                    done.set_exception(exc)
+            return local
+
+        _async.submit(job, local)
+        return done
+
     def _persisted(self, number: int) -> bool:
+        if number in self._done_persists:
+            return True
         future = self._persisting.get(number)
         if future is None:
             return number in self._committed_numbers()
         return future.done() and future.exception() is None
 
+    def _keeps_local(self) -> bool:
+        """Whether this process prunes the local tier it sees (rank 0 of a shared one, each
+        node's first rank of per-node ones)."""
+        if self._nodes is not None:
+            return self._nodes.leads(self.coordinator.rank)
+        return self._primary()
+
     def _prune_local(self) -> None:
         """Keep ``local_max_to_keep`` local steps; a step due a persistent copy stays until
-        that copy is committed (and so do the newer ones)."""
+        that copy, or a newer step's, is committed (and so do the newer ones)."""
         assert self._local_tier is not None
-        if self.local_max_to_keep is None or not self._primary():
+        if self.local_max_to_keep is None or not self._keeps_local():
             return
         with self._tier_lock:
             local = self._local_tier
-            local._sync()
+            local._read_record()  # never waits: a background save reports its own error
             names = [e["path"] for e in local._section["checkpoints"]]
+            newest = max(self._committed_numbers() | self._done_persists, default=-1)
             for name in names[: max(0, len(names) - self.local_max_to_keep)]:
                 number = self._number(name)
                 due = number % self.persistent_every == 0 or number in self._also_persisted
-                if due and not self._persisted(number):
+                if due and not self._persisted(number) and number >= newest:
                     break
                 local._drop(name)
+
+    def _read_record(self) -> None:
+        """Read this directory's committed steps (not waiting for a background save)."""
+        with locked(self.directory, shared=True):
+            self._section = self._recover(read_state(self.directory))
 
     def _drop(self, name: str) -> None:
         """Delete this manager's step ``name`` (local directory), state first."""
@@ -956,6 +1096,18 @@ class CheckpointManager:
         coordinator of several processes, a collective: every process returns once rank
         0's copies are committed (and raises a failed one's error)."""
         self._checkpoint.wait()
+        if self._nodes is not None:  # every process waits for its part of each copy
+            for future in list(self._persisting.values()):
+                futures_wait([future])
+            try:
+                self._raise_persist_error()
+            finally:
+                self._prune_local()
+                self.coordinator.barrier(tag="tiers-finished", timeout=timeout)
+                self._sync()
+                assert self._local_tier is not None
+                self._local_tier._sync()
+            return
         if self._local_tier is not None and self._many():
             self._agree_persisted(timeout, wait=True)
             self._sync()  # every process lists what rank 0 copied and pruned
@@ -970,3 +1122,10 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"<cv.CheckpointManager {os.fspath(self.directory)!r} name={self.checkpoint_name!r}>"
+
+
+class _NodeLocalTier(CheckpointManager):
+    """The local tier of a tiered manager on a node's own disk, on the node's first rank:
+    it keeps that directory (state file, clean-up), as rank 0 keeps a shared one."""
+
+    _node_leader = True

@@ -310,3 +310,51 @@ def test_three_processes_with_a_shared_local_tier_persist_to_s3(
     for r in case("restore").values():
         assert r["restored"] == f"{run}/ckpt-4.{fmt}", r
         assert r["values"] == [4.0], r
+
+
+@pytest.mark.skipif(_mpi_skip_reason() is not None, reason=_mpi_skip_reason() or "")
+@pytest.mark.parametrize("fmt", ["h5", pytest.param("zarr", marks=pytest.mark.slow)])
+def test_per_node_local_tiers_persist_to_s3_and_restore_after_losing_a_node(
+    s3: S3Bucket, tmp_path: Path, fmt: str
+) -> None:
+    """4 processes as 2 nodes (``mpiexec -n 4``), each node its own local directory: every
+    process uploads its own part, rank 0 commits the step's marker after all uploads; a
+    node's lost directory makes every process restore the newest step from S3."""
+    from test_node_tiers import check_save_lose_restore
+
+    run = f"{s3.url}/nodes"
+    env = {"PERSISTENT": run, "S3_OPTIONS": json.dumps(s3.storage_options), "FORMAT": fmt}
+    check_save_lose_restore(tmp_path, run, fmt, env)
+    assert sorted(list_committed_steps(s3.location("nodes"))) == sorted(
+        f"ckpt-{n}.{fmt}" for n in (2, 4, 14))
+    loaded = cv.load(f"{run}/ckpt-14.{fmt}", storage_options=s3.storage_options)
+    assert np.array_equal(loaded["b"], np.full(7, 140.0))
+
+
+@pytest.mark.skipif(_mpi_skip_reason() is not None, reason=_mpi_skip_reason() or "")
+def test_a_process_killed_mid_persist_to_s3_commits_nothing_and_keeps_the_local_steps(
+    s3: S3Bucket, tmp_path: Path
+) -> None:
+    """Per-node tiers (``mpiexec -n 4``, 2 nodes): rank 2 SIGKILLs itself once the copy of
+    step 2 to S3 has begun. No marker, both nodes keep steps 1 and 2; the restarted job
+    restores the local step 2 bit-exact, and its first persisted step leaves nothing of
+    the dead copy (claim, objects)."""
+    from test_node_tiers import node_case
+
+    run = f"{s3.url}/killed"
+    env = {"PERSISTENT": run, "S3_OPTIONS": json.dumps(s3.storage_options)}
+    node_case(tmp_path, "kill", env, ok=False)
+    loc = s3.location("killed")
+    assert list_committed_steps(loc) == []
+    assert [o.key for o in loc.list()], "the copy had begun"
+    kill = tmp_path / "kill"
+    for node in ("node0", "node1"):
+        assert sorted(p.name for p in (kill / "nodes" / node).glob("ckpt-*")) == [
+            "ckpt-1.h5", "ckpt-2.h5"]
+    for rank, r in node_case(kill, "next", env).items():
+        here = kill / "nodes" / f"node{rank // 2}"
+        assert r["restored"] == str(here / "ckpt-2.h5") and r["exact"], r
+        assert r["saved"] == str(here / "ckpt-12.h5"), r
+    assert list_committed_steps(loc) == ["ckpt-12.h5"]
+    stray = [o.key for o in loc.list() if not o.key.startswith("ckpt-12.h5")]
+    assert stray == [], stray

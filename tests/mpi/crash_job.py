@@ -4,7 +4,8 @@ Usage: ``crash_job.py WHERE FMT JOB`` (plain ``python`` for one process, or unde
 ``mpiexec -n N python -m mpi4py``); ``$RESULT_DIR``: where each rank appends its
 events; ``$S3_OPTIONS``: storage options (JSON) when WHERE is a URL; ``$LOCAL_TIER``: a
 local directory, for a tiered manager (every step there, every one persisted to WHERE
-in the background).
+in the background); with ``{node}`` in it, per-node local disks: ranks ``2k`` and
+``2k+1`` are node ``k`` (``{node}`` is ``k``), each node seeing only its own directory.
 
 The job opens a ``CheckpointManager`` on WHERE as a restarted job does, restores
 the latest committed step and checks it bit-exact (every value is a function of
@@ -39,7 +40,7 @@ coord = cv.distributed.from_env(timeout=60)
 RANK, SIZE = coord.rank, coord.size
 OUT = Path(os.environ["RESULT_DIR"]) / f"job{job}-rank{RANK}.jsonl"
 opts = json.loads(os.environ.get("S3_OPTIONS") or "null")
-tier = os.environ.get("LOCAL_TIER") or None
+tier = (os.environ.get("LOCAL_TIER") or "").format(node=RANK // 2) or None
 ROWS, COLS = 48, 2000
 LOCAL_NAMES = {"checkpoint_state.json", ".checkpoint_state.lock", ".checkpoint_saving.lock"}
 
@@ -61,20 +62,22 @@ def values(step: int) -> dict[str, np.ndarray]:
             "step": np.array(step, np.int64)}
 
 
-def leftovers() -> list[str]:  # noqa: C901 - each place a save leaves things
-    """What is at WHERE (and in TMPDIR) that no committed step owns (rank 0)."""
+def leftovers() -> list[str]:  # noqa: C901, PLR0912 - each place a save leaves things
+    """What is at WHERE (and in TMPDIR) that no committed step owns (rank 0; a node's
+    first rank: its local tier)."""
     found = []
     for entry in os.scandir(tempfile.gettempdir()):
         if entry.name.startswith(STAGING_PREFIX):
             owner = parse_staging_name(entry.name)
             if owner is None or not process_alive(owner[1]):
                 found.append(entry.path)
-    if tier is not None:
-        mgr.wait_until_finished()  # the first step's persistent copy, and its clean-up
+    if tier is not None:  # the first step's persistent copy and its clean-up are done
         listed = {Path(p).name for p in mgr.checkpoints}
         for name in os.listdir(tier):
             if is_partial(name) or (name not in LOCAL_NAMES and name not in listed):
                 found.append(f"{tier}/{name}")
+    if RANK != 0:  # a node's first rank: its local tier only
+        return found
     if "://" not in where:
         listed = {Path(p).name for p in mgr.checkpoints}
         for name in os.listdir(where):
@@ -119,5 +122,9 @@ while True:
     if first:
         first = False
         coord.barrier(tag="first", timeout=60)
-        report("first", step=s, path=path, leftovers=leftovers() if RANK == 0 else [])
+        if tier is not None:  # every process (a collective with several)
+            mgr.wait_until_finished()
+        # rank 0 checks WHERE; the first rank of each node its node's local tier
+        report("first", step=s, path=path,
+               leftovers=leftovers() if RANK == 0 or (tier and RANK % 2 == 0) else [])
     report("saved", step=s)

@@ -9,7 +9,9 @@ background, so a save is often in flight when the signal comes), else
 step, ``DIR/step<rank>``; with ``MODE=report`` it only restores and writes
 ``DIR/restored<rank>.json``. ``MODE=tiered`` (``tiered-report``): the same with a
 local tier ``DIR/local`` and ``persistent_every=1000`` (only the preemption save
-reaches ``DIR/run``). It never ends by itself before 100000 steps.
+reaches ``DIR/run``); ``MODE=tiered-nodes``: the local tier on per-node disks, ranks
+0-1 in ``DIR/local/node0``, ranks 2-3 in ``DIR/local/node1``. It never ends by itself
+before 100000 steps.
 """
 
 from __future__ import annotations
@@ -40,7 +42,11 @@ def main(out: Path, mode: str) -> None:
     tiers = {}
     if mode.startswith("tiered"):  # persisted only by the preemption save
         mode = mode.removeprefix("tiered").lstrip("-") or "sync"
-        tiers = {"local_directory": out / "local", "local_max_to_keep": 2,
+        local = out / "local"
+        if mode.startswith("nodes"):  # per-node local disks: ranks 0-1 and 2-3
+            mode = mode.removeprefix("nodes").lstrip("-") or "sync"
+            local = local / f"node{rank // 2}"
+        tiers = {"local_directory": local, "local_max_to_keep": 2,
                  "persistent_every": 1000}
     mgr = cv.CheckpointManager(ckpt, out / "run", coordinator=coord, max_to_keep=3,
                                async_save=mode == "async",

@@ -7,12 +7,14 @@ appends one JSON line to ``$RESULT_DIR/rank<r>.jsonl``. Every rank holds its row
 - ``save``: steps 1-5 (``w`` = the step), ``persistent_every=2``, ``max_to_keep=3``,
   ``local_max_to_keep=1``, then ``wait_until_finished()``; reports what each tier holds;
 - ``restore``: a fresh job restores (reports the path and its rows' values);
-- ``per-rank``: each rank names its own local directory (refused, said on every rank);
+- ``per-rank``: each rank names its own local directory (one "node" each): steps 1-2,
+  step 2 persisted; reports what its own directory holds;
 - ``fail``: in ``DIR/fail``, a foreign ``ckpt-2.h5`` in the persistent directory makes
   rank 0's copy of step 2 fail: ``wait_until_finished()`` raises on every rank.
 
 With ``$PERSISTENT`` (a URL; ``$S3_OPTIONS`` its storage options, JSON) the persistent
-tier is there instead of ``DIR/persistent``; ``$FORMAT``: ``h5`` (default) or ``zarr``.
+tier is there instead of ``DIR/persistent``; ``$FORMAT``: ``h5`` (default) or ``zarr``;
+``$ASYNC=1``: ``async_save=True`` (the local saves run in the background too).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ ROWS = 12
 PERSISTENT = os.environ.get("PERSISTENT")
 OPTS = json.loads(os.environ.get("S3_OPTIONS", "null"))
 FORMAT = os.environ.get("FORMAT", "h5")
+ASYNC = os.environ.get("ASYNC") == "1"
 
 
 def report(case: str, **fields: object) -> None:
@@ -51,7 +54,7 @@ def manager(ckpt: cv.Checkpoint, d: Path, local: Path) -> cv.CheckpointManager:
     return cv.CheckpointManager(ckpt, PERSISTENT or d / "persistent", max_to_keep=3,
                                 coordinator=coord, storage_options=OPTS,
                                 local_directory=local, local_max_to_keep=1,
-                                persistent_every=2, format=FORMAT)
+                                persistent_every=2, format=FORMAT, async_save=ASYNC)
 
 
 def steps(d: Path) -> list[str]:
@@ -61,10 +64,14 @@ def steps(d: Path) -> list[str]:
 def main(d: Path, case: str) -> None:
     ckpt, w = model(-1.0)
     if case == "per-rank":
-        try:
-            manager(ckpt, d, d / f"local-rank{RANK}")
-        except cv.CkptError as exc:
-            report(case, error=type(exc).__name__, message=str(exc))
+        mgr = manager(ckpt, d / "per-rank", d / "per-rank" / f"local-rank{RANK}")
+        for step in (1, 2):
+            w.assign(np.full(w.shape, float(step)))
+            mgr.save()
+        mgr.wait_until_finished()
+        here = d / "per-rank" / f"local-rank{RANK}"
+        report(case, local=steps(here), persistent=steps(d / "per-rank" / "persistent"),
+               parts=sorted(p.name for p in (here / "ckpt-2.h5").iterdir()))
         return
     if case == "fail":
         mgr = manager(ckpt, d / "fail", d / "fail" / "local")
