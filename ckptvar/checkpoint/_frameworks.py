@@ -250,8 +250,12 @@ def _nest(flat: dict[tuple[Any, ...], Any]) -> dict[str, Any]:
 
 
 def _identity(t: Any) -> tuple[Any, ...]:
-    local = t.to_local() if is_dtensor(t) else t
-    return (local.data_ptr(), tuple(local.shape), local.dtype, tuple(local.stride()))
+    """What makes a cached variable (and a DTensor's box) still right for ``t``."""
+    if is_dtensor(t):
+        local = t.to_local()
+        return (local.data_ptr(), tuple(local.shape), local.dtype, tuple(local.stride()),
+                tuple(t.shape), tuple(t.placements), id(t.device_mesh))
+    return (t.data_ptr(), tuple(t.shape), t.dtype, tuple(t.stride()), t.device)
 
 
 class _Restoring:
@@ -278,22 +282,31 @@ class StateDictTrackable(Trackable):
     def __init__(self, obj: SupportsStateDict) -> None:
         self.obj = obj
         self._graph = Graph()
-        self._cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], Variable | None]] = {}
+        #: path -> (the tensor's identity, its variable, whether another process saves it)
+        self._cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], Variable | None, bool]] = {}
         self._restoring: _Restoring | None = None
         self._state: Any = None
         self._names: frozenset[str] = frozenset()  # of the parameters that train
 
     def _var(self, path: tuple[Any, ...], t: Any, saving: bool) -> Variable | None:
-        if saving and is_dtensor(t) and not dtensor_box(t, repr(path))[2]:
-            return None  # a replica another process saves
+        """The variable over ``t``'s memory (made once per tensor and kept: a save of the
+        same tensors again asks nothing of torch but their identity); ``None`` when
+        saving a DTensor replica another process saves."""
         ident = _identity(t)
         hit = self._cache.get(path)
-        if hit is not None and hit[0] == ident and hit[1] is not None:
-            return hit[1]
+        if hit is not None and hit[0] == ident:
+            if saving and hit[2]:
+                return None  # a replica another process saves
+            if hit[1] is not None:
+                return hit[1]
+        replica = is_dtensor(t) and not dtensor_box(t, repr(path))[2]
+        if saving and replica:
+            self._cache[path] = (ident, None, True)
+            return None
         name = "/".join(map(str, path))
         var = tensor_variable(self._graph, name, t, saving=saving,
                               trainable=name in self._names)
-        self._cache[path] = (ident, var)
+        self._cache[path] = (ident, var, replica)
         return var
 
     def _trainable(self) -> frozenset[str]:
@@ -385,7 +398,8 @@ class StateDictTrackable(Trackable):
         for path, t in _tensors(self.obj.state_dict()):
             var = r.variables.get(path)
             if var is not None and path in r.tensors and _identity(t) == _identity(r.tensors[path]):
-                self._cache[path] = (_identity(t), var)
+                replica = is_dtensor(t) and not dtensor_box(t, repr(path))[2]
+                self._cache[path] = (_identity(t), var, replica)
 
     def abort_restore(self) -> None:
         """After a failed restore: nothing was given to the object."""
