@@ -22,6 +22,7 @@ The restore is :mod:`._collective_restore`'s; the layout is
 from __future__ import annotations
 
 import hashlib
+import logging
 import marshal
 import os
 import time
@@ -46,19 +47,24 @@ from ..distributed import (
 from ..locations import is_url
 from ..storage import (
     INDEX_FILE,
+    GridReuse,
     box_key,
     grid_layout,
     pack_index,
     rank_file,
 )
 from ..variables import Variable
+from ._collective_incremental import check_base, read_sums, stored_known
 from ._collective_targets import LocalTarget, RemoteTarget, Target
 from ._files import native_backend
+from ._incremental import IncrementalSave
 from ._logical import Logical
 
 __all__ = [
     "collective_write", "last_timings", "needs_collective", "plan_cache", "rank_variables",
 ]
+
+logger = logging.getLogger("ckptvar")
 
 #: Seconds each step of this process's last collective save took (plan, prepare, write,
 #: vote, commit): what the ``scale`` benchmark reports as the protocol's overhead.
@@ -216,10 +222,12 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
     on_commit: Callable[[str], None] | None = None,
     storage_options: Mapping[str, Any] | None = None,
     pack_threshold: int | None = None,
+    incremental: IncrementalSave | None = None,
 ) -> str:
     """Write one checkpoint at ``path`` (a shared directory's path, or an object-store
     URL) from every rank's ``arrays`` (collective). Returns the path or URL.
-    ``pack_threshold`` goes to the writer of each rank's file."""
+    ``pack_threshold`` goes to the writer of each rank's file. ``incremental`` (each
+    rank's): the step may refer to its base's bytes (:mod:`._collective_incremental`)."""
     path = os.fspath(path)
     target: Target = (RemoteTarget(path, fmt, storage_options) if is_url(path)
                       else LocalTarget(path, fmt))
@@ -236,24 +244,20 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
     clock.lap("plan")
     suffix = native_backend(path, fmt).suffixes[0]
     # prepare: rank 0 makes the step ready (a temporary directory, or a claim on the URL)
-    token: str | None = None
-    failure: BaseException | None = None
-    if coord.is_primary:
-        try:
-            token = target.prepare()
-        except BaseException as exc:  # noqa: BLE001 - reported through the vote
-            failure = exc
-    shared = coord.broadcast(token, tag=f"{tag}:prepare", timeout=timeout)
+    grid = _grid(plan, fmt, suffix, coord.size) if target.grids else None
+    token, base, failure = _prepare(coord, path, target, fmt, plan, values, grid, incremental)
+    shared, base = coord.broadcast([token, base], tag=f"{tag}:prepare", timeout=timeout)
     try:
         coord.vote(failure, tag=f"{tag}:prepare", timeout=timeout)
         clock.lap("prepare")
         target.attach(shared)
         # write: this rank's boxes into its own file
         failure = None
-        grid = _grid(plan, fmt, suffix, coord.size) if target.grids else None
         mine = _mine(plan, coord.rank, grid)
         try:
-            _write_mine(target, grid, mine, values, boxed, coord.rank, suffix)
+            _write_mine(target, grid, mine, values, boxed, coord.rank, suffix,
+                        None if base is None or incremental is None
+                        else incremental.on(base))
         except BaseException as exc:  # noqa: BLE001 - reported through the vote
             failure = exc
         clock.lap("write")
@@ -271,6 +275,8 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
                 failure = exc
         coord.vote(failure, tag=f"{tag}:commit", timeout=timeout)
         clock.lap("commit")
+        if incremental is not None:
+            incremental.committed(path)
     except BaseException:
         if coord.is_primary and token is not None:
             target.abort()
@@ -278,6 +284,56 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
     last_timings.clear()
     last_timings.update(clock.laps)
     return path if is_url(path) else os.fspath(Path(path))
+
+
+def _prepare(  # noqa: PLR0917
+    coord: Coordinator,
+    path: str,
+    target: Target,
+    fmt: str,
+    plan: Any,
+    values: Mapping[str, tuple[np.ndarray, dict[str, Any]]],
+    grid: Any,
+    incremental: IncrementalSave | None,
+) -> tuple[str | None, str | None, BaseException | None]:
+    """Rank 0 makes the step ready (a temporary directory, or a claim on the URL) and
+    picks an incremental save's base: ``(token, base, failure)``; others: nothing."""
+    if not coord.is_primary:
+        return None, None, None
+    token = base = None
+    try:
+        token = target.prepare()
+        if incremental is not None:
+            base = _base(path, target, fmt, plan, values, coord.size, grid, incremental)
+    except BaseException as exc:  # noqa: BLE001 - reported through the vote
+        return token, None, exc
+    return token, base, None
+
+
+def _base(  # noqa: PLR0917
+    path: str,
+    target: Target,
+    fmt: str,
+    plan: Any,
+    values: Mapping[str, tuple[np.ndarray, dict[str, Any]]],
+    size: int,
+    grid: Any,
+    incremental: IncrementalSave,
+) -> str | None:
+    """Rank 0: the base step of an incremental save, or ``None`` (the step is written
+    whole, and the log says why)."""
+    if not target.reuses:  # the manager said so when it was made
+        logger.debug("Incremental save of %s: a multi-process step on an object store is "
+                     "written whole (per-process objects are not copied yet).", path)
+        return None
+    if incremental.base is None:
+        return None
+    base = Path(incremental.base)
+    why = check_base(base, fmt, size, _packed_variables(plan, values, grid))
+    if why is not None:
+        logger.warning("Incremental save of %s: writing every value: %s.", path, why)
+        return None
+    return os.fspath(base)
 
 
 def _write_mine(  # noqa: PLR0917
@@ -288,12 +344,21 @@ def _write_mine(  # noqa: PLR0917
     boxed: Mapping[tuple[str, tuple[int, ...]], np.ndarray],
     rank: int,
     suffix: str,
+    incremental: IncrementalSave | None = None,
 ) -> None:
-    """The write step on one rank: its chunks of global arrays, then its own file."""
+    """The write step on one rank: its chunks of global arrays, then its own file
+    (with ``incremental``, referring to its base's bytes where they are unchanged)."""
+    base = None if incremental is None or incremental.base is None else Path(incremental.base)
     if grid is not None:
-        grid.write(target.where, rank, values, boxed=boxed)
+        reuse = None
+        if base is not None and incremental is not None and rank in grid.writers():
+            reuse = GridReuse(base, read_sums(base), incremental.known)
+        grid.write(target.where, rank, values, boxed=boxed, reuse=reuse)
     if not mine:
         return
+    own = None if base is None else base / rank_file(rank, suffix)
+    if own is not None and not os.path.lexists(own):
+        own = None  # the rank wrote no file of its own there
 
     def fill(writer: Any) -> None:
         for key, stored, offset in mine:
@@ -303,7 +368,9 @@ def _write_mine(  # noqa: PLR0917
             writer.add(stored, array, attrs)
         writer.set_metadata({"sharded": {"rank": rank}})
 
-    target.write_rank(rank_file(rank, suffix), fill)
+    target.write_rank(rank_file(rank, suffix), fill, base=own,
+                      known=None if own is None or incremental is None
+                      else stored_known(incremental.known, mine))
 
 
 class _Clock:

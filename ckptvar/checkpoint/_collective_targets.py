@@ -45,6 +45,8 @@ class Target:
 
     #: whether values may be stored as global Zarr arrays (needs a shared directory)
     grids = False
+    #: whether a rank's file may refer to an earlier step's (an incremental save)
+    reuses = False
 
     def __init__(self, fmt: str) -> None:
         self.fmt = fmt
@@ -63,8 +65,11 @@ class Target:
         """The shared step directory being written (targets with :attr:`grids` only)."""
         raise NotImplementedError
 
-    def write_rank(self, name: str, fill: Callable[[Writer], None]) -> None:
-        """Write this rank's file ``name``: ``fill`` adds its values and metadata."""
+    def write_rank(self, name: str, fill: Callable[[Writer], None], *,
+                   base: Path | None = None, known: Mapping[str, bool] | None = None) -> None:
+        """Write this rank's file ``name``: ``fill`` adds its values and metadata.
+        ``base``: the same rank's file in an earlier step whose bytes it may refer to
+        (an incremental save; ``known``: by stored key, as the writers take it)."""
         raise NotImplementedError
 
     def commit(self, index: bytes) -> str:
@@ -79,6 +84,7 @@ class LocalTarget(Target):
     """A step directory on a filesystem every rank sees; committed by an atomic rename."""
 
     grids = True
+    reuses = True
 
     def __init__(self, path: str, fmt: str) -> None:
         super().__init__(fmt)
@@ -108,9 +114,11 @@ class LocalTarget(Target):
         assert self._where is not None, "attach() first"
         return self._where
 
-    def write_rank(self, name: str, fill: Callable[[Writer], None]) -> None:
+    def write_rank(self, name: str, fill: Callable[[Writer], None], *,
+                   base: Path | None = None, known: Mapping[str, bool] | None = None) -> None:
+        extra: dict[str, Any] = {} if base is None else {"base": base, "known": known or {}}
         _write_file(self.where / name, self.fmt, fill, durable=True,
-                    pack_threshold=self.pack_threshold)
+                    pack_threshold=self.pack_threshold, **extra)
 
     def commit(self, index: bytes) -> str:
         tmp = self.where
@@ -147,7 +155,8 @@ class RemoteTarget(Target):
         self.step.claim()
         return self.step.name
 
-    def write_rank(self, name: str, fill: Callable[[Writer], None]) -> None:
+    def write_rank(self, name: str, fill: Callable[[Writer], None], *,
+                   base: Path | None = None, known: Mapping[str, bool] | None = None) -> None:
         with staging_directory() as tmp:
             local = Path(tmp) / name
             _write_file(local, self.fmt, fill, durable=False,  # durable once uploaded
@@ -162,9 +171,9 @@ class RemoteTarget(Target):
 
 
 def _write_file(path: Path, fmt: str, fill: Callable[[Writer], None], *, durable: bool,
-                pack_threshold: int | None = None) -> None:
+                pack_threshold: int | None = None, **incremental: Any) -> None:
     writer = native_backend(path, fmt).open_writer(path, durable=durable,
-                                                   pack_threshold=pack_threshold)
+                                                   pack_threshold=pack_threshold, **incremental)
     try:
         fill(writer)
         writer.commit()

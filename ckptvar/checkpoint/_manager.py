@@ -118,11 +118,6 @@ _PERSIST_POLL_S = 5.0
 
 def _check_incremental(directory: Any, format: str, coordinator: Any, local_directory: Any) -> None:
     """Refuse (or, where full steps are still right, say) what incremental saves cannot do."""
-    if coordinator is not None and coordinator.size > 1:
-        raise CkptError(
-            "incremental=True is not supported yet with a coordinator of more than one "
-            "process; save full steps there."
-        )
     if local_directory is not None:
         raise CkptError(
             "incremental=True is not supported yet with a local tier (local_directory=): "
@@ -133,6 +128,11 @@ def _check_incremental(directory: Any, format: str, coordinator: Any, local_dire
             "incremental=True on an object store (%s) with format=%r writes full steps: "
             "an HDF5 step is one object, which a server-side copy cannot take in part; "
             "use format='zarr' to copy unchanged values on the server.", directory, format)
+    elif is_url(directory) and coordinator is not None and coordinator.size > 1:
+        logger.warning(
+            "incremental=True on an object store (%s) with a coordinator of %d processes "
+            "writes full steps: the per-process objects are not copied yet.",
+            directory, coordinator.size)
 
 
 class CheckpointManager:

@@ -90,6 +90,8 @@ __all__ = [
     "decode",
     "encode",
     "encode_columns",
+    "holder_step",
+    "is_holder_name",
     "is_sibling_name",
 ]
 
@@ -502,6 +504,25 @@ def is_sibling_name(name: Any) -> bool:
             and "/" not in name and "\\" not in name and "\0" not in name)
 
 
+def is_holder_name(name: Any) -> bool:
+    """``name`` names the file holding an external value: a sibling file, or (a per-process
+    file of a multi-process step) ``../<sibling step>/<its file>``."""
+    if isinstance(name, str) and name.startswith("../"):
+        parts = name[3:].split("/")
+        return len(parts) == 2 and all(is_sibling_name(p) for p in parts)
+    return is_sibling_name(name)
+
+
+def holder_step(name: str) -> str:
+    """The checkpoint beside this one that the holder ``name`` belongs to (the step
+    directory of ``../<step>/<file>``, else the sibling file itself).
+
+    >>> holder_step("../ckpt-1.h5/rank-00002.h5"), holder_step("ckpt-1.h5")
+    ('ckpt-1.h5', 'ckpt-1.h5')
+    """
+    return name[3:].split("/", maxsplit=1)[0] if name.startswith("../") else name
+
+
 def check_external(external: Any, container: str) -> dict[str, tuple[str, str]]:
     """The record's ``external`` map (1.3) checked: key -> ``(sibling file, path there)``."""
     if external is None:
@@ -510,7 +531,7 @@ def check_external(external: Any, container: str) -> dict[str, tuple[str, str]]:
         raise BadRecord("'external' is not a map of keys to [file, path] (HDF5 only)")
     out: dict[str, tuple[str, str]] = {}
     for key, where in external.items():
-        if (not isinstance(where, list) or len(where) != 2 or not is_sibling_name(where[0])
+        if (not isinstance(where, list) or len(where) != 2 or not is_holder_name(where[0])
                 or not isinstance(where[1], str) or not is_valid_container_path(where[1])):
             raise BadRecord(f"'external' gives {where!r} for {key!r}, not [sibling file "
                             "name, container path]")
