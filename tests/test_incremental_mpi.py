@@ -70,7 +70,10 @@ def test_incremental_steps_of_three_processes(tmp_path: Path, fmt: str) -> None:
         got = cv.load(p)
         for key, want in cases.expected(step).items():
             assert np.array_equal(got[key], want), (p.name, key)
-    for proc in ckpt_processes(*(("verify", p) for p in kept)):
+    standalone = tmp_path / f"standalone{suffix}"
+    *verified, listed, converted = ckpt_processes(*(("verify", p) for p in kept), ("ls", d),
+                                                  ("convert", kept[1], standalone))
+    for proc in (*verified, listed, converted):
         assert proc.returncode == 0, proc.stdout + proc.stderr
     base = d / f"ckpt-1{suffix}"
     if fmt == "h5":
@@ -88,6 +91,9 @@ def test_incremental_steps_of_three_processes(tmp_path: Path, fmt: str) -> None:
         with cv.open(kept[1]) as reader:
             assert isinstance(reader, cv.storage.SupportsShared)
             assert reader.shared()["uneven"] == [base.name]
+            assert reader.shared()["frozen"] == [base.name, kept[0].name]  # by box
+        line = next(x for x in listed.stdout.splitlines() if " ckpt-1.h5 " in x)
+        assert "(holds bytes of ckpt-5.h5, ckpt-6.h5)" in line, listed.stdout
     else:
         # hard links: the base was pruned and deleted, the kept steps still load (above);
         # the frozen chunks of processes 0 and 2 are the same files in both kept steps
@@ -107,4 +113,8 @@ def test_incremental_steps_of_three_processes(tmp_path: Path, fmt: str) -> None:
     assert "was written by 3 processes, this one by 2" in two[0]["said"][0]
     got = cv.load(d / f"ckpt-7{suffix}")
     for key, want in cases.expected(7).items():
+        assert np.array_equal(got[key], want), key
+    cv.storage.remove_path(d)  # `ckpt convert` wrote a standalone copy
+    got = cv.load(standalone)
+    for key, want in cases.expected(6).items():
         assert np.array_equal(got[key], want), key

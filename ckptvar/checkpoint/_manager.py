@@ -163,7 +163,8 @@ class CheckpointManager:
             step; the others refer to the bytes stored already (docs/checkpoints.md,
             "Incremental checkpoints"). A pruned step whose bytes a kept step refers to
             stays on disk (``pending_delete`` with ``held_for`` in the state file) until
-            no kept step does.
+            no kept step does. With a coordinator, each process's file refers to its
+            own file in the base step (same processes and layout, else written whole).
 
     Tiers (keyword-only): with ``local_directory`` every step is saved there (fast,
     blocking) and every ``persistent_every``-th is also copied to ``directory`` (a
