@@ -233,7 +233,8 @@ class Checkpoint(Trackable):
                                        options.get("storage_options"),
                                        pack_threshold=options.get("pack_threshold"),
                                        base=None if inc is None else inc.base,
-                                       known=None if inc is None else inc.known)
+                                       known=None if inc is None else inc.known,
+                                       pieces=inc is not None)
             finally:
                 snapshot.clear()
             if inc is not None:

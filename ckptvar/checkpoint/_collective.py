@@ -256,8 +256,7 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
         mine = _mine(plan, coord.rank, grid)
         try:
             _write_mine(target, grid, mine, values, boxed, coord.rank, suffix,
-                        None if base is None or incremental is None
-                        else incremental.on(base))
+                        None if incremental is None else incremental.on(base))
         except BaseException as exc:  # noqa: BLE001 - reported through the vote
             failure = exc
         clock.lap("write")
@@ -370,7 +369,8 @@ def _write_mine(  # noqa: PLR0917
 
     target.write_rank(rank_file(rank, suffix), fill, base=own,
                       known=None if own is None or incremental is None
-                      else stored_known(incremental.known, mine))
+                      else stored_known(incremental.known, mine),
+                      pieces=incremental is not None)
 
 
 class _Clock:

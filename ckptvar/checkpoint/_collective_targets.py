@@ -66,10 +66,12 @@ class Target:
         raise NotImplementedError
 
     def write_rank(self, name: str, fill: Callable[[Writer], None], *,
-                   base: Path | None = None, known: Mapping[str, bool] | None = None) -> None:
+                   base: Path | None = None, known: Mapping[str, bool] | None = None,
+                   pieces: bool = False) -> None:
         """Write this rank's file ``name``: ``fill`` adds its values and metadata.
         ``base``: the same rank's file in an earlier step whose bytes it may refer to
-        (an incremental save; ``known``: by stored key, as the writers take it)."""
+        (an incremental save; ``known``: by stored key, as the writers take it);
+        ``pieces``: large Zarr values as several chunks (an incremental manager's)."""
         raise NotImplementedError
 
     def commit(self, index: bytes) -> str:
@@ -115,8 +117,11 @@ class LocalTarget(Target):
         return self._where
 
     def write_rank(self, name: str, fill: Callable[[Writer], None], *,
-                   base: Path | None = None, known: Mapping[str, bool] | None = None) -> None:
+                   base: Path | None = None, known: Mapping[str, bool] | None = None,
+                   pieces: bool = False) -> None:
         extra: dict[str, Any] = {} if base is None else {"base": base, "known": known or {}}
+        if pieces and self.fmt == "zarr":
+            extra["piece_bytes"] = True
         _write_file(self.where / name, self.fmt, fill, durable=True,
                     pack_threshold=self.pack_threshold, **extra)
 
@@ -156,7 +161,8 @@ class RemoteTarget(Target):
         return self.step.name
 
     def write_rank(self, name: str, fill: Callable[[Writer], None], *,
-                   base: Path | None = None, known: Mapping[str, bool] | None = None) -> None:
+                   base: Path | None = None, known: Mapping[str, bool] | None = None,
+                   pieces: bool = False) -> None:
         with staging_directory() as tmp:
             local = Path(tmp) / name
             _write_file(local, self.fmt, fill, durable=False,  # durable once uploaded

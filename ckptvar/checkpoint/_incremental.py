@@ -41,10 +41,12 @@ class IncrementalSave:
     versions: dict[str, tuple[int, int]] = field(default_factory=dict)
     owner: Incremental | None = None
 
-    def on(self, base: Path | str) -> IncrementalSave:
-        """This save on ``base`` (a multi-process save takes rank 0's base): what is known
-        holds only for the step it was known for; on another, every value is compared."""
-        same = self.base is not None and _name(base) == _name(self.base)
+    def on(self, base: Path | str | None) -> IncrementalSave:
+        """This save on ``base`` (a multi-process save takes rank 0's base; ``None``:
+        none): what is known holds only for the step it was known for; on another, every
+        value is compared."""
+        same = (base is not None and self.base is not None
+                and _name(base) == _name(self.base))
         return IncrementalSave(base, self.known if same else {}, self.versions, self.owner)
 
     def committed(self, path: str | os.PathLike[str]) -> None:

@@ -79,6 +79,7 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_NDIM",
     "MAX_RECORD_NBYTES",
+    "PIECES_VERSION",
     "Columns",
     "Entry",
     "Extent",
@@ -86,6 +87,7 @@ __all__ = [
     "ValueColumns",
     "block_count",
     "check_external",
+    "check_pieces",
     "check_plain",
     "decode",
     "encode",
@@ -100,6 +102,8 @@ FORMAT_NAME = "ckptvar"
 FORMAT_VERSION = (1, 2)
 #: The version of a record with ``external`` values (an incremental HDF5 step).
 EXTERNAL_VERSION = (1, 3)
+#: The version of a record with ``pieces`` (a Zarr value stored as several chunk files).
+PIECES_VERSION = (1, 4)
 #: Largest record a reader accepts (about 5 million values).
 MAX_RECORD_NBYTES = 1 << 30
 _LIBRARY = "ckptvar 0.1.0"
@@ -200,6 +204,9 @@ class Record:
     #: by key: ``(file name, container path there)``, the file a sibling of this one;
     #: the value's ``offset`` is in that file (docs/FORMAT.md).
     external: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: 1.4, Zarr only: the values stored as several chunk files along their first axis,
+    #: by key: the rows per chunk (docs/FORMAT.md, "Pieces").
+    pieces: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -240,9 +247,11 @@ def encode_columns(
     *,
     block_size: int = BLOCK_SIZE,
     external: Mapping[str, tuple[str, str]] | None = None,
+    pieces: Mapping[str, int] | None = None,
 ) -> bytes:
     """The msgpack bytes of a record given as per-value lists (``cols.blocks``: blocks of
-    ``block_size`` bytes; ``external``: the values another file holds, format 1.3)."""
+    ``block_size`` bytes; ``external``: the values another file holds, format 1.3;
+    ``pieces``: rows per chunk of the values stored as several chunks, format 1.4)."""
     keys, locs = cols.keys, cols.locs
     layouts = [loc.kind for loc in locs]
     paths = [loc.path for loc in locs]
@@ -250,7 +259,8 @@ def encode_columns(
     dense, sparse = split_attrs(keys, cols.attrs)
     doc: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "format_version": list(EXTERNAL_VERSION if external else FORMAT_VERSION),
+        "format_version": list(PIECES_VERSION if pieces else
+                               EXTERNAL_VERSION if external else FORMAT_VERSION),
         "library": _LIBRARY,
         "container": container,
         "packed": list(packed) if packed is not None else None,
@@ -268,6 +278,8 @@ def encode_columns(
         doc["block_checksums"] = blocks
     if external:
         doc["external"] = {k: list(v) for k, v in external.items()}
+    if pieces:
+        doc["pieces"] = dict(pieces)
     doc.update({
         "attrs": dense,
         "sparse_attrs": sparse,
@@ -338,12 +350,18 @@ def _validate(doc: Any, container: str, file_size: int | None) -> Record:
     block_size = check_block_size(doc)
     blocks = check_blocks(keys, doc.get("block_checksums"), nbytes, block_size)
     external = check_external(doc.get("external"), container)
-    if external:
+    pieces = check_pieces(doc.get("pieces"), container)
+    if external or pieces:
         at = dict(zip(keys, layouts, strict=True))
         for key in external:
             if at.get(key) != ARRAY:
                 raise BadRecord(f"the external value {key!r} is not a value stored as its own "
                                 "array")
+        dims = dict(zip(keys, shapes, strict=True))
+        for key, rows in pieces.items():
+            if at.get(key) != ARRAY or not dims[key] or not 0 < rows < dims[key][0]:
+                raise BadRecord(f"'pieces' gives {rows} rows per chunk for {key!r}, which is "
+                                "not a value of more rows stored as its own array")
     is_packed = [lay == "packed" for lay in layouts]
     off = np.array(offsets, np.int64)
     nb = np.array(nbytes, np.int64)
@@ -365,6 +383,7 @@ def _validate(doc: Any, container: str, file_size: int | None) -> Record:
         columns=Columns(keys, pk, off, nb),
         block_size=block_size,
         external=external,
+        pieces=pieces,
     )
 
 
@@ -437,6 +456,7 @@ def _decode_indexed(data: bytes, where: str, container: str,
         packed = _check_packed_region(head.get("packed"), file_size)
         block_size = check_block_size(head)
         external = check_external(head.get("external"), container)
+        pieces = check_pieces(head.get("pieces"), container)
         index = KeyIndex.parse(head["index"], container, block_size)
         pk = index.layouts == 0
         check_packed(SortedKeys(index), pk, index.offsets, index.nbytes,
@@ -452,6 +472,7 @@ def _decode_indexed(data: bytes, where: str, container: str,
         columns=Columns(SortedKeys(index), pk, index.offsets, index.nbytes),  # type: ignore[arg-type]
         block_size=block_size,
         external=external,
+        pieces=pieces,
     )
     record.values = IndexedValues(  # type: ignore[assignment]
         index,
@@ -521,6 +542,18 @@ def holder_step(name: str) -> str:
     ('ckpt-1.h5', 'ckpt-1.h5')
     """
     return name[3:].split("/", maxsplit=1)[0] if name.startswith("../") else name
+
+
+def check_pieces(pieces: Any, container: str) -> dict[str, int]:
+    """The record's ``pieces`` map (1.4) checked: key -> rows per chunk (a positive int)."""
+    if pieces is None:
+        return {}
+    if container != "zarr" or not isinstance(pieces, dict):
+        raise BadRecord("'pieces' is not a map of keys to rows per chunk (Zarr only)")
+    for key, rows in pieces.items():
+        if not isinstance(key, str) or type(rows) is not int or rows < 1:
+            raise BadRecord(f"'pieces' gives {rows!r} for {key!r}, not a number of rows")
+    return dict(pieces)
 
 
 def check_external(external: Any, container: str) -> dict[str, tuple[str, str]]:

@@ -276,10 +276,14 @@ class ContainerWriter(Writer):
         )
         packed = packed_loc if any(it.packed for it in items) else None
         return encode_columns(self.container, packed, cols, self._metadata,
-                              external=self._external(items))
+                              external=self._external(items), pieces=self._pieces(items))
 
     def _external(self, items: list[ValueWrite]) -> dict[str, tuple[str, str]] | None:
         """The record's ``external`` map (values another file holds); None: none."""
+        return None
+
+    def _pieces(self, items: list[ValueWrite]) -> dict[str, int] | None:
+        """The record's ``pieces`` map (values stored as several chunks); None: none."""
         return None
 
     def _array_loc(self, it: ValueWrite) -> Extent:
