@@ -36,10 +36,10 @@ from ..distributed import Box, read_plan
 from ..errors import CkptError, CorruptCheckpointError, MissingKeyError
 from ._box_index import as_box, fits_whole
 from ._container import ContainerReader
-from ._record import ARRAY, holder_step
+from ._record import holder_step
 from ._sharded_zarr import GridVariable, check_part, read_part
 from ._step_files import LocalStepFiles, StepFiles
-from ._zarr_files import chunk_key
+from ._zarr import ZarrReader
 from .base import (
     ArrayInfo,
     Backend,
@@ -352,12 +352,10 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
             sub = self._sub(key, f)
             if not isinstance(sub, ContainerReader):
                 continue
-            if isinstance(sub, SupportsShared) and self._files[f].endswith(".h5"):
+            if isinstance(sub, ZarrReader):
+                rels += [f"{self._files[f]}/{rel}" for rel in sub.chunk_files(stored)]
+            elif isinstance(sub, SupportsShared):
                 names.update(holder_step(n) for n in sub.shared().get(stored, ()))
-                continue
-            entry = sub.entry(stored)
-            if entry.loc.kind == ARRAY and entry.loc.path is not None and entry.nbytes:
-                rels.append(f"{self._files[f]}/{entry.loc.path}/{chunk_key(len(entry.shape))}")
         return rels
 
     # -- boxes ---------------------------------------------------------------------------
