@@ -102,3 +102,29 @@ def test_a_full_manager_stores_one_chunk_per_value(tmp_path: Path,
     assert sorted(n for n in os.listdir(step / "table") if n.startswith("c.")) == ["c.0.0"]
     with cv.open(step) as reader:
         assert reader.record.format_version == (1, 2)
+
+
+def test_a_process_file_of_a_multi_process_step_shares_its_chunks(
+        tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    """The collective path (a coordinator, a sharded variable): a bfloat16 table (no
+    global Zarr array for that dtype) is stored in the process's own Zarr tree, in
+    chunks, and a step shares the unchanged ones with the base step's tree."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rows = 3 * (PIECE // 128) + 7  # 64 bfloat16 = 128 bytes a row: 3 chunks and a bit
+    value = np.random.default_rng(1).random((rows, 64)).astype(ml_dtypes.bfloat16)
+    table = cv.Variable(value, name="table", shard=cv.Shard(full_shape=(rows, 64),
+                                                            offset=(0, 0)))
+    coord = cv.distributed.SingleProcessCoordinator()
+    manager = cv.CheckpointManager(cv.Checkpoint(table=table), tmp_path / "run",
+                                   format="zarr", incremental=True, coordinator=coord)
+    first = Path(manager.save())
+    table[5:9] = table[5:9] + 1.0  # chunk 0 only
+    second = Path(manager.save())
+    files = sorted((second / "rank-00000.zarr").rglob("c.*.0"))
+    assert len(files) == 4
+    shared = [f.stat().st_nlink == 2 for f in files]
+    assert shared == [False, True, True, True], files
+    assert np.array_equal(cv.load(second)["table"].view(np.uint16),
+                          table.numpy().view(np.uint16))
+    with cv.open(second) as reader:
+        assert reader.shared() == {"table": [first.name]}

@@ -62,7 +62,6 @@ from ._record import (
     decode,
     holder_step,
 )
-from ._sharded import INDEX_FILE
 from .base import Backend, SupportsShared
 from .paths import RESERVED_PREFIX
 from .registry import register_backend
@@ -627,9 +626,7 @@ def external_files(path: Path) -> set[str]:
     of its per-process ``.h5`` files, by the step that holds them); empty for anything
     else, or nothing at ``path``."""
     path = Path(path)
-    if path.is_dir():
-        if not os.path.isfile(path / INDEX_FILE):
-            return set()
+    if path.is_dir():  # a multi-process step: its per-process files
         out: set[str] = set()
         for sub in sorted(path.glob("rank-*.h5")):
             out.update(holder_step(f) for f in _external_names(sub))
