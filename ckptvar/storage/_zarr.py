@@ -191,7 +191,7 @@ class ZarrWriter(ContainerWriter):
                 or tuple(entry.shape) != it.shape or entry.blocks is None):
             return
         if not it.hashed:
-            it.hash()
+            it.hash(parallel=True)  # before the write, which waits for it
             it.hashed = True
         if it.blocks is None:
             return

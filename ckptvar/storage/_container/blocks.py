@@ -37,6 +37,7 @@ __all__ = [
     "BLOCK_SIZE",
     "blocks_agree",
     "hash_blocks",
+    "hash_blocks_parallel",
     "hash_range",
     "read_span",
     "scratch_buffer",
@@ -75,6 +76,28 @@ def hash_blocks(view: memoryview, seed: int, block_size: int = BLOCK_SIZE) -> tu
         crcs[i] = _crc(view[pos : pos + block_size], 0, 1)
     blocks = crcs.tobytes()
     return _join(seed, crcs.tolist(), n, block_size), blocks
+
+
+def hash_blocks_parallel(view: memoryview, seed: int, block_size: int = BLOCK_SIZE
+                         ) -> tuple[int, bytes]:
+    """:func:`hash_blocks` with the blocks hashed on the I/O threads, in runs of about
+    4 MiB (for a value hashed before it is written, not while).
+
+    >>> data = memoryview(np.arange(50_000, dtype=np.uint8))
+    >>> hash_blocks_parallel(data, 7, 4096) == hash_blocks(data, 7, 4096)
+    True
+    """
+    n = len(view)
+    crcs = np.empty(block_count(n, block_size), "<u4")
+    per = max(1, _PIECE // block_size)
+
+    def run(first: int) -> None:
+        for k in range(first, min(first + per, len(crcs))):
+            pos = k * block_size
+            crcs[k] = _crc(view[pos : pos + block_size], 0, 1)
+
+    _rawio.wait_all(_rawio.start_all([functools.partial(run, k) for k in range(0, len(crcs), per)]))
+    return _join(seed, crcs.tolist(), n, block_size), crcs.tobytes()
 
 
 def _join(seed: int, crcs: list[int], n: int, block_size: int) -> int:

@@ -30,7 +30,7 @@ from .._record import PACKED, ZARR, Extent, ValueColumns, encode_columns
 from ..atomic import check_destination, publish, temporary_sibling
 from ..base import Writer
 from ..paths import container_paths
-from .blocks import BLOCK_SIZE, hash_blocks
+from .blocks import BLOCK_SIZE, hash_blocks, hash_blocks_parallel
 from .layout import ALIGN, pack_limit
 from .reuse import Held, match
 
@@ -62,10 +62,12 @@ class ValueWrite:
     def view(self) -> memoryview:
         return _rawio.byte_view(self.array)
 
-    def hash(self) -> None:
+    def hash(self, *, parallel: bool = False) -> None:
+        """Its checksum and block checksums (``parallel``: on the I/O threads)."""
         seed = _checksum.header_crc(self.key, self.dtype, self.shape)
         if self.nbytes > BLOCK_SIZE:
-            self.checksum, self.blocks = hash_blocks(self.view, seed)
+            hasher = hash_blocks_parallel if parallel else hash_blocks
+            self.checksum, self.blocks = hasher(self.view, seed)
         else:
             self.checksum = _checksum.crc(self.view, seed)
 
