@@ -50,7 +50,7 @@ def test_the_incremental_workload_on_s3_reports_uploaded_bytes(tmp_path: Path) -
         capture_output=True, text=True, timeout=600, check=True, cwd=ROOT,
     )
     rows = {(r["format"], r["workload"]): r for r in json.loads(out.stdout)}
-    assert len(rows) == 6 and all(r["place"] == "s3" for r in rows.values())
+    assert len(rows) == 8 and all(r["place"] == "s3" for r in rows.values())
     zarr, h5 = rows["zarr", "frozen"], rows["h5", "frozen"]
     assert zarr["written_over_changed"] <= 1.10, zarr
     assert h5["incremental"]["written"] >= h5["state"]
