@@ -322,17 +322,17 @@ def _base(  # noqa: PLR0917
     """Rank 0: the base step of an incremental save, or ``None`` (the step is written
     whole, and the log says why)."""
     if not target.reuses:  # the manager said so when it was made
-        logger.debug("Incremental save of %s: a multi-process step on an object store is "
-                     "written whole (per-process objects are not copied yet).", path)
+        logger.debug("Incremental save of %s: written whole (an HDF5 multi-process step on "
+                     "an object store).", path)
         return None
     if incremental.base is None:
         return None
-    base = Path(incremental.base)
-    why = check_base(base, fmt, size, _packed_variables(plan, values, grid))
+    base = os.fspath(incremental.base)
+    why = check_base(base, target.base_index, fmt, size, _packed_variables(plan, values, grid))
     if why is not None:
         logger.warning("Incremental save of %s: writing every value: %s.", path, why)
         return None
-    return os.fspath(base)
+    return base
 
 
 def _write_mine(  # noqa: PLR0917
@@ -347,17 +347,15 @@ def _write_mine(  # noqa: PLR0917
 ) -> None:
     """The write step on one rank: its chunks of global arrays, then its own file
     (with ``incremental``, referring to its base's bytes where they are unchanged)."""
-    base = None if incremental is None or incremental.base is None else Path(incremental.base)
-    if grid is not None:
+    base = None if incremental is None or incremental.base is None else os.fspath(
+        incremental.base)
+    if grid is not None:  # a local step directory
         reuse = None
         if base is not None and incremental is not None and rank in grid.writers():
-            reuse = GridReuse(base, read_sums(base), incremental.known)
+            reuse = GridReuse(Path(base), read_sums(Path(base)), incremental.known)
         grid.write(target.where, rank, values, boxed=boxed, reuse=reuse)
     if not mine:
         return
-    own = None if base is None else base / rank_file(rank, suffix)
-    if own is not None and not os.path.lexists(own):
-        own = None  # the rank wrote no file of its own there
 
     def fill(writer: Any) -> None:
         for key, stored, offset in mine:
@@ -367,8 +365,8 @@ def _write_mine(  # noqa: PLR0917
             writer.add(stored, array, attrs)
         writer.set_metadata({"sharded": {"rank": rank}})
 
-    target.write_rank(rank_file(rank, suffix), fill, base=own,
-                      known=None if own is None or incremental is None
+    target.write_rank(rank_file(rank, suffix), fill, base=base,
+                      known=None if base is None or incremental is None
                       else stored_known(incremental.known, mine),
                       pieces=incremental is not None)
 

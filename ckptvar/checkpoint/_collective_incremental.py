@@ -10,15 +10,14 @@ with the same writers and the same grid. :func:`check_base` (rank 0) says why no
 the step is then written whole and the reason logged (docs/checkpoints.md,
 "Incremental checkpoints").
 
->>> check_base(None, "h5", 2, b"\\x80")
+>>> check_base(None, bytes, "h5", 2, b"\\x80")
 'there is no earlier step'
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,35 +33,42 @@ logger = logging.getLogger("ckptvar")
 _MAX_INDEX = 1 << 30
 
 
-def _index(base: Path) -> dict[str, Any]:
-    where = base / INDEX_FILE
-    if where.stat().st_size > _MAX_INDEX:
-        raise ValueError("its index is larger than 1 GiB")
-    doc = msgpack.unpackb(where.read_bytes(), raw=False, strict_map_key=False)
+def _decode(raw: bytes) -> dict[str, Any]:
+    doc = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     if not isinstance(doc, dict) or not isinstance(doc.get("variables"), dict):
         raise ValueError("its index is malformed")
     return doc
 
 
-def check_base(base: Path | None, fmt: str, size: int, variables: bytes) -> str | None:
-    """Why the multi-process step ``base`` cannot be the base of a step of ``size``
-    processes whose index ``variables`` map (msgpack-packed) is given; ``None``: it can.
+def _index(base: Path) -> dict[str, Any]:
+    where = base / INDEX_FILE
+    if where.stat().st_size > _MAX_INDEX:
+        raise ValueError("its index is larger than 1 GiB")
+    return _decode(where.read_bytes())
+
+
+def check_base(base: str | None, index: Callable[[str], bytes], fmt: str, size: int,
+               variables: bytes) -> str | None:
+    """Why the multi-process step ``base`` (its path or URL; ``index(base)`` reads its
+    index) cannot be the base of a step of ``size`` processes whose index ``variables``
+    map (msgpack-packed) is given; ``None``: it can.
     """
     if base is None:
         return "there is no earlier step"
-    if not os.path.isfile(base / INDEX_FILE):
-        return f"the earlier step {base.name} is not a multi-process step"
+    name = base.rstrip("/").rpartition("/")[2]
     try:
-        doc = _index(base)
+        doc = _decode(index(base))
         new = msgpack.unpackb(variables, raw=False, strict_map_key=False)
-    except (OSError, ValueError) as exc:
-        return f"the earlier step {base.name} cannot be read ({exc})"
+    except FileNotFoundError:
+        return f"the earlier step {name} is not a multi-process step"
+    except (OSError, ValueError) as exc:  # CkptError subclasses one of them
+        return f"the earlier step {name} cannot be read ({exc})"
     if doc.get("container") != fmt:
-        return f"the earlier step {base.name} is {doc.get('container')!r}, not {fmt!r}"
+        return f"the earlier step {name} is {doc.get('container')!r}, not {fmt!r}"
     if doc.get("processes") != size:
-        return (f"the earlier step {base.name} was written by {doc.get('processes')} "
+        return (f"the earlier step {name} was written by {doc.get('processes')} "
                 f"processes, this one by {size}")
-    return _layout_differs(doc["variables"], new, base.name)
+    return _layout_differs(doc["variables"], new, name)
 
 
 def _layout_differs(old: dict[str, Any], new: dict[str, Any], name: str) -> str | None:

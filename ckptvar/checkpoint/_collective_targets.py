@@ -66,12 +66,17 @@ class Target:
         raise NotImplementedError
 
     def write_rank(self, name: str, fill: Callable[[Writer], None], *,
-                   base: Path | None = None, known: Mapping[str, bool] | None = None,
+                   base: str | None = None, known: Mapping[str, bool] | None = None,
                    pieces: bool = False) -> None:
         """Write this rank's file ``name``: ``fill`` adds its values and metadata.
-        ``base``: the same rank's file in an earlier step whose bytes it may refer to
-        (an incremental save; ``known``: by stored key, as the writers take it);
-        ``pieces``: large Zarr values as several chunks (an incremental manager's)."""
+        ``base``: an earlier step (its path or URL, from :meth:`base_index`'s caller)
+        whose file ``name`` it may refer to (an incremental save; ``known``: by stored
+        key, as the writers take it); ``pieces``: large Zarr values as several chunks
+        (an incremental manager's, local only)."""
+        raise NotImplementedError
+
+    def base_index(self, base: str) -> bytes:
+        """The index of the earlier step ``base`` (an incremental save's base)."""
         raise NotImplementedError
 
     def commit(self, index: bytes) -> str:
@@ -117,13 +122,22 @@ class LocalTarget(Target):
         return self._where
 
     def write_rank(self, name: str, fill: Callable[[Writer], None], *,
-                   base: Path | None = None, known: Mapping[str, bool] | None = None,
+                   base: str | None = None, known: Mapping[str, bool] | None = None,
                    pieces: bool = False) -> None:
-        extra: dict[str, Any] = {} if base is None else {"base": base, "known": known or {}}
+        own = None if base is None else Path(base) / name
+        if own is not None and not os.path.lexists(own):
+            own = None  # the rank wrote no file of its own there
+        extra: dict[str, Any] = {} if own is None else {"base": own, "known": known or {}}
         if pieces and self.fmt == "zarr":
             extra["piece_bytes"] = True
         _write_file(self.where / name, self.fmt, fill, durable=True,
                     pack_threshold=self.pack_threshold, **extra)
+
+    def base_index(self, base: str) -> bytes:
+        where = Path(base) / INDEX_FILE
+        if where.stat().st_size > 1 << 30:
+            raise ValueError(f"{str(where)!r} is larger than 1 GiB")
+        return where.read_bytes()
 
     def commit(self, index: bytes) -> str:
         tmp = self.where
@@ -155,19 +169,32 @@ class RemoteTarget(Target):
     def __init__(self, url: str, fmt: str, storage_options: Mapping[str, Any] | None) -> None:
         super().__init__(fmt)
         self.step = RemoteStep(*split_url(url, storage_options=storage_options))
+        #: a process's Zarr tree takes unchanged values as server-side copies of its base's
+        self.reuses = fmt == "zarr"
 
     def prepare(self) -> str:
         self.step.claim()
         return self.step.name
 
     def write_rank(self, name: str, fill: Callable[[Writer], None], *,
-                   base: Path | None = None, known: Mapping[str, bool] | None = None,
+                   base: str | None = None, known: Mapping[str, bool] | None = None,
                    pieces: bool = False) -> None:
         with staging_directory() as tmp:
             local = Path(tmp) / name
+            extra: dict[str, Any] = {}
+            copies: list[tuple[str, str]] = []
+            base_name = None if base is None else base.rstrip("/").rpartition("/")[2]
+            record = (None if base_name is None or self.fmt != "zarr" else
+                      self.step.base_record(base_name, name, Path(tmp) / ".base" / name))
+            if record is not None:  # unchanged values: server-side copies of the base's
+                extra = {"base": record, "known": known or {}, "copies": copies}
             _write_file(local, self.fmt, fill, durable=False,  # durable once uploaded
-                        pack_threshold=self.pack_threshold)
-            self.step.upload(local, name)
+                        pack_threshold=self.pack_threshold, **extra)
+            self.step.upload(local, name,
+                             [(f"{base_name}/{name}/{src}", dst) for src, dst in copies])
+
+    def base_index(self, base: str) -> bytes:
+        return self.step.base_index(base.rstrip("/").rpartition("/")[2])
 
     def commit(self, index: bytes) -> str:
         return self.step.commit(index, ZARR_ROOT if self.fmt == "zarr" else None)

@@ -128,11 +128,6 @@ def _check_incremental(directory: Any, format: str, coordinator: Any, local_dire
             "incremental=True on an object store (%s) with format=%r writes full steps: "
             "an HDF5 step is one object, which a server-side copy cannot take in part; "
             "use format='zarr' to copy unchanged values on the server.", directory, format)
-    elif is_url(directory) and coordinator is not None and coordinator.size > 1:
-        logger.warning(
-            "incremental=True on an object store (%s) with a coordinator of %d processes "
-            "writes full steps: the per-process objects are not copied yet.",
-            directory, coordinator.size)
 
 
 class CheckpointManager:

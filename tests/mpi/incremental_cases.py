@@ -12,6 +12,10 @@ appends one JSON line per mode to ``$RESULT_DIR/rank<r>.jsonl``.
 - ``restore`` (any number): every listed step is restored into this many processes'
   shards and compared with :func:`expected`; then one incremental save with this
   layout (written whole: the layout differs from the base's) is checked.
+- ``step`` (``DIR`` an ``s3://`` URL, ``$S3_OPTIONS`` its storage options, a 4th
+  argument ``N``): a fresh job sets the values of step ``N`` and saves one incremental
+  step (``max_to_keep=1``); a new manager knows no versions: values are compared by
+  their checksums with the latest step's.
 
 :func:`expected` is the full value of each variable at a step (the test's plain
 ``cv.load`` compares with it too).
@@ -112,6 +116,24 @@ def restore_all(mgr: Any, ckpt: Any, made: dict[str, Any], coord: Any) -> dict[s
     return restored
 
 
+def one_step(url: str, fmt: str, step: int) -> None:
+    """The ``step`` mode (see the module docstring)."""
+    import ckptvar as cv
+
+    coord = cv.distributed.from_env(timeout=60)
+    rank, size = coord.rank, coord.size
+    opts = json.loads(os.environ["S3_OPTIONS"])
+    ckpt, made = model(rank, size)
+    set_step(made, step, rank, size, first=True)
+    mgr = cv.CheckpointManager(ckpt, url, max_to_keep=1, format=fmt, incremental=True,
+                               coordinator=coord, storage_options=opts)
+    path = mgr.save(checkpoint_number=step)
+    coord.barrier(tag="done", timeout=60)
+    out = Path(os.environ["RESULT_DIR"]) / f"rank{rank}.jsonl"
+    with open(out, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"case": "step", "rank": rank, "path": path, "ok": True}) + "\n")
+
+
 def main(mode: str, root: Path, fmt: str) -> None:
     import ckptvar as cv
     from ckptvar.checkpoint import _collective_targets as targets
@@ -179,7 +201,10 @@ def main(mode: str, root: Path, fmt: str) -> None:
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1], Path(sys.argv[2]), sys.argv[3])
+        if sys.argv[1] == "step":
+            one_step(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        else:
+            main(sys.argv[1], Path(sys.argv[2]), sys.argv[3])
     except Exception:
         out = Path(os.environ["RESULT_DIR"]) / "error.txt"
         out.write_text(traceback.format_exc())
