@@ -128,3 +128,31 @@ def test_a_process_file_of_a_multi_process_step_shares_its_chunks(
                           table.numpy().view(np.uint16))
     with cv.open(second) as reader:
         assert reader.shared() == {"table": [first.name]}
+
+
+def test_a_record_whose_pieces_do_not_fit_is_refused(tmp_path: Path) -> None:
+    """A forged record: ``pieces`` for a value stored as one chunk (its first chunk is
+    then the wrong size), or rows that no chunking of its shape has."""
+    import json
+
+    from ckptvar.storage import _record
+    from ckptvar.storage import checksum as _checksum
+
+    def forge(path: Path, pieces: dict[str, int]) -> None:
+        rec_file = path / "_ckptvar" / "record" / "c.0"
+        rec = _record.decode(rec_file.read_bytes(), path, container="zarr")
+        rec.pieces = pieces
+        new = _record.encode(rec)
+        rec_file.write_bytes(new)
+        meta = json.loads((path / "zarr.json").read_text())
+        meta["attributes"]["ckptvar"].update(record_nbytes=len(new),
+                                             record_crc32c=_checksum.crc(new))
+        (path / "zarr.json").write_text(json.dumps(meta))
+
+    value = np.arange(1000 * 64, dtype=np.float32).reshape(1000, 64)
+    for pieces, says in (({"w": 10}, "chunk of"), ({"w": 1000}, "rows per chunk")):
+        p = tmp_path / f"forged-{pieces['w']}.zarr"
+        cv.save(p, {"w": value})
+        forge(p, pieces)
+        with pytest.raises(cv.errors.CorruptCheckpointError, match=says):
+            cv.load(p)

@@ -236,7 +236,8 @@ def encode(record: Record) -> bytes:
         [e.blocks for e in entries],
     )
     return encode_columns(record.container, record.packed, cols, record.metadata,
-                          block_size=record.block_size)
+                          block_size=record.block_size, external=record.external,
+                          pieces=record.pieces)
 
 
 def encode_columns(

@@ -562,29 +562,29 @@ class ZarrReader(ContainerReader, SupportsShared):
             return Source(self._open_pieces(key, entry), 0, True)
         return Source(self._open_chunk(key, rel, entry.nbytes), 0, True)
 
-    def piece_sizes(self, key: str, entry: Entry) -> tuple[list[str], int, list[int]]:
-        """A value stored as several chunks (format 1.4): its chunk files (relative to
-        the checkpoint), a chunk file's size, and how many bytes of each are the value's."""
+    def _piece_layout(self, key: str, entry: Entry) -> tuple[int, int]:
+        """A value stored as several chunks (format 1.4): a chunk file's size and how
+        many there are (checked against its shape)."""
         rows = self._record.pieces[key]
         if not entry.shape or not 0 < rows < entry.shape[0]:
             raise self.corrupt(key, f"has {rows} rows per chunk, which its shape "
                                     f"{entry.shape} cannot have")
-        size = rows * (entry.nbytes // entry.shape[0])
-        n = -(-entry.shape[0] // rows)
-        rels = [f"{entry.loc.path}/{piece_key(len(entry.shape), i)}" for i in range(n)]
-        return rels, size, [size] * (n - 1) + [entry.nbytes - (n - 1) * size]
+        return rows * (entry.nbytes // entry.shape[0]), -(-entry.shape[0] // rows)
 
     def _open_pieces(self, key: str, entry: Entry) -> Pieces:
-        rels, size, sizes = self.piece_sizes(key, entry)
+        """Each chunk opened in turn (a missing one stops at once, whatever the record
+        claims), its size checked; the last one's value bytes are the rest."""
+        size, n = self._piece_layout(key, entry)
         fds: list[int] = []
         try:
-            for rel in rels:
+            for i in range(n):
+                rel = f"{entry.loc.path}/{piece_key(len(entry.shape), i)}"
                 fds.append(self._open_chunk(key, rel, size))
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
-        return Pieces(fds, sizes)
+        return Pieces(fds, [size] * (n - 1) + [entry.nbytes - (n - 1) * size])
 
     def chunk_files(self, key: str) -> list[str]:
         """The chunk files (relative to the checkpoint) holding ``key``'s bytes, if it is
@@ -592,9 +592,17 @@ class ZarrReader(ContainerReader, SupportsShared):
         e = self.entry(key)
         if e.loc.kind != ARRAY or not e.nbytes or e.loc.path is None:
             return []
-        if self._record.pieces and key in self._record.pieces:
-            return self.piece_sizes(key, e)[0]
-        return [f"{e.loc.path}/{chunk_key(len(e.shape))}"]
+        if not (self._record.pieces and key in self._record.pieces):
+            return [f"{e.loc.path}/{chunk_key(len(e.shape))}"]
+        out = []
+        for i in range(self._piece_layout(key, e)[1]):
+            rel = f"{e.loc.path}/{piece_key(len(e.shape), i)}"
+            try:
+                os.stat(rel, dir_fd=self._root_fd, follow_symlinks=False)
+            except OSError:
+                break  # the rest is damage, which reading it reports
+            out.append(rel)
+        return out
 
     def _open_in_dir(self, key: str, rel: str) -> int:
         try:
