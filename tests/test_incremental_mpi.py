@@ -75,34 +75,10 @@ def test_incremental_steps_of_three_processes(tmp_path: Path, fmt: str) -> None:
                                                   ("convert", kept[1], standalone))
     for proc in (*verified, listed, converted):
         assert proc.returncode == 0, proc.stdout + proc.stderr
-    base = d / f"ckpt-1{suffix}"
     if fmt == "h5":
-        # the base holds bytes the kept steps refer to (uneven, never written again):
-        # pruned from the list, kept on disk until no kept step refers to it
-        assert base.is_dir()
-        state = json.loads((d / "checkpoint_state.json").read_text())
-        pending = state["sections"]["ckpt"]["pending_delete"]
-        assert {e["path"]: e["held_for"] for e in pending}[base.name] == [p.name for p in kept]
-        with h5py.File(kept[1] / "rank-00001.h5", "r") as f:  # plain h5py follows the link
-            link = f["uneven/%2Ebox"].get("1", getlink=True)  # its box 1
-            assert link.filename == "../ckpt-1.h5/rank-00001.h5"
-            lo, hi = cases.UNEVEN[0], sum(cases.UNEVEN[:2])
-            assert np.array_equal(f["uneven/%2Ebox/1"][()], cases.expected(6)["uneven"][lo:hi])
-        with cv.open(kept[1]) as reader:
-            assert isinstance(reader, cv.storage.SupportsShared)
-            assert reader.shared()["uneven"] == [base.name]
-            assert reader.shared()["frozen"] == [base.name, kept[0].name]  # by box
-        line = next(x for x in listed.stdout.splitlines() if " ckpt-1.h5 " in x)
-        assert "(holds bytes of ckpt-5.h5, ckpt-6.h5)" in line, listed.stdout
+        _check_h5_holder(d, kept, listed.stdout)
     else:
-        # hard links: the base was pruned and deleted, the kept steps still load (above);
-        # the frozen chunks of processes 0 and 2 are the same files in both kept steps
-        assert not base.exists()
-        for chunk in ("frozen/c.0.0", "frozen/c.2.0"):
-            assert (kept[0] / chunk).stat().st_ino == (kept[1] / chunk).stat().st_ino
-        assert (kept[0] / "frozen/c.1.0").stat().st_nlink == 2  # written at 5, linked at 6
-        group = zarr.open_group(kept[1], mode="r")  # plain zarr-python sees the value
-        assert np.array_equal(group["frozen"][:], cases.expected(6)["frozen"])
+        _check_zarr_links(d, kept)
 
     # on 2 processes: every listed step restores bit-exact; a save with this layout
     # cannot refer to the 3-process steps: written whole, and the log says why
@@ -118,3 +94,35 @@ def test_incremental_steps_of_three_processes(tmp_path: Path, fmt: str) -> None:
     got = cv.load(standalone)
     for key, want in cases.expected(6).items():
         assert np.array_equal(got[key], want), key
+
+
+def _check_h5_holder(d: Path, kept: list[Path], listed: str) -> None:
+    """The base holds bytes the kept steps refer to (``uneven``, never written again):
+    pruned from the list, kept on disk until no kept step refers to it."""
+    base = d / "ckpt-1.h5"
+    assert base.is_dir()
+    state = json.loads((d / "checkpoint_state.json").read_text())
+    pending = state["sections"]["ckpt"]["pending_delete"]
+    assert {e["path"]: e["held_for"] for e in pending}[base.name] == [p.name for p in kept]
+    with h5py.File(kept[1] / "rank-00001.h5", "r") as f:  # plain h5py follows the link
+        link = f["uneven/%2Ebox"].get("1", getlink=True)  # its box 1
+        assert link.filename == "../ckpt-1.h5/rank-00001.h5"
+        lo, hi = cases.UNEVEN[0], sum(cases.UNEVEN[:2])
+        assert np.array_equal(f["uneven/%2Ebox/1"][()], cases.expected(6)["uneven"][lo:hi])
+    with cv.open(kept[1]) as reader:
+        assert isinstance(reader, cv.storage.SupportsShared)
+        assert reader.shared()["uneven"] == [base.name]
+        assert reader.shared()["frozen"] == [base.name, kept[0].name]  # by box
+    line = next(x for x in listed.splitlines() if " ckpt-1.h5 " in x)
+    assert "(holds bytes of ckpt-5.h5, ckpt-6.h5)" in line, listed
+
+
+def _check_zarr_links(d: Path, kept: list[Path]) -> None:
+    """Hard links: the base was pruned and deleted, the kept steps still load (checked
+    before); the frozen chunks of processes 0 and 2 are the same files in both steps."""
+    assert not (d / "ckpt-1.zarr").exists()
+    for chunk in ("frozen/c.0.0", "frozen/c.2.0"):
+        assert (kept[0] / chunk).stat().st_ino == (kept[1] / chunk).stat().st_ino
+    assert (kept[0] / "frozen/c.1.0").stat().st_nlink == 2  # written at 5, linked at 6
+    group = zarr.open_group(kept[1], mode="r")  # plain zarr-python sees the value
+    assert np.array_equal(group["frozen"][:], cases.expected(6)["frozen"])
