@@ -16,8 +16,9 @@ committing process moves them into the global index (``checksums``) and deletes 
 files. Readers trust only the index, never zarr's metadata.
 
 :func:`grid_layout` decides from a save plan which variables are stored this way;
-:class:`GridLayout` writes one process's part and collects the checksums;
-:class:`GridVariable` is also what the reader builds from the index.
+:class:`GridLayout` writes one process's part and collects the checksums (with a
+:class:`GridReuse`, an incremental step's chunk equal to its base step's is a hard link
+to that file); :class:`GridVariable` is also what the reader builds from the index.
 
 >>> grid_chunk((10, 4), [Box((0, 0), (4, 4)), Box((4, 0), (4, 4)), Box((8, 0), (2, 4))])
 (4, 4)

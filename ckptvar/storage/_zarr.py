@@ -11,7 +11,10 @@ the checksum thread hashes it. Small values share the single chunk of the 1-D
 is, how long it is and its CRC-32C.
 
 Compression is opt-in (``compression="zstd" | "gzip" | "blosc"``) and then uses
-zarr-python's own codecs for the values stored as arrays.
+zarr-python's own codecs for the values stored as arrays. With ``piece_bytes`` (an
+incremental manager's local steps) a value larger than that is stored as several chunks
+along its first axis instead of one (format 1.4, docs/FORMAT.md "Pieces"), so that a
+step shares its unchanged chunks with the base step by hard link.
 
 Reading uses only the root ``zarr.json``, the record and the chunk files; every
 path is opened component by component without following symlinks, and a
