@@ -5,9 +5,10 @@ Owns :class:`Incremental`, a ``CheckpointManager``'s memory of its last committe
 into an :class:`IncrementalSave` for each save: the base step and, per key, whether the
 value is known unchanged since (same variable, same version) or known changed; the storage
 layer compares the rest by block checksums. And :func:`held`: which of the files a prune
-would delete are still referred to by a kept step (an HDF5 step's external values), so
-the manager keeps them until no kept step does (docs/checkpoints.md, "Incremental
-checkpoints").
+would delete are still referred to by a kept step (an HDF5 step's external values, or
+those of a multi-process step's per-process files), so the manager keeps them until no
+kept step does (docs/checkpoints.md, "Incremental checkpoints"). With several processes,
+each has its own :class:`Incremental` and takes rank 0's base (:meth:`IncrementalSave.on`).
 
 >>> inc = Incremental()
 >>> inc.start(None, {}).known
