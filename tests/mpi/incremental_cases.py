@@ -8,7 +8,9 @@ appends one JSON line per mode to ``$RESULT_DIR/rank<r>.jsonl``.
   (boxes of different sizes: stored in the per-process files, also in Zarr) never.
   Rank 0 reports the bytes each step added on disk. Then rank 1 fails while writing
   step 6 (its file written, then an error): nothing is committed; the same save then
-  succeeds, and every listed step is restored on these processes.
+  succeeds. A new manager (as after a restart: it knows no versions, so values are
+  compared by their checksums) saves step 7; then every listed step is restored on
+  these processes.
 - ``restore`` (any number): every listed step is restored into this many processes'
   shards and compared with :func:`expected`; then one incremental save with this
   layout (written whole: the layout differs from the base's) is checked.
@@ -134,9 +136,38 @@ def one_step(url: str, fmt: str, step: int) -> None:
         f.write(json.dumps({"case": "step", "rank": rank, "path": path, "ok": True}) + "\n")
 
 
+def fail_once(mgr: Any, made: dict[str, Any], coord: Any, root: Path) -> dict[str, Any]:
+    """Rank 1 fails while writing step 6, after its file's bytes were written: what each
+    rank raised, and what is listed and on disk afterwards."""
+    from ckptvar.checkpoint import _collective_targets as targets
+
+    fields: dict[str, Any] = {}
+    set_step(made, 6, coord.rank, coord.size)
+    real = targets._write_file
+
+    def failing(path: Path, *args: Any, **kw: Any) -> None:
+        real(path, *args, **kw)
+        raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
+
+    if coord.rank == 1:
+        targets._write_file = failing  # type: ignore[assignment]
+    try:
+        mgr.save()
+        fields["failed"] = None
+    except Exception as exc:  # noqa: BLE001 - reported
+        fields["failed"] = type(exc).__name__
+    finally:
+        targets._write_file = real  # type: ignore[assignment]
+    coord.barrier(tag="failed", timeout=60)
+    fields["after_failure"] = {
+        "listed": [Path(p).name for p in mgr.checkpoints],
+        "on_disk": sorted(os.listdir(root)),
+    }
+    return fields
+
+
 def main(mode: str, root: Path, fmt: str) -> None:
     import ckptvar as cv
-    from ckptvar.checkpoint import _collective_targets as targets
 
     coord = cv.distributed.from_env(timeout=60)
     rank, size = coord.rank, coord.size
@@ -162,36 +193,22 @@ def main(mode: str, root: Path, fmt: str) -> None:
                 sizes[step] = added_bytes(path)
         fields["sizes"] = sizes
         fields["listed"] = [Path(p).name for p in mgr.checkpoints]
-        # rank 1 fails while writing step 6, after its file's bytes were written
-        set_step(made, 6, rank, size)
-        real = targets._write_file
-
-        def failing(path: Path, *args: Any, **kw: Any) -> None:
-            real(path, *args, **kw)
-            raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
-
-        if rank == 1:
-            targets._write_file = failing  # type: ignore[assignment]
-        try:
-            mgr.save()
-            fields["failed"] = None
-        except Exception as exc:  # noqa: BLE001 - reported
-            fields["failed"] = type(exc).__name__
-        finally:
-            targets._write_file = real  # type: ignore[assignment]
-        coord.barrier(tag="failed", timeout=60)
-        fields["after_failure"] = {
-            "listed": [Path(p).name for p in mgr.checkpoints],
-            "on_disk": sorted(os.listdir(root)),
-        }
+        fields.update(fail_once(mgr, made, coord, root))
         coord.barrier(tag="looked", timeout=60)
         fields["retried"] = Path(mgr.save()).name
+        set_step(made, 7, rank, size)
+        mgr = cv.CheckpointManager(ckpt, root, max_to_keep=2, format=fmt, incremental=True,
+                                   coordinator=coord)
+        path = Path(mgr.save(checkpoint_number=7))
+        coord.barrier(tag="saved-7", timeout=60)
+        if rank == 0:
+            fields["fresh_size"] = added_bytes(path)
         fields["restored"] = restore_all(mgr, ckpt, made, coord)
     else:
         fields["restored"] = restore_all(mgr, ckpt, made, coord)
-        set_step(made, 7, rank, size, first=True)
+        set_step(made, 8, rank, size, first=True)
         del said[:]
-        fields["full_save"] = Path(mgr.save(checkpoint_number=7)).name
+        fields["full_save"] = Path(mgr.save(checkpoint_number=8)).name
         fields["said"] = [m for m in said if "writing every value" in m]
     coord.barrier(tag="done", timeout=60)
     fields["ok"] = True
