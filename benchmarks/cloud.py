@@ -92,7 +92,7 @@ def options_for(endpoint: str) -> dict[str, Any]:
 
 
 class CountingProxy:
-    """A TCP proxy on 127.0.0.1: bytes from the server, and requests by their verb (a new
+    """A TCP proxy on 127.0.0.1: bytes each way, and requests by their verb (a new
     HTTP/1.1 request on a connection starts a new chunk from the client: GETs have no body
     and the client waits for each response)."""
 
@@ -103,7 +103,7 @@ class CountingProxy:
         self._sock.settimeout(0.2)
         self.endpoint = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self._lock = threading.Lock()
-        self.bytes_down = 0
+        self.bytes_down = self.bytes_up = 0
         self.requests: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, daemon=True)
@@ -111,7 +111,7 @@ class CountingProxy:
 
     def reset(self) -> None:
         with self._lock:
-            self.bytes_down, self.requests = 0, {}
+            self.bytes_down, self.bytes_up, self.requests = 0, 0, {}
 
     def close(self) -> None:
         self._stop.set()
@@ -133,6 +133,7 @@ class CountingProxy:
             while data := src.recv(1 << 16):
                 with self._lock:
                     if up:
+                        self.bytes_up += len(data)
                         verb = data.split(b" ", 1)[0].decode("latin-1")
                         if verb in ("GET", "HEAD", "PUT", "POST", "DELETE"):
                             self.requests[verb] = self.requests.get(verb, 0) + 1

@@ -1,6 +1,6 @@
 """The ``incremental`` workload: what ``CheckpointManager(incremental=True)`` writes per step.
 
-Run ``python -m benchmarks.incremental [--quick] [--mib N] [--steps S] [--dir D] [--json]``.
+Run ``python -m benchmarks.incremental [--quick] [--mib N] [--steps S] [--dir D] [--s3] [--json]``.
 In one run, for each format (h5, zarr) and each workload, it saves ``S`` steps with a
 full manager and with an incremental one (durable saves, warm page cache) and gives per
 step (medians): the bytes the process wrote (``wchar`` of ``/proc/self/io``: every
@@ -11,16 +11,29 @@ alone": the same bytes as a ckptvar checkpoint, with its fixed cost). Then a ste
 the small values (the record's cost), and the restore of the last incremental step
 against the last full one (median of 7, verified).
 
+With ``--s3`` the steps go to a bucket on a moto S3 server started in its own process
+(:mod:`benchmarks.cloud`, needs obstore and ``moto[server]``), through a TCP proxy that
+counts the bytes sent to it: "written" is then the bytes uploaded (a Zarr step's
+unchanged values are server-side copies: no byte through the client), "raw" is one
+obstore ``put`` of the changed bytes, "changed alone" a ``cv.save`` of them to the bucket.
+
 Workloads (``N`` MiB of float32 state, 64 by default, 8 with ``--quick``):
 
 - ``frozen``: 20 tensors, 18 frozen (90%), 2 trained (``assign_add`` each step);
 - ``embedding-1%`` / ``embedding-10%``: one table of 64-wide rows, 1% or 10% of the
-  rows touched per step (Zipf-distributed row ids; a row touched twice counts once).
+  rows touched per step (Zipf-distributed row ids; a row touched twice counts once);
+- ``window-1%``: the same table, 1% of its rows touched in one contiguous run at a random
+  place (rows being added or fine-tuned together).
+
+"Changed chunks" counts, for the table workloads, the bytes of the 4 MiB chunks that hold
+a touched row (what an incremental Zarr step, which stores a large value as chunks of
+4 MiB, must write at the least); for ``frozen`` it is the changed tensors' bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -28,6 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +50,8 @@ import numpy as np
 import ckptvar as cv
 
 ROW = 64  # floats per embedding row
+PIECE = 4 << 20  # the chunk size of a value stored in chunks (incremental Zarr steps)
+WORKLOADS = ("frozen", "embedding-1%", "embedding-10%", "window-1%")
 
 
 def _wchar() -> int:
@@ -62,6 +78,8 @@ class Workload:
             self.vars = [cv.Variable(self.rng.random((rows, ROW), dtype=np.float32),
                                      name="table")]
             self.fraction = float(name.split("-")[1].rstrip("%")) / 100
+        #: bytes of the chunks the last step touched (see the module docstring)
+        self.chunk_bytes = 0
         self.ckpt = cv.Checkpoint(**{v.name.split(":")[0]: v for v in self.vars})
 
     def step(self) -> list[np.ndarray]:
@@ -69,13 +87,60 @@ class Workload:
         if self.name == "frozen":
             for v in self.vars[18:]:
                 v.assign_add(1.0)
+            self.chunk_bytes = sum(v.numpy().nbytes for v in self.vars[18:])
             return [v.numpy() for v in self.vars[18:]]
         table = self.vars[0]
         rows = table.shape[0]
-        ids = np.unique((self.rng.zipf(1.2, int(rows * self.fraction) * 2) - 1) % rows)
-        ids = ids[: max(1, int(rows * self.fraction))]
+        n = max(1, int(rows * self.fraction))
+        if self.name.startswith("window"):
+            start = int(self.rng.integers(0, rows - n + 1))
+            ids = np.arange(start, start + n)
+        else:
+            ids = np.unique((self.rng.zipf(1.2, n * 2) - 1) % rows)[:n]
         table[ids] = table[ids] + 1.0  # one scatter: a slice assignment
+        per = PIECE // (ROW * 4)
+        chunks = np.unique(ids // per)
+        self.chunk_bytes = int(sum(min(per, rows - c * per) for c in chunks.tolist())) * ROW * 4
         return [table.numpy()[ids]]
+
+
+class Place:
+    """Where the steps go: a local directory, or (``--s3``) a bucket behind a counting proxy."""
+
+    def __init__(self, directory: Path, s3: Any = None) -> None:
+        self.directory = directory
+        self.s3 = s3  # (bucket, storage options, proxy, obstore store) or None
+        self._n = 0
+
+    @property
+    def storage_options(self) -> dict[str, Any] | None:
+        return None if self.s3 is None else self.s3[1]
+
+    def where(self, name: str) -> Any:
+        return self.directory / name if self.s3 is None else f"s3://{self.s3[0]}/{name}"
+
+    def fresh(self, stem: str, fmt: str) -> Any:
+        """A new checkpoint path each call (an object-store step is written once)."""
+        self._n += 1
+        return self.where(f"{stem}-{self._n}.{fmt}")
+
+    def written(self) -> int:
+        """Bytes written so far: ``wchar`` locally, bytes sent to the server on S3."""
+        return _wchar() if self.s3 is None else self.s3[2].bytes_up
+
+    def raw_write(self, changed: list[np.ndarray]) -> float:
+        if self.s3 is None:
+            return _raw_write(self.directory / "raw.bin", changed)
+        import obstore  # noqa: PLC0415 - the cloud extra, only with --s3
+
+        data = b"".join(np.ascontiguousarray(a).tobytes() for a in changed)
+        t0 = time.perf_counter()
+        obstore.put(self.s3[3], "raw.bin", data)
+        return time.perf_counter() - t0
+
+    def remove(self, name: str) -> None:
+        if self.s3 is None:
+            shutil.rmtree(self.directory / name)
 
 
 def _raw_write(path: Path, changed: list[np.ndarray]) -> float:
@@ -92,28 +157,32 @@ def _raw_write(path: Path, changed: list[np.ndarray]) -> float:
     return time.perf_counter() - t0
 
 
-def _steps(work: Workload, manager: cv.CheckpointManager, steps: int, raw: Path
+def _steps(work: Workload, manager: cv.CheckpointManager, steps: int, place: Place
            ) -> dict[str, Any]:
     manager.save()  # the first step is a full one either way
-    written, changed, times, raws, alone = [], [], [], [], []
+    written, changed, times, raws, alone, chunks = [], [], [], [], [], []
     for _ in range(steps):
         delta = work.step()
         changed.append(sum(a.nbytes for a in delta))
-        raws.append(_raw_write(raw, delta))
+        chunks.append(work.chunk_bytes)
+        raws.append(place.raw_write(delta))
+        target = (place.where(f"raw.{manager.format}") if place.s3 is None
+                  else place.fresh("alone", manager.format))
         t0 = time.perf_counter()
-        cv.save(raw.with_suffix(f".{manager.format}"),
-                {f"v{i}": a for i, a in enumerate(delta)})
+        cv.save(target, {f"v{i}": a for i, a in enumerate(delta)},
+                storage_options=place.storage_options)
         alone.append(time.perf_counter() - t0)
-        w0, t0 = _wchar(), time.perf_counter()
+        w0, t0 = place.written(), time.perf_counter()
         manager.save()
         times.append(time.perf_counter() - t0)
-        written.append(_wchar() - w0)
+        written.append(place.written() - w0)
     return {"written": statistics.median(written), "changed": statistics.median(changed),
+            "changed_chunks": statistics.median(chunks),
             "time": statistics.median(times), "raw": statistics.median(raws),
             "changed_alone": statistics.median(alone)}
 
 
-def _no_change(manager: cv.CheckpointManager, record_only: Path) -> tuple[float, float]:
+def _no_change(manager: cv.CheckpointManager, place: Place) -> tuple[float, float]:
     """Median time of a step with nothing changed, and of saving a checkpoint that holds
     only the small values (its record and packed blob: the floor of any step)."""
     small = cv.Checkpoint(x=cv.Variable(np.zeros(3), name="x"))
@@ -122,51 +191,89 @@ def _no_change(manager: cv.CheckpointManager, record_only: Path) -> tuple[float,
         t0 = time.perf_counter()
         manager.save()
         steps.append(time.perf_counter() - t0)
+        target = (place.where(f"record-only.{manager.format}") if place.s3 is None
+                  else place.fresh("record-only", manager.format))
         t0 = time.perf_counter()
-        small.write(record_only)
+        small.write(target, storage_options=place.storage_options)
         floor.append(time.perf_counter() - t0)
     return statistics.median(steps), statistics.median(floor)
 
 
-def _restore_times(targets: dict[str, tuple[cv.Checkpoint, str]]) -> dict[str, float]:
+def _restore_times(targets: dict[str, tuple[cv.Checkpoint, str]], place: Place
+                   ) -> dict[str, float]:
     """Median restore time of each mode's latest step, the modes taken in turn (the order
     effects of a shared machine fall on both alike)."""
     times: dict[str, list[float]] = {mode: [] for mode in targets}
     for _ in range(7):
         for mode, (ckpt, path) in targets.items():
             t0 = time.perf_counter()
-            ckpt.restore(path)
+            ckpt.restore(path, storage_options=place.storage_options)
             times[mode].append(time.perf_counter() - t0)
     return {mode: statistics.median(ts) for mode, ts in times.items()}
 
 
-def run(directory: Path, nbytes: int, steps: int) -> list[dict[str, Any]]:
+def run(directory: Path, nbytes: int, steps: int, s3: Any = None) -> list[dict[str, Any]]:
+    """The rows, locally or (``s3``: see :class:`Place`) on the S3 server."""
+    place = Place(directory, s3)
     rows = []
     for fmt in ("h5", "zarr"):
-        for name in ("frozen", "embedding-1%", "embedding-10%"):
-            row: dict[str, Any] = {"format": fmt, "workload": name, "state": nbytes}
+        for name in WORKLOADS:
+            row: dict[str, Any] = {"format": fmt, "workload": name, "state": nbytes,
+                                   "place": "local" if s3 is None else "s3"}
             targets: dict[str, tuple[cv.Checkpoint, str]] = {}
             for mode in ("full", "incremental"):
                 with cv.Graph().as_default():
                     work = Workload(name, nbytes)
-                    d = directory / f"{fmt}-{name}-{mode}"
-                    manager = cv.CheckpointManager(work.ckpt, d, max_to_keep=3, format=fmt,
-                                                   incremental=mode == "incremental")
-                    row[mode] = _steps(work, manager, steps, directory / "raw.bin")
+                    manager = cv.CheckpointManager(
+                        work.ckpt, place.where(f"{fmt}-{name}-{mode}"), max_to_keep=3,
+                        format=fmt, incremental=mode == "incremental",
+                        storage_options=place.storage_options)
+                    row[mode] = _steps(work, manager, steps, place)
                     if mode == "incremental":
-                        row["no_change"], row["record_only"] = _no_change(
-                            manager, directory / f"record-only.{fmt}")
+                        row["no_change"], row["record_only"] = _no_change(manager, place)
                     targets[mode] = (work.ckpt, manager.latest_checkpoint or "")
-            restore = _restore_times(targets)
+            restore = _restore_times(targets, place)
             for mode in targets:
                 row[f"restore_{mode}"] = restore[mode]
-                shutil.rmtree(directory / f"{fmt}-{name}-{mode}")
+                place.remove(f"{fmt}-{name}-{mode}")
             inc = row["incremental"]
             row["written_over_changed"] = inc["written"] / max(inc["changed"], 1)
+            row["written_over_chunks"] = inc["written"] / max(inc["changed_chunks"], 1)
             row["time_over_raw"] = inc["time"] / max(inc["raw"], 1e-9)
             row["restore_ratio"] = row["restore_incremental"] / row["restore_full"]
             rows.append(row)
     return rows
+
+
+@contextlib.contextmanager
+def _server(wanted: bool) -> Iterator[Any]:
+    """``(bucket, storage options, counting proxy, obstore store)`` of a fresh bucket on a
+    moto server started here (its own process), or ``None`` when not ``wanted``."""
+    if not wanted:
+        yield None
+        return
+    from obstore.store import from_url  # noqa: PLC0415 - the cloud extra, only with --s3
+
+    from benchmarks.cloud import (  # noqa: PLC0415 - imports obstore
+        CountingProxy,
+        make_bucket,
+        options_for,
+        start_moto,
+    )
+
+    server, endpoint = start_moto()
+    proxy = CountingProxy(endpoint)
+    try:
+        bucket, _ = make_bucket(endpoint)
+        opts = options_for(proxy.endpoint)
+        config: Any = {k: v for k, v in opts.items() if k not in ("allow_http", "timeout")}
+        store = from_url(f"s3://{bucket}", config=config,
+                         client_options={"allow_http": True, "timeout": "600s"})
+        yield bucket, opts, proxy, store
+    finally:
+        proxy.close()
+        server.kill()
+        server.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,27 +282,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=64, help="MiB of state per workload")
     parser.add_argument("--steps", type=int, default=10, help="steps after the first")
     parser.add_argument("--dir", type=Path, default=None, help="scratch directory")
+    parser.add_argument("--s3", action="store_true",
+                        help="save to a moto S3 server started here (needs obstore, moto)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     nbytes, steps = (8 << 20, 3) if args.quick else (args.mib << 20, args.steps)
-    with tempfile.TemporaryDirectory(dir=args.dir) as d:
-        rows = run(Path(d), nbytes, steps)
+    with tempfile.TemporaryDirectory(dir=args.dir) as d, _server(args.s3) as s3:
+        rows = run(Path(d), nbytes, steps, s3)
     if args.json:
         print(json.dumps(rows))
         return 0
     mib = 2.0**20
-    print(f"incremental vs full, {nbytes / mib:.0f} MiB of state, median of {steps} steps")
+    where = "on a moto S3 server (MiB uploaded)" if args.s3 else "locally"
+    print(f"incremental vs full, {nbytes / mib:.0f} MiB of state, median of {steps} steps, "
+          f"{where}")
     print("| format | workload | full: MiB written, ms | incremental: MiB written, ms | "
-          "changed MiB | raw ms | changed alone ms | written/changed | time/raw | "
-          "no change ms (record-only) | restore incr/full |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "changed MiB | raw ms | changed alone ms | written/changed | "
+          "written/changed chunks | time/raw | no change ms (record-only) | restore incr/full |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         f, i = r["full"], r["incremental"]
         print(f"| {r['format']} | {r['workload']} | {f['written'] / mib:.1f}, "
               f"{f['time'] * 1e3:.0f} | {i['written'] / mib:.1f}, {i['time'] * 1e3:.0f} | "
               f"{i['changed'] / mib:.2f} | {i['raw'] * 1e3:.1f} | "
               f"{i['changed_alone'] * 1e3:.1f} | "
-              f"{r['written_over_changed']:.2f} | {r['time_over_raw']:.2f} | "
+              f"{r['written_over_changed']:.2f} | {r['written_over_chunks']:.2f} | "
+              f"{r['time_over_raw']:.2f} | "
               f"{r['no_change'] * 1e3:.1f} ({r['record_only'] * 1e3:.1f}) | "
               f"{r['restore_ratio']:.2f} |")
     return 0

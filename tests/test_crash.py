@@ -254,12 +254,15 @@ def _intact(path: str, n: int, opts: dict[str, object] | None, *, same: bool = T
 def restart_harness(  # noqa: C901, PLR0912, PLR0915 - the harness, step by step
     where: str, fmt: str, *, processes: int, kills: int, seed: int, work: Path,
     opts: dict[str, object] | None = None, window: float = 1.0, tier: str | None = None,
+    incremental: bool = False,
 ) -> dict[str, int]:
     """Kill ``kills`` jobs saving to ``where`` at random moments; each restarted job must
     restore the latest committed step bit-exact and save the next, leaving nothing of the
     dead save. With ``tier``, the jobs save every step to that local directory and persist
-    each to ``where`` in the background (the kills land in those uploads too). Returns the
-    counts (every one but ``kills`` must be 0)."""
+    each to ``where`` in the background (the kills land in those uploads too); with
+    ``incremental``, an incremental manager (a value that never changes: every step
+    refers to the first one's bytes). Returns the counts (every one but ``kills`` must
+    be 0)."""
     import random
     import signal
     import time
@@ -279,7 +282,7 @@ def restart_harness(  # noqa: C901, PLR0912, PLR0915 - the harness, step by step
     env = {k: v for k, v in os.environ.items() if k not in MPI_ENV_VARS}
     env.update(RESULT_DIR=str(results), TMPDIR=str(tmpdir),
                PYTHONPATH=os.pathsep.join(sys.path), S3_OPTIONS=json.dumps(opts),
-               LOCAL_TIER=tier or "")
+               LOCAL_TIER=tier or "", INCREMENTAL="1" if incremental else "")
     if processes > 1:
         mpiexec = find_mpiexec()
         assert mpiexec is not None
@@ -377,6 +380,20 @@ def test_restart_after_kills_of_three_processes(tmp_path: Path) -> None:
         pytest.skip(_mpi_skip_reason() or "")
     where = str(tmp_path / "run")
     _check(restart_harness(where, "h5", processes=3, kills=1, seed=11, work=tmp_path), 1)
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_restart_after_kills_of_three_processes_saving_incremental_steps(
+        tmp_path: Path, fmt: str) -> None:
+    """Kills during incremental multi-process saves (and their pruning): every committed
+    step, held ones included, stays loadable bit-exact; nothing of a dead save is left."""
+    from test_distributed_mpi import _mpi_skip_reason
+
+    if _mpi_skip_reason():
+        pytest.skip(_mpi_skip_reason() or "")
+    where = str(tmp_path / "run")
+    _check(restart_harness(where, fmt, processes=3, kills=2, seed=13, work=tmp_path,
+                           incremental=True), 2)
 
 
 @pytest.mark.slow

@@ -228,18 +228,6 @@ def test_cli_inspect_verify_convert(tmp_path: Path, fmt: str, fresh_graph: cv.Gr
         assert r.shared() == {}
 
 
-def test_incremental_is_refused_where_it_is_not_supported(tmp_path: Path,
-                                                          fresh_graph: cv.Graph) -> None:
-    """Several processes: refused before anything is written (tests/cloud has s3://)."""
-    tdist = pytest.importorskip("torch.distributed")
-    ckpt, _, _ = _model()
-    store = tdist.FileStore(str(tmp_path / "store"), 2)
-    coord = cv.distributed.TorchCoordinator(store=store, rank=0, size=2, timeout=5)
-    with pytest.raises(cv.CkptError, match="coordinator of more than one process"):
-        cv.CheckpointManager(ckpt, tmp_path / "run", incremental=True, coordinator=coord)
-    assert not (tmp_path / "run").exists()
-
-
 def test_background_saves_build_on_each_other(tmp_path: Path, fmt: str,
                                               fresh_graph: cv.Graph) -> None:
     """A background save snapshots the versions with the values: a write after the

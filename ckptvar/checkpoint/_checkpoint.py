@@ -198,7 +198,7 @@ class Checkpoint(Trackable):
                 plan.variables = rank_variables(plan.variables)
             count = None if counter is None else int(counter.numpy())
             meta = metadata(plan, save_counter=count, user=options.get("metadata"))
-            inc = None if incremental is None or collective else incremental(plan.variables)
+            inc = None if incremental is None else incremental(plan.variables)
             # The job drops the snapshot when it ends: the executor's worker still holds
             # the job a moment after its future is done, and a next background save
             # snapshots as soon as it is (two snapshots would then be alive at once).
@@ -215,6 +215,7 @@ class Checkpoint(Trackable):
                             timeout=timeout, on_commit=on_commit,
                             storage_options=options.get("storage_options"),
                             pack_threshold=options.get("pack_threshold"),
+                            incremental=inc,
                         )
                 finally:
                     snapshot.clear()
@@ -232,7 +233,8 @@ class Checkpoint(Trackable):
                                        options.get("storage_options"),
                                        pack_threshold=options.get("pack_threshold"),
                                        base=None if inc is None else inc.base,
-                                       known=None if inc is None else inc.known)
+                                       known=None if inc is None else inc.known,
+                                       pieces=inc is not None)
             finally:
                 snapshot.clear()
             if inc is not None:

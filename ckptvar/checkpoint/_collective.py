@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import marshal
 import os
 import time
@@ -54,6 +55,7 @@ from ..distributed import (
 from ..locations import is_url
 from ..storage import (
     INDEX_FILE,
+    GridReuse,
     as_host,
     box_key,
     grid_layout,
@@ -61,13 +63,17 @@ from ..storage import (
     rank_file,
 )
 from ..variables import Variable
+from ._collective_incremental import check_base, read_sums, stored_known
 from ._collective_targets import Nodes, Target, replica_file, target_for
 from ._files import native_backend
+from ._incremental import IncrementalSave
 from ._logical import Logical
 
 __all__ = [
     "collective_write", "last_timings", "needs_collective", "plan_cache", "rank_variables",
 ]
+
+logger = logging.getLogger("ckptvar")
 
 #: Seconds each step of this process's last collective save took (plan, prepare, write,
 #: vote, commit): what the ``scale`` benchmark reports as the protocol's overhead.
@@ -225,10 +231,12 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
     on_commit: Callable[[str], None] | None = None,
     storage_options: Mapping[str, Any] | None = None,
     pack_threshold: int | None = None,
+    incremental: IncrementalSave | None = None,
 ) -> str:
     """Write one checkpoint at ``path`` (a shared directory's path, or an object-store
     URL) from every rank's ``arrays`` (collective). Returns the path or URL.
-    ``pack_threshold`` goes to the writer of each rank's file."""
+    ``pack_threshold`` goes to the writer of each rank's file. ``incremental`` (each
+    rank's): the step may refer to its base's bytes (:mod:`._collective_incremental`)."""
     path = os.fspath(path)
     target = target_for(path, fmt, storage_options, is_url(path))
     target.pack_threshold = pack_threshold
@@ -244,14 +252,9 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
     clock.lap("plan")
     suffix = native_backend(path, fmt).suffixes[0]
     # prepare: rank 0 makes the step ready (a temporary directory, or a claim on the URL)
-    token: str | None = None
-    failure: BaseException | None = None
-    if coord.is_primary:
-        try:
-            token = target.prepare()
-        except BaseException as exc:  # noqa: BLE001 - reported through the vote
-            failure = exc
-    shared = coord.broadcast(token, tag=f"{tag}:prepare", timeout=timeout)
+    grid = _grid(plan, fmt, suffix, coord.size) if target.grids else None
+    token, base, failure = _prepare(coord, path, target, fmt, plan, values, grid, incremental)
+    shared, base = coord.broadcast([token, base], tag=f"{tag}:prepare", timeout=timeout)
     leads = target.leads(coord.rank)
     try:
         coord.vote(failure, tag=f"{tag}:prepare", timeout=timeout)
@@ -259,11 +262,11 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
         target.attach(shared)
         # write: this rank's boxes into its own file
         failure = None
-        grid = _grid(plan, fmt, suffix, coord.size) if target.grids else None
         mine = _mine(plan, coord.rank, grid)
         try:
             target.begin()
-            _write_mine(target, grid, mine, values, boxed, coord.rank, suffix)
+            _write_mine(target, grid, mine, values, boxed, coord.rank, suffix,
+                        None if incremental is None else incremental.on(base))
             if target.nodes is not None:
                 _write_replicas(target, target.nodes, plan, values, coord.rank, suffix)
         except BaseException as exc:  # noqa: BLE001 - reported through the vote
@@ -280,6 +283,8 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
                                                 coord.size))
         coord.vote(failure, tag=f"{tag}:commit", timeout=timeout)
         clock.lap("commit")
+        if incremental is not None:
+            incremental.committed(path)
     except BaseException:
         if leads and shared is not None:
             target.abort()
@@ -322,6 +327,56 @@ def _commit(  # noqa: PLR0917
     return failure
 
 
+def _prepare(  # noqa: PLR0917
+    coord: Coordinator,
+    path: str,
+    target: Target,
+    fmt: str,
+    plan: Any,
+    values: Mapping[str, tuple[np.ndarray, dict[str, Any]]],
+    grid: Any,
+    incremental: IncrementalSave | None,
+) -> tuple[str | None, str | None, BaseException | None]:
+    """Rank 0 makes the step ready (a temporary directory, or a claim on the URL) and
+    picks an incremental save's base: ``(token, base, failure)``; others: nothing."""
+    if not coord.is_primary:
+        return None, None, None
+    token = base = None
+    try:
+        token = target.prepare()
+        if incremental is not None:
+            base = _base(path, target, fmt, plan, values, coord.size, grid, incremental)
+    except BaseException as exc:  # noqa: BLE001 - reported through the vote
+        return token, None, exc
+    return token, base, None
+
+
+def _base(  # noqa: PLR0917
+    path: str,
+    target: Target,
+    fmt: str,
+    plan: Any,
+    values: Mapping[str, tuple[np.ndarray, dict[str, Any]]],
+    size: int,
+    grid: Any,
+    incremental: IncrementalSave,
+) -> str | None:
+    """Rank 0: the base step of an incremental save, or ``None`` (the step is written
+    whole, and the log says why)."""
+    if not target.reuses:  # the manager said so when it was made
+        logger.debug("Incremental save of %s: written whole (an HDF5 multi-process step on "
+                     "an object store).", path)
+        return None
+    if incremental.base is None:
+        return None
+    base = os.fspath(incremental.base)
+    why = check_base(base, target.base_index, fmt, size, _packed_variables(plan, values, grid))
+    if why is not None:
+        logger.warning("Incremental save of %s: writing every value: %s.", path, why)
+        return None
+    return base
+
+
 def _write_mine(  # noqa: PLR0917
     target: Target,
     grid: Any,
@@ -330,10 +385,17 @@ def _write_mine(  # noqa: PLR0917
     boxed: Mapping[tuple[str, tuple[int, ...]], np.ndarray],
     rank: int,
     suffix: str,
+    incremental: IncrementalSave | None = None,
 ) -> None:
-    """The write step on one rank: its chunks of global arrays, then its own file."""
-    if grid is not None:
-        grid.write(target.where, rank, values, boxed=boxed)
+    """The write step on one rank: its chunks of global arrays, then its own file
+    (with ``incremental``, referring to its base's bytes where they are unchanged)."""
+    base = None if incremental is None or incremental.base is None else os.fspath(
+        incremental.base)
+    if grid is not None:  # a local step directory
+        reuse = None
+        if base is not None and incremental is not None and rank in grid.writers():
+            reuse = GridReuse(Path(base), read_sums(Path(base)), incremental.known)
+        grid.write(target.where, rank, values, boxed=boxed, reuse=reuse)
     if not mine:
         return
 
@@ -345,7 +407,10 @@ def _write_mine(  # noqa: PLR0917
             writer.add(stored, array, attrs)
         writer.set_metadata({"sharded": {"rank": rank}})
 
-    target.write_rank(rank_file(rank, suffix), fill)
+    target.write_rank(rank_file(rank, suffix), fill, base=base,
+                      known=None if base is None or incremental is None
+                      else stored_known(incremental.known, mine),
+                      pieces=incremental is not None)
 
 
 def _replicas(nodes: Nodes, plan: SavePlan, node: int) -> dict[str, int]:

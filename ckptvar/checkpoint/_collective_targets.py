@@ -102,6 +102,8 @@ class Target:
     nodes: Nodes | None = None
     #: per-node steps: the whole step's index, kept beside each node's (set before commit)
     persistent_index: bytes | None = None
+    #: whether a rank's file may refer to an earlier step's (an incremental save)
+    reuses = False
 
     def __init__(self, fmt: str) -> None:
         self.fmt = fmt
@@ -120,8 +122,18 @@ class Target:
         """The shared step directory being written (targets with :attr:`grids` only)."""
         raise NotImplementedError
 
-    def write_rank(self, name: str, fill: Callable[[Writer], None]) -> None:
-        """Write this rank's file ``name``: ``fill`` adds its values and metadata."""
+    def write_rank(self, name: str, fill: Callable[[Writer], None], *,
+                   base: str | None = None, known: Mapping[str, bool] | None = None,
+                   pieces: bool = False) -> None:
+        """Write this rank's file ``name``: ``fill`` adds its values and metadata.
+        ``base``: an earlier step (its path or URL, from :meth:`base_index`'s caller)
+        whose file ``name`` it may refer to (an incremental save; ``known``: by stored
+        key, as the writers take it); ``pieces``: large Zarr values as several chunks
+        (an incremental manager's, local only)."""
+        raise NotImplementedError
+
+    def base_index(self, base: str) -> bytes:
+        """The index of the earlier step ``base`` (an incremental save's base)."""
         raise NotImplementedError
 
     def commit(self, index: bytes) -> str:
@@ -147,6 +159,7 @@ class LocalTarget(Target):
     """A step directory on a filesystem every rank sees; committed by an atomic rename."""
 
     grids = True
+    reuses = True
 
     def __init__(self, path: str, fmt: str) -> None:
         super().__init__(fmt)
@@ -176,9 +189,23 @@ class LocalTarget(Target):
         assert self._where is not None, "attach() first"
         return self._where
 
-    def write_rank(self, name: str, fill: Callable[[Writer], None]) -> None:
+    def write_rank(self, name: str, fill: Callable[[Writer], None], *,
+                   base: str | None = None, known: Mapping[str, bool] | None = None,
+                   pieces: bool = False) -> None:
+        own = None if base is None else Path(base) / name
+        if own is not None and not os.path.lexists(own):
+            own = None  # the rank wrote no file of its own there
+        extra: dict[str, Any] = {} if own is None else {"base": own, "known": known or {}}
+        if pieces and self.fmt == "zarr":
+            extra["piece_bytes"] = True
         _write_file(self.where / name, self.fmt, fill, durable=True,
-                    pack_threshold=self.pack_threshold)
+                    pack_threshold=self.pack_threshold, **extra)
+
+    def base_index(self, base: str) -> bytes:
+        where = Path(base) / INDEX_FILE
+        if where.stat().st_size > 1 << 30:
+            raise ValueError(f"{str(where)!r} is larger than 1 GiB")
+        return where.read_bytes()
 
     def put_file(self, name: str, src: Path) -> None:
         dst = self.where / name
@@ -224,17 +251,32 @@ class RemoteTarget(Target):
     def __init__(self, url: str, fmt: str, storage_options: Mapping[str, Any] | None) -> None:
         super().__init__(fmt)
         self.step = RemoteStep(*split_url(url, storage_options=storage_options))
+        #: a process's Zarr tree takes unchanged values as server-side copies of its base's
+        self.reuses = fmt == "zarr"
 
     def prepare(self) -> str:
         self.step.claim()
         return self.step.name
 
-    def write_rank(self, name: str, fill: Callable[[Writer], None]) -> None:
+    def write_rank(self, name: str, fill: Callable[[Writer], None], *,
+                   base: str | None = None, known: Mapping[str, bool] | None = None,
+                   pieces: bool = False) -> None:
         with staging_directory() as tmp:
             local = Path(tmp) / name
+            extra: dict[str, Any] = {}
+            copies: list[tuple[str, str]] = []
+            base_name = None if base is None else base.rstrip("/").rpartition("/")[2]
+            record = (None if base_name is None or self.fmt != "zarr" else
+                      self.step.base_record(base_name, name, Path(tmp) / ".base" / name))
+            if record is not None:  # unchanged values: server-side copies of the base's
+                extra = {"base": record, "known": known or {}, "copies": copies}
             _write_file(local, self.fmt, fill, durable=False,  # durable once uploaded
-                        pack_threshold=self.pack_threshold)
-            self.step.upload(local, name)
+                        pack_threshold=self.pack_threshold, **extra)
+            self.step.upload(local, name,
+                             [(f"{base_name}/{name}/{src}", dst) for src, dst in copies])
+
+    def base_index(self, base: str) -> bytes:
+        return self.step.base_index(base.rstrip("/").rpartition("/")[2])
 
     def put_file(self, name: str, src: Path) -> None:
         self.step.upload(src, name)
@@ -301,9 +343,9 @@ def target_for(path: str, fmt: str, storage_options: Mapping[str, Any] | None,
 
 
 def _write_file(path: Path, fmt: str, fill: Callable[[Writer], None], *, durable: bool,
-                pack_threshold: int | None = None) -> None:
+                pack_threshold: int | None = None, **incremental: Any) -> None:
     writer = native_backend(path, fmt).open_writer(path, durable=durable,
-                                                   pack_threshold=pack_threshold)
+                                                   pack_threshold=pack_threshold, **incremental)
     try:
         fill(writer)
         writer.commit()

@@ -119,6 +119,7 @@ def write_file(
     base: Path | str | None = None,
     known: Mapping[str, bool] | None = None,
     copies: list[tuple[str, str]] | None = None,
+    pieces: bool = False,
 ) -> str:
     """Write one checkpoint atomically (temporary sibling, fsync, rename); returns its path.
 
@@ -132,6 +133,8 @@ def write_file(
     unchanged values as server-side copies of the base's chunk objects; an HDF5 step
     (one object, which a copy cannot take in part) is written whole.
     ``copies`` (a local Zarr write): reused files are listed there, not linked.
+    ``pieces`` (a local Zarr write): large values are stored as several chunks, so that
+    an incremental step shares the unchanged ones (docs/FORMAT.md, "Pieces").
     ``pack_threshold``: the writer's (docs/FORMAT.md, "Writer options"; None: its default).
     """
     if is_url(path):
@@ -154,8 +157,10 @@ def write_file(
         options.update(base=Path(base), known=known or {})
     if copies is not None:
         options.update(copies=copies)
-    written: str | Path = write_values(Path(path), native_backend(path, format), arrays, meta,
-                                       **options)
+    backend = native_backend(path, format)
+    if pieces and backend.name == "zarr":
+        options.update(piece_bytes=True)
+    written: str | Path = write_values(Path(path), backend, arrays, meta, **options)
     return os.fspath(written)
 
 

@@ -5,9 +5,10 @@ Owns :class:`Incremental`, a ``CheckpointManager``'s memory of its last committe
 into an :class:`IncrementalSave` for each save: the base step and, per key, whether the
 value is known unchanged since (same variable, same version) or known changed; the storage
 layer compares the rest by block checksums. And :func:`held`: which of the files a prune
-would delete are still referred to by a kept step (an HDF5 step's external values), so
-the manager keeps them until no kept step does (docs/checkpoints.md, "Incremental
-checkpoints").
+would delete are still referred to by a kept step (an HDF5 step's external values, or
+those of a multi-process step's per-process files), so the manager keeps them until no
+kept step does (docs/checkpoints.md, "Incremental checkpoints"). With several processes,
+each has its own :class:`Incremental` and takes rank 0's base (:meth:`IncrementalSave.on`).
 
 >>> inc = Incremental()
 >>> inc.start(None, {}).known
@@ -40,6 +41,14 @@ class IncrementalSave:
     known: dict[str, bool]
     versions: dict[str, tuple[int, int]] = field(default_factory=dict)
     owner: Incremental | None = None
+
+    def on(self, base: Path | str | None) -> IncrementalSave:
+        """This save on ``base`` (a multi-process save takes rank 0's base; ``None``:
+        none): what is known holds only for the step it was known for; on another, every
+        value is compared."""
+        same = (base is not None and self.base is not None
+                and _name(base) == _name(self.base))
+        return IncrementalSave(base, self.known if same else {}, self.versions, self.owner)
 
     def committed(self, path: str | os.PathLike[str]) -> None:
         """The step is durable: the next save builds on it."""

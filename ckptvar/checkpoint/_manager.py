@@ -120,11 +120,6 @@ _PERSIST_POLL_S = 5.0
 
 def _check_incremental(directory: Any, format: str, coordinator: Any, local_directory: Any) -> None:
     """Refuse (or, where full steps are still right, say) what incremental saves cannot do."""
-    if coordinator is not None and coordinator.size > 1:
-        raise CkptError(
-            "incremental=True is not supported yet with a coordinator of more than one "
-            "process; save full steps there."
-        )
     if local_directory is not None:
         raise CkptError(
             "incremental=True is not supported yet with a local tier (local_directory=): "
@@ -165,7 +160,8 @@ class CheckpointManager:
             step; the others refer to the bytes stored already (docs/checkpoints.md,
             "Incremental checkpoints"). A pruned step whose bytes a kept step refers to
             stays on disk (``pending_delete`` with ``held_for`` in the state file) until
-            no kept step does.
+            no kept step does. With a coordinator, each process's file refers to its
+            own file in the base step (same processes and layout, else written whole).
 
     Tiers (keyword-only): with ``local_directory`` every step is saved there (fast,
     blocking) and every ``persistent_every``-th is also copied to ``directory`` (a

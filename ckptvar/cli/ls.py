@@ -194,7 +194,7 @@ def _referred_by(paths: list[Path]) -> dict[str, list[str]]:
     """The incremental HDF5 steps' references: holder file name -> the steps using it."""
     out: dict[str, set[str]] = {}
     for p in paths:
-        if p.suffix != ".h5" or not p.is_file():
+        if p.suffix != ".h5":  # a step file, or a multi-process step's directory
             continue
         try:
             with cv.open(p) as reader:
@@ -203,8 +203,10 @@ def _referred_by(paths: list[Path]) -> dict[str, list[str]]:
         except cv.CkptError:
             continue  # listed as it is; `ckpt verify` says what is wrong
         for names in shared.values():
-            if names:
-                out.setdefault(names[0], set()).add(p.name)
+            # a file's value has one holder (the first); a multi-process step's boxes
+            # may each be held by another step
+            for name in names if p.is_dir() else names[:1]:
+                out.setdefault(name, set()).add(p.name)
     return {k: sorted(v) for k, v in out.items()}
 
 

@@ -9,7 +9,8 @@ crash-safe file helpers (``partial_path``, ``is_partial``, ``remove_path``,
 ``save_remote``, ``remote_format``) and the sharded layout (``ShardedReader``,
 ``INDEX_FILE``, ``rank_file``, ``box_key``, ``pack_index``, ``grid_layout``, and
 ``RemoteStep``: the object-store side of a multi-process save), and for incremental
-steps ``external_files`` (the files an HDF5 step's values are in).
+steps ``external_files`` (the files an HDF5 step's values are in) and ``GridReuse``
+(what a process's global Zarr chunks take from the base step).
 
 >>> from ckptvar.storage import known_formats
 >>> "h5" in known_formats() and "zarr" in known_formats()
@@ -55,13 +56,14 @@ from ._h5 import external_files
 from ._remote import open_remote_reader, remote_format, save_remote, save_remote_incremental
 from ._sharded import INDEX_FILE, ShardedReader, box_key, pack_index, rank_file
 from ._sharded_remote import RemoteStep
-from ._sharded_zarr import grid_layout
+from ._sharded_zarr import GridReuse, grid_layout
 
 __all__ = [
     "INDEX_FILE",
     "ArrayInfo",
     "Backend",
     "Chunked",
+    "GridReuse",
     "LazyArray",
     "Reader",
     "RemoteStep",

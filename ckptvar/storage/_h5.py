@@ -62,6 +62,7 @@ from ._record import (
     Extent,
     Record,
     decode,
+    holder_step,
 )
 from .base import Backend, SupportsShared
 from .paths import RESERVED_PREFIX
@@ -102,14 +103,21 @@ class H5Writer(ContainerWriter):
     def _open_base(self, base: Path) -> tuple[Any, Any] | None:
         """An incremental save's base: its record; a value's bytes are in the file that
         holds them (the base itself, or the file the base refers to), never a chain."""
-        if base.parent != self.path.parent:
-            return None  # external links name a sibling file
+        if base.parent == self.path.parent:
+            name = base.name  # external links name a sibling file
+        elif (base.name == self.path.name
+              and base.parent.parent == self.path.parent.parent):
+            # a process's file of a multi-process step: the same process's file in a
+            # sibling step, ``../<step>/<file>`` (what it refers to is named so too)
+            name = f"../{base.parent.name}/{base.name}"
+        else:
+            return None
         reader = H5Reader(base)
         record = reader.record
         reader.close()
 
         def holder(key: str, entry: Entry) -> Held:
-            file, path = record.external.get(key, (base.name, entry.loc.path or ""))
+            file, path = record.external.get(key, (name, entry.loc.path or ""))
             return Held(file, path, entry.loc.offset)
 
         return record, holder
@@ -624,9 +632,20 @@ class H5Backend(
 
 
 def external_files(path: Path) -> set[str]:
-    """The sibling files whose bytes the checkpoint at ``path`` refers to (an incremental
-    HDF5 step's external values); empty for anything else, or nothing at ``path``."""
+    """The sibling checkpoints whose bytes the checkpoint at ``path`` refers to (an
+    incremental HDF5 step's external values; for a multi-process step directory, those
+    of its per-process ``.h5`` files, by the step that holds them); empty for anything
+    else, or nothing at ``path``."""
     path = Path(path)
+    if path.is_dir():  # a multi-process step: its per-process files
+        out: set[str] = set()
+        for sub in sorted(path.glob("rank-*.h5")):
+            out.update(holder_step(f) for f in _external_names(sub))
+        return out
+    return _external_names(path)
+
+
+def _external_names(path: Path) -> set[str]:
     if not path.is_file() or not H5Backend.sniff(path):
         return set()
     reader = H5Reader(path)

@@ -79,6 +79,7 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_NDIM",
     "MAX_RECORD_NBYTES",
+    "PIECES_VERSION",
     "Columns",
     "Entry",
     "Extent",
@@ -86,10 +87,13 @@ __all__ = [
     "ValueColumns",
     "block_count",
     "check_external",
+    "check_pieces",
     "check_plain",
     "decode",
     "encode",
     "encode_columns",
+    "holder_step",
+    "is_holder_name",
     "is_sibling_name",
 ]
 
@@ -98,6 +102,8 @@ FORMAT_NAME = "ckptvar"
 FORMAT_VERSION = (1, 2)
 #: The version of a record with ``external`` values (an incremental HDF5 step).
 EXTERNAL_VERSION = (1, 3)
+#: The version of a record with ``pieces`` (a Zarr value stored as several chunk files).
+PIECES_VERSION = (1, 4)
 #: Largest record a reader accepts (about 5 million values).
 MAX_RECORD_NBYTES = 1 << 30
 _LIBRARY = "ckptvar 0.1.0"
@@ -198,6 +204,9 @@ class Record:
     #: by key: ``(file name, container path there)``, the file a sibling of this one;
     #: the value's ``offset`` is in that file (docs/FORMAT.md).
     external: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: 1.4, Zarr only: the values stored as several chunk files along their first axis,
+    #: by key: the rows per chunk (docs/FORMAT.md, "Pieces").
+    pieces: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -227,7 +236,8 @@ def encode(record: Record) -> bytes:
         [e.blocks for e in entries],
     )
     return encode_columns(record.container, record.packed, cols, record.metadata,
-                          block_size=record.block_size)
+                          block_size=record.block_size, external=record.external,
+                          pieces=record.pieces)
 
 
 def encode_columns(
@@ -238,9 +248,11 @@ def encode_columns(
     *,
     block_size: int = BLOCK_SIZE,
     external: Mapping[str, tuple[str, str]] | None = None,
+    pieces: Mapping[str, int] | None = None,
 ) -> bytes:
     """The msgpack bytes of a record given as per-value lists (``cols.blocks``: blocks of
-    ``block_size`` bytes; ``external``: the values another file holds, format 1.3)."""
+    ``block_size`` bytes; ``external``: the values another file holds, format 1.3;
+    ``pieces``: rows per chunk of the values stored as several chunks, format 1.4)."""
     keys, locs = cols.keys, cols.locs
     layouts = [loc.kind for loc in locs]
     paths = [loc.path for loc in locs]
@@ -248,7 +260,8 @@ def encode_columns(
     dense, sparse = split_attrs(keys, cols.attrs)
     doc: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "format_version": list(EXTERNAL_VERSION if external else FORMAT_VERSION),
+        "format_version": list(PIECES_VERSION if pieces else
+                               EXTERNAL_VERSION if external else FORMAT_VERSION),
         "library": _LIBRARY,
         "container": container,
         "packed": list(packed) if packed is not None else None,
@@ -266,6 +279,8 @@ def encode_columns(
         doc["block_checksums"] = blocks
     if external:
         doc["external"] = {k: list(v) for k, v in external.items()}
+    if pieces:
+        doc["pieces"] = dict(pieces)
     doc.update({
         "attrs": dense,
         "sparse_attrs": sparse,
@@ -336,12 +351,18 @@ def _validate(doc: Any, container: str, file_size: int | None) -> Record:
     block_size = check_block_size(doc)
     blocks = check_blocks(keys, doc.get("block_checksums"), nbytes, block_size)
     external = check_external(doc.get("external"), container)
-    if external:
+    pieces = check_pieces(doc.get("pieces"), container)
+    if external or pieces:
         at = dict(zip(keys, layouts, strict=True))
         for key in external:
             if at.get(key) != ARRAY:
                 raise BadRecord(f"the external value {key!r} is not a value stored as its own "
                                 "array")
+        dims = dict(zip(keys, shapes, strict=True))
+        for key, rows in pieces.items():
+            if at.get(key) != ARRAY or not dims[key] or not 0 < rows < dims[key][0]:
+                raise BadRecord(f"'pieces' gives {rows} rows per chunk for {key!r}, which is "
+                                "not a value of more rows stored as its own array")
     is_packed = [lay == "packed" for lay in layouts]
     off = np.array(offsets, np.int64)
     nb = np.array(nbytes, np.int64)
@@ -363,6 +384,7 @@ def _validate(doc: Any, container: str, file_size: int | None) -> Record:
         columns=Columns(keys, pk, off, nb),
         block_size=block_size,
         external=external,
+        pieces=pieces,
     )
 
 
@@ -435,6 +457,7 @@ def _decode_indexed(data: bytes, where: str, container: str,
         packed = _check_packed_region(head.get("packed"), file_size)
         block_size = check_block_size(head)
         external = check_external(head.get("external"), container)
+        pieces = check_pieces(head.get("pieces"), container)
         index = KeyIndex.parse(head["index"], container, block_size)
         pk = index.layouts == 0
         check_packed(SortedKeys(index), pk, index.offsets, index.nbytes,
@@ -450,6 +473,7 @@ def _decode_indexed(data: bytes, where: str, container: str,
         columns=Columns(SortedKeys(index), pk, index.offsets, index.nbytes),  # type: ignore[arg-type]
         block_size=block_size,
         external=external,
+        pieces=pieces,
     )
     record.values = IndexedValues(  # type: ignore[assignment]
         index,
@@ -502,6 +526,37 @@ def is_sibling_name(name: Any) -> bool:
             and "/" not in name and "\\" not in name and "\0" not in name)
 
 
+def is_holder_name(name: Any) -> bool:
+    """``name`` names the file holding an external value: a sibling file, or (a per-process
+    file of a multi-process step) ``../<sibling step>/<its file>``."""
+    if isinstance(name, str) and name.startswith("../"):
+        parts = name[3:].split("/")
+        return len(parts) == 2 and all(is_sibling_name(p) for p in parts)
+    return is_sibling_name(name)
+
+
+def holder_step(name: str) -> str:
+    """The checkpoint beside this one that the holder ``name`` belongs to (the step
+    directory of ``../<step>/<file>``, else the sibling file itself).
+
+    >>> holder_step("../ckpt-1.h5/rank-00002.h5"), holder_step("ckpt-1.h5")
+    ('ckpt-1.h5', 'ckpt-1.h5')
+    """
+    return name[3:].split("/", maxsplit=1)[0] if name.startswith("../") else name
+
+
+def check_pieces(pieces: Any, container: str) -> dict[str, int]:
+    """The record's ``pieces`` map (1.4) checked: key -> rows per chunk (a positive int)."""
+    if pieces is None:
+        return {}
+    if container != "zarr" or not isinstance(pieces, dict):
+        raise BadRecord("'pieces' is not a map of keys to rows per chunk (Zarr only)")
+    for key, rows in pieces.items():
+        if not isinstance(key, str) or type(rows) is not int or rows < 1:
+            raise BadRecord(f"'pieces' gives {rows!r} for {key!r}, not a number of rows")
+    return dict(pieces)
+
+
 def check_external(external: Any, container: str) -> dict[str, tuple[str, str]]:
     """The record's ``external`` map (1.3) checked: key -> ``(sibling file, path there)``."""
     if external is None:
@@ -510,7 +565,7 @@ def check_external(external: Any, container: str) -> dict[str, tuple[str, str]]:
         raise BadRecord("'external' is not a map of keys to [file, path] (HDF5 only)")
     out: dict[str, tuple[str, str]] = {}
     for key, where in external.items():
-        if (not isinstance(where, list) or len(where) != 2 or not is_sibling_name(where[0])
+        if (not isinstance(where, list) or len(where) != 2 or not is_holder_name(where[0])
                 or not isinstance(where[1], str) or not is_valid_container_path(where[1])):
             raise BadRecord(f"'external' gives {where!r} for {key!r}, not [sibling file "
                             "name, container path]")

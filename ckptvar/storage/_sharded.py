@@ -35,8 +35,11 @@ from .._dtypes import as_dtype
 from ..distributed import Box, read_plan
 from ..errors import CkptError, CorruptCheckpointError, MissingKeyError
 from ._box_index import as_box, fits_whole
+from ._container import ContainerReader
+from ._record import holder_step
 from ._sharded_zarr import GridVariable, check_part, read_part
 from ._step_files import LocalStepFiles, StepFiles
+from ._zarr import ZarrReader
 from .base import (
     ArrayInfo,
     Backend,
@@ -44,6 +47,7 @@ from .base import (
     Reader,
     SupportsReadIntoMany,
     SupportsRuns,
+    SupportsShared,
     SupportsStoredBoxes,
     SupportsVerifyAll,
     SupportsVerifyMany,
@@ -131,7 +135,7 @@ def _load_index(files: StepFiles) -> dict[str, Any]:
 
 
 class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVerifyMany,
-                    SupportsStoredBoxes):
+                    SupportsStoredBoxes, SupportsShared):
     """The logical variables of a multi-process checkpoint; per-process files open on demand.
 
     :attr:`bytes_read` counts the value bytes this reader asked its files for.
@@ -311,6 +315,49 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
             sub.close()
         self._src.close()
 
+    def shared(self) -> dict[str, list[str]]:
+        """The values whose stored boxes other steps beside this one hold or share (an
+        incremental multi-process step): key -> those steps' names (HDF5: the steps whose
+        files external links name; Zarr: those whose chunk files are the same files)."""
+        out: dict[str, list[str]] = {}
+        if not isinstance(self._src, LocalStepFiles):
+            return out
+        step = Path(self._src.display)
+        siblings: list[Path] = []
+        for key, boxes in self._boxes.items():
+            names: set[str] = set()
+            for rel in self._chunk_files(key, boxes, names):
+                try:
+                    st = os.stat(step / rel, follow_symlinks=False)
+                except OSError:
+                    continue
+                if st.st_nlink > 1:
+                    if not siblings:
+                        siblings = sorted(p for p in step.parent.glob(f"*{step.suffix}")
+                                          if p.name != step.name and not p.name.startswith("."))
+                    names.update(_same_file(siblings, rel, st))
+            if names:
+                out[key] = sorted(names)
+        return out
+
+    def _chunk_files(self, key: str, boxes: list[tuple[Any, int, str]],
+                     names: set[str]) -> list[str]:
+        """The Zarr chunk files of ``key``'s boxes (relative to the step); the steps that
+        hold its HDF5 boxes' bytes are added to ``names``."""
+        grid = self._grids.get(key)
+        if grid is not None:
+            return [grid[0].chunk_rel(box) for box, _, _ in boxes]
+        rels = []
+        for _, f, stored in boxes:
+            sub = self._sub(key, f)
+            if not isinstance(sub, ContainerReader):
+                continue
+            if isinstance(sub, ZarrReader):
+                rels += [f"{self._files[f]}/{rel}" for rel in sub.chunk_files(stored)]
+            elif isinstance(sub, SupportsShared):
+                names.update(holder_step(n) for n in sub.shared().get(stored, ()))
+        return rels
+
     # -- boxes ---------------------------------------------------------------------------
     def stored_boxes(self, key: str) -> list[Any]:
         """The boxes stored for ``key`` (``Box`` objects, in index order)."""
@@ -453,6 +500,19 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
 
     def _where(self, f: int) -> str:
         return self._src.where(self._files[f])
+
+
+def _same_file(steps: list[Path], rel: str, st: os.stat_result) -> list[str]:
+    """The names of ``steps`` whose file ``rel`` is the file ``st`` (a hard link)."""
+    out = []
+    for other in steps:
+        try:
+            there = os.stat(other / rel, follow_symlinks=False)
+        except OSError:
+            continue
+        if (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino):
+            out.append(other.name)
+    return out
 
 
 class ShardedLazyArray(LazyArray):

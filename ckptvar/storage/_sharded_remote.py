@@ -45,6 +45,7 @@ from ._container.source import RemoteFile
 from ._h5 import H5Reader
 from ._sharded import INDEX_FILE, ShardedReader
 from ._step_files import RemoteStepFiles
+from ._zarr import RECORD_PATH, chunk_key
 from ._zarr_remote import RemoteZarrReader
 from .base import Reader
 
@@ -82,13 +83,36 @@ class RemoteStep:
         refuse_committed(self.parent, self.name)
         self._claim = claim(self.parent, self.name)
 
-    def upload(self, local: Path, name: str) -> None:
-        """Upload one process's local checkpoint (a file or a Zarr directory) as ``name``."""
+    def upload(self, local: Path, name: str,
+               copies: list[tuple[str, str]] | None = None) -> None:
+        """Upload one process's local checkpoint (a file or a Zarr directory) as ``name``;
+        ``copies``: ``(key below the step's parent, path below name)`` objects of a Zarr
+        directory taken by server-side copy (an incremental step)."""
         key = f"{self.name}/{name}"
         if local.is_dir():
-            upload_tree(self.parent, local, key)
+            upload_tree(self.parent, local, key, copies=copies or ())
         else:
             self.parent.upload_file(os.fspath(local), key)
+
+    def base_index(self, base: str) -> bytes:
+        """The index of the committed multi-process step ``base`` beside this one."""
+        return self.parent.read(f"{base}/{INDEX_FILE}")
+
+    def base_record(self, base: str, name: str, dest: Path) -> Path | None:
+        """Fetch the root ``zarr.json`` and record of the Zarr file ``name`` of the step
+        ``base`` beside this one into the new directory ``dest`` (what an incremental
+        write needs of its base); ``None`` when they cannot be read (the process wrote no
+        file there)."""
+        record_key = f"{RECORD_PATH}/{chunk_key(1)}"
+        try:
+            root_doc = self.parent.read(f"{base}/{name}/zarr.json")
+            record = self.parent.read(f"{base}/{name}/{record_key}")
+        except (OSError, ValueError):  # CkptError subclasses one of them
+            return None
+        (dest / record_key).parent.mkdir(parents=True)
+        (dest / "zarr.json").write_bytes(root_doc)
+        (dest / record_key).write_bytes(record)
+        return dest
 
     def commit(self, index: bytes, zarr_root: bytes | None = None) -> str:
         """Upload the root ``zarr.json`` (if any) and the index, then the marker; release the

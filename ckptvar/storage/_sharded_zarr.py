@@ -16,8 +16,9 @@ committing process moves them into the global index (``checksums``) and deletes 
 files. Readers trust only the index, never zarr's metadata.
 
 :func:`grid_layout` decides from a save plan which variables are stored this way;
-:class:`GridLayout` writes one process's part and collects the checksums;
-:class:`GridVariable` is also what the reader builds from the index.
+:class:`GridLayout` writes one process's part and collects the checksums (with a
+:class:`GridReuse`, an incremental step's chunk equal to its base step's is a hard link
+to that file); :class:`GridVariable` is also what the reader builds from the index.
 
 >>> grid_chunk((10, 4), [Box((0, 0), (4, 4)), Box((4, 0), (4, 4)), Box((8, 0), (2, 4))])
 (4, 4)
@@ -27,6 +28,7 @@ True
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import mmap
@@ -54,6 +56,7 @@ from .slicing import c_strides, run_start, span_bounds
 __all__ = [
     "GRID_DTYPES",
     "GridLayout",
+    "GridReuse",
     "GridVariable",
     "grid_chunk",
     "grid_layout",
@@ -164,6 +167,40 @@ class GridVariable:
 
 
 @dataclass
+class GridReuse:
+    """What one process's chunks of global arrays may take from a base step (an
+    incremental save): its directory, its chunks' checksums by key, and what the process
+    knows unchanged by key (True) or changed (False); other chunks are compared by their
+    checksum, computed for the index anyway. The base has the same grid (the caller checks)."""
+
+    base: Path
+    sums: Mapping[str, Sequence[int]]
+    known: Mapping[str, bool] = field(default_factory=dict)
+    #: the chunks the last write hard-linked from the base (paths below the step)
+    linked: list[str] = field(default_factory=list)
+
+    def crc(self, key: str, j: int) -> int | None:
+        """The base's checksum of chunk ``j`` of ``key`` (``None``: it has none)."""
+        crcs = self.sums.get(key)
+        return int(crcs[j]) if crcs is not None and 0 <= j < len(crcs) else None
+
+
+def _link(source: Path, path: Path) -> bool:
+    """``path`` becomes another name of the committed chunk file ``source`` (zero copy);
+    False where it cannot (no hard links there, another file system, the base's chunk gone)."""
+    try:
+        os.link(source, path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        if exc.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP,
+                         errno.EOPNOTSUPP):
+            return False
+        raise
+    return True
+
+
+@dataclass
 class GridLayout:
     """The variables of one save plan that are stored as global arrays."""
 
@@ -181,11 +218,13 @@ class GridLayout:
 
     def write(self, where: Path, rank: int,
               values: Mapping[str, tuple[np.ndarray, Any]], *, durable: bool = True,
-              boxed: Mapping[tuple[str, tuple[int, ...]], np.ndarray] | None = None) -> None:
+              boxed: Mapping[tuple[str, tuple[int, ...]], np.ndarray] | None = None,
+              reuse: GridReuse | None = None) -> None:
         """Write ``rank``'s chunks, the array and group documents it owns, and its
         checksum file, into the step directory ``where`` (fsynced when ``durable``).
         ``boxed`` gives the value of each box of a key ``rank`` holds several boxes of
-        (by ``(key, offset)``); other keys' value is ``values[key]``'s."""
+        (by ``(key, offset)``); other keys' value is ``values[key]``'s. With ``reuse``
+        (an incremental save), a chunk equal to the base's is a hard link to its file."""
         sync: list[Path] | None = [] if durable else None
         dirs: set[Path] = set()
         sums: dict[str, list[list[int]]] = {}
@@ -203,14 +242,12 @@ class GridLayout:
             for j, (box, writer) in enumerate(zip(gv.boxes, gv.writers, strict=True)):
                 if writer != rank:
                     continue
+                make(gv.path)
                 value = as_host(values[gv.key][0])
                 if boxed:
                     value = boxed.get((gv.key, tuple(int(o) for o in box.offset)), value)
-                data = _chunk_data(gv, box, value)
-                rel = gv.chunk_rel(box)
-                make(gv.path)
-                write_file(where / rel, _rawio.byte_view(data), sync)
-                sums.setdefault(gv.key, []).append([j, gv.checksum(box, data)])
+                crc = _put_chunk(where, gv, j, value, sync, reuse)
+                sums.setdefault(gv.key, []).append([j, crc])
         for group in self.groups.get(rank, ()):
             write_file(make(group) / "zarr.json", GROUP_DOC, sync)
         if sums:
@@ -244,6 +281,35 @@ class GridLayout:
         for f in files:
             f.unlink()
         return out
+
+
+def _put_chunk(  # noqa: PLR0917
+    where: Path,
+    gv: GridVariable,
+    j: int,
+    value: np.ndarray,
+    sync: list[Path] | None,
+    reuse: GridReuse | None,
+) -> int:
+    """Store chunk ``j`` of ``gv`` (``value``: its box's value) below ``where``; returns
+    its checksum. With ``reuse``, a chunk known unchanged (not read) or equal to the
+    base's by checksum is a hard link to the base's chunk file."""
+    box = gv.boxes[j]
+    rel = gv.chunk_rel(box)
+    was = None if reuse is None else reuse.crc(gv.key, j)
+    known = None if reuse is None else reuse.known.get(gv.key)
+    if reuse is not None and was is not None and known and _link(reuse.base / rel,
+                                                                  where / rel):
+        reuse.linked.append(rel)
+        return was
+    data = _chunk_data(gv, box, value)
+    crc = gv.checksum(box, data)
+    if reuse is not None and was == crc and known is not False and _link(reuse.base / rel,
+                                                                          where / rel):
+        reuse.linked.append(rel)
+    else:
+        write_file(where / rel, _rawio.byte_view(data), sync)
+    return crc
 
 
 def _chunk_data(gv: GridVariable, box: Box, array: np.ndarray) -> np.ndarray:

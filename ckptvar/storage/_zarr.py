@@ -11,7 +11,10 @@ the checksum thread hashes it. Small values share the single chunk of the 1-D
 is, how long it is and its CRC-32C.
 
 Compression is opt-in (``compression="zstd" | "gzip" | "blosc"``) and then uses
-zarr-python's own codecs for the values stored as arrays.
+zarr-python's own codecs for the values stored as arrays. With ``piece_bytes`` (an
+incremental manager's local steps) a value larger than that is stored as several chunks
+along its first axis instead of one (format 1.4, docs/FORMAT.md "Pieces"), so that a
+step shares its unchanged chunks with the base step by hard link.
 
 Reading uses only the root ``zarr.json``, the record and the chunk files; every
 path is opened component by component without following symlinks, and a
@@ -23,12 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import importlib
 import json
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +52,9 @@ from ._container import (
     storage_dtype,
     write_packed,
 )
+from ._container.blocks import BLOCK_SIZE
 from ._container.reuse import Held
+from ._container.source import Pieces
 from ._record import ARRAY, FORMAT_VERSION, Entry, Extent, Record, decode
 from ._zarr_files import (
     GROUP_DOC,
@@ -58,6 +64,8 @@ from ._zarr_files import (
     chunk_key,
     fill_value,
     open_in,
+    piece_key,
+    piece_rows,
     raise_if_deleted,
     read_root_meta,
     root_record_ref,
@@ -67,7 +75,10 @@ from .atomic import fsync_all
 from .base import Backend, SupportsShared
 from .registry import register_backend
 
-__all__ = ["RECORD_PATH", "ZarrBackend", "ZarrReader", "ZarrWriter", "chunk_key"]
+__all__ = ["PIECE_BYTES", "RECORD_PATH", "ZarrBackend", "ZarrReader", "ZarrWriter", "chunk_key"]
+
+#: The size of the chunks of a value stored as several (``piece_bytes=True``; format 1.4).
+PIECE_BYTES = 4 << 20
 
 _CODECS = ("zstd", "gzip", "blosc")
 
@@ -93,13 +104,25 @@ class ZarrWriter(ContainerWriter):
         compression: str | None = None,
         compression_level: int | None = None,
         copies: list[tuple[str, str]] | None = None,
+        piece_bytes: int | bool | None = None,
         **options: Any,
     ) -> None:
         """``copies``: a reused chunk file (or array document) is not linked but listed
         there as ``(path in the base, path in the new checkpoint)``, both relative, for
         the caller to copy (an object store's incremental step: ``base`` then holds
-        only the base's record, read from the store)."""
+        only the base's record, read from the store). ``piece_bytes`` (``True``:
+        :data:`PIECE_BYTES`): an uncompressed value larger than that is stored as several
+        chunks of about that size along its first axis (format 1.4), so that an
+        incremental step shares its unchanged chunks."""
         self.copies = copies
+        if piece_bytes is True:
+            piece_bytes = PIECE_BYTES
+        if piece_bytes is not None and (piece_bytes is False or int(piece_bytes) < BLOCK_SIZE):
+            raise ValueError(f"piece_bytes must be at least {BLOCK_SIZE}, got {piece_bytes!r}.")
+        self.piece_bytes = None if piece_bytes is None else int(piece_bytes)
+        self._base_record: Record | None = None
+        #: per key: the chunks the base holds unchanged -> the base's chunk file
+        self._held_pieces: dict[str, dict[int, str]] = {}
         if compression in (False, "none"):
             compression = None
         if compression is not None and compression not in _CODECS:
@@ -113,7 +136,8 @@ class ZarrWriter(ContainerWriter):
 
     @property
     def streams_chunks(self) -> bool:
-        return self.compression is None  # a codec takes whole values
+        # a codec takes whole values; values in pieces are hashed, then written by piece
+        return self.compression is None and self.piece_bytes is None
 
     def _open_base(self, base: Path) -> tuple[Any, Any] | None:
         """An incremental save's base: its record; a value's bytes are its chunk file
@@ -123,6 +147,7 @@ class ZarrWriter(ContainerWriter):
         reader = ZarrReader(base)
         record = reader.record
         reader.close()
+        self._base_record = record
 
         def holder(key: str, entry: Entry) -> Held:
             path = entry.loc.path or ""
@@ -130,15 +155,62 @@ class ZarrWriter(ContainerWriter):
 
         return record, holder
 
+    def rows_of(self, it: ValueWrite) -> int | None:
+        """Rows per chunk of a value stored as several chunks; ``None``: one chunk."""
+        if self.piece_bytes is None or self.compression is not None or not it.nbytes:
+            return None
+        return piece_rows(it.shape, it.nbytes, self.piece_bytes, BLOCK_SIZE)
+
+    def _pieces(self, items: list[ValueWrite]) -> dict[str, int] | None:
+        out = {}
+        for it in items:
+            rows = None if it.packed else self.rows_of(it)
+            if rows is not None:
+                out[it.key] = rows
+        return out or None
+
     def _match_base(self, plan: WritePlan, base: Path) -> None:
-        """As every container's; a chunk to be copied on a server must fit one copy."""
+        """As every container's, with the chunks of a value stored as several: a value
+        the base holds whole must be chunked alike; otherwise each chunk whose block
+        checksums equal the base's is shared. A chunk to be copied on a server must fit
+        one copy."""
         super()._match_base(plan, base)
+        rec = self._base_record
+        for it in plan.arrays:
+            rows = self.rows_of(it)
+            was = None if rec is None else rec.pieces.get(it.key)
+            if it.held is not None and was != rows:
+                it.held = None  # the base's chunks are not this step's
+            if it.held is None and rows is not None and rows == was and rec is not None:
+                self._match_pieces(it, rows, rec, base)
+        self.reused = [it.key for it in plan.arrays if it.held is not None]
         if self.copies is None:
             return
         for it in plan.arrays:
             if it.held is not None and it.nbytes > COPY_LIMIT:
                 it.held = None  # written (and hashed) like a changed value
         self.reused = [it.key for it in plan.arrays if it.held is not None]
+
+    def _match_pieces(self, it: ValueWrite, rows: int, rec: Record, base: Path) -> None:
+        """Note the chunks of ``it`` whose bytes the base holds (by block checksums: the
+        value is hashed now, as its write would)."""
+        entry = rec.values.get(it.key)
+        if (entry is None or entry.loc.kind != ARRAY or entry.dtype != it.dtype
+                or tuple(entry.shape) != it.shape or entry.blocks is None):
+            return
+        if not it.hashed:
+            it.hash(parallel=True)  # before the write, which waits for it
+            it.hashed = True
+        if it.blocks is None:
+            return
+        per = rows * (it.nbytes // it.shape[0]) // BLOCK_SIZE  # blocks per chunk
+        held = {}
+        for i in range(-(-it.shape[0] // rows)):
+            a, b = 4 * i * per, 4 * (i + 1) * per
+            if it.blocks[a:b] == entry.blocks[a:b]:
+                held[i] = os.fspath(base / (entry.loc.path or "") / piece_key(len(it.shape), i))
+        if held:
+            self._held_pieces[it.key] = held
 
     def _array_loc(self, it: ValueWrite) -> Extent:
         if self.compression is not None:
@@ -155,7 +227,11 @@ class ZarrWriter(ContainerWriter):
             if it.held is not None and it.held.same_attrs:  # the same document: share it
                 tree.link(os.fspath(Path(it.held.file).parent / "zarr.json"), d / "zarr.json")
             elif raw:
-                tree.write(d / "zarr.json", _doc(array_meta(it.shape, sdt, scalar_attrs(it))))
+                meta = array_meta(it.shape, sdt, scalar_attrs(it))
+                rows = self.rows_of(it)
+                if rows is not None:
+                    meta["chunk_grid"]["configuration"]["chunk_shape"][0] = rows
+                tree.write(d / "zarr.json", _doc(meta))
             else:
                 self._write_compressed(tmp, it, sdt)
 
@@ -166,7 +242,7 @@ class ZarrWriter(ContainerWriter):
         tree = _Tree(tmp, [] if self.durable else None, deferred)
         raw = self.compression is None
         # 1. the bytes, straight from the buffers (hashing runs meanwhile)
-        arr_dirs = tree.write_chunks(plan.arrays, raw)
+        arr_dirs = tree.write_chunks(plan.arrays, raw, self.rows_of, self._held_pieces)
         pd = tree.array_dir(PACKED_PATH) if plan.packed else None
         if pd is not None and plan.packed_nbytes:
             def packed_bytes(fd: int) -> None:
@@ -322,8 +398,12 @@ class _Tree:
         self._made.add(rel)
         return d
 
-    def write_chunks(self, arrays: list[ValueWrite], raw: bool) -> list[Path]:
-        """Each array's directory, and its chunk file when ``raw`` (uncompressed).
+    def write_chunks(self, arrays: list[ValueWrite], raw: bool,
+                     rows_of: Callable[[ValueWrite], int | None],
+                     held: Mapping[str, Mapping[int, str]]) -> list[Path]:
+        """Each array's directory, and its chunk file when ``raw`` (uncompressed); a value
+        with ``rows_of(it)`` rows per chunk as several chunk files, those in ``held``
+        (by key: chunk -> the base's file) linked.
 
         Directories and group documents are made on an I/O thread, ahead of the chunk
         writes (creating ~200 inodes costs as much as 1 GiB of pwrite on some file
@@ -348,18 +428,51 @@ class _Tree:
                 d = arr_dirs[i]
                 if d is None:  # making the tree failed: wait_all below raises why
                     break
-                if it.held is not None and it.nbytes:
-                    self.link(it.held.file, d / chunk_key(len(it.shape)))
-                elif raw and it.source is not None:  # a piece at a time, hashed on the way
-                    self.write(d / chunk_key(len(it.shape)), self._streamed(it))
-                elif raw and it.nbytes:
-                    self.write(d / chunk_key(len(it.shape)), it.view)
+                self._write_value(it, d, rows_of(it) if raw else None, raw, held)
         except BaseException:
             with contextlib.suppress(BaseException):
                 _rawio.wait_all(tree)
             raise
         _rawio.wait_all(tree)
         return [d for d in arr_dirs if d is not None]
+
+    def _write_value(self, it: ValueWrite, d: Path, rows: int | None, raw: bool,
+                     held: Mapping[str, Mapping[int, str]]) -> None:
+        """One value's chunk file (or, with ``rows``, chunk files) into ``d``."""
+        if rows is not None:
+            self._write_pieces(it, d, rows, held.get(it.key, {}))
+        elif it.held is not None and it.nbytes:
+            self.link(it.held.file, d / chunk_key(len(it.shape)))
+        elif raw and it.source is not None:  # a piece at a time, hashed on the way
+            self.write(d / chunk_key(len(it.shape)), self._streamed(it))
+        elif raw and it.nbytes:
+            self.write(d / chunk_key(len(it.shape)), it.view)
+
+    def _write_pieces(self, it: ValueWrite, d: Path, rows: int, held: Mapping[int, str]
+                      ) -> None:
+        """``it``'s chunks of ``rows`` rows (the last padded with zeros, as Zarr stores
+        it): linked from the base where it holds them (all of them when ``it.held``)."""
+        ndim = len(it.shape)
+        size = rows * (it.nbytes // it.shape[0])
+        view = it.view
+        for i in range(-(-it.shape[0] // rows)):
+            name = piece_key(ndim, i)
+            src = (os.fspath(Path(it.held.file).parent / name) if it.held is not None
+                   else held.get(i))
+            if src is not None:
+                self.link(src, d / name)
+                continue
+            part = view[i * size: (i + 1) * size]
+            if len(part) == size:
+                self.write(d / name, part)
+            else:
+                self.write(d / name, functools.partial(_padded, part, size))
+
+
+def _padded(part: memoryview, size: int, fd: int) -> None:
+    """Write ``part`` into ``fd`` and extend the file with zeros to ``size`` bytes."""
+    _rawio.pwrite_all(fd, part, 0)
+    os.ftruncate(fd, size)
 
 
 class ZarrReader(ContainerReader, SupportsShared):
@@ -392,31 +505,27 @@ class ZarrReader(ContainerReader, SupportsShared):
         out: dict[str, list[str]] = {}
         linked = []
         for key in self.keys():
-            e = self.entry(key)
-            if e.loc.kind != ARRAY or not e.nbytes or e.loc.path is None:
-                continue
-            rel = f"{e.loc.path}/{chunk_key(len(e.shape))}"
-            try:
-                st = os.stat(rel, dir_fd=self._root_fd, follow_symlinks=False)
-            except OSError:
-                continue
-            if st.st_nlink > 1:
-                linked.append((key, rel, (st.st_dev, st.st_ino)))
+            for rel in self.chunk_files(key):
+                try:
+                    st = os.stat(rel, dir_fd=self._root_fd, follow_symlinks=False)
+                except OSError:
+                    continue
+                if st.st_nlink > 1:
+                    linked.append((key, rel, (st.st_dev, st.st_ino)))
         if not linked:
             return out
         here = Path(self.path)
         siblings = sorted(p for p in here.parent.glob("*.zarr")
                           if p.name != here.name and not p.name.startswith("."))
         for key, rel, ident in linked:
-            names = []
+            names = out.setdefault(key, [])
             for other in siblings:
                 try:
                     st = os.stat(other / rel, follow_symlinks=False)
                 except OSError:
                     continue
-                if (st.st_dev, st.st_ino) == ident:
-                    names.append(other.name)
-            out[key] = names
+                if (st.st_dev, st.st_ino) == ident and other.name not in names:
+                    names.append(other.name)  # a value in chunks: any chunk shared
         return out
 
     @staticmethod
@@ -470,7 +579,51 @@ class ZarrReader(ContainerReader, SupportsShared):
         rel = f"{entry.loc.path}/{chunk_key(len(entry.shape))}"
         if entry.nbytes == 0:
             return Source(self._open_in_dir(key, entry.loc.path or ""), 0, True)
+        if self._record.pieces and key in self._record.pieces:
+            return Source(self._open_pieces(key, entry), 0, True)
         return Source(self._open_chunk(key, rel, entry.nbytes), 0, True)
+
+    def _piece_layout(self, key: str, entry: Entry) -> tuple[int, int]:
+        """A value stored as several chunks (format 1.4): a chunk file's size and how
+        many there are (checked against its shape)."""
+        rows = self._record.pieces[key]
+        if not entry.shape or not 0 < rows < entry.shape[0]:
+            raise self.corrupt(key, f"has {rows} rows per chunk, which its shape "
+                                    f"{entry.shape} cannot have")
+        return rows * (entry.nbytes // entry.shape[0]), -(-entry.shape[0] // rows)
+
+    def _open_pieces(self, key: str, entry: Entry) -> Pieces:
+        """Each chunk opened in turn (a missing one stops at once, whatever the record
+        claims), its size checked; the last one's value bytes are the rest."""
+        size, n = self._piece_layout(key, entry)
+        fds: list[int] = []
+        try:
+            for i in range(n):
+                rel = f"{entry.loc.path}/{piece_key(len(entry.shape), i)}"
+                fds.append(self._open_chunk(key, rel, size))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return Pieces(fds, [size] * (n - 1) + [entry.nbytes - (n - 1) * size])
+
+    def chunk_files(self, key: str) -> list[str]:
+        """The chunk files (relative to the checkpoint) holding ``key``'s bytes, if it is
+        stored as its own uncompressed array; else none."""
+        e = self.entry(key)
+        if e.loc.kind != ARRAY or not e.nbytes or e.loc.path is None:
+            return []
+        if not (self._record.pieces and key in self._record.pieces):
+            return [f"{e.loc.path}/{chunk_key(len(e.shape))}"]
+        out = []
+        for i in range(self._piece_layout(key, e)[1]):
+            rel = f"{e.loc.path}/{piece_key(len(e.shape), i)}"
+            try:
+                os.stat(rel, dir_fd=self._root_fd, follow_symlinks=False)
+            except OSError:
+                break  # the rest is damage, which reading it reports
+            out.append(rel)
+        return out
 
     def _open_in_dir(self, key: str, rel: str) -> int:
         try:

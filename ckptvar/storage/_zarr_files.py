@@ -16,6 +16,7 @@ from damage (:func:`raise_if_deleted`).
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ __all__ = [
     "chunk_key",
     "fill_value",
     "open_in",
+    "piece_key",
+    "piece_rows",
     "raise_if_deleted",
     "read_root_meta",
     "root_record_ref",
@@ -70,6 +73,35 @@ def fill_value(dt: np.dtype) -> Any:
     if dt.kind == "f":
         return 0.0
     return 0
+
+
+def piece_key(ndim: int, i: int) -> str:
+    """The file of chunk ``i`` along the first axis of a value stored as several chunks
+    (format 1.4): ``c.i.0...``.
+
+    >>> piece_key(2, 3), piece_key(1, 0) == chunk_key(1)
+    ('c.3.0', True)
+    """
+    return ".".join(["c", str(i)] + ["0"] * (ndim - 1))
+
+
+def piece_rows(shape: tuple[int, ...], nbytes: int, piece_bytes: int, block_size: int) -> int | None:
+    """Rows per chunk when a value of ``shape`` (``nbytes``) is stored as several chunks of
+    about ``piece_bytes`` along its first axis, each a whole number of checksum blocks
+    (``block_size``) so that a chunk's block checksums are its own; ``None``: one chunk
+    (a value no larger than ``piece_bytes``, or one that would make one chunk anyway).
+
+    >>> piece_rows((65536, 64), 65536 * 256, 4 << 20, 256 << 10)
+    16384
+    >>> piece_rows((1000, 64), 1000 * 256, 4 << 20, 256 << 10) is None
+    True
+    """
+    if not shape or shape[0] < 2 or nbytes <= piece_bytes:
+        return None
+    row = nbytes // shape[0]
+    unit = block_size // math.gcd(block_size, row)  # rows of a whole number of blocks
+    rows = max(unit, piece_bytes // row // unit * unit)
+    return rows if rows < shape[0] else None
 
 
 def array_meta(shape: tuple[int, ...], dt: np.dtype, attributes: dict[str, Any],

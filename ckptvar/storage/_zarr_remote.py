@@ -69,6 +69,12 @@ class RemoteZarrReader(ZarrReader):
 
     def _open_array(self, key: str, entry: Entry) -> Source:
         self.check_open()
+        if self._record.pieces and key in self._record.pieces:
+            raise UnsupportedFormatError(
+                f"Checkpoint {self.path!r}: {key!r} is stored as several chunk files (a "
+                "local incremental step, format 1.4), which ckptvar reads from a local "
+                "directory only; copy the step to a disk, or `ckpt convert` it there first."
+            )
         rel = f"{entry.loc.path}/{chunk_key(len(entry.shape))}"
         return Source(RemoteFile(self._loc, self._obj(rel), entry.nbytes), 0, False)
 

@@ -1,7 +1,7 @@
 """Incremental steps on an object store (local S3 server): a Zarr step's unchanged values are
 server-side copies of the previous step's chunk objects (no byte through the client, counted
 by a TCP proxy), and the step stands alone once the older one is pruned; HDF5 writes full
-steps and says so."""
+steps and says so. With several processes, each process's file is copied so."""
 
 from __future__ import annotations
 
@@ -182,3 +182,42 @@ def test_a_chunk_larger_than_one_copy_is_uploaded(s3: S3Bucket, proxy: FaultProx
     assert proxy.bytes_up > frozen.numpy().nbytes
     got = cv.load(last, storage_options=s3.storage_options)
     assert np.array_equal(got["frozen"], frozen.numpy()) and got["head"][0, 0] == 1
+
+
+def test_three_processes_copy_their_unchanged_values_on_the_server(
+        s3: S3Bucket, proxy: FaultProxy) -> None:
+    """``coordinator=`` on S3 (real ``mpiexec``, tests/mpi/incremental_cases.py): each
+    process's Zarr file takes its unchanged values as server-side copies of its file in
+    the base step; the new step stands alone once the base is pruned."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    from test_distributed_mpi import _mpi_skip_reason, run_mpi
+
+    if _mpi_skip_reason() is not None:
+        pytest.skip(_mpi_skip_reason() or "")
+    cases_file = Path(__file__).parent.parent / "mpi" / "incremental_cases.py"
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("incremental_cases", cases_file)
+    assert spec is not None and spec.loader is not None
+    cases = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cases)
+    opts = {**s3.storage_options, "endpoint": proxy.endpoint}
+    run = f"{s3.url}/mp"
+    up = []
+    for step in (1, 2):  # two jobs: the second knows no versions, compares checksums
+        proxy.reset_counts()
+        proc, got, _ = run_mpi(3, str(cases_file), "step", run, "zarr", str(step),
+                               timeout=150, env={"S3_OPTIONS": json.dumps(opts)})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert {r["path"] for r in got["step"].values()} == {f"{run}/ckpt-{step}.zarr"}
+        up.append(proxy.bytes_up)
+    head = cases.expected(2)["head"].nbytes  # the only value that changed
+    assert up[0] > sum(a.nbytes for a in cases.expected(1).values())
+    assert up[1] < head + 256 * 1024, up  # the head, the records, index, marker, requests
+    loc = s3.location("mp")
+    assert list_committed_steps(loc) == ["ckpt-2.zarr"]  # the base was pruned
+    got = cv.load(f"{run}/ckpt-2.zarr", storage_options=s3.storage_options)
+    for key, want in cases.expected(2).items():
+        assert np.array_equal(got[key], want), key

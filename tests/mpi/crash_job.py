@@ -6,6 +6,8 @@ events; ``$S3_OPTIONS``: storage options (JSON) when WHERE is a URL; ``$LOCAL_TI
 local directory, for a tiered manager (every step there, every one persisted to WHERE
 in the background); with ``{node}`` in it, per-node local disks: ranks ``2k`` and
 ``2k+1`` are node ``k`` (``{node}`` is ``k``), each node seeing only its own directory.
+``$INCREMENTAL=1``: an incremental manager, with a value that never changes (every step
+refers to, or links, the first one's bytes).
 
 The job opens a ``CheckpointManager`` on WHERE as a restarted job does, restores
 the latest committed step and checks it bit-exact (every value is a function of
@@ -41,6 +43,7 @@ RANK, SIZE = coord.rank, coord.size
 OUT = Path(os.environ["RESULT_DIR"]) / f"job{job}-rank{RANK}.jsonl"
 opts = json.loads(os.environ.get("S3_OPTIONS") or "null")
 tier = (os.environ.get("LOCAL_TIER") or "").format(node=RANK // 2) or None
+incremental = os.environ.get("INCREMENTAL") == "1"
 ROWS, COLS = 48, 2000
 LOCAL_NAMES = {"checkpoint_state.json", ".checkpoint_state.lock", ".checkpoint_saving.lock"}
 
@@ -79,7 +82,7 @@ def leftovers() -> list[str]:  # noqa: C901, PLR0912 - each place a save leaves 
     if RANK != 0:  # a node's first rank: its local tier only
         return found
     if "://" not in where:
-        listed = {Path(p).name for p in mgr.checkpoints}
+        listed = {Path(p).name for p in mgr.checkpoints} | held()
         for name in os.listdir(where):
             if is_partial(name) or (name not in LOCAL_NAMES and name not in listed):
                 found.append(name)
@@ -98,14 +101,31 @@ def leftovers() -> list[str]:  # noqa: C901, PLR0912 - each place a save leaves 
     return found
 
 
+def held() -> set[str]:
+    """The pruned steps kept because kept incremental steps refer to their bytes."""
+    state = Path(where) / "checkpoint_state.json"
+    if not state.exists():
+        return set()
+    section = json.loads(state.read_text())["sections"].get("ckpt", {})
+    return {e["path"] for e in section.get("pending_delete", []) if e.get("held_for")}
+
+
 w = cv.Variable(np.zeros((rows()[1] - rows()[0], COLS)), name="w",
                 shard=cv.Shard(full_shape=(ROWS, COLS), offset=(rows()[0], 0)))
 b = cv.Variable(np.zeros(7, np.float32), name="b")
 step = cv.Variable(0, dtype="int64", name="step")
 ckpt = cv.Checkpoint(w=w, b=b, step=step)
-tiers = {"local_directory": tier, "local_max_to_keep": 2} if tier else {}
+extra: dict[str, object] = {}
+if tier:
+    extra.update(local_directory=tier, local_max_to_keep=2)
+if incremental:
+    frozen = cv.Variable(np.arange(rows()[0] * COLS, rows()[1] * COLS, dtype=np.float32)
+                         .reshape(-1, COLS), name="frozen",
+                         shard=cv.Shard(full_shape=(ROWS, COLS), offset=(rows()[0], 0)))
+    ckpt.frozen = frozen
+    extra.update(incremental=True)
 mgr = cv.CheckpointManager(ckpt, where, max_to_keep=3, format=fmt, storage_options=opts,
-                           coordinator=coord if SIZE > 1 else None, **tiers)
+                           coordinator=coord if SIZE > 1 else None, **extra)
 restored = mgr.restore_or_initialize()
 s = int(step.numpy())
 want = values(s)

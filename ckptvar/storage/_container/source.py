@@ -5,19 +5,23 @@ Owns the few calls the readers make on a value's source (:class:`.layout.Source`
 A local source is an ``int`` descriptor and takes the same ``preadv`` path as
 before (one type check per call); a :class:`RemoteFile` reads ranges of one
 object (or a window of it) through a :class:`~ckptvar.locations.Location`:
-each read is ranged GETs straight into the caller's buffer, in parallel.
+each read is ranged GETs straight into the caller's buffer, in parallel; a
+:class:`Pieces` is one value's bytes in several local files back to back (a Zarr
+value stored as several chunks, format 1.4).
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .. import rawio as _rawio
 
-__all__ = ["RemoteFile", "cached", "close", "map_all", "pread_into", "preadv_all"]
+__all__ = ["Pieces", "RemoteFile", "cached", "close", "map_all", "pread_into", "preadv_all"]
 
 
 class RemoteFile:
@@ -80,27 +84,105 @@ class RemoteFile:
         return out
 
 
-def pread_into(fd: int | RemoteFile, buf: Any, offset: int) -> int:
+class Pieces:
+    """One value's bytes in several local files back to back: ``sizes[i]`` bytes from the
+    start of descriptor ``fds[i]`` (a file may hold more: a padded last chunk).
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> fds = []
+    >>> for name, data in (("a", b"abc"), ("b", b"de--")):
+    ...     with open(os.path.join(d, name), "wb") as f:
+    ...         _ = f.write(data)
+    ...     fds.append(os.open(os.path.join(d, name), os.O_RDONLY))
+    >>> src = Pieces(fds, [3, 2])
+    >>> buf = bytearray(4)
+    >>> src.pread_into(buf, 1), bytes(buf), bytes(src.read_all())
+    (4, b'bcde', b'abcde')
+    >>> src.close()
+    """
+
+    __slots__ = ("fds", "sizes", "starts")
+
+    def __init__(self, fds: Sequence[int], sizes: Sequence[int]) -> None:
+        self.fds = list(fds)
+        self.sizes = list(sizes)
+        self.starts = list(itertools.accumulate(self.sizes, initial=0))
+
+    def _runs(self, offset: int, n: int) -> Iterator[tuple[int, int, int, int]]:
+        """``(fd, offset in it, position in the caller's buffer, bytes)`` of each run."""
+        i = bisect.bisect_right(self.starts, offset) - 1
+        pos = 0
+        while n > 0 and 0 <= i < len(self.fds):
+            at = offset - self.starts[i]
+            take = min(n, self.sizes[i] - at)
+            if take <= 0:
+                break
+            yield self.fds[i], at, pos, take
+            offset, pos, n, i = offset + take, pos + take, n - take, i + 1
+
+    def pread_into(self, buf: Any, offset: int) -> int:
+        """Fill ``buf`` from ``offset``; returns the bytes read (fewer only past the end)."""
+        view = memoryview(buf).cast("B")
+        got = 0
+        for fd, at, pos, take in self._runs(offset, len(view)):
+            k = _rawio.pread_into(fd, view[pos : pos + take], at)
+            got += k
+            if k < take:
+                break
+        return got
+
+    def preadv_all(self, bufs: Sequence[Any], offset: int) -> int:
+        """Fill the buffers back to back from ``offset``."""
+        total = 0
+        for b in bufs:
+            view = memoryview(b).cast("B")
+            k = self.pread_into(view, offset + total)
+            total += k
+            if k < len(view):
+                break
+        return total
+
+    def read_all(self) -> bytearray:
+        out = bytearray(self.starts[-1])
+        self.pread_into(out, 0)
+        return out
+
+    def cached(self, offset: int) -> bool:
+        for fd, at, _, _ in self._runs(offset, 1):
+            return _rawio.cached(fd, at)
+        return False
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+
+
+def pread_into(fd: int | RemoteFile | Pieces, buf: Any, offset: int) -> int:
     """``_rawio.pread_into`` on a descriptor, a ranged read on a :class:`RemoteFile`."""
     if fd.__class__ is int:
         return _rawio.pread_into(fd, buf, offset)
     return fd.pread_into(buf, offset)  # type: ignore[union-attr]
 
 
-def preadv_all(fd: int | RemoteFile, bufs: Sequence[Any], offset: int) -> int:
+def preadv_all(fd: int | RemoteFile | Pieces, bufs: Sequence[Any], offset: int) -> int:
     """``_rawio.preadv_all`` on a descriptor, parallel ranged reads on a :class:`RemoteFile`."""
     if fd.__class__ is int:
         return _rawio.preadv_all(fd, bufs, offset)
     return fd.preadv_all(bufs, offset)  # type: ignore[union-attr]
 
 
-def close(fd: int | RemoteFile) -> None:
-    """Close a descriptor (a remote source holds nothing open)."""
+def close(fd: int | RemoteFile | Pieces) -> None:
+    """Close a descriptor, or the descriptors of :class:`Pieces` (a remote source holds
+    nothing open)."""
     if fd.__class__ is int:
         os.close(fd)
+    elif isinstance(fd, Pieces):
+        fd.close()
 
 
-def map_all(fd: int | RemoteFile) -> Any:
+def map_all(fd: int | RemoteFile | Pieces) -> Any:
     """A buffer of the whole source: a read-only map of a file, the bytes of a remote one."""
     if fd.__class__ is int:
         size = os.fstat(fd).st_size
@@ -110,9 +192,11 @@ def map_all(fd: int | RemoteFile) -> Any:
     return fd.read_all()  # type: ignore[union-attr]
 
 
-def cached(fd: int | RemoteFile, offset: int) -> bool:
+def cached(fd: int | RemoteFile | Pieces, offset: int) -> bool:
     """Whether a page is in the page cache; a remote source counts as cached (its pieces
     are best read in parallel)."""
     if fd.__class__ is int:
         return _rawio.cached(fd, offset)
+    if isinstance(fd, Pieces):
+        return fd.cached(offset)
     return True

@@ -31,7 +31,7 @@ from ..atomic import check_destination, publish, temporary_sibling
 from ..base import Writer
 from ..chunked import Chunked, HostPieces, is_chunked, materialize, piece_bytes
 from ..paths import container_paths
-from .blocks import BLOCK_SIZE, BlockHasher, hash_blocks
+from .blocks import BLOCK_SIZE, BlockHasher, hash_blocks, hash_blocks_parallel
 from .layout import ALIGN, pack_limit
 from .reuse import Held, match
 
@@ -67,13 +67,15 @@ class ValueWrite:
     def view(self) -> memoryview:
         return _rawio.byte_view(self.array)
 
-    def hash(self) -> None:
+    def hash(self, *, parallel: bool = False) -> None:
+        """Its checksum and block checksums (``parallel``: on the I/O threads)."""
         if self.source is not None:  # one pass over the pieces, nothing written
             self.write_with(None)
             return
         seed = _checksum.header_crc(self.key, self.dtype, self.shape)
         if self.nbytes > BLOCK_SIZE:
-            self.checksum, self.blocks = hash_blocks(self.view, seed)
+            hasher = hash_blocks_parallel if parallel else hash_blocks
+            self.checksum, self.blocks = hasher(self.view, seed)
         else:
             self.checksum = _checksum.crc(self.view, seed)
 
@@ -337,10 +339,14 @@ class ContainerWriter(Writer):
         )
         packed = packed_loc if any(it.packed for it in items) else None
         return encode_columns(self.container, packed, cols, self._metadata,
-                              external=self._external(items))
+                              external=self._external(items), pieces=self._pieces(items))
 
     def _external(self, items: list[ValueWrite]) -> dict[str, tuple[str, str]] | None:
         """The record's ``external`` map (values another file holds); None: none."""
+        return None
+
+    def _pieces(self, items: list[ValueWrite]) -> dict[str, int] | None:
+        """The record's ``pieces`` map (values stored as several chunks); None: none."""
         return None
 
     def _array_loc(self, it: ValueWrite) -> Extent:

@@ -1,0 +1,134 @@
+"""Incremental steps written by several processes (``mpiexec``): each process's file and
+each global Zarr chunk refers to the base step's bytes when unchanged; every step loads
+on 3 processes, on 2 and in one plain process; ``ckpt verify`` passes; pruning keeps
+what a kept step refers to; a process failing mid-save commits nothing.
+
+The jobs are tests/mpi/incremental_cases.py (real processes, each run with a timeout).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+import zarr
+
+import ckptvar as cv
+from tests.ckpt_runs import ckpt_processes
+from tests.test_distributed_mpi import _mpi_skip_reason, run_mpi
+
+pytestmark = pytest.mark.skipif(_mpi_skip_reason() is not None, reason=_mpi_skip_reason() or "")
+
+CASES = Path(__file__).parent / "mpi" / "incremental_cases.py"
+_spec = importlib.util.spec_from_file_location("incremental_cases", CASES)
+assert _spec is not None and _spec.loader is not None
+cases: Any = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cases)
+
+
+def _run(n: int, mode: str, d: Path, fmt: str) -> dict[int, dict[str, Any]]:
+    proc, got, _ = run_mpi(n, str(CASES), mode, str(d), fmt, timeout=150)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(got.get(mode, {})) == list(range(n)), (proc.stdout, proc.stderr)
+    assert all(r["ok"] for r in got[mode].values())
+    return got[mode]
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_incremental_steps_of_three_processes(tmp_path: Path, fmt: str) -> None:
+    d = tmp_path / "run"
+    saved = _run(3, "save", d, fmt)
+    suffix = f".{fmt}"
+    r0 = saved[0]
+    sizes = {int(k): v for k, v in r0["sizes"].items()}
+    full = sum(a.nbytes for a in cases.expected(1).values())
+    head = cases.expected(1)["head"].nbytes
+    box = cases.expected(1)["frozen"].nbytes // 3
+    assert sizes[1] > full  # the first step is written whole
+    for step in (2, 3, 4):  # only the head changed: bytes written ~ bytes changed
+        assert sizes[step] <= 1.10 * head, (step, sizes[step], head)
+    assert sizes[5] <= 1.10 * (head + box), (sizes[5], head + box)  # + one process's box
+    assert r0["listed"] == [f"ckpt-4{suffix}", f"ckpt-5{suffix}"]
+    # rank 1 failed while writing step 6: nothing committed, no leftovers, step 5 intact
+    assert saved[1]["failed"] == "OSError"
+    assert {saved[r]["failed"] for r in (0, 2)} == {"DistributedError"}
+    after = r0["after_failure"]
+    assert after["listed"] == [f"ckpt-4{suffix}", f"ckpt-5{suffix}"]
+    assert not [n for n in after["on_disk"] if "ckpt-6" in n or n.endswith(".partial")]
+    assert r0["retried"] == f"ckpt-6{suffix}"
+    # a new manager (no versions known): unchanged values found by their checksums
+    # (global Zarr chunks by theirs), only the head written
+    assert r0["fresh_size"] <= 1.10 * head, (r0["fresh_size"], head)
+    for r in saved.values():  # every listed step restores bit-exact on 3 processes
+        assert r["restored"] == {f"ckpt-6{suffix}": True, f"ckpt-7{suffix}": True}
+
+    kept = [d / f"ckpt-6{suffix}", d / f"ckpt-7{suffix}"]
+    for p in kept:  # ...in one plain process
+        step = cv.checkpoint.parse_step_name(p.name).step
+        got = cv.load(p)
+        for key, want in cases.expected(step).items():
+            assert np.array_equal(got[key], want), (p.name, key)
+    standalone = tmp_path / f"standalone{suffix}"
+    *verified, listed, converted = ckpt_processes(*(("verify", p) for p in kept), ("ls", d),
+                                                  ("convert", kept[1], standalone))
+    for proc in (*verified, listed, converted):
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    if fmt == "h5":
+        _check_h5_holder(d, kept, listed.stdout)
+    else:
+        _check_zarr_links(d, kept)
+
+    # on 2 processes: every listed step restores bit-exact; a save with this layout
+    # cannot refer to the 3-process steps: written whole, and the log says why
+    two = _run(2, "restore", d, fmt)
+    for r in two.values():
+        assert r["restored"] == {f"ckpt-6{suffix}": True, f"ckpt-7{suffix}": True}
+        assert r["full_save"] == f"ckpt-8{suffix}"
+    assert "was written by 3 processes, this one by 2" in two[0]["said"][0]
+    got = cv.load(d / f"ckpt-8{suffix}")
+    for key, want in cases.expected(8).items():
+        assert np.array_equal(got[key], want), key
+    cv.storage.remove_path(d)  # `ckpt convert` wrote a standalone copy
+    got = cv.load(standalone)
+    for key, want in cases.expected(7).items():
+        assert np.array_equal(got[key], want), key
+
+
+def _check_h5_holder(d: Path, kept: list[Path], listed: str) -> None:
+    """The base holds bytes the kept steps refer to (``uneven``, never written again):
+    pruned from the list, kept on disk until no kept step refers to it; so does step 5
+    (one process's box of ``frozen``), and what a held step refers to is held too."""
+    base = d / "ckpt-1.h5"
+    assert base.is_dir()
+    state = json.loads((d / "checkpoint_state.json").read_text())
+    pending = state["sections"]["ckpt"]["pending_delete"]
+    held = {e["path"]: e["held_for"] for e in pending}
+    assert held["ckpt-5.h5"] == [p.name for p in kept]  # box 1 of frozen, written at 5
+    assert held[base.name] == ["ckpt-5.h5", *(p.name for p in kept)]  # held ones too
+    with h5py.File(kept[1] / "rank-00001.h5", "r") as f:  # plain h5py follows the link
+        link = f["uneven/%2Ebox"].get("1", getlink=True)  # its box 1
+        assert link.filename == "../ckpt-1.h5/rank-00001.h5"
+        lo, hi = cases.UNEVEN[0], sum(cases.UNEVEN[:2])
+        assert np.array_equal(f["uneven/%2Ebox/1"][()], cases.expected(7)["uneven"][lo:hi])
+    with cv.open(kept[1]) as reader:
+        assert isinstance(reader, cv.storage.SupportsShared)
+        assert reader.shared()["uneven"] == [base.name]
+        assert reader.shared()["frozen"] == [base.name, "ckpt-5.h5"]  # by box: 1 changed at 5
+    line = next(x for x in listed.splitlines() if " ckpt-1.h5 " in x)
+    assert "(holds bytes of ckpt-5.h5, ckpt-6.h5, ckpt-7.h5)" in line, listed
+
+
+def _check_zarr_links(d: Path, kept: list[Path]) -> None:
+    """Hard links: the base was pruned and deleted, the kept steps still load (checked
+    before); the frozen chunks of processes 0 and 2 are the same files in both steps."""
+    assert not (d / "ckpt-1.zarr").exists()
+    for chunk in ("frozen/c.0.0", "frozen/c.2.0"):
+        assert (kept[0] / chunk).stat().st_ino == (kept[1] / chunk).stat().st_ino
+    assert (kept[0] / "frozen/c.1.0").stat().st_nlink == 2  # written at 5, linked at 6, 7
+    group = zarr.open_group(kept[1], mode="r")  # plain zarr-python sees the value
+    assert np.array_equal(group["frozen"][:], cases.expected(7)["frozen"])
