@@ -9,6 +9,7 @@
 #   3. the GPU loads against the limit: the raw file read to host and copied, the pinned
 #      host->device copy, cv.load(path, device="GPU:0") for h5 and Zarr, and safetensors'
 #      safe_open(..., device="cuda:0") (scripts/bench.py --only big,gpu).
+# With HOST_ROWS=1, also the host rows of the 1 GiB model on this machine's CPUs.
 # Needs the gpu extra (pip install -e '.[gpu]'; CuPy) and torch with CUDA. Results go to
 # $OUT (default bench-results/gpu). Usage: scripts/gpu_check.sh  (PYTHON=... picks the
 # interpreter; a folder .whl/ of wheels, if present, is installed to /tmp/site first).
@@ -45,4 +46,14 @@ timeout 150 "$PYTHON" scripts/bench.py --only big,gpu \
     --dir "$OUT/data" > "$OUT/bench-gpu.log" 2>&1 || status=1
 rm -rf "$OUT/data"
 grep -i "gpu" "$OUT/bench-gpu.md" | head -20 || tail -20 "$OUT/bench-gpu.log"
+if [ -n "$HOST_ROWS" ]; then
+    echo "== 4. the host rows on this machine's CPUs (save durable and not, load, restore)"
+    timeout 200 "$PYTHON" scripts/bench.py --only big \
+        --subjects "raw,ckptvar-h5,ckptvar-zarr,ckptvar-h5 nd,ckptvar-zarr nd" \
+        --ops save,load_warm,load_cold,restore_warm,restore_cold \
+        --repeats 3 --json "$OUT/bench-host.json" --md "$OUT/bench-host.md" --png "" \
+        --dir "$OUT/data" > "$OUT/bench-host.log" 2>&1 || status=1
+    rm -rf "$OUT/data"
+    sed -n '/## Summary/,/^## ~1 GiB/p' "$OUT/bench-host.md" | head -20
+fi
 exit $status

@@ -352,6 +352,11 @@ def restart_harness(  # noqa: C901, PLR0912, PLR0915 - the harness, step by step
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
             proc.stderr.close()  # type: ignore[union-attr]
+            # the ranks (their own process groups) die with their launcher, but one in a
+            # system call (a rename, an fsync) finishes it first: check only when all are
+            # gone, as a restarted job starts after them
+            _wait_gone([int(e["pid"]) for es in _events(results, job).values() for e in es
+                        if "pid" in e])
         saved = [int(e["step"]) for e in _events(results, job).get(0, [])
                  if e["event"] in ("saved", "first")]
         last_saved = max([last_saved, *saved])
@@ -359,6 +364,23 @@ def restart_harness(  # noqa: C901, PLR0912, PLR0915 - the harness, step by step
     print(f"restart harness {where} ({processes} process(es), {fmt}{tiered}): {counts}")
     assert not problems, "\n".join(problems[:10])
     return counts
+
+
+def _wait_gone(pids: list[int], timeout: float = 30.0) -> None:
+    """Wait until none of ``pids`` runs any more (gone, or a zombie)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    for pid in set(pids):
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                break
+            if state == "Z":
+                break
+            time.sleep(0.01)
 
 
 def _check(counts: dict[str, int], kills: int) -> None:
