@@ -48,6 +48,7 @@ from ckptvar.distributed import (
     VariableLayout,
     gather_plan,
     layout_digest,
+    layout_message,
     read_plan,
 )
 
@@ -151,14 +152,16 @@ def simulate_save(ranks: int, variables: int, *, rows: int | None = None, cols: 
     plains, own = _rank_layouts(ranks, variables, rows, cols)
     # rank 0's real digest; the others' differ from it and from each other
     digests = [layout_digest(own[0]), *(f"{r:032x}" for r in range(1, ranks))]
-    sizes_layouts = _pickled_sizes(plains)
+    # what each rank sends in the layout gather (rank 0 with the spec of keys, shapes, dtypes)
+    messages = [layout_message(p, r) for r, p in enumerate(plains)]
+    sizes_layouts = _pickled_sizes(messages)
     cache = PlanCache()
 
     def contributions(known: frozenset[str]) -> tuple[dict[str, list[Any]],
                                                       dict[str, list[int]]]:
         first = [(d, {}, known) for d in digests]
         one = len(pickle.dumps(first[0], pickle.HIGHEST_PROTOCOL))
-        return ({"digests": first, "layouts": plains},
+        return ({"digests": first, "layouts": messages},
                 {"digests": [one] * ranks, "layouts": sizes_layouts})
 
     gc.collect()
@@ -185,13 +188,12 @@ def simulate_save(ranks: int, variables: int, *, rows: int | None = None, cols: 
         again = gather_plan(coord, own[0], cache=cache)
         ctimes.append(time.perf_counter() - t0)
     assert again is plan
-    # what a real receiver also pays: unpickling every rank's layout (informative)
-    blob = pickle.dumps([_unshared(x) for x in plains[: min(ranks, 64)]],
-                        pickle.HIGHEST_PROTOCOL)
+    # what a real receiver also pays: unpickling every rank's message (informative)
+    blob = pickle.dumps(messages[: min(ranks, 64)], pickle.HIGHEST_PROTOCOL)
     t0 = time.perf_counter()
     pickle.loads(blob)
     unpickle = (time.perf_counter() - t0) * ranks / min(ranks, 64)
-    boxes = sum(len(vp.items) for vp in plan.variables.values())
+    boxes = sum(vp.n_boxes for vp in plan.variables.values())
     figures = SaveFigures(
         ranks, variables, boxes, min(times), min(ctimes), min(cpu), sent_u, recv_u, coord.sent,
         coord.received, index_bytes(plan), unpickle,
@@ -201,29 +203,26 @@ def simulate_save(ranks: int, variables: int, *, rows: int | None = None, cols: 
     return figures
 
 
-def _unshared(plain: dict[str, Any]) -> dict[str, Any]:
-    """``plain`` with its own tuples per key, as a real rank's layout has (pickle would
-    otherwise send the value the simulation shares between keys once)."""
-    return {k: (tuple(full), dtype, [(tuple(o), tuple(s)) for o, s in boxes])
-            for k, (full, dtype, boxes) in plain.items()}
+def _pickled_sizes(messages: Sequence[Any]) -> list[int]:
+    """Each rank's pickled layout message: rank 0's (with the spec), the others' measured
+    on a sample of ranks (the same structure)."""
+    def size(m: Any) -> int:
+        return len(pickle.dumps(m, pickle.HIGHEST_PROTOCOL))
 
-
-def _pickled_sizes(plains: Sequence[dict[str, Any]]) -> list[int]:
-    """Each rank's pickled layout, measured on a sample of ranks (the same structure)."""
-    step = max(1, len(plains) // 16)
-    sample = {r: len(pickle.dumps(_unshared(plains[r]), pickle.HIGHEST_PROTOCOL))
-              for r in range(0, len(plains), step)}
-    return [sample[r - r % step] for r in range(len(plains))]
+    step = max(1, len(messages) // 16)
+    sample = {r: size(messages[r]) for r in range(1, len(messages), step)}
+    return [size(messages[0]), *(sample[r - (r - 1) % step] for r in range(1, len(messages)))]
 
 
 def index_bytes(plan: SavePlan) -> int:
     """Bytes of the step index's ``variables`` map for ``plan`` (as the writer packs it)."""
     variables = {}
     for key, vp in plan.variables.items():
+        offsets, shapes, writers = vp.plain_boxes()
         variables[key] = {
             "shape": list(vp.full_shape), "dtype": vp.dtype, "attrs": {},
-            "boxes": [[list(it.box.offset), list(it.box.shape), it.writer, f"{key}@{j}"]
-                      for j, it in enumerate(vp.items)]}
+            "boxes": [[o, s, w, f"{key}@{j}"]
+                      for j, (o, s, w) in enumerate(zip(offsets, shapes, writers, strict=True))]}
     return len(msgpack.packb(variables, use_bin_type=True))
 
 
