@@ -8,7 +8,9 @@ and verifies every value before any variable changes:
 - values for variables without memory yet are read (verified) into fresh arrays
   that the variables then adopt;
 - values for variables that already hold memory are read into temporaries when
-  they total at most :data:`TEMPORARY_BUDGET` bytes, else every one is verified
+  they total at most :data:`TEMPORARY_BUDGET` bytes (a reader that stages values,
+  ``SupportsStageIntoMany``, verifies packed values straight from one read of the
+  packed blob and copies their bytes in phase two), else every one is verified
   first and then read straight into the variables' own buffers (reading the file
   twice, never holding a second copy of a large model).
 
@@ -39,6 +41,7 @@ from ..storage import (
     Reader,
     SupportsReadIntoMany,
     SupportsShapeAndDtype,
+    SupportsStageIntoMany,
     SupportsVerifyMany,
 )
 from ..variables import Variable, give_restored, host_buffer, is_materialized, restore_value
@@ -64,12 +67,14 @@ class ReaderAbilities:
 
     ``shape_and_dtype(key)``: a value's shape and dtype without building an
     ``ArrayInfo``; ``read_into_many([(key, buf)], verify=)``: bulk reads into
-    caller buffers; ``verify_many(keys)``: bulk checksum verification.
+    caller buffers; ``verify_many(keys)``: bulk checksum verification;
+    ``stage_into_many([(key, buf)])``: read and verify now, copy into the buffers later.
     """
 
     shape_and_dtype: Callable[[str], tuple[tuple[int, ...], np.dtype]] | None
     read_into_many: Callable[..., Any] | None
     verify_many: Callable[[list[str]], Any] | None
+    stage_into_many: Callable[[list[tuple[str, np.ndarray]]], Callable[[], None]] | None = None
 
 
 def reader_abilities(reader: Any) -> ReaderAbilities:
@@ -81,6 +86,8 @@ def reader_abilities(reader: Any) -> ReaderAbilities:
         read_into_many=(reader.read_into_many
                         if isinstance(reader, SupportsReadIntoMany) else None),
         verify_many=reader.verify_many if isinstance(reader, SupportsVerifyMany) else None,
+        stage_into_many=(reader.stage_into_many
+                         if isinstance(reader, SupportsStageIntoMany) else None),
     )
 
 
@@ -233,8 +240,12 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
             fresh.append((key, var, None))
     budget = TEMPORARY_BUDGET if budget is None else budget
     # Phase 1: everything that can fail.
+    staged: Callable[[], None] | None = None
     if verify and in_place_bytes <= budget:  # small: read into temporaries too (one pass)
-        fresh += in_place
+        if able.stage_into_many is not None and in_place:  # read, verified, copied later
+            staged = able.stage_into_many([(key, buf) for key, _, buf in in_place])
+        else:
+            fresh += in_place
         in_place = []
     got = _read_fresh(reader, [key for key, _, _ in fresh], verify) if fresh else {}
     values: list[tuple[Variable, np.ndarray, np.ndarray | None]] = []
@@ -258,6 +269,8 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
     if converted:
         warn_cast(reader.path, [(key, casts[id(var)], var) for key, var in converted])
     # Phase 2: change the variables.
+    if staged is not None:
+        staged()
     copyto = np.copyto
     for var, value, buf in values:
         if buf is not None:

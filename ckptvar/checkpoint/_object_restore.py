@@ -78,6 +78,8 @@ class RestoreState:
         self._finalizer = weakref.finalize(self, _close, self._reader)
         reader = self._reader
         self.infos: Mapping[str, ArrayInfo] = stored_infos(reader)
+        #: the stored keys, for the lookups of matching (a set: no Python call per lookup)
+        self._stored: frozenset[str] = frozenset(self.infos)
         meta = reader.metadata()
         self.has_save_counter = isinstance(meta, dict) and "save_counter" in meta
         self.alias_to_key, self.states = read_graph(meta, self.path)
@@ -140,18 +142,24 @@ class RestoreState:
 
     # -- matching ---------------------------------------------------------------------
     def key_for(self, path_key: str) -> str | None:
-        if path_key in self.infos:
+        if path_key in self._stored:
             return path_key
         return self.alias_to_key.get(path_key)
 
     def _match(self, nodes: list[Node]) -> _Match:
         m = _Match([], [], [])
+        stored, aliases, add = self._stored, self.alias_to_key, m.variables.append
         for node in nodes:
             obj = node.obj
+            if type(obj) is Variable and obj.shard is None:  # the common case: itself
+                key = node.key if node.key in stored else aliases.get(node.key)
+                if key is not None:
+                    add((key, obj, obj))
+                continue
             if isinstance(obj, Variable | PartitionedVariable):
                 key = self.key_for(node.key)
                 if key is not None:
-                    m.variables.append((key, as_target(obj), obj))
+                    add((key, as_target(obj), obj))
                 continue
             if isinstance(obj, Trackable) and node.first:
                 if node.key in self.states and node.key != "":
@@ -185,8 +193,9 @@ class RestoreState:
         """After the values went in: Python states, what was consumed, the deferrals."""
         for _key, trackable, state in decoded:
             restore_python_state(trackable, state)
-        for key, _, obj in m.variables:
-            self.mark_consumed(key, obj)
+        self.consumed_keys.update([key for key, _, _ in m.variables])  # mark_consumed, in bulk
+        ref = weakref.ref
+        self._matched.update([(id(obj), ref(obj)) for _, _, obj in m.variables])
         for key, trackable, _ in decoded:
             self.consumed_states.add(key)
             self._matched[id(trackable)] = weakref.ref(trackable)

@@ -88,7 +88,10 @@ def walk(root: Any, root_key: str = "") -> list[Node]:
         for name, child in child_items(obj, key):
             if not isinstance(child, _NODE_TYPES):
                 continue
-            child_key = _join(key, name)
+            if type(name) is str and name and key and "%" not in name and "/" not in name:
+                child_key = f"{key}/{name}"  # _join's common case, without the call
+            else:
+                child_key = _join(key, name)
             first = id(child) not in seen
             if type(child) is Variable or isinstance(child, Variable | PartitionedVariable):
                 seen.add(id(child))

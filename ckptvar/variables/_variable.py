@@ -389,12 +389,7 @@ class Variable(WriteBehaviour, ArrayBehaviour):
     def _host_buffer(self) -> np.ndarray | None:
         """The backing buffer when materialised, on the CPU and C-contiguous; else None.
         The caller (a restore) writes into it: handing it out counts as a write."""
-        state = self._state
-        buf = state.value if isinstance(state, Ready) else None
-        if isinstance(buf, np.ndarray) and buf.flags.c_contiguous and buf.flags.writeable:
-            self._wrote()
-            return buf
-        return None
+        return host_buffer(self)
 
     # --- reading -------------------------------------------------------------------------
     def numpy(self) -> np.ndarray:
@@ -537,7 +532,12 @@ def is_materialized(var: Variable) -> bool:
 def host_buffer(var: Variable) -> np.ndarray | None:
     """``var``'s backing buffer itself when materialised on the CPU, C-contiguous and
     writeable (a restore may read straight into it); else ``None``."""
-    return var._host_buffer()
+    state = var._state  # here, not in the method: a restore asks once per value
+    buf = state.value if isinstance(state, Ready) else None
+    if isinstance(buf, np.ndarray) and buf.flags.c_contiguous and buf.flags.writeable:
+        var._wrote()
+        return buf
+    return None
 
 
 def restore_value(var: Variable, array: np.ndarray) -> None:
