@@ -85,7 +85,20 @@ class RestoreState:
         self.alias_to_key, self.states = read_graph(meta, self.path)
         self.alias_to_key = {a: k for a, k in self.alias_to_key.items() if k in self.infos}
         children: dict[str, set[str]] = {}
+        # most keys share their parent: their last segments first, then each distinct
+        # parent's own prefixes
+        parents: set[str] = set()
         for path_key in [*self.infos, *self.alias_to_key, *self.states]:
+            parent, _, seg = path_key.rpartition("/")
+            known = children.get(parent)
+            if known is None:
+                children[parent] = {seg}
+                parents.add(parent)
+            else:
+                known.add(seg)
+        for path_key in parents:
+            if not path_key:
+                continue  # the root: no prefix above it
             child = path_key  # every prefix knows its next segment
             while True:
                 parent, _, seg = child.rpartition("/")

@@ -534,9 +534,11 @@ def host_buffer(var: Variable) -> np.ndarray | None:
     writeable (a restore may read straight into it); else ``None``."""
     state = var._state  # here, not in the method: a restore asks once per value
     buf = state.value if isinstance(state, Ready) else None
-    if isinstance(buf, np.ndarray) and buf.flags.c_contiguous and buf.flags.writeable:
-        var._wrote()
-        return buf
+    if isinstance(buf, np.ndarray):
+        flags = buf.flags
+        if flags.c_contiguous and flags.writeable:
+            var._wrote()
+            return buf
     return None
 
 

@@ -238,8 +238,9 @@ def stage_into_many(
     for key, given in pairs:
         e = entry(key)
         out = given
-        if not (type(out) is ndarray and out.shape == e.shape and out.dtype == e.np_dtype
-                and out.flags.c_contiguous and out.flags.writeable):
+        flags = out.flags if type(out) is ndarray else None
+        if not (flags is not None and flags.c_contiguous and flags.writeable
+                and out.shape == e.shape and out.dtype == e.np_dtype):
             out = destination(key, e, given)  # says what is wrong (or takes a subclass)
         kind, _, offset, n = e.loc
         if kind == PACKED and n:
