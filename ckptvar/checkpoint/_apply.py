@@ -27,8 +27,9 @@ The optional fast paths a reader may offer are looked up in one place,
 
 from __future__ import annotations
 
+import operator
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,8 @@ __all__ = [
     "stored_infos",
     "warn_cast",
 ]
+
+_second = operator.itemgetter(1)
 
 #: Up to this many bytes of values going into existing variables are read into
 #: temporaries (one pass over the file); above it, verify first, then read in place.
@@ -217,16 +220,19 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
     """
     able = reader_abilities(reader)
     casts = check_matches(pairs, infos, reader.path, fast=able.shape_and_dtype, cast=cast)
-    by_var: dict[int, tuple[str, Variable]] = {}
-    for key, var in pairs:
-        by_var.setdefault(id(var), (key, var))
+    targets: Iterable[tuple[str, Variable]] = pairs
+    if len(set(map(id, map(_second, pairs)))) != len(pairs):  # a variable under several keys
+        by_var: dict[int, tuple[str, Variable]] = {}
+        for key, var in pairs:
+            by_var.setdefault(id(var), (key, var))
+        targets = by_var.values()
     # ``buf`` is the variable's own memory when it can take the value in place, else None
     fresh: list[tuple[str, Variable, np.ndarray | None]] = []
     in_place: list[tuple[str, Variable, np.ndarray]] = []
     converted: list[tuple[str, Variable]] = []
     in_place_bytes = 0
     fast = able.shape_and_dtype
-    for key, var in by_var.values():
+    for key, var in targets:
         if casts and id(var) in casts:
             converted.append((key, var))
             continue
