@@ -60,6 +60,9 @@ def child_items(obj: Any, key: str = "") -> Iterator[tuple[str, Any]]:
         for i, child in enumerate(obj):
             yield str(i), child
     elif isinstance(obj, dict):
+        if all(type(name) is str for name in obj):  # the common case: the names as they are
+            yield from obj.items()
+            return
         for name, child in obj.items():
             if isinstance(name, bool) or not isinstance(name, str | int):
                 if _is_node(child):
