@@ -389,7 +389,14 @@ class Variable(WriteBehaviour, ArrayBehaviour):
     def _host_buffer(self) -> np.ndarray | None:
         """The backing buffer when materialised, on the CPU and C-contiguous; else None.
         The caller (a restore) writes into it: handing it out counts as a write."""
-        return host_buffer(self)
+        state = self._state
+        buf = state.value if isinstance(state, Ready) else None
+        if isinstance(buf, np.ndarray):
+            flags = buf.flags  # once: each access makes a flags object (a restore asks per value)
+            if flags.c_contiguous and flags.writeable:
+                self._wrote()
+                return buf
+        return None
 
     # --- reading -------------------------------------------------------------------------
     def numpy(self) -> np.ndarray:
@@ -532,14 +539,7 @@ def is_materialized(var: Variable) -> bool:
 def host_buffer(var: Variable) -> np.ndarray | None:
     """``var``'s backing buffer itself when materialised on the CPU, C-contiguous and
     writeable (a restore may read straight into it); else ``None``."""
-    state = var._state  # here, not in the method: a restore asks once per value
-    buf = state.value if isinstance(state, Ready) else None
-    if isinstance(buf, np.ndarray):
-        flags = buf.flags
-        if flags.c_contiguous and flags.writeable:
-            var._wrote()
-            return buf
-    return None
+    return var._host_buffer()
 
 
 def restore_value(var: Variable, array: np.ndarray) -> None:
