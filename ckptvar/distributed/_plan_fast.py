@@ -2,9 +2,11 @@
 
 The common layout of a sharded save: every rank holds every key, one box each, and
 each variable is split along one axis into disjoint slabs (full on every other
-axis). :func:`plan_split` checks such layouts with a few array operations for all
-variables together and builds the plan without a ``VariableLayout`` per rank; it
-returns ``None`` for any other layout (or a wrong one), and
+axis). :func:`plan_columns` checks such layouts, given as arrays of every rank's
+offsets and shapes, with a few array operations for all variables together, and
+builds a plan whose variables keep their boxes as arrays (no object per box);
+:func:`plan_split` does the same from plain layouts. Both return ``None`` for any
+other layout (or a wrong one), and
 :func:`~ckptvar.distributed._plan.plan_save_plain` then asks the general planner,
 which gives the same plan and says what is wrong.
 
