@@ -261,12 +261,17 @@ def _verified_pieces(
     reader: ValueAccess, blob: _PackedBlob, packed: list[tuple[int, int, str, Entry, np.ndarray]]
 ) -> list[tuple[np.ndarray, memoryview]]:
     """``(out, its bytes in blob)`` of each packed value, every one verified."""
-    crc, seed_of = _crc, _checksum.header_crc
+    crc, tail_of = _crc, _checksum.header_tail
+    tails: dict[tuple[str, tuple[int, ...]], bytes] = {}  # header_crc, without a call a value
     view, lo = blob.data.data, blob.start
     pieces = []
     for offset, n, key, e, out in packed:
         piece = view[offset - lo: offset - lo + n]
-        got = crc(piece, seed_of(key, e.dtype, e.shape))
+        at = (e.dtype, e.shape)
+        tail = tails.get(at)
+        if tail is None:
+            tail = tails[at] = tail_of(*at)
+        got = crc(piece, crc(tail, crc(key.encode("utf-8"), 0)))
         if got != e.checksum:
             compare(reader, key, e, got)
         pieces.append((out, piece))
