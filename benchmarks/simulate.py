@@ -15,10 +15,13 @@ planning code runs on them, through the public API:
   docs/FORMAT.md), its bytes against the number of boxes;
 - read amplification of an ``N -> M`` restore: every one of ``M`` readers (ragged
   slabs with other cut points) maps its box onto the stored boxes with
-  :func:`ckptvar.distributed.read_plan`, and each part is charged what the sharded
-  reader fetches for it (the whole stored box when the part is all of it or the box
-  is at most 1 MiB, else the part's run of rows rounded out to the 256 KiB checksum
-  blocks it verifies); amplification is bytes fetched over bytes wanted.
+  :func:`ckptvar.distributed.read_plan`, and each part is charged two ways, as the
+  sharded reader reads it: the bytes read from storage (the whole stored box when
+  the part is all of it or the box is one 256 KiB checksum block or less, verified
+  whole; else the part's run of rows and the rest of the first and last checksum
+  blocks it touches, which are hashed from the file to verify the run) and the bytes
+  that land in the reader's memory (the whole box, or only the run: the edge blocks
+  go through a small scratch buffer). Amplification is each over the bytes wanted.
 
 Run ``python -m benchmarks.simulate [--quick] [--ranks 64,256,...] [--png P]``;
 ``scripts/bench.py --only scale`` includes it. The numbers are what the docs'
@@ -48,11 +51,12 @@ from ckptvar.distributed import (
     VariableLayout,
     gather_plan,
     layout_digest,
+    layout_message,
     read_plan,
 )
 
-#: What the sharded reader reads whole (a stored box up to this size) and verifies by.
-WHOLE_BELOW = 1 << 20
+#: The checksum block of ckptvar's own format; a stored box of at most one block has no
+#: block checksums and is read whole (and verified whole).
 BLOCK = 256 << 10
 DTYPE = "<f4"
 ITEMSIZE = 4
@@ -151,14 +155,16 @@ def simulate_save(ranks: int, variables: int, *, rows: int | None = None, cols: 
     plains, own = _rank_layouts(ranks, variables, rows, cols)
     # rank 0's real digest; the others' differ from it and from each other
     digests = [layout_digest(own[0]), *(f"{r:032x}" for r in range(1, ranks))]
-    sizes_layouts = _pickled_sizes(plains)
+    # what each rank sends in the layout gather (rank 0 with the spec of keys, shapes, dtypes)
+    messages = [layout_message(p, r) for r, p in enumerate(plains)]
+    sizes_layouts = _pickled_sizes(messages)
     cache = PlanCache()
 
     def contributions(known: frozenset[str]) -> tuple[dict[str, list[Any]],
                                                       dict[str, list[int]]]:
         first = [(d, {}, known) for d in digests]
         one = len(pickle.dumps(first[0], pickle.HIGHEST_PROTOCOL))
-        return ({"digests": first, "layouts": plains},
+        return ({"digests": first, "layouts": messages},
                 {"digests": [one] * ranks, "layouts": sizes_layouts})
 
     gc.collect()
@@ -185,13 +191,12 @@ def simulate_save(ranks: int, variables: int, *, rows: int | None = None, cols: 
         again = gather_plan(coord, own[0], cache=cache)
         ctimes.append(time.perf_counter() - t0)
     assert again is plan
-    # what a real receiver also pays: unpickling every rank's layout (informative)
-    blob = pickle.dumps([_unshared(x) for x in plains[: min(ranks, 64)]],
-                        pickle.HIGHEST_PROTOCOL)
+    # what a real receiver also pays: unpickling every rank's message (informative)
+    blob = pickle.dumps(messages[: min(ranks, 64)], pickle.HIGHEST_PROTOCOL)
     t0 = time.perf_counter()
     pickle.loads(blob)
     unpickle = (time.perf_counter() - t0) * ranks / min(ranks, 64)
-    boxes = sum(len(vp.items) for vp in plan.variables.values())
+    boxes = sum(vp.n_boxes for vp in plan.variables.values())
     figures = SaveFigures(
         ranks, variables, boxes, min(times), min(ctimes), min(cpu), sent_u, recv_u, coord.sent,
         coord.received, index_bytes(plan), unpickle,
@@ -201,50 +206,57 @@ def simulate_save(ranks: int, variables: int, *, rows: int | None = None, cols: 
     return figures
 
 
-def _unshared(plain: dict[str, Any]) -> dict[str, Any]:
-    """``plain`` with its own tuples per key, as a real rank's layout has (pickle would
-    otherwise send the value the simulation shares between keys once)."""
-    return {k: (tuple(full), dtype, [(tuple(o), tuple(s)) for o, s in boxes])
-            for k, (full, dtype, boxes) in plain.items()}
+def _pickled_sizes(messages: Sequence[Any]) -> list[int]:
+    """Each rank's pickled layout message: rank 0's (with the spec), the others' measured
+    on a sample of ranks (the same structure)."""
+    def size(m: Any) -> int:
+        return len(pickle.dumps(m, pickle.HIGHEST_PROTOCOL))
 
-
-def _pickled_sizes(plains: Sequence[dict[str, Any]]) -> list[int]:
-    """Each rank's pickled layout, measured on a sample of ranks (the same structure)."""
-    step = max(1, len(plains) // 16)
-    sample = {r: len(pickle.dumps(_unshared(plains[r]), pickle.HIGHEST_PROTOCOL))
-              for r in range(0, len(plains), step)}
-    return [sample[r - r % step] for r in range(len(plains))]
+    step = max(1, len(messages) // 16)
+    sample = {r: size(messages[r]) for r in range(1, len(messages), step)}
+    return [size(messages[0]), *(sample[r - (r - 1) % step] for r in range(1, len(messages)))]
 
 
 def index_bytes(plan: SavePlan) -> int:
     """Bytes of the step index's ``variables`` map for ``plan`` (as the writer packs it)."""
     variables = {}
     for key, vp in plan.variables.items():
+        offsets, shapes, writers = vp.plain_boxes()
         variables[key] = {
             "shape": list(vp.full_shape), "dtype": vp.dtype, "attrs": {},
-            "boxes": [[list(it.box.offset), list(it.box.shape), it.writer, f"{key}@{j}"]
-                      for j, it in enumerate(vp.items)]}
+            "boxes": [[o, s, w, f"{key}@{j}"]
+                      for j, (o, s, w) in enumerate(zip(offsets, shapes, writers, strict=True))]}
     return len(msgpack.packb(variables, use_bin_type=True))
 
 
-def fetched(part: Box, stored: Box, cols: int) -> int:
-    """Bytes the sharded reader fetches for ``part`` of the row slab ``stored``."""
+def fetched(part: Box, stored: Box, cols: int, block: int = BLOCK) -> int:
+    """Bytes the sharded reader reads from storage for ``part`` of the row slab ``stored``
+    (``block``: the checksum block of the file)."""
     whole = stored.size * ITEMSIZE
-    if part == stored or whole <= WHOLE_BELOW:
+    if part == stored or whole <= block:
         return whole
     row = cols * ITEMSIZE  # a run of rows, verified by the blocks it touches
     start = (part.offset[0] - stored.offset[0]) * row
     end = start + part.shape[0] * row
-    return min(whole, (end + BLOCK - 1) // BLOCK * BLOCK - start // BLOCK * BLOCK)
+    return min(whole, (end + block - 1) // block * block) - start // block * block
+
+
+def delivered(part: Box, stored: Box, cols: int, block: int = BLOCK) -> int:
+    """Bytes that land in the reader's memory for ``part`` of ``stored`` (the whole box
+    when it is read whole, else the run; edge blocks are hashed through a small buffer)."""
+    whole = stored.size * ITEMSIZE
+    return whole if part == stored or whole <= block else part.size * ITEMSIZE
 
 
 #: The variables of the resharding model: (rows, cols) float32, large and small.
 RESHARD_SHAPES = ((65_536, 1024), (16_384, 4096), (4096, 1024), (1000, 64))
 
 
-def amplification(n: int, m: int, shapes: Sequence[tuple[int, int]] = RESHARD_SHAPES) -> float:
-    """Bytes fetched over bytes wanted when ``m`` readers restore what ``n`` wrote."""
-    want = got = 0
+def amplification(n: int, m: int, shapes: Sequence[tuple[int, int]] = RESHARD_SHAPES,
+                  block: int = BLOCK) -> tuple[float, float]:
+    """``(from storage, into memory)``: bytes read over bytes wanted when ``m`` readers
+    restore what ``n`` wrote."""
+    want = got = kept = 0
     for v, (rows, cols) in enumerate(shapes):
         wc = ragged_cuts(rows, n, seed=1000 * v + n)
         rc = ragged_cuts(rows, m, seed=1000 * v + m + 7919)
@@ -253,27 +265,42 @@ def amplification(n: int, m: int, shapes: Sequence[tuple[int, int]] = RESHARD_SH
             target = Box((rc[j], 0), (rc[j + 1] - rc[j], cols))
             want += target.size * ITEMSIZE
             for item in read_plan(f"v{v}", target, stored, (rows, cols)):
-                got += fetched(item.box, stored[item.source], cols)
-    return got / want
+                got += fetched(item.box, stored[item.source], cols, block)
+                kept += delivered(item.box, stored[item.source], cols, block)
+    return got / want, kept / want
 
 
-def amplification_matrix(top: int = 64) -> np.ndarray:
-    """``out[n - 1, m - 1]``: the amplification of every ``n -> m`` in 1..``top``."""
-    out = np.ones((top, top))
+def amplification_matrix(top: int = 64, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """``(storage, memory)``: ``[n - 1, m - 1]`` is the amplification of ``n -> m``, for
+    every ``n`` and ``m`` in 1..``top``."""
+    storage, memory = np.ones((top, top)), np.ones((top, top))
     for n in range(1, top + 1):
         for m in range(1, top + 1):
-            out[n - 1, m - 1] = amplification(n, m)
-    return out
+            storage[n - 1, m - 1], memory[n - 1, m - 1] = amplification(n, m, block=block)
+    return storage, memory
+
+
+def edge_bound(m: int, shapes: Sequence[tuple[int, int]] = RESHARD_SHAPES,
+               block: int = BLOCK) -> float:
+    """The most the edge blocks can add for ``m`` readers, over the bytes wanted: each of
+    the ``m - 1`` cuts of each variable makes the two readers beside it hash up to one
+    block between them (the parts of the block each lacks) -- a bound, for the docs."""
+    total = sum(r * c * ITEMSIZE for r, c in shapes)
+    return 1 + sum(min(m - 1, r - 1) * min(block, r * c * ITEMSIZE) for r, c in shapes) / total
 
 
 def run(ranks: Sequence[int], variables: int, top: int, repeats: int) -> dict[str, Any]:
     """Every figure of the simulation, as plain data (JSON)."""
     saves = [simulate_save(r, variables, repeats=repeats).__dict__ for r in ranks]
-    amp = amplification_matrix(top)
+    amp, mem = amplification_matrix(top)
     worst = np.unravel_index(int(np.argmax(amp)), amp.shape)
+    mworst = np.unravel_index(int(np.argmax(mem)), mem.shape)
     return {"saves": saves, "amplification": {
         "top": top, "max": float(amp.max()), "worst": [int(worst[0]) + 1, int(worst[1]) + 1],
-        "mean": float(amp.mean()), "matrix": amp.round(4).tolist()}}
+        "mean": float(amp.mean()), "matrix": amp.round(4).tolist(),
+        "bound": edge_bound(top),
+        "memory_max": float(mem.max()), "memory_mean": float(mem.mean()),
+        "memory_worst": [int(mworst[0]) + 1, int(mworst[1]) + 1]}}
 
 
 #: The scales ``scripts/bench.py`` simulates, to keep its full run near ten minutes (the
@@ -322,8 +349,15 @@ def tables(result: dict[str, Any]) -> list[str]:
             f"{_b(s['sent_uncached'])} / {_b(s['received_uncached'])} | "
             f"{_b(s['sent_cached'])} / {_b(s['received_cached'])} |")
     a = result["amplification"]
-    out += ["", f"Read amplification, every N → M in 1..{a['top']} (ragged slabs): worst "
-            f"{a['max']:.3f} (at {a['worst'][0]} → {a['worst'][1]}), mean {a['mean']:.3f}."]
+    out += ["", f"Read amplification, every N → M in 1..{a['top']} (ragged slabs), bytes read "
+            f"from storage (the edge blocks hashed to verify a run included) over bytes "
+            f"wanted: worst {a['max']:.3f} (at {a['worst'][0]} → {a['worst'][1]}), mean "
+            f"{a['mean']:.3f}; the edge blocks' bound at {a['top']} readers "
+            f"{a.get('bound', float('nan')):.3f}."]
+    if "memory_max" in a:
+        out += ["", f"Bytes that land in the readers' memory over bytes wanted: worst "
+                f"{a['memory_max']:.3f} (at {a['memory_worst'][0]} → "
+                f"{a['memory_worst'][1]}), mean {a['memory_mean']:.3f}."]
     return out
 
 
@@ -369,7 +403,8 @@ def chart(result: dict[str, Any], path: str) -> str | None:
     a = result["amplification"]
     im = ax[3].imshow(np.array(a["matrix"]), origin="lower", cmap="viridis",
                       extent=(0.5, a["top"] + 0.5, 0.5, a["top"] + 0.5))
-    ax[3].set(title="read amplification N → M", xlabel="M (readers)", ylabel="N (writers)")
+    ax[3].set(title="read amplification N → M (from storage)", xlabel="M (readers)",
+              ylabel="N (writers)")
     fig.colorbar(im, ax=ax[3])
     fig.tight_layout()
     fig.savefig(path, dpi=90)

@@ -26,6 +26,7 @@ from ckptvar.distributed import (
 )
 from ckptvar.distributed._plan import plan_save_plain
 from ckptvar.distributed._plan_fast import plan_split
+from ckptvar.distributed._wire import encode, layout_message, plan_messages, spec_senders
 from ckptvar.errors import CkptError, ShardLayoutError
 
 # -- strategies ---------------------------------------------------------------------
@@ -369,6 +370,88 @@ def test_the_plain_planner_gives_plan_saves_plan_and_errors(plain: list[dict[str
     for r in range(want.size):
         assert got.writes_for(r) == want.writes_for(r)
     assert got.bytes_per_rank() == want.bytes_per_rank()
+
+
+@st.composite
+def exchanged_layouts(draw: st.DrawFn) -> list[dict[str, object]]:
+    """:func:`slab_layouts`, some of them changed on one rank: a key dropped, a box given
+    twice, a full shape of other numbers, a number that is not a plain int."""
+    layouts = draw(slab_layouts())
+    change = draw(st.sampled_from(["none", "none", "drop", "twice", "shape", "npint"]))
+    r = draw(st.integers(0, len(layouts) - 1))
+    key = draw(st.sampled_from(sorted(layouts[r])))
+    full, dtype, boxes = layouts[r][key]  # type: ignore[misc]
+    if change == "drop":
+        del layouts[r][key]
+    elif change == "twice" and boxes:
+        layouts[r][key] = (full, dtype, [*boxes, *boxes])
+    elif change == "shape":
+        layouts[r][key] = ((*full, 1), dtype, boxes)
+    elif change == "npint" and full:
+        layouts[r][key] = ((np.int64(full[0]), *full[1:]), dtype, boxes)
+    return layouts
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plain=exchanged_layouts())
+def test_the_exchanged_layouts_give_plan_saves_plan_and_errors(
+    plain: list[dict[str, object]],
+) -> None:
+    """What ranks send (one spec, one array of numbers each) plans to plan_save's plan, or
+    fails with its error, whether the layouts take the NumPy path or not."""
+    try:
+        want, want_error = plan_save(_as_layouts(plain)), None
+    except ShardLayoutError as exc:
+        want, want_error = None, str(exc)
+    msgs = [layout_message(p, r) for r, p in enumerate(plain)]  # type: ignore[arg-type]
+    senders = spec_senders(msgs)
+    specs = [encode(p)[0] if r in senders else None  # type: ignore[arg-type,index]
+             for r, p in enumerate(plain)]
+    try:
+        got, got_error = plan_messages(msgs, specs), None
+    except ShardLayoutError as exc:
+        got, got_error = None, str(exc)
+    assert got_error == want_error
+    if want is None or got is None:
+        return
+    assert got.variables == want.variables
+    assert list(got.variables) == list(want.variables)
+    for r in range(want.size):
+        assert got.writes_for(r) == want.writes_for(r)
+        for key, vp in got.variables.items():
+            assert [j for j, _ in vp.written_by(r)] == [
+                j for j, it in enumerate(want.variables[key].items) if it.writer == r]
+    assert got.bytes_per_rank() == want.bytes_per_rank()
+
+
+def test_only_rank_zero_sends_the_spec_unless_a_rank_differs() -> None:
+    plain = [{f"v{i}": ((8, 3), "<f4", [((2 * r, 0), (2, 3))]) for i in range(50)}
+             for r in range(4)]
+    msgs = [layout_message(p, r) for r, p in enumerate(plain)]  # type: ignore[arg-type]
+    assert msgs[0][2] is not None and all(m[2] is None for m in msgs[1:])
+    assert msgs[2][3].tolist()[:6] == [4, 0, 2, 3, 4, 0]  # offset, shape, offset, ...
+    assert spec_senders(msgs) == []
+    plain[3]["extra"] = ((2,), "<f4", None)  # rank 3 holds one key more
+    msgs[3] = layout_message(plain[3], 3)  # type: ignore[arg-type]
+    assert spec_senders(msgs) == [3]
+    with pytest.raises(ShardLayoutError, match="rank 3's layout came without its spec"):
+        plan_messages(msgs)
+    plan = plan_messages(msgs, [None, None, None, encode(plain[3])[0]])  # type: ignore
+    assert plan.variables["extra"].items[0].writer == 3
+
+
+def test_a_column_plan_builds_no_item_until_asked() -> None:
+    plain = [{"w": ((8, 3), "<f4", [((2 * r, 0), (2, 3))])} for r in range(4)]
+    vp = plan_messages([layout_message(p, r) for r, p in enumerate(plain)]).variables["w"]  # type: ignore[arg-type]
+    assert vp._items is None  # the point of the test
+    assert [(j, str(it.box)) for j, it in vp.written_by(2)] == [(2, "[4:6, 0:3]")]
+    assert vp.plain_boxes() == ([[0, 0], [2, 0], [4, 0], [6, 0]], [[2, 3]] * 4, [0, 1, 2, 3])
+    assert vp._items is None
+    assert [it.writer for it in vp.items] == [0, 1, 2, 3]
+    with pytest.raises(AttributeError, match="immutable"):
+        vp.key = "x"  # type: ignore[misc]
+    import pickle
+    assert pickle.loads(pickle.dumps(vp)) == vp
 
 
 def test_the_common_layout_is_planned_without_plan_save() -> None:

@@ -44,10 +44,12 @@ def model(tmp_path: Path) -> tuple[list[cv.Variable], dict[str, np.ndarray], Pat
     return variables, arrays, tmp_path
 
 
-# calls per value (the first figure measured after the fix, then the bound with headroom;
-# before it: Saver.save 46, Saver.restore 76, Checkpoint.restore 74)
-BOUNDS = {"saver.save": 40, "saver.restore": 50, "ckpt.write": 46, "ckpt.restore": 64,
-          "cv.save": 23, "cv.load": 20}
+# calls per value, bounded with about 10% headroom over what was measured (round three,
+# first sitting: Saver.save 46 -> 36, Saver.restore 76 -> 44, Checkpoint.restore 74 -> 59;
+# second sitting, staged restores: Saver.restore 44 -> 32.4, Checkpoint.restore 59 -> 36.4,
+# Checkpoint.write 42 -> 40.2, cv.load 16.3 -> 15.3)
+BOUNDS = {"saver.save": 40, "saver.restore": 36, "ckpt.write": 45, "ckpt.restore": 40,
+          "cv.save": 23, "cv.load": 17}
 
 
 def test_plain_variables_pay_nothing_for_partitioning(model) -> None:
@@ -59,10 +61,15 @@ def test_plain_variables_pay_nothing_for_partitioning(model) -> None:
         assert calls.get("logical_box", 0) == 0, what
         assert calls.get("defined_dims", 0) == 0, what
     # the restore looks each value up at most twice (the shape check, the bulk read) and
-    # makes no ArrayInfo when every stored shape and dtype matches its variable
+    # makes no ArrayInfo when every stored shape and dtype matches its variable; packed
+    # values are staged (hashed in the packed blob, copied when all verified): no array
+    # is handed out per value
     _, calls = _profile(lambda: saver.restore(tmp / "s.h5"))
     assert calls.get("_entry", 0) <= 2 * N
+    assert calls.get("entry", 0) <= 2 * N
     assert calls.get("_make_info", 0) == 0
+    assert calls.get("_hand_out", 0) <= 1
+    assert calls.get("_verified_pieces", 0) == 1
     for v in variables[:: N // 10]:
         assert v.numpy()[0] == int(v.name.rsplit("/", 1)[1][1:]) + 100 * int(
             v.name.split("/")[1])

@@ -241,6 +241,35 @@ def test_rows_of_a_large_stored_box_go_straight_into_the_result(
         reader.read_box("w", Box((100, 0), (256, 1024)))
 
 
+def test_a_part_of_a_box_of_a_few_blocks_reads_its_rows_and_verifies_their_blocks(
+    tmp_path: Path,
+) -> None:
+    """A stored box of two 256 KiB checksum blocks (512 KiB: under the 1 MiB a grid
+    chunk is read whole below): a part of it is read as its run of rows, and verified by
+    the block it touches (the rest of that block hashed from the file), not the other."""
+    full = np.arange(256 * 512, dtype="float32").reshape(256, 512)  # 2 KiB rows, 128 a block
+    w = cv.Variable(full.copy(), name="w", shard=cv.Shard(full_shape=full.shape, offset=(0, 0)))
+    path = cv.Checkpoint(w=w).save(tmp_path / "ckpt.h5", coordinator=SingleProcessCoordinator())
+    part = Box((10, 0), (10, 512))
+    with ShardedReader(Path(path)) as reader:
+        assert np.array_equal(reader.read_box("w", part), full[10:20])
+        assert reader.bytes_read == 10 * 2048  # the rows, not the box's 512 KiB
+    data_file = Path(path) / "rank-00000.h5"
+    good = data_file.read_bytes()
+    for row, fails in ((100, True), (200, False)):  # block 0 (the part's), block 1
+        raw = bytearray(good)
+        at = good.find(full[row].tobytes()[:64])
+        assert at > 0
+        raw[at] ^= 0xFF
+        data_file.write_bytes(bytes(raw))
+        with ShardedReader(Path(path)) as reader:
+            if fails:
+                with pytest.raises(CorruptCheckpointError, match="'w'"):
+                    reader.read_box("w", part)
+            else:
+                assert np.array_equal(reader.read_box("w", part), full[10:20])
+
+
 def test_run_start_finds_one_contiguous_run_or_none() -> None:
     from ckptvar.storage.slicing import run_start
 

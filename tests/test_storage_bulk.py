@@ -145,3 +145,26 @@ def test_zarr_load_still_refuses_a_resized_chunk(tmp_path: Path) -> None:
         cv.load(path)
     with cv.open(path) as r, pytest.raises(cv.CorruptCheckpointError, match="w1"):
         r.read("w1")
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_stage_into_many_verifies_everything_before_any_buffer_changes(
+    tmp_path: Path, fmt: str
+) -> None:
+    p = cv.save(tmp_path / f"x.{fmt}", VALUES)
+    outs = {k: np.zeros_like(v) for k, v in VALUES.items()}
+    with cv.open(p) as r:
+        assert isinstance(r, cv.storage.SupportsStageIntoMany)
+        commit = r.stage_into_many(list(outs.items()))
+        assert not any(o.any() for o in outs.values())  # staged: nothing copied yet
+        commit()
+        with pytest.raises(ValueError, match="'a'"):  # a wrong buffer is refused up front
+            r.stage_into_many([("a", np.zeros(9, np.float32))])
+    for k, v in VALUES.items():  # bfloat16, complex, 0-d, empty, packed and not
+        assert outs[k].dtype == v.dtype
+        np.testing.assert_array_equal(outs[k], v)
+    _flip(p, VALUES["c"].tobytes())
+    outs = {k: np.zeros_like(v) for k, v in VALUES.items()}
+    with cv.open(p) as r, pytest.raises(cv.CorruptCheckpointError, match="'c'"):
+        r.stage_into_many(list(outs.items()))
+    assert not any(o.any() for o in outs.values())

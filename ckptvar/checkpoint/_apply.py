@@ -8,7 +8,9 @@ and verifies every value before any variable changes:
 - values for variables without memory yet are read (verified) into fresh arrays
   that the variables then adopt;
 - values for variables that already hold memory are read into temporaries when
-  they total at most :data:`TEMPORARY_BUDGET` bytes, else every one is verified
+  they total at most :data:`TEMPORARY_BUDGET` bytes (a reader that stages values,
+  ``SupportsStageIntoMany``, verifies packed values straight from one read of the
+  packed blob and copies their bytes in phase two), else every one is verified
   first and then read straight into the variables' own buffers (reading the file
   twice, never holding a second copy of a large model).
 
@@ -25,8 +27,9 @@ The optional fast paths a reader may offer are looked up in one place,
 
 from __future__ import annotations
 
+import operator
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +44,7 @@ from ..storage import (
     SupportsReadIntoMany,
     SupportsRuns,
     SupportsShapeAndDtype,
+    SupportsStageIntoMany,
     SupportsVerifyMany,
 )
 from ..variables import (
@@ -63,6 +67,8 @@ __all__ = [
     "warn_cast",
 ]
 
+_second = operator.itemgetter(1)
+
 #: Up to this many bytes of values going into existing variables are read into
 #: temporaries (one pass over the file); above it, verify first, then read in place.
 TEMPORARY_BUDGET = 64 * 2**20
@@ -74,12 +80,14 @@ class ReaderAbilities:
 
     ``shape_and_dtype(key)``: a value's shape and dtype without building an
     ``ArrayInfo``; ``read_into_many([(key, buf)], verify=)``: bulk reads into
-    caller buffers; ``verify_many(keys)``: bulk checksum verification.
+    caller buffers; ``verify_many(keys)``: bulk checksum verification;
+    ``stage_into_many([(key, buf)])``: read and verify now, copy into the buffers later.
     """
 
     shape_and_dtype: Callable[[str], tuple[tuple[int, ...], np.dtype]] | None
     read_into_many: Callable[..., Any] | None
     verify_many: Callable[[list[str]], Any] | None
+    stage_into_many: Callable[[list[tuple[str, np.ndarray]]], Callable[[], None]] | None = None
 
 
 def reader_abilities(reader: Any) -> ReaderAbilities:
@@ -91,6 +99,8 @@ def reader_abilities(reader: Any) -> ReaderAbilities:
         read_into_many=(reader.read_into_many
                         if isinstance(reader, SupportsReadIntoMany) else None),
         verify_many=reader.verify_many if isinstance(reader, SupportsVerifyMany) else None,
+        stage_into_many=(reader.stage_into_many
+                         if isinstance(reader, SupportsStageIntoMany) else None),
     )
 
 
@@ -220,9 +230,12 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
     """
     able = reader_abilities(reader)
     casts = check_matches(pairs, infos, reader.path, fast=able.shape_and_dtype, cast=cast)
-    by_var: dict[int, tuple[str, Variable]] = {}
-    for key, var in pairs:
-        by_var.setdefault(id(var), (key, var))
+    targets: Iterable[tuple[str, Variable]] = pairs
+    if len(set(map(id, map(_second, pairs)))) != len(pairs):  # a variable under several keys
+        by_var: dict[int, tuple[str, Variable]] = {}
+        for key, var in pairs:
+            by_var.setdefault(id(var), (key, var))
+        targets = by_var.values()
     # ``buf`` is the variable's own memory when it can take the value in place, else None
     fresh: list[tuple[str, Variable, np.ndarray | None]] = []
     in_place: list[tuple[str, Variable, np.ndarray]] = []
@@ -233,7 +246,7 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
     converted: list[tuple[str, Variable]] = []
     in_place_bytes = 0
     fast = able.shape_and_dtype
-    for key, var in by_var.values():
+    for key, var in targets:
         if casts and id(var) in casts:
             converted.append((key, var))
             continue
@@ -254,8 +267,12 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
             fresh.append((key, var, None))
     budget = TEMPORARY_BUDGET if budget is None else budget
     # Phase 1: everything that can fail.
+    staged: Callable[[], None] | None = None
     if verify and in_place_bytes <= budget:  # small: read into temporaries too (one pass)
-        fresh += in_place
+        if able.stage_into_many is not None and in_place:  # read, verified, copied later
+            staged = able.stage_into_many([(key, buf) for key, _, buf in in_place])
+        else:
+            fresh += in_place
         in_place = []
     got = _read_fresh(reader, [key for key, _, _ in fresh], verify) if fresh else {}
     values: list[tuple[Variable, np.ndarray, np.ndarray | None]] = []
@@ -280,6 +297,8 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
     if converted:
         warn_cast(reader.path, [(key, casts[id(var)], var) for key, var in converted])
     # Phase 2: change the variables.
+    if staged is not None:
+        staged()
     copyto = np.copyto
     for var, value, buf in values:
         if buf is not None:

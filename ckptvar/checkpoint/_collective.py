@@ -551,7 +551,7 @@ def _mine(plan: Any, rank: int, grid: Any = None) -> list[tuple[str, str, tuple[
     mine = [(key, box_key(key, j), tuple(int(o) for o in item.box.offset))
             for key, vp in plan.variables.items()
             if grid is None or key not in grid
-            for j, item in enumerate(vp.items) if item.writer == rank]
+            for j, item in vp.written_by(rank)]
     _MINE.clear()
     _MINE[id(plan)] = (plan, rank, grid, mine)
     return mine
@@ -568,9 +568,13 @@ def _packed_variables(
     variables: dict[str, dict[str, Any]] = {}
     for key, vp in plan.variables.items():
         gv = grid.variables.get(key) if grid is not None else None
-        boxes = [[list(item.box.offset), list(item.box.shape), item.writer,
-                  box_key(key, j) if gv is None else gv.chunk_rel(item.box)]
-                 for j, item in enumerate(vp.items)]
+        if gv is None:  # from the plan's arrays: no object per box
+            offsets, shapes, writers = vp.plain_boxes()
+            boxes = [[o, s, w, box_key(key, j)]
+                     for j, (o, s, w) in enumerate(zip(offsets, shapes, writers, strict=True))]
+        else:
+            boxes = [[list(item.box.offset), list(item.box.shape), item.writer,
+                      gv.chunk_rel(item.box)] for item in vp.items]
         attrs = values[key][1] if key in values else {}
         variables[key] = {"shape": list(vp.full_shape), "dtype": vp.dtype, "attrs": attrs,
                           "boxes": boxes}

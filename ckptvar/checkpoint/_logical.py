@@ -246,11 +246,12 @@ def apply_targets(  # noqa: C901, PLR0912 - the all-or-nothing protocol over pla
     are read and verified before any variable changes, into temporaries up to ``budget``
     bytes (above it, into the parts' own buffers after every value is verified).
     """
-    plain = [(k, v) for k, v in pairs if isinstance(v, Variable)]
     logicals = [(k, v) for k, v in pairs if isinstance(v, Logical)]
-    if not logicals:
-        apply_values(reader, plain, infos, verify=verify, cast=cast, budget=budget)
+    if not logicals:  # every target a plain Variable
+        apply_values(reader, list(pairs), infos, verify=verify, cast=cast,  # type: ignore[arg-type]
+                     budget=budget)
         return
+    plain = [(k, v) for k, v in pairs if isinstance(v, Variable)]
     able = reader_abilities(reader)
 
     def stored(key: str) -> tuple[tuple[int, ...], np.dtype]:

@@ -78,12 +78,27 @@ class RestoreState:
         self._finalizer = weakref.finalize(self, _close, self._reader)
         reader = self._reader
         self.infos: Mapping[str, ArrayInfo] = stored_infos(reader)
+        #: the stored keys, for the lookups of matching (a set: no Python call per lookup)
+        self._stored: frozenset[str] = frozenset(self.infos)
         meta = reader.metadata()
         self.has_save_counter = isinstance(meta, dict) and "save_counter" in meta
         self.alias_to_key, self.states = read_graph(meta, self.path)
         self.alias_to_key = {a: k for a, k in self.alias_to_key.items() if k in self.infos}
         children: dict[str, set[str]] = {}
+        # most keys share their parent: their last segments first, then each distinct
+        # parent's own prefixes
+        parents: set[str] = set()
         for path_key in [*self.infos, *self.alias_to_key, *self.states]:
+            parent, _, seg = path_key.rpartition("/")
+            known = children.get(parent)
+            if known is None:
+                children[parent] = {seg}
+                parents.add(parent)
+            else:
+                known.add(seg)
+        for path_key in parents:
+            if not path_key:
+                continue  # the root: no prefix above it
             child = path_key  # every prefix knows its next segment
             while True:
                 parent, _, seg = child.rpartition("/")
@@ -140,18 +155,24 @@ class RestoreState:
 
     # -- matching ---------------------------------------------------------------------
     def key_for(self, path_key: str) -> str | None:
-        if path_key in self.infos:
+        if path_key in self._stored:
             return path_key
         return self.alias_to_key.get(path_key)
 
     def _match(self, nodes: list[Node]) -> _Match:
         m = _Match([], [], [])
+        stored, aliases, add = self._stored, self.alias_to_key, m.variables.append
         for node in nodes:
             obj = node.obj
+            if type(obj) is Variable and obj.shard is None:  # the common case: itself
+                key = node.key if node.key in stored else aliases.get(node.key)
+                if key is not None:
+                    add((key, obj, obj))
+                continue
             if isinstance(obj, Variable | PartitionedVariable):
                 key = self.key_for(node.key)
                 if key is not None:
-                    m.variables.append((key, as_target(obj), obj))
+                    add((key, as_target(obj), obj))
                 continue
             if isinstance(obj, Trackable) and node.first:
                 if node.key in self.states and node.key != "":
@@ -185,8 +206,9 @@ class RestoreState:
         """After the values went in: Python states, what was consumed, the deferrals."""
         for _key, trackable, state in decoded:
             restore_python_state(trackable, state)
-        for key, _, obj in m.variables:
-            self.mark_consumed(key, obj)
+        self.consumed_keys.update([key for key, _, _ in m.variables])  # mark_consumed, in bulk
+        ref = weakref.ref
+        self._matched.update([(id(obj), ref(obj)) for _, _, obj in m.variables])
         for key, trackable, _ in decoded:
             self.consumed_states.add(key)
             self._matched[id(trackable)] = weakref.ref(trackable)

@@ -60,6 +60,9 @@ def child_items(obj: Any, key: str = "") -> Iterator[tuple[str, Any]]:
         for i, child in enumerate(obj):
             yield str(i), child
     elif isinstance(obj, dict):
+        if all(type(name) is str for name in obj):  # the common case: the names as they are
+            yield from obj.items()
+            return
         for name, child in obj.items():
             if isinstance(name, bool) or not isinstance(name, str | int):
                 if _is_node(child):
@@ -88,7 +91,10 @@ def walk(root: Any, root_key: str = "") -> list[Node]:
         for name, child in child_items(obj, key):
             if not isinstance(child, _NODE_TYPES):
                 continue
-            child_key = _join(key, name)
+            if type(name) is str and name and key and "%" not in name and "/" not in name:
+                child_key = f"{key}/{name}"  # _join's common case, without the call
+            else:
+                child_key = _join(key, name)
             first = id(child) not in seen
             if type(child) is Variable or isinstance(child, Variable | PartitionedVariable):
                 seen.add(id(child))

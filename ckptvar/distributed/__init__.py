@@ -6,7 +6,8 @@
   :func:`from_env` picks one. Every collective has a tag and a timeout.
 - The planner (no I/O): :class:`Box`, :class:`VariableLayout`, :func:`plan_save`,
   :func:`check_replicas`, :class:`PlanCache`, :func:`read_plan`; and
-  :func:`gather_plan`, the collective that runs it on every process.
+  :func:`gather_plan`, the collective that runs it on every process, and
+  :func:`layout_message`, what each process sends in it.
 
 The engine modules import mpi4py/torch only when their coordinator is created.
 """
@@ -21,6 +22,7 @@ from ._env import MPI_ENV_VARS, from_env
 from ._gather import SupportsPlain, gather_plan
 from ._plan import PlanCache, check_replicas, layout_digest, plan_save
 from ._read_plan import ReadItem, read_plan
+from ._wire import layout_message
 
 if TYPE_CHECKING:
     from ._jax import JaxCoordinator
@@ -47,6 +49,7 @@ __all__ = [
     "from_env",
     "gather_plan",
     "layout_digest",
+    "layout_message",
     "plan_save",
     "read_plan",
 ]

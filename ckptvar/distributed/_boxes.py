@@ -23,6 +23,8 @@ import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .._dtypes import as_dtype
 from ..errors import ShardLayoutError
 
@@ -159,19 +161,138 @@ class WriteItem:
     local_index: int
 
 
-@dataclass(frozen=True)
 class VariablePlan:
     """The plan of one logical variable: its boxes (each with its writer), sorted by offset.
 
-    Zero-size boxes are valid input but have nothing to write and are left out.
+    Zero-size boxes are valid input but have nothing to write and are left out. A plan
+    the NumPy planner made keeps its boxes as arrays (:meth:`from_columns`: offsets,
+    shapes and writers, one row per box) and builds the :class:`WriteItem` objects
+    only when ``items`` is asked for; :meth:`written_by` and :meth:`plain_boxes`
+    answer from the arrays. Equal plans compare equal whatever their form; immutable.
     """
+
+    __slots__ = ("_cols", "_items", "dtype", "full_shape", "holders", "key", "replicated")
 
     key: str
     full_shape: tuple[int, ...]
     dtype: str
     replicated: bool
-    items: tuple[WriteItem, ...]
     holders: tuple[int, ...]
+    _items: tuple[WriteItem, ...] | None
+    _cols: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+
+    def __init__(  # noqa: PLR0917 - the fields, in the order they always had
+        self, key: str, full_shape: tuple[int, ...], dtype: str, replicated: bool,
+        items: tuple[WriteItem, ...], holders: tuple[int, ...],
+    ) -> None:
+        for name, value in (("key", key), ("full_shape", full_shape), ("dtype", dtype),
+                            ("replicated", replicated), ("holders", holders)):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_items", tuple(items))
+        object.__setattr__(self, "_cols", None)
+
+    @classmethod
+    def from_columns(  # noqa: PLR0917
+        cls, key: str, full_shape: tuple[int, ...], dtype: str, holders: tuple[int, ...],
+        offsets: np.ndarray, shapes: np.ndarray, writers: np.ndarray,
+    ) -> VariablePlan:
+        """A sharded variable's plan from checked arrays, one row per non-empty box in
+        offset order (``offsets``/``shapes``: ``(boxes, ndim)``; ``writers``: ``(boxes,)``;
+        each writer's box is the first of its layout)."""
+        plan = cls.__new__(cls)
+        for name, value in (("key", key), ("full_shape", full_shape), ("dtype", dtype),
+                            ("replicated", False), ("holders", holders),
+                            ("_items", None), ("_cols", (offsets, shapes, writers))):
+            object.__setattr__(plan, name, value)
+        return plan
+
+    @property
+    def items(self) -> tuple[WriteItem, ...]:
+        """Every box and its writer, by offset (built from the arrays on first use)."""
+        items = self._items
+        if items is None:
+            assert self._cols is not None
+            offsets, shapes, writers = self._cols
+            key = self.key
+            items = tuple(
+                _item(key, _box(tuple(o), tuple(s)), w, 0)
+                for o, s, w in zip(offsets.tolist(), shapes.tolist(), writers.tolist(),
+                                   strict=True))
+            object.__setattr__(self, "_items", items)
+        return items
+
+    @property
+    def n_boxes(self) -> int:
+        """How many boxes it writes (``len(items)``, without building them)."""
+        return len(self.items) if self._cols is None else len(self._cols[2])
+
+    def written_by(self, rank: int) -> list[tuple[int, WriteItem]]:
+        """``(position in items, item)`` of each box ``rank`` writes."""
+        if self._cols is None:
+            return [(j, it) for j, it in enumerate(self.items) if it.writer == rank]
+        offsets, shapes, writers = self._cols
+        return [(j, _item(self.key, _box(tuple(offsets[j].tolist()),
+                                         tuple(shapes[j].tolist())), rank, 0))
+                for j in np.flatnonzero(writers == rank).tolist()]
+
+    def plain_boxes(self) -> tuple[list[list[int]], list[list[int]], list[int]]:
+        """Every box's offset, shape and writer, by offset, as plain lists."""
+        if self._cols is None:
+            return ([list(it.box.offset) for it in self.items],
+                    [list(it.box.shape) for it in self.items],
+                    [it.writer for it in self.items])
+        offsets, shapes, writers = self._cols
+        return offsets.tolist(), shapes.tolist(), writers.tolist()
+
+    def bytes_by_writer(self, size: int) -> np.ndarray:
+        """Bytes each of ``size`` ranks writes of this variable."""
+        out = np.zeros(size, np.int64)
+        isz = itemsize(self.dtype)
+        if self._cols is None:
+            for it in self.items:
+                out[it.writer] += it.box.size * isz
+        else:
+            _, shapes, writers = self._cols
+            np.add.at(out, writers, shapes.prod(axis=1, dtype=np.int64) * isz)
+        return out
+
+    def _key(self) -> tuple[object, ...]:
+        return (self.key, self.full_shape, self.dtype, self.replicated, self.items, self.holders)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, VariablePlan):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash((self.key, self.full_shape, self.dtype, self.replicated, self.holders))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"VariablePlan is immutable: cannot set {name!r}")
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (VariablePlan, (self.key, self.full_shape, self.dtype, self.replicated,
+                               self.items, self.holders))
+
+    def __repr__(self) -> str:
+        return (f"VariablePlan(key={self.key!r}, full_shape={self.full_shape!r}, "
+                f"dtype={self.dtype!r}, replicated={self.replicated!r}, items={self.items!r}, "
+                f"holders={self.holders!r})")
+
+
+def _box(offset: tuple[int, ...], shape: tuple[int, ...]) -> Box:
+    """A ``Box`` of checked plain ints, without ``__post_init__`` (planning makes millions)."""
+    box = object.__new__(Box)
+    box.__dict__.update(offset=offset, shape=shape,
+                        _stop=tuple(map(operator.add, offset, shape)), _size=math.prod(shape))
+    return box
+
+
+def _item(key: str, box: Box, writer: int, local_index: int) -> WriteItem:
+    """A ``WriteItem`` of checked fields, without ``__init__``."""
+    item = object.__new__(WriteItem)
+    item.__dict__.update(key=key, box=box, writer=writer, local_index=local_index)
+    return item
 
 
 @dataclass(frozen=True)
@@ -186,18 +307,16 @@ class SavePlan:
         """The boxes ``rank`` writes, in key order."""
         if rank not in self._by_rank:
             self._by_rank[rank] = tuple(
-                item for vp in self.variables.values() for item in vp.items if item.writer == rank
+                item for vp in self.variables.values() for _, item in vp.written_by(rank)
             )
         return self._by_rank[rank]
 
     def bytes_per_rank(self) -> list[int]:
         """Bytes each rank writes under this plan."""
-        out = [0] * self.size
+        out = np.zeros(self.size, np.int64)
         for vp in self.variables.values():
-            isz = itemsize(vp.dtype)
-            for item in vp.items:
-                out[item.writer] += item.box.size * isz
-        return out
+            out += vp.bytes_by_writer(self.size)
+        return [int(v) for v in out]
 
 
 @functools.lru_cache(maxsize=256)

@@ -3,7 +3,10 @@
 Every rank calls it with its own layout. One small allgather carries each rank's
 layout digest, its replica checksums and the keys of the plans it has cached; when
 every rank has the plan of this exact set of layouts cached, that plan is reused
-and the gather of the layouts themselves is skipped. Planning is deterministic,
+and the gather of the layouts themselves is skipped. Otherwise the layouts travel
+as ``_wire`` messages (one array of numbers a rank; the keys, shapes and dtypes
+once, from rank 0, and again only from a rank whose differ) and are planned from
+the stacked arrays. Planning is deterministic,
 so a layout error raises the same :class:`~ckptvar.errors.ShardLayoutError` on
 every rank.
 """
@@ -15,7 +18,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from ._boxes import SavePlan, VariableLayout
 from ._coordinator import Coordinator
-from ._plan import PlanCache, check_replicas, layout_digest, plan_save_plain
+from ._plan import PlanCache, check_replicas, layout_digest
+from ._wire import encode, layout_message, plan_messages, spec_senders
 
 __all__ = ["SupportsPlain", "gather_plan"]
 
@@ -45,8 +49,9 @@ def gather_plan(
     ``checksums`` maps this rank's replicated keys to a checksum of their value;
     replicas that differ raise :class:`~ckptvar.errors.ShardLayoutError` on every
     rank. With ``cache``, a layout seen before (on every rank) skips the second
-    gather. ``digest`` is ``layout_digest(layout)`` if the caller kept it (it costs
-    a pass over the layout). ``timeout`` bounds each of the (one or two) collectives.
+    gather (and the third, which only a rank whose keys, shapes or dtypes differ from
+    rank 0's needs). ``digest`` is ``layout_digest(layout)`` if the caller kept it (it costs
+    a pass over the layout). ``timeout`` bounds each of the (one to three) collectives.
     """
     if digest is None:
         digest = layout_digest(layout)
@@ -60,8 +65,15 @@ def gather_plan(
     if cache is not None and all(hit_key in k for _, _, k in first):
         plan = cache.get(digests)
     if plan is None:
-        plain = coord.allgather(_to_plain(layout), tag=f"{tag}:layouts", timeout=timeout)
-        plan = plan_save_plain(plain)
+        mine = layout_message(_to_plain(layout), coord.rank)
+        msgs = coord.allgather(mine, tag=f"{tag}:layouts", timeout=timeout)
+        senders = spec_senders(msgs)
+        specs: list[Any] = []
+        if senders:  # some rank's keys, shapes or dtypes differ from rank 0's
+            got = encode(_to_plain(layout)) if coord.rank in senders else None
+            specs = coord.allgather(None if got is None else got[0], tag=f"{tag}:specs",
+                                    timeout=timeout)
+        plan = plan_messages(msgs, specs)
         if cache is not None:
             cache.put(digests, plan)
     check_replicas(plan, [c for _, c, _ in first])

@@ -2,9 +2,11 @@
 
 The common layout of a sharded save: every rank holds every key, one box each, and
 each variable is split along one axis into disjoint slabs (full on every other
-axis). :func:`plan_split` checks such layouts with a few array operations for all
-variables together and builds the plan without a ``VariableLayout`` per rank; it
-returns ``None`` for any other layout (or a wrong one), and
+axis). :func:`plan_columns` checks such layouts, given as arrays of every rank's
+offsets and shapes, with a few array operations for all variables together, and
+builds a plan whose variables keep their boxes as arrays (no object per box);
+:func:`plan_split` does the same from plain layouts. Both return ``None`` for any
+other layout (or a wrong one), and
 :func:`~ckptvar.distributed._plan.plan_save_plain` then asks the general planner,
 which gives the same plan and says what is wrong.
 
@@ -19,33 +21,16 @@ True
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, cast
 
 import numpy as np
 
 from ._boxes import Box, PlainLayout, SavePlan, VariablePlan, WriteItem, itemsize
 
-__all__ = ["plan_split"]
-
-_T = TypeVar("_T")
+__all__ = ["plan_columns", "plan_split"]
 
 
-def _box(offset: tuple[int, ...], shape: tuple[int, ...], stop: tuple[int, ...],
-         size: int) -> Box:
-    """A ``Box`` of checked plain ints, without ``__post_init__`` (thousands per plan)."""
-    box = object.__new__(Box)
-    box.__dict__.update(offset=offset, shape=shape, _stop=stop, _size=size)
-    return box
-
-
-def _frozen(cls: type[_T], **fields: object) -> _T:
-    """An instance of the frozen dataclass ``cls`` from checked fields, without ``__init__``."""
-    obj = object.__new__(cls)
-    obj.__dict__.update(fields)
-    return obj
-
-
-def plan_split(layouts: Sequence[PlainLayout]) -> SavePlan | None:  # noqa: C901
+def plan_split(layouts: Sequence[PlainLayout]) -> SavePlan | None:
     """The plan of the common layout, or ``None`` when :func:`plan_save` must decide."""
     size = len(layouts)
     if not size:
@@ -59,47 +44,73 @@ def plan_split(layouts: Sequence[PlainLayout]) -> SavePlan | None:  # noqa: C901
         for (full, dtype, boxes), (f2, d2, b2) in zip(first, other, strict=True):
             if full != f2 or dtype != d2 or (boxes is None) != (b2 is None):
                 return None
+    groups: dict[int, list[int]] = {}
+    for i, (full, _, boxes) in enumerate(first):
+        if boxes is not None:
+            groups.setdefault(len(full), []).append(i)
+    arrays: dict[int, tuple[Any, Any, Any]] = {}
+    for ndim, idx in groups.items():
+        got = _group_arrays([[row[i][2] for row in rows] for i in idx],
+                            [first[i][0] for i in idx], ndim)
+        if got is None:
+            return None
+        arrays[ndim] = got
+    return plan_columns(size, keys, [full for full, _, _ in first],
+                        [dtype for _, dtype, _ in first],
+                        [boxes is None for _, _, boxes in first], groups, arrays)
+
+
+def plan_columns(  # noqa: PLR0917
+    size: int,
+    keys: Sequence[str],
+    fulls: Sequence[Sequence[int]],
+    dtypes: Sequence[str],
+    replicated: Sequence[bool],
+    groups: dict[int, list[int]],
+    arrays: dict[int, tuple[Any, Any, Any]],
+) -> SavePlan | None:
+    """The plan of the common layout from arrays, or ``None`` when :func:`plan_save` must
+    decide: every rank holds every key (``keys[i]``, of full shape ``fulls[i]`` and dtype
+    ``dtypes[i]``); a sharded key (``replicated[i]`` false) is one box per rank. For each
+    number of axes ``ndim``, ``groups[ndim]`` lists the sharded keys' positions and
+    ``arrays[ndim]`` is ``(offsets, shapes, fulls)``: ``(variables, ranks, ndim)``,
+    ``(variables, ranks, ndim)`` and ``(variables, ndim)`` int64 arrays in that order.
+    No object per box is made: each variable's plan keeps its boxes as arrays.
+    """
     load = np.zeros(size, np.int64)
     plans: dict[str, VariablePlan] = {}
     holders = tuple(range(size))
-    by_ndim: dict[int, list[int]] = {}
-    for i, (full, _, boxes) in enumerate(first):
-        if boxes is not None:
-            by_ndim.setdefault(len(full), []).append(i)
-    for ndim, idx in by_ndim.items():
-        group = _split_group([[row[i][2] for row in rows] for i in idx],
-                             [first[i][0] for i in idx], ndim)
-        if group is None:
+    for ndim, idx in groups.items():
+        off, shp, full = arrays[ndim]
+        checked = _check_split(off, shp, full)
+        if checked is None:
             return None
-        sizes, order, box_rows = group
-        isz = np.array([itemsize(first[i][1]) for i in idx], np.int64)
+        sizes, order, nonzero = checked
+        isz = np.array([itemsize(dtypes[i]) for i in idx], np.int64)
         load += (sizes * isz[:, None]).sum(axis=0)
-        for i, picks in zip(idx, order, strict=True):
+        s_off = np.take_along_axis(off, order[:, :, None], axis=1)
+        s_shp = np.take_along_axis(shp, order[:, :, None], axis=1)
+        s_nz = np.take_along_axis(nonzero, order, axis=1)
+        every = cast("list[bool]", s_nz.all(axis=1).tolist())
+        for v, i in enumerate(idx):
             key = keys[i]
-            full, dtype, _ = first[i]
-            items = tuple(
-                _frozen(WriteItem, key=key, box=box_rows[r][i_box], writer=r, local_index=0)
-                for r, i_box in picks
-            )
-            plans[key] = _frozen(
-                VariablePlan, key=key, full_shape=tuple(int(d) for d in full), dtype=str(dtype),
-                replicated=False, items=items, holders=holders,
-            )
-    replicated = sorted((keys[i], first[i][0], first[i][1])
-                        for i in range(len(keys)) if first[i][2] is None)
-    _place_replicas(replicated, [int(v) for v in load], plans)
+            o, sh, w = s_off[v], s_shp[v], order[v]
+            if not every[v]:  # empty boxes sort last: keep the non-empty ones
+                n = int(s_nz[v].sum())
+                o, sh, w = o[:n], sh[:n], w[:n]
+            plans[key] = VariablePlan.from_columns(
+                key, tuple(int(d) for d in fulls[i]), str(dtypes[i]), holders, o, sh, w)
+    reps = sorted((keys[i], tuple(fulls[i]), dtypes[i])
+                  for i in range(len(keys)) if replicated[i])
+    _place_replicas(reps, [int(v) for v in load], plans)
     return SavePlan(size, {k: plans[k] for k in sorted(plans)})
 
 
-def _split_group(  # noqa: PLR0911 - each early return: not the common layout
+def _group_arrays(
     boxes: list[list[Any]], fulls: list[Any], ndim: int
-) -> tuple[Any, list[list[tuple[int, int]]], list[list[Box]]] | None:
-    """Check ``ndim``-axis variables at once (``boxes[v][rank]`` is that rank's box list).
-
-    Returns each variable's bytes per rank (elements), its ``(rank, box number)`` picks in
-    offset order (non-empty boxes only) and the boxes per rank, or ``None`` when the
-    layout is not the common one (or is wrong: :func:`plan_save` then says how).
-    """
+) -> tuple[Any, Any, Any] | None:
+    """``(offsets, shapes, fulls)`` arrays of ``ndim``-axis variables (``boxes[v][rank]``
+    is that rank's box list), or ``None`` unless every rank holds one box of each."""
     n = len(boxes)
     size = len(boxes[0]) if n else 0
     try:
@@ -112,14 +123,21 @@ def _split_group(  # noqa: PLR0911 - each early return: not the common layout
         return None
     if off.size != n * size * ndim or shp.size != off.size or full.size != n * ndim:
         return None
-    off = off.reshape(n, size, ndim)
-    shp = shp.reshape(n, size, ndim)
-    full = full.reshape(n, 1, ndim)
+    return off.reshape(n, size, ndim), shp.reshape(n, size, ndim), full.reshape(n, ndim)
+
+
+def _check_split(off: Any, shp: Any, fulls: Any) -> tuple[Any, Any, Any] | None:
+    """Each variable's elements per rank, its ranks in offset order (empty boxes last)
+    and which boxes are non-empty, when every variable is split into disjoint slabs
+    that tile it; else ``None`` (not the common layout, or wrong: :func:`plan_save`
+    then says how)."""
+    n, _, ndim = off.shape
+    full = fulls.reshape(n, 1, ndim)
     stop = off + shp
     if (off < 0).any() or (shp < 0).any() or (stop > full).any():
         return None
     sizes = shp.prod(axis=2)
-    if not np.array_equal(sizes.sum(axis=1), full.reshape(n, ndim).prod(axis=1)):
+    if not np.array_equal(sizes.sum(axis=1), fulls.prod(axis=1)):
         return None
     nonzero = sizes > 0
     if ndim == 0:  # a scalar: exactly one rank holds it (the sum above says so)
@@ -128,13 +146,7 @@ def _split_group(  # noqa: PLR0911 - each early return: not the common layout
         order = _split_order(off, shp, stop, full, nonzero)
         if order is None:
             return None
-    # one Box per rank and variable, made from checked ints; a variable's picks skip empties
-    o_l, s_l, e_l, z_l = off.tolist(), shp.tolist(), stop.tolist(), sizes.tolist()
-    by_rank = [[_box(tuple(o_l[v][r]), tuple(s_l[v][r]), tuple(e_l[v][r]), z_l[v][r])
-                for v in range(n)] for r in range(size)]
-    nz = nonzero.tolist()
-    picks = [[(r, v) for r in order_v if nz[v][r]] for v, order_v in enumerate(order.tolist())]
-    return sizes, picks, by_rank
+    return sizes, order, nonzero
 
 
 def _split_order(off: Any, shp: Any, stop: Any, full: Any, nonzero: Any) -> Any:

@@ -16,6 +16,7 @@ has the attribute) plus per-key extras, and back.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import repeat
 from typing import Any
 
 __all__ = [
@@ -108,8 +109,8 @@ def attrs_from_columns(keys: list[str], dense: Any, sparse: Any) -> list[dict[st
     if len(names) == 1:
         (only,) = names
         out = [{only: v} for v in dense[only]]
-    elif names:
-        out = [dict(zip(names, row, strict=True)) for row in zip(*dense.values(), strict=True)]
+    elif names:  # every column has n items (checked above): one dict per row, made in C
+        out = list(map(dict, map(zip, repeat(names), zip(*dense.values(), strict=True))))
     else:
         out = [{} for _ in range(n)]
     if sparse:

@@ -338,6 +338,11 @@ class IndexedValues(Mapping[str, Any]):
         """Whether the whole record has been decoded (for tests and diagnostics)."""
         return self._full is not None
 
+    def decoded(self) -> dict[str, Any] | None:
+        """Every value by key once the whole record is decoded (a plain dict: lookups
+        without a Python call), else None."""
+        return self._full
+
     def __getitem__(self, key: str) -> Any:
         full = self._full
         if full is not None:

@@ -71,6 +71,10 @@ INDEX_FORMAT = "ckptvar-sharded"
 INDEX_VERSION = 2
 #: Stored boxes up to this size are read whole (and verified) even when only partly needed.
 _SLICE_WHOLE_BELOW = 1 << 20
+#: ... in a file of ckptvar's own format: a value of more than one checksum block (256 KiB)
+#: verifies by the blocks a run touches, so only a box of one block (verified whole
+#: anyway) is read whole; a larger one fetches the run and its two edge blocks.
+_OWN_WHOLE_BELOW = 256 << 10
 
 
 def rank_file(rank: int, suffix: str) -> str:
@@ -422,7 +426,7 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
                     sub.read(stored, out=dest, verify=verify)
                     self.bytes_read += box.size * isz
                     continue
-                if item.box == box or box.size * isz <= _SLICE_WHOLE_BELOW:
+                if item.box == box or box.size * isz <= _OWN_WHOLE_BELOW:
                     part = sub.read(stored, verify=verify)[item.source_slices]
                     self.bytes_read += box.size * isz
                 else:  # the run of elements from the first to the last one needed

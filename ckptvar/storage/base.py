@@ -24,13 +24,16 @@ defining the method, and says so by listing the protocol among its bases:
   ``ArrayInfo`` (what a restore checks per value);
 - :class:`SupportsReadIntoMany`: ``read_into_many([(key, out), ...])`` fills
   many caller buffers in few system calls;
+- :class:`SupportsStageIntoMany`: ``stage_into_many([(key, out), ...])`` reads and
+  verifies many values before any buffer changes (an all-or-nothing restore of
+  small values in one pass);
 - :class:`SupportsRuns`: ``read_run_into(key, start, out)`` fills a caller's buffer
   with a run of a value's elements and ``verify_run(key, start, count)`` checks one
   (a part of a stored shard, when resharding);
 - :class:`SupportsVerifyMany`: ``verify_many(keys)`` checks many values at once;
 - :class:`SupportsVerifyAll`: ``verify_all()`` lists every damaged value.
 
-ckptvar's own readers (HDF5, Zarr) offer all five.
+ckptvar's own readers (HDF5, Zarr) offer all six.
 
 >>> import os, tempfile
 >>> from ckptvar.storage import backend_for
@@ -65,6 +68,7 @@ __all__ = [
     "SupportsRuns",
     "SupportsShapeAndDtype",
     "SupportsShared",
+    "SupportsStageIntoMany",
     "SupportsStoredBoxes",
     "SupportsVerifyAll",
     "SupportsVerifyMany",
@@ -262,6 +266,18 @@ class SupportsReadIntoMany(Protocol):
         """Read each ``(key, out)`` value into ``out`` (same shape and dtype, C-contiguous,
         writeable). With ``verify`` a damaged value raises ``CorruptCheckpointError``, but
         other buffers may already hold new bytes: verify first when that matters."""
+        ...
+
+
+@runtime_checkable
+class SupportsStageIntoMany(Protocol):
+    """A reader that reads and verifies many values before changing any caller buffer."""
+
+    def stage_into_many(self, pairs: list[tuple[str, np.ndarray]]) -> Callable[[], None]:
+        """Read and verify each ``(key, out)`` value now (``CorruptCheckpointError`` for a
+        damaged one, no ``out`` changed), into temporaries the size of the values; the
+        function returned copies them into the ``out`` buffers (same shape and dtype,
+        C-contiguous, writeable)."""
         ...
 
 

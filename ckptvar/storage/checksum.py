@@ -41,6 +41,7 @@ __all__ = [
     "finish",
     "header",
     "header_crc",
+    "header_tail",
     "mask",
     "unmask",
     "value_checksum",
@@ -145,6 +146,21 @@ def header(key: str, dtype_name: str, shape: Iterable[int]) -> bytes:
 _TAILS: dict[tuple[str, tuple[int, ...]], bytes] = {}
 
 
+def _new_tail(dtype_name: str, dims: tuple[int, ...]) -> bytes:
+    if len(_TAILS) > 4096:
+        _TAILS.clear()
+    tail = f"\0{dtype_name}\0{','.join(str(int(d)) for d in dims)}\0".encode()
+    _TAILS[(dtype_name, dims)] = tail
+    return tail
+
+
+def header_tail(dtype_name: str, shape: Iterable[int]) -> bytes:
+    """The part of :func:`header` after the key: ``header_crc(key, dtype_name, shape) ==
+    crc(header_tail(dtype_name, shape), crc(key.encode()))`` (cached, as there)."""
+    dims = shape if type(shape) is tuple else tuple(shape)
+    return _TAILS.get((dtype_name, dims)) or _new_tail(dtype_name, dims)
+
+
 def header_crc(key: str, dtype_name: str, shape: Iterable[int]) -> int:
     """The CRC-32C of :func:`header`, the seed the data bytes are hashed onto.
 
@@ -152,12 +168,7 @@ def header_crc(key: str, dtype_name: str, shape: Iterable[int]) -> int:
     times, and a restore asks once per value).
     """
     dims = shape if type(shape) is tuple else tuple(shape)
-    tail = _TAILS.get((dtype_name, dims))
-    if tail is None:
-        if len(_TAILS) > 4096:
-            _TAILS.clear()
-        tail = f"\0{dtype_name}\0{','.join(str(int(d)) for d in dims)}\0".encode()
-        _TAILS[(dtype_name, dims)] = tail
+    tail = _TAILS.get((dtype_name, dims)) or _new_tail(dtype_name, dims)
     return _crc32c.crc32c(tail, _crc32c.crc32c(key.encode("utf-8")))
 
 

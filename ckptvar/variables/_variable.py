@@ -402,9 +402,11 @@ class Variable(WriteBehaviour, ArrayBehaviour):
         The caller (a restore) writes into it: handing it out counts as a write."""
         state = self._state
         buf = state.value if isinstance(state, Ready) else None
-        if isinstance(buf, np.ndarray) and buf.flags.c_contiguous and buf.flags.writeable:
-            self._wrote()
-            return buf
+        if isinstance(buf, np.ndarray):
+            flags = buf.flags  # once: each access makes a flags object (a restore asks per value)
+            if flags.c_contiguous and flags.writeable:
+                self._wrote()
+                return buf
         return None
 
     # --- reading -------------------------------------------------------------------------

@@ -10,6 +10,7 @@ paths (:mod:`.reader`) handle what none of these speed up.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import operator
 from collections import deque
@@ -30,7 +31,7 @@ from .access import check_source as _check_source
 from .stream import stream_many, streamable
 from .transfer import Transfer, TransferValue, runs_by_size
 
-__all__ = ["read_into_many", "read_many", "verify_many"]
+__all__ = ["read_into_many", "read_many", "stage_into_many", "verify_many"]
 
 _by_offset = operator.itemgetter(0)
 
@@ -218,6 +219,76 @@ def _hand_out(
             else:
                 arr = reader.read(key, verify=verify)
         yield key, arr
+
+
+def stage_into_many(
+    reader: ValueAccess, pairs: list[tuple[str, np.ndarray]]
+) -> Callable[[], None]:
+    """Read and verify every ``(key, out)`` value now, into temporaries; the function
+    returned copies them into the ``out`` buffers (same shape and dtype, C-contiguous,
+    writeable: checked here). No ``out`` changes before every value has verified.
+
+    Packed values are hashed straight from one read of their part of the packed blob
+    (no array per value) and later copied from it byte for byte; the rest are read
+    as :func:`read_many` reads them (one pass: what is copied is what was verified).
+    """
+    entry, ndarray = reader.entry, np.ndarray
+    packed: list[tuple[int, int, str, Entry, np.ndarray]] = []
+    rest: list[tuple[str, np.ndarray]] = []
+    for key, given in pairs:
+        e = entry(key)
+        out = given
+        flags = out.flags if type(out) is ndarray else None
+        if not (flags is not None and flags.c_contiguous and flags.writeable
+                and out.shape == e.shape and out.dtype == e.np_dtype):
+            out = destination(key, e, given)  # says what is wrong (or takes a subclass)
+        kind, _, offset, n = e.loc
+        if kind == PACKED and n:
+            packed.append((offset, n, key, e, out))
+        else:
+            rest.append((key, out))
+    blob = None if reader.remote else _read_packed_span(reader, [e for _, _, _, e, _ in packed])
+    if blob is None:  # scattered (or remote: streamed with the rest), read as values
+        rest += [(key, out) for _, _, key, _, out in packed]
+        packed = []
+    temps = [(out, value) for (_, out), (_, value) in
+             zip(rest, read_many(reader, [key for key, _ in rest], True), strict=True)]
+    pieces = _verified_pieces(reader, blob, packed) if blob is not None else []
+    return functools.partial(_commit, temps, pieces)
+
+
+def _verified_pieces(
+    reader: ValueAccess, blob: _PackedBlob, packed: list[tuple[int, int, str, Entry, np.ndarray]]
+) -> list[tuple[np.ndarray, memoryview]]:
+    """``(out, its bytes in blob)`` of each packed value, every one verified."""
+    crc, tail_of = _crc, _checksum.header_tail
+    tails: dict[tuple[str, tuple[int, ...]], bytes] = {}  # header_crc, without a call a value
+    view, lo = blob.data.data, blob.start
+    pieces = []
+    for offset, n, key, e, out in packed:
+        piece = view[offset - lo: offset - lo + n]
+        at = (e.dtype, e.shape)
+        tail = tails.get(at)
+        if tail is None:
+            tail = tails[at] = tail_of(*at)
+        got = crc(piece, crc(tail, crc(key.encode("utf-8"), 0)))
+        if got != e.checksum:
+            compare(reader, key, e, got)
+        pieces.append((out, piece))
+    return pieces
+
+
+def _commit(temps: list[tuple[np.ndarray, np.ndarray]],
+            pieces: list[tuple[np.ndarray, memoryview]]) -> None:
+    """Copy staged values into their buffers (:func:`stage_into_many`'s second half)."""
+    copyto = np.copyto
+    for out, value in temps:
+        copyto(out, value)
+    for out, piece in pieces:
+        try:
+            out.data.cast("B")[:] = piece
+        except (TypeError, ValueError):  # a dtype that exports no plain buffer
+            out.reshape(-1).view(np.uint8)[:] = np.frombuffer(piece, np.uint8)
 
 
 def _read_packed_span(reader: ValueAccess, entries: list[Entry]) -> _PackedBlob | None:

@@ -16,7 +16,7 @@ import abc
 import dataclasses
 import difflib
 import mmap
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from .. import base
 from .. import checksum as _checksum
 from .. import rawio as _rawio
 from .._record import ARRAY, PACKED, Entry, Record
+from .._record_index import IndexedValues
 from ..base import ArrayInfo, LazyArray, Reader, verify_each
 from ..slicing import element_span
 from . import access, bulk
@@ -47,6 +48,7 @@ class ContainerReader(
     Reader,
     base.SupportsShapeAndDtype,
     base.SupportsReadIntoMany,
+    base.SupportsStageIntoMany,
     base.SupportsRuns,
     base.SupportsVerifyMany,
     base.SupportsVerifyAll,
@@ -96,7 +98,12 @@ class ContainerReader(
 
     # -- Mapping
     def keys(self) -> Any:
-        return self._values.keys()
+        keys = self._values.keys()
+        if isinstance(self._values, IndexedValues):  # listing decodes every value:
+            full = self._values.decoded()  # look them up in that dict from now on
+            if full is not None:
+                self._values = full
+        return keys
 
     def __contains__(self, key: object) -> bool:
         return key in self._values
@@ -226,6 +233,12 @@ class ContainerReader(
         (:func:`.bulk.read_into_many`)."""
         self.check_open()
         bulk.read_into_many(self, pairs, verify)
+
+    def stage_into_many(self, pairs: list[tuple[str, np.ndarray]]) -> Callable[[], None]:
+        """Read and verify every ``(key, out)`` value now; the function returned copies
+        them into the buffers (:func:`.bulk.stage_into_many`)."""
+        self.check_open()
+        return bulk.stage_into_many(self, pairs)
 
     # -- partial reads
     def read_run_into(
