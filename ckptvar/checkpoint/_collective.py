@@ -50,6 +50,7 @@ from ..distributed import (
     SavePlan,
     SupportsPlain,
     VariableLayout,
+    VariablePlan,
     gather_plan,
 )
 from ..locations import is_url
@@ -459,9 +460,9 @@ def _node_indexes(  # noqa: PLR0917
         files = [rank_file(r, suffix) for r in range(size)] + [
             replica_file(r, suffix) for r in group]
         variables = {
-            key: dataclasses.replace(vp, items=tuple(
+            key: VariablePlan(vp.key, vp.full_shape, vp.dtype, vp.replicated, tuple(
                 dataclasses.replace(it, writer=size + group.index(copies[key]))
-                for it in vp.items)) if key in copies else vp
+                for it in vp.items), vp.holders) if key in copies else vp
             for key, vp in plan.variables.items()
         }
         packed = _packed_variables(SavePlan(plan.size, variables), values)
