@@ -48,10 +48,10 @@ rm -rf "$OUT/data"
 grep -i "gpu" "$OUT/bench-gpu.md" | head -20 || tail -20 "$OUT/bench-gpu.log"
 if [ -n "$HOST_ROWS" ]; then
     echo "== 4. the host rows on this machine's CPUs (save durable and not, load, restore)"
-    timeout 200 "$PYTHON" scripts/bench.py --only big \
+    timeout 150 "$PYTHON" scripts/bench.py --only big \
         --subjects "raw,ckptvar-h5,ckptvar-zarr,ckptvar-h5 nd,ckptvar-zarr nd" \
         --ops save,load_warm,load_cold,restore_warm,restore_cold \
-        --repeats 3 --json "$OUT/bench-host.json" --md "$OUT/bench-host.md" --png "" \
+        --repeats 2 --json "$OUT/bench-host.json" --md "$OUT/bench-host.md" --png "" \
         --dir "$OUT/data" > "$OUT/bench-host.log" 2>&1 || status=1
     rm -rf "$OUT/data"
     sed -n '/## Summary/,/^## ~1 GiB/p' "$OUT/bench-host.md" | head -20
