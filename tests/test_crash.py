@@ -420,6 +420,18 @@ def test_restart_after_kills_of_three_processes_saving_incremental_steps(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_restart_after_100_kills_of_three_processes_saving_incremental_steps(
+        tmp_path: Path, fmt: str) -> None:
+    from test_distributed_mpi import _mpi_skip_reason
+
+    if _mpi_skip_reason():
+        pytest.skip(_mpi_skip_reason() or "")
+    _check(restart_harness(str(tmp_path / "run"), fmt, processes=3, kills=100, seed=109,
+                           work=tmp_path, incremental=True), 100)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
 def test_restart_after_100_kills_of_one_process(tmp_path: Path, fmt: str) -> None:
     where = str(tmp_path / "run")
     _check(restart_harness(where, fmt, processes=1, kills=100, seed=101, work=tmp_path,
