@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -234,10 +235,13 @@ _KEPT_ATTRS = ("name", "trainable")
 class _Converted(Mapping[str, "np.ndarray"]):
     """The output values of a conversion, each read (and cast) only when the writer asks.
 
-    A value is read in blocks (a large one through its lazy array, then its stored
-    checksum verified) and cast block by block into its output array: in memory when
-    the whole output fits the window, else a view of a memory-mapped spool file
-    beside DST, whose pages are the kernel's to write back and drop.
+    Each source byte is read once, verified as it is read: a reader of ckptvar's own
+    format reads a value in runs, each checked by the block checksums it covers; another
+    format's value is read in blocks through its lazy array (then its stored checksum
+    checked, if it has one). A value is cast run by run into its output array: in memory
+    when the whole output fits the window, else a region of the scratch file beside DST
+    (:class:`_Spool`), written there by ``pwrite`` and handed to the writer as a view of
+    the file's mapping.
     """
 
     def __init__(
@@ -246,20 +250,17 @@ class _Converted(Mapping[str, "np.ndarray"]):
         plan: dict[str, str],
         dtype: np.dtype | None,
         progress: Progress,
-        spool: np.ndarray | None,
+        spool: _Spool | None,
         *,
         finishing: str = "",
-        release: Callable[[], None] = lambda: None,
     ) -> None:
         self._reader = reader
         self._plan = plan  # output key -> source key
         self._dtype = dtype
         self._progress = progress
         self._spool = spool
-        self._offset = 0
         self._given = 0
         self._finishing = finishing  # said once every value is read: what comes next
-        self._release = release  # drops the spool's pages from the process (kept on disk)
 
     def _target(self, dtype: np.dtype) -> np.dtype:
         return self._dtype if self._dtype is not None and is_floating(dtype) else dtype
@@ -267,39 +268,79 @@ class _Converted(Mapping[str, "np.ndarray"]):
     def __getitem__(self, key: str) -> np.ndarray:
         src = self._plan[key]
         info = self._reader.info(src)
-        dtype = self._target(np.dtype(info.dtype))
+        stored = np.dtype(info.dtype)
+        dtype = self._target(stored)
         shape = tuple(info.shape)
-        nbytes = math.prod(shape) * dtype.itemsize
-        if self._spool is not None and nbytes:
-            start = self._offset
-            self._offset += (nbytes + 63) & -64
-            out = self._spool[start : start + nbytes].view(dtype).reshape(shape)
-        elif math.prod(shape) <= _blocks.BLOCK_ELEMENTS:
-            out = None  # read whole and used as it is
-        else:
-            out = np.empty(shape, dtype)
         self._given += 1
-        if dtype == np.dtype(info.dtype) and isinstance(self._reader, cv.storage.SupportsReadIntoMany):
-            out = np.empty(shape, dtype) if out is None else out
-            self._read_uncast(key, src, out)
-            return out
-        whole = None
-        counted = self._progress.bytes_of(key)
-        ratio = dtype.itemsize / np.dtype(info.dtype).itemsize  # the bar counts output bytes
-        for index, stored in value_blocks(self._reader, src, info,
-                                          lambda n: counted(int(n * ratio))):
-            block = stored.astype(dtype, copy=False)
-            if out is None:
-                whole = block
-            else:
-                out[index] = block
-        if math.prod(shape) > _blocks.BLOCK_ELEMENTS and info.checksum is not None:
-            self._reader.verify(src)  # the blocks were read unverified
+        try:
+            if self._spool is not None and math.prod(shape):
+                return self._spooled(key, src, info, dtype)
+            if dtype == stored and isinstance(self._reader, cv.storage.SupportsReadIntoMany):
+                out = np.empty(shape, dtype)
+                self._read_uncast(key, src, out)
+                return out
+            return self._cast(key, src, info, dtype)
+        finally:
+            self._finished()
+
+    def _runs(self, key: str, src: str, info: Any, run_bytes: int,
+              buffer: Callable[[np.dtype, int], np.ndarray]) -> Iterator[np.ndarray]:
+        """The value's stored elements in C order, flat, in runs of at most ``run_bytes``
+        (at least one element), each verified before it is yielded; ``buffer(dtype, n)``
+        gives the array a run is read into. The progress bar counts output bytes."""
+        stored = np.dtype(info.dtype)
+        ratio = self._target(stored).itemsize / stored.itemsize
+        size = math.prod(info.shape)
+        if isinstance(self._reader, cv.storage.SupportsRuns):
+            step = max(1, run_bytes // stored.itemsize)
+            for start in range(0, size, step):
+                run = buffer(stored, min(step, size - start))
+                self._reader.read_run_into(src, start, run, verify=True)
+                self._progress.update(int(run.nbytes * ratio), key, values=0)
+                yield run
+        else:
+            counted = self._progress.bytes_of(key)
+            for _, block in value_blocks(self._reader, src, info,
+                                         lambda n: counted(int(n * ratio))):
+                yield block.reshape(-1)
+            if size > _blocks.BLOCK_ELEMENTS and info.checksum is not None:
+                self._reader.verify(src)  # the blocks were read unverified
         self._progress.update(0, key)
-        self._finished()
-        if out is None:
-            return whole if whole is not None else np.empty(shape, dtype)
+
+    def _cast(self, key: str, src: str, info: Any, dtype: np.dtype) -> np.ndarray:
+        """The value read and cast into memory, run by run."""
+        out = np.empty(tuple(info.shape), dtype)
+        flat = out.reshape(-1)
+        pos = 0
+        for run in self._runs(key, src, info, RUN_BYTES, lambda d, n: np.empty(n, d)):
+            flat[pos : pos + run.size] = run.astype(dtype, copy=False)
+            pos += run.size
         return out
+
+    def _spooled(self, key: str, src: str, info: Any, dtype: np.dtype) -> np.ndarray:
+        """The value written into the spool run by run (cast, when asked); its view there.
+
+        A reader that can read a value only whole (a multi-process checkpoint's) fills
+        the spool through its mapping instead."""
+        spool = self._spool
+        assert spool is not None
+        shape = tuple(info.shape)
+        offset = spool.place(math.prod(shape) * dtype.itemsize)
+        stored = np.dtype(info.dtype)
+        if (dtype == stored and isinstance(self._reader, cv.storage.SupportsReadIntoMany)
+                and not isinstance(self._reader, cv.storage.SupportsRuns)):
+            out = spool.view(offset, dtype, shape)
+            self._reader.read_into_many([(src, out)], verify=True)
+            self._progress.update(out.nbytes, key)
+            return out
+        # a cast run is as large as the output's share of the piece
+        run_bytes = max(1, spool.piece * stored.itemsize // max(stored.itemsize,
+                                                                   dtype.itemsize))
+        pos = offset
+        for run in self._runs(key, src, info, run_bytes, spool.buffer):
+            pos = spool.write(pos, run if dtype == stored else run.astype(dtype))
+        spool.flush()  # every byte in the file before the writer may look
+        return spool.view(offset, dtype, shape)
 
     def _read_uncast(self, key: str, src: str, out: np.ndarray) -> None:
         """One verified pass, read by position straight into ``out`` (parallel reads and
@@ -316,11 +357,10 @@ class _Converted(Mapping[str, "np.ndarray"]):
         else:
             self._reader.read_into_many([(src, out)], verify=True)
             self._progress.update(out.nbytes, key)
-        self._finished()
 
     def _finished(self) -> None:
         if self._spool is not None:
-            self._release()
+            self._spool.release()
         if self._given == len(self._plan) and self._finishing:
             self._progress.note(self._finishing)
 
@@ -531,13 +571,13 @@ def _convert(
     try:
         with (
             Progress(total, stream=sys.stderr, enabled=bool(show)) as progress,
-            _spool(dst, spool_size if total > window else 0, local=not remote_dst) as (
-                spool, release),
+            _spool(dst, spool_size if total > window else 0, window,
+                   local=not remote_dst) as spool,
         ):
             finishing = (f"writing {escape(dst_arg)} and syncing it to disk ..."
                          if not remote_dst else f"uploading {escape(dst_arg)} ...")
             values = _Converted(reader, plan, args.dtype, progress, spool,
-                                finishing=finishing, release=release)
+                                finishing=finishing)
             try:
                 written = cv.save(
                     dst_arg if remote_dst else dst,
@@ -606,48 +646,126 @@ def _make_parents(dst: Path) -> list[Path]:
 
 #: How often the spool's pages are released from the process while a conversion runs (s).
 TRIM_INTERVAL = 0.005
+#: The most bytes read (and cast) at once on their way into the spool (two such pieces
+#: are in flight: one being read, one being written).
+PIECE_BYTES = 8 << 20
+
+
+class _Spool:
+    """A scratch file beside DST, written by ``pwrite`` and mapped (shared) for the writer.
+
+    Values are read into one of two buffers of ``piece`` bytes and written into the file
+    from there by ``pwrite`` on a thread of the spool's own, while the next piece is read
+    into the other buffer. ``pwrite`` puts the bytes in the page cache without mapping a
+    page into the process: filling the mapping itself would fault each 4 KiB page in and
+    dirty it through the file system (twice the time, measured), and each page would
+    count in the process's resident size. The writer reads the values through the
+    mapping; a thread releases the mapping's pages from the process every
+    ``TRIM_INTERVAL`` (``madvise(MADV_DONTNEED)``: the bytes stay in the file and the page
+    cache, and come back on the next access), so the process's resident size tracks what
+    the writer touches now, not the whole output.
+    """
+
+    def __init__(self, fd: int, nbytes: int, piece: int) -> None:
+        self.fd = fd
+        self.nbytes = nbytes
+        self.piece = piece
+        self._mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        self._bytes = np.frombuffer(self._mapped, dtype=np.uint8)
+        self._next = 0
+        self._buffers: list[np.ndarray] = []
+        self._turn = 0  # the buffer the next piece is read into
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-convert-spool")
+        self._pending: Future[None] | None = None  # the write in flight (at most one)
+        #: Bytes written into the file by ``pwrite`` (each output byte once).
+        self.written = 0
+
+    def place(self, nbytes: int) -> int:
+        """Room for ``nbytes`` more (64-byte aligned, as NumPy's own buffers); its offset."""
+        offset = self._next
+        self._next += (nbytes + 63) & -64
+        return offset
+
+    def view(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """The value at ``offset``, as an array over the mapping (no page is touched)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        return self._bytes[offset : offset + nbytes].view(dtype).reshape(shape)
+
+    def buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
+        """A flat array of ``count`` elements (at most ``piece`` bytes) in the buffer that
+        no write is using."""
+        while len(self._buffers) <= self._turn:
+            self._buffers.append(np.empty(self.piece, np.uint8))
+        return self._buffers[self._turn][: count * dtype.itemsize].view(dtype)
+
+    def write(self, offset: int, array: np.ndarray) -> int:
+        """Write ``array``'s bytes (C order) at ``offset`` on the spool's thread, once the
+        write before it is done; returns the offset after them. :meth:`flush` waits."""
+        self.flush()
+        data = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
+        self._pending = self._pool.submit(self._pwrite, offset, data)
+        self._turn ^= 1  # the next piece goes into the other buffer
+        return offset + len(data)
+
+    def _pwrite(self, offset: int, data: memoryview) -> None:
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self.fd, data[done:], offset + done)
+        self.written += done
+
+    def flush(self) -> None:
+        """Wait for the write in flight (raising its error)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def release(self) -> None:
+        """Drop the mapping's pages from the process (they stay in the file)."""
+        if hasattr(mmap, "MADV_DONTNEED"):  # Linux, macOS
+            self._mapped.madvise(mmap.MADV_DONTNEED)
+
+    def close(self) -> None:
+        """Stop the thread; unmap the file now, unless a value over it is still referenced
+        (then when the last one goes)."""
+        with contextlib.suppress(OSError):
+            self.flush()
+        self._pool.shutdown(wait=True)
+        self._buffers.clear()
+        self._bytes = np.empty(0, np.uint8)
+        with contextlib.suppress(BufferError):
+            self._mapped.close()
 
 
 @contextlib.contextmanager
-def _spool(
-    dst: Path, nbytes: int, *, local: bool = True
-) -> Iterator[tuple[np.ndarray | None, Callable[[], None]]]:
-    """A scratch file of ``nbytes`` beside DST, mapped (shared) as bytes (``None`` when 0),
-    and a function that releases its pages from the process at once.
-
-    While it is in use, a thread releases the mapping's pages from the process every
-    ``TRIM_INTERVAL`` (``madvise(MADV_DONTNEED)``: the bytes stay in the file and the page
-    cache, and come back on the next access), so the process's resident size tracks what
-    it touches now, not the whole output. The file is removed when the conversion ends,
-    whatever happens.
-    """
+def _spool(dst: Path, nbytes: int, window: int, *, local: bool = True) -> Iterator[_Spool | None]:
+    """A :class:`_Spool` of ``nbytes`` beside DST (``None`` when 0), its buffer a quarter of
+    ``window`` (1 to 8 MiB), its pages released by a thread while it is in use. The file
+    is removed when the conversion ends, whatever happens."""
     if nbytes == 0:
-        yield None, lambda: None
+        yield None
         return
     where = dst.absolute().parent if local else None  # a URL: the temporary directory
     fd, name = tempfile.mkstemp(prefix=f".{dst.name}.spool-", dir=where)
     stop = threading.Event()
     trimmer: threading.Thread | None = None
+    spool: _Spool | None = None
     try:
         os.ftruncate(fd, nbytes)
-        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-        spool = np.frombuffer(mapped, dtype=np.uint8)
+        spool = _Spool(fd, nbytes, min(PIECE_BYTES, max(1 << 20, window // 4)))
 
-        def release() -> None:
-            if hasattr(mmap, "MADV_DONTNEED"):  # Linux, macOS
-                mapped.madvise(mmap.MADV_DONTNEED)
-
-        def trim() -> None:
+        def trim(spool: _Spool = spool) -> None:
             while not stop.wait(TRIM_INTERVAL):
-                release()
+                spool.release()
 
         trimmer = threading.Thread(target=trim, name="ckpt-convert-trim", daemon=True)
         trimmer.start()
-        yield spool, release
+        yield spool
     finally:
         stop.set()
         if trimmer is not None:
             trimmer.join()
+        if spool is not None:
+            spool.close()
         os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name)

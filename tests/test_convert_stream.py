@@ -1,0 +1,106 @@
+"""``ckpt convert`` through its window: what it reads and writes, counted by the kernel.
+
+A streamed conversion costs about what ``cv.save(cv.load())`` costs because each source
+byte is read once (verified as it is read) and each output byte goes into the scratch
+file once, by ``pwrite`` (never by faulting the file's pages in through its mapping),
+then once into DST. The counts come from ``/proc/self/io`` of a real ``ckpt`` process:
+``rchar`` and ``wchar`` are the bytes its read and write system calls moved, whether
+from the page cache or the disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ckptvar as cv
+
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 1 << 20
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/io").exists(),
+                                reason="the kernel's per-process I/O counts (/proc/self/io) "
+                                       "are Linux's")
+
+# The first conversion imports what a conversion uses and reads the source into the page
+# cache; the second is counted.
+_COUNT = """
+import json, sys
+from ckptvar.cli import main
+
+def io():
+    return {k: int(v) for k, v in (line.split(":") for line in open("/proc/self/io"))}
+
+src, dst, *rest = sys.argv[1:]
+if main(["convert", "-q", src, dst + ".warm" + dst[dst.rindex("."):], *rest]):
+    sys.exit(1)
+before = io()
+rc = main(["convert", "-q", src, dst, *rest])
+after = io()
+print(json.dumps({k: after[k] - before[k] for k in after}), file=sys.stderr)
+sys.exit(rc)
+"""
+
+
+def _count(src: Path, dst: Path, *args: str) -> dict[str, int]:
+    proc = subprocess.run(
+        [sys.executable, "-c", _COUNT, str(src), str(dst), *args],
+        capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    counts: dict[str, int] = json.loads(proc.stderr.strip().splitlines()[-1])
+    return counts
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".safetensors", ".zarr"])
+def test_streamed_convert_reads_each_byte_once_and_spools_by_write(
+    tmp_path: Path, suffix: str
+) -> None:
+    """48 MiB through an 8 MiB window: the source's bytes are read once; the scratch file
+    gets each output byte once by ``write`` (so the conversion writes twice the output in
+    all, where an in-memory one writes it once); nothing is read back from it by ``read``
+    (the writer reads it through the mapping, from the page cache)."""
+    values = {f"v{i}": np.full((3 << 20,), i, np.float32) for i in range(4)}  # 4 x 12 MiB
+    src = cv.save(tmp_path / "src.h5", values)
+    out = sum(v.nbytes for v in values.values())
+    slack = 2 * MIB  # the record, headers, file-system metadata, Python's own reads
+    streamed = _count(src, tmp_path / f"s{suffix}", "--window", "8M")
+    whole = _count(src, tmp_path / f"m{suffix}", "--window", "1G")
+    for counts in (streamed, whole):
+        assert out <= counts["rchar"] < out + slack, (counts, out)  # each source byte once
+    assert out <= whole["wchar"] < out + slack, whole
+    assert 2 * out <= streamed["wchar"] < 2 * out + slack, streamed
+    for name in ("s", "m"):
+        got = cv.load(tmp_path / f"{name}{suffix}")
+        assert list(got) == list(values)
+        for key, value in values.items():
+            np.testing.assert_array_equal(got[key], value)
+    assert not [p for p in tmp_path.iterdir() if "spool" in p.name]
+
+
+def test_a_cast_reads_each_byte_once_in_memory_and_streamed(tmp_path: Path) -> None:
+    """``--dtype float16``: each run is read verified and cast as it comes (not read in
+    blocks and then again to check the value's checksum); streamed, each output byte
+    (half the source's) goes into the scratch file once."""
+    values = {f"v{i}": np.arange(3 << 20, dtype=np.float32) % 1000 + i for i in range(4)}
+    src = cv.save(tmp_path / "src.h5", values)
+    nbytes = sum(v.nbytes for v in values.values())
+    out, slack = nbytes // 2, 2 * MIB
+    streamed = _count(src, tmp_path / "s.h5", "--window", "8M", "--dtype", "float16")
+    whole = _count(src, tmp_path / "m.h5", "--window", "1G", "--dtype", "float16")
+    for counts in (streamed, whole):
+        assert nbytes <= counts["rchar"] < nbytes + slack, (counts, nbytes)
+    assert out <= whole["wchar"] < out + slack, whole
+    assert 2 * out <= streamed["wchar"] < 2 * out + slack, streamed
+    for name in ("s", "m"):
+        got = cv.load(tmp_path / f"{name}.h5")
+        for key, value in values.items():
+            assert got[key].dtype == np.float16
+            np.testing.assert_array_equal(got[key], value.astype(np.float16))
