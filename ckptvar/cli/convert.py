@@ -359,9 +359,12 @@ class _Converted(Mapping[str, "np.ndarray"]):
             self._progress.update(out.nbytes, key)
 
     def _finished(self) -> None:
+        last = self._given == len(self._plan)
         if self._spool is not None:
             self._spool.release()
-        if self._given == len(self._plan) and self._finishing:
+            if last:  # the writer writes next: the buffers are not needed any more
+                self._spool.drop_buffers()
+        if last and self._finishing:
             self._progress.note(self._finishing)
 
     def __iter__(self) -> Iterator[str]:
@@ -718,6 +721,11 @@ class _Spool:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+
+    def drop_buffers(self) -> None:
+        """Free the buffers (once every value is in the file: no write is in flight)."""
+        if self._pending is None:
+            self._buffers.clear()
 
     def release(self) -> None:
         """Drop the mapping's pages from the process (they stay in the file)."""
