@@ -104,3 +104,21 @@ def test_a_cast_reads_each_byte_once_in_memory_and_streamed(tmp_path: Path) -> N
         for key, value in values.items():
             assert got[key].dtype == np.float16
             np.testing.assert_array_equal(got[key], value.astype(np.float16))
+
+
+def test_a_streamed_convert_says_what_it_does_after_the_full_bar(tmp_path: Path) -> None:
+    """Every value read, the bar is full and counts every value; then the conversion says
+    that it is writing and syncing DST (the part after 100% that took seconds unsaid)."""
+    src = cv.save(tmp_path / "src.h5",
+                  {f"v{i}": np.full((3 << 20,), i, np.float32) for i in range(4)})
+    for suffix, args in ((".h5", []), (".safetensors", ["--dtype", "bfloat16"])):
+        proc = subprocess.run(
+            [sys.executable, "-m", "ckptvar", "convert", str(src), str(tmp_path / f"o{suffix}"),
+             "--window", "8M", "--progress", *args],
+            capture_output=True, text=True, timeout=300, check=False,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stderr.splitlines()
+        assert lines[-2].startswith("100%") and "(4 values)" in lines[-2], lines
+        assert lines[-1] == f"writing {tmp_path / f'o{suffix}'} and syncing it to disk ...", lines

@@ -291,20 +291,22 @@ class _Converted(Mapping[str, "np.ndarray"]):
         stored = np.dtype(info.dtype)
         ratio = self._target(stored).itemsize / stored.itemsize
         size = math.prod(info.shape)
-        if isinstance(self._reader, cv.storage.SupportsRuns):
+        if isinstance(self._reader, cv.storage.SupportsRuns) and size:
             step = max(1, run_bytes // stored.itemsize)
             for start in range(0, size, step):
                 run = buffer(stored, min(step, size - start))
                 self._reader.read_run_into(src, start, run, verify=True)
-                self._progress.update(int(run.nbytes * ratio), key, values=0)
+                # the last run completes the value (so a full bar counts every value)
+                self._progress.update(int(run.nbytes * ratio), key,
+                                      values=int(start + step >= size))
                 yield run
-        else:
-            counted = self._progress.bytes_of(key)
-            for _, block in value_blocks(self._reader, src, info,
-                                         lambda n: counted(int(n * ratio))):
-                yield block.reshape(-1)
-            if size > _blocks.BLOCK_ELEMENTS and info.checksum is not None:
-                self._reader.verify(src)  # the blocks were read unverified
+            return
+        counted = self._progress.bytes_of(key)
+        for _, block in value_blocks(self._reader, src, info,
+                                     lambda n: counted(int(n * ratio))):
+            yield block.reshape(-1)
+        if size > _blocks.BLOCK_ELEMENTS and info.checksum is not None:
+            self._reader.verify(src)  # the blocks were read unverified
         self._progress.update(0, key)
 
     def _cast(self, key: str, src: str, info: Any, dtype: np.dtype) -> np.ndarray:
@@ -352,8 +354,7 @@ class _Converted(Mapping[str, "np.ndarray"]):
             for start in range(0, flat.size, step):
                 run = flat[start : start + step]
                 self._reader.read_run_into(src, start, run, verify=True)
-                self._progress.update(run.nbytes, key, values=0)
-            self._progress.update(0, key)
+                self._progress.update(run.nbytes, key, values=int(start + step >= flat.size))
         else:
             self._reader.read_into_many([(src, out)], verify=True)
             self._progress.update(out.nbytes, key)
