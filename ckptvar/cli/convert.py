@@ -61,10 +61,11 @@ Writes DST in the format its suffix names (.h5, .zarr, .safetensors, .npz) or
 converted ckptvar checkpoint still restores with Checkpoint.restore). DST's
 missing parent folders are created. DST appears whole or not at all.
 
-Each value is read in blocks, cast and handed to the writer once. An output up
-to --window (default: 512M, or twice the largest value) is built in memory; a
-larger one streams through a scratch file beside DST (removed at the end), so
-memory stays bounded however large the checkpoint. Only floating values are
+Each source byte is read once (verified as it is read), cast and handed to the
+writer once. An output up to --window (default: 512M, or twice the largest
+value) is built in memory; a larger one streams through a scratch file beside
+DST (removed at the end; it needs the output's size of free space), so memory
+stays bounded however large the checkpoint. Only floating values are
 cast by --dtype (integers, booleans and complex values keep their dtype).
 
 --filter and --exclude take globs and are repeatable: a key is converted when
