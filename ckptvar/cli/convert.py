@@ -311,11 +311,13 @@ class _Converted(Mapping[str, "np.ndarray"]):
         self._progress.update(0, key)
 
     def _cast(self, key: str, src: str, info: Any, dtype: np.dtype) -> np.ndarray:
-        """The value read and cast into memory, run by run."""
+        """The value read and cast into memory, in runs of about a million elements (so
+        the bar moves within a large value, and the stored run is small beside it)."""
         out = np.empty(tuple(info.shape), dtype)
         flat = out.reshape(-1)
         pos = 0
-        for run in self._runs(key, src, info, RUN_BYTES, lambda d, n: np.empty(n, d)):
+        run_bytes = _blocks.BLOCK_ELEMENTS * np.dtype(info.dtype).itemsize
+        for run in self._runs(key, src, info, run_bytes, lambda d, n: np.empty(n, d)):
             flat[pos : pos + run.size] = run.astype(dtype, copy=False)
             pos += run.size
         return out
