@@ -12,11 +12,12 @@ format (``.safetensors``, ``.h5``, ``.zarr``), runs in a fresh process each:
 - ``in memory``: a window larger than the total (the whole output built in memory);
 
 and, as the floor, ``cp`` of the source file (the raw disk limit for the same bytes).
-``--repeat N`` runs every row N times, interleaved round by round (the machine's load
-changes between rounds, not within one), and reports the median wall time, its spread
-(fastest and slowest) and, against ``save(load())`` of the same format, the ratio of the
-medians and the spread of the per-round ratios (each row over ``save(load())`` of the
-same round). Beside the times: CPU seconds (user + system), the peak anonymous memory
+A first round (not counted) fills the page cache and a bytecode cache that every later
+process reads. ``--repeat N`` runs every row N times, interleaved round by round (the machine's load
+changes between rounds more than within one), and reports the median wall time and its
+spread (fastest and slowest) and, against ``save(load())`` of the same format, the
+median and spread of the per-round ratios (each row's time over that of
+``save(load())`` in the same round). Beside the times: CPU seconds (user + system), the peak anonymous memory
 of the process and its peak RSS (sampled from ``/proc``; RSS also counts the mapped
 file pages it touches), and the window.
 """
@@ -44,7 +45,7 @@ VALUES = 8
 FORMATS = (".safetensors", ".h5", ".zarr")
 
 
-def _measure(cmd: list[str]) -> dict[str, float]:
+def _measure(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, float]:
     """Wall time, CPU time and peak memory of ``cmd`` (memory sampled from /proc every 5 ms).
 
     Anonymous memory is what a conversion holds itself; pages of its memory-mapped
@@ -53,7 +54,7 @@ def _measure(cmd: list[str]) -> dict[str, float]:
     peaks = {"RssAnon:": 0, "VmRSS:": 0}
     done = threading.Event()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     status = Path(f"/proc/{proc.pid}/status")
 
     def sample() -> None:
@@ -111,11 +112,18 @@ def run(
         for name, win in (("streamed", window), ("in memory", 2 * total)):
             jobs[f"{suffix} {name}"] = ([*ckpt, str(src), str(dst), "--window", str(win)], dst,
                                         win / 2**20)
+    # Every process reads its modules' bytecode from a cache the first round writes (not
+    # counted), as an installed package would: compiling ckptvar's sources in each
+    # process (PYTHONDONTWRITEBYTECODE) would add ~0.2 s to every row.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(directory / "pycache")
     runs: dict[str, list[dict[str, float]]] = {row: [] for row in jobs}
-    for _ in range(repeat):
+    for round_ in range(repeat + 1):
         for row, (cmd, out, _win) in jobs.items():
-            runs[row].append(_measure(cmd))
+            m = _measure(cmd, env)
             _remove(out)
+            if round_:
+                runs[row].append(m)
     results: list[dict[str, Any]] = [{"row": "source", "bytes": nbytes, "repeat": repeat}]
     raw = statistics.median(m["wall"] for m in runs["cp (raw)"])
     for row, (_cmd, _out, win) in jobs.items():
@@ -132,7 +140,7 @@ def run(
             r["x_save_load"] = None
         else:
             paired = [m["wall"] / g["wall"] for m, g in zip(runs[row], goal, strict=True)]
-            r["x_save_load"] = r["wall"] / statistics.median(g["wall"] for g in goal)
+            r["x_save_load"] = statistics.median(paired)
             r["x_save_load_min"], r["x_save_load_max"] = min(paired), max(paired)
         results.append(r)
     return results
