@@ -122,3 +122,32 @@ def test_a_streamed_convert_says_what_it_does_after_the_full_bar(tmp_path: Path)
         lines = proc.stderr.splitlines()
         assert lines[-2].startswith("100%") and "(4 values)" in lines[-2], lines
         assert lines[-1] == f"writing {tmp_path / f'o{suffix}'} and syncing it to disk ...", lines
+
+
+def test_a_killed_streamed_convert_leaves_no_scratch_file(tmp_path: Path) -> None:
+    """The scratch file has no name once it is open: a conversion killed (SIGKILL, no
+    cleanup runs) half-way through its values leaves none behind."""
+    import signal
+
+    src = cv.save(tmp_path / "src.h5",
+                  {f"v{i}": np.full((3 << 20,), i, np.float32) for i in range(8)})
+    out = tmp_path / "out"
+    out.mkdir()
+    with subprocess.Popen(
+        [sys.executable, "-m", "ckptvar", "convert", str(src), str(out / "o.h5"),
+         "--window", "8M", "--progress", "--dtype", "float16"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    ) as proc:
+        try:
+            assert proc.stderr is not None
+            seen = []
+            for line in proc.stderr:  # a line per tenth of the work
+                seen.append(line)
+                if "%" in line and int(line.split("%")[0]) >= 30:
+                    proc.send_signal(signal.SIGKILL)
+                    break
+            assert proc.wait(timeout=60) == -signal.SIGKILL, seen
+        finally:
+            proc.kill()
+        assert not [p.name for p in out.iterdir() if "spool" in p.name]
