@@ -151,3 +151,65 @@ def test_a_killed_streamed_convert_leaves_no_scratch_file(tmp_path: Path) -> Non
         finally:
             proc.kill()
         assert not [p.name for p in out.iterdir() if "spool" in p.name]
+
+
+def _io() -> dict[str, int]:
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (line.split(":") for line in f)}
+
+
+def test_safetensors_writes_a_large_tensor_in_pieces(tmp_path: Path) -> None:
+    """A 20 MiB tensor goes out in ``write`` calls of at most 8 MiB: from a scratch file's
+    mapping, one call per tensor made the kernel copy it in ever smaller chunks."""
+    value = np.ones(20 << 20, np.uint8)
+    before = _io()["syscw"]
+    cv.save(tmp_path / "x.safetensors", {"a": value}, durable=False)
+    assert _io()["syscw"] - before >= 4  # the header, then 8 + 8 + 4 MiB
+    np.testing.assert_array_equal(cv.load(tmp_path / "x.safetensors")["a"], value)
+
+
+def _mapped(address: int, nbytes: int) -> list[bool]:
+    """Whether each 4 KiB page of ``[address, address + nbytes)`` is in this process's page
+    table (``/proc/self/pagemap``: bit 63 of each page's entry)."""
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(address // 4096 * 8)
+        raw = f.read(nbytes // 4096 * 8)
+    return [bool(e >> 63) for e in np.frombuffer(raw, "<u8").tolist()]
+
+
+def test_the_scratch_mapping_follows_the_writer(tmp_path: Path) -> None:
+    """Once every value is in the scratch file, what the writer has written (the process's
+    written bytes) is released and the next two pieces are mapped in advance; the rest
+    stays unmapped."""
+    import mmap
+
+    from ckptvar.cli import convert
+
+    probe = mmap.mmap(-1, mmap.PAGESIZE)
+    try:
+        probe.madvise(convert._POPULATE_READ or -1)
+    except (OSError, OverflowError):
+        pytest.skip("this kernel has no madvise(MADV_POPULATE_READ) (Linux 5.14+)")
+    finally:
+        probe.close()
+    mib = 1 << 20
+    with convert._spool(tmp_path / "o.h5", 64 * mib, 16 * mib) as spool:
+        assert spool is not None and spool.piece == 4 * mib
+        data = np.arange(16 * mib, dtype=np.uint32)  # 64 MiB
+        spool.write(spool.place(data.nbytes), data)
+        spool.flush()
+        assert not [p for p in tmp_path.iterdir()]  # the scratch file has no name
+        view = spool.view(0, np.dtype(np.uint32), (16 * mib,))
+        address = view.ctypes.data
+        spool.hand_over()
+        with open(os.devnull, "wb", buffering=0) as sink:  # the writer's first 20 MiB
+            for _ in range(20):
+                sink.write(bytes(mib))
+        spool.tick()
+        pages = _mapped(address, 64 * mib)
+        per_mib = 256
+        assert not any(pages[: 20 * per_mib])  # behind the writer
+        assert all(pages[20 * per_mib : 28 * per_mib])  # two pieces ahead of it
+        assert not any(pages[28 * per_mib :])
+        np.testing.assert_array_equal(view[::mib], data[::mib])
+        del view
