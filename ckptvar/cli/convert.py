@@ -683,10 +683,11 @@ class _Spool:
     page into the process: filling the mapping itself would fault each 4 KiB page in and
     dirty it through the file system (twice the time, measured), and each page would
     count in the process's resident size. The writer reads the values through the
-    mapping; a thread releases the mapping's pages from the process every
-    ``TRIM_INTERVAL`` (``madvise(MADV_DONTNEED)``: the bytes stay in the file and the page
-    cache, and come back on the next access), so the process's resident size tracks what
-    the writer touches now, not the whole output.
+    mapping; every ``TRIM_INTERVAL`` a thread calls :meth:`tick`, which releases the
+    mapping's pages from the process (``madvise(MADV_DONTNEED)``: the bytes stay in the
+    file and the page cache, and come back on the next access) but for the next ones the
+    writer will read, so the process's resident size tracks what the writer touches
+    now, not the whole output.
     """
 
     def __init__(self, fd: int, nbytes: int, piece: int) -> None:
