@@ -659,9 +659,6 @@ TRIM_INTERVAL = 0.005
 #: The most bytes read (and cast) at once on their way into the spool (two such pieces
 #: are in flight: one being read, one being written).
 PIECE_BYTES = 8 << 20
-#: ``madvise(MADV_POPULATE_READ)`` (Linux 5.14+), which Python's ``mmap`` may not name.
-_POPULATE_READ: int | None = getattr(mmap, "MADV_POPULATE_READ",
-                                     22 if sys.platform.startswith("linux") else None)
 
 
 def _reserve(fd: int, nbytes: int) -> None:
@@ -720,9 +717,9 @@ class _Spool:
     count in the process's resident size. The writer reads the values through the
     mapping; every ``TRIM_INTERVAL`` a thread calls :meth:`tick`, which releases the
     mapping's pages from the process (``madvise(MADV_DONTNEED)``: the bytes stay in the
-    file and the page cache, and come back on the next access) but for the next ones the
-    writer will read, so the process's resident size tracks what the writer touches
-    now, not the whole output.
+    file and the page cache, and come back on the next access) but for those the writer
+    is reading, so the process's resident size tracks what the writer touches now, not
+    the whole output.
     """
 
     def __init__(self, fd: int, nbytes: int, piece: int) -> None:
@@ -740,7 +737,6 @@ class _Spool:
         self.written = 0
         #: The process's written-bytes count when the writer took over (None: not yet).
         self._writer_base: int | None = None
-        self._populate = _POPULATE_READ is not None
 
     def place(self, nbytes: int) -> int:
         """Room for ``nbytes`` more (64-byte aligned, as NumPy's own buffers); its offset."""
@@ -796,15 +792,19 @@ class _Spool:
         self._writer_base = _bytes_written()
 
     def tick(self) -> None:
-        """Keep mapped only the part of the file the writer is at (or everything released).
+        """Keep mapped only the part of the file the writer is at (or release everything).
 
         The writer writes the values in the order they were given, so the bytes the
         process has written since :meth:`hand_over` (``/proc/self/io``) tell where it is
-        in the file. What lies behind that point is released; the next two pieces' worth
-        (half the window at most) is mapped in advance (``MADV_POPULATE_READ``): a write
-        from pages not mapped yet is slower in the kernel (measured on 256 MiB: the
-        ``write`` twice as long, and the destination's ``fsync`` longer too). Where that
-        count is not known, everything is released.
+        in the file. What lies behind that point is released, and what lies more than two
+        pieces (half the window at most) ahead of it (what the writer's checksum thread
+        mapped); the pages in between stay mapped: released under a ``write`` in
+        progress, the kernel copies the rest of that call in ever smaller chunks
+        (measured on 256 MiB from unmapped pages: the ``write`` twice as long, and the
+        destination's ``fsync`` longer too). Where that count is not known, everything
+        is released. (Mapping the next pages in advance, ``MADV_POPULATE_READ``, was
+        measured too: 10 ms less for ``.safetensors``, but ``.h5`` writes then took up to
+        four times as long now and then, the writer and its checksum thread waiting.)
         """
         written = None if self._writer_base is None else _bytes_written()
         if written is None or self._writer_base is None or not hasattr(mmap, "MADV_DONTNEED"):
@@ -815,13 +815,8 @@ class _Spool:
         ahead = min(self.nbytes, at + 2 * self.piece)
         if at:
             self._mapped.madvise(mmap.MADV_DONTNEED, 0, at)
-        if ahead < self.nbytes:  # what the writer's checksum thread mapped further on
+        if ahead < self.nbytes:
             self._mapped.madvise(mmap.MADV_DONTNEED, ahead, self.nbytes - ahead)
-        if self._populate and ahead > at and _POPULATE_READ is not None:
-            try:
-                self._mapped.madvise(_POPULATE_READ, at, ahead - at)
-            except OSError:  # a kernel before 5.14: the writer maps the pages itself
-                self._populate = False
 
     def close(self) -> None:
         """Stop the thread; unmap the file now, unless a value over it is still referenced
