@@ -237,21 +237,28 @@ def test_a_server_that_cannot_start_reports_why(tmp_path: Path) -> None:
 
 
 def test_the_convert_workload_reports_every_row(tmp_path: Path) -> None:
-    """``python -m benchmarks.convert --quick --json``: raw floor, streamed and in-memory rows."""
+    """``python -m benchmarks.convert --quick --json --repeat 2 --formats ...``: raw floor,
+    and for each output format ``save(load())``, streamed and in-memory rows with their
+    ratios to it (medians, and the spread of the per-round ratios)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.convert", "--quick", "--json", "--dir", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.convert", "--quick", "--json", "--repeat", "2",
+         "--formats", ".h5", "--dir", str(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=ROOT, check=False,
     )
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     assert rows[0]["row"] == "source" and rows[0]["bytes"] >= 16 << 20
+    assert rows[0]["repeat"] == 2
     names = [r["row"] for r in rows[1:]]
-    assert names == ["cp (raw)", ".safetensors save(load())", ".safetensors streamed",
-                     ".safetensors in memory", ".h5 save(load())", ".h5 streamed", ".h5 in memory"]
+    assert names == ["cp (raw)", ".h5 save(load())", ".h5 streamed", ".h5 in memory"]
     for r in rows[1:]:
         assert r["wall"] > 0 and r["peak_mib"] > 0 and r["x_raw"] > 0 and r["rss_mib"] > 0
+        assert r["wall_min"] <= r["wall"] <= r["wall_max"] and r["cpu"] > 0
         if r["row"] != "cp (raw)":
             assert r["x_save_load"] > 0
+            assert 0 < r["x_save_load_min"] <= r["x_save_load_max"]
+        if r["row"].endswith("save(load())"):
+            assert r["x_save_load"] == r["x_save_load_min"] == r["x_save_load_max"] == 1
     assert list(tmp_path.iterdir()) == []  # the scratch files are gone
 
 

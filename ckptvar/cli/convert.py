@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
+import functools
 import math
 import mmap
 import os
@@ -16,6 +18,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -60,10 +63,11 @@ Writes DST in the format its suffix names (.h5, .zarr, .safetensors, .npz) or
 converted ckptvar checkpoint still restores with Checkpoint.restore). DST's
 missing parent folders are created. DST appears whole or not at all.
 
-Each value is read in blocks, cast and handed to the writer once. An output up
-to --window (default: 512M, or twice the largest value) is built in memory; a
-larger one streams through a scratch file beside DST (removed at the end), so
-memory stays bounded however large the checkpoint. Only floating values are
+Each source byte is read once (verified as it is read), cast and handed to the
+writer once. An output up to --window (default: 512M, or twice the largest
+value) is built in memory; a larger one streams through a scratch file beside
+DST (removed at the end; it needs the output's size of free space), so memory
+stays bounded however large the checkpoint. Only floating values are
 cast by --dtype (integers, booleans and complex values keep their dtype).
 
 --filter and --exclude take globs and are repeatable: a key is converted when
@@ -234,10 +238,13 @@ _KEPT_ATTRS = ("name", "trainable")
 class _Converted(Mapping[str, "np.ndarray"]):
     """The output values of a conversion, each read (and cast) only when the writer asks.
 
-    A value is read in blocks (a large one through its lazy array, then its stored
-    checksum verified) and cast block by block into its output array: in memory when
-    the whole output fits the window, else a view of a memory-mapped spool file
-    beside DST, whose pages are the kernel's to write back and drop.
+    Each source byte is read once, verified as it is read: a reader of ckptvar's own
+    format reads a value in runs, each checked by the block checksums it covers; another
+    format's value is read in blocks through its lazy array (then its stored checksum
+    checked, if it has one). A value is cast run by run into its output array: in memory
+    when the whole output fits the window, else a region of the scratch file beside DST
+    (:class:`_Spool`), written there by ``pwrite`` and handed to the writer as a view of
+    the file's mapping.
     """
 
     def __init__(
@@ -246,20 +253,17 @@ class _Converted(Mapping[str, "np.ndarray"]):
         plan: dict[str, str],
         dtype: np.dtype | None,
         progress: Progress,
-        spool: np.ndarray | None,
+        spool: _Spool | None,
         *,
         finishing: str = "",
-        release: Callable[[], None] = lambda: None,
     ) -> None:
         self._reader = reader
         self._plan = plan  # output key -> source key
         self._dtype = dtype
         self._progress = progress
         self._spool = spool
-        self._offset = 0
         self._given = 0
         self._finishing = finishing  # said once every value is read: what comes next
-        self._release = release  # drops the spool's pages from the process (kept on disk)
 
     def _target(self, dtype: np.dtype) -> np.dtype:
         return self._dtype if self._dtype is not None and is_floating(dtype) else dtype
@@ -267,39 +271,83 @@ class _Converted(Mapping[str, "np.ndarray"]):
     def __getitem__(self, key: str) -> np.ndarray:
         src = self._plan[key]
         info = self._reader.info(src)
-        dtype = self._target(np.dtype(info.dtype))
+        stored = np.dtype(info.dtype)
+        dtype = self._target(stored)
         shape = tuple(info.shape)
-        nbytes = math.prod(shape) * dtype.itemsize
-        if self._spool is not None and nbytes:
-            start = self._offset
-            self._offset += (nbytes + 63) & -64
-            out = self._spool[start : start + nbytes].view(dtype).reshape(shape)
-        elif math.prod(shape) <= _blocks.BLOCK_ELEMENTS:
-            out = None  # read whole and used as it is
-        else:
-            out = np.empty(shape, dtype)
         self._given += 1
-        if dtype == np.dtype(info.dtype) and isinstance(self._reader, cv.storage.SupportsReadIntoMany):
-            out = np.empty(shape, dtype) if out is None else out
-            self._read_uncast(key, src, out)
-            return out
-        whole = None
+        try:
+            if self._spool is not None and math.prod(shape):
+                return self._spooled(key, src, info, dtype)
+            if dtype == stored and isinstance(self._reader, cv.storage.SupportsReadIntoMany):
+                out = np.empty(shape, dtype)
+                self._read_uncast(key, src, out)
+                return out
+            return self._cast(key, src, info, dtype)
+        finally:
+            self._finished()
+
+    def _runs(self, key: str, src: str, info: Any, run_bytes: int,
+              buffer: Callable[[np.dtype, int], np.ndarray]) -> Iterator[np.ndarray]:
+        """The value's stored elements in C order, flat, in runs of at most ``run_bytes``
+        (at least one element), each verified before it is yielded; ``buffer(dtype, n)``
+        gives the array a run is read into. The progress bar counts output bytes."""
+        stored = np.dtype(info.dtype)
+        ratio = self._target(stored).itemsize / stored.itemsize
+        size = math.prod(info.shape)
+        if isinstance(self._reader, cv.storage.SupportsRuns) and size:
+            step = max(1, run_bytes // stored.itemsize)
+            for start in range(0, size, step):
+                run = buffer(stored, min(step, size - start))
+                self._reader.read_run_into(src, start, run, verify=True)
+                # the last run completes the value (so a full bar counts every value)
+                self._progress.update(int(run.nbytes * ratio), key,
+                                      values=int(start + step >= size))
+                yield run
+            return
         counted = self._progress.bytes_of(key)
-        ratio = dtype.itemsize / np.dtype(info.dtype).itemsize  # the bar counts output bytes
-        for index, stored in value_blocks(self._reader, src, info,
-                                          lambda n: counted(int(n * ratio))):
-            block = stored.astype(dtype, copy=False)
-            if out is None:
-                whole = block
-            else:
-                out[index] = block
-        if math.prod(shape) > _blocks.BLOCK_ELEMENTS and info.checksum is not None:
+        for _, block in value_blocks(self._reader, src, info,
+                                     lambda n: counted(int(n * ratio))):
+            yield block.reshape(-1)
+        if size > _blocks.BLOCK_ELEMENTS and info.checksum is not None:
             self._reader.verify(src)  # the blocks were read unverified
         self._progress.update(0, key)
-        self._finished()
-        if out is None:
-            return whole if whole is not None else np.empty(shape, dtype)
+
+    def _cast(self, key: str, src: str, info: Any, dtype: np.dtype) -> np.ndarray:
+        """The value read and cast into memory, in runs of about a million elements (so
+        the bar moves within a large value, and the stored run is small beside it)."""
+        out = np.empty(tuple(info.shape), dtype)
+        flat = out.reshape(-1)
+        pos = 0
+        run_bytes = _blocks.BLOCK_ELEMENTS * np.dtype(info.dtype).itemsize
+        for run in self._runs(key, src, info, run_bytes, lambda d, n: np.empty(n, d)):
+            flat[pos : pos + run.size] = run.astype(dtype, copy=False)
+            pos += run.size
         return out
+
+    def _spooled(self, key: str, src: str, info: Any, dtype: np.dtype) -> np.ndarray:
+        """The value written into the spool run by run (cast, when asked); its view there.
+
+        A reader that can read a value only whole (a multi-process checkpoint's) fills
+        the spool through its mapping instead."""
+        spool = self._spool
+        assert spool is not None
+        shape = tuple(info.shape)
+        offset = spool.place(math.prod(shape) * dtype.itemsize)
+        stored = np.dtype(info.dtype)
+        if (dtype == stored and isinstance(self._reader, cv.storage.SupportsReadIntoMany)
+                and not isinstance(self._reader, cv.storage.SupportsRuns)):
+            out = spool.view(offset, dtype, shape)
+            self._reader.read_into_many([(src, out)], verify=True)
+            self._progress.update(out.nbytes, key)
+            return out
+        # a cast run is as large as the output's share of the piece
+        run_bytes = max(1, spool.piece * stored.itemsize // max(stored.itemsize,
+                                                                   dtype.itemsize))
+        pos = offset
+        for run in self._runs(key, src, info, run_bytes, spool.buffer):
+            pos = spool.write(pos, run if dtype == stored else run.astype(dtype))
+        spool.flush()  # every byte in the file before the writer may look
+        return spool.view(offset, dtype, shape)
 
     def _read_uncast(self, key: str, src: str, out: np.ndarray) -> None:
         """One verified pass, read by position straight into ``out`` (parallel reads and
@@ -311,17 +359,19 @@ class _Converted(Mapping[str, "np.ndarray"]):
             for start in range(0, flat.size, step):
                 run = flat[start : start + step]
                 self._reader.read_run_into(src, start, run, verify=True)
-                self._progress.update(run.nbytes, key, values=0)
-            self._progress.update(0, key)
+                self._progress.update(run.nbytes, key, values=int(start + step >= flat.size))
         else:
             self._reader.read_into_many([(src, out)], verify=True)
             self._progress.update(out.nbytes, key)
-        self._finished()
 
     def _finished(self) -> None:
+        last = self._given == len(self._plan)
         if self._spool is not None:
-            self._release()
-        if self._given == len(self._plan) and self._finishing:
+            self._spool.release()
+            if last:  # the writer writes next: the buffers are not needed any more
+                self._spool.drop_buffers()
+                self._spool.hand_over()
+        if last and self._finishing:
             self._progress.note(self._finishing)
 
     def __iter__(self) -> Iterator[str]:
@@ -531,13 +581,13 @@ def _convert(
     try:
         with (
             Progress(total, stream=sys.stderr, enabled=bool(show)) as progress,
-            _spool(dst, spool_size if total > window else 0, local=not remote_dst) as (
-                spool, release),
+            _spool(dst, spool_size if total > window else 0, window,
+                   local=not remote_dst) as spool,
         ):
             finishing = (f"writing {escape(dst_arg)} and syncing it to disk ..."
                          if not remote_dst else f"uploading {escape(dst_arg)} ...")
             values = _Converted(reader, plan, args.dtype, progress, spool,
-                                finishing=finishing, release=release)
+                                finishing=finishing)
             try:
                 written = cv.save(
                     dst_arg if remote_dst else dst,
@@ -606,48 +656,227 @@ def _make_parents(dst: Path) -> list[Path]:
 
 #: How often the spool's pages are released from the process while a conversion runs (s).
 TRIM_INTERVAL = 0.005
+#: The most bytes read (and cast) at once on their way into the spool (two such pieces
+#: are in flight: one being read, one being written).
+PIECE_BYTES = 8 << 20
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Give the scratch file its size, its disk space allocated where the file system can
+    (Linux ``fallocate``): a full disk fails here, before anything is read, and writing
+    into allocated space costs the file system less (measured: 256 MiB in 47 ms, not 60)."""
+    fallocate = _libc_fallocate()
+    failed = errno.EOPNOTSUPP if fallocate is None else fallocate(fd, nbytes)
+    if failed == errno.ENOSPC:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if failed:  # no fallocate here: a sparse file, its space taken as it is written
+        os.ftruncate(fd, nbytes)
+
+
+@functools.cache
+def _libc_fallocate() -> Callable[[int, int], int] | None:
+    """``fallocate(fd, 0, 0, nbytes)`` of libc (Linux; ctypes loaded on first use),
+    returning 0 or the errno; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes  # noqa: PLC0415 - only a streamed conversion needs it
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+
+    def fallocate(fd: int, nbytes: int) -> int:
+        return 0 if fn(fd, 0, 0, nbytes) == 0 else ctypes.get_errno()
+
+    return fallocate
+
+
+def _bytes_written() -> int | None:
+    """The bytes this process has written by system calls (``wchar``), or None."""
+    try:
+        with open("/proc/self/io", "rb") as f:
+            for line in f:
+                if line.startswith(b"wchar:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+class _Spool:
+    """A scratch file beside DST, written by ``pwrite`` and mapped (shared) for the writer.
+
+    Values are read into one of two buffers of ``piece`` bytes and written into the file
+    from there by ``pwrite`` on a thread of the spool's own, while the next piece is read
+    into the other buffer. ``pwrite`` puts the bytes in the page cache without mapping a
+    page into the process: filling the mapping itself would fault each 4 KiB page in and
+    dirty it through the file system (twice the time, measured), and each page would
+    count in the process's resident size. The writer reads the values through the
+    mapping; every ``TRIM_INTERVAL`` a thread calls :meth:`tick`, which releases the
+    mapping's pages from the process (``madvise(MADV_DONTNEED)``: the bytes stay in the
+    file and the page cache, and come back on the next access) but for those the writer
+    is reading, so the process's resident size tracks what the writer touches now, not
+    the whole output.
+    """
+
+    def __init__(self, fd: int, nbytes: int, piece: int) -> None:
+        self.fd = fd
+        self.nbytes = nbytes
+        self.piece = piece
+        self._mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        self._bytes = np.frombuffer(self._mapped, dtype=np.uint8)
+        self._next = 0
+        self._buffers: list[np.ndarray] = []
+        self._turn = 0  # the buffer the next piece is read into
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-convert-spool")
+        self._pending: Future[None] | None = None  # the write in flight (at most one)
+        #: Bytes written into the file by ``pwrite`` (each output byte once).
+        self.written = 0
+        #: The process's written-bytes count when the writer took over (None: not yet).
+        self._writer_base: int | None = None
+
+    def place(self, nbytes: int) -> int:
+        """Room for ``nbytes`` more (64-byte aligned, as NumPy's own buffers); its offset."""
+        offset = self._next
+        self._next += (nbytes + 63) & -64
+        return offset
+
+    def view(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """The value at ``offset``, as an array over the mapping (no page is touched)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        return self._bytes[offset : offset + nbytes].view(dtype).reshape(shape)
+
+    def buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
+        """A flat array of ``count`` elements (at most ``piece`` bytes) in the buffer that
+        no write is using."""
+        while len(self._buffers) <= self._turn:
+            self._buffers.append(np.empty(self.piece, np.uint8))
+        return self._buffers[self._turn][: count * dtype.itemsize].view(dtype)
+
+    def write(self, offset: int, array: np.ndarray) -> int:
+        """Write ``array``'s bytes (C order) at ``offset`` on the spool's thread, once the
+        write before it is done; returns the offset after them. :meth:`flush` waits."""
+        self.flush()
+        data = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
+        self._pending = self._pool.submit(self._pwrite, offset, data)
+        self._turn ^= 1  # the next piece goes into the other buffer
+        return offset + len(data)
+
+    def _pwrite(self, offset: int, data: memoryview) -> None:
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self.fd, data[done:], offset + done)
+        self.written += done
+
+    def flush(self) -> None:
+        """Wait for the write in flight (raising its error)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def drop_buffers(self) -> None:
+        """Free the buffers (once every value is in the file: no write is in flight)."""
+        if self._pending is None:
+            self._buffers.clear()
+
+    def release(self) -> None:
+        """Drop the mapping's pages from the process (they stay in the file)."""
+        if hasattr(mmap, "MADV_DONTNEED"):  # Linux, macOS
+            self._mapped.madvise(mmap.MADV_DONTNEED)
+
+    def hand_over(self) -> None:
+        """Every value is in the file: from now on :meth:`tick` follows the writer."""
+        self._writer_base = _bytes_written()
+
+    def tick(self) -> None:
+        """Keep mapped only the part of the file the writer is at (or release everything).
+
+        The writer writes the values in the order they were given, so the bytes the
+        process has written since :meth:`hand_over` (``/proc/self/io``) tell where it is
+        in the file. What lies behind that point is released, and what lies more than two
+        pieces (half the window at most) ahead of it (what the writer's checksum thread
+        mapped); the pages in between stay mapped: released under a ``write`` in
+        progress, the kernel copies the rest of that call in ever smaller chunks
+        (measured on 256 MiB from unmapped pages: the ``write`` twice as long, and the
+        destination's ``fsync`` longer too). Where that count is not known, everything
+        is released. (Mapping the next pages in advance, ``MADV_POPULATE_READ``, was
+        measured too: 10 ms less for ``.safetensors``, but ``.h5`` writes then took up to
+        four times as long now and then, the writer and its checksum thread waiting.)
+        """
+        written = None if self._writer_base is None else _bytes_written()
+        if written is None or self._writer_base is None or not hasattr(mmap, "MADV_DONTNEED"):
+            self.release()
+            return
+        page = mmap.PAGESIZE
+        at = min(self.nbytes, max(0, written - self._writer_base)) // page * page
+        ahead = min(self.nbytes, at + 2 * self.piece)
+        if at:
+            self._mapped.madvise(mmap.MADV_DONTNEED, 0, at)
+        if ahead < self.nbytes:
+            self._mapped.madvise(mmap.MADV_DONTNEED, ahead, self.nbytes - ahead)
+
+    def close(self) -> None:
+        """Stop the thread; unmap the file now, unless a value over it is still referenced
+        (then when the last one goes)."""
+        with contextlib.suppress(OSError):
+            self.flush()
+        self._pool.shutdown(wait=True)
+        self._buffers.clear()
+        self._bytes = np.empty(0, np.uint8)
+        with contextlib.suppress(BufferError):
+            self._mapped.close()
 
 
 @contextlib.contextmanager
-def _spool(
-    dst: Path, nbytes: int, *, local: bool = True
-) -> Iterator[tuple[np.ndarray | None, Callable[[], None]]]:
-    """A scratch file of ``nbytes`` beside DST, mapped (shared) as bytes (``None`` when 0),
-    and a function that releases its pages from the process at once.
+def _spool(dst: Path, nbytes: int, window: int, *, local: bool = True) -> Iterator[_Spool | None]:
+    """A :class:`_Spool` of ``nbytes`` beside DST (``None`` when 0), its buffer a quarter of
+    ``window`` (1 to 8 MiB), its pages released by a thread while it is in use.
 
-    While it is in use, a thread releases the mapping's pages from the process every
-    ``TRIM_INTERVAL`` (``madvise(MADV_DONTNEED)``: the bytes stay in the file and the page
-    cache, and come back on the next access), so the process's resident size tracks what
-    it touches now, not the whole output. The file is removed when the conversion ends,
-    whatever happens.
+    The file's name is removed at once (it lives while it is open), so nothing is left
+    behind whatever happens, a killed process included. At the end the file is unmapped
+    and closed on a thread of its own: the kernel frees its pages then (some 15 ms per
+    256 MiB), while the conversion reports and the process exits.
     """
     if nbytes == 0:
-        yield None, lambda: None
+        yield None
         return
     where = dst.absolute().parent if local else None  # a URL: the temporary directory
     fd, name = tempfile.mkstemp(prefix=f".{dst.name}.spool-", dir=where)
     stop = threading.Event()
     trimmer: threading.Thread | None = None
+    spool: _Spool | None = None
     try:
-        os.ftruncate(fd, nbytes)
-        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-        spool = np.frombuffer(mapped, dtype=np.uint8)
+        os.unlink(name)
+        try:
+            _reserve(fd, nbytes)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            beside = "beside it" if local else f"in {tempfile.gettempdir()}"
+            raise UsageError(
+                f"cannot write {str(dst)!r}: no space left for the scratch file of "
+                f"{human_size(nbytes)} {beside} that a streamed conversion needs; free some, "
+                "or give --window more than the output to build it in memory"
+            ) from None
+        spool = _Spool(fd, nbytes, min(PIECE_BYTES, max(1 << 20, window // 4)))
 
-        def release() -> None:
-            if hasattr(mmap, "MADV_DONTNEED"):  # Linux, macOS
-                mapped.madvise(mmap.MADV_DONTNEED)
-
-        def trim() -> None:
+        def trim(spool: _Spool = spool) -> None:
             while not stop.wait(TRIM_INTERVAL):
-                release()
+                spool.tick()
 
         trimmer = threading.Thread(target=trim, name="ckpt-convert-trim", daemon=True)
         trimmer.start()
-        yield spool, release
+        yield spool
     finally:
         stop.set()
         if trimmer is not None:
             trimmer.join()
-        os.close(fd)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(name)
+            os.unlink(name)  # when the failure came before the unlink above
+        if spool is not None:
+            spool.close()
+        threading.Thread(target=os.close, args=(fd,), name="ckpt-convert-spool-close",
+                         daemon=True).start()

@@ -426,9 +426,16 @@ class SafetensorsWriter(_common.CollectingWriter):
         return self.path
 
 
+#: Bytes per ``write`` call. The kernel copies a call's bytes in chunks that it halves
+#: each time a source page is not mapped yet, for the rest of that call: from a buffer
+#: that is a file's mapping (``ckpt convert``'s scratch file) one call per tensor
+#: degraded to page-sized chunks, and the file's ``fsync`` took longer too.
+_WRITE_PIECE = 8 << 20
+
+
 def _write_all(fd: int, view: memoryview) -> None:
     while len(view):
-        n = os.write(fd, view[: 1 << 30])
+        n = os.write(fd, view[:_WRITE_PIECE])
         view = view[n:]
 
 
