@@ -10,6 +10,11 @@
 #      host->device copy, cv.load(path, device="GPU:0") for h5 and Zarr, and safetensors'
 #      safe_open(..., device="cuda:0") (scripts/bench.py --only big,gpu).
 # With HOST_ROWS=1, also the host rows of the 1 GiB model on this machine's CPUs.
+# A machine without zarr (the lent GPU machines have torch, CuPy, h5py, msgpack and
+# ml_dtypes, but no zarr) gets it from .whl/ (git-ignored), filled beforehand with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     zarr numcodecs crc32c google-crc32c donfig
 # Needs the gpu extra (pip install -e '.[gpu]'; CuPy) and torch with CUDA. Results go to
 # $OUT (default bench-results/gpu). Usage: scripts/gpu_check.sh  (PYTHON=... picks the
 # interpreter; a folder .whl/ of wheels, if present, is installed to /tmp/site first).
