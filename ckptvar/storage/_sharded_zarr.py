@@ -243,10 +243,11 @@ class GridLayout:
                 if writer != rank:
                     continue
                 make(gv.path)
-                value = as_host(values[gv.key][0])
+                value = values[gv.key][0]
                 if boxed:
                     value = boxed.get((gv.key, tuple(int(o) for o in box.offset)), value)
-                crc = _put_chunk(where, gv, j, value, sync, reuse)
+                # a chunk is one box: a staged GPU value is made whole for it
+                crc = _put_chunk(where, gv, j, as_host(value), sync, reuse)
                 sums.setdefault(gv.key, []).append([j, crc])
         for group in self.groups.get(rank, ()):
             write_file(make(group) / "zarr.json", GROUP_DOC, sync)
