@@ -117,10 +117,11 @@ def load(
     if not isinstance(like, str) or coordinator is not None:
         return load_tree(path, like, coordinator, timeout, verify, cast, storage_options)
     _frameworks.check_like(like)
-    if like == "torch" and device is not None and resolve(device).is_gpu:
+    dev = None if device is None else resolve(device)
+    if like == "torch" and dev is not None and dev.is_gpu:
         with open(path, storage_options=storage_options) as reader:
             wanted = list(reader.keys()) if keys is None else list(keys)
-            return _load_to_torch_gpu(reader, wanted, resolve(device), verify)
+            return _load_to_torch_gpu(reader, wanted, dev, verify)
     if like != "numpy":
         if like == "cupy" and device is None:
             device = "GPU:0"

@@ -21,9 +21,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_distributed_mpi import _mpi_skip_reason
 
 import ckptvar as cv
 from ckptvar.storage.atomic import is_partial
+
+#: The multi-process kinds need ``mpiexec`` and mpi4py (the test extra has both).
+needs_mpi = pytest.mark.skipif(_mpi_skip_reason() is not None,
+                               reason=_mpi_skip_reason() or "")
 
 SCRIPT = textwrap.dedent(
     r'''
@@ -395,24 +400,18 @@ def test_restart_after_kills_of_one_process(tmp_path: Path) -> None:
                            window=0.5), 3)
 
 
+@needs_mpi
 def test_restart_after_kills_of_three_processes(tmp_path: Path) -> None:
-    from test_distributed_mpi import _mpi_skip_reason
-
-    if _mpi_skip_reason():
-        pytest.skip(_mpi_skip_reason() or "")
     where = str(tmp_path / "run")
     _check(restart_harness(where, "h5", processes=3, kills=1, seed=11, work=tmp_path), 1)
 
 
 @pytest.mark.parametrize("fmt", ["h5", "zarr"])
+@needs_mpi
 def test_restart_after_kills_of_three_processes_saving_incremental_steps(
         tmp_path: Path, fmt: str) -> None:
     """Kills during incremental multi-process saves (and their pruning): every committed
     step, held ones included, stays loadable bit-exact; nothing of a dead save is left."""
-    from test_distributed_mpi import _mpi_skip_reason
-
-    if _mpi_skip_reason():
-        pytest.skip(_mpi_skip_reason() or "")
     where = str(tmp_path / "run")
     _check(restart_harness(where, fmt, processes=3, kills=2, seed=13, work=tmp_path,
                            incremental=True), 2)
@@ -420,12 +419,9 @@ def test_restart_after_kills_of_three_processes_saving_incremental_steps(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["h5", "zarr"])
+@needs_mpi
 def test_restart_after_100_kills_of_three_processes_saving_incremental_steps(
         tmp_path: Path, fmt: str) -> None:
-    from test_distributed_mpi import _mpi_skip_reason
-
-    if _mpi_skip_reason():
-        pytest.skip(_mpi_skip_reason() or "")
     _check(restart_harness(str(tmp_path / "run"), fmt, processes=3, kills=100, seed=109,
                            work=tmp_path, incremental=True), 100)
 
@@ -438,32 +434,23 @@ def test_restart_after_100_kills_of_one_process(tmp_path: Path, fmt: str) -> Non
                            window=0.5), 100)
 
 
+@needs_mpi
 def test_restart_after_kills_of_four_processes_with_per_node_tiers(tmp_path: Path) -> None:
     """4 processes as 2 nodes, each its own local directory, every step persisted: kills
     land in the local saves and in the persistent copies."""
-    from test_distributed_mpi import _mpi_skip_reason
-
-    if _mpi_skip_reason():
-        pytest.skip(_mpi_skip_reason() or "")
     _check(restart_harness(str(tmp_path / "run"), "h5", processes=4, kills=2, seed=13,
                            work=tmp_path, tier=str(tmp_path / "node{node}")), 2)
 
 
 @pytest.mark.slow
+@needs_mpi
 def test_restart_after_100_kills_of_four_processes_with_per_node_tiers(tmp_path: Path) -> None:
-    from test_distributed_mpi import _mpi_skip_reason
-
-    if _mpi_skip_reason():
-        pytest.skip(_mpi_skip_reason() or "")
     _check(restart_harness(str(tmp_path / "run"), "h5", processes=4, kills=100, seed=107,
                            work=tmp_path, tier=str(tmp_path / "node{node}")), 100)
 
 
 @pytest.mark.slow
+@needs_mpi
 def test_restart_after_100_kills_of_three_processes(tmp_path: Path) -> None:
-    from test_distributed_mpi import _mpi_skip_reason
-
-    if _mpi_skip_reason():
-        pytest.skip(_mpi_skip_reason() or "")
     where = str(tmp_path / "run")
     _check(restart_harness(where, "h5", processes=3, kills=100, seed=103, work=tmp_path), 100)

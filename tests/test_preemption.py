@@ -139,57 +139,49 @@ def test_sigterm_under_mpiexec_makes_one_collective_save(tmp_path: Path, to: str
     assert restored["step"] == max(steps) + 1  # every rank saved the same step
 
 
-@pytest.mark.skipif(_mpi_skip_reason() is not None, reason=_mpi_skip_reason() or "")
-def test_sigterm_to_one_rank_of_a_tiered_job_persists_the_collective_save(
-    tmp_path: Path,
-) -> None:
+def _preempt_tiered(tmp_path: Path, mode: str, processes: int, victim: int) -> tuple[int, int]:
+    """SIGTERM to rank ``victim`` of a tiered job of ``processes`` ranks: the job ends,
+    the persistent directory holds exactly the preemption save. Returns ``(step, the
+    newest step a rank had reached before the signal)``."""
     mpiexec = find_mpiexec()
     assert mpiexec is not None
-    proc = subprocess.Popen([mpiexec, "-n", "3", sys.executable, str(JOB), str(tmp_path),
-                             "tiered"], env=_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen([mpiexec, "-n", str(processes), sys.executable, str(JOB),
+                             str(tmp_path), mode], env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
-    _wait_for_steps(tmp_path, 3, 10, proc)
-    seen = max(_read_step(tmp_path / f"step{r}") for r in range(3))
-    os.kill(int((tmp_path / "pid1").read_text()), signal.SIGTERM)
+    _wait_for_steps(tmp_path, processes, 10, proc)
+    seen = max(_read_step(tmp_path / f"step{r}") for r in range(processes))
+    os.kill(int((tmp_path / f"pid{victim}").read_text()), signal.SIGTERM)
     try:
         output, _ = proc.communicate(timeout=90)
     except subprocess.TimeoutExpired:
         proc.kill()
         pytest.fail("the job did not end after SIGTERM")
     assert proc.returncode != 0, output
-    step = max(_read_step(tmp_path / f"step{r}") for r in range(3)) + 1
+    step = max(_read_step(tmp_path / f"step{r}") for r in range(processes)) + 1
     persistent = sorted(p.name for p in (tmp_path / "run").iterdir()
                         if not p.name.startswith("."))
     assert persistent == ["checkpoint_state.json", f"ckpt-{step}.h5"], output
+    return step, seen
+
+
+@pytest.mark.skipif(_mpi_skip_reason() is not None, reason=_mpi_skip_reason() or "")
+def test_sigterm_to_one_rank_of_a_tiered_job_persists_the_collective_save(
+    tmp_path: Path,
+) -> None:
+    step, seen = _preempt_tiered(tmp_path, "tiered", 3, victim=1)
     shutil.rmtree(tmp_path / "local")  # the preempted machines' disks are gone
     restored = _restart(tmp_path, "tiered-report")
     _assert_restored_current_state(tmp_path, restored, seen)
     assert restored["step"] == step
 
 
+@pytest.mark.skipif(_mpi_skip_reason() is not None, reason=_mpi_skip_reason() or "")
 def test_sigterm_to_one_rank_of_a_job_with_per_node_tiers_persists_the_save(
     tmp_path: Path,
 ) -> None:
     """4 processes as 2 nodes, each its own local directory: SIGTERM to rank 2; every
     process copies its part of the preemption save before the signal comes back."""
-    mpiexec = find_mpiexec()
-    assert mpiexec is not None
-    proc = subprocess.Popen([mpiexec, "-n", "4", sys.executable, str(JOB), str(tmp_path),
-                             "tiered-nodes"], env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    _wait_for_steps(tmp_path, 4, 10, proc)
-    seen = max(_read_step(tmp_path / f"step{r}") for r in range(4))
-    os.kill(int((tmp_path / "pid2").read_text()), signal.SIGTERM)
-    try:
-        output, _ = proc.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("the job did not end after SIGTERM")
-    assert proc.returncode != 0, output
-    step = max(_read_step(tmp_path / f"step{r}") for r in range(4)) + 1
-    persistent = sorted(p.name for p in (tmp_path / "run").iterdir()
-                        if not p.name.startswith("."))
-    assert persistent == ["checkpoint_state.json", f"ckpt-{step}.h5"], output
+    step, seen = _preempt_tiered(tmp_path, "tiered-nodes", 4, victim=2)
     for node in ("node0", "node1"):  # each node holds its own part of the step
         assert (tmp_path / "local" / node / f"ckpt-{step}.h5").is_dir()
     shutil.rmtree(tmp_path / "local")  # the preempted machines' disks are gone

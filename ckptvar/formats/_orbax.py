@@ -188,6 +188,15 @@ class ZarrV2Array(BoxArray):
                 ) from None
         return self._codec
 
+    def _filled(self) -> np.ndarray:
+        """A chunk the store left out: every element the declared fill value."""
+        try:
+            return np.full(self._chunks, self._fill, dtype=self.info.dtype)
+        except (TypeError, ValueError, OverflowError):
+            raise CorruptCheckpointError(
+                f"{self._what}: fill value {self._fill!r} does not fit {self.info.dtype}."
+            ) from None
+
     def _chunk(self, index: tuple[int, ...]) -> np.ndarray:
         key = f"{self._name}/" + (self._sep.join(str(i) for i in index) if index else "0")
         nbytes = math.prod(self._chunks) * self._stored.itemsize
@@ -197,12 +206,7 @@ class ZarrV2Array(BoxArray):
                 raise CorruptCheckpointError(
                     f"{self._what} has lost its chunk {key!r} (and declares no fill value)."
                 )
-            try:
-                return np.full(self._chunks, self._fill, dtype=self.info.dtype)
-            except (TypeError, ValueError, OverflowError):
-                raise CorruptCheckpointError(
-                    f"{self._what}: fill value {self._fill!r} does not fit {self.info.dtype}."
-                ) from None
+            return self._filled()
         codec = self._decoder()
         config = self._codec_config if isinstance(self._codec_config, dict) else {}
         if config.get("id") in ("zlib", "gzip"):  # inflated at most to the cell's size
@@ -408,14 +412,6 @@ class ZarrV3Array(ZarrV2Array):
         if self._prefix:
             return f"{self._name}/c" + "".join(f"{self._sep}{i}" for i in index)
         return f"{self._name}/" + (self._sep.join(str(i) for i in index) if index else "0")
-
-    def _filled(self) -> np.ndarray:
-        try:
-            return np.full(self._chunks, self._fill, dtype=self.info.dtype)
-        except (TypeError, ValueError, OverflowError):
-            raise CorruptCheckpointError(
-                f"{self._what}: fill value {self._fill!r} does not fit {self.info.dtype}."
-            ) from None
 
     def _decode(self, raw: bytes, where: str) -> np.ndarray:
         nbytes = math.prod(self._chunks) * self._stored.itemsize
