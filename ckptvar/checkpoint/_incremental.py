@@ -26,7 +26,7 @@ from typing import Any
 
 from ..errors import CkptError
 from ..storage import external_files
-from ..variables import Variable, write_version
+from ..variables import Variable, rows_written, track_rows, write_version
 
 __all__ = ["Incremental", "IncrementalSave", "held"]
 
@@ -41,11 +41,14 @@ class IncrementalSave:
     known: dict[str, bool]
     versions: dict[str, tuple[int, int]] = field(default_factory=dict)
     owner: Incremental | None = None
+    #: The changed variables whose written rows are known: key -> sorted first-axis
+    #: indices written since the base (such a value may be stored as a row delta).
+    rows: dict[str, Any] = field(default_factory=dict)
 
     def on(self, base: Path | str | None) -> IncrementalSave:
         """This save on ``base`` (a multi-process save takes rank 0's base; ``None``:
         none): what is known holds only for the step it was known for; on another, every
-        value is compared."""
+        value is compared. (Row deltas are single-process only: none here.)"""
         same = (base is not None and self.base is not None
                 and _name(base) == _name(self.base))
         return IncrementalSave(base, self.known if same else {}, self.versions, self.owner)
@@ -72,19 +75,27 @@ class Incremental:
         Call before the values are read: a write that lands after is counted as a change.
         """
         versions: dict[str, tuple[int, int]] = {}
+        tracked: dict[str, Variable] = {}
         for key, var in variables.items():
             if isinstance(var, Variable):
+                track_rows(var)  # from now on its writes say which rows they touch
                 version = write_version(var)
                 if version is not None:
                     versions[key] = version
+                    tracked[key] = var
         known: dict[str, bool] = {}
+        rows: dict[str, Any] = {}
         if base is not None and _name(base) == self._name:
             old = self._versions
             for key, now in versions.items():
                 before = old.get(key)
                 if before is not None:
                     known[key] = before == now
-        return IncrementalSave(base, known, versions, self)
+                    if before != now:
+                        changed = rows_written(tracked[key], before)
+                        if changed is not None and changed.size:
+                            rows[key] = changed
+        return IncrementalSave(base, known, versions, self, rows)
 
 
 def _name(path: str | os.PathLike[str]) -> str:

@@ -43,6 +43,8 @@ from ._variable import (
     set_device_value,
     set_initial_value_source,
     set_save_slice_info,
+    rows_written,
+    track_rows,
     write_version,
 )
 from .partitioned import (
@@ -97,5 +99,7 @@ __all__ = [
     "set_save_slice_info",
     "variable_axis_size_partitioner",
     "variable_scope",
+    "rows_written",
+    "track_rows",
     "write_version",
 ]

@@ -52,6 +52,7 @@ class ContainerReader(
     base.SupportsRuns,
     base.SupportsVerifyMany,
     base.SupportsVerifyAll,
+    base.SupportsDeltas,
 ):
     """A reader over a decoded record; backends say where each value's bytes are."""
 
@@ -145,6 +146,13 @@ class ContainerReader(
 
     def metadata(self) -> dict[str, Any]:
         return self._record.metadata
+
+    def deltas(self) -> dict[str, dict[str, Any]]:
+        """The values stored as row deltas (format 1.5): key -> ``{"base", "patches",
+        "rows"}`` (:class:`.base.SupportsDeltas`)."""
+        return {k: {"base": d.since, "patches": len(d.patches),
+                    "rows": sum(p[3] for p in d.patches)}
+                for k, d in self._record.deltas.items()}
 
     @property
     def format_version(self) -> tuple[int, int]:

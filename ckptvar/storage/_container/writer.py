@@ -32,10 +32,12 @@ from ..base import Writer
 from ..chunked import Chunked, HostPieces, is_chunked, materialize, piece_bytes
 from ..paths import container_paths
 from .blocks import BLOCK_SIZE, BlockHasher, hash_blocks, hash_blocks_parallel
+from .delta import DeltaWrite, patch_bytes, plan
 from .layout import ALIGN, pack_limit
 from .reuse import Held, match
 
-__all__ = ["ContainerWriter", "ValueWrite", "WritePlan", "scalar_attrs", "write_packed"]
+__all__ = ["ContainerWriter", "ValueWrite", "WritePlan", "delta_attrs", "scalar_attrs",
+           "write_packed"]
 
 _ZEROS = memoryview(bytes(ALIGN))
 _NO_BYTES = np.empty(0, np.uint8)
@@ -58,6 +60,7 @@ class ValueWrite:
     offset: int = 0  # offset in the packed blob, or the backend's byte offset
     blocks: bytes | None = None  # CRC-32C per block, for values of more than one block
     held: Held | None = None  # the base's bytes, reused (an incremental save)
+    delta: DeltaWrite | None = None  # stored as the base plus a row patch (format 1.5)
     hashed: bool = False  # hashed already (to compare with the base)
     #: The value's bytes come a piece at a time from here (``array`` is then empty until
     #: :meth:`materialize`): a GPU tensor through the pinned staging buffer.
@@ -177,14 +180,20 @@ class ContainerWriter(Writer):
         pack_threshold: int | None = None,
         base: Path | None = None,
         known: Mapping[str, bool] | None = None,
+        rows: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """``base``: a committed checkpoint of this container whose bytes the new one may
         refer to instead of writing them again (an incremental save; ``known``: key -> True
         when unchanged since ``base`` was written, False when changed; others are compared
-        by their block checksums)."""
+        by their block checksums; ``rows``: key -> the sorted rows (first-axis indices)
+        written since ``base``, of changed values whose writes were tracked: such a value
+        may be stored as a row delta, docs/FORMAT.md "Row deltas")."""
         self.path = Path(path)
         self.base = None if base is None else Path(base)
         self.known: Mapping[str, bool] = known or {}
+        self.rows: Mapping[str, np.ndarray] = rows or {}
+        #: The keys stored as row deltas (set by ``commit``).
+        self.deltas: list[str] = []
         #: The keys whose bytes the base holds (set by ``commit``).
         self.reused: list[str] = []
         self.durable = bool(durable)
@@ -316,6 +325,39 @@ class ContainerWriter(Writer):
         record, holder = found
         match(plan.arrays, record, self.known, holder)
         self.reused = [it.key for it in plan.arrays if it.held is not None]
+        if self.rows:
+            self._match_rows(plan.arrays, record, holder)
+
+    def _match_rows(self, arrays: list[ValueWrite], record: Any,
+                    holder: Callable[[str, Any], Held]) -> None:
+        """Make the changed values whose changed rows are known row deltas where the rule
+        (:func:`.delta.plan`) says so; their patches are built here."""
+        for it in arrays:
+            rows = self.rows.get(it.key)
+            if rows is None or it.held is not None or it.source is not None:
+                continue
+            entry = record.values.get(it.key)
+            if (entry is None or entry.loc.kind != "array" or entry.dtype != it.dtype
+                    or tuple(entry.shape) != tuple(it.shape)):
+                continue
+            was = record.deltas.get(it.key)
+            if not plan(rows, it.shape, it.nbytes, () if was is None else was.patches):
+                continue
+            found = self._delta_for(it, entry, was, holder)
+            if found is None:
+                continue
+            seed = _checksum.header_crc(it.key, it.dtype, it.shape)
+            found.rows = rows
+            found.patch, found.crc = patch_bytes(it.view, it.nbytes // it.shape[0], rows, seed)
+            it.delta = found
+        self.deltas = [it.key for it in arrays if it.delta is not None]
+
+    def _delta_for(self, it: ValueWrite, entry: Any, was: Any,
+                   holder: Callable[[str, Any], Held]) -> DeltaWrite | None:
+        """What a delta of ``it`` refers to, as this checkpoint names it (``was``: the
+        base's own delta of it, if any; ``holder``: where the base's whole bytes are);
+        None: this backend stores no delta of it."""
+        return None
 
     def _open_base(self, base: Path) -> tuple[Any, Callable[[str, Any], Held]] | None:
         """The base's record and where each of its values' bytes are; None: not supported."""
@@ -338,8 +380,10 @@ class ContainerWriter(Writer):
             [None if loc.kind == ZARR else it.blocks for it, loc in zip(items, locs, strict=True)],
         )
         packed = packed_loc if any(it.packed for it in items) else None
+        deltas = {it.key: it.delta.record() for it in items if it.delta is not None}
         return encode_columns(self.container, packed, cols, self._metadata,
-                              external=self._external(items), pieces=self._pieces(items))
+                              external=self._external(items), pieces=self._pieces(items),
+                              deltas=deltas or None)
 
     def _external(self, items: list[ValueWrite]) -> dict[str, tuple[str, str]] | None:
         """The record's ``external`` map (values another file holds); None: none."""
@@ -350,6 +394,8 @@ class ContainerWriter(Writer):
         return None
 
     def _array_loc(self, it: ValueWrite) -> Extent:
+        if it.delta is not None:
+            return Extent.array(it.path, 0, it.nbytes)
         return Extent.array(it.path, it.offset, it.nbytes)
 
     @abc.abstractmethod
@@ -404,4 +450,16 @@ def scalar_attrs(it: ValueWrite) -> dict[str, Any]:
         checksum=it.checksum,
     )
     out.setdefault("name", it.key)
+    return out
+
+
+def delta_attrs(it: ValueWrite) -> dict[str, Any]:
+    """The attributes of a delta value's group (HDF5) or group document (Zarr): the value's
+    own, and how to put it together."""
+    out = scalar_attrs(it)
+    out["ckptvar_delta"] = (
+        "This value is stored as a row delta (docs/FORMAT.md, 'Row deltas'): 'base' is "
+        "its whole copy at an earlier step; apply each 'patch-N' in order: uint64 row "
+        "indices, then those rows' bytes."
+    )
     return out

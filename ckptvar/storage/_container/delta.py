@@ -1,0 +1,123 @@
+"""Row deltas (format 1.5): a changed value stored as its base plus the rows that changed.
+
+Owns the rule that decides when a value is written as a delta instead of whole
+(:func:`plan`), the patch's bytes and checksum (:func:`patch_bytes`), and the reader's
+side: a patch checked and decoded (:func:`decode_patch`) and several patches folded into
+one, later rows winning (:func:`fold`). The backends lay a :class:`DeltaWrite` out (HDF5:
+external links and a patch dataset; Zarr: hard links and a patch array) and read it back
+through :class:`.source.Patched` (docs/FORMAT.md, "Row deltas").
+
+**The rule.** A value is a delta only when the caller says which rows changed since the
+base (a ``cv.Variable``'s row log), it is an uncompressed array of at least
+:data:`DELTA_FROM` bytes with two rows or more, and the base holds it whole or as a delta
+of the same dtype and shape. A delta refers to the base's whole copy and to every patch
+since that copy was written, each in the file that wrote it (one level: never a delta of
+a delta), and adds its own patch of the rows changed since the base step. It is written
+whole instead when the patches would then hold more than :data:`DELTA_LIMIT` of its rows
+(counted with repeats) or more than :data:`MAX_PATCHES` patches: reading a delta reads
+the base and every patch, so this bounds a restore at 1.25x the bytes of the value.
+
+>>> rows = np.array([1, 3])
+>>> data = np.arange(8, dtype=np.uint8).reshape(4, 2)
+>>> raw, crc = patch_bytes(memoryview(data.tobytes()), 2, rows, 0)
+>>> got_rows, got = decode_patch(raw, 2, 2, 4, crc, 0)
+>>> got_rows.tolist(), got.tolist()
+([1, 3], [[2, 3], [6, 7]])
+>>> r, d = fold([(np.array([0, 3]), np.array([[9, 9], [8, 8]], np.uint8)), (got_rows, got)])
+>>> r.tolist(), d.tolist()
+([0, 1, 3], [[9, 9], [2, 3], [6, 7]])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import checksum as _checksum
+from .._record import Delta
+
+__all__ = ["DELTA_FROM", "DELTA_LIMIT", "MAX_PATCHES", "DeltaWrite", "decode_patch", "fold",
+           "patch_bytes", "plan"]
+
+#: Values smaller than this are written whole (a delta's patch and links cost more).
+DELTA_FROM = 1 << 20
+#: A delta whose patches would hold more than this share of the value's rows is written
+#: whole (the bound on what a restore reads beyond the value: 25%).
+DELTA_LIMIT = 0.25
+#: Patches a delta may refer to (its own included) before the value is written whole.
+MAX_PATCHES = 16
+
+
+@dataclass(slots=True)
+class DeltaWrite:
+    """A value to be written as a delta: what it refers to and its own patch."""
+
+    #: ``(file, path, offset)`` of the base's whole copy, as the new checkpoint names it.
+    base: tuple[str, str, int]
+    #: The earlier patches ``(file, path, offset, rows, crc)``, as the new checkpoint names them.
+    earlier: list[tuple[str, str, int, int, int]]
+    rows: np.ndarray  # this step's rows, sorted and unique
+    patch: np.ndarray  # its bytes: the rows' indices (``<u8``), then the rows
+    crc: int
+    since: str  # the checkpoint that wrote the base
+    #: The base's files (relative to the base checkpoint) and where the new checkpoint
+    #: takes them (Zarr: hard links, so the step stands alone).
+    links: list[tuple[str, str]] = field(default_factory=list)
+    #: Rows per chunk of the base's whole copy (Zarr, format 1.4), or None.
+    pieces: int | None = None
+    #: Where the own patch is: container path and byte offset (set by the backend).
+    path: str = ""
+    offset: int = 0
+
+    def record(self) -> Delta:
+        own = ("", self.path, self.offset, int(self.rows.size), self.crc)
+        return Delta(self.base, (*self.earlier, own), self.since)
+
+
+def patch_bytes(view: memoryview, row_bytes: int, rows: np.ndarray, seed: int
+                ) -> tuple[np.ndarray, int]:
+    """The patch of ``rows`` of the value whose bytes are ``view``: ``uint64`` row indices
+    (little-endian), then the rows; and its CRC-32C seeded by ``seed``."""
+    n = int(rows.size)
+    out = np.empty(8 * n + n * row_bytes, np.uint8)
+    out[: 8 * n].view("<u8")[:] = rows
+    grid = np.frombuffer(view, np.uint8).reshape(-1, row_bytes)
+    np.take(grid, rows, axis=0, out=out[8 * n:].reshape(n, row_bytes))
+    return out, _checksum.crc(out, seed)
+
+
+def decode_patch(raw: bytes | bytearray | memoryview | np.ndarray, n: int, row_bytes: int,
+                 nrows: int, crc: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows, data)`` of a stored patch of ``n`` rows; ``ValueError`` saying what is
+    wrong when it fails its checksum or its rows are not sorted, unique and in range."""
+    buf = np.frombuffer(raw, np.uint8)
+    if buf.size != 8 * n + n * row_bytes:
+        raise ValueError(f"holds {buf.size} bytes, {8 * n + n * row_bytes} expected")
+    if _checksum.crc(buf, seed) != crc:
+        raise ValueError("fails its checksum")
+    rows = buf[: 8 * n].view("<u8").astype(np.int64)
+    if n and (rows[-1] >= nrows or (n > 1 and not (np.diff(rows) > 0).all())):
+        raise ValueError("lists rows that are not sorted, unique and inside the value")
+    return rows, buf[8 * n:].reshape(n, row_bytes)
+
+
+def fold(patches: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Patches applied in order as one: sorted unique rows, each from the last patch
+    holding it."""
+    if len(patches) == 1:
+        return patches[0]
+    rows = np.concatenate([r for r, _ in patches])
+    data = np.concatenate([d for _, d in patches])
+    last, first = np.unique(rows[::-1], return_index=True)
+    return last, data[::-1][first]
+
+
+def plan(rows: np.ndarray, shape: tuple[int, ...], nbytes: int,
+         earlier: tuple[tuple[str, str, int, int, int], ...]) -> bool:
+    """Whether a value of ``shape`` (``nbytes``) whose ``rows`` changed since the base is
+    written as a delta on top of the base's ``earlier`` patches (the rule above)."""
+    if len(shape) < 1 or shape[0] < 2 or nbytes < DELTA_FROM or not rows.size:
+        return False
+    total = int(rows.size) + sum(p[3] for p in earlier)
+    return total <= DELTA_LIMIT * shape[0] and len(earlier) + 1 <= MAX_PATCHES
