@@ -197,7 +197,7 @@ def test_a_damaged_patch_is_named(tmp_path: Path, fresh_graph: cv.Graph, fmt: st
     _touch(table, np.random.default_rng(4), 40)
     step = Path(manager.save())
     with cv.open(step) as r:
-        _, path, offset, n, _ = r.record.deltas["table"].patches[-1]
+        _, path, offset, _, _ = r.record.deltas["table"].patches[-1]
     target = step / path / "c.0" if fmt == "zarr" else step
     at = 0 if fmt == "zarr" else offset
     with open(target, "r+b") as f:  # a row index byte

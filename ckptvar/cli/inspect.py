@@ -216,10 +216,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             variables=plain(records),
             skipped=[{"key": k, "reason": v} for k, v in skipped.items()],
         )
-        if shared:
-            doc["shared"] = shared
-        if deltas:
-            doc["deltas"] = deltas
+        doc.update({k: v for k, v in (("shared", shared), ("deltas", deltas)) if v})
         dump_json(doc, out)
         return EXIT_OK
 

@@ -54,14 +54,13 @@ from ._container import (
 from ._container import source as _src
 from ._container.delta import DeltaWrite, decode_patch, fold
 from ._container.reuse import Held
-from ._container.source import Patched
-from ._container.source import RemoteFile
+from ._container.source import Patched, RemoteFile
 from ._record import (
     ARRAY,
     FORMAT_VERSION,
-    Delta,
     MAX_RECORD_NBYTES,
     PACKED,
+    Delta,
     Entry,
     Extent,
     Record,
@@ -195,7 +194,7 @@ class H5Writer(ContainerWriter):
                 continue
             if it.delta is not None:  # only the patch: the rest is in other files
                 if it.delta.patch.size:
-                    write(fd, memoryview(it.delta.patch), it.delta.offset)
+                    write(fd, _rawio.byte_view(it.delta.patch), it.delta.offset)
                 continue
             if it.source is not None:  # a piece at a time, hashed on the way
                 it.write_with(functools.partial(_write_at, write, fd, it.offset))
@@ -553,13 +552,13 @@ class H5Reader(ContainerReader, SupportsShared):
                 raw = _read_exact(fd, off, size, what=f"The row patch {p!r} of {key!r}",
                                   path=self.path)
                 try:
-                    parts.append(decode_patch(raw, n, rb, entry.shape[0], crc, seed))
+                    parts.append(decode_patch(raw, n, rb, entry.shape[0], crc=crc, seed=seed))
                 except ValueError as exc:
                     raise self.corrupt(key, f"has a row patch {p!r} in {f or self.path.name!r} "
                                             f"that {exc}; the checkpoint is damaged") from None
             folded = self._folded[key] = fold(parts)
-        return Patched(base, d.base[2], entry.nbytes, entry.nbytes // entry.shape[0],
-                       folded[0], folded[1], owned=False)
+        return Patched(base, d.base[2], entry.nbytes, entry.nbytes // entry.shape[0], folded,
+                       owned=False)
 
     def _file(self, key: str, name: str, offset: int, nbytes: int) -> Any:
         """The descriptor holding ``nbytes`` of ``key``'s bytes at ``offset``: this file

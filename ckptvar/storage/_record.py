@@ -384,15 +384,7 @@ def _validate(doc: Any, container: str, file_size: int | None) -> Record:
     version, library, metadata = _check_header(doc, container)
     packed = _check_packed_region(doc.get("packed"), file_size)
     cols = columns(doc)
-    deltas = check_deltas(doc.get("deltas"), container)
-    if deltas or DELTA in cols["layouts"]:
-        at = dict(zip(cols["keys"], cols["layouts"], strict=False))
-        for key in deltas:
-            if at.get(key) != DELTA:
-                raise BadRecord(f"'deltas' describes {key!r}, which is not stored as a delta")
-        if sum(lay == DELTA for lay in cols["layouts"]) != len(deltas):
-            raise BadRecord("a value stored as a delta has no entry in 'deltas'")
-        cols["layouts"] = [ARRAY if lay == DELTA else lay for lay in cols["layouts"]]
+    deltas = _delta_layouts(cols, check_deltas(doc.get("deltas"), container))
     keys, dtypes, shapes, checksums, layouts, paths, offsets = (cols[n] for n in COLUMNS)
     packed_nbytes = packed[2] if packed is not None else 0
     nbytes = check_dtypes_and_shapes(keys, dtypes, shapes)
@@ -437,6 +429,23 @@ def _validate(doc: Any, container: str, file_size: int | None) -> Record:
         pieces=pieces,
         deltas=deltas,
     )
+
+
+def _delta_layouts(cols: dict[str, Any], deltas: dict[str, Delta]) -> dict[str, Delta]:
+    """Check that the values stored as deltas (layout ``delta``) are those ``deltas``
+    describes, and make their layout ``array`` in ``cols`` (a delta's bytes are read as an
+    array's, through its patched source); returns ``deltas``."""
+    layouts = cols["layouts"]
+    if not deltas and (not isinstance(layouts, list) or DELTA not in layouts):
+        return deltas
+    at = dict(zip(cols["keys"], layouts, strict=False))
+    for key in deltas:
+        if at.get(key) != DELTA:
+            raise BadRecord(f"'deltas' describes {key!r}, which is not stored as a delta")
+    if sum(lay == DELTA for lay in layouts) != len(deltas):
+        raise BadRecord("a value stored as a delta has no entry in 'deltas'")
+    cols["layouts"] = [ARRAY if lay == DELTA else lay for lay in layouts]
+    return deltas
 
 
 def _check_header(doc: Any, container: str) -> tuple[tuple[int, int], str, dict[str, Any]]:

@@ -499,7 +499,7 @@ class _Tree:
                           {"ckptvar": "row patch: uint64 row indices, then the rows' bytes"})
         self.write(d / "zarr.json", _doc(meta))
         if delta.patch.size:
-            self.write(d / chunk_key(1), memoryview(delta.patch))
+            self.write(d / chunk_key(1), _rawio.byte_view(delta.patch))
 
     def _write_pieces(self, it: ValueWrite, d: Path, rows: int, held: Mapping[int, str]
                       ) -> None:
@@ -663,7 +663,7 @@ class ZarrReader(ContainerReader, SupportsShared):
         except BaseException:
             _close_source(base)
             raise
-        return Patched(base, 0, entry.nbytes, entry.nbytes // entry.shape[0], *folded)
+        return Patched(base, 0, entry.nbytes, entry.nbytes // entry.shape[0], folded)
 
     def _read_patches(self, key: str, entry: Entry, d: Delta) -> tuple[np.ndarray, np.ndarray]:
         rb = entry.nbytes // entry.shape[0]
@@ -678,7 +678,7 @@ class ZarrReader(ContainerReader, SupportsShared):
             finally:
                 os.close(fd)
             try:
-                parts.append(decode_patch(raw, n, rb, entry.shape[0], crc, seed))
+                parts.append(decode_patch(raw, n, rb, entry.shape[0], crc=crc, seed=seed))
             except ValueError as exc:
                 raise self.corrupt(key, f"has a row patch {rel!r} that {exc}; the checkpoint "
                                         "is damaged") from None

@@ -61,9 +61,9 @@ __all__ = [
     "is_materialized",
     "read_buffer",
     "restore_value",
+    "rows_written",
     "set_initial_value_source",
     "set_save_slice_info",
-    "rows_written",
     "track_rows",
     "write_version",
 ]

@@ -20,7 +20,7 @@ the base and every patch, so this bounds a restore at 1.25x the bytes of the val
 >>> rows = np.array([1, 3])
 >>> data = np.arange(8, dtype=np.uint8).reshape(4, 2)
 >>> raw, crc = patch_bytes(memoryview(data.tobytes()), 2, rows, 0)
->>> got_rows, got = decode_patch(raw, 2, 2, 4, crc, 0)
+>>> got_rows, got = decode_patch(raw, 2, 2, 4, crc=crc, seed=0)
 >>> got_rows.tolist(), got.tolist()
 ([1, 3], [[2, 3], [6, 7]])
 >>> r, d = fold([(np.array([0, 3]), np.array([[9, 9], [8, 8]], np.uint8)), (got_rows, got)])
@@ -88,7 +88,7 @@ def patch_bytes(view: memoryview, row_bytes: int, rows: np.ndarray, seed: int
 
 
 def decode_patch(raw: bytes | bytearray | memoryview | np.ndarray, n: int, row_bytes: int,
-                 nrows: int, crc: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+                 nrows: int, *, crc: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """``(rows, data)`` of a stored patch of ``n`` rows; ``ValueError`` saying what is
     wrong when it fails its checksum or its rows are not sorted, unique and in range."""
     buf = np.frombuffer(raw, np.uint8)

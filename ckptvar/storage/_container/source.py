@@ -165,15 +165,16 @@ class Patched:
     """A value's ``nbytes`` bytes: those of ``base`` from ``offset`` (a descriptor or
     :class:`Pieces`), with row ``rows[i]`` (``row_bytes`` each) replaced by ``data[i]``.
 
-    ``rows`` are sorted and unique; ``data`` is ``uint8[len(rows), row_bytes]``. The base is
-    closed with this source only when ``owned``.
+    ``patch`` is ``(rows, data)``: ``rows`` sorted and unique, ``data`` ``uint8[len(rows),
+    row_bytes]``. The base is closed with this source only when ``owned``.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
     >>> with open(os.path.join(d, "b"), "wb") as f:
     ...     _ = f.write(b"aabbccdd")
     >>> fd = os.open(os.path.join(d, "b"), os.O_RDONLY)
-    >>> src = Patched(fd, 0, 8, 2, np.array([1, 3]), np.frombuffer(b"XXYY", np.uint8).reshape(2, 2))
+    >>> patch = np.array([1, 3]), np.frombuffer(b"XXYY", np.uint8).reshape(2, 2)
+    >>> src = Patched(fd, 0, 8, 2, patch)
     >>> bytes(src.read_all()), bytearray(src.read_all()[3:6])
     (b'aaXXccYY', bytearray(b'Xcc'))
     >>> buf = bytearray(3)
@@ -184,10 +185,11 @@ class Patched:
 
     __slots__ = ("base", "data", "nbytes", "offset", "owned", "row_bytes", "rows")
 
-    def __init__(self, base: Any, offset: int, nbytes: int, row_bytes: int, rows: np.ndarray,
-                 data: np.ndarray, *, owned: bool = True) -> None:
+    def __init__(self, base: Any, offset: int, nbytes: int, row_bytes: int,
+                 patch: tuple[np.ndarray, np.ndarray], *, owned: bool = True) -> None:
         self.base, self.offset, self.nbytes, self.row_bytes = base, offset, nbytes, row_bytes
-        self.rows, self.data, self.owned = rows, data, owned
+        self.rows, self.data = patch
+        self.owned = owned
 
     def pread_into(self, buf: Any, offset: int) -> int:
         """Fill ``buf`` from ``offset``; returns the bytes read (fewer only past the end)."""
