@@ -266,7 +266,8 @@ class _H5File:
                     for j, (f, p, _, _, _) in enumerate(d.earlier):
                         fid.links.create_external(f"{it.path}/patch-{j}".encode(), f.encode(),
                                                   b"/" + p.encode(), lcpl=self.lcpl)
-                    d.offset = self._create(fid, d.path, np.dtype("u1"), (d.patch.size,))
+                    if d.rows.size:
+                        d.offset = self._create(fid, d.path, np.dtype("u1"), (d.patch.size,))
                     continue
                 it.offset = self._create(fid, it.path, storage_dtype(it.dtype), it.shape)
             if not plan.packed:

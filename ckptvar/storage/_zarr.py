@@ -211,7 +211,7 @@ class ZarrWriter(ContainerWriter):
             if it.held is not None and was != rows:
                 it.held = None  # the base's chunks are not this step's
             if (it.held is None and it.delta is None and rows is not None and rows == was
-                    and rec is not None):
+                    and rec is not None and it.key not in rec.deltas):
                 self._match_pieces(it, rows, rec, base)
         self.reused = [it.key for it in plan.arrays if it.held is not None]
         if self.copies is None:
@@ -494,6 +494,8 @@ class _Tree:
             d = self.array_dir(dst)
             for f in sorted(os.listdir(base / src)):
                 self.link(os.fspath(base / src / f), d / f)
+        if not delta.rows.size:  # unchanged: the base's delta as it is
+            return
         d = self.array_dir(delta.path)
         meta = array_meta((int(delta.patch.size),), np.dtype("u1"),
                           {"ckptvar": "row patch: uint64 row indices, then the rows' bytes"})

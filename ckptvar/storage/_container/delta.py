@@ -71,6 +71,9 @@ class DeltaWrite:
     offset: int = 0
 
     def record(self) -> Delta:
+        """Its record entry (an unchanged value's carried-over delta has no own patch)."""
+        if not self.rows.size:
+            return Delta(self.base, tuple(self.earlier), self.since)
         own = ("", self.path, self.offset, int(self.rows.size), self.crc)
         return Delta(self.base, (*self.earlier, own), self.since)
 

@@ -40,6 +40,7 @@ __all__ = ["ContainerWriter", "ValueWrite", "WritePlan", "delta_attrs", "scalar_
            "write_packed"]
 
 _ZEROS = memoryview(bytes(ALIGN))
+_NO_ROWS = np.empty(0, np.int64)
 _NO_BYTES = np.empty(0, np.uint8)
 logger = logging.getLogger("ckptvar")
 
@@ -325,30 +326,48 @@ class ContainerWriter(Writer):
         record, holder = found
         match(plan.arrays, record, self.known, holder)
         self.reused = [it.key for it in plan.arrays if it.held is not None]
-        if self.rows:
+        if self.rows or record.deltas:
             self._match_rows(plan.arrays, record, holder)
 
     def _match_rows(self, arrays: list[ValueWrite], record: Any,
                     holder: Callable[[str, Any], Held]) -> None:
         """Make the changed values whose changed rows are known row deltas where the rule
-        (:func:`.delta.plan`) says so; their patches are built here."""
+        (:func:`.delta.plan`) says so; their patches are built here. A value the base
+        stores as a delta and that is unchanged (known, or by its checksums) carries the
+        base's delta over, with no patch of its own."""
         for it in arrays:
-            rows = self.rows.get(it.key)
-            if rows is None or it.held is not None or it.source is not None:
+            if it.held is not None or it.source is not None:
                 continue
             entry = record.values.get(it.key)
             if (entry is None or entry.loc.kind != "array" or entry.dtype != it.dtype
                     or tuple(entry.shape) != tuple(it.shape)):
                 continue
             was = record.deltas.get(it.key)
-            if not plan(rows, it.shape, it.nbytes, () if was is None else was.patches):
+            rows = self.rows.get(it.key)
+            if rows is None and was is not None:
+                state = self.known.get(it.key)
+                if state is False:
+                    continue
+                if state is None:
+                    if not it.hashed:
+                        it.hash()
+                        it.hashed = True
+                    if it.checksum != entry.checksum or it.blocks != entry.blocks:
+                        continue
+                rows = _NO_ROWS  # unchanged: the base's delta as it is
+            elif rows is None or not plan(rows, it.shape, it.nbytes,
+                                          () if was is None else was.patches):
                 continue
             found = self._delta_for(it, entry, was, holder)
             if found is None:
                 continue
-            seed = _checksum.header_crc(it.key, it.dtype, it.shape)
             found.rows = rows
-            found.patch, found.crc = patch_bytes(it.view, it.nbytes // it.shape[0], rows, seed)
+            if rows.size:
+                seed = _checksum.header_crc(it.key, it.dtype, it.shape)
+                found.patch, found.crc = patch_bytes(it.view, it.nbytes // it.shape[0], rows,
+                                                     seed)
+            else:  # nothing hashed it (known unchanged): the base's checksums hold
+                it.checksum, it.blocks, it.hashed = entry.checksum, entry.blocks, True
             it.delta = found
         self.deltas = [it.key for it in arrays if it.delta is not None]
 
