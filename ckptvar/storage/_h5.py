@@ -557,7 +557,7 @@ class H5Reader(ContainerReader, SupportsShared):
                 except ValueError as exc:
                     raise self.corrupt(key, f"has a row patch {p!r} in {f or self.path.name!r} "
                                             f"that {exc}; the checkpoint is damaged") from None
-            folded = self._folded[key] = fold(parts)
+            folded = self._folded[key] = fold(parts, entry.shape[0])
         return Patched(base, d.base[2], entry.nbytes, entry.nbytes // entry.shape[0], folded,
                        owned=False)
 

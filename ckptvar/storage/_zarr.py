@@ -684,7 +684,7 @@ class ZarrReader(ContainerReader, SupportsShared):
             except ValueError as exc:
                 raise self.corrupt(key, f"has a row patch {rel!r} that {exc}; the checkpoint "
                                         "is damaged") from None
-        return fold(parts)
+        return fold(parts, entry.shape[0])
 
     def _piece_layout(self, key: str, entry: Entry) -> tuple[int, int]:
         """A value stored as several chunks (format 1.4): a chunk file's size and how

@@ -21,11 +21,12 @@ the base and every patch, so this bounds a restore at 1.25x the bytes of the val
 >>> data = np.arange(8, dtype=np.uint8).reshape(4, 2)
 >>> raw, crc = patch_bytes(memoryview(data.tobytes()), 2, rows, 0)
 >>> got_rows, got = decode_patch(raw, 2, 2, 4, crc=crc, seed=0)
->>> got_rows.tolist(), got.tolist()
-([1, 3], [[2, 3], [6, 7]])
->>> r, d = fold([(np.array([0, 3]), np.array([[9, 9], [8, 8]], np.uint8)), (got_rows, got)])
->>> r.tolist(), d.tolist()
-([0, 1, 3], [[9, 9], [2, 3], [6, 7]])
+>>> got_rows.tolist(), list(got.tobytes())
+([1, 3], [2, 3, 6, 7])
+>>> older = np.array([0, 3]), np.frombuffer(bytes([9, 9, 8, 8]), "V2")
+>>> r, d = fold([older, (got_rows, got)], 4)
+>>> r.tolist(), list(d.tobytes())
+([0, 1, 3], [9, 9, 2, 3, 6, 7])
 """
 
 from __future__ import annotations
@@ -85,14 +86,15 @@ def patch_bytes(view: memoryview, row_bytes: int, rows: np.ndarray, seed: int
     n = int(rows.size)
     out = np.empty(8 * n + n * row_bytes, np.uint8)
     out[: 8 * n].view("<u8")[:] = rows
-    grid = np.frombuffer(view, np.uint8).reshape(-1, row_bytes)
-    np.take(grid, rows, axis=0, out=out[8 * n:].reshape(n, row_bytes))
+    item = np.dtype((np.void, row_bytes))
+    np.take(np.frombuffer(view, item), rows, out=out[8 * n:].view(item))
     return out, _checksum.crc(out, seed)
 
 
 def decode_patch(raw: bytes | bytearray | memoryview | np.ndarray, n: int, row_bytes: int,
                  nrows: int, *, crc: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(rows, data)`` of a stored patch of ``n`` rows; ``ValueError`` saying what is
+    """``(rows, data)`` of a stored patch of ``n`` rows (``data``: one ``V<row_bytes>``
+    item per row, so whole rows copy as single items); ``ValueError`` saying what is
     wrong when it fails its checksum or its rows are not sorted, unique and in range."""
     buf = np.frombuffer(raw, np.uint8)
     if buf.size != 8 * n + n * row_bytes:
@@ -102,18 +104,25 @@ def decode_patch(raw: bytes | bytearray | memoryview | np.ndarray, n: int, row_b
     rows = buf[: 8 * n].view("<u8").astype(np.int64)
     if n and (rows[-1] >= nrows or (n > 1 and not (np.diff(rows) > 0).all())):
         raise ValueError("lists rows that are not sorted, unique and inside the value")
-    return rows, buf[8 * n:].reshape(n, row_bytes)
+    return rows, buf[8 * n:].view(np.dtype((np.void, row_bytes)))
 
 
-def fold(patches: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-    """Patches applied in order as one: sorted unique rows, each from the last patch
-    holding it."""
+def fold(patches: list[tuple[np.ndarray, np.ndarray]], nrows: int
+         ) -> tuple[np.ndarray, np.ndarray]:
+    """Patches of a value of ``nrows`` rows applied in order as one: sorted unique rows,
+    each from the last patch holding it (each row's bytes copied once; one byte per row
+    of the value marks which patch holds it last)."""
     if len(patches) == 1:
         return patches[0]
-    rows = np.concatenate([r for r, _ in patches])
-    data = np.concatenate([d for _, d in patches])
-    last, first = np.unique(rows[::-1], return_index=True)
-    return last, data[::-1][first]
+    owner = np.full(nrows, -1, np.int8)  # at most MAX_PATCHES (16) patches
+    for k, (rows, _) in enumerate(patches):
+        owner[rows] = k
+    last = np.flatnonzero(owner >= 0)
+    out = np.empty(last.size, patches[0][1].dtype)
+    for k, (rows, data) in enumerate(patches):
+        keep = owner[rows] == k
+        out[np.searchsorted(last, rows[keep])] = data[keep]
+    return last, out
 
 
 def plan(rows: np.ndarray, shape: tuple[int, ...], nbytes: int,

@@ -165,15 +165,16 @@ class Patched:
     """A value's ``nbytes`` bytes: those of ``base`` from ``offset`` (a descriptor or
     :class:`Pieces`), with row ``rows[i]`` (``row_bytes`` each) replaced by ``data[i]``.
 
-    ``patch`` is ``(rows, data)``: ``rows`` sorted and unique, ``data`` ``uint8[len(rows),
-    row_bytes]``. The base is closed with this source only when ``owned``.
+    ``patch`` is ``(rows, data)``: ``rows`` sorted and unique, ``data`` one ``V<row_bytes>``
+    item per row (whole rows copy as single items). The base is closed with this source
+    only when ``owned``.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
     >>> with open(os.path.join(d, "b"), "wb") as f:
     ...     _ = f.write(b"aabbccdd")
     >>> fd = os.open(os.path.join(d, "b"), os.O_RDONLY)
-    >>> patch = np.array([1, 3]), np.frombuffer(b"XXYY", np.uint8).reshape(2, 2)
+    >>> patch = np.array([1, 3]), np.frombuffer(b"XXYY", "V2")
     >>> src = Patched(fd, 0, 8, 2, patch)
     >>> bytes(src.read_all()), bytearray(src.read_all()[3:6])
     (b'aaXXccYY', bytearray(b'Xcc'))
@@ -212,12 +213,13 @@ class Patched:
         a = i + int(np.searchsorted(rows[i:j], full_lo))
         b = i + int(np.searchsorted(rows[i:j], full_hi))
         if b > a:
-            grid = out[full_lo * rb - offset: full_hi * rb - offset].reshape(-1, rb)
+            grid = out[full_lo * rb - offset: full_hi * rb - offset].view(self.data.dtype)
             grid[rows[a:b] - full_lo] = self.data[a:b]
         for k in (*range(i, a), *range(b, j)):  # rows cut by the range's ends (two at most)
             start = int(rows[k]) * rb
             lo, hi = max(start, offset), min(start + rb, end)
-            out[lo - offset: hi - offset] = self.data[k, lo - start: hi - start]
+            out[lo - offset: hi - offset] = self.data[k: k + 1].view(np.uint8)[
+                lo - start: hi - start]
 
     def preadv_all(self, bufs: Sequence[Any], offset: int) -> int:
         """Fill the buffers back to back from ``offset``."""

@@ -343,20 +343,8 @@ class ContainerWriter(Writer):
                     or tuple(entry.shape) != tuple(it.shape)):
                 continue
             was = record.deltas.get(it.key)
-            rows = self.rows.get(it.key)
-            if rows is None and was is not None:
-                state = self.known.get(it.key)
-                if state is False:
-                    continue
-                if state is None:
-                    if not it.hashed:
-                        it.hash()
-                        it.hashed = True
-                    if it.checksum != entry.checksum or it.blocks != entry.blocks:
-                        continue
-                rows = _NO_ROWS  # unchanged: the base's delta as it is
-            elif rows is None or not plan(rows, it.shape, it.nbytes,
-                                          () if was is None else was.patches):
+            rows = self._delta_rows(it, entry, was)
+            if rows is None:
                 continue
             found = self._delta_for(it, entry, was, holder)
             if found is None:
@@ -370,6 +358,26 @@ class ContainerWriter(Writer):
                 it.checksum, it.blocks, it.hashed = entry.checksum, entry.blocks, True
             it.delta = found
         self.deltas = [it.key for it in arrays if it.delta is not None]
+
+    def _delta_rows(self, it: ValueWrite, entry: Any, was: Any) -> np.ndarray | None:
+        """The rows of ``it``'s own patch if it is to be a delta (empty: the base's delta
+        ``was`` carried over unchanged), else None."""
+        rows = self.rows.get(it.key)
+        if rows is None and was is not None:
+            state = self.known.get(it.key)
+            if state is False:
+                return None
+            if state is None:
+                if not it.hashed:
+                    it.hash()
+                    it.hashed = True
+                if it.checksum != entry.checksum or it.blocks != entry.blocks:
+                    return None
+            return _NO_ROWS  # unchanged: the base's delta as it is
+        if rows is None or not plan(rows, it.shape, it.nbytes,
+                                    () if was is None else was.patches):
+            return None
+        return rows
 
     def _delta_for(self, it: ValueWrite, entry: Any, was: Any,
                    holder: Callable[[str, Any], Held]) -> DeltaWrite | None:
