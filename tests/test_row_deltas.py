@@ -16,7 +16,7 @@ import pytest
 
 import ckptvar as cv
 from ckptvar.errors import CorruptCheckpointError
-from ckptvar.storage._container.delta import DELTA_LIMIT
+from ckptvar.storage._container.delta import DELTA_LIMIT, MAX_PATCHES
 from ckptvar.storage._record import decode
 from ckptvar.variables import rows_written, track_rows, write_version
 from tests.ckpt_runs import ckpt_processes
@@ -247,3 +247,24 @@ def test_an_unchanged_delta_is_carried_over(tmp_path: Path, fresh_graph: cv.Grap
         with cv.open(s) as r:
             assert len(r.record.deltas["table"].patches) == 1
             assert np.array_equal(r["table"].read(), table.numpy())
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_too_many_patches_merge_into_one(tmp_path: Path, fresh_graph: cv.Graph,
+                                         fmt: str) -> None:
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, max_to_keep=2,
+                                   incremental=True)
+    manager.save()
+    for k in range(MAX_PATCHES + 1):  # the same hot rows, and one new row, each step
+        table.scatter_update([1, 2, 3, 100 + k], np.full((4, WIDTH), k, np.float32))
+        step = Path(manager.save())
+        with cv.open(step) as r:
+            d = r.record.deltas["table"]
+            if k < MAX_PATCHES:
+                assert len(d.patches) == k + 1
+    # the 17th would be one too many: one patch of every row changed since the base
+    assert len(d.patches) == 1 and d.patches[0][3] == 3 + MAX_PATCHES + 1
+    assert d.since == f"ckpt-1.{fmt}"
+    assert _added(step) < (MAX_PATCHES + 4) * (ROW_BYTES + 8) + (48 << 10)
+    assert np.array_equal(cv.load(step)["table"], table.numpy())

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import logging
 import os
 import re
 import struct
@@ -70,6 +71,8 @@ from ._record import (
 from .base import Backend, SupportsShared
 from .paths import RESERVED_PREFIX
 from .registry import register_backend
+
+logger = logging.getLogger("ckptvar")
 
 __all__ = [
     "USERBLOCK_SIZE",
@@ -133,6 +136,19 @@ class H5Writer(ContainerWriter):
         if it.held is not None:
             return Extent.array(it.path, it.held.offset, it.nbytes)
         return super()._array_loc(it)
+
+    def _base_rows(self, key: str) -> np.ndarray | None:
+        assert self.base is not None
+        try:
+            reader = H5Reader(self.base)
+            try:
+                return reader.delta_rows(key)
+            finally:
+                reader.close()
+        except (OSError, ValueError) as exc:  # CkptError subclasses ValueError or OSError
+            logger.warning("Incremental save of %s: cannot read the row patches of %r in "
+                           "%s (%s); writing it whole.", self.path, key, self.base, exc)
+            return None
 
     def _delta_for(self, it: ValueWrite, entry: Entry, was: Delta | None,
                    holder: Callable[[str, Entry], Held]) -> DeltaWrite | None:

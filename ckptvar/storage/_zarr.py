@@ -29,6 +29,7 @@ import errno
 import functools
 import importlib
 import json
+import logging
 import os
 import shutil
 import threading
@@ -76,6 +77,8 @@ from ._zarr_files import (
 from .atomic import fsync_all
 from .base import Backend, SupportsShared
 from .registry import register_backend
+
+logger = logging.getLogger("ckptvar")
 
 __all__ = ["PIECE_BYTES", "RECORD_PATH", "ZarrBackend", "ZarrReader", "ZarrWriter", "chunk_key"]
 
@@ -156,6 +159,19 @@ class ZarrWriter(ContainerWriter):
             return Held(os.fspath(base / path / chunk_key(len(entry.shape))), path, 0)
 
         return record, holder
+
+    def _base_rows(self, key: str) -> np.ndarray | None:
+        assert self.base is not None
+        try:
+            reader = ZarrReader(self.base)
+            try:
+                return reader.delta_rows(key)
+            finally:
+                reader.close()
+        except (OSError, ValueError) as exc:  # CkptError subclasses ValueError or OSError
+            logger.warning("Incremental save of %s: cannot read the row patches of %r in "
+                           "%s (%s); writing it whole.", self.path, key, self.base, exc)
+            return None
 
     def _delta_for(self, it: ValueWrite, entry: Entry, was: Delta | None,
                    holder: Any) -> DeltaWrite | None:

@@ -12,10 +12,13 @@ base (a ``cv.Variable``'s row log), it is an uncompressed array of at least
 :data:`DELTA_FROM` bytes with two rows or more, and the base holds it whole or as a delta
 of the same dtype and shape. A delta refers to the base's whole copy and to every patch
 since that copy was written, each in the file that wrote it (one level: never a delta of
-a delta), and adds its own patch of the rows changed since the base step. It is written
-whole instead when the patches would then hold more than :data:`DELTA_LIMIT` of its rows
-(counted with repeats) or more than :data:`MAX_PATCHES` patches: reading a delta reads
-the base and every patch, so this bounds a restore at 1.25x the bytes of the value.
+a delta), and adds its own patch of the rows changed since the base step. When the
+patches would then hold more than :data:`DELTA_LIMIT` of its rows (counted with
+repeats) or number more than :data:`MAX_PATCHES`, the earlier patches are **merged**:
+the step writes one patch of every row changed since the whole copy (their union, taken
+from the value in memory) and refers to the whole copy only; when that union itself is
+more than :data:`DELTA_LIMIT` of the rows, the value is written whole. Reading a delta
+reads the base and every patch, so a restore reads at most 1.25x the bytes of the value.
 
 >>> rows = np.array([1, 3])
 >>> data = np.arange(8, dtype=np.uint8).reshape(4, 2)
@@ -39,7 +42,7 @@ from .. import checksum as _checksum
 from .._record import Delta
 
 __all__ = ["DELTA_FROM", "DELTA_LIMIT", "MAX_PATCHES", "DeltaWrite", "decode_patch", "fold",
-           "patch_bytes", "plan"]
+           "merged", "patch_bytes", "plan"]
 
 #: Values smaller than this are written whole (a delta's patch and links cost more).
 DELTA_FROM = 1 << 20
@@ -126,10 +129,26 @@ def fold(patches: list[tuple[np.ndarray, np.ndarray]], nrows: int
 
 
 def plan(rows: np.ndarray, shape: tuple[int, ...], nbytes: int,
-         earlier: tuple[tuple[str, str, int, int, int], ...]) -> bool:
-    """Whether a value of ``shape`` (``nbytes``) whose ``rows`` changed since the base is
-    written as a delta on top of the base's ``earlier`` patches (the rule above)."""
+         earlier: tuple[tuple[str, str, int, int, int], ...]) -> str | None:
+    """How a value of ``shape`` (``nbytes``) whose ``rows`` changed since the base is
+    written (the rule above): ``"append"`` (a patch on top of the base's ``earlier``
+    ones), ``"merge"`` (one patch of every row changed since the base's whole copy, if
+    those are few enough: the caller checks), or None (whole)."""
     if len(shape) < 1 or shape[0] < 2 or nbytes < DELTA_FROM or not rows.size:
-        return False
+        return None
     total = int(rows.size) + sum(p[3] for p in earlier)
-    return total <= DELTA_LIMIT * shape[0] and len(earlier) + 1 <= MAX_PATCHES
+    if total <= DELTA_LIMIT * shape[0] and len(earlier) + 1 <= MAX_PATCHES:
+        return "append"
+    if earlier and rows.size <= DELTA_LIMIT * shape[0]:
+        return "merge"
+    return None
+
+
+def merged(rows: np.ndarray, before: np.ndarray | None, nrows: int) -> np.ndarray | None:
+    """The rows of a merged patch: those changed now and those the earlier patches hold
+    (``before``; None: unknown), or None when they are too many (the value is written
+    whole)."""
+    if before is None:
+        return None
+    union = np.union1d(before, rows)
+    return union if union.size <= DELTA_LIMIT * nrows else None

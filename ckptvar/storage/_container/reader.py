@@ -154,6 +154,21 @@ class ContainerReader(
                     "rows": sum(p[3] for p in d.patches)}
                 for k, d in self._record.deltas.items()}
 
+    def delta_rows(self, key: str) -> np.ndarray:
+        """The rows a row delta's patches hold, read and verified (sorted, unique); none
+        for a value that is not a delta."""
+        e = self.entry(key)
+        if key not in self._record.deltas:
+            return np.empty(0, np.int64)
+        src = self._open_array(key, e)
+        try:
+            patched = src.fd
+            assert isinstance(patched, _src.Patched)
+            return patched.rows
+        finally:
+            if src.owned:
+                _src.close(src.fd)
+
     @property
     def format_version(self) -> tuple[int, int]:
         return self._record.format_version

@@ -32,7 +32,7 @@ from ..base import Writer
 from ..chunked import Chunked, HostPieces, is_chunked, materialize, piece_bytes
 from ..paths import container_paths
 from .blocks import BLOCK_SIZE, BlockHasher, hash_blocks, hash_blocks_parallel
-from .delta import DeltaWrite, patch_bytes, plan
+from .delta import DeltaWrite, merged, patch_bytes, plan
 from .layout import ALIGN, pack_limit
 from .reuse import Held, match
 
@@ -349,6 +349,14 @@ class ContainerWriter(Writer):
             found = self._delta_for(it, entry, was, holder)
             if found is None:
                 continue
+            if was is not None and rows.size and plan(
+                    rows, it.shape, it.nbytes, was.patches) == "merge":
+                rows_since = merged(rows, self._base_rows(it.key), it.shape[0])
+                if rows_since is None:
+                    continue  # too many rows since the whole copy: written whole
+                rows = rows_since  # one patch of them, on the whole copy alone
+                found.earlier, found.links = [], found.links[:1]
+                found.path = found.path.rpartition("/")[0] + "/patch-0"
             found.rows = rows
             if rows.size:
                 seed = _checksum.header_crc(it.key, it.dtype, it.shape)
@@ -374,10 +382,15 @@ class ContainerWriter(Writer):
                 if it.checksum != entry.checksum or it.blocks != entry.blocks:
                     return None
             return _NO_ROWS  # unchanged: the base's delta as it is
-        if rows is None or not plan(rows, it.shape, it.nbytes,
-                                    () if was is None else was.patches):
+        if rows is None or plan(rows, it.shape, it.nbytes,
+                                () if was is None else was.patches) is None:
             return None
         return rows
+
+    def _base_rows(self, key: str) -> np.ndarray | None:
+        """The rows the base's patches of ``key`` hold (read and verified), or None when
+        they cannot be read (the value is then written whole)."""
+        return None
 
     def _delta_for(self, it: ValueWrite, entry: Any, was: Any,
                    holder: Callable[[str, Any], Held]) -> DeltaWrite | None:
