@@ -748,7 +748,8 @@ class H5Backend(
 
 def external_files(path: Path) -> set[str]:
     """The sibling checkpoints whose bytes the checkpoint at ``path`` refers to (an
-    incremental HDF5 step's external values; for a multi-process step directory, those
+    incremental HDF5 step's external values and its row deltas' bases and patches, format
+    1.5; for a multi-process step directory, those
     of its per-process ``.h5`` files, by the step that holds them); empty for anything
     else, or nothing at ``path``."""
     path = Path(path)
