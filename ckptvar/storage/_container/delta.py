@@ -16,8 +16,8 @@ a delta), and adds its own patch of the rows changed since the base step. When t
 patches would then hold more than :data:`DELTA_LIMIT` of its rows (counted with
 repeats) or number more than :data:`MAX_PATCHES`, the earlier patches are **merged**:
 the step writes one patch of every row changed since the whole copy (their union, taken
-from the value in memory) and refers to the whole copy only; when that union itself is
-more than :data:`DELTA_LIMIT` of the rows, the value is written whole. Reading a delta
+from the value in memory) and refers to the whole copy only; when that union is more
+than half of :data:`DELTA_LIMIT` of the rows, the value is written whole instead. Reading a delta
 reads the base and every patch, so a restore reads at most 1.25x the bytes of the value.
 
 >>> rows = np.array([1, 3])
@@ -146,9 +146,10 @@ def plan(rows: np.ndarray, shape: tuple[int, ...], nbytes: int,
 
 def merged(rows: np.ndarray, before: np.ndarray | None, nrows: int) -> np.ndarray | None:
     """The rows of a merged patch: those changed now and those the earlier patches hold
-    (``before``; None: unknown), or None when they are too many (the value is written
-    whole)."""
+    (``before``; None: unknown), or None when they are more than half the limit (the
+    value is then written whole: a merged patch that would soon outgrow the limit
+    costs more than the whole copy saves)."""
     if before is None:
         return None
     union = np.union1d(before, rows)
-    return union if union.size <= DELTA_LIMIT * nrows else None
+    return union if union.size <= DELTA_LIMIT * nrows / 2 else None
