@@ -268,3 +268,29 @@ def test_too_many_patches_merge_into_one(tmp_path: Path, fresh_graph: cv.Graph,
     assert d.since == f"ckpt-1.{fmt}"
     assert _added(step) < (MAX_PATCHES + 4) * (ROW_BYTES + 8) + (48 << 10)
     assert np.array_equal(cv.load(step)["table"], table.numpy())
+
+
+def test_a_patched_source_reads_any_range_as_the_assembled_value(tmp_path: Path) -> None:
+    from ckptvar.storage._container.source import Patched
+
+    rng = np.random.default_rng(7)
+    for row_bytes, nrows in ((4, 50), (12, 31), (256, 20)):
+        base = rng.integers(0, 256, row_bytes * nrows, dtype=np.uint8)
+        (tmp_path / "base").write_bytes(b"xyz" + base.tobytes())
+        rows = np.unique(rng.integers(0, nrows, nrows // 3))
+        data = rng.integers(0, 256, (rows.size, row_bytes), dtype=np.uint8)
+        want = base.reshape(nrows, row_bytes).copy()
+        want[rows] = data
+        fd = os.open(tmp_path / "base", os.O_RDONLY)
+        src = Patched(fd, 3, base.size, row_bytes,
+                      (rows, data.reshape(-1).view(np.dtype((np.void, row_bytes)))))
+        flat = want.reshape(-1)
+        for _ in range(200):  # ranges inside a row, across rows, at both ends
+            lo = int(rng.integers(0, base.size))
+            n = int(rng.integers(0, base.size - lo + 2))
+            buf = bytearray(n)
+            got = src.pread_into(buf, lo)
+            assert got == min(n, base.size - lo)
+            assert bytes(buf[:got]) == flat[lo: lo + got].tobytes()
+        assert bytes(src.read_all()) == flat.tobytes()
+        src.close()
