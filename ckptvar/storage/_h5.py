@@ -53,7 +53,7 @@ from ._container import (
     write_packed,
 )
 from ._container import source as _src
-from ._container.delta import DeltaWrite, decode_patch, fold
+from ._container.delta import DeltaWrite, fold, read_patches
 from ._container.reuse import Held
 from ._container.source import Patched, RemoteFile
 from ._record import (
@@ -560,19 +560,12 @@ class H5Reader(ContainerReader, SupportsShared):
         base = self._file(key, d.base[0], d.base[2], entry.nbytes)
         folded = self._folded.get(key)
         if folded is None:
-            rb = entry.nbytes // entry.shape[0]
-            seed = _checksum.header_crc(key, entry.dtype, entry.shape)
-            parts = []
-            for f, p, off, n, crc in d.patches:
-                size = 8 * n + n * rb
-                fd = self._file(key, f, off, size)
-                raw = _read_exact(fd, off, size, what=f"The row patch {p!r} of {key!r}",
-                                  path=self.path)
-                try:
-                    parts.append(decode_patch(raw, n, rb, entry.shape[0], crc=crc, seed=seed))
-                except ValueError as exc:
-                    raise self.corrupt(key, f"has a row patch {p!r} in {f or self.path.name!r} "
-                                            f"that {exc}; the checkpoint is damaged") from None
+            reads = [(self._file(key, f, off, 8 * n + n * (entry.nbytes // entry.shape[0])),
+                      off, n, crc, f"{p!r} in {f or self.path.name!r}")
+                     for f, p, off, n, crc in d.patches]
+            parts = read_patches(key, reads, entry.nbytes // entry.shape[0], entry.shape[0],
+                                 seed=_checksum.header_crc(key, entry.dtype, entry.shape),
+                                 corrupt=self.corrupt)
             folded = self._folded[key] = fold(parts, entry.shape[0])
         return Patched(base, d.base[2], entry.nbytes, entry.nbytes // entry.shape[0], folded,
                        owned=False)

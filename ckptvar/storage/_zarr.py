@@ -55,7 +55,7 @@ from ._container import (
     write_packed,
 )
 from ._container.blocks import BLOCK_SIZE
-from ._container.delta import DeltaWrite, decode_patch, fold
+from ._container.delta import DeltaWrite, fold, read_patches
 from ._container.reuse import Held
 from ._container.source import Patched, Pieces
 from ._record import ARRAY, FORMAT_VERSION, Delta, Entry, Extent, Record, decode
@@ -685,21 +685,18 @@ class ZarrReader(ContainerReader, SupportsShared):
 
     def _read_patches(self, key: str, entry: Entry, d: Delta) -> tuple[np.ndarray, np.ndarray]:
         rb = entry.nbytes // entry.shape[0]
-        seed = _checksum.header_crc(key, entry.dtype, entry.shape)
-        parts = []
-        for _, p, _, n, crc in d.patches:
-            rel = f"{p}/{chunk_key(1)}"
-            fd = self._open_chunk(key, rel, 8 * n + n * rb)
-            try:
-                raw = _rawio.pread_exact(fd, 0, 8 * n + n * rb, what=f"The row patch {rel!r}",
-                                         path=self.path)
-            finally:
+        fds: list[int] = []
+        try:
+            for _, p, _, n, _ in d.patches:
+                fds.append(self._open_chunk(key, f"{p}/{chunk_key(1)}", 8 * n + n * rb))
+            reads = [(fd, 0, n, crc, repr(f"{p}/{chunk_key(1)}"))
+                     for fd, (_, p, _, n, crc) in zip(fds, d.patches, strict=True)]
+            parts = read_patches(key, reads, rb, entry.shape[0],
+                                 seed=_checksum.header_crc(key, entry.dtype, entry.shape),
+                                 corrupt=self.corrupt)
+        finally:
+            for fd in fds:
                 os.close(fd)
-            try:
-                parts.append(decode_patch(raw, n, rb, entry.shape[0], crc=crc, seed=seed))
-            except ValueError as exc:
-                raise self.corrupt(key, f"has a row patch {rel!r} that {exc}; the checkpoint "
-                                        "is damaged") from None
         return fold(parts, entry.shape[0])
 
     def _piece_layout(self, key: str, entry: Entry) -> tuple[int, int]:

@@ -34,15 +34,20 @@ reads the base and every patch, so a restore reads at most 1.25x the bytes of th
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from .. import checksum as _checksum
+from .. import rawio as _rawio
 from .._record import Delta
+from . import source as _src
 
 __all__ = ["DELTA_FROM", "DELTA_LIMIT", "MAX_PATCHES", "DeltaWrite", "decode_patch", "fold",
-           "merged", "patch_bytes", "plan"]
+           "merged", "patch_bytes", "plan", "read_patches"]
 
 #: Values smaller than this are written whole (a delta's patch and links cost more).
 DELTA_FROM = 1 << 20
@@ -108,6 +113,32 @@ def decode_patch(raw: bytes | bytearray | memoryview | np.ndarray, n: int, row_b
     if n and (rows[-1] >= nrows or (n > 1 and not (np.diff(rows) > 0).all())):
         raise ValueError("lists rows that are not sorted, unique and inside the value")
     return rows, buf[8 * n:].view(np.dtype((np.void, row_bytes)))
+
+
+def read_patches(key: str, reads: list[tuple[Any, int, int, int, str]], row_bytes: int,
+                 nrows: int, *, seed: int, corrupt: Callable[[str, str], Exception]
+                 ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A delta's patches, read and checked on the I/O threads (in parallel), in order.
+
+    ``reads`` gives per patch ``(source, offset, rows, crc, what)`` (``what`` names the
+    patch and its file in messages); ``seed``: the value's header CRC;
+    ``corrupt(key, text)`` makes a damaged patch's error.
+    """
+    def one(fd: Any, offset: int, n: int, crc: int, what: str
+            ) -> tuple[np.ndarray, np.ndarray]:
+        buf = np.empty(8 * n + n * row_bytes, np.uint8)
+        got = _src.pread_into(fd, _rawio.byte_view(buf), offset)
+        if got != buf.size:
+            raise corrupt(key, f"has a row patch {what} that is truncated ({got} of "
+                               f"{buf.size} bytes); the checkpoint is damaged")
+        try:
+            return decode_patch(buf, n, row_bytes, nrows, crc=crc, seed=seed)
+        except ValueError as exc:
+            raise corrupt(key, f"has a row patch {what} that {exc}; the checkpoint is "
+                               "damaged") from None
+
+    tasks = [functools.partial(one, *r) for r in reads]
+    return _rawio.wait_all(_rawio.start_all(tasks))
 
 
 def fold(patches: list[tuple[np.ndarray, np.ndarray]], nrows: int
