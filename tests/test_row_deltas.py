@@ -64,6 +64,12 @@ def test_each_write_path_says_which_rows_it_wrote(fresh_graph: cv.Graph) -> None
     other.scatter_update([1], np.ones((1, 2)))
     assert _rows(other, before) is None  # a constraint may change any row
     assert _rows(v, (0, 0)) is None  # another variable's version
+    many = cv.Variable(np.zeros((1000, 2)), name="many")
+    track_rows(many)
+    before = write_version(many)
+    for i in range(60):  # more writes than the log keeps apart: merged, none lost
+        many.scatter_add([i, 500 + i], np.ones((2, 2)))
+    assert _rows(many, before) == sorted([*range(60), *range(500, 560)])
 
 
 def _model() -> tuple[cv.Checkpoint, cv.Variable]:

@@ -8,8 +8,9 @@ assignment and the ``scatter_*`` family, "all" for anything that writes the whol
 (``assign`` and its family, NumPy ``out=``, a restore, initialization). ``since(v)`` is
 then the sorted rows written after version ``v``, or ``None`` when that is not known
 (the log started later, or some write took the whole value). Entries beyond
-:data:`LIMIT` are merged, oldest first: a merged entry counts at its later version, so
-an answer may hold more rows than were written, never fewer.
+:data:`LIMIT` are merged, oldest first, into one flag per row (so many small writes
+between two saves cost what their rows cost): merged rows count at the latest merged
+version, so an answer may hold more rows than were written, never fewer.
 
 >>> log = RowLog(start=3)
 >>> log.add(4, np.array([5, 1]))
@@ -19,6 +20,10 @@ an answer may hold more rows than were written, never fewer.
 >>> log.add(6, None)
 >>> log.since(5), log.since(6).tolist()
 (None, [])
+>>> for v in range(7, 7 + 2 * LIMIT):
+...     log.add(v, np.array([v]))
+>>> log.since(6).tolist() == list(range(7, 7 + 2 * LIMIT)), log.since(7 + LIMIT).size
+(True, 15)
 """
 
 from __future__ import annotations
@@ -37,29 +42,47 @@ _EMPTY = np.empty(0, np.int64)
 class RowLog:
     """Rows written per version, complete from version ``start`` on."""
 
-    __slots__ = ("entries", "start")
+    __slots__ = ("entries", "older", "older_version", "start")
 
     def __init__(self, start: int) -> None:
         self.start = start
         #: ``(version after the write, sorted unique rows, or None: every row)``
         self.entries: list[tuple[int, np.ndarray | None]] = []
+        #: The rows of the entries merged away (one flag per row), all counted at
+        #: ``older_version``; None: none merged.
+        self.older: np.ndarray | None = None
+        self.older_version = start
 
     def add(self, version: int, rows: np.ndarray | None) -> None:
         """Note a finished write of ``rows`` (None: the whole value) at ``version``."""
         if rows is None:
-            self.entries = [(version, None)]  # everything before is covered by it
+            self.entries, self.older = [(version, None)], None  # it covers all before
             return
         self.entries.append((version, np.unique(np.asarray(rows, np.int64))))
-        if len(self.entries) > LIMIT:
-            (_, a), (v, b) = self.entries[0], self.entries[1]
-            merged = None if a is None or b is None else np.union1d(a, b)
-            self.entries[:2] = [(v, merged)]
+        if len(self.entries) > LIMIT:  # the oldest into the flags: O(its rows), no sort
+            v, old = self.entries.pop(0)
+            if old is None:
+                self.entries.insert(0, (v, None))  # an "every row" entry stays first
+                v, old = self.entries.pop(1)
+                if old is None:
+                    return
+            flags = self.older
+            top = int(old[-1]) + 1 if old.size else 0
+            if flags is None or flags.size < top:
+                grown = np.zeros(max(top, 0 if flags is None else flags.size), bool)
+                if flags is not None:
+                    grown[: flags.size] = flags
+                flags = self.older = grown
+            flags[old] = True
+            self.older_version = max(self.older_version, v)
 
     def since(self, version: int) -> np.ndarray | None:
         """The sorted rows written after ``version``; None when not known (all of them)."""
         if version < self.start:
             return None
         parts = []
+        if self.older is not None and self.older_version > version:
+            parts.append(np.flatnonzero(self.older))
         for v, rows in self.entries:
             if v > version:
                 if rows is None:
