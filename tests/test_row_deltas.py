@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
+from ckptvar.checkpoint._incremental import Incremental
 from ckptvar.errors import CorruptCheckpointError
 from ckptvar.storage._container.delta import DELTA_LIMIT, MAX_PATCHES
 from ckptvar.storage._record import decode
@@ -300,3 +301,22 @@ def test_a_patched_source_reads_any_range_as_the_assembled_value(tmp_path: Path)
             assert bytes(buf[:got]) == flat[lo: lo + got].tobytes()
         assert bytes(src.read_all()) == flat.tobytes()
         src.close()
+
+
+def test_a_save_asks_for_the_rows_after_its_snapshot(tmp_path: Path,
+                                                     fresh_graph: cv.Graph) -> None:
+    ckpt, table = _model()
+    inc = Incremental()
+    inc.start(None, {"table": table}).committed(tmp_path / "ckpt-1.h5")
+    table.scatter_update([5], np.full((1, WIDTH), 1.0, np.float32))
+    save = inc.start(tmp_path / "ckpt-1.h5", {"table": table})
+    table.scatter_update([9], np.full((1, WIDTH), 2.0, np.float32))  # after start()
+    assert save.changed_rows()["table"].tolist() == [5, 9]  # asked once the values are read
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", incremental=True, async_save=True)
+    manager.save()
+    table.scatter_update([11, 12], np.full((2, WIDTH), 3.0, np.float32))
+    manager.save()  # in the background, from a snapshot
+    manager.wait_until_finished()
+    with cv.open(manager.latest_checkpoint) as reader:
+        assert reader.deltas()["table"]["rows"] == 2
+        assert np.array_equal(reader["table"].read(), table.numpy())

@@ -41,9 +41,24 @@ class IncrementalSave:
     known: dict[str, bool]
     versions: dict[str, tuple[int, int]] = field(default_factory=dict)
     owner: Incremental | None = None
-    #: The changed variables whose written rows are known: key -> sorted first-axis
-    #: indices written since the base (such a value may be stored as a row delta).
-    rows: dict[str, Any] = field(default_factory=dict)
+    #: The changed variables and their versions at the base: key -> (variable, version)
+    #: (:meth:`changed_rows`).
+    changed: dict[str, tuple[Variable, tuple[int, int]]] = field(default_factory=dict)
+
+    def changed_rows(self) -> dict[str, Any]:
+        """The changed variables whose written rows are known: key -> the sorted first-axis
+        indices written since the base (such a value may be stored as a row delta).
+
+        Ask once the values are read (the snapshot taken): a write that landed after
+        :meth:`Incremental.start` is then in the answer, so the rows cover every row
+        that differs from the base (an answer may hold more rows, never fewer).
+        """
+        out = {}
+        for key, (var, before) in self.changed.items():
+            rows = rows_written(var, before)
+            if rows is not None and rows.size:
+                out[key] = rows
+        return out
 
     def on(self, base: Path | str | None) -> IncrementalSave:
         """This save on ``base`` (a multi-process save takes rank 0's base; ``None``:
@@ -84,7 +99,7 @@ class Incremental:
                     versions[key] = version
                     tracked[key] = var
         known: dict[str, bool] = {}
-        rows: dict[str, Any] = {}
+        changed: dict[str, tuple[Variable, tuple[int, int]]] = {}
         if base is not None and _name(base) == self._name:
             old = self._versions
             for key, now in versions.items():
@@ -92,10 +107,8 @@ class Incremental:
                 if before is not None:
                     known[key] = before == now
                     if before != now:
-                        changed = rows_written(tracked[key], before)
-                        if changed is not None and changed.size:
-                            rows[key] = changed
-        return IncrementalSave(base, known, versions, self, rows)
+                        changed[key] = (tracked[key], before)
+        return IncrementalSave(base, known, versions, self, changed)
 
 
 def _name(path: str | os.PathLike[str]) -> str:
