@@ -205,13 +205,11 @@ class Patched:
         """Put the patched rows that fall in ``[offset, offset + len(out))`` into ``out``."""
         rb, rows = self.row_bytes, self.rows
         end = offset + out.size
-        i = int(np.searchsorted(rows, offset // rb))
-        j = int(np.searchsorted(rows, (end - 1) // rb, side="right"))
+        i, j = rows.searchsorted((offset // rb, (end - 1) // rb + 1)).tolist()
         if i == j:
             return
         full_lo, full_hi = -(-offset // rb), end // rb  # rows wholly inside
-        a = i + int(np.searchsorted(rows[i:j], full_lo))
-        b = i + int(np.searchsorted(rows[i:j], full_hi))
+        a, b = (rows[i:j].searchsorted((full_lo, full_hi)) + i).tolist()
         if b > a:
             grid = out[full_lo * rb - offset: full_hi * rb - offset].view(self.data.dtype)
             grid[rows[a:b] - full_lo] = self.data[a:b]
