@@ -470,6 +470,17 @@ class CheckpointManager:
         pending = self._section.get("pending_delete", [])
         if not pending:
             return
+        still = self._delete_unheld(pending)
+        if still == pending:  # all held, as before: nothing to record
+            return
+        self._section["pending_delete"] = still
+        self._store(state)
+
+    def _delete_unheld(self, pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Delete the steps of ``pending`` that no step on disk refers to; returns the
+        others, each with ``held_for`` (the steps that refer to it)."""
+        if not pending:
+            return []
         doomed = [e["path"] for e in pending]
         holding = held(self.directory, self._steps_on_disk(exclude=doomed), doomed)
         still = []
@@ -484,10 +495,7 @@ class CheckpointManager:
                 )
                 continue
             discard(path)
-        if still == pending:  # all held, as before: nothing to record
-            return
-        self._section["pending_delete"] = still
-        self._store(state)
+        return still
 
     def _steps_on_disk(self, exclude: list[str]) -> list[str]:
         """This manager's step names in the directory, listed or not (a step committed
@@ -496,22 +504,31 @@ class CheckpointManager:
         return sorted(e.name for e in os.scandir(self.directory)
                       if e.name not in skip and self._is_own_name(e.name))
 
-    def _store(self, state: dict[str, Any]) -> None:
+    def _store(self, state: dict[str, Any], *, durable: bool = True) -> None:
         state["version"] = STATE_VERSION
         state["sections"][self.checkpoint_name] = self._section
         if self._section["checkpoints"]:
             state["latest"] = self._section["checkpoints"][-1]["path"]
         elif state.get("latest") and self._is_own_name(str(state["latest"])):
             state["latest"] = None
-        write_state(self.directory, state)
+        write_state(self.directory, state, durable=durable)
 
     def _record(self, path: str, step: int) -> None:
-        """Called once ``path`` is durable: list it, prune, persist, then delete pruned files."""
+        """Called once ``path`` is durable: list it, prune, then write the state file once.
+
+        The pruned steps no kept step refers to are deleted before the state is
+        written (a crash between the two leaves a state listing a step that is gone,
+        which :meth:`_recover` drops, and the new step unlisted, which it lists). The
+        state file is a cache of the directory, so it is written without fsync unless
+        it holds what the directory cannot tell: a step newly kept by
+        ``keep_checkpoint_every_n_hours`` (docs/checkpoints.md, "What a save costs").
+        """
         name = Path(path).name
         now = time.time()
         with locked(self.directory):
             state = read_state(self.directory, repair=True)
             section = self._recover(state)
+            preserved = len(section["preserved"])
             section["checkpoints"] = [e for e in section["checkpoints"] if e["path"] != name]
             section["checkpoints"].append({"path": name, "step": int(step), "time": now})
             section["checkpoints"].sort(key=lambda e: (self._number(e["path"]), e["time"]))
@@ -527,10 +544,10 @@ class CheckpointManager:
                         section["preserved"].append(old)
                     else:
                         doomed.append(old)
-            section["pending_delete"] = section.get("pending_delete", []) + doomed
+            section["pending_delete"] = self._delete_unheld(
+                section.get("pending_delete", []) + doomed)
             self._section = section
-            self._store(state)
-            self._finish_deletions(state)
+            self._store(state, durable=len(section["preserved"]) != preserved)
             self._clean_temporaries((f".{name}.",))  # a dead save's of this step
 
     # -- public -----------------------------------------------------------------------

@@ -40,6 +40,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import threading
 import re
 import shutil
 import stat
@@ -119,9 +120,24 @@ def fsync_all(files: Iterable[Path], dirs: Iterable[Path]) -> None:
         for fn, path in jobs:
             fn(path)
         return
-    with ThreadPoolExecutor(max_workers=min(16, len(jobs))) as pool:
-        for future in [pool.submit(fn, path) for fn, path in jobs]:
-            future.result()
+    pool = _fsync_pool()
+    for future in [pool.submit(fn, path) for fn, path in jobs]:
+        future.result()
+
+
+#: ``(pid, pool)``: the threads :func:`fsync_all` runs on, kept between calls (starting
+#: 16 threads per save cost more than a small step's fsyncs); a forked child makes its own.
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _fsync_pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid():
+            _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=16,
+                                                      thread_name_prefix="ckptvar-fsync"))
+        return _POOL[1]
 
 
 def remove_path(path: Path) -> None:
