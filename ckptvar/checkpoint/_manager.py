@@ -53,7 +53,13 @@ from ..locations import (
     temporaries,
     temporary_sibling,
 )
-from ..storage import is_own_checkpoint, is_partial, known_formats, save_remote
+from ..storage import (
+    is_own_checkpoint,
+    is_partial,
+    known_formats,
+    remote_external_files,
+    save_remote,
+)
 from ..variables import Variable
 from . import _async
 from ._checkpoint import Checkpoint, SaveOptions
@@ -125,10 +131,10 @@ def _check_incremental(directory: Any, format: str, coordinator: Any, local_dire
             "incremental=True is not supported yet with a local tier (local_directory=): "
             "its steps would be written whole without saying so; use one or the other."
         )
-    if is_url(directory) and format != "zarr":
+    if is_url(directory) and format != "zarr" and coordinator is not None:
         logger.warning(
-            "incremental=True on an object store (%s) with format=%r writes full steps: "
-            "an HDF5 step is one object, which a server-side copy cannot take in part; "
+            "incremental=True on an object store (%s) with format=%r and coordinator= "
+            "writes full steps: the per-process HDF5 objects do not refer to older ones; "
             "use format='zarr' to copy unchanged values on the server.", directory, format)
 
 
@@ -210,6 +216,8 @@ class CheckpointManager:
             _check_incremental(directory, format, coordinator, local_directory)
         #: ``incremental=True``: the last committed step this manager builds on
         self._incremental = Incremental() if incremental else None
+        #: an object store's incremental HDF5 steps: the steps each one reads values from
+        self._references: dict[str, frozenset[str]] = {}
         self._checkpoint = checkpoint
         self._location: Location | None = None
         self._storage_options = storage_options
@@ -275,25 +283,51 @@ class CheckpointManager:
                     self._store(state)  # the cache now says what the directory holds
 
     # -- an object store: the commit markers are the state ------------------------------
-    def _remote_list(self) -> list[dict[str, Any]]:
-        """This manager's committed steps, oldest first (one listing request)."""
+    def _remote_list(self, *, every: bool = False) -> list[dict[str, Any]]:
+        """This manager's committed steps, oldest first (one listing request).
+
+        An incremental HDF5 manager lists only the newest ``max_to_keep`` (unless
+        ``every``): an older step still committed is held, kept because a listed step
+        reads values from its object (docs/checkpoints.md, "Incremental checkpoints").
+        """
         assert self._location is not None
         entries = []
         for key in list_committed_steps(self._location):
             parsed = parse_step_name(key, prefix=self.checkpoint_name, suffixes=(self._suffix,))
             if parsed is not None:
                 entries.append({"path": key, "step": parsed.step})
-        return sorted(entries, key=lambda e: e["step"])
+        entries.sort(key=lambda e: e["step"])
+        if (not every and self.max_to_keep is not None and self._incremental is not None
+                and self.format == "h5"):
+            return entries[-self.max_to_keep:] if self.max_to_keep else []
+        return entries
 
     def _record_remote(self, step: int) -> None:
         """After a commit: prune beyond ``max_to_keep`` (marker first), clean leftovers."""
         assert self._location is not None
-        entries = self._remote_list()
-        if self.max_to_keep is not None:
-            while len(entries) > self.max_to_keep:
-                prune(self._location, entries.pop(0)["path"])
+        entries = self._remote_list(every=True)
+        if self.max_to_keep is not None and len(entries) > self.max_to_keep:
+            doomed = [e["path"] for e in entries[: -self.max_to_keep]]
+            kept = [e["path"] for e in entries[-self.max_to_keep:]]
+            holding = (held(self._location, kept, doomed, self._remote_references)
+                       if self._incremental is not None and self.format == "h5" else {})
+            for name in doomed:
+                if name in holding:  # a kept incremental step reads its bytes from there
+                    continue
+                self._references.pop(name, None)
+                prune(self._location, name)
+            entries = entries[-self.max_to_keep:]
         clean_uncommitted(self._location, older_than_latest=True)
         self._section["checkpoints"] = entries
+
+    def _remote_references(self, name: str) -> frozenset[str]:
+        """The steps whose objects hold bytes of the committed step ``name``'s values (an
+        incremental HDF5 step; a committed step never changes, so read once)."""
+        refs = self._references.get(name)
+        if refs is None:
+            refs = frozenset(remote_external_files(self._full(name), self._storage_options))
+            self._references[name] = refs
+        return refs
 
     def _full(self, name: str) -> str:
         if self._location is not None:
@@ -762,8 +796,8 @@ class CheckpointManager:
         (read when the save starts, after the one before it committed); Zarr only."""
         assert self._incremental is not None
         entries = self._section["checkpoints"]
-        base = (self._full(entries[-1]["path"])
-                if entries and self.format == "zarr" else None)
+        whole = self.format != "zarr" and self.coordinator is not None  # _check_incremental
+        base = self._full(entries[-1]["path"]) if entries and not whole else None
         return self._incremental.start(base, variables)
 
     def restore_or_initialize(self) -> str | None:

@@ -447,12 +447,14 @@ class H5Reader(ContainerReader, SupportsShared):
     """Reads a ckptvar ``.h5`` file with ``pread`` only (libhdf5 is never called).
 
     ``source`` reads the file's bytes from an object store instead (ranged GETs);
-    ``path`` is then its URL.
+    ``path`` is then its URL, and ``holders(step)`` the object of the step beside it
+    that holds an incremental step's external values (``FileNotFoundError`` when gone).
     """
 
     format = "h5"
 
-    def __init__(self, path: Path | str, *, source: RemoteFile | None = None) -> None:
+    def __init__(self, path: Path | str, *, source: RemoteFile | None = None,
+                 holders: Callable[[str], RemoteFile] | None = None) -> None:
         fd: int | RemoteFile
         if source is None:
             path = Path(path)
@@ -470,7 +472,8 @@ class H5Reader(ContainerReader, SupportsShared):
             raise
         self._fd = fd
         self._mm: Any = None
-        self._holders: dict[str, int] = {}  # the files external values are in, opened
+        self._holders: dict[str, int | RemoteFile] = {}  # where external values are, opened
+        self._find_holder = holders
         super().__init__(path, record)
         self._packed_base = record.packed[1] if record.packed else 0
         self._packed: int | RemoteFile = fd
@@ -486,16 +489,13 @@ class H5Reader(ContainerReader, SupportsShared):
             return Source(self._holder(key, entry), entry.loc.offset, False)
         return Source(self._fd, entry.loc.offset, False)
 
-    def _holder(self, key: str, entry: Entry) -> int:
-        """The descriptor of the sibling file holding ``key``'s bytes (an incremental step),
-        its byte range checked against its size."""
+    def _holder(self, key: str, entry: Entry) -> int | RemoteFile:
+        """The descriptor (or object) of the sibling file holding ``key``'s bytes (an
+        incremental step), its byte range checked against its size."""
         name = self._record.external[key][0]
-        if self.remote:
-            raise UnsupportedFormatError(
-                f"Checkpoint {str(self.path)!r} is an incremental step: {key!r} is stored in "
-                f"{name!r}; reading such a step from an object store is not supported."
-            )
         fd = self._holders.get(name)
+        if fd is None and self.remote:
+            fd = self._remote_holder(key, name)
         if fd is None:
             where = Path(self.path).parent / name
             try:
@@ -511,7 +511,7 @@ class H5Reader(ContainerReader, SupportsShared):
                     f"beside it (an incremental step), which cannot be read ({exc.strerror})."
                 ) from None
             self._holders[name] = fd
-        size = os.fstat(fd).st_size
+        size = fd.size if isinstance(fd, RemoteFile) else os.fstat(fd).st_size
         if entry.loc.offset < USERBLOCK_SIZE or entry.loc.offset + entry.nbytes > size:
             raise CorruptCheckpointError(
                 f"Checkpoint {str(self.path)!r}: the bytes of {key!r} at "
@@ -519,6 +519,23 @@ class H5Reader(ContainerReader, SupportsShared):
                 f"{name!r} ({size} bytes), the file that holds them."
             )
         return fd
+
+    def _remote_holder(self, key: str, name: str) -> RemoteFile:
+        """The object of step ``name`` beside this remote step, which holds ``key``'s bytes."""
+        if self._find_holder is None or "/" in name:
+            raise UnsupportedFormatError(
+                f"Checkpoint {str(self.path)!r} is an incremental step: {key!r} is stored in "
+                f"{name!r}, which this reader cannot reach."
+            )
+        try:
+            found = self._find_holder(name)
+        except (OSError, ValueError) as exc:
+            raise CorruptCheckpointError(
+                f"Checkpoint {str(self.path)!r}: the bytes of {key!r} are in the step "
+                f"{name!r} beside it (an incremental step), which cannot be read: {exc}."
+            ) from None
+        self._holders[name] = found
+        return found
 
     def packed_source(self) -> tuple[int | RemoteFile, int]:
         self.check_open()
@@ -547,7 +564,7 @@ class H5Reader(ContainerReader, SupportsShared):
                     mm.close()
             _src.close(self._fd)
             for fd in self._holders.values():
-                os.close(fd)
+                _src.close(fd)
             self._holders.clear()
         super().close()
 
