@@ -291,7 +291,7 @@ class CheckpointManager:
         reads values from its object (docs/checkpoints.md, "Incremental checkpoints").
         """
         assert self._location is not None
-        entries = []
+        entries: list[dict[str, Any]] = []
         for key in list_committed_steps(self._location):
             parsed = parse_step_name(key, prefix=self.checkpoint_name, suffixes=(self._suffix,))
             if parsed is not None:
@@ -504,24 +504,27 @@ class CheckpointManager:
         pending = self._section.get("pending_delete", [])
         if not pending:
             return
-        still = self._delete_unheld(pending)
+        still, unheld = self._split_held(pending)
+        self._delete(unheld)
         if still == pending:  # all held, as before: nothing to record
             return
         self._section["pending_delete"] = still
         self._store(state)
 
-    def _delete_unheld(self, pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Delete the steps of ``pending`` that no step on disk refers to; returns the
-        others, each with ``held_for`` (the steps that refer to it)."""
+    def _split_held(self, pending: list[dict[str, Any]]
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """``pending`` split into the steps a step on disk refers to (each with
+        ``held_for``: those steps) and the others, which can be deleted."""
         if not pending:
-            return []
+            return [], []
         doomed = [e["path"] for e in pending]
         holding = held(self.directory, self._steps_on_disk(exclude=doomed), doomed)
-        still = []
-        for entry in pending:
-            if entry["path"] in holding:  # a kept incremental step refers to its bytes
-                still.append({**entry, "held_for": holding[entry["path"]]})
-                continue
+        still = [{**e, "held_for": holding[e["path"]]} for e in pending if e["path"] in holding]
+        return still, [e for e in pending if e["path"] not in holding]
+
+    def _delete(self, entries: list[dict[str, Any]]) -> None:
+        """Delete these pruned steps (never what is not a ckptvar checkpoint)."""
+        for entry in entries:
             path = self.directory / entry["path"]
             if os.path.lexists(path) and not is_own_checkpoint(path):
                 logger.warning(
@@ -529,7 +532,6 @@ class CheckpointManager:
                 )
                 continue
             discard(path)
-        return still
 
     def _steps_on_disk(self, exclude: list[str]) -> list[str]:
         """This manager's step names in the directory, listed or not (a step committed
@@ -548,14 +550,15 @@ class CheckpointManager:
         write_state(self.directory, state, durable=durable)
 
     def _record(self, path: str, step: int) -> None:
-        """Called once ``path`` is durable: list it, prune, then write the state file once.
+        """Called once ``path`` is durable: list it, prune, write the state file once, then
+        delete the pruned steps that no step refers to.
 
-        The pruned steps no kept step refers to are deleted before the state is
-        written (a crash between the two leaves a state listing a step that is gone,
-        which :meth:`_recover` drops, and the new step unlisted, which it lists). The
-        state file is a cache of the directory, so it is written without fsync unless
-        it holds what the directory cannot tell: a step newly kept by
-        ``keep_checkpoint_every_n_hours`` (docs/checkpoints.md, "What a save costs").
+        Those are in the state neither as listed nor as pending (a crash before they
+        are deleted leaves them committed and unlisted: :meth:`_recover` lists them
+        again and the next save prunes them); a held one is pending. The state file
+        is a cache of the directory, so it is written without fsync unless it holds
+        what the directory cannot tell: a step newly kept by
+        ``keep_checkpoint_every_n_hours`` (docs/checkpoints.md, "CheckpointManager").
         """
         name = Path(path).name
         now = time.time()
@@ -578,10 +581,11 @@ class CheckpointManager:
                         section["preserved"].append(old)
                     else:
                         doomed.append(old)
-            section["pending_delete"] = self._delete_unheld(
+            section["pending_delete"], unheld = self._split_held(
                 section.get("pending_delete", []) + doomed)
             self._section = section
             self._store(state, durable=len(section["preserved"]) != preserved)
+            self._delete(unheld)
             self._clean_temporaries((f".{name}.",))  # a dead save's of this step
 
     # -- public -----------------------------------------------------------------------

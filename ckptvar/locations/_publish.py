@@ -40,10 +40,10 @@ import ctypes
 import ctypes.util
 import functools
 import os
-import threading
 import re
 import shutil
 import stat
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -125,19 +125,20 @@ def fsync_all(files: Iterable[Path], dirs: Iterable[Path]) -> None:
         future.result()
 
 
-#: ``(pid, pool)``: the threads :func:`fsync_all` runs on, kept between calls (starting
-#: 16 threads per save cost more than a small step's fsyncs); a forked child makes its own.
-_POOL: tuple[int, ThreadPoolExecutor] | None = None
+#: pid -> the threads :func:`fsync_all` runs on, kept between calls (starting 16 threads
+#: per save cost more than a small step's fsyncs); a forked child makes its own.
+_POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOL_LOCK = threading.Lock()
 
 
 def _fsync_pool() -> ThreadPoolExecutor:
-    global _POOL
     with _POOL_LOCK:
-        if _POOL is None or _POOL[0] != os.getpid():
-            _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=16,
-                                                      thread_name_prefix="ckptvar-fsync"))
-        return _POOL[1]
+        pool = _POOLS.get(os.getpid())
+        if pool is None:
+            _POOLS.clear()  # a parent's, in a forked child: its threads are not here
+            pool = _POOLS[os.getpid()] = ThreadPoolExecutor(
+                max_workers=16, thread_name_prefix="ckptvar-fsync")
+        return pool
 
 
 def remove_path(path: Path) -> None:

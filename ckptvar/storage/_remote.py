@@ -280,7 +280,7 @@ def save_remote_h5_incremental(
     block and root record (what the writer reads of a base; None when the base cannot
     be read: every value is then written, and the log says why).
     """
-    parent, name = split_url(url, storage_options=storage_options)
+    parent, _ = split_url(url, storage_options=storage_options)
     base_parent, base_name = split_url(base, storage_options=storage_options)
     if base_parent.url != parent.url:
         raise ValueError(f"The base {base!r} of an incremental step is not beside {url!r}.")
