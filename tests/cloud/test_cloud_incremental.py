@@ -132,15 +132,34 @@ def test_hdf5_steps_refer_to_the_holders_objects(s3: S3Bucket, proxy: FaultProxy
     again = cv.CheckpointManager(ckpt, run, max_to_keep=2, format="h5",
                                  storage_options=opts, incremental=True)
     assert again.checkpoints == manager.checkpoints
+    # plain h5py on the downloaded object: the head, and an external link to ckpt-1.h5
+    # that resolves once that step's object is downloaded beside it under that name
+    import h5py
+
+    def download(step: str) -> Path:
+        data = [o.key for o in loc.list() if o.key.startswith(f"{step}.")
+                and o.key.endswith(".data")]
+        assert len(data) == 1, data
+        (tmp_path / step).write_bytes(loc.read(data[0]))
+        return tmp_path / step
+
+    with h5py.File(download("ckpt-4.h5"), "r") as f:
+        assert np.array_equal(f["head"][...], head.numpy())
+        assert f.get("frozen", getlink=True).filename == "ckpt-1.h5"
+        with pytest.raises(KeyError):
+            f["frozen"]  # noqa: B018 - the holder is not downloaded yet
+    download("ckpt-1.h5")
+    with h5py.File(tmp_path / "ckpt-4.h5", "r") as f:
+        assert np.array_equal(f["frozen"][...], frozen.numpy())
     # ckpt convert writes a standalone copy (every value's bytes in the one file)
     out = tmp_path / "alone.h5"
     res = _ckpt(s3, "convert", last, str(out))
     assert res.returncode == 0, res.stdout + res.stderr
-    import h5py
-
     with h5py.File(out, "r") as f:
         assert isinstance(f.get("frozen", getlink=True), h5py.HardLink)
     assert np.array_equal(cv.load(out)["frozen"], frozen.numpy())
+    res = _ckpt(s3, "inspect", last)  # which step holds each value's bytes
+    assert res.returncode == 0 and "ckpt-1.h5" in res.stdout, res.stdout + res.stderr
     # once both values change, no kept step refers to steps 1 and 3 (nor 4): pruned
     frozen.assign_add(1.0)
     head.assign_add(1.0)
