@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -132,29 +133,13 @@ def test_hdf5_steps_refer_to_the_holders_objects(s3: S3Bucket, proxy: FaultProxy
     again = cv.CheckpointManager(ckpt, run, max_to_keep=2, format="h5",
                                  storage_options=opts, incremental=True)
     assert again.checkpoints == manager.checkpoints
-    # plain h5py on the downloaded object: the head, and an external link to ckpt-1.h5
-    # that resolves once that step's object is downloaded beside it under that name
-    import h5py
-
-    def download(step: str) -> Path:
-        data = [o.key for o in loc.list() if o.key.startswith(f"{step}.")
-                and o.key.endswith(".data")]
-        assert len(data) == 1, data
-        (tmp_path / step).write_bytes(loc.read(data[0]))
-        return tmp_path / step
-
-    with h5py.File(download("ckpt-4.h5"), "r") as f:
-        assert np.array_equal(f["head"][...], head.numpy())
-        assert f.get("frozen", getlink=True).filename == "ckpt-1.h5"
-        with pytest.raises(KeyError):
-            f["frozen"]  # noqa: B018 - the holder is not downloaded yet
-    download("ckpt-1.h5")
-    with h5py.File(tmp_path / "ckpt-4.h5", "r") as f:
-        assert np.array_equal(f["frozen"][...], frozen.numpy())
+    _plain_h5py_sees(loc, tmp_path, frozen.numpy(), head.numpy())
     # ckpt convert writes a standalone copy (every value's bytes in the one file)
     out = tmp_path / "alone.h5"
     res = _ckpt(s3, "convert", last, str(out))
     assert res.returncode == 0, res.stdout + res.stderr
+    import h5py
+
     with h5py.File(out, "r") as f:
         assert isinstance(f.get("frozen", getlink=True), h5py.HardLink)
     assert np.array_equal(cv.load(out)["frozen"], frozen.numpy())
@@ -170,6 +155,28 @@ def test_hdf5_steps_refer_to_the_holders_objects(s3: S3Bucket, proxy: FaultProxy
     assert not any(o.key.startswith(("ckpt-1.", "ckpt-3.", "ckpt-4.")) for o in loc.list())
     got = cv.load(again.latest_checkpoint, storage_options=s3.storage_options)
     assert np.array_equal(got["frozen"], frozen.numpy())
+
+
+def _plain_h5py_sees(loc: Any, tmp_path: Path, frozen: np.ndarray, head: np.ndarray) -> None:
+    """Plain h5py on step 4's downloaded object: the head, and an external link to
+    ckpt-1.h5 that resolves once that step's object is downloaded beside it."""
+    import h5py
+
+    def download(step: str) -> Path:
+        data = [o.key for o in loc.list() if o.key.startswith(f"{step}.")
+                and o.key.endswith(".data")]
+        assert len(data) == 1, data
+        (tmp_path / step).write_bytes(loc.read(data[0]))
+        return tmp_path / step
+
+    with h5py.File(download("ckpt-4.h5"), "r") as f:
+        assert np.array_equal(f["head"][...], head)
+        assert f.get("frozen", getlink=True).filename == "ckpt-1.h5"
+        with pytest.raises(KeyError):
+            f["frozen"]  # the holder is not downloaded yet
+    download("ckpt-1.h5")
+    with h5py.File(tmp_path / "ckpt-4.h5", "r") as f:
+        assert np.array_equal(f["frozen"][...], frozen)
 
 
 def test_hdf5_holder_deleted_behind_our_back(s3: S3Bucket) -> None:
