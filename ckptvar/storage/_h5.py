@@ -112,9 +112,7 @@ class H5Writer(ContainerWriter):
             name = f"../{base.parent.name}/{base.name}"
         else:
             return None
-        reader = H5Reader(base)
-        record = reader.record
-        reader.close()
+        record = _committed_record(base)
 
         def holder(key: str, entry: Entry) -> Held:
             file, path = record.external.get(key, (name, entry.loc.path or ""))
@@ -665,11 +663,30 @@ def external_files(path: Path) -> set[str]:
 def _external_names(path: Path) -> set[str]:
     if not path.is_file() or not H5Backend.sniff(path):
         return set()
-    reader = H5Reader(path)
-    try:
-        return {file for file, _ in reader.record.external.values()}
-    finally:
-        reader.close()
+    return {file for file, _ in _committed_record(path).external.values()}
+
+
+#: Decoded records of committed files by (path, inode, size, mtime): an incremental step's
+#: record is read after its commit (what it refers to) and again as the next step's base.
+_RECORDS: dict[tuple[str, int, int, int], Record] = {}
+
+
+def _committed_record(path: Path) -> Record:
+    """The root record of the committed ckptvar HDF5 file ``path`` (a committed file is
+    never changed in place: its identity and size name its record)."""
+    st = os.stat(path)
+    ident = (os.fspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    record = _RECORDS.get(ident)
+    if record is None:
+        reader = H5Reader(path)
+        try:
+            record = reader.record
+        finally:
+            reader.close()
+        if len(_RECORDS) >= 64:
+            _RECORDS.clear()
+        _RECORDS[ident] = record
+    return record
 
 
 register_backend(H5Backend)
