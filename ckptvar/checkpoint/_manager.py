@@ -797,7 +797,8 @@ class CheckpointManager:
 
     def _remote_base(self, variables: Mapping[str, Any]) -> Any:
         """An incremental save on an object store: its base is the latest committed step
-        (read when the save starts, after the one before it committed); Zarr only."""
+        (read when the save starts, after the one before it committed); with several
+        processes, Zarr only (their HDF5 steps there are written whole)."""
         assert self._incremental is not None
         entries = self._section["checkpoints"]
         whole = self.format != "zarr" and self.coordinator is not None  # _check_incremental
