@@ -266,7 +266,7 @@ def test_restart_after_100_kills_of_tiered_saves_persisting_to_s3(
 
 
 @pytest.mark.parametrize(("kills", "seed"), [
-    pytest.param(3, 19, id="3-kills"),
+    pytest.param(2, 19, id="2-kills"),
     pytest.param(50, 119, id="50-kills", marks=pytest.mark.slow),
 ])
 def test_restart_after_kills_of_incremental_hdf5_saves_to_s3(
