@@ -257,3 +257,59 @@ def test_a_holder_is_never_reached_through_a_symlink(tmp_path: Path,
     os.symlink(tmp_path / "elsewhere.h5", tmp_path / "ckpt-1.h5")
     with pytest.raises(cv.CorruptCheckpointError, match="cannot be read"):
         cv.load(p2)
+
+
+def _fsynced(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths ``os.fsync`` is called on from now (the real call still happens)."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def counting(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", counting)
+    return synced
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc (Linux)")
+def test_a_step_fsyncs_only_what_durability_needs(tmp_path: Path, fmt: str,
+                                                 fresh_graph: cv.Graph,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step with nothing changed (one older step pruned): no path fsynced twice, the
+    directory once (after the rename), the state file (a cache) not at all; an HDF5
+    step makes exactly 2 fsyncs, its file and the directory. Hard-linked Zarr chunk
+    files are not fsynced again."""
+    ckpt, _, _ = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=2, format=fmt,
+                                   incremental=True)
+    for _ in range(3):
+        manager.save()
+    synced = _fsynced(monkeypatch)
+    last = Path(manager.save())
+    assert len(synced) == len(set(synced)), synced
+    assert synced.count(str(tmp_path)) == 1, synced
+    assert not [p for p in synced if "checkpoint_state" in p], synced
+    linked = [p for p in synced if p.endswith(("/frozen/c.0", "/head/c.0"))]
+    assert not linked, synced  # hard links of chunk files made durable by their writer
+    if fmt == "h5":
+        assert len(synced) == 2 and ".ckpt-4.h5." in synced[0], synced
+    assert [Path(p).name for p in manager.checkpoints] == [f"ckpt-3.{fmt}", last.name]
+    assert not (tmp_path / f"ckpt-2.{fmt}").exists()
+
+
+def test_a_newly_preserved_step_makes_the_state_durable(tmp_path: Path,
+                                                       fresh_graph: cv.Graph,
+                                                       monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """Only the state file knows a step kept by ``keep_checkpoint_every_n_hours``: the
+    save that keeps one fsyncs the state (then the directory again)."""
+    ckpt, _, _ = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=1,
+                                   keep_checkpoint_every_n_hours=0, incremental=True)
+    manager.save()
+    synced = _fsynced(monkeypatch)
+    manager.save()  # step 1 leaves the window: preserved
+    state = json.loads((tmp_path / "checkpoint_state.json").read_text())["sections"]["ckpt"]
+    assert [e["path"] for e in state["preserved"]] == ["ckpt-1.h5"]
+    assert [p for p in synced if "checkpoint_state" in p], synced

@@ -25,6 +25,7 @@ from ..storage import (
     partial_path,
     remove_path,
     save_remote,
+    save_remote_h5_incremental,
     save_remote_incremental,
 )
 
@@ -131,8 +132,9 @@ def write_file(
     At an object-store URL: written to a local temporary, streamed up and committed by
     marker (:func:`ckptvar.storage._remote.save_remote`); returns the URL. There an
     incremental Zarr step (``base``: the URL of a committed step beside it) takes its
-    unchanged values as server-side copies of the base's chunk objects; an HDF5 step
-    (one object, which a copy cannot take in part) is written whole.
+    unchanged values as server-side copies of the base's chunk objects; an incremental
+    HDF5 step's object holds only the other values, its record referring to the objects
+    of the steps that hold the unchanged ones (read back with ranged GETs).
     ``copies`` (a local Zarr write): reused files are listed there, not linked.
     ``pieces`` (a local Zarr write): large values are stored as several chunks, so that
     an incremental step shares the unchanged ones (docs/FORMAT.md, "Pieces").
@@ -149,6 +151,14 @@ def write_file(
                 lambda tmp, record, listed: write_file(
                     tmp, fmt, arrays, meta, pack_threshold=pack_threshold, base=record,
                     known=known, copies=listed),
+                storage_options,
+            )
+        if base is not None and fmt == "h5":
+            return save_remote_h5_incremental(
+                os.fspath(path), os.fspath(base),
+                lambda tmp, copy: write_file(
+                    tmp, fmt, arrays, meta, pack_threshold=pack_threshold, base=copy,
+                    known=known),
                 storage_options,
             )
         return str(save_remote(

@@ -6,7 +6,8 @@ into an :class:`IncrementalSave` for each save: the base step and, per key, whet
 value is known unchanged since (same variable, same version) or known changed; the storage
 layer compares the rest by block checksums. And :func:`held`: which of the files a prune
 would delete are still referred to by a kept step (an HDF5 step's external values, or
-those of a multi-process step's per-process files), so the manager keeps them until no
+those of a multi-process step's per-process files; on an object store, an HDF5 step's
+values in older steps' objects), so the manager keeps them until no
 kept step does (docs/checkpoints.md, "Incremental checkpoints"). With several processes,
 each has its own :class:`Incremental` and takes rank 0's base (:meth:`IncrementalSave.on`).
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,14 +133,17 @@ def _references(path: Path) -> frozenset[str]:
     return refs
 
 
-def held(directory: Path, kept: Iterable[str], doomed: Iterable[str]) -> dict[str, list[str]]:
+def held(directory: Any, kept: Iterable[str], doomed: Iterable[str],
+         references: Callable[[str], frozenset[str]] | None = None) -> dict[str, list[str]]:
     """Of the file names ``doomed``, those a step in ``kept`` refers to, with its referrers.
 
     A doomed step that is held is kept whole, so what it refers to is held in turn (every
     file left on disk stays loadable). A step that cannot be read is taken to refer to
     everything doomed (nothing it may need is deleted on a guess); one that is gone
-    refers to nothing.
+    refers to nothing. ``references(name)``: the steps ``name`` refers to (default: read
+    from the file ``directory / name``; an object store's steps are read by the caller).
     """
+    refer = references or (lambda name: _references(directory / name))
     gone = frozenset(doomed)
     out: dict[str, list[str]] = {}
     todo = list(kept)
@@ -150,12 +154,12 @@ def held(directory: Path, kept: Iterable[str], doomed: Iterable[str]) -> dict[st
             continue
         seen.add(name)
         try:
-            refs = _references(directory / name)
+            refs = refer(name)
         except FileNotFoundError:
             continue
         except (CkptError, OSError) as exc:
-            logger.warning("Keeping every pruned step: cannot read %s (%s).",
-                           directory / name, exc)
+            logger.warning("Keeping every pruned step: cannot read %s in %s (%s).",
+                           name, directory, exc)
             refs = gone
         for ref in sorted(refs & gone):
             out.setdefault(ref, []).append(name)

@@ -53,7 +53,13 @@ from ..locations import (
     temporaries,
     temporary_sibling,
 )
-from ..storage import is_own_checkpoint, is_partial, known_formats, save_remote
+from ..storage import (
+    is_own_checkpoint,
+    is_partial,
+    known_formats,
+    remote_external_files,
+    save_remote,
+)
 from ..variables import Variable
 from . import _async
 from ._checkpoint import Checkpoint, SaveOptions
@@ -125,10 +131,10 @@ def _check_incremental(directory: Any, format: str, coordinator: Any, local_dire
             "incremental=True is not supported yet with a local tier (local_directory=): "
             "its steps would be written whole without saying so; use one or the other."
         )
-    if is_url(directory) and format != "zarr":
+    if is_url(directory) and format != "zarr" and coordinator is not None:
         logger.warning(
-            "incremental=True on an object store (%s) with format=%r writes full steps: "
-            "an HDF5 step is one object, which a server-side copy cannot take in part; "
+            "incremental=True on an object store (%s) with format=%r and coordinator= "
+            "writes full steps: the per-process HDF5 objects do not refer to older ones; "
             "use format='zarr' to copy unchanged values on the server.", directory, format)
 
 
@@ -210,6 +216,8 @@ class CheckpointManager:
             _check_incremental(directory, format, coordinator, local_directory)
         #: ``incremental=True``: the last committed step this manager builds on
         self._incremental = Incremental() if incremental else None
+        #: an object store's incremental HDF5 steps: the steps each one reads values from
+        self._references: dict[str, frozenset[str]] = {}
         self._checkpoint = checkpoint
         self._location: Location | None = None
         self._storage_options = storage_options
@@ -275,25 +283,51 @@ class CheckpointManager:
                     self._store(state)  # the cache now says what the directory holds
 
     # -- an object store: the commit markers are the state ------------------------------
-    def _remote_list(self) -> list[dict[str, Any]]:
-        """This manager's committed steps, oldest first (one listing request)."""
+    def _remote_list(self, *, every: bool = False) -> list[dict[str, Any]]:
+        """This manager's committed steps, oldest first (one listing request).
+
+        An incremental HDF5 manager lists only the newest ``max_to_keep`` (unless
+        ``every``): an older step still committed is held, kept because a listed step
+        reads values from its object (docs/checkpoints.md, "Incremental checkpoints").
+        """
         assert self._location is not None
-        entries = []
+        entries: list[dict[str, Any]] = []
         for key in list_committed_steps(self._location):
             parsed = parse_step_name(key, prefix=self.checkpoint_name, suffixes=(self._suffix,))
             if parsed is not None:
                 entries.append({"path": key, "step": parsed.step})
-        return sorted(entries, key=lambda e: e["step"])
+        entries.sort(key=lambda e: e["step"])
+        if (not every and self.max_to_keep is not None and self._incremental is not None
+                and self.format == "h5"):
+            return entries[-self.max_to_keep:] if self.max_to_keep else []
+        return entries
 
     def _record_remote(self, step: int) -> None:
         """After a commit: prune beyond ``max_to_keep`` (marker first), clean leftovers."""
         assert self._location is not None
-        entries = self._remote_list()
-        if self.max_to_keep is not None:
-            while len(entries) > self.max_to_keep:
-                prune(self._location, entries.pop(0)["path"])
+        entries = self._remote_list(every=True)
+        if self.max_to_keep is not None and len(entries) > self.max_to_keep:
+            doomed = [e["path"] for e in entries[: -self.max_to_keep]]
+            kept = [e["path"] for e in entries[-self.max_to_keep:]]
+            holding = (held(self._location, kept, doomed, self._remote_references)
+                       if self._incremental is not None and self.format == "h5" else {})
+            for name in doomed:
+                if name in holding:  # a kept incremental step reads its bytes from there
+                    continue
+                self._references.pop(name, None)
+                prune(self._location, name)
+            entries = entries[-self.max_to_keep:]
         clean_uncommitted(self._location, older_than_latest=True)
         self._section["checkpoints"] = entries
+
+    def _remote_references(self, name: str) -> frozenset[str]:
+        """The steps whose objects hold bytes of the committed step ``name``'s values (an
+        incremental HDF5 step; a committed step never changes, so read once)."""
+        refs = self._references.get(name)
+        if refs is None:
+            refs = frozenset(remote_external_files(self._full(name), self._storage_options))
+            self._references[name] = refs
+        return refs
 
     def _full(self, name: str) -> str:
         if self._location is not None:
@@ -470,13 +504,27 @@ class CheckpointManager:
         pending = self._section.get("pending_delete", [])
         if not pending:
             return
+        still, unheld = self._split_held(pending)
+        self._delete(unheld)
+        if still == pending:  # all held, as before: nothing to record
+            return
+        self._section["pending_delete"] = still
+        self._store(state)
+
+    def _split_held(self, pending: list[dict[str, Any]]
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """``pending`` split into the steps a step on disk refers to (each with
+        ``held_for``: those steps) and the others, which can be deleted."""
+        if not pending:
+            return [], []
         doomed = [e["path"] for e in pending]
         holding = held(self.directory, self._steps_on_disk(exclude=doomed), doomed)
-        still = []
-        for entry in pending:
-            if entry["path"] in holding:  # a kept incremental step refers to its bytes
-                still.append({**entry, "held_for": holding[entry["path"]]})
-                continue
+        still = [{**e, "held_for": holding[e["path"]]} for e in pending if e["path"] in holding]
+        return still, [e for e in pending if e["path"] not in holding]
+
+    def _delete(self, entries: list[dict[str, Any]]) -> None:
+        """Delete these pruned steps (never what is not a ckptvar checkpoint)."""
+        for entry in entries:
             path = self.directory / entry["path"]
             if os.path.lexists(path) and not is_own_checkpoint(path):
                 logger.warning(
@@ -484,10 +532,6 @@ class CheckpointManager:
                 )
                 continue
             discard(path)
-        if still == pending:  # all held, as before: nothing to record
-            return
-        self._section["pending_delete"] = still
-        self._store(state)
 
     def _steps_on_disk(self, exclude: list[str]) -> list[str]:
         """This manager's step names in the directory, listed or not (a step committed
@@ -496,22 +540,32 @@ class CheckpointManager:
         return sorted(e.name for e in os.scandir(self.directory)
                       if e.name not in skip and self._is_own_name(e.name))
 
-    def _store(self, state: dict[str, Any]) -> None:
+    def _store(self, state: dict[str, Any], *, durable: bool = True) -> None:
         state["version"] = STATE_VERSION
         state["sections"][self.checkpoint_name] = self._section
         if self._section["checkpoints"]:
             state["latest"] = self._section["checkpoints"][-1]["path"]
         elif state.get("latest") and self._is_own_name(str(state["latest"])):
             state["latest"] = None
-        write_state(self.directory, state)
+        write_state(self.directory, state, durable=durable)
 
     def _record(self, path: str, step: int) -> None:
-        """Called once ``path`` is durable: list it, prune, persist, then delete pruned files."""
+        """Called once ``path`` is durable: list it, prune, write the state file once, then
+        delete the pruned steps that no step refers to.
+
+        Those are in the state neither as listed nor as pending (a crash before they
+        are deleted leaves them committed and unlisted: :meth:`_recover` lists them
+        again and the next save prunes them); a held one is pending. The state file
+        is a cache of the directory, so it is written without fsync unless it holds
+        what the directory cannot tell: a step newly kept by
+        ``keep_checkpoint_every_n_hours`` (docs/checkpoints.md, "CheckpointManager").
+        """
         name = Path(path).name
         now = time.time()
         with locked(self.directory):
             state = read_state(self.directory, repair=True)
             section = self._recover(state)
+            preserved = len(section["preserved"])
             section["checkpoints"] = [e for e in section["checkpoints"] if e["path"] != name]
             section["checkpoints"].append({"path": name, "step": int(step), "time": now})
             section["checkpoints"].sort(key=lambda e: (self._number(e["path"]), e["time"]))
@@ -527,10 +581,11 @@ class CheckpointManager:
                         section["preserved"].append(old)
                     else:
                         doomed.append(old)
-            section["pending_delete"] = section.get("pending_delete", []) + doomed
+            section["pending_delete"], unheld = self._split_held(
+                section.get("pending_delete", []) + doomed)
             self._section = section
-            self._store(state)
-            self._finish_deletions(state)
+            self._store(state, durable=len(section["preserved"]) != preserved)
+            self._delete(unheld)
             self._clean_temporaries((f".{name}.",))  # a dead save's of this step
 
     # -- public -----------------------------------------------------------------------
@@ -742,11 +797,12 @@ class CheckpointManager:
 
     def _remote_base(self, variables: Mapping[str, Any]) -> Any:
         """An incremental save on an object store: its base is the latest committed step
-        (read when the save starts, after the one before it committed); Zarr only."""
+        (read when the save starts, after the one before it committed); with several
+        processes, Zarr only (their HDF5 steps there are written whole)."""
         assert self._incremental is not None
         entries = self._section["checkpoints"]
-        base = (self._full(entries[-1]["path"])
-                if entries and self.format == "zarr" else None)
+        whole = self.format != "zarr" and self.coordinator is not None  # _check_incremental
+        base = self._full(entries[-1]["path"]) if entries and not whole else None
         return self._incremental.start(base, variables)
 
     def restore_or_initialize(self) -> str | None:

@@ -2,7 +2,8 @@
 
 The state file only caches what is committed in the directory (the manager checks
 it against the step files). It is replaced atomically (``locations.publish``:
-temporary sibling, fsync, rename, fsync of the directory) and updated under an advisory lock file (``.checkpoint_state.lock``)
+temporary sibling, rename; fsynced, then the directory, where it holds what the files
+cannot tell) and updated under an advisory lock file (``.checkpoint_state.lock``)
 so that several managers, in any process, can share a directory. It has one
 section per ``checkpoint_name`` (a manager's own list of checkpoints) and the
 directory's ``latest`` checkpoint, which :func:`latest_checkpoint` returns. A
@@ -140,9 +141,11 @@ def _rebuild_state(directory: Path, why: str, *, repair: bool) -> dict[str, Any]
             "latest": latest["path"] if latest else None}
 
 
-def write_state(directory: Path, state: dict[str, Any]) -> None:
-    """Replace the state file atomically and durably (the caller holds :func:`locked`)."""
-    write_atomically(directory / STATE_FILE, json.dumps(state, indent=1, sort_keys=True).encode())
+def write_state(directory: Path, state: dict[str, Any], *, durable: bool = True) -> None:
+    """Replace the state file atomically (the caller holds :func:`locked`); ``durable``:
+    fsynced too (a cache of the directory need not be, but for what only it holds)."""
+    write_atomically(directory / STATE_FILE, json.dumps(state, indent=1, sort_keys=True).encode(),
+                     durable=durable)
 
 
 def exists(path: Path) -> bool:

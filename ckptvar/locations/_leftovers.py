@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,15 +70,32 @@ def staging_leftovers(tmpdir: str | None = None) -> list[Leftover]:
     where = Path(tmpdir or tempfile.gettempdir())
     found = []
     with contextlib.suppress(FileNotFoundError):
-        for entry in sorted(os.scandir(where), key=lambda e: e.name):
-            if not entry.name.startswith(STAGING_PREFIX):
-                continue
-            owner = parse_staging_name(entry.name)
+        for name in _staging_names(where):
+            owner = parse_staging_name(name)
             if owner is None or owner[0] != this_host() or process_alive(owner[1]):
                 continue
-            path = Path(entry.path)
-            found.append(Leftover(os.fspath(path), _size(path), "staging directory"))
+            path = where / name
+            if os.path.lexists(path):
+                found.append(Leftover(os.fspath(path), _size(path), "staging directory"))
     return found
+
+
+#: ``TMPDIR`` -> (its mtime, the staging names in it): a manager looks before every save,
+#: and a shared ``TMPDIR`` holds thousands of names; listed again when it changed.
+_LISTED: dict[str, tuple[int, list[str]]] = {}
+
+
+def _staging_names(where: Path) -> list[str]:
+    """The names in ``where`` that start like a staging directory's, sorted."""
+    key = os.fspath(where)
+    mtime = os.stat(where).st_mtime_ns
+    cached = _LISTED.get(key)
+    # an mtime within the last second may not show a change made in the same tick
+    if cached is not None and cached[0] == mtime and time.time_ns() - mtime > 1_000_000_000:
+        return cached[1]
+    names = sorted(n for n in os.listdir(where) if n.startswith(STAGING_PREFIX))
+    _LISTED[key] = (mtime, names)
+    return names
 
 
 def remove_local(leftovers: Iterable[Leftover]) -> None:

@@ -43,6 +43,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -119,15 +120,43 @@ def fsync_all(files: Iterable[Path], dirs: Iterable[Path]) -> None:
         for fn, path in jobs:
             fn(path)
         return
-    with ThreadPoolExecutor(max_workers=min(16, len(jobs))) as pool:
-        for future in [pool.submit(fn, path) for fn, path in jobs]:
-            future.result()
+    pool = _fsync_pool()
+    for future in [pool.submit(fn, path) for fn, path in jobs]:
+        future.result()
+
+
+#: pid -> the threads :func:`fsync_all` runs on, kept between calls (starting 16 threads
+#: per save cost more than a small step's fsyncs); a forked child makes its own.
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOL_LOCK = threading.Lock()
+
+
+def _fsync_pool() -> ThreadPoolExecutor:
+    with _POOL_LOCK:
+        pool = _POOLS.get(os.getpid())
+        if pool is None:
+            _POOLS.clear()  # a parent's, in a forked child: its threads are not here
+            pool = _POOLS[os.getpid()] = ThreadPoolExecutor(
+                max_workers=16, thread_name_prefix="ckptvar-fsync")
+        return pool
 
 
 def remove_path(path: Path) -> None:
-    """Delete a file or directory tree if it exists (never follows a symlink)."""
+    """Delete a file or directory tree if it exists (never follows a symlink).
+
+    A tree's subdirectories (a Zarr checkpoint's arrays) are removed concurrently: on a
+    busy journaling file system each ``rmdir`` may wait for a journal commit, and
+    concurrent ones wait for the same commit (a 24-directory Zarr step: ~80 ms one
+    after another on this VM's loaded disk).
+    """
     with contextlib.suppress(FileNotFoundError):
         if path.is_dir() and not path.is_symlink():
+            subdirs = [e.path for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+            if len(subdirs) > 2:
+                pool = _fsync_pool()
+                for future in [pool.submit(shutil.rmtree, d, ignore_errors=True)
+                               for d in subdirs]:
+                    future.result()
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink()

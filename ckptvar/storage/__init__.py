@@ -55,7 +55,14 @@ from . import _h5, _sharded, _zarr  # noqa: F401
 # Then other tools' formats (ckptvar.formats), after ckptvar's own.
 from .. import formats  # noqa: F401
 from ._h5 import external_files
-from ._remote import open_remote_reader, remote_format, save_remote, save_remote_incremental
+from ._remote import (
+    open_remote_reader,
+    remote_external_files,
+    remote_format,
+    save_remote,
+    save_remote_h5_incremental,
+    save_remote_incremental,
+)
 from ._sharded import INDEX_FILE, ShardedReader, box_key, pack_index, rank_file
 from ._sharded_remote import RemoteStep
 from ._sharded_zarr import GridReuse, grid_layout
@@ -98,9 +105,11 @@ __all__ = [
     "paused_gc",
     "rank_file",
     "register_backend",
+    "remote_external_files",
     "remote_format",
     "remove_path",
     "save_remote",
+    "save_remote_h5_incremental",
     "save_remote_incremental",
     "snapshot",
     "writable_formats",

@@ -121,9 +121,7 @@ class H5Writer(ContainerWriter):
             name = f"../{base.parent.name}/{base.name}"
         else:
             return None
-        reader = H5Reader(base)
-        record = reader.record
-        reader.close()
+        record = _committed_record(base)
         self._base_name = name
 
         def holder(key: str, entry: Entry) -> Held:
@@ -511,12 +509,14 @@ class H5Reader(ContainerReader, SupportsShared):
     """Reads a ckptvar ``.h5`` file with ``pread`` only (libhdf5 is never called).
 
     ``source`` reads the file's bytes from an object store instead (ranged GETs);
-    ``path`` is then its URL.
+    ``path`` is then its URL, and ``holders(step)`` the object of the step beside it
+    that holds an incremental step's external values (``FileNotFoundError`` when gone).
     """
 
     format = "h5"
 
-    def __init__(self, path: Path | str, *, source: RemoteFile | None = None) -> None:
+    def __init__(self, path: Path | str, *, source: RemoteFile | None = None,
+                 holders: Callable[[str], RemoteFile] | None = None) -> None:
         fd: int | RemoteFile
         if source is None:
             path = Path(path)
@@ -534,7 +534,8 @@ class H5Reader(ContainerReader, SupportsShared):
             raise
         self._fd = fd
         self._mm: Any = None
-        self._holders: dict[str, int] = {}  # the files external values are in, opened
+        self._holders: dict[str, int | RemoteFile] = {}  # where external values are, opened
+        self._find_holder = holders
         #: a delta value's patches, read, checked and folded into one (rows, data)
         self._folded: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         super().__init__(path, record)
@@ -581,21 +582,20 @@ class H5Reader(ContainerReader, SupportsShared):
             return self._fd
         return self._open_holder(key, name, offset, nbytes)
 
-    def _holder(self, key: str, entry: Entry) -> int:
+    def _holder(self, key: str, entry: Entry) -> int | RemoteFile:
         """The descriptor of the sibling file holding ``key``'s bytes (an incremental step),
         its byte range checked against its size."""
         return self._open_holder(key, self._record.external[key][0], entry.loc.offset,
                                  entry.nbytes)
 
-    def _open_holder(self, key: str, name: str, offset: int, nbytes: int) -> int:
-        """The descriptor of the sibling file ``name`` holding ``nbytes`` of ``key``'s bytes
-        at ``offset`` (an incremental step), the range checked against its size."""
-        if self.remote:
-            raise UnsupportedFormatError(
-                f"Checkpoint {str(self.path)!r} is an incremental step: {key!r} is stored in "
-                f"{name!r}; reading such a step from an object store is not supported."
-            )
+    def _open_holder(self, key: str, name: str, offset: int,
+                     nbytes: int) -> int | RemoteFile:
+        """The descriptor (or object) of the sibling file ``name`` holding ``nbytes`` of
+        ``key``'s bytes at ``offset`` (an incremental step), the range checked against its
+        size."""
         fd = self._holders.get(name)
+        if fd is None and self.remote:
+            fd = self._remote_holder(key, name)
         if fd is None:
             where = Path(self.path).parent / name
             try:
@@ -611,7 +611,7 @@ class H5Reader(ContainerReader, SupportsShared):
                     f"beside it (an incremental step), which cannot be read ({exc.strerror})."
                 ) from None
             self._holders[name] = fd
-        size = os.fstat(fd).st_size
+        size = fd.size if isinstance(fd, RemoteFile) else os.fstat(fd).st_size
         if offset < USERBLOCK_SIZE or offset + nbytes > size:
             raise CorruptCheckpointError(
                 f"Checkpoint {str(self.path)!r}: the bytes of {key!r} at "
@@ -619,6 +619,23 @@ class H5Reader(ContainerReader, SupportsShared):
                 f"{name!r} ({size} bytes), the file that holds them."
             )
         return fd
+
+    def _remote_holder(self, key: str, name: str) -> RemoteFile:
+        """The object of step ``name`` beside this remote step, which holds ``key``'s bytes."""
+        if self._find_holder is None or "/" in name:
+            raise UnsupportedFormatError(
+                f"Checkpoint {str(self.path)!r} is an incremental step: {key!r} is stored in "
+                f"{name!r}, which this reader cannot reach."
+            )
+        try:
+            found = self._find_holder(name)
+        except (OSError, ValueError) as exc:
+            raise CorruptCheckpointError(
+                f"Checkpoint {str(self.path)!r}: the bytes of {key!r} are in the step "
+                f"{name!r} beside it (an incremental step), which cannot be read: {exc}."
+            ) from None
+        self._holders[name] = found
+        return found
 
     def packed_source(self) -> tuple[int | RemoteFile, int]:
         self.check_open()
@@ -653,7 +670,7 @@ class H5Reader(ContainerReader, SupportsShared):
                     mm.close()
             _src.close(self._fd)
             for fd in self._holders.values():
-                os.close(fd)
+                _src.close(fd)
             self._holders.clear()
             self._folded.clear()
         super().close()
@@ -757,14 +774,34 @@ def external_files(path: Path) -> set[str]:
 def _external_names(path: Path) -> set[str]:
     if not path.is_file() or not H5Backend.sniff(path):
         return set()
-    reader = H5Reader(path)
-    try:
-        out = {file for file, _ in reader.record.external.values()}
-        for d in reader.record.deltas.values():
-            out.update(d.files())
-        return out
-    finally:
-        reader.close()
+    record = _committed_record(path)
+    out = {file for file, _ in record.external.values()}
+    for d in record.deltas.values():
+        out.update(d.files())
+    return out
+
+
+#: Decoded records of committed files by (path, inode, size, mtime): an incremental step's
+#: record is read after its commit (what it refers to) and again as the next step's base.
+_RECORDS: dict[tuple[str, int, int, int], Record] = {}
+
+
+def _committed_record(path: Path) -> Record:
+    """The root record of the committed ckptvar HDF5 file ``path`` (a committed file is
+    never changed in place: its identity and size name its record)."""
+    st = os.stat(path)
+    ident = (os.fspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    record = _RECORDS.get(ident)
+    if record is None:
+        reader = H5Reader(path)
+        try:
+            record = reader.record
+        finally:
+            reader.close()
+        if len(_RECORDS) >= 64:
+            _RECORDS.clear()
+        _RECORDS[ident] = record
+    return record
 
 
 register_backend(H5Backend)

@@ -25,6 +25,7 @@ everything, so opening does not check it.)
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import uuid
@@ -60,8 +61,9 @@ from ._zarr_files import RECORD_PATH, chunk_key
 from ._zarr_remote import RemoteZarrReader
 from .base import Reader
 
-__all__ = ["RECORD_CHECKSUM", "open_remote_reader", "record_checksum", "remote_format",
-           "save_remote", "save_remote_incremental"]
+__all__ = ["RECORD_CHECKSUM", "open_remote_reader", "record_checksum", "remote_external_files",
+           "remote_format", "save_remote", "save_remote_h5_incremental",
+           "save_remote_incremental"]
 
 logger = logging.getLogger("ckptvar")
 
@@ -106,12 +108,9 @@ def open_remote_reader(
     if fmt is None:
         fmt = "h5" if parent.exists(record.data) else "zarr"
     if fmt == "h5":
-        size = parent.size(record.data)
-        known = _h5_index(parent, name, record, size)
-        source = RemoteFile(parent, record.data, size, known=known)
-        *_, record_crc = read_userblock(source, parent.join(name))
-        _check_bound(parent, name, record, record_crc)
-        return H5Reader(parent.join(name), source=source)
+        source = _h5_source(parent, name, record)
+        return H5Reader(parent.join(name), source=source,
+                        holders=functools.partial(_holder_object, parent))
     reader = RemoteZarrReader(parent.join(name), parent, record.data)
     try:
         _check_bound(parent, name, record, reader.record_crc)
@@ -119,6 +118,45 @@ def open_remote_reader(
         reader.close()
         raise
     return reader
+
+
+def _h5_source(parent: Location, name: str, record: CommitRecord) -> RemoteFile:
+    """The committed HDF5 step ``name``'s data object, its index known, its root record
+    checked against the marker's binding."""
+    size = parent.size(record.data)
+    known = _h5_index(parent, name, record, size)
+    source = RemoteFile(parent, record.data, size, known=known)
+    *_, record_crc = read_userblock(source, parent.join(name))
+    _check_bound(parent, name, record, record_crc)
+    return source
+
+
+def _holder_object(parent: Location, step: str) -> RemoteFile:
+    """The data object of ``step`` beside an incremental HDF5 step, which holds bytes of
+    its values (found by ``step``'s commit marker; ``FileNotFoundError`` naming what is
+    gone)."""
+    record = read_commit(parent, step)
+    if record is None:
+        raise FileNotFoundError(f"its commit marker {parent.join(marker_key(step))} is gone")
+    try:
+        size = parent.size(record.data)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"its data object {parent.join(record.data)} is gone") from None
+    return RemoteFile(parent, record.data, size)
+
+
+def remote_external_files(url: str, storage_options: Mapping[str, Any] | None = None
+                          ) -> set[str]:
+    """The steps beside the committed step at ``url`` whose objects hold bytes of its values
+    (an incremental HDF5 step on an object store); empty for any other step.
+    ``CheckpointNotFoundError`` when it is not committed."""
+    reader = open_remote_reader(url, storage_options=storage_options)
+    try:
+        if not isinstance(reader, H5Reader):
+            return set()
+        return {file for files in reader.shared().values() for file in files}
+    finally:
+        reader.close()
 
 
 def _h5_index(
@@ -224,6 +262,62 @@ def save_remote(
             parent.delete([data, index])
             raise
     return parent.join(name)
+
+
+def save_remote_h5_incremental(
+    url: str,
+    base: str,
+    write_local: Callable[[Path, Path | None], Any],
+    storage_options: Mapping[str, Any] | None = None,
+) -> str:
+    """:func:`save_remote` of an HDF5 step whose unchanged values stay in the objects of
+    the committed step ``base`` (beside it) that hold them (docs/FORMAT.md, "Incremental
+    steps"): its object holds only the other values, and its record names the holder of
+    each unchanged one (HDF5 external links to that step's name).
+
+    ``write_local(tmp_path, base_copy)`` writes the step locally; ``base_copy`` is a local
+    sparse file beside it, of the base object's size, holding only the base's user
+    block and root record (what the writer reads of a base; None when the base cannot
+    be read: every value is then written, and the log says why).
+    """
+    parent, _ = split_url(url, storage_options=storage_options)
+    base_parent, base_name = split_url(base, storage_options=storage_options)
+    if base_parent.url != parent.url:
+        raise ValueError(f"The base {base!r} of an incremental step is not beside {url!r}.")
+
+    def write(local: Path) -> None:
+        stub: Path | None = local.parent / base_name
+        try:
+            _h5_base_copy(parent, base_name, local.parent / base_name)
+        except (OSError, ValueError) as exc:  # CkptError subclasses one of them
+            logger.warning("Incremental save of %s: cannot read the base %s (%s); writing "
+                           "every value.", url, base, exc)
+            stub = None
+        write_local(local, stub)
+
+    return save_remote(url, write, storage_options)
+
+
+def _h5_base_copy(parent: Location, name: str, stub: Path) -> None:
+    """A local sparse stand-in of the committed HDF5 step ``name``'s object at ``stub``:
+    its size, user block and root record (checked against the marker), nothing else."""
+    record = read_commit(parent, name)
+    if record is None:
+        raise CheckpointNotFoundError(f"{parent.join(name)!r} is not committed")
+    if is_sharded_record(record):
+        raise UnsupportedFormatError(f"{parent.join(name)!r} was written by several processes")
+    source = _h5_source(parent, name, record)
+    _, _, offset, nbytes, _ = read_userblock(source, parent.join(name))
+    regions = {off: data for off, data in source.known}
+    if offset not in regions:  # no index object: the record from the data object
+        buf = bytearray(nbytes)
+        parent.read_into(record.data, offset, buf)
+        regions[offset] = bytes(buf)
+    with open(stub, "wb") as f:
+        f.truncate(source.size)
+        for off, data in regions.items():
+            f.seek(off)
+            f.write(data)
 
 
 def save_remote_incremental(

@@ -335,7 +335,7 @@ class ZarrWriter(ContainerWriter):
         root = {"zarr_format": 3, "node_type": "group", "attributes": root_attrs}
         write_file(tmp / "zarr.json", _doc(root), tree.sync, replace=True)
         if tree.sync is not None:
-            fsync_all(tree.sync, tree.dirs)
+            fsync_all(tree.sync, tree.dirs[1:])  # the root: by publish(), once
 
     def _write_compressed(self, tmp: Path, it: ValueWrite, sdt: np.dtype) -> None:
         zarr = zarr_api()

@@ -1,12 +1,14 @@
 """Incremental steps on an object store (local S3 server): a Zarr step's unchanged values are
 server-side copies of the previous step's chunk objects (no byte through the client, counted
-by a TCP proxy), and the step stands alone once the older one is pruned; HDF5 writes full
-steps and says so. With several processes, each process's file is copied so."""
+by a TCP proxy), and the step stands alone once the older one is pruned; an HDF5 step's object
+holds only the changed values and refers to the older steps' objects, which pruning keeps.
+With several processes, each process's Zarr file is copied so."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ import ckptvar as cv
 from ckptvar.locations import list_committed_steps, open_location
 
 from ._s3 import FaultProxy, S3Bucket
+from .test_cloud_cli import _ckpt
 
 FROZEN = (512, 1024)  # 2 MiB of float32: the unchanged value
 HEAD = (16, 16)
@@ -92,20 +95,107 @@ def test_changed_and_hashed_values_are_written(s3: S3Bucket, proxy: FaultProxy) 
     assert np.array_equal(got["frozen"], frozen.numpy())
 
 
-def test_hdf5_on_an_object_store_writes_full_steps(s3: S3Bucket, proxy: FaultProxy,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_hdf5_steps_refer_to_the_holders_objects(s3: S3Bucket, proxy: FaultProxy,
+                                                 tmp_path: Path) -> None:
+    """An incremental HDF5 step's object holds only the changed values: bytes uploaded per
+    step ~ the changed bytes; the unchanged value is read from the holder's object by
+    ranged GETs, bit-exact; pruning keeps the holder (committed, not listed) until no kept
+    step refers to it; ``ckpt convert`` writes a standalone copy."""
     opts = {**s3.storage_options, "endpoint": proxy.endpoint}
+    run = f"{s3.url}/run"
+    nbytes = int(np.prod(FROZEN)) * 4
     ckpt, frozen, head = _model()
-    with caplog.at_level(logging.WARNING, logger="ckptvar"):
-        manager = cv.CheckpointManager(ckpt, f"{s3.url}/run", max_to_keep=1, format="h5",
-                                       storage_options=opts, incremental=True)
-    assert "writes full steps" in caplog.text
+    manager = cv.CheckpointManager(ckpt, run, max_to_keep=2, format="h5",
+                                   storage_options=opts, incremental=True)
+    proxy.reset_counts()
+    manager.save()
+    assert proxy.bytes_up > nbytes  # the first step is written whole
+    ups = []
+    for _ in range(3):
+        head.assign_add(1.0)
+        proxy.reset_counts()
+        last = manager.save()
+        ups.append(proxy.bytes_up)
+    # the head (1 KiB) plus the HDF5 structure, record, index, marker and the requests
+    assert max(ups) < 48 * 1024, ups
+    loc = s3.location("run")
+    # steps 1 (holds frozen) and 2 are beyond max_to_keep: 2 is pruned, 1 is held
+    assert list_committed_steps(loc) == ["ckpt-1.h5", "ckpt-3.h5", "ckpt-4.h5"]
+    assert manager.checkpoints == [f"{run}/ckpt-3.h5", last]
+    with cv.open(last, storage_options=s3.storage_options) as reader:
+        assert reader.shared() == {"frozen": ["ckpt-1.h5"]}
+        for key in list(reader.keys()):
+            reader.verify(key)
+    got = cv.load(last, storage_options=s3.storage_options)
+    assert np.array_equal(got["frozen"], frozen.numpy())
+    assert np.array_equal(got["head"], head.numpy())
+    # a restarted manager knows the references too: it prunes nothing that is held
+    again = cv.CheckpointManager(ckpt, run, max_to_keep=2, format="h5",
+                                 storage_options=opts, incremental=True)
+    assert again.checkpoints == manager.checkpoints
+    _plain_h5py_sees(loc, tmp_path, frozen.numpy(), head.numpy())
+    # ckpt convert writes a standalone copy (every value's bytes in the one file)
+    out = tmp_path / "alone.h5"
+    res = _ckpt(s3, "convert", last, str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    import h5py
+
+    with h5py.File(out, "r") as f:
+        assert isinstance(f.get("frozen", getlink=True), h5py.HardLink)
+    assert np.array_equal(cv.load(out)["frozen"], frozen.numpy())
+    res = _ckpt(s3, "inspect", last)  # which step holds each value's bytes
+    assert res.returncode == 0 and "ckpt-1.h5" in res.stdout, res.stdout + res.stderr
+    # once both values change, no kept step refers to steps 1 and 3 (nor 4): pruned
+    frozen.assign_add(1.0)
+    head.assign_add(1.0)
+    again.save()
+    head.assign_add(1.0)
+    again.save()
+    assert list_committed_steps(loc) == ["ckpt-5.h5", "ckpt-6.h5"]
+    assert not any(o.key.startswith(("ckpt-1.", "ckpt-3.", "ckpt-4.")) for o in loc.list())
+    got = cv.load(again.latest_checkpoint, storage_options=s3.storage_options)
+    assert np.array_equal(got["frozen"], frozen.numpy())
+
+
+def _plain_h5py_sees(loc: Any, tmp_path: Path, frozen: np.ndarray, head: np.ndarray) -> None:
+    """Plain h5py on step 4's downloaded object: the head, and an external link to
+    ckpt-1.h5 that resolves once that step's object is downloaded beside it."""
+    import h5py
+
+    def download(step: str) -> Path:
+        data = [o.key for o in loc.list() if o.key.startswith(f"{step}.")
+                and o.key.endswith(".data")]
+        assert len(data) == 1, data
+        (tmp_path / step).write_bytes(loc.read(data[0]))
+        return tmp_path / step
+
+    with h5py.File(download("ckpt-4.h5"), "r") as f:
+        assert np.array_equal(f["head"][...], head)
+        assert f.get("frozen", getlink=True).filename == "ckpt-1.h5"
+        with pytest.raises(KeyError):
+            f["frozen"]  # the holder is not downloaded yet
+    download("ckpt-1.h5")
+    with h5py.File(tmp_path / "ckpt-4.h5", "r") as f:
+        assert np.array_equal(f["frozen"][...], frozen)
+
+
+def test_hdf5_holder_deleted_behind_our_back(s3: S3Bucket) -> None:
+    """The holder's objects deleted by another tool: reading the value that lives there is
+    a ``CorruptCheckpointError`` naming the value and the object; the step's own values
+    still read."""
+    run = f"{s3.url}/run"
+    ckpt, _, head = _model()
+    manager = cv.CheckpointManager(ckpt, run, max_to_keep=None, format="h5",
+                                   storage_options=s3.storage_options, incremental=True)
     manager.save()
     head.assign_add(1.0)
-    proxy.reset_counts()
     last = manager.save()
-    assert proxy.bytes_up > frozen.numpy().nbytes  # whole
-    assert np.array_equal(cv.load(last, storage_options=s3.storage_options)["head"], head.numpy())
+    loc = s3.location("run")
+    loc.delete([o.key for o in loc.list() if o.key.startswith("ckpt-1.h5")])
+    with cv.open(last, storage_options=s3.storage_options) as reader:
+        assert np.array_equal(reader.read("head"), head.numpy())
+        with pytest.raises(cv.CorruptCheckpointError, match=r"'frozen'.*ckpt-1\.h5"):
+            reader.read("frozen")
 
 
 def test_location_copy_on_the_server_and_locally(s3: S3Bucket, proxy: FaultProxy,
@@ -219,5 +309,41 @@ def test_three_processes_copy_their_unchanged_values_on_the_server(
     loc = s3.location("mp")
     assert list_committed_steps(loc) == ["ckpt-2.zarr"]  # the base was pruned
     got = cv.load(f"{run}/ckpt-2.zarr", storage_options=s3.storage_options)
+    for key, want in cases.expected(2).items():
+        assert np.array_equal(got[key], want), key
+
+
+def test_three_processes_write_whole_hdf5_steps_to_s3(s3: S3Bucket, proxy: FaultProxy) -> None:
+    """``coordinator=`` with HDF5 on S3: each process's object does not refer to older
+    ones yet, so every step is uploaded whole (the manager says so when made), loads
+    bit-exact, and the pruned step takes nothing with it."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    from test_distributed_mpi import _mpi_skip_reason, run_mpi
+
+    if _mpi_skip_reason() is not None:
+        pytest.skip(_mpi_skip_reason() or "")
+    cases_file = Path(__file__).parent.parent / "mpi" / "incremental_cases.py"
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("incremental_cases", cases_file)
+    assert spec is not None and spec.loader is not None
+    cases = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cases)
+    opts = {**s3.storage_options, "endpoint": proxy.endpoint}
+    run = f"{s3.url}/mph5"
+    up = []
+    for step in (1, 2):
+        proxy.reset_counts()
+        proc, got, _ = run_mpi(3, str(cases_file), "step", run, "h5", str(step),
+                               timeout=150, env={"S3_OPTIONS": json.dumps(opts)})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "writes full steps" in proc.stdout + proc.stderr
+        up.append(proxy.bytes_up)
+    whole = sum(a.nbytes for a in cases.expected(2).values())
+    assert up[1] > whole, up  # written whole, unlike Zarr's copies
+    assert list_committed_steps(s3.location("mph5")) == ["ckpt-2.h5"]
+    got = cv.load(f"{run}/ckpt-2.h5", storage_options=s3.storage_options)
     for key, want in cases.expected(2).items():
         assert np.array_equal(got[key], want), key

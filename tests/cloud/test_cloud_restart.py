@@ -265,6 +265,22 @@ def test_restart_after_100_kills_of_tiered_saves_persisting_to_s3(
     assert counts == {"kills": 100, **_ZERO}
 
 
+@pytest.mark.parametrize(("kills", "seed"), [
+    pytest.param(2, 19, id="2-kills"),
+    pytest.param(50, 119, id="50-kills", marks=pytest.mark.slow),
+])
+def test_restart_after_kills_of_incremental_hdf5_saves_to_s3(
+        s3: S3Bucket, tmp_path: Path, kills: int, seed: int) -> None:
+    """Kills during incremental HDF5 saves to S3 (objects that refer to the first step's
+    object) and their pruning: every committed step, held ones included, loads bit-exact
+    and nothing of a dead save is left."""
+    from test_crash import restart_harness
+
+    counts = restart_harness(f"{s3.url}/run", "h5", processes=1, kills=kills, seed=seed,
+                             work=tmp_path, opts=s3.storage_options, incremental=True)
+    assert counts == {"kills": kills, **_ZERO}
+
+
 def test_a_killed_writer_not_yet_reaped_is_gone(s3: S3Bucket) -> None:
     """A zombie (killed, its parent has not waited for it) holds no claim."""
     import signal
