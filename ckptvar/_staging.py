@@ -12,10 +12,8 @@ take turns per value).
 Each half is ``CKPTVAR_STAGING_BYTES`` bytes (default 64 MiB, so 128 MiB of pinned
 memory in all), rounded down to a multiple of 64 KiB (at least 64 KiB). A value that is
 not C-contiguous on its device is first made contiguous there (device memory, not
-host). Writers of other tools' formats (safetensors, ``.npz``) need whole values: each
-value is copied to the host whole when it is added, and held until the file is written,
-as those formats' own writers hold them; ckptvar's own formats are the way to save GPU
-state without a host copy of the model.
+host). Every writer takes the pieces as they come (other tools' formats and compressed
+Zarr included, docs/frameworks.md), so no writer holds a host copy of a GPU value.
 
 Without a GPU nothing here runs: on the CPU, framework arrays are views of their memory.
 
