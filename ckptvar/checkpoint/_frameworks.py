@@ -11,11 +11,12 @@ Keys are the state dict's paths under the object's name: ``model/fc.weight``,
 ``optimizer/state/0/exp_avg``. Values that are not tensors (step counts,
 hyper-parameters, ``param_groups``, ``None``) are the object's Python state, kept with
 their Python types (tuples stay tuples, int keys stay ints). A restore is the
-checkpoint's usual all-or-nothing restore into the tensors that exist (CPU tensors in
-place); tensors that are stored but do not exist yet (a fresh optimizer's ``exp_avg``),
-that have no storage (a module on the ``meta`` device) or that cannot be viewed from the
-host (CUDA) are read into new host tensors, and the object's ``load_state_dict`` takes
-them, and the Python state, once every value was read and checked.
+checkpoint's usual all-or-nothing restore into the tensors that exist (in place, CUDA
+ones through the pinned staging buffer); tensors that are stored but do not exist yet (a
+fresh optimizer's ``exp_avg``), that have no storage (a module on the ``meta`` device)
+or that the host cannot fill in place (non-contiguous CPU tensors) are read into new
+tensors, and the object's ``load_state_dict`` takes them, and the Python state, once
+every value was read and checked.
 
 A ``DTensor`` (``Shard(dim)``/``Replicate`` placements, any mesh) is a variable holding
 its local box of the logical value (a :class:`~ckptvar.Shard`); of replicas of one box,
@@ -150,8 +151,9 @@ def tensor_variable(graph: Graph, name: str, t: Any, *, saving: bool,
     Saving: ``None`` for a DTensor box another process saves; a CUDA tensor is staged
     through the pinned buffer at the save (never copied to the host whole); another
     tensor the host cannot view (non-contiguous) is copied to the host once. Restoring:
-    a CUDA tensor (not a DTensor's shard) is filled in place through the pinned buffer;
-    ``None`` when the host cannot view it otherwise (the caller reads into a new tensor).
+    a CUDA tensor (a DTensor's local shard too) is filled in place through the pinned
+    buffer; ``None`` when the host cannot view it otherwise (the caller reads into a new
+    tensor).
     """
     shard = None
     if is_dtensor(t):
@@ -168,7 +170,7 @@ def tensor_variable(graph: Graph, name: str, t: Any, *, saving: bool,
     host = _view(t)
     if host is not None:
         return _variable(graph, name, host, shard, trainable)
-    if is_on_gpu(t) and (saving or shard is None):
+    if is_on_gpu(t):
         return _device_variable(graph, name, t, shard, trainable)
     if not saving:
         return None
