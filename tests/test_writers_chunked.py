@@ -21,7 +21,7 @@ import ckptvar as cv
 from ckptvar.storage import Chunked
 
 PIECE = 1 << 20
-ROWS, COLS = 4096, 2048  # float32: 32 MiB
+ROWS, COLS = 4100, 2048  # float32: 32 MiB and a short last chunk
 
 
 class Ramp:
@@ -69,7 +69,8 @@ def _peak_save(path: Path, value: Any, **options: Any) -> int:
     ("t.safetensors", {}, 4 << 20),
     ("t.npz", {}, 4 << 20),
     ("hf", {"format": "hf-safetensors"}, 4 << 20),
-    ("t.zarr", {"compression": "zstd"}, 12 << 20),  # one 4 MiB chunk and its compressed form
+    # one 4 MiB chunk gathered, zarr-python's copy of a short last chunk, its compressed form
+    ("t.zarr", {"compression": "zstd"}, 14 << 20),
     ("p.zarr", {"piece_bytes": True}, 8 << 20),  # one 4 MiB chunk
     ("t.h5", {}, 4 << 20),
 ])
@@ -109,7 +110,7 @@ def test_a_zarr_step_in_chunks_writes_only_the_changed_chunks_of_a_chunked_value
         tracemalloc.stop()
     assert peak < 8 << 20, peak
     chunks = sorted(n for n in os.listdir(second / "w") if n.startswith("c."))
-    assert len(chunks) == ROWS // rows
+    assert len(chunks) == -(-ROWS // rows)
     linked = [n for n in chunks if (second / "w" / n).stat().st_ino
               == (first / "w" / n).stat().st_ino]
     assert linked == [n for n in chunks if n != "c.2.0"]
