@@ -265,8 +265,9 @@ def _write_pieces(out: Any, value: Any) -> None:
     """Write a :class:`~ckptvar.storage.Chunked` value's bytes a piece at a time."""
     pos = 0
     for piece in value.byte_chunks():
-        out.write(piece)
-        pos += len(piece)
+        view = memoryview(piece).cast("B")
+        out.write(view)
+        pos += len(view)
     if pos != value.nbytes:
         raise ValueError(f"A chunked value of {value.nbytes} bytes gave {pos} bytes.")
 

@@ -453,8 +453,9 @@ def _write_pieces(fd: int, value: Any) -> None:
     """Write a :class:`~ckptvar.storage.Chunked` value's bytes a piece at a time."""
     pos = 0
     for piece in value.byte_chunks():
-        _write_all(fd, memoryview(piece).cast("B"))
-        pos += len(piece)
+        view = memoryview(piece).cast("B")
+        _write_all(fd, view)
+        pos += len(view)
     if pos != value.nbytes:
         raise ValueError(f"A chunked value of {value.nbytes} bytes gave {pos} bytes.")
 
