@@ -136,6 +136,22 @@ class _CountingLinear(torch.nn.Linear):
         return super().state_dict(*args, **kwargs)
 
 
+class _OwnStateDict(torch.nn.Module):
+    """A module whose own ``state_dict`` takes no arguments (no ``keep_vars``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.arange(4.0))
+
+    def state_dict(self) -> Any:  # type: ignore[override]
+        return {"w": self.w.detach()}
+
+
+def test_a_module_with_its_own_state_dict_signature_is_saved(tmp_path: Path) -> None:
+    path = cv.Checkpoint(model=_OwnStateDict()).write(tmp_path / "own.h5")
+    assert cv.load(path)["model/w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_a_save_asks_each_object_once_without_autograd_and_sees_new_state(tmp_path: Path) -> None:
     # The fixed cost of a (background) save is the walk of the state dicts: it asks each
     # object for its state dict once (not once for the tensors and again for the Python

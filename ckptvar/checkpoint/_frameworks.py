@@ -295,9 +295,10 @@ def _no_grad() -> Any:
 def _state_dict(obj: Any) -> Any:
     """``obj.state_dict()``; a torch module's with its tensors as they are (``keep_vars``:
     no ``detach()`` of each, which for a DTensor is a dispatched op; the values are the
-    same tensors' memory either way)."""
+    same tensors' memory either way). A module class with its own ``state_dict`` (whose
+    signature may take no ``keep_vars``) is asked as it is."""
     torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.nn.Module):
+    if torch is not None and type(obj).state_dict is torch.nn.Module.state_dict:
         return obj.state_dict(keep_vars=True)
     return obj.state_dict()
 
