@@ -152,6 +152,9 @@ def _job(n: int, action: str, d: Path, mib: int, repeats: int) -> dict[str, floa
                                         timeout=datetime.timedelta(seconds=300))
                 got = _rank(action, d, mib, repeats)
                 (result / f"rank{rank}.json").write_text(json.dumps(got))
+                # rank 0 hosts the store the coordinator's votes read: nobody leaves
+                # while another rank still reads its last one
+                dist.barrier()
                 dist.destroy_process_group()
             except BaseException:  # noqa: BLE001 - reported, then a non-zero exit
                 import traceback

@@ -12,10 +12,8 @@ take turns per value).
 Each half is ``CKPTVAR_STAGING_BYTES`` bytes (default 64 MiB, so 128 MiB of pinned
 memory in all), rounded down to a multiple of 64 KiB (at least 64 KiB). A value that is
 not C-contiguous on its device is first made contiguous there (device memory, not
-host). Writers of other tools' formats (safetensors, ``.npz``) need whole values: each
-value is copied to the host whole when it is added, and held until the file is written,
-as those formats' own writers hold them; ckptvar's own formats are the way to save GPU
-state without a host copy of the model.
+host). Every writer takes the pieces as they come (other tools' formats and compressed
+Zarr included, docs/frameworks.md), so no writer holds a host copy of a GPU value.
 
 Without a GPU nothing here runs: on the CPU, framework arrays are views of their memory.
 
@@ -35,7 +33,8 @@ import numpy as np
 from ._frameworks import framework_of, from_numpy, to_numpy
 from .storage.chunked import is_chunked, piece_bytes
 
-__all__ = ["DeviceValue", "element_dtype", "fill_device", "fillable", "is_on_gpu", "staged", "staged_copy", "staging_bytes", "to_writable", "upload"]
+__all__ = ["DeviceValue", "element_dtype", "fill_device", "fill_device_rows", "fillable", "is_on_gpu",
+           "row_slabs", "staged", "staged_copy", "staging_bytes", "to_writable", "upload"]
 
 def staging_bytes() -> int:
     """The size of each half of the pinned staging buffer (``CKPTVAR_STAGING_BYTES``)."""
@@ -304,6 +303,66 @@ def fill_device(reader: Any, key: str, dst: Any, *, verify: bool = True) -> None
             for ev in events:
                 if ev is not None:
                     upload.wait(ev)
+
+
+def row_slabs(shape: tuple[int, ...], itemsize: int, budget: int) -> list[tuple[int, int]]:
+    """``(first row, rows)`` of each slab of whole leading rows of an array of ``shape``
+    that fits ``budget`` bytes (a 0-d array: one slab); ``[]`` when one row does not fit.
+
+    >>> row_slabs((10, 4), 4, 48)
+    [(0, 3), (3, 3), (6, 3), (9, 1)]
+    >>> row_slabs((), 8, 64), row_slabs((2, 100), 4, 64)
+    ([(0, 1)], [])
+    """
+    if not shape:
+        return [(0, 1)] if itemsize <= budget else []
+    row = itemsize
+    for n in shape[1:]:
+        row *= n
+    per = budget // row if row else shape[0]
+    if per < 1:
+        return []
+    return [(i, min(per, shape[0] - i)) for i in range(0, shape[0], per)]
+
+
+def fill_device_rows(read_rows: Callable[[int, np.ndarray], None], dtype: np.dtype,
+                     dst: Any) -> bool:
+    """Fill GPU array ``dst`` (C-contiguous, elements of ``dtype``'s size) through the
+    pinned buffer, a slab of whole leading rows at a time: ``read_rows(first, out)`` reads
+    rows ``first:first + len(out)`` of the value into host array ``out`` (one half of the
+    buffer, of ``dtype``) while the other half's copy to the device runs.
+
+    Returns False, having done nothing, when one row is larger than a half (the caller
+    then reads the value to the host whole and copies it).
+    """
+    fw = framework_of(dst)
+    shape = tuple(int(n) for n in dst.shape)
+    dtype = np.dtype(dtype)
+    if 0 in shape:
+        return True  # nothing to copy
+    halves = _pinned("torch" if fw == "torch" else "cupy")
+    slabs = row_slabs(shape, dtype.itemsize, halves.size)
+    if not slabs:
+        return False
+    row = dtype.itemsize * int(np.prod(shape[1:], dtype=np.int64))
+    upload = _TorchUpload(dst) if fw == "torch" else _CupyUpload(dst)
+    with halves.lock:
+        events: list[Any] = [None, None]
+        try:
+            for i, (first, rows) in enumerate(slabs):
+                k = i % 2
+                if events[k] is not None:  # this half's last copy to the device is done
+                    upload.wait(events[k])
+                    events[k] = None
+                host = halves.views[k][: rows * row].view(dtype)
+                host = host.reshape((rows, *shape[1:])) if shape else host.reshape(())
+                read_rows(first, host)
+                events[k] = upload.start(halves.owners[k], host, first * row)
+        finally:
+            for ev in events:
+                if ev is not None:
+                    upload.wait(ev)
+    return True
 
 
 def fillable(dst: Any) -> bool:

@@ -124,3 +124,57 @@ def test_status_reports_tensors_the_checkpoint_lacks(tmp_path: Path) -> None:
     with pytest.raises(cv.RestoreAssertionError, match=r"model/0\.weight"):
         status.assert_consumed()
     np.testing.assert_array_equal(cv.load(path)["model/weight"], small.weight.detach().numpy())
+
+
+class _CountingLinear(torch.nn.Linear):
+    """A module that records each ``state_dict()`` call and whether autograd was on."""
+
+    calls: list[bool]
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self.__dict__.setdefault("calls", []).append(torch.is_grad_enabled())
+        return super().state_dict(*args, **kwargs)
+
+
+class _OwnStateDict(torch.nn.Module):
+    """A module whose own ``state_dict`` takes no arguments (no ``keep_vars``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.arange(4.0))
+
+    def state_dict(self) -> Any:  # type: ignore[override]
+        return {"w": self.w.detach()}
+
+
+def test_a_module_with_its_own_state_dict_signature_is_saved(tmp_path: Path) -> None:
+    path = cv.Checkpoint(model=_OwnStateDict()).write(tmp_path / "own.h5")
+    assert cv.load(path)["model/w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_save_asks_each_object_once_without_autograd_and_sees_new_state(tmp_path: Path) -> None:
+    # The fixed cost of a (background) save is the walk of the state dicts: it asks each
+    # object for its state dict once (not once for the tensors and again for the Python
+    # state) and walks it with autograd off (a DTensor's to_local() is then its local
+    # tensor, not an autograd op). Nothing is kept between saves: new optimizer state
+    # and a replaced parameter are saved as they are now.
+    torch.manual_seed(0)
+    model = _CountingLinear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = cv.Checkpoint(model=model, optimizer=opt)
+    first = ckpt.write(tmp_path / "a.h5")
+    assert model.calls == [False]
+    assert not any(k.startswith("optimizer/state") for k, _, _ in cv.list_variables(first))
+
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()  # new optimizer state: exp_avg, exp_avg_sq, step
+    with torch.no_grad():
+        model.bias = torch.nn.Parameter(torch.full((2,), 7.0))  # a replaced parameter
+    ckpt.write(tmp_path / "b.h5", blocking=False).wait()
+    assert model.calls == [False, False]
+    back = cv.load(tmp_path / "b.h5")
+    assert {"optimizer/state/0/exp_avg", "optimizer/state/1/step"} <= set(back)
+    assert back["model/bias"].tolist() == [7.0, 7.0]
+    np.testing.assert_array_equal(back["optimizer/state/0/exp_avg"],
+                                  opt.state[model.weight]["exp_avg"].numpy())
+    assert torch.is_grad_enabled()  # the caller's mode is back as it was

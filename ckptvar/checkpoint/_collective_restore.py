@@ -24,11 +24,12 @@ from typing import Any
 import numpy as np
 
 from .._dtypes import can_cast_same_kind, dtype_name
+from .._staging import fill_device_rows, fillable, upload
 from ..distributed import Box, Coordinator
 from ..errors import CheckpointMismatchError
 from ..locations import is_url
 from ..storage import ShardedReader
-from ..variables import Variable, host_buffer
+from ..variables import Variable, device_value, host_buffer
 from ._apply import TEMPORARY_BUDGET, give_value, warn_cast
 from ._files import open_checkpoint_reader
 from ._logical import Logical
@@ -61,6 +62,9 @@ class Staged:
         self.reader: Any = None
         #: ``(spooled value, variable's buffer)``: read and verified once, copied at apply
         self.spooled: list[tuple[np.ndarray, np.ndarray]] = []
+        #: ``(key, box, GPU tensor)``: checked already, read into the tensor at apply
+        #: through the pinned staging buffer (a CUDA DTensor's local shard)
+        self.on_device: list[tuple[str, Box, Any]] = []
         self._spool: Any = None
 
     def apply(self, path: Any) -> None:
@@ -75,6 +79,8 @@ class Staged:
             self.reader.read_box_into(key, box, buf, verify=False)  # verified when staged
         for value, buf in self.spooled:
             np.copyto(buf, value)
+        for key, box, dst in self.on_device:
+            _fill_box(self.reader, key, box, dst)
         self.close()
         if self.casts:
             warn_cast(path, self.casts)
@@ -155,6 +161,12 @@ def _stage(
     if verify and sum(buf.nbytes for _, _, _, buf in in_place) <= TEMPORARY_BUDGET:
         in_place = []  # small: one pass into temporaries
     direct = {id(var) for var, _, _, _ in in_place}
+    on_device = _on_device(reader, plans)
+    direct.update(id(var) for var, _, _, _ in on_device)
+    for _, key, target, _ in on_device:  # checked now, read into the device at apply
+        if verify:
+            _verify_box(reader, key, target)
+    staged.on_device = [(key, target, dst) for _, key, target, dst in on_device]
     for key, var, target, want in plans:
         if id(var) not in direct:
             value = _read_for(reader, key, target, verify)
@@ -198,6 +210,53 @@ def _in_place(
             seen.add(id(var))
             out.append((var, key, target, buf))
     return out
+
+
+def _on_device(
+    reader: Any, plans: list[tuple[str, Variable, Box, np.dtype]]
+) -> list[tuple[Variable, str, Box, Any]]:
+    """The plans whose variable stands for a GPU tensor (a CUDA DTensor's local shard)
+    that can take the stored box in place: C-contiguous, of the box's shape and the
+    stored dtype (a cast goes through the host)."""
+    out = []
+    seen: set[int] = set()
+    for key, var, target, want in plans:
+        dst = device_value(var)
+        if (dst is not None and id(var) not in seen and fillable(dst)
+                and tuple(dst.shape) == tuple(target.shape)
+                and want == np.dtype(reader.info(key).dtype)):
+            seen.add(id(var))
+            out.append((var, key, target, dst))
+    return out
+
+
+def _verify_box(reader: Any, key: str, target: Box) -> None:
+    """Verify what a later ``verify=False`` read of box ``target`` of ``key`` reads."""
+    if isinstance(reader, ShardedReader):
+        reader.verify_box(key, target)
+    else:
+        reader.verify(key)
+
+
+def _fill_box(reader: Any, key: str, target: Box, dst: Any) -> None:
+    """Read box ``target`` of stored ``key`` (verified already) into GPU tensor ``dst``
+    through the pinned staging buffer, a slab of its rows at a time; a box whose one row
+    does not fit the buffer is read to the host whole, then copied."""
+    dtype = np.dtype(reader.info(key).dtype)
+    offset, shape = tuple(target.offset), tuple(target.shape)
+
+    def read_rows(first: int, out: np.ndarray) -> None:
+        if not shape:
+            out[...] = _read_for(reader, key, target, False)
+            return
+        slab = Box((offset[0] + first, *offset[1:]), (out.shape[0], *shape[1:]))
+        if isinstance(reader, ShardedReader):
+            reader.read_box_into(key, slab, out, verify=False)
+        else:
+            np.copyto(out, reader[key][slab.slices()])
+
+    if not fill_device_rows(read_rows, dtype, dst):
+        upload(_read_for(reader, key, target, False), dst)
 
 
 def _fits(var_shape: Any, stored: tuple[int, ...]) -> bool:

@@ -11,11 +11,12 @@ Keys are the state dict's paths under the object's name: ``model/fc.weight``,
 ``optimizer/state/0/exp_avg``. Values that are not tensors (step counts,
 hyper-parameters, ``param_groups``, ``None``) are the object's Python state, kept with
 their Python types (tuples stay tuples, int keys stay ints). A restore is the
-checkpoint's usual all-or-nothing restore into the tensors that exist (CPU tensors in
-place); tensors that are stored but do not exist yet (a fresh optimizer's ``exp_avg``),
-that have no storage (a module on the ``meta`` device) or that cannot be viewed from the
-host (CUDA) are read into new host tensors, and the object's ``load_state_dict`` takes
-them, and the Python state, once every value was read and checked.
+checkpoint's usual all-or-nothing restore into the tensors that exist (in place, CUDA
+ones through the pinned staging buffer); tensors that are stored but do not exist yet (a
+fresh optimizer's ``exp_avg``), that have no storage (a module on the ``meta`` device)
+or that the host cannot fill in place (non-contiguous CPU tensors) are read into new
+tensors, and the object's ``load_state_dict`` takes them, and the Python state, once
+every value was read and checked.
 
 A ``DTensor`` (``Shard(dim)``/``Replicate`` placements, any mesh) is a variable holding
 its local box of the logical value (a :class:`~ckptvar.Shard`); of replicas of one box,
@@ -24,6 +25,7 @@ only the process at coordinate 0 of the replicating mesh axes saves it.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
@@ -72,13 +74,18 @@ class SupportsNamedParameters(Protocol):
     def named_parameters(self) -> Any: ...
 
 
+_DTENSOR: list[type] = []  # the DTensor class, once torch.distributed.tensor is loaded
+
+
 def is_dtensor(value: Any) -> bool:
     """True for a ``torch.distributed.tensor.DTensor`` (nothing is imported to find out)."""
-    if "torch.distributed.tensor" not in sys.modules or framework_of(value) != "torch":
-        return False
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415 - loaded already
+    if not _DTENSOR:
+        if "torch.distributed.tensor" not in sys.modules:
+            return False
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415 - loaded already
 
-    return isinstance(value, DTensor)
+        _DTENSOR.append(DTensor)
+    return isinstance(value, _DTENSOR[0])
 
 
 def dtensor_box(t: Any, what: str) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
@@ -144,8 +151,9 @@ def tensor_variable(graph: Graph, name: str, t: Any, *, saving: bool,
     Saving: ``None`` for a DTensor box another process saves; a CUDA tensor is staged
     through the pinned buffer at the save (never copied to the host whole); another
     tensor the host cannot view (non-contiguous) is copied to the host once. Restoring:
-    a CUDA tensor (not a DTensor's shard) is filled in place through the pinned buffer;
-    ``None`` when the host cannot view it otherwise (the caller reads into a new tensor).
+    a CUDA tensor (a DTensor's local shard too) is filled in place through the pinned
+    buffer; ``None`` when the host cannot view it otherwise (the caller reads into a new
+    tensor).
     """
     shard = None
     if is_dtensor(t):
@@ -162,7 +170,7 @@ def tensor_variable(graph: Graph, name: str, t: Any, *, saving: bool,
     host = _view(t)
     if host is not None:
         return _variable(graph, name, host, shard, trainable)
-    if is_on_gpu(t) and (saving or shard is None):
+    if is_on_gpu(t):
         return _device_variable(graph, name, t, shard, trainable)
     if not saving:
         return None
@@ -174,11 +182,22 @@ def tensor_variable(graph: Graph, name: str, t: Any, *, saving: bool,
 
 
 _TENSOR = {"T": 1}
+_TORCH_TYPE: dict[type, bool] = {}  # framework_of(value) == "torch", decided by type(value)
+
+
+def _is_torch(value: Any) -> bool:
+    """``framework_of(value) == "torch"``, answered once per type (the walks of a state
+    dict ask it of every entry at every save)."""
+    kind = type(value)
+    hit = _TORCH_TYPE.get(kind)
+    if hit is None:
+        hit = _TORCH_TYPE[kind] = framework_of(value) == "torch"
+    return hit
 
 
 def _encode(value: Any, where: str) -> Any:
     """The state dict's structure as msgpack-able data; tensors become :data:`_TENSOR`."""
-    if framework_of(value) == "torch":
+    if _is_torch(value):
         return _TENSOR
     if isinstance(value, dict):
         items = []
@@ -201,6 +220,35 @@ def _encode(value: Any, where: str) -> Any:
         "is neither a tensor nor a plain Python value (None, bool, int, float, str, bytes, "
         "list, tuple, dict)."
     )
+
+
+def _split(sd: Any) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
+    """``(_encode(sd), list(_tensors(sd)))`` in one walk of ``sd`` (what a save asks for
+    each state dict); the encoding is ``None`` where :func:`_encode` would raise."""
+    tensors: list[tuple[tuple[Any, ...], Any]] = []
+    ok = [True]
+
+    def enc(value: Any, path: tuple[Any, ...]) -> Any:
+        if _is_torch(value):
+            tensors.append((path, value))
+            return _TENSOR
+        if isinstance(value, dict):
+            items = []
+            for k, v in value.items():
+                if isinstance(k, bool) or not isinstance(k, str | int):
+                    ok[0] = False
+                items.append([k, enc(v, (*path, k))])
+            return {"d": items}
+        if isinstance(value, list | tuple):
+            tag = "t" if isinstance(value, tuple) else "l"
+            return {tag: [enc(v, (*path, i)) for i, v in enumerate(value)]}
+        if value is None or isinstance(value, bool | int | float | str | bytes):
+            return {"v": value}
+        ok[0] = ok[0] and isinstance(value, np.generic)
+        return {"v": value.item() if isinstance(value, np.generic) else None}
+
+    out = enc(sd, ())
+    return (out if ok[0] else None), tensors
 
 
 def _tensor_paths(enc: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
@@ -228,7 +276,7 @@ def _decode(enc: Any, tensors: dict[tuple[Any, ...], Any], prefix: tuple[Any, ..
 
 
 def _tensors(sd: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    if framework_of(sd) == "torch":
+    if _is_torch(sd):
         yield prefix, sd
     elif isinstance(sd, dict):
         for k, v in sd.items():
@@ -236,6 +284,23 @@ def _tensors(sd: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any,
     elif isinstance(sd, list | tuple):
         for i, v in enumerate(sd):
             yield from _tensors(v, (*prefix, i))
+
+
+def _no_grad() -> Any:
+    """``torch.no_grad()`` (torch is loaded whenever a state dict holds tensors)."""
+    torch = sys.modules.get("torch")
+    return contextlib.nullcontext() if torch is None else torch.no_grad()
+
+
+def _state_dict(obj: Any) -> Any:
+    """``obj.state_dict()``; a torch module's with its tensors as they are (``keep_vars``:
+    no ``detach()`` of each, which for a DTensor is a dispatched op; the values are the
+    same tensors' memory either way). A module class with its own ``state_dict`` (whose
+    signature may take no ``keep_vars``) is asked as it is."""
+    torch = sys.modules.get("torch")
+    if torch is not None and type(obj).state_dict is torch.nn.Module.state_dict:
+        return obj.state_dict(keep_vars=True)
+    return obj.state_dict()
 
 
 def _nest(flat: dict[tuple[Any, ...], Any]) -> dict[str, Any]:
@@ -286,7 +351,8 @@ class StateDictTrackable(Trackable):
         self._cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], Variable | None, bool]] = {}
         self._restoring: _Restoring | None = None
         self._state: Any = None
-        self._names: frozenset[str] = frozenset()  # of the parameters that train
+        self._names: frozenset[str] | None = None  # of the parameters that train
+        self._walked: Any = None  # the state dict of the last trackable_children()
 
     def _var(self, path: tuple[Any, ...], t: Any, saving: bool) -> Variable | None:
         """The variable over ``t``'s memory (made once per tensor and kept: a save of the
@@ -304,6 +370,8 @@ class StateDictTrackable(Trackable):
             self._cache[path] = (ident, None, True)
             return None
         name = "/".join(map(str, path))
+        if self._names is None:
+            self._names = self._trainable()
         var = tensor_variable(self._graph, name, t, saving=saving,
                               trainable=name in self._names)
         self._cache[path] = (ident, var, replica)
@@ -319,17 +387,25 @@ class StateDictTrackable(Trackable):
         if self._restoring is not None:
             return _nest(dict(self._restoring.variables))
         flat: dict[tuple[Any, ...], Any] = {}
-        self._names = self._trainable()
-        for path, t in _tensors(self.obj.state_dict()):
-            var = self._var(path, t, saving=True)
-            if var is not None:
-                flat[path] = var
+        self._names = None  # asked of the module only when a new variable is made
+        with _no_grad():  # a DTensor's to_local() is then its local tensor, no autograd op
+            enc, tensors = _split(_state_dict(self.obj))
+            for path, t in tensors:
+                var = self._var(path, t, saving=True)
+                if var is not None:
+                    flat[path] = var
+        # the walk that asked for the children asks for the Python state next: it is
+        # this very state dict's (made once per walk, never kept past the next ask)
+        self._walked = enc
         return _nest(flat)
 
     def python_state(self) -> Any:
         if self._restoring is not None:
             return self._restoring.enc
-        return _encode(self.obj.state_dict(), type(self.obj).__name__)
+        enc, self._walked = self._walked, None
+        if enc is None:  # not walked just now, or not encodable (this says why)
+            enc = _encode(self.obj.state_dict(), type(self.obj).__name__)
+        return enc
 
     def restore_python_state(self, state: Any) -> None:
         self._state = state

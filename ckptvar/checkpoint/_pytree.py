@@ -363,8 +363,9 @@ def _target(graph: Graph, key: str, like: Any) -> tuple[Variable, Any]:
         var = tensor_variable(graph, key, like, saving=False)
         if var is None:
             raise FrameworkStateError(
-                f"Cannot load {key!r} into its DTensor in place: its local tensor is not "
-                "host memory (a CUDA DTensor is restored through Checkpoint instead).")
+                f"Cannot load {key!r} into its DTensor in place: its local tensor is "
+                "neither contiguous host memory nor on a CUDA device (a 'meta' tensor or "
+                "a strided view has no memory ckptvar can fill in place).")
         return var, ("dtensor", like)
     shape, dtype = _like_shape_dtype(like)
     sharding = getattr(like, "sharding", None) if framework_of(like) == "jax" else None

@@ -25,7 +25,6 @@ from ..errors import (
     UnsupportedFormatError,
 )
 from ..storage.base import ArrayInfo, LazyArray, Reader, Writer, verify_each
-from ..storage.chunked import as_host
 from ..storage.rawio import pread_exact, pread_into_exact
 from ..storage.slicing import element_span
 
@@ -253,7 +252,9 @@ class CollectingWriter(Writer):
     """A ``Writer`` that collects ``(key, array, attrs)`` and writes them all at ``commit``.
 
     Shared by the safetensors and npz writers: the collection, the metadata, ``abort``,
-    and which attributes are worth storing (anything beyond the key as its name).
+    and which attributes are worth storing (anything beyond the key as its name). A
+    :class:`~ckptvar.storage.Chunked` value (a staged GPU tensor) is kept as it is: the
+    writers stream its pieces at ``commit``, never a whole host copy.
     """
 
     def __init__(self, path: Path, *, durable: bool = True) -> None:
@@ -266,7 +267,7 @@ class CollectingWriter(Writer):
     def _collect(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None) -> None:
         if key in self._items:
             raise ValueError(f"Key {key!r} was already added to {str(self.path)!r}.")
-        self._items[key] = (as_host(array), dict(attrs or {}))
+        self._items[key] = (array, dict(attrs or {}))  # a Chunked value stays one
 
     def set_metadata(self, metadata: Mapping[str, Any]) -> None:
         self._metadata = dict(metadata)

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, MissingKeyError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader, Writer, verify_each
-from ..storage.chunked import as_host
+from ..storage.chunked import is_chunked
 from ._safetensors import SafetensorsBackend, SafetensorsWriter
 
 __all__ = ["HFShardedBackend", "HFShardedWriter", "parse_shard_size"]
@@ -290,7 +290,8 @@ class HFShardedWriter(Writer):
     def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
         if key in self._items:
             raise ValueError(f"Key {key!r} was already added to {str(self.path)!r}.")
-        self._items[key] = (np.asarray(as_host(array)), attrs)
+        # a Chunked value (a staged GPU tensor) stays one: its shard streams its pieces
+        self._items[key] = (array if is_chunked(array) else np.asarray(array), attrs)
 
     def set_metadata(self, metadata: Mapping[str, Any]) -> None:
         self._metadata = dict(metadata)

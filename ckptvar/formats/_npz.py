@@ -35,7 +35,7 @@ import numpy as np
 from .._dtypes import SUPPORTED_DTYPES, dtype_to_str, str_to_dtype
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
-from ..storage.chunked import as_host
+from ..storage.chunked import is_chunked
 from ._common import (
     CollectingWriter,
     EntryReader,
@@ -261,14 +261,26 @@ def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
     return _MAGIC + b"\x02\x00" + struct.pack("<I", len(raw)) + raw
 
 
+def _write_pieces(out: Any, value: Any) -> None:
+    """Write a :class:`~ckptvar.storage.Chunked` value's bytes a piece at a time."""
+    pos = 0
+    for piece in value.byte_chunks():
+        view = memoryview(piece).cast("B")
+        out.write(view)
+        pos += len(view)
+    if pos != value.nbytes:
+        raise ValueError(f"A chunked value of {value.nbytes} bytes gave {pos} bytes.")
+
+
 class NpzWriter(CollectingWriter):
     """Writes an uncompressed ``.npz`` atomically, streaming each array's buffer."""
 
     def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
         if not isinstance(key, str) or not key or key == _SIDECAR[:-5] or "\x00" in key:
             raise ValueError(f"Invalid npz key {key!r}.")
-        array = np.asarray(as_host(array))
-        dt = little_endian(array.dtype)
+        if not is_chunked(array):  # a Chunked value's pieces are streamed at commit
+            array = np.asarray(array)
+        dt = little_endian(np.dtype(array.dtype))
         if dt not in SUPPORTED_DTYPES.values():
             raise UnsupportedFormatError(f"Cannot write {key!r} of dtype {array.dtype} to npz.")
         self._collect(key, array, attrs)
@@ -287,15 +299,23 @@ class NpzWriter(CollectingWriter):
                 zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED, allowZip64=True) as zf,
             ):
                 for key, (given, _) in self._items.items():
-                    array, dt = given, given.dtype
+                    dt = np.dtype(given.dtype)
+                    stored = dt
                     if dt.isbuiltin != 1:  # bfloat16, float8, int4, ...: store the bits
                         recorded[key] = dtype_to_str(dt)
-                        array = given.view(np.dtype(f"<u{dt.itemsize}"))
-                    buf = np.require(array, requirements="C")  # keeps 0-d arrays 0-d
+                        stored = np.dtype(f"<u{dt.itemsize}")
                     info = zipfile.ZipInfo(key + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
                     info.compress_type = zipfile.ZIP_STORED
                     info.external_attr = 0o644 << 16
+                    # stored: the CRC is computed as the bytes pass, so a Chunked value
+                    # goes a piece at a time (never whole on the host)
                     with zf.open(info, "w", force_zip64=True) as out:
+                        if is_chunked(given):
+                            out.write(_npy_header(stored.newbyteorder("<"), tuple(given.shape)))
+                            _write_pieces(out, given)
+                            continue
+                        array = given if stored is dt else given.view(stored)
+                        buf = np.require(array, requirements="C")  # keeps 0-d arrays 0-d
                         out.write(_npy_header(buf.dtype, buf.shape))
                         if buf.nbytes:
                             out.write(buf.reshape(-1).view(np.uint8).data)

@@ -42,7 +42,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
-from ..storage.chunked import as_host
+from ..storage.chunked import as_host, is_chunked
 from . import _common
 from ._json import jsonable, loads_json
 
@@ -334,8 +334,9 @@ class SafetensorsWriter(_common.CollectingWriter):
     def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
         if not isinstance(key, str) or key == _METADATA or not key:
             raise ValueError(f"Invalid safetensors key {key!r}.")
-        array = np.asarray(as_host(array))
-        dt = _common.little_endian(array.dtype)
+        if not is_chunked(array) or np.dtype(array.dtype) in _BITS_OF:
+            array = np.asarray(as_host(array))  # packed sub-byte values: made whole
+        dt = _common.little_endian(np.dtype(array.dtype))
         if dt not in _NAME_OF:
             raise UnsupportedFormatError(
                 f"Cannot write {key!r} of dtype {array.dtype} to safetensors "
@@ -350,7 +351,7 @@ class SafetensorsWriter(_common.CollectingWriter):
             )
         self._collect(key, array, attrs)
 
-    def _header(self) -> tuple[bytes, list[np.ndarray]]:
+    def _header(self) -> tuple[bytes, list[Any]]:
         header: dict[str, Any] = {}
         meta: dict[str, str] = {}
         own: dict[str, Any] = {}
@@ -373,6 +374,13 @@ class SafetensorsWriter(_common.CollectingWriter):
         buffers = []
         pos = 0
         for key, (array, _) in self._items.items():
+            if is_chunked(array):  # its pieces are written at commit, one at a time
+                n = int(array.nbytes)
+                header[key] = {"dtype": _NAME_OF[_common.little_endian(np.dtype(array.dtype))],
+                               "shape": list(array.shape), "data_offsets": [pos, pos + n]}
+                pos += n
+                buffers.append(array)
+                continue
             dt = (
                 array.dtype.newbyteorder("=")
                 if array.dtype.byteorder not in ("=", "|")
@@ -414,7 +422,9 @@ class SafetensorsWriter(_common.CollectingWriter):
             try:
                 _write_all(fd, memoryview(head))
                 for buf in buffers:
-                    if buf.nbytes:
+                    if is_chunked(buf):
+                        _write_pieces(fd, buf)
+                    elif buf.nbytes:
                         _write_all(fd, buf.reshape(-1).view(np.uint8).data)
                 if self._durable:
                     os.fsync(fd)
@@ -437,6 +447,17 @@ def _write_all(fd: int, view: memoryview) -> None:
     while len(view):
         n = os.write(fd, view[:_WRITE_PIECE])
         view = view[n:]
+
+
+def _write_pieces(fd: int, value: Any) -> None:
+    """Write a :class:`~ckptvar.storage.Chunked` value's bytes a piece at a time."""
+    pos = 0
+    for piece in value.byte_chunks():
+        view = memoryview(piece).cast("B")
+        _write_all(fd, view)
+        pos += len(view)
+    if pos != value.nbytes:
+        raise ValueError(f"A chunked value of {value.nbytes} bytes gave {pos} bytes.")
 
 
 class SafetensorsBackend(

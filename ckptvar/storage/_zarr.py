@@ -11,7 +11,9 @@ the checksum thread hashes it. Small values share the single chunk of the 1-D
 is, how long it is and its CRC-32C.
 
 Compression is opt-in (``compression="zstd" | "gzip" | "blosc"``) and then uses
-zarr-python's own codecs for the values stored as arrays. With ``piece_bytes`` (an
+zarr-python's own codecs for the values stored as arrays (one chunk each; a value that
+comes a piece at a time, a staged GPU tensor, in chunks of about 4 MiB along its first
+axis, each compressed as its pieces arrive). With ``piece_bytes`` (an
 incremental manager's local steps) a value larger than that is stored as several chunks
 along its first axis instead of one (format 1.4, docs/FORMAT.md "Pieces"), so that a
 step shares its unchanged chunks with the base step by hard link.
@@ -76,6 +78,7 @@ from ._zarr_files import (
 )
 from .atomic import fsync_all
 from .base import Backend, SupportsShared
+from .chunked import Regroup
 from .registry import register_backend
 
 logger = logging.getLogger("ckptvar")
@@ -86,6 +89,10 @@ __all__ = ["PIECE_BYTES", "RECORD_PATH", "ZarrBackend", "ZarrReader", "ZarrWrite
 PIECE_BYTES = 4 << 20
 
 _CODECS = ("zstd", "gzip", "blosc")
+
+#: About the size of a chunk of a compressed value that comes a piece at a time (a GPU
+#: tensor staged through the pinned buffer): whole rows, compressed as they arrive.
+COMPRESSED_CHUNK = 4 << 20
 
 #: The largest object one server-side copy takes (S3 ``CopyObject``): a larger reused chunk
 #: of an object-store step is written again instead.
@@ -138,11 +145,6 @@ class ZarrWriter(ContainerWriter):
         self.compression = compression
         self.compression_level = compression_level
         super().__init__(path, **options)
-
-    @property
-    def streams_chunks(self) -> bool:
-        # a codec takes whole values; values in pieces are hashed, then written by piece
-        return self.compression is None and self.piece_bytes is None
 
     def _open_base(self, base: Path) -> tuple[Any, Any] | None:
         """An incremental save's base: its record; a value's bytes are its chunk file
@@ -352,15 +354,46 @@ class ZarrWriter(ContainerWriter):
             chunk_key_encoding=zarr.core.chunk_key_encodings.DefaultChunkKeyEncoding(separator="."),
             name=it.path,
             shape=it.shape,
-            chunks=tuple(max(1, d) for d in it.shape),
+            chunks=(self._compressed_rows(it), *(max(1, d) for d in it.shape[1:]))
+            if it.shape else (),
             dtype=sdt,
             compressors=[codec],
             fill_value=fill_value(sdt),
             attributes=scalar_attrs(it),
             overwrite=False,
         )
-        if it.nbytes:
+        if it.source is not None:  # compressed a chunk at a time as the pieces come
+            self._fill_compressed(arr, it, sdt)
+        elif it.nbytes:
             arr[...] = it.array.view(sdt)
+
+    @staticmethod
+    def _compressed_rows(it: ValueWrite) -> int:
+        """Rows per chunk of a compressed value: all of them, except for a value that
+        comes a piece at a time (a staged GPU tensor), whose chunks hold about
+        :data:`COMPRESSED_CHUNK` bytes (whole rows), so only one is on the host at once."""
+        if it.source is None or len(it.shape) == 0 or not it.nbytes:
+            return max(1, it.shape[0]) if it.shape else 1
+        row = it.nbytes // it.shape[0]
+        return max(1, min(it.shape[0], COMPRESSED_CHUNK // row))
+
+    def _fill_compressed(self, arr: Any, it: ValueWrite, sdt: np.dtype) -> None:
+        """Write chunked value ``it`` into zarr array ``arr`` chunk by chunk, hashing it."""
+        rows = arr.chunks[0] if it.shape else 1
+        row = it.nbytes // it.shape[0] if it.shape else it.nbytes
+        tail = tuple(it.shape[1:])
+
+        def put(run: memoryview, i: int) -> None:
+            n = len(run) // row
+            block = np.frombuffer(run, np.uint8).view(sdt).reshape((n, *tail))
+            if it.shape:
+                arr[i * rows: i * rows + n] = block
+            else:
+                arr[...] = block.reshape(())
+
+        regroup = Regroup(rows * row, put)
+        it.write_with(lambda piece, pos: regroup.push(piece))
+        regroup.finish()
 
 
 def zarr_api() -> Any:
@@ -525,19 +558,30 @@ class _Tree:
         it): linked from the base where it holds them (all of them when ``it.held``)."""
         ndim = len(it.shape)
         size = rows * (it.nbytes // it.shape[0])
-        view = it.view
-        for i in range(-(-it.shape[0] // rows)):
+
+        def put(part: memoryview, i: int) -> None:
             name = piece_key(ndim, i)
             src = (os.fspath(Path(it.held.file).parent / name) if it.held is not None
                    else held.get(i))
             if src is not None:
                 self.link(src, d / name)
-                continue
-            part = view[i * size: (i + 1) * size]
-            if len(part) == size:
+            elif len(part) == size:
                 self.write(d / name, part)
             else:
                 self.write(d / name, functools.partial(_padded, part, size))
+
+        if it.source is not None:  # each chunk filled from the pieces as they come
+            if it.held is not None:  # all held: nothing to read
+                for i in range(-(-it.shape[0] // rows)):
+                    put(memoryview(b""), i)
+                return
+            regroup = Regroup(size, put)
+            it.write_with(lambda piece, pos: regroup.push(piece))
+            regroup.finish()
+            return
+        view = it.view
+        for i in range(-(-it.shape[0] // rows)):
+            put(view[i * size: (i + 1) * size], i)
 
 
 def _close_source(fd: Any) -> None:

@@ -340,8 +340,8 @@ class Writer(contextlib.AbstractContextManager["Writer"], abc.ABC):
         """Register ``array`` under ``key``; the array must stay unchanged until commit.
 
         ``array`` may also be a :class:`~ckptvar.storage.Chunked` value (a GPU tensor
-        staged through the pinned buffer): ckptvar's own writers take it a piece at a
-        time, others make it whole first (``storage.as_host``)."""
+        staged through the pinned buffer): every writer takes it a piece at a time (a
+        writer that needs it whole, for a small packed value, uses ``storage.as_host``)."""
 
     @abc.abstractmethod
     def set_metadata(self, metadata: Mapping[str, Any]) -> None:

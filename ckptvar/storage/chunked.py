@@ -4,8 +4,10 @@ A :class:`Chunked` value hands its bytes (C order, little-endian) to the writer 
 consecutive pieces instead of as one host array: a GPU tensor staged through a bounded
 pinned host buffer (``ckptvar._staging``), or a strided host array copied a slab at a
 time. ckptvar's own containers (HDF5, Zarr) write each piece as it comes and hash it on
-the way (:class:`BlockHasher`), so no full host copy of the value is ever made; a writer
-that needs the whole value at once (safetensors, ``.npz``) calls :func:`materialize`.
+the way (:class:`BlockHasher`), so no full host copy of the value is ever made; so do
+the writers of other tools' formats (safetensors, ``.npz``) and compressed Zarr, which
+regroup the pieces into their own chunks (:class:`Regroup`). :func:`materialize` makes
+a value whole, for what needs it at once (a small packed value).
 
 >>> import numpy as np
 >>> class Pieces:
@@ -21,13 +23,14 @@ that needs the whole value at once (safetensors, ``.npz``) calls :func:`material
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 __all__ = [
-    "PIECE", "Chunked", "HostPieces", "as_host", "is_chunked", "materialize", "piece_bytes",
+    "PIECE", "Chunked", "HostPieces", "Regroup", "as_host", "is_chunked", "materialize",
+    "piece_bytes",
 ]
 
 #: The default size of the pieces a chunked value is copied through (64 MiB; the pinned
@@ -105,6 +108,63 @@ class HostPieces:
             np.copyto(dst, a[i : i + k], casting="no" if a.dtype == self.dtype else "equiv")
             if dst.nbytes:
                 yield dst.reshape(-1).view(np.uint8).data
+
+
+class Regroup:
+    """Pieces of any sizes in, consecutive runs of exactly ``size`` bytes out (the last
+    may be shorter): ``push(piece)`` calls ``emit(run, index)`` for each run it completes,
+    ``finish()`` for the rest. A run inside one piece is a view of it; one that spans
+    pieces is gathered into one reused buffer of ``size`` bytes (allocated only then).
+    ``run`` is valid only during the call.
+
+    >>> out = []
+    >>> r = Regroup(4, lambda run, i: out.append((i, bytes(run))))
+    >>> for p in (b"abcdef", b"gh", b"ijklm"):
+    ...     r.push(memoryview(p))
+    >>> r.finish(), out
+    (13, [(0, b'abcd'), (1, b'efgh'), (2, b'ijkl'), (3, b'm')])
+    """
+
+    def __init__(self, size: int, emit: Callable[[memoryview, int], None]) -> None:
+        if size < 1:
+            raise ValueError(f"A run must be at least one byte, got {size}.")
+        self.size = size
+        self.emit = emit
+        self.index = 0  # of the next run
+        self.total = 0  # bytes pushed
+        self._buf: np.ndarray | None = None
+        self._fill = 0
+
+    def push(self, piece: Any) -> None:
+        mv = memoryview(piece).cast("B")
+        self.total += len(mv)
+        size = self.size
+        while len(mv):
+            if not self._fill and len(mv) >= size:  # a whole run in the piece: no copy
+                self._run(mv[:size])
+                mv = mv[size:]
+                continue
+            if self._buf is None:
+                self._buf = np.empty(size, np.uint8)
+            take = min(size - self._fill, len(mv))
+            self._buf[self._fill : self._fill + take] = np.frombuffer(mv[:take], np.uint8)
+            self._fill += take
+            mv = mv[take:]
+            if self._fill == size:
+                self._fill = 0
+                self._run(self._buf.data)
+
+    def finish(self) -> int:
+        """Emit the last, shorter run (if any); returns the bytes pushed in all."""
+        if self._fill:
+            assert self._buf is not None
+            n, self._fill = self._fill, 0
+            self._run(self._buf[:n].data)
+        return self.total
+
+    def _run(self, run: memoryview) -> None:
+        i, self.index = self.index, self.index + 1
+        self.emit(run, i)
 
 
 def materialize(value: Chunked) -> np.ndarray:
