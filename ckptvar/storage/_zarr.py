@@ -196,7 +196,8 @@ class ZarrWriter(ContainerWriter):
         value is hashed now, as its write would)."""
         entry = rec.values.get(it.key)
         if (entry is None or entry.loc.kind != ARRAY or entry.dtype != it.dtype
-                or tuple(entry.shape) != it.shape or entry.blocks is None):
+                or tuple(entry.shape) != it.shape or entry.blocks is None
+                or rec.block_size != BLOCK_SIZE):  # a base of other blocks: written whole
             return
         if not it.hashed:
             it.hash(parallel=True)  # before the write, which waits for it

@@ -104,13 +104,15 @@ def _multmodp(a: int, b: int) -> int:
 
 def _x2n_table() -> list[int]:
     table, p = [], 1 << 30  # x^1
-    for _ in range(32):
+    for _ in range(64):
         table.append(p)
         p = _multmodp(p, p)
     return table
 
 
-_X2N = _x2n_table()  # x^(2^k) modulo the polynomial, k = 0..31
+# x^(2^k) modulo the polynomial, k = 0..63. zlib takes k modulo 32, as x^(2^32) is x for
+# its polynomial; it is not for CRC-32C's, whose shifts past 512 MiB or more need k >= 32.
+_X2N = _x2n_table()
 
 
 @functools.lru_cache(maxsize=64)
@@ -119,7 +121,7 @@ def _x8nmodp(n: int) -> int:
     p, k = 1 << 31, 3  # x^0; 8 n = n * 2^3
     while n:
         if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
+            p = _multmodp(_X2N[k], p)
         n >>= 1
         k += 1
     return p
@@ -132,6 +134,8 @@ def combine(crc1: int, crc2: int, len2: int) -> int:
 
     >>> a, b = b"hello, ", b"world"
     >>> combine(crc(a), crc(b), len(b)) == crc(a + b) == crc(b, crc(a))
+    True
+    >>> _x8nmodp(1 << 29) == _multmodp(_x8nmodp(1 << 28), _x8nmodp(1 << 28))  # 512 MiB
     True
     """
     return _multmodp(_x8nmodp(len2), crc1) ^ crc2
