@@ -59,8 +59,7 @@ _PIECE = 4 << 20
 @functools.lru_cache(maxsize=8)
 def _shift(n: int) -> Callable[[int], int]:
     """``crc -> combine(crc, 0, n)`` by four table look-ups (the shift is linear)."""
-    tables = [[_checksum.combine(v << (8 * k), 0, n) for v in range(256)] for k in range(4)]
-    t0, t1, t2, t3 = tables
+    t0, t1, t2, t3 = _checksum.shift_tables(n)
 
     def shift(c: int) -> int:
         return t0[c & 255] ^ t1[(c >> 8) & 255] ^ t2[(c >> 16) & 255] ^ t3[c >> 24]
@@ -145,12 +144,9 @@ _TREE_FROM = 64
 
 @functools.lru_cache(maxsize=64)
 def _shift_tables(n: int) -> np.ndarray:
-    """``(4, 256)`` uint32: ``[k, v]`` is ``combine(v << 8 k, 0, n)``; the shift past ``n``
-    bytes is linear over GF(2), so the tables come from its value on the 32 single bits."""
-    basis = np.array([_checksum.combine(1 << j, 0, n) for j in range(32)], np.uint32)
-    bits = ((np.arange(256)[:, None] >> np.arange(8)) & 1).astype(bool)  # (256, 8)
-    return np.stack([np.bitwise_xor.reduce(np.where(bits, basis[8 * k : 8 * k + 8], 0), axis=1)
-                     for k in range(4)]).astype(np.uint32)
+    """``(4, 256)`` uint32: ``[k, v]`` is ``combine(v << 8 k, 0, n)`` (the shift past ``n``
+    bytes is linear over GF(2): four look-ups and three XORs)."""
+    return np.array(_checksum.shift_tables(n), np.uint32)
 
 
 def _join(seed: int, crcs: Any, n: int, block_size: int) -> int:
