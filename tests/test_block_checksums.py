@@ -272,3 +272,33 @@ def test_many_blocks_join_to_the_value_checksum(size: int) -> None:
             assert len(blocks) == 4 * -(-n // size)
             assert blocks_agree(12345, blocks, n, size, whole)
             assert not blocks_agree(12346, blocks, n, size, whole)
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+@pytest.mark.parametrize("durable", [True, False])
+def test_values_hashed_while_written_or_beside_the_writes_alike(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, durable: bool
+) -> None:
+    """Each piece hashed just before it is written (fewer than 4 CPUs) or each value on the
+    checksum thread beside the writes: the same record, every value verifies; hashed
+    while written, no value is hashed in a pass of its own."""
+    from ckptvar.storage._container import writer
+
+    rng = np.random.default_rng(5)
+    values = {"big": rng.random((1300, 333)).astype(np.float32),  # 1.7 MB: pieces, a short one
+              "one_block": np.arange(10_000, dtype=np.int32),   # 40 KB: less than a block
+              "empty": np.zeros((0, 3), np.float64), "tiny": np.arange(3, dtype=np.int8)}
+    records = []
+    for hot in (False, True):
+        monkeypatch.setattr(writer, "HASH_WHILE_WRITING", hot)
+        if hot:  # no separate pass: a call of ValueWrite.hash would fail the save
+            monkeypatch.setattr(writer.ValueWrite, "hash", lambda self, **kw: 1 / 0)
+        p = cv.save(tmp_path / f"{hot}.{fmt}", values, durable=durable, pack_threshold=8)
+        with cv.open(p) as r:
+            assert [k for k, _ in r.verify_all()] == []
+            for k, v in values.items():
+                np.testing.assert_array_equal(r[k].read(), v)
+            np.testing.assert_array_equal(r["big"][700:701, 5:9], values["big"][700:701, 5:9])
+            records.append({k: (r._values[k].checksum, r._values[k].blocks) for k in values})
+    assert records[0] == records[1]
+    assert records[0]["big"][1] is not None and records[0]["one_block"][1] is None

@@ -29,7 +29,15 @@ from .layout import (
     storage_dtype,
 )
 from .reader import ContainerLazyArray, ContainerReader
-from .writer import ContainerWriter, ValueWrite, WritePlan, scalar_attrs, write_packed
+from .writer import (
+    ContainerWriter,
+    ValueWrite,
+    WritePlan,
+    hash_while_writing,
+    scalar_attrs,
+    write_hashing,
+    write_packed,
+)
 
 __all__ = [
     "ALIGN",
@@ -45,8 +53,10 @@ __all__ = [
     "ValueWrite",
     "WritePlan",
     "check_regions",
+    "hash_while_writing",
     "pack_limit",
     "scalar_attrs",
     "storage_dtype",
+    "write_hashing",
     "write_packed",
 ]

@@ -40,6 +40,7 @@ __all__ = [
     "hash_blocks",
     "hash_blocks_parallel",
     "hash_range",
+    "join_blocks",
     "read_span",
     "scratch_buffer",
     "stream_units",
@@ -190,6 +191,12 @@ def _join(seed: int, crcs: Any, n: int, block_size: int) -> int:
             size *= 2
         value = int(vals[0])
     return _checksum.combine(value, last, n - (k - 1) * block_size)
+
+
+def join_blocks(seed: int, crcs: Any, n: int, block_size: int = BLOCK_SIZE) -> int:
+    """The checksum of a value of ``n`` bytes continued from ``seed``, from the CRC-32C of
+    each of its blocks (``crcs``: a list or a uint32 array)."""
+    return _join(seed, crcs, n, block_size)
 
 
 def blocks_agree(seed: int, blocks: bytes, nbytes: int, block_size: int, checksum: int) -> bool:
