@@ -48,10 +48,8 @@ from ._container import (
     Source,
     ValueWrite,
     WritePlan,
-    hash_while_writing,
     scalar_attrs,
     storage_dtype,
-    write_hashing,
     write_packed,
 )
 from ._container.blocks import BLOCK_SIZE
@@ -162,12 +160,6 @@ class ZarrWriter(ContainerWriter):
         if self.piece_bytes is None or self.compression is not None or not it.nbytes:
             return None
         return piece_rows(it.shape, it.nbytes, self.piece_bytes, BLOCK_SIZE)
-
-    def _writes_hashed(self, it: ValueWrite) -> bool:
-        # a raw value in one chunk file (_Tree._write_value writes it through write_hashing)
-        return (hash_while_writing() and self.compression is None and it.held is None
-                and it.source is None
-                and not it.hashed and it.nbytes > 0 and self.rows_of(it) is None)
 
     def _pieces(self, items: list[ValueWrite]) -> dict[str, int] | None:
         out = {}
@@ -454,9 +446,6 @@ class _Tree:
             self.link(it.held.file, d / chunk_key(len(it.shape)))
         elif raw and it.source is not None:  # a piece at a time, hashed on the way
             self.write(d / chunk_key(len(it.shape)), self._streamed(it))
-        elif raw and it.nbytes and hash_while_writing() and not it.hashed:  # piece by piece
-            self.write(d / chunk_key(len(it.shape)), functools.partial(
-                _write_hashing, it, self.sync is not None))
         elif raw and it.nbytes:
             self.write(d / chunk_key(len(it.shape)), it.view)
 
@@ -479,11 +468,6 @@ class _Tree:
                 self.write(d / name, part)
             else:
                 self.write(d / name, functools.partial(_padded, part, size))
-
-
-def _write_hashing(it: ValueWrite, durable: bool, fd: int) -> None:
-    """Write ``it`` into its chunk file ``fd``, each piece hashed just before it is written."""
-    write_hashing(it, fd, 0, durable=durable)
 
 
 def _padded(part: memoryview, size: int, fd: int) -> None:

@@ -112,13 +112,13 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
-#: Whether a save hashes each large value a piece at a time just before writing it, on the
-#: writing thread (:func:`write_hashing`), rather than on the checksum thread beside the
-#: writes: on fewer than 4 CPUs. Beside the writes, the hash is free where a CPU is idle
-#: (a 1 GiB save as fast as a raw write on 16 CPUs) but reads every byte from memory a
-#: second time and takes the writer's CPU where none is (2 shared CPUs: a save's CPU
-#: time about 1.25x a raw write's, against about 1.10x hashing each piece while it is in
-#: the cache; docs/benchmarks.md, "Goal 3").
+#: Whether an HDF5 save hashes each large value a piece at a time just before writing it,
+#: on the writing thread (:func:`write_hashing`), rather than on the checksum thread
+#: beside the writes: on fewer than 4 CPUs. Beside the writes, the hash is free where a
+#: CPU is idle but reads every byte from memory a second time and takes the writer's CPU
+#: where none is (docs/benchmarks.md, "Goal 3": on 2 shared CPUs a 1 GiB save's CPU time
+#: fell from 322-478 ms to 313-318 ms, a raw write's 217-614). A Zarr save (a file per
+#: value) measured no better so on this file system, and keeps the checksum thread.
 HASH_WHILE_WRITING = _cpus() < 4
 #: ... in pieces of this many bytes (whole blocks).
 _HOT_PIECE = 1 << 20
