@@ -264,8 +264,9 @@ def test_the_convert_workload_reports_every_row(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_the_incremental_workload_reports_every_row(tmp_path: Path) -> None:
-    """``python -m benchmarks.incremental --quick --json``: both formats, three workloads;
-    an incremental frozen-backbone step writes about what changed."""
+    """``python -m benchmarks.incremental --quick --json``: both formats, four workloads;
+    an incremental frozen-backbone step writes about what changed, and so does a table
+    with 10% of its rows touched by ``scatter_update`` (a row delta)."""
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.incremental", "--quick", "--json", "--dir",
          str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT, check=False,
@@ -281,6 +282,8 @@ def test_the_incremental_workload_reports_every_row(tmp_path: Path) -> None:
             assert r["written_over_changed"] <= 1.10
         if r["format"] == "zarr":  # a table in 4 MiB chunks: only the touched ones written
             assert r["written_over_chunks"] <= 1.10, r
+        if r["workload"] == "embedding-10%":  # a row delta: the changed rows (0.5 MiB)
+            assert r["written_over_changed"] <= 1.10, r
     assert list(tmp_path.iterdir()) == []
 
 

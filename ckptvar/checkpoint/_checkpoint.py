@@ -234,6 +234,7 @@ class Checkpoint(Trackable):
                                        pack_threshold=options.get("pack_threshold"),
                                        base=None if inc is None else inc.base,
                                        known=None if inc is None else inc.known,
+                                       rows=None if inc is None else inc.changed_rows(),
                                        pieces=inc is not None)
             finally:
                 snapshot.clear()

@@ -120,6 +120,7 @@ def write_file(
     known: Mapping[str, bool] | None = None,
     copies: list[tuple[str, str]] | None = None,
     pieces: bool = False,
+    rows: Mapping[str, Any] | None = None,
 ) -> str:
     """Write one checkpoint atomically (temporary sibling, fsync, rename); returns its path.
 
@@ -135,6 +136,9 @@ def write_file(
     ``copies`` (a local Zarr write): reused files are listed there, not linked.
     ``pieces`` (a local Zarr write): large values are stored as several chunks, so that
     an incremental step shares the unchanged ones (docs/FORMAT.md, "Pieces").
+    ``rows`` (a local write with ``base``): key -> the rows written since ``base``, of
+    changed values; such a value may be stored as a row delta (docs/FORMAT.md, "Row
+    deltas"). At a URL they are not used: the values are written as above.
     ``pack_threshold``: the writer's (docs/FORMAT.md, "Writer options"; None: its default).
     """
     if is_url(path):
@@ -155,6 +159,8 @@ def write_file(
     options: dict[str, Any] = {"durable": True, "pack_threshold": pack_threshold}
     if base is not None:
         options.update(base=Path(base), known=known or {})
+        if rows and copies is None:
+            options.update(rows=rows)
     if copies is not None:
         options.update(copies=copies)
     backend = native_backend(path, format)

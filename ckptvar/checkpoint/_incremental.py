@@ -26,7 +26,7 @@ from typing import Any
 
 from ..errors import CkptError
 from ..storage import external_files
-from ..variables import Variable, write_version
+from ..variables import Variable, rows_written, track_rows, write_version
 
 __all__ = ["Incremental", "IncrementalSave", "held"]
 
@@ -41,11 +41,29 @@ class IncrementalSave:
     known: dict[str, bool]
     versions: dict[str, tuple[int, int]] = field(default_factory=dict)
     owner: Incremental | None = None
+    #: The changed variables and their versions at the base: key -> (variable, version)
+    #: (:meth:`changed_rows`).
+    changed: dict[str, tuple[Variable, tuple[int, int]]] = field(default_factory=dict)
+
+    def changed_rows(self) -> dict[str, Any]:
+        """The changed variables whose written rows are known: key -> the sorted first-axis
+        indices written since the base (such a value may be stored as a row delta).
+
+        Ask once the values are read (the snapshot taken): a write that landed after
+        :meth:`Incremental.start` is then in the answer, so the rows cover every row
+        that differs from the base (an answer may hold more rows, never fewer).
+        """
+        out = {}
+        for key, (var, before) in self.changed.items():
+            rows = rows_written(var, before)
+            if rows is not None and rows.size:
+                out[key] = rows
+        return out
 
     def on(self, base: Path | str | None) -> IncrementalSave:
         """This save on ``base`` (a multi-process save takes rank 0's base; ``None``:
         none): what is known holds only for the step it was known for; on another, every
-        value is compared."""
+        value is compared. (Row deltas are single-process only: none here.)"""
         same = (base is not None and self.base is not None
                 and _name(base) == _name(self.base))
         return IncrementalSave(base, self.known if same else {}, self.versions, self.owner)
@@ -72,19 +90,25 @@ class Incremental:
         Call before the values are read: a write that lands after is counted as a change.
         """
         versions: dict[str, tuple[int, int]] = {}
+        tracked: dict[str, Variable] = {}
         for key, var in variables.items():
             if isinstance(var, Variable):
+                track_rows(var)  # from now on its writes say which rows they touch
                 version = write_version(var)
                 if version is not None:
                     versions[key] = version
+                    tracked[key] = var
         known: dict[str, bool] = {}
+        changed: dict[str, tuple[Variable, tuple[int, int]]] = {}
         if base is not None and _name(base) == self._name:
             old = self._versions
             for key, now in versions.items():
                 before = old.get(key)
                 if before is not None:
                     known[key] = before == now
-        return IncrementalSave(base, known, versions, self)
+                    if before != now:
+                        changed[key] = (tracked[key], before)
+        return IncrementalSave(base, known, versions, self, changed)
 
 
 def _name(path: str | os.PathLike[str]) -> str:

@@ -63,7 +63,8 @@ stands for its latest checkpoint (the output says so).
 --stats adds "min", "max", "mean", "std", "nan", "inf" (null where there is no
 finite element). An incremental step adds "shared": {key: [steps]}, the steps
 that hold (HDF5) or share (Zarr hard links) each value's bytes, also listed
-below the table.
+below the table; a row delta adds "deltas": {key: {"base", "patches", "rows"}}
+(the step that wrote its whole copy, its row patches and their rows).
 
 examples:
   ckpt inspect runs/ckpt-3.h5
@@ -202,6 +203,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         fmt = str(reader.format)
         metadata = reader.metadata()
         shared = _shared(reader, keys)
+        deltas = _deltas(reader, keys)
         _add_boxes(reader, records)
 
     if args.json:
@@ -214,8 +216,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             variables=plain(records),
             skipped=[{"key": k, "reason": v} for k, v in skipped.items()],
         )
-        if shared:
-            doc["shared"] = shared
+        doc.update({k: v for k, v in (("shared", shared), ("deltas", deltas)) if v})
         dump_json(doc, out)
         return EXIT_OK
 
@@ -231,6 +232,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     noun = "variable" if fmt in _OWN_FORMATS else "value"
     _print_values(records, skipped, noun, args, out)
     _print_shared(shared, noun, out)
+    _print_deltas(deltas, noun, out)
     if args.boxes:
         _print_boxes(records, out)
     return EXIT_OK
@@ -266,6 +268,25 @@ def _shared(reader: Any, keys: list[str]) -> dict[str, list[str]]:
         return {}
     shared = reader.shared()
     return {k: shared[k] for k in keys if k in shared}
+
+
+def _deltas(reader: Any, keys: list[str]) -> dict[str, dict[str, Any]]:
+    """Of ``keys``, those stored as row deltas (format 1.5)."""
+    if not isinstance(reader, cv.storage.SupportsDeltas):
+        return {}
+    deltas = reader.deltas()
+    return {k: deltas[k] for k in keys if k in deltas}
+
+
+def _print_deltas(deltas: dict[str, dict[str, Any]], noun: str, out: TextIO) -> None:
+    if not deltas:
+        return
+    print(f"\nrow deltas: {len(deltas)} {noun}(s) stored as a base plus changed rows",
+          file=out)
+    for line in table([[escape(k), f"base in {escape(d['base'])}",
+                        f"{d['patches']} patch(es), {d['rows']} row(s)"]
+                       for k, d in deltas.items()]):
+        print("  " + line, file=out)
 
 
 def _print_shared(shared: dict[str, list[str]], noun: str, out: TextIO) -> None:

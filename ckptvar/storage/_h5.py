@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import logging
 import os
 import re
 import struct
@@ -47,6 +48,7 @@ from ._container import (
     ValueWrite,
     WritePlan,
     check_regions,
+    delta_attrs,
     hash_while_writing,
     scalar_attrs,
     storage_dtype,
@@ -54,13 +56,15 @@ from ._container import (
     write_packed,
 )
 from ._container import source as _src
+from ._container.delta import DeltaWrite, fold, read_patches
 from ._container.reuse import Held
-from ._container.source import RemoteFile
+from ._container.source import Patched, RemoteFile
 from ._record import (
     ARRAY,
     FORMAT_VERSION,
     MAX_RECORD_NBYTES,
     PACKED,
+    Delta,
     Entry,
     Extent,
     Record,
@@ -70,6 +74,8 @@ from ._record import (
 from .base import Backend, SupportsShared
 from .paths import RESERVED_PREFIX
 from .registry import register_backend
+
+logger = logging.getLogger("ckptvar")
 
 __all__ = [
     "USERBLOCK_SIZE",
@@ -90,6 +96,9 @@ MAGIC = b"\x89CKPTVAR\r\n\x1a\n"
 _UB = struct.Struct("<12sHHQQI")
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 MANIFEST_PATH = f"{RESERVED_PREFIX}/manifest"
+_NO_ROWS = np.empty(0, np.int64)
+
+
 class H5Writer(ContainerWriter):
     """Writes one ``.h5`` file (see the module docstring for the steps)."""
 
@@ -118,6 +127,7 @@ class H5Writer(ContainerWriter):
         reader = H5Reader(base)
         record = reader.record
         reader.close()
+        self._base_name = name
 
         def holder(key: str, entry: Entry) -> Held:
             file, path = record.external.get(key, (name, entry.loc.path or ""))
@@ -128,7 +138,38 @@ class H5Writer(ContainerWriter):
     def _array_loc(self, it: ValueWrite) -> Extent:
         if it.held is not None:
             return Extent.array(it.path, it.held.offset, it.nbytes)
-        return Extent.array(it.path, it.offset, it.nbytes)
+        return super()._array_loc(it)
+
+    def _base_rows(self, key: str) -> np.ndarray | None:
+        assert self.base is not None
+        try:
+            reader = H5Reader(self.base)
+            try:
+                return reader.delta_rows(key)
+            finally:
+                reader.close()
+        except (OSError, ValueError) as exc:  # CkptError subclasses ValueError or OSError
+            logger.warning("Incremental save of %s: cannot read the row patches of %r in "
+                           "%s (%s); writing it whole.", self.path, key, self.base, exc)
+            return None
+
+    def _delta_for(self, it: ValueWrite, entry: Entry, was: Delta | None,
+                   holder: Callable[[str, Entry], Held]) -> DeltaWrite | None:
+        """An HDF5 delta refers to the files that hold the base's whole copy and its
+        earlier patches (siblings: external links); its own patch is a dataset here."""
+        name = self._base_name
+        if was is None:
+            held = holder(it.key, entry)
+            base, earlier, since = (held.file, held.path, held.offset), [], holder_step(held.file)
+        else:
+            def named(f: str) -> str:
+                return f or name
+            base = (named(was.base[0]), was.base[1], was.base[2])
+            earlier = [(named(f), p, o, n, c) for f, p, o, n, c in was.patches]
+            since = was.since
+        out = DeltaWrite(base, earlier, _NO_ROWS, _NO_ROWS, 0, since)
+        out.path = f"{it.path}/patch-{len(earlier)}"
+        return out
 
     def _external(self, items: list[ValueWrite]) -> dict[str, tuple[str, str]] | None:
         return {it.key: (it.held.file, it.held.path) for it in items
@@ -166,13 +207,17 @@ class H5Writer(ContainerWriter):
             os.close(fd)
 
     def _writes_hashed(self, it: ValueWrite) -> bool:
-        return (hash_while_writing() and it.held is None and it.source is None
-                and not it.hashed)
+        return (hash_while_writing() and it.held is None and it.delta is None
+                and it.source is None and not it.hashed)
 
     def _write_bytes(self, fd: int, plan: WritePlan, packed_off: int) -> None:
         write = _rawio.pwrite_flushing if self.durable else _rawio.pwrite_all
         for it in plan.arrays:
             if it.held is not None:
+                continue
+            if it.delta is not None:  # only the patch: the rest is in other files
+                if it.delta.patch.size:
+                    write(fd, _rawio.byte_view(it.delta.patch), it.delta.offset)
                 continue
             if it.source is not None:  # a piece at a time, hashed on the way
                 it.write_with(functools.partial(_write_at, write, fd, it.offset))
@@ -238,6 +283,17 @@ class _H5File:
                     fid.links.create_external(it.path.encode(), it.held.file.encode(),
                                               b"/" + it.held.path.encode(), lcpl=self.lcpl)
                     continue
+                if it.delta is not None:  # a group: the base and earlier patches by link
+                    d = it.delta
+                    self.h5py.h5g.create(fid, it.path.encode(), lcpl=self.lcpl)
+                    fid.links.create_external(f"{it.path}/base".encode(), d.base[0].encode(),
+                                              b"/" + d.base[1].encode(), lcpl=self.lcpl)
+                    for j, (f, p, _, _, _) in enumerate(d.earlier):
+                        fid.links.create_external(f"{it.path}/patch-{j}".encode(), f.encode(),
+                                                  b"/" + p.encode(), lcpl=self.lcpl)
+                    if d.rows.size:
+                        d.offset = self._create(fid, d.path, np.dtype("u1"), (d.patch.size,))
+                    continue
                 it.offset = self._create(fid, it.path, storage_dtype(it.dtype), it.shape)
             if not plan.packed:
                 return 0
@@ -261,6 +317,14 @@ class _H5File:
                 _close(root)
             for it in arrays:
                 if it.held is not None:  # a link: the attributes are the holder's
+                    continue
+                if it.delta is not None:  # the group says what it is
+                    gid = h5py.h5o.open(fid, it.path.encode())
+                    try:
+                        for k, v in delta_attrs(it).items():
+                            attrs.put(gid, k, np.uint32(v) if k == "checksum" else v)
+                    finally:
+                        _close(gid)
                     continue
                 dsid = h5py.h5d.open(fid, it.path.encode())
                 try:
@@ -480,6 +544,8 @@ class H5Reader(ContainerReader, SupportsShared):
         self._fd = fd
         self._mm: Any = None
         self._holders: dict[str, int] = {}  # the files external values are in, opened
+        #: a delta value's patches, read, checked and folded into one (rows, data)
+        self._folded: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         super().__init__(path, record)
         self._packed_base = record.packed[1] if record.packed else 0
         self._packed: int | RemoteFile = fd
@@ -491,14 +557,48 @@ class H5Reader(ContainerReader, SupportsShared):
 
     def _open_array(self, key: str, entry: Entry) -> Source:
         self.check_open()
+        if self._record.deltas and key in self._record.deltas:
+            return Source(self._patched(key, entry), 0, True)
         if self._record.external and key in self._record.external:
             return Source(self._holder(key, entry), entry.loc.offset, False)
         return Source(self._fd, entry.loc.offset, False)
 
+    def _patched(self, key: str, entry: Entry) -> Patched:
+        """A delta value (format 1.5): its base's bytes with its patches laid over them."""
+        d = self._record.deltas[key]
+        base = self._file(key, d.base[0], d.base[2], entry.nbytes)
+        folded = self._folded.get(key)
+        if folded is None:
+            reads = [(self._file(key, f, off, 8 * n + n * (entry.nbytes // entry.shape[0])),
+                      off, n, crc, f"{p!r} in {f or self.path.name!r}")
+                     for f, p, off, n, crc in d.patches]
+            parts = read_patches(key, reads, entry.nbytes // entry.shape[0], entry.shape[0],
+                                 seed=_checksum.header_crc(key, entry.dtype, entry.shape),
+                                 corrupt=self.corrupt)
+            folded = self._folded[key] = fold(parts, entry.shape[0])
+        return Patched(base, d.base[2], entry.nbytes, entry.nbytes // entry.shape[0], folded,
+                       owned=False)
+
+    def _file(self, key: str, name: str, offset: int, nbytes: int) -> Any:
+        """The descriptor holding ``nbytes`` of ``key``'s bytes at ``offset``: this file
+        (``name`` empty) or a sibling's, the range checked against its size."""
+        if not name:
+            size = os.fstat(self._fd).st_size if self._fd.__class__ is int else self._fd.size  # type: ignore[union-attr]
+            if offset < USERBLOCK_SIZE or offset + nbytes > size:
+                raise self.corrupt(key, f"has bytes at [{offset}, {offset + nbytes}) outside "
+                                        f"its file ({size} bytes)")
+            return self._fd
+        return self._open_holder(key, name, offset, nbytes)
+
     def _holder(self, key: str, entry: Entry) -> int:
         """The descriptor of the sibling file holding ``key``'s bytes (an incremental step),
         its byte range checked against its size."""
-        name = self._record.external[key][0]
+        return self._open_holder(key, self._record.external[key][0], entry.loc.offset,
+                                 entry.nbytes)
+
+    def _open_holder(self, key: str, name: str, offset: int, nbytes: int) -> int:
+        """The descriptor of the sibling file ``name`` holding ``nbytes`` of ``key``'s bytes
+        at ``offset`` (an incremental step), the range checked against its size."""
         if self.remote:
             raise UnsupportedFormatError(
                 f"Checkpoint {str(self.path)!r} is an incremental step: {key!r} is stored in "
@@ -521,10 +621,10 @@ class H5Reader(ContainerReader, SupportsShared):
                 ) from None
             self._holders[name] = fd
         size = os.fstat(fd).st_size
-        if entry.loc.offset < USERBLOCK_SIZE or entry.loc.offset + entry.nbytes > size:
+        if offset < USERBLOCK_SIZE or offset + nbytes > size:
             raise CorruptCheckpointError(
                 f"Checkpoint {str(self.path)!r}: the bytes of {key!r} at "
-                f"[{entry.loc.offset}, {entry.loc.offset + entry.nbytes}) lie outside "
+                f"[{offset}, {offset + nbytes}) lie outside "
                 f"{name!r} ({size} bytes), the file that holds them."
             )
         return fd
@@ -536,7 +636,8 @@ class H5Reader(ContainerReader, SupportsShared):
     def _mmap_region(self, key: str, entry: Entry) -> tuple[Any, int, bool]:
         self.check_open()
         if self._fd.__class__ is not int or (self._record.external
-                                             and key in self._record.external):
+                                             and key in self._record.external) or (
+                self._record.deltas and key in self._record.deltas):
             return super()._mmap_region(key, entry)
         if self._mm is None:
             self._mm = _src.map_all(self._fd)
@@ -545,8 +646,13 @@ class H5Reader(ContainerReader, SupportsShared):
         return self._mm, entry.loc.offset, False
 
     def shared(self) -> dict[str, list[str]]:
-        """The values an incremental step refers to: key -> [the file that holds them]."""
-        return {key: [file] for key, (file, _) in self._record.external.items()}
+        """The values an incremental step refers to: key -> [the files that hold their
+        bytes] (a row delta: its base's holder first, then its earlier patches')."""
+        out = {key: [file] for key, (file, _) in self._record.external.items()}
+        for key, d in self._record.deltas.items():
+            out[key] = list(dict.fromkeys(f for f in (d.base[0], *(p[0] for p in d.patches))
+                                          if f))
+        return out
 
     def close(self) -> None:
         if not self._closed:
@@ -558,6 +664,7 @@ class H5Reader(ContainerReader, SupportsShared):
             for fd in self._holders.values():
                 os.close(fd)
             self._holders.clear()
+            self._folded.clear()
         super().close()
 
     def __del__(self) -> None:
@@ -573,7 +680,8 @@ def _check_h5_regions(record: Record, path: Any, size: int, record_region: tuple
     if record.packed is not None:
         fixed.append((record.packed[1], record.packed[2], "the packed values"))
     cols = record.columns
-    ext = record.external  # an incremental step's values in other files: checked there
+    # an incremental step's values in other files (and row deltas): checked when read
+    ext = {**record.external, **record.deltas} if record.deltas else record.external
     if cols is None:
         keys = [k for k, e in record.values.items() if e.loc.kind == ARRAY and k not in ext]
         starts = np.array([record.values[k].loc.offset for k in keys], np.int64)
@@ -642,7 +750,8 @@ class H5Backend(
 
 def external_files(path: Path) -> set[str]:
     """The sibling checkpoints whose bytes the checkpoint at ``path`` refers to (an
-    incremental HDF5 step's external values; for a multi-process step directory, those
+    incremental HDF5 step's external values and its row deltas' bases and patches, format
+    1.5; for a multi-process step directory, those
     of its per-process ``.h5`` files, by the step that holds them); empty for anything
     else, or nothing at ``path``."""
     path = Path(path)
@@ -659,7 +768,10 @@ def _external_names(path: Path) -> set[str]:
         return set()
     reader = H5Reader(path)
     try:
-        return {file for file, _ in reader.record.external.values()}
+        out = {file for file, _ in reader.record.external.values()}
+        for d in reader.record.deltas.values():
+            out.update(d.files())
+        return out
     finally:
         reader.close()
 

@@ -73,6 +73,8 @@ from .paths import is_valid_container_path
 
 __all__ = [
     "BLOCK_SIZE",
+    "DELTA",
+    "DELTAS_VERSION",
     "EXTERNAL_VERSION",
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -81,11 +83,13 @@ __all__ = [
     "MAX_RECORD_NBYTES",
     "PIECES_VERSION",
     "Columns",
+    "Delta",
     "Entry",
     "Extent",
     "Record",
     "ValueColumns",
     "block_count",
+    "check_deltas",
     "check_external",
     "check_pieces",
     "check_plain",
@@ -104,6 +108,10 @@ FORMAT_VERSION = (1, 2)
 EXTERNAL_VERSION = (1, 3)
 #: The version of a record with ``pieces`` (a Zarr value stored as several chunk files).
 PIECES_VERSION = (1, 4)
+#: The version of a record with ``deltas`` (values stored as a base plus row patches).
+DELTAS_VERSION = (1, 5)
+#: The ``layouts`` item of a value stored as a delta (a reader before 1.5 refuses it).
+DELTA = "delta"
 #: Largest record a reader accepts (about 5 million values).
 MAX_RECORD_NBYTES = 1 << 30
 _LIBRARY = "ckptvar 0.1.0"
@@ -207,6 +215,34 @@ class Record:
     #: 1.4, Zarr only: the values stored as several chunk files along their first axis,
     #: by key: the rows per chunk (docs/FORMAT.md, "Pieces").
     pieces: dict[str, int] = field(default_factory=dict)
+    #: 1.5: the values stored as a base plus row patches (layout ``delta``), by key
+    #: (docs/FORMAT.md, "Row deltas").
+    deltas: dict[str, Delta] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """A value stored as its base (a whole copy) plus row patches applied in order.
+
+    ``base``: ``(file, container path, byte offset)`` of the whole copy; each patch
+    ``(file, container path, byte offset, rows, crc)``: a ``uint8`` array of ``rows``
+    little-endian ``uint64`` row indices (sorted, unique) followed by those rows' bytes,
+    whose CRC-32C (seeded by the value's header) is ``crc``. ``file`` is ``""`` for this
+    checkpoint itself, else the sibling file that holds the bytes (never another delta).
+    ``since``: the checkpoint that wrote the base (for ``ckpt inspect``).
+    """
+
+    base: tuple[str, str, int]
+    patches: tuple[tuple[str, str, int, int, int], ...]
+    since: str
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"base": list(self.base), "patches": [list(p) for p in self.patches],
+                "since": self.since}
+
+    def files(self) -> set[str]:
+        """The other files it refers to."""
+        return {f for f in (self.base[0], *(p[0] for p in self.patches)) if f}
 
 
 @dataclass(slots=True)
@@ -237,7 +273,7 @@ def encode(record: Record) -> bytes:
     )
     return encode_columns(record.container, record.packed, cols, record.metadata,
                           block_size=record.block_size, external=record.external,
-                          pieces=record.pieces)
+                          pieces=record.pieces, deltas=record.deltas)
 
 
 def encode_columns(
@@ -249,18 +285,21 @@ def encode_columns(
     block_size: int = BLOCK_SIZE,
     external: Mapping[str, tuple[str, str]] | None = None,
     pieces: Mapping[str, int] | None = None,
+    deltas: Mapping[str, Delta] | None = None,
 ) -> bytes:
     """The msgpack bytes of a record given as per-value lists (``cols.blocks``: blocks of
     ``block_size`` bytes; ``external``: the values another file holds, format 1.3;
     ``pieces``: rows per chunk of the values stored as several chunks, format 1.4)."""
     keys, locs = cols.keys, cols.locs
     layouts = [loc.kind for loc in locs]
+    if deltas:
+        layouts = [DELTA if k in deltas else lay for k, lay in zip(keys, layouts, strict=True)]
     paths = [loc.path for loc in locs]
     offsets = [loc.offset for loc in locs]
     dense, sparse = split_attrs(keys, cols.attrs)
     doc: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "format_version": list(PIECES_VERSION if pieces else
+        "format_version": list(DELTAS_VERSION if deltas else PIECES_VERSION if pieces else
                                EXTERNAL_VERSION if external else FORMAT_VERSION),
         "library": _LIBRARY,
         "container": container,
@@ -281,6 +320,8 @@ def encode_columns(
         doc["external"] = {k: list(v) for k, v in external.items()}
     if pieces:
         doc["pieces"] = dict(pieces)
+    if deltas:
+        doc["deltas"] = {k: d.to_doc() for k, d in deltas.items()}
     doc.update({
         "attrs": dense,
         "sparse_attrs": sparse,
@@ -343,6 +384,7 @@ def _validate(doc: Any, container: str, file_size: int | None) -> Record:
     version, library, metadata = _check_header(doc, container)
     packed = _check_packed_region(doc.get("packed"), file_size)
     cols = columns(doc)
+    deltas = _delta_layouts(cols, check_deltas(doc.get("deltas"), container))
     keys, dtypes, shapes, checksums, layouts, paths, offsets = (cols[n] for n in COLUMNS)
     packed_nbytes = packed[2] if packed is not None else 0
     nbytes = check_dtypes_and_shapes(keys, dtypes, shapes)
@@ -385,7 +427,25 @@ def _validate(doc: Any, container: str, file_size: int | None) -> Record:
         block_size=block_size,
         external=external,
         pieces=pieces,
+        deltas=deltas,
     )
+
+
+def _delta_layouts(cols: dict[str, Any], deltas: dict[str, Delta]) -> dict[str, Delta]:
+    """Check that the values stored as deltas (layout ``delta``) are those ``deltas``
+    describes, and make their layout ``array`` in ``cols`` (a delta's bytes are read as an
+    array's, through its patched source); returns ``deltas``."""
+    layouts = cols["layouts"]
+    if not deltas and (not isinstance(layouts, list) or DELTA not in layouts):
+        return deltas
+    at = dict(zip(cols["keys"], layouts, strict=False))
+    for key in deltas:
+        if at.get(key) != DELTA:
+            raise BadRecord(f"'deltas' describes {key!r}, which is not stored as a delta")
+    if sum(lay == DELTA for lay in layouts) != len(deltas):
+        raise BadRecord("a value stored as a delta has no entry in 'deltas'")
+    cols["layouts"] = [ARRAY if lay == DELTA else lay for lay in layouts]
+    return deltas
 
 
 def _check_header(doc: Any, container: str) -> tuple[tuple[int, int], str, dict[str, Any]]:
@@ -458,7 +518,10 @@ def _decode_indexed(data: bytes, where: str, container: str,
         block_size = check_block_size(head)
         external = check_external(head.get("external"), container)
         pieces = check_pieces(head.get("pieces"), container)
+        deltas = check_deltas(head.get("deltas"), container)
         index = KeyIndex.parse(head["index"], container, block_size)
+        if int((index.layouts == LAYOUT_CODES.index(DELTA)).sum()) != len(deltas):
+            raise BadRecord("the values stored as deltas and 'deltas' do not agree")
         pk = index.layouts == 0
         check_packed(SortedKeys(index), pk, index.offsets, index.nbytes,
                      packed[2] if packed is not None else 0)
@@ -493,7 +556,8 @@ def _indexed_entry(idx: KeyIndex, where: str, key: str, i: int) -> Entry:
                             f"and shape {nbytes}")
     except BadRecord as exc:
         raise CorruptCheckpointError(f"Checkpoint {where!r}: bad root record: {exc}.") from None
-    loc = Extent(LAYOUT_CODES[int(idx.layouts[i])], path, int(idx.offsets[i]), nbytes)
+    kind = LAYOUT_CODES[int(idx.layouts[i])]
+    loc = Extent(ARRAY if kind == DELTA else kind, path, int(idx.offsets[i]), nbytes)
     e = Entry(dtype, tuple(shape), int(idx.checksums[i]), attrs, loc, idx.blocks(i))
     e._nbytes = nbytes
     return e
@@ -555,6 +619,39 @@ def check_pieces(pieces: Any, container: str) -> dict[str, int]:
         if not isinstance(key, str) or type(rows) is not int or rows < 1:
             raise BadRecord(f"'pieces' gives {rows!r} for {key!r}, not a number of rows")
     return dict(pieces)
+
+
+def check_deltas(deltas: Any, container: str) -> dict[str, Delta]:
+    """The record's ``deltas`` map (1.5) checked: key -> :class:`Delta`."""
+    if deltas is None:
+        return {}
+    if not isinstance(deltas, dict):
+        raise BadRecord("'deltas' is not a map of keys to deltas")
+    out: dict[str, Delta] = {}
+
+    def file_ok(f: Any) -> bool:
+        return f == "" or (container == "h5" and is_holder_name(f))
+
+    for key, d in deltas.items():
+        try:
+            base, patches, since = d["base"], d["patches"], d["since"]
+            ok = (isinstance(base, list) and len(base) == 3 and file_ok(base[0])
+                  and isinstance(base[1], str) and is_valid_container_path(base[1])
+                  and is_count(base[2]) and isinstance(patches, list) and 0 < len(patches) <= 64
+                  and isinstance(since, str) and len(d) == 3)
+            if ok:
+                for p in patches:
+                    ok = ok and (isinstance(p, list) and len(p) == 5 and file_ok(p[0])
+                                 and isinstance(p[1], str) and is_valid_container_path(p[1])
+                                 and is_count(p[2]) and is_count(p[3]) and p[3] > 0
+                                 and is_count(p[4]) and p[4] < 1 << 32)
+        except (KeyError, TypeError):
+            ok = False
+        if not ok or not isinstance(key, str):
+            raise BadRecord(f"'deltas' gives {d!r} for {key!r}, not a base and its patches")
+        out[key] = Delta((base[0], base[1], base[2]),
+                         tuple((p[0], p[1], p[2], p[3], p[4]) for p in patches), since)
+    return out
 
 
 def check_external(external: Any, container: str) -> dict[str, tuple[str, str]]:

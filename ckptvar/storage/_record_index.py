@@ -37,8 +37,9 @@ __all__ = [
 
 #: Records of at least this many values carry the key index (smaller ones decode in ~1 ms).
 INDEX_FROM = 1024
-#: The ``layouts`` column's codes: packed, array, zarr.
-LAYOUT_CODES = ("packed", "array", "zarr")
+#: The ``layouts`` column's codes: packed, array, zarr, delta (1.5: an array stored as
+#: a base plus row patches).
+LAYOUT_CODES = ("packed", "array", "zarr", "delta")
 _CODE = {name: i for i, name in enumerate(LAYOUT_CODES)}
 _MAX_NBYTES = 1 << 62
 #: ``name: (dtype, bytes per value)`` of the index's binary columns.
@@ -272,7 +273,8 @@ def _check_columns(blobs: dict[str, bytes], cols: dict[str, np.ndarray], contain
     for name in ("offsets", "nbytes"):
         if (cols[name] < 0).any() or cols[name].max() >= _MAX_NBYTES:
             raise BadRecord(f"'index' field {name!r} holds a number too large to exist")
-    if cols["layouts"].max() >= (3 if container == "zarr" else 2):
+    lay = cols["layouts"]
+    if (lay >= 4).any() or (container != "zarr" and (lay == 2).any()):
         raise BadRecord("'index' field 'layouts' holds an unknown location")
     if container == "zarr" and (cols["offsets"][cols["layouts"] != 0] != 0).any():
         raise BadRecord("'index' gives a Zarr chunk a byte offset other than 0")

@@ -29,6 +29,7 @@ import errno
 import functools
 import importlib
 import json
+import logging
 import os
 import shutil
 import threading
@@ -48,14 +49,16 @@ from ._container import (
     Source,
     ValueWrite,
     WritePlan,
+    delta_attrs,
     scalar_attrs,
     storage_dtype,
     write_packed,
 )
 from ._container.blocks import BLOCK_SIZE
+from ._container.delta import DeltaWrite, fold, read_patches
 from ._container.reuse import Held
-from ._container.source import Pieces
-from ._record import ARRAY, FORMAT_VERSION, Entry, Extent, Record, decode
+from ._container.source import Patched, Pieces
+from ._record import ARRAY, FORMAT_VERSION, Delta, Entry, Extent, Record, decode
 from ._zarr_files import (
     GROUP_DOC,
     O_DIR,
@@ -74,6 +77,8 @@ from ._zarr_files import (
 from .atomic import fsync_all
 from .base import Backend, SupportsShared
 from .registry import register_backend
+
+logger = logging.getLogger("ckptvar")
 
 __all__ = ["PIECE_BYTES", "RECORD_PATH", "ZarrBackend", "ZarrReader", "ZarrWriter", "chunk_key"]
 
@@ -155,8 +160,48 @@ class ZarrWriter(ContainerWriter):
 
         return record, holder
 
+    def _base_rows(self, key: str) -> np.ndarray | None:
+        assert self.base is not None
+        try:
+            reader = ZarrReader(self.base)
+            try:
+                return reader.delta_rows(key)
+            finally:
+                reader.close()
+        except (OSError, ValueError) as exc:  # CkptError subclasses ValueError or OSError
+            logger.warning("Incremental save of %s: cannot read the row patches of %r in "
+                           "%s (%s); writing it whole.", self.path, key, self.base, exc)
+            return None
+
+    def _delta_for(self, it: ValueWrite, entry: Entry, was: Delta | None,
+                   holder: Any) -> DeltaWrite | None:
+        """A Zarr delta takes the base's whole copy and earlier patches into this step by
+        hard link (so the step stands alone); its own patch is an array here. Not on an
+        object store (a server-side copy of each file would do, not done yet)."""
+        if self.copies is not None or self.compression is not None or self.base is None:
+            return None
+        rec = self._base_record
+        if rec is None:
+            return None
+        if was is None:
+            src, earlier, since = entry.loc.path or "", [], self.base.name
+        else:
+            src, since = was.base[1], was.since
+            earlier = [("", f"{it.path}/patch-{j}", 0, n, c)
+                       for j, (_, _, _, n, c) in enumerate(was.patches)]
+        out = DeltaWrite(("", f"{it.path}/base", 0), earlier, np.empty(0, np.int64),
+                         np.empty(0, np.uint8), 0, since, pieces=rec.pieces.get(it.key))
+        out.links = [(src, f"{it.path}/base")]
+        if was is not None:
+            out.links += [(p, f"{it.path}/patch-{j}") for j, (_, p, _, _, _) in
+                          enumerate(was.patches)]
+        out.path = f"{it.path}/patch-{len(earlier)}"
+        return out
+
     def rows_of(self, it: ValueWrite) -> int | None:
         """Rows per chunk of a value stored as several chunks; ``None``: one chunk."""
+        if it.delta is not None:
+            return it.delta.pieces
         if self.piece_bytes is None or self.compression is not None or not it.nbytes:
             return None
         return piece_rows(it.shape, it.nbytes, self.piece_bytes, BLOCK_SIZE)
@@ -181,7 +226,8 @@ class ZarrWriter(ContainerWriter):
             was = None if rec is None else rec.pieces.get(it.key)
             if it.held is not None and was != rows:
                 it.held = None  # the base's chunks are not this step's
-            if it.held is None and rows is not None and rows == was and rec is not None:
+            if (it.held is None and it.delta is None and rows is not None and rows == was
+                    and rec is not None and it.key not in rec.deltas):
                 self._match_pieces(it, rows, rec, base)
         self.reused = [it.key for it in plan.arrays if it.held is not None]
         if self.copies is None:
@@ -225,7 +271,10 @@ class ZarrWriter(ContainerWriter):
         raw = self.compression is None
         for it, d in zip(plan.arrays, arr_dirs, strict=True):
             sdt = storage_dtype(it.dtype)
-            if it.held is not None and it.held.same_attrs:  # the same document: share it
+            if it.delta is not None:  # a group: what it is, in its attributes
+                doc = {"zarr_format": 3, "node_type": "group", "attributes": delta_attrs(it)}
+                write_file(d / "zarr.json", _doc(doc), tree.sync, replace=True)
+            elif it.held is not None and it.held.same_attrs:  # the same document: share it
                 tree.link(os.fspath(Path(it.held.file).parent / "zarr.json"), d / "zarr.json")
             elif raw:
                 meta = array_meta(it.shape, sdt, scalar_attrs(it))
@@ -241,6 +290,7 @@ class ZarrWriter(ContainerWriter):
         if self.copies is not None and self.base is not None:
             deferred = (self.base, self.copies)
         tree = _Tree(tmp, [] if self.durable else None, deferred)
+        tree.base = self.base
         raw = self.compression is None
         # 1. the bytes, straight from the buffers (hashing runs meanwhile)
         arr_dirs = tree.write_chunks(plan.arrays, raw, self.rows_of, self._held_pieces)
@@ -333,6 +383,8 @@ class _Tree:
         self.root = root
         #: ``(base, copies)``: links are listed in ``copies`` (relative), not made
         self.deferred = deferred
+        #: The base step a delta's arrays are linked from (an incremental save).
+        self.base: Path | None = None
         #: Files to fsync (None when the write is not durable), and every directory made.
         self.sync = sync
         self.dirs: list[Path] = [root]
@@ -440,7 +492,10 @@ class _Tree:
     def _write_value(self, it: ValueWrite, d: Path, rows: int | None, raw: bool,
                      held: Mapping[str, Mapping[int, str]]) -> None:
         """One value's chunk file (or, with ``rows``, chunk files) into ``d``."""
-        if rows is not None:
+        if it.delta is not None:
+            assert self.base is not None
+            self._write_delta(it.delta, self.base)
+        elif rows is not None:
             self._write_pieces(it, d, rows, held.get(it.key, {}))
         elif it.held is not None and it.nbytes:
             self.link(it.held.file, d / chunk_key(len(it.shape)))
@@ -448,6 +503,22 @@ class _Tree:
             self.write(d / chunk_key(len(it.shape)), self._streamed(it))
         elif raw and it.nbytes:
             self.write(d / chunk_key(len(it.shape)), it.view)
+
+    def _write_delta(self, delta: DeltaWrite, base: Path) -> None:
+        """A delta's arrays: the base's whole copy and earlier patches linked from the
+        base step ``base`` (every file of each array directory), its own patch written."""
+        for src, dst in delta.links:
+            d = self.array_dir(dst)
+            for f in sorted(os.listdir(base / src)):
+                self.link(os.fspath(base / src / f), d / f)
+        if not delta.rows.size:  # unchanged: the base's delta as it is
+            return
+        d = self.array_dir(delta.path)
+        meta = array_meta((int(delta.patch.size),), np.dtype("u1"),
+                          {"ckptvar": "row patch: uint64 row indices, then the rows' bytes"})
+        self.write(d / "zarr.json", _doc(meta))
+        if delta.patch.size:
+            self.write(d / chunk_key(1), _rawio.byte_view(delta.patch))
 
     def _write_pieces(self, it: ValueWrite, d: Path, rows: int, held: Mapping[int, str]
                       ) -> None:
@@ -468,6 +539,13 @@ class _Tree:
                 self.write(d / name, part)
             else:
                 self.write(d / name, functools.partial(_padded, part, size))
+
+
+def _close_source(fd: Any) -> None:
+    if isinstance(fd, int):
+        os.close(fd)
+    else:
+        fd.close()
 
 
 def _padded(part: memoryview, size: int, fd: int) -> None:
@@ -498,6 +576,8 @@ class ZarrReader(ContainerReader, SupportsShared):
             raise
         self._root_fd = root_fd
         self._packed_fd: int | None = None
+        #: a delta value's patches, read, checked and folded into one (rows, data)
+        self._folded: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         super().__init__(path, record)
 
     def shared(self) -> dict[str, list[str]]:
@@ -580,9 +660,45 @@ class ZarrReader(ContainerReader, SupportsShared):
         rel = f"{entry.loc.path}/{chunk_key(len(entry.shape))}"
         if entry.nbytes == 0:
             return Source(self._open_in_dir(key, entry.loc.path or ""), 0, True)
+        if self._record.deltas and key in self._record.deltas:
+            return Source(self._patched(key, entry), 0, True)
         if self._record.pieces and key in self._record.pieces:
             return Source(self._open_pieces(key, entry), 0, True)
         return Source(self._open_chunk(key, rel, entry.nbytes), 0, True)
+
+    def _patched(self, key: str, entry: Entry) -> Patched:
+        """A delta value (format 1.5): its base array's bytes with its patches over them."""
+        d = self._record.deltas[key]
+        base_path = d.base[1]
+        if self._record.pieces and key in self._record.pieces:
+            base: Any = self._open_pieces(key, entry, base_path)
+        else:
+            base = self._open_chunk(key, f"{base_path}/{chunk_key(len(entry.shape))}",
+                                    entry.nbytes)
+        try:
+            folded = self._folded.get(key)
+            if folded is None:
+                folded = self._folded[key] = self._read_patches(key, entry, d)
+        except BaseException:
+            _close_source(base)
+            raise
+        return Patched(base, 0, entry.nbytes, entry.nbytes // entry.shape[0], folded)
+
+    def _read_patches(self, key: str, entry: Entry, d: Delta) -> tuple[np.ndarray, np.ndarray]:
+        rb = entry.nbytes // entry.shape[0]
+        fds: list[int] = []
+        try:
+            for _, p, _, n, _ in d.patches:
+                fds.append(self._open_chunk(key, f"{p}/{chunk_key(1)}", 8 * n + n * rb))
+            reads = [(fd, 0, n, crc, repr(f"{p}/{chunk_key(1)}"))
+                     for fd, (_, p, _, n, crc) in zip(fds, d.patches, strict=True)]
+            parts = read_patches(key, reads, rb, entry.shape[0],
+                                 seed=_checksum.header_crc(key, entry.dtype, entry.shape),
+                                 corrupt=self.corrupt)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return fold(parts, entry.shape[0])
 
     def _piece_layout(self, key: str, entry: Entry) -> tuple[int, int]:
         """A value stored as several chunks (format 1.4): a chunk file's size and how
@@ -593,14 +709,16 @@ class ZarrReader(ContainerReader, SupportsShared):
                                     f"{entry.shape} cannot have")
         return rows * (entry.nbytes // entry.shape[0]), -(-entry.shape[0] // rows)
 
-    def _open_pieces(self, key: str, entry: Entry) -> Pieces:
+    def _open_pieces(self, key: str, entry: Entry, path: str | None = None) -> Pieces:
         """Each chunk opened in turn (a missing one stops at once, whatever the record
-        claims), its size checked; the last one's value bytes are the rest."""
+        claims), its size checked; the last one's value bytes are the rest. ``path``: the
+        array holding them (a delta's base), else the value's own."""
         size, n = self._piece_layout(key, entry)
+        where = entry.loc.path if path is None else path
         fds: list[int] = []
         try:
             for i in range(n):
-                rel = f"{entry.loc.path}/{piece_key(len(entry.shape), i)}"
+                rel = f"{where}/{piece_key(len(entry.shape), i)}"
                 fds.append(self._open_chunk(key, rel, size))
         except BaseException:
             for fd in fds:
@@ -614,17 +732,21 @@ class ZarrReader(ContainerReader, SupportsShared):
         e = self.entry(key)
         if e.loc.kind != ARRAY or not e.nbytes or e.loc.path is None:
             return []
+        where, extra = e.loc.path, []
+        if self._record.deltas and key in self._record.deltas:  # the base, then the patches
+            d = self._record.deltas[key]
+            where, extra = d.base[1], [f"{p}/{chunk_key(1)}" for _, p, _, _, _ in d.patches]
         if not (self._record.pieces and key in self._record.pieces):
-            return [f"{e.loc.path}/{chunk_key(len(e.shape))}"]
+            return [f"{where}/{chunk_key(len(e.shape))}", *extra]
         out = []
         for i in range(self._piece_layout(key, e)[1]):
-            rel = f"{e.loc.path}/{piece_key(len(e.shape), i)}"
+            rel = f"{where}/{piece_key(len(e.shape), i)}"
             try:
                 os.stat(rel, dir_fd=self._root_fd, follow_symlinks=False)
             except OSError:
                 break  # the rest is damage, which reading it reports
             out.append(rel)
-        return out
+        return out + extra
 
     def _open_in_dir(self, key: str, rel: str) -> int:
         try:

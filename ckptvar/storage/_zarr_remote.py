@@ -69,6 +69,12 @@ class RemoteZarrReader(ZarrReader):
 
     def _open_array(self, key: str, entry: Entry) -> Source:
         self.check_open()
+        if self._record.deltas and key in self._record.deltas:
+            raise UnsupportedFormatError(
+                f"Checkpoint {self.path!r}: {key!r} is stored as a row delta (a local "
+                "incremental step, format 1.5), which ckptvar reads from a local directory "
+                "only; copy the step to a disk, or `ckpt convert` it there first."
+            )
         if self._record.pieces and key in self._record.pieces:
             raise UnsupportedFormatError(
                 f"Checkpoint {self.path!r}: {key!r} is stored as several chunk files (a "

@@ -64,6 +64,7 @@ __all__ = [
     "Backend",
     "LazyArray",
     "Reader",
+    "SupportsDeltas",
     "SupportsReadIntoMany",
     "SupportsRuns",
     "SupportsShapeAndDtype",
@@ -245,6 +246,17 @@ class SupportsShared(Protocol):
     def shared(self) -> dict[str, list[str]]:
         """For each value whose bytes are shared: the other checkpoints (file names beside
         this one) that hold or share them; the first is the holder when there is one."""
+        ...
+
+
+@runtime_checkable
+class SupportsDeltas(Protocol):
+    """A reader of a checkpoint whose values may be stored as row deltas (format 1.5)."""
+
+    def deltas(self) -> dict[str, dict[str, Any]]:
+        """For each value stored as a row delta: ``{"base": the checkpoint that wrote its
+        whole copy, "patches": how many row patches it has, "rows": their rows, repeats
+        counted}``."""
         ...
 
 

@@ -40,9 +40,11 @@ from ._variable import (
     is_materialized,
     read_buffer,
     restore_value,
+    rows_written,
     set_device_value,
     set_initial_value_source,
     set_save_slice_info,
+    track_rows,
     write_version,
 )
 from .partitioned import (
@@ -92,9 +94,11 @@ __all__ = [
     "register_creation_hook",
     "report_uninitialized_variables",
     "restore_value",
+    "rows_written",
     "set_device_value",
     "set_initial_value_source",
     "set_save_slice_info",
+    "track_rows",
     "variable_axis_size_partitioner",
     "variable_scope",
     "write_version",

@@ -26,6 +26,7 @@ from .._dtypes import check_value_castable
 from ..device import Device, is_device_array, to_host
 from ..errors import ShapeLockError
 from ._array import match_backend, operand, write_into
+from ._rows import RowLog, rows_of
 from ._shapes import Shape, compatible, shape_str
 
 __all__ = ["FreshValue", "Pending", "Ready", "Unset", "WriteBehaviour", "convert_value"]
@@ -83,10 +84,15 @@ class WriteBehaviour:
     _constraint: Callable[[Any], Any] | None
     _writes: int
     _exposed: bool
+    _row_log: RowLog | None
 
-    def _wrote(self) -> None:
-        """Count a write that has finished (the version counter, ``_version``)."""
+    def _wrote(self, rows: np.ndarray | None = None) -> None:
+        """Count a write that has finished (the version counter, ``_version``); ``rows``:
+        the first-axis indices it wrote (None: the whole value), for the row log."""
         self._writes += 1
+        log = self._row_log
+        if log is not None:
+            log.add(self._writes, rows)
 
     def _materialize(self) -> Any:  # pragma: no cover - supplied by Variable
         raise NotImplementedError
@@ -185,13 +191,77 @@ class WriteBehaviour:
                     f"Cannot assign to a slice of variable {self._name!r}: shape "
                     f"{tuple(arr.shape)} does not match the slice's shape {target_shape}."
                 )
+            rows = rows_of(index, buf.shape[0]) if buf.ndim else None
             if self._constraint is not None:
                 new = buf.copy()
                 new[index] = match_backend(arr, buf)
                 write_into(buf, self._constrained(new), self._device_obj)
+                rows = None  # the constraint may change any row
             else:
                 buf[index] = match_backend(arr, buf)
-            self._wrote()
+            self._wrote(rows)
+        return self
+
+    def scatter_update(self, indices: Any, updates: Any) -> Any:
+        """Write ``updates[i]`` into row ``indices[i]`` (first axis) in place; returns the
+        variable. ``updates`` has shape ``indices.shape + shape[1:]`` (or broadcasts to
+        it); with a repeated index, the last update wins."""
+        return self._scatter(indices, updates, None, "scatter_update")
+
+    def scatter_add(self, indices: Any, updates: Any) -> Any:
+        """Add ``updates[i]`` to row ``indices[i]`` in place (repeated indices add up, as
+        ``np.add.at``); returns the variable."""
+        return self._scatter(indices, updates, np.add, "scatter_add")
+
+    def scatter_sub(self, indices: Any, updates: Any) -> Any:
+        """Subtract ``updates[i]`` from row ``indices[i]`` in place (repeated indices
+        count each time); returns the variable."""
+        return self._scatter(indices, updates, np.subtract, "scatter_sub")
+
+    def _scatter(self, indices: Any, updates: Any, op: Any, verb: str) -> Any:
+        idx = np.asarray(to_host(operand(indices)))
+        if idx.dtype.kind not in "iu":
+            raise TypeError(f"{verb} on variable {self._name!r}: indices must be integers, "
+                            f"got {idx.dtype}.")
+        arr = self._convert(updates, f"the updates of {verb} on variable {self._name!r}")
+        with self._lock:
+            buf = self._materialize()
+            if not buf.ndim:
+                raise ShapeLockError(f"{verb} on variable {self._name!r}: a scalar has no rows.")
+            n = buf.shape[0]
+            flat = idx.reshape(-1).astype(np.int64)
+            if flat.size and (flat.min() < -n or flat.max() >= n):
+                bad = int(flat[(flat < -n) | (flat >= n)][0])
+                raise IndexError(f"{verb} on variable {self._name!r}: row {bad} is outside "
+                                 f"its {n} rows.")
+            target = tuple(idx.shape) + tuple(buf.shape[1:])
+            try:
+                ok = np.broadcast_shapes(target, tuple(arr.shape)) == target
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ShapeLockError(
+                    f"{verb} on variable {self._name!r}: updates of shape {tuple(arr.shape)} "
+                    f"do not match indices {tuple(idx.shape)} and rows {tuple(buf.shape[1:])}."
+                )
+            upd = match_backend(np.broadcast_to(arr, target) if isinstance(arr, np.ndarray)
+                                else arr, buf)
+            rows: np.ndarray | None = np.unique(flat % n)
+            target_buf = buf.copy() if self._constraint is not None else buf
+            if op is None:
+                target_buf[flat] = upd.reshape((flat.size, *buf.shape[1:]))
+            elif isinstance(target_buf, np.ndarray):
+                op.at(target_buf, flat, upd.reshape((flat.size, *buf.shape[1:])))
+            else:  # a device array: no ufunc.at; repeated indices are refused
+                if rows is not None and rows.size != flat.size:
+                    raise ValueError(f"{verb} on variable {self._name!r} on {self._device_obj}: "
+                                     "repeated indices are not supported on a GPU.")
+                part = target_buf[flat]
+                target_buf[flat] = op(part, upd.reshape(part.shape))
+            if self._constraint is not None:
+                write_into(buf, self._constrained(target_buf), self._device_obj)
+                rows = None
+            self._wrote(rows)
         return self
 
 

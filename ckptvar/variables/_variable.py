@@ -41,6 +41,7 @@ from ..graph import Graph, GraphKeys, get_default_graph
 from ._array import ArrayBehaviour, write_into
 from ._hooks import deferring, next_uid, run_creation_hooks
 from ._lifecycle import FreshValue, Pending, Ready, Unset, WriteBehaviour
+from ._rows import RowLog
 from ._shapes import (
     Shape,
     VariableArgumentError,
@@ -60,8 +61,10 @@ __all__ = [
     "is_materialized",
     "read_buffer",
     "restore_value",
+    "rows_written",
     "set_initial_value_source",
     "set_save_slice_info",
+    "track_rows",
     "write_version",
 ]
 
@@ -125,6 +128,7 @@ class Variable(WriteBehaviour, ArrayBehaviour):
         self._uid = next_uid()
         self._writes = 0  # finished writes (see _version)
         self._exposed = False  # value() handed the backing array out: writes may go unseen
+        self._row_log: RowLog | None = None  # rows written per version, once asked for
         self._lock = threading.RLock()
         self._graph = _graph if _graph is not None else get_default_graph()
         self._constraint = constraint
@@ -583,6 +587,25 @@ def write_version(var: Variable) -> tuple[int, int] | None:
     ``value()``: compare it by its checksums instead)."""
     version = var._version
     return None if version is None else (var._uid, version)
+
+
+def rows_written(var: Variable, version: tuple[int, int] | None) -> np.ndarray | None:
+    """The sorted first-axis indices written since ``version`` (a :func:`write_version`
+    of ``var``), or None when not known (another variable, the buffer handed out by
+    ``value()``, rows not tracked since then, or a write of the whole value). Tracking
+    starts with :func:`track_rows`."""
+    log = var._row_log
+    if (version is None or log is None or var._exposed or version[0] != var._uid
+            or version[1] > var._writes):
+        return None
+    return log.since(version[1])
+
+
+def track_rows(var: Variable) -> None:
+    """Make ``var`` note which rows each write touches from now on (:func:`rows_written`)."""
+    with var._lock:
+        if var._row_log is None:
+            var._row_log = RowLog(var._writes)
 
 
 def read_buffer(var: Variable) -> Any:

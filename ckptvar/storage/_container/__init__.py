@@ -11,7 +11,9 @@ directory) holding every value's little-endian C-order bytes and a root record
 - :mod:`.bulk`: windowed read-ahead, bulk verify, scatter reads into buffers;
 - :mod:`.access`: the seam the reader offers its read engines (:class:`.access.ValueAccess`);
 - :mod:`.transfer`: the parallel read-and-hash engine under both;
-- :mod:`.blocks`: per-block checksums (format 1.2) and verified partial reads.
+- :mod:`.blocks`: per-block checksums (format 1.2) and verified partial reads;
+- :mod:`.delta`: row deltas (format 1.5): when a value is stored as its base plus a
+  row patch, the patch's bytes, and reading patches back.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .writer import (
     ContainerWriter,
     ValueWrite,
     WritePlan,
+    delta_attrs,
     hash_while_writing,
     scalar_attrs,
     write_hashing,
@@ -53,6 +56,7 @@ __all__ = [
     "ValueWrite",
     "WritePlan",
     "check_regions",
+    "delta_attrs",
     "hash_while_writing",
     "pack_limit",
     "scalar_attrs",

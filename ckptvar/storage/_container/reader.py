@@ -52,6 +52,7 @@ class ContainerReader(
     base.SupportsRuns,
     base.SupportsVerifyMany,
     base.SupportsVerifyAll,
+    base.SupportsDeltas,
 ):
     """A reader over a decoded record; backends say where each value's bytes are."""
 
@@ -145,6 +146,28 @@ class ContainerReader(
 
     def metadata(self) -> dict[str, Any]:
         return self._record.metadata
+
+    def deltas(self) -> dict[str, dict[str, Any]]:
+        """The values stored as row deltas (format 1.5): key -> ``{"base", "patches",
+        "rows"}`` (:class:`.base.SupportsDeltas`)."""
+        return {k: {"base": d.since, "patches": len(d.patches),
+                    "rows": sum(p[3] for p in d.patches)}
+                for k, d in self._record.deltas.items()}
+
+    def delta_rows(self, key: str) -> np.ndarray:
+        """The rows a row delta's patches hold, read and verified (sorted, unique); none
+        for a value that is not a delta."""
+        e = self.entry(key)
+        if key not in self._record.deltas:
+            return np.empty(0, np.int64)
+        src = self._open_array(key, e)
+        try:
+            patched = src.fd
+            assert isinstance(patched, _src.Patched)
+            return patched.rows
+        finally:
+            if src.owned:
+                _src.close(src.fd)
 
     @property
     def format_version(self) -> tuple[int, int]:

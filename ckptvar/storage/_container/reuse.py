@@ -65,8 +65,8 @@ def match(
     reused = 0
     for it in items:
         entry = values.get(it.key)
-        if entry is None or not _same(entry, it.dtype, it.shape):
-            continue
+        if entry is None or not _same(entry, it.dtype, it.shape) or it.key in base.deltas:
+            continue  # (a row delta of the base is carried over by the writer, .delta)
         state = known.get(it.key)
         if state is False:  # written since the base: no need to look
             continue

@@ -19,9 +19,11 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 from .. import rawio as _rawio
 
-__all__ = ["Pieces", "RemoteFile", "cached", "close", "map_all", "pread_into", "preadv_all"]
+__all__ = ["Patched", "Pieces", "RemoteFile", "cached", "close", "map_all", "pread_into", "preadv_all"]
 
 
 class RemoteFile:
@@ -159,30 +161,113 @@ class Pieces:
             os.close(fd)
 
 
-def pread_into(fd: int | RemoteFile | Pieces, buf: Any, offset: int) -> int:
+class Patched:
+    """A value's ``nbytes`` bytes: those of ``base`` from ``offset`` (a descriptor or
+    :class:`Pieces`), with row ``rows[i]`` (``row_bytes`` each) replaced by ``data[i]``.
+
+    ``patch`` is ``(rows, data)``: ``rows`` sorted and unique, ``data`` one ``V<row_bytes>``
+    item per row (whole rows copy as single items). The base is closed with this source
+    only when ``owned``.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> with open(os.path.join(d, "b"), "wb") as f:
+    ...     _ = f.write(b"aabbccdd")
+    >>> fd = os.open(os.path.join(d, "b"), os.O_RDONLY)
+    >>> patch = np.array([1, 3]), np.frombuffer(b"XXYY", "V2")
+    >>> src = Patched(fd, 0, 8, 2, patch)
+    >>> bytes(src.read_all()), bytearray(src.read_all()[3:6])
+    (b'aaXXccYY', bytearray(b'Xcc'))
+    >>> buf = bytearray(3)
+    >>> src.pread_into(buf, 3), bytes(buf)
+    (3, b'Xcc')
+    >>> src.close()
+    """
+
+    __slots__ = ("base", "data", "nbytes", "offset", "owned", "row_bytes", "rows")
+
+    def __init__(self, base: Any, offset: int, nbytes: int, row_bytes: int,
+                 patch: tuple[np.ndarray, np.ndarray], *, owned: bool = True) -> None:
+        self.base, self.offset, self.nbytes, self.row_bytes = base, offset, nbytes, row_bytes
+        self.rows, self.data = patch
+        self.owned = owned
+
+    def pread_into(self, buf: Any, offset: int) -> int:
+        """Fill ``buf`` from ``offset``; returns the bytes read (fewer only past the end)."""
+        view = memoryview(buf).cast("B")
+        want = max(0, min(len(view), self.nbytes - offset))
+        got = pread_into(self.base, view[:want], self.offset + offset)
+        if got:
+            self._lay(np.asarray(view[:got]), offset)
+        return got
+
+    def _lay(self, out: np.ndarray, offset: int) -> None:
+        """Put the patched rows that fall in ``[offset, offset + len(out))`` into ``out``."""
+        rb, rows = self.row_bytes, self.rows
+        end = offset + out.size
+        i, j = rows.searchsorted((offset // rb, (end - 1) // rb + 1)).tolist()
+        if i == j:
+            return
+        full_lo, full_hi = -(-offset // rb), end // rb  # rows wholly inside
+        a, b = (rows[i:j].searchsorted((full_lo, full_hi)) + i).tolist()
+        if b > a:
+            grid = out[full_lo * rb - offset: full_hi * rb - offset].view(self.data.dtype)
+            grid[rows[a:b] - full_lo] = self.data[a:b]
+        for k in (*range(i, a), *range(b, j)):  # rows cut by the range's ends (two at most)
+            start = int(rows[k]) * rb
+            lo, hi = max(start, offset), min(start + rb, end)
+            out[lo - offset: hi - offset] = self.data[k: k + 1].view(np.uint8)[
+                lo - start: hi - start]
+
+    def preadv_all(self, bufs: Sequence[Any], offset: int) -> int:
+        """Fill the buffers back to back from ``offset``."""
+        total = 0
+        for b in bufs:
+            view = memoryview(b).cast("B")
+            k = self.pread_into(view, offset + total)
+            total += k
+            if k < len(view):
+                break
+        return total
+
+    def read_all(self) -> bytearray:
+        out = bytearray(self.nbytes)
+        self.pread_into(out, 0)
+        return out
+
+    def cached(self, offset: int) -> bool:
+        return cached(self.base, self.offset + offset)
+
+    def close(self) -> None:
+        base, self.base = self.base, -1
+        if self.owned and base != -1:
+            close(base)
+
+
+def pread_into(fd: int | RemoteFile | Pieces | Patched, buf: Any, offset: int) -> int:
     """``_rawio.pread_into`` on a descriptor, a ranged read on a :class:`RemoteFile`."""
     if fd.__class__ is int:
         return _rawio.pread_into(fd, buf, offset)
     return fd.pread_into(buf, offset)  # type: ignore[union-attr]
 
 
-def preadv_all(fd: int | RemoteFile | Pieces, bufs: Sequence[Any], offset: int) -> int:
+def preadv_all(fd: int | RemoteFile | Pieces | Patched, bufs: Sequence[Any], offset: int) -> int:
     """``_rawio.preadv_all`` on a descriptor, parallel ranged reads on a :class:`RemoteFile`."""
     if fd.__class__ is int:
         return _rawio.preadv_all(fd, bufs, offset)
     return fd.preadv_all(bufs, offset)  # type: ignore[union-attr]
 
 
-def close(fd: int | RemoteFile | Pieces) -> None:
+def close(fd: int | RemoteFile | Pieces | Patched) -> None:
     """Close a descriptor, or the descriptors of :class:`Pieces` (a remote source holds
     nothing open)."""
     if fd.__class__ is int:
         os.close(fd)
-    elif isinstance(fd, Pieces):
+    elif isinstance(fd, Pieces | Patched):
         fd.close()
 
 
-def map_all(fd: int | RemoteFile | Pieces) -> Any:
+def map_all(fd: int | RemoteFile | Pieces | Patched) -> Any:
     """A buffer of the whole source: a read-only map of a file, the bytes of a remote one."""
     if fd.__class__ is int:
         size = os.fstat(fd).st_size
@@ -192,11 +277,11 @@ def map_all(fd: int | RemoteFile | Pieces) -> Any:
     return fd.read_all()  # type: ignore[union-attr]
 
 
-def cached(fd: int | RemoteFile | Pieces, offset: int) -> bool:
+def cached(fd: int | RemoteFile | Pieces | Patched, offset: int) -> bool:
     """Whether a page is in the page cache; a remote source counts as cached (its pieces
     are best read in parallel)."""
     if fd.__class__ is int:
         return _rawio.cached(fd, offset)
-    if isinstance(fd, Pieces):
+    if isinstance(fd, Pieces | Patched):
         return fd.cached(offset)
     return True

@@ -33,13 +33,15 @@ from ..base import Writer
 from ..chunked import Chunked, HostPieces, is_chunked, materialize, piece_bytes
 from ..paths import container_paths
 from .blocks import BLOCK_SIZE, BlockHasher, hash_blocks, hash_blocks_parallel, join_blocks
+from .delta import DeltaWrite, merged, patch_bytes, plan
 from .layout import ALIGN, pack_limit
 from .reuse import Held, match
 
-__all__ = ["HASH_WHILE_WRITING", "ContainerWriter", "ValueWrite", "WritePlan",
+__all__ = ["HASH_WHILE_WRITING", "ContainerWriter", "ValueWrite", "WritePlan", "delta_attrs",
            "hash_while_writing", "scalar_attrs", "write_hashing", "write_packed"]
 
 _ZEROS = memoryview(bytes(ALIGN))
+_NO_ROWS = np.empty(0, np.int64)
 _NO_BYTES = np.empty(0, np.uint8)
 logger = logging.getLogger("ckptvar")
 
@@ -60,6 +62,7 @@ class ValueWrite:
     offset: int = 0  # offset in the packed blob, or the backend's byte offset
     blocks: bytes | None = None  # CRC-32C per block, for values of more than one block
     held: Held | None = None  # the base's bytes, reused (an incremental save)
+    delta: DeltaWrite | None = None  # stored as the base plus a row patch (format 1.5)
     hashed: bool = False  # hashed already (to compare with the base)
     #: The value's bytes come a piece at a time from here (``array`` is then empty until
     #: :meth:`materialize`): a GPU tensor through the pinned staging buffer.
@@ -238,14 +241,20 @@ class ContainerWriter(Writer):
         pack_threshold: int | None = None,
         base: Path | None = None,
         known: Mapping[str, bool] | None = None,
+        rows: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """``base``: a committed checkpoint of this container whose bytes the new one may
         refer to instead of writing them again (an incremental save; ``known``: key -> True
         when unchanged since ``base`` was written, False when changed; others are compared
-        by their block checksums)."""
+        by their block checksums; ``rows``: key -> the sorted rows (first-axis indices)
+        written since ``base``, of changed values whose writes were tracked: such a value
+        may be stored as a row delta, docs/FORMAT.md "Row deltas")."""
         self.path = Path(path)
         self.base = None if base is None else Path(base)
         self.known: Mapping[str, bool] = known or {}
+        self.rows: Mapping[str, np.ndarray] = rows or {}
+        #: The keys stored as row deltas (set by ``commit``).
+        self.deltas: list[str] = []
         #: The keys whose bytes the base holds (set by ``commit``).
         self.reused: list[str] = []
         self.durable = bool(durable)
@@ -336,10 +345,11 @@ class ContainerWriter(Writer):
                     it.materialize()
             if self.base is not None:
                 self._match_base(plan, self.base)
-            # Values the backend writes hashed (write_hashing: each piece hashed just before
-            # it is written, on fewer than 4 CPUs) and chunked ones (ValueWrite.write_with) hash as they are
-            # written, packed ones on this thread just before (write_packed); any other
-            # large value on the checksum thread while the backend writes (in order).
+            # Values the backend writes hashed (write_hashing: each piece hashed just
+            # before it is written, on fewer than 4 CPUs) and chunked ones
+            # (ValueWrite.write_with) hash as they are written, packed ones on this thread
+            # just before (write_packed); any other large value on the checksum thread
+            # while the backend writes (in order).
             futures: list[Future[Any]] = [_rawio.submit(it.hash) for it in plan.arrays
                                           if it.held is None and not it.hashed
                                           and it.source is None
@@ -379,6 +389,78 @@ class ContainerWriter(Writer):
         record, holder = found
         match(plan.arrays, record, self.known, holder)
         self.reused = [it.key for it in plan.arrays if it.held is not None]
+        if self.rows or record.deltas:
+            self._match_rows(plan.arrays, record, holder)
+
+    def _match_rows(self, arrays: list[ValueWrite], record: Any,
+                    holder: Callable[[str, Any], Held]) -> None:
+        """Make the changed values whose changed rows are known row deltas where the rule
+        (:func:`.delta.plan`) says so; their patches are built here. A value the base
+        stores as a delta and that is unchanged (known, or by its checksums) carries the
+        base's delta over, with no patch of its own."""
+        for it in arrays:
+            if it.held is not None or it.source is not None:
+                continue
+            entry = record.values.get(it.key)
+            if (entry is None or entry.loc.kind != "array" or entry.dtype != it.dtype
+                    or tuple(entry.shape) != tuple(it.shape)):
+                continue
+            was = record.deltas.get(it.key)
+            rows = self._delta_rows(it, entry, was)
+            if rows is None:
+                continue
+            found = self._delta_for(it, entry, was, holder)
+            if found is None:
+                continue
+            if was is not None and rows.size and plan(
+                    rows, it.shape, it.nbytes, was.patches) == "merge":
+                rows_since = merged(rows, self._base_rows(it.key), it.shape[0])
+                if rows_since is None:
+                    continue  # too many rows since the whole copy: written whole
+                rows = rows_since  # one patch of them, on the whole copy alone
+                found.earlier, found.links = [], found.links[:1]
+                found.path = found.path.rpartition("/")[0] + "/patch-0"
+            found.rows = rows
+            if rows.size:
+                seed = _checksum.header_crc(it.key, it.dtype, it.shape)
+                found.patch, found.crc = patch_bytes(it.view, it.nbytes // it.shape[0], rows,
+                                                     seed)
+            else:  # nothing hashed it (known unchanged): the base's checksums hold
+                _carry_checksums(it, entry, record.block_size)
+            it.delta = found
+        self.deltas = [it.key for it in arrays if it.delta is not None]
+
+    def _delta_rows(self, it: ValueWrite, entry: Any, was: Any) -> np.ndarray | None:
+        """The rows of ``it``'s own patch if it is to be a delta (empty: the base's delta
+        ``was`` carried over unchanged), else None."""
+        rows = self.rows.get(it.key)
+        if rows is None and was is not None:
+            state = self.known.get(it.key)
+            if state is False:
+                return None
+            if state is None:
+                if not it.hashed:
+                    it.hash()
+                    it.hashed = True
+                if it.checksum != entry.checksum or it.blocks != entry.blocks:
+                    return None
+            return _NO_ROWS  # unchanged: the base's delta as it is
+        if rows is None or plan(rows, it.shape, it.nbytes,
+                                () if was is None else was.patches) is None:
+            return None
+        return rows
+
+    def _base_rows(self, key: str) -> np.ndarray | None:
+        """The rows the base's patches of ``key`` hold (read and verified), or None when
+        they cannot be read (the value is then written whole)."""
+        return None
+
+    def _delta_for(self, it: ValueWrite, entry: Any, was: Any,
+                   holder: Callable[[str, Any], Held]) -> DeltaWrite | None:
+        """What a delta of ``it`` refers to, as this checkpoint names it (``was``: the
+        base's own delta of it, if any; ``holder``: where the base's whole bytes are);
+        None: this backend stores no delta of it."""
+        return None
 
     def _writes_hashed(self, it: ValueWrite) -> bool:
         """Whether :meth:`_write` writes ``it`` through :func:`write_hashing` (which hashes
@@ -406,8 +488,10 @@ class ContainerWriter(Writer):
             [None if loc.kind == ZARR else it.blocks for it, loc in zip(items, locs, strict=True)],
         )
         packed = packed_loc if any(it.packed for it in items) else None
+        deltas = {it.key: it.delta.record() for it in items if it.delta is not None}
         return encode_columns(self.container, packed, cols, self._metadata,
-                              external=self._external(items), pieces=self._pieces(items))
+                              external=self._external(items), pieces=self._pieces(items),
+                              deltas=deltas or None)
 
     def _external(self, items: list[ValueWrite]) -> dict[str, tuple[str, str]] | None:
         """The record's ``external`` map (values another file holds); None: none."""
@@ -418,11 +502,24 @@ class ContainerWriter(Writer):
         return None
 
     def _array_loc(self, it: ValueWrite) -> Extent:
+        if it.delta is not None:
+            return Extent.array(it.path, 0, it.nbytes)
         return Extent.array(it.path, it.offset, it.nbytes)
 
     @abc.abstractmethod
     def _write(self, tmp: Path, plan: WritePlan) -> None:
         """Write everything into ``tmp`` (fsynced when durable); the caller publishes it."""
+
+
+def _carry_checksums(it: ValueWrite, entry: Any, block_size: int) -> None:
+    """``it``, known unchanged since the base, takes the base's checksums; a base of other
+    blocks (256 KiB, before 2026-11-27) has block checksums that are not this record's,
+    so ``it`` is hashed instead."""
+    if block_size == BLOCK_SIZE:
+        it.checksum, it.blocks, it.hashed = entry.checksum, entry.blocks, True
+    elif not it.hashed:
+        it.hash()
+        it.hashed = True
 
 
 def write_packed(fd: int, packed: list[ValueWrite], base: int) -> None:
@@ -472,4 +569,16 @@ def scalar_attrs(it: ValueWrite) -> dict[str, Any]:
         checksum=it.checksum,
     )
     out.setdefault("name", it.key)
+    return out
+
+
+def delta_attrs(it: ValueWrite) -> dict[str, Any]:
+    """The attributes of a delta value's group (HDF5) or group document (Zarr): the value's
+    own, and how to put it together."""
+    out = scalar_attrs(it)
+    out["ckptvar_delta"] = (
+        "This value is stored as a row delta (docs/FORMAT.md, 'Row deltas'): 'base' is "
+        "its whole copy at an earlier step; apply each 'patch-N' in order: uint64 row "
+        "indices, then those rows' bytes."
+    )
     return out

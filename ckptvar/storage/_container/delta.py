@@ -1,0 +1,186 @@
+"""Row deltas (format 1.5): a changed value stored as its base plus the rows that changed.
+
+Owns the rule that decides when a value is written as a delta instead of whole
+(:func:`plan`), the patch's bytes and checksum (:func:`patch_bytes`), and the reader's
+side: a patch checked and decoded (:func:`decode_patch`) and several patches folded into
+one, later rows winning (:func:`fold`). The backends lay a :class:`DeltaWrite` out (HDF5:
+external links and a patch dataset; Zarr: hard links and a patch array) and read it back
+through :class:`.source.Patched` (docs/FORMAT.md, "Row deltas").
+
+**The rule.** A value is a delta only when the caller says which rows changed since the
+base (a ``cv.Variable``'s row log), it is an uncompressed array of at least
+:data:`DELTA_FROM` bytes with two rows or more, and the base holds it whole or as a delta
+of the same dtype and shape. A delta refers to the base's whole copy and to every patch
+since that copy was written, each in the file that wrote it (one level: never a delta of
+a delta), and adds its own patch of the rows changed since the base step. When the
+patches would then hold more than :data:`DELTA_LIMIT` of its rows (counted with
+repeats) or number more than :data:`MAX_PATCHES`, the earlier patches are **merged**:
+the step writes one patch of every row changed since the whole copy (their union, taken
+from the value in memory) and refers to the whole copy only; when that union is more
+than half of :data:`DELTA_LIMIT` of the rows, the value is written whole instead. Reading a delta
+reads the base and every patch, so a restore reads at most 1.25x the bytes of the value.
+
+>>> rows = np.array([1, 3])
+>>> data = np.arange(8, dtype=np.uint8).reshape(4, 2)
+>>> raw, crc = patch_bytes(memoryview(data.tobytes()), 2, rows, 0)
+>>> got_rows, got = decode_patch(raw, 2, 2, 4, crc=crc, seed=0)
+>>> got_rows.tolist(), list(got.tobytes())
+([1, 3], [2, 3, 6, 7])
+>>> older = np.array([0, 3]), np.frombuffer(bytes([9, 9, 8, 8]), "V2")
+>>> r, d = fold([older, (got_rows, got)], 4)
+>>> r.tolist(), list(d.tobytes())
+([0, 1, 3], [9, 9, 2, 3, 6, 7])
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import checksum as _checksum
+from .. import rawio as _rawio
+from .._record import Delta
+from . import source as _src
+
+__all__ = ["DELTA_FROM", "DELTA_LIMIT", "MAX_PATCHES", "DeltaWrite", "decode_patch", "fold",
+           "merged", "patch_bytes", "plan", "read_patches"]
+
+#: Values smaller than this are written whole (a delta's patch and links cost more).
+DELTA_FROM = 1 << 20
+#: A delta whose patches would hold more than this share of the value's rows is written
+#: whole (the bound on what a restore reads beyond the value: 25%).
+DELTA_LIMIT = 0.25
+#: Patches a delta may refer to (its own included) before the value is written whole.
+MAX_PATCHES = 16
+
+
+@dataclass(slots=True)
+class DeltaWrite:
+    """A value to be written as a delta: what it refers to and its own patch."""
+
+    #: ``(file, path, offset)`` of the base's whole copy, as the new checkpoint names it.
+    base: tuple[str, str, int]
+    #: The earlier patches ``(file, path, offset, rows, crc)``, as the new checkpoint names them.
+    earlier: list[tuple[str, str, int, int, int]]
+    rows: np.ndarray  # this step's rows, sorted and unique
+    patch: np.ndarray  # its bytes: the rows' indices (``<u8``), then the rows
+    crc: int
+    since: str  # the checkpoint that wrote the base
+    #: The base's files (relative to the base checkpoint) and where the new checkpoint
+    #: takes them (Zarr: hard links, so the step stands alone).
+    links: list[tuple[str, str]] = field(default_factory=list)
+    #: Rows per chunk of the base's whole copy (Zarr, format 1.4), or None.
+    pieces: int | None = None
+    #: Where the own patch is: container path and byte offset (set by the backend).
+    path: str = ""
+    offset: int = 0
+
+    def record(self) -> Delta:
+        """Its record entry (an unchanged value's carried-over delta has no own patch)."""
+        if not self.rows.size:
+            return Delta(self.base, tuple(self.earlier), self.since)
+        own = ("", self.path, self.offset, int(self.rows.size), self.crc)
+        return Delta(self.base, (*self.earlier, own), self.since)
+
+
+def patch_bytes(view: memoryview, row_bytes: int, rows: np.ndarray, seed: int
+                ) -> tuple[np.ndarray, int]:
+    """The patch of ``rows`` of the value whose bytes are ``view``: ``uint64`` row indices
+    (little-endian), then the rows; and its CRC-32C seeded by ``seed``."""
+    n = int(rows.size)
+    out = np.empty(8 * n + n * row_bytes, np.uint8)
+    out[: 8 * n].view("<u8")[:] = rows
+    item = np.dtype((np.void, row_bytes))
+    np.take(np.frombuffer(view, item), rows, out=out[8 * n:].view(item))
+    return out, _checksum.crc(out, seed)
+
+
+def decode_patch(raw: bytes | bytearray | memoryview | np.ndarray, n: int, row_bytes: int,
+                 nrows: int, *, crc: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows, data)`` of a stored patch of ``n`` rows (``data``: one ``V<row_bytes>``
+    item per row, so whole rows copy as single items); ``ValueError`` saying what is
+    wrong when it fails its checksum or its rows are not sorted, unique and in range."""
+    buf = np.frombuffer(raw, np.uint8)
+    if buf.size != 8 * n + n * row_bytes:
+        raise ValueError(f"holds {buf.size} bytes, {8 * n + n * row_bytes} expected")
+    if _checksum.crc(buf, seed) != crc:
+        raise ValueError("fails its checksum")
+    rows = buf[: 8 * n].view("<u8").astype(np.int64)
+    if n and (rows[-1] >= nrows or (n > 1 and not (np.diff(rows) > 0).all())):
+        raise ValueError("lists rows that are not sorted, unique and inside the value")
+    return rows, buf[8 * n:].view(np.dtype((np.void, row_bytes)))
+
+
+def read_patches(key: str, reads: list[tuple[Any, int, int, int, str]], row_bytes: int,
+                 nrows: int, *, seed: int, corrupt: Callable[[str, str], Exception]
+                 ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A delta's patches, read and checked on the I/O threads (in parallel), in order.
+
+    ``reads`` gives per patch ``(source, offset, rows, crc, what)`` (``what`` names the
+    patch and its file in messages); ``seed``: the value's header CRC;
+    ``corrupt(key, text)`` makes a damaged patch's error.
+    """
+    def one(fd: Any, offset: int, n: int, crc: int, what: str
+            ) -> tuple[np.ndarray, np.ndarray]:
+        buf = np.empty(8 * n + n * row_bytes, np.uint8)
+        got = _src.pread_into(fd, _rawio.byte_view(buf), offset)
+        if got != buf.size:
+            raise corrupt(key, f"has a row patch {what} that is truncated ({got} of "
+                               f"{buf.size} bytes); the checkpoint is damaged")
+        try:
+            return decode_patch(buf, n, row_bytes, nrows, crc=crc, seed=seed)
+        except ValueError as exc:
+            raise corrupt(key, f"has a row patch {what} that {exc}; the checkpoint is "
+                               "damaged") from None
+
+    tasks = [functools.partial(one, *r) for r in reads]
+    return _rawio.wait_all(_rawio.start_all(tasks))
+
+
+def fold(patches: list[tuple[np.ndarray, np.ndarray]], nrows: int
+         ) -> tuple[np.ndarray, np.ndarray]:
+    """Patches of a value of ``nrows`` rows applied in order as one: sorted unique rows,
+    each from the last patch holding it (each row's bytes copied once; one byte per row
+    of the value marks which patch holds it last)."""
+    if len(patches) == 1:
+        return patches[0]
+    owner = np.full(nrows, -1, np.int8)  # at most MAX_PATCHES (16) patches
+    for k, (rows, _) in enumerate(patches):
+        owner[rows] = k
+    last = np.flatnonzero(owner >= 0)
+    out = np.empty(last.size, patches[0][1].dtype)
+    for k, (rows, data) in enumerate(patches):
+        keep = owner[rows] == k
+        out[np.searchsorted(last, rows[keep])] = data[keep]
+    return last, out
+
+
+def plan(rows: np.ndarray, shape: tuple[int, ...], nbytes: int,
+         earlier: tuple[tuple[str, str, int, int, int], ...]) -> str | None:
+    """How a value of ``shape`` (``nbytes``) whose ``rows`` changed since the base is
+    written (the rule above): ``"append"`` (a patch on top of the base's ``earlier``
+    ones), ``"merge"`` (one patch of every row changed since the base's whole copy, if
+    those are few enough: the caller checks), or None (whole)."""
+    if len(shape) < 1 or shape[0] < 2 or nbytes < DELTA_FROM or not rows.size:
+        return None
+    total = int(rows.size) + sum(p[3] for p in earlier)
+    if total <= DELTA_LIMIT * shape[0] and len(earlier) + 1 <= MAX_PATCHES:
+        return "append"
+    if earlier and rows.size <= DELTA_LIMIT * shape[0]:
+        return "merge"
+    return None
+
+
+def merged(rows: np.ndarray, before: np.ndarray | None, nrows: int) -> np.ndarray | None:
+    """The rows of a merged patch: those changed now and those the earlier patches hold
+    (``before``; None: unknown), or None when they are more than half the limit (the
+    value is then written whole: a merged patch that would soon outgrow the limit
+    costs more than the whole copy saves)."""
+    if before is None:
+        return None
+    union = np.union1d(before, rows)
+    return union if union.size <= DELTA_LIMIT * nrows / 2 else None

@@ -1,0 +1,322 @@
+"""Row deltas (format 1.5, docs/FORMAT.md "Row deltas"): a ``cv.Variable`` knows which rows
+its writes touched, and an incremental step stores a table with a few changed rows as its
+base plus a patch of those rows; every reader path reads it bit-exact, pruning keeps what
+it refers to, damage is named, and a reader that does not know deltas refuses them."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import h5py
+import msgpack
+import numpy as np
+import pytest
+
+import ckptvar as cv
+from ckptvar.checkpoint._incremental import Incremental
+from ckptvar.errors import CorruptCheckpointError
+from ckptvar.storage._container.delta import DELTA_LIMIT, MAX_PATCHES
+from ckptvar.storage._record import decode
+from ckptvar.variables import rows_written, track_rows, write_version
+from tests.ckpt_runs import ckpt_processes
+
+ROWS, WIDTH = 8192, 64  # a 2 MiB float32 table (deltas start at 1 MiB)
+ROW_BYTES = WIDTH * 4
+
+
+def _rows(v: cv.Variable, since: tuple[int, int] | None) -> list[int] | None:
+    got = rows_written(v, since)
+    return None if got is None else got.tolist()
+
+
+def test_each_write_path_says_which_rows_it_wrote(fresh_graph: cv.Graph) -> None:
+    v = cv.Variable(np.zeros((10, 3), np.float32), name="t")
+    track_rows(v)
+    start = write_version(v)
+    v.scatter_update([7, 1], np.ones((2, 3)))
+    assert _rows(v, start) == [1, 7]
+    v[2:4].assign(5.0)  # a slice assign
+    v[5].assign(np.full(3, 2.0))  # v[i].assign
+    v[np.array([9, -10])] = 1.0  # an index assign (negative: row 0)
+    v[np.arange(10) == 6] = 3.0  # a boolean mask
+    v.scatter_add([8, 8], np.ones((2, 3)))  # repeats add up, as np.add.at
+    v.scatter_sub(np.array([3]), 1.0)
+    assert _rows(v, start) == [0, 1, 2, 3, 5, 6, 7, 8, 9]  # row 4 untouched
+    assert v.numpy()[8].tolist() == [2.0, 2.0, 2.0]
+    mid = write_version(v)
+    assert _rows(v, mid) == []
+    v[4, 1:].assign(7.0)
+    assert _rows(v, mid) == [4]
+    for whole in (lambda: v.assign_add(1.0), lambda: v.assign(np.zeros((10, 3))),
+                  lambda: v[...].assign(0.0), lambda: np.add(v, 1, out=v)):
+        before = write_version(v)
+        whole()
+        assert _rows(v, before) is None  # the whole value: every row
+    before = write_version(v)
+    v.value()  # the buffer handed out: writes through it cannot be seen
+    assert _rows(v, before) is None and write_version(v) is None
+    with pytest.raises(IndexError, match="outside"):
+        v.scatter_update([10], np.ones((1, 3)))
+    other = cv.Variable(np.zeros((4, 2)), name="o", constraint=lambda x: x)
+    track_rows(other)
+    before = write_version(other)
+    other.scatter_update([1], np.ones((1, 2)))
+    assert _rows(other, before) is None  # a constraint may change any row
+    assert _rows(v, (0, 0)) is None  # another variable's version
+    many = cv.Variable(np.zeros((1000, 2)), name="many")
+    track_rows(many)
+    before = write_version(many)
+    for i in range(60):  # more writes than the log keeps apart: merged, none lost
+        many.scatter_add([i, 500 + i], np.ones((2, 2)))
+    assert _rows(many, before) == sorted([*range(60), *range(500, 560)])
+
+
+def _model() -> tuple[cv.Checkpoint, cv.Variable]:
+    table = cv.Variable(np.random.default_rng(0).random((ROWS, WIDTH), dtype=np.float32),
+                        name="table")
+    return cv.Checkpoint(table=table, bias=cv.Variable(np.zeros(4, np.float32), name="b")), table
+
+
+def _touch(table: cv.Variable, rng: np.random.Generator, n: int) -> None:
+    ids = np.unique(rng.integers(0, ROWS, n))
+    table.scatter_update(ids, table.numpy()[ids] + 1.0)
+
+
+def _added(step: Path) -> int:
+    """Bytes a step holds of its own (hard-linked files are shared)."""
+    if step.is_file():
+        return step.stat().st_size
+    return sum(p.stat().st_size for p in step.rglob("*") if p.is_file() and p.stat().st_nlink == 1)
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_delta_step_reads_bit_exact_through_every_reader_path(
+        tmp_path: Path, fresh_graph: cv.Graph, fmt: str) -> None:
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, max_to_keep=2,
+                                   incremental=True)
+    manager.save()
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        _touch(table, rng, 80)
+        step = Path(manager.save())
+        assert _added(step) < 80 * (ROW_BYTES + 8) + (48 << 10)  # the rows, not the table
+    want = table.numpy()
+    with cv.open(step) as reader:
+        assert reader.deltas()["table"] == {"base": f"ckpt-1.{fmt}", "patches": 3,
+                                            "rows": reader.deltas()["table"]["rows"]}
+        assert np.array_equal(reader["table"].read(), want)
+        for lo, hi in ((0, 1), (17, 3000), (ROWS - 5, ROWS)):  # lazy slices
+            assert np.array_equal(reader["table"][lo:hi], want[lo:hi])
+        assert np.array_equal(reader["table"][5, 3:9], want[5, 3:9])
+    assert np.array_equal(cv.load(step)["table"], want)
+    table.assign(np.zeros((ROWS, WIDTH), np.float32))
+    ckpt.restore(str(step))
+    assert np.array_equal(table.numpy(), want)
+    copy = tmp_path / f"copy.{fmt}"
+    inspect, verify, convert = ckpt_processes(("inspect", "--json", step), ("verify", step),
+                                              ("convert", step, copy))
+    assert json.loads(inspect.stdout)["deltas"]["table"]["base"] == f"ckpt-1.{fmt}"
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert convert.returncode == 0, convert.stderr
+    with cv.open(copy) as reader:  # a standalone copy: the value whole
+        assert reader.deltas() == {}
+        assert np.array_equal(reader["table"].read(), want)
+
+
+def test_plain_h5py_sees_the_base_by_link_and_the_patches(tmp_path: Path,
+                                                         fresh_graph: cv.Graph) -> None:
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", incremental=True)
+    manager.save()
+    rng = np.random.default_rng(2)
+    for _ in range(2):
+        _touch(table, rng, 50)
+        step = manager.save()
+    with h5py.File(step, "r") as f:
+        group = f["table"]
+        assert isinstance(group, h5py.Group) and "row delta" in group.attrs["ckptvar_delta"]
+        assert f.get("table/base", getlink=True).filename == "ckpt-1.h5"
+        value = group["base"][()]
+        for j in range(2):
+            raw = group[f"patch-{j}"][()]
+            n = raw.size // (8 + ROW_BYTES)
+            value[raw[: 8 * n].view("<u8")] = raw[8 * n:].view(np.float32).reshape(n, WIDTH)
+    assert np.array_equal(value, table.numpy())
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_pruning_keeps_what_a_delta_refers_to(tmp_path: Path, fresh_graph: cv.Graph,
+                                              fmt: str) -> None:
+    ckpt, table = _model()
+    run = tmp_path / "run"
+    manager = cv.CheckpointManager(ckpt, run, format=fmt, max_to_keep=1, incremental=True)
+    manager.save()
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        _touch(table, rng, 60)
+        manager.save()
+    listed = sorted(n for n in os.listdir(run) if n.startswith("ckpt-"))
+    if fmt == "h5":  # the base and each patch's file are held for the newest step
+        assert listed == ["ckpt-1.h5", "ckpt-2.h5", "ckpt-3.h5", "ckpt-4.h5"]
+    else:  # a Zarr step takes its base and patches by hard link: it stands alone
+        assert listed == ["ckpt-4.zarr"]
+    assert np.array_equal(cv.load(run / f"ckpt-4.{fmt}")["table"], table.numpy())
+    table.assign_add(1.0)  # the whole table: written whole, the patches' files are let go
+    ckpt.bias.assign_add(1.0)
+    manager.save()
+    manager.save()  # unchanged: HDF5 refers to step 5 (external links), Zarr links it
+    left = sorted(n for n in os.listdir(run) if n.startswith("ckpt-"))
+    assert left == (["ckpt-5.h5", "ckpt-6.h5"] if fmt == "h5" else ["ckpt-6.zarr"])
+    assert np.array_equal(cv.load(run / f"ckpt-6.{fmt}")["table"], table.numpy())
+
+
+def test_a_delta_of_a_delta_adds_a_patch_until_the_limit_then_writes_whole(
+        tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", incremental=True, max_to_keep=20)
+    manager.save()
+    per = int(ROWS * DELTA_LIMIT / 3) + 1  # the third patch crosses the limit
+    steps = []
+    for k in range(4):
+        table.scatter_update(np.arange(k * per, (k + 1) * per) % ROWS, np.float32(k))
+        steps.append(manager.save())
+    with cv.open(steps[1]) as r:
+        d = r.record.deltas["table"]
+        assert len(d.patches) == 2 and d.base[0] == "ckpt-1.h5"
+        assert [p[0] for p in d.patches] == ["ckpt-2.h5", ""]  # each patch where it was written
+    with cv.open(steps[2]) as r:
+        assert "table" not in r.record.deltas  # over the limit: written whole
+        assert os.path.getsize(steps[2]) > ROWS * ROW_BYTES
+    with cv.open(steps[3]) as r:  # the next one refers to that whole copy
+        assert r.record.deltas["table"].base[0] == "ckpt-4.h5"
+        assert len(r.record.deltas["table"].patches) == 1
+    assert np.array_equal(cv.load(steps[3])["table"], table.numpy())
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_damaged_patch_is_named(tmp_path: Path, fresh_graph: cv.Graph, fmt: str) -> None:
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, incremental=True)
+    manager.save()
+    _touch(table, np.random.default_rng(4), 40)
+    step = Path(manager.save())
+    with cv.open(step) as r:
+        _, path, offset, _, _ = r.record.deltas["table"].patches[-1]
+    target = step / path / "c.0" if fmt == "zarr" else step
+    at = 0 if fmt == "zarr" else offset
+    with open(target, "r+b") as f:  # a row index byte
+        f.seek(at + 3)
+        byte = f.read(1)
+        f.seek(at + 3)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CorruptCheckpointError, match=r"'table'.*row patch.*checksum") as err:
+        cv.load(step)
+    assert (path in str(err.value)) and (step.name in str(err.value))
+    res = ckpt_processes(("verify", step))[0]
+    assert res.returncode != 0 and "row patch" in res.stdout + res.stderr
+
+
+def test_a_reader_that_does_not_know_deltas_refuses_them(tmp_path: Path,
+                                                        fresh_graph: cv.Graph) -> None:
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format="zarr", incremental=True)
+    manager.save()
+    _touch(table, np.random.default_rng(5), 30)
+    step = Path(manager.save())
+    doc = msgpack.unpackb((step / "_ckptvar/record/c.0").read_bytes())
+    assert doc["format_version"] == [1, 5]
+    i = doc["keys"].index("table")
+    # A 1.4 reader accepts the layouts packed, array and zarr only: "delta" is refused.
+    assert doc["layouts"][i] == "delta" and doc["layouts"][i] not in {"packed", "array", "zarr"}
+    # Without its 'deltas' field (a reader that skips it) the record is refused too.
+    del doc["deltas"]
+    with pytest.raises(CorruptCheckpointError, match="delta"):
+        decode(msgpack.packb(doc), step, container="zarr")
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_an_unchanged_delta_is_carried_over(tmp_path: Path, fresh_graph: cv.Graph,
+                                           fmt: str) -> None:
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, max_to_keep=2,
+                                   incremental=True)
+    manager.save()
+    _touch(table, np.random.default_rng(6), 70)
+    manager.save()
+    step = Path(manager.save())  # nothing changed (known by the version)
+    assert _added(step) < 64 << 10
+    table.value()  # its version now unknown: compared by its checksums
+    again = Path(manager.save())
+    for s in (step, again):
+        with cv.open(s) as r:
+            assert len(r.record.deltas["table"].patches) == 1
+            assert np.array_equal(r["table"].read(), table.numpy())
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_too_many_patches_merge_into_one(tmp_path: Path, fresh_graph: cv.Graph,
+                                         fmt: str) -> None:
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, max_to_keep=2,
+                                   incremental=True)
+    manager.save()
+    for k in range(MAX_PATCHES + 1):  # the same hot rows, and one new row, each step
+        table.scatter_update([1, 2, 3, 100 + k], np.full((4, WIDTH), k, np.float32))
+        step = Path(manager.save())
+        with cv.open(step) as r:
+            d = r.record.deltas["table"]
+            if k < MAX_PATCHES:
+                assert len(d.patches) == k + 1
+    # the 17th would be one too many: one patch of every row changed since the base
+    assert len(d.patches) == 1 and d.patches[0][3] == 3 + MAX_PATCHES + 1
+    assert d.since == f"ckpt-1.{fmt}"
+    assert _added(step) < (MAX_PATCHES + 4) * (ROW_BYTES + 8) + (48 << 10)
+    assert np.array_equal(cv.load(step)["table"], table.numpy())
+
+
+def test_a_patched_source_reads_any_range_as_the_assembled_value(tmp_path: Path) -> None:
+    from ckptvar.storage._container.source import Patched
+
+    rng = np.random.default_rng(7)
+    for row_bytes, nrows in ((4, 50), (12, 31), (256, 20)):
+        base = rng.integers(0, 256, row_bytes * nrows, dtype=np.uint8)
+        (tmp_path / "base").write_bytes(b"xyz" + base.tobytes())
+        rows = np.unique(rng.integers(0, nrows, nrows // 3))
+        data = rng.integers(0, 256, (rows.size, row_bytes), dtype=np.uint8)
+        want = base.reshape(nrows, row_bytes).copy()
+        want[rows] = data
+        fd = os.open(tmp_path / "base", os.O_RDONLY)
+        src = Patched(fd, 3, base.size, row_bytes,
+                      (rows, data.reshape(-1).view(np.dtype((np.void, row_bytes)))))
+        flat = want.reshape(-1)
+        for _ in range(200):  # ranges inside a row, across rows, at both ends
+            lo = int(rng.integers(0, base.size))
+            n = int(rng.integers(0, base.size - lo + 2))
+            buf = bytearray(n)
+            got = src.pread_into(buf, lo)
+            assert got == min(n, base.size - lo)
+            assert bytes(buf[:got]) == flat[lo: lo + got].tobytes()
+        assert bytes(src.read_all()) == flat.tobytes()
+        src.close()
+
+
+def test_a_save_asks_for_the_rows_after_its_snapshot(tmp_path: Path,
+                                                     fresh_graph: cv.Graph) -> None:
+    ckpt, table = _model()
+    inc = Incremental()
+    inc.start(None, {"table": table}).committed(tmp_path / "ckpt-1.h5")
+    table.scatter_update([5], np.full((1, WIDTH), 1.0, np.float32))
+    save = inc.start(tmp_path / "ckpt-1.h5", {"table": table})
+    table.scatter_update([9], np.full((1, WIDTH), 2.0, np.float32))  # after start()
+    assert save.changed_rows()["table"].tolist() == [5, 9]  # asked once the values are read
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", incremental=True, async_save=True)
+    manager.save()
+    table.scatter_update([11, 12], np.full((2, WIDTH), 3.0, np.float32))
+    manager.save()  # in the background, from a snapshot
+    manager.wait_until_finished()
+    with cv.open(manager.latest_checkpoint) as reader:
+        assert reader.deltas()["table"]["rows"] == 2
+        assert np.array_equal(reader["table"].read(), table.numpy())
