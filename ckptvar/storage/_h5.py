@@ -211,7 +211,7 @@ class H5Writer(ContainerWriter):
                 and it.source is None and not it.hashed)
 
     def _write_bytes(self, fd: int, plan: WritePlan, packed_off: int) -> None:
-        write = _rawio.pwrite_flushing if self.durable else _rawio.pwrite_all
+        write = _rawio.pwrite_flushing if self.durable else _rawio.pwrite_pieces
         for it in plan.arrays:
             if it.held is not None:
                 continue

@@ -550,7 +550,7 @@ def _close_source(fd: Any) -> None:
 
 def _padded(part: memoryview, size: int, fd: int) -> None:
     """Write ``part`` into ``fd`` and extend the file with zeros to ``size`` bytes."""
-    _rawio.pwrite_all(fd, part, 0)
+    _rawio.pwrite_pieces(fd, part, 0)
     os.ftruncate(fd, size)
 
 
