@@ -210,10 +210,10 @@ WRITE_PIECE = 1 << 20
 
 
 def pwrite_pieces(fd: int, buf: memoryview, offset: int) -> None:
-    """:func:`pwrite_all` in 1 MiB pieces. On Linux 6.18 (ext4, 2 shared CPUs) one
-    ``pwrite`` of a whole large array costs 0.2 to 1.9 s of CPU for 1 GiB (the page cache
-    allocating large folios, compacting memory for them), 1 MiB pieces 0.22 to 0.28 s
-    (docs/benchmarks.md, "Goal 3"); elsewhere the extra calls cost about 1 ms a GiB."""
+    """:func:`pwrite_all` in 1 MiB pieces. On Linux 6.18 (ext4, 2 shared CPUs) a
+    ``pwrite`` of each whole array of a 1 GiB model cost 0.2 to 1.9 s of CPU, erratically,
+    1 MiB pieces 0.21 to 0.28 s (docs/benchmarks.md, "Goal 3"); elsewhere the extra calls
+    cost about 1 ms a GiB."""
     for pos in range(0, len(buf), WRITE_PIECE):
         pwrite_all(fd, buf[pos : pos + WRITE_PIECE], offset + pos)
 
