@@ -119,9 +119,10 @@ def _cpus() -> int:
 #: on the writing thread (:func:`write_hashing`), rather than on the checksum thread
 #: beside the writes: on fewer than 4 CPUs. Beside the writes, the hash is free where a
 #: CPU is idle but reads every byte from memory a second time and takes the writer's CPU
-#: where none is (docs/benchmarks.md, "Goal 3": on 2 shared CPUs a 1 GiB save's CPU time
-#: fell from 322-478 ms to 313-318 ms, a raw write's 217-614). A Zarr save (a file per
-#: value) measured no better so on this file system, and keeps the checksum thread.
+#: where none is; hashed from the cache it costs less CPU (docs/benchmarks.md, "Goal 3":
+#: on 2 shared CPUs, 1 GiB in 1 MiB pieces either way, 299 against 306 ms of CPU, the
+#: wall times within the noise). A Zarr save (a file per value) measured no better so on
+#: this file system, and keeps the checksum thread.
 HASH_WHILE_WRITING = _cpus() < 4
 #: ... in pieces of this many bytes (whole blocks).
 _HOT_PIECE = 1 << 20
