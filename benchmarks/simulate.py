@@ -17,7 +17,7 @@ planning code runs on them, through the public API:
   slabs with other cut points) maps its box onto the stored boxes with
   :func:`ckptvar.distributed.read_plan`, and each part is charged two ways, as the
   sharded reader reads it: the bytes read from storage (the whole stored box when
-  the part is all of it or the box is one 256 KiB checksum block or less, verified
+  the part is all of it or the box is one 64 KiB checksum block or less, verified
   whole; else the part's run of rows and the rest of the first and last checksum
   blocks it touches, which are hashed from the file to verify the run) and the bytes
   that land in the reader's memory (the whole box, or only the run: the edge blocks
@@ -55,9 +55,10 @@ from ckptvar.distributed import (
     read_plan,
 )
 
-#: The checksum block of ckptvar's own format; a stored box of at most one block has no
-#: block checksums and is read whole (and verified whole).
-BLOCK = 256 << 10
+#: The checksum block ckptvar's own format is written with (64 KiB; 256 KiB before
+#: 2026-11-27); a stored box of at most one block has no block checksums and is read
+#: whole (and verified whole).
+BLOCK = 64 << 10
 DTYPE = "<f4"
 ITEMSIZE = 4
 

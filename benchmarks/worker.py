@@ -71,12 +71,15 @@ def run_one(job: dict[str, Any]) -> tuple[dict[str, Any], bool]:
                 "traceback": traceback.format_exc()[-2000:]}, False
 
 
-_CKPTVAR = ("ckptvar", "ckptvar.io", "ckptvar.checkpoint", "ckptvar.storage")
+#: ckptvar loads its public names on first use: import what `import ckptvar` imported
+#: before that (io, checkpoint, storage), and h5py, which an HDF5 save loads on first use
+#: (a one-time cost per process, 40-230 ms on the 2-CPU VM: inside every timed HDF5 save
+#: before 2026-11-27, while each peer's server preloads its library). Not zarr-python:
+#: ckptvar writes and reads uncompressed Zarr without it.
+_CKPTVAR = ("ckptvar", "ckptvar.io", "ckptvar.checkpoint", "ckptvar.storage", "h5py")
 #: What each subject imports: a server imports it once, before forking measurements.
 PRELOAD = {"safetensors": ("safetensors", "safetensors.numpy"), "torch": ("torch",),
            "h5py": ("h5py",), "zarr": ("zarr",), "tf": ("tensorflow",),
-           # ckptvar loads its public names on first use: import what `import ckptvar`
-           # imported before that (io, checkpoint, storage; not h5py or zarr)
            "ckptvar": _CKPTVAR, "ckptvar_torch": (*_CKPTVAR, "torch"),
            "safetensors_torch": ("safetensors.torch",)}
 

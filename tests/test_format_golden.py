@@ -20,6 +20,19 @@ VALUES = {
 ATTRS = {"model/w": {"trainable": True}}
 
 
+#: The block size the writer uses (64 KiB; 256 KiB before 2026-11-27, when "model/w",
+#: 80,000 bytes, was one block and carried none).
+BLOCK = 64 << 10
+
+
+def _block_crcs(a: np.ndarray, size: int) -> bytes:
+    import crc32c
+
+    data = a.tobytes()
+    return np.array([crc32c.crc32c(data[i : i + size]) for i in range(0, len(data), size)],
+                    "<u4").tobytes()
+
+
 def expected(container: str, w_offset: object, packed_offset: object) -> dict:
     return {
         "format": "ckptvar",
@@ -34,6 +47,8 @@ def expected(container: str, w_offset: object, packed_offset: object) -> dict:
         "layouts": ["array", "packed", "packed"],
         "paths": ["model/w", None, None],
         "offsets": [w_offset, 0, 64],
+        "block_size": BLOCK,
+        "block_checksums": [_block_crcs(VALUES["model/w"], BLOCK), None, None],
         "attrs": {"name": ["model/w", "b", "s"]},
         "sparse_attrs": {"model/w": {"trainable": True}},
         "metadata": {"step": 1},
@@ -54,7 +69,8 @@ def test_root_record_is_pinned(tmp_path: Path, fmt: str) -> None:
         assert record == expected("h5", w_off, packed_off)
         assert list(record) == ["format", "format_version", "library", "container", "packed",
                                 "keys", "dtypes", "shapes", "checksums", "layouts", "paths",
-                                "offsets", "attrs", "sparse_attrs", "metadata"]
+                                "offsets", "block_size", "block_checksums", "attrs",
+                                "sparse_attrs", "metadata"]
     else:
         root = zarr.open_group(p, mode="r")
         data = root["_ckptvar/record"][...].tobytes()
@@ -65,18 +81,19 @@ def test_root_record_is_pinned(tmp_path: Path, fmt: str) -> None:
                          "manifest": "_ckptvar/record",
                          "ckptvar": {"format_version": [1, 2],
                                      "record": "_ckptvar/record",
-                                     "record_nbytes": 319,
-                                     "record_crc32c": 1638060241}}
+                                     "record_nbytes": 366,
+                                     "record_crc32c": 1423380596}}
     assert msgpack.unpackb(data)["keys"] == list(VALUES)  # file order = add order
 
 
 @pytest.mark.parametrize("fmt", ["h5", "zarr"])
 def test_block_checksums_follow_the_spec(tmp_path: Path, fmt: str) -> None:
-    """Format 1.2: a value of more than one block carries the CRC-32C of each 256 KiB
-    block of its bytes; the value's checksum is still one CRC-32C over all of them."""
+    """Format 1.2: a value of more than one block carries the CRC-32C of each block
+    (``block_size`` bytes, 64 KiB as written now) of its bytes; the value's checksum is
+    still one CRC-32C over all of them."""
     import crc32c
 
-    big = np.arange(100_000, dtype="<f4")  # 400,000 bytes: two blocks
+    big = np.arange(100_000, dtype="<f4")  # 400,000 bytes: seven blocks
     p = cv.save(tmp_path / f"b.{fmt}", {"big": big, "small": np.ones(3, np.int8)})
     if fmt == "h5":
         with h5py.File(p, "r") as f:
@@ -86,10 +103,10 @@ def test_block_checksums_follow_the_spec(tmp_path: Path, fmt: str) -> None:
     assert list(record)[:15] == ["format", "format_version", "library", "container", "packed",
                                  "keys", "dtypes", "shapes", "checksums", "layouts", "paths",
                                  "offsets", "block_size", "block_checksums", "attrs"]
-    data, size = big.tobytes(), 256 << 10
-    assert record["block_size"] == size
-    want = np.array([crc32c.crc32c(data[:size]), crc32c.crc32c(data[size:])], "<u4")
-    assert record["block_checksums"] == [want.tobytes(), None]
+    data, size = big.tobytes(), record["block_size"]
+    assert size == BLOCK
+    want = np.array([crc32c.crc32c(data[i : i + size]) for i in range(0, len(data), size)], "<u4")
+    assert len(want) == 7 and record["block_checksums"] == [want.tobytes(), None]
     header = crc32c.crc32c(b"big\x00float32\x00100000\x00")
     assert record["checksums"][0] == crc32c.crc32c(data, header)
 

@@ -244,10 +244,10 @@ def test_rows_of_a_large_stored_box_go_straight_into_the_result(
 def test_a_part_of_a_box_of_a_few_blocks_reads_its_rows_and_verifies_their_blocks(
     tmp_path: Path,
 ) -> None:
-    """A stored box of two 256 KiB checksum blocks (512 KiB: under the 1 MiB a grid
-    chunk is read whole below): a part of it is read as its run of rows, and verified by
-    the block it touches (the rest of that block hashed from the file), not the other."""
-    full = np.arange(256 * 512, dtype="float32").reshape(256, 512)  # 2 KiB rows, 128 a block
+    """A stored box of a few checksum blocks (512 KiB: under the 1 MiB a grid chunk is
+    read whole below): a part of it is read as its run of rows, and verified by the block
+    it touches (the rest of that block hashed from the file), not the others."""
+    full = np.arange(256 * 512, dtype="float32").reshape(256, 512)  # 2 KiB rows
     w = cv.Variable(full.copy(), name="w", shard=cv.Shard(full_shape=full.shape, offset=(0, 0)))
     path = cv.Checkpoint(w=w).save(tmp_path / "ckpt.h5", coordinator=SingleProcessCoordinator())
     part = Box((10, 0), (10, 512))
@@ -255,8 +255,11 @@ def test_a_part_of_a_box_of_a_few_blocks_reads_its_rows_and_verifies_their_block
         assert np.array_equal(reader.read_box("w", part), full[10:20])
         assert reader.bytes_read == 10 * 2048  # the rows, not the box's 512 KiB
     data_file = Path(path) / "rank-00000.h5"
+    with cv.open(data_file) as r:
+        per = r._record.block_size // 2048  # rows a block (32 of 64 KiB)
+    assert 20 < per < 128
     good = data_file.read_bytes()
-    for row, fails in ((100, True), (200, False)):  # block 0 (the part's), block 1
+    for row, fails in ((per - 1, True), (per + 5, False)):  # block 0 (the part's), block 1
         raw = bytearray(good)
         at = good.find(full[row].tobytes()[:64])
         assert at > 0

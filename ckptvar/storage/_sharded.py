@@ -36,7 +36,7 @@ from ..distributed import Box, read_plan
 from ..errors import CkptError, CorruptCheckpointError, MissingKeyError
 from ._box_index import as_box, fits_whole
 from ._container import ContainerReader
-from ._record import holder_step
+from ._record import BLOCK_SIZE, holder_step
 from ._sharded_zarr import GridVariable, check_part, read_part
 from ._step_files import LocalStepFiles, StepFiles
 from ._zarr import ZarrReader
@@ -71,10 +71,11 @@ INDEX_FORMAT = "ckptvar-sharded"
 INDEX_VERSION = 2
 #: Stored boxes up to this size are read whole (and verified) even when only partly needed.
 _SLICE_WHOLE_BELOW = 1 << 20
-#: ... in a file of ckptvar's own format: a value of more than one checksum block (256 KiB)
-#: verifies by the blocks a run touches, so only a box of one block (verified whole
-#: anyway) is read whole; a larger one fetches the run and its two edge blocks.
-_OWN_WHOLE_BELOW = 256 << 10
+#: ... in a file of ckptvar's own format: a value of more than one checksum block (64 KiB
+#: as written now) verifies by the blocks a run touches, so only a box of one block
+#: (verified whole anyway) is read whole; a larger one fetches the run and its two edge
+#: blocks.
+_OWN_WHOLE_BELOW = BLOCK_SIZE
 
 
 def rank_file(rank: int, suffix: str) -> str:

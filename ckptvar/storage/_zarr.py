@@ -244,7 +244,8 @@ class ZarrWriter(ContainerWriter):
         value is hashed now, as its write would)."""
         entry = rec.values.get(it.key)
         if (entry is None or entry.loc.kind != ARRAY or entry.dtype != it.dtype
-                or tuple(entry.shape) != it.shape or entry.blocks is None):
+                or tuple(entry.shape) != it.shape or entry.blocks is None
+                or rec.block_size != BLOCK_SIZE):  # a base of other blocks: written whole
             return
         if not it.hashed:
             it.hash(parallel=True)  # before the write, which waits for it
@@ -593,7 +594,7 @@ def _close_source(fd: Any) -> None:
 
 def _padded(part: memoryview, size: int, fd: int) -> None:
     """Write ``part`` into ``fd`` and extend the file with zeros to ``size`` bytes."""
-    _rawio.pwrite_all(fd, part, 0)
+    _rawio.pwrite_pieces(fd, part, 0)
     os.ftruncate(fd, size)
 
 

@@ -142,7 +142,7 @@ def write_file(path: Path, data: Any, sync: list[Path] | None, *, replace: bool 
         elif sync is not None and len(data) >= 1 << 20:  # durable: writeback starts now
             _rawio.pwrite_flushing(fd, memoryview(data), 0)
         elif len(data):
-            _rawio.pwrite_all(fd, memoryview(data), 0)
+            _rawio.pwrite_pieces(fd, memoryview(data), 0)
     finally:
         os.close(fd)
     if sync is not None:

@@ -26,7 +26,7 @@ True
 
 from __future__ import annotations
 
-import functools
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -43,6 +43,7 @@ __all__ = [
     "header_crc",
     "header_tail",
     "mask",
+    "shift_tables",
     "unmask",
     "value_checksum",
 ]
@@ -102,27 +103,55 @@ def _multmodp(a: int, b: int) -> int:
         b = (b >> 1) ^ _POLY if b & 1 else b >> 1
 
 
-def _x2n_table() -> list[int]:
-    table, p = [], 1 << 30  # x^1
-    for _ in range(32):
-        table.append(p)
-        p = _multmodp(p, p)
-    return table
+_BITS = ((np.arange(256)[:, None] >> np.arange(8)) & 1).astype(bool)  # [v, b]: bit b of v
 
 
-_X2N = _x2n_table()  # x^(2^k) modulo the polynomial, k = 0..31
+def _tables(basis: list[int]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The byte tables of a linear map on CRCs given by its values on the 32 single bits:
+    ``t0[c & 255] ^ t1[c >> 8 & 255] ^ t2[c >> 16 & 255] ^ t3[c >> 24]``."""
+    b = np.array(basis, np.uint32)
+    t0, t1, t2, t3 = (np.bitwise_xor.reduce(np.where(_BITS, b[8 * k : 8 * k + 8], 0), axis=1)
+                      .astype(np.uint32).tolist() for k in range(4))
+    return t0, t1, t2, t3
 
 
-@functools.lru_cache(maxsize=64)
-def _x8nmodp(n: int) -> int:
-    """``x^(8 n)`` modulo the polynomial: the operator that moves a CRC past n bytes."""
-    p, k = 1 << 31, 3  # x^0; 8 n = n * 2^3
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return p
+def _apply(t: tuple[list[int], list[int], list[int], list[int]], c: int) -> int:
+    return t[0][c & 255] ^ t[1][(c >> 8) & 255] ^ t[2][(c >> 16) & 255] ^ t[3][c >> 24]
+
+
+_POW2: list[tuple[list[int], list[int], list[int], list[int]]] = []
+_POW2_LOCK = threading.Lock()
+
+
+def _pow2_shift(k: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The tables of the shift past ``2**k`` bytes (multiplying by ``x^(8 * 2^k)`` modulo the
+    polynomial), each the square of the one before (built on first use, kept)."""
+    with _POW2_LOCK:
+        return _grow(k)
+
+
+def _grow(k: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    while len(_POW2) <= k:
+        if not _POW2:  # one byte: x^8
+            basis = [_multmodp(1 << 23, 1 << j) for j in range(32)]
+        else:  # the shift past 2^k bytes is the one past 2^(k-1), twice
+            basis = [_apply(_POW2[-1], _apply(_POW2[-1], 1 << j)) for j in range(32)]
+        _POW2.append(_tables(basis))
+    return _POW2[k]
+
+
+def shift_tables(n: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The four byte tables of ``crc -> combine(crc, 0, n)``, the shift past ``n`` bytes:
+    ``t0[c & 255] ^ t1[c >> 8 & 255] ^ t2[c >> 16 & 255] ^ t3[c >> 24]``.
+
+    >>> t0, t1, t2, t3 = shift_tables(5)
+    >>> c = crc(b"abc")
+    >>> t0[c & 255] ^ t1[c >> 8 & 255] ^ t2[c >> 16 & 255] ^ t3[c >> 24] == combine(c, 0, 5)
+    True
+    """
+    if n > 0 and n & (n - 1) == 0:
+        return _pow2_shift(n.bit_length() - 1)
+    return _tables([combine(1 << j, 0, n) for j in range(32)])
 
 
 def combine(crc1: int, crc2: int, len2: int) -> int:
@@ -133,8 +162,18 @@ def combine(crc1: int, crc2: int, len2: int) -> int:
     >>> a, b = b"hello, ", b"world"
     >>> combine(crc(a), crc(b), len(b)) == crc(a + b) == crc(b, crc(a))
     True
+
+    The shift past ``len(B)`` bytes is applied by table look-ups, four per set bit of
+    ``len(B)`` (a few microseconds; the tables of each power of two are built once).
     """
-    return _multmodp(_x8nmodp(len2), crc1) ^ crc2
+    c, k = crc1, 0
+    while len2:
+        if len2 & 1:
+            t0, t1, t2, t3 = _POW2[k] if k < len(_POW2) else _pow2_shift(k)
+            c = t0[c & 255] ^ t1[(c >> 8) & 255] ^ t2[(c >> 16) & 255] ^ t3[c >> 24]
+        len2 >>= 1
+        k += 1
+    return c ^ crc2
 
 
 def header(key: str, dtype_name: str, shape: Iterable[int]) -> bytes:

@@ -111,7 +111,7 @@ def test_a_slice_streams_its_edge_blocks_with_it_and_finds_damage_there(
     s3: S3Bucket, part_size: int
 ) -> None:
     """A sliced read from an object store fetches the run and the parts of its first and
-    last 256 KiB block outside it in one request (ranges cut into parallel requests by
+    last checksum block outside it in one request (ranges cut into parallel requests by
     ``read_part_size`` too), hashed as they arrive: damage just outside the slice, in its
     edge block, is found; an undamaged slice reads back."""
     value = np.arange(1000 * 1024, dtype=np.float32).reshape(1000, 1024)  # 4 KiB rows
@@ -119,11 +119,14 @@ def test_a_slice_streams_its_edge_blocks_with_it_and_finds_damage_there(
     opts = {**s3.storage_options, "read_part_size": part_size}
     with cv.open(url, storage_options=opts) as reader:
         np.testing.assert_array_equal(reader["w"][70:530], value[70:530])  # not on blocks
+        size = reader._record.block_size  # 64 KiB: 16 rows a block
+    first = 70 * 4096 // size  # the block of row 70, from row 64 on (blocks of 8+ rows)
+    assert first * size <= 65 * 4096
     loc = s3.location("run")
     key = next(o.key for o in loc.list("ckpt-1.zarr/w") if "/c" in o.key)
     data = bytearray(loc.read(key))
-    data[65 * 4096 + 8] ^= 0xFF  # row 65: in the 64..128 block, outside rows 70..530
+    data[65 * 4096 + 8] ^= 0xFF  # row 65: in the first block, outside rows 70..530
     loc.put(key, bytes(data))
     with cv.open(url, storage_options=opts) as reader, pytest.raises(
-            cv.CorruptCheckpointError, match=r"'w' fails the checksum of its block 1 "):
+            cv.CorruptCheckpointError, match=rf"'w' fails the checksum of its block {first} "):
         reader["w"][70:530]

@@ -36,7 +36,9 @@ from .writer import (
     ValueWrite,
     WritePlan,
     delta_attrs,
+    hash_while_writing,
     scalar_attrs,
+    write_hashing,
     write_packed,
 )
 
@@ -55,8 +57,10 @@ __all__ = [
     "WritePlan",
     "check_regions",
     "delta_attrs",
+    "hash_while_writing",
     "pack_limit",
     "scalar_attrs",
     "storage_dtype",
+    "write_hashing",
     "write_packed",
 ]

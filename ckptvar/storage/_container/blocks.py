@@ -40,6 +40,7 @@ __all__ = [
     "hash_blocks",
     "hash_blocks_parallel",
     "hash_range",
+    "join_blocks",
     "read_span",
     "scratch_buffer",
     "stream_units",
@@ -59,8 +60,7 @@ _PIECE = 4 << 20
 @functools.lru_cache(maxsize=8)
 def _shift(n: int) -> Callable[[int], int]:
     """``crc -> combine(crc, 0, n)`` by four table look-ups (the shift is linear)."""
-    tables = [[_checksum.combine(v << (8 * k), 0, n) for v in range(256)] for k in range(4)]
-    t0, t1, t2, t3 = tables
+    t0, t1, t2, t3 = _checksum.shift_tables(n)
 
     def shift(c: int) -> int:
         return t0[c & 255] ^ t1[(c >> 8) & 255] ^ t2[(c >> 16) & 255] ^ t3[c >> 24]
@@ -72,11 +72,10 @@ def hash_blocks(view: memoryview, seed: int, block_size: int = BLOCK_SIZE) -> tu
     """``(checksum, blocks)`` of a value's bytes: the value's CRC-32C continued from
     ``seed``, and the little-endian ``uint32`` CRC-32C of each block."""
     n = len(view)
-    crcs = np.empty(block_count(n, block_size), "<u4")
-    for i, pos in enumerate(range(0, n, block_size)):
-        crcs[i] = _crc(view[pos : pos + block_size], 0, 1)
-    blocks = crcs.tobytes()
-    return _join(seed, crcs.tolist(), n, block_size), blocks
+    crc = _crc
+    crcs = np.array([crc(view[pos : pos + block_size], 0, 1) for pos in range(0, n, block_size)],
+                    "<u4")
+    return _join(seed, crcs, n, block_size), crcs.tobytes()
 
 
 class BlockHasher:
@@ -137,23 +136,72 @@ def hash_blocks_parallel(view: memoryview, seed: int, block_size: int = BLOCK_SI
             crcs[k] = _crc(view[pos : pos + block_size], 0, 1)
 
     _rawio.wait_all(_rawio.start_all([functools.partial(run, k) for k in range(0, len(crcs), per)]))
-    return _join(seed, crcs.tolist(), n, block_size), crcs.tobytes()
+    return _join(seed, crcs, n, block_size), crcs.tobytes()
 
 
-def _join(seed: int, crcs: list[int], n: int, block_size: int) -> int:
-    """The CRC-32C over all blocks continued from ``seed``, from the blocks' CRCs."""
-    if not crcs:
+#: From this many blocks on, :func:`_join` combines them with NumPy, a tree of pairs.
+_TREE_FROM = 64
+
+
+@functools.lru_cache(maxsize=64)
+def _shift_tables(n: int) -> np.ndarray:
+    """``(4, 256)`` uint32: ``[k, v]`` is ``combine(v << 8 k, 0, n)`` (the shift past ``n``
+    bytes is linear over GF(2): four look-ups and three XORs)."""
+    return np.array(_checksum.shift_tables(n), np.uint32)
+
+
+def _join(seed: int, crcs: Any, n: int, block_size: int) -> int:
+    """The CRC-32C over all blocks continued from ``seed``, from the blocks' CRCs (a list
+    or a uint32 array; every block ``block_size`` bytes but the last).
+
+    Many blocks are joined as a tree of pairs, each level one vectorized step: a pair's
+    CRC is its left CRC shifted past the right one's bytes, XOR the right one's (a
+    1 GiB value's 16,384 blocks of 64 KiB in well under a millisecond).
+
+    >>> data = np.arange(1_000_000, dtype=np.uint32).view(np.uint8)
+    >>> crcs = [_checksum.crc(data[i : i + 4096]) for i in range(0, len(data), 4096)]
+    >>> _join(9, crcs, len(data), 4096) == _checksum.crc(data, 9)  # 977 blocks: the tree
+    True
+    >>> _join(9, crcs[:10], 40960, 4096) == _checksum.crc(data[:40960], 9)  # ten, one by one
+    True
+    """
+    k = len(crcs)
+    if not k:
         return seed
-    shift = _shift(block_size)
-    value = seed
-    for c in crcs[:-1]:
-        value = shift(value) ^ c
-    return _checksum.combine(value, crcs[-1], n - (len(crcs) - 1) * block_size)
+    last = int(crcs[-1])
+    if k < _TREE_FROM:
+        shift = _shift(block_size)
+        value = seed
+        for c in crcs[:-1]:
+            value = shift(value) ^ int(c)
+    else:
+        # the seed leads, as the leftmost element, whose length never matters (it is
+        # only ever shifted); every other element is ``size`` bytes at each level
+        vals = np.empty(k, np.uint32)
+        vals[0] = seed
+        vals[1:] = crcs[:-1]
+        size = block_size
+        while len(vals) > 1:
+            if len(vals) & 1:  # a zero in front: combine(0, v, _) is v
+                vals = np.concatenate((np.zeros(1, np.uint32), vals))
+            t = _shift_tables(size)
+            left = vals[0::2]
+            vals = (t[0][left & 255] ^ t[1][(left >> 8) & 255] ^ t[2][(left >> 16) & 255]
+                    ^ t[3][left >> 24] ^ vals[1::2])
+            size *= 2
+        value = int(vals[0])
+    return _checksum.combine(value, last, n - (k - 1) * block_size)
+
+
+def join_blocks(seed: int, crcs: Any, n: int, block_size: int = BLOCK_SIZE) -> int:
+    """The checksum of a value of ``n`` bytes continued from ``seed``, from the CRC-32C of
+    each of its blocks (``crcs``: a list or a uint32 array)."""
+    return _join(seed, crcs, n, block_size)
 
 
 def blocks_agree(seed: int, blocks: bytes, nbytes: int, block_size: int, checksum: int) -> bool:
     """Whether a value's block checksums join to its checksum (``seed``: its header's)."""
-    crcs = np.frombuffer(blocks, "<u4").tolist()
+    crcs = np.frombuffer(blocks, "<u4")
     return len(crcs) == block_count(nbytes, block_size) and _join(
         seed, crcs, nbytes, block_size) == checksum
 

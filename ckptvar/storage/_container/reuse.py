@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._record import ARRAY, Entry, Record
+from .._record import ARRAY, BLOCK_SIZE, Entry, Record
 
 __all__ = ["Held", "match"]
 
@@ -59,6 +59,9 @@ def match(
     bytes of ``key`` are.
     """
     values = base.values
+    # a base written with blocks of another size (256 KiB, before 2026-11-27): its block
+    # checksums are not this record's, so a value is hashed and compared by its checksum
+    same_blocks = base.block_size == BLOCK_SIZE
     reused = 0
     for it in items:
         entry = values.get(it.key)
@@ -67,12 +70,14 @@ def match(
         state = known.get(it.key)
         if state is False:  # written since the base: no need to look
             continue
-        if state is None:
-            it.hash()
-            it.hashed = True
-            if it.checksum != entry.checksum or it.blocks != entry.blocks:
+        if state is None or not same_blocks:
+            if not it.hashed:
+                it.hash()
+                it.hashed = True
+            if it.checksum != entry.checksum or (same_blocks and it.blocks != entry.blocks):
                 continue
-        it.checksum, it.blocks = entry.checksum, entry.blocks
+        if same_blocks:
+            it.checksum, it.blocks = entry.checksum, entry.blocks
         where = holder(it.key, entry)
         it.held = Held(where.file, where.path, where.offset,
                        same_attrs=dict(entry.attrs) == dict(it.attrs))

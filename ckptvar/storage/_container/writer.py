@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import functools
 import logging
+import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -31,13 +32,13 @@ from ..atomic import check_destination, publish, temporary_sibling
 from ..base import Writer
 from ..chunked import Chunked, HostPieces, is_chunked, materialize, piece_bytes
 from ..paths import container_paths
-from .blocks import BLOCK_SIZE, BlockHasher, hash_blocks, hash_blocks_parallel
+from .blocks import BLOCK_SIZE, BlockHasher, hash_blocks, hash_blocks_parallel, join_blocks
 from .delta import DeltaWrite, merged, patch_bytes, plan
 from .layout import ALIGN, pack_limit
 from .reuse import Held, match
 
-__all__ = ["ContainerWriter", "ValueWrite", "WritePlan", "delta_attrs", "scalar_attrs",
-           "write_packed"]
+__all__ = ["HASH_WHILE_WRITING", "ContainerWriter", "ValueWrite", "WritePlan", "delta_attrs",
+           "hash_while_writing", "scalar_attrs", "write_hashing", "write_packed"]
 
 _ZEROS = memoryview(bytes(ALIGN))
 _NO_ROWS = np.empty(0, np.int64)
@@ -105,6 +106,66 @@ class ValueWrite:
         self.checksum, blocks = hasher.result()
         self.blocks = blocks if self.nbytes > BLOCK_SIZE else None
         self.hashed = True
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+#: Whether an HDF5 save hashes each large value a piece at a time just before writing it,
+#: on the writing thread (:func:`write_hashing`), rather than on the checksum thread
+#: beside the writes: on fewer than 4 CPUs. Beside the writes, the hash is free where a
+#: CPU is idle but reads every byte from memory a second time and takes the writer's CPU
+#: where none is; hashed from the cache it costs less CPU (docs/benchmarks.md, "Goal 3":
+#: on 2 shared CPUs, 1 GiB in 1 MiB pieces either way, 299 against 306 ms of CPU, the
+#: wall times within the noise). A Zarr save (a file per value) measured no better so on
+#: this file system, and keeps the checksum thread.
+HASH_WHILE_WRITING = _cpus() < 4
+#: ... in pieces of this many bytes (whole blocks).
+_HOT_PIECE = 1 << 20
+
+
+def hash_while_writing() -> bool:
+    """:data:`HASH_WHILE_WRITING` (read when a save starts)."""
+    return HASH_WHILE_WRITING
+
+
+def write_hashing(it: ValueWrite, fd: int, base: int, *, durable: bool = False) -> None:
+    """Write a host value's bytes at ``base`` in ``fd``, each 1 MiB piece hashed by blocks
+    just before it is written, and set its checksums: one pass over memory (the kernel
+    copies the piece from the cache the CRC just read it into). ``durable``: each piece's
+    writeback starts once it is written.
+
+    >>> import tempfile
+    >>> a = np.arange(300_000, dtype=np.float32)
+    >>> it = ValueWrite("w", a, "float32", a.shape, {}, a.nbytes)
+    >>> fd, name = tempfile.mkstemp()
+    >>> write_hashing(it, fd, 16)
+    >>> os.pread(fd, a.nbytes, 16) == a.tobytes()
+    True
+    >>> os.close(fd); os.unlink(name)
+    >>> whole, blocks = it.checksum, it.blocks
+    >>> it.hash()
+    >>> (it.checksum, it.blocks) == (whole, blocks) and len(blocks) == 4 * 19
+    True
+    """
+    n, bs = it.nbytes, BLOCK_SIZE
+    view = it.view
+    crc: Callable[..., int] = _crc32c.crc32c
+    crcs: list[int] = []
+    for pos in range(0, n, _HOT_PIECE):
+        piece = view[pos : pos + _HOT_PIECE]
+        crcs += [crc(piece[k : k + bs], 0, 1) for k in range(0, len(piece), bs)]
+        _rawio.pwrite_all(fd, piece, base + pos)
+        if durable:
+            _rawio.start_writeback(fd, base + pos, len(piece))
+    seed = _checksum.header_crc(it.key, it.dtype, it.shape)
+    it.checksum = join_blocks(seed, crcs, n)
+    it.blocks = np.array(crcs, "<u4").tobytes() if n > bs else None
+    it.hashed = True
 
 
 @dataclass(slots=True)
@@ -285,12 +346,15 @@ class ContainerWriter(Writer):
                     it.materialize()
             if self.base is not None:
                 self._match_base(plan, self.base)
-            # Large values hash on the checksum thread while the backend writes (in the same
-            # order); packed values hash on this thread as they are written (write_packed).
-            # Chunked values hash while they are written (ValueWrite.write_with).
+            # Values the backend writes hashed (write_hashing: each piece hashed just
+            # before it is written, on fewer than 4 CPUs) and chunked ones
+            # (ValueWrite.write_with) hash as they are written, packed ones on this thread
+            # just before (write_packed); any other large value on the checksum thread
+            # while the backend writes (in order).
             futures: list[Future[Any]] = [_rawio.submit(it.hash) for it in plan.arrays
                                           if it.held is None and not it.hashed
-                                          and it.source is None]
+                                          and it.source is None
+                                          and not self._writes_hashed(it)]
 
             def wait_hashes() -> None:
                 for f in futures:
@@ -363,7 +427,7 @@ class ContainerWriter(Writer):
                 found.patch, found.crc = patch_bytes(it.view, it.nbytes // it.shape[0], rows,
                                                      seed)
             else:  # nothing hashed it (known unchanged): the base's checksums hold
-                it.checksum, it.blocks, it.hashed = entry.checksum, entry.blocks, True
+                _carry_checksums(it, entry, record.block_size)
             it.delta = found
         self.deltas = [it.key for it in arrays if it.delta is not None]
 
@@ -398,6 +462,11 @@ class ContainerWriter(Writer):
         base's own delta of it, if any; ``holder``: where the base's whole bytes are);
         None: this backend stores no delta of it."""
         return None
+
+    def _writes_hashed(self, it: ValueWrite) -> bool:
+        """Whether :meth:`_write` writes ``it`` through :func:`write_hashing` (which hashes
+        it), so the checksum thread need not."""
+        return False
 
     def _open_base(self, base: Path) -> tuple[Any, Callable[[str, Any], Held]] | None:
         """The base's record and where each of its values' bytes are; None: not supported."""
@@ -441,6 +510,17 @@ class ContainerWriter(Writer):
     @abc.abstractmethod
     def _write(self, tmp: Path, plan: WritePlan) -> None:
         """Write everything into ``tmp`` (fsynced when durable); the caller publishes it."""
+
+
+def _carry_checksums(it: ValueWrite, entry: Any, block_size: int) -> None:
+    """``it``, known unchanged since the base, takes the base's checksums; a base of other
+    blocks (256 KiB, before 2026-11-27) has block checksums that are not this record's,
+    so ``it`` is hashed instead."""
+    if block_size == BLOCK_SIZE:
+        it.checksum, it.blocks, it.hashed = entry.checksum, entry.blocks, True
+    elif not it.hashed:
+        it.hash()
+        it.hashed = True
 
 
 def write_packed(fd: int, packed: list[ValueWrite], base: int) -> None:
