@@ -53,8 +53,10 @@ from ..variables import (
     device_value,
     give_restored,
     host_buffer,
+    host_buffers,
     is_materialized,
     restore_value,
+    shapes_and_dtypes,
 )
 
 __all__ = [
@@ -67,7 +69,9 @@ __all__ = [
     "warn_cast",
 ]
 
-_second = operator.itemgetter(1)
+_first, _second = operator.itemgetter(0), operator.itemgetter(1)
+#: a row whose variable's host buffer is still to be asked for (``host_buffer``)
+_ASK = object()
 
 #: Up to this many bytes of values going into existing variables are read into
 #: temporaries (one pass over the file); above it, verify first, then read in place.
@@ -81,13 +85,16 @@ class ReaderAbilities:
     ``shape_and_dtype(key)``: a value's shape and dtype without building an
     ``ArrayInfo``; ``read_into_many([(key, buf)], verify=)``: bulk reads into
     caller buffers; ``verify_many(keys)``: bulk checksum verification;
-    ``stage_into_many([(key, buf)])``: read and verify now, copy into the buffers later.
+    ``stage_into_many([(key, buf)])``: read and verify now, copy into the buffers later;
+    ``shapes_and_dtypes(keys)``: ``shape_and_dtype`` of many keys in one pass.
     """
 
     shape_and_dtype: Callable[[str], tuple[tuple[int, ...], np.dtype]] | None
     read_into_many: Callable[..., Any] | None
     verify_many: Callable[[list[str]], Any] | None
     stage_into_many: Callable[[list[tuple[str, np.ndarray]]], Callable[[], None]] | None = None
+    shapes_and_dtypes: (Callable[[list[str]], tuple[list[tuple[int, ...]], list[np.dtype]]]
+                        | None) = None
 
 
 def reader_abilities(reader: Any) -> ReaderAbilities:
@@ -101,6 +108,8 @@ def reader_abilities(reader: Any) -> ReaderAbilities:
         verify_many=reader.verify_many if isinstance(reader, SupportsVerifyMany) else None,
         stage_into_many=(reader.stage_into_many
                          if isinstance(reader, SupportsStageIntoMany) else None),
+        shapes_and_dtypes=(reader.shapes_and_dtypes
+                           if isinstance(reader, SupportsShapeAndDtype) else None),
     )
 
 
@@ -229,13 +238,24 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
     (with a warning naming them).
     """
     able = reader_abilities(reader)
-    casts = check_matches(pairs, infos, reader.path, fast=able.shape_and_dtype, cast=cast)
-    targets: Iterable[tuple[str, Variable]] = pairs
-    if len(set(map(id, map(_second, pairs)))) != len(pairs):  # a variable under several keys
+    keys = list(map(_first, pairs))
+    variables = list(map(_second, pairs))
+    shapes, dtypes = shapes_and_dtypes(variables)
+    # two comparisons of lists when every stored shape and dtype is its variable's
+    exact = able.shapes_and_dtypes is not None and (shapes, dtypes) == able.shapes_and_dtypes(
+        keys)
+    casts = {} if exact else check_matches(pairs, infos, reader.path,
+                                           fast=able.shape_and_dtype, cast=cast)
+    rows: Iterable[tuple[str, Variable, Any, Any]]
+    if len(set(map(id, variables))) != len(pairs):  # a variable under several keys
         by_var: dict[int, tuple[str, Variable]] = {}
         for key, var in pairs:
             by_var.setdefault(id(var), (key, var))
-        targets = by_var.values()
+        rows = [(key, var, _ASK, None) for key, var in by_var.values()]
+    elif exact:  # every host buffer at once, no call per variable
+        rows = zip(keys, variables, host_buffers(variables), shapes, strict=True)
+    else:
+        rows = [(key, var, _ASK, None) for key, var in pairs]
     # ``buf`` is the variable's own memory when it can take the value in place, else None
     fresh: list[tuple[str, Variable, np.ndarray | None]] = []
     in_place: list[tuple[str, Variable, np.ndarray]] = []
@@ -246,12 +266,17 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
     converted: list[tuple[str, Variable]] = []
     in_place_bytes = 0
     fast = able.shape_and_dtype
-    for key, var in targets:
+    add_in_place = in_place.append
+    for key, var, asked, known in rows:
+        if known is not None and asked is not None and asked.shape == known:
+            add_in_place((key, var, asked))  # host_buffers: C-contiguous and writeable
+            in_place_bytes += asked.nbytes
+            continue
         if casts and id(var) in casts:
             converted.append((key, var))
             continue
         dbuf = device_value(var)  # a framework's GPU tensor the variable stands for
-        buf = None if dbuf is not None else host_buffer(var)
+        buf = (None if dbuf is not None else host_buffer(var)) if asked is _ASK else asked
         if buf is None and dbuf is None and runs:
             dbuf = device_buffer(var)
         if runs and dbuf is not None and fillable(dbuf) and tuple(dbuf.shape) == (
@@ -261,7 +286,7 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
         # check_matches compared the shapes: a fully defined variable shape is the stored one
         if buf is not None and (buf.shape == var.shape or buf.shape == (
                 fast(key)[0] if fast else infos[key].shape)):
-            in_place.append((key, var, buf))  # host_buffer: C-contiguous and writeable
+            add_in_place((key, var, buf))  # host_buffer: C-contiguous and writeable
             in_place_bytes += buf.nbytes
         else:
             fresh.append((key, var, None))

@@ -298,20 +298,21 @@ class Checkpoint(Trackable):
                 coordinator, gather(self).variables.values()):
             return self._restore_collective(path, coordinator, timeout, verify, cast,
                                             storage_options)
+        # one pause from decoding the record to letting it go (release_reader): the
+        # collector never scans the record's objects (one per stored value)
         with paused_gc():
             state = RestoreState(path, root=self, verify=verify, cast=cast,
                                  storage_options=storage_options)
-        if state.has_save_counter:
-            self.save_counter  # noqa: B018 - exists before matching, so it is restored too
-        adapters = begin_restores(self, state.states, state.infos, state.path)
-        ok = False
-        try:
-            with paused_gc():
+            if state.has_save_counter:
+                self.save_counter  # noqa: B018 - exists before matching: restored too
+            adapters = begin_restores(self, state.states, state.infos, state.path)
+            ok = False
+            try:
                 state.restore_nodes(walk(self))
-            ok = True
-        finally:
-            state.release_reader()
-            end_restores(adapters, ok=ok)
+                ok = True
+            finally:
+                state.release_reader()
+                end_restores(adapters, ok=ok)
         return RestoreStatus(state, root=self)
 
     read = restore

@@ -12,10 +12,11 @@ that the status (``_status``) reports.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,11 +134,7 @@ class RestoreState:
 
     # -- reader -----------------------------------------------------------------------
     def _open_reader(self) -> Reader:
-        if isinstance(self.path, Path):
-            return backend_for(self.path).open_reader(self.path)
-        from ._files import open_checkpoint_reader  # noqa: PLC0415 - a committed step at a URL
-
-        return open_checkpoint_reader(self.path, self._storage_options)  # type: ignore[no-any-return]
+        return _open_reader(self.path, self._storage_options)
 
     @property
     def reader(self) -> Reader:
@@ -148,10 +145,14 @@ class RestoreState:
         return self._reader
 
     def release_reader(self) -> None:
-        """Close the file if no value is pending (it is reopened when needed)."""
+        """Close the file if no value is pending (it is reopened when needed), and let
+        the decoded record go: a status kept for its assertions holds only the keys."""
         if self._reader is not None and self.pending <= 0:
             self._finalizer()
             self._reader = None
+            if not isinstance(self.infos, dict | _ReleasedInfos):
+                self.infos = _ReleasedInfos(list(self.infos), self._stored, functools.partial(
+                    _open_reader, self.path, self._storage_options))
 
     # -- matching ---------------------------------------------------------------------
     def key_for(self, path_key: str) -> str | None:
@@ -262,6 +263,40 @@ class RestoreState:
             ):
                 out.append(f"{node.key} (Python state of {type(obj).__name__})")
         return list(dict.fromkeys(out))
+
+
+def _open_reader(path: Any, storage_options: Mapping[str, Any] | None) -> Reader:
+    if isinstance(path, Path):
+        return backend_for(path).open_reader(path)
+    from ._files import open_checkpoint_reader  # noqa: PLC0415 - a committed step at a URL
+
+    return open_checkpoint_reader(path, storage_options)  # type: ignore[no-any-return]
+
+
+class _ReleasedInfos(Mapping[str, ArrayInfo]):
+    """A released restore's ``{key: ArrayInfo}``: the keys, in order; an ``ArrayInfo``
+    is read from the file again if one is ever asked for (the record is not kept)."""
+
+    __slots__ = ("_keys", "_open", "_set")
+
+    def __init__(self, keys: list[str], known: frozenset[str],
+                 open_reader: Callable[[], Reader]) -> None:
+        self._keys, self._set, self._open = keys, known, open_reader
+
+    def __getitem__(self, key: str) -> ArrayInfo:
+        if key not in self._set:
+            raise KeyError(key)
+        with contextlib.closing(self._open()) as reader:
+            return reader.info(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._set
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 def _close(reader: Reader | None) -> None:

@@ -11,7 +11,7 @@ stored once and restored into every path).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +46,9 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}/{seg}" if prefix else seg
 
 
-def child_items(obj: Any, key: str = "") -> Iterator[tuple[str, Any]]:
-    """The ``(raw name, child)`` pairs of a trackable, list, tuple or dict, in order."""
+def child_items(obj: Any, key: str = "") -> Iterable[tuple[str, Any]]:
+    """The ``(raw name, child)`` pairs of a trackable, list, tuple or dict, in order
+    (a dict's own items when every name is a str: no generator step per child)."""
     if isinstance(obj, Trackable):
         children = trackable_children(obj)
         if not isinstance(children, dict):
@@ -55,14 +56,13 @@ def child_items(obj: Any, key: str = "") -> Iterator[tuple[str, Any]]:
                 f"{type(obj).__name__}.trackable_children() must return a dict, "
                 f"got {type(children).__name__} (at {key or '<root>'!r})."
             )
-        yield from children.items()
-    elif isinstance(obj, list | tuple):
-        for i, child in enumerate(obj):
-            yield str(i), child
-    elif isinstance(obj, dict):
-        if all(type(name) is str for name in obj):  # the common case: the names as they are
-            yield from obj.items()
-            return
+        return children.items()
+    if isinstance(obj, list | tuple):
+        return [(str(i), child) for i, child in enumerate(obj)]
+    if isinstance(obj, dict):
+        if set(map(type, obj)) <= _STR:  # the common case: the names as they are
+            return obj.items()
+        out = []
         for name, child in obj.items():
             if isinstance(name, bool) or not isinstance(name, str | int):
                 if _is_node(child):
@@ -71,7 +71,12 @@ def child_items(obj: Any, key: str = "") -> Iterator[tuple[str, Any]]:
                         "only str and int dict keys can name a checkpoint value."
                     )
                 continue
-            yield str(name), child
+            out.append((str(name), child))
+        return out
+    return ()
+
+
+_STR = frozenset({str})
 
 
 _NODE_TYPES = (Variable, PartitionedVariable, Trackable, list, tuple, dict)

@@ -144,7 +144,8 @@ def check_locations(cols: dict[str, list[Any]], container: str) -> None:
         i = next(i for i, o in enumerate(offsets) if not is_count(o))
         raise BadRecord(f"{keys[i]!r} has a bad byte offset {offsets[i]!r}")
     own = [lay != "packed" for lay in layouts]
-    if any(p is not None for p in compress(paths, [not o for o in own])):
+    in_blob = list(compress(paths, [not o for o in own]))
+    if in_blob.count(None) != len(in_blob):
         i = next(i for i, p in enumerate(paths) if not own[i] and p is not None)
         raise BadRecord(f"{keys[i]!r} is packed but names a container path {paths[i]!r}")
     for i in compress(range(len(keys)), own):

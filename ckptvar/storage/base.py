@@ -237,6 +237,11 @@ class SupportsShapeAndDtype(Protocol):
         """``(shape, dtype)`` of ``key``; raises ``MissingKeyError`` for an unknown key."""
         ...
 
+    def shapes_and_dtypes(self, keys: list[str]) -> tuple[list[tuple[int, ...]], list[np.dtype]]:
+        """``([shape, ...], [dtype, ...])`` of the keys in one pass (a restore of many
+        values); raises ``MissingKeyError`` for the first unknown key."""
+        ...
+
 
 @runtime_checkable
 class SupportsShared(Protocol):

@@ -58,12 +58,14 @@ __all__ = [
     "VariableStateError",
     "give_restored",
     "host_buffer",
+    "host_buffers",
     "is_materialized",
     "read_buffer",
     "restore_value",
     "rows_written",
     "set_initial_value_source",
     "set_save_slice_info",
+    "shapes_and_dtypes",
     "track_rows",
     "write_version",
 ]
@@ -555,6 +557,43 @@ def host_buffer(var: Variable) -> np.ndarray | None:
     """``var``'s backing buffer itself when materialised on the CPU, C-contiguous and
     writeable (a restore may read straight into it); else ``None``."""
     return var._host_buffer()
+
+
+def host_buffers(variables: Sequence[Variable]) -> list[np.ndarray | None]:
+    """:func:`host_buffer` of each variable, in one pass (a restore of many small
+    variables pays no call per variable); ``None`` also for a variable that stands for
+    a framework's GPU tensor (:func:`device_value`). Each buffer handed out counts as a
+    write, as :func:`host_buffer`'s does."""
+    out: list[np.ndarray | None] = []
+    add, ndarray = out.append, np.ndarray
+    for var in variables:
+        if type(var) is not Variable:
+            add(None if var._device_value is not None else var._host_buffer())
+            continue
+        state = var._state
+        buf = state.value if type(state) is Ready and var._device_value is None else None
+        if type(buf) is ndarray:
+            flags = buf.flags
+            if flags.c_contiguous and flags.writeable:
+                if var._row_log is None:
+                    var._writes += 1  # _wrote, inline (no row log to tell)
+                else:
+                    var._wrote()  # the whole value: the row log marks every row
+                add(buf)
+                continue
+        elif buf is not None:  # an ndarray subclass, or not a host array
+            add(var._host_buffer())
+            continue
+        add(None)
+    return out
+
+
+def shapes_and_dtypes(variables: Sequence[Variable]) -> tuple[list[Shape], list[np.dtype]]:
+    """``([var.shape, ...], [var.dtype, ...])`` of the variables, in one pass each (no
+    call per variable)."""
+    if set(map(type, variables)) <= {Variable}:
+        return [v._shape for v in variables], [v._dtype for v in variables]
+    return [v.shape for v in variables], [v.dtype for v in variables]
 
 
 def device_buffer(var: Variable) -> Any:

@@ -52,6 +52,9 @@ class ValueAccess(Protocol):
     def entry(self, key: str) -> Entry:
         """The record's entry of ``key``; ``MissingKeyError`` naming close keys if none."""
 
+    def entry_list(self, keys: list[str]) -> list[Entry]:
+        """:meth:`entry` of each key, in one pass."""
+
     def check_open(self) -> None:
         """Raise ``ValueError`` if the reader is closed."""
 

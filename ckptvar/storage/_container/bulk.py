@@ -21,6 +21,7 @@ from typing import Any
 import crc32c as _crc32c
 import numpy as np
 
+from ..._dtypes import SUPPORTED_DTYPES
 from ...errors import CorruptCheckpointError
 from .. import checksum as _checksum
 from .. import rawio as _rawio
@@ -232,15 +233,14 @@ def stage_into_many(
     (no array per value) and later copied from it byte for byte; the rest are read
     as :func:`read_many` reads them (one pass: what is copied is what was verified).
     """
-    entry, ndarray = reader.entry, np.ndarray
+    ndarray, dtypes = np.ndarray, SUPPORTED_DTYPES
     packed: list[tuple[int, int, str, Entry, np.ndarray]] = []
     rest: list[tuple[str, np.ndarray]] = []
-    for key, given in pairs:
-        e = entry(key)
+    for (key, given), e in zip(pairs, reader.entry_list([k for k, _ in pairs]), strict=True):
         out = given
         flags = out.flags if type(out) is ndarray else None
         if not (flags is not None and flags.c_contiguous and flags.writeable
-                and out.shape == e.shape and out.dtype == e.np_dtype):
+                and out.shape == e.shape and out.dtype == dtypes[e.dtype]):
             out = destination(key, e, given)  # says what is wrong (or takes a subclass)
         kind, _, offset, n = e.loc
         if kind == PACKED and n:

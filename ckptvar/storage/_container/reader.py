@@ -144,6 +144,20 @@ class ContainerReader(
         e = self.entry(key)
         return e.shape, SUPPORTED_DTYPES[e.dtype]
 
+    def shapes_and_dtypes(self, keys: list[str]) -> tuple[list[tuple[int, ...]], list[np.dtype]]:
+        """``([shape, ...], [dtype, ...])`` of the keys, in one pass each."""
+        es = self.entry_list(keys)
+        return [e.shape for e in es], list(map(SUPPORTED_DTYPES.__getitem__,
+                                               [e.dtype for e in es]))
+
+    def entry_list(self, keys: list[str]) -> list[Entry]:
+        """:meth:`entry` of each key, in one pass (no Python call per key from a decoded
+        record); ``MissingKeyError`` for the first unknown key."""
+        try:
+            return list(map(self._values.__getitem__, keys))
+        except (KeyError, TypeError):
+            return [self.entry(key) for key in keys]
+
     def metadata(self) -> dict[str, Any]:
         return self._record.metadata
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
 import numpy as np
@@ -26,12 +26,16 @@ from .access import ValueAccess, compare
 from .blocks import hash_range
 from .layout import Source
 
-__all__ = ["Transfer", "TransferValue", "runs_by_size"]
+__all__ = ["COLD_STREAMS", "Transfer", "TransferValue", "runs_by_size"]
 
 #: Values at least ``PARALLEL_FROM`` large are read on the I/O threads, in pieces of this.
 _SPLIT = 8 << 20
 #: Each I/O task moves about this many bytes (small values are grouped).
 _TASK = 8 << 20
+#: From disk, values in files of their own are read by this many threads at once, each
+#: streaming whole files (measured on a 1 GiB Zarr checkpoint of 149 chunks: 4 streams
+#: 0.69-0.72x the time of one).
+COLD_STREAMS = 4
 
 _T = TypeVar("_T")
 
@@ -123,12 +127,46 @@ class Transfer:
             (((v, i), n) for v in values for i, (_, n) in enumerate(v.pieces)), _TASK
         )
         if len(groups) > 1 and not self._cached():
-            # From disk, one reader in file order is fastest: the kernel's readahead sees
-            # one sequential stream (measured: 1 thread 0.36 s/GiB, 4 threads 0.55 s/GiB).
-            groups = [[piece for g in groups for piece in g]]
             self.sequential = True
+            streams = min(COLD_STREAMS, _rawio.IO_THREADS, self._own_files())
+            if streams > 1:
+                # Values in files of their own (Zarr chunks), from disk: a few threads
+                # each stream whole files, taking the next in order when one is done, so
+                # the disk always has a file's readahead going while a thread hashes.
+                todo = iter(values)
+                tasks = [functools.partial(self._run_files, todo) for _ in range(streams)]
+                self.futures = _rawio.start_all(tasks, background=ahead)
+                return
+            # From disk, one file: one reader in file order is fastest, the kernel's
+            # readahead sees one sequential stream (measured: 1 thread 0.36 s/GiB,
+            # 4 threads taking pieces in turn 0.55 s/GiB).
+            groups = [[piece for g in groups for piece in g]]
         tasks = [functools.partial(self._run, g) for g in groups]
         self.futures = _rawio.start_all(tasks, background=ahead)
+
+    def _own_files(self) -> int:
+        """How many of the values are in files of their own (0 or 1: read as one stream)."""
+        values = self.values
+        owned = sum(1 for v in values if v.src is not None and v.src.owned)
+        if owned or values[0].src is not None:
+            return owned
+        try:  # opened by each read, not held: ask where the first one is
+            src = self.reader.source(values[0].key, values[0].entry)
+        except (OSError, CorruptCheckpointError):
+            return 0  # the read itself reports it
+        if not src.owned:
+            return 0
+        _src.close(src.fd)
+        return len(values)
+
+    def _run_files(self, todo: Iterator[TransferValue]) -> None:
+        """Read values in turn from the shared ``todo``, each whole, in file order."""
+        while True:
+            with self._lock:
+                v = next(todo, None)
+            if v is None:
+                return
+            self._run([(v, i) for i in range(len(v.pieces))])
 
     def _cached(self) -> bool:
         """Whether the values' bytes are in the page cache (probed at a few pages)."""
