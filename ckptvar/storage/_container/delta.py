@@ -153,8 +153,8 @@ def fold(patches: list[tuple[np.ndarray, np.ndarray]], nrows: int
     for rows, _ in patches:
         held[rows] = True
     last = np.flatnonzero(held)
-    where = np.cumsum(held, dtype=np.intp)  # a held row's place in ``last``, plus one
-    where -= 1
+    where = np.empty(nrows, np.intp)  # a held row's place in ``last`` (only those set)
+    where[last] = np.arange(last.size)
     out = np.empty(last.size, patches[0][1].dtype)
     for rows, data in patches:
         out[where[rows]] = data
