@@ -370,13 +370,20 @@ def test_damage_in_the_base_or_a_patch_stops_every_read_before_anything_changes(
     _damage(where, at)
     sentinel = np.full((ROWS, WIDTH), -1.0, np.float32)
     table.assign(sentinel)
-    said = r"'table'.*row patch.*checksum" if part == "patch" else r"'table'"
+    if part == "patch":  # the patch, in the file that holds it
+        f, path = d.patches[0][:2]
+        named = f"'{path}' in '{f or step.name}'" if fmt == "h5" else f"'{path}/c.0'"
+        said = rf"'table' has a row patch {named} that fails its checksum"
+    else:  # the patches passed: the base, in the file that holds it
+        holder = d.base[0] or step.name
+        said = (rf"'table' fails .*checksum.*row delta: its 2 row patches passed their "
+                rf"checksums, so the damage is in its base, '{d.base[1]}' in '{holder}'")
     with pytest.raises(CorruptCheckpointError, match=said) as err:
         ckpt.restore(str(step))
     assert step.name in str(err.value)
     assert np.array_equal(table.numpy(), sentinel)  # all or nothing: nothing changed
     assert np.array_equal(ckpt.bias.numpy(), np.zeros(4, np.float32))
-    with pytest.raises(CorruptCheckpointError, match=r"'table'"):
+    with pytest.raises(CorruptCheckpointError, match=said):
         cv.load(step)
-    with cv.open(step) as r, pytest.raises(CorruptCheckpointError, match=r"'table'"):
-        r["table"][row: row + 2]
+    with cv.open(step) as r, pytest.raises(CorruptCheckpointError, match=said):
+        r["table"][row: row + 2]  # a slice: the block checksums of the rows read

@@ -47,7 +47,7 @@ from .._record import Delta
 from . import source as _src
 
 __all__ = ["DELTA_FROM", "DELTA_LIMIT", "MAX_PATCHES", "DeltaWrite", "decode_patch", "fold",
-           "merged", "patch_bytes", "plan", "read_patches"]
+           "in_base", "merged", "patch_bytes", "plan", "read_patches"]
 
 #: Values smaller than this are written whole (a delta's patch and links cost more).
 DELTA_FROM = 1 << 20
@@ -139,6 +139,27 @@ def read_patches(key: str, reads: list[tuple[Any, int, int, int, str]], row_byte
 
     tasks = [functools.partial(one, *r) for r in reads]
     return _rawio.wait_all(_rawio.start_all(tasks))
+
+
+def in_base(what: str, d: Delta, here: str) -> str:
+    """``what`` a damaged delta value does, saying where the damage is when a checksum of
+    its assembled bytes fails (``what`` starts "fails"): its patches were read and
+    checked by their own CRCs before any of its bytes were handed out, so the damage is
+    in the base's bytes. ``here``: the checkpoint's own file name (the base's ``""``).
+
+    >>> d = Delta(("ckpt-1.h5", "t", 2560), (("", "t/patch-0", 9000, 4, 7),), "ckpt-1.h5")
+    >>> in_base("fails its checksum", d, "ckpt-3.h5").split(": ", 1)[1]
+    "its 1 row patch passed its checksum, so the damage is in its base, 't' in 'ckpt-1.h5')"
+    >>> in_base("has lost its chunk file", d, "ckpt-3.h5")
+    'has lost its chunk file'
+    """
+    if not what.startswith("fails"):
+        return what
+    n = len(d.patches)
+    passed = ("its 1 row patch passed its checksum" if n == 1 else
+              f"its {n} row patches passed their checksums")
+    return (f"{what} (a row delta: {passed}, so the damage is in its base, {d.base[1]!r} in "
+            f"{d.base[0] or here!r})")
 
 
 def fold(patches: list[tuple[np.ndarray, np.ndarray]], nrows: int
