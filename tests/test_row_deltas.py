@@ -335,7 +335,7 @@ def _damage(path: Path, at: int) -> None:
 @pytest.mark.parametrize("part", ["base", "patch"])
 @pytest.mark.parametrize("fmt", ["h5", "zarr"])
 def test_damage_in_the_base_or_a_patch_stops_every_read_before_anything_changes(
-        tmp_path: Path, fresh_graph: cv.Graph, fmt: str, part: str, budget: int | None,
+        tmp_path: Path, fresh_graph: cv.Graph, fmt: str, part: str, *, budget: int | None,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A restore reads into temporaries (small values) or verifies every value, then
     reads into the variables (``budget`` 0: how values above 64 MiB are restored)."""
