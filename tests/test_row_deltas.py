@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
+from ckptvar.checkpoint import _apply
 from ckptvar.checkpoint._incremental import Incremental
 from ckptvar.errors import CorruptCheckpointError
 from ckptvar.storage._container.delta import DELTA_LIMIT, MAX_PATCHES
@@ -347,3 +348,69 @@ def test_a_save_asks_for_the_rows_after_its_snapshot(tmp_path: Path,
     with cv.open(manager.latest_checkpoint) as reader:
         assert reader.deltas()["table"]["rows"] == 2
         assert np.array_equal(reader["table"].read(), table.numpy())
+
+
+def _damage(path: Path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=["staged", "two-pass"])
+@pytest.mark.parametrize("part", ["base", "patch"])
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_damage_in_the_base_or_a_patch_stops_every_read_before_anything_changes(
+        tmp_path: Path, fresh_graph: cv.Graph, fmt: str, part: str, *, budget: int | None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore reads into temporaries (small values) or verifies every value, then
+    reads into the variables (``budget`` 0: how values above 64 MiB are restored)."""
+    if budget is not None:
+        monkeypatch.setattr(_apply, "TEMPORARY_BUDGET", budget)
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, incremental=True)
+    manager.save()
+    rng = np.random.default_rng(7)
+    for _ in range(2):
+        _touch(table, rng, 40)
+        step = Path(manager.save())
+    original = np.random.default_rng(0).random((ROWS, WIDTH), dtype=np.float32)
+    with cv.open(step) as r:
+        d = r.record.deltas["table"]
+    if part == "base":  # a byte of a row no patch holds: only the base's bytes give it
+        row = int(np.flatnonzero((table.numpy() == original).all(axis=1))[1])
+        if fmt == "h5":
+            where, at = step.parent / d.base[0], d.base[2] + row * ROW_BYTES + 5
+        else:
+            chunks = [p for p in (step / d.base[1]).rglob("*")
+                      if p.is_file() and p.name != "zarr.json"]
+            assert len(chunks) == 1
+            where, at = chunks[0], row * ROW_BYTES + 5
+    else:  # a byte of the first patch's rows (not its row indices): its CRC says it
+        f, path, offset, n, _ = d.patches[0]
+        if fmt == "h5":
+            where, at = step.parent / (f or step.name), offset + 8 * n + 3
+        else:
+            where, at = step / path / "c.0", 8 * n + 3
+        row = 0  # any slice opens the value, which reads and checks every patch
+    _damage(where, at)
+    sentinel = np.full((ROWS, WIDTH), -1.0, np.float32)
+    table.assign(sentinel)
+    if part == "patch":  # the patch, in the file that holds it
+        f, path = d.patches[0][:2]
+        named = f"'{path}' in '{f or step.name}'" if fmt == "h5" else f"'{path}/c.0'"
+        said = rf"'table' has a row patch {named} that fails its checksum"
+    else:  # the patches passed: the base, in the file that holds it
+        holder = d.base[0] or step.name
+        said = (rf"'table' fails .*checksum.*row delta: its 2 row patches passed their "
+                rf"checksums, so the damage is in its base, '{d.base[1]}' in '{holder}'")
+    with pytest.raises(CorruptCheckpointError, match=said) as err:
+        ckpt.restore(str(step))
+    assert step.name in str(err.value)
+    assert np.array_equal(table.numpy(), sentinel)  # all or nothing: nothing changed
+    assert np.array_equal(ckpt.bias.numpy(), np.zeros(4, np.float32))
+    with pytest.raises(CorruptCheckpointError, match=said):
+        cv.load(step)
+    with cv.open(step) as r, pytest.raises(CorruptCheckpointError, match=said):
+        r["table"][row: row + 2]  # a slice: the block checksums of the rows read

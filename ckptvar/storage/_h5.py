@@ -56,7 +56,7 @@ from ._container import (
     write_packed,
 )
 from ._container import source as _src
-from ._container.delta import DeltaWrite, fold, read_patches
+from ._container.delta import DeltaWrite, fold, in_base, read_patches
 from ._container.reuse import Held
 from ._container.source import Patched, RemoteFile
 from ._record import (
@@ -563,6 +563,12 @@ class H5Reader(ContainerReader, SupportsShared):
         if self._record.external and key in self._record.external:
             return Source(self._holder(key, entry), entry.loc.offset, False)
         return Source(self._fd, entry.loc.offset, False)
+
+    def corrupt(self, key: str, what: str) -> CorruptCheckpointError:
+        """The error saying value ``key`` ``what``; a row delta's says where its base is
+        when its assembled bytes fail a checksum (:func:`.delta.in_base`)."""
+        d = self._record.deltas.get(key) if self._record.deltas else None
+        return super().corrupt(key, what if d is None else in_base(what, d, Path(self.path).name))
 
     def _patched(self, key: str, entry: Entry) -> Patched:
         """A delta value (format 1.5): its base's bytes with its patches laid over them."""

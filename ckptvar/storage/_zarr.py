@@ -57,7 +57,7 @@ from ._container import (
     write_packed,
 )
 from ._container.blocks import BLOCK_SIZE
-from ._container.delta import DeltaWrite, fold, read_patches
+from ._container.delta import DeltaWrite, fold, in_base, read_patches
 from ._container.reuse import Held
 from ._container.source import Patched, Pieces
 from ._record import ARRAY, FORMAT_VERSION, Delta, Entry, Extent, Record, decode
@@ -709,6 +709,12 @@ class ZarrReader(ContainerReader, SupportsShared):
         if self._record.pieces and key in self._record.pieces:
             return Source(self._open_pieces(key, entry), 0, True)
         return Source(self._open_chunk(key, rel, entry.nbytes), 0, True)
+
+    def corrupt(self, key: str, what: str) -> CorruptCheckpointError:
+        """The error saying value ``key`` ``what``; a row delta's says where its base is
+        when its assembled bytes fail a checksum (:func:`.delta.in_base`)."""
+        d = self._record.deltas.get(key) if self._record.deltas else None
+        return super().corrupt(key, what if d is None else in_base(what, d, Path(self.path).name))
 
     def _patched(self, key: str, entry: Entry) -> Patched:
         """A delta value (format 1.5): its base array's bytes with its patches over them."""

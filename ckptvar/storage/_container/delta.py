@@ -47,7 +47,7 @@ from .._record import Delta
 from . import source as _src
 
 __all__ = ["DELTA_FROM", "DELTA_LIMIT", "MAX_PATCHES", "DeltaWrite", "decode_patch", "fold",
-           "merged", "patch_bytes", "plan", "read_patches"]
+           "in_base", "merged", "patch_bytes", "plan", "read_patches"]
 
 #: Values smaller than this are written whole (a delta's patch and links cost more).
 DELTA_FROM = 1 << 20
@@ -141,21 +141,44 @@ def read_patches(key: str, reads: list[tuple[Any, int, int, int, str]], row_byte
     return _rawio.wait_all(_rawio.start_all(tasks))
 
 
+def in_base(what: str, d: Delta, here: str) -> str:
+    """``what`` a damaged delta value does, saying where the damage is when a checksum of
+    its assembled bytes fails (``what`` starts "fails"): its patches were read and
+    checked by their own CRCs before any of its bytes were handed out, so the damage is
+    in the base's bytes. ``here``: the checkpoint's own file name (the base's ``""``).
+
+    >>> d = Delta(("ckpt-1.h5", "t", 2560), (("", "t/patch-0", 9000, 4, 7),), "ckpt-1.h5")
+    >>> in_base("fails its checksum", d, "ckpt-3.h5").split(": ", 1)[1]
+    "its 1 row patch passed its checksum, so the damage is in its base, 't' in 'ckpt-1.h5')"
+    >>> in_base("has lost its chunk file", d, "ckpt-3.h5")
+    'has lost its chunk file'
+    """
+    if not what.startswith("fails"):
+        return what
+    n = len(d.patches)
+    passed = ("its 1 row patch passed its checksum" if n == 1 else
+              f"its {n} row patches passed their checksums")
+    return (f"{what} (a row delta: {passed}, so the damage is in its base, {d.base[1]!r} in "
+            f"{d.base[0] or here!r})")
+
+
 def fold(patches: list[tuple[np.ndarray, np.ndarray]], nrows: int
          ) -> tuple[np.ndarray, np.ndarray]:
     """Patches of a value of ``nrows`` rows applied in order as one: sorted unique rows,
-    each from the last patch holding it (each row's bytes copied once; one byte per row
-    of the value marks which patch holds it last)."""
+    each from the last patch holding it. One byte per row of the value marks the rows
+    held; each patch is then laid, in order, at its rows' places in the result (a later
+    patch overwrites an earlier one's row: one fancy assignment per patch, no search)."""
     if len(patches) == 1:
         return patches[0]
-    owner = np.full(nrows, -1, np.int8)  # at most MAX_PATCHES (16) patches
-    for k, (rows, _) in enumerate(patches):
-        owner[rows] = k
-    last = np.flatnonzero(owner >= 0)
+    held = np.zeros(nrows, np.bool_)
+    for rows, _ in patches:
+        held[rows] = True
+    last = np.flatnonzero(held)
+    where = np.empty(nrows, np.intp)  # a held row's place in ``last`` (only those set)
+    where[last] = np.arange(last.size)
     out = np.empty(last.size, patches[0][1].dtype)
-    for k, (rows, data) in enumerate(patches):
-        keep = owner[rows] == k
-        out[np.searchsorted(last, rows[keep])] = data[keep]
+    for rows, data in patches:
+        out[where[rows]] = data
     return last, out
 
 
