@@ -70,6 +70,7 @@ __all__ = [
 ]
 
 _first, _second = operator.itemgetter(0), operator.itemgetter(1)
+_shape_of, _nbytes_of = operator.attrgetter("shape"), operator.attrgetter("nbytes")
 #: a row whose variable's host buffer is still to be asked for (``host_buffer``)
 _ASK = object()
 
@@ -247,24 +248,36 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
     casts = {} if exact else check_matches(pairs, infos, reader.path,
                                            fast=able.shape_and_dtype, cast=cast)
     rows: Iterable[tuple[str, Variable, Any, Any]]
+    # ``buf`` is the variable's own memory when it can take the value in place, else None
+    fresh: list[tuple[str, Variable, np.ndarray | None]] = []
+    in_place: list[tuple[str, Variable, np.ndarray]] = []
+    in_place_bytes = 0
+    bufs: list[Any] | None = None  # every variable's host buffer, all in place
     if len(set(map(id, variables))) != len(pairs):  # a variable under several keys
         by_var: dict[int, tuple[str, Variable]] = {}
         for key, var in pairs:
             by_var.setdefault(id(var), (key, var))
         rows = [(key, var, _ASK, None) for key, var in by_var.values()]
     elif exact:  # every host buffer at once, no call per variable
-        rows = zip(keys, variables, host_buffers(variables), shapes, strict=True)
+        bufs = host_buffers(variables)
+        try:  # the common case: every variable in host memory of its shape, as columns
+            every = list(map(_shape_of, bufs)) == shapes
+        except AttributeError:  # a variable without host memory (None)
+            every = False
+        if every:  # host_buffers: C-contiguous and writeable
+            in_place = list(zip(keys, variables, bufs))
+            in_place_bytes = sum(map(_nbytes_of, bufs))
+            rows = ()
+        else:
+            rows = zip(keys, variables, bufs, shapes, strict=True)
+            bufs = None
     else:
         rows = [(key, var, _ASK, None) for key, var in pairs]
-    # ``buf`` is the variable's own memory when it can take the value in place, else None
-    fresh: list[tuple[str, Variable, np.ndarray | None]] = []
-    in_place: list[tuple[str, Variable, np.ndarray]] = []
     # GPU variables of the stored shape: verified first, then copied straight into their
     # memory through the pinned buffer (no host copy of the values at all)
     on_device: list[tuple[str, Any]] = []
     runs = isinstance(reader, SupportsRuns)
     converted: list[tuple[str, Variable]] = []
-    in_place_bytes = 0
     fast = able.shape_and_dtype
     add_in_place = in_place.append
     for key, var, asked, known in rows:
@@ -295,7 +308,8 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
     staged: Callable[[], None] | None = None
     if verify and in_place_bytes <= budget:  # small: read into temporaries too (one pass)
         if able.stage_into_many is not None and in_place:  # read, verified, copied later
-            staged = able.stage_into_many([(key, buf) for key, _, buf in in_place])
+            staged = able.stage_into_many(list(zip(keys, bufs)) if bufs is not None
+                                          else [(key, buf) for key, _, buf in in_place])
         else:
             fresh += in_place
         in_place = []

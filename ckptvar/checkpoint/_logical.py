@@ -13,6 +13,7 @@ multi-process coordinator can replace.
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,9 @@ __all__ = [
     "mismatch_error",
     "read_boxes",
 ]
+
+_second = operator.itemgetter(1)
+_PLAIN = frozenset({Variable})
 
 
 @dataclass(frozen=True)
@@ -246,7 +250,8 @@ def apply_targets(  # noqa: C901, PLR0912 - the all-or-nothing protocol over pla
     are read and verified before any variable changes, into temporaries up to ``budget``
     bytes (above it, into the parts' own buffers after every value is verified).
     """
-    logicals = [(k, v) for k, v in pairs if isinstance(v, Logical)]
+    logicals = [] if set(map(type, map(_second, pairs))) <= _PLAIN else [
+        (k, v) for k, v in pairs if isinstance(v, Logical)]  # (no step per plain value)
     if not logicals:  # every target a plain Variable
         apply_values(reader, list(pairs), infos, verify=verify, cast=cast,  # type: ignore[arg-type]
                      budget=budget)
