@@ -91,25 +91,30 @@ def walk(root: Any, root_key: str = "") -> list[Node]:
     nodes: list[Node] = [Node(root_key, root, None, None)]
     seen: set[int] = {id(root)}
     queue: deque[tuple[str, Any]] = deque([(root_key, root)])
+    add = nodes.append
     while queue:
         key, obj = queue.popleft()
         for name, child in child_items(obj, key):
-            if not isinstance(child, _NODE_TYPES):
-                continue
+            leaf = type(child) is Variable  # the common case, without the isinstance calls
+            if not leaf:
+                if not isinstance(child, _NODE_TYPES):
+                    continue
+                leaf = isinstance(child, Variable | PartitionedVariable)
             if type(name) is str and name and key and "%" not in name and "/" not in name:
                 child_key = f"{key}/{name}"  # _join's common case, without the call
             else:
                 child_key = _join(key, name)
-            first = id(child) not in seen
-            if type(child) is Variable or isinstance(child, Variable | PartitionedVariable):
-                seen.add(id(child))
-                nodes.append(Node(child_key, child, obj, name, first))
+            ident = id(child)
+            first = ident not in seen
+            if leaf:
+                seen.add(ident)
+                add(Node(child_key, child, obj, name, first))
                 continue
             if not first:
                 if isinstance(child, Trackable):
-                    nodes.append(Node(child_key, child, obj, name, False))
+                    add(Node(child_key, child, obj, name, False))
                 continue
-            seen.add(id(child))
-            nodes.append(Node(child_key, child, obj, name))
+            seen.add(ident)
+            add(Node(child_key, child, obj, name))
             queue.append((child_key, child))
     return nodes
