@@ -71,6 +71,8 @@ __all__ = [
 
 _first, _second = operator.itemgetter(0), operator.itemgetter(1)
 _shape_of, _nbytes_of = operator.attrgetter("shape"), operator.attrgetter("nbytes")
+_dtype_of = operator.attrgetter("dtype")
+_NDARRAY = frozenset({np.ndarray})
 #: a row whose variable's host buffer is still to be asked for (``host_buffer``)
 _ASK = object()
 
@@ -86,14 +88,15 @@ class ReaderAbilities:
     ``shape_and_dtype(key)``: a value's shape and dtype without building an
     ``ArrayInfo``; ``read_into_many([(key, buf)], verify=)``: bulk reads into
     caller buffers; ``verify_many(keys)``: bulk checksum verification;
-    ``stage_into_many([(key, buf)])``: read and verify now, copy into the buffers later;
+    ``stage_into_many([(key, buf)], checked=)``: read and verify now, copy into the
+    buffers later (``checked``: the buffers are known to fit);
     ``shapes_and_dtypes(keys)``: ``shape_and_dtype`` of many keys in one pass.
     """
 
     shape_and_dtype: Callable[[str], tuple[tuple[int, ...], np.dtype]] | None
     read_into_many: Callable[..., Any] | None
     verify_many: Callable[[list[str]], Any] | None
-    stage_into_many: Callable[[list[tuple[str, np.ndarray]]], Callable[[], None]] | None = None
+    stage_into_many: Callable[..., Callable[[], None]] | None = None
     shapes_and_dtypes: (Callable[[list[str]], tuple[list[tuple[int, ...]], list[np.dtype]]]
                         | None) = None
 
@@ -259,13 +262,15 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
             by_var.setdefault(id(var), (key, var))
         rows = [(key, var, _ASK, None) for key, var in by_var.values()]
     elif exact:  # every host buffer at once, no call per variable
-        bufs = host_buffers(variables)
-        try:  # the common case: every variable in host memory of its shape, as columns
-            every = list(map(_shape_of, bufs)) == shapes
+        handed: list[Any] = host_buffers(variables)
+        bufs = handed
+        try:  # the common case: every variable in host memory of its shape and dtype
+            every = (list(map(_shape_of, bufs)) == shapes and list(map(_dtype_of, bufs)) == dtypes
+                     and set(map(type, bufs)) <= _NDARRAY)
         except AttributeError:  # a variable without host memory (None)
             every = False
-        if every:  # host_buffers: C-contiguous and writeable
-            in_place = list(zip(keys, variables, bufs))
+        if every:  # host_buffers: C-contiguous and writeable; stored shapes and dtypes equal
+            in_place = list(zip(keys, variables, bufs, strict=True))
             in_place_bytes = sum(map(_nbytes_of, bufs))
             rows = ()
         else:
@@ -308,8 +313,9 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
     staged: Callable[[], None] | None = None
     if verify and in_place_bytes <= budget:  # small: read into temporaries too (one pass)
         if able.stage_into_many is not None and in_place:  # read, verified, copied later
-            staged = able.stage_into_many(list(zip(keys, bufs)) if bufs is not None
-                                          else [(key, buf) for key, _, buf in in_place])
+            staged = (able.stage_into_many(list(zip(keys, bufs, strict=True)), checked=True)
+                      if bufs is not None  # each a plain ndarray that fits (compared above)
+                      else able.stage_into_many([(key, buf) for key, _, buf in in_place]))
         else:
             fresh += in_place
         in_place = []

@@ -166,13 +166,9 @@ class RestoreState:
         for node in nodes:
             obj = node.obj
             if type(obj) is Variable and obj.shard is None:  # the common case: itself
-                key = node.key
-                if key in stored:
+                key = node.key if node.key in stored else aliases.get(node.key)
+                if key is not None:
                     add((key, obj, obj))
-                else:
-                    key = aliases.get(key)
-                    if key is not None:
-                        add((key, obj, obj))
                 continue
             if isinstance(obj, Variable | PartitionedVariable):
                 key = self.key_for(node.key)

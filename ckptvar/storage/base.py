@@ -290,11 +290,14 @@ class SupportsReadIntoMany(Protocol):
 class SupportsStageIntoMany(Protocol):
     """A reader that reads and verifies many values before changing any caller buffer."""
 
-    def stage_into_many(self, pairs: list[tuple[str, np.ndarray]]) -> Callable[[], None]:
+    def stage_into_many(
+        self, pairs: list[tuple[str, np.ndarray]], *, checked: bool = False
+    ) -> Callable[[], None]:
         """Read and verify each ``(key, out)`` value now (``CorruptCheckpointError`` for a
         damaged one, no ``out`` changed), into temporaries the size of the values; the
         function returned copies them into the ``out`` buffers (same shape and dtype,
-        C-contiguous, writeable)."""
+        C-contiguous, writeable). ``checked``: the caller has made sure of that for
+        every ``out`` (a plain ``np.ndarray``), so it is not checked again."""
         ...
 
 

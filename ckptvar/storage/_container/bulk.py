@@ -223,11 +223,12 @@ def _hand_out(
 
 
 def stage_into_many(
-    reader: ValueAccess, pairs: list[tuple[str, np.ndarray]]
+    reader: ValueAccess, pairs: list[tuple[str, np.ndarray]], *, checked: bool = False
 ) -> Callable[[], None]:
     """Read and verify every ``(key, out)`` value now, into temporaries; the function
     returned copies them into the ``out`` buffers (same shape and dtype, C-contiguous,
-    writeable: checked here). No ``out`` changes before every value has verified.
+    writeable: checked here unless the caller says it ``checked`` every ``out``, a plain
+    ``np.ndarray``). No ``out`` changes before every value has verified.
 
     Packed values are hashed straight from one read of their part of the packed blob
     (no array per value) and later copied from it byte for byte; the rest are read
@@ -236,12 +237,14 @@ def stage_into_many(
     ndarray, dtypes = np.ndarray, SUPPORTED_DTYPES
     packed: list[tuple[int, int, str, Entry, np.ndarray]] = []
     rest: list[tuple[str, np.ndarray]] = []
-    for (key, given), e in zip(pairs, reader.entry_list([k for k, _ in pairs]), strict=True):
+    es = reader.entry_list([k for k, _ in pairs])
+    for (key, given), e in zip(pairs, es, strict=True):
         out = given
-        flags = out.flags if type(out) is ndarray else None
-        if not (flags is not None and flags.c_contiguous and flags.writeable
-                and out.shape == e.shape and out.dtype == dtypes[e.dtype]):
-            out = destination(key, e, given)  # says what is wrong (or takes a subclass)
+        if not checked:
+            flags = out.flags if type(out) is ndarray else None
+            if not (flags is not None and flags.c_contiguous and flags.writeable
+                    and out.shape == e.shape and out.dtype == dtypes[e.dtype]):
+                out = destination(key, e, given)  # says what is wrong (or takes a subclass)
         kind, _, offset, n = e.loc
         if kind == PACKED and n:
             packed.append((offset, n, key, e, out))

@@ -271,11 +271,13 @@ class ContainerReader(
         self.check_open()
         bulk.read_into_many(self, pairs, verify)
 
-    def stage_into_many(self, pairs: list[tuple[str, np.ndarray]]) -> Callable[[], None]:
+    def stage_into_many(
+        self, pairs: list[tuple[str, np.ndarray]], *, checked: bool = False
+    ) -> Callable[[], None]:
         """Read and verify every ``(key, out)`` value now; the function returned copies
         them into the buffers (:func:`.bulk.stage_into_many`)."""
         self.check_open()
-        return bulk.stage_into_many(self, pairs)
+        return bulk.stage_into_many(self, pairs, checked=checked)
 
     # -- partial reads
     def read_run_into(
