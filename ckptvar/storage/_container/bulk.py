@@ -16,6 +16,7 @@ import operator
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import crc32c as _crc32c
@@ -257,19 +258,24 @@ def stage_into_many(
     temps = [(out, value) for (_, out), (_, value) in
              zip(rest, read_many(reader, [key for key, _ in rest], True), strict=True)]
     pieces = _verified_pieces(reader, blob, packed) if blob is not None else []
-    return functools.partial(_commit, temps, pieces)
+    return functools.partial(_commit, temps, list(map(_out_of, packed)), pieces)
+
+
+_out_of, _data_of = operator.itemgetter(4), operator.attrgetter("data")
+_as_bytes = operator.methodcaller("cast", "B")  # of a packed row (offset, n, key, entry, out)
+_ALL = slice(None)
 
 
 def _verified_pieces(
     reader: ValueAccess, blob: _PackedBlob, packed: list[tuple[int, int, str, Entry, np.ndarray]]
-) -> list[tuple[np.ndarray, memoryview]]:
-    """``(out, its bytes in blob)`` of each packed value, every one verified."""
+) -> list[memoryview]:
+    """Each packed value's bytes in ``blob``, every one verified."""
     crc, tail_of = _crc, _checksum.header_tail
     tails: dict[tuple[str, tuple[int, ...]], bytes] = {}  # header_crc, without a call a value
     view, lo = blob.data.data, blob.start
     pieces = []
     tail, last_dtype, last_shape = b"", None, None  # most neighbours share dtype and shape
-    for offset, n, key, e, out in packed:
+    for offset, n, key, e, _ in packed:
         piece = view[offset - lo: offset - lo + n]
         dtype, shape = e.dtype, e.shape
         if shape != last_shape or dtype != last_dtype:
@@ -279,21 +285,26 @@ def _verified_pieces(
         got = crc(piece, crc(key.encode("utf-8") + tail, 0))  # the header: one call
         if got != e.checksum:
             compare(reader, key, e, got)
-        pieces.append((out, piece))
+        pieces.append(piece)
     return pieces
 
 
-def _commit(temps: list[tuple[np.ndarray, np.ndarray]],
-            pieces: list[tuple[np.ndarray, memoryview]]) -> None:
-    """Copy staged values into their buffers (:func:`stage_into_many`'s second half)."""
+def _commit(temps: list[tuple[np.ndarray, np.ndarray]], outs: list[np.ndarray],
+            pieces: list[memoryview]) -> None:
+    """Copy staged values into their buffers (:func:`stage_into_many`'s second half):
+    ``temps`` as ``(out, value)``, each ``outs[i]`` from the packed bytes ``pieces[i]``."""
     copyto = np.copyto
     for out, value in temps:
         copyto(out, value)
-    for out, piece in pieces:
-        try:
-            out.data.cast("B")[:] = piece
-        except (TypeError, ValueError):  # a dtype that exports no plain buffer
-            out.reshape(-1).view(np.uint8)[:] = np.frombuffer(piece, np.uint8)
+    try:  # each out's bytes as one flat view, assigned; no Python step per value
+        deque(map(operator.setitem, map(_as_bytes, map(_data_of, outs)), repeat(_ALL), pieces),
+              maxlen=0)
+    except (TypeError, ValueError):  # a dtype that exports no plain buffer: one by one
+        for out, piece in zip(outs, pieces, strict=True):  # (again: the same verified bytes)
+            try:
+                out.data.cast("B")[:] = piece
+            except (TypeError, ValueError):
+                out.reshape(-1).view(np.uint8)[:] = np.frombuffer(piece, np.uint8)
 
 
 def _read_packed_span(reader: ValueAccess, entries: list[Entry]) -> _PackedBlob | None:
