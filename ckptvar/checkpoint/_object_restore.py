@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import os
 import threading
 import weakref
@@ -38,6 +39,10 @@ from ._status import warn_unused
 from ._walk import Node, walk
 
 __all__ = ["Deferred", "RestoreState"]
+
+# of a matched row (key, target, tracked object)
+_key_of, _key_target = operator.itemgetter(0), operator.itemgetter(0, 1)
+_object_of = operator.itemgetter(2)
 
 
 @dataclass
@@ -199,7 +204,7 @@ class RestoreState:
         with self.lock, paused_gc():
             m = self._match(nodes)
             decoded = [(k, t, decode_state(self.states[k], k, self.path)) for k, t in m.states]
-            apply_targets(self.reader, [(k, t) for k, t, _ in m.variables], self.infos,
+            apply_targets(self.reader, list(map(_key_target, m.variables)), self.infos,
                           verify=self.verify, cast=self.cast, box_reader=self.box_reader)
             self._settle(m, decoded)
 
@@ -207,9 +212,9 @@ class RestoreState:
         """After the values went in: Python states, what was consumed, the deferrals."""
         for _key, trackable, state in decoded:
             restore_python_state(trackable, state)
-        self.consumed_keys.update([key for key, _, _ in m.variables])  # mark_consumed, in bulk
-        ref = weakref.ref
-        self._matched.update([(id(obj), ref(obj)) for _, _, obj in m.variables])
+        self.consumed_keys.update(map(_key_of, m.variables))  # mark_consumed, in bulk (in C)
+        objs = list(map(_object_of, m.variables))
+        self._matched.update(zip(map(id, objs), map(weakref.ref, objs), strict=True))
         for key, trackable, _ in decoded:
             self.consumed_states.add(key)
             self._matched[id(trackable)] = weakref.ref(trackable)

@@ -238,7 +238,7 @@ def stage_into_many(
     ndarray, dtypes = np.ndarray, SUPPORTED_DTYPES
     packed: list[tuple[int, int, str, Entry, np.ndarray]] = []
     rest: list[tuple[str, np.ndarray]] = []
-    es = reader.entry_list([k for k, _ in pairs])
+    es = reader.entry_list(list(map(_by_offset, pairs)))  # (the keys: item 0)
     for (key, given), e in zip(pairs, es, strict=True):
         out = given
         if not checked:

@@ -16,6 +16,7 @@ import abc
 import dataclasses
 import difflib
 import mmap
+import operator
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ __all__ = ["ContainerLazyArray", "ContainerReader"]
 
 #: Values up to this size without block checksums are read whole when only sliced.
 _SLICE_WHOLE_BELOW = 1 << 20
+_shape_of, _dtype_of = operator.attrgetter("shape"), operator.attrgetter("dtype")
 
 
 class ContainerReader(
@@ -147,8 +149,8 @@ class ContainerReader(
     def shapes_and_dtypes(self, keys: list[str]) -> tuple[list[tuple[int, ...]], list[np.dtype]]:
         """``([shape, ...], [dtype, ...])`` of the keys, in one pass each."""
         es = self.entry_list(keys)
-        return [e.shape for e in es], list(map(SUPPORTED_DTYPES.__getitem__,
-                                               [e.dtype for e in es]))
+        return list(map(_shape_of, es)), list(map(SUPPORTED_DTYPES.__getitem__,
+                                                  map(_dtype_of, es)))
 
     def entry_list(self, keys: list[str]) -> list[Entry]:
         """:meth:`entry` of each key, in one pass (no Python call per key from a decoded
