@@ -270,8 +270,7 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
         except AttributeError:  # a variable without host memory (None)
             every = False
         if every:  # host_buffers: C-contiguous and writeable; stored shapes and dtypes equal
-            in_place = list(zip(keys, variables, bufs, strict=True))
-            in_place_bytes = sum(map(_nbytes_of, bufs))
+            in_place_bytes = sum(map(_nbytes_of, bufs))  # (in_place: made below if needed)
             rows = ()
         else:
             rows = zip(keys, variables, bufs, shapes, strict=True)
@@ -311,11 +310,14 @@ def apply_values(  # noqa: C901, PLR0912, PLR0915 - the all-or-nothing protocol,
     budget = TEMPORARY_BUDGET if budget is None else budget
     # Phase 1: everything that can fail.
     staged: Callable[[], None] | None = None
-    if verify and in_place_bytes <= budget:  # small: read into temporaries too (one pass)
+    if bufs is not None:  # every variable in place, each a plain ndarray that fits
+        if verify and in_place_bytes <= budget and able.stage_into_many is not None and bufs:
+            staged = able.stage_into_many(list(zip(keys, bufs, strict=True)), checked=True)
+        else:
+            in_place = list(zip(keys, variables, bufs, strict=True))
+    if staged is None and verify and in_place_bytes <= budget:  # small: into temporaries too
         if able.stage_into_many is not None and in_place:  # read, verified, copied later
-            staged = (able.stage_into_many(list(zip(keys, bufs, strict=True)), checked=True)
-                      if bufs is not None  # each a plain ndarray that fits (compared above)
-                      else able.stage_into_many([(key, buf) for key, _, buf in in_place]))
+            staged = able.stage_into_many([(key, buf) for key, _, buf in in_place])
         else:
             fresh += in_place
         in_place = []
