@@ -14,7 +14,7 @@ import functools
 import mmap
 import operator
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
@@ -251,7 +251,8 @@ def stage_into_many(
             packed.append((offset, n, key, e, out))
         else:
             rest.append((key, out))
-    blob = None if reader.remote else _read_packed_span(reader, [e for _, _, _, e, _ in packed])
+    blob = None if reader.remote else _read_span(  # (every row packed: offsets, sizes)
+        reader, list(map(_by_offset, packed)), list(map(_size_of, packed)))
     if blob is None:  # scattered (or remote: streamed with the rest), read as values
         rest += [(key, out) for _, _, key, _, out in packed]
         packed = []
@@ -261,7 +262,8 @@ def stage_into_many(
     return functools.partial(_commit, temps, list(map(_out_of, packed)), pieces)
 
 
-_out_of, _data_of = operator.itemgetter(4), operator.attrgetter("data")
+_size_of, _out_of = operator.itemgetter(1), operator.itemgetter(4)
+_data_of = operator.attrgetter("data")
 _as_bytes = operator.methodcaller("cast", "B")  # of a packed row (offset, n, key, entry, out)
 _ALL = slice(None)
 
@@ -313,6 +315,15 @@ def _read_packed_span(reader: ValueAccess, entries: list[Entry]) -> _PackedBlob 
     if len(locs) < 2:
         return None
     starts, sizes = zip(*locs, strict=True)  # columns, without a Python loop
+    return _read_span(reader, starts, sizes)
+
+
+def _read_span(reader: ValueAccess, starts: Sequence[int],
+               sizes: Sequence[int]) -> _PackedBlob | None:
+    """One read of the packed blob from the first of ``starts`` to the end of the last
+    value, when the values (at least two) fill most of it."""
+    if len(starts) < 2:
+        return None
     lo = min(starts)
     hi = max(map(operator.add, starts, sizes))
     want = sum(sizes)
