@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import struct
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -798,7 +799,10 @@ def _external_names(path: Path) -> set[str]:
 
 #: Decoded records of committed files by (path, inode, size, mtime): an incremental step's
 #: record is read after its commit (what it refers to) and again as the next step's base.
+#: The newest few only (a step needs its own and its base's), so a long run keeps none.
 _RECORDS: dict[tuple[str, int, int, int], Record] = {}
+_RECORDS_KEPT = 4
+_RECORDS_LOCK = threading.Lock()  # background saves may look at once
 
 
 def _committed_record(path: Path) -> Record:
@@ -806,16 +810,18 @@ def _committed_record(path: Path) -> Record:
     never changed in place: its identity and size name its record)."""
     st = os.stat(path)
     ident = (os.fspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
-    record = _RECORDS.get(ident)
+    with _RECORDS_LOCK:
+        record = _RECORDS.get(ident)
     if record is None:
         reader = H5Reader(path)
         try:
             record = reader.record
         finally:
             reader.close()
-        if len(_RECORDS) >= 64:
-            _RECORDS.clear()
-        _RECORDS[ident] = record
+        with _RECORDS_LOCK:
+            while len(_RECORDS) >= _RECORDS_KEPT:
+                del _RECORDS[next(iter(_RECORDS))]  # the oldest (insertion order)
+            _RECORDS[ident] = record
     return record
 
 

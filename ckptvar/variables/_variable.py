@@ -577,9 +577,9 @@ def host_buffers(variables: Sequence[Variable]) -> list[np.ndarray | None]:
             if flags.c_contiguous and flags.writeable:
                 if var._row_log is None:
                     var._writes += 1  # _wrote, inline (no row log to tell)
-                else:
-                    var._wrote()  # the whole value: the row log marks every row
-                add(buf)
+                    add(buf)
+                else:  # the row log hears of a write of the whole value
+                    add(var._host_buffer())
                 continue
         elif buf is not None:  # an ndarray subclass, or not a host array
             add(var._host_buffer())
