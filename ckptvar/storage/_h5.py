@@ -573,6 +573,7 @@ class H5Reader(ContainerReader, SupportsShared):
     def _patched(self, key: str, entry: Entry) -> Patched:
         """A delta value (format 1.5): its base's bytes with its patches laid over them."""
         d = self._record.deltas[key]
+        expect = self.base_expect(key, entry)
         base = self._file(key, d.base[0], d.base[2], entry.nbytes)
         folded = self._folded.get(key)
         if folded is None:
@@ -584,7 +585,7 @@ class H5Reader(ContainerReader, SupportsShared):
                                  corrupt=self.corrupt)
             folded = self._folded[key] = fold(parts, entry.shape[0])
         return Patched(base, d.base[2], entry.nbytes, entry.nbytes // entry.shape[0], folded,
-                       owned=False)
+                       owned=False, expect=expect)
 
     def _file(self, key: str, name: str, offset: int, nbytes: int) -> Any:
         """The descriptor holding ``nbytes`` of ``key``'s bytes at ``offset``: this file

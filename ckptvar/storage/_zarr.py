@@ -719,6 +719,7 @@ class ZarrReader(ContainerReader, SupportsShared):
     def _patched(self, key: str, entry: Entry) -> Patched:
         """A delta value (format 1.5): its base array's bytes with its patches over them."""
         d = self._record.deltas[key]
+        expect = self.base_expect(key, entry)
         base_path = d.base[1]
         if self._record.pieces and key in self._record.pieces:
             base: Any = self._open_pieces(key, entry, base_path)
@@ -732,7 +733,8 @@ class ZarrReader(ContainerReader, SupportsShared):
         except BaseException:
             _close_source(base)
             raise
-        return Patched(base, 0, entry.nbytes, entry.nbytes // entry.shape[0], folded)
+        return Patched(base, 0, entry.nbytes, entry.nbytes // entry.shape[0], folded,
+                       expect=expect)
 
     def _read_patches(self, key: str, entry: Entry, d: Delta) -> tuple[np.ndarray, np.ndarray]:
         rb = entry.nbytes // entry.shape[0]

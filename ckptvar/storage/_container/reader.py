@@ -31,7 +31,7 @@ from .._record import ARRAY, PACKED, Entry, Record
 from .._record_index import IndexedValues
 from ..base import ArrayInfo, LazyArray, Reader, verify_each
 from ..slicing import element_span
-from . import access, bulk
+from . import access, bulk, delta
 from . import source as _src
 from .blocks import SpanError, blocks_agree, hash_range, read_span, stream_units
 from .layout import Source
@@ -203,6 +203,16 @@ class ContainerReader(
     def corrupt(self, key: str, what: str) -> CorruptCheckpointError:
         """The error saying value ``key`` ``what``."""
         return access.corrupt(self.path, key, what)
+
+    def base_expect(self, key: str, e: Entry) -> int | None:
+        """The checksum a row delta's base bytes must have (:func:`.delta.base_checksum`),
+        or None: the value is then verified by its assembled bytes."""
+        try:
+            return delta.base_checksum(self._record.deltas[key],
+                                       _checksum.header_crc(key, e.dtype, e.shape), e.nbytes,
+                                       self._record.block_size)
+        except ValueError as exc:
+            raise self.corrupt(key, str(exc)) from None
 
     def _compare(self, key: str, e: Entry, computed: int) -> None:
         access.compare(self, key, e, computed)

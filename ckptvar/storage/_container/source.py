@@ -167,7 +167,9 @@ class Patched:
 
     ``patch`` is ``(rows, data)``: ``rows`` sorted and unique, ``data`` one ``V<row_bytes>``
     item per row (whole rows copy as single items). The base is closed with this source
-    only when ``owned``.
+    only when ``owned``. ``expect``: the checksum of the base's ``nbytes`` bytes alone
+    (the record's, format 1.5), when the value is to be verified by its parts (the base by
+    it, the patches by their CRCs, already checked); None: by its assembled bytes.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
@@ -184,13 +186,14 @@ class Patched:
     >>> src.close()
     """
 
-    __slots__ = ("base", "data", "nbytes", "offset", "owned", "row_bytes", "rows")
+    __slots__ = ("base", "data", "expect", "nbytes", "offset", "owned", "row_bytes", "rows")
 
     def __init__(self, base: Any, offset: int, nbytes: int, row_bytes: int,
-                 patch: tuple[np.ndarray, np.ndarray], *, owned: bool = True) -> None:
+                 patch: tuple[np.ndarray, np.ndarray], *, owned: bool = True,
+                 expect: int | None = None) -> None:
         self.base, self.offset, self.nbytes, self.row_bytes = base, offset, nbytes, row_bytes
         self.rows, self.data = patch
-        self.owned = owned
+        self.owned, self.expect = owned, expect
 
     def pread_into(self, buf: Any, offset: int) -> int:
         """Fill ``buf`` from ``offset``; returns the bytes read (fewer only past the end)."""
@@ -198,11 +201,12 @@ class Patched:
         want = max(0, min(len(view), self.nbytes - offset))
         got = pread_into(self.base, view[:want], self.offset + offset)
         if got:
-            self._lay(np.asarray(view[:got]), offset)
+            self.lay(np.asarray(view[:got]), offset)
         return got
 
-    def _lay(self, out: np.ndarray, offset: int) -> None:
-        """Put the patched rows that fall in ``[offset, offset + len(out))`` into ``out``."""
+    def lay(self, out: np.ndarray, offset: int) -> None:
+        """Put the patched rows that fall in ``[offset, offset + len(out))`` of the value
+        into ``out`` (``uint8``: the base's bytes there)."""
         rb, rows = self.row_bytes, self.rows
         end = offset + out.size
         i, j = rows.searchsorted((offset // rb, (end - 1) // rb + 1)).tolist()
