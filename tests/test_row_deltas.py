@@ -438,11 +438,18 @@ def test_a_delta_carries_its_bases_checksums(tmp_path: Path, fresh_graph: cv.Gra
     with cv.open(first) as r:
         want = r.record.values["table"]
     rng = np.random.default_rng(11)
-    steps = []
+    steps, values = [], []
     for k in range(MAX_PATCHES + 2):  # appends, then a merge past the limit
         if k != 3:  # step 4: nothing changed, the delta carried over
             _touch(table, rng, 20)
+            table.scatter_update([5], np.full((1, WIDTH), k, np.float32))  # in every patch
         steps.append(Path(manager.save()))
+        values.append(table.numpy().copy())
+    for k in (2, 9, MAX_PATCHES - 1):  # the later patch's row wins
+        assert np.array_equal(cv.load(steps[k])["table"], values[k])
+        table.assign(np.zeros((ROWS, WIDTH), np.float32))
+        ckpt.restore(str(steps[k]))
+        assert np.array_equal(table.numpy(), values[k])
     for step in steps:
         with cv.open(step) as r:
             d = r.record.deltas["table"]
@@ -453,7 +460,7 @@ def test_a_delta_carries_its_bases_checksums(tmp_path: Path, fresh_graph: cv.Gra
             again = decode(encode(r.record), step, container=fmt).deltas["table"]
             assert again == d
     assert len(d.patches) == 1  # the last one merged
-    assert np.array_equal(cv.load(steps[-1])["table"], table.numpy())
+    assert np.array_equal(cv.load(steps[-1])["table"], values[-1])
 
 
 @pytest.mark.parametrize("fmt", ["h5", "zarr"])
