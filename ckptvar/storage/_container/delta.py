@@ -2,8 +2,10 @@
 
 Owns the rule that decides when a value is written as a delta instead of whole
 (:func:`plan`), the patch's bytes and checksum (:func:`patch_bytes`), and the reader's
-side: a patch checked and decoded (:func:`decode_patch`) and several patches folded into
-one, later rows winning (:func:`fold`). The backends lay a :class:`DeltaWrite` out (HDF5:
+side: a patch checked and decoded (:func:`decode_patch`), the base's own checksum by which
+a delta is verified by its parts (:func:`base_checksum`), and several patches folded into
+one, later rows winning (:func:`fold`: for a delta verified by its assembled bytes, whose
+patches a restore lays twice). The backends lay a :class:`DeltaWrite` out (HDF5:
 external links and a patch dataset; Zarr: hard links and a patch array) and read it back
 through :class:`.source.Patched` (docs/FORMAT.md, "Row deltas").
 
