@@ -533,3 +533,54 @@ def test_a_delta_without_its_bases_checksums_is_checked_assembled(
     with pytest.raises(CorruptCheckpointError, match=r"'table' fails its checksum .*its base"):
         ckpt.restore(str(step))
     assert np.array_equal(table.numpy(), want)
+
+
+def test_a_deltas_base_checksums_are_checked_in_the_record() -> None:
+    from ckptvar.storage._record import BadRecord, check_deltas
+
+    good = {"base": ["", "t/base", 0], "patches": [["", "t/patch-0", 0, 1, 7]],
+            "since": "ckpt-1.zarr"}
+    got = check_deltas({"t": {**good, "base_checksum": 5, "base_blocks": bytes(8)}}, "zarr")
+    assert (got["t"].base_checksum, got["t"].base_blocks) == (5, bytes(8))
+    assert got["t"].to_doc() == {**good, "base_checksum": 5, "base_blocks": bytes(8)}
+    old = check_deltas({"t": good}, "zarr")["t"]  # a record from before them
+    assert (old.base_checksum, old.base_blocks) == (None, None) and old.to_doc() == good
+    for bad in ({"base_checksum": -1}, {"base_checksum": 1 << 32}, {"base_checksum": "5"},
+                {"base_blocks": bytes(8)}, {"base_checksum": 5, "base_blocks": bytes(3)},
+                {"base_checksum": 5, "base_blocks": [0, 0, 0, 0]}, {"other": 1}):
+        with pytest.raises(BadRecord):
+            check_deltas({"t": {**good, **bad}}, "zarr")
+
+
+def test_a_forged_base_checksum_is_refused(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    """The record's base checksums are what a restore trusts: a wrong one, or block
+    checksums that do not join to it, refuse the step (the assembled value is intact)."""
+    from ckptvar.storage import checksum
+
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format="zarr", incremental=True)
+    manager.save()
+    _touch(table, np.random.default_rng(9), 30)
+    step = Path(manager.save())
+    record, root = step / "_ckptvar/record/c.0", step / "zarr.json"
+    doc = msgpack.unpackb(record.read_bytes())
+
+    def forged(**fields: object) -> None:
+        entry = {k: v for k, v in {**doc["deltas"]["table"], **fields}.items() if v is not None}
+        data = msgpack.packb({**doc, "deltas": {"table": entry}})
+        record.write_bytes(data)
+        meta = json.loads(root.read_text())
+        meta["attributes"]["ckptvar"].update(record_nbytes=len(data),
+                                             record_crc32c=checksum.crc(data))
+        root.write_text(json.dumps(meta))
+
+    blocks = doc["deltas"]["table"]["base_blocks"]
+    for fields, said in (({"base_checksum": doc["deltas"]["table"]["base_checksum"] ^ 1,
+                           "base_blocks": None}, "fails its base's checksum"),
+                         ({"base_blocks": blocks[4:] + blocks[:4]},
+                          "has base block checksums that do not join")):
+        forged(**fields)
+        with pytest.raises(CorruptCheckpointError, match=rf"'table' {said}"):
+            ckpt.restore(str(step))
+    forged()  # as written: it reads again
+    assert np.array_equal(cv.load(step)["table"], table.numpy())
