@@ -167,10 +167,10 @@ class Patched:
 
     ``patch`` is ``(rows, data)``: ``rows`` sorted and unique, ``data`` one ``V<row_bytes>``
     item per row (whole rows copy as single items); or a list of them, laid in order (a
-    later one's row wins). The base is closed with this source
-    only when ``owned``. ``expect``: the checksum of the base's ``nbytes`` bytes alone
-    (the record's, format 1.5), when the value is to be verified by its parts (the base by
-    it, the patches by their CRCs, already checked); None: by its assembled bytes.
+    later one's row wins). The base is closed with this source only when ``owned``.
+    ``expect``: the checksum of the base's ``nbytes`` bytes alone (the record's, format
+    1.5), when the value is to be verified by its parts (the base by it, the patches by
+    their CRCs, already checked); None: by its assembled bytes.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
