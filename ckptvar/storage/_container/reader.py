@@ -65,6 +65,8 @@ class ContainerReader(
         self._values = record.values
         self._closed = False
         self._infos: dict[str, ArrayInfo] = {}
+        #: a row delta's base checksum, its block checksums checked (:meth:`base_expect`)
+        self._expects: dict[str, int | None] = {}
 
     # -- backend hooks
     @abc.abstractmethod
@@ -205,14 +207,19 @@ class ContainerReader(
         return access.corrupt(self.path, key, what)
 
     def base_expect(self, key: str, e: Entry) -> int | None:
-        """The checksum a row delta's base bytes must have (:func:`.delta.base_checksum`),
-        or None: the value is then verified by its assembled bytes."""
+        """The checksum a row delta's base bytes must have (:func:`.delta.base_checksum`,
+        checked once per reader), or None: the value is then verified by its assembled
+        bytes."""
+        if key in self._expects:
+            return self._expects[key]
         try:
-            return delta.base_checksum(self._record.deltas[key],
-                                       _checksum.header_crc(key, e.dtype, e.shape), e.nbytes,
-                                       self._record.block_size)
+            got = delta.base_checksum(self._record.deltas[key],
+                                      _checksum.header_crc(key, e.dtype, e.shape), e.nbytes,
+                                      self._record.block_size)
         except ValueError as exc:
             raise self.corrupt(key, str(exc)) from None
+        self._expects[key] = got
+        return got
 
     def _compare(self, key: str, e: Entry, computed: int) -> None:
         access.compare(self, key, e, computed)
