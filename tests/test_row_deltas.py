@@ -19,7 +19,7 @@ from ckptvar.checkpoint import _apply
 from ckptvar.checkpoint._incremental import Incremental
 from ckptvar.errors import CorruptCheckpointError
 from ckptvar.storage._container.delta import DELTA_LIMIT, MAX_PATCHES
-from ckptvar.storage._record import decode
+from ckptvar.storage._record import decode, encode
 from ckptvar.variables import rows_written, track_rows, write_version
 from tests.ckpt_runs import ckpt_processes
 
@@ -414,3 +414,173 @@ def test_damage_in_the_base_or_a_patch_stops_every_read_before_anything_changes(
         cv.load(step)
     with cv.open(step) as r, pytest.raises(CorruptCheckpointError, match=said):
         r["table"][row: row + 2]  # a slice: the block checksums of the rows read
+
+
+def _base_file(step: Path, fmt: str, d: object, row: int) -> tuple[Path, int]:
+    """The file holding the base's bytes of ``row`` (one chunk in Zarr) and their offset."""
+    base = d.base  # type: ignore[attr-defined]
+    if fmt == "h5":
+        return step.parent / base[0], base[2] + row * ROW_BYTES
+    chunks = [p for p in (step / base[1]).rglob("*") if p.is_file() and p.name != "zarr.json"]
+    assert len(chunks) == 1
+    return chunks[0], row * ROW_BYTES
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_delta_carries_its_bases_checksums(tmp_path: Path, fresh_graph: cv.Graph,
+                                            fmt: str) -> None:
+    """Each delta step's record carries the base step's checksum and block checksums of
+    the value (through appended, carried-over and merged deltas), and they round-trip."""
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, max_to_keep=30,
+                                   incremental=True)
+    first = Path(manager.save())
+    with cv.open(first) as r:
+        want = r.record.values["table"]
+    rng = np.random.default_rng(11)
+    steps, values = [], []
+    for k in range(MAX_PATCHES + 2):  # appends, then a merge past the limit
+        if k != 3:  # step 4: nothing changed, the delta carried over
+            _touch(table, rng, 20)
+            table.scatter_update([5], np.full((1, WIDTH), k, np.float32))  # in every patch
+        steps.append(Path(manager.save()))
+        values.append(table.numpy().copy())
+    for k in (2, 9, MAX_PATCHES - 1):  # the later patch's row wins
+        assert np.array_equal(cv.load(steps[k])["table"], values[k])
+        table.assign(np.zeros((ROWS, WIDTH), np.float32))
+        ckpt.restore(str(steps[k]))
+        assert np.array_equal(table.numpy(), values[k])
+    for step in steps:
+        with cv.open(step) as r:
+            d = r.record.deltas["table"]
+            assert d.since == first.name
+            assert (d.base_checksum, d.base_blocks) == (want.checksum, want.blocks)
+            assert d.base_blocks is not None and len(d.base_blocks) > 4
+            assert r.record.values["table"].checksum != want.checksum  # the assembled one
+            again = decode(encode(r.record), step, container=fmt).deltas["table"]
+            assert again == d
+    assert len(d.patches) == 1  # the last one merged
+    assert np.array_equal(cv.load(steps[-1])["table"], values[-1])
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_restore_checks_the_base_by_its_own_checksum(tmp_path: Path, fresh_graph: cv.Graph,
+                                                      fmt: str) -> None:
+    """Damage in a base row that a patch replaces leaves the assembled value intact: only
+    the base's own checksum catches it, and every verified read refuses the step."""
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, incremental=True)
+    manager.save()
+    _touch(table, np.random.default_rng(3), 40)
+    step = Path(manager.save())
+    with cv.open(step) as r:
+        d = r.record.deltas["table"]
+        row = int(r.delta_rows("table")[0])
+    where, at = _base_file(step, fmt, d, row)
+    _damage(where, at + 7)
+    sentinel = np.full((ROWS, WIDTH), -1.0, np.float32)
+    table.assign(sentinel)
+    said = (rf"'table' fails its base's checksum .*row delta: its 1 row patch passed its "
+            rf"checksum, so the damage is in its base, '{d.base[1]}' in '{d.base[0] or step.name}'")
+    for budget in (None, 0):  # staged (one pass) and two-pass (verify, then read in place)
+        with pytest.MonkeyPatch.context() as mp:
+            if budget is not None:
+                mp.setattr(_apply, "TEMPORARY_BUDGET", budget)
+            with pytest.raises(CorruptCheckpointError, match=said):
+                ckpt.restore(str(step))
+        assert np.array_equal(table.numpy(), sentinel)
+    with pytest.raises(CorruptCheckpointError, match=said):
+        cv.load(step)
+    with cv.open(step) as r:
+        assert [k for k, _ in r.verify_all()] == ["table"]
+    res = ckpt_processes(("verify", step))[0]
+    assert res.returncode != 0 and "base's checksum" in res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_delta_without_its_bases_checksums_is_checked_assembled(
+        tmp_path: Path, fresh_graph: cv.Graph, fmt: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1.5 record from before the base's checksums (written here as that writer did)
+    still reads bit-exact, and damage in its base is caught by the assembled value."""
+    from ckptvar.storage._container import writer
+
+    monkeypatch.setattr(writer, "_base_checksums", lambda *_: (None, None))
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, incremental=True)
+    manager.save()
+    rng = np.random.default_rng(4)
+    for _ in range(2):
+        _touch(table, rng, 40)
+        step = Path(manager.save())
+    if fmt == "h5":
+        doc = msgpack.unpackb(h5py.File(step)["_ckptvar/manifest"][()].tobytes())
+    else:
+        doc = msgpack.unpackb((step / "_ckptvar/record/c.0").read_bytes())
+    assert doc["format_version"] == [1, 5]
+    assert set(doc["deltas"]["table"]) == {"base", "patches", "since"}
+    want = table.numpy()
+    assert np.array_equal(cv.load(step)["table"], want)
+    table.assign(np.zeros((ROWS, WIDTH), np.float32))
+    ckpt.restore(str(step))
+    assert np.array_equal(table.numpy(), want)
+    with cv.open(step) as r:
+        d = r.record.deltas["table"]
+        held = set(r.delta_rows("table").tolist())
+    row = next(i for i in range(ROWS) if i not in held)
+    where, at = _base_file(step, fmt, d, row)
+    _damage(where, at + 5)
+    with pytest.raises(CorruptCheckpointError, match=r"'table' fails its checksum .*its base"):
+        ckpt.restore(str(step))
+    assert np.array_equal(table.numpy(), want)
+
+
+def test_a_deltas_base_checksums_are_checked_in_the_record() -> None:
+    from ckptvar.storage._record import BadRecord, check_deltas
+
+    good = {"base": ["", "t/base", 0], "patches": [["", "t/patch-0", 0, 1, 7]],
+            "since": "ckpt-1.zarr"}
+    got = check_deltas({"t": {**good, "base_checksum": 5, "base_blocks": bytes(8)}}, "zarr")
+    assert (got["t"].base_checksum, got["t"].base_blocks) == (5, bytes(8))
+    assert got["t"].to_doc() == {**good, "base_checksum": 5, "base_blocks": bytes(8)}
+    old = check_deltas({"t": good}, "zarr")["t"]  # a record from before them
+    assert (old.base_checksum, old.base_blocks) == (None, None) and old.to_doc() == good
+    for bad in ({"base_checksum": -1}, {"base_checksum": 1 << 32}, {"base_checksum": "5"},
+                {"base_blocks": bytes(8)}, {"base_checksum": 5, "base_blocks": bytes(3)},
+                {"base_checksum": 5, "base_blocks": [0, 0, 0, 0]}, {"other": 1}):
+        with pytest.raises(BadRecord):
+            check_deltas({"t": {**good, **bad}}, "zarr")
+
+
+def test_a_forged_base_checksum_is_refused(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    """The record's base checksums are what a restore trusts: a wrong one, or block
+    checksums that do not join to it, refuse the step (the assembled value is intact)."""
+    from ckptvar.storage import checksum
+
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format="zarr", incremental=True)
+    manager.save()
+    _touch(table, np.random.default_rng(9), 30)
+    step = Path(manager.save())
+    record, root = step / "_ckptvar/record/c.0", step / "zarr.json"
+    doc = msgpack.unpackb(record.read_bytes())
+
+    def forged(**fields: object) -> None:
+        entry = {k: v for k, v in {**doc["deltas"]["table"], **fields}.items() if v is not None}
+        data = msgpack.packb({**doc, "deltas": {"table": entry}})
+        record.write_bytes(data)
+        meta = json.loads(root.read_text())
+        meta["attributes"]["ckptvar"].update(record_nbytes=len(data),
+                                             record_crc32c=checksum.crc(data))
+        root.write_text(json.dumps(meta))
+
+    blocks = doc["deltas"]["table"]["base_blocks"]
+    for fields, said in (({"base_checksum": doc["deltas"]["table"]["base_checksum"] ^ 1,
+                           "base_blocks": None}, "fails its base's checksum"),
+                         ({"base_blocks": blocks[4:] + blocks[:4]},
+                          "has base block checksums that do not join")):
+        forged(**fields)
+        with pytest.raises(CorruptCheckpointError, match=rf"'table' {said}"):
+            ckpt.restore(str(step))
+    forged()  # as written: it reads again
+    assert np.array_equal(cv.load(step)["table"], table.numpy())

@@ -546,8 +546,8 @@ class H5Reader(ContainerReader, SupportsShared):
         self._mm: Any = None
         self._holders: dict[str, int | RemoteFile] = {}  # where external values are, opened
         self._find_holder = holders
-        #: a delta value's patches, read, checked and folded into one (rows, data)
-        self._folded: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        #: a delta value's patches, read and checked (folded into one when laid twice)
+        self._folded: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         super().__init__(path, record)
         self._packed_base = record.packed[1] if record.packed else 0
         self._packed: int | RemoteFile = fd
@@ -574,6 +574,7 @@ class H5Reader(ContainerReader, SupportsShared):
     def _patched(self, key: str, entry: Entry) -> Patched:
         """A delta value (format 1.5): its base's bytes with its patches laid over them."""
         d = self._record.deltas[key]
+        expect = self.base_expect(key, entry)
         base = self._file(key, d.base[0], d.base[2], entry.nbytes)
         folded = self._folded.get(key)
         if folded is None:
@@ -583,9 +584,11 @@ class H5Reader(ContainerReader, SupportsShared):
             parts = read_patches(key, reads, entry.nbytes // entry.shape[0], entry.shape[0],
                                  seed=_checksum.header_crc(key, entry.dtype, entry.shape),
                                  corrupt=self.corrupt)
-            folded = self._folded[key] = fold(parts, entry.shape[0])
+            # verified by its parts, the patches are laid once: in order, no fold first
+            folded = self._folded[key] = (parts if expect is not None else
+                                          [fold(parts, entry.shape[0])])
         return Patched(base, d.base[2], entry.nbytes, entry.nbytes // entry.shape[0], folded,
-                       owned=False)
+                       owned=False, expect=expect)
 
     def _file(self, key: str, name: str, offset: int, nbytes: int) -> Any:
         """The descriptor holding ``nbytes`` of ``key``'s bytes at ``offset``: this file

@@ -230,15 +230,25 @@ class Delta:
     whose CRC-32C (seeded by the value's header) is ``crc``. ``file`` is ``""`` for this
     checkpoint itself, else the sibling file that holds the bytes (never another delta).
     ``since``: the checkpoint that wrote the base (for ``ckpt inspect``).
+    ``base_checksum`` and ``base_blocks``: the base's own checksum and block checksums
+    (as the base's step recorded them), by which a reader verifies the base's bytes
+    alone; None in records written before them (the assembled value is verified then).
     """
 
     base: tuple[str, str, int]
     patches: tuple[tuple[str, str, int, int, int], ...]
     since: str
+    base_checksum: int | None = None
+    base_blocks: bytes | None = None
 
     def to_doc(self) -> dict[str, Any]:
-        return {"base": list(self.base), "patches": [list(p) for p in self.patches],
-                "since": self.since}
+        doc: dict[str, Any] = {"base": list(self.base),
+                               "patches": [list(p) for p in self.patches], "since": self.since}
+        if self.base_checksum is not None:
+            doc["base_checksum"] = self.base_checksum
+            if self.base_blocks is not None:
+                doc["base_blocks"] = self.base_blocks
+        return doc
 
     def files(self) -> set[str]:
         """The other files it refers to."""
@@ -635,10 +645,15 @@ def check_deltas(deltas: Any, container: str) -> dict[str, Delta]:
     for key, d in deltas.items():
         try:
             base, patches, since = d["base"], d["patches"], d["since"]
+            crc, blocks = d.get("base_checksum"), d.get("base_blocks")
             ok = (isinstance(base, list) and len(base) == 3 and file_ok(base[0])
                   and isinstance(base[1], str) and is_valid_container_path(base[1])
                   and is_count(base[2]) and isinstance(patches, list) and 0 < len(patches) <= 64
-                  and isinstance(since, str) and len(d) == 3)
+                  and isinstance(since, str)
+                  and len(d) == 3 + (crc is not None) + (blocks is not None)
+                  and (crc is None or (is_count(crc) and crc < 1 << 32))
+                  and (blocks is None or (crc is not None and isinstance(blocks, bytes)
+                                          and len(blocks) % 4 == 0)))
             if ok:
                 for p in patches:
                     ok = ok and (isinstance(p, list) and len(p) == 5 and file_ok(p[0])
@@ -650,7 +665,8 @@ def check_deltas(deltas: Any, container: str) -> dict[str, Delta]:
         if not ok or not isinstance(key, str):
             raise BadRecord(f"'deltas' gives {d!r} for {key!r}, not a base and its patches")
         out[key] = Delta((base[0], base[1], base[2]),
-                         tuple((p[0], p[1], p[2], p[3], p[4]) for p in patches), since)
+                         tuple((p[0], p[1], p[2], p[3], p[4]) for p in patches), since,
+                         crc, blocks)
     return out
 
 

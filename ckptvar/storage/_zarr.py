@@ -620,8 +620,8 @@ class ZarrReader(ContainerReader, SupportsShared):
             raise
         self._root_fd = root_fd
         self._packed_fd: int | None = None
-        #: a delta value's patches, read, checked and folded into one (rows, data)
-        self._folded: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        #: a delta value's patches, read and checked (folded into one when laid twice)
+        self._folded: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         super().__init__(path, record)
 
     def shared(self) -> dict[str, list[str]]:
@@ -719,6 +719,7 @@ class ZarrReader(ContainerReader, SupportsShared):
     def _patched(self, key: str, entry: Entry) -> Patched:
         """A delta value (format 1.5): its base array's bytes with its patches over them."""
         d = self._record.deltas[key]
+        expect = self.base_expect(key, entry)
         base_path = d.base[1]
         if self._record.pieces and key in self._record.pieces:
             base: Any = self._open_pieces(key, entry, base_path)
@@ -728,13 +729,18 @@ class ZarrReader(ContainerReader, SupportsShared):
         try:
             folded = self._folded.get(key)
             if folded is None:
-                folded = self._folded[key] = self._read_patches(key, entry, d)
+                parts = self._read_patches(key, entry, d)
+                # verified by its parts, the patches are laid once: in order, no fold first
+                folded = self._folded[key] = (parts if expect is not None else
+                                              [fold(parts, entry.shape[0])])
         except BaseException:
             _close_source(base)
             raise
-        return Patched(base, 0, entry.nbytes, entry.nbytes // entry.shape[0], folded)
+        return Patched(base, 0, entry.nbytes, entry.nbytes // entry.shape[0], folded,
+                       expect=expect)
 
-    def _read_patches(self, key: str, entry: Entry, d: Delta) -> tuple[np.ndarray, np.ndarray]:
+    def _read_patches(self, key: str, entry: Entry, d: Delta
+                      ) -> list[tuple[np.ndarray, np.ndarray]]:
         rb = entry.nbytes // entry.shape[0]
         fds: list[int] = []
         try:
@@ -748,7 +754,7 @@ class ZarrReader(ContainerReader, SupportsShared):
         finally:
             for fd in fds:
                 os.close(fd)
-        return fold(parts, entry.shape[0])
+        return parts
 
     def _piece_layout(self, key: str, entry: Entry) -> tuple[int, int]:
         """A value stored as several chunks (format 1.4): a chunk file's size and how

@@ -2,8 +2,10 @@
 
 Owns the rule that decides when a value is written as a delta instead of whole
 (:func:`plan`), the patch's bytes and checksum (:func:`patch_bytes`), and the reader's
-side: a patch checked and decoded (:func:`decode_patch`) and several patches folded into
-one, later rows winning (:func:`fold`). The backends lay a :class:`DeltaWrite` out (HDF5:
+side: a patch checked and decoded (:func:`decode_patch`), the base's own checksum by which
+a delta is verified by its parts (:func:`base_checksum`), and several patches folded into
+one, later rows winning (:func:`fold`: for a delta verified by its assembled bytes, whose
+patches a restore lays twice). The backends lay a :class:`DeltaWrite` out (HDF5:
 external links and a patch dataset; Zarr: hard links and a patch array) and read it back
 through :class:`.source.Patched` (docs/FORMAT.md, "Row deltas").
 
@@ -45,9 +47,10 @@ from .. import checksum as _checksum
 from .. import rawio as _rawio
 from .._record import Delta
 from . import source as _src
+from .blocks import blocks_agree
 
-__all__ = ["DELTA_FROM", "DELTA_LIMIT", "MAX_PATCHES", "DeltaWrite", "decode_patch", "fold",
-           "in_base", "merged", "patch_bytes", "plan", "read_patches"]
+__all__ = ["DELTA_FROM", "DELTA_LIMIT", "MAX_PATCHES", "DeltaWrite", "base_checksum",
+           "decode_patch", "fold", "in_base", "merged", "patch_bytes", "plan", "read_patches"]
 
 #: Values smaller than this are written whole (a delta's patch and links cost more).
 DELTA_FROM = 1 << 20
@@ -78,13 +81,16 @@ class DeltaWrite:
     #: Where the own patch is: container path and byte offset (set by the backend).
     path: str = ""
     offset: int = 0
+    #: The base's own checksum and block checksums (None: unknown, an older base).
+    base_checksum: int | None = None
+    base_blocks: bytes | None = None
 
     def record(self) -> Delta:
         """Its record entry (an unchanged value's carried-over delta has no own patch)."""
-        if not self.rows.size:
-            return Delta(self.base, tuple(self.earlier), self.since)
-        own = ("", self.path, self.offset, int(self.rows.size), self.crc)
-        return Delta(self.base, (*self.earlier, own), self.since)
+        patches = tuple(self.earlier)
+        if self.rows.size:
+            patches += (("", self.path, self.offset, int(self.rows.size), self.crc),)
+        return Delta(self.base, patches, self.since, self.base_checksum, self.base_blocks)
 
 
 def patch_bytes(view: memoryview, row_bytes: int, rows: np.ndarray, seed: int
@@ -139,6 +145,25 @@ def read_patches(key: str, reads: list[tuple[Any, int, int, int, str]], row_byte
 
     tasks = [functools.partial(one, *r) for r in reads]
     return _rawio.wait_all(_rawio.start_all(tasks))
+
+
+def base_checksum(d: Delta, seed: int, nbytes: int, block_size: int) -> int | None:
+    """The checksum a delta's base bytes (``nbytes``) must have, by which a reader verifies
+    the base alone (its patches by their own CRCs), or None when the record does not
+    carry it (written before 2026-11-27: the assembled value is verified). ``ValueError``
+    when the base's block checksums do not join to it (a damaged record).
+
+    >>> d = Delta(("", "t/base", 0), (("", "t/patch-0", 0, 1, 7),), "ckpt-1.zarr", 5, None)
+    >>> base_checksum(d, 0, 8, 4), base_checksum(Delta(d.base, d.patches, d.since), 0, 8, 4)
+    (5, None)
+    """
+    if d.base_checksum is None:
+        return None
+    if d.base_blocks is not None and not blocks_agree(seed, d.base_blocks, nbytes, block_size,
+                                                      d.base_checksum):
+        raise ValueError("has base block checksums that do not join to its base checksum; "
+                         "the checkpoint's record is damaged")
+    return d.base_checksum
 
 
 def in_base(what: str, d: Delta, here: str) -> str:

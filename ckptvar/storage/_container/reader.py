@@ -32,7 +32,7 @@ from .._record import ARRAY, PACKED, Entry, Record
 from .._record_index import IndexedValues
 from ..base import ArrayInfo, LazyArray, Reader, verify_each
 from ..slicing import element_span
-from . import access, bulk
+from . import access, bulk, delta
 from . import source as _src
 from .blocks import SpanError, blocks_agree, hash_range, read_span, stream_units
 from .layout import Source
@@ -67,6 +67,8 @@ class ContainerReader(
         self._values = record.values
         self._closed = False
         self._infos: dict[str, ArrayInfo] = {}
+        #: a row delta's base checksum, its block checksums checked (:meth:`base_expect`)
+        self._expects: dict[str, int | None] = {}
 
     # -- backend hooks
     @abc.abstractmethod
@@ -205,6 +207,21 @@ class ContainerReader(
     def corrupt(self, key: str, what: str) -> CorruptCheckpointError:
         """The error saying value ``key`` ``what``."""
         return access.corrupt(self.path, key, what)
+
+    def base_expect(self, key: str, e: Entry) -> int | None:
+        """The checksum a row delta's base bytes must have (:func:`.delta.base_checksum`,
+        checked once per reader), or None: the value is then verified by its assembled
+        bytes."""
+        if key in self._expects:
+            return self._expects[key]
+        try:
+            got = delta.base_checksum(self._record.deltas[key],
+                                      _checksum.header_crc(key, e.dtype, e.shape), e.nbytes,
+                                      self._record.block_size)
+        except ValueError as exc:
+            raise self.corrupt(key, str(exc)) from None
+        self._expects[key] = got
+        return got
 
     def _compare(self, key: str, e: Entry, computed: int) -> None:
         access.compare(self, key, e, computed)

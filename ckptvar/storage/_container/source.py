@@ -166,8 +166,11 @@ class Patched:
     :class:`Pieces`), with row ``rows[i]`` (``row_bytes`` each) replaced by ``data[i]``.
 
     ``patch`` is ``(rows, data)``: ``rows`` sorted and unique, ``data`` one ``V<row_bytes>``
-    item per row (whole rows copy as single items). The base is closed with this source
-    only when ``owned``.
+    item per row (whole rows copy as single items); or a list of them, laid in order (a
+    later one's row wins). The base is closed with this source only when ``owned``.
+    ``expect``: the checksum of the base's ``nbytes`` bytes alone (the record's, format
+    1.5), when the value is to be verified by its parts (the base by it, the patches by
+    their CRCs, already checked); None: by its assembled bytes.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
@@ -184,13 +187,21 @@ class Patched:
     >>> src.close()
     """
 
-    __slots__ = ("base", "data", "nbytes", "offset", "owned", "row_bytes", "rows")
+    __slots__ = ("base", "expect", "nbytes", "offset", "owned", "patches", "row_bytes")
 
     def __init__(self, base: Any, offset: int, nbytes: int, row_bytes: int,
-                 patch: tuple[np.ndarray, np.ndarray], *, owned: bool = True) -> None:
+                 patch: tuple[np.ndarray, np.ndarray] | list[tuple[np.ndarray, np.ndarray]],
+                 *, owned: bool = True, expect: int | None = None) -> None:
         self.base, self.offset, self.nbytes, self.row_bytes = base, offset, nbytes, row_bytes
-        self.rows, self.data = patch
-        self.owned = owned
+        self.patches = [patch] if isinstance(patch, tuple) else patch
+        self.owned, self.expect = owned, expect
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The rows the patches hold (sorted, unique)."""
+        if len(self.patches) == 1:
+            return self.patches[0][0]
+        return np.unique(np.concatenate([rows for rows, _ in self.patches]))
 
     def pread_into(self, buf: Any, offset: int) -> int:
         """Fill ``buf`` from ``offset``; returns the bytes read (fewer only past the end)."""
@@ -198,12 +209,18 @@ class Patched:
         want = max(0, min(len(view), self.nbytes - offset))
         got = pread_into(self.base, view[:want], self.offset + offset)
         if got:
-            self._lay(np.asarray(view[:got]), offset)
+            self.lay(np.asarray(view[:got]), offset)
         return got
 
-    def _lay(self, out: np.ndarray, offset: int) -> None:
-        """Put the patched rows that fall in ``[offset, offset + len(out))`` into ``out``."""
-        rb, rows = self.row_bytes, self.rows
+    def lay(self, out: np.ndarray, offset: int) -> None:
+        """Put the patched rows that fall in ``[offset, offset + len(out))`` of the value
+        into ``out`` (``uint8``: the base's bytes there), each patch in turn."""
+        for rows, data in self.patches:
+            self._lay_one(out, offset, rows, data)
+
+    def _lay_one(self, out: np.ndarray, offset: int, rows: np.ndarray, data: np.ndarray
+                 ) -> None:
+        rb = self.row_bytes
         end = offset + out.size
         i, j = rows.searchsorted((offset // rb, (end - 1) // rb + 1)).tolist()
         if i == j:
@@ -211,12 +228,12 @@ class Patched:
         full_lo, full_hi = -(-offset // rb), end // rb  # rows wholly inside
         a, b = (rows[i:j].searchsorted((full_lo, full_hi)) + i).tolist()
         if b > a:
-            grid = out[full_lo * rb - offset: full_hi * rb - offset].view(self.data.dtype)
-            grid[rows[a:b] - full_lo] = self.data[a:b]
+            grid = out[full_lo * rb - offset: full_hi * rb - offset].view(data.dtype)
+            grid[rows[a:b] - full_lo] = data[a:b]
         for k in (*range(i, a), *range(b, j)):  # rows cut by the range's ends (two at most)
             start = int(rows[k]) * rb
             lo, hi = max(start, offset), min(start + rb, end)
-            out[lo - offset: hi - offset] = self.data[k: k + 1].view(np.uint8)[
+            out[lo - offset: hi - offset] = data[k: k + 1].view(np.uint8)[
                 lo - start: hi - start]
 
     def preadv_all(self, bufs: Sequence[Any], offset: int) -> int:

@@ -65,7 +65,8 @@ class TransferValue:
     to read.
     """
 
-    __slots__ = ("crcs", "dest", "entry", "got", "key", "left", "pieces", "src", "view")
+    __slots__ = ("crcs", "dest", "entry", "expect", "got", "key", "left", "pieces", "src",
+                 "view")
 
     def __init__(
         self, key: str, entry: Entry, dest: np.ndarray | None, src: Source | None = None
@@ -79,12 +80,41 @@ class TransferValue:
         self.crcs = [0] * len(self.pieces)
         #: Pieces not yet read; the one that reads the last closes ``src``.
         self.left = len(self.pieces)
+        #: Set when a row delta is verified by its parts: what its base's bytes must hash to.
+        self.expect: int | None = None
 
     def release(self) -> None:
         """Close ``src`` if the value owns it (idempotent)."""
         src, self.src = self.src, None
         if src is not None and src.owned:
             _src.close(src.fd)
+
+
+def _piece(v: TransferValue, i: int, use: Source, verify: bool) -> None:
+    """Read piece ``i`` of ``v`` from ``use`` into its buffer (hashed when ``verify``), or
+    only hash it. A row delta whose record carries its base's checksum is verified by its
+    parts: the base's bytes are hashed as read (they must hash to ``fd.expect``; the
+    patches passed their CRCs when the source was opened), then, into a buffer, the
+    patched rows are laid over them."""
+    pos, n = v.pieces[i]
+    at = use.offset + pos
+    fd = use.fd
+    parts = isinstance(fd, _src.Patched) and fd.expect is not None and (verify or v.view is None)
+    if parts:
+        assert isinstance(fd, _src.Patched)
+        v.expect = fd.expect
+        fd, at = fd.base, fd.offset + at  # the base's bytes, as stored
+    if v.view is None:
+        v.got[i], v.crcs[i] = hash_range(fd, at, n)
+        return
+    buf = v.view[pos : pos + n]
+    got = _src.pread_into(fd, buf, at)
+    if verify and got == n:
+        v.crcs[i] = _checksum.crc(buf)
+    if parts and got:
+        assert isinstance(use.fd, _src.Patched)
+        use.fd.lay(np.asarray(buf[:got]), use.offset + pos)
+    v.got[i] = got
 
 
 #: A piece of a remote read: ``(offset_in_object, nbytes, value, piece_index)``.
@@ -212,17 +242,8 @@ class Transfer:
                         src, last = None, v
                         src = reader.source(v.key, v.entry)
                     use = src
-                pos, n = v.pieces[i]
-                at = use.offset + pos
                 try:
-                    if v.view is not None:
-                        buf = v.view[pos : pos + n]
-                        got = _src.pread_into(use.fd, buf, at)
-                        if verify and got == n:
-                            v.crcs[i] = _checksum.crc(buf)
-                        v.got[i] = got
-                    else:
-                        v.got[i], v.crcs[i] = hash_range(use.fd, at, n)
+                    _piece(v, i, use, verify)
                 finally:
                     if use is not src:
                         self._done(v)
@@ -274,7 +295,12 @@ class Transfer:
                 value = _checksum.header_crc(v.key, e.dtype, e.shape)
                 for (_, n), part in zip(v.pieces, v.crcs, strict=True):
                     value = _checksum.combine(value, part, n)
-                compare(reader, v.key, e, value)
+                if v.expect is None:
+                    compare(reader, v.key, e, value)
+                elif value != v.expect:  # a row delta's base (its patches passed)
+                    raise reader.corrupt(v.key, f"fails its base's checksum (stored "
+                                                f"{v.expect:#010x}, computed {value:#010x}); "
+                                                "the checkpoint is damaged")
 
     def abandon(self) -> None:
         """Wait for the pieces still running; their errors no longer matter."""

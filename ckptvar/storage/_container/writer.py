@@ -422,6 +422,8 @@ class ContainerWriter(Writer):
                 found.earlier, found.links = [], found.links[:1]
                 found.path = found.path.rpartition("/")[0] + "/patch-0"
             found.rows = rows
+            found.base_checksum, found.base_blocks = _base_checksums(entry, was,
+                                                                     record.block_size)
             if rows.size:
                 seed = _checksum.header_crc(it.key, it.dtype, it.shape)
                 found.patch, found.crc = patch_bytes(it.view, it.nbytes // it.shape[0], rows,
@@ -510,6 +512,16 @@ class ContainerWriter(Writer):
     @abc.abstractmethod
     def _write(self, tmp: Path, plan: WritePlan) -> None:
         """Write everything into ``tmp`` (fsynced when durable); the caller publishes it."""
+
+
+def _base_checksums(entry: Any, was: Any, block_size: int) -> tuple[int | None, bytes | None]:
+    """The checksum and block checksums of a delta's base, for its record entry (a reader
+    verifies the base's bytes by them): the base step's own (``entry``), or those its
+    delta ``was`` carries; block checksums of other blocks than this record's are left
+    out (a base of 256 KiB blocks, before 2026-11-27)."""
+    if was is not None:
+        return was.base_checksum, was.base_blocks
+    return entry.checksum, entry.blocks if block_size == BLOCK_SIZE else None
 
 
 def _carry_checksums(it: ValueWrite, entry: Any, block_size: int) -> None:
