@@ -279,7 +279,7 @@ def test_many_blocks_join_to_the_value_checksum(size: int) -> None:
 def test_values_hashed_while_written_or_beside_the_writes_alike(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, durable: bool
 ) -> None:
-    """Each piece hashed just before it is written (HDF5 on fewer than 4 CPUs) or each
+    """Each piece hashed just before it is written (HDF5 on one CPU) or each
     value on the checksum thread beside the writes: the same record, every value
     verifies; an HDF5 save hashing while it writes hashes no value in a pass of its own."""
     from ckptvar.storage._container import writer

@@ -7,7 +7,7 @@ Writing (docs/FORMAT.md, "HDF5 container"):
    filled), plus ``_ckptvar/packed`` for the small values; each dataset's file
    offset is read with ``get_offset()`` and the file is closed.
 2. The values' bytes are written with ``pwrite``/``pwritev`` straight from the
-   arrays' buffers while the checksum thread hashes them (on fewer than 4 CPUs, each
+   arrays' buffers while the checksum thread hashes them (on one CPU, each
    1 MiB piece is hashed just before it is written, while it is in the CPU cache).
 3. h5py reopens the file to put the attributes (key, name, dtype, shape,
    trainable, checksum, ...) on each dataset and the root record into

@@ -117,13 +117,11 @@ def _cpus() -> int:
 
 #: Whether an HDF5 save hashes each large value a piece at a time just before writing it,
 #: on the writing thread (:func:`write_hashing`), rather than on the checksum thread
-#: beside the writes: on fewer than 4 CPUs. Beside the writes, the hash is free where a
-#: CPU is idle but reads every byte from memory a second time and takes the writer's CPU
-#: where none is; hashed from the cache it costs less CPU (docs/benchmarks.md, "Goal 3":
-#: on 2 shared CPUs, 1 GiB in 1 MiB pieces either way, 299 against 306 ms of CPU, the
-#: wall times within the noise). A Zarr save (a file per value) measured no better so on
-#: this file system, and keeps the checksum thread.
-HASH_WHILE_WRITING = _cpus() < 4
+#: beside the writes: on one CPU only. Hashed from the cache it costs less CPU, but
+#: beside the writes the hash overlaps them wherever a second CPU is free: on a quiet
+#: 2-CPU machine a 1 GiB non-durable save took 266-267 ms (minima) with the checksum
+#: thread against 304-305 ms hashing while writing (docs/benchmarks.md, "Goal 3").
+HASH_WHILE_WRITING = _cpus() < 2
 #: ... in pieces of this many bytes (whole blocks).
 _HOT_PIECE = 1 << 20
 
@@ -347,7 +345,7 @@ class ContainerWriter(Writer):
             if self.base is not None:
                 self._match_base(plan, self.base)
             # Values the backend writes hashed (write_hashing: each piece hashed just
-            # before it is written, on fewer than 4 CPUs) and chunked ones
+            # before it is written, on one CPU) and chunked ones
             # (ValueWrite.write_with) hash as they are written, packed ones on this thread
             # just before (write_packed); any other large value on the checksum thread
             # while the backend writes (in order).
