@@ -139,18 +139,8 @@ class H5Writer(ContainerWriter):
             return Extent.array(it.path, it.held.offset, it.nbytes)
         return super()._array_loc(it)
 
-    def _base_rows(self, key: str) -> np.ndarray | None:
-        assert self.base is not None
-        try:
-            reader = H5Reader(self.base)
-            try:
-                return reader.delta_rows(key)
-            finally:
-                reader.close()
-        except (OSError, ValueError) as exc:  # CkptError subclasses ValueError or OSError
-            logger.warning("Incremental save of %s: cannot read the row patches of %r in "
-                           "%s (%s); writing it whole.", self.path, key, self.base, exc)
-            return None
+    def _open_base_reader(self, base: Path) -> H5Reader:
+        return H5Reader(base)
 
     def _delta_for(self, it: ValueWrite, entry: Entry, was: Delta | None,
                    holder: Callable[[str, Entry], Held]) -> DeltaWrite | None:

@@ -162,18 +162,8 @@ class ZarrWriter(ContainerWriter):
 
         return record, holder
 
-    def _base_rows(self, key: str) -> np.ndarray | None:
-        assert self.base is not None
-        try:
-            reader = ZarrReader(self.base)
-            try:
-                return reader.delta_rows(key)
-            finally:
-                reader.close()
-        except (OSError, ValueError) as exc:  # CkptError subclasses ValueError or OSError
-            logger.warning("Incremental save of %s: cannot read the row patches of %r in "
-                           "%s (%s); writing it whole.", self.path, key, self.base, exc)
-            return None
+    def _open_base_reader(self, base: Path) -> ZarrReader:
+        return ZarrReader(base)
 
     def _delta_for(self, it: ValueWrite, entry: Entry, was: Delta | None,
                    holder: Any) -> DeltaWrite | None:

@@ -16,7 +16,7 @@ import bisect
 import itertools
 import mmap
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -136,14 +136,7 @@ class Pieces:
 
     def preadv_all(self, bufs: Sequence[Any], offset: int) -> int:
         """Fill the buffers back to back from ``offset``."""
-        total = 0
-        for b in bufs:
-            view = memoryview(b).cast("B")
-            k = self.pread_into(view, offset + total)
-            total += k
-            if k < len(view):
-                break
-        return total
+        return _fill_back_to_back(self.pread_into, bufs, offset)
 
     def read_all(self) -> bytearray:
         out = bytearray(self.starts[-1])
@@ -238,14 +231,7 @@ class Patched:
 
     def preadv_all(self, bufs: Sequence[Any], offset: int) -> int:
         """Fill the buffers back to back from ``offset``."""
-        total = 0
-        for b in bufs:
-            view = memoryview(b).cast("B")
-            k = self.pread_into(view, offset + total)
-            total += k
-            if k < len(view):
-                break
-        return total
+        return _fill_back_to_back(self.pread_into, bufs, offset)
 
     def read_all(self) -> bytearray:
         out = bytearray(self.nbytes)
@@ -302,3 +288,17 @@ def cached(fd: int | RemoteFile | Pieces | Patched, offset: int) -> bool:
     if isinstance(fd, Pieces | Patched):
         return fd.cached(offset)
     return True
+
+
+def _fill_back_to_back(pread_into: Callable[[Any, int], int], bufs: Sequence[Any],
+                       offset: int) -> int:
+    """Fill ``bufs`` one after another from ``offset`` through ``pread_into(view, at)``;
+    the bytes read (fewer at the end of the source)."""
+    total = 0
+    for b in bufs:
+        view = memoryview(b).cast("B")
+        k = pread_into(view, offset + total)
+        total += k
+        if k < len(view):
+            break
+    return total

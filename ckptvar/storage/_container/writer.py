@@ -454,7 +454,23 @@ class ContainerWriter(Writer):
     def _base_rows(self, key: str) -> np.ndarray | None:
         """The rows the base's patches of ``key`` hold (read and verified), or None when
         they cannot be read (the value is then written whole)."""
-        return None
+        assert self.base is not None
+        try:
+            reader = self._open_base_reader(self.base)
+            try:
+                rows: np.ndarray = reader.delta_rows(key)
+                return rows
+            finally:
+                reader.close()
+        except (OSError, ValueError) as exc:  # CkptError subclasses ValueError or OSError
+            logger.warning("Incremental save of %s: cannot read the row patches of %r in "
+                           "%s (%s); writing it whole.", self.path, key, self.base, exc)
+            return None
+
+    def _open_base_reader(self, base: Path) -> Any:
+        """This container's reader of ``base`` (its ``delta_rows``); only a backend that
+        writes row deltas (:meth:`_delta_for`) is asked."""
+        raise NotImplementedError
 
     def _delta_for(self, it: ValueWrite, entry: Any, was: Any,
                    holder: Callable[[str, Any], Held]) -> DeltaWrite | None:
