@@ -6,6 +6,7 @@ Other areas may append fixtures below their own section comment.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +48,40 @@ def fresh_graph() -> Iterator[cv.Graph]:
 def fmt(request: pytest.FixtureRequest) -> str:
     """Each checkpoint test runs once per writable format."""
     return str(request.param)
+
+
+# --- multi-process runs ------------------------------------------------------------------
+
+
+def _mapped_shm_names() -> set[str]:
+    """The names under /dev/shm that a live process has mapped (Linux ``/proc/*/maps``)."""
+    names: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text(errors="replace")
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        names.update(part.split("/dev/shm/", 1)[1].split()[0]
+                     for part in text.splitlines() if "/dev/shm/mpich_shm_" in part)
+    return names
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _reclaim_mpich_segments() -> Iterator[None]:
+    """Remove the shared-memory segments of MPI jobs this session aborted or killed.
+
+    MPICH removes its ``/dev/shm/mpich_shm_*`` segment at ``MPI_Finalize``; a job whose
+    rank aborts (``python -m mpi4py`` on an exception) or is SIGKILLed by a crash test
+    leaves it behind, a few MiB each. At the end of the session, the segments made
+    during it that no live process maps are removed (another job's are left alone).
+    """
+    shm = Path("/dev/shm")
+    before = {p.name for p in shm.glob("mpich_shm_*")} if shm.is_dir() else set()
+    yield
+    if not shm.is_dir():
+        return
+    made = {p.name for p in shm.glob("mpich_shm_*")} - before
+    if not made:
+        return
+    for name in made - _mapped_shm_names():
+        (shm / name).unlink(missing_ok=True)
