@@ -1,0 +1,121 @@
+"""Incremental HDF5 steps of several processes on an object store (real ``mpiexec``
+against the session's moto S3 server; the rank-side code is
+tests/mpi/incremental_s3_cases.py): each process's object holds only its changed values
+and refers to byte ranges of its object in the step that holds the others; bytes
+uploaded per step ~ the changed bytes (counted by the tests' TCP proxy); every step
+restores bit-exact on 3 and on 2 processes and loads in one; pruning keeps the steps a
+kept step refers to, a restarted manager too; a process failing mid-save commits nothing;
+``ckpt inspect/verify/convert/gc`` read such steps."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+from test_distributed_mpi import _mpi_skip_reason, run_mpi
+
+import ckptvar as cv
+from ckptvar.locations import list_committed_steps
+
+from ._s3 import S3Bucket
+from .test_cloud_cli import _ckpt
+
+pytestmark = pytest.mark.skipif(_mpi_skip_reason() is not None,
+                                reason=_mpi_skip_reason() or "")
+
+MPI = Path(__file__).parent.parent / "mpi"
+CASES = str(MPI / "incremental_s3_cases.py")
+_spec = importlib.util.spec_from_file_location("incremental_cases", MPI / "incremental_cases.py")
+assert _spec is not None and _spec.loader is not None
+cases: Any = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cases)
+
+
+def _run(s3: S3Bucket, n: int, mode: str, url: str) -> dict[int, dict[str, Any]]:
+    proc, got, _ = run_mpi(n, CASES, mode, url, timeout=180,
+                           env={"S3_OPTIONS": json.dumps(s3.storage_options)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(got.get(mode, {})) == list(range(n)), (proc.stdout, proc.stderr)
+    return got[mode]
+
+
+def _loads(url: str, step: int, s3: S3Bucket) -> None:
+    got = cv.load(url, storage_options=s3.storage_options)
+    for key, want in cases.expected(step).items():
+        assert np.array_equal(got[key], want), (url, key)
+
+
+def test_three_processes_write_incremental_hdf5_steps_to_s3(s3: S3Bucket,
+                                                            tmp_path: Path) -> None:
+    run = f"{s3.url}/mph5"
+    saved = _run(s3, 3, "save", run)
+    r0 = saved[0]
+    up = {int(k): v for k, v in r0["uploaded"].items()}
+    full = sum(a.nbytes for a in cases.expected(1).values())
+    head = cases.expected(1)["head"].nbytes
+    box = cases.expected(1)["frozen"].nbytes // 3
+    overhead = 160 * 1024  # 3 files' HDF5 structure and records, the index, marker, requests
+    assert up[1] > full, up  # the first step is written whole
+    for step in (2, 3, 4, 6):  # only the head changed: uploaded ~ changed bytes
+        assert up[step] < head + overhead, (step, up)
+    assert up[5] < head + box + overhead, up  # + the middle process's box of frozen
+    assert up[7] < head + overhead, up  # a restarted manager: found by checksums
+    assert up[2] < full / 5, up
+    print("bytes uploaded per step:", up, "full state:", full)
+
+    # pruning (max_to_keep=2) keeps what a kept step refers to: step 1 holds `uneven` and
+    # two boxes of `frozen` for every later step, step 5 the box written there
+    assert r0["listed"] == ["ckpt-4.h5", "ckpt-5.h5"]
+    assert r0["committed_after_5"] == ["ckpt-1.h5", "ckpt-4.h5", "ckpt-5.h5"]
+    # rank 1 failed while writing step 6: nothing of it committed or left, 4 and 5 intact
+    assert saved[1]["failed"] == "OSError"
+    assert {saved[r]["failed"] for r in (0, 2)} == {"DistributedError"}
+    assert r0["after_failure"] == {"listed": ["ckpt-4.h5", "ckpt-5.h5"], "left": []}
+    assert r0["retried"] == "ckpt-6.h5"
+    # the restarted manager read the references from the steps' records: 4 is pruned,
+    # 1 and 5 are held (committed, not listed)
+    assert r0["listed_after_7"] == ["ckpt-6.h5", "ckpt-7.h5"]
+    held = ["ckpt-1.h5", "ckpt-5.h5"]
+    assert r0["committed"] == [*held, "ckpt-6.h5", "ckpt-7.h5"]
+    for r in saved.values():  # every committed step restores bit-exact on 3 processes
+        assert r["restored"] == dict.fromkeys(r0["committed"], True), r
+
+    # on 2 processes (resharding: the referenced ranges are read from the holders)
+    for r in _run(s3, 2, "restore", run).values():
+        assert r["restored"] == dict.fromkeys(r0["committed"], True), r
+    for name in r0["committed"]:  # ...and in one plain process
+        _loads(f"{run}/{name}", cv.checkpoint.parse_step_name(name).step, s3)
+    last = f"{run}/ckpt-7.h5"
+    with cv.open(last, storage_options=s3.storage_options) as reader:
+        assert isinstance(reader, cv.storage.SupportsShared)
+        shared = {"bias": ["ckpt-1.h5"], "frozen": held, "uneven": ["ckpt-1.h5"]}
+        assert reader.shared() == shared
+        lo, hi = cases.UNEVEN[0], sum(cases.UNEVEN[:2])
+        assert np.array_equal(reader["uneven"][lo:hi], cases.expected(7)["uneven"][lo:hi])
+
+    # ckpt: inspect shows the holders, verify checks every box, convert writes a
+    # standalone copy, gc removes nothing a step needs
+    res = _ckpt(s3, "inspect", last, "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads(res.stdout)["shared"] == shared
+    res = _ckpt(s3, "verify", last)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
+    standalone = tmp_path / "alone.h5"
+    res = _ckpt(s3, "convert", last, str(standalone))
+    assert res.returncode == 0, res.stdout + res.stderr
+    with h5py.File(standalone, "r") as f:
+        assert isinstance(f.get("frozen", getlink=True), h5py.HardLink)
+    res = _ckpt(s3, "gc", run)
+    assert res.returncode == 0, res.stdout + res.stderr
+    loc = s3.location("mph5")
+    assert list_committed_steps(loc) == r0["committed"]
+    _loads(last, 7, s3)
+    loc.delete([o.key for o in loc.list()])  # the copy stands alone
+    got = cv.load(standalone)
+    for key, want in cases.expected(7).items():
+        assert np.array_equal(got[key], want), key
