@@ -115,7 +115,35 @@ def test_three_processes_write_incremental_hdf5_steps_to_s3(s3: S3Bucket,
     loc = s3.location("mph5")
     assert list_committed_steps(loc) == r0["committed"]
     _loads(last, 7, s3)
+    _plain_h5py_sees(loc, tmp_path / "plain")
+    # a holder deleted behind our back: its values fail naming it, the others still read
+    loc.delete("ckpt-5.h5.commit")
+    with cv.open(last, storage_options=s3.storage_options) as reader:
+        assert np.array_equal(reader.read("head"), cases.expected(7)["head"])
+        with pytest.raises(cv.CorruptCheckpointError,
+                           match=r"'frozen'.*rank-00001\.h5.*ckpt-5\.h5\.commit is gone"):
+            reader.read("frozen")
     loc.delete([o.key for o in loc.list()])  # the copy stands alone
     got = cv.load(standalone)
     for key, want in cases.expected(7).items():
         assert np.array_equal(got[key], want), key
+
+
+def _plain_h5py_sees(loc: Any, where: Path) -> None:
+    """Plain h5py on process 1's downloaded object of step 7: its changed value, and an
+    external link to the same process's object of step 1, which resolves once that is
+    downloaded beside it (the step directories side by side)."""
+    def download(step: str) -> Path:
+        (where / step).mkdir(parents=True)
+        (where / step / "rank-00001.h5").write_bytes(loc.read(f"{step}/rank-00001.h5"))
+        return where / step / "rank-00001.h5"
+
+    lo, hi = cases.UNEVEN[0], sum(cases.UNEVEN[:2])
+    with h5py.File(download("ckpt-7.h5"), "r") as f:
+        assert np.array_equal(f["head/%2Ebox/1"][()], cases.expected(7)["head"][30_000:60_000])
+        assert f["uneven/%2Ebox"].get("1", getlink=True).filename == "../ckpt-1.h5/rank-00001.h5"
+        with pytest.raises(KeyError):
+            f["uneven/%2Ebox/1"]  # the holder is not downloaded yet
+    download("ckpt-1.h5")
+    with h5py.File(where / "ckpt-7.h5" / "rank-00001.h5", "r") as f:
+        assert np.array_equal(f["uneven/%2Ebox/1"][()], cases.expected(7)["uneven"][lo:hi])
