@@ -21,9 +21,9 @@ from test_distributed_mpi import _mpi_skip_reason, run_mpi
 
 import ckptvar as cv
 from ckptvar.locations import list_committed_steps
+from tests.ckpt_runs import ckpt_processes
 
-from ._s3 import S3Bucket
-from .test_cloud_cli import _ckpt
+from ._s3 import S3Bucket, make_bucket, options_for
 
 pytestmark = pytest.mark.skipif(_mpi_skip_reason() is not None,
                                 reason=_mpi_skip_reason() or "")
@@ -44,17 +44,29 @@ def _run(s3: S3Bucket, n: int, mode: str, url: str) -> dict[int, dict[str, Any]]
     return got[mode]
 
 
+@pytest.fixture(scope="module")
+def saved(moto_endpoint: str) -> tuple[S3Bucket, str, dict[int, dict[str, Any]]]:
+    """The 3-process job of tests/mpi/incremental_s3_cases.py (``save``), run once in a
+    bucket of its own: ``(bucket, run URL, what each rank reported)``."""
+    name = "incremental-mpi-h5"
+    make_bucket(moto_endpoint, name)
+    s3 = S3Bucket(moto_endpoint, name, f"s3://{name}", options_for(moto_endpoint))
+    run = f"{s3.url}/mph5"
+    return s3, run, _run(s3, 3, "save", run)
+
+
 def _loads(url: str, step: int, s3: S3Bucket) -> None:
     got = cv.load(url, storage_options=s3.storage_options)
     for key, want in cases.expected(step).items():
         assert np.array_equal(got[key], want), (url, key)
 
 
-def test_three_processes_write_incremental_hdf5_steps_to_s3(s3: S3Bucket,
-                                                            tmp_path: Path) -> None:
-    run = f"{s3.url}/mph5"
-    saved = _run(s3, 3, "save", run)
-    r0 = saved[0]
+def test_three_processes_write_incremental_hdf5_steps_to_s3(
+        saved: tuple[S3Bucket, str, dict[int, dict[str, Any]]]) -> None:
+    """Bytes per step, pruning (and a restarted manager's), a failing process; every
+    committed step restores bit-exact on 3 and on 2 processes and loads in one."""
+    s3, run, ranks = saved
+    r0 = ranks[0]
     up = {int(k): v for k, v in r0["uploaded"].items()}
     full = sum(a.nbytes for a in cases.expected(1).values())
     head = cases.expected(1)["head"].nbytes
@@ -73,8 +85,8 @@ def test_three_processes_write_incremental_hdf5_steps_to_s3(s3: S3Bucket,
     assert r0["listed"] == ["ckpt-4.h5", "ckpt-5.h5"]
     assert r0["committed_after_5"] == ["ckpt-1.h5", "ckpt-4.h5", "ckpt-5.h5"]
     # rank 1 failed while writing step 6: nothing of it committed or left, 4 and 5 intact
-    assert saved[1]["failed"] == "OSError"
-    assert {saved[r]["failed"] for r in (0, 2)} == {"DistributedError"}
+    assert ranks[1]["failed"] == "OSError"
+    assert {ranks[r]["failed"] for r in (0, 2)} == {"DistributedError"}
     assert r0["after_failure"] == {"listed": ["ckpt-4.h5", "ckpt-5.h5"], "left": []}
     assert r0["retried"] == "ckpt-6.h5"
     # the restarted manager read the references from the steps' records: 4 is pruned,
@@ -82,7 +94,7 @@ def test_three_processes_write_incremental_hdf5_steps_to_s3(s3: S3Bucket,
     assert r0["listed_after_7"] == ["ckpt-6.h5", "ckpt-7.h5"]
     held = ["ckpt-1.h5", "ckpt-5.h5"]
     assert r0["committed"] == [*held, "ckpt-6.h5", "ckpt-7.h5"]
-    for r in saved.values():  # every committed step restores bit-exact on 3 processes
+    for r in ranks.values():  # every committed step restores bit-exact on 3 processes
         assert r["restored"] == dict.fromkeys(r0["committed"], True), r
 
     # on 2 processes (resharding: the referenced ranges are read from the holders)
@@ -90,30 +102,43 @@ def test_three_processes_write_incremental_hdf5_steps_to_s3(s3: S3Bucket,
         assert r["restored"] == dict.fromkeys(r0["committed"], True), r
     for name in r0["committed"]:  # ...and in one plain process
         _loads(f"{run}/{name}", cv.checkpoint.parse_step_name(name).step, s3)
-    last = f"{run}/ckpt-7.h5"
-    with cv.open(last, storage_options=s3.storage_options) as reader:
+    # which step holds each value's bytes (a value's boxes may each have another)
+    with cv.open(f"{run}/ckpt-7.h5", storage_options=s3.storage_options) as reader:
         assert isinstance(reader, cv.storage.SupportsShared)
         shared = {"bias": ["ckpt-1.h5"], "frozen": held, "uneven": ["ckpt-1.h5"]}
         assert reader.shared() == shared
         lo, hi = cases.UNEVEN[0], sum(cases.UNEVEN[:2])
         assert np.array_equal(reader["uneven"][lo:hi], cases.expected(7)["uneven"][lo:hi])
 
+
+@pytest.mark.slow
+def test_readers_of_incremental_hdf5_steps_of_several_processes_on_s3(
+        saved: tuple[S3Bucket, str, dict[int, dict[str, Any]]], tmp_path: Path) -> None:
+    """``cv.open`` and ``ckpt inspect`` name the holders, ``ckpt verify`` checks every box,
+    ``ckpt convert`` writes a standalone copy, ``ckpt gc`` removes no step; plain h5py on
+    downloaded objects; a holder deleted behind our back fails only its values."""
+    s3, run, ranks = saved
+    held = ["ckpt-1.h5", "ckpt-5.h5"]
+    last = f"{run}/ckpt-7.h5"
+    shared = {"bias": ["ckpt-1.h5"], "frozen": held, "uneven": ["ckpt-1.h5"]}
+
     # ckpt: inspect shows the holders, verify checks every box, convert writes a
     # standalone copy, gc removes nothing a step needs
-    res = _ckpt(s3, "inspect", last, "--json")
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert json.loads(res.stdout)["shared"] == shared
-    res = _ckpt(s3, "verify", last)
-    assert res.returncode == 0 and "OK" in res.stdout, res.stdout + res.stderr
     standalone = tmp_path / "alone.h5"
-    res = _ckpt(s3, "convert", last, str(standalone))
-    assert res.returncode == 0, res.stdout + res.stderr
+    opts = [a for k in ("endpoint", "access_key_id", "secret_access_key", "region")
+            for a in ("--storage-option", f"{k}={s3.storage_options[k]}")]
+    opts += ["--storage-option", "allow_http=true"]
+    inspected, verified, converted, collected = ckpt_processes(  # at once: start-up dominates
+        ("inspect", last, "--json", *opts), ("verify", last, *opts),
+        ("convert", last, standalone, *opts), ("gc", run, *opts))
+    for res in (inspected, verified, converted, collected):
+        assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads(inspected.stdout)["shared"] == shared
+    assert "OK" in verified.stdout, verified.stdout
     with h5py.File(standalone, "r") as f:
         assert isinstance(f.get("frozen", getlink=True), h5py.HardLink)
-    res = _ckpt(s3, "gc", run)
-    assert res.returncode == 0, res.stdout + res.stderr
     loc = s3.location("mph5")
-    assert list_committed_steps(loc) == r0["committed"]
+    assert list_committed_steps(loc) == ranks[0]["committed"]
     _loads(last, 7, s3)
     _plain_h5py_sees(loc, tmp_path / "plain")
     # a holder deleted behind our back: its values fail naming it, the others still read

@@ -32,10 +32,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from incremental_cases import expected, model, set_step  # noqa: E402
+from incremental_cases import expected, model, set_step
 
-import ckptvar as cv  # noqa: E402
-from ckptvar.locations import list_committed_steps, open_location  # noqa: E402
+import ckptvar as cv
+from ckptvar.locations import list_committed_steps, open_location
 
 OPTS = json.loads(os.environ["S3_OPTIONS"])
 
