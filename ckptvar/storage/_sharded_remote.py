@@ -17,7 +17,10 @@ the next save of the step takes it over, and ``CheckpointManager``'s clean-up an
 ``ckpt gc`` remove it with what it left.
 
 Readers (:func:`open_sharded_remote`) read the marker, then the index (checked against
-the marker), then only the per-process objects and byte ranges a read needs. Global
+the marker), then only the per-process objects and byte ranges a read needs. In an
+incremental HDF5 step a process's object refers to byte ranges of the same process's
+object in an older step, ``../<step>/rank-NNNNN.h5`` (docs/FORMAT.md, "Incremental
+steps"): found by that step's marker and read by ranged GETs. Global
 Zarr arrays (one array per variable across processes) are a local-disk layout; on an
 object store each box is stored in its writer's file.
 """
