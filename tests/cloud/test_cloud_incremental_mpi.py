@@ -23,10 +23,9 @@ import ckptvar as cv
 from ckptvar.locations import list_committed_steps
 from tests.ckpt_runs import ckpt_processes
 
-from ._s3 import S3Bucket, make_bucket, options_for
+from ._s3 import FaultProxy, S3Bucket, make_bucket, options_for
 
-pytestmark = pytest.mark.skipif(_mpi_skip_reason() is not None,
-                                reason=_mpi_skip_reason() or "")
+needs_mpi = pytest.mark.skipif(_mpi_skip_reason() is not None, reason=_mpi_skip_reason() or "")
 
 MPI = Path(__file__).parent.parent / "mpi"
 CASES = str(MPI / "incremental_s3_cases.py")
@@ -61,6 +60,7 @@ def _loads(url: str, step: int, s3: S3Bucket) -> None:
         assert np.array_equal(got[key], want), (url, key)
 
 
+@needs_mpi
 def test_three_processes_write_incremental_hdf5_steps_to_s3(
         saved: tuple[S3Bucket, str, dict[int, dict[str, Any]]]) -> None:
     """Bytes per step, pruning (and a restarted manager's), a failing process; every
@@ -112,6 +112,7 @@ def test_three_processes_write_incremental_hdf5_steps_to_s3(
 
 
 @pytest.mark.slow
+@needs_mpi
 def test_readers_of_incremental_hdf5_steps_of_several_processes_on_s3(
         saved: tuple[S3Bucket, str, dict[int, dict[str, Any]]], tmp_path: Path) -> None:
     """``cv.open`` and ``ckpt inspect`` name the holders, ``ckpt verify`` checks every box,
@@ -172,3 +173,37 @@ def _plain_h5py_sees(loc: Any, where: Path) -> None:
     download("ckpt-1.h5")
     with h5py.File(where / "ckpt-7.h5" / "rank-00001.h5", "r") as f:
         assert np.array_equal(f["uneven/%2Ebox/1"][()], cases.expected(7)["uneven"][lo:hi])
+
+
+def test_a_process_file_whose_base_cannot_be_read_is_written_whole(
+        s3: S3Bucket, proxy: FaultProxy, caplog: pytest.LogCaptureFixture) -> None:
+    """The multi-process layout in one process (a coordinator and a sharded variable):
+    the process's object refers to its base's; once the base's object is damaged, the
+    next step says so and writes every value of that process, bit-exact."""
+    opts = {**s3.storage_options, "endpoint": proxy.endpoint}
+    rng = np.random.default_rng(0)
+    big = rng.random((256, 1024), dtype=np.float32)  # 1 MiB, never changed
+    frozen = cv.Variable(big.copy(), name="frozen",
+                         shard=cv.Shard(full_shape=big.shape, offset=(0, 0)))
+    head = cv.Variable(np.zeros(1024, np.float32), name="head")
+    manager = cv.CheckpointManager(
+        cv.Checkpoint(frozen=frozen, head=head), f"{s3.url}/one", format="h5",
+        incremental=True, coordinator=cv.distributed.SingleProcessCoordinator(),
+        storage_options=opts)
+    ups = []
+    for _ in range(3):
+        head.assign_add(1.0)
+        proxy.reset_counts()
+        last = manager.save()
+        ups.append(proxy.bytes_up)
+        if len(ups) == 2:  # the base of the next step: its process object damaged
+            loc = s3.location("one")
+            loc.put("ckpt-2.h5/rank-00000.h5", b"not an HDF5 file")
+    assert ups[0] > big.nbytes and ups[1] < 64 * 1024, ups  # step 2 refers to step 1
+    assert "cannot read" in caplog.text and "rank-00000.h5" in caplog.text
+    assert ups[2] > big.nbytes, ups  # written whole
+    with cv.open(last, storage_options=s3.storage_options) as reader:
+        assert isinstance(reader, cv.storage.SupportsShared)
+        assert reader.shared() == {}
+    got = cv.load(last, storage_options=s3.storage_options)
+    assert np.array_equal(got["frozen"], big) and got["head"][0] == 3
