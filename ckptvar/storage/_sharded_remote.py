@@ -180,7 +180,7 @@ def _holder_file(location: Location, name: str) -> RemoteFile:
     step's values (found by the step's commit marker; ``FileNotFoundError`` naming what
     is gone, ``ValueError`` for a name of another shape)."""
     step, _, file = name[3:].partition("/") if name.startswith("../") else ("", "", "")
-    if not step or not file or "/" in file:
+    if not step or step.startswith(".") or not file or "/" in file:
         raise ValueError(f"{name!r} is not a process's file of a step beside it")
     record = read_commit(location, step)
     if record is None:
