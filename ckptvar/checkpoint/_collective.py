@@ -364,10 +364,6 @@ def _base(  # noqa: PLR0917
 ) -> str | None:
     """Rank 0: the base step of an incremental save, or ``None`` (the step is written
     whole, and the log says why)."""
-    if not target.reuses:  # the manager said so when it was made
-        logger.debug("Incremental save of %s: written whole (an HDF5 multi-process step on "
-                     "an object store).", path)
-        return None
     if incremental.base is None:
         return None
     base = os.fspath(incremental.base)

@@ -2,8 +2,9 @@
 
 A multi-process step (:mod:`._collective`) reuses its base step's bytes per process: each
 rank's own file ``rank-NNNNN.<suffix>`` takes the base's file of the same rank as its
-base (HDF5 external links ``../<base step>/rank-NNNNN.h5``, hard-linked Zarr chunk
-files), and each chunk of a global Zarr array is hard-linked by its writer from the
+base (HDF5 external links ``../<base step>/rank-NNNNN.h5``, on disk and on an object
+store alike; hard-linked Zarr chunk files, server-side copies on an object store), and
+each chunk of a global Zarr array is hard-linked by its writer from the
 base's chunk file when unchanged. That is exact only when the base was written with the
 same layout: the same number of processes and, for every value in both, the same boxes
 with the same writers and the same grid. :func:`check_base` (rank 0) says why not;

@@ -15,7 +15,9 @@ commit) and asks its target for the place-specific parts:
 - :class:`RemoteTarget`: rank 0 claims the step's key (create-only); each rank writes
   its file to a local temporary and uploads it below the step; rank 0 uploads the
   index and creates the commit marker (:class:`~ckptvar.storage.RemoteStep`). No
-  shared filesystem is needed.
+  shared filesystem is needed. In an incremental save each process's file builds on
+  the same process's file in the base step: a Zarr file takes its unchanged values as
+  server-side copies, an HDF5 file refers to byte ranges of the base's object.
 """
 
 from __future__ import annotations
@@ -102,8 +104,6 @@ class Target:
     nodes: Nodes | None = None
     #: per-node steps: the whole step's index, kept beside each node's (set before commit)
     persistent_index: bytes | None = None
-    #: whether a rank's file may refer to an earlier step's (an incremental save)
-    reuses = False
 
     def __init__(self, fmt: str) -> None:
         self.fmt = fmt
@@ -159,7 +159,6 @@ class LocalTarget(Target):
     """A step directory on a filesystem every rank sees; committed by an atomic rename."""
 
     grids = True
-    reuses = True
 
     def __init__(self, path: str, fmt: str) -> None:
         super().__init__(fmt)
@@ -251,8 +250,6 @@ class RemoteTarget(Target):
     def __init__(self, url: str, fmt: str, storage_options: Mapping[str, Any] | None) -> None:
         super().__init__(fmt)
         self.step = RemoteStep(*split_url(url, storage_options=storage_options))
-        #: a process's Zarr tree takes unchanged values as server-side copies of its base's
-        self.reuses = fmt == "zarr"
 
     def prepare(self) -> str:
         self.step.claim()
@@ -266,10 +263,20 @@ class RemoteTarget(Target):
             extra: dict[str, Any] = {}
             copies: list[tuple[str, str]] = []
             base_name = None if base is None else base.rstrip("/").rpartition("/")[2]
-            record = (None if base_name is None or self.fmt != "zarr" else
-                      self.step.base_record(base_name, name, Path(tmp) / ".base" / name))
-            if record is not None:  # unchanged values: server-side copies of the base's
-                extra = {"base": record, "known": known or {}, "copies": copies}
+            if base_name is not None and self.fmt == "zarr":
+                record = self.step.base_record(base_name, name, Path(tmp) / ".base" / name)
+                if record is not None:  # unchanged values: server-side copies of the base's
+                    extra = {"base": record, "known": known or {}, "copies": copies}
+            elif base_name is not None:
+                # HDF5: the file is written as ``<step>/<name>`` beside a stand-in of the
+                # base's ``<base>/<name>``, so its unchanged values are external values
+                # ``../<base>/<name>`` (as in a step directory on disk), read back from the
+                # base's object by ranged GETs; only the changed values are uploaded
+                local = Path(tmp) / self.step.name / name
+                local.parent.mkdir()
+                stand_in = self.step.base_h5(base_name, name, Path(tmp) / base_name / name)
+                if stand_in is not None:
+                    extra = {"base": stand_in, "known": known or {}}
             _write_file(local, self.fmt, fill, durable=False,  # durable once uploaded
                         pack_threshold=self.pack_threshold, **extra)
             self.step.upload(local, name,

@@ -124,18 +124,13 @@ def _copy_checkpoint(src: Path, dst: Path, *, durable: bool = False) -> None:
 _PERSIST_POLL_S = 5.0
 
 
-def _check_incremental(directory: Any, format: str, coordinator: Any, local_directory: Any) -> None:
-    """Refuse (or, where full steps are still right, say) what incremental saves cannot do."""
+def _check_incremental(local_directory: Any) -> None:
+    """Refuse what incremental saves cannot do."""
     if local_directory is not None:
         raise CkptError(
             "incremental=True is not supported yet with a local tier (local_directory=): "
             "its steps would be written whole without saying so; use one or the other."
         )
-    if is_url(directory) and format != "zarr" and coordinator is not None:
-        logger.warning(
-            "incremental=True on an object store (%s) with format=%r and coordinator= "
-            "writes full steps: the per-process HDF5 objects do not refer to older ones; "
-            "use format='zarr' to copy unchanged values on the server.", directory, format)
 
 
 class CheckpointManager:
@@ -213,7 +208,7 @@ class CheckpointManager:
     ) -> None:
         _check_arguments(checkpoint, max_to_keep, checkpoint_name, format)
         if incremental:
-            _check_incremental(directory, format, coordinator, local_directory)
+            _check_incremental(local_directory)
         #: ``incremental=True``: the last committed step this manager builds on
         self._incremental = Incremental() if incremental else None
         #: an object store's incremental HDF5 steps: the steps each one reads values from
@@ -797,12 +792,11 @@ class CheckpointManager:
 
     def _remote_base(self, variables: Mapping[str, Any]) -> Any:
         """An incremental save on an object store: its base is the latest committed step
-        (read when the save starts, after the one before it committed); with several
-        processes, Zarr only (their HDF5 steps there are written whole)."""
+        (read when the save starts, after the one before it committed; with several
+        processes, rank 0's)."""
         assert self._incremental is not None
         entries = self._section["checkpoints"]
-        whole = self.format != "zarr" and self.coordinator is not None  # _check_incremental
-        base = self._full(entries[-1]["path"]) if entries and not whole else None
+        base = self._full(entries[-1]["path"]) if entries else None
         return self._incremental.start(base, variables)
 
     def restore_or_initialize(self) -> str | None:

@@ -88,6 +88,7 @@ __all__ = [
     "read_index",
     "read_userblock",
     "record_crc",
+    "write_stand_in",
 ]
 
 USERBLOCK_SIZE = 512
@@ -451,6 +452,35 @@ def read_index(local: Path) -> bytes:
     return head + body
 
 
+def write_stand_in(source: RemoteFile, path: Any, dest: Path) -> None:
+    """A local sparse stand-in at ``dest`` of the remote ckptvar HDF5 object ``source``
+    (``path`` names it in messages): the object's size, its user block and root record
+    (what an incremental write reads of its base, :class:`H5Writer`), nothing else.
+    Regions ``source`` knows already are not fetched again."""
+    regions = dict(source.known)
+    if 0 not in regions:  # the user block: one ranged GET
+        head = bytearray(min(source.size, USERBLOCK_SIZE))
+        source.pread_into(head, 0)
+        regions[0] = bytes(head)
+        source = RemoteFile(source.location, source.key, source.size, source.base,
+                            list(regions.items()))
+    _, _, offset, nbytes, _ = read_userblock(source, path)
+    if offset < USERBLOCK_SIZE or offset + nbytes > source.size:
+        raise CorruptCheckpointError(
+            f"Checkpoint {str(path)!r}: its root record at [{offset}, {offset + nbytes}) "
+            f"lies outside the object ({source.size} bytes); it is damaged."
+        )
+    if offset not in regions:  # the root record: one ranged GET
+        body = bytearray(nbytes)
+        source.pread_into(body, offset)
+        regions[offset] = bytes(body)
+    with open(dest, "wb") as f:
+        f.truncate(source.size)
+        for at, data in regions.items():
+            f.seek(at)
+            f.write(data)
+
+
 def index_regions(raw: bytes, index: RemoteFile, path: Any) -> list[tuple[int, bytes]]:
     """Where the bytes of an index (:func:`read_index`) sit in its file: ``[(0, user
     block), (record offset, root record)]``. ``index`` is the index object itself, for
@@ -509,8 +539,10 @@ class H5Reader(ContainerReader, SupportsShared):
     """Reads a ckptvar ``.h5`` file with ``pread`` only (libhdf5 is never called).
 
     ``source`` reads the file's bytes from an object store instead (ranged GETs);
-    ``path`` is then its URL, and ``holders(step)`` the object of the step beside it
-    that holds an incremental step's external values (``FileNotFoundError`` when gone).
+    ``path`` is then its URL, and ``holders(name)`` the object that holds an incremental
+    step's external values, ``name`` as the record gives it (a step beside it, or
+    ``../<step>/<file>`` for a process's file of a multi-process step;
+    ``FileNotFoundError`` when gone, ``ValueError`` for a name it does not take).
     """
 
     format = "h5"
@@ -631,7 +663,7 @@ class H5Reader(ContainerReader, SupportsShared):
 
     def _remote_holder(self, key: str, name: str) -> RemoteFile:
         """The object of step ``name`` beside this remote step, which holds ``key``'s bytes."""
-        if self._find_holder is None or "/" in name:
+        if self._find_holder is None:
             raise UnsupportedFormatError(
                 f"Checkpoint {str(self.path)!r} is an incremental step: {key!r} is stored in "
                 f"{name!r}, which this reader cannot reach."

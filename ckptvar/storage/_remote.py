@@ -54,8 +54,17 @@ from ..locations import (
 )
 from . import checksum as _checksum
 from ._container.source import RemoteFile
-from ._h5 import USERBLOCK_SIZE, H5Reader, index_regions, read_index, read_userblock, record_crc
-from ._sharded import INDEX_FILE
+from ._h5 import (
+    USERBLOCK_SIZE,
+    H5Reader,
+    index_regions,
+    read_index,
+    read_userblock,
+    record_crc,
+    write_stand_in,
+)
+from ._record import holder_step
+from ._sharded import INDEX_FILE, ShardedReader
 from ._sharded_remote import index_binding, is_sharded_record, open_sharded_remote
 from ._zarr_files import RECORD_PATH, chunk_key
 from ._zarr_remote import RemoteZarrReader
@@ -134,7 +143,9 @@ def _h5_source(parent: Location, name: str, record: CommitRecord) -> RemoteFile:
 def _holder_object(parent: Location, step: str) -> RemoteFile:
     """The data object of ``step`` beside an incremental HDF5 step, which holds bytes of
     its values (found by ``step``'s commit marker; ``FileNotFoundError`` naming what is
-    gone)."""
+    gone; ``ValueError`` for a name that is no step beside it)."""
+    if "/" in step:
+        raise ValueError(f"{step!r} is not a step beside it")
     record = read_commit(parent, step)
     if record is None:
         raise FileNotFoundError(f"its commit marker {parent.join(marker_key(step))} is gone")
@@ -148,13 +159,14 @@ def _holder_object(parent: Location, step: str) -> RemoteFile:
 def remote_external_files(url: str, storage_options: Mapping[str, Any] | None = None
                           ) -> set[str]:
     """The steps beside the committed step at ``url`` whose objects hold bytes of its values
-    (an incremental HDF5 step on an object store); empty for any other step.
-    ``CheckpointNotFoundError`` when it is not committed."""
+    (an incremental HDF5 step on an object store, of one process or several: its process
+    files'); empty for any other step. ``CheckpointNotFoundError`` when it is not
+    committed."""
     reader = open_remote_reader(url, storage_options=storage_options)
     try:
-        if not isinstance(reader, H5Reader):
+        if not isinstance(reader, H5Reader | ShardedReader):
             return set()
-        return {file for files in reader.shared().values() for file in files}
+        return {holder_step(file) for files in reader.shared().values() for file in files}
     finally:
         reader.close()
 
@@ -306,18 +318,7 @@ def _h5_base_copy(parent: Location, name: str, stub: Path) -> None:
         raise CheckpointNotFoundError(f"{parent.join(name)!r} is not committed")
     if is_sharded_record(record):
         raise UnsupportedFormatError(f"{parent.join(name)!r} was written by several processes")
-    source = _h5_source(parent, name, record)
-    _, _, offset, nbytes, _ = read_userblock(source, parent.join(name))
-    regions = {off: data for off, data in source.known}
-    if offset not in regions:  # no index object: the record from the data object
-        buf = bytearray(nbytes)
-        parent.read_into(record.data, offset, buf)
-        regions[offset] = bytes(buf)
-    with open(stub, "wb") as f:
-        f.truncate(source.size)
-        for off, data in regions.items():
-            f.seek(off)
-            f.write(data)
+    write_stand_in(_h5_source(parent, name, record), parent.join(name), stub)
 
 
 def save_remote_incremental(

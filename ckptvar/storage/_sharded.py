@@ -323,10 +323,12 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
     def shared(self) -> dict[str, list[str]]:
         """The values whose stored boxes other steps beside this one hold or share (an
         incremental multi-process step): key -> those steps' names (HDF5: the steps whose
-        files external links name; Zarr: those whose chunk files are the same files)."""
+        files external links name; Zarr: those whose chunk files are the same files).
+        On an object store, HDF5 only: a Zarr step there shares nothing (its unchanged
+        values are server-side copies)."""
         out: dict[str, list[str]] = {}
         if not isinstance(self._src, LocalStepFiles):
-            return out
+            return self._held_elsewhere()
         step = Path(self._src.display)
         siblings: list[Path] = []
         for key, boxes in self._boxes.items():
@@ -341,6 +343,22 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
                         siblings = sorted(p for p in step.parent.glob(f"*{step.suffix}")
                                           if p.name != step.name and not p.name.startswith("."))
                     names.update(_same_file(siblings, rel, st))
+            if names:
+                out[key] = sorted(names)
+        return out
+
+    def _held_elsewhere(self) -> dict[str, list[str]]:
+        """:meth:`shared` of a step on an object store: the steps whose process files hold
+        bytes of its HDF5 boxes (each process file's record names them)."""
+        out: dict[str, list[str]] = {}
+        for key, boxes in self._boxes.items():
+            names: set[str] = set()
+            for _, f, stored in boxes:
+                if not self._files[f].endswith(".h5"):
+                    continue
+                sub = self._sub(key, f)
+                if isinstance(sub, SupportsShared):
+                    names.update(holder_step(n) for n in sub.shared().get(stored, ()))
             if names:
                 out[key] = sorted(names)
         return out

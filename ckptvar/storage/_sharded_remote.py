@@ -17,13 +17,18 @@ the next save of the step takes it over, and ``CheckpointManager``'s clean-up an
 ``ckpt gc`` remove it with what it left.
 
 Readers (:func:`open_sharded_remote`) read the marker, then the index (checked against
-the marker), then only the per-process objects and byte ranges a read needs. Global
+the marker), then only the per-process objects and byte ranges a read needs. In an
+incremental HDF5 step a process's object refers to byte ranges of the same process's
+object in an older step, ``../<step>/rank-NNNNN.h5`` (docs/FORMAT.md, "Incremental
+steps"): found by that step's marker and read by ranged GETs. Global
 Zarr arrays (one array per variable across processes) are a local-disk layout; on an
 object store each box is stored in its writer's file.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -37,12 +42,13 @@ from ..locations import (
     claim,
     commit,
     marker_key,
+    read_commit,
     refuse_committed,
     upload_tree,
 )
 from . import checksum as _checksum
 from ._container.source import RemoteFile
-from ._h5 import H5Reader
+from ._h5 import H5Reader, write_stand_in
 from ._sharded import INDEX_FILE, ShardedReader
 from ._step_files import RemoteStepFiles
 from ._zarr import RECORD_PATH, chunk_key
@@ -50,6 +56,8 @@ from ._zarr_remote import RemoteZarrReader
 from .base import Reader
 
 __all__ = ["INDEX_CHECKSUM", "RemoteStep", "is_sharded_record", "open_sharded_remote"]
+
+logger = logging.getLogger("ckptvar")
 
 #: How a commit marker spells the checksum of a multi-process step's index.
 INDEX_CHECKSUM = "index-crc32c:"
@@ -114,6 +122,25 @@ class RemoteStep:
         (dest / record_key).write_bytes(record)
         return dest
 
+    def base_h5(self, base: str, name: str, dest: Path) -> Path | None:
+        """A local sparse stand-in at ``dest`` of the HDF5 file ``name`` of the step ``base``
+        beside this one: its size, user block and root record (what an incremental write
+        reads of its base, ``_h5.write_stand_in``); ``None`` when the process wrote no
+        file there (a file that cannot be read is logged: the process writes every value)."""
+        key = f"{base}/{name}"
+        try:
+            size = self.parent.size(key)
+        except FileNotFoundError:
+            return None
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            write_stand_in(RemoteFile(self.parent, key, size), self.parent.join(key), dest)
+        except (OSError, ValueError) as exc:  # CkptError subclasses one of them
+            logger.warning("Incremental save of %s: cannot read %s (%s); writing every value "
+                           "of this process.", self.url, self.parent.join(key), exc)
+            return None
+        return dest
+
     def commit(self, index: bytes, zarr_root: bytes | None = None) -> str:
         """Upload the root ``zarr.json`` (if any) and the index, then the marker; release the
         claim. ``CheckpointExistsError`` if another writer committed the step."""
@@ -143,7 +170,29 @@ def _open_file(location: Any, key: str, display: str) -> Reader:
     """A lazy reader of one process's file (HDF5 object or Zarr prefix) at ``key``."""
     if key.endswith(".zarr"):
         return RemoteZarrReader(display, location, key)
-    return H5Reader(display, source=RemoteFile(location, key, location.size(key)))
+    return H5Reader(display, source=RemoteFile(location, key, location.size(key)),
+                    holders=functools.partial(_holder_file, location))
+
+
+def _holder_file(location: Location, name: str) -> RemoteFile:
+    """The object of ``name`` (``../<step>/<file>``: a process's file of the committed
+    multi-process step ``<step>`` beside this one), which holds bytes of an incremental
+    step's values (found by the step's commit marker; ``FileNotFoundError`` naming what
+    is gone, ``ValueError`` for a name of another shape)."""
+    step, _, file = name[3:].partition("/") if name.startswith("../") else ("", "", "")
+    if not step or step.startswith(".") or not file or "/" in file:
+        raise ValueError(f"{name!r} is not a process's file of a step beside it")
+    record = read_commit(location, step)
+    if record is None:
+        raise FileNotFoundError(f"its commit marker {location.join(marker_key(step))} is gone")
+    if not is_sharded_record(record):
+        raise ValueError(f"{location.join(step)} is not a multi-process step")
+    key = f"{record.data}/{file}"
+    try:
+        size = location.size(key)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"its object {location.join(key)} is gone") from None
+    return RemoteFile(location, key, size)
 
 
 class _BoundStepFiles(RemoteStepFiles):

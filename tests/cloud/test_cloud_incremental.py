@@ -2,7 +2,8 @@
 server-side copies of the previous step's chunk objects (no byte through the client, counted
 by a TCP proxy), and the step stands alone once the older one is pruned; an HDF5 step's object
 holds only the changed values and refers to the older steps' objects, which pruning keeps.
-With several processes, each process's Zarr file is copied so."""
+With several processes, each process's Zarr file is copied so (HDF5 with several
+processes: tests/cloud/test_cloud_incremental_mpi.py)."""
 
 from __future__ import annotations
 
@@ -309,41 +310,5 @@ def test_three_processes_copy_their_unchanged_values_on_the_server(
     loc = s3.location("mp")
     assert list_committed_steps(loc) == ["ckpt-2.zarr"]  # the base was pruned
     got = cv.load(f"{run}/ckpt-2.zarr", storage_options=s3.storage_options)
-    for key, want in cases.expected(2).items():
-        assert np.array_equal(got[key], want), key
-
-
-def test_three_processes_write_whole_hdf5_steps_to_s3(s3: S3Bucket, proxy: FaultProxy) -> None:
-    """``coordinator=`` with HDF5 on S3: each process's object does not refer to older
-    ones yet, so every step is uploaded whole (the manager says so when made), loads
-    bit-exact, and the pruned step takes nothing with it."""
-    import json
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent.parent))
-    from test_distributed_mpi import _mpi_skip_reason, run_mpi
-
-    if _mpi_skip_reason() is not None:
-        pytest.skip(_mpi_skip_reason() or "")
-    cases_file = Path(__file__).parent.parent / "mpi" / "incremental_cases.py"
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("incremental_cases", cases_file)
-    assert spec is not None and spec.loader is not None
-    cases = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cases)
-    opts = {**s3.storage_options, "endpoint": proxy.endpoint}
-    run = f"{s3.url}/mph5"
-    up = []
-    for step in (1, 2):
-        proxy.reset_counts()
-        proc, got, _ = run_mpi(3, str(cases_file), "step", run, "h5", str(step),
-                               timeout=150, env={"S3_OPTIONS": json.dumps(opts)})
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert "writes full steps" in proc.stdout + proc.stderr
-        up.append(proxy.bytes_up)
-    whole = sum(a.nbytes for a in cases.expected(2).values())
-    assert up[1] > whole, up  # written whole, unlike Zarr's copies
-    assert list_committed_steps(s3.location("mph5")) == ["ckpt-2.h5"]
-    got = cv.load(f"{run}/ckpt-2.h5", storage_options=s3.storage_options)
     for key, want in cases.expected(2).items():
         assert np.array_equal(got[key], want), key
