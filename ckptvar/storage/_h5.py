@@ -569,7 +569,7 @@ class H5Reader(ContainerReader, SupportsShared):
         folded = self._folded.get(key)
         if folded is None:
             reads = [(self._file(key, f, off, 8 * n + n * (entry.nbytes // entry.shape[0])),
-                      off, n, crc, f"{p!r} in {f or self.path.name!r}")
+                      off, n, crc, f"{p!r} in {f or Path(self.path).name!r}")
                      for f, p, off, n, crc in d.patches]
             parts = read_patches(key, reads, entry.nbytes // entry.shape[0], entry.shape[0],
                                  seed=_checksum.header_crc(key, entry.dtype, entry.shape),
