@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -89,50 +90,51 @@ class RemoteZarrReader(ZarrReader):
     def _patched(self, key: str, entry: Entry) -> Patched:
         """A row delta (format 1.5): its base's chunk object, read by ranged GETs, with its
         patches (each one object, fetched whole in parallel and checked) laid over it;
-        each object's size is checked first, so one that is gone or cut short is named."""
+        the base's size is checked first, so an object that is gone or cut short is named."""
         d = self._record.deltas[key]
         expect = self.base_expect(key, entry)
-        rb = entry.nbytes // entry.shape[0]
         base_rel = f"{d.base[1]}/{chunk_key(len(entry.shape))}"
         folded = self._folded.get(key)
         if folded is None:
-            seed = _checksum.header_crc(key, entry.dtype, entry.shape)
-            tasks = [functools.partial(self._patch, key, f"{p}/{chunk_key(1)}", n, crc, rb,
-                                       entry.shape[0], seed)
-                     for _, p, _, n, crc in d.patches]
-            tasks.append(functools.partial(self._sized, key, base_rel, entry.nbytes, "base"))
+            tasks: list[Callable[[], Any]] = [
+                functools.partial(self._patch, key, entry, p[1], p[3], p[4]) for p in d.patches]
+            tasks.append(functools.partial(self._sized, key, base_rel, entry.nbytes))
             parts = _rawio.wait_all(_rawio.start_all(tasks))[:-1]
             # verified by its parts, the patches are laid once: in order, no fold first
             folded = self._folded[key] = (parts if expect is not None else
                                           [fold(parts, entry.shape[0])])
         base = RemoteFile(self._loc, self._obj(base_rel), entry.nbytes)
-        return Patched(base, 0, entry.nbytes, rb, folded, expect=expect)
+        return Patched(base, 0, entry.nbytes, entry.nbytes // entry.shape[0], folded,
+                       expect=expect)
 
-    def _sized(self, key: str, rel: str, nbytes: int, what: str) -> None:
-        """Refuse (naming it) the object ``rel`` of ``key`` when it is gone or not
-        ``nbytes`` long."""
+    def _sized(self, key: str, rel: str, nbytes: int) -> None:
+        """Refuse (naming it) ``key``'s base object ``rel`` when it is gone or not ``nbytes``
+        long."""
         full = self._loc.join(self._obj(rel))
         try:
             size = self._loc.size(self._obj(rel))
         except CheckpointNotFoundError:
-            raise self._damaged(key, f"has lost its {what} object {full}") from None
+            raise self._damaged(key, f"has lost its base object {full}") from None
         if size != nbytes:
-            raise self._damaged(key, f"has a {what} object of {size} bytes, expected "
-                                     f"{nbytes} ({full})")
+            raise self._damaged(key, f"has a base object of {size} bytes, expected {nbytes} "
+                                     f"({full})")
 
-    def _patch(self, key: str, rel: str, n: int, crc: int, row_bytes: int, nrows: int,
-               seed: int) -> tuple[np.ndarray, np.ndarray]:
-        """One row patch of ``key``, fetched whole and checked (:func:`.delta.decode_patch`)."""
-        full = self._loc.join(self._obj(rel))
+    def _patch(self, key: str, entry: Entry, path: str, n: int, crc: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """``key``'s row patch of ``n`` rows at ``path``, fetched whole and checked
+        (:func:`.delta.decode_patch`)."""
+        rel = self._obj(f"{path}/{chunk_key(1)}")
         try:
-            raw = self._loc.read(self._obj(rel))
+            raw = self._loc.read(rel)
         except CheckpointNotFoundError:
-            raise self._damaged(key, f"has lost its row patch object {full}") from None
+            raise self._damaged(key, f"has lost its row patch object {self._loc.join(rel)}"
+                                ) from None
         try:
-            return decode_patch(raw, n, row_bytes, nrows, crc=crc, seed=seed)
+            return decode_patch(raw, n, entry.nbytes // entry.shape[0], entry.shape[0], crc=crc,
+                                seed=_checksum.header_crc(key, entry.dtype, entry.shape))
         except ValueError as exc:
-            raise self._damaged(key, f"has a row patch {full} that {exc}; the checkpoint "
-                                     "is damaged") from None
+            raise self._damaged(key, f"has a row patch {self._loc.join(rel)} that {exc}; the "
+                                     "checkpoint is damaged") from None
 
     def shared(self) -> dict[str, list[str]]:
         """None: a Zarr step on an object store shares no object with another (what an
