@@ -565,6 +565,12 @@ class H5Reader(ContainerReader, SupportsShared):
         """A delta value (format 1.5): its base's bytes with its patches laid over them."""
         d = self._record.deltas[key]
         expect = self.base_expect(key, entry)
+        if self.remote:  # the steps holding the base and patches: found in parallel
+            steps = dict.fromkeys(f for f in (d.base[0], *(p[0] for p in d.patches))
+                                  if f and f not in self._holders)
+            if len(steps) > 1:
+                _rawio.wait_all(_rawio.start_all(
+                    [functools.partial(self._remote_holder, key, f) for f in steps]))
         base = self._file(key, d.base[0], d.base[2], entry.nbytes)
         folded = self._folded.get(key)
         if folded is None:
