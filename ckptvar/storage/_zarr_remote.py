@@ -137,9 +137,9 @@ class RemoteZarrReader(ZarrReader):
                                      "checkpoint is damaged") from None
 
     def shared(self) -> dict[str, list[str]]:
-        """None: a Zarr step on an object store shares no object with another (what an
+        """Empty: a Zarr step on an object store shares no object with another (what an
         incremental step takes from its base is a server-side copy, a row delta's base
-        and patches too), so nothing says which step it came from but ``deltas()``."""
+        and patches too); ``deltas()`` says which step wrote a delta's base."""
         return {}
 
     def packed_source(self) -> tuple[int | RemoteFile, int]:
