@@ -118,7 +118,8 @@ def test_patches_accumulate_merge_and_carry_over(s3: S3Bucket, fmt: str,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Each step adds its patch; past the patch limit one merged patch of every row since
     the base (read back from the store) replaces them; an unchanged table carries the
-    delta over. Every step, pruned or kept, loads bit-exact; HDF5 steps holding patches of
+    delta over, and so does a restarted manager (the table compared by its checksums).
+    Every step, pruned or kept, loads bit-exact; HDF5 steps holding patches of
     a kept step stay committed until the merge frees them."""
     monkeypatch.setattr(delta_rule, "MAX_PATCHES", 3)
     so = s3.storage_options
@@ -140,10 +141,14 @@ def test_patches_accumulate_merge_and_carry_over(s3: S3Bucket, fmt: str,
     with cv.open(step, storage_options=so) as reader:
         assert reader.deltas()["table"] == {"base": f"ckpt-1.{fmt}", "patches": 1, "rows": 8}
     assert np.array_equal(cv.load(step, storage_options=so)["table"], table.numpy())
+    step = _manager(ckpt, run, fmt, so, keep=1).save()  # restarted: equal by checksums
+    with cv.open(step, storage_options=so) as reader:
+        assert reader.deltas()["table"] == {"base": f"ckpt-1.{fmt}", "patches": 1, "rows": 8}
+    assert np.array_equal(cv.load(step, storage_options=so)["table"], table.numpy())
     kept = list_committed_steps(s3.location("run"))
     # HDF5: the base's step and the merged patch's step stay; the others were freed
-    assert kept == (["ckpt-6.zarr"] if fmt == "zarr" else ["ckpt-1.h5", "ckpt-5.h5",
-                                                           "ckpt-6.h5"])
+    assert kept == (["ckpt-7.zarr"] if fmt == "zarr" else ["ckpt-1.h5", "ckpt-5.h5",
+                                                           "ckpt-7.h5"])
 
 
 def _flip(loc: Any, key: str, at: int) -> None:
