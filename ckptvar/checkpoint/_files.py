@@ -11,6 +11,7 @@ user's path, never the hidden temporary (:func:`destination_error`).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -138,27 +139,33 @@ def write_file(
     ``copies`` (a local Zarr write): reused files are listed there, not linked.
     ``pieces`` (a local Zarr write): large values are stored as several chunks, so that
     an incremental step shares the unchanged ones (docs/FORMAT.md, "Pieces").
-    ``rows`` (a local write with ``base``): key -> the rows written since ``base``, of
-    changed values; such a value may be stored as a row delta (docs/FORMAT.md, "Row
-    deltas"). At a URL they are not used: the values are written as above.
+    ``rows`` (a write with ``base``): key -> the rows written since ``base``, of changed
+    values; such a value may be stored as a row delta (docs/FORMAT.md, "Row deltas"): at
+    a URL, a Zarr delta's base and earlier patches are server-side copies of the base
+    step's objects, an HDF5 delta refers to them in the objects that hold them.
     ``pack_threshold``: the writer's (docs/FORMAT.md, "Writer options"; None: its default).
     """
     if is_url(path):
         fmt = native_backend(os.fspath(path), format).name
+        # a delta's merge reads the base's patches from the store (docs/FORMAT.md)
+        base_reader = None if base is None else functools.partial(
+            open_remote_reader, os.fspath(base), fmt, storage_options)
         if base is not None and fmt == "zarr":
             return save_remote_incremental(
                 os.fspath(path), os.fspath(base),
-                lambda tmp, record, listed: write_file(
-                    tmp, fmt, arrays, meta, pack_threshold=pack_threshold, base=record,
-                    known=known, copies=listed),
+                lambda tmp, record, listed: write_values(
+                    Path(tmp), native_backend(tmp, fmt), arrays, meta, durable=True,
+                    pack_threshold=pack_threshold, base=record, known=known or {},
+                    copies=listed, rows=rows or None, base_reader=base_reader),
                 storage_options,
             )
         if base is not None and fmt == "h5":
             return save_remote_h5_incremental(
                 os.fspath(path), os.fspath(base),
-                lambda tmp, copy: write_file(
-                    tmp, fmt, arrays, meta, pack_threshold=pack_threshold, base=copy,
-                    known=known),
+                lambda tmp, copy: write_values(
+                    Path(tmp), native_backend(tmp, fmt), arrays, meta, durable=True,
+                    pack_threshold=pack_threshold, base=copy, known=known or {},
+                    rows=rows or None, base_reader=base_reader),
                 storage_options,
             )
         return str(save_remote(

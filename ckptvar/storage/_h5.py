@@ -597,11 +597,17 @@ class H5Reader(ContainerReader, SupportsShared):
         """A delta value (format 1.5): its base's bytes with its patches laid over them."""
         d = self._record.deltas[key]
         expect = self.base_expect(key, entry)
+        if self.remote:  # the steps holding the base and patches: found in parallel
+            steps = dict.fromkeys(f for f in (d.base[0], *(p[0] for p in d.patches))
+                                  if f and f not in self._holders)
+            if len(steps) > 1:
+                _rawio.wait_all(_rawio.start_all(
+                    [functools.partial(self._remote_holder, key, f) for f in steps]))
         base = self._file(key, d.base[0], d.base[2], entry.nbytes)
         folded = self._folded.get(key)
         if folded is None:
             reads = [(self._file(key, f, off, 8 * n + n * (entry.nbytes // entry.shape[0])),
-                      off, n, crc, f"{p!r} in {f or self.path.name!r}")
+                      off, n, crc, f"{p!r} in {f or Path(self.path).name!r}")
                      for f, p, off, n, crc in d.patches]
             parts = read_patches(key, reads, entry.nbytes // entry.shape[0], entry.shape[0],
                                  seed=_checksum.header_crc(key, entry.dtype, entry.shape),

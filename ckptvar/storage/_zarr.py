@@ -168,12 +168,15 @@ class ZarrWriter(ContainerWriter):
     def _delta_for(self, it: ValueWrite, entry: Entry, was: Delta | None,
                    holder: Any) -> DeltaWrite | None:
         """A Zarr delta takes the base's whole copy and earlier patches into this step by
-        hard link (so the step stands alone); its own patch is an array here. Not on an
-        object store (a server-side copy of each file would do, not done yet)."""
-        if self.copies is not None or self.compression is not None or self.base is None:
+        hard link (so the step stands alone); its own patch is an array here. On an object
+        store (``copies``) they are server-side copies instead, of a base in one chunk
+        object that one copy can take."""
+        if self.compression is not None or self.base is None:
             return None
         rec = self._base_record
         if rec is None:
+            return None
+        if self.copies is not None and (it.key in rec.pieces or entry.nbytes > COPY_LIMIT):
             return None
         if was is None:
             src, earlier, since = entry.loc.path or "", [], self.base.name
@@ -517,7 +520,7 @@ class _Tree:
         """One value's chunk file (or, with ``rows``, chunk files) into ``d``."""
         if it.delta is not None:
             assert self.base is not None
-            self._write_delta(it.delta, self.base)
+            self._write_delta(it.delta, self.base, len(it.shape))
         elif rows is not None:
             self._write_pieces(it, d, rows, held.get(it.key, {}))
         elif it.held is not None and it.nbytes:
@@ -527,12 +530,16 @@ class _Tree:
         elif raw and it.nbytes:
             self.write(d / chunk_key(len(it.shape)), it.view)
 
-    def _write_delta(self, delta: DeltaWrite, base: Path) -> None:
+    def _write_delta(self, delta: DeltaWrite, base: Path, ndim: int) -> None:
         """A delta's arrays: the base's whole copy and earlier patches linked from the
-        base step ``base`` (every file of each array directory), its own patch written."""
-        for src, dst in delta.links:
+        base step ``base`` (every file of each array directory; listed for a server-side
+        copy: the document and the one chunk, ``ndim`` the value's), its own patch
+        written."""
+        for j, (src, dst) in enumerate(delta.links):
             d = self.array_dir(dst)
-            for f in sorted(os.listdir(base / src)):
+            files = (sorted(os.listdir(base / src)) if self.deferred is None else
+                     ["zarr.json", chunk_key(ndim if j == 0 else 1)])
+            for f in files:
                 self.link(os.fspath(base / src / f), d / f)
         if not delta.rows.size:  # unchanged: the base's delta as it is
             return

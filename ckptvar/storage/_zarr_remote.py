@@ -2,21 +2,26 @@
 
 Owns :class:`RemoteZarrReader`: the root ``zarr.json`` and the record by one GET
 each, each value from its chunk object (or the packed blob) through a
-:class:`._container.source.RemoteFile`; the reads themselves are the container
-reader's, as for a local directory.
+:class:`._container.source.RemoteFile`, a row delta's from its base's chunk object and
+its patch objects; the reads themselves are the container reader's, as for a local
+directory.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from . import checksum as _checksum
+from . import rawio as _rawio
 from ._container import PACKED_PATH, ContainerReader, Source
-from ._container.source import RemoteFile
+from ._container.delta import decode_patch, fold, in_base
+from ._container.source import Patched, RemoteFile
 from ._record import PACKED, Entry, Record, decode
 from ._zarr import RECORD_PATH, ZarrReader, chunk_key, zarr_api
 from ._zarr_files import root_record_ref
@@ -34,6 +39,8 @@ class RemoteZarrReader(ZarrReader):
         self._packed_rf: RemoteFile | None = None
         #: CRC-32C of the root record's bytes (what a commit marker binds).
         self.record_crc = 0
+        #: a delta value's patches, read and checked (folded into one when laid twice)
+        self._folded: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         record = self._load_remote_record(url)
         ContainerReader.__init__(self, url, record)
 
@@ -69,20 +76,71 @@ class RemoteZarrReader(ZarrReader):
 
     def _open_array(self, key: str, entry: Entry) -> Source:
         self.check_open()
-        if self._record.deltas and key in self._record.deltas:
-            raise UnsupportedFormatError(
-                f"Checkpoint {self.path!r}: {key!r} is stored as a row delta (a local "
-                "incremental step, format 1.5), which ckptvar reads from a local directory "
-                "only; copy the step to a disk, or `ckpt convert` it there first."
-            )
         if self._record.pieces and key in self._record.pieces:
             raise UnsupportedFormatError(
                 f"Checkpoint {self.path!r}: {key!r} is stored as several chunk files (a "
                 "local incremental step, format 1.4), which ckptvar reads from a local "
                 "directory only; copy the step to a disk, or `ckpt convert` it there first."
             )
+        if self._record.deltas and key in self._record.deltas:
+            return Source(self._patched(key, entry), 0, True)
         rel = f"{entry.loc.path}/{chunk_key(len(entry.shape))}"
         return Source(RemoteFile(self._loc, self._obj(rel), entry.nbytes), 0, False)
+
+    def _patched(self, key: str, entry: Entry) -> Patched:
+        """A row delta (format 1.5): its base's chunk object, read by ranged GETs, with its
+        patches (each one object, fetched whole in parallel and checked) laid over it;
+        the base's size is checked first, so an object that is gone or cut short is named."""
+        d = self._record.deltas[key]
+        expect = self.base_expect(key, entry)
+        base_rel = f"{d.base[1]}/{chunk_key(len(entry.shape))}"
+        folded = self._folded.get(key)
+        if folded is None:
+            tasks: list[Callable[[], Any]] = [
+                functools.partial(self._patch, key, entry, p[1], p[3], p[4]) for p in d.patches]
+            tasks.append(functools.partial(self._sized, key, base_rel, entry.nbytes))
+            parts = _rawio.wait_all(_rawio.start_all(tasks))[:-1]
+            # verified by its parts, the patches are laid once: in order, no fold first
+            folded = self._folded[key] = (parts if expect is not None else
+                                          [fold(parts, entry.shape[0])])
+        base = RemoteFile(self._loc, self._obj(base_rel), entry.nbytes)
+        return Patched(base, 0, entry.nbytes, entry.nbytes // entry.shape[0], folded,
+                       expect=expect)
+
+    def _sized(self, key: str, rel: str, nbytes: int) -> None:
+        """Refuse (naming it) ``key``'s base object ``rel`` when it is gone or not ``nbytes``
+        long."""
+        full = self._loc.join(self._obj(rel))
+        try:
+            size = self._loc.size(self._obj(rel))
+        except CheckpointNotFoundError:
+            raise self._damaged(key, f"has lost its base object {full}") from None
+        if size != nbytes:
+            raise self._damaged(key, f"has a base object of {size} bytes, expected {nbytes} "
+                                     f"({full})")
+
+    def _patch(self, key: str, entry: Entry, path: str, n: int, crc: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """``key``'s row patch of ``n`` rows at ``path``, fetched whole and checked
+        (:func:`.delta.decode_patch`)."""
+        rel = self._obj(f"{path}/{chunk_key(1)}")
+        try:
+            raw = self._loc.read(rel)
+        except CheckpointNotFoundError:
+            raise self._damaged(key, f"has lost its row patch object {self._loc.join(rel)}"
+                                ) from None
+        try:
+            return decode_patch(raw, n, entry.nbytes // entry.shape[0], entry.shape[0], crc=crc,
+                                seed=_checksum.header_crc(key, entry.dtype, entry.shape))
+        except ValueError as exc:
+            raise self._damaged(key, f"has a row patch {self._loc.join(rel)} that {exc}; the "
+                                     "checkpoint is damaged") from None
+
+    def shared(self) -> dict[str, list[str]]:
+        """Empty: a Zarr step on an object store shares no object with another (what an
+        incremental step takes from its base is a server-side copy, a row delta's base
+        and patches too); ``deltas()`` says which step wrote a delta's base."""
+        return {}
 
     def packed_source(self) -> tuple[int | RemoteFile, int]:
         self.check_open()
@@ -112,8 +170,16 @@ class RemoteZarrReader(ZarrReader):
                 if e.loc.kind == PACKED
                 else f"{e.loc.path}/{chunk_key(len(e.shape))}"
             )
+            if self._record.deltas and key in self._record.deltas:  # damage in its base
+                d = self._record.deltas[key]
+                rel = f"{d.base[1]}/{chunk_key(len(e.shape))}"
+                what = in_base(what, d, self.path.rpartition("/")[2])
             where = f" (object {self._loc.join(self._obj(rel))})"
-        return CorruptCheckpointError(f"Checkpoint {self.path!r}: value {key!r} {what}{where}.")
+        return self._damaged(key, what + where)
+
+    def _damaged(self, key: str, what: str) -> CorruptCheckpointError:
+        """The error saying value ``key`` ``what`` (which names the object)."""
+        return CorruptCheckpointError(f"Checkpoint {self.path!r}: value {key!r} {what}.")
 
     def close(self) -> None:
         ContainerReader.close(self)

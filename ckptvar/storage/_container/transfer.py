@@ -65,8 +65,8 @@ class TransferValue:
     to read.
     """
 
-    __slots__ = ("crcs", "dest", "entry", "expect", "got", "key", "left", "pieces", "src",
-                 "view")
+    __slots__ = ("crcs", "dest", "entry", "expect", "got", "key", "left", "patched", "pieces",
+                 "src", "view")
 
     def __init__(
         self, key: str, entry: Entry, dest: np.ndarray | None, src: Source | None = None
@@ -82,6 +82,8 @@ class TransferValue:
         self.left = len(self.pieces)
         #: Set when a row delta is verified by its parts: what its base's bytes must hash to.
         self.expect: int | None = None
+        #: A row delta read from an object store: its rows, laid as its base's bytes arrive.
+        self.patched: _src.Patched | None = None
 
     def release(self) -> None:
         """Close ``src`` if the value owns it (idempotent)."""
@@ -115,6 +117,30 @@ def _piece(v: TransferValue, i: int, use: Source, verify: bool) -> None:
         assert isinstance(use.fd, _src.Patched)
         use.fd.lay(np.asarray(buf[:got]), use.offset + pos)
     v.got[i] = got
+
+
+def _patched_chunk(v: TransferValue, i: int, at: int, chunk: memoryview, verify: bool) -> None:
+    """Bytes of a row delta's base at ``at`` in the value (piece ``i``), from an object
+    store: hashed as stored when verified by its parts (``v.expect``), the patched rows
+    laid over them in the buffer; else hashed once the rows are laid (the assembled
+    value's checksum)."""
+    p = v.patched
+    assert p is not None
+    n = chunk.nbytes
+    if v.expect is not None:
+        v.crcs[i] = _checksum.crc(chunk, v.crcs[i])
+    if v.view is not None:
+        out = np.frombuffer(v.view[at : at + n], np.uint8)
+        out[...] = np.frombuffer(chunk, np.uint8)
+    elif v.expect is None:
+        out = np.frombuffer(chunk, np.uint8).copy()  # only hashed: the rows laid on a copy
+    else:
+        out = None
+    if out is not None:
+        p.lay(out, at)
+        if v.expect is None and (verify or v.view is None):
+            v.crcs[i] = _checksum.crc(out, v.crcs[i])
+    v.got[i] += n
 
 
 #: A piece of a remote read: ``(offset_in_object, nbytes, value, piece_index)``.
@@ -252,13 +278,19 @@ class Transfer:
                 _src.close(src.fd)
 
     def _by_object(self) -> list[tuple[_src.RemoteFile, list[_Piece]]]:
-        """The pieces grouped by the remote object holding them."""
+        """The pieces grouped by the remote object holding them (a row delta's: its base's
+        object, its rows laid as they arrive)."""
         groups: dict[tuple[int, str], tuple[_src.RemoteFile, list[_Piece]]] = {}
         for v in self.values:
             src = v.src if v.src is not None else self.reader.source(v.key, v.entry)
-            rf = src.fd
+            rf, at = src.fd, src.offset
+            if isinstance(rf, _src.Patched):
+                v.patched = rf
+                if rf.expect is not None and (self.verify or v.view is None):
+                    v.expect = rf.expect  # verified by its parts: the base's bytes hashed
+                rf, at = rf.base, rf.offset + at
             assert isinstance(rf, _src.RemoteFile)
-            at = rf.base + src.offset
+            at += rf.base
             _, pieces = groups.setdefault((id(rf.location), rf.key), (rf, []))
             pieces.extend((at + pos, n, v, i) for i, (pos, n) in enumerate(v.pieces))
         return list(groups.values())
@@ -268,8 +300,11 @@ class Transfer:
 
         def sink(j: int, pos: int, chunk: memoryview) -> None:
             _, _, v, i = group[j]
+            at = v.pieces[i][0] + pos
+            if v.patched is not None:
+                _patched_chunk(v, i, at, chunk, hash_all)
+                return
             if v.view is not None:
-                at = v.pieces[i][0] + pos
                 v.view[at : at + chunk.nbytes] = chunk
             if hash_all or v.view is None:
                 v.crcs[i] = _checksum.crc(chunk, v.crcs[i])

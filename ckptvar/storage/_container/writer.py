@@ -241,17 +241,21 @@ class ContainerWriter(Writer):
         base: Path | None = None,
         known: Mapping[str, bool] | None = None,
         rows: Mapping[str, np.ndarray] | None = None,
+        base_reader: Callable[[], Any] | None = None,
     ) -> None:
         """``base``: a committed checkpoint of this container whose bytes the new one may
         refer to instead of writing them again (an incremental save; ``known``: key -> True
         when unchanged since ``base`` was written, False when changed; others are compared
         by their block checksums; ``rows``: key -> the sorted rows (first-axis indices)
         written since ``base``, of changed values whose writes were tracked: such a value
-        may be stored as a row delta, docs/FORMAT.md "Row deltas")."""
+        may be stored as a row delta, docs/FORMAT.md "Row deltas"; ``base_reader()``: a
+        reader of the base where ``base`` is a local stand-in of a step on an object
+        store, holding only its record)."""
         self.path = Path(path)
         self.base = None if base is None else Path(base)
         self.known: Mapping[str, bool] = known or {}
         self.rows: Mapping[str, np.ndarray] = rows or {}
+        self._base_reader = base_reader
         #: The keys stored as row deltas (set by ``commit``).
         self.deltas: list[str] = []
         #: The keys whose bytes the base holds (set by ``commit``).
@@ -456,7 +460,8 @@ class ContainerWriter(Writer):
         they cannot be read (the value is then written whole)."""
         assert self.base is not None
         try:
-            reader = self._open_base_reader(self.base)
+            reader = (self._open_base_reader(self.base) if self._base_reader is None
+                      else self._base_reader())
             try:
                 rows: np.ndarray = reader.delta_rows(key)
                 return rows

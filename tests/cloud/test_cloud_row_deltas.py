@@ -1,0 +1,233 @@
+"""Row deltas on an object store (local S3 server, one process): a changed ``cv.Variable``
+table with a few rows touched uploads about those rows (counted by a TCP proxy), not the
+table. Zarr: the delta's base and earlier patches are server-side copies of the base
+step's objects, so the step stands alone once the older one is pruned; HDF5: the step's
+object holds only its patch and refers to the objects holding the base and the earlier
+patches, which pruning keeps. Every reader reads such a step, and damage of a patch or of
+the base is a ``CorruptCheckpointError`` naming it, with nothing restored."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptvar as cv
+from ckptvar.locations import list_committed_steps
+from ckptvar.storage._container import delta as delta_rule
+
+from ._s3 import FaultProxy, S3Bucket
+from .test_cloud_cli import _ckpt
+
+ROWS, COLS = 8192, 64  # 2 MiB of float32: 8,192 rows of 256 bytes
+TOUCHED = np.array([7, 900, 4096])
+FORMATS = ["zarr", "h5"]
+
+
+def _table() -> tuple[cv.Checkpoint, cv.Variable]:
+    rng = np.random.default_rng(0)
+    table = cv.Variable(rng.random((ROWS, COLS), dtype=np.float32), name="table")
+    return cv.Checkpoint(table=table), table
+
+
+def _manager(ckpt: cv.Checkpoint, run: str, fmt: str, opts: dict[str, Any],
+             keep: int | None = 1) -> cv.CheckpointManager:
+    return cv.CheckpointManager(ckpt, run, max_to_keep=keep, format=fmt,
+                                storage_options=opts, incremental=True)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_step_of_three_changed_rows_uploads_the_rows_and_reads_everywhere(
+        s3: S3Bucket, proxy: FaultProxy, fmt: str, tmp_path: Path) -> None:
+    opts = {**s3.storage_options, "endpoint": proxy.endpoint}
+    so = s3.storage_options
+    run = f"{s3.url}/run"
+    ckpt, table = _table()
+    manager = _manager(ckpt, run, fmt, opts)
+    proxy.reset_counts()
+    manager.save()
+    full_up = proxy.bytes_up
+    assert full_up > table.numpy().nbytes  # the first step is written whole
+
+    table.scatter_add(TOUCHED, np.ones((3, COLS), np.float32))
+    proxy.reset_counts()
+    step = manager.save()
+    # three rows (768 bytes and their indices), the record, documents, marker, requests
+    assert proxy.bytes_up < 48 * 1024, proxy.bytes_up
+    want = table.numpy().copy()
+
+    loc = s3.location("run")
+    if fmt == "zarr":  # the base was copied on the server: pruned, the step stands alone
+        assert list_committed_steps(loc) == ["ckpt-2.zarr"]
+        assert not any(o.key.startswith("ckpt-1.") for o in loc.list())
+    else:  # the base's object holds the whole copy: kept (committed, not listed)
+        assert list_committed_steps(loc) == ["ckpt-1.h5", "ckpt-2.h5"]
+    assert manager.checkpoints == [step]
+
+    assert np.array_equal(cv.load(step, storage_options=so)["table"], want)
+    with cv.open(step, storage_options=so) as reader:
+        assert reader.deltas() == {"table": {"base": f"ckpt-1.{fmt}", "patches": 1,
+                                             "rows": 3}}
+        assert np.array_equal(reader["table"][900], want[900])  # a slice: ranged GETs
+        assert np.array_equal(reader["table"][4000:4100], want[4000:4100])
+        reader.verify("table")
+    fresh = cv.Variable(np.zeros((ROWS, COLS), np.float32), name="table")
+    cv.Checkpoint(table=fresh).restore(step, storage_options=so).assert_consumed()
+    assert np.array_equal(fresh.numpy(), want)
+
+    _ckpt_reads(s3, step, fmt, want, tmp_path)
+    if fmt == "zarr":
+        _plain_zarr_reads(loc, want)
+
+
+def _ckpt_reads(s3: S3Bucket, step: str, fmt: str, want: np.ndarray, tmp_path: Path) -> None:
+    """``ckpt`` (a subprocess): inspect lists the delta, verify passes, convert writes a
+    standalone copy."""
+    res = _ckpt(s3, "inspect", "--json", step)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert json.loads(res.stdout)["deltas"]["table"]["base"] == f"ckpt-1.{fmt}"
+    res = _ckpt(s3, "verify", step)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = tmp_path / f"alone.{fmt}"
+    res = _ckpt(s3, "convert", step, str(out))  # a standalone copy: every value whole
+    assert res.returncode == 0, res.stdout + res.stderr
+    with cv.open(out) as reader:
+        assert reader.deltas() == {}
+    assert np.array_equal(cv.load(out)["table"], want)
+
+
+def _plain_zarr_reads(loc: Any, want: np.ndarray) -> None:
+    """A plain zarr reader sees the base and the patch by name: the value is the base
+    with the patch's rows assigned."""
+    zarr = pytest.importorskip("zarr")
+    store = zarr.storage.ObjectStore(loc.zarr_store("ckpt-2.zarr"), read_only=True)
+    group = zarr.open_group(store, mode="r")
+    base = np.asarray(group["table/base"][...]).view(np.float32).reshape(ROWS, COLS)
+    patch = np.asarray(group["table/patch-0"][...])
+    rows = patch[:24].view("<u8")
+    assert rows.tolist() == TOUCHED.tolist()
+    base[rows] = patch[24:].view(np.float32).reshape(3, COLS)
+    assert np.array_equal(base, want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_patches_accumulate_merge_and_carry_over(s3: S3Bucket, fmt: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each step adds its patch; past the patch limit one merged patch of every row since
+    the base (read back from the store) replaces them; an unchanged table carries the
+    delta over, and so does a restarted manager (the table compared by its checksums).
+    Every step, pruned or kept, loads bit-exact; HDF5 steps holding patches of
+    a kept step stay committed until the merge frees them."""
+    monkeypatch.setattr(delta_rule, "MAX_PATCHES", 3)
+    so = s3.storage_options
+    run = f"{s3.url}/run"
+    ckpt, table = _table()
+    manager = _manager(ckpt, run, fmt, so, keep=1)
+    manager.save()
+    seen = []
+    for i in range(4):
+        table.scatter_update(np.array([10 * i, 5000 + i]), np.full((2, COLS), i, np.float32))
+        step = manager.save()
+        assert np.array_equal(cv.load(step, storage_options=so)["table"], table.numpy())
+        with cv.open(step, storage_options=so) as reader:
+            seen.append(reader.deltas()["table"]["patches"])
+    assert seen == [1, 2, 3, 1]  # the fourth step merged: 8 rows in one patch
+    with cv.open(step, storage_options=so) as reader:
+        assert reader.deltas()["table"]["rows"] == 8
+    step = manager.save()  # unchanged: the delta carried over, no patch of its own
+    with cv.open(step, storage_options=so) as reader:
+        assert reader.deltas()["table"] == {"base": f"ckpt-1.{fmt}", "patches": 1, "rows": 8}
+    assert np.array_equal(cv.load(step, storage_options=so)["table"], table.numpy())
+    step = _manager(ckpt, run, fmt, so, keep=1).save()  # restarted: equal by checksums
+    with cv.open(step, storage_options=so) as reader:
+        assert reader.deltas()["table"] == {"base": f"ckpt-1.{fmt}", "patches": 1, "rows": 8}
+    assert np.array_equal(cv.load(step, storage_options=so)["table"], table.numpy())
+    kept = list_committed_steps(s3.location("run"))
+    # HDF5: the base's step and the merged patch's step stay; the others were freed
+    assert kept == (["ckpt-7.zarr"] if fmt == "zarr" else ["ckpt-1.h5", "ckpt-5.h5",
+                                                           "ckpt-7.h5"])
+
+
+def _flip(loc: Any, key: str, at: int) -> None:
+    data = bytearray(loc.read(key))
+    data[at] ^= 0xFF
+    loc.put(key, bytes(data))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("part", ["patch", "base", "gone"])
+def test_damage_of_a_patch_or_the_base_is_named_and_nothing_is_restored(
+        s3: S3Bucket, fmt: str, part: str) -> None:
+    so = s3.storage_options
+    run = f"{s3.url}/run"
+    ckpt, table = _table()
+    manager = _manager(ckpt, run, fmt, so, keep=None)
+    manager.save()
+    table.scatter_add(TOUCHED, np.ones((3, COLS), np.float32))
+    step = manager.save()
+    loc = s3.location("run")
+    with cv.open(step, storage_options=so) as reader:
+        d = reader.record.deltas["table"]
+    if part == "gone":  # the patch's object (Zarr), the base's step (HDF5) deleted
+        doomed = ("ckpt-2.zarr/table/patch-0/" if fmt == "zarr" else "ckpt-1.h5")
+        loc.delete([o.key for o in loc.list() if o.key.startswith(doomed)])
+        named = "patch-0/c.0" if fmt == "zarr" else "ckpt-1.h5"
+    elif fmt == "zarr":
+        key = "ckpt-2.zarr/table/" + ("patch-0/c.0" if part == "patch" else "base/c.0.0")
+        _flip(loc, key, 8 * 3 + 5 if part == "patch" else 100)
+        named = key.rpartition("/")[0].rpartition("/")[2]
+    else:
+        holder = "ckpt-2.h5" if part == "patch" else "ckpt-1.h5"
+        data = [o.key for o in loc.list()
+                if o.key.startswith(f"{holder}.") and o.key.endswith(".data")]
+        offset = d.patches[0][2] + 30 if part == "patch" else d.base[2] + 100
+        _flip(loc, data[0], offset)
+        named = "patch-0" if part == "patch" else "ckpt-1.h5"
+    with pytest.raises(cv.CorruptCheckpointError, match=rf"'table'.*{named}"):
+        cv.load(step, storage_options=so)
+    fresh = cv.Variable(np.zeros((ROWS, COLS), np.float32), name="table")
+    with pytest.raises(cv.CorruptCheckpointError, match=rf"'table'.*{named}"):
+        cv.Checkpoint(table=fresh).restore(step, storage_options=so)
+    assert not fresh.numpy().any()  # nothing the user had changed
+    with cv.open(step, storage_options=so) as reader:  # what `ckpt verify` reports
+        [(key, reason)] = reader.verify_all()
+        assert key == "table" and named in reason
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_delta_without_its_bases_checksums_is_checked_assembled(
+        s3: S3Bucket, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record from before the base's checksums (written here as that writer did): the
+    patched rows are laid as the base's bytes stream in, and the assembled bytes are
+    hashed, read into a buffer or only verified; damage in the base is caught so."""
+    from ckptvar.storage._container import writer
+
+    monkeypatch.setattr(writer, "_base_checksums", lambda *_: (None, None))
+    so = s3.storage_options
+    ckpt, table = _table()
+    manager = _manager(ckpt, f"{s3.url}/run", fmt, so, keep=None)
+    manager.save()
+    table.scatter_add(np.array([0, 4095, 4096, ROWS - 1]), np.ones((4, COLS), np.float32))
+    step = manager.save()
+    want = table.numpy().copy()
+    for verify in (True, False):
+        assert np.array_equal(cv.load(step, storage_options=so, verify=verify)["table"], want)
+    with cv.open(step, storage_options=so) as reader:
+        assert reader.record.deltas["table"].base_checksum is None
+        assert reader.verify_all() == []
+    loc = s3.location("run")
+    if fmt == "zarr":
+        _flip(loc, "ckpt-2.zarr/table/base/c.0.0", 5000)
+    else:
+        with cv.open(step, storage_options=so) as reader:
+            at = reader.record.deltas["table"].base[2] + 5000
+        _flip(loc, next(o.key for o in loc.list()
+                        if o.key.startswith("ckpt-1.h5.") and o.key.endswith(".data")), at)
+    with pytest.raises(cv.CorruptCheckpointError, match=r"'table' fails its checksum .*its base"):
+        cv.load(step, storage_options=so)
+    with cv.open(step, storage_options=so) as reader:
+        [(key, _)] = reader.verify_all()
+        assert key == "table"
