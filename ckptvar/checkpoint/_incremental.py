@@ -63,11 +63,12 @@ class IncrementalSave:
 
     def on(self, base: Path | str | None) -> IncrementalSave:
         """This save on ``base`` (a multi-process save takes rank 0's base; ``None``:
-        none): what is known holds only for the step it was known for; on another, every
-        value is compared. (Row deltas are single-process only: none here.)"""
+        none): what is known, and the rows written since, hold only for the step they
+        were known for; on another, every value is compared and none is a row delta."""
         same = (base is not None and self.base is not None
                 and _name(base) == _name(self.base))
-        return IncrementalSave(base, self.known if same else {}, self.versions, self.owner)
+        return IncrementalSave(base, self.known if same else {}, self.versions, self.owner,
+                               self.changed if same else {})
 
     def committed(self, path: str | os.PathLike[str]) -> None:
         """The step is durable: the next save builds on it."""
@@ -105,11 +106,20 @@ class Incremental:
             old = self._versions
             for key, now in versions.items():
                 before = old.get(key)
-                if before is not None:
-                    known[key] = before == now
-                    if before != now:
-                        changed[key] = (tracked[key], before)
+                if before is None:
+                    continue
+                var = tracked[key]
+                if before != now and _no_rows(rows_written(var, before)):
+                    before = now  # written, but no row (``scatter_update`` of no index)
+                known[key] = before == now
+                if before != now:
+                    changed[key] = (var, before)
         return IncrementalSave(base, known, versions, self, changed)
+
+
+def _no_rows(rows: Any) -> bool:
+    """Whether the writes since a version are known to have touched no row."""
+    return rows is not None and not rows.size
 
 
 def _name(path: str | os.PathLike[str]) -> str:
