@@ -32,8 +32,9 @@ from typing import Any
 import numpy as np
 
 WIDTH = 64  # float32: 256 bytes a row
-#: rows per process (each box at least 1 MiB: row deltas start there)
-COUNTS = {2: (8192, 7168), 3: (6144, 5120, 4096)}
+#: rows per process (each box at least 1 MiB: row deltas start there; not a regular
+#: grid, so a Zarr step keeps the boxes in the process files)
+COUNTS = {2: (7168, 8192), 3: (6144, 5120, 4096)}  # no regular grid
 ROWS = 15_360  # 3.75 MiB
 TOUCHED = 150  # rows per step (about 1%)
 
@@ -48,8 +49,8 @@ def touched(step: int) -> np.ndarray:
 
 
 def _rows_at(step: int, rows: np.ndarray) -> np.ndarray:
-    return (np.arange(rows.size * WIDTH, dtype=np.float32).reshape(rows.size, WIDTH)
-            + np.float32(step * 1000)) + rows[:, None].astype(np.float32)
+    """The values ``rows`` (global indices) take at ``step`` (exact in float32)."""
+    return (rows[:, None] * WIDTH + np.arange(WIDTH) + step * 1_000_000).astype(np.float32)
 
 
 def expected(step: int) -> np.ndarray:
@@ -93,15 +94,16 @@ def added_bytes(step: Path) -> int:
                if p.is_file() and p.stat().st_nlink == 1)
 
 
-def delta_keys(step: Path) -> dict[str, list[str]]:
-    """Per process file of ``step``: the keys stored as row deltas there."""
+def delta_keys(step: Path) -> dict[str, dict[str, int]]:
+    """Per process file of ``step``: the keys stored as row deltas there, with their
+    numbers of patches."""
     import ckptvar as cv
 
     out = {}
     for f in sorted(step.glob("rank-*")):
         with cv.open(f) as r:
             assert isinstance(r, cv.storage.SupportsDeltas)
-            out[f.name] = sorted(r.deltas())
+            out[f.name] = {k: d["patches"] for k, d in r.deltas().items()}
     return out
 
 
