@@ -14,6 +14,8 @@ stores them in the per-process files too, not as a global array) and trains it w
   rows of step 6). Every listed step is restored on these processes.
 - ``restore`` (any number): every listed step is restored into this many processes'
   boxes and compared with :func:`expected`.
+- ``bench`` (``DIR FORMAT MIB``): the bytes and time per step of row deltas against full
+  steps (:func:`bench`; the figures in docs/benchmarks.md).
 
 :func:`expected` is the full value at a step (the test's plain ``cv.load`` compares
 with it too).
@@ -187,9 +189,62 @@ def main(mode: str, root: Path, fmt: str) -> None:
         f.write(json.dumps({"case": mode, "rank": rank, **fields}) + "\n")
 
 
+def bench(root: Path, fmt: str, mib: int, steps: int = 6) -> None:
+    """The ``bench`` mode (docs/benchmarks.md): each process holds about ``mib`` MiB of
+    a table (boxes of different sizes) and ``scatter_update``s 1% of its rows per step
+    (Zipf ids spread over the rows); an incremental manager and a full one save the same
+    states in turn. Rank 0 reports per step the bytes added on disk, the bytes changed
+    and each save's time (the collective save's, on rank 0)."""
+    import time
+
+    import ckptvar as cv
+
+    coord = cv.distributed.from_env(timeout=120)
+    rank, size = coord.rank, coord.size
+    per = mib * (1 << 20) // (WIDTH * 4)
+    counts = [per + (r - size // 2) * (per // 16) for r in range(size)]
+    total = sum(counts)
+    lo = sum(counts[:rank])
+    table = cv.Variable(np.random.default_rng(rank).random((counts[rank], WIDTH),
+                                                           dtype=np.float32),
+                        name="table", shard=cv.Shard(full_shape=(total, WIDTH), offset=(lo, 0)))
+    ckpt = cv.Checkpoint(table=table)
+    incr = cv.CheckpointManager(ckpt, root / "incr", max_to_keep=2, format=fmt,
+                                incremental=True, coordinator=coord)
+    full = cv.CheckpointManager(ckpt, root / "full", max_to_keep=1, format=fmt,
+                                coordinator=coord)
+    perm = np.random.default_rng(7).permutation(total)
+    rows: list[dict[str, float]] = []
+    for step in range(1, steps + 1):
+        changed = 0
+        if step > 1:
+            ids = np.unique(perm[np.random.default_rng(step).zipf(1.2, total // 100) % total])
+            changed = ids.size * WIDTH * 4
+            mine = ids[(ids >= lo) & (ids < lo + counts[rank])]
+            table.scatter_update(mine - lo, _rows_at(step, mine))
+        took = {}
+        for name, mgr in (("incr", incr), ("full", full)):
+            coord.barrier(tag=f"{name}-{step}", timeout=120)
+            t0 = time.perf_counter()
+            path = Path(mgr.save())
+            took[name] = time.perf_counter() - t0
+            if name == "incr":
+                coord.barrier(tag=f"sized-{step}", timeout=120)
+                added = added_bytes(path) if rank == 0 else 0
+        rows.append({"step": step, "added": added, "changed": changed,
+                     "incr_s": took["incr"], "full_s": took["full"], "table": total * WIDTH * 4})
+    if rank == 0:
+        out = Path(os.environ["RESULT_DIR"]) / f"rank{rank}.jsonl"
+        with open(out, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"case": "bench", "rank": 0, "rows": rows, "ok": True}) + "\n")
+
+
 if __name__ == "__main__":
     try:
-        main(sys.argv[1], Path(sys.argv[2]), sys.argv[3])
+        if sys.argv[1] == "bench":
+            bench(Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
+        else:
+            main(sys.argv[1], Path(sys.argv[2]), sys.argv[3])
     except Exception:
         out = Path(os.environ["RESULT_DIR"]) / "error.txt"
         out.write_text(traceback.format_exc())
