@@ -285,6 +285,29 @@ def test_an_unchanged_delta_is_carried_over(tmp_path: Path, fresh_graph: cv.Grap
 
 
 @pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_write_of_no_row_leaves_a_variable_unchanged(tmp_path: Path, fresh_graph: cv.Graph,
+                                                       fmt: str) -> None:
+    """A ``scatter_update`` with no index (a process none of whose rows were drawn) bumps
+    the version but writes no row: the value is known unchanged, shared or carried over."""
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, max_to_keep=3,
+                                   incremental=True)
+    manager.save()
+    nothing = (np.empty(0, np.int64), np.empty((0, WIDTH), np.float32))
+    table.scatter_update(*nothing)
+    shared = Path(manager.save())
+    assert _added(shared) < 64 << 10  # the table's bytes are the first step's
+    _touch(table, np.random.default_rng(6), 70)
+    manager.save()
+    table.scatter_update(*nothing)
+    carried = Path(manager.save())
+    assert _added(carried) < 64 << 10
+    with cv.open(carried) as r:
+        assert len(r.record.deltas["table"].patches) == 1  # no patch of its own
+        assert np.array_equal(r["table"].read(), table.numpy())
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
 def test_too_many_patches_merge_into_one(tmp_path: Path, fresh_graph: cv.Graph,
                                          fmt: str) -> None:
     ckpt, table = _model()
