@@ -1,5 +1,6 @@
 """Row deltas written by several processes (``mpiexec``): each process's box of a table
-trained by ``scatter_update`` is stored in its own file as a delta on the same process's
+trained by ``scatter_update`` (and, in HDF5, a partitioned variable every process
+holds, in its writer's file) is stored in its own file as a delta on the same process's
 file in the base step; a step adds about its changed rows on disk; every step restores
 bit-exact on the same number of processes and on another, and loads in one plain
 process; ``ckpt inspect/verify/convert`` read it unaware; pruning keeps what a kept
@@ -63,11 +64,13 @@ def test_row_deltas_of_several_processes(tmp_path: Path, fmt: str, n: int, other
     assert sizes[1] > TABLE  # the first step is written whole
     for step in (2, 3, 4, 5):  # a step adds about its changed rows, not the table
         changed = cases.touched(step).size * ROW_BYTES
+        if fmt == "h5":
+            changed += cases.part_touched(step).size * ROW_BYTES
         assert sizes[step] <= 1.10 * changed + n * (12 << 10), (step, sizes[step], changed)
         assert sizes[step] < TABLE / 30, (step, sizes[step])
-        files = {f"rank-{r:05d}{suffix}": {f"table/.box/{r}": p}
-                 for r, p in enumerate(_patches(n, step))}
-        assert r0["deltas"][str(step)] == files, step
+        assert _split(r0["deltas"][str(step)], fmt, step) == {
+            f"rank-{r:05d}{suffix}": {f"table/.box/{r}": p}
+            for r, p in enumerate(_patches(n, step))}, step
     assert all(not keys for keys in r0["deltas"]["1"].values())
     # process 1 failed while writing step 6: nothing committed, nothing left over; the
     # save again is a delta whose patches hold step 6's rows (restored bit-exact below)
@@ -77,14 +80,17 @@ def test_row_deltas_of_several_processes(tmp_path: Path, fmt: str, n: int, other
     assert after["listed"] == [f"ckpt-4{suffix}", f"ckpt-5{suffix}"]
     assert not [x for x in after["on_disk"] if "ckpt-6" in x or x.endswith(".partial")]
     assert r0["retried"] == f"ckpt-6{suffix}"
-    assert r0["retried_deltas"] == {f"rank-{r:05d}{suffix}": {f"table/.box/{r}": p}
-                                    for r, p in enumerate(_patches(n, 6))}
+    assert _split(r0["retried_deltas"], fmt, 6) == {
+        f"rank-{r:05d}{suffix}": {f"table/.box/{r}": p} for r, p in enumerate(_patches(n, 6))}
     kept = [d / f"ckpt-5{suffix}", d / f"ckpt-6{suffix}"]
     for r in saved.values():  # every listed step restores bit-exact on these processes
         assert r["restored"] == {p.name: True for p in kept}
     for p in kept:  # ...and in one plain process
         step = cv.checkpoint.parse_step_name(p.name).step
-        assert np.array_equal(cv.load(p)["table"], cases.expected(step)), p.name
+        got = cv.load(p)
+        assert np.array_equal(got["table"], cases.expected(step)), p.name
+        if fmt == "h5":
+            assert np.array_equal(got["part"], cases.expected_part(step)), p.name
     _check_pruned(d, kept, fmt)
     _check_plain(kept[1], fmt)
 
@@ -101,6 +107,8 @@ def test_row_deltas_of_several_processes(tmp_path: Path, fmt: str, n: int, other
     deltas = json.loads(as_json.stdout)["deltas"]
     assert deltas["table"]["base"] == f"ckpt-1{suffix}" and deltas["table"]["boxes"] == n
     assert deltas["table"]["rows"] == sum(cases.touched(s).size for s in range(2, 7))
+    if fmt == "h5":  # the partitioned variable: one box, in its writer's file
+        assert deltas["part"]["boxes"] == 1 and deltas["part"]["patches"] == 5
 
     # on another number of processes: every listed step restores bit-exact (resharded)
     for r in _run(other, "restore", d, fmt).values():
@@ -110,6 +118,19 @@ def test_row_deltas_of_several_processes(tmp_path: Path, fmt: str, n: int, other
     with cv.open(standalone) as reader:
         assert not reader.deltas()
         assert np.array_equal(reader.read("table"), cases.expected(6))
+        if fmt == "h5":
+            assert np.array_equal(reader.read("part"), cases.expected_part(6))
+
+
+def _split(deltas: dict[str, dict[str, int]], fmt: str, step: int) -> dict[str, dict[str, int]]:
+    """``deltas`` (per process file, key -> patches) without ``part``, checked apart: in
+    HDF5 runs, the partitioned variable is a delta with a patch per step since the first
+    in the one file that holds it (its writer's)."""
+    holders = [f for f, keys in deltas.items() if "part/.box/0" in keys]
+    if fmt == "h5":
+        assert len(holders) == 1 and deltas[holders[0]]["part/.box/0"] == step - 1, deltas
+    return {f: {k: p for k, p in keys.items() if k != "part/.box/0"}
+            for f, keys in deltas.items()}
 
 
 def _check_pruned(d: Path, kept: list[Path], fmt: str) -> None:

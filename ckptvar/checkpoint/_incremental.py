@@ -25,9 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..errors import CkptError
 from ..storage import external_files
 from ..variables import Variable, rows_written, track_rows, write_version
+from ._logical import Logical
 
 __all__ = ["Incremental", "IncrementalSave", "held"]
 
@@ -40,11 +43,11 @@ class IncrementalSave:
 
     base: Path | str | None  # a local path, or the URL of a step on an object store
     known: dict[str, bool]
-    versions: dict[str, tuple[int, int]] = field(default_factory=dict)
+    versions: dict[str, Any] = field(default_factory=dict)
     owner: Incremental | None = None
     #: The changed variables and their versions at the base: key -> (variable, version)
-    #: (:meth:`changed_rows`).
-    changed: dict[str, tuple[Variable, tuple[int, int]]] = field(default_factory=dict)
+    #: (:meth:`changed_rows`; a partitioned variable assembled whole: its parts').
+    changed: dict[str, tuple[Variable | Logical, Any]] = field(default_factory=dict)
 
     def changed_rows(self) -> dict[str, Any]:
         """The changed variables whose written rows are known: key -> the sorted first-axis
@@ -56,7 +59,7 @@ class IncrementalSave:
         """
         out = {}
         for key, (var, before) in self.changed.items():
-            rows = rows_written(var, before)
+            rows = _rows_since(var, before)
             if rows is not None and rows.size:
                 out[key] = rows
         return out
@@ -81,9 +84,9 @@ class Incremental:
 
     def __init__(self) -> None:
         self._name: str | None = None
-        self._versions: dict[str, tuple[int, int]] = {}
+        self._versions: dict[str, Any] = {}
 
-    def remember(self, name: str, versions: dict[str, tuple[int, int]]) -> None:
+    def remember(self, name: str, versions: dict[str, Any]) -> None:
         self._name, self._versions = name, versions
 
     def start(self, base: Path | str | None, variables: Mapping[str, Any]) -> IncrementalSave:
@@ -91,17 +94,15 @@ class Incremental:
 
         Call before the values are read: a write that lands after is counted as a change.
         """
-        versions: dict[str, tuple[int, int]] = {}
-        tracked: dict[str, Variable] = {}
+        versions: dict[str, Any] = {}
+        tracked: dict[str, Variable | Logical] = {}
         for key, var in variables.items():
-            if isinstance(var, Variable):
-                track_rows(var)  # from now on its writes say which rows they touch
-                version = write_version(var)
-                if version is not None:
-                    versions[key] = version
-                    tracked[key] = var
+            version = _version(var)
+            if version is not None:
+                versions[key] = version
+                tracked[key] = var
         known: dict[str, bool] = {}
-        changed: dict[str, tuple[Variable, tuple[int, int]]] = {}
+        changed: dict[str, tuple[Variable | Logical, Any]] = {}
         if base is not None and _name(base) == self._name:
             old = self._versions
             for key, now in versions.items():
@@ -109,12 +110,48 @@ class Incremental:
                 if before is None:
                     continue
                 var = tracked[key]
-                if before != now and _no_rows(rows_written(var, before)):
+                if before != now and _no_rows(_rows_since(var, before)):
                     before = now  # written, but no row (``scatter_update`` of no index)
                 known[key] = before == now
                 if before != now:
                     changed[key] = (var, before)
         return IncrementalSave(base, known, versions, self, changed)
+
+
+def _version(var: Any) -> Any:
+    """The version of a value to save (:func:`write_version`; a partitioned variable
+    assembled whole: its parts' in order; None: unknown), its rows tracked from now on."""
+    if isinstance(var, Variable):
+        track_rows(var)  # from now on its writes say which rows they touch
+        return write_version(var)
+    if not isinstance(var, Logical) or not var.parts or any(
+            not isinstance(p, Variable) or p.shard is not None for p in var.parts):
+        return None  # a shard's parts are boxes of their own: compared by checksums
+    versions = []
+    for part in var.parts:
+        track_rows(part)
+        version = write_version(part)
+        if version is None:
+            return None
+        versions.append(version)
+    return tuple(versions)
+
+
+def _rows_since(var: Variable | Logical, before: Any) -> np.ndarray | None:
+    """The rows (first-axis indices of the whole value) written since ``before``; None:
+    not known. A part's row ``r`` is the value's row ``r`` + the part's first offset."""
+    if isinstance(var, Variable):
+        return rows_written(var, before)
+    if (not isinstance(before, tuple) or len(before) != len(var.parts)
+            or not all(isinstance(was, tuple) for was in before)):
+        return None  # the key held another kind of value at the base
+    rows = []
+    for part, was in zip(var.parts, before, strict=True):
+        got = rows_written(part, was)
+        if got is None:
+            return None
+        rows.append(got + int(part.logical_box.offset[0]) if got.size else got)
+    return np.unique(np.concatenate(rows))
 
 
 def _no_rows(rows: Any) -> bool:

@@ -6,6 +6,8 @@ appends one JSON line per mode to ``$RESULT_DIR/rank<r>.jsonl``.
 Each process holds its rows of ``table`` (boxes of different sizes, so a Zarr step
 stores them in the per-process files too, not as a global array) and trains it with
 ``scatter_update`` at a few rows per step (:func:`touched`), as an embedding table is.
+In HDF5 runs every process also holds ``part``, a partitioned variable (saved as one
+value by one process), whose parts it trains at the same few rows.
 
 - ``save`` (any number): an incremental manager (``max_to_keep=2``) saves steps 1-5;
   rank 0 reports the bytes each step added on disk and which of its files' values are
@@ -55,6 +57,25 @@ def _rows_at(step: int, rows: np.ndarray) -> np.ndarray:
     return (rows[:, None] * WIDTH + np.arange(WIDTH) + step * 1_000_000).astype(np.float32)
 
 
+#: ``part`` (HDF5 runs): a partitioned variable (TF1 ``fixed_size_partitioner(2)``) that
+#: every process holds whole; saved as one value, written by one process, into its file.
+PART_ROWS = 4096  # 1 MiB
+
+
+def part_touched(step: int) -> np.ndarray:
+    """The rows of ``part`` written at ``step`` (every process writes the same)."""
+    return np.unique(touched(step) % PART_ROWS)[:20]
+
+
+def expected_part(step: int) -> np.ndarray:
+    """``part``'s full value after ``step``."""
+    value = np.random.default_rng(2).random((PART_ROWS, WIDTH), dtype=np.float32)
+    for s in range(2, step + 1):
+        rows = part_touched(s)
+        value[rows] = _rows_at(s, rows)
+    return value
+
+
 def expected(step: int) -> np.ndarray:
     """The full table after ``step`` (step 1's value is the initial one)."""
     table = np.random.default_rng(0).random((ROWS, WIDTH), dtype=np.float32)
@@ -69,25 +90,40 @@ def _box(rank: int, size: int) -> tuple[int, int]:
     return sum(counts[:rank]), sum(counts[: rank + 1])
 
 
-def model(rank: int, size: int) -> tuple[Any, Any]:
+def model(rank: int, size: int, fmt: str) -> tuple[Any, Any, Any]:
+    """The checkpoint, this process's box of ``table`` and ``part`` (HDF5 runs; else None)."""
     import ckptvar as cv
 
     lo, hi = _box(rank, size)
     table = cv.Variable(np.zeros((hi - lo, WIDTH), np.float32), name="table",
                         shard=cv.Shard(full_shape=(ROWS, WIDTH), offset=(lo, 0)))
-    return cv.Checkpoint(table=table), table
+    if fmt != "h5":  # (a Zarr step stores a value every process holds as a global array)
+        return cv.Checkpoint(table=table), table, None
+    with cv.variable_scope("emb", partitioner=cv.fixed_size_partitioner(2)):
+        part = cv.get_variable("part", shape=(PART_ROWS, WIDTH))
+    return cv.Checkpoint(table=table, part=part), table, part
 
 
-def train(table: Any, step: int) -> None:
+def train(table: Any, part: Any, step: int) -> None:
     """What training writes at ``step``: this process's touched rows, by ``scatter_update``
-    (step 1: the initial value, whole)."""
+    (step 1: the initial value, whole); ``part``'s rows through its parts."""
     lo = table.shard.offset[0]
     if step == 1:
         table.assign(expected(1)[lo: lo + table.shape[0]])
+        if part is not None:
+            for p in part:
+                start = p.save_slice_info.var_offset[0]
+                p.assign(expected_part(1)[start: start + p.shape[0]])
         return
     rows = touched(step)
     mine = rows[(rows >= lo) & (rows < lo + table.shape[0])]
     table.scatter_update(mine - lo, _rows_at(step, mine))
+    if part is not None:
+        rows = part_touched(step)
+        for p in part:
+            start = p.save_slice_info.var_offset[0]
+            here = rows[(rows >= start) & (rows < start + p.shape[0])]
+            p.scatter_update(here - start, _rows_at(step, here))
 
 
 def added_bytes(step: Path) -> int:
@@ -109,7 +145,7 @@ def delta_keys(step: Path) -> dict[str, dict[str, int]]:
     return out
 
 
-def restore_all(mgr: Any, ckpt: Any, table: Any, coord: Any) -> dict[str, bool]:
+def restore_all(mgr: Any, ckpt: Any, table: Any, part: Any, coord: Any) -> dict[str, bool]:
     """Restore every listed step (collectively): whether each equals :func:`expected`."""
     import ckptvar as cv
 
@@ -117,10 +153,15 @@ def restore_all(mgr: Any, ckpt: Any, table: Any, coord: Any) -> dict[str, bool]:
     for path in mgr.checkpoints:
         step = cv.checkpoint.parse_step_name(Path(path).name).step
         table.assign(np.full(table.shape, -1.0, np.float32))
+        for p in part or ():
+            p.assign(np.full(p.shape, -1.0, np.float32))
         ckpt.restore(path, coordinator=coord)
         lo = table.shard.offset[0]
         want = expected(step)[lo: lo + table.shape[0]]
-        restored[Path(path).name] = bool(np.array_equal(table.numpy(), want))
+        good = bool(np.array_equal(table.numpy(), want))
+        if part is not None:
+            good = good and bool(np.array_equal(np.asarray(part), expected_part(step)))
+        restored[Path(path).name] = good
     return restored
 
 
@@ -160,20 +201,20 @@ def main(mode: str, root: Path, fmt: str) -> None:
     rank, size = coord.rank, coord.size
     out = Path(os.environ["RESULT_DIR"]) / f"rank{rank}.jsonl"
     fields: dict[str, Any] = {}
-    ckpt, table = model(rank, size)
+    ckpt, table, part = model(rank, size, fmt)
     mgr = cv.CheckpointManager(ckpt, root, max_to_keep=2, format=fmt, incremental=True,
                                coordinator=coord)
     if mode == "save":
         sizes, deltas = {}, {}
         for step in range(1, 6):
-            train(table, step)
+            train(table, part, step)
             path = Path(mgr.save())
             coord.barrier(tag=f"saved-{step}", timeout=60)
             if rank == 0:
                 sizes[step] = added_bytes(path)
                 deltas[step] = delta_keys(path)
         fields["sizes"], fields["deltas"] = sizes, deltas
-        train(table, 6)
+        train(table, part, 6)
         fields.update(fail_once(mgr, coord, root))
         coord.barrier(tag="looked", timeout=60)
         path = Path(mgr.save())
@@ -182,7 +223,7 @@ def main(mode: str, root: Path, fmt: str) -> None:
         if rank == 0:
             fields["retried_deltas"] = delta_keys(path)
         fields["listed"] = [Path(p).name for p in mgr.checkpoints]
-    fields["restored"] = restore_all(mgr, ckpt, table, coord)
+    fields["restored"] = restore_all(mgr, ckpt, table, part, coord)
     coord.barrier(tag="done", timeout=60)
     fields["ok"] = True
     with open(out, "a", encoding="utf-8") as f:
