@@ -1,7 +1,8 @@
 """Incremental saves: what a new step may take from the last one, and what pruning must keep.
 
 Owns :class:`Incremental`, a ``CheckpointManager``'s memory of its last committed step
-(its file name and the version of every ``cv.Variable`` whose value it holds), which turns
+(its file name and the version of every ``cv.Variable`` whose value it holds; of a
+partitioned variable saved as one value, its parts' versions), which turns
 into an :class:`IncrementalSave` for each save: the base step and, per key, whether the
 value is known unchanged since (same variable, same version) or known changed; the storage
 layer compares the rest by block checksums. And :func:`held`: which of the files a prune
