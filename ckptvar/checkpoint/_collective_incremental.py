@@ -105,8 +105,9 @@ def stored_known(known: Mapping[str, bool],
 def stored_rows(rows: Mapping[str, Any],
                 mine: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, Any]:
     """The rows written since the base (by logical key: a changed ``cv.Variable``'s, which
-    is this rank's whole box of it) for the keys a rank stores its boxes under in its file;
-    a key this rank writes several boxes of has no rows (its parts are not one variable).
+    is this rank's whole box of it, or a partitioned variable's, held whole) for the keys a
+    rank stores its boxes under in its file; a key this rank writes several boxes of has no
+    rows (its boxes are not one variable).
 
     >>> stored_rows({"w": [3]}, [("w", "w/.box/1", (4, 0)), ("b", "b/.box/0", (0,))])
     {'w/.box/1': [3]}
