@@ -285,6 +285,56 @@ def test_an_unchanged_delta_is_carried_over(tmp_path: Path, fresh_graph: cv.Grap
 
 
 @pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_write_of_no_row_leaves_a_variable_unchanged(tmp_path: Path, fresh_graph: cv.Graph,
+                                                       fmt: str) -> None:
+    """A ``scatter_update`` with no index (a process none of whose rows were drawn) bumps
+    the version but writes no row: the value is known unchanged, shared or carried over."""
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, max_to_keep=3,
+                                   incremental=True)
+    manager.save()
+    nothing = (np.empty(0, np.int64), np.empty((0, WIDTH), np.float32))
+    table.scatter_update(*nothing)
+    shared = Path(manager.save())
+    assert _added(shared) < 64 << 10  # the table's bytes are the first step's
+    _touch(table, np.random.default_rng(6), 70)
+    manager.save()
+    table.scatter_update(*nothing)
+    carried = Path(manager.save())
+    assert _added(carried) < 64 << 10
+    with cv.open(carried) as r:
+        assert len(r.record.deltas["table"].patches) == 1  # no patch of its own
+        assert np.array_equal(r["table"].read(), table.numpy())
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_partitioned_variable_is_a_row_delta_of_its_parts_rows(
+        tmp_path: Path, fresh_graph: cv.Graph, fmt: str) -> None:
+    """A TF1 partitioned variable is saved as one value: the rows its parts' writes
+    touched, each shifted by its part's offset, are the value's changed rows."""
+    with cv.variable_scope("emb", partitioner=cv.fixed_size_partitioner(4)):
+        table = cv.get_variable("table", shape=(ROWS, WIDTH))
+    parts = list(table)
+    for i, p in enumerate(parts):
+        p.assign(np.full(p.shape, i, np.float32))
+    ckpt = cv.Checkpoint(table=table)
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, incremental=True)
+    manager.save()
+    parts[0].scatter_update([1, 2], np.full((2, WIDTH), 7.0, np.float32))
+    parts[3].scatter_update([5], np.full((1, WIDTH), 9.0, np.float32))
+    step = Path(manager.save())
+    want = np.asarray(table).copy()
+    with cv.open(step) as r:
+        assert r.deltas() == {"table": {"base": f"ckpt-1.{fmt}", "patches": 1, "rows": 3}}
+        assert r.delta_rows("table").tolist() == [1, 2, 3 * ROWS // 4 + 5]
+    assert np.array_equal(cv.load(step)["table"], want)
+    for p in parts:
+        p.assign(np.zeros(p.shape, np.float32))
+    ckpt.restore(str(step))
+    assert np.array_equal(np.asarray(table), want)
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
 def test_too_many_patches_merge_into_one(tmp_path: Path, fresh_graph: cv.Graph,
                                          fmt: str) -> None:
     ckpt, table = _model()

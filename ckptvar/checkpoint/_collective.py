@@ -64,7 +64,7 @@ from ..storage import (
     rank_file,
 )
 from ..variables import Variable
-from ._collective_incremental import check_base, read_sums, stored_known
+from ._collective_incremental import check_base, read_sums, stored_known, stored_rows
 from ._collective_targets import Nodes, Target, replica_file, target_for
 from ._files import native_backend
 from ._incremental import IncrementalSave
@@ -385,7 +385,8 @@ def _write_mine(  # noqa: PLR0917
     incremental: IncrementalSave | None = None,
 ) -> None:
     """The write step on one rank: its chunks of global arrays, then its own file
-    (with ``incremental``, referring to its base's bytes where they are unchanged)."""
+    (with ``incremental``, referring to its base's bytes where they are unchanged, and
+    storing a changed variable whose written rows are known as a row delta)."""
     base = None if incremental is None or incremental.base is None else os.fspath(
         incremental.base)
     if grid is not None:  # a local step directory
@@ -404,9 +405,11 @@ def _write_mine(  # noqa: PLR0917
             writer.add(stored, array, attrs)
         writer.set_metadata({"sharded": {"rank": rank}})
 
-    target.write_rank(rank_file(rank, suffix), fill, base=base,
-                      known=None if base is None or incremental is None
-                      else stored_known(incremental.known, mine),
+    known = rows = None
+    if base is not None and incremental is not None:  # the values are read: ask the rows
+        known = stored_known(incremental.known, mine)
+        rows = stored_rows(incremental.changed_rows(), mine)
+    target.write_rank(rank_file(rank, suffix), fill, base=base, known=known, rows=rows,
                       pieces=incremental is not None)
 
 

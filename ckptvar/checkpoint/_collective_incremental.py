@@ -9,7 +9,10 @@ base's chunk file when unchanged. That is exact only when the base was written w
 same layout: the same number of processes and, for every value in both, the same boxes
 with the same writers and the same grid. :func:`check_base` (rank 0) says why not;
 the step is then written whole and the reason logged (docs/checkpoints.md,
-"Incremental checkpoints").
+"Incremental checkpoints"). A changed ``cv.Variable`` that a rank writes into its own
+file, with the rows written since the base known (:func:`stored_rows`), may be stored
+there as a row delta on the same rank's file in the base step, by the one-process rule
+(docs/FORMAT.md, "Row deltas").
 
 >>> check_base(None, bytes, "h5", 2, b"\\x80")
 'there is no earlier step'
@@ -26,7 +29,7 @@ import msgpack
 
 from ..storage import INDEX_FILE
 
-__all__ = ["check_base", "read_sums", "stored_known"]
+__all__ = ["check_base", "read_sums", "stored_known", "stored_rows"]
 
 logger = logging.getLogger("ckptvar")
 
@@ -98,3 +101,19 @@ def stored_known(known: Mapping[str, bool],
     {'w/.box/1': True}
     """
     return {stored: known[key] for key, stored, _ in mine if key in known}
+
+
+def stored_rows(rows: Mapping[str, Any],
+                mine: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, Any]:
+    """The rows written since the base (by logical key: a changed ``cv.Variable``'s, which
+    is this rank's whole box of it, or a partitioned variable's, held whole) for the keys a
+    rank stores its boxes under in its file; a key this rank writes several boxes of has no
+    rows (its boxes are not one variable).
+
+    >>> stored_rows({"w": [3]}, [("w", "w/.box/1", (4, 0)), ("b", "b/.box/0", (0,))])
+    {'w/.box/1': [3]}
+    """
+    count: dict[str, int] = {}
+    for key, _, _ in mine:
+        count[key] = count.get(key, 0) + 1
+    return {stored: rows[key] for key, stored, _ in mine if key in rows and count[key] == 1}

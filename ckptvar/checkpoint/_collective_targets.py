@@ -124,11 +124,13 @@ class Target:
 
     def write_rank(self, name: str, fill: Callable[[Writer], None], *,
                    base: str | None = None, known: Mapping[str, bool] | None = None,
-                   pieces: bool = False) -> None:
+                   rows: Mapping[str, Any] | None = None, pieces: bool = False) -> None:
         """Write this rank's file ``name``: ``fill`` adds its values and metadata.
         ``base``: an earlier step (its path or URL, from :meth:`base_index`'s caller)
         whose file ``name`` it may refer to (an incremental save; ``known``: by stored
-        key, as the writers take it); ``pieces``: large Zarr values as several chunks
+        key, as the writers take it; ``rows``: by stored key, the rows written since
+        ``base`` of changed variables, which may be stored as row deltas where the target
+        writes them: local steps only); ``pieces``: large Zarr values as several chunks
         (an incremental manager's, local only)."""
         raise NotImplementedError
 
@@ -190,11 +192,13 @@ class LocalTarget(Target):
 
     def write_rank(self, name: str, fill: Callable[[Writer], None], *,
                    base: str | None = None, known: Mapping[str, bool] | None = None,
-                   pieces: bool = False) -> None:
+                   rows: Mapping[str, Any] | None = None, pieces: bool = False) -> None:
         own = None if base is None else Path(base) / name
         if own is not None and not os.path.lexists(own):
             own = None  # the rank wrote no file of its own there
         extra: dict[str, Any] = {} if own is None else {"base": own, "known": known or {}}
+        if own is not None and rows:
+            extra["rows"] = rows  # row deltas on the same rank's file in the base step
         if pieces and self.fmt == "zarr":
             extra["piece_bytes"] = True
         _write_file(self.where / name, self.fmt, fill, durable=True,
@@ -257,7 +261,7 @@ class RemoteTarget(Target):
 
     def write_rank(self, name: str, fill: Callable[[Writer], None], *,
                    base: str | None = None, known: Mapping[str, bool] | None = None,
-                   pieces: bool = False) -> None:
+                   rows: Mapping[str, Any] | None = None, pieces: bool = False) -> None:
         with staging_directory() as tmp:
             local = Path(tmp) / name
             extra: dict[str, Any] = {}

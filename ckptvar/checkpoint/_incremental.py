@@ -1,7 +1,8 @@
 """Incremental saves: what a new step may take from the last one, and what pruning must keep.
 
 Owns :class:`Incremental`, a ``CheckpointManager``'s memory of its last committed step
-(its file name and the version of every ``cv.Variable`` whose value it holds), which turns
+(its file name and the version of every ``cv.Variable`` whose value it holds; of a
+partitioned variable saved as one value, its parts' versions), which turns
 into an :class:`IncrementalSave` for each save: the base step and, per key, whether the
 value is known unchanged since (same variable, same version) or known changed; the storage
 layer compares the rest by block checksums. And :func:`held`: which of the files a prune
@@ -25,9 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..errors import CkptError
 from ..storage import external_files
 from ..variables import Variable, rows_written, track_rows, write_version
+from ._logical import Logical
 
 __all__ = ["Incremental", "IncrementalSave", "held"]
 
@@ -40,11 +44,11 @@ class IncrementalSave:
 
     base: Path | str | None  # a local path, or the URL of a step on an object store
     known: dict[str, bool]
-    versions: dict[str, tuple[int, int]] = field(default_factory=dict)
+    versions: dict[str, Any] = field(default_factory=dict)
     owner: Incremental | None = None
     #: The changed variables and their versions at the base: key -> (variable, version)
-    #: (:meth:`changed_rows`).
-    changed: dict[str, tuple[Variable, tuple[int, int]]] = field(default_factory=dict)
+    #: (:meth:`changed_rows`; a partitioned variable assembled whole: its parts').
+    changed: dict[str, tuple[Variable | Logical, Any]] = field(default_factory=dict)
 
     def changed_rows(self) -> dict[str, Any]:
         """The changed variables whose written rows are known: key -> the sorted first-axis
@@ -56,18 +60,19 @@ class IncrementalSave:
         """
         out = {}
         for key, (var, before) in self.changed.items():
-            rows = rows_written(var, before)
+            rows = _rows_since(var, before)
             if rows is not None and rows.size:
                 out[key] = rows
         return out
 
     def on(self, base: Path | str | None) -> IncrementalSave:
         """This save on ``base`` (a multi-process save takes rank 0's base; ``None``:
-        none): what is known holds only for the step it was known for; on another, every
-        value is compared. (Row deltas are single-process only: none here.)"""
+        none): what is known, and the rows written since, hold only for the step they
+        were known for; on another, every value is compared and none is a row delta."""
         same = (base is not None and self.base is not None
                 and _name(base) == _name(self.base))
-        return IncrementalSave(base, self.known if same else {}, self.versions, self.owner)
+        return IncrementalSave(base, self.known if same else {}, self.versions, self.owner,
+                               self.changed if same else {})
 
     def committed(self, path: str | os.PathLike[str]) -> None:
         """The step is durable: the next save builds on it."""
@@ -80,9 +85,9 @@ class Incremental:
 
     def __init__(self) -> None:
         self._name: str | None = None
-        self._versions: dict[str, tuple[int, int]] = {}
+        self._versions: dict[str, Any] = {}
 
-    def remember(self, name: str, versions: dict[str, tuple[int, int]]) -> None:
+    def remember(self, name: str, versions: dict[str, Any]) -> None:
         self._name, self._versions = name, versions
 
     def start(self, base: Path | str | None, variables: Mapping[str, Any]) -> IncrementalSave:
@@ -90,26 +95,69 @@ class Incremental:
 
         Call before the values are read: a write that lands after is counted as a change.
         """
-        versions: dict[str, tuple[int, int]] = {}
-        tracked: dict[str, Variable] = {}
+        versions: dict[str, Any] = {}
+        tracked: dict[str, Variable | Logical] = {}
         for key, var in variables.items():
-            if isinstance(var, Variable):
-                track_rows(var)  # from now on its writes say which rows they touch
-                version = write_version(var)
-                if version is not None:
-                    versions[key] = version
-                    tracked[key] = var
+            version = _version(var)
+            if version is not None:
+                versions[key] = version
+                tracked[key] = var
         known: dict[str, bool] = {}
-        changed: dict[str, tuple[Variable, tuple[int, int]]] = {}
+        changed: dict[str, tuple[Variable | Logical, Any]] = {}
         if base is not None and _name(base) == self._name:
             old = self._versions
             for key, now in versions.items():
                 before = old.get(key)
-                if before is not None:
-                    known[key] = before == now
-                    if before != now:
-                        changed[key] = (tracked[key], before)
+                if before is None:
+                    continue
+                var = tracked[key]
+                if before != now and _no_rows(_rows_since(var, before)):
+                    before = now  # written, but no row (``scatter_update`` of no index)
+                known[key] = before == now
+                if before != now:
+                    changed[key] = (var, before)
         return IncrementalSave(base, known, versions, self, changed)
+
+
+def _version(var: Any) -> Any:
+    """The version of a value to save (:func:`write_version`; a partitioned variable
+    assembled whole: its parts' in order; None: unknown), its rows tracked from now on."""
+    if isinstance(var, Variable):
+        track_rows(var)  # from now on its writes say which rows they touch
+        return write_version(var)
+    if not isinstance(var, Logical) or not var.parts or any(
+            not isinstance(p, Variable) or p.shard is not None for p in var.parts):
+        return None  # a shard's parts are boxes of their own: compared by checksums
+    versions = []
+    for part in var.parts:
+        track_rows(part)
+        version = write_version(part)
+        if version is None:
+            return None
+        versions.append(version)
+    return tuple(versions)
+
+
+def _rows_since(var: Variable | Logical, before: Any) -> np.ndarray | None:
+    """The rows (first-axis indices of the whole value) written since ``before``; None:
+    not known. A part's row ``r`` is the value's row ``r`` + the part's first offset."""
+    if isinstance(var, Variable):
+        return rows_written(var, before)
+    if (not isinstance(before, tuple) or len(before) != len(var.parts)
+            or not all(isinstance(was, tuple) for was in before)):
+        return None  # the key held another kind of value at the base
+    rows = []
+    for part, was in zip(var.parts, before, strict=True):
+        got = rows_written(part, was)
+        if got is None:
+            return None
+        rows.append(got + int(part.logical_box.offset[0]) if got.size else got)
+    return np.unique(np.concatenate(rows))
+
+
+def _no_rows(rows: Any) -> bool:
+    """Whether the writes since a version are known to have touched no row."""
+    return rows is not None and not rows.size
 
 
 def _name(path: str | os.PathLike[str]) -> str:

@@ -284,7 +284,8 @@ def _print_deltas(deltas: dict[str, dict[str, Any]], noun: str, out: TextIO) -> 
     print(f"\nrow deltas: {len(deltas)} {noun}(s) stored as a base plus changed rows",
           file=out)
     for line in table([[escape(k), f"base in {escape(d['base'])}",
-                        f"{d['patches']} patch(es), {d['rows']} row(s)"]
+                        f"{d['patches']} patch(es), {d['rows']} row(s)"
+                        + (f" in {d['boxes']} box(es)" if "boxes" in d else "")]
                        for k, d in deltas.items()]):
         print("  " + line, file=out)
 

@@ -45,6 +45,7 @@ from .base import (
     Backend,
     LazyArray,
     Reader,
+    SupportsDeltas,
     SupportsReadIntoMany,
     SupportsRuns,
     SupportsShared,
@@ -140,7 +141,7 @@ def _load_index(files: StepFiles) -> dict[str, Any]:
 
 
 class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVerifyMany,
-                    SupportsStoredBoxes, SupportsShared):
+                    SupportsStoredBoxes, SupportsShared, SupportsDeltas):
     """The logical variables of a multi-process checkpoint; per-process files open on demand.
 
     :attr:`bytes_read` counts the value bytes this reader asked its files for.
@@ -361,6 +362,29 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
                     names.update(holder_step(n) for n in sub.shared().get(stored, ()))
             if names:
                 out[key] = sorted(names)
+        return out
+
+    def deltas(self) -> dict[str, dict[str, Any]]:
+        """The values with boxes stored as row deltas in their process files (format 1.5):
+        key -> ``{"base": the steps that wrote those boxes' whole copies (joined by ", "),
+        "patches": the most patches a box has, "rows": their rows, repeats counted, summed
+        over the boxes, "boxes": how many boxes are deltas}``
+        (:class:`.base.SupportsDeltas`)."""
+        out: dict[str, dict[str, Any]] = {}
+        for key, boxes in self._boxes.items():
+            if key in self._grids:
+                continue  # a global Zarr array: chunks, never deltas
+            bases: set[str] = set()
+            patches = rows = count = 0
+            for _, f, stored in boxes:
+                sub = self._sub(key, f)
+                d = sub.deltas().get(stored) if isinstance(sub, SupportsDeltas) else None
+                if d is not None:
+                    bases.add(d["base"])
+                    patches, rows, count = max(patches, d["patches"]), rows + d["rows"], count + 1
+            if count:
+                out[key] = {"base": ", ".join(sorted(bases)), "patches": patches, "rows": rows,
+                            "boxes": count}
         return out
 
     def _chunk_files(self, key: str, boxes: list[tuple[Any, int, str]],

@@ -179,7 +179,7 @@ class ZarrWriter(ContainerWriter):
         if self.copies is not None and (it.key in rec.pieces or entry.nbytes > COPY_LIMIT):
             return None
         if was is None:
-            src, earlier, since = entry.loc.path or "", [], self.base.name
+            src, earlier, since = entry.loc.path or "", [], _step_name(self.base, self.path)
         else:
             src, since = was.base[1], was.since
             earlier = [("", f"{it.path}/patch-{j}", 0, n, c)
@@ -902,3 +902,18 @@ class ZarrBackend(
 
 
 register_backend(ZarrBackend)
+
+
+def _step_name(base: Path, path: Path) -> str:
+    """The checkpoint ``base`` belongs to, as ``ckpt inspect`` names a delta's base: the
+    step directory when ``base`` is a process's file of a multi-process step (the same
+    file name as ``path``'s, in a sibling step), else ``base`` itself.
+
+    >>> _step_name(Path("r/ckpt-1.zarr/rank-00001.zarr"), Path("r/.tmp/rank-00001.zarr"))
+    'ckpt-1.zarr'
+    >>> _step_name(Path("r/ckpt-1.zarr"), Path("r/ckpt-2.zarr"))
+    'ckpt-1.zarr'
+    """
+    if base.name == path.name and base.parent != path.parent:
+        return base.parent.name
+    return base.name
