@@ -21,8 +21,9 @@ PREFIX-STEP.h5, PREFIX-STEP.zarr or TensorFlow PREFIX-STEP.index) with their
 step, modification time and size on disk, and marks the latest. At an
 object-store URL (s3://bucket/run) only committed steps are listed, with their
 commit time and stored size. An HDF5 step whose bytes incremental steps refer to
-says which ("holds bytes of ckpt-5.h5"; in --json: "referred_by"); the manager
-keeps it on disk while they do.
+(an unchanged value, a row delta's base or patch) says which ("holds bytes of
+ckpt-5.h5"; in --json: "referred_by"), on disk and at a URL; the manager keeps it
+while they do.
 
 example:
   ckpt ls runs/
@@ -91,8 +92,10 @@ def _committed_steps(url: str) -> list[tuple[str, float, int]]:
 def _remote_rows(url: str) -> tuple[list[dict[str, Any]], str | None]:
     """The rows of the committed steps below ``url``, and the latest one's URL."""
     latest = cv.latest_checkpoint(url, storage_options=storage_options())
+    steps = _committed_steps(url)
+    holders = _referred_by([u for u, _, _ in steps], storage_options())
     rows = []
-    for step_url, when, size in _committed_steps(url):
+    for step_url, when, size in steps:
         m = _step_of(step_url.rsplit("/", 1)[-1])
         if m is None:
             continue
@@ -106,6 +109,9 @@ def _remote_rows(url: str) -> tuple[list[dict[str, Any]], str | None]:
                 "latest": step_url == latest,
             }
         )
+        name = step_url.rsplit("/", 1)[-1]
+        if name in holders:
+            rows[-1]["referred_by"] = holders[name]
     rows.sort(key=lambda r: (r["step"], r["mtime"]))
     return rows, latest
 
@@ -190,23 +196,25 @@ def _print(
     return EXIT_OK
 
 
-def _referred_by(paths: list[Path]) -> dict[str, list[str]]:
-    """The incremental HDF5 steps' references: holder file name -> the steps using it."""
+def _referred_by(paths: list[Path] | list[str],
+                 options: dict[str, Any] | None = None) -> dict[str, list[str]]:
+    """The incremental HDF5 steps' references (local paths or step URLs): holder step
+    name -> the steps using its bytes (an external value, a row delta's base or patch)."""
     out: dict[str, set[str]] = {}
     for p in paths:
-        if p.suffix != ".h5":  # a step file, or a multi-process step's directory
+        name = str(p).rstrip("/").rsplit("/", 1)[-1]
+        if not name.endswith(".h5"):  # a step file, or a multi-process step's directory
             continue
         try:
-            with cv.open(p) as reader:
+            with cv.open(p, storage_options=options) as reader:
                 shared = reader.shared() if isinstance(reader,
                                                        cv.storage.SupportsShared) else {}
         except cv.CkptError:
             continue  # listed as it is; `ckpt verify` says what is wrong
         for names in shared.values():
-            # a file's value has one holder (the first); a multi-process step's boxes
-            # may each be held by another step
-            for name in names if p.is_dir() else names[:1]:
-                out.setdefault(name, set()).add(p.name)
+            for holder in names:
+                if holder != name:
+                    out.setdefault(holder, set()).add(name)
     return {k: sorted(v) for k, v in out.items()}
 
 

@@ -149,6 +149,15 @@ def test_patches_accumulate_merge_and_carry_over(s3: S3Bucket, fmt: str,
     # HDF5: the base's step and the merged patch's step stay; the others were freed
     assert kept == (["ckpt-7.zarr"] if fmt == "zarr" else ["ckpt-1.h5", "ckpt-5.h5",
                                                            "ckpt-7.h5"])
+    if fmt == "h5":  # `ckpt ls` says why the older steps are still there
+        res = _ckpt(s3, "ls", run, "--json")
+        assert res.returncode == 0, res.stderr
+        rows = {r["path"].rsplit("/", 1)[-1]: r for r in json.loads(res.stdout)["checkpoints"]}
+        assert rows["ckpt-1.h5"]["referred_by"] == ["ckpt-5.h5", "ckpt-7.h5"]  # the base
+        assert rows["ckpt-5.h5"]["referred_by"] == ["ckpt-7.h5"]  # the merged patch
+        assert "referred_by" not in rows["ckpt-7.h5"]
+        res = _ckpt(s3, "ls", run)
+        assert "(holds bytes of ckpt-7.h5)" in res.stdout, res.stdout
 
 
 def _flip(loc: Any, key: str, at: int) -> None:
