@@ -43,7 +43,7 @@ from benchmarks.results import rows_from_json
 from benchmarks.workloads import WORKLOADS
 
 #: Workloads with their own run and report, run only when named in ``--only``.
-OWN_RUN = ("cloud",)
+OWN_RUN = ("cloud", "incremental")
 
 
 def nondurable_options(probe: dict[str, Any]) -> dict[str, Any] | None:
@@ -117,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
         args.only.remove("cloud")
         cloud.main(["--quick"] if args.quick else
                    (["--repeats", str(args.repeats)] if args.repeats else []))
+        if not args.only:
+            return 0
+    if "incremental" in args.only:  # its own run and report (steps of two managers)
+        from benchmarks import incremental  # noqa: PLC0415 - only when asked for
+
+        args.only.remove("incremental")
+        incremental.main(["--quick"] if args.quick else [])
         if not args.only:
             return 0
     if args.report_from:

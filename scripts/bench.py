@@ -11,7 +11,9 @@ Workloads (``--only``): ``big`` (~1 GiB in 149 float32 tensors: save, load warm/
 restore into existing arrays), ``small`` (20,000 tensors of 64-4096 elements),
 ``lazy`` (one 16 MiB tensor out of the 1 GiB checkpoint), ``init`` (restore as
 initialization vs build-then-restore), ``bgsave`` (time blocked by a background save),
-``verify`` (checksums on vs off), ``gpu`` (needs CuPy and a CUDA device).
+``verify`` (checksums on vs off), ``gpu`` (needs CuPy and a CUDA device); with their
+own run and report, only when named: ``cloud`` (an S3 server: :mod:`benchmarks.cloud`)
+and ``incremental`` (incremental against full steps: :mod:`benchmarks.incremental`).
 
 Examples::
 
