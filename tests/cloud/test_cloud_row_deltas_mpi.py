@@ -205,3 +205,17 @@ def test_a_process_object_merges_its_patches_reading_them_from_the_store(
     kept = ["ckpt-1.h5", "ckpt-5.h5", "ckpt-6.h5"] if fmt == "h5" else ["ckpt-5.zarr",
                                                                         "ckpt-6.zarr"]
     assert list_committed_steps(s3.location("one")) == kept
+    # a restarted manager (keeping one step) finds the references in the process objects'
+    # records: the unchanged table carries step 6's delta over (its base in 1, its
+    # patches in 5 and 6), so those stay held, committed but not listed
+    again = cv.CheckpointManager(
+        cv.Checkpoint(table=table), f"{s3.url}/one", format=fmt, max_to_keep=1,
+        incremental=True, coordinator=cv.distributed.SingleProcessCoordinator(),
+        storage_options=opts)
+    last = again.save(checkpoint_number=7)
+    with cv.open(last, storage_options=s3.storage_options) as reader:
+        assert reader.deltas()["table"]["patches"] == 2
+    held = ["ckpt-1.h5", "ckpt-5.h5", "ckpt-6.h5"] if fmt == "h5" else []
+    assert list_committed_steps(s3.location("one")) == [*held, f"ckpt-7.{fmt}"]
+    assert again.checkpoints == [last]
+    assert np.array_equal(cv.load(last, storage_options=s3.storage_options)["table"], value)
