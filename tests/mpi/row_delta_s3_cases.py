@@ -18,6 +18,10 @@ variable that one process writes). Both formats run in one job, each under
   or held for a kept step's deltas) is restored on these processes.
 - ``restore`` (any number): every committed step is restored into this many
   processes' boxes (resharding) and compared with ``expected``.
+- ``bench`` (``URL FORMAT MIB``, one format): the bytes uploaded and time per step of
+  row deltas against full steps, as tests/mpi/row_delta_cases.py's ``bench`` on disk
+  (:func:`bench`; the figures in docs/benchmarks.md). Rank 0 makes the bucket (moto
+  accepts an unsigned request).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from row_delta_cases import expected, expected_part, model, train
+from row_delta_cases import WIDTH, _rows_at, expected, expected_part, model, train
 
 import ckptvar as cv
 from ckptvar.locations import list_committed_steps, open_location
@@ -146,6 +150,68 @@ def restore(coord: Any, url: str, fmt: str) -> dict[str, Any]:
     return fields
 
 
+def bench(url: str, fmt: str, mib: int, steps: int = 6) -> None:
+    """The ``bench`` mode: each process holds about ``mib`` MiB of a table (boxes of
+    different sizes) and ``scatter_update``s 1% of its rows per step (Zipf ids spread
+    over the rows); an incremental manager and a full one save the same states in turn,
+    through rank 0's counting proxy. Rank 0 reports per step the bytes each uploaded
+    (every process's, requests included), the bytes changed and each save's time."""
+    import time
+
+    from cloud._s3 import FaultProxy, make_bucket  # tests/cloud/_s3.py
+
+    coord = cv.distributed.from_env(timeout=120)
+    rank, size = coord.rank, coord.size
+    proxy = None
+    if rank == 0:
+        bucket = url.removeprefix("s3://").partition("/")[0]
+        make_bucket(OPTS["endpoint"], bucket)
+        proxy = FaultProxy(OPTS["endpoint"])
+    endpoint = coord.broadcast(None if proxy is None else proxy.endpoint, tag="proxy",
+                               timeout=60)
+    opts = {**OPTS, "endpoint": endpoint}
+    per = mib * (1 << 20) // (WIDTH * 4)
+    counts = [per + (r - size // 2) * (per // 16) for r in range(size)]
+    total = sum(counts)
+    lo = sum(counts[:rank])
+    table = cv.Variable(np.random.default_rng(rank).random((counts[rank], WIDTH),
+                                                           dtype=np.float32),
+                        name="table", shard=cv.Shard(full_shape=(total, WIDTH), offset=(lo, 0)))
+    ckpt = cv.Checkpoint(table=table)
+    managers = {
+        "incr": cv.CheckpointManager(ckpt, f"{url}/incr", max_to_keep=2, format=fmt,
+                                     incremental=True, coordinator=coord, storage_options=opts),
+        "full": cv.CheckpointManager(ckpt, f"{url}/full", max_to_keep=1, format=fmt,
+                                     coordinator=coord, storage_options=opts),
+    }
+    perm = np.random.default_rng(7).permutation(total)
+    rows: list[dict[str, float]] = []
+    for step in range(1, steps + 1):
+        changed = 0
+        if step > 1:
+            ids = np.unique(perm[np.random.default_rng(step).zipf(1.2, total // 100) % total])
+            changed = ids.size * WIDTH * 4
+            mine = ids[(ids >= lo) & (ids < lo + counts[rank])]
+            table.scatter_update(mine - lo, _rows_at(step, mine))
+        row: dict[str, float] = {"step": step, "changed": changed, "table": total * WIDTH * 4}
+        for name, mgr in managers.items():
+            coord.barrier(tag=f"{name}-{step}", timeout=120)
+            if proxy is not None:
+                proxy.reset_counts()
+            t0 = time.perf_counter()
+            mgr.save(timeout=120)
+            row[f"{name}_s"] = time.perf_counter() - t0
+            coord.barrier(tag=f"{name}-done-{step}", timeout=120)
+            if proxy is not None:
+                row[f"{name}_up"] = proxy.bytes_up
+        rows.append(row)
+    if proxy is not None:
+        proxy.close()
+        out = Path(os.environ["RESULT_DIR"]) / f"rank{rank}.jsonl"
+        with open(out, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"case": "bench", "rank": 0, "rows": rows, "ok": True}) + "\n")
+
+
 def main(mode: str, url: str) -> None:
     coord = cv.distributed.from_env(timeout=60)
     rank = coord.rank
@@ -170,7 +236,10 @@ def main(mode: str, url: str) -> None:
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1], sys.argv[2])
+        if sys.argv[1] == "bench":
+            bench(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        else:
+            main(sys.argv[1], sys.argv[2])
     except Exception:
         (Path(os.environ["RESULT_DIR"]) / "error.txt").write_text(traceback.format_exc())
         raise
