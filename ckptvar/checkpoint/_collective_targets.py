@@ -17,7 +17,9 @@ commit) and asks its target for the place-specific parts:
   index and creates the commit marker (:class:`~ckptvar.storage.RemoteStep`). No
   shared filesystem is needed. In an incremental save each process's file builds on
   the same process's file in the base step: a Zarr file takes its unchanged values as
-  server-side copies, an HDF5 file refers to byte ranges of the base's object.
+  server-side copies, an HDF5 file refers to byte ranges of the base's object; a box
+  with known written rows may be a row delta on it (Zarr: its base and earlier patches
+  copied on the server; HDF5: referred to in the objects that hold them).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import h5py
 import numpy as np
 import pytest
 from test_distributed_mpi import _mpi_skip_reason, run_mpi
@@ -160,6 +161,10 @@ def test_ckpt_reads_row_deltas_of_several_processes_on_s3(
     local.write_bytes(data)
     with cv.open(local) as sub:
         _, path, offset, n, _ = sub.record.deltas["table/.box/1"].patches[-1]
+    with h5py.File(local, "r") as f:  # plain h5py: the base is the same process's object
+        group = f["table/%2Ebox/1"]
+        assert group.get("base", getlink=True).filename == "../ckpt-1.h5/rank-00001.h5"
+        assert sorted(group) == ["base", *(f"patch-{j}" for j in range(5))]
     data[offset + 8 * n + 3] ^= 0xFF
     loc.put(own, bytes(data))
     with pytest.raises(cv.CorruptCheckpointError,
