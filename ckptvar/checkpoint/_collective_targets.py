@@ -285,7 +285,7 @@ class RemoteTarget(Target):
                 stand_in = self.step.base_h5(base_name, name, Path(tmp) / base_name / name)
                 if stand_in is not None:
                     extra = {"base": stand_in, "known": known or {}}
-            if extra and rows:
+            if extra and rows and base_name is not None:
                 # row deltas on the same rank's object in the base step; a merge reads the
                 # base's patches from the store
                 extra.update(rows=rows, base_reader=functools.partial(

@@ -64,6 +64,42 @@ def _changed(step: int, fmt: str) -> int:
     return rows * ROW_BYTES
 
 
+def _check_saved(ranks: dict[int, dict[str, Any]], fmt: str) -> None:
+    """What the save job reported for ``fmt``: bytes per step, the deltas, pruning, the
+    failed save, the restores on 3 processes."""
+    r0 = ranks[0][fmt]
+    up = {int(k): v for k, v in r0["uploaded"].items()}
+    full = cases.expected(1).nbytes + (cases.expected_part(1).nbytes if fmt == "h5" else 0)
+    assert up[1] > full, (fmt, up)  # the first step is written whole
+    for step in range(2, 7):  # the rows, and each process's record, structure, requests
+        assert up[step] < _changed(step, fmt) + 3 * (32 << 10), (fmt, step, up)
+        assert up[step] < full / 25, (fmt, step, up)
+    print(fmt, "bytes uploaded per step:", up, "changed:",
+          {s: _changed(s, fmt) for s in range(2, 7)})
+    deltas = {int(k): v for k, v in r0["deltas"].items()}
+    assert deltas[1] == {}
+    for step in range(2, 7):  # every process's box is a delta on its own base
+        table = deltas[step]["table"]
+        assert table == {"base": f"ckpt-1.{fmt}", "patches": step - 1, "boxes": 3,
+                         "rows": sum(cases.touched(s).size for s in range(2, step + 1))}
+        if fmt == "h5":  # the partitioned variable: one box, in its writer's object
+            assert deltas[step]["part"]["boxes"] == 1, deltas[step]
+    # rank 1 failed while writing step 6: nothing of it committed or left; the save
+    # again holds step 6's rows (the restores compare them)
+    assert ranks[1][fmt]["failed"] == "OSError"
+    assert {ranks[r][fmt]["failed"] for r in (0, 2)} == {"DistributedError"}
+    assert r0["after_failure"] == {"listed": [f"ckpt-4.{fmt}", f"ckpt-5.{fmt}"],
+                                   "left": []}
+    assert r0["retried"] == f"ckpt-6.{fmt}"
+    assert r0["listed"] == [f"ckpt-5.{fmt}", f"ckpt-6.{fmt}"]
+    # pruning: HDF5 keeps the steps holding the base and the patches (committed, not
+    # listed); a Zarr step copied them on the server, so the pruned steps are gone
+    kept = range(1, 7) if fmt == "h5" else (5, 6)
+    assert r0["committed"] == [f"ckpt-{s}.{fmt}" for s in kept]
+    for r in ranks.values():
+        assert r[fmt]["restored"] == dict.fromkeys(r0["committed"], True), (fmt, r)
+
+
 @needs_mpi
 def test_three_processes_write_row_deltas_to_s3(
         saved: tuple[S3Bucket, str, dict[int, dict[str, Any]]]) -> None:
@@ -71,37 +107,7 @@ def test_three_processes_write_row_deltas_to_s3(
     restores bit-exact on 3 and on 2 processes and loads in one."""
     s3, run, ranks = saved
     for fmt in FORMATS:
-        r0 = ranks[0][fmt]
-        up = {int(k): v for k, v in r0["uploaded"].items()}
-        full = cases.expected(1).nbytes + (cases.expected_part(1).nbytes if fmt == "h5" else 0)
-        assert up[1] > full, (fmt, up)  # the first step is written whole
-        for step in range(2, 7):  # the rows, and each process's record, structure, requests
-            assert up[step] < _changed(step, fmt) + 3 * (32 << 10), (fmt, step, up)
-            assert up[step] < full / 25, (fmt, step, up)
-        print(fmt, "bytes uploaded per step:", up, "changed:",
-              {s: _changed(s, fmt) for s in range(2, 7)})
-        deltas = {int(k): v for k, v in r0["deltas"].items()}
-        assert deltas[1] == {}
-        for step in range(2, 7):  # every process's box is a delta on its own base
-            table = deltas[step]["table"]
-            assert table == {"base": f"ckpt-1.{fmt}", "patches": step - 1, "boxes": 3,
-                             "rows": sum(cases.touched(s).size for s in range(2, step + 1))}
-            if fmt == "h5":  # the partitioned variable: one box, in its writer's object
-                assert deltas[step]["part"]["boxes"] == 1, deltas[step]
-        # rank 1 failed while writing step 6: nothing of it committed or left; the save
-        # again holds step 6's rows (the restores below compare them)
-        assert ranks[1][fmt]["failed"] == "OSError"
-        assert {ranks[r][fmt]["failed"] for r in (0, 2)} == {"DistributedError"}
-        assert r0["after_failure"] == {"listed": [f"ckpt-4.{fmt}", f"ckpt-5.{fmt}"],
-                                       "left": []}
-        assert r0["retried"] == f"ckpt-6.{fmt}"
-        assert r0["listed"] == [f"ckpt-5.{fmt}", f"ckpt-6.{fmt}"]
-        # pruning: HDF5 keeps the steps holding the base and the patches (committed, not
-        # listed); a Zarr step copied them on the server, so the pruned steps are gone
-        kept = range(1, 7) if fmt == "h5" else (5, 6)
-        assert r0["committed"] == [f"ckpt-{s}.{fmt}" for s in kept]
-        for r in ranks.values():
-            assert r[fmt]["restored"] == dict.fromkeys(r0["committed"], True), (fmt, r)
+        _check_saved(ranks, fmt)
 
     # on 2 processes (resharding: each reads the parts of the boxes it needs)
     for r in _run(s3, 2, "restore", run).values():

@@ -51,7 +51,7 @@ def committed(url: str) -> list[str]:
     return list_committed_steps(open_location(url, storage_options=OPTS))
 
 
-def restore_steps(ckpt: Any, table: Any, part: Any, coord: Any, url: str,
+def restore_steps(ckpt: Any, table: Any, part: Any, coord: Any, *, url: str,
                   names: list[str]) -> dict[str, bool]:
     """Restore each step of ``names`` (collectively): whether each equals ``expected``."""
     restored = {}
@@ -138,14 +138,15 @@ def save(coord: Any, url: str, fmt: str, proxy: Any, endpoint: str) -> dict[str,
     fields["uploaded"], fields["deltas"] = uploaded, found
     fields["listed"] = [Path(p).name for p in mgr.checkpoints]
     fields["committed"] = names = committed(url)
-    fields["restored"] = restore_steps(ckpt, table, part, coord, url, names)
+    fields["restored"] = restore_steps(ckpt, table, part, coord, url=url, names=names)
     coord.barrier(tag=f"done-{fmt}", timeout=60)
     return fields
 
 
 def restore(coord: Any, url: str, fmt: str) -> dict[str, Any]:
     ckpt, table, part = model(coord.rank, coord.size, fmt)
-    fields = {"restored": restore_steps(ckpt, table, part, coord, url, committed(url))}
+    fields = {"restored": restore_steps(ckpt, table, part, coord, url=url,
+                                         names=committed(url))}
     coord.barrier(tag=f"done-{fmt}", timeout=60)
     return fields
 
