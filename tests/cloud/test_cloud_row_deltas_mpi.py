@@ -133,7 +133,8 @@ def test_three_processes_write_row_deltas_to_s3(
 def test_ckpt_reads_row_deltas_of_several_processes_on_s3(
         saved: tuple[S3Bucket, str, dict[int, dict[str, Any]]], tmp_path: Path) -> None:
     """``ckpt inspect`` lists the row deltas, ``ckpt verify`` checks every box (a damaged
-    patch is refused, named), ``ckpt convert`` writes every value whole."""
+    patch is refused, named), ``ckpt convert`` writes every value whole, ``ckpt gc``
+    keeps the steps held for the deltas; plain h5py sees a process object's delta."""
     s3, run, _ = saved
     opts = [a for k in ("endpoint", "access_key_id", "secret_access_key", "region")
             for a in ("--storage-option", f"{k}={s3.storage_options[k]}")]
@@ -143,9 +144,14 @@ def test_ckpt_reads_row_deltas_of_several_processes_on_s3(
     commands = [c for fmt in FORMATS for c in (
         ("inspect", last[fmt], *opts), ("inspect", last[fmt], "--json", *opts),
         ("verify", last[fmt], *opts), ("convert", last[fmt], standalone[fmt], *opts))]
+    commands.append(("gc", f"{run}/h5", *opts))
+    committed = list_committed_steps(s3.location("rows/h5"))
     done = ckpt_processes(*commands)  # at once: start-up dominates
     for res in done:
         assert res.returncode == 0, res.stdout + res.stderr
+    # gc removes no committed step, the ones held for a kept step's deltas included
+    assert list_committed_steps(s3.location("rows/h5")) == committed == [
+        f"ckpt-{s}.h5" for s in range(1, 7)]
     for k, fmt in enumerate(FORMATS):
         inspected, as_json, verified, _ = done[4 * k: 4 * k + 4]
         assert (f"table  base in ckpt-1.{fmt}  5 patch(es)" in inspected.stdout
