@@ -17,11 +17,14 @@ commit) and asks its target for the place-specific parts:
   index and creates the commit marker (:class:`~ckptvar.storage.RemoteStep`). No
   shared filesystem is needed. In an incremental save each process's file builds on
   the same process's file in the base step: a Zarr file takes its unchanged values as
-  server-side copies, an HDF5 file refers to byte ranges of the base's object.
+  server-side copies, an HDF5 file refers to byte ranges of the base's object; a box
+  with known written rows may be a row delta on it (Zarr: its base and earlier patches
+  copied on the server; HDF5: referred to in the objects that hold them).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from collections.abc import Callable, Mapping
@@ -130,7 +133,7 @@ class Target:
         whose file ``name`` it may refer to (an incremental save; ``known``: by stored
         key, as the writers take it; ``rows``: by stored key, the rows written since
         ``base`` of changed variables, which may be stored as row deltas where the target
-        writes them: local steps only); ``pieces``: large Zarr values as several chunks
+        writes them); ``pieces``: large Zarr values as several chunks
         (an incremental manager's, local only)."""
         raise NotImplementedError
 
@@ -268,7 +271,8 @@ class RemoteTarget(Target):
             copies: list[tuple[str, str]] = []
             base_name = None if base is None else base.rstrip("/").rpartition("/")[2]
             if base_name is not None and self.fmt == "zarr":
-                record = self.step.base_record(base_name, name, Path(tmp) / ".base" / name)
+                record = self.step.base_record(base_name, name,
+                                               Path(tmp) / ".base" / base_name / name)
                 if record is not None:  # unchanged values: server-side copies of the base's
                     extra = {"base": record, "known": known or {}, "copies": copies}
             elif base_name is not None:
@@ -281,6 +285,11 @@ class RemoteTarget(Target):
                 stand_in = self.step.base_h5(base_name, name, Path(tmp) / base_name / name)
                 if stand_in is not None:
                     extra = {"base": stand_in, "known": known or {}}
+            if extra and rows and base_name is not None:
+                # row deltas on the same rank's object in the base step; a merge reads the
+                # base's patches from the store
+                extra.update(rows=rows, base_reader=functools.partial(
+                    self.step.base_reader, base_name, name))
             _write_file(local, self.fmt, fill, durable=False,  # durable once uploaded
                         pack_threshold=self.pack_threshold, **extra)
             self.step.upload(local, name,

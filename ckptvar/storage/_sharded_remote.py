@@ -141,6 +141,12 @@ class RemoteStep:
             return None
         return dest
 
+    def base_reader(self, base: str, name: str) -> Reader:
+        """A lazy reader of the file ``name`` of the committed step ``base`` beside this one
+        (what a row delta's merge reads the base's patches with)."""
+        key = f"{base}/{name}"
+        return _open_file(self.parent, key, self.parent.join(key))
+
     def commit(self, index: bytes, zarr_root: bytes | None = None) -> str:
         """Upload the root ``zarr.json`` (if any) and the index, then the marker; release the
         claim. ``CheckpointExistsError`` if another writer committed the step."""
