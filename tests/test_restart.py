@@ -145,6 +145,51 @@ def test_a_save_counter_behind_the_directory_continues_past_it(
     assert [Path(p).name for p in again.checkpoints] == ["ckpt-2.h5", "ckpt-3.h5", "ckpt-4.h5"]
 
 
+def test_a_save_counter_below_the_kept_steps_continues_past_them(
+    tmp_path: Path, fresh_graph: cv.Graph, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Steps 1-4 pruned, 5-6 kept: a job that did not restore saves step 7, not a step 1
+    that the manager would list below the others and prune at once (it did: the save
+    returned the path of a file it had just deleted)."""
+    ckpt, _ = _model(1.0)
+    mgr = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=2)
+    for _ in range(6):
+        mgr.save()
+    ckpt2, _ = _model(7.0)
+    again = cv.CheckpointManager(ckpt2, tmp_path, max_to_keep=2)
+    with caplog.at_level("WARNING", logger="ckptvar"):
+        path = again.save()
+    assert path == str(tmp_path / "ckpt-7.h5") and Path(path).exists()
+    assert "Step 1 is older than the newest committed step" in caplog.text
+    assert again.latest_checkpoint == path
+    assert np.array_equal(cv.load(path)["v"], np.full(4, 7.0))
+    assert [Path(p).name for p in again.checkpoints] == ["ckpt-6.h5", "ckpt-7.h5"]
+
+
+def test_a_save_counter_at_a_held_incremental_step_continues_past_it(
+    tmp_path: Path, fresh_graph: cv.Graph, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Step 1 is pruned from the list but kept on disk (step 2 refers to its frozen
+    value): a job that did not restore must not write step 1 again."""
+    frozen = cv.Variable(np.arange(300_000, dtype=np.float32), name="frozen")
+    head = cv.Variable(np.zeros(3, np.float32), name="head")
+    mgr = cv.CheckpointManager(cv.Checkpoint(frozen=frozen, head=head), tmp_path,
+                               max_to_keep=1, incremental=True)
+    mgr.save()
+    head.assign_add(np.ones(3, np.float32))
+    mgr.save()
+    assert (tmp_path / "ckpt-1.h5").exists()  # held for step 2
+    held = (tmp_path / "ckpt-1.h5").read_bytes()
+    again = cv.CheckpointManager(cv.Checkpoint(frozen=frozen, head=head), tmp_path,
+                                 max_to_keep=1, incremental=True)
+    with caplog.at_level("WARNING", logger="ckptvar"):
+        path = again.save()
+    assert path == str(tmp_path / "ckpt-3.h5")
+    assert "Step 1 is committed already" in caplog.text
+    assert (tmp_path / "ckpt-1.h5").read_bytes() == held
+    assert np.array_equal(cv.load(path)["frozen"], frozen.numpy())
+
+
 # --------------------------------------------------------------------------- leftovers
 
 HEX = "0123456789abcdef" * 2

@@ -447,21 +447,33 @@ class CheckpointManager:
         entries = self._section["checkpoints"] + self._section.get("preserved", [])
         return {self._number(e["path"]) for e in entries}
 
+    def _held_numbers(self) -> set[int]:
+        """The numbers of this manager's steps that are committed but no longer listed,
+        kept because listed incremental steps refer to their bytes (``held``)."""
+        if self._location is not None:
+            return {int(e["step"]) for e in self._remote_list(every=True)}
+        return {self._number(e["path"]) for e in self._section.get("pending_delete", [])
+                if e.get("held_for")}
+
     def _next_number(self, number: int, committed: set[int] | None = None) -> int:
         """``number`` (the save counter's next), or past the newest committed step if it is
-        committed already (a job that did not restore, a counter behind the directory).
+        not past it (a job that did not restore, a counter behind the directory).
 
-        A committed step is never written again; the save counter moves with the step
-        so that the file holds its own number. Said in the log.
+        A committed step is never written again, and a new step is never numbered below
+        the newest one (the manager lists and prunes by number: it would be pruned as the
+        oldest, or shadowed as not the latest). The save counter moves with the step so
+        that the file holds its own number. Said in the log.
         """
         committed = self._committed_numbers() if committed is None else committed
-        if number not in committed:
+        if not committed or number > max(committed):
             return number
         after = max(committed) + 1
+        taken = number in committed or number in self._held_numbers()
         logger.warning(
-            "Step %d is committed already in %s; this save continues past the newest "
-            "committed step, as step %d (restore_or_initialize() first to go on from it).",
-            number, os.fspath(self.directory), after,
+            "Step %d is %s in %s; this save continues past the newest committed step, as "
+            "step %d (restore_or_initialize() first to go on from it).",
+            number, "committed already" if taken else "older than the newest committed step",
+            os.fspath(self.directory), after,
         )
         self._checkpoint.save_counter.assign(after - 1)
         return after
