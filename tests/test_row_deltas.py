@@ -584,3 +584,74 @@ def test_a_forged_base_checksum_is_refused(tmp_path: Path, fresh_graph: cv.Graph
             ckpt.restore(str(step))
     forged()  # as written: it reads again
     assert np.array_equal(cv.load(step)["table"], table.numpy())
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=["staged", "two-pass"])
+def test_a_restore_opens_a_deltas_files_once(tmp_path: Path, fresh_graph: cv.Graph,
+                                             monkeypatch: pytest.MonkeyPatch, *,
+                                             budget: int | None) -> None:
+    """A Zarr delta's base chunk files and its patches are opened once per restore: the
+    probes of where the bytes are, the verify pass and the read pass share them."""
+    from ckptvar.storage import _zarr
+
+    if budget is not None:
+        monkeypatch.setattr(_apply, "TEMPORARY_BUDGET", budget)
+    rows = 3 * (_zarr.PIECE_BYTES // ROW_BYTES) + 100  # a base of four chunks (format 1.4)
+    table = cv.Variable(np.random.default_rng(0).random((rows, WIDTH), dtype=np.float32),
+                        name="table")
+    ckpt = cv.Checkpoint(table=table)
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format="zarr", incremental=True)
+    manager.save()
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        ids = np.unique(rng.integers(0, rows, 200))
+        table.scatter_update(ids, table.numpy()[ids] + 1.0)
+        step = Path(manager.save())
+    want = table.numpy()
+    with cv.open(step) as r:
+        d = r.record.deltas["table"]
+        assert r.record.pieces["table"] and len(d.patches) == 3
+        files = [step / rel for rel in r.chunk_files("table")]
+    assert len(files) == 4 + 3  # the base's chunks, then the patches
+    ours = {f.stat().st_ino: f.name for f in files}
+    opened: dict[int, int] = {}
+    real = _zarr.open_in
+
+    def counted(root_fd: int, rel: str, **kw: bool) -> int:
+        fd = real(root_fd, rel, **kw)
+        ino = os.fstat(fd).st_ino
+        opened[ino] = opened.get(ino, 0) + 1
+        return fd
+
+    monkeypatch.setattr(_zarr, "open_in", counted)
+    table.assign(np.zeros((rows, WIDTH), np.float32))
+    ckpt.restore(str(step))
+    assert np.array_equal(table.numpy(), want)
+    assert {ours[i]: opened.get(i, 0) for i in ours} == {name: 1 for name in ours.values()}
+
+
+def test_an_io_thread_waiting_for_patches_runs_those_not_started() -> None:
+    """Every I/O thread waiting for a delta's patches, whose reads are queued behind
+    them: the waiters read them themselves (no deadlock)."""
+    import threading
+    from concurrent.futures import wait
+
+    from ckptvar.storage import rawio
+    from ckptvar.storage._container.delta import Patches
+
+    if rawio.IO_THREADS == 1:
+        pytest.skip("one I/O thread (CKPTVAR_IO_THREADS=1): reads run where they are asked")
+    made = threading.Event()
+    box: list[Patches] = []
+
+    def waiter() -> int:
+        made.wait(30)
+        return len(box[0].result())
+
+    waiters = rawio.start_all([waiter] * rawio.IO_THREADS, background=True)  # every thread
+    patch = (np.arange(2), np.zeros(2, "V4"))
+    box.append(Patches([lambda: patch] * 3))  # its reads queued behind the waiters
+    made.set()
+    done, _ = wait(waiters, timeout=30)
+    assert len(done) == len(waiters)
+    assert [f.result() for f in waiters] == [3] * rawio.IO_THREADS
