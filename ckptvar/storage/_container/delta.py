@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -208,9 +209,8 @@ def read_patches(key: str, reads: list[tuple[Any, int, int, int, str]], row_byte
     ``corrupt(key, text)`` makes a damaged patch's error; ``fold_all``: fold them into
     one (:func:`fold`); ``fds``: descriptors to close once the reads are over.
     """
-    def one(fd: Any, offset: int, n: int, crc: int, what: str
+    def one(buf: np.ndarray, fd: Any, offset: int, n: int, crc: int, what: str
             ) -> tuple[np.ndarray, np.ndarray]:
-        buf = np.empty(8 * n + n * row_bytes, np.uint8)
         got = _src.pread_into(fd, _rawio.byte_view(buf), offset)
         if got != buf.size:
             raise corrupt(key, f"has a row patch {what} that is truncated ({got} of "
@@ -221,7 +221,12 @@ def read_patches(key: str, reads: list[tuple[Any, int, int, int, str]], row_byte
             raise corrupt(key, f"has a row patch {what} that {exc}; the checkpoint is "
                                "damaged") from None
 
-    tasks = [functools.partial(one, *r) for r in reads]
+    # one buffer for all (a large one is mapped in huge pages by NumPy: a fresh buffer's
+    # page faults cost as much as reading it)
+    sizes = [8 * r[2] + r[2] * row_bytes for r in reads]
+    whole = np.empty(sum(sizes), np.uint8)
+    at = [0, *itertools.accumulate(sizes)]
+    tasks = [functools.partial(one, whole[at[i]: at[i + 1]], *r) for i, r in enumerate(reads)]
     then = (lambda parts: [fold(parts, nrows)]) if fold_all else None
     return Patches(tasks, then, fds)
 
