@@ -650,7 +650,7 @@ def test_an_io_thread_waiting_for_patches_runs_those_not_started() -> None:
 
     waiters = rawio.start_all([waiter] * rawio.IO_THREADS, background=True)  # every thread
     patch = (np.arange(2), np.zeros(2, "V4"))
-    box.append(Patches([lambda: patch] * 3))  # its reads queued behind the waiters
+    box.append(Patches([lambda: [patch]] * 3))  # its reads queued behind the waiters
     made.set()
     done, _ = wait(waiters, timeout=30)
     assert len(done) == len(waiters)

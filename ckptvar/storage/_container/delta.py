@@ -130,7 +130,7 @@ class Patches:
     """A delta's patches being read and checked on the I/O threads, started when made, so
     a restore reads them while it hashes the base; :meth:`result` waits for them.
 
-    ``tasks`` each read one patch (:func:`read_patches`); ``then`` turns the list into
+    ``tasks`` each read patches in turn (:func:`read_patches`); ``then`` turns the list into
     what is laid (a fold, for a delta verified by its assembled bytes); ``fds``: the
     descriptors the reads use that this object closes once no read can run any more.
     A task not yet started when :meth:`result` is asked runs on the asking thread (its
@@ -138,7 +138,7 @@ class Patches:
     task queued behind itself.
     """
 
-    def __init__(self, tasks: Sequence[Callable[[], tuple[np.ndarray, np.ndarray]]],
+    def __init__(self, tasks: Sequence[Callable[[], list[tuple[np.ndarray, np.ndarray]]]],
                  then: Callable[[list[tuple[np.ndarray, np.ndarray]]],
                                 list[tuple[np.ndarray, np.ndarray]]] | None = None,
                  fds: list[int] | None = None) -> None:
@@ -158,7 +158,7 @@ class Patches:
         with self._lock:
             if self._got is None and self._error is None:
                 try:
-                    parts = [self._take(i) for i in range(len(self._tasks))]
+                    parts = [p for i in range(len(self._tasks)) for p in self._take(i)]
                     self._got = parts if self._then is None else self._then(parts)
                 except (CkptError, OSError) as exc:  # a damaged patch: said at each call
                     self._error = exc
@@ -169,14 +169,14 @@ class Patches:
             assert self._got is not None
             return self._got
 
-    def _take(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """Patch ``i``: run here if no thread took it yet, else its thread's result."""
+    def _take(self, i: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Task ``i``'s patches: run here if no thread took it yet, else its thread's."""
         if i >= len(self._futures):  # run in order here, and an earlier one failed
             return self._tasks[i]()
         f = self._futures[i]
         if f.cancel():
             return self._tasks[i]()
-        got: tuple[np.ndarray, np.ndarray] = f.result()
+        got: list[tuple[np.ndarray, np.ndarray]] = f.result()
         return got
 
     def _settle(self) -> None:
@@ -209,8 +209,9 @@ def read_patches(key: str, reads: list[tuple[Any, int, int, int, str]], row_byte
     ``corrupt(key, text)`` makes a damaged patch's error; ``fold_all``: fold them into
     one (:func:`fold`); ``fds``: descriptors to close once the reads are over.
     """
-    def one(buf: np.ndarray, fd: Any, offset: int, n: int, crc: int, what: str
+    def one(buf: np.ndarray, read: tuple[Any, int, int, int, str]
             ) -> tuple[np.ndarray, np.ndarray]:
+        fd, offset, n, crc, what = read
         got = _src.pread_into(fd, _rawio.byte_view(buf), offset)
         if got != buf.size:
             raise corrupt(key, f"has a row patch {what} that is truncated ({got} of "
@@ -226,9 +227,25 @@ def read_patches(key: str, reads: list[tuple[Any, int, int, int, str]], row_byte
     sizes = [8 * r[2] + r[2] * row_bytes for r in reads]
     whole = np.empty(sum(sizes), np.uint8)
     at = [0, *itertools.accumulate(sizes)]
-    tasks = [functools.partial(one, whole[at[i]: at[i + 1]], *r) for i, r in enumerate(reads)]
+    reads_at = [functools.partial(one, whole[at[i]: at[i + 1]], r) for i, r in enumerate(reads)]
+    # as many tasks as I/O threads at most, of about equal bytes (a task each costs more
+    # than reading a small patch)
+    share, tasks, cur, size = -(-at[-1] // _rawio.IO_THREADS), [], [], 0
+    for read, n in zip(reads_at, sizes, strict=True):
+        cur.append(read)
+        size += n
+        if size >= share:
+            tasks.append(functools.partial(_in_turn, cur))
+            cur, size = [], 0
+    if cur:
+        tasks.append(functools.partial(_in_turn, cur))
     then = (lambda parts: [fold(parts, nrows)]) if fold_all else None
     return Patches(tasks, then, fds)
+
+
+def _in_turn(reads: Sequence[Callable[[], tuple[np.ndarray, np.ndarray]]]
+             ) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [read() for read in reads]
 
 
 def base_checksum(d: Delta, seed: int, nbytes: int, block_size: int) -> int | None:

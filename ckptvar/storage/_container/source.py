@@ -236,6 +236,12 @@ class Patched:
                  ) -> None:
         rb = self.row_bytes
         end = offset + out.size
+        if not (offset % rb or end % rb):  # whole rows (a piece of a read): one assignment
+            lo = offset // rb
+            i, j = rows.searchsorted((lo, end // rb)).tolist()
+            if j > i:
+                out.view(data.dtype)[rows[i:j] - lo] = data[i:j]
+            return
         i, j = rows.searchsorted((offset // rb, (end - 1) // rb + 1)).tolist()
         if i == j:
             return
