@@ -539,6 +539,7 @@ class H5Reader(ContainerReader, SupportsShared):
         #: a delta value's patches, read and checked on the I/O threads from the first
         #: time it is opened (folded into one when laid twice), once per reader
         self._patches: dict[str, Patches] = {}
+        self._delta_lock = threading.Lock()
         super().__init__(path, record)
         self._packed_base = record.packed[1] if record.packed else 0
         self._packed: int | RemoteFile = fd
@@ -563,20 +564,24 @@ class H5Reader(ContainerReader, SupportsShared):
         return super().corrupt(key, what if d is None else in_base(what, d, Path(self.path).name))
 
     def _patched(self, key: str, entry: Entry) -> Patched:
-        """A delta value (format 1.5): its base's bytes with its patches laid over them."""
+        """A delta value (format 1.5): its base's bytes with its patches laid over them,
+        their reads started at its first open (one thread at a time: the I/O threads may
+        open a value at once)."""
         d = self._record.deltas[key]
         expect = self.base_expect(key, entry)
-        base = self._file(key, d.base[0], d.base[2], entry.nbytes)
-        patches = self._patches.get(key)
-        if patches is None:
-            rb = entry.nbytes // entry.shape[0]
-            reads = [(self._file(key, f, off, 8 * n + n * rb), off, n, crc,
-                      f"{p!r} in {f or self.path.name!r}") for f, p, off, n, crc in d.patches]
-            # verified by its parts, the patches are laid once: in order, no fold first
-            patches = self._patches[key] = read_patches(
-                key, reads, rb, entry.shape[0],
-                seed=_checksum.header_crc(key, entry.dtype, entry.shape),
-                corrupt=self.corrupt, fold_all=expect is None)
+        with self._delta_lock:
+            base = self._file(key, d.base[0], d.base[2], entry.nbytes)
+            patches = self._patches.get(key)
+            if patches is None:
+                rb = entry.nbytes // entry.shape[0]
+                reads = [(self._file(key, f, off, 8 * n + n * rb), off, n, crc,
+                          f"{p!r} in {f or self.path.name!r}")
+                         for f, p, off, n, crc in d.patches]
+                # verified by its parts, the patches are laid once: in order, no fold first
+                patches = self._patches[key] = read_patches(
+                    key, reads, rb, entry.shape[0],
+                    seed=_checksum.header_crc(key, entry.dtype, entry.shape),
+                    corrupt=self.corrupt, fold_all=expect is None)
         return Patched(base, d.base[2], entry.nbytes, entry.nbytes // entry.shape[0], patches,
                        owned=False, expect=expect)
 

@@ -621,6 +621,7 @@ class ZarrReader(ContainerReader, SupportsShared):
         #: reader, up to ``_HOLD_BASES`` descriptors in all (the rest at each open)
         self._bases: dict[str, int | Pieces] = {}
         self._held = 0
+        self._delta_lock = threading.Lock()
         super().__init__(path, record)
 
     def shared(self) -> dict[str, list[str]]:
@@ -720,30 +721,32 @@ class ZarrReader(ContainerReader, SupportsShared):
 
     def _patched(self, key: str, entry: Entry) -> Patched:
         """A delta value (format 1.5): its base array's bytes with its patches over them;
-        the base's files opened and the patches' reads started at its first open."""
+        the base's files opened and the patches' reads started at its first open (one
+        thread at a time: the I/O threads may open a value at once)."""
         d = self._record.deltas[key]
         expect = self.base_expect(key, entry)
-        base = self._bases.get(key)
-        owned = base is None
-        if base is None:
-            if self._record.pieces and key in self._record.pieces:
-                base = self._open_pieces(key, entry, d.base[1])
-            else:
-                base = self._open_chunk(key, f"{d.base[1]}/{chunk_key(len(entry.shape))}",
-                                        entry.nbytes)
-            n = 1 if isinstance(base, int) else len(base.fds)
-            if self._held + n <= _HOLD_BASES:  # kept for this reader's later opens
-                self._bases[key], self._held, owned = base, self._held + n, False
-        try:
-            patches = self._patches.get(key)
-            if patches is None:
-                # verified by its parts, the patches are laid once: in order, no fold first
-                patches = self._patches[key] = self._read_patches(key, entry, d,
-                                                                  fold_all=expect is None)
-        except BaseException:
-            if owned:
-                _close_source(base)
-            raise
+        with self._delta_lock:
+            base = self._bases.get(key)
+            owned = base is None
+            if base is None:
+                if self._record.pieces and key in self._record.pieces:
+                    base = self._open_pieces(key, entry, d.base[1])
+                else:
+                    base = self._open_chunk(key, f"{d.base[1]}/{chunk_key(len(entry.shape))}",
+                                            entry.nbytes)
+                n = 1 if isinstance(base, int) else len(base.fds)
+                if self._held + n <= _HOLD_BASES:  # kept for this reader's later opens
+                    self._bases[key], self._held, owned = base, self._held + n, False
+            try:
+                patches = self._patches.get(key)
+                if patches is None:
+                    # verified by its parts, the patches are laid once: in order, no fold
+                    patches = self._patches[key] = self._read_patches(
+                        key, entry, d, fold_all=expect is None)
+            except BaseException:
+                if owned:
+                    _close_source(base)
+                raise
         return Patched(base, 0, entry.nbytes, entry.nbytes // entry.shape[0], patches,
                        owned=owned, expect=expect)
 
