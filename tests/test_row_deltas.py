@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import h5py
 import msgpack
@@ -634,3 +635,144 @@ def test_a_forged_base_checksum_is_refused(tmp_path: Path, fresh_graph: cv.Graph
             ckpt.restore(str(step))
     forged()  # as written: it reads again
     assert np.array_equal(cv.load(step)["table"], table.numpy())
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=["staged", "two-pass"])
+def test_a_restore_opens_a_deltas_files_once(tmp_path: Path, fresh_graph: cv.Graph,
+                                             monkeypatch: pytest.MonkeyPatch, *,
+                                             budget: int | None) -> None:
+    """A Zarr delta's base chunk files and its patches are opened once per restore: the
+    probes of where the bytes are, the verify pass and the read pass share them."""
+    from ckptvar.storage import _zarr
+
+    if budget is not None:
+        monkeypatch.setattr(_apply, "TEMPORARY_BUDGET", budget)
+    rows = 3 * (_zarr.PIECE_BYTES // ROW_BYTES) + 100  # a base of four chunks (format 1.4)
+    table = cv.Variable(np.random.default_rng(0).random((rows, WIDTH), dtype=np.float32),
+                        name="table")
+    ckpt = cv.Checkpoint(table=table)
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format="zarr", incremental=True)
+    manager.save()
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        ids = np.unique(rng.integers(0, rows, 200))
+        table.scatter_update(ids, table.numpy()[ids] + 1.0)
+        step = Path(manager.save())
+    want = table.numpy()
+    with cv.open(step) as r:
+        d = r.record.deltas["table"]
+        assert r.record.pieces["table"] and len(d.patches) == 3
+        files = [step / rel for rel in r.chunk_files("table")]
+    assert len(files) == 4 + 3  # the base's chunks, then the patches
+    ours = {f.stat().st_ino: f.name for f in files}
+    opened: dict[int, int] = {}
+    real = _zarr.open_in
+
+    def counted(root_fd: int, rel: str, **kw: bool) -> int:
+        fd = real(root_fd, rel, **kw)
+        ino = os.fstat(fd).st_ino
+        opened[ino] = opened.get(ino, 0) + 1
+        return fd
+
+    monkeypatch.setattr(_zarr, "open_in", counted)
+    table.assign(np.zeros((rows, WIDTH), np.float32))
+    ckpt.restore(str(step))
+    assert np.array_equal(table.numpy(), want)
+    assert {ours[i]: opened.get(i, 0) for i in ours} == {name: 1 for name in ours.values()}
+
+
+def test_an_io_thread_waiting_for_patches_runs_those_not_started() -> None:
+    """Every I/O thread waiting for a delta's patches, whose reads are queued behind
+    them: the waiters read them themselves (no deadlock)."""
+    import threading
+    from concurrent.futures import wait
+
+    from ckptvar.storage import rawio
+    from ckptvar.storage._container.delta import Patches
+
+    if rawio.IO_THREADS == 1:
+        pytest.skip("one I/O thread (CKPTVAR_IO_THREADS=1): reads run where they are asked")
+    made = threading.Event()
+    box: list[Patches] = []
+
+    def waiter() -> int:
+        made.wait(30)
+        return len(box[0].result())
+
+    waiters = rawio.start_all([waiter] * rawio.IO_THREADS, background=True)  # every thread
+    patch = (np.arange(2), np.zeros(2, "V4"))
+    box.append(Patches([lambda: [patch]] * 3))  # its reads queued behind the waiters
+    made.set()
+    done, _ = wait(waiters, timeout=30)
+    assert len(done) == len(waiters)
+    assert [f.result() for f in waiters] == [3] * rawio.IO_THREADS
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_delta_values_read_in_small_pieces_by_many_threads_leave_nothing_open(
+        tmp_path: Path, fresh_graph: cv.Graph, monkeypatch: pytest.MonkeyPatch,
+        fmt: str) -> None:
+    """Several delta values, each read in many pieces on the I/O threads at once (each
+    piece may be the first to open its value): bit-exact, and once the restores are
+    over no descriptor of theirs is left open."""
+    from ckptvar.storage._container import transfer
+
+    monkeypatch.setattr(_apply, "TEMPORARY_BUDGET", 0)  # verify, then read in place
+    monkeypatch.setattr(transfer, "_SPLIT", 64 << 10)
+    monkeypatch.setattr(transfer, "_TASK", 64 << 10)
+    tables = {f"t{i}": cv.Variable(np.random.default_rng(i).random((ROWS, WIDTH),
+                                                                   dtype=np.float32))
+              for i in range(4)}
+    ckpt = cv.Checkpoint(**tables)
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, incremental=True)
+    manager.save()
+    rng = np.random.default_rng(6)
+    for _ in range(3):
+        for t in tables.values():
+            ids = np.unique(rng.integers(0, ROWS, 50))
+            t.scatter_update(ids, t.numpy()[ids] + 1.0)
+        step = Path(manager.save())
+    with cv.open(step) as r:
+        assert sorted(r.deltas()) == sorted(tables)
+    want = {k: t.numpy() for k, t in tables.items()}
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    for _ in range(3):
+        for t in tables.values():
+            t.assign(np.zeros((ROWS, WIDTH), np.float32))
+        ckpt.restore(str(step))
+        assert all(np.array_equal(tables[k].numpy(), want[k]) for k in tables)
+    if fds is not None:
+        assert len(os.listdir("/proc/self/fd")) == fds
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_threads_opening_a_delta_at_once_share_one_read_of_it(
+        tmp_path: Path, fresh_graph: cv.Graph, fmt: str) -> None:
+    """Eight threads open one delta value of a fresh reader at the same moment (as the I/O
+    threads do when each reads a piece of it): its patches are read once, for all of
+    them, and closing the reader leaves no descriptor open."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, incremental=True)
+    manager.save()
+    rng = np.random.default_rng(8)
+    for _ in range(3):
+        _touch(table, rng, 60)
+        step = Path(manager.save())
+    def open_it(r: Any, start: threading.Barrier) -> Any:
+        start.wait(10)
+        return r.source("table", r.entry("table"))
+
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    for _ in range(5):
+        with cv.open(step) as r:
+            start = threading.Barrier(8)
+            with ThreadPoolExecutor(8) as pool:
+                srcs = list(pool.map(open_it, [r] * 8, [start] * 8))
+            assert len({id(s.fd.patches) for s in srcs}) == 1
+            for s in srcs:
+                s.fd.close()
+        if fds is not None:
+            assert len(os.listdir("/proc/self/fd")) == fds

@@ -57,7 +57,7 @@ from ._container import (
     write_packed,
 )
 from ._container import source as _src
-from ._container.delta import DeltaWrite, fold, in_base, read_patches
+from ._container.delta import DeltaWrite, Patches, in_base, read_patches
 from ._container.reuse import Held
 from ._container.source import Patched, RemoteFile
 from ._record import (
@@ -568,8 +568,10 @@ class H5Reader(ContainerReader, SupportsShared):
         self._mm: Any = None
         self._holders: dict[str, int | RemoteFile] = {}  # where external values are, opened
         self._find_holder = holders
-        #: a delta value's patches, read and checked (folded into one when laid twice)
-        self._folded: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        #: a delta value's patches, read and checked on the I/O threads from the first
+        #: time it is opened (folded into one when laid twice), once per reader
+        self._patches: dict[str, Patches] = {}
+        self._delta_lock = threading.Lock()
         super().__init__(path, record)
         self._packed_base = record.packed[1] if record.packed else 0
         self._packed: int | RemoteFile = fd
@@ -594,7 +596,9 @@ class H5Reader(ContainerReader, SupportsShared):
         return super().corrupt(key, what if d is None else in_base(what, d, Path(self.path).name))
 
     def _patched(self, key: str, entry: Entry) -> Patched:
-        """A delta value (format 1.5): its base's bytes with its patches laid over them."""
+        """A delta value (format 1.5): its base's bytes with its patches laid over them,
+        their reads started at its first open (one thread at a time: the I/O threads may
+        open a value at once)."""
         d = self._record.deltas[key]
         expect = self.base_expect(key, entry)
         if self.remote:  # the steps holding the base and patches: found in parallel
@@ -603,19 +607,20 @@ class H5Reader(ContainerReader, SupportsShared):
             if len(steps) > 1:
                 _rawio.wait_all(_rawio.start_all(
                     [functools.partial(self._remote_holder, key, f) for f in steps]))
-        base = self._file(key, d.base[0], d.base[2], entry.nbytes)
-        folded = self._folded.get(key)
-        if folded is None:
-            reads = [(self._file(key, f, off, 8 * n + n * (entry.nbytes // entry.shape[0])),
-                      off, n, crc, f"{p!r} in {f or Path(self.path).name!r}")
-                     for f, p, off, n, crc in d.patches]
-            parts = read_patches(key, reads, entry.nbytes // entry.shape[0], entry.shape[0],
-                                 seed=_checksum.header_crc(key, entry.dtype, entry.shape),
-                                 corrupt=self.corrupt)
-            # verified by its parts, the patches are laid once: in order, no fold first
-            folded = self._folded[key] = (parts if expect is not None else
-                                          [fold(parts, entry.shape[0])])
-        return Patched(base, d.base[2], entry.nbytes, entry.nbytes // entry.shape[0], folded,
+        with self._delta_lock:
+            base = self._file(key, d.base[0], d.base[2], entry.nbytes)
+            patches = self._patches.get(key)
+            if patches is None:
+                rb = entry.nbytes // entry.shape[0]
+                reads = [(self._file(key, f, off, 8 * n + n * rb), off, n, crc,
+                          f"{p!r} in {f or Path(self.path).name!r}")
+                         for f, p, off, n, crc in d.patches]
+                # verified by its parts, the patches are laid once: in order, no fold first
+                patches = self._patches[key] = read_patches(
+                    key, reads, rb, entry.shape[0],
+                    seed=_checksum.header_crc(key, entry.dtype, entry.shape),
+                    corrupt=self.corrupt, fold_all=expect is None)
+        return Patched(base, d.base[2], entry.nbytes, entry.nbytes // entry.shape[0], patches,
                        owned=False, expect=expect)
 
     def _file(self, key: str, name: str, offset: int, nbytes: int) -> Any:
@@ -715,11 +720,13 @@ class H5Reader(ContainerReader, SupportsShared):
             if mm is not None and hasattr(mm, "close"):
                 with contextlib.suppress(BufferError):  # a view of it is still alive
                     mm.close()
+            for patches in self._patches.values():  # no read left on the descriptors
+                patches.close()
+            self._patches.clear()
             _src.close(self._fd)
             for fd in self._holders.values():
                 _src.close(fd)
             self._holders.clear()
-            self._folded.clear()
         super().close()
 
     def __del__(self) -> None:

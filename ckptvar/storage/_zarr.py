@@ -57,7 +57,7 @@ from ._container import (
     write_packed,
 )
 from ._container.blocks import BLOCK_SIZE
-from ._container.delta import DeltaWrite, fold, in_base, read_patches
+from ._container.delta import DeltaWrite, Patches, in_base, read_patches
 from ._container.reuse import Held
 from ._container.source import Patched, Pieces
 from ._record import ARRAY, FORMAT_VERSION, Delta, Entry, Extent, Record, decode
@@ -89,6 +89,10 @@ __all__ = ["PIECE_BYTES", "RECORD_PATH", "ZarrBackend", "ZarrReader", "ZarrWrite
 PIECE_BYTES = 4 << 20
 
 _CODECS = ("zstd", "gzip", "blosc")
+
+#: A reader keeps at most this many descriptors of row deltas' base chunk files open
+#: between opens of their values (a 1 GiB base in 4 MiB chunks: 256).
+_HOLD_BASES = 256
 
 #: About the size of a chunk of a compressed value that comes a piece at a time (a GPU
 #: tensor staged through the pinned buffer): whole rows, compressed as they arrive.
@@ -617,8 +621,14 @@ class ZarrReader(ContainerReader, SupportsShared):
             raise
         self._root_fd = root_fd
         self._packed_fd: int | None = None
-        #: a delta value's patches, read and checked (folded into one when laid twice)
-        self._folded: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        #: a delta value's patches, read and checked on the I/O threads from the first
+        #: time it is opened (folded into one when laid twice), once per reader
+        self._patches: dict[str, Patches] = {}
+        #: a delta value's base chunk files, opened (and their sizes checked) once per
+        #: reader, up to ``_HOLD_BASES`` descriptors in all (the rest at each open)
+        self._bases: dict[str, int | Pieces] = {}
+        self._held = 0
+        self._delta_lock = threading.Lock()
         super().__init__(path, record)
 
     def shared(self) -> dict[str, list[str]]:
@@ -680,10 +690,13 @@ class ZarrReader(ContainerReader, SupportsShared):
         # (checked with the columns: at once, or through the key index when all are needed)
         return decode(data, path, container="zarr")
 
-    def _open_chunk(self, key: str, rel: str, nbytes: int) -> int:
+    def _open_chunk(self, key: str, rel: str, nbytes: int, *, at: int | None = None) -> int:
+        """The chunk file ``rel`` of ``key`` opened, its size checked (``at``: a descriptor
+        of its directory, already open: the file is opened by its last name there)."""
         self.check_open()
         try:
-            fd = open_in(self._root_fd, rel)
+            fd = (open_in(self._root_fd, rel) if at is None else
+                  open_in(at, rel.rpartition("/")[2]))
         except FileNotFoundError:
             raise_if_deleted(self._root_fd, self.path)
             raise self.corrupt(key, f"has lost its chunk file {rel!r}") from None
@@ -714,44 +727,51 @@ class ZarrReader(ContainerReader, SupportsShared):
         return super().corrupt(key, what if d is None else in_base(what, d, Path(self.path).name))
 
     def _patched(self, key: str, entry: Entry) -> Patched:
-        """A delta value (format 1.5): its base array's bytes with its patches over them."""
+        """A delta value (format 1.5): its base array's bytes with its patches over them;
+        the base's files opened and the patches' reads started at its first open (one
+        thread at a time: the I/O threads may open a value at once)."""
         d = self._record.deltas[key]
         expect = self.base_expect(key, entry)
-        base_path = d.base[1]
-        if self._record.pieces and key in self._record.pieces:
-            base: Any = self._open_pieces(key, entry, base_path)
-        else:
-            base = self._open_chunk(key, f"{base_path}/{chunk_key(len(entry.shape))}",
-                                    entry.nbytes)
-        try:
-            folded = self._folded.get(key)
-            if folded is None:
-                parts = self._read_patches(key, entry, d)
-                # verified by its parts, the patches are laid once: in order, no fold first
-                folded = self._folded[key] = (parts if expect is not None else
-                                              [fold(parts, entry.shape[0])])
-        except BaseException:
-            _close_source(base)
-            raise
-        return Patched(base, 0, entry.nbytes, entry.nbytes // entry.shape[0], folded,
-                       expect=expect)
+        with self._delta_lock:
+            base = self._bases.get(key)
+            owned = base is None
+            if base is None:
+                if self._record.pieces and key in self._record.pieces:
+                    base = self._open_pieces(key, entry, d.base[1])
+                else:
+                    base = self._open_chunk(key, f"{d.base[1]}/{chunk_key(len(entry.shape))}",
+                                            entry.nbytes)
+                n = 1 if isinstance(base, int) else len(base.fds)
+                if self._held + n <= _HOLD_BASES:  # kept for this reader's later opens
+                    self._bases[key], self._held, owned = base, self._held + n, False
+            try:
+                patches = self._patches.get(key)
+                if patches is None:
+                    # verified by its parts, the patches are laid once: in order, no fold
+                    patches = self._patches[key] = self._read_patches(
+                        key, entry, d, fold_all=expect is None)
+            except BaseException:
+                if owned:
+                    _close_source(base)
+                raise
+        return Patched(base, 0, entry.nbytes, entry.nbytes // entry.shape[0], patches,
+                       owned=owned, expect=expect)
 
-    def _read_patches(self, key: str, entry: Entry, d: Delta
-                      ) -> list[tuple[np.ndarray, np.ndarray]]:
+    def _read_patches(self, key: str, entry: Entry, d: Delta, *, fold_all: bool) -> Patches:
         rb = entry.nbytes // entry.shape[0]
         fds: list[int] = []
         try:
             for _, p, _, n, _ in d.patches:
                 fds.append(self._open_chunk(key, f"{p}/{chunk_key(1)}", 8 * n + n * rb))
-            reads = [(fd, 0, n, crc, repr(f"{p}/{chunk_key(1)}"))
-                     for fd, (_, p, _, n, crc) in zip(fds, d.patches, strict=True)]
-            parts = read_patches(key, reads, rb, entry.shape[0],
-                                 seed=_checksum.header_crc(key, entry.dtype, entry.shape),
-                                 corrupt=self.corrupt)
-        finally:
+        except BaseException:
             for fd in fds:
                 os.close(fd)
-        return parts
+            raise
+        reads = [(fd, 0, n, crc, repr(f"{p}/{chunk_key(1)}"))
+                 for fd, (_, p, _, n, crc) in zip(fds, d.patches, strict=True)]
+        return read_patches(key, reads, rb, entry.shape[0],
+                            seed=_checksum.header_crc(key, entry.dtype, entry.shape),
+                            corrupt=self.corrupt, fold_all=fold_all, fds=fds)
 
     def _piece_layout(self, key: str, entry: Entry) -> tuple[int, int]:
         """A value stored as several chunks (format 1.4): a chunk file's size and how
@@ -768,15 +788,22 @@ class ZarrReader(ContainerReader, SupportsShared):
         array holding them (a delta's base), else the value's own."""
         size, n = self._piece_layout(key, entry)
         where = entry.loc.path if path is None else path
+        try:  # the directory once, each chunk in it (else each by its whole path: the error)
+            at: int | None = open_in(self._root_fd, where or "", directory=True)
+        except OSError:
+            at = None
         fds: list[int] = []
         try:
             for i in range(n):
                 rel = f"{where}/{piece_key(len(entry.shape), i)}"
-                fds.append(self._open_chunk(key, rel, size))
+                fds.append(self._open_chunk(key, rel, size, at=at))
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
+        finally:
+            if at is not None:
+                os.close(at)
         return Pieces(fds, [size] * (n - 1) + [entry.nbytes - (n - 1) * size])
 
     def chunk_files(self, key: str) -> list[str]:
@@ -851,6 +878,12 @@ class ZarrReader(ContainerReader, SupportsShared):
 
     def close(self) -> None:
         if not self._closed:
+            for patches in self._patches.values():  # no read left on the descriptors
+                patches.close()
+            self._patches.clear()
+            for base in self._bases.values():
+                _close_source(base)
+            self._bases.clear()
             if self._packed_fd is not None:
                 os.close(self._packed_fd)
             os.close(self._root_fd)

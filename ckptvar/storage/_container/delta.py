@@ -36,20 +36,25 @@ reads the base and every patch, so a restore reads at most 1.25x the bytes of th
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import itertools
+import os
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ...errors import CkptError
 from .. import checksum as _checksum
 from .. import rawio as _rawio
 from .._record import Delta
 from . import source as _src
 from .blocks import blocks_agree
 
-__all__ = ["DELTA_FROM", "DELTA_LIMIT", "MAX_PATCHES", "DeltaWrite", "base_checksum",
+__all__ = ["DELTA_FROM", "DELTA_LIMIT", "MAX_PATCHES", "DeltaWrite", "Patches", "base_checksum",
            "decode_patch", "fold", "in_base", "merged", "patch_bytes", "plan", "read_patches"]
 
 #: Values smaller than this are written whole (a delta's patch and links cost more).
@@ -121,18 +126,92 @@ def decode_patch(raw: bytes | bytearray | memoryview | np.ndarray, n: int, row_b
     return rows, buf[8 * n:].view(np.dtype((np.void, row_bytes)))
 
 
+class Patches:
+    """A delta's patches being read and checked on the I/O threads, started when made, so
+    a restore reads them while it hashes the base; :meth:`result` waits for them.
+
+    ``tasks`` each read patches in turn (:func:`read_patches`); ``then`` turns the list into
+    what is laid (a fold, for a delta verified by its assembled bytes); ``fds``: the
+    descriptors the reads use that this object closes once no read can run any more.
+    A task not yet started when :meth:`result` is asked runs on the asking thread (its
+    future cancelled), so an I/O thread that waits for the patches never waits for a
+    task queued behind itself.
+    """
+
+    def __init__(self, tasks: Sequence[Callable[[], list[tuple[np.ndarray, np.ndarray]]]],
+                 then: Callable[[list[tuple[np.ndarray, np.ndarray]]],
+                                list[tuple[np.ndarray, np.ndarray]]] | None = None,
+                 fds: list[int] | None = None) -> None:
+        self._tasks, self._then, self._fds = tasks, then, fds or []
+        self._lock = threading.Lock()
+        self._got: list[tuple[np.ndarray, np.ndarray]] | None = None
+        self._error: BaseException | None = None
+        try:
+            self._futures = _rawio.start_all(tasks, background=True)
+        except BaseException:
+            self._close_fds()
+            raise
+
+    def result(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The patches, read and checked, in order (or as ``then`` made them); raises the
+        first damaged one's error (each call)."""
+        with self._lock:
+            if self._got is None and self._error is None:
+                try:
+                    parts = [p for i in range(len(self._tasks)) for p in self._take(i)]
+                    self._got = parts if self._then is None else self._then(parts)
+                except (CkptError, OSError) as exc:  # a damaged patch: said at each call
+                    self._error = exc
+                finally:
+                    self._settle()
+            if self._error is not None:
+                raise self._error
+            assert self._got is not None
+            return self._got
+
+    def _take(self, i: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Task ``i``'s patches: run here if no thread took it yet, else its thread's."""
+        if i >= len(self._futures):  # run in order here, and an earlier one failed
+            return self._tasks[i]()
+        f = self._futures[i]
+        if f.cancel():
+            return self._tasks[i]()
+        got: list[tuple[np.ndarray, np.ndarray]] = f.result()
+        return got
+
+    def _settle(self) -> None:
+        """No read left running (those not started are dropped); the descriptors closed."""
+        for f in self._futures:
+            f.cancel()
+        with contextlib.suppress(BaseException):
+            _rawio.wait_all([f for f in self._futures if not f.cancelled()])
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Let go of the reads (waiting for those running) and their descriptors."""
+        with self._lock:
+            self._settle()
+
+
 def read_patches(key: str, reads: list[tuple[Any, int, int, int, str]], row_bytes: int,
-                 nrows: int, *, seed: int, corrupt: Callable[[str, str], Exception]
-                 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """A delta's patches, read and checked on the I/O threads (in parallel), in order.
+                 nrows: int, *, seed: int, corrupt: Callable[[str, str], Exception],
+                 fold_all: bool = False, fds: list[int] | None = None) -> Patches:
+    """A delta's patches, read and checked on the I/O threads (in parallel), in order,
+    started now (:class:`Patches`).
 
     ``reads`` gives per patch ``(source, offset, rows, crc, what)`` (``what`` names the
     patch and its file in messages); ``seed``: the value's header CRC;
-    ``corrupt(key, text)`` makes a damaged patch's error.
+    ``corrupt(key, text)`` makes a damaged patch's error; ``fold_all``: fold them into
+    one (:func:`fold`); ``fds``: descriptors to close once the reads are over.
     """
-    def one(fd: Any, offset: int, n: int, crc: int, what: str
+    def one(buf: np.ndarray, read: tuple[Any, int, int, int, str]
             ) -> tuple[np.ndarray, np.ndarray]:
-        buf = np.empty(8 * n + n * row_bytes, np.uint8)
+        fd, offset, n, crc, what = read
         got = _src.pread_into(fd, _rawio.byte_view(buf), offset)
         if got != buf.size:
             raise corrupt(key, f"has a row patch {what} that is truncated ({got} of "
@@ -143,8 +222,30 @@ def read_patches(key: str, reads: list[tuple[Any, int, int, int, str]], row_byte
             raise corrupt(key, f"has a row patch {what} that {exc}; the checkpoint is "
                                "damaged") from None
 
-    tasks = [functools.partial(one, *r) for r in reads]
-    return _rawio.wait_all(_rawio.start_all(tasks))
+    # one buffer for all (a large one is mapped in huge pages by NumPy: a fresh buffer's
+    # page faults cost as much as reading it)
+    sizes = [8 * r[2] + r[2] * row_bytes for r in reads]
+    whole = np.empty(sum(sizes), np.uint8)
+    at = [0, *itertools.accumulate(sizes)]
+    reads_at = [functools.partial(one, whole[at[i]: at[i + 1]], r) for i, r in enumerate(reads)]
+    # as many tasks as I/O threads at most, of about equal bytes (a task each costs more
+    # than reading a small patch)
+    share, tasks, cur, size = -(-at[-1] // _rawio.IO_THREADS), [], [], 0
+    for read, n in zip(reads_at, sizes, strict=True):
+        cur.append(read)
+        size += n
+        if size >= share:
+            tasks.append(functools.partial(_in_turn, cur))
+            cur, size = [], 0
+    if cur:
+        tasks.append(functools.partial(_in_turn, cur))
+    then = (lambda parts: [fold(parts, nrows)]) if fold_all else None
+    return Patches(tasks, then, fds)
+
+
+def _in_turn(reads: Sequence[Callable[[], tuple[np.ndarray, np.ndarray]]]
+             ) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [read() for read in reads]
 
 
 def base_checksum(d: Delta, seed: int, nbytes: int, block_size: int) -> int | None:

@@ -17,13 +17,13 @@ import itertools
 import mmap
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from .. import rawio as _rawio
 
-__all__ = ["Patched", "Pieces", "RemoteFile", "cached", "close", "map_all", "pread_into", "preadv_all"]
+__all__ = ["Patched", "Pending", "Pieces", "RemoteFile", "cached", "close", "map_all", "pread_into", "preadv_all"]
 
 
 class RemoteFile:
@@ -154,16 +154,25 @@ class Pieces:
             os.close(fd)
 
 
+class Pending(Protocol):
+    """Patches still being read (:class:`.delta.Patches`)."""
+
+    def result(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The patches in order, once read and checked; raises the first damaged one's error."""
+
+
 class Patched:
     """A value's ``nbytes`` bytes: those of ``base`` from ``offset`` (a descriptor or
     :class:`Pieces`), with row ``rows[i]`` (``row_bytes`` each) replaced by ``data[i]``.
 
     ``patch`` is ``(rows, data)``: ``rows`` sorted and unique, ``data`` one ``V<row_bytes>``
     item per row (whole rows copy as single items); or a list of them, laid in order (a
-    later one's row wins). The base is closed with this source only when ``owned``.
+    later one's row wins); or a :class:`Pending` list still being read, waited for when
+    first laid or checked (:meth:`check`). The base is closed with this source only when
+    ``owned``.
     ``expect``: the checksum of the base's ``nbytes`` bytes alone (the record's, format
     1.5), when the value is to be verified by its parts (the base by it, the patches by
-    their CRCs, already checked); None: by its assembled bytes.
+    their CRCs: :meth:`check`); None: by its assembled bytes.
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
@@ -180,21 +189,33 @@ class Patched:
     >>> src.close()
     """
 
-    __slots__ = ("base", "expect", "nbytes", "offset", "owned", "patches", "row_bytes")
+    __slots__ = ("_patches", "base", "expect", "nbytes", "offset", "owned", "row_bytes")
 
     def __init__(self, base: Any, offset: int, nbytes: int, row_bytes: int,
-                 patch: tuple[np.ndarray, np.ndarray] | list[tuple[np.ndarray, np.ndarray]],
+                 patch: tuple[np.ndarray, np.ndarray] | list[tuple[np.ndarray, np.ndarray]]
+                 | Pending,
                  *, owned: bool = True, expect: int | None = None) -> None:
         self.base, self.offset, self.nbytes, self.row_bytes = base, offset, nbytes, row_bytes
-        self.patches = [patch] if isinstance(patch, tuple) else patch
+        self._patches = [patch] if isinstance(patch, tuple) else patch
         self.owned, self.expect = owned, expect
+
+    @property
+    def patches(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The patches, in order (waited for if still being read; their error if damaged)."""
+        got = self._patches
+        return got if isinstance(got, list) else got.result()
+
+    def check(self) -> None:
+        """Raise the error of the first damaged patch (waiting for them if still read)."""
+        _ = self.patches
 
     @property
     def rows(self) -> np.ndarray:
         """The rows the patches hold (sorted, unique)."""
-        if len(self.patches) == 1:
-            return self.patches[0][0]
-        return np.unique(np.concatenate([rows for rows, _ in self.patches]))
+        patches = self.patches
+        if len(patches) == 1:
+            return patches[0][0]
+        return np.unique(np.concatenate([rows for rows, _ in patches]))
 
     def pread_into(self, buf: Any, offset: int) -> int:
         """Fill ``buf`` from ``offset``; returns the bytes read (fewer only past the end)."""
@@ -215,6 +236,12 @@ class Patched:
                  ) -> None:
         rb = self.row_bytes
         end = offset + out.size
+        if not (offset % rb or end % rb):  # whole rows (a piece of a read): one assignment
+            lo = offset // rb
+            i, j = rows.searchsorted((lo, end // rb)).tolist()
+            if j > i:
+                out.view(data.dtype)[rows[i:j] - lo] = data[i:j]
+            return
         i, j = rows.searchsorted((offset // rb, (end - 1) // rb + 1)).tolist()
         if i == j:
             return

@@ -80,9 +80,11 @@ class TransferValue:
         self.crcs = [0] * len(self.pieces)
         #: Pieces not yet read; the one that reads the last closes ``src``.
         self.left = len(self.pieces)
-        #: Set when a row delta is verified by its parts: what its base's bytes must hash to.
+        #: Set when a row delta is verified by its parts: what its base's bytes must hash to,
+        #: and its source, whose patches (read meanwhile) :meth:`Transfer.finish` checks.
         self.expect: int | None = None
-        #: A row delta read from an object store: its rows, laid as its base's bytes arrive.
+        #: Its row delta's source when verified by its parts or read from an object store
+        #: (there its rows are laid as its base's bytes arrive).
         self.patched: _src.Patched | None = None
 
     def release(self) -> None:
@@ -96,15 +98,15 @@ def _piece(v: TransferValue, i: int, use: Source, verify: bool) -> None:
     """Read piece ``i`` of ``v`` from ``use`` into its buffer (hashed when ``verify``), or
     only hash it. A row delta whose record carries its base's checksum is verified by its
     parts: the base's bytes are hashed as read (they must hash to ``fd.expect``; the
-    patches passed their CRCs when the source was opened), then, into a buffer, the
-    patched rows are laid over them."""
+    patches, read on other threads meanwhile, are checked by their CRCs in
+    :meth:`Transfer.finish`), then, into a buffer, the patched rows are laid over them."""
     pos, n = v.pieces[i]
     at = use.offset + pos
     fd = use.fd
     parts = isinstance(fd, _src.Patched) and fd.expect is not None and (verify or v.view is None)
     if parts:
         assert isinstance(fd, _src.Patched)
-        v.expect = fd.expect
+        v.expect, v.patched = fd.expect, fd
         fd, at = fd.base, fd.offset + at  # the base's bytes, as stored
     if v.view is None:
         v.got[i], v.crcs[i] = hash_range(fd, at, n)
@@ -323,6 +325,8 @@ class Transfer:
         reader = self.reader
         for v in self.values:
             e = v.entry
+            if v.patched is not None:  # a row delta verified by its parts: its patches
+                v.patched.check()
             got = sum(v.got)
             if got != e.nbytes:
                 raise reader.corrupt(v.key, f"is truncated: {got} of {e.nbytes} bytes present")
