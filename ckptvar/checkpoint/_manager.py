@@ -411,9 +411,8 @@ class CheckpointManager:
             mine: tuple[str, ...] = (f".{STATE_FILE}.",)
             if nobody_saving:
                 mine += (f".{self.checkpoint_name}-",)
-            spare = self._spare
-            remove_local(left for left in temporaries(self.directory, mine)
-                         if spare is None or left.path != os.fspath(spare))
+            spare = () if self._spare is None else (self._spare.name,)
+            remove_local(temporaries(self.directory, mine, skip=spare))
 
     #: the local tier of a tiered manager on a node's own disk: its first rank keeps it
     _node_leader = False
