@@ -239,16 +239,25 @@ def set_aside(path: str | os.PathLike[str]) -> Path | None:
     except FileNotFoundError:
         return None
     try:
-        _cut_down(tmp)
+        doomed: list[Path] = []
+        if _cut_down(tmp, doomed):
+            raise IsADirectoryError(f"{tmp} holds files of its own")  # nothing to keep
+        if doomed:  # removed together, as discard() removes a step's directories
+            trash = tmp / ".removed"
+            trash.mkdir()
+            for i, d in enumerate(doomed):
+                os.rename(d, trash / str(i))
+            remove_path(trash)
     except OSError:
         remove_path(tmp)
         return None
     return tmp
 
 
-def _cut_down(d: Path) -> bool:
-    """Remove the directories below ``d`` that have no subdirectory and hold a file no
-    other name links; ``True`` when ``d`` is such a directory (its caller removes it)."""
+def _cut_down(d: Path, doomed: list[Path]) -> bool:
+    """Note in ``doomed`` the directories below ``d`` that have no subdirectory and hold a
+    file no other name links; ``True`` when ``d`` is such a directory (its caller notes
+    it)."""
     own, subdirs = False, []
     with os.scandir(d) as entries:
         for e in entries:
@@ -258,8 +267,8 @@ def _cut_down(d: Path) -> bool:
             elif st.st_nlink < 2:
                 own = True
     for sub in subdirs:
-        if _cut_down(sub):
-            remove_path(sub)
+        if _cut_down(sub, doomed):
+            doomed.append(sub)
     return own and not subdirs
 
 
