@@ -43,11 +43,12 @@ def _check_step(path: str, expect: dict[str, np.ndarray]) -> None:
         np.testing.assert_array_equal(np.asarray(group[key][...]), value)
 
 
-def test_a_step_takes_the_pruned_step_over(tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_step_takes_the_pruned_step_over(tmp_path: Path, async_save: bool) -> None:
     with cv.Graph().as_default():
         variables, ckpt = _model()
         manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=2, format="zarr",
-                                       incremental=True)
+                                       incremental=True, async_save=async_save)
         expect: dict[str, dict[str, np.ndarray]] = {}
         dirs: dict[str, int] = {}
         spare_of: str | None = None  # the step pruned by the save before: this one's spare
@@ -56,6 +57,7 @@ def test_a_step_takes_the_pruned_step_over(tmp_path: Path) -> None:
             before = {Path(p).name for p in manager.checkpoints}
             path = manager.save()
             assert path is not None
+            ckpt.wait()
             expect[Path(path).name] = {k: v.numpy().copy() for k, v in variables.items()}
             if spare_of is not None:  # a frozen value's directory is the spare's own
                 assert os.stat(Path(path) / "backbone" / "l0").st_ino == dirs[spare_of]
@@ -76,6 +78,7 @@ def test_a_step_takes_the_pruned_step_over(tmp_path: Path) -> None:
         variables["head"].assign_add(1.0)
         path = manager.save()  # its spare is gone: written as usual
         assert path is not None
+        ckpt.wait()
         _check_step(path, {k: v.numpy() for k, v in variables.items()})
 
 
