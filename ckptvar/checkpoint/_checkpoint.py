@@ -235,7 +235,8 @@ class Checkpoint(Trackable):
                                        base=None if inc is None else inc.base,
                                        known=None if inc is None else inc.known,
                                        rows=None if inc is None else inc.changed_rows(),
-                                       pieces=inc is not None)
+                                       pieces=inc is not None,
+                                       spare=None if inc is None else inc.spare)
             finally:
                 snapshot.clear()
             if inc is not None:

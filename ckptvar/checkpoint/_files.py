@@ -5,7 +5,8 @@ writer from the backend, every value added, committed atomically (temporary
 sibling, fsync, rename) or aborted. :func:`write_file` (``Checkpoint``,
 ``Saver``, ``CheckpointManager``) and ``cv.save`` both go through it; they differ
 only in which formats they accept and how a URL is written. :func:`discard`
-removes a checkpoint without ever leaving it half-deleted. An ``OSError`` from writing names the
+removes a checkpoint without ever leaving it half-deleted; :func:`set_aside` retires a
+directory step as the next save's spare (an incremental Zarr manager's). An ``OSError`` from writing names the
 user's path, never the hidden temporary (:func:`destination_error`).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ __all__ = [
     "discard",
     "make_parents",
     "native_backend",
+    "set_aside",
     "write_file",
     "write_values",
 ]
@@ -123,6 +126,7 @@ def write_file(
     copies: list[tuple[str, str]] | None = None,
     pieces: bool = False,
     rows: Mapping[str, Any] | None = None,
+    spare: Path | None = None,
 ) -> str:
     """Write one checkpoint atomically (temporary sibling, fsync, rename); returns its path.
 
@@ -144,7 +148,13 @@ def write_file(
     a URL, a Zarr delta's base and earlier patches are server-side copies of the base
     step's objects, an HDF5 delta refers to them in the objects that hold them.
     ``pack_threshold``: the writer's (docs/FORMAT.md, "Writer options"; None: its default).
+    ``spare`` (a local incremental Zarr write): a step set aside by :func:`set_aside`,
+    which the writer takes as its staging directory; removed when not of use.
     """
+    if spare is not None and (is_url(path) or base is None or copies is not None
+                              or native_backend(path, format).name != "zarr"):
+        remove_path(spare)
+        spare = None
     if is_url(path):
         fmt = native_backend(os.fspath(path), format).name
         # a delta's merge reads the base's patches from the store (docs/FORMAT.md)
@@ -183,6 +193,8 @@ def write_file(
     backend = native_backend(path, format)
     if pieces and backend.name == "zarr":
         options.update(piece_bytes=True)
+    if spare is not None:
+        options.update(spare=spare)
     written: str | Path = write_values(Path(path), backend, arrays, meta, **options)
     return os.fspath(written)
 
@@ -214,6 +226,57 @@ def write_values(
             raise
     except OSError as exc:
         raise destination_error(exc, path) from exc
+
+
+def set_aside(path: str | os.PathLike[str]) -> Path | None:
+    """Retire the local directory step ``path`` as :func:`discard` does, but keep what a
+    next incremental step may take over: returns the spare (a temporary sibling), or
+    ``None`` when there is nothing at ``path``.
+
+    First renamed (atomic: from then on a temporary, reclaimed as any other after a
+    crash), then cut down to the directories whose files all have other names (hard
+    links an incremental Zarr step shares with other steps: no byte on disk is held by
+    the spare alone); a directory holding a file of its own is removed whole, so that a
+    directory left in the spare is exactly as the step committed it.
+    """
+    path = Path(path)
+    tmp = partial_path(path)
+    try:
+        os.rename(path, tmp)
+    except FileNotFoundError:
+        return None
+    try:
+        doomed: list[Path] = []
+        if _cut_down(tmp, doomed):
+            raise IsADirectoryError(f"{tmp} holds files of its own")  # nothing to keep
+        if doomed:  # removed together, as discard() removes a step's directories
+            trash = tmp / ".removed"
+            trash.mkdir()
+            for i, d in enumerate(doomed):
+                os.rename(d, trash / str(i))
+            remove_path(trash)
+    except OSError:
+        remove_path(tmp)
+        return None
+    return tmp
+
+
+def _cut_down(d: Path, doomed: list[Path]) -> bool:
+    """Note in ``doomed`` the directories below ``d`` that have no subdirectory and hold a
+    file no other name links; ``True`` when ``d`` is such a directory (its caller notes
+    it)."""
+    own, subdirs = False, []
+    with os.scandir(d) as entries:
+        for e in entries:
+            st = e.stat(follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                subdirs.append(Path(e.path))
+            elif st.st_nlink < 2:
+                own = True
+    for sub in subdirs:
+        if _cut_down(sub, doomed):
+            doomed.append(sub)
+    return own and not subdirs
 
 
 def discard(

@@ -49,6 +49,9 @@ class IncrementalSave:
     #: The changed variables and their versions at the base: key -> (variable, version)
     #: (:meth:`changed_rows`; a partitioned variable assembled whole: its parts').
     changed: dict[str, tuple[Variable | Logical, Any]] = field(default_factory=dict)
+    #: A pruned step set aside for this save to take over (a local Zarr manager's;
+    #: ``checkpoint/_files.set_aside``).
+    spare: Path | None = None
 
     def changed_rows(self) -> dict[str, Any]:
         """The changed variables whose written rows are known: key -> the sorted first-axis
@@ -90,8 +93,10 @@ class Incremental:
     def remember(self, name: str, versions: dict[str, Any]) -> None:
         self._name, self._versions = name, versions
 
-    def start(self, base: Path | str | None, variables: Mapping[str, Any]) -> IncrementalSave:
-        """The save of ``variables`` (key -> ``cv.Variable`` or a logical value) on ``base``.
+    def start(self, base: Path | str | None, variables: Mapping[str, Any], *,
+              spare: Path | None = None) -> IncrementalSave:
+        """The save of ``variables`` (key -> ``cv.Variable`` or a logical value) on ``base``
+        (``spare``: a pruned step it may take over, :class:`IncrementalSave`).
 
         Call before the values are read: a write that lands after is counted as a change.
         """
@@ -116,7 +121,7 @@ class Incremental:
                 known[key] = before == now
                 if before != now:
                     changed[key] = (var, before)
-        return IncrementalSave(base, known, versions, self, changed)
+        return IncrementalSave(base, known, versions, self, changed, spare)
 
 
 def _version(var: Any) -> Any:

@@ -58,13 +58,14 @@ from ..storage import (
     is_partial,
     known_formats,
     remote_external_files,
+    remove_path,
     save_remote,
 )
 from ..variables import Variable
 from . import _async
 from ._checkpoint import Checkpoint, SaveOptions
 from ._collective_targets import Nodes, register_nodes
-from ._files import NATIVE_FORMATS, discard
+from ._files import NATIVE_FORMATS, discard, set_aside
 from ._incremental import Incremental, held
 from ._preemption import SignalSave
 from ._reclaim import idle, open_saving_lock, reclaim_staging
@@ -405,7 +406,8 @@ class CheckpointManager:
             mine: tuple[str, ...] = (f".{STATE_FILE}.",)
             if nobody_saving:
                 mine += (f".{self.checkpoint_name}-",)
-            remove_local(temporaries(self.directory, mine))
+            spare = () if self._spare is None else (self._spare.name,)
+            remove_local(temporaries(self.directory, mine, skip=spare))
 
     #: the local tier of a tiered manager on a node's own disk: its first rank keeps it
     _node_leader = False
@@ -529,8 +531,14 @@ class CheckpointManager:
         still = [{**e, "held_for": holding[e["path"]]} for e in pending if e["path"] in holding]
         return still, [e for e in pending if e["path"] not in holding]
 
-    def _delete(self, entries: list[dict[str, Any]]) -> None:
-        """Delete these pruned steps (never what is not a ckptvar checkpoint)."""
+    def _delete(self, entries: list[dict[str, Any]], *, keep_spare: bool = False) -> None:
+        """Delete these pruned steps (never what is not a ckptvar checkpoint).
+
+        With ``keep_spare`` (after a step of a local incremental Zarr manager), one of them
+        is set aside for the next save to take over instead (``set_aside``: the array
+        directories it shares with the kept steps by hard link, which that save would
+        otherwise make and link again); an earlier spare is deleted.
+        """
         for entry in entries:
             path = self.directory / entry["path"]
             if os.path.lexists(path) and not is_own_checkpoint(path):
@@ -538,7 +546,29 @@ class CheckpointManager:
                     "Not pruning %s: it is not a ckptvar checkpoint (left as it is).", path
                 )
                 continue
+            if keep_spare and self._uses_spare() and path.is_dir():
+                old, self._spare = self._spare, set_aside(path)
+                if old is not None:
+                    remove_path(old)
+                continue
             discard(path)
+
+    #: a pruned step set aside for the next save (:meth:`_delete`), or None
+    _spare: Path | None = None
+
+    def _uses_spare(self) -> bool:
+        """Whether this manager's saves take a pruned step over: local incremental Zarr
+        steps of one process."""
+        return (self._incremental is not None and self.format == "zarr"
+                and self._location is None and self.coordinator is None
+                and self._local_tier is None and not self._node_leader)
+
+    def _take_spare(self) -> Path | None:
+        """The spare for the save about to start (it owns it from now on), if any."""
+        spare, self._spare = self._spare, None
+        if spare is not None and not os.path.isdir(spare):
+            return None  # reclaimed meanwhile (``ckpt gc``, another process)
+        return spare
 
     def _steps_on_disk(self, exclude: list[str]) -> list[str]:
         """This manager's step names in the directory, listed or not (a step committed
@@ -592,7 +622,7 @@ class CheckpointManager:
                 section.get("pending_delete", []) + doomed)
             self._section = section
             self._store(state, durable=len(section["preserved"]) != preserved)
-            self._delete(unheld)
+            self._delete(unheld, keep_spare=True)
             self._clean_temporaries((f".{name}.",))  # a dead save's of this step
 
     # -- public -----------------------------------------------------------------------
@@ -786,7 +816,8 @@ class CheckpointManager:
                 f"Cannot save step {number} again: kept incremental steps refer to the bytes "
                 f"of {os.fspath(self.directory / name)!r}; save under a new number."
             )
-        return functools.partial(self._incremental.start, base)
+        spare = self._take_spare() if base is not None and self._uses_spare() else None
+        return functools.partial(self._incremental.start, base, spare=spare)
 
     def _save_remote(self, number: int, step: int, timeout: float | None) -> str:
         options: SaveOptions = {"format": self.format, "blocking": not self.async_save,

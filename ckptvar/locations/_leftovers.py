@@ -17,7 +17,7 @@ import contextlib
 import os
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,12 +54,15 @@ def _size(path: Path) -> int:
     return total
 
 
-def temporaries(directory: Path, prefixes: tuple[str, ...] = ("",)) -> list[Leftover]:
-    """The temporaries in ``directory`` whose names start with one of ``prefixes``."""
+def temporaries(directory: Path, prefixes: tuple[str, ...] = ("",),
+                skip: Collection[str] = ()) -> list[Leftover]:
+    """The temporaries in ``directory`` whose names start with one of ``prefixes`` (but
+    for the names in ``skip``)."""
     found = []
     with contextlib.suppress(FileNotFoundError):
         for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-            if is_partial(entry.name) and entry.name.startswith(prefixes):
+            if (is_partial(entry.name) and entry.name.startswith(prefixes)
+                    and entry.name not in skip):
                 path = Path(entry.path)
                 found.append(Leftover(os.fspath(path), _size(path), "temporary"))
     return found

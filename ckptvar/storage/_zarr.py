@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -76,7 +77,7 @@ from ._zarr_files import (
     root_record_ref,
     write_file,
 )
-from .atomic import fsync_all
+from .atomic import fsync_all, remove_path
 from .base import Backend, SupportsShared
 from .chunked import Regroup
 from .registry import register_backend
@@ -121,6 +122,7 @@ class ZarrWriter(ContainerWriter):
         compression_level: int | None = None,
         copies: list[tuple[str, str]] | None = None,
         piece_bytes: int | bool | None = None,
+        spare: Path | None = None,
         **options: Any,
     ) -> None:
         """``copies``: a reused chunk file (or array document) is not linked but listed
@@ -129,8 +131,13 @@ class ZarrWriter(ContainerWriter):
         only the base's record, read from the store). ``piece_bytes`` (``True``:
         :data:`PIECE_BYTES`): an uncompressed value larger than that is stored as several
         chunks of about that size along its first axis (format 1.4), so that an
-        incremental step shares its unchanged chunks."""
+        incremental step shares its unchanged chunks. ``spare``: a pruned step of the same
+        directory, set aside (renamed to a temporary name) for this save to take as its
+        staging directory: the array directories of it that hold the very files this step
+        links are kept as they are (:meth:`_Tree.recycle`), the rest is removed; the
+        writer owns it from now on (removed when it is not used)."""
         self.copies = copies
+        self.spare = None if spare is None else Path(spare)
         if piece_bytes is True:
             piece_bytes = PIECE_BYTES
         if piece_bytes is not None and (piece_bytes is False or int(piece_bytes) < BLOCK_SIZE):
@@ -270,6 +277,8 @@ class ZarrWriter(ContainerWriter):
         raw = self.compression is None
         for it, d in zip(plan.arrays, arr_dirs, strict=True):
             sdt = storage_dtype(it.dtype)
+            if it.path in tree.kept:  # the spare's: the base's document already
+                continue
             if it.delta is not None:  # a group: what it is, in its attributes
                 doc = {"zarr_format": 3, "node_type": "group", "attributes": delta_attrs(it)}
                 write_file(d / "zarr.json", _doc(doc), tree.sync, replace=True)
@@ -284,12 +293,25 @@ class ZarrWriter(ContainerWriter):
             else:
                 self._write_compressed(tmp, it, sdt)
 
+    def _tree(self, tmp: Path, deferred: tuple[Path, list[tuple[str, str]]] | None,
+              plan: WritePlan) -> _Tree:
+        """The tree to write into ``tmp``: the spare taken over where it can be."""
+        spare, self.spare = self.spare, None
+        if spare is not None and (self.compression is not None or deferred is not None
+                                  or self.base is None or not self.durable):
+            remove_path(spare)  # of no use here
+            spare = None
+        tree = _Tree(tmp, [] if self.durable else None, deferred, spare=spare)
+        tree.base = self.base
+        if tree.recycled:
+            tree.recycle(plan.arrays, self.rows_of)
+        return tree
+
     def _write(self, tmp: Path, plan: WritePlan) -> None:
         deferred = None
         if self.copies is not None and self.base is not None:
             deferred = (self.base, self.copies)
-        tree = _Tree(tmp, [] if self.durable else None, deferred)
-        tree.base = self.base
+        tree = self._tree(tmp, deferred, plan)
         raw = self.compression is None
         # 1. the bytes, straight from the buffers (hashing runs meanwhile)
         arr_dirs = tree.write_chunks(plan.arrays, raw, self.rows_of, self._held_pieces)
@@ -405,11 +427,17 @@ def _doc(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc).encode()
 
 
+#: At most this many array directories to make: made on the writing thread, not ahead of
+#: the writes on an I/O thread (whose start and hand-over cost more than they save).
+_INLINE_DIRS = 4
+
+
 class _Tree:
     """The directories and files of a Zarr checkpoint being written under ``root``."""
 
     def __init__(self, root: Path, sync: list[Path] | None,
-                 deferred: tuple[Path, list[tuple[str, str]]] | None = None) -> None:
+                 deferred: tuple[Path, list[tuple[str, str]]] | None = None,
+                 spare: Path | None = None) -> None:
         self.root = root
         #: ``(base, copies)``: links are listed in ``copies`` (relative), not made
         self.deferred = deferred
@@ -419,7 +447,65 @@ class _Tree:
         self.sync = sync
         self.dirs: list[Path] = [root]
         self._made: set[str] = set()
-        root.mkdir()
+        #: The array directories taken from the spare as they are (:meth:`recycle`).
+        self.kept: set[str] = set()
+        #: Whether ``root`` is a spare taken over (see :meth:`recycle`).
+        self.recycled = False
+        if spare is not None:
+            try:
+                os.rename(spare, root)  # both temporaries of one directory: atomic
+                self.recycled = True
+            except OSError:  # gone (reclaimed by another process): made afresh
+                remove_path(spare)
+        if not self.recycled:
+            root.mkdir()
+
+    def recycle(self, arrays: list[ValueWrite], rows_of: Callable[[ValueWrite], int | None]
+                ) -> None:
+        """Keep the spare's array directories that hold exactly the files this step links
+        from the base (the same inodes: a value unchanged since the spare was written, with
+        the same document and chunks); remove everything else but their parent groups.
+
+        A kept directory was fsynced when the step it comes from was committed and is not
+        changed since (the spare was cut down to such directories when it was set aside:
+        ``set_aside`` in ``checkpoint/_files``), so it is not fsynced again; every group kept
+        around one is (entries may have gone from it).
+        """
+        for it in arrays:
+            if (it.held is None or not it.held.same_attrs or it.delta is not None
+                    or not it.nbytes):
+                continue
+            ndim, rows = len(it.shape), rows_of(it)
+            names = ([chunk_key(ndim)] if rows is None else
+                     [piece_key(ndim, i) for i in range(-(-it.shape[0] // rows))])
+            if _same_files(self.root / it.path, Path(it.held.file).parent, [*names, "zarr.json"]):
+                self.kept.add(it.path)
+        groups = {"/".join(p.split("/")[:i]) for p in self.kept
+                  for i in range(1, p.count("/") + 1)}
+        if os.path.isdir(self.root / RECORD_PATH.partition("/")[0]):
+            groups.add(RECORD_PATH.partition("/")[0])  # _ckptvar: its arrays made again
+        self._clear("", groups)
+        self._made |= self.kept | groups
+        for g in sorted(groups):
+            d = self.root / g
+            self.dirs.append(d)
+            self._group(d)
+
+    def _clear(self, rel: str, groups: set[str]) -> None:
+        """Remove what is under ``rel`` but the kept arrays and the groups around them
+        (a group's own document stays when it is the plain group document)."""
+        with os.scandir(self.root / rel if rel else self.root) as entries:
+            listed = list(entries)
+        for e in listed:
+            sub = f"{rel}/{e.name}" if rel else e.name
+            if sub in self.kept:
+                continue
+            if sub in groups and e.is_dir(follow_symlinks=False):
+                self._clear(sub, groups)
+                continue
+            if rel and e.name == "zarr.json" and _holds(e.path, GROUP_DOC):
+                continue
+            remove_path(Path(e.path))
 
     def write(self, path: Path, data: Any) -> None:
         write_file(path, data, self.sync)
@@ -492,13 +578,16 @@ class _Tree:
         writes (creating ~200 inodes costs as much as 1 GiB of pwrite on some file
         systems; this way the two overlap).
         """
+        if sum(it.path not in self.kept for it in arrays) <= _INLINE_DIRS:
+            return self._write_inline(arrays, raw, rows_of, held)
         arr_dirs: list[Path | None] = [None] * len(arrays)
         ready = [threading.Event() for _ in arrays]
 
         def make_tree() -> None:
             try:
                 for i, it in enumerate(arrays):
-                    arr_dirs[i] = self.array_dir(it.path)
+                    arr_dirs[i] = (self.root / it.path if it.path in self.kept
+                                   else self.array_dir(it.path))
                     ready[i].set()
             finally:
                 for ev in ready:
@@ -511,6 +600,8 @@ class _Tree:
                 d = arr_dirs[i]
                 if d is None:  # making the tree failed: wait_all below raises why
                     break
+                if it.path in self.kept:  # the spare's files are the base's already
+                    continue
                 self._write_value(it, d, rows_of(it) if raw else None, raw, held)
         except BaseException:
             with contextlib.suppress(BaseException):
@@ -518,6 +609,19 @@ class _Tree:
             raise
         _rawio.wait_all(tree)
         return [d for d in arr_dirs if d is not None]
+
+    def _write_inline(self, arrays: list[ValueWrite], raw: bool,
+                      rows_of: Callable[[ValueWrite], int | None],
+                      held: Mapping[str, Mapping[int, str]]) -> list[Path]:
+        """:meth:`write_chunks` with the few directories to make made on this thread."""
+        out = []
+        for it in arrays:
+            d = self.root / it.path
+            if it.path not in self.kept:
+                d = self.array_dir(it.path)
+                self._write_value(it, d, rows_of(it) if raw else None, raw, held)
+            out.append(d)
+        return out
 
     def _write_value(self, it: ValueWrite, d: Path, rows: int | None, raw: bool,
                      held: Mapping[str, Mapping[int, str]]) -> None:
@@ -584,6 +688,37 @@ class _Tree:
         view = it.view
         for i in range(-(-it.shape[0] // rows)):
             put(view[i * size: (i + 1) * size], i)
+
+
+def _same_files(d: Path, src: Path, names: list[str]) -> bool:
+    """Whether directory ``d`` holds exactly ``names``, each the same file (inode) as in
+    ``src`` (never following a symlink)."""
+    try:
+        if not stat.S_ISDIR(os.lstat(d).st_mode) or sorted(os.listdir(d)) != sorted(names):
+            return False
+        for name in names:
+            a = os.lstat(d / name)
+            b = os.lstat(src / name)
+            if (a.st_ino, a.st_dev) != (b.st_ino, b.st_dev) or not stat.S_ISREG(a.st_mode):
+                return False
+    except OSError:
+        return False
+    return True
+
+
+def _holds(path: str, data: bytes) -> bool:
+    """Whether the regular file ``path`` holds exactly ``data``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW_FILE)
+    except OSError:
+        return False
+    try:
+        return os.pread(fd, len(data) + 1, 0) == data
+    finally:
+        os.close(fd)
+
+
+_O_NOFOLLOW_FILE = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def _close_source(fd: Any) -> None:
