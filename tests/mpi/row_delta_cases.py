@@ -25,7 +25,6 @@ with it too).
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import sys
@@ -168,25 +167,10 @@ def restore_all(mgr: Any, ckpt: Any, table: Any, part: Any, coord: Any) -> dict[
 def fail_once(mgr: Any, coord: Any, root: Path) -> dict[str, Any]:
     """Rank 1 fails while writing step 6, after its file's bytes were written: what each
     rank raised, and what is listed and on disk afterwards."""
-    from ckptvar.checkpoint import _collective_targets as targets
-
     fields: dict[str, Any] = {}
-    real = targets._write_file
+    from _inject import save_failing_on  # tests/mpi/_inject.py (the script's folder)
 
-    def failing(path: Path, *args: Any, **kw: Any) -> None:
-        real(path, *args, **kw)
-        raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
-
-    if coord.rank == 1:
-        targets._write_file = failing  # type: ignore[assignment]
-    try:
-        mgr.save()
-        fields["failed"] = None
-    except Exception as exc:  # noqa: BLE001 - reported
-        fields["failed"] = type(exc).__name__
-    finally:
-        targets._write_file = real  # type: ignore[assignment]
-    coord.barrier(tag="failed", timeout=60)
+    fields["failed"] = save_failing_on(1, mgr, coord)
     fields["after_failure"] = {
         "listed": [Path(p).name for p in mgr.checkpoints],
         "on_disk": sorted(os.listdir(root)),

@@ -26,7 +26,6 @@ variable that one process writes). Both formats run in one job, each under
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import sys
@@ -79,25 +78,10 @@ def deltas(url: str) -> dict[str, Any]:
 def fail_once(mgr: Any, coord: Any, url: str) -> dict[str, Any]:
     """Rank 1 fails while writing step 6, after its file was written: what each rank
     raised, and what is listed and stored of step 6 afterwards."""
-    from ckptvar.checkpoint import _collective_targets as targets
-
-    real = targets._write_file
-
-    def failing(path: Path, *args: Any, **kw: Any) -> None:
-        real(path, *args, **kw)
-        raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
-
-    if coord.rank == 1:
-        targets._write_file = failing  # type: ignore[assignment]
     fields: dict[str, Any] = {}
-    try:
-        mgr.save(timeout=60)
-        fields["failed"] = None
-    except Exception as exc:  # noqa: BLE001 - reported
-        fields["failed"] = type(exc).__name__
-    finally:
-        targets._write_file = real  # type: ignore[assignment]
-    coord.barrier(tag="failed", timeout=60)
+    from _inject import save_failing_on  # tests/mpi/_inject.py (the script's folder)
+
+    fields["failed"] = save_failing_on(1, mgr, coord, timeout=60)
     loc = open_location(url, storage_options=OPTS)
     fields["after_failure"] = {
         "listed": [Path(p).name for p in mgr.checkpoints],
