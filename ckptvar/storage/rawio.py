@@ -14,7 +14,7 @@ does everything on the calling thread.
 from __future__ import annotations
 
 import ctypes
-import functools
+import itertools
 import os
 import sys
 import threading
@@ -164,16 +164,20 @@ def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
 _COPY_PIECE = 8 << 20
 
 
+_SNAPSHOT_PIECE = 2 << 20  # what one thread takes at a time when a snapshot is shared
+
+
 def snapshot(arrays: Sequence[np.ndarray],
              into: Sequence[np.ndarray | None] | None = None) -> list[np.ndarray]:
-    """A C-ordered copy of each array, copied in pieces of about 8 MiB on the I/O threads.
+    """A C-ordered copy of each array; from 16 MiB in all, I/O threads help copy it.
 
     ``into`` gives a destination for each array (a C-contiguous array of its shape and
-    dtype, e.g. a reused buffer's view) or ``None`` (new memory). Small arrays are
-    grouped into one piece, large ones split, so the copy runs on every thread whatever
-    the sizes; under 16 MiB in all it runs here. Filling fresh memory is mostly page
-    faults, which run in parallel too (1 GiB: 171 ms on one thread, 94 ms on four, on
-    a 2-CPU VM); memory written before has none.
+    dtype, e.g. a reused buffer's view) or ``None`` (new memory). The copy is cut into
+    2 MiB pieces whatever the arrays' sizes; this thread copies them in turn, and up to
+    one I/O thread per other CPU takes pieces too (a helper the system does not run
+    soon leaves its share to this thread: it holds up at most the piece it took).
+    Filling fresh memory is mostly page faults, which run in parallel too (1 GiB: 171 ms
+    on one thread, 94 ms on four, on a 2-CPU VM); memory written before has none.
 
     >>> a = np.arange(6).reshape(2, 3)
     >>> b, = snapshot([a])
@@ -199,31 +203,42 @@ def snapshot(arrays: Sequence[np.ndarray],
             d = np.empty(a.shape, a.dtype)
         out.append(d)
         src, dst = a.reshape(-1), d.reshape(-1)
-        step = max(1, _COPY_PIECE // max(1, a.itemsize))
+        step = max(1, _SNAPSHOT_PIECE // max(1, a.itemsize))
         for s in range(0, src.size, step):
             pieces.append((dst[s : s + step], src[s : s + step]))
         total += a.nbytes
-    if total < 2 * _COPY_PIECE:
-        _copy_pieces(pieces)
-        return out
-    tasks: list[Callable[[], Any]] = []
-    group: list[tuple[np.ndarray, np.ndarray]] = []
-    size = 0
-    for dst, src in pieces:
-        group.append((dst, src))
-        size += src.nbytes
-        if size >= _COPY_PIECE:
-            tasks.append(functools.partial(_copy_pieces, group))
-            group, size = [], 0
-    if group:
-        tasks.append(functools.partial(_copy_pieces, group))
-    wait_all(start_all(tasks))
+    _copy_pieces(pieces, min(IO_THREADS, _cpus()) - 1 if total >= 2 * _COPY_PIECE else 0)
     return out
 
 
-def _copy_pieces(pieces: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
-    for dst, src in pieces:
-        np.copyto(dst, src, casting="no")
+def _copy_pieces(pieces: Sequence[tuple[np.ndarray, np.ndarray]], helpers: int) -> None:
+    """Copy each ``(destination, source)``, here and on up to ``helpers`` I/O threads."""
+    if helpers < 1:
+        for dst, src in pieces:
+            np.copyto(dst, src, casting="no")
+        return
+    turn = itertools.count()  # next() on it is atomic: each piece is taken once
+
+    def copy_turns() -> None:
+        for i in turn:
+            if i >= len(pieces):
+                return
+            dst, src = pieces[i]
+            np.copyto(dst, src, casting="no")
+
+    pool = _pools.io_pool()
+    helping = [pool.submit(copy_turns) for _ in range(helpers)]
+    copy_turns()
+    # a helper not started yet (the pool busy, or the thread not run yet) is not waited for
+    wait_all([f for f in helping if not f.cancel()])
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def byte_view(arr: np.ndarray) -> memoryview:
