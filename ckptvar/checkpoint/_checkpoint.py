@@ -206,8 +206,10 @@ class Checkpoint(Trackable):
             # The job drops the snapshot when it ends: the executor's worker still holds
             # the job a moment after its future is done, and a next background save
             # snapshots as soon as it is (two snapshots would then be alive at once).
+            # the job's processes may share this machine's CPUs: no copy helpers beyond their share
             snapshot = [host_arrays(plan, copy=not blocking,
-                                    into=None if blocking else self._snapshot_buffer())]
+                                    into=None if blocking else self._snapshot_buffer(),
+                                    processes=coordinator.size if collective else 1)]
 
         if collective:
             coord = coordinator if blocking else coordinator.background()

@@ -165,12 +165,13 @@ class SnapshotBuffer:
         self._buf = None
 
 
-def host_arrays(plan: SaveContents, *, copy: bool, into: SnapshotBuffer | None = None
-                ) -> list[tuple[str, np.ndarray, dict[str, Any]]]:
+def host_arrays(plan: SaveContents, *, copy: bool, into: SnapshotBuffer | None = None,
+                processes: int = 1) -> list[tuple[str, np.ndarray, dict[str, Any]]]:
     """``(key, host array, attrs)`` for each variable; ``copy=True`` takes a snapshot.
 
     The snapshot's host values are copied into ``into`` (a buffer kept from the last
-    snapshot; none: new memory), large ones in parallel (:func:`snapshot`). A value
+    snapshot; none: new memory), helped by I/O threads where the CPUs are not taken by
+    the job's other ``processes`` (:func:`snapshot`). A value
     on a GPU is staged through the pinned buffer (``ckptvar._staging``), never copied to
     the host whole; its snapshot is a copy on its device.
     """
@@ -203,7 +204,7 @@ def host_arrays(plan: SaveContents, *, copy: bool, into: SnapshotBuffer | None =
             views = iter(into.views([(a.shape, a.dtype) for a, ok in zip(sources, fits,
                                                                             strict=True) if ok]))
             dest = [next(views) if ok else None for ok in fits]
-        copies = snapshot(sources, dest)
+        copies = snapshot(sources, dest, processes=processes)
         for i, c in zip(to_copy, copies, strict=True):
             out[i] = (out[i][0], c, out[i][2])
     return out
