@@ -133,6 +133,7 @@ class SnapshotBuffer:
 
     def __init__(self) -> None:
         self._buf: np.ndarray | None = None
+        self._idle = 0  # the buffer's reference count with no view of it alive
 
     @property
     def nbytes(self) -> int:
@@ -148,13 +149,15 @@ class SnapshotBuffer:
             sizes.append(n)
             total += -(-n // _ALIGN) * _ALIGN
         buf = self._buf
-        # references: the attribute, ``buf`` and getrefcount's argument; any more is a view
-        # still alive somewhere (each view holds the buffer itself as its base)
+        # any reference beyond those counted when the buffer was made (the attribute and
+        # ``buf``, however this interpreter counts them) is a view still alive somewhere:
+        # each view holds the buffer itself as its base
         if (buf is None or buf.nbytes < total or buf.nbytes > 2 * total + (1 << 20)
-                or sys.getrefcount(buf) > 3):
+                or sys.getrefcount(buf) > self._idle):
             self._buf = None
             del buf
             buf = self._buf = np.empty(max(total, 1), np.uint8)
+            self._idle = sys.getrefcount(buf)
         out = []
         for (shape, dtype), off, n in zip(specs, offsets, sizes, strict=True):
             out.append(buf[off:off + n].view(dtype).reshape(shape))
