@@ -139,3 +139,58 @@ def test_a_finished_background_save_holds_no_snapshot(tmp_path, monkeypatch) -> 
     held = [c.cell_contents for c in jobs[0].__closure__ or ()
             if isinstance(c.cell_contents, list)]
     assert held == [[]]  # the snapshot's holder, emptied when the job ended
+
+
+def test_background_saves_snapshot_into_one_reused_buffer(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Each background save copies into the buffer the last one used (no fresh memory to
+    fault in), and each file holds the values of its call though they change in place
+    as soon as ``save`` returns; a big value is copied on the I/O threads."""
+    import ml_dtypes
+
+    from ckptvar.checkpoint import _serialize
+
+    starts: list[int] = []
+    real = _serialize.SnapshotBuffer.views
+
+    def spy(self, specs):  # type: ignore[no-untyped-def]
+        views = real(self, specs)
+        starts.append(min(v.__array_interface__["data"][0] for v in views))
+        return views
+
+    monkeypatch.setattr(_serialize.SnapshotBuffer, "views", spy)
+    big = cv.Variable(np.zeros(5 << 20, dtype="float32"), name="big")  # 20 MiB: in pieces
+    half = cv.Variable(np.zeros(7, dtype=ml_dtypes.bfloat16), name="half")
+    ckpt = cv.Checkpoint(big=big, half=half)
+    handles = []
+    for _ in range(3):
+        handles.append(ckpt.save(tmp_path / "ck", blocking=False))
+        big.assign_add(np.ones(5 << 20, dtype="float32"))  # right after the call returns
+        half.assign_add(np.ones(7, dtype=ml_dtypes.bfloat16))
+        ckpt.wait()
+    for i, handle in enumerate(handles):
+        got = cv.load(handle.wait())
+        assert np.array_equal(got["big"], np.full(5 << 20, i, dtype="float32"))
+        assert got["half"].dtype == ml_dtypes.bfloat16 and got["half"].tolist() == [i] * 7
+    assert len(starts) == 3 and len(set(starts)) == 1
+
+
+def test_a_snapshot_buffer_still_viewed_is_never_reused() -> None:
+    """A view of the last snapshot still alive (a save in flight, an error's traceback)
+    keeps its bytes: the next snapshot gets new memory, which is then kept."""
+    from ckptvar.checkpoint._serialize import SnapshotBuffer
+
+    buf = SnapshotBuffer()
+    spec = [((1000,), np.dtype("float64"))]
+    (held,) = buf.views(spec)
+    held[:] = 1.0
+    (other,) = buf.views(spec)
+    assert not np.shares_memory(held, other)
+    other[:] = 2.0
+    assert (held == 1.0).all()
+    where = other.__array_interface__["data"][0]
+    del other
+    (again,) = buf.views(spec)  # nothing views the second buffer now: reused
+    assert again.__array_interface__["data"][0] == where
+    del again
+    (bigger,) = buf.views([((4000,), np.dtype("float64"))])  # no longer fits: a new one
+    assert bigger.shape == (4000,) and buf.nbytes >= bigger.nbytes

@@ -71,6 +71,16 @@ def test_fsdp2_save_on_4_processes(saved: tuple[Path, dict[str, Any]]) -> None:
     assert [r["box_calls"] for r in got["again"].values()] == [0, 0, 0, 0]
 
 
+def test_fsdp2_background_saves_hold_the_values_of_their_call(
+        saved: tuple[Path, dict[str, Any]]) -> None:
+    """Training goes on in place right after each background save returns (the second
+    and third snapshots reuse the first one's host buffer): each file holds its call's
+    values."""
+    _, got = saved
+    assert [r["same"] for r in got["background"].values()] == [True] * 4
+    assert got["background"][0]["changed"]
+
+
 @pytest.fixture(scope="module")
 def jaxed(saved: tuple[Path, dict[str, Any]]) -> dict[str, Any]:
     """One JAX process with 8 CPU devices reads the torch checkpoints and writes its own."""

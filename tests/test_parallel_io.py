@@ -380,3 +380,34 @@ def test_streaming_read_many_holds_at_most_two_windows(
             tracemalloc.stop()
     assert seen == [(f"w{i:02d}", float(i)) for i in range(12)]
     assert peak < (2 * 4 + 2) << 20, f"peak {peak / 2**20:.1f} MiB"
+
+
+def test_snapshot_copy_helpers_only_for_cpus_beyond_the_jobs_processes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One process on 4 CPUs: the caller and 3 I/O threads share the copy's pieces; 4
+    processes of a job on 4 CPUs: each copies alone (a helper only slows the others)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    submitted: list[int] = []
+
+    class Counting(ThreadPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+            submitted.append(1)
+            return super().submit(fn, *args, **kwargs)
+
+    pool = Counting(4)
+    monkeypatch.setattr(_rawio, "IO_THREADS", 4)
+    monkeypatch.setattr(_rawio, "_cpus", lambda: 4)
+    monkeypatch.setattr(_rawio._pools, "io_pool", lambda: pool)
+    rng = np.random.default_rng(5)
+    arrays = [rng.standard_normal(1 << 18) for _ in range(10)]  # 10 x 2 MiB
+    try:
+        for processes, helpers in ((1, 3), (2, 1), (4, 0)):
+            submitted.clear()
+            into = [np.empty_like(a) for a in arrays]
+            got = _rawio.snapshot(arrays, into, processes=processes)
+            assert len(submitted) == helpers
+            assert all(g is d and np.array_equal(g, a)
+                       for g, d, a in zip(got, into, arrays, strict=True))
+    finally:
+        pool.shutdown()

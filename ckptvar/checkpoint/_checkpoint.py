@@ -20,8 +20,9 @@ from ._collective_state import CollectiveRestoreState
 from ._files import native_backend, write_file
 from ._frameworks import SupportsStateDict, begin_restores, end_restores, trackable_for
 from ._incremental import IncrementalSave
+from ._logical import as_target
 from ._object_restore import RestoreState
-from ._serialize import gather, host_arrays, metadata
+from ._serialize import SnapshotBuffer, gather, host_arrays, metadata
 from ._state import record_latest
 from ._status import RestoreStatus
 from ._steps import split_format, step_name
@@ -192,17 +193,23 @@ class Checkpoint(Trackable):
         timeout = options.get("timeout")
         counter = trackable_children(self).get(_COUNTER)  # stored only once it exists
         with paused_gc():
-            plan = gather(self)
+            plan = gather(self, targets=False)
             collective = needs_collective(coordinator, plan.variables.values())
             if collective:  # each rank writes its own shard, never an assembled value
                 plan.variables = rank_variables(plan.variables)
+            else:
+                plan.variables = {k: as_target(v) if type(v) is Variable else v
+                                  for k, v in plan.variables.items()}
             count = None if counter is None else int(counter.numpy())
             meta = metadata(plan, save_counter=count, user=options.get("metadata"))
             inc = None if incremental is None else incremental(plan.variables)
             # The job drops the snapshot when it ends: the executor's worker still holds
             # the job a moment after its future is done, and a next background save
             # snapshots as soon as it is (two snapshots would then be alive at once).
-            snapshot = [host_arrays(plan, copy=not blocking)]
+            # the job's processes may share this machine's CPUs: no copy helpers beyond their share
+            snapshot = [host_arrays(plan, copy=not blocking,
+                                    into=None if blocking else self._snapshot_buffer(),
+                                    processes=coordinator.size if collective else 1)]
 
         if collective:
             coord = coordinator if blocking else coordinator.background()
@@ -250,6 +257,14 @@ class Checkpoint(Trackable):
         handle = _async.submit(run, path)
         self._cv_handles.append(handle)
         return handle
+
+    def _snapshot_buffer(self) -> SnapshotBuffer:
+        """The host buffer this checkpoint's background saves snapshot into (kept)."""
+        buf = self.__dict__.get("_cv_snapshot")
+        if buf is None:
+            buf = SnapshotBuffer()
+            object.__setattr__(self, "_cv_snapshot", buf)
+        return buf
 
     def wait(self) -> None:
         """Block until this checkpoint's background saves are durable.

@@ -9,7 +9,9 @@ Run through torch_launch.py with ``CASES_MODULE=framework_cases``:
   ``cv.Checkpoint(model=, optimizer=)`` to ``DIR/fsdp-1.h5``, trains 3 more (the
   uninterrupted run); DTensors on a 2 x 2 mesh (``Shard(0), Shard(1)``), an uneven
   ``Shard(0)`` and a replicated one are saved with ``cv.save(..., coordinator=)`` to
-  ``DIR/dt.h5``; then the host memory of saving and loading a 16 MiB shard per process;
+  ``DIR/dt.h5``; background saves, each followed at once by a training step that
+  changes the tensors in place (:func:`background`); then the host memory of saving and
+  loading a 16 MiB shard per process;
 - ``restore``: a fresh FSDP2 model and optimizer restore ``DIR/fsdp-1.h5`` and train
   3 steps; the DTensors of ``DIR/dt.h5`` are loaded into other placements in place;
   then :func:`failures`: a process failing a save or a restore fails every process,
@@ -136,6 +138,27 @@ def failures(d: Path, mesh: Any, *, rank: int, size: int, coord: Any, report: An
     report("untouched", ok=all(torch.equal(before[k], after[k]) for k in before))
 
 
+def background(d: Path, model: Any, opt: Any, ckpt: Any, *, rank: int, coord: Any
+               ) -> dict[str, Any]:
+    """Three background saves, each followed at once (before it is durable) by a training
+    step that changes every parameter and optimizer tensor in place: each file holds the
+    values of its call (the later snapshots are copied into the first one's buffer)."""
+    paths, want = [], []
+    for i in range(3):
+        want.append([model[0].weight.full_tensor().flatten().tolist(),
+                     opt.state[model[2].bias]["exp_avg"].full_tensor().tolist()])
+        handle = ckpt.write(d / f"bg-{i}.h5", blocking=False, coordinator=coord, timeout=30)
+        train(model, opt, rank, 1)  # in place, while the save is being written
+        paths.append(handle)
+    paths = [str(h.wait()) for h in paths]
+    got = []
+    for p in paths:
+        values = cv.load(p)
+        got.append([values["model/0.weight"].ravel().tolist(),
+                    values["optimizer/state/3/exp_avg"].tolist()])
+    return {"same": got == want, "changed": want[0] != want[1] != want[2]}
+
+
 def memory(d: Path, size: int, coord: Any) -> dict[str, int]:
     """Peak host memory (tracemalloc: NumPy's allocations) of saving and loading a 16 MiB
     DTensor shard per process; a warm-up save first (imports, the plan cache)."""
@@ -212,6 +235,7 @@ def main(cases: list[str]) -> None:
             finally:
                 fw.dtensor_box = box
             report("again", box_calls=calls[0])
+            report("background", **background(d, model, opt, ckpt, rank=rank, coord=coord))
             trees = dtensors(size, True)
             cv.save(d / "dt.h5", trees, coordinator=coord, timeout=30)
             report("dt", ok=True)
