@@ -178,6 +178,28 @@ def test_three_processes_share_a_local_tier_and_rank_0_persists(tmp_path: Path) 
         assert r["values"] == [4.0], r
 
 
+@pytest.mark.slow
+def test_three_processes_share_an_incremental_local_tier(tmp_path: Path) -> None:
+    """Incremental local steps of three processes: step 5 shares the frozen value with
+    step 4, the persistent copies (of steps written whole) load once the local tier is
+    gone; per-node local tiers refuse ``incremental=True`` on every process."""
+    env = {"INCREMENTAL": "1"}
+    saved = _mpi(tmp_path, "save", "per-rank", env=env)
+    for r in saved["save"].values():
+        # local_max_to_keep=1: step 4 is no longer listed there, but held for step 5
+        assert r["local"] == ["ckpt-4.h5", "ckpt-5.h5"], r
+        assert r["persistent"] == ["ckpt-2.h5", "ckpt-4.h5"], r
+        assert r["listed"] == ["persistent/ckpt-2.h5", "persistent/ckpt-4.h5",
+                               "local/ckpt-5.h5"], r
+        assert r["shared"] == {"frozen": ["ckpt-4.h5"]}, r
+    for r in saved["per-rank"].values():
+        assert r["error"] == "CkptError" and "each node's own disk" in r["message"], r
+    shutil.rmtree(tmp_path / "local")  # new machines: every process restores step 4
+    for r in _mpi(tmp_path, "restore", env=env)["restore"].values():
+        assert r["restored"] == str(tmp_path / "persistent" / "ckpt-4.h5"), r
+        assert r["values"] == [4.0], r
+
+
 def test_three_processes_with_background_saves_into_a_shared_local_tier(tmp_path: Path) -> None:
     """``async_save=True``: the collective local saves run in the background; rank 0's
     copy of a step starts once that step is committed; the same steps as blocking."""
@@ -187,10 +209,41 @@ def test_three_processes_with_background_saves_into_a_shared_local_tier(tmp_path
         assert r["restored"] == str(tmp_path / "local" / "ckpt-5.h5") and r["values"] == [5.0], r
 
 
-def test_incremental_with_a_local_tier_is_refused_not_ignored(tmp_path: Path) -> None:
-    """An option the tiers cannot honour yet is an error, never dropped silently."""
-    ckpt = cv.Checkpoint(w=cv.Variable(np.zeros(3), name="w_tier_incremental"))
-    with pytest.raises(cv.CkptError, match="local tier"):
-        cv.CheckpointManager(ckpt, tmp_path / "persistent", local_directory=tmp_path / "local",
-                             incremental=True)
-    assert not (tmp_path / "persistent").exists()
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_an_incremental_local_tier_persists_standalone_copies(
+    tmp_path: Path, fmt: str, fresh_graph: cv.Graph
+) -> None:
+    """The local tier's steps are incremental, except those due a persistent copy: they
+    are written whole, so every persistent step loads after the local tier is gone."""
+    frozen = cv.Variable(np.arange(400_000, dtype=np.float32), name="frozen")  # 1.6 MB
+    head = cv.Variable(np.zeros(8, np.float32), name="head")
+    mgr = cv.CheckpointManager(cv.Checkpoint(frozen=frozen, head=head), tmp_path / "persistent",
+                               max_to_keep=3, local_directory=tmp_path / "local",
+                               local_max_to_keep=2, persistent_every=2, format=fmt,
+                               incremental=True)
+    sizes = {}
+    for step in range(1, 8):
+        head.assign(np.full(8, float(step), np.float32))
+        path = Path(mgr.save())
+        mgr.wait_until_finished()
+        sizes[step] = (sum(f.stat().st_size for f in path.rglob("*") if f.stat().st_nlink == 1
+                           and f.is_file()) if path.is_dir() else path.stat().st_size)
+    # the steps between two persistent copies write the head alone; the due ones whole
+    for step in (3, 5, 7):
+        assert sizes[step] < frozen.numpy().nbytes // 4, sizes
+    for step in (2, 4, 6):
+        assert sizes[step] > frozen.numpy().nbytes, sizes
+    with cv.open(tmp_path / "local" / f"ckpt-7.{fmt}") as reader:
+        assert reader.shared() == {"frozen": [f"ckpt-6.{fmt}"]}
+    shutil.rmtree(tmp_path / "local")  # a new machine: only the persistent tier is left
+    for step in (4, 6):
+        got = cv.load(tmp_path / "persistent" / f"ckpt-{step}.{fmt}")
+        np.testing.assert_array_equal(got["frozen"], frozen.numpy())
+        np.testing.assert_array_equal(got["head"], np.full(8, float(step), np.float32))
+    head2 = cv.Variable(np.zeros(8, np.float32), name="head")
+    again = cv.CheckpointManager(cv.Checkpoint(frozen=frozen, head=head2),
+                                 tmp_path / "persistent", max_to_keep=3,
+                                 local_directory=tmp_path / "local", local_max_to_keep=2,
+                                 persistent_every=2, format=fmt, incremental=True)
+    again.restore_or_initialize()
+    np.testing.assert_array_equal(head2.numpy(), np.full(8, 6.0, np.float32))

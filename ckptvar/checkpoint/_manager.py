@@ -125,15 +125,6 @@ def _copy_checkpoint(src: Path, dst: Path, *, durable: bool = False) -> None:
 _PERSIST_POLL_S = 5.0
 
 
-def _check_incremental(local_directory: Any) -> None:
-    """Refuse what incremental saves cannot do."""
-    if local_directory is not None:
-        raise CkptError(
-            "incremental=True is not supported yet with a local tier (local_directory=): "
-            "its steps would be written whole without saying so; use one or the other."
-        )
-
-
 class CheckpointManager:
     """Saves numbered checkpoints of ``checkpoint`` into ``directory`` and prunes old ones.
 
@@ -208,10 +199,11 @@ class CheckpointManager:
         persistent_every: int = 1,
     ) -> None:
         _check_arguments(checkpoint, max_to_keep, checkpoint_name, format)
-        if incremental:
-            _check_incremental(local_directory)
         #: ``incremental=True``: the last committed step this manager builds on
         self._incremental = Incremental() if incremental else None
+        #: which steps an incremental manager writes whole (a local tier's: those due a
+        #: persistent copy, so that the copy stands alone)
+        self._whole_steps: Callable[[int], bool] | None = None
         #: an object store's incremental HDF5 steps: the steps each one reads values from
         self._references: dict[str, frozenset[str]] = {}
         self._checkpoint = checkpoint
@@ -810,6 +802,9 @@ class CheckpointManager:
         base = self.directory / entries[-1]["path"] if entries else None
         if base is not None and base.name == name:
             base = None  # written again: a full step
+        if base is not None and self._whole_steps is not None and self._whole_steps(number):
+            logger.debug("Step %d is written whole: it is due a persistent copy.", number)
+            base = None
         if os.path.lexists(self.directory / name) and held(
                 self.directory, self._steps_on_disk(exclude=[name]), [name]):
             raise CkptError(
@@ -885,6 +880,12 @@ class CheckpointManager:
             nodes = discover_nodes(self.coordinator, Path(local_directory))
             register_nodes(local_directory, nodes)
             if len(nodes.groups) > 1:
+                if self._incremental is not None:  # decided alike on every process
+                    raise CkptError(
+                        f"incremental=True is not supported yet with a local tier on each "
+                        f"node's own disk ({os.fspath(local_directory)!r} is "
+                        f"{len(nodes.groups)} directories): use one shared local directory, "
+                        "or incremental=False.")
                 self._nodes = nodes
                 if nodes.leads(self.coordinator.rank):
                     tier = _NodeLocalTier
@@ -894,7 +895,14 @@ class CheckpointManager:
             checkpoint_name=self.checkpoint_name, step_counter=step_counter,
             checkpoint_interval=checkpoint_interval, format=self.format,
             async_save=self.async_save, coordinator=self.coordinator,
+            incremental=self._incremental is not None,
         )
+        #: the local save of a preemption: persisted whatever ``persistent_every`` says
+        self._persist_next = False
+        # an incremental local tier writes a step due a persistent copy whole: the copy
+        # then stands alone (it refers to no local step), and later local steps build on it
+        self._local_tier._whole_steps = (
+            lambda n: self._persist_next or n % self.persistent_every == 0)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptvar-persist")
         #: steps whose persistent copy this process saw committed (per-node tiers)
         self._done_persists: set[int] = set()
@@ -949,8 +957,13 @@ class CheckpointManager:
             return None  # per-node tiers: the interval, decided the same everywhere
         if self.async_save:  # the last save is done (waited above): prune before the next
             self._prune_local()
-        path = self._local_tier.save(checkpoint_number, check_interval and self._nodes is None,
-                                     timeout=timeout)
+        self._persist_next = persist
+        try:
+            path = self._local_tier.save(checkpoint_number,
+                                         check_interval and self._nodes is None,
+                                         timeout=timeout)
+        finally:
+            self._persist_next = False
         if path is None:
             return None
         number = self._number(Path(path).name)

@@ -36,6 +36,7 @@ PERSISTENT = os.environ.get("PERSISTENT")
 OPTS = json.loads(os.environ.get("S3_OPTIONS", "null"))
 FORMAT = os.environ.get("FORMAT", "h5")
 ASYNC = os.environ.get("ASYNC") == "1"
+INCREMENTAL = os.environ.get("INCREMENTAL") == "1"
 
 
 def report(case: str, **fields: object) -> None:
@@ -47,6 +48,11 @@ def model(value: float) -> tuple[cv.Checkpoint, cv.Variable]:
     lo, hi = RANK * ROWS // SIZE, (RANK + 1) * ROWS // SIZE
     w = cv.Variable(np.full((hi - lo, 3), value), name="w",
                     shard=cv.Shard(full_shape=(ROWS, 3), offset=(lo, 0)))
+    if INCREMENTAL:  # and a value that never changes: shared by the local steps
+        frozen = cv.Variable(np.arange(RANK * 50_000, (RANK + 1) * 50_000, dtype=np.float32),
+                             name="frozen", shard=cv.Shard(full_shape=(SIZE * 50_000,),
+                                                           offset=(RANK * 50_000,)))
+        return cv.Checkpoint(w=w, frozen=frozen), w
     return cv.Checkpoint(w=w), w
 
 
@@ -54,7 +60,8 @@ def manager(ckpt: cv.Checkpoint, d: Path, local: Path) -> cv.CheckpointManager:
     return cv.CheckpointManager(ckpt, PERSISTENT or d / "persistent", max_to_keep=3,
                                 coordinator=coord, storage_options=OPTS,
                                 local_directory=local, local_max_to_keep=1,
-                                persistent_every=2, format=FORMAT, async_save=ASYNC)
+                                persistent_every=2, format=FORMAT, async_save=ASYNC,
+                                incremental=INCREMENTAL)
 
 
 def steps(d: Path) -> list[str]:
@@ -64,7 +71,11 @@ def steps(d: Path) -> list[str]:
 def main(d: Path, case: str) -> None:
     ckpt, w = model(-1.0)
     if case == "per-rank":
-        mgr = manager(ckpt, d / "per-rank", d / "per-rank" / f"local-rank{RANK}")
+        try:
+            mgr = manager(ckpt, d / "per-rank", d / "per-rank" / f"local-rank{RANK}")
+        except cv.CkptError as exc:  # incremental: not with per-node local tiers yet
+            report(case, error=type(exc).__name__, message=str(exc))
+            return
         for step in (1, 2):
             w.assign(np.full(w.shape, float(step)))
             mgr.save()
@@ -92,8 +103,13 @@ def main(d: Path, case: str) -> None:
             mgr.save()
         mgr.wait_until_finished()
         coord.barrier(tag="listed")
+        shared = {}
+        if INCREMENTAL:
+            with cv.open(d / "local" / f"ckpt-5.{FORMAT}") as reader:
+                shared = reader.shared()
         report(case, local=steps(d / "local"), persistent=steps(d / "persistent"),
-               listed=[f"{Path(p).parent.name}/{Path(p).name}" for p in mgr.checkpoints])
+               listed=[f"{Path(p).parent.name}/{Path(p).name}" for p in mgr.checkpoints],
+               shared=shared)
     elif case == "restore":
         path = mgr.restore_or_initialize()
         report(case, restored=path, values=sorted(set(w.numpy().ravel().tolist())))
