@@ -1,0 +1,119 @@
+"""Freeing a manager's pruned steps in the background: one deletion at a time, waited for
+with a bound, every failure logged.
+
+A manager renames a pruned step away from its final name itself (atomic, before
+``save()`` returns); what is left is a temporary (``.ckpt-3.h5.<hex>.partial``), whose
+bytes a :class:`BackgroundDeletes` frees on its own thread, as Orbax's background delete
+does. A deletion never fails a save: what it could not remove is said in the log and
+stays a temporary, which the next manager opened on the directory, or ``ckpt gc``,
+removes (so does whatever a killed process left). The interpreter's exit waits for the
+deletions in flight for at most :data:`WAIT_S` seconds.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures.thread  # noqa: F401 - its exit hook is registered before ours
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Collection, Iterable
+from pathlib import Path
+
+from ..locations import remove_path
+
+__all__ = ["WAIT_S", "BackgroundDeletes", "free"]
+
+logger = logging.getLogger("ckptvar")
+
+#: The longest a save, ``wait_until_finished()`` without a timeout, or the interpreter's
+#: exit waits for a deletion in flight; past it the deletion goes on (said in the log).
+WAIT_S = 120.0
+
+
+def free(paths: Iterable[Path]) -> None:
+    """Remove these temporaries of pruned steps; one that stays is said in the log."""
+    for path in paths:
+        try:
+            remove_path(path)
+        except (OSError, RuntimeError) as exc:  # RuntimeError: pools shut down at exit
+            logger.error("Could not free the pruned step %s: %s (a temporary: the next "
+                         "manager on this directory or `ckpt gc` removes it).", path, exc)
+            continue
+        if os.path.lexists(path):
+            logger.error("Could not free all of the pruned step %s (a temporary: the next "
+                         "manager on this directory or `ckpt gc` removes it).", path)
+
+
+class BackgroundDeletes:
+    """A manager's deletions of pruned steps, run one at a time on their own thread.
+
+    :meth:`submit` first waits for the deletion before it (so at most one step's bytes
+    wait to be freed, the backlog of one prune), then starts the new one.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._names: frozenset[str] = frozenset()
+        _LIVE.add(self)
+
+    def busy(self) -> frozenset[str]:
+        """The names of the temporaries being freed now (never reclaimed by another path
+        of this manager meanwhile)."""
+        with self._lock:
+            return self._names if self._thread is not None and self._thread.is_alive() \
+                else frozenset()
+
+    def submit(self, work: Callable[[], None], names: Collection[str]) -> None:
+        """Run ``work`` (it frees the temporaries ``names``) in the background, after the
+        deletion before it; its errors are logged, never raised."""
+        self.wait()
+        thread = threading.Thread(target=self._run, args=(work,), daemon=True,
+                                  name="ckptvar-delete")
+        with self._lock:
+            self._thread, self._names = thread, frozenset(names)
+        thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:  # self: alive while it runs
+        try:
+            work()
+        except Exception:  # a deletion never fails a save; it is said, not lost
+            logger.exception("A background deletion of pruned steps failed (what it left "
+                             "is a temporary: the next manager or `ckpt gc` removes it).")
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the deletion in flight, at most ``timeout`` seconds (default
+        :data:`WAIT_S`); ``False`` (and said in the log) if it still runs."""
+        with self._lock:
+            thread, names = self._thread, self._names
+        if thread is None:
+            return True
+        thread.join(WAIT_S if timeout is None else timeout)
+        if thread.is_alive():
+            logger.warning(
+                "Still freeing pruned steps (%s) after %.0f s; going on without waiting "
+                "(a temporary left by it is removed by the next manager or `ckpt gc`).",
+                ", ".join(sorted(names)), WAIT_S if timeout is None else timeout)
+            return False
+        with self._lock:
+            if self._thread is thread:
+                self._thread, self._names = None, frozenset()
+        return True
+
+
+_LIVE: weakref.WeakSet[BackgroundDeletes] = weakref.WeakSet()
+
+
+def _finish_at_exit() -> None:
+    """Let the deletions in flight end (at most :data:`WAIT_S` in all) before the thread
+    pools they use are shut down."""
+    deadline = time.monotonic() + WAIT_S
+    for deletes in list(_LIVE):
+        deletes.wait(max(0.0, deadline - time.monotonic()))
+
+
+# Run before concurrent.futures' exit hook (registered before this one, run after it), as
+# checkpoint/_async does: ``remove_path`` removes a tree's directories on a thread pool.
+threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined]
