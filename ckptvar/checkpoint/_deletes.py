@@ -1,5 +1,6 @@
-"""Freeing a manager's pruned steps in the background: one deletion at a time, waited for
-with a bound, every failure logged.
+"""Freeing a manager's pruned steps in the background, one deletion at a time.
+
+Waited for with a bound, every failure logged.
 
 A manager renames a pruned step away from its final name itself (atomic, before
 ``save()`` returns); what is left is a temporary (``.ckpt-3.h5.<hex>.partial``), whose
