@@ -13,9 +13,11 @@ deletions in flight for at most :data:`WAIT_S` seconds.
 
 from __future__ import annotations
 
-import concurrent.futures.thread  # noqa: F401 - its exit hook is registered before ours
+import atexit
+import contextlib
 import logging
 import os
+import shutil
 import threading
 import time
 import weakref
@@ -37,14 +39,26 @@ def free(paths: Iterable[Path]) -> None:
     """Remove these temporaries of pruned steps; one that stays is said in the log."""
     for path in paths:
         try:
-            remove_path(path)
-        except (OSError, RuntimeError) as exc:  # RuntimeError: pools shut down at exit
+            try:
+                remove_path(path)
+            except RuntimeError:  # at the interpreter's exit: its thread pool is shut down
+                _remove_here(path)
+        except OSError as exc:
             logger.error("Could not free the pruned step %s: %s (a temporary: the next "
                          "manager on this directory or `ckpt gc` removes it).", path, exc)
             continue
         if os.path.lexists(path):
             logger.error("Could not free all of the pruned step %s (a temporary: the next "
                          "manager on this directory or `ckpt gc` removes it).", path)
+
+
+def _remove_here(path: Path) -> None:
+    """:func:`remove_path` on this thread alone."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 class BackgroundDeletes:
@@ -108,13 +122,13 @@ _LIVE: weakref.WeakSet[BackgroundDeletes] = weakref.WeakSet()
 
 
 def _finish_at_exit() -> None:
-    """Let the deletions in flight end (at most :data:`WAIT_S` in all) before the thread
-    pools they use are shut down."""
+    """Let the deletions in flight end (at most :data:`WAIT_S` in all)."""
     deadline = time.monotonic() + WAIT_S
     for deletes in list(_LIVE):
         deletes.wait(max(0.0, deadline - time.monotonic()))
 
 
-# Run before concurrent.futures' exit hook (registered before this one, run after it), as
-# checkpoint/_async does: ``remove_path`` removes a tree's directories on a thread pool.
-threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined]
+# An ``atexit`` handler runs after the background saves ended (their exit hook runs
+# earlier, with the thread pools': a save's prune may start a deletion), before the
+# interpreter stops this daemon thread.
+atexit.register(_finish_at_exit)
