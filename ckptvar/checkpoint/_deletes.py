@@ -21,7 +21,7 @@ import shutil
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 
 from ..locations import remove_path
@@ -72,7 +72,21 @@ class BackgroundDeletes:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._names: frozenset[str] = frozenset()
+        #: per thread: the deletions held back until :meth:`deferred` ends, or None
+        self._held = threading.local()
         _LIVE.add(self)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Deletions submitted on this thread in the block start when it ends (a blocking
+        save's own prune: freed once the save is done, not beside its last steps)."""
+        self._held.queue = []
+        try:
+            yield
+        finally:
+            queue, self._held.queue = self._held.queue, None
+            for work, names in queue:
+                self.submit(work, names)
 
     def busy(self) -> frozenset[str]:
         """The names of the temporaries being freed now (never reclaimed by another path
@@ -84,6 +98,10 @@ class BackgroundDeletes:
     def submit(self, work: Callable[[], None], names: Collection[str]) -> None:
         """Run ``work`` (it frees the temporaries ``names``) in the background, after the
         deletion before it; its errors are logged, never raised."""
+        queue = getattr(self._held, "queue", None)
+        if queue is not None:
+            queue.append((work, names))
+            return
         self.wait()
         thread = threading.Thread(target=self._run, args=(work,), daemon=True,
                                   name="ckptvar-delete")

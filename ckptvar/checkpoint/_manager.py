@@ -752,8 +752,9 @@ class CheckpointManager:
             options: SaveOptions = {"format": self.format, "blocking": not self.async_save,
                                     "coordinator": self.coordinator, "timeout": timeout,
                                     "pack_threshold": self.pack_threshold}
-            result = self._checkpoint.save_step(prefix, options, number=number, on_commit=on_commit,
-                                             incremental=incremental)
+            with self._deletes.deferred():  # its prune's freeing starts as it returns
+                result = self._checkpoint.save_step(prefix, options, number=number,
+                                                    on_commit=on_commit, incremental=incremental)
         except BaseException:
             os.close(saving)
             self._count_if_committed(number)
