@@ -588,7 +588,7 @@ class CheckpointManager:
 
     def _take_spare(self) -> Path | None:
         """The spare for the save about to start (it owns it from now on), if any."""
-        if not self._deletes.wait():  # still cut down: not to be written into
+        if self._deletes.busy():  # still cut down (its wait timed out): not written into
             self._spare = None  # (a temporary, reclaimed once its deletion ended)
         spare, self._spare = self._spare, None
         if spare is not None and not os.path.isdir(spare):
@@ -1213,7 +1213,7 @@ class CheckpointManager:
         0's copies are committed (and raises a failed one's error).
 
         Then waits for the background freeing of pruned steps (this process's), at most
-        ``timeout`` seconds (default ``checkpoint._deletes.WAIT_S``, 120 s); one still
+        ``timeout`` seconds (default 120 s); one still
         running past it is said in the log, never raised."""
         try:
             self._wait_for_saves(timeout)
