@@ -171,6 +171,7 @@ def _cycles(directory: Path, fmt: str, n: int) -> None:
     warm, traced = 50, 150
     for i in range(warm):
         cycle(i)
+    mgr.wait_until_finished()  # no deletion of a pruned step in flight (its own thread)
     gc.collect()
     fds, threads, rss = _fds(), threading.active_count(), _rss()
     t0 = time.perf_counter()
@@ -182,6 +183,7 @@ def _cycles(directory: Path, fmt: str, n: int) -> None:
         base, _ = tracemalloc.get_traced_memory()
         for i in range(n - traced, n):
             cycle(i)
+        mgr.wait_until_finished()
         gc.collect()
         current, _ = tracemalloc.get_traced_memory()
     finally:

@@ -10,7 +10,7 @@ shards saved as one value, restored box by box), ``_object_restore`` (matching o
 ``_status`` (``RestoreStatus``), ``_on_create`` (``restore_on_create``),
 ``_checkpoint`` (``Checkpoint``), ``_saver`` (``Saver``), ``_manager``
 (``CheckpointManager``), ``_reclaim`` (``gc``: what dead saves left), ``_async``
-(background saves).
+(background saves), ``_deletes`` (a manager's pruned steps freed in the background).
 ``write_values`` (the one save path of a local file), ``destination_error`` and
 ``make_parents`` also serve ``ckptvar.io``.
 """

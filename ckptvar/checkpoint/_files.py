@@ -5,8 +5,9 @@ writer from the backend, every value added, committed atomically (temporary
 sibling, fsync, rename) or aborted. :func:`write_file` (``Checkpoint``,
 ``Saver``, ``CheckpointManager``) and ``cv.save`` both go through it; they differ
 only in which formats they accept and how a URL is written. :func:`discard`
-removes a checkpoint without ever leaving it half-deleted; :func:`set_aside` retires a
-directory step as the next save's spare (an incremental Zarr manager's). An ``OSError`` from writing names the
+removes a checkpoint without ever leaving it half-deleted (:func:`retire` renames it
+away, the one step a manager does before its save returns); :func:`set_aside` retires a
+directory step as the next save's spare (an incremental Zarr manager's, :func:`cut_down`). An ``OSError`` from writing names the
 user's path, never the hidden temporary (:func:`destination_error`).
 """
 
@@ -34,10 +35,12 @@ from ..storage import (
 
 __all__ = [
     "NATIVE_FORMATS",
+    "cut_down",
     "destination_error",
     "discard",
     "make_parents",
     "native_backend",
+    "retire",
     "set_aside",
     "write_file",
     "write_values",
@@ -228,23 +231,38 @@ def write_values(
         raise destination_error(exc, path) from exc
 
 
-def set_aside(path: str | os.PathLike[str]) -> Path | None:
-    """Retire the local directory step ``path`` as :func:`discard` does, but keep what a
-    next incremental step may take over: returns the spare (a temporary sibling), or
-    ``None`` when there is nothing at ``path``.
-
-    First renamed (atomic: from then on a temporary, reclaimed as any other after a
-    crash), then cut down to the directories whose files all have other names (hard
-    links an incremental Zarr step shares with other steps: no byte on disk is held by
-    the spare alone); a directory holding a file of its own is removed whole, so that a
-    directory left in the spare is exactly as the step committed it.
-    """
+def retire(path: str | os.PathLike[str]) -> Path | None:
+    """Rename the local step ``path`` to a fresh temporary sibling (atomic: from then on
+    a temporary, reclaimed as any other after a crash); returns it, or ``None`` when
+    there is nothing at ``path``. Its bytes are freed later (:func:`remove_path`, in a
+    manager's background, or :func:`set_aside`)."""
     path = Path(path)
     tmp = partial_path(path)
     try:
         os.rename(path, tmp)
     except FileNotFoundError:
         return None
+    return tmp
+
+
+def set_aside(path: str | os.PathLike[str]) -> Path | None:
+    """Retire the local directory step ``path`` as :func:`discard` does, but keep what a
+    next incremental step may take over: returns the spare (a temporary sibling), or
+    ``None`` when there is nothing at ``path``.
+
+    First renamed (:func:`retire`), then cut down (:func:`cut_down`).
+    """
+    tmp = retire(path)
+    return None if tmp is None else cut_down(tmp)
+
+
+def cut_down(tmp: Path) -> Path | None:
+    """Cut the retired directory step ``tmp`` (:func:`retire`) down to the directories
+    whose files all have other names (hard links an incremental Zarr step shares with
+    other steps: no byte on disk is held by the spare alone); a directory holding a file
+    of its own is removed whole, so that a directory left in the spare is exactly as the
+    step committed it. Returns ``tmp``, or ``None`` when nothing is worth keeping (then
+    removed)."""
     try:
         doomed: list[Path] = []
         if _cut_down(tmp, doomed):
@@ -292,10 +310,6 @@ def discard(
         parent, name = split_url(os.fspath(path), storage_options=storage_options)
         prune(parent, name)
         return
-    path = Path(path)
-    tmp = partial_path(path)
-    try:
-        os.rename(path, tmp)
-    except FileNotFoundError:
-        return
-    remove_path(tmp)
+    tmp = retire(path)
+    if tmp is not None:
+        remove_path(tmp)

@@ -58,14 +58,14 @@ from ..storage import (
     is_partial,
     known_formats,
     remote_external_files,
-    remove_path,
     save_remote,
 )
 from ..variables import Variable
 from . import _async
 from ._checkpoint import Checkpoint, SaveOptions
 from ._collective_targets import Nodes, register_nodes
-from ._files import NATIVE_FORMATS, discard, set_aside
+from ._deletes import BackgroundDeletes, free
+from ._files import NATIVE_FORMATS, cut_down, retire
 from ._incremental import Incremental, held
 from ._preemption import SignalSave
 from ._reclaim import idle, open_saving_lock, reclaim_staging
@@ -199,6 +199,8 @@ class CheckpointManager:
         persistent_every: int = 1,
     ) -> None:
         _check_arguments(checkpoint, max_to_keep, checkpoint_name, format)
+        #: frees the pruned steps' bytes in the background (:meth:`_delete`)
+        self._deletes = BackgroundDeletes()
         #: ``incremental=True``: the last committed step this manager builds on
         self._incremental = Incremental() if incremental else None
         #: which steps an incremental manager writes whole (a local tier's: those due a
@@ -398,8 +400,9 @@ class CheckpointManager:
             mine: tuple[str, ...] = (f".{STATE_FILE}.",)
             if nobody_saving:
                 mine += (f".{self.checkpoint_name}-",)
-            spare = () if self._spare is None else (self._spare.name,)
-            remove_local(temporaries(self.directory, mine, skip=spare))
+            skip = self._deletes.busy() | (
+                frozenset() if self._spare is None else {self._spare.name})
+            remove_local(temporaries(self.directory, mine, skip=skip))
 
     #: the local tier of a tiered manager on a node's own disk: its first rank keeps it
     _node_leader = False
@@ -526,11 +529,18 @@ class CheckpointManager:
     def _delete(self, entries: list[dict[str, Any]], *, keep_spare: bool = False) -> None:
         """Delete these pruned steps (never what is not a ckptvar checkpoint).
 
-        With ``keep_spare`` (after a step of a local incremental Zarr manager), one of them
-        is set aside for the next save to take over instead (``set_aside``: the array
-        directories it shares with the kept steps by hard link, which that save would
-        otherwise make and link again); an earlier spare is deleted.
+        Each is renamed away from its final name here (no final name is ever
+        half-deleted); its bytes are freed in the background (:class:`BackgroundDeletes`:
+        one deletion at a time, the next prune waits for the one before; a failure is
+        logged, and what it left is a temporary that the next manager or ``ckpt gc``
+        removes). With ``keep_spare`` (after a step of a local incremental Zarr manager),
+        one of them is set aside for the next save to take over instead (``set_aside``:
+        the array directories it shares with the kept steps by hard link, which that save
+        would otherwise make and link again; cut down to them in the background); an
+        earlier spare is deleted.
         """
+        retired: list[Path] = []
+        spare: Path | None = None
         for entry in entries:
             path = self.directory / entry["path"]
             if os.path.lexists(path) and not is_own_checkpoint(path):
@@ -538,12 +548,25 @@ class CheckpointManager:
                     "Not pruning %s: it is not a ckptvar checkpoint (left as it is).", path
                 )
                 continue
-            if keep_spare and self._uses_spare() and path.is_dir():
-                old, self._spare = self._spare, set_aside(path)
-                if old is not None:
-                    remove_path(old)
+            tmp = retire(path)
+            if tmp is None:
                 continue
-            discard(path)
+            if keep_spare and self._uses_spare() and tmp.is_dir():
+                if self._spare is not None:
+                    retired.append(self._spare)
+                self._spare = spare = tmp
+                continue
+            retired.append(tmp)
+        if not retired and spare is None:
+            return
+
+        def work(spare: Path | None = spare) -> None:
+            if spare is not None and cut_down(spare) is None and self._spare == spare:
+                self._spare = None  # nothing worth keeping: removed
+            free(retired)
+
+        names = [p.name for p in retired] + ([] if spare is None else [spare.name])
+        self._deletes.submit(work, names)
 
     #: a pruned step set aside for the next save (:meth:`_delete`), or None
     _spare: Path | None = None
@@ -557,6 +580,8 @@ class CheckpointManager:
 
     def _take_spare(self) -> Path | None:
         """The spare for the save about to start (it owns it from now on), if any."""
+        if self._deletes.busy():  # still cut down (its wait timed out): not written into
+            self._spare = None  # (a temporary, reclaimed once its deletion ended)
         spare, self._spare = self._spare, None
         if spare is not None and not os.path.isdir(spare):
             return None  # reclaimed meanwhile (``ckpt gc``, another process)
@@ -689,6 +714,7 @@ class CheckpointManager:
                 f"Cannot save into {os.fspath(self.directory)!r}: the directory is read-only "
                 "(this manager can list and restore its checkpoints, not write new ones)."
             )
+        self._deletes.wait()  # the last prune's bytes freed (a backlog of one step at most)
         self._reclaim()
         numbers = self._numbers(checkpoint_number, check_interval)
         if numbers is None:
@@ -718,8 +744,9 @@ class CheckpointManager:
             options: SaveOptions = {"format": self.format, "blocking": not self.async_save,
                                     "coordinator": self.coordinator, "timeout": timeout,
                                     "pack_threshold": self.pack_threshold}
-            result = self._checkpoint.save_step(prefix, options, number=number, on_commit=on_commit,
-                                             incremental=incremental)
+            with self._deletes.deferred():  # its prune's freeing starts as it returns
+                result = self._checkpoint.save_step(prefix, options, number=number,
+                                                    on_commit=on_commit, incremental=incremental)
         except BaseException:
             os.close(saving)
             self._count_if_committed(number)
@@ -1196,7 +1223,19 @@ class CheckpointManager:
         """Block until every save of this manager is durable, background persistent copies
         included; raises the first error of one not reported yet. With tiers and a
         coordinator of several processes, a collective: every process returns once rank
-        0's copies are committed (and raises a failed one's error)."""
+        0's copies are committed (and raises a failed one's error).
+
+        Then waits for the background freeing of pruned steps (this process's), at most
+        ``timeout`` seconds (default 120 s); one still
+        running past it is said in the log, never raised."""
+        try:
+            self._wait_for_saves(timeout)
+        finally:
+            self._deletes.wait(timeout)
+            if self._local_tier is not None:
+                self._local_tier._deletes.wait(timeout)
+
+    def _wait_for_saves(self, timeout: float | None) -> None:
         self._checkpoint.wait()
         if self._nodes is not None:  # every process waits for its part of each copy
             for future in list(self._persisting.values()):

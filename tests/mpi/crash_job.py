@@ -142,8 +142,9 @@ while True:
     if first:
         first = False
         coord.barrier(tag="first", timeout=60)
-        if tier is not None:  # every process (a collective with several)
-            mgr.wait_until_finished()
+        # every process (with tiers a collective): the copies committed, and the
+        # pruned steps' bytes freed (in the background: in flight, not left over)
+        mgr.wait_until_finished()
         # rank 0 checks WHERE; the first rank of each node its node's local tier
         report("first", step=s, path=path,
                leftovers=leftovers() if RANK == 0 or (tier and RANK % 2 == 0) else [])
