@@ -81,6 +81,35 @@ def test_a_partly_changed_table_writes_only_its_changed_chunks(tmp_path: Path,
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def test_chunks_compared_as_written_carry_the_values_checksums(tmp_path: Path,
+                                                               fresh_graph: cv.Graph) -> None:
+    """A changed value whose chunks are compared with the base's is hashed a chunk at a
+    time as it is written: the checksums it records are those of a full save (the padded
+    last chunk and 12-byte rows included), and only its changed chunks are new files."""
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format="zarr", max_to_keep=3,
+                                   incremental=True)
+    first = Path(manager.save())
+    new = table.numpy().copy()
+    new[-5:] += 1.0  # the short last chunk only
+    table.assign(new)
+    ckpt.odd.assign(ckpt.odd.numpy() * 2.0)  # every chunk of it
+    second = Path(manager.save())
+    linked = {n for n in os.listdir(second / "table") if n.startswith("c.")
+              and (second / "table" / n).stat().st_ino == (first / "table" / n).stat().st_ino}
+    assert linked == {f"c.{i}.0" for i in range(5)}
+    assert not any((second / "odd" / n).stat().st_nlink > 1
+                   for n in os.listdir(second / "odd") if n.startswith("c."))
+    full = cv.save(tmp_path / "full.zarr", {"table": table.numpy(), "odd": ckpt.odd.numpy()})
+    with cv.open(second) as step, cv.open(full) as alone:
+        for key in ("table", "odd"):
+            assert step.entry(key).checksum == alone.entry(key).checksum, key
+            assert step.entry(key).blocks == alone.entry(key).blocks, key
+    res = ckpt_cli("verify", second)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert np.array_equal(zarr.open_group(second, mode="r")["table"][:], new)
+
+
 def test_a_damaged_or_missing_chunk_is_reported(tmp_path: Path, fresh_graph: cv.Graph) -> None:
     ckpt, _ = _model()
     manager = cv.CheckpointManager(ckpt, tmp_path / "run", format="zarr", incremental=True)

@@ -37,6 +37,7 @@ import shutil
 import stat
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ from ._container import (
     storage_dtype,
     write_packed,
 )
-from ._container.blocks import BLOCK_SIZE
+from ._container.blocks import BLOCK_SIZE, block_crcs, join_blocks
 from ._container.delta import DeltaWrite, Patches, in_base, read_patches
 from ._container.reuse import Held
 from ._container.source import Patched, Pieces
@@ -146,6 +147,9 @@ class ZarrWriter(ContainerWriter):
         self._base_record: Record | None = None
         #: per key: the chunks the base holds unchanged -> the base's chunk file
         self._held_pieces: dict[str, dict[int, str]] = {}
+        #: per key: the base's block checksums and array directory, for a value whose
+        #: chunks are compared with the base's as they are written (:class:`_Compare`)
+        self._compare: dict[str, _Compare] = {}
         if compression in (False, "none"):
             compression = None
         if compression is not None and compression not in _CODECS:
@@ -251,6 +255,9 @@ class ZarrWriter(ContainerWriter):
                 or tuple(entry.shape) != it.shape or entry.blocks is None
                 or rec.block_size != BLOCK_SIZE):  # a base of other blocks: written whole
             return
+        if not it.hashed and it.source is None and it.nbytes > BLOCK_SIZE:  # as written
+            self._compare[it.key] = _Compare(entry.blocks, base / (entry.loc.path or ""))
+            return
         if not it.hashed:
             it.hash(parallel=True)  # before the write, which waits for it
             it.hashed = True
@@ -264,6 +271,9 @@ class ZarrWriter(ContainerWriter):
                 held[i] = os.fspath(base / (entry.loc.path or "") / piece_key(len(it.shape), i))
         if held:
             self._held_pieces[it.key] = held
+
+    def _writes_hashed(self, it: ValueWrite) -> bool:
+        return it.key in self._compare
 
     def _array_loc(self, it: ValueWrite) -> Extent:
         if self.compression is not None:
@@ -303,6 +313,7 @@ class ZarrWriter(ContainerWriter):
             spare = None
         tree = _Tree(tmp, [] if self.durable else None, deferred, spare=spare)
         tree.base = self.base
+        tree.compare = self._compare
         if tree.recycled:
             tree.recycle(plan.arrays, self.rows_of)
         return tree
@@ -443,6 +454,8 @@ class _Tree:
         self.deferred = deferred
         #: The base step a delta's arrays are linked from (an incremental save).
         self.base: Path | None = None
+        #: Per key: a value whose chunks are compared with the base's as they are written.
+        self.compare: Mapping[str, _Compare] = {}
         #: Files to fsync (None when the write is not durable), and every directory made.
         self.sync = sync
         self.dirs: list[Path] = [root]
@@ -664,6 +677,10 @@ class _Tree:
         it): linked from the base where it holds them (all of them when ``it.held``)."""
         ndim = len(it.shape)
         size = rows * (it.nbytes // it.shape[0])
+        compare = self.compare.get(it.key)
+        if compare is not None and it.source is None and it.held is None:
+            self._write_compared(it, d, size, compare)
+            return
 
         def put(part: memoryview, i: int) -> None:
             name = piece_key(ndim, i)
@@ -690,20 +707,78 @@ class _Tree:
             put(view[i * size: (i + 1) * size], i)
 
 
+    def _write_compared(self, it: ValueWrite, d: Path, size: int, compare: _Compare) -> None:
+        """``it``'s chunks of ``size`` bytes, each hashed by blocks just before it is
+        written, and linked from the base instead where its blocks equal the base's;
+        ``it``'s checksums are set from the chunks' blocks.
+
+        The next chunk is hashed on the checksum thread (:func:`block_crcs`, the GIL held)
+        while this one is written (``pwrite`` releases it): the hash overlaps the writes
+        where a second CPU is free, and no chunk the base holds is written. Hashing the
+        value before the write, as every chunk had to be compared first, kept the writes
+        waiting for it (docs/benchmarks.md, "Zarr chunks hashed as they are written")."""
+        view, ndim = it.view, len(it.shape)
+        count = -(-it.nbytes // size)
+        parts = [view[i * size: (i + 1) * size] for i in range(count)]
+        per = 4 * (size // BLOCK_SIZE)  # bytes of block checksums per chunk
+        ahead = [_rawio.submit(block_crcs, parts[0])]
+        crcs = []
+        try:
+            for i, part in enumerate(parts):
+                if i + 1 < count:
+                    ahead.append(_rawio.submit(block_crcs, parts[i + 1]))
+                blocks = ahead[i].result()
+                crcs.append(blocks)
+                name = piece_key(ndim, i)
+                if blocks == compare.blocks[i * per: i * per + len(blocks)]:
+                    self.link(os.fspath(compare.directory / name), d / name)
+                elif len(part) == size:
+                    self.write(d / name, part)
+                else:
+                    self.write(d / name, functools.partial(_padded, part, size))
+        finally:
+            for f in ahead:  # never leave hashing running on a dropped buffer
+                f.exception()
+        blocks = b"".join(crcs)
+        seed = _checksum.header_crc(it.key, it.dtype, it.shape)
+        it.checksum = join_blocks(seed, np.frombuffer(blocks, "<u4"), it.nbytes, BLOCK_SIZE)
+        it.blocks = blocks
+        it.hashed = True
+
+
+@dataclass(frozen=True, slots=True)
+class _Compare:
+    """A base's value, for a step's chunks of it to be compared with as they are written."""
+
+    #: the base's block checksums (``uint32`` little-endian, one per block)
+    blocks: bytes
+    #: the base's array directory of the value (its chunk files)
+    directory: Path
+
+
 def _same_files(d: Path, src: Path, names: list[str]) -> bool:
-    """Whether directory ``d`` holds exactly ``names``, each the same file (inode) as in
-    ``src`` (never following a symlink)."""
+    """Whether directory ``d`` holds exactly ``names``, each the same regular file (inode)
+    as in ``src`` (never following a symlink).
+
+    The inodes come from the two listings (``d_ino``; one ``getdents`` each, no ``stat``
+    per file): on one file system, as the directories' own ``stat`` checks."""
     try:
-        if not stat.S_ISDIR(os.lstat(d).st_mode) or sorted(os.listdir(d)) != sorted(names):
+        a, b = os.lstat(d), os.lstat(src)
+        if not stat.S_ISDIR(a.st_mode) or a.st_dev != b.st_dev:
             return False
-        for name in names:
-            a = os.lstat(d / name)
-            b = os.lstat(src / name)
-            if (a.st_ino, a.st_dev) != (b.st_ino, b.st_dev) or not stat.S_ISREG(a.st_mode):
-                return False
+        here, there = _regular_files(d), _regular_files(src)
     except OSError:
         return False
-    return True
+    want = set(names)
+    return (len(names) == len(want) and set(here) == want
+            and all(here[n] is not None and here[n] == there.get(n) for n in names))
+
+
+def _regular_files(d: Path) -> dict[str, int | None]:
+    """Each entry of ``d`` by name: its inode when it is a regular file, else None."""
+    with os.scandir(d) as entries:
+        return {e.name: e.inode() if e.is_file(follow_symlinks=False) else None
+                for e in entries}
 
 
 def _holds(path: str, data: bytes) -> bool:

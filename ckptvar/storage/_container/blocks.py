@@ -36,6 +36,7 @@ from . import source as _src
 __all__ = [
     "BLOCK_SIZE",
     "BlockHasher",
+    "block_crcs",
     "blocks_agree",
     "hash_blocks",
     "hash_blocks_parallel",
@@ -76,6 +77,20 @@ def hash_blocks(view: memoryview, seed: int, block_size: int = BLOCK_SIZE) -> tu
     crcs = np.array([crc(view[pos : pos + block_size], 0, 1) for pos in range(0, n, block_size)],
                     "<u4")
     return _join(seed, crcs, n, block_size), crcs.tobytes()
+
+
+def block_crcs(view: memoryview, block_size: int = BLOCK_SIZE) -> bytes:
+    """The blocks of :func:`hash_blocks` alone, the GIL held throughout (for another
+    thread to hash a chunk while the writing one is in ``pwrite``: one hand-over of the
+    GIL per call, not one per block; 4 MiB take ~0.2 ms).
+
+    >>> data = memoryview(np.arange(50_000, dtype=np.uint8))
+    >>> block_crcs(data, 4096) == hash_blocks(data, 0, 4096)[1]
+    True
+    """
+    crc = _crc
+    return np.array([crc(view[pos : pos + block_size], 0, 0)
+                     for pos in range(0, len(view), block_size)], "<u4").tobytes()
 
 
 class BlockHasher:
