@@ -721,13 +721,13 @@ class _Tree:
         count = -(-it.nbytes // size)
         parts = [view[i * size: (i + 1) * size] for i in range(count)]
         per = 4 * (size // BLOCK_SIZE)  # bytes of block checksums per chunk
-        ahead = [_rawio.submit(block_crcs, parts[0])]
+        ahead = []  # chunk i + 1's hash, while chunk i is hashed (the first) or written
         crcs = []
         try:
             for i, part in enumerate(parts):
                 if i + 1 < count:
                     ahead.append(_rawio.submit(block_crcs, parts[i + 1]))
-                blocks = ahead[i].result()
+                blocks = block_crcs(part) if i == 0 else ahead[i - 1].result()
                 crcs.append(blocks)
                 name = piece_key(ndim, i)
                 if blocks == compare.blocks[i * per: i * per + len(blocks)]:
