@@ -248,8 +248,9 @@ class ZarrWriter(ContainerWriter):
         self.reused = [it.key for it in plan.arrays if it.held is not None]
 
     def _match_pieces(self, it: ValueWrite, rows: int, rec: Record, base: Path) -> None:
-        """Note the chunks of ``it`` whose bytes the base holds (by block checksums: the
-        value is hashed now, as its write would)."""
+        """Note the chunks of ``it`` whose bytes the base holds, by block checksums: a host
+        value's chunk by chunk as they are written (:meth:`_Tree._write_compared`), a value
+        that comes in pieces (a GPU tensor) hashed now, before the write."""
         entry = rec.values.get(it.key)
         if (entry is None or entry.loc.kind != ARRAY or entry.dtype != it.dtype
                 or tuple(entry.shape) != it.shape or entry.blocks is None
@@ -705,7 +706,6 @@ class _Tree:
         view = it.view
         for i in range(-(-it.shape[0] // rows)):
             put(view[i * size: (i + 1) * size], i)
-
 
     def _write_compared(self, it: ValueWrite, d: Path, size: int, compare: _Compare) -> None:
         """``it``'s chunks of ``size`` bytes, each hashed by blocks just before it is
