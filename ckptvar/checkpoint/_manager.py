@@ -125,6 +125,11 @@ def _copy_checkpoint(src: Path, dst: Path, *, durable: bool = False) -> None:
 _PERSIST_POLL_S = 5.0
 
 
+#: A manager's saves look for dead processes' staging directories in ``TMPDIR`` at most
+#: this often (``ckpt gc`` and a new manager look whenever they run).
+_STAGING_EVERY_S = 30.0
+
+
 class CheckpointManager:
     """Saves numbered checkpoints of ``checkpoint`` into ``directory`` and prunes old ones.
 
@@ -418,8 +423,9 @@ class CheckpointManager:
 
     def _reclaim(self) -> None:
         """Before a save: remove what dead saves left (temporaries in the directory, on
-        the primary process; staging directories of this host's dead processes)."""
-        reclaim_staging()
+        the primary process; staging directories of this host's dead processes, looked
+        for at most every :data:`_STAGING_EVERY_S` seconds; a new manager always looks)."""
+        reclaim_staging(every=_STAGING_EVERY_S)
         if self._keeps_directory() and self._location is None:
             with locked(self.directory):
                 self._clean_temporaries()
