@@ -156,8 +156,9 @@ def test_a_save_asks_each_object_once_without_autograd_and_sees_new_state(tmp_pa
     # The fixed cost of a (background) save is the walk of the state dicts: it asks each
     # object for its state dict once (not once for the tensors and again for the Python
     # state) and walks it with autograd off (a DTensor's to_local() is then its local
-    # tensor, not an autograd op). Nothing is kept between saves: new optimizer state
-    # and a replaced parameter are saved as they are now.
+    # tensor, not an autograd op). What a save keeps for the next (the variables over
+    # the same tensors) never hides a change: new optimizer state and a replaced
+    # parameter are saved as they are now.
     torch.manual_seed(0)
     model = _CountingLinear(4, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -178,3 +179,90 @@ def test_a_save_asks_each_object_once_without_autograd_and_sees_new_state(tmp_pa
     np.testing.assert_array_equal(back["optimizer/state/0/exp_avg"],
                                   opt.state[model.weight]["exp_avg"].numpy())
     assert torch.is_grad_enabled()  # the caller's mode is back as it was
+
+
+class _Counter:
+    """An object with state_dict()/load_state_dict(): a tensor and a plain count."""
+
+    def __init__(self, shape: tuple[int, ...] = (3,)) -> None:
+        self.n = 0
+        self.w = torch.zeros(shape)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "w": self.w}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.n, self.w = sd["n"], sd["w"]
+
+
+def test_background_saves_of_the_same_tensors_still_see_every_change(tmp_path: Path) -> None:
+    # A background save of the same objects over the same tensors reuses the last save's
+    # variables (no walk); whatever training changes between saves is still saved:
+    # hyper-parameters, a scheduler's step, a plain value, a tensor given new memory
+    # (.data), a transposed view over the same memory, an object replaced.
+    model, opt, sched = _build()
+    counter = _Counter()
+    ckpt = cv.Checkpoint(model=model, optimizer=opt, scheduler=sched, counter=counter)
+    for i in range(2):  # twice the same: the second save reuses the first's variables
+        ckpt.write(tmp_path / f"warm{i}.h5", blocking=False).wait()
+
+    def saved(name: str) -> tuple[dict[str, Any], Any, Any, Any]:
+        ckpt.write(tmp_path / name, blocking=False).wait()
+        m2, o2, s2 = _build()
+        c2 = _Counter(tuple(ckpt.counter.w.shape))
+        cv.Checkpoint(model=m2, optimizer=o2, scheduler=s2, counter=c2).restore(
+            tmp_path / name).assert_consumed()
+        return cv.load(tmp_path / name), o2, s2, c2
+
+    _step(model, opt, sched)
+    opt.param_groups[0]["lr"] = 0.125
+    opt.param_groups[0]["betas"] = (0.5, 0.75)
+    counter.n = 7
+    counter.w += 2.0  # in place: the same memory
+    values, o2, s2, c2 = saved("a.h5")
+    assert o2.param_groups[0]["lr"] == 0.125 and o2.param_groups[0]["betas"] == (0.5, 0.75)
+    assert s2.last_epoch == sched.last_epoch == 1
+    assert c2.n == 7 and c2.w.tolist() == [2.0, 2.0, 2.0]
+    np.testing.assert_array_equal(values["optimizer/state/0/exp_avg"],
+                                  opt.state[model[0].weight]["exp_avg"].numpy())
+
+    saved("b.h5")  # the same tensors again: reused
+    sched.step()
+    counter.n = 8
+    with torch.no_grad():
+        model[0].bias.data = torch.full((8,), 5.0)  # the same Parameter, new memory
+        square = torch.arange(16.0).reshape(4, 4)
+        counter.w = square
+    values, _, s2, c2 = saved("c.h5")
+    assert s2.last_epoch == 2 and c2.n == 8
+    assert values["model/0.bias"].tolist() == [5.0] * 8
+    counter.w = square.t()  # a new tensor object over the same memory, other strides
+    values, _, _, c2 = saved("d.h5")
+    np.testing.assert_array_equal(values["counter/w"], square.t().numpy())
+    counter.w.data = square  # the same tensor object, its strides changed back
+    values = saved("e.h5")[0]
+    np.testing.assert_array_equal(values["counter/w"], square.numpy())
+
+    ckpt.counter = _Counter()  # an object replaced
+    values = saved("f.h5")[0]
+    assert values["counter/w"].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_a_background_snapshot_is_the_state_at_the_call_with_reused_variables(
+        tmp_path: Path) -> None:
+    # The values of a reused-variables save are copied before write() returns: training
+    # that changes them in place afterwards does not reach the file.
+    model, opt, sched = _build()
+    ckpt = cv.Checkpoint(model=model, optimizer=opt)
+    _step(model, opt, sched)
+    ckpt.write(tmp_path / "a.h5", blocking=False).wait()
+    before = model[0].weight.detach().clone()
+    handle = ckpt.write(tmp_path / "b.h5", blocking=False)
+    opt.param_groups[0]["lr"] = 9.0
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    handle.wait()
+    assert cv.load(tmp_path / "b.h5")["model/0.weight"].tolist() == before.tolist()
+    m2, o2, _ = _build()
+    cv.Checkpoint(model=m2, optimizer=o2).restore(tmp_path / "b.h5")
+    assert o2.param_groups[0]["lr"] == 1e-2

@@ -12,17 +12,23 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypedDict, Unpack, cast
 
 from ..storage import paused_gc
-from ..trackable import Trackable, trackable_children
+from ..trackable import Trackable, python_state, trackable_children
 from ..variables import PartitionedVariable, Variable
 from . import _async
 from ._collective import collective_write, needs_collective, rank_variables
 from ._collective_state import CollectiveRestoreState
 from ._files import native_backend, write_file
-from ._frameworks import SupportsStateDict, begin_restores, end_restores, trackable_for
+from ._frameworks import (
+    StateDictTrackable,
+    SupportsStateDict,
+    begin_restores,
+    end_restores,
+    trackable_for,
+)
 from ._incremental import IncrementalSave
 from ._logical import as_target
 from ._object_restore import RestoreState
-from ._serialize import SnapshotBuffer, gather, host_arrays, metadata
+from ._serialize import SaveContents, SnapshotBuffer, encode_state, gather, host_arrays, metadata
 from ._state import record_latest
 from ._status import RestoreStatus
 from ._steps import split_format, step_name
@@ -110,6 +116,7 @@ class Checkpoint(Trackable):
     def __delattr__(self, name: str) -> None:
         object.__delattr__(self, name)
         self._untrack(name)
+        self.__dict__.pop("_cv_plan", None)  # holds the object until the next save otherwise
 
     # -- the save counter --------------------------------------------------------------
     @property
@@ -193,7 +200,7 @@ class Checkpoint(Trackable):
         timeout = options.get("timeout")
         counter = trackable_children(self).get(_COUNTER)  # stored only once it exists
         with paused_gc():
-            plan = gather(self, targets=False)
+            plan = self._gather()
             collective = needs_collective(coordinator, plan.variables.values())
             if collective:  # each rank writes its own shard, never an assembled value
                 plan.variables = rank_variables(plan.variables)
@@ -257,6 +264,46 @@ class Checkpoint(Trackable):
         handle = _async.submit(run, path)
         self._cv_handles.append(handle)
         return handle
+
+    def _gather(self) -> SaveContents:
+        """``gather(self, targets=False)``, without the walk when the last save's still holds.
+
+        It holds when this checkpoint tracks the same objects under the same names, each
+        a variable or a state-dict object that gave back the very children of the last
+        save (the same tensors over the same memory: ``StateDictTrackable``). The
+        variables and aliases are then the last save's; the Python state is taken anew.
+        Anything else (other trackables, containers, names that need escaping) walks.
+        """
+        children = trackable_children(self)
+        key: list[Any] = []
+        states: dict[str, bytes] = {}
+        for name, obj in children.items():
+            if not name or "/" in name or "%" in name:
+                return self._gathered(None, gather(self, targets=False))
+            if type(obj) is Variable:
+                key.append((name, obj))
+                continue
+            if not isinstance(obj, StateDictTrackable) or any(k[1] is obj for k in key):
+                return self._gathered(None, gather(self, targets=False))
+            key.append((name, obj, obj.trackable_children()))
+            state = python_state(obj)
+            if state is not None:
+                states[name] = encode_state(state, name)
+        last = self.__dict__.get("_cv_plan")
+        if last is None or len(last[0]) != len(key) or not all(
+                len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+                for a, b in zip(last[0], key, strict=True)):
+            # the walk of this checkpoint, over the children just asked for (each object
+            # is asked for its state dict once a save): the same keys in the same order
+            plan = gather({k[0]: k[-1] for k in key}, targets=False)
+            last = key, SaveContents(plan.variables, plan.aliases)
+            object.__setattr__(self, "_cv_plan", last)
+        return SaveContents(dict(last[1].variables), last[1].aliases, states)
+
+    def _gathered(self, key: list[Any] | None, plan: SaveContents) -> SaveContents:
+        """``plan``, kept for the next save's :meth:`_gather` under ``key`` (None: not)."""
+        object.__setattr__(self, "_cv_plan", None if key is None else (key, plan))
+        return plan
 
     def _snapshot_buffer(self) -> SnapshotBuffer:
         """The host buffer this checkpoint's background saves snapshot into (kept)."""

@@ -222,11 +222,22 @@ def _encode(value: Any, where: str) -> Any:
     )
 
 
+_SCALARS = frozenset({type(None), bool, int, float, str, bytes})
+
+
 def _split(sd: Any) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
     """``(_encode(sd), list(_tensors(sd)))`` in one walk of ``sd`` (what a save asks for
-    each state dict); the encoding is ``None`` where :func:`_encode` would raise."""
+    each state dict); the encoding is ``None`` where :func:`_encode` would raise.
+
+    Plain values are encoded where their container is met (no call, no path of their
+    own): a state dict is mostly such values (hyper-parameters, step counts)."""
     tensors: list[tuple[tuple[Any, ...], Any]] = []
     ok = [True]
+    scalars = _SCALARS
+
+    def leaf(value: Any) -> Any:
+        ok[0] = ok[0] and isinstance(value, np.generic)
+        return {"v": value.item() if isinstance(value, np.generic) else None}
 
     def enc(value: Any, path: tuple[Any, ...]) -> Any:
         if _is_torch(value):
@@ -235,17 +246,17 @@ def _split(sd: Any) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
         if isinstance(value, dict):
             items = []
             for k, v in value.items():
-                if isinstance(k, bool) or not isinstance(k, str | int):
+                if type(k) is not str and (isinstance(k, bool) or not isinstance(k, str | int)):
                     ok[0] = False
-                items.append([k, enc(v, (*path, k))])
+                items.append([k, {"v": v} if type(v) in scalars else enc(v, (*path, k))])
             return {"d": items}
         if isinstance(value, list | tuple):
             tag = "t" if isinstance(value, tuple) else "l"
-            return {tag: [enc(v, (*path, i)) for i, v in enumerate(value)]}
+            return {tag: [{"v": v} if type(v) in scalars else enc(v, (*path, i))
+                          for i, v in enumerate(value)]}
         if value is None or isinstance(value, bool | int | float | str | bytes):
             return {"v": value}
-        ok[0] = ok[0] and isinstance(value, np.generic)
-        return {"v": value.item() if isinstance(value, np.generic) else None}
+        return leaf(value)
 
     out = enc(sd, ())
     return (out if ok[0] else None), tensors
@@ -323,6 +334,37 @@ def _identity(t: Any) -> tuple[Any, ...]:
     return (t.data_ptr(), tuple(t.shape), t.dtype, tuple(t.stride()), t.device)
 
 
+def _same_tensors(last: list[tuple[tuple[Any, ...], Any, tuple[Any, ...]]],
+                  tensors: list[tuple[tuple[Any, ...], Any]]) -> bool:
+    """Whether ``tensors`` (a state dict's, path by path) are the ones of the last save:
+    the same tensor objects at the same paths, each over the same memory (data pointer,
+    shape, strides, dtype; a DTensor's local tensor, placements and mesh too)."""
+    if len(last) != len(tensors):
+        return False
+    dtensor: Any = _DTENSOR[0] if _DTENSOR else None
+    for (path, t, ident), (p, u) in zip(last, tensors, strict=True):
+        if u is not t or p != path:
+            return False
+        if dtensor is not None and type(u) is dtensor:  # _quick_identity's, inline
+            local = u.to_local()
+            if (local.data_ptr(), local.shape, local.stride(), local.dtype, u.placements,
+                    id(u.device_mesh)) != ident:
+                return False
+        elif _quick_identity(u) != ident:
+            return False
+    return True
+
+
+def _quick_identity(t: Any) -> tuple[Any, ...]:
+    """What :func:`_same_tensors` compares of ``t`` (asked under ``no_grad``: a DTensor's
+    ``to_local()`` is then its local tensor, no autograd op)."""
+    if is_dtensor(t):
+        local = t.to_local()
+        return (local.data_ptr(), local.shape, local.stride(), local.dtype, t.placements,
+                id(t.device_mesh))
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+
+
 class _Restoring:
     """One restore in progress: the variables it fills and what ``load_state_dict`` gets."""
 
@@ -353,6 +395,11 @@ class StateDictTrackable(Trackable):
         self._state: Any = None
         self._names: frozenset[str] | None = None  # of the parameters that train
         self._walked: Any = None  # the state dict of the last trackable_children()
+        #: the last save's tensors (path, tensor, quick identity) and the children made
+        #: of them: a save of the very same tensors again returns those children as they
+        #: are (the Python state is encoded anew at every save, by value)
+        self._last: tuple[list[tuple[tuple[Any, ...], Any, tuple[Any, ...]]],
+                          dict[str, Any]] | None = None
 
     def _var(self, path: tuple[Any, ...], t: Any, saving: bool) -> Variable | None:
         """The variable over ``t``'s memory (made once per tensor and kept: a save of the
@@ -390,14 +437,21 @@ class StateDictTrackable(Trackable):
         self._names = None  # asked of the module only when a new variable is made
         with _no_grad():  # a DTensor's to_local() is then its local tensor, no autograd op
             enc, tensors = _split(_state_dict(self.obj))
+            # the walk that asked for the children asks for the Python state next: it is
+            # this very state dict's (made once per walk, never kept past the next ask)
+            self._walked = enc
+            last = self._last
+            if last is not None and _same_tensors(last[0], tensors):
+                return last[1]
+            self._last = None
             for path, t in tensors:
                 var = self._var(path, t, saving=True)
                 if var is not None:
                     flat[path] = var
-        # the walk that asked for the children asks for the Python state next: it is
-        # this very state dict's (made once per walk, never kept past the next ask)
-        self._walked = enc
-        return _nest(flat)
+            seen = [(path, t, _quick_identity(t)) for path, t in tensors]
+        children = _nest(flat)
+        self._last = (seen, children)
+        return children
 
     def python_state(self) -> Any:
         if self._restoring is not None:
@@ -417,6 +471,7 @@ class StateDictTrackable(Trackable):
         ``stored`` is the decoded Python state (``None``: none stored; the current state
         dict's structure is used), ``infos`` the checkpoint's ``{key: ArrayInfo}``.
         """
+        self._last = None  # the restore may give the object other tensors
         torch = sys.modules.get("torch", None)
         sd = self.obj.state_dict()
         current = dict(_tensors(sd))

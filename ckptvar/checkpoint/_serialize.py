@@ -134,6 +134,8 @@ class SnapshotBuffer:
     def __init__(self) -> None:
         self._buf: np.ndarray | None = None
         self._idle = 0  # the buffer's reference count with no view of it alive
+        self._specs: list[tuple[tuple[int, ...], np.dtype[Any]]] = []  # the last views'
+        self._layout: tuple[list[int], list[int], int] = ([], [], 0)  # their offsets, sizes
 
     @property
     def nbytes(self) -> int:
@@ -142,12 +144,16 @@ class SnapshotBuffer:
 
     def views(self, specs: Sequence[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[np.ndarray]:
         """A C-contiguous array of each ``(shape, dtype)``, side by side in the buffer."""
-        offsets, sizes, total = [], [], 0
-        for shape, dtype in specs:
-            n = math.prod(shape) * dtype.itemsize
-            offsets.append(total)
-            sizes.append(n)
-            total += -(-n // _ALIGN) * _ALIGN
+        if specs == self._specs:  # the last save's values again: the same layout
+            offsets, sizes, total = self._layout
+        else:
+            offsets, sizes, total = [], [], 0
+            for shape, dtype in specs:
+                n = math.prod(shape) * dtype.itemsize
+                offsets.append(total)
+                sizes.append(n)
+                total += -(-n // _ALIGN) * _ALIGN
+            self._specs, self._layout = list(specs), (offsets, sizes, total)
         buf = self._buf
         # any reference beyond those counted when the buffer was made (the attribute and
         # ``buf``, however this interpreter counts them) is a view still alive somewhere:

@@ -18,6 +18,7 @@ import itertools
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as _wait
@@ -205,11 +206,14 @@ def snapshot(arrays: Sequence[np.ndarray],
         if d is None:
             d = np.empty(a.shape, a.dtype)
         out.append(d)
+        total += a.nbytes
+        if a.nbytes <= _SNAPSHOT_PIECE:  # one piece: the arrays as they are
+            pieces.append((d, a))
+            continue
         src, dst = a.reshape(-1), d.reshape(-1)
         step = max(1, _SNAPSHOT_PIECE // max(1, a.itemsize))
         for s in range(0, src.size, step):
             pieces.append((dst[s : s + step], src[s : s + step]))
-        total += a.nbytes
     helpers = min(IO_THREADS, _cpus() // max(1, processes)) - 1
     _copy_pieces(pieces, helpers if total >= 2 * _COPY_PIECE else 0)
     return out
@@ -237,12 +241,21 @@ def _copy_pieces(pieces: Sequence[tuple[np.ndarray, np.ndarray]], helpers: int) 
     wait_all([f for f in helping if not f.cancel()])
 
 
+_CPUS: list[tuple[float, int]] = []  # (when asked, the answer): asked again after 1 s
+
+
 def _cpus() -> int:
-    """The CPUs this process may run on."""
+    """The CPUs this process may run on (asked of the system at most once a second: a
+    background save's blocking part asks at every save)."""
+    now = time.monotonic()
+    if _CPUS and now - _CPUS[0][0] < 1.0:
+        return _CPUS[0][1]
     try:
-        return len(os.sched_getaffinity(0))
+        n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+        n = os.cpu_count() or 1
+    _CPUS[:] = [(now, n)]
+    return n
 
 
 def byte_view(arr: np.ndarray) -> memoryview:
