@@ -19,8 +19,8 @@ import pytest
 import zarr
 
 import ckptvar as cv
-from tests.ckpt_runs import ckpt_processes
-from tests.test_distributed_mpi import _mpi_skip_reason, run_mpi
+from ckpt_runs import ckpt_processes
+from test_distributed_mpi import _mpi_skip_reason, run_mpi
 
 pytestmark = pytest.mark.skipif(_mpi_skip_reason() is not None, reason=_mpi_skip_reason() or "")
 

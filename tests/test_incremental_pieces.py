@@ -13,7 +13,7 @@ import pytest
 import zarr
 
 import ckptvar as cv
-from tests.ckpt_runs import ckpt as ckpt_cli
+from ckpt_runs import ckpt as ckpt_cli
 
 PIECE = 4 << 20  # the writer's chunk size (ZarrWriter's PIECE_BYTES)
 ROW = 64 * 4  # bytes per table row

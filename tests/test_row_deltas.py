@@ -22,7 +22,7 @@ from ckptvar.errors import CorruptCheckpointError
 from ckptvar.storage._container.delta import DELTA_LIMIT, MAX_PATCHES
 from ckptvar.storage._record import decode, encode
 from ckptvar.variables import rows_written, track_rows, write_version
-from tests.ckpt_runs import ckpt_processes
+from ckpt_runs import ckpt_processes
 
 ROWS, WIDTH = 8192, 64  # a 2 MiB float32 table (deltas start at 1 MiB)
 ROW_BYTES = WIDTH * 4

@@ -21,7 +21,7 @@ from test_distributed_mpi import _mpi_skip_reason, run_mpi
 
 import ckptvar as cv
 from ckptvar.locations import list_committed_steps
-from tests.ckpt_runs import ckpt_processes
+from ckpt_runs import ckpt_processes
 
 from ._s3 import FaultProxy, S3Bucket, make_bucket, options_for
 
