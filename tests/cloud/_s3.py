@@ -5,6 +5,7 @@ The fixtures that use them are in ``conftest.py`` beside this file.
 
 from __future__ import annotations
 
+import json
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,25 @@ class S3Bucket:
         loc = open_location(url, storage_options=opts)
         assert isinstance(loc, ObjectStoreLocation)
         return loc
+
+
+def own_bucket(endpoint: str, name: str) -> S3Bucket:
+    """A new bucket ``name`` on the server, for a module's job of its own."""
+    make_bucket(endpoint, name)
+    return S3Bucket(endpoint, name, f"s3://{name}", options_for(endpoint))
+
+
+def mpi_case(s3: S3Bucket, n: int, script: str, mode: str, url: str, *, timeout: float
+             ) -> dict[int, dict[str, Any]]:
+    """Run case ``mode`` of ``script`` (tests/mpi) on ``n`` processes against ``s3``
+    (``$S3_OPTIONS``), with a hard timeout: what each rank reported for it."""
+    from test_distributed_mpi import run_mpi  # noqa: PLC0415 - tests/ is on the path
+
+    proc, got, _ = run_mpi(n, script, mode, url, timeout=timeout,
+                           env={"S3_OPTIONS": json.dumps(s3.storage_options)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(got.get(mode, {})) == list(range(n)), (proc.stdout, proc.stderr)
+    return got[mode]
 
 
 class FaultProxy:

@@ -19,13 +19,13 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
-from test_distributed_mpi import _mpi_skip_reason, run_mpi
+from ckpt_runs import ckpt_processes
+from test_distributed_mpi import _mpi_skip_reason
 
 import ckptvar as cv
 from ckptvar.locations import list_committed_steps
-from ckpt_runs import ckpt_processes
 
-from ._s3 import FaultProxy, S3Bucket, make_bucket, options_for
+from ._s3 import FaultProxy, S3Bucket, mpi_case, own_bucket
 
 needs_mpi = pytest.mark.skipif(_mpi_skip_reason() is not None, reason=_mpi_skip_reason() or "")
 
@@ -41,11 +41,7 @@ FORMATS = ("h5", "zarr")
 
 
 def _run(s3: S3Bucket, n: int, mode: str, url: str) -> dict[int, dict[str, Any]]:
-    proc, got, _ = run_mpi(n, CASES, mode, url, timeout=240,
-                           env={"S3_OPTIONS": json.dumps(s3.storage_options)})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert sorted(got.get(mode, {})) == list(range(n)), (proc.stdout, proc.stderr)
-    return got[mode]
+    return mpi_case(s3, n, CASES, mode, url, timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +49,7 @@ def saved(moto_endpoint: str) -> tuple[S3Bucket, str, dict[int, dict[str, Any]]]
     """The 3-process job of tests/mpi/row_delta_s3_cases.py (``save``, both formats), run
     once in a bucket of its own: ``(bucket, run URL, what each rank reported)``."""
     name = "row-deltas-mpi"
-    make_bucket(moto_endpoint, name)
-    s3 = S3Bucket(moto_endpoint, name, f"s3://{name}", options_for(moto_endpoint))
+    s3 = own_bucket(moto_endpoint, name)
     run = f"{s3.url}/rows"
     return s3, run, _run(s3, 3, "save", run)
 
