@@ -138,11 +138,10 @@ def one_step(url: str, fmt: str, step: int) -> None:
 def fail_once(mgr: Any, made: dict[str, Any], coord: Any, root: Path) -> dict[str, Any]:
     """Rank 1 fails while writing step 6, after its file's bytes were written: what each
     rank raised, and what is listed and on disk afterwards."""
-    fields: dict[str, Any] = {}
-    set_step(made, 6, coord.rank, coord.size)
     from _inject import save_failing_on  # tests/mpi/_inject.py (the script's folder)
 
-    fields["failed"] = save_failing_on(1, mgr, coord)
+    set_step(made, 6, coord.rank, coord.size)
+    fields: dict[str, Any] = {"failed": save_failing_on(1, mgr, coord)}
     fields["after_failure"] = {
         "listed": [Path(p).name for p in mgr.checkpoints],
         "on_disk": sorted(os.listdir(root)),

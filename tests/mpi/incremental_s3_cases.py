@@ -63,10 +63,9 @@ def fail_once(mgr: Any, made: dict[str, Any], coord: Any, url: str) -> dict[str,
     """Rank 1 fails while writing step 6, after its file was written: what each rank
     raised, and what is committed and stored of step 6 afterwards."""
     set_step(made, 6, coord.rank, coord.size)
-    fields: dict[str, Any] = {}
     from _inject import save_failing_on  # tests/mpi/_inject.py (the script's folder)
 
-    fields["failed"] = save_failing_on(1, mgr, coord, timeout=60)
+    fields: dict[str, Any] = {"failed": save_failing_on(1, mgr, coord, timeout=60)}
     loc = open_location(url, storage_options=OPTS)
     fields["after_failure"] = {
         "listed": [Path(p).name for p in mgr.checkpoints],

@@ -167,10 +167,9 @@ def restore_all(mgr: Any, ckpt: Any, table: Any, part: Any, coord: Any) -> dict[
 def fail_once(mgr: Any, coord: Any, root: Path) -> dict[str, Any]:
     """Rank 1 fails while writing step 6, after its file's bytes were written: what each
     rank raised, and what is listed and on disk afterwards."""
-    fields: dict[str, Any] = {}
     from _inject import save_failing_on  # tests/mpi/_inject.py (the script's folder)
 
-    fields["failed"] = save_failing_on(1, mgr, coord)
+    fields: dict[str, Any] = {"failed": save_failing_on(1, mgr, coord)}
     fields["after_failure"] = {
         "listed": [Path(p).name for p in mgr.checkpoints],
         "on_disk": sorted(os.listdir(root)),
