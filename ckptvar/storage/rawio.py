@@ -9,11 +9,20 @@ of I/O threads (:func:`start_all`, :func:`wait_all`): system calls, copies and
 CRC-32C release the GIL, so pieces move in parallel. Set ``CKPTVAR_IO_THREADS``
 (default: the CPU count, at least 4, at most 8) to change the pool's size; ``1``
 does everything on the calling thread.
+
+Bytes not in the page cache can be read with ``O_DIRECT`` (:func:`open_direct`,
+:func:`pread_direct`): straight from the disk into the destination, no page-cache
+copy and no per-file readahead ramp. The buffer's address must match the file
+offset modulo :data:`DIRECT_ALIGN` (:func:`aligned_empty` allocates such arrays);
+the unaligned head and tail go through the ordinary descriptor. Where a file system
+refuses ``O_DIRECT`` the reads stay buffered and :data:`direct_stats` counts the
+refusal. ``CKPTVAR_DIRECT_READS=0`` turns direct reads off.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import itertools
 import os
 import sys
@@ -29,10 +38,17 @@ import numpy as np
 from ..errors import CorruptCheckpointError
 
 __all__ = [
+    "DIRECT_ALIGN",
+    "DIRECT_READS",
     "IOV_MAX",
     "IO_THREADS",
+    "DirectStats",
+    "aligned_empty",
     "byte_view",
     "cached",
+    "direct_stats",
+    "open_direct",
+    "pread_direct",
     "pread_exact",
     "pread_into",
     "pread_into_exact",
@@ -114,6 +130,107 @@ def cached(fd: int, offset: int) -> bool:
         return os.preadv(fd, [bytearray(1)], offset, _NOWAIT) == 1
     except OSError:  # EAGAIN: not cached; EOPNOTSUPP: cannot tell
         return False
+
+
+#: File offsets and buffer addresses of ``O_DIRECT`` reads are multiples of this (the
+#: largest logical block size in common use; ext4 and XFS accept any multiple of theirs).
+DIRECT_ALIGN = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _direct_reads() -> bool:
+    env = os.environ.get("CKPTVAR_DIRECT_READS", "").strip().lower()
+    return bool(_O_DIRECT) and sys.platform.startswith("linux") and env not in (
+        "0", "false", "no", "off")
+
+
+#: Whether cold reads may use ``O_DIRECT`` (Linux; ``CKPTVAR_DIRECT_READS=0``: never).
+DIRECT_READS = _direct_reads()
+
+
+class DirectStats:
+    """What this process read with ``O_DIRECT`` (counters only ever grow)."""
+
+    __slots__ = ("_lock", "bytes", "refused")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: Bytes that went straight from the disk into a destination.
+        self.bytes = 0
+        #: Times a file system refused ``O_DIRECT`` and the read stayed buffered.
+        self.refused = 0
+
+    def add(self, nbytes: int = 0, refused: int = 0) -> None:
+        with self._lock:
+            self.bytes += nbytes
+            self.refused += refused
+
+
+#: The process's ``O_DIRECT`` counters (``direct_stats.bytes``, ``direct_stats.refused``).
+direct_stats = DirectStats()
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any, phase: int = 0) -> np.ndarray:
+    """An uninitialised C-ordered array whose first byte's address is ``phase`` modulo
+    :data:`DIRECT_ALIGN`, so that a file's bytes at an offset of that phase can be read
+    into it with ``O_DIRECT``. A view into a buffer at most ``DIRECT_ALIGN`` bytes longer.
+
+    >>> a = aligned_empty((3, 5), np.float32, 512)
+    >>> a.ctypes.data % DIRECT_ALIGN, a.shape, a.flags.c_contiguous
+    (512, (3, 5), True)
+    """
+    dt = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    raw = np.empty(nbytes + DIRECT_ALIGN, np.uint8)
+    skip = (phase - raw.ctypes.data) % DIRECT_ALIGN
+    out: np.ndarray = raw[skip : skip + nbytes].view(dt).reshape(shape)
+    return out
+
+
+def open_direct(fd: int) -> int | None:
+    """A second descriptor of ``fd``'s file opened with ``O_DIRECT``, or None where that
+    is refused (a file system without it, no ``/proc``; counted in :data:`direct_stats`)."""
+    if not DIRECT_READS:
+        return None
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | _O_DIRECT | os.O_CLOEXEC)
+    except OSError:
+        direct_stats.add(refused=1)
+        return None
+
+
+def pread_direct(fd: int, dfd: int | None, buf: memoryview, offset: int, address: int) -> int:
+    """:func:`pread_into`, the part of ``buf`` between :data:`DIRECT_ALIGN` boundaries
+    of the file read through ``dfd`` (``O_DIRECT``, from :func:`open_direct`) when
+    ``address`` (of ``buf[0]``) has the offset's phase; the rest through ``fd``.
+
+    Direct reads are coherent with the page cache on Linux (the kernel writes back dirty
+    pages of the range first). A direct read the file system refuses is read again
+    through ``fd``.
+    """
+    n = len(buf)
+    lo = -offset % DIRECT_ALIGN
+    hi = (offset + n) // DIRECT_ALIGN * DIRECT_ALIGN - offset
+    if dfd is None or (address - offset) % DIRECT_ALIGN or hi - lo < DIRECT_ALIGN:
+        return pread_into(fd, buf, offset)
+    got = lo and pread_into(fd, buf[:lo], offset)
+    if got < lo:
+        return got
+    done = lo
+    try:
+        while done < hi:
+            k = os.preadv(dfd, [buf[done : min(hi, done + _MAX_IO)]], offset + done)
+            if k == 0:
+                break
+            done += k
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        direct_stats.add(refused=1)
+    direct_stats.add(done - lo)
+    if done < hi and done % DIRECT_ALIGN:  # a short read ends at the end of the file
+        return done
+    return done + pread_into(fd, buf[done:], offset + done)
 
 
 def start_all(tasks: Sequence[Callable[[], Any]], *, background: bool = False) -> list[Future[Any]]:

@@ -20,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ...errors import CorruptCheckpointError
+from .. import rawio as _rawio
 from .._record import ARRAY, PACKED, Entry
 from . import source as _src
 from .layout import Source
@@ -103,11 +104,16 @@ def compare(access: ValueAccess, key: str, e: Entry, computed: int) -> None:
         )
 
 
-def destination(key: str, e: Entry, out: np.ndarray | None) -> np.ndarray:
+def destination(key: str, e: Entry, out: np.ndarray | None,
+                src: Source | None = None) -> np.ndarray:
     """``out`` checked to take the value (same shape and dtype, writeable C order), or a
-    fresh array when ``out`` is None."""
+    fresh array when ``out`` is None: one a large value's bytes in the local file ``src``
+    can be read into with ``O_DIRECT`` (its address in phase with their offset)."""
     if out is None:
-        return np.empty(e.shape, e.np_dtype)
+        if src is None or src.fd.__class__ is not int or e.nbytes < PARALLEL_FROM:
+            return np.empty(e.shape, e.np_dtype)
+        phase = src.offset % _rawio.DIRECT_ALIGN
+        return _rawio.aligned_empty(e.shape, e.np_dtype, phase if phase % 64 == 0 else 0)
     if not isinstance(out, np.ndarray):
         raise TypeError(f"out= must be a NumPy array, got {type(out).__name__}.")
     if out.shape != e.shape or out.dtype != e.np_dtype:

@@ -177,13 +177,17 @@ def _launch(
     in_blob = blob is not None
     try:
         for k, e in items:
-            if parallel(e) and not (in_blob and e.loc.kind == PACKED):
+            # the small arrays too: read on the I/O threads with the rest, in file order,
+            # not one by one on this thread while the disk is busy with the large ones
+            kind, _, _, nbytes = e.loc
+            if (kind == ARRAY and nbytes) or (parallel(e) and not (in_blob and kind == PACKED)):
                 # opened (its size checked) before the buffer is allocated, and kept open
                 # for the read, up to ``_HOLD`` descriptors a window
                 if len(values) < _HOLD:
                     held = TransferValue(k, e, None, reader.source(k, e))
                     values.append(held)
-                    values[-1] = TransferValue(k, e, np.empty(e.shape, e.np_dtype), held.src)
+                    values[-1] = TransferValue(k, e, destination(k, e, None, held.src),
+                                               held.src)
                 else:
                     _check_source(reader, k, e)
                     values.append(TransferValue(k, e, np.empty(e.shape, e.np_dtype)))

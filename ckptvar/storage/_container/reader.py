@@ -261,7 +261,7 @@ class ContainerReader(
         # opened first (the size check precedes the allocation), then read through
         src = self.source(key, e)
         try:
-            arr = access.destination(key, e, out)
+            arr = access.destination(key, e, out, src)
             value = TransferValue(key, e, arr, src)
         except BaseException:
             if src.owned:

@@ -1,9 +1,10 @@
 """The parallel read-and-hash engine of the container readers.
 
 Owns: splitting whole values into pieces, reading them into their buffers (or
-only hashing them) on the I/O threads, choosing one sequential stream when the
-bytes are on disk rather than in the page cache, and checking sizes and
-checksums once every piece is in. The pieces' CRCs are joined with
+only hashing them) on the I/O threads, choosing how to read bytes that are on disk
+rather than in the page cache (``O_DIRECT`` straight into buffers allocated for it,
+pieces on every I/O thread; else one sequential stream per file), and checking
+sizes and checksums once every piece is in. The pieces' CRCs are joined with
 :func:`.._checksum.combine`, so hashing runs where the bytes are read.
 """
 
@@ -65,17 +66,24 @@ class TransferValue:
     to read.
     """
 
-    __slots__ = ("crcs", "dest", "entry", "expect", "got", "key", "left", "patched", "pieces",
-                 "src", "view")
+    __slots__ = ("address", "crcs", "dest", "entry", "expect", "got", "key", "left", "patched",
+                 "pieces", "src", "view")
 
     def __init__(
         self, key: str, entry: Entry, dest: np.ndarray | None, src: Source | None = None
     ) -> None:
         self.key, self.entry, self.dest, self.src = key, entry, dest, src
         self.view = _rawio.byte_view(dest) if dest is not None else None
+        #: Where ``dest``'s bytes start in memory (0: no buffer).
+        self.address = dest.ctypes.data if dest is not None and dest.size else 0
         n = entry.nbytes
+        # Pieces start where the file is at a DIRECT_ALIGN boundary (when the caller knows
+        # the offset), so that only the value's first and last bytes are not read direct.
+        first = -src.offset % _rawio.DIRECT_ALIGN if src is not None else 0
+        cuts = [0, *range(first + _SPLIT, n, _SPLIT)] if first else range(0, n, _SPLIT)
         #: ``(position, nbytes)`` of each piece inside the value.
-        self.pieces = [(pos, min(_SPLIT, n - pos)) for pos in range(0, n, _SPLIT)]
+        self.pieces = [(pos, min(_SPLIT + first, n) - pos if i == 0 else min(_SPLIT, n - pos))
+                       for i, pos in enumerate(cuts)]
         self.got = [0] * len(self.pieces)
         self.crcs = [0] * len(self.pieces)
         #: Pieces not yet read; the one that reads the last closes ``src``.
@@ -94,12 +102,13 @@ class TransferValue:
             _src.close(src.fd)
 
 
-def _piece(v: TransferValue, i: int, use: Source, verify: bool) -> None:
+def _piece(v: TransferValue, i: int, use: Source, verify: bool, dfd: int | None = None) -> None:
     """Read piece ``i`` of ``v`` from ``use`` into its buffer (hashed when ``verify``), or
     only hash it. A row delta whose record carries its base's checksum is verified by its
     parts: the base's bytes are hashed as read (they must hash to ``fd.expect``; the
     patches, read on other threads meanwhile, are checked by their CRCs in
-    :meth:`Transfer.finish`), then, into a buffer, the patched rows are laid over them."""
+    :meth:`Transfer.finish`), then, into a buffer, the patched rows are laid over them.
+    ``dfd``: ``use``'s file opened with ``O_DIRECT``, for a plain file's bytes from disk."""
     pos, n = v.pieces[i]
     at = use.offset + pos
     fd = use.fd
@@ -112,7 +121,10 @@ def _piece(v: TransferValue, i: int, use: Source, verify: bool) -> None:
         v.got[i], v.crcs[i] = hash_range(fd, at, n)
         return
     buf = v.view[pos : pos + n]
-    got = _src.pread_into(fd, buf, at)
+    if dfd is not None and not parts:
+        got = _rawio.pread_direct(fd, dfd, buf, at, v.address + pos)
+    else:
+        got = _src.pread_into(fd, buf, at)
     if verify and got == n:
         v.crcs[i] = _checksum.crc(buf)
     if parts and got:
@@ -145,6 +157,31 @@ def _patched_chunk(v: TransferValue, i: int, at: int, chunk: memoryview, verify:
     v.got[i] += n
 
 
+class _DirectFds:
+    """The ``O_DIRECT`` descriptors one task opened, by the source each reopens (the
+    source kept alive here, so no other takes its id), all closed when the task ends."""
+
+    __slots__ = ("fds",)
+
+    def __init__(self) -> None:
+        self.fds: dict[int, tuple[Source, int | None]] = {}
+
+    def of(self, use: Source) -> int | None:
+        """``use``'s file opened with ``O_DIRECT`` (None: not a local file, or refused)."""
+        held = self.fds.get(id(use))
+        if held is None:
+            fd = use.fd
+            held = self.fds[id(use)] = (use, _rawio.open_direct(fd) if fd.__class__ is int
+                                        else None)
+        return held[1]
+
+    def close(self) -> None:
+        for _, dfd in self.fds.values():
+            if dfd is not None:
+                _src.close(dfd)
+        self.fds.clear()
+
+
 #: A piece of a remote read: ``(offset_in_object, nbytes, value, piece_index)``.
 _Piece = tuple[int, int, TransferValue, int]
 
@@ -165,8 +202,12 @@ class Transfer:
     ) -> None:
         self.reader, self.values, self.verify = reader, values, verify
         self._lock = threading.Lock()
-        #: True when the pieces run in file order on one thread (the bytes are on disk).
+        #: True when the bytes are on disk and read as streams (one file in order on one
+        #: thread, or a few file streams): the next transfer had best wait for this one.
         self.sequential = False
+        #: True when the bytes are on disk and read with ``O_DIRECT`` where the
+        #: buffers allow it.
+        self.direct = False
         try:
             self._start(ahead)
         except BaseException:
@@ -185,6 +226,15 @@ class Transfer:
             (((v, i), n) for v in values for i, (_, n) in enumerate(v.pieces)), _TASK
         )
         if len(groups) > 1 and not self._cached():
+            if _rawio.DIRECT_READS and any(v.view is not None for v in values):
+                # From disk into buffers: O_DIRECT, straight into them, the pieces on
+                # every I/O thread so that several requests are in flight (1 GiB in 149
+                # chunk files: 0.39 s against 0.59 s for four buffered file streams);
+                # the next transfer's pieces may queue behind these.
+                self.direct = True
+                tasks = [functools.partial(self._run, g) for g in groups]
+                self.futures = _rawio.start_all(tasks, background=ahead)
+                return
             self.sequential = True
             streams = min(COLD_STREAMS, _rawio.IO_THREADS, self._own_files())
             if streams > 1:
@@ -259,6 +309,7 @@ class Transfer:
         reader, verify = self.reader, self.verify
         src: Source | None = None  # opened here (for a value that came without one)
         last: TransferValue | None = None
+        direct = _DirectFds() if self.direct else None
         try:
             for v, i in group:
                 if v.src is not None:
@@ -270,12 +321,15 @@ class Transfer:
                         src, last = None, v
                         src = reader.source(v.key, v.entry)
                     use = src
+                dfd = direct.of(use) if direct is not None and v.view is not None else None
                 try:
-                    _piece(v, i, use, verify)
+                    _piece(v, i, use, verify, dfd)
                 finally:
                     if use is not src:
                         self._done(v)
         finally:
+            if direct is not None:
+                direct.close()
             if src is not None and src.owned:
                 _src.close(src.fd)
 
