@@ -1,6 +1,8 @@
-"""Reads from disk (nothing in the page cache): a Zarr checkpoint's chunk files are
-streamed by several threads at once, each file whole and in order; one file (HDF5) stays
-one sequential stream. Either way every byte is verified and damage names the value.
+"""Reads from disk (nothing in the page cache): the values land straight in their arrays
+through ``O_DIRECT`` descriptors, the pieces spread over the I/O threads, counted by
+``rawio.direct_stats``; with direct reads off, a Zarr checkpoint's chunk files are
+streamed by several threads at once, each file whole and in order, and one file (HDF5)
+stays one sequential stream. Every byte is verified and damage names the value.
 
 The page cache is emptied the way the benchmark does it (``os.sync`` and
 ``posix_fadvise(DONTNEED)`` of every file); where the kernel keeps the pages anyway the
@@ -10,6 +12,7 @@ tests skip, since the threads only start for bytes that are not cached.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +52,20 @@ def _drop(path: Path) -> None:
         pytest.skip("the page cache kept the files after posix_fadvise(DONTNEED)")
 
 
+def _warm(path: Path) -> None:
+    for f in _files(path):
+        f.read_bytes()
+
+
+def _direct() -> tuple[int, int]:
+    """The process's ``O_DIRECT`` counters: bytes read that way, refusals."""
+    return rawio.direct_stats.bytes, rawio.direct_stats.refused
+
+
+def _large(arrays: dict[str, np.ndarray]) -> int:
+    return sum(a.nbytes for a in arrays.values() if a.nbytes >= MIB)
+
+
 @pytest.fixture
 def streams(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the file-streaming tasks the transfers start (one entry per task)."""
@@ -63,8 +80,34 @@ def streams(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return started
 
 
-def test_a_cold_zarr_load_streams_chunk_files_on_several_threads(tmp_path: Path,
-                                                                  streams: list[int]) -> None:
+@pytest.mark.parametrize("fmt", ["zarr", "h5"])
+def test_a_cold_load_reads_straight_into_the_arrays(tmp_path: Path, fmt: str,
+                                                    streams: list[int]) -> None:
+    arrays = _arrays()
+    path = tmp_path / f"m.{fmt}"
+    cv.save(path, arrays)
+    _drop(path)
+    before, _ = _direct()
+    got = cv.load(path)
+    for k, a in arrays.items():
+        np.testing.assert_array_equal(got[k], a)
+    read = _direct()[0] - before
+    if fmt == "zarr":  # chunk files from offset 0, every one a whole number of blocks
+        assert read == _large(arrays)
+    else:  # each value's unaligned first and last bytes are read through the page cache
+        assert _large(arrays) - 6 * 2 * rawio.DIRECT_ALIGN <= read <= _large(arrays)
+    assert streams == []
+    # from the page cache, nothing is read direct
+    _warm(path)
+    before, _ = _direct()
+    got = cv.load(path)
+    np.testing.assert_array_equal(got["layer3/w"], arrays["layer3/w"])
+    assert _direct()[0] == before
+
+
+def test_with_direct_reads_off_a_cold_zarr_load_streams_chunk_files(
+        tmp_path: Path, streams: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rawio, "DIRECT_READS", False)
     arrays = _arrays()
     path = tmp_path / "m.zarr"
     cv.save(path, arrays)
@@ -80,18 +123,25 @@ def test_a_cold_zarr_load_streams_chunk_files_on_several_threads(tmp_path: Path,
     assert streams == []
 
 
-def test_a_cold_restore_of_zarr_streams_files_and_keeps_every_byte(tmp_path: Path,
-                                                                 streams: list[int]) -> None:
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_cold_restore_of_zarr_keeps_every_byte(tmp_path: Path, streams: list[int],
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 direct: bool) -> None:
+    monkeypatch.setattr(rawio, "DIRECT_READS", direct)
     arrays = _arrays()
     path = tmp_path / "m.zarr"
     cv.save(path, arrays)
     variables = {k: cv.Variable(np.zeros_like(a), name=k) for k, a in arrays.items()}
     saver = cv.Saver(var_list=dict(variables.items()), max_to_keep=None)
     _drop(path)
+    before, _ = _direct()
     saver.restore(path)
     for k, a in arrays.items():
         np.testing.assert_array_equal(variables[k].numpy(), a)
-    assert len(streams) >= 2
+    if direct:
+        assert _direct()[0] - before == _large(arrays) and streams == []
+    else:
+        assert len(streams) >= 2 and _direct()[0] == before
 
 
 @pytest.mark.parametrize("fmt", ["zarr", "h5"])
@@ -115,12 +165,137 @@ def test_damage_read_cold_names_the_value_and_changes_nothing(tmp_path: Path, fm
         f.seek(at)
         f.write(bytes([byte[0] ^ 0xFF]))
     _drop(path)
+    before, _ = _direct()
     with pytest.raises(cv.CorruptCheckpointError, match=r"'layer3/w'.*checksum"):
         cv.load(path)
+    assert _direct()[0] > before  # read from disk straight into the arrays
     variables = {k: cv.Variable(np.full_like(a, 5), name=k) for k, a in arrays.items()}
     _drop(path)
     with pytest.raises(cv.CorruptCheckpointError, match=r"'layer3/w'"):
         cv.Saver(var_list=dict(variables.items()), max_to_keep=None).restore(path)
     assert all((v.numpy() == 5).all() for v in variables.values())
-    # one file is one stream: only Zarr's chunk files are streamed by several threads
-    assert (len(streams) > 0) == (fmt == "zarr")
+    assert streams == []
+
+
+def test_with_direct_reads_off_damage_read_cold_names_the_value(
+        tmp_path: Path, streams: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rawio, "DIRECT_READS", False)
+    arrays = _arrays()
+    path = tmp_path / "m.zarr"
+    cv.save(path, arrays)
+    chunk = next(p for p in _files(path / "layer3" / "w") if p.name.startswith("c"))
+    with open(chunk, "r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    _drop(path)
+    with pytest.raises(cv.CorruptCheckpointError, match=r"'layer3/w'.*checksum"):
+        cv.load(path)
+    assert len(streams) > 0
+
+
+@pytest.mark.parametrize("fmt", ["zarr", "h5"])
+def test_a_load_with_part_of_the_checkpoint_cached_reads_bit_exact(tmp_path: Path,
+                                                                   fmt: str) -> None:
+    """Direct reads are coherent with the page cache: a value whose pages are cached
+    (the transfer's probe sees the first one is not) reads the same bytes."""
+    arrays = _arrays()
+    path = tmp_path / f"m.{fmt}"
+    cv.save(path, arrays)
+    _drop(path)
+    with cv.open(path) as r:  # one value on its own: read through the page cache
+        np.testing.assert_array_equal(r["layer2/w"].read(), arrays["layer2/w"])
+    before, _ = _direct()
+    got = cv.load(path)
+    for k, a in arrays.items():
+        np.testing.assert_array_equal(got[k], a)
+    assert _direct()[0] > before
+
+
+def test_a_direct_read_sees_bytes_still_only_in_the_page_cache(tmp_path: Path) -> None:
+    """Pages written and not yet on disk (dirty) are what a direct read returns: the
+    kernel writes them back first. Unaligned head and tail bytes come through the cache."""
+    f = tmp_path / "x.bin"
+    data = np.random.default_rng(3).integers(0, 255, (3 * MIB) + 123, dtype=np.uint8)
+    f.write_bytes(data.tobytes())
+    _drop(f)
+    fd = os.open(f, os.O_RDWR)
+    dfd = rawio.open_direct(fd)
+    try:
+        if dfd is None:
+            pytest.skip("this file system refuses O_DIRECT")
+        new = np.full(5000, 7, np.uint8)
+        os.pwrite(fd, new.tobytes(), MIB + 10)  # dirty pages, not written back
+        data[MIB + 10 : MIB + 5010] = new
+        at, n = 1000, 2 * MIB + 77  # neither end on a block boundary
+        out = rawio.aligned_empty((n,), np.uint8, at % rawio.DIRECT_ALIGN)
+        before, _ = _direct()
+        got = rawio.pread_direct(fd, dfd, rawio.byte_view(out), at, out.ctypes.data)
+        assert got == n
+        np.testing.assert_array_equal(out, data[at : at + n])
+        direct = _direct()[0] - before
+        assert n - 2 * rawio.DIRECT_ALIGN <= direct < n
+        # past the end of the file: short, the bytes that are there
+        tail = rawio.aligned_empty((MIB,), np.uint8)
+        pos = data.size - data.size % rawio.DIRECT_ALIGN - rawio.DIRECT_ALIGN
+        got = rawio.pread_direct(fd, dfd, rawio.byte_view(tail), pos, tail.ctypes.data)
+        assert got == data.size - pos
+        np.testing.assert_array_equal(tail[:got], data[pos:])
+    finally:
+        if dfd is not None:
+            os.close(dfd)
+        os.close(fd)
+
+
+def test_a_refused_direct_read_stays_buffered(tmp_path: Path) -> None:
+    """A file system without O_DIRECT (procfs here) is declared, not fatal; a direct read
+    the kernel refuses (a buffer not on a block boundary) is read again buffered."""
+    fd = os.open("/proc/self/status", os.O_RDONLY)
+    try:
+        _, refused = _direct()
+        assert rawio.open_direct(fd) is None
+        assert _direct()[1] == refused + 1
+    finally:
+        os.close(fd)
+    f = tmp_path / "y.bin"
+    data = np.random.default_rng(4).integers(0, 255, MIB, dtype=np.uint8)
+    f.write_bytes(data.tobytes())
+    fd = os.open(f, os.O_RDONLY)
+    dfd = rawio.open_direct(fd)
+    try:
+        if dfd is None:
+            pytest.skip("this file system refuses O_DIRECT")
+        raw = rawio.aligned_empty((MIB + 8,), np.uint8)
+        out = raw[8 : 8 + MIB]  # 8 bytes past a block boundary, said to be on one
+        _, refused = _direct()
+        got = rawio.pread_direct(fd, dfd, rawio.byte_view(out), 0, raw.ctypes.data)
+        assert got == MIB
+        np.testing.assert_array_equal(out, data)
+        assert _direct()[1] == refused + 1
+    finally:
+        if dfd is not None:
+            os.close(dfd)
+        os.close(fd)
+
+
+def test_a_checkpoint_on_tmpfs_loads_whatever_o_direct_does_there(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """tmpfs accepts O_DIRECT since Linux 6.6 and refused it before: either way the
+    load is bit-exact, and what happened is counted."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm (tmpfs) on this machine")
+    monkeypatch.setattr(rawio, "cached", lambda fd, offset: False)  # tmpfs is all cache
+    arrays = _arrays()
+    path = shm / f"ckptvar-cold-{os.getpid()}.zarr"
+    try:
+        cv.save(path, arrays)
+        before = _direct()
+        got = cv.load(path)
+        for k, a in arrays.items():
+            np.testing.assert_array_equal(got[k], a)
+        after = _direct()
+        assert after[0] - before[0] == _large(arrays) or after[1] > before[1]
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
