@@ -173,16 +173,20 @@ direct_stats = DirectStats()
 def aligned_empty(shape: tuple[int, ...], dtype: Any, phase: int = 0) -> np.ndarray:
     """An uninitialised C-ordered array whose first byte's address is ``phase`` modulo
     :data:`DIRECT_ALIGN`, so that a file's bytes at an offset of that phase can be read
-    into it with ``O_DIRECT``. A view into a buffer at most ``DIRECT_ALIGN`` bytes longer.
+    into it with ``O_DIRECT``. A view into a buffer (its ``base``) that also holds the
+    whole blocks the array's first and last bytes fall in, so that a direct read may
+    cover them (``room`` of :func:`pread_direct`).
 
     >>> a = aligned_empty((3, 5), np.float32, 512)
     >>> a.ctypes.data % DIRECT_ALIGN, a.shape, a.flags.c_contiguous
     (512, (3, 5), True)
+    >>> a.ctypes.data - a.base.ctypes.data >= 512
+    True
     """
     dt = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-    raw = np.empty(nbytes + DIRECT_ALIGN, np.uint8)
-    skip = (phase - raw.ctypes.data) % DIRECT_ALIGN
+    raw = np.empty(nbytes + 3 * DIRECT_ALIGN, np.uint8)
+    skip = -raw.ctypes.data % DIRECT_ALIGN + phase % DIRECT_ALIGN
     out: np.ndarray = raw[skip : skip + nbytes].view(dt).reshape(shape)
     return out
 
@@ -199,15 +203,33 @@ def open_direct(fd: int) -> int | None:
         return None
 
 
-def pread_direct(fd: int, dfd: int | None, buf: memoryview, offset: int, address: int) -> int:
+def pread_direct(fd: int, dfd: int | None, buf: memoryview, offset: int, address: int, *,
+                 room: memoryview | None = None, at: int = 0) -> int:
     """:func:`pread_into`, the part of ``buf`` between :data:`DIRECT_ALIGN` boundaries
     of the file read through ``dfd`` (``O_DIRECT``, from :func:`open_direct`) when
     ``address`` (of ``buf[0]``) has the offset's phase; the rest through ``fd``.
+
+    ``room``: a buffer holding ``buf`` at ``at`` whose other bytes may be overwritten;
+    the direct read then also covers the blocks ``buf``'s ends fall in, as far as
+    ``room`` reaches, instead of reading those ends through ``fd``.
 
     Direct reads are coherent with the page cache on Linux (the kernel writes back dirty
     pages of the range first). A direct read the file system refuses is read again
     through ``fd``.
     """
+    n = len(buf)
+    if room is not None and dfd is not None and n:
+        grow = min(offset % DIRECT_ALIGN, at)
+        end = offset + n
+        more = min(-end % DIRECT_ALIGN, len(room) - at - n)
+        if grow or more:
+            wide = room[at - grow : at + n + more]
+            got = _pread_direct(fd, dfd, wide, offset - grow, address - grow)
+            return max(0, min(n, got - grow))
+    return _pread_direct(fd, dfd, buf, offset, address)
+
+
+def _pread_direct(fd: int, dfd: int | None, buf: memoryview, offset: int, address: int) -> int:
     n = len(buf)
     lo = -offset % DIRECT_ALIGN
     hi = (offset + n) // DIRECT_ALIGN * DIRECT_ALIGN - offset

@@ -186,8 +186,9 @@ def _launch(
                 if len(values) < _HOLD:
                     held = TransferValue(k, e, None, reader.source(k, e))
                     values.append(held)
-                    values[-1] = TransferValue(k, e, destination(k, e, None, held.src),
-                                               held.src)
+                    dest = destination(k, e, None, held.src)
+                    values[-1] = TransferValue(k, e, dest, held.src,
+                                               padded=dest.base is not None)
                 else:
                     _check_source(reader, k, e)
                     values.append(TransferValue(k, e, np.empty(e.shape, e.np_dtype)))

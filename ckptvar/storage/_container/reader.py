@@ -262,7 +262,7 @@ class ContainerReader(
         src = self.source(key, e)
         try:
             arr = access.destination(key, e, out, src)
-            value = TransferValue(key, e, arr, src)
+            value = TransferValue(key, e, arr, src, padded=out is None and arr.base is not None)
         except BaseException:
             if src.owned:
                 _src.close(src.fd)

@@ -67,15 +67,23 @@ class TransferValue:
     """
 
     __slots__ = ("address", "crcs", "dest", "entry", "expect", "got", "key", "left", "patched",
-                 "pieces", "src", "view")
+                 "pieces", "room", "room_at", "src", "view")
 
     def __init__(
-        self, key: str, entry: Entry, dest: np.ndarray | None, src: Source | None = None
+        self, key: str, entry: Entry, dest: np.ndarray | None, src: Source | None = None,
+        *, padded: bool = False,
     ) -> None:
         self.key, self.entry, self.dest, self.src = key, entry, dest, src
         self.view = _rawio.byte_view(dest) if dest is not None else None
         #: Where ``dest``'s bytes start in memory (0: no buffer).
         self.address = dest.ctypes.data if dest is not None and dest.size else 0
+        #: ``padded``: ``dest`` came from :func:`.rawio.aligned_empty`; its buffer's bytes
+        #: around it (``room``, ``dest`` at ``room_at``) may take whole blocks' bytes.
+        self.room: memoryview | None = None
+        self.room_at = 0
+        if padded and dest is not None and isinstance(dest.base, np.ndarray) and dest.size:
+            self.room = _rawio.byte_view(dest.base)
+            self.room_at = self.address - dest.base.ctypes.data
         n = entry.nbytes
         # Pieces start where the file is at a DIRECT_ALIGN boundary (when the caller knows
         # the offset), so that only the value's first and last bytes are not read direct.
@@ -122,7 +130,11 @@ def _piece(v: TransferValue, i: int, use: Source, verify: bool, dfd: int | None 
         return
     buf = v.view[pos : pos + n]
     if dfd is not None and not parts:
-        got = _rawio.pread_direct(fd, dfd, buf, at, v.address + pos)
+        room, lo = v.room, v.room_at + pos  # the value's own ends may reach past it
+        if room is not None:
+            room = room[0 if pos == 0 else lo : None if pos + n == len(v.view) else lo + n]
+            lo = lo if pos == 0 else 0
+        got = _rawio.pread_direct(fd, dfd, buf, at, v.address + pos, room=room, at=lo)
     else:
         got = _src.pread_into(fd, buf, at)
     if verify and got == n:
