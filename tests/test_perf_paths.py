@@ -159,3 +159,33 @@ def test_a_kept_status_holds_no_decoded_record(model) -> None:
     extra = cv.Checkpoint(vars={"only": variables[0]})
     with pytest.raises(cv.RestoreAssertionError, match=r"no object: vars/p.0.v0, vars/p.0.v1,"):
         extra.restore(tmp / "ck.h5").assert_consumed()
+
+
+def test_a_bulk_restore_reads_the_record_as_columns(model) -> None:
+    """Listing the keys, their shapes and dtypes, and staging every value (what both
+    restores ask of the reader) make no ``Entry`` per value: the record's checked columns
+    are read as they are; damage is still found, and named."""
+    import gc
+
+    from ckptvar.storage._record import Entry
+
+    _, arrays, tmp = model
+    cv.save(tmp / "s.h5", arrays)
+    with cv.open(tmp / "s.h5") as r:
+        keys = list(r.keys())
+        shapes, dtypes = r.shapes_and_dtypes(keys)
+        outs = [np.empty(s, d) for s, d in zip(shapes, dtypes, strict=True)]
+        r.stage_into_many(list(zip(keys, outs, strict=True)), checked=True)()
+        assert sum(type(o) is Entry for o in gc.get_objects()) < N // 10
+        assert outs[N - 1][0] == arrays[keys[N - 1]][0]
+        assert r.info(keys[7]).attrs == {"name": keys[7]}  # an entry when one is asked for
+    raw = bytearray((tmp / "s.h5").read_bytes())
+    want = arrays[keys[N // 2]].tobytes()
+    at = raw.find(want)
+    raw[at] ^= 0xFF
+    (tmp / "s.h5").write_bytes(bytes(raw))
+    with cv.open(tmp / "s.h5") as r:
+        outs = [np.zeros(16, np.float32) for _ in keys]
+        with pytest.raises(cv.CorruptCheckpointError, match=keys[N // 2]):
+            r.stage_into_many(list(zip(keys, outs, strict=True)))
+        assert not any(o.any() for o in outs)
