@@ -293,17 +293,24 @@ def _check_outs(reader: ValueAccess, keys: list[str], outs: list[np.ndarray],
             outs[i] = destination(keys[i], reader.entry(keys[i]), out)
 
 
-def _verified_pieces(reader: ValueAccess, blob: _PackedBlob, p: _Packed) -> list[memoryview]:
+#: A staged packed span up to this size is copied once and cut into bytes (see below).
+_COPY_SPAN_BELOW = 8 << 20
+
+
+def _verified_pieces(reader: ValueAccess, blob: _PackedBlob, p: _Packed) -> list[Any]:
     """Each packed value's bytes in ``blob``, every one verified.
 
     A value's checksum is seeded by its header (the key, then a tail of its dtype and
     shape): when every value shares dtype and shape (the common case) every header and
     every checksum is hashed by ``map``, without a Python step per value."""
     crc, tail_of = _crc, _checksum.header_tail
-    view, lo = blob.data.data, blob.start
+    lo = blob.start
+    # a small span's pieces are bytes copied from one copy of it (slicing bytes costs
+    # less than half of slicing a memoryview; at most 2 * _COPY_SPAN_BELOW bytes more)
+    src: Any = blob.data.tobytes() if blob.data.nbytes <= _COPY_SPAN_BELOW else blob.data.data
     starts = (np.asarray(p.offsets, np.int64) - lo).tolist()
     ends = list(map(operator.add, starts, p.sizes))
-    pieces = list(map(view.__getitem__, map(slice, starts, ends)))
+    pieces = list(map(src.__getitem__, map(slice, starts, ends)))
     if not pieces:
         return pieces
     heads = list(map(str.encode, p.keys))  # (UTF-8)
@@ -329,7 +336,7 @@ def _verified_pieces(reader: ValueAccess, blob: _PackedBlob, p: _Packed) -> list
 
 
 def _commit(temps: list[tuple[np.ndarray, np.ndarray]], outs: list[np.ndarray],
-            pieces: list[memoryview]) -> None:
+            pieces: list[Any]) -> None:
     """Copy staged values into their buffers (:func:`stage_into_many`'s second half):
     ``temps`` as ``(out, value)``, each ``outs[i]`` from the packed bytes ``pieces[i]``."""
     copyto = np.copyto
