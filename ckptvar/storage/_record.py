@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, MutableMapping, ValuesView
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -215,15 +215,16 @@ _kind_of, _offset_of, _size_of = (operator.itemgetter(0), operator.itemgetter(2)
                                   operator.itemgetter(3))
 
 
-class RowValues(Mapping[str, Entry]):
+class RowValues(MutableMapping[str, Entry]):
     """``Record.values`` of a fully decoded record: its checked columns, each value's
     :class:`Entry` made when first asked for, and all of them at once when they are
     listed (``values()``, ``items()``) or more than ``1/64`` are asked for one by one.
     Keys, membership and :meth:`rows` need no entry at all (a restore of every value
-    makes none, nor does the collector meet one per value)."""
+    makes none, nor does the collector meet one per value). Changing it (as ``dict``) makes
+    every entry and changes those; the columns are not read again after."""
 
-    __slots__ = ("_at", "_attrs", "_blocks", "_cache", "_full", "_keys", "_last", "_paths",
-                 "_rows", "_switch")
+    __slots__ = ("_at", "_attrs", "_blocks", "_cache", "_edited", "_full", "_keys", "_last",
+                 "_paths", "_rows", "_switch")
 
     def __init__(self, keys: list[str], at: dict[str, int], rows: ValueRows, *,
                  paths: list[str | None], blocks: list[bytes | None],
@@ -234,9 +235,12 @@ class RowValues(Mapping[str, Entry]):
         self._full: dict[str, Entry] | None = None
         self._last: tuple[list[str], ValueRows] | None = None
         self._switch = max(256, len(keys) // 64)
+        self._edited = False
 
     def rows(self, keys: list[str]) -> ValueRows:
         """The columns of ``keys``, in their order; ``KeyError`` for a key not stored."""
+        if self._edited:
+            return ValueRows.of_entries(self.entry_list(keys))
         if keys == self._keys:  # the record's own order (a restore of what was saved)
             return self._rows
         last = self._last
@@ -297,17 +301,25 @@ class RowValues(Mapping[str, Entry]):
         except (KeyError, TypeError):
             return default
 
+    def __setitem__(self, key: str, entry: Entry) -> None:
+        self._edited = True
+        self._all()[key] = entry
+
+    def __delitem__(self, key: str) -> None:
+        self._edited = True
+        del self._all()[key]
+
     def __contains__(self, key: object) -> bool:
-        return key in self._at
+        return key in (self._full if self._edited else self._at)  # type: ignore[operator]
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._full) if self._full is not None else len(self._keys)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._at)
+        return iter(self._full if self._edited else self._at)  # type: ignore[arg-type]
 
     def keys(self) -> KeysView[str]:
-        return self._at.keys()
+        return self._full.keys() if self._edited else self._at.keys()  # type: ignore[union-attr]
 
     def values(self) -> ValuesView[Entry]:
         return self._all().values()
