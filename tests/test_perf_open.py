@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
-from ckptvar.storage._record import FORMAT_VERSION
+from ckptvar.storage._record import FORMAT_VERSION, RowValues
 from ckptvar.storage._record_index import INDEX_FROM
 
 N = INDEX_FROM + 500
@@ -68,7 +68,8 @@ def test_one_value_of_many_is_read_without_decoding_the_others(tmp_path: Path, f
         assert "layer_0/v0" in r and "nope" not in r and len(r) == N
         assert not r._values.decoded_all
         assert list(r.keys()) == list(vals)  # listing decodes it all, in file order
-        assert isinstance(r._values, dict)  # and values are looked up in that dict from now on
+        # and values are looked up in the full decode from now on, not by the key index
+        assert isinstance(r._values, RowValues)
         with pytest.raises(KeyError, match="layer_0/nope"):
             r["layer_0/nope"].read()
         np.testing.assert_array_equal(r["layer_0/v1"].read(), vals["layer_0/v1"])

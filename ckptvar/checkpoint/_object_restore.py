@@ -19,6 +19,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from itertools import compress, repeat
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from ..trackable import (
     restore_python_state,
     trackable_children,
 )
-from ..variables import PartitionedVariable, Variable
+from ..variables import PartitionedVariable, Variable, unsharded
 from ._apply import stored_infos
 from ._keys import escape_segment, unescape_segment
 from ._logical import BoxReader, Logical, apply_targets, as_target, read_boxes
@@ -43,6 +44,7 @@ __all__ = ["Deferred", "RestoreState"]
 # of a matched row (key, target, tracked object)
 _key_of, _key_target = operator.itemgetter(0), operator.itemgetter(0, 1)
 _object_of = operator.itemgetter(2)
+_obj_of_node, _key_of_node = operator.attrgetter("obj"), operator.attrgetter("key")
 
 
 @dataclass
@@ -167,6 +169,21 @@ class RestoreState:
 
     def _match(self, nodes: list[Node]) -> _Match:
         m = _Match([], [], [])
+        objs = list(map(_obj_of_node, nodes))
+        plain = list(map(operator.is_, map(type, objs), repeat(Variable)))
+        if plain.count(True) > 1:  # many plain variables: matched by columns when every
+            variables = list(compress(objs, plain))  # one is stored under its own key
+            keys = list(map(_key_of_node, compress(nodes, plain)))
+            others = list(compress(nodes, map(operator.not_, plain)))
+            if (unsharded(variables) and all(map(self._stored.__contains__, keys))
+                    and not any(isinstance(n.obj, Variable | PartitionedVariable)
+                                for n in others)):  # (the order of the rows is the walk's)
+                m.variables = list(zip(keys, variables, variables, strict=True))
+                nodes = others
+        self._match_each(nodes, m)
+        return m
+
+    def _match_each(self, nodes: list[Node], m: _Match) -> None:
         stored, aliases, add = self._stored, self.alias_to_key, m.variables.append
         for node in nodes:
             obj = node.obj
@@ -192,7 +209,6 @@ class RestoreState:
                     }
                     for seg in sorted(wanted - present):
                         m.deferrals.append((obj, unescape_segment(seg), node.key))
-        return m
 
     def mark_consumed(self, key: str, var: Variable | PartitionedVariable) -> None:
         """Record that ``var`` took the stored value ``key``."""

@@ -15,7 +15,7 @@ has the attribute) plus per-key extras, and back.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping, Set
 from itertools import repeat
 from typing import Any
 
@@ -23,7 +23,10 @@ __all__ = [
     "MAX_DEPTH",
     "BadRecord",
     "attrs_from_columns",
+    "build_attrs",
+    "check_attrs",
     "check_plain",
+    "row_attrs",
     "split_attrs",
     "types_of",
     "unique_pairs",
@@ -95,6 +98,15 @@ def check_plain(obj: Any, where: str, *, max_depth: int = MAX_DEPTH) -> None:
 
 def attrs_from_columns(keys: list[str], dense: Any, sparse: Any) -> list[dict[str, Any]]:
     """Each value's attribute dict, from the columns and the per-key extras."""
+    check_attrs(keys, dense, sparse)
+    return build_attrs(keys, dense, sparse)
+
+
+def check_attrs(keys: list[str], dense: Any, sparse: Any,
+                index: Mapping[str, int] | None = None) -> None:
+    """Raise ``BadRecord`` unless ``dense`` is a map of attribute columns of one item per
+    key and ``sparse`` a map of stored keys to extra attributes (plain, none repeating a
+    column); ``index`` is ``{key: position}`` if the caller has it."""
     n = len(keys)
     if not isinstance(dense, dict):
         raise BadRecord("'attrs' is not a map of attribute columns")
@@ -105,26 +117,14 @@ def attrs_from_columns(keys: list[str], dense: Any, sparse: Any) -> list[dict[st
             check_plain(col, f"the attribute column {name!r}", max_depth=MAX_DEPTH - 2)
     if not isinstance(sparse, dict):
         raise BadRecord("'sparse_attrs' is not a map")
-    names = list(dense)
-    if len(names) == 1:
-        (only,) = names
-        out = [{only: v} for v in dense[only]]
-    elif names:  # every column has n items (checked above): one dict per row, made in C
-        out = list(map(dict, map(zip, repeat(names), zip(*dense.values(), strict=True))))
-    else:
-        out = [{} for _ in range(n)]
     if sparse:
-        _merge_sparse(out, keys, set(names), sparse)
-    return out
+        _check_sparse(sparse, index if index is not None else set(keys), dense.keys())
 
 
-def _merge_sparse(out: list[dict[str, Any]], keys: list[str], names: set[str],
-                  sparse: dict[Any, Any]) -> None:
-    """Add each key's extra attributes (checked) to its dict in ``out``."""
-    index = {k: i for i, k in enumerate(keys)}
+def _check_sparse(sparse: dict[Any, Any], known: Container[str], names: Set[str]) -> None:
+    """Each key's extra attributes: a stored key, a plain map, no column repeated."""
     for key, extra in sparse.items():
-        i = index.get(key)
-        if i is None:
+        if key not in known:
             raise BadRecord(f"'sparse_attrs' names {key!r}, which is not a stored key")
         if not isinstance(extra, dict):
             raise BadRecord(f"{key!r} has attrs that are not a map")
@@ -132,4 +132,32 @@ def _merge_sparse(out: list[dict[str, Any]], keys: list[str], names: set[str],
         clash = set(extra) & names
         if clash:
             raise BadRecord(f"{key!r} repeats the attribute {sorted(clash)[0]!r}")
-        out[i].update(extra)
+
+
+def build_attrs(keys: list[str], dense: dict[str, list[Any]],
+                sparse: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each value's attribute dict from columns and extras that :func:`check_attrs` passed."""
+    n = len(keys)
+    names = list(dense)
+    if len(names) == 1:
+        (only,) = names
+        out = [{only: v} for v in dense[only]]
+    elif names:  # every column has n items (checked): one dict per row, made in C
+        out = list(map(dict, map(zip, repeat(names), zip(*dense.values(), strict=True))))
+    else:
+        out = [{} for _ in range(n)]
+    if sparse:
+        index = {k: i for i, k in enumerate(keys)}
+        for key, extra in sparse.items():
+            out[index[key]].update(extra)
+    return out
+
+
+def row_attrs(key: str, i: int, dense: dict[str, list[Any]],
+              sparse: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The attribute dict of one value, the ``i``-th, from checked columns and extras."""
+    out = {name: col[i] for name, col in dense.items()}
+    extra = sparse.get(key)
+    if extra:
+        out.update(extra)
+    return out

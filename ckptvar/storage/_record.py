@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from collections.abc import Mapping
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, MutableMapping, ValuesView
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -41,8 +41,10 @@ from ._gc import paused_gc
 from ._plain import (
     MAX_DEPTH,
     BadRecord,
-    attrs_from_columns,
+    build_attrs,
+    check_attrs,
     check_plain,
+    row_attrs,
     split_attrs,
     unique_pairs,
 )
@@ -87,7 +89,9 @@ __all__ = [
     "Entry",
     "Extent",
     "Record",
+    "RowValues",
     "ValueColumns",
+    "ValueRows",
     "block_count",
     "check_deltas",
     "check_external",
@@ -181,6 +185,147 @@ class Entry:
         if n < 0:
             n = self._nbytes = math.prod(self.shape) * ITEMSIZE[self.dtype]
         return n
+
+
+@dataclass(slots=True)
+class ValueRows:
+    """What a record says of some values, as lists in the order asked for (read-only:
+    they may be the record's own): dtype names, shapes, checksums, location kinds
+    (``Extent.kind``), offsets and sizes in bytes. A restore reads these and makes no
+    :class:`Entry`."""
+
+    dtypes: list[str]
+    shapes: list[tuple[int, ...]]
+    checksums: list[int]
+    kinds: list[str]
+    offsets: list[int]
+    nbytes: list[int]
+
+    @classmethod
+    def of_entries(cls, entries: list[Entry]) -> ValueRows:
+        locs = list(map(_loc_of, entries))
+        return cls(list(map(_dtype_of, entries)), list(map(_shape_of, entries)),
+                   list(map(_checksum_of, entries)), list(map(_kind_of, locs)),
+                   list(map(_offset_of, locs)), list(map(_size_of, locs)))
+
+
+_dtype_of, _shape_of = operator.attrgetter("dtype"), operator.attrgetter("shape")
+_checksum_of, _loc_of = operator.attrgetter("checksum"), operator.attrgetter("loc")
+_kind_of, _offset_of, _size_of = (operator.itemgetter(0), operator.itemgetter(2),
+                                  operator.itemgetter(3))
+
+
+class RowValues(MutableMapping[str, Entry]):
+    """``Record.values`` of a fully decoded record: its checked columns, each value's
+    :class:`Entry` made when first asked for, and all of them at once when they are
+    listed (``values()``, ``items()``) or more than ``1/64`` are asked for one by one.
+    Keys, membership and :meth:`rows` need no entry at all (a restore of every value
+    makes none, nor does the collector meet one per value). Changing it (as ``dict``) makes
+    every entry and changes those; the columns are not read again after."""
+
+    __slots__ = ("_at", "_attrs", "_blocks", "_cache", "_edited", "_full", "_keys", "_last",
+                 "_paths", "_rows", "_switch")
+
+    def __init__(self, keys: list[str], at: dict[str, int], rows: ValueRows, *,
+                 paths: list[str | None], blocks: list[bytes | None],
+                 attrs: tuple[dict[str, list[Any]], dict[str, dict[str, Any]]]) -> None:
+        self._keys, self._at, self._rows = keys, at, rows
+        self._paths, self._blocks, self._attrs = paths, blocks, attrs
+        self._cache: dict[str, Entry] = {}
+        self._full: dict[str, Entry] | None = None
+        self._last: tuple[list[str], ValueRows] | None = None
+        self._switch = max(256, len(keys) // 64)
+        self._edited = False
+
+    def rows(self, keys: list[str]) -> ValueRows:
+        """The columns of ``keys``, in their order; ``KeyError`` for a key not stored."""
+        if self._edited:
+            return ValueRows.of_entries(self.entry_list(keys))
+        if keys == self._keys:  # the record's own order (a restore of what was saved)
+            return self._rows
+        last = self._last
+        if last is not None and keys == last[0]:
+            return last[1]
+        idx = list(map(self._at.__getitem__, keys))
+        r = self._rows
+        cols: tuple[list[Any], ...] = (r.dtypes, r.shapes, r.checksums, r.kinds, r.offsets,
+                                       r.nbytes)
+        out = ValueRows(*(list(map(col.__getitem__, idx)) for col in cols))
+        self._last = (list(keys), out)
+        return out
+
+    def entry_list(self, keys: list[str]) -> list[Entry]:
+        """The entry of each key (all made at once when many are asked for); ``KeyError``
+        for a key not stored."""
+        if self._full is not None or len(keys) >= self._switch:
+            return list(map(self._all().__getitem__, keys))
+        return list(map(self.__getitem__, keys))
+
+    def _entry(self, key: str, i: int) -> Entry:
+        r, n = self._rows, self._rows.nbytes[i]
+        e = Entry(r.dtypes[i], r.shapes[i], r.checksums[i], row_attrs(key, i, *self._attrs),
+                  Extent(r.kinds[i], self._paths[i], r.offsets[i], n), self._blocks[i])
+        e._nbytes = n
+        return e
+
+    def _all(self) -> dict[str, Entry]:
+        full = self._full
+        if full is None:
+            r, keys = self._rows, self._keys
+            make = functools.partial(tuple.__new__, Extent)  # no per-value Python call
+            locs = list(map(make, zip(r.kinds, self._paths, r.offsets, r.nbytes, strict=True)))
+            attrs = build_attrs(keys, *self._attrs)
+            entries = list(map(Entry, r.dtypes, r.shapes, r.checksums, attrs, locs,
+                               self._blocks))
+            for e, b in zip(entries, r.nbytes, strict=True):
+                e._nbytes = b
+            full = self._full = dict(zip(keys, entries, strict=True))
+            self._cache = {}
+        return full
+
+    def __getitem__(self, key: str) -> Entry:
+        full = self._full
+        if full is not None:
+            return full[key]
+        e = self._cache.get(key)
+        if e is None:
+            i = self._at[key]  # KeyError for a key not stored
+            if len(self._cache) >= self._switch:
+                return self._all()[key]
+            e = self._cache[key] = self._entry(key, i)
+        return e
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except (KeyError, TypeError):
+            return default
+
+    def __setitem__(self, key: str, entry: Entry) -> None:
+        self._edited = True
+        self._all()[key] = entry
+
+    def __delitem__(self, key: str) -> None:
+        self._edited = True
+        del self._all()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in (self._full if self._edited else self._at)  # type: ignore[operator]
+
+    def __len__(self) -> int:
+        return len(self._full) if self._full is not None else len(self._keys)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._full if self._edited else self._at)  # type: ignore[arg-type]
+
+    def keys(self) -> KeysView[str]:
+        return self._full.keys() if self._edited else self._at.keys()  # type: ignore[union-attr]
+
+    def values(self) -> ValuesView[Entry]:
+        return self._all().values()
+
+    def items(self) -> ItemsView[str, Entry]:
+        return self._all().items()
 
 
 @dataclass(slots=True)
@@ -399,20 +544,22 @@ def _validate(doc: Any, container: str, file_size: int | None) -> Record:
     packed_nbytes = packed[2] if packed is not None else 0
     nbytes = check_dtypes_and_shapes(keys, dtypes, shapes)
     check_locations(cols, container)
-    attrs = attrs_from_columns(keys, doc.get("attrs", {}), doc.get("sparse_attrs", {}))
+    at = dict(zip(keys, range(len(keys)), strict=True))  # (the keys are unique: columns checked them)
+    dense, sparse = doc.get("attrs", {}), doc.get("sparse_attrs", {})
+    check_attrs(keys, dense, sparse, at)
     block_size = check_block_size(doc)
     blocks = check_blocks(keys, doc.get("block_checksums"), nbytes, block_size)
     external = check_external(doc.get("external"), container)
     pieces = check_pieces(doc.get("pieces"), container)
     if external or pieces:
-        at = dict(zip(keys, layouts, strict=True))
+        kind_at = dict(zip(keys, layouts, strict=True))
         for key in external:
-            if at.get(key) != ARRAY:
+            if kind_at.get(key) != ARRAY:
                 raise BadRecord(f"the external value {key!r} is not a value stored as its own "
                                 "array")
         dims = dict(zip(keys, shapes, strict=True))
         for key, rows in pieces.items():
-            if at.get(key) != ARRAY or not dims[key] or not 0 < rows < dims[key][0]:
+            if kind_at.get(key) != ARRAY or not dims[key] or not 0 < rows < dims[key][0]:
                 raise BadRecord(f"'pieces' gives {rows} rows per chunk for {key!r}, which is "
                                 "not a value of more rows stored as its own array")
     is_packed = [lay == "packed" for lay in layouts]
@@ -420,15 +567,12 @@ def _validate(doc: Any, container: str, file_size: int | None) -> Record:
     nb = np.array(nbytes, np.int64)
     pk = np.array(is_packed, bool)
     check_packed(keys, pk, off, nb, packed_nbytes)
-    make = functools.partial(tuple.__new__, Extent)  # no per-value Python call
-    locs = list(map(make, zip(layouts, paths, offsets, nbytes, strict=True)))
-    shape_tuples = map(tuple, shapes)
-    entries = list(map(Entry, dtypes, shape_tuples, checksums, attrs, locs, blocks))
-    for e, b in zip(entries, nbytes, strict=True):
-        e._nbytes = b
+    values = RowValues(keys, at, ValueRows(dtypes, list(map(tuple, shapes)), checksums, layouts,
+                                           offsets, nbytes), paths=paths, blocks=blocks,
+                       attrs=(dense, sparse))
     return Record(
         container=container,
-        values=dict(zip(keys, entries, strict=True)),
+        values=values,  # type: ignore[arg-type]
         metadata=metadata,
         packed=packed,
         format_version=version,

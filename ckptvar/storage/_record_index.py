@@ -341,8 +341,8 @@ class IndexedValues(Mapping[str, Any]):
         return self._full is not None
 
     def decoded(self) -> dict[str, Any] | None:
-        """Every value by key once the whole record is decoded (a plain dict: lookups
-        without a Python call), else None."""
+        """Every value by key once the whole record is decoded (the full decode's
+        mapping, whose keys and columns need no entry per value), else None."""
         return self._full
 
     def __getitem__(self, key: str) -> Any:

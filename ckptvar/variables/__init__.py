@@ -47,6 +47,7 @@ from ._variable import (
     set_save_slice_info,
     shapes_and_dtypes,
     track_rows,
+    unsharded,
     write_version,
 )
 from .partitioned import (
@@ -103,6 +104,7 @@ __all__ = [
     "set_save_slice_info",
     "shapes_and_dtypes",
     "track_rows",
+    "unsharded",
     "variable_axis_size_partitioner",
     "variable_scope",
     "write_version",

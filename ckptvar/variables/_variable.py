@@ -26,6 +26,7 @@ array([[2., 3.],
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -67,6 +68,7 @@ __all__ = [
     "set_save_slice_info",
     "shapes_and_dtypes",
     "track_rows",
+    "unsharded",
     "write_version",
 ]
 
@@ -586,6 +588,15 @@ def host_buffers(variables: Sequence[Variable]) -> list[np.ndarray | None]:
             continue
         add(None)
     return out
+
+
+def unsharded(variables: Sequence[Variable]) -> bool:
+    """Whether no variable holds a :class:`~ckptvar.Shard` (``var.shard is None`` for each,
+    in one pass: no call per variable)."""
+    return list(map(_shard_of, variables)).count(None) == len(variables)
+
+
+_shard_of = operator.attrgetter("_shard")
 
 
 def shapes_and_dtypes(variables: Sequence[Variable]) -> tuple[list[Shape], list[np.dtype]]:

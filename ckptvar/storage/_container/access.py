@@ -21,7 +21,7 @@ import numpy as np
 
 from ...errors import CorruptCheckpointError
 from .. import rawio as _rawio
-from .._record import ARRAY, PACKED, Entry
+from .._record import ARRAY, PACKED, Entry, ValueRows
 from . import source as _src
 from .layout import Source
 from .source import RemoteFile
@@ -55,6 +55,9 @@ class ValueAccess(Protocol):
 
     def entry_list(self, keys: list[str]) -> list[Entry]:
         """:meth:`entry` of each key, in one pass."""
+
+    def value_rows(self, keys: list[str]) -> ValueRows:
+        """The record's columns of ``keys``, in their order (read-only; no entry made)."""
 
     def check_open(self) -> None:
         """Raise ``ValueError`` if the reader is closed."""
@@ -128,5 +131,5 @@ def destination(key: str, e: Entry, out: np.ndarray | None,
 
 def entries(access: ValueAccess, keys: Iterable[str]) -> list[tuple[str, Entry]]:
     """``[(key, entry), ...]`` in the order of ``keys``."""
-    entry = access.entry
-    return [(k, entry(k)) for k in keys]
+    keys = list(keys)
+    return list(zip(keys, access.entry_list(keys), strict=True))

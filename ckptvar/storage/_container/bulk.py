@@ -16,7 +16,7 @@ import operator
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import compress, repeat
 from typing import Any
 
 import crc32c as _crc32c
@@ -26,7 +26,7 @@ from ..._dtypes import SUPPORTED_DTYPES
 from ...errors import CorruptCheckpointError
 from .. import checksum as _checksum
 from .. import rawio as _rawio
-from .._record import ARRAY, PACKED, Entry
+from .._record import ARRAY, PACKED, Entry, ValueRows
 from . import source as _src
 from .access import PARALLEL_FROM, ValueAccess, compare, destination, entries, parallel
 from .access import check_source as _check_source
@@ -239,65 +239,109 @@ def stage_into_many(
     Packed values are hashed straight from one read of their part of the packed blob
     (no array per value) and later copied from it byte for byte; the rest are read
     as :func:`read_many` reads them (one pass: what is copied is what was verified).
+    The record is read as columns (:meth:`~.access.ValueAccess.value_rows`): no entry
+    per value.
     """
-    ndarray, dtypes = np.ndarray, SUPPORTED_DTYPES
-    packed: list[tuple[int, int, str, Entry, np.ndarray]] = []
-    rest: list[tuple[str, np.ndarray]] = []
-    es = reader.entry_list(list(map(_by_offset, pairs)))  # (the keys: item 0)
-    for (key, given), e in zip(pairs, es, strict=True):
-        out = given
-        if not checked:
-            flags = out.flags if type(out) is ndarray else None
-            if not (flags is not None and flags.c_contiguous and flags.writeable
-                    and out.shape == e.shape and out.dtype == dtypes[e.dtype]):
-                out = destination(key, e, given)  # says what is wrong (or takes a subclass)
-        kind, _, offset, n = e.loc
-        if kind == PACKED and n:
-            packed.append((offset, n, key, e, out))
-        else:
-            rest.append((key, out))
-    blob = None if reader.remote else _read_span(  # (every row packed: offsets, sizes)
-        reader, list(map(_by_offset, packed)), list(map(_size_of, packed)))
+    keys = list(map(_by_offset, pairs))  # (item 0: the key)
+    outs = list(map(_second, pairs))  # (the buffers)
+    r = reader.value_rows(keys)
+    if not checked:
+        _check_outs(reader, keys, outs, r)
+    kinds, sizes = r.kinds, r.nbytes
+    if set(kinds) == _ONLY_PACKED and 0 not in sizes:  # every value packed: the columns
+        p = _Packed(r.offsets, sizes, keys, r.dtypes, r.shapes, r.checksums, outs)
+        rest: list[tuple[str, np.ndarray]] = []
+    else:
+        sel = [k == PACKED and n > 0 for k, n in zip(kinds, sizes, strict=True)]
+        p = _Packed(*(list(compress(col, sel)) for col in (
+            r.offsets, sizes, keys, r.dtypes, r.shapes, r.checksums, outs)))
+        rest = [(key, out) for key, out, s in zip(keys, outs, sel, strict=True) if not s]
+    blob = None if reader.remote else _read_span(reader, p.offsets, p.sizes)
     if blob is None:  # scattered (or remote: streamed with the rest), read as values
-        rest += [(key, out) for _, _, key, _, out in packed]
-        packed = []
+        rest += zip(p.keys, p.outs, strict=True)
+        p = _Packed([], [], [], [], [], [], [])
     temps = [(out, value) for (_, out), (_, value) in
              zip(rest, read_many(reader, [key for key, _ in rest], True), strict=True)]
-    pieces = _verified_pieces(reader, blob, packed) if blob is not None else []
-    return functools.partial(_commit, temps, list(map(_out_of, packed)), pieces)
+    pieces = _verified_pieces(reader, blob, p) if blob is not None else []
+    return functools.partial(_commit, temps, p.outs, pieces)
 
 
-_size_of, _out_of = operator.itemgetter(1), operator.itemgetter(4)
+_second = operator.itemgetter(1)
 _data_of = operator.attrgetter("data")
-_as_bytes = operator.methodcaller("cast", "B")  # of a packed row (offset, n, key, entry, out)
+_as_bytes = operator.methodcaller("cast", "B")
 _ALL = slice(None)
+_ONLY_PACKED = frozenset({PACKED})
 
 
-def _verified_pieces(
-    reader: ValueAccess, blob: _PackedBlob, packed: list[tuple[int, int, str, Entry, np.ndarray]]
-) -> list[memoryview]:
-    """Each packed value's bytes in ``blob``, every one verified."""
+@dataclass(slots=True)
+class _Packed:
+    """The packed values of a staged restore, as columns in the order asked for."""
+
+    offsets: list[int]
+    sizes: list[int]
+    keys: list[str]
+    dtypes: list[str]
+    shapes: list[tuple[int, ...]]
+    checksums: list[int]
+    outs: list[np.ndarray]
+
+
+def _check_outs(reader: ValueAccess, keys: list[str], outs: list[np.ndarray],
+                r: ValueRows) -> None:
+    """Each ``outs[i]`` a plain, writeable C-contiguous array of its value's shape and
+    dtype; else what :func:`.access.destination` makes of it (it says what is wrong)."""
+    ndarray, dtypes = np.ndarray, SUPPORTED_DTYPES
+    for i, (out, shape, dtype) in enumerate(zip(outs, r.shapes, r.dtypes, strict=True)):
+        flags = out.flags if type(out) is ndarray else None
+        if not (flags is not None and flags.c_contiguous and flags.writeable
+                and out.shape == shape and out.dtype == dtypes[dtype]):
+            outs[i] = destination(keys[i], reader.entry(keys[i]), out)
+
+
+#: A staged packed span up to this size is copied once and cut into bytes (see below).
+_COPY_SPAN_BELOW = 8 << 20
+
+
+def _verified_pieces(reader: ValueAccess, blob: _PackedBlob, p: _Packed) -> list[Any]:
+    """Each packed value's bytes in ``blob``, every one verified.
+
+    A value's checksum is seeded by its header (the key, then a tail of its dtype and
+    shape): when every value shares dtype and shape (the common case) every header and
+    every checksum is hashed by ``map``, without a Python step per value."""
     crc, tail_of = _crc, _checksum.header_tail
-    tails: dict[tuple[str, tuple[int, ...]], bytes] = {}  # header_crc, without a call a value
-    view, lo = blob.data.data, blob.start
-    pieces = []
-    tail, last_dtype, last_shape = b"", None, None  # most neighbours share dtype and shape
-    for offset, n, key, e, _ in packed:
-        piece = view[offset - lo: offset - lo + n]
-        dtype, shape = e.dtype, e.shape
-        if shape != last_shape or dtype != last_dtype:
-            at, last_dtype, last_shape = (dtype, shape), dtype, shape
-            got_tail = tails.get(at)
-            tail = tails[at] = tail_of(*at) if got_tail is None else got_tail
-        got = crc(piece, crc(key.encode("utf-8") + tail, 0))  # the header: one call
-        if got != e.checksum:
-            compare(reader, key, e, got)
-        pieces.append(piece)
+    lo = blob.start
+    # a small span's pieces are bytes copied from one copy of it (slicing bytes costs
+    # less than half of slicing a memoryview; at most 2 * _COPY_SPAN_BELOW bytes more)
+    src: Any = blob.data.tobytes() if blob.data.nbytes <= _COPY_SPAN_BELOW else blob.data.data
+    starts = (np.asarray(p.offsets, np.int64) - lo).tolist()
+    ends = list(map(operator.add, starts, p.sizes))
+    pieces = list(map(src.__getitem__, map(slice, starts, ends)))
+    if not pieces:
+        return pieces
+    heads = list(map(str.encode, p.keys))  # (UTF-8)
+    if len(set(p.dtypes)) == 1 and len(set(p.shapes)) == 1:
+        tail = tail_of(p.dtypes[0], p.shapes[0])
+        seeds = list(map(crc, map(bytes.__add__, heads, repeat(tail)), repeat(0)))
+    else:  # most neighbours share dtype and shape: one tail per change
+        tails: dict[tuple[str, tuple[int, ...]], bytes] = {}
+        seeds = []
+        tail, last = b"", None
+        for head, at in zip(heads, zip(p.dtypes, p.shapes, strict=True), strict=True):
+            if at != last:
+                last = at
+                got_tail = tails.get(at)
+                tail = tails[at] = tail_of(*at) if got_tail is None else got_tail
+            seeds.append(crc(head + tail, 0))
+    got = list(map(crc, pieces, seeds))
+    if got != p.checksums:
+        for key, computed, want in zip(p.keys, got, p.checksums, strict=True):
+            if computed != want:
+                compare(reader, key, reader.entry(key), computed)
     return pieces
 
 
 def _commit(temps: list[tuple[np.ndarray, np.ndarray]], outs: list[np.ndarray],
-            pieces: list[memoryview]) -> None:
+            pieces: list[Any]) -> None:
     """Copy staged values into their buffers (:func:`stage_into_many`'s second half):
     ``temps`` as ``(out, value)``, each ``outs[i]`` from the packed bytes ``pieces[i]``."""
     copyto = np.copyto

@@ -16,7 +16,6 @@ import abc
 import dataclasses
 import difflib
 import mmap
-import operator
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from ...errors import CorruptCheckpointError, MissingKeyError
 from .. import base
 from .. import checksum as _checksum
 from .. import rawio as _rawio
-from .._record import ARRAY, PACKED, Entry, Record
+from .._record import ARRAY, PACKED, Entry, Record, RowValues, ValueRows
 from .._record_index import IndexedValues
 from ..base import ArrayInfo, LazyArray, Reader, verify_each
 from ..slicing import element_span
@@ -43,7 +42,6 @@ __all__ = ["ContainerLazyArray", "ContainerReader"]
 
 #: Values up to this size without block checksums are read whole when only sliced.
 _SLICE_WHOLE_BELOW = 1 << 20
-_shape_of, _dtype_of = operator.attrgetter("shape"), operator.attrgetter("dtype")
 
 
 class ContainerReader(
@@ -105,7 +103,7 @@ class ContainerReader(
     def keys(self) -> Any:
         keys = self._values.keys()
         if isinstance(self._values, IndexedValues):  # listing decodes every value:
-            full = self._values.decoded()  # look them up in that dict from now on
+            full = self._values.decoded()  # look them up in that mapping from now on
             if full is not None:
                 self._values = full
         return keys
@@ -150,15 +148,28 @@ class ContainerReader(
 
     def shapes_and_dtypes(self, keys: list[str]) -> tuple[list[tuple[int, ...]], list[np.dtype]]:
         """``([shape, ...], [dtype, ...])`` of the keys, in one pass each."""
-        es = self.entry_list(keys)
-        return list(map(_shape_of, es)), list(map(SUPPORTED_DTYPES.__getitem__,
-                                                  map(_dtype_of, es)))
+        rows = self.value_rows(keys)
+        return rows.shapes, list(map(SUPPORTED_DTYPES.__getitem__, rows.dtypes))
+
+    def value_rows(self, keys: list[str]) -> ValueRows:
+        """The record's columns of ``keys``, in their order (read-only lists; no
+        :class:`Entry` made from a decoded record); ``MissingKeyError`` for an unknown key."""
+        values = self._values
+        if isinstance(values, RowValues):
+            try:
+                return values.rows(keys)
+            except (KeyError, TypeError):
+                pass  # entry_list names the key
+        return ValueRows.of_entries(self.entry_list(keys))
 
     def entry_list(self, keys: list[str]) -> list[Entry]:
         """:meth:`entry` of each key, in one pass (no Python call per key from a decoded
         record); ``MissingKeyError`` for the first unknown key."""
+        values = self._values
         try:
-            return list(map(self._values.__getitem__, keys))
+            if isinstance(values, RowValues):  # entries made in bulk when many are asked for
+                return values.entry_list(keys)
+            return list(map(values.__getitem__, keys))
         except (KeyError, TypeError):
             return [self.entry(key) for key in keys]
 
