@@ -105,6 +105,47 @@ def test_a_cold_load_reads_straight_into_the_arrays(tmp_path: Path, fmt: str,
     assert _direct()[0] == before
 
 
+_IN_A_JOB = """
+import os, sys
+import numpy as np
+import ckptvar as cv
+from ckptvar.storage import rawio
+path = sys.argv[1]
+fd = os.open(path, os.O_RDONLY)
+os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+os.close(fd)
+got = cv.load(path)
+print(rawio.DIRECT_READS, rawio.direct_stats.bytes, float(got["w"].sum()))
+"""
+
+
+@pytest.mark.parametrize(("env", "direct"), [({"LOCAL_WORLD_SIZE": "4"}, False),
+                                             ({"MPI_LOCALNRANKS": "2"}, False),
+                                             ({"LOCAL_WORLD_SIZE": "4",
+                                               "CKPTVAR_DIRECT_READS": "1"}, True)])
+def test_in_a_job_of_several_processes_on_the_node_reads_stay_in_the_page_cache(
+        tmp_path: Path, env: dict[str, str], direct: bool) -> None:
+    """Ranks of one node loading the same model share the page cache: the launcher's
+    local size turns direct reads off unless ``CKPTVAR_DIRECT_READS=1``."""
+    import subprocess
+    import sys
+
+    if not rawio.DIRECT_READS:
+        pytest.skip("no O_DIRECT here (not Linux, or CKPTVAR_DIRECT_READS=0)")
+    w = np.arange(4 * MIB // 4, dtype=np.float32)
+    path = tmp_path / "m.h5"
+    cv.save(path, {"w": w})
+    os.sync()
+    clean = {k: v for k, v in os.environ.items()
+             if k not in rawio._LOCAL_SIZE_VARS and k != "CKPTVAR_DIRECT_READS"}
+    out = subprocess.run([sys.executable, "-c", _IN_A_JOB, str(path)], env={**clean, **env},
+                         capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    assert out[0] == str(direct)
+    assert float(out[2]) == float(w.sum())
+    if not direct:
+        assert out[1] == "0"
+
+
 def test_with_direct_reads_off_a_cold_zarr_load_streams_chunk_files(
         tmp_path: Path, streams: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rawio, "DIRECT_READS", False)

@@ -28,7 +28,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as _wait
 from typing import Any
@@ -138,13 +138,47 @@ DIRECT_ALIGN = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-def _direct_reads() -> bool:
-    env = os.environ.get("CKPTVAR_DIRECT_READS", "").strip().lower()
-    return bool(_O_DIRECT) and sys.platform.startswith("linux") and env not in (
-        "0", "false", "no", "off")
+#: Launchers' variables for the number of a job's processes on this node (torchrun,
+#: MPICH/Hydra, Open MPI, Slurm, PMIx): in such a job, reads stay in the page cache.
+_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                    "SLURM_NTASKS_PER_NODE", "PMIX_LOCAL_SIZE", "PALS_LOCAL_SIZE")
 
 
-#: Whether cold reads may use ``O_DIRECT`` (Linux; ``CKPTVAR_DIRECT_READS=0``: never).
+def _local_processes(environ: Mapping[str, str]) -> int:
+    """How many processes of this job run on this node, as the launcher says (1: none said).
+
+    >>> _local_processes({"LOCAL_WORLD_SIZE": "8"}), _local_processes({})
+    (8, 1)
+    """
+    for name in _LOCAL_SIZE_VARS:
+        value = environ.get(name, "").split("(")[0].split(",")[0].strip()
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def _direct_reads(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether cold reads use ``O_DIRECT``: on Linux, unless ``CKPTVAR_DIRECT_READS`` is
+    ``0`` (never) or ``1`` (always), and not in a job with several processes on this
+    node, whose processes often read the same bytes (every rank loading one model): the
+    page cache then reads them from the disk once, direct reads once per process.
+
+    >>> _direct_reads({"CKPTVAR_DIRECT_READS": "0"})
+    False
+    >>> _direct_reads({"LOCAL_WORLD_SIZE": "4"})
+    False
+    >>> _direct_reads({"LOCAL_WORLD_SIZE": "4", "CKPTVAR_DIRECT_READS": "1"}) == bool(_O_DIRECT)
+    True
+    """
+    env = environ.get("CKPTVAR_DIRECT_READS", "").strip().lower()
+    if not _O_DIRECT or not sys.platform.startswith("linux") or env in ("0", "false", "no",
+                                                                          "off"):
+        return False
+    return env in ("1", "true", "yes", "on") or _local_processes(environ) <= 1
+
+
+#: Whether cold reads may use ``O_DIRECT`` (Linux, one process of its job on this node;
+#: ``CKPTVAR_DIRECT_READS=0``: never, ``=1``: also in a job of several processes).
 DIRECT_READS = _direct_reads()
 
 
