@@ -368,8 +368,8 @@ class ZarrWriter(ContainerWriter):
         }
         root = {"zarr_format": 3, "node_type": "group", "attributes": root_attrs}
         write_file(tmp / "zarr.json", _doc(root), tree.sync, replace=True)
-        if tree.sync is not None:
-            fsync_all(tree.sync, tree.dirs[1:])  # the root: by publish(), once
+        if tree.sync is not None:  # each once (a document written again is listed twice)
+            fsync_all(list(dict.fromkeys(tree.sync)), tree.dirs[1:])  # the root: by publish()
 
     def _write_compressed(self, tmp: Path, it: ValueWrite, sdt: np.dtype) -> None:
         zarr = zarr_api()
@@ -467,6 +467,9 @@ class _Tree:
         self.recycled = False
         #: Row deltas' groups kept from the spare around kept arrays (made already).
         self._delta_groups: set[str] = set()
+        #: Row deltas' groups: their document is the delta's (written once the checksums
+        #: are known), never the plain group document first.
+        self._docless: set[Path] = set()
         if spare is not None:
             try:
                 os.rename(spare, root)  # both temporaries of one directory: atomic
@@ -524,6 +527,7 @@ class _Tree:
             if names and _same_files(self.root / dst, there, names):
                 self.kept.add(dst)
                 self._delta_groups.add(dst.rpartition("/")[0])
+                self._docless.add(self.root / dst.rpartition("/")[0])
 
     def _clear(self, rel: str, groups: set[str]) -> None:
         """Remove what is under ``rel`` but the kept arrays and the groups around them
@@ -571,7 +575,7 @@ class _Tree:
         return fill
 
     def _group(self, d: Path) -> None:
-        if not (d / "zarr.json").exists():
+        if d not in self._docless and not (d / "zarr.json").exists():
             self.write(d / "zarr.json", GROUP_DOC)
 
     def _make_dirs(self, rel: str) -> None:
@@ -665,6 +669,7 @@ class _Tree:
         """One value's chunk file (or, with ``rows``, chunk files) into ``d``."""
         if it.delta is not None:
             assert self.base is not None
+            self._docless.add(d)
             self._write_delta(it.delta, self.base, len(it.shape))
         elif rows is not None:
             self._write_pieces(it, d, rows, held.get(it.key, {}))
