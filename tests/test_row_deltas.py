@@ -539,7 +539,7 @@ def test_a_deltas_checksums_hash_only_the_blocks_its_rows_touch(
         monkeypatch.setattr(mod, "hash_blocks", counting)
     rng = np.random.default_rng(5)
     for k in range(4):  # a new patch, appended patches, a row in two blocks
-        _touch(table, rng, 30)
+        _touch(table, rng, 10)  # a few blocks of 32: joined from the base's
         table.scatter_update([255 + k], np.full((1, WIDTH), k, np.float32))
         step = Path(manager.save())
         want = table.numpy()

@@ -156,12 +156,13 @@ def hash_blocks_parallel(view: memoryview, seed: int, block_size: int = BLOCK_SI
 
 
 def rehash_rows(view: memoryview, seed: int, blocks: bytes, row_bytes: int, rows: Any, *,
-                block_size: int = BLOCK_SIZE) -> tuple[int, bytes] | None:
+                block_size: int = BLOCK_SIZE, most: float = 1.0) -> tuple[int, bytes] | None:
     """:func:`hash_blocks` of a value of which only ``rows`` (first-axis indices, each
     ``row_bytes`` long) may differ from the bytes whose block checksums are ``blocks``:
     only the blocks those rows touch are hashed again, the others' CRCs are taken as they
     are (a row delta's logical value: its rows since the base are known). ``None`` when
-    ``blocks`` does not fit the value (another count of blocks).
+    ``blocks`` does not fit the value (another count of blocks) or the rows touch more
+    than ``most`` of the blocks (then hashing the value whole costs about as much).
 
     >>> data = np.arange(50_000, dtype=np.uint8).reshape(500, 100)
     >>> _, before = hash_blocks(memoryview(data).cast("B"), 7, 4096)
@@ -183,6 +184,8 @@ def rehash_rows(view: memoryview, seed: int, blocks: bytes, row_bytes: int, rows
                  - np.bincount(((rows + 1) * row_bytes - 1) // block_size + 1,
                                minlength=count + 1))
         touched = np.flatnonzero(np.cumsum(edges[:count]) > 0).tolist()
+        if len(touched) > most * count:
+            return None
 
         def run(ks: list[int]) -> None:
             for k in ks:
