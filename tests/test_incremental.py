@@ -298,6 +298,38 @@ def test_a_step_fsyncs_only_what_durability_needs(tmp_path: Path, fmt: str,
     assert not (tmp_path / f"ckpt-2.{fmt}").exists()
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc (Linux)")
+def test_a_row_delta_step_fsyncs_each_file_once_and_no_kept_array(
+        tmp_path: Path, fresh_graph: cv.Graph, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Zarr step of a table stored as a row delta: no path fsynced twice (its group's
+    document is written once), its own patch's files and directory fsynced, and none of
+    the arrays it keeps from the step it took over (the base's whole copy, the earlier
+    patches it links) nor their files; the directory once, after the rename."""
+    rows, width = 8192, 64  # 2 MiB: a row delta
+    table = cv.Variable(np.random.default_rng(0).random((rows, width), dtype=np.float32),
+                        name="table")
+    manager = cv.CheckpointManager(cv.Checkpoint(table=table), tmp_path, max_to_keep=2,
+                                   format="zarr", incremental=True)
+    for k in range(5):
+        table.scatter_update([k, 1000 + k], np.full((2, width), k, np.float32))
+        manager.save()
+        manager.wait_until_finished()
+    table.scatter_update([7], np.full((1, width), 9.0, np.float32))
+    synced = _fsynced(monkeypatch)
+    last = Path(manager.save())
+    assert len(synced) == len(set(synced)), synced
+    assert synced.count(str(tmp_path)) == 1, synced
+    patches = sorted(p.name for p in (last / "table").iterdir() if p.name.startswith("patch-"))
+    own = patches[-1]
+    names = [p.split(".partial", 1)[-1] for p in synced if ".partial" in p]
+    assert f"/table/{own}/c.0" in names and f"/table/{own}" in names, names
+    assert "/table/zarr.json" in names and "/table" in names, names
+    assert not [n for n in names if n.startswith("/table/base")], names
+    kept = [n for n in names if n.startswith("/table/patch-") and not n.startswith(f"/table/{own}")]
+    assert len(kept) <= 2, names  # only the patches the spare's step lacked: linked anew
+    np.testing.assert_array_equal(cv.load(last)["table"], table.numpy())
+
+
 def test_a_newly_preserved_step_makes_the_state_durable(tmp_path: Path,
                                                        fresh_graph: cv.Graph,
                                                        monkeypatch: pytest.MonkeyPatch

@@ -19,6 +19,9 @@ import ckptvar as cv
 from ckptvar.checkpoint import _apply
 from ckptvar.checkpoint._incremental import Incremental
 from ckptvar.errors import CorruptCheckpointError
+from ckptvar.storage import checksum as checksum_mod
+from ckptvar.storage._container import blocks as blocks_mod
+from ckptvar.storage._container import writer as writer_mod
 from ckptvar.storage._container.delta import DELTA_LIMIT, MAX_PATCHES
 from ckptvar.storage._record import decode, encode
 from ckptvar.variables import rows_written, track_rows, write_version
@@ -512,6 +515,41 @@ def test_a_delta_carries_its_bases_checksums(tmp_path: Path, fresh_graph: cv.Gra
             assert again == d
     assert len(d.patches) == 1  # the last one merged
     assert np.array_equal(cv.load(steps[-1])["table"], values[-1])
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_deltas_checksums_hash_only_the_blocks_its_rows_touch(
+        tmp_path: Path, fresh_graph: cv.Graph, fmt: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delta step records the checksums of the assembled value, as hashing it whole
+    would give them, from the base's block checksums with only the blocks its changed
+    rows touch hashed again (the table is never hashed whole: a step costs its rows)."""
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, max_to_keep=30,
+                                   incremental=True)
+    manager.save()
+    hashed: list[int] = []
+    real = blocks_mod.hash_blocks
+
+    def counting(view: Any, seed: int, block_size: int = blocks_mod.BLOCK_SIZE) -> Any:
+        hashed.append(len(view))
+        return real(view, seed, block_size)
+
+    for mod in (blocks_mod, writer_mod):
+        monkeypatch.setattr(mod, "hash_blocks", counting)
+    rng = np.random.default_rng(5)
+    for k in range(4):  # a new patch, appended patches, a row in two blocks
+        _touch(table, rng, 10)  # a few blocks of 32: joined from the base's
+        table.scatter_update([255 + k], np.full((1, WIDTH), k, np.float32))
+        step = Path(manager.save())
+        want = table.numpy()
+        with cv.open(step) as r:
+            assert "table" in r.record.deltas
+            got = r.record.values["table"]
+        seed = checksum_mod.header_crc("table", "float32", want.shape)
+        assert (got.checksum, got.blocks) == real(memoryview(want).cast("B"), seed)
+        assert np.array_equal(cv.load(step)["table"], want)
+    assert not [n for n in hashed if n == ROWS * ROW_BYTES]  # never the whole table
 
 
 @pytest.mark.parametrize("fmt", ["h5", "zarr"])

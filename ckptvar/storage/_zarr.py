@@ -368,8 +368,8 @@ class ZarrWriter(ContainerWriter):
         }
         root = {"zarr_format": 3, "node_type": "group", "attributes": root_attrs}
         write_file(tmp / "zarr.json", _doc(root), tree.sync, replace=True)
-        if tree.sync is not None:
-            fsync_all(tree.sync, tree.dirs[1:])  # the root: by publish(), once
+        if tree.sync is not None:  # each once (a document written again is listed twice)
+            fsync_all(list(dict.fromkeys(tree.sync)), tree.dirs[1:])  # the root: by publish()
 
     def _write_compressed(self, tmp: Path, it: ValueWrite, sdt: np.dtype) -> None:
         zarr = zarr_api()
@@ -465,6 +465,11 @@ class _Tree:
         self.kept: set[str] = set()
         #: Whether ``root`` is a spare taken over (see :meth:`recycle`).
         self.recycled = False
+        #: Row deltas' groups kept from the spare around kept arrays (made already).
+        self._delta_groups: set[str] = set()
+        #: Row deltas' groups: their document is the delta's (written once the checksums
+        #: are known), never the plain group document first.
+        self._docless: set[Path] = set()
         if spare is not None:
             try:
                 os.rename(spare, root)  # both temporaries of one directory: atomic
@@ -486,8 +491,10 @@ class _Tree:
         around one is (entries may have gone from it).
         """
         for it in arrays:
-            if (it.held is None or not it.held.same_attrs or it.delta is not None
-                    or not it.nbytes):
+            if it.delta is not None:
+                self._recycle_delta(it.delta)
+                continue
+            if it.held is None or not it.held.same_attrs or not it.nbytes:
                 continue
             ndim, rows = len(it.shape), rows_of(it)
             names = ([chunk_key(ndim)] if rows is None else
@@ -504,6 +511,23 @@ class _Tree:
             d = self.root / g
             self.dirs.append(d)
             self._group(d)
+
+    def _recycle_delta(self, delta: DeltaWrite) -> None:
+        """Keep the spare's arrays of a row delta (its base's whole copy, its earlier
+        patches) that hold exactly the files this step links from the base: a delta
+        carried over or appended to is not linked again array by array."""
+        if self.base is None:
+            return
+        for src, dst in delta.links:
+            there = self.base / src
+            try:
+                names = sorted(_regular_files(there))
+            except OSError:
+                continue
+            if names and _same_files(self.root / dst, there, names):
+                self.kept.add(dst)
+                self._delta_groups.add(dst.rpartition("/")[0])
+                self._docless.add(self.root / dst.rpartition("/")[0])
 
     def _clear(self, rel: str, groups: set[str]) -> None:
         """Remove what is under ``rel`` but the kept arrays and the groups around them
@@ -551,7 +575,7 @@ class _Tree:
         return fill
 
     def _group(self, d: Path) -> None:
-        if not (d / "zarr.json").exists():
+        if d not in self._docless and not (d / "zarr.json").exists():
             self.write(d / "zarr.json", GROUP_DOC)
 
     def _make_dirs(self, rel: str) -> None:
@@ -570,7 +594,10 @@ class _Tree:
                 self._group(d)
 
     def array_dir(self, rel: str) -> Path:
-        """Make an array's directory (and the groups above it)."""
+        """Make an array's directory (and the groups above it); a row delta's group kept
+        from the spare around its kept arrays is there already (:meth:`recycle`)."""
+        if rel in self._delta_groups:
+            return self.root / rel
         parent = rel.rpartition("/")[0]
         if parent:
             self._make_dirs(parent)
@@ -642,6 +669,7 @@ class _Tree:
         """One value's chunk file (or, with ``rows``, chunk files) into ``d``."""
         if it.delta is not None:
             assert self.base is not None
+            self._docless.add(d)
             self._write_delta(it.delta, self.base, len(it.shape))
         elif rows is not None:
             self._write_pieces(it, d, rows, held.get(it.key, {}))
@@ -658,6 +686,8 @@ class _Tree:
         copy: the document and the one chunk, ``ndim`` the value's), its own patch
         written."""
         for j, (src, dst) in enumerate(delta.links):
+            if dst in self.kept:  # the spare's: these very files already (recycle)
+                continue
             d = self.array_dir(dst)
             files = (sorted(os.listdir(base / src)) if self.deferred is None else
                      ["zarr.json", chunk_key(ndim if j == 0 else 1)])

@@ -43,6 +43,7 @@ __all__ = [
     "hash_range",
     "join_blocks",
     "read_span",
+    "rehash_rows",
     "scratch_buffer",
     "stream_units",
 ]
@@ -151,6 +152,52 @@ def hash_blocks_parallel(view: memoryview, seed: int, block_size: int = BLOCK_SI
             crcs[k] = _crc(view[pos : pos + block_size], 0, 1)
 
     _rawio.wait_all(_rawio.start_all([functools.partial(run, k) for k in range(0, len(crcs), per)]))
+    return _join(seed, crcs, n, block_size), crcs.tobytes()
+
+
+def rehash_rows(view: memoryview, seed: int, blocks: bytes, row_bytes: int, rows: Any, *,
+                block_size: int = BLOCK_SIZE, most: float = 1.0) -> tuple[int, bytes] | None:
+    """:func:`hash_blocks` of a value of which only ``rows`` (first-axis indices, each
+    ``row_bytes`` long) may differ from the bytes whose block checksums are ``blocks``:
+    only the blocks those rows touch are hashed again, the others' CRCs are taken as they
+    are (a row delta's logical value: its rows since the base are known). ``None`` when
+    ``blocks`` does not fit the value (another count of blocks) or the rows touch more
+    than ``most`` of the blocks (then hashing the value whole costs about as much).
+
+    >>> data = np.arange(50_000, dtype=np.uint8).reshape(500, 100)
+    >>> _, before = hash_blocks(memoryview(data).cast("B"), 7, 4096)
+    >>> data[[3, 260, 261]] += 1
+    >>> got = rehash_rows(memoryview(data).cast("B"), 7, before, 100, np.array([3, 260, 261]),
+    ...                   block_size=4096)
+    >>> got == hash_blocks(memoryview(data).cast("B"), 7, 4096)
+    True
+    """
+    n = len(view)
+    count = block_count(n, block_size)
+    if len(blocks) != 4 * count:
+        return None
+    crcs = np.frombuffer(blocks, "<u4").copy()
+    rows = np.asarray(rows, np.int64)
+    if rows.size:
+        # +1 at each row's first block, -1 past its last: the blocks with a row in them
+        edges = (np.bincount(rows * row_bytes // block_size, minlength=count + 1)
+                 - np.bincount(((rows + 1) * row_bytes - 1) // block_size + 1,
+                               minlength=count + 1))
+        touched = np.flatnonzero(np.cumsum(edges[:count]) > 0).tolist()
+        if len(touched) > most * count:
+            return None
+
+        def run(ks: list[int]) -> None:
+            for k in ks:
+                pos = k * block_size
+                crcs[k] = _crc(view[pos : pos + block_size], 0, 1)
+
+        per = max(1, _PIECE // block_size)
+        if len(touched) * block_size < _PARALLEL_FROM:
+            run(touched)
+        else:  # on the I/O threads, about 4 MiB of blocks each (the CRC releases the GIL)
+            _rawio.wait_all(_rawio.start_all([functools.partial(run, touched[i : i + per])
+                                              for i in range(0, len(touched), per)]))
     return _join(seed, crcs, n, block_size), crcs.tobytes()
 
 

@@ -32,7 +32,14 @@ from ..atomic import check_destination, publish, temporary_sibling
 from ..base import Writer
 from ..chunked import Chunked, HostPieces, is_chunked, materialize, piece_bytes
 from ..paths import container_paths
-from .blocks import BLOCK_SIZE, BlockHasher, hash_blocks, hash_blocks_parallel, join_blocks
+from .blocks import (
+    BLOCK_SIZE,
+    BlockHasher,
+    hash_blocks,
+    hash_blocks_parallel,
+    join_blocks,
+    rehash_rows,
+)
 from .delta import DeltaWrite, merged, patch_bytes, plan
 from .layout import ALIGN, pack_limit
 from .reuse import Held, match
@@ -430,6 +437,7 @@ class ContainerWriter(Writer):
                 seed = _checksum.header_crc(it.key, it.dtype, it.shape)
                 found.patch, found.crc = patch_bytes(it.view, it.nbytes // it.shape[0], rows,
                                                      seed)
+                _rehash_rows(it, entry, record.block_size, rows, seed)
             else:  # nothing hashed it (known unchanged): the base's checksums hold
                 _carry_checksums(it, entry, record.block_size)
             it.delta = found
@@ -541,6 +549,29 @@ def _base_checksums(entry: Any, was: Any, block_size: int) -> tuple[int | None, 
     if was is not None:
         return was.base_checksum, was.base_blocks
     return entry.checksum, entry.blocks if block_size == BLOCK_SIZE else None
+
+
+#: A row delta's checksums are joined from the base's when its rows touch at most this
+#: share of the value's blocks (:func:`_rehash_rows`).
+_REHASH_MOST = 0.75
+
+
+def _rehash_rows(it: ValueWrite, entry: Any, block_size: int, rows: np.ndarray, seed: int
+                 ) -> None:
+    """``it``, whose rows other than ``rows`` are known to equal the base's logical value
+    (``entry``), takes the base's block checksums with only the blocks ``rows`` touch
+    hashed again (its own whole checksum joined from them): a row delta's logical value
+    is then hashed in proportion to its changed rows, not its size. Where the base has no
+    block checksums of this record's block size, or the rows touch more than
+    :data:`_REHASH_MOST` of the blocks, nothing is set: the value is hashed whole, on the
+    checksum thread while the backend writes, as any changed value (hashing nearly every
+    block first, before the write, would cost more than that overlapped pass)."""
+    if it.hashed or entry.blocks is None or block_size != BLOCK_SIZE or it.nbytes <= BLOCK_SIZE:
+        return
+    got = rehash_rows(it.view, seed, entry.blocks, it.nbytes // it.shape[0], rows,
+                      most=_REHASH_MOST)
+    if got is not None:
+        (it.checksum, it.blocks), it.hashed = got, True
 
 
 def _carry_checksums(it: ValueWrite, entry: Any, block_size: int) -> None:
