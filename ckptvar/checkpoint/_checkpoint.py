@@ -117,6 +117,9 @@ class Checkpoint(Trackable):
         object.__delattr__(self, name)
         self._untrack(name)
         self.__dict__.pop("_cv_plan", None)  # holds the object until the next save otherwise
+        buf = self.__dict__.get("_cv_snapshot")
+        if buf is not None:  # so do the last snapshot's variables
+            buf.values = None
 
     # -- the save counter --------------------------------------------------------------
     @property
