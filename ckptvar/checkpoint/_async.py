@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import thread as _pool_threads  # noqa: F401 - see the last line
+from typing import Any
 
 __all__ = ["SaveHandle", "submit", "wait_for_pending_saves"]
 
 logger = logging.getLogger("ckptvar")
 
 _lock = threading.Lock()
-_executor: ThreadPoolExecutor | None = None
 _outstanding: list[SaveHandle] = []  # not yet successfully waited for, or error unreported
 
 
@@ -66,14 +69,36 @@ class SaveHandle:
 
 def submit(fn: Callable[[], str], path: str) -> SaveHandle:
     """Run ``fn`` (which writes and returns the final path) in the writer thread."""
-    global _executor
+    future: Future[str] = Future()
     with _lock:
-        if _executor is None:
-            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptvar-save")
         _outstanding[:] = [h for h in _outstanding if not _succeeded(h)]
-        handle = SaveHandle(_executor.submit(fn), path)
+        handle = SaveHandle(future, path)
         _outstanding.append(handle)
+        if _writer[0] != os.getpid():  # none yet, or this process is a fork's child
+            _writer[:] = [os.getpid(), queue.SimpleQueue()]
+            threading.Thread(target=_write_jobs, args=(_writer[1],), name="ckptvar-save",
+                             daemon=True).start()
+        _writer[1].put((future, fn))
     return handle
+
+
+#: the writer thread's process and its queue of ``(future, job)`` (started at the first
+#: background save, one a process, and kept: a save hands it a job, not a new thread)
+_writer: list[Any] = [None, None]
+
+
+def _write_jobs(jobs: queue.SimpleQueue[tuple[Future[str], Callable[[], str]]]) -> None:
+    """The writer thread: run each job in turn, its result or error into its future."""
+    while True:
+        future, fn = jobs.get()
+        if future.set_running_or_notify_cancel():
+            try:
+                result = fn()
+            except BaseException as exc:  # noqa: BLE001 - reported through the handle
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+        del future, fn  # hold nothing of a finished job (its snapshot) while waiting
 
 
 def _succeeded(handle: SaveHandle) -> bool:
@@ -82,6 +107,8 @@ def _succeeded(handle: SaveHandle) -> bool:
 
 def wait_all(handles: list[SaveHandle]) -> None:
     """Wait for every handle; then raise the first error not reported yet (others stay)."""
+    if all(h._reported for h in handles):  # each waited for already: nothing to report
+        return
     first: BaseException | None = None
     for handle in list(handles):
         handle._future.exception()  # block without reporting
@@ -127,6 +154,7 @@ def _finish_at_exit() -> None:
 
 atexit.register(_report_at_exit)
 # The interpreter's thread-pool shutdown (concurrent.futures' exit hook) runs before
-# ``atexit`` handlers and makes every pool refuse new work, which would fail a save in
-# flight. Hooks registered here run in reverse order, so this one runs before it.
+# ``atexit`` handlers and makes every pool refuse new work (the I/O threads a save
+# uses), which would fail a save in flight. Hooks registered here run in reverse
+# order, so this one, registered after that module's (imported above), runs before it.
 threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined]
