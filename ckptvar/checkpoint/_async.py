@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from concurrent.futures import thread as _pool_threads  # noqa: F401 - see the last line
 from typing import Any
 
-__all__ = ["SaveHandle", "submit", "wait_for_pending_saves"]
+__all__ = ["SaveHandle", "settled", "submit", "wait_for_pending_saves"]
 
 logger = logging.getLogger("ckptvar")
 
@@ -74,17 +74,20 @@ def submit(fn: Callable[[], str], path: str) -> SaveHandle:
         _outstanding[:] = [h for h in _outstanding if not _succeeded(h)]
         handle = SaveHandle(future, path)
         _outstanding.append(handle)
-        if _writer[0] != os.getpid():  # none yet, or this process is a fork's child
-            _writer[:] = [os.getpid(), queue.SimpleQueue()]
-            threading.Thread(target=_write_jobs, args=(_writer[1],), name="ckptvar-save",
+        jobs = _writer[0]
+        if jobs is None:  # the first background save of this process (or of a fork's child)
+            jobs = _writer[0] = queue.SimpleQueue()
+            threading.Thread(target=_write_jobs, args=(jobs,), name="ckptvar-save",
                              daemon=True).start()
-        _writer[1].put((future, fn))
+        jobs.put((future, fn))
     return handle
 
 
-#: the writer thread's process and its queue of ``(future, job)`` (started at the first
-#: background save, one a process, and kept: a save hands it a job, not a new thread)
-_writer: list[Any] = [None, None]
+#: the writer thread's queue of ``(future, job)``: the thread is started at the first
+#: background save, one a process, and kept (a save hands it a job, not a new thread);
+#: a fork's child, which has no such thread, starts its own
+_writer: list[Any] = [None]
+os.register_at_fork(after_in_child=lambda: _writer.__setitem__(0, None))
 
 
 def _write_jobs(jobs: queue.SimpleQueue[tuple[Future[str], Callable[[], str]]]) -> None:
@@ -107,7 +110,7 @@ def _succeeded(handle: SaveHandle) -> bool:
 
 def wait_all(handles: list[SaveHandle]) -> None:
     """Wait for every handle; then raise the first error not reported yet (others stay)."""
-    if all(h._reported for h in handles):  # each waited for already: nothing to report
+    if settled(handles):  # each waited for already: nothing to report
         return
     first: BaseException | None = None
     for handle in list(handles):
@@ -120,6 +123,11 @@ def wait_all(handles: list[SaveHandle]) -> None:
             break
     if first is not None:
         raise first
+
+
+def settled(handles: list[SaveHandle]) -> bool:
+    """Whether each handle was waited for already (its save done, its error reported)."""
+    return all(h._reported for h in handles)
 
 
 def wait_for_pending_saves() -> None:
