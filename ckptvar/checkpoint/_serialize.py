@@ -185,7 +185,7 @@ class SnapshotBuffer:
         offsets, _, total = self._layout
         buf = self._buffer(total)
         # one call a view, its base the buffer itself
-        return [np.ndarray(shape, dtype, buf, off)
+        return [np.ndarray(shape, dtype, buf, off or 0)
                 for (shape, dtype), off in zip(specs, offsets, strict=True)]
 
     def copy(self, sources: Sequence[np.ndarray], *, processes: int = 1) -> list[np.ndarray]:
@@ -204,6 +204,7 @@ class SnapshotBuffer:
         buf = self._buffer(total)
         dests = [np.empty(shape, dtype) if off is None else np.ndarray(shape, dtype, buf, off)
                  for (shape, dtype), off in zip(self._specs, offsets, strict=True)]
+        # (an object array's ``None`` offset never reaches ``np.ndarray``)
         del buf
         out, pieces, nbytes = snapshot_pieces(sources, dests)
         copy_pieces(pieces, nbytes, processes=processes)
@@ -227,15 +228,25 @@ def host_arrays(plan: SaveContents, *, copy: bool, into: SnapshotBuffer | None =
     one pass and reuses the last one's attributes (the bookkeeping of a value costs no
     call of its own).
     """
-    if copy and into is not None and into.values is not None:
-        keys, variables, attrs = into.values
-        if (len(plan.variables) == len(variables)
-                and all(map(operator.is_, plan.variables.values(), variables))
-                and list(plan.variables) == keys):
-            sources = read_buffers(variables)
-            if sources is not None:
-                return list(zip(keys, into.copy(sources, processes=processes), attrs,
-                                strict=True))
+    if copy and into is not None:
+        again = _snapshot_again(plan, into, processes)
+        if again is not None:
+            return again
+    out, to_copy = _host_values(plan, copy)
+    if into is not None:  # kept for the next snapshot when each value is a host array
+        into.values = _to_keep(plan, out) if copy and len(to_copy) == len(out) else None
+    if to_copy:
+        sources = [out[i][1] for i in to_copy]
+        copies = (snapshot(sources, processes=processes) if into is None
+                  else into.copy(sources, processes=processes))
+        for i, c in zip(to_copy, copies, strict=True):
+            out[i] = (out[i][0], c, out[i][2])
+    return out
+
+
+def _host_values(plan: SaveContents, copy: bool,
+                 ) -> tuple[list[tuple[str, Any, dict[str, Any]]], list[int]]:
+    """:func:`host_arrays`' values before the copy, and which of them are still to copy."""
     out: list[tuple[str, Any, dict[str, Any]]] = []
     to_copy: list[int] = []
     for key, var in plan.variables.items():
@@ -257,20 +268,34 @@ def host_arrays(plan: SaveContents, *, copy: bool, into: SnapshotBuffer | None =
         else:
             host = np.asarray(value, order="C")
         out.append((key, host, attrs))
-    if into is not None:
-        # kept for the next snapshot when every value is a variable's host array
-        into.values = None
-        if copy and len(to_copy) == len(out) and all(type(v) is Variable
-                                                     for v in plan.variables.values()):
-            into.values = (list(plan.variables), list(plan.variables.values()),
-                           [a for _, _, a in out])
-    if to_copy:
-        sources = [out[i][1] for i in to_copy]
-        copies = (snapshot(sources, processes=processes) if into is None
-                  else into.copy(sources, processes=processes))
-        for i, c in zip(to_copy, copies, strict=True):
-            out[i] = (out[i][0], c, out[i][2])
-    return out
+    return out, to_copy
+
+
+def _to_keep(plan: SaveContents, out: list[tuple[str, Any, dict[str, Any]]],
+             ) -> tuple[list[str], list[Variable], list[dict[str, Any]]] | None:
+    """What :func:`_snapshot_again` needs of this snapshot: its keys, variables (each a
+    plain :class:`Variable`, else ``None``) and attributes."""
+    variables = [v for v in plan.variables.values() if type(v) is Variable]
+    if len(variables) != len(out):
+        return None
+    return list(plan.variables), variables, [a for _, _, a in out]
+
+
+def _snapshot_again(plan: SaveContents, into: SnapshotBuffer,
+                    processes: int) -> list[tuple[str, np.ndarray, dict[str, Any]]] | None:
+    """:func:`host_arrays`' snapshot when ``plan`` holds the very variables, under the
+    same keys, of ``into``'s last one, each still in a host array; else ``None``."""
+    if into.values is None:
+        return None
+    keys, variables, kept = into.values
+    if (len(plan.variables) != len(variables)
+            or not all(map(operator.is_, plan.variables.values(), variables))
+            or list(plan.variables) != keys):
+        return None
+    sources = read_buffers(variables)
+    if sources is None:
+        return None
+    return list(zip(keys, into.copy(sources, processes=processes), kept, strict=True))
 
 
 def metadata(plan: SaveContents, *, save_counter: int | None, user: Any = None) -> dict[str, Any]:
