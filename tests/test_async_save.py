@@ -150,14 +150,14 @@ def test_background_saves_snapshot_into_one_reused_buffer(tmp_path, monkeypatch)
     from ckptvar.checkpoint import _serialize
 
     starts: list[int] = []
-    real = _serialize.SnapshotBuffer.views
+    real = _serialize.SnapshotBuffer.copy
 
-    def spy(self, specs):  # type: ignore[no-untyped-def]
-        views = real(self, specs)
+    def spy(self, sources, **kw):  # type: ignore[no-untyped-def]
+        views = real(self, sources, **kw)
         starts.append(min(v.__array_interface__["data"][0] for v in views))
         return views
 
-    monkeypatch.setattr(_serialize.SnapshotBuffer, "views", spy)
+    monkeypatch.setattr(_serialize.SnapshotBuffer, "copy", spy)
     big = cv.Variable(np.zeros(5 << 20, dtype="float32"), name="big")  # 20 MiB: in pieces
     half = cv.Variable(np.zeros(7, dtype=ml_dtypes.bfloat16), name="half")
     ckpt = cv.Checkpoint(big=big, half=half)

@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import thread as _pool_threads  # noqa: F401 - see the last line
+from typing import Any
 
-__all__ = ["SaveHandle", "submit", "wait_for_pending_saves"]
+__all__ = ["SaveHandle", "settled", "submit", "wait_for_pending_saves"]
 
 logger = logging.getLogger("ckptvar")
 
 _lock = threading.Lock()
-_executor: ThreadPoolExecutor | None = None
 _outstanding: list[SaveHandle] = []  # not yet successfully waited for, or error unreported
 
 
@@ -66,14 +69,39 @@ class SaveHandle:
 
 def submit(fn: Callable[[], str], path: str) -> SaveHandle:
     """Run ``fn`` (which writes and returns the final path) in the writer thread."""
-    global _executor
+    future: Future[str] = Future()
     with _lock:
-        if _executor is None:
-            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptvar-save")
         _outstanding[:] = [h for h in _outstanding if not _succeeded(h)]
-        handle = SaveHandle(_executor.submit(fn), path)
+        handle = SaveHandle(future, path)
         _outstanding.append(handle)
+        jobs = _writer[0]
+        if jobs is None:  # the first background save of this process (or of a fork's child)
+            jobs = _writer[0] = queue.SimpleQueue()
+            threading.Thread(target=_write_jobs, args=(jobs,), name="ckptvar-save",
+                             daemon=True).start()
+        jobs.put((future, fn))
     return handle
+
+
+#: the writer thread's queue of ``(future, job)``: the thread is started at the first
+#: background save, one a process, and kept (a save hands it a job, not a new thread);
+#: a fork's child, which has no such thread, starts its own
+_writer: list[Any] = [None]
+os.register_at_fork(after_in_child=lambda: _writer.__setitem__(0, None))
+
+
+def _write_jobs(jobs: queue.SimpleQueue[tuple[Future[str], Callable[[], str]]]) -> None:
+    """The writer thread: run each job in turn, its result or error into its future."""
+    while True:
+        future, fn = jobs.get()
+        if future.set_running_or_notify_cancel():
+            try:
+                result = fn()
+            except BaseException as exc:  # noqa: BLE001 - reported through the handle
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+        del future, fn  # hold nothing of a finished job (its snapshot) while waiting
 
 
 def _succeeded(handle: SaveHandle) -> bool:
@@ -82,6 +110,8 @@ def _succeeded(handle: SaveHandle) -> bool:
 
 def wait_all(handles: list[SaveHandle]) -> None:
     """Wait for every handle; then raise the first error not reported yet (others stay)."""
+    if settled(handles):  # each waited for already: nothing to report
+        return
     first: BaseException | None = None
     for handle in list(handles):
         handle._future.exception()  # block without reporting
@@ -93,6 +123,11 @@ def wait_all(handles: list[SaveHandle]) -> None:
             break
     if first is not None:
         raise first
+
+
+def settled(handles: list[SaveHandle]) -> bool:
+    """Whether each handle was waited for already (its save done, its error reported)."""
+    return all(h._reported for h in handles)
 
 
 def wait_for_pending_saves() -> None:
@@ -127,6 +162,7 @@ def _finish_at_exit() -> None:
 
 atexit.register(_report_at_exit)
 # The interpreter's thread-pool shutdown (concurrent.futures' exit hook) runs before
-# ``atexit`` handlers and makes every pool refuse new work, which would fail a save in
-# flight. Hooks registered here run in reverse order, so this one runs before it.
+# ``atexit`` handlers and makes every pool refuse new work (the I/O threads a save
+# uses), which would fail a save in flight. Hooks registered here run in reverse
+# order, so this one, registered after that module's (imported above), runs before it.
 threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined]

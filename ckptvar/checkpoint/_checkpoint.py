@@ -68,6 +68,8 @@ class SaveOptions(TypedDict, total=False):
 
 def _checked(options: Mapping[str, Any], method: str) -> SaveOptions:
     """``options`` when every key is a :class:`SaveOptions` key; ``TypeError`` otherwise."""
+    if options.keys() <= SaveOptions.__optional_keys__:
+        return cast(SaveOptions, options)
     unknown = set(options) - SaveOptions.__optional_keys__
     if unknown:
         raise TypeError(
@@ -117,6 +119,9 @@ class Checkpoint(Trackable):
         object.__delattr__(self, name)
         self._untrack(name)
         self.__dict__.pop("_cv_plan", None)  # holds the object until the next save otherwise
+        buf = self.__dict__.get("_cv_snapshot")
+        if buf is not None:  # so do the last snapshot's variables
+            buf.values = None
 
     # -- the save counter --------------------------------------------------------------
     @property
@@ -198,9 +203,10 @@ class Checkpoint(Trackable):
         blocking = options.get("blocking", True)
         coordinator: Any = options.get("coordinator")
         timeout = options.get("timeout")
-        counter = trackable_children(self).get(_COUNTER)  # stored only once it exists
+        children = trackable_children(self)
+        counter = children.get(_COUNTER)  # stored only once it exists
         with paused_gc():
-            plan = self._gather()
+            plan = self._gather(children)
             collective = needs_collective(coordinator, plan.variables.values())
             if collective:  # each rank writes its own shard, never an assembled value
                 plan.variables = rank_variables(plan.variables)
@@ -265,8 +271,9 @@ class Checkpoint(Trackable):
         self._cv_handles.append(handle)
         return handle
 
-    def _gather(self) -> SaveContents:
-        """``gather(self, targets=False)``, without the walk when the last save's still holds.
+    def _gather(self, children: dict[str, Any]) -> SaveContents:
+        """``gather(self, targets=False)``, without the walk when the last save's still holds
+        (``children``: this checkpoint's, just asked).
 
         It holds when this checkpoint tracks the same objects under the same names, each
         a variable or a state-dict object that gave back the very children of the last
@@ -274,7 +281,6 @@ class Checkpoint(Trackable):
         variables and aliases are then the last save's; the Python state is taken anew.
         Anything else (other trackables, containers, names that need escaping) walks.
         """
-        children = trackable_children(self)
         key: list[Any] = []
         states: dict[str, bytes] = {}
         for name, obj in children.items():
@@ -320,6 +326,9 @@ class Checkpoint(Trackable):
         """
         handles = self.__dict__.get("_cv_handles")
         if not handles:
+            return
+        if _async.settled(handles):  # each waited for already: nothing left to report
+            handles.clear()
             return
         try:
             _async.wait_all(handles)

@@ -350,6 +350,9 @@ def _same_tensors(last: list[tuple[tuple[Any, ...], Any, tuple[Any, ...]]],
             if (local.data_ptr(), local.shape, local.stride(), local.dtype, u.placements,
                     id(u.device_mesh)) != ident:
                 return False
+        elif dtensor is None or not isinstance(u, dtensor):  # a plain tensor, inline
+            if (u.data_ptr(), u.shape, u.stride(), u.dtype, u.device) != ident:
+                return False
         elif _quick_identity(u) != ident:
             return False
     return True

@@ -12,6 +12,7 @@ record stored beside the arrays (object graph aliases, Python state, save counte
 from __future__ import annotations
 
 import math
+import operator
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,9 +23,9 @@ import numpy as np
 
 from .._staging import staged, staged_copy
 from ..errors import CorruptCheckpointError
-from ..storage import snapshot
+from ..storage import copy_pieces, snapshot, snapshot_pieces
 from ..trackable import Trackable, python_state
-from ..variables import PartitionedVariable, Variable, device_value, read_buffer
+from ..variables import PartitionedVariable, Variable, device_value, read_buffer, read_buffers
 from ._logical import Logical, as_target, assemble
 from ._walk import walk
 
@@ -135,25 +136,37 @@ class SnapshotBuffer:
         self._buf: np.ndarray | None = None
         self._idle = 0  # the buffer's reference count with no view of it alive
         self._specs: list[tuple[tuple[int, ...], np.dtype[Any]]] = []  # the last views'
-        self._layout: tuple[list[int], list[int], int] = ([], [], 0)  # their offsets, sizes
+        #: their offsets (``None``: an object array, never in the buffer), sizes, and the
+        #: bytes they take
+        self._layout: tuple[list[int | None], list[int], int] = ([], [], 0)
+        #: the last snapshot's ``(keys, variables, attrs)`` (:func:`host_arrays`): a save
+        #: of the very same variables under the same keys takes them again
+        self.values: tuple[list[str], list[Variable], list[dict[str, Any]]] | None = None
 
     @property
     def nbytes(self) -> int:
         """The bytes held between saves (0: none)."""
         return 0 if self._buf is None else int(self._buf.nbytes)
 
-    def views(self, specs: Sequence[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[np.ndarray]:
-        """A C-contiguous array of each ``(shape, dtype)``, side by side in the buffer."""
+    def _lay_out(self, specs: list[tuple[tuple[int, ...], np.dtype[Any]]]) -> None:
+        """Place each ``(shape, dtype)`` in the buffer, side by side (unless the last
+        specs were the same)."""
         if specs == self._specs:  # the last save's values again: the same layout
-            offsets, sizes, total = self._layout
-        else:
-            offsets, sizes, total = [], [], 0
-            for shape, dtype in specs:
-                n = math.prod(shape) * dtype.itemsize
-                offsets.append(total)
-                sizes.append(n)
+            return
+        offsets: list[int | None] = []
+        sizes: list[int] = []
+        total = 0
+        for shape, dtype in specs:
+            n = math.prod(shape) * dtype.itemsize
+            offsets.append(None if dtype.hasobject else total)
+            sizes.append(n)
+            if not dtype.hasobject:
                 total += -(-n // _ALIGN) * _ALIGN
-            self._specs, self._layout = list(specs), (offsets, sizes, total)
+        self._specs, self._layout = specs, (offsets, sizes, total)
+
+    def _buffer(self, total: int) -> np.ndarray:
+        """The buffer, of at least ``total`` bytes: the last one unless it no longer fits,
+        is more than twice too big, or is still viewed."""
         buf = self._buf
         # any reference beyond those counted when the buffer was made (the attribute and
         # ``buf``, however this interpreter counts them) is a view still alive somewhere:
@@ -164,9 +177,37 @@ class SnapshotBuffer:
             del buf
             buf = self._buf = np.empty(max(total, 1), np.uint8)
             self._idle = sys.getrefcount(buf)
-        out = []
-        for (shape, dtype), off, n in zip(specs, offsets, sizes, strict=True):
-            out.append(buf[off:off + n].view(dtype).reshape(shape))
+        return buf
+
+    def views(self, specs: Sequence[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[np.ndarray]:
+        """A C-contiguous array of each ``(shape, dtype)``, side by side in the buffer."""
+        self._lay_out(list(specs))
+        offsets, _, total = self._layout
+        buf = self._buffer(total)
+        # one call a view, its base the buffer itself
+        return [np.ndarray(shape, dtype, buf, off or 0)
+                for (shape, dtype), off in zip(specs, offsets, strict=True)]
+
+    def copy(self, sources: Sequence[np.ndarray], *, processes: int = 1) -> list[np.ndarray]:
+        """A C-ordered copy of each array: in the buffer (an object array: new memory),
+        helped by I/O threads where the CPUs are not taken by ``processes``
+        (:func:`~ckptvar.storage.snapshot`).
+
+        >>> buf = SnapshotBuffer()
+        >>> a = np.arange(6.0).reshape(2, 3)
+        >>> (c,) = buf.copy([a])
+        >>> bool((c == a).all()), np.shares_memory(c, a), c.base is buf._buf
+        (True, False, True)
+        """
+        self._lay_out([(a.shape, a.dtype) for a in sources])
+        offsets, _, total = self._layout
+        buf = self._buffer(total)
+        dests = [np.empty(shape, dtype) if off is None else np.ndarray(shape, dtype, buf, off)
+                 for (shape, dtype), off in zip(self._specs, offsets, strict=True)]
+        # (an object array's ``None`` offset never reaches ``np.ndarray``)
+        del buf
+        out, pieces, nbytes = snapshot_pieces(sources, dests)
+        copy_pieces(pieces, nbytes, processes=processes)
         return out
 
     def release(self) -> None:
@@ -182,8 +223,30 @@ def host_arrays(plan: SaveContents, *, copy: bool, into: SnapshotBuffer | None =
     snapshot; none: new memory), helped by I/O threads where the CPUs are not taken by
     the job's other ``processes`` (:func:`snapshot`). A value
     on a GPU is staged through the pinned buffer (``ckptvar._staging``), never copied to
-    the host whole; its snapshot is a copy on its device.
+    the host whole; its snapshot is a copy on its device. A snapshot into ``into`` of the
+    very variables of its last one, each held in a host array, reads their buffers in
+    one pass and reuses the last one's attributes (the bookkeeping of a value costs no
+    call of its own).
     """
+    if copy and into is not None:
+        again = _snapshot_again(plan, into, processes)
+        if again is not None:
+            return again
+    out, to_copy = _host_values(plan, copy)
+    if into is not None:  # kept for the next snapshot when each value is a host array
+        into.values = _to_keep(plan, out) if copy and len(to_copy) == len(out) else None
+    if to_copy:
+        sources = [out[i][1] for i in to_copy]
+        copies = (snapshot(sources, processes=processes) if into is None
+                  else into.copy(sources, processes=processes))
+        for i, c in zip(to_copy, copies, strict=True):
+            out[i] = (out[i][0], c, out[i][2])
+    return out
+
+
+def _host_values(plan: SaveContents, copy: bool,
+                 ) -> tuple[list[tuple[str, Any, dict[str, Any]]], list[int]]:
+    """:func:`host_arrays`' values before the copy, and which of them are still to copy."""
     out: list[tuple[str, Any, dict[str, Any]]] = []
     to_copy: list[int] = []
     for key, var in plan.variables.items():
@@ -205,18 +268,34 @@ def host_arrays(plan: SaveContents, *, copy: bool, into: SnapshotBuffer | None =
         else:
             host = np.asarray(value, order="C")
         out.append((key, host, attrs))
-    if to_copy:
-        sources = [out[i][1] for i in to_copy]
-        dest: list[np.ndarray | None] | None = None
-        if into is not None:
-            fits = [not a.dtype.hasobject for a in sources]
-            views = iter(into.views([(a.shape, a.dtype) for a, ok in zip(sources, fits,
-                                                                            strict=True) if ok]))
-            dest = [next(views) if ok else None for ok in fits]
-        copies = snapshot(sources, dest, processes=processes)
-        for i, c in zip(to_copy, copies, strict=True):
-            out[i] = (out[i][0], c, out[i][2])
-    return out
+    return out, to_copy
+
+
+def _to_keep(plan: SaveContents, out: list[tuple[str, Any, dict[str, Any]]],
+             ) -> tuple[list[str], list[Variable], list[dict[str, Any]]] | None:
+    """What :func:`_snapshot_again` needs of this snapshot: its keys, variables (each a
+    plain :class:`Variable`, else ``None``) and attributes."""
+    variables = [v for v in plan.variables.values() if type(v) is Variable]
+    if len(variables) != len(out):
+        return None
+    return list(plan.variables), variables, [a for _, _, a in out]
+
+
+def _snapshot_again(plan: SaveContents, into: SnapshotBuffer,
+                    processes: int) -> list[tuple[str, np.ndarray, dict[str, Any]]] | None:
+    """:func:`host_arrays`' snapshot when ``plan`` holds the very variables, under the
+    same keys, of ``into``'s last one, each still in a host array; else ``None``."""
+    if into.values is None:
+        return None
+    keys, variables, kept = into.values
+    if (len(plan.variables) != len(variables)
+            or not all(map(operator.is_, plan.variables.values(), variables))
+            or list(plan.variables) != keys):
+        return None
+    sources = read_buffers(variables)
+    if sources is None:
+        return None
+    return list(zip(keys, into.copy(sources, processes=processes), kept, strict=True))
 
 
 def metadata(plan: SaveContents, *, save_counter: int | None, user: Any = None) -> dict[str, Any]:

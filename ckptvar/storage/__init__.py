@@ -3,7 +3,8 @@
 Besides the interface (:mod:`.base`) and the registry, two helpers the layers
 above use while saving and restoring: :func:`paused_gc` (no cyclic garbage
 collection while many small objects are made) and :func:`snapshot` (copies of
-arrays, large ones in parallel pieces). For the checkpoint layer it also names the
+arrays, large ones in parallel pieces; :func:`snapshot_pieces` and :func:`copy_pieces`
+are its two halves, for a caller that copies the same arrays again). For the checkpoint layer it also names the
 crash-safe file helpers (``partial_path``, ``is_partial``, ``remove_path``,
 ``fsync_dir``, ``fsync_path``), the remote-URL entry points (``open_remote_reader``,
 ``save_remote``, ``remote_format``) and the sharded layout (``ShardedReader``,
@@ -38,7 +39,7 @@ from .base import (
     Writer,
 )
 from .chunked import Chunked, as_host, is_chunked, materialize
-from .rawio import snapshot
+from .rawio import copy_pieces, snapshot, snapshot_pieces
 from .registry import (
     backend_for,
     is_own_checkpoint,
@@ -90,6 +91,7 @@ __all__ = [
     "as_host",
     "backend_for",
     "box_key",
+    "copy_pieces",
     "external_files",
     "fsync_dir",
     "fsync_path",
@@ -112,5 +114,6 @@ __all__ = [
     "save_remote_h5_incremental",
     "save_remote_incremental",
     "snapshot",
+    "snapshot_pieces",
     "writable_formats",
 ]

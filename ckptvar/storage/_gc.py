@@ -14,20 +14,28 @@ True
 
 from __future__ import annotations
 
-import contextlib
 import gc
-from collections.abc import Iterator
+from types import TracebackType
 
 __all__ = ["paused_gc"]
 
 
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """No cyclic garbage collection inside the block (restored as it was after it)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
+class _Paused:
+    """The context of :func:`paused_gc` (a class: no generator frame to enter and leave,
+    as ``contextlib.contextmanager``'s; a background save enters it in the caller's time)."""
+
+    __slots__ = ("_was",)
+
+    def __enter__(self) -> None:
+        self._was = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._was:
             gc.enable()
+
+
+def paused_gc() -> _Paused:
+    """No cyclic garbage collection inside the block (restored as it was after it)."""
+    return _Paused()

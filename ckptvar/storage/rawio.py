@@ -46,6 +46,7 @@ __all__ = [
     "aligned_empty",
     "byte_view",
     "cached",
+    "copy_pieces",
     "direct_stats",
     "open_direct",
     "pread_direct",
@@ -58,6 +59,7 @@ __all__ = [
     "pwrite_pieces",
     "pwritev_all",
     "snapshot",
+    "snapshot_pieces",
     "start_all",
     "start_writeback",
     "submit",
@@ -364,21 +366,37 @@ def snapshot(arrays: Sequence[np.ndarray],
     >>> snapshot([a], into=[dest])[0] is dest and bool((dest == a).all())
     True
     """
+    out, pieces, total = snapshot_pieces(arrays, into)
+    copy_pieces(pieces, total, processes=processes)
+    return out
+
+
+def snapshot_pieces(arrays: Sequence[np.ndarray],
+                    into: Sequence[np.ndarray | None] | None = None,
+                    ) -> tuple[list[np.ndarray], list[tuple[np.ndarray, np.ndarray]], int]:
+    """What :func:`snapshot` copies, not copied yet: ``(destinations, pieces, nbytes)``.
+
+    ``pieces`` are ``(destination, source)`` pairs (2 MiB at most, a non-contiguous
+    array whole) that :func:`copy_pieces` copies; a caller that snapshots the very same
+    arrays again may keep them and copy them again.
+
+    >>> a = np.arange(6).reshape(2, 3)
+    >>> (d,), pieces, n = snapshot_pieces([a])
+    >>> copy_pieces(pieces, n)
+    >>> bool((d == a).all()), n
+    (True, 48)
+    """
     out: list[np.ndarray] = []
     pieces: list[tuple[np.ndarray, np.ndarray]] = []  # (destination, source), flat
     total = 0
     for i, a in enumerate(arrays):
         d = None if into is None else into[i]
-        if not a.flags.c_contiguous:
-            if d is None:
-                out.append(np.array(a, copy=True, order="C"))
-            else:
-                np.copyto(d, a, casting="no")
-                out.append(d)
-            continue
         if d is None:
             d = np.empty(a.shape, a.dtype)
         out.append(d)
+        if not a.flags.c_contiguous:  # copied whole, from its strides
+            pieces.append((d, a))
+            continue
         total += a.nbytes
         if a.nbytes <= _SNAPSHOT_PIECE:  # one piece: the arrays as they are
             pieces.append((d, a))
@@ -387,9 +405,15 @@ def snapshot(arrays: Sequence[np.ndarray],
         step = max(1, _SNAPSHOT_PIECE // max(1, a.itemsize))
         for s in range(0, src.size, step):
             pieces.append((dst[s : s + step], src[s : s + step]))
+    return out, pieces, total
+
+
+def copy_pieces(pieces: Sequence[tuple[np.ndarray, np.ndarray]], nbytes: int, *,
+                processes: int = 1) -> None:
+    """Copy :func:`snapshot_pieces`'s ``pieces`` (``nbytes`` of contiguous ones in all),
+    helped by I/O threads as :func:`snapshot` says."""
     helpers = min(IO_THREADS, _cpus() // max(1, processes)) - 1
-    _copy_pieces(pieces, helpers if total >= 2 * _COPY_PIECE else 0)
-    return out
+    _copy_pieces(pieces, helpers if nbytes >= 2 * _COPY_PIECE else 0)
 
 
 def _copy_pieces(pieces: Sequence[tuple[np.ndarray, np.ndarray]], helpers: int) -> None:

@@ -12,7 +12,9 @@ True
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 from ..errors import CheckpointNotFoundError, UnsupportedFormatError
 from .base import Backend
@@ -32,13 +34,51 @@ _OWN = ("h5", "zarr", "sharded")
 
 _BACKENDS: dict[str, type[Backend]] = {}
 
+#: ``backend_for(path, format, mode="w")`` by all it depends on: the format asked for, the
+#: end of the name that the suffixes are matched against, and whether the name has a
+#: suffix (a background save asks at every call); emptied when a backend is registered
+_WRITERS: dict[tuple[str | None, str, bool], type[Backend]] = {}
+#: the longest registered suffix, and whether every suffix starts with a dot
+_SUFFIXES: list[Any] = [0, True]
+
 
 def register_backend(cls: type[Backend], *, override: bool = False) -> type[Backend]:
     """Add a format; refuses to replace a registered name unless ``override=True``."""
     if cls.name in _BACKENDS and not override and _BACKENDS[cls.name] is not cls:
         raise ValueError(f"A backend named {cls.name!r} is already registered.")
     _BACKENDS[cls.name] = cls
+    _WRITERS.clear()
+    suffixes = [s for c in _BACKENDS.values() for s in c.suffixes]
+    _SUFFIXES[:] = [max(map(len, suffixes), default=0), all(s[:1] == "." for s in suffixes)]
     return cls
+
+
+def _writer_key(path: str, format: str | None) -> tuple[str | None, str, bool] | None:
+    """What ``backend_for(path, format, mode="w")`` depends on, taken from the string
+    (``None`` where the name is not plainly the part after the last ``/``: elsewhere
+    than POSIX, or a path ending in ``/`` or ``.``).
+
+    The end of the name is from its first ``.`` that a registered suffix may start at
+    (``ckpt-7.h5``: ``.h5``), so the steps of one prefix share a key.
+
+    >>> _writer_key("/tmp/run/ckpt-7.h5", None) == _writer_key("/tmp/run/ckpt-8.h5", None)
+    True
+    >>> _writer_key("/tmp/run/ckpt-7.H5", "zarr")
+    ('zarr', '.h5', True)
+    """
+    if os.sep != "/" or os.altsep:
+        return None
+    name = path.rpartition("/")[2]
+    if not name or name[-1] == ".":
+        return None
+    longest, dotted = _SUFFIXES
+    lower = name.lower()
+    if dotted:
+        start = lower.find(".", max(0, len(lower) - longest))
+        tail = "" if start < 0 else lower[start:]
+    else:  # a suffix without a dot: the last characters, as long as the longest suffix
+        tail = lower[-longest:] if longest else ""
+    return format, tail, 0 < name.rfind(".") < len(name) - 1
 
 
 def is_own_checkpoint(path: str | Path) -> bool:
@@ -89,6 +129,11 @@ def backend_for(path: str | Path, format: str | None = None, *, mode: str = "r")
     (``Backend.hands_over_unrecognised``: a Keras ``.h5`` file). Raises
     ``UnsupportedFormatError`` naming the known formats.
     """
+    key = _writer_key(os.fspath(path), format) if mode == "w" else None
+    if key is not None:
+        hit = _WRITERS.get(key)
+        if hit is not None:
+            return hit
     path = Path(path)
     if format is not None:
         cls = _BACKENDS.get(format.lower().lstrip("."))
@@ -102,6 +147,10 @@ def backend_for(path: str | Path, format: str | None = None, *, mode: str = "r")
         raise _cannot_write(path, f"the {cls.name} format is read-only")
     if mode == "r" and cls.hands_over_unrecognised:
         cls = _claimant(cls, path) or cls
+    if key is not None:
+        if len(_WRITERS) >= 64:  # names with dots of their own (``step.1000.h5``)
+            _WRITERS.clear()
+        _WRITERS[key] = cls
     return cls
 
 

@@ -62,6 +62,7 @@ __all__ = [
     "host_buffers",
     "is_materialized",
     "read_buffer",
+    "read_buffers",
     "restore_value",
     "rows_written",
     "set_initial_value_source",
@@ -597,6 +598,23 @@ def unsharded(variables: Sequence[Variable]) -> bool:
 
 
 _shard_of = operator.attrgetter("_shard")
+
+
+def read_buffers(variables: Sequence[Variable]) -> list[np.ndarray] | None:
+    """:func:`read_buffer` of each variable, in one pass (a background save's snapshot of
+    many values pays no call per value), when every one is a :class:`Variable` whose value
+    is materialised in a host NumPy array and stands for no GPU tensor; else ``None``
+    (the caller asks :func:`read_buffer` and :func:`device_value` of each)."""
+    out: list[np.ndarray] = []
+    add, ndarray = out.append, np.ndarray
+    for var in variables:
+        if type(var) is not Variable or var._device_value is not None:
+            return None
+        state = var._state
+        if type(state) is not Ready or not isinstance(state.value, ndarray):
+            return None
+        add(state.value)
+    return out
 
 
 def shapes_and_dtypes(variables: Sequence[Variable]) -> tuple[list[Shape], list[np.dtype]]:
