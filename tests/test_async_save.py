@@ -120,6 +120,31 @@ def test_a_save_in_flight_when_the_interpreter_exits_is_finished(tmp_path: Path)
     assert cv.latest_checkpoint(tmp_path) == str(tmp_path / "ck-1.h5")
 
 
+def test_a_background_save_asked_for_at_exit_is_written_or_refused_never_lost(
+        tmp_path: Path) -> None:
+    """A save started by an ``atexit`` handler, after the exit wait for saves in flight
+    has run: the writer thread may never run again, so the save is written on the
+    caller's thread before ``save()`` returns (or fails there, loudly)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import atexit, sys, numpy as np, ckptvar as cv\n"
+        "c = cv.Checkpoint(v=cv.Variable(np.arange(1 << 20, dtype='float32'), name='v'))\n"
+        "c.save(sys.argv[1], blocking=False).wait()\n"
+        "def last():\n"
+        "    c.v.assign(np.ones(1 << 20, dtype='float32'))\n"
+        "    c.save(sys.argv[1], blocking=False)\n"
+        "atexit.register(last)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ck")],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "Error" not in proc.stderr, proc.stderr
+    assert cv.load(tmp_path / "ck-2.h5")["v"].sum() == 1 << 20
+    assert cv.latest_checkpoint(tmp_path) == str(tmp_path / "ck-2.h5")
+
+
 def test_a_finished_background_save_holds_no_snapshot(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The job drops its snapshot itself: the executor's worker keeps a finished job a
     moment after its future is done, and the next save would snapshot meanwhile."""

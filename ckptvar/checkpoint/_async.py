@@ -70,6 +70,15 @@ class SaveHandle:
 def submit(fn: Callable[[], str], path: str) -> SaveHandle:
     """Run ``fn`` (which writes and returns the final path) in the writer thread."""
     future: Future[str] = Future()
+    if _exiting[0]:  # after the exit wait: a job queued now might never run
+        handle = SaveHandle(future, path)
+        try:
+            future.set_result(fn())
+        except BaseException as exc:
+            future.set_exception(exc)
+            handle._reported = True
+            raise
+        return handle
     with _lock:
         _outstanding[:] = [h for h in _outstanding if not _succeeded(h)]
         handle = SaveHandle(future, path)
@@ -87,6 +96,8 @@ def submit(fn: Callable[[], str], path: str) -> SaveHandle:
 #: background save, one a process, and kept (a save hands it a job, not a new thread);
 #: a fork's child, which has no such thread, starts its own
 _writer: list[Any] = [None]
+#: set by the exit wait (:func:`_finish_at_exit`): saves are then written by the caller
+_exiting = [False]
 os.register_at_fork(after_in_child=lambda: _writer.__setitem__(0, None))
 
 
@@ -153,7 +164,9 @@ def _report_at_exit() -> None:
 
 
 def _finish_at_exit() -> None:
-    """Let the saves in flight finish before the thread pools they use are shut down."""
+    """Let the saves in flight finish before the thread pools they use are shut down;
+    later ones (asked for by ``atexit`` handlers) are written on the caller's thread."""
+    _exiting[0] = True
     with _lock:
         handles = list(_outstanding)
     for handle in handles:

@@ -121,7 +121,13 @@ def fsync_all(files: Iterable[Path], dirs: Iterable[Path]) -> None:
             fn(path)
         return
     pool = _fsync_pool()
-    for future in [pool.submit(fn, path) for fn, path in jobs]:
+    futures = []
+    for fn, path in jobs:
+        try:
+            futures.append(pool.submit(fn, path))
+        except RuntimeError:  # the interpreter is exiting: pools take no new work
+            fn(path)
+    for future in futures:
         future.result()
 
 

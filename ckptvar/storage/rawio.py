@@ -48,6 +48,7 @@ __all__ = [
     "cached",
     "copy_pieces",
     "direct_stats",
+    "exiting",
     "open_direct",
     "pread_direct",
     "pread_exact",
@@ -58,6 +59,7 @@ __all__ = [
     "pwrite_flushing",
     "pwrite_pieces",
     "pwritev_all",
+    "run_here",
     "snapshot",
     "snapshot_pieces",
     "start_all",
@@ -116,6 +118,28 @@ class _Pools:
 _pools = _Pools()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_pools.forget)
+
+#: Set when the interpreter begins to exit: thread pools then refuse new work, so what
+#: would go to a thread runs on the caller's (a save asked for by an ``atexit`` handler).
+_exiting = threading.Event()
+# Hooks run in reverse order of registration: this one, registered after
+# concurrent.futures' (imported above), runs before the pools stop taking work.
+threading._register_atexit(_exiting.set)  # type: ignore[attr-defined]
+
+
+def exiting() -> bool:
+    """Whether the interpreter has begun to exit (thread pools take no new work)."""
+    return _exiting.is_set()
+
+
+def run_here(fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    """``fn(*args)`` run on this thread, its result or error in a finished future."""
+    f: Future[Any] = Future()
+    try:
+        f.set_result(fn(*args))
+    except BaseException as exc:  # noqa: BLE001 - handed over through the future
+        f.set_exception(exc)
+    return f
 
 
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)
@@ -296,14 +320,10 @@ def start_all(tasks: Sequence[Callable[[], Any]], *, background: bool = False) -
 
     With one thread, or one task and not ``background``, they run here, in order.
     """
-    if IO_THREADS == 1 or (len(tasks) <= 1 and not background):
+    if IO_THREADS == 1 or (len(tasks) <= 1 and not background) or _exiting.is_set():
         done: list[Future[Any]] = []
         for task in tasks:
-            f: Future[Any] = Future()
-            try:
-                f.set_result(task())
-            except BaseException as exc:  # noqa: BLE001 - handed to wait_all, which raises it
-                f.set_exception(exc)
+            f = run_here(task)
             done.append(f)
             if f.exception() is not None:
                 break
@@ -334,6 +354,8 @@ def wait_all(futures: Sequence[Future[Any]]) -> list[Any]:
 
 def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
     """Run ``fn(*args)`` on the shared checksum thread (tasks run in submission order)."""
+    if _exiting.is_set():
+        return run_here(fn, *args)
     return _pools.checksum_pool().submit(fn, *args)
 
 
@@ -432,7 +454,7 @@ def _copy_pieces(pieces: Sequence[tuple[np.ndarray, np.ndarray]], helpers: int) 
             np.copyto(dst, src, casting="no")
 
     pool = _pools.io_pool()
-    helping = [pool.submit(copy_turns) for _ in range(helpers)]
+    helping = [pool.submit(copy_turns) for _ in range(0 if _exiting.is_set() else helpers)]
     copy_turns()
     # a helper not started yet (the pool busy, or the thread not run yet) is not waited for
     wait_all([f for f in helping if not f.cancel()])
