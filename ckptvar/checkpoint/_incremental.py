@@ -172,6 +172,8 @@ def _name(path: str | os.PathLike[str]) -> str:
 
 #: ``external_files`` by (path, inode, size, mtime): a committed step never changes.
 _REFS: dict[tuple[str, int, int, int], frozenset[str]] = {}
+#: Steps ``_REFS`` holds at most (a manager's kept and held steps, with room to spare).
+_REFS_KEPT = 64
 
 
 def _references(path: Path) -> frozenset[str]:
@@ -180,8 +182,8 @@ def _references(path: Path) -> frozenset[str]:
     refs = _REFS.get(ident)
     if refs is None:
         refs = frozenset(external_files(path))
-        if len(_REFS) > 4096:
-            _REFS.clear()
+        while len(_REFS) >= _REFS_KEPT:  # the oldest first: pruned steps are not asked again
+            del _REFS[next(iter(_REFS))]
         _REFS[ident] = refs
     return refs
 
