@@ -135,3 +135,33 @@ def test_a_forked_child_saves_in_the_background_on_its_own_writer_thread(tmp_pat
     assert proc.returncode == 0, proc.stderr
     assert cv.load(tmp_path / "child-2.h5")["v"].tolist() == [9.0] * 4
     assert cv.load(tmp_path / "parent-2.h5")["v"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_forked_child_does_not_wait_for_the_parents_save_in_flight(tmp_path: Path) -> None:
+    """A save in flight in the parent at the fork never runs in the child (it has no
+    writer thread of its own yet): the child's waits, its own saves and its exit go on
+    without it instead of hanging, and its handle there returns None, not a path."""
+    script = (
+        "import os, sys, threading, numpy as np, ckptvar as cv\n"
+        "from ckptvar.checkpoint import _async\n"
+        "gate = threading.Event()\n"
+        "def held():\n"
+        "    assert gate.wait(30)\n"
+        "    return 'parent'\n"
+        "h = _async.submit(held, 'parent')\n"  # the parent's writer busy at the fork
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    c = cv.Checkpoint(v=cv.Variable(np.arange(4.0), name='v'))\n"
+        "    assert c.save(sys.argv[1] + '/child', blocking=False).wait(timeout=30)\n"
+        "    cv.wait_for_pending_saves()\n"
+        "    assert h.done() and h.wait(timeout=1) is None\n"
+        "    sys.exit(7)\n"  # a normal exit: the exit wait runs
+        "code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])\n"
+        "gate.set()\n"
+        "assert h.wait(timeout=30) == 'parent'\n"
+        "sys.exit(code)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 7, proc.stderr
+    assert cv.load(tmp_path / "child-1.h5")["v"].tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -20,6 +20,8 @@ from concurrent.futures import Future
 from concurrent.futures import thread as _pool_threads  # noqa: F401 - see the last line
 from typing import Any
 
+from ..errors import CkptError
+
 __all__ = ["SaveHandle", "settled", "submit", "wait_for_pending_saves"]
 
 logger = logging.getLogger("ckptvar")
@@ -98,7 +100,29 @@ def submit(fn: Callable[[], str], path: str) -> SaveHandle:
 _writer: list[Any] = [None]
 #: set by the exit wait (:func:`_finish_at_exit`): saves are then written by the caller
 _exiting = [False]
-os.register_at_fork(after_in_child=lambda: _writer.__setitem__(0, None))
+
+
+def _forget_in_child() -> None:
+    """In a fork's child: no writer thread (its first save starts one), and the parent's
+    saves still in flight are the parent's: they never run here, so nothing here waits
+    for them (the exit wait, :func:`wait_for_pending_saves`, the owner's next save) and
+    their handles' ``wait()`` returns ``None`` at once (not durable as far as this
+    process can tell), their error saying why."""
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    _writer[0] = None
+    pid = os.getppid()
+    for handle in _outstanding:
+        if not handle._future.done():
+            lost: Future[str] = Future()
+            lost.set_exception(CkptError(
+                f"The background save to {handle.path!r} was in flight in process {pid} "
+                f"when this process forked from it; that process writes it, not this one."))
+            handle._future, handle._reported = lost, True
+    _outstanding.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _write_jobs(jobs: queue.SimpleQueue[tuple[Future[str], Callable[[], str]]]) -> None:
