@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -165,3 +166,36 @@ def test_a_forked_child_does_not_wait_for_the_parents_save_in_flight(tmp_path: P
                           text=True, timeout=60, check=False)
     assert proc.returncode == 7, proc.stderr
     assert cv.load(tmp_path / "child-1.h5")["v"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.usefixtures("own_registry")
+def test_a_backend_registered_while_a_writer_is_looked_up_is_not_hidden_by_it() -> None:
+    """A look-up that began before ``register_backend`` may answer as before, but does
+    not keep its answer past the registration (the next save would write the old format)."""
+    h5 = backend_for("run/ckpt-1.h5", mode="w")
+    asking, go_on = threading.Event(), threading.Event()
+
+    class Slow(type(h5)):  # type: ignore[misc]
+        @property
+        def can_write(cls) -> bool:  # asked between the choice and keeping it
+            if threading.current_thread().name == "cvtest-asker":
+                asking.set()
+                assert go_on.wait(30)
+            return True
+
+        @can_write.setter
+        def can_write(cls, value: bool) -> None:  # set by Backend.__init_subclass__
+            pass
+
+    old = register_backend(Slow("Old", (h5,), {"name": "cvtest-slow", "suffixes": (".slow",)}))
+    got: list[object] = []
+    asker = threading.Thread(target=lambda: got.append(backend_for("run/a.slow", mode="w")),
+                             name="cvtest-asker")
+    asker.start()
+    assert asking.wait(30)
+    new = register_backend(type("New", (h5,), {"name": "cvtest-slow", "suffixes": (".slow",)}),
+                           override=True)
+    go_on.set()
+    asker.join(30)
+    assert got == [old]  # asked before the registration
+    assert backend_for("run/b.slow", mode="w") is new
