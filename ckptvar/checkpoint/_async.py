@@ -72,25 +72,25 @@ class SaveHandle:
 def submit(fn: Callable[[], str], path: str) -> SaveHandle:
     """Run ``fn`` (which writes and returns the final path) in the writer thread."""
     future: Future[str] = Future()
-    if _exiting[0]:  # after the exit wait: a job queued now might never run
-        handle = SaveHandle(future, path)
+    handle = SaveHandle(future, path)
+    with _lock:  # (the exit wait takes its list under it: a save is either in it or here)
+        here = _exiting[0]
+        if not here:
+            _outstanding[:] = [h for h in _outstanding if not _succeeded(h)]
+            _outstanding.append(handle)
+            jobs = _writer[0]
+            if jobs is None:  # the first background save of this process (or a fork's child)
+                jobs = _writer[0] = queue.SimpleQueue()
+                threading.Thread(target=_write_jobs, args=(jobs,), name="ckptvar-save",
+                                 daemon=True).start()
+            jobs.put((future, fn))
+    if here:  # after the exit wait: a job queued now might never run
         try:
             future.set_result(fn())
         except BaseException as exc:
             future.set_exception(exc)
             handle._reported = True
             raise
-        return handle
-    with _lock:
-        _outstanding[:] = [h for h in _outstanding if not _succeeded(h)]
-        handle = SaveHandle(future, path)
-        _outstanding.append(handle)
-        jobs = _writer[0]
-        if jobs is None:  # the first background save of this process (or of a fork's child)
-            jobs = _writer[0] = queue.SimpleQueue()
-            threading.Thread(target=_write_jobs, args=(jobs,), name="ckptvar-save",
-                             daemon=True).start()
-        jobs.put((future, fn))
     return handle
 
 
