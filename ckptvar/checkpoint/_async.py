@@ -104,21 +104,21 @@ _exiting = [False]
 
 def _forget_in_child() -> None:
     """In a fork's child: no writer thread (its first save starts one), and the parent's
-    saves still in flight are the parent's: they never run here, so nothing here waits
-    for them (the exit wait, :func:`wait_for_pending_saves`, the owner's next save) and
-    their handles' ``wait()`` returns ``None`` at once (not durable as far as this
-    process can tell), their error saying why."""
+    saves not waited for before the fork are the parent's: one in flight never runs here,
+    so nothing here waits for them (the exit wait, :func:`wait_for_pending_saves`, the
+    owner's next save) and their handles' ``wait()`` returns ``None`` at once (not known
+    durable here), their error saying why. (Their futures are not asked whether they are
+    done: a thread of the parent may have held a future's lock at the fork.)"""
     global _lock
     _lock = threading.Lock()  # another thread may have held it at the fork
     _writer[0] = None
     pid = os.getppid()
     for handle in _outstanding:
-        if not handle._future.done():
-            lost: Future[str] = Future()
-            lost.set_exception(CkptError(
-                f"The background save to {handle.path!r} was in flight in process {pid} "
-                f"when this process forked from it; that process writes it, not this one."))
-            handle._future, handle._reported = lost, True
+        lost: Future[str] = Future()
+        lost.set_exception(CkptError(
+            f"The background save to {handle.path!r} was not waited for in process {pid} "
+            "before this process forked from it; that process writes it, not this one."))
+        handle._future, handle._reported = lost, True
     _outstanding.clear()
 
 
