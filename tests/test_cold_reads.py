@@ -340,3 +340,26 @@ def test_a_checkpoint_on_tmpfs_loads_whatever_o_direct_does_there(
         assert after[0] - before[0] == _large(arrays) or after[1] > before[1]
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_cold_load_of_many_chunk_files_keeps_few_descriptors_open(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task reads many small chunk files one after the other: each file's ``O_DIRECT``
+    descriptor is closed when the task moves on, not kept to the task's end (2,000
+    arrays of 8 KiB, saved by default, failed to load cold under ``ulimit -n 1024`` with
+    'cannot be opened': a task of 8 MiB held 1,024 such descriptors)."""
+    resource = pytest.importorskip("resource")
+    from ckptvar.storage._container import bulk
+
+    arrays = {f"v{i:04d}": np.full(5120, i, np.float32) for i in range(600)}  # 20 KiB each
+    path = tmp_path / "many.zarr"
+    cv.save(path, arrays, pack_threshold=0)  # a file each: 12 MiB, more than one task
+    monkeypatch.setattr(bulk, "_HOLD", 16)  # what a low limit gives (_hold_limit)
+    _drop(path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 150, hard))
+    try:
+        got = cv.load(path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert all((got[k] == a).all() for k, a in arrays.items())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -135,3 +136,66 @@ def test_a_forked_child_saves_in_the_background_on_its_own_writer_thread(tmp_pat
     assert proc.returncode == 0, proc.stderr
     assert cv.load(tmp_path / "child-2.h5")["v"].tolist() == [9.0] * 4
     assert cv.load(tmp_path / "parent-2.h5")["v"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_forked_child_does_not_wait_for_the_parents_save_in_flight(tmp_path: Path) -> None:
+    """A save in flight in the parent at the fork never runs in the child (it has no
+    writer thread of its own yet): the child's waits, its own saves and its exit go on
+    without it instead of hanging, and its handle there returns None, not a path."""
+    script = (
+        "import os, sys, threading, numpy as np, ckptvar as cv\n"
+        "from ckptvar.checkpoint import _async\n"
+        "gate = threading.Event()\n"
+        "def held():\n"
+        "    assert gate.wait(30)\n"
+        "    return 'parent'\n"
+        "h = _async.submit(held, 'parent')\n"  # the parent's writer busy at the fork
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    c = cv.Checkpoint(v=cv.Variable(np.arange(4.0), name='v'))\n"
+        "    assert c.save(sys.argv[1] + '/child', blocking=False).wait(timeout=30)\n"
+        "    cv.wait_for_pending_saves()\n"
+        "    assert h.done() and h.wait(timeout=1) is None\n"
+        "    sys.exit(7)\n"  # a normal exit: the exit wait runs
+        "code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])\n"
+        "gate.set()\n"
+        "assert h.wait(timeout=30) == 'parent'\n"
+        "sys.exit(code)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 7, proc.stderr
+    assert cv.load(tmp_path / "child-1.h5")["v"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.usefixtures("own_registry")
+def test_a_backend_registered_while_a_writer_is_looked_up_is_not_hidden_by_it() -> None:
+    """A look-up that began before ``register_backend`` may answer as before, but does
+    not keep its answer past the registration (the next save would write the old format)."""
+    h5 = backend_for("run/ckpt-1.h5", mode="w")
+    asking, go_on = threading.Event(), threading.Event()
+
+    class Slow(type(h5)):  # type: ignore[misc]
+        @property
+        def can_write(cls) -> bool:  # asked between the choice and keeping it
+            if threading.current_thread().name == "cvtest-asker":
+                asking.set()
+                assert go_on.wait(30)
+            return True
+
+        @can_write.setter
+        def can_write(cls, value: bool) -> None:  # set by Backend.__init_subclass__
+            pass
+
+    old = register_backend(Slow("Old", (h5,), {"name": "cvtest-slow", "suffixes": (".slow",)}))
+    got: list[object] = []
+    asker = threading.Thread(target=lambda: got.append(backend_for("run/a.slow", mode="w")),
+                             name="cvtest-asker")
+    asker.start()
+    assert asking.wait(30)
+    new = register_backend(type("New", (h5,), {"name": "cvtest-slow", "suffixes": (".slow",)}),
+                           override=True)
+    go_on.set()
+    asker.join(30)
+    assert got == [old]  # asked before the registration
+    assert backend_for("run/b.slow", mode="w") is new

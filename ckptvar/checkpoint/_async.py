@@ -20,6 +20,8 @@ from concurrent.futures import Future
 from concurrent.futures import thread as _pool_threads  # noqa: F401 - see the last line
 from typing import Any
 
+from ..errors import CkptError
+
 __all__ = ["SaveHandle", "settled", "submit", "wait_for_pending_saves"]
 
 logger = logging.getLogger("ckptvar")
@@ -70,25 +72,25 @@ class SaveHandle:
 def submit(fn: Callable[[], str], path: str) -> SaveHandle:
     """Run ``fn`` (which writes and returns the final path) in the writer thread."""
     future: Future[str] = Future()
-    if _exiting[0]:  # after the exit wait: a job queued now might never run
-        handle = SaveHandle(future, path)
+    handle = SaveHandle(future, path)
+    with _lock:  # (the exit wait takes its list under it: a save is either in it or here)
+        here = _exiting[0]
+        if not here:
+            _outstanding[:] = [h for h in _outstanding if not _succeeded(h)]
+            _outstanding.append(handle)
+            jobs = _writer[0]
+            if jobs is None:  # the first background save of this process (or a fork's child)
+                jobs = _writer[0] = queue.SimpleQueue()
+                threading.Thread(target=_write_jobs, args=(jobs,), name="ckptvar-save",
+                                 daemon=True).start()
+            jobs.put((future, fn))
+    if here:  # after the exit wait: a job queued now might never run
         try:
             future.set_result(fn())
         except BaseException as exc:
             future.set_exception(exc)
             handle._reported = True
             raise
-        return handle
-    with _lock:
-        _outstanding[:] = [h for h in _outstanding if not _succeeded(h)]
-        handle = SaveHandle(future, path)
-        _outstanding.append(handle)
-        jobs = _writer[0]
-        if jobs is None:  # the first background save of this process (or of a fork's child)
-            jobs = _writer[0] = queue.SimpleQueue()
-            threading.Thread(target=_write_jobs, args=(jobs,), name="ckptvar-save",
-                             daemon=True).start()
-        jobs.put((future, fn))
     return handle
 
 
@@ -98,7 +100,29 @@ def submit(fn: Callable[[], str], path: str) -> SaveHandle:
 _writer: list[Any] = [None]
 #: set by the exit wait (:func:`_finish_at_exit`): saves are then written by the caller
 _exiting = [False]
-os.register_at_fork(after_in_child=lambda: _writer.__setitem__(0, None))
+
+
+def _forget_in_child() -> None:
+    """In a fork's child: no writer thread (its first save starts one), and the parent's
+    saves not waited for before the fork are the parent's: one in flight never runs here,
+    so nothing here waits for them (the exit wait, :func:`wait_for_pending_saves`, the
+    owner's next save) and their handles' ``wait()`` returns ``None`` at once (not known
+    durable here), their error saying why. (Their futures are not asked whether they are
+    done: a thread of the parent may have held a future's lock at the fork.)"""
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    _writer[0] = None
+    pid = os.getppid()
+    for handle in _outstanding:
+        lost: Future[str] = Future()
+        lost.set_exception(CkptError(
+            f"The background save to {handle.path!r} was not waited for in process {pid} "
+            "before this process forked from it; that process writes it, not this one."))
+        handle._future, handle._reported = lost, True
+    _outstanding.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _write_jobs(jobs: queue.SimpleQueue[tuple[Future[str], Callable[[], str]]]) -> None:

@@ -13,6 +13,7 @@ True
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -40,16 +41,23 @@ _BACKENDS: dict[str, type[Backend]] = {}
 _WRITERS: dict[tuple[str | None, str, bool], type[Backend]] = {}
 #: the longest registered suffix, and whether every suffix starts with a dot
 _SUFFIXES: list[Any] = [0, True]
+#: how many times a backend was registered: an answer worked out before a registration
+#: is not kept (under ``_KEEP``, with the registration's update of ``_WRITERS``)
+_GENERATION = [0]
+_KEEP = threading.Lock()
 
 
 def register_backend(cls: type[Backend], *, override: bool = False) -> type[Backend]:
     """Add a format; refuses to replace a registered name unless ``override=True``."""
     if cls.name in _BACKENDS and not override and _BACKENDS[cls.name] is not cls:
         raise ValueError(f"A backend named {cls.name!r} is already registered.")
-    _BACKENDS[cls.name] = cls
-    _WRITERS.clear()
-    suffixes = [s for c in _BACKENDS.values() for s in c.suffixes]
-    _SUFFIXES[:] = [max(map(len, suffixes), default=0), all(s[:1] == "." for s in suffixes)]
+    with _KEEP:
+        _BACKENDS[cls.name] = cls
+        _GENERATION[0] += 1
+        _WRITERS.clear()
+        suffixes = [s for c in _BACKENDS.values() for s in c.suffixes]
+        _SUFFIXES[:] = [max(map(len, suffixes), default=0),
+                        all(s[:1] == "." for s in suffixes)]
     return cls
 
 
@@ -134,6 +142,7 @@ def backend_for(path: str | Path, format: str | None = None, *, mode: str = "r")
         hit = _WRITERS.get(key)
         if hit is not None:
             return hit
+        generation = _GENERATION[0]
     path = Path(path)
     if format is not None:
         cls = _BACKENDS.get(format.lower().lstrip("."))
@@ -148,10 +157,18 @@ def backend_for(path: str | Path, format: str | None = None, *, mode: str = "r")
     if mode == "r" and cls.hands_over_unrecognised:
         cls = _claimant(cls, path) or cls
     if key is not None:
-        if len(_WRITERS) >= 64:  # names with dots of their own (``step.1000.h5``)
-            _WRITERS.clear()
-        _WRITERS[key] = cls
+        _keep(key, cls, generation)
     return cls
+
+
+def _keep(key: tuple[str | None, str, bool], cls: type[Backend], generation: int) -> None:
+    """Keep ``cls`` as the writer for ``key``, unless a backend was registered since it
+    was worked out (at ``generation``)."""
+    with _KEEP:
+        if generation == _GENERATION[0]:
+            if len(_WRITERS) >= 64:  # names with dots of their own (``step.1000.h5``)
+                _WRITERS.clear()
+            _WRITERS[key] = cls
 
 
 def _guess(path: Path, mode: str) -> type[Backend]:

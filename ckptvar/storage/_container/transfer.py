@@ -170,28 +170,29 @@ def _patched_chunk(v: TransferValue, i: int, at: int, chunk: memoryview, verify:
 
 
 class _DirectFds:
-    """The ``O_DIRECT`` descriptors one task opened, by the source each reopens (the
-    source kept alive here, so no other takes its id), all closed when the task ends."""
+    """The ``O_DIRECT`` descriptor of the source one task reads from now (the source kept
+    alive here, so that no other takes its id), closed when the task moves on to another
+    source and when it ends: a task of many chunk files holds one at a time."""
 
-    __slots__ = ("fds",)
+    __slots__ = ("dfd", "src")
 
     def __init__(self) -> None:
-        self.fds: dict[int, tuple[Source, int | None]] = {}
+        self.src: Source | None = None
+        self.dfd: int | None = None
 
     def of(self, use: Source) -> int | None:
         """``use``'s file opened with ``O_DIRECT`` (None: not a local file, or refused)."""
-        held = self.fds.get(id(use))
-        if held is None:
+        if use is not self.src:
+            self.close()
             fd = use.fd
-            held = self.fds[id(use)] = (use, _rawio.open_direct(fd) if fd.__class__ is int
-                                        else None)
-        return held[1]
+            self.src = use
+            self.dfd = _rawio.open_direct(fd) if fd.__class__ is int else None
+        return self.dfd
 
     def close(self) -> None:
-        for _, dfd in self.fds.values():
-            if dfd is not None:
-                _src.close(dfd)
-        self.fds.clear()
+        dfd, self.src, self.dfd = self.dfd, None, None
+        if dfd is not None:
+            _src.close(dfd)
 
 
 #: A piece of a remote read: ``(offset_in_object, nbytes, value, piece_index)``.
