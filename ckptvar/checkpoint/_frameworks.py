@@ -334,7 +334,7 @@ def _identity(t: Any) -> tuple[Any, ...]:
     return (t.data_ptr(), tuple(t.shape), t.dtype, tuple(t.stride()), t.device)
 
 
-def _unchanged(sd: Any, enc: Any, seen: list[tuple[Any, tuple[Any, ...]]]) -> bool:
+def _unchanged(sd: Any, enc: Any, seen: list[tuple[Any, tuple[Any, ...]]]) -> bool:  # noqa: C901
     """Whether state dict ``sd`` is, by value, the one the last save encoded as ``enc``
     with the tensors ``seen`` (in walk order, each with its :func:`_quick_identity`):
     the same structure (container kinds, keys with their types, in order), equal plain
@@ -346,10 +346,11 @@ def _unchanged(sd: Any, enc: Any, seen: list[tuple[Any, tuple[Any, ...]]]) -> bo
     tensors = iter(seen)
     scalars = _SCALARS
     dtensor: Any = _DTENSOR[0] if _DTENSOR else None
+    none: tuple[Any, Any] = (None, None)
 
-    def same(value: Any, e: Any) -> bool:
+    def same(value: Any, e: Any) -> bool:  # noqa: C901, PLR0911, PLR0912 - one per kind, inline
         if e is _TENSOR:
-            t, ident = next(tensors, (None, None))
+            t, ident = next(tensors, none)
             if value is not t:
                 return False
             if dtensor is not None and type(value) is dtensor:  # _quick_identity's, inline
