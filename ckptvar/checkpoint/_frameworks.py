@@ -334,62 +334,32 @@ def _identity(t: Any) -> tuple[Any, ...]:
     return (t.data_ptr(), tuple(t.shape), t.dtype, tuple(t.stride()), t.device)
 
 
-def _unchanged(sd: Any, enc: Any, seen: list[tuple[Any, tuple[Any, ...]]]) -> bool:  # noqa: C901
-    """Whether state dict ``sd`` is, by value, the one the last save encoded as ``enc``
-    with the tensors ``seen`` (in walk order, each with its :func:`_quick_identity`):
-    the same structure (container kinds, keys with their types, in order), equal plain
-    values of the same types (a float's sign too: ``0.0`` is not ``-0.0``; a NaN is never
-    equal) and at each tensor's place the very same tensor over the same memory.
-
-    One walk of ``sd`` beside ``enc``, allocating nothing: what a save of unchanged state
-    asks instead of encoding it anew and checking its tensors after."""
-    tensors = iter(seen)
-    scalars = _SCALARS
+def _same_tensors(last: list[tuple[tuple[Any, ...], Any, tuple[Any, ...]]],
+                  tensors: list[tuple[tuple[Any, ...], Any]]) -> bool:
+    """Whether ``tensors`` (a state dict's, path by path) are the ones of the last save:
+    the same tensor objects at the same paths, each over the same memory (data pointer,
+    shape, strides, dtype; a DTensor's local tensor, placements and mesh too)."""
+    if len(last) != len(tensors):
+        return False
     dtensor: Any = _DTENSOR[0] if _DTENSOR else None
-    none: tuple[Any, Any] = (None, None)
-
-    def same(value: Any, e: Any) -> bool:  # noqa: C901, PLR0911, PLR0912 - one per kind, inline
-        if e is _TENSOR:
-            t, ident = next(tensors, none)
-            if value is not t:
+    for (path, t, ident), (p, u) in zip(last, tensors, strict=True):
+        if u is not t or p != path:
+            return False
+        if dtensor is not None and type(u) is dtensor:  # _quick_identity's, inline
+            local = u.to_local()
+            if (local.data_ptr(), local.shape, local.stride(), local.dtype, u.placements,
+                    id(u.device_mesh)) != ident:
                 return False
-            if dtensor is not None and type(value) is dtensor:  # _quick_identity's, inline
-                local = value.to_local()
-                return (local.data_ptr(), local.shape, local.stride(), local.dtype,
-                        value.placements, id(value.device_mesh)) == ident
-            if dtensor is None or not isinstance(value, dtensor):  # a plain tensor
-                return (value.data_ptr(), value.shape, value.stride(), value.dtype,
-                        value.device) == ident
-            return _quick_identity(value) == ident
-        kind = type(value)
-        if kind in scalars:
-            if "v" not in e:
+        elif dtensor is None or not isinstance(u, dtensor):  # a plain tensor, inline
+            if (u.data_ptr(), u.shape, u.stride(), u.dtype, u.device) != ident:
                 return False
-            old = e["v"]
-            return old is value or (type(old) is kind and old == value and
-                                    (kind is not float or value != 0.0))
-        if isinstance(value, dict):
-            items = e.get("d")
-            if items is None or len(items) != len(value):
-                return False
-            for (k, v), (k2, v2) in zip(value.items(), items, strict=True):
-                if k is not k2 and (type(k) is not type(k2) or k != k2):
-                    return False
-                if not same(v, v2):
-                    return False
-            return True
-        if isinstance(value, list | tuple):
-            items = e.get("t" if isinstance(value, tuple) else "l")
-            if items is None or len(items) != len(value):
-                return False
-            return all(same(v, v2) for v, v2 in zip(value, items, strict=True))
-        return False  # anything else (a NumPy scalar): encoded anew
-
-    return same(sd, enc) and next(tensors, None) is None
+        elif _quick_identity(u) != ident:
+            return False
+    return True
 
 
 def _quick_identity(t: Any) -> tuple[Any, ...]:
-    """What :func:`_unchanged` compares of ``t`` (asked under ``no_grad``: a DTensor's
+    """What :func:`_same_tensors` compares of ``t`` (asked under ``no_grad``: a DTensor's
     ``to_local()`` is then its local tensor, no autograd op)."""
     if is_dtensor(t):
         local = t.to_local()
@@ -428,11 +398,11 @@ class StateDictTrackable(Trackable):
         self._state: Any = None
         self._names: frozenset[str] | None = None  # of the parameters that train
         self._walked: Any = None  # the state dict of the last trackable_children()
-        #: the last save's encoded state dict, its tensors (in walk order, each with its
-        #: quick identity) and the children made of them: a save of a state dict equal
-        #: to it by value, over the very same tensors, returns that encoding and those
-        #: children as they are (:func:`_unchanged`)
-        self._last: tuple[Any, list[tuple[Any, tuple[Any, ...]]], dict[str, Any]] | None = None
+        #: the last save's tensors (path, tensor, quick identity) and the children made
+        #: of them: a save of the very same tensors again returns those children as they
+        #: are (the Python state is encoded anew at every save, by value)
+        self._last: tuple[list[tuple[tuple[Any, ...], Any, tuple[Any, ...]]],
+                          dict[str, Any]] | None = None
 
     def _var(self, path: tuple[Any, ...], t: Any, saving: bool) -> Variable | None:
         """The variable over ``t``'s memory (made once per tensor and kept: a save of the
@@ -469,25 +439,21 @@ class StateDictTrackable(Trackable):
         flat: dict[tuple[Any, ...], Any] = {}
         self._names = None  # asked of the module only when a new variable is made
         with _no_grad():  # a DTensor's to_local() is then its local tensor, no autograd op
-            sd = _state_dict(self.obj)
-            last = self._last
-            if last is not None and _unchanged(sd, last[0], last[1]):
-                # the walk that asked for the children asks for the Python state next
-                self._walked = last[0]
-                return last[2]
-            self._last = None
-            enc, tensors = _split(sd)
-            # this very state dict's encoding (made once per walk, never kept past the
-            # next ask)
+            enc, tensors = _split(_state_dict(self.obj))
+            # the walk that asked for the children asks for the Python state next: it is
+            # this very state dict's (made once per walk, never kept past the next ask)
             self._walked = enc
+            last = self._last
+            if last is not None and _same_tensors(last[0], tensors):
+                return last[1]
+            self._last = None
             for path, t in tensors:
                 var = self._var(path, t, saving=True)
                 if var is not None:
                     flat[path] = var
-            seen = [(t, _quick_identity(t)) for _, t in tensors]
+            seen = [(path, t, _quick_identity(t)) for path, t in tensors]
         children = _nest(flat)
-        if enc is not None:  # not encodable: python_state says why at every save
-            self._last = (enc, seen, children)
+        self._last = (seen, children)
         return children
 
     def python_state(self) -> Any:
