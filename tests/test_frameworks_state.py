@@ -266,3 +266,63 @@ def test_a_background_snapshot_is_the_state_at_the_call_with_reused_variables(
     m2, o2, _ = _build()
     cv.Checkpoint(model=m2, optimizer=o2).restore(tmp_path / "b.h5")
     assert o2.param_groups[0]["lr"] == 1e-2
+
+
+class _Plain:
+    """An object whose state dict is whatever the test sets, beside two tensors."""
+
+    def __init__(self) -> None:
+        self.a, self.b = torch.zeros(2), torch.ones(2)
+        self.extra: Any = {"x": 0.0}
+        self.loaded: Any = None
+
+    def state_dict(self) -> dict[Any, Any]:
+        return {"a": self.a, "b": self.b, **self.extra}
+
+    def load_state_dict(self, sd: dict[Any, Any]) -> None:
+        self.loaded = sd
+
+
+@pytest.mark.parametrize(("before", "after"), [
+    ({"x": 0.0}, {"x": -0.0}),  # equal floats of another sign
+    ({"x": 1}, {"x": True}),  # 1 == True: another type
+    ({"x": 1}, {"x": 1.0}),
+    ({"x": (1, 2)}, {"x": [1, 2]}),  # a tuple became a list
+    ({"x": [1, 2]}, {"x": [1, 2, 3]}),  # a list grew in place (the same list object)
+    ({1: "k"}, {"1": "k"}),  # an int key became a str key
+    ({"x": 1, "y": 2}, {"y": 2, "x": 1}),  # the same items in another order
+    ({"x": {"n": 1}}, {"x": {"n": 1, "m": 2}}),  # a nested dict grew in place
+])
+def test_an_unchanged_state_dict_is_told_apart_from_one_equal_but_different(
+        tmp_path: Path, before: dict[Any, Any], after: dict[Any, Any]) -> None:
+    # A save whose state dict equals the last one by value (same tensors, equal plain
+    # values) reuses the last encoding; a change that == does not see must be saved.
+    obj = _Plain()
+    obj.extra = before
+    ckpt = cv.Checkpoint(obj=obj)
+    for i in range(2):
+        ckpt.write(tmp_path / f"w{i}.h5", blocking=False).wait()
+    if isinstance(before.get("x"), list | dict) and type(after["x"]) is type(before["x"]):
+        before["x"].update(after["x"]) if isinstance(after["x"], dict) else before["x"].append(3)
+        obj.extra = before  # the very same objects, changed in place
+    else:
+        obj.extra = after
+    ckpt.write(tmp_path / "c.h5", blocking=False).wait()
+    fresh = _Plain()
+    fresh.extra = dict(after)
+    cv.Checkpoint(obj=fresh).restore(tmp_path / "c.h5").assert_consumed()
+    got = {k: v for k, v in fresh.loaded.items() if k not in ("a", "b")}
+    assert list(got) == list(after) and all(type(got[k]) is type(after[k]) for k in after)
+    assert repr(got) == repr(after)  # -0.0, True, [1, 2] spelled as they are
+    assert [type(k) for k in got] == [type(k) for k in after]
+
+
+def test_tensors_swapped_between_keys_are_saved_where_they_now_are(tmp_path: Path) -> None:
+    obj = _Plain()
+    ckpt = cv.Checkpoint(obj=obj)
+    for i in range(2):
+        ckpt.write(tmp_path / f"w{i}.h5", blocking=False).wait()
+    obj.a, obj.b = obj.b, obj.a
+    ckpt.write(tmp_path / "c.h5", blocking=False).wait()
+    values = cv.load(tmp_path / "c.h5")
+    assert values["obj/a"].tolist() == [1.0, 1.0] and values["obj/b"].tolist() == [0.0, 0.0]
