@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -101,19 +103,22 @@ def test_manager_async_save(tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> 
     assert cv.latest_checkpoint(tmp_path) == path
 
 
-def test_a_save_in_flight_when_the_interpreter_exits_is_finished(tmp_path: Path) -> None:
-    """Exiting without wait(): the save completes (the pools it uses are not shut first)."""
-    import subprocess
-    import sys
-
-    script = (
-        "import sys, numpy as np, ckptvar as cv\n"
-        "c = cv.Checkpoint(v=cv.Variable(np.arange(4 << 20, dtype='float32'), name='v'))\n"
-        "c.save(sys.argv[1], blocking=False)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ck")],
+def _run_script(script: str, arg: Path) -> subprocess.CompletedProcess[str]:
+    """``python -c script arg`` in a fresh interpreter, which must exit with 0."""
+    proc = subprocess.run([sys.executable, "-c", script, str(arg)],
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_a_save_in_flight_when_the_interpreter_exits_is_finished(tmp_path: Path) -> None:
+    """Exiting without wait(): the save completes (the pools it uses are not shut first)."""
+    proc = _run_script(
+        "import sys, numpy as np, ckptvar as cv\n"
+        "c = cv.Checkpoint(v=cv.Variable(np.arange(4 << 20, dtype='float32'), name='v'))\n"
+        "c.save(sys.argv[1], blocking=False)\n",
+        tmp_path / "ck",
+    )
     assert "failed" not in proc.stderr, proc.stderr
     value = cv.load(tmp_path / "ck-1.h5")["v"]
     assert np.array_equal(value, np.arange(4 << 20, dtype="float32"))
@@ -125,21 +130,16 @@ def test_a_background_save_asked_for_at_exit_is_written_or_refused_never_lost(
     """A save started by an ``atexit`` handler, after the exit wait for saves in flight
     has run: the writer thread may never run again, so the save is written on the
     caller's thread before ``save()`` returns (or fails there, loudly)."""
-    import subprocess
-    import sys
-
-    script = (
+    proc = _run_script(
         "import atexit, sys, numpy as np, ckptvar as cv\n"
         "c = cv.Checkpoint(v=cv.Variable(np.arange(1 << 20, dtype='float32'), name='v'))\n"
         "c.save(sys.argv[1], blocking=False).wait()\n"
         "def last():\n"
         "    c.v.assign(np.ones(1 << 20, dtype='float32'))\n"
         "    c.save(sys.argv[1], blocking=False)\n"
-        "atexit.register(last)\n"
+        "atexit.register(last)\n",
+        tmp_path / "ck",
     )
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ck")],
-                          capture_output=True, text=True, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr
     assert "Error" not in proc.stderr, proc.stderr
     assert cv.load(tmp_path / "ck-2.h5")["v"].sum() == 1 << 20
     assert cv.latest_checkpoint(tmp_path) == str(tmp_path / "ck-2.h5")

@@ -48,7 +48,6 @@ __all__ = [
     "cached",
     "copy_pieces",
     "direct_stats",
-    "exiting",
     "open_direct",
     "pread_direct",
     "pread_exact",
@@ -125,11 +124,6 @@ _exiting = threading.Event()
 # Hooks run in reverse order of registration: this one, registered after
 # concurrent.futures' (imported above), runs before the pools stop taking work.
 threading._register_atexit(_exiting.set)  # type: ignore[attr-defined]
-
-
-def exiting() -> bool:
-    """Whether the interpreter has begun to exit (thread pools take no new work)."""
-    return _exiting.is_set()
 
 
 def run_here(fn: Callable[..., Any], *args: Any) -> Future[Any]:
