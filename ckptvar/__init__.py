@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers; loaded on first use
     from .checkpoint import (
         Checkpoint,
         CheckpointManager,
+        IncrementalOptions,
         Saver,
         latest_checkpoint,
         restore_on_create,
@@ -94,6 +95,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers; loaded on first use
 _LAZY: dict[str, str] = {
     "Checkpoint": ".checkpoint",
     "CheckpointManager": ".checkpoint",
+    "IncrementalOptions": ".checkpoint",
     "Saver": ".checkpoint",
     "latest_checkpoint": ".checkpoint",
     "restore_on_create": ".checkpoint",
@@ -193,6 +195,7 @@ __all__ = [
     "DistributedTimeoutError",
     "Graph",
     "GraphKeys",
+    "IncrementalOptions",
     "Module",
     "PartitionedVariable",
     "RestoreAssertionError",

@@ -32,6 +32,8 @@ DOCUMENTED = {
     # many processes (§11) and object stores (§12)
     "distributed", "DistributedError", "DistributedTimeoutError", "ShardLayoutError",
     "CheckpointExistsError",
+    # incremental checkpoints (§15): CheckpointManager(incremental=IncrementalOptions(...))
+    "IncrementalOptions",
 }
 
 

@@ -9,7 +9,7 @@ application of values), ``_logical`` (logical variables: partitioned variables a
 shards saved as one value, restored box by box), ``_object_restore`` (matching objects, deferred values),
 ``_status`` (``RestoreStatus``), ``_on_create`` (``restore_on_create``),
 ``_checkpoint`` (``Checkpoint``), ``_saver`` (``Saver``), ``_manager``
-(``CheckpointManager``), ``_reclaim`` (``gc``: what dead saves left), ``_async``
+(``CheckpointManager``), ``_incremental_options`` (``IncrementalOptions``), ``_reclaim`` (``gc``: what dead saves left), ``_async``
 (background saves), ``_deletes`` (a manager's pruned steps freed in the background).
 ``write_values`` (the one save path of a local file), ``destination_error`` and
 ``make_parents`` also serve ``ckptvar.io``.
@@ -20,6 +20,7 @@ from __future__ import annotations
 from ._async import SaveHandle, wait_for_pending_saves
 from ._checkpoint import Checkpoint, SaveOptions
 from ._files import destination_error, make_parents, write_values
+from ._incremental_options import IncrementalOptions
 from ._manager import CheckpointManager
 from ._on_create import restore_on_create
 from ._pytree import is_plain, load_tree, save_tree
@@ -32,6 +33,7 @@ from ._steps import StepName, parse_step_name
 __all__ = [
     "Checkpoint",
     "CheckpointManager",
+    "IncrementalOptions",
     "Leftover",
     "RestoreStatus",
     "SaveHandle",

@@ -256,7 +256,8 @@ class Checkpoint(Trackable):
                                        known=None if inc is None else inc.known,
                                        rows=None if inc is None else inc.changed_rows(),
                                        pieces=inc is not None,
-                                       spare=None if inc is None else inc.spare)
+                                       spare=None if inc is None else inc.spare,
+                                       limits=None if inc is None else inc.limits)
             finally:
                 snapshot.clear()
             if inc is not None:

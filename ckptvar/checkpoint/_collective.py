@@ -410,7 +410,8 @@ def _write_mine(  # noqa: PLR0917
         known = stored_known(incremental.known, mine)
         rows = stored_rows(incremental.changed_rows(), mine)
     target.write_rank(rank_file(rank, suffix), fill, base=base, known=known, rows=rows,
-                      pieces=incremental is not None)
+                      pieces=incremental is not None,
+                      limits=None if incremental is None else incremental.limits)
 
 
 def _replicas(nodes: Nodes, plan: SavePlan, node: int) -> dict[str, int]:

@@ -36,6 +36,7 @@ from ..errors import CheckpointExistsError
 from ..locations import publish, split_url, staging_directory
 from ..storage import (
     INDEX_FILE,
+    DeltaLimits,
     RemoteStep,
     Writer,
     fsync_dir,
@@ -127,14 +128,15 @@ class Target:
 
     def write_rank(self, name: str, fill: Callable[[Writer], None], *,
                    base: str | None = None, known: Mapping[str, bool] | None = None,
-                   rows: Mapping[str, Any] | None = None, pieces: bool = False) -> None:
+                   rows: Mapping[str, Any] | None = None, pieces: bool = False,
+                   limits: DeltaLimits | None = None) -> None:
         """Write this rank's file ``name``: ``fill`` adds its values and metadata.
         ``base``: an earlier step (its path or URL, from :meth:`base_index`'s caller)
         whose file ``name`` it may refer to (an incremental save; ``known``: by stored
         key, as the writers take it; ``rows``: by stored key, the rows written since
         ``base`` of changed variables, which may be stored as row deltas where the target
-        writes them); ``pieces``: large Zarr values as several chunks
-        (an incremental manager's, local only)."""
+        writes them, by the rule's ``limits``); ``pieces``: large Zarr values as several
+        chunks (an incremental manager's, local only)."""
         raise NotImplementedError
 
     def base_index(self, base: str) -> bytes:
@@ -195,13 +197,15 @@ class LocalTarget(Target):
 
     def write_rank(self, name: str, fill: Callable[[Writer], None], *,
                    base: str | None = None, known: Mapping[str, bool] | None = None,
-                   rows: Mapping[str, Any] | None = None, pieces: bool = False) -> None:
+                   rows: Mapping[str, Any] | None = None, pieces: bool = False,
+                   limits: DeltaLimits | None = None) -> None:
         own = None if base is None else Path(base) / name
         if own is not None and not os.path.lexists(own):
             own = None  # the rank wrote no file of its own there
         extra: dict[str, Any] = {} if own is None else {"base": own, "known": known or {}}
         if own is not None and rows:
-            extra["rows"] = rows  # row deltas on the same rank's file in the base step
+            # row deltas on the same rank's file in the base step
+            extra.update(rows=rows, limits=limits)
         if pieces and self.fmt == "zarr":
             extra["piece_bytes"] = True
         _write_file(self.where / name, self.fmt, fill, durable=True,
@@ -264,7 +268,8 @@ class RemoteTarget(Target):
 
     def write_rank(self, name: str, fill: Callable[[Writer], None], *,
                    base: str | None = None, known: Mapping[str, bool] | None = None,
-                   rows: Mapping[str, Any] | None = None, pieces: bool = False) -> None:
+                   rows: Mapping[str, Any] | None = None, pieces: bool = False,
+                   limits: DeltaLimits | None = None) -> None:
         with staging_directory() as tmp:
             local = Path(tmp) / name
             extra: dict[str, Any] = {}
@@ -288,7 +293,7 @@ class RemoteTarget(Target):
             if extra and rows and base_name is not None:
                 # row deltas on the same rank's object in the base step; a merge reads the
                 # base's patches from the store
-                extra.update(rows=rows, base_reader=functools.partial(
+                extra.update(rows=rows, limits=limits, base_reader=functools.partial(
                     self.step.base_reader, base_name, name))
             _write_file(local, self.fmt, fill, durable=False,  # durable once uploaded
                         pack_threshold=self.pack_threshold, **extra)

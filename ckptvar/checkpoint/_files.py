@@ -24,6 +24,7 @@ from typing import Any
 from ..errors import CkptError, UnsupportedFormatError
 from ..locations import is_url, prune, split_url
 from ..storage import (
+    DeltaLimits,
     backend_for,
     open_remote_reader,
     partial_path,
@@ -130,6 +131,7 @@ def write_file(
     pieces: bool = False,
     rows: Mapping[str, Any] | None = None,
     spare: Path | None = None,
+    limits: DeltaLimits | None = None,
 ) -> str:
     """Write one checkpoint atomically (temporary sibling, fsync, rename); returns its path.
 
@@ -169,7 +171,8 @@ def write_file(
                 lambda tmp, record, listed: write_values(
                     Path(tmp), native_backend(tmp, fmt), arrays, meta, durable=True,
                     pack_threshold=pack_threshold, base=record, known=known or {},
-                    copies=listed, rows=rows or None, base_reader=base_reader),
+                    copies=listed, rows=rows or None, base_reader=base_reader,
+                    limits=limits),
                 storage_options,
             )
         if base is not None and fmt == "h5":
@@ -178,7 +181,7 @@ def write_file(
                 lambda tmp, copy: write_values(
                     Path(tmp), native_backend(tmp, fmt), arrays, meta, durable=True,
                     pack_threshold=pack_threshold, base=copy, known=known or {},
-                    rows=rows or None, base_reader=base_reader),
+                    rows=rows or None, base_reader=base_reader, limits=limits),
                 storage_options,
             )
         return str(save_remote(
@@ -190,7 +193,7 @@ def write_file(
     if base is not None:
         options.update(base=Path(base), known=known or {})
         if rows and copies is None:
-            options.update(rows=rows)
+            options.update(rows=rows, limits=limits)
     if copies is not None:
         options.update(copies=copies)
     backend = native_backend(path, format)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CkptError
-from ..storage import external_files
+from ..storage import DeltaLimits, external_files
 from ..variables import Variable, rows_written, track_rows, write_version
 from ._logical import Logical
 
@@ -52,6 +52,8 @@ class IncrementalSave:
     #: A pruned step set aside for this save to take over (a local Zarr manager's;
     #: ``checkpoint/_files.set_aside``).
     spare: Path | None = None
+    #: The row delta rule's limits (the manager's ``cv.IncrementalOptions``; None: default).
+    limits: DeltaLimits | None = None
 
     def changed_rows(self) -> dict[str, Any]:
         """The changed variables whose written rows are known: key -> the sorted first-axis
@@ -75,23 +77,38 @@ class IncrementalSave:
         same = (base is not None and self.base is not None
                 and _name(base) == _name(self.base))
         return IncrementalSave(base, self.known if same else {}, self.versions, self.owner,
-                               self.changed if same else {})
+                               self.changed if same else {}, limits=self.limits)
 
     def committed(self, path: str | os.PathLike[str]) -> None:
         """The step is durable: the next save builds on it."""
         if self.owner is not None:
-            self.owner.remember(_name(path), self.versions)
+            self.owner.remember(_name(path), self.versions, whole=self.base is None)
 
 
 class Incremental:
-    """A manager's last committed step and the variables' versions it holds."""
+    """A manager's last committed step and the variables' versions it holds (``limits``:
+    the row delta rule's, handed to each save)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: DeltaLimits | None = None) -> None:
         self._name: str | None = None
         self._versions: dict[str, Any] = {}
+        self.limits = limits
+        #: steps committed since the last one written whole (None: not known)
+        self._since_whole: int | None = None
 
-    def remember(self, name: str, versions: dict[str, Any]) -> None:
+    def remember(self, name: str, versions: dict[str, Any], *, whole: bool = False) -> None:
+        """The step ``name`` committed, holding ``versions`` (``whole``: it built on no
+        step)."""
         self._name, self._versions = name, versions
+        if whole:
+            self._since_whole = 0
+        elif self._since_whole is not None:
+            self._since_whole += 1
+
+    def whole_due(self, every: int) -> bool:
+        """Whether the next step is the ``every``-th since the last whole one (or this
+        manager does not know when that was: none committed since it started)."""
+        return self._since_whole is None or self._since_whole + 1 >= every
 
     def start(self, base: Path | str | None, variables: Mapping[str, Any], *,
               spare: Path | None = None) -> IncrementalSave:
@@ -121,7 +138,7 @@ class Incremental:
                 known[key] = before == now
                 if before != now:
                     changed[key] = (var, before)
-        return IncrementalSave(base, known, versions, self, changed, spare)
+        return IncrementalSave(base, known, versions, self, changed, spare, self.limits)
 
 
 def _version(var: Any) -> Any:

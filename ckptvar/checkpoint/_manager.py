@@ -67,6 +67,7 @@ from ._collective_targets import Nodes, register_nodes
 from ._deletes import BackgroundDeletes, free
 from ._files import NATIVE_FORMATS, cut_down, retire
 from ._incremental import Incremental, held
+from ._incremental_options import IncrementalOptions, incremental_options
 from ._preemption import SignalSave
 from ._reclaim import idle, open_saving_lock, reclaim_staging
 from ._state import (
@@ -105,6 +106,11 @@ def _check_arguments(
         raise UnsupportedFormatError(
             f"CheckpointManager writes {' or '.join(NATIVE_FORMATS)}, not {format!r}."
         )
+
+
+def _whole_every(incremental: Incremental, every: int, number: int) -> bool:
+    """Whether step ``number`` is written whole by ``IncrementalOptions.whole_every``."""
+    return incremental.whole_due(every)
 
 
 def _copy_checkpoint(src: Path, dst: Path, *, durable: bool = False) -> None:
@@ -160,6 +166,9 @@ class CheckpointManager:
             stays on disk (``pending_delete`` with ``held_for`` in the state file) until
             no kept step does. With a coordinator, each process's file refers to its
             own file in the base step (same processes and layout, else written whole).
+            A :class:`IncrementalOptions` instead of ``True`` chooses the trade-off
+            between bytes written and restore time (``True``: its defaults;
+            docs/checkpoints.md, "Choosing the trade-off").
 
     Tiers (keyword-only): with ``local_directory`` every step is saved there (fast,
     blocking) and every ``persistent_every``-th is also copied to ``directory`` (a
@@ -197,7 +206,7 @@ class CheckpointManager:
         coordinator: Any = None,
         pack_threshold: int | None = None,
         save_on_signal: Sequence[int] = (),
-        incremental: bool = False,
+        incremental: bool | IncrementalOptions = False,
         *,
         local_directory: str | os.PathLike[str] | None = None,
         local_max_to_keep: int | None = None,
@@ -206,11 +215,7 @@ class CheckpointManager:
         _check_arguments(checkpoint, max_to_keep, checkpoint_name, format)
         #: frees the pruned steps' bytes in the background (:meth:`_delete`)
         self._deletes = BackgroundDeletes()
-        #: ``incremental=True``: the last committed step this manager builds on
-        self._incremental = Incremental() if incremental else None
-        #: which steps an incremental manager writes whole (a local tier's: those due a
-        #: persistent copy, so that the copy stands alone)
-        self._whole_steps: Callable[[int], bool] | None = None
+        self._init_incremental(incremental)
         #: an object store's incremental HDF5 steps: the steps each one reads values from
         self._references: dict[str, frozenset[str]] = {}
         self._checkpoint = checkpoint
@@ -264,6 +269,18 @@ class CheckpointManager:
                 clean_uncommitted(self._location, older_than_latest=True)
             return
         self._init_local(Path(directory), primary)
+
+    def _init_incremental(self, incremental: bool | IncrementalOptions) -> None:
+        #: ``incremental=``: what the user chose (None: not incremental)
+        self._incremental_options = options = incremental_options(incremental)
+        #: ``incremental=True``: the last committed step this manager builds on
+        self._incremental = None if options is None else Incremental(options.limits())
+        #: which steps an incremental manager writes whole (``whole_every``; a local
+        #: tier's: also those due a persistent copy, so that the copy stands alone)
+        self._whole_steps: Callable[[int], bool] | None = None
+        if self._incremental is not None and options is not None and options.whole_every:
+            self._whole_steps = functools.partial(_whole_every, self._incremental,
+                                                  options.whole_every)
 
     def _init_local(self, directory: Path, primary: bool = True) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -836,7 +853,8 @@ class CheckpointManager:
         if base is not None and base.name == name:
             base = None  # written again: a full step
         if base is not None and self._whole_steps is not None and self._whole_steps(number):
-            logger.debug("Step %d is written whole: it is due a persistent copy.", number)
+            logger.debug("Step %d is written whole (whole_every, or a persistent copy is "
+                         "due).", number)
             base = None
         if os.path.lexists(self.directory / name) and held(
                 self.directory, self._steps_on_disk(exclude=[name]), [name]):
@@ -857,17 +875,20 @@ class CheckpointManager:
             options,
             number=number,
             on_commit=lambda _path: self._record_remote(step),
-            incremental=None if self._incremental is None else self._remote_base,
+            incremental=(None if self._incremental is None
+                         else functools.partial(self._remote_base, number)),
         )
         return str(result) if isinstance(result, str) else str(result.path)
 
-    def _remote_base(self, variables: Mapping[str, Any]) -> Any:
-        """An incremental save on an object store: its base is the latest committed step
-        (read when the save starts, after the one before it committed; with several
-        processes, rank 0's)."""
+    def _remote_base(self, number: int, variables: Mapping[str, Any]) -> Any:
+        """An incremental save of step ``number`` on an object store: its base is the
+        latest committed step (read when the save starts, after the one before it
+        committed; with several processes, rank 0's), or none when it is written whole."""
         assert self._incremental is not None
         entries = self._section["checkpoints"]
         base = self._full(entries[-1]["path"]) if entries else None
+        if base is not None and self._whole_steps is not None and self._whole_steps(number):
+            base = None
         return self._incremental.start(base, variables)
 
     def restore_or_initialize(self) -> str | None:
@@ -928,14 +949,16 @@ class CheckpointManager:
             checkpoint_name=self.checkpoint_name, step_counter=step_counter,
             checkpoint_interval=checkpoint_interval, format=self.format,
             async_save=self.async_save, coordinator=self.coordinator,
-            incremental=self._incremental is not None,
+            incremental=self._incremental_options or False,
         )
         #: the local save of a preemption: persisted whatever ``persistent_every`` says
         self._persist_next = False
         # an incremental local tier writes a step due a persistent copy whole: the copy
         # then stands alone (it refers to no local step), and later local steps build on it
+        own = self._local_tier._whole_steps  # whole_every's
         self._local_tier._whole_steps = (
-            lambda n: self._persist_next or n % self.persistent_every == 0)
+            lambda n: self._persist_next or n % self.persistent_every == 0
+            or (own is not None and own(n)))
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptvar-persist")
         #: steps whose persistent copy this process saw committed (per-node tiers)
         self._done_persists: set[int] = set()

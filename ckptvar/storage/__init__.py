@@ -10,8 +10,9 @@ crash-safe file helpers (``partial_path``, ``is_partial``, ``remove_path``,
 ``save_remote``, ``remote_format``) and the sharded layout (``ShardedReader``,
 ``INDEX_FILE``, ``rank_file``, ``box_key``, ``pack_index``, ``grid_layout``, and
 ``RemoteStep``: the object-store side of a multi-process save), and for incremental
-steps ``external_files`` (the files an HDF5 step's values are in) and ``GridReuse``
-(what a process's global Zarr chunks take from the base step).
+steps ``external_files`` (the files an HDF5 step's values are in), ``GridReuse``
+(what a process's global Zarr chunks take from the base step) and ``DeltaLimits``
+(the row delta rule's limits, which a save hands its writers).
 
 >>> from ckptvar.storage import known_formats
 >>> "h5" in known_formats() and "zarr" in known_formats()
@@ -20,6 +21,7 @@ True
 
 from __future__ import annotations
 
+from ._container.delta import DeltaLimits
 from ._gc import paused_gc
 from .atomic import fsync_dir, fsync_path, is_partial, partial_path, remove_path
 from .base import (
@@ -73,6 +75,7 @@ __all__ = [
     "ArrayInfo",
     "Backend",
     "Chunked",
+    "DeltaLimits",
     "GridReuse",
     "LazyArray",
     "Reader",

@@ -15,12 +15,14 @@ base (a ``cv.Variable``'s row log), it is an uncompressed array of at least
 of the same dtype and shape. A delta refers to the base's whole copy and to every patch
 since that copy was written, each in the file that wrote it (one level: never a delta of
 a delta), and adds its own patch of the rows changed since the base step. When the
-patches would then hold more than :data:`DELTA_LIMIT` of its rows (counted with
-repeats) or number more than :data:`MAX_PATCHES`, the earlier patches are **merged**:
-the step writes one patch of every row changed since the whole copy (their union, taken
-from the value in memory) and refers to the whole copy only; when that union is more
-than half of :data:`DELTA_LIMIT` of the rows, the value is written whole instead. Reading a delta
-reads the base and every patch, so a restore reads at most 1.25x the bytes of the value.
+patches would then hold more than a share of its rows (counted with repeats) or number
+more than a count (:class:`DeltaLimits`: :data:`DELTA_LIMIT` and :data:`MAX_PATCHES` by
+default; a manager's ``cv.IncrementalOptions`` sets others), the earlier patches are
+**merged**: the step writes one patch of every row changed since the whole copy (their
+union, taken from the value in memory) and refers to the whole copy only; when that union
+is more than half of the share, the value is written whole instead. Reading a delta
+reads the base and every patch, so a restore reads at most 1 + the share (1.25x by
+default) the bytes of the value.
 
 >>> rows = np.array([1, 3])
 >>> data = np.arange(8, dtype=np.uint8).reshape(4, 2)
@@ -54,7 +56,8 @@ from .._record import Delta
 from . import source as _src
 from .blocks import blocks_agree
 
-__all__ = ["DELTA_FROM", "DELTA_LIMIT", "MAX_PATCHES", "DeltaWrite", "Patches", "base_checksum",
+__all__ = ["DELTA_FROM", "DELTA_LIMIT", "MAX_PATCHES", "DeltaLimits", "DeltaWrite", "Patches",
+           "base_checksum",
            "decode_patch", "fold", "in_base", "merged", "patch_bytes", "plan", "read_patches"]
 
 #: Values smaller than this are written whole (a delta's patch and links cost more).
@@ -64,6 +67,21 @@ DELTA_FROM = 1 << 20
 DELTA_LIMIT = 0.25
 #: Patches a delta may refer to (its own included) before the value is written whole.
 MAX_PATCHES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaLimits:
+    """The rule's two limits (the defaults: :data:`DELTA_LIMIT`, :data:`MAX_PATCHES`);
+    the caller checks them (``cv.IncrementalOptions``)."""
+
+    #: The share of a value's rows its patches may hold (with repeats) before they are
+    #: merged or the value is written whole.
+    rows: float = DELTA_LIMIT
+    #: The patches a delta may refer to, its own included.
+    patches: int = MAX_PATCHES
+
+
+_DEFAULT_LIMITS = DeltaLimits()
 
 
 @dataclass(slots=True)
@@ -309,27 +327,36 @@ def fold(patches: list[tuple[np.ndarray, np.ndarray]], nrows: int
 
 
 def plan(rows: np.ndarray, shape: tuple[int, ...], nbytes: int,
-         earlier: tuple[tuple[str, str, int, int, int], ...]) -> str | None:
+         earlier: tuple[tuple[str, str, int, int, int], ...],
+         limits: DeltaLimits = _DEFAULT_LIMITS) -> str | None:
     """How a value of ``shape`` (``nbytes``) whose ``rows`` changed since the base is
-    written (the rule above): ``"append"`` (a patch on top of the base's ``earlier``
-    ones), ``"merge"`` (one patch of every row changed since the base's whole copy, if
-    those are few enough: the caller checks), or None (whole)."""
+    written (the rule above, with ``limits``): ``"append"`` (a patch on top of the base's
+    ``earlier`` ones), ``"merge"`` (one patch of every row changed since the base's whole
+    copy, if those are few enough: the caller checks), or None (whole).
+
+    >>> rows, shape, earlier = np.arange(10), (100, 4096), (("", "t/patch-0", 0, 10, 0),)
+    >>> plan(rows, shape, 1 << 20, earlier), plan(rows, shape, 1 << 20, earlier, DeltaLimits(0.15))
+    ('append', 'merge')
+    >>> plan(rows, shape, 1 << 20, earlier, DeltaLimits(patches=1))
+    'merge'
+    """
     if len(shape) < 1 or shape[0] < 2 or nbytes < DELTA_FROM or not rows.size:
         return None
     total = int(rows.size) + sum(p[3] for p in earlier)
-    if total <= DELTA_LIMIT * shape[0] and len(earlier) + 1 <= MAX_PATCHES:
+    if total <= limits.rows * shape[0] and len(earlier) + 1 <= limits.patches:
         return "append"
-    if earlier and rows.size <= DELTA_LIMIT * shape[0]:
+    if earlier and rows.size <= limits.rows * shape[0]:
         return "merge"
     return None
 
 
-def merged(rows: np.ndarray, before: np.ndarray | None, nrows: int) -> np.ndarray | None:
+def merged(rows: np.ndarray, before: np.ndarray | None, nrows: int,
+           limits: DeltaLimits = _DEFAULT_LIMITS) -> np.ndarray | None:
     """The rows of a merged patch: those changed now and those the earlier patches hold
-    (``before``; None: unknown), or None when they are more than half the limit (the
-    value is then written whole: a merged patch that would soon outgrow the limit
-    costs more than the whole copy saves)."""
+    (``before``; None: unknown), or None when they are more than half the share of rows
+    ``limits`` allows (the value is then written whole: a merged patch that would soon
+    outgrow the limit costs more than the whole copy saves)."""
     if before is None:
         return None
     union = np.union1d(before, rows)
-    return union if union.size <= DELTA_LIMIT * nrows / 2 else None
+    return union if union.size <= limits.rows * nrows / 2 else None

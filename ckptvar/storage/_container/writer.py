@@ -40,7 +40,7 @@ from .blocks import (
     join_blocks,
     rehash_rows,
 )
-from .delta import DeltaWrite, merged, patch_bytes, plan
+from .delta import DeltaLimits, DeltaWrite, merged, patch_bytes, plan
 from .layout import ALIGN, pack_limit
 from .reuse import Held, match
 
@@ -249,6 +249,7 @@ class ContainerWriter(Writer):
         known: Mapping[str, bool] | None = None,
         rows: Mapping[str, np.ndarray] | None = None,
         base_reader: Callable[[], Any] | None = None,
+        limits: DeltaLimits | None = None,
     ) -> None:
         """``base``: a committed checkpoint of this container whose bytes the new one may
         refer to instead of writing them again (an incremental save; ``known``: key -> True
@@ -257,12 +258,14 @@ class ContainerWriter(Writer):
         written since ``base``, of changed values whose writes were tracked: such a value
         may be stored as a row delta, docs/FORMAT.md "Row deltas"; ``base_reader()``: a
         reader of the base where ``base`` is a local stand-in of a step on an object
-        store, holding only its record)."""
+        store, holding only its record; ``limits``: the row delta rule's, default
+        :class:`.delta.DeltaLimits`)."""
         self.path = Path(path)
         self.base = None if base is None else Path(base)
         self.known: Mapping[str, bool] = known or {}
         self.rows: Mapping[str, np.ndarray] = rows or {}
         self._base_reader = base_reader
+        self.limits = limits or DeltaLimits()
         #: The keys stored as row deltas (set by ``commit``).
         self.deltas: list[str] = []
         #: The keys whose bytes the base holds (set by ``commit``).
@@ -423,8 +426,8 @@ class ContainerWriter(Writer):
             if found is None:
                 continue
             if was is not None and rows.size and plan(
-                    rows, it.shape, it.nbytes, was.patches) == "merge":
-                rows_since = merged(rows, self._base_rows(it.key), it.shape[0])
+                    rows, it.shape, it.nbytes, was.patches, self.limits) == "merge":
+                rows_since = merged(rows, self._base_rows(it.key), it.shape[0], self.limits)
                 if rows_since is None:
                     continue  # too many rows since the whole copy: written whole
                 rows = rows_since  # one patch of them, on the whole copy alone
@@ -459,7 +462,7 @@ class ContainerWriter(Writer):
                     return None
             return _NO_ROWS  # unchanged: the base's delta as it is
         if rows is None or plan(rows, it.shape, it.nbytes,
-                                () if was is None else was.patches) is None:
+                                () if was is None else was.patches, self.limits) is None:
             return None
         return rows
 
