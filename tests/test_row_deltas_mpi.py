@@ -117,6 +117,36 @@ def test_row_deltas_of_several_processes(tmp_path: Path, fmt: str, n: int, other
             assert np.array_equal(reader.read("part"), cases.expected_part(6))
 
 
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_incremental_options_rule_each_processs_file(tmp_path: Path, fmt: str) -> None:
+    """``IncrementalOptions(max_patches=2, whole_every=4)`` with a coordinator: each
+    process's box merges its patches past two, and the fifth step is written whole in
+    every process's file (no delta, nothing shared); the kept steps restore bit-exact."""
+    got = _run(3, "options", tmp_path / "run", fmt)
+    r0 = got[0]
+    files = [f"rank-{r:05d}.{fmt}" for r in range(3)]
+    boxes = {int(step): {f: {k: p for k, p in keys.items() if k.startswith("table/")}
+                         for f, keys in per_file.items()}
+             for step, per_file in r0["deltas"].items()}
+
+    def each(*patches: int) -> dict[str, dict[str, int]]:
+        return {f: ({f"table/.box/{r}": p} if p else {})
+                for r, (f, p) in enumerate(zip(files, patches, strict=True))}
+
+    assert boxes[1] == each(0, 0, 0)
+    assert boxes[2] == each(1, 1, 1)
+    assert boxes[3] == each(2, 2, 2)
+    # a third patch is one too many: merged into one (process 2's box, untouched at
+    # step 4, carries its two over)
+    assert boxes[4] == each(1, 1, 2)
+    assert boxes[5] == each(0, 0, 0)  # whole_every=4: the fifth save since the first
+    assert r0["shared"]["1"] == [] and r0["shared"]["5"] == []
+    assert r0["shared"]["2"] == files
+    assert r0["listed"] == [f"ckpt-4.{fmt}", f"ckpt-5.{fmt}"]
+    for r in got.values():
+        assert r["restored"] == {f"ckpt-4.{fmt}": True, f"ckpt-5.{fmt}": True}
+
+
 def _split(deltas: dict[str, dict[str, int]], fmt: str, step: int) -> dict[str, dict[str, int]]:
     """``deltas`` (per process file, key -> patches) without ``part``, checked apart: in
     HDF5 runs, the partitioned variable is a delta with a patch per step since the first

@@ -17,7 +17,6 @@ import pytest
 
 import ckptvar as cv
 from ckptvar.locations import list_committed_steps
-from ckptvar.storage._container import delta as delta_rule
 
 from ._s3 import FaultProxy, S3Bucket
 from .test_cloud_cli import _ckpt
@@ -34,9 +33,10 @@ def _table() -> tuple[cv.Checkpoint, cv.Variable]:
 
 
 def _manager(ckpt: cv.Checkpoint, run: str, fmt: str, opts: dict[str, Any],
-             keep: int | None = 1) -> cv.CheckpointManager:
+             keep: int | None = 1, incremental: bool | cv.IncrementalOptions = True
+             ) -> cv.CheckpointManager:
     return cv.CheckpointManager(ckpt, run, max_to_keep=keep, format=fmt,
-                                storage_options=opts, incremental=True)
+                                storage_options=opts, incremental=incremental)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -114,18 +114,18 @@ def _plain_zarr_reads(loc: Any, want: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_patches_accumulate_merge_and_carry_over(s3: S3Bucket, fmt: str,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each step adds its patch; past the patch limit one merged patch of every row since
+def test_patches_accumulate_merge_and_carry_over(s3: S3Bucket, fmt: str) -> None:
+    """Each step adds its patch; past the patch limit (``IncrementalOptions(max_patches=3)``)
+    one merged patch of every row since
     the base (read back from the store) replaces them; an unchanged table carries the
     delta over, and so does a restarted manager (the table compared by its checksums).
     Every step, pruned or kept, loads bit-exact; HDF5 steps holding patches of
     a kept step stay committed until the merge frees them."""
-    monkeypatch.setattr(delta_rule, "MAX_PATCHES", 3)
     so = s3.storage_options
     run = f"{s3.url}/run"
     ckpt, table = _table()
-    manager = _manager(ckpt, run, fmt, so, keep=1)
+    three = cv.IncrementalOptions(max_patches=3)
+    manager = _manager(ckpt, run, fmt, so, keep=1, incremental=three)
     manager.save()
     seen = []
     for i in range(4):
@@ -141,7 +141,7 @@ def test_patches_accumulate_merge_and_carry_over(s3: S3Bucket, fmt: str,
     with cv.open(step, storage_options=so) as reader:
         assert reader.deltas()["table"] == {"base": f"ckpt-1.{fmt}", "patches": 1, "rows": 8}
     assert np.array_equal(cv.load(step, storage_options=so)["table"], table.numpy())
-    step = _manager(ckpt, run, fmt, so, keep=1).save()  # restarted: equal by checksums
+    step = _manager(ckpt, run, fmt, so, keep=1, incremental=three).save()  # restarted
     with cv.open(step, storage_options=so) as reader:
         assert reader.deltas()["table"] == {"base": f"ckpt-1.{fmt}", "patches": 1, "rows": 8}
     assert np.array_equal(cv.load(step, storage_options=so)["table"], table.numpy())
@@ -158,6 +158,41 @@ def test_patches_accumulate_merge_and_carry_over(s3: S3Bucket, fmt: str,
         assert "referred_by" not in rows["ckpt-7.h5"]
         res = _ckpt(s3, "ls", run)
         assert "(holds bytes of ckpt-7.h5)" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_incremental_options_rule_the_steps_on_the_store(s3: S3Bucket, fmt: str) -> None:
+    """``IncrementalOptions`` on an object store: a low share of rows writes the table
+    whole where the default would append, and ``whole_every`` makes a standalone step
+    (no delta, nothing read from another step's objects), after which pruning frees the
+    older steps; every step loads bit-exact."""
+    so = s3.storage_options
+    run = f"{s3.url}/run"
+    ckpt, table = _table()
+    frozen = cv.Variable(np.arange(300_000, dtype=np.float32), name="frozen")
+    ckpt.frozen = frozen  # 1.2 MiB, never written
+    options = cv.IncrementalOptions(max_patched_rows=0.02, whole_every=3)  # 163 rows
+    manager = _manager(ckpt, run, fmt, so, keep=2, incremental=options)
+    seen: list[Any] = []
+    for rows in (None, np.arange(60), np.arange(70), None, np.arange(100), np.arange(100)):
+        if rows is not None:
+            table.scatter_update(rows, np.full((rows.size, COLS), rows.size, np.float32))
+        step = manager.save()
+        with cv.open(step, storage_options=so) as reader:
+            d = reader.deltas().get("table")
+            seen.append(d["patches"] if d else "whole")
+            if len(seen) == 4:  # step 4: written whole, standalone
+                assert reader.deltas() == {} and reader.shared() == {}
+        assert np.array_equal(cv.load(step, storage_options=so)["table"], table.numpy())
+    # step 3: 130 rows, under 2%; step 4: whole_every; step 6: 200 rows past 2%, their
+    # union (100) past half of it: the table whole (the frozen value still shared)
+    assert seen == ["whole", 1, 2, "whole", 1, "whole"]
+    kept = list_committed_steps(s3.location("run"))
+    # HDF5: steps 5 and 6 read the frozen value from step 4: kept; 1-3 freed
+    assert kept == ([f"ckpt-{i}.h5" for i in (4, 5, 6)] if fmt == "h5"
+                    else ["ckpt-5.zarr", "ckpt-6.zarr"])
+    with cv.open(manager.latest_checkpoint, storage_options=so) as reader:
+        assert np.array_equal(reader["frozen"].read(), frozen.numpy())
 
 
 def _flip(loc: Any, key: str, at: int) -> None:

@@ -16,6 +16,10 @@ value by one process), whose parts it trains at the same few rows.
   rows of step 6). Every listed step is restored on these processes.
 - ``restore`` (any number): every listed step is restored into this many processes'
   boxes and compared with :func:`expected`.
+- ``options`` (any number): a manager with ``IncrementalOptions(max_patches=2,
+  whole_every=4)`` saves steps 1-5: each process's box merges its patches at step 4
+  and step 5 is written whole; rank 0 reports which values are deltas, with their
+  patches, and whether each step's files refer to other steps (:func:`refers`).
 - ``bench`` (``DIR FORMAT MIB``): the bytes and time per step of row deltas against full
   steps (:func:`bench`; the figures in docs/benchmarks.md).
 
@@ -144,6 +148,19 @@ def delta_keys(step: Path) -> dict[str, dict[str, int]]:
     return out
 
 
+def refers(step: Path) -> list[str]:
+    """The process files of ``step`` whose values refer to another step's bytes."""
+    import ckptvar as cv
+
+    out = []
+    for f in sorted(step.glob("rank-*")):
+        with cv.open(f) as r:
+            assert isinstance(r, cv.storage.SupportsShared)
+            if r.shared():
+                out.append(f.name)
+    return out
+
+
 def restore_all(mgr: Any, ckpt: Any, table: Any, part: Any, coord: Any) -> dict[str, bool]:
     """Restore every listed step (collectively): whether each equals :func:`expected`."""
     import ckptvar as cv
@@ -185,8 +202,20 @@ def main(mode: str, root: Path, fmt: str) -> None:
     out = Path(os.environ["RESULT_DIR"]) / f"rank{rank}.jsonl"
     fields: dict[str, Any] = {}
     ckpt, table, part = model(rank, size, fmt)
-    mgr = cv.CheckpointManager(ckpt, root, max_to_keep=2, format=fmt, incremental=True,
-                               coordinator=coord)
+    incremental = (cv.IncrementalOptions(max_patches=2, whole_every=4)
+                   if mode == "options" else True)
+    mgr = cv.CheckpointManager(ckpt, root, max_to_keep=2, format=fmt,
+                               incremental=incremental, coordinator=coord)
+    if mode == "options":
+        deltas, shared = {}, {}
+        for step in range(1, 6):
+            train(table, part, step)
+            path = Path(mgr.save())
+            coord.barrier(tag=f"saved-{step}", timeout=60)
+            if rank == 0:
+                deltas[step], shared[step] = delta_keys(path), refers(path)
+        fields["deltas"], fields["shared"] = deltas, shared
+        fields["listed"] = [Path(p).name for p in mgr.checkpoints]
     if mode == "save":
         sizes, deltas = {}, {}
         for step in range(1, 6):
