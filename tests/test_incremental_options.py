@@ -196,7 +196,7 @@ def test_bad_options_are_refused_saying_which_and_why(options: dict[str, Any],
 def test_bad_incremental_arguments_are_refused(tmp_path: Path, fresh_graph: cv.Graph) -> None:
     ckpt, _ = _model()
     for bad in ("yes", 2, {"whole_every": 3}):
-        with pytest.raises(TypeError, match="expected True, False or a cv.IncrementalOptions"):
+        with pytest.raises(TypeError, match=r"expected True, False or a cv\.IncrementalOptions"):
             cv.CheckpointManager(ckpt, tmp_path / "run", incremental=bad)  # type: ignore[arg-type]
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
     options = cv.IncrementalOptions(max_patches=4)

@@ -33,7 +33,7 @@ def _table() -> tuple[cv.Checkpoint, cv.Variable]:
 
 
 def _manager(ckpt: cv.Checkpoint, run: str, fmt: str, opts: dict[str, Any],
-             keep: int | None = 1, incremental: bool | cv.IncrementalOptions = True
+             keep: int | None = 1, *, incremental: bool | cv.IncrementalOptions = True
              ) -> cv.CheckpointManager:
     return cv.CheckpointManager(ckpt, run, max_to_keep=keep, format=fmt,
                                 storage_options=opts, incremental=incremental)

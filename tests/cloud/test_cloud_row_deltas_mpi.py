@@ -232,3 +232,38 @@ def test_a_process_object_merges_its_patches_reading_them_from_the_store(
     assert list_committed_steps(s3.location("one")) == [*held, f"ckpt-7.{fmt}"]
     assert again.checkpoints == [last]
     assert np.array_equal(cv.load(last, storage_options=s3.storage_options)["table"], value)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_process_object_follows_the_managers_incremental_options(
+        s3: S3Bucket, fmt: str) -> None:
+    """``IncrementalOptions`` reach each process's object (the multi-process path on the
+    store, in one process): with ``max_patched_rows=0.1`` 150 hot rows touched at every
+    step merge at step 4 (the default would append up to 25%), and ``whole_every=5``
+    writes step 6 whole; every step loads bit-exact."""
+    so = s3.storage_options
+    rng = np.random.default_rng(0)
+    value = rng.random((4096, 64), dtype=np.float32)  # 1 MiB: 4,096 rows of 256 bytes
+    table = cv.Variable(value.copy(), name="table",
+                        shard=cv.Shard(full_shape=value.shape, offset=(0, 0)))
+    manager = cv.CheckpointManager(
+        cv.Checkpoint(table=table), f"{s3.url}/opts", format=fmt, max_to_keep=2,
+        incremental=cv.IncrementalOptions(max_patched_rows=0.1, whole_every=5),
+        coordinator=cv.distributed.SingleProcessCoordinator(), storage_options=so)
+    hot = np.sort(rng.choice(4096, 150, replace=False))  # 3.7% of the rows, every step
+    patches = []
+    for step in range(1, 7):
+        if step > 1:
+            rows = np.full((hot.size, 64), step, np.float32)
+            table.scatter_update(hot, rows)
+            value[hot] = rows
+        last = manager.save()
+        with cv.open(last, storage_options=so) as reader:
+            patches.append(reader.deltas().get("table", {}).get("patches", 0))
+        assert np.array_equal(cv.load(last, storage_options=so)["table"], value), step
+    # 450 rows > 10% at step 4: merged (the union, 150 rows, is under 5%); step 6 whole
+    assert patches == [0, 1, 2, 1, 2, 0], patches
+    # HDF5: step 6 stands alone, step 5 refers to step 1 (the whole copy) and 4's patch
+    kept = ["ckpt-1.h5", "ckpt-4.h5", "ckpt-5.h5", "ckpt-6.h5"] if fmt == "h5" else [
+        "ckpt-5.zarr", "ckpt-6.zarr"]
+    assert list_committed_steps(s3.location("opts")) == kept
