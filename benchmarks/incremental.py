@@ -1,7 +1,9 @@
 """The ``incremental`` workload: what ``CheckpointManager(incremental=True)`` writes per step.
 
 Run ``python -m benchmarks.incremental [--quick] [--mib N] [--steps S] [--dir D] [--s3] [--json]
-[--workloads frozen,...]``.
+[--workloads frozen,...] [--max-patched-rows F] [--max-patches N] [--whole-every N]``
+(the last three: the incremental manager's ``cv.IncrementalOptions``; default: its
+defaults, ``incremental=True``).
 In one run, for each format (h5, zarr) and each workload, it saves ``S`` steps with a
 full manager and with an incremental one (durable saves, warm page cache) and gives per
 step (medians): the bytes the process wrote (``wchar`` of ``/proc/self/io``: every
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -217,6 +220,16 @@ def _no_change(manager: cv.CheckpointManager, place: Place) -> tuple[float, floa
     return statistics.median(steps), statistics.median(floor)
 
 
+def _last_delta(manager: cv.CheckpointManager, place: Place) -> dict[str, Any] | None:
+    """How the latest step stores the table: ``{"base", "patches", "rows"}`` (a row delta),
+    or None (whole, or no table)."""
+    with cv.open(manager.latest_checkpoint or "", storage_options=place.storage_options
+                 ) as reader:
+        assert isinstance(reader, cv.storage.SupportsDeltas)
+        got: dict[str, Any] | None = reader.deltas().get("table")
+        return got
+
+
 def _restore_times(targets: dict[str, tuple[cv.Checkpoint, str]], place: Place
                    ) -> dict[str, float]:
     """Median restore time of each mode's latest step, the modes taken in turn (the order
@@ -231,25 +244,30 @@ def _restore_times(targets: dict[str, tuple[cv.Checkpoint, str]], place: Place
 
 
 def run(directory: Path, nbytes: int, steps: int, s3: Any = None,
-        workloads: tuple[str, ...] = WORKLOADS) -> list[dict[str, Any]]:
-    """The rows, locally or (``s3``: see :class:`Place`) on the S3 server."""
+        workloads: tuple[str, ...] = WORKLOADS, *,
+        options: cv.IncrementalOptions | None = None) -> list[dict[str, Any]]:
+    """The rows, locally or (``s3``: see :class:`Place`) on the S3 server (``options``:
+    the incremental manager's; None: ``incremental=True``)."""
+    incremental = options or cv.IncrementalOptions()
     place = Place(directory, s3)
     rows = []
     for fmt in ("h5", "zarr"):
         for name in workloads:
             row: dict[str, Any] = {"format": fmt, "workload": name, "state": nbytes,
-                                   "place": "local" if s3 is None else "s3"}
+                                   "place": "local" if s3 is None else "s3",
+                                   "options": dataclasses.asdict(incremental)}
             targets: dict[str, tuple[cv.Checkpoint, str]] = {}
             for mode in ("full", "incremental"):
                 with cv.Graph().as_default():
                     work = Workload(name, nbytes)
                     manager = cv.CheckpointManager(
                         work.ckpt, place.where(f"{fmt}-{name}-{mode}"), max_to_keep=3,
-                        format=fmt, incremental=mode == "incremental",
+                        format=fmt, incremental=mode == "incremental" and incremental,
                         storage_options=place.storage_options)
                     row[mode] = _steps(work, manager, steps, place)
                     if mode == "incremental":
                         row["no_change"], row["record_only"] = _no_change(manager, place)
+                        row["last_delta"] = _last_delta(manager, place)
                     targets[mode] = (work.ckpt, manager.latest_checkpoint or "")
             restore = _restore_times(targets, place)
             for mode in targets:
@@ -308,27 +326,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)")
+    default = cv.IncrementalOptions()
+    parser.add_argument("--max-patched-rows", type=float, default=default.max_patched_rows,
+                        help="IncrementalOptions.max_patched_rows (share of the rows)")
+    parser.add_argument("--max-patches", type=int, default=default.max_patches,
+                        help="IncrementalOptions.max_patches")
+    parser.add_argument("--whole-every", type=int, default=None,
+                        help="IncrementalOptions.whole_every (default: never)")
     args = parser.parse_args(argv)
+    try:
+        options = cv.IncrementalOptions(args.max_patched_rows, args.max_patches,
+                                        args.whole_every)
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
     workloads = tuple(w for w in args.workloads.split(",") if w)
     unknown = sorted(set(workloads) - set(WORKLOADS))
     if unknown:
         parser.error(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
     nbytes, steps = (8 << 20, 3) if args.quick else (args.mib << 20, args.steps)
     with tempfile.TemporaryDirectory(dir=args.dir) as d, _server(args.s3) as s3:
-        rows = run(Path(d), nbytes, steps, s3, workloads)
+        rows = run(Path(d), nbytes, steps, s3, workloads, options=options)
     if args.json:
         print(json.dumps(rows))
         return 0
     mib = 2.0**20
     where = "on a moto S3 server (MiB uploaded)" if args.s3 else "locally"
     print(f"incremental vs full, {nbytes / mib:.0f} MiB of state, median of {steps} steps, "
-          f"{where}")
+          f"{where}, {options}")
     print("| format | workload | full: MiB written, ms | incremental: MiB written, ms | "
           "changed MiB | raw ms | changed alone ms | written/changed | "
           "written/changed chunks | all steps written/changed | time/raw | "
           "time with the prune freed/raw | "
-          "no change ms (record-only) | no change - record ms | restore incr/full |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "no change ms (record-only) | no change - record ms | restore incr/full | "
+          "incremental: MiB written, all steps | latest step's table | restore ms, incr/full |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         f, i = r["full"], r["incremental"]
         print(f"| {r['format']} | {r['workload']} | {f['written'] / mib:.1f}, "
@@ -340,8 +371,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['time_over_raw']:.2f} | {r['freed_over_raw']:.2f} | "
               f"{r['no_change'] * 1e3:.1f} ({r['record_only'] * 1e3:.1f}) | "
               f"{(r['no_change'] - r['record_only']) * 1e3:.1f} | "
-              f"{r['restore_ratio']:.2f} |")
+              f"{r['restore_ratio']:.2f} | {i['written_total'] / mib:.1f} | "
+              f"{_table_layout(r)} | {r['restore_incremental'] * 1e3:.1f} / "
+              f"{r['restore_full'] * 1e3:.1f} |")
     return 0
+
+
+def _table_layout(row: dict[str, Any]) -> str:
+    """How the latest incremental step stores the table: its patches and the share of the
+    rows they hold (with repeats), or "whole"."""
+    d = row.get("last_delta")
+    if not d:
+        return "whole"
+    nrows = row["state"] // (ROW * 4)
+    return f"{d['patches']} patch(es), {100 * d['rows'] / nrows:.1f}% rows"
 
 
 if __name__ == "__main__":

@@ -287,6 +287,28 @@ def test_the_incremental_workload_reports_every_row(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_incremental_workload_takes_the_managers_options(tmp_path: Path) -> None:
+    """``--max-patched-rows`` (and the other ``IncrementalOptions``) reach the incremental
+    manager: with no share of rows the table is written whole at every step, by default
+    it is a row delta; a bad value is refused, saying why."""
+    load_bench()
+    from benchmarks import incremental
+
+    import ckptvar as cv
+
+    def latest(options: cv.IncrementalOptions | None) -> list[object]:
+        rows = incremental.run(tmp_path, 2 << 20, 2, workloads=("embedding-10%",),
+                               options=options)
+        return [r["last_delta"] and r["last_delta"]["patches"] for r in rows]
+
+    assert latest(None) == [2, 2]  # h5, zarr: two patches on the first whole copy
+    assert latest(cv.IncrementalOptions(max_patched_rows=0)) == [None, None]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.incremental", "--max-patched-rows", "2"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+    assert proc.returncode == 2 and "max_patched_rows=2.0" in proc.stderr, proc.stderr
+
+
 def test_the_count_table_ignores_rows_of_the_counts_workload_itself() -> None:
     load_bench()
     from benchmarks import round2
