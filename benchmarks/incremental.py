@@ -17,7 +17,8 @@ the freeing of the step it pruned (``save()`` then ``wait_until_finished()``: th
 manager frees a pruned step's bytes in the background), and the time ``cv.save`` takes to write only the changed values ("changed
 alone": the same bytes as a ckptvar checkpoint, with its fixed cost). Then a step with nothing changed, against a save of a checkpoint holding only
 the small values (the record's cost), and the restore of the last incremental step
-against the last full one (median of 7, verified).
+against the last full one (median and fastest of 7, ``--restores`` rounds, in turn, and
+the median CPU time of the process per restore; verified).
 
 With ``--s3`` the steps go to a bucket on a moto S3 server started in its own process
 (:mod:`benchmarks.cloud`, needs obstore and ``moto[server]``), through a TCP proxy that
@@ -230,24 +231,31 @@ def _last_delta(manager: cv.CheckpointManager, place: Place) -> dict[str, Any] |
         return got
 
 
-def _restore_times(targets: dict[str, tuple[cv.Checkpoint, str]], place: Place
-                   ) -> dict[str, float]:
-    """Median restore time of each mode's latest step, the modes taken in turn (the order
-    effects of a shared machine fall on both alike)."""
+def _restore_times(targets: dict[str, tuple[cv.Checkpoint, str]], place: Place,
+                   rounds: int = 7) -> dict[str, tuple[float, float, float]]:
+    """Median and fastest restore time of each mode's latest step over ``rounds``, and
+    the median CPU time of the process (every thread) per restore, the modes taken in
+    turn (the order effects of a shared machine fall on both alike; the CPU time is
+    the steadier where other processes share the CPUs)."""
     times: dict[str, list[float]] = {mode: [] for mode in targets}
-    for _ in range(7):
+    cpu: dict[str, list[float]] = {mode: [] for mode in targets}
+    for _ in range(rounds):
         for mode, (ckpt, path) in targets.items():
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             ckpt.restore(path, storage_options=place.storage_options)
             times[mode].append(time.perf_counter() - t0)
-    return {mode: statistics.median(ts) for mode, ts in times.items()}
+            cpu[mode].append(time.process_time() - c0)
+    return {mode: (statistics.median(ts), min(ts), statistics.median(cpu[mode]))
+            for mode, ts in times.items()}
 
 
 def run(directory: Path, nbytes: int, steps: int, s3: Any = None,
         workloads: tuple[str, ...] = WORKLOADS, *,
-        options: cv.IncrementalOptions | None = None) -> list[dict[str, Any]]:
+        options: cv.IncrementalOptions | None = None, restores: int = 7
+        ) -> list[dict[str, Any]]:
     """The rows, locally or (``s3``: see :class:`Place`) on the S3 server (``options``:
-    the incremental manager's; None: ``incremental=True``)."""
+    the incremental manager's; None: ``incremental=True``; ``restores``: rounds of
+    restores timed)."""
     incremental = options or cv.IncrementalOptions()
     place = Place(directory, s3)
     rows = []
@@ -269,9 +277,10 @@ def run(directory: Path, nbytes: int, steps: int, s3: Any = None,
                         row["no_change"], row["record_only"] = _no_change(manager, place)
                         row["last_delta"] = _last_delta(manager, place)
                     targets[mode] = (work.ckpt, manager.latest_checkpoint or "")
-            restore = _restore_times(targets, place)
+            restore = _restore_times(targets, place, restores)
             for mode in targets:
-                row[f"restore_{mode}"] = restore[mode]
+                (row[f"restore_{mode}"], row[f"restore_{mode}_min"],
+                 row[f"restore_{mode}_cpu"]) = restore[mode]
                 place.remove(f"{fmt}-{name}-{mode}")
             inc = row["incremental"]
             row["written_over_changed"] = inc["written"] / max(inc["changed"], 1)
@@ -280,6 +289,10 @@ def run(directory: Path, nbytes: int, steps: int, s3: Any = None,
             row["time_over_raw"] = inc["time"] / max(inc["raw"], 1e-9)
             row["freed_over_raw"] = inc["time_freed"] / max(inc["raw"], 1e-9)
             row["restore_ratio"] = row["restore_incremental"] / row["restore_full"]
+            row["restore_ratio_min"] = (row["restore_incremental_min"]
+                                        / row["restore_full_min"])
+            row["restore_ratio_cpu"] = (row["restore_incremental_cpu"]
+                                        / row["restore_full_cpu"])
             rows.append(row)
     return rows
 
@@ -333,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="IncrementalOptions.max_patches")
     parser.add_argument("--whole-every", type=int, default=None,
                         help="IncrementalOptions.whole_every (default: never)")
+    parser.add_argument("--restores", type=int, default=7,
+                        help="rounds of restores timed (default 7)")
     args = parser.parse_args(argv)
     try:
         options = cv.IncrementalOptions(args.max_patched_rows, args.max_patches,
@@ -345,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
     nbytes, steps = (8 << 20, 3) if args.quick else (args.mib << 20, args.steps)
     with tempfile.TemporaryDirectory(dir=args.dir) as d, _server(args.s3) as s3:
-        rows = run(Path(d), nbytes, steps, s3, workloads, options=options)
+        rows = run(Path(d), nbytes, steps, s3, workloads, options=options,
+                   restores=args.restores)
     if args.json:
         print(json.dumps(rows))
         return 0
@@ -358,8 +374,9 @@ def main(argv: list[str] | None = None) -> int:
           "written/changed chunks | all steps written/changed | time/raw | "
           "time with the prune freed/raw | "
           "no change ms (record-only) | no change - record ms | restore incr/full | "
-          "incremental: MiB written, all steps | latest step's table | restore ms, incr/full |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "incremental: MiB written, all steps | latest step's table | restore ms, incr/full | "
+          "restore incr/full, fastest | restore incr/full, CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         f, i = r["full"], r["incremental"]
         print(f"| {r['format']} | {r['workload']} | {f['written'] / mib:.1f}, "
@@ -373,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{(r['no_change'] - r['record_only']) * 1e3:.1f} | "
               f"{r['restore_ratio']:.2f} | {i['written_total'] / mib:.1f} | "
               f"{_table_layout(r)} | {r['restore_incremental'] * 1e3:.1f} / "
-              f"{r['restore_full'] * 1e3:.1f} |")
+              f"{r['restore_full'] * 1e3:.1f} | {r['restore_ratio_min']:.2f} | "
+              f"{r['restore_ratio_cpu']:.2f} |")
     return 0
 
 
