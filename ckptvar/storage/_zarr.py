@@ -864,8 +864,9 @@ class ZarrReader(ContainerReader, SupportsShared):
         #: a delta value's patches, read and checked on the I/O threads from the first
         #: time it is opened (folded into one when laid twice), once per reader
         self._patches: dict[str, Patches] = {}
-        #: a delta value's base chunk files, opened (and their sizes checked) once per
-        #: reader, up to ``_HOLD_BASES`` descriptors in all (the rest at each open)
+        #: a delta value's base chunk files, and a value's stored as several chunks,
+        #: opened (and their sizes checked) once per reader, up to ``_HOLD_BASES``
+        #: descriptors in all (the rest at each open)
         self._bases: dict[str, int | Pieces] = {}
         self._held = 0
         self._delta_lock = threading.Lock()
@@ -957,8 +958,23 @@ class ZarrReader(ContainerReader, SupportsShared):
         if self._record.deltas and key in self._record.deltas:
             return Source(self._patched(key, entry), 0, True)
         if self._record.pieces and key in self._record.pieces:
-            return Source(self._open_pieces(key, entry), 0, True)
+            return self._held_pieces(key, entry)
         return Source(self._open_chunk(key, rel, entry.nbytes), 0, True)
+
+    def _held_pieces(self, key: str, entry: Entry) -> Source:
+        """A value stored as several chunks: its chunk files opened (and their sizes
+        checked) at its first open and kept for this reader's later ones, within
+        ``_HOLD_BASES`` descriptors in all (a restore opens a value once per piece of
+        work: 16 chunk files opened at each of ~20 opens cost more than reading them)."""
+        with self._delta_lock:
+            pieces = self._bases.get(key)
+            if pieces is not None:
+                return Source(pieces, 0, False)
+            pieces = self._open_pieces(key, entry)
+            if self._held + len(pieces.fds) > _HOLD_BASES:
+                return Source(pieces, 0, True)
+            self._bases[key], self._held = pieces, self._held + len(pieces.fds)
+            return Source(pieces, 0, False)
 
     def corrupt(self, key: str, what: str) -> CorruptCheckpointError:
         """The error saying value ``key`` ``what``; a row delta's says where its base is
