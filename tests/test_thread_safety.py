@@ -244,3 +244,45 @@ def test_threads_saving_one_checkpoint_write_each_file_whole(
             assert counters[-1] == _number(path)
     # every save() counted once, each under its own number
     assert sorted(counters) == list(range(1, len(counters) + 1))
+
+
+def test_threads_saving_through_one_manager_write_each_step_whole(
+        tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    """N threads x M saves through one manager (in the background): N x M steps, each
+    under its own number, each holding bit for bit the value its thread saved."""
+    threads, saves = 3, 4
+
+    def value(t: int, m: int) -> np.ndarray:
+        return np.random.default_rng(1000 * t + m).standard_normal(4096).astype(np.float32)
+
+    own = [cv.Variable(value(t, 0)) for t in range(threads)]
+    mgr = cv.CheckpointManager(cv.Checkpoint(own=own), tmp_path, max_to_keep=None,
+                               async_save=True)
+    barrier = threading.Barrier(threads)
+    done: list[tuple[str, int, int]] = []
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            barrier.wait(10)
+            for m in range(saves):
+                own[t].assign(value(t, m))
+                path = mgr.save()
+                assert path is not None
+                done.append((path, t, m))
+        except BaseException as exc:  # noqa: BLE001 - raised below, on the test's thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    mgr.wait_until_finished()
+    assert not errors, errors[0]
+    assert sorted(_number(p) for p, _, _ in done) == list(range(1, threads * saves + 1))
+    assert len(mgr.checkpoints) == threads * saves
+    for path, t, m in done:
+        got = cv.load(path, keys=[f"own/{t}", "save_counter"], verify=False)
+        np.testing.assert_array_equal(got[f"own/{t}"], value(t, m), err_msg=path)
+        assert int(got["save_counter"]) == _number(path)
