@@ -8,6 +8,7 @@ are matched, checked and applied is ``_object_restore``'s and ``_apply``'s.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict, Unpack, cast
 
@@ -93,11 +94,25 @@ class Checkpoint(Trackable):
     """
 
     _cv_handles: list[Any]
+    #: held by a save (its blocking part: counter, snapshot, handle; a blocking save's
+    #: write), a restore and :meth:`wait`, so that threads take turns (docs/checkpoints.md,
+    #: "Thread safety")
+    _cv_lock: threading.RLock
 
     def __init__(self, **objects: Any) -> None:
         object.__setattr__(self, "_cv_handles", [])
+        object.__setattr__(self, "_cv_lock", threading.RLock())
         for name, value in objects.items():
             setattr(self, name, value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_cv_lock"]  # (not picklable) a copy takes its own
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        object.__setattr__(self, "_cv_lock", threading.RLock())
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name.startswith("_"):
@@ -162,17 +177,18 @@ class Checkpoint(Trackable):
         the file is durable instead of recording it as the latest checkpoint. The
         options are checked :class:`SaveOptions`. Returns what :meth:`save` returns.
         """
-        self.wait()  # one save in flight per checkpoint; surfaces a background error
-        base, fmt, suffix = split_format(prefix, options.get("format"))
-        counter = self.save_counter
-        counter.assign_add(1)
-        n = int(counter.numpy()) if number is None else int(number)
-        try:
-            return self._write(step_name(base, n, suffix), fmt, options, on_commit,
-                               incremental)
-        except BaseException:
-            counter.assign_sub(1)
-            raise
+        with self._cv_lock:  # another thread's save of this checkpoint waits its turn
+            self.wait()  # one save in flight per checkpoint; surfaces a background error
+            base, fmt, suffix = split_format(prefix, options.get("format"))
+            counter = self.save_counter
+            counter.assign_add(1)
+            n = int(counter.numpy()) if number is None else int(number)
+            try:
+                return self._write(step_name(base, n, suffix), fmt, options, on_commit,
+                                   incremental)
+            except BaseException:
+                counter.assign_sub(1)
+                raise
 
     def write(self, path: str | os.PathLike[str], **options: Unpack[SaveOptions]) -> Any:
         """Write exactly ``path`` (the save counter does not change).
@@ -185,10 +201,11 @@ class Checkpoint(Trackable):
         The options are :class:`SaveOptions`'s, as for :meth:`save`.
         """
         options = _checked(options, "write")
-        self.wait()
-        path = os.fspath(path)
-        fmt = native_backend(path, options.get("format")).name
-        return self._write(path, fmt, options, None)
+        with self._cv_lock:
+            self.wait()
+            path = os.fspath(path)
+            fmt = native_backend(path, options.get("format")).name
+            return self._write(path, fmt, options, None)
 
     def _write(
         self,
@@ -328,13 +345,14 @@ class Checkpoint(Trackable):
         handles = self.__dict__.get("_cv_handles")
         if not handles:
             return
-        if _async.settled(handles):  # each waited for already: nothing left to report
-            handles.clear()
-            return
-        try:
-            _async.wait_all(handles)
-        finally:
-            handles[:] = [h for h in handles if not h.done()]
+        with self._cv_lock:  # (a save of another thread appends its handle under it)
+            if _async.settled(handles):  # each waited for already: nothing left to report
+                handles.clear()
+                return
+            try:
+                _async.wait_all(handles)
+            finally:
+                handles[:] = [h for h in handles if not h.done()]
 
     # -- restoring --------------------------------------------------------------------
     def restore(
@@ -365,28 +383,29 @@ class Checkpoint(Trackable):
         """
         if path is None:
             return RestoreStatus(None, warn_unused=False)
-        self.wait()
-        # (the object graph is gathered only when a coordinator may make this collective)
-        if coordinator is not None and needs_collective(
-                coordinator, gather(self).variables.values()):
-            return self._restore_collective(path, coordinator, timeout, verify, cast,
-                                            storage_options)
-        # one pause from decoding the record to letting it go (release_reader): the
-        # collector never scans the record's objects (one per stored value)
-        with paused_gc():
-            state = RestoreState(path, root=self, verify=verify, cast=cast,
-                                 storage_options=storage_options)
-            if state.has_save_counter:
-                self.save_counter  # noqa: B018 - exists before matching: restored too
-            adapters = begin_restores(self, state.states, state.infos, state.path)
-            ok = False
-            try:
-                state.restore_nodes(walk(self))
-                ok = True
-            finally:
-                state.release_reader()
-                end_restores(adapters, ok=ok)
-        return RestoreStatus(state, root=self)
+        with self._cv_lock:  # never beside a save of this checkpoint by another thread
+            self.wait()
+            # (the object graph is gathered only when a coordinator may make this collective)
+            if coordinator is not None and needs_collective(
+                    coordinator, gather(self).variables.values()):
+                return self._restore_collective(path, coordinator, timeout, verify, cast,
+                                                storage_options)
+            # one pause from decoding the record to letting it go (release_reader): the
+            # collector never scans the record's objects (one per stored value)
+            with paused_gc():
+                state = RestoreState(path, root=self, verify=verify, cast=cast,
+                                     storage_options=storage_options)
+                if state.has_save_counter:
+                    self.save_counter  # noqa: B018 - exists before matching: restored too
+                adapters = begin_restores(self, state.states, state.infos, state.path)
+                ok = False
+                try:
+                    state.restore_nodes(walk(self))
+                    ok = True
+                finally:
+                    state.release_reader()
+                    end_restores(adapters, ok=ok)
+            return RestoreStatus(state, root=self)
 
     read = restore
 

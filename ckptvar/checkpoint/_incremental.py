@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,17 +192,20 @@ def _name(path: str | os.PathLike[str]) -> str:
 _REFS: dict[tuple[str, int, int, int], frozenset[str]] = {}
 #: Steps ``_REFS`` holds at most (a manager's kept and held steps, with room to spare).
 _REFS_KEPT = 64
+_REFS_LOCK = threading.Lock()  # managers' saves and prunes may look at once (threads)
 
 
 def _references(path: Path) -> frozenset[str]:
     st = os.stat(path)
     ident = (os.fspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
-    refs = _REFS.get(ident)
+    with _REFS_LOCK:
+        refs = _REFS.get(ident)
     if refs is None:
         refs = frozenset(external_files(path))
-        while len(_REFS) >= _REFS_KEPT:  # the oldest first: pruned steps are not asked again
-            del _REFS[next(iter(_REFS))]
-        _REFS[ident] = refs
+        with _REFS_LOCK:
+            while len(_REFS) >= _REFS_KEPT:  # the oldest first: pruned steps are not asked again
+                del _REFS[next(iter(_REFS))]
+            _REFS[ident] = refs
     return refs
 
 

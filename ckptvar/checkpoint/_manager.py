@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec
 
 from ..errors import (
     CheckpointExistsError,
@@ -111,6 +111,23 @@ def _check_arguments(
 def _whole_every(incremental: Incremental, every: int, number: int) -> bool:
     """Whether step ``number`` is written whole by ``IncrementalOptions.whole_every``."""
     return incremental.whole_due(every)
+
+
+_P = ParamSpec("_P")
+
+
+def _one_at_a_time(save: Callable[Concatenate[CheckpointManager, _P], str | None],
+                   ) -> Callable[Concatenate[CheckpointManager, _P], str | None]:
+    """``save`` under the manager's lock: saves from several threads take turns, each
+    numbered after the one before (docs/checkpoints.md, "Thread safety")."""
+
+    @functools.wraps(save)
+    def one_at_a_time(self: CheckpointManager, /, *args: _P.args,
+                      **kwargs: _P.kwargs) -> str | None:
+        with self._save_lock:
+            return save(self, *args, **kwargs)
+
+    return one_at_a_time
 
 
 def _copy_checkpoint(src: Path, dst: Path, *, durable: bool = False) -> None:
@@ -258,6 +275,7 @@ class CheckpointManager:
         #: steps due a persistent copy outside ``persistent_every`` (preemption saves)
         self._also_persisted: set[int] = set()
         self._tier_lock = threading.Lock()
+        self._save_lock = threading.RLock()  # held by :meth:`save` (a preemption save's too)
         self._pool: ThreadPoolExecutor | None = None
         if local_directory is not None:
             self._init_tiers(local_directory, step_counter, checkpoint_interval)
@@ -706,6 +724,7 @@ class CheckpointManager:
         value = counter.numpy() if isinstance(counter, Variable) else counter()
         return int(value)
 
+    @_one_at_a_time
     def save(  # noqa: C901 - the save steps in order (sync, write, state, prune)
         self,
         checkpoint_number: int | None = None,

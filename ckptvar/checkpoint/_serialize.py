@@ -121,7 +121,8 @@ class SnapshotBuffer:
     background saves copy into one buffer, made (and faulted in) once and reused while
     it fits. It is reused only when nothing else holds a view of it: a save that is
     still running, or an error's traceback that keeps the last snapshot, makes the next
-    save take a new one.
+    save take a new one. One save at a time claims it: its owner's lock (a
+    ``cv.Checkpoint``'s) is held from the claim until the views are made.
 
     >>> buf = SnapshotBuffer()
     >>> a, b = buf.views([((2, 3), np.dtype("float32")), ((5,), np.dtype("int8"))])

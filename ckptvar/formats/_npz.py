@@ -281,6 +281,8 @@ class NpzWriter(CollectingWriter):
         if not is_chunked(array):  # a Chunked value's pieces are streamed at commit
             array = np.asarray(array)
         dt = little_endian(np.dtype(array.dtype))
+        if dt != array.dtype:  # big-endian: stored little-endian, by value (as in h5 and Zarr)
+            array = array.astype(dt)
         if dt not in SUPPORTED_DTYPES.values():
             raise UnsupportedFormatError(f"Cannot write {key!r} of dtype {array.dtype} to npz.")
         self._collect(key, array, attrs)
