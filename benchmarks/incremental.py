@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="save to a moto S3 server started here (needs obstore, moto)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
-                        help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)")
+                        help=f"comma-separated, of {', '.join(WORKLOADS).replace('%', '%%')} (default: all)")
     default = cv.IncrementalOptions()
     parser.add_argument("--max-patched-rows", type=float, default=default.max_patched_rows,
                         help="IncrementalOptions.max_patched_rows (share of the rows)")

@@ -354,3 +354,15 @@ def test_the_protocol_overhead_leaves_out_the_ranks_write_skew() -> None:
              {"plan": 0.01, "write": 0.4, "vote": 0.0, "commit": 0.02}]]
     assert scale.overheads(laps) == pytest.approx([0.33])
     assert scale.wall_overheads(laps) == pytest.approx([0.03])
+
+
+@pytest.mark.parametrize("module", sorted(
+    p.stem for p in (ROOT / "benchmarks").glob("*.py")
+    if p.stem != "worker" and "__main__" in p.read_text()))
+def test_each_benchmark_answers_help(module: str) -> None:
+    """``python -m benchmarks.<module> --help`` prints its usage (a ``%`` in a help text,
+    as in a workload named ``embedding-1%``, once made argparse fail)."""
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--help"],
+                          capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage:" in proc.stdout
