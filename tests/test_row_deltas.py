@@ -553,6 +553,54 @@ def test_a_deltas_checksums_hash_only_the_blocks_its_rows_touch(
 
 
 @pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_merging_step_hashes_only_the_blocks_of_its_own_rows(
+        tmp_path: Path, fresh_graph: cv.Graph, fmt: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step that merges a delta's patches writes one patch of every row changed since
+    the whole copy, but hashes again only the blocks of the rows changed since the step
+    before (the others' checksums are that step's): the union here touches every block
+    of the table, the step's own rows two of them."""
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, max_to_keep=2,
+                                   incremental=True)
+    manager.save()
+    per_block = (64 << 10) // ROW_BYTES
+    blocks = ROWS // per_block
+    asked: list[int] = []
+    real = writer_mod.rehash_rows
+
+    def counting(view: Any, seed: int, base: bytes, row_bytes: int, rows: Any,
+                 **kw: Any) -> Any:
+        asked.append(len({int(r) // per_block for r in rows}))
+        return real(view, seed, base, row_bytes, rows, **kw)
+
+    monkeypatch.setattr(writer_mod, "rehash_rows", counting)
+    whole: list[int] = []
+    real_hash = blocks_mod.hash_blocks
+
+    def hashing(view: Any, seed: int, block_size: int = blocks_mod.BLOCK_SIZE) -> Any:
+        whole.append(len(view))
+        return real_hash(view, seed, block_size)
+
+    for mod in (blocks_mod, writer_mod):
+        monkeypatch.setattr(mod, "hash_blocks", hashing)
+    for k in range(MAX_PATCHES + 1):  # two blocks a step: the union covers all of them
+        ids = [(2 * k % blocks) * per_block + k, ((2 * k + 1) % blocks) * per_block + k]
+        table.scatter_update(ids, np.full((2, WIDTH), k, np.float32))
+        step = Path(manager.save())
+    with cv.open(step) as r:
+        d = r.record.deltas["table"]
+        got = r.record.values["table"]
+    assert len(d.patches) == 1 and d.patches[0][3] == 2 * (MAX_PATCHES + 1)  # merged
+    assert asked[-1] == 2  # not the union's 32 blocks
+    assert not [n for n in whole if n == ROWS * ROW_BYTES]  # never the whole table
+    want = table.numpy()
+    seed = checksum_mod.header_crc("table", "float32", want.shape)
+    assert (got.checksum, got.blocks) == real_hash(memoryview(want).cast("B"), seed)
+    assert np.array_equal(cv.load(step)["table"], want)
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
 def test_a_restore_checks_the_base_by_its_own_checksum(tmp_path: Path, fresh_graph: cv.Graph,
                                                       fmt: str) -> None:
     """Damage in a base row that a patch replaces leaves the assembled value intact: only

@@ -422,6 +422,7 @@ class ContainerWriter(Writer):
             found = self._delta_for(it, entry, was, holder)
             if found is None:
                 continue
+            own = rows  # written since the base step: the rows whose blocks may differ
             if was is not None and rows.size and plan(
                     rows, it.shape, it.nbytes, was.patches) == "merge":
                 rows_since = merged(rows, self._base_rows(it.key), it.shape[0])
@@ -437,7 +438,7 @@ class ContainerWriter(Writer):
                 seed = _checksum.header_crc(it.key, it.dtype, it.shape)
                 found.patch, found.crc = patch_bytes(it.view, it.nbytes // it.shape[0], rows,
                                                      seed)
-                _rehash_rows(it, entry, record.block_size, rows, seed)
+                _rehash_rows(it, entry, record.block_size, own, seed)  # not a merge's union
             else:  # nothing hashed it (known unchanged): the base's checksums hold
                 _carry_checksums(it, entry, record.block_size)
             it.delta = found
