@@ -29,6 +29,7 @@ import importlib
 import logging
 import os
 import re
+import stat
 import struct
 import threading
 from collections.abc import Callable
@@ -37,7 +38,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from ..errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    CorruptCheckpointError,
+    UnsupportedFormatError,
+)
 from . import checksum as _checksum
 from . import rawio as _rawio
 from ._container import (
@@ -113,6 +119,18 @@ class H5Writer(ContainerWriter):
                 "use a .zarr checkpoint for compression."
             )
         super().__init__(path, **options)
+        self._record_bytes: bytes | None = None  # the record written, once it is
+
+    def commit(self) -> Path:
+        """Write and publish the file; an incremental one's record is then kept as read
+        (:func:`_committed_record`), so the manager's look at what it refers to and the
+        next step's read of its base open nothing."""
+        path = super().commit()
+        record = self._record_bytes
+        if record is not None and (self.base is not None or self.rows):
+            with contextlib.suppress(OSError, CkptError):  # a read later does it instead
+                _keep_record(path, record)
+        return path
 
     def _open_base(self, base: Path) -> tuple[Any, Any] | None:
         """An incremental save's base: its record; a value's bytes are in the file that
@@ -190,6 +208,7 @@ class H5Writer(ContainerWriter):
                 # 3. attributes and the root record, through h5py; the file closed
                 record = self._encode_record((PACKED_PATH, packed_off, plan.packed_nbytes))
                 record_off = h5.finish(plan.arrays, len(record))
+                self._record_bytes = record
                 # 4. the record's bytes, then the user block that leads a reader to them
                 if record:
                     _rawio.pwrite_all(fd, memoryview(record), record_off)
@@ -835,9 +854,16 @@ def external_files(path: Path) -> set[str]:
 
 
 def _external_names(path: Path) -> set[str]:
-    if not path.is_file() or not H5Backend.sniff(path):
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
         return set()
-    record = _committed_record(path)
+    with _RECORDS_LOCK:
+        record = _RECORDS.get(_identity(path, st))
+    if record is None:
+        if not stat.S_ISREG(st.st_mode) or not H5Backend.sniff(path):
+            return set()
+        record = _committed_record(path)
     out = {file for file, _ in record.external.values()}
     for d in record.deltas.values():
         out.update(d.files())
@@ -856,7 +882,7 @@ def _committed_record(path: Path) -> Record:
     """The root record of the committed ckptvar HDF5 file ``path`` (a committed file is
     never changed in place: its identity and size name its record)."""
     st = os.stat(path)
-    ident = (os.fspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    ident = _identity(path, st)
     with _RECORDS_LOCK:
         record = _RECORDS.get(ident)
     if record is None:
@@ -865,11 +891,26 @@ def _committed_record(path: Path) -> Record:
             record = reader.record
         finally:
             reader.close()
-        with _RECORDS_LOCK:
-            while len(_RECORDS) >= _RECORDS_KEPT:
-                del _RECORDS[next(iter(_RECORDS))]  # the oldest (insertion order)
-            _RECORDS[ident] = record
+        _keep(ident, record)
     return record
+
+
+def _identity(path: Path, st: os.stat_result) -> tuple[str, int, int, int]:
+    return (os.fspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _keep(ident: tuple[str, int, int, int], record: Record) -> None:
+    with _RECORDS_LOCK:
+        while len(_RECORDS) >= _RECORDS_KEPT:
+            del _RECORDS[next(iter(_RECORDS))]  # the oldest (insertion order)
+        _RECORDS[ident] = record
+
+
+def _keep_record(path: Path, record: bytes) -> None:
+    """Keep the record bytes a writer just committed to ``path`` as its decoded record
+    (what :func:`_committed_record` would read back: the same bytes, the same checks)."""
+    st = os.stat(path)
+    _keep(_identity(path, st), decode(record, path, container="h5", file_size=st.st_size))
 
 
 register_backend(H5Backend)
