@@ -614,6 +614,26 @@ def test_kept_sub_blocks_are_taken_only_for_the_value_they_describe() -> None:
     assert bad is not None and bad[:2] != blocks_mod.hash_blocks(view, 7)  # why it is checked
 
 
+def test_a_step_learns_the_sub_blocks_of_a_few_blocks_at_most(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the cap, the touched blocks not known yet are hashed whole in one piece (not
+    learnt); those with the most touched sub-blocks are learnt first; the checksums are
+    those of hashing the value whole either way."""
+    monkeypatch.setattr(blocks_mod, "_LEARN", 2)
+    data = np.random.default_rng(2).random((4096, 64), dtype=np.float32)  # 16 blocks
+    view = memoryview(data).cast("B")
+    _, blocks = blocks_mod.hash_blocks(view, 7)
+    rows = np.array([1, 300, 316, 332, 600, 616, 900, 4095])  # blocks 0, 1 (3), 2 (2), 3, 15
+    data[rows] += 1.0
+    c, b, subs = blocks_mod.rehash_rows(view, 7, blocks, ROW_BYTES, rows, subs=None)
+    assert (c, b) == blocks_mod.hash_blocks(view, 7)
+    assert np.flatnonzero(subs.known).tolist() == [1, 2]
+    data[rows] += 1.0
+    c, b, subs = blocks_mod.rehash_rows(view, 7, b, ROW_BYTES, rows, subs=subs)
+    assert (c, b) == blocks_mod.hash_blocks(view, 7)
+    assert np.flatnonzero(subs.known).tolist() == [0, 1, 2, 3]  # two more; 15 waits
+
+
 @pytest.mark.parametrize("fmt", ["h5", "zarr"])
 def test_a_merging_step_hashes_only_the_blocks_of_its_own_rows(
         tmp_path: Path, fresh_graph: cv.Graph, fmt: str,
