@@ -553,6 +553,136 @@ def test_a_deltas_checksums_hash_only_the_blocks_its_rows_touch(
 
 
 @pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_known_block_is_hashed_again_only_in_the_sub_blocks_its_rows_touch(
+        tmp_path: Path, fresh_graph: cv.Graph, fmt: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delta step keeps the sub-block CRCs of the blocks it hashed: the next step
+    built on it hashes again only the 4 KiB sub-blocks its rows touch in those blocks
+    (a block it has not seen yet: whole, by sub-blocks), and records the checksums that
+    hashing the value whole gives."""
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, max_to_keep=3,
+                                   incremental=True)
+    manager.save()
+    per_block = (64 << 10) // ROW_BYTES
+    hashed: list[int] = []
+    real, real_crc = writer_mod.rehash_rows, blocks_mod._crc
+
+    def counting_crc(view: Any, *args: Any) -> int:
+        hashed[-1] += len(view)
+        return real_crc(view, *args)
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        hashed.append(0)
+        with monkeypatch.context() as m:
+            m.setattr(blocks_mod, "_crc", counting_crc)
+            return real(*args, **kw)
+
+    monkeypatch.setattr(writer_mod, "rehash_rows", counting)
+    for k, rows in enumerate(([1, 5 * per_block], [2, 5 * per_block + 40],
+                              [3, 9 * per_block])):
+        table.scatter_update(rows, np.full((2, WIDTH), k, np.float32))
+        step = Path(manager.save())
+        want = table.numpy()
+        with cv.open(step) as r:
+            got = r.record.values["table"]
+        seed = checksum_mod.header_crc("table", "float32", want.shape)
+        assert (got.checksum, got.blocks) == blocks_mod.hash_blocks(
+            memoryview(want).cast("B"), seed)
+        assert np.array_equal(cv.load(step)["table"], want)
+    # blocks 0 and 5 whole; then a sub-block of each; then one of block 0 and block 9 whole
+    assert hashed == [2 << 16, 2 << 12, (1 << 12) + (1 << 16)]
+
+
+def test_kept_sub_blocks_are_taken_only_for_the_value_they_describe() -> None:
+    """Sub-block CRCs kept for other bytes than the block checksums given (a step written
+    meanwhile by other means) are not used: the result is hashing the value whole."""
+    data = np.random.default_rng(1).random((4096, 64), dtype=np.float32)  # 16 blocks
+    view = memoryview(data).cast("B")
+    _, blocks = blocks_mod.hash_blocks(view, 7)
+    _, _, subs = blocks_mod.rehash_rows(view, 7, blocks, ROW_BYTES, np.arange(4096),
+                                        subs=None)
+    other = data.copy()
+    other[[10, 3000]] += 1.0  # not among the rows below: their blocks' CRCs are the base's
+    oview = memoryview(other).cast("B")
+    _, oblocks = blocks_mod.hash_blocks(oview, 7)
+    data[[10, 3000, 100]] += 1.0  # rows 10 and 3000 as in ``other``; 100: block 0 too
+    got = blocks_mod.rehash_rows(view, 7, oblocks, ROW_BYTES, np.array([100]), subs=subs)
+    assert got is not None and got[:2] == blocks_mod.hash_blocks(view, 7)
+    wrong = blocks_mod.SubBlocks(oblocks, subs.crcs, subs.known)  # lying about its value
+    bad = blocks_mod.rehash_rows(view, 7, oblocks, ROW_BYTES, np.array([100]), subs=wrong)
+    assert bad is not None and bad[:2] != blocks_mod.hash_blocks(view, 7)  # why it is checked
+
+
+def test_a_step_learns_the_sub_blocks_of_a_few_blocks_at_most(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the cap, the touched blocks not known yet are hashed whole in one piece (not
+    learnt); those with the most touched sub-blocks are learnt first; the checksums are
+    those of hashing the value whole either way."""
+    monkeypatch.setattr(blocks_mod, "_LEARN", 2)
+    data = np.random.default_rng(2).random((4096, 64), dtype=np.float32)  # 16 blocks
+    view = memoryview(data).cast("B")
+    _, blocks = blocks_mod.hash_blocks(view, 7)
+    rows = np.array([1, 300, 316, 332, 600, 616, 900, 4095])  # blocks 0, 1 (3), 2 (2), 3, 15
+    data[rows] += 1.0
+    c, b, subs = blocks_mod.rehash_rows(view, 7, blocks, ROW_BYTES, rows, subs=None)
+    assert (c, b) == blocks_mod.hash_blocks(view, 7)
+    assert np.flatnonzero(subs.known).tolist() == [1, 2]
+    data[rows] += 1.0
+    c, b, subs = blocks_mod.rehash_rows(view, 7, b, ROW_BYTES, rows, subs=subs)
+    assert (c, b) == blocks_mod.hash_blocks(view, 7)
+    assert np.flatnonzero(subs.known).tolist() == [0, 1, 2, 3]  # two more; 15 waits
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_merging_step_hashes_only_the_blocks_of_its_own_rows(
+        tmp_path: Path, fresh_graph: cv.Graph, fmt: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step that merges a delta's patches writes one patch of every row changed since
+    the whole copy, but hashes again only the blocks of the rows changed since the step
+    before (the others' checksums are that step's): the union here touches every block
+    of the table, the step's own rows two of them."""
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, max_to_keep=2,
+                                   incremental=True)
+    manager.save()
+    per_block = (64 << 10) // ROW_BYTES
+    blocks = ROWS // per_block
+    asked: list[int] = []
+    real = writer_mod.rehash_rows
+
+    def counting(view: Any, seed: int, base: bytes, row_bytes: int, rows: Any,
+                 **kw: Any) -> Any:
+        asked.append(len({int(r) // per_block for r in rows}))
+        return real(view, seed, base, row_bytes, rows, **kw)
+
+    monkeypatch.setattr(writer_mod, "rehash_rows", counting)
+    whole: list[int] = []
+    real_hash = blocks_mod.hash_blocks
+
+    def hashing(view: Any, seed: int, block_size: int = blocks_mod.BLOCK_SIZE) -> Any:
+        whole.append(len(view))
+        return real_hash(view, seed, block_size)
+
+    for mod in (blocks_mod, writer_mod):
+        monkeypatch.setattr(mod, "hash_blocks", hashing)
+    for k in range(MAX_PATCHES + 1):  # two blocks a step: the union covers all of them
+        ids = [(2 * k % blocks) * per_block + k, ((2 * k + 1) % blocks) * per_block + k]
+        table.scatter_update(ids, np.full((2, WIDTH), k, np.float32))
+        step = Path(manager.save())
+    with cv.open(step) as r:
+        d = r.record.deltas["table"]
+        got = r.record.values["table"]
+    assert len(d.patches) == 1 and d.patches[0][3] == 2 * (MAX_PATCHES + 1)  # merged
+    assert asked[-1] == 2  # not the union's 32 blocks
+    assert not [n for n in whole if n == ROWS * ROW_BYTES]  # never the whole table
+    want = table.numpy()
+    seed = checksum_mod.header_crc("table", "float32", want.shape)
+    assert (got.checksum, got.blocks) == real_hash(memoryview(want).cast("B"), seed)
+    assert np.array_equal(cv.load(step)["table"], want)
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
 def test_a_restore_checks_the_base_by_its_own_checksum(tmp_path: Path, fresh_graph: cv.Graph,
                                                       fmt: str) -> None:
     """Damage in a base row that a patch replaces leaves the assembled value intact: only

@@ -92,6 +92,14 @@ logger = logging.getLogger("ckptvar")
 _SKIPPED = ("CorruptCheckpointError", "CheckpointNotFoundError", "UnsupportedFormatError")
 
 
+@functools.lru_cache(maxsize=4096)
+def _own_number(name: str, prefix: str, suffix: str) -> int:
+    """The step number of ``name`` as ``<prefix>-N<suffix>``, or -1 (a manager asks of the
+    same few names several times a step: the directory's, the state file's)."""
+    parsed = parse_step_name(name, prefix=prefix, suffixes=(suffix,))
+    return parsed.step if parsed is not None else -1
+
+
 def _check_arguments(
     checkpoint: Any, max_to_keep: int | None, checkpoint_name: str, format: str
 ) -> None:
@@ -406,23 +414,20 @@ class CheckpointManager:
         under its final name (a committed step, or a user's file of that name)."""
         found = []
         for entry in os.scandir(self.directory):
-            parsed = parse_step_name(entry.name, prefix=self.checkpoint_name,
-                                     suffixes=(self._suffix,))
-            if parsed is not None and not is_partial(entry.name):
-                found.append((entry.name, parsed.step))
+            number = self._number(entry.name)
+            if number >= 0 and not is_partial(entry.name):
+                found.append((entry.name, number))
         return found
 
     def _number(self, name: str) -> int:
-        parsed = parse_step_name(name, prefix=self.checkpoint_name, suffixes=(self._suffix,))
-        return parsed.step if parsed is not None else -1
+        return _own_number(name, self.checkpoint_name, self._suffix)
 
     def _own(self, entry: Any) -> bool:
         return isinstance(entry, dict) and self._is_own_name(str(entry.get("path", "")))
 
     def _is_own_name(self, name: str) -> bool:
         """``name`` is ``<checkpoint_name>-N<suffix>``: a file this manager writes."""
-        parsed = parse_step_name(name, prefix=self.checkpoint_name, suffixes=(self._suffix,))
-        return parsed is not None
+        return _own_number(name, self.checkpoint_name, self._suffix) >= 0
 
     def _clean_temporaries(self, prefixes: tuple[str, ...] | None = None) -> None:
         """Remove temporaries of this manager's files left by a crash (under the state lock).

@@ -29,6 +29,7 @@ import importlib
 import logging
 import os
 import re
+import stat
 import struct
 import threading
 from collections.abc import Callable
@@ -37,7 +38,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from ..errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    CorruptCheckpointError,
+    UnsupportedFormatError,
+)
 from . import checksum as _checksum
 from . import rawio as _rawio
 from ._container import (
@@ -113,6 +119,18 @@ class H5Writer(ContainerWriter):
                 "use a .zarr checkpoint for compression."
             )
         super().__init__(path, **options)
+        self._record_bytes: bytes | None = None  # the record written, once it is
+
+    def commit(self) -> Path:
+        """Write and publish the file; an incremental one's record is then kept as read
+        (:func:`_committed_record`), so the manager's look at what it refers to and the
+        next step's read of its base open nothing."""
+        path = super().commit()
+        record = self._record_bytes
+        if record is not None and (self.base is not None or self.rows):
+            with contextlib.suppress(OSError, CkptError):  # a read later does it instead
+                _keep_record(path, record)
+        return path
 
     def _open_base(self, base: Path) -> tuple[Any, Any] | None:
         """An incremental save's base: its record; a value's bytes are in the file that
@@ -177,24 +195,30 @@ class H5Writer(ContainerWriter):
         # inside H5Dclose, and a close that fails there (disk full) leaves a dangling id
         # that crashes the process in libhdf5's exit handler.
         h5 = _H5File(os.fsencode(tmp))
-        # 1. structure
-        packed_off = h5.create_structure(plan)
-        fd = os.open(tmp, os.O_WRONLY)
+        # 1. structure (the file stays open in libhdf5 until its metadata is complete:
+        # one open and one flush of it per step; the bytes below are in the datasets'
+        # allocated extents, which libhdf5 never writes)
         try:
-            # 2. bytes, straight from the buffers, hashed meanwhile (or piece by piece)
-            self._write_bytes(fd, plan, packed_off)
-            plan.wait_hashes()
-            # 3. attributes and the root record, through h5py
-            record = self._encode_record((PACKED_PATH, packed_off, plan.packed_nbytes))
-            record_off = h5.finish(plan.arrays, len(record))
-            # 4. the record's bytes, then the user block that leads a reader to them
-            if record:
-                _rawio.pwrite_all(fd, memoryview(record), record_off)
-            _rawio.pwrite_all(fd, memoryview(make_userblock(record_off, record)), 0)
-            if self.durable:
-                os.fsync(fd)
+            packed_off = h5.create_structure(plan)
+            fd = os.open(tmp, os.O_WRONLY)
+            try:
+                # 2. bytes, straight from the buffers, hashed meanwhile (or piece by piece)
+                self._write_bytes(fd, plan, packed_off)
+                plan.wait_hashes()
+                # 3. attributes and the root record, through h5py; the file closed
+                record = self._encode_record((PACKED_PATH, packed_off, plan.packed_nbytes))
+                record_off = h5.finish(plan.arrays, len(record))
+                self._record_bytes = record
+                # 4. the record's bytes, then the user block that leads a reader to them
+                if record:
+                    _rawio.pwrite_all(fd, memoryview(record), record_off)
+                _rawio.pwrite_all(fd, memoryview(make_userblock(record_off, record)), 0)
+                if self.durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
         finally:
-            os.close(fd)
+            h5.close()
 
     def _writes_hashed(self, it: ValueWrite) -> bool:
         return (hash_while_writing() and it.held is None and it.delta is None
@@ -250,6 +274,13 @@ class _H5File:
         self.lcpl.set_create_intermediate_group(True)
         self.lcpl.set_char_encoding(h5t.CSET_UTF8)
         self.types: dict[np.dtype, Any] = {}
+        self.fid: Any = None  # open from create_structure to finish
+
+    def close(self) -> None:
+        """Close the file if :meth:`finish` did not (a write that failed on the way)."""
+        fid, self.fid = self.fid, None
+        if fid is not None:
+            fid.close()
 
     def _create(self, fid: Any, path: str, dtype: np.dtype, shape: tuple[int, ...]) -> int:
         """Allocate a contiguous dataset, never filled; its byte offset in the file."""
@@ -266,37 +297,34 @@ class _H5File:
     def create_structure(self, plan: WritePlan) -> int:
         """Create the file with every dataset; sets each array's offset, returns the blob's."""
         h5f = self.h5py.h5f
-        fid = h5f.create(self.name, h5f.ACC_TRUNC, fcpl=self.fcpl, fapl=self.fapl)
-        try:
-            for it in plan.arrays:
-                if it.held is not None:  # the bytes are in another file: link to them
-                    fid.links.create_external(it.path.encode(), it.held.file.encode(),
-                                              b"/" + it.held.path.encode(), lcpl=self.lcpl)
-                    continue
-                if it.delta is not None:  # a group: the base and earlier patches by link
-                    d = it.delta
-                    self.h5py.h5g.create(fid, it.path.encode(), lcpl=self.lcpl)
-                    fid.links.create_external(f"{it.path}/base".encode(), d.base[0].encode(),
-                                              b"/" + d.base[1].encode(), lcpl=self.lcpl)
-                    for j, (f, p, _, _, _) in enumerate(d.earlier):
-                        fid.links.create_external(f"{it.path}/patch-{j}".encode(), f.encode(),
-                                                  b"/" + p.encode(), lcpl=self.lcpl)
-                    if d.rows.size:
-                        d.offset = self._create(fid, d.path, np.dtype("u1"), (d.patch.size,))
-                    continue
-                it.offset = self._create(fid, it.path, storage_dtype(it.dtype), it.shape)
-            if not plan.packed:
-                return 0
-            return self._create(fid, PACKED_PATH, np.dtype("u1"), (plan.packed_nbytes,))
-        finally:
-            fid.close()
+        fid = self.fid = h5f.create(self.name, h5f.ACC_TRUNC, fcpl=self.fcpl, fapl=self.fapl)
+        for it in plan.arrays:
+            if it.held is not None:  # the bytes are in another file: link to them
+                fid.links.create_external(it.path.encode(), it.held.file.encode(),
+                                          b"/" + it.held.path.encode(), lcpl=self.lcpl)
+                continue
+            if it.delta is not None:  # a group: the base and earlier patches by link
+                d = it.delta
+                self.h5py.h5g.create(fid, it.path.encode(), lcpl=self.lcpl)
+                fid.links.create_external(f"{it.path}/base".encode(), d.base[0].encode(),
+                                          b"/" + d.base[1].encode(), lcpl=self.lcpl)
+                for j, (f, p, _, _, _) in enumerate(d.earlier):
+                    fid.links.create_external(f"{it.path}/patch-{j}".encode(), f.encode(),
+                                              b"/" + p.encode(), lcpl=self.lcpl)
+                if d.rows.size:
+                    d.offset = self._create(fid, d.path, np.dtype("u1"), (d.patch.size,))
+                continue
+            it.offset = self._create(fid, it.path, storage_dtype(it.dtype), it.shape)
+        if not plan.packed:
+            return 0
+        return self._create(fid, PACKED_PATH, np.dtype("u1"), (plan.packed_nbytes,))
 
     def finish(self, arrays: list[ValueWrite], record_nbytes: int) -> int:
         """Put each array's attributes on its dataset and allocate the manifest dataset
         (written by the caller with pwrite like every value: libhdf5's own raw-data
         writes are flushed inside H5Dclose, where a failure is fatal); its offset."""
         h5py = self.h5py
-        fid = h5py.h5f.open(self.name, h5py.h5f.ACC_RDWR, fapl=self.fapl)
+        fid = self.fid
         try:
             attrs = _AttrWriter(h5py)
             root = h5py.h5o.open(fid, b"/")
@@ -324,7 +352,7 @@ class _H5File:
                     _close(dsid)
             return self._create(fid, MANIFEST_PATH, np.dtype("u1"), (record_nbytes,))
         finally:
-            fid.close()
+            self.close()
 
 
 def root_attrs() -> dict[str, str]:
@@ -826,9 +854,16 @@ def external_files(path: Path) -> set[str]:
 
 
 def _external_names(path: Path) -> set[str]:
-    if not path.is_file() or not H5Backend.sniff(path):
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
         return set()
-    record = _committed_record(path)
+    with _RECORDS_LOCK:
+        record = _RECORDS.get(_identity(path, st))
+    if record is None:
+        if not stat.S_ISREG(st.st_mode) or not H5Backend.sniff(path):
+            return set()
+        record = _committed_record(path)
     out = {file for file, _ in record.external.values()}
     for d in record.deltas.values():
         out.update(d.files())
@@ -847,7 +882,7 @@ def _committed_record(path: Path) -> Record:
     """The root record of the committed ckptvar HDF5 file ``path`` (a committed file is
     never changed in place: its identity and size name its record)."""
     st = os.stat(path)
-    ident = (os.fspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    ident = _identity(path, st)
     with _RECORDS_LOCK:
         record = _RECORDS.get(ident)
     if record is None:
@@ -856,11 +891,26 @@ def _committed_record(path: Path) -> Record:
             record = reader.record
         finally:
             reader.close()
-        with _RECORDS_LOCK:
-            while len(_RECORDS) >= _RECORDS_KEPT:
-                del _RECORDS[next(iter(_RECORDS))]  # the oldest (insertion order)
-            _RECORDS[ident] = record
+        _keep(ident, record)
     return record
+
+
+def _identity(path: Path, st: os.stat_result) -> tuple[str, int, int, int]:
+    return (os.fspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _keep(ident: tuple[str, int, int, int], record: Record) -> None:
+    with _RECORDS_LOCK:
+        while len(_RECORDS) >= _RECORDS_KEPT:
+            del _RECORDS[next(iter(_RECORDS))]  # the oldest (insertion order)
+        _RECORDS[ident] = record
+
+
+def _keep_record(path: Path, record: bytes) -> None:
+    """Keep the record bytes a writer just committed to ``path`` as its decoded record
+    (what :func:`_committed_record` would read back: the same bytes, the same checks)."""
+    st = os.stat(path)
+    _keep(_identity(path, st), decode(record, path, container="h5", file_size=st.st_size))
 
 
 register_backend(H5Backend)

@@ -14,6 +14,7 @@ import abc
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from ..paths import container_paths
 from .blocks import (
     BLOCK_SIZE,
     BlockHasher,
+    SubBlocks,
     hash_blocks,
     hash_blocks_parallel,
     join_blocks,
@@ -425,6 +427,7 @@ class ContainerWriter(Writer):
             found = self._delta_for(it, entry, was, holder)
             if found is None:
                 continue
+            own = rows  # written since the base step: the rows whose blocks may differ
             if was is not None and rows.size and plan(
                     rows, it.shape, it.nbytes, was.patches, self.limits) == "merge":
                 rows_since = merged(rows, self._base_rows(it.key), it.shape[0], self.limits)
@@ -440,7 +443,8 @@ class ContainerWriter(Writer):
                 seed = _checksum.header_crc(it.key, it.dtype, it.shape)
                 found.patch, found.crc = patch_bytes(it.view, it.nbytes // it.shape[0], rows,
                                                      seed)
-                _rehash_rows(it, entry, record.block_size, rows, seed)
+                _rehash_rows(it, entry, record.block_size, own, seed,  # not a merge's union
+                             steps=(self.base, self.path))
             else:  # nothing hashed it (known unchanged): the base's checksums hold
                 _carry_checksums(it, entry, record.block_size)
             it.delta = found
@@ -559,8 +563,16 @@ def _base_checksums(entry: Any, was: Any, block_size: int) -> tuple[int | None, 
 _REHASH_MOST = 0.75
 
 
-def _rehash_rows(it: ValueWrite, entry: Any, block_size: int, rows: np.ndarray, seed: int
-                 ) -> None:
+#: Sub-block CRCs of row deltas' values (:class:`.blocks.SubBlocks`) by (step, key): the
+#: step a delta step wrote keeps them for the next step that builds on it (taken out by
+#: that step, so a chain holds one entry; a few chains at most).
+_SUBS: dict[tuple[str, str], SubBlocks] = {}
+_SUBS_KEPT = 8
+_SUBS_LOCK = threading.Lock()
+
+
+def _rehash_rows(it: ValueWrite, entry: Any, block_size: int, rows: np.ndarray, seed: int, *,
+                 steps: tuple[Any, Path]) -> None:
     """``it``, whose rows other than ``rows`` are known to equal the base's logical value
     (``entry``), takes the base's block checksums with only the blocks ``rows`` touch
     hashed again (its own whole checksum joined from them): a row delta's logical value
@@ -568,13 +580,28 @@ def _rehash_rows(it: ValueWrite, entry: Any, block_size: int, rows: np.ndarray, 
     block checksums of this record's block size, or the rows touch more than
     :data:`_REHASH_MOST` of the blocks, nothing is set: the value is hashed whole, on the
     checksum thread while the backend writes, as any changed value (hashing nearly every
-    block first, before the write, would cost more than that overlapped pass)."""
+    block first, before the write, would cost more than that overlapped pass).
+
+    The blocks are hashed by sub-blocks (:func:`.blocks.rehash_rows`), whose CRCs
+    are kept for the next step (``steps``: the base step and this one's path): a block
+    whose sub-blocks the base step's save kept is hashed again only where the rows are.
+    What is kept is taken only for the value whose block checksums the base's record
+    holds (the same bytes: a step written meanwhile by other means is not mistaken)."""
     if it.hashed or entry.blocks is None or block_size != BLOCK_SIZE or it.nbytes <= BLOCK_SIZE:
         return
+    base, path = (os.fspath(p) for p in steps)
+    with _SUBS_LOCK:
+        subs = _SUBS.pop((base, it.key), None)
     got = rehash_rows(it.view, seed, entry.blocks, it.nbytes // it.shape[0], rows,
-                      most=_REHASH_MOST)
-    if got is not None:
-        (it.checksum, it.blocks), it.hashed = got, True
+                           subs=subs, most=_REHASH_MOST)
+    if got is None:
+        return
+    it.checksum, it.blocks, kept = got
+    it.hashed = True
+    with _SUBS_LOCK:
+        while len(_SUBS) >= _SUBS_KEPT:
+            del _SUBS[next(iter(_SUBS))]  # the oldest (insertion order)
+        _SUBS[(path, it.key)] = kept
 
 
 def _carry_checksums(it: ValueWrite, entry: Any, block_size: int) -> None:
