@@ -1,8 +1,9 @@
 """The ``fsdp`` benchmark: an FSDP2 model + AdamW saved on 4 processes, restored on 3,
 by ckptvar and by ``torch.distributed.checkpoint`` (DCP), in one run on this machine.
 
-Run ``python -m benchmarks.fsdp [--mib M] [--repeats N] [--dir D]``. Each process
-count is one job of forked ranks (torch imported once) in a gloo group on 127.0.0.1.
+Run ``python -m benchmarks.fsdp [--mib M] [--repeats N] [--dir D] [--processes P]``.
+Each process count is one job of forked ranks (torch imported once) in a gloo group on
+127.0.0.1: the save on ``--processes`` (default 4), the restore on one fewer (at least 1).
 The model: ``--mib`` MiB of float32 parameters in 8 ``Linear`` layers, each
 ``fully_shard``-ed, AdamW after one step (so the optimizer holds twice as much again).
 Measured, each the slowest rank's time between two barriers, best of ``--repeats``
@@ -219,18 +220,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=int, default=64, help="MiB of parameters (default 64)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dir", type=Path, default=None)
+    ap.add_argument("--processes", type=int, default=4,
+                    help="processes of the save (default 4); the restore runs on one fewer")
     args = ap.parse_args(argv)
+    n = max(1, args.processes)
+    m = max(1, n - 1)
     d = Path(args.dir or tempfile.mkdtemp(prefix="ckptvar-fsdp-bench-"))
     d.mkdir(parents=True, exist_ok=True)
     try:
-        save = _job(4, "save", d, args.mib, args.repeats)
-        restore = _job(3, "restore", d, args.mib, args.repeats)
+        save = _job(n, "save", d, args.mib, args.repeats)
+        restore = _job(m, "restore", d, args.mib, args.repeats)
     finally:
         if args.dir is None:
             shutil.rmtree(d, ignore_errors=True)
-    rows = [("save x4", save["ckptvar save"], save["dcp save"]),
-            ("restore 4->3", restore["ckptvar restore"], restore["dcp restore"]),
-            ("blocking part of a background save x4", save["ckptvar background blocking"],
+    rows = [(f"save x{n}", save["ckptvar save"], save["dcp save"]),
+            (f"restore {n}->{m}", restore["ckptvar restore"], restore["dcp restore"]),
+            (f"blocking part of a background save x{n}", save["ckptvar background blocking"],
              save["dcp async blocking"])]
     print(f"FSDP2 + AdamW, {args.mib} MiB of parameters ({3 * args.mib} MiB of state), "
           f"best of {args.repeats}, slowest rank")

@@ -326,3 +326,38 @@ def test_tensors_swapped_between_keys_are_saved_where_they_now_are(tmp_path: Pat
     ckpt.write(tmp_path / "c.h5", blocking=False).wait()
     values = cv.load(tmp_path / "c.h5")
     assert values["obj/a"].tolist() == [1.0, 1.0] and values["obj/b"].tolist() == [0.0, 0.0]
+
+
+class _FailingStateDict(torch.nn.Linear):
+    """A module whose ``state_dict()`` raises (after recording the autograd mode)."""
+
+    calls: list[bool]
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self.__dict__.setdefault("calls", []).append(torch.is_grad_enabled())
+        raise RuntimeError("no state today")
+
+
+def test_autograd_is_off_for_every_state_dict_and_back_as_it_was(tmp_path: Path) -> None:
+    # A checkpoint turns autograd off once a save for all its state-dict objects; each
+    # object turns it off itself when asked otherwise (here after a nested checkpoint,
+    # which makes the checkpoint walk its object graph), and the caller's mode is back
+    # as it was, after an error too.
+    def walked(obj: Any) -> Any:
+        return cv.Checkpoint(inner=cv.Checkpoint(v=cv.Variable(1.0)), model=obj)
+
+    model = _CountingLinear(4, 2)
+    walked(model).write(tmp_path / "walked.h5", blocking=False).wait()
+    assert model.calls == [False]
+    assert torch.is_grad_enabled()
+    assert cv.load(tmp_path / "walked.h5")["model/bias"].shape == (2,)
+    with torch.no_grad():  # off already: left off
+        cv.Checkpoint(model=model).write(tmp_path / "off.h5")
+        assert not torch.is_grad_enabled()
+    assert model.calls == [False, False]
+    failing = _FailingStateDict(4, 2)
+    for root in (cv.Checkpoint(model=failing), walked(failing)):
+        with pytest.raises(RuntimeError, match="no state today"):
+            root.write(tmp_path / "failing.h5")
+        assert torch.is_grad_enabled()
+    assert failing.calls == [False, False]

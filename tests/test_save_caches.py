@@ -199,3 +199,33 @@ def test_a_backend_registered_while_a_writer_is_looked_up_is_not_hidden_by_it() 
     asker.join(30)
     assert got == [old]  # asked before the registration
     assert backend_for("run/b.slow", mode="w") is new
+
+
+def test_the_kept_msgpack_packer_starts_each_state_afresh() -> None:
+    # Each thread keeps one packer for the objects' Python state: a state it could not
+    # pack, or one too big to keep the buffer of, leaves nothing behind in the next;
+    # two threads never share one.
+    import msgpack
+
+    from ckptvar.checkpoint._serialize import encode_state
+
+    good = {"d": [["lr", {"v": 0.5}], ["w", {"T": 1}], ["betas", {"t": [{"v": 0.9}]}]]}
+    with pytest.raises(TypeError, match="'optimizer'"):
+        encode_state({"d": [["n", {"v": 2**70}]]}, "optimizer")
+    assert encode_state(good, "optimizer") == msgpack.packb(good, use_bin_type=True)
+    big = {"v": b"x" * (3 << 20)}
+    assert encode_state(big, "blob") == msgpack.packb(big, use_bin_type=True)
+    assert encode_state(good, "optimizer") == msgpack.packb(good, use_bin_type=True)
+    states = [{"d": [[f"k{i}", {"v": i}] for i in range(n)]} for n in range(1, 40)]
+    results: dict[int, list[bytes]] = {}
+
+    def encode_all(t: int) -> None:
+        results[t] = [encode_state(s, f"t{t}") for s in states * 20]
+
+    threads = [threading.Thread(target=encode_all, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    want = [msgpack.packb(s, use_bin_type=True) for s in states * 20]
+    assert all(results[t] == want for t in range(4))

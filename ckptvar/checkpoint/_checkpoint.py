@@ -22,6 +22,8 @@ from ._files import native_backend, write_file
 from ._frameworks import (
     StateDictTrackable,
     SupportsStateDict,
+    autograd_back,
+    autograd_off,
     begin_restores,
     end_restores,
     trackable_for,
@@ -78,6 +80,26 @@ def _checked(options: Mapping[str, Any], method: str) -> SaveOptions:
             f"{sorted(unknown)[0]!r} (its options: {', '.join(sorted(SaveOptions.__optional_keys__))})."
         )
     return cast(SaveOptions, options)
+
+
+def _ask(children: dict[str, Any], states: dict[str, bytes]) -> list[Any] | None:
+    """Ask each of a checkpoint's ``children`` (variables and state-dict objects) for its
+    children once, each object's Python state into ``states``; ``None`` for anything else
+    (other trackables, containers, names that need escaping: the checkpoint walks)."""
+    key: list[Any] = []
+    for name, obj in children.items():
+        if not name or "/" in name or "%" in name:
+            return None
+        if type(obj) is Variable:
+            key.append((name, obj))
+            continue
+        if not isinstance(obj, StateDictTrackable) or any(k[1] is obj for k in key):
+            return None
+        key.append((name, obj, obj.trackable_children()))
+        state = python_state(obj)
+        if state is not None:
+            states[name] = encode_state(state, name)
+    return key
 
 
 class Checkpoint(Trackable):
@@ -299,20 +321,14 @@ class Checkpoint(Trackable):
         variables and aliases are then the last save's; the Python state is taken anew.
         Anything else (other trackables, containers, names that need escaping) walks.
         """
-        key: list[Any] = []
         states: dict[str, bytes] = {}
-        for name, obj in children.items():
-            if not name or "/" in name or "%" in name:
-                return self._gathered(None, gather(self, targets=False))
-            if type(obj) is Variable:
-                key.append((name, obj))
-                continue
-            if not isinstance(obj, StateDictTrackable) or any(k[1] is obj for k in key):
-                return self._gathered(None, gather(self, targets=False))
-            key.append((name, obj, obj.trackable_children()))
-            state = python_state(obj)
-            if state is not None:
-                states[name] = encode_state(state, name)
+        on = autograd_off()  # once a save for every state-dict object (not once each)
+        try:
+            key = _ask(children, states)
+        finally:
+            autograd_back(on)
+        if key is None:
+            return self._gathered(None, gather(self, targets=False))
         last = self.__dict__.get("_cv_plan")
         if last is None or len(last[0]) != len(key) or not all(
                 len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))

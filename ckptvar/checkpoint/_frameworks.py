@@ -25,10 +25,10 @@ only the process at coordinate 0 of the replicating mesh axes saves it.
 
 from __future__ import annotations
 
-import contextlib
+import operator
 import sys
 from collections.abc import Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -45,6 +45,8 @@ __all__ = [
     "StateDictTrackable",
     "SupportsNamedParameters",
     "SupportsStateDict",
+    "autograd_back",
+    "autograd_off",
     "begin_restores",
     "dtensor_box",
     "end_restores",
@@ -225,13 +227,15 @@ def _encode(value: Any, where: str) -> Any:
 _SCALARS = frozenset({type(None), bool, int, float, str, bytes})
 
 
-def _split(sd: Any) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
-    """``(_encode(sd), list(_tensors(sd)))`` in one walk of ``sd`` (what a save asks for
-    each state dict); the encoding is ``None`` where :func:`_encode` would raise.
+def _split(sd: Any) -> tuple[Any, list[tuple[Any, ...]], list[Any]]:
+    """``(_encode(sd), paths, tensors)``, the paths and tensors of ``_tensors(sd)``, in one
+    walk of ``sd`` (what a save asks for each state dict); the encoding is ``None`` where
+    :func:`_encode` would raise.
 
     Plain values are encoded where their container is met (no call, no path of their
     own): a state dict is mostly such values (hyper-parameters, step counts)."""
-    tensors: list[tuple[tuple[Any, ...], Any]] = []
+    paths: list[tuple[Any, ...]] = []
+    tensors: list[Any] = []
     ok = [True]
     scalars = _SCALARS
 
@@ -241,7 +245,8 @@ def _split(sd: Any) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
 
     def enc(value: Any, path: tuple[Any, ...]) -> Any:
         if _is_torch(value):
-            tensors.append((path, value))
+            paths.append(path)
+            tensors.append(value)
             return _TENSOR
         if isinstance(value, dict):
             items = []
@@ -259,7 +264,7 @@ def _split(sd: Any) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
         return leaf(value)
 
     out = enc(sd, ())
-    return (out if ok[0] else None), tensors
+    return (out if ok[0] else None), paths, tensors
 
 
 def _tensor_paths(enc: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
@@ -297,10 +302,26 @@ def _tensors(sd: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any,
             yield from _tensors(v, (*prefix, i))
 
 
-def _no_grad() -> Any:
-    """``torch.no_grad()`` (torch is loaded whenever a state dict holds tensors)."""
+def autograd_off() -> bool:
+    """Turn torch's autograd off on this thread; True when it was on (give that to
+    :func:`autograd_back`). Nothing to do when torch is not loaded or autograd is off.
+
+    A save asks for state dicts with autograd off: a ``DTensor``'s ``to_local()`` is then
+    its local tensor, not an autograd op, and a ``state_dict()`` that computes a tensor
+    gives one that needs no grad. (``torch.set_grad_enabled`` used as a function: one call
+    each way, where ``with torch.no_grad()`` makes three objects.)
+    """
     torch = sys.modules.get("torch")
-    return contextlib.nullcontext() if torch is None else torch.no_grad()
+    if torch is None or not torch.is_grad_enabled():
+        return False
+    torch.set_grad_enabled(False)
+    return True
+
+
+def autograd_back(was_on: bool) -> None:
+    """Turn autograd on again where :func:`autograd_off` turned it off."""
+    if was_on:
+        sys.modules["torch"].set_grad_enabled(True)
 
 
 def _state_dict(obj: Any) -> Any:
@@ -334,38 +355,39 @@ def _identity(t: Any) -> tuple[Any, ...]:
     return (t.data_ptr(), tuple(t.shape), t.dtype, tuple(t.stride()), t.device)
 
 
-def _same_tensors(last: list[tuple[tuple[Any, ...], Any, tuple[Any, ...]]],
-                  tensors: list[tuple[tuple[Any, ...], Any]]) -> bool:
-    """Whether ``tensors`` (a state dict's, path by path) are the ones of the last save:
+def _identities(tensors: list[Any]) -> list[tuple[Any, ...]]:
+    """What makes a save's tensors the last save's, tensor by tensor (asked with autograd
+    off): a tensor's data pointer, shape, strides, dtype and device; a ``DTensor``'s the
+    same of its local tensor, and its placements and mesh."""
+    dtensor: Any = _DTENSOR[0] if _DTENSOR else None
+    if dtensor is None:
+        return [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in tensors]
+    # (``local`` is bound in this function's scope, once per DTensor)
+    return [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+            if not isinstance(t, dtensor) else
+            ((local := t.to_local()).data_ptr(), local.shape, local.stride(), local.dtype,
+             t.placements, t.device_mesh)
+            for t in tensors]
+
+
+def _same_tensors(last: _LastSave, paths: list[tuple[Any, ...]], tensors: list[Any]) -> bool:
+    """Whether ``tensors`` (a state dict's, at ``paths``) are the ones of the last save:
     the same tensor objects at the same paths, each over the same memory (data pointer,
     shape, strides, dtype; a DTensor's local tensor, placements and mesh too)."""
-    if len(last) != len(tensors):
-        return False
-    dtensor: Any = _DTENSOR[0] if _DTENSOR else None
-    for (path, t, ident), (p, u) in zip(last, tensors, strict=True):
-        if u is not t or p != path:
-            return False
-        if dtensor is not None and type(u) is dtensor:  # _quick_identity's, inline
-            local = u.to_local()
-            if (local.data_ptr(), local.shape, local.stride(), local.dtype, u.placements,
-                    id(u.device_mesh)) != ident:
-                return False
-        elif dtensor is None or not isinstance(u, dtensor):  # a plain tensor, inline
-            if (u.data_ptr(), u.shape, u.stride(), u.dtype, u.device) != ident:
-                return False
-        elif _quick_identity(u) != ident:
-            return False
-    return True
+    return (len(tensors) == len(last.tensors)
+            and all(map(operator.is_, tensors, last.tensors))
+            and paths == last.paths
+            and _identities(tensors) == last.identities)
 
 
-def _quick_identity(t: Any) -> tuple[Any, ...]:
-    """What :func:`_same_tensors` compares of ``t`` (asked under ``no_grad``: a DTensor's
-    ``to_local()`` is then its local tensor, no autograd op)."""
-    if is_dtensor(t):
-        local = t.to_local()
-        return (local.data_ptr(), local.shape, local.stride(), local.dtype, t.placements,
-                id(t.device_mesh))
-    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+class _LastSave(NamedTuple):
+    """A state-dict object's last save: its tensors, where and what they were, and the
+    children made of them (a save of the very same tensors returns those again)."""
+
+    paths: list[tuple[Any, ...]]
+    tensors: list[Any]
+    identities: list[tuple[Any, ...]]
+    children: dict[str, Any]
 
 
 class _Restoring:
@@ -398,11 +420,10 @@ class StateDictTrackable(Trackable):
         self._state: Any = None
         self._names: frozenset[str] | None = None  # of the parameters that train
         self._walked: Any = None  # the state dict of the last trackable_children()
-        #: the last save's tensors (path, tensor, quick identity) and the children made
-        #: of them: a save of the very same tensors again returns those children as they
-        #: are (the Python state is encoded anew at every save, by value)
-        self._last: tuple[list[tuple[tuple[Any, ...], Any, tuple[Any, ...]]],
-                          dict[str, Any]] | None = None
+        #: the last save's tensors and the children made of them: a save of the very
+        #: same tensors again returns those children as they are (the Python state is
+        #: encoded anew at every save, by value)
+        self._last: _LastSave | None = None
 
     def _var(self, path: tuple[Any, ...], t: Any, saving: bool) -> Variable | None:
         """The variable over ``t``'s memory (made once per tensor and kept: a save of the
@@ -436,24 +457,27 @@ class StateDictTrackable(Trackable):
     def trackable_children(self) -> dict[str, Any]:
         if self._restoring is not None:
             return _nest(dict(self._restoring.variables))
-        flat: dict[tuple[Any, ...], Any] = {}
         self._names = None  # asked of the module only when a new variable is made
-        with _no_grad():  # a DTensor's to_local() is then its local tensor, no autograd op
-            enc, tensors = _split(_state_dict(self.obj))
+        on = autograd_off()  # (off already when the checkpoint asks: once a save)
+        try:
+            enc, paths, tensors = _split(_state_dict(self.obj))
             # the walk that asked for the children asks for the Python state next: it is
             # this very state dict's (made once per walk, never kept past the next ask)
             self._walked = enc
             last = self._last
-            if last is not None and _same_tensors(last[0], tensors):
-                return last[1]
+            if last is not None and _same_tensors(last, paths, tensors):
+                return last.children
             self._last = None
-            for path, t in tensors:
+            flat: dict[tuple[Any, ...], Any] = {}
+            for path, t in zip(paths, tensors, strict=True):
                 var = self._var(path, t, saving=True)
                 if var is not None:
                     flat[path] = var
-            seen = [(path, t, _quick_identity(t)) for path, t in tensors]
+            identities = _identities(tensors)
+        finally:
+            autograd_back(on)
         children = _nest(flat)
-        self._last = (seen, children)
+        self._last = _LastSave(paths, tensors, identities, children)
         return children
 
     def python_state(self) -> Any:

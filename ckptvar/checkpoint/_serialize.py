@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import operator
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,10 +55,25 @@ class SaveContents:
     python_state: dict[str, bytes] = field(default_factory=dict)
 
 
+_PACKERS = threading.local()  # one msgpack packer a thread, kept (see encode_state)
+_KEPT_PACKER = 1 << 20
+
+
 def encode_state(state: Any, key: str) -> bytes:
-    """msgpack-encode a trackable's Python state; ``TypeError`` naming ``key`` if it can't."""
+    """msgpack-encode a trackable's Python state; ``TypeError`` naming ``key`` if it can't.
+
+    Each thread keeps its packer (``msgpack.packb`` makes one, and its buffer, at every
+    call: a background save encodes each object's state in its blocking part); one that
+    packed more than :data:`_KEPT_PACKER` bytes is let go (its buffer never shrinks),
+    one that raised starts empty again.
+    """
+    packer = getattr(_PACKERS, "packer", None)
+    if packer is None:
+        packer = _PACKERS.packer = msgpack.Packer(use_bin_type=True)
     try:
-        packed: bytes = msgpack.packb(state, use_bin_type=True)
+        packed: bytes = packer.pack(state)
+        if len(packed) > _KEPT_PACKER:
+            _PACKERS.packer = None
         return packed
     except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(
