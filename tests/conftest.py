@@ -50,6 +50,27 @@ def fmt(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+@pytest.fixture
+def zarr_opens(monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
+    """How many times the Zarr reader opens each file from here on, by inode (its
+    ``open_in`` watched, the files opened as before)."""
+    import os
+
+    from ckptvar.storage import _zarr
+
+    opened: dict[int, int] = {}
+    real = _zarr.open_in
+
+    def counted(root_fd: int, rel: str, **kw: bool) -> int:
+        fd = real(root_fd, rel, **kw)
+        ino = os.fstat(fd).st_ino
+        opened[ino] = opened.get(ino, 0) + 1
+        return fd
+
+    monkeypatch.setattr(_zarr, "open_in", counted)
+    return opened
+
+
 # --- multi-process runs ------------------------------------------------------------------
 
 

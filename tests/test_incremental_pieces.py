@@ -194,13 +194,11 @@ def test_a_record_whose_pieces_do_not_fit_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_restore_opens_each_chunk_file_once(tmp_path: Path, fresh_graph: cv.Graph,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+                                               request: pytest.FixtureRequest) -> None:
     """A value in several chunk files is opened once per reader: the probes, the verify
     pass and the read pass of a restore share the descriptors (opening its 16 chunks at
     each of the restore's 18 opens of the value cost a fifth of its restore), and
     closing the reader closes them."""
-    from ckptvar.storage import _zarr
-
     # 64 MiB: a restore reads and hashes it in pieces on the I/O threads, each piece of
     # work opening the value
     table = cv.Variable(np.random.default_rng(1).random((16 * ROWS_PER_PIECE, 64),
@@ -211,16 +209,7 @@ def test_a_restore_opens_each_chunk_file_once(tmp_path: Path, fresh_graph: cv.Gr
     want = table.numpy()
     ours = {p.stat().st_ino: p.name for p in (step / "table").iterdir() if p.name.startswith("c.")}
     assert len(ours) == 16
-    opened: dict[int, int] = {}
-    real = _zarr.open_in
-
-    def counted(root_fd: int, rel: str, **kw: bool) -> int:
-        fd = real(root_fd, rel, **kw)
-        ino = os.fstat(fd).st_ino
-        opened[ino] = opened.get(ino, 0) + 1
-        return fd
-
-    monkeypatch.setattr(_zarr, "open_in", counted)
+    opened = request.getfixturevalue("zarr_opens")  # from here on
     fds_before = len(os.listdir("/proc/self/fd"))
     table.assign(np.zeros_like(want))
     ckpt.restore(str(step)).assert_consumed()

@@ -36,6 +36,20 @@ def _rows(v: cv.Variable, since: tuple[int, int] | None) -> list[int] | None:
     return None if got is None else got.tolist()
 
 
+def _watch_whole_hashes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The length of each view the writer hashes whole (``hash_blocks``) from here on."""
+    hashed: list[int] = []
+    real = blocks_mod.hash_blocks
+
+    def counting(view: Any, seed: int, block_size: int = blocks_mod.BLOCK_SIZE) -> Any:
+        hashed.append(len(view))
+        return real(view, seed, block_size)
+
+    for mod in (blocks_mod, writer_mod):
+        monkeypatch.setattr(mod, "hash_blocks", counting)
+    return hashed
+
+
 def test_each_write_path_says_which_rows_it_wrote(fresh_graph: cv.Graph) -> None:
     v = cv.Variable(np.zeros((10, 3), np.float32), name="t")
     track_rows(v)
@@ -528,15 +542,8 @@ def test_a_deltas_checksums_hash_only_the_blocks_its_rows_touch(
     manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, max_to_keep=30,
                                    incremental=True)
     manager.save()
-    hashed: list[int] = []
-    real = blocks_mod.hash_blocks
-
-    def counting(view: Any, seed: int, block_size: int = blocks_mod.BLOCK_SIZE) -> Any:
-        hashed.append(len(view))
-        return real(view, seed, block_size)
-
-    for mod in (blocks_mod, writer_mod):
-        monkeypatch.setattr(mod, "hash_blocks", counting)
+    real = blocks_mod.hash_blocks  # unwatched, for the expected checksums
+    hashed = _watch_whole_hashes(monkeypatch)
     rng = np.random.default_rng(5)
     for k in range(4):  # a new patch, appended patches, a row in two blocks
         _touch(table, rng, 10)  # a few blocks of 32: joined from the base's
@@ -657,15 +664,8 @@ def test_a_merging_step_hashes_only_the_blocks_of_its_own_rows(
         return real(view, seed, base, row_bytes, rows, **kw)
 
     monkeypatch.setattr(writer_mod, "rehash_rows", counting)
-    whole: list[int] = []
-    real_hash = blocks_mod.hash_blocks
-
-    def hashing(view: Any, seed: int, block_size: int = blocks_mod.BLOCK_SIZE) -> Any:
-        whole.append(len(view))
-        return real_hash(view, seed, block_size)
-
-    for mod in (blocks_mod, writer_mod):
-        monkeypatch.setattr(mod, "hash_blocks", hashing)
+    real_hash = blocks_mod.hash_blocks  # unwatched, for the expected checksums
+    whole = _watch_whole_hashes(monkeypatch)
     for k in range(MAX_PATCHES + 1):  # two blocks a step: the union covers all of them
         ids = [(2 * k % blocks) * per_block + k, ((2 * k + 1) % blocks) * per_block + k]
         table.scatter_update(ids, np.full((2, WIDTH), k, np.float32))
@@ -807,7 +807,8 @@ def test_a_forged_base_checksum_is_refused(tmp_path: Path, fresh_graph: cv.Graph
 
 @pytest.mark.parametrize("budget", [None, 0], ids=["staged", "two-pass"])
 def test_a_restore_opens_a_deltas_files_once(tmp_path: Path, fresh_graph: cv.Graph,
-                                             monkeypatch: pytest.MonkeyPatch, *,
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             request: pytest.FixtureRequest, *,
                                              budget: int | None) -> None:
     """A Zarr delta's base chunk files and its patches are opened once per restore: the
     probes of where the bytes are, the verify pass and the read pass share them."""
@@ -833,16 +834,7 @@ def test_a_restore_opens_a_deltas_files_once(tmp_path: Path, fresh_graph: cv.Gra
         files = [step / rel for rel in r.chunk_files("table")]
     assert len(files) == 4 + 3  # the base's chunks, then the patches
     ours = {f.stat().st_ino: f.name for f in files}
-    opened: dict[int, int] = {}
-    real = _zarr.open_in
-
-    def counted(root_fd: int, rel: str, **kw: bool) -> int:
-        fd = real(root_fd, rel, **kw)
-        ino = os.fstat(fd).st_ino
-        opened[ino] = opened.get(ino, 0) + 1
-        return fd
-
-    monkeypatch.setattr(_zarr, "open_in", counted)
+    opened = request.getfixturevalue("zarr_opens")  # from here on
     table.assign(np.zeros((rows, WIDTH), np.float32))
     ckpt.restore(str(step))
     assert np.array_equal(table.numpy(), want)

@@ -80,6 +80,29 @@ def _interleave(first: Callable[[], object], second: Callable[[], object], gate:
         raise errors[0]
 
 
+def _on_threads(work: Callable[[int], None], n: int, timeout: float = 60) -> None:
+    """``work(t)`` on ``n`` threads at once (``t`` in ``range(n)``), each started after a
+    barrier; all end within ``timeout`` seconds; the first error of any is raised."""
+    barrier = threading.Barrier(n)
+    errors: list[BaseException] = []
+
+    def run(t: int) -> None:
+        try:
+            barrier.wait(10)
+            work(t)
+        except BaseException as exc:  # noqa: BLE001 - raised below, on the test's thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=run, args=(t,)) for t in range(n)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout)
+    assert not any(w.is_alive() for w in workers)
+    if errors:
+        raise errors[0]
+
+
 def _number(path: str) -> int:
     return int(Path(path).name.rpartition("-")[2].partition(".")[0])
 
@@ -204,33 +227,22 @@ def test_threads_saving_one_checkpoint_write_each_file_whole(
 
     own = [cv.Variable(value(t, 0)) for t in range(threads)]
     ckpt = cv.Checkpoint(own=own)
-    barrier = threading.Barrier(threads)
     done: list[tuple[str, int, int]] = []
-    errors: list[BaseException] = []
 
     def work(t: int) -> None:
-        try:
-            barrier.wait(10)
-            for m in range(saves):
-                own[t].assign(value(t, m))
-                blocking = (t + m) % 3 == 0
-                if t % 2:
-                    got = ckpt.save(tmp_path / f"t{t}", format=fmt, blocking=blocking)
-                    path = got if blocking else got.path
-                else:
-                    path = os.fspath(tmp_path / f"t{t}-w{m}.{fmt}")
-                    ckpt.write(path, blocking=blocking)
-                done.append((path, t, m))
-        except BaseException as exc:  # noqa: BLE001 - raised below, on the test's thread
-            errors.append(exc)
+        for m in range(saves):
+            own[t].assign(value(t, m))
+            blocking = (t + m) % 3 == 0
+            if t % 2:
+                got = ckpt.save(tmp_path / f"t{t}", format=fmt, blocking=blocking)
+                path = got if blocking else got.path
+            else:
+                path = os.fspath(tmp_path / f"t{t}-w{m}.{fmt}")
+                ckpt.write(path, blocking=blocking)
+            done.append((path, t, m))
 
-    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(60)
+    _on_threads(work, threads)
     ckpt.wait()
-    assert not errors, errors[0]
     assert len(done) == threads * saves
     counters = []
     for path, t, m in done:
@@ -258,28 +270,17 @@ def test_threads_saving_through_one_manager_write_each_step_whole(
     own = [cv.Variable(value(t, 0)) for t in range(threads)]
     mgr = cv.CheckpointManager(cv.Checkpoint(own=own), tmp_path, max_to_keep=None,
                                async_save=True)
-    barrier = threading.Barrier(threads)
     done: list[tuple[str, int, int]] = []
-    errors: list[BaseException] = []
 
     def work(t: int) -> None:
-        try:
-            barrier.wait(10)
-            for m in range(saves):
-                own[t].assign(value(t, m))
-                path = mgr.save()
-                assert path is not None
-                done.append((path, t, m))
-        except BaseException as exc:  # noqa: BLE001 - raised below, on the test's thread
-            errors.append(exc)
+        for m in range(saves):
+            own[t].assign(value(t, m))
+            path = mgr.save()
+            assert path is not None
+            done.append((path, t, m))
 
-    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(60)
+    _on_threads(work, threads)
     mgr.wait_until_finished()
-    assert not errors, errors[0]
     assert sorted(_number(p) for p, _, _ in done) == list(range(1, threads * saves + 1))
     assert len(mgr.checkpoints) == threads * saves
     for path, t, m in done:
