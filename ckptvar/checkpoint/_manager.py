@@ -116,11 +116,6 @@ def _check_arguments(
         )
 
 
-def _whole_every(incremental: Incremental, every: int, number: int) -> bool:
-    """Whether step ``number`` is written whole by ``IncrementalOptions.whole_every``."""
-    return incremental.whole_due(every)
-
-
 _P = ParamSpec("_P")
 
 
@@ -305,8 +300,8 @@ class CheckpointManager:
         #: tier's: also those due a persistent copy, so that the copy stands alone)
         self._whole_steps: Callable[[int], bool] | None = None
         if self._incremental is not None and options is not None and options.whole_every:
-            self._whole_steps = functools.partial(_whole_every, self._incremental,
-                                                  options.whole_every)
+            state, every = self._incremental, options.whole_every
+            self._whole_steps = lambda _number: state.whole_due(every)
 
     def _init_local(self, directory: Path, primary: bool = True) -> None:
         directory.mkdir(parents=True, exist_ok=True)
