@@ -6,6 +6,7 @@ package, in the default suite: ruff and mypy find nothing, and every doctest pas
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -16,8 +17,11 @@ PKG = ROOT / "ckptvar"
 
 
 def _run(*args: str, timeout: float = 600, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """``python -m args`` in ``cwd``; a scratch ``cwd``'s examples make their temporary
+    directories inside it too (``TMPDIR``), so a run leaves nothing behind."""
+    env = os.environ if cwd == ROOT else {**os.environ, "TMPDIR": str(cwd)}
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
-                          check=False, timeout=timeout, cwd=str(cwd))
+                          check=False, timeout=timeout, cwd=str(cwd), env=env)
 
 
 def test_doctests_of_every_module_pass(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,9 @@ DOC_FILES = sorted(DOCS.glob("*.md"))
 @pytest.mark.parametrize("doc", DOC_FILES, ids=[p.name for p in DOC_FILES])
 def test_doc_examples_run(doc: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
+    # the examples' temporary directories (theirs and their subprocesses') go there too
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
     cv.reset_default_graph()
     namespace: dict[str, object] = {"__name__": f"docs_{doc.stem}"}
     try:

@@ -29,7 +29,12 @@ cases_module = importlib.import_module(os.environ.get("CASES_MODULE", "coordinat
 
 def main() -> int:
     n, cases = int(sys.argv[1]), sys.argv[2:]
-    init = Path(tempfile.mkdtemp(prefix="ckptvar-torch-")) / "init"
+    with tempfile.TemporaryDirectory(prefix="ckptvar-torch-") as where:
+        return _launch(n, cases, Path(where) / "init")
+
+
+def _launch(n: int, cases: list[str], init: Path) -> int:
+    """Fork ``n`` ranks meeting at ``init``; their worst exit code (124: one timed out)."""
     pids = []
     for rank in range(n):
         pid = os.fork()
