@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -219,3 +220,39 @@ def test_a_snapshot_buffer_still_viewed_is_never_reused() -> None:
     del again
     (bigger,) = buf.views([((4000,), np.dtype("float64"))])  # no longer fits: a new one
     assert bigger.shape == (4000,) and buf.nbytes >= bigger.nbytes
+
+
+def test_a_snapshot_of_the_same_arrays_copies_into_the_same_views_unless_one_is_held() -> None:
+    """The buffer keeps its last copy's views and pieces for a copy of the very same
+    arrays, and makes new ones whenever a view (or a view of one) is held elsewhere or
+    an array is another: a held snapshot keeps its values."""
+    from ckptvar.checkpoint._serialize import SnapshotBuffer
+
+    buf = SnapshotBuffer()
+    small, big = np.arange(10.0), np.arange(3 << 18, dtype="float64")  # 6 MiB: 3 pieces
+    first = buf.copy([small, big])
+    kept = [weakref.ref(a) for a in first]  # (alive only while the buffer keeps them)
+    del first
+    small[:] = -1.0
+    big[::1000] = 7.0
+    again = buf.copy([small, big])  # the same views, the new values
+    assert all(r() is a for r, a in zip(kept, again, strict=True))
+    assert np.array_equal(again[0], small) and np.array_equal(again[1], big)
+    held = again[1]  # a save still in flight holds the snapshot
+    del again
+    big[:] = 3.0
+    third = buf.copy([small, big])
+    assert not np.shares_memory(third[1], held) and (third[1] == 3.0).all()
+    assert held[0] == 7.0 and held[1] == 1.0  # its bytes untouched
+    del held
+    part = third[0][2:5]  # a view of a view (its base the buffer)
+    kept = [weakref.ref(a) for a in third]
+    del third
+    fourth = buf.copy([small, big])
+    assert not any(r() is a for r, a in zip(kept, fourth, strict=True))
+    assert not np.shares_memory(fourth[0], part)
+    assert (part == -1.0).all()
+    del fourth, part
+    other = np.arange(10.0) + 100  # another array of the same shape: a new plan
+    fifth = buf.copy([other, big])
+    assert np.array_equal(fifth[0], other) and np.array_equal(fifth[1], big)
