@@ -256,3 +256,55 @@ def test_a_snapshot_of_the_same_arrays_copies_into_the_same_views_unless_one_is_
     other = np.arange(10.0) + 100  # another array of the same shape: a new plan
     fifth = buf.copy([other, big])
     assert np.array_equal(fifth[0], other) and np.array_equal(fifth[1], big)
+
+
+def test_a_save_handle_waits_times_out_and_calls_back_as_a_future_would(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A handle's outcome (one lock, not a ``Future``): ``wait(timeout)`` raises
+    ``TimeoutError`` while the save runs; every waiting thread gets the path; callbacks
+    added before run on the writer thread, after at once; a callback's error is logged,
+    never raised; an error reaches the first ``wait()`` only."""
+    import threading
+
+    from ckptvar.checkpoint import _async
+
+    release = threading.Event()
+    real = _async.submit
+
+    def held(fn, path):  # type: ignore[no-untyped-def]
+        def job() -> str:
+            assert release.wait(30)
+            return fn()  # type: ignore[no-any-return]
+        return real(job, path)
+
+    monkeypatch.setattr(_async, "submit", held)
+    ckpt = cv.Checkpoint(w=cv.Variable(np.arange(10.0), name="w"))
+    handle = ckpt.write(tmp_path / "a.h5", blocking=False)
+    with pytest.raises(TimeoutError):
+        handle.wait(timeout=0.05)
+    assert not handle.done()
+    seen: list[tuple[str, str]] = []
+    handle.add_done_callback(lambda h: seen.append(("before", threading.current_thread().name)))
+    handle.add_done_callback(lambda h: 1 / 0)  # logged, never raised
+    got: list[str | None] = []
+    waiters = [threading.Thread(target=lambda: got.append(handle.wait(30))) for _ in range(3)]
+    for t in waiters:
+        t.start()
+    release.set()
+    for t in waiters:
+        t.join(30)
+    assert got == [str(tmp_path / "a.h5")] * 3 and handle.done()
+    handle.add_done_callback(lambda h: seen.append(("after", threading.current_thread().name)))
+    assert seen == [("before", "ckptvar-save"), ("after", threading.current_thread().name)]
+    assert "A callback of a background save raised" in caplog.text
+
+    def failing(fn, path):  # type: ignore[no-untyped-def]
+        def job() -> str:
+            raise OSError("the disk went away")
+        return real(job, path)
+
+    monkeypatch.setattr(_async, "submit", failing)
+    bad = ckpt.write(tmp_path / "b.h5", blocking=False)
+    with pytest.raises(OSError, match="went away"):
+        bad.wait(30)
+    assert bad.wait(30) is None  # reported once
