@@ -6,6 +6,7 @@ import subprocess
 import sys
 import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -259,14 +260,28 @@ def test_a_snapshot_of_the_same_arrays_copies_into_the_same_views_unless_one_is_
 
 
 def test_a_save_handle_waits_times_out_and_calls_back_as_a_future_would(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A handle's outcome (one lock, not a ``Future``): ``wait(timeout)`` raises
     ``TimeoutError`` while the save runs; every waiting thread gets the path; callbacks
     added before run on the writer thread, after at once; a callback's error is logged,
     never raised; an error reaches the first ``wait()`` only."""
-    import threading
+    import logging
 
     from ckptvar.checkpoint import _async
+
+    logged: list[str] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ckptvar").addHandler(handler)
+    try:
+        _handle_outcomes(tmp_path, monkeypatch, _async, logged)
+    finally:
+        logging.getLogger("ckptvar").removeHandler(handler)
+
+
+def _handle_outcomes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, _async: Any,
+                     logged: list[str]) -> None:
+    import threading
 
     release = threading.Event()
     real = _async.submit
@@ -286,6 +301,8 @@ def test_a_save_handle_waits_times_out_and_calls_back_as_a_future_would(
     seen: list[tuple[str, str]] = []
     handle.add_done_callback(lambda h: seen.append(("before", threading.current_thread().name)))
     handle.add_done_callback(lambda h: 1 / 0)  # logged, never raised
+    called = threading.Event()  # (callbacks run in turn, after the waiters are let go)
+    handle.add_done_callback(lambda h: called.set())
     got: list[str | None] = []
     waiters = [threading.Thread(target=lambda: got.append(handle.wait(30))) for _ in range(3)]
     for t in waiters:
@@ -294,9 +311,10 @@ def test_a_save_handle_waits_times_out_and_calls_back_as_a_future_would(
     for t in waiters:
         t.join(30)
     assert got == [str(tmp_path / "a.h5")] * 3 and handle.done()
+    assert called.wait(30)
     handle.add_done_callback(lambda h: seen.append(("after", threading.current_thread().name)))
     assert seen == [("before", "ckptvar-save"), ("after", threading.current_thread().name)]
-    assert "A callback of a background save raised" in caplog.text
+    assert logged == ["A callback of a background save raised"]
 
     def failing(fn, path):  # type: ignore[no-untyped-def]
         def job() -> str:
