@@ -19,7 +19,11 @@ Measured, each the slowest rank's time between two barriers, best of ``--repeats
   copy: no page to fault in); and in CPU time (``time.thread_time``), each rank's
   blocking part over its copy into arrays written before, the median over the saves
   after the first (the slowest and the median rank): 4 ranks on fewer CPUs are
-  pre-empted at random, which sets their wall time;
+  pre-empted at random, which sets their wall time; and the same one rank at a time
+  (``alone``: the other ranks wait at a barrier, their writers at the plan exchange),
+  each rank's copy and then its blocking part, each after a copy that evicts the
+  caches, the median over the saves after the first of each save's ratio: what the
+  blocking part costs beyond a copy on a machine not shared with the other ranks;
 - ``restore 4->3``: a fresh FSDP2 model and AdamW on 3 processes:
   ``Checkpoint.restore(coordinator=)`` against ``get_state_dict`` (which initialises the
   optimizer's state) + ``dcp.load`` + ``set_state_dict``.
@@ -133,6 +137,34 @@ def _rank(action: str, d: Path, mib: int, repeats: int) -> dict[str, list[float]
             out.setdefault("one host copy, reused", []).append(time.perf_counter() - t0)
             out.setdefault("one host copy, reused, CPU", []).append(c1 - c0)
             del copies
+        # one rank at a time (the others wait at a barrier, their writers at the plan
+        # exchange): each rank's copy of its shard into arrays written before, then its
+        # background save's blocking part, each after a copy that evicts the caches
+        copies = [np.array(s.numpy(), copy=True) for s in shards]
+        scratch = np.ones(5 << 20, np.float64), np.empty(5 << 20, np.float64)
+        for i in range(repeats):
+            path = str(d / f"cvq-{i}.h5")
+            handle = None
+            for turn in range(size):
+                dist.barrier()
+                if turn != dist.get_rank():
+                    continue
+                np.copyto(scratch[1], scratch[0])
+                w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+                for c, s in zip(copies, shards, strict=True):
+                    np.copyto(c, s.numpy())
+                c1, w1 = time.thread_time_ns(), time.perf_counter_ns()
+                np.copyto(scratch[1], scratch[0])
+                w2, c2 = time.perf_counter_ns(), time.thread_time_ns()
+                handle = ckpt.write(path, coordinator=coord, timeout=300, blocking=False)
+                c3, w3 = time.thread_time_ns(), time.perf_counter_ns()
+                for k, v in (("alone: copy", w1 - w0), ("alone: copy, CPU", c1 - c0),
+                             ("alone: blocking", w3 - w2), ("alone: blocking, CPU", c3 - c2)):
+                    out.setdefault(k, []).append(v / 1e9)
+            dist.barrier()
+            assert handle is not None
+            handle.wait()
+        del copies, scratch
     else:
         for _ in range(repeats):
             model, opt = _build(mib, mesh)
@@ -205,6 +237,23 @@ def _job(n: int, action: str, d: Path, mib: int, repeats: int) -> dict[str, floa
                "copy, CPU": max(med(r["one host copy, reused, CPU"]) for r in ranks)}
         for r in ranks:
             del r["ckptvar background blocking, CPU"], r["one host copy, reused, CPU"]
+    alone = {}
+    if "alone: copy" in ranks[0]:
+        # one rank at a time: each rank's per-save ratios (the blocking part over the copy
+        # just before it, both of one rank on a machine otherwise idle), the median over
+        # the saves after the first; then the slowest and the median rank
+        for unit in ("", ", CPU"):
+            per_rank = sorted(statistics.median(
+                [b / c for b, c in zip(r[f"alone: blocking{unit}"], r[f"alone: copy{unit}"],
+                                       strict=True)][1:] or [0.0]) for r in ranks)
+            alone[f"alone: blocking / copy{unit}"] = per_rank[-1]
+            alone[f"alone: blocking / copy{unit} (median rank)"] = statistics.median(per_rank)
+            for k in (f"alone: blocking{unit}", f"alone: copy{unit}"):
+                alone[k] = max(statistics.median(r[k][1:] or r[k]) for r in ranks)
+        for r in ranks:
+            for k in ("alone: copy", "alone: copy, CPU", "alone: blocking",
+                      "alone: blocking, CPU"):
+                del r[k]
     # each repeat's slowest rank, then the best repeat; and the same of the median rank
     out = {k: min(max(r[k][i] for r in ranks) for i in range(len(ranks[0][k])))
            for k in ranks[0]}
@@ -212,6 +261,7 @@ def _job(n: int, action: str, d: Path, mib: int, repeats: int) -> dict[str, floa
                                           for i in range(len(ranks[0][k])))
                 for k in ranks[0]})
     out.update(cpu)
+    out.update(alone)
     return out
 
 
@@ -253,6 +303,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{save['copy, CPU'] * 1e3:.2f} ms (the most of any rank); blocking / copy "
           f"{save['blocking / copy, CPU']:.2f}x on the slowest rank, "
           f"{save['blocking / copy, CPU (median rank)']:.2f}x on the median rank")
+    if "alone: blocking / copy" in save:
+        print(f"one rank at a time (the others waiting; each rank's median over the saves "
+              f"after the first of the blocking part over the copy just before it): the "
+              f"blocking part {save['alone: blocking'] * 1e3:.2f} ms "
+              f"({save['alone: blocking, CPU'] * 1e3:.2f} ms of CPU), one copy into arrays "
+              f"written before {save['alone: copy'] * 1e3:.2f} ms "
+              f"({save['alone: copy, CPU'] * 1e3:.2f} ms of CPU) (the most of any rank); "
+              f"blocking / copy {save['alone: blocking / copy']:.2f}x wall, "
+              f"{save['alone: blocking / copy, CPU']:.2f}x CPU on the slowest rank, "
+              f"{save['alone: blocking / copy (median rank)']:.2f}x wall, "
+              f"{save['alone: blocking / copy, CPU (median rank)']:.2f}x CPU on the median rank")
     print(json.dumps({"save": save, "restore": restore}))
     return 0
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -219,3 +221,108 @@ def test_a_snapshot_buffer_still_viewed_is_never_reused() -> None:
     del again
     (bigger,) = buf.views([((4000,), np.dtype("float64"))])  # no longer fits: a new one
     assert bigger.shape == (4000,) and buf.nbytes >= bigger.nbytes
+
+
+def test_a_snapshot_of_the_same_arrays_copies_into_the_same_views_unless_one_is_held() -> None:
+    """The buffer keeps its last copy's views and pieces for a copy of the very same
+    arrays, and makes new ones whenever a view (or a view of one) is held elsewhere or
+    an array is another: a held snapshot keeps its values."""
+    from ckptvar.checkpoint._serialize import SnapshotBuffer
+
+    buf = SnapshotBuffer()
+    small, big = np.arange(10.0), np.arange(3 << 18, dtype="float64")  # 6 MiB: 3 pieces
+    first = buf.copy([small, big])
+    kept = [weakref.ref(a) for a in first]  # (alive only while the buffer keeps them)
+    del first
+    small[:] = -1.0
+    big[::1000] = 7.0
+    again = buf.copy([small, big])  # the same views, the new values
+    assert all(r() is a for r, a in zip(kept, again, strict=True))
+    assert np.array_equal(again[0], small) and np.array_equal(again[1], big)
+    held = again[1]  # a save still in flight holds the snapshot
+    del again
+    big[:] = 3.0
+    third = buf.copy([small, big])
+    assert not np.shares_memory(third[1], held) and (third[1] == 3.0).all()
+    assert held[0] == 7.0 and held[1] == 1.0  # its bytes untouched
+    del held
+    part = third[0][2:5]  # a view of a view (its base the buffer)
+    kept = [weakref.ref(a) for a in third]
+    del third
+    fourth = buf.copy([small, big])
+    assert not any(r() is a for r, a in zip(kept, fourth, strict=True))
+    assert not np.shares_memory(fourth[0], part)
+    assert (part == -1.0).all()
+    del fourth, part
+    other = np.arange(10.0) + 100  # another array of the same shape: a new plan
+    fifth = buf.copy([other, big])
+    assert np.array_equal(fifth[0], other) and np.array_equal(fifth[1], big)
+
+
+def test_a_save_handle_waits_times_out_and_calls_back_as_a_future_would(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handle's outcome (one lock, not a ``Future``): ``wait(timeout)`` raises
+    ``TimeoutError`` while the save runs; every waiting thread gets the path; callbacks
+    added before run on the writer thread, after at once; a callback's error is logged,
+    never raised; an error reaches the first ``wait()`` only."""
+    import logging
+
+    from ckptvar.checkpoint import _async
+
+    logged: list[str] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ckptvar").addHandler(handler)
+    try:
+        _handle_outcomes(tmp_path, monkeypatch, _async, logged)
+    finally:
+        logging.getLogger("ckptvar").removeHandler(handler)
+
+
+def _handle_outcomes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, _async: Any,
+                     logged: list[str]) -> None:
+    import threading
+
+    release = threading.Event()
+    real = _async.submit
+
+    def held(fn, path):  # type: ignore[no-untyped-def]
+        def job() -> str:
+            assert release.wait(30)
+            return fn()  # type: ignore[no-any-return]
+        return real(job, path)
+
+    monkeypatch.setattr(_async, "submit", held)
+    ckpt = cv.Checkpoint(w=cv.Variable(np.arange(10.0), name="w"))
+    handle = ckpt.write(tmp_path / "a.h5", blocking=False)
+    with pytest.raises(TimeoutError):
+        handle.wait(timeout=0.05)
+    assert not handle.done()
+    seen: list[tuple[str, str]] = []
+    handle.add_done_callback(lambda h: seen.append(("before", threading.current_thread().name)))
+    handle.add_done_callback(lambda h: 1 / 0)  # logged, never raised
+    called = threading.Event()  # (callbacks run in turn, after the waiters are let go)
+    handle.add_done_callback(lambda h: called.set())
+    got: list[str | None] = []
+    waiters = [threading.Thread(target=lambda: got.append(handle.wait(30))) for _ in range(3)]
+    for t in waiters:
+        t.start()
+    release.set()
+    for t in waiters:
+        t.join(30)
+    assert got == [str(tmp_path / "a.h5")] * 3 and handle.done()
+    assert called.wait(30)
+    handle.add_done_callback(lambda h: seen.append(("after", threading.current_thread().name)))
+    assert seen == [("before", "ckptvar-save"), ("after", threading.current_thread().name)]
+    assert logged == ["A callback of a background save raised"]
+
+    def failing(fn, path):  # type: ignore[no-untyped-def]
+        def job() -> str:
+            raise OSError("the disk went away")
+        return real(job, path)
+
+    monkeypatch.setattr(_async, "submit", failing)
+    bad = ckpt.write(tmp_path / "b.h5", blocking=False)
+    with pytest.raises(OSError, match="went away"):
+        bad.wait(30)
+    assert bad.wait(30) is None  # reported once

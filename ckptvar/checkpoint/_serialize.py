@@ -159,6 +159,9 @@ class SnapshotBuffer:
         #: the last snapshot's ``(keys, variables, attrs)`` (:func:`host_arrays`): a save
         #: of the very same variables under the same keys takes them again
         self.values: tuple[list[str], list[Variable], list[dict[str, Any]]] | None = None
+        #: the last copy's plan, kept while its sources are the very same arrays: see
+        #: :meth:`copy` (``None``: none kept)
+        self._kept: _KeptCopy | None = None
 
     @property
     def nbytes(self) -> int:
@@ -198,6 +201,7 @@ class SnapshotBuffer:
 
     def views(self, specs: Sequence[tuple[tuple[int, ...], np.dtype[Any]]]) -> list[np.ndarray]:
         """A C-contiguous array of each ``(shape, dtype)``, side by side in the buffer."""
+        self._kept = None  # (its views would count as views held elsewhere)
         self._lay_out(list(specs))
         offsets, _, total = self._layout
         buf = self._buffer(total)
@@ -216,6 +220,13 @@ class SnapshotBuffer:
         >>> bool((c == a).all()), np.shares_memory(c, a), c.base is buf._buf
         (True, False, True)
         """
+        kept = self._kept
+        if kept is not None and kept.free(sources, self._buf):
+            # the very same source arrays, and nothing but this object holds the last
+            # copy's views or the buffer: the same views and pieces, copied again
+            copy_pieces(kept.pieces, kept.nbytes, processes=processes)
+            return list(kept.dests)
+        self._kept = None  # (before the buffer's check: its views would count as held)
         self._lay_out([(a.shape, a.dtype) for a in sources])
         offsets, _, total = self._layout
         buf = self._buffer(total)
@@ -224,12 +235,52 @@ class SnapshotBuffer:
         # (an object array's ``None`` offset never reaches ``np.ndarray``)
         del buf
         out, pieces, nbytes = snapshot_pieces(sources, dests)
+        del out  # (the same arrays as ``dests``)
+        if all(off is not None for off in offsets):  # an object array: a new one each time
+            self._kept = kept = _KeptCopy(list(sources), dests, pieces, nbytes)
+            kept.mark(self._buf)
         copy_pieces(pieces, nbytes, processes=processes)
-        return out
+        return list(dests)
 
     def release(self) -> None:
         """Drop the buffer (the next snapshot makes a new one)."""
         self._buf = None
+        self._kept = None
+
+
+class _KeptCopy:
+    """A :class:`SnapshotBuffer` copy's plan, for the next copy of the very same arrays.
+
+    Its views of the buffer (``dests``) and ``(destination, source)`` pieces cost about
+    30 us to make again for 32 arrays, cold. They are used again only when each source is
+    the same array object as before (an array's memory, shape and dtype are its own for
+    its life) and nothing but this object holds a view or the buffer: each view's
+    reference count and the buffer's are those taken when the plan was made (a view held
+    by a save in flight, a traceback or a user counts one more; so does a view of a view,
+    whose base is the buffer itself). The sources stay referenced until the next copy or
+    :meth:`SnapshotBuffer.release` (the variables they belong to are kept as long).
+    """
+
+    __slots__ = ("buf_refs", "dests", "nbytes", "pieces", "refs", "sources")
+
+    def __init__(self, sources: list[np.ndarray], dests: list[np.ndarray],
+                 pieces: list[tuple[np.ndarray, np.ndarray]], nbytes: int) -> None:
+        self.sources, self.dests, self.pieces, self.nbytes = sources, dests, pieces, nbytes
+        self.refs: list[int] = []
+        self.buf_refs = 0
+
+    def mark(self, buf: np.ndarray | None) -> None:
+        """Take the reference counts :meth:`free` compares with, called as it is called
+        (a method given the buffer attribute) while nothing else holds a view."""
+        self.refs = list(map(sys.getrefcount, self.dests))
+        self.buf_refs = sys.getrefcount(buf)
+
+    def free(self, sources: Sequence[np.ndarray], buf: np.ndarray | None) -> bool:
+        """Whether ``sources`` are the kept ones and nothing else holds the kept views."""
+        return (len(sources) == len(self.sources)
+                and all(map(operator.is_, sources, self.sources))
+                and list(map(sys.getrefcount, self.dests)) == self.refs
+                and sys.getrefcount(buf) == self.buf_refs)
 
 
 def host_arrays(plan: SaveContents, *, copy: bool, into: SnapshotBuffer | None = None,
