@@ -376,14 +376,15 @@ class CheckpointManager:
             "last_preserved_time": self._created,
         }
 
-    def _recover(self, state: dict[str, Any]) -> dict[str, Any]:
+    def _recover(self, state: dict[str, Any], mine: str | None = None) -> dict[str, Any]:
         """This manager's section: the state file's, checked against the directory.
 
         The committed files are the record, the state file a cache of them: a listed
         file that is gone is dropped, and a committed step of this manager's naming
         that the state does not know (a crash between the rename and the state
         write, a state file lost, damaged or stale) is listed, with its file's time.
-        Steps are ordered by number.
+        Steps are ordered by number. ``mine``: the step this manager just committed,
+        which the caller lists itself (not opened to be told it is a checkpoint).
         """
         section = state["sections"].get(self.checkpoint_name) or self._empty_section()
         for name in ("checkpoints", "preserved", "pending_delete"):
@@ -396,6 +397,8 @@ class CheckpointManager:
         section["checkpoints"] = [e for e in section["checkpoints"] if e["path"] in there]
         known = {e["path"] for name in ("checkpoints", "preserved", "pending_delete")
                  for e in section[name]}
+        if mine is not None:
+            known.add(mine)
         for name, number, _ in on_disk:
             if name in known:
                 continue
@@ -664,7 +667,7 @@ class CheckpointManager:
         now = time.time()
         with locked(self.directory):
             state = read_state(self.directory, repair=True)
-            section = self._recover(state)
+            section = self._recover(state, mine=name)
             preserved = len(section["preserved"])
             section["checkpoints"] = [e for e in section["checkpoints"] if e["path"] != name]
             section["checkpoints"].append({"path": name, "step": int(step), "time": now})

@@ -494,6 +494,8 @@ class _Tree:
         #: Row deltas' groups: their document is the delta's (written once the checksums
         #: are known), never the plain group document first.
         self._docless: set[Path] = set()
+        #: The entries of the base's arrays a delta links (by path in the base), listed once.
+        self._listed: dict[str, list[str]] = {}
         if spare is not None:
             try:
                 os.rename(spare, root)  # both temporaries of one directory: atomic
@@ -545,10 +547,11 @@ class _Tree:
         for src, dst in delta.links:
             there = self.base / src
             try:
-                names = sorted(_regular_files(there))
+                files = _regular_files(there)
             except OSError:
                 continue
-            if names and _same_files(self.root / dst, there, names):
+            self._listed[src] = sorted(files)  # what _write_delta links, if not kept
+            if files and _same_files(self.root / dst, there, list(files), files):
                 self.kept.add(dst)
                 self._delta_groups.add(dst.rpartition("/")[0])
                 self._docless.add(self.root / dst.rpartition("/")[0])
@@ -713,8 +716,9 @@ class _Tree:
             if dst in self.kept:  # the spare's: these very files already (recycle)
                 continue
             d = self.array_dir(dst)
-            files = (sorted(os.listdir(base / src)) if self.deferred is None else
-                     ["zarr.json", chunk_key(ndim if j == 0 else 1)])
+            listed = self._listed.get(src)  # listed by _recycle_delta this save
+            files = (["zarr.json", chunk_key(ndim if j == 0 else 1)] if self.deferred is not None
+                     else listed if listed is not None else sorted(os.listdir(base / src)))
             for f in files:
                 self.link(os.fspath(base / src / f), d / f)
         if not delta.rows.size:  # unchanged: the base's delta as it is
@@ -810,9 +814,11 @@ class _Compare:
     directory: Path
 
 
-def _same_files(d: Path, src: Path, names: list[str]) -> bool:
+def _same_files(d: Path, src: Path, names: list[str],
+                there: dict[str, int | None] | None = None) -> bool:
     """Whether directory ``d`` holds exactly ``names``, each the same regular file (inode)
-    as in ``src`` (never following a symlink).
+    as in ``src`` (never following a symlink; ``there``: ``src`` listed already, by
+    :func:`_regular_files`).
 
     The inodes come from the two listings (``d_ino``; one ``getdents`` each, no ``stat``
     per file): on one file system, as the directories' own ``stat`` checks."""
@@ -820,7 +826,9 @@ def _same_files(d: Path, src: Path, names: list[str]) -> bool:
         a, b = os.lstat(d), os.lstat(src)
         if not stat.S_ISDIR(a.st_mode) or a.st_dev != b.st_dev:
             return False
-        here, there = _regular_files(d), _regular_files(src)
+        here = _regular_files(d)
+        if there is None:
+            there = _regular_files(src)
     except OSError:
         return False
     want = set(names)
