@@ -142,3 +142,63 @@ def test_a_row_deltas_arrays_are_taken_from_the_spare(tmp_path: Path) -> None:
                     assert group["table/base"].shape == (rows, width)
             manager.wait_until_finished()
         assert taken > made  # most of the base and earlier patches came from the spare
+
+
+def test_a_delta_step_lists_each_base_array_once_and_reads_no_base_record(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Zarr row delta step lists each of the base's arrays it links once (the spare's
+    check and the links share the listing), and takes its base's record as the step
+    before kept it (no reader of a step this process wrote as an incremental one); what it
+    kept is what a reader reads."""
+    from ckptvar.storage import _zarr
+
+    listed: list[str] = []
+    real_list = _zarr._regular_files
+
+    def listing(d: Path) -> dict[str, int | None]:
+        listed.append(os.fspath(d))
+        return real_list(d)
+
+    opened: list[str] = []
+    real_reader = _zarr.ZarrReader
+
+    def reader(path: Path, *args: object, **kw: object) -> object:
+        opened.append(Path(path).name)
+        return real_reader(path, *args, **kw)
+
+    monkeypatch.setattr(_zarr, "_regular_files", listing)
+    monkeypatch.setattr(_zarr, "ZarrReader", reader)
+    rows, width = 8192, 64  # 2 MiB: a row delta
+    with cv.Graph().as_default():
+        table = cv.Variable(np.random.default_rng(1).random((rows, width), dtype=np.float32),
+                            name="table")
+        manager = cv.CheckpointManager(cv.Checkpoint(table=table), tmp_path, max_to_keep=2,
+                                       format="zarr", incremental=True)
+        rng = np.random.default_rng(2)
+        recycled = 0
+        bases_read: list[str] = []
+        for step in range(8):
+            if step:
+                ids = np.unique(rng.integers(0, rows, 10))
+                table.scatter_update(ids, table.numpy()[ids] + 1.0)
+            listed.clear()
+            opened.clear()
+            path = Path(manager.save())
+            manager.wait_until_finished()
+            bases_read += opened
+            base_dirs = [d for d in listed if not Path(d).is_relative_to(path)
+                         and ".partial" not in d]
+            assert len(base_dirs) == len(set(base_dirs)), base_dirs
+            recycled += bool(base_dirs)
+            np.testing.assert_array_equal(cv.load(path)["table"], table.numpy())
+        assert recycled >= 4  # steps that took the spare over and checked its arrays
+        assert bases_read == ["ckpt-1.zarr"]  # the first, full step, read once as a base
+        latest = Path(manager.latest_checkpoint)
+        kept = _zarr._RECORDS.get(latest / _zarr.RECORD_PATH / _zarr.chunk_key(1))
+        assert kept is not None
+        got = real_reader(latest)
+        try:
+            assert dict(kept.values) == dict(got.record.values)
+            assert kept.deltas == got.record.deltas
+        finally:
+            got.close()

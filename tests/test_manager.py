@@ -60,6 +60,36 @@ def test_restart_picks_the_state_back_up(tmp_path: Path, fmt: str, fresh_graph: 
         assert not (tmp_path / f"ckpt-2.{fmt}").exists()
 
 
+def test_a_save_does_not_open_the_step_it_committed(
+        tmp_path: Path, fmt: str, fresh_graph: cv.Graph, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record of a step lists it without opening it to be told it is a checkpoint
+    (the manager wrote it; a pruned step is, before it is deleted); a committed step the
+    state file does not know is still opened and listed."""
+    from ckptvar.checkpoint import _manager
+
+    opened: list[str] = []
+    real = _manager.is_own_checkpoint
+
+    def counting(path: Path) -> bool:
+        opened.append(Path(path).name)
+        return real(path)
+
+    monkeypatch.setattr(_manager, "is_own_checkpoint", counting)
+    ckpt, v = _ckpt()
+    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=2, format=fmt)
+    for i in range(3):
+        v.assign(np.full(3, float(i)))
+        manager.save()
+    assert opened == [f"ckpt-1.{fmt}"]  # pruned: deleted only if it is a checkpoint
+    opened.clear()
+    (tmp_path / STATE_FILE).unlink()  # lost: the steps on disk are the record
+    with cv.Graph().as_default():
+        again = cv.CheckpointManager(_ckpt()[0], tmp_path, max_to_keep=2, format=fmt)
+        assert _names(again.checkpoints) == [f"ckpt-2.{fmt}", f"ckpt-3.{fmt}"]
+    assert sorted(opened) == [f"ckpt-2.{fmt}", f"ckpt-3.{fmt}"]
+
+
 def test_restore_or_initialize(tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
     calls = []
     ckpt, v = _ckpt()

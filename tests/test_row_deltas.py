@@ -559,6 +559,24 @@ def test_a_deltas_checksums_hash_only_the_blocks_its_rows_touch(
     assert not [n for n in hashed if n == ROWS * ROW_BYTES]  # never the whole table
 
 
+@pytest.mark.parametrize("row_bytes", [4, 256, 4096, 1000, 6000, 8192])
+def test_the_sub_blocks_rows_touch_are_every_piece_of_their_bytes(row_bytes: int) -> None:
+    """The sub-blocks a row delta hashes again are exactly those holding a byte of its
+    rows: found from the rows alone where each row lies in one sub-block, over every
+    sub-block otherwise; rows in any order give the same (sorted, unique) answer."""
+    rng = np.random.default_rng(row_bytes)
+    nrows = 3000
+    sub = blocks_mod.SUB_BLOCK
+    count = -(-nrows * row_bytes // sub)
+    for size in (0, 1, 2, 40, 900):
+        rows = np.unique(rng.integers(0, nrows, size))
+        want = sorted({b for r in rows.tolist()
+                       for b in range(r * row_bytes // sub, ((r + 1) * row_bytes - 1) // sub + 1)})
+        assert blocks_mod._touched(rows, row_bytes, sub, count).tolist() == want
+        shuffled = rng.permutation(np.concatenate((rows, rows[: len(rows) // 2])))
+        assert blocks_mod._touched(shuffled, row_bytes, sub, count).tolist() == want
+
+
 @pytest.mark.parametrize("fmt", ["h5", "zarr"])
 def test_a_known_block_is_hashed_again_only_in_the_sub_blocks_its_rows_touch(
         tmp_path: Path, fresh_graph: cv.Graph, fmt: str,

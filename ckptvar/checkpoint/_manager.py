@@ -376,27 +376,34 @@ class CheckpointManager:
             "last_preserved_time": self._created,
         }
 
-    def _recover(self, state: dict[str, Any]) -> dict[str, Any]:
+    def _recover(self, state: dict[str, Any], mine: str | None = None) -> dict[str, Any]:
         """This manager's section: the state file's, checked against the directory.
 
         The committed files are the record, the state file a cache of them: a listed
         file that is gone is dropped, and a committed step of this manager's naming
         that the state does not know (a crash between the rename and the state
         write, a state file lost, damaged or stale) is listed, with its file's time.
-        Steps are ordered by number.
+        Steps are ordered by number. ``mine``: the step this manager just committed,
+        which the caller lists itself (not opened to be told it is a checkpoint).
         """
         section = state["sections"].get(self.checkpoint_name) or self._empty_section()
         for name in ("checkpoints", "preserved", "pending_delete"):
             section[name] = [e for e in section.get(name, []) if self._own(e)]
-        # A file that vanished (deleted by hand) is no longer listed.
-        section["checkpoints"] = [
-            e for e in section["checkpoints"] if exists(self.directory / e["path"])
-        ]
+        on_disk = self._committed_on_disk()
+        # A file that vanished (deleted by hand) is no longer listed: a listed name is
+        # one of this listing's (a symbolic link: if it leads somewhere, as ``exists``).
+        there = {name for name, _, link in on_disk
+                 if not link or exists(self.directory / name)}
+        section["checkpoints"] = [e for e in section["checkpoints"] if e["path"] in there]
         known = {e["path"] for name in ("checkpoints", "preserved", "pending_delete")
                  for e in section[name]}
-        for name, number in self._committed_on_disk():
+        if mine is not None:
+            known.add(mine)
+        for name, number, _ in on_disk:
+            if name in known:
+                continue
             path = self.directory / name
-            if name in known or not is_own_checkpoint(path):
+            if not is_own_checkpoint(path):
                 continue
             with contextlib.suppress(FileNotFoundError):  # pruned by another process
                 section["checkpoints"].append(
@@ -404,14 +411,15 @@ class CheckpointManager:
         section["checkpoints"].sort(key=lambda e: (self._number(e["path"]), e["time"]))
         return section
 
-    def _committed_on_disk(self) -> list[tuple[str, int]]:
-        """``(name, number)`` of every file or directory of this manager's naming that is
-        under its final name (a committed step, or a user's file of that name)."""
+    def _committed_on_disk(self) -> list[tuple[str, int, bool]]:
+        """``(name, number, is a symbolic link)`` of every file or directory of this
+        manager's naming that is under its final name (a committed step, or a user's file
+        of that name): one listing of the directory, no ``stat``."""
         found = []
         for entry in os.scandir(self.directory):
             number = self._number(entry.name)
             if number >= 0 and not is_partial(entry.name):
-                found.append((entry.name, number))
+                found.append((entry.name, number, entry.is_symlink()))
         return found
 
     def _number(self, name: str) -> int:
@@ -659,7 +667,7 @@ class CheckpointManager:
         now = time.time()
         with locked(self.directory):
             state = read_state(self.directory, repair=True)
-            section = self._recover(state)
+            section = self._recover(state, mine=name)
             preserved = len(section["preserved"])
             section["checkpoints"] = [e for e in section["checkpoints"] if e["path"] != name]
             section["checkpoints"].append({"path": name, "step": int(step), "time": now})

@@ -60,11 +60,14 @@ def temporaries(directory: Path, prefixes: tuple[str, ...] = ("",),
     for the names in ``skip``)."""
     found = []
     with contextlib.suppress(FileNotFoundError):
-        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-            if (is_partial(entry.name) and entry.name.startswith(prefixes)
-                    and entry.name not in skip):
-                path = Path(entry.path)
-                found.append(Leftover(os.fspath(path), _size(path), "temporary"))
+        # the names first (a manager looks after every step, in a directory of many
+        # steps), then only the temporaries sorted and measured
+        names = sorted(entry.name for entry in os.scandir(directory)
+                       if entry.name.startswith(prefixes) and entry.name not in skip
+                       and is_partial(entry.name))
+        for name in names:
+            path = Path(directory, name)
+            found.append(Leftover(os.fspath(path), _size(path), "temporary"))
     return found
 
 

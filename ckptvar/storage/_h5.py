@@ -64,7 +64,7 @@ from ._container import (
 )
 from ._container import source as _src
 from ._container.delta import DeltaWrite, Patches, in_base, read_patches
-from ._container.reuse import Held
+from ._container.reuse import Held, KeptRecords
 from ._container.source import Patched, RemoteFile
 from ._record import (
     ARRAY,
@@ -858,8 +858,7 @@ def _external_names(path: Path) -> set[str]:
         st = os.stat(path)
     except FileNotFoundError:
         return set()
-    with _RECORDS_LOCK:
-        record = _RECORDS.get(_identity(path, st))
+    record = _RECORDS.get(path, st)
     if record is None:
         if not stat.S_ISREG(st.st_mode) or not H5Backend.sniff(path):
             return set()
@@ -870,47 +869,31 @@ def _external_names(path: Path) -> set[str]:
     return out
 
 
-#: Decoded records of committed files by (path, inode, size, mtime): an incremental step's
+#: Decoded records of committed files (:class:`KeptRecords`): an incremental step's
 #: record is read after its commit (what it refers to) and again as the next step's base.
-#: The newest few only (a step needs its own and its base's), so a long run keeps none.
-_RECORDS: dict[tuple[str, int, int, int], Record] = {}
-_RECORDS_KEPT = 4
-_RECORDS_LOCK = threading.Lock()  # background saves may look at once
+_RECORDS = KeptRecords()
 
 
 def _committed_record(path: Path) -> Record:
     """The root record of the committed ckptvar HDF5 file ``path`` (a committed file is
     never changed in place: its identity and size name its record)."""
     st = os.stat(path)
-    ident = _identity(path, st)
-    with _RECORDS_LOCK:
-        record = _RECORDS.get(ident)
+    record = _RECORDS.get(path, st)
     if record is None:
         reader = H5Reader(path)
         try:
             record = reader.record
         finally:
             reader.close()
-        _keep(ident, record)
+        _RECORDS.keep(path, record, st)
     return record
-
-
-def _identity(path: Path, st: os.stat_result) -> tuple[str, int, int, int]:
-    return (os.fspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def _keep(ident: tuple[str, int, int, int], record: Record) -> None:
-    with _RECORDS_LOCK:
-        while len(_RECORDS) >= _RECORDS_KEPT:
-            del _RECORDS[next(iter(_RECORDS))]  # the oldest (insertion order)
-        _RECORDS[ident] = record
 
 
 def _keep_record(path: Path, record: bytes) -> None:
     """Keep the record bytes a writer just committed to ``path`` as its decoded record
     (what :func:`_committed_record` would read back: the same bytes, the same checks)."""
     st = os.stat(path)
-    _keep(_identity(path, st), decode(record, path, container="h5", file_size=st.st_size))
+    _RECORDS.keep(path, decode(record, path, container="h5", file_size=st.st_size), st)
 
 
 register_backend(H5Backend)

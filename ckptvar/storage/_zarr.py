@@ -43,7 +43,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from ..errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    CorruptCheckpointError,
+    UnsupportedFormatError,
+)
 from . import checksum as _checksum
 from . import rawio as _rawio
 from ._container import (
@@ -60,7 +65,7 @@ from ._container import (
 )
 from ._container.blocks import BLOCK_SIZE, block_crcs, join_blocks
 from ._container.delta import DeltaWrite, Patches, in_base, read_patches
-from ._container.reuse import Held
+from ._container.reuse import Held, KeptRecords
 from ._container.source import Patched, Pieces
 from ._record import ARRAY, FORMAT_VERSION, Delta, Entry, Extent, Record, decode
 from ._zarr_files import (
@@ -104,6 +109,10 @@ COMPRESSED_CHUNK = 4 << 20
 #: of an object-store step is written again instead.
 COPY_LIMIT = 5 * 2**30
 
+#: Decoded records of the local incremental steps this process committed, by their record
+#: file (:class:`KeptRecords`): the next step's base, not read back.
+_RECORDS = KeptRecords()
+
 
 class ZarrWriter(ContainerWriter):
     """Writes one ``.zarr`` directory (see the module docstring)."""
@@ -145,6 +154,7 @@ class ZarrWriter(ContainerWriter):
             raise ValueError(f"piece_bytes must be at least {BLOCK_SIZE}, got {piece_bytes!r}.")
         self.piece_bytes = None if piece_bytes is None else int(piece_bytes)
         self._base_record: Record | None = None
+        self._record_bytes: bytes | None = None  # the record written, once it is
         #: per key: the chunks the base holds unchanged -> the base's chunk file
         self._held_pieces: dict[str, dict[int, str]] = {}
         #: per key: the base's block checksums and array directory, for a value whose
@@ -166,9 +176,11 @@ class ZarrWriter(ContainerWriter):
         there, which the new step hard-links (so every step stands alone)."""
         if self.compression is not None:
             return None  # compressed values are written by zarr-python: always whole
-        reader = ZarrReader(base)
-        record = reader.record
-        reader.close()
+        record = _RECORDS.get(base / RECORD_PATH / chunk_key(1))
+        if record is None:  # not kept as this process wrote it (:meth:`commit`): read
+            reader = ZarrReader(base)
+            record = reader.record
+            reader.close()
         self._base_record = record
 
         def holder(key: str, entry: Entry) -> Held:
@@ -179,6 +191,18 @@ class ZarrWriter(ContainerWriter):
 
     def _open_base_reader(self, base: Path) -> ZarrReader:
         return ZarrReader(base)
+
+    def commit(self) -> Path:
+        """Write and publish the directory; a local incremental step's record is then kept
+        as written (decoded with the checks of a read, by the identity of its record file:
+        :class:`.reuse.KeptRecords`), so the next step's read of its base opens nothing."""
+        path = super().commit()
+        record = self._record_bytes
+        if record is not None and self.copies is None and (self.base is not None or self.rows):
+            with contextlib.suppress(OSError, CkptError):  # a read later does it instead
+                _RECORDS.keep(path / RECORD_PATH / chunk_key(1),
+                              decode(record, path, container="zarr"))
+        return path
 
     def _delta_for(self, it: ValueWrite, entry: Entry, was: Delta | None,
                    holder: Any) -> DeltaWrite | None:
@@ -344,7 +368,7 @@ class ZarrWriter(ContainerWriter):
         if pd is not None:
             meta = array_meta((plan.packed_nbytes,), np.dtype("u1"), {"ckptvar": "packed values"})
             tree.write(pd / "zarr.json", _doc(meta))
-        record = self._encode_record((PACKED_PATH, 0, plan.packed_nbytes))
+        record = self._record_bytes = self._encode_record((PACKED_PATH, 0, plan.packed_nbytes))
         rd = tree.array_dir(RECORD_PATH)
         meta = array_meta((len(record),), np.dtype("u1"), {"ckptvar": "root record (msgpack)"})
         tree.write(rd / "zarr.json", _doc(meta))
@@ -470,6 +494,8 @@ class _Tree:
         #: Row deltas' groups: their document is the delta's (written once the checksums
         #: are known), never the plain group document first.
         self._docless: set[Path] = set()
+        #: The entries of the base's arrays a delta links (by path in the base), listed once.
+        self._listed: dict[str, list[str]] = {}
         if spare is not None:
             try:
                 os.rename(spare, root)  # both temporaries of one directory: atomic
@@ -521,10 +547,11 @@ class _Tree:
         for src, dst in delta.links:
             there = self.base / src
             try:
-                names = sorted(_regular_files(there))
+                files = _regular_files(there)
             except OSError:
                 continue
-            if names and _same_files(self.root / dst, there, names):
+            self._listed[src] = sorted(files)  # what _write_delta links, if not kept
+            if files and _same_files(self.root / dst, there, list(files), files):
                 self.kept.add(dst)
                 self._delta_groups.add(dst.rpartition("/")[0])
                 self._docless.add(self.root / dst.rpartition("/")[0])
@@ -689,8 +716,9 @@ class _Tree:
             if dst in self.kept:  # the spare's: these very files already (recycle)
                 continue
             d = self.array_dir(dst)
-            files = (sorted(os.listdir(base / src)) if self.deferred is None else
-                     ["zarr.json", chunk_key(ndim if j == 0 else 1)])
+            listed = self._listed.get(src)  # listed by _recycle_delta this save
+            files = (["zarr.json", chunk_key(ndim if j == 0 else 1)] if self.deferred is not None
+                     else listed if listed is not None else sorted(os.listdir(base / src)))
             for f in files:
                 self.link(os.fspath(base / src / f), d / f)
         if not delta.rows.size:  # unchanged: the base's delta as it is
@@ -786,9 +814,11 @@ class _Compare:
     directory: Path
 
 
-def _same_files(d: Path, src: Path, names: list[str]) -> bool:
+def _same_files(d: Path, src: Path, names: list[str],
+                there: dict[str, int | None] | None = None) -> bool:
     """Whether directory ``d`` holds exactly ``names``, each the same regular file (inode)
-    as in ``src`` (never following a symlink).
+    as in ``src`` (never following a symlink; ``there``: ``src`` listed already, by
+    :func:`_regular_files`).
 
     The inodes come from the two listings (``d_ino``; one ``getdents`` each, no ``stat``
     per file): on one file system, as the directories' own ``stat`` checks."""
@@ -796,7 +826,9 @@ def _same_files(d: Path, src: Path, names: list[str]) -> bool:
         a, b = os.lstat(d), os.lstat(src)
         if not stat.S_ISDIR(a.st_mode) or a.st_dev != b.st_dev:
             return False
-        here, there = _regular_files(d), _regular_files(src)
+        here = _regular_files(d)
+        if there is None:
+            there = _regular_files(src)
     except OSError:
         return False
     want = set(names)

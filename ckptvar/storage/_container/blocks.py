@@ -199,11 +199,36 @@ _LEARN = 256
 
 
 def _touched(rows: np.ndarray, row_bytes: int, unit: int, count: int) -> np.ndarray:
-    """The indices of the ``unit``-byte pieces (``count`` of them) that hold a byte of
-    one of ``rows``: +1 at each row's first piece, -1 past its last."""
+    """The indices (sorted, unique) of the ``unit``-byte pieces (``count`` of them) that
+    hold a byte of one of ``rows``. Where every row lies in one piece (``row_bytes``
+    divides ``unit``) they are the rows' pieces; else +1 at each row's first piece, -1
+    past its last, over every piece (a pass over ``count``, not over the rows).
+
+    >>> _touched(np.array([0, 5, 6, 40]), 256, 4096, 4).tolist()  # 16 rows a piece
+    [0, 2]
+    >>> _touched(np.array([4, 9]), 1000, 4096, 3).tolist()  # rows across pieces
+    [0, 1, 2]
+    """
+    if unit % row_bytes == 0:
+        return _unique_sorted(rows * row_bytes // unit)
     edges = (np.bincount(rows * row_bytes // unit, minlength=count + 1)
              - np.bincount(((rows + 1) * row_bytes - 1) // unit + 1, minlength=count + 1))
     return np.flatnonzero(np.cumsum(edges[:count]) > 0)
+
+
+def _unique_sorted(x: np.ndarray) -> np.ndarray:
+    """``np.unique(x)`` for ``x`` that is sorted already (the rows a variable gives are):
+    one comparison of neighbours instead of a sort; ``np.unique`` if it is not.
+
+    >>> _unique_sorted(np.array([1, 1, 4, 9, 9])).tolist(), _unique_sorted(np.array([3, 1])).tolist()
+    ([1, 4, 9], [1, 3])
+    """
+    if x.size < 2:
+        return x
+    step = x[1:] != x[:-1]
+    if (x[1:][step] < x[:-1][step]).any():  # not sorted: never from a variable's rows
+        return np.unique(x)
+    return np.concatenate((x[:1], x[1:][step]))
 
 
 def rehash_rows(view: memoryview, seed: int, blocks: bytes, row_bytes: int, rows: Any, *,
@@ -247,7 +272,7 @@ def rehash_rows(view: memoryview, seed: int, blocks: bytes, row_bytes: int, rows
     rows = np.asarray(rows, np.int64)
     if rows.size:
         touched_subs = _touched(rows, row_bytes, sub, -(-n // sub))
-        touched = np.unique(touched_subs // per)
+        touched = _unique_sorted(touched_subs // per)
         if len(touched) > most * count:
             return None
         in_full = touched[touched < full]
@@ -270,11 +295,12 @@ def rehash_rows(view: memoryview, seed: int, blocks: bytes, row_bytes: int, rows
 
         # the rest of the touched blocks hashed whole: unknown, or the last, shorter one
         rest = np.concatenate((whole, touched[touched >= full])).tolist()
-        order = todo.tolist()
-        if (len(order) * sub + len(rest) * bs) < _PARALLEL_FROM:
-            run(order, 0)  # 4 KiB a call: handing the GIL over would cost more
+        if (len(todo) * sub + len(rest) * bs) < _PARALLEL_FROM:
+            # 4 KiB a call, on this thread (handing the GIL over would cost more)
+            flat[todo] = [crc(view[at : at + sub], 0, 0) for at in (todo * sub).tolist()]
             run_whole(rest, 0)
         else:  # on the I/O threads, about 4 MiB each
+            order = todo.tolist()
             step, big = max(1, _PIECE // sub), max(1, _PIECE // bs)
             _rawio.wait_all(_rawio.start_all(
                 [functools.partial(run, order[i : i + step]) for i in range(0, len(order), step)]

@@ -11,17 +11,76 @@ link, a hard-linked Zarr chunk file (docs/FORMAT.md, "Incremental steps").
 
 Granularity is the whole value: a value with one changed block is written whole
 (docs/checkpoints.md says why). Packed (small) values are always written.
+
+Also :class:`KeptRecords`: the decoded records of the last few committed steps, kept by
+the identity of the file that holds the record, so that the next step's look at its
+base opens nothing (a committed checkpoint is never changed in place).
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .._record import ARRAY, BLOCK_SIZE, Entry, Record
 
-__all__ = ["Held", "match"]
+__all__ = ["Held", "KeptRecords", "match"]
+
+
+class KeptRecords:
+    """Decoded records of committed checkpoints by the identity of the file holding the
+    record's bytes: its path, inode, size and modification time (a committed file is
+    never changed in place; a step written anew under a pruned step's name is a new file).
+    The newest ``most`` only (a step needs its own and its base's), so a long run keeps
+    few; safe to use from several threads (background saves).
+
+    >>> import tempfile
+    >>> kept = KeptRecords()
+    >>> with tempfile.NamedTemporaryFile() as f:
+    ...     kept.keep(f.name, Record("h5"))
+    ...     before = kept.get(f.name)
+    ...     _ = f.write(b"x"); f.flush()  # another file now (its size)
+    ...     (before is not None, kept.get(f.name))
+    (True, None)
+    """
+
+    def __init__(self, most: int = 4) -> None:
+        self.most = most
+        self._kept: dict[tuple[str, int, int, int], Record] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def identity(path: str | os.PathLike[str], st: os.stat_result
+                 ) -> tuple[str, int, int, int]:
+        return (os.fspath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def get(self, path: str | os.PathLike[str], st: os.stat_result | None = None
+            ) -> Record | None:
+        """The record kept for the file at ``path`` as it is now (``st``: its ``stat``,
+        if taken already); None if none is (or no file is there)."""
+        if st is None:
+            try:
+                st = os.stat(path)
+            except OSError:
+                return None
+        with self._lock:
+            return self._kept.get(self.identity(path, st))
+
+    def keep(self, path: str | os.PathLike[str], record: Record,
+             st: os.stat_result | None = None) -> None:
+        """Keep ``record`` as the record of the file now at ``path``."""
+        ident = self.identity(path, os.stat(path) if st is None else st)
+        with self._lock:
+            while len(self._kept) >= self.most:
+                del self._kept[next(iter(self._kept))]  # the oldest (insertion order)
+            self._kept[ident] = record
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
 
 
 @dataclass(frozen=True, slots=True)
