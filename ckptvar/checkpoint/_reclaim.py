@@ -100,12 +100,14 @@ def gc(
     removed (with ``dry_run``: what would be), each with its size in bytes.
 
     >>> import pathlib, tempfile
-    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> scratch = tempfile.TemporaryDirectory()
+    >>> d = pathlib.Path(scratch.name)
     >>> _ = (d / ".ckpt-1.h5.0123456789abcdef0123456789abcdef.partial").write_bytes(b"xx")
     >>> [(x.nbytes, x.what) for x in gc(d) if x.path.startswith(str(d))]
     [(2, 'temporary')]
     >>> list(d.iterdir())
     []
+    >>> scratch.cleanup()
     """
     found: list[Leftover] = []
     if is_url(path):

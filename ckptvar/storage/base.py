@@ -37,12 +37,14 @@ ckptvar's own readers (HDF5, Zarr) offer all six.
 
 >>> import os, tempfile
 >>> from ckptvar.storage import backend_for
->>> path = os.path.join(tempfile.mkdtemp(), "w.h5")
+>>> scratch = tempfile.TemporaryDirectory()
+>>> path = os.path.join(scratch.name, "w.h5")
 >>> with backend_for(path, mode="w").open_writer(path) as writer:
 ...     writer.add("w", np.zeros(3, np.float32))
 >>> with backend_for(path).open_reader(path) as reader:
 ...     isinstance(reader, SupportsReadIntoMany), reader.shape_and_dtype("w")
 (True, ((3,), dtype('float32')))
+>>> scratch.cleanup()
 """
 
 from __future__ import annotations

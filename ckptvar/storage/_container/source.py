@@ -91,7 +91,8 @@ class Pieces:
     start of descriptor ``fds[i]`` (a file may hold more: a padded last chunk).
 
     >>> import tempfile
-    >>> d = tempfile.mkdtemp()
+    >>> scratch = tempfile.TemporaryDirectory()
+    >>> d = scratch.name
     >>> fds = []
     >>> for name, data in (("a", b"abc"), ("b", b"de--")):
     ...     with open(os.path.join(d, name), "wb") as f:
@@ -101,7 +102,7 @@ class Pieces:
     >>> buf = bytearray(4)
     >>> src.pread_into(buf, 1), bytes(buf), bytes(src.read_all())
     (4, b'bcde', b'abcde')
-    >>> src.close()
+    >>> src.close(); scratch.cleanup()
     """
 
     __slots__ = ("fds", "sizes", "starts")
@@ -175,7 +176,8 @@ class Patched:
     their CRCs: :meth:`check`); None: by its assembled bytes.
 
     >>> import tempfile
-    >>> d = tempfile.mkdtemp()
+    >>> scratch = tempfile.TemporaryDirectory()
+    >>> d = scratch.name
     >>> with open(os.path.join(d, "b"), "wb") as f:
     ...     _ = f.write(b"aabbccdd")
     >>> fd = os.open(os.path.join(d, "b"), os.O_RDONLY)
@@ -186,7 +188,7 @@ class Patched:
     >>> buf = bytearray(3)
     >>> src.pread_into(buf, 3), bytes(buf)
     (3, b'Xcc')
-    >>> src.close()
+    >>> src.close(); scratch.cleanup()
     """
 
     __slots__ = ("_patches", "base", "expect", "nbytes", "offset", "owned", "row_bytes")
