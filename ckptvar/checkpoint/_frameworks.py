@@ -538,7 +538,8 @@ class StateDictTrackable(Trackable):
             # this very state dict's (made once per walk, never kept past the next ask)
             self._walked = enc
             if last is not None and _same_tensors(last, paths, tensors):
-                self._last = last._replace(sig=sig, enc=enc, packed=[None])
+                self._last = _LastSave(last.paths, last.tensors, last.identities,
+                                       last.children, sig, enc, [None])
                 return last.children
             self._last = None
             flat: dict[tuple[Any, ...], Any] = {}
