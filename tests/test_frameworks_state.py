@@ -352,6 +352,25 @@ def test_a_state_dict_kept_from_the_last_save_is_never_stale(
     assert repr(got) == repr(plain)
 
 
+def test_the_kept_msgpack_bytes_are_only_the_kept_encodings() -> None:
+    # A state-dict object asked for its packed state without a walk just before (not
+    # what a save does) packs the state as it is now, never the kept save's bytes.
+    import msgpack  # noqa: PLC0415
+
+    from ckptvar.checkpoint._frameworks import StateDictTrackable  # noqa: PLC0415
+
+    obj = _Plain()
+    obj.extra = {"x": 1}
+    adapter = StateDictTrackable(obj)
+    for _ in range(2):
+        adapter.trackable_children()
+        kept = adapter.packed_state("obj")
+    obj.extra = {"x": 2}
+    now = msgpack.unpackb(adapter.packed_state("obj"), strict_map_key=False)
+    assert msgpack.unpackb(kept, strict_map_key=False)["d"][2] == ["x", {"v": 1}]
+    assert now["d"][2] == ["x", {"v": 2}]
+
+
 def test_tensors_swapped_between_keys_are_saved_where_they_now_are(tmp_path: Path) -> None:
     obj = _Plain()
     ckpt = cv.Checkpoint(obj=obj)

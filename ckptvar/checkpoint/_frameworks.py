@@ -479,7 +479,6 @@ class StateDictTrackable(Trackable):
         #: dict's signature is the same too (the same structure, keys and plain values,
         #: by type and value), the last encoding and its msgpack bytes
         self._last: _LastSave | None = None
-        self._hit: _LastSave | None = None  # the last save, when the walk just now was it
 
     def _var(self, path: tuple[Any, ...], t: Any, saving: bool) -> Variable | None:
         """The variable over ``t``'s memory (made once per tensor and kept: a save of the
@@ -514,7 +513,6 @@ class StateDictTrackable(Trackable):
         if self._restoring is not None:
             return _nest(dict(self._restoring.variables))
         self._names = None  # asked of the module only when a new variable is made
-        self._hit = None
         on = autograd_off()  # (off already when the checkpoint asks: once a save)
         try:
             sd = _state_dict(self.obj)
@@ -529,7 +527,6 @@ class StateDictTrackable(Trackable):
                         and all(map(operator.is_, tensors, last.tensors))
                         and _identities(tensors) == last.identities):
                     self._walked = last.enc
-                    self._hit = last
                     return last.children
             enc, paths, tensors = _split(sd)
             if last is None:
@@ -563,17 +560,17 @@ class StateDictTrackable(Trackable):
         return enc
 
     def packed_state(self, key: str) -> bytes:
-        """:meth:`python_state` msgpack-encoded (``encode_state``): the last save's bytes
-        when the walk just now found its state dict the same (:meth:`trackable_children`),
-        else packed anew (and kept for the next save)."""
-        hit, self._hit = self._hit, None
-        last = self._last
+        """:meth:`python_state` msgpack-encoded (``encode_state``); the kept save's
+        encoding is packed once (its bytes are the same at every save that finds its
+        state dict the same: :meth:`trackable_children`; a new encoding is kept with
+        none)."""
         enc = self.python_state()
-        if hit is not None and hit is last and hit.enc is enc and hit.packed[0] is not None:
-            return hit.packed[0]
-        packed = encode_state(enc, key)
-        if last is not None and last.enc is enc:
-            last.packed[0] = packed
+        last = self._last
+        if last is None or last.enc is not enc:
+            return encode_state(enc, key)
+        packed = last.packed[0]
+        if packed is None:
+            packed = last.packed[0] = encode_state(enc, key)
         return packed
 
     def restore_python_state(self, state: Any) -> None:
@@ -586,7 +583,7 @@ class StateDictTrackable(Trackable):
         ``stored`` is the decoded Python state (``None``: none stored; the current state
         dict's structure is used), ``infos`` the checkpoint's ``{key: ArrayInfo}``.
         """
-        self._last = self._hit = None  # the restore may give the object other tensors
+        self._last = None  # the restore may give the object other tensors
         torch = sys.modules.get("torch", None)
         sd = self.obj.state_dict()
         current = dict(_tensors(sd))
