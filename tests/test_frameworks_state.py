@@ -317,6 +317,60 @@ def test_an_unchanged_state_dict_is_told_apart_from_one_equal_but_different(
     assert [type(k) for k in got] == [type(k) for k in after]
 
 
+@pytest.mark.parametrize(("before", "after"), [
+    ({"x": {"n": 1}, "m": 2}, {"x": {"n": 1, "m": 2}}),  # the same items, nested otherwise
+    ({"x": [[1], 2]}, {"x": [[1, 2]]}),
+    ({"x": ("k",)}, {"x": (b"k",)}),  # a str became bytes
+    ({"x": None, "y": 0}, {"x": 0, "y": None}),
+    ({"x": 2.5}, {"x": 3.5}),  # a hyper-parameter changed
+    ({"x": np.float32(1.5)}, {"x": np.float32(2.5)}),  # a NumPy scalar (encoded anew)
+    ({"x": np.float64(0.0)}, {"x": np.float64(-0.0)}),  # (equal, but not the same)
+    ({"x": 1}, {"x": 1, "z": 1}),  # a new key
+])
+def test_a_state_dict_kept_from_the_last_save_is_never_stale(
+        tmp_path: Path, before: dict[Any, Any], after: dict[Any, Any]) -> None:
+    # A save whose state dict has the last one's signature (structure, keys, plain values
+    # by type and value) over the very same tensors reuses the last encoding and its
+    # msgpack bytes: any other state dict is encoded anew, after three saves that reused.
+    obj = _Plain()
+    obj.extra = before
+    ckpt = cv.Checkpoint(obj=obj)
+    for i in range(3):
+        ckpt.write(tmp_path / f"w{i}.h5", blocking=False).wait()
+    obj.extra = after
+    ckpt.write(tmp_path / "c.h5", blocking=False).wait()
+    fresh = _Plain()
+    cv.Checkpoint(obj=fresh).restore(tmp_path / "c.h5").assert_consumed()
+    got = {k: v for k, v in fresh.loaded.items() if k not in ("a", "b")}
+    plain = {k: v.item() if isinstance(v, np.generic) else v for k, v in after.items()}
+    assert repr(got) == repr(plain)
+    obj.extra = before  # and back: the first state, not the one kept
+    ckpt.write(tmp_path / "d.h5", blocking=False).wait()
+    cv.Checkpoint(obj=fresh).restore(tmp_path / "d.h5").assert_consumed()
+    got = {k: v for k, v in fresh.loaded.items() if k not in ("a", "b")}
+    plain = {k: v.item() if isinstance(v, np.generic) else v for k, v in before.items()}
+    assert repr(got) == repr(plain)
+
+
+def test_the_kept_msgpack_bytes_are_only_the_kept_encodings() -> None:
+    # A state-dict object asked for its packed state without a walk just before (not
+    # what a save does) packs the state as it is now, never the kept save's bytes.
+    import msgpack  # noqa: PLC0415
+
+    from ckptvar.checkpoint._frameworks import StateDictTrackable  # noqa: PLC0415
+
+    obj = _Plain()
+    obj.extra = {"x": 1}
+    adapter = StateDictTrackable(obj)
+    for _ in range(2):
+        adapter.trackable_children()
+        kept = adapter.packed_state("obj")
+    obj.extra = {"x": 2}
+    now = msgpack.unpackb(adapter.packed_state("obj"), strict_map_key=False)
+    assert msgpack.unpackb(kept, strict_map_key=False)["d"][2] == ["x", {"v": 1}]
+    assert now["d"][2] == ["x", {"v": 2}]
+
+
 def test_tensors_swapped_between_keys_are_saved_where_they_now_are(tmp_path: Path) -> None:
     obj = _Plain()
     ckpt = cv.Checkpoint(obj=obj)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypedDict, Unpack, cast
 
 from ..storage import paused_gc
-from ..trackable import Trackable, python_state, trackable_children
+from ..trackable import Trackable, trackable_children
 from ..variables import PartitionedVariable, Variable
 from . import _async
 from ._collective import collective_write, needs_collective, rank_variables
@@ -31,7 +31,7 @@ from ._frameworks import (
 from ._incremental import IncrementalSave
 from ._logical import as_target
 from ._object_restore import RestoreState
-from ._serialize import SaveContents, SnapshotBuffer, encode_state, gather, host_arrays, metadata
+from ._serialize import SaveContents, SnapshotBuffer, gather, host_arrays, metadata
 from ._state import record_latest
 from ._status import RestoreStatus
 from ._steps import split_format, step_name
@@ -96,9 +96,7 @@ def _ask(children: dict[str, Any], states: dict[str, bytes]) -> list[Any] | None
         if not isinstance(obj, StateDictTrackable) or any(k[1] is obj for k in key):
             return None
         key.append((name, obj, obj.trackable_children()))
-        state = python_state(obj)
-        if state is not None:
-            states[name] = encode_state(state, name)
+        states[name] = obj.packed_state(name)  # (a state dict's encoding is never None)
     return key
 
 

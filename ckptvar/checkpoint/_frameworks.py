@@ -25,6 +25,7 @@ only the process at coordinate 0 of the replicating mesh axes saves it.
 
 from __future__ import annotations
 
+import math
 import operator
 import sys
 from collections.abc import Iterator
@@ -38,7 +39,7 @@ from ..errors import CkptError
 from ..graph import Graph
 from ..trackable import Trackable
 from ..variables import FreshValue, Shard, Variable, set_device_value
-from ._serialize import decode_state
+from ._serialize import decode_state, encode_state
 
 __all__ = [
     "FrameworkStateError",
@@ -267,6 +268,54 @@ def _split(sd: Any) -> tuple[Any, list[tuple[Any, ...]], list[Any]]:
     return (out if ok[0] else None), paths, tensors
 
 
+_DICT, _TUPLE, _LIST, _TENSOR_AT = object(), object(), object(), object()  # sig markers
+_PLAIN_KEYS = frozenset({str, int})
+
+
+def _signature(sd: Any) -> tuple[list[Any] | None, list[Any]]:
+    """``(signature, tensors)`` of a state dict: a flat list that is equal (``==``) for
+    two state dicts exactly when their encodings (:func:`_split`) are the same, and the
+    tensors in walk order. The signature is ``None`` where that cannot be told from it
+    (a key or a value of another type than the exact plain types: a NumPy scalar, a
+    subclass of ``int`` or ``str``); the caller then encodes anew.
+
+    Each container is its kind and length before its items (``{"a": {"b": 1}, "c": 2}``
+    is not ``{"a": {"b": 1, "c": 2}}``), each key itself (exactly a ``str`` or an
+    ``int``: ``1`` is not ``"1"``, a ``bool`` is not taken), each plain value its exact
+    type before it (``True`` is not ``1``, ``1.0`` is not ``1``) and a float equal to
+    zero its sign after it (``-0.0`` is not ``0.0``); each tensor one marker.
+    """
+    sig: list[Any] = []
+    tensors: list[Any] = []
+    add = sig.append
+    scalars = _SCALARS
+    keys = _PLAIN_KEYS
+
+    def walk(value: Any) -> bool:
+        if _is_torch(value):
+            add(_TENSOR_AT)
+            tensors.append(value)
+            return True
+        kind = type(value)
+        if kind in scalars:
+            add(kind)
+            add(value)
+            if kind is float and value == 0.0:
+                add(math.copysign(1.0, value))
+            return True
+        if isinstance(value, dict):
+            add(_DICT)
+            add(len(value))
+            return all(type(k) in keys and (add(k) or walk(v)) for k, v in value.items())
+        if isinstance(value, list | tuple):
+            add(_TUPLE if isinstance(value, tuple) else _LIST)
+            add(len(value))
+            return all(map(walk, value))
+        return False
+
+    return (sig if walk(sd) else None), tensors
+
+
 def _tensor_paths(enc: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
     """The path (raw keys) of every tensor of an encoded structure."""
     if enc == _TENSOR:
@@ -382,12 +431,17 @@ def _same_tensors(last: _LastSave, paths: list[tuple[Any, ...]], tensors: list[A
 
 class _LastSave(NamedTuple):
     """A state-dict object's last save: its tensors, where and what they were, and the
-    children made of them (a save of the very same tensors returns those again)."""
+    children made of them (a save of the very same tensors returns those again); its
+    state dict's signature (:func:`_signature`; ``None``: none), encoding, and that
+    encoding packed (``packed[0]``: ``None`` until packed once)."""
 
     paths: list[tuple[Any, ...]]
     tensors: list[Any]
     identities: list[tuple[Any, ...]]
     children: dict[str, Any]
+    sig: list[Any] | None
+    enc: Any
+    packed: list[bytes | None]
 
 
 class _Restoring:
@@ -421,8 +475,9 @@ class StateDictTrackable(Trackable):
         self._names: frozenset[str] | None = None  # of the parameters that train
         self._walked: Any = None  # the state dict of the last trackable_children()
         #: the last save's tensors and the children made of them: a save of the very
-        #: same tensors again returns those children as they are (the Python state is
-        #: encoded anew at every save, by value)
+        #: same tensors again returns those children as they are; and when its state
+        #: dict's signature is the same too (the same structure, keys and plain values,
+        #: by type and value), the last encoding and its msgpack bytes
         self._last: _LastSave | None = None
 
     def _var(self, path: tuple[Any, ...], t: Any, saving: bool) -> Variable | None:
@@ -460,12 +515,28 @@ class StateDictTrackable(Trackable):
         self._names = None  # asked of the module only when a new variable is made
         on = autograd_off()  # (off already when the checkpoint asks: once a save)
         try:
-            enc, paths, tensors = _split(_state_dict(self.obj))
+            sd = _state_dict(self.obj)
+            last = self._last
+            sig = None
+            if last is not None:
+                # the same signature (structure, keys, plain values by type and value:
+                # the same encoding, so the same paths) over the very same tensors,
+                # each over the same memory: the last save's children and encoding
+                sig, tensors = _signature(sd)
+                if (sig is not None and sig == last.sig and len(tensors) == len(last.tensors)
+                        and all(map(operator.is_, tensors, last.tensors))
+                        and _identities(tensors) == last.identities):
+                    self._walked = last.enc
+                    return last.children
+            enc, paths, tensors = _split(sd)
+            if last is None:
+                sig = _signature(sd)[0]
             # the walk that asked for the children asks for the Python state next: it is
             # this very state dict's (made once per walk, never kept past the next ask)
             self._walked = enc
-            last = self._last
             if last is not None and _same_tensors(last, paths, tensors):
+                self._last = _LastSave(last.paths, last.tensors, last.identities,
+                                       last.children, sig, enc, [None])
                 return last.children
             self._last = None
             flat: dict[tuple[Any, ...], Any] = {}
@@ -477,7 +548,7 @@ class StateDictTrackable(Trackable):
         finally:
             autograd_back(on)
         children = _nest(flat)
-        self._last = _LastSave(paths, tensors, identities, children)
+        self._last = _LastSave(paths, tensors, identities, children, sig, enc, [None])
         return children
 
     def python_state(self) -> Any:
@@ -487,6 +558,20 @@ class StateDictTrackable(Trackable):
         if enc is None:  # not walked just now, or not encodable (this says why)
             enc = _encode(self.obj.state_dict(), type(self.obj).__name__)
         return enc
+
+    def packed_state(self, key: str) -> bytes:
+        """:meth:`python_state` msgpack-encoded (``encode_state``); the kept save's
+        encoding is packed once (its bytes are the same at every save that finds its
+        state dict the same: :meth:`trackable_children`; a new encoding is kept with
+        none)."""
+        enc = self.python_state()
+        last = self._last
+        if last is None or last.enc is not enc:
+            return encode_state(enc, key)
+        packed = last.packed[0]
+        if packed is None:
+            packed = last.packed[0] = encode_state(enc, key)
+        return packed
 
     def restore_python_state(self, state: Any) -> None:
         self._state = state
