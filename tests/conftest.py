@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -69,6 +70,25 @@ def zarr_opens(monkeypatch: pytest.MonkeyPatch) -> dict[int, int]:
 
     monkeypatch.setattr(_zarr, "open_in", counted)
     return opened
+
+
+@pytest.fixture
+def watch_calls(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``watch(owner, name)``: a list that gets the first argument of each call of
+    ``owner.name`` from here on (the calls go through as before; undone after the test).
+    """
+    def watch(owner: object, name: str) -> list[Any]:
+        seen: list[Any] = []
+        real = getattr(owner, name)
+
+        def called(first: Any, *args: Any, **kw: Any) -> Any:
+            seen.append(first)
+            return real(first, *args, **kw)
+
+        monkeypatch.setattr(owner, name, called)
+        return seen
+
+    return watch
 
 
 # --- multi-process runs ------------------------------------------------------------------

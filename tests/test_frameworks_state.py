@@ -337,19 +337,14 @@ def test_a_state_dict_kept_from_the_last_save_is_never_stale(
     ckpt = cv.Checkpoint(obj=obj)
     for i in range(3):
         ckpt.write(tmp_path / f"w{i}.h5", blocking=False).wait()
-    obj.extra = after
-    ckpt.write(tmp_path / "c.h5", blocking=False).wait()
     fresh = _Plain()
-    cv.Checkpoint(obj=fresh).restore(tmp_path / "c.h5").assert_consumed()
-    got = {k: v for k, v in fresh.loaded.items() if k not in ("a", "b")}
-    plain = {k: v.item() if isinstance(v, np.generic) else v for k, v in after.items()}
-    assert repr(got) == repr(plain)
-    obj.extra = before  # and back: the first state, not the one kept
-    ckpt.write(tmp_path / "d.h5", blocking=False).wait()
-    cv.Checkpoint(obj=fresh).restore(tmp_path / "d.h5").assert_consumed()
-    got = {k: v for k, v in fresh.loaded.items() if k not in ("a", "b")}
-    plain = {k: v.item() if isinstance(v, np.generic) else v for k, v in before.items()}
-    assert repr(got) == repr(plain)
+    for name, state in (("c", after), ("d", before)):  # then back: the first, not the kept
+        obj.extra = state
+        ckpt.write(tmp_path / f"{name}.h5", blocking=False).wait()
+        cv.Checkpoint(obj=fresh).restore(tmp_path / f"{name}.h5").assert_consumed()
+        got = {k: v for k, v in fresh.loaded.items() if k not in ("a", "b")}
+        plain = {k: v.item() if isinstance(v, np.generic) else v for k, v in state.items()}
+        assert repr(got) == repr(plain)
 
 
 def test_the_kept_msgpack_bytes_are_only_the_kept_encodings() -> None:

@@ -155,7 +155,7 @@ def test_pruning_keeps_the_bytes_a_kept_step_refers_to(tmp_path: Path, fmt: str,
 
 
 def test_an_h5_step_is_not_read_back_for_its_references_nor_as_the_next_base(
-        tmp_path: Path, fresh_graph: cv.Graph, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, fresh_graph: cv.Graph, watch_calls: Any) -> None:
     """An incremental HDF5 step's record is kept as written: the manager's check of what
     the step refers to (its prune) and the next step's read of its base open no file
     of an incremental step, and what they get is what a reader reads."""
@@ -165,18 +165,11 @@ def test_an_h5_step_is_not_read_back_for_its_references_nor_as_the_next_base(
     manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=2, format="h5",
                                    incremental=True)
     manager.save()
-    opened: list[str] = []
-    real = _h5.H5Reader
-
-    def counting(path: Any, *args: Any, **kw: Any) -> Any:
-        opened.append(Path(path).name)
-        return real(path, *args, **kw)
-
-    monkeypatch.setattr(_h5, "H5Reader", counting)
+    opened = watch_calls(_h5, "H5Reader")
     for i in range(4):
         head.assign(np.full(N_HEAD, float(i), np.float32))
         manager.save()
-    assert set(opened) <= {"ckpt-1.h5"}  # the first, full step, read once as a base
+    assert {Path(p).name for p in opened} <= {"ckpt-1.h5"}  # the first, full step, read once as a base
     for p in manager.checkpoints:  # kept as a reader decodes it
         kept = _h5._committed_record(Path(p))
         assert kept.external == {"frozen": ("ckpt-1.h5", "frozen")}

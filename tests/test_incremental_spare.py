@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -145,29 +146,16 @@ def test_a_row_deltas_arrays_are_taken_from_the_spare(tmp_path: Path) -> None:
 
 
 def test_a_delta_step_lists_each_base_array_once_and_reads_no_base_record(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, watch_calls: Any) -> None:
     """A Zarr row delta step lists each of the base's arrays it links once (the spare's
     check and the links share the listing), and takes its base's record as the step
     before kept it (no reader of a step this process wrote as an incremental one); what it
     kept is what a reader reads."""
     from ckptvar.storage import _zarr
 
-    listed: list[str] = []
-    real_list = _zarr._regular_files
-
-    def listing(d: Path) -> dict[str, int | None]:
-        listed.append(os.fspath(d))
-        return real_list(d)
-
-    opened: list[str] = []
     real_reader = _zarr.ZarrReader
-
-    def reader(path: Path, *args: object, **kw: object) -> object:
-        opened.append(Path(path).name)
-        return real_reader(path, *args, **kw)
-
-    monkeypatch.setattr(_zarr, "_regular_files", listing)
-    monkeypatch.setattr(_zarr, "ZarrReader", reader)
+    listed = watch_calls(_zarr, "_regular_files")
+    opened = watch_calls(_zarr, "ZarrReader")
     rows, width = 8192, 64  # 2 MiB: a row delta
     with cv.Graph().as_default():
         table = cv.Variable(np.random.default_rng(1).random((rows, width), dtype=np.float32),
@@ -185,9 +173,9 @@ def test_a_delta_step_lists_each_base_array_once_and_reads_no_base_record(
             opened.clear()
             path = Path(manager.save())
             manager.wait_until_finished()
-            bases_read += opened
-            base_dirs = [d for d in listed if not Path(d).is_relative_to(path)
-                         and ".partial" not in d]
+            bases_read += [Path(p).name for p in opened]
+            base_dirs = [os.fspath(d) for d in listed if not Path(d).is_relative_to(path)
+                         and ".partial" not in os.fspath(d)]
             assert len(base_dirs) == len(set(base_dirs)), base_dirs
             recycled += bool(base_dirs)
             np.testing.assert_array_equal(cv.load(path)["table"], table.numpy())
