@@ -91,6 +91,32 @@ def watch_calls(monkeypatch: pytest.MonkeyPatch) -> Any:
     return watch
 
 
+@pytest.fixture
+def older_delta_writer(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``enable(base_checksums=False)``: row deltas written from then on as a writer of
+    format 1.5 wrote them: with the assembled value's checksums (hashed whole: the bytes
+    are the same), not verified by their parts, and with the base's checksums only when
+    ``base_checksums`` (undone after the test)."""
+    from ckptvar.storage._container import writer
+
+    def enable(*, base_checksums: bool = False) -> None:
+        real = writer.ContainerWriter._match_rows
+
+        def older(self: Any, arrays: list[Any], *args: Any) -> None:
+            real(self, arrays, *args)
+            for it in arrays:
+                if it.delta is not None:
+                    it.delta.by_parts = False
+                    if not base_checksums:
+                        it.delta.base_checksum = it.delta.base_blocks = None
+                    it.hash()
+                    it.hashed = True
+
+        monkeypatch.setattr(writer.ContainerWriter, "_match_rows", older)
+
+    return enable
+
+
 # --- multi-process runs ------------------------------------------------------------------
 
 

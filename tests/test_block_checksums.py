@@ -302,25 +302,3 @@ def test_values_hashed_while_written_or_beside_the_writes_alike(
             records.append({k: (r._values[k].checksum, r._values[k].blocks) for k in values})
     assert records[0] == records[1]
     assert records[0]["big"][1] is not None and records[0]["one_block"][1] is None
-
-
-def test_a_value_known_unchanged_takes_the_base_checksums_only_of_its_block_size() -> None:
-    """A row-delta value known unchanged since its base carries the base's checksums over;
-    from a base of other blocks (256 KiB) its block checksums would not be this record's,
-    so it is hashed instead."""
-    from types import SimpleNamespace
-
-    from ckptvar.storage import checksum
-    from ckptvar.storage._container import writer
-
-    a = np.arange(100_000, dtype=np.float32)  # 400 KB
-    fresh = writer.ValueWrite("w", a, "float32", a.shape, {}, a.nbytes)
-    fresh.hash()
-    entry = SimpleNamespace(checksum=fresh.checksum, blocks=b"from the base")
-    same = writer.ValueWrite("w", a, "float32", a.shape, {}, a.nbytes)
-    writer._carry_checksums(same, entry, writer.BLOCK_SIZE)
-    assert (same.checksum, same.blocks, same.hashed) == (fresh.checksum, b"from the base", True)
-    other = writer.ValueWrite("w", a, "float32", a.shape, {}, a.nbytes)
-    writer._carry_checksums(other, entry, 256 << 10)
-    assert (other.checksum, other.blocks, other.hashed) == (fresh.checksum, fresh.blocks, True)
-    assert other.checksum == checksum.value_checksum("w", "float32", a.shape, a)

@@ -6,6 +6,7 @@ it refers to, damage is named, and a reader that does not know deltas refuses th
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 import os
 from pathlib import Path
 from typing import Any
@@ -14,18 +15,17 @@ import h5py
 import msgpack
 import numpy as np
 import pytest
+from ckpt_runs import ckpt_processes
 
 import ckptvar as cv
 from ckptvar.checkpoint import _apply
 from ckptvar.checkpoint._incremental import Incremental
 from ckptvar.errors import CorruptCheckpointError
-from ckptvar.storage import checksum as checksum_mod
 from ckptvar.storage._container import blocks as blocks_mod
 from ckptvar.storage._container import writer as writer_mod
 from ckptvar.storage._container.delta import DELTA_LIMIT, MAX_PATCHES
 from ckptvar.storage._record import decode, encode
 from ckptvar.variables import rows_written, track_rows, write_version
-from ckpt_runs import ckpt_processes
 
 ROWS, WIDTH = 8192, 64  # a 2 MiB float32 table (deltas start at 1 MiB)
 ROW_BYTES = WIDTH * 4
@@ -273,7 +273,7 @@ def test_a_reader_that_does_not_know_deltas_refuses_them(tmp_path: Path,
     _touch(table, np.random.default_rng(5), 30)
     step = Path(manager.save())
     doc = msgpack.unpackb((step / "_ckptvar/record/c.0").read_bytes())
-    assert doc["format_version"] == [1, 5]
+    assert doc["format_version"] == [1, 6]  # 1.5's deltas, verified by their parts
     i = doc["keys"].index("table")
     # A 1.4 reader accepts the layouts packed, array and zarr only: "delta" is refused.
     assert doc["layouts"][i] == "delta" and doc["layouts"][i] not in {"packed", "array", "zarr"}
@@ -294,11 +294,20 @@ def test_an_unchanged_delta_is_carried_over(tmp_path: Path, fresh_graph: cv.Grap
     manager.save()
     step = Path(manager.save())  # nothing changed (known by the version)
     assert _added(step) < 64 << 10
-    table.value()  # its version now unknown: compared by its checksums
-    again = Path(manager.save())
-    for s in (step, again):
+    with cv.open(step) as r:
+        assert len(r.record.deltas["table"].patches) == 1
+        assert np.array_equal(r["table"].read(), table.numpy())
+    # Its version now unknown: a delta verified by its parts has no checksum of the
+    # whole value to compare with, so the table is written whole once, hashed; from
+    # then on it is compared by those checksums, and an unchanged one is shared.
+    table.value()
+    whole = Path(manager.save())
+    assert _added(whole) >= ROWS * ROW_BYTES
+    later = Path(manager.save())
+    assert _added(later) < 64 << 10
+    for s in (whole, later):
         with cv.open(s) as r:
-            assert len(r.record.deltas["table"].patches) == 1
+            assert "table" not in r.record.deltas
             assert np.array_equal(r["table"].read(), table.numpy())
 
 
@@ -524,180 +533,60 @@ def test_a_delta_carries_its_bases_checksums(tmp_path: Path, fresh_graph: cv.Gra
             assert d.since == first.name
             assert (d.base_checksum, d.base_blocks) == (want.checksum, want.blocks)
             assert d.base_blocks is not None and len(d.base_blocks) > 4
-            assert r.record.values["table"].checksum != want.checksum  # the assembled one
+            got = r.record.values["table"]  # verified by its parts: no assembled checksum
+            assert d.by_parts and (got.checksum, got.blocks) == (want.checksum, None)
             again = decode(encode(r.record), step, container=fmt).deltas["table"]
             assert again == d
     assert len(d.patches) == 1  # the last one merged
     assert np.array_equal(cv.load(steps[-1])["table"], values[-1])
 
 
-@pytest.mark.parametrize("fmt", ["h5", "zarr"])
-def test_a_deltas_checksums_hash_only_the_blocks_its_rows_touch(
-        tmp_path: Path, fresh_graph: cv.Graph, fmt: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A delta step records the checksums of the assembled value, as hashing it whole
-    would give them, from the base's block checksums with only the blocks its changed
-    rows touch hashed again (the table is never hashed whole: a step costs its rows)."""
-    ckpt, table = _model()
-    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, max_to_keep=30,
-                                   incremental=True)
-    manager.save()
-    real = blocks_mod.hash_blocks  # unwatched, for the expected checksums
-    hashed = _watch_whole_hashes(monkeypatch)
-    rng = np.random.default_rng(5)
-    for k in range(4):  # a new patch, appended patches, a row in two blocks
-        _touch(table, rng, 10)  # a few blocks of 32: joined from the base's
-        table.scatter_update([255 + k], np.full((1, WIDTH), k, np.float32))
-        step = Path(manager.save())
-        want = table.numpy()
-        with cv.open(step) as r:
-            assert "table" in r.record.deltas
-            got = r.record.values["table"]
-        seed = checksum_mod.header_crc("table", "float32", want.shape)
-        assert (got.checksum, got.blocks) == real(memoryview(want).cast("B"), seed)
-        assert np.array_equal(cv.load(step)["table"], want)
-    assert not [n for n in hashed if n == ROWS * ROW_BYTES]  # never the whole table
+def _watch_hashed_bytes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The bytes of each CRC-32C call from here on, by any path (the writer's value and
+    block hashes, patches, records)."""
+    import crc32c
 
+    seen: list[int] = []
+    real = crc32c.crc32c
 
-@pytest.mark.parametrize("row_bytes", [4, 256, 4096, 1000, 6000, 8192])
-def test_the_sub_blocks_rows_touch_are_every_piece_of_their_bytes(row_bytes: int) -> None:
-    """The sub-blocks a row delta hashes again are exactly those holding a byte of its
-    rows: found from the rows alone where each row lies in one sub-block, over every
-    sub-block otherwise; rows in any order give the same (sorted, unique) answer."""
-    rng = np.random.default_rng(row_bytes)
-    nrows = 3000
-    sub = blocks_mod.SUB_BLOCK
-    count = -(-nrows * row_bytes // sub)
-    for size in (0, 1, 2, 40, 900):
-        rows = np.unique(rng.integers(0, nrows, size))
-        want = sorted({b for r in rows.tolist()
-                       for b in range(r * row_bytes // sub, ((r + 1) * row_bytes - 1) // sub + 1)})
-        assert blocks_mod._touched(rows, row_bytes, sub, count).tolist() == want
-        shuffled = rng.permutation(np.concatenate((rows, rows[: len(rows) // 2])))
-        assert blocks_mod._touched(shuffled, row_bytes, sub, count).tolist() == want
+    def counting(data: Any, *args: Any, **kw: Any) -> int:
+        seen.append(memoryview(data).nbytes)
+        return real(data, *args, **kw)
+
+    monkeypatch.setattr(crc32c, "crc32c", counting)
+    monkeypatch.setattr(blocks_mod, "_crc", counting)
+    return seen
 
 
 @pytest.mark.parametrize("fmt", ["h5", "zarr"])
-def test_a_known_block_is_hashed_again_only_in_the_sub_blocks_its_rows_touch(
+def test_a_delta_step_hashes_its_patch_not_the_table(
         tmp_path: Path, fresh_graph: cv.Graph, fmt: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A delta step keeps the sub-block CRCs of the blocks it hashed: the next step
-    built on it hashes again only the 4 KiB sub-blocks its rows touch in those blocks
-    (a block it has not seen yet: whole, by sub-blocks), and records the checksums that
-    hashing the value whole gives."""
-    ckpt, table = _model()
-    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, max_to_keep=3,
-                                   incremental=True)
-    manager.save()
-    per_block = (64 << 10) // ROW_BYTES
-    hashed: list[int] = []
-    real, real_crc = writer_mod.rehash_rows, blocks_mod._crc
-
-    def counting_crc(view: Any, *args: Any) -> int:
-        hashed[-1] += len(view)
-        return real_crc(view, *args)
-
-    def counting(*args: Any, **kw: Any) -> Any:
-        hashed.append(0)
-        with monkeypatch.context() as m:
-            m.setattr(blocks_mod, "_crc", counting_crc)
-            return real(*args, **kw)
-
-    monkeypatch.setattr(writer_mod, "rehash_rows", counting)
-    for k, rows in enumerate(([1, 5 * per_block], [2, 5 * per_block + 40],
-                              [3, 9 * per_block])):
-        table.scatter_update(rows, np.full((2, WIDTH), k, np.float32))
-        step = Path(manager.save())
-        want = table.numpy()
-        with cv.open(step) as r:
-            got = r.record.values["table"]
-        seed = checksum_mod.header_crc("table", "float32", want.shape)
-        assert (got.checksum, got.blocks) == blocks_mod.hash_blocks(
-            memoryview(want).cast("B"), seed)
-        assert np.array_equal(cv.load(step)["table"], want)
-    # blocks 0 and 5 whole; then a sub-block of each; then one of block 0 and block 9 whole
-    assert hashed == [2 << 16, 2 << 12, (1 << 12) + (1 << 16)]
-
-
-def test_kept_sub_blocks_are_taken_only_for_the_value_they_describe() -> None:
-    """Sub-block CRCs kept for other bytes than the block checksums given (a step written
-    meanwhile by other means) are not used: the result is hashing the value whole."""
-    data = np.random.default_rng(1).random((4096, 64), dtype=np.float32)  # 16 blocks
-    view = memoryview(data).cast("B")
-    _, blocks = blocks_mod.hash_blocks(view, 7)
-    _, _, subs = blocks_mod.rehash_rows(view, 7, blocks, ROW_BYTES, np.arange(4096),
-                                        subs=None)
-    other = data.copy()
-    other[[10, 3000]] += 1.0  # not among the rows below: their blocks' CRCs are the base's
-    oview = memoryview(other).cast("B")
-    _, oblocks = blocks_mod.hash_blocks(oview, 7)
-    data[[10, 3000, 100]] += 1.0  # rows 10 and 3000 as in ``other``; 100: block 0 too
-    got = blocks_mod.rehash_rows(view, 7, oblocks, ROW_BYTES, np.array([100]), subs=subs)
-    assert got is not None and got[:2] == blocks_mod.hash_blocks(view, 7)
-    wrong = blocks_mod.SubBlocks(oblocks, subs.crcs, subs.known)  # lying about its value
-    bad = blocks_mod.rehash_rows(view, 7, oblocks, ROW_BYTES, np.array([100]), subs=wrong)
-    assert bad is not None and bad[:2] != blocks_mod.hash_blocks(view, 7)  # why it is checked
-
-
-def test_a_step_learns_the_sub_blocks_of_a_few_blocks_at_most(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past the cap, the touched blocks not known yet are hashed whole in one piece (not
-    learnt); those with the most touched sub-blocks are learnt first; the checksums are
-    those of hashing the value whole either way."""
-    monkeypatch.setattr(blocks_mod, "_LEARN", 2)
-    data = np.random.default_rng(2).random((4096, 64), dtype=np.float32)  # 16 blocks
-    view = memoryview(data).cast("B")
-    _, blocks = blocks_mod.hash_blocks(view, 7)
-    rows = np.array([1, 300, 316, 332, 600, 616, 900, 4095])  # blocks 0, 1 (3), 2 (2), 3, 15
-    data[rows] += 1.0
-    c, b, subs = blocks_mod.rehash_rows(view, 7, blocks, ROW_BYTES, rows, subs=None)
-    assert (c, b) == blocks_mod.hash_blocks(view, 7)
-    assert np.flatnonzero(subs.known).tolist() == [1, 2]
-    data[rows] += 1.0
-    c, b, subs = blocks_mod.rehash_rows(view, 7, b, ROW_BYTES, rows, subs=subs)
-    assert (c, b) == blocks_mod.hash_blocks(view, 7)
-    assert np.flatnonzero(subs.known).tolist() == [0, 1, 2, 3]  # two more; 15 waits
-
-
-@pytest.mark.parametrize("fmt", ["h5", "zarr"])
-def test_a_merging_step_hashes_only_the_blocks_of_its_own_rows(
-        tmp_path: Path, fresh_graph: cv.Graph, fmt: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The step that merges a delta's patches writes one patch of every row changed since
-    the whole copy, but hashes again only the blocks of the rows changed since the step
-    before (the others' checksums are that step's): the union here touches every block
-    of the table, the step's own rows two of them."""
+    """A delta step hashes the rows it writes and nothing of the table (format 1.6: a
+    delta is verified by its parts, so the assembled value's checksums are never
+    computed): appending patches, carrying a delta over, merging past the limit (a
+    union of rows in every block). The record says so, and every step reads bit-exact."""
     ckpt, table = _model()
     manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, max_to_keep=2,
                                    incremental=True)
     manager.save()
     per_block = (64 << 10) // ROW_BYTES
     blocks = ROWS // per_block
-    asked: list[int] = []
-    real = writer_mod.rehash_rows
-
-    def counting(view: Any, seed: int, base: bytes, row_bytes: int, rows: Any,
-                 **kw: Any) -> Any:
-        asked.append(len({int(r) // per_block for r in rows}))
-        return real(view, seed, base, row_bytes, rows, **kw)
-
-    monkeypatch.setattr(writer_mod, "rehash_rows", counting)
-    real_hash = blocks_mod.hash_blocks  # unwatched, for the expected checksums
-    whole = _watch_whole_hashes(monkeypatch)
-    for k in range(MAX_PATCHES + 1):  # two blocks a step: the union covers all of them
-        ids = [(2 * k % blocks) * per_block + k, ((2 * k + 1) % blocks) * per_block + k]
-        table.scatter_update(ids, np.full((2, WIDTH), k, np.float32))
+    hashed = _watch_hashed_bytes(monkeypatch)
+    for k in range(MAX_PATCHES + 2):  # two blocks a step: the union covers all of them
+        if k != 3:  # step 4: nothing changed, the delta carried over
+            ids = [(2 * k % blocks) * per_block + k, ((2 * k + 1) % blocks) * per_block + k]
+            table.scatter_update(ids, np.full((2, WIDTH), k, np.float32))
+        hashed.clear()
         step = Path(manager.save())
-    with cv.open(step) as r:
-        d = r.record.deltas["table"]
-        got = r.record.values["table"]
+        with cv.open(step) as r:
+            d = r.record.deltas["table"]
+        patch = d.patches[-1][3] * (8 + ROW_BYTES)
+        assert d.by_parts and max(hashed) <= max(patch, 4 << 10), (k, sorted(hashed)[-3:])
+        # the patch (a merge also checks the patches it reads), the record, small values
+        assert sum(hashed) < 2 * patch + (16 << 10), (k, patch, sum(hashed))
+        assert np.array_equal(cv.load(step)["table"], table.numpy())
     assert len(d.patches) == 1 and d.patches[0][3] == 2 * (MAX_PATCHES + 1)  # merged
-    assert asked[-1] == 2  # not the union's 32 blocks
-    assert not [n for n in whole if n == ROWS * ROW_BYTES]  # never the whole table
-    want = table.numpy()
-    seed = checksum_mod.header_crc("table", "float32", want.shape)
-    assert (got.checksum, got.blocks) == real_hash(memoryview(want).cast("B"), seed)
-    assert np.array_equal(cv.load(step)["table"], want)
 
 
 @pytest.mark.parametrize("fmt", ["h5", "zarr"])
@@ -737,17 +626,16 @@ def test_a_restore_checks_the_base_by_its_own_checksum(tmp_path: Path, fresh_gra
 @pytest.mark.parametrize("fmt", ["h5", "zarr"])
 def test_a_delta_without_its_bases_checksums_is_checked_assembled(
         tmp_path: Path, fresh_graph: cv.Graph, fmt: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        older_delta_writer: Callable[..., None]) -> None:
     """A 1.5 record from before the base's checksums (written here as that writer did)
     still reads bit-exact, and damage in its base is caught by the assembled value."""
-    from ckptvar.storage._container import writer
-
-    monkeypatch.setattr(writer, "_base_checksums", lambda *_: (None, None))
     ckpt, table = _model()
     manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, incremental=True)
     manager.save()
     rng = np.random.default_rng(4)
-    for _ in range(2):
+    for k in range(2):
+        if k == 1:  # the last step of two patches, as that writer wrote it
+            older_delta_writer()
         _touch(table, rng, 40)
         step = Path(manager.save())
     if fmt == "h5":

@@ -83,6 +83,7 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_NDIM",
     "MAX_RECORD_NBYTES",
+    "PARTS_VERSION",
     "PIECES_VERSION",
     "Columns",
     "Delta",
@@ -114,6 +115,8 @@ EXTERNAL_VERSION = (1, 3)
 PIECES_VERSION = (1, 4)
 #: The version of a record with ``deltas`` (values stored as a base plus row patches).
 DELTAS_VERSION = (1, 5)
+#: The version of a record with a delta verified by its parts alone (``by_parts``).
+PARTS_VERSION = (1, 6)
 #: The ``layouts`` item of a value stored as a delta (a reader before 1.5 refuses it).
 DELTA = "delta"
 #: Largest record a reader accepts (about 5 million values).
@@ -378,6 +381,9 @@ class Delta:
     ``base_checksum`` and ``base_blocks``: the base's own checksum and block checksums
     (as the base's step recorded them), by which a reader verifies the base's bytes
     alone; None in records written before them (the assembled value is verified then).
+    ``by_parts`` (1.6, only with ``base_checksum``): the value's parts are all that is
+    checksummed; its entry's checksum is ``base_checksum`` and it has no block
+    checksums (the assembled value's were never computed: a step costs its rows).
     """
 
     base: tuple[str, str, int]
@@ -385,6 +391,7 @@ class Delta:
     since: str
     base_checksum: int | None = None
     base_blocks: bytes | None = None
+    by_parts: bool = False
 
     def to_doc(self) -> dict[str, Any]:
         doc: dict[str, Any] = {"base": list(self.base),
@@ -393,6 +400,8 @@ class Delta:
             doc["base_checksum"] = self.base_checksum
             if self.base_blocks is not None:
                 doc["base_blocks"] = self.base_blocks
+            if self.by_parts:
+                doc["by_parts"] = True
         return doc
 
     def files(self) -> set[str]:
@@ -454,8 +463,10 @@ def encode_columns(
     dense, sparse = split_attrs(keys, cols.attrs)
     doc: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "format_version": list(DELTAS_VERSION if deltas else PIECES_VERSION if pieces else
-                               EXTERNAL_VERSION if external else FORMAT_VERSION),
+        "format_version": list(
+            (PARTS_VERSION if any(d.by_parts for d in deltas.values()) else DELTAS_VERSION)
+            if deltas else PIECES_VERSION if pieces else
+            EXTERNAL_VERSION if external else FORMAT_VERSION),
         "library": _LIBRARY,
         "container": container,
         "packed": list(packed) if packed is not None else None,
@@ -790,11 +801,13 @@ def check_deltas(deltas: Any, container: str) -> dict[str, Delta]:
         try:
             base, patches, since = d["base"], d["patches"], d["since"]
             crc, blocks = d.get("base_checksum"), d.get("base_blocks")
+            parts = d.get("by_parts")
             ok = (isinstance(base, list) and len(base) == 3 and file_ok(base[0])
                   and isinstance(base[1], str) and is_valid_container_path(base[1])
                   and is_count(base[2]) and isinstance(patches, list) and 0 < len(patches) <= 64
                   and isinstance(since, str)
-                  and len(d) == 3 + (crc is not None) + (blocks is not None)
+                  and len(d) == 3 + (crc is not None) + (blocks is not None) + (parts is not None)
+                  and (parts is None or (parts is True and crc is not None))
                   and (crc is None or (is_count(crc) and crc < 1 << 32))
                   and (blocks is None or (crc is not None and isinstance(blocks, bytes)
                                           and len(blocks) % 4 == 0)))
@@ -810,7 +823,7 @@ def check_deltas(deltas: Any, container: str) -> dict[str, Delta]:
             raise BadRecord(f"'deltas' gives {d!r} for {key!r}, not a base and its patches")
         out[key] = Delta((base[0], base[1], base[2]),
                          tuple((p[0], p[1], p[2], p[3], p[4]) for p in patches), since,
-                         crc, blocks)
+                         crc, blocks, parts is True)
     return out
 
 

@@ -35,9 +35,7 @@ from . import source as _src
 
 __all__ = [
     "BLOCK_SIZE",
-    "SUB_BLOCK",
     "BlockHasher",
-    "SubBlocks",
     "block_crcs",
     "blocks_agree",
     "hash_blocks",
@@ -45,7 +43,6 @@ __all__ = [
     "hash_range",
     "join_blocks",
     "read_span",
-    "rehash_rows",
     "scratch_buffer",
     "stream_units",
 ]
@@ -155,162 +152,6 @@ def hash_blocks_parallel(view: memoryview, seed: int, block_size: int = BLOCK_SI
 
     _rawio.wait_all(_rawio.start_all([functools.partial(run, k) for k in range(0, len(crcs), per)]))
     return _join(seed, crcs, n, block_size), crcs.tobytes()
-
-
-#: The sub-block of :class:`SubBlocks`: a block's CRC is joined from its sub-blocks'.
-SUB_BLOCK = 4 << 10
-
-
-class SubBlocks:
-    """The CRC-32C of each :data:`SUB_BLOCK` of a value's blocks, as far as known, beside
-    the block checksums they join to: what :func:`rehash_rows` gives to keep between steps so
-    that a block with a changed row is hashed again only in the sub-blocks its rows touch
-    (a row delta's step then hashes about its rows' bytes, not their blocks').
-
-    ``crcs[k, j]`` is sub-block ``j`` of block ``k``; ``known[k]``: all of block ``k``'s
-    are (hashed at a step that touched it); ``blocks``: the block checksums (the record's
-    bytes) of the value they describe, by which a later step checks it has the same value.
-    """
-
-    __slots__ = ("blocks", "crcs", "known")
-
-    def __init__(self, blocks: bytes, crcs: np.ndarray, known: np.ndarray) -> None:
-        self.blocks, self.crcs, self.known = blocks, crcs, known
-
-
-def _join_subs(crcs: np.ndarray, sub: int) -> np.ndarray:
-    """The CRC of each row of ``crcs`` (``(k, 2**m)`` uint32: CRCs of ``sub``-byte pieces)
-    joined, all rows at once: a tree of pairs, one vectorized step per level."""
-    size = sub
-    while crcs.shape[1] > 1:
-        t = _shift_tables(size)
-        left = crcs[:, 0::2]
-        crcs = (t[0][left & 255] ^ t[1][(left >> 8) & 255] ^ t[2][(left >> 16) & 255]
-                ^ t[3][left >> 24] ^ crcs[:, 1::2])
-        size *= 2
-    return crcs[:, 0]
-
-
-#: Blocks a step learns the sub-blocks of, at most (hashing a block by sub-blocks costs
-#: 16 calls instead of one, ~1.5 ms more for 256 blocks: a first step that touches
-#: thousands of blocks of a large table does not pay that for each; a hot block is
-#: known within a few steps).
-_LEARN = 256
-
-
-def _touched(rows: np.ndarray, row_bytes: int, unit: int, count: int) -> np.ndarray:
-    """The indices (sorted, unique) of the ``unit``-byte pieces (``count`` of them) that
-    hold a byte of one of ``rows``. Where every row lies in one piece (``row_bytes``
-    divides ``unit``) they are the rows' pieces; else +1 at each row's first piece, -1
-    past its last, over every piece (a pass over ``count``, not over the rows).
-
-    >>> _touched(np.array([0, 5, 6, 40]), 256, 4096, 4).tolist()  # 16 rows a piece
-    [0, 2]
-    >>> _touched(np.array([4, 9]), 1000, 4096, 3).tolist()  # rows across pieces
-    [0, 1, 2]
-    """
-    if unit % row_bytes == 0:
-        return _unique_sorted(rows * row_bytes // unit)
-    edges = (np.bincount(rows * row_bytes // unit, minlength=count + 1)
-             - np.bincount(((rows + 1) * row_bytes - 1) // unit + 1, minlength=count + 1))
-    return np.flatnonzero(np.cumsum(edges[:count]) > 0)
-
-
-def _unique_sorted(x: np.ndarray) -> np.ndarray:
-    """``np.unique(x)`` for ``x`` that is sorted already (the rows a variable gives are):
-    one comparison of neighbours instead of a sort; ``np.unique`` if it is not.
-
-    >>> _unique_sorted(np.array([1, 1, 4, 9, 9])).tolist(), _unique_sorted(np.array([3, 1])).tolist()
-    ([1, 4, 9], [1, 3])
-    """
-    if x.size < 2:
-        return x
-    step = x[1:] != x[:-1]
-    if (x[1:][step] < x[:-1][step]).any():  # not sorted: never from a variable's rows
-        return np.unique(x)
-    return np.concatenate((x[:1], x[1:][step]))
-
-
-def rehash_rows(view: memoryview, seed: int, blocks: bytes, row_bytes: int, rows: Any, *,
-                     subs: SubBlocks | None, most: float = 1.0
-                     ) -> tuple[int, bytes, SubBlocks] | None:
-    """:func:`hash_blocks` (blocks of :data:`BLOCK_SIZE`) of a value of which only ``rows``
-    (first-axis indices, each ``row_bytes`` long) may differ from the bytes whose block
-    checksums are ``blocks``: the other blocks' CRCs are taken as they are (a row
-    delta's logical value: its rows since the base are known); a touched block whose
-    sub-blocks ``subs`` knows is hashed again only in the sub-blocks ``rows`` touch, then
-    joined from its sub-blocks; a touched block they do not know is hashed whole: by
-    sub-blocks (known from then on) for up to :data:`_LEARN` blocks a call, the others
-    in one piece. ``subs`` is taken only if it describes the value
-    whose block checksums are ``blocks`` (else none is known). Returns ``(checksum,
-    blocks, subs)`` of the value now; ``None`` when ``blocks`` does not fit the value
-    (another count of blocks) or the rows touch more than ``most`` of the blocks (then
-    hashing the value whole costs about as much).
-
-    >>> data = np.arange(300_000, dtype=np.uint8).reshape(1000, 300)
-    >>> _, before = hash_blocks(memoryview(data).cast("B"), 7)
-    >>> data[[3, 700]] += 1
-    >>> c, b, subs = rehash_rows(memoryview(data).cast("B"), 7, before, 300,
-    ...                               np.array([3, 700]), subs=None)
-    >>> (c, b) == hash_blocks(memoryview(data).cast("B"), 7), subs.known.tolist()
-    (True, [True, False, False, True])
-    >>> data[[4, 999]] += 1  # block 0 again: only sub-block 0 is hashed now
-    >>> got = rehash_rows(memoryview(data).cast("B"), 7, b, 300, np.array([4, 999]),
-    ...                        subs=subs)
-    >>> got[:2] == hash_blocks(memoryview(data).cast("B"), 7)
-    True
-    """
-    n, bs, sub = len(view), BLOCK_SIZE, SUB_BLOCK
-    count, per, full = block_count(n, bs), bs // sub, n // bs
-    if len(blocks) != 4 * count:
-        return None
-    crcs = np.frombuffer(blocks, "<u4").copy()
-    if subs is None or subs.blocks != blocks or subs.crcs.shape != (full, per):
-        sub_crcs, known = np.zeros((full, per), np.uint32), np.zeros(full, bool)
-    else:
-        sub_crcs, known = subs.crcs.copy(), subs.known.copy()
-    rows = np.asarray(rows, np.int64)
-    if rows.size:
-        touched_subs = _touched(rows, row_bytes, sub, -(-n // sub))
-        touched = _unique_sorted(touched_subs // per)
-        if len(touched) > most * count:
-            return None
-        in_full = touched[touched < full]
-        owner = touched_subs // per
-        fresh = in_full[~known[in_full]]
-        if len(fresh) > _LEARN:  # learn the blocks with the most touched sub-blocks first
-            fresh = fresh[np.argsort(-np.bincount(owner, minlength=count)[fresh],
-                                     kind="stable")]
-        learn, whole = np.sort(fresh[:_LEARN]), fresh[_LEARN:]
-        again = touched_subs[(owner < full) & known[np.minimum(owner, max(full - 1, 0))]]
-        todo = np.concatenate((again, (learn[:, None] * per + np.arange(per)).ravel()))
-        flat = sub_crcs.reshape(-1)
-        crc = _crc
-
-        def run(ks: list[int], release: int = 1) -> None:
-            flat[ks] = [crc(view[k * sub : (k + 1) * sub], 0, release) for k in ks]
-
-        def run_whole(ks: list[int], release: int = 1) -> None:
-            crcs[ks] = [crc(view[k * bs : min(n, (k + 1) * bs)], 0, release) for k in ks]
-
-        # the rest of the touched blocks hashed whole: unknown, or the last, shorter one
-        rest = np.concatenate((whole, touched[touched >= full])).tolist()
-        if (len(todo) * sub + len(rest) * bs) < _PARALLEL_FROM:
-            # 4 KiB a call, on this thread (handing the GIL over would cost more)
-            flat[todo] = [crc(view[at : at + sub], 0, 0) for at in (todo * sub).tolist()]
-            run_whole(rest, 0)
-        else:  # on the I/O threads, about 4 MiB each
-            order = todo.tolist()
-            step, big = max(1, _PIECE // sub), max(1, _PIECE // bs)
-            _rawio.wait_all(_rawio.start_all(
-                [functools.partial(run, order[i : i + step]) for i in range(0, len(order), step)]
-                + [functools.partial(run_whole, rest[i : i + big])
-                   for i in range(0, len(rest), big)]))
-        known[learn] = True
-        joined = in_full[known[in_full]]
-        crcs[joined] = _join_subs(sub_crcs[joined], sub)
-    out = crcs.tobytes()
-    return _join(seed, crcs, n, bs), out, SubBlocks(out, sub_crcs, known)
 
 
 #: From this many blocks on, :func:`_join` combines them with NumPy, a tree of pairs.

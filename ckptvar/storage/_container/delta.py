@@ -107,13 +107,16 @@ class DeltaWrite:
     #: The base's own checksum and block checksums (None: unknown, an older base).
     base_checksum: int | None = None
     base_blocks: bytes | None = None
+    #: Verified by its parts alone (format 1.6): no checksum of the assembled value.
+    by_parts: bool = False
 
     def record(self) -> Delta:
         """Its record entry (an unchanged value's carried-over delta has no own patch)."""
         patches = tuple(self.earlier)
         if self.rows.size:
             patches += (("", self.path, self.offset, int(self.rows.size), self.crc),)
-        return Delta(self.base, patches, self.since, self.base_checksum, self.base_blocks)
+        return Delta(self.base, patches, self.since, self.base_checksum, self.base_blocks,
+                     self.by_parts)
 
 
 def patch_bytes(view: memoryview, row_bytes: int, rows: np.ndarray, seed: int

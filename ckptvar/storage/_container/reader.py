@@ -234,6 +234,17 @@ class ContainerReader(
         self._expects[key] = got
         return got
 
+    def _by_parts(self, key: str, e: Entry, fd: Any) -> tuple[_src.Patched, Entry] | None:
+        """For a row delta verified by its parts (its record has the base's checksums):
+        its patched source, its patches read and checked, and an entry of the base's
+        bytes alone (the base's checksum and block checksums); else None (the value's
+        own checksums verify what is read)."""
+        if not isinstance(fd, _src.Patched) or fd.expect is None:
+            return None
+        fd.check()  # every patch passes its checksum before any byte is handed out
+        d = self._record.deltas[key]
+        return fd, dataclasses.replace(e, checksum=fd.expect, blocks=d.base_blocks)
+
     def _compare(self, key: str, e: Entry, computed: int) -> None:
         access.compare(self, key, e, computed)
 
@@ -387,9 +398,18 @@ class ContainerReader(
         try:
             if out is None:
                 out = np.empty(count, e.np_dtype)
-            read_span(src.fd, src.offset, e, _rawio.byte_view(out), start * item,
-                      verify=verify, block_size=self._record.block_size,
-                      seed=lambda: _checksum.header_crc(key, e.dtype, e.shape))
+            dst = _rawio.byte_view(out)
+            patched = self._by_parts(key, e, src.fd) if verify else None
+            if patched is None:
+                read_span(src.fd, src.offset, e, dst, start * item,
+                          verify=verify, block_size=self._record.block_size,
+                          seed=lambda: _checksum.header_crc(key, e.dtype, e.shape))
+            else:  # the base's bytes verified by its blocks, then the checked rows laid
+                fd, base_entry = patched
+                read_span(fd.base, fd.offset + src.offset, base_entry, dst, start * item,
+                          verify=True, block_size=self._record.block_size,
+                          seed=lambda: _checksum.header_crc(key, e.dtype, e.shape))
+                fd.lay(out.reshape(-1).view(np.uint8), start * item)
         except SpanError as exc:
             raise self.corrupt(key, exc.what) from None
         finally:

@@ -14,7 +14,6 @@ import abc
 import functools
 import logging
 import os
-import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -36,11 +35,9 @@ from ..paths import container_paths
 from .blocks import (
     BLOCK_SIZE,
     BlockHasher,
-    SubBlocks,
     hash_blocks,
     hash_blocks_parallel,
     join_blocks,
-    rehash_rows,
 )
 from .delta import DeltaLimits, DeltaWrite, merged, patch_bytes, plan
 from .layout import ALIGN, pack_limit
@@ -427,7 +424,6 @@ class ContainerWriter(Writer):
             found = self._delta_for(it, entry, was, holder)
             if found is None:
                 continue
-            own = rows  # written since the base step: the rows whose blocks may differ
             if was is not None and rows.size and plan(
                     rows, it.shape, it.nbytes, was.patches, self.limits) == "merge":
                 rows_since = merged(rows, self._base_rows(it.key), it.shape[0], self.limits)
@@ -439,14 +435,16 @@ class ContainerWriter(Writer):
             found.rows = rows
             found.base_checksum, found.base_blocks = _base_checksums(entry, was,
                                                                      record.block_size)
+            if found.base_checksum is None:
+                continue  # an older delta's base of unknown checksum: written whole
+            found.by_parts = True
             if rows.size:
                 seed = _checksum.header_crc(it.key, it.dtype, it.shape)
                 found.patch, found.crc = patch_bytes(it.view, it.nbytes // it.shape[0], rows,
                                                      seed)
-                _rehash_rows(it, entry, record.block_size, own, seed,  # not a merge's union
-                             steps=(self.base, self.path))
-            else:  # nothing hashed it (known unchanged): the base's checksums hold
-                _carry_checksums(it, entry, record.block_size)
+            # verified by its parts: the base's checksum stands for the value's, and no
+            # byte of the value is hashed (a step costs its rows, not the table)
+            it.checksum, it.blocks, it.hashed = found.base_checksum, None, True
             it.delta = found
         self.deltas = [it.key for it in arrays if it.delta is not None]
 
@@ -458,7 +456,9 @@ class ContainerWriter(Writer):
             state = self.known.get(it.key)
             if state is False:
                 return None
-            if state is None:
+            if state is None:  # not known unchanged: a delta by its parts has no
+                if was.by_parts:  # checksum of its whole value to compare with
+                    return None
                 if not it.hashed:
                     it.hash()
                     it.hashed = True
@@ -556,63 +556,6 @@ def _base_checksums(entry: Any, was: Any, block_size: int) -> tuple[int | None, 
     if was is not None:
         return was.base_checksum, was.base_blocks
     return entry.checksum, entry.blocks if block_size == BLOCK_SIZE else None
-
-
-#: A row delta's checksums are joined from the base's when its rows touch at most this
-#: share of the value's blocks (:func:`_rehash_rows`).
-_REHASH_MOST = 0.75
-
-
-#: Sub-block CRCs of row deltas' values (:class:`.blocks.SubBlocks`) by (step, key): the
-#: step a delta step wrote keeps them for the next step that builds on it (taken out by
-#: that step, so a chain holds one entry; a few chains at most).
-_SUBS: dict[tuple[str, str], SubBlocks] = {}
-_SUBS_KEPT = 8
-_SUBS_LOCK = threading.Lock()
-
-
-def _rehash_rows(it: ValueWrite, entry: Any, block_size: int, rows: np.ndarray, seed: int, *,
-                 steps: tuple[Any, Path]) -> None:
-    """``it``, whose rows other than ``rows`` are known to equal the base's logical value
-    (``entry``), takes the base's block checksums with only the blocks ``rows`` touch
-    hashed again (its own whole checksum joined from them): a row delta's logical value
-    is then hashed in proportion to its changed rows, not its size. Where the base has no
-    block checksums of this record's block size, or the rows touch more than
-    :data:`_REHASH_MOST` of the blocks, nothing is set: the value is hashed whole, on the
-    checksum thread while the backend writes, as any changed value (hashing nearly every
-    block first, before the write, would cost more than that overlapped pass).
-
-    The blocks are hashed by sub-blocks (:func:`.blocks.rehash_rows`), whose CRCs
-    are kept for the next step (``steps``: the base step and this one's path): a block
-    whose sub-blocks the base step's save kept is hashed again only where the rows are.
-    What is kept is taken only for the value whose block checksums the base's record
-    holds (the same bytes: a step written meanwhile by other means is not mistaken)."""
-    if it.hashed or entry.blocks is None or block_size != BLOCK_SIZE or it.nbytes <= BLOCK_SIZE:
-        return
-    base, path = (os.fspath(p) for p in steps)
-    with _SUBS_LOCK:
-        subs = _SUBS.pop((base, it.key), None)
-    got = rehash_rows(it.view, seed, entry.blocks, it.nbytes // it.shape[0], rows,
-                           subs=subs, most=_REHASH_MOST)
-    if got is None:
-        return
-    it.checksum, it.blocks, kept = got
-    it.hashed = True
-    with _SUBS_LOCK:
-        while len(_SUBS) >= _SUBS_KEPT:
-            del _SUBS[next(iter(_SUBS))]  # the oldest (insertion order)
-        _SUBS[(path, it.key)] = kept
-
-
-def _carry_checksums(it: ValueWrite, entry: Any, block_size: int) -> None:
-    """``it``, known unchanged since the base, takes the base's checksums; a base of other
-    blocks (256 KiB, before 2026-11-27) has block checksums that are not this record's,
-    so ``it`` is hashed instead."""
-    if block_size == BLOCK_SIZE:
-        it.checksum, it.blocks, it.hashed = entry.checksum, entry.blocks, True
-    elif not it.hashed:
-        it.hash()
-        it.hashed = True
 
 
 def write_packed(fd: int, packed: list[ValueWrite], base: int) -> None:
