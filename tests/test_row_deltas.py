@@ -6,6 +6,7 @@ it refers to, damage is named, and a reader that does not know deltas refuses th
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 import os
 from pathlib import Path
@@ -22,6 +23,7 @@ from ckptvar.checkpoint import _apply
 from ckptvar.checkpoint._incremental import Incremental
 from ckptvar.errors import CorruptCheckpointError
 from ckptvar.storage._container import blocks as blocks_mod
+from ckptvar.storage._container import delta as delta_mod
 from ckptvar.storage._container import writer as writer_mod
 from ckptvar.storage._container.delta import DELTA_LIMIT, MAX_PATCHES
 from ckptvar.storage._record import decode, encode
@@ -842,3 +844,57 @@ def test_threads_opening_a_delta_at_once_share_one_read_of_it(
                 s.fd.close()
         if fds is not None:
             assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_a_patch_is_streamed_in_pieces_as_it_would_be_built_whole(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A patch larger than a piece is gathered piece by piece, each written while the
+    next is gathered: the bytes and CRC of building it whole; a failed write stops it
+    with that error, and no write runs after it returns."""
+    monkeypatch.setattr(delta_mod, "_PIECE", 1000)  # 3 rows of 256 bytes a piece
+    table = np.random.default_rng(3).random((500, WIDTH), dtype=np.float32)
+    view = memoryview(table).cast("B")
+    rows = np.unique(np.random.default_rng(4).integers(0, 500, 40))
+    want, crc = delta_mod.patch_bytes(view, ROW_BYTES, rows, 7)
+    out = bytearray(want.size)
+    calls: list[tuple[int, int]] = []
+
+    def write(piece: memoryview, at: int) -> None:
+        calls.append((at, len(piece)))
+        out[at: at + len(piece)] = piece
+
+    got = delta_mod.stream_patch(view, ROW_BYTES, rows, 7, write=write, at=0)
+    assert got == crc and bytes(out) == want.tobytes()
+    assert len(calls) == 1 + -(-rows.size // 3)  # the indices, then each piece
+    running: list[int] = []
+
+    def failing(piece: memoryview, at: int) -> None:
+        running.append(1)
+        if len(running) == 3:
+            raise OSError(28, "No space left on device")
+        time.sleep(0.01)
+        running.append(-1)
+
+    with pytest.raises(OSError, match="No space"):
+        delta_mod.stream_patch(view, ROW_BYTES, rows, 7, write=failing, at=0)
+    assert sum(running) == 1  # the failed one; every other write had ended
+    with pytest.raises(IndexError, match="rows"):
+        delta_mod.stream_patch(view, ROW_BYTES, np.array([3, 500]), 7, write=write, at=0)
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_delta_step_with_a_patch_in_many_pieces_reads_bit_exact(
+        tmp_path: Path, fresh_graph: cv.Graph, fmt: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(delta_mod, "_PIECE", 8 << 10)  # 32 rows a piece
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, incremental=True)
+    manager.save()
+    rng = np.random.default_rng(8)
+    for _ in range(3):
+        _touch(table, rng, 400)
+        step = Path(manager.save())
+        with cv.open(step) as r:
+            assert r.record.deltas["table"].patches[-1][3] > 300
+            assert r.verify_all() == []
+        assert np.array_equal(cv.load(step)["table"], table.numpy())

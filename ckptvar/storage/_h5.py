@@ -175,7 +175,7 @@ class H5Writer(ContainerWriter):
             base = (named(was.base[0]), was.base[1], was.base[2])
             earlier = [(named(f), p, o, n, c) for f, p, o, n, c in was.patches]
             since = was.since
-        out = DeltaWrite(base, earlier, _NO_ROWS, _NO_ROWS, 0, since)
+        out = DeltaWrite(base, earlier, _NO_ROWS, 0, since)
         out.path = f"{it.path}/patch-{len(earlier)}"
         return out
 
@@ -230,8 +230,8 @@ class H5Writer(ContainerWriter):
             if it.held is not None:
                 continue
             if it.delta is not None:  # only the patch: the rest is in other files
-                if it.delta.patch.size:
-                    write(fd, _rawio.byte_view(it.delta.patch), it.delta.offset)
+                if it.delta.patch_nbytes:
+                    it.delta.write_patch(functools.partial(write, fd), it.delta.offset)
                 continue
             if it.source is not None:  # a piece at a time, hashed on the way
                 it.write_with(functools.partial(_write_at, write, fd, it.offset))
@@ -312,7 +312,7 @@ class _H5File:
                     fid.links.create_external(f"{it.path}/patch-{j}".encode(), f.encode(),
                                               b"/" + p.encode(), lcpl=self.lcpl)
                 if d.rows.size:
-                    d.offset = self._create(fid, d.path, np.dtype("u1"), (d.patch.size,))
+                    d.offset = self._create(fid, d.path, np.dtype("u1"), (d.patch_nbytes,))
                 continue
             it.offset = self._create(fid, it.path, storage_dtype(it.dtype), it.shape)
         if not plan.packed:

@@ -223,8 +223,8 @@ class ZarrWriter(ContainerWriter):
             src, since = was.base[1], was.since
             earlier = [("", f"{it.path}/patch-{j}", 0, n, c)
                        for j, (_, _, _, n, c) in enumerate(was.patches)]
-        out = DeltaWrite(("", f"{it.path}/base", 0), earlier, np.empty(0, np.int64),
-                         np.empty(0, np.uint8), 0, since, pieces=rec.pieces.get(it.key))
+        out = DeltaWrite(("", f"{it.path}/base", 0), earlier, np.empty(0, np.int64), 0, since,
+                         pieces=rec.pieces.get(it.key))
         out.links = [(src, f"{it.path}/base")]
         if was is not None:
             out.links += [(p, f"{it.path}/patch-{j}") for j, (_, p, _, _, _) in
@@ -724,11 +724,13 @@ class _Tree:
         if not delta.rows.size:  # unchanged: the base's delta as it is
             return
         d = self.array_dir(delta.path)
-        meta = array_meta((int(delta.patch.size),), np.dtype("u1"),
+        meta = array_meta((delta.patch_nbytes,), np.dtype("u1"),
                           {"ckptvar": "row patch: uint64 row indices, then the rows' bytes"})
         self.write(d / "zarr.json", _doc(meta))
-        if delta.patch.size:
-            self.write(d / chunk_key(1), _rawio.byte_view(delta.patch))
+        if delta.patch_nbytes:
+            write = _rawio.pwrite_flushing if self.sync is not None else _rawio.pwrite_all
+            self.write(d / chunk_key(1), lambda fd: delta.write_patch(
+                functools.partial(write, fd), 0))
 
     def _write_pieces(self, it: ValueWrite, d: Path, rows: int, held: Mapping[int, str]
                       ) -> None:

@@ -57,8 +57,9 @@ from . import source as _src
 from .blocks import blocks_agree
 
 __all__ = ["DELTA_FROM", "DELTA_LIMIT", "MAX_PATCHES", "DeltaLimits", "DeltaWrite", "Patches",
-           "base_checksum",
-           "decode_patch", "fold", "in_base", "merged", "patch_bytes", "plan", "read_patches"]
+           "base_checksum", "check_rows",
+           "decode_patch", "fold", "in_base", "merged", "patch_bytes", "plan", "read_patches",
+           "stream_patch"]
 
 #: Values smaller than this are written whole (a delta's patch and links cost more).
 DELTA_FROM = 1 << 20
@@ -86,15 +87,15 @@ _DEFAULT_LIMITS = DeltaLimits()
 
 @dataclass(slots=True)
 class DeltaWrite:
-    """A value to be written as a delta: what it refers to and its own patch."""
+    """A value to be written as a delta: what it refers to and its own patch (the rows of
+    the value's bytes :meth:`take`, streamed by :meth:`write_patch`)."""
 
     #: ``(file, path, offset)`` of the base's whole copy, as the new checkpoint names it.
     base: tuple[str, str, int]
     #: The earlier patches ``(file, path, offset, rows, crc)``, as the new checkpoint names them.
     earlier: list[tuple[str, str, int, int, int]]
     rows: np.ndarray  # this step's rows, sorted and unique
-    patch: np.ndarray  # its bytes: the rows' indices (``<u8``), then the rows
-    crc: int
+    crc: int  # its own patch's (set once written)
     since: str  # the checkpoint that wrote the base
     #: The base's files (relative to the base checkpoint) and where the new checkpoint
     #: takes them (Zarr: hard links, so the step stands alone).
@@ -109,6 +110,26 @@ class DeltaWrite:
     base_blocks: bytes | None = None
     #: Verified by its parts alone (format 1.6): no checksum of the assembled value.
     by_parts: bool = False
+    #: ``(bytes of the value, bytes per row, header CRC)`` the patch is gathered from.
+    source: tuple[memoryview, int, int] | None = None
+
+    def take(self, view: memoryview, row_bytes: int, seed: int) -> None:
+        """The own patch is ``rows`` of the value whose bytes are ``view`` (seeded by
+        ``seed``, the value's header CRC): gathered when :meth:`write_patch` writes it."""
+        check_rows(self.rows, len(view) // row_bytes)
+        self.source = (view, row_bytes, seed)
+
+    @property
+    def patch_nbytes(self) -> int:
+        """Bytes of the own patch: the rows' indices, then the rows."""
+        return 0 if self.source is None else int(self.rows.size) * (8 + self.source[1])
+
+    def write_patch(self, write: Callable[[memoryview, int], None], at: int) -> None:
+        """Write the own patch from byte ``at`` through ``write(piece, offset)`` (on the
+        I/O threads: :func:`stream_patch`), and set its CRC."""
+        assert self.source is not None
+        view, row_bytes, seed = self.source
+        self.crc = stream_patch(view, row_bytes, self.rows, seed, write=write, at=at)
 
     def record(self) -> Delta:
         """Its record entry (an unchanged value's carried-over delta has no own patch)."""
@@ -119,6 +140,18 @@ class DeltaWrite:
                      self.by_parts)
 
 
+def check_rows(rows: np.ndarray, nrows: int) -> None:
+    """``IndexError`` unless the sorted ``rows`` are all inside a value of ``nrows`` rows
+    (its ends bound it: a patch gathers them without a check of each)."""
+    if rows.size and not 0 <= rows[0] <= rows[-1] < nrows:
+        raise IndexError(f"rows {int(rows[0])}..{int(rows[-1])} of a value of {nrows} rows")
+
+
+def _gather(table: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+    # "clip" (every row is inside, checked): the default mode buffers ``out`` (4x the time)
+    np.take(table, rows, out=out, mode="clip")
+
+
 def patch_bytes(view: memoryview, row_bytes: int, rows: np.ndarray, seed: int
                 ) -> tuple[np.ndarray, int]:
     """The patch of ``rows`` of the value whose bytes are ``view``: ``uint64`` row indices
@@ -127,8 +160,74 @@ def patch_bytes(view: memoryview, row_bytes: int, rows: np.ndarray, seed: int
     out = np.empty(8 * n + n * row_bytes, np.uint8)
     out[: 8 * n].view("<u8")[:] = rows
     item = np.dtype((np.void, row_bytes))
-    np.take(np.frombuffer(view, item), rows, out=out[8 * n:].view(item))
+    table = np.frombuffer(view, item)
+    check_rows(rows, len(table))
+    _gather(table, rows, out[8 * n:].view(item))
     return out, _checksum.crc(out, seed)
+
+
+#: Bytes of rows a streamed patch gathers at a time (:func:`stream_patch`).
+_PIECE = 4 << 20
+_buffers = threading.local()
+
+
+def _two_buffers(size: int) -> list[np.ndarray]:
+    """This thread's two buffers of ``size`` bytes for :func:`stream_patch` (kept: a fresh
+    one's page faults cost about what gathering into it does)."""
+    got: list[np.ndarray] | None = getattr(_buffers, "pair", None)
+    if got is None or got[0].size < size:
+        got = _buffers.pair = [np.empty(size, np.uint8) for _ in range(2)]
+    return got
+
+
+def stream_patch(view: memoryview, row_bytes: int, rows: np.ndarray, seed: int, *,
+                 write: Callable[[memoryview, int], None], at: int) -> int:
+    """Write the patch of ``rows`` (:func:`patch_bytes`' bytes) from byte ``at`` through
+    ``write(piece, offset)``; returns its CRC-32C seeded by ``seed``. The rows are gathered
+    :data:`_PIECE` bytes at a time, in turn into two buffers of this thread, and each
+    piece is written on an I/O thread while the next is gathered and hashed (gathering
+    releases the GIL), so a large patch costs about its write. Every write has ended when
+    this returns or raises.
+
+    >>> data = np.arange(8, dtype=np.uint8).reshape(4, 2)
+    >>> out = bytearray(8 * 2 + 2 * 2)
+    >>> def write(piece, offset):
+    ...     out[offset : offset + len(piece)] = piece
+    >>> crc = stream_patch(memoryview(data.tobytes()), 2, np.array([1, 3]), 0, write=write, at=0)
+    >>> (bytes(out), crc) == tuple((a.tobytes(), c) for a, c in [patch_bytes(
+    ...     memoryview(data.tobytes()), 2, np.array([1, 3]), 0)])[0]
+    True
+    """
+    n, per = int(rows.size), max(1, _PIECE // row_bytes)
+    if n <= per:  # one piece: gathered and written here
+        out, crc = patch_bytes(view, row_bytes, rows, seed)
+        write(_rawio.byte_view(out), at)
+        return crc
+    item = np.dtype((np.void, row_bytes))
+    table = np.frombuffer(view, item)
+    check_rows(rows, len(table))
+    index = rows.astype("<u8")
+    crc = _checksum.crc(index, seed)
+    pair = _two_buffers(per * row_bytes)
+    futures: list[Any] = [None, None]
+    started: list[Any] = []
+    try:
+        write(_rawio.byte_view(index), at)
+        at += 8 * n
+        for k, lo in enumerate(range(0, n, per)):
+            if futures[k % 2] is not None:
+                futures[k % 2].result()  # the piece written from this buffer before
+            m = min(per, n - lo)
+            piece = pair[k % 2][: m * row_bytes]
+            _gather(table, rows[lo : lo + m], piece.view(item))
+            crc = _checksum.crc(piece, crc)
+            futures[k % 2] = f = _rawio.start_all(
+                [functools.partial(write, _rawio.byte_view(piece), at)], background=True)[0]
+            started.append(f)
+            at += m * row_bytes
+    finally:
+        _rawio.wait_all(started)  # nothing writes from the buffers after this
+    return crc
 
 
 def decode_patch(raw: bytes | bytearray | memoryview | np.ndarray, n: int, row_bytes: int,

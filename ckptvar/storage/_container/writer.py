@@ -39,7 +39,7 @@ from .blocks import (
     hash_blocks_parallel,
     join_blocks,
 )
-from .delta import DeltaLimits, DeltaWrite, merged, patch_bytes, plan
+from .delta import DeltaLimits, DeltaWrite, merged, plan
 from .layout import ALIGN, pack_limit
 from .reuse import Held, match
 
@@ -438,10 +438,9 @@ class ContainerWriter(Writer):
             if found.base_checksum is None:
                 continue  # an older delta's base of unknown checksum: written whole
             found.by_parts = True
-            if rows.size:
-                seed = _checksum.header_crc(it.key, it.dtype, it.shape)
-                found.patch, found.crc = patch_bytes(it.view, it.nbytes // it.shape[0], rows,
-                                                     seed)
+            if rows.size:  # gathered as it is written (``DeltaWrite.write_patch``)
+                found.take(it.view, it.nbytes // it.shape[0],
+                           _checksum.header_crc(it.key, it.dtype, it.shape))
             # verified by its parts: the base's checksum stands for the value's, and no
             # byte of the value is hashed (a step costs its rows, not the table)
             it.checksum, it.blocks, it.hashed = found.base_checksum, None, True
