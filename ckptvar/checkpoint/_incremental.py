@@ -35,7 +35,14 @@ import numpy as np
 
 from ..errors import CkptError
 from ..storage import DeltaLimits, external_files
-from ..variables import Variable, rows_written, track_rows, write_version
+from ..variables import (
+    Variable,
+    is_materialized,
+    read_buffer,
+    rows_written,
+    track_rows,
+    write_version,
+)
 from ._logical import Logical
 
 __all__ = ["Incremental", "IncrementalSave", "Restored", "held"]
@@ -187,6 +194,13 @@ class Restored:
                     and isinstance(target.parts[0], Variable)
                     and target.parts[0].shard is not None):
                 target = target.parts[0]
+            parts = target.parts if isinstance(target, Logical) else (target,)
+            if not all(isinstance(p, Variable) and write_version(p) is not None
+                       for p in parts):
+                continue  # compared by checksums (a GPU tensor's stays unmaterialized)
+            for part in parts:  # a value restored into a variable not materialised
+                if not is_materialized(part):  # becomes its buffer now (no copy on the
+                    read_buffer(part)  # CPU), not at its first use (a whole write then)
             version = _version(target)
             if version is not None:
                 self.versions[key] = version
