@@ -52,7 +52,7 @@ FIRST_RUN = textwrap.dedent("""
         print(first_run(sys.argv[1], sys.argv[2]))
 """)
 _NS: dict[str, Any] = {}
-exec(compile(FIRST_RUN, "first_run", "exec"), _NS)  # noqa: S102 - this file's own code
+exec(compile(FIRST_RUN, "first_run", "exec"), _NS)  # this file's own code
 _model, _first_run = _NS["model"], _NS["first_run"]
 
 
@@ -227,7 +227,7 @@ def test_a_restore_of_a_step_not_the_latest_knows_nothing(
         source = cv.CheckpointManager(ckpt0, other, format=fmt, max_to_keep=3,
                                       incremental=True).save(checkpoint_number=3)
         assert Path(source).name == f"ckpt-3.{fmt}"  # the name of this manager's latest
-    ckpt, table = _model()
+    ckpt, _ = _model()
     manager = cv.CheckpointManager(ckpt, d, format=fmt, max_to_keep=3, incremental=True)
     ckpt.restore(source).assert_consumed()
     hashed = _watch_whole_hashes(monkeypatch)

@@ -189,11 +189,12 @@ class Restored:
         """The values ``(key, variable or logical value)`` now hold the stored bytes of
         their keys (none cast). A value of one shard (a multi-process restore's) is noted
         as its variable, which a multi-process save writes."""
-        for key, target in values:
-            if (isinstance(target, Logical) and len(target.parts) == 1
-                    and isinstance(target.parts[0], Variable)
-                    and target.parts[0].shard is not None):
-                target = target.parts[0]
+        for key, given in values:
+            target = given
+            if (isinstance(given, Logical) and len(given.parts) == 1
+                    and isinstance(given.parts[0], Variable)
+                    and given.parts[0].shard is not None):
+                target = given.parts[0]
             parts = target.parts if isinstance(target, Logical) else (target,)
             if not all(isinstance(p, Variable) and write_version(p) is not None
                        for p in parts):

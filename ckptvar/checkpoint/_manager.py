@@ -235,14 +235,10 @@ class CheckpointManager:
         _check_arguments(checkpoint, max_to_keep, checkpoint_name, format)
         #: frees the pruned steps' bytes in the background (:meth:`_delete`)
         self._deletes = BackgroundDeletes()
-        self._init_incremental(incremental)
+        self._init_incremental(incremental, checkpoint)
         #: an object store's incremental HDF5 steps: the steps each one reads values from
         self._references: dict[str, frozenset[str]] = {}
         self._checkpoint = checkpoint
-        #: the checkpoint's last restore, once this manager's memory took it (:meth:`_learn`)
-        self._taught: Restored | None = None
-        if self._incremental is not None:
-            checkpoint.note_restores()  # the next save learns what a restore set
         self._location: Location | None = None
         self._storage_options = storage_options
         self.pack_threshold = pack_threshold
@@ -295,11 +291,16 @@ class CheckpointManager:
             return
         self._init_local(Path(directory), primary)
 
-    def _init_incremental(self, incremental: bool | IncrementalOptions) -> None:
+    def _init_incremental(self, incremental: bool | IncrementalOptions,
+                          checkpoint: Checkpoint) -> None:
         #: ``incremental=``: what the user chose (None: not incremental)
         self._incremental_options = options = incremental_options(incremental)
         #: ``incremental=True``: the last committed step this manager builds on
         self._incremental = None if options is None else Incremental(options.limits())
+        #: the checkpoint's last restore, once this manager's memory took it (:meth:`_learn`)
+        self._taught: Restored | None = None
+        if self._incremental is not None:
+            checkpoint.note_restores()  # the next save learns what a restore set
         #: which steps an incremental manager writes whole (``whole_every``; a local
         #: tier's: also those due a persistent copy, so that the copy stands alone)
         self._whole_steps: Callable[[int], bool] | None = None

@@ -68,9 +68,9 @@ __all__ = [
     "set_initial_value_source",
     "set_save_slice_info",
     "shapes_and_dtypes",
+    "shares_memory",
     "track_rows",
     "unsharded",
-    "shares_memory",
     "write_version",
 ]
 

@@ -199,11 +199,16 @@ def fail_once(mgr: Any, coord: Any, root: Path) -> dict[str, Any]:
     return fields
 
 
-def restart(mgr: Any, ckpt: Any, table: Any, part: Any, coord: Any) -> dict[str, Any]:
-    """The ``restart`` mode: restore the latest step (3), train and save step 4, save
-    again unchanged (step 5); what they added, their deltas, each restored bit-exact."""
-    import ckptvar as cv
-
+def restart(mode: str, mgr: Any, ckpt: Any, table: Any, part: Any,  # noqa: PLR0917
+            coord: Any) -> dict[str, Any]:
+    """The ``first`` mode: save steps 1-3. The ``restart`` mode: restore the latest step
+    (3), train and save step 4, save again unchanged (step 5); what they added, their
+    deltas, each restored bit-exact."""
+    if mode == "first":
+        for step in range(1, 4):
+            train(table, part, step)
+            mgr.save()
+        return {}
     fields: dict[str, Any] = {"from": Path(mgr.restore_or_initialize()).name}
     train(table, part, 4)
     sizes, deltas = {}, {}
@@ -267,12 +272,8 @@ def main(mode: str, root: Path, fmt: str) -> None:
         if rank == 0:
             fields["retried_deltas"] = delta_keys(path)
         fields["listed"] = [Path(p).name for p in mgr.checkpoints]
-    if mode == "first":
-        for step in range(1, 4):
-            train(table, part, step)
-            mgr.save()
-    if mode == "restart":
-        fields.update(restart(mgr, ckpt, table, part, coord))
+    if mode in ("first", "restart"):
+        fields.update(restart(mode, mgr, ckpt, table, part, coord))
     else:
         fields["restored"] = restore_all(mgr, ckpt, table, part, coord)
     coord.barrier(tag="done", timeout=60)
