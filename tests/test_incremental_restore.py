@@ -301,3 +301,34 @@ def test_a_torch_modules_weights_written_in_place_are_saved(tmp_path: Path) -> N
         with cv.open(step) as r:
             assert "model/weight" not in r.shared()
             assert r.shared()["model/bias"] == ["ckpt-1.h5"]  # unchanged: by checksums
+
+
+def test_restore_or_initialize_past_a_damaged_newest_step_knows_nothing(
+        tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    """``restore_or_initialize()`` skips a damaged newest step and restores the one
+    before: the next save builds on the newest (still listed), knows nothing, and is
+    bit-exact (the table written whole, the frozen value shared by its checksums). Zarr:
+    a patch's chunk file is damaged in place (its own file, not linked elsewhere)."""
+    d = tmp_path / "run"
+    _first_run(d, "zarr")
+    ckpt0, table0 = _model()
+    manager0 = cv.CheckpointManager(ckpt0, d, format="zarr", max_to_keep=3,
+                                    incremental=True)
+    manager0.restore_or_initialize()
+    table0.scatter_update(np.array([77]), np.full((1, WIDTH), 5.0, np.float32))
+    newest = Path(manager0.save())
+    own = [f for f in newest.rglob("c.*") if "patch" in f.parent.name
+           and f.stat().st_nlink == 1]  # this step's patch's chunk
+    assert own
+    data = bytearray(own[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    own[0].write_bytes(bytes(data))
+    ckpt, _ = _model()
+    manager = cv.CheckpointManager(ckpt, d, format="zarr", max_to_keep=3, incremental=True)
+    assert Path(manager.restore_or_initialize()).name == "ckpt-2.zarr"
+    assert [Path(p).name for p, _ in manager.skipped] == ["ckpt-3.zarr"]
+    step = manager.save()
+    with cv.open(step) as r:
+        assert "table" not in r.deltas() and "table" not in r.shared()
+        assert "frozen" in r.shared()
+    _check(step, ckpt)
