@@ -311,6 +311,21 @@ def test_an_unchanged_delta_is_carried_over(tmp_path: Path, fresh_graph: cv.Grap
         with cv.open(s) as r:
             assert "table" not in r.record.deltas
             assert np.array_equal(r["table"].read(), table.numpy())
+    # A restart that restores (a new checkpoint over new variables) knows the table as
+    # the restored step holds it: a delta is carried over, not written whole (one that
+    # does not restore writes it whole once: tests/cloud/test_cloud_row_deltas.py).
+    for i in range(2):
+        again, fresh = _model()
+        restarted = cv.CheckpointManager(again, tmp_path / "run", format=fmt,
+                                          max_to_keep=2, incremental=True)
+        assert restarted.restore_or_initialize() == manager.latest_checkpoint
+        if i == 0:  # the table is tracked from the restore: a delta on the restored step
+            _touch(fresh, np.random.default_rng(7), 70)
+        step = Path(restarted.save())
+        assert _added(step) < 64 << 10
+        with cv.open(step) as r:
+            assert len(r.record.deltas["table"].patches) == 1  # step 1's carried over
+            assert np.array_equal(r["table"].read(), fresh.numpy())
 
 
 @pytest.mark.parametrize("fmt", ["h5", "zarr"])

@@ -228,3 +228,28 @@ def _damage(step: Path, fmt: str) -> tuple[Path, str]:
         cv.load(copy)
     assert str(own) in str(err.value)
     return copy, f"row patch {named} that fails its checksum"
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_restarted_job_of_several_processes_saves_row_deltas(tmp_path: Path,
+                                                               fmt: str) -> None:
+    """A job of 2 processes saves steps 1-3 and ends; a new job (new processes) restores
+    with ``restore_or_initialize()``: each process's manager learns its own restored box,
+    so step 4 adds about its touched rows (a patch on the same process's file in step 3's
+    delta) and an unchanged step 5 carries the deltas over; both restore bit-exact."""
+    d = tmp_path / "run"
+    _run(2, "first", d, fmt)
+    got = _run(2, "restart", d, fmt)
+    r0 = got[0]
+    assert {r["from"] for r in got.values()} == {f"ckpt-3.{fmt}"}
+    suffix = f".{fmt}"
+    changed = cases.touched(4).size * ROW_BYTES
+    if fmt == "h5":
+        changed += cases.part_touched(4).size * ROW_BYTES
+    sizes = r0["sizes"]
+    assert sizes[f"ckpt-4{suffix}"] <= 1.10 * changed + 2 * (12 << 10), sizes
+    assert sizes[f"ckpt-5{suffix}"] < 2 * (12 << 10), sizes
+    for name in (f"ckpt-4{suffix}", f"ckpt-5{suffix}"):
+        assert _split(r0["deltas"][name], fmt, 4) == {
+            f"rank-{r:05d}{suffix}": {f"table/.box/{r}": 3} for r in range(2)}, name
+    assert r0["restored"] == {f"ckpt-4{suffix}": True, f"ckpt-5{suffix}": True}

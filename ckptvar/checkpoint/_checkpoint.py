@@ -28,7 +28,7 @@ from ._frameworks import (
     end_restores,
     trackable_for,
 )
-from ._incremental import IncrementalSave
+from ._incremental import IncrementalSave, Restored
 from ._logical import as_target
 from ._object_restore import RestoreState
 from ._serialize import SaveContents, SnapshotBuffer, gather, host_arrays, metadata
@@ -118,6 +118,10 @@ class Checkpoint(Trackable):
     #: write), a restore and :meth:`wait`, so that threads take turns (docs/checkpoints.md,
     #: "Thread safety")
     _cv_lock: threading.RLock
+
+    #: whether restores note what they set (:meth:`note_restores`), and the last one's
+    _cv_noting: bool = False
+    _cv_restored: Restored | None = None
 
     def __init__(self, **objects: Any) -> None:
         object.__setattr__(self, "_cv_handles", [])
@@ -369,6 +373,20 @@ class Checkpoint(Trackable):
                 handles[:] = [h for h in handles if not h.done()]
 
     # -- restoring --------------------------------------------------------------------
+    def note_restores(self) -> None:
+        """From now on, each successful :meth:`restore` notes what it set (:meth:`last_restore`).
+
+        An incremental ``cv.CheckpointManager`` built on this checkpoint asks for it: its
+        next save then knows the restored values unchanged since the restored step, and
+        which rows were written since (docs/checkpoints.md, "What a restore teaches").
+        """
+        object.__setattr__(self, "_cv_noting", True)
+
+    def last_restore(self) -> Restored | None:
+        """What the last successful restore set, once :meth:`note_restores` was called
+        (a new object for each restore; values restored on create are added as they are)."""
+        return self._cv_restored
+
     def restore(
         self,
         path: str | os.PathLike[str] | None,
@@ -409,6 +427,7 @@ class Checkpoint(Trackable):
             with paused_gc():
                 state = RestoreState(path, root=self, verify=verify, cast=cast,
                                      storage_options=storage_options)
+                state.restored = Restored(path) if self._cv_noting else None
                 if state.has_save_counter:
                     self.save_counter  # noqa: B018 - exists before matching: restored too
                 adapters = begin_restores(self, state.states, state.infos, state.path)
@@ -419,6 +438,8 @@ class Checkpoint(Trackable):
                 finally:
                     state.release_reader()
                     end_restores(adapters, ok=ok)
+            if state.restored is not None:
+                object.__setattr__(self, "_cv_restored", state.restored)
             return RestoreStatus(state, root=self)
 
     read = restore
@@ -435,6 +456,7 @@ class Checkpoint(Trackable):
                 state = CollectiveRestoreState(path, coordinator=coord, root=self, verify=verify,
                                                cast=cast, timeout=timeout,
                                                storage_options=storage_options)
+                state.restored = Restored(path) if self._cv_noting else None
                 if state.has_save_counter:
                     self.save_counter  # noqa: B018 - exists before matching: restored too
                 adapters = begin_restores(self, state.states, state.infos, state.path)
@@ -454,6 +476,8 @@ class Checkpoint(Trackable):
         finally:
             state.release_reader()
             end_restores(adapters, ok=ok)
+        if state.restored is not None:
+            object.__setattr__(self, "_cv_restored", state.restored)
         return RestoreStatus(state, root=self)
 
     def __repr__(self) -> str:

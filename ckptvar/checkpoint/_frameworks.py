@@ -38,7 +38,7 @@ from .._staging import element_dtype, is_on_gpu
 from ..errors import CkptError
 from ..graph import Graph
 from ..trackable import Trackable
-from ..variables import FreshValue, Shard, Variable, set_device_value
+from ..variables import FreshValue, Shard, Variable, set_device_value, shares_memory
 from ._serialize import decode_state, encode_state
 
 __all__ = [
@@ -131,6 +131,7 @@ def _variable(graph: Graph, name: str, host: np.ndarray, shard: Shard | None,
                        device="CPU:0", collections=[], trainable=trainable, name=name,
                        shard=shard)
     var.initialize()
+    shares_memory(var)  # torch writes it in place, unseen by the version counter
     return var
 
 
@@ -144,6 +145,7 @@ def _device_variable(graph: Graph, name: str, t: Any, shard: Shard | None,
                        shape=tuple(t.shape), dtype=element_dtype(t), device="CPU:0",
                        collections=[], trainable=trainable, name=name, shard=shard)
     set_device_value(var, t)
+    shares_memory(var)  # torch writes it in place, unseen by the version counter
     return var
 
 

@@ -11,6 +11,10 @@ those of a multi-process step's per-process files; on an object store, an HDF5 s
 values in older steps' objects), so the manager keeps them until no
 kept step does (docs/checkpoints.md, "Incremental checkpoints"). With several processes,
 each has its own :class:`Incremental` and takes rank 0's base (:meth:`IncrementalSave.on`).
+A restore teaches it too: :class:`Restored` is what a restore set (the step, and the
+version of each variable that now holds that step's bytes), which the manager hands to
+:meth:`Incremental.learn` at its next save, so the first save after a restart is
+incremental like any other.
 
 >>> inc = Incremental()
 >>> inc.start(None, {}).known
@@ -31,10 +35,17 @@ import numpy as np
 
 from ..errors import CkptError
 from ..storage import DeltaLimits, external_files
-from ..variables import Variable, rows_written, track_rows, write_version
+from ..variables import (
+    Variable,
+    is_materialized,
+    read_buffer,
+    rows_written,
+    track_rows,
+    write_version,
+)
 from ._logical import Logical
 
-__all__ = ["Incremental", "IncrementalSave", "held"]
+__all__ = ["Incremental", "IncrementalSave", "Restored", "held"]
 
 logger = logging.getLogger("ckptvar")
 
@@ -106,6 +117,22 @@ class Incremental:
         elif self._since_whole is not None:
             self._since_whole += 1
 
+    def learn(self, name: str | None, versions: Mapping[str, Any]) -> None:
+        """A restore set the variables of ``versions`` (key -> version right after it) to
+        the values of this manager's step ``name`` (None: a step not this manager's).
+
+        Of the step this manager remembers, the restored values are added; of another,
+        the memory is the restored values alone (what was known held for the other
+        step); from a step not this manager's, the restored keys are forgotten (compared
+        by checksums). When the last whole step was is not changed (``whole_due``).
+        """
+        if name is None:
+            self._versions = {k: v for k, v in self._versions.items() if k not in versions}
+        elif name == self._name:
+            self._versions = {**self._versions, **versions}
+        else:
+            self._name, self._versions = name, dict(versions)
+
     def whole_due(self, every: int) -> bool:
         """Whether the next step is the ``every``-th since the last whole one (or this
         manager does not know when that was: none committed since it started)."""
@@ -140,6 +167,44 @@ class Incremental:
                 if before != now:
                     changed[key] = (var, before)
         return IncrementalSave(base, known, versions, self, changed, spare, self.limits)
+
+
+class Restored:
+    """What a restore of the step at ``path`` set: key -> the version, right after the
+    restore, of the value (a ``cv.Variable``, or a partitioned variable's parts) that now
+    holds exactly the step's bytes of ``key`` (:meth:`note`); the rows written since are
+    tracked from then on. A value restored later (restore on create) is noted when set.
+
+    >>> Restored("runs/ckpt-3.h5").versions
+    {}
+    """
+
+    __slots__ = ("path", "versions")
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self.versions: dict[str, Any] = {}
+
+    def note(self, values: Iterable[tuple[str, Any]]) -> None:
+        """The values ``(key, variable or logical value)`` now hold the stored bytes of
+        their keys (none cast). A value of one shard (a multi-process restore's) is noted
+        as its variable, which a multi-process save writes."""
+        for key, given in values:
+            target = given
+            if (isinstance(given, Logical) and len(given.parts) == 1
+                    and isinstance(given.parts[0], Variable)
+                    and given.parts[0].shard is not None):
+                target = given.parts[0]
+            parts = target.parts if isinstance(target, Logical) else (target,)
+            if not all(isinstance(p, Variable) and write_version(p) is not None
+                       for p in parts):
+                continue  # compared by checksums (a GPU tensor's stays unmaterialized)
+            for part in parts:  # a value restored into a variable not materialised
+                if not is_materialized(part):  # becomes its buffer now (no copy on the
+                    read_buffer(part)  # CPU), not at its first use (a whole write then)
+            version = _version(target)
+            if version is not None:
+                self.versions[key] = version
 
 
 def _version(var: Any) -> Any:

@@ -66,7 +66,7 @@ from ._checkpoint import Checkpoint, SaveOptions
 from ._collective_targets import Nodes, register_nodes
 from ._deletes import BackgroundDeletes, free
 from ._files import NATIVE_FORMATS, cut_down, retire
-from ._incremental import Incremental, held
+from ._incremental import Incremental, Restored, held
 from ._incremental_options import IncrementalOptions, incremental_options
 from ._preemption import SignalSave
 from ._reclaim import idle, open_saving_lock, reclaim_staging
@@ -235,7 +235,7 @@ class CheckpointManager:
         _check_arguments(checkpoint, max_to_keep, checkpoint_name, format)
         #: frees the pruned steps' bytes in the background (:meth:`_delete`)
         self._deletes = BackgroundDeletes()
-        self._init_incremental(incremental)
+        self._init_incremental(incremental, checkpoint)
         #: an object store's incremental HDF5 steps: the steps each one reads values from
         self._references: dict[str, frozenset[str]] = {}
         self._checkpoint = checkpoint
@@ -291,11 +291,16 @@ class CheckpointManager:
             return
         self._init_local(Path(directory), primary)
 
-    def _init_incremental(self, incremental: bool | IncrementalOptions) -> None:
+    def _init_incremental(self, incremental: bool | IncrementalOptions,
+                          checkpoint: Checkpoint) -> None:
         #: ``incremental=``: what the user chose (None: not incremental)
         self._incremental_options = options = incremental_options(incremental)
         #: ``incremental=True``: the last committed step this manager builds on
         self._incremental = None if options is None else Incremental(options.limits())
+        #: the checkpoint's last restore, once this manager's memory took it (:meth:`_learn`)
+        self._taught: Restored | None = None
+        if self._incremental is not None:
+            checkpoint.note_restores()  # the next save learns what a restore set
         #: which steps an incremental manager writes whole (``whole_every``; a local
         #: tier's: also those due a persistent copy, so that the copy stands alone)
         self._whole_steps: Callable[[int], bool] | None = None
@@ -871,9 +876,34 @@ class CheckpointManager:
         if self._local_tier is not None:
             self.wait_until_finished()
 
+    def _learn(self) -> None:
+        """Before an incremental save: take what the checkpoint's last restore set, once
+        (docs/checkpoints.md, "What a restore teaches the next save")."""
+        assert self._incremental is not None
+        restored = self._checkpoint.last_restore()
+        if restored is None or restored is self._taught:
+            return
+        self._taught = restored
+        self._incremental.learn(self._own_step(restored.path), restored.versions)
+
+    def _own_step(self, path: str) -> str | None:
+        """The name of the step at ``path`` when it is one of this manager's (its naming,
+        in its directory); else None."""
+        name = path.rstrip("/").rpartition("/")[2]
+        if not self._is_own_name(name):
+            return None
+        if self._location is not None:
+            return name if path.rstrip("/") == self._full(name).rstrip("/") else None
+        try:
+            same = os.path.samefile(os.path.dirname(path) or ".", self.directory)
+        except OSError:
+            return None
+        return name if same else None
+
     def _incremental_base(self, number: int) -> Any:
         """What an incremental save of step ``number`` builds on (the latest kept step)."""
         assert self._incremental is not None
+        self._learn()
         name = step_name(self.checkpoint_name, number, self._suffix)
         entries = self._section["checkpoints"]
         base = self.directory / entries[-1]["path"] if entries else None
@@ -912,6 +942,7 @@ class CheckpointManager:
         latest committed step (read when the save starts, after the one before it
         committed; with several processes, rank 0's), or none when it is written whole."""
         assert self._incremental is not None
+        self._learn()
         entries = self._section["checkpoints"]
         base = self._full(entries[-1]["path"]) if entries else None
         if base is not None and self._whole_steps is not None and self._whole_steps(number):

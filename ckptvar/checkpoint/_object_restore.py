@@ -23,6 +23,8 @@ from itertools import compress, repeat
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..storage import ArrayInfo, Reader, backend_for, paused_gc
 from ..trackable import (
     Trackable,
@@ -33,6 +35,7 @@ from ..trackable import (
 )
 from ..variables import PartitionedVariable, Variable, unsharded
 from ._apply import stored_infos
+from ._incremental import Restored
 from ._keys import escape_segment, unescape_segment
 from ._logical import BoxReader, Logical, apply_targets, as_target, read_boxes
 from ._serialize import decode_state, read_graph
@@ -128,6 +131,9 @@ class RestoreState:
         self.pending = 0
         #: reads boxes of stored values into parts' buffers (a coordinator may replace it)
         self.box_reader: BoxReader = read_boxes
+        #: notes the values this restore sets, now and on create (an incremental
+        #: manager's next save learns them; None: not noted)
+        self.restored: Restored | None = None
 
     def __del__(self) -> None:
         if self.silenced:
@@ -228,6 +234,8 @@ class RestoreState:
         """After the values went in: Python states, what was consumed, the deferrals."""
         for _key, trackable, state in decoded:
             restore_python_state(trackable, state)
+        if self.restored is not None:
+            self.restored.note(self._exact(m.variables))
         self.consumed_keys.update(map(_key_of, m.variables))  # mark_consumed, in bulk (in C)
         objs = list(map(_object_of, m.variables))
         self._matched.update(zip(map(id, objs), map(weakref.ref, objs), strict=True))
@@ -237,6 +245,14 @@ class RestoreState:
         for parent, name, parent_key in m.deferrals:
             defer_restore(parent, name, Deferred(self, parent_key))
             self.pending += 1
+
+    def _exact(self, matched: list[tuple[str, Any, Any]]) -> list[tuple[str, Any]]:
+        """``(key, target)`` of the values restored bit for bit (with ``cast``, those of
+        the stored dtype: a converted value's bytes are not the stored ones)."""
+        if not self.cast:
+            return list(map(_key_target, matched))
+        infos = self.infos
+        return [(k, t) for k, t, _ in matched if np.dtype(infos[k].dtype) == np.dtype(t.dtype)]
 
     def on_attach(self, parent_key: str, name: str, child: Any) -> None:
         with self.lock:

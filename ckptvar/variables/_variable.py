@@ -68,6 +68,7 @@ __all__ = [
     "set_initial_value_source",
     "set_save_slice_info",
     "shapes_and_dtypes",
+    "shares_memory",
     "track_rows",
     "unsharded",
     "write_version",
@@ -674,6 +675,14 @@ def track_rows(var: Variable) -> None:
     with var._lock:
         if var._row_log is None:
             var._row_log = RowLog(var._writes)
+
+
+def shares_memory(var: Variable) -> None:
+    """Say that ``var``'s memory is written by others too (a torch tensor's, which
+    optimizers update in place): its version is unknown from now on, as after
+    ``value()``, so an incremental checkpoint compares it by its checksums."""
+    with var._lock:
+        var._exposed = True
 
 
 def read_buffer(var: Variable) -> Any:

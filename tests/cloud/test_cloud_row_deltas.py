@@ -118,7 +118,8 @@ def test_patches_accumulate_merge_and_carry_over(s3: S3Bucket, fmt: str) -> None
     """Each step adds its patch; past the patch limit (``IncrementalOptions(max_patches=3)``)
     one merged patch of every row since
     the base (read back from the store) replaces them; an unchanged table carries the
-    delta over; a restarted manager, which cannot know it unchanged, writes it whole.
+    delta over, and so does a restarted manager that restores; one that does not
+    restore cannot know it unchanged and writes it whole.
     Every step, pruned or kept, loads bit-exact; HDF5 steps holding patches of
     a kept step stay committed until the merge frees them."""
     so = s3.storage_options
@@ -154,14 +155,51 @@ def test_patches_accumulate_merge_and_carry_over(s3: S3Bucket, fmt: str) -> None
         assert "referred_by" not in rows["ckpt-6.h5"]
         res = _ckpt(s3, "ls", run)
         assert "(holds bytes of ckpt-6.h5)" in res.stdout, res.stdout
-    # A restarted manager does not know the table unchanged, and a delta verified by its
-    # parts has no checksum of the whole value to compare with: written whole once, and
-    # the steps that held the delta's base and patch are freed.
+    # A restarted manager that restores (a new checkpoint over a new variable) knows the
+    # table unchanged since the restored step: the delta is carried over again.
+    again, fresh = _table()
+    restarted = _manager(again, run, fmt, so, keep=1, incremental=three)
+    assert restarted.restore_or_initialize() == step
+    step = restarted.save()
+    with cv.open(step, storage_options=so) as reader:
+        assert reader.deltas()["table"] == {"base": f"ckpt-1.{fmt}", "patches": 1, "rows": 8}
+    assert np.array_equal(cv.load(step, storage_options=so)["table"], fresh.numpy())
+    # One that does not restore cannot know the table unchanged, and a delta verified by
+    # its parts has no checksum of the whole value to compare with: written whole once,
+    # and the steps that held the delta's base and patch are freed.
     step = _manager(ckpt, run, fmt, so, keep=1, incremental=three).save()
     with cv.open(step, storage_options=so) as reader:
         assert "table" not in reader.deltas()
     assert np.array_equal(cv.load(step, storage_options=so)["table"], table.numpy())
-    assert list_committed_steps(s3.location("run")) == [f"ckpt-7.{fmt}"]
+    assert list_committed_steps(s3.location("run")) == [f"ckpt-8.{fmt}"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_restarted_manager_uploads_only_the_rows_written_since_its_restore(
+        s3: S3Bucket, proxy: FaultProxy, fmt: str) -> None:
+    """A new process (a new checkpoint over new variables) restores the latest step with
+    ``restore_or_initialize()`` and touches two rows: its first step uploads about
+    those rows, a patch on the restored step's delta, and reads back bit-exact."""
+    opts = {**s3.storage_options, "endpoint": proxy.endpoint}
+    so = s3.storage_options
+    run = f"{s3.url}/run"
+    ckpt, table = _table()
+    manager = _manager(ckpt, run, fmt, opts)
+    manager.save()
+    table.scatter_add(TOUCHED, np.ones((3, COLS), np.float32))
+    manager.save()
+    again, fresh = _table()
+    fresh.assign(np.zeros((ROWS, COLS), np.float32))
+    restarted = _manager(again, run, fmt, opts)
+    assert restarted.restore_or_initialize() == manager.latest_checkpoint
+    fresh.scatter_update(np.array([1, 8000]), np.full((2, COLS), 3.0, np.float32))
+    proxy.reset_counts()
+    step = restarted.save()
+    assert proxy.bytes_up < 48 * 1024, proxy.bytes_up  # two rows, not the 2 MiB table
+    with cv.open(step, storage_options=so) as reader:
+        assert reader.deltas() == {"table": {"base": f"ckpt-1.{fmt}", "patches": 2,
+                                             "rows": 5}}
+    assert np.array_equal(cv.load(step, storage_options=so)["table"], fresh.numpy())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

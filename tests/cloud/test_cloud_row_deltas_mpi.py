@@ -217,18 +217,35 @@ def test_a_process_object_merges_its_patches_reading_them_from_the_store(
     kept = ["ckpt-1.h5", "ckpt-5.h5", "ckpt-6.h5"] if fmt == "h5" else ["ckpt-5.zarr",
                                                                         "ckpt-6.zarr"]
     assert list_committed_steps(s3.location("one")) == kept
-    # a restarted manager (keeping one step) cannot know the table unchanged, and a delta
-    # verified by its parts has no checksum of the whole value to compare with: it writes
-    # the table whole, and the steps that held step 6's base and patches are freed
+    # a restarted manager that restores (a new checkpoint over a new sharded variable)
+    # knows its box unchanged since the restored step 6: the delta is carried over
+    fresh = cv.Variable(np.zeros_like(value), name="table",
+                        shard=cv.Shard(full_shape=value.shape, offset=(0, 0)))
+    restarted = cv.CheckpointManager(
+        cv.Checkpoint(table=fresh), f"{s3.url}/one", format=fmt, max_to_keep=2,
+        incremental=True, coordinator=cv.distributed.SingleProcessCoordinator(),
+        storage_options=opts)
+    assert restarted.restore_or_initialize() == last
+    proxy.reset_counts()
+    last = restarted.save()
+    assert last.endswith(f"/ckpt-7.{fmt}")
+    assert proxy.bytes_up < 40 << 10, proxy.bytes_up
+    with cv.open(last, storage_options=s3.storage_options) as reader:
+        assert reader.deltas()["table"]["patches"] == 2  # step 6's, carried over
+    assert np.array_equal(cv.load(last, storage_options=s3.storage_options)["table"], value)
+    # a restarted manager (keeping one step) that does not restore cannot know the table
+    # unchanged, and a delta verified by its parts has no checksum of the whole value to
+    # compare with: it writes the table whole, and the steps that held step 7's base and
+    # patches are freed
     again = cv.CheckpointManager(
         cv.Checkpoint(table=table), f"{s3.url}/one", format=fmt, max_to_keep=1,
         incremental=True, coordinator=cv.distributed.SingleProcessCoordinator(),
         storage_options=opts)
-    last = again.save()  # its counter says 1: it continues past the kept step 6
-    assert last.endswith(f"/ckpt-7.{fmt}")
+    last = again.save()  # its counter says 1: it continues past the kept step 7
+    assert last.endswith(f"/ckpt-8.{fmt}")
     with cv.open(last, storage_options=s3.storage_options) as reader:
         assert "table" not in reader.deltas()
-    assert list_committed_steps(s3.location("one")) == [f"ckpt-7.{fmt}"]
+    assert list_committed_steps(s3.location("one")) == [f"ckpt-8.{fmt}"]
     assert again.checkpoints == [last]
     assert np.array_equal(cv.load(last, storage_options=s3.storage_options)["table"], value)
 

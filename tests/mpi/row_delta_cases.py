@@ -20,6 +20,11 @@ value by one process), whose parts it trains at the same few rows.
   whole_every=4)`` saves steps 1-5: each process's box merges its patches at step 4
   and step 5 is written whole; rank 0 reports which values are deltas, with their
   patches, and whether each step's files refer to other steps (:func:`refers`).
+- ``first`` then ``restart`` (any number, the same in both): a job saves steps 1-3 and
+  ends; new processes (a new checkpoint over new variables) call
+  ``restore_or_initialize()``, train step 4 and save it, then save again with nothing
+  changed: rank 0 reports the bytes each of those steps added and which values are
+  row deltas; every listed step is restored and compared with ``expected(4)``.
 - ``bench`` (``DIR FORMAT MIB``): the bytes and time per step of row deltas against full
   steps (:func:`bench`; the figures in docs/benchmarks.md).
 
@@ -194,6 +199,38 @@ def fail_once(mgr: Any, coord: Any, root: Path) -> dict[str, Any]:
     return fields
 
 
+def restart(mode: str, mgr: Any, ckpt: Any, table: Any, part: Any,  # noqa: PLR0917
+            coord: Any) -> dict[str, Any]:
+    """The ``first`` mode: save steps 1-3. The ``restart`` mode: restore the latest step
+    (3), train and save step 4, save again unchanged (step 5); what they added, their
+    deltas, each restored bit-exact."""
+    if mode == "first":
+        for step in range(1, 4):
+            train(table, part, step)
+            mgr.save()
+        return {}
+    fields: dict[str, Any] = {"from": Path(mgr.restore_or_initialize()).name}
+    train(table, part, 4)
+    sizes, deltas = {}, {}
+    for step in (4, 5):
+        path = Path(mgr.save())
+        coord.barrier(tag=f"saved-{step}", timeout=60)
+        if coord.rank == 0:
+            sizes[path.name], deltas[path.name] = added_bytes(path), delta_keys(path)
+    fields["sizes"], fields["deltas"] = sizes, deltas
+    restored = {}
+    for path in mgr.checkpoints:
+        table.assign(np.full(table.shape, -1.0, np.float32))
+        ckpt.restore(path, coordinator=coord)
+        lo = table.shard.offset[0]
+        good = np.array_equal(table.numpy(), expected(4)[lo: lo + table.shape[0]])
+        if part is not None:
+            good = good and np.array_equal(np.asarray(part), expected_part(4))
+        restored[Path(path).name] = bool(good)
+    fields["restored"] = restored
+    return fields
+
+
 def main(mode: str, root: Path, fmt: str) -> None:
     import ckptvar as cv
 
@@ -235,7 +272,10 @@ def main(mode: str, root: Path, fmt: str) -> None:
         if rank == 0:
             fields["retried_deltas"] = delta_keys(path)
         fields["listed"] = [Path(p).name for p in mgr.checkpoints]
-    fields["restored"] = restore_all(mgr, ckpt, table, part, coord)
+    if mode in ("first", "restart"):
+        fields.update(restart(mode, mgr, ckpt, table, part, coord))
+    else:
+        fields["restored"] = restore_all(mgr, ckpt, table, part, coord)
     coord.barrier(tag="done", timeout=60)
     fields["ok"] = True
     with open(out, "a", encoding="utf-8") as f:

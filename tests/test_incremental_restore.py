@@ -1,0 +1,334 @@
+"""What a restore teaches an incremental manager (docs/checkpoints.md, "What a restore
+teaches the next save"): after a restart (a new process, or a new ``cv.Checkpoint`` over
+new variables), ``restore_or_initialize()`` or ``ckpt.restore(manager.latest_checkpoint)``
+makes the next save incremental like any other: an unchanged row delta is carried over,
+rows touched since the restore are a patch of exactly those rows, frozen values are
+shared without being hashed. A cast restore, a restore of an older step or of another
+directory's, and a failed restore teach nothing that is not so: the values are then
+compared or written whole, and every step reads back bit-exact."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptvar as cv
+from ckptvar.errors import CheckpointMismatchError
+from ckptvar.storage._container import blocks as blocks_mod
+from ckptvar.storage._container import writer as writer_mod
+
+ROWS, WIDTH = 8192, 64  # a 2 MiB float32 table (deltas start at 1 MiB)
+TABLE = ROWS * WIDTH * 4
+SMALL = 64 << 10  # what a step of nothing but its record and structure adds, at most
+
+# The first run: step 1 whole, step 2 a row delta of 3 rows on it (also run as a process).
+FIRST_RUN = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import ckptvar as cv
+
+    def model():
+        rng = np.random.default_rng(0)
+        table = cv.Variable(rng.random((8192, 64), dtype=np.float32), name="table")
+        frozen = cv.Variable(rng.random((8192, 64), dtype=np.float32), name="frozen",
+                             trainable=False)
+        return cv.Checkpoint(table=table, frozen=frozen), table
+
+    def first_run(directory, fmt):
+        ckpt, table = model()
+        manager = cv.CheckpointManager(ckpt, directory, format=fmt, max_to_keep=3,
+                                       incremental=True)
+        manager.save()
+        table.scatter_update(np.array([5, 600, 7000]), np.full((3, 64), 9.0, np.float32))
+        return manager.save()
+
+    if __name__ == "__main__":
+        print(first_run(sys.argv[1], sys.argv[2]))
+""")
+_NS: dict[str, Any] = {}
+exec(compile(FIRST_RUN, "first_run", "exec"), _NS)  # this file's own code
+_model, _first_run = _NS["model"], _NS["first_run"]
+
+
+def _added(step: str | Path) -> int:
+    """Bytes a step holds of its own (hard-linked files are shared)."""
+    step = Path(step)
+    if step.is_file():
+        return step.stat().st_size
+    return sum(p.stat().st_size for p in step.rglob("*") if p.is_file() and p.stat().st_nlink == 1)
+
+
+def _watch_whole_hashes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The length of each view the writer hashes whole (``hash_blocks``) from here on."""
+    hashed: list[int] = []
+    real = blocks_mod.hash_blocks
+
+    def counting(view: Any, seed: int, block_size: int = blocks_mod.BLOCK_SIZE) -> Any:
+        hashed.append(len(view))
+        return real(view, seed, block_size)
+
+    for mod in (blocks_mod, writer_mod):
+        monkeypatch.setattr(mod, "hash_blocks", counting)
+    return hashed
+
+
+def _restart(d: Path, fmt: str, how: str, **options: Any
+             ) -> tuple[cv.CheckpointManager, cv.Checkpoint, cv.Variable]:
+    """A new checkpoint over new variables (other initial values), its manager, restored."""
+    ckpt, table = _model()
+    ckpt.table.assign(np.zeros((ROWS, WIDTH), np.float32))
+    ckpt.frozen.assign(np.zeros((ROWS, WIDTH), np.float32))
+    manager = cv.CheckpointManager(ckpt, d, format=fmt, max_to_keep=3, **options)
+    if how == "restore_or_initialize":
+        assert manager.restore_or_initialize() == manager.latest_checkpoint
+    else:  # what TensorFlow users write
+        ckpt.restore(manager.latest_checkpoint).assert_consumed()
+    return manager, ckpt, table
+
+
+def _check(step: str, ckpt: cv.Checkpoint) -> None:
+    got = cv.load(step)
+    for key in ("table", "frozen"):
+        assert np.array_equal(got[key], getattr(ckpt, key).numpy()), key
+
+
+@pytest.mark.parametrize("how", ["restore_or_initialize", "restore"])
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_after_a_restart_an_unchanged_delta_is_carried_over(
+        tmp_path: Path, fmt: str, how: str, fresh_graph: cv.Graph) -> None:
+    d = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-c", FIRST_RUN, str(d), fmt],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    manager, ckpt, _ = _restart(d, fmt, how, incremental=True)
+    step = manager.save()  # nothing changed since the restore
+    assert _added(step) < SMALL, _added(step)  # neither the table nor the frozen value
+    with cv.open(step) as r:
+        assert r.deltas() == {"table": {"base": f"ckpt-1.{fmt}", "patches": 1, "rows": 3}}
+        assert r.delta_rows("table").tolist() == [5, 600, 7000]
+    _check(step, ckpt)
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_rows_touched_after_a_restore_are_a_patch_of_exactly_those_rows(
+        tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
+    d = tmp_path / "run"
+    _first_run(d, fmt)
+    manager, ckpt, table = _restart(d, fmt, "restore_or_initialize", incremental=True)
+    touched = np.array([1, 2000, 4096, 8191])
+    table.scatter_add(touched, np.ones((4, WIDTH), np.float32))
+    step = manager.save()
+    assert _added(step) < SMALL + touched.size * WIDTH * 4
+    with cv.open(step) as r:
+        assert r.deltas() == {"table": {"base": f"ckpt-1.{fmt}", "patches": 2, "rows": 7}}
+        assert r.delta_rows("table").tolist() == [1, 5, 600, 2000, 4096, 7000, 8191]
+        assert [p[3] for p in r.record.deltas["table"].patches] == [3, 4]  # this step's: 4
+    _check(step, ckpt)
+    fresh, _ = _model()
+    fresh.restore(step).assert_consumed()  # every reader path: bit-exact
+    assert np.array_equal(fresh.table.numpy(), table.numpy())
+
+
+@pytest.mark.parametrize("how", ["restore_or_initialize", "restore"])
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_restored_frozen_values_are_shared_without_being_hashed(
+        tmp_path: Path, fmt: str, how: str, fresh_graph: cv.Graph,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    d = tmp_path / "run"
+    _first_run(d, fmt)
+    manager, ckpt, table = _restart(d, fmt, how, incremental=True)
+    table.scatter_update(np.array([3]), np.zeros((1, WIDTH), np.float32))
+    hashed = _watch_whole_hashes(monkeypatch)
+    step = manager.save()
+    assert all(n < TABLE // 2 for n in hashed), hashed  # neither 2 MiB value hashed
+    with cv.open(step) as r:
+        assert "frozen" in r.shared()
+    _check(step, ckpt)
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_value_restored_on_create_is_known_from_its_creation(
+        tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
+    """A variable created after the restore (restore on create), born from a callable
+    initializer that never runs: known unchanged, its delta carried over."""
+    d = tmp_path / "run"
+    src = cv.Module(name="m")
+    src.table = cv.Variable(np.random.default_rng(1).random((ROWS, WIDTH), dtype=np.float32),
+                            name="table")
+    first = cv.CheckpointManager(cv.Checkpoint(model=src), d, format=fmt, incremental=True)
+    first.save()
+    src.table.scatter_update(np.array([10, 20]), np.ones((2, WIDTH), np.float32))
+    first.save()
+    with cv.Graph().as_default():
+        model = cv.Module(name="m")
+        manager = cv.CheckpointManager(cv.Checkpoint(model=model), d, format=fmt,
+                                       incremental=True)
+        manager.restore_or_initialize()
+        model.table = cv.Variable(lambda: np.zeros((ROWS, WIDTH), np.float32),
+                                  shape=(ROWS, WIDTH), dtype="float32", name="table")
+        step = manager.save()
+    assert _added(step) < SMALL, _added(step)
+    with cv.open(step) as r:
+        assert r.deltas()["model/table"]["patches"] == 1
+        assert np.array_equal(r["model/table"].read(), src.table.numpy())
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_cast_restore_teaches_only_the_values_not_cast(
+        tmp_path: Path, fmt: str, fresh_graph: cv.Graph,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    d = tmp_path / "run"
+    _first_run(d, fmt)
+    table = cv.Variable(np.zeros((ROWS, WIDTH), np.float64), name="table")  # stored float32
+    frozen = cv.Variable(np.zeros((ROWS, WIDTH), np.float32), name="frozen")
+    ckpt = cv.Checkpoint(table=table, frozen=frozen)
+    manager = cv.CheckpointManager(ckpt, d, format=fmt, max_to_keep=3, incremental=True)
+    with pytest.warns(UserWarning, match="table"):
+        ckpt.restore(manager.latest_checkpoint, cast=True).assert_consumed()
+    restored = ckpt.last_restore()
+    assert restored is not None and set(restored.versions) == {"frozen", "save_counter"}
+    hashed = _watch_whole_hashes(monkeypatch)
+    step = manager.save()
+    assert TABLE not in hashed  # the frozen value (the table is twice that now)
+    with cv.open(step) as r:
+        assert "table" not in r.deltas()  # float64 now: written whole, never the old bytes
+        assert r["table"].dtype == np.float64
+        assert "frozen" in r.shared()  # known unchanged: shared unhashed
+    assert _added(step) >= 2 * TABLE
+    _check(step, ckpt)
+
+
+@pytest.mark.parametrize("which", ["older", "elsewhere"])
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_restore_of_a_step_not_the_latest_knows_nothing(
+        tmp_path: Path, fmt: str, which: str, fresh_graph: cv.Graph,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a restore teaches holds for the restored step only: the next save builds on
+    the latest step, so every value is compared by its checksums (an unchanged one is
+    shared, hashed), and the table, a delta there, is written whole once."""
+    d = tmp_path / "run"
+    older = _first_run(d, fmt)  # step 2
+    ckpt0, table0 = _model()
+    manager0 = cv.CheckpointManager(ckpt0, d, format=fmt, max_to_keep=3, incremental=True)
+    manager0.restore_or_initialize()
+    table0.scatter_update(np.array([77]), np.full((1, WIDTH), 5.0, np.float32))
+    manager0.save()  # step 3: the latest
+    source = older
+    if which == "elsewhere":  # the same name, another directory: not this manager's step
+        other = tmp_path / "copy"
+        _first_run(other, fmt)
+        table0.scatter_update(np.array([1]), np.zeros((1, WIDTH), np.float32))
+        source = cv.CheckpointManager(ckpt0, other, format=fmt, max_to_keep=3,
+                                      incremental=True).save(checkpoint_number=3)
+        assert Path(source).name == f"ckpt-3.{fmt}"  # the name of this manager's latest
+    ckpt, _ = _model()
+    manager = cv.CheckpointManager(ckpt, d, format=fmt, max_to_keep=3, incremental=True)
+    ckpt.restore(source).assert_consumed()
+    hashed = _watch_whole_hashes(monkeypatch)
+    step = manager.save()  # its base: this manager's latest, ckpt-3
+    assert sum(hashed) >= 2 * TABLE  # both values compared (hashed)
+    with cv.open(step) as r:
+        assert "table" not in r.deltas()
+        assert "frozen" in r.shared()  # unchanged: found so by its checksums
+    _check(step, ckpt)
+    assert np.array_equal(cv.load(step)["table"], cv.load(source)["table"])
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_failed_restore_teaches_nothing(tmp_path: Path, fmt: str,
+                                          fresh_graph: cv.Graph) -> None:
+    d = tmp_path / "run"
+    _first_run(d, fmt)
+    table = cv.Variable(np.zeros((ROWS, WIDTH), np.float32), name="table")
+    frozen = cv.Variable(np.zeros((ROWS, WIDTH // 2), np.float32), name="frozen")  # mismatch
+    ckpt = cv.Checkpoint(table=table, frozen=frozen)
+    manager = cv.CheckpointManager(ckpt, d, format=fmt, max_to_keep=3, incremental=True)
+    with pytest.raises(CheckpointMismatchError):
+        manager.restore_or_initialize()
+    assert ckpt.last_restore() is None
+    assert not table.numpy().any()  # nothing changed: its own zeros, not the stored rows
+    step = manager.save()
+    with cv.open(step) as r:
+        assert "table" not in r.deltas() and "table" not in r.shared()
+    assert _added(step) >= TABLE
+    _check(step, ckpt)
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_whole_every_still_writes_a_restarted_managers_first_step_whole(
+        tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
+    """A manager that cannot know when the last whole step was writes its first step
+    whole when ``whole_every`` is set, restored or not; the next one is a delta again."""
+    d = tmp_path / "run"
+    _first_run(d, fmt)
+    opts = cv.IncrementalOptions(whole_every=4)
+    manager, ckpt, table = _restart(d, fmt, "restore_or_initialize", incremental=opts)
+    step = manager.save()
+    assert _added(step) >= 2 * TABLE
+    with cv.open(step) as r:
+        assert r.deltas() == {} and r.shared() == {}
+    table.scatter_update(np.array([9]), np.ones((1, WIDTH), np.float32))
+    step = manager.save()
+    assert _added(step) < SMALL
+    with cv.open(step) as r:
+        assert r.deltas()["table"]["rows"] == 1
+    _check(step, ckpt)
+
+
+def test_a_torch_modules_weights_written_in_place_are_saved(tmp_path: Path) -> None:
+    """Torch writes a module's tensors in place (an optimizer step), unseen by the
+    variables over their memory: an incremental step compares them by their checksums
+    (it used to share the stale bytes of the last step), restored or not."""
+    torch = pytest.importorskip("torch")
+    module = torch.nn.Linear(256, 256)
+    ckpt = cv.Checkpoint(model=module)
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", incremental=True)
+    manager.save()
+    for restore in (False, True):
+        if restore:
+            ckpt.restore(manager.latest_checkpoint).assert_consumed()
+        with torch.no_grad():
+            module.weight.add_(1.0)
+        step = manager.save()
+        got = cv.load(step)
+        assert np.array_equal(got["model/weight"], module.weight.detach().numpy())
+        with cv.open(step) as r:
+            assert "model/weight" not in r.shared()
+            assert r.shared()["model/bias"] == ["ckpt-1.h5"]  # unchanged: by checksums
+
+
+def test_restore_or_initialize_past_a_damaged_newest_step_knows_nothing(
+        tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    """``restore_or_initialize()`` skips a damaged newest step and restores the one
+    before: the next save builds on the newest (still listed), knows nothing, and is
+    bit-exact (the table written whole, the frozen value shared by its checksums). Zarr:
+    a patch's chunk file is damaged in place (its own file, not linked elsewhere)."""
+    d = tmp_path / "run"
+    _first_run(d, "zarr")
+    ckpt0, table0 = _model()
+    manager0 = cv.CheckpointManager(ckpt0, d, format="zarr", max_to_keep=3,
+                                    incremental=True)
+    manager0.restore_or_initialize()
+    table0.scatter_update(np.array([77]), np.full((1, WIDTH), 5.0, np.float32))
+    newest = Path(manager0.save())
+    own = [f for f in newest.rglob("c.*") if "patch" in f.parent.name
+           and f.stat().st_nlink == 1]  # this step's patch's chunk
+    assert own
+    data = bytearray(own[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    own[0].write_bytes(bytes(data))
+    ckpt, _ = _model()
+    manager = cv.CheckpointManager(ckpt, d, format="zarr", max_to_keep=3, incremental=True)
+    assert Path(manager.restore_or_initialize()).name == "ckpt-2.zarr"
+    assert [Path(p).name for p, _ in manager.skipped] == ["ckpt-3.zarr"]
+    step = manager.save()
+    with cv.open(step) as r:
+        assert "table" not in r.deltas() and "table" not in r.shared()
+        assert "frozen" in r.shared()
+    _check(step, ckpt)
