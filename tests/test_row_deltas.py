@@ -24,7 +24,6 @@ from ckptvar.checkpoint._incremental import Incremental
 from ckptvar.errors import CorruptCheckpointError
 from ckptvar.storage._container import blocks as blocks_mod
 from ckptvar.storage._container import delta as delta_mod
-from ckptvar.storage._container import writer as writer_mod
 from ckptvar.storage._container.delta import DELTA_LIMIT, MAX_PATCHES
 from ckptvar.storage._record import decode, encode
 from ckptvar.variables import rows_written, track_rows, write_version
@@ -36,20 +35,6 @@ ROW_BYTES = WIDTH * 4
 def _rows(v: cv.Variable, since: tuple[int, int] | None) -> list[int] | None:
     got = rows_written(v, since)
     return None if got is None else got.tolist()
-
-
-def _watch_whole_hashes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The length of each view the writer hashes whole (``hash_blocks``) from here on."""
-    hashed: list[int] = []
-    real = blocks_mod.hash_blocks
-
-    def counting(view: Any, seed: int, block_size: int = blocks_mod.BLOCK_SIZE) -> Any:
-        hashed.append(len(view))
-        return real(view, seed, block_size)
-
-    for mod in (blocks_mod, writer_mod):
-        monkeypatch.setattr(mod, "hash_blocks", counting)
-    return hashed
 
 
 def test_each_write_path_says_which_rows_it_wrote(fresh_graph: cv.Graph) -> None:
