@@ -6,6 +6,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -210,3 +211,24 @@ def test_dict_keys_that_cannot_name_a_value(tmp_path: Path, fresh_graph: cv.Grap
     ckpt = cv.Checkpoint(d={(1, 2): cv.Variable(1.0), 3: cv.Variable(2.0)})
     with pytest.raises(TypeError, match=r"\(1, 2\)"):
         ckpt.save(tmp_path / "ckpt")
+
+
+def test_a_checkpoint_refuses_arrays_in_a_container(tmp_path: Path,
+                                                    fresh_graph: cv.Graph) -> None:
+    """Arrays in a list or dict given to a checkpoint were left out of every save, silently
+    (a JAX or NumPy pytree saved nothing): they are refused, naming each, with the way
+    to save them; other values left out are said; an array put in later is said at the
+    save that leaves it out."""
+    with pytest.raises(TypeError, match=r"'params/w' \(numpy.ndarray\).*'params/b/0'.*"
+                                        r"cv\.Variable.*cv\.save"):
+        cv.Checkpoint(params={"w": np.ones(3), "b": [np.zeros(2)], "v": cv.Variable(1.0)})
+    with pytest.raises(TypeError, match=r"'opt/1' \(numpy.float32\)"):
+        cv.Checkpoint(opt=[cv.Variable(1.0), np.float32(2.0)])
+    with pytest.warns(UserWarning, match=r"'cfg/lr' is neither a variable nor a trackable "
+                                         r"object: a save leaves it out"):
+        ckpt = cv.Checkpoint(cfg={"lr": 0.1, "v": cv.Variable(2.0, name="v")})
+    ckpt.cfg["late"] = np.ones(2)
+    with pytest.warns(UserWarning, match=r"'cfg/late' is a numpy.ndarray in a container.*"
+                                         r"not saved"):
+        path = ckpt.write(tmp_path / "c.h5")
+    assert sorted(cv.load(path)) == ["cfg/v"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict, Unpack, cast
 
@@ -35,7 +36,7 @@ from ._serialize import SaveContents, SnapshotBuffer, gather, host_arrays, metad
 from ._state import record_latest
 from ._status import RestoreStatus
 from ._steps import split_format, step_name
-from ._walk import walk
+from ._walk import is_array, untracked, walk
 
 __all__ = ["Checkpoint", "SaveOptions"]
 
@@ -100,6 +101,29 @@ def _ask(children: dict[str, Any], states: dict[str, bytes]) -> list[Any] | None
     return key
 
 
+def _check_contents(name: str, container: list[Any] | tuple[Any, ...] | dict[Any, Any]
+                    ) -> None:
+    """Refuse a container holding arrays (a pytree: ``cv.save`` saves those), and say which
+    other values in it a save leaves out (numbers, strings: a trackable's Python state
+    holds those)."""
+    left = untracked(container, name)
+    arrays = [(k, v) for k, v in left if is_array(v)]
+    if arrays:
+        shown = ", ".join(f"{k!r} ({type(v).__module__}.{type(v).__qualname__})"
+                          for k, v in arrays[:3])
+        more = f" and {len(arrays) - 3} more" if len(arrays) > 3 else ""
+        raise TypeError(
+            f"Checkpoint({name}=...) holds arrays, which a checkpoint does not track: "
+            f"{shown}{more}. Hold each in a cv.Variable, or save a pytree of arrays with "
+            "cv.save(path, tree) and cv.load(path, like=tree) (docs/frameworks.md).")
+    if left:
+        named = ", ".join(repr(k) for k, _ in left[:5]) + (" and more" if len(left) > 5 else "")
+        warnings.warn(
+            f"Checkpoint({name}=...): {named} {'is' if len(left) == 1 else 'are'} neither a "
+            "variable nor a trackable object: a save leaves "
+            f"{'it' if len(left) == 1 else 'them'} out.", UserWarning, stacklevel=3)
+
+
 class Checkpoint(Trackable):
     """Groups trackable objects and saves/restores them by their object-graph paths.
 
@@ -151,6 +175,8 @@ class Checkpoint(Trackable):
                 "with state_dict()/load_state_dict() or a list/tuple/dict of them, got "
                 f"{type(value).__name__}."
             )
+        if isinstance(value, list | tuple | dict):
+            _check_contents(name, value)
         object.__setattr__(self, name, value)
         self._track(name, trackable_for(value))
 

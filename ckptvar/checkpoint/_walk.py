@@ -10,6 +10,7 @@ stored once and restored into every path).
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from ..trackable import Trackable, trackable_children
 from ..variables import PartitionedVariable, Variable
 from ._keys import escape_segment
 
-__all__ = ["Node", "child_items", "walk"]
+__all__ = ["Node", "child_items", "is_array", "untracked", "walk"]
 
 
 @dataclass(slots=True)
@@ -86,6 +87,48 @@ def _is_node(value: Any) -> bool:
     return isinstance(value, _NODE_TYPES)
 
 
+def is_array(value: Any) -> bool:
+    """Whether ``value`` is an array (NumPy, torch, JAX, CuPy, a NumPy scalar): what a
+    checkpoint does not track unless it is held by a ``cv.Variable``.
+
+    >>> import numpy as np
+    >>> is_array(np.ones(2)), is_array(np.float32(1)), is_array(3), is_array("a")
+    (True, True, False, False)
+    """
+    return (hasattr(value, "__array__") or hasattr(value, "__dlpack__")
+            or (hasattr(value, "shape") and hasattr(value, "dtype")))
+
+
+def untracked(container: list[Any] | tuple[Any, ...] | dict[Any, Any], key: str
+              ) -> list[tuple[str, Any]]:
+    """``(key, value)`` of each value in ``container`` (and the lists, tuples and dicts in
+    it) that a checkpoint does not track: neither a variable, a trackable object nor a
+    container; what a save leaves out.
+
+    >>> import numpy as np
+    >>> [(k, type(v).__name__) for k, v in untracked({"w": np.ones(2), "lr": [0.1]}, "p")]
+    [('p/w', 'ndarray'), ('p/lr/0', 'float')]
+    """
+    out: list[tuple[str, Any]] = []
+    todo: list[tuple[str, Any]] = [(key, container)]
+    seen = {id(container)}
+    while todo:
+        at, obj = todo.pop(0)
+        try:
+            items = list(child_items(obj, at))
+        except TypeError:  # a key that cannot name a value: the save says so
+            continue
+        for name, child in items:
+            child_key = _join(at, name)
+            if isinstance(child, list | tuple | dict):
+                if id(child) not in seen:
+                    seen.add(id(child))
+                    todo.append((child_key, child))
+            elif not _is_node(child):
+                out.append((child_key, child))
+    return out
+
+
 def walk(root: Any, root_key: str = "") -> list[Node]:
     """Every variable, trackable and container reachable from ``root`` (root first)."""
     nodes: list[Node] = [Node(root_key, root, None, None)]
@@ -98,6 +141,8 @@ def walk(root: Any, root_key: str = "") -> list[Node]:
             leaf = type(child) is Variable  # the common case, without the isinstance calls
             if not leaf:
                 if not isinstance(child, _NODE_TYPES):
+                    if not isinstance(obj, Trackable) and is_array(child):
+                        _left_out(_join(key, name), child)
                     continue
                 leaf = isinstance(child, Variable | PartitionedVariable)
             if type(name) is str and name and key and "%" not in name and "/" not in name:
@@ -118,3 +163,16 @@ def walk(root: Any, root_key: str = "") -> list[Node]:
             add(Node(child_key, child, obj, name))
             queue.append((child_key, child))
     return nodes
+
+
+def _left_out(key: str, value: Any) -> None:
+    """Say that the array at ``key`` (in a list, tuple or dict) is not saved (once per
+    key and type: Python's warning registry)."""
+    warnings.warn(
+        f"{key!r} is a {type(value).__module__}.{type(value).__qualname__} in a container: "
+        "a checkpoint saves variables and trackable objects, so it is not saved (nor "
+        "restored). Hold it in a cv.Variable, or save a pytree of arrays with "
+        "cv.save(path, tree) (docs/frameworks.md).",
+        UserWarning,
+        stacklevel=4,
+    )
