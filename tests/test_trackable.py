@@ -232,3 +232,21 @@ def test_a_checkpoint_refuses_arrays_in_a_container(tmp_path: Path,
                                          r"not saved"):
         path = ckpt.write(tmp_path / "c.h5")
     assert sorted(cv.load(path)) == ["cfg/v"]
+
+
+def test_a_checkpoint_refuses_torch_modules_in_a_container(tmp_path: Path,
+                                                           fresh_graph: cv.Graph) -> None:
+    """A torch module or optimizer is tracked as a checkpoint's own argument only (its
+    state dict, restored as a whole); in a list or dict it was left out of every save,
+    a whole model, with a warning that called it neither a variable nor a trackable:
+    it is refused, naming each, with the way to save them."""
+    torch = pytest.importorskip("torch")
+    gen, disc = torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(gen.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"'models/gen' \(torch.nn.modules.linear.Linear\), "
+                                        r"'models/disc' .*Checkpoint\(gen=\.\.\., disc=\.\.\.\)"):
+        cv.Checkpoint(models={"gen": gen, "disc": disc})
+    with pytest.raises(TypeError, match=r"'parts/1' \(torch.optim.sgd.SGD\)"):
+        cv.Checkpoint(parts=[cv.Variable(1.0), opt])
+    ckpt = cv.Checkpoint(gen=gen, opt=opt)  # each its own argument: saved
+    assert any(k.startswith("gen") for k in cv.load(ckpt.write(tmp_path / "c.h5")))

@@ -103,10 +103,21 @@ def _ask(children: dict[str, Any], states: dict[str, bytes]) -> list[Any] | None
 
 def _check_contents(name: str, container: list[Any] | tuple[Any, ...] | dict[Any, Any]
                     ) -> None:
-    """Refuse a container holding arrays (a pytree: ``cv.save`` saves those), and say which
+    """Refuse a container holding arrays (a pytree: ``cv.save`` saves those) or objects
+    with ``state_dict()`` (tracked as a checkpoint's own arguments only), and say which
     other values in it a save leaves out (numbers, strings: a trackable's Python state
     holds those)."""
     left = untracked(container, name)
+    objects = [(k, v) for k, v in left if isinstance(v, SupportsStateDict)]
+    if objects:  # tracked as a checkpoint's own arguments only (restored as a whole)
+        shown = ", ".join(f"{k!r} ({type(v).__module__}.{type(v).__qualname__})"
+                          for k, v in objects)
+        names = [k.rpartition("/")[2] for k, _ in objects]
+        names = [n if n.isidentifier() else f"{name}_{n}" for n in names]
+        raise TypeError(
+            f"Checkpoint({name}=...) holds objects with state_dict() in a container, which "
+            f"a checkpoint does not track: {shown}. Pass each as its own argument: "
+            f"cv.Checkpoint({', '.join(f'{n}=...' for n in names)}).")
     arrays = [(k, v) for k, v in left if is_array(v)]
     if arrays:
         shown = ", ".join(f"{k!r} ({type(v).__module__}.{type(v).__qualname__})"
