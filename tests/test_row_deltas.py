@@ -898,3 +898,25 @@ def test_a_delta_step_with_a_patch_in_many_pieces_reads_bit_exact(
             assert r.record.deltas["table"].patches[-1][3] > 300
             assert r.verify_all() == []
         assert np.array_equal(cv.load(step)["table"], table.numpy())
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_delta_verified_by_its_parts_has_no_checksum_of_its_whole_value(
+        tmp_path: Path, fresh_graph: cv.Graph, fmt: str) -> None:
+    """``ArrayInfo.checksum`` is the whole value's; a delta verified by its parts has none
+    (its record's item is its base's): it said its base's, so a changed value had the
+    checksum of the step before it. It is checked by its parts (``piecewise``)."""
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", format=fmt, incremental=True)
+    base = manager.save()
+    table.scatter_update([3, 4000], np.zeros((2, WIDTH), np.float32))
+    step = manager.save()
+    with cv.open(base) as r:
+        before = r.info("table")
+    with cv.open(step) as r:
+        assert r.record.deltas["table"].by_parts
+        info = r.info("table")
+        assert np.array_equal(r["table"].read(), table.numpy())
+    assert before.checksum is not None
+    assert info.checksum != before.checksum  # another value
+    assert info.checksum is None and info.piecewise and info.checked
