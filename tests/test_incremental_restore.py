@@ -332,3 +332,18 @@ def test_restore_or_initialize_past_a_damaged_newest_step_knows_nothing(
         assert "table" not in r.deltas() and "table" not in r.shared()
         assert "frozen" in r.shared()
     _check(step, ckpt)
+
+
+def test_a_zarr_step_restored_by_a_path_ending_in_a_slash_teaches_the_same(
+        tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    """A Zarr step is a directory, often named with a trailing ``/`` (shell completion):
+    its directory was taken as the step itself, so the restore taught nothing and the
+    first save wrote every value whole."""
+    d = tmp_path / "run"
+    _first_run(d, "zarr")
+    ckpt, _ = _model()
+    manager = cv.CheckpointManager(ckpt, d, format="zarr", max_to_keep=3, incremental=True)
+    ckpt.restore(f"{manager.latest_checkpoint}/").assert_consumed()
+    step = manager.save()  # nothing changed since the restore
+    assert _added(step) < SMALL, _added(step)
+    _check(step, ckpt)

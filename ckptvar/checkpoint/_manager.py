@@ -889,11 +889,12 @@ class CheckpointManager:
     def _own_step(self, path: str) -> str | None:
         """The name of the step at ``path`` when it is one of this manager's (its naming,
         in its directory); else None."""
-        name = path.rstrip("/").rpartition("/")[2]
+        path = path.rstrip("/")  # a Zarr step's directory may be named with a "/"
+        name = path.rpartition("/")[2]
         if not self._is_own_name(name):
             return None
         if self._location is not None:
-            return name if path.rstrip("/") == self._full(name).rstrip("/") else None
+            return name if path == self._full(name).rstrip("/") else None
         try:
             same = os.path.samefile(os.path.dirname(path) or ".", self.directory)
         except OSError:
