@@ -45,15 +45,26 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
+    "SupportsStateDict",
     "Trackable",
     "defer_restore",
     "python_state",
     "restore_python_state",
     "trackable_children",
 ]
+
+@runtime_checkable
+class SupportsStateDict(Protocol):
+    """An object whose state is ``state_dict()`` and goes back by ``load_state_dict(sd)``
+    (a torch module or optimizer): a checkpoint tracks it as one of its own arguments."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any) -> Any: ...
+
 
 #: A deferred-restore handler: ``handler(parent, name, child)``.
 DeferredHandler = Callable[["Trackable", str, Any], None]

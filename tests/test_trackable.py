@@ -250,3 +250,9 @@ def test_a_checkpoint_refuses_torch_modules_in_a_container(tmp_path: Path,
         cv.Checkpoint(parts=[cv.Variable(1.0), opt])
     ckpt = cv.Checkpoint(gen=gen, opt=opt)  # each its own argument: saved
     assert any(k.startswith("gen") for k in cv.load(ckpt.write(tmp_path / "c.h5")))
+    later = cv.Checkpoint(parts=[cv.Variable(1.0, name="v")])
+    later.parts.append(disc)  # put in after: said at the save that leaves it out
+    with pytest.warns(UserWarning, match=r"'parts/1' is a torch.nn.modules.linear.Linear "
+                                         r"in a container.*own argument"):
+        path = later.write(tmp_path / "later.h5")
+    assert sorted(cv.load(path)) == ["parts/0"]

@@ -37,7 +37,7 @@ from .._frameworks import framework_of, to_numpy
 from .._staging import element_dtype, is_on_gpu
 from ..errors import CkptError
 from ..graph import Graph
-from ..trackable import Trackable
+from ..trackable import SupportsStateDict, Trackable
 from ..variables import FreshValue, Shard, Variable, set_device_value, shares_memory
 from ._serialize import decode_state, encode_state
 
@@ -59,15 +59,6 @@ __all__ = [
 
 class FrameworkStateError(CkptError, TypeError):
     """Framework state that cannot be checkpointed as it is (says which value and why)."""
-
-
-@runtime_checkable
-class SupportsStateDict(Protocol):
-    """An object whose state is ``state_dict()`` and goes back by ``load_state_dict(sd)``."""
-
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state_dict: Any) -> Any: ...
 
 
 @runtime_checkable

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..trackable import Trackable, trackable_children
+from ..trackable import SupportsStateDict, Trackable, trackable_children
 from ..variables import PartitionedVariable, Variable
 from ._keys import escape_segment
 
@@ -141,7 +141,8 @@ def walk(root: Any, root_key: str = "") -> list[Node]:
             leaf = type(child) is Variable  # the common case, without the isinstance calls
             if not leaf:
                 if not isinstance(child, _NODE_TYPES):
-                    if not isinstance(obj, Trackable) and is_array(child):
+                    if not isinstance(obj, Trackable) and (
+                            is_array(child) or isinstance(child, SupportsStateDict)):
                         _left_out(_join(key, name), child)
                     continue
                 leaf = isinstance(child, Variable | PartitionedVariable)
@@ -166,13 +167,15 @@ def walk(root: Any, root_key: str = "") -> list[Node]:
 
 
 def _left_out(key: str, value: Any) -> None:
-    """Say that the array at ``key`` (in a list, tuple or dict) is not saved (once per
-    key and type: Python's warning registry)."""
+    """Say that the array or state-dict object at ``key`` (in a list, tuple or dict) is
+    not saved (once per key and type: Python's warning registry)."""
+    how = ("Pass it as the checkpoint's own argument, cv.Checkpoint(name=...)"
+           if isinstance(value, SupportsStateDict) else
+           "Hold it in a cv.Variable, or save a pytree of arrays with cv.save(path, tree)")
     warnings.warn(
         f"{key!r} is a {type(value).__module__}.{type(value).__qualname__} in a container: "
         "a checkpoint saves variables and trackable objects, so it is not saved (nor "
-        "restored). Hold it in a cv.Variable, or save a pytree of arrays with "
-        "cv.save(path, tree) (docs/frameworks.md).",
+        f"restored). {how} (docs/frameworks.md).",
         UserWarning,
         stacklevel=4,
     )
