@@ -13,6 +13,10 @@ layer calls it through. A user class takes part by overriding, all optional:
   and :meth:`Trackable.restore_python_state` to take it back. This is how an int
   step counter, an RNG state or a config dict is checkpointed.
 
+An object that is not a trackable but has ``state_dict()``/``load_state_dict()`` (a
+torch module or optimizer: :class:`SupportsStateDict`, declared here so that the walk
+can name one it leaves out) takes part as a checkpoint's own argument.
+
 Deferred restores: a restore that finds a checkpoint value for a child that does
 not exist yet leaves a handler on the parent (:meth:`Trackable.defer_restore`);
 when the child is attached later with :meth:`Trackable.track`, the handler gives

@@ -1,8 +1,8 @@
 """Framework state in a checkpoint: objects with ``state_dict()`` and torch tensors as variables.
 
-Owns :class:`SupportsStateDict` (torch modules, optimizers, LR schedulers, Hugging Face
-models: anything with ``state_dict()``/``load_state_dict()``), :class:`StateDictTrackable`
-(how such an object takes part in a :class:`~ckptvar.Checkpoint`) and
+Owns :class:`StateDictTrackable` (how an object with ``state_dict()``/``load_state_dict()``,
+:class:`~ckptvar.trackable.SupportsStateDict`: torch modules, optimizers, LR schedulers,
+Hugging Face models, takes part in a :class:`~ckptvar.Checkpoint`) and
 :func:`tensor_variable` (a torch tensor, or a ``DTensor``'s local shard, seen as a
 variable over the tensor's own memory, so a save writes it without a copy and a restore
 writes into it in place).
