@@ -55,14 +55,21 @@ class Ramp:
 
 def _peak_save(path: Path, value: Any, **options: Any) -> int:
     """tracemalloc's peak (bytes) while ``value`` is saved at ``path`` (after a first,
-    small save of the same format: module imports are not the writer's memory)."""
+    small save of the same format: module imports are not the writer's memory); the
+    lower of two saves, since tracemalloc also counts what another thread of the test
+    process allocates meanwhile (a server or background thread of an earlier test),
+    which only ever adds to the writer's own peak."""
     cv.save(path.with_name("warm-" + path.name), {"w": Ramp(64, 64)}, **options)
-    tracemalloc.start()
-    try:
-        cv.save(path, {"w": value, "small": np.ones(3, np.float32)}, **options)
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peaks = []
+    for attempt in range(2):
+        target = path if attempt else path.with_name("first-" + path.name)
+        tracemalloc.start()
+        try:
+            cv.save(target, {"w": value, "small": np.ones(3, np.float32)}, **options)
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+    return min(peaks)
 
 
 @pytest.mark.parametrize(("name", "options", "bound"), [
