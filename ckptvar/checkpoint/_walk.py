@@ -110,10 +110,10 @@ def untracked(container: list[Any] | tuple[Any, ...] | dict[Any, Any], key: str
     [('p/w', 'ndarray'), ('p/lr/0', 'float')]
     """
     out: list[tuple[str, Any]] = []
-    todo: list[tuple[str, Any]] = [(key, container)]
+    todo: deque[tuple[str, Any]] = deque([(key, container)])
     seen = {id(container)}
     while todo:
-        at, obj = todo.pop(0)
+        at, obj = todo.popleft()
         try:
             items = list(child_items(obj, at))
         except TypeError:  # a key that cannot name a value: the save says so
