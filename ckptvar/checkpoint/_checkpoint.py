@@ -154,7 +154,8 @@ class Checkpoint(Trackable):
     #: "Thread safety")
     _cv_lock: threading.RLock
 
-    #: whether restores note what they set (:meth:`note_restores`), and the last one's
+    #: whether an incremental manager asked for restores' notes (:meth:`note_restores`),
+    #: and what the last restore set
     _cv_noting: bool = False
     _cv_restored: Restored | None = None
 
@@ -167,6 +168,7 @@ class Checkpoint(Trackable):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         del state["_cv_lock"]  # (not picklable) a copy takes its own
+        state.pop("_cv_restored", None)  # (weak references) a copy's variables are its own
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -411,17 +413,23 @@ class Checkpoint(Trackable):
 
     # -- restoring --------------------------------------------------------------------
     def note_restores(self) -> None:
-        """From now on, each successful :meth:`restore` notes what it set (:meth:`last_restore`).
+        """Note restores as an incremental ``cv.CheckpointManager`` built on this checkpoint
+        needs (it calls this): from now on rows written since a restore are tracked.
 
-        An incremental ``cv.CheckpointManager`` built on this checkpoint asks for it: its
-        next save then knows the restored values unchanged since the restored step, and
-        which rows were written since (docs/checkpoints.md, "What a restore teaches").
+        Every successful :meth:`restore` notes what it set (:meth:`last_restore`); the
+        manager's next save then knows the restored values unchanged since the restored
+        step, and which rows were written since. A restore made before this call is
+        taken up now: its values still unwritten have their rows tracked from now on
+        (docs/checkpoints.md, "What a restore teaches").
         """
         object.__setattr__(self, "_cv_noting", True)
+        restored = self._cv_restored
+        if restored is not None:
+            restored.track()
 
     def last_restore(self) -> Restored | None:
-        """What the last successful restore set, once :meth:`note_restores` was called
-        (a new object for each restore; values restored on create are added as they are)."""
+        """What the last successful restore set (a new object for each restore; values
+        restored on create are added as they are)."""
         return self._cv_restored
 
     def restore(
@@ -464,7 +472,7 @@ class Checkpoint(Trackable):
             with paused_gc():
                 state = RestoreState(path, root=self, verify=verify, cast=cast,
                                      storage_options=storage_options)
-                state.restored = Restored(path) if self._cv_noting else None
+                state.restored = Restored(path, tracking=self._cv_noting)
                 if state.has_save_counter:
                     self.save_counter  # noqa: B018 - exists before matching: restored too
                 adapters = begin_restores(self, state.states, state.infos, state.path)
@@ -493,7 +501,7 @@ class Checkpoint(Trackable):
                 state = CollectiveRestoreState(path, coordinator=coord, root=self, verify=verify,
                                                cast=cast, timeout=timeout,
                                                storage_options=storage_options)
-                state.restored = Restored(path) if self._cv_noting else None
+                state.restored = Restored(path, tracking=self._cv_noting)
                 if state.has_save_counter:
                     self.save_counter  # noqa: B018 - exists before matching: restored too
                 adapters = begin_restores(self, state.states, state.infos, state.path)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,18 +173,29 @@ class Incremental:
 class Restored:
     """What a restore of the step at ``path`` set: key -> the version, right after the
     restore, of the value (a ``cv.Variable``, or a partitioned variable's parts) that now
-    holds exactly the step's bytes of ``key`` (:meth:`note`); the rows written since are
-    tracked from then on. A value restored later (restore on create) is noted when set.
+    holds exactly the step's bytes of ``key`` (:meth:`note`). A value restored later
+    (restore on create) is noted when set.
+
+    Every restore notes (a path and a version per value: no value is copied). While
+    ``tracking`` (an incremental manager is built on the checkpoint), the rows written
+    since are tracked from the restore on; a note taken before is taken up by
+    :meth:`track` when the manager is built: the rows are tracked from then on, so the
+    rows of a value written between the restore and then are not known (it is compared
+    by its checksums or written whole, never patched on a guess).
 
     >>> Restored("runs/ckpt-3.h5").versions
     {}
     """
 
-    __slots__ = ("path", "versions")
+    __slots__ = ("_untracked", "path", "tracking", "versions")
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, tracking: bool = True) -> None:
         self.path = os.fspath(path)
         self.versions: dict[str, Any] = {}
+        self.tracking = tracking
+        #: key -> (whether a partitioned value, its parts) of the values noted while not
+        #: tracking: :meth:`track` takes them up (weak: a dropped variable is let go)
+        self._untracked: dict[str, tuple[bool, tuple[weakref.ref[Variable], ...]]] = {}
 
     def note(self, values: Iterable[tuple[str, Any]]) -> None:
         """The values ``(key, variable or logical value)`` now hold the stored bytes of
@@ -199,6 +211,13 @@ class Restored:
             if not all(isinstance(p, Variable) and write_version(p) is not None
                        for p in parts):
                 continue  # compared by checksums (a GPU tensor's stays unmaterialized)
+            if not self.tracking:  # no manager yet: the version alone, nothing touched
+                version = _version(target, track=False)
+                if version is not None:
+                    self.versions[key] = version
+                    self._untracked[key] = (isinstance(target, Logical),
+                                            tuple(map(weakref.ref, parts)))
+                continue
             for part in parts:  # a value restored into a variable not materialised
                 if not is_materialized(part):  # becomes its buffer now (no copy on the
                     read_buffer(part)  # CPU), not at its first use (a whole write then)
@@ -206,19 +225,47 @@ class Restored:
             if version is not None:
                 self.versions[key] = version
 
+    def track(self) -> None:
+        """Note as an incremental manager needs from now on, and take up what was noted
+        before: each part still at its restored version has its rows tracked from now
+        (a part not materialised yet takes the restored array as its buffer, as
+        :meth:`note` does), so its rows written since the restore are known; a part
+        written since keeps its restored version, with its rows not known; a value
+        whose variable is gone is forgotten."""
+        self.tracking = True
+        untracked, self._untracked = self._untracked, {}
+        for key, (logical, refs) in untracked.items():
+            parts = [ref() for ref in refs]
+            noted = self.versions.get(key)
+            if noted is None or any(p is None for p in parts):
+                self.versions.pop(key, None)
+                continue
+            now = []
+            for part, was in zip(parts, noted if logical else (noted,), strict=True):
+                assert part is not None
+                if write_version(part) == was and not is_materialized(part):
+                    read_buffer(part)  # the restored array, adopted: one write, no copy
+                    was = write_version(part)
+                track_rows(part)
+                now.append(was)
+            self.versions[key] = tuple(now) if logical else now[0]
 
-def _version(var: Any) -> Any:
+
+def _version(var: Any, *, track: bool = True) -> Any:
     """The version of a value to save (:func:`write_version`; a partitioned variable
-    assembled whole: its parts' in order; None: unknown), its rows tracked from now on."""
+    assembled whole: its parts' in order; None: unknown), its rows tracked from now on
+    (unless not ``track``)."""
     if isinstance(var, Variable):
-        track_rows(var)  # from now on its writes say which rows they touch
+        if track:
+            track_rows(var)  # from now on its writes say which rows they touch
         return write_version(var)
     if not isinstance(var, Logical) or not var.parts or any(
             not isinstance(p, Variable) or p.shard is not None for p in var.parts):
         return None  # a shard's parts are boxes of their own: compared by checksums
     versions = []
     for part in var.parts:
-        track_rows(part)
+        if track:
+            track_rows(part)
         version = write_version(part)
         if version is None:
             return None
