@@ -347,3 +347,221 @@ def test_a_zarr_step_restored_by_a_path_ending_in_a_slash_teaches_the_same(
     step = manager.save()  # nothing changed since the restore
     assert _added(step) < SMALL, _added(step)
     _check(step, ckpt)
+
+
+# -- a restore made before the incremental manager was built (TensorFlow's order) --------
+
+def _restore_first(d: Path, fmt: str, source: str | Path | None = None,
+                   between: Any = None) -> tuple[cv.CheckpointManager, cv.Checkpoint,
+                                                 cv.Variable]:
+    """A new checkpoint over new variables, restored from ``source`` (default: ``d``'s
+    latest step) BEFORE its incremental manager is built; ``between(ckpt)`` runs after
+    the restore, before the manager exists."""
+    ckpt, table = _model()
+    ckpt.table.assign(np.zeros((ROWS, WIDTH), np.float32))
+    ckpt.frozen.assign(np.zeros((ROWS, WIDTH), np.float32))
+    status = ckpt.restore(source if source is not None else cv.latest_checkpoint(d))
+    status.assert_consumed()
+    if between is not None:
+        between(ckpt)
+    manager = cv.CheckpointManager(ckpt, d, format=fmt, max_to_keep=3, incremental=True)
+    return manager, ckpt, table
+
+
+def _check_kept(manager: cv.CheckpointManager, values: dict[str, dict[str, np.ndarray]]
+                ) -> None:
+    """Every kept step restores bit-exact into new variables (``values``: step name ->
+    key -> the value it was saved with), and loads so plainly."""
+    for path in manager.checkpoints:
+        want = values.get(Path(path).name)
+        if want is None:
+            continue
+        fresh, _ = _model()
+        fresh.restore(path).assert_consumed()
+        got = cv.load(path)
+        for key, value in want.items():
+            assert np.array_equal(getattr(fresh, key).numpy(), value), (path, key)
+            assert np.array_equal(got[key], value), (path, key)
+
+
+def _saved(manager: cv.CheckpointManager, ckpt: cv.Checkpoint,
+           values: dict[str, dict[str, np.ndarray]]) -> str:
+    step = manager.save()
+    values[Path(step).name] = {k: getattr(ckpt, k).numpy() for k in ("table", "frozen")}
+    return step
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_restore_before_the_manager_teaches_its_first_save(
+        tmp_path: Path, fmt: str, fresh_graph: cv.Graph,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``status = ckpt.restore(latest)``, then ``manager = CheckpointManager(ckpt, ...)``:
+    as in the manager-first order, an unchanged step carries the delta over and shares
+    the frozen value unhashed, and rows touched once the manager exists are a patch of
+    exactly those rows (it used to write both 2 MiB values whole)."""
+    d = tmp_path / "run"
+    _first_run(d, fmt)
+    manager, ckpt, table = _restore_first(d, fmt)
+    hashed = _watch_whole_hashes(monkeypatch)
+    values: dict[str, dict[str, np.ndarray]] = {}
+    step = _saved(manager, ckpt, values)  # nothing changed since the restore
+    assert _added(step) < SMALL, _added(step)
+    with cv.open(step) as r:
+        assert r.deltas() == {"table": {"base": f"ckpt-1.{fmt}", "patches": 1, "rows": 3}}
+        assert "frozen" in r.shared()
+    touched = np.array([1, 2000, 4096, 8191])
+    table.scatter_add(touched, np.ones((4, WIDTH), np.float32))
+    step = _saved(manager, ckpt, values)
+    assert _added(step) < SMALL + touched.size * WIDTH * 4, _added(step)
+    assert all(n < TABLE // 2 for n in hashed), hashed  # neither 2 MiB value hashed
+    with cv.open(step) as r:
+        assert r.deltas() == {"table": {"base": f"ckpt-1.{fmt}", "patches": 2, "rows": 7}}
+        assert r.delta_rows("table").tolist() == [1, 5, 600, 2000, 4096, 7000, 8191]
+        assert "frozen" in r.shared()
+    _check_kept(manager, values)
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_value_assigned_whole_before_the_manager_existed_is_written_whole(
+        tmp_path: Path, fmt: str, fresh_graph: cv.Graph,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table assigned whole between the restore and the manager's creation is
+    changed: written whole (never the restored step's bytes); the frozen value, still
+    as restored, is shared unhashed."""
+    d = tmp_path / "run"
+    _first_run(d, fmt)
+    new = np.random.default_rng(5).random((ROWS, WIDTH), dtype=np.float32)
+    manager, ckpt, table = _restore_first(d, fmt, between=lambda c: c.table.assign(new))
+    hashed = _watch_whole_hashes(monkeypatch)
+    values: dict[str, dict[str, np.ndarray]] = {}
+    step = _saved(manager, ckpt, values)
+    assert TABLE not in hashed or hashed.count(TABLE) == 1, hashed  # the frozen one unhashed
+    assert _added(step) >= TABLE
+    with cv.open(step) as r:
+        assert "table" not in r.deltas() and "table" not in r.shared()
+        assert "frozen" in r.shared()
+    assert np.array_equal(cv.load(step)["table"], new)
+    _check_kept(manager, values)
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_rows_scattered_before_the_manager_existed_are_never_stale(
+        tmp_path: Path, fmt: str, fresh_graph: cv.Graph,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows written between the restore and the manager's creation are not tracked
+    (tracking starts with the manager): the first save writes the table whole, never a
+    patch missing them; the frozen value is shared unhashed; the next save is a patch of
+    the rows touched since. Every kept step restores bit-exact."""
+    d = tmp_path / "run"
+    _first_run(d, fmt)
+    early = np.array([11, 5000])
+
+    def scatter(ckpt: cv.Checkpoint) -> None:
+        ckpt.table.scatter_update(early, np.full((2, WIDTH), 3.0, np.float32))
+
+    manager, ckpt, table = _restore_first(d, fmt, between=scatter)
+    table.scatter_update(np.array([42]), np.full((1, WIDTH), 4.0, np.float32))
+    hashed = _watch_whole_hashes(monkeypatch)
+    values: dict[str, dict[str, np.ndarray]] = {}
+    step = _saved(manager, ckpt, values)
+    assert hashed.count(TABLE) <= 1, hashed  # the frozen value known unchanged: unhashed
+    with cv.open(step) as r:
+        assert "frozen" in r.shared()
+        if "table" in r.deltas():  # a patch must hold every row written since the restore
+            assert set(early.tolist()) | {42} <= set(r.delta_rows("table").tolist())
+    assert np.array_equal(cv.load(step)["table"][early], np.full((2, WIDTH), 3.0, np.float32))
+    table.scatter_update(np.array([7]), np.full((1, WIDTH), 6.0, np.float32))
+    step = _saved(manager, ckpt, values)
+    assert _added(step) < SMALL, _added(step)
+    with cv.open(step) as r:
+        assert r.deltas()["table"]["rows"] >= 1
+        assert 7 in r.delta_rows("table").tolist()
+    _check_kept(manager, values)
+
+
+@pytest.mark.parametrize("which", ["older", "elsewhere", "cast"])
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_restore_before_the_manager_teaches_only_what_is_so(
+        tmp_path: Path, fmt: str, which: str, fresh_graph: cv.Graph,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Restored before the manager existed: a step not the manager's latest (an older
+    one, or one of the same name in another directory) teaches nothing (both values
+    compared by their checksums, the table written whole); a cast restore teaches only
+    the values not cast (the frozen value shared unhashed)."""
+    d = tmp_path / "run"
+    older = _first_run(d, fmt)  # step 2
+    ckpt0, table0 = _model()
+    manager0 = cv.CheckpointManager(ckpt0, d, format=fmt, max_to_keep=3, incremental=True)
+    manager0.restore_or_initialize()
+    table0.scatter_update(np.array([77]), np.full((1, WIDTH), 5.0, np.float32))
+    manager0.save()  # step 3: the latest
+    if which == "cast":
+        table = cv.Variable(np.zeros((ROWS, WIDTH), np.float64), name="table")
+        ckpt = cv.Checkpoint(table=table, frozen=cv.Variable(
+            np.zeros((ROWS, WIDTH), np.float32), name="frozen"))
+        with pytest.warns(UserWarning, match="table"):
+            ckpt.restore(cv.latest_checkpoint(d), cast=True).assert_consumed()
+        manager = cv.CheckpointManager(ckpt, d, format=fmt, max_to_keep=3, incremental=True)
+        restored = ckpt.last_restore()
+        assert restored is not None and set(restored.versions) == {"frozen", "save_counter"}
+        hashed = _watch_whole_hashes(monkeypatch)
+        step = manager.save()
+        assert TABLE not in hashed
+        with cv.open(step) as r:
+            assert "table" not in r.deltas() and r["table"].dtype == np.float64
+            assert "frozen" in r.shared()
+        _check(step, ckpt)
+        return
+    source: str | Path = older
+    if which == "elsewhere":  # the same name, another directory: not this manager's step
+        other = tmp_path / "copy"
+        _first_run(other, fmt)
+        table0.scatter_update(np.array([1]), np.zeros((1, WIDTH), np.float32))
+        source = cv.CheckpointManager(ckpt0, other, format=fmt, max_to_keep=3,
+                                      incremental=True).save(checkpoint_number=3)
+        assert Path(source).name == f"ckpt-3.{fmt}"
+    manager, ckpt, _ = _restore_first(d, fmt, source=source)
+    hashed = _watch_whole_hashes(monkeypatch)
+    step = manager.save()  # its base: this manager's latest, ckpt-3
+    assert sum(hashed) >= 2 * TABLE  # both values compared (hashed)
+    with cv.open(step) as r:
+        assert "table" not in r.deltas()
+        assert "frozen" in r.shared()  # unchanged: found so by its checksums
+    _check(step, ckpt)
+    assert np.array_equal(cv.load(step)["table"], cv.load(source)["table"])
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_value_restored_on_create_before_the_manager_is_known(
+        tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
+    """The restore comes first, the variable is created after it (restored on create,
+    not materialised: its initializer never runs), the manager last: the variable is
+    known unchanged, its delta carried over, and a row touched then is a patch."""
+    d = tmp_path / "run"
+    src = cv.Module(name="m")
+    src.table = cv.Variable(np.random.default_rng(1).random((ROWS, WIDTH), dtype=np.float32),
+                            name="table")
+    first = cv.CheckpointManager(cv.Checkpoint(model=src), d, format=fmt, incremental=True)
+    first.save()
+    src.table.scatter_update(np.array([10, 20]), np.ones((2, WIDTH), np.float32))
+    first.save()
+    with cv.Graph().as_default():
+        model = cv.Module(name="m")
+        ckpt = cv.Checkpoint(model=model)
+        ckpt.restore(cv.latest_checkpoint(d))
+        model.table = cv.Variable(lambda: np.zeros((ROWS, WIDTH), np.float32),
+                                  shape=(ROWS, WIDTH), dtype="float32", name="table")
+        manager = cv.CheckpointManager(ckpt, d, format=fmt, incremental=True)
+        step = manager.save()
+        assert _added(step) < SMALL, _added(step)
+        with cv.open(step) as r:
+            assert r.deltas()["model/table"]["patches"] == 1
+        model.table.scatter_update(np.array([30]), np.full((1, WIDTH), 2.0, np.float32))
+        step = manager.save()
+        assert _added(step) < SMALL, _added(step)
+        with cv.open(step) as r:
+            assert r.deltas()["model/table"] == {"base": f"ckpt-1.{fmt}", "patches": 2,
+                                                 "rows": 3}
+        want = model.table.numpy()
+    assert np.array_equal(cv.load(step)["model/table"], want)
+    assert np.array_equal(want[[10, 20]], np.ones((2, WIDTH), np.float32))
