@@ -230,16 +230,19 @@ def _damage(step: Path, fmt: str) -> tuple[Path, str]:
     return copy, f"row patch {named} that fails its checksum"
 
 
+@pytest.mark.parametrize("mode", ["restart", "restart_first"])
 @pytest.mark.parametrize("fmt", ["h5", "zarr"])
 def test_a_restarted_job_of_several_processes_saves_row_deltas(tmp_path: Path,
-                                                               fmt: str) -> None:
+                                                               fmt: str, mode: str) -> None:
     """A job of 2 processes saves steps 1-3 and ends; a new job (new processes) restores
-    with ``restore_or_initialize()``: each process's manager learns its own restored box,
-    so step 4 adds about its touched rows (a patch on the same process's file in step 3's
-    delta) and an unchanged step 5 carries the deltas over; both restore bit-exact."""
+    with ``restore_or_initialize()`` (``restart_first``: ``ckpt.restore(latest,
+    coordinator=)`` before the manager is built): each process's manager learns its own
+    restored box, so step 4 adds about its touched rows (a patch on the same process's
+    file in step 3's delta) and an unchanged step 5 carries the deltas over; both
+    restore bit-exact."""
     d = tmp_path / "run"
     _run(2, "first", d, fmt)
-    got = _run(2, "restart", d, fmt)
+    got = _run(2, mode, d, fmt)
     r0 = got[0]
     assert {r["from"] for r in got.values()} == {f"ckpt-3.{fmt}"}
     suffix = f".{fmt}"

@@ -25,6 +25,9 @@ value by one process), whose parts it trains at the same few rows.
   ``restore_or_initialize()``, train step 4 and save it, then save again with nothing
   changed: rank 0 reports the bytes each of those steps added and which values are
   row deltas; every listed step is restored and compared with ``expected(4)``.
+  ``restart_first`` is ``restart`` in TensorFlow's order: each process restores the
+  latest step (``ckpt.restore(cv.latest_checkpoint(DIR), coordinator=)``) before its
+  manager is built.
 - ``bench`` (``DIR FORMAT MIB``): the bytes and time per step of row deltas against full
   steps (:func:`bench`; the figures in docs/benchmarks.md).
 
@@ -200,16 +203,18 @@ def fail_once(mgr: Any, coord: Any, root: Path) -> dict[str, Any]:
 
 
 def restart(mode: str, mgr: Any, ckpt: Any, table: Any, part: Any,  # noqa: PLR0917
-            coord: Any) -> dict[str, Any]:
+            coord: Any, restored_first: str | None = None) -> dict[str, Any]:
     """The ``first`` mode: save steps 1-3. The ``restart`` mode: restore the latest step
-    (3), train and save step 4, save again unchanged (step 5); what they added, their
-    deltas, each restored bit-exact."""
+    (3; ``restored_first``: restored before the manager was built), train and save step
+    4, save again unchanged (step 5); what they added, their deltas, each restored
+    bit-exact."""
     if mode == "first":
         for step in range(1, 4):
             train(table, part, step)
             mgr.save()
         return {}
-    fields: dict[str, Any] = {"from": Path(mgr.restore_or_initialize()).name}
+    fields: dict[str, Any] = {
+        "from": Path(restored_first or mgr.restore_or_initialize()).name}
     train(table, part, 4)
     sizes, deltas = {}, {}
     for step in (4, 5):
@@ -239,6 +244,10 @@ def main(mode: str, root: Path, fmt: str) -> None:
     out = Path(os.environ["RESULT_DIR"]) / f"rank{rank}.jsonl"
     fields: dict[str, Any] = {}
     ckpt, table, part = model(rank, size, fmt)
+    restored_first = None
+    if mode == "restart_first":  # TensorFlow's order: the restore, then the manager
+        restored_first = cv.latest_checkpoint(root)
+        ckpt.restore(restored_first, coordinator=coord).assert_consumed()
     incremental = (cv.IncrementalOptions(max_patches=2, whole_every=4)
                    if mode == "options" else True)
     mgr = cv.CheckpointManager(ckpt, root, max_to_keep=2, format=fmt,
@@ -272,8 +281,8 @@ def main(mode: str, root: Path, fmt: str) -> None:
         if rank == 0:
             fields["retried_deltas"] = delta_keys(path)
         fields["listed"] = [Path(p).name for p in mgr.checkpoints]
-    if mode in ("first", "restart"):
-        fields.update(restart(mode, mgr, ckpt, table, part, coord))
+    if mode in ("first", "restart", "restart_first"):
+        fields.update(restart(mode, mgr, ckpt, table, part, coord, restored_first))
     else:
         fields["restored"] = restore_all(mgr, ckpt, table, part, coord)
     coord.barrier(tag="done", timeout=60)
