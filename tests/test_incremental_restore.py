@@ -431,7 +431,7 @@ def test_a_value_assigned_whole_before_the_manager_existed_is_written_whole(
     d = tmp_path / "run"
     _first_run(d, fmt)
     new = np.random.default_rng(5).random((ROWS, WIDTH), dtype=np.float32)
-    manager, ckpt, table = _restore_first(d, fmt, between=lambda c: c.table.assign(new))
+    manager, ckpt, _ = _restore_first(d, fmt, between=lambda c: c.table.assign(new))
     hashed = _watch_whole_hashes(monkeypatch)
     values: dict[str, dict[str, np.ndarray]] = {}
     step = _saved(manager, ckpt, values)

@@ -24,11 +24,13 @@ incremental like any other.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,7 @@ from ..variables import (
     read_buffer,
     rows_written,
     track_rows,
+    write_counts,
     write_version,
 )
 from ._logical import Logical
@@ -173,13 +176,13 @@ class Incremental:
 class Restored:
     """What a restore of the step at ``path`` set: key -> the version, right after the
     restore, of the value (a ``cv.Variable``, or a partitioned variable's parts) that now
-    holds exactly the step's bytes of ``key`` (:meth:`note`). A value restored later
-    (restore on create) is noted when set.
+    holds exactly the step's bytes of ``key`` (:meth:`note`, :attr:`versions`). A value
+    restored later (restore on create) is noted when set.
 
-    Every restore notes (a path and a version per value: no value is copied). While
-    ``tracking`` (an incremental manager is built on the checkpoint), the rows written
-    since are tracked from the restore on; a note taken before is taken up by
-    :meth:`track` when the manager is built: the rows are tracked from then on, so the
+    Every restore notes (a path, and a version and a weak reference per value: nothing
+    is copied). While ``tracking`` (an incremental manager is built on the checkpoint)
+    the rows written since are tracked from the restore on; a note taken before is taken
+    up by :meth:`track` when the manager is built: rows are tracked from then on, so the
     rows of a value written between the restore and then are not known (it is compared
     by its checksums or written whole, never patched on a guess).
 
@@ -187,20 +190,33 @@ class Restored:
     {}
     """
 
-    __slots__ = ("_untracked", "path", "tracking", "versions")
+    __slots__ = ("_batches", "_untracked", "_versions", "path", "tracking")
 
     def __init__(self, path: str | os.PathLike[str], *, tracking: bool = True) -> None:
         self.path = os.fspath(path)
-        self.versions: dict[str, Any] = {}
         self.tracking = tracking
+        self._versions: dict[str, Any] = {}
+        #: plain variables noted while not tracking, as a restore gave them (keys, weak
+        #: references, write counts), folded into :attr:`versions` when asked for
+        self._batches: list[tuple[list[str], list[weakref.ref[Variable]], list[int]]] = []
         #: key -> (whether a partitioned value, its parts) of the values noted while not
         #: tracking: :meth:`track` takes them up (weak: a dropped variable is let go)
         self._untracked: dict[str, tuple[bool, tuple[weakref.ref[Variable], ...]]] = {}
+
+    @property
+    def versions(self) -> dict[str, Any]:
+        """key -> the version of the value that holds the step's bytes of ``key``, as of
+        right after the restore."""
+        self._fold()
+        return self._versions
 
     def note(self, values: Iterable[tuple[str, Any]]) -> None:
         """The values ``(key, variable or logical value)`` now hold the stored bytes of
         their keys (none cast). A value of one shard (a multi-process restore's) is noted
         as its variable, which a multi-process save writes."""
+        values = list(values)
+        if not self.tracking and self._noted_plain(values):
+            return
         for key, given in values:
             target = given
             if (isinstance(given, Logical) and len(given.parts) == 1
@@ -211,10 +227,10 @@ class Restored:
             if not all(isinstance(p, Variable) and write_version(p) is not None
                        for p in parts):
                 continue  # compared by checksums (a GPU tensor's stays unmaterialized)
-            if not self.tracking:  # no manager yet: the version alone, nothing touched
+            if not self.tracking:
                 version = _version(target, track=False)
                 if version is not None:
-                    self.versions[key] = version
+                    self._versions[key] = version
                     self._untracked[key] = (isinstance(target, Logical),
                                             tuple(map(weakref.ref, parts)))
                 continue
@@ -223,7 +239,33 @@ class Restored:
                     read_buffer(part)  # CPU), not at its first use (a whole write then)
             version = _version(target)
             if version is not None:
-                self.versions[key] = version
+                self._versions[key] = version
+
+    def _noted_plain(self, values: list[tuple[str, Any]]) -> bool:
+        """Note ``values`` as a batch when every one is a plain variable (a restore's
+        common case, many values: in C, no call per value); else fold the batches so
+        far (a later note of a key replaces an earlier one) and say no."""
+        targets = list(map(_SECOND, values))
+        if all(map(operator.is_, map(type, targets), repeat(Variable))):
+            self._batches.append((list(map(_FIRST, values)), list(map(weakref.ref, targets)),
+                                  write_counts(targets)))
+            return True
+        self._fold()
+        return False
+
+    def _fold(self) -> None:
+        """Fold the plain variables noted in batches into :attr:`versions`."""
+        batches, self._batches = self._batches, []
+        for keys, refs, counts in batches:
+            for key, ref, count in zip(keys, refs, counts, strict=True):
+                var = ref()
+                now = None if var is None else write_version(var)
+                if now is None:  # gone, or its buffer handed out (unknown since)
+                    self._versions.pop(key, None)
+                    self._untracked.pop(key, None)
+                    continue
+                self._versions[key] = (now[0], count)
+                self._untracked[key] = (False, (ref,))
 
     def track(self) -> None:
         """Note as an incremental manager needs from now on, and take up what was noted
@@ -232,23 +274,28 @@ class Restored:
         :meth:`note` does), so its rows written since the restore are known; a part
         written since keeps its restored version, with its rows not known; a value
         whose variable is gone is forgotten."""
+        self._fold()
         self.tracking = True
         untracked, self._untracked = self._untracked, {}
         for key, (logical, refs) in untracked.items():
             parts = [ref() for ref in refs]
-            noted = self.versions.get(key)
+            noted = self._versions.get(key)
             if noted is None or any(p is None for p in parts):
-                self.versions.pop(key, None)
+                self._versions.pop(key, None)
                 continue
             now = []
             for part, was in zip(parts, noted if logical else (noted,), strict=True):
                 assert part is not None
+                version = was
                 if write_version(part) == was and not is_materialized(part):
                     read_buffer(part)  # the restored array, adopted: one write, no copy
-                    was = write_version(part)
+                    version = write_version(part)
                 track_rows(part)
-                now.append(was)
-            self.versions[key] = tuple(now) if logical else now[0]
+                now.append(version)
+            self._versions[key] = tuple(now) if logical else now[0]
+
+
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 
 
 def _version(var: Any, *, track: bool = True) -> Any:

@@ -50,6 +50,7 @@ from ._variable import (
     shares_memory,
     track_rows,
     unsharded,
+    write_counts,
     write_version,
 )
 from .partitioned import (
@@ -111,5 +112,6 @@ __all__ = [
     "unsharded",
     "variable_axis_size_partitioner",
     "variable_scope",
+    "write_counts",
     "write_version",
 ]

@@ -71,6 +71,7 @@ __all__ = [
     "shares_memory",
     "track_rows",
     "unsharded",
+    "write_counts",
     "write_version",
 ]
 
@@ -656,6 +657,17 @@ def write_version(var: Variable) -> tuple[int, int] | None:
     ``value()``: compare it by its checksums instead)."""
     version = var._version
     return None if version is None else (var._uid, version)
+
+
+_WRITES = operator.attrgetter("_writes")
+
+
+def write_counts(variables: Sequence[Variable]) -> list[int]:
+    """The write count of each variable, in one pass (a restore notes them for many
+    variables at once): with the variable's identity, its :func:`write_version` at
+    that moment, unless its buffer was handed out (``write_version`` is None then,
+    and stays so)."""
+    return list(map(_WRITES, variables))
 
 
 def rows_written(var: Variable, version: tuple[int, int] | None) -> np.ndarray | None:
