@@ -26,7 +26,7 @@ from .._dtypes import check_value_castable
 from ..device import Device, is_device_array, to_host
 from ..errors import ShapeLockError
 from ._array import match_backend, operand, write_into
-from ._rows import RowLog, rows_of
+from ._rows import RowLog, rows_of, unique_rows
 from ._shapes import Shape, compatible, shape_str
 
 __all__ = ["FreshValue", "Pending", "Ready", "Unset", "WriteBehaviour", "convert_value"]
@@ -246,7 +246,9 @@ class WriteBehaviour:
                 )
             upd = match_backend(np.broadcast_to(arr, target) if isinstance(arr, np.ndarray)
                                 else arr, buf)
-            rows: np.ndarray | None = np.unique(flat % n)
+            # the rows written: for the row log, and a GPU's check of repeated indices
+            rows = (unique_rows(flat % n) if self._row_log is not None
+                    or not isinstance(buf, np.ndarray) else None)
             target_buf = buf.copy() if self._constraint is not None else buf
             if op is None:
                 target_buf[flat] = upd.reshape((flat.size, *buf.shape[1:]))

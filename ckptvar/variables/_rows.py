@@ -32,11 +32,27 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LIMIT", "RowLog", "rows_of"]
+__all__ = ["LIMIT", "RowLog", "rows_of", "unique_rows"]
 
 #: Entries kept before the oldest two are merged.
 LIMIT = 16
 _EMPTY = np.empty(0, np.int64)
+
+
+def unique_rows(rows: np.ndarray) -> np.ndarray:
+    """The sorted unique values of the 1-d integer array ``rows``, as int64 (``np.unique``,
+    by a sort and a mask: several times faster for the few thousand rows of a write).
+
+    >>> unique_rows(np.array([5, 1, 5, 3])).tolist()
+    [1, 3, 5]
+    """
+    out = np.sort(np.asarray(rows, np.int64).reshape(-1))
+    if out.size < 2:
+        return out
+    keep = np.empty(out.size, bool)
+    keep[0] = True
+    np.not_equal(out[1:], out[:-1], out=keep[1:])
+    return out if keep.all() else out[keep]
 
 
 class RowLog:
@@ -58,7 +74,7 @@ class RowLog:
         if rows is None:
             self.entries, self.older = [(version, None)], None  # it covers all before
             return
-        self.entries.append((version, np.unique(np.asarray(rows, np.int64))))
+        self.entries.append((version, unique_rows(rows)))
         if len(self.entries) > LIMIT:  # the oldest into the flags: O(its rows), no sort
             v, old = self.entries.pop(0)
             if old is None:
@@ -123,4 +139,4 @@ def rows_of(index: Any, nrows: int) -> np.ndarray | None:
                 return None
     except (IndexError, TypeError, ValueError):
         return None
-    return np.unique(np.asarray(picked, np.int64).reshape(-1))
+    return unique_rows(picked)
