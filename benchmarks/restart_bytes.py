@@ -5,10 +5,12 @@ incremental manager: step 1 whole, step 2 a row delta of 1% of its rows. It ends
 process (a new checkpoint over a new variable) restores the latest step with
 ``restore_or_initialize()``, touches 1% of the rows with ``scatter_update`` (Zipf ids)
 and saves: this step's bytes on disk (hard-linked files not counted) and its save time
-are printed, per format. Every process is a real one, started with the ``PYTHONPATH``
-given (``--tree``, several to compare trees in one run, interleaved).
+are printed, per format. ``--restore-first``: the new process restores in TensorFlow's
+order instead, ``ckpt.restore(cv.latest_checkpoint(DIR))`` before its manager is
+built. Every process is a real one, started with the ``PYTHONPATH`` given (``--tree``,
+several to compare trees in one run, interleaved).
 
-    python -m benchmarks.restart_bytes --tree /path/to/old --tree /path/to/new
+    python -m benchmarks.restart_bytes --tree /path/to/old --tree /path/to/new [--restore-first]
 """
 
 from __future__ import annotations
@@ -55,13 +57,18 @@ def _child(role: str, directory: str, fmt: str) -> None:
     import ckptvar as cv  # noqa: PLC0415
 
     ckpt, table = _model()
+    restored = None
+    if role == "restart-first":  # TensorFlow's order: the restore, then the manager
+        restored = cv.latest_checkpoint(directory)
+        ckpt.restore(restored).assert_consumed()  # type: ignore[attr-defined]
     manager = cv.CheckpointManager(ckpt, directory, format=fmt, incremental=True)
     if role == "first":
         manager.save()
         _touch(table, 1)
         manager.save()
         return
-    restored = manager.restore_or_initialize()
+    if restored is None:
+        restored = manager.restore_or_initialize()
     _touch(table, 2)
     t0 = time.perf_counter()
     step = Path(manager.save())
@@ -78,6 +85,8 @@ def main() -> None:
     parser.add_argument("--tree", action="append", default=[],
                         help="a source tree to run (its PYTHONPATH); default: this one")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--restore-first", action="store_true",
+                        help="restore before the manager is built (TensorFlow's order)")
     parser.add_argument("--child", nargs=3, metavar=("ROLE", "DIR", "FORMAT"))
     args = parser.parse_args()
     if args.child:
@@ -92,9 +101,10 @@ def main() -> None:
                     run = [sys.executable, __file__, "--child"]  # ckptvar from the tree
                     subprocess.run([*run, "first", d, fmt], env=env, check=True,
                                    timeout=600)
-                    out = subprocess.run([*run, "restart", d, fmt], env=env, check=True,
+                    role = "restart-first" if args.restore_first else "restart"
+                    out = subprocess.run([*run, role, d, fmt], env=env, check=True,
                                          timeout=600, capture_output=True, text=True)
-                print(json.dumps({"tree": tree, "format": fmt,
+                print(json.dumps({"tree": tree, "format": fmt, "order": role,
                                   **json.loads(out.stdout.strip().splitlines()[-1])}),
                       flush=True)
 
