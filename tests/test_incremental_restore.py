@@ -1,11 +1,13 @@
 """What a restore teaches an incremental manager (docs/checkpoints.md, "What a restore
 teaches the next save"): after a restart (a new process, or a new ``cv.Checkpoint`` over
 new variables), ``restore_or_initialize()`` or ``ckpt.restore(manager.latest_checkpoint)``
-makes the next save incremental like any other: an unchanged row delta is carried over,
+makes the next save incremental like any other, and so does a restore made before the
+manager was built (TensorFlow's order): an unchanged row delta is carried over,
 rows touched since the restore are a patch of exactly those rows, frozen values are
 shared without being hashed. A cast restore, a restore of an older step or of another
-directory's, and a failed restore teach nothing that is not so: the values are then
-compared or written whole, and every step reads back bit-exact."""
+directory's, a failed restore and writes between a restore and the manager's creation
+teach nothing that is not so: the values are then compared or written whole, and every
+step reads back bit-exact."""
 
 from __future__ import annotations
 
@@ -565,3 +567,51 @@ def test_a_value_restored_on_create_before_the_manager_is_known(
         want = model.table.numpy()
     assert np.array_equal(cv.load(step)["model/table"], want)
     assert np.array_equal(want[[10, 20]], np.ones((2, WIDTH), np.float32))
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_value_written_through_its_buffer_before_the_manager_is_saved_as_it_is(
+        tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
+    """``value()`` hands the buffer out between the restore and the manager's creation,
+    and the user writes rows through it, unseen: the note forgets the table (its
+    version is unknown), so it is compared, here written whole, never patched stale; a
+    failed restore after a good one leaves the good one's note."""
+    d = tmp_path / "run"
+    _first_run(d, fmt)
+
+    def write_through(ckpt: cv.Checkpoint) -> None:
+        ckpt.table.value()[100:102] = 8.0
+        bad = cv.Checkpoint(table=ckpt.table, frozen=cv.Variable(
+            np.zeros((ROWS, WIDTH // 2), np.float32), name="frozen"))  # mismatch
+        with pytest.raises(CheckpointMismatchError):
+            bad.restore(cv.latest_checkpoint(d))
+
+    manager, ckpt, table = _restore_first(d, fmt, between=write_through)
+    restored = ckpt.last_restore()
+    assert restored is not None and "table" not in restored.versions
+    assert "frozen" in restored.versions
+    step = manager.save()
+    with cv.open(step) as r:
+        assert "table" not in r.deltas() and "frozen" in r.shared()
+    got = cv.load(step)["table"]
+    assert np.array_equal(got[100:102], np.full((2, WIDTH), 8.0, np.float32))
+    assert np.array_equal(got, table.numpy())
+
+
+def test_a_note_lets_a_dropped_variable_go(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    """A note holds weak references: a variable dropped after the restore is freed, and
+    the manager built later forgets its key (compared by checksums, if it comes back)."""
+    import gc
+    import weakref
+
+    d = tmp_path / "run"
+    _first_run(d, "h5")
+    ckpt, _ = _model()
+    ckpt.restore(cv.latest_checkpoint(d)).assert_consumed()
+    gone = weakref.ref(ckpt.frozen)
+    del ckpt.frozen
+    gc.collect()
+    assert gone() is None
+    cv.CheckpointManager(ckpt, d, format="h5", max_to_keep=3, incremental=True)
+    restored = ckpt.last_restore()
+    assert restored is not None and set(restored.versions) == {"table", "save_counter"}

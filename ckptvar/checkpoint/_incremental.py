@@ -14,7 +14,8 @@ each has its own :class:`Incremental` and takes rank 0's base (:meth:`Incrementa
 A restore teaches it too: :class:`Restored` is what a restore set (the step, and the
 version of each variable that now holds that step's bytes), which the manager hands to
 :meth:`Incremental.learn` at its next save, so the first save after a restart is
-incremental like any other.
+incremental like any other (a restore made before the manager was built too:
+:meth:`Restored.track`).
 
 >>> inc = Incremental()
 >>> inc.start(None, {}).known
