@@ -422,10 +422,11 @@ class Checkpoint(Trackable):
         taken up now: its values still unwritten have their rows tracked from now on
         (docs/checkpoints.md, "What a restore teaches").
         """
-        object.__setattr__(self, "_cv_noting", True)
-        restored = self._cv_restored
-        if restored is not None:
-            restored.track()
+        with self._cv_lock:  # never beside a restore of this checkpoint by another thread
+            object.__setattr__(self, "_cv_noting", True)
+            restored = self._cv_restored
+            if restored is not None:
+                restored.track()
 
     def last_restore(self) -> Restored | None:
         """What the last successful restore set (a new object for each restore; values
