@@ -174,12 +174,14 @@ def test_patches_accumulate_merge_and_carry_over(s3: S3Bucket, fmt: str) -> None
     assert list_committed_steps(s3.location("run")) == [f"ckpt-8.{fmt}"]
 
 
+@pytest.mark.parametrize("order", ["manager first", "restore first"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_restarted_manager_uploads_only_the_rows_written_since_its_restore(
-        s3: S3Bucket, proxy: FaultProxy, fmt: str) -> None:
+        s3: S3Bucket, proxy: FaultProxy, fmt: str, order: str) -> None:
     """A new process (a new checkpoint over new variables) restores the latest step with
-    ``restore_or_initialize()`` and touches two rows: its first step uploads about
-    those rows, a patch on the restored step's delta, and reads back bit-exact."""
+    ``restore_or_initialize()`` (or ``ckpt.restore(url)`` before its manager is built)
+    and touches two rows: its first step uploads about those rows, a patch on the
+    restored step's delta, and reads back bit-exact."""
     opts = {**s3.storage_options, "endpoint": proxy.endpoint}
     so = s3.storage_options
     run = f"{s3.url}/run"
@@ -190,8 +192,12 @@ def test_a_restarted_manager_uploads_only_the_rows_written_since_its_restore(
     manager.save()
     again, fresh = _table()
     fresh.assign(np.zeros((ROWS, COLS), np.float32))
-    restarted = _manager(again, run, fmt, opts)
-    assert restarted.restore_or_initialize() == manager.latest_checkpoint
+    if order == "restore first":
+        again.restore(manager.latest_checkpoint, storage_options=opts).assert_consumed()
+        restarted = _manager(again, run, fmt, opts)
+    else:
+        restarted = _manager(again, run, fmt, opts)
+        assert restarted.restore_or_initialize() == manager.latest_checkpoint
     fresh.scatter_update(np.array([1, 8000]), np.full((2, COLS), 3.0, np.float32))
     proxy.reset_counts()
     step = restarted.save()
