@@ -211,14 +211,14 @@ class Restored:
         self._fold()
         return self._versions
 
-    def note(self, values: Iterable[tuple[str, Any]]) -> None:
-        """The values ``(key, variable or logical value)`` now hold the stored bytes of
-        their keys (none cast). A value of one shard (a multi-process restore's) is noted
-        as its variable, which a multi-process save writes."""
-        values = list(values)
+    def note(self, values: Iterable[tuple[Any, ...]]) -> None:
+        """The values ``(key, variable or logical value, ...)`` now hold the stored bytes
+        of their keys (none cast). A value of one shard (a multi-process restore's) is
+        noted as its variable, which a multi-process save writes."""
+        values = values if isinstance(values, list) else list(values)
         if not self.tracking and self._noted_plain(values):
             return
-        for key, given in values:
+        for key, given, *_ in values:
             target = given
             if (isinstance(given, Logical) and len(given.parts) == 1
                     and isinstance(given.parts[0], Variable)

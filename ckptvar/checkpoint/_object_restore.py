@@ -246,11 +246,11 @@ class RestoreState:
             defer_restore(parent, name, Deferred(self, parent_key))
             self.pending += 1
 
-    def _exact(self, matched: list[tuple[str, Any, Any]]) -> list[tuple[str, Any]]:
-        """``(key, target)`` of the values restored bit for bit (with ``cast``, those of
-        the stored dtype: a converted value's bytes are not the stored ones)."""
+    def _exact(self, matched: list[tuple[str, Any, Any]]) -> list[tuple[Any, ...]]:
+        """``(key, target, ...)`` of the values restored bit for bit (with ``cast``, those
+        of the stored dtype: a converted value's bytes are not the stored ones)."""
         if not self.cast:
-            return list(map(_key_target, matched))
+            return matched
         infos = self.infos
         return [(k, t) for k, t, _ in matched if np.dtype(infos[k].dtype) == np.dtype(t.dtype)]
 
