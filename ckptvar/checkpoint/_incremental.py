@@ -242,7 +242,7 @@ class Restored:
             if version is not None:
                 self._versions[key] = version
 
-    def _noted_plain(self, values: list[tuple[str, Any]]) -> bool:
+    def _noted_plain(self, values: list[tuple[Any, ...]]) -> bool:
         """Note ``values`` as a batch when every one is a plain variable (a restore's
         common case, many values: in C, no call per value); else fold the batches so
         far (a later note of a key replaces an earlier one) and say no."""

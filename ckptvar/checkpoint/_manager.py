@@ -300,7 +300,8 @@ class CheckpointManager:
         #: the checkpoint's last restore, once this manager's memory took it (:meth:`_learn`)
         self._taught: Restored | None = None
         if self._incremental is not None:
-            checkpoint.note_restores()  # the next save learns what a restore set
+            checkpoint.note_restores()  # the next save learns what a restore set (one
+            # made before this manager too: its variables' rows are tracked from now)
         #: which steps an incremental manager writes whole (``whole_every``; a local
         #: tier's: also those due a persistent copy, so that the copy stands alone)
         self._whole_steps: Callable[[int], bool] | None = None
