@@ -131,3 +131,24 @@ def test_pieces_and_patched_sources_read_exact_at_every_boundary(tmp_path: Path)
         assert pieces.pread_into(bytearray(4), 46) == 2  # past the end: what there is
     finally:
         pieces.close()
+
+
+def test_the_row_delta_restore_benchmark_runs(tmp_path: Path) -> None:
+    """``python -m benchmarks.row_delta_restore``: both formats, a delta of 10 patches
+    restored against a full step and its base's step, every restore timed."""
+    import json  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.row_delta_restore", "--mib", "2", "--shares", "3",
+         "--rounds", "2", "--json", "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, check=False,
+        cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert set(got["cases"]) == {"h5-2-3", "zarr-2-3"}
+    assert all(d["patches"] == 10 for d in got["cases"].values())
+    for case in got["times"]["this"].values():
+        assert {k: len(v) for k, v in case.items()} == {
+            k: 2 for k in ("inc", "full", "base", "inc_cpu", "full_cpu", "base_cpu")}
