@@ -599,6 +599,8 @@ class H5Reader(ContainerReader, SupportsShared):
         #: a delta value's patches, read and checked on the I/O threads from the first
         #: time it is opened (folded into one when laid twice), once per reader
         self._patches: dict[str, Patches] = {}
+        #: a delta value's base (this file's descriptor or a holder's), its range checked
+        self._delta_bases: dict[str, Any] = {}
         self._delta_lock = threading.Lock()
         super().__init__(path, record)
         self._packed_base = record.packed[1] if record.packed else 0
@@ -636,12 +638,16 @@ class H5Reader(ContainerReader, SupportsShared):
                 _rawio.wait_all(_rawio.start_all(
                     [functools.partial(self._remote_holder, key, f) for f in steps]))
         with self._delta_lock:
-            base = self._file(key, d.base[0], d.base[2], entry.nbytes)
+            base = self._delta_bases.get(key)  # checked at its first open
+            if base is None:
+                base = self._delta_bases[key] = self._file(key, d.base[0], d.base[2],
+                                                           entry.nbytes)
             patches = self._patches.get(key)
             if patches is None:
                 rb = entry.nbytes // entry.shape[0]
+                here = Path(self.path).name
                 reads = [(self._file(key, f, off, 8 * n + n * rb), off, n, crc,
-                          f"{p!r} in {f or Path(self.path).name!r}")
+                          f"{p!r} in {f or here!r}")
                          for f, p, off, n, crc in d.patches]
                 # verified by its parts, the patches are laid once: in order, no fold first
                 patches = self._patches[key] = read_patches(
@@ -751,6 +757,7 @@ class H5Reader(ContainerReader, SupportsShared):
             for patches in self._patches.values():  # no read left on the descriptors
                 patches.close()
             self._patches.clear()
+            self._delta_bases.clear()
             _src.close(self._fd)
             for fd in self._holders.values():
                 _src.close(fd)

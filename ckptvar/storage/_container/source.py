@@ -127,6 +127,9 @@ class Pieces:
     def pread_into(self, buf: Any, offset: int) -> int:
         """Fill ``buf`` from ``offset``; returns the bytes read (fewer only past the end)."""
         view = memoryview(buf).cast("B")
+        i = bisect.bisect_right(self.starts, offset) - 1
+        if 0 <= i < len(self.fds) and offset + len(view) <= self.starts[i + 1]:
+            return _rawio.pread_into(self.fds[i], view, offset - self.starts[i])  # one file
         got = 0
         for fd, at, pos, take in self._runs(offset, len(view)):
             k = _rawio.pread_into(fd, view[pos : pos + take], at)
@@ -239,10 +242,16 @@ class Patched:
         rb = self.row_bytes
         end = offset + out.size
         if not (offset % rb or end % rb):  # whole rows (a piece of a read): one assignment
-            lo = offset // rb
-            i, j = rows.searchsorted((lo, end // rb)).tolist()
+            lo, hi = offset // rb, end // rb
+            grid = out.view(data.dtype)
+            if rows.size and lo <= rows[0] and rows[-1] < hi:  # all of them (a whole value)
+                at = rows if lo == 0 else rows - lo
+                # "clip": inside, checked (the default mode buffers what it lays)
+                np.put(grid, at, data, mode="clip")
+                return
+            i, j = rows.searchsorted((lo, hi)).tolist()
             if j > i:
-                out.view(data.dtype)[rows[i:j] - lo] = data[i:j]
+                np.put(grid, rows[i:j] - lo, data[i:j], mode="clip")
             return
         i, j = rows.searchsorted((offset // rb, (end - 1) // rb + 1)).tolist()
         if i == j:

@@ -66,8 +66,8 @@ class TransferValue:
     to read.
     """
 
-    __slots__ = ("address", "crcs", "dest", "entry", "expect", "got", "key", "left", "patched",
-                 "pieces", "room", "room_at", "src", "view")
+    __slots__ = ("address", "crcs", "dest", "entry", "expect", "got", "key", "lay", "left",
+                 "patched", "pieces", "room", "room_at", "src", "view")
 
     def __init__(
         self, key: str, entry: Entry, dest: np.ndarray | None, src: Source | None = None,
@@ -102,6 +102,9 @@ class TransferValue:
         #: Its row delta's source when verified by its parts or read from an object store
         #: (there its rows are laid as its base's bytes arrive).
         self.patched: _src.Patched | None = None
+        #: A row delta read into ``dest`` as its base's bytes: its rows are laid over them
+        #: once every piece is in (:meth:`Transfer.finish`), each patch in one step.
+        self.lay: _src.Patched | None = None
 
     def release(self) -> None:
         """Close ``src`` if the value owns it (idempotent)."""
@@ -115,15 +118,21 @@ def _piece(v: TransferValue, i: int, use: Source, verify: bool, dfd: int | None 
     only hash it. A row delta whose record carries its base's checksum is verified by its
     parts: the base's bytes are hashed as read (they must hash to ``fd.expect``; the
     patches, read on other threads meanwhile, are checked by their CRCs in
-    :meth:`Transfer.finish`), then, into a buffer, the patched rows are laid over them.
+    :meth:`Transfer.finish`). Into a buffer, a row delta's pieces are its base's bytes
+    (as stored), and :meth:`Transfer.finish` lays the patched rows over them once all are
+    in: one step per patch, not one per patch and piece (unless its assembled bytes are
+    to be hashed: a 1.5 record without its base's checksum, laid piece by piece).
     ``dfd``: ``use``'s file opened with ``O_DIRECT``, for a plain file's bytes from disk."""
     pos, n = v.pieces[i]
     at = use.offset + pos
     fd = use.fd
     parts = isinstance(fd, _src.Patched) and fd.expect is not None and (verify or v.view is None)
-    if parts:
+    if parts or (v.view is not None and not verify and isinstance(fd, _src.Patched)):
         assert isinstance(fd, _src.Patched)
-        v.expect, v.patched = fd.expect, fd
+        if parts:
+            v.expect, v.patched = fd.expect, fd
+        if v.view is not None:
+            v.lay = fd
         fd, at = fd.base, fd.offset + at  # the base's bytes, as stored
     if v.view is None:
         v.got[i], v.crcs[i] = hash_range(fd, at, n)
@@ -139,9 +148,6 @@ def _piece(v: TransferValue, i: int, use: Source, verify: bool, dfd: int | None 
         got = _src.pread_into(fd, buf, at)
     if verify and got == n:
         v.crcs[i] = _checksum.crc(buf)
-    if parts and got:
-        assert isinstance(use.fd, _src.Patched)
-        use.fd.lay(np.asarray(buf[:got]), use.offset + pos)
     v.got[i] = got
 
 
@@ -407,6 +413,9 @@ class Transfer:
                     raise reader.corrupt(v.key, f"fails its base's checksum (stored "
                                                 f"{v.expect:#010x}, computed {value:#010x}); "
                                                 "the checkpoint is damaged")
+            if v.lay is not None:  # the base's bytes are in: its rows laid over them
+                assert v.view is not None
+                v.lay.lay(np.frombuffer(v.view, np.uint8), 0)
 
     def abandon(self) -> None:
         """Wait for the pieces still running; their errors no longer matter."""
