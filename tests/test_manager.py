@@ -238,3 +238,14 @@ def test_a_damaged_state_file_is_kept_aside_and_the_list_rebuilt(
     assert np.array_equal(w.numpy(), np.full(3, 3, np.float32))
     again.save()  # and the manager carries on, with a healthy state file again
     assert cv.latest_checkpoint(tmp_path) == os.fspath(tmp_path / f"ckpt-4.{fmt}")
+
+
+@pytest.mark.parametrize("name", ["model.h5", "model.zarr", "Model.H5", "weights.pt"])
+def test_a_checkpoint_name_ending_in_a_format_suffix_is_refused(
+        tmp_path: Path, fresh_graph: cv.Graph, name: str) -> None:
+    """A save takes such a suffix as the format and drops it from the file name
+    (``model-1.h5``), so the manager would never list, prune nor restore its own steps."""
+    with pytest.raises(ValueError, match="checkpoint_name") as err:
+        cv.CheckpointManager(_ckpt()[0], tmp_path, checkpoint_name=name)
+    assert repr(name) in str(err.value) and "format=" in str(err.value)
+    assert list(tmp_path.iterdir()) == []  # nothing touched

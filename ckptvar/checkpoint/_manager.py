@@ -110,6 +110,15 @@ def _check_arguments(
         raise ValueError(f"max_to_keep must be None or >= 1, got {max_to_keep}.")
     if not checkpoint_name or "/" in checkpoint_name or checkpoint_name.startswith("."):
         raise ValueError(f"Bad checkpoint_name {checkpoint_name!r}.")
+    lowered = checkpoint_name.lower()
+    for suffix in (s for suffixes in known_formats().values() for s in suffixes):
+        if lowered.endswith(suffix):  # a save would drop it: steps named apart from the name
+            raise ValueError(
+                f"Bad checkpoint_name {checkpoint_name!r}: it ends in {suffix!r}, which a "
+                "save takes as a format and leaves out of the step's file name, so this "
+                "manager would never find its steps. Name it without the suffix and "
+                "choose the format with format=."
+            )
     if format not in NATIVE_FORMATS or format not in known_formats():
         raise UnsupportedFormatError(
             f"CheckpointManager writes {' or '.join(NATIVE_FORMATS)}, not {format!r}."
