@@ -312,3 +312,23 @@ def test_three_processes_copy_their_unchanged_values_on_the_server(
     got = cv.load(f"{run}/ckpt-2.zarr", storage_options=s3.storage_options)
     for key, want in cases.expected(2).items():
         assert np.array_equal(got[key], want), key
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_value_with_no_bytes_is_read_from_a_step_that_shares_it(s3: S3Bucket, fmt: str) -> None:
+    """An empty table unchanged since the last step: the HDF5 step refers to it in the
+    older step's object like any value, and it reads back (its empty range was refused)."""
+    opts = s3.storage_options
+    ckpt, frozen, head = _model()
+    empty = cv.Variable(np.zeros((0, 4), np.float32), name="empty")
+    ckpt.empty = empty
+    manager = cv.CheckpointManager(ckpt, f"{s3.url}/run", format=fmt, storage_options=opts,
+                                   incremental=True)
+    manager.save()
+    head.assign_add(1.0)
+    step = manager.save()
+    got = cv.load(step, storage_options=opts)
+    assert got["empty"].shape == (0, 4) and np.array_equal(got["head"], head.numpy())
+    assert np.array_equal(got["frozen"], frozen.numpy())
+    res = _ckpt(s3, "verify", step)
+    assert res.returncode == 0, res.stdout + res.stderr
