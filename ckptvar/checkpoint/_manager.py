@@ -274,6 +274,8 @@ class CheckpointManager:
         primary = self._keeps_directory()
         self.restore_status: RestoreStatus | None = None
         self.skipped: list[tuple[str, str]] = []
+        #: the steps restore_or_initialize() skipped (damaged or gone): never a base
+        self._unreadable: set[str] = set()
         self._section: dict[str, Any] = {}
         self._created = time.time()
         reclaim_staging()  # this host's staging directories of dead saves
@@ -919,6 +921,8 @@ class CheckpointManager:
         base = self.directory / entries[-1]["path"] if entries else None
         if base is not None and base.name == name:
             base = None  # written again: a full step
+        if base is not None and self._damaged_base(number, os.fspath(base)):
+            base = None
         if base is not None and self._whole_steps is not None and self._whole_steps(number):
             logger.debug("Step %d is written whole (whole_every, or a persistent copy is "
                          "due).", number)
@@ -957,7 +961,20 @@ class CheckpointManager:
         base = self._full(entries[-1]["path"]) if entries else None
         if base is not None and self._whole_steps is not None and self._whole_steps(number):
             base = None
+        if base is not None and self._damaged_base(number, base):
+            base = None
         return self._incremental.start(base, variables)
+
+    def _damaged_base(self, number: int, base: str) -> bool:
+        """Whether ``base``, the latest step, did not load at ``restore_or_initialize()``:
+        its recorded checksums may name bytes that are gone or damaged, so step
+        ``number`` takes nothing from it (written whole; said in the log)."""
+        if base not in self._unreadable:
+            return False
+        logger.warning("Incremental save of step %d: writing every value: the latest step "
+                       "%s did not load when restoring, so nothing is taken from it.",
+                       number, base)
+        return True
 
     def restore_or_initialize(self) -> str | None:
         """Restore the newest checkpoint that loads; else call ``init_fn``. Returns the path.
@@ -982,6 +999,9 @@ class CheckpointManager:
                     raise  # another process failed otherwise (a mismatch, its end)
                 logger.warning("Skipping checkpoint %s: %s", path, exc)
                 self.skipped.append((path, str(exc)))
+                for manager in (self, self._local_tier):  # (whose steps these may be)
+                    if manager is not None:
+                        manager._unreadable.add(path)
                 continue
             return path
         if self._init_fn is not None:
