@@ -332,3 +332,28 @@ def test_a_value_with_no_bytes_is_read_from_a_step_that_shares_it(s3: S3Bucket, 
     assert np.array_equal(got["frozen"], frozen.numpy())
     res = _ckpt(s3, "verify", step)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_a_save_after_restore_or_initialize_skipped_the_newest_stands_alone(
+        s3: S3Bucket) -> None:
+    """The holder's objects gone: restore_or_initialize() skips the steps that read from
+    it, and the next save (the same frozen value, found unchanged by its recorded
+    checksum) must not refer to it again: it is written whole, and loads."""
+    run, opts = f"{s3.url}/run", s3.storage_options
+    ckpt, _, head = _model()
+    manager = cv.CheckpointManager(ckpt, run, max_to_keep=None, format="h5",
+                                   storage_options=opts, incremental=True)
+    manager.save()
+    head.assign_add(1.0)
+    manager.save()
+    loc = s3.location("run")
+    loc.delete([o.key for o in loc.list() if o.key.startswith("ckpt-1.h5")])
+    ckpt, frozen, head = _model()
+    manager = cv.CheckpointManager(ckpt, run, max_to_keep=None, format="h5",
+                                   storage_options=opts, incremental=True)
+    assert manager.restore_or_initialize() is None and manager.skipped
+    head.assign_add(2.0)
+    step = manager.save()
+    got = cv.load(step, storage_options=opts)
+    assert np.array_equal(got["frozen"], frozen.numpy())
+    assert np.array_equal(got["head"], head.numpy())
