@@ -27,7 +27,7 @@ import ckptvar as cv
 
 KINDS = ("rows2", "rows1", "bool", "bf16", "c64", "empty", "small")
 OPS = ("scatter", "slice", "index", "assign", "value", "replace", "retype", "new", "drop",
-       "restore", "restart")
+       "restore", "restart", "resume")
 
 
 _INITIAL = {
@@ -86,7 +86,7 @@ class _Job:
         out["save_counter"] = np.array(self.ckpt.save_counter.numpy())
         return out
 
-    def apply(self, op: str, pick: int) -> None:  # noqa: C901 - one branch per operation
+    def apply(self, op: str, pick: int) -> None:  # noqa: C901, PLR0912 - one branch per operation
         name = self.names[pick % len(self.names)]
         var = getattr(self.root, name)
         n = var.shape[0]
@@ -112,14 +112,21 @@ class _Job:
             self.names.remove(name)
         elif op == "restore" and self.manager.checkpoints:
             path = self.manager.checkpoints[pick % len(self.manager.checkpoints)]
-            now = self.values()
-            stored = self.saved[path]
-            if set(stored) == set(now) and all(
-                    stored[k].dtype == now[k].dtype and stored[k].shape == now[k].shape
-                    for k in now):
+            if self._fits(self.saved[path]):
                 self.ckpt.restore(path)
         elif op == "restart":
             self.restart()
+        elif op == "resume" and self.manager.checkpoints:  # a restart that restores
+            path = self.manager.checkpoints[-1]
+            if self._fits(self.saved[path]):
+                self.restart()
+                assert self.manager.restore_or_initialize() == path
+
+    def _fits(self, stored: dict[str, np.ndarray]) -> bool:
+        """Whether the variables now are those ``stored`` holds (keys, dtypes, shapes)."""
+        now = self.values()
+        return set(stored) == set(now) and all(
+            stored[k].dtype == now[k].dtype and stored[k].shape == now[k].shape for k in now)
 
     def save(self, by_hand: bool) -> None:
         number = None
