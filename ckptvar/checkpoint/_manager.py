@@ -360,6 +360,7 @@ class CheckpointManager:
             kept = [e["path"] for e in entries[-self.max_to_keep:]]
             holding = (held(self._location, kept, doomed, self._remote_references)
                        if self._incremental is not None and self.format == "h5" else {})
+            self._note_holds(holding, doomed)
             for name in doomed:
                 if name in holding:  # a kept incremental step reads its bytes from there
                     continue
@@ -588,8 +589,23 @@ class CheckpointManager:
             return [], []
         doomed = [e["path"] for e in pending]
         holding = held(self.directory, self._steps_on_disk(exclude=doomed), doomed)
+        self._note_holds(holding, doomed)
         still = [{**e, "held_for": holding[e["path"]]} for e in pending if e["path"] in holding]
         return still, [e for e in pending if e["path"] not in holding]
+
+    #: the next incremental save writes every value (:meth:`_note_holds`)
+    _whole_next = False
+
+    def _note_holds(self, holding: Mapping[str, list[str]], doomed: list[str]) -> None:
+        """After a prune's ``held`` (pruned step -> the steps that refer to it): when more
+        pruned steps are kept only because other pruned steps refer to them than are kept
+        for the steps that stay, plus a few, the next incremental save writes every value,
+        so that the prune after it frees them all. A held step is kept whole, and what it
+        refers to with it: without this, such chains grow with the run."""
+        gone = set(doomed)
+        direct = sum(1 for by in holding.values() if not gone.issuperset(by))
+        if len(holding) - direct > direct + 8:
+            self._whole_next = True
 
     def _delete(self, entries: list[dict[str, Any]], *, keep_spare: bool = False) -> None:
         """Delete these pruned steps (never what is not a ckptvar checkpoint).
@@ -923,6 +939,11 @@ class CheckpointManager:
             base = None  # written again: a full step
         if base is not None and self._damaged_base(number, os.fspath(base)):
             base = None
+        if base is not None and self._whole_next:
+            logger.info("Step %d is written whole: pruned steps kept only for other pruned "
+                        "steps are freed once no kept step refers to them.", number)
+            base = None
+        self._whole_next = self._whole_next and base is not None
         if base is not None and self._whole_steps is not None and self._whole_steps(number):
             logger.debug("Step %d is written whole (whole_every, or a persistent copy is "
                          "due).", number)
@@ -963,6 +984,11 @@ class CheckpointManager:
             base = None
         if base is not None and self._damaged_base(number, base):
             base = None
+        if base is not None and self._whole_next:
+            logger.info("Step %d is written whole: pruned steps kept only for other pruned "
+                        "steps are freed once no kept step refers to them.", number)
+            base = None
+        self._whole_next = self._whole_next and base is not None
         return self._incremental.start(base, variables)
 
     def _damaged_base(self, number: int, base: str) -> bool:
