@@ -357,3 +357,30 @@ def test_a_save_after_restore_or_initialize_skipped_the_newest_stands_alone(
     got = cv.load(step, storage_options=opts)
     assert np.array_equal(got["frozen"], frozen.numpy())
     assert np.array_equal(got["head"], head.numpy())
+
+
+@pytest.mark.slow  # 125 steps against moto: about 17 s
+def test_pruned_hdf5_steps_held_only_by_other_pruned_steps_do_not_pile_up(
+        s3: S3Bucket) -> None:
+    """As on disk (tests/test_incremental_edges.py): the committed steps kept only for
+    other pruned steps stay a few, and the latest step reads back."""
+    opts = s3.storage_options
+    table = cv.Variable(np.zeros((4096, 64), np.float32), name="table")
+    other = cv.Variable(np.arange(300_000, dtype=np.float32), name="other")
+    manager = cv.CheckpointManager(cv.Checkpoint(table=table, other=other),
+                                   f"{s3.url}/run", max_to_keep=1, format="h5",
+                                   storage_options=opts, incremental=True)
+    loc = s3.location("run")
+    counts = []
+    for step in range(1, 126):
+        table.scatter_update((np.arange(10) + 10 * step) % 4096,
+                             np.full((10, 64), step, np.float32))
+        if step % 10 == 0:
+            other.assign_add(np.ones(300_000, np.float32))
+        manager.save()
+        if step > 75:
+            counts.append(len(list_committed_steps(loc)))
+    assert max(counts) <= 36, counts
+    got = cv.load(manager.latest_checkpoint, storage_options=opts)
+    assert np.array_equal(got["table"], table.numpy())
+    assert np.array_equal(got["other"], other.numpy())
