@@ -249,3 +249,20 @@ def test_a_checkpoint_name_ending_in_a_format_suffix_is_refused(
         cv.CheckpointManager(_ckpt()[0], tmp_path, checkpoint_name=name)
     assert repr(name) in str(err.value) and "format=" in str(err.value)
     assert list(tmp_path.iterdir()) == []  # nothing touched
+
+
+def test_a_step_pruned_as_soon_as_it_is_saved_is_said(
+        tmp_path: Path, fresh_graph: cv.Graph, caplog: pytest.LogCaptureFixture) -> None:
+    """A number given by hand below the kept steps: the manager lists steps by number, so
+    max_to_keep prunes the new step at once; the save says so (it returned a path that
+    is gone)."""
+    ckpt, _ = _ckpt()
+    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=2)
+    manager.save(checkpoint_number=5)
+    manager.save(checkpoint_number=10)
+    with caplog.at_level("WARNING", logger="ckptvar"):
+        path = manager.save(checkpoint_number=3)
+    assert not Path(path).exists()
+    assert _names(manager.checkpoints) == ["ckpt-5.h5", "ckpt-10.h5"]
+    assert any("ckpt-3.h5" in r.getMessage() and "pruned" in r.getMessage()
+               for r in caplog.records), caplog.text

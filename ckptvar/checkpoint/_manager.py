@@ -716,6 +716,11 @@ class CheckpointManager:
                         section["preserved"].append(old)
                     else:
                         doomed.append(old)
+            if any(e["path"] == name for e in doomed):
+                logger.warning(
+                    "Step %s was pruned as soon as it was saved: steps are kept by number "
+                    "and it is older than the %d newest (max_to_keep) in %s.",
+                    name, self.max_to_keep, os.fspath(self.directory))
             section["pending_delete"], unheld = self._split_held(
                 section.get("pending_delete", []) + doomed)
             self._section = section
