@@ -410,3 +410,40 @@ def test_autograd_is_off_for_every_state_dict_and_back_as_it_was(tmp_path: Path)
             root.write(tmp_path / "failing.h5")
         assert torch.is_grad_enabled()
     assert failing.calls == [False, False]
+
+
+class _Columns(torch.nn.Module):
+    """A module whose buffer is a non-contiguous view (columns of a larger tensor): the
+    host cannot view its memory as one array, so a save copies it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 6)
+        self.register_buffer("cols", torch.zeros(8, 8)[:, :4])
+        self.register_buffer("t", torch.zeros(6, 5).t())
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_a_non_contiguous_tensor_is_saved_as_it_is_at_each_save(
+        tmp_path: Path, incremental: bool) -> None:
+    """Every save (and a restore after it) of a tensor the host cannot view in place
+    takes its value at that call, not the first save's copy."""
+    model = _Columns()
+    ckpt = cv.Checkpoint(model=model)
+    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=None, incremental=incremental)
+    saved = []
+    for step in range(3):
+        with torch.no_grad():
+            model.cols[step, 1] += 1.0
+            model.t[2, step] -= 1.0
+        path = manager.save()
+        saved.append((path, model.cols.clone(), model.t.clone()))
+        got = cv.load(path)
+        assert np.array_equal(got["model/cols"], model.cols.numpy()), step
+        assert np.array_equal(got["model/t"], model.t.numpy()), step
+    path, cols, t = saved[1]
+    with torch.no_grad():
+        model.cols.fill_(7.0)
+        model.t.fill_(7.0)
+    ckpt.restore(path)  # into the very tensors, whose values the saves took
+    assert torch.equal(model.cols, cols) and torch.equal(model.t, t)

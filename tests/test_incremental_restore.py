@@ -308,9 +308,10 @@ def test_a_torch_modules_weights_written_in_place_are_saved(tmp_path: Path) -> N
 def test_restore_or_initialize_past_a_damaged_newest_step_knows_nothing(
         tmp_path: Path, fresh_graph: cv.Graph) -> None:
     """``restore_or_initialize()`` skips a damaged newest step and restores the one
-    before: the next save builds on the newest (still listed), knows nothing, and is
-    bit-exact (the table written whole, the frozen value shared by its checksums). Zarr:
-    a patch's chunk file is damaged in place (its own file, not linked elsewhere)."""
+    before: the next save takes nothing from the damaged newest (still listed), whose
+    recorded checksums may name lost bytes (the test below): it is written whole and
+    bit-exact, and the save after it builds on it again. Zarr: a patch's chunk file is
+    damaged in place (its own file, not linked elsewhere)."""
     d = tmp_path / "run"
     _first_run(d, "zarr")
     ckpt0, table0 = _model()
@@ -331,9 +332,12 @@ def test_restore_or_initialize_past_a_damaged_newest_step_knows_nothing(
     assert [Path(p).name for p, _ in manager.skipped] == ["ckpt-3.zarr"]
     step = manager.save()
     with cv.open(step) as r:
-        assert "table" not in r.deltas() and "table" not in r.shared()
-        assert "frozen" in r.shared()
+        assert not r.deltas() and not r.shared()
     _check(step, ckpt)
+    after = manager.save()
+    with cv.open(after) as r:
+        assert {"table", "frozen"} <= set(r.shared())
+    _check(after, ckpt)
 
 
 def test_a_zarr_step_restored_by_a_path_ending_in_a_slash_teaches_the_same(
@@ -647,3 +651,38 @@ def test_a_partitioned_variable_restored_before_the_manager_is_patched(
     with cv.open(step) as r:
         assert r.deltas() == {"part": {"base": f"ckpt-1.{fmt}", "patches": 2, "rows": 2}}
     assert np.array_equal(cv.load(step)["part"], np.asarray(part))
+
+
+def _lose_the_frozen_bytes(d: Path, fmt: str) -> None:
+    """The frozen value's bytes, shared by every step, are lost: HDF5: the step file
+    holding them is gone; Zarr: its chunk file (one inode in every step) damaged in place."""
+    if fmt == "h5":
+        (d / "ckpt-1.h5").unlink()
+        return
+    chunk = next((d / "ckpt-1.zarr" / "frozen").glob("c.*"))
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_save_after_restore_or_initialize_skipped_the_newest_does_not_refer_to_it(
+        tmp_path: Path, fresh_graph: cv.Graph, fmt: str) -> None:
+    """Every step shares the frozen value's bytes, which are lost: restore_or_initialize()
+    skips every step and initializes. The next save must not take the frozen value from
+    the newest (damaged) step by its recorded checksums: it writes it, and the step loads."""
+    d = tmp_path / "run"
+    _first_run(d, fmt)
+    _lose_the_frozen_bytes(d, fmt)
+    ckpt, table = _model()  # the same initial values: the frozen value's checksum matches
+    manager = cv.CheckpointManager(ckpt, d, format=fmt, max_to_keep=3, incremental=True)
+    assert manager.restore_or_initialize() is None
+    assert Path(manager.skipped[0][0]).name == f"ckpt-2.{fmt}"
+    table.scatter_update(np.array([1]), np.full((1, WIDTH), 3.0, np.float32))
+    step = manager.save()
+    _check(step, ckpt)
+    table.scatter_update(np.array([2]), np.full((1, WIDTH), 4.0, np.float32))
+    after = manager.save()  # and the steps after it build on it again
+    _check(after, ckpt)
+    with cv.open(after) as r:
+        assert "frozen" in r.shared()

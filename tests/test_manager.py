@@ -238,3 +238,31 @@ def test_a_damaged_state_file_is_kept_aside_and_the_list_rebuilt(
     assert np.array_equal(w.numpy(), np.full(3, 3, np.float32))
     again.save()  # and the manager carries on, with a healthy state file again
     assert cv.latest_checkpoint(tmp_path) == os.fspath(tmp_path / f"ckpt-4.{fmt}")
+
+
+@pytest.mark.parametrize("name", ["model.h5", "model.zarr", "Model.H5", "weights.pt"])
+def test_a_checkpoint_name_ending_in_a_format_suffix_is_refused(
+        tmp_path: Path, fresh_graph: cv.Graph, name: str) -> None:
+    """A save takes such a suffix as the format and drops it from the file name
+    (``model-1.h5``), so the manager would never list, prune nor restore its own steps."""
+    with pytest.raises(ValueError, match="checkpoint_name") as err:
+        cv.CheckpointManager(_ckpt()[0], tmp_path, checkpoint_name=name)
+    assert repr(name) in str(err.value) and "format=" in str(err.value)
+    assert list(tmp_path.iterdir()) == []  # nothing touched
+
+
+def test_a_step_pruned_as_soon_as_it_is_saved_is_said(
+        tmp_path: Path, fresh_graph: cv.Graph, caplog: pytest.LogCaptureFixture) -> None:
+    """A number given by hand below the kept steps: the manager lists steps by number, so
+    max_to_keep prunes the new step at once; the save says so (it returned a path that
+    is gone)."""
+    ckpt, _ = _ckpt()
+    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=2)
+    manager.save(checkpoint_number=5)
+    manager.save(checkpoint_number=10)
+    with caplog.at_level("WARNING", logger="ckptvar"):
+        path = manager.save(checkpoint_number=3)
+    assert not Path(path).exists()
+    assert _names(manager.checkpoints) == ["ckpt-5.h5", "ckpt-10.h5"]
+    assert any("ckpt-3.h5" in r.getMessage() and "pruned" in r.getMessage()
+               for r in caplog.records), caplog.text

@@ -114,6 +114,13 @@ def _view(t: Any) -> np.ndarray | None:
     return view if view.flags.c_contiguous and view.flags.writeable else None
 
 
+def _host_copy(t: Any) -> bool:
+    """Whether :func:`tensor_variable` saves ``t`` (a tensor, not a DTensor) from a copy
+    made then: a CPU tensor the host cannot view (non-contiguous), whose later writes the
+    copy never sees."""
+    return t.device.type == "cpu" and _view(t) is None
+
+
 def _variable(graph: Graph, name: str, host: np.ndarray, shard: Shard | None,
               trainable: bool = False) -> Variable:
     """A CPU variable whose buffer is ``host`` itself (no copy)."""
@@ -493,6 +500,8 @@ class StateDictTrackable(Trackable):
             self._names = self._trainable()
         var = tensor_variable(self._graph, name, t, saving=saving,
                               trainable=name in self._names)
+        if var is not None and _host_copy(t.to_local() if is_dtensor(t) else t):
+            return var  # a copy holds this save's value only: never kept for the next
         self._cache[path] = (ident, var, replica)
         return var
 
@@ -541,7 +550,8 @@ class StateDictTrackable(Trackable):
         finally:
             autograd_back(on)
         children = _nest(flat)
-        self._last = _LastSave(paths, tensors, identities, children, sig, enc, [None])
+        if all(path in self._cache for path in flat):  # no copy among them (``_var``)
+            self._last = _LastSave(paths, tensors, identities, children, sig, enc, [None])
         return children
 
     def python_state(self) -> Any:

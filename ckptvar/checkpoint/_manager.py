@@ -110,6 +110,15 @@ def _check_arguments(
         raise ValueError(f"max_to_keep must be None or >= 1, got {max_to_keep}.")
     if not checkpoint_name or "/" in checkpoint_name or checkpoint_name.startswith("."):
         raise ValueError(f"Bad checkpoint_name {checkpoint_name!r}.")
+    lowered = checkpoint_name.lower()
+    for suffix in (s for suffixes in known_formats().values() for s in suffixes):
+        if lowered.endswith(suffix):  # a save would drop it: steps named apart from the name
+            raise ValueError(
+                f"Bad checkpoint_name {checkpoint_name!r}: it ends in {suffix!r}, which a "
+                "save takes as a format and leaves out of the step's file name, so this "
+                "manager would never find its steps. Name it without the suffix and "
+                "choose the format with format=."
+            )
     if format not in NATIVE_FORMATS or format not in known_formats():
         raise UnsupportedFormatError(
             f"CheckpointManager writes {' or '.join(NATIVE_FORMATS)}, not {format!r}."
@@ -265,6 +274,8 @@ class CheckpointManager:
         primary = self._keeps_directory()
         self.restore_status: RestoreStatus | None = None
         self.skipped: list[tuple[str, str]] = []
+        #: the steps restore_or_initialize() skipped (damaged or gone): never a base
+        self._unreadable: set[str] = set()
         self._section: dict[str, Any] = {}
         self._created = time.time()
         reclaim_staging()  # this host's staging directories of dead saves
@@ -350,6 +361,7 @@ class CheckpointManager:
             kept = [e["path"] for e in entries[-self.max_to_keep:]]
             holding = (held(self._location, kept, doomed, self._remote_references)
                        if self._incremental is not None and self.format == "h5" else {})
+            self._note_holds(holding, doomed)
             for name in doomed:
                 if name in holding:  # a kept incremental step reads its bytes from there
                     continue
@@ -578,8 +590,23 @@ class CheckpointManager:
             return [], []
         doomed = [e["path"] for e in pending]
         holding = held(self.directory, self._steps_on_disk(exclude=doomed), doomed)
+        self._note_holds(holding, doomed)
         still = [{**e, "held_for": holding[e["path"]]} for e in pending if e["path"] in holding]
         return still, [e for e in pending if e["path"] not in holding]
+
+    #: the next incremental save writes every value (:meth:`_note_holds`)
+    _whole_next = False
+
+    def _note_holds(self, holding: Mapping[str, list[str]], doomed: list[str]) -> None:
+        """After a prune's ``held`` (pruned step -> the steps that refer to it): when more
+        pruned steps are kept only because other pruned steps refer to them than are kept
+        for the steps that stay, plus a few, the next incremental save writes every value,
+        so that the prune after it frees them all. A held step is kept whole, and what it
+        refers to with it: without this, such chains grow with the run."""
+        gone = set(doomed)
+        direct = sum(1 for by in holding.values() if not gone.issuperset(by))
+        if len(holding) - direct > direct + 8:
+            self._whole_next = True
 
     def _delete(self, entries: list[dict[str, Any]], *, keep_spare: bool = False) -> None:
         """Delete these pruned steps (never what is not a ckptvar checkpoint).
@@ -690,6 +717,11 @@ class CheckpointManager:
                         section["preserved"].append(old)
                     else:
                         doomed.append(old)
+            if any(e["path"] == name for e in doomed):
+                logger.warning(
+                    "Step %s was pruned as soon as it was saved: steps are kept by number "
+                    "and it is older than the %d newest (max_to_keep) in %s.",
+                    name, self.max_to_keep, os.fspath(self.directory))
             section["pending_delete"], unheld = self._split_held(
                 section.get("pending_delete", []) + doomed)
             self._section = section
@@ -911,6 +943,13 @@ class CheckpointManager:
         base = self.directory / entries[-1]["path"] if entries else None
         if base is not None and base.name == name:
             base = None  # written again: a full step
+        if base is not None and self._damaged_base(number, os.fspath(base)):
+            base = None
+        if base is not None and self._whole_next:
+            logger.info("Step %d is written whole: pruned steps kept only for other pruned "
+                        "steps are freed once no kept step refers to them.", number)
+            base = None
+        self._whole_next = self._whole_next and base is not None
         if base is not None and self._whole_steps is not None and self._whole_steps(number):
             logger.debug("Step %d is written whole (whole_every, or a persistent copy is "
                          "due).", number)
@@ -949,7 +988,25 @@ class CheckpointManager:
         base = self._full(entries[-1]["path"]) if entries else None
         if base is not None and self._whole_steps is not None and self._whole_steps(number):
             base = None
+        if base is not None and self._damaged_base(number, base):
+            base = None
+        if base is not None and self._whole_next:
+            logger.info("Step %d is written whole: pruned steps kept only for other pruned "
+                        "steps are freed once no kept step refers to them.", number)
+            base = None
+        self._whole_next = self._whole_next and base is not None
         return self._incremental.start(base, variables)
+
+    def _damaged_base(self, number: int, base: str) -> bool:
+        """Whether ``base``, the latest step, did not load at ``restore_or_initialize()``:
+        its recorded checksums may name bytes that are gone or damaged, so step
+        ``number`` takes nothing from it (written whole; said in the log)."""
+        if base not in self._unreadable:
+            return False
+        logger.warning("Incremental save of step %d: writing every value: the latest step "
+                       "%s did not load when restoring, so nothing is taken from it.",
+                       number, base)
+        return True
 
     def restore_or_initialize(self) -> str | None:
         """Restore the newest checkpoint that loads; else call ``init_fn``. Returns the path.
@@ -974,6 +1031,9 @@ class CheckpointManager:
                     raise  # another process failed otherwise (a mismatch, its end)
                 logger.warning("Skipping checkpoint %s: %s", path, exc)
                 self.skipped.append((path, str(exc)))
+                for manager in (self, self._local_tier):  # (whose steps these may be)
+                    if manager is not None:
+                        manager._unreadable.add(path)
                 continue
             return path
         if self._init_fn is not None:

@@ -698,7 +698,8 @@ class H5Reader(ContainerReader, SupportsShared):
                 ) from None
             self._holders[name] = fd
         size = fd.size if isinstance(fd, RemoteFile) else os.fstat(fd).st_size
-        if offset < USERBLOCK_SIZE or offset + nbytes > size:
+        # a value with no bytes (no rows) has no storage: HDF5 gives it no address
+        if nbytes and (offset < USERBLOCK_SIZE or offset + nbytes > size):
             raise CorruptCheckpointError(
                 f"Checkpoint {str(self.path)!r}: the bytes of {key!r} at "
                 f"[{offset}, {offset + nbytes}) lie outside "

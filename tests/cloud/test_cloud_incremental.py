@@ -312,3 +312,75 @@ def test_three_processes_copy_their_unchanged_values_on_the_server(
     got = cv.load(f"{run}/ckpt-2.zarr", storage_options=s3.storage_options)
     for key, want in cases.expected(2).items():
         assert np.array_equal(got[key], want), key
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_value_with_no_bytes_is_read_from_a_step_that_shares_it(s3: S3Bucket, fmt: str) -> None:
+    """An empty table unchanged since the last step: the HDF5 step refers to it in the
+    older step's object like any value, and it reads back (its empty range was refused)."""
+    opts = s3.storage_options
+    ckpt, frozen, head = _model()
+    empty = cv.Variable(np.zeros((0, 4), np.float32), name="empty")
+    ckpt.empty = empty
+    manager = cv.CheckpointManager(ckpt, f"{s3.url}/run", format=fmt, storage_options=opts,
+                                   incremental=True)
+    manager.save()
+    head.assign_add(1.0)
+    step = manager.save()
+    got = cv.load(step, storage_options=opts)
+    assert got["empty"].shape == (0, 4) and np.array_equal(got["head"], head.numpy())
+    assert np.array_equal(got["frozen"], frozen.numpy())
+    res = _ckpt(s3, "verify", step)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_a_save_after_restore_or_initialize_skipped_the_newest_stands_alone(
+        s3: S3Bucket) -> None:
+    """The holder's objects gone: restore_or_initialize() skips the steps that read from
+    it, and the next save (the same frozen value, found unchanged by its recorded
+    checksum) must not refer to it again: it is written whole, and loads."""
+    run, opts = f"{s3.url}/run", s3.storage_options
+    ckpt, _, head = _model()
+    manager = cv.CheckpointManager(ckpt, run, max_to_keep=None, format="h5",
+                                   storage_options=opts, incremental=True)
+    manager.save()
+    head.assign_add(1.0)
+    manager.save()
+    loc = s3.location("run")
+    loc.delete([o.key for o in loc.list() if o.key.startswith("ckpt-1.h5")])
+    ckpt, frozen, head = _model()
+    manager = cv.CheckpointManager(ckpt, run, max_to_keep=None, format="h5",
+                                   storage_options=opts, incremental=True)
+    assert manager.restore_or_initialize() is None and manager.skipped
+    head.assign_add(2.0)
+    step = manager.save()
+    got = cv.load(step, storage_options=opts)
+    assert np.array_equal(got["frozen"], frozen.numpy())
+    assert np.array_equal(got["head"], head.numpy())
+
+
+@pytest.mark.slow  # 125 steps against moto: about 17 s
+def test_pruned_hdf5_steps_held_only_by_other_pruned_steps_do_not_pile_up(
+        s3: S3Bucket) -> None:
+    """As on disk (tests/test_incremental_edges.py): the committed steps kept only for
+    other pruned steps stay a few, and the latest step reads back."""
+    opts = s3.storage_options
+    table = cv.Variable(np.zeros((4096, 64), np.float32), name="table")
+    other = cv.Variable(np.arange(300_000, dtype=np.float32), name="other")
+    manager = cv.CheckpointManager(cv.Checkpoint(table=table, other=other),
+                                   f"{s3.url}/run", max_to_keep=1, format="h5",
+                                   storage_options=opts, incremental=True)
+    loc = s3.location("run")
+    counts = []
+    for step in range(1, 126):
+        table.scatter_update((np.arange(10) + 10 * step) % 4096,
+                             np.full((10, 64), step, np.float32))
+        if step % 10 == 0:
+            other.assign_add(np.ones(300_000, np.float32))
+        manager.save()
+        if step > 75:
+            counts.append(len(list_committed_steps(loc)))
+    assert max(counts) <= 36, counts
+    got = cv.load(manager.latest_checkpoint, storage_options=opts)
+    assert np.array_equal(got["table"], table.numpy())
+    assert np.array_equal(got["other"], other.numpy())
