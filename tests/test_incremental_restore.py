@@ -11,6 +11,7 @@ step reads back bit-exact."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -686,3 +687,63 @@ def test_a_save_after_restore_or_initialize_skipped_the_newest_does_not_refer_to
     _check(after, ckpt)
     with cv.open(after) as r:
         assert "frozen" in r.shared()
+
+
+@pytest.mark.parametrize("order", ["manager_first", "restore_first"])
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_save_after_a_failed_restore_of_the_newest_does_not_refer_to_it(
+        tmp_path: Path, fresh_graph: cv.Graph, fmt: str, order: str) -> None:
+    """The user restores the latest step themselves, it fails (its frozen bytes are
+    lost), they carry on from fresh values: the next save must not take the frozen value
+    from that step by its recorded checksums (the step would name the lost bytes)."""
+    d = tmp_path / "run"
+    _first_run(d, fmt)
+    _lose_the_frozen_bytes(d, fmt)
+    ckpt, table = _model()  # the same initial values: the frozen value's checksum matches
+    latest = cv.latest_checkpoint(d)
+    assert latest is not None
+    manager = None
+    if order == "manager_first":
+        manager = cv.CheckpointManager(ckpt, d, format=fmt, max_to_keep=3, incremental=True)
+    with pytest.raises(cv.CkptError):
+        ckpt.restore(latest)
+    assert ckpt.failed_restores() == {latest}
+    if manager is None:
+        manager = cv.CheckpointManager(ckpt, d, format=fmt, max_to_keep=3, incremental=True)
+    table.scatter_update(np.array([1]), np.full((1, WIDTH), 3.0, np.float32))
+    step = manager.save()
+    _check(step, ckpt)
+    with cv.open(step) as r:
+        assert not r.shared() and not r.deltas()
+    table.scatter_update(np.array([2]), np.full((1, WIDTH), 4.0, np.float32))
+    after = manager.save()  # and the steps after it build on it again
+    _check(after, ckpt)
+    with cv.open(after) as r:
+        assert "frozen" in r.shared()
+
+
+def test_a_restore_that_failed_by_a_mismatch_or_later_succeeded_is_not_held_against_it(
+        tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    """A mismatch is the objects' fault, not the step's; a later good restore of the
+    same path takes a failure off: neither stops the next save from building on it."""
+    d = tmp_path / "run"
+    latest = _first_run(d, "h5")
+    wrong = cv.Checkpoint(table=cv.Variable(np.zeros((3, WIDTH), np.float32), name="table"))
+    with pytest.raises(cv.CheckpointMismatchError):
+        wrong.restore(latest)
+    assert wrong.failed_restores() == frozenset()
+    ckpt, table = _model()
+    with pytest.raises(cv.CkptError):
+        ckpt.restore(d / "no-such-step.h5")
+    assert ckpt.failed_restores() == {os.fspath(d / "no-such-step.h5")}
+    os.rename(latest, d / "aside.h5")
+    with pytest.raises(cv.CkptError):
+        ckpt.restore(latest)
+    os.rename(d / "aside.h5", latest)
+    ckpt.restore(latest).assert_consumed()
+    assert ckpt.failed_restores() == {os.fspath(d / "no-such-step.h5")}
+    manager = cv.CheckpointManager(ckpt, d, format="h5", max_to_keep=3, incremental=True)
+    table.scatter_update(np.array([1]), np.full((1, WIDTH), 3.0, np.float32))
+    step = manager.save()
+    assert _added(step) < SMALL, _added(step)
+    _check(step, ckpt)

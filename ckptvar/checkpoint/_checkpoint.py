@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict, Unpack, cast
 
+from ..errors import CheckpointMismatchError
 from ..storage import paused_gc
 from ..trackable import Trackable, trackable_children
 from ..variables import PartitionedVariable, Variable
@@ -158,6 +159,8 @@ class Checkpoint(Trackable):
     #: and what the last restore set
     _cv_noting: bool = False
     _cv_restored: Restored | None = None
+    #: the paths whose last restore failed other than by a mismatch (:meth:`failed_restores`)
+    _cv_failed: frozenset[str] = frozenset()
 
     def __init__(self, **objects: Any) -> None:
         object.__setattr__(self, "_cv_handles", [])
@@ -433,6 +436,20 @@ class Checkpoint(Trackable):
         restored on create are added as they are)."""
         return self._cv_restored
 
+    def failed_restores(self) -> frozenset[str]:
+        """The paths (as given) whose last restore raised for another reason than a
+        mismatch with this checkpoint's objects: a damaged or missing file, a failed
+        check, another process's failure. Their stored checksums may name bytes that are
+        gone, so an incremental manager takes nothing from such a step (docs/
+        checkpoints.md, "What a restore teaches"). A later successful restore of the same
+        path takes it off."""
+        return self._cv_failed
+
+    def _note_outcome(self, path: str | os.PathLike[str], failed: bool) -> None:
+        key = os.fspath(path)
+        now = self._cv_failed | {key} if failed else self._cv_failed - {key}
+        object.__setattr__(self, "_cv_failed", frozenset(now))
+
     def restore(
         self,
         path: str | os.PathLike[str] | None,
@@ -461,6 +478,22 @@ class Checkpoint(Trackable):
         """
         if path is None:
             return RestoreStatus(None, warn_unused=False)
+        try:
+            status = self._restore(path, verify, cast, storage_options, coordinator, timeout)
+        except CheckpointMismatchError:
+            raise  # (the objects, not the step)
+        except Exception:
+            self._note_outcome(path, failed=True)
+            raise
+        self._note_outcome(path, failed=False)
+        return status
+
+    read = restore
+
+    def _restore(  # noqa: PLR0917
+        self, path: str | os.PathLike[str], verify: bool, cast: bool,
+        storage_options: Mapping[str, Any] | None, coordinator: Any, timeout: float | None,
+    ) -> RestoreStatus:
         with self._cv_lock:  # never beside a save of this checkpoint by another thread
             self.wait()
             # (the object graph is gathered only when a coordinator may make this collective)
@@ -487,8 +520,6 @@ class Checkpoint(Trackable):
             if state.restored is not None:
                 object.__setattr__(self, "_cv_restored", state.restored)
             return RestoreStatus(state, root=self)
-
-    read = restore
 
     def _restore_collective(  # noqa: PLR0917
         self, path: str | os.PathLike[str], coord: Any, timeout: float | None, verify: bool,

@@ -274,8 +274,6 @@ class CheckpointManager:
         primary = self._keeps_directory()
         self.restore_status: RestoreStatus | None = None
         self.skipped: list[tuple[str, str]] = []
-        #: the steps restore_or_initialize() skipped (damaged or gone): never a base
-        self._unreadable: set[str] = set()
         self._section: dict[str, Any] = {}
         self._created = time.time()
         reclaim_staging()  # this host's staging directories of dead saves
@@ -998,10 +996,12 @@ class CheckpointManager:
         return self._incremental.start(base, variables)
 
     def _damaged_base(self, number: int, base: str) -> bool:
-        """Whether ``base``, the latest step, did not load at ``restore_or_initialize()``:
-        its recorded checksums may name bytes that are gone or damaged, so step
-        ``number`` takes nothing from it (written whole; said in the log)."""
-        if base not in self._unreadable:
+        """Whether ``base``, the latest step, failed its last restore (by
+        ``restore_or_initialize()``, or the user's ``ckpt.restore``; not a mismatch): its
+        recorded checksums may name bytes that are gone or damaged, so step ``number``
+        takes nothing from it (written whole; said in the log)."""
+        name = base.rstrip("/").rpartition("/")[2]
+        if not any(self._own_step(p) == name for p in self._checkpoint.failed_restores()):
             return False
         logger.warning("Incremental save of step %d: writing every value: the latest step "
                        "%s did not load when restoring, so nothing is taken from it.",
@@ -1030,10 +1030,7 @@ class CheckpointManager:
                         m.startswith(_SKIPPED) for m in exc.failures.values()):
                     raise  # another process failed otherwise (a mismatch, its end)
                 logger.warning("Skipping checkpoint %s: %s", path, exc)
-                self.skipped.append((path, str(exc)))
-                for manager in (self, self._local_tier):  # (whose steps these may be)
-                    if manager is not None:
-                        manager._unreadable.add(path)
+                self.skipped.append((path, str(exc)))  # (the checkpoint notes it: never a base)
                 continue
             return path
         if self._init_fn is not None:
