@@ -340,3 +340,40 @@ def test_pickle_lengths_never_allocate_what_is_not_there(
     finally:
         tracemalloc.stop()
     assert peak < 5 << 20
+
+
+def _shared_dag(depth: int) -> Any:
+    """``[x, x]`` nested ``depth`` times: a few hundred pickle bytes, 2**depth paths."""
+    node: Any = 1
+    for _ in range(depth):
+        node = [node, node]
+    return node
+
+
+@pytest.mark.parametrize("layout", ["zip", "legacy"])
+def test_containers_shared_by_reference_cannot_blow_up_the_key_walk(
+    tmp_path: Path, layout: str
+) -> None:
+    """A 300-byte pickle whose lists share each other used to hang ``cv.open`` (2**40 keys)."""
+    pkl = pickle.dumps({"a": _shared_dag(40)}, protocol=2)
+    path = (_zip_pt if layout == "zip" else _legacy_pt)(tmp_path / "dag.pt", pkl)
+    code = (
+        "import sys, ckptvar as cv\n"
+        "try:\n    cv.open(sys.argv[1])\n"
+        "except cv.CorruptCheckpointError as e:\n    print('refused:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                         text=True, timeout=20)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("refused:") and "dag.pt" in out.stdout, out.stdout
+
+
+def test_a_container_shared_by_reference_is_read_under_each_name(tmp_path: Path) -> None:
+    """Legitimate sharing (``{"model": sd, "ema": sd}``) still reads, under both prefixes."""
+    shared = {"w": 1.5, "n": [1, 2]}
+    pkl = pickle.dumps({"model": shared, "ema": shared, "deep": _shared_dag(8)}, protocol=2)
+    with cv.open(_zip_pt(tmp_path / "shared.pt", pkl)) as reader:
+        meta = reader.metadata()
+    assert meta["model.w"] == meta["ema.w"] == 1.5
+    assert meta["ema.n.1"] == 2
+    assert sum(k.startswith("deep.") for k in meta) == 2**8

@@ -225,10 +225,44 @@ class _BoundedFile:
         return self._f.tell()
 
 
+def _walk_size(obj: Any, path: Path) -> int:
+    """How many entries the key walk would visit, counting each shared container once per use.
+
+    Found with one visit per distinct container, so lists nested in each other by
+    reference (``[x, x]`` forty deep: 2**40 paths from a few hundred pickle bytes) are
+    measured without being walked.
+    """
+    sizes: dict[int, int] = {}
+
+    def size(value: Any, depth: int) -> int:
+        if depth > _MAX_DEPTH:
+            raise CorruptCheckpointError(f"{str(path)!r} nests containers too deeply.")
+        if not isinstance(value, dict | list | tuple):
+            return 1
+        known = sizes.get(id(value))
+        if known is None:
+            children = value.values() if isinstance(value, dict) else value
+            known = sizes[id(value)] = 1 + sum(size(v, depth + 1) for v in children)
+        return known
+
+    return size(obj, 0)
+
+
 def _flatten(
-    obj: Any, path: Path
+    obj: Any, path: Path, budget: int
 ) -> tuple[dict[str, TensorRef], dict[str, Any], dict[str, str]]:
-    """``(tensors, plain leaves for metadata, {key: reason} for anything else)``."""
+    """``(tensors, plain leaves for metadata, {key: reason} for anything else)``.
+
+    ``budget``: the most entries the walk may visit (the pickle's size in bytes, at
+    least 2**20): a pickle without shared containers has fewer entries than bytes, so only
+    containers shared by reference can exceed it, and those are refused before the walk.
+    """
+    entries = _walk_size(obj, path)
+    if entries > max(budget, 1 << 20):
+        raise CorruptCheckpointError(
+            f"{str(path)!r}: its pickle's containers, shared by reference, expand to "
+            f"{entries} entries from {budget} bytes; refused."
+        )
     tensors: dict[str, TensorRef] = {}
     meta: dict[str, Any] = {}
     skipped: dict[str, str] = {}
@@ -342,7 +376,7 @@ def _open_zip(path: Path) -> Reader:
                 raise CorruptCheckpointError(f"{str(path)!r}: unknown byteorder {order!r}.")
         storages: dict[str, StorageRef] = {}
         obj = safe_load(io.BytesIO(pkl), storages=storages, source=repr(str(path)))
-        tensors, meta, skipped = _flatten(obj, path)
+        tensors, meta, skipped = _flatten(obj, path, len(pkl))
         sources = {key: _storage_source(archive, f"{prefix}data/{key}", st, path)
                    for key, st in storages.items()}
         arrays = _arrays(tensors, sources, order, path)
@@ -413,7 +447,7 @@ def _open_legacy(path: Path) -> Reader:
         missing = set(storages) - set(sources)
         if missing:
             raise CorruptCheckpointError(f"{str(path)!r} lacks storages {sorted(missing)[:5]}.")
-        tensors, meta, skipped = _flatten(obj, path)
+        tensors, meta, skipped = _flatten(obj, path, fh.size)
         arrays = _arrays(tensors, sources, "big" if big else "little", path)
     except BaseException:
         fh.close()
