@@ -225,6 +225,15 @@ class _BoundedFile:
         return self._f.tell()
 
 
+def _check_walk_size(obj: Any, path: Path, budget: int) -> None:
+    entries = _walk_size(obj, path)
+    if entries > max(budget, 1 << 20):
+        raise CorruptCheckpointError(
+            f"{str(path)!r}: its pickle's containers, shared by reference, expand to "
+            f"{entries} entries from {budget} bytes; refused."
+        )
+
+
 def _walk_size(obj: Any, path: Path) -> int:
     """How many entries the key walk would visit, counting each shared container once per use.
 
@@ -257,12 +266,7 @@ def _flatten(
     least 2**20): a pickle without shared containers has fewer entries than bytes, so only
     containers shared by reference can exceed it, and those are refused before the walk.
     """
-    entries = _walk_size(obj, path)
-    if entries > max(budget, 1 << 20):
-        raise CorruptCheckpointError(
-            f"{str(path)!r}: its pickle's containers, shared by reference, expand to "
-            f"{entries} entries from {budget} bytes; refused."
-        )
+    _check_walk_size(obj, path, budget)
     tensors: dict[str, TensorRef] = {}
     meta: dict[str, Any] = {}
     skipped: dict[str, str] = {}
