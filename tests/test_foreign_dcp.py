@@ -208,3 +208,34 @@ def test_metadata_with_enums_pickled_by_name_is_read_and_getattr_stays_narrow(
 
     with pytest.raises(cv.CorruptCheckpointError, match="only the members"):
         DCP_GLOBALS[("builtins", "getattr")]("x", "upper")
+
+
+def test_overlapping_chunks_are_refused_however_many_chunks_a_value_has(tmp_path: Path) -> None:
+    """Beyond 1024 chunks a value used to be checked by volume only: two chunks overlapping by
+    a row and leaving another row uncovered passed, and a read returned that row as whatever
+    bytes were in memory. 1023 empty chunks were enough to get past the pairwise check."""
+    import torch
+
+    def overlap_and_gap(meta: object) -> None:
+        rows = meta.state_dict_metadata["rows"]  # type: ignore[attr-defined]
+        first, second = rows.chunks[0], rows.chunks[1]
+        first.sizes = torch.Size([5, 5])  # rows 0..4
+        second.sizes = torch.Size([3, 5])  # rows 4..6: row 4 twice, row 7 never, 40 elements
+        empty = [type(first)(offsets=first.offsets, sizes=torch.Size([0, 5]))] * 1023
+        rows.chunks = [first, second, *empty]
+
+    folder = tmp_path / "many"
+    shutil.copytree(TWO, folder)
+    _rewrite_metadata(folder, overlap_and_gap)
+    with pytest.raises(cv.CorruptCheckpointError, match="'rows'.*(overlap|cover)"):
+        cv.open(folder)
+
+    def many_chunks(meta: object) -> None:  # the same tiling plus empty chunks still reads
+        rows = meta.state_dict_metadata["rows"]  # type: ignore[attr-defined]
+        first = rows.chunks[0]
+        rows.chunks = [*rows.chunks, *[type(first)(first.offsets, torch.Size([0, 5]))] * 1100]
+
+    good = tmp_path / "good"
+    shutil.copytree(TWO, good)
+    _rewrite_metadata(good, many_chunks)
+    np.testing.assert_array_equal(cv.load(good)["rows"], cv.load(TWO)["rows"])
