@@ -377,3 +377,42 @@ def test_a_container_shared_by_reference_is_read_under_each_name(tmp_path: Path)
     assert meta["model.w"] == meta["ema.w"] == 1.5
     assert meta["ema.n.1"] == 2
     assert sum(k.startswith("deep.") for k in meta) == 2**8
+
+
+def _expanded_file(tmp_path: Path) -> Path:
+    """One float32 element viewed 2**33 times (stride 0), as ``torch.zeros(1).expand(n)``
+    saves it: 32 GiB as an array, a few hundred bytes as a file."""
+    data = np.array([2.5], "<f4").tobytes()
+    return _zip_pt(tmp_path / "expanded.pt", _tensor_pickle(1, 0, (2**33,), (0,)), {"data/0": data})
+
+
+_SMALL_MEMORY = "import resource; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))"
+
+
+def _ckpt_limited(*args: object) -> subprocess.CompletedProcess[str]:
+    prog = f"{_SMALL_MEMORY}; import sys; from ckptvar.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", prog, *map(str, args)], capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def test_verify_checks_a_views_storage_without_building_the_view(tmp_path: Path) -> None:
+    """``ckpt verify`` of an expanded tensor used to build all 32 GiB of it (a traceback of
+    numpy's MemoryError where memory is short): checking the storage's CRC-32 is enough."""
+    path = _expanded_file(tmp_path)
+    proc = _ckpt_limited("verify", path)
+    assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr
+    with cv.open(path) as reader:
+        assert reader["w"][5:8].tolist() == [2.5] * 3
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(np.array([2.5], "<f4").tobytes())] ^= 1  # damage the one stored element
+    path.write_bytes(bytes(raw))
+    proc = _ckpt_limited("verify", path)
+    assert proc.returncode == 1 and "DAMAGED  w" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_value_too_large_for_memory_is_a_one_line_error(tmp_path: Path) -> None:
+    proc = _ckpt_limited("convert", _expanded_file(tmp_path), tmp_path / "out.npz")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("ckpt: error: ") and "memory" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out.npz").exists()

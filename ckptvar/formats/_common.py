@@ -14,7 +14,7 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -33,6 +33,7 @@ __all__ = [
     "CollectingWriter",
     "EntryReader",
     "FileArray",
+    "VerifiesItself",
     "bounding_box",
     "check_shape",
     "covers_whole",
@@ -285,6 +286,15 @@ class CollectingWriter(Writer):
         return {k: a for k, (_, a) in self._items.items() if a and a != {"name": k}}
 
 
+@runtime_checkable
+class VerifiesItself(Protocol):
+    """A lazy value that checks its stored bytes without building the whole array."""
+
+    def verify(self) -> None:
+        """Raise ``CorruptCheckpointError`` if the value's bytes are damaged."""
+        ...
+
+
 class EntryReader(Reader):
     """A ``Reader`` over an ordered dict of lazy arrays, with alternative key spellings."""
 
@@ -339,6 +349,13 @@ class EntryReader(Reader):
 
     def metadata(self) -> dict[str, Any]:
         return dict(self._metadata)
+
+    def verify(self, key: str) -> None:
+        lazy = self._arrays[self._resolve(key)]
+        if isinstance(lazy, VerifiesItself):
+            lazy.verify()  # e.g. a torch view, checked through its storage
+        else:
+            lazy.read(verify=True)
 
     def verify_all(self) -> list[tuple[str, str]]:
         """Read and check every value; ``[(key, reason), ...]`` for each damaged one.

@@ -155,15 +155,34 @@ class TorchArray(LazyArray):
             return out
         return arr
 
-    def _from_checked_storage(self) -> np.ndarray:
-        """The whole storage read and CRC-checked, then this view's elements taken from it."""
+    def verify(self) -> None:
+        """Check the value's bytes: a view through its storage's CRC-32 (or, unchecked, by
+        reading the bytes it spans), never building the view, which may be far larger
+        than its storage (``torch.zeros(1).expand(n)``)."""
+        if self._whole:
+            self.read(verify=True)
+        elif self._checked:
+            self._checked_storage()
+        else:
+            start, stop = self._span
+            if stop > start:
+                self._source.fetch(start, stop - start)
+
+    def _checked_storage(self) -> bytes:
         src = self._source
         raw = src.fetch(0, src.nbytes) if src.nbytes else b""
         zip_crc_check(src.info, b"", src.what)(raw)
+        return raw
+
+    def _from_checked_storage(self) -> np.ndarray:
+        """The whole storage read and CRC-checked, then this view's elements taken from it."""
+        raw = self._checked_storage()
         start, stop = self._span
         return self._strided(raw[start:stop] if stop > start else b"")
 
-    def _strided(self, raw: bytes | None = None) -> np.ndarray:
+    def _strided(self, raw: bytes | None = None, index: Any = ...) -> np.ndarray:
+        """``view[index]`` copied out of the view's bytes (``raw``, else read); only the
+        indexed elements are built, however large the view (a stride-0 expand)."""
         start, stop = self._span
         if raw is None:
             raw = self._source.fetch(start, stop - start) if stop > start else b""
@@ -180,7 +199,7 @@ class TorchArray(LazyArray):
             else np.zeros(self._ref.shape, self._stored)
         )
         arr = np.array(
-            view,
+            view[index],
             dtype=self._stored.newbyteorder("=")
             if self._stored.byteorder not in ("=", "|")
             else self._stored,
@@ -193,7 +212,7 @@ class TorchArray(LazyArray):
             return np.array(self.read()[index], copy=True)  # verified through its storage
         if self._contiguous:
             return self._flat[index]
-        return np.array(self._strided()[index], copy=True)
+        return self._strided(index=index)
 
 
 def _is_c_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
