@@ -73,8 +73,8 @@ def test_bad_header_lengths_and_encodings(tmp_path: Path) -> None:
     with pytest.raises(CorruptCheckpointError, match="too short"):
         cv.open(p)
     _st(p, None, raw=b'{"a": 1, "a": 2}')
-    with pytest.raises(CorruptCheckpointError, match="Duplicate"):
-        cv.open(p)
+    with pytest.raises(CorruptCheckpointError, match=r"x\.safetensors.*'a' twice"):
+        cv.open(p)  # the message names the file
     _st(p, None, raw=b"{\xff}")
     with pytest.raises(CorruptCheckpointError, match="UTF-8"):
         cv.open(p)

@@ -157,7 +157,7 @@ def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
-            raise CorruptCheckpointError(f"Duplicate key {k!r} in the safetensors header.")
+            raise CorruptCheckpointError(f"it names the key {k!r} twice.")
         out[k] = v
     return out
 
@@ -175,8 +175,8 @@ def _header_json(head: bytes, where: str) -> dict[str, Any]:
         raise CorruptCheckpointError(f"The {where} does not start with '{{'.")
     try:
         obj = json.loads(text, object_pairs_hook=_unique_object)
-    except CorruptCheckpointError:
-        raise
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"The {where} is refused: {exc}") from None
     except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"The {where} is not valid JSON: {exc}.") from None
     if not isinstance(obj, dict):
