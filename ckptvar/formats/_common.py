@@ -38,11 +38,66 @@ __all__ = [
     "check_shape",
     "covers_whole",
     "little_endian",
+    "overlap_problem",
     "shift_index",
 ]
 
 #: Largest metadata block (JSON header, pickle, index) a reader accepts before parsing.
 MAX_HEADER_BYTES = 256 * 1024 * 1024
+
+
+#: Boxes of one value compared pairwise for overlap; beyond, counted over a grid.
+MAX_PAIRWISE = 1024
+#: The most pieces that grid (the value cut at every box edge) may have.
+MAX_GRID_CELLS = 1 << 24
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes), inside the value's shape
+
+
+def overlap_problem(shape: tuple[int, ...], boxes: list[Box]) -> str | None:
+    """Why ``boxes`` (each inside ``shape``) do not cover ``shape`` without overlap; None.
+
+    Pairs are compared up to :data:`MAX_PAIRWISE` boxes; beyond, the value is cut at
+    every box edge and each piece must lie in exactly one box (a count over a grid).
+    Empty boxes are ignored; the caller checks that the volumes add up.
+
+    >>> overlap_problem((4,), [((0,), (2,)), ((2,), (2,))]) is None
+    True
+    >>> overlap_problem((4,), [((0,), (3,)), ((2,), (1,))])
+    'at [0] and [2] overlap'
+    """
+    full = [(o, z) for o, z in boxes if math.prod(z)]
+    if len(full) <= MAX_PAIRWISE:
+        for i, (ao, az) in enumerate(full):
+            for bo, bz in full[i + 1 :]:
+                if all(a < b + n and b < a + m for a, m, b, n in zip(ao, az, bo, bz, strict=True)):
+                    return f"at {list(ao)} and {list(bo)} overlap"
+        return None
+    edges = [
+        np.unique([0, d, *(o[i] for o, _ in full), *(o[i] + z[i] for o, z in full)])
+        for i, d in enumerate(shape)
+    ]
+    cells = math.prod(len(e) - 1 for e in edges)
+    if cells > MAX_GRID_CELLS:
+        return (
+            f"({len(full)}) cut it into {cells} pieces, too irregular to check that they "
+            f"cover it once (limit {MAX_GRID_CELLS})"
+        )
+    grid = [
+        tuple(
+            slice(int(np.searchsorted(e, a)), int(np.searchsorted(e, a + n)))
+            for e, a, n in zip(edges, o, z, strict=True)
+        )
+        for o, z in full
+    ]
+    # each box covers whole pieces; their counts add up to the grid's unless some overlap
+    if sum(math.prod(b.stop - b.start for b in box) for box in grid) == cells:
+        count = np.zeros([len(e) - 1 for e in edges], np.uint8)
+        for box in grid:
+            count[box] += 1
+        if bool((count == 1).all()):
+            return None
+    return f"({len(full)}) overlap or leave part of the shape {list(shape)} uncovered"
 
 
 def check_shape(shape: Any, *, what: str, path: Path | str) -> tuple[int, ...]:

@@ -44,6 +44,7 @@ from ._common import (
     EntryReader,
     FileHandle,
     check_shape,
+    overlap_problem,
 )
 from ._safetensors import SafetensorsBackend
 from ._unpickler import DCP_GLOBALS, DcpRecord, StorageRef, TensorRef, TorchDtype, safe_load
@@ -52,10 +53,6 @@ from ._zip import ZIP_ERRORS
 __all__ = ["DcpBackend"]
 
 METADATA_NAME = ".metadata"
-#: Chunks per value checked pairwise for overlap; beyond, their volumes must add up.
-MAX_PAIRWISE = 1024
-#: Beyond, the grid cut at every chunk edge may have this many cells (each counted once).
-MAX_GRID_CELLS = 1 << 24
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -269,58 +266,14 @@ def _check_tiling(key: str, shape: tuple[int, ...], chunks: list[_Chunk], where:
                 f"lies outside its shape {list(shape)}."
             )
         total += math.prod(c.sizes)
-    if len(chunks) > MAX_PAIRWISE:
-        _check_cells(key, shape, chunks, where)
-    else:
-        for i, a in enumerate(chunks):
-            for b in chunks[i + 1 :]:
-                if math.prod(a.sizes) and math.prod(b.sizes) and all(
-                    ao < bo + bs and bo < ao + as_
-                    for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
-                ):
-                    raise CorruptCheckpointError(
-                        f"{where}: the chunks of {key!r} at {list(a.offsets)} and "
-                        f"{list(b.offsets)} overlap."
-                    )
+    problem = overlap_problem(shape, [(c.offsets, c.sizes) for c in chunks])
+    if problem:
+        raise CorruptCheckpointError(f"{where}: the chunks of {key!r} {problem}.")
     if total != math.prod(shape):
         raise CorruptCheckpointError(
             f"{where}: the chunks of {key!r} hold {total} elements; its shape {list(shape)} "
             f"has {math.prod(shape)}."
         )
-
-
-def _check_cells(key: str, shape: tuple[int, ...], chunks: list[_Chunk], where: str) -> None:
-    """Too many chunks to compare pairwise: cut the value at every chunk edge and count the
-    chunks over each cell of that grid; each cell must be covered exactly once."""
-    full = [c for c in chunks if math.prod(c.sizes)]
-    edges = [
-        np.unique([0, d, *(c.offsets[i] for c in full), *(c.offsets[i] + c.sizes[i] for c in full)])
-        for i, d in enumerate(shape)
-    ]
-    cells = math.prod(len(e) - 1 for e in edges)
-    if cells > MAX_GRID_CELLS:
-        raise CorruptCheckpointError(
-            f"{where}: the {len(full)} chunks of {key!r} cut it into {cells} pieces, too "
-            f"irregular to check that they cover it once (limit {MAX_GRID_CELLS})."
-        )
-    boxes = [
-        tuple(
-            slice(int(np.searchsorted(e, o)), int(np.searchsorted(e, o + z)))
-            for e, o, z in zip(edges, c.offsets, c.sizes, strict=True)
-        )
-        for c in full
-    ]
-    # each box covers whole cells; their cell counts add up to the grid's unless some overlap
-    if sum(math.prod(b.stop - b.start for b in box) for box in boxes) == cells:
-        count = np.zeros([len(e) - 1 for e in edges], np.uint8)
-        for box in boxes:
-            count[box] += 1
-        if bool((count == 1).all()):
-            return
-    raise CorruptCheckpointError(
-        f"{where}: the {len(full)} chunks of {key!r} overlap or leave part of its shape "
-        f"{list(shape)} uncovered."
-    )
 
 
 def _storage_map(meta: DcpRecord, folder: Path, where: str) -> dict[tuple[str, Any], tuple[Path, int, int]]:
