@@ -153,3 +153,26 @@ def test_every_fixture_runs_the_reader_suite() -> None:
     formats = {cls.fmt for cls in ReaderTests.__subclasses__()}
     assert formats == {"tf", "torch", "safetensors", "npz", "keras", "hdf5", "hf-safetensors",
                        "dcp", "orbax"}
+
+
+def test_a_named_pipe_or_device_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """``ckpt inspect`` of a FIFO (or ``/dev/zero``) used to block forever: opening a pipe
+    waits for a writer, and sniffing a device reads without end."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    named = tmp_path / "pipe.pt"
+    os.mkfifo(named)
+    for path, fmt in ((fifo, None), (named, None), (fifo, "torch"), (Path("/dev/zero"), None)):
+        with pytest.raises(cv.UnsupportedFormatError, match="not a regular file"):
+            cv.open(path, format=fmt)
+    for path in (fifo, named, "/dev/zero"):
+        proc = subprocess.run([sys.executable, "-m", "ckptvar.cli", "inspect", str(path)],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert proc.returncode == 2 and str(path) in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
