@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -295,3 +296,29 @@ def test_a_failed_write_leaves_the_previous_file_and_no_temporary(
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == [path.name]
     np.testing.assert_array_equal(cv.load(path)["old"], np.arange(4, dtype="f4"))
+
+
+def test_npz_members_that_are_not_npy_are_listed_never_dropped(tmp_path: Path) -> None:
+    """A member without ``.npy`` (NumPy's np.load returns it, as bytes or an array) used to be
+    ignored without a word; beside ``a.npy`` a member ``a`` made ``reader['a']`` differ
+    from ``np.load(...)['a']``."""
+    def npy(a: np.ndarray) -> bytes:
+        buf = io.BytesIO()
+        np.save(buf, a)
+        return buf.getvalue()
+
+    p = tmp_path / "extra.npz"
+    with zipfile.ZipFile(p, "w") as zf:
+        zf.writestr("w.npy", npy(np.ones(2)))
+        zf.writestr("README.txt", b"hello")
+        zf.writestr("bias", npy(np.zeros(2)))
+    with cv.open(p) as reader:
+        assert list(reader) == ["w"]
+        assert set(reader.skipped) == {"README.txt", "bias"}
+        assert "not a .npy" in reader.skipped["bias"]
+    both = tmp_path / "both.npz"
+    with zipfile.ZipFile(both, "w") as zf:
+        zf.writestr("a.npy", npy(np.ones(2)))
+        zf.writestr("a", npy(np.zeros(2)))
+    with pytest.raises(CorruptCheckpointError, match=r"both\.npz.*'a'.*'a\.npy'"):
+        cv.open(both)

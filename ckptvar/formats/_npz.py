@@ -247,6 +247,13 @@ def _open(path: Path) -> Reader:
                     arrays[info.filename[: -len(".npy")]] = _array(archive, info, path, sidecar)
                 except NotNumbersError as exc:  # a user value, not damage: listed, not read
                     skipped[info.filename[: -len(".npy")]] = exc.reason
+            elif info.filename != _SIDECAR and not info.is_dir():
+                skipped[info.filename] = "a zip member that is not a .npy array"
+        for name in set(arrays) & set(skipped):  # np.load would return the plain member
+            raise CorruptCheckpointError(
+                f"{str(path)!r} holds both the members {name!r} and {name + '.npy'!r}; "
+                "which one is the value is ambiguous."
+            )
     except BaseException:
         archive.close()
         raise
