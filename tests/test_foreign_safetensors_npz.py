@@ -322,3 +322,15 @@ def test_npz_members_that_are_not_npy_are_listed_never_dropped(tmp_path: Path) -
         zf.writestr("a", npy(np.zeros(2)))
     with pytest.raises(CorruptCheckpointError, match=r"both\.npz.*'a'.*'a\.npy'"):
         cv.open(both)
+
+
+@pytest.mark.parametrize("name", ["x.safetensors", "x.npz", "hf"])
+def test_a_key_that_is_not_utf8_is_refused_by_name(tmp_path: Path, name: str) -> None:
+    """A key holding a lone surrogate (how a TF checkpoint's non-UTF-8 key bytes are read)
+    was written to safetensors as a JSON escape the safetensors library refuses, making
+    the whole file unreadable there (npz: a bare UnicodeEncodeError)."""
+    fmt = "hf-safetensors" if name == "hf" else None
+    with pytest.raises(ValueError, match=r"'x\\udcff'.*UTF-8") as info:
+        cv.save(tmp_path / name, {"x\udcff": np.ones(2), "ok": np.zeros(1)}, format=fmt)
+    assert not isinstance(info.value, UnicodeError)
+    assert not (tmp_path / name).exists()
