@@ -334,3 +334,18 @@ def test_a_key_that_is_not_utf8_is_refused_by_name(tmp_path: Path, name: str) ->
         cv.save(tmp_path / name, {"x\udcff": np.ones(2), "ok": np.zeros(1)}, format=fmt)
     assert not isinstance(info.value, UnicodeError)
     assert not (tmp_path / name).exists()
+
+
+def test_metadata_strings_that_are_not_utf8_keep_the_file_readable_by_safetensors(
+    tmp_path: Path,
+) -> None:
+    """Such a string went into ``__metadata__`` as a JSON escape the safetensors library
+    refuses, so the whole file was unreadable there; it is now kept in ckptvar's own JSON
+    entry, read back as it was."""
+    load_file = pytest.importorskip("safetensors.numpy").load_file
+    path = tmp_path / "m.safetensors"
+    cv.save(path, {"w": np.ones(2)}, metadata={"format": "pt", "note": "x\udcff", "k\udcff": "v"})
+    assert load_file(str(path))["w"].tolist() == [1.0, 1.0]
+    with cv.open(path) as reader:
+        meta = reader.metadata()
+    assert meta["note"] == "x\udcff" and meta["k\udcff"] == "v" and meta["format"] == "pt"

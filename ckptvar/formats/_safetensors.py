@@ -153,6 +153,17 @@ class _PackedArray(LazyArray):
         return np.array(result, copy=True) if isinstance(result, np.ndarray) else result
 
 
+def _utf8(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (no lone surrogates), as a header must."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in pairs:
@@ -363,12 +374,13 @@ class SafetensorsWriter(_common.CollectingWriter):
         header: dict[str, Any] = {}
         meta: dict[str, str] = {}
         own: dict[str, Any] = {}
-        for k, v in (self._metadata or {}).items():
-            if isinstance(k, str) and isinstance(v, str) and not k.startswith(_OWN):
+        extra = {str(k): str(v) for k, v in self._extra.items()}
+        for k, v in [*(self._metadata or {}).items(), *extra.items()]:
+            if (isinstance(k, str) and isinstance(v, str) and not k.startswith(_OWN)
+                    and _utf8(k) and _utf8(v)):
                 meta[k] = v  # as it was: {"format": "pt"} stays where other tools look
-            else:
+            else:  # in ckptvar's own JSON entry (a string not UTF-8 would break the header)
                 own[str(k)] = v
-        meta.update({str(k): str(v) for k, v in self._extra.items()})
         attrs = self._stored_attrs()
         if self._own and attrs:
             meta[_ATTRS] = json.dumps(attrs, default=jsonable, sort_keys=True)
