@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -38,6 +39,7 @@ __all__ = [
     "check_shape",
     "covers_whole",
     "little_endian",
+    "not_regular",
     "overlap_problem",
     "shift_index",
 ]
@@ -434,16 +436,28 @@ def _sample(arrays: Mapping[str, Any]) -> str:
     return ", e.g. " + ", ".join(repr(n) for n in names) if names else ""
 
 
+def not_regular(mode: int) -> str:
+    """What a path that is not a regular file is, as the end of a refusal."""
+    what = ("a named pipe" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")
+    return f"is {what}, not a regular file"
+
+
 class FileHandle:
     """An ``os.open`` descriptor shared by the lazy arrays of one reader."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        try:
-            self.fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+        try:  # O_NONBLOCK: opening a pipe never waits for a writer (no effect on files)
+            self.fd: int | None = os.open(path, flags)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"No checkpoint file at {str(path)!r}.") from None
-        self.size = os.fstat(self.fd).st_size
+        st = os.fstat(self.fd)
+        if not stat.S_ISREG(st.st_mode):
+            self.close()
+            raise CorruptCheckpointError(f"{str(path)!r} {not_regular(st.st_mode)}.")
+        self.size = st.st_size
 
     def _fd(self) -> int:
         if self.fd is None:
