@@ -239,3 +239,25 @@ def test_overlapping_chunks_are_refused_however_many_chunks_a_value_has(tmp_path
     shutil.copytree(TWO, good)
     _rewrite_metadata(good, many_chunks)
     np.testing.assert_array_equal(cv.load(good)["rows"], cv.load(TWO)["rows"])
+
+
+def test_a_non_tensor_entry_shared_by_reference_is_left_out_not_expanded(tmp_path: Path) -> None:
+    """A 300 KB DCP whose non-tensor entries were lists holding each other by reference
+    ([x, x] sixteen deep: 65,536 leaves from ~100 bytes each) made ``ckpt inspect`` take
+    half a minute and ``--json`` print 700 MB. Such an entry is now listed in skipped."""
+    torch = pytest.importorskip("torch")
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    node: object = 1
+    for _ in range(16):
+        node = [node, node]
+    folder = tmp_path / "dag"
+    with pytest.warns(UserWarning):  # torch: "assuming the intent is to save in a single process"
+        dcp.save({"w": torch.ones(2), "dag": node, "lr": 0.5, "sizes": [[1, 2], [1, 2]]},
+                 checkpoint_id=str(folder))
+    with cv.open(folder) as reader:
+        assert list(reader) == ["w"]
+        assert "shared" in reader.skipped["dag"], reader.skipped
+        meta = reader.metadata()
+    assert meta["lr"] == 0.5 and meta["sizes"] == [[1, 2], [1, 2]]
+    proc = ckpt("inspect", folder, "--json")
+    assert proc.returncode == 0 and len(proc.stdout) < 100_000

@@ -47,7 +47,15 @@ from ._common import (
     overlap_problem,
 )
 from ._safetensors import SafetensorsBackend
-from ._unpickler import DCP_GLOBALS, DcpRecord, StorageRef, TensorRef, TorchDtype, safe_load
+from ._unpickler import (
+    DCP_GLOBALS,
+    DcpRecord,
+    StorageRef,
+    TensorRef,
+    TorchDtype,
+    expanded_size,
+    safe_load,
+)
 from ._zip import ZIP_ERRORS
 
 __all__ = ["DcpBackend"]
@@ -334,7 +342,8 @@ def _plain(value: Any, depth: int = 0) -> bool:
     return False
 
 
-def _bytes_entry(file: Path, start: int, length: int, key: str) -> Any:
+def _bytes_entry(file: Path, start: int, length: int, key: str) -> tuple[Any, int]:
+    """The object pickled in a non-tensor entry and the size of its pickle."""
     what = f"the entry {key!r} in {str(file)!r}"
     fh = FileHandle(file)
     try:
@@ -351,7 +360,7 @@ def _bytes_entry(file: Path, start: int, length: int, key: str) -> Any:
         raise
     except ZIP_ERRORS as exc:
         raise CorruptCheckpointError(f"{what} is damaged: {exc}") from None
-    return safe_load(io.BytesIO(data), storages={}, source=what)
+    return safe_load(io.BytesIO(data), storages={}, source=what), len(data)
 
 
 def _read_metadata(folder: Path) -> DcpRecord:
@@ -396,10 +405,16 @@ def _bytes_value(
     if place is None:
         raise CorruptCheckpointError(f"{where}: no bytes stored for {key!r}.")
     try:
-        value = _bytes_entry(*place, key)
+        value, nbytes = _bytes_entry(*place, key)
     except CorruptCheckpointError as exc:
         return None, f"a pickled Python object DCP stored for it is refused: {exc}"
-    if not _plain(value):
+    entries = expanded_size(value, max_depth=16)
+    if entries is not None and entries > max(nbytes, 64):
+        return None, (
+            f"a pickled value whose containers, shared by reference, expand to {entries} "
+            f"entries from {nbytes} bytes"
+        )
+    if entries is None or not _plain(value):
         return None, "a pickled Python object that is not a plain value"
     return value, None
 

@@ -30,7 +30,7 @@ import numpy as np
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
 from ._common import MAX_HEADER_BYTES, EntryReader, FileArray, FileHandle, check_shape, covers_whole
-from ._unpickler import StorageRef, TensorRef, TorchDtype, safe_load
+from ._unpickler import StorageRef, TensorRef, TorchDtype, expanded_size, safe_load
 from ._zip import ZIP_ERRORS, ZipArchive, check_member_size, read_member_range, zip_crc_check
 
 __all__ = ["TorchBackend"]
@@ -245,35 +245,14 @@ class _BoundedFile:
 
 
 def _check_walk_size(obj: Any, path: Path, budget: int) -> None:
-    entries = _walk_size(obj, path)
+    entries = expanded_size(obj, max_depth=_MAX_DEPTH)
+    if entries is None:
+        raise CorruptCheckpointError(f"{str(path)!r} nests containers too deeply.")
     if entries > max(budget, 1 << 20):
         raise CorruptCheckpointError(
             f"{str(path)!r}: its pickle's containers, shared by reference, expand to "
             f"{entries} entries from {budget} bytes; refused."
         )
-
-
-def _walk_size(obj: Any, path: Path) -> int:
-    """How many entries the key walk would visit, counting each shared container once per use.
-
-    Found with one visit per distinct container, so lists nested in each other by
-    reference (``[x, x]`` forty deep: 2**40 paths from a few hundred pickle bytes) are
-    measured without being walked.
-    """
-    sizes: dict[int, int] = {}
-
-    def size(value: Any, depth: int) -> int:
-        if depth > _MAX_DEPTH:
-            raise CorruptCheckpointError(f"{str(path)!r} nests containers too deeply.")
-        if not isinstance(value, dict | list | tuple):
-            return 1
-        known = sizes.get(id(value))
-        if known is None:
-            children = value.values() if isinstance(value, dict) else value
-            known = sizes[id(value)] = 1 + sum(size(v, depth + 1) for v in children)
-        return known
-
-    return size(obj, 0)
 
 
 def _flatten(
