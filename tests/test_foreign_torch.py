@@ -416,3 +416,11 @@ def test_a_value_too_large_for_memory_is_a_one_line_error(tmp_path: Path) -> Non
     assert proc.stderr.startswith("ckpt: error: ") and "memory" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out.npz").exists()
+
+
+def test_a_small_pickle_cannot_expand_to_a_million_entries(tmp_path: Path) -> None:
+    """With a floor of 2**20 entries, a 300-byte pickle ([x, x] twenty deep) still listed a
+    million metadata entries (ckpt inspect printed each)."""
+    pkl = pickle.dumps({"a": _shared_dag(20)}, protocol=2)
+    with pytest.raises(CorruptCheckpointError, match="shared by reference"):
+        cv.open(_zip_pt(tmp_path / "dag20.pt", pkl))

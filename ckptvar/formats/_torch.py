@@ -248,7 +248,7 @@ def _check_walk_size(obj: Any, path: Path, budget: int) -> None:
     entries = expanded_size(obj, max_depth=_MAX_DEPTH)
     if entries is None:
         raise CorruptCheckpointError(f"{str(path)!r} nests containers too deeply.")
-    if entries > max(budget, 1 << 20):
+    if entries > max(budget, 4096):
         raise CorruptCheckpointError(
             f"{str(path)!r}: its pickle's containers, shared by reference, expand to "
             f"{entries} entries from {budget} bytes; refused."
@@ -261,7 +261,7 @@ def _flatten(
     """``(tensors, plain leaves for metadata, {key: reason} for anything else)``.
 
     ``budget``: the most entries the walk may visit (the pickle's size in bytes, at
-    least 2**20): a pickle without shared containers has fewer entries than bytes, so only
+    least 4096): a pickle without shared containers has fewer entries than bytes, so only
     containers shared by reference can exceed it, and those are refused before the walk.
     """
     _check_walk_size(obj, path, budget)
