@@ -321,3 +321,18 @@ def test_an_index_listing_a_key_twice_is_refused(tmp_path: Path) -> None:
         cv.open(folder)
     proc = ckpt("inspect", folder)
     assert proc.returncode == 2 and "listed twice" in proc.stderr
+
+
+def test_a_model_folder_named_like_a_safetensors_file_opens(tmp_path: Path) -> None:
+    """``ckpt convert a.safetensors out.safetensors --format hf-safetensors`` writes a folder
+    named ``out.safetensors``; reading it went by the suffix to the single-file reader
+    and failed ("is a directory"), so ckptvar could not read back what it wrote."""
+    src = tmp_path / "a.safetensors"
+    cv.save(src, {"w": np.arange(3.0)})
+    out = tmp_path / "out.safetensors"
+    assert ckpt("convert", src, out, "--format", "hf-safetensors").returncode == 0
+    assert out.is_dir()
+    with cv.open(out) as reader:
+        assert reader.format == "hf-safetensors" and reader.read("w").tolist() == [0, 1, 2]
+    proc = ckpt("inspect", out)
+    assert proc.returncode == 0 and "hf-safetensors" in proc.stdout

@@ -481,7 +481,11 @@ def _write_pieces(fd: int, value: Any) -> None:
 
 
 class SafetensorsBackend(
-    Backend, name="safetensors", suffixes=(".safetensors",), writer=SafetensorsWriter
+    Backend,
+    name="safetensors",
+    suffixes=(".safetensors",),
+    writer=SafetensorsWriter,
+    hands_over_unrecognised=True,  # a model folder named "x.safetensors" is hf-safetensors
 ):
     """Hugging Face ``.safetensors`` files (read and write)."""
 
