@@ -375,3 +375,32 @@ def test_no_metadata_keeps_the_safetensors_format_entry(tmp_path: Path) -> None:
         assert reader.metadata() == {"format": "np"}  # ckptvar's own and the rest are gone
     help_text = " ".join(ckpt("convert", "--help").stdout.split())
     assert "'format' entry" in help_text and "is kept" in help_text
+
+
+@pytest.mark.parametrize("window", [None, "1"])
+@pytest.mark.parametrize(("target", "becomes", "counts"),
+                         [("float16", "inf", {"big": 2}), ("float8_e4m3fn", "NaN", {"big": 3, "fine": 1})])
+def test_a_cast_that_overflows_names_each_value(
+    tmp_path: Path, window: str | None, target: str, becomes: str, counts: dict[str, int]
+) -> None:
+    """``--dtype float16`` used to turn 1e6 into inf (float8_e4m3fn, which has no inf: into
+    NaN, and inf too) with exit 0 and only numpy's RuntimeWarning, a source line of
+    convert.py, on stderr."""
+    src = tmp_path / "s.h5"
+    cv.save(src, {
+        "big": np.array([1e6, 1.5, -3e38, np.inf, np.nan], "f4"),
+        "fine": np.array([1.0, -2.0, np.inf, np.nan], "f4"),  # inf/nan stay what they were
+        "step": np.array(2**40, "i8"),
+    })
+    extra = ["--window", window] if window else []
+    proc = ckpt("convert", src, tmp_path / "o.h5", "--dtype", target, *extra)
+    assert proc.returncode == 0, proc.stderr
+    assert "RuntimeWarning" not in proc.stderr and "convert.py" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "out of" in ln]
+    assert len(lines) == len(counts), proc.stderr
+    for key, n in counts.items():
+        line = next(ln for ln in lines if f"'{key}'" in ln)
+        size = 5 if key == "big" else 4
+        assert f"{n} of {size}" in line and target in line and becomes in line, line
+    out = cv.load(tmp_path / "o.h5")
+    assert out["step"] == 2**40 and out["big"][1] == 1.5

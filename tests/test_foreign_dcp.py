@@ -208,3 +208,56 @@ def test_metadata_with_enums_pickled_by_name_is_read_and_getattr_stays_narrow(
 
     with pytest.raises(cv.CorruptCheckpointError, match="only the members"):
         DCP_GLOBALS[("builtins", "getattr")]("x", "upper")
+
+
+def test_overlapping_chunks_are_refused_however_many_chunks_a_value_has(tmp_path: Path) -> None:
+    """Beyond 1024 chunks a value used to be checked by volume only: two chunks overlapping by
+    a row and leaving another row uncovered passed, and a read returned that row as whatever
+    bytes were in memory. 1023 empty chunks were enough to get past the pairwise check."""
+    import torch
+
+    def overlap_and_gap(meta: object) -> None:
+        rows = meta.state_dict_metadata["rows"]  # type: ignore[attr-defined]
+        first, second = rows.chunks[0], rows.chunks[1]
+        first.sizes = torch.Size([5, 5])  # rows 0..4
+        second.sizes = torch.Size([3, 5])  # rows 4..6: row 4 twice, row 7 never, 40 elements
+        empty = [type(first)(offsets=first.offsets, sizes=torch.Size([0, 5]))] * 1023
+        rows.chunks = [first, second, *empty]
+
+    folder = tmp_path / "many"
+    shutil.copytree(TWO, folder)
+    _rewrite_metadata(folder, overlap_and_gap)
+    with pytest.raises(cv.CorruptCheckpointError, match="'rows'.*(overlap|cover)"):
+        cv.open(folder)
+
+    def many_chunks(meta: object) -> None:  # the same tiling plus empty chunks still reads
+        rows = meta.state_dict_metadata["rows"]  # type: ignore[attr-defined]
+        first = rows.chunks[0]
+        rows.chunks = [*rows.chunks, *[type(first)(first.offsets, torch.Size([0, 5]))] * 1100]
+
+    good = tmp_path / "good"
+    shutil.copytree(TWO, good)
+    _rewrite_metadata(good, many_chunks)
+    np.testing.assert_array_equal(cv.load(good)["rows"], cv.load(TWO)["rows"])
+
+
+def test_a_non_tensor_entry_shared_by_reference_is_left_out_not_expanded(tmp_path: Path) -> None:
+    """A 300 KB DCP whose non-tensor entries were lists holding each other by reference
+    ([x, x] sixteen deep: 65,536 leaves from ~100 bytes each) made ``ckpt inspect`` take
+    half a minute and ``--json`` print 700 MB. Such an entry is now listed in skipped."""
+    torch = pytest.importorskip("torch")
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    node: object = 1
+    for _ in range(16):
+        node = [node, node]
+    folder = tmp_path / "dag"
+    with pytest.warns(UserWarning):  # torch: "assuming the intent is to save in a single process"
+        dcp.save({"w": torch.ones(2), "dag": node, "lr": 0.5, "sizes": [[1, 2], [1, 2]]},
+                 checkpoint_id=str(folder))
+    with cv.open(folder) as reader:
+        assert list(reader) == ["w"]
+        assert "shared" in reader.skipped["dag"], reader.skipped
+        meta = reader.metadata()
+    assert meta["lr"] == 0.5 and meta["sizes"] == [[1, 2], [1, 2]]
+    proc = ckpt("inspect", folder, "--json")
+    assert proc.returncode == 0 and len(proc.stdout) < 100_000

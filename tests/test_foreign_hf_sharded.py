@@ -269,3 +269,70 @@ def test_transformers_4_loads_what_convert_writes(tmp_path: Path) -> None:
     proc = subprocess.run([python, "-c", code, str(tmp_path / "expected.npz"), str(single),
                            str(sharded)], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def _two_shards(folder: Path, one: dict[str, np.ndarray], two: dict[str, np.ndarray],
+                weight_map: dict[str, str] | str) -> Path:
+    folder.mkdir()
+    cv.save(folder / "model-00001-of-00002.safetensors", one)
+    cv.save(folder / "model-00002-of-00002.safetensors", two)
+    text = weight_map if isinstance(weight_map, str) else json.dumps({"weight_map": weight_map})
+    (folder / "model.safetensors.index.json").write_text(text)
+    return folder
+
+
+def test_a_value_a_shard_holds_but_the_index_does_not_list_is_never_dropped_silently(
+    tmp_path: Path,
+) -> None:
+    """Such a value used to vanish: ``ckpt verify`` said READABLE and ``ckpt convert`` wrote
+    the others, exit 0. It is now in ``reader.skipped`` (convert refuses it by name unless
+    --skip-unreadable) and ``ckpt verify`` fails naming it."""
+    a, b, c = np.arange(4, dtype="f4"), np.ones(3, "i8"), np.zeros(2, "f2")
+    s1, s2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    folder = _two_shards(tmp_path / "m", {"a": a, "b": b}, {"c": c}, {"a": s1, "c": s2})
+    with cv.open(folder) as reader:
+        assert list(reader) == ["a", "c"]
+        assert reader.read("a").tolist() == a.tolist()  # one value still reads alone
+        assert set(reader.skipped) == {"b"} and s1 in reader.skipped["b"]
+    proc = ckpt("convert", folder, tmp_path / "out.npz")
+    assert proc.returncode == 2 and "'b'" in proc.stderr and not (tmp_path / "out.npz").exists()
+    proc = ckpt("convert", folder, tmp_path / "out.npz", "--skip-unreadable")
+    assert proc.returncode == 0 and "'b'" in proc.stdout, proc.stdout
+    verify = ckpt("verify", folder)
+    assert verify.returncode == 1 and "DAMAGED  b:" in verify.stdout and s1 in verify.stdout
+    inspect = ckpt("inspect", folder)
+    assert inspect.returncode == 0 and "skipped" in inspect.stdout and "b" in inspect.stdout
+
+    # a second copy of a listed value in another shard: the index's copy reads, verify flags it
+    dup = _two_shards(tmp_path / "dup", {"a": a, "b": b}, {"b": b + 1}, {"a": s1, "b": s2})
+    with cv.open(dup) as reader:
+        assert reader.read("b").tolist() == (b + 1).tolist() and not reader.skipped
+    verify = ckpt("verify", dup)
+    assert verify.returncode == 1 and "DAMAGED  b:" in verify.stdout and s2 in verify.stdout
+
+
+def test_an_index_listing_a_key_twice_is_refused(tmp_path: Path) -> None:
+    """JSON's last-one-wins used to pick one of the two shards silently."""
+    s1, s2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    text = f'{{"weight_map": {{"a": "{s1}", "b": "{s2}", "a": "{s2}"}}}}'
+    folder = _two_shards(tmp_path / "m", {"a": np.ones(2)}, {"b": np.ones(2), "a": np.zeros(2)},
+                         text)
+    with pytest.raises(cv.CorruptCheckpointError, match="'a' is listed twice"):
+        cv.open(folder)
+    proc = ckpt("inspect", folder)
+    assert proc.returncode == 2 and "listed twice" in proc.stderr
+
+
+def test_a_model_folder_named_like_a_safetensors_file_opens(tmp_path: Path) -> None:
+    """``ckpt convert a.safetensors out.safetensors --format hf-safetensors`` writes a folder
+    named ``out.safetensors``; reading it went by the suffix to the single-file reader
+    and failed ("is a directory"), so ckptvar could not read back what it wrote."""
+    src = tmp_path / "a.safetensors"
+    cv.save(src, {"w": np.arange(3.0)})
+    out = tmp_path / "out.safetensors"
+    assert ckpt("convert", src, out, "--format", "hf-safetensors").returncode == 0
+    assert out.is_dir()
+    with cv.open(out) as reader:
+        assert reader.format == "hf-safetensors" and reader.read("w").tolist() == [0, 1, 2]
+    proc = ckpt("inspect", out)
+    assert proc.returncode == 0 and "hf-safetensors" in proc.stdout

@@ -153,3 +153,63 @@ def test_every_fixture_runs_the_reader_suite() -> None:
     formats = {cls.fmt for cls in ReaderTests.__subclasses__()}
     assert formats == {"tf", "torch", "safetensors", "npz", "keras", "hdf5", "hf-safetensors",
                        "dcp", "orbax"}
+
+
+def test_a_named_pipe_or_device_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """``ckpt inspect`` of a FIFO (or ``/dev/zero``) used to block forever: opening a pipe
+    waits for a writer, and sniffing a device reads without end."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    named = tmp_path / "pipe.pt"
+    os.mkfifo(named)
+    for path, fmt in ((fifo, None), (named, None), (fifo, "torch"), (Path("/dev/zero"), None)):
+        with pytest.raises(cv.UnsupportedFormatError, match="not a regular file"):
+            cv.open(path, format=fmt)
+    for path in (fifo, named, "/dev/zero"):
+        proc = subprocess.run([sys.executable, "-m", "ckptvar.cli", "inspect", str(path)],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert proc.returncode == 2 and str(path) in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+_READ_ALL = (
+    "import sys, ckptvar as cv\n"
+    "try:\n"
+    "    with cv.open(sys.argv[1]) as r:\n"
+    "        [r.read(k) for k in r]\n"
+    "    print('read')\n"
+    "except cv.CkptError as e:\n"
+    "    print('refused:', e)\n"
+)
+
+
+def test_a_pipe_inside_a_checkpoint_folder_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """An Orbax chunk that is a named pipe made every read block for ever (a pipe's open
+    waits for a writer); a DCP data file that is one is refused too."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
+    dcp = tmp_path / "dcp"
+    shutil.copytree(fixtures / "dcp" / "two_ranks", dcp)
+    orbax = tmp_path / "orbax"
+    shutil.copytree(fixtures / "orbax" / "zarr_step", orbax)
+    victims = [dcp / "__1_0.distcp", next(p for p in (orbax / "params.embed").iterdir()
+                                           if not p.name.startswith("."))]
+    for victim in victims:
+        victim.unlink()
+        os.mkfifo(victim)
+    for folder, victim in zip((dcp, orbax), victims, strict=True):
+        proc = subprocess.run([sys.executable, "-c", _READ_ALL, str(folder)],
+                              capture_output=True, text=True, timeout=20, check=False)
+        assert proc.stdout.startswith("refused:") and victim.name in proc.stdout, (
+            proc.stdout + proc.stderr)
+    assert "is a named pipe, not a regular file" in proc.stdout  # the Orbax chunk

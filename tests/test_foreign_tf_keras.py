@@ -293,3 +293,40 @@ def test_sharded_checkpoint_reads_from_every_data_file(tmp_path: Path) -> None:
     shards[1].unlink()
     with pytest.raises(CheckpointNotFoundError, match="00001-of-00003"):
         cv.open(prefix)
+
+
+def _patch_index_block(index: Path, old: bytes, new: bytes) -> None:
+    """Replace ``old`` in the one data block of a TF ``.index`` table holding it, and restore
+    that block's masked CRC32C (what a hostile writer would do)."""
+    import struct
+
+    from ckptvar.formats._sstable import _block, _entries, _handle
+
+    data = bytearray(index.read_bytes())
+    footer = bytes(data[-48:])
+    _, _, pos = _handle(footer, 0, "t")
+    index_off, index_size, _ = _handle(footer, pos, "t")
+    for _, handle in _entries(_block(bytes(data), index_off, index_size, "t"), "t"):
+        off, size, _ = _handle(handle, 0, "t")
+        at = data.find(old, off, off + size)
+        if at >= 0:
+            data[at : at + len(old)] = new
+            data[off + size + 1 : off + size + 5] = struct.pack(
+                "<I", mask(crc32c(bytes(data[off : off + size + 1])))
+            )
+            index.write_bytes(bytes(data))
+            return
+    raise AssertionError(f"{old!r} is in no data block of {index}")
+
+
+def test_partitioned_slices_that_overlap_are_refused(tmp_path: Path) -> None:
+    """Slices were checked by element count only: a variable whose index lists the rows 4..6
+    twice and 7..9 never (10 rows either way) opened, and a read returned rows 7..9 as
+    whatever bytes the uninitialised buffer held."""
+    for f in (FIXTURES / "tf1_saver").iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    # embedding's third slice, rows [7, 10) (start 7, length 3), now says rows [4, 7)
+    _patch_index_block(tmp_path / "model.ckpt.index", b"\x08\x07\x10\x03", b"\x08\x04\x10\x03")
+    with pytest.raises(CorruptCheckpointError, match="'embedding'.*overlap"):
+        with cv.open(tmp_path / "model.ckpt") as reader:
+            reader.read("embedding")

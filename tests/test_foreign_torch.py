@@ -340,3 +340,87 @@ def test_pickle_lengths_never_allocate_what_is_not_there(
     finally:
         tracemalloc.stop()
     assert peak < 5 << 20
+
+
+def _shared_dag(depth: int) -> Any:
+    """``[x, x]`` nested ``depth`` times: a few hundred pickle bytes, 2**depth paths."""
+    node: Any = 1
+    for _ in range(depth):
+        node = [node, node]
+    return node
+
+
+@pytest.mark.parametrize("layout", ["zip", "legacy"])
+def test_containers_shared_by_reference_cannot_blow_up_the_key_walk(
+    tmp_path: Path, layout: str
+) -> None:
+    """A 300-byte pickle whose lists share each other used to hang ``cv.open`` (2**40 keys)."""
+    pkl = pickle.dumps({"a": _shared_dag(40)}, protocol=2)
+    path = (_zip_pt if layout == "zip" else _legacy_pt)(tmp_path / "dag.pt", pkl)
+    code = (
+        "import sys, ckptvar as cv\n"
+        "try:\n    cv.open(sys.argv[1])\n"
+        "except cv.CorruptCheckpointError as e:\n    print('refused:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, check=False,
+                         text=True, timeout=20)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("refused:") and "dag.pt" in out.stdout, out.stdout
+
+
+def test_a_container_shared_by_reference_is_read_under_each_name(tmp_path: Path) -> None:
+    """Legitimate sharing (``{"model": sd, "ema": sd}``) still reads, under both prefixes."""
+    shared = {"w": 1.5, "n": [1, 2]}
+    pkl = pickle.dumps({"model": shared, "ema": shared, "deep": _shared_dag(8)}, protocol=2)
+    with cv.open(_zip_pt(tmp_path / "shared.pt", pkl)) as reader:
+        meta = reader.metadata()
+    assert meta["model.w"] == meta["ema.w"] == 1.5
+    assert meta["ema.n.1"] == 2
+    assert sum(k.startswith("deep.") for k in meta) == 2**8
+
+
+def _expanded_file(tmp_path: Path) -> Path:
+    """One float32 element viewed 2**33 times (stride 0), as ``torch.zeros(1).expand(n)``
+    saves it: 32 GiB as an array, a few hundred bytes as a file."""
+    data = np.array([2.5], "<f4").tobytes()
+    return _zip_pt(tmp_path / "expanded.pt", _tensor_pickle(1, 0, (2**33,), (0,)), {"data/0": data})
+
+
+_SMALL_MEMORY = "import resource; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))"
+
+
+def _ckpt_limited(*args: object) -> subprocess.CompletedProcess[str]:
+    prog = f"{_SMALL_MEMORY}; import sys; from ckptvar.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", prog, *map(str, args)], capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def test_verify_checks_a_views_storage_without_building_the_view(tmp_path: Path) -> None:
+    """``ckpt verify`` of an expanded tensor used to build all 32 GiB of it (a traceback of
+    numpy's MemoryError where memory is short): checking the storage's CRC-32 is enough."""
+    path = _expanded_file(tmp_path)
+    proc = _ckpt_limited("verify", path)
+    assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr
+    with cv.open(path) as reader:
+        assert reader["w"][5:8].tolist() == [2.5] * 3
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(np.array([2.5], "<f4").tobytes())] ^= 1  # damage the one stored element
+    path.write_bytes(bytes(raw))
+    proc = _ckpt_limited("verify", path)
+    assert proc.returncode == 1 and "DAMAGED  w" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_value_too_large_for_memory_is_a_one_line_error(tmp_path: Path) -> None:
+    proc = _ckpt_limited("convert", _expanded_file(tmp_path), tmp_path / "out.npz")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("ckpt: error: ") and "memory" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out.npz").exists()
+
+
+def test_a_small_pickle_cannot_expand_to_a_million_entries(tmp_path: Path) -> None:
+    """With a floor of 2**20 entries, a 300-byte pickle ([x, x] twenty deep) still listed a
+    million metadata entries (ckpt inspect printed each)."""
+    pkl = pickle.dumps({"a": _shared_dag(20)}, protocol=2)
+    with pytest.raises(CorruptCheckpointError, match="shared by reference"):
+        cv.open(_zip_pt(tmp_path / "dag20.pt", pkl))

@@ -207,6 +207,10 @@ def test_npz_member_declaring_huge_or_unsafe_values(tmp_path: Path, header: str,
     method = zipfile.ZIP_DEFLATED if compressed else zipfile.ZIP_STORED
     with zipfile.ZipFile(p, "w", method) as zf:
         zf.writestr("w.npy", _npy(header, b"\0" * 16))
+    if "'|O'" in header or "[(" in header:  # not numbers: listed in skipped, never read
+        with cv.open(p) as reader:
+            assert list(reader) == [] and "refused" in reader.skipped["w"]
+        return
     refused_flat(load_all, p)
 
 

@@ -108,6 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, BrokenPipeError):
             return _broken_pipe()
         sys.stderr.write(f"ckpt: error: {one_line(exc)}\n")
+    except MemoryError as exc:  # numpy's says how much it could not allocate
+        sys.stderr.write(f"ckpt: error: not enough memory: {one_line(exc) or 'out of memory'}\n")
     except KeyboardInterrupt:
         sys.stderr.write("ckpt: error: interrupted\n")
         return 130

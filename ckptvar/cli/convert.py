@@ -264,6 +264,8 @@ class _Converted(Mapping[str, "np.ndarray"]):
         self._spool = spool
         self._given = 0
         self._finishing = finishing  # said once every value is read: what comes next
+        #: per output key, the elements --dtype turned into inf or NaN (see ``_cast_run``)
+        self.lost: dict[str, int] = {}
 
     def _target(self, dtype: np.dtype) -> np.dtype:
         return self._dtype if self._dtype is not None and is_floating(dtype) else dtype
@@ -312,6 +314,24 @@ class _Converted(Mapping[str, "np.ndarray"]):
             self._reader.verify(src)  # the blocks were read unverified
         self._progress.update(0, key)
 
+    def _cast_run(self, key: str, run: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        """``run`` cast to ``dtype``, counting in ``lost[key]`` the elements the cast turned
+        into another value class: finite ones out of the range (inf, or NaN in a type with
+        no inf) and infinities a type without them holds as NaN."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            cast = run.astype(dtype)
+            if is_floating(run.dtype) and not _holds_range(run.dtype, dtype):
+                # only elements beyond the target's largest value can change class: a
+                # cheap pass over the source picks them (none, nearly always)
+                over = np.abs(run) > _largest(dtype)
+                if over.any():
+                    src, out = run[over], cast[over]
+                    n = int(np.count_nonzero(np.isfinite(src) & ~np.isfinite(out))
+                            + np.count_nonzero(np.isinf(src) & np.isnan(out)))
+                    if n:
+                        self.lost[key] = self.lost.get(key, 0) + n
+        return cast
+
     def _cast(self, key: str, src: str, info: Any, dtype: np.dtype) -> np.ndarray:
         """The value read and cast into memory, in runs of about a million elements (so
         the bar moves within a large value, and the stored run is small beside it)."""
@@ -320,7 +340,7 @@ class _Converted(Mapping[str, "np.ndarray"]):
         pos = 0
         run_bytes = _blocks.BLOCK_ELEMENTS * np.dtype(info.dtype).itemsize
         for run in self._runs(key, src, info, run_bytes, lambda d, n: np.empty(n, d)):
-            flat[pos : pos + run.size] = run.astype(dtype, copy=False)
+            flat[pos : pos + run.size] = self._cast_run(key, run, dtype)
             pos += run.size
         return out
 
@@ -345,7 +365,7 @@ class _Converted(Mapping[str, "np.ndarray"]):
                                                                    dtype.itemsize))
         pos = offset
         for run in self._runs(key, src, info, run_bytes, spool.buffer):
-            pos = spool.write(pos, run if dtype == stored else run.astype(dtype))
+            pos = spool.write(pos, run if dtype == stored else self._cast_run(key, run, dtype))
         spool.flush()  # every byte in the file before the writer may look
         return spool.view(offset, dtype, shape)
 
@@ -615,6 +635,7 @@ def _convert(
         f"{escape(src)} ({escape(reader.format)}) to {escape(written)}",
         file=out,
     )
+    _say_lost(values.lost, reader, plan, args.dtype)
     if added_format:
         print("Added the metadata entry format=pt, as Hugging Face loaders require", file=out)
     if skipped:
@@ -625,6 +646,34 @@ def _convert(
             file=out,
         )
     return EXIT_OK
+
+
+def _say_lost(lost: dict[str, int], reader: Any, plan: dict[str, str], dtype: np.dtype) -> None:
+    """Warn, naming each value, of the elements a --dtype cast turned into inf or NaN."""
+    what = "and became inf" if _holds_inf(dtype) else "or infinite (it has no inf) and became NaN"
+    for key, n in lost.items():
+        size = math.prod(reader.info(plan[key]).shape)
+        print(
+            f"ckpt: warning: {escape(repr(key))}: {n} of {size} values are out of "
+            f"{dtype.name}'s range {what} (--dtype {dtype.name})",
+            file=sys.stderr,
+        )
+
+
+def _largest(dtype: np.dtype) -> float:
+    """The largest finite value of a NumPy or ml_dtypes floating type."""
+    finfo: Any = ml_dtypes.finfo  # untyped
+    return float(finfo(dtype).max)
+
+
+def _holds_range(source: np.dtype, target: np.dtype) -> bool:
+    """Whether every finite ``source`` value is finite in ``target``, and infinities stay."""
+    return _largest(target) >= _largest(source) and (_holds_inf(target) or not _holds_inf(source))
+
+
+def _holds_inf(dtype: np.dtype) -> bool:
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isinf(np.array(np.inf).astype(dtype)))
 
 
 def _make_parents(dst: Path) -> list[Path]:

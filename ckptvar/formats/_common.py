@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -33,15 +34,72 @@ __all__ = [
     "CollectingWriter",
     "EntryReader",
     "FileArray",
+    "VerifiesItself",
     "bounding_box",
     "check_shape",
     "covers_whole",
     "little_endian",
+    "not_regular",
+    "overlap_problem",
     "shift_index",
 ]
 
 #: Largest metadata block (JSON header, pickle, index) a reader accepts before parsing.
 MAX_HEADER_BYTES = 256 * 1024 * 1024
+
+
+#: Boxes of one value compared pairwise for overlap; beyond, counted over a grid.
+MAX_PAIRWISE = 1024
+#: The most pieces that grid (the value cut at every box edge) may have.
+MAX_GRID_CELLS = 1 << 24
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes), inside the value's shape
+
+
+def overlap_problem(shape: tuple[int, ...], boxes: list[Box]) -> str | None:
+    """Why ``boxes`` (each inside ``shape``) do not cover ``shape`` without overlap; None.
+
+    Pairs are compared up to :data:`MAX_PAIRWISE` boxes; beyond, the value is cut at
+    every box edge and each piece must lie in exactly one box (a count over a grid).
+    Empty boxes are ignored; the caller checks that the volumes add up.
+
+    >>> overlap_problem((4,), [((0,), (2,)), ((2,), (2,))]) is None
+    True
+    >>> overlap_problem((4,), [((0,), (3,)), ((2,), (1,))])
+    'at [0] and [2] overlap'
+    """
+    full = [(o, z) for o, z in boxes if math.prod(z)]
+    if len(full) <= MAX_PAIRWISE:
+        for i, (ao, az) in enumerate(full):
+            for bo, bz in full[i + 1 :]:
+                if all(a < b + n and b < a + m for a, m, b, n in zip(ao, az, bo, bz, strict=True)):
+                    return f"at {list(ao)} and {list(bo)} overlap"
+        return None
+    edges = [
+        np.unique([0, d, *(o[i] for o, _ in full), *(o[i] + z[i] for o, z in full)])
+        for i, d in enumerate(shape)
+    ]
+    cells = math.prod(len(e) - 1 for e in edges)
+    if cells > MAX_GRID_CELLS:
+        return (
+            f"({len(full)}) cut it into {cells} pieces, too irregular to check that they "
+            f"cover it once (limit {MAX_GRID_CELLS})"
+        )
+    grid = [
+        tuple(
+            slice(int(np.searchsorted(e, a)), int(np.searchsorted(e, a + n)))
+            for e, a, n in zip(edges, o, z, strict=True)
+        )
+        for o, z in full
+    ]
+    # each box covers whole pieces; their counts add up to the grid's unless some overlap
+    if sum(math.prod(b.stop - b.start for b in box) for box in grid) == cells:
+        count = np.zeros([len(e) - 1 for e in edges], np.uint8)
+        for box in grid:
+            count[box] += 1
+        if bool((count == 1).all()):
+            return None
+    return f"({len(full)}) overlap or leave part of the shape {list(shape)} uncovered"
 
 
 def check_shape(shape: Any, *, what: str, path: Path | str) -> tuple[int, ...]:
@@ -285,6 +343,15 @@ class CollectingWriter(Writer):
         return {k: a for k, (_, a) in self._items.items() if a and a != {"name": k}}
 
 
+@runtime_checkable
+class VerifiesItself(Protocol):
+    """A lazy value that checks its stored bytes without building the whole array."""
+
+    def verify(self) -> None:
+        """Raise ``CorruptCheckpointError`` if the value's bytes are damaged."""
+        ...
+
+
 class EntryReader(Reader):
     """A ``Reader`` over an ordered dict of lazy arrays, with alternative key spellings."""
 
@@ -340,6 +407,13 @@ class EntryReader(Reader):
     def metadata(self) -> dict[str, Any]:
         return dict(self._metadata)
 
+    def verify(self, key: str) -> None:
+        lazy = self._arrays[self._resolve(key)]
+        if isinstance(lazy, VerifiesItself):
+            lazy.verify()  # e.g. a torch view, checked through its storage
+        else:
+            lazy.read(verify=True)
+
     def verify_all(self) -> list[tuple[str, str]]:
         """Read and check every value; ``[(key, reason), ...]`` for each damaged one.
 
@@ -362,16 +436,28 @@ def _sample(arrays: Mapping[str, Any]) -> str:
     return ", e.g. " + ", ".join(repr(n) for n in names) if names else ""
 
 
+def not_regular(mode: int) -> str:
+    """What a path that is not a regular file is, as the end of a refusal."""
+    what = ("a named pipe" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")
+    return f"is {what}, not a regular file"
+
+
 class FileHandle:
     """An ``os.open`` descriptor shared by the lazy arrays of one reader."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        try:
-            self.fd: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+        try:  # O_NONBLOCK: opening a pipe never waits for a writer (no effect on files)
+            self.fd: int | None = os.open(path, flags)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"No checkpoint file at {str(path)!r}.") from None
-        self.size = os.fstat(self.fd).st_size
+        st = os.fstat(self.fd)
+        if not stat.S_ISREG(st.st_mode):
+            self.close()
+            raise CorruptCheckpointError(f"{str(path)!r} {not_regular(st.st_mode)}.")
+        self.size = st.st_size
 
     def _fd(self) -> int:
         if self.fd is None:

@@ -12,9 +12,10 @@ classes added (:data:`._unpickler.DCP_GLOBALS`): any other global is refused. A
 sharded tensor is one value of its global shape: a read assembles it from the
 chunks it needs (a slice reads only the chunks it touches). Every chunk is
 checked before its bytes are used: inside the global shape, chunks of one value
-covering it without overlap (checked pairwise up to 1024 chunks a value, by
-volume beyond), its file present and holding its byte range, its archive's
-tensor of the declared shape and dtype, within its storage, with the storage's
+covering it exactly once (checked pairwise up to 1024 chunks a value, beyond
+by counting the chunks over each cell of the grid cut at every chunk edge),
+its file present and holding its byte range, its archive's tensor of the
+declared shape and dtype, within its storage, with the storage's
 zip CRC-32 intact (or, with the safetensors serialization, the file's header
 validated by the safetensors reader and the value of the declared shape and
 dtype). DCP's metadata stores no checksums of its own, so values are
@@ -43,16 +44,23 @@ from ._common import (
     EntryReader,
     FileHandle,
     check_shape,
+    overlap_problem,
 )
 from ._safetensors import SafetensorsBackend
-from ._unpickler import DCP_GLOBALS, DcpRecord, StorageRef, TensorRef, TorchDtype, safe_load
+from ._unpickler import (
+    DCP_GLOBALS,
+    DcpRecord,
+    StorageRef,
+    TensorRef,
+    TorchDtype,
+    expanded_size,
+    safe_load,
+)
 from ._zip import ZIP_ERRORS
 
 __all__ = ["DcpBackend"]
 
 METADATA_NAME = ".metadata"
-#: Chunks per value checked pairwise for overlap; beyond, their volumes must add up.
-MAX_PAIRWISE = 1024
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -266,17 +274,9 @@ def _check_tiling(key: str, shape: tuple[int, ...], chunks: list[_Chunk], where:
                 f"lies outside its shape {list(shape)}."
             )
         total += math.prod(c.sizes)
-    if len(chunks) <= MAX_PAIRWISE:
-        for i, a in enumerate(chunks):
-            for b in chunks[i + 1 :]:
-                if math.prod(a.sizes) and math.prod(b.sizes) and all(
-                    ao < bo + bs and bo < ao + as_
-                    for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
-                ):
-                    raise CorruptCheckpointError(
-                        f"{where}: the chunks of {key!r} at {list(a.offsets)} and "
-                        f"{list(b.offsets)} overlap."
-                    )
+    problem = overlap_problem(shape, [(c.offsets, c.sizes) for c in chunks])
+    if problem:
+        raise CorruptCheckpointError(f"{where}: the chunks of {key!r} {problem}.")
     if total != math.prod(shape):
         raise CorruptCheckpointError(
             f"{where}: the chunks of {key!r} hold {total} elements; its shape {list(shape)} "
@@ -342,7 +342,8 @@ def _plain(value: Any, depth: int = 0) -> bool:
     return False
 
 
-def _bytes_entry(file: Path, start: int, length: int, key: str) -> Any:
+def _bytes_entry(file: Path, start: int, length: int, key: str) -> tuple[Any, int]:
+    """The object pickled in a non-tensor entry and the size of its pickle."""
     what = f"the entry {key!r} in {str(file)!r}"
     fh = FileHandle(file)
     try:
@@ -359,7 +360,7 @@ def _bytes_entry(file: Path, start: int, length: int, key: str) -> Any:
         raise
     except ZIP_ERRORS as exc:
         raise CorruptCheckpointError(f"{what} is damaged: {exc}") from None
-    return safe_load(io.BytesIO(data), storages={}, source=what)
+    return safe_load(io.BytesIO(data), storages={}, source=what), len(data)
 
 
 def _read_metadata(folder: Path) -> DcpRecord:
@@ -404,10 +405,16 @@ def _bytes_value(
     if place is None:
         raise CorruptCheckpointError(f"{where}: no bytes stored for {key!r}.")
     try:
-        value = _bytes_entry(*place, key)
+        value, nbytes = _bytes_entry(*place, key)
     except CorruptCheckpointError as exc:
         return None, f"a pickled Python object DCP stored for it is refused: {exc}"
-    if not _plain(value):
+    entries = expanded_size(value, max_depth=16)
+    if entries is not None and entries > max(nbytes, 64):
+        return None, (
+            f"a pickled value whose containers, shared by reference, expand to {entries} "
+            f"entries from {nbytes} bytes"
+        )
+    if entries is None or not _plain(value):
         return None, "a pickled Python object that is not a plain value"
     return value, None
 

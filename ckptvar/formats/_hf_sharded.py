@@ -104,6 +104,16 @@ def _plain_name(name: Any, index: Path) -> str:
     return name
 
 
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all different (a key listed twice is ambiguous)."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"the key {twice!r} is listed twice")
+    return obj
+
+
 def _read_index(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
     """``({key: shard file}, metadata)`` of an index file, checked."""
     try:
@@ -113,7 +123,7 @@ def _read_index(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
                 f"The index {str(index)!r} is {size} bytes (limit {MAX_INDEX_BYTES})."
             )
         text = index.read_bytes().decode("utf-8")
-        obj = json.loads(text)
+        obj = json.loads(text, object_pairs_hook=_unique_pairs)
     except UnicodeDecodeError as exc:
         raise CorruptCheckpointError(f"The index {str(index)!r} is not UTF-8: {exc}.") from None
     except (ValueError, RecursionError) as exc:
@@ -145,7 +155,7 @@ class HFShardedReader(Reader):
         self.path = path
         self._map = weight_map
         self._meta = metadata
-        self.skipped: dict[str, str] = {}  # safetensors holds numbers only
+        self._strays: dict[str, list[tuple[str, Path]]] | None = None
         self._shards: dict[Path, Reader] = {}
         self.open_files: list[Path] = []
         self._first = next(iter(dict.fromkeys(weight_map.values())), None)
@@ -183,6 +193,37 @@ class HFShardedReader(Reader):
             self.open_files.append(shard)
         return reader
 
+    @property
+    def skipped(self) -> dict[str, str]:  # type: ignore[override]
+        """Values a shard holds that the index does not list (opens every shard's header).
+
+        safetensors holds numbers only, so nothing else is ever skipped.
+        """
+        return {
+            key: f"held by the shard {str(shard.name)!r} but not listed in the index"
+            for key, places in self._stray_keys().items()
+            if key not in self._map
+            for _, shard in places[:1]
+        }
+
+    def _stray_keys(self) -> dict[str, list[tuple[str, Path]]]:
+        """``{key: [(why, shard), ...]}`` for each key a shard holds where the index does not
+        place it: not listed at all, or listed in another shard (a second copy)."""
+        if self._strays is None:
+            strays: dict[str, list[tuple[str, Path]]] = {}
+            for shard in dict.fromkeys(self._map.values()):
+                try:
+                    held = list(self._open_shard(shard).keys())
+                except CorruptCheckpointError:
+                    continue  # a damaged shard fails each read of its values instead
+                for key in held:
+                    if self._map.get(key) != shard:
+                        why = ("not listed in the index" if key not in self._map else
+                               f"the index places it in {self._map[key].name!r}")
+                        strays.setdefault(key, []).append((why, shard))
+            self._strays = strays
+        return self._strays
+
     def keys(self) -> Any:
         return self._map.keys()
 
@@ -207,8 +248,13 @@ class HFShardedReader(Reader):
         return meta
 
     def verify_all(self) -> list[tuple[str, str]]:
-        """Read and check every value, shard by shard; ``[(key, reason), ...]``."""
-        return verify_each(self, self._map)
+        """Read and check every value, shard by shard; ``[(key, reason), ...]``, including
+        each value a shard holds where the index does not place it (left out of every read)."""
+        problems = verify_each(self, self._map)
+        for key, places in self._stray_keys().items():
+            for why, shard in places:
+                problems.append((key, f"held by the shard {str(shard)!r}, but {why}"))
+        return problems
 
     def verify(self, key: str) -> None:
         try:

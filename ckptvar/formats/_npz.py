@@ -54,7 +54,7 @@ from ._zip import (
     zip_member_data_offset,
 )
 
-__all__ = ["NpzBackend", "NpzWriter", "parse_npy_header"]
+__all__ = ["NotNumbersError", "NpzBackend", "NpzWriter", "parse_npy_header"]
 
 _MAGIC = b"\x93NUMPY"
 _DESCR = re.compile(r"^[<>|=]?(b1|[iu][1248]|f[248]|c(8|16))$")
@@ -84,17 +84,27 @@ def _npy_preamble(head: bytes, *, what: str) -> tuple[int, int, int]:
     raise CorruptCheckpointError(f"{what}: unknown .npy format version {major}.")
 
 
+class NotNumbersError(UnsupportedFormatError):
+    """A ``.npy`` member holding no plain numbers (object, string, structured ...)."""
+
+    def __init__(self, reason: str, what: str) -> None:
+        super().__init__(f"{what}: {reason}.")
+        self.reason = reason
+
+
 def _plain_dtype(descr: Any, *, what: str) -> np.dtype:
     """The dtype a ``descr`` names, if it is a plain numeric one (nothing is unpickled)."""
     if not isinstance(descr, str):
-        raise CorruptCheckpointError(
-            f"{what}: structured dtype {descr!r} refused (only plain numeric arrays)."
+        raise NotNumbersError(
+            f"structured dtype {str(descr)[:200]} refused (only plain numeric arrays are read)",
+            what,
         )
     dtype = np.dtype(descr) if _DESCR.match(descr) else None
     if dtype is None or dtype not in _PLAIN:
-        raise CorruptCheckpointError(
-            f"{what}: dtype {descr!r} refused (object, string, void and datetime arrays are "
-            "not read; nothing is ever unpickled)."
+        raise NotNumbersError(
+            f"dtype {descr[:200]!r} refused (object, string, void and datetime arrays are "
+            "not read; nothing is ever unpickled)",
+            what,
         )
     return dtype
 
@@ -229,18 +239,29 @@ def _open(path: Path) -> Reader:
     archive = ZipArchive(path, kind=".npz")
     try:
         sidecar = _read_sidecar(archive, path)
-        arrays: dict[str, LazyArray] = {
-            info.filename[: -len(".npy")]: _array(archive, info, path, sidecar)
-            for info in archive.members.values()
-            if info.filename.endswith(".npy") and not info.is_dir()
-        }
+        arrays: dict[str, LazyArray] = {}
+        skipped: dict[str, str] = {}
+        for info in archive.members.values():
+            if info.filename.endswith(".npy") and not info.is_dir():
+                try:
+                    arrays[info.filename[: -len(".npy")]] = _array(archive, info, path, sidecar)
+                except NotNumbersError as exc:  # a user value, not damage: listed, not read
+                    skipped[info.filename[: -len(".npy")]] = exc.reason
+            elif info.filename != _SIDECAR and not info.is_dir():
+                skipped[info.filename] = "a zip member that is not a .npy array"
+        for name in set(arrays) & set(skipped):  # np.load would return the plain member
+            raise CorruptCheckpointError(
+                f"{str(path)!r} holds both the members {name!r} and {name + '.npy'!r}; "
+                "which one is the value is ambiguous."
+            )
     except BaseException:
         archive.close()
         raise
 
     meta = sidecar.get("metadata", {})
     return EntryReader(
-        path, "npz", arrays, metadata=meta if isinstance(meta, dict) else {}, on_close=archive.close
+        path, "npz", arrays, skipped=skipped, metadata=meta if isinstance(meta, dict) else {},
+        on_close=archive.close,
     )
 
 
@@ -278,6 +299,14 @@ class NpzWriter(CollectingWriter):
     def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
         if not isinstance(key, str) or not key or key == _SIDECAR[:-5] or "\x00" in key:
             raise ValueError(f"Invalid npz key {key!r}.")
+        if not key.isascii():
+            try:
+                key.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"Invalid npz key {key!r}: not valid UTF-8 ({exc.reason} at "
+                    f"{exc.start}); rename it (ckpt convert --rename)."
+                ) from None
         if not is_chunked(array):  # a Chunked value's pieces are streamed at commit
             array = np.asarray(array)
         dt = little_endian(np.dtype(array.dtype))

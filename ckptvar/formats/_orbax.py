@@ -33,6 +33,7 @@ import itertools
 import json
 import math
 import re
+import stat
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +44,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
-from ._common import BoxArray, EntryReader, check_shape
+from ._common import BoxArray, EntryReader, check_shape, not_regular
 
 __all__ = ["OrbaxBackend"]
 
@@ -74,7 +75,10 @@ def _dir_fetch(folder: Path) -> Fetch:
     def fetch(key: str, limit: int) -> bytes | None:
         path = folder / key
         try:
-            size = path.stat().st_size
+            st = path.stat()
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(f"{str(path)!r} {not_regular(st.st_mode)}.")
+            size = st.st_size
             if size > limit:
                 raise CorruptCheckpointError(
                     f"{str(path)!r} is {size} bytes; at most {limit} are expected there."

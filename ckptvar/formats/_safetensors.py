@@ -153,11 +153,22 @@ class _PackedArray(LazyArray):
         return np.array(result, copy=True) if isinstance(result, np.ndarray) else result
 
 
+def _utf8(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (no lone surrogates), as a header must."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
-            raise CorruptCheckpointError(f"Duplicate key {k!r} in the safetensors header.")
+            raise CorruptCheckpointError(f"it names the key {k!r} twice.")
         out[k] = v
     return out
 
@@ -175,8 +186,8 @@ def _header_json(head: bytes, where: str) -> dict[str, Any]:
         raise CorruptCheckpointError(f"The {where} does not start with '{{'.")
     try:
         obj = json.loads(text, object_pairs_hook=_unique_object)
-    except CorruptCheckpointError:
-        raise
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"The {where} is refused: {exc}") from None
     except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"The {where} is not valid JSON: {exc}.") from None
     if not isinstance(obj, dict):
@@ -334,6 +345,14 @@ class SafetensorsWriter(_common.CollectingWriter):
     def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
         if not isinstance(key, str) or key == _METADATA or not key:
             raise ValueError(f"Invalid safetensors key {key!r}.")
+        if not key.isascii():
+            try:
+                key.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(
+                    f"Invalid safetensors key {key!r}: not valid UTF-8 ({exc.reason} at "
+                    f"{exc.start}); rename it (ckpt convert --rename)."
+                ) from None
         if not is_chunked(array) or np.dtype(array.dtype) in _BITS_OF:
             array = np.asarray(as_host(array))  # packed sub-byte values: made whole
         dt = _common.little_endian(np.dtype(array.dtype))
@@ -355,12 +374,13 @@ class SafetensorsWriter(_common.CollectingWriter):
         header: dict[str, Any] = {}
         meta: dict[str, str] = {}
         own: dict[str, Any] = {}
-        for k, v in (self._metadata or {}).items():
-            if isinstance(k, str) and isinstance(v, str) and not k.startswith(_OWN):
+        extra = {str(k): str(v) for k, v in self._extra.items()}
+        for k, v in [*(self._metadata or {}).items(), *extra.items()]:
+            if (isinstance(k, str) and isinstance(v, str) and not k.startswith(_OWN)
+                    and _utf8(k) and _utf8(v)):
                 meta[k] = v  # as it was: {"format": "pt"} stays where other tools look
-            else:
+            else:  # in ckptvar's own JSON entry (a string not UTF-8 would break the header)
                 own[str(k)] = v
-        meta.update({str(k): str(v) for k, v in self._extra.items()})
         attrs = self._stored_attrs()
         if self._own and attrs:
             meta[_ATTRS] = json.dumps(attrs, default=jsonable, sort_keys=True)
@@ -461,7 +481,11 @@ def _write_pieces(fd: int, value: Any) -> None:
 
 
 class SafetensorsBackend(
-    Backend, name="safetensors", suffixes=(".safetensors",), writer=SafetensorsWriter
+    Backend,
+    name="safetensors",
+    suffixes=(".safetensors",),
+    writer=SafetensorsWriter,
+    hands_over_unrecognised=True,  # a model folder named "x.safetensors" is hf-safetensors
 ):
     """Hugging Face ``.safetensors`` files (read and write)."""
 

@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
 from ..storage.checksum import crc32c, unmask
-from ._common import MAX_HEADER_BYTES, EntryReader, FileArray, FileHandle
+from ._common import MAX_HEADER_BYTES, EntryReader, FileArray, FileHandle, overlap_problem
 from ._protobuf import parse
 from ._sstable import iter_table
 from ._tf_index import TF_DTYPE_NAMES, TF_DTYPES, BundleEntry, decode_slice_key, parse_entry
@@ -311,6 +311,12 @@ def _sliced(
             f"Partitioned {info.key!r} in {str(path)!r}: its slices cover {covered} of "
             f"{info.size} elements."
         )
+    problem = overlap_problem(info.shape, [
+        (tuple(r.start for r in region), tuple(r.stop - r.start for r in region))
+        for region, _ in parts
+    ])
+    if problem:
+        raise CorruptCheckpointError(f"Partitioned {info.key!r} in {str(path)!r}: its slices {problem}.")
     return SlicedArray(info, parts)
 
 

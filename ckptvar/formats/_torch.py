@@ -30,7 +30,7 @@ import numpy as np
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
 from ._common import MAX_HEADER_BYTES, EntryReader, FileArray, FileHandle, check_shape, covers_whole
-from ._unpickler import StorageRef, TensorRef, TorchDtype, safe_load
+from ._unpickler import StorageRef, TensorRef, TorchDtype, expanded_size, safe_load
 from ._zip import ZIP_ERRORS, ZipArchive, check_member_size, read_member_range, zip_crc_check
 
 __all__ = ["TorchBackend"]
@@ -155,15 +155,34 @@ class TorchArray(LazyArray):
             return out
         return arr
 
-    def _from_checked_storage(self) -> np.ndarray:
-        """The whole storage read and CRC-checked, then this view's elements taken from it."""
+    def verify(self) -> None:
+        """Check the value's bytes: a view through its storage's CRC-32 (or, unchecked, by
+        reading the bytes it spans), never building the view, which may be far larger
+        than its storage (``torch.zeros(1).expand(n)``)."""
+        if self._whole:
+            self.read(verify=True)
+        elif self._checked:
+            self._checked_storage()
+        else:
+            start, stop = self._span
+            if stop > start:
+                self._source.fetch(start, stop - start)
+
+    def _checked_storage(self) -> bytes:
         src = self._source
         raw = src.fetch(0, src.nbytes) if src.nbytes else b""
         zip_crc_check(src.info, b"", src.what)(raw)
+        return raw
+
+    def _from_checked_storage(self) -> np.ndarray:
+        """The whole storage read and CRC-checked, then this view's elements taken from it."""
+        raw = self._checked_storage()
         start, stop = self._span
         return self._strided(raw[start:stop] if stop > start else b"")
 
-    def _strided(self, raw: bytes | None = None) -> np.ndarray:
+    def _strided(self, raw: bytes | None = None, index: Any = ...) -> np.ndarray:
+        """``view[index]`` copied out of the view's bytes (``raw``, else read); only the
+        indexed elements are built, however large the view (a stride-0 expand)."""
         start, stop = self._span
         if raw is None:
             raw = self._source.fetch(start, stop - start) if stop > start else b""
@@ -180,7 +199,7 @@ class TorchArray(LazyArray):
             else np.zeros(self._ref.shape, self._stored)
         )
         arr = np.array(
-            view,
+            view[index],
             dtype=self._stored.newbyteorder("=")
             if self._stored.byteorder not in ("=", "|")
             else self._stored,
@@ -193,7 +212,7 @@ class TorchArray(LazyArray):
             return np.array(self.read()[index], copy=True)  # verified through its storage
         if self._contiguous:
             return self._flat[index]
-        return np.array(self._strided()[index], copy=True)
+        return self._strided(index=index)
 
 
 def _is_c_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
@@ -225,10 +244,27 @@ class _BoundedFile:
         return self._f.tell()
 
 
+def _check_walk_size(obj: Any, path: Path, budget: int) -> None:
+    entries = expanded_size(obj, max_depth=_MAX_DEPTH)
+    if entries is None:
+        raise CorruptCheckpointError(f"{str(path)!r} nests containers too deeply.")
+    if entries > max(budget, 4096):
+        raise CorruptCheckpointError(
+            f"{str(path)!r}: its pickle's containers, shared by reference, expand to "
+            f"{entries} entries from {budget} bytes; refused."
+        )
+
+
 def _flatten(
-    obj: Any, path: Path
+    obj: Any, path: Path, budget: int
 ) -> tuple[dict[str, TensorRef], dict[str, Any], dict[str, str]]:
-    """``(tensors, plain leaves for metadata, {key: reason} for anything else)``."""
+    """``(tensors, plain leaves for metadata, {key: reason} for anything else)``.
+
+    ``budget``: the most entries the walk may visit (the pickle's size in bytes, at
+    least 4096): a pickle without shared containers has fewer entries than bytes, so only
+    containers shared by reference can exceed it, and those are refused before the walk.
+    """
+    _check_walk_size(obj, path, budget)
     tensors: dict[str, TensorRef] = {}
     meta: dict[str, Any] = {}
     skipped: dict[str, str] = {}
@@ -342,7 +378,7 @@ def _open_zip(path: Path) -> Reader:
                 raise CorruptCheckpointError(f"{str(path)!r}: unknown byteorder {order!r}.")
         storages: dict[str, StorageRef] = {}
         obj = safe_load(io.BytesIO(pkl), storages=storages, source=repr(str(path)))
-        tensors, meta, skipped = _flatten(obj, path)
+        tensors, meta, skipped = _flatten(obj, path, len(pkl))
         sources = {key: _storage_source(archive, f"{prefix}data/{key}", st, path)
                    for key, st in storages.items()}
         arrays = _arrays(tensors, sources, order, path)
@@ -413,7 +449,7 @@ def _open_legacy(path: Path) -> Reader:
         missing = set(storages) - set(sources)
         if missing:
             raise CorruptCheckpointError(f"{str(path)!r} lacks storages {sorted(missing)[:5]}.")
-        tensors, meta, skipped = _flatten(obj, path)
+        tensors, meta, skipped = _flatten(obj, path, fh.size)
         arrays = _arrays(tensors, sources, "big" if big else "little", path)
     except BaseException:
         fh.close()

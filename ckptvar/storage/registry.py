@@ -13,6 +13,7 @@ True
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,8 @@ def backend_for(path: str | Path, format: str | None = None, *, mode: str = "r")
             return hit
         generation = _GENERATION[0]
     path = Path(path)
+    if mode == "r":
+        _refuse_special(path)
     if format is not None:
         cls = _BACKENDS.get(format.lower().lstrip("."))
         if cls is None and mode == "w":
@@ -169,6 +172,29 @@ def _keep(key: tuple[str | None, str, bool], cls: type[Backend], generation: int
             if len(_WRITERS) >= 64:  # names with dots of their own (``step.1000.h5``)
                 _WRITERS.clear()
             _WRITERS[key] = cls
+
+
+_SPECIAL = (
+    (stat.S_ISFIFO, "a named pipe"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _refuse_special(path: Path) -> None:
+    """Refuse a pipe, device or socket: opening a pipe waits for a writer and a device
+    may never end, so no reader could finish with one."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return  # absent (or a URL): the backend says so
+    for test, what in _SPECIAL:
+        if test(mode):
+            raise UnsupportedFormatError(
+                f"{str(path)!r} is {what}, not a regular file; a checkpoint is read from a "
+                "file or a folder."
+            )
 
 
 def _guess(path: Path, mode: str) -> type[Backend]:
