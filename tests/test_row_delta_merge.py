@@ -123,3 +123,27 @@ def test_rows_kept_for_another_delta_are_not_taken(
     reads = watch_calls(ContainerReader, "delta_rows")
     assert _steps(manager, table, rng, PATCHES + 1, since) == [1, 2, 3, 1]
     assert len(reads) == PATCHES + 1 + 1  # each step's check, and the merge's read
+
+
+def test_a_merged_patchs_rows_are_the_union_or_none_past_the_limit() -> None:
+    """``merged`` (by a mask of the value's rows, or sorted) gives exactly the union of
+    the rows changed now and those of the earlier patches (repeats among them), and
+    None exactly when that union is more than half the share the limits allow."""
+    from ckptvar.storage._container.delta import DeltaLimits, merged
+
+    rng = np.random.default_rng(11)
+    for trial in range(300):
+        nrows = int(rng.integers(2, 5000))
+        parts = [np.unique(rng.integers(0, nrows, int(rng.integers(0, 60))))
+                 for _ in range(int(rng.integers(1, 6)))]
+        rows = np.unique(rng.integers(0, nrows, int(rng.integers(1, 60))))
+        before = np.concatenate(parts)
+        limits = DeltaLimits(float(rng.choice([0.05, 0.25, 1.0])))
+        want = np.union1d(before, rows)
+        got = merged(rows, before, nrows, limits)
+        if want.size <= limits.rows * nrows / 2:
+            assert got is not None and got.dtype == np.int64, trial
+            assert np.array_equal(got, want), trial
+        else:
+            assert got is None, trial
+    assert merged(np.array([1]), None, 10) is None  # the earlier rows not known
