@@ -64,7 +64,7 @@ from ._container import (
 )
 from ._container import source as _src
 from ._container.delta import DeltaWrite, Patches, in_base, read_patches
-from ._container.reuse import Held, KeptRecords
+from ._container.reuse import Held, Kept, KeptRecords, PatchRows
 from ._container.source import Patched, RemoteFile
 from ._record import (
     ARRAY,
@@ -129,7 +129,7 @@ class H5Writer(ContainerWriter):
         record = self._record_bytes
         if record is not None and (self.base is not None or self.rows):
             with contextlib.suppress(OSError, CkptError):  # a read later does it instead
-                _keep_record(path, record)
+                _keep_record(path, record, self.patch_rows)
         return path
 
     def _open_base(self, base: Path) -> tuple[Any, Any] | None:
@@ -144,7 +144,9 @@ class H5Writer(ContainerWriter):
             name = f"../{base.parent.name}/{base.name}"
         else:
             return None
-        record = _committed_record(base)
+        kept = _committed(base)
+        record = kept.record
+        self.base_patch_rows = kept.rows
         self._base_name = name
 
         def holder(key: str, entry: Entry) -> Held:
@@ -885,23 +887,32 @@ _RECORDS = KeptRecords()
 def _committed_record(path: Path) -> Record:
     """The root record of the committed ckptvar HDF5 file ``path`` (a committed file is
     never changed in place: its identity and size name its record)."""
+    return _committed(path).record
+
+
+def _committed(path: Path) -> Kept:
+    """What is kept of the committed file ``path``: its record (read if not kept) and
+    the rows of its patches where this process wrote them (:class:`.reuse.Kept`)."""
     st = os.stat(path)
-    record = _RECORDS.get(path, st)
-    if record is None:
+    kept = _RECORDS.find(path, st)
+    if kept is None:
         reader = H5Reader(path)
         try:
             record = reader.record
         finally:
             reader.close()
         _RECORDS.keep(path, record, st)
-    return record
+        return Kept(record)
+    return kept
 
 
-def _keep_record(path: Path, record: bytes) -> None:
+def _keep_record(path: Path, record: bytes, rows: PatchRows | None = None) -> None:
     """Keep the record bytes a writer just committed to ``path`` as its decoded record
-    (what :func:`_committed_record` would read back: the same bytes, the same checks)."""
+    (what :func:`_committed_record` would read back: the same bytes, the same checks),
+    and the rows of its patches as written (``rows``)."""
     st = os.stat(path)
-    _RECORDS.keep(path, decode(record, path, container="h5", file_size=st.st_size), st)
+    _RECORDS.keep(path, decode(record, path, container="h5", file_size=st.st_size), st,
+                  rows)
 
 
 register_backend(H5Backend)

@@ -176,11 +176,13 @@ class ZarrWriter(ContainerWriter):
         there, which the new step hard-links (so every step stands alone)."""
         if self.compression is not None:
             return None  # compressed values are written by zarr-python: always whole
-        record = _RECORDS.get(base / RECORD_PATH / chunk_key(1))
-        if record is None:  # not kept as this process wrote it (:meth:`commit`): read
+        kept = _RECORDS.find(base / RECORD_PATH / chunk_key(1))
+        if kept is None:  # not kept as this process wrote it (:meth:`commit`): read
             reader = ZarrReader(base)
             record = reader.record
             reader.close()
+        else:  # and the rows of its patches, as written
+            record, self.base_patch_rows = kept.record, kept.rows
         self._base_record = record
 
         def holder(key: str, entry: Entry) -> Held:
@@ -201,7 +203,7 @@ class ZarrWriter(ContainerWriter):
         if record is not None and self.copies is None and (self.base is not None or self.rows):
             with contextlib.suppress(OSError, CkptError):  # a read later does it instead
                 _RECORDS.keep(path / RECORD_PATH / chunk_key(1),
-                              decode(record, path, container="zarr"))
+                              decode(record, path, container="zarr"), rows=self.patch_rows)
         return path
 
     def _delta_for(self, it: ValueWrite, entry: Entry, was: Delta | None,

@@ -461,10 +461,34 @@ def plan(rows: np.ndarray, shape: tuple[int, ...], nbytes: int,
 def merged(rows: np.ndarray, before: np.ndarray | None, nrows: int,
            limits: DeltaLimits = _DEFAULT_LIMITS) -> np.ndarray | None:
     """The rows of a merged patch: those changed now and those the earlier patches hold
-    (``before``; None: unknown), or None when they are more than half the share of rows
-    ``limits`` allows (the value is then written whole: a merged patch that would soon
-    outgrow the limit costs more than the whole copy saves)."""
+    (``before``, repeats allowed; None: unknown), or None when they are more than half
+    the share of rows ``limits`` allows (the value is then written whole: a merged patch
+    that would soon outgrow the limit costs more than the whole copy saves). Where a byte
+    per row of the value costs no more than the rows' own indices, the union is marked
+    in such a mask (no sort).
+
+    >>> merged(np.array([2, 5]), np.array([5, 1, 7, 1]), 40).tolist()
+    [1, 2, 5, 7]
+    >>> merged(np.array([2, 5]), np.array([5, 1, 7, 1]), 1000).tolist()  # sorted instead
+    [1, 2, 5, 7]
+    >>> merged(np.array([2, 5]), np.array([1, 7, 9, 11]), 40) is None  # 6 rows > 40 * 0.25 / 2
+    True
+    """
     if before is None:
         return None
+    limit = limits.rows * nrows / 2
+    if rows.size > limit:
+        return None
+    if nrows <= 8 * (rows.size + before.size) and _inside(rows, nrows) and _inside(before,
+                                                                                    nrows):
+        held = np.zeros(nrows, np.bool_)
+        held[before] = True
+        held[rows] = True
+        return np.flatnonzero(held) if np.count_nonzero(held) <= limit else None
     union = np.union1d(before, rows)
-    return union if union.size <= limits.rows * nrows / 2 else None
+    return union if union.size <= limit else None
+
+
+def _inside(rows: np.ndarray, nrows: int) -> bool:
+    """Whether every one of ``rows`` indexes a value of ``nrows`` rows (none wraps)."""
+    return not rows.size or (int(rows.min()) >= 0 and int(rows.max()) < nrows)

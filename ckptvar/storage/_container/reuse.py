@@ -14,7 +14,9 @@ Granularity is the whole value: a value with one changed block is written whole
 
 Also :class:`KeptRecords`: the decoded records of the last few committed steps, kept by
 the identity of the file that holds the record, so that the next step's look at its
-base opens nothing (a committed checkpoint is never changed in place).
+base opens nothing (a committed checkpoint is never changed in place); with each, the
+rows of its row deltas' patches as the writer wrote them (:attr:`Kept.rows`), so a
+merge of those patches reads none of them back.
 """
 
 from __future__ import annotations
@@ -22,12 +24,27 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from .._record import ARRAY, BLOCK_SIZE, Entry, Record
 
-__all__ = ["Held", "KeptRecords", "match"]
+__all__ = ["Held", "Kept", "KeptRecords", "PatchRows", "match"]
+
+#: key -> the rows (sorted, unique, read-only int64) each patch of the value's row delta
+#: holds, in the order of its record's patches.
+PatchRows = Mapping[str, tuple[np.ndarray, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """A committed step's decoded record and, when the process that wrote it knows them,
+    the rows of its row deltas' patches (:data:`PatchRows`; a key left out: not known)."""
+
+    record: Record
+    rows: PatchRows = field(default_factory=dict)
 
 
 class KeptRecords:
@@ -49,7 +66,7 @@ class KeptRecords:
 
     def __init__(self, most: int = 4) -> None:
         self.most = most
-        self._kept: dict[tuple[str, int, int, int], Record] = {}
+        self._kept: dict[tuple[str, int, int, int], Kept] = {}
         self._lock = threading.Lock()
 
     @staticmethod
@@ -61,6 +78,13 @@ class KeptRecords:
             ) -> Record | None:
         """The record kept for the file at ``path`` as it is now (``st``: its ``stat``,
         if taken already); None if none is (or no file is there)."""
+        kept = self.find(path, st)
+        return None if kept is None else kept.record
+
+    def find(self, path: str | os.PathLike[str], st: os.stat_result | None = None
+             ) -> Kept | None:
+        """What is kept for the file at ``path`` as it is now: its record and its patches'
+        rows (``st``: its ``stat``, if taken already); None if nothing is."""
         if st is None:
             try:
                 st = os.stat(path)
@@ -70,13 +94,14 @@ class KeptRecords:
             return self._kept.get(self.identity(path, st))
 
     def keep(self, path: str | os.PathLike[str], record: Record,
-             st: os.stat_result | None = None) -> None:
-        """Keep ``record`` as the record of the file now at ``path``."""
+             st: os.stat_result | None = None, rows: PatchRows | None = None) -> None:
+        """Keep ``record`` as the record of the file now at ``path``, and ``rows``: the
+        rows of its row deltas' patches as written (only a writer that wrote them says)."""
         ident = self.identity(path, os.stat(path) if st is None else st)
         with self._lock:
             while len(self._kept) >= self.most:
                 del self._kept[next(iter(self._kept))]  # the oldest (insertion order)
-            self._kept[ident] = record
+            self._kept[ident] = Kept(record, dict(rows) if rows else {})
 
     def clear(self) -> None:
         with self._lock:

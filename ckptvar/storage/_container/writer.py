@@ -41,7 +41,7 @@ from .blocks import (
 )
 from .delta import DeltaLimits, DeltaWrite, merged, plan
 from .layout import ALIGN, pack_limit
-from .reuse import Held, match
+from .reuse import Held, PatchRows, match
 
 __all__ = ["HASH_WHILE_WRITING", "ContainerWriter", "ValueWrite", "WritePlan", "delta_attrs",
            "hash_while_writing", "scalar_attrs", "write_hashing", "write_packed"]
@@ -269,6 +269,14 @@ class ContainerWriter(Writer):
         self.deltas: list[str] = []
         #: The keys whose bytes the base holds (set by ``commit``).
         self.reused: list[str] = []
+        #: The rows each patch of each row delta holds, as written (set by ``commit``; a
+        #: delta whose earlier patches' rows this process does not know is left out): the
+        #: backend keeps them with the committed record, so the step that merges them
+        #: reads none back. At most one int64 per patched row (the rule's share bounds
+        #: them), shared with the base's where carried over.
+        self.patch_rows: dict[str, tuple[np.ndarray, ...]] = {}
+        #: The base's :attr:`patch_rows`, where the backend found them kept with its record.
+        self.base_patch_rows: PatchRows = {}
         self.durable = bool(durable)
         if pack_threshold is not None:
             if isinstance(pack_threshold, bool) or not isinstance(pack_threshold, int | np.integer):
@@ -424,14 +432,10 @@ class ContainerWriter(Writer):
             found = self._delta_for(it, entry, was, holder)
             if found is None:
                 continue
-            if was is not None and rows.size and plan(
-                    rows, it.shape, it.nbytes, was.patches, self.limits) == "merge":
-                rows_since = merged(rows, self._base_rows(it.key), it.shape[0], self.limits)
-                if rows_since is None:
-                    continue  # too many rows since the whole copy: written whole
-                rows = rows_since  # one patch of them, on the whole copy alone
-                found.earlier, found.links = [], found.links[:1]
-                found.path = found.path.rpartition("/")[0] + "/patch-0"
+            got = self._patch_rows(it, rows, was, found)
+            if got is None:
+                continue  # too many rows since the whole copy: written whole
+            rows, before = got
             found.rows = rows
             found.base_checksum, found.base_blocks = _base_checksums(entry, was,
                                                                      record.block_size)
@@ -445,6 +449,8 @@ class ContainerWriter(Writer):
             # byte of the value is hashed (a step costs its rows, not the table)
             it.checksum, it.blocks, it.hashed = found.base_checksum, None, True
             it.delta = found
+            if before is not None:
+                self.patch_rows[it.key] = (*before, rows) if rows.size else before
         self.deltas = [it.key for it in arrays if it.delta is not None]
 
     def _delta_rows(self, it: ValueWrite, entry: Any, was: Any) -> np.ndarray | None:
@@ -469,9 +475,45 @@ class ContainerWriter(Writer):
             return None
         return rows
 
-    def _base_rows(self, key: str) -> np.ndarray | None:
-        """The rows the base's patches of ``key`` hold (read and verified), or None when
-        they cannot be read (the value is then written whole)."""
+    def _patch_rows(self, it: ValueWrite, rows: np.ndarray, was: Any, found: DeltaWrite
+                    ) -> tuple[np.ndarray, tuple[np.ndarray, ...] | None] | None:
+        """The rows of ``it``'s own patch and those of the patches before it in ``found``
+        (None: not known); ``found`` made a merge of the base's patches where the rule
+        says so. None: a merge of too many rows (the value is written whole)."""
+        before: tuple[np.ndarray, ...] | None = ()
+        if was is not None and rows.size and plan(
+                rows, it.shape, it.nbytes, was.patches, self.limits) == "merge":
+            rows_since = merged(rows, self._base_rows(it.key, was), it.shape[0], self.limits)
+            if rows_since is None:
+                return None
+            rows = rows_since  # one patch of them, on the whole copy alone
+            found.earlier, found.links = [], found.links[:1]
+            found.path = found.path.rpartition("/")[0] + "/patch-0"
+        elif was is not None:
+            before = self._known_rows(it.key, was)
+        if rows.size:  # owned and read-only: kept past this step
+            rows = np.array(rows, np.int64)
+            rows.flags.writeable = False
+        return rows, before
+
+    def _known_rows(self, key: str, was: Any) -> tuple[np.ndarray, ...] | None:
+        """The rows of each of the base's patches of ``key`` (its delta ``was``), as the
+        process that wrote them kept them with the base's record; None: not known (the
+        base was written by another process or writer, or before a restart), or not
+        those of ``was`` (their count or sizes differ: never taken on a guess)."""
+        rows = self.base_patch_rows.get(key)
+        if rows is None or len(rows) != len(was.patches) or any(
+                r.size != p[3] for r, p in zip(rows, was.patches, strict=True)):
+            return None
+        return rows
+
+    def _base_rows(self, key: str, was: Any) -> np.ndarray | None:
+        """The rows the base's patches of ``key`` hold (its delta ``was``; with repeats
+        when known as written, :meth:`_known_rows`; else read and verified), or None
+        when they cannot be read (the value is then written whole)."""
+        known = self._known_rows(key, was)
+        if known is not None:
+            return np.concatenate(known) if known else _NO_ROWS
         assert self.base is not None
         try:
             reader = (self._open_base_reader(self.base) if self._base_reader is None
