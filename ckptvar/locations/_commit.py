@@ -154,7 +154,30 @@ def commit(
             f"step {location.join(step)} is already committed{who}; a step is written once: "
             "save under a new step, or prune this one first"
         ) from None
+    _verify_unclaimed(location, step, record)
     return record
+
+
+def _verify_unclaimed(location: Location, step: str, record: CommitRecord) -> None:
+    """After the marker: check that the objects beside the step it names are still there.
+
+    They are not below a claim (only a step's own key is), so a cleanup of a step no
+    newer than the latest committed one (a manager's save, ``ckpt gc``) may have
+    deleted them while this writer was between its upload and its marker. Then the
+    marker goes again and ``CkptError`` says so: never a committed step without data.
+    """
+    gone = [key for key in (record.data, record.index)
+            if key and key != step and not key.startswith(step + "/")
+            and not location.exists(key)]
+    if gone:
+        location.delete(marker_key(step))
+        raise CkptError(
+            f"cannot commit step {location.join(step)}: {location.join(gone[0])} was deleted "
+            "while it was being saved (a cleanup of uncommitted objects, by a "
+            "CheckpointManager's save or `ckpt gc` at the same location, counted it a "
+            "leftover as the step is not newer than the latest committed one); nothing is "
+            "committed: save it again"
+        )
 
 
 def refuse_committed(location: Location, step: str) -> None:

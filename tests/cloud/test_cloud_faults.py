@@ -4,10 +4,14 @@ latest, and never blocks the next save of the same process."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
 import ckptvar as cv
+from ckptvar.locations import clean_uncommitted, list_committed_steps
 
 from ._s3 import FaultProxy, S3Bucket
 
@@ -41,3 +45,42 @@ def test_a_zarr_save_that_lost_the_network_does_not_block_the_next_save(
     assert mgr.checkpoints == [first, second]
     left = [o.key for o in s3.location("run").list() if ".claim" in o.key]
     assert left == [], left
+
+
+def test_a_cleanup_during_a_save_of_an_older_step_never_leaves_a_broken_commit(
+    s3: S3Bucket, proxy: FaultProxy
+) -> None:
+    """A manager's save or ``ckpt gc`` deletes uncommitted objects of steps up to the latest
+    committed one; a save of such a step in flight (its data and index uploaded, its marker
+    not yet) must not commit a step whose data is gone."""
+    opts = s3.storage_options
+    cv.save(f"{s3.url}/run/ckpt-2.h5", {"w": np.ones(3)}, storage_options=opts)
+    proxy.delay_requests(rb"^PUT \S+\.commit ", 1.5)  # the marker PUT of the save below waits
+    out: dict[str, object] = {}
+
+    def save_step_1() -> None:
+        try:
+            out["path"] = cv.save(f"{s3.url}/run/ckpt-1.h5", {"w": np.arange(10.0)},
+                                  storage_options=_through(s3, proxy))
+        except cv.CkptError as exc:
+            out["error"] = exc
+
+    writer = threading.Thread(target=save_step_1)
+    writer.start()
+    run = s3.location("run")
+    deadline = time.monotonic() + 10
+    while not any(o.key.endswith(".index") and o.key.startswith("ckpt-1.h5.") for o in run.list()):
+        assert time.monotonic() < deadline, "the index object of step 1 never appeared"
+        time.sleep(0.01)
+    removed = clean_uncommitted(run, older_than_latest=True)  # what `ckpt gc URL` runs
+    assert any(k.startswith("ckpt-1.h5.") for k in removed), removed
+    writer.join(30)
+    assert not writer.is_alive()
+    if "error" in out:  # refused: nothing of step 1 is committed, step 2 is untouched
+        assert "ckpt-1.h5" in str(out["error"])
+        assert list_committed_steps(run) == ["ckpt-2.h5"]
+    else:  # or committed whole
+        np.testing.assert_array_equal(
+            cv.load(f"{s3.url}/run/ckpt-1.h5", storage_options=opts)["w"], np.arange(10.0))
+    np.testing.assert_array_equal(cv.load(f"{s3.url}/run/ckpt-2.h5", storage_options=opts)["w"],
+                                  np.ones(3))
