@@ -84,3 +84,18 @@ def test_a_cleanup_during_a_save_of_an_older_step_never_leaves_a_broken_commit(
             cv.load(f"{s3.url}/run/ckpt-1.h5", storage_options=opts)["w"], np.arange(10.0))
     np.testing.assert_array_equal(cv.load(f"{s3.url}/run/ckpt-2.h5", storage_options=opts)["w"],
                                   np.ones(3))
+
+
+def test_a_bucket_that_does_not_exist_is_named_as_such(s3: S3Bucket) -> None:
+    opts = s3.storage_options
+    url = "s3://no-such-bucket-here/run"
+    saves = [lambda: cv.save(f"{url}/ckpt-1.h5", {"w": np.ones(3)}, storage_options=opts),
+             lambda: cv.save(f"{url}/ckpt-1.zarr", {"w": np.ones(3)}, storage_options=opts),
+             lambda: cv.latest_checkpoint(url, storage_options=opts),
+             lambda: cv.CheckpointManager(cv.Checkpoint(v=cv.Variable(np.ones(3), name="v")),
+                                          url, storage_options=opts).save()]
+    for call in saves:
+        with pytest.raises(cv.CkptError) as err:
+            call()
+        assert not isinstance(err.value, cv.CheckpointNotFoundError), err.value
+        assert "bucket 'no-such-bucket-here' does not exist" in str(err.value), err.value
