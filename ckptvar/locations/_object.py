@@ -49,6 +49,7 @@ from ._base import (
     DEFAULT_CONCURRENCY,
     DEFAULT_PART_SIZE,
     Buffers,
+    InvalidKeyError,
     Location,
     ObjectInfo,
     ObjectWriter,
@@ -133,7 +134,10 @@ class ObjectStoreLocation(Location):
         if parts.scheme not in CLOUD_SCHEMES or not parts.netloc:
             raise CkptError(f"{url!r} is not an object-store URL like s3://bucket/prefix")
         self.scheme, self.bucket = parts.scheme, parts.netloc
-        self.prefix = clean_key(parts.path)
+        try:
+            self.prefix = clean_key(parts.path)
+        except InvalidKeyError as exc:
+            raise InvalidKeyError(f"{url!r}: {exc}") from None
         self.storage_options = dict(storage_options or {})
         self.stats = _stats or RequestStats()
         opts = self.storage_options

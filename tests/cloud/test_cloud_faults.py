@@ -4,6 +4,7 @@ latest, and never blocks the next save of the same process."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -99,3 +100,18 @@ def test_a_bucket_that_does_not_exist_is_named_as_such(s3: S3Bucket) -> None:
             call()
         assert not isinstance(err.value, cv.CheckpointNotFoundError), err.value
         assert "bucket 'no-such-bucket-here' does not exist" in str(err.value), err.value
+
+
+@pytest.mark.parametrize("path", ["x/../y/t.h5", "./t.h5", ""])
+def test_a_url_that_names_no_object_key_is_a_clear_error(s3: S3Bucket, path: str) -> None:
+    """Object stores resolve no ``..``; a bucket alone names no object (``a//b`` is ``a/b``,
+    as on a file system)."""
+    url = f"{s3.url}/{path}" if path else s3.url
+    calls = [lambda: cv.save(url, {"w": np.ones(3)}, storage_options=s3.storage_options),
+             lambda: cv.load(url, storage_options=s3.storage_options)]
+    if path:  # a directory with such a part
+        calls.append(lambda: cv.latest_checkpoint(url.rsplit("/", 1)[0],
+                                                  storage_options=s3.storage_options))
+    for call in calls:
+        with pytest.raises(cv.CkptError, match=re.escape(s3.url)):
+            call()
