@@ -115,3 +115,26 @@ def test_a_url_that_names_no_object_key_is_a_clear_error(s3: S3Bucket, path: str
     for call in calls:
         with pytest.raises(cv.CkptError, match=re.escape(s3.url)):
             call()
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_damaged_marker_of_an_old_step_never_stops_a_restart(s3: S3Bucket, fmt: str) -> None:
+    """A manager opens, restores the newest step, saves and prunes the damaged one (its
+    objects with it): one damaged marker never blocks a job from restarting."""
+    opts = s3.storage_options
+    v = cv.Variable(np.zeros(3), name="v")
+    mgr = cv.CheckpointManager(cv.Checkpoint(v=v), f"{s3.url}/run", max_to_keep=2,
+                               format=fmt, storage_options=opts)
+    for i in range(3):
+        v.assign(np.full(3, float(i)))
+        mgr.save()
+    run = s3.location("run")
+    run.put(f"ckpt-2.{fmt}.commit", b"{not json")
+    v.assign(np.full(3, -1.0))
+    again = cv.CheckpointManager(cv.Checkpoint(v=v), f"{s3.url}/run", max_to_keep=2,
+                                 format=fmt, storage_options=opts)
+    assert again.restore_or_initialize() == f"{s3.url}/run/ckpt-3.{fmt}"
+    np.testing.assert_array_equal(v.numpy(), np.full(3, 2.0))
+    assert again.save() == f"{s3.url}/run/ckpt-4.{fmt}"
+    assert again.checkpoints == [f"{s3.url}/run/ckpt-3.{fmt}", f"{s3.url}/run/ckpt-4.{fmt}"]
+    assert not [o.key for o in run.list() if o.key.startswith(f"ckpt-2.{fmt}")]
