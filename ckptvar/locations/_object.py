@@ -423,8 +423,10 @@ class ObjectStoreLocation(Location):
         for start in range(0, len(paths), 1000):
             batch = paths[start : start + 1000]
             self.stats.add("delete")
+            op = "DELETE" if len(batch) == 1 else f"DELETE of {len(batch)} objects, from"
             with contextlib.suppress(CheckpointNotFoundError):
-                self._call("DELETE", batch[0], functools.partial(self._obs.delete, self.store, batch))
+                self._call(op, self._rel(batch[0]),
+                           functools.partial(self._obs.delete, self.store, batch))
 
 
 class _ObjectStoreWriter(ObjectWriter):

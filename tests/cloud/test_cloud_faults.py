@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
-from ckptvar.locations import clean_uncommitted, list_committed_steps
+from ckptvar.locations import StorageError, clean_uncommitted, list_committed_steps
 
 from ._s3 import FaultProxy, S3Bucket
 
@@ -138,3 +138,12 @@ def test_a_damaged_marker_of_an_old_step_never_stops_a_restart(s3: S3Bucket, fmt
     assert again.save() == f"{s3.url}/run/ckpt-4.{fmt}"
     assert again.checkpoints == [f"{s3.url}/run/ckpt-3.{fmt}", f"{s3.url}/run/ckpt-4.{fmt}"]
     assert not [o.key for o in run.list() if o.key.startswith(f"ckpt-2.{fmt}")]
+
+
+def test_a_failed_delete_names_the_objects_url(s3: S3Bucket, proxy: FaultProxy) -> None:
+    run = s3.location("run", endpoint=proxy.endpoint, max_retries=1, retry_timeout=2)
+    proxy.break_after_upload(1)  # the first request drops, and every one after it
+    with pytest.raises(StorageError) as err:
+        run.delete(["ckpt-1.h5.commit", "ckpt-1.h5.abc.data"])
+    assert f"{s3.url}/run/ckpt-1.h5.commit " in str(err.value), err.value
+    assert "2 objects" in str(err.value), err.value
