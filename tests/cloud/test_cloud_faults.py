@@ -147,3 +147,23 @@ def test_a_failed_delete_names_the_objects_url(s3: S3Bucket, proxy: FaultProxy) 
         run.delete(["ckpt-1.h5.commit", "ckpt-1.h5.abc.data"])
     assert f"{s3.url}/run/ckpt-1.h5.commit " in str(err.value), err.value
     assert "2 objects" in str(err.value), err.value
+
+
+def test_a_prune_that_lost_the_network_does_not_fail_the_committed_save(
+    s3: S3Bucket, proxy: FaultProxy
+) -> None:
+    v = cv.Variable(np.zeros(3), name="v")
+    mgr = cv.CheckpointManager(cv.Checkpoint(v=v), f"{s3.url}/run", max_to_keep=1,
+                               storage_options=_through(s3, proxy))
+    mgr.save()
+    proxy.drop_requests(rb"^DELETE |^POST \S+\?delete")  # every delete fails
+    v.assign(np.ones(3))
+    second = mgr.save()  # committed: its prune's failure is logged, and retried next time
+    assert second == f"{s3.url}/run/ckpt-2.h5"
+    assert mgr.checkpoints[-1] == second  # (step 1 is still committed: its prune failed)
+    proxy.heal()
+    np.testing.assert_array_equal(cv.load(second, storage_options=s3.storage_options)["v"],
+                                  np.ones(3))
+    third = mgr.save()
+    assert mgr.checkpoints == [third]
+    assert {o.key.split(".")[0] for o in s3.location("run").list()} == {"ckpt-3"}
