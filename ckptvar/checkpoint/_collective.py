@@ -241,7 +241,10 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
     path = os.fspath(path)
     target = target_for(path, fmt, storage_options, is_url(path))
     target.pack_threshold = pack_threshold
-    tag = f"save:{os.path.basename(path.rstrip('/'))}"
+    # A URL is the same for every rank: in the tag, ranks that name different URLs (or
+    # one a URL, another a local path) meet at different collectives, an error on every
+    # rank, never rank 0's step committed without the others' files.
+    tag = f"save:{path.rstrip('/') if is_url(path) else os.path.basename(path.rstrip('/'))}"
     clock = _Clock()
     raw, checks, digest = _layout_rows(arrays, variables)
     values = {key: (array, attrs) for key, array, attrs in arrays}

@@ -165,3 +165,13 @@ def test_a_resharding_restore_from_s3_fetches_each_rank_share_once(
     down, gets, need = counts[str(1 << 20)]
     assert down <= 1.05 * need, counts  # one pass through the spool (2.01x before)
     assert gets <= 24, counts  # as within the budget (26 before, 57 before that)
+
+
+def test_ranks_saving_to_different_urls_raise_and_commit_nothing(s3: S3Bucket) -> None:
+    """A collective save whose ranks name different destinations is one error on every
+    rank, never a step committed at rank 0's URL without the other ranks' files."""
+    got = _run(s3, 2, "divergent", s3.url)
+    for case in ("divergent-url", "divergent-local"):
+        for rank in range(2):
+            assert got[case][rank]["ok"], got[case][rank]
+    assert [k for k in _keys(s3, "") if k.endswith(".commit")] == []

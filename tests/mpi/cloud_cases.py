@@ -7,6 +7,8 @@ options of the local S3 server. Each rank appends one JSON line per case to
 - ``save URL``: N ranks save the test model to ``URL/n<N>/ckpt-1.h5`` and ``.zarr``.
 - ``restore URL N...``: M ranks restore every ``URL/n<N>`` checkpoint into their shards.
 - ``fault URL``: a good save, then one whose write fails on rank 1.
+- ``divergent URL``: each rank saves to a URL of its own (``URL/r<rank>/ckpt``), then
+  rank 1 to a local directory: both must raise on every rank, naming what differs.
 - ``reshard URL save|restore BUDGET``: N ranks save 24 MiB of row slabs (``URL/rs``);
   M ranks restore them, their temporary budget lowered to ``BUDGET`` bytes (``-``: the
   default), each reporting the bytes its slabs hold.
@@ -72,6 +74,20 @@ def fault(url: str) -> None:
     except (DistributedError, OSError) as exc:  # rank 1 raises its own OSError, as alone
         report("fault", ok=True, type=type(exc).__name__,
                error=" ".join([str(exc), *getattr(exc, "__notes__", [])]), good=good)
+
+
+def divergent(url: str) -> None:
+    ckpt, _ = model(True)
+    for case, dest in (("divergent-url", f"{url}/r{RANK}/ckpt"),
+                       ("divergent-local", f"{url}/x/ckpt" if RANK == 0 else
+                        str(Path(os.environ["RESULT_DIR"]) / "ckpt"))):
+        try:
+            path = ckpt.save(dest, coordinator=coord, timeout=30, storage_options=OPTS)
+            report(case, ok=False, error=f"saved {path}")
+        except cv.CkptError as exc:
+            report(case, ok=True, type=type(exc).__name__, error=str(exc))
+        except Exception as exc:  # noqa: BLE001 - reported: not a ckptvar error
+            report(case, ok=False, type=type(exc).__name__, error=str(exc))
 
 
 def manager(url: str) -> None:
@@ -142,6 +158,8 @@ def main() -> None:
             restore(url, sys.argv[3:])
         elif action == "fault":
             fault(url)
+        elif action == "divergent":
+            divergent(url)
         elif action == "reshard":
             reshard(url, sys.argv[3], sys.argv[4])
         elif action == "manager":
