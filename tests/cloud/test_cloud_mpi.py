@@ -168,10 +168,11 @@ def test_a_resharding_restore_from_s3_fetches_each_rank_share_once(
 
 
 def test_ranks_saving_to_different_urls_raise_and_commit_nothing(s3: S3Bucket) -> None:
-    """A collective save whose ranks name different destinations is one error on every
-    rank, never a step committed at rank 0's URL without the other ranks' files."""
+    """A collective save whose ranks name different destinations (URLs, a URL and a local
+    path, local directories) is one error on every rank: never a step committed at rank
+    0's URL without the other ranks' files, nor ranks told paths that hold nothing."""
     got = _run(s3, 2, "divergent", s3.url)
-    for case in ("divergent-url", "divergent-local"):
+    for case in ("divergent-url", "divergent-local", "divergent-dirs"):
         for rank in range(2):
             assert got[case][rank]["ok"], got[case][rank]
     assert [k for k in _keys(s3, "") if k.endswith(".commit")] == []

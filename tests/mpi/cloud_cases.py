@@ -8,7 +8,8 @@ options of the local S3 server. Each rank appends one JSON line per case to
 - ``restore URL N...``: M ranks restore every ``URL/n<N>`` checkpoint into their shards.
 - ``fault URL``: a good save, then one whose write fails on rank 1.
 - ``divergent URL``: each rank saves to a URL of its own (``URL/r<rank>/ckpt``), then
-  rank 1 to a local directory: both must raise on every rank, naming what differs.
+  rank 1 to a local directory, then each rank to a local directory of its own: each
+  must raise on every rank, naming what differs.
 - ``reshard URL save|restore BUDGET``: N ranks save 24 MiB of row slabs (``URL/rs``);
   M ranks restore them, their temporary budget lowered to ``BUDGET`` bytes (``-``: the
   default), each reporting the bytes its slabs hold.
@@ -78,9 +79,11 @@ def fault(url: str) -> None:
 
 def divergent(url: str) -> None:
     ckpt, _ = model(True)
+    here = Path(os.environ["RESULT_DIR"])
     for case, dest in (("divergent-url", f"{url}/r{RANK}/ckpt"),
                        ("divergent-local", f"{url}/x/ckpt" if RANK == 0 else
-                        str(Path(os.environ["RESULT_DIR"]) / "ckpt"))):
+                        str(here / "ckpt")),
+                       ("divergent-dirs", str(here / f"d{RANK}" / "ckpt"))):
         try:
             path = ckpt.save(dest, coordinator=coord, timeout=30, storage_options=OPTS)
             report(case, ok=False, error=f"saved {path}")
