@@ -27,6 +27,7 @@ The restore is :mod:`._collective_restore`'s; the layout is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -53,6 +54,7 @@ from ..distributed import (
     VariablePlan,
     gather_plan,
 )
+from ..errors import CkptError
 from ..locations import is_url
 from ..storage import (
     INDEX_FILE,
@@ -241,7 +243,10 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
     path = os.fspath(path)
     target = target_for(path, fmt, storage_options, is_url(path))
     target.pack_threshold = pack_threshold
-    tag = f"save:{os.path.basename(path.rstrip('/'))}"
+    # A URL is the same for every rank: in the tag, ranks that name different URLs (or
+    # one a URL, another a local path) meet at different collectives, an error on every
+    # rank, never rank 0's step committed without the others' files.
+    tag = f"save:{path.rstrip('/') if is_url(path) else os.path.basename(path.rstrip('/'))}"
     clock = _Clock()
     raw, checks, digest = _layout_rows(arrays, variables)
     values = {key: (array, attrs) for key, array, attrs in arrays}
@@ -255,7 +260,10 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
     # prepare: rank 0 makes the step ready (a temporary directory, or a claim on the URL)
     grid = _grid(plan, fmt, suffix, coord.size) if target.grids else None
     token, base, failure = _prepare(coord, path, target, fmt, plan, values, grid, incremental)
-    shared, base = coord.broadcast([token, base], tag=f"{tag}:prepare", timeout=timeout)
+    shared, base, where = coord.broadcast([token, base, _directory(path)],
+                                          tag=f"{tag}:prepare", timeout=timeout)
+    if target.nodes is None:  # (per-node local directories differ by design)
+        failure = failure or _elsewhere(path, where, coord.rank)
     leads = target.leads(coord.rank)
     try:
         coord.vote(failure, tag=f"{tag}:prepare", timeout=timeout)
@@ -326,6 +334,26 @@ def _commit(  # noqa: PLR0917
         except BaseException as exc:  # noqa: BLE001 - reported through the vote
             failure = exc
     return failure
+
+
+def _directory(path: str) -> str | None:
+    """The absolute directory of a local ``path`` (``None`` for a URL: the tag holds it)."""
+    return None if is_url(path) else os.path.dirname(os.path.abspath(path))
+
+
+def _elsewhere(path: str, where: str | None, rank: int) -> CkptError | None:
+    """The error of a rank whose local ``path`` is not in rank 0's directory ``where``
+    (each rank would be told its own path, and only rank 0's would hold the step)."""
+    mine = _directory(path)
+    if mine is None or where is None or mine == where:
+        return None
+    with contextlib.suppress(OSError):
+        if os.path.samefile(mine, where):
+            return None
+    return CkptError(
+        f"rank {rank} saves to {path!r}, rank 0 into {where!r}: every process of a "
+        "collective save names the same checkpoint"
+    )
 
 
 def _prepare(  # noqa: PLR0917

@@ -40,6 +40,7 @@ from ..errors import (
 )
 from ..locations import (
     Location,
+    StorageError,
     clean_uncommitted,
     fsync_all,
     fsync_path,
@@ -360,13 +361,23 @@ class CheckpointManager:
             holding = (held(self._location, kept, doomed, self._remote_references)
                        if self._incremental is not None and self.format == "h5" else {})
             self._note_holds(holding, doomed)
-            for name in doomed:
-                if name in holding:  # a kept incremental step reads its bytes from there
-                    continue
-                self._references.pop(name, None)
-                prune(self._location, name)
             entries = entries[-self.max_to_keep:]
-        clean_uncommitted(self._location, older_than_latest=True)
+            self._section["checkpoints"] = entries
+            try:
+                for name in doomed:
+                    if name in holding:  # a kept incremental step reads its bytes from there
+                        continue
+                    self._references.pop(name, None)
+                    prune(self._location, name)
+            except StorageError as exc:  # the step is committed: the next save prunes again
+                logger.warning("Step %d is committed; pruning the steps before it failed (the "
+                               "next save prunes them): %s", step, exc)
+                return
+        try:
+            clean_uncommitted(self._location, older_than_latest=True)
+        except StorageError as exc:
+            logger.warning("Step %d is committed; reclaiming what failed saves left failed "
+                           "(the next save does): %s", step, exc)
         self._section["checkpoints"] = entries
 
     def _remote_references(self, name: str) -> frozenset[str]:

@@ -23,6 +23,7 @@ from ..errors import UnsupportedFormatError
 from ._base import (
     DEFAULT_CONCURRENCY,
     DEFAULT_PART_SIZE,
+    InvalidKeyError,
     Location,
     ObjectInfo,
     ObjectWriter,
@@ -83,6 +84,7 @@ __all__ = [
     "Claim",
     "CommitRecord",
     "Holder",
+    "InvalidKeyError",
     "Leftover",
     "LocalLocation",
     "Location",
@@ -170,5 +172,7 @@ def split_url(
     text = os.fspath(path).rstrip("/")
     parent, _, name = text.rpartition("/")
     if not name or (is_url(text) and parent.endswith(":/")):
-        raise ValueError(f"{text!r} has no key below a location (expected .../name)")
+        raise InvalidKeyError(
+            f"{text!r} has no key below a location (expected .../name, like "
+            "s3://bucket/run/ckpt-1.h5)")
     return open_location(parent or ".", storage_options=storage_options), name

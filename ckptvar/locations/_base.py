@@ -51,6 +51,10 @@ class StorageError(CkptError, OSError):
     """A storage operation failed (network, server, permissions) after any safe retries."""
 
 
+class InvalidKeyError(CkptError, ValueError):
+    """A key or URL path that names no object: an empty, ``.`` or ``..`` part, or none."""
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     """One stored object: its key (relative to the location) and its size in bytes."""
@@ -293,7 +297,8 @@ def clean_key(key: str) -> str:
     """A key without leading/trailing ``/``; refuses ``..`` and empty components."""
     key = key.strip("/")
     if key and any(part in ("", ".", "..") for part in key.split("/")):
-        raise ValueError(f"invalid storage key {key!r}: empty, '.' or '..' component")
+        raise InvalidKeyError(f"invalid storage key {key!r}: empty, '.' or '..' component "
+                              "(object stores resolve none: write the path without them)")
     return key
 
 

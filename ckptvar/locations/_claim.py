@@ -12,7 +12,8 @@ The holder renews it (rewrites ``time``) every quarter lease while it writes. A
 claim stops blocking once its holder is gone:
 
 - on the same host: at once, when its process no longer exists (or another
-  process has its id: the start time differs);
+  process has its id: the start time differs), or when that process released it
+  (a claim whose delete failed, the network being down, never blocks its own process);
 - from another host: when it was not renewed for a lease (a later writer waits
   that long, at most, then takes the step over).
 
@@ -46,6 +47,8 @@ CLAIM_SUFFIX = ".claim"
 #: Seconds a claim holds without renewal (the holder renews it every quarter of this).
 CLAIM_LEASE = 60.0
 _JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID", "TORCHELASTIC_RUN_ID")
+#: Writer ids of the claims this process released but could not delete: never blocking.
+_released: set[str] = set()
 
 
 def _stat(pid: int) -> tuple[str, str]:
@@ -113,6 +116,8 @@ class Holder:
 
     def gone(self, now: float | None = None) -> bool:
         """Whether this holder is known to be gone (see the module docstring)."""
+        if self.writer in _released:
+            return True
         if self.host == this_host():
             return not process_alive(self.pid, self.started)
         return (time.time() if now is None else now) - self.time > self.lease
@@ -167,12 +172,23 @@ class Claim:
             )
 
     def release(self) -> None:
-        """Stop renewing and delete the claim (if it is still this writer's)."""
+        """Stop renewing and delete the claim (if it is still this writer's).
+
+        A delete that fails (the store unreachable) is logged, not raised: it would hide
+        what the save raised or fail a committed one; the claim no longer blocks anyone
+        (this process counts it gone) and the next save reclaims it, as ``ckpt gc`` does once
+        this process has ended.
+        """
         self._stop.set()
         self._thread.join()
-        _, now = read_claim(self.location, self.step)
-        if now is not None and now.writer == self.holder.writer:
-            self.location.delete(self.key)
+        try:
+            _, now = read_claim(self.location, self.step)
+            if now is not None and now.writer == self.holder.writer:
+                self.location.delete(self.key)
+        except Exception as exc:  # noqa: BLE001 - a leftover claim is reclaimed later
+            _released.add(self.holder.writer)
+            logger.warning("Could not delete the claim %s (it is reclaimed by the next save "
+                           "or ckpt gc): %s", self.location.join(self.key), exc)
 
 
 def claim(location: Location, step: str, *, lease: float = CLAIM_LEASE) -> Claim:

@@ -38,6 +38,7 @@ with the data.)
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ from ._base import Location, clean_key
 from ._claim import CLAIM_SUFFIX, read_claim
 from ._names import step_number
 from ._publish import Binding
+
+logger = logging.getLogger("ckptvar")
 
 __all__ = [
     "MARKER_SUFFIX",
@@ -154,7 +157,30 @@ def commit(
             f"step {location.join(step)} is already committed{who}; a step is written once: "
             "save under a new step, or prune this one first"
         ) from None
+    _verify_unclaimed(location, step, record)
     return record
+
+
+def _verify_unclaimed(location: Location, step: str, record: CommitRecord) -> None:
+    """After the marker: check that the objects beside the step it names are still there.
+
+    They are not below a claim (only a step's own key is), so a cleanup of a step no
+    newer than the latest committed one (a manager's save, ``ckpt gc``) may have
+    deleted them while this writer was between its upload and its marker. Then the
+    marker goes again and ``CkptError`` says so: never a committed step without data.
+    """
+    gone = [key for key in (record.data, record.index)
+            if key and key != step and not key.startswith(step + "/")
+            and not location.exists(key)]
+    if gone:
+        location.delete(marker_key(step))
+        raise CkptError(
+            f"cannot commit step {location.join(step)}: {location.join(gone[0])} was deleted "
+            "while it was being saved (a cleanup of uncommitted objects, by a "
+            "CheckpointManager's save or `ckpt gc` at the same location, counted it a "
+            "leftover as the step is not newer than the latest committed one); nothing is "
+            "committed: save it again"
+        )
 
 
 def refuse_committed(location: Location, step: str) -> None:
@@ -231,9 +257,22 @@ def _delete_data(location: Location, data: str) -> None:
 
 
 def prune(location: Location, step: str) -> None:
-    """Delete a step: its marker first (it stops being visible), then its data."""
+    """Delete a step: its marker first (it stops being visible), then its data.
+
+    A step whose marker is damaged (which names its data no more) goes with every object
+    named like it: the step's own key and the ``<step>.<...>`` objects beside it.
+    """
     step = clean_key(step)
-    record = read_commit(location, step)
+    try:
+        record = read_commit(location, step)
+    except CorruptCheckpointError as exc:
+        logger.warning("%s; pruned with every object named like its step", exc)
+        location.delete(marker_key(step))
+        _delete_data(location, step)
+        parent = step.rpartition("/")[0]
+        _, objects = location.list_dir(parent)
+        location.delete([o.key for o in objects if o.key.startswith(step + ".")])
+        return
     location.delete(marker_key(step))
     _delete_data(location, record.data if record else step)
     if record and record.index:
@@ -258,7 +297,7 @@ def clean_uncommitted(
     dirs, objects = location.list_dir(prefix)
     markers = {o.key for o in objects if o.key.endswith(MARKER_SUFFIX)}
     claims = {o.key[: -len(CLAIM_SUFFIX)] for o in objects if o.key.endswith(CLAIM_SUFFIX)}
-    protected, latest = _committed(location, markers)
+    protected, latest, damaged = _committed(location, markers)
     dead = _dead_claims(location, claims)
     removed = [step + CLAIM_SUFFIX for step in sorted(dead)]
     if not dry_run:
@@ -268,6 +307,8 @@ def clean_uncommitted(
         n = step_number(key)
         if key in protected or n is None or key.endswith(CLAIM_SUFFIX):
             continue
+        if any(key == s or key.startswith(s + ".") for s in damaged):
+            continue  # what a damaged marker names is unknown: all of its step is kept
         step = next((s for s in claims if key == s or key.startswith(s + ".")), None)
         if step in live:
             continue  # a writer is still at it
@@ -279,18 +320,27 @@ def clean_uncommitted(
     return removed
 
 
-def _committed(location: Location, markers: set[str]) -> tuple[set[str], int | None]:
-    """The keys committed steps use (step, data, index), and the latest step number."""
+def _committed(location: Location, markers: set[str]
+               ) -> tuple[set[str], int | None, set[str]]:
+    """The keys committed steps use (step, data, index), the latest step number, and the
+    steps whose marker is damaged (logged; a cleanup keeps every key of such a step)."""
     committed = [m[: -len(MARKER_SUFFIX)] for m in markers]
     protected = set(committed)
+    damaged = set()
     for step in committed:
-        record = read_commit(location, step)
+        try:
+            record = read_commit(location, step)
+        except CorruptCheckpointError as exc:
+            logger.warning("%s; its step's objects are kept (prune it, or delete the marker "
+                           "to let them be reclaimed)", exc)
+            damaged.add(step)
+            continue
         if record is not None:
             protected.add(record.data)
             if record.index:
                 protected.add(record.index)
     numbers = [n for n in map(step_number, committed) if n is not None]
-    return protected, max(numbers) if numbers else None
+    return protected, max(numbers) if numbers else None, damaged
 
 
 def _dead_claims(location: Location, steps: set[str]) -> set[str]:

@@ -49,6 +49,7 @@ from ._base import (
     DEFAULT_CONCURRENCY,
     DEFAULT_PART_SIZE,
     Buffers,
+    InvalidKeyError,
     Location,
     ObjectInfo,
     ObjectWriter,
@@ -70,6 +71,10 @@ __all__ = ["CLOUD_SCHEMES", "ObjectStoreLocation", "RequestStats"]
 #: URL schemes served by obstore.
 CLOUD_SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "azure")
 
+#: Writes: a "not found" answer to one means the bucket (not an object) is missing.
+_WRITES = ("PUT", "upload")
+#: The S3 error code of a missing bucket, in obstore's message of any request.
+_NO_BUCKET = "NoSuchBucket"
 _STREAM_CHUNK = 1024 * 1024
 _STREAM_ATTEMPTS = 3
 #: Parts in flight of a file upload (a save): 3 x 8 MiB, under 5% of a 1 GiB checkpoint.
@@ -129,7 +134,10 @@ class ObjectStoreLocation(Location):
         if parts.scheme not in CLOUD_SCHEMES or not parts.netloc:
             raise CkptError(f"{url!r} is not an object-store URL like s3://bucket/prefix")
         self.scheme, self.bucket = parts.scheme, parts.netloc
-        self.prefix = clean_key(parts.path)
+        try:
+            self.prefix = clean_key(parts.path)
+        except InvalidKeyError as exc:
+            raise InvalidKeyError(f"{url!r}: {exc}") from None
         self.storage_options = dict(storage_options or {})
         self.stats = _stats or RequestStats()
         opts = self.storage_options
@@ -157,7 +165,9 @@ class ObjectStoreLocation(Location):
         exc_mod = self._obs.exceptions
         try:
             return fn()
-        except (exc_mod.NotFoundError, FileNotFoundError):
+        except (exc_mod.NotFoundError, FileNotFoundError) as exc:
+            if op in _WRITES or _NO_BUCKET in str(exc):
+                raise StorageError(self._no_bucket(op, key)) from None
             raise CheckpointNotFoundError(f"{self.join(key)}: no such object ({op})") from None
         except (exc_mod.AlreadyExistsError, exc_mod.PreconditionError, FileExistsError):
             raise CheckpointExistsError(f"{self.join(key)} already exists ({op})") from None
@@ -169,9 +179,15 @@ class ObjectStoreLocation(Location):
         except CkptError:
             raise
         except Exception as exc:  # obstore and tokio raise many types; all become ours
+            if _NO_BUCKET in str(exc):
+                raise StorageError(self._no_bucket(op, key)) from None
             raise StorageError(
                 f"{op} {self.join(key)} failed after retries: {_first_line(exc)}"
             ) from exc
+
+    def _no_bucket(self, op: str, key: str) -> str:
+        return (f"{op} {self.join(key)}: the bucket {self.bucket!r} does not exist at this "
+                "endpoint: create it, or fix the URL or the endpoint in storage_options")
 
     def child(self, key: str) -> ObjectStoreLocation:
         return ObjectStoreLocation(
@@ -407,8 +423,10 @@ class ObjectStoreLocation(Location):
         for start in range(0, len(paths), 1000):
             batch = paths[start : start + 1000]
             self.stats.add("delete")
+            op = "DELETE" if len(batch) == 1 else f"DELETE of {len(batch)} objects, from"
             with contextlib.suppress(CheckpointNotFoundError):
-                self._call("DELETE", batch[0], functools.partial(self._obs.delete, self.store, batch))
+                self._call(op, self._rel(batch[0]),
+                           functools.partial(self._obs.delete, self.store, batch))
 
 
 class _ObjectStoreWriter(ObjectWriter):

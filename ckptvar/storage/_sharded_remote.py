@@ -39,6 +39,7 @@ from ..locations import (
     Claim,
     CommitRecord,
     Location,
+    StorageError,
     claim,
     commit,
     marker_key,
@@ -161,10 +162,20 @@ class RemoteStep:
         return self.url
 
     def abort(self) -> None:
-        """Delete what this save wrote below the step, and its claim (rank 0, on failure)."""
+        """Delete what this save wrote below the step, and its claim (rank 0, on failure).
+
+        A delete that fails (the store unreachable: often why the save failed) is logged,
+        not raised over the save's own error; the claim is released all the same, and
+        what is left is reclaimed by the next save of the step or the clean-up."""
         if self._claim is not None:
-            self.parent.delete_prefix(f"{self.name}/")
-            self._release()
+            try:
+                self.parent.delete_prefix(f"{self.name}/")
+            except StorageError as exc:
+                logger.warning("Could not delete what the failed save of %s wrote (the next "
+                               "save or ckpt gc reclaims it): %s", self.parent.join(self.name),
+                               exc)
+            finally:
+                self._release()
 
     def _release(self) -> None:
         if self._claim is not None:

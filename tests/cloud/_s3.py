@@ -6,6 +6,8 @@ The fixtures that use them are in ``conftest.py`` beside this file.
 from __future__ import annotations
 
 import json
+import re
+import time
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +78,10 @@ class FaultProxy:
 
     ``break_after_upload(n)``: once ``n`` more bytes went client → server, every open
     connection is dropped and new ones are closed at once, until ``heal()``.
+    ``drop_requests(pattern)``: the connection of a request whose bytes match the regular
+    expression ``pattern`` is dropped (every such request, until ``heal()``).
+    ``delay_requests(pattern, s)``: a request whose bytes match the regular expression
+    ``pattern`` (say ``rb"^PUT \\S+\\.commit "``) is held ``s`` seconds before it goes on.
     """
 
     def __init__(self, upstream: str) -> None:
@@ -94,6 +100,8 @@ class FaultProxy:
         self.gets = 0
         self._budget: int | None = None
         self._once = False
+        self._delay: tuple[bytes, float] | None = None
+        self._drop: bytes | None = None
         self.drops = 0
         self.broken = False
         self._stop = threading.Event()
@@ -109,9 +117,17 @@ class FaultProxy:
         with self._lock:
             self._budget, self._once = nbytes, once
 
+    def delay_requests(self, pattern: bytes, seconds: float) -> None:
+        with self._lock:
+            self._delay = (pattern, seconds)
+
+    def drop_requests(self, pattern: bytes) -> None:
+        with self._lock:
+            self._drop = pattern
+
     def heal(self) -> None:
         with self._lock:
-            self._budget, self.broken = None, False
+            self._budget, self.broken, self._drop = None, False, None
 
     def close(self) -> None:
         self._stop.set()
@@ -169,8 +185,13 @@ class FaultProxy:
                                     self.broken = True
                     else:
                         self.bytes_down += len(data)
+                if up and self._drop is not None and re.search(self._drop, data, re.MULTILINE):
+                    break
                 if drop or self.broken:
                     break
+                delay = self._delay
+                if up and delay is not None and re.search(delay[0], data, re.MULTILINE):
+                    time.sleep(delay[1])
                 dst.sendall(data)
         except OSError:
             pass

@@ -165,3 +165,46 @@ def test_a_resharding_restore_from_s3_fetches_each_rank_share_once(
     down, gets, need = counts[str(1 << 20)]
     assert down <= 1.05 * need, counts  # one pass through the spool (2.01x before)
     assert gets <= 24, counts  # as within the budget (26 before, 57 before that)
+
+
+def test_ranks_saving_to_different_urls_raise_and_commit_nothing(s3: S3Bucket) -> None:
+    """A collective save whose ranks name different destinations (URLs, a URL and a local
+    path, local directories) is one error on every rank: never a step committed at rank
+    0's URL without the other ranks' files, nor ranks told paths that hold nothing."""
+    got = _run(s3, 2, "divergent", s3.url)
+    for case in ("divergent-url", "divergent-local", "divergent-dirs"):
+        for rank in range(2):
+            assert got[case][rank]["ok"], got[case][rank]
+    assert [k for k in _keys(s3, "") if k.endswith(".commit")] == []
+
+
+def test_a_multiprocess_save_that_lost_the_network_does_not_block_its_retry(
+    s3: S3Bucket, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Rank 1's upload and every delete fail: the save raises on every rank, rank 0's
+    clean-up cannot delete, and still its claim never blocks the same step's next write."""
+    import threading
+    import time
+
+    opts = {**s3.storage_options, "endpoint": proxy.endpoint, "timeout": "5s",
+            "max_retries": 1, "retry_timeout": 2}
+    proxy.drop_requests(rb"^PUT \S*rank-00001|^POST \S+\?delete|^DELETE ")
+
+    def heal() -> None:
+        for _ in range(600):
+            if (tmp_path / "failed").exists():
+                proxy.heal()
+                (tmp_path / "healed").write_text("")
+                return
+            time.sleep(0.1)
+
+    healer = threading.Thread(target=heal, daemon=True)
+    healer.start()
+    proc, got, _ = run_mpi(2, CASES, "netdrop", s3.url, timeout=120,
+                           env={"S3_OPTIONS": json.dumps(opts), "FLAG_DIR": str(tmp_path)})
+    assert got.get("crash") is None, got["crash"]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in range(2):
+        assert got["netdrop"][rank]["ok"], got["netdrop"][rank]
+    got_w = cv.load(f"{s3.url}/nd/ckpt-1.h5", storage_options=s3.storage_options)["w"]
+    np.testing.assert_array_equal(got_w, _expected("w"))

@@ -7,6 +7,11 @@ options of the local S3 server. Each rank appends one JSON line per case to
 - ``save URL``: N ranks save the test model to ``URL/n<N>/ckpt-1.h5`` and ``.zarr``.
 - ``restore URL N...``: M ranks restore every ``URL/n<N>`` checkpoint into their shards.
 - ``fault URL``: a good save, then one whose write fails on rank 1.
+- ``netdrop URL``: a write that loses the network (through the test's proxy), then the
+  same step again once it is back: the second write commits.
+- ``divergent URL``: each rank saves to a URL of its own (``URL/r<rank>/ckpt``), then
+  rank 1 to a local directory, then each rank to a local directory of its own: each
+  must raise on every rank, naming what differs.
 - ``reshard URL save|restore BUDGET``: N ranks save 24 MiB of row slabs (``URL/rs``);
   M ranks restore them, their temporary budget lowered to ``BUDGET`` bytes (``-``: the
   default), each reporting the bytes its slabs hold.
@@ -72,6 +77,49 @@ def fault(url: str) -> None:
     except (DistributedError, OSError) as exc:  # rank 1 raises its own OSError, as alone
         report("fault", ok=True, type=type(exc).__name__,
                error=" ".join([str(exc), *getattr(exc, "__notes__", [])]), good=good)
+
+
+def divergent(url: str) -> None:
+    ckpt, _ = model(True)
+    here = Path(os.environ["RESULT_DIR"])
+    for case, dest in (("divergent-url", f"{url}/r{RANK}/ckpt"),
+                       ("divergent-local", f"{url}/x/ckpt" if RANK == 0 else
+                        str(here / "ckpt")),
+                       ("divergent-dirs", str(here / f"d{RANK}" / "ckpt"))):
+        try:
+            path = ckpt.save(dest, coordinator=coord, timeout=30, storage_options=OPTS)
+            report(case, ok=False, error=f"saved {path}")
+        except cv.CkptError as exc:
+            report(case, ok=True, type=type(exc).__name__, error=str(exc))
+        except Exception as exc:  # noqa: BLE001 - reported: not a ckptvar error
+            report(case, ok=False, type=type(exc).__name__, error=str(exc))
+
+
+def netdrop(url: str) -> None:
+    """Write ``URL/nd/ckpt-1.h5`` while the test's proxy drops rank 1's uploads and every
+    delete; rank 0 then says so (``$FLAG_DIR/failed``), waits for the proxy to heal
+    (``$FLAG_DIR/healed``), and every rank writes the same step again."""
+    import time
+
+    ckpt, _ = model(True)
+    dest, flags = f"{url}/nd/ckpt-1.h5", Path(os.environ["FLAG_DIR"])
+    try:
+        ckpt.write(dest, coordinator=coord, timeout=30, storage_options=OPTS)
+        first = "saved"
+    except Exception as exc:  # noqa: BLE001 - reported
+        first = f"{type(exc).__name__}: {exc}"
+    if RANK == 0:
+        (flags / "failed").write_text(first)
+        for _ in range(300):
+            if (flags / "healed").exists():
+                break
+            time.sleep(0.1)
+    coord.barrier(tag="healed", timeout=60)
+    try:
+        path = ckpt.write(dest, coordinator=coord, timeout=30, storage_options=OPTS)
+        report("netdrop", ok=first != "saved", first=first, path=path)
+    except Exception as exc:  # noqa: BLE001 - reported
+        report("netdrop", ok=False, first=first, error=f"{type(exc).__name__}: {exc}")
 
 
 def manager(url: str) -> None:
@@ -142,6 +190,10 @@ def main() -> None:
             restore(url, sys.argv[3:])
         elif action == "fault":
             fault(url)
+        elif action == "divergent":
+            divergent(url)
+        elif action == "netdrop":
+            netdrop(url)
         elif action == "reshard":
             reshard(url, sys.argv[3], sys.argv[4])
         elif action == "manager":
