@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from ..errors import (
     CheckpointExistsError,
@@ -127,6 +127,7 @@ def _check_arguments(
 
 
 _P = ParamSpec("_P")
+_B = TypeVar("_B", Path, str)  # a step on a file system, or its URL
 
 
 def _one_at_a_time(save: Callable[Concatenate[CheckpointManager, _P], str | None],
@@ -952,17 +953,7 @@ class CheckpointManager:
         base = self.directory / entries[-1]["path"] if entries else None
         if base is not None and base.name == name:
             base = None  # written again: a full step
-        if base is not None and self._damaged_base(number, os.fspath(base)):
-            base = None
-        if base is not None and self._whole_next:
-            logger.info("Step %d is written whole: pruned steps kept only for other pruned "
-                        "steps are freed once no kept step refers to them.", number)
-            base = None
-        self._whole_next = self._whole_next and base is not None
-        if base is not None and self._whole_steps is not None and self._whole_steps(number):
-            logger.debug("Step %d is written whole (whole_every, or a persistent copy is "
-                         "due).", number)
-            base = None
+        base = self._base_or_whole(number, base)
         if os.path.lexists(self.directory / name) and held(
                 self.directory, self._steps_on_disk(exclude=[name]), [name]):
             raise CkptError(
@@ -995,16 +986,25 @@ class CheckpointManager:
         self._learn()
         entries = self._section["checkpoints"]
         base = self._full(entries[-1]["path"]) if entries else None
+        return self._incremental.start(self._base_or_whole(number, base), variables)
+
+    def _base_or_whole(self, number: int, base: _B | None) -> _B | None:
+        """``base`` (the latest step, a path or a URL) for step ``number`` to build on, or
+        None when the step is written whole: ``whole_every`` (or a persistent copy due)
+        says so, ``base`` failed its last restore, or pruned steps kept only for other
+        pruned steps are due to be freed (any whole step frees them)."""
         if base is not None and self._whole_steps is not None and self._whole_steps(number):
+            logger.debug("Step %d is written whole (whole_every, or a persistent copy is "
+                         "due).", number)
             base = None
-        if base is not None and self._damaged_base(number, base):
+        if base is not None and self._damaged_base(number, os.fspath(base)):
             base = None
         if base is not None and self._whole_next:
             logger.info("Step %d is written whole: pruned steps kept only for other pruned "
                         "steps are freed once no kept step refers to them.", number)
             base = None
         self._whole_next = self._whole_next and base is not None
-        return self._incremental.start(base, variables)
+        return base
 
     def _damaged_base(self, number: int, base: str) -> bool:
         """Whether ``base``, the latest step, failed its last restore (by
