@@ -36,6 +36,7 @@ __all__ = [
     "FileArray",
     "VerifiesItself",
     "bounding_box",
+    "check_key_utf8",
     "check_shape",
     "covers_whole",
     "little_endian",
@@ -100,6 +101,26 @@ def overlap_problem(shape: tuple[int, ...], boxes: list[Box]) -> str | None:
         if bool((count == 1).all()):
             return None
     return f"({len(full)}) overlap or leave part of the shape {list(shape)} uncovered"
+
+
+def check_key_utf8(key: str, what: str) -> None:
+    r"""Refuse a key a UTF-8 file header cannot hold (a lone surrogate: how Python reads
+    undecodable bytes), naming it; ``what`` names the format ("npz", "safetensors").
+
+    >>> check_key_utf8("w\udcff", "npz")
+    Traceback (most recent call last):
+    ...
+    ValueError: Invalid npz key 'w\udcff': not valid UTF-8 (surrogates not allowed at 1); rename it (ckpt convert --rename).
+    """
+    if key.isascii():
+        return
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"Invalid {what} key {key!r}: not valid UTF-8 ({exc.reason} at {exc.start}); "
+            "rename it (ckpt convert --rename)."
+        ) from None
 
 
 def check_shape(shape: Any, *, what: str, path: Path | str) -> tuple[int, ...]:

@@ -41,6 +41,7 @@ from ._common import (
     EntryReader,
     FileArray,
     FileHandle,
+    check_key_utf8,
     check_shape,
     little_endian,
 )
@@ -299,14 +300,7 @@ class NpzWriter(CollectingWriter):
     def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
         if not isinstance(key, str) or not key or key == _SIDECAR[:-5] or "\x00" in key:
             raise ValueError(f"Invalid npz key {key!r}.")
-        if not key.isascii():
-            try:
-                key.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise ValueError(
-                    f"Invalid npz key {key!r}: not valid UTF-8 ({exc.reason} at "
-                    f"{exc.start}); rename it (ckpt convert --rename)."
-                ) from None
+        check_key_utf8(key, "npz")
         if not is_chunked(array):  # a Chunked value's pieces are streamed at commit
             array = np.asarray(array)
         dt = little_endian(np.dtype(array.dtype))

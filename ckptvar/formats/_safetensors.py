@@ -345,14 +345,7 @@ class SafetensorsWriter(_common.CollectingWriter):
     def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
         if not isinstance(key, str) or key == _METADATA or not key:
             raise ValueError(f"Invalid safetensors key {key!r}.")
-        if not key.isascii():
-            try:
-                key.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise ValueError(
-                    f"Invalid safetensors key {key!r}: not valid UTF-8 ({exc.reason} at "
-                    f"{exc.start}); rename it (ckpt convert --rename)."
-                ) from None
+        _common.check_key_utf8(key, "safetensors")
         if not is_chunked(array) or np.dtype(array.dtype) in _BITS_OF:
             array = np.asarray(as_host(array))  # packed sub-byte values: made whole
         dt = _common.little_endian(np.dtype(array.dtype))
