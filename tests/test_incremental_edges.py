@@ -9,6 +9,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import pytest
 
 import ckptvar as cv
 
@@ -71,3 +72,30 @@ def test_pruned_steps_held_only_by_other_pruned_steps_do_not_pile_up(
     last = cv.load(manager.latest_checkpoint)
     assert np.array_equal(last["table"], table.numpy())
     assert np.array_equal(last["other"], other.numpy())
+
+
+def test_a_holder_deleted_by_hand_is_not_referred_to(
+        tmp_path: Path, fresh_graph: cv.Graph, caplog: pytest.LogCaptureFixture) -> None:
+    """The step file that holds a frozen value's bytes is deleted by hand behind a running
+    HDF5 manager: the next step must not link to it (it would not read); it writes every
+    value, says so, and loads; the steps after it share again."""
+    frozen = cv.Variable(np.arange(50_000, dtype=np.float32), name="frozen")
+    w = cv.Variable(np.zeros(3, np.float32), name="w")
+    manager = cv.CheckpointManager(cv.Checkpoint(frozen=frozen, w=w), tmp_path,
+                                   max_to_keep=5, incremental=True)
+    first = Path(manager.save())
+    w.assign_add(1.0)
+    manager.save()  # refers to the first step's frozen bytes
+    first.unlink()
+    w.assign_add(1.0)
+    with caplog.at_level("WARNING", logger="ckptvar"):
+        step = manager.save()
+    assert "no longer exist" in caplog.text and first.name in caplog.text, caplog.text
+    got = cv.load(step)
+    assert np.array_equal(got["frozen"], frozen.numpy())
+    assert np.array_equal(got["w"], w.numpy())
+    w.assign_add(1.0)
+    after = manager.save()
+    with cv.open(after) as reader:
+        assert "frozen" in reader.shared()
+    assert np.array_equal(cv.load(after)["frozen"], frozen.numpy())

@@ -50,7 +50,7 @@ from ..variables import (
 )
 from ._logical import Logical
 
-__all__ = ["Incremental", "IncrementalSave", "Restored", "held"]
+__all__ = ["Incremental", "IncrementalSave", "Restored", "held", "missing_references"]
 
 logger = logging.getLogger("ckptvar")
 
@@ -353,6 +353,16 @@ _REFS: dict[tuple[str, int, int, int], frozenset[str]] = {}
 #: Steps ``_REFS`` holds at most (a manager's kept and held steps, with room to spare).
 _REFS_KEPT = 64
 _REFS_LOCK = threading.Lock()  # managers' saves and prunes may look at once (threads)
+
+
+def missing_references(path: Path) -> list[str]:
+    """The steps beside the committed local step ``path`` that it refers to and that are
+    gone (deleted by hand): a step built on it would name bytes that are not there."""
+    try:
+        refs = _references(path)
+    except (CkptError, OSError):
+        return []  # (the writer reads the base itself, and says why it cannot)
+    return sorted(r for r in refs if r and not os.path.lexists(path.parent / r))
 
 
 def _references(path: Path) -> frozenset[str]:

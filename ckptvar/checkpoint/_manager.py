@@ -67,7 +67,7 @@ from ._checkpoint import Checkpoint, SaveOptions
 from ._collective_targets import Nodes, register_nodes
 from ._deletes import BackgroundDeletes, free
 from ._files import NATIVE_FORMATS, cut_down, retire
-from ._incremental import Incremental, Restored, held
+from ._incremental import Incremental, Restored, held, missing_references
 from ._incremental_options import IncrementalOptions, incremental_options
 from ._preemption import SignalSave
 from ._reclaim import idle, open_saving_lock, reclaim_staging
@@ -953,6 +953,11 @@ class CheckpointManager:
         base = self.directory / entries[-1]["path"] if entries else None
         if base is not None and base.name == name:
             base = None  # written again: a full step
+        if base is not None and (gone := missing_references(base)):
+            logger.warning("Step %d is written whole: the latest step %s refers to %s, "
+                           "which no longer exist(s) (deleted by hand?).", number, base.name,
+                           ", ".join(gone))
+            base = None
         base = self._base_or_whole(number, base)
         if os.path.lexists(self.directory / name) and held(
                 self.directory, self._steps_on_disk(exclude=[name]), [name]):
