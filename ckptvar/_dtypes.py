@@ -117,8 +117,8 @@ def str_to_dtype(name: str) -> np.dtype:
 def infer_dtype(value: Any) -> np.dtype:
     """The dtype TensorFlow would give ``value``.
 
-    Python ``float`` -> float32, ``int`` -> int32, ``bool`` -> bool, ``complex`` ->
-    complex128; NumPy arrays and scalars keep theirs; nested lists follow their
+    Python ``float`` -> float32, ``int`` -> int32 (int64 when one does not fit int32),
+    ``bool`` -> bool, ``complex`` -> complex128; NumPy arrays and scalars keep theirs; nested lists follow their
     elements (any float makes float32).
     """
     if isinstance(value, np.ndarray | np.generic):
@@ -132,8 +132,12 @@ def infer_dtype(value: Any) -> np.dtype:
     # the widest kind present decides, as in TensorFlow
     for kind, name in ((complex, "complex128"), (float, "float32"), (int, "int32")):
         if kind in kinds:
-            return np.dtype(name)
+            return np.dtype("int64" if kind is int and _BigInt in kinds else name)
     return np.dtype("bool")
+
+
+class _BigInt:
+    """Marks a Python int outside int32: TensorFlow then infers int64 (``2**40``)."""
 
 
 def _collect_kinds(value: Any, kinds: set[type]) -> None:
@@ -141,6 +145,8 @@ def _collect_kinds(value: Any, kinds: set[type]) -> None:
         kinds.add(bool)
     elif isinstance(value, int | np.integer):
         kinds.add(int)
+        if isinstance(value, int) and not -(2**31) <= value < 2**31:
+            kinds.add(_BigInt)
     elif isinstance(value, float | np.floating):
         kinds.add(float)
     elif isinstance(value, complex | np.complexfloating):

@@ -576,3 +576,12 @@ def test_integer_write_out_of_range_is_refused_not_wrapped(var_dtype: str, value
         cv.Variable(value, dtype=var_dtype)
     # values that fit still convert, as same_kind promises
     assert v.assign(np.array([-5, 7], np.int64) if var_dtype != "uint8" else [5, 7]).numpy().tolist()[1] == 7
+
+
+def test_python_int_beyond_int32_infers_int64_as_tensorflow() -> None:
+    """``tf.constant(2**40)`` is int64; ckptvar raised OverflowError (NumPy's, no CkptError)."""
+    assert cv.Variable(2**40).numpy() == 2**40
+    assert cv.Variable(2**40).dtype == np.int64
+    assert cv.Variable([1, -(2**40)]).dtype == np.int64
+    assert cv.Variable([1, 2]).dtype == np.int32
+    assert cv.Variable(-(2**31)).dtype == np.int32
