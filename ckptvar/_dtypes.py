@@ -29,6 +29,7 @@ __all__ = [
     "as_dtype",
     "can_cast_same_kind",
     "check_castable",
+    "check_int_range",
     "check_value_castable",
     "dtype_name",
     "dtype_to_str",
@@ -258,18 +259,18 @@ def check_value_castable(value: Any, dst: np.dtype, *, what: str = "value") -> N
     std = src.kind in _KIND_RANK and dst.kind in _KIND_RANK
     if weak and std and _KIND_RANK[src.kind] <= _KIND_RANK[dst.kind]:
         if src.kind in "iu" and dst.kind in "iu":
-            _check_int_range(np.asarray(value), dst, what)
+            check_int_range(np.asarray(value), dst, what)
         return
     check_castable(src, dst, what=what)
     if src.kind in "iu" and dst.kind in "iu" and not np.can_cast(src, dst, casting="safe"):
-        _check_int_range(value, dst, what)
+        check_int_range(value, dst, what)
 
 
-def _check_int_range(value: Any, dst: np.dtype, what: str) -> None:
+def check_int_range(value: Any, dst: np.dtype, what: str) -> None:
     """Raise :class:`DTypeLockError` when an integer ``value`` holds a number ``dst`` cannot:
     ``same_kind`` allows ``int64 -> int8``, but NumPy's cast would wrap ``1000`` to ``-24``.
 
-    >>> _check_int_range(np.array([1000, 0]), np.dtype("int8"), "'v'")
+    >>> check_int_range(np.array([1000, 0]), np.dtype("int8"), "'v'")
     Traceback (most recent call last):
     ...
     ckptvar.errors.DTypeLockError: Cannot convert 'v' to dtype int8: 1000 is outside its range [-128, 127] (the cast would wrap it).
