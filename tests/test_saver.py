@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -86,3 +87,20 @@ def test_max_to_keep(tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
 def test_nothing_to_save(tmp_path: Path, fresh_graph: cv.Graph) -> None:
     with pytest.raises(ValueError, match="no variables"):
         cv.Saver().save(tmp_path / "empty")
+
+
+def test_keep_checkpoint_every_n_hours_keeps_one_per_period(tmp_path: Path) -> None:
+    """A TF1 ``Saver(keep_checkpoint_every_n_hours=...)`` raised TypeError."""
+    with cv.Graph().as_default():
+        w = cv.Variable([1.0, 2.0], name="w")
+        saver = cv.Saver([w], max_to_keep=1, keep_checkpoint_every_n_hours=1.0 / 3600)  # one second
+        saver.save(tmp_path / "m", global_step=0)  # saved before the first period ends
+        saver.save(tmp_path / "m", global_step=1)  # step 0 goes
+        time.sleep(1.1)
+        saver.save(tmp_path / "m", global_step=2)  # step 1 (saved early) goes
+        saver.save(tmp_path / "m", global_step=3)  # step 2 is past the period: kept for good
+        saver.save(tmp_path / "m", global_step=4)  # step 3 is inside the next period: goes
+        assert sorted(p.name for p in tmp_path.glob("m-*.h5")) == ["m-2.h5", "m-4.h5"]
+        assert saver.last_checkpoints == [str(tmp_path / "m-4.h5")]
+        with pytest.raises(ValueError, match="keep_checkpoint_every_n_hours"):
+            cv.Saver(keep_checkpoint_every_n_hours=0)
