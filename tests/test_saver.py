@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -104,3 +105,25 @@ def test_keep_checkpoint_every_n_hours_keeps_one_per_period(tmp_path: Path) -> N
         assert saver.last_checkpoints == [str(tmp_path / "m-4.h5")]
         with pytest.raises(ValueError, match="keep_checkpoint_every_n_hours"):
             cv.Saver(keep_checkpoint_every_n_hours=0)
+
+
+def test_latest_checkpoint_is_the_last_save_after_going_back_to_an_earlier_step(
+    tmp_path: Path,
+) -> None:
+    """Train to 500, go back to 100 and save 200: latest_checkpoint returned step 500 (a
+    higher number than the recorded latest), so a restart restored the abandoned run."""
+    with cv.Graph().as_default():
+        w = cv.Variable([0.0], name="w")
+        saver = cv.Saver([w], max_to_keep=None)
+        for step in (100, 500, 200):
+            w.assign([float(step)])
+            saver.save(tmp_path / "m", global_step=step)
+            time.sleep(0.05)  # distinct modification times on any file system clock
+        assert cv.latest_checkpoint(tmp_path) == str(tmp_path / "m-200.h5")
+        w.assign([0.0])
+        saver.restore(cv.latest_checkpoint(tmp_path))
+        assert w.numpy().tolist() == [200.0]
+        # a higher step written after the recorded one (a crash before the state write)
+        # is still found, as before
+        os.utime(tmp_path / "m-500.h5")
+        assert cv.latest_checkpoint(tmp_path) == str(tmp_path / "m-500.h5")
