@@ -127,3 +127,12 @@ def test_latest_checkpoint_is_the_last_save_after_going_back_to_an_earlier_step(
         # is still found, as before
         os.utime(tmp_path / "m-500.h5")
         assert cv.latest_checkpoint(tmp_path) == str(tmp_path / "m-500.h5")
+
+
+def test_restore_of_no_checkpoint_says_so(tmp_path: Path) -> None:
+    """``saver.restore(cv.latest_checkpoint(empty_dir))`` raised a bare TypeError from os.fspath."""
+    with cv.Graph().as_default():
+        w = cv.Variable([1.0], name="w")
+        with pytest.raises(cv.CheckpointNotFoundError, match="path None"):
+            cv.Saver([w]).restore(cv.latest_checkpoint(tmp_path))
+        assert w.numpy().tolist() == [1.0]

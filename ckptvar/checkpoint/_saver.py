@@ -14,6 +14,7 @@ import time
 from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
+from ..errors import CheckpointNotFoundError
 from ..graph import global_variables
 from ..storage import paused_gc
 from ..variables import PartitionedVariable, Variable
@@ -158,7 +159,7 @@ class Saver:
 
     def restore(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | None,
         *,
         verify: bool = True,
         cast: bool = False,
@@ -169,8 +170,15 @@ class Saver:
         """Restore every variable by its key (a missing key: ``KeyError``, nothing changed).
 
         ``cast=True`` converts same_kind dtypes (float16 -> float32, ...) with a warning.
-        With ``coordinator``, all processes restore together, all or nothing.
+        With ``coordinator``, all processes restore together, all or nothing. ``path``
+        ``None`` (``cv.latest_checkpoint`` of a directory without one) raises
+        ``CheckpointNotFoundError``, as TensorFlow's ``Saver`` refuses it.
         """
+        if path is None:
+            raise CheckpointNotFoundError(
+                "Saver.restore got path None: there is no checkpoint to restore "
+                "(cv.latest_checkpoint returns None for a directory without one)."
+            )
         with paused_gc():  # tens of thousands of small objects, none cyclic
             self._restore(path, verify=verify, cast=cast, coordinator=coordinator,
                           timeout=timeout, storage_options=storage_options)
