@@ -258,12 +258,19 @@ def check_value_castable(value: Any, dst: np.dtype, *, what: str = "value") -> N
     weak = not hasattr(value, "dtype")
     std = src.kind in _KIND_RANK and dst.kind in _KIND_RANK
     if weak and std and _KIND_RANK[src.kind] <= _KIND_RANK[dst.kind]:
-        if src.kind in "iu" and dst.kind in "iu":
+        if src.kind in "iu" and dst.kind in "iu" and (dst.itemsize < 8 or dst.kind == "u"):
+            if type(value) is int:  # a step counter's += 1: no array made
+                info = _IINFO.get(dst) or _IINFO.setdefault(dst, np.iinfo(dst))
+                if info.min <= value <= info.max:
+                    return
             check_int_range(np.asarray(value), dst, what)
         return
     check_castable(src, dst, what=what)
     if src.kind in "iu" and dst.kind in "iu" and not np.can_cast(src, dst, casting="safe"):
         check_int_range(value, dst, what)
+
+
+_IINFO: dict[np.dtype, Any] = {}
 
 
 def check_int_range(value: Any, dst: np.dtype, what: str) -> None:
