@@ -29,6 +29,7 @@ __all__ = [
     "as_dtype",
     "can_cast_same_kind",
     "check_castable",
+    "check_int_range",
     "check_value_castable",
     "dtype_name",
     "dtype_to_str",
@@ -117,8 +118,8 @@ def str_to_dtype(name: str) -> np.dtype:
 def infer_dtype(value: Any) -> np.dtype:
     """The dtype TensorFlow would give ``value``.
 
-    Python ``float`` -> float32, ``int`` -> int32, ``bool`` -> bool, ``complex`` ->
-    complex128; NumPy arrays and scalars keep theirs; nested lists follow their
+    Python ``float`` -> float32, ``int`` -> int32 (int64 when one does not fit int32),
+    ``bool`` -> bool, ``complex`` -> complex128; NumPy arrays and scalars keep theirs; nested lists follow their
     elements (any float makes float32).
     """
     if isinstance(value, np.ndarray | np.generic):
@@ -132,8 +133,12 @@ def infer_dtype(value: Any) -> np.dtype:
     # the widest kind present decides, as in TensorFlow
     for kind, name in ((complex, "complex128"), (float, "float32"), (int, "int32")):
         if kind in kinds:
-            return np.dtype(name)
+            return np.dtype("int64" if kind is int and _BigInt in kinds else name)
     return np.dtype("bool")
+
+
+class _BigInt:
+    """Marks a Python int outside int32: TensorFlow then infers int64 (``2**40``)."""
 
 
 def _collect_kinds(value: Any, kinds: set[type]) -> None:
@@ -141,6 +146,8 @@ def _collect_kinds(value: Any, kinds: set[type]) -> None:
         kinds.add(bool)
     elif isinstance(value, int | np.integer):
         kinds.add(int)
+        if isinstance(value, int) and not -(2**31) <= value < 2**31:
+            kinds.add(_BigInt)
     elif isinstance(value, float | np.floating):
         kinds.add(float)
     elif isinstance(value, complex | np.complexfloating):
@@ -251,8 +258,40 @@ def check_value_castable(value: Any, dst: np.dtype, *, what: str = "value") -> N
     weak = not hasattr(value, "dtype")
     std = src.kind in _KIND_RANK and dst.kind in _KIND_RANK
     if weak and std and _KIND_RANK[src.kind] <= _KIND_RANK[dst.kind]:
+        if src.kind in "iu" and dst.kind in "iu" and (dst.itemsize < 8 or dst.kind == "u"):
+            if type(value) is int:  # a step counter's += 1: no array made
+                info = _IINFO.get(dst) or _IINFO.setdefault(dst, np.iinfo(dst))
+                if info.min <= value <= info.max:
+                    return
+            check_int_range(np.asarray(value), dst, what)
         return
     check_castable(src, dst, what=what)
+    if src.kind in "iu" and dst.kind in "iu" and not np.can_cast(src, dst, casting="safe"):
+        check_int_range(value, dst, what)
+
+
+_IINFO: dict[np.dtype, Any] = {}
+
+
+def check_int_range(value: Any, dst: np.dtype, what: str) -> None:
+    """Raise :class:`DTypeLockError` when an integer ``value`` holds a number ``dst`` cannot:
+    ``same_kind`` allows ``int64 -> int8``, but NumPy's cast would wrap ``1000`` to ``-24``.
+
+    >>> check_int_range(np.array([1000, 0]), np.dtype("int8"), "'v'")
+    Traceback (most recent call last):
+    ...
+    ckptvar.errors.DTypeLockError: Cannot convert 'v' to dtype int8: 1000 is outside its range [-128, 127] (the cast would wrap it).
+    """
+    if value.dtype.kind not in "iu" or not value.size:  # an object array: NumPy itself refuses
+        return
+    info = np.iinfo(dst)
+    lo, hi = int(value.min()), int(value.max())
+    if lo < info.min or hi > info.max:
+        bad = lo if lo < info.min else hi
+        raise DTypeLockError(
+            f"Cannot convert {what} to dtype {dtype_name(dst)}: {bad} is outside its range "
+            f"[{info.min}, {info.max}] (the cast would wrap it)."
+        )
 
 
 def dtype_name(dt: np.dtype) -> str:

@@ -502,3 +502,17 @@ def test_a_restore_without_a_coordinator_walks_the_object_graph_once(
     monkeypatch.setattr(_checkpoint, "gather", lambda *a, **k: pytest.fail("gathered"))
     ck.restore(path).assert_consumed()
     assert len(walks) == 1
+
+
+def test_dict_keys_one_int_one_str_naming_the_same_value_are_refused(
+    tmp_path: Path, fresh_graph: cv.Graph
+) -> None:
+    """``{1: a, "1": b}`` saved one value under ``d/1`` and dropped the other silently."""
+    m = cv.Module(name="m")
+    m.d = {1: cv.Variable([1.0]), "1": cv.Variable([2.0])}
+    with pytest.raises(TypeError, match=r"keys 1 and '1' would both name"):
+        cv.Checkpoint(model=m).save(tmp_path / "c")
+    assert not list(tmp_path.iterdir())
+    m.d = {1: cv.Variable([1.0]), "2": cv.Variable([2.0]), "1x": 0.5}  # distinct: fine
+    path = cv.Checkpoint(model=m).save(tmp_path / "c")
+    assert {k for k, _, _ in cv.list_variables(path)} == {"model/d/1", "model/d/2", "save_counter"}

@@ -266,3 +266,24 @@ def test_save_cupy_and_torch_cuda_then_load_like_cupy(tmp_path: Path) -> None:
     if "t" in state:
         t = cv.load(p, keys=["t"], like="torch")["t"]
         assert torch.equal(t, state["t"].cpu())
+
+
+def test_variable_writes_take_torch_and_jax_arrays(fresh_graph: cv.Graph) -> None:
+    """assign/assign_add/slice/scatter accept a tensor as the constructor does; they raised
+    DTypeLockError 'Not a dtype: torch.int64' for any torch tensor."""
+    torch, jnp = _torch(), _jax().numpy
+    v = cv.Variable(np.zeros((2, 2), np.float32), name="w")
+    v.assign(torch.ones(2, 2))
+    v.assign_add(jnp.ones((2, 2)))
+    v[0].assign(torch.tensor([5.0, 5.0], dtype=torch.float64))
+    v.scatter_add(torch.tensor([1]), torch.ones(1, 2))
+    np.testing.assert_array_equal(v.numpy(), [[5, 5], [3, 3]])
+    src = torch.zeros(2, 2)
+    v.assign(src)
+    src += 1  # no memory shared with the tensor
+    np.testing.assert_array_equal(v.numpy(), np.zeros((2, 2)))
+    iv = cv.Variable(np.zeros(2, np.int32), name="i")
+    np.testing.assert_array_equal(iv.assign(torch.tensor([1, 2])).numpy(), [1, 2])
+    with pytest.raises(cv.CkptError, match="int32"):  # the dtype lock still holds
+        iv.assign(torch.tensor([1.5, 2.0]))
+    np.testing.assert_array_equal(iv.numpy(), [1, 2])

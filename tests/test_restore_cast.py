@@ -144,3 +144,48 @@ def test_cast_streams_value_by_value(tmp_path: Path, fmt: str, fresh_graph: cv.G
     assert [float(w.numpy()[-1]) for w in m.ws] == [float(i) for i in range(count)]
     # at most about one stored value (2 MiB) at a time: far below the stored 16 MiB
     assert peak < 3 * n * 2, f"peak {peak} bytes"
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_cast_that_would_wrap_an_integer_is_refused(
+    tmp_path: Path, fmt: str, fresh_graph: cv.Graph, built: bool
+) -> None:
+    """int64 2**40 cast into an int32 variable was stored as 0 (with only a 'cast' warning)."""
+    src = cv.Module(name="m")
+    src.a = cv.Variable(np.array([1.5], np.float32), name="a")
+    src.n = cv.Variable(np.array([7, 2**40], np.int64), name="n")
+    path = cv.Checkpoint(model=src).save(tmp_path / "wide", format=fmt)
+    m = cv.Module(name="m")
+    m.a = cv.Variable(np.zeros(1, np.float64), name="a")
+    if built:
+        m.n = cv.Variable(np.zeros(2, np.int32), name="n")
+        with pytest.raises(cv.CheckpointMismatchError, match=r"'model/n' to dtype int32: 1099511627776"):
+            cv.Checkpoint(model=m).restore(path, cast=True)
+        assert not m.n.numpy().any() and not m.a.numpy().any()  # nothing half-restored
+    else:
+        with pytest.warns(UserWarning, match="cast"):
+            cv.Checkpoint(model=m).restore(path, cast=True)
+        with pytest.raises(cv.CheckpointMismatchError, match=r"'model/n' to dtype int32: 1099511627776"):
+            m.n = cv.Variable(cv.initializers.zeros, shape=(2,), dtype="int32", name="n")
+    # a value that fits still casts
+    small = cv.Module(name="m")
+    small.n = cv.Variable(np.array([7, -8], np.int64), name="n")
+    path2 = cv.Checkpoint(model=small).save(tmp_path / "small", format=fmt)
+    into = cv.Module(name="m")
+    into.n = cv.Variable(np.zeros(2, np.int32), name="n")
+    with pytest.warns(UserWarning, match="int64 -> int32"):
+        cv.Checkpoint(model=into).restore(path2, cast=True)
+    np.testing.assert_array_equal(into.n.numpy(), [7, -8])
+
+
+def test_cast_into_partitions_that_would_wrap_is_refused(tmp_path: Path) -> None:
+    with cv.Graph().as_default():
+        cv.get_variable("emb", shape=(4, 2), dtype="int64",
+                        initializer=cv.initializers.constant(2**40))
+        path = cv.Saver().save(tmp_path / "wide")
+    with cv.Graph().as_default():
+        w = cv.get_variable("emb", shape=(4, 2), dtype="int32", initializer=cv.initializers.zeros,
+                            partitioner=cv.fixed_size_partitioner(2))
+        with pytest.raises(cv.CheckpointMismatchError, match="'emb' to dtype int32: 1099511627776"):
+            cv.Saver().restore(path, cast=True)
+        assert not np.asarray(w).any()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -86,3 +88,51 @@ def test_max_to_keep(tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
 def test_nothing_to_save(tmp_path: Path, fresh_graph: cv.Graph) -> None:
     with pytest.raises(ValueError, match="no variables"):
         cv.Saver().save(tmp_path / "empty")
+
+
+def test_keep_checkpoint_every_n_hours_keeps_one_per_period(tmp_path: Path) -> None:
+    """A TF1 ``Saver(keep_checkpoint_every_n_hours=...)`` raised TypeError."""
+    with cv.Graph().as_default():
+        w = cv.Variable([1.0, 2.0], name="w")
+        saver = cv.Saver([w], max_to_keep=1, keep_checkpoint_every_n_hours=1.0 / 3600)  # one second
+        saver.save(tmp_path / "m", global_step=0)  # saved before the first period ends
+        saver.save(tmp_path / "m", global_step=1)  # step 0 goes
+        time.sleep(1.1)
+        saver.save(tmp_path / "m", global_step=2)  # step 1 (saved early) goes
+        saver.save(tmp_path / "m", global_step=3)  # step 2 is past the period: kept for good
+        saver.save(tmp_path / "m", global_step=4)  # step 3 is inside the next period: goes
+        assert sorted(p.name for p in tmp_path.glob("m-*.h5")) == ["m-2.h5", "m-4.h5"]
+        assert saver.last_checkpoints == [str(tmp_path / "m-4.h5")]
+        with pytest.raises(ValueError, match="keep_checkpoint_every_n_hours"):
+            cv.Saver(keep_checkpoint_every_n_hours=0)
+
+
+def test_latest_checkpoint_is_the_last_save_after_going_back_to_an_earlier_step(
+    tmp_path: Path,
+) -> None:
+    """Train to 500, go back to 100 and save 200: latest_checkpoint returned step 500 (a
+    higher number than the recorded latest), so a restart restored the abandoned run."""
+    with cv.Graph().as_default():
+        w = cv.Variable([0.0], name="w")
+        saver = cv.Saver([w], max_to_keep=None)
+        for step in (100, 500, 200):
+            w.assign([float(step)])
+            saver.save(tmp_path / "m", global_step=step)
+            time.sleep(0.05)  # distinct modification times on any file system clock
+        assert cv.latest_checkpoint(tmp_path) == str(tmp_path / "m-200.h5")
+        w.assign([0.0])
+        saver.restore(cv.latest_checkpoint(tmp_path))
+        assert w.numpy().tolist() == [200.0]
+        # a higher step written after the recorded one (a crash before the state write)
+        # is still found, as before
+        os.utime(tmp_path / "m-500.h5")
+        assert cv.latest_checkpoint(tmp_path) == str(tmp_path / "m-500.h5")
+
+
+def test_restore_of_no_checkpoint_says_so(tmp_path: Path) -> None:
+    """``saver.restore(cv.latest_checkpoint(empty_dir))`` raised a bare TypeError from os.fspath."""
+    with cv.Graph().as_default():
+        w = cv.Variable([1.0], name="w")
+        with pytest.raises(cv.CheckpointNotFoundError, match="path None"):
+            cv.Saver([w]).restore(cv.latest_checkpoint(tmp_path))
+        assert w.numpy().tolist() == [1.0]

@@ -544,3 +544,44 @@ def test_pickle_round_trip() -> None:
 
 def test_scalar_repr_is_inline() -> None:
     assert repr(cv.Variable(5.0, name="s")) == "<cv.Variable 's' shape=() dtype=float32, numpy=5.0>"
+
+
+# --- integer narrowing never wraps a value --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("var_dtype", "value"),
+    [
+        ("int8", np.array([1000, 0], np.int64)),
+        ("int32", np.array([2**40, 0], np.int64)),
+        ("int32", np.array([2**32 - 1, 0], np.uint32)),
+        ("uint8", [-1, 0]),
+        ("uint8", [300, 0]),
+    ],
+)
+def test_integer_write_out_of_range_is_refused_not_wrapped(var_dtype: str, value: object) -> None:
+    """same_kind lets int64 -> int8 through; NumPy's cast wrapped 1000 to -24 silently."""
+    v = cv.Variable(np.array([1, 2], var_dtype), name="narrow")
+    writes = [
+        lambda: v.assign(value),
+        lambda: v.assign_add(value),
+        lambda: v[0:2].assign(value),
+        lambda: v.scatter_update([0, 1], value),
+    ]
+    for write in writes:
+        with pytest.raises(DTypeLockError, match=r"outside its range.*wrap"):
+            write()
+        assert v.numpy().tolist() == [1, 2]
+    with pytest.raises(DTypeLockError, match="outside its range"):
+        cv.Variable(value, dtype=var_dtype)
+    # values that fit still convert, as same_kind promises
+    assert v.assign(np.array([-5, 7], np.int64) if var_dtype != "uint8" else [5, 7]).numpy().tolist()[1] == 7
+
+
+def test_python_int_beyond_int32_infers_int64_as_tensorflow() -> None:
+    """``tf.constant(2**40)`` is int64; ckptvar raised OverflowError (NumPy's, no CkptError)."""
+    assert cv.Variable(2**40).numpy() == 2**40
+    assert cv.Variable(2**40).dtype == np.int64
+    assert cv.Variable([1, -(2**40)]).dtype == np.int64
+    assert cv.Variable([1, 2]).dtype == np.int32
+    assert cv.Variable(-(2**31)).dtype == np.int32

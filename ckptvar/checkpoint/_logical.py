@@ -26,7 +26,15 @@ from ..distributed import Box
 from ..errors import CheckpointMismatchError, DTypeLockError, ShapeLockError
 from ..storage import Reader
 from ..variables import PartitionedVariable, Variable, host_buffer, read_buffer
-from ._apply import TEMPORARY_BUDGET, apply_values, check_matches, give_value, reader_abilities
+from ._apply import (
+    TEMPORARY_BUDGET,
+    apply_values,
+    check_cast_fits,
+    check_matches,
+    give_value,
+    narrows_int,
+    reader_abilities,
+)
 
 __all__ = [
     "BoxRead",
@@ -268,6 +276,9 @@ def apply_targets(  # noqa: C901, PLR0912 - the all-or-nothing protocol over pla
     problems = check_logical(logicals, stored, reader.path, cast=cast)
     if problems:
         raise mismatch_error(reader.path, problems)
+    for key, logical in logicals if cast else ():  # a narrowing integer cast: no value wraps
+        if narrows_int(stored(key)[1], logical.dtype):
+            check_cast_fits(reader, key, reader.read(key, verify=False), logical.dtype)
     check_matches(plain, infos, reader.path, fast=able.shape_and_dtype, cast=cast)
     budget = TEMPORARY_BUDGET if budget is None else budget
     fresh: list[tuple[Variable, BoxRead]] = []

@@ -3,15 +3,18 @@
 Owns the mapping from ``var_list`` (``None``: the global variables at save time; a
 list: keyed by each variable's name; a dict: by its keys; the parts of a partitioned
 variable are one logical variable keyed by its full name), ``prefix-<step>.h5``
-naming and ``max_to_keep`` for the files this saver wrote.
+naming and ``max_to_keep`` / ``keep_checkpoint_every_n_hours`` for the files this
+saver wrote.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
+from ..errors import CheckpointNotFoundError
 from ..graph import global_variables
 from ..storage import paused_gc
 from ..variables import PartitionedVariable, Variable
@@ -36,6 +39,9 @@ class Saver:
             list of variables (keyed by their names) or a ``{key: Variable}`` dict.
         max_to_keep: how many of the newest files this saver wrote to keep; ``None``
             or ``0`` keeps all.
+        keep_checkpoint_every_n_hours: as TensorFlow's: of the files ``max_to_keep``
+            would delete, one every this many hours (counted from the saver's creation)
+            is kept for good instead, and leaves :attr:`last_checkpoints`.
     """
 
     def __init__(
@@ -43,9 +49,17 @@ class Saver:
         var_list: Sequence[Variable | PartitionedVariable]
         | Mapping[str, Variable | PartitionedVariable] | None = None,
         max_to_keep: int | None = 5,
+        keep_checkpoint_every_n_hours: float | None = None,
     ) -> None:
         if max_to_keep is not None and max_to_keep < 0:
             raise ValueError(f"max_to_keep must be None or >= 0, got {max_to_keep}.")
+        if keep_checkpoint_every_n_hours is not None and not keep_checkpoint_every_n_hours > 0:
+            raise ValueError("keep_checkpoint_every_n_hours must be None or > 0, got "
+                             f"{keep_checkpoint_every_n_hours}.")
+        self._keep_every = (None if keep_checkpoint_every_n_hours is None
+                            else keep_checkpoint_every_n_hours * 3600.0)
+        self._next_keep = time.time() + (self._keep_every or 0.0)
+        self._saved_at: dict[str, float] = {}
         self._var_list = var_list
         if var_list is not None:
             self._mapping()  # validate now
@@ -129,9 +143,14 @@ class Saver:
         if path in self._last:
             self._last.remove(path)
         self._last.append(path)
+        self._saved_at[path] = time.time()
         if self.max_to_keep:
             while len(self._last) > self.max_to_keep:
                 old = self._last.pop(0)
+                saved_at = self._saved_at.pop(old, 0.0)
+                if self._keep_every is not None and saved_at >= self._next_keep:
+                    self._next_keep += self._keep_every  # kept for good, as TensorFlow does
+                    continue
                 if primary:  # in a multi-process save, rank 0 alone deletes
                     discard(old, storage_options)
         if not collective:  # a collective save recorded it when committing
@@ -140,7 +159,7 @@ class Saver:
 
     def restore(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | None,
         *,
         verify: bool = True,
         cast: bool = False,
@@ -151,8 +170,15 @@ class Saver:
         """Restore every variable by its key (a missing key: ``KeyError``, nothing changed).
 
         ``cast=True`` converts same_kind dtypes (float16 -> float32, ...) with a warning.
-        With ``coordinator``, all processes restore together, all or nothing.
+        With ``coordinator``, all processes restore together, all or nothing. ``path``
+        ``None`` (``cv.latest_checkpoint`` of a directory without one) raises
+        ``CheckpointNotFoundError``, as TensorFlow's ``Saver`` refuses it.
         """
+        if path is None:
+            raise CheckpointNotFoundError(
+                "Saver.restore got path None: there is no checkpoint to restore "
+                "(cv.latest_checkpoint returns None for a directory without one)."
+            )
         with paused_gc():  # tens of thousands of small objects, none cyclic
             self._restore(path, verify=verify, cast=cast, coordinator=coordinator,
                           timeout=timeout, storage_options=storage_options)

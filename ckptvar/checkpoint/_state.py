@@ -183,9 +183,20 @@ def latest_checkpoint(
     if latest and cached is None and path is not None:
         return os.fspath(path)  # a file saved without a step number (Saver, global_step=None)
     newer = _newest_step(directory, cached)
+    if newer is not None and path is not None and _older(newer, path):
+        newer = None  # a higher step written before the recorded one: a run gone back to
+        # an earlier step saved the recorded latest after it (TensorFlow returns that too)
     if newer is not None:
         return os.fspath(newer)
     return os.fspath(path) if path is not None else None
+
+
+def _older(path: Path, than: Path) -> bool:
+    """Whether ``path`` was last written before ``than`` (modification times)."""
+    try:
+        return path.stat().st_mtime_ns < than.stat().st_mtime_ns
+    except OSError:
+        return False
 
 
 def _newest_step(directory: Path, cached: StepName | None) -> Path | None:

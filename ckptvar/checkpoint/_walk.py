@@ -73,6 +73,13 @@ def child_items(obj: Any, key: str = "") -> Iterable[tuple[str, Any]]:
                     )
                 continue
             out.append((str(name), child))
+        named = [n for n, child in out if _is_node(child)]
+        if len(set(named)) < len(named):  # {1: a, "1": b}: one key for two values
+            clash = next(n for n in named if named.count(n) > 1)
+            raise TypeError(
+                f"Cannot checkpoint the dict under {key or '<root>'!r}: the keys {int(clash)!r} "
+                f"and {clash!r} would both name the checkpoint value {clash!r}."
+            )
         return out
     return ()
 

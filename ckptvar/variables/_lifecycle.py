@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .._dtypes import check_value_castable
+from .._frameworks import framework_of, to_numpy
 from ..device import Device, is_device_array, to_host
 from ..errors import ShapeLockError
 from ._array import match_backend, operand, write_into
@@ -103,6 +104,8 @@ class WriteBehaviour:
     def _convert(self, value: Any, what: str) -> Any:
         """``value`` as an array of this dtype (host, or device on a GPU); checks same_kind."""
         value = operand(value)
+        if framework_of(value) in ("torch", "jax"):  # as for an initial value: NumPy, not a dtype clash
+            value = to_numpy(value, what=what)
         if is_device_array(value):
             if not self._device_obj.is_gpu:
                 value = to_host(value)
