@@ -107,6 +107,7 @@ def open_remote_reader(
     parent, name = split_url(url, storage_options=storage_options)
     record = read_commit(parent, name)
     if record is None:
+        parent.check_bucket()  # a missing bucket is said as such, as a save says it
         raise CheckpointNotFoundError(
             f"No committed checkpoint at {url!r}: there is no commit marker {url}.commit "
             "(a save that failed or is still running is never read)."
