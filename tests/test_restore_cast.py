@@ -237,3 +237,23 @@ def test_cast_into_partitions_that_would_wrap_is_refused(tmp_path: Path) -> None
         with pytest.raises(cv.CheckpointMismatchError, match="'emb' to dtype int32: 1099511627776"):
             cv.Saver().restore(path, cast=True)
         assert not np.asarray(w).any()
+
+
+@pytest.mark.parametrize(("stored", "target", "big", "said"), [
+    ("float64", "float32", 1e300, r"1e\+300 is outside its finite range"),
+    ("int64", "int8", 1000, r"1000 is outside its range"),
+])
+def test_a_collective_restore_refuses_a_cast_that_changes_a_number(
+        tmp_path: Path, stored: str, target: str, big: float, said: str) -> None:
+    """The multi-process restore (a coordinator and a sharded variable) made 1e300 inf and
+    wrapped 1000 to -24 silently; it refuses them as a single-process restore does."""
+    coord = cv.distributed.SingleProcessCoordinator()
+    shard = cv.Shard(full_shape=(2, 2), offset=(0, 0))
+    with cv.Graph().as_default():
+        v = cv.Variable(np.array([[1, big], [2, 3]], stored), name="v", shard=shard)
+        path = cv.Checkpoint(v=v).save(tmp_path / "c", coordinator=coord)
+    with cv.Graph().as_default():
+        w = cv.Variable(np.zeros((2, 2), target), name="v", shard=shard)
+        with pytest.raises(cv.CheckpointMismatchError, match=f"'v' to dtype {target}: {said}"):
+            cv.Checkpoint(v=w).restore(path, coordinator=coord, cast=True)
+        assert not w.numpy().any()  # nothing restored
