@@ -30,12 +30,14 @@ __all__ = [
     "can_cast_same_kind",
     "check_castable",
     "check_int_range",
+    "check_range",
     "check_value_castable",
     "dtype_name",
     "dtype_to_str",
     "infer_dtype",
     "is_floating",
     "kind_of",
+    "narrows",
     "str_to_dtype",
 ]
 
@@ -292,6 +294,71 @@ def check_int_range(value: Any, dst: np.dtype, what: str) -> None:
             f"Cannot convert {what} to dtype {dtype_name(dst)}: {bad} is outside its range "
             f"[{info.min}, {info.max}] (the cast would wrap it)."
         )
+
+
+def narrows(stored: Any, dtype: Any) -> bool:
+    """Whether a cast from ``stored`` to ``dtype`` can change a number's class: an integer
+    wrapped (int64 -> int32), or a finite float turned inf or NaN (float64 -> float32).
+
+    >>> narrows(np.int64, np.int32), narrows(np.float64, np.float32), narrows(np.float16, np.float32)
+    (True, True, False)
+    """
+    stored, dtype = np.dtype(stored), np.dtype(dtype)
+    if stored.kind in "iu" and dtype.kind in "iu":
+        return not np.can_cast(stored, dtype, "safe")
+    return is_floating(stored) and is_floating(dtype) and not _holds_range(stored, dtype)
+
+
+def check_range(value: np.ndarray, dst: np.dtype, what: str) -> None:
+    """Raise :class:`DTypeLockError` when casting ``value`` to ``dst`` would change a
+    number's class: an integer wrapped (:func:`check_int_range`), or a finite float
+    turned into inf (NaN in a type without inf), or an inf into NaN.
+
+    >>> check_range(np.array([1.0, 1e300]), np.dtype("float32"), "'v'")
+    Traceback (most recent call last):
+    ...
+    ckptvar.errors.DTypeLockError: Cannot convert 'v' to dtype float32: 1e+300 is outside its finite range [-3.4028235e+38, 3.4028235e+38] (the cast would make it inf).
+    """
+    dst = np.dtype(dst)
+    if value.dtype.kind in "iu":
+        check_int_range(value, dst, what)
+        return
+    if not value.size or not is_floating(value.dtype) or not is_floating(dst):
+        return
+    if _holds_range(value.dtype, dst):
+        return
+    largest = _largest(dst)
+    with np.errstate(over="ignore", invalid="ignore"):
+        over = np.abs(value) > largest  # only these can change class: none, nearly always
+        if not over.any():
+            return
+        src = value[over]
+        out = src.astype(dst)
+        changed = (np.isfinite(src) & ~np.isfinite(out)) | (np.isinf(src) & np.isnan(out))
+    if changed.any():
+        bad = src[changed][0]
+        into = "NaN" if np.isnan(out[changed][0]) else "inf"
+        shown = repr(float(bad)) if np.isfinite(bad) else str(bad)
+        raise DTypeLockError(
+            f"Cannot convert {what} to dtype {dtype_name(dst)}: {shown} is outside its finite "
+            f"range [{-largest:.8g}, {largest:.8g}] (the cast would make it {into})."
+        )
+
+
+def _largest(dtype: np.dtype) -> float:
+    """The largest finite value of a NumPy or ml_dtypes floating type."""
+    finfo: Any = ml_dtypes.finfo  # untyped
+    return float(finfo(dtype).max)
+
+
+def _holds_range(source: np.dtype, target: np.dtype) -> bool:
+    """Whether every finite ``source`` value is finite in ``target``, and infinities stay."""
+    return _largest(target) >= _largest(source) and (_holds_inf(target) or not _holds_inf(source))
+
+
+def _holds_inf(dtype: np.dtype) -> bool:
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isinf(np.array(np.inf).astype(dtype)))
 
 
 def dtype_name(dt: np.dtype) -> str:

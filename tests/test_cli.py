@@ -473,6 +473,25 @@ def test_ls_manager_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert code == 0 and out == f"No checkpoints in {tmp_path}\n"
 
 
+def test_ls_does_not_read_a_name_without_the_dash_as_a_step(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A user's dup2.h5 beside a manager's steps was listed as step 2; a step is named
+    PREFIX-N (the dash is the grammar's), so it is not one."""
+    runs = tmp_path / "runs"
+    manager = cv.CheckpointManager(
+        cv.Checkpoint(w=cv.Variable(np.zeros(3, np.float32), name="w")), runs)
+    manager.save(checkpoint_number=5)
+    cv.save(runs / "dup2.h5", {"x": np.ones(2)})
+    code, out, err = run_main(capsys, "ls", runs, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert [c["step"] for c in doc["checkpoints"]] == [5]
+    assert cv.checkpoint.parse_step_name("dup2.h5") is None
+    assert cv.checkpoint.parse_step_name("dup-2.h5") == ("dup", 2, ".h5")
+    (runs / "checkpoint_state.json").unlink()  # no record: a step by name and time only
+    assert cv.latest_checkpoint(runs) == manager.checkpoints[-1]
+
+
 # ----------------------------------------------------------------------------- in-process helpers
 
 

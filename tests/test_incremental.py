@@ -154,6 +154,44 @@ def test_pruning_keeps_the_bytes_a_kept_step_refers_to(tmp_path: Path, fmt: str,
         assert np.array_equal(cv.load(p)["frozen"], frozen.numpy())
 
 
+def test_a_run_that_went_back_builds_on_and_keeps_its_last_saves(
+        tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
+    """Steps 100, 500, then (100 restored by hand) 200 and 300: each step builds on the
+    last saved, the abandoned 500 is pruned before the run's own steps, and a pruned
+    step stays on disk while a kept step refers to its bytes."""
+    ckpt, frozen, head = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=2, format=fmt,
+                                   incremental=True)
+    first = manager.save(checkpoint_number=100)
+    head.assign(np.full(N_HEAD, 5.0, np.float32))
+    manager.save(checkpoint_number=500)
+    ckpt.restore(first)
+    heads = {}
+    for number in (200, 300):
+        head.assign(np.full(N_HEAD, float(number), np.float32))
+        manager.save(checkpoint_number=number)
+        heads[number] = head.numpy()
+    manager.wait_until_finished()
+    assert [Path(p).name for p in manager.checkpoints] == [f"ckpt-200.{fmt}", f"ckpt-300.{fmt}"]
+    for number, p in zip((200, 300), manager.checkpoints, strict=True):
+        got = cv.load(p)
+        assert np.array_equal(got["frozen"], frozen.numpy())
+        assert np.array_equal(got["head"], heads[number])
+    state = json.loads((tmp_path / "checkpoint_state.json").read_text())["sections"]["ckpt"]
+    for entry in state["pending_delete"]:  # held (h5) only for steps still on disk
+        assert entry["held_for"] and all((tmp_path / h).exists() for h in entry["held_for"])
+    if fmt == "h5":  # the frozen bytes are step 100's: it stays for the kept steps
+        assert {"ckpt-200.h5", "ckpt-300.h5"} <= set(
+            next(e for e in state["pending_delete"] if e["path"] == "ckpt-100.h5")["held_for"])
+    frozen.assign_add(1)
+    for number in (400, 600):  # nothing refers to 100 nor 500 any more: both freed
+        head.assign(np.full(N_HEAD, float(number), np.float32))
+        manager.save(checkpoint_number=number)
+    manager.wait_until_finished()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")) == [
+        f"ckpt-400.{fmt}", f"ckpt-600.{fmt}"]
+
+
 def test_an_h5_step_is_not_read_back_for_its_references_nor_as_the_next_base(
         tmp_path: Path, fresh_graph: cv.Graph, watch_calls: Any) -> None:
     """An incremental HDF5 step's record is kept as written: the manager's check of what

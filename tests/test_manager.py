@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -251,18 +252,67 @@ def test_a_checkpoint_name_ending_in_a_format_suffix_is_refused(
     assert list(tmp_path.iterdir()) == []  # nothing touched
 
 
-def test_a_step_pruned_as_soon_as_it_is_saved_is_said(
-        tmp_path: Path, fresh_graph: cv.Graph, caplog: pytest.LogCaptureFixture) -> None:
-    """A number given by hand below the kept steps: the manager lists steps by number, so
-    max_to_keep prunes the new step at once; the save says so (it returned a path that
-    is gone)."""
+def test_steps_are_kept_in_save_order_after_a_run_went_back(
+        tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
+    """Steps 100, 500, then 200 (the run went back to 100 and trained on): as
+    TensorFlow's manager, the latest is the last saved and pruning removes the oldest
+    saved, never the current run's newest steps before the abandoned 500."""
+    ckpt, v = _ckpt()
+    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=3, format=fmt)
+    for number in (100, 500, 200):
+        v.assign(np.full(3, float(number)))
+        manager.save(checkpoint_number=number)
+    names = [f"ckpt-{n}.{fmt}" for n in (100, 500, 200)]
+    assert _names(manager.checkpoints) == names
+    assert manager.latest_checkpoint == cv.latest_checkpoint(tmp_path) == os.fspath(
+        tmp_path / names[-1])
+    for number in (300, 400):
+        v.assign(np.full(3, float(number)))
+        manager.save(checkpoint_number=number)
+    kept = [f"ckpt-{n}.{fmt}" for n in (200, 300, 400)]
+    assert _names(manager.checkpoints) == kept  # 100 and the abandoned 500 pruned first
+    manager.wait_until_finished()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")) == sorted(kept)
+    # a fresh manager (a restart) recovers the same order, and restores the last save
+    ckpt2, v2 = _ckpt(-1.0)
+    again = cv.CheckpointManager(ckpt2, tmp_path, max_to_keep=3, format=fmt)
+    assert _names(again.checkpoints) == kept
+    assert again.restore_or_initialize() == os.fspath(tmp_path / kept[-1])
+    np.testing.assert_array_equal(v2.numpy(), [400.0] * 3)
+
+
+def test_a_fresh_manager_places_an_unrecorded_step_by_its_time(
+        tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    """A crash between a step's rename and the state write: the step the state does not
+    know is placed by its file's time, as cv.latest_checkpoint places it (one rule)."""
     ckpt, _ = _ckpt()
-    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=2)
-    manager.save(checkpoint_number=5)
-    manager.save(checkpoint_number=10)
-    with caplog.at_level("WARNING", logger="ckptvar"):
-        path = manager.save(checkpoint_number=3)
-    assert not Path(path).exists()
-    assert _names(manager.checkpoints) == ["ckpt-5.h5", "ckpt-10.h5"]
-    assert any("ckpt-3.h5" in r.getMessage() and "pruned" in r.getMessage()
-               for r in caplog.records), caplog.text
+    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=3)
+    for number in (100, 500):
+        manager.save(checkpoint_number=number)
+    before = (tmp_path / STATE_FILE).read_bytes()
+    manager.save(checkpoint_number=200)
+    (tmp_path / STATE_FILE).write_bytes(before)  # the state write of step 200 never happened
+    for age, number in ((30, 100), (20, 500), (10, 200)):
+        os.utime(tmp_path / f"ckpt-{number}.h5", (time.time() - age,) * 2)
+    again = cv.CheckpointManager(_ckpt()[0], tmp_path, max_to_keep=3)
+    assert _names(again.checkpoints) == ["ckpt-100.h5", "ckpt-500.h5", "ckpt-200.h5"]
+    assert again.latest_checkpoint == cv.latest_checkpoint(tmp_path)
+    # no state file at all: the files' times alone
+    (tmp_path / STATE_FILE).unlink()
+    assert cv.latest_checkpoint(tmp_path) == os.fspath(tmp_path / "ckpt-200.h5")
+    again = cv.CheckpointManager(_ckpt()[0], tmp_path, max_to_keep=3)
+    assert _names(again.checkpoints) == ["ckpt-100.h5", "ckpt-500.h5", "ckpt-200.h5"]
+
+
+def test_hours_rule_preserves_the_oldest_saved_step(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    """keep_checkpoint_every_n_hours looks at the step leaving the window: the oldest saved."""
+    ckpt, _ = _ckpt()
+    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=1,
+                                   keep_checkpoint_every_n_hours=1e-9)
+    for number in (100, 500, 200):
+        time.sleep(0.002)
+        manager.save(checkpoint_number=number)
+    assert _names(manager.checkpoints) == ["ckpt-200.h5"]
+    state = json.loads((tmp_path / STATE_FILE).read_text())
+    assert [e["path"] for e in state["sections"]["ckpt"]["preserved"]] == [
+        "ckpt-100.h5", "ckpt-500.h5"]

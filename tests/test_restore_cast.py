@@ -178,6 +178,54 @@ def test_cast_that_would_wrap_an_integer_is_refused(
     np.testing.assert_array_equal(into.n.numpy(), [7, -8])
 
 
+@pytest.mark.parametrize("built", [True, False])
+def test_cast_that_would_make_a_float_inf_is_refused(
+    tmp_path: Path, fmt: str, fresh_graph: cv.Graph, built: bool
+) -> None:
+    """float64 1e300 cast into a float32 variable became inf, with only NumPy's
+    RuntimeWarning naming no key; now refused naming the key, before anything changes."""
+    src = cv.Module(name="m")
+    src.a = cv.Variable(np.array([1.5], np.float32), name="a")
+    src.w = cv.Variable(np.array([0.5, 1e300, np.inf]), name="w")
+    path = cv.Checkpoint(model=src).save(tmp_path / "wide", format=fmt)
+    m = cv.Module(name="m")
+    m.a = cv.Variable(np.zeros(1, np.float64), name="a")
+    said = r"'model/w' to dtype float32: 1e\+300 is outside its finite range .*inf"
+    if built:
+        m.w = cv.Variable(np.zeros(3, np.float32), name="w")
+        with pytest.raises(cv.CheckpointMismatchError, match=said):
+            cv.Checkpoint(model=m).restore(path, cast=True)
+        assert not m.w.numpy().any() and not m.a.numpy().any()  # nothing half-restored
+    else:
+        with pytest.warns(UserWarning, match="cast"):
+            cv.Checkpoint(model=m).restore(path, cast=True)
+        with pytest.raises(cv.CheckpointMismatchError, match=said):
+            m.w = cv.Variable(cv.initializers.zeros, shape=(3,), dtype="float32", name="w")
+    # finite values in range, and infinities, still cast
+    fits = cv.Module(name="m")
+    fits.w = cv.Variable(np.array([1e30, -np.inf, 2.0**-140]), name="w")
+    path2 = cv.Checkpoint(model=fits).save(tmp_path / "fits", format=fmt)
+    into = cv.Module(name="m")
+    into.w = cv.Variable(np.zeros(3, np.float32), name="w")
+    with pytest.warns(UserWarning, match="float64 -> float32"):
+        cv.Checkpoint(model=into).restore(path2, cast=True)
+    np.testing.assert_array_equal(into.w.numpy(), np.array([1e30, -np.inf, 2.0**-140], np.float32))
+
+
+def test_cast_into_partitions_that_would_make_a_float_inf_is_refused(tmp_path: Path) -> None:
+    with cv.Graph().as_default():
+        cv.get_variable("emb", shape=(4, 2), dtype="float64",
+                        initializer=cv.initializers.constant(1e300))
+        path = cv.Saver().save(tmp_path / "wide")
+    with cv.Graph().as_default():
+        w = cv.get_variable("emb", shape=(4, 2), dtype="bfloat16",
+                            initializer=cv.initializers.zeros,
+                            partitioner=cv.fixed_size_partitioner(2))
+        with pytest.raises(cv.CheckpointMismatchError, match="'emb' to dtype bfloat16: 1e"):
+            cv.Saver().restore(path, cast=True)
+        assert not np.asarray(w).astype(np.float32).any()
+
+
 def test_cast_into_partitions_that_would_wrap_is_refused(tmp_path: Path) -> None:
     with cv.Graph().as_default():
         cv.get_variable("emb", shape=(4, 2), dtype="int64",
@@ -189,3 +237,23 @@ def test_cast_into_partitions_that_would_wrap_is_refused(tmp_path: Path) -> None
         with pytest.raises(cv.CheckpointMismatchError, match="'emb' to dtype int32: 1099511627776"):
             cv.Saver().restore(path, cast=True)
         assert not np.asarray(w).any()
+
+
+@pytest.mark.parametrize(("stored", "target", "big", "said"), [
+    ("float64", "float32", 1e300, r"1e\+300 is outside its finite range"),
+    ("int64", "int8", 1000, r"1000 is outside its range"),
+])
+def test_a_collective_restore_refuses_a_cast_that_changes_a_number(
+        tmp_path: Path, stored: str, target: str, big: float, said: str) -> None:
+    """The multi-process restore (a coordinator and a sharded variable) made 1e300 inf and
+    wrapped 1000 to -24 silently; it refuses them as a single-process restore does."""
+    coord = cv.distributed.SingleProcessCoordinator()
+    shard = cv.Shard(full_shape=(2, 2), offset=(0, 0))
+    with cv.Graph().as_default():
+        v = cv.Variable(np.array([[1, big], [2, 3]], stored), name="v", shard=shard)
+        path = cv.Checkpoint(v=v).save(tmp_path / "c", coordinator=coord)
+    with cv.Graph().as_default():
+        w = cv.Variable(np.zeros((2, 2), target), name="v", shard=shard)
+        with pytest.raises(cv.CheckpointMismatchError, match=f"'v' to dtype {target}: {said}"):
+            cv.Checkpoint(v=w).restore(path, coordinator=coord, cast=True)
+        assert not w.numpy().any()  # nothing restored

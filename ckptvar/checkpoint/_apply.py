@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .._dtypes import check_castable, check_int_range, dtype_name
+from .._dtypes import check_castable, check_range, dtype_name, narrows
 from .._staging import fill_device, fillable, upload
 from ..errors import CheckpointMismatchError, DTypeLockError
 from ..storage import (
@@ -65,7 +65,6 @@ __all__ = [
     "apply_values",
     "check_cast_fits",
     "check_matches",
-    "narrows_int",
     "reader_abilities",
     "stored_infos",
     "warn_cast",
@@ -389,20 +388,10 @@ def _cast_phase_one(
             _check_fits(reader, key, stored, var)
             values.append((var, stored.astype(var.dtype), None))
         del stored
-    for key, var in later:  # a narrowing integer cast: the range is checked before any change
-        if var.dtype.kind in "iu" and _narrows(reader, key, var):
+    for key, var in later:  # a narrowing cast: the range is checked before any change
+        if narrows(reader.info(key).dtype, var.dtype):
             _check_fits(reader, key, reader.read(key, verify=False), var)
     return later
-
-
-def _narrows(reader: Reader, key: str, var: Variable) -> bool:
-    return narrows_int(reader.info(key).dtype, var.dtype)
-
-
-def narrows_int(stored: np.dtype, dtype: np.dtype) -> bool:
-    """Whether a cast from integer ``stored`` to integer ``dtype`` can wrap a value."""
-    stored, dtype = np.dtype(stored), np.dtype(dtype)
-    return stored.kind in "iu" and dtype.kind in "iu" and not np.can_cast(stored, dtype, "safe")
 
 
 def _check_fits(reader: Reader, key: str, stored: np.ndarray, var: Variable) -> None:
@@ -410,9 +399,11 @@ def _check_fits(reader: Reader, key: str, stored: np.ndarray, var: Variable) -> 
 
 
 def check_cast_fits(reader: Reader, key: str, stored: np.ndarray, dtype: np.dtype) -> None:
-    """Refuse a cast that would wrap an integer (``int64 2**40 -> int32`` is 0)."""
+    """Refuse a cast that would change a number's class (``_dtypes.check_range``): an
+    integer wrapped (``int64 2**40 -> int32`` is 0), a finite float made inf
+    (``float64 1e300 -> float32``)."""
     try:
-        check_int_range(stored, dtype, f"{key!r}")
+        check_range(stored, dtype, f"{key!r}")
     except DTypeLockError as exc:
         raise CheckpointMismatchError(
             f"Cannot restore from {str(reader.path)!r} with cast=True: {exc} Nothing was restored."

@@ -30,7 +30,7 @@ from ..errors import CheckpointMismatchError
 from ..locations import is_url
 from ..storage import ShardedReader
 from ..variables import Variable, device_value, host_buffer
-from ._apply import TEMPORARY_BUDGET, give_value, warn_cast
+from ._apply import TEMPORARY_BUDGET, check_cast_fits, give_value, warn_cast
 from ._files import open_checkpoint_reader
 from ._logical import Logical
 
@@ -170,7 +170,10 @@ def _stage(
     for key, var, target, want in plans:
         if id(var) not in direct:
             value = _read_for(reader, key, target, verify)
-            staged.values.append((var, value if value.dtype == want else value.astype(want)))
+            if value.dtype != want:  # no number changes class (wrapped, made inf): refused
+                check_cast_fits(reader, key, value, want)
+                value = value.astype(want)
+            staged.values.append((var, value))
     if in_place and verify and is_url(os.fspath(reader.path)):
         _spool_reads(reader, staged, in_place)  # one download, not a verify and a read
         in_place = []

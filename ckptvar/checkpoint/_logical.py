@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .._dtypes import check_castable, dtype_name
+from .._dtypes import check_castable, dtype_name, narrows
 from ..distributed import Box
 from ..errors import CheckpointMismatchError, DTypeLockError, ShapeLockError
 from ..storage import Reader
@@ -32,7 +32,6 @@ from ._apply import (
     check_cast_fits,
     check_matches,
     give_value,
-    narrows_int,
     reader_abilities,
 )
 
@@ -276,8 +275,8 @@ def apply_targets(  # noqa: C901, PLR0912 - the all-or-nothing protocol over pla
     problems = check_logical(logicals, stored, reader.path, cast=cast)
     if problems:
         raise mismatch_error(reader.path, problems)
-    for key, logical in logicals if cast else ():  # a narrowing integer cast: no value wraps
-        if narrows_int(stored(key)[1], logical.dtype):
+    for key, logical in logicals if cast else ():  # a narrowing cast: no number changes class
+        if narrows(stored(key)[1], logical.dtype):
             check_cast_fits(reader, key, reader.read(key, verify=False), logical.dtype)
     check_matches(plain, infos, reader.path, fast=able.shape_and_dtype, cast=cast)
     budget = TEMPORARY_BUDGET if budget is None else budget

@@ -42,11 +42,11 @@ from ..locations import (
     Location,
     StorageError,
     clean_uncommitted,
+    committed_in_save_order,
     fsync_all,
     fsync_path,
     is_committed,
     is_url,
-    list_committed_steps,
     open_location,
     prune,
     publish,
@@ -78,6 +78,7 @@ from ._state import (
     latest_checkpoint,
     locked,
     read_state,
+    save_order,
     writable,
     write_state,
 )
@@ -173,7 +174,7 @@ class CheckpointManager:
     Args:
         checkpoint: the :class:`Checkpoint` to save.
         directory: where files and the state file live (created if missing).
-        max_to_keep: keep this many newest checkpoints (``None``: all).
+        max_to_keep: keep this many checkpoints, those saved last (``None``: all).
         keep_checkpoint_every_n_hours: additionally keep (unlisted, never deleted) one
             checkpoint per this many hours among those pruned.
         checkpoint_name: file name prefix (``ckpt`` -> ``ckpt-7.h5``).
@@ -249,6 +250,8 @@ class CheckpointManager:
         self._init_incremental(incremental, checkpoint)
         #: an object store's incremental HDF5 steps: the steps each one reads values from
         self._references: dict[str, frozenset[str]] = {}
+        #: an object store's commit markers read: ``(step, etag) -> the time it records``
+        self._marker_times: dict[tuple[str, str], float] = {}
         self._checkpoint = checkpoint
         self._location: Location | None = None
         self._storage_options = storage_options
@@ -334,7 +337,9 @@ class CheckpointManager:
 
     # -- an object store: the commit markers are the state ------------------------------
     def _remote_list(self, *, every: bool = False) -> list[dict[str, Any]]:
-        """This manager's committed steps, oldest first (one listing request).
+        """This manager's committed steps in save order, oldest first (one listing
+        request, and a read of each marker not read before;
+        ``locations.committed_in_save_order``).
 
         An incremental HDF5 manager lists only the newest ``max_to_keep`` (unless
         ``every``): an older step still committed is held, kept because a listed step
@@ -342,11 +347,10 @@ class CheckpointManager:
         """
         assert self._location is not None
         entries: list[dict[str, Any]] = []
-        for key in list_committed_steps(self._location):
+        for key in committed_in_save_order(self._location, known=self._marker_times):
             parsed = parse_step_name(key, prefix=self.checkpoint_name, suffixes=(self._suffix,))
             if parsed is not None:
                 entries.append({"path": key, "step": parsed.step})
-        entries.sort(key=lambda e: e["step"])
         if (not every and self.max_to_keep is not None and self._incremental is not None
                 and self.format == "h5"):
             return entries[-self.max_to_keep:] if self.max_to_keep else []
@@ -411,7 +415,9 @@ class CheckpointManager:
         file that is gone is dropped, and a committed step of this manager's naming
         that the state does not know (a crash between the rename and the state
         write, a state file lost, damaged or stale) is listed, with its file's time.
-        Steps are ordered by number. ``mine``: the step this manager just committed,
+        Steps are in save order: as the state file lists them, one it does not know
+        placed by its file's time (``_state.save_order``). ``mine``: the step this
+        manager just committed,
         which the caller lists itself (not opened to be told it is a checkpoint).
         """
         section = state["sections"].get(self.checkpoint_name) or self._empty_section()
@@ -427,6 +433,7 @@ class CheckpointManager:
                  for e in section[name]}
         if mine is not None:
             known.add(mine)
+        unknown = {}
         for name, number, _ in on_disk:
             if name in known:
                 continue
@@ -434,9 +441,11 @@ class CheckpointManager:
             if not is_own_checkpoint(path):
                 continue
             with contextlib.suppress(FileNotFoundError):  # pruned by another process
-                section["checkpoints"].append(
-                    {"path": name, "step": number, "time": path.stat().st_mtime})
-        section["checkpoints"].sort(key=lambda e: (self._number(e["path"]), e["time"]))
+                unknown[name] = {"path": name, "step": number, "time": path.stat().st_mtime}
+        if unknown:  # placed by the one rule of save order (``_state.save_order``)
+            entries = {e["path"]: e for e in section["checkpoints"]} | unknown
+            section["checkpoints"] = [entries[name] for name in save_order(
+                self.directory, [e["path"] for e in section["checkpoints"]], unknown)]
         return section
 
     def _committed_on_disk(self) -> list[tuple[str, int, bool]]:
@@ -533,10 +542,11 @@ class CheckpointManager:
         """``number`` (the save counter's next), or past the newest committed step if it is
         not past it (a job that did not restore, a counter behind the directory).
 
-        A committed step is never written again, and a new step is never numbered below
-        the newest one (the manager lists and prunes by number: it would be pruned as the
-        oldest, or shadowed as not the latest). The save counter moves with the step so
-        that the file holds its own number. Said in the log.
+        A committed step is never written again, and a step numbered by the counter is
+        never numbered below the newest one (a job that did not restore goes on past what
+        the directory holds, its numbers rising with its saves; a number given by hand
+        is saved as given). The save counter moves with the step so that the file holds
+        its own number. Said in the log.
         """
         committed = self._committed_numbers() if committed is None else committed
         if not committed or number > max(committed):
@@ -714,7 +724,6 @@ class CheckpointManager:
             preserved = len(section["preserved"])
             section["checkpoints"] = [e for e in section["checkpoints"] if e["path"] != name]
             section["checkpoints"].append({"path": name, "step": int(step), "time": now})
-            section["checkpoints"].sort(key=lambda e: (self._number(e["path"]), e["time"]))
             doomed = []
             if self.max_to_keep is not None:
                 while len(section["checkpoints"]) > self.max_to_keep:
@@ -727,11 +736,6 @@ class CheckpointManager:
                         section["preserved"].append(old)
                     else:
                         doomed.append(old)
-            if any(e["path"] == name for e in doomed):
-                logger.warning(
-                    "Step %s was pruned as soon as it was saved: steps are kept by number "
-                    "and it is older than the %d newest (max_to_keep) in %s.",
-                    name, self.max_to_keep, os.fspath(self.directory))
             section["pending_delete"], unheld = self._split_held(
                 section.get("pending_delete", []) + doomed)
             self._section = section
@@ -756,7 +760,8 @@ class CheckpointManager:
 
     @property
     def checkpoints(self) -> list[str]:
-        """The kept checkpoints, oldest first (waits for a background save of this manager)."""
+        """The kept checkpoints in save order, oldest first (waits for a background save of
+        this manager)."""
         self._sync()
         if self._local_tier is not None:
             return [path for _, path in self._tiered()]
@@ -764,7 +769,8 @@ class CheckpointManager:
 
     @property
     def latest_checkpoint(self) -> str | None:
-        """The newest durable checkpoint, or ``None``."""
+        """The durable checkpoint saved last, or ``None`` (as TensorFlow's: the last of
+        :attr:`checkpoints`, whatever its number)."""
         listed = self.checkpoints
         return listed[-1] if listed else None
 

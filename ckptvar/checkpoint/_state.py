@@ -19,14 +19,14 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from ..locations import is_url, list_committed_steps, open_location, write_atomically
+from ..locations import committed_in_save_order, is_url, open_location, write_atomically
 from ..storage import is_own_checkpoint, is_partial
-from ._steps import StepName, parse_step_name
+from ._steps import parse_step_name
 
 __all__ = [
     "STATE_FILE",
@@ -36,6 +36,7 @@ __all__ = [
     "locked",
     "read_state",
     "record_latest",
+    "save_order",
     "writable",
     "write_state",
 ]
@@ -126,7 +127,8 @@ def _rebuild_state(directory: Path, why: str, *, repair: bool) -> dict[str, Any]
                                        "time": mtime})
     latest = None
     for section in sections.values():
-        section["checkpoints"].sort(key=lambda e: (e["step"], e["time"]))
+        entries = {e["path"]: e for e in section["checkpoints"]}
+        section["checkpoints"] = [entries[name] for name in save_order(directory, [], entries)]
         newest = section["checkpoints"][-1]
         if latest is None or newest["time"] >= latest["time"]:
             latest = newest
@@ -159,73 +161,74 @@ def exists(path: Path) -> bool:
 def latest_checkpoint(
     directory: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
 ) -> str | None:
-    """The newest checkpoint a ``CheckpointManager`` recorded in ``directory``, or ``None``.
+    """The checkpoint saved last in ``directory``, or ``None`` (:func:`save_order`).
 
-    At an object-store URL: the committed step with the highest step number (only
-    steps with a commit marker count), as a URL ``str``.
+    At an object-store URL: the numbered committed step saved last (only steps with a
+    commit marker count; ``locations.committed_in_save_order``), as a URL ``str``.
     """
     if is_url(directory):
         loc = open_location(directory, storage_options=storage_options)
-        steps = [s for s in list_committed_steps(loc) if parse_step_name(s) is not None]
-        if not steps:
-            return None
-        return loc.join(max(steps, key=lambda s: parse_step_name(s).step))  # type: ignore[union-attr]
+        steps = [s for s in committed_in_save_order(loc) if parse_step_name(s) is not None]
+        return loc.join(steps[-1]) if steps else None
     directory = Path(directory)
     if not directory.is_dir():
         return None
     latest = read_state(directory).get("latest")
     if not isinstance(latest, str) or not latest or "/" in latest or latest in (".", ".."):
         latest = None
-    path = directory / latest if latest else None
-    if path is not None and not exists(path):
-        path = None
+    recorded = [latest] if latest and exists(directory / latest) else []
     cached = parse_step_name(latest) if latest else None
-    if latest and cached is None and path is not None:
-        return os.fspath(path)  # a file saved without a step number (Saver, global_step=None)
-    newer = _newest_step(directory, cached)
-    if newer is not None and path is not None and _older(newer, path):
-        newer = None  # a higher step written before the recorded one: a run gone back to
-        # an earlier step saved the recorded latest after it (TensorFlow returns that too)
-    if newer is not None:
-        return os.fspath(newer)
-    return os.fspath(path) if path is not None else None
-
-
-def _older(path: Path, than: Path) -> bool:
-    """Whether ``path`` was last written before ``than`` (modification times)."""
-    try:
-        return path.stat().st_mtime_ns < than.stat().st_mtime_ns
-    except OSError:
-        return False
-
-
-def _newest_step(directory: Path, cached: StepName | None) -> Path | None:
-    """The committed step the state file's cache does not know yet, if any: of the cached
-    latest's naming with a higher number, or (no cache) the newest step in ``directory``.
-
-    The committed files are the record: a crash between a step's rename and the state
-    write, or a lost state file, leaves the cache behind them.
-    """
-    best: tuple[float, int, Path] | None = None
+    if recorded and cached is None:
+        return os.fspath(directory / recorded[0])  # saved without a step number (Saver,
+        # global_step=None)
+    found = []
     for entry in os.scandir(directory):
-        if is_partial(entry.name):
-            continue
-        if cached is not None:
-            parsed = parse_step_name(entry.name, prefix=cached.prefix, suffixes=(cached.suffix,))
-            if parsed is None or parsed.step <= cached.step:
-                continue
-        else:
-            parsed = parse_step_name(entry.name)
-            if parsed is None:
-                continue
-        path = Path(entry.path)
-        if not is_own_checkpoint(path):
-            continue
-        key = (parsed.step, 0.0) if cached is not None else (0, entry.stat().st_mtime)
-        rank = (key[1], key[0], path)
-        if best is None or rank[:2] > best[:2]:
-            best = rank
-    return best[2] if best is not None else None
+        parsed = (parse_step_name(entry.name) if cached is None else parse_step_name(
+            entry.name, prefix=cached.prefix, suffixes=(cached.suffix,)))
+        if parsed is not None and not is_partial(entry.name):
+            found.append(entry.name)
+    for name in reversed(save_order(directory, recorded, found)):
+        if name in recorded or is_own_checkpoint(directory / name):
+            return os.fspath(directory / name)
+    return None
+
+
+def save_order(directory: Path, recorded: Sequence[str], found: Iterable[str]) -> list[str]:
+    """The steps of ``directory`` in the order they were saved, oldest first.
+
+    The one rule of "latest" in a directory (:func:`latest_checkpoint` takes the last,
+    a manager lists and prunes in this order). ``recorded`` is what the state file
+    lists, in the order it was saved; ``found``, the step names on disk. A found step
+    the record does not know (committed after the last state write: a crash between
+    the rename and the state write; or the state file lost) goes after every step
+    last modified no later than it (modification times, ``stat`` only then), and
+    those alike in time by step number.
+    """
+    order = list(recorded)
+    known = set(order)
+    extra = [name for name in found if name not in known]
+    if not extra:
+        return order
+    times = {name: _modified(directory / name) for name in (*order, *extra)}
+    for name in sorted(extra, key=lambda n: (times[n], _number(n), n)):
+        at = len(order)
+        while at > 0 and times[order[at - 1]] > times[name]:
+            at -= 1
+        order.insert(at, name)
+    return order
+
+
+def _modified(path: Path) -> int:
+    """When ``path`` was last written (ns; ``-1``: gone meanwhile)."""
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return -1
+
+
+def _number(name: str) -> int:
+    parsed = parse_step_name(name)
+    return parsed.step if parsed is not None else -1
 
 
 def record_latest(path: str | os.PathLike[str]) -> None:

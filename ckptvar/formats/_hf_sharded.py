@@ -33,6 +33,7 @@ import numpy as np
 from ..errors import CorruptCheckpointError, MissingKeyError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader, Writer, verify_each
 from ..storage.chunked import is_chunked
+from ._json import unique_keys
 from ._safetensors import SafetensorsBackend, SafetensorsWriter
 
 __all__ = ["HFShardedBackend", "HFShardedWriter", "parse_shard_size"]
@@ -104,16 +105,6 @@ def _plain_name(name: Any, index: Path) -> str:
     return name
 
 
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose keys are all different (a key listed twice is ambiguous)."""
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        twice = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise ValueError(f"the key {twice!r} is listed twice")
-    return obj
-
-
 def _read_index(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
     """``({key: shard file}, metadata)`` of an index file, checked."""
     try:
@@ -123,7 +114,9 @@ def _read_index(index: Path) -> tuple[dict[str, str], dict[str, Any]]:
                 f"The index {str(index)!r} is {size} bytes (limit {MAX_INDEX_BYTES})."
             )
         text = index.read_bytes().decode("utf-8")
-        obj = json.loads(text, object_pairs_hook=_unique_pairs)
+        obj = json.loads(text, object_pairs_hook=unique_keys)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"The index {str(index)!r} is refused: {exc}") from None
     except UnicodeDecodeError as exc:
         raise CorruptCheckpointError(f"The index {str(index)!r} is not UTF-8: {exc}.") from None
     except (ValueError, RecursionError) as exc:

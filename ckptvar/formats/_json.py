@@ -1,7 +1,9 @@
-"""Metadata as JSON text, shared by the writers that keep it in a JSON string or member.
+"""JSON text in other tools' files: metadata, and objects read with every key once.
 
 Owns: :func:`jsonable` (the ``default=`` hook: bytes as ``{"__bytes__": base64}``,
-NumPy scalars and arrays as plain numbers and lists) and :func:`loads_json`, its inverse.
+NumPy scalars and arrays as plain numbers and lists), :func:`loads_json`, its inverse,
+and :func:`unique_keys`, the one refusal of a JSON object naming a key twice (a
+safetensors header, a Hugging Face index).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError
 
-__all__ = ["jsonable", "loads_json"]
+__all__ = ["jsonable", "loads_json", "unique_keys"]
 
 
 def jsonable(obj: Any) -> Any:
@@ -35,6 +37,26 @@ def loads_json(text: str, path: Path | str) -> Any:
         return json.loads(text, object_hook=_unbytes)
     except ValueError as exc:
         raise CorruptCheckpointError(f"Bad ckptvar metadata in {str(path)!r}: {exc}.") from None
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads(object_pairs_hook=unique_keys)``: a JSON object whose keys all differ.
+
+    JSON's parsers keep the last of a key named twice, so a reader would take one of
+    two values (two shards, two offsets) silently; a ``CorruptCheckpointError`` says
+    which key instead (the caller adds the file: ``The index 'x' is refused: ...``).
+
+    >>> json.loads('{"a": 1, "a": 2}', object_pairs_hook=unique_keys)
+    Traceback (most recent call last):
+    ...
+    ckptvar.errors.CorruptCheckpointError: it names the key 'a' twice.
+    """
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise CorruptCheckpointError(f"it names the key {key!r} twice.")
+        out[key] = value
+    return out
 
 
 def _unbytes(obj: dict[str, Any]) -> Any:

@@ -44,7 +44,7 @@ from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
 from ..storage.chunked import as_host, is_chunked
 from . import _common
-from ._json import jsonable, loads_json
+from ._json import jsonable, loads_json, unique_keys
 
 __all__ = [
     "PACKED_BITS",
@@ -164,15 +164,6 @@ def _utf8(text: str) -> bool:
     return True
 
 
-def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise CorruptCheckpointError(f"it names the key {k!r} twice.")
-        out[k] = v
-    return out
-
-
 _Entry = tuple[np.dtype, tuple[int, ...], int, int]  # (dtype, shape, begin, end)
 
 
@@ -185,7 +176,7 @@ def _header_json(head: bytes, where: str) -> dict[str, Any]:
     if not text.startswith("{"):
         raise CorruptCheckpointError(f"The {where} does not start with '{{'.")
     try:
-        obj = json.loads(text, object_pairs_hook=_unique_object)
+        obj = json.loads(text, object_pairs_hook=unique_keys)
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(f"The {where} is refused: {exc}") from None
     except (ValueError, RecursionError) as exc:

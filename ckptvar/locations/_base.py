@@ -163,6 +163,12 @@ class Location(ABC):
     def exists(self, key: str) -> bool:
         """Whether an object is stored at ``key`` exactly."""
 
+    def check_bucket(self) -> None:
+        """Raise ``StorageError`` naming the bucket when it does not exist (as a save
+        does); for a caller about to say that an object is missing. Nothing else is
+        raised: a location with no bucket (a directory) has nothing to check."""
+        return
+
     @abstractmethod
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Every object below the "directory" ``prefix`` (recursive), sorted by key.

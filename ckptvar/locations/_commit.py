@@ -39,8 +39,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import uuid
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 from ..errors import (
@@ -61,6 +63,7 @@ __all__ = [
     "CommitRecord",
     "clean_uncommitted",
     "commit",
+    "committed_in_save_order",
     "is_committed",
     "latest_committed_step",
     "list_committed_steps",
@@ -245,9 +248,44 @@ def list_committed_steps(location: Location, prefix: str = "") -> list[str]:
     return sorted(steps, key=lambda s: (step_number(s) is None, step_number(s) or 0, s))
 
 
+def committed_in_save_order(location: Location, prefix: str = "", *,
+                            known: MutableMapping[tuple[str, str], float] | None = None
+                            ) -> list[str]:
+    """Keys of the committed steps directly below ``prefix``, in the order they were saved.
+
+    A step was saved when it committed: the ``time`` its marker records orders them
+    (one listing, one read of each marker), then the step number. A damaged marker
+    counts as the oldest (a restore skips its step, a prune takes it first). ``known``
+    caches ``(step, etag) -> time`` of markers read before: a marker is written once,
+    so a caller listing again (a manager, at every save) reads only the new ones.
+    """
+    _, objects = location.list_dir(prefix)
+    times: dict[str, float] = {}
+    for obj in objects:
+        if not obj.key.endswith(MARKER_SUFFIX):
+            continue
+        step = obj.key[: -len(MARKER_SUFFIX)]
+        tag = (step, obj.etag) if obj.etag else None
+        when = known.get(tag) if known is not None and tag is not None else None
+        if when is None:
+            try:
+                record = read_commit(location, step)
+            except CorruptCheckpointError:
+                times[step] = -math.inf
+                continue
+            if record is None:  # pruned while listed
+                continue
+            when = record.time
+            if known is not None and tag is not None:
+                known[tag] = when
+        times[step] = when
+    return sorted(times, key=lambda s: (times[s], step_number(s) or 0, s))
+
+
 def latest_committed_step(location: Location, prefix: str = "") -> str | None:
-    """The committed step with the highest step number, or ``None``."""
-    numbered = [s for s in list_committed_steps(location, prefix) if step_number(s) is not None]
+    """The numbered committed step saved last (:func:`committed_in_save_order`), or ``None``."""
+    numbered = [s for s in committed_in_save_order(location, prefix)
+                if step_number(s) is not None]
     return numbered[-1] if numbered else None
 
 

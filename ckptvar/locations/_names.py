@@ -3,9 +3,9 @@
 One grammar each, here in the lowest layer, so that the writers, the readers, the
 manager and the clean-up (``ckpt gc``) all read names by the same rule:
 
-- a *step* is ``<prefix>-<N><suffix>`` (``ckpt-7.h5``, ``ckpt-12.zarr``); more
-  loosely, any name whose stem (up to its first ``.``) ends in digits has step
-  number ``N`` (``step_00000003``);
+- a *step* is ``<prefix>-<N><suffix>`` (``ckpt-7.h5``, ``ckpt-12.zarr``), the dash
+  required: every writer puts it there, and a name without it (a user's
+  ``dup2.h5``, ``step_00000003``) is no step, never listed, pruned nor reclaimed;
 - a *temporary* is ``.<final name>.<32 hex>.partial``, beside its final name;
 - a *staging directory* (a save's local copy before an upload) is
   ``ckptvar-upload-<host>-<pid>-<random>`` in ``TMPDIR``: whoever finds one can
@@ -15,8 +15,8 @@ manager and the clean-up (``ckpt gc``) all read names by the same rule:
 StepName(prefix='ckpt', step=7, suffix='.h5')
 >>> parse_step_name("ckpt-7.h5", prefix="other") is None
 True
->>> step_number("run/step_00000003"), step_number("notes.txt")
-(3, None)
+>>> step_number("run/ckpt-3.zarr"), step_number("run/dup2.h5"), step_number("notes.txt")
+(3, None, None)
 >>> is_partial(".ckpt-3.h5.0123456789abcdef0123456789abcdef.partial"), is_partial("ckpt-3.h5")
 (True, False)
 """
@@ -48,7 +48,9 @@ __all__ = [
 #: What every local staging directory's name starts with.
 STAGING_PREFIX = "ckptvar-upload-"
 
-_STEP_RE = re.compile(r"(?P<prefix>[^/]*?)-?(?P<step>\d+)(?P<suffix>(?:\.[^/]*)?)", re.DOTALL)
+#: ``prefix-N.suffix``: the dash is the grammar's (``step_name`` writes it), so a user's
+#: ``dup2.h5`` is no step, never listed, pruned nor reclaimed as one
+_STEP_RE = re.compile(r"(?P<prefix>[^/]*?)-(?P<step>\d+)(?P<suffix>(?:\.[^/]*)?)", re.DOTALL)
 #: ``.x.<hex>.partial``, and ``.x.partial-<hex>`` (what local locations named them before)
 _PARTIAL_RE = re.compile(r"^\..+\.(?:[0-9a-f]{32}\.partial|partial-[0-9a-f]{32})$", re.DOTALL)
 _STAGING_RE = re.compile(
@@ -72,7 +74,8 @@ def step_name(prefix: str, step: int, suffix: str) -> str:
 def parse_step_name(
     name: str, *, prefix: str | None = None, suffixes: Iterable[str] | None = None
 ) -> StepName | None:
-    """Read ``name`` (no directory) as ``prefix-N.suffix``; ``None`` if it is not one.
+    """Read ``name`` (no directory) as ``prefix-N.suffix``; ``None`` if it is not one
+    (``dup2.h5``: no dash before the number).
 
     ``prefix`` requires exactly that prefix followed by ``-``; ``suffixes``, one of
     those suffixes (default: any suffix, or none).
@@ -98,7 +101,8 @@ def parse_step_name(
 
 
 def step_number(key: str) -> int | None:
-    """The step number of a step's key: the digits ending its stem (``run/ckpt-12.h5`` -> 12)."""
+    """The step number of a step's key: the digits after the dash ending its stem
+    (``run/ckpt-12.h5`` -> 12; ``run/dup2.h5`` -> None)."""
     parsed = parse_step_name(key.rstrip("/").rsplit("/", 1)[-1])
     return parsed.step if parsed is not None else None
 

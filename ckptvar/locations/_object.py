@@ -73,8 +73,9 @@ CLOUD_SCHEMES = ("s3", "s3a", "gs", "az", "abfs", "abfss", "azure")
 
 #: Writes: a "not found" answer to one means the bucket (not an object) is missing.
 _WRITES = ("PUT", "upload")
-#: The S3 error code of a missing bucket, in obstore's message of any request.
-_NO_BUCKET = "NoSuchBucket"
+#: What a missing bucket's error says, in obstore's message of a request with a body
+#: (S3's error code, Azure's, GCS's message and its emulator's)
+_NO_BUCKET = ("NoSuchBucket", "ContainerNotFound", "bucket does not exist", "no bucket named")
 _STREAM_CHUNK = 1024 * 1024
 _STREAM_ATTEMPTS = 3
 #: Parts in flight of a file upload (a save): 3 x 8 MiB, under 5% of a 1 GiB checkpoint.
@@ -166,7 +167,7 @@ class ObjectStoreLocation(Location):
         try:
             return fn()
         except (exc_mod.NotFoundError, FileNotFoundError) as exc:
-            if op in _WRITES or _NO_BUCKET in str(exc):
+            if op in _WRITES or _says_no_bucket(exc):
                 raise StorageError(self._no_bucket(op, key)) from None
             raise CheckpointNotFoundError(f"{self.join(key)}: no such object ({op})") from None
         except (exc_mod.AlreadyExistsError, exc_mod.PreconditionError, FileExistsError):
@@ -179,11 +180,25 @@ class ObjectStoreLocation(Location):
         except CkptError:
             raise
         except Exception as exc:  # obstore and tokio raise many types; all become ours
-            if _NO_BUCKET in str(exc):
+            if _says_no_bucket(exc):
                 raise StorageError(self._no_bucket(op, key)) from None
             raise StorageError(
                 f"{op} {self.join(key)} failed after retries: {_first_line(exc)}"
             ) from exc
+
+    def check_bucket(self) -> None:
+        """One listing of this location's prefix: a missing bucket is a ``StorageError``
+        naming it (a read's not-found says only that the object is missing, where the
+        answer has no body); any other failure of the listing leaves the caller's error."""
+        exc_mod = self._obs.exceptions
+        self.stats.add("list")
+        try:
+            self._obs.list_with_delimiter(self.store, self.prefix or None)
+        except (exc_mod.NotFoundError, FileNotFoundError):
+            raise StorageError(self._no_bucket("LIST", "")) from None
+        except Exception as exc:  # noqa: BLE001 - only a missing bucket is said here
+            if _says_no_bucket(exc):
+                raise StorageError(self._no_bucket("LIST", "")) from None
 
     def _no_bucket(self, op: str, key: str) -> str:
         return (f"{op} {self.join(key)}: the bucket {self.bucket!r} does not exist at this "
@@ -482,6 +497,12 @@ class _ObjectStoreWriter(ObjectWriter):
         # Any error: the upload already failed, and nothing was published.
         with contextlib.suppress(Exception):
             self._w.__exit__(RuntimeError, RuntimeError("aborted"), None)
+
+
+def _says_no_bucket(exc: BaseException) -> bool:
+    """Whether an error's message says its bucket does not exist (:data:`_NO_BUCKET`)."""
+    text = str(exc)
+    return any(sign in text for sign in _NO_BUCKET)
 
 
 def _first_line(exc: BaseException) -> str:

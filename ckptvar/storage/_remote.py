@@ -107,6 +107,7 @@ def open_remote_reader(
     parent, name = split_url(url, storage_options=storage_options)
     record = read_commit(parent, name)
     if record is None:
+        parent.check_bucket()  # a missing bucket is said as such, as a save says it
         raise CheckpointNotFoundError(
             f"No committed checkpoint at {url!r}: there is no commit marker {url}.commit "
             "(a save that failed or is still running is never read)."
@@ -270,10 +271,24 @@ def save_remote(
         try:
             parent.put(index, index_bytes)
             commit(parent, name, bound, data=data, writer=writer, index=index)
-        except BaseException:
-            parent.delete([data, index])
+        except BaseException as exc:
+            _remove_uploaded(parent, [data, index], exc)
             raise
     return parent.join(name)
+
+
+def _remove_uploaded(parent: Location, keys: list[str], failure: BaseException) -> None:
+    """After a save failed with ``failure``: remove what it uploaded (``keys``). A removal
+    that fails too is noted on ``failure``, which the caller raises: why the save failed
+    is never hidden by its clean-up (what is left, ``ckpt gc`` reclaims)."""
+    try:
+        parent.delete(keys)
+    except Exception as cleanup:  # noqa: BLE001 - noted on the save's own error
+        failure.add_note(
+            f"Removing what the failed save uploaded ({', '.join(parent.join(k) for k in keys)})"
+            f" failed as well ({type(cleanup).__name__}: {cleanup}); `ckpt gc "
+            f"{parent.url}` reclaims it."
+        )
 
 
 def save_remote_h5_incremental(

@@ -44,7 +44,7 @@ def _write_step(loc: Location, step: str, payload: bytes) -> None:
 
 def test_step_number() -> None:
     assert step_number("run/ckpt-12.h5") == 12
-    assert step_number("step_00000003") == 3
+    assert step_number("step_00000003") is None  # a step is named PREFIX-N: the dash
     assert step_number("ckpt-3.h5.0a1b2c") == 3
     assert step_number("notes.txt") is None
 

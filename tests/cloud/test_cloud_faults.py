@@ -169,3 +169,20 @@ def test_a_prune_that_lost_the_network_does_not_fail_the_committed_save(
     third = mgr.save()
     assert mgr.checkpoints == [third]
     assert {o.key.split(".")[0] for o in s3.location("run").list()} == {"ckpt-3"}
+
+
+def test_a_failed_commit_is_raised_even_when_its_cleanup_fails(
+    s3: S3Bucket, proxy: FaultProxy
+) -> None:
+    """The index upload fails, then so does removing what the save uploaded: the save
+    raised the cleanup's error, hiding why it failed; now it raises the upload's error,
+    the failed cleanup noted on it."""
+    proxy.drop_requests(rb"^PUT \S+\.index |^DELETE |^POST \S+\?delete")
+    url = f"{s3.url}/run/ckpt-1.h5"
+    with pytest.raises(StorageError) as err:
+        cv.save(url, {"w": np.ones(3)}, storage_options=_through(s3, proxy))
+    proxy.heal()
+    assert ".index" in str(err.value) and "PUT" in str(err.value), err.value
+    notes = "\n".join(getattr(err.value, "__notes__", []))
+    assert "removing" in notes.lower() and ".data" in notes, notes
+    assert list_committed_steps(s3.location("run")) == []

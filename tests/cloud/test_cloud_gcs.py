@@ -167,3 +167,20 @@ def test_configured_from_the_environment(
     url = f"{gcs.url}/run/ckpt-1.h5"
     assert cv.latest_checkpoint(f"{gcs.url}/run") == url
     np.testing.assert_array_equal(cv.load(url)["dense/bias"], _arrays(5)["dense/bias"])
+
+
+def test_a_read_from_a_bucket_that_does_not_exist_names_the_bucket(gcs: CloudBucket) -> None:
+    """A read's not-found said "no committed checkpoint" of a bucket that is not there;
+    now the bucket is named as missing, as a save names it."""
+    opts = gcs.storage_options
+    url = "gs://no-such-bucket-here/run"
+    calls = [lambda: cv.load(f"{url}/ckpt-1.h5", storage_options=opts),
+             lambda: cv.open(f"{url}/x", storage_options=opts),
+             lambda: cv.latest_checkpoint(url, storage_options=opts)]
+    for call in calls:
+        with pytest.raises(StorageError) as err:
+            call()
+        assert "bucket 'no-such-bucket-here' does not exist" in str(err.value), err.value
+    # a bucket that is there, without the step: still "no committed checkpoint"
+    with pytest.raises(cv.CheckpointNotFoundError, match="No committed checkpoint"):
+        cv.load(f"{gcs.url}/run/ckpt-1.h5", storage_options=opts)

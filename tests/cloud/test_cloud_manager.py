@@ -52,6 +52,33 @@ def test_manager_lists_committed_steps_and_prunes(s3: S3Bucket, fmt: str) -> Non
     assert not any(k.startswith("ckpt-0.") for k in keys) and "ckpt-9.h5.y.data" in keys
 
 
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_steps_are_kept_in_save_order_on_an_object_store(s3: S3Bucket, fmt: str) -> None:
+    """Steps 100, 500, then 200 (a run gone back): the latest is the step committed last
+    (its marker's time), for the manager, a new manager and cv.latest_checkpoint, and
+    max_to_keep prunes the oldest saved."""
+    opts = s3.storage_options
+    ckpt, v = _model()
+    run = f"{s3.url}/run"
+    manager = cv.CheckpointManager(ckpt, run, max_to_keep=3, format=fmt, storage_options=opts)
+    for number in (100, 500, 200):
+        v.assign(np.full((64, 32), number, np.float32))
+        manager.save(checkpoint_number=number)
+    order = [f"{run}/ckpt-{n}.{fmt}" for n in (100, 500, 200)]
+    assert manager.checkpoints == order
+    assert manager.latest_checkpoint == order[-1] == cv.latest_checkpoint(
+        run, storage_options=opts)
+    v.assign(np.full((64, 32), 300, np.float32))
+    manager.save(checkpoint_number=300)
+    kept = [f"{run}/ckpt-{n}.{fmt}" for n in (500, 200, 300)]
+    assert manager.checkpoints == kept  # 100 pruned: the oldest saved
+    ckpt2, v2 = _model(-1.0)
+    again = cv.CheckpointManager(ckpt2, run, max_to_keep=3, format=fmt, storage_options=opts)
+    assert again.checkpoints == kept
+    assert again.restore_or_initialize() == kept[-1]
+    np.testing.assert_array_equal(v2.numpy(), np.full((64, 32), 300))
+
+
 def test_uncommitted_step_is_not_listed(s3: S3Bucket) -> None:
     opts = s3.storage_options
     ckpt, _ = _model()

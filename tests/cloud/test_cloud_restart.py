@@ -111,6 +111,21 @@ def test_a_claim_from_another_host_holds_while_renewed_and_expires_after(
     held.release()
 
 
+def test_gc_at_a_url_keeps_an_object_named_without_the_step_dash(s3: S3Bucket) -> None:
+    """A user's dup2.h5 beside committed steps was read as step 2, uncommitted and below
+    the latest, and deleted by gc; a step is named PREFIX-N, so it is left alone."""
+    opts = s3.storage_options
+    run = f"{s3.url}/run"
+    mgr = cv.CheckpointManager(_model(1.0)[0], run, storage_options=opts)
+    mgr.save(checkpoint_number=5)
+    loc = s3.location("run")
+    loc.put("dup2.h5", b"the user's own")
+    loc.put("ckpt-1.h5.abcdef012345.data", b"a" * 10)  # a dead save's: reclaimed
+    removed = [left.path for left in cv.checkpoint.gc(run, storage_options=opts)]
+    assert f"{run}/ckpt-1.h5.abcdef012345.data" in removed
+    assert loc.read("dup2.h5") == b"the user's own"
+
+
 def test_ckpt_gc_at_a_url_removes_dead_claims_and_uncommitted_objects(s3: S3Bucket) -> None:
     opts = s3.storage_options
     run = f"{s3.url}/run"
