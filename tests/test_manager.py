@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -302,6 +303,21 @@ def test_a_fresh_manager_places_an_unrecorded_step_by_its_time(
     assert cv.latest_checkpoint(tmp_path) == os.fspath(tmp_path / "ckpt-200.h5")
     again = cv.CheckpointManager(_ckpt()[0], tmp_path, max_to_keep=3)
     assert _names(again.checkpoints) == ["ckpt-100.h5", "ckpt-500.h5", "ckpt-200.h5"]
+
+
+def test_a_copied_directory_keeps_its_latest(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    """A copy of the directory (cp -r, a download) gives the files new times in any order:
+    the steps the state file lists keep its order, so the latest is still the last saved."""
+    ckpt, _ = _ckpt()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "a", max_to_keep=5)
+    for _ in range(5):
+        manager.save()
+    shutil.copytree(tmp_path / "a", tmp_path / "b", copy_function=shutil.copyfile)
+    for age, number in ((10, 5), (0, 2)):  # step 2 copied last
+        os.utime(tmp_path / "b" / f"ckpt-{number}.h5", (time.time() - age,) * 2)
+    assert cv.latest_checkpoint(tmp_path / "b") == os.fspath(tmp_path / "b" / "ckpt-5.h5")
+    again = cv.CheckpointManager(_ckpt()[0], tmp_path / "b", max_to_keep=5)
+    assert again.latest_checkpoint == os.fspath(tmp_path / "b" / "ckpt-5.h5")
 
 
 def test_hours_rule_preserves_the_oldest_saved_step(tmp_path: Path, fresh_graph: cv.Graph) -> None:

@@ -21,7 +21,7 @@ import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..errors import CorruptCheckpointError
 from ..locations import committed_in_save_order, is_url, open_location, write_atomically
@@ -173,11 +173,16 @@ def latest_checkpoint(
     directory = Path(directory)
     if not directory.is_dir():
         return None
-    latest = read_state(directory).get("latest")
-    if not isinstance(latest, str) or not latest or "/" in latest or latest in (".", ".."):
+    state = read_state(directory)
+    latest = state.get("latest")
+    if not _plain_name(latest):
         latest = None
     recorded = [latest] if latest and exists(directory / latest) else []
     cached = parse_step_name(latest) if latest else None
+    if recorded and cached is not None:  # the steps recorded before it, in their order: a
+        # copy of the directory (new file times) does not reorder what the record knows
+        recorded[:0] = [name for name in _recorded(state, cached.prefix)
+                        if name != latest and exists(directory / name)]
     if recorded and cached is None:
         return os.fspath(directory / recorded[0])  # saved without a step number (Saver,
         # global_step=None)
@@ -191,6 +196,27 @@ def latest_checkpoint(
         if name in recorded or is_own_checkpoint(directory / name):
             return os.fspath(directory / name)
     return None
+
+
+def _plain_name(name: object) -> TypeGuard[str]:
+    """Whether ``name`` (read from the state file) names an entry of its directory."""
+    return isinstance(name, str) and bool(name) and "/" not in name and name not in (".", "..")
+
+
+def _recorded(state: Mapping[str, Any], prefix: str) -> list[str]:
+    """The steps the state file lists for the manager of ``prefix``, oldest saved first
+    (those preserved by ``keep_checkpoint_every_n_hours``, then the kept ones)."""
+    section = state.get("sections", {}).get(prefix)
+    if not isinstance(section, dict):
+        return []
+    names = []
+    for part in ("preserved", "checkpoints"):
+        entries = section.get(part)
+        for entry in entries if isinstance(entries, list) else []:
+            name = entry.get("path") if isinstance(entry, dict) else None
+            if _plain_name(name) and name not in names:
+                names.append(name)
+    return names
 
 
 def save_order(directory: Path, recorded: Sequence[str], found: Iterable[str]) -> list[str]:
