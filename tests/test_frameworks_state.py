@@ -447,3 +447,42 @@ def test_a_non_contiguous_tensor_is_saved_as_it_is_at_each_save(
         model.t.fill_(7.0)
     ckpt.restore(path)  # into the very tensors, whose values the saves took
     assert torch.equal(model.cols, cols) and torch.equal(model.t, t)
+
+
+class _Transposed(torch.nn.Module):
+    """A module whose parameter is a non-contiguous view (restored through a new tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 3).t())
+
+
+@pytest.mark.parametrize("case", ["non-contiguous parameter", "tensor learning rate"])
+def test_a_value_load_state_dict_copies_still_counts_as_restored(
+        tmp_path: Path, case: str) -> None:
+    # load_state_dict copies some restored tensors (into a non-contiguous parameter; an
+    # optimizer's param_groups, deep-copied): the object's tensor is then another one
+    # than the restore filled, yet it holds the stored value and the status says so
+    if case == "non-contiguous parameter":
+        make: Any = lambda: {"model": _Transposed()}  # noqa: E731
+    else:
+        def make() -> dict[str, Any]:
+            model = torch.nn.Linear(3, 2)
+            return {"model": model, "opt": torch.optim.Adam(
+                model.parameters(), lr=torch.tensor(0.5))}
+    saved = make()
+    if "opt" in saved:
+        saved["model"](torch.ones(1, 3)).sum().backward()
+        saved["opt"].step()
+        saved["opt"].param_groups[0]["lr"].fill_(0.01)
+    path = cv.Checkpoint(**saved).save(tmp_path / "ckpt")
+    fresh = make()
+    status = cv.Checkpoint(**fresh).restore(path)
+    status.assert_consumed()
+    for name, obj in saved.items():
+        want, got = obj.state_dict(), fresh[name].state_dict()
+        if name == "opt":
+            assert torch.equal(got["param_groups"][0]["lr"], torch.tensor(0.01))
+            want, got = want["state"][0], got["state"][0]
+        for k, v in want.items():
+            assert torch.equal(v, got[k]), k

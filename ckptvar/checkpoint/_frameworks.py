@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import operator
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -471,6 +471,12 @@ class StateDictTrackable(Trackable):
         #: path -> (the tensor's identity, its variable, whether another process saves it)
         self._cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], Variable | None, bool]] = {}
         self._restoring: _Restoring | None = None
+        #: path -> (identity, variable) of each tensor the last restore filled that
+        #: ``load_state_dict`` then copied into another tensor (a non-contiguous
+        #: parameter, an optimizer's deep-copied ``param_groups``): that tensor holds the
+        #: stored value, and a variable made over it later is told to the restore
+        self._given: dict[tuple[Any, ...], tuple[tuple[Any, ...], Variable]] = {}
+        self._carry: Callable[[Variable, Variable], None] | None = None
         self._state: Any = None
         self._names: frozenset[str] | None = None  # of the parameters that train
         self._walked: Any = None  # the state dict of the last trackable_children()
@@ -500,6 +506,10 @@ class StateDictTrackable(Trackable):
             self._names = self._trainable()
         var = tensor_variable(self._graph, name, t, saving=saving,
                               trainable=name in self._names)
+        given = self._given.get(path)
+        if var is not None and given is not None and given[0] == ident \
+                and self._carry is not None:
+            self._carry(given[1], var)
         if var is not None and _host_copy(t.to_local() if is_dtensor(t) else t):
             return var  # a copy holds this save's value only: never kept for the next
         self._cache[path] = (ident, var, replica)
@@ -587,6 +597,7 @@ class StateDictTrackable(Trackable):
         dict's structure is used), ``infos`` the checkpoint's ``{key: ArrayInfo}``.
         """
         self._last = None  # the restore may give the object other tensors
+        self._given, self._carry = {}, None
         torch = sys.modules.get("torch", None)
         sd = self.obj.state_dict()
         current = dict(_tensors(sd))
@@ -628,8 +639,12 @@ class StateDictTrackable(Trackable):
         self._restoring = _Restoring(enc, tensors, variables, fresh)
         self._restoring.assign = assign
 
-    def finish_restore(self) -> None:
-        """After a successful restore: ``load_state_dict`` when new tensors or state came."""
+    def finish_restore(self, carry: Callable[[Variable, Variable], None] | None = None) -> None:
+        """After a successful restore: ``load_state_dict`` when new tensors or state came.
+
+        ``carry(old, new)`` is told each variable made later over a tensor into which
+        ``load_state_dict`` copied the value the restore gave variable ``old``.
+        """
         r, self._restoring = self._restoring, None
         if r is None or not r.fresh:
             return
@@ -643,9 +658,14 @@ class StateDictTrackable(Trackable):
         # walk, the status's included, meets them again)
         for path, t in _tensors(self.obj.state_dict()):
             var = r.variables.get(path)
-            if var is not None and path in r.tensors and _identity(t) == _identity(r.tensors[path]):
+            if var is None or path not in r.tensors:
+                continue
+            if _identity(t) == _identity(r.tensors[path]):
                 replica = is_dtensor(t) and not dtensor_box(t, repr(path))[2]
                 self._cache[path] = (_identity(t), var, replica)
+            elif t is not r.tensors[path]:  # load_state_dict copied the restored value
+                self._given[path] = (_identity(t), var)
+        self._carry = carry
 
     def abort_restore(self) -> None:
         """After a failed restore: nothing was given to the object."""
@@ -704,11 +724,16 @@ def begin_restores(root: Trackable, states: Any, infos: Any, path: Any) -> list[
     return out
 
 
-def end_restores(adapters: list[StateDictTrackable], *, ok: bool) -> None:
-    """After the restore: give the objects their state (``ok``), or forget it."""
+def end_restores(adapters: list[StateDictTrackable], *, ok: bool,
+                 carry: Callable[[Variable, Variable], None] | None = None) -> None:
+    """After the restore: give the objects their state (``ok``), or forget it.
+
+    ``carry(old, new)``: variable ``new`` holds what the restore gave ``old`` (a tensor
+    ``load_state_dict`` copied the restored value into; ``finish_restore``).
+    """
     for a in adapters:
         if ok:
-            a.finish_restore()
+            a.finish_restore(carry)
         else:
             a.abort_restore()
 
