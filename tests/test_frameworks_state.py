@@ -486,3 +486,32 @@ def test_a_value_load_state_dict_copies_still_counts_as_restored(
             want, got = want["state"][0], got["state"][0]
         for k, v in want.items():
             assert torch.equal(v, got[k]), k
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_state_made_at_restore_takes_the_dtypes_numpy_lacks(tmp_path: Path, dtype: str) -> None:
+    # a bfloat16 model's optimizer restored into a fresh optimizer (no state before its
+    # first step), and a module on the meta device: their tensors are made at the restore
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    model = torch.nn.Linear(3, 2, dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    model.register_buffer("scale", torch.arange(4.0).to(dt))
+    path = cv.Checkpoint(model=model, opt=opt).save(tmp_path / "ckpt")
+    fresh = torch.nn.Linear(3, 2, dtype=torch.bfloat16)
+    fresh.register_buffer("scale", torch.zeros(4).to(dt))
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    cv.Checkpoint(model=fresh, opt=fresh_opt).restore(path).assert_consumed()
+    got = fresh_opt.state[fresh.weight]["exp_avg"]
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, opt.state[model.weight]["exp_avg"])
+    with torch.device("meta"):
+        meta = torch.nn.Linear(3, 2, dtype=torch.bfloat16)
+        meta.register_buffer("scale", torch.zeros(4).to(dt))
+    cv.Checkpoint(model=meta).restore(path).expect_partial()
+    assert meta.scale.dtype == dt and meta.weight.device.type == "cpu"
+    assert torch.equal(meta.scale.view(torch.uint8 if dt.itemsize == 1 else torch.int16),
+                       model.scale.view(torch.uint8 if dt.itemsize == 1 else torch.int16))
+    assert torch.equal(meta.weight, model.weight)

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
-from .._frameworks import framework_of, to_numpy
+from .._frameworks import framework_of, from_numpy, to_numpy
 from .._staging import element_dtype, is_on_gpu
 from ..errors import CkptError
 from ..graph import Graph
@@ -698,7 +698,9 @@ def _new_tensor(torch: Any, t: Any, path: tuple[Any, ...], info: Any,
                 params: list[Any]) -> Any:
     """A new tensor for a stored value: like the optimizer's parameter when it matches
     (on its GPU: ``load_state_dict`` then keeps the very tensor the restore filled)."""
-    dtype = torch.from_numpy(np.empty(0, np.dtype(info.dtype))).dtype
+    # (through ckptvar's own mapping: bfloat16 and float8 have no NumPy type torch takes)
+    dtype = from_numpy(np.empty(0, np.dtype(info.dtype)), "torch",
+                       what="/".join(map(str, path))).dtype
     shape = tuple(info.shape)
     like = t
     if like is None and len(path) == 3 and path[0] == "state" and isinstance(path[1], int) \
