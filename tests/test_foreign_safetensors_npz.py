@@ -178,6 +178,21 @@ def test_npz_round_trip_and_numpy_can_read_our_files(tmp_path: Path) -> None:
         np.testing.assert_array_equal(bits.view(BF16), values["bf16"])
 
 
+def test_npz_big_endian_values_are_plain_numbers_for_numpy(tmp_path: Path) -> None:
+    # stored little-endian by value: NumPy reads the same floats, not their bits as uints
+    values = {"f": np.arange(4, dtype=">f4"), "i": np.array(-3, dtype=">i8"),
+              "c": np.array([1 + 2j], dtype=">c16")}
+    path = cv.save(tmp_path / "b.npz", values)
+    with np.load(path, allow_pickle=False) as data:
+        for key, value in values.items():
+            assert data[key].dtype == value.dtype.newbyteorder("<"), key
+            np.testing.assert_array_equal(data[key], value)
+    with zipfile.ZipFile(path) as zf:
+        assert zf.namelist() == ["f.npy", "i.npy", "c.npy"]  # no dtype record needed
+    assert {k: v.dtype for k, v in cv.load(path).items()} == {
+        "f": np.dtype("<f4"), "i": np.dtype("<i8"), "c": np.dtype("<c16")}
+
+
 def test_npz_object_and_structured_arrays_are_refused_without_unpickling(tmp_path: Path) -> None:
     marker = tmp_path / "marker"
 

@@ -326,7 +326,7 @@ class NpzWriter(CollectingWriter):
                 for key, (given, _) in self._items.items():
                     dt = np.dtype(given.dtype)
                     stored = dt
-                    if dt.isbuiltin != 1:  # bfloat16, float8, int4, ...: store the bits
+                    if dt.isbuiltin == 2:  # bfloat16, float8, int4, ... (ml_dtypes): the bits
                         recorded[key] = dtype_to_str(dt)
                         stored = np.dtype(f"<u{dt.itemsize}")
                     info = zipfile.ZipInfo(key + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
