@@ -390,7 +390,9 @@ def _jax_result(host: np.ndarray, like: Any, offset: tuple[int, ...]) -> Any:
     for dev, index in like.sharding.addressable_devices_indices_map(shape).items():
         sl = tuple(slice(s.indices(n)[0] - o, s.indices(n)[1] - o)
                    for s, n, o in zip(index, shape, offset, strict=False))
-        piece = np.ascontiguousarray(host[sl])  # a view when it is one run of rows
+        # (a view when it is one run of rows; np.require keeps a 0-d value 0-d, where
+        # np.ascontiguousarray makes it (1,))
+        piece = np.require(host[sl], requirements="C")
         try:  # on the CPU, an aligned view is shared, not copied
             pieces.append(jax.device_put(piece, dev, may_alias=True))
         except TypeError:  # an older jax without may_alias=
