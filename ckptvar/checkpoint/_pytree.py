@@ -22,6 +22,7 @@ whatever mesh, placement or process count wrote them.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -222,18 +223,27 @@ def _leaf_for_save(graph: Graph, key: str, value: Any) -> list[tuple[Any, Any]]:
             return []
         tensor = device_value(var)  # a GPU tensor: staged, never copied whole
         return [(var.value() if tensor is None else staged(tensor), var)]
-    if _multi_device(value) and value.sharding.is_fully_replicated:  # one box: all of it
-        return [(to_writable(value.addressable_shards[0].data, what=repr(key)), None)]
     if _multi_device(value):
-        full = tuple(int(n) for n in value.shape)
-        parts = [(host, _box_variable(graph, key, host, Shard(full, offset)))
-                 for offset, host in _jax_boxes(value)]
-        if len(parts) <= 1:
-            return parts
-        logical = Logical(key, full, np.dtype(value.dtype), tuple(v for _, v in parts))
-        return [(host, logical) for host, _ in parts]
+        return _device_parts(graph, key, value)
     host = value if isinstance(value, np.ndarray) else to_numpy(value, what=repr(key))
     return [(np.asarray(host, order="C"), None)]  # 0-d stays 0-d (ascontiguousarray: 1-d)
+
+
+def _device_parts(graph: Graph, key: str, value: Any) -> list[tuple[Any, Any]]:
+    """:func:`_leaf_for_save` of a jax.Array over several devices."""
+    if math.prod(value.shape) == 0:
+        # every shard is empty, so no box holds a byte: kept as one empty replicated value
+        # (its boxes would all be skipped, and the key lost)
+        return [(np.empty(tuple(value.shape), np.dtype(value.dtype)), None)]
+    if value.sharding.is_fully_replicated:  # one box: all of it
+        return [(to_writable(value.addressable_shards[0].data, what=repr(key)), None)]
+    full = tuple(int(n) for n in value.shape)
+    parts = [(host, _box_variable(graph, key, host, Shard(full, offset)))
+             for offset, host in _jax_boxes(value)]
+    if len(parts) <= 1:
+        return parts
+    logical = Logical(key, full, np.dtype(value.dtype), tuple(v for _, v in parts))
+    return [(host, logical) for host, _ in parts]
 
 
 def _no_options(path: str | os.PathLike[str], options: bool) -> None:
