@@ -117,3 +117,23 @@ def test_jax_arrays_come_back_with_the_target_sharding(tmp_path: Path) -> None:
     out = cv.load(path, like={"w": jax.ShapeDtypeStruct((2, 3), jnp.float32, sharding=sharding)})
     assert isinstance(out["w"], jax.Array) and out["w"].sharding == sharding
     assert np.asarray(out["w"]).tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_typed_prng_keys_are_saved_as_their_key_data(tmp_path: Path, impl: str) -> None:
+    # a typed key (jax.random.key) is a jax.Array with no NumPy dtype: its key data is
+    # stored, and a like= key (an array or a ShapeDtypeStruct) gives back a typed key
+    key = jax.random.key(7, impl=impl)
+    keys = jax.random.split(jax.random.key(1, impl=impl), 3)
+    tree = {"rng": key, "per_layer": keys, "w": jnp.ones(2)}
+    path = cv.save(tmp_path / "k.h5", tree)
+    stored = {k: (shape, dtype) for k, shape, dtype in cv.list_variables(path)}
+    assert stored["rng"] == (jax.random.key_data(key).shape, np.dtype("uint32"))
+    like = {"rng": jax.random.key(0, impl=impl),
+            "per_layer": jax.ShapeDtypeStruct(keys.shape, keys.dtype), "w": jnp.zeros(2)}
+    back = cv.load(path, like=like)
+    for name in ("rng", "per_layer"):
+        assert back[name].dtype == tree[name].dtype, name
+        assert (jax.random.key_data(back[name]) == jax.random.key_data(tree[name])).all()
+    assert (jax.random.uniform(back["rng"]) == jax.random.uniform(key)).all()
+    assert (cv.load(path)["rng"] == np.asarray(jax.random.key_data(key))).all()  # the bits

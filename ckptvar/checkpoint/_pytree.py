@@ -82,6 +82,55 @@ def _is_abstract(value: Any) -> bool:
     return type(value).__name__ == "ShapeDtypeStruct" and framework_of(value) == "jax"
 
 
+def _is_key(value: Any) -> bool:
+    """A typed jax PRNG key array (``jax.random.key``) or a ``ShapeDtypeStruct`` of one:
+    no NumPy dtype holds it, so its key data (``jax.random.key_data``, uint32) is stored."""
+    if framework_of(value) != "jax":
+        return False
+    import jax  # noqa: PLC0415 - a jax value is here
+
+    return bool(jax.numpy.issubdtype(value.dtype, jax.dtypes.prng_key))
+
+
+def _key_data(value: Any) -> Any:
+    """``value``, or a typed key array's key data (same sharding, a trailing axis more)."""
+    if not _is_key(value):
+        return value
+    import jax  # noqa: PLC0415 - a jax value is here
+
+    return jax.random.key_data(value)
+
+
+def _key_data_like(like: Any) -> tuple[Any, Any]:
+    """``(what the key data is loaded like, the key's impl)`` of a typed key ``like``."""
+    import jax  # noqa: PLC0415 - a jax value is here
+
+    impl = jax.random.key_impl(jax.numpy.empty((0,), like.dtype))
+    if not _is_abstract(like):
+        return jax.random.key_data(like), impl
+    data = jax.eval_shape(jax.random.key_data, like)
+    abstract: Any = type(like)  # jax.ShapeDtypeStruct
+    return abstract(data.shape, data.dtype, sharding=getattr(like, "sharding", None)), impl
+
+
+def _key_targets(arrays: dict[str, Any]) -> dict[str, Any]:
+    """Replace each typed key of ``arrays`` (like leaves) by its key data's like; return
+    ``{path: the key's impl}`` of those replaced."""
+    keys = {}
+    for k in [k for k, v in arrays.items() if _is_key(v)]:
+        arrays[k], keys[k] = _key_data_like(arrays[k])
+    return keys
+
+
+def _wrap_keys(values: dict[str, Any], keys: Mapping[str, Any]) -> None:
+    """The loaded key data of each path of ``keys`` as a typed key of its impl, in place."""
+    if keys:
+        import jax  # noqa: PLC0415 - a jax value is here
+
+        for key, impl in keys.items():
+            values[key] = jax.random.wrap_key_data(values[key], impl=impl)
+
+
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     """``{path: leaf}`` in order; paths are the ``/``-joined keys and indexes.
 
@@ -130,7 +179,7 @@ def is_plain(arrays: Any) -> bool:
         if v.__class__ is ndarray and k.__class__ is str:  # the common case, in one test
             continue
         if (not isinstance(k, str) or not _is_array(v) or _is_abstract(v) or _sharded(v)
-                or _multi_device(v)):
+                or _multi_device(v) or _is_key(v)):
             return False
     return True
 
@@ -270,7 +319,8 @@ def save_tree(  # noqa: PLR0917
     meta: Any = None
     try:  # with a coordinator, a tree this process cannot store is voted on
         leaves = flatten(tree)
-        arrays = {k: v for k, v in leaves.items() if _is_array(v) and not _is_abstract(v)}
+        arrays = {k: _key_data(v) for k, v in leaves.items()
+                  if _is_array(v) and not _is_abstract(v)}
         python = {k: _py_value(v) for k, v in leaves.items() if k not in arrays}
         bad = [k for k, v in leaves.items() if _is_abstract(v)]
         if bad:
@@ -500,6 +550,7 @@ def load_tree(  # noqa: PLR0917
                          timeout=timeout)
         raise
     arrays = {k: v for k, v in leaves.items() if _is_array(v)}
+    keys = _key_targets(arrays)  # typed PRNG keys: their key data is loaded, then wrapped
     if coordinator is None and any(_sharded(v) or (_is_abstract(v) and getattr(
             v, "sharding", None) is not None and not v.sharding.is_fully_addressable)
             for v in arrays.values()):
@@ -529,4 +580,5 @@ def load_tree(  # noqa: PLR0917
                            cast=cast, storage_options=storage_options)
     for key, var in pairs:
         values[key] = _result(var, hows[key])
+    _wrap_keys(values, keys)
     return _rebuild(like, "", values)
