@@ -515,3 +515,19 @@ def test_state_made_at_restore_takes_the_dtypes_numpy_lacks(tmp_path: Path, dtyp
     assert torch.equal(meta.scale.view(torch.uint8 if dt.itemsize == 1 else torch.int16),
                        model.scale.view(torch.uint8 if dt.itemsize == 1 else torch.int16))
     assert torch.equal(meta.weight, model.weight)
+
+
+def test_a_0d_tensor_the_host_cannot_view_keeps_its_shape(tmp_path: Path) -> None:
+    # a conjugate or negative view of a 0-d tensor is copied at the save: still 0-d
+    class Scalars(torch.nn.Module):
+        def __init__(self, c: complex, n: float) -> None:
+            super().__init__()
+            self.register_buffer("c", torch.tensor(c).conj())
+            self.register_buffer("n", torch.tensor(n)._neg_view())
+
+    path = cv.Checkpoint(m=Scalars(1 + 2j, 3.0)).save(tmp_path / "ckpt")
+    shapes = {k: s for k, s, _ in cv.list_variables(path)}
+    assert shapes["m/c"] == () and shapes["m/n"] == ()
+    back = Scalars(0j, 0.0)
+    cv.Checkpoint(m=back).restore(path).assert_consumed()
+    assert back.c.resolve_conj().item() == 1 - 2j and back.n.resolve_neg().item() == -3.0

@@ -177,7 +177,7 @@ def tensor_variable(graph: Graph, name: str, t: Any, *, saving: bool,
         return _device_variable(graph, name, t, shard, trainable)
     if not saving:
         return None
-    host = np.ascontiguousarray(to_numpy(t, what=repr(name)))
+    host = np.require(to_numpy(t, what=repr(name)), requirements="C")  # 0-d stays 0-d
     return _variable(graph, name, host, shard, trainable)
 
 
