@@ -531,3 +531,39 @@ def test_a_0d_tensor_the_host_cannot_view_keeps_its_shape(tmp_path: Path) -> Non
     back = Scalars(0j, 0.0)
     cv.Checkpoint(m=back).restore(path).assert_consumed()
     assert back.c.resolve_conj().item() == 1 - 2j and back.n.resolve_neg().item() == -3.0
+
+
+class _Keyed:
+    """An object whose state dict is given as it is."""
+
+    def __init__(self, sd: dict[Any, Any]) -> None:
+        self.sd = sd
+
+    def state_dict(self) -> dict[Any, Any]:
+        return self.sd
+
+    def load_state_dict(self, sd: dict[Any, Any]) -> None:
+        self.sd = sd
+
+
+@pytest.mark.parametrize("sd", [
+    {0: torch.ones(2), "0": torch.zeros(2)},
+    {"state": {1: {"m": torch.ones(2)}, "1": {"m": torch.zeros(2)}}},
+    {0: torch.ones(2), "0": {"x": torch.zeros(2)}},
+    {"0": {"x": torch.zeros(2)}, 0: torch.ones(2)},
+])
+def test_state_dict_keys_that_name_one_key_are_refused(tmp_path: Path, sd: Any) -> None:
+    # 0 and "0" are both stored as "0": one of the tensors would be lost silently
+    with pytest.raises(cv.CkptError, match=r"stored as '(state/)?[01](/m)?'") as info:
+        cv.Checkpoint(s=_Keyed(sd)).save(tmp_path / "ckpt")
+    assert isinstance(info.value, TypeError)
+    assert not list(tmp_path.iterdir())
+
+
+def test_state_dict_keys_of_one_spelling_on_different_paths_are_kept(tmp_path: Path) -> None:
+    # 0/x and "0"/y are two stored keys: nothing is lost, both are saved and restored
+    sd = {0: {"x": torch.ones(2)}, "0": {"y": torch.full((2,), 2.0)}}
+    path = cv.Checkpoint(s=_Keyed(sd)).save(tmp_path / "ckpt")
+    back = _Keyed({0: {"x": torch.zeros(2)}, "0": {"y": torch.zeros(2)}})
+    cv.Checkpoint(s=back).restore(path).assert_consumed()
+    assert back.sd[0]["x"].tolist() == [1, 1] and back.sd["0"]["y"].tolist() == [2, 2]

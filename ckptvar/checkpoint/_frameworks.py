@@ -385,13 +385,27 @@ def _state_dict(obj: Any) -> Any:
 
 
 def _nest(flat: dict[tuple[Any, ...], Any]) -> dict[str, Any]:
-    """``{path: variable}`` as nested dicts of children (keys ``a/b/c``)."""
+    """``{path: variable}`` as nested dicts of children (keys ``a/b/c``).
+
+    Raises :class:`FrameworkStateError` when two paths name one key (an int key and a
+    str key of the same spelling, ``0`` and ``"0"``): one value would be lost.
+    """
     out: dict[str, Any] = {}
     for path, var in flat.items():
         node = out
-        for seg in path[:-1]:
-            node = node.setdefault(str(seg), {})
-        node[str(path[-1])] = var
+        for i, seg in enumerate(path):
+            name = str(seg)
+            last = i == len(path) - 1
+            held = node.get(name)
+            if held is not None and (last or not isinstance(held, dict)):
+                raise FrameworkStateError(
+                    f"Cannot checkpoint the state dict: its key path {path!r} is stored as "
+                    f"{'/'.join(map(str, path[: i + 1]))!r}, as another of its keys is (an "
+                    "int key and a str key of the same spelling); one value would be lost.")
+            if last:
+                node[name] = var
+            else:
+                node = node.setdefault(name, {})
     return out
 
 
