@@ -137,3 +137,21 @@ def test_typed_prng_keys_are_saved_as_their_key_data(tmp_path: Path, impl: str) 
         assert (jax.random.key_data(back[name]) == jax.random.key_data(tree[name])).all()
     assert (jax.random.uniform(back["rng"]) == jax.random.uniform(key)).all()
     assert (cv.load(path)["rng"] == np.asarray(jax.random.key_data(key))).all()  # the bits
+
+
+def test_a_step_saved_as_a_0d_array_loads_into_a_python_number(tmp_path: Path) -> None:
+    # a train state's step is an int before the first jitted step and a 0-d array after:
+    # like= with the int takes the stored 0-d array as that Python number
+    path = cv.save(tmp_path / "s.h5", {"step": jnp.int32(5), "loss": np.float32(0.25),
+                                       "done": np.bool_(True), "lr": 0.1, "w": jnp.ones(2)})
+    out = cv.load(path, like={"step": 0, "loss": 0.0, "done": False, "lr": 0.0,
+                              "w": jnp.zeros(2)})
+    assert out["step"] == 5 and type(out["step"]) is int
+    assert out["loss"] == 0.25 and type(out["loss"]) is float
+    assert out["done"] is True
+    # what does not fit is said as it is, nothing loaded
+    for like, said in (({"step": 0.0}, r"'step' is stored as an array \(int32, shape \(\)\)"),
+                       ({"w": 0.0}, r"'w' is stored as an array \(float32, shape \(2,\)\)"),
+                       ({"lr": jnp.zeros(())}, r"'lr' is stored as a Python value \(0\.1\)")):
+        with pytest.raises(cv.CheckpointMismatchError, match=said):
+            cv.load(path, like=like)

@@ -511,13 +511,34 @@ def _python_values(path: Any, leaves: Mapping[str, Any], arrays: Mapping[str, An
     """The stored Python values of ``leaves`` that are no arrays (all there, or raise)."""
     with open_checkpoint_reader(path, storage_options) as reader:
         meta = reader.metadata()
-    python = meta.get(META_KEY, {}) if isinstance(meta, dict) else {}
-    missing = [k for k in leaves if k not in arrays and k not in python]
+        python = meta.get(META_KEY, {}) if isinstance(meta, dict) else {}
+        out = {k: _from_py(python[k]) for k in leaves if k not in arrays and k in python}
+        stored = [k for k in leaves if k not in arrays and k not in python and k in reader]
+        for k in stored:  # an array where the like tree has a Python value
+            out[k] = _number_from(reader, k, leaves[k], path)
+    missing = [k for k in leaves if k not in arrays and k not in out]
     if missing:
         raise CheckpointMismatchError(
             f"{str(path)!r} has no value for {', '.join(map(repr, missing))} (Python values "
             "of the tree); nothing was loaded.")
-    return {k: _from_py(python[k]) for k in leaves if k not in arrays}
+    return out
+
+
+#: the NumPy kinds a stored 0-d array may have to load as a like leaf of this Python type
+_NUMBER_KINDS = {bool: "b", int: "iu", float: "f"}
+
+
+def _number_from(reader: Any, key: str, like: Any, path: Any) -> Any:
+    """The stored 0-d array ``key`` as the Python number ``like`` is (a train state's step:
+    an ``int`` before the first jitted step, a 0-d array after); else a mismatch."""
+    info = reader.info(key)
+    kinds = _NUMBER_KINDS.get(type(like), "")
+    if tuple(info.shape) != () or np.dtype(info.dtype).kind not in kinds:
+        raise CheckpointMismatchError(
+            f"{key!r} is stored as an array ({np.dtype(info.dtype)}, shape "
+            f"{tuple(info.shape)}) in {str(path)!r}, but the like tree has the Python value "
+            f"{like!r} there; nothing was loaded.")
+    return type(like)(np.asarray(reader.read(key)).item())
 
 
 def _restore_here(path: Any, pairs: list[tuple[str, Variable]], verify: bool, cast: bool,
@@ -525,6 +546,14 @@ def _restore_here(path: Any, pairs: list[tuple[str, Variable]], verify: bool, ca
     """One process: every value read and checked, then given (the errors as they are)."""
     with open_checkpoint_reader(path, storage_options) as reader:
         missing = [k for k, _ in pairs if k not in reader]
+        meta = reader.metadata() if missing else None
+        python = meta.get(META_KEY, {}) if isinstance(meta, dict) else {}
+        for k in missing:
+            if k in python:
+                raise CheckpointMismatchError(
+                    f"{k!r} is stored as a Python value ({_from_py(python[k])!r}) in "
+                    f"{str(path)!r}, but the like tree has an array there; nothing was "
+                    "loaded.")
         if missing:
             raise CheckpointMismatchError(
                 f"{str(path)!r} has no value for {', '.join(map(repr, missing))}; nothing "
