@@ -155,3 +155,16 @@ def test_a_step_saved_as_a_0d_array_loads_into_a_python_number(tmp_path: Path) -
                        ({"lr": jnp.zeros(())}, r"'lr' is stored as a Python value \(0\.1\)")):
         with pytest.raises(cv.CheckpointMismatchError, match=said):
             cv.load(path, like=like)
+
+
+def test_a_like_tensor_on_the_meta_device_gives_the_stored_values(tmp_path: Path) -> None:
+    # like= a meta module's state dict (no storage): the values come back on the CPU, to
+    # load_state_dict(..., assign=True), never as meta tensors that dropped them
+    model = torch.nn.Linear(3, 2)
+    path = cv.save(tmp_path / "m.h5", model.state_dict())
+    with torch.device("meta"):
+        meta = torch.nn.Linear(3, 2)
+    out = cv.load(path, like=meta.state_dict())
+    assert all(v.device.type == "cpu" for v in out.values())
+    meta.load_state_dict(out, assign=True)
+    assert torch.equal(meta.weight, model.weight) and torch.equal(meta.bias, model.bias)

@@ -475,7 +475,8 @@ def _result(var: Variable, how: tuple[Any, ...]) -> Any:  # noqa: PLR0911 - one 
     fw = framework_of(like)
     if fw == "torch":
         t = from_numpy(host, "torch")
-        return t if like.device.type == "cpu" else t.to(like.device)
+        # a like on the 'meta' device has no storage to take the values: the CPU's
+        return t if like.device.type in ("cpu", "meta") else t.to(like.device)
     if fw == "jax":
         sharding = getattr(like, "sharding", None)
         if sharding is not None:
