@@ -168,3 +168,20 @@ def test_a_like_tensor_on_the_meta_device_gives_the_stored_values(tmp_path: Path
     assert all(v.device.type == "cpu" for v in out.values())
     meta.load_state_dict(out, assign=True)
     assert torch.equal(meta.weight, model.weight) and torch.equal(meta.bias, model.bias)
+
+
+class EmptyState(NamedTuple):
+    """optax's EmptyState: a namedtuple with no fields (adamw's state holds two)."""
+
+
+def test_empty_namedtuples_come_back_as_their_type(tmp_path: Path) -> None:
+    from collections import OrderedDict  # noqa: PLC0415
+
+    tree = {"opt": (AdamState(jnp.int32(1), {"w": jnp.ones(2)}, {"w": jnp.ones(2)}),
+                    EmptyState(), EmptyState()),
+            "od": OrderedDict(), "t": (), "l": []}
+    path = cv.save(tmp_path / "o.h5", tree)
+    back = cv.load(path, like=tree)
+    assert type(back["opt"][1]) is EmptyState and type(back["opt"][2]) is EmptyState
+    assert type(back["od"]) is OrderedDict and back["t"] == () and back["l"] == []
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(tree)

@@ -495,7 +495,7 @@ def _rebuild(like: Any, prefix: str, values: Mapping[str, Any]) -> Any:
         return values[prefix]
     items = [(n, _rebuild(c, f"{prefix}/{n}" if prefix else n, values)) for n, c in kids]
     if not items and prefix in values:
-        return values[prefix]
+        return _empty_like(like, values[prefix])
     if isinstance(like, Mapping):
         keys = list(like.keys())
         kind: Any = type(like)
@@ -505,6 +505,16 @@ def _rebuild(like: Any, prefix: str, values: Mapping[str, Any]) -> Any:
     if isinstance(like, tuple):
         return tuple(v for _, v in items)
     return [v for _, v in items]
+
+
+def _empty_like(like: Any, stored: Any) -> Any:
+    """An empty container as stored, of ``like``'s own type where that is a namedtuple
+    (optax's ``EmptyState()``) or a dict subclass (``OrderedDict()``) of the same kind."""
+    if type(stored) is tuple and not stored and _is_namedtuple(like):
+        return type(like)()
+    if type(stored) is dict and not stored and isinstance(like, dict) and type(like) is not dict:
+        return type(like)()
+    return stored
 
 
 def _python_values(path: Any, leaves: Mapping[str, Any], arrays: Mapping[str, Any],
