@@ -193,6 +193,17 @@ def test_npz_big_endian_values_are_plain_numbers_for_numpy(tmp_path: Path) -> No
         "f": np.dtype("<f4"), "i": np.dtype("<i8"), "c": np.dtype("<c16")}
 
 
+def test_npz_metadata_bytes_come_back_as_bytes(tmp_path: Path) -> None:
+    # bytes are kept in the JSON member as base64; the reader decodes them, as the
+    # safetensors reader does, instead of giving the {"__bytes__": ...} wrapper
+    meta = {"blob": b"\x00\xff", "nested": [{"raw": b"ab"}], "step": 3}
+    path = cv.save(tmp_path / "m.npz", {"w": np.ones(2)}, metadata=meta)
+    with cv.open(path) as reader:
+        assert reader.metadata() == meta
+    tree = {"w": np.ones(2), "b": b"\x01"}
+    assert cv.load(cv.save(tmp_path / "t.npz", tree), like=tree)["b"] == b"\x01"
+
+
 def test_npz_object_and_structured_arrays_are_refused_without_unpickling(tmp_path: Path) -> None:
     marker = tmp_path / "marker"
 

@@ -45,7 +45,7 @@ from ._common import (
     check_shape,
     little_endian,
 )
-from ._json import jsonable
+from ._json import jsonable, loads_json
 from ._zip import (
     MAX_DEFLATE_RATIO,
     ZIP_ERRORS,
@@ -181,9 +181,10 @@ def _read_sidecar(archive: ZipArchive, path: Path) -> dict[str, Any]:
     if info.file_size > 64 << 20:
         raise CorruptCheckpointError(f"{_SIDECAR} in {str(path)!r} is too large.")
     member = _Member(archive.zf, info, archive.fh, path)
-    try:
-        sidecar = json.loads(member.fetch(0, info.file_size))
-    except ValueError as exc:
+    try:  # (loads_json: the inverse of the writer's jsonable, bytes included)
+        sidecar = loads_json(bytes(member.fetch(0, info.file_size)).decode("utf-8"),
+                             f"{path} ({_SIDECAR})")
+    except UnicodeDecodeError as exc:
         raise CorruptCheckpointError(f"{_SIDECAR} in {path}: {exc}") from None
     if not isinstance(sidecar, dict):
         raise CorruptCheckpointError(f"{_SIDECAR} in {str(path)!r} is not an object.")
