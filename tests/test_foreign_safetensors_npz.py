@@ -204,6 +204,17 @@ def test_npz_metadata_bytes_come_back_as_bytes(tmp_path: Path) -> None:
     assert cv.load(cv.save(tmp_path / "t.npz", tree), like=tree)["b"] == b"\x01"
 
 
+@pytest.mark.parametrize("key", ["../x", "/abs", "a\\b", "C:x", "a/../../b"])
+def test_an_npz_key_the_reader_would_refuse_is_refused_when_written(
+        tmp_path: Path, key: str) -> None:
+    # a member name pointing outside the archive: refused by name before anything is
+    # written, never a file that reads back as "points outside the archive"
+    path = tmp_path / "k.npz"
+    with pytest.raises(ValueError, match=r"Invalid npz key.*outside"):
+        cv.save(path, {"ok": np.ones(2), key: np.zeros(2)})
+    assert not path.exists() and not list(tmp_path.iterdir())
+
+
 def test_npz_object_and_structured_arrays_are_refused_without_unpickling(tmp_path: Path) -> None:
     marker = tmp_path / "marker"
 

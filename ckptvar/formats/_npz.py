@@ -51,6 +51,7 @@ from ._zip import (
     ZIP_ERRORS,
     ZipArchive,
     read_member_range,
+    unsafe_name,
     zip_crc_check,
     zip_member_data_offset,
 )
@@ -302,6 +303,11 @@ class NpzWriter(CollectingWriter):
         if not isinstance(key, str) or not key or key == _SIDECAR[:-5] or "\x00" in key:
             raise ValueError(f"Invalid npz key {key!r}.")
         check_key_utf8(key, "npz")
+        if unsafe_name(key + ".npy"):  # the reader refuses such a member: never written
+            raise ValueError(
+                f"Invalid npz key {key!r}: its member name would point outside the archive "
+                "(absolute, a drive letter, '..' or a backslash); rename it "
+                "(ckpt convert --rename).")
         if not is_chunked(array):  # a Chunked value's pieces are streamed at commit
             array = np.asarray(array)
         dt = little_endian(np.dtype(array.dtype))
