@@ -185,3 +185,15 @@ def test_empty_namedtuples_come_back_as_their_type(tmp_path: Path) -> None:
     assert type(back["opt"][1]) is EmptyState and type(back["opt"][2]) is EmptyState
     assert type(back["od"]) is OrderedDict and back["t"] == () and back["l"] == []
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(tree)
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".zarr"])
+def test_a_python_int_beyond_64_bits_is_refused_naming_where(tmp_path: Path, suffix: str) -> None:
+    # msgpack holds 64-bit integers: a bigger one is named by its place, before writing
+    path = tmp_path / f"t{suffix}"
+    with pytest.raises(TypeError, match=r"2361183241434822606848.*'pytree/hyper/seed'"):
+        cv.save(path, {"w": np.ones(2), "hyper": {"seed": 2**71, "lr": 0.1}})
+    with pytest.raises(TypeError, match=r"-9223372036854775809.*'run/1'"):
+        cv.save(path, {"w": np.ones(2)}, metadata={"run": [1, -2**63 - 1]})
+    assert not list(tmp_path.iterdir())
+    cv.save(path, {"w": np.ones(2)}, metadata={"edges": [2**64 - 1, -2**63]})  # the range
