@@ -567,3 +567,29 @@ def test_state_dict_keys_of_one_spelling_on_different_paths_are_kept(tmp_path: P
     back = _Keyed({0: {"x": torch.zeros(2)}, "0": {"y": torch.zeros(2)}})
     cv.Checkpoint(s=back).restore(path).assert_consumed()
     assert back.sd[0]["x"].tolist() == [1, 1] and back.sd["0"]["y"].tolist() == [2, 2]
+
+
+def test_a_load_state_dict_that_fails_leaves_no_object_restoring(tmp_path: Path) -> None:
+    # the optimizer refuses the stored param_groups; the scheduler after it must not be
+    # left mid-restore: a later save writes its live state, not the checkpoint's
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    path = cv.Checkpoint(model=model, opt=opt, sched=sched).save(tmp_path / "a")
+    model2 = torch.nn.Linear(3, 2)
+    opt2 = torch.optim.SGD([{"params": [model2.weight]}, {"params": [model2.bias]}], lr=0.1)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, 1, gamma=0.5)
+    ckpt = cv.Checkpoint(model=model2, opt=opt2, sched=sched2)
+    with pytest.raises(ValueError, match="parameter groups"):
+        ckpt.restore(path)
+    for _ in range(5):
+        opt2.step()
+        sched2.step()
+    saved = ckpt.save(tmp_path / "b")
+    fresh = torch.optim.lr_scheduler.StepLR(
+        torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), 1)
+    cv.Checkpoint(sched=fresh).restore(saved).expect_partial()
+    assert fresh.last_epoch == sched2.last_epoch  # what it is now, saved

@@ -745,13 +745,21 @@ def end_restores(adapters: list[StateDictTrackable], *, ok: bool,
     """After the restore: give the objects their state (``ok``), or forget it.
 
     ``carry(old, new)``: variable ``new`` holds what the restore gave ``old`` (a tensor
-    ``load_state_dict`` copied the restored value into; ``finish_restore``).
+    ``load_state_dict`` copied the restored value into; ``finish_restore``). When an
+    object's ``load_state_dict`` raises, the others still finish (none is left restoring,
+    where its next save would write the checkpoint's state), then the first error is raised.
     """
-    for a in adapters:
-        if ok:
-            a.finish_restore(carry)
-        else:
-            a.abort_restore()
+    first: BaseException | None = None
+    for a in adapters:  # every object leaves its restore, whichever raises
+        try:
+            if ok:
+                a.finish_restore(carry)
+            else:
+                a.abort_restore()
+        except BaseException as exc:  # noqa: BLE001 - raised below, once all are done
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 def trackable_for(value: Any) -> Any:
