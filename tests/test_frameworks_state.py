@@ -593,3 +593,37 @@ def test_a_load_state_dict_that_fails_leaves_no_object_restoring(tmp_path: Path)
         torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), 1)
     cv.Checkpoint(sched=fresh).restore(saved).expect_partial()
     assert fresh.last_epoch == sched2.last_epoch  # what it is now, saved
+
+
+class _Flaky(_Keyed):
+    """An object whose ``state_dict()`` raises while ``broken``."""
+
+    broken = False
+
+    def state_dict(self) -> dict[Any, Any]:
+        if self.broken:
+            raise RuntimeError("not ready")
+        return self.sd
+
+
+def test_an_object_that_fails_to_begin_a_restore_leaves_none_restoring(tmp_path: Path) -> None:
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    flaky = _Flaky({"x": torch.ones(2)})
+    ckpt = cv.Checkpoint(sched=sched, flaky=flaky)
+    path = ckpt.save(tmp_path / "a")
+    flaky.broken = True
+    with pytest.raises(RuntimeError, match="not ready"):
+        ckpt.restore(path)
+    flaky.broken = False
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    saved = ckpt.save(tmp_path / "b")  # the scheduler as it is now, not as stored
+    fresh = torch.optim.lr_scheduler.StepLR(
+        torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), 1)
+    cv.Checkpoint(sched=fresh).restore(saved).expect_partial()
+    assert fresh.last_epoch == sched.last_epoch == 7

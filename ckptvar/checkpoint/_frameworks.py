@@ -730,13 +730,17 @@ def _new_tensor(torch: Any, t: Any, path: tuple[Any, ...], info: Any,
 
 def begin_restores(root: Trackable, states: Any, infos: Any, path: Any) -> list[StateDictTrackable]:
     """Put the state-dict objects ``root`` tracks in restore mode (see ``begin_restore``)."""
-    out = []
-    for name, obj in root.trackable_children().items():
-        if isinstance(obj, StateDictTrackable):
-            blob = states.get(name)
-            stored = None if blob is None else decode_state(blob, name, path)
-            obj.begin_restore(name, stored, infos)
-            out.append(obj)
+    out: list[StateDictTrackable] = []
+    try:
+        for name, obj in root.trackable_children().items():
+            if isinstance(obj, StateDictTrackable):
+                blob = states.get(name)
+                stored = None if blob is None else decode_state(blob, name, path)
+                out.append(obj)  # (ended below if its own begin raises)
+                obj.begin_restore(name, stored, infos)
+    except BaseException:
+        end_restores(out, ok=False)  # none left restoring: its next save would be stale
+        raise
     return out
 
 
