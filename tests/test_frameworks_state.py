@@ -627,3 +627,16 @@ def test_an_object_that_fails_to_begin_a_restore_leaves_none_restoring(tmp_path:
         torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), 1)
     cv.Checkpoint(sched=fresh).restore(saved).expect_partial()
     assert fresh.last_epoch == sched.last_epoch == 7
+
+
+def test_a_restore_without_python_state_never_takes_an_earlier_restores(tmp_path: Path) -> None:
+    # restored once from a checkpoint with the object's Python state, then from a file of
+    # tensors only: the second restore keeps the object's own Python values
+    obj = _Keyed({"t": torch.ones(2, 3).t(), "v": 1})  # non-contiguous: a new tensor
+    ckpt = cv.Checkpoint(s=obj)
+    first = ckpt.save(tmp_path / "a")
+    ckpt.restore(first).assert_consumed()
+    obj.sd = {"t": torch.zeros(2, 3).t(), "v": 2}
+    tensors = cv.save(tmp_path / "b.h5", {"s/t": np.full((3, 2), 5, np.float32)})
+    ckpt.restore(tensors).expect_partial()
+    assert obj.sd["v"] == 2 and obj.sd["t"].tolist() == [[5, 5]] * 3

@@ -612,6 +612,7 @@ class StateDictTrackable(Trackable):
         """
         self._last = None  # the restore may give the object other tensors
         self._given, self._carry = {}, None
+        self._state = None  # this restore's Python state, if the checkpoint has one
         torch = sys.modules.get("torch", None)
         sd = self.obj.state_dict()
         current = dict(_tensors(sd))
