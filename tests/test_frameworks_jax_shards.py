@@ -43,8 +43,7 @@ on_mesh = cv.load(path, like={**like, "count": jax.ShapeDtypeStruct(
     (), np.int32, sharding=NamedSharding(dst, P()))})["count"]
 plain = cv.load(path)  # one plain process: the logical values
 # a zero-size value sharded over the devices (every shard empty) is kept, not dropped
-empty = {"e": jax.device_put(np.zeros((0, 4), np.float32), NamedSharding(src, P(None, "y"))),
-         "w": tree["w"]}
+empty = {"e": jax.device_put(np.zeros((0, 4), np.float32), NamedSharding(src, P(None, "y")))}
 epath = cv.save(os.path.join(d, "e.h5"), empty)
 empty_back = cv.load(epath, like=empty)
 empty_kept = [cv.list_variables(epath)[0][:2], list(empty_back["e"].shape),
