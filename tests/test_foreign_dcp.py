@@ -69,6 +69,21 @@ def test_convert_verify_and_inspect(tmp_path: Path) -> None:
     assert len(list(hf.glob("model-*.safetensors"))) > 1
 
 
+def test_convert_to_our_formats_keeps_an_optimizers_tuples_as_lists(tmp_path: Path) -> None:
+    # DCP keeps an optimizer's betas as a tuple, which ckptvar's metadata has no type for:
+    # stored as a list, and said, instead of refusing the whole conversion
+    h5, zarr = tmp_path / "o.h5", tmp_path / "o.zarr"
+    runs = ckpt_many(("convert", FIXTURES / "single", h5), ("convert", FIXTURES / "single", zarr))
+    for run, dst in zip(runs, (h5, zarr), strict=True):
+        assert run.returncode == 0, run.stderr
+        assert "optim.param_groups.0.betas" in run.stdout and "as a list" in run.stdout
+        with cv.open(dst) as reader:
+            meta = reader.metadata()
+        assert meta["optim.param_groups.0.betas"] == [0.9, 0.999] and meta["epoch"] == 3
+        want, got = cv.load(FIXTURES / "single"), cv.load(dst)
+        assert want.keys() == got.keys()
+
+
 def _copy(tmp_path: Path, name: str = "two_ranks") -> Path:
     dst = tmp_path / name
     shutil.copytree(FIXTURES / name, dst)

@@ -339,3 +339,20 @@ def test_a_model_folder_named_like_a_safetensors_file_opens(tmp_path: Path) -> N
         assert reader.format == "hf-safetensors" and reader.read("w").tolist() == [0, 1, 2]
     proc = ckpt("inspect", out)
     assert proc.returncode == 0 and "hf-safetensors" in proc.stdout
+
+
+def test_shards_and_total_size_count_packed_sub_byte_values_as_stored(tmp_path: Path) -> None:
+    # a float4 value is stored two to a byte: 64 values take 32 bytes of a shard, as
+    # transformers counts them (numel x element size of torch's float4_e2m1fn_x2)
+    import ml_dtypes  # noqa: PLC0415 - installed with ckptvar
+
+    values = {f"l{i}": np.arange(64).astype(ml_dtypes.float4_e2m1fn) for i in range(4)}
+    values["x"] = np.ones(8, np.float32)
+    folder = cv.save(tmp_path / "m", values, format="hf-safetensors", max_shard_size=64)
+    index = json.loads((Path(folder) / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 4 * 32 + 32
+    assert sorted(set(index["weight_map"].values())) == [
+        f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    back = cv.load(folder)
+    for key, value in values.items():
+        assert back[key].tobytes() == value.tobytes(), key

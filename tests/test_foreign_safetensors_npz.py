@@ -178,6 +178,43 @@ def test_npz_round_trip_and_numpy_can_read_our_files(tmp_path: Path) -> None:
         np.testing.assert_array_equal(bits.view(BF16), values["bf16"])
 
 
+def test_npz_big_endian_values_are_plain_numbers_for_numpy(tmp_path: Path) -> None:
+    # stored little-endian by value: NumPy reads the same floats, not their bits as uints
+    values = {"f": np.arange(4, dtype=">f4"), "i": np.array(-3, dtype=">i8"),
+              "c": np.array([1 + 2j], dtype=">c16")}
+    path = cv.save(tmp_path / "b.npz", values)
+    with np.load(path, allow_pickle=False) as data:
+        for key, value in values.items():
+            assert data[key].dtype == value.dtype.newbyteorder("<"), key
+            np.testing.assert_array_equal(data[key], value)
+    with zipfile.ZipFile(path) as zf:
+        assert zf.namelist() == ["f.npy", "i.npy", "c.npy"]  # no dtype record needed
+    assert {k: v.dtype for k, v in cv.load(path).items()} == {
+        "f": np.dtype("<f4"), "i": np.dtype("<i8"), "c": np.dtype("<c16")}
+
+
+def test_npz_metadata_bytes_come_back_as_bytes(tmp_path: Path) -> None:
+    # bytes are kept in the JSON member as base64; the reader decodes them, as the
+    # safetensors reader does, instead of giving the {"__bytes__": ...} wrapper
+    meta = {"blob": b"\x00\xff", "nested": [{"raw": b"ab"}], "step": 3}
+    path = cv.save(tmp_path / "m.npz", {"w": np.ones(2)}, metadata=meta)
+    with cv.open(path) as reader:
+        assert reader.metadata() == meta
+    tree = {"w": np.ones(2), "b": b"\x01"}
+    assert cv.load(cv.save(tmp_path / "t.npz", tree), like=tree)["b"] == b"\x01"
+
+
+@pytest.mark.parametrize("key", ["../x", "/abs", "a\\b", "C:x", "a/../../b"])
+def test_an_npz_key_the_reader_would_refuse_is_refused_when_written(
+        tmp_path: Path, key: str) -> None:
+    # a member name pointing outside the archive: refused by name before anything is
+    # written, never a file that reads back as "points outside the archive"
+    path = tmp_path / "k.npz"
+    with pytest.raises(ValueError, match=r"Invalid npz key.*outside"):
+        cv.save(path, {"ok": np.ones(2), key: np.zeros(2)})
+    assert not path.exists() and not list(tmp_path.iterdir())
+
+
 def test_npz_object_and_structured_arrays_are_refused_without_unpickling(tmp_path: Path) -> None:
     marker = tmp_path / "marker"
 

@@ -38,7 +38,16 @@ like = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(dst, 
         "r": jax.ShapeDtypeStruct((4, 40), w.dtype, sharding=NamedSharding(dst, P("y"))),
         "step": 0, "count": jax.numpy.int32(0)}
 got = cv.load(path, like=like)
+# a 0-d leaf restored onto a mesh (an optimizer's count, replicated): stays 0-d
+on_mesh = cv.load(path, like={**like, "count": jax.ShapeDtypeStruct(
+    (), np.int32, sharding=NamedSharding(dst, P()))})["count"]
 plain = cv.load(path)  # one plain process: the logical values
+# a zero-size value sharded over the devices (every shard empty) is kept, not dropped
+empty = {"e": jax.device_put(np.zeros((0, 4), np.float32), NamedSharding(src, P(None, "y")))}
+epath = cv.save(os.path.join(d, "e.h5"), empty)
+empty_back = cv.load(epath, like=empty)
+empty_kept = [cv.list_variables(epath)[0][:2], list(empty_back["e"].shape),
+              empty_back["e"].sharding == empty["e"].sharding]
 with cv.open(path) as reader:
     stored = {k: list(reader.info(k).shape) for k in ("w", "b", "r")}
 index = os.path.join(path, "ckptvar-index.msgpack")
@@ -77,6 +86,8 @@ print(json.dumps({
     "plain": bool(np.array_equal(plain["w"], w) and np.array_equal(plain["b"], b)),
     "sharding": all(got[k].sharding == like[k].sharding for k in ("w", "b", "r")),
     "step": got["step"], "count": [int(got["count"]), list(plain["count"].shape)],
+    "empty": [[e[0], list(e[1])] if isinstance(e, tuple) else e for e in empty_kept],
+    "count_on_mesh": [int(on_mesh), list(on_mesh.shape), len(on_mesh.sharding.device_set)],
     "stored": stored, "boxes": boxes,
     "zarr": zarr_ok, "refused": refused, "peak": peak, "nbytes": big.nbytes}))
 '''
@@ -96,6 +107,8 @@ def test_a_multi_device_jax_array_is_saved_shard_by_shard(tmp_path: Path) -> Non
     assert got["bits"] == {"w": True, "b": True, "r": True}  # 2x4 -> 4x2 mesh, bit for bit
     assert got["sharding"] and got["plain"] and got["step"] == 3
     assert got["count"] == [5, []]
+    assert got["count_on_mesh"] == [5, [], 8]
+    assert got["empty"] == [["e", [0, 4]], [0, 4], True]
     assert got["zarr"] == [True, True, True]  # global array, and read back onto 4 x 2
     assert "writer options" in got["refused"] and "nd.h5" in got["refused"], got["refused"]
     # one logical value each (its full shape), stored as its distinct boxes once each

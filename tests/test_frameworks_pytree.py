@@ -117,3 +117,83 @@ def test_jax_arrays_come_back_with_the_target_sharding(tmp_path: Path) -> None:
     out = cv.load(path, like={"w": jax.ShapeDtypeStruct((2, 3), jnp.float32, sharding=sharding)})
     assert isinstance(out["w"], jax.Array) and out["w"].sharding == sharding
     assert np.asarray(out["w"]).tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_typed_prng_keys_are_saved_as_their_key_data(tmp_path: Path, impl: str) -> None:
+    # a typed key (jax.random.key) is a jax.Array with no NumPy dtype: its key data is
+    # stored, and a like= key (an array or a ShapeDtypeStruct) gives back a typed key
+    key = jax.random.key(7, impl=impl)
+    keys = jax.random.split(jax.random.key(1, impl=impl), 3)
+    tree = {"rng": key, "per_layer": keys, "w": jnp.ones(2)}
+    path = cv.save(tmp_path / "k.h5", tree)
+    stored = {k: (shape, dtype) for k, shape, dtype in cv.list_variables(path)}
+    assert stored["rng"] == (jax.random.key_data(key).shape, np.dtype("uint32"))
+    like = {"rng": jax.random.key(0, impl=impl),
+            "per_layer": jax.ShapeDtypeStruct(keys.shape, keys.dtype), "w": jnp.zeros(2)}
+    back = cv.load(path, like=like)
+    for name in ("rng", "per_layer"):
+        assert back[name].dtype == tree[name].dtype, name
+        assert (jax.random.key_data(back[name]) == jax.random.key_data(tree[name])).all()
+    assert (jax.random.uniform(back["rng"]) == jax.random.uniform(key)).all()
+    assert (cv.load(path)["rng"] == np.asarray(jax.random.key_data(key))).all()  # the bits
+
+
+def test_a_step_saved_as_a_0d_array_loads_into_a_python_number(tmp_path: Path) -> None:
+    # a train state's step is an int before the first jitted step and a 0-d array after:
+    # like= with the int takes the stored 0-d array as that Python number
+    path = cv.save(tmp_path / "s.h5", {"step": jnp.int32(5), "loss": np.float32(0.25),
+                                       "done": np.bool_(True), "lr": 0.1, "w": jnp.ones(2)})
+    out = cv.load(path, like={"step": 0, "loss": 0.0, "done": False, "lr": 0.0,
+                              "w": jnp.zeros(2)})
+    assert out["step"] == 5 and type(out["step"]) is int
+    assert out["loss"] == 0.25 and type(out["loss"]) is float
+    assert out["done"] is True
+    # what does not fit is said as it is, nothing loaded
+    for like, said in (({"step": 0.0}, r"'step' is stored as an array \(int32, shape \(\)\)"),
+                       ({"w": 0.0}, r"'w' is stored as an array \(float32, shape \(2,\)\)"),
+                       ({"lr": jnp.zeros(())}, r"'lr' is stored as a Python value \(0\.1\)")):
+        with pytest.raises(cv.CheckpointMismatchError, match=said):
+            cv.load(path, like=like)
+
+
+def test_a_like_tensor_on_the_meta_device_gives_the_stored_values(tmp_path: Path) -> None:
+    # like= a meta module's state dict (no storage): the values come back on the CPU, to
+    # load_state_dict(..., assign=True), never as meta tensors that dropped them
+    model = torch.nn.Linear(3, 2)
+    path = cv.save(tmp_path / "m.h5", model.state_dict())
+    with torch.device("meta"):
+        meta = torch.nn.Linear(3, 2)
+    out = cv.load(path, like=meta.state_dict())
+    assert all(v.device.type == "cpu" for v in out.values())
+    meta.load_state_dict(out, assign=True)
+    assert torch.equal(meta.weight, model.weight) and torch.equal(meta.bias, model.bias)
+
+
+class EmptyState(NamedTuple):
+    """optax's EmptyState: a namedtuple with no fields (adamw's state holds two)."""
+
+
+def test_empty_namedtuples_come_back_as_their_type(tmp_path: Path) -> None:
+    from collections import OrderedDict  # noqa: PLC0415
+
+    tree = {"opt": (AdamState(jnp.int32(1), {"w": jnp.ones(2)}, {"w": jnp.ones(2)}),
+                    EmptyState(), EmptyState()),
+            "od": OrderedDict(), "t": (), "l": []}
+    path = cv.save(tmp_path / "o.h5", tree)
+    back = cv.load(path, like=tree)
+    assert type(back["opt"][1]) is EmptyState and type(back["opt"][2]) is EmptyState
+    assert type(back["od"]) is OrderedDict and back["t"] == () and back["l"] == []
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(tree)
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".zarr"])
+def test_a_python_int_beyond_64_bits_is_refused_naming_where(tmp_path: Path, suffix: str) -> None:
+    # msgpack holds 64-bit integers: a bigger one is named by its place, before writing
+    path = tmp_path / f"t{suffix}"
+    with pytest.raises(TypeError, match=r"2361183241434822606848.*'pytree/hyper/seed'"):
+        cv.save(path, {"w": np.ones(2), "hyper": {"seed": 2**71, "lr": 0.1}})
+    with pytest.raises(TypeError, match=r"-9223372036854775809.*'run/1'"):
+        cv.save(path, {"w": np.ones(2)}, metadata={"run": [1, -2**63 - 1]})
+    assert not list(tmp_path.iterdir())
+    cv.save(path, {"w": np.ones(2)}, metadata={"edges": [2**64 - 1, -2**63]})  # the range

@@ -447,3 +447,196 @@ def test_a_non_contiguous_tensor_is_saved_as_it_is_at_each_save(
         model.t.fill_(7.0)
     ckpt.restore(path)  # into the very tensors, whose values the saves took
     assert torch.equal(model.cols, cols) and torch.equal(model.t, t)
+
+
+class _Transposed(torch.nn.Module):
+    """A module whose parameter is a non-contiguous view (restored through a new tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 3).t())
+
+
+@pytest.mark.parametrize("case", ["non-contiguous parameter", "tensor learning rate"])
+def test_a_value_load_state_dict_copies_still_counts_as_restored(
+        tmp_path: Path, case: str) -> None:
+    # load_state_dict copies some restored tensors (into a non-contiguous parameter; an
+    # optimizer's param_groups, deep-copied): the object's tensor is then another one
+    # than the restore filled, yet it holds the stored value and the status says so
+    if case == "non-contiguous parameter":
+        make: Any = lambda: {"model": _Transposed()}  # noqa: E731
+    else:
+        def make() -> dict[str, Any]:
+            model = torch.nn.Linear(3, 2)
+            return {"model": model, "opt": torch.optim.Adam(
+                model.parameters(), lr=torch.tensor(0.5))}
+    saved = make()
+    if "opt" in saved:
+        saved["model"](torch.ones(1, 3)).sum().backward()
+        saved["opt"].step()
+        saved["opt"].param_groups[0]["lr"].fill_(0.01)
+    path = cv.Checkpoint(**saved).save(tmp_path / "ckpt")
+    fresh = make()
+    status = cv.Checkpoint(**fresh).restore(path)
+    status.assert_consumed()
+    for name, obj in saved.items():
+        want, got = obj.state_dict(), fresh[name].state_dict()
+        if name == "opt":
+            assert torch.equal(got["param_groups"][0]["lr"], torch.tensor(0.01))
+            want, got = want["state"][0], got["state"][0]
+        for k, v in want.items():
+            assert torch.equal(v, got[k]), k
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_state_made_at_restore_takes_the_dtypes_numpy_lacks(tmp_path: Path, dtype: str) -> None:
+    # a bfloat16 model's optimizer restored into a fresh optimizer (no state before its
+    # first step), and a module on the meta device: their tensors are made at the restore
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    model = torch.nn.Linear(3, 2, dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    model.register_buffer("scale", torch.arange(4.0).to(dt))
+    path = cv.Checkpoint(model=model, opt=opt).save(tmp_path / "ckpt")
+    fresh = torch.nn.Linear(3, 2, dtype=torch.bfloat16)
+    fresh.register_buffer("scale", torch.zeros(4).to(dt))
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    cv.Checkpoint(model=fresh, opt=fresh_opt).restore(path).assert_consumed()
+    got = fresh_opt.state[fresh.weight]["exp_avg"]
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, opt.state[model.weight]["exp_avg"])
+    with torch.device("meta"):
+        meta = torch.nn.Linear(3, 2, dtype=torch.bfloat16)
+        meta.register_buffer("scale", torch.zeros(4).to(dt))
+    cv.Checkpoint(model=meta).restore(path).expect_partial()
+    assert meta.scale.dtype == dt and meta.weight.device.type == "cpu"
+    assert torch.equal(meta.scale.view(torch.uint8 if dt.itemsize == 1 else torch.int16),
+                       model.scale.view(torch.uint8 if dt.itemsize == 1 else torch.int16))
+    assert torch.equal(meta.weight, model.weight)
+
+
+def test_a_0d_tensor_the_host_cannot_view_keeps_its_shape(tmp_path: Path) -> None:
+    # a conjugate or negative view of a 0-d tensor is copied at the save: still 0-d
+    class Scalars(torch.nn.Module):
+        def __init__(self, c: complex, n: float) -> None:
+            super().__init__()
+            self.register_buffer("c", torch.tensor(c).conj())
+            self.register_buffer("n", torch.tensor(n)._neg_view())
+
+    path = cv.Checkpoint(m=Scalars(1 + 2j, 3.0)).save(tmp_path / "ckpt")
+    shapes = {k: s for k, s, _ in cv.list_variables(path)}
+    assert shapes["m/c"] == () and shapes["m/n"] == ()
+    back = Scalars(0j, 0.0)
+    cv.Checkpoint(m=back).restore(path).assert_consumed()
+    assert back.c.resolve_conj().item() == 1 - 2j and back.n.resolve_neg().item() == -3.0
+
+
+class _Keyed:
+    """An object whose state dict is given as it is."""
+
+    def __init__(self, sd: dict[Any, Any]) -> None:
+        self.sd = sd
+
+    def state_dict(self) -> dict[Any, Any]:
+        return self.sd
+
+    def load_state_dict(self, sd: dict[Any, Any]) -> None:
+        self.sd = sd
+
+
+@pytest.mark.parametrize("sd", [
+    {0: torch.ones(2), "0": torch.zeros(2)},
+    {"state": {1: {"m": torch.ones(2)}, "1": {"m": torch.zeros(2)}}},
+    {0: torch.ones(2), "0": {"x": torch.zeros(2)}},
+    {"0": {"x": torch.zeros(2)}, 0: torch.ones(2)},
+])
+def test_state_dict_keys_that_name_one_key_are_refused(tmp_path: Path, sd: Any) -> None:
+    # 0 and "0" are both stored as "0": one of the tensors would be lost silently
+    with pytest.raises(cv.CkptError, match=r"stored as '(state/)?[01](/m)?'") as info:
+        cv.Checkpoint(s=_Keyed(sd)).save(tmp_path / "ckpt")
+    assert isinstance(info.value, TypeError)
+    assert not list(tmp_path.iterdir())
+
+
+def test_state_dict_keys_of_one_spelling_on_different_paths_are_kept(tmp_path: Path) -> None:
+    # 0/x and "0"/y are two stored keys: nothing is lost, both are saved and restored
+    sd = {0: {"x": torch.ones(2)}, "0": {"y": torch.full((2,), 2.0)}}
+    path = cv.Checkpoint(s=_Keyed(sd)).save(tmp_path / "ckpt")
+    back = _Keyed({0: {"x": torch.zeros(2)}, "0": {"y": torch.zeros(2)}})
+    cv.Checkpoint(s=back).restore(path).assert_consumed()
+    assert back.sd[0]["x"].tolist() == [1, 1] and back.sd["0"]["y"].tolist() == [2, 2]
+
+
+def test_a_load_state_dict_that_fails_leaves_no_object_restoring(tmp_path: Path) -> None:
+    # the optimizer refuses the stored param_groups; the scheduler after it must not be
+    # left mid-restore: a later save writes its live state, not the checkpoint's
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    path = cv.Checkpoint(model=model, opt=opt, sched=sched).save(tmp_path / "a")
+    model2 = torch.nn.Linear(3, 2)
+    opt2 = torch.optim.SGD([{"params": [model2.weight]}, {"params": [model2.bias]}], lr=0.1)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, 1, gamma=0.5)
+    ckpt = cv.Checkpoint(model=model2, opt=opt2, sched=sched2)
+    with pytest.raises(ValueError, match="parameter groups"):
+        ckpt.restore(path)
+    for _ in range(5):
+        opt2.step()
+        sched2.step()
+    saved = ckpt.save(tmp_path / "b")
+    fresh = torch.optim.lr_scheduler.StepLR(
+        torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), 1)
+    cv.Checkpoint(sched=fresh).restore(saved).expect_partial()
+    assert fresh.last_epoch == sched2.last_epoch  # what it is now, saved
+
+
+class _Flaky(_Keyed):
+    """An object whose ``state_dict()`` raises while ``broken``."""
+
+    broken = False
+
+    def state_dict(self) -> dict[Any, Any]:
+        if self.broken:
+            raise RuntimeError("not ready")
+        return self.sd
+
+
+def test_an_object_that_fails_to_begin_a_restore_leaves_none_restoring(tmp_path: Path) -> None:
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    flaky = _Flaky({"x": torch.ones(2)})
+    ckpt = cv.Checkpoint(sched=sched, flaky=flaky)
+    path = ckpt.save(tmp_path / "a")
+    flaky.broken = True
+    with pytest.raises(RuntimeError, match="not ready"):
+        ckpt.restore(path)
+    flaky.broken = False
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    saved = ckpt.save(tmp_path / "b")  # the scheduler as it is now, not as stored
+    fresh = torch.optim.lr_scheduler.StepLR(
+        torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1), 1)
+    cv.Checkpoint(sched=fresh).restore(saved).expect_partial()
+    assert fresh.last_epoch == sched.last_epoch == 7
+
+
+def test_a_restore_without_python_state_never_takes_an_earlier_restores(tmp_path: Path) -> None:
+    # restored once from a checkpoint with the object's Python state, then from a file of
+    # tensors only: the second restore keeps the object's own Python values
+    obj = _Keyed({"t": torch.ones(2, 3).t(), "v": 1})  # non-contiguous: a new tensor
+    ckpt = cv.Checkpoint(s=obj)
+    first = ckpt.save(tmp_path / "a")
+    ckpt.restore(first).assert_consumed()
+    obj.sd = {"t": torch.zeros(2, 3).t(), "v": 2}
+    tensors = cv.save(tmp_path / "b.h5", {"s/t": np.full((3, 2), 5, np.float32)})
+    ckpt.restore(tensors).expect_partial()
+    assert obj.sd["v"] == 2 and obj.sd["t"].tolist() == [[5, 5]] * 3

@@ -516,7 +516,7 @@ class Checkpoint(Trackable):
                     ok = True
                 finally:
                     state.release_reader()
-                    end_restores(adapters, ok=ok)
+                    end_restores(adapters, ok=ok, carry=state.carrier())
             if state.restored is not None:
                 object.__setattr__(self, "_cv_restored", state.restored)
             return RestoreStatus(state, root=self)
@@ -552,7 +552,7 @@ class Checkpoint(Trackable):
             ok = True
         finally:
             state.release_reader()
-            end_restores(adapters, ok=ok)
+            end_restores(adapters, ok=ok, carry=state.carrier())
         if state.restored is not None:
             object.__setattr__(self, "_cv_restored", state.restored)
         return RestoreStatus(state, root=self)

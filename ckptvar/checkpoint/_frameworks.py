@@ -28,12 +28,12 @@ from __future__ import annotations
 import math
 import operator
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
-from .._frameworks import framework_of, to_numpy
+from .._frameworks import framework_of, from_numpy, to_numpy
 from .._staging import element_dtype, is_on_gpu
 from ..errors import CkptError
 from ..graph import Graph
@@ -177,7 +177,7 @@ def tensor_variable(graph: Graph, name: str, t: Any, *, saving: bool,
         return _device_variable(graph, name, t, shard, trainable)
     if not saving:
         return None
-    host = np.ascontiguousarray(to_numpy(t, what=repr(name)))
+    host = np.require(to_numpy(t, what=repr(name)), requirements="C")  # 0-d stays 0-d
     return _variable(graph, name, host, shard, trainable)
 
 
@@ -385,13 +385,27 @@ def _state_dict(obj: Any) -> Any:
 
 
 def _nest(flat: dict[tuple[Any, ...], Any]) -> dict[str, Any]:
-    """``{path: variable}`` as nested dicts of children (keys ``a/b/c``)."""
+    """``{path: variable}`` as nested dicts of children (keys ``a/b/c``).
+
+    Raises :class:`FrameworkStateError` when two paths name one key (an int key and a
+    str key of the same spelling, ``0`` and ``"0"``): one value would be lost.
+    """
     out: dict[str, Any] = {}
     for path, var in flat.items():
         node = out
-        for seg in path[:-1]:
-            node = node.setdefault(str(seg), {})
-        node[str(path[-1])] = var
+        for i, seg in enumerate(path):
+            name = str(seg)
+            last = i == len(path) - 1
+            held = node.get(name)
+            if held is not None and (last or not isinstance(held, dict)):
+                raise FrameworkStateError(
+                    f"Cannot checkpoint the state dict: its key path {path!r} is stored as "
+                    f"{'/'.join(map(str, path[: i + 1]))!r}, as another of its keys is (an "
+                    "int key and a str key of the same spelling); one value would be lost.")
+            if last:
+                node[name] = var
+            else:
+                node = node.setdefault(name, {})
     return out
 
 
@@ -471,6 +485,12 @@ class StateDictTrackable(Trackable):
         #: path -> (the tensor's identity, its variable, whether another process saves it)
         self._cache: dict[tuple[Any, ...], tuple[tuple[Any, ...], Variable | None, bool]] = {}
         self._restoring: _Restoring | None = None
+        #: path -> (identity, variable) of each tensor the last restore filled that
+        #: ``load_state_dict`` then copied into another tensor (a non-contiguous
+        #: parameter, an optimizer's deep-copied ``param_groups``): that tensor holds the
+        #: stored value, and a variable made over it later is told to the restore
+        self._given: dict[tuple[Any, ...], tuple[tuple[Any, ...], Variable]] = {}
+        self._carry: Callable[[Variable, Variable], None] | None = None
         self._state: Any = None
         self._names: frozenset[str] | None = None  # of the parameters that train
         self._walked: Any = None  # the state dict of the last trackable_children()
@@ -500,6 +520,10 @@ class StateDictTrackable(Trackable):
             self._names = self._trainable()
         var = tensor_variable(self._graph, name, t, saving=saving,
                               trainable=name in self._names)
+        given = self._given.get(path)
+        if var is not None and given is not None and given[0] == ident \
+                and self._carry is not None:
+            self._carry(given[1], var)
         if var is not None and _host_copy(t.to_local() if is_dtensor(t) else t):
             return var  # a copy holds this save's value only: never kept for the next
         self._cache[path] = (ident, var, replica)
@@ -587,6 +611,8 @@ class StateDictTrackable(Trackable):
         dict's structure is used), ``infos`` the checkpoint's ``{key: ArrayInfo}``.
         """
         self._last = None  # the restore may give the object other tensors
+        self._given, self._carry = {}, None
+        self._state = None  # this restore's Python state, if the checkpoint has one
         torch = sys.modules.get("torch", None)
         sd = self.obj.state_dict()
         current = dict(_tensors(sd))
@@ -628,8 +654,12 @@ class StateDictTrackable(Trackable):
         self._restoring = _Restoring(enc, tensors, variables, fresh)
         self._restoring.assign = assign
 
-    def finish_restore(self) -> None:
-        """After a successful restore: ``load_state_dict`` when new tensors or state came."""
+    def finish_restore(self, carry: Callable[[Variable, Variable], None] | None = None) -> None:
+        """After a successful restore: ``load_state_dict`` when new tensors or state came.
+
+        ``carry(old, new)`` is told each variable made later over a tensor into which
+        ``load_state_dict`` copied the value the restore gave variable ``old``.
+        """
         r, self._restoring = self._restoring, None
         if r is None or not r.fresh:
             return
@@ -643,9 +673,14 @@ class StateDictTrackable(Trackable):
         # walk, the status's included, meets them again)
         for path, t in _tensors(self.obj.state_dict()):
             var = r.variables.get(path)
-            if var is not None and path in r.tensors and _identity(t) == _identity(r.tensors[path]):
+            if var is None or path not in r.tensors:
+                continue
+            if _identity(t) == _identity(r.tensors[path]):
                 replica = is_dtensor(t) and not dtensor_box(t, repr(path))[2]
                 self._cache[path] = (_identity(t), var, replica)
+            elif t is not r.tensors[path]:  # load_state_dict copied the restored value
+                self._given[path] = (_identity(t), var)
+        self._carry = carry
 
     def abort_restore(self) -> None:
         """After a failed restore: nothing was given to the object."""
@@ -678,7 +713,9 @@ def _new_tensor(torch: Any, t: Any, path: tuple[Any, ...], info: Any,
                 params: list[Any]) -> Any:
     """A new tensor for a stored value: like the optimizer's parameter when it matches
     (on its GPU: ``load_state_dict`` then keeps the very tensor the restore filled)."""
-    dtype = torch.from_numpy(np.empty(0, np.dtype(info.dtype))).dtype
+    # (through ckptvar's own mapping: bfloat16 and float8 have no NumPy type torch takes)
+    dtype = from_numpy(np.empty(0, np.dtype(info.dtype)), "torch",
+                       what="/".join(map(str, path))).dtype
     shape = tuple(info.shape)
     like = t
     if like is None and len(path) == 3 and path[0] == "state" and isinstance(path[1], int) \
@@ -694,23 +731,40 @@ def _new_tensor(torch: Any, t: Any, path: tuple[Any, ...], info: Any,
 
 def begin_restores(root: Trackable, states: Any, infos: Any, path: Any) -> list[StateDictTrackable]:
     """Put the state-dict objects ``root`` tracks in restore mode (see ``begin_restore``)."""
-    out = []
-    for name, obj in root.trackable_children().items():
-        if isinstance(obj, StateDictTrackable):
-            blob = states.get(name)
-            stored = None if blob is None else decode_state(blob, name, path)
-            obj.begin_restore(name, stored, infos)
-            out.append(obj)
+    out: list[StateDictTrackable] = []
+    try:
+        for name, obj in root.trackable_children().items():
+            if isinstance(obj, StateDictTrackable):
+                blob = states.get(name)
+                stored = None if blob is None else decode_state(blob, name, path)
+                out.append(obj)  # (ended below if its own begin raises)
+                obj.begin_restore(name, stored, infos)
+    except BaseException:
+        end_restores(out, ok=False)  # none left restoring: its next save would be stale
+        raise
     return out
 
 
-def end_restores(adapters: list[StateDictTrackable], *, ok: bool) -> None:
-    """After the restore: give the objects their state (``ok``), or forget it."""
-    for a in adapters:
-        if ok:
-            a.finish_restore()
-        else:
-            a.abort_restore()
+def end_restores(adapters: list[StateDictTrackable], *, ok: bool,
+                 carry: Callable[[Variable, Variable], None] | None = None) -> None:
+    """After the restore: give the objects their state (``ok``), or forget it.
+
+    ``carry(old, new)``: variable ``new`` holds what the restore gave ``old`` (a tensor
+    ``load_state_dict`` copied the restored value into; ``finish_restore``). When an
+    object's ``load_state_dict`` raises, the others still finish (none is left restoring,
+    where its next save would write the checkpoint's state), then the first error is raised.
+    """
+    first: BaseException | None = None
+    for a in adapters:  # every object leaves its restore, whichever raises
+        try:
+            if ok:
+                a.finish_restore(carry)
+            else:
+                a.abort_restore()
+        except BaseException as exc:  # noqa: BLE001 - raised below, once all are done
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 def trackable_for(value: Any) -> Any:

@@ -221,6 +221,24 @@ class RestoreState:
         self.consumed_keys.add(key)
         self._matched[id(var)] = weakref.ref(var)
 
+    def carry_match(self, old: Any, new: Any) -> None:
+        """``new`` holds the value this restore gave ``old`` (an object copied it):
+        matched when ``old`` is."""
+        if self.matched(old):
+            self._matched[id(new)] = weakref.ref(new)
+
+    def carrier(self) -> Callable[[Any, Any], None]:
+        """:meth:`carry_match` through a weak reference (the objects keep it past the
+        restore; the status keeps this state alive)."""
+        ref = weakref.ref(self)
+
+        def carry(old: Any, new: Any) -> None:
+            state = ref()
+            if state is not None:
+                state.carry_match(old, new)
+
+        return carry
+
     def restore_nodes(self, nodes: list[Node]) -> None:
         """Restore everything under ``nodes`` now and defer what is missing."""
         with self.lock, paused_gc():

@@ -22,6 +22,7 @@ whatever mesh, placement or process count wrote them.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -81,6 +82,55 @@ def _is_abstract(value: Any) -> bool:
     return type(value).__name__ == "ShapeDtypeStruct" and framework_of(value) == "jax"
 
 
+def _is_key(value: Any) -> bool:
+    """A typed jax PRNG key array (``jax.random.key``) or a ``ShapeDtypeStruct`` of one:
+    no NumPy dtype holds it, so its key data (``jax.random.key_data``, uint32) is stored."""
+    if framework_of(value) != "jax":
+        return False
+    import jax  # noqa: PLC0415 - a jax value is here
+
+    return bool(jax.numpy.issubdtype(value.dtype, jax.dtypes.prng_key))
+
+
+def _key_data(value: Any) -> Any:
+    """``value``, or a typed key array's key data (same sharding, a trailing axis more)."""
+    if not _is_key(value):
+        return value
+    import jax  # noqa: PLC0415 - a jax value is here
+
+    return jax.random.key_data(value)
+
+
+def _key_data_like(like: Any) -> tuple[Any, Any]:
+    """``(what the key data is loaded like, the key's impl)`` of a typed key ``like``."""
+    import jax  # noqa: PLC0415 - a jax value is here
+
+    impl = jax.random.key_impl(jax.numpy.empty((0,), like.dtype))
+    if not _is_abstract(like):
+        return jax.random.key_data(like), impl
+    data = jax.eval_shape(jax.random.key_data, like)
+    abstract: Any = type(like)  # jax.ShapeDtypeStruct
+    return abstract(data.shape, data.dtype, sharding=getattr(like, "sharding", None)), impl
+
+
+def _key_targets(arrays: dict[str, Any]) -> dict[str, Any]:
+    """Replace each typed key of ``arrays`` (like leaves) by its key data's like; return
+    ``{path: the key's impl}`` of those replaced."""
+    keys = {}
+    for k in [k for k, v in arrays.items() if _is_key(v)]:
+        arrays[k], keys[k] = _key_data_like(arrays[k])
+    return keys
+
+
+def _wrap_keys(values: dict[str, Any], keys: Mapping[str, Any]) -> None:
+    """The loaded key data of each path of ``keys`` as a typed key of its impl, in place."""
+    if keys:
+        import jax  # noqa: PLC0415 - a jax value is here
+
+        for key, impl in keys.items():
+            values[key] = jax.random.wrap_key_data(values[key], impl=impl)
+
+
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     """``{path: leaf}`` in order; paths are the ``/``-joined keys and indexes.
 
@@ -129,7 +179,7 @@ def is_plain(arrays: Any) -> bool:
         if v.__class__ is ndarray and k.__class__ is str:  # the common case, in one test
             continue
         if (not isinstance(k, str) or not _is_array(v) or _is_abstract(v) or _sharded(v)
-                or _multi_device(v)):
+                or _multi_device(v) or _is_key(v)):
             return False
     return True
 
@@ -222,18 +272,27 @@ def _leaf_for_save(graph: Graph, key: str, value: Any) -> list[tuple[Any, Any]]:
             return []
         tensor = device_value(var)  # a GPU tensor: staged, never copied whole
         return [(var.value() if tensor is None else staged(tensor), var)]
-    if _multi_device(value) and value.sharding.is_fully_replicated:  # one box: all of it
-        return [(to_writable(value.addressable_shards[0].data, what=repr(key)), None)]
     if _multi_device(value):
-        full = tuple(int(n) for n in value.shape)
-        parts = [(host, _box_variable(graph, key, host, Shard(full, offset)))
-                 for offset, host in _jax_boxes(value)]
-        if len(parts) <= 1:
-            return parts
-        logical = Logical(key, full, np.dtype(value.dtype), tuple(v for _, v in parts))
-        return [(host, logical) for host, _ in parts]
+        return _device_parts(graph, key, value)
     host = value if isinstance(value, np.ndarray) else to_numpy(value, what=repr(key))
     return [(np.asarray(host, order="C"), None)]  # 0-d stays 0-d (ascontiguousarray: 1-d)
+
+
+def _device_parts(graph: Graph, key: str, value: Any) -> list[tuple[Any, Any]]:
+    """:func:`_leaf_for_save` of a jax.Array over several devices."""
+    if math.prod(value.shape) == 0:
+        # every shard is empty, so no box holds a byte: kept as one empty replicated value
+        # (its boxes would all be skipped, and the key lost)
+        return [(np.empty(tuple(value.shape), np.dtype(value.dtype)), None)]
+    if value.sharding.is_fully_replicated:  # one box: all of it
+        return [(to_writable(value.addressable_shards[0].data, what=repr(key)), None)]
+    full = tuple(int(n) for n in value.shape)
+    parts = [(host, _box_variable(graph, key, host, Shard(full, offset)))
+             for offset, host in _jax_boxes(value)]
+    if len(parts) <= 1:
+        return parts
+    logical = Logical(key, full, np.dtype(value.dtype), tuple(v for _, v in parts))
+    return [(host, logical) for host, _ in parts]
 
 
 def _no_options(path: str | os.PathLike[str], options: bool) -> None:
@@ -260,7 +319,8 @@ def save_tree(  # noqa: PLR0917
     meta: Any = None
     try:  # with a coordinator, a tree this process cannot store is voted on
         leaves = flatten(tree)
-        arrays = {k: v for k, v in leaves.items() if _is_array(v) and not _is_abstract(v)}
+        arrays = {k: _key_data(v) for k, v in leaves.items()
+                  if _is_array(v) and not _is_abstract(v)}
         python = {k: _py_value(v) for k, v in leaves.items() if k not in arrays}
         bad = [k for k, v in leaves.items() if _is_abstract(v)]
         if bad:
@@ -390,7 +450,9 @@ def _jax_result(host: np.ndarray, like: Any, offset: tuple[int, ...]) -> Any:
     for dev, index in like.sharding.addressable_devices_indices_map(shape).items():
         sl = tuple(slice(s.indices(n)[0] - o, s.indices(n)[1] - o)
                    for s, n, o in zip(index, shape, offset, strict=False))
-        piece = np.ascontiguousarray(host[sl])  # a view when it is one run of rows
+        # (a view when it is one run of rows; np.require keeps a 0-d value 0-d, where
+        # np.ascontiguousarray makes it (1,))
+        piece = np.require(host[sl], requirements="C")
         try:  # on the CPU, an aligned view is shared, not copied
             pieces.append(jax.device_put(piece, dev, may_alias=True))
         except TypeError:  # an older jax without may_alias=
@@ -413,7 +475,8 @@ def _result(var: Variable, how: tuple[Any, ...]) -> Any:  # noqa: PLR0911 - one 
     fw = framework_of(like)
     if fw == "torch":
         t = from_numpy(host, "torch")
-        return t if like.device.type == "cpu" else t.to(like.device)
+        # a like on the 'meta' device has no storage to take the values: the CPU's
+        return t if like.device.type in ("cpu", "meta") else t.to(like.device)
     if fw == "jax":
         sharding = getattr(like, "sharding", None)
         if sharding is not None:
@@ -432,7 +495,7 @@ def _rebuild(like: Any, prefix: str, values: Mapping[str, Any]) -> Any:
         return values[prefix]
     items = [(n, _rebuild(c, f"{prefix}/{n}" if prefix else n, values)) for n, c in kids]
     if not items and prefix in values:
-        return values[prefix]
+        return _empty_like(like, values[prefix])
     if isinstance(like, Mapping):
         keys = list(like.keys())
         kind: Any = type(like)
@@ -444,18 +507,49 @@ def _rebuild(like: Any, prefix: str, values: Mapping[str, Any]) -> Any:
     return [v for _, v in items]
 
 
+def _empty_like(like: Any, stored: Any) -> Any:
+    """An empty container as stored, of ``like``'s own type where that is a namedtuple
+    (optax's ``EmptyState()``) or a dict subclass (``OrderedDict()``) of the same kind."""
+    if type(stored) is tuple and not stored and _is_namedtuple(like):
+        return type(like)()
+    if type(stored) is dict and not stored and isinstance(like, dict) and type(like) is not dict:
+        return type(like)()
+    return stored
+
+
 def _python_values(path: Any, leaves: Mapping[str, Any], arrays: Mapping[str, Any],
                    storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
     """The stored Python values of ``leaves`` that are no arrays (all there, or raise)."""
     with open_checkpoint_reader(path, storage_options) as reader:
         meta = reader.metadata()
-    python = meta.get(META_KEY, {}) if isinstance(meta, dict) else {}
-    missing = [k for k in leaves if k not in arrays and k not in python]
+        python = meta.get(META_KEY, {}) if isinstance(meta, dict) else {}
+        out = {k: _from_py(python[k]) for k in leaves if k not in arrays and k in python}
+        stored = [k for k in leaves if k not in arrays and k not in python and k in reader]
+        for k in stored:  # an array where the like tree has a Python value
+            out[k] = _number_from(reader, k, leaves[k], path)
+    missing = [k for k in leaves if k not in arrays and k not in out]
     if missing:
         raise CheckpointMismatchError(
             f"{str(path)!r} has no value for {', '.join(map(repr, missing))} (Python values "
             "of the tree); nothing was loaded.")
-    return {k: _from_py(python[k]) for k in leaves if k not in arrays}
+    return out
+
+
+#: the NumPy kinds a stored 0-d array may have to load as a like leaf of this Python type
+_NUMBER_KINDS = {bool: "b", int: "iu", float: "f"}
+
+
+def _number_from(reader: Any, key: str, like: Any, path: Any) -> Any:
+    """The stored 0-d array ``key`` as the Python number ``like`` is (a train state's step:
+    an ``int`` before the first jitted step, a 0-d array after); else a mismatch."""
+    info = reader.info(key)
+    kinds = _NUMBER_KINDS.get(type(like), "")
+    if tuple(info.shape) != () or np.dtype(info.dtype).kind not in kinds:
+        raise CheckpointMismatchError(
+            f"{key!r} is stored as an array ({np.dtype(info.dtype)}, shape "
+            f"{tuple(info.shape)}) in {str(path)!r}, but the like tree has the Python value "
+            f"{like!r} there; nothing was loaded.")
+    return type(like)(np.asarray(reader.read(key)).item())
 
 
 def _restore_here(path: Any, pairs: list[tuple[str, Variable]], verify: bool, cast: bool,
@@ -463,6 +557,14 @@ def _restore_here(path: Any, pairs: list[tuple[str, Variable]], verify: bool, ca
     """One process: every value read and checked, then given (the errors as they are)."""
     with open_checkpoint_reader(path, storage_options) as reader:
         missing = [k for k, _ in pairs if k not in reader]
+        meta = reader.metadata() if missing else None
+        python = meta.get(META_KEY, {}) if isinstance(meta, dict) else {}
+        for k in missing:
+            if k in python:
+                raise CheckpointMismatchError(
+                    f"{k!r} is stored as a Python value ({_from_py(python[k])!r}) in "
+                    f"{str(path)!r}, but the like tree has an array there; nothing was "
+                    "loaded.")
         if missing:
             raise CheckpointMismatchError(
                 f"{str(path)!r} has no value for {', '.join(map(repr, missing))}; nothing "
@@ -488,6 +590,7 @@ def load_tree(  # noqa: PLR0917
                          timeout=timeout)
         raise
     arrays = {k: v for k, v in leaves.items() if _is_array(v)}
+    keys = _key_targets(arrays)  # typed PRNG keys: their key data is loaded, then wrapped
     if coordinator is None and any(_sharded(v) or (_is_abstract(v) and getattr(
             v, "sharding", None) is not None and not v.sharding.is_fully_addressable)
             for v in arrays.values()):
@@ -517,4 +620,5 @@ def load_tree(  # noqa: PLR0917
                            cast=cast, storage_options=storage_options)
     for key, var in pairs:
         values[key] = _result(var, hows[key])
+    _wrap_keys(values, keys)
     return _rebuild(like, "", values)

@@ -542,6 +542,30 @@ def _metadata_options(
     return metadata, options
 
 
+def _tuples_as_lists(metadata: dict[str, Any]) -> list[str]:
+    """Make every tuple in ``metadata``'s values a list, in place (an optimizer's ``betas``
+    in a DCP checkpoint: no format written here stores tuples); the keys changed."""
+
+    def lists(value: Any) -> Any:
+        if isinstance(value, list | tuple):
+            return [lists(v) for v in value]
+        if isinstance(value, dict):
+            return {k: lists(v) for k, v in value.items()}
+        return value
+
+    def holds_tuple(value: Any) -> bool:
+        if isinstance(value, tuple):
+            return True
+        if isinstance(value, list):
+            return any(map(holds_tuple, value))
+        return isinstance(value, dict) and any(map(holds_tuple, value.values()))
+
+    changed = [k for k, v in metadata.items() if holds_tuple(v)]
+    for k in changed:
+        metadata[k] = lists(metadata[k])
+    return changed
+
+
 def _pack_option(out_format: str, args: argparse.Namespace) -> dict[str, Any]:
     """``--pack-threshold`` as a save option (only ckptvar's own formats pack)."""
     if args.pack_threshold is None:
@@ -592,6 +616,7 @@ def _convert(
         else (sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES and not args.quiet)
     )
     metadata, options = _metadata_options(reader, dst, args)
+    tupled = _tuples_as_lists(metadata)
     options.update(_pack_option(out_format, args))
     added_format = _hf_format(dst, args, metadata)
     window = args.window if args.window is not None else max(DEFAULT_WINDOW, 2 * largest)
@@ -636,8 +661,20 @@ def _convert(
         file=out,
     )
     _say_lost(values.lost, reader, plan, args.dtype)
+    _say_notes(out, added_format, tupled, skipped)
+    return EXIT_OK
+
+
+def _say_notes(out: TextIO, added_format: bool, tupled: list[str],
+               skipped: dict[str, str]) -> None:
+    """What the conversion added, changed or left out, after the count of values written."""
     if added_format:
         print("Added the metadata entry format=pt, as Hugging Face loaders require", file=out)
+    if tupled:
+        names = ", ".join(repr(k) for k in tupled[:5]) + (" ..." if len(tupled) > 5 else "")
+        print(f"Stored {len(tupled)} metadata value{'s' if len(tupled) != 1 else ''} holding "
+              f"tuples with each tuple as a list (no format written here has tuples): "
+              f"{escape(names)}", file=out)
     if skipped:
         names = ", ".join(repr(k) for k in list(skipped)[:5]) + (" ..." if len(skipped) > 5 else "")
         print(
@@ -645,7 +682,6 @@ def _convert(
             f"(--skip-unreadable): {escape(names)}",
             file=out,
         )
-    return EXIT_OK
 
 
 def _say_lost(lost: dict[str, int], reader: Any, plan: dict[str, str], dtype: np.dtype) -> None:

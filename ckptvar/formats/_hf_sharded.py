@@ -34,7 +34,7 @@ from ..errors import CorruptCheckpointError, MissingKeyError, UnsupportedFormatE
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader, Writer, verify_each
 from ..storage.chunked import is_chunked
 from ._json import unique_keys
-from ._safetensors import SafetensorsBackend, SafetensorsWriter
+from ._safetensors import SafetensorsBackend, SafetensorsWriter, stored_nbytes
 
 __all__ = ["HFShardedBackend", "HFShardedWriter", "parse_shard_size"]
 
@@ -343,11 +343,12 @@ class HFShardedWriter(Writer):
         groups: list[list[str]] = [[]]
         size = 0
         for key, (array, _) in self._items.items():
-            if groups[-1] and size + array.nbytes > self._limit:
+            nbytes = stored_nbytes(array)  # as the shard holds it (sub-byte values packed)
+            if groups[-1] and size + nbytes > self._limit:
                 groups.append([])
                 size = 0
             groups[-1].append(key)
-            size += array.nbytes
+            size += nbytes
         return groups
 
     def commit(self) -> Path:
@@ -381,7 +382,7 @@ class HFShardedWriter(Writer):
                     shard.set_metadata(self._metadata)
                 shard.commit()
             if n > 1:
-                total = sum(a.nbytes for a, _ in self._items.values())
+                total = sum(stored_nbytes(a) for a, _ in self._items.values())
                 index = {"metadata": {"total_size": total}, "weight_map": weight_map}
                 text = json.dumps(index, indent=2, sort_keys=True) + "\n"
                 fd = os.open(tmp / INDEX_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

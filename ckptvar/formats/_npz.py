@@ -45,12 +45,13 @@ from ._common import (
     check_shape,
     little_endian,
 )
-from ._json import jsonable
+from ._json import jsonable, loads_json
 from ._zip import (
     MAX_DEFLATE_RATIO,
     ZIP_ERRORS,
     ZipArchive,
     read_member_range,
+    unsafe_name,
     zip_crc_check,
     zip_member_data_offset,
 )
@@ -181,9 +182,10 @@ def _read_sidecar(archive: ZipArchive, path: Path) -> dict[str, Any]:
     if info.file_size > 64 << 20:
         raise CorruptCheckpointError(f"{_SIDECAR} in {str(path)!r} is too large.")
     member = _Member(archive.zf, info, archive.fh, path)
-    try:
-        sidecar = json.loads(member.fetch(0, info.file_size))
-    except ValueError as exc:
+    try:  # (loads_json: the inverse of the writer's jsonable, bytes included)
+        sidecar = loads_json(bytes(member.fetch(0, info.file_size)).decode("utf-8"),
+                             f"{path} ({_SIDECAR})")
+    except UnicodeDecodeError as exc:
         raise CorruptCheckpointError(f"{_SIDECAR} in {path}: {exc}") from None
     if not isinstance(sidecar, dict):
         raise CorruptCheckpointError(f"{_SIDECAR} in {str(path)!r} is not an object.")
@@ -301,6 +303,11 @@ class NpzWriter(CollectingWriter):
         if not isinstance(key, str) or not key or key == _SIDECAR[:-5] or "\x00" in key:
             raise ValueError(f"Invalid npz key {key!r}.")
         check_key_utf8(key, "npz")
+        if unsafe_name(key + ".npy"):  # the reader refuses such a member: never written
+            raise ValueError(
+                f"Invalid npz key {key!r}: its member name would point outside the archive "
+                "(absolute, a drive letter, '..' or a backslash); rename it "
+                "(ckpt convert --rename).")
         if not is_chunked(array):  # a Chunked value's pieces are streamed at commit
             array = np.asarray(array)
         dt = little_endian(np.dtype(array.dtype))
@@ -326,7 +333,7 @@ class NpzWriter(CollectingWriter):
                 for key, (given, _) in self._items.items():
                     dt = np.dtype(given.dtype)
                     stored = dt
-                    if dt.isbuiltin != 1:  # bfloat16, float8, int4, ...: store the bits
+                    if dt.isbuiltin == 2:  # bfloat16, float8, int4, ... (ml_dtypes): the bits
                         recorded[key] = dtype_to_str(dt)
                         stored = np.dtype(f"<u{dt.itemsize}")
                     info = zipfile.ZipInfo(key + ".npy", date_time=(1980, 1, 1, 0, 0, 0))

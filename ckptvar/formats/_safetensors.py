@@ -52,6 +52,7 @@ __all__ = [
     "SafetensorsBackend",
     "SafetensorsWriter",
     "pack_bits",
+    "stored_nbytes",
     "unpack_bits",
 ]
 
@@ -89,6 +90,18 @@ _METADATA = "__metadata__"
 _OWN = "ckptvar"  # the prefix of every __metadata__ key ckptvar writes for itself
 _ATTRS = "ckptvar.attrs"
 _OWN_METADATA = "ckptvar.metadata"
+
+
+def stored_nbytes(array: Any) -> int:
+    """The bytes ``array`` takes in a safetensors file: packed for the sub-byte dtypes.
+
+    >>> stored_nbytes(np.zeros(64, ml_dtypes.float4_e2m1fn)), stored_nbytes(np.zeros(3))
+    (32, 24)
+    """
+    bits = _BITS_OF.get(np.dtype(array.dtype))
+    if bits is None:
+        return int(array.nbytes)
+    return int(math.prod(array.shape)) * bits // 8
 
 
 def pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:

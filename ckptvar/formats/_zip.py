@@ -26,6 +26,7 @@ __all__ = [
     "check_member_size",
     "check_zip_entry_count",
     "read_member_range",
+    "unsafe_name",
     "zip_crc_check",
     "zip_member_data_offset",
 ]
@@ -138,7 +139,13 @@ def read_member_range(
     return data
 
 
-def _unsafe_name(name: str) -> bool:
+def unsafe_name(name: str) -> bool:
+    """Whether a member name points outside the archive (absolute, a drive, ``..``,
+    backslashes, NUL): refused on reading, so never written.
+
+    >>> unsafe_name("a/b.npy"), unsafe_name("../b.npy"), unsafe_name("C:b.npy")
+    (False, True, True)
+    """
     if name.startswith(("/", "\\")) or "\\" in name or "\x00" in name:
         return True
     if len(name) >= 2 and name[1] == ":":  # a drive letter
@@ -173,7 +180,7 @@ class ZipArchive:
                         raise CorruptCheckpointError(
                             f"{str(path)!r} has two members named {info.filename!r}."
                         )
-                    if _unsafe_name(info.filename):
+                    if unsafe_name(info.filename):
                         raise CorruptCheckpointError(
                             f"{str(path)!r} holds a member named {info.filename!r}, which "
                             "points outside the archive; refused."

@@ -76,24 +76,48 @@ class BadRecord(ValueError):
 
 
 def check_plain(obj: Any, where: str, *, max_depth: int = MAX_DEPTH) -> None:
-    """Raise ``BadRecord`` unless ``obj`` holds only plain msgpack types, nested at most
-    ``max_depth`` deep."""
-    stack: list[tuple[Any, int]] = [(obj, 0)]
+    """Raise ``BadRecord`` unless ``obj`` holds only plain msgpack types (integers in
+    msgpack's 64-bit range), nested at most ``max_depth`` deep; the message names the
+    place of what is refused (``'a/0'``).
+
+    >>> check_plain({"a": [1, 2**64]}, "the metadata")
+    Traceback (most recent call last):
+    ...
+    ckptvar.storage._plain.BadRecord: the metadata holds the integer 18446744073709551616 at 'a/1', outside the 64-bit range msgpack stores
+    """
+    # (item, depth, its parent's entry, its key in the parent): the place, kept for the error
+    stack: list[tuple[Any, int, Any, Any]] = [(obj, 0, None, None)]
     while stack:
-        item, depth = stack.pop()
+        entry = stack.pop()
+        item, depth = entry[0], entry[1]
         if depth > max_depth:
             raise BadRecord(f"{where} is nested deeper than {max_depth} levels")
         if isinstance(item, dict):
             for k, v in item.items():
                 if not isinstance(k, str):
-                    raise BadRecord(f"{where} has a non-string map key {k!r}")
-                stack.append((v, depth + 1))
+                    raise BadRecord(f"{where} has a non-string map key {k!r}{_at(entry)}")
+                stack.append((v, depth + 1, entry, k))
         elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item)
+            stack.extend((v, depth + 1, entry, i) for i, v in enumerate(item))
+        elif isinstance(item, int) and not _INT_MIN <= item <= _UINT_MAX:
+            raise BadRecord(f"{where} holds the integer {item}{_at(entry)}, outside the "
+                            "64-bit range msgpack stores")
         elif item is None or isinstance(item, bool | int | float | str | bytes):
             continue
         else:
-            raise BadRecord(f"{where} holds an unsupported {type(item).__name__}")
+            raise BadRecord(f"{where} holds an unsupported {type(item).__name__}{_at(entry)}")
+
+
+_INT_MIN, _UINT_MAX = -(2**63), 2**64 - 1
+
+
+def _at(entry: tuple[Any, int, Any, Any]) -> str:
+    """`` at 'a/0'``: the place of a :func:`check_plain` stack entry (nothing at the top)."""
+    keys = []
+    while entry[2] is not None:
+        keys.append(str(entry[3]))
+        entry = entry[2]
+    return f" at {'/'.join(reversed(keys))!r}" if keys else ""
 
 
 def attrs_from_columns(keys: list[str], dense: Any, sparse: Any) -> list[dict[str, Any]]:
