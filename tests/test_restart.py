@@ -303,6 +303,50 @@ def test_a_save_in_flight_keeps_its_temporary_from_gc(
     assert not tmp.exists()
 
 
+_WRITER = """
+import sys
+from pathlib import Path
+from ckptvar.storage.atomic import publish, temporary_sibling
+final = Path(sys.argv[1])
+with temporary_sibling(final) as tmp:
+    tmp.write_bytes(b"being written")
+    print(tmp.name, flush=True)
+    sys.stdin.readline()  # the save goes on when told
+    publish(tmp, final)
+"""
+
+
+def test_ckpt_gc_leaves_the_temporary_of_any_save_in_flight(tmp_path: Path) -> None:
+    """Not only a manager's: a ``Checkpoint.save``/``cv.save`` in another process too."""
+    env = {k: v for k, v in os.environ.items() if k not in MPI_ENV_VARS}
+    env.update(TMPDIR=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path))
+    final = tmp_path / "model-1.h5"
+    with subprocess.Popen([sys.executable, "-c", _WRITER, str(final)], env=env, text=True,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE) as writer:
+        assert writer.stdin is not None and writer.stdout is not None
+        tmp = tmp_path / writer.stdout.readline().strip()
+        assert tmp.exists()
+        done = _ckpt_cli("gc", str(tmp_path), env=env)
+        assert done.returncode == 0, done.stderr
+        assert "removed 0 leftovers" in done.stdout, done.stdout
+        assert tmp.exists()
+        writer.stdin.write("go\n")
+        writer.stdin.flush()
+        assert writer.wait(timeout=60) == 0
+    assert final.read_bytes() == b"being written"
+    # a writer killed in the middle leaves a temporary that gc removes
+    with subprocess.Popen([sys.executable, "-c", _WRITER, str(final)], env=env, text=True,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE) as writer:
+        assert writer.stdout is not None
+        tmp = tmp_path / writer.stdout.readline().strip()
+        writer.kill()
+        writer.wait(timeout=60)
+    assert tmp.exists()
+    done = _ckpt_cli("gc", str(tmp_path), env=env)
+    assert f"removed  temporary  {tmp}" in done.stdout, done.stdout
+    assert not tmp.exists() and final.exists()
+
+
 def test_local_location_temporaries_are_the_ones_cleanup_knows(tmp_path: Path) -> None:
     from ckptvar.locations import LocalLocation, is_partial
 
