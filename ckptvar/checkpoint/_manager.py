@@ -907,10 +907,41 @@ class CheckpointManager:
     def _preemption_save(self, checkpoint_number: int | None,
                          timeout: float | None) -> str | None:
         """The preemption save: whatever the interval; with tiers also persisted (the
-        local disk may not outlive the preemption), whatever ``persistent_every`` says."""
+        local disk may not outlive the preemption), whatever ``persistent_every`` says.
+
+        Step ``checkpoint_number`` committed already as the latest step (the signal came
+        during its save, or before the first step after a restore) is that state: it is
+        not written again (a step is written once), the signal is re-delivered."""
         if self._local_tier is not None:
+            if checkpoint_number is not None and self._nodes is None:
+                path = self._local_tier._latest_numbered(int(checkpoint_number))
+                if path is not None:
+                    self._persist_latest(int(checkpoint_number), path)
+                    return path
             return self._save_tiered(checkpoint_number, False, timeout, persist=True)
+        if checkpoint_number is not None:
+            path = self._latest_numbered(int(checkpoint_number))
+            if path is not None:
+                return path
         return self.save(checkpoint_number, check_interval=False, timeout=timeout)
+
+    def _latest_numbered(self, number: int) -> str | None:
+        """The path of the latest step when it is step ``number``, else ``None``."""
+        self._sync()
+        entries = self._section["checkpoints"]
+        if entries and self._number(entries[-1]["path"]) == number:
+            return self._full(entries[-1]["path"])
+        return None
+
+    def _persist_latest(self, number: int, local: str) -> None:
+        """A tiered manager's preemption save of the local tier's latest step ``number``,
+        committed already: its persistent copy, unless made or under way."""
+        assert self._pool is not None
+        if number in self._persisting or number in self._committed_numbers():
+            return
+        self._also_persisted.add(number)
+        if self._primary():
+            self._persisting[number] = self._pool.submit(self._persist, number, local, None)
 
     def _finish_preemption(self) -> None:
         """Before the signal is re-delivered: the save committed, with tiers its
