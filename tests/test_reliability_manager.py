@@ -404,3 +404,22 @@ def test_restore_or_initialize_skips_a_checkpoint_that_no_longer_reads(
     assert mgr2.restore_or_initialize() == paths[0]
     assert m2.tag() == 1
     assert [p for p, _ in mgr2.skipped] == [paths[1]]
+
+
+def test_a_step_number_the_manager_could_not_list_is_refused(tmp_path: Path) -> None:
+    """A negative, fractional or int64-overflowing ``checkpoint_number`` is refused
+    before anything is written: ``-1`` made ``ckpt--1.h5``, which no manager lists,
+    restores or prunes; ``7.5`` saved as step 7; ``2**70`` wrapped the save counter."""
+    ckpt = cv.Checkpoint(v=cv.Variable(np.zeros(3)))
+    mgr = cv.CheckpointManager(ckpt, tmp_path)
+    for bad in (-1, np.int64(-5), 7.5, np.float32(2.5), 2**63, 2**70):
+        with pytest.raises(ValueError, match="checkpoint_number"):
+            mgr.save(checkpoint_number=bad)
+        with pytest.raises(ValueError, match="checkpoint_number"):
+            mgr.save(checkpoint_number=bad, check_interval=False)
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".h5"] == []
+    assert int(ckpt.save_counter.numpy()) == 0
+    for good, name in ((np.int64(3), "ckpt-3.h5"), (4.0, "ckpt-4.h5"), (np.uint8(5), "ckpt-5.h5"),
+                       (cv.Variable(6, dtype="int64"), "ckpt-6.h5")):
+        assert os.path.basename(mgr.save(checkpoint_number=good) or "") == name
+    assert os.path.basename(mgr.save() or "") == "ckpt-7.h5"

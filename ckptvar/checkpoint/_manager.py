@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import functools
 import logging
+import operator
 import os
 import shutil
 import signal
@@ -99,6 +100,33 @@ def _own_number(name: str, prefix: str, suffix: str) -> int:
     same few names several times a step: the directory's, the state file's)."""
     parsed = parse_step_name(name, prefix=prefix, suffixes=(suffix,))
     return parsed.step if parsed is not None else -1
+
+
+#: The largest step number: the save counter is an int64, and the next save adds one.
+_MAX_NUMBER = 2**63 - 2
+
+
+def _step_number(checkpoint_number: Any) -> int | None:
+    """``checkpoint_number`` as the int a step's name holds; ``ValueError`` for a value
+    no manager could list (negative), that is not a whole number, or that overflows the
+    save counter."""
+    if checkpoint_number is None:
+        return None
+    try:
+        number = operator.index(checkpoint_number)
+    except TypeError:
+        try:  # a float, a 0-d array or variable, a numeric string
+            as_float = float(checkpoint_number)
+        except (TypeError, ValueError):
+            as_float = float("nan")
+        if not as_float.is_integer():
+            raise ValueError(f"checkpoint_number must be a whole number; got "
+                             f"{checkpoint_number!r}.") from None
+        number = int(as_float)
+    if not 0 <= number <= _MAX_NUMBER:
+        raise ValueError(f"checkpoint_number must be from 0 to {_MAX_NUMBER} (a step's "
+                         f"number, held by the int64 save counter); got {number}.")
+    return number
 
 
 def _check_arguments(
@@ -799,6 +827,7 @@ class CheckpointManager:
         With a local tier, the step is saved there and, every
         ``persistent_every`` steps, copied to ``directory`` in the background.
         """
+        checkpoint_number = _step_number(checkpoint_number)
         signum = self._on_signal.due(self.coordinator, timeout)
         if signum is not None:
             return self._on_signal.save_then_redeliver(
@@ -896,6 +925,7 @@ class CheckpointManager:
         Returns ``False`` when no signal arrived; ``True`` after the save if the
         re-delivered signal did not end the process (its handler returned).
         """
+        checkpoint_number = _step_number(checkpoint_number)
         signum = self._on_signal.due(self.coordinator, timeout)
         if signum is None:
             return False
