@@ -416,6 +416,24 @@ def test_diff_shape_dtype_and_nan(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "dtype      w  float32 -> float64  max abs 0" in out
 
 
+@pytest.mark.parametrize("tolerances", [(), ("--rtol", "0.5"), ("--atol", "1e300")])
+def test_diff_a_number_against_an_infinity_in_b_differs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tolerances: tuple[str, ...]
+) -> None:
+    """B is the reference, ``rtol * |b|`` is NaN or inf when b is infinite: a finite value
+    (or the other infinity) against it was "close" and the diff exited 0."""
+    cv.save(tmp_path / "a.h5", {"v": np.array([1.0, 2.0, np.inf, np.inf], np.float16)})
+    cv.save(tmp_path / "b.h5", {"v": np.array([1.0, np.inf, -np.inf, np.inf], np.float16)})
+    code, out, err = run_main(capsys, "diff", tmp_path / "a.h5", tmp_path / "b.h5", "--json",
+                              *tolerances)
+    assert code == 1, out
+    (v,) = json.loads(out)["values"]
+    assert (v["status"], v["beyond_tolerance"]) == ("different", 2), v
+    assert v["max_abs"] == v["max_rel"] == "inf", v
+    code, out, err = run_main(capsys, "diff", tmp_path / "b.h5", tmp_path / "b.h5")
+    assert code == 0, out
+
+
 # ----------------------------------------------------------------------------- verify
 
 
