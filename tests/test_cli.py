@@ -491,6 +491,25 @@ def test_ls_manager_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert code == 0 and out == f"No checkpoints in {tmp_path}\n"
 
 
+def test_ls_skips_a_step_that_is_gone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A link to nothing (or a step a running manager prunes while ``ckpt ls`` looks) is
+    not listed, as the manager does not list it; ``ckpt ls`` failed with '[Errno 2] No
+    such file or directory' and listed nothing."""
+    runs = tmp_path / "runs"
+    manager = cv.CheckpointManager(cv.Checkpoint(w=cv.Variable(np.zeros(3))), runs)
+    for step in (1, 2):
+        manager.save(checkpoint_number=step)
+    (runs / "ckpt-3.h5").symlink_to(tmp_path / "elsewhere" / "ckpt-3.h5")
+    (runs / "ckpt-4.zarr").symlink_to(tmp_path / "elsewhere" / "ckpt-4.zarr")
+    code, out, err = run_main(capsys, "ls", runs, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert [c["step"] for c in doc["checkpoints"]] == [1, 2]
+    assert doc["latest"] == manager.latest_checkpoint
+    code, out, err = run_main(capsys, "ls", runs)
+    assert code == 0 and "2 checkpoints" in out, err
+
+
 # ----------------------------------------------------------------------------- in-process helpers
 
 
