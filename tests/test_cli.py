@@ -430,7 +430,7 @@ def test_diff_a_number_against_an_infinity_in_b_differs(
     (v,) = json.loads(out)["values"]
     assert (v["status"], v["beyond_tolerance"]) == ("different", 2), v
     assert v["max_abs"] == v["max_rel"] == "inf", v
-    code, out, err = run_main(capsys, "diff", tmp_path / "b.h5", tmp_path / "b.h5")
+    code, out, _ = run_main(capsys, "diff", tmp_path / "b.h5", tmp_path / "b.h5")
     assert code == 0, out
 
 
