@@ -30,9 +30,9 @@ EPILOG = """\
 Compares every key present in both checkpoints, block by block. An element
 differs when |a - b| > atol + rtol * |b| (B is the reference). NaN equals NaN
 and an infinity the same infinity; a number against an infinity differs whatever
-the tolerances; NaN against a number is a difference, and that value's max abs/rel difference
-is reported as nan (text and --json alike; --json writes "nan" and "inf" as
-strings). Integers are compared exactly, even near 2**63 (max_abs is then an
+the tolerances; NaN against a number is a difference, and that value's max
+abs/rel difference is reported as nan (text and --json alike; --json writes
+"nan" and "inf" as strings). Integers are compared exactly, even near 2**63 (max_abs is then an
 exact integer). The defaults (atol = rtol = 0) ask for exact equality. Keys
 only in one file, a changed shape or a changed dtype are differences too;
 --ignore-dtype compares the values across dtypes instead and shows the dtype
