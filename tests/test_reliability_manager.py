@@ -423,3 +423,17 @@ def test_a_step_number_the_manager_could_not_list_is_refused(tmp_path: Path) -> 
                        (cv.Variable(6, dtype="int64"), "ckpt-6.h5")):
         assert os.path.basename(mgr.save(checkpoint_number=good) or "") == name
     assert os.path.basename(mgr.save() or "") == "ckpt-7.h5"
+
+
+@pytest.mark.parametrize("hours", [0, -1.0, float("nan")])
+def test_keep_checkpoint_every_n_hours_that_keeps_no_period_is_refused(
+    tmp_path: Path, hours: float
+) -> None:
+    """``0`` (TensorFlow configs' "off") preserved every pruned step for good, unlisted,
+    so ``max_to_keep`` deleted nothing and the disk filled; NaN preserved none. Refused
+    as ``Saver`` refuses it, before anything is written."""
+    ckpt = cv.Checkpoint(v=cv.Variable(np.zeros(3)))
+    with pytest.raises(ValueError, match="keep_checkpoint_every_n_hours"):
+        cv.CheckpointManager(ckpt, tmp_path / "run", max_to_keep=1,
+                             keep_checkpoint_every_n_hours=hours)
+    assert not (tmp_path / "run").exists()

@@ -130,13 +130,17 @@ def _step_number(checkpoint_number: Any) -> int | None:
 
 
 def _check_arguments(
-    checkpoint: Any, max_to_keep: int | None, checkpoint_name: str, format: str
+    checkpoint: Any, max_to_keep: int | None, checkpoint_name: str, format: str,
+    keep_hours: float | None = None,
 ) -> None:
     """Raise on a manager argument that can never work (before anything is touched)."""
     if not isinstance(checkpoint, Checkpoint):
         raise TypeError(f"CheckpointManager needs a cv.Checkpoint, got {checkpoint!r}.")
     if max_to_keep is not None and max_to_keep < 1:
         raise ValueError(f"max_to_keep must be None or >= 1, got {max_to_keep}.")
+    if keep_hours is not None and not keep_hours > 0:  # 0 would keep every step, NaN none
+        raise ValueError("keep_checkpoint_every_n_hours must be None or > 0, got "
+                         f"{keep_hours}.")
     if not checkpoint_name or "/" in checkpoint_name or checkpoint_name.startswith("."):
         raise ValueError(f"Bad checkpoint_name {checkpoint_name!r}.")
     lowered = checkpoint_name.lower()
@@ -271,7 +275,8 @@ class CheckpointManager:
         local_max_to_keep: int | None = None,
         persistent_every: int = 1,
     ) -> None:
-        _check_arguments(checkpoint, max_to_keep, checkpoint_name, format)
+        _check_arguments(checkpoint, max_to_keep, checkpoint_name, format,
+                         keep_checkpoint_every_n_hours)
         #: frees the pruned steps' bytes in the background (:meth:`_delete`)
         self._deletes = BackgroundDeletes()
         self._init_incremental(incremental, checkpoint)
