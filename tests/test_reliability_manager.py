@@ -437,3 +437,28 @@ def test_keep_checkpoint_every_n_hours_that_keeps_no_period_is_refused(
         cv.CheckpointManager(ckpt, tmp_path / "run", max_to_keep=1,
                              keep_checkpoint_every_n_hours=hours)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_after_the_directory_was_removed_makes_it_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, async_save: bool
+) -> None:
+    """A run's directory removed under a running job (a scratch purge, a hand clean-up):
+    every later save (and ``checkpoints``, ``restore_or_initialize``) failed with a bare
+    FileNotFoundError and the job checkpointed no more."""
+    v = cv.Variable(np.zeros(3))
+    run = tmp_path / "scratch" / "run"
+    mgr = cv.CheckpointManager(cv.Checkpoint(v=v), run, max_to_keep=2, async_save=async_save)
+    mgr.save()
+    mgr.wait_until_finished()
+    shutil.rmtree(tmp_path / "scratch")
+    assert mgr.checkpoints == [] and mgr.latest_checkpoint is None  # nothing on disk
+    assert mgr.restore_or_initialize() is None
+    v.assign(np.full(3, 2.0))
+    with caplog.at_level("WARNING", logger="ckptvar"):
+        path = mgr.save()
+    mgr.wait_until_finished()
+    assert os.path.basename(path or "") == "ckpt-2.h5"
+    assert mgr.checkpoints == [str(run / "ckpt-2.h5")]
+    assert cv.load(run / "ckpt-2.h5")["v"].tolist() == [2.0, 2.0, 2.0]
+    assert any("was removed" in r.getMessage() for r in caplog.records), caplog.text

@@ -365,6 +365,13 @@ class CheckpointManager:
                 if state["sections"].get(self.checkpoint_name) != self._section:
                     self._store(state)  # the cache now says what the directory holds
 
+    def _make_again(self) -> None:
+        """The directory was removed under this manager (a scratch purge, a clean-up by
+        hand): made again, empty, as the manager made it first, and said in the log."""
+        logger.warning("Checkpoint directory %s was removed while this manager used it; "
+                       "made again (the steps it held are gone).", os.fspath(self.directory))
+        self.directory.mkdir(parents=True, exist_ok=True)
+
     # -- an object store: the commit markers are the state ------------------------------
     def _remote_list(self, *, every: bool = False) -> list[dict[str, Any]]:
         """This manager's committed steps, oldest first (one listing request).
@@ -784,6 +791,9 @@ class CheckpointManager:
         if self._location is not None:  # the commit markers are the state
             self._section["checkpoints"] = self._remote_list()
             return
+        if not self.directory.is_dir():  # removed under this manager: no step is left
+            self._section = self._empty_section()
+            return
         with locked(self.directory, shared=True):
             self._section = self._recover(read_state(self.directory))
 
@@ -840,6 +850,8 @@ class CheckpointManager:
                 self._finish_preemption)
         if self._local_tier is not None:
             return self._save_tiered(checkpoint_number, check_interval, timeout)
+        if self._location is None and not self.read_only and not self.directory.is_dir():
+            self._make_again()
         self._sync()
         if self._location is None and not writable(self.directory):
             raise CkptError(
