@@ -303,6 +303,36 @@ def test_a_save_in_flight_keeps_its_temporary_from_gc(
     assert not tmp.exists()
 
 
+def test_gc_leaves_the_state_file_being_written_by_a_manager(
+    tmp_path: Path, fresh_graph: cv.Graph
+) -> None:
+    """A manager in flight writes its state file under the state lock: gc removed that
+    temporary (it took every state temporary for dead while a save held the saving
+    lock), and the manager's state write failed at its rename."""
+    from ckptvar.checkpoint._reclaim import open_saving_lock
+    from ckptvar.checkpoint._state import LOCK_FILE
+
+    d = tmp_path
+    cv.CheckpointManager(_model(1.0)[0], d).save()
+    tmp = d / f".checkpoint_state.json.{HEX}.partial"
+    tmp.write_bytes(b"{}")
+    saving = open_saving_lock(d)
+    state = os.open(d / LOCK_FILE, os.O_RDWR)
+    try:
+        fcntl.flock(saving, fcntl.LOCK_SH)  # a save in flight ...
+        fcntl.flock(state, fcntl.LOCK_EX)  # ... writing its state
+        assert [x for x in cv.checkpoint.gc(d) if x.path.startswith(str(d))] == []
+        assert tmp.exists()
+        os.close(state)  # the state written (a dead one's temporary is left now)
+        state = -1
+        assert [Path(x.path).name for x in cv.checkpoint.gc(d)
+                if x.path.startswith(str(d))] == [tmp.name]
+    finally:
+        os.close(saving)
+        if state >= 0:
+            os.close(state)
+
+
 _WRITER = """
 import sys
 from pathlib import Path

@@ -32,7 +32,7 @@ from ..locations import (
     temporaries,
     uncommitted,
 )
-from ._state import STATE_FILE
+from ._state import LOCK_FILE, STATE_FILE
 
 __all__ = ["SAVING_LOCK_FILE", "Leftover", "gc", "idle", "open_saving_lock", "reclaim_staging"]
 
@@ -136,7 +136,37 @@ def _local(directory: Path, *, dry_run: bool) -> list[Leftover]:
     if not dry_run and not os.access(directory, os.W_OK | os.X_OK):
         raise CkptError(f"Cannot remove leftovers in {os.fspath(directory)!r}: it is read-only.")
     with idle(directory) as nobody_saving:
-        found = temporaries(directory, ("",) if nobody_saving else (f".{STATE_FILE}.",))
+        if nobody_saving:
+            found = temporaries(directory)
+            if not dry_run:
+                remove_local(found)
+            return found
+    # a save in flight: the state file's temporaries are dead while nobody holds the
+    # state lock (a manager writes the state file under it)
+    with _state_unlocked(directory) as nobody_writing:
+        found = temporaries(directory, (f".{STATE_FILE}.",)) if nobody_writing else []
         if not dry_run:
             remove_local(found)
     return found
+
+
+@contextlib.contextmanager
+def _state_unlocked(directory: Path) -> Iterator[bool]:
+    """Yield whether nobody writes the directory's state file (holding that for the block)."""
+    try:
+        fd = os.open(directory / LOCK_FILE, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        yield True  # no manager ever wrote a state here
+        return
+    except OSError:  # cannot tell (a read-only directory): nothing is taken for dead
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
