@@ -416,6 +416,24 @@ def test_diff_shape_dtype_and_nan(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "dtype      w  float32 -> float64  max abs 0" in out
 
 
+@pytest.mark.parametrize("tolerances", [(), ("--rtol", "0.5"), ("--atol", "1e300")])
+def test_diff_a_number_against_an_infinity_in_b_differs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tolerances: tuple[str, ...]
+) -> None:
+    """B is the reference, ``rtol * |b|`` is NaN or inf when b is infinite: a finite value
+    (or the other infinity) against it was "close" and the diff exited 0."""
+    cv.save(tmp_path / "a.h5", {"v": np.array([1.0, 2.0, np.inf, np.inf], np.float16)})
+    cv.save(tmp_path / "b.h5", {"v": np.array([1.0, np.inf, -np.inf, np.inf], np.float16)})
+    code, out, err = run_main(capsys, "diff", tmp_path / "a.h5", tmp_path / "b.h5", "--json",
+                              *tolerances)
+    assert code == 1, out
+    (v,) = json.loads(out)["values"]
+    assert (v["status"], v["beyond_tolerance"]) == ("different", 2), v
+    assert v["max_abs"] == v["max_rel"] == "inf", v
+    code, out, _ = run_main(capsys, "diff", tmp_path / "b.h5", tmp_path / "b.h5")
+    assert code == 0, out
+
+
 # ----------------------------------------------------------------------------- verify
 
 
@@ -490,6 +508,25 @@ def test_ls_does_not_read_a_name_without_the_dash_as_a_step(
     assert cv.checkpoint.parse_step_name("dup-2.h5") == ("dup", 2, ".h5")
     (runs / "checkpoint_state.json").unlink()  # no record: a step by name and time only
     assert cv.latest_checkpoint(runs) == manager.checkpoints[-1]
+
+
+def test_ls_skips_a_step_that_is_gone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A link to nothing (or a step a running manager prunes while ``ckpt ls`` looks) is
+    not listed, as the manager does not list it; ``ckpt ls`` failed with '[Errno 2] No
+    such file or directory' and listed nothing."""
+    runs = tmp_path / "runs"
+    manager = cv.CheckpointManager(cv.Checkpoint(w=cv.Variable(np.zeros(3))), runs)
+    for step in (1, 2):
+        manager.save(checkpoint_number=step)
+    (runs / "ckpt-3.h5").symlink_to(tmp_path / "elsewhere" / "ckpt-3.h5")
+    (runs / "ckpt-4.zarr").symlink_to(tmp_path / "elsewhere" / "ckpt-4.zarr")
+    code, out, err = run_main(capsys, "ls", runs, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert [c["step"] for c in doc["checkpoints"]] == [1, 2]
+    assert doc["latest"] == manager.latest_checkpoint
+    code, out, err = run_main(capsys, "ls", runs)
+    assert code == 0 and "2 checkpoints" in out, err
 
 
 # ----------------------------------------------------------------------------- in-process helpers

@@ -216,3 +216,38 @@ def test_a_python_handler_runs_after_the_save(tmp_path: Path) -> None:
     again = cv.Checkpoint(w=cv.Variable(np.zeros(3), name="w"))
     again.restore(mgr.latest_checkpoint)
     assert again.w.numpy().tolist() == [5.0, 5.0, 5.0]
+
+
+@pytest.mark.parametrize(("async_save", "tiers"), [(False, False), (True, False), (False, True),
+                                                  (True, True)])
+def test_a_signal_during_the_save_of_a_step_then_its_boundary_ends_the_job(
+    tmp_path: Path, async_save: bool, tiers: bool
+) -> None:
+    """``save(N)`` then ``reached_preemption(N)`` (the loop of "call it after each step"),
+    with the signal arriving during that save: step N is the state, committed (with
+    tiers, persisted too, whatever ``persistent_every`` says); the signal is
+    re-delivered, never ``CheckpointExistsError``."""
+    calls: list[list[str]] = []
+    w = cv.Variable(np.zeros(3), name="w")
+    more: dict[str, Any] = ({"local_directory": tmp_path / "local", "persistent_every": 10}
+                            if tiers else {})
+    mgr = cv.CheckpointManager(cv.Checkpoint(w=w), tmp_path / "persist",
+                               async_save=async_save, **more)
+    previous = signal.signal(signal.SIGUSR1, lambda *_: calls.append(
+        [os.path.basename(p) for p in mgr.checkpoints]))
+    try:
+        mgr.save_on_signal(signal.SIGUSR1)
+        w.assign(np.full(3, 2.0))
+        mgr.save(checkpoint_number=2)
+        os.kill(os.getpid(), signal.SIGUSR1)  # as if during that save: only noted
+        assert mgr.reached_preemption(2)
+        assert calls == [["ckpt-2.h5"]]
+        assert signal.getsignal(signal.SIGUSR1) is not None
+        w.assign(np.full(3, 3.0))
+        os.kill(os.getpid(), signal.SIGUSR1)  # the user's own handler now: no save
+        assert not mgr.reached_preemption(3)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert [os.path.basename(p) for p in mgr.checkpoints] == ["ckpt-2.h5"]
+    assert cv.load(mgr.latest_checkpoint)["w"].tolist() == [2.0, 2.0, 2.0]
+    assert cv.load(tmp_path / "persist" / "ckpt-2.h5")["w"].tolist() == [2.0, 2.0, 2.0]

@@ -404,3 +404,61 @@ def test_restore_or_initialize_skips_a_checkpoint_that_no_longer_reads(
     assert mgr2.restore_or_initialize() == paths[0]
     assert m2.tag() == 1
     assert [p for p, _ in mgr2.skipped] == [paths[1]]
+
+
+def test_a_step_number_the_manager_could_not_list_is_refused(tmp_path: Path) -> None:
+    """A negative, fractional or int64-overflowing ``checkpoint_number`` is refused
+    before anything is written: ``-1`` made ``ckpt--1.h5``, which no manager lists,
+    restores or prunes; ``7.5`` saved as step 7; ``2**70`` wrapped the save counter."""
+    ckpt = cv.Checkpoint(v=cv.Variable(np.zeros(3)))
+    mgr = cv.CheckpointManager(ckpt, tmp_path)
+    for bad in (-1, np.int64(-5), 7.5, np.float32(2.5), 2**63, 2**70):
+        with pytest.raises(ValueError, match="checkpoint_number"):
+            mgr.save(checkpoint_number=bad)
+        with pytest.raises(ValueError, match="checkpoint_number"):
+            mgr.save(checkpoint_number=bad, check_interval=False)
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".h5"] == []
+    assert int(ckpt.save_counter.numpy()) == 0
+    for good, name in ((np.int64(3), "ckpt-3.h5"), (4.0, "ckpt-4.h5"), (np.uint8(5), "ckpt-5.h5"),
+                       (cv.Variable(6, dtype="int64"), "ckpt-6.h5")):
+        assert os.path.basename(mgr.save(checkpoint_number=good) or "") == name
+    assert os.path.basename(mgr.save() or "") == "ckpt-7.h5"
+
+
+@pytest.mark.parametrize("hours", [0, -1.0, float("nan")])
+def test_keep_checkpoint_every_n_hours_that_keeps_no_period_is_refused(
+    tmp_path: Path, hours: float
+) -> None:
+    """``0`` (TensorFlow configs' "off") preserved every pruned step for good, unlisted,
+    so ``max_to_keep`` deleted nothing and the disk filled; NaN preserved none. Refused
+    as ``Saver`` refuses it, before anything is written."""
+    ckpt = cv.Checkpoint(v=cv.Variable(np.zeros(3)))
+    with pytest.raises(ValueError, match="keep_checkpoint_every_n_hours"):
+        cv.CheckpointManager(ckpt, tmp_path / "run", max_to_keep=1,
+                             keep_checkpoint_every_n_hours=hours)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_after_the_directory_was_removed_makes_it_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, async_save: bool
+) -> None:
+    """A run's directory removed under a running job (a scratch purge, a hand clean-up):
+    every later save (and ``checkpoints``, ``restore_or_initialize``) failed with a bare
+    FileNotFoundError and the job checkpointed no more."""
+    v = cv.Variable(np.zeros(3))
+    run = tmp_path / "scratch" / "run"
+    mgr = cv.CheckpointManager(cv.Checkpoint(v=v), run, max_to_keep=2, async_save=async_save)
+    mgr.save()
+    mgr.wait_until_finished()
+    shutil.rmtree(tmp_path / "scratch")
+    assert mgr.checkpoints == [] and mgr.latest_checkpoint is None  # nothing on disk
+    assert mgr.restore_or_initialize() is None
+    v.assign(np.full(3, 2.0))
+    with caplog.at_level("WARNING", logger="ckptvar"):
+        path = mgr.save()
+    mgr.wait_until_finished()
+    assert os.path.basename(path or "") == "ckpt-2.h5"
+    assert mgr.checkpoints == [str(run / "ckpt-2.h5")]
+    assert cv.load(run / "ckpt-2.h5")["v"].tolist() == [2.0, 2.0, 2.0]
+    assert any("was removed" in r.getMessage() for r in caplog.records), caplog.text

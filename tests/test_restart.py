@@ -303,6 +303,80 @@ def test_a_save_in_flight_keeps_its_temporary_from_gc(
     assert not tmp.exists()
 
 
+def test_gc_leaves_the_state_file_being_written_by_a_manager(
+    tmp_path: Path, fresh_graph: cv.Graph
+) -> None:
+    """A manager in flight writes its state file under the state lock: gc removed that
+    temporary (it took every state temporary for dead while a save held the saving
+    lock), and the manager's state write failed at its rename."""
+    from ckptvar.checkpoint._reclaim import open_saving_lock
+    from ckptvar.checkpoint._state import LOCK_FILE
+
+    d = tmp_path
+    cv.CheckpointManager(_model(1.0)[0], d).save()
+    tmp = d / f".checkpoint_state.json.{HEX}.partial"
+    tmp.write_bytes(b"{}")
+    saving = open_saving_lock(d)
+    state = os.open(d / LOCK_FILE, os.O_RDWR)
+    try:
+        fcntl.flock(saving, fcntl.LOCK_SH)  # a save in flight ...
+        fcntl.flock(state, fcntl.LOCK_EX)  # ... writing its state
+        assert [x for x in cv.checkpoint.gc(d) if x.path.startswith(str(d))] == []
+        assert tmp.exists()
+        os.close(state)  # the state written (a dead one's temporary is left now)
+        state = -1
+        assert [Path(x.path).name for x in cv.checkpoint.gc(d)
+                if x.path.startswith(str(d))] == [tmp.name]
+    finally:
+        os.close(saving)
+        if state >= 0:
+            os.close(state)
+
+
+_WRITER = """
+import sys
+from pathlib import Path
+from ckptvar.storage.atomic import publish, temporary_sibling
+final = Path(sys.argv[1])
+with temporary_sibling(final) as tmp:
+    tmp.write_bytes(b"being written")
+    print(tmp.name, flush=True)
+    sys.stdin.readline()  # the save goes on when told
+    publish(tmp, final)
+"""
+
+
+def test_ckpt_gc_leaves_the_temporary_of_any_save_in_flight(tmp_path: Path) -> None:
+    """Not only a manager's: a ``Checkpoint.save``/``cv.save`` in another process too."""
+    env = {k: v for k, v in os.environ.items() if k not in MPI_ENV_VARS}
+    env.update(TMPDIR=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path))
+    final = tmp_path / "model-1.h5"
+    with subprocess.Popen([sys.executable, "-c", _WRITER, str(final)], env=env, text=True,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE) as writer:
+        assert writer.stdin is not None and writer.stdout is not None
+        tmp = tmp_path / writer.stdout.readline().strip()
+        assert tmp.exists()
+        done = _ckpt_cli("gc", str(tmp_path), env=env)
+        assert done.returncode == 0, done.stderr
+        assert "removed 0 leftovers" in done.stdout, done.stdout
+        assert tmp.exists()
+        writer.stdin.write("go\n")
+        writer.stdin.flush()
+        assert writer.wait(timeout=60) == 0
+    assert final.read_bytes() == b"being written"
+    # a writer killed in the middle leaves a temporary that gc removes
+    with subprocess.Popen([sys.executable, "-c", _WRITER, str(final)], env=env, text=True,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE) as writer:
+        assert writer.stdout is not None
+        tmp = tmp_path / writer.stdout.readline().strip()
+        writer.kill()
+        writer.wait(timeout=60)
+    assert tmp.exists()
+    done = _ckpt_cli("gc", str(tmp_path), env=env)
+    assert f"removed  temporary  {tmp}" in done.stdout, done.stdout
+    assert not tmp.exists() and final.exists()
+
+
 def test_local_location_temporaries_are_the_ones_cleanup_knows(tmp_path: Path) -> None:
     from ckptvar.locations import LocalLocation, is_partial
 

@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import functools
 import logging
+import operator
 import os
 import shutil
 import signal
@@ -102,14 +103,45 @@ def _own_number(name: str, prefix: str, suffix: str) -> int:
     return parsed.step if parsed is not None else -1
 
 
+#: The largest step number: the save counter is an int64, and the next save adds one.
+_MAX_NUMBER = 2**63 - 2
+
+
+def _step_number(checkpoint_number: Any) -> int | None:
+    """``checkpoint_number`` as the int a step's name holds; ``ValueError`` for a value
+    no manager could list (negative), that is not a whole number, or that overflows the
+    save counter."""
+    if checkpoint_number is None:
+        return None
+    try:
+        number = operator.index(checkpoint_number)
+    except TypeError:
+        try:  # a float, a 0-d array or variable, a numeric string
+            as_float = float(checkpoint_number)
+        except (TypeError, ValueError):
+            as_float = float("nan")
+        if not as_float.is_integer():
+            raise ValueError(f"checkpoint_number must be a whole number; got "
+                             f"{checkpoint_number!r}.") from None
+        number = int(as_float)
+    if not 0 <= number <= _MAX_NUMBER:
+        raise ValueError(f"checkpoint_number must be from 0 to {_MAX_NUMBER} (a step's "
+                         f"number, held by the int64 save counter); got {number}.")
+    return number
+
+
 def _check_arguments(
-    checkpoint: Any, max_to_keep: int | None, checkpoint_name: str, format: str
+    checkpoint: Any, max_to_keep: int | None, checkpoint_name: str, format: str,
+    keep_hours: float | None = None,
 ) -> None:
     """Raise on a manager argument that can never work (before anything is touched)."""
     if not isinstance(checkpoint, Checkpoint):
         raise TypeError(f"CheckpointManager needs a cv.Checkpoint, got {checkpoint!r}.")
     if max_to_keep is not None and max_to_keep < 1:
         raise ValueError(f"max_to_keep must be None or >= 1, got {max_to_keep}.")
+    if keep_hours is not None and not keep_hours > 0:  # 0 would keep every step, NaN none
+        raise ValueError("keep_checkpoint_every_n_hours must be None or > 0, got "
+                         f"{keep_hours}.")
     if not checkpoint_name or "/" in checkpoint_name or checkpoint_name.startswith("."):
         raise ValueError(f"Bad checkpoint_name {checkpoint_name!r}.")
     lowered = checkpoint_name.lower()
@@ -244,7 +276,8 @@ class CheckpointManager:
         local_max_to_keep: int | None = None,
         persistent_every: int = 1,
     ) -> None:
-        _check_arguments(checkpoint, max_to_keep, checkpoint_name, format)
+        _check_arguments(checkpoint, max_to_keep, checkpoint_name, format,
+                         keep_checkpoint_every_n_hours)
         #: frees the pruned steps' bytes in the background (:meth:`_delete`)
         self._deletes = BackgroundDeletes()
         self._init_incremental(incremental, checkpoint)
@@ -334,6 +367,13 @@ class CheckpointManager:
                 self._finish_deletions(state)
                 if state["sections"].get(self.checkpoint_name) != self._section:
                     self._store(state)  # the cache now says what the directory holds
+
+    def _make_again(self) -> None:
+        """The directory was removed under this manager (a scratch purge, a clean-up by
+        hand): made again, empty, as the manager made it first, and said in the log."""
+        logger.warning("Checkpoint directory %s was removed while this manager used it; "
+                       "made again (the steps it held are gone).", os.fspath(self.directory))
+        self.directory.mkdir(parents=True, exist_ok=True)
 
     # -- an object store: the commit markers are the state ------------------------------
     def _remote_list(self, *, every: bool = False) -> list[dict[str, Any]]:
@@ -755,6 +795,9 @@ class CheckpointManager:
         if self._location is not None:  # the commit markers are the state
             self._section["checkpoints"] = self._remote_list()
             return
+        if not self.directory.is_dir():  # removed under this manager: no step is left
+            self._section = self._empty_section()
+            return
         with locked(self.directory, shared=True):
             self._section = self._recover(read_state(self.directory))
 
@@ -805,6 +848,7 @@ class CheckpointManager:
         With a local tier, the step is saved there and, every
         ``persistent_every`` steps, copied to ``directory`` in the background.
         """
+        checkpoint_number = _step_number(checkpoint_number)
         signum = self._on_signal.due(self.coordinator, timeout)
         if signum is not None:
             return self._on_signal.save_then_redeliver(
@@ -812,6 +856,8 @@ class CheckpointManager:
                 self._finish_preemption)
         if self._local_tier is not None:
             return self._save_tiered(checkpoint_number, check_interval, timeout)
+        if self._location is None and not self.read_only and not self.directory.is_dir():
+            self._make_again()
         self._sync()
         if self._location is None and not writable(self.directory):
             raise CkptError(
@@ -902,6 +948,7 @@ class CheckpointManager:
         Returns ``False`` when no signal arrived; ``True`` after the save if the
         re-delivered signal did not end the process (its handler returned).
         """
+        checkpoint_number = _step_number(checkpoint_number)
         signum = self._on_signal.due(self.coordinator, timeout)
         if signum is None:
             return False
@@ -913,10 +960,41 @@ class CheckpointManager:
     def _preemption_save(self, checkpoint_number: int | None,
                          timeout: float | None) -> str | None:
         """The preemption save: whatever the interval; with tiers also persisted (the
-        local disk may not outlive the preemption), whatever ``persistent_every`` says."""
+        local disk may not outlive the preemption), whatever ``persistent_every`` says.
+
+        Step ``checkpoint_number`` committed already as the latest step (the signal came
+        during its save, or before the first step after a restore) is that state: it is
+        not written again (a step is written once), the signal is re-delivered."""
         if self._local_tier is not None:
+            if checkpoint_number is not None and self._nodes is None:
+                path = self._local_tier._latest_numbered(int(checkpoint_number))
+                if path is not None:
+                    self._persist_latest(int(checkpoint_number), path)
+                    return path
             return self._save_tiered(checkpoint_number, False, timeout, persist=True)
+        if checkpoint_number is not None:
+            path = self._latest_numbered(int(checkpoint_number))
+            if path is not None:
+                return path
         return self.save(checkpoint_number, check_interval=False, timeout=timeout)
+
+    def _latest_numbered(self, number: int) -> str | None:
+        """The path of the latest step when it is step ``number``, else ``None``."""
+        self._sync()
+        entries = self._section["checkpoints"]
+        if entries and self._number(entries[-1]["path"]) == number:
+            return self._full(entries[-1]["path"])
+        return None
+
+    def _persist_latest(self, number: int, local: str) -> None:
+        """A tiered manager's preemption save of the local tier's latest step ``number``,
+        committed already: its persistent copy, unless made or under way."""
+        assert self._pool is not None
+        if number in self._persisting or number in self._committed_numbers():
+            return
+        self._also_persisted.add(number)
+        if self._primary():
+            self._persisting[number] = self._pool.submit(self._persist, number, local, None)
 
     def _finish_preemption(self) -> None:
         """Before the signal is re-delivered: the save committed, with tiers its

@@ -2,8 +2,10 @@
 
 In a checkpoint directory a dead save leaves temporaries (``.<name>.<hex>.partial``);
 a manager's save holds a shared lock on ``.checkpoint_saving.lock`` while it writes,
-so temporaries are removed only while no manager, in any process, saves there
-(the lock of a killed process is released by the kernel). At an object-store URL
+and any save a shared lock on the directory while its temporary is there
+(``locations.no_writer_in``), so temporaries are removed only while nothing, in any
+process of this host, saves there (the lock of a killed process is released by the
+kernel). At an object-store URL
 it leaves claims of dead writers and objects below uncommitted steps
 (``locations.uncommitted``); on this host, staging directories in ``TMPDIR``.
 """
@@ -23,13 +25,14 @@ from ..locations import (
     Leftover,
     LocalLocation,
     is_url,
+    no_writer_in,
     open_location,
     remove_local,
     staging_leftovers,
     temporaries,
     uncommitted,
 )
-from ._state import STATE_FILE
+from ._state import LOCK_FILE, STATE_FILE
 
 __all__ = ["SAVING_LOCK_FILE", "Leftover", "gc", "idle", "open_saving_lock", "reclaim_staging"]
 
@@ -46,20 +49,26 @@ def open_saving_lock(directory: Path) -> int:
 
 @contextlib.contextmanager
 def idle(directory: Path) -> Iterator[bool]:
-    """Yield whether no manager saves into ``directory`` (holding that for the block)."""
-    if not (directory / SAVING_LOCK_FILE).exists():
-        yield True  # no manager ever saved here
-        return
-    fd = open_saving_lock(directory)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+    """Yield whether nothing saves into ``directory`` (holding that for the block): no
+    manager, and no other save writing a temporary there (``Checkpoint.save``,
+    ``cv.save``, a ``Saver``), in any process of this host."""
+    with no_writer_in(directory) as nobody_writing:
+        if not nobody_writing:
             yield False
             return
-        yield True
-    finally:
-        os.close(fd)
+        if not (directory / SAVING_LOCK_FILE).exists():
+            yield True  # no manager ever saved here
+            return
+        fd = open_saving_lock(directory)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+        finally:
+            os.close(fd)
 
 
 class _LastLook:
@@ -94,7 +103,7 @@ def gc(
     """Remove what dead saves left at ``path`` and in this host's ``TMPDIR``.
 
     ``path`` is a checkpoint directory or an object-store (or ``file://``) URL. What
-    is removed: temporaries (while no manager saves into the directory), staging
+    is removed: temporaries (while nothing saves into the directory), staging
     directories of dead processes, claims of dead writers and objects below steps
     no save can commit any more. A save in flight is never touched. Returns what was
     removed (with ``dry_run``: what would be), each with its size in bytes.
@@ -127,7 +136,37 @@ def _local(directory: Path, *, dry_run: bool) -> list[Leftover]:
     if not dry_run and not os.access(directory, os.W_OK | os.X_OK):
         raise CkptError(f"Cannot remove leftovers in {os.fspath(directory)!r}: it is read-only.")
     with idle(directory) as nobody_saving:
-        found = temporaries(directory, ("",) if nobody_saving else (f".{STATE_FILE}.",))
+        if nobody_saving:
+            found = temporaries(directory)
+            if not dry_run:
+                remove_local(found)
+            return found
+    # a save in flight: the state file's temporaries are dead while nobody holds the
+    # state lock (a manager writes the state file under it)
+    with _state_unlocked(directory) as nobody_writing:
+        found = temporaries(directory, (f".{STATE_FILE}.",)) if nobody_writing else []
         if not dry_run:
             remove_local(found)
     return found
+
+
+@contextlib.contextmanager
+def _state_unlocked(directory: Path) -> Iterator[bool]:
+    """Yield whether nobody writes the directory's state file (holding that for the block)."""
+    try:
+        fd = os.open(directory / LOCK_FILE, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        yield True  # no manager ever wrote a state here
+        return
+    except OSError:  # cannot tell (a read-only directory): nothing is taken for dead
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)

@@ -28,10 +28,11 @@ else:  # loaded on first use: `ckpt --help` imports no NumPy
 
 EPILOG = """\
 Compares every key present in both checkpoints, block by block. An element
-differs when |a - b| > atol + rtol * |b| (B is the reference). NaN equals NaN;
-NaN against a number is a difference, and that value's max abs/rel difference
-is reported as nan (text and --json alike; --json writes "nan" and "inf" as
-strings). Integers are compared exactly, even near 2**63 (max_abs is then an
+differs when |a - b| > atol + rtol * |b| (B is the reference). NaN equals NaN
+and an infinity the same infinity; a number against an infinity differs whatever
+the tolerances; NaN against a number is a difference, and that value's max
+abs/rel difference is reported as nan (text and --json alike; --json writes
+"nan" and "inf" as strings). Integers are compared exactly, even near 2**63 (max_abs is then an
 exact integer). The defaults (atol = rtol = 0) ask for exact equality. Keys
 only in one file, a changed shape or a changed dtype are differences too;
 --ignore-dtype compares the values across dtypes instead and shows the dtype
@@ -156,11 +157,14 @@ def _compare(
                 one_nan = np.isnan(d)
                 nan_mismatch += int(np.count_nonzero(one_nan))
                 df = d
-                out = (d > atol + rtol * ref) | one_nan | (np.isinf(d) & ~np.isinf(ref))
+                # an infinite distance (a number against an infinity, or the two
+                # infinities; equal infinities are 0) is beyond any tolerance, even where
+                # rtol * |b| is NaN or inf
+                out = (d > atol + rtol * ref) | one_nan | np.isinf(d)
                 finite_d = d[~one_nan]
                 if finite_d.size:
                     max_abs = max(max_abs, float(finite_d.max()))
-            rel = np.where(df == 0, 0.0, df / ref)
+            rel = np.where(df == 0, 0.0, np.where(np.isinf(df), np.inf, df / ref))
             rel = rel[~np.isnan(rel)]
             if rel.size:
                 max_rel = max(max_rel, float(rel.max()))

@@ -12,8 +12,9 @@ from ._output import escape
 
 EPILOG = """\
 Removes what saves that died (killed, preempted, out of disk) left behind:
-temporaries beside the final names (while no manager saves into the directory),
-this host's staging directories in TMPDIR whose process is gone, and at an
+temporaries beside the final names (while nothing saves into the directory: no
+manager, no Checkpoint.save, cv.save or ckpt convert of this host), this host's
+staging directories in TMPDIR whose process is gone, and at an
 object-store URL the claims of dead writers and objects below steps no save can
 commit any more. A save in flight and every committed checkpoint are left alone.
 A CheckpointManager's next save does the same. Incomplete multipart uploads

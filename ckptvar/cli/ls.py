@@ -60,7 +60,8 @@ def _disk_size(path: Path) -> int:
 
 
 def _manager_checkpoints(directory: Path) -> list[Path]:
-    """The checkpoints of the manager directory, oldest step first."""
+    """The checkpoints of the manager directory, oldest step first (a link to nothing, or
+    a step pruned while we look, is not one: the manager does not list it either)."""
     found = []
     for entry in directory.iterdir():
         if entry.name.startswith("."):
@@ -69,7 +70,10 @@ def _manager_checkpoints(directory: Path) -> list[Path]:
         if m is None:
             continue
         path = entry.with_name(entry.name[: -len(".index")]) if m.suffix == ".index" else entry
-        found.append((m.step, entry.stat().st_mtime, path))
+        try:
+            found.append((m.step, entry.stat().st_mtime, path))
+        except FileNotFoundError:
+            continue
     found.sort(key=lambda t: (t[0], t[1]))
     return [p for _, _, p in found]
 
@@ -142,14 +146,18 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     for p in paths:
         m = _step_of(p.name if p.exists() else p.name + ".index")
         stat_target = p if p.exists() else p.with_name(p.name + ".index")
-        mtime = stat_target.stat().st_mtime
+        try:
+            mtime = stat_target.stat().st_mtime
+            size = _disk_size(stat_target)
+        except FileNotFoundError:  # pruned by a running manager since it was listed
+            continue
         rows.append(
             {
                 "path": str(p),
                 "step": m.step if m else None,
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(mtime)),
                 "mtime": mtime,
-                "size": _disk_size(stat_target),
+                "size": size,
                 "latest": latest_path is not None and _same(p, latest_path),
             }
         )

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import fcntl
 import functools
 import os
 import re
@@ -58,6 +59,7 @@ __all__ = [
     "fsync_all",
     "fsync_dir",
     "fsync_path",
+    "no_writer_in",
     "publish",
     "remove_path",
     "temporary_sibling",
@@ -172,14 +174,59 @@ def remove_path(path: Path) -> None:
 def temporary_sibling(final: Path) -> Iterator[Path]:
     """Yield a temporary path beside ``final``; delete it if the block raises.
 
-    The caller creates the file or directory there and calls :func:`publish`.
+    The caller creates the file or directory there and calls :func:`publish`. For the
+    block the writer holds a shared lock on the directory (:func:`no_writer_in`), so a
+    clean-up in any process of this host leaves the temporary alone.
     """
     tmp = partial_path(final)
+    held = _lock_directory(final.parent, fcntl.LOCK_SH)
     try:
         yield tmp
     except BaseException:
         remove_path(tmp)
         raise
+    finally:
+        if held is not None:
+            os.close(held)
+
+
+def _lock_directory(directory: Path, how: int) -> int | None:
+    """A descriptor of ``directory`` holding ``flock(how)``, or ``None`` where the
+    directory cannot be opened or its file system has no such lock (some network file
+    systems); raises ``BlockingIOError`` for a non-blocking lock that is taken."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, how)
+    except BlockingIOError:
+        os.close(fd)
+        raise
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+@contextlib.contextmanager
+def no_writer_in(directory: Path) -> Iterator[bool]:
+    """Yield whether no temporary in ``directory`` is being written (holding that for the
+    block): every writer of one (:func:`temporary_sibling`) holds a shared lock on the
+    directory until it publishes or gives up, released by the kernel if it is killed.
+    Where the lock cannot be taken at all (no such directory, a file system without
+    locks) it yields ``True``."""
+    try:
+        held = _lock_directory(directory, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        if held is not None:
+            os.close(held)
 
 
 @functools.cache
