@@ -11,6 +11,7 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -391,3 +392,24 @@ def test_a_lazy_value_of_the_layout_is_a_lazy_array_like_any_other(tmp_path: Pat
         assert (lazy.shape, lazy.dtype) == ((8, 3), np.dtype("float32"))
         assert repr(lazy) == "<LazyArray 'w' shape=(8, 3) dtype=float32>"
         np.testing.assert_array_equal(lazy[2:5], FULL[2:5])
+
+
+def _rewrite_index(path: Path, change: Any) -> None:
+    index = msgpack.unpackb((path / INDEX_FILE).read_bytes(), strict_map_key=False)
+    change(index)
+    (path / INDEX_FILE).write_bytes(msgpack.packb(index, use_bin_type=True))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("attrs", [1, 2]), ("attrs", "name"), ("shape", [-8, 3]), ("shape", [8.5, 3]),
+     ("shape", "83")],
+)
+def test_an_index_field_of_the_wrong_kind_is_a_corrupt_checkpoint(
+    tmp_path: Path, field: str, value: Any
+) -> None:
+    path = Path(_save(tmp_path, ".h5"))
+    _rewrite_index(path, lambda ix: ix["variables"]["w"].update({field: value}))
+    for read in (cv.load, cv.list_variables, lambda p: cv.open(p)["w"][1:3]):
+        with pytest.raises(CorruptCheckpointError, match=r"index of .*ckpt-1\.h5.* 'w'"):
+            read(path)

@@ -165,8 +165,11 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         sums = self._index.get("checksums") or {}
         for key, rec in self._index["variables"].items():
             try:
-                shape = tuple(int(n) for n in rec["shape"])
+                shape = _index_shape(rec["shape"])
                 dtype = as_dtype(rec["dtype"])  # a name (bfloat16) or a NumPy string
+                attrs = rec.get("attrs") or {}
+                if not isinstance(attrs, dict):
+                    raise TypeError(f"its attrs are {type(attrs).__name__}, not a map")
                 boxes = [
                     (Box(tuple(o), tuple(s)), int(f), str(k)) for o, s, f, k in rec["boxes"]
                 ]
@@ -186,7 +189,7 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
                     f"The index of {str(self.path)!r} names a file that it does not list "
                     f"for variable {key!r}."
                 )
-            self._infos[key] = ArrayInfo(key, dtype, shape, dict(rec.get("attrs") or {}),
+            self._infos[key] = ArrayInfo(key, dtype, shape, dict(attrs),
                                        piecewise=True)  # every box and chunk has one
             self._boxes[key] = boxes
 
@@ -547,6 +550,13 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
 
     def _where(self, f: int) -> str:
         return self._src.where(self._files[f])
+
+
+def _index_shape(value: Any) -> tuple[int, ...]:
+    """A full shape as the index stores it: a list of non-negative ints, nothing else."""
+    if not isinstance(value, list) or any(type(n) is not int or n < 0 for n in value):
+        raise ValueError(f"its shape {value!r} is not a list of non-negative ints")
+    return tuple(value)
 
 
 def _same_file(steps: list[Path], rel: str, st: os.stat_result) -> list[str]:
