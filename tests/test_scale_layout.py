@@ -413,3 +413,49 @@ def test_an_index_field_of_the_wrong_kind_is_a_corrupt_checkpoint(
     for read in (cv.load, cv.list_variables, lambda p: cv.open(p)["w"][1:3]):
         with pytest.raises(CorruptCheckpointError, match=r"index of .*ckpt-1\.h5.* 'w'"):
             read(path)
+
+
+def _point_box(ix: dict[str, Any], shape: list[int], stored: str | None = None) -> None:
+    rec = ix["variables"]["w"]
+    rec["shape"] = shape
+    rec["boxes"][0][1] = shape
+    if stored is not None:
+        rec["boxes"][0][3] = stored
+
+
+@pytest.mark.parametrize(
+    ("shape", "stored"),
+    [([8, 3], "b/.box/0"),          # the box names another stored value
+     ([10**12, 3], None)],          # a box far larger than the value its file holds
+)
+def test_a_box_that_its_file_does_not_hold_is_refused_before_any_allocation(
+    tmp_path: Path, shape: list[int], stored: str | None
+) -> None:
+    path = Path(_save(tmp_path, ".h5"))
+    _rewrite_index(path, lambda ix: _point_box(ix, shape, stored))
+    words = r"'w'.*rank-00000\.h5"
+    with pytest.raises(CorruptCheckpointError, match=words):
+        cv.load(path)
+    with cv.open(path) as reader:
+        with pytest.raises(CorruptCheckpointError, match=words):
+            reader["w"][...]
+        with pytest.raises(CorruptCheckpointError, match=words):
+            reader["w"][:2]
+        assert reader["b"][...].tolist() == [1, 1]
+
+
+def test_a_global_array_claiming_a_huge_chunk_is_refused_before_any_allocation(
+    tmp_path: Path,
+) -> None:
+    w = cv.Variable(np.ones((128, 128), "float32"), name="w",
+                    shard=cv.Shard(full_shape=(128, 128), offset=(0, 0)))  # 64 KiB: a grid
+    path = Path(cv.Checkpoint(w=w).save(tmp_path / "ckpt.zarr",
+                                        coordinator=SingleProcessCoordinator()))
+
+    def huge(ix: dict[str, Any]) -> None:
+        _point_box(ix, [10**12, 128])
+        ix["variables"]["w"]["grid"]["chunk_shape"] = [10**12, 128]
+
+    _rewrite_index(path, huge)
+    with pytest.raises(CorruptCheckpointError, match=r"'w'.*w/c\.0\.0"):
+        cv.load(path)

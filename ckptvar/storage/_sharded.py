@@ -37,7 +37,7 @@ from ..errors import CkptError, CorruptCheckpointError, MissingKeyError
 from ._box_index import as_box, fits_whole
 from ._container import ContainerReader
 from ._record import BLOCK_SIZE, holder_step
-from ._sharded_zarr import GridVariable, check_part, read_part
+from ._sharded_zarr import GridVariable, check_chunk, check_part, read_part
 from ._step_files import LocalStepFiles, StepFiles
 from ._zarr import ZarrReader
 from .base import (
@@ -242,6 +242,7 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
                 continue
             boxes = self._boxes_of(key)
             plan = read_plan(key, Box.full(info.shape), [b for b, _, _ in boxes], info.shape)
+            self._check_held(key, boxes, plan)
             rest = []
             for item in plan:
                 _, f, stored = boxes[item.source]
@@ -423,8 +424,11 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         variable and the file when a file is missing or damaged.
         """
         info = self.info(key)
+        boxes = self._boxes_of(key)
+        plan = read_plan(key, target, [b for b, _, _ in boxes], info.shape)
+        self._check_held(key, boxes, plan, chunks=True)  # before allocating what it claims
         out = np.empty(target.shape, dtype=info.dtype)
-        self._read_into(key, target, out, verify)
+        self._copy_items(key, boxes, plan, out, verify)
         return out
 
     def read_box_into(
@@ -445,7 +449,40 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         """:meth:`read_box` into ``out`` (``target``'s shape, the value's dtype)."""
         boxes = self._boxes_of(key)
         plan = read_plan(key, target, [b for b, _, _ in boxes], self._infos[key].shape)
+        self._check_held(key, boxes, plan)
         self._copy_items(key, boxes, plan, out, verify)
+
+    def _check_held(
+        self, key: str, boxes: list[tuple[Any, int, str]], plan: list[Any], *,
+        chunks: bool = False,
+    ) -> None:
+        """Check that each stored box ``plan`` reads is held as the index says: a value
+        of the box's shape and the variable's dtype in its process file (with ``chunks``,
+        also a global array's chunk files, by their sizes), else ``CorruptCheckpointError``
+        naming the variable and the file. A read checks this before it allocates the
+        index's shapes: a damaged index cannot make it allocate more than is stored."""
+        grid = self._grids.get(key)
+        dtype = self._infos[key].dtype
+        for j in sorted({item.source for item in plan}):
+            box, f, stored = boxes[j]
+            if grid is not None:
+                if chunks:
+                    check_chunk(self._root(), Path(self._src.display), grid[0], j)
+                continue
+            sub = self._sub(key, f)
+            try:
+                held = sub.info(stored)
+            except MissingKeyError:
+                raise CorruptCheckpointError(
+                    f"Variable {key!r}: its slice {box} is missing from file "
+                    f"{self._where(f)!r}."
+                ) from None
+            if held.shape != tuple(box.shape) or held.dtype != dtype:
+                raise CorruptCheckpointError(
+                    f"Variable {key!r}: the index says file {self._where(f)!r} holds its "
+                    f"slice {box} as {stored!r} ({dtype}), but that value has shape "
+                    f"{held.shape} and dtype {held.dtype}: the index or the file is damaged."
+                )
 
     def _copy_items(
         self, key: str, boxes: list[tuple[Any, int, str]], plan: list[Any], out: np.ndarray,
