@@ -459,3 +459,22 @@ def test_a_global_array_claiming_a_huge_chunk_is_refused_before_any_allocation(
     _rewrite_index(path, huge)
     with pytest.raises(CorruptCheckpointError, match=r"'w'.*w/c\.0\.0"):
         cv.load(path)
+
+
+@pytest.mark.parametrize("name", ["../outside.h5", "/tmp/outside.h5", "..", "", 3])
+def test_an_index_naming_a_file_outside_its_step_is_refused(tmp_path: Path, name: Any) -> None:
+    path = Path(_save(tmp_path / "run", ".h5"))
+    outside = Path(_save(tmp_path / "other", ".h5")) / "rank-00000.h5"  # holds w/.box/0 too
+    (path.parent / "outside.h5").write_bytes(outside.read_bytes())
+    _rewrite_index(path, lambda ix: ix.update(files=[name]))
+    with pytest.raises(CorruptCheckpointError, match=r"index of .*ckpt-1\.h5.*file"):
+        cv.load(path)
+
+
+def test_a_process_file_that_is_a_symlink_is_not_followed(tmp_path: Path) -> None:
+    path = Path(_save(tmp_path / "run", ".h5"))
+    outside = Path(_save(tmp_path / "other", ".h5")) / "rank-00000.h5"
+    (path / "rank-00000.h5").unlink()
+    (path / "rank-00000.h5").symlink_to(outside)
+    with pytest.raises(CorruptCheckpointError, match=r"rank-00000\.h5.*symbolic link"):
+        cv.load(path)

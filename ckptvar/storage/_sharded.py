@@ -137,7 +137,19 @@ def _load_index(files: StepFiles) -> dict[str, Any]:
         )
     if not isinstance(doc.get("variables"), dict) or not isinstance(doc.get("files"), list):
         raise CorruptCheckpointError(f"{where!r} is malformed (no variables/files).")
+    for name in doc["files"]:
+        if not _plain_name(name):
+            raise CorruptCheckpointError(
+                f"The index of {files.display!r} names the file {name!r}, which is not a "
+                "plain name inside the step: the index is damaged."
+            )
     return doc
+
+
+def _plain_name(name: object) -> bool:
+    """Whether ``name`` is a file name inside the step: one path segment, not ``.``/``..``."""
+    return (isinstance(name, str) and name not in ("", ".", "..")
+            and not any(c in name for c in "/\\\0"))
 
 
 class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVerifyMany,

@@ -81,6 +81,11 @@ class LocalStepFiles(StepFiles):
 
     def open_reader(self, name: str) -> Reader:
         where = self.path / name
+        if where.is_symlink():  # a step's files are its own: never followed out of it
+            raise CorruptCheckpointError(
+                f"{str(where)!r} is a symbolic link; a multi-process step's files are read "
+                "only as regular files and directories inside it."
+            )
         if not where.exists():
             raise FileNotFoundError(where)
         return backend_for(where).open_reader(where)
