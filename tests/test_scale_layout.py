@@ -478,3 +478,11 @@ def test_a_process_file_that_is_a_symlink_is_not_followed(tmp_path: Path) -> Non
     (path / "rank-00000.h5").symlink_to(outside)
     with pytest.raises(CorruptCheckpointError, match=r"rank-00000\.h5.*symbolic link"):
         cv.load(path)
+
+
+@pytest.mark.parametrize("index", [True, False, (0, True), (True, slice(1, 3))])
+def test_a_boolean_index_of_a_sharded_value_is_numpy_s(tmp_path: Path, index: Any) -> None:
+    path = _save(tmp_path, ".h5")
+    with cv.open(path) as reader:
+        got = reader["w"][index]
+    assert got.shape == FULL[index].shape and np.array_equal(got, FULL[index])
