@@ -486,3 +486,19 @@ def test_a_boolean_index_of_a_sharded_value_is_numpy_s(tmp_path: Path, index: An
     with cv.open(path) as reader:
         got = reader["w"][index]
     assert got.shape == FULL[index].shape and np.array_equal(got, FULL[index])
+
+
+def test_a_box_naming_another_variable_s_stored_value_is_refused_and_verify_finds_it(
+    tmp_path: Path,
+) -> None:
+    coord = SingleProcessCoordinator()
+    w = cv.Variable(FULL.copy(), name="w", shard=cv.Shard(full_shape=(8, 3), offset=(0, 0)))
+    b = cv.Variable(np.ones((8, 3), "float32"), name="b")  # the same shape and dtype
+    path = Path(cv.Checkpoint(w=w, b=b).save(tmp_path / "ckpt.h5", coordinator=coord))
+    _rewrite_index(path, lambda ix: ix["variables"]["w"]["boxes"][0].__setitem__(3, "b/.box/0"))
+    with pytest.raises(CorruptCheckpointError, match=r"'w'.*'b/\.box/0'"):
+        cv.load(path)
+    with cv.open(path) as reader:
+        assert [key for key, _ in reader.verify_all()] == ["w"]
+        with pytest.raises(CorruptCheckpointError, match=r"'w'"):
+            reader.verify_many(["b", "w"])

@@ -254,7 +254,7 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
                 continue
             boxes = self._boxes_of(key)
             plan = read_plan(key, Box.full(info.shape), [b for b, _, _ in boxes], info.shape)
-            self._check_held(key, boxes, plan)
+            self._check_held(key, boxes, (i.source for i in plan))
             rest = []
             for item in plan:
                 _, f, stored = boxes[item.source]
@@ -293,7 +293,9 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
             if key in self._grids:
                 self.verify(key)
                 continue
-            for _, f, stored in self._boxes_of(key):
+            boxes = self._boxes_of(key)
+            self._check_held(key, boxes, range(len(boxes)))
+            for _, f, stored in boxes:
                 per_file.setdefault(f, []).append((key, stored))
         for f, jobs in sorted(per_file.items()):
             sub = self._sub(jobs[0][0], f)
@@ -314,7 +316,9 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         ``target`` (a ``Box``), whole: what a later ``verify=False`` read of it may trust."""
         boxes = self._boxes_of(key)
         grid = self._grids.get(key)
-        for item in read_plan(key, target, [b for b, _, _ in boxes], self._infos[key].shape):
+        plan = read_plan(key, target, [b for b, _, _ in boxes], self._infos[key].shape)
+        self._check_held(key, boxes, (i.source for i in plan))
+        for item in plan:
             box, f, stored = boxes[item.source]
             if grid is None:
                 self._verify_part(key, f, stored, item, box)
@@ -438,7 +442,8 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         info = self.info(key)
         boxes = self._boxes_of(key)
         plan = read_plan(key, target, [b for b, _, _ in boxes], info.shape)
-        self._check_held(key, boxes, plan, chunks=True)  # before allocating what it claims
+        # before allocating what the index claims
+        self._check_held(key, boxes, (i.source for i in plan), chunks=True)
         out = np.empty(target.shape, dtype=info.dtype)
         self._copy_items(key, boxes, plan, out, verify)
         return out
@@ -461,26 +466,36 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         """:meth:`read_box` into ``out`` (``target``'s shape, the value's dtype)."""
         boxes = self._boxes_of(key)
         plan = read_plan(key, target, [b for b, _, _ in boxes], self._infos[key].shape)
-        self._check_held(key, boxes, plan)
+        self._check_held(key, boxes, (i.source for i in plan))
         self._copy_items(key, boxes, plan, out, verify)
 
     def _check_held(
-        self, key: str, boxes: list[tuple[Any, int, str]], plan: list[Any], *,
+        self, key: str, boxes: list[tuple[Any, int, str]], sources: Iterable[int], *,
         chunks: bool = False,
     ) -> None:
-        """Check that each stored box ``plan`` reads is held as the index says: a value
-        of the box's shape and the variable's dtype in its process file (with ``chunks``,
+        """Check that each stored box ``sources`` names (positions in ``boxes``, as a read
+        plan's items give them) is held as the index says: a value
+        of the box's shape and the variable's dtype in its process file, under the key its
+        writer gave it (``<key>/.box/<j>``, which its checksum binds; with ``chunks``,
         also a global array's chunk files, by their sizes), else ``CorruptCheckpointError``
         naming the variable and the file. A read checks this before it allocates the
         index's shapes: a damaged index cannot make it allocate more than is stored."""
         grid = self._grids.get(key)
         dtype = self._infos[key].dtype
-        for j in sorted({item.source for item in plan}):
+        for j in sorted(set(sources)):
             box, f, stored = boxes[j]
+            if box.size == 0:  # nothing stored, nothing read
+                continue
             if grid is not None:
                 if chunks:
                     check_chunk(self._root(), Path(self._src.display), grid[0], j)
                 continue
+            if stored != box_key(key, j):  # the key its writer gave it: bound by its checksum
+                raise CorruptCheckpointError(
+                    f"Variable {key!r}: the index names {stored!r} in file {self._where(f)!r} "
+                    f"as its slice {box}, which is stored as {box_key(key, j)!r}: the index "
+                    "is damaged."
+                )
             sub = self._sub(key, f)
             try:
                 held = sub.info(stored)
