@@ -30,7 +30,7 @@ from ..errors import CheckpointMismatchError
 from ..locations import is_url
 from ..storage import ShardedReader
 from ..variables import Variable, device_value, host_buffer
-from ._apply import TEMPORARY_BUDGET, give_value, warn_cast
+from ._apply import TEMPORARY_BUDGET, check_cast_fits, give_value, narrows_int, warn_cast
 from ._files import open_checkpoint_reader
 from ._logical import Logical
 
@@ -170,6 +170,8 @@ def _stage(
     for key, var, target, want in plans:
         if id(var) not in direct:
             value = _read_for(reader, key, target, verify)
+            if narrows_int(value.dtype, want):  # a cast that would wrap: refused, before the vote
+                check_cast_fits(reader, key, value, want)
             staged.values.append((var, value if value.dtype == want else value.astype(want)))
     if in_place and verify and is_url(os.fspath(reader.path)):
         _spool_reads(reader, staged, in_place)  # one download, not a verify and a read
