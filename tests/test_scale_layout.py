@@ -8,6 +8,7 @@ layout, its reader and the restore's checks are tested here without ``mpiexec``.
 from __future__ import annotations
 
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -502,3 +503,18 @@ def test_a_box_naming_another_variable_s_stored_value_is_refused_and_verify_find
         assert [key for key, _ in reader.verify_all()] == ["w"]
         with pytest.raises(CorruptCheckpointError, match=r"'w'"):
             reader.verify_many(["b", "w"])
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".zarr"])
+def test_a_step_deleted_while_it_is_read_is_not_found_not_corrupt(
+    tmp_path: Path, suffix: str
+) -> None:
+    """As a one-process reader says when a manager prunes the checkpoint it reads."""
+    w = cv.Variable(np.ones((128, 128), "float32"), name="w",  # 64 KiB: a global Zarr array
+                    shard=cv.Shard(full_shape=(128, 128), offset=(0, 0)))
+    path = Path(cv.Checkpoint(w=w).save(tmp_path / f"ckpt{suffix}",
+                                        coordinator=SingleProcessCoordinator()))
+    with cv.open(path) as reader:
+        shutil.rmtree(path)  # pruned
+        with pytest.raises(cv.CheckpointNotFoundError, match="deleted while it was being read"):
+            reader["w"][1:3]

@@ -24,7 +24,8 @@ directory that is not an ordinary checkpoint to this backend).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -323,8 +324,9 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
             if grid is None:
                 self._verify_part(key, f, stored, item, box)
                 continue
-            check_part(self._root(), Path(self._src.display), grid[0], item.source,
-                       crc=grid[1][item.source])
+            with self._unless_gone():
+                check_part(self._root(), Path(self._src.display), grid[0], item.source,
+                           crc=grid[1][item.source])
 
     def verify_all(self) -> list[tuple[str, str]]:
         bad: list[tuple[str, str]] = []
@@ -488,7 +490,8 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
                 continue
             if grid is not None:
                 if chunks:
-                    check_chunk(self._root(), Path(self._src.display), grid[0], j)
+                    with self._unless_gone():
+                        check_chunk(self._root(), Path(self._src.display), grid[0], j)
                 continue
             if stored != box_key(key, j):  # the key its writer gave it: bound by its checksum
                 raise CorruptCheckpointError(
@@ -522,10 +525,12 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
             dest = out[item.dest_slices] if out.ndim else out
             if grid is not None:
                 whole = item.box == box or box.size * isz <= _SLICE_WHOLE_BELOW
-                part, nbytes = read_part(
-                    self._root(), Path(self._src.display), grid[0], item.source, item.source_slices,
-                    crc=grid[1][item.source], whole=whole, verify=verify, out=dest,
-                )
+                with self._unless_gone():
+                    part, nbytes = read_part(
+                        self._root(), Path(self._src.display), grid[0], item.source,
+                        item.source_slices, crc=grid[1][item.source], whole=whole,
+                        verify=verify, out=dest,
+                    )
                 self.bytes_read += nbytes
                 if part is not dest:
                     dest[...] = part
@@ -565,6 +570,16 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         self.info(key)
         return self._boxes[key]
 
+    @contextmanager
+    def _unless_gone(self) -> Iterator[None]:
+        """A missing or damaged file of a step deleted (pruned) since it was opened is
+        ``CheckpointNotFoundError``, as a one-process reader says, not damage."""
+        try:
+            yield
+        except CorruptCheckpointError:
+            self._src.raise_if_gone()
+            raise
+
     def _root(self) -> int:
         """The step directory, held open (chunk files are opened below it, no symlinks)."""
         return self._src.root_fd()
@@ -602,6 +617,7 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         try:
             sub = self._src.open_reader(self._files[f])
         except FileNotFoundError:
+            self._src.raise_if_gone()
             raise CorruptCheckpointError(
                 f"Variable {key!r}: its slice file {where!r} is missing."
             ) from None
