@@ -518,3 +518,11 @@ def test_a_step_deleted_while_it_is_read_is_not_found_not_corrupt(
         shutil.rmtree(path)  # pruned
         with pytest.raises(cv.CheckpointNotFoundError, match="deleted while it was being read"):
             reader["w"][1:3]
+
+
+def test_an_index_of_a_newer_version_asks_for_a_newer_ckptvar(tmp_path: Path) -> None:
+    """As a one-process checkpoint of a newer major version does: not called damaged."""
+    path = Path(_save(tmp_path, ".h5"))
+    _rewrite_index(path, lambda ix: ix.update(version=3))
+    with pytest.raises(cv.UnsupportedFormatError, match=r"index version 3.*upgrade ckptvar"):
+        cv.load(path)

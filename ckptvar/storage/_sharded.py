@@ -34,7 +34,7 @@ import numpy as np
 
 from .._dtypes import as_dtype
 from ..distributed import Box, read_plan
-from ..errors import CkptError, CorruptCheckpointError, MissingKeyError
+from ..errors import CkptError, CorruptCheckpointError, MissingKeyError, UnsupportedFormatError
 from ._box_index import as_box, fits_whole
 from ._container import ContainerReader
 from ._record import BLOCK_SIZE, holder_step
@@ -131,7 +131,13 @@ def _load_index(files: StepFiles) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{where!r} is damaged: {exc}.") from None
     if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT:
         raise CorruptCheckpointError(f"{where!r} is not a ckptvar multi-process index.")
-    if not isinstance(doc.get("version"), int) or not 1 <= doc["version"] <= INDEX_VERSION:
+    version = doc.get("version")
+    if type(version) is int and version > INDEX_VERSION:
+        raise UnsupportedFormatError(
+            f"{where!r} has index version {version}, newer than the 1-{INDEX_VERSION} this "
+            "ckptvar reads; upgrade ckptvar to read it."
+        )
+    if type(version) is not int or not 1 <= version <= INDEX_VERSION:
         raise CorruptCheckpointError(
             f"{where!r} has index version {doc.get('version')!r}; this ckptvar reads up "
             f"to {INDEX_VERSION}."
