@@ -526,3 +526,22 @@ def test_an_index_of_a_newer_version_asks_for_a_newer_ckptvar(tmp_path: Path) ->
     _rewrite_index(path, lambda ix: ix.update(version=3))
     with pytest.raises(cv.UnsupportedFormatError, match=r"index version 3.*upgrade ckptvar"):
         cv.load(path)
+
+
+@pytest.mark.parametrize("out", [np.zeros((2, 8, 3), "float32"), np.zeros((8, 3), "float64"),
+                                 np.zeros((8, 3), "int32"), np.zeros((1, 3), "float32")])
+def test_read_into_an_out_of_another_shape_or_dtype_is_refused(tmp_path: Path,
+                                                               out: np.ndarray) -> None:
+    """As a one-process reader refuses it: no silent broadcast or cast into ``out``."""
+    path = _save(tmp_path, ".h5")
+    with cv.open(path) as reader, pytest.raises(ValueError, match=r"out= for 'w'"):
+        reader.read("w", out=out)
+    assert not out.any()
+
+
+def test_read_into_a_strided_out_of_the_value_s_shape_and_dtype(tmp_path: Path) -> None:
+    path = _save(tmp_path, ".h5")
+    out = np.zeros((8, 6), "float32")[:, ::2]
+    with cv.open(path) as reader:
+        assert reader.read("w", out=out) is out
+    assert np.array_equal(out, FULL)

@@ -232,6 +232,14 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
     def read(self, key: str, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
         info = self.info(key)
         full = Box.full(info.shape)
+        if out is not None and (out.shape != tuple(info.shape) or out.dtype != info.dtype
+                                or not out.flags.writeable):
+            raise ValueError(
+                f"out= for {key!r} has shape {out.shape} and dtype {out.dtype}"
+                f"{'' if out.flags.writeable else ' (read-only)'}; the stored value has shape "
+                f"{tuple(info.shape)} and dtype {info.dtype}, and out= must be a writeable "
+                "array of those."
+            )
         if out is None or not fits_whole(out, info):
             value = self.read_box(key, full, verify=verify)
             if out is None:
