@@ -37,7 +37,7 @@ from ..distributed import Box, read_plan
 from ..errors import CkptError, CorruptCheckpointError, MissingKeyError, UnsupportedFormatError
 from ._box_index import as_box, fits_whole
 from ._container import ContainerReader
-from ._record import BLOCK_SIZE, holder_step
+from ._record import BLOCK_SIZE, holder_step, is_sibling_name
 from ._sharded_zarr import GridVariable, check_chunk, check_part, read_part
 from ._step_files import LocalStepFiles, StepFiles
 from ._zarr import ZarrReader
@@ -145,18 +145,12 @@ def _load_index(files: StepFiles) -> dict[str, Any]:
     if not isinstance(doc.get("variables"), dict) or not isinstance(doc.get("files"), list):
         raise CorruptCheckpointError(f"{where!r} is malformed (no variables/files).")
     for name in doc["files"]:
-        if not _plain_name(name):
+        if not is_sibling_name(name):
             raise CorruptCheckpointError(
                 f"The index of {files.display!r} names the file {name!r}, which is not a "
                 "plain name inside the step: the index is damaged."
             )
     return doc
-
-
-def _plain_name(name: object) -> bool:
-    """Whether ``name`` is a file name inside the step: one path segment, not ``.``/``..``."""
-    return (isinstance(name, str) and name not in ("", ".", "..")
-            and not any(c in name for c in "/\\\0"))
 
 
 class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVerifyMany,
