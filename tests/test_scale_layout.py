@@ -7,6 +7,7 @@ layout, its reader and the restore's checks are tested here without ``mpiexec``.
 
 from __future__ import annotations
 
+import json
 import pickle
 import shutil
 import subprocess
@@ -526,6 +527,10 @@ def test_an_index_of_a_newer_version_asks_for_a_newer_ckptvar(tmp_path: Path) ->
     _rewrite_index(path, lambda ix: ix.update(version=3))
     with pytest.raises(cv.UnsupportedFormatError, match=r"index version 3.*upgrade ckptvar"):
         cv.load(path)
+    proc = subprocess.run([sys.executable, "-m", "ckptvar", "verify", str(path)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode != 0
+    assert "upgrade ckptvar" in proc.stderr and "not a checkpoint" not in proc.stderr
 
 
 @pytest.mark.parametrize("out", [np.zeros((2, 8, 3), "float32"), np.zeros((8, 3), "float64"),
@@ -545,3 +550,15 @@ def test_read_into_a_strided_out_of_the_value_s_shape_and_dtype(tmp_path: Path) 
     with cv.open(path) as reader:
         assert reader.read("w", out=out) is out
     assert np.array_equal(out, FULL)
+
+
+def test_ckpt_verify_of_a_newer_zarr_checkpoint_asks_for_a_newer_ckptvar(tmp_path: Path) -> None:
+    """A directory checkpoint of a newer version is not 'a directory, not a checkpoint'."""
+    path = Path(cv.save(tmp_path / "new.zarr", {"w": np.ones(3)}))
+    doc = json.loads((path / "zarr.json").read_text())
+    doc["attributes"]["ckptvar"]["format_version"] = [2, 0]
+    (path / "zarr.json").write_text(json.dumps(doc))
+    proc = subprocess.run([sys.executable, "-m", "ckptvar", "verify", str(path)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode != 0
+    assert "upgrade ckptvar" in proc.stderr and "not a checkpoint" not in proc.stderr
