@@ -562,3 +562,13 @@ def test_ckpt_verify_of_a_newer_zarr_checkpoint_asks_for_a_newer_ckptvar(tmp_pat
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode != 0
     assert "upgrade ckptvar" in proc.stderr and "not a checkpoint" not in proc.stderr
+
+
+def test_verify_reports_an_index_whose_boxes_leave_a_gap_as_damage(tmp_path: Path) -> None:
+    path = Path(_save(tmp_path, ".h5"))
+    _rewrite_index(path, lambda ix: ix["variables"]["w"]["boxes"][0].__setitem__(1, [4, 3]))
+    with cv.open(path) as reader:
+        assert [key for key, _ in reader.verify_all()] == ["w"]  # and 'b' is checked
+    proc = subprocess.run([sys.executable, "-m", "ckptvar", "verify", str(path)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 1 and "DAMAGED" in proc.stdout and "'w'" in proc.stdout

@@ -34,7 +34,13 @@ import numpy as np
 
 from .._dtypes import as_dtype
 from ..distributed import Box, read_plan
-from ..errors import CkptError, CorruptCheckpointError, MissingKeyError, UnsupportedFormatError
+from ..errors import (
+    CkptError,
+    CorruptCheckpointError,
+    MissingKeyError,
+    ShardLayoutError,
+    UnsupportedFormatError,
+)
 from ._box_index import as_box, fits_whole
 from ._container import ContainerReader
 from ._record import BLOCK_SIZE, holder_step, is_sibling_name
@@ -341,8 +347,8 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         for key in self._infos:
             try:
                 self.verify(key)
-            except CorruptCheckpointError as exc:
-                bad.append((key, str(exc)))
+            except (CorruptCheckpointError, ShardLayoutError) as exc:  # boxes that leave a
+                bad.append((key, str(exc)))  # gap or overlap: a damaged index
         return bad
 
     def close(self) -> None:
