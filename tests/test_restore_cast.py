@@ -257,3 +257,25 @@ def test_a_collective_restore_refuses_a_cast_that_changes_a_number(
         with pytest.raises(cv.CheckpointMismatchError, match=f"'v' to dtype {target}: {said}"):
             cv.Checkpoint(v=w).restore(path, coordinator=coord, cast=True)
         assert not w.numpy().any()  # nothing restored
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".zarr"])
+def test_a_coordinated_cast_that_would_wrap_an_integer_is_refused(
+    tmp_path: Path, suffix: str, fresh_graph: cv.Graph
+) -> None:
+    """With a coordinator, int64 2**40 cast into an int32 shard was stored as -1684967296."""
+    coord = cv.distributed.SingleProcessCoordinator()
+    whole = cv.Shard(full_shape=(2, 2), offset=(0, 0))
+    n = cv.Variable(np.array([[7, 2**40], [1, -2]], np.int64), name="n", shard=whole)
+    a = cv.Variable(np.array([1.5], np.float32), name="a")
+    path = cv.Checkpoint(n=n, a=a).save(tmp_path / f"wide{suffix}", coordinator=coord)
+    n32 = cv.Variable(np.zeros((2, 2), np.int32), name="n", shard=whole)
+    a64 = cv.Variable(np.zeros(1, np.float64), name="a")
+    with pytest.raises(cv.CheckpointMismatchError, match=r"'n' to dtype int32: 1099511627776"):
+        cv.Checkpoint(n=n32, a=a64).restore(path, coordinator=coord, cast=True)
+    assert not n32.numpy().any() and not a64.numpy().any()  # nothing half-restored
+    row = cv.Variable(np.zeros((1, 2), np.int32), name="n",
+                      shard=cv.Shard(full_shape=(2, 2), offset=(1, 0)))
+    with pytest.warns(UserWarning, match="int64 -> int32"):  # a box that fits still casts
+        cv.Checkpoint(n=row, a=a64).restore(path, coordinator=coord, cast=True)
+    np.testing.assert_array_equal(row.numpy(), [[1, -2]])

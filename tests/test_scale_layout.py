@@ -7,10 +7,13 @@ layout, its reader and the restore's checks are tested here without ``mpiexec``.
 
 from __future__ import annotations
 
+import json
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -391,3 +394,181 @@ def test_a_lazy_value_of_the_layout_is_a_lazy_array_like_any_other(tmp_path: Pat
         assert (lazy.shape, lazy.dtype) == ((8, 3), np.dtype("float32"))
         assert repr(lazy) == "<LazyArray 'w' shape=(8, 3) dtype=float32>"
         np.testing.assert_array_equal(lazy[2:5], FULL[2:5])
+
+
+def _rewrite_index(path: Path, change: Any) -> None:
+    index = msgpack.unpackb((path / INDEX_FILE).read_bytes(), strict_map_key=False)
+    change(index)
+    (path / INDEX_FILE).write_bytes(msgpack.packb(index, use_bin_type=True))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("attrs", [1, 2]), ("attrs", "name"), ("shape", [-8, 3]), ("shape", [8.5, 3]),
+     ("shape", "83")],
+)
+def test_an_index_field_of_the_wrong_kind_is_a_corrupt_checkpoint(
+    tmp_path: Path, field: str, value: Any
+) -> None:
+    path = Path(_save(tmp_path, ".h5"))
+    _rewrite_index(path, lambda ix: ix["variables"]["w"].update({field: value}))
+    for read in (cv.load, cv.list_variables, lambda p: cv.open(p)["w"][1:3]):
+        with pytest.raises(CorruptCheckpointError, match=r"index of .*ckpt-1\.h5.* 'w'"):
+            read(path)
+
+
+def _point_box(ix: dict[str, Any], shape: list[int], stored: str | None = None) -> None:
+    rec = ix["variables"]["w"]
+    rec["shape"] = shape
+    rec["boxes"][0][1] = shape
+    if stored is not None:
+        rec["boxes"][0][3] = stored
+
+
+@pytest.mark.parametrize(
+    ("shape", "stored"),
+    [([8, 3], "b/.box/0"),          # the box names another stored value
+     ([10**12, 3], None)],          # a box far larger than the value its file holds
+)
+def test_a_box_that_its_file_does_not_hold_is_refused_before_any_allocation(
+    tmp_path: Path, shape: list[int], stored: str | None
+) -> None:
+    path = Path(_save(tmp_path, ".h5"))
+    _rewrite_index(path, lambda ix: _point_box(ix, shape, stored))
+    words = r"'w'.*rank-00000\.h5"
+    with pytest.raises(CorruptCheckpointError, match=words):
+        cv.load(path)
+    with cv.open(path) as reader:
+        with pytest.raises(CorruptCheckpointError, match=words):
+            reader["w"][...]
+        with pytest.raises(CorruptCheckpointError, match=words):
+            reader["w"][:2]
+        assert reader["b"][...].tolist() == [1, 1]
+
+
+def test_a_global_array_claiming_a_huge_chunk_is_refused_before_any_allocation(
+    tmp_path: Path,
+) -> None:
+    w = cv.Variable(np.ones((128, 128), "float32"), name="w",
+                    shard=cv.Shard(full_shape=(128, 128), offset=(0, 0)))  # 64 KiB: a grid
+    path = Path(cv.Checkpoint(w=w).save(tmp_path / "ckpt.zarr",
+                                        coordinator=SingleProcessCoordinator()))
+
+    def huge(ix: dict[str, Any]) -> None:
+        _point_box(ix, [10**12, 128])
+        ix["variables"]["w"]["grid"]["chunk_shape"] = [10**12, 128]
+
+    _rewrite_index(path, huge)
+    with pytest.raises(CorruptCheckpointError, match=r"'w'.*w/c\.0\.0"):
+        cv.load(path)
+
+
+@pytest.mark.parametrize("name", ["../outside.h5", "/tmp/outside.h5", "..", "", 3])
+def test_an_index_naming_a_file_outside_its_step_is_refused(tmp_path: Path, name: Any) -> None:
+    path = Path(_save(tmp_path / "run", ".h5"))
+    outside = Path(_save(tmp_path / "other", ".h5")) / "rank-00000.h5"  # holds w/.box/0 too
+    (path.parent / "outside.h5").write_bytes(outside.read_bytes())
+    _rewrite_index(path, lambda ix: ix.update(files=[name]))
+    with pytest.raises(CorruptCheckpointError, match=r"index of .*ckpt-1\.h5.*file"):
+        cv.load(path)
+
+
+def test_a_process_file_that_is_a_symlink_is_not_followed(tmp_path: Path) -> None:
+    path = Path(_save(tmp_path / "run", ".h5"))
+    outside = Path(_save(tmp_path / "other", ".h5")) / "rank-00000.h5"
+    (path / "rank-00000.h5").unlink()
+    (path / "rank-00000.h5").symlink_to(outside)
+    with pytest.raises(CorruptCheckpointError, match=r"rank-00000\.h5.*symbolic link"):
+        cv.load(path)
+
+
+@pytest.mark.parametrize("index", [True, False, (0, True), (True, slice(1, 3))])
+def test_a_boolean_index_of_a_sharded_value_is_numpy_s(tmp_path: Path, index: Any) -> None:
+    path = _save(tmp_path, ".h5")
+    with cv.open(path) as reader:
+        got = reader["w"][index]
+    assert got.shape == FULL[index].shape and np.array_equal(got, FULL[index])
+
+
+def test_a_box_naming_another_variable_s_stored_value_is_refused_and_verify_finds_it(
+    tmp_path: Path,
+) -> None:
+    coord = SingleProcessCoordinator()
+    w = cv.Variable(FULL.copy(), name="w", shard=cv.Shard(full_shape=(8, 3), offset=(0, 0)))
+    b = cv.Variable(np.ones((8, 3), "float32"), name="b")  # the same shape and dtype
+    path = Path(cv.Checkpoint(w=w, b=b).save(tmp_path / "ckpt.h5", coordinator=coord))
+    _rewrite_index(path, lambda ix: ix["variables"]["w"]["boxes"][0].__setitem__(3, "b/.box/0"))
+    with pytest.raises(CorruptCheckpointError, match=r"'w'.*'b/\.box/0'"):
+        cv.load(path)
+    with cv.open(path) as reader:
+        assert [key for key, _ in reader.verify_all()] == ["w"]
+        with pytest.raises(CorruptCheckpointError, match=r"'w'"):
+            reader.verify_many(["b", "w"])
+
+
+@pytest.mark.parametrize("suffix", [".h5", ".zarr"])
+def test_a_step_deleted_while_it_is_read_is_not_found_not_corrupt(
+    tmp_path: Path, suffix: str
+) -> None:
+    """As a one-process reader says when a manager prunes the checkpoint it reads."""
+    w = cv.Variable(np.ones((128, 128), "float32"), name="w",  # 64 KiB: a global Zarr array
+                    shard=cv.Shard(full_shape=(128, 128), offset=(0, 0)))
+    path = Path(cv.Checkpoint(w=w).save(tmp_path / f"ckpt{suffix}",
+                                        coordinator=SingleProcessCoordinator()))
+    with cv.open(path) as reader:
+        shutil.rmtree(path)  # pruned
+        with pytest.raises(cv.CheckpointNotFoundError, match="deleted while it was being read"):
+            reader["w"][1:3]
+
+
+def test_an_index_of_a_newer_version_asks_for_a_newer_ckptvar(tmp_path: Path) -> None:
+    """As a one-process checkpoint of a newer major version does: not called damaged."""
+    path = Path(_save(tmp_path, ".h5"))
+    _rewrite_index(path, lambda ix: ix.update(version=3))
+    with pytest.raises(cv.UnsupportedFormatError, match=r"index version 3.*upgrade ckptvar"):
+        cv.load(path)
+    proc = subprocess.run([sys.executable, "-m", "ckptvar", "verify", str(path)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode != 0
+    assert "upgrade ckptvar" in proc.stderr and "not a checkpoint" not in proc.stderr
+
+
+@pytest.mark.parametrize("out", [np.zeros((2, 8, 3), "float32"), np.zeros((8, 3), "float64"),
+                                 np.zeros((8, 3), "int32"), np.zeros((1, 3), "float32")])
+def test_read_into_an_out_of_another_shape_or_dtype_is_refused(tmp_path: Path,
+                                                               out: np.ndarray) -> None:
+    """As a one-process reader refuses it: no silent broadcast or cast into ``out``."""
+    path = _save(tmp_path, ".h5")
+    with cv.open(path) as reader, pytest.raises(ValueError, match=r"out= for 'w'"):
+        reader.read("w", out=out)
+    assert not out.any()
+
+
+def test_read_into_a_strided_out_of_the_value_s_shape_and_dtype(tmp_path: Path) -> None:
+    path = _save(tmp_path, ".h5")
+    out = np.zeros((8, 6), "float32")[:, ::2]
+    with cv.open(path) as reader:
+        assert reader.read("w", out=out) is out
+    assert np.array_equal(out, FULL)
+
+
+def test_ckpt_verify_of_a_newer_zarr_checkpoint_asks_for_a_newer_ckptvar(tmp_path: Path) -> None:
+    """A directory checkpoint of a newer version is not 'a directory, not a checkpoint'."""
+    path = Path(cv.save(tmp_path / "new.zarr", {"w": np.ones(3)}))
+    doc = json.loads((path / "zarr.json").read_text())
+    doc["attributes"]["ckptvar"]["format_version"] = [2, 0]
+    (path / "zarr.json").write_text(json.dumps(doc))
+    proc = subprocess.run([sys.executable, "-m", "ckptvar", "verify", str(path)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode != 0
+    assert "upgrade ckptvar" in proc.stderr and "not a checkpoint" not in proc.stderr
+
+
+def test_verify_reports_an_index_whose_boxes_leave_a_gap_as_damage(tmp_path: Path) -> None:
+    path = Path(_save(tmp_path, ".h5"))
+    _rewrite_index(path, lambda ix: ix["variables"]["w"]["boxes"][0].__setitem__(1, [4, 3]))
+    with cv.open(path) as reader:
+        assert [key for key, _ in reader.verify_all()] == ["w"]  # and 'b' is checked
+    proc = subprocess.run([sys.executable, "-m", "ckptvar", "verify", str(path)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 1 and "DAMAGED" in proc.stdout and "'w'" in proc.stdout

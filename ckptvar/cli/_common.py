@@ -133,7 +133,9 @@ def open_checkpoint(path: str | Path) -> Any:
     try:
         return cv.open(path)
     except cv.UnsupportedFormatError:
-        if Path(path).is_dir():
+        # a directory named as a checkpoint (a .zarr, a multi-process step) is one: its
+        # own error (a newer format version, say) is what the user needs to read
+        if Path(path).is_dir() and Path(path).suffix.lower() not in (".zarr", ".h5", ".hdf5"):
             raise UsageError(
                 f"{str(path)!r} is a directory, not a checkpoint; "
                 f"'ckpt ls {path}' lists the checkpoints in it"

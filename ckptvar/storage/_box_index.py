@@ -7,6 +7,8 @@ cover is :mod:`._slicing`'s.
 >>> box, rest = as_box((1, slice(0, 2)), (3, 4))
 >>> str(box), rest
 ('[1:2, 0:2]', (0, slice(None, None, None)))
+>>> as_box((True, 1), (3, 4))   # a Python bool is a mask, not the index 1: no box
+(None, ())
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def fits_whole(out: Any, info: ArrayInfo) -> bool:
 def as_box(index: Any, shape: tuple[int, ...]) -> tuple[Any, tuple[Any, ...]]:
     """A box for basic step-1 slices/ints, and what is left to apply (ints drop axes)."""
     idx = index if isinstance(index, tuple) else (index,)
-    if len(idx) > len(shape) or any(i is Ellipsis or i is None for i in idx):
+    if len(idx) > len(shape) or any(i is Ellipsis or i is None or isinstance(i, bool)
+                                    for i in idx):  # True is an int, but a mask to NumPy
         return None, ()
     offset: list[int] = []
     extent: list[int] = []

@@ -24,7 +24,8 @@ directory that is not an ordinary checkpoint to this backend).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +34,17 @@ import numpy as np
 
 from .._dtypes import as_dtype
 from ..distributed import Box, read_plan
-from ..errors import CkptError, CorruptCheckpointError, MissingKeyError
+from ..errors import (
+    CkptError,
+    CorruptCheckpointError,
+    MissingKeyError,
+    ShardLayoutError,
+    UnsupportedFormatError,
+)
 from ._box_index import as_box, fits_whole
 from ._container import ContainerReader
-from ._record import BLOCK_SIZE, holder_step
-from ._sharded_zarr import GridVariable, check_part, read_part
+from ._record import BLOCK_SIZE, holder_step, is_sibling_name
+from ._sharded_zarr import GridVariable, check_chunk, check_part, read_part
 from ._step_files import LocalStepFiles, StepFiles
 from ._zarr import ZarrReader
 from .base import (
@@ -130,13 +137,25 @@ def _load_index(files: StepFiles) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{where!r} is damaged: {exc}.") from None
     if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT:
         raise CorruptCheckpointError(f"{where!r} is not a ckptvar multi-process index.")
-    if not isinstance(doc.get("version"), int) or not 1 <= doc["version"] <= INDEX_VERSION:
+    version = doc.get("version")
+    if type(version) is int and version > INDEX_VERSION:
+        raise UnsupportedFormatError(
+            f"{where!r} has index version {version}, newer than the 1-{INDEX_VERSION} this "
+            "ckptvar reads; upgrade ckptvar to read it."
+        )
+    if type(version) is not int or not 1 <= version <= INDEX_VERSION:
         raise CorruptCheckpointError(
             f"{where!r} has index version {doc.get('version')!r}; this ckptvar reads up "
             f"to {INDEX_VERSION}."
         )
     if not isinstance(doc.get("variables"), dict) or not isinstance(doc.get("files"), list):
         raise CorruptCheckpointError(f"{where!r} is malformed (no variables/files).")
+    for name in doc["files"]:
+        if not is_sibling_name(name):
+            raise CorruptCheckpointError(
+                f"The index of {files.display!r} names the file {name!r}, which is not a "
+                "plain name inside the step: the index is damaged."
+            )
     return doc
 
 
@@ -165,8 +184,11 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         sums = self._index.get("checksums") or {}
         for key, rec in self._index["variables"].items():
             try:
-                shape = tuple(int(n) for n in rec["shape"])
+                shape = _index_shape(rec["shape"])
                 dtype = as_dtype(rec["dtype"])  # a name (bfloat16) or a NumPy string
+                attrs = rec.get("attrs") or {}
+                if not isinstance(attrs, dict):
+                    raise TypeError(f"its attrs are {type(attrs).__name__}, not a map")
                 boxes = [
                     (Box(tuple(o), tuple(s)), int(f), str(k)) for o, s, f, k in rec["boxes"]
                 ]
@@ -186,7 +208,7 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
                     f"The index of {str(self.path)!r} names a file that it does not list "
                     f"for variable {key!r}."
                 )
-            self._infos[key] = ArrayInfo(key, dtype, shape, dict(rec.get("attrs") or {}),
+            self._infos[key] = ArrayInfo(key, dtype, shape, dict(attrs),
                                        piecewise=True)  # every box and chunk has one
             self._boxes[key] = boxes
 
@@ -210,6 +232,14 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
     def read(self, key: str, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
         info = self.info(key)
         full = Box.full(info.shape)
+        if out is not None and (out.shape != tuple(info.shape) or out.dtype != info.dtype
+                                or not out.flags.writeable):
+            raise ValueError(
+                f"out= for {key!r} has shape {out.shape} and dtype {out.dtype}"
+                f"{'' if out.flags.writeable else ' (read-only)'}; the stored value has shape "
+                f"{tuple(info.shape)} and dtype {info.dtype}, and out= must be a writeable "
+                "array of those."
+            )
         if out is None or not fits_whole(out, info):
             value = self.read_box(key, full, verify=verify)
             if out is None:
@@ -239,6 +269,7 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
                 continue
             boxes = self._boxes_of(key)
             plan = read_plan(key, Box.full(info.shape), [b for b, _, _ in boxes], info.shape)
+            self._check_held(key, boxes, (i.source for i in plan))
             rest = []
             for item in plan:
                 _, f, stored = boxes[item.source]
@@ -277,7 +308,9 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
             if key in self._grids:
                 self.verify(key)
                 continue
-            for _, f, stored in self._boxes_of(key):
+            boxes = self._boxes_of(key)
+            self._check_held(key, boxes, range(len(boxes)))
+            for _, f, stored in boxes:
                 per_file.setdefault(f, []).append((key, stored))
         for f, jobs in sorted(per_file.items()):
             sub = self._sub(jobs[0][0], f)
@@ -298,21 +331,24 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         ``target`` (a ``Box``), whole: what a later ``verify=False`` read of it may trust."""
         boxes = self._boxes_of(key)
         grid = self._grids.get(key)
-        for item in read_plan(key, target, [b for b, _, _ in boxes], self._infos[key].shape):
+        plan = read_plan(key, target, [b for b, _, _ in boxes], self._infos[key].shape)
+        self._check_held(key, boxes, (i.source for i in plan))
+        for item in plan:
             box, f, stored = boxes[item.source]
             if grid is None:
                 self._verify_part(key, f, stored, item, box)
                 continue
-            check_part(self._root(), Path(self._src.display), grid[0], item.source,
-                       crc=grid[1][item.source])
+            with self._unless_gone():
+                check_part(self._root(), Path(self._src.display), grid[0], item.source,
+                           crc=grid[1][item.source])
 
     def verify_all(self) -> list[tuple[str, str]]:
         bad: list[tuple[str, str]] = []
         for key in self._infos:
             try:
                 self.verify(key)
-            except CorruptCheckpointError as exc:
-                bad.append((key, str(exc)))
+            except (CorruptCheckpointError, ShardLayoutError) as exc:  # boxes that leave a
+                bad.append((key, str(exc)))  # gap or overlap: a damaged index
         return bad
 
     def close(self) -> None:
@@ -420,8 +456,12 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         variable and the file when a file is missing or damaged.
         """
         info = self.info(key)
+        boxes = self._boxes_of(key)
+        plan = read_plan(key, target, [b for b, _, _ in boxes], info.shape)
+        # before allocating what the index claims
+        self._check_held(key, boxes, (i.source for i in plan), chunks=True)
         out = np.empty(target.shape, dtype=info.dtype)
-        self._read_into(key, target, out, verify)
+        self._copy_items(key, boxes, plan, out, verify)
         return out
 
     def read_box_into(
@@ -442,7 +482,51 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         """:meth:`read_box` into ``out`` (``target``'s shape, the value's dtype)."""
         boxes = self._boxes_of(key)
         plan = read_plan(key, target, [b for b, _, _ in boxes], self._infos[key].shape)
+        self._check_held(key, boxes, (i.source for i in plan))
         self._copy_items(key, boxes, plan, out, verify)
+
+    def _check_held(
+        self, key: str, boxes: list[tuple[Any, int, str]], sources: Iterable[int], *,
+        chunks: bool = False,
+    ) -> None:
+        """Check that each stored box ``sources`` names (positions in ``boxes``, as a read
+        plan's items give them) is held as the index says: a value
+        of the box's shape and the variable's dtype in its process file, under the key its
+        writer gave it (``<key>/.box/<j>``, which its checksum binds; with ``chunks``,
+        also a global array's chunk files, by their sizes), else ``CorruptCheckpointError``
+        naming the variable and the file. A read checks this before it allocates the
+        index's shapes: a damaged index cannot make it allocate more than is stored."""
+        grid = self._grids.get(key)
+        dtype = self._infos[key].dtype
+        for j in sorted(set(sources)):
+            box, f, stored = boxes[j]
+            if box.size == 0:  # nothing stored, nothing read
+                continue
+            if grid is not None:
+                if chunks:
+                    with self._unless_gone():
+                        check_chunk(self._root(), Path(self._src.display), grid[0], j)
+                continue
+            if stored != box_key(key, j):  # the key its writer gave it: bound by its checksum
+                raise CorruptCheckpointError(
+                    f"Variable {key!r}: the index names {stored!r} in file {self._where(f)!r} "
+                    f"as its slice {box}, which is stored as {box_key(key, j)!r}: the index "
+                    "is damaged."
+                )
+            sub = self._sub(key, f)
+            try:
+                held = sub.info(stored)
+            except MissingKeyError:
+                raise CorruptCheckpointError(
+                    f"Variable {key!r}: its slice {box} is missing from file "
+                    f"{self._where(f)!r}."
+                ) from None
+            if held.shape != tuple(box.shape) or held.dtype != dtype:
+                raise CorruptCheckpointError(
+                    f"Variable {key!r}: the index says file {self._where(f)!r} holds its "
+                    f"slice {box} as {stored!r} ({dtype}), but that value has shape "
+                    f"{held.shape} and dtype {held.dtype}: the index or the file is damaged."
+                )
 
     def _copy_items(
         self, key: str, boxes: list[tuple[Any, int, str]], plan: list[Any], out: np.ndarray,
@@ -455,10 +539,12 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
             dest = out[item.dest_slices] if out.ndim else out
             if grid is not None:
                 whole = item.box == box or box.size * isz <= _SLICE_WHOLE_BELOW
-                part, nbytes = read_part(
-                    self._root(), Path(self._src.display), grid[0], item.source, item.source_slices,
-                    crc=grid[1][item.source], whole=whole, verify=verify, out=dest,
-                )
+                with self._unless_gone():
+                    part, nbytes = read_part(
+                        self._root(), Path(self._src.display), grid[0], item.source,
+                        item.source_slices, crc=grid[1][item.source], whole=whole,
+                        verify=verify, out=dest,
+                    )
                 self.bytes_read += nbytes
                 if part is not dest:
                     dest[...] = part
@@ -498,6 +584,16 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         self.info(key)
         return self._boxes[key]
 
+    @contextmanager
+    def _unless_gone(self) -> Iterator[None]:
+        """A missing or damaged file of a step deleted (pruned) since it was opened is
+        ``CheckpointNotFoundError``, as a one-process reader says, not damage."""
+        try:
+            yield
+        except CorruptCheckpointError:
+            self._src.raise_if_gone()
+            raise
+
     def _root(self) -> int:
         """The step directory, held open (chunk files are opened below it, no symlinks)."""
         return self._src.root_fd()
@@ -535,6 +631,7 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
         try:
             sub = self._src.open_reader(self._files[f])
         except FileNotFoundError:
+            self._src.raise_if_gone()
             raise CorruptCheckpointError(
                 f"Variable {key!r}: its slice file {where!r} is missing."
             ) from None
@@ -547,6 +644,13 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
 
     def _where(self, f: int) -> str:
         return self._src.where(self._files[f])
+
+
+def _index_shape(value: Any) -> tuple[int, ...]:
+    """A full shape as the index stores it: a list of non-negative ints, nothing else."""
+    if not isinstance(value, list) or any(type(n) is not int or n < 0 for n in value):
+        raise ValueError(f"its shape {value!r} is not a list of non-negative ints")
+    return tuple(value)
 
 
 def _same_file(steps: list[Path], rel: str, st: os.stat_result) -> list[str]:

@@ -426,6 +426,13 @@ def _open_chunk(root_fd: int, root: Path, gv: GridVariable, j: int) -> tuple[int
     return fd, where
 
 
+def check_chunk(root_fd: int, root: Path, gv: GridVariable, j: int) -> None:
+    """``CorruptCheckpointError`` naming the variable and the file unless chunk ``j``'s
+    file is there, below the step, one chunk long (nothing is read)."""
+    fd, _ = _open_chunk(root_fd, root, gv, j)
+    os.close(fd)
+
+
 def check_part(root_fd: int, root: Path, gv: GridVariable, j: int, *, crc: int) -> None:
     """Verify chunk ``j`` of a global array whole, hashed through a memory map (no copy)."""
     fd, where = _open_chunk(root_fd, root, gv, j)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ._zarr_files import O_DIR
+from ._zarr_files import O_DIR, raise_if_deleted
 from .base import Reader
 from .registry import backend_for
 
@@ -56,6 +56,10 @@ class StepFiles(ABC):
     def close(self) -> None:  # noqa: B027 - most places hold nothing open
         """Release what the files hold open."""
 
+    def raise_if_gone(self) -> None:  # noqa: B027 - a committed URL step is not pruned under us
+        """``CheckpointNotFoundError`` when the step was deleted (pruned) since it was
+        opened: a file missing then is no damage."""
+
 
 class LocalStepFiles(StepFiles):
     """The files of a step directory on a local filesystem."""
@@ -64,6 +68,10 @@ class LocalStepFiles(StepFiles):
         self.path = Path(path)
         self.display = str(self.path)
         self._fd: int | None = None
+        try:  # held, so that a deletion of the step is told apart from damage
+            self._fd = os.open(self.path, O_DIR)
+        except OSError:
+            self._fd = None
 
     def where(self, name: str) -> str:
         return str(self.path / name)
@@ -81,6 +89,11 @@ class LocalStepFiles(StepFiles):
 
     def open_reader(self, name: str) -> Reader:
         where = self.path / name
+        if where.is_symlink():  # a step's files are its own: never followed out of it
+            raise CorruptCheckpointError(
+                f"{str(where)!r} is a symbolic link; a multi-process step's files are read "
+                "only as regular files and directories inside it."
+            )
         if not where.exists():
             raise FileNotFoundError(where)
         return backend_for(where).open_reader(where)
@@ -92,6 +105,15 @@ class LocalStepFiles(StepFiles):
             except OSError as exc:
                 raise CorruptCheckpointError(f"{self.display!r} cannot be opened: {exc}.") from None
         return self._fd
+
+    def raise_if_gone(self) -> None:
+        if self._fd is not None:
+            raise_if_deleted(self._fd, self.path)
+        elif not self.path.exists():
+            raise CheckpointNotFoundError(
+                f"Checkpoint {self.display!r} was deleted while it was being read "
+                "(pruned by a CheckpointManager?)."
+            )
 
     def close(self) -> None:
         fd, self._fd = self._fd, None
