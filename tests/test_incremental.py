@@ -403,7 +403,7 @@ def test_a_newly_preserved_step_makes_the_state_durable(tmp_path: Path,
     save that keeps one fsyncs the state (then the directory again)."""
     ckpt, _, _ = _model()
     manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=1,
-                                   keep_checkpoint_every_n_hours=0, incremental=True)
+                                   keep_checkpoint_every_n_hours=1e-9, incremental=True)
     manager.save()
     synced = _fsynced(monkeypatch)
     manager.save()  # step 1 leaves the window: preserved
