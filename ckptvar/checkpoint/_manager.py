@@ -578,7 +578,8 @@ class CheckpointManager:
         return {self._number(e["path"]) for e in self._section.get("pending_delete", [])
                 if e.get("held_for")}
 
-    def _next_number(self, number: int, committed: set[int] | None = None) -> int:
+    def _next_number(self, number: int, committed: set[int] | None = None,
+                     where: Callable[[int], str] | None = None) -> int:
         """``number`` (the save counter's next), or past the newest committed step if it is
         not past it (a job that did not restore, a counter behind the directory).
 
@@ -586,7 +587,8 @@ class CheckpointManager:
         never numbered below the newest one (a job that did not restore goes on past what
         the directory holds, its numbers rising with its saves; a number given by hand
         is saved as given). The save counter moves with the step so that the file holds
-        its own number. Said in the log.
+        its own number. Said in the log, naming where the step is (``where(step)``, with
+        tiers; this manager's directory by default).
         """
         committed = self._committed_numbers() if committed is None else committed
         if not committed or number > max(committed):
@@ -597,7 +599,8 @@ class CheckpointManager:
             "Step %d is %s in %s; this save continues past the newest committed step, as "
             "step %d (restore_or_initialize() first to go on from it).",
             number, "committed already" if taken else "older than the newest committed step",
-            os.fspath(self.directory), after,
+            (where or (lambda _: os.fspath(self.directory)))(number if taken else after - 1),
+            after,
         )
         self._checkpoint.save_counter.assign(after - 1)
         return after
@@ -1261,7 +1264,8 @@ class CheckpointManager:
         says skip, judged from the newest step any node or the persistent tier holds."""
         local = self._local_tier
         assert local is not None
-        committed = self._committed_numbers() | local._committed_numbers()
+        here, persisted = local._committed_numbers(), self._committed_numbers()
+        committed = persisted | here
         if self._nodes is not None:  # a step committed on any node is never reused
             entries = local._section["checkpoints"] + self._section["checkpoints"]
             last = max((int(e["step"]) for e in entries if e.get("step") is not None),
@@ -1277,12 +1281,20 @@ class CheckpointManager:
         elif self._many():
             committed = self.coordinator.broadcast(committed, tag="tiers-committed",
                                                    timeout=timeout)
+
+        def where(step: int) -> str:  # the tier that holds ``step``, for the messages
+            if step in here or step in local._held_numbers():
+                return str(local.directory)
+            if step in persisted or step in self._held_numbers() or self._nodes is None:
+                return str(self.directory)
+            return "another node's local tier"
+
         if checkpoint_number is None:  # a step committed in either tier is never reused
-            self._next_number(int(self._checkpoint.save_counter.numpy()) + 1, committed)
+            self._next_number(int(self._checkpoint.save_counter.numpy()) + 1, committed, where)
         elif self._nodes is not None and int(checkpoint_number) in committed:
             raise CheckpointExistsError(  # on every process: no node writes it again
-                f"Cannot save step {checkpoint_number}: it is committed already (in the "
-                "persistent tier or on some node's local tier), and a step is written once.")
+                f"Cannot save step {checkpoint_number}: it is committed already (in "
+                f"{where(int(checkpoint_number))}), and a step is written once.")
         return True
 
     def _agree_node_persists(self, timeout: float | None) -> None:
