@@ -969,10 +969,13 @@ class CheckpointManager:
         during its save, or before the first step after a restore) is that state: it is
         not written again (a step is written once), the signal is re-delivered."""
         if self._local_tier is not None:
-            if checkpoint_number is not None and self._nodes is None:
+            if checkpoint_number is not None:
                 path = self._local_tier._latest_numbered(int(checkpoint_number))
-                if path is not None:
+                if self._nodes is not None:
+                    path = self._agree_latest(int(checkpoint_number), path, timeout)
+                elif path is not None:
                     self._persist_latest(int(checkpoint_number), path)
+                if path is not None:
                     return path
             return self._save_tiered(checkpoint_number, False, timeout, persist=True)
         if checkpoint_number is not None:
@@ -998,6 +1001,23 @@ class CheckpointManager:
         self._also_persisted.add(number)
         if self._primary():
             self._persisting[number] = self._pool.submit(self._persist, number, local, None)
+
+    def _agree_latest(self, number: int, local: str | None,
+                      timeout: float | None) -> str | None:
+        """Per-node tiers' preemption save of step ``number`` committed already as every
+        node's latest (``local``: this node's, or ``None``): its persistent copy, every
+        process copying its part, unless made or under way. Decided alike on every
+        process; ``None`` (a save, refused) unless every node holds it as its latest."""
+        made = (number in self._persisting or number in self._done_persists
+                or number in self._committed_numbers())
+        seen = self.coordinator.allgather((local is not None, made), tag="tiers-preempted",
+                                          timeout=timeout)
+        if local is None or not all(latest for latest, _ in seen):
+            return None
+        if not any(m for _, m in seen):
+            self._also_persisted.add(number)
+            self._persisting[number] = self._persist_parts(number, local, timeout)
+        return local
 
     def _finish_preemption(self) -> None:
         """Before the signal is re-delivered: the save committed, with tiers its
