@@ -510,6 +510,28 @@ def test_ls_does_not_read_a_name_without_the_dash_as_a_step(
     assert cv.latest_checkpoint(runs) == manager.checkpoints[-1]
 
 
+def test_ls_does_not_list_a_file_named_like_a_step_that_is_no_checkpoint(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A user's text file ckpt-3.h5 was listed as step 3 (and marked latest); the manager
+    does not list it, and now neither does ``ckpt ls``, which names it on a last line."""
+    runs = tmp_path / "runs"
+    manager = cv.CheckpointManager(cv.Checkpoint(w=cv.Variable(np.zeros(3))), runs)
+    manager.save(checkpoint_number=1)
+    (runs / "ckpt-3.h5").write_text("my notes")
+    (runs / "ckpt-4.zarr").mkdir()
+    code, out, err = run_main(capsys, "ls", runs, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert [c["step"] for c in doc["checkpoints"]] == [1] and manager.checkpoints == [
+        doc["latest"]]
+    assert doc["not_checkpoints"] == [str(runs / "ckpt-3.h5"), str(runs / "ckpt-4.zarr")]
+    code, out, err = run_main(capsys, "ls", runs)
+    assert code == 0, err
+    assert "1 checkpoint," in out and "ckpt-1.h5" in out and "(latest)" in out
+    assert out.splitlines()[-1] == (
+        "not listed, named like a step but not a ckptvar checkpoint: ckpt-3.h5, ckpt-4.zarr")
+
+
 def test_ls_skips_a_step_that_is_gone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A link to nothing (or a step a running manager prunes while ``ckpt ls`` looks) is
     not listed, as the manager does not list it; ``ckpt ls`` failed with '[Errno 2] No

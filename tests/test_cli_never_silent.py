@@ -8,6 +8,7 @@ carries metadata in natural order, and progress appears only on a terminal.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pty
@@ -171,6 +172,51 @@ def test_show_reads_only_the_slice(tmp_path: Path) -> None:
     assert proc.stdout.splitlines()[1] == "[1., 1., 1., 1.]"
     peak_mib = int(proc.stderr.split()[-2]) / 1024
     assert peak_mib < 200, f"peak RSS {peak_mib:.0f} MiB to show one row of a 256 MiB value"
+
+
+@pytest.mark.slow  # tracemalloc makes every allocation slow
+def test_show_json_of_a_large_value_streams_in_bounded_memory(tmp_path: Path) -> None:
+    src = tmp_path / "big.h5"
+    rng = np.random.default_rng(0)
+    cv.save(src, {"m": rng.standard_normal((256, 1024)).astype(np.float32),  # 1 MiB each
+                  "v": rng.standard_normal(1 << 18).astype(np.float32)})
+    code = (  # what the command allocates, after what any command imports
+        f"import atexit, sys, tracemalloc, ckptvar as cv; cv.open({str(src)!r}).close(); "
+        "import ckptvar.cli.show; tracemalloc.start(); "
+        "atexit.register(lambda: print(tracemalloc.get_traced_memory()[1], file=sys.stderr))"
+    )
+    proc = ckpt("show", src, "m", "v", "--json", code=code)
+    assert proc.returncode == 0, proc.stderr
+    peak_mib = int(proc.stderr.split()[-1]) / (1 << 20)
+    assert peak_mib < 4, f"peak {peak_mib:.1f} MiB to print a 1 MiB value as JSON"
+    docs = proc.stdout.split("\n}\n")
+    assert np.array_equal(json.loads(docs[0] + "}")["value"], cv.load(src)["m"])
+
+
+def test_show_json_of_a_large_value_is_the_same_text_as_of_a_small_one(tmp_path: Path) -> None:
+    from ckptvar.cli._output import dump_json, plain
+
+    src = tmp_path / "m.h5"
+    rng = np.random.default_rng(1)
+    f = rng.standard_normal((40, 1000)).astype(np.float32)
+    f[3, 7] = np.nan
+    w = rng.standard_normal((2, 20000)).astype(np.float16)
+    w[1, 5] = np.inf
+    values = {"f": f, "w": w, "v": rng.standard_normal(30000),
+              "i": np.arange(60000).reshape(3, 4, 5000), "b": rng.random((200, 100)) > 0.5}
+    cv.save(src, values)
+    specs = {"f": f, "w": w, "v": values["v"], "i": values["i"], "b": values["b"],
+             "f[::-1, 3:900:7]": f[::-1, 3:900:7], "i[..., ::-3]": values["i"][..., ::-3],
+             "w[-1]": w[-1], "i[1:, 2]": values["i"][1:, 2]}
+    proc = ckpt("show", src, *specs, "--json")
+    assert proc.returncode == 0, proc.stderr
+    expected = io.StringIO()
+    for spec, value in specs.items():
+        key, _, text = spec.partition("[")
+        dump_json({"path": str(src), "key": key, "index": "[" + text if text else None,
+                   "dtype": value.dtype.name, "shape": list(value.shape),
+                   "value": plain(value.tolist())}, expected)
+    assert proc.stdout == expected.getvalue()
 
 
 def test_diff_across_dtypes_huge_integers_and_nan(tmp_path: Path) -> None:

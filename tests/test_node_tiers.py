@@ -141,6 +141,20 @@ def test_a_local_step_stays_on_every_node_until_its_persistent_copy_is_committed
         assert r["local"] == ["ckpt-5.h5"] and r["persistent"] == ["ckpt-2.h5", "ckpt-4.h5"], r
 
 
+@pytest.mark.parametrize("env", [None, pytest.param({"ASYNC": "1"}, marks=pytest.mark.slow)])
+def test_a_signal_during_the_save_of_a_step_then_its_boundary_ends_the_job(
+    tmp_path: Path, env: dict[str, str] | None
+) -> None:
+    """``save(N)`` then ``reached_preemption(N)`` with the signal arriving during that save,
+    on per-node tiers: step N, committed on every node, is the preemption save; it is
+    persisted (though not due a copy) and the signal re-delivered on every process. It
+    raised CheckpointExistsError on every process."""
+    for r in node_case(tmp_path, "preempt", env).values():
+        assert r["error"] is None and r["reached"] is True and r["calls"] == 1, r
+        assert r["local"] == ["ckpt-2.h5", "ckpt-3.h5"], r
+        assert r["persistent"] == ["ckpt-2.h5", "ckpt-3.h5"], r
+
+
 def test_per_node_local_tiers_with_background_saves(tmp_path: Path) -> None:
     """``async_save=True``: the local saves run in the background too; same outcome."""
     check_save_lose_restore(tmp_path, str(tmp_path / "persistent"), "h5", {"ASYNC": "1"})

@@ -166,6 +166,28 @@ def test_a_save_counter_below_the_kept_steps_continues_past_them(
     assert [Path(p).name for p in again.checkpoints] == ["ckpt-6.h5", "ckpt-7.h5"]
 
 
+def test_a_save_counter_at_a_local_tier_step_names_the_local_tier(
+    tmp_path: Path, fresh_graph: cv.Graph, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Step 1 is only in the local tier: the log said it was committed in the persistent
+    directory, which never held it; it names the local tier's directory now."""
+    dirs = {"directory": tmp_path / "persistent", "local_directory": tmp_path / "local",
+            "persistent_every": 2, "max_to_keep": 3, "local_max_to_keep": 3}
+    ckpt, _ = _model(1.0)
+    mgr = cv.CheckpointManager(ckpt, **dirs)
+    for _ in range(2):
+        mgr.save()
+    mgr.wait_until_finished()
+    assert not (tmp_path / "persistent" / "ckpt-1.h5").exists()
+    ckpt2, _ = _model(7.0)
+    again = cv.CheckpointManager(ckpt2, **dirs)
+    with caplog.at_level("WARNING", logger="ckptvar"):
+        path = again.save()
+    again.wait_until_finished()
+    assert path == str(tmp_path / "local" / "ckpt-3.h5")
+    assert f"Step 1 is committed already in {tmp_path / 'local'};" in caplog.text, caplog.text
+
+
 def test_a_save_counter_at_a_held_incremental_step_continues_past_it(
     tmp_path: Path, fresh_graph: cv.Graph, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -578,7 +578,8 @@ class CheckpointManager:
         return {self._number(e["path"]) for e in self._section.get("pending_delete", [])
                 if e.get("held_for")}
 
-    def _next_number(self, number: int, committed: set[int] | None = None) -> int:
+    def _next_number(self, number: int, committed: set[int] | None = None,
+                     where: Callable[[int], str] | None = None) -> int:
         """``number`` (the save counter's next), or past the newest committed step if it is
         not past it (a job that did not restore, a counter behind the directory).
 
@@ -586,7 +587,8 @@ class CheckpointManager:
         never numbered below the newest one (a job that did not restore goes on past what
         the directory holds, its numbers rising with its saves; a number given by hand
         is saved as given). The save counter moves with the step so that the file holds
-        its own number. Said in the log.
+        its own number. Said in the log, naming where the step is (``where(step)``, with
+        tiers; this manager's directory by default).
         """
         committed = self._committed_numbers() if committed is None else committed
         if not committed or number > max(committed):
@@ -597,7 +599,8 @@ class CheckpointManager:
             "Step %d is %s in %s; this save continues past the newest committed step, as "
             "step %d (restore_or_initialize() first to go on from it).",
             number, "committed already" if taken else "older than the newest committed step",
-            os.fspath(self.directory), after,
+            (where or (lambda _: os.fspath(self.directory)))(number if taken else after - 1),
+            after,
         )
         self._checkpoint.save_counter.assign(after - 1)
         return after
@@ -966,10 +969,13 @@ class CheckpointManager:
         during its save, or before the first step after a restore) is that state: it is
         not written again (a step is written once), the signal is re-delivered."""
         if self._local_tier is not None:
-            if checkpoint_number is not None and self._nodes is None:
+            if checkpoint_number is not None:
                 path = self._local_tier._latest_numbered(int(checkpoint_number))
-                if path is not None:
+                if self._nodes is not None:
+                    path = self._agree_latest(int(checkpoint_number), path, timeout)
+                elif path is not None:
                     self._persist_latest(int(checkpoint_number), path)
+                if path is not None:
                     return path
             return self._save_tiered(checkpoint_number, False, timeout, persist=True)
         if checkpoint_number is not None:
@@ -995,6 +1001,23 @@ class CheckpointManager:
         self._also_persisted.add(number)
         if self._primary():
             self._persisting[number] = self._pool.submit(self._persist, number, local, None)
+
+    def _agree_latest(self, number: int, local: str | None,
+                      timeout: float | None) -> str | None:
+        """Per-node tiers' preemption save of step ``number`` committed already as every
+        node's latest (``local``: this node's, or ``None``): its persistent copy, every
+        process copying its part, unless made or under way. Decided alike on every
+        process; ``None`` (a save, refused) unless every node holds it as its latest."""
+        made = (number in self._persisting or number in self._done_persists
+                or number in self._committed_numbers())
+        seen = self.coordinator.allgather((local is not None, made), tag="tiers-preempted",
+                                          timeout=timeout)
+        if local is None or not all(latest for latest, _ in seen):
+            return None
+        if not any(m for _, m in seen):
+            self._also_persisted.add(number)
+            self._persisting[number] = self._persist_parts(number, local, timeout)
+        return local
 
     def _finish_preemption(self) -> None:
         """Before the signal is re-delivered: the save committed, with tiers its
@@ -1261,7 +1284,8 @@ class CheckpointManager:
         says skip, judged from the newest step any node or the persistent tier holds."""
         local = self._local_tier
         assert local is not None
-        committed = self._committed_numbers() | local._committed_numbers()
+        here, persisted = local._committed_numbers(), self._committed_numbers()
+        committed = persisted | here
         if self._nodes is not None:  # a step committed on any node is never reused
             entries = local._section["checkpoints"] + self._section["checkpoints"]
             last = max((int(e["step"]) for e in entries if e.get("step") is not None),
@@ -1277,12 +1301,20 @@ class CheckpointManager:
         elif self._many():
             committed = self.coordinator.broadcast(committed, tag="tiers-committed",
                                                    timeout=timeout)
+
+        def where(step: int) -> str:  # the tier that holds ``step``, for the messages
+            if step in here or step in local._held_numbers():
+                return str(local.directory)
+            if step in persisted or step in self._held_numbers() or self._nodes is None:
+                return str(self.directory)
+            return "another node's local tier"
+
         if checkpoint_number is None:  # a step committed in either tier is never reused
-            self._next_number(int(self._checkpoint.save_counter.numpy()) + 1, committed)
+            self._next_number(int(self._checkpoint.save_counter.numpy()) + 1, committed, where)
         elif self._nodes is not None and int(checkpoint_number) in committed:
             raise CheckpointExistsError(  # on every process: no node writes it again
-                f"Cannot save step {checkpoint_number}: it is committed already (in the "
-                "persistent tier or on some node's local tier), and a step is written once.")
+                f"Cannot save step {checkpoint_number}: it is committed already (in "
+                f"{where(int(checkpoint_number))}), and a step is written once.")
         return True
 
     def _agree_node_persists(self, timeout: float | None) -> None:

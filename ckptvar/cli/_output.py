@@ -29,6 +29,7 @@ __all__ = [
     "dump_json",
     "escape",
     "finite_or_none",
+    "json_text",
     "natural_key",
     "num",
     "one_line",
@@ -137,13 +138,22 @@ def dump_json(obj: Any, out: TextIO) -> None:
     output is valid JSON and harmless on a terminal; ``allow_nan=False``: a non-finite
     number would be an error (callers turn them into ``None`` or strings).
     """
+    out.write(json_text(obj) + "\n")
+
+
+def json_text(obj: Any, level: int = 0) -> str:
+    """:func:`dump_json`'s text of ``obj`` as it reads nested ``level`` deep (no newline).
+
+    >>> json_text([[1, 2], [3, "nan"]], level=1)
+    '[\\n    [1, 2],\\n    [\\n      3,\\n      "nan"\\n    ]\\n  ]'
+    """
     text = json.dumps(obj, ensure_ascii=True, allow_nan=False, indent=2, default=_jsonable)
     # A raw newline only occurs between tokens (strings escape theirs), so a "[" followed by
     # a newline opens a list; collapse those holding no string, list or object.
     text = _NUMBER_LIST.sub(
         lambda m: "[" + ", ".join(x.strip() for x in m[1].split(",\n")) + "]", text
     )
-    out.write(text + "\n")
+    return text.replace("\n", "\n" + "  " * level) if level else text
 
 
 def _jsonable(obj: Any) -> Any:

@@ -23,7 +23,9 @@ object-store URL (s3://bucket/run) only committed steps are listed, with their
 commit time and stored size. An HDF5 step whose bytes incremental steps refer to
 (an unchanged value, a row delta's base or patch) says which ("holds bytes of
 ckpt-5.h5"; in --json: "referred_by"), on disk and at a URL; the manager keeps it
-while they do.
+while they do. A file or directory named like a step that ckptvar did not write
+(your own ckpt-3.h5) is not listed, as the manager does not list it, and is named
+on a last line ("not_checkpoints" in --json).
 
 example:
   ckpt ls runs/
@@ -59,10 +61,13 @@ def _disk_size(path: Path) -> int:
     return path.stat().st_size
 
 
-def _manager_checkpoints(directory: Path) -> list[Path]:
-    """The checkpoints of the manager directory, oldest step first (a link to nothing, or
-    a step pruned while we look, is not one: the manager does not list it either)."""
+def _manager_checkpoints(directory: Path) -> tuple[list[Path], list[Path]]:
+    """The checkpoints of the manager directory, oldest step first, and the entries named
+    like a step that are not ckptvar's (``cv.storage.is_own_checkpoint``, the manager's
+    own test; a TensorFlow prefix is TensorFlow's). A link to nothing, or a step pruned
+    while we look, is neither: the manager does not list it either."""
     found = []
+    foreign = []
     for entry in directory.iterdir():
         if entry.name.startswith("."):
             continue
@@ -71,11 +76,15 @@ def _manager_checkpoints(directory: Path) -> list[Path]:
             continue
         path = entry.with_name(entry.name[: -len(".index")]) if m.suffix == ".index" else entry
         try:
-            found.append((m.step, entry.stat().st_mtime, path))
+            mtime = entry.stat().st_mtime
         except FileNotFoundError:
             continue
+        if m.suffix != ".index" and not cv.storage.is_own_checkpoint(entry):
+            foreign.append(entry)
+            continue
+        found.append((m.step, mtime, path))
     found.sort(key=lambda t: (t[0], t[1]))
-    return [p for _, _, p in found]
+    return [p for _, _, p in found], sorted(foreign)
 
 
 def _committed_steps(url: str) -> list[tuple[str, float, int]]:
@@ -128,7 +137,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         raise cv.CheckpointNotFoundError(f"No directory {str(directory)!r}.")
     if not directory.is_dir():
         raise UsageError(f"{str(directory)!r} is not a directory")
-    paths = _manager_checkpoints(directory)
+    paths, foreign = _manager_checkpoints(directory)
     with warnings.catch_warnings(record=True) as caught:  # e.g. a damaged state file
         warnings.simplefilter("always")
         try:
@@ -163,7 +172,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         )
         if p.name in holders:
             rows[-1]["referred_by"] = holders[p.name]
-    return _print(args, out, directory, rows, str(latest_path) if latest_path else None)
+    return _print(args, out, directory, rows, str(latest_path) if latest_path else None,
+                  foreign=[str(p) for p in foreign])
 
 
 def _print(
@@ -172,19 +182,24 @@ def _print(
     directory: Path | str,
     rows: list[dict[str, Any]],
     latest: str | None,
+    *,
+    foreign: list[str] | None = None,
 ) -> int:
+    foreign = foreign or []
     if args.json:
         dump_json(
             {
                 "directory": str(directory),
                 "latest": latest,
                 "checkpoints": rows,
+                "not_checkpoints": foreign,
             },
             out,
         )
         return EXIT_OK
     if not rows:
         print(f"No checkpoints in {escape(directory)}", file=out)
+        _print_foreign(foreign, out)
         return EXIT_OK
     rows_out = [["STEP", "SAVED", "SIZE", "CHECKPOINT", ""]]
     for r in rows:
@@ -201,7 +216,14 @@ def _print(
         print(line, file=out)
     total = sum(r["size"] for r in rows)
     print(f"\n{len(rows)} checkpoint{'s' if len(rows) != 1 else ''}, {human_size(total)}", file=out)
+    _print_foreign(foreign, out)
     return EXIT_OK
+
+
+def _print_foreign(foreign: list[str], out: TextIO) -> None:
+    if foreign:
+        names = ", ".join(escape(Path(p).name) for p in foreign)
+        print(f"not listed, named like a step but not a ckptvar checkpoint: {names}", file=out)
 
 
 def _referred_by(paths: list[Path] | list[str],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import sys
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from ._blocks import is_floating
 from ._common import EXIT_OK, UsageError, open_checkpoint
 from ._lazy import lazy_module
-from ._output import dump_json, escape, plain, shape_str
+from ._output import dump_json, escape, json_text, plain, shape_str
 
 if TYPE_CHECKING:
     import numpy as np
@@ -108,49 +109,186 @@ def _split(spec: str, keys: Any) -> tuple[str, tuple[Any, ...] | None, str]:
 def run(args: argparse.Namespace, out: TextIO) -> int:
     threshold = sys.maxsize if args.threshold == 0 else args.threshold
     with open_checkpoint(args.path) as reader:
-        shown = []
+        # Every key and slice is checked before anything prints; then one value at a time.
+        picked = []
         for spec in args.keys:
             key, index, text = _split(spec, reader)
             if key not in reader:
                 raise KeyError(f"no key {key!r} in {str(args.path)!r}")
             info = reader.info(key)
-            if index is None or math.prod(info.shape) == 0:
-                value = np.asarray(reader.read(key))
-                value = value if index is None else value[index]
-            else:
-                try:
-                    value = np.asarray(reader[key][index])
-                except IndexError as exc:
-                    raise UsageError(
-                        f"{escape(spec)}: {exc} (the value's shape is {shape_str(info.shape)})"
-                    ) from None
-            shown.append((key, text, info, value))
-    for key, text, info, value in shown:
-        if args.json:
-            dump_json(
-                {
-                    "path": str(args.path),
-                    "key": key,
-                    "index": text or None,
-                    "dtype": value.dtype.name,
-                    "shape": list(value.shape),
-                    "value": plain(
-                        value.tolist()
-                        if value.dtype.kind != "V"
-                        else value.astype(np.float64).tolist()
-                    ),
-                },
-                out,
+            try:  # the slice's shape, on a view that holds no elements
+                np.broadcast_to(np.zeros((), bool), info.shape)[() if index is None else index]
+            except IndexError as exc:
+                raise UsageError(
+                    f"{escape(spec)}: {exc} (the value's shape is {shape_str(info.shape)})"
+                ) from None
+            picked.append((spec, key, index, text, info))
+        for spec, key, index, text, info in picked:
+            if args.json and _streamed(info.dtype, info.shape, index):
+                _stream_json(args.path, key, index, text, reader[key], out=out)
+                continue
+            value = _read(reader, spec, key, index, info)
+            if args.json:
+                doc = _json_doc(
+                    args.path, key, text, value.dtype, value.shape, shown=_json_value(value)
+                )
+                dump_json(doc, out)
+                continue
+            what = f" of {shape_str(info.shape)}" if text else ""
+            print(
+                f"{escape(key)}{escape(text)}  {value.dtype.name} {shape_str(value.shape)}{what}",
+                file=out,
             )
-            continue
-        what = f" of {shape_str(info.shape)}" if text else ""
-        print(
-            f"{escape(key)}{escape(text)}  {value.dtype.name} {shape_str(value.shape)}{what}",
-            file=out,
-        )
-        # bfloat16, float8: printed through float32, which honours --precision
-        printable = (value.astype(np.float32)
-                     if is_floating(value.dtype) and value.dtype.kind == "V" else value)
-        with np.printoptions(precision=args.precision, threshold=threshold):
-            print(np.array2string(printable, separator=", "), file=out)
+            # bfloat16, float8: printed through float32, which honours --precision
+            printable = (value.astype(np.float32)
+                         if is_floating(value.dtype) and value.dtype.kind == "V" else value)
+            with np.printoptions(precision=args.precision, threshold=threshold):
+                print(np.array2string(printable, separator=", "), file=out)
     return EXIT_OK
+
+
+def _read(reader: Any, spec: str, key: str, index: Any, info: Any) -> np.ndarray:
+    if index is None or math.prod(info.shape) == 0:
+        value = np.asarray(reader.read(key))
+        return value if index is None else value[index]
+    try:
+        return np.asarray(reader[key][index])
+    except IndexError as exc:
+        raise UsageError(
+            f"{escape(spec)}: {exc} (the value's shape is {shape_str(info.shape)})"
+        ) from None
+
+
+def _json_doc(
+    path: Any, key: str, text: str, dtype: Any, shape: tuple[int, ...], *, shown: Any
+) -> dict[str, Any]:
+    return {
+        "path": str(path),
+        "key": key,
+        "index": text or None,
+        "dtype": dtype.name,
+        "shape": list(shape),
+        "value": shown,
+    }
+
+
+def _json_value(value: np.ndarray) -> Any:
+    """The value as JSON numbers: nested lists, NaN and Inf as strings."""
+    return plain(value.tolist() if value.dtype.kind != "V" else value.astype(np.float64).tolist())
+
+
+#: Beyond this many elements ``--json`` writes a value piece by piece, reading this many
+#: at a time: a value never becomes Python numbers or one JSON text all at once.
+JSON_BLOCK = 1 << 14
+
+
+def _streamed(dtype: Any, shape: tuple[int, ...], index: Any) -> bool:
+    """Whether ``--json`` streams this value: a large one of numbers (others read whole)."""
+    if not (dtype.kind in "biuf" or (dtype.kind == "V" and is_floating(dtype))):
+        return False
+    view = np.broadcast_to(np.zeros((), bool), shape)[() if index is None else index]
+    return view.size > JSON_BLOCK
+
+
+class _Selection:
+    """A basic index as one ``int`` or ``range`` per stored dimension, read in pieces."""
+
+    def __init__(self, lazy: Any, picks: list[int | range]) -> None:
+        self.lazy = lazy
+        self.picks = picks
+
+    @classmethod
+    def of(cls, lazy: Any, index: Any) -> _Selection:
+        shape = lazy.shape
+        parts = list(index or ())
+        if any(p is Ellipsis for p in parts):
+            at = next(i for i, p in enumerate(parts) if p is Ellipsis)
+            parts[at : at + 1] = [slice(None)] * (len(shape) - len(parts) + 1)
+        parts += [slice(None)] * (len(shape) - len(parts))
+        picks: list[int | range] = [
+            range(n)[p] if isinstance(p, slice) else (p + n if p < 0 else p)
+            for p, n in zip(parts, shape, strict=True)
+        ]
+        return cls(lazy, picks)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(len(p) for p in self.picks if isinstance(p, range))
+
+    def first(self, pick: int | range) -> _Selection:
+        """The selection with its first selected dimension narrowed to ``pick``."""
+        at = next(i for i, p in enumerate(self.picks) if isinstance(p, range))
+        return _Selection(self.lazy, [*self.picks[:at], pick, *self.picks[at + 1 :]])
+
+    def read(self) -> np.ndarray:
+        index: list[int | slice] = []
+        flip: list[int] = []
+        for p in self.picks:
+            if isinstance(p, int):
+                index.append(p)
+                continue
+            forwards = p
+            if p.step < 0:  # read forwards, turn around here
+                flip.append(sum(isinstance(q, slice) for q in index))
+                forwards = p[::-1]
+            index.append(slice(forwards.start, forwards[-1] + 1, forwards.step))
+        value = np.asarray(self.lazy[tuple(index)])
+        value = np.flip(value, tuple(flip)) if flip else value
+        return value.astype(np.float64) if value.dtype.kind == "V" else value
+
+
+def _stream_json(
+    path: Any, key: str, index: Any, text: str, lazy: Any, *, out: TextIO
+) -> None:
+    """``dump_json``'s output for the value, written piece by piece."""
+    sel = _Selection.of(lazy, index)
+    shape = sel.shape
+    head = json_text(_json_doc(path, key, text, lazy.dtype, shape, shown=0))
+    assert head.endswith('"value": 0\n}')
+    out.write(head[: -len("0\n}")])
+    _write_nested(sel, 1, out)
+    out.write("\n}\n")
+
+
+def _write_nested(sel: _Selection, level: int, out: TextIO) -> None:
+    """The JSON list of ``sel`` at nesting ``level``, reading ``JSON_BLOCK`` elements at once."""
+    shape = sel.shape
+    if len(shape) == 1:
+        _write_row(sel, level, out)
+        return
+    rows = sel.picks[next(i for i, p in enumerate(sel.picks) if isinstance(p, range))]
+    assert isinstance(rows, range)
+    per_row = math.prod(shape[1:])
+    pad = "  " * (level + 1)
+    out.write("[\n")
+    if per_row > JSON_BLOCK:
+        for i, r in enumerate(rows):
+            out.write((",\n" if i else "") + pad)
+            _write_nested(sel.first(r), level + 1, out)
+    else:
+        step = max(1, JSON_BLOCK // max(per_row, 1))
+        for lo in range(0, len(rows), step):
+            block = sel.first(rows[lo : lo + step]).read()
+            for i, row in enumerate(block):
+                out.write((",\n" if lo or i else "") + pad + json_text(plain(row.tolist()), level + 1))
+    out.write("\n" + "  " * level + "]")
+
+
+def _write_row(sel: _Selection, level: int, out: TextIO) -> None:
+    """A one-dimensional list: on one line, or one number a line when it holds NaN or Inf."""
+    (n,) = sel.shape
+    (cols,) = (p for p in sel.picks if isinstance(p, range))
+    pieces = [sel.first(cols[lo : lo + JSON_BLOCK]) for lo in range(0, n, JSON_BLOCK)]
+    finite = all(
+        bool(np.isfinite(p.read()).all()) for p in pieces
+    ) if sel.lazy.dtype.kind in "fV" else True
+    pad = "  " * (level + 1)
+    out.write("[" if finite else "[\n" + pad)
+    for i, piece in enumerate(pieces):
+        values = piece.read().tolist()
+        if finite:
+            out.write((", " if i else "") + json.dumps(values, allow_nan=False)[1:-1])
+        else:
+            out.write((",\n" + pad if i else "") + (",\n" + pad).join(
+                json_text(plain(v)) for v in values))
+    out.write("]" if finite else "\n" + "  " * level + "]")

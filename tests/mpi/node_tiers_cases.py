@@ -18,6 +18,11 @@ same ``b`` (replicated); each value is a function of the step.
   and reports them again;
 - ``kill``: in ``DIR/kill``: saves step 1 (local only) and step 2, whose persistent copy
   rank 2 does not survive: it SIGKILLs itself once the copy's temporary appears.
+- ``preempt``: in ``DIR/preempt``, with ``save_on_signal(SIGUSR1)``: saves step 2 and
+  step 3 by number (step 3 is due no persistent copy), each process signals itself as if
+  during step 3's save, then ``reached_preemption(3)``; reports what it returned, the
+  error it raised if any, the calls of this process's own handler and what this node's
+  tier and the persistent one hold.
 
 With ``$PERSISTENT`` (a URL; ``$S3_OPTIONS`` its storage options, JSON) the persistent
 tier is there instead of ``DIR/persistent``; ``$FORMAT``: ``h5`` (default) or ``zarr``;
@@ -127,6 +132,24 @@ def main(d: Path, case: str) -> None:
         mgr.save()
         mgr.wait_until_finished()
         report(case, survived=True)
+        return
+    if case == "preempt":
+        here = d / "preempt"
+        mgr = manager(ckpt, here)
+        calls: list[int] = []
+        signal.signal(signal.SIGUSR1, lambda *_: calls.append(1))
+        mgr.save_on_signal(signal.SIGUSR1)
+        for step in (2, 3):
+            set_step(w, b, step)
+            mgr.save(checkpoint_number=step)
+        os.kill(os.getpid(), signal.SIGUSR1)  # as if during that save: only noted
+        try:
+            reached, error = mgr.reached_preemption(3), None
+        except cv.CkptError as exc:
+            reached, error = None, f"{type(exc).__name__}: {exc}"
+        mgr.wait_until_finished()
+        report(case, reached=reached, error=error, calls=len(calls),
+               local=steps(node_dir(here)), persistent=steps(here / "persistent"))
         return
     if case == "hold":
         hold = d / "hold"
