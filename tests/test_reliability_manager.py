@@ -425,13 +425,12 @@ def test_a_step_number_the_manager_could_not_list_is_refused(tmp_path: Path) -> 
     assert os.path.basename(mgr.save() or "") == "ckpt-7.h5"
 
 
-@pytest.mark.parametrize("hours", [0, -1.0, float("nan")])
+@pytest.mark.parametrize("hours", [-1.0, float("nan")])
 def test_keep_checkpoint_every_n_hours_that_keeps_no_period_is_refused(
     tmp_path: Path, hours: float
 ) -> None:
-    """``0`` (TensorFlow configs' "off") preserved every pruned step for good, unlisted,
-    so ``max_to_keep`` deleted nothing and the disk filled; NaN preserved none. Refused
-    as ``Saver`` refuses it, before anything is written."""
+    """A negative number or NaN (which preserved none) is refused, before anything is
+    written."""
     ckpt = cv.Checkpoint(v=cv.Variable(np.zeros(3)))
     with pytest.raises(ValueError, match="keep_checkpoint_every_n_hours"):
         cv.CheckpointManager(ckpt, tmp_path / "run", max_to_keep=1,
@@ -462,3 +461,16 @@ def test_a_save_after_the_directory_was_removed_makes_it_again(
     assert mgr.checkpoints == [str(run / "ckpt-2.h5")]
     assert cv.load(run / "ckpt-2.h5")["v"].tolist() == [2.0, 2.0, 2.0]
     assert any("was removed" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_keep_checkpoint_every_n_hours_of_0_is_off(tmp_path: Path) -> None:
+    """``0`` is TensorFlow configurations' "off" (its manager tests the value's truth):
+    it preserved every pruned step for good, unlisted, so ``max_to_keep`` deleted
+    nothing and the disk filled. Now nothing is preserved, as with ``None``."""
+    ckpt = cv.Checkpoint(v=cv.Variable(np.zeros(3)))
+    mgr = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=1, keep_checkpoint_every_n_hours=0)
+    for _ in range(3):
+        mgr.save()
+    mgr.wait_until_finished()
+    assert mgr.keep_checkpoint_every_n_hours is None
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-3.h5"]

@@ -139,9 +139,9 @@ def _check_arguments(
         raise TypeError(f"CheckpointManager needs a cv.Checkpoint, got {checkpoint!r}.")
     if max_to_keep is not None and max_to_keep < 1:
         raise ValueError(f"max_to_keep must be None or >= 1, got {max_to_keep}.")
-    if keep_hours is not None and not keep_hours > 0:  # 0 would keep every step, NaN none
-        raise ValueError("keep_checkpoint_every_n_hours must be None or > 0, got "
-                         f"{keep_hours}.")
+    if keep_hours is not None and not keep_hours >= 0:  # 0: off (TensorFlow's); NaN none
+        raise ValueError("keep_checkpoint_every_n_hours must be None, 0 (both: off) or > 0, "
+                         f"got {keep_hours}.")
     if not checkpoint_name or "/" in checkpoint_name or checkpoint_name.startswith("."):
         raise ValueError(f"Bad checkpoint_name {checkpoint_name!r}.")
     lowered = checkpoint_name.lower()
@@ -208,7 +208,8 @@ class CheckpointManager:
         directory: where files and the state file live (created if missing).
         max_to_keep: keep this many checkpoints, those saved last (``None``: all).
         keep_checkpoint_every_n_hours: additionally keep (unlisted, never deleted) one
-            checkpoint per this many hours among those pruned.
+            checkpoint per this many hours among those pruned (``None`` or ``0``: none,
+            as TensorFlow's manager).
         checkpoint_name: file name prefix (``ckpt`` -> ``ckpt-7.h5``).
         step_counter: a variable or int-returning callable giving the current step, for
             ``checkpoint_interval``.
@@ -290,7 +291,7 @@ class CheckpointManager:
         self._storage_options = storage_options
         self.pack_threshold = pack_threshold
         if is_url(directory):
-            if keep_checkpoint_every_n_hours is not None:
+            if keep_checkpoint_every_n_hours:
                 raise CkptError(
                     "keep_checkpoint_every_n_hours is not supported on an object store "
                     f"({directory!r}): every committed step is listed, so a preserved one "
@@ -299,7 +300,7 @@ class CheckpointManager:
             self._location = open_location(directory, storage_options=storage_options)
         self.directory: Any = self._location.url if self._location else Path(directory)
         self.max_to_keep = max_to_keep
-        self.keep_checkpoint_every_n_hours = keep_checkpoint_every_n_hours
+        self.keep_checkpoint_every_n_hours = keep_checkpoint_every_n_hours or None  # 0: off
         self.checkpoint_name = checkpoint_name
         self.format = format
         self._suffix = known_formats()[format][0]
