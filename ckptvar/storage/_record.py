@@ -104,6 +104,7 @@ __all__ = [
     "holder_step",
     "is_holder_name",
     "is_sibling_name",
+    "record_version",
 ]
 
 FORMAT_NAME = "ckptvar"
@@ -440,6 +441,21 @@ def encode(record: Record) -> bytes:
                           pieces=record.pieces, deltas=record.deltas)
 
 
+def record_version(external: Mapping[str, Any] | None, pieces: Mapping[str, int] | None,
+                   deltas: Mapping[str, Delta] | None) -> tuple[int, int]:
+    """The version a record with these fields is written as: the one home of the rule
+    (its root record, the HDF5 user block and root attributes, the Zarr root attributes).
+
+    >>> record_version(None, None, None), record_version({"w": ("a.h5", "w")}, None, None)
+    ((1, 2), (1, 3))
+    """
+    if deltas:
+        return PARTS_VERSION if any(d.by_parts for d in deltas.values()) else DELTAS_VERSION
+    if pieces:
+        return PIECES_VERSION
+    return EXTERNAL_VERSION if external else FORMAT_VERSION
+
+
 def encode_columns(
     container: str,
     packed: tuple[str, int, int] | None,
@@ -463,10 +479,7 @@ def encode_columns(
     dense, sparse = split_attrs(keys, cols.attrs)
     doc: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "format_version": list(
-            (PARTS_VERSION if any(d.by_parts for d in deltas.values()) else DELTAS_VERSION)
-            if deltas else PIECES_VERSION if pieces else
-            EXTERNAL_VERSION if external else FORMAT_VERSION),
+        "format_version": list(record_version(external, pieces, deltas)),
         "library": _LIBRARY,
         "container": container,
         "packed": list(packed) if packed is not None else None,
