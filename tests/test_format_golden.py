@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import h5py
@@ -160,3 +161,29 @@ def test_format_1_1_files_still_read_bit_exact(fmt: str) -> None:
         assert _same(r["emb"][100:300], want["emb"][100:300])  # a slice, verified whole
         assert _same(r["emb"][5, 7:9], want["emb"][5, 7:9])
         assert r.verify_all() == []
+
+
+def test_root_attributes_say_the_version_the_record_is_written_as(
+        tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    # HDF5: an incremental step holding an unchanged value of the step before (1.3)
+    ckpt = cv.Checkpoint(w=cv.Variable(np.arange(100_000, dtype=np.float32), name="w"),
+                         b=cv.Variable(np.zeros(20_000, np.float32), name="b"))
+    manager = cv.CheckpointManager(ckpt, tmp_path / "h", incremental=True)
+    manager.save()
+    ckpt.b.assign_add(1)
+    second = manager.save()
+    with h5py.File(second, "r") as f:
+        record = msgpack.unpackb(f["_ckptvar/manifest"][()].tobytes())
+        assert record["format_version"] == [1, 3]
+        assert f.attrs["format_version"] == "1.3"
+    head = Path(second).read_bytes()[:16]
+    assert struct.unpack("<HH", head[12:16]) == (1, 3)  # the user block's major, minor
+    with cv.open(second) as reader:
+        assert reader.format_version == (1, 3)
+    # Zarr: a value of more than 4 MiB stored in pieces by an incremental step (1.4)
+    table = cv.Checkpoint(t=cv.Variable(np.zeros((20_000, 64), np.float32), name="t"))
+    step = cv.CheckpointManager(table, tmp_path / "z", format="zarr", incremental=True).save()
+    root = zarr.open_group(step, mode="r")
+    assert msgpack.unpackb(root["_ckptvar/record"][...].tobytes())["format_version"] == [1, 4]
+    assert root.attrs["format_version"] == "1.4"
+    assert root.attrs["ckptvar"]["format_version"] == [1, 4]

@@ -572,3 +572,25 @@ def test_verify_reports_an_index_whose_boxes_leave_a_gap_as_damage(tmp_path: Pat
     proc = subprocess.run([sys.executable, "-m", "ckptvar", "verify", str(path)],
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 1 and "DAMAGED" in proc.stdout and "'w'" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda ix: ix["variables"]["w"]["boxes"][0].__setitem__(2, True), r"'w'.*file index"),
+        (lambda ix: ix["variables"].__setitem__(5, ix["variables"].pop("b")), r"key 5"),
+        (lambda ix: ix.__setitem__("metadata", [1, 2]), r"metadata.*not a map"),
+        (lambda ix: ix.__setitem__("processes", 2), r"2 processes.*1 file"),
+        (lambda ix: ix.__setitem__("processes", True), r"processes"),
+        (lambda ix: ix["files"].append("rank-00001.h5"), r"rank-00001\.h5.*1 process"),
+    ],
+    ids=["true-file-index", "int-key", "metadata-list", "more-processes", "bool-processes",
+         "rank-file-past-processes"],
+)
+def test_an_index_oddity_is_a_corrupt_checkpoint(tmp_path: Path, change: Any,
+                                                 match: str) -> None:
+    path = Path(_save(tmp_path, ".h5"))
+    _rewrite_index(path, change)
+    for read in (cv.load, cv.list_variables, cv.open):
+        with pytest.raises(CorruptCheckpointError, match=r"index of .*ckpt-1\.h5.*" + match):
+            read(path)

@@ -336,3 +336,27 @@ def test_an_index_with_a_bad_grid_is_refused(tmp_path: Path) -> None:
 )
 def test_grid_detection(full_shape: tuple, boxes: list, chunk: tuple | None) -> None:
     assert grid_chunk(full_shape, [Box(o, s) for o, s in boxes]) == chunk
+
+
+def test_zarr_python_lists_a_step_and_says_only_that_the_index_is_no_zarr_node(
+        tmp_path: Path) -> None:
+    """docs/FORMAT.md "Global Zarr arrays": zarr-python lists the global arrays and the
+    per-process groups, and its only complaint is the index file (documented)."""
+    import warnings
+
+    coord = cv.distributed.SingleProcessCoordinator()
+    w = cv.Variable(np.arange(128 * 128, dtype="float32").reshape(128, 128), name="w",
+                    shard=cv.Shard(full_shape=(128, 128), offset=(0, 0)))
+    b = cv.Variable(np.ones(2, "int64"), name="b")
+    step = cv.Checkpoint(w=w, b=b).save(tmp_path / "ckpt.zarr", coordinator=coord)
+    group = zarr.open_group(step, mode="r")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert sorted(group.keys()) == ["rank-00000.zarr", "w"]
+    assert {str(c.message) for c in caught} == {
+        f"Object at {INDEX_FILE} is not recognized as a component of a Zarr hierarchy."}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert np.array_equal(group["w"][...], w.numpy())  # indexing lists nothing
+        warnings.filterwarnings("ignore", f"Object at {INDEX_FILE}")  # as documented
+        assert len(dict(group.members())) == 2

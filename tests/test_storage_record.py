@@ -118,6 +118,35 @@ def test_newer_major_version_is_refused_clearly() -> None:
     assert dec(doc).format_version == (1, 7)
 
 
+def test_a_record_newer_than_its_header_names_the_file(tmp_path: Path) -> None:
+    """The user block says 1.2 and its record 2.0: the error names the file, as the
+    user block's own newer version does."""
+    from ckptvar.storage._h5 import make_userblock
+
+    doc = good()
+    doc["format_version"] = [2, 0]
+    with pytest.raises(UnsupportedFormatError, match=r"'x\.h5'.* 2\.0, newer"):
+        decode(msgpack.packb(doc), "x.h5", container="h5")
+    # an indexed record (1,024 values or more), decoded lazily
+    p = cv.save(tmp_path / "many.h5", {f"v{i}": np.full(2, i, np.int16) for i in range(1100)})
+    fd = os.open(p, os.O_RDWR)
+    try:
+        from ckptvar.storage._h5 import read_userblock
+
+        _, _, off, n, _ = read_userblock(fd, p)
+        doc = msgpack.unpackb(os.pread(fd, n, off))
+        assert "index" in doc
+        doc["format_version"] = [2, 0]
+        rec = msgpack.packb(doc)
+        end = os.fstat(fd).st_size
+        os.pwrite(fd, rec, end)
+        os.pwrite(fd, make_userblock(end, rec), 0)
+    finally:
+        os.close(fd)
+    with pytest.raises(UnsupportedFormatError, match=r"many\.h5.* 2\.0, newer"):
+        cv.open(p)
+
+
 @pytest.mark.parametrize(
     "data",
     [

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import random
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 from hypothesis import given
@@ -13,6 +15,7 @@ from hypothesis import strategies as st
 
 import ckptvar as cv
 from ckptvar.checkpoint._keys import escape_segment, join_key, split_key, unescape_segment
+from ckptvar.checkpoint._serialize import decode_state
 from ckptvar.checkpoint._walk import walk
 
 
@@ -256,3 +259,52 @@ def test_a_checkpoint_refuses_torch_modules_in_a_container(tmp_path: Path,
                                          r"in a container.*own argument"):
         path = later.write(tmp_path / "later.h5")
     assert sorted(cv.load(path)) == ["parts/0"]
+
+
+class Holder(cv.Trackable):
+    """Keeps whatever Python state it is given."""
+
+    def __init__(self, state: Any = None) -> None:
+        self.state = state
+
+    def python_state(self) -> Any:
+        return self.state
+
+    def restore_python_state(self, state: Any) -> None:
+        self.state = state
+
+
+def test_tuples_in_python_state_come_back_as_tuples(
+    tmp_path: Path, fmt: str, fresh_graph: cv.Graph
+) -> None:
+    point = collections.namedtuple("point", "x y")
+    state = {"pair": (1, 2), "nested": [(3, (4, [5, (6,)])), []], 7: ((),), "p": point(8, 9),
+             "list": [1, 2]}
+    path = cv.Checkpoint(h=Holder(state), top=Holder((1, [2, (3,)]))).save(
+        tmp_path / "ckpt", format=fmt)
+    h, top = Holder(), Holder()
+    cv.Checkpoint(h=h, top=top).restore(path).assert_consumed()
+    assert h.state == {"pair": (1, 2), "nested": [(3, (4, [5, (6,)])), []], 7: ((),),
+                       "p": (8, 9), "list": [1, 2]}
+    assert type(h.state["nested"]) is list and type(h.state["nested"][0][1][1]) is list
+    assert type(h.state["p"]) is tuple  # a namedtuple's field names are not stored
+    assert type(h.state["list"]) is list
+    assert top.state == (1, [2, (3,)]) and type(top.state[1]) is list
+    # a plain reader still sees arrays: the state is plain msgpack, the tuples listed beside
+    with cv.open(path) as reader:
+        graph = reader.metadata()["object_graph"]
+    assert msgpack.unpackb(graph["python_state"]["h"], strict_map_key=False)["pair"] == [1, 2]
+
+
+def test_a_tuple_as_a_map_key_of_python_state_is_refused(
+    tmp_path: Path, fresh_graph: cv.Graph
+) -> None:
+    with pytest.raises(TypeError, match=r"'h'.*\(1, 2\)"):
+        cv.Checkpoint(h=Holder({"a": {(1, 2): 3}})).save(tmp_path / "ckpt")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("paths", [[[5]], [[0]], "x", [[], []], [[{"a": 1}]]])
+def test_damaged_tuple_places_are_a_corrupt_checkpoint(paths: Any) -> None:
+    with pytest.raises(cv.CorruptCheckpointError, match=r"'h' in 'f\.h5'"):
+        decode_state(msgpack.packb([1, 2]), "h", "f.h5", paths)

@@ -60,7 +60,8 @@ class CollectiveRestoreState(RestoreState):
             try:
                 m = self._match(nodes)
                 self._check_all_matched(nodes, {id(obj) for _, _, obj in m.variables})
-                decoded = [(k, t, decode_state(self.states[k], k, self.path))
+                decoded = [(k, t, decode_state(self.states[k], k, self.path,
+                                               self.tuples.get(k)))
                            for k, t in m.states]
                 staged = stage_reads(self.reader, restore_pairs(
                     (k, t) for k, t, _ in m.variables), self.path, verify=self.verify,

@@ -93,7 +93,7 @@ class RestoreState:
         self._stored: frozenset[str] = frozenset(self.infos)
         meta = reader.metadata()
         self.has_save_counter = isinstance(meta, dict) and "save_counter" in meta
-        self.alias_to_key, self.states = read_graph(meta, self.path)
+        self.alias_to_key, self.states, self.tuples = read_graph(meta, self.path)
         self.alias_to_key = {a: k for a, k in self.alias_to_key.items() if k in self.infos}
         children: dict[str, set[str]] = {}
         # most keys share their parent: their last segments first, then each distinct
@@ -243,7 +243,8 @@ class RestoreState:
         """Restore everything under ``nodes`` now and defer what is missing."""
         with self.lock, paused_gc():
             m = self._match(nodes)
-            decoded = [(k, t, decode_state(self.states[k], k, self.path)) for k, t in m.states]
+            decoded = [(k, t, decode_state(self.states[k], k, self.path, self.tuples.get(k)))
+                       for k, t in m.states]
             apply_targets(self.reader, list(map(_key_target, m.variables)), self.infos,
                           verify=self.verify, cast=self.cast, box_reader=self.box_reader)
             self._settle(m, decoded)

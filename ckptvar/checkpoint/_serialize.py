@@ -40,6 +40,7 @@ __all__ = [
     "host_arrays",
     "metadata",
     "read_graph",
+    "tuple_paths",
 ]
 
 #: Version of the object-graph record this module writes under ``metadata["object_graph"]``.
@@ -53,52 +54,158 @@ class SaveContents:
     variables: dict[str, Variable | Logical] = field(default_factory=dict)
     aliases: dict[str, list[str]] = field(default_factory=dict)
     python_state: dict[str, bytes] = field(default_factory=dict)
+    #: the places of the tuples in each Python state that holds some (``encode_state``)
+    tuples: dict[str, list[list[Any]]] = field(default_factory=dict)
 
 
 _PACKERS = threading.local()  # one msgpack packer a thread, kept (see encode_state)
 _KEPT_PACKER = 1 << 20
 
 
-def encode_state(state: Any, key: str) -> bytes:
+def encode_state(state: Any, key: str, tuples: dict[str, list[list[Any]]] | None = None
+                 ) -> bytes:
     """msgpack-encode a trackable's Python state; ``TypeError`` naming ``key`` if it can't.
+
+    msgpack stores a tuple as an array (a list to its readers): the place of each tuple
+    in ``state`` goes into ``tuples[key]`` (a list of paths, innermost first; none: no
+    entry), for :func:`decode_state` to make it a tuple again. A tuple as a map key
+    cannot come back at all and is refused.
 
     Each thread keeps its packer (``msgpack.packb`` makes one, and its buffer, at every
     call: a background save encodes each object's state in its blocking part); one that
     packed more than :data:`_KEPT_PACKER` bytes is let go (its buffer never shrinks),
-    one that raised starts empty again.
+    one that raised starts empty again. The packer takes only exact types (a tuple, or a
+    subclass, reaches :func:`_exact`): a state without tuples is packed in one pass.
     """
     packer = getattr(_PACKERS, "packer", None)
     if packer is None:
-        packer = _PACKERS.packer = msgpack.Packer(use_bin_type=True)
+        packer = _PACKERS.packer = msgpack.Packer(use_bin_type=True, strict_types=True,
+                                                  default=_exact)
     try:
-        packed: bytes = packer.pack(state)
+        try:
+            packed: bytes = packer.pack(state)
+        except _HasTuple:
+            paths = tuple_paths(state, key)
+            if tuples is not None:
+                tuples[key] = paths
+            out: bytes = msgpack.packb(state, use_bin_type=True)  # (a tuple: an array)
+            return out
         if len(packed) > _KEPT_PACKER:
             _PACKERS.packer = None
         return packed
     except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(
             f"The Python state of {key!r} cannot be stored with msgpack ({exc}); "
-            "use None, bool, int (64-bit), float, str, bytes, lists and dicts."
+            "use None, bool, int (64-bit), float, str, bytes, lists, tuples and dicts."
         ) from exc
+
+
+class _HasTuple(Exception):
+    """Raised by :func:`_exact` at a state's first tuple: its places are looked for."""
+
+
+def _exact(obj: Any) -> Any:
+    """The value msgpack packs for ``obj`` (a subclass of a type it stores: its base
+    value, as msgpack itself would pack it); :class:`_HasTuple` for a tuple."""
+    if isinstance(obj, tuple):
+        raise _HasTuple
+    if isinstance(obj, dict):
+        return dict(obj)
+    if isinstance(obj, list):
+        return list(obj)
+    if isinstance(obj, int):
+        return int.__int__(obj)
+    if isinstance(obj, float):
+        return float.__float__(obj)
+    if isinstance(obj, str):
+        return str.__str__(obj)
+    if isinstance(obj, bytes):
+        return b"" + obj
+    raise TypeError(f"can not serialize {type(obj).__name__!r} object")
+
+
+def tuple_paths(state: Any, key: str) -> list[list[Any]]:
+    """The place of each tuple in ``state`` (map keys and list indexes from the top),
+    innermost first; ``TypeError`` naming ``key`` for a tuple used as a map key."""
+    out: list[list[Any]] = []
+
+    def visit(value: Any, path: list[Any]) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if isinstance(k, tuple):
+                    raise TypeError(
+                        f"The Python state of {key!r} has the tuple {k!r} as a map key"
+                        f"{_place(path)}; msgpack cannot bring it back (use a str key).")
+                visit(v, [*path, k])
+        elif isinstance(value, list | tuple):
+            for i, v in enumerate(value):
+                visit(v, [*path, i])
+            if isinstance(value, tuple):
+                out.append(path)
+
+    visit(state, [])
+    return out
+
+
+def _place(path: list[Any]) -> str:
+    return f" at {'/'.join(map(str, path))!r}" if path else ""
 
 
 def _no_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack extension type {code} is not allowed")
 
 
-def decode_state(blob: Any, key: str, path: Any) -> Any:
-    """Inverse of :func:`encode_state`; damage raises ``CorruptCheckpointError``."""
+def decode_state(blob: Any, key: str, path: Any, tuples: Any = None) -> Any:
+    """Inverse of :func:`encode_state` (``tuples``: the stored paths of ``key``'s tuples,
+    if any); damage raises ``CorruptCheckpointError``."""
     if not isinstance(blob, bytes | bytearray):
         raise CorruptCheckpointError(
             f"Python state of {key!r} in {str(path)!r} is not msgpack bytes "
             f"(found {type(blob).__name__})."
         )
     try:
-        return msgpack.unpackb(blob, raw=False, strict_map_key=False, ext_hook=_no_ext)
+        state = msgpack.unpackb(blob, raw=False, strict_map_key=False, ext_hook=_no_ext)
     except Exception as exc:
         raise CorruptCheckpointError(
             f"Python state of {key!r} in {str(path)!r} is damaged: {exc}."
         ) from exc
+    if tuples is None:
+        return state
+    try:
+        return _with_tuples(state, tuples)
+    except ValueError as exc:
+        raise CorruptCheckpointError(
+            f"The tuples of the Python state of {key!r} in {str(path)!r} are damaged: {exc}."
+        ) from None
+
+
+def _with_tuples(state: Any, tuples: Any) -> Any:
+    """``state`` with the list at each path of ``tuples`` made a tuple (deepest first)."""
+    if not isinstance(tuples, list) or not all(isinstance(p, list) for p in tuples):
+        raise ValueError("they are not a list of paths")
+    for p in sorted(tuples, key=len, reverse=True):
+        parent: Any = None
+        here = state
+        for step in p:
+            parent = here
+            if not _leads(here, step):
+                raise ValueError(f"the path {p!r} leads nowhere")
+            here = here[step]
+        if not isinstance(here, list):
+            raise ValueError(f"the path {p!r} is not a list")
+        if parent is None:
+            state = tuple(here)
+        else:
+            parent[p[-1]] = tuple(here)
+    return state
+
+
+def _leads(here: Any, step: Any) -> bool:
+    """Whether ``here[step]`` is an item of a list or a map of a decoded state."""
+    if isinstance(here, list):
+        return type(step) is int and -len(here) <= step < len(here)
+    hashable = step is None or isinstance(step, bool | int | float | str | bytes)
+    return isinstance(here, dict) and hashable and step in here
 
 
 def gather(root: Any, *, targets: bool = True) -> SaveContents:
@@ -121,7 +228,7 @@ def gather(root: Any, *, targets: bool = True) -> SaveContents:
         elif isinstance(obj, Trackable) and node.first and node.parent is not None:
             state = python_state(obj)
             if state is not None:
-                plan.python_state[node.key] = encode_state(state, node.key)
+                plan.python_state[node.key] = encode_state(state, node.key, plan.tuples)
     return plan
 
 
@@ -375,6 +482,8 @@ def metadata(plan: SaveContents, *, save_counter: int | None, user: Any = None) 
             "python_state": dict(plan.python_state),
         }
     }
+    if plan.tuples:  # (only then: a record without tuples is the same as before)
+        meta["object_graph"]["tuples"] = {k: list(v) for k, v in plan.tuples.items()}
     if save_counter is not None:
         meta["save_counter"] = int(save_counter)
     if user is not None:
@@ -382,11 +491,13 @@ def metadata(plan: SaveContents, *, save_counter: int | None, user: Any = None) 
     return meta
 
 
-def read_graph(meta: Any, path: Any) -> tuple[dict[str, str], dict[str, Any]]:
-    """``(alias -> key, key -> encoded state)`` from a file's metadata (empty if absent)."""
+def read_graph(meta: Any, path: Any,
+               ) -> tuple[dict[str, str], dict[str, Any], dict[str, Any]]:
+    """``(alias -> key, key -> encoded state, key -> its tuples' paths)`` from a file's
+    metadata (empty if absent)."""
     graph = meta.get("object_graph") if isinstance(meta, dict) else None
     if graph is None:
-        return {}, {}
+        return {}, {}, {}
     if not isinstance(graph, dict) or not isinstance(graph.get("aliases", {}), dict):
         raise CorruptCheckpointError(f"The object graph record of {str(path)!r} is malformed.")
     version = graph.get("version", GRAPH_VERSION)
@@ -402,4 +513,8 @@ def read_graph(meta: Any, path: Any) -> tuple[dict[str, str], dict[str, Any]]:
     states = graph.get("python_state", {}) or {}
     if not isinstance(states, dict):
         raise CorruptCheckpointError(f"The Python-state record of {str(path)!r} is malformed.")
-    return alias_to_key, dict(states)
+    tuples = graph.get("tuples", {})
+    if not isinstance(tuples, dict):
+        raise CorruptCheckpointError(
+            f"The Python-state tuples of {str(path)!r} are not a map of keys to paths.")
+    return alias_to_key, dict(states), dict(tuples)

@@ -209,12 +209,13 @@ class H5Writer(ContainerWriter):
                 plan.wait_hashes()
                 # 3. attributes and the root record, through h5py; the file closed
                 record = self._encode_record((PACKED_PATH, packed_off, plan.packed_nbytes))
-                record_off = h5.finish(plan.arrays, len(record))
+                record_off = h5.finish(plan.arrays, len(record), self.record_version)
                 self._record_bytes = record
                 # 4. the record's bytes, then the user block that leads a reader to them
                 if record:
                     _rawio.pwrite_all(fd, memoryview(record), record_off)
-                _rawio.pwrite_all(fd, memoryview(make_userblock(record_off, record)), 0)
+                _rawio.pwrite_all(fd, memoryview(make_userblock(record_off, record,
+                                                                   self.record_version)), 0)
                 if self.durable:
                     os.fsync(fd)
             finally:
@@ -321,7 +322,8 @@ class _H5File:
             return 0
         return self._create(fid, PACKED_PATH, np.dtype("u1"), (plan.packed_nbytes,))
 
-    def finish(self, arrays: list[ValueWrite], record_nbytes: int) -> int:
+    def finish(self, arrays: list[ValueWrite], record_nbytes: int,
+               version: tuple[int, int]) -> int:
         """Put each array's attributes on its dataset and allocate the manifest dataset
         (written by the caller with pwrite like every value: libhdf5's own raw-data
         writes are flushed inside H5Dclose, where a failure is fatal); its offset."""
@@ -331,7 +333,7 @@ class _H5File:
             attrs = _AttrWriter(h5py)
             root = h5py.h5o.open(fid, b"/")
             try:
-                for k, v in root_attrs().items():
+                for k, v in root_attrs(version).items():
                     attrs.put(root, k, v)
             finally:
                 _close(root)
@@ -357,12 +359,13 @@ class _H5File:
             self.close()
 
 
-def root_attrs() -> dict[str, str]:
+def root_attrs(version: tuple[int, int]) -> dict[str, str]:
     """The attributes of an HDF5 checkpoint's root group: what the file is, for a stranger
-    looking with ``h5dump -A`` or ``h5py.File(p).attrs`` (ckptvar itself never reads them)."""
+    looking with ``h5dump -A`` or ``h5py.File(p).attrs`` (ckptvar itself never reads them);
+    ``version``: the root record's."""
     return {
         "format": "ckptvar",
-        "format_version": f"{FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}",
+        "format_version": f"{version[0]}.{version[1]}",
         "manifest": MANIFEST_PATH,
         "description": (
             "A ckptvar checkpoint: each value is a dataset at its key (small values of a "
@@ -431,8 +434,10 @@ def _as_oserror(exc: BaseException, path: Path) -> BaseException:
     return OSError(code, f"{os.strerror(code)} while writing {str(path)!r} ({exc})", str(path))
 
 
-def make_userblock(record_off: int, record: bytes) -> bytes:
-    head = _UB.pack(MAGIC, FORMAT_VERSION[0], FORMAT_VERSION[1], record_off, len(record),
+def make_userblock(record_off: int, record: bytes,
+                   version: tuple[int, int] = FORMAT_VERSION) -> bytes:
+    """The user block leading a reader to the record (``version``: the record's)."""
+    head = _UB.pack(MAGIC, version[0], version[1], record_off, len(record),
                     _checksum.crc(record))
     head += struct.pack("<I", _checksum.crc(head))
     return head + bytes(USERBLOCK_SIZE - len(head))

@@ -104,6 +104,7 @@ __all__ = [
     "holder_step",
     "is_holder_name",
     "is_sibling_name",
+    "record_version",
 ]
 
 FORMAT_NAME = "ckptvar"
@@ -440,6 +441,21 @@ def encode(record: Record) -> bytes:
                           pieces=record.pieces, deltas=record.deltas)
 
 
+def record_version(external: Mapping[str, Any] | None, pieces: Mapping[str, int] | None,
+                   deltas: Mapping[str, Delta] | None) -> tuple[int, int]:
+    """The version a record with these fields is written as: the one home of the rule
+    (its root record, the HDF5 user block and root attributes, the Zarr root attributes).
+
+    >>> record_version(None, None, None), record_version({"w": ("a.h5", "w")}, None, None)
+    ((1, 2), (1, 3))
+    """
+    if deltas:
+        return PARTS_VERSION if any(d.by_parts for d in deltas.values()) else DELTAS_VERSION
+    if pieces:
+        return PIECES_VERSION
+    return EXTERNAL_VERSION if external else FORMAT_VERSION
+
+
 def encode_columns(
     container: str,
     packed: tuple[str, int, int] | None,
@@ -463,10 +479,7 @@ def encode_columns(
     dense, sparse = split_attrs(keys, cols.attrs)
     doc: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "format_version": list(
-            (PARTS_VERSION if any(d.by_parts for d in deltas.values()) else DELTAS_VERSION)
-            if deltas else PIECES_VERSION if pieces else
-            EXTERNAL_VERSION if external else FORMAT_VERSION),
+        "format_version": list(record_version(external, pieces, deltas)),
         "library": _LIBRARY,
         "container": container,
         "packed": list(packed) if packed is not None else None,
@@ -541,13 +554,13 @@ def _decode(data: bytes, where: str, container: str, file_size: int | None) -> R
             f"Checkpoint {where!r}: the root record is not valid msgpack ({exc})."
         ) from None
     try:
-        return _validate(doc, container, file_size)
+        return _validate(doc, container, file_size, where)
     except BadRecord as exc:
         raise CorruptCheckpointError(f"Checkpoint {where!r}: bad root record: {exc}.") from None
 
 
-def _validate(doc: Any, container: str, file_size: int | None) -> Record:
-    version, library, metadata = _check_header(doc, container)
+def _validate(doc: Any, container: str, file_size: int | None, where: str) -> Record:
+    version, library, metadata = _check_header(doc, container, where)
     packed = _check_packed_region(doc.get("packed"), file_size)
     cols = columns(doc)
     deltas = _delta_layouts(cols, check_deltas(doc.get("deltas"), container))
@@ -613,8 +626,9 @@ def _delta_layouts(cols: dict[str, Any], deltas: dict[str, Delta]) -> dict[str, 
     return deltas
 
 
-def _check_header(doc: Any, container: str) -> tuple[tuple[int, int], str, dict[str, Any]]:
-    """``(format_version, library, metadata)`` of a record map, checked."""
+def _check_header(doc: Any, container: str, where: str,
+                  ) -> tuple[tuple[int, int], str, dict[str, Any]]:
+    """``(format_version, library, metadata)`` of a record map read from ``where``, checked."""
     if not isinstance(doc, dict):
         raise BadRecord("the record is not a map")
     if doc.get("format") != FORMAT_NAME:
@@ -628,8 +642,9 @@ def _check_header(doc: Any, container: str) -> tuple[tuple[int, int], str, dict[
         raise BadRecord(f"'format_version' is {version!r}, expected [major, minor]")
     if version[0] > FORMAT_VERSION[0]:
         raise UnsupportedFormatError(
-            f"The checkpoint has format version {version[0]}.{version[1]}, newer than the "
-            f"{FORMAT_VERSION[0]}.x this ckptvar reads; upgrade ckptvar to read it."
+            f"Checkpoint {where!r}: its root record has format version "
+            f"{version[0]}.{version[1]}, newer than the {FORMAT_VERSION[0]}.x this ckptvar "
+            "reads; upgrade ckptvar to read it."
         )
     if doc.get("container") != container:
         raise BadRecord(f"'container' is {doc.get('container')!r}, expected {container!r}")
@@ -678,7 +693,7 @@ def _decode_indexed(data: bytes, where: str, container: str,
     if head is None:
         return None
     try:
-        version, library, metadata = _check_header(head, container)
+        version, library, metadata = _check_header(head, container, where)
         packed = _check_packed_region(head.get("packed"), file_size)
         block_size = check_block_size(head)
         external = check_external(head.get("external"), container)

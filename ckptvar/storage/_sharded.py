@@ -156,7 +156,41 @@ def _load_index(files: StepFiles) -> dict[str, Any]:
                 f"The index of {files.display!r} names the file {name!r}, which is not a "
                 "plain name inside the step: the index is damaged."
             )
+    _check_processes(doc, files.display)
+    if not isinstance(doc.get("metadata", {}), dict):
+        raise CorruptCheckpointError(
+            f"The index of {files.display!r} is malformed: its metadata is a "
+            f"{type(doc['metadata']).__name__}, not a map."
+        )
+    odd = next((k for k in doc["variables"] if not isinstance(k, str)), None)
+    if odd is not None:
+        raise CorruptCheckpointError(
+            f"The index of {files.display!r} is malformed: it has the variable key {odd!r}, "
+            "not a string."
+        )
     return doc
+
+
+def _check_processes(doc: dict[str, Any], display: str) -> None:
+    """``processes``: an int of at least 1, one rank file each, the first ``processes``
+    of ``files`` (the files after them are copies of replicated values)."""
+    n, names = doc.get("processes"), doc["files"]
+    if type(n) is not int or n < 1:
+        raise CorruptCheckpointError(
+            f"The index of {display!r} is malformed: its processes count is {n!r}, not an "
+            "int of at least 1."
+        )
+    if n > len(names):
+        raise CorruptCheckpointError(
+            f"The index of {display!r} is malformed: it says {n} processes wrote the step "
+            f"but lists {len(names)} file{'' if len(names) == 1 else 's'}."
+        )
+    for name in names[n:]:
+        if isinstance(name, str) and name.startswith("rank-"):
+            raise CorruptCheckpointError(
+                f"The index of {display!r} is malformed: it lists the file {name!r} past "
+                f"its {n} process{'' if n == 1 else 'es'}' files."
+            )
 
 
 class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVerifyMany,
@@ -190,7 +224,8 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
                 if not isinstance(attrs, dict):
                     raise TypeError(f"its attrs are {type(attrs).__name__}, not a map")
                 boxes = [
-                    (Box(tuple(o), tuple(s)), int(f), str(k)) for o, s, f, k in rec["boxes"]
+                    (Box(tuple(o), tuple(s)), _file_index(f, j), str(k))
+                    for j, (o, s, f, k) in enumerate(rec["boxes"])
                 ]
                 if rec.get("grid") is not None:
                     gv = GridVariable.from_index(key, shape, dtype, rec["grid"],
@@ -644,6 +679,13 @@ class ShardedReader(Reader, SupportsVerifyAll, SupportsReadIntoMany, SupportsVer
 
     def _where(self, f: int) -> str:
         return self._src.where(self._files[f])
+
+
+def _file_index(value: Any, j: int) -> int:
+    """A box's file index as the index stores it: an int (``True`` is no file index)."""
+    if type(value) is not int:
+        raise TypeError(f"its box #{j} has the file index {value!r}, not an int")
+    return value
 
 
 def _index_shape(value: Any) -> tuple[int, ...]:

@@ -67,7 +67,7 @@ from ._container.blocks import BLOCK_SIZE, block_crcs, join_blocks
 from ._container.delta import DeltaWrite, Patches, in_base, read_patches
 from ._container.reuse import Held, KeptRecords
 from ._container.source import Patched, Pieces
-from ._record import ARRAY, FORMAT_VERSION, Delta, Entry, Extent, Record, decode
+from ._record import ARRAY, Delta, Entry, Extent, Record, decode
 from ._zarr_files import (
     GROUP_DOC,
     O_DIR,
@@ -378,7 +378,7 @@ class ZarrWriter(ContainerWriter):
             tree.write(rd / chunk_key(1), record)
         root_attrs = {
             "format": "ckptvar",
-            "format_version": f"{FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}",
+            "format_version": "{}.{}".format(*self.record_version),
             "manifest": RECORD_PATH,
             "description": (
                 "A ckptvar checkpoint: each value is an array at its key (small values of a "
@@ -386,7 +386,7 @@ class ZarrWriter(ContainerWriter):
                 "lists every value and where its bytes are (docs/FORMAT.md)."
             ),
             "ckptvar": {
-                "format_version": list(FORMAT_VERSION),
+                "format_version": list(self.record_version),
                 "record": RECORD_PATH,
                 "record_nbytes": len(record),
                 "record_crc32c": _checksum.crc(record),

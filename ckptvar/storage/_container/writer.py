@@ -27,7 +27,15 @@ from ..._dtypes import SUPPORTED_DTYPES, as_dtype, dtype_to_str
 from .. import checksum as _checksum
 from .. import rawio as _rawio
 from .._plain import check_plain
-from .._record import PACKED, ZARR, Extent, ValueColumns, encode_columns
+from .._record import (
+    FORMAT_VERSION,
+    PACKED,
+    ZARR,
+    Extent,
+    ValueColumns,
+    encode_columns,
+    record_version,
+)
 from ..atomic import check_destination, publish, temporary_sibling
 from ..base import Writer
 from ..chunked import Chunked, HostPieces, is_chunked, materialize, piece_bytes
@@ -277,6 +285,9 @@ class ContainerWriter(Writer):
         self.patch_rows: dict[str, tuple[np.ndarray, ...]] = {}
         #: The base's :attr:`patch_rows`, where the backend found them kept with its record.
         self.base_patch_rows: PatchRows = {}
+        #: The format version the root record is written as (set with the record:
+        #: ``record_version``; the containers' headers and root attributes say it too).
+        self.record_version: tuple[int, int] = FORMAT_VERSION
         self.durable = bool(durable)
         if pack_threshold is not None:
             if isinstance(pack_threshold, bool) or not isinstance(pack_threshold, int | np.integer):
@@ -567,9 +578,10 @@ class ContainerWriter(Writer):
         )
         packed = packed_loc if any(it.packed for it in items) else None
         deltas = {it.key: it.delta.record() for it in items if it.delta is not None}
+        external, pieces = self._external(items), self._pieces(items)
+        self.record_version = record_version(external, pieces, deltas)
         return encode_columns(self.container, packed, cols, self._metadata,
-                              external=self._external(items), pieces=self._pieces(items),
-                              deltas=deltas or None)
+                              external=external, pieces=pieces, deltas=deltas or None)
 
     def _external(self, items: list[ValueWrite]) -> dict[str, tuple[str, str]] | None:
         """The record's ``external`` map (values another file holds); None: none."""
