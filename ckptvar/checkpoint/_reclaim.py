@@ -59,16 +59,8 @@ def idle(directory: Path) -> Iterator[bool]:
         if not (directory / SAVING_LOCK_FILE).exists():
             yield True  # no manager ever saved here
             return
-        fd = open_saving_lock(directory)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                yield False
-                return
-            yield True
-        finally:
-            os.close(fd)
+        with _untaken(open_saving_lock(directory)) as untaken:
+            yield untaken
 
 
 class _LastLook:
@@ -161,6 +153,14 @@ def _state_unlocked(directory: Path) -> Iterator[bool]:
     except OSError:  # cannot tell (a read-only directory): nothing is taken for dead
         yield False
         return
+    with _untaken(fd) as untaken:
+        yield untaken
+
+
+@contextlib.contextmanager
+def _untaken(fd: int) -> Iterator[bool]:
+    """Yield whether nobody holds the lock file open as ``fd`` (taking it exclusively for
+    the block, never waiting); ``fd`` is closed after."""
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
