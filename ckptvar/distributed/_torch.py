@@ -21,11 +21,7 @@ the collective raises ``DistributedTimeoutError`` saying that the store did not 
 from __future__ import annotations
 
 import contextlib
-import queue
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 from ..errors import DistributedError, DistributedTimeoutError
@@ -36,48 +32,6 @@ __all__ = ["TorchCoordinator"]
 
 #: Seconds between two looks for a rank that posted its end, while a collective waits.
 _DOWN_EVERY = 0.1
-#: Seconds a store call may take after its collective's deadline (the last looks), and
-#: at most when this process posts that it ends.
-_GRACE = 0.2
-_POST_WAIT = 1.0
-
-
-class _StoreCalls:
-    """Runs store calls one at a time on a daemon thread; each is waited for only until
-    an end time, so a store that never answers cannot hold the caller (nor, being a
-    daemon, the interpreter's exit). While a call that timed out still has not returned,
-    the next ones time out at once."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]]] = queue.SimpleQueue()
-        self._stuck: Future[Any] | None = None
-        threading.Thread(target=self._run, name="ckptvar-store", daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            future, fn = self._jobs.get()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    future.set_exception(exc)
-            del future, fn
-
-    def call(self, fn: Callable[[], Any], end: float) -> Any:
-        """``fn()``'s result; ``TimeoutError`` if it has not returned by ``end``."""
-        stuck = self._stuck
-        if stuck is not None and not stuck.done():
-            raise TimeoutError("an earlier store call has not returned")
-        future: Future[Any] = Future()
-        self._jobs.put((future, fn))
-        try:
-            return future.result(timeout=max(end - time.monotonic(), 0.0))
-        except TimeoutError:
-            if not future.cancel():  # running: the store does not answer
-                self._stuck = future
-            raise
-
-
 def _dist() -> Any:
     try:
         import torch.distributed as dist
@@ -92,6 +46,8 @@ class TorchCoordinator(KeyValueCoordinator):
     ``store`` defaults to the default group's store; pass one (with ``rank`` and
     ``size``) to coordinate without a process group.
     """
+
+    _SERVICE = "the c10d store"
 
     def __init__(
         self,
@@ -118,49 +74,12 @@ class TorchCoordinator(KeyValueCoordinator):
             raise ValueError(f"rank {rank} is not in 0..{size - 1}")
         super().__init__(rank=rank, size=size, timeout=timeout, prefix=prefix)
         self._store = store
-        self._calls = _StoreCalls()
-        self._op = threading.local()  # this thread's collective: (kind, tag, timeout, end)
-        self._op.now = ("TorchCoordinator", "", timeout, time.monotonic() + timeout)
-        try:
-            self._announce()
-        finally:
-            self._op.now = None
+        self._announce()
 
     def _twin(self, prefix: str) -> TorchCoordinator:
         return TorchCoordinator(
             store=self._store, rank=self._rank, size=self._size, timeout=self.timeout, prefix=prefix
         )
-
-    def _exchange(self, kind: str, tag: str, obj: Any, send: bool, recv_from: Any, *,
-                  timeout: float | None) -> dict[int, Any]:
-        limit = self._resolve(timeout)
-        self._op.now = (kind, tag, limit, time.monotonic() + limit)
-        try:
-            return super()._exchange(kind, tag, obj, send, recv_from, timeout=timeout)
-        finally:
-            self._op.now = None
-
-    def post_failure(self, what: str) -> None:
-        self._op.now = ("post_failure", "", _POST_WAIT, time.monotonic() + _POST_WAIT)
-        try:
-            super().post_failure(what)
-        finally:
-            self._op.now = None
-
-    def _call(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` (a store call), waited for until the current collective's deadline
-        (and :data:`_GRACE` more); past it, ``DistributedTimeoutError``."""
-        now = getattr(self._op, "now", None)
-        kind, tag, limit, end = now or ("store", "", self.timeout,
-                                        time.monotonic() + self.timeout)
-        try:
-            return self._calls.call(fn, max(end, time.monotonic() + _GRACE))
-        except TimeoutError:
-            raise DistributedTimeoutError(
-                f"{kind}(tag={tag!r}) timed out after {limit:g} s on rank {self._rank}: the "
-                "c10d store did not answer (the process that hosts it, rank 0 for "
-                "init_process_group's store, is stopped, hung or unreachable)",
-                collective=kind, tag=tag, timeout=limit) from None
 
     def _set(self, key: str, data: bytes) -> None:
         self._call(lambda: self._store.set(key, data))
