@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -75,3 +76,59 @@ def test_jax_coordinator_collectives_vote_timeout_and_planning() -> None:
         assert timeout <= r["elapsed"] < timeout + 2.0
     for r in got["slow"].values():
         assert r["vote"]["error"] == "DistributedError" and r["vote"]["ranks"] == [0, 1]
+
+
+_STOPPED_SERVICE = r"""
+import os, signal, sys, time
+import jax
+rank, address = int(sys.argv[1]), sys.argv[2]
+jax.distributed.initialize(address, num_processes=2, process_id=rank,
+                           heartbeat_timeout_seconds=600)
+from ckptvar import distributed as dist
+from ckptvar.errors import DistributedTimeoutError
+coord = dist.from_env(timeout=1.0)
+coord.barrier(tag="start", timeout=60)
+if rank == 0:  # hosts the coordination service: stopped, never answers again
+    os.kill(os.getpid(), signal.SIGSTOP)
+time.sleep(0.5)
+for call in ("allgather", "barrier"):
+    start = time.monotonic()
+    try:
+        getattr(coord, call)(*(() if call == "barrier" else (1,)), tag="step 3", timeout=1.0)
+    except DistributedTimeoutError as exc:
+        print(f"{call} {time.monotonic() - start:.2f} {exc}", flush=True)
+    except BaseException as exc:
+        print(f"{call} raised {exc!r}", flush=True)
+os._exit(0)  # jax's own shutdown would wait for the stopped service
+"""
+
+
+@pytest.mark.slow
+def test_a_stopped_coordination_service_host_times_out_each_collective() -> None:
+    """Process 0 (it hosts jax's coordination service) is stopped (SIGSTOP): a collective
+    of process 1 raises DistributedTimeoutError at its timeout instead of hanging in a
+    key-value call that never returns."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    env = {k: v for k, v in os.environ.items() if k not in MPI_ENV_VARS}
+    env["JAX_PLATFORMS"] = "cpu"
+    argv = [sys.executable, "-c", _STOPPED_SERVICE]
+    host = subprocess.Popen([*argv, "0", address], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        proc = subprocess.run([*argv, "1", address], capture_output=True, text=True,
+                              timeout=120, env=env, check=False)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"a collective hung on a stopped service:\n{exc.stdout!r}")
+    finally:
+        host.kill()
+        host.wait()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["allgather", "barrier"], proc.stdout
+    for line in lines:
+        call, seconds, message = line.split(" ", 2)
+        assert float(seconds) < 5, line
+        assert f"{call}(tag='step 3')" in message, line
+        assert "the jax coordination service did not answer" in message, line

@@ -7,9 +7,11 @@ subprocess timeout, so no test can hang.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -114,3 +116,76 @@ def test_torch_rank_killed_with_sigkill_survivors_raise_at_once(torch_run: Any) 
         assert not r["is_timeout"] and r["ranks"] == [1]
         assert "rank 1 was killed (process " in r["message"]
         assert r["elapsed"] < TIMEOUT  # before the collective's timeout
+
+
+_STOPPED_STORE = r"""
+import os, signal, subprocess, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from ckptvar.distributed import TorchCoordinator
+from ckptvar.errors import DistributedTimeoutError
+
+SERVER = '''
+import os, signal, sys
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=600),
+                      wait_for_workers=False)
+print(store.port, flush=True)
+sys.stdin.readline()
+os.kill(os.getpid(), signal.SIGSTOP)
+'''
+server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+print(f"server {server.pid}", flush=True)
+try:
+    port = int(server.stdout.readline())
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=600))
+    coord = TorchCoordinator(store=store, rank=1, size=2, timeout=1.0)
+    server.stdin.write("stop\n")
+    server.stdin.flush()
+    while open(f"/proc/{server.pid}/stat").read().split(")")[-1].split()[0] != "T":
+        time.sleep(0.01)
+    for call in ("allgather", "barrier"):
+        start = time.monotonic()
+        try:
+            getattr(coord, call)(*(() if call == "barrier" else (1,)), tag="step 3",
+                                 timeout=1.0)
+        except DistributedTimeoutError as exc:
+            print(f"{call} {time.monotonic() - start:.2f} {exc}", flush=True)
+    start = time.monotonic()
+    coord.post_failure("rank 1 exited")  # at exit: never long on a store that is gone
+    print(f"posted {time.monotonic() - start:.2f}", flush=True)
+except BaseException:
+    server.kill()
+    raise
+# this process ends with the store's host still stopped (the test then ends it)
+"""
+
+
+@pytest.mark.slow
+def test_a_stopped_store_host_times_out_each_collective(tmp_path: Path) -> None:
+    """The process that hosts the TCPStore (rank 0) is stopped (SIGSTOP): a collective of
+    another rank raises DistributedTimeoutError at its timeout instead of hanging in a
+    store call that never returns."""
+    env = {k: v for k, v in os.environ.items() if k not in MPI_ENV_VARS}
+    try:
+        proc = subprocess.run([sys.executable, "-c", _STOPPED_STORE], capture_output=True,
+                              text=True, timeout=120, env=env, check=False)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        proc = subprocess.CompletedProcess([], -1, out, "")
+        pytest.fail(f"a collective hung on a stopped store:\n{exc.stdout!r}\n{exc.stderr!r}")
+    finally:
+        for line in proc.stdout.splitlines()[:1]:
+            if line.startswith("server "):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(line.split()[1]), signal.SIGKILL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()[1:]
+    assert [line.split()[0] for line in lines] == ["allgather", "barrier", "posted"], lines
+    for line in lines[:2]:
+        call, seconds, message = line.split(" ", 2)
+        assert float(seconds) < 5, line
+        assert f"{call}(tag='step 3')" in message and "store" in message, line
+    assert float(lines[2].split()[1]) < 3, lines

@@ -14,7 +14,6 @@ its file is deleted, so every listed checkpoint is complete.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import logging
 import operator
@@ -71,7 +70,7 @@ from ._files import NATIVE_FORMATS, cut_down, retire
 from ._incremental import Incremental, Restored, held, missing_references
 from ._incremental_options import IncrementalOptions, incremental_options
 from ._preemption import SignalSave
-from ._reclaim import idle, open_saving_lock, reclaim_staging
+from ._reclaim import idle, open_saving_lock, reclaim_staging, share_saving_lock
 from ._state import (
     STATE_FILE,
     STATE_VERSION,
@@ -894,7 +893,7 @@ class CheckpointManager:
 
         saving = open_saving_lock(self.directory)  # shared: "a save is in flight here"
         try:
-            fcntl.flock(saving, fcntl.LOCK_SH)
+            share_saving_lock(saving, self.directory)
             options: SaveOptions = {"format": self.format, "blocking": not self.async_save,
                                     "coordinator": self.coordinator, "timeout": timeout,
                                     "pack_threshold": self.pack_threshold}
@@ -1351,7 +1350,7 @@ class CheckpointManager:
             final = self.directory / name
             saving = open_saving_lock(self.directory)
             try:
-                fcntl.flock(saving, fcntl.LOCK_SH)
+                share_saving_lock(saving, self.directory)
                 with temporary_sibling(final) as tmp:
                     _copy_checkpoint(src, tmp, durable=True)
                     publish(tmp, final, create_only=True)
@@ -1388,7 +1387,7 @@ class CheckpointManager:
                     self.directory)
                 try:
                     if saving is not None:
-                        fcntl.flock(saving, fcntl.LOCK_SH)
+                        share_saving_lock(saving, self.directory)
                     persist_parts(coord, Path(local), self._full(name), self.format,
                                   self._storage_options, on_commit, timeout)
                 finally:

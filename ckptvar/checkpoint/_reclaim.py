@@ -31,6 +31,7 @@ from ..locations import (
     staging_leftovers,
     temporaries,
     uncommitted,
+    wait_for_lock,
 )
 from ._state import LOCK_FILE, STATE_FILE
 
@@ -45,6 +46,12 @@ def open_saving_lock(directory: Path) -> int:
     """Open (creating) the directory's saving lock file; the caller closes the descriptor."""
     return os.open(directory / SAVING_LOCK_FILE,
                    os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+
+def share_saving_lock(fd: int, directory: Path) -> None:
+    """Take the shared lock of a save in flight on ``fd`` (:func:`open_saving_lock`),
+    waiting at most ``LOCK_TIMEOUT`` for a clean-up that holds it."""
+    wait_for_lock(fd, fcntl.LOCK_SH, os.fspath(directory / SAVING_LOCK_FILE))
 
 
 @contextlib.contextmanager

@@ -24,7 +24,13 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from ..errors import CorruptCheckpointError
-from ..locations import committed_in_save_order, is_url, open_location, write_atomically
+from ..locations import (
+    committed_in_save_order,
+    is_url,
+    open_location,
+    wait_for_lock,
+    write_atomically,
+)
 from ..storage import is_own_checkpoint, is_partial
 from ._steps import parse_step_name
 
@@ -71,7 +77,7 @@ def locked(directory: Path, *, shared: bool = False) -> Iterator[None]:
     else:
         fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        wait_for_lock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX, os.fspath(directory / LOCK_FILE))
         yield
     finally:
         os.close(fd)  # releases the lock

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from ..errors import DistributedError
+from ..errors import DistributedError, DistributedTimeoutError
 from ._coordinator import DEFAULT_TIMEOUT, Deadline
 from ._kv import KeyValueCoordinator
 
@@ -34,6 +34,8 @@ def jax_client() -> Any:
 
 class JaxCoordinator(KeyValueCoordinator):
     """A coordinator for a job that ran ``jax.distributed.initialize``."""
+
+    _SERVICE = "the jax coordination service"
 
     def __init__(
         self,
@@ -71,11 +73,13 @@ class JaxCoordinator(KeyValueCoordinator):
         )
 
     def _set(self, key: str, data: bytes) -> None:
-        self._client.key_value_set_bytes(key, data)
+        self._call(lambda: self._client.key_value_set_bytes(key, data))
 
     def _try_get(self, key: str) -> bytes | None:
         try:
-            return bytes(self._client.key_value_try_get_bytes(key))
+            return bytes(self._call(lambda: self._client.key_value_try_get_bytes(key)))
+        except DistributedTimeoutError:
+            raise
         except Exception as exc:
             if "NOT_FOUND" in str(exc):
                 return None
@@ -84,7 +88,7 @@ class JaxCoordinator(KeyValueCoordinator):
     def _delete(self, key: str) -> None:
         # a key left behind is harmless; the client raises its own error types
         with contextlib.suppress(Exception):
-            self._client.key_value_delete(key)
+            self._call(lambda: self._client.key_value_delete(key))
 
     def _fetch(
         self, kind: str, tag: str, wanted: dict[int, str], deadline: Deadline
@@ -95,7 +99,9 @@ class JaxCoordinator(KeyValueCoordinator):
             while r not in got:
                 wait_ms = max(1, int(min(deadline.remaining(), _DOWN_EVERY) * 1000))
                 try:
-                    got[r] = self._client.blocking_key_value_get_bytes(key, wait_ms)
+                    got[r] = self._blocking_get(key, wait_ms)
+                except DistributedTimeoutError:
+                    raise
                 except Exception as exc:
                     rest = {x: k for x, k in wanted.items() if x not in got}
                     if "DEADLINE_EXCEEDED" in str(exc) and not deadline.expired():
@@ -110,11 +116,19 @@ class JaxCoordinator(KeyValueCoordinator):
                     raise self._timed_out(kind, tag, deadline.timeout, missing) from None
         return got
 
+    def _blocking_get(self, key: str, wait_ms: int) -> bytes:
+        return bytes(self._call(lambda: self._client.blocking_key_value_get_bytes(key, wait_ms)))
+
+    def _try_get_raw(self, key: str) -> None:
+        self._call(lambda: self._client.key_value_try_get_bytes(key))
+
     def _missing(self, wanted: dict[int, str]) -> list[int]:
         missing = []
         for r, key in wanted.items():
             try:
-                self._client.key_value_try_get_bytes(key)
+                self._try_get_raw(key)
+            except DistributedTimeoutError:
+                raise  # the service does not answer: which ranks are missing is not known
             except Exception:  # noqa: BLE001 - NOT_FOUND (or a service that is gone)
                 missing.append(r)
         return missing

@@ -23,15 +23,60 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import queue
 import threading
+import time
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any, Self
 
+from ..errors import DistributedTimeoutError
 from ._coordinator import DEFAULT_TIMEOUT, Deadline, RankedCoordinator
 from ._failure import peer_failed, watch
 
 __all__ = ["KeyValueCoordinator", "process_gone", "where_am_i"]
+
+#: Seconds a store call may take after its collective's deadline (the last looks), and
+#: at most when this process posts that it ends.
+_GRACE = 0.2
+_POST_WAIT = 1.0
+
+
+class _StoreCalls:
+    """Runs store calls one at a time on a daemon thread; each is waited for only until
+    an end time, so a store that never answers cannot hold the caller (nor, being a
+    daemon, the interpreter's exit). While a call that timed out still has not returned,
+    the next ones time out at once."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]]] = queue.SimpleQueue()
+        self._stuck: Future[Any] | None = None
+        threading.Thread(target=self._run, name="ckptvar-store", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            future, fn = self._jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(exc)
+            del future, fn
+
+    def call(self, fn: Callable[[], Any], end: float) -> Any:
+        """``fn()``'s result; ``TimeoutError`` if it has not returned by ``end``."""
+        stuck = self._stuck
+        if stuck is not None and not stuck.done():
+            raise TimeoutError("an earlier store call has not returned")
+        future: Future[Any] = Future()
+        self._jobs.put((future, fn))
+        try:
+            return future.result(timeout=max(end - time.monotonic(), 0.0))
+        except TimeoutError:
+            if not future.cancel():  # running: the store does not answer
+                self._stuck = future
+            raise
 
 
 def _read(path: str) -> str:
@@ -83,7 +128,27 @@ class KeyValueCoordinator(RankedCoordinator):
         self._background: Self | None = None
         self._down: dict[int, tuple[int, str]] = {}
         self._where: dict[int, tuple[str, str, int] | None] = {}
+        self._calls = _StoreCalls()
+        self._op = threading.local()  # this thread's collective: (kind, tag, timeout, end)
         watch(self)
+
+    #: What the store calls reach, for the message of one that does not answer.
+    _SERVICE = "the key-value store"
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` (a store call), waited for until the current collective's deadline
+        (and :data:`_GRACE` more); past it, ``DistributedTimeoutError``."""
+        now = getattr(self._op, "now", None)
+        kind, tag, limit, end = now or ("store", "", self.timeout,
+                                        time.monotonic() + self.timeout)
+        try:
+            return self._calls.call(fn, max(end, time.monotonic() + _GRACE))
+        except TimeoutError:
+            raise DistributedTimeoutError(
+                f"{kind}(tag={tag!r}) timed out after {limit:g} s on rank {self._rank}: "
+                f"{self._SERVICE} did not answer (the process that hosts it, rank 0, is stopped, "
+                "hung or unreachable)",
+                collective=kind, tag=tag, timeout=limit) from None
 
     # -- the hooks -------------------------------------------------------------------
 
@@ -140,9 +205,13 @@ class KeyValueCoordinator(RankedCoordinator):
     def post_failure(self, what: str) -> None:
         """Tell every peer this process is ending (``what``), after collective ``seq``."""
         data = pickle.dumps((self._seq, what), protocol=5)
-        # the store may be gone: the peers then time out instead
-        with contextlib.suppress(Exception):
-            self._set(self._down_key(self._rank), data)
+        # the store may be gone (or not answer): the peers then time out instead
+        self._op.now = ("post_failure", "", _POST_WAIT, time.monotonic() + _POST_WAIT)
+        try:
+            with contextlib.suppress(Exception):
+                self._set(self._down_key(self._rank), data)
+        finally:
+            self._op.now = None
 
     def _down_key(self, rank: int) -> str:
         return f"{self._prefix}/down/{rank}"
@@ -152,7 +221,11 @@ class KeyValueCoordinator(RankedCoordinator):
 
     def _announce(self) -> None:
         """Say where this process runs (called by a subclass once its store is set)."""
-        self._set(self._alive_key(self._rank), pickle.dumps(where_am_i(), protocol=5))
+        self._op.now = ("announce", "", self.timeout, time.monotonic() + self.timeout)
+        try:
+            self._set(self._alive_key(self._rank), pickle.dumps(where_am_i(), protocol=5))
+        finally:
+            self._op.now = None
 
     def _killed(self, rank: int) -> bool:
         """True if ``rank`` runs on this machine and its process has ended."""
@@ -197,6 +270,14 @@ class KeyValueCoordinator(RankedCoordinator):
         timeout: float | None,
     ) -> dict[int, Any]:
         deadline = Deadline(self._resolve(timeout))
+        self._op.now = (kind, tag, deadline.timeout, deadline.end)
+        try:
+            return self._exchange_by(kind, tag, obj, send, recv_from, deadline)
+        finally:
+            self._op.now = None
+
+    def _exchange_by(self, kind: str, tag: str, obj: Any, send: bool,  # noqa: PLR0917
+                     recv_from: Sequence[int], deadline: Deadline) -> dict[int, Any]:
         with self._lock:
             self._seq += 1
             seq = self._seq

@@ -10,6 +10,12 @@ checks which keys are missing and names those ranks. The store is shared state,
 so a process that timed out and moved on never confuses a late one. While it
 waits it also reads, a few times a second, whether a rank it waits for posted
 that it ended (see :mod:`._kv`).
+
+A store call itself can block for good: when the process that hosts a TCPStore
+(rank 0) is stopped or hung, its socket stays open and the reply never comes (the
+store's own timeout does not end it). So every store call runs on the coordinator's
+own (daemon) thread and is waited for only until the collective's deadline: past it
+the collective raises ``DistributedTimeoutError`` saying that the store did not answer.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import contextlib
 import time
 from typing import Any
 
-from ..errors import DistributedError
+from ..errors import DistributedError, DistributedTimeoutError
 from ._coordinator import DEFAULT_TIMEOUT, Deadline
 from ._kv import KeyValueCoordinator
 
@@ -26,8 +32,6 @@ __all__ = ["TorchCoordinator"]
 
 #: Seconds between two looks for a rank that posted its end, while a collective waits.
 _DOWN_EVERY = 0.1
-
-
 def _dist() -> Any:
     try:
         import torch.distributed as dist
@@ -42,6 +46,8 @@ class TorchCoordinator(KeyValueCoordinator):
     ``store`` defaults to the default group's store; pass one (with ``rank`` and
     ``size``) to coordinate without a process group.
     """
+
+    _SERVICE = "the c10d store"
 
     def __init__(
         self,
@@ -76,20 +82,26 @@ class TorchCoordinator(KeyValueCoordinator):
         )
 
     def _set(self, key: str, data: bytes) -> None:
-        self._store.set(key, data)
+        self._call(lambda: self._store.set(key, data))
+
+    def _check(self, keys: list[str]) -> bool:
+        return bool(self._call(lambda: self._store.check(keys)))
 
     def _try_get(self, key: str) -> bytes | None:
-        return bytes(self._store.get(key)) if self._store.check([key]) else None
+        return self._get(key) if self._check([key]) else None
 
     def _delete(self, key: str) -> None:
         with contextlib.suppress(RuntimeError, OSError):  # a store without delete keeps it
-            self._store.delete_key(key)
+            self._call(lambda: self._store.delete_key(key))
 
     def _fetch(
         self, kind: str, tag: str, wanted: dict[int, str], deadline: Deadline
     ) -> dict[int, bytes]:
         self._wait(kind, tag, wanted, deadline)
-        return {r: self._store.get(key) for r, key in wanted.items()}
+        return {r: self._get(key) for r, key in wanted.items()}
+
+    def _get(self, key: str) -> bytes:
+        return bytes(self._call(lambda: self._store.get(key)))
 
     def _wait(self, kind: str, tag: str, wanted: dict[int, str], deadline: Deadline) -> None:
         """Poll ``store.check`` until every wanted key exists or the deadline passes.
@@ -101,8 +113,10 @@ class TorchCoordinator(KeyValueCoordinator):
         look = time.monotonic() + _DOWN_EVERY
         while True:
             try:
-                if self._store.check(keys):
+                if self._check(keys):
                     return
+            except DistributedTimeoutError:
+                raise
             except (RuntimeError, OSError) as exc:  # a store that is gone or broken
                 raise DistributedError(
                     f"{kind}(tag={tag!r}) on rank {self._rank}: the c10d store failed: {exc}"
@@ -121,7 +135,9 @@ class TorchCoordinator(KeyValueCoordinator):
         missing = []
         for r, key in sorted(wanted.items()):
             try:
-                present = self._store.check([key])
+                present = self._check([key])
+            except DistributedTimeoutError:
+                raise  # the store does not answer: which ranks are missing is not known
             except (RuntimeError, OSError):  # a store that is gone: count the key as missing
                 present = False
             if not present:

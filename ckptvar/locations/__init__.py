@@ -47,6 +47,7 @@ from ._commit import (
 )
 from ._leftovers import Leftover, remove_local, staging_leftovers, temporaries, uncommitted
 from ._local import LocalLocation
+from ._lockwait import wait_for_lock
 from ._names import (
     STAGING_PREFIX,
     StepName,
@@ -136,6 +137,7 @@ __all__ = [
     "uncommitted",
     "upload_step",
     "upload_tree",
+    "wait_for_lock",
     "write_atomically",
 ]
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointExistsError, DestinationExistsError, DestinationIsDirectoryError
+from ._lockwait import LockTimeoutError, wait_for_lock
 from ._names import partial_path
 
 __all__ = [
@@ -200,8 +201,11 @@ def _lock_directory(directory: Path, how: int) -> int | None:
     except OSError:
         return None
     try:
-        fcntl.flock(fd, how)
-    except BlockingIOError:
+        if how & fcntl.LOCK_NB:
+            fcntl.flock(fd, how)
+        else:  # a clean-up holding it that is stopped or hung: not forever
+            wait_for_lock(fd, how, os.fspath(directory))
+    except (BlockingIOError, LockTimeoutError):
         os.close(fd)
         raise
     except OSError:

@@ -1,0 +1,97 @@
+"""A manager never waits forever on a lock that a stopped (or hung) process holds."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ckptvar as cv
+import ckptvar.locations._lockwait as lockwait
+
+_HOLD = """
+import fcntl, os, signal, sys
+if sys.argv[2] == "dir":
+    fd = os.open(sys.argv[1], os.O_RDONLY)
+else:
+    fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+@contextlib.contextmanager
+def _stopped_holder(path: Path, kind: str = "file") -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(path), kind],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _manager(directory: Path) -> cv.CheckpointManager:
+    return cv.CheckpointManager(cv.Checkpoint(v=cv.Variable(np.arange(3.0))), directory,
+                                max_to_keep=2)
+
+
+@pytest.fixture
+def short_wait(monkeypatch: pytest.MonkeyPatch) -> float:
+    monkeypatch.setattr(lockwait, "LOCK_TIMEOUT", 0.5)
+    return 0.5
+
+
+def test_a_stopped_holder_of_the_state_lock_times_out_a_new_manager(
+        tmp_path: Path, short_wait: float, fresh_graph: cv.Graph) -> None:
+    first = _manager(tmp_path)
+    committed = first.save()
+    with _stopped_holder(tmp_path / ".checkpoint_state.lock") as holder:
+        start = time.monotonic()
+        with pytest.raises(cv.CkptError) as info:
+            _manager(tmp_path)
+        assert time.monotonic() - start < short_wait + 5
+        assert isinstance(info.value, TimeoutError)
+        message = str(info.value)
+        assert ".checkpoint_state.lock" in message and str(tmp_path) in message
+        assert f"process {holder.pid}" in message
+        with pytest.raises(TimeoutError):  # a save's record of its step, too
+            first.save()
+    # nothing was half-changed: the committed step is still the latest and loads
+    again = _manager(tmp_path)
+    assert cv.latest_checkpoint(tmp_path) is not None
+    assert committed in again.checkpoints
+    np.testing.assert_array_equal(cv.load(committed)["v"], np.arange(3.0))
+
+
+def test_a_stopped_clean_up_does_not_block_a_save_forever(
+        tmp_path: Path, short_wait: float, fresh_graph: cv.Graph) -> None:
+    manager = _manager(tmp_path)
+    manager.save()
+    with _stopped_holder(tmp_path / ".checkpoint_saving.lock") as holder:
+        with pytest.raises(TimeoutError, match=r"\.checkpoint_saving\.lock") as info:
+            manager.save()
+        assert f"process {holder.pid}" in str(info.value)
+    assert len(manager.checkpoints) == 1 and os.path.exists(manager.checkpoints[0])
+    manager.save()
+    assert len(manager.checkpoints) == 2
+
+
+def test_a_stopped_clean_up_of_the_directory_does_not_block_a_save_forever(
+        tmp_path: Path, short_wait: float, fresh_graph: cv.Graph) -> None:
+    with _stopped_holder(tmp_path, "dir") as holder:
+        with pytest.raises(TimeoutError, match=str(tmp_path)) as info:
+            cv.save(tmp_path / "one", {"v": np.arange(3.0)})
+        assert f"process {holder.pid}" in str(info.value)
+    assert not list(tmp_path.iterdir())
