@@ -87,19 +87,29 @@ jax.distributed.initialize(address, num_processes=2, process_id=rank,
 from ckptvar import distributed as dist
 from ckptvar.errors import DistributedTimeoutError
 coord = dist.from_env(timeout=1.0)
-coord.barrier(tag="start", timeout=60)
-if rank == 0:  # hosts the coordination service: stopped, never answers again
-    os.kill(os.getpid(), signal.SIGSTOP)
-time.sleep(0.5)
-for call in ("allgather", "barrier"):
-    start = time.monotonic()
-    try:
-        getattr(coord, call)(*(() if call == "barrier" else (1,)), tag="step 3", timeout=1.0)
-    except DistributedTimeoutError as exc:
-        print(f"{call} {time.monotonic() - start:.2f} {exc}", flush=True)
-    except BaseException as exc:
-        print(f"{call} raised {exc!r}", flush=True)
-os._exit(0)  # jax's own shutdown would wait for the stopped service
+from ckptvar.distributed._jax import jax_client
+try:
+    coord.barrier(tag="start", timeout=60)
+    if rank == 0:  # hosts the coordination service: stopped once process 1 is past the
+        # barrier (stopped earlier, the service may not have answered its last read)
+        jax_client().blocking_key_value_get("past the start", 60_000)
+        time.sleep(0.2)  # the service answers process 1's write too
+        os.kill(os.getpid(), signal.SIGSTOP)
+    jax_client().key_value_set("past the start", "1")
+    time.sleep(0.5)
+    for call in ("allgather", "barrier"):
+        start = time.monotonic()
+        try:
+            getattr(coord, call)(*(() if call == "barrier" else (1,)), tag="step 3",
+                                 timeout=1.0)
+        except DistributedTimeoutError as exc:
+            print(f"{call} {time.monotonic() - start:.2f} {exc}", flush=True)
+        except BaseException as exc:
+            print(f"{call} raised {exc!r}", flush=True)
+finally:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # jax's own shutdown would wait for the stopped service
 """
 
 
