@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import resource
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -121,28 +122,18 @@ def test_newer_major_version_is_refused_clearly() -> None:
 def test_a_record_newer_than_its_header_names_the_file(tmp_path: Path) -> None:
     """The user block says 1.2 and its record 2.0: the error names the file, as the
     user block's own newer version does."""
-    from ckptvar.storage._h5 import make_userblock
-
     doc = good()
     doc["format_version"] = [2, 0]
     with pytest.raises(UnsupportedFormatError, match=r"'x\.h5'.* 2\.0, newer"):
         decode(msgpack.packb(doc), "x.h5", container="h5")
     # an indexed record (1,024 values or more), decoded lazily
     p = cv.save(tmp_path / "many.h5", {f"v{i}": np.full(2, i, np.int16) for i in range(1100)})
-    fd = os.open(p, os.O_RDWR)
-    try:
-        from ckptvar.storage._h5 import read_userblock
 
-        _, _, off, n, _ = read_userblock(fd, p)
-        doc = msgpack.unpackb(os.pread(fd, n, off))
+    def newer(doc: dict) -> None:
         assert "index" in doc
         doc["format_version"] = [2, 0]
-        rec = msgpack.packb(doc)
-        end = os.fstat(fd).st_size
-        os.pwrite(fd, rec, end)
-        os.pwrite(fd, make_userblock(end, rec), 0)
-    finally:
-        os.close(fd)
+
+    _rewrite_root_record(p, newer)
     with pytest.raises(UnsupportedFormatError, match=r"many\.h5.* 2\.0, newer"):
         cv.open(p)
 
@@ -196,20 +187,11 @@ def test_huge_declared_array_in_a_tiny_file_is_refused_without_allocating(tmp_pa
 
 def test_overlapping_regions_are_refused(tmp_path: Path) -> None:
     p = cv.save(tmp_path / "a.h5", {"a": np.ones(100000), "b": np.ones(100000)})
-    from ckptvar.storage._h5 import make_userblock, read_userblock
-
-    fd = os.open(p, os.O_RDWR)
-    try:
-        _, _, off, n, _ = read_userblock(fd, p)
-        doc = msgpack.unpackb(os.pread(fd, n, off))
+    def overlap(doc: dict) -> None:
         a, b = doc["keys"].index("a"), doc["keys"].index("b")
         doc["offsets"][b] = doc["offsets"][a] + 8
-        rec = msgpack.packb(doc)
-        end = os.fstat(fd).st_size
-        os.pwrite(fd, rec, end)
-        os.pwrite(fd, make_userblock(end, rec), 0)
-    finally:
-        os.close(fd)
+
+    _rewrite_root_record(p, overlap)
     with pytest.raises(CorruptCheckpointError, match="overlaps"):
         cv.open(p)
 
@@ -249,3 +231,21 @@ def test_escape_examples() -> None:
     assert container_paths(["a", "a/b"]) == ["a%t1", "a/b"]
     long = escape_key("x" * 300)
     assert len(long) == 180 + 2 + 16 and "%h" in long
+
+
+def _rewrite_root_record(path: str, edit: Callable[[dict], None]) -> None:
+    """Append the HDF5 file's root record as ``edit`` changes it, and point its user
+    block at the new copy."""
+    from ckptvar.storage._h5 import make_userblock, read_userblock
+
+    fd = os.open(path, os.O_RDWR)
+    try:
+        _, _, off, n, _ = read_userblock(fd, path)
+        doc = msgpack.unpackb(os.pread(fd, n, off))
+        edit(doc)
+        rec = msgpack.packb(doc)
+        end = os.fstat(fd).st_size
+        os.pwrite(fd, rec, end)
+        os.pwrite(fd, make_userblock(end, rec), 0)
+    finally:
+        os.close(fd)
