@@ -37,6 +37,7 @@ from ._serialize import SaveContents, SnapshotBuffer, gather, host_arrays, metad
 from ._state import record_latest
 from ._status import RestoreStatus
 from ._steps import split_format, step_name
+from ._tree_state import TreeTrackable, is_tree_node
 from ._walk import is_array, untracked, walk
 
 __all__ = ["Checkpoint", "SaveOptions"]
@@ -186,15 +187,25 @@ class Checkpoint(Trackable):
             raise ValueError(f"{_COUNTER!r} is reserved: it is the checkpoint's own save counter.")
         if not isinstance(value, Variable | PartitionedVariable | Trackable | list | tuple | dict
                           | SupportsStateDict):
+            if is_tree_node(value):  # a flax TrainState, an nnx.State, an equinox Module
+                object.__setattr__(self, name, value)
+                self._track(name, TreeTrackable(value, name))
+                return
             raise TypeError(
                 f"Checkpoint({name}=...) needs a Variable, a trackable object, an object "
-                "with state_dict()/load_state_dict() or a list/tuple/dict of them, got "
-                f"{type(value).__name__}."
+                "with state_dict()/load_state_dict(), a registered JAX pytree node or a "
+                f"list/tuple/dict of them, got {type(value).__name__}."
             )
         if isinstance(value, list | tuple | dict):
             _check_contents(name, value)
         object.__setattr__(self, name, value)
         self._track(name, trackable_for(value))
+
+    def _take_trees(self) -> None:
+        """After a restore: each pytree argument is the tree it restored (a new one)."""
+        for name, obj in trackable_children(self).items():
+            if isinstance(obj, TreeTrackable) and self.__dict__.get(name) is not obj.tree:
+                object.__setattr__(self, name, obj.tree)
 
     def __delattr__(self, name: str) -> None:
         object.__delattr__(self, name)
@@ -517,6 +528,7 @@ class Checkpoint(Trackable):
                 finally:
                     state.release_reader()
                     end_restores(adapters, ok=ok, carry=state.carrier())
+            self._take_trees()
             if state.restored is not None:
                 object.__setattr__(self, "_cv_restored", state.restored)
             return RestoreStatus(state, root=self)
@@ -553,6 +565,7 @@ class Checkpoint(Trackable):
         finally:
             state.release_reader()
             end_restores(adapters, ok=ok, carry=state.carrier())
+        self._take_trees()
         if state.restored is not None:
             object.__setattr__(self, "_cv_restored", state.restored)
         return RestoreStatus(state, root=self)
