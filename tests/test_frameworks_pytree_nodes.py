@@ -286,6 +286,19 @@ def test_a_checkpoint_saves_a_train_state_and_restores_into_a_like_one(tmp_path:
         missing.restore(path)
 
 
+def test_a_train_state_attached_after_the_restore_is_restored_then(tmp_path: Path) -> None:
+    state = _trained()
+    path = cv.Checkpoint(state=state).save(tmp_path / "ckpt")
+    ckpt = cv.Checkpoint()
+    status = ckpt.restore(path)
+    like = _fresh()
+    ckpt.state = like  # the restore's deferred values: the whole tree, built now
+    assert ckpt.state is not like and type(ckpt.state) is TrainState and ckpt.state.step == 2
+    assert ckpt.state.apply_fn is like.apply_fn
+    assert _same(ckpt.state.params, state.params) and _same(ckpt.state.opt_state, state.opt_state)
+    status.assert_consumed()
+
+
 def test_a_manager_restores_the_latest_train_state(tmp_path: Path) -> None:
     state = _trained(1)
     ckpt = cv.Checkpoint(state=state)

@@ -190,6 +190,7 @@ class Checkpoint(Trackable):
             if is_tree_node(value):  # a flax TrainState, an nnx.State, an equinox Module
                 object.__setattr__(self, name, value)
                 self._track(name, TreeTrackable(value, name))
+                self._take_trees()  # (restored as it was attached, after a restore)
                 return
             raise TypeError(
                 f"Checkpoint({name}=...) needs a Variable, a trackable object, an object "

@@ -29,7 +29,7 @@ import math
 import operator
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -477,6 +477,10 @@ class RestoredWhole(Trackable):
     :meth:`begin_restore` before any value is matched (it may raise: nothing changed yet),
     then :meth:`finish_restore` after a successful restore, :meth:`abort_restore` after a
     failed one (:func:`begin_restores`, :func:`end_restores`)."""
+
+    #: whether an object attached after the restore (that restore's deferred values) is
+    #: restored whole as well (a pytree: its new tree is built then), not value by value
+    restored_on_attach: ClassVar[bool] = False
 
     def begin_restore(self, key: str, stored: Any, infos: Any) -> None:
         """Get ready: ``stored`` is the decoded Python state (``None``: none stored),

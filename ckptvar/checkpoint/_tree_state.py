@@ -13,7 +13,7 @@ leaves with their sharding), and the checkpoint's attribute becomes that tree.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -84,6 +84,10 @@ class TreeTrackable(RestoredWhole):
     ``tree`` is the tree a save writes and a restore's like tree; after a restore it is
     the restored tree (the checkpoint's attribute too).
     """
+
+    #: attached after a restore (``ckpt.state = like`` once ``ckpt.restore`` ran), it is
+    #: restored whole then too
+    restored_on_attach = True
 
     def __init__(self, tree: Any, name: str) -> None:
         self.tree = tree
@@ -174,7 +178,7 @@ class TreeTrackable(RestoredWhole):
         arrays = {k: v for k, v in leaves.items() if is_array(v)}
         keys = key_targets(arrays)
         python = stored if isinstance(stored, dict) else {}
-        held: Callable[[str], Any] = infos.get if hasattr(infos, "get") else (lambda _: None)
+        known = isinstance(infos, Mapping)  # (else the restore itself says what it lacks)
         variables: dict[str, Variable] = {}
         hows: dict[str, Any] = {}
         values: dict[str, Any] = {}
@@ -182,19 +186,18 @@ class TreeTrackable(RestoredWhole):
         missing: list[str] = []
         for k, like in leaves.items():
             full = f"{key}/{k}"
-            info = held(full)
             if k in arrays:
                 if k in python:
                     raise CheckpointMismatchError(
                         f"{full!r} is stored as a Python value ({from_python(python[k])!r}), "
                         "but the tree has an array there; nothing was restored.")
                 variables[k], hows[k] = leaf_target(self._graph, k, arrays[k])
-                if info is None and hasattr(infos, "get"):
+                if known and full not in infos:
                     missing.append(full)
             elif k in python:
                 values[k] = from_python(python[k])
-            elif info is not None:
-                variables[k], numbers[k] = self._number(full, like, info)
+            elif known and full in infos:
+                variables[k], numbers[k] = self._number(full, like, infos[full])
             else:
                 missing.append(full)
         if missing:
