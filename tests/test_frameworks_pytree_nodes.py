@@ -11,7 +11,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -183,6 +183,37 @@ def test_custom_nodes_are_named_by_attribute_key_and_index(tmp_path: Path) -> No
     assert plain.kids[1] == {"n": 3.0}
     assert type(back["p"][1]) is Empty
     assert jax.tree.structure(back) == jax.tree.structure(_nodes(0.0))
+
+
+class FrozenMap(Mapping[str, Any]):
+    """A mapping registered with JAX (as flax's FrozenDict and nnx.State are)."""
+
+    def __init__(self, items: Mapping[str, Any]) -> None:
+        self._d = dict(items)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._d[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+jax.tree_util.register_pytree_with_keys(
+    FrozenMap,
+    lambda m: ([(jax.tree_util.DictKey(k), m[k]) for k in sorted(m)], tuple(sorted(m))),
+    lambda keys, kids: FrozenMap(dict(zip(keys, kids, strict=True))),
+)
+
+
+def test_a_registered_mapping_at_the_root_is_a_tree(tmp_path: Path) -> None:
+    tree = FrozenMap({"b": np.ones(2), "a": {"c": np.zeros(1)}, "n": 3})
+    path = cv.save(tmp_path / "m.h5", tree)  # not taken for a flat {name: array} mapping
+    assert [k for k, _, _ in cv.list_variables(path)] == ["a/c", "b"]
+    back = cv.load(path, like=FrozenMap({"a": {"c": np.ones(1)}, "b": np.zeros(2), "n": 0}))
+    assert type(back) is FrozenMap and back["b"].tolist() == [1, 1] and back["n"] == 3
 
 
 def test_a_key_that_cannot_name_a_value_is_refused_naming_where(tmp_path: Path) -> None:

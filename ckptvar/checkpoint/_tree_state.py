@@ -172,8 +172,6 @@ class TreeTrackable(RestoredWhole):
         """Make a variable for every array leaf of the current tree (the like tree) and
         check that the checkpoint holds every leaf (``CheckpointMismatchError`` naming
         the keys it lacks, before anything changes)."""
-        self._cache.clear()
-        self._numbers = {}
         leaves = flatten_tree(self.tree)
         arrays = {k: v for k, v in leaves.items() if is_array(v)}
         keys = key_targets(arrays)
