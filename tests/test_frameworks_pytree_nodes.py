@@ -317,6 +317,11 @@ def test_a_checkpoint_saves_a_train_state_and_restores_into_a_like_one(tmp_path:
         missing.restore(path)
 
 
+def test_a_train_state_in_a_container_of_a_checkpoint_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"'states/1' \(.*TrainState\).*own argument"):
+        cv.Checkpoint(states=[cv.Variable(1.0), _fresh()])
+
+
 def test_a_train_state_attached_after_the_restore_is_restored_then(tmp_path: Path) -> None:
     state = _trained()
     path = cv.Checkpoint(state=state).save(tmp_path / "ckpt")

@@ -120,6 +120,15 @@ def _check_contents(name: str, container: list[Any] | tuple[Any, ...] | dict[Any
             f"Checkpoint({name}=...) holds objects with state_dict() in a container, which "
             f"a checkpoint does not track: {shown}. Pass each as its own argument: "
             f"cv.Checkpoint({', '.join(f'{n}=...' for n in names)}).")
+    trees = [(k, v) for k, v in left if is_tree_node(v)]
+    if trees:  # restored as a whole, into the attribute: a checkpoint's own arguments only
+        shown = ", ".join(f"{k!r} ({type(v).__module__}.{type(v).__qualname__})"
+                          for k, v in trees)
+        raise TypeError(
+            f"Checkpoint({name}=...) holds JAX pytree nodes in a container, which a "
+            f"checkpoint does not track: {shown}. Pass each as its own argument "
+            "(cv.Checkpoint(state=train_state)), or save the whole tree with "
+            "cv.save(path, tree) (docs/frameworks.md).")
     arrays = [(k, v) for k, v in left if is_array(v)]
     if arrays:
         shown = ", ".join(f"{k!r} ({type(v).__module__}.{type(v).__qualname__})"
