@@ -354,6 +354,26 @@ def test_a_manager_restores_the_latest_train_state(tmp_path: Path) -> None:
         ["save_counter"] + [f"state/{k}" for k in NAMES])
 
 
+def test_an_incremental_manager_writes_only_the_leaves_a_new_state_changed(
+        tmp_path: Path) -> None:
+    # each step gives the checkpoint a new state; a leaf that is the very same jax.Array
+    # (frozen parameters) keeps its variable, so an incremental step does not rewrite it
+    frozen = jnp.asarray(np.random.default_rng(0).standard_normal((256, 256), np.float32))
+    ckpt = cv.Checkpoint(state=TrainState(jnp.int32(0), {"frozen": frozen, "w": jnp.zeros(3)},
+                                          (), _apply, _TX))
+    mgr = cv.CheckpointManager(ckpt, tmp_path / "run", max_to_keep=5, incremental=True)
+    first = Path(mgr.save())
+    ckpt.state = dataclasses.replace(ckpt.state, step=jnp.int32(1),
+                                     params={"frozen": frozen, "w": jnp.ones(3)})
+    second = Path(mgr.save())
+    assert second.stat().st_size < first.stat().st_size // 10
+    back = cv.Checkpoint(state=dataclasses.replace(
+        ckpt.state, params={"frozen": jnp.zeros((256, 256)), "w": jnp.zeros(3)}))
+    back.restore(second).assert_consumed()
+    assert back.state.step == 1 and back.state.params["w"].tolist() == [1.0, 1.0, 1.0]
+    assert (back.state.params["frozen"] == frozen).all()
+
+
 _SHARDED = r'''
 import dataclasses, json, sys
 from typing import Any

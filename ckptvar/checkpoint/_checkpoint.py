@@ -198,6 +198,10 @@ class Checkpoint(Trackable):
                           | SupportsStateDict):
             if is_tree_node(value):  # a flax TrainState, an nnx.State, an equinox Module
                 object.__setattr__(self, name, value)
+                held = trackable_children(self).get(name)
+                if isinstance(held, TreeTrackable):  # the next state of a training loop:
+                    held.tree = value  # its unchanged leaves keep their variables
+                    return
                 self._track(name, TreeTrackable(value, name))
                 self._take_trees()  # (restored as it was attached, after a restore)
                 return
