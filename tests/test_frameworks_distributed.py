@@ -183,8 +183,10 @@ def test_jax_distributed_two_processes_save_and_reshard(tmp_path: Path) -> None:
     for r in outs:
         assert r["engine"] == "JaxCoordinator" and r["local"] == 2 and r["global"] == 4, r
         assert r["ok"] and r["sharding"] and r["step"] == 4 and r["r"], r
+        assert r["node"] == ["State", True, 4, True], r  # a registered node: the same
     values = cv.load(tmp_path / "jd.h5")  # one plain process: the logical value
     sys.path.insert(0, str(Path(__file__).parent / "mpi"))
     import jax_dist_case
 
     assert values["w"].tobytes() == jax_dist_case.FULL.tobytes()
+    assert sorted(cv.load(tmp_path / "node.h5")) == ["params/r", "params/w"]

@@ -37,6 +37,7 @@ from ._serialize import SaveContents, SnapshotBuffer, gather, host_arrays, metad
 from ._state import record_latest
 from ._status import RestoreStatus
 from ._steps import split_format, step_name
+from ._tree_state import TreeTrackable, is_tree_node
 from ._walk import is_array, untracked, walk
 
 __all__ = ["Checkpoint", "SaveOptions"]
@@ -119,6 +120,15 @@ def _check_contents(name: str, container: list[Any] | tuple[Any, ...] | dict[Any
             f"Checkpoint({name}=...) holds objects with state_dict() in a container, which "
             f"a checkpoint does not track: {shown}. Pass each as its own argument: "
             f"cv.Checkpoint({', '.join(f'{n}=...' for n in names)}).")
+    trees = [(k, v) for k, v in left if is_tree_node(v)]
+    if trees:  # restored as a whole, into the attribute: a checkpoint's own arguments only
+        shown = ", ".join(f"{k!r} ({type(v).__module__}.{type(v).__qualname__})"
+                          for k, v in trees)
+        raise TypeError(
+            f"Checkpoint({name}=...) holds JAX pytree nodes in a container, which a "
+            f"checkpoint does not track: {shown}. Pass each as its own argument "
+            "(cv.Checkpoint(state=train_state)), or save the whole tree with "
+            "cv.save(path, tree) (docs/frameworks.md).")
     arrays = [(k, v) for k, v in left if is_array(v)]
     if arrays:
         shown = ", ".join(f"{k!r} ({type(v).__module__}.{type(v).__qualname__})"
@@ -186,15 +196,30 @@ class Checkpoint(Trackable):
             raise ValueError(f"{_COUNTER!r} is reserved: it is the checkpoint's own save counter.")
         if not isinstance(value, Variable | PartitionedVariable | Trackable | list | tuple | dict
                           | SupportsStateDict):
+            if is_tree_node(value):  # a flax TrainState, an nnx.State, an equinox Module
+                object.__setattr__(self, name, value)
+                held = trackable_children(self).get(name)
+                if isinstance(held, TreeTrackable):  # the next state of a training loop:
+                    held.tree = value  # its unchanged leaves keep their variables
+                    return
+                self._track(name, TreeTrackable(value, name))
+                self._take_trees()  # (restored as it was attached, after a restore)
+                return
             raise TypeError(
                 f"Checkpoint({name}=...) needs a Variable, a trackable object, an object "
-                "with state_dict()/load_state_dict() or a list/tuple/dict of them, got "
-                f"{type(value).__name__}."
+                "with state_dict()/load_state_dict(), a registered JAX pytree node or a "
+                f"list/tuple/dict of them, got {type(value).__name__}."
             )
         if isinstance(value, list | tuple | dict):
             _check_contents(name, value)
         object.__setattr__(self, name, value)
         self._track(name, trackable_for(value))
+
+    def _take_trees(self) -> None:
+        """After a restore: each pytree argument is the tree it restored (a new one)."""
+        for name, obj in trackable_children(self).items():
+            if isinstance(obj, TreeTrackable) and self.__dict__.get(name) is not obj.tree:
+                object.__setattr__(self, name, obj.tree)
 
     def __delattr__(self, name: str) -> None:
         object.__delattr__(self, name)
@@ -517,6 +542,7 @@ class Checkpoint(Trackable):
                 finally:
                     state.release_reader()
                     end_restores(adapters, ok=ok, carry=state.carrier())
+            self._take_trees()
             if state.restored is not None:
                 object.__setattr__(self, "_cv_restored", state.restored)
             return RestoreStatus(state, root=self)
@@ -553,6 +579,7 @@ class Checkpoint(Trackable):
         finally:
             state.release_reader()
             end_restores(adapters, ok=ok, carry=state.carrier())
+        self._take_trees()
         if state.restored is not None:
             object.__setattr__(self, "_cv_restored", state.restored)
         return RestoreStatus(state, root=self)

@@ -29,7 +29,7 @@ import math
 import operator
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -43,6 +43,7 @@ from ._serialize import decode_state, encode_state
 
 __all__ = [
     "FrameworkStateError",
+    "RestoredWhole",
     "StateDictTrackable",
     "SupportsNamedParameters",
     "SupportsStateDict",
@@ -471,7 +472,31 @@ class _Restoring:
         self.assign = False
 
 
-class StateDictTrackable(Trackable):
+class RestoredWhole(Trackable):
+    """An object a checkpoint restores as a whole, around the restore of its variables:
+    :meth:`begin_restore` before any value is matched (it may raise: nothing changed yet),
+    then :meth:`finish_restore` after a successful restore, :meth:`abort_restore` after a
+    failed one (:func:`begin_restores`, :func:`end_restores`)."""
+
+    #: whether an object attached after the restore (that restore's deferred values) is
+    #: restored whole as well (a pytree: its new tree is built then), not value by value
+    restored_on_attach: ClassVar[bool] = False
+
+    def begin_restore(self, key: str, stored: Any, infos: Any) -> None:
+        """Get ready: ``stored`` is the decoded Python state (``None``: none stored),
+        ``infos`` the checkpoint's ``{key: ArrayInfo}``."""
+        raise NotImplementedError
+
+    def finish_restore(self, carry: Callable[[Variable, Variable], None] | None = None) -> None:
+        """After a successful restore: take what it read."""
+        raise NotImplementedError
+
+    def abort_restore(self) -> None:
+        """After a failed restore: take nothing."""
+        raise NotImplementedError
+
+
+class StateDictTrackable(RestoredWhole):
     """How an object with ``state_dict()``/``load_state_dict()`` takes part in a checkpoint.
 
     ``cv.Checkpoint(model=module)`` wraps ``module`` in one of these; its children are
@@ -729,12 +754,13 @@ def _new_tensor(torch: Any, t: Any, path: tuple[Any, ...], info: Any,
     return torch.empty(shape, dtype=dtype)
 
 
-def begin_restores(root: Trackable, states: Any, infos: Any, path: Any) -> list[StateDictTrackable]:
-    """Put the state-dict objects ``root`` tracks in restore mode (see ``begin_restore``)."""
-    out: list[StateDictTrackable] = []
+def begin_restores(root: Trackable, states: Any, infos: Any, path: Any) -> list[RestoredWhole]:
+    """Put the objects ``root`` tracks that are restored whole (state-dict objects,
+    pytrees) in restore mode (see ``begin_restore``)."""
+    out: list[RestoredWhole] = []
     try:
         for name, obj in root.trackable_children().items():
-            if isinstance(obj, StateDictTrackable):
+            if isinstance(obj, RestoredWhole):
                 blob = states.get(name)
                 stored = None if blob is None else decode_state(blob, name, path)
                 out.append(obj)  # (ended below if its own begin raises)
@@ -745,7 +771,7 @@ def begin_restores(root: Trackable, states: Any, infos: Any, path: Any) -> list[
     return out
 
 
-def end_restores(adapters: list[StateDictTrackable], *, ok: bool,
+def end_restores(adapters: list[RestoredWhole], *, ok: bool,
                  carry: Callable[[Variable, Variable], None] | None = None) -> None:
     """After the restore: give the objects their state (``ok``), or forget it.
 

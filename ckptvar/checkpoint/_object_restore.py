@@ -35,6 +35,7 @@ from ..trackable import (
 )
 from ..variables import PartitionedVariable, Variable, unsharded
 from ._apply import stored_infos
+from ._frameworks import RestoredWhole, end_restores
 from ._incremental import Restored
 from ._keys import escape_segment, unescape_segment
 from ._logical import BoxReader, Logical, apply_targets, as_target, read_boxes
@@ -278,9 +279,22 @@ class RestoreState:
             self.pending -= 1
             seg = escape_segment(name)
             key = f"{parent_key}/{seg}" if parent_key else seg
+            whole = child if isinstance(child, RestoredWhole) and child.restored_on_attach \
+                else None
             try:
                 with paused_gc():
-                    self.restore_nodes(walk(child, key))
+                    if whole is None:
+                        self.restore_nodes(walk(child, key))
+                        return
+                    blob = self.states.get(key)
+                    whole.begin_restore(key, None if blob is None else decode_state(
+                        blob, key, self.path), self.infos)
+                    ok = False
+                    try:
+                        self.restore_nodes(walk(child, key))
+                        ok = True
+                    finally:
+                        end_restores([whole], ok=ok)
             finally:
                 self.release_reader()
 

@@ -3,9 +3,14 @@
 Nested containers of arrays of any framework, sharded ones included.
 
 Owns :func:`flatten` (a tree's leaves by their ``/``-joined paths), :func:`is_plain`
-(whether ``cv.save`` can write a mapping as it always did), :func:`save_tree` and
-:func:`load_tree`. A tree is dicts (str or int keys), lists, tuples and namedtuples of
-leaves; a leaf is an array (NumPy, torch, JAX, CuPy; a NumPy scalar) or a Python value
+(whether ``cv.save`` can write a mapping as it always did), :func:`save_tree`,
+:func:`load_tree` and :func:`rebuild`. A tree is dicts (str or int keys), lists, tuples,
+namedtuples and registered JAX pytree nodes (a flax ``TrainState``, an ``nnx.State``, an
+equinox Module) of leaves; a node's children are named by their ``jax.tree_util`` key
+paths as Orbax names them (an attribute by its name, a dict key by the key, a position by
+its index), and it is rebuilt from the like tree's treedef (its static fields the
+like's). JAX is asked only once something imported it: nothing else can be registered.
+A leaf is an array (NumPy, torch, JAX, CuPy; a NumPy scalar) or a Python value
 (``None``, bool, int, float, str, bytes), which is kept in the checkpoint's metadata
 with its type. ``load_tree`` returns ``like``'s structure with ``like``'s kinds of
 arrays: NumPy for NumPy, a new torch tensor on the like's device for a tensor, a
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -42,7 +48,23 @@ from ._files import native_backend, open_checkpoint_reader
 from ._frameworks import FrameworkStateError, is_dtensor, tensor_variable
 from ._logical import Logical, apply_targets, as_target
 
-__all__ = ["flatten", "is_plain", "load_tree", "save_tree"]
+__all__ = [
+    "flatten",
+    "from_python",
+    "is_abstract",
+    "is_array",
+    "is_plain",
+    "is_tree_node",
+    "key_data",
+    "key_targets",
+    "leaf_result",
+    "leaf_target",
+    "load_tree",
+    "python_value",
+    "rebuild",
+    "save_tree",
+    "wrap_keys",
+]
 
 #: Where the Python values of a tree are kept in the checkpoint's metadata.
 META_KEY = "pytree"
@@ -54,30 +76,97 @@ def _is_namedtuple(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
 
 
-def _children(tree: Any) -> Iterator[tuple[str, Any]] | None:
+def _children(tree: Any, at: str = "") -> Iterator[tuple[str, Any]] | None:
+    """The named children of a container (``None``: a leaf); ``at`` is its path."""
+    node = _node(tree, at)
+    return None if node is None else iter(node[0])
+
+
+def _node(tree: Any, at: str = "") -> tuple[list[tuple[str, Any]], Any] | None:
+    """``(named children, treedef)`` of a container; ``None`` for a leaf. The treedef
+    (one level: its children as leaves) is a registered JAX pytree node's, ``None`` for a
+    dict, list, tuple or namedtuple, which are named and rebuilt as they always were."""
+    if isinstance(tree, Mapping) and not isinstance(tree, dict):
+        node = _jax_node(tree, at)  # (a FrozenDict, an nnx.State: rebuilt by JAX)
+        if node is not None:
+            return node
     if isinstance(tree, Mapping):
         out = []
         for k, v in tree.items():
             if isinstance(k, bool) or not isinstance(k, str | int):
                 raise TypeError(f"A tree's dict keys are str or int, got {k!r}.")
             out.append((str(k), v))
-        return iter(out)
+        return out, None
     if _is_namedtuple(tree):
-        return iter(zip(type(tree)._fields, tree, strict=True))
+        return list(zip(type(tree)._fields, tree, strict=True)), None
     if isinstance(tree, list | tuple):
-        return ((str(i), v) for i, v in enumerate(tree))
-    return None
+        return [(str(i), v) for i, v in enumerate(tree)], None
+    if tree is None or isinstance(tree, _PY):
+        return None
+    return _jax_node(tree, at)
 
 
-def _is_array(value: Any) -> bool:
+def _jax_node(tree: Any, at: str) -> tuple[list[tuple[str, Any]], Any] | None:
+    """A registered JAX pytree node's children, named by their key paths, and its
+    one-level treedef (its static fields, ``aux_data``, stay in it); ``None`` for any
+    other value. JAX is asked only once something imported it: before that, nothing can
+    be registered with it."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return None
+    tu = jax.tree_util
+    leaves, treedef = tu.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
+    if len(leaves) == 1 and leaves[0][0] == ():
+        return None  # a leaf to JAX as well
+    where = at or "the tree"
+    return [("/".join(_key_name(tu, k, where, tree) for k in path), child)
+            for path, child in leaves], treedef
+
+
+def _key_name(tu: Any, key: Any, at: str, node: Any) -> str:
+    """The name of one key of a pytree node's key path (Orbax's: attribute, dict key, index)."""
+    if isinstance(key, tu.GetAttrKey):
+        return str(key.name)
+    if isinstance(key, tu.DictKey):
+        k = key.key
+        if isinstance(k, bool) or not isinstance(k, str | int):
+            raise TypeError(
+                f"Cannot name a child of {at!r} (a {_qualname(node)}): its dict key {k!r} "
+                "is neither a str nor an int.")
+        return str(k)
+    if isinstance(key, tu.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, tu.FlattenedIndexKey):
+        return str(key.key)
+    raise TypeError(
+        f"Cannot name a child of {at!r} (a {_qualname(node)}): its key path entry {key!r} "
+        f"is a {_qualname(key)}, none of jax.tree_util's GetAttrKey, DictKey, SequenceKey "
+        "and FlattenedIndexKey, which name a stored value.")
+
+
+def is_tree_node(value: Any) -> bool:
+    """Whether ``value`` is a registered JAX pytree node other than a dict, list or tuple
+    (a flax ``TrainState``, an ``nnx.State``, an equinox Module); False, importing
+    nothing, where nothing imported JAX."""
+    if isinstance(value, list | tuple | dict) or value is None or isinstance(value, _PY):
+        return False
+    return not is_array(value) and _jax_node(value, "") is not None
+
+
+def _qualname(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def is_array(value: Any) -> bool:
+    """An array leaf: NumPy (a NumPy scalar too), torch, JAX, CuPy, a ShapeDtypeStruct."""
     if isinstance(value, np.ndarray | np.generic):
         return True
     if framework_of(value) is not None:
         return True
-    return _is_abstract(value) or is_chunked(value)
+    return is_abstract(value) or is_chunked(value)
 
 
-def _is_abstract(value: Any) -> bool:
+def is_abstract(value: Any) -> bool:
     """A ``jax.ShapeDtypeStruct`` (a shape, a dtype and maybe a sharding; no data)."""
     return type(value).__name__ == "ShapeDtypeStruct" and framework_of(value) == "jax"
 
@@ -92,7 +181,7 @@ def _is_key(value: Any) -> bool:
     return bool(jax.numpy.issubdtype(value.dtype, jax.dtypes.prng_key))
 
 
-def _key_data(value: Any) -> Any:
+def key_data(value: Any) -> Any:
     """``value``, or a typed key array's key data (same sharding, a trailing axis more)."""
     if not _is_key(value):
         return value
@@ -106,14 +195,14 @@ def _key_data_like(like: Any) -> tuple[Any, Any]:
     import jax  # noqa: PLC0415 - a jax value is here
 
     impl = jax.random.key_impl(jax.numpy.empty((0,), like.dtype))
-    if not _is_abstract(like):
+    if not is_abstract(like):
         return jax.random.key_data(like), impl
     data = jax.eval_shape(jax.random.key_data, like)
     abstract: Any = type(like)  # jax.ShapeDtypeStruct
     return abstract(data.shape, data.dtype, sharding=getattr(like, "sharding", None)), impl
 
 
-def _key_targets(arrays: dict[str, Any]) -> dict[str, Any]:
+def key_targets(arrays: dict[str, Any]) -> dict[str, Any]:
     """Replace each typed key of ``arrays`` (like leaves) by its key data's like; return
     ``{path: the key's impl}`` of those replaced."""
     keys = {}
@@ -122,7 +211,7 @@ def _key_targets(arrays: dict[str, Any]) -> dict[str, Any]:
     return keys
 
 
-def _wrap_keys(values: dict[str, Any], keys: Mapping[str, Any]) -> None:
+def wrap_keys(values: dict[str, Any], keys: Mapping[str, Any]) -> None:
     """The loaded key data of each path of ``keys`` as a typed key of its impl, in place."""
     if keys:
         import jax  # noqa: PLC0415 - a jax value is here
@@ -143,13 +232,13 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _flatten(tree: Any, prefix: str, out: dict[str, Any]) -> None:
-    kids = None if _is_array(tree) else _children(tree)
+    kids = None if is_array(tree) else _children(tree, prefix)
     if kids is None:
-        if not (tree is None or isinstance(tree, _PY) or _is_array(tree)):
+        if not (tree is None or isinstance(tree, _PY) or is_array(tree)):
             raise TypeError(
-                f"Cannot store {prefix or 'the tree'!r}: a {type(tree).__module__}."
-                f"{type(tree).__qualname__} is neither an array nor a Python value (None, "
-                "bool, int, float, str, bytes), nor a dict/list/tuple of them."
+                f"Cannot store {prefix or 'the tree'!r}: a {_qualname(tree)} is neither an "
+                "array nor a Python value (None, bool, int, float, str, bytes), nor a "
+                "dict/list/tuple or registered JAX pytree node of them."
             )
         if prefix in out:
             raise ValueError(f"Two leaves of the tree have the key {prefix!r}.")
@@ -172,13 +261,13 @@ def is_plain(arrays: Any) -> bool:
     """
     if not isinstance(arrays, Mapping):
         return False
-    if not isinstance(arrays, dict):
-        return all(isinstance(k, str) for k in arrays)
+    if not isinstance(arrays, dict):  # (a registered JAX node is a tree: nnx.State)
+        return _jax_node(arrays, "") is None and all(isinstance(k, str) for k in arrays)
     ndarray = np.ndarray
     for k, v in arrays.items():
         if v.__class__ is ndarray and k.__class__ is str:  # the common case, in one test
             continue
-        if (not isinstance(k, str) or not _is_array(v) or _is_abstract(v) or _sharded(v)
+        if (not isinstance(k, str) or not is_array(v) or is_abstract(v) or _sharded(v)
                 or _multi_device(v) or _is_key(v)):
             return False
     return True
@@ -193,16 +282,21 @@ def _sharded(value: Any) -> bool:
     return False
 
 
-def _py_value(value: Any) -> Any:
+def python_value(value: Any) -> Any:
+    """A Python leaf as the metadata keeps it (an empty container: its kind)."""
+    if value is None or isinstance(value, _PY):
+        return value
     if isinstance(value, list | tuple):
         return {"seq": type(value).__name__ if type(value) in (list, tuple) else "tuple",
                 "items": []}
-    if isinstance(value, Mapping):
+    if isinstance(value, Mapping) or _node(value) is not None:
+        # (a pytree node without children: an empty mapping of names, rebuilt from a like)
         return {"seq": "dict", "items": []}
     return value
 
 
-def _from_py(value: Any) -> Any:
+def from_python(value: Any) -> Any:
+    """A Python leaf as :func:`python_value` kept it."""
     if isinstance(value, dict) and set(value) == {"seq", "items"}:
         return {"list": [], "tuple": (), "dict": {}}[value["seq"]]
     return value
@@ -247,7 +341,7 @@ def _jax_boxes(value: Any) -> list[tuple[tuple[int, ...], np.ndarray]]:
 
 def _multi_device(value: Any) -> bool:
     """A jax.Array whose sharding spans several devices (of this process or more)."""
-    if framework_of(value) != "jax" or _is_abstract(value):
+    if framework_of(value) != "jax" or is_abstract(value):
         return False
     sharding = getattr(value, "sharding", None)
     return sharding is not None and len(sharding.device_set) > 1
@@ -319,10 +413,10 @@ def save_tree(  # noqa: PLR0917
     meta: Any = None
     try:  # with a coordinator, a tree this process cannot store is voted on
         leaves = flatten(tree)
-        arrays = {k: _key_data(v) for k, v in leaves.items()
-                  if _is_array(v) and not _is_abstract(v)}
-        python = {k: _py_value(v) for k, v in leaves.items() if k not in arrays}
-        bad = [k for k, v in leaves.items() if _is_abstract(v)]
+        arrays = {k: key_data(v) for k, v in leaves.items()
+                  if is_array(v) and not is_abstract(v)}
+        python = {k: python_value(v) for k, v in leaves.items() if k not in arrays}
+        bad = [k for k, v in leaves.items() if is_abstract(v)]
         if bad:
             raise TypeError(f"Cannot save {bad[0]!r}: a jax.ShapeDtypeStruct holds no values.")
         meta = _with_python(metadata, python)
@@ -417,7 +511,7 @@ def _lazy(graph: Graph, key: str, shape: tuple[int, ...], dtype: np.dtype,
                         collections=[], trainable=False, name=key, lazy=True, shard=shard)
 
 
-def _target(graph: Graph, key: str, like: Any) -> tuple[Variable, Any]:
+def leaf_target(graph: Graph, key: str, like: Any) -> tuple[Variable, Any]:
     """The variable a leaf is restored through, and how to turn it into the result."""
     if is_dtensor(like):
         var = tensor_variable(graph, key, like, saving=False)
@@ -460,7 +554,7 @@ def _jax_result(host: np.ndarray, like: Any, offset: tuple[int, ...]) -> Any:
     return jax.make_array_from_single_device_arrays(shape, like.sharding, pieces)
 
 
-def _result(var: Variable, how: tuple[Any, ...]) -> Any:  # noqa: PLR0911 - one per kind
+def leaf_result(var: Variable, how: tuple[Any, ...]) -> Any:  # noqa: PLR0911 - one per kind
     kind, like = how[0], how[1]
     if kind == "dtensor":
         return like
@@ -489,22 +583,35 @@ def _result(var: Variable, how: tuple[Any, ...]) -> Any:  # noqa: PLR0911 - one 
     return host
 
 
+def rebuild(like: Any, values: Mapping[str, Any]) -> Any:
+    """``like``'s structure (its node types and static fields) over ``values``, the
+    leaves by their paths (as :func:`flatten` names them)."""
+    return _rebuild(like, "", values)
+
+
 def _rebuild(like: Any, prefix: str, values: Mapping[str, Any]) -> Any:
-    kids = None if _is_array(like) else _children(like)
-    if kids is None:
+    node = None if is_array(like) else _node(like, prefix)
+    if node is None:
         return values[prefix]
+    kids, treedef = node
     items = [(n, _rebuild(c, f"{prefix}/{n}" if prefix else n, values)) for n, c in kids]
+    if treedef is not None:  # a registered JAX node: its type and static fields the like's
+        return treedef.unflatten([v for _, v in items])
     if not items and prefix in values:
         return _empty_like(like, values[prefix])
+    return _container(like, [v for _, v in items])
+
+
+def _container(like: Any, children: list[Any]) -> Any:
+    """A dict, namedtuple, tuple or list of ``like``'s kind holding ``children``."""
     if isinstance(like, Mapping):
-        keys = list(like.keys())
         kind: Any = type(like)
-        return kind(zip(keys, [v for _, v in items], strict=True))
+        return kind(zip(list(like.keys()), children, strict=True))
     if _is_namedtuple(like):
-        return type(like)(*[v for _, v in items])
+        return type(like)(*children)
     if isinstance(like, tuple):
-        return tuple(v for _, v in items)
-    return [v for _, v in items]
+        return tuple(children)
+    return children
 
 
 def _empty_like(like: Any, stored: Any) -> Any:
@@ -523,7 +630,7 @@ def _python_values(path: Any, leaves: Mapping[str, Any], arrays: Mapping[str, An
     with open_checkpoint_reader(path, storage_options) as reader:
         meta = reader.metadata()
         python = meta.get(META_KEY, {}) if isinstance(meta, dict) else {}
-        out = {k: _from_py(python[k]) for k in leaves if k not in arrays and k in python}
+        out = {k: from_python(python[k]) for k in leaves if k not in arrays and k in python}
         stored = [k for k in leaves if k not in arrays and k not in python and k in reader]
         for k in stored:  # an array where the like tree has a Python value
             out[k] = _number_from(reader, k, leaves[k], path)
@@ -562,7 +669,7 @@ def _restore_here(path: Any, pairs: list[tuple[str, Variable]], verify: bool, ca
         for k in missing:
             if k in python:
                 raise CheckpointMismatchError(
-                    f"{k!r} is stored as a Python value ({_from_py(python[k])!r}) in "
+                    f"{k!r} is stored as a Python value ({from_python(python[k])!r}) in "
                     f"{str(path)!r}, but the like tree has an array there; nothing was "
                     "loaded.")
         if missing:
@@ -589,9 +696,9 @@ def load_tree(  # noqa: PLR0917
         coordinator.vote(exc, tag=f"load:{os.path.basename(os.fspath(path))}:tree",
                          timeout=timeout)
         raise
-    arrays = {k: v for k, v in leaves.items() if _is_array(v)}
-    keys = _key_targets(arrays)  # typed PRNG keys: their key data is loaded, then wrapped
-    if coordinator is None and any(_sharded(v) or (_is_abstract(v) and getattr(
+    arrays = {k: v for k, v in leaves.items() if is_array(v)}
+    keys = key_targets(arrays)  # typed PRNG keys: their key data is loaded, then wrapped
+    if coordinator is None and any(_sharded(v) or (is_abstract(v) and getattr(
             v, "sharding", None) is not None and not v.sharding.is_fully_addressable)
             for v in arrays.values()):
         coordinator = from_env()
@@ -602,7 +709,7 @@ def load_tree(  # noqa: PLR0917
     values: dict[str, Any] = {}
     try:
         for key, value in arrays.items():
-            var, how = _target(graph, key, value)
+            var, how = leaf_target(graph, key, value)
             pairs.append((key, var))
             hows[key] = how
         if len(arrays) < len(leaves):
@@ -619,6 +726,6 @@ def load_tree(  # noqa: PLR0917
         collective_restore(path, pairs, coordinator, timeout=timeout, verify=verify,
                            cast=cast, storage_options=storage_options)
     for key, var in pairs:
-        values[key] = _result(var, hows[key])
-    _wrap_keys(values, keys)
-    return _rebuild(like, "", values)
+        values[key] = leaf_result(var, hows[key])
+    wrap_keys(values, keys)
+    return rebuild(like, values)

@@ -1,5 +1,6 @@
 """One of N ``jax.distributed`` processes (2 CPU devices each): a jax.Array sharded over
-every process's devices is saved collectively and loaded into another sharding.
+every process's devices is saved collectively and loaded into another sharding, in a
+dict and in a registered pytree node (a train state's shape).
 
 ``python jax_dist_case.py DIR`` with ``JAX_COORDINATOR``, ``RANK``, ``WORLD_SIZE`` set
 (and ``XLA_FLAGS=--xla_force_host_platform_device_count=2``); prints one JSON line.
@@ -7,10 +8,12 @@ every process's devices is saved collectively and loaded into another sharding.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -20,6 +23,16 @@ from jax.sharding import PartitionSpec as P
 import ckptvar as cv
 
 FULL = np.arange(12 * 10, dtype=np.float32).reshape(12, 10) / 3
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class State:
+    """A train state's shape: ``fn`` is static (the like tree's on a load)."""
+
+    step: Any
+    params: Any
+    fn: Any = dataclasses.field(default=None, metadata={"static": True})
 
 
 def main() -> None:
@@ -41,7 +54,14 @@ def main() -> None:
     out = cv.load(path, like=like, coordinator=coord, timeout=60)
     ok = all(np.array_equal(np.asarray(s.data), FULL[s.index])
              for s in out["w"].addressable_shards)
-    print(json.dumps({"rank": rank, "engine": type(coord).__name__, "ok": ok,
+    state = State(4, {"w": w, "r": r}, fn=len)
+    path = cv.save(d / "node.h5", state, coordinator=coord, timeout=60)
+    back = cv.load(path, like=State(0, {"w": like["w"], "r": like["r"]}, fn=print),
+                   coordinator=coord, timeout=60)
+    node = [type(back).__name__, back.fn is print, back.step,
+            all(np.array_equal(np.asarray(s.data), FULL[s.index])
+                for s in back.params["w"].addressable_shards)]
+    print(json.dumps({"rank": rank, "engine": type(coord).__name__, "ok": ok, "node": node,
                       "sharding": out["w"].sharding == target, "step": out["step"],
                       "r": all(np.asarray(s.data).tolist() == [1.0] * 3
                                for s in out["r"].addressable_shards),
