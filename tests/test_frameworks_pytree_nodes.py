@@ -322,6 +322,17 @@ def test_a_train_state_in_a_container_of_a_checkpoint_is_refused() -> None:
         cv.Checkpoint(states=[cv.Variable(1.0), _fresh()])
 
 
+def test_a_train_state_added_to_a_tracked_list_later_is_said_to_be_left_out(
+        tmp_path: Path) -> None:
+    states = [cv.Variable(1.0, name="lr")]
+    ckpt = cv.Checkpoint(states=states)
+    states.append(_fresh())  # after the constructor's check: the save says what it leaves out
+    with pytest.warns(UserWarning, match=r"'states/1' is a .*TrainState in a container.*"
+                                         r"own argument"):
+        path = ckpt.save(tmp_path / "ckpt")
+    assert [k for k, _, _ in cv.list_variables(path)] == ["save_counter", "states/0"]
+
+
 def test_a_train_state_attached_after_the_restore_is_restored_then(tmp_path: Path) -> None:
     state = _trained()
     path = cv.Checkpoint(state=state).save(tmp_path / "ckpt")

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -47,6 +46,7 @@ from ._collective_restore import collective_restore
 from ._files import native_backend, open_checkpoint_reader
 from ._frameworks import FrameworkStateError, is_dtensor, tensor_variable
 from ._logical import Logical, apply_targets, as_target
+from ._tree_nodes import is_tree_node, jax_node, qualname
 
 __all__ = [
     "flatten",
@@ -87,7 +87,7 @@ def _node(tree: Any, at: str = "") -> tuple[list[tuple[str, Any]], Any] | None:
     (one level: its children as leaves) is a registered JAX pytree node's, ``None`` for a
     dict, list, tuple or namedtuple, which are named and rebuilt as they always were."""
     if isinstance(tree, Mapping) and not isinstance(tree, dict):
-        node = _jax_node(tree, at)  # (a FrozenDict, an nnx.State: rebuilt by JAX)
+        node = jax_node(tree, at)  # (a FrozenDict, an nnx.State: rebuilt by JAX)
         if node is not None:
             return node
     if isinstance(tree, Mapping):
@@ -103,58 +103,7 @@ def _node(tree: Any, at: str = "") -> tuple[list[tuple[str, Any]], Any] | None:
         return [(str(i), v) for i, v in enumerate(tree)], None
     if tree is None or isinstance(tree, _PY):
         return None
-    return _jax_node(tree, at)
-
-
-def _jax_node(tree: Any, at: str) -> tuple[list[tuple[str, Any]], Any] | None:
-    """A registered JAX pytree node's children, named by their key paths, and its
-    one-level treedef (its static fields, ``aux_data``, stay in it); ``None`` for any
-    other value. JAX is asked only once something imported it: before that, nothing can
-    be registered with it."""
-    jax = sys.modules.get("jax")
-    if jax is None:
-        return None
-    tu = jax.tree_util
-    leaves, treedef = tu.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)
-    if len(leaves) == 1 and leaves[0][0] == ():
-        return None  # a leaf to JAX as well
-    where = at or "the tree"
-    return [("/".join(_key_name(tu, k, where, tree) for k in path), child)
-            for path, child in leaves], treedef
-
-
-def _key_name(tu: Any, key: Any, at: str, node: Any) -> str:
-    """The name of one key of a pytree node's key path (Orbax's: attribute, dict key, index)."""
-    if isinstance(key, tu.GetAttrKey):
-        return str(key.name)
-    if isinstance(key, tu.DictKey):
-        k = key.key
-        if isinstance(k, bool) or not isinstance(k, str | int):
-            raise TypeError(
-                f"Cannot name a child of {at!r} (a {_qualname(node)}): its dict key {k!r} "
-                "is neither a str nor an int.")
-        return str(k)
-    if isinstance(key, tu.SequenceKey):
-        return str(key.idx)
-    if isinstance(key, tu.FlattenedIndexKey):
-        return str(key.key)
-    raise TypeError(
-        f"Cannot name a child of {at!r} (a {_qualname(node)}): its key path entry {key!r} "
-        f"is a {_qualname(key)}, none of jax.tree_util's GetAttrKey, DictKey, SequenceKey "
-        "and FlattenedIndexKey, which name a stored value.")
-
-
-def is_tree_node(value: Any) -> bool:
-    """Whether ``value`` is a registered JAX pytree node other than a dict, list or tuple
-    (a flax ``TrainState``, an ``nnx.State``, an equinox Module); False, importing
-    nothing, where nothing imported JAX."""
-    if isinstance(value, list | tuple | dict) or value is None or isinstance(value, _PY):
-        return False
-    return not is_array(value) and _jax_node(value, "") is not None
-
-
-def _qualname(value: Any) -> str:
-    return f"{type(value).__module__}.{type(value).__qualname__}"
+    return jax_node(tree, at)
 
 
 def is_array(value: Any) -> bool:
@@ -236,7 +185,7 @@ def _flatten(tree: Any, prefix: str, out: dict[str, Any]) -> None:
     if kids is None:
         if not (tree is None or isinstance(tree, _PY) or is_array(tree)):
             raise TypeError(
-                f"Cannot store {prefix or 'the tree'!r}: a {_qualname(tree)} is neither an "
+                f"Cannot store {prefix or 'the tree'!r}: a {qualname(tree)} is neither an "
                 "array nor a Python value (None, bool, int, float, str, bytes), nor a "
                 "dict/list/tuple or registered JAX pytree node of them."
             )
@@ -262,7 +211,7 @@ def is_plain(arrays: Any) -> bool:
     if not isinstance(arrays, Mapping):
         return False
     if not isinstance(arrays, dict):  # (a registered JAX node is a tree: nnx.State)
-        return _jax_node(arrays, "") is None and all(isinstance(k, str) for k in arrays)
+        return jax_node(arrays, "") is None and all(isinstance(k, str) for k in arrays)
     ndarray = np.ndarray
     for k, v in arrays.items():
         if v.__class__ is ndarray and k.__class__ is str:  # the common case, in one test

@@ -19,6 +19,7 @@ from typing import Any
 from ..trackable import SupportsStateDict, Trackable, trackable_children
 from ..variables import PartitionedVariable, Variable
 from ._keys import escape_segment
+from ._tree_nodes import is_tree_node
 
 __all__ = ["Node", "child_items", "is_array", "untracked", "walk"]
 
@@ -149,7 +150,8 @@ def walk(root: Any, root_key: str = "") -> list[Node]:
             if not leaf:
                 if not isinstance(child, _NODE_TYPES):
                     if not isinstance(obj, Trackable) and (
-                            is_array(child) or isinstance(child, SupportsStateDict)):
+                            is_array(child) or isinstance(child, SupportsStateDict)
+                            or is_tree_node(child)):
                         _left_out(_join(key, name), child)
                     continue
                 leaf = isinstance(child, Variable | PartitionedVariable)
@@ -174,10 +176,10 @@ def walk(root: Any, root_key: str = "") -> list[Node]:
 
 
 def _left_out(key: str, value: Any) -> None:
-    """Say that the array or state-dict object at ``key`` (in a list, tuple or dict) is
-    not saved (once per key and type: Python's warning registry)."""
+    """Say that the array, state-dict object or JAX pytree node at ``key`` (in a list,
+    tuple or dict) is not saved (once per key and type: Python's warning registry)."""
     how = ("Pass it as the checkpoint's own argument, cv.Checkpoint(name=...)"
-           if isinstance(value, SupportsStateDict) else
+           if isinstance(value, SupportsStateDict) or is_tree_node(value) else
            "Hold it in a cv.Variable, or save a pytree of arrays with cv.save(path, tree)")
     warnings.warn(
         f"{key!r} is a {type(value).__module__}.{type(value).__qualname__} in a container: "
