@@ -585,3 +585,33 @@ def test_python_int_beyond_int32_infers_int64_as_tensorflow() -> None:
     assert cv.Variable([1, -(2**40)]).dtype == np.int64
     assert cv.Variable([1, 2]).dtype == np.int32
     assert cv.Variable(-(2**31)).dtype == np.int32
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: cv.Variable(lambda: [1, 2], shape=(2,), dtype="float32"),
+        lambda: cv.Variable(lambda shape, dtype: (1, 2), shape=(2,), dtype="float32"),
+        lambda: cv.get_variable("w", shape=(2,), initializer=lambda shape, dtype: [1.0, 2.0]),
+    ],
+)
+def test_initial_value_function_returning_a_list_gives_an_array_of_the_dtype(make) -> None:
+    v = make()
+    value = v.numpy()
+    assert isinstance(value, np.ndarray) and value.dtype == np.float32
+    assert value.tolist() == [1.0, 2.0]
+    v.assign_add([1, 1])
+    v[0].assign(5)
+    assert v.numpy().tolist() == [5.0, 3.0]
+
+
+def test_initial_value_function_returning_a_list_keeps_the_dtype_lock() -> None:
+    fractional = cv.Variable(lambda: [1.5], shape=(1,), dtype="int32", name="f")
+    with pytest.raises(DTypeLockError, match="'f'"):
+        fractional.numpy()
+    wrapped = cv.Variable(lambda shape, dtype: [300], shape=(1,), dtype="uint8", name="u")
+    with pytest.raises(DTypeLockError, match="300 is outside"):
+        wrapped.numpy()
+    wrong_shape = cv.Variable(lambda: [1.0, 2.0, 3.0], shape=(2,), dtype="float32", name="s")
+    with pytest.raises(ShapeLockError, match=r"\(3,\)"):
+        wrong_shape.numpy()

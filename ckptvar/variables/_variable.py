@@ -315,6 +315,9 @@ class Variable(WriteBehaviour, ArrayBehaviour):
         """Make ``arr`` (host or device) the backing array, copying only when needed."""
         if is_device_array(arr) and not self._device_obj.is_gpu:
             arr, owned = to_host(arr), True
+        elif not isinstance(arr, np.ndarray) and not is_device_array(arr):
+            # a list, tuple or scalar from an initial-value function or an initializer
+            arr, owned = _convert_initial(arr, self._dtype, self._name), True
         if isinstance(arr, np.ndarray):
             if arr.dtype != self._dtype:
                 check_castable(arr.dtype, self._dtype,
