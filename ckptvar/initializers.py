@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ._dims import as_dims
-from ._dtypes import as_dtype, dtype_name, kind_of
+from ._dtypes import as_dtype, check_value_castable, dtype_name, kind_of
 
 __all__ = [
     "Constant",
@@ -142,7 +142,11 @@ class Ones(Initializer):
 
 
 class Constant(Initializer):
-    """Fills with ``value``: a scalar, or an array broadcastable to the shape."""
+    """Fills with ``value``: a scalar, or an array broadcastable to the shape.
+
+    ``value`` converts to the dtype asked for by the ``same_kind`` rule of every write
+    (``1.5`` into int32, ``-1`` into uint8: :class:`~ckptvar.errors.DTypeLockError`).
+    """
 
     kinds = "biufc"
 
@@ -150,6 +154,7 @@ class Constant(Initializer):
         self.value = value
 
     def _generate(self, shape: Shape, dtype: np.dtype) -> np.ndarray:
+        check_value_castable(self.value, dtype, what=f"constant({self.value!r})")
         value = np.asarray(self.value)
         if value.size == 1:
             return np.full(shape, value.reshape(()), dtype=dtype)

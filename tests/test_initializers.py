@@ -61,6 +61,31 @@ def test_zeros_ones_constant_all_dtypes() -> None:
         I.constant([1, 2, 3])((2, 2), "float32")
 
 
+@pytest.mark.parametrize(
+    ("value", "dtype", "message"),
+    [
+        (1.5, "int32", "of dtype float32 to dtype int32"),
+        ([1.5, 2.5], "int32", "of dtype float32 to dtype int32"),
+        (float("nan"), "int64", "to dtype int64"),
+        (1j, "float32", "of dtype complex128 to dtype float32"),
+        (2, "bool", "of dtype int32 to dtype bool"),
+        (-1, "uint8", "-1 is outside its range"),
+        (300, "uint8", "300 is outside its range"),
+        (np.array([1.5]), "int32", "of dtype float64 to dtype int32"),
+    ],
+)
+def test_constant_refuses_a_value_the_dtype_cannot_hold(value, dtype, message) -> None:
+    # TensorFlow's constant_initializer raises TypeError where the kind changes; none
+    # of these becomes a silently truncated, wrapped or garbage value
+    with pytest.raises(cv.errors.DTypeLockError, match=message):
+        I.constant(value)((2,), dtype)
+    v = cv.Variable(I.constant(value), shape=(2,), dtype=dtype, name="c")
+    with pytest.raises(TypeError, match=r"constant\("):
+        v.numpy()
+    assert I.constant(True)((1,), "float32").tolist() == [1.0]
+    assert I.constant(255)((1,), "uint8").tolist() == [255]
+
+
 def test_default_dtype_is_float32() -> None:
     for init in (I.zeros, I.glorot_uniform, I.random_normal()):
         assert init((2, 2)).dtype == np.float32
