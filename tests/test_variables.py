@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import threading
 import weakref
 
 import ml_dtypes
@@ -615,3 +616,41 @@ def test_initial_value_function_returning_a_list_keeps_the_dtype_lock() -> None:
     wrong_shape = cv.Variable(lambda: [1.0, 2.0, 3.0], shape=(2,), dtype="float32", name="s")
     with pytest.raises(ShapeLockError, match=r"\(3,\)"):
         wrong_shape.numpy()
+
+
+# --- threads ---------------------------------------------------------------------------------
+
+
+class _Held(np.ndarray):
+    """An operand whose ufuncs compute at once, then hand the result back only when ``go``
+    is set: the moment between a read-modify-write's read and its write, held open."""
+
+    inside: threading.Event
+    go: threading.Event
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):  # type: ignore[no-untyped-def]
+        result = getattr(ufunc, method)(*(np.asarray(x) for x in inputs), **kwargs)
+        self.inside.set()
+        assert self.go.wait(10)
+        return result
+
+
+@pytest.mark.parametrize(
+    "update",
+    [lambda v, x: v.__iadd__(x), lambda v, x: np.add(v, x, out=v)],
+    ids=["iadd", "ufunc-out"],
+)
+def test_read_modify_write_loses_no_write_of_another_thread(update) -> None:
+    v = cv.Variable([0.0])
+    held = np.ones(1).view(_Held)
+    held.inside, held.go = threading.Event(), threading.Event()
+    first = threading.Thread(target=update, args=(v, held))
+    first.start()
+    assert held.inside.wait(10)  # v + 1 is computed (1.0), not yet written
+    second = threading.Thread(target=v.assign_add, args=([10.0],))
+    second.start()
+    second.join(0.3)  # waits for the first update to be written
+    held.go.set()
+    first.join(10)
+    second.join(10)
+    assert v.numpy().tolist() == [11.0]  # not 1.0: the assign_add was not overwritten
