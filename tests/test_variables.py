@@ -654,3 +654,32 @@ def test_read_modify_write_loses_no_write_of_another_thread(update) -> None:
     first.join(10)
     second.join(10)
     assert v.numpy().tolist() == [11.0]  # not 1.0: the assign_add was not overwritten
+
+
+@pytest.mark.parametrize(
+    "read",
+    [cv.Variable.numpy, cv.Variable.read_value, np.asarray, lambda v: v[:], lambda v: v[::2]],
+    ids=["numpy", "read_value", "asarray", "slice", "strided"],
+)
+def test_a_copy_read_beside_writes_is_never_torn(read) -> None:
+    # as a TensorFlow variable's read: the old value or the new one, never a mix
+    v = cv.Variable(np.zeros(1 << 18))
+    stop = threading.Event()
+
+    def write() -> None:
+        k = 0.0
+        while not stop.is_set():
+            k += 1
+            v.assign(np.full(1 << 18, k))
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        torn = 0
+        for _ in range(150):
+            value = np.asarray(read(v))
+            torn += int(value.min() != value.max())
+    finally:
+        stop.set()
+        writer.join(10)
+    assert torn == 0

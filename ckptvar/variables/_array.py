@@ -251,7 +251,8 @@ class ArrayBehaviour:
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, ArrayBehaviour):
             index = index._operand()
-        return _slice_result(self._materialize()[index], self, index)
+        with self._lock:  # the copy is taken whole: never half of a concurrent write
+            return _slice_result(self._materialize()[index], self, index)
 
     def __setitem__(self, index: Any, value: Any) -> None:
         self._assign_slice(index, value)

@@ -425,13 +425,16 @@ class Variable(WriteBehaviour, ArrayBehaviour):
 
     # --- reading -------------------------------------------------------------------------
     def numpy(self) -> np.ndarray:
-        """A host NumPy copy of the value."""
-        value = self._materialize()
-        return value.copy() if isinstance(value, np.ndarray) else to_host(value)
+        """A host NumPy copy of the value (taken whole: never half of a concurrent write)."""
+        with self._lock:
+            value = self._materialize()
+            return value.copy() if isinstance(value, np.ndarray) else to_host(value)
 
     def read_value(self) -> Any:
-        """A copy of the value on the variable's device (NumPy on the CPU, CuPy on a GPU)."""
-        return self._materialize().copy()
+        """A copy of the value on the variable's device (NumPy on the CPU, CuPy on a GPU),
+        taken whole: never half of a concurrent write."""
+        with self._lock:
+            return self._materialize().copy()
 
     def value(self) -> Any:
         """The backing array itself (NumPy on the CPU, CuPy on a GPU). Do not write to it:
