@@ -618,6 +618,26 @@ def test_initial_value_function_returning_a_list_keeps_the_dtype_lock() -> None:
         wrong_shape.numpy()
 
 
+
+@pytest.mark.parametrize(
+    ("method", "call"),
+    [
+        ("assign_add", lambda v: v.assign_add([True, True])),
+        ("assign_sub", lambda v: v.assign_sub([True, False])),
+        ("scatter_add", lambda v: v.scatter_add([0], [True])),
+        ("scatter_sub", lambda v: v.scatter_sub([1], [True])),
+    ],
+)
+def test_adding_to_a_bool_variable_is_refused_as_in_tensorflow(method, call) -> None:
+    # NumPy made assign_add a silent logical or, and assign_sub raised its own TypeError
+    flags = cv.Variable([False, True], name="flags")
+    with pytest.raises(DTypeLockError, match=f"{method} on bool variable 'flags'"):
+        call(flags)
+    assert flags.numpy().tolist() == [False, True]
+    flags.scatter_update([0], [True])  # writes that are not arithmetic still work
+    assert flags.numpy().tolist() == [True, True]
+
+
 # --- threads ---------------------------------------------------------------------------------
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from .._dtypes import check_value_castable
 from .._frameworks import framework_of, to_numpy
 from ..device import Device, is_device_array, to_host
-from ..errors import ShapeLockError
+from ..errors import DTypeLockError, ShapeLockError
 from ._array import match_backend, operand, write_into
 from ._rows import RowLog, rows_of, unique_rows
 from ._shapes import Shape, compatible, shape_str
@@ -152,7 +152,17 @@ class WriteBehaviour:
             self._wrote()
         return self
 
+    def _no_arithmetic_on_bool(self, method: str) -> None:
+        """Refuse adding to (or subtracting from) a bool variable, as TensorFlow does:
+        NumPy would make ``True + True`` a silent ``or`` and refuse ``-`` with its own error."""
+        if self._dtype == np.bool_:
+            raise DTypeLockError(
+                f"{method} on bool variable {self._name!r}: a bool has no addition or "
+                "subtraction; assign the new value instead (v.assign(np.logical_or(v, x)))."
+            )
+
     def _update(self, delta: Any, op: Any, verb: str) -> Any:
+        self._no_arithmetic_on_bool("assign_add" if op is np.add else "assign_sub")
         what = f"a value {verb} variable {self._name!r}"
         arr = self._convert(delta, what)
         with self._lock:
@@ -222,6 +232,8 @@ class WriteBehaviour:
         return self._scatter(indices, updates, np.subtract, "scatter_sub")
 
     def _scatter(self, indices: Any, updates: Any, op: Any, verb: str) -> Any:
+        if op is not None:
+            self._no_arithmetic_on_bool(verb)
         idx = np.asarray(to_host(operand(indices)))
         if idx.dtype.kind not in "iu":
             raise TypeError(f"{verb} on variable {self._name!r}: indices must be integers, "
