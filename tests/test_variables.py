@@ -638,6 +638,18 @@ def test_adding_to_a_bool_variable_is_refused_as_in_tensorflow(method, call) -> 
     assert flags.numpy().tolist() == [True, True]
 
 
+
+@pytest.mark.parametrize("method", ["scatter_update", "scatter_add", "scatter_sub"])
+@pytest.mark.parametrize("indices", [[-1], [0, -3], [3], [1, 4]])
+def test_scatter_rows_outside_the_variable_are_refused_as_in_tensorflow(method, indices) -> None:
+    # TensorFlow: "indices[0] = -1 is not in [0, 3)"; -1 wrote the last row before
+    v = cv.Variable(np.zeros((3, 2)), name="table")
+    updates = np.ones((len(indices), 2))
+    with pytest.raises(IndexError, match=r"'table': row -?\d is outside its 3 rows \[0, 3\)"):
+        getattr(v, method)(indices, updates)
+    assert not v.numpy().any()
+
+
 # --- threads ---------------------------------------------------------------------------------
 
 

@@ -218,7 +218,9 @@ class WriteBehaviour:
     def scatter_update(self, indices: Any, updates: Any) -> Any:
         """Write ``updates[i]`` into row ``indices[i]`` (first axis) in place; returns the
         variable. ``updates`` has shape ``indices.shape + shape[1:]`` (or broadcasts to
-        it); with a repeated index, the last update wins."""
+        it); with a repeated index, the last update wins. Row numbers run from 0 to
+        ``shape[0] - 1``, as TensorFlow's: any other (a negative one too) raises
+        ``IndexError`` and nothing is written."""
         return self._scatter(indices, updates, None, "scatter_update")
 
     def scatter_add(self, indices: Any, updates: Any) -> Any:
@@ -245,10 +247,12 @@ class WriteBehaviour:
                 raise ShapeLockError(f"{verb} on variable {self._name!r}: a scalar has no rows.")
             n = buf.shape[0]
             flat = idx.reshape(-1).astype(np.int64)
-            if flat.size and (flat.min() < -n or flat.max() >= n):
-                bad = int(flat[(flat < -n) | (flat >= n)][0])
+            if flat.size and (flat.min() < 0 or flat.max() >= n):
+                bad = int(flat[(flat < 0) | (flat >= n)][0])
+                hint = (" (row numbers count from 0, as TensorFlow's scatter indices; a "
+                        "negative one does not count from the end)" if bad < 0 else "")
                 raise IndexError(f"{verb} on variable {self._name!r}: row {bad} is outside "
-                                 f"its {n} rows.")
+                                 f"its {n} rows [0, {n}){hint}.")
             target = tuple(idx.shape) + tuple(buf.shape[1:])
             try:
                 ok = np.broadcast_shapes(target, tuple(arr.shape)) == target
@@ -262,7 +266,7 @@ class WriteBehaviour:
             upd = match_backend(np.broadcast_to(arr, target) if isinstance(arr, np.ndarray)
                                 else arr, buf)
             # the rows written: for the row log, and a GPU's check of repeated indices
-            rows = (unique_rows(flat % n) if self._row_log is not None
+            rows = (unique_rows(flat) if self._row_log is not None
                     or not isinstance(buf, np.ndarray) else None)
             target_buf = buf.copy() if self._constraint is not None else buf
             if op is None:
