@@ -463,17 +463,23 @@ class Variable(WriteBehaviour, ArrayBehaviour):
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickles the value, name, shape lock, ``trainable``, constraint, collections, shard.
+        """Pickles the value, name, shape lock, ``trainable``, constraint, collections, shard
+        and, for a part of a partitioned variable, its ``save_slice_info``.
 
         Unpickling makes a new variable with exactly that name in the default graph, placed
         by default placement.
         """
-        args = (self.numpy(), self._name, self._shape, self._trainable, self._constraint,
-                self._collections)
-        return (_unpickle_variable, args if self._shard is None else (*args, self._shard))
+        args: tuple[Any, ...] = (self.numpy(), self._name, self._shape, self._trainable,
+                                 self._constraint, self._collections)
+        if self._save_slice_info is not None:
+            args = (*args, self._shard, self._save_slice_info)
+        elif self._shard is not None:
+            args = (*args, self._shard)
+        return (_unpickle_variable, args)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
-        """A new variable with a copy of the value, the same name, settings and collections."""
+        """A new variable with a copy of the value, the same name, settings and collections
+        (and ``save_slice_info``: a copied partition is still that part of the whole)."""
         new = Variable(
             self,
             name=self._name + "/",  # exactly the same name
@@ -487,16 +493,22 @@ class Variable(WriteBehaviour, ArrayBehaviour):
             shard=self._shard,
             _graph=self._graph,
         )
+        if self._save_slice_info is not None:
+            new._set_save_slice_info(self._save_slice_info)
         memo[id(self)] = new
         return new
 
 
 def _unpickle_variable(value: np.ndarray, name: str, shape: Shape, trainable: bool,  # noqa: PLR0917 - existing pickles pass these positionally
                        constraint: Any, collections: Sequence[str],
-                       shard: Shard | None = None) -> Variable:
-    return Variable(value, name=name + "/", shape=shape, validate_shape=shape is not None,
-                    trainable=trainable, constraint=constraint, collections=collections,
-                    shard=shard)
+                       shard: Shard | None = None,
+                       save_slice_info: SaveSliceInfo | None = None) -> Variable:
+    var = Variable(value, name=name + "/", shape=shape, validate_shape=shape is not None,
+                   trainable=trainable, constraint=constraint, collections=collections,
+                   shard=shard)
+    if save_slice_info is not None:
+        var._set_save_slice_info(save_slice_info)
+    return var
 
 
 class _Initial(NamedTuple):
