@@ -233,6 +233,17 @@ class WriteBehaviour:
         count each time); returns the variable."""
         return self._scatter(indices, updates, np.subtract, "scatter_sub")
 
+    def _scatter_rows(self, idx: np.ndarray, n: int, verb: str) -> np.ndarray:
+        """``idx`` as flat int64 row numbers, each in ``[0, n)`` (else ``IndexError``)."""
+        flat = idx.reshape(-1).astype(np.int64)
+        if flat.size and (flat.min() < 0 or flat.max() >= n):
+            bad = int(flat[(flat < 0) | (flat >= n)][0])
+            hint = (" (row numbers count from 0, as TensorFlow's scatter indices; a "
+                    "negative one does not count from the end)" if bad < 0 else "")
+            raise IndexError(f"{verb} on variable {self._name!r}: row {bad} is outside "
+                             f"its {n} rows [0, {n}){hint}.")
+        return flat
+
     def _scatter(self, indices: Any, updates: Any, op: Any, verb: str) -> Any:
         if op is not None:
             self._no_arithmetic_on_bool(verb)
@@ -246,13 +257,7 @@ class WriteBehaviour:
             if not buf.ndim:
                 raise ShapeLockError(f"{verb} on variable {self._name!r}: a scalar has no rows.")
             n = buf.shape[0]
-            flat = idx.reshape(-1).astype(np.int64)
-            if flat.size and (flat.min() < 0 or flat.max() >= n):
-                bad = int(flat[(flat < 0) | (flat >= n)][0])
-                hint = (" (row numbers count from 0, as TensorFlow's scatter indices; a "
-                        "negative one does not count from the end)" if bad < 0 else "")
-                raise IndexError(f"{verb} on variable {self._name!r}: row {bad} is outside "
-                                 f"its {n} rows [0, {n}){hint}.")
+            flat = self._scatter_rows(idx, n, verb)
             target = tuple(idx.shape) + tuple(buf.shape[1:])
             try:
                 ok = np.broadcast_shapes(target, tuple(arr.shape)) == target
