@@ -232,3 +232,20 @@ def test_a_copied_partitioned_variable_is_still_one_logical_variable(duplicate, 
     path = cv.Checkpoint(model=copied).write(str(tmp_path / "copy.h5"))
     assert cv.list_variables(path) == [("model/table", (5, 2), F32)]
     np.testing.assert_array_equal(cv.load(path)["model/table"], np.arange(10.0).reshape(5, 2))
+
+
+def test_an_assign_a_part_constraint_refuses_changes_no_part() -> None:
+    # part 0 kept its new value when part 1's constraint raised: half an assign
+    def at_most_5(x: np.ndarray) -> np.ndarray:
+        if (x > 5).any():
+            raise ValueError("above 5")
+        return x
+
+    with cv.variable_scope("e", partitioner=cv.fixed_size_partitioner(2)):
+        t = cv.get_variable("t", shape=(4,), initializer=cv.initializers.zeros,
+                            constraint=at_most_5)
+    with pytest.raises(ValueError, match="above 5"):
+        t.assign([1.0, 1.0, 9.0, 9.0])
+    assert np.asarray(t).tolist() == [0.0, 0.0, 0.0, 0.0]
+    t.assign([1.0, 2.0, 3.0, 4.0])
+    assert np.asarray(t).tolist() == [1.0, 2.0, 3.0, 4.0]

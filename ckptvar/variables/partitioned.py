@@ -26,7 +26,7 @@ from ..errors import ShapeLockError, VariableScopeError
 from ._lifecycle import convert_value
 from ._shapes import defined_dims, fully_defined, normalize_shape
 from ._slices import SaveSliceInfo
-from ._variable import Variable
+from ._variable import Variable, restore_value
 
 __all__ = [
     "PartitionInfo",
@@ -124,7 +124,9 @@ class PartitionedVariable:
         return full if dtype is None else full.astype(dtype, copy=False)
 
     def assign(self, value: Any) -> PartitionedVariable:
-        """Write the full ``value`` into the parts; checks dtype and shape before any write."""
+        """Write the full ``value`` into the parts; checks dtype and shape before any write,
+        and when a part's constraint refuses its piece, the parts written before it get
+        their old values back: a failed assign changes nothing."""
         what = f"a value assigned to partitioned variable {self._name!r}"
         arr = convert_value(self._parts[0], value, what)
         if tuple(arr.shape) != self._shape:
@@ -139,8 +141,20 @@ class PartitionedVariable:
             index = tuple(slice(o, o + s) for o, s in zip(info.var_offset, info.var_shape,
                                                            strict=True))
             pieces.append(arr[index])
-        for part, piece in zip(self._parts, pieces, strict=True):
-            part.assign(piece)
+        # A part's constraint may refuse its piece after earlier parts took theirs: keep
+        # what those held, to put back (without a constraint nothing fails past the checks).
+        before = ([part.numpy() for part in self._parts]
+                  if any(part.constraint is not None for part in self._parts) else None)
+        done = 0
+        try:
+            for part, piece in zip(self._parts, pieces, strict=True):
+                part.assign(piece)
+                done += 1
+        except BaseException:
+            if before is not None:
+                for part, old in zip(self._parts[:done], before, strict=False):
+                    restore_value(part, old)
+            raise
         return self
 
     def __repr__(self) -> str:
