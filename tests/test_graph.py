@@ -396,3 +396,13 @@ def test_get_variable_refuses_an_initializer_it_cannot_call_with_shape_and_dtype
     with pytest.raises(VariableScopeError, match=r"initializer\(shape, dtype=...\)"):
         cv.get_variable("z", shape=(2,), initializer=lambda: np.zeros(2))
     assert cv.global_variables() == []
+
+
+@pytest.mark.parametrize("name", [None, "", 3])
+def test_get_variable_without_a_string_name_is_refused(name) -> None:
+    # None made a variable "Variable" (stored under None) and, in a scope, "s/None"
+    for scope in ("", "s"):
+        with cv.variable_scope(scope):
+            with pytest.raises(ValueError, match="get_variable needs a name: a non-empty string"):
+                cv.get_variable(name, shape=())
+    assert cv.global_variables() == []

@@ -31,7 +31,7 @@ from .._dtypes import as_dtype, dtype_name, is_floating
 from ..errors import VariableScopeError
 from ..graph import Graph, GraphKeys, get_default_graph
 from ._lifecycle import FreshValue
-from ._shapes import normalize_shape, shape_str
+from ._shapes import VariableArgumentError, normalize_shape, shape_str
 from ._variable import Variable, set_save_slice_info
 from .partitioned import PartitionedVariable, PartitionInfo, defined_shape, make_partitioned
 
@@ -361,6 +361,10 @@ def get_variable(
 
     The graph's variable store keeps these variables alive.
     """
+    if not isinstance(name, str) or not name:
+        raise VariableArgumentError(
+            f"get_variable needs a name: a non-empty string, not {name!r}."
+        )
     graph = get_default_graph()
     state = _state(graph)
     scope = state.scope()
