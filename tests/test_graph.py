@@ -406,3 +406,17 @@ def test_get_variable_without_a_string_name_is_refused(name) -> None:
             with pytest.raises(ValueError, match="get_variable needs a name: a non-empty string"):
                 cv.get_variable(name, shape=())
     assert cv.global_variables() == []
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: cv.Variable(1.0, name="v", collections="mine"),
+     lambda: cv.get_variable("w", shape=(), collections="mine")],
+)
+def test_collections_given_as_one_string_are_refused_as_in_tensorflow(make) -> None:
+    # "mine" filed the variable under the collections "m", "i", "n" and "e"
+    with pytest.raises(ValueError, match="collections is a list, tuple or set"):
+        make()
+    assert cv.get_default_graph().get_all_collection_keys() == []
+    mine = cv.Variable(1.0, name="v", collections=("mine",))
+    assert cv.get_collection("mine") == [mine]

@@ -132,6 +132,11 @@ class Variable(WriteBehaviour, ArrayBehaviour):
             )
         if constraint is not None and not callable(constraint):
             raise VariableArgumentError(f"constraint must be callable, got {constraint!r}.")
+        if collections is not None and not isinstance(collections, list | tuple | set):
+            raise VariableArgumentError(
+                "collections is a list, tuple or set of collection names, not "
+                f"{collections!r} (a string would be read as one collection per character)."
+            )
         self._uid = next_uid()
         self._writes = 0  # finished writes (see _version)
         self._exposed = False  # value() handed the backing array out: writes may go unseen
