@@ -558,6 +558,9 @@ def test_scalar_repr_is_inline() -> None:
         ("int32", np.array([2**32 - 1, 0], np.uint32)),
         ("uint8", [-1, 0]),
         ("uint8", [300, 0]),
+        ("int64", [2**63, 0]),  # beyond 64 bits: NumPy's bare OverflowError, no name said
+        ("int64", [-(2**64), 0]),
+        ("uint64", [2**64, 0]),
     ],
 )
 def test_integer_write_out_of_range_is_refused_not_wrapped(var_dtype: str, value: object) -> None:
@@ -576,7 +579,7 @@ def test_integer_write_out_of_range_is_refused_not_wrapped(var_dtype: str, value
     with pytest.raises(DTypeLockError, match="outside its range"):
         cv.Variable(value, dtype=var_dtype)
     # values that fit still convert, as same_kind promises
-    assert v.assign(np.array([-5, 7], np.int64) if var_dtype != "uint8" else [5, 7]).numpy().tolist()[1] == 7
+    assert v.assign(np.array([-5, 7], np.int64) if var_dtype[0] != "u" else [5, 7]).numpy().tolist()[1] == 7
 
 
 def test_python_int_beyond_int32_infers_int64_as_tensorflow() -> None:
@@ -586,6 +589,10 @@ def test_python_int_beyond_int32_infers_int64_as_tensorflow() -> None:
     assert cv.Variable([1, -(2**40)]).dtype == np.int64
     assert cv.Variable([1, 2]).dtype == np.int32
     assert cv.Variable(-(2**31)).dtype == np.int32
+    with pytest.raises(DTypeLockError, match="'big'.*9223372036854775808 is outside its range"):
+        cv.Variable(2**63, name="big")
+    with pytest.raises(DTypeLockError, match="outside its range"):
+        cv.Variable(1, dtype="int64").assign_add(2**64)
 
 
 @pytest.mark.parametrize(
