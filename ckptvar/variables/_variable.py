@@ -125,18 +125,7 @@ class Variable(WriteBehaviour, ArrayBehaviour):
         shard: Shard | None = None,
         _graph: Graph | None = None,
     ) -> None:
-        if initial_value is None:
-            raise VariableArgumentError(
-                "Variable needs an initial_value: an array-like, a callable, or an "
-                "initializer together with shape=."
-            )
-        if constraint is not None and not callable(constraint):
-            raise VariableArgumentError(f"constraint must be callable, got {constraint!r}.")
-        if collections is not None and not isinstance(collections, list | tuple | set):
-            raise VariableArgumentError(
-                "collections is a list, tuple or set of collection names, not "
-                f"{collections!r} (a string would be read as one collection per character)."
-            )
+        _check_arguments(initial_value, constraint, collections)
         self._uid = next_uid()
         self._writes = 0  # finished writes (see _version)
         self._exposed = False  # value() handed the backing array out: writes may go unseen
@@ -514,6 +503,22 @@ def _unpickle_variable(value: np.ndarray, name: str, shape: Shape, trainable: bo
     if save_slice_info is not None:
         var._set_save_slice_info(save_slice_info)
     return var
+
+
+def _check_arguments(initial_value: Any, constraint: Any, collections: Any) -> None:
+    """Refuse constructor arguments that cannot describe a variable (before it takes a name)."""
+    if initial_value is None:
+        raise VariableArgumentError(
+            "Variable needs an initial_value: an array-like, a callable, or an "
+            "initializer together with shape=."
+        )
+    if constraint is not None and not callable(constraint):
+        raise VariableArgumentError(f"constraint must be callable, got {constraint!r}.")
+    if collections is not None and not isinstance(collections, list | tuple | set):
+        raise VariableArgumentError(
+            "collections is a list, tuple or set of collection names, not "
+            f"{collections!r} (a string would be read as one collection per character)."
+        )
 
 
 class _Initial(NamedTuple):
