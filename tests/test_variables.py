@@ -657,6 +657,20 @@ def test_scatter_rows_outside_the_variable_are_refused_as_in_tensorflow(method, 
     assert not v.numpy().any()
 
 
+
+def test_a_ragged_nested_list_is_a_shape_error_naming_the_variable() -> None:
+    # NumPy's bare "setting an array element with a sequence" named nothing
+    ragged = [[1.0, 2.0], [3.0]]
+    with pytest.raises(ShapeLockError, match="initial value of variable 'r'.*not rectangular"):
+        cv.Variable(ragged, name="r")
+    v = cv.Variable([[1.0, 2.0], [3.0, 4.0]], name="v")
+    for write in (v.assign, v.assign_add, lambda x: v.scatter_update([0, 1], x)):
+        with pytest.raises(ShapeLockError, match="variable 'v'.*not rectangular"):
+            write(ragged)
+    assert v.numpy().tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    assert cv.global_variables() == [v]  # the refused one took no name
+
+
 # --- threads ---------------------------------------------------------------------------------
 
 

@@ -30,7 +30,15 @@ from ._array import match_backend, operand, write_into
 from ._rows import RowLog, rows_of, unique_rows
 from ._shapes import Shape, compatible, shape_str
 
-__all__ = ["FreshValue", "Pending", "Ready", "Unset", "WriteBehaviour", "convert_value"]
+__all__ = [
+    "FreshValue",
+    "Pending",
+    "Ready",
+    "Unset",
+    "WriteBehaviour",
+    "convert_value",
+    "host_array",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +121,7 @@ class WriteBehaviour:
                 check_value_castable(value, self._dtype, what=what)
                 return value.astype(self._dtype, copy=False)
         check_value_castable(value, self._dtype, what=what)
-        return np.asarray(value, dtype=self._dtype)
+        return host_array(value, self._dtype, what)
 
     def _shape_error(self, shape: tuple[int, ...], target: Shape, what: str = "") -> ShapeLockError:
         return ShapeLockError(
@@ -290,6 +298,22 @@ class WriteBehaviour:
             self._wrote(rows)
         return self
 
+
+
+def host_array(value: Any, dtype: np.dtype, what: str, *, copy: bool = False) -> np.ndarray:
+    """``value`` as a NumPy array of ``dtype`` (a C-ordered copy with ``copy``);
+    :class:`ShapeLockError` naming ``what`` for a ragged nested list."""
+    try:
+        if copy:
+            return np.array(value, dtype=dtype, copy=True, order="C")
+        return np.asarray(value, dtype=dtype)
+    except ValueError as exc:
+        if "inhomogeneous" not in str(exc):
+            raise
+        raise ShapeLockError(
+            f"Cannot convert {what}: its nested lists are not rectangular (rows of "
+            f"different lengths): {exc}"
+        ) from None
 
 
 def convert_value(var: WriteBehaviour, value: Any, what: str) -> Any:

@@ -41,7 +41,7 @@ from ..errors import CkptError, ShapeLockError, UninitializedVariableError
 from ..graph import Graph, GraphKeys, get_default_graph
 from ._array import ArrayBehaviour, write_into
 from ._hooks import deferring, next_uid, run_creation_hooks
-from ._lifecycle import FreshValue, Pending, Ready, Unset, WriteBehaviour
+from ._lifecycle import FreshValue, Pending, Ready, Unset, WriteBehaviour, host_array
 from ._rows import RowLog
 from ._shapes import (
     Shape,
@@ -573,7 +573,7 @@ def _convert_initial(value: Any, dt: np.dtype, name: str | None) -> np.ndarray:
     what = f"the initial value of variable {name or 'Variable'!r}"
     src = to_host(value) if is_device_array(value) else value
     check_value_castable(src, dt, what=what)
-    return np.array(src, dtype=dt, copy=True, order="C")
+    return host_array(src, dt, what, copy=True)
 
 
 # --------------------------------------------------------------------------- the restore seam
