@@ -134,6 +134,7 @@ class _Tf1State:
     def __init__(self) -> None:
         self.local = threading.local()
         self.lock = threading.Lock()
+        self.creating = threading.RLock()  # held by get_variable from lookup to store
         self.scope_counts: dict[str, int] = {}
         self.store: dict[str, Variable | PartitionedVariable] = {}
 
@@ -373,51 +374,54 @@ def get_variable(
     req_dtype = dtype if dtype is not None else scope.dtype
     if partitioner is None:
         partitioner = scope.partitioner
-    found = state.stored(full)
-    if found is not None:
-        if reuse is not True and reuse is not AUTO_REUSE:
+    # One lookup-and-create at a time: threads asking for the same name with reuse get
+    # one variable (and without reuse, all but one get the 'already exists' error).
+    with state.creating:
+        found = state.stored(full)
+        if found is not None:
+            if reuse is not True and reuse is not AUTO_REUSE:
+                raise VariableScopeError(
+                    f"Variable {full!r} already exists, disallowed. Did you mean to set "
+                    "reuse=True or reuse=AUTO_REUSE in variable_scope?"
+                )
+            _check_reuse(found, full, shape, req_dtype, partitioner is not None)
+            return found
+        if reuse is True:
             raise VariableScopeError(
-                f"Variable {full!r} already exists, disallowed. Did you mean to set "
-                "reuse=True or reuse=AUTO_REUSE in variable_scope?"
+                f"Variable {full!r} does not exist, or was not created with get_variable(). Did "
+                "you mean to set reuse=AUTO_REUSE in variable_scope?"
             )
-        _check_reuse(found, full, shape, req_dtype, partitioner is not None)
-        return found
-    if reuse is True:
-        raise VariableScopeError(
-            f"Variable {full!r} does not exist, or was not created with get_variable(). Did "
-            "you mean to set reuse=AUTO_REUSE in variable_scope?"
+        if initializer is None:
+            initializer = scope.initializer
+        from_value = initializer is not None and (
+            isinstance(initializer, Variable) or not callable(initializer)
         )
-    if initializer is None:
-        initializer = scope.initializer
-    from_value = initializer is not None and (
-        isinstance(initializer, Variable) or not callable(initializer)
-    )
-    kwargs: dict[str, Any] = {
-        "trainable": trainable, "device": device, "constraint": constraint,
-        "collections": collections, "validate_shape": validate_shape, "lazy": lazy,
-    }
-    if partitioner is not None:
-        created: Any = make_partitioned(
-            full, shape, req_dtype, initializer, from_value, partitioner,
-            make_part=lambda part, initial, dt, part_shape, info: _new_variable(
-                graph, state, part, initial, dt, part_shape, info, kwargs),
-            default_initializer=_default_initializer, bind=bind_initializer,
-        )
-    elif from_value:
-        if shape is not None:
-            raise VariableScopeError(
-                f"Variable {full!r}: if the initializer is a constant value, do not specify "
-                "shape."
+        kwargs: dict[str, Any] = {
+            "trainable": trainable, "device": device, "constraint": constraint,
+            "collections": collections, "validate_shape": validate_shape, "lazy": lazy,
+        }
+        if partitioner is not None:
+            created: Any = make_partitioned(
+                full, shape, req_dtype, initializer, from_value, partitioner,
+                make_part=lambda part, initial, dt, part_shape, info: _new_variable(
+                    graph, state, part, initial, dt, part_shape, info, kwargs),
+                default_initializer=_default_initializer, bind=bind_initializer,
             )
-        created = _new_variable(graph, state, full, initializer, req_dtype, None, None, kwargs)
-    else:
-        dt = as_dtype(req_dtype if req_dtype is not None else "float32")
-        var_shape = defined_shape(shape, f"a new variable ({full!r})")
-        init = initializer if initializer is not None else _default_initializer(dt, full)
-        bound = bind_initializer(init, var_shape, dt)
-        created = _new_variable(graph, state, full, bound, dt, var_shape, None, kwargs)
-    state.keep(full, created)
-    return created
+        elif from_value:
+            if shape is not None:
+                raise VariableScopeError(
+                    f"Variable {full!r}: if the initializer is a constant value, do not specify "
+                    "shape."
+                )
+            created = _new_variable(graph, state, full, initializer, req_dtype, None, None, kwargs)
+        else:
+            dt = as_dtype(req_dtype if req_dtype is not None else "float32")
+            var_shape = defined_shape(shape, f"a new variable ({full!r})")
+            init = initializer if initializer is not None else _default_initializer(dt, full)
+            bound = bind_initializer(init, var_shape, dt)
+            created = _new_variable(graph, state, full, bound, dt, var_shape, None, kwargs)
+        state.keep(full, created)
+        return created
 
 
 def _new_variable(graph: Graph, state: _Tf1State, full: str, initial: Any, dtype: Any,
