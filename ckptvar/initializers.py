@@ -99,7 +99,10 @@ class Initializer:
 
     kinds = "fc"  # the NumPy dtype kinds this initializer can produce
 
-    def __call__(self, shape: Any, dtype: Any = None) -> np.ndarray:
+    def __call__(self, shape: Any, dtype: Any = None, partition_info: Any = None) -> np.ndarray:
+        """An array of ``shape`` and ``dtype`` (default float32). ``partition_info`` (what
+        ``get_variable`` passes for one part of a partitioned variable, with ``full_shape``)
+        makes the fan-based initializers scale by the whole variable's fans, as TF1 does."""
         shape = _as_shape(shape)
         dt = as_dtype("float32" if dtype is None else dtype)
         kind = kind_of(dt) or dt.kind  # bfloat16 and float8 are floats, int4 an integer
@@ -108,11 +111,18 @@ class Initializer:
                 f"{type(self).__name__} cannot produce dtype {dtype_name(dt)}; "
                 f"it supports kinds {self.kinds!r} (f=float, i/u=int, b=bool, c=complex)."
             )
-        out = self._generate(shape, dt)
+        if partition_info is None:
+            out = self._generate(shape, dt)
+        else:
+            out = self._generate_part(shape, dt, _as_shape(partition_info.full_shape))
         return np.asarray(out, dtype=dt, order="C")  # (ascontiguousarray would make 0-d 1-d)
 
     def _generate(self, shape: Shape, dtype: np.dtype) -> np.ndarray:
         raise NotImplementedError
+
+    def _generate_part(self, shape: Shape, dtype: np.dtype, full_shape: Shape) -> np.ndarray:
+        """One part of a partitioned variable of ``full_shape`` (most initializers: as any)."""
+        return self._generate(shape, dtype)
 
     def get_config(self) -> dict[str, Any]:
         """The parameters this initializer was made with."""
@@ -271,7 +281,11 @@ class VarianceScaling(Initializer):
         self.scale, self.mode, self.distribution, self.seed = scale, mode, distribution, seed
 
     def _generate(self, shape: Shape, dtype: np.dtype) -> np.ndarray:
-        fan_in, fan_out = compute_fans(shape)
+        return self._generate_part(shape, dtype, shape)
+
+    def _generate_part(self, shape: Shape, dtype: np.dtype, full_shape: Shape) -> np.ndarray:
+        # a part of a partitioned variable scales by the whole one's fans (TF1's scale_shape)
+        fan_in, fan_out = compute_fans(full_shape)
         n = {"fan_in": fan_in, "fan_out": fan_out, "fan_avg": (fan_in + fan_out) / 2.0}[self.mode]
         variance = self.scale / max(1.0, n)
         rng = _rng(self.seed)
@@ -369,7 +383,7 @@ class _Factory:
         if args and self._shape_first != "never" and _looks_like_shape(
             args[0], ints_too=self._shape_first == "always"
         ):
-            if len(args) > 2 or set(kwargs) - {"dtype"}:
+            if len(args) > 2 or set(kwargs) - {"dtype", "partition_info"}:
                 raise TypeError(f"{self.__name__}(shape, dtype) takes no other arguments.")
             return self._cls()(*args, **kwargs)
         return self._cls(*args, **kwargs)

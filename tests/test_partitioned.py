@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import pickle
 
 import numpy as np
@@ -249,3 +250,24 @@ def test_an_assign_a_part_constraint_refuses_changes_no_part() -> None:
     assert np.asarray(t).tolist() == [0.0, 0.0, 0.0, 0.0]
     t.assign([1.0, 2.0, 3.0, 4.0])
     assert np.asarray(t).tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize(
+    ("initializer", "bound"),
+    [
+        (None, math.sqrt(6 / (1000 + 64))),  # get_variable's default: glorot_uniform
+        (cv.initializers.glorot_uniform, math.sqrt(6 / (1000 + 64))),
+        (cv.initializers.variance_scaling(2.0, "fan_in", "uniform", seed=3),
+         math.sqrt(3 * 2.0 / 1000)),
+    ],
+)
+def test_fan_based_initializers_scale_a_part_by_the_whole_variable(initializer, bound) -> None:
+    # TF1's VarianceScaling takes its fans from partition_info.full_shape: each part drew
+    # from the part's fans, (250, 64) here, nearly twice as wide as the unpartitioned table
+    with cv.variable_scope("emb", partitioner=cv.fixed_size_partitioner(4)):
+        table = cv.get_variable("table", shape=(1000, 64), initializer=initializer)
+    value = np.asarray(table)
+    assert np.abs(value).max() <= bound
+    assert np.abs(value).max() > 0.95 * bound  # and fills the whole range, part by part
+    for part in table:
+        assert np.abs(part.numpy()).max() > 0.9 * bound

@@ -287,7 +287,10 @@ def bind_initializer(initializer: Any, shape: tuple[int, ...], dtype: np.dtype,
     init = initializer() if isinstance(initializer, type) else initializer
     kwargs: dict[str, Any] = {"dtype": dtype}
     own = isinstance(init, _init.Initializer) or getattr(init, "__module__", "") == _init.__name__
-    if not own:
+    if own:
+        if partition_info is not None:  # the fan-based ones scale by the whole variable
+            kwargs["partition_info"] = partition_info
+    else:
         if _accepts(init, "partition_info"):
             kwargs["partition_info"] = partition_info
         try:
