@@ -386,6 +386,12 @@ class _Factory:
             if len(args) > 2 or set(kwargs) - {"dtype", "partition_info"}:
                 raise TypeError(f"{self.__name__}(shape, dtype) takes no other arguments.")
             return self._cls()(*args, **kwargs)
+        if args and self._shape_first != "never" and isinstance(args[0], tuple | list):
+            # meant as a shape, but not one: "Zeros() takes no arguments" would not say so
+            raise ValueError(
+                f"{self.__name__}({args[0]!r}): a shape is a tuple or list of non-negative "
+                "ints (an initializer makes a fully defined shape, no None)."
+            )
         return self._cls(*args, **kwargs)
 
     def __repr__(self) -> str:

@@ -188,3 +188,13 @@ def test_unseeded_initializers_differ() -> None:
 def test_repr() -> None:
     assert repr(I.random_normal(mean=1.0)) == "RandomNormal(mean=1.0, stddev=1.0, seed=None)"
     assert "glorot_uniform" in repr(I.glorot_uniform)
+
+
+@pytest.mark.parametrize("name", ["zeros", "ones", "glorot_uniform", "he_normal", "orthogonal",
+                                  "random_normal", "random_uniform", "truncated_normal"])
+@pytest.mark.parametrize("shape", [(2, None), [2.0, 3], ("2",)])
+def test_a_shape_that_is_not_one_is_said_to_be_so(name, shape) -> None:
+    # zeros((2, None)) said "Zeros() takes no arguments"; glorot_uniform((2.0, 3)) made an
+    # initializer seeded with the tuple, failing only when called
+    with pytest.raises(ValueError, match=r"a shape is a tuple or list of non-negative ints"):
+        getattr(I, name)(shape)
