@@ -195,6 +195,13 @@ class RandomUniform(Initializer):
         if dtype.kind in "iu":
             if self.maxval is None:
                 raise ValueError("random_uniform needs maxval for an integer dtype.")
+            for bound in (self.minval, self.maxval):
+                if float(bound) != int(bound):  # int() would truncate it silently
+                    raise TypeError(
+                        f"random_uniform({self.minval!r}, {self.maxval!r}) for dtype "
+                        f"{dtype_name(dtype)}: the bounds of an integer range are integers, "
+                        f"not {bound!r}."
+                    )
             return rng.integers(int(self.minval), int(self.maxval), size=shape, dtype=dtype)
         high = 1.0 if self.maxval is None else self.maxval
         return rng.uniform(self.minval, high, size=shape)

@@ -198,3 +198,14 @@ def test_a_shape_that_is_not_one_is_said_to_be_so(name, shape) -> None:
     # initializer seeded with the tuple, failing only when called
     with pytest.raises(ValueError, match=r"a shape is a tuple or list of non-negative ints"):
         getattr(I, name)(shape)
+
+
+def test_random_uniform_integer_bounds_are_never_truncated() -> None:
+    # random_uniform(0.5, 2.7) for int32 drew from [0, 2): 2 never came out
+    with pytest.raises(TypeError, match="not 0.5"):
+        I.random_uniform(0.5, 3)((4,), "int32")
+    with pytest.raises(TypeError, match="not 2.7"):
+        I.random_uniform(0, 2.7)((4,), "int64")
+    drawn = I.random_uniform(1.0, 3, seed=0)((200,), "int32")
+    assert set(drawn.tolist()) == {1, 2}
+    assert I.random_uniform(0.5, 2.7, seed=0)((3,), "float32").min() >= 0.5
