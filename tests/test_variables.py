@@ -736,3 +736,25 @@ def test_a_copy_read_beside_writes_is_never_torn(read) -> None:
         stop.set()
         writer.join(10)
     assert torn == 0
+
+
+def test_deepcopy_of_an_uninitialized_variable_is_uninitialized_and_apart() -> None:
+    # deepcopy (of a model built under deferred_init, say) raised UninitializedVariableError
+    import copy
+
+    source = np.array([1.0, 2.0])
+    with cv.deferred_init():
+        kernel = cv.Variable(cv.initializers.ones, shape=(2, 2), name="kernel")
+        bias = cv.Variable(source, name="bias")
+    model = {"kernel": kernel, "bias": bias}
+    twin = copy.deepcopy(model)
+    assert not twin["kernel"].initialized and not twin["bias"].initialized
+    assert twin["kernel"].name == "kernel" and twin["kernel"].shape == (2, 2)
+    twin["kernel"].initialize()
+    twin["bias"].initialize()
+    assert twin["kernel"].numpy().tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    assert not kernel.initialized and not bias.initialized  # the originals are untouched
+    bias.initialize()
+    assert not np.shares_memory(bias.value(), twin["bias"].value())
+    twin["bias"].assign_add([1.0, 1.0])
+    assert bias.numpy().tolist() == [1.0, 2.0] and twin["bias"].numpy().tolist() == [2.0, 3.0]

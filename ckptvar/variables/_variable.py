@@ -473,9 +473,21 @@ class Variable(WriteBehaviour, ArrayBehaviour):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
         """A new variable with a copy of the value, the same name, settings and collections
-        (and ``save_slice_info``: a copied partition is still that part of the whole)."""
+        (and ``save_slice_info``: a copied partition is still that part of the whole). An
+        uninitialized variable's copy is uninitialized too, with its own initial value."""
+        initial: Any = self
+        state = self._state
+        if isinstance(state, Unset):  # no value to copy: the copy initializes as this one would
+            if not fully_defined(self._shape):
+                raise UninitializedVariableError(
+                    f"Cannot deep-copy variable {self._name!r}: it is uninitialized and its "
+                    f"shape {shape_str(self._shape)} is not fully defined; initialize it first."
+                )
+            init, dt, name = state.init, self._dtype, self._name
+            initial = FreshValue(lambda: _convert_initial(init(), dt, name))
         new = Variable(
-            self,
+            initial,
+            lazy=initial is not self,
             name=self._name + "/",  # exactly the same name
             dtype=self._dtype,
             shape=self._shape,
