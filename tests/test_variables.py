@@ -671,6 +671,20 @@ def test_a_ragged_nested_list_is_a_shape_error_naming_the_variable() -> None:
     assert cv.global_variables() == [v]  # the refused one took no name
 
 
+
+@pytest.mark.parametrize("shape", [(2.5,), [2.7, 3], ("3",), np.array([2.0, 3.0])])
+def test_a_shape_with_an_entry_that_is_not_an_int_is_refused_not_truncated(shape) -> None:
+    # shape=(2.5,) made a (2,) variable, ("3",) a (3,) one, as TensorFlow's TensorShape refuses
+    with pytest.raises(ValueError, match="A shape is a tuple of ints"):
+        cv.Variable(cv.initializers.zeros, shape=shape)
+    with pytest.raises(ValueError, match="tuple of ints"):
+        cv.get_variable("w", shape=shape)
+    with pytest.raises(ValueError, match="tuple of ints"):
+        cv.initializers.zeros._cls()(shape)
+    assert cv.global_variables() == []
+    assert cv.Variable(cv.initializers.zeros, shape=(np.int64(2), 3)).shape == (2, 3)
+
+
 # --- threads ---------------------------------------------------------------------------------
 
 
