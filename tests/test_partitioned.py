@@ -271,3 +271,13 @@ def test_fan_based_initializers_scale_a_part_by_the_whole_variable(initializer, 
     assert np.abs(value).max() > 0.95 * bound  # and fills the whole range, part by part
     for part in table:
         assert np.abs(part.numpy()).max() > 0.9 * bound
+
+
+def test_report_uninitialized_variables_takes_a_partitioned_variable() -> None:
+    # AttributeError: 'PartitionedVariable' object has no attribute 'initialized'
+    with cv.deferred_init(), cv.variable_scope("e", partitioner=cv.fixed_size_partitioner(2)):
+        table = cv.get_variable("t", shape=(4,))
+    plain = cv.Variable(1.0, name="plain")
+    assert cv.report_uninitialized_variables([table, plain]) == ["e/t/part_0", "e/t/part_1"]
+    next(iter(table)).initialize()
+    assert cv.report_uninitialized_variables([table]) == ["e/t/part_1"]

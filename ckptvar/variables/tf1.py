@@ -456,8 +456,11 @@ def global_variables_initializer() -> list[Variable]:
     return done
 
 
-def report_uninitialized_variables(var_list: Sequence[Variable] | None = None) -> list[str]:
-    """The names of the variables (global and local by default) that have no value yet."""
+def report_uninitialized_variables(
+    var_list: Sequence[Variable | PartitionedVariable] | None = None,
+) -> list[str]:
+    """The names of the variables (global and local by default) that have no value yet;
+    a :class:`~ckptvar.PartitionedVariable` in ``var_list`` stands for its parts."""
     if var_list is None:
         graph = get_default_graph()
         seen: dict[int, Variable] = {}
@@ -466,4 +469,6 @@ def report_uninitialized_variables(var_list: Sequence[Variable] | None = None) -
                 if isinstance(v, Variable):
                     seen.setdefault(id(v), v)
         var_list = list(seen.values())
-    return [v.name for v in var_list if not v.initialized]
+    flat = [part for v in var_list
+            for part in (v if isinstance(v, PartitionedVariable) else (v,))]
+    return [v.name for v in flat if not v.initialized]
