@@ -55,6 +55,7 @@ __all__ = [
     "orthogonal",
     "random_normal",
     "random_uniform",
+    "returns_new_arrays",
     "truncated_normal",
     "variance_scaling",
     "zeros",
@@ -443,6 +444,19 @@ def is_initializer(obj: Any) -> bool:
         if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
     return bool(required)
+
+
+def returns_new_arrays(obj: Any) -> bool:
+    """Whether ``obj`` is one of ckptvar's initializers (an instance, factory or class),
+    whose every call returns a new array a variable may adopt without a copy; a user's
+    initializer may return an array it keeps.
+
+    >>> returns_new_arrays(zeros), returns_new_arrays(GlorotUniform), returns_new_arrays(len)
+    (True, True, False)
+    """
+    if isinstance(obj, type):
+        return issubclass(obj, Initializer)
+    return isinstance(obj, Initializer | _Factory)
 
 
 def call_initializer(init: Any, shape: Shape, dtype: np.dtype) -> Any:

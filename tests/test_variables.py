@@ -685,6 +685,32 @@ def test_a_shape_with_an_entry_that_is_not_an_int_is_refused_not_truncated(shape
     assert cv.Variable(cv.initializers.zeros, shape=(np.int64(2), 3)).shape == (2, 3)
 
 
+
+def test_an_initializer_returning_an_array_it_keeps_shares_no_memory() -> None:
+    # the array was adopted as it was: every variable made from the initializer, and the
+    # user's array, were one buffer, and a write to one changed the others unseen
+    kept = np.zeros(2, np.float32)
+
+    def init(shape, dtype=None):  # type: ignore[no-untyped-def]
+        return kept
+
+    class Init:
+        def __call__(self, shape, dtype=None):  # type: ignore[no-untyped-def]
+            return kept
+
+    made = [
+        cv.get_variable("a", shape=(2,), initializer=init),
+        cv.get_variable("b", shape=(2,), initializer=Init()),
+        cv.Variable(init, shape=(2,), dtype="float32", name="c"),
+        cv.Variable(Init(), shape=(2,), dtype="float32", name="d"),
+        cv.Module(name="m").add_variable("e", (2,), initializer=init),
+    ]
+    for v in made:
+        v.assign_add([1.0, 1.0])
+    assert kept.tolist() == [0.0, 0.0]
+    assert [v.numpy().tolist() for v in made] == [[1.0, 1.0]] * len(made)
+
+
 # --- threads ---------------------------------------------------------------------------------
 
 

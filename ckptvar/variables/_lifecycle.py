@@ -69,12 +69,15 @@ class FreshValue:
 
     ``Variable(FreshValue(fn), shape=..., dtype=...)`` calls ``fn()`` at the first use,
     without copying its result on the CPU (``get_variable`` binds initializers this way).
+    With ``owned=False`` the result may be an array someone else holds (a user's
+    initializer may return one it keeps): the variable copies it.
     """
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "owned")
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
+    def __init__(self, fn: Callable[[], Any], *, owned: bool = True) -> None:
         self.fn = fn
+        self.owned = owned
 
     def __call__(self) -> Any:
         return self.fn()

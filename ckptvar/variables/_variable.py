@@ -558,9 +558,11 @@ def _initial_value(initial_value: Any, dtype: Any, req_shape: Shape, shape: Any,
                 f"{name or 'Variable'!r}, got shape={shape!r}."
             )
         if isinstance(initial_value, FreshValue):
-            return _Initial(dt, None, initial_value.fn, True)
+            return _Initial(dt, None, initial_value.fn, initial_value.owned)
         init, init_shape = initial_value, defined_dims(req_shape)
-        return _Initial(dt, None, lambda: _init.call_initializer(init, init_shape, dt), True)
+        # ckptvar's initializers make a new array; a user's may return one it keeps: copied
+        return _Initial(dt, None, lambda: _init.call_initializer(init, init_shape, dt),
+                        _init.returns_new_arrays(init))
     if callable(initial_value) and not hasattr(initial_value, "__array__"):
         # An initial-value function: called with no arguments, as TensorFlow does.
         if dtype is not None and fully_defined(req_shape):

@@ -303,7 +303,7 @@ def bind_initializer(initializer: Any, shape: tuple[int, ...], dtype: np.dtype,
             ) from None
         except ValueError:  # no signature to check (a builtin): call it and see
             pass
-    return FreshValue(lambda: init(tuple(shape), **kwargs))
+    return FreshValue(lambda: init(tuple(shape), **kwargs), owned=_init.returns_new_arrays(init))
 
 
 def _check_reuse(found: Variable | PartitionedVariable, full: str, shape: Any,
