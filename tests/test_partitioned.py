@@ -150,6 +150,8 @@ def test_one_part_is_still_partitioned_and_named_part_0() -> None:
         (lambda shape, dtype: [2], (4, 4), "one entry per dimension"),
         (lambda shape, dtype: [0, 1], (4, 4), "zero parts"),
         (lambda shape, dtype: [9, 1], (4, 4), "only 4 rows"),
+        (lambda shape, dtype: [2.5, 1], (4, 4), r"returned \[2\.5, 1\], not a list of ints"),
+        (lambda shape, dtype: ["2", 1], (4, 4), "not a list of ints"),
         (cv.fixed_size_partitioner(2), (), "rank at least 1"),
         (cv.fixed_size_partitioner(2), (None, 3), "fully defined"),
     ],
