@@ -152,6 +152,7 @@ def test_one_part_is_still_partitioned_and_named_part_0() -> None:
         (lambda shape, dtype: [9, 1], (4, 4), "only 4 rows"),
         (lambda shape, dtype: [2.5, 1], (4, 4), r"returned \[2\.5, 1\], not a list of ints"),
         (lambda shape, dtype: ["2", 1], (4, 4), "not a list of ints"),
+        (cv.fixed_size_partitioner(2, axis=1), (4,), r"along axis 1 when shape is only \(4,\)"),
         (cv.fixed_size_partitioner(2), (), "rank at least 1"),
         (cv.fixed_size_partitioner(2), (None, 3), "fully defined"),
     ],

@@ -175,6 +175,11 @@ def fixed_size_partitioner(num_shards: int, axis: int = 0) -> Partitioner:
     """``num_shards`` parts along ``axis`` (fewer when the axis is shorter)."""
 
     def partitioner(shape: Sequence[int], **unused: Any) -> list[int]:
+        if not -len(shape) <= axis < len(shape):
+            raise VariableScopeError(
+                f"Can not partition variable along axis {axis} when shape is only "
+                f"{tuple(shape)}."
+            )
         partitions = [1] * len(shape)
         partitions[axis] = min(num_shards, int(shape[axis]))
         return partitions
