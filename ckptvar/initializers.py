@@ -30,6 +30,7 @@ import numpy as np
 
 from ._dims import as_dims
 from ._dtypes import as_dtype, check_value_castable, dtype_name, kind_of
+from .errors import DTypeLockError
 
 __all__ = [
     "Constant",
@@ -45,6 +46,7 @@ __all__ = [
     "VarianceScaling",
     "Zeros",
     "call_initializer",
+    "check_produces",
     "compute_fans",
     "constant",
     "glorot_normal",
@@ -106,12 +108,7 @@ class Initializer:
         makes the fan-based initializers scale by the whole variable's fans, as TF1 does."""
         shape = _as_shape(shape)
         dt = as_dtype("float32" if dtype is None else dtype)
-        kind = kind_of(dt) or dt.kind  # bfloat16 and float8 are floats, int4 an integer
-        if kind not in self.kinds:
-            raise TypeError(
-                f"{type(self).__name__} cannot produce dtype {dtype_name(dt)}; "
-                f"it supports kinds {self.kinds!r} (f=float, i/u=int, b=bool, c=complex)."
-            )
+        check_produces(self, dt)
         if partition_info is None:
             out = self._generate(shape, dt)
         else:
@@ -444,6 +441,29 @@ def is_initializer(obj: Any) -> bool:
         if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
     return bool(required)
+
+
+def check_produces(init: Any, dtype: Any, what: str = "") -> None:
+    """Raise :class:`~ckptvar.errors.DTypeLockError` (a ``TypeError``) when ``init``, one
+    of ckptvar's initializers (an instance, factory or class), cannot produce ``dtype``
+    (``glorot_uniform`` makes floats only); ``what`` says for what (a variable). Any other
+    callable is not checked.
+
+    >>> check_produces(zeros, "int32"); check_produces(glorot_uniform, "int32", "'k'")
+    Traceback (most recent call last):
+    ...
+    ckptvar.errors.DTypeLockError: 'k': GlorotUniform cannot produce dtype int32; it supports kinds 'f' (f=float, i/u=int, b=bool, c=complex).
+    """
+    cls = init._cls if isinstance(init, _Factory) else init if isinstance(init, type) else type(init)
+    if not issubclass(cls, Initializer):
+        return
+    dt = as_dtype(dtype)
+    if (kind_of(dt) or dt.kind) not in cls.kinds:  # bfloat16, float8: floats; int4: an integer
+        raise DTypeLockError(
+            f"{what + ': ' if what else ''}{cls.__name__} cannot produce dtype "
+            f"{dtype_name(dt)}; it supports kinds {cls.kinds!r} (f=float, i/u=int, b=bool, "
+            "c=complex)."
+        )
 
 
 def returns_new_arrays(obj: Any) -> bool:

@@ -209,3 +209,23 @@ def test_random_uniform_integer_bounds_are_never_truncated() -> None:
     drawn = I.random_uniform(1.0, 3, seed=0)((200,), "int32")
     assert set(drawn.tolist()) == {1, 2}
     assert I.random_uniform(0.5, 2.7, seed=0)((3,), "float32").min() >= 0.5
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: cv.Variable(I.glorot_uniform, shape=(2, 3), dtype="int32", name="k"),
+        lambda: cv.Variable(I.random_normal(seed=1), shape=(2,), dtype="bool", name="k"),
+        lambda: cv.get_variable("k", shape=(2,), dtype="int32", initializer=I.he_normal),
+        lambda: cv.get_variable("k", shape=(4, 2), dtype="uint8", initializer=I.Orthogonal,
+                                partitioner=cv.fixed_size_partitioner(2)),
+        lambda: cv.Module(name="m").add_variable("k", (2,), dtype="int32",
+                                                  initializer=I.truncated_normal()),
+    ],
+)
+def test_an_initializer_that_cannot_make_the_dtype_is_refused_at_creation(make) -> None:
+    # the variable was made, and its first read raised a TypeError that named no variable
+    with pytest.raises(cv.errors.DTypeLockError, match=r"Cannot make (partitioned )?variable 'k'"
+                       r": \w+ cannot produce dtype"):
+        make()
+    assert cv.global_variables() == []

@@ -560,6 +560,7 @@ def _initial_value(initial_value: Any, dtype: Any, req_shape: Shape, shape: Any,
         if isinstance(initial_value, FreshValue):
             return _Initial(dt, None, initial_value.fn, initial_value.owned)
         init, init_shape = initial_value, defined_dims(req_shape)
+        _init.check_produces(init, dt, f"Cannot make variable {name or 'Variable'!r}")
         # ckptvar's initializers make a new array; a user's may return one it keeps: copied
         return _Initial(dt, None, lambda: _init.call_initializer(init, init_shape, dt),
                         _init.returns_new_arrays(init))

@@ -24,6 +24,7 @@ import numpy as np
 
 from .._dtypes import as_dtype, dtype_name, infer_dtype
 from ..errors import ShapeLockError, VariableScopeError
+from ..initializers import check_produces
 from ._lifecycle import convert_value
 from ._shapes import defined_dims, fully_defined, normalize_shape
 from ._slices import SaveSliceInfo
@@ -322,6 +323,7 @@ def make_partitioned(
     axis, n = _check_partitions(full, partitions, full_shape)
     init = None if from_value else (
         initializer if initializer is not None else default_initializer(dt, full))
+    check_produces(init, dt, f"Cannot make partitioned variable {full!r}")
     parts: list[Variable] = []
     start = 0
     for i, size in enumerate(part_sizes(full_shape[axis], n)):

@@ -421,6 +421,7 @@ def get_variable(
             dt = as_dtype(req_dtype if req_dtype is not None else "float32")
             var_shape = defined_shape(shape, f"a new variable ({full!r})")
             init = initializer if initializer is not None else _default_initializer(dt, full)
+            _init.check_produces(init, dt, f"Cannot make variable {full!r}")
             bound = bind_initializer(init, var_shape, dt)
             created = _new_variable(graph, state, full, bound, dt, var_shape, None, kwargs)
         state.keep(full, created)
