@@ -260,12 +260,16 @@ def check_value_castable(value: Any, dst: np.dtype, *, what: str = "value") -> N
     weak = not hasattr(value, "dtype")
     std = src.kind in _KIND_RANK and dst.kind in _KIND_RANK
     if weak and std and _KIND_RANK[src.kind] <= _KIND_RANK[dst.kind]:
-        if src.kind in "iu" and dst.kind in "iu" and (dst.itemsize < 8 or dst.kind == "u"):
+        # (src is int64 only for a Python int beyond int32: one may be beyond int64 too)
+        if src.kind in "iu" and dst.kind in "iu" and (dst.itemsize < 8 or dst.kind == "u"
+                                                      or src.itemsize == 8):
             if type(value) is int:  # a step counter's += 1: no array made
                 info = _IINFO.get(dst) or _IINFO.setdefault(dst, np.iinfo(dst))
                 if info.min <= value <= info.max:
                     return
-            check_int_range(np.asarray(value), dst, what)
+            # beyond int32, exactly (NumPy would make [2**63, 0] float64)
+            check_int_range(np.asarray(value, dtype=object if src.itemsize == 8 else None),
+                            dst, what)
         return
     check_castable(src, dst, what=what)
     if src.kind in "iu" and dst.kind in "iu" and not np.can_cast(src, dst, casting="safe"):
@@ -284,10 +288,18 @@ def check_int_range(value: Any, dst: np.dtype, what: str) -> None:
     ...
     ckptvar.errors.DTypeLockError: Cannot convert 'v' to dtype int8: 1000 is outside its range [-128, 127] (the cast would wrap it).
     """
-    if value.dtype.kind not in "iu" or not value.size:  # an object array: NumPy itself refuses
+    if not value.size:
+        return
+    if value.dtype == object:  # Python ints beyond 64 bits; anything else NumPy itself refuses
+        items = value.ravel().tolist()
+        if not all(type(i) is int for i in items):
+            return
+        lo, hi = min(items), max(items)
+    elif value.dtype.kind in "iu":
+        lo, hi = int(value.min()), int(value.max())
+    else:
         return
     info = np.iinfo(dst)
-    lo, hi = int(value.min()), int(value.max())
     if lo < info.min or hi > info.max:
         bad = lo if lo < info.min else hi
         raise DTypeLockError(

@@ -106,6 +106,7 @@ class Device:
 _probe_lock = threading.Lock()
 _cupy_module: ModuleType | None = None
 _gpu_count: int | None = None
+_no_gpu_reason = ""  # why gpu_count() is 0, for a DeviceError
 
 
 def cupy_or_none() -> ModuleType | None:
@@ -115,7 +116,7 @@ def cupy_or_none() -> ModuleType | None:
 
 def gpu_count() -> int:
     """How many CUDA devices CuPy sees (0 without CuPy or without a driver); cached."""
-    global _cupy_module, _gpu_count
+    global _cupy_module, _gpu_count, _no_gpu_reason
     if _gpu_count is None:
         with _probe_lock:
             if _gpu_count is None:
@@ -125,8 +126,15 @@ def gpu_count() -> int:
 
                     count = int(cupy.cuda.runtime.getDeviceCount())
                     _cupy_module = cupy
-                except Exception:  # noqa: BLE001 - ImportError, or any CUDA runtime/driver error
+                    if not count:
+                        _no_gpu_reason = "CuPy found no CUDA device"
+                except ImportError as exc:
+                    _no_gpu_reason = (f"CuPy is not installed (pip install 'ckptvar[gpu]'; "
+                                      f"import cupy said: {exc})")
+                except Exception as exc:  # noqa: BLE001 - any CUDA runtime or driver error
                     count = 0
+                    _no_gpu_reason = ("CuPy found no usable CUDA device "
+                                      f"({type(exc).__name__}: {exc})")
                 _gpu_count = count
     return _gpu_count
 
@@ -140,9 +148,10 @@ def _check_exists(dev: Device, spec: Any) -> Device:
     if (dev.kind == "CPU" and dev.index == 0) or (dev.is_gpu and dev.index < gpu_count()):
         return dev
     shown = spec if isinstance(spec, str) else str(spec)
+    why = f" No GPU can be used: {_no_gpu_reason}." if dev.is_gpu and not gpu_count() else ""
     raise DeviceError(
         f"Device {shown!r} ({dev}) does not exist here; available devices: "
-        f"{', '.join(list_devices())}."
+        f"{', '.join(list_devices())}.{why}"
     )
 
 

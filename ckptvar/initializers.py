@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from ._dims import as_dims
-from ._dtypes import as_dtype, dtype_name, kind_of
+from ._dtypes import as_dtype, check_value_castable, dtype_name, kind_of
+from .errors import DTypeLockError
 
 __all__ = [
     "Constant",
@@ -45,6 +46,7 @@ __all__ = [
     "VarianceScaling",
     "Zeros",
     "call_initializer",
+    "check_produces",
     "compute_fans",
     "constant",
     "glorot_normal",
@@ -55,6 +57,7 @@ __all__ = [
     "orthogonal",
     "random_normal",
     "random_uniform",
+    "returns_new_arrays",
     "truncated_normal",
     "variance_scaling",
     "zeros",
@@ -99,20 +102,25 @@ class Initializer:
 
     kinds = "fc"  # the NumPy dtype kinds this initializer can produce
 
-    def __call__(self, shape: Any, dtype: Any = None) -> np.ndarray:
+    def __call__(self, shape: Any, dtype: Any = None, partition_info: Any = None) -> np.ndarray:
+        """An array of ``shape`` and ``dtype`` (default float32). ``partition_info`` (what
+        ``get_variable`` passes for one part of a partitioned variable, with ``full_shape``)
+        makes the fan-based initializers scale by the whole variable's fans, as TF1 does."""
         shape = _as_shape(shape)
         dt = as_dtype("float32" if dtype is None else dtype)
-        kind = kind_of(dt) or dt.kind  # bfloat16 and float8 are floats, int4 an integer
-        if kind not in self.kinds:
-            raise TypeError(
-                f"{type(self).__name__} cannot produce dtype {dtype_name(dt)}; "
-                f"it supports kinds {self.kinds!r} (f=float, i/u=int, b=bool, c=complex)."
-            )
-        out = self._generate(shape, dt)
+        check_produces(self, dt)
+        if partition_info is None:
+            out = self._generate(shape, dt)
+        else:
+            out = self._generate_part(shape, dt, _as_shape(partition_info.full_shape))
         return np.asarray(out, dtype=dt, order="C")  # (ascontiguousarray would make 0-d 1-d)
 
     def _generate(self, shape: Shape, dtype: np.dtype) -> np.ndarray:
         raise NotImplementedError
+
+    def _generate_part(self, shape: Shape, dtype: np.dtype, full_shape: Shape) -> np.ndarray:
+        """One part of a partitioned variable of ``full_shape`` (most initializers: as any)."""
+        return self._generate(shape, dtype)
 
     def get_config(self) -> dict[str, Any]:
         """The parameters this initializer was made with."""
@@ -142,7 +150,11 @@ class Ones(Initializer):
 
 
 class Constant(Initializer):
-    """Fills with ``value``: a scalar, or an array broadcastable to the shape."""
+    """Fills with ``value``: a scalar, or an array broadcastable to the shape.
+
+    ``value`` converts to the dtype asked for by the ``same_kind`` rule of every write
+    (``1.5`` into int32, ``-1`` into uint8: :class:`~ckptvar.errors.DTypeLockError`).
+    """
 
     kinds = "biufc"
 
@@ -150,6 +162,7 @@ class Constant(Initializer):
         self.value = value
 
     def _generate(self, shape: Shape, dtype: np.dtype) -> np.ndarray:
+        check_value_castable(self.value, dtype, what=f"constant({self.value!r})")
         value = np.asarray(self.value)
         if value.size == 1:
             return np.full(shape, value.reshape(()), dtype=dtype)
@@ -180,6 +193,13 @@ class RandomUniform(Initializer):
         if dtype.kind in "iu":
             if self.maxval is None:
                 raise ValueError("random_uniform needs maxval for an integer dtype.")
+            for bound in (self.minval, self.maxval):
+                if float(bound) != int(bound):  # int() would truncate it silently
+                    raise TypeError(
+                        f"random_uniform({self.minval!r}, {self.maxval!r}) for dtype "
+                        f"{dtype_name(dtype)}: the bounds of an integer range are integers, "
+                        f"not {bound!r}."
+                    )
             return rng.integers(int(self.minval), int(self.maxval), size=shape, dtype=dtype)
         high = 1.0 if self.maxval is None else self.maxval
         return rng.uniform(self.minval, high, size=shape)
@@ -266,7 +286,11 @@ class VarianceScaling(Initializer):
         self.scale, self.mode, self.distribution, self.seed = scale, mode, distribution, seed
 
     def _generate(self, shape: Shape, dtype: np.dtype) -> np.ndarray:
-        fan_in, fan_out = compute_fans(shape)
+        return self._generate_part(shape, dtype, shape)
+
+    def _generate_part(self, shape: Shape, dtype: np.dtype, full_shape: Shape) -> np.ndarray:
+        # a part of a partitioned variable scales by the whole one's fans (TF1's scale_shape)
+        fan_in, fan_out = compute_fans(full_shape)
         n = {"fan_in": fan_in, "fan_out": fan_out, "fan_avg": (fan_in + fan_out) / 2.0}[self.mode]
         variance = self.scale / max(1.0, n)
         rng = _rng(self.seed)
@@ -364,9 +388,15 @@ class _Factory:
         if args and self._shape_first != "never" and _looks_like_shape(
             args[0], ints_too=self._shape_first == "always"
         ):
-            if len(args) > 2 or set(kwargs) - {"dtype"}:
+            if len(args) > 2 or set(kwargs) - {"dtype", "partition_info"}:
                 raise TypeError(f"{self.__name__}(shape, dtype) takes no other arguments.")
             return self._cls()(*args, **kwargs)
+        if args and self._shape_first != "never" and isinstance(args[0], tuple | list):
+            # meant as a shape, but not one: "Zeros() takes no arguments" would not say so
+            raise ValueError(
+                f"{self.__name__}({args[0]!r}): a shape is a tuple or list of non-negative "
+                "ints (an initializer makes a fully defined shape, no None)."
+            )
         return self._cls(*args, **kwargs)
 
     def __repr__(self) -> str:
@@ -411,6 +441,42 @@ def is_initializer(obj: Any) -> bool:
         if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
     return bool(required)
+
+
+def check_produces(init: Any, dtype: Any, what: str = "") -> None:
+    """Raise :class:`~ckptvar.errors.DTypeLockError` (a ``TypeError``) when ``init``, one
+    of ckptvar's initializers (an instance, factory or class), cannot produce ``dtype``
+    (``glorot_uniform`` makes floats only); ``what`` says for what (a variable). Any other
+    callable is not checked.
+
+    >>> check_produces(zeros, "int32"); check_produces(glorot_uniform, "int32", "'k'")
+    Traceback (most recent call last):
+    ...
+    ckptvar.errors.DTypeLockError: 'k': GlorotUniform cannot produce dtype int32; it supports kinds 'f' (f=float, i/u=int, b=bool, c=complex).
+    """
+    cls = init._cls if isinstance(init, _Factory) else init if isinstance(init, type) else type(init)
+    if not issubclass(cls, Initializer):
+        return
+    dt = as_dtype(dtype)
+    if (kind_of(dt) or dt.kind) not in cls.kinds:  # bfloat16, float8: floats; int4: an integer
+        raise DTypeLockError(
+            f"{what + ': ' if what else ''}{cls.__name__} cannot produce dtype "
+            f"{dtype_name(dt)}; it supports kinds {cls.kinds!r} (f=float, i/u=int, b=bool, "
+            "c=complex)."
+        )
+
+
+def returns_new_arrays(obj: Any) -> bool:
+    """Whether ``obj`` is one of ckptvar's initializers (an instance, factory or class),
+    whose every call returns a new array a variable may adopt without a copy; a user's
+    initializer may return an array it keeps.
+
+    >>> returns_new_arrays(zeros), returns_new_arrays(GlorotUniform), returns_new_arrays(len)
+    (True, True, False)
+    """
+    if isinstance(obj, type):
+        return issubclass(obj, Initializer)
+    return isinstance(obj, Initializer | _Factory)
 
 
 def call_initializer(init: Any, shape: Shape, dtype: np.dtype) -> Any:

@@ -22,6 +22,7 @@ restore (restore as initialization).
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -91,16 +92,29 @@ class _ModuleNameScope:
     def __init__(self, name: str) -> None:
         with _name_scope(name) as scope:
             self._name = scope  # absolute, ends with "/"
-        self._stack: list[Any] = []
+        self._local = threading.local()  # each thread's open scopes: never another's
+
+    def _stack(self) -> list[Any]:
+        stack: list[Any] | None = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
 
     def __enter__(self) -> str:
         cm = _name_scope(self._name)
         entered = cm.__enter__()
-        self._stack.append(cm)
+        self._stack().append(cm)
         return entered
 
     def __exit__(self, *exc: Any) -> None:
-        self._stack.pop().__exit__(*exc)
+        self._stack().pop().__exit__(*exc)
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy or a pickle keeps the name only
+        return {"_name": self._name}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._name = state["_name"]
+        self._local = threading.local()
 
     def __repr__(self) -> str:
         return f"<name_scope {self._name!r}>"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 
 import numpy as np
@@ -53,6 +54,18 @@ def test_missing_device_error_lists_the_devices_that_exist() -> None:
         cv.Variable(1.0, device="cuda:7")
     with pytest.raises(cv.DeviceError):
         cv.device("CPU:1")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed")
+@pytest.mark.parametrize("spec", ["GPU:0", "cuda:0", "/device:GPU:0"])
+def test_a_gpu_without_cupy_says_cupy_is_not_installed(spec) -> None:
+    # it said only that the device does not exist, not why
+    said = r"does not exist here; available devices: CPU:0\. No GPU can be used: CuPy is not " \
+           r"installed \(pip install 'ckptvar\[gpu\]'"
+    with pytest.raises(cv.DeviceError, match=said):
+        cv.Variable(1.0, device=spec)
+    with pytest.raises(cv.DeviceError, match=said):
+        cv.device(spec)
 
 
 def test_cpu_placement_context_and_argument() -> None:

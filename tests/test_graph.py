@@ -396,3 +396,65 @@ def test_get_variable_refuses_an_initializer_it_cannot_call_with_shape_and_dtype
     with pytest.raises(VariableScopeError, match=r"initializer\(shape, dtype=...\)"):
         cv.get_variable("z", shape=(2,), initializer=lambda: np.zeros(2))
     assert cv.global_variables() == []
+
+
+@pytest.mark.parametrize("name", [None, "", 3])
+def test_get_variable_without_a_string_name_is_refused(name) -> None:
+    # None made a variable "Variable" (stored under None) and, in a scope, "s/None"
+    for scope in ("", "s"):
+        with cv.variable_scope(scope):
+            with pytest.raises(ValueError, match="get_variable needs a name: a non-empty string"):
+                cv.get_variable(name, shape=())
+    assert cv.global_variables() == []
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: cv.Variable(1.0, name="v", collections="mine"),
+     lambda: cv.get_variable("w", shape=(), collections="mine")],
+)
+def test_collections_given_as_one_string_are_refused_as_in_tensorflow(make) -> None:
+    # "mine" filed the variable under the collections "m", "i", "n" and "e"
+    with pytest.raises(ValueError, match="collections is a list, tuple or set"):
+        make()
+    assert cv.get_default_graph().get_all_collection_keys() == []
+    mine = cv.Variable(1.0, name="v", collections=("mine",))
+    assert cv.get_collection("mine") == [mine]
+
+
+@pytest.mark.parametrize("reuse", [cv.AUTO_REUSE, False])
+def test_get_variable_of_one_name_from_two_threads_makes_one_variable(reuse) -> None:
+    # both threads found no "shared/w" and each made one: "shared/w" and "shared/w_1"
+    from ckptvar.variables import register_creation_hook
+
+    inside, go = threading.Event(), threading.Event()
+
+    def hold_first(variable: cv.Variable) -> None:
+        if not inside.is_set():
+            inside.set()
+            assert go.wait(10)
+
+    got: list[object] = []
+
+    def ask() -> None:
+        with cv.variable_scope("shared", reuse=reuse):
+            try:
+                got.append(cv.get_variable("w", shape=(2,)))
+            except VariableScopeError as exc:
+                got.append(exc)
+
+    with register_creation_hook(hold_first):
+        first = threading.Thread(target=ask)
+        first.start()
+        assert inside.wait(10)  # the first thread is creating "shared/w"
+        second = threading.Thread(target=ask)
+        second.start()
+        second.join(0.3)  # waits for the first creation to be stored
+        go.set()
+        first.join(10)
+        second.join(10)
+    made = [g for g in got if isinstance(g, cv.Variable)]
+    assert len({id(v) for v in made}) == 1 and made[0].name == "shared/w"
+    assert [v.name for v in cv.global_variables()] == ["shared/w"]
+    if reuse is False:  # the second thread was told it exists
+        assert len(made) == 1 and "already exists" in str(next(g for g in got if g is not made[0]))

@@ -61,6 +61,31 @@ def test_zeros_ones_constant_all_dtypes() -> None:
         I.constant([1, 2, 3])((2, 2), "float32")
 
 
+@pytest.mark.parametrize(
+    ("value", "dtype", "message"),
+    [
+        (1.5, "int32", "of dtype float32 to dtype int32"),
+        ([1.5, 2.5], "int32", "of dtype float32 to dtype int32"),
+        (float("nan"), "int64", "to dtype int64"),
+        (1j, "float32", "of dtype complex128 to dtype float32"),
+        (2, "bool", "of dtype int32 to dtype bool"),
+        (-1, "uint8", "-1 is outside its range"),
+        (300, "uint8", "300 is outside its range"),
+        (np.array([1.5]), "int32", "of dtype float64 to dtype int32"),
+    ],
+)
+def test_constant_refuses_a_value_the_dtype_cannot_hold(value, dtype, message) -> None:
+    # TensorFlow's constant_initializer raises TypeError where the kind changes; none
+    # of these becomes a silently truncated, wrapped or garbage value
+    with pytest.raises(cv.errors.DTypeLockError, match=message):
+        I.constant(value)((2,), dtype)
+    v = cv.Variable(I.constant(value), shape=(2,), dtype=dtype, name="c")
+    with pytest.raises(TypeError, match=r"constant\("):
+        v.numpy()
+    assert I.constant(True)((1,), "float32").tolist() == [1.0]
+    assert I.constant(255)((1,), "uint8").tolist() == [255]
+
+
 def test_default_dtype_is_float32() -> None:
     for init in (I.zeros, I.glorot_uniform, I.random_normal()):
         assert init((2, 2)).dtype == np.float32
@@ -163,3 +188,44 @@ def test_unseeded_initializers_differ() -> None:
 def test_repr() -> None:
     assert repr(I.random_normal(mean=1.0)) == "RandomNormal(mean=1.0, stddev=1.0, seed=None)"
     assert "glorot_uniform" in repr(I.glorot_uniform)
+
+
+@pytest.mark.parametrize("name", ["zeros", "ones", "glorot_uniform", "he_normal", "orthogonal",
+                                  "random_normal", "random_uniform", "truncated_normal"])
+@pytest.mark.parametrize("shape", [(2, None), [2.0, 3], ("2",)])
+def test_a_shape_that_is_not_one_is_said_to_be_so(name, shape) -> None:
+    # zeros((2, None)) said "Zeros() takes no arguments"; glorot_uniform((2.0, 3)) made an
+    # initializer seeded with the tuple, failing only when called
+    with pytest.raises(ValueError, match=r"a shape is a tuple or list of non-negative ints"):
+        getattr(I, name)(shape)
+
+
+def test_random_uniform_integer_bounds_are_never_truncated() -> None:
+    # random_uniform(0.5, 2.7) for int32 drew from [0, 2): 2 never came out
+    with pytest.raises(TypeError, match="not 0.5"):
+        I.random_uniform(0.5, 3)((4,), "int32")
+    with pytest.raises(TypeError, match="not 2.7"):
+        I.random_uniform(0, 2.7)((4,), "int64")
+    drawn = I.random_uniform(1.0, 3, seed=0)((200,), "int32")
+    assert set(drawn.tolist()) == {1, 2}
+    assert I.random_uniform(0.5, 2.7, seed=0)((3,), "float32").min() >= 0.5
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: cv.Variable(I.glorot_uniform, shape=(2, 3), dtype="int32", name="k"),
+        lambda: cv.Variable(I.random_normal(seed=1), shape=(2,), dtype="bool", name="k"),
+        lambda: cv.get_variable("k", shape=(2,), dtype="int32", initializer=I.he_normal),
+        lambda: cv.get_variable("k", shape=(4, 2), dtype="uint8", initializer=I.Orthogonal,
+                                partitioner=cv.fixed_size_partitioner(2)),
+        lambda: cv.Module(name="m").add_variable("k", (2,), dtype="int32",
+                                                  initializer=I.truncated_normal()),
+    ],
+)
+def test_an_initializer_that_cannot_make_the_dtype_is_refused_at_creation(make) -> None:
+    # the variable was made, and its first read raised a TypeError that named no variable
+    with pytest.raises(cv.errors.DTypeLockError, match=r"Cannot make (partitioned )?variable 'k'"
+                       r": \w+ cannot produce dtype"):
+        make()
+    assert cv.global_variables() == []

@@ -127,3 +127,44 @@ def test_private_module_classes_get_their_default_names_and_round_trip(
     with cv.Graph().as_default(), cv.restore_on_create(path):
         again = _Block()
     assert again.w.numpy().tolist() == [1.0, 2.0]
+
+
+def test_one_module_name_scope_open_in_two_threads_keeps_each_threads_scope(
+    fresh_graph: cv.Graph,
+) -> None:
+    # the scopes were kept on one list for all threads: leaving popped the other thread's,
+    # and each thread went on naming in the other's scope ("tb/va", "ta/vb2")
+    import copy
+    import pickle
+    import threading
+
+    encoder = cv.Module(name="enc")
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    names: dict[str, str] = {}
+
+    def first() -> None:
+        with cv.name_scope("ta"):
+            with encoder.name_scope:
+                a_in.set()
+                assert b_in.wait(10)
+            a_out.set()
+            names["a"] = cv.Variable(1.0, name="va").name
+
+    def second() -> None:
+        assert a_in.wait(10)
+        with cv.name_scope("tb"):
+            with encoder.name_scope:
+                b_in.set()
+                assert a_out.wait(10)
+                names["b_inside"] = cv.Variable(1.0, name="vb").name
+            names["b"] = cv.Variable(1.0, name="vb2").name
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert names == {"a": "ta/va", "b_inside": "enc/vb", "b": "tb/vb2"}
+    for twin in (copy.deepcopy(encoder), pickle.loads(pickle.dumps(encoder))):
+        with twin.name_scope as scope:
+            assert scope == "enc/"

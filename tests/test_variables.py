@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import threading
 import weakref
 
 import ml_dtypes
@@ -557,6 +558,9 @@ def test_scalar_repr_is_inline() -> None:
         ("int32", np.array([2**32 - 1, 0], np.uint32)),
         ("uint8", [-1, 0]),
         ("uint8", [300, 0]),
+        ("int64", [2**63, 0]),  # beyond 64 bits: NumPy's bare OverflowError, no name said
+        ("int64", [-(2**64), 0]),
+        ("uint64", [2**64, 0]),
     ],
 )
 def test_integer_write_out_of_range_is_refused_not_wrapped(var_dtype: str, value: object) -> None:
@@ -575,7 +579,7 @@ def test_integer_write_out_of_range_is_refused_not_wrapped(var_dtype: str, value
     with pytest.raises(DTypeLockError, match="outside its range"):
         cv.Variable(value, dtype=var_dtype)
     # values that fit still convert, as same_kind promises
-    assert v.assign(np.array([-5, 7], np.int64) if var_dtype != "uint8" else [5, 7]).numpy().tolist()[1] == 7
+    assert v.assign(np.array([-5, 7], np.int64) if var_dtype[0] != "u" else [5, 7]).numpy().tolist()[1] == 7
 
 
 def test_python_int_beyond_int32_infers_int64_as_tensorflow() -> None:
@@ -585,3 +589,212 @@ def test_python_int_beyond_int32_infers_int64_as_tensorflow() -> None:
     assert cv.Variable([1, -(2**40)]).dtype == np.int64
     assert cv.Variable([1, 2]).dtype == np.int32
     assert cv.Variable(-(2**31)).dtype == np.int32
+    with pytest.raises(DTypeLockError, match="'big'.*9223372036854775808 is outside its range"):
+        cv.Variable(2**63, name="big")
+    with pytest.raises(DTypeLockError, match="outside its range"):
+        cv.Variable(1, dtype="int64").assign_add(2**64)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: cv.Variable(lambda: [1, 2], shape=(2,), dtype="float32"),
+        lambda: cv.Variable(lambda shape, dtype: (1, 2), shape=(2,), dtype="float32"),
+        lambda: cv.get_variable("w", shape=(2,), initializer=lambda shape, dtype: [1.0, 2.0]),
+    ],
+)
+def test_initial_value_function_returning_a_list_gives_an_array_of_the_dtype(make) -> None:
+    v = make()
+    value = v.numpy()
+    assert isinstance(value, np.ndarray) and value.dtype == np.float32
+    assert value.tolist() == [1.0, 2.0]
+    v.assign_add([1, 1])
+    v[0].assign(5)
+    assert v.numpy().tolist() == [5.0, 3.0]
+
+
+def test_initial_value_function_returning_a_list_keeps_the_dtype_lock() -> None:
+    fractional = cv.Variable(lambda: [1.5], shape=(1,), dtype="int32", name="f")
+    with pytest.raises(DTypeLockError, match="'f'"):
+        fractional.numpy()
+    wrapped = cv.Variable(lambda shape, dtype: [300], shape=(1,), dtype="uint8", name="u")
+    with pytest.raises(DTypeLockError, match="300 is outside"):
+        wrapped.numpy()
+    wrong_shape = cv.Variable(lambda: [1.0, 2.0, 3.0], shape=(2,), dtype="float32", name="s")
+    with pytest.raises(ShapeLockError, match=r"\(3,\)"):
+        wrong_shape.numpy()
+
+
+
+@pytest.mark.parametrize(
+    ("method", "call"),
+    [
+        ("assign_add", lambda v: v.assign_add([True, True])),
+        ("assign_sub", lambda v: v.assign_sub([True, False])),
+        ("scatter_add", lambda v: v.scatter_add([0], [True])),
+        ("scatter_sub", lambda v: v.scatter_sub([1], [True])),
+    ],
+)
+def test_adding_to_a_bool_variable_is_refused_as_in_tensorflow(method, call) -> None:
+    # NumPy made assign_add a silent logical or, and assign_sub raised its own TypeError
+    flags = cv.Variable([False, True], name="flags")
+    with pytest.raises(DTypeLockError, match=f"{method} on bool variable 'flags'"):
+        call(flags)
+    assert flags.numpy().tolist() == [False, True]
+    flags.scatter_update([0], [True])  # writes that are not arithmetic still work
+    assert flags.numpy().tolist() == [True, True]
+
+
+
+@pytest.mark.parametrize("method", ["scatter_update", "scatter_add", "scatter_sub"])
+@pytest.mark.parametrize("indices", [[-1], [0, -3], [3], [1, 4]])
+def test_scatter_rows_outside_the_variable_are_refused_as_in_tensorflow(method, indices) -> None:
+    # TensorFlow: "indices[0] = -1 is not in [0, 3)"; -1 wrote the last row before
+    v = cv.Variable(np.zeros((3, 2)), name="table")
+    updates = np.ones((len(indices), 2))
+    with pytest.raises(IndexError, match=r"'table': row -?\d is outside its 3 rows \[0, 3\)"):
+        getattr(v, method)(indices, updates)
+    assert not v.numpy().any()
+
+
+
+def test_a_ragged_nested_list_is_a_shape_error_naming_the_variable() -> None:
+    # NumPy's bare "setting an array element with a sequence" named nothing
+    ragged = [[1.0, 2.0], [3.0]]
+    with pytest.raises(ShapeLockError, match="initial value of variable 'r'.*not rectangular"):
+        cv.Variable(ragged, name="r")
+    v = cv.Variable([[1.0, 2.0], [3.0, 4.0]], name="v")
+    for write in (v.assign, v.assign_add, lambda x: v.scatter_update([0, 1], x)):
+        with pytest.raises(ShapeLockError, match="variable 'v'.*not rectangular"):
+            write(ragged)
+    assert v.numpy().tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    assert cv.global_variables() == [v]  # the refused one took no name
+
+
+
+@pytest.mark.parametrize("shape", [(2.5,), [2.7, 3], ("3",), np.array([2.0, 3.0])])
+def test_a_shape_with_an_entry_that_is_not_an_int_is_refused_not_truncated(shape) -> None:
+    # shape=(2.5,) made a (2,) variable, ("3",) a (3,) one, as TensorFlow's TensorShape refuses
+    with pytest.raises(ValueError, match="A shape is a tuple of ints"):
+        cv.Variable(cv.initializers.zeros, shape=shape)
+    with pytest.raises(ValueError, match="tuple of ints"):
+        cv.get_variable("w", shape=shape)
+    with pytest.raises(ValueError, match="tuple of ints"):
+        cv.initializers.zeros._cls()(shape)
+    assert cv.global_variables() == []
+    assert cv.Variable(cv.initializers.zeros, shape=(np.int64(2), 3)).shape == (2, 3)
+
+
+
+def test_an_initializer_returning_an_array_it_keeps_shares_no_memory() -> None:
+    # the array was adopted as it was: every variable made from the initializer, and the
+    # user's array, were one buffer, and a write to one changed the others unseen
+    kept = np.zeros(2, np.float32)
+
+    def init(shape, dtype=None):  # type: ignore[no-untyped-def]
+        return kept
+
+    class Init:
+        def __call__(self, shape, dtype=None):  # type: ignore[no-untyped-def]
+            return kept
+
+    made = [
+        cv.get_variable("a", shape=(2,), initializer=init),
+        cv.get_variable("b", shape=(2,), initializer=Init()),
+        cv.Variable(init, shape=(2,), dtype="float32", name="c"),
+        cv.Variable(Init(), shape=(2,), dtype="float32", name="d"),
+        cv.Module(name="m").add_variable("e", (2,), initializer=init),
+    ]
+    for v in made:
+        v.assign_add([1.0, 1.0])
+    assert kept.tolist() == [0.0, 0.0]
+    assert [v.numpy().tolist() for v in made] == [[1.0, 1.0]] * len(made)
+
+
+# --- threads ---------------------------------------------------------------------------------
+
+
+class _Held(np.ndarray):
+    """An operand whose ufuncs compute at once, then hand the result back only when ``go``
+    is set: the moment between a read-modify-write's read and its write, held open."""
+
+    inside: threading.Event
+    go: threading.Event
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):  # type: ignore[no-untyped-def]
+        result = getattr(ufunc, method)(*(np.asarray(x) for x in inputs), **kwargs)
+        self.inside.set()
+        assert self.go.wait(10)
+        return result
+
+
+@pytest.mark.parametrize(
+    "update",
+    [lambda v, x: v.__iadd__(x), lambda v, x: np.add(v, x, out=v)],
+    ids=["iadd", "ufunc-out"],
+)
+def test_read_modify_write_loses_no_write_of_another_thread(update) -> None:
+    v = cv.Variable([0.0])
+    held = np.ones(1).view(_Held)
+    held.inside, held.go = threading.Event(), threading.Event()
+    first = threading.Thread(target=update, args=(v, held))
+    first.start()
+    assert held.inside.wait(10)  # v + 1 is computed (1.0), not yet written
+    second = threading.Thread(target=v.assign_add, args=([10.0],))
+    second.start()
+    second.join(0.3)  # waits for the first update to be written
+    held.go.set()
+    first.join(10)
+    second.join(10)
+    assert v.numpy().tolist() == [11.0]  # not 1.0: the assign_add was not overwritten
+
+
+@pytest.mark.parametrize(
+    "read",
+    [cv.Variable.numpy, cv.Variable.read_value, np.asarray, lambda v: v[:], lambda v: v[::2]],
+    ids=["numpy", "read_value", "asarray", "slice", "strided"],
+)
+def test_a_copy_read_beside_writes_is_never_torn(read) -> None:
+    # as a TensorFlow variable's read: the old value or the new one, never a mix
+    v = cv.Variable(np.zeros(1 << 18))
+    stop = threading.Event()
+
+    def write() -> None:
+        k = 0.0
+        while not stop.is_set():
+            k += 1
+            v.assign(np.full(1 << 18, k))
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        torn = 0
+        for _ in range(150):
+            value = np.asarray(read(v))
+            torn += int(value.min() != value.max())
+    finally:
+        stop.set()
+        writer.join(10)
+    assert torn == 0
+
+
+def test_deepcopy_of_an_uninitialized_variable_is_uninitialized_and_apart() -> None:
+    # deepcopy (of a model built under deferred_init, say) raised UninitializedVariableError
+    import copy
+
+    source = np.array([1.0, 2.0])
+    with cv.deferred_init():
+        kernel = cv.Variable(cv.initializers.ones, shape=(2, 2), name="kernel")
+        bias = cv.Variable(source, name="bias")
+    model = {"kernel": kernel, "bias": bias}
+    twin = copy.deepcopy(model)
+    assert not twin["kernel"].initialized and not twin["bias"].initialized
+    assert twin["kernel"].name == "kernel" and twin["kernel"].shape == (2, 2)
+    twin["kernel"].initialize()
+    twin["bias"].initialize()
+    assert twin["kernel"].numpy().tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    assert not kernel.initialized and not bias.initialized  # the originals are untouched
+    bias.initialize()
+    assert not np.shares_memory(bias.value(), twin["bias"].value())
+    twin["bias"].assign_add([1.0, 1.0])
+    assert bias.numpy().tolist() == [1.0, 2.0] and twin["bias"].numpy().tolist() == [2.0, 3.0]

@@ -17,8 +17,10 @@ helpers that copy into a buffer on the host or a GPU (:func:`write_into`,
 from __future__ import annotations
 
 import builtins
+import contextlib
 import functools
 import operator
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -156,7 +158,8 @@ def _unary(op: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 def _inplace(op: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     def method(self: Any, other: Any) -> Any:
-        return self.assign(op(self._operand(), operand(other)))
+        with self._lock:  # read, compute and write as one step: no write lost in between
+            return self.assign(op(self._operand(), operand(other)))
 
     return method
 
@@ -165,6 +168,7 @@ class ArrayBehaviour:
     """The array side of a variable: protocols and operators over ``self._materialize()``."""
 
     __array_priority__ = 100.0
+    _lock: threading.RLock  # held by every write (re-entrant)
     _name: str
     _shape: Shape
     _dtype: np.dtype
@@ -216,16 +220,13 @@ class ArrayBehaviour:
         args = tuple(operand(x) for x in inputs)
         out = kwargs.pop("out", None)
         if out is not None and any(isinstance(o, ArrayBehaviour) for o in out):
-            # Writing into a variable goes through assign, with its locks.
-            result = getattr(ufunc, method)(*args, **kwargs)
-            results = result if isinstance(result, tuple) else (result,)
-            for target, res in zip(out, results, strict=False):
-                if isinstance(target, ArrayBehaviour):
-                    target.assign(res)
-                elif target is not None:
-                    target[...] = res
-            outs = tuple(out)
-            return outs[0] if len(outs) == 1 else outs
+            # Writing into a variable goes through assign, with its locks, each held from
+            # the read to the write (np.add(v, 1, out=v) loses no other thread's write).
+            with contextlib.ExitStack() as held:
+                for target in sorted({id(o): o for o in out if isinstance(o, ArrayBehaviour)}
+                                     .values(), key=id):
+                    held.enter_context(target._lock)
+                return _ufunc_into(getattr(ufunc, method), args, tuple(out), kwargs)
         if out is not None:
             kwargs["out"] = out
         return getattr(ufunc, method)(*args, **kwargs)
@@ -250,7 +251,8 @@ class ArrayBehaviour:
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, ArrayBehaviour):
             index = index._operand()
-        return _slice_result(self._materialize()[index], self, index)
+        with self._lock:  # the copy is taken whole: never half of a concurrent write
+            return _slice_result(self._materialize()[index], self, index)
 
     def __setitem__(self, index: Any, value: Any) -> None:
         self._assign_slice(index, value)
@@ -333,6 +335,19 @@ class ArrayBehaviour:
     __imod__ = _inplace(operator.mod)
     __ipow__ = _inplace(operator.pow)
     __imatmul__ = _inplace(operator.matmul)
+
+
+def _ufunc_into(call: Callable[..., Any], args: tuple[Any, ...], out: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+    """Run a ufunc call, then write each result into its ``out`` (a variable: by assign)."""
+    result = call(*args, **kwargs)
+    results = result if isinstance(result, tuple) else (result,)
+    for target, res in zip(out, results, strict=False):
+        if isinstance(target, ArrayBehaviour):
+            target.assign(res)
+        elif target is not None:
+            target[...] = res
+    return out[0] if len(out) == 1 else out
 
 
 def match_backend(arr: Any, buf: Any) -> Any:

@@ -25,12 +25,20 @@ import numpy as np
 from .._dtypes import check_value_castable
 from .._frameworks import framework_of, to_numpy
 from ..device import Device, is_device_array, to_host
-from ..errors import ShapeLockError
+from ..errors import DTypeLockError, ShapeLockError
 from ._array import match_backend, operand, write_into
 from ._rows import RowLog, rows_of, unique_rows
 from ._shapes import Shape, compatible, shape_str
 
-__all__ = ["FreshValue", "Pending", "Ready", "Unset", "WriteBehaviour", "convert_value"]
+__all__ = [
+    "FreshValue",
+    "Pending",
+    "Ready",
+    "Unset",
+    "WriteBehaviour",
+    "convert_value",
+    "host_array",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +69,15 @@ class FreshValue:
 
     ``Variable(FreshValue(fn), shape=..., dtype=...)`` calls ``fn()`` at the first use,
     without copying its result on the CPU (``get_variable`` binds initializers this way).
+    With ``owned=False`` the result may be an array someone else holds (a user's
+    initializer may return one it keeps): the variable copies it.
     """
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "owned")
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
+    def __init__(self, fn: Callable[[], Any], *, owned: bool = True) -> None:
         self.fn = fn
+        self.owned = owned
 
     def __call__(self) -> Any:
         return self.fn()
@@ -113,7 +124,7 @@ class WriteBehaviour:
                 check_value_castable(value, self._dtype, what=what)
                 return value.astype(self._dtype, copy=False)
         check_value_castable(value, self._dtype, what=what)
-        return np.asarray(value, dtype=self._dtype)
+        return host_array(value, self._dtype, what)
 
     def _shape_error(self, shape: tuple[int, ...], target: Shape, what: str = "") -> ShapeLockError:
         return ShapeLockError(
@@ -152,7 +163,17 @@ class WriteBehaviour:
             self._wrote()
         return self
 
+    def _no_arithmetic_on_bool(self, method: str) -> None:
+        """Refuse adding to (or subtracting from) a bool variable, as TensorFlow does:
+        NumPy would make ``True + True`` a silent ``or`` and refuse ``-`` with its own error."""
+        if self._dtype == np.bool_:
+            raise DTypeLockError(
+                f"{method} on bool variable {self._name!r}: a bool has no addition or "
+                "subtraction; assign the new value instead (v.assign(np.logical_or(v, x)))."
+            )
+
     def _update(self, delta: Any, op: Any, verb: str) -> Any:
+        self._no_arithmetic_on_bool("assign_add" if op is np.add else "assign_sub")
         what = f"a value {verb} variable {self._name!r}"
         arr = self._convert(delta, what)
         with self._lock:
@@ -208,7 +229,9 @@ class WriteBehaviour:
     def scatter_update(self, indices: Any, updates: Any) -> Any:
         """Write ``updates[i]`` into row ``indices[i]`` (first axis) in place; returns the
         variable. ``updates`` has shape ``indices.shape + shape[1:]`` (or broadcasts to
-        it); with a repeated index, the last update wins."""
+        it); with a repeated index, the last update wins. Row numbers run from 0 to
+        ``shape[0] - 1``, as TensorFlow's: any other (a negative one too) raises
+        ``IndexError`` and nothing is written."""
         return self._scatter(indices, updates, None, "scatter_update")
 
     def scatter_add(self, indices: Any, updates: Any) -> Any:
@@ -221,7 +244,20 @@ class WriteBehaviour:
         count each time); returns the variable."""
         return self._scatter(indices, updates, np.subtract, "scatter_sub")
 
+    def _scatter_rows(self, idx: np.ndarray, n: int, verb: str) -> np.ndarray:
+        """``idx`` as flat int64 row numbers, each in ``[0, n)`` (else ``IndexError``)."""
+        flat = idx.reshape(-1).astype(np.int64)
+        if flat.size and (flat.min() < 0 or flat.max() >= n):
+            bad = int(flat[(flat < 0) | (flat >= n)][0])
+            hint = (" (row numbers count from 0, as TensorFlow's scatter indices; a "
+                    "negative one does not count from the end)" if bad < 0 else "")
+            raise IndexError(f"{verb} on variable {self._name!r}: row {bad} is outside "
+                             f"its {n} rows [0, {n}){hint}.")
+        return flat
+
     def _scatter(self, indices: Any, updates: Any, op: Any, verb: str) -> Any:
+        if op is not None:
+            self._no_arithmetic_on_bool(verb)
         idx = np.asarray(to_host(operand(indices)))
         if idx.dtype.kind not in "iu":
             raise TypeError(f"{verb} on variable {self._name!r}: indices must be integers, "
@@ -232,11 +268,7 @@ class WriteBehaviour:
             if not buf.ndim:
                 raise ShapeLockError(f"{verb} on variable {self._name!r}: a scalar has no rows.")
             n = buf.shape[0]
-            flat = idx.reshape(-1).astype(np.int64)
-            if flat.size and (flat.min() < -n or flat.max() >= n):
-                bad = int(flat[(flat < -n) | (flat >= n)][0])
-                raise IndexError(f"{verb} on variable {self._name!r}: row {bad} is outside "
-                                 f"its {n} rows.")
+            flat = self._scatter_rows(idx, n, verb)
             target = tuple(idx.shape) + tuple(buf.shape[1:])
             try:
                 ok = np.broadcast_shapes(target, tuple(arr.shape)) == target
@@ -250,7 +282,7 @@ class WriteBehaviour:
             upd = match_backend(np.broadcast_to(arr, target) if isinstance(arr, np.ndarray)
                                 else arr, buf)
             # the rows written: for the row log, and a GPU's check of repeated indices
-            rows = (unique_rows(flat % n) if self._row_log is not None
+            rows = (unique_rows(flat) if self._row_log is not None
                     or not isinstance(buf, np.ndarray) else None)
             target_buf = buf.copy() if self._constraint is not None else buf
             if op is None:
@@ -269,6 +301,22 @@ class WriteBehaviour:
             self._wrote(rows)
         return self
 
+
+
+def host_array(value: Any, dtype: np.dtype, what: str, *, copy: bool = False) -> np.ndarray:
+    """``value`` as a NumPy array of ``dtype`` (a C-ordered copy with ``copy``);
+    :class:`ShapeLockError` naming ``what`` for a ragged nested list."""
+    try:
+        if copy:
+            return np.array(value, dtype=dtype, copy=True, order="C")
+        return np.asarray(value, dtype=dtype)
+    except ValueError as exc:
+        if "inhomogeneous" not in str(exc):
+            raise
+        raise ShapeLockError(
+            f"Cannot convert {what}: its nested lists are not rectangular (rows of "
+            f"different lengths): {exc}"
+        ) from None
 
 
 def convert_value(var: WriteBehaviour, value: Any, what: str) -> Any:

@@ -12,6 +12,7 @@ describe a variable.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import numpy as np
@@ -57,8 +58,8 @@ def normalize_shape(shape: Any) -> Shape:
         return None
     if isinstance(shape, int | np.integer):
         return (int(shape),)
-    try:
-        dims = tuple(None if d is None else int(d) for d in shape)
+    try:  # operator.index: 2.5 or "3" is refused, never truncated or parsed
+        dims = tuple(None if d is None else operator.index(d) for d in shape)
     except TypeError:
         raise VariableArgumentError(
             f"A shape is a tuple of ints (or None), not {shape!r}."

@@ -41,7 +41,7 @@ from ..errors import CkptError, ShapeLockError, UninitializedVariableError
 from ..graph import Graph, GraphKeys, get_default_graph
 from ._array import ArrayBehaviour, write_into
 from ._hooks import deferring, next_uid, run_creation_hooks
-from ._lifecycle import FreshValue, Pending, Ready, Unset, WriteBehaviour
+from ._lifecycle import FreshValue, Pending, Ready, Unset, WriteBehaviour, host_array
 from ._rows import RowLog
 from ._shapes import (
     Shape,
@@ -125,13 +125,7 @@ class Variable(WriteBehaviour, ArrayBehaviour):
         shard: Shard | None = None,
         _graph: Graph | None = None,
     ) -> None:
-        if initial_value is None:
-            raise VariableArgumentError(
-                "Variable needs an initial_value: an array-like, a callable, or an "
-                "initializer together with shape=."
-            )
-        if constraint is not None and not callable(constraint):
-            raise VariableArgumentError(f"constraint must be callable, got {constraint!r}.")
+        _check_arguments(initial_value, constraint, collections)
         self._uid = next_uid()
         self._writes = 0  # finished writes (see _version)
         self._exposed = False  # value() handed the backing array out: writes may go unseen
@@ -315,6 +309,9 @@ class Variable(WriteBehaviour, ArrayBehaviour):
         """Make ``arr`` (host or device) the backing array, copying only when needed."""
         if is_device_array(arr) and not self._device_obj.is_gpu:
             arr, owned = to_host(arr), True
+        elif not isinstance(arr, np.ndarray) and not is_device_array(arr):
+            # a list, tuple or scalar from an initial-value function or an initializer
+            arr, owned = _convert_initial(arr, self._dtype, self._name), True
         if isinstance(arr, np.ndarray):
             if arr.dtype != self._dtype:
                 check_castable(arr.dtype, self._dtype,
@@ -422,13 +419,16 @@ class Variable(WriteBehaviour, ArrayBehaviour):
 
     # --- reading -------------------------------------------------------------------------
     def numpy(self) -> np.ndarray:
-        """A host NumPy copy of the value."""
-        value = self._materialize()
-        return value.copy() if isinstance(value, np.ndarray) else to_host(value)
+        """A host NumPy copy of the value (taken whole: never half of a concurrent write)."""
+        with self._lock:
+            value = self._materialize()
+            return value.copy() if isinstance(value, np.ndarray) else to_host(value)
 
     def read_value(self) -> Any:
-        """A copy of the value on the variable's device (NumPy on the CPU, CuPy on a GPU)."""
-        return self._materialize().copy()
+        """A copy of the value on the variable's device (NumPy on the CPU, CuPy on a GPU),
+        taken whole: never half of a concurrent write."""
+        with self._lock:
+            return self._materialize().copy()
 
     def value(self) -> Any:
         """The backing array itself (NumPy on the CPU, CuPy on a GPU). Do not write to it:
@@ -457,19 +457,37 @@ class Variable(WriteBehaviour, ArrayBehaviour):
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickles the value, name, shape lock, ``trainable``, constraint, collections, shard.
+        """Pickles the value, name, shape lock, ``trainable``, constraint, collections, shard
+        and, for a part of a partitioned variable, its ``save_slice_info``.
 
         Unpickling makes a new variable with exactly that name in the default graph, placed
         by default placement.
         """
-        args = (self.numpy(), self._name, self._shape, self._trainable, self._constraint,
-                self._collections)
-        return (_unpickle_variable, args if self._shard is None else (*args, self._shard))
+        args: tuple[Any, ...] = (self.numpy(), self._name, self._shape, self._trainable,
+                                 self._constraint, self._collections)
+        if self._save_slice_info is not None:
+            args = (*args, self._shard, self._save_slice_info)
+        elif self._shard is not None:
+            args = (*args, self._shard)
+        return (_unpickle_variable, args)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
-        """A new variable with a copy of the value, the same name, settings and collections."""
+        """A new variable with a copy of the value, the same name, settings and collections
+        (and ``save_slice_info``: a copied partition is still that part of the whole). An
+        uninitialized variable's copy is uninitialized too, with its own initial value."""
+        initial: Any = self
+        state = self._state
+        if isinstance(state, Unset):  # no value to copy: the copy initializes as this one would
+            if not fully_defined(self._shape):
+                raise UninitializedVariableError(
+                    f"Cannot deep-copy variable {self._name!r}: it is uninitialized and its "
+                    f"shape {shape_str(self._shape)} is not fully defined; initialize it first."
+                )
+            init, dt, name = state.init, self._dtype, self._name
+            initial = FreshValue(lambda: _convert_initial(init(), dt, name))
         new = Variable(
-            self,
+            initial,
+            lazy=initial is not self,
             name=self._name + "/",  # exactly the same name
             dtype=self._dtype,
             shape=self._shape,
@@ -481,16 +499,38 @@ class Variable(WriteBehaviour, ArrayBehaviour):
             shard=self._shard,
             _graph=self._graph,
         )
+        if self._save_slice_info is not None:
+            new._set_save_slice_info(self._save_slice_info)
         memo[id(self)] = new
         return new
 
 
 def _unpickle_variable(value: np.ndarray, name: str, shape: Shape, trainable: bool,  # noqa: PLR0917 - existing pickles pass these positionally
                        constraint: Any, collections: Sequence[str],
-                       shard: Shard | None = None) -> Variable:
-    return Variable(value, name=name + "/", shape=shape, validate_shape=shape is not None,
-                    trainable=trainable, constraint=constraint, collections=collections,
-                    shard=shard)
+                       shard: Shard | None = None,
+                       save_slice_info: SaveSliceInfo | None = None) -> Variable:
+    var = Variable(value, name=name + "/", shape=shape, validate_shape=shape is not None,
+                   trainable=trainable, constraint=constraint, collections=collections,
+                   shard=shard)
+    if save_slice_info is not None:
+        var._set_save_slice_info(save_slice_info)
+    return var
+
+
+def _check_arguments(initial_value: Any, constraint: Any, collections: Any) -> None:
+    """Refuse constructor arguments that cannot describe a variable (before it takes a name)."""
+    if initial_value is None:
+        raise VariableArgumentError(
+            "Variable needs an initial_value: an array-like, a callable, or an "
+            "initializer together with shape=."
+        )
+    if constraint is not None and not callable(constraint):
+        raise VariableArgumentError(f"constraint must be callable, got {constraint!r}.")
+    if collections is not None and not isinstance(collections, list | tuple | set):
+        raise VariableArgumentError(
+            "collections is a list, tuple or set of collection names, not "
+            f"{collections!r} (a string would be read as one collection per character)."
+        )
 
 
 class _Initial(NamedTuple):
@@ -518,9 +558,12 @@ def _initial_value(initial_value: Any, dtype: Any, req_shape: Shape, shape: Any,
                 f"{name or 'Variable'!r}, got shape={shape!r}."
             )
         if isinstance(initial_value, FreshValue):
-            return _Initial(dt, None, initial_value.fn, True)
+            return _Initial(dt, None, initial_value.fn, initial_value.owned)
         init, init_shape = initial_value, defined_dims(req_shape)
-        return _Initial(dt, None, lambda: _init.call_initializer(init, init_shape, dt), True)
+        _init.check_produces(init, dt, f"Cannot make variable {name or 'Variable'!r}")
+        # ckptvar's initializers make a new array; a user's may return one it keeps: copied
+        return _Initial(dt, None, lambda: _init.call_initializer(init, init_shape, dt),
+                        _init.returns_new_arrays(init))
     if callable(initial_value) and not hasattr(initial_value, "__array__"):
         # An initial-value function: called with no arguments, as TensorFlow does.
         if dtype is not None and fully_defined(req_shape):
@@ -545,7 +588,7 @@ def _convert_initial(value: Any, dt: np.dtype, name: str | None) -> np.ndarray:
     what = f"the initial value of variable {name or 'Variable'!r}"
     src = to_host(value) if is_device_array(value) else value
     check_value_castable(src, dt, what=what)
-    return np.array(src, dtype=dt, copy=True, order="C")
+    return host_array(src, dt, what, copy=True)
 
 
 # --------------------------------------------------------------------------- the restore seam

@@ -16,6 +16,7 @@ axis is cut into ``n`` parts of ``dim // n`` rows, the first ``dim % n`` parts o
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -23,10 +24,11 @@ import numpy as np
 
 from .._dtypes import as_dtype, dtype_name, infer_dtype
 from ..errors import ShapeLockError, VariableScopeError
+from ..initializers import check_produces
 from ._lifecycle import convert_value
 from ._shapes import defined_dims, fully_defined, normalize_shape
 from ._slices import SaveSliceInfo
-from ._variable import Variable
+from ._variable import Variable, restore_value
 
 __all__ = [
     "PartitionInfo",
@@ -124,7 +126,9 @@ class PartitionedVariable:
         return full if dtype is None else full.astype(dtype, copy=False)
 
     def assign(self, value: Any) -> PartitionedVariable:
-        """Write the full ``value`` into the parts; checks dtype and shape before any write."""
+        """Write the full ``value`` into the parts; checks dtype and shape before any write,
+        and when a part's constraint refuses its piece, the parts written before it get
+        their old values back: a failed assign changes nothing."""
         what = f"a value assigned to partitioned variable {self._name!r}"
         arr = convert_value(self._parts[0], value, what)
         if tuple(arr.shape) != self._shape:
@@ -139,8 +143,20 @@ class PartitionedVariable:
             index = tuple(slice(o, o + s) for o, s in zip(info.var_offset, info.var_shape,
                                                            strict=True))
             pieces.append(arr[index])
-        for part, piece in zip(self._parts, pieces, strict=True):
-            part.assign(piece)
+        # A part's constraint may refuse its piece after earlier parts took theirs: keep
+        # what those held, to put back (without a constraint nothing fails past the checks).
+        before = ([part.numpy() for part in self._parts]
+                  if any(part.constraint is not None for part in self._parts) else None)
+        done = 0
+        try:
+            for part, piece in zip(self._parts, pieces, strict=True):
+                part.assign(piece)
+                done += 1
+        except BaseException:
+            if before is not None:
+                for part, old in zip(self._parts[:done], before, strict=False):
+                    restore_value(part, old)
+            raise
         return self
 
     def __repr__(self) -> str:
@@ -160,6 +176,11 @@ def fixed_size_partitioner(num_shards: int, axis: int = 0) -> Partitioner:
     """``num_shards`` parts along ``axis`` (fewer when the axis is shorter)."""
 
     def partitioner(shape: Sequence[int], **unused: Any) -> list[int]:
+        if not -len(shape) <= axis < len(shape):
+            raise VariableScopeError(
+                f"Can not partition variable along axis {axis} when shape is only "
+                f"{tuple(shape)}."
+            )
         partitions = [1] * len(shape)
         partitions[axis] = min(num_shards, int(shape[axis]))
         return partitions
@@ -239,8 +260,8 @@ def part_sizes(dim: int, n: int) -> list[int]:
 
 
 def _check_partitions(name: str, partitions: Any, shape: tuple[int, ...]) -> tuple[int, int]:
-    try:
-        parts = [int(p) for p in partitions]
+    try:  # operator.index: 2.5 parts is refused, never truncated to 2
+        parts = [operator.index(p) for p in partitions]
     except TypeError:
         raise VariableScopeError(
             f"The partitioner of {name!r} returned {partitions!r}, not a list of ints."
@@ -302,6 +323,7 @@ def make_partitioned(
     axis, n = _check_partitions(full, partitions, full_shape)
     init = None if from_value else (
         initializer if initializer is not None else default_initializer(dt, full))
+    check_produces(init, dt, f"Cannot make partitioned variable {full!r}")
     parts: list[Variable] = []
     start = 0
     for i, size in enumerate(part_sizes(full_shape[axis], n)):

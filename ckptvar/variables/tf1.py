@@ -31,7 +31,7 @@ from .._dtypes import as_dtype, dtype_name, is_floating
 from ..errors import VariableScopeError
 from ..graph import Graph, GraphKeys, get_default_graph
 from ._lifecycle import FreshValue
-from ._shapes import normalize_shape, shape_str
+from ._shapes import VariableArgumentError, normalize_shape, shape_str
 from ._variable import Variable, set_save_slice_info
 from .partitioned import PartitionedVariable, PartitionInfo, defined_shape, make_partitioned
 
@@ -134,6 +134,7 @@ class _Tf1State:
     def __init__(self) -> None:
         self.local = threading.local()
         self.lock = threading.Lock()
+        self.creating = threading.RLock()  # held by get_variable from lookup to store
         self.scope_counts: dict[str, int] = {}
         self.store: dict[str, Variable | PartitionedVariable] = {}
 
@@ -286,7 +287,10 @@ def bind_initializer(initializer: Any, shape: tuple[int, ...], dtype: np.dtype,
     init = initializer() if isinstance(initializer, type) else initializer
     kwargs: dict[str, Any] = {"dtype": dtype}
     own = isinstance(init, _init.Initializer) or getattr(init, "__module__", "") == _init.__name__
-    if not own:
+    if own:
+        if partition_info is not None:  # the fan-based ones scale by the whole variable
+            kwargs["partition_info"] = partition_info
+    else:
         if _accepts(init, "partition_info"):
             kwargs["partition_info"] = partition_info
         try:
@@ -299,7 +303,7 @@ def bind_initializer(initializer: Any, shape: tuple[int, ...], dtype: np.dtype,
             ) from None
         except ValueError:  # no signature to check (a builtin): call it and see
             pass
-    return FreshValue(lambda: init(tuple(shape), **kwargs))
+    return FreshValue(lambda: init(tuple(shape), **kwargs), owned=_init.returns_new_arrays(init))
 
 
 def _check_reuse(found: Variable | PartitionedVariable, full: str, shape: Any,
@@ -361,6 +365,10 @@ def get_variable(
 
     The graph's variable store keeps these variables alive.
     """
+    if not isinstance(name, str) or not name:
+        raise VariableArgumentError(
+            f"get_variable needs a name: a non-empty string, not {name!r}."
+        )
     graph = get_default_graph()
     state = _state(graph)
     scope = state.scope()
@@ -369,51 +377,55 @@ def get_variable(
     req_dtype = dtype if dtype is not None else scope.dtype
     if partitioner is None:
         partitioner = scope.partitioner
-    found = state.stored(full)
-    if found is not None:
-        if reuse is not True and reuse is not AUTO_REUSE:
+    # One lookup-and-create at a time: threads asking for the same name with reuse get
+    # one variable (and without reuse, all but one get the 'already exists' error).
+    with state.creating:
+        found = state.stored(full)
+        if found is not None:
+            if reuse is not True and reuse is not AUTO_REUSE:
+                raise VariableScopeError(
+                    f"Variable {full!r} already exists, disallowed. Did you mean to set "
+                    "reuse=True or reuse=AUTO_REUSE in variable_scope?"
+                )
+            _check_reuse(found, full, shape, req_dtype, partitioner is not None)
+            return found
+        if reuse is True:
             raise VariableScopeError(
-                f"Variable {full!r} already exists, disallowed. Did you mean to set "
-                "reuse=True or reuse=AUTO_REUSE in variable_scope?"
+                f"Variable {full!r} does not exist, or was not created with get_variable(). Did "
+                "you mean to set reuse=AUTO_REUSE in variable_scope?"
             )
-        _check_reuse(found, full, shape, req_dtype, partitioner is not None)
-        return found
-    if reuse is True:
-        raise VariableScopeError(
-            f"Variable {full!r} does not exist, or was not created with get_variable(). Did "
-            "you mean to set reuse=AUTO_REUSE in variable_scope?"
+        if initializer is None:
+            initializer = scope.initializer
+        from_value = initializer is not None and (
+            isinstance(initializer, Variable) or not callable(initializer)
         )
-    if initializer is None:
-        initializer = scope.initializer
-    from_value = initializer is not None and (
-        isinstance(initializer, Variable) or not callable(initializer)
-    )
-    kwargs: dict[str, Any] = {
-        "trainable": trainable, "device": device, "constraint": constraint,
-        "collections": collections, "validate_shape": validate_shape, "lazy": lazy,
-    }
-    if partitioner is not None:
-        created: Any = make_partitioned(
-            full, shape, req_dtype, initializer, from_value, partitioner,
-            make_part=lambda part, initial, dt, part_shape, info: _new_variable(
-                graph, state, part, initial, dt, part_shape, info, kwargs),
-            default_initializer=_default_initializer, bind=bind_initializer,
-        )
-    elif from_value:
-        if shape is not None:
-            raise VariableScopeError(
-                f"Variable {full!r}: if the initializer is a constant value, do not specify "
-                "shape."
+        kwargs: dict[str, Any] = {
+            "trainable": trainable, "device": device, "constraint": constraint,
+            "collections": collections, "validate_shape": validate_shape, "lazy": lazy,
+        }
+        if partitioner is not None:
+            created: Any = make_partitioned(
+                full, shape, req_dtype, initializer, from_value, partitioner,
+                make_part=lambda part, initial, dt, part_shape, info: _new_variable(
+                    graph, state, part, initial, dt, part_shape, info, kwargs),
+                default_initializer=_default_initializer, bind=bind_initializer,
             )
-        created = _new_variable(graph, state, full, initializer, req_dtype, None, None, kwargs)
-    else:
-        dt = as_dtype(req_dtype if req_dtype is not None else "float32")
-        var_shape = defined_shape(shape, f"a new variable ({full!r})")
-        init = initializer if initializer is not None else _default_initializer(dt, full)
-        bound = bind_initializer(init, var_shape, dt)
-        created = _new_variable(graph, state, full, bound, dt, var_shape, None, kwargs)
-    state.keep(full, created)
-    return created
+        elif from_value:
+            if shape is not None:
+                raise VariableScopeError(
+                    f"Variable {full!r}: if the initializer is a constant value, do not specify "
+                    "shape."
+                )
+            created = _new_variable(graph, state, full, initializer, req_dtype, None, None, kwargs)
+        else:
+            dt = as_dtype(req_dtype if req_dtype is not None else "float32")
+            var_shape = defined_shape(shape, f"a new variable ({full!r})")
+            init = initializer if initializer is not None else _default_initializer(dt, full)
+            _init.check_produces(init, dt, f"Cannot make variable {full!r}")
+            bound = bind_initializer(init, var_shape, dt)
+            created = _new_variable(graph, state, full, bound, dt, var_shape, None, kwargs)
+        state.keep(full, created)
+        return created
 
 
 def _new_variable(graph: Graph, state: _Tf1State, full: str, initial: Any, dtype: Any,
@@ -445,8 +457,11 @@ def global_variables_initializer() -> list[Variable]:
     return done
 
 
-def report_uninitialized_variables(var_list: Sequence[Variable] | None = None) -> list[str]:
-    """The names of the variables (global and local by default) that have no value yet."""
+def report_uninitialized_variables(
+    var_list: Sequence[Variable | PartitionedVariable] | None = None,
+) -> list[str]:
+    """The names of the variables (global and local by default) that have no value yet;
+    a :class:`~ckptvar.PartitionedVariable` in ``var_list`` stands for its parts."""
     if var_list is None:
         graph = get_default_graph()
         seen: dict[int, Variable] = {}
@@ -455,4 +470,6 @@ def report_uninitialized_variables(var_list: Sequence[Variable] | None = None) -
                 if isinstance(v, Variable):
                     seen.setdefault(id(v), v)
         var_list = list(seen.values())
-    return [v.name for v in var_list if not v.initialized]
+    flat = [part for v in var_list
+            for part in (v if isinstance(v, PartitionedVariable) else (v,))]
+    return [v.name for v in flat if not v.initialized]
