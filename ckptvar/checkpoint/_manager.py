@@ -254,6 +254,9 @@ class CheckpointManager:
     work, crash leftovers are left alone, and :meth:`save` raises ``CkptError``.
     """
 
+    #: a preemption save runs: it saves even at the step saved last (``_numbers``)
+    _preempting: bool = False
+
     def __init__(  # noqa: PLR0917 - TensorFlow's CheckpointManager argument list (API.md)
         self,
         checkpoint: Checkpoint,
@@ -845,8 +848,9 @@ class CheckpointManager:
         ``N`` is ``checkpoint_number`` if given, else the checkpoint's save counter after
         incrementing. With ``checkpoint_interval`` set (and ``check_interval``), returns
         ``None`` without saving when fewer steps than the interval passed since the last
-        checkpoint. With ``async_save`` the path is returned before it is durable; it is
-        listed once it is. After a signal of :meth:`save_on_signal`, this save is the
+        checkpoint; without ``check_interval`` too, when the step counter's step is the
+        one saved last (TensorFlow's). With ``async_save`` the path is returned before it
+        is durable; it is listed once it is. After a signal of :meth:`save_on_signal`, this save is the
         preemption save (whatever the interval), then the signal is re-delivered.
         With a local tier, the step is saved there and, every
         ``persistent_every`` steps, copied to ``directory`` in the background.
@@ -922,11 +926,15 @@ class CheckpointManager:
         if number is None:
             number = self._next_number(int(counter.numpy()) + 1)
         step = int(number)
-        if self.checkpoint_interval is not None and check_interval:
+        if self.checkpoint_interval is not None:
             step = self._current_step(checkpoint_number)
             entries = self._section["checkpoints"]
             last = entries[-1].get("step") if entries else None
-            if last is not None and step < last + self.checkpoint_interval:
+            if (last is not None and step == last and checkpoint_number is None
+                    and not self._preempting):
+                return None  # TensorFlow's: the step counter's step is saved once, even
+                # with check_interval=False (an explicit number saved already is refused)
+            if check_interval and last is not None and step < last + self.checkpoint_interval:
                 return None
         elif self._step_counter is not None and checkpoint_number is None:
             step = self._current_step(None)
@@ -982,7 +990,11 @@ class CheckpointManager:
             path = self._latest_numbered(int(checkpoint_number))
             if path is not None:
                 return path
-        return self.save(checkpoint_number, check_interval=False, timeout=timeout)
+        self._preempting = True  # the current state, even at the step saved last
+        try:
+            return self.save(checkpoint_number, check_interval=False, timeout=timeout)
+        finally:
+            self._preempting = False
 
     def _latest_numbered(self, number: int) -> str | None:
         """The path of the latest step when it is step ``number``, else ``None``."""
@@ -1253,13 +1265,13 @@ class CheckpointManager:
             return None  # per-node tiers: the interval, decided the same everywhere
         if self.async_save:  # the last save is done (waited above): prune before the next
             self._prune_local()
-        self._persist_next = persist
+        self._persist_next = self._local_tier._preempting = persist
         try:
             path = self._local_tier.save(checkpoint_number,
                                          check_interval and self._nodes is None,
                                          timeout=timeout)
         finally:
-            self._persist_next = False
+            self._persist_next = self._local_tier._preempting = False
         if path is None:
             return None
         number = self._number(Path(path).name)
