@@ -920,25 +920,29 @@ class CheckpointManager:
 
     def _numbers(self, checkpoint_number: int | None, check_interval: bool
                  ) -> tuple[int, int] | None:
-        """``(N of the file name, step)`` of the next save; ``None``: the interval says skip."""
-        counter = self._checkpoint.save_counter
-        number = checkpoint_number
-        if number is None:
-            number = self._next_number(int(counter.numpy()) + 1)
-        step = int(number)
-        if self.checkpoint_interval is not None:
+        """``(N of the file name, step)`` of the next save; ``None``: the interval says skip
+        (decided before ``N``, so that a skipped save says nothing about its number)."""
+        step: int | None = None
+        if self.checkpoint_interval is not None and check_interval:
             step = self._current_step(checkpoint_number)
-            entries = self._section["checkpoints"]
-            last = entries[-1].get("step") if entries else None
-            if (last is not None and step == last and checkpoint_number is None
-                    and not self._preempting):
-                return None  # TensorFlow's: the step counter's step is saved once, even
-                # with check_interval=False (an explicit number saved already is refused)
-            if check_interval and last is not None and step < last + self.checkpoint_interval:
+            last = self._last_step()
+            if last is not None and step < last + self.checkpoint_interval:
                 return None
         elif self._step_counter is not None and checkpoint_number is None:
             step = self._current_step(None)
-        return int(number), step
+        if (self.checkpoint_interval is not None and checkpoint_number is None
+                and not self._preempting and step is not None and step == self._last_step()):
+            return None  # TensorFlow's: the step counter's step is saved once, even with
+            # check_interval=False (an explicit number saved already is refused instead)
+        number = checkpoint_number
+        if number is None:
+            number = self._next_number(int(self._checkpoint.save_counter.numpy()) + 1)
+        return int(number), int(number) if step is None else step
+
+    def _last_step(self) -> int | None:
+        """The step of the checkpoint saved last (``None``: none, or not known)."""
+        entries = self._section["checkpoints"]
+        return entries[-1].get("step") if entries else None
 
     def save_on_signal(self, *signals: int) -> None:
         """On any of ``signals`` (default ``SIGTERM``), save at the next step boundary.
