@@ -310,6 +310,30 @@ def test_dtype_lock_same_kind() -> None:
     np.testing.assert_array_equal(i.numpy(), [1, 2])
 
 
+@pytest.mark.parametrize("value", ["abc", [None], {"a": 1}, object(), np.array(["a"]),
+                                   np.array([None])])
+def test_a_value_that_is_no_array_is_a_ckpt_error_naming_the_variable(value: object) -> None:
+    """API.md section 10: it was a plain TypeError ('Cannot convert str ...') without the name."""
+    with pytest.raises(DTypeLockError, match="variable 'odd'") as err:
+        cv.Variable(value, name="odd")
+    assert isinstance(err.value, cv.CkptError) and isinstance(err.value, TypeError)
+    with pytest.raises(DTypeLockError, match="'odd_get'"):
+        cv.get_variable("odd_get", initializer=value)
+
+
+def test_a_ragged_value_is_a_ckpt_error_naming_the_variable() -> None:
+    """It was NumPy's ValueError ('setting an array element with a sequence') alone."""
+    for ragged in ([[1, 2], [3]], [[1.0], [2.0, 3.0]]):
+        with pytest.raises(cv.CkptError, match="initial value of variable 'rag'") as err:
+            cv.Variable(ragged, name="rag")
+        assert isinstance(err.value, ValueError)
+    v = cv.Variable([[1, 2], [3, 4]], name="square")
+    for write in (v.assign, v.assign_add, v.assign_sub, v[0].assign):
+        with pytest.raises(ShapeLockError, match="variable 'square'"):
+            write([[1], [2, 3]])
+    np.testing.assert_array_equal(v.numpy(), [[1, 2], [3, 4]])
+
+
 def test_failed_writes_leave_value_unchanged() -> None:
     def bad_constraint(x):
         if x.sum() > 100:

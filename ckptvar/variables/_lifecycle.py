@@ -25,7 +25,7 @@ import numpy as np
 from .._dtypes import check_value_castable
 from .._frameworks import framework_of, to_numpy
 from ..device import Device, is_device_array, to_host
-from ..errors import ShapeLockError
+from ..errors import CkptError, ShapeLockError
 from ._array import match_backend, operand, write_into
 from ._rows import RowLog, rows_of, unique_rows
 from ._shapes import Shape, compatible, shape_str
@@ -112,8 +112,13 @@ class WriteBehaviour:
             else:
                 check_value_castable(value, self._dtype, what=what)
                 return value.astype(self._dtype, copy=False)
-        check_value_castable(value, self._dtype, what=what)
-        return np.asarray(value, dtype=self._dtype)
+        try:
+            check_value_castable(value, self._dtype, what=what)
+            return np.asarray(value, dtype=self._dtype)
+        except ValueError as exc:  # a ragged nested list: no array shape
+            if isinstance(exc, CkptError):
+                raise
+            raise ShapeLockError(f"Cannot convert {what} to an array: {exc}") from None
 
     def _shape_error(self, shape: tuple[int, ...], target: Shape, what: str = "") -> ShapeLockError:
         return ShapeLockError(

@@ -37,7 +37,7 @@ from .. import initializers as _init
 from .._dtypes import as_dtype, check_castable, check_value_castable, dtype_name, infer_dtype
 from .._frameworks import framework_of, to_numpy
 from ..device import is_device_array, log_placement, placement_for, to_device, to_host
-from ..errors import CkptError, ShapeLockError, UninitializedVariableError
+from ..errors import CkptError, DTypeLockError, ShapeLockError, UninitializedVariableError
 from ..graph import Graph, GraphKeys, get_default_graph
 from ._array import ArrayBehaviour, write_into
 from ._hooks import deferring, next_uid, run_creation_hooks
@@ -527,10 +527,21 @@ def _initial_value(initial_value: Any, dtype: Any, req_shape: Shape, shape: Any,
             fn = initial_value
             return _Initial(as_dtype(dtype), None, lambda: _host_view(fn(), name), False)
         value = _host_view(initial_value(), name)
-        dt = as_dtype(dtype) if dtype is not None else infer_dtype(value)
+        dt = as_dtype(dtype) if dtype is not None else _inferred(value, name)
         return _Initial(dt, _convert_initial(value, dt, name), None, False)
-    dt = as_dtype(dtype) if dtype is not None else infer_dtype(initial_value)
+    dt = as_dtype(dtype) if dtype is not None else _inferred(initial_value, name)
     return _Initial(dt, _convert_initial(initial_value, dt, name), None, False)
+
+
+def _inferred(value: Any, name: str | None) -> np.dtype:
+    """The dtype TensorFlow infers for ``value``; a value that is no array of a supported
+    dtype (a string, an object) is a ``DTypeLockError`` naming the variable."""
+    try:
+        return infer_dtype(value)
+    except TypeError as exc:
+        raise DTypeLockError(
+            f"Cannot create variable {name or 'Variable'!r} from its initial value: {exc}"
+        ) from None
 
 
 def _host_view(value: Any, name: str | None) -> Any:
@@ -544,8 +555,13 @@ def _convert_initial(value: Any, dt: np.dtype, name: str | None) -> np.ndarray:
     """A fresh host array of ``dt`` holding ``value`` (never sharing its memory)."""
     what = f"the initial value of variable {name or 'Variable'!r}"
     src = to_host(value) if is_device_array(value) else value
-    check_value_castable(src, dt, what=what)
-    return np.array(src, dtype=dt, copy=True, order="C")
+    try:
+        check_value_castable(src, dt, what=what)
+        return np.array(src, dtype=dt, copy=True, order="C")
+    except ValueError as exc:  # a ragged nested list: no array shape
+        if isinstance(exc, CkptError):
+            raise
+        raise VariableArgumentError(f"Cannot convert {what} to an array: {exc}") from None
 
 
 # --------------------------------------------------------------------------- the restore seam
