@@ -30,6 +30,7 @@ import numpy as np
 
 from ._dims import as_dims
 from ._dtypes import as_dtype, dtype_name, kind_of
+from .errors import DTypeLockError, ShapeLockError
 
 __all__ = [
     "Constant",
@@ -104,7 +105,7 @@ class Initializer:
         dt = as_dtype("float32" if dtype is None else dtype)
         kind = kind_of(dt) or dt.kind  # bfloat16 and float8 are floats, int4 an integer
         if kind not in self.kinds:
-            raise TypeError(
+            raise DTypeLockError(
                 f"{type(self).__name__} cannot produce dtype {dtype_name(dt)}; "
                 f"it supports kinds {self.kinds!r} (f=float, i/u=int, b=bool, c=complex)."
             )
@@ -158,7 +159,7 @@ class Constant(Initializer):
         try:
             return np.broadcast_to(value, shape).astype(dtype)
         except ValueError:
-            raise ValueError(
+            raise ShapeLockError(
                 f"constant({self.value!r}) has shape {value.shape}, which does not fit shape "
                 f"{shape}."
             ) from None
@@ -322,7 +323,8 @@ class Orthogonal(Initializer):
 
     def _generate(self, shape: Shape, dtype: np.dtype) -> np.ndarray:
         if len(shape) < 2:
-            raise ValueError(f"orthogonal needs a shape of at least 2 dimensions, got {shape}.")
+            raise ShapeLockError(
+                f"orthogonal needs a shape of at least 2 dimensions, got {shape}.")
         rows, cols = math.prod(shape[:-1]), shape[-1]
         flat = (max(rows, cols), min(rows, cols))
         a = _rng(self.seed).standard_normal(flat)

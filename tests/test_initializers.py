@@ -10,6 +10,7 @@ import pytest
 
 import ckptvar as cv
 from ckptvar import initializers as I
+from ckptvar.errors import DTypeLockError, ShapeLockError
 from ckptvar.initializers import compute_fans
 
 pytestmark = pytest.mark.usefixtures("fresh_graph")
@@ -163,3 +164,21 @@ def test_unseeded_initializers_differ() -> None:
 def test_repr() -> None:
     assert repr(I.random_normal(mean=1.0)) == "RandomNormal(mean=1.0, stddev=1.0, seed=None)"
     assert "glorot_uniform" in repr(I.glorot_uniform)
+
+
+def test_an_initializer_that_cannot_fill_a_variable_is_a_ckpt_error_naming_it() -> None:
+    """API.md section 10: a float-only initializer asked for int32 raised a plain TypeError,
+    orthogonal given a vector and constant a value of another shape a plain ValueError,
+    at the variable's first read and without its name."""
+    with cv.Graph().as_default():
+        k = cv.Variable(cv.initializers.glorot_uniform, shape=(2, 2), dtype="int32", name="k")
+        with pytest.raises(DTypeLockError, match="Cannot initialize variable 'k': GlorotUniform"):
+            k.numpy()
+        o = cv.get_variable("o", shape=(3,), initializer=cv.initializers.orthogonal)
+        with pytest.raises(ShapeLockError, match="variable 'o': orthogonal needs"):
+            o.numpy()
+        c = cv.get_variable("c", shape=(3,), initializer=cv.initializers.constant([1.0, 2.0]))
+        with pytest.raises(ShapeLockError, match="variable 'c'"):
+            c.numpy()
+    with pytest.raises(DTypeLockError):
+        cv.initializers.he_normal()((2, 2), "int32")

@@ -306,7 +306,12 @@ class Variable(WriteBehaviour, ArrayBehaviour):
                     "global_variables_initializer(), assign a value or restore a checkpoint "
                     "before reading it."
                 )
-            value = self._adopt(state.source(), owned=state.owned)
+            try:
+                produced = state.source()
+            except (DTypeLockError, ShapeLockError) as exc:  # an initializer refused the
+                raise type(exc)(  # variable's dtype or shape: said with its name
+                    f"Cannot initialize variable {self._name!r}: {exc}") from None
+            value = self._adopt(produced, owned=state.owned)
             self._state = Ready(value)
             self._wrote()
             return value
