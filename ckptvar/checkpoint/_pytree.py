@@ -412,9 +412,10 @@ def _lazy(graph: Graph, key: str, shape: tuple[int, ...], dtype: np.dtype,
     def unset() -> np.ndarray:
         raise CkptError(f"{key!r} was not restored")
 
-    with graph.as_default():
+    with graph.as_default():  # the key names it, save the empty key of a bare leaf
         return Variable(FreshValue(unset), shape=shape, dtype=dtype, device="CPU:0",
-                        collections=[], trainable=False, name=key, lazy=True, shard=shard)
+                        collections=[], trainable=False, name=key or "value", lazy=True,
+                        shard=shard)
 
 
 def _target(graph: Graph, key: str, like: Any) -> tuple[Variable, Any]:
