@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
-from ckptvar.errors import MissingKeyError
+from ckptvar.errors import DTypeLockError, MissingKeyError
 
 
 @pytest.fixture(params=["h5", "zarr"])
@@ -164,3 +164,13 @@ def test_list_and_load_variable_take_a_directory_of_checkpoints(tmp_path: Path,
     (tmp_path / "empty").mkdir()
     with pytest.raises(cv.UnsupportedFormatError, match="is a directory, not a checkpoint"):
         cv.list_variables(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("value", [np.array([None, 1]), np.array(["x"])])
+def test_a_value_of_no_checkpoint_dtype_is_a_ckpt_error_naming_its_key(tmp_path: Path, fmt: str,
+                                                                      value: np.ndarray) -> None:
+    """It was a plain TypeError 'Unsupported dtype object; ...' that named no key."""
+    with pytest.raises(DTypeLockError, match="Cannot store 'model/w'") as err:
+        cv.save(tmp_path / f"c.{fmt}", {"ok": np.ones(2), "model/w": value})
+    assert isinstance(err.value, TypeError)
+    assert not (tmp_path / f"c.{fmt}").exists()
