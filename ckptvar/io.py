@@ -33,7 +33,7 @@ from .checkpoint import (
     write_values,
 )
 from .device import resolve, supports_dtype, xp_for
-from .errors import DeviceError, UnsupportedFormatError
+from .errors import CheckpointNotFoundError, DeviceError, UnsupportedFormatError
 from .locations import is_url
 from .storage import backend_for, open_remote_reader, paused_gc, remote_format, save_remote
 from .storage.base import Reader, SupportsRuns
@@ -61,15 +61,19 @@ def open(
 
 
 def _open_file_or_latest(path: PathLike, storage_options: Options) -> Reader:
-    """``open(path)``; a local directory that is no checkpoint but holds some (a manager's,
-    a ``Saver``'s) stands for its latest checkpoint, as TensorFlow's ``ckpt_dir_or_file``."""
+    """``open(path)``; a directory (or an object-store prefix) that is no checkpoint but
+    holds some (a manager's, a ``Saver``'s) stands for its latest checkpoint, as
+    TensorFlow's ``ckpt_dir_or_file``."""
     try:
         return open(path, storage_options=storage_options)
-    except UnsupportedFormatError:
-        latest = None if is_url(path) or not Path(path).is_dir() else latest_checkpoint(path)
+    except (UnsupportedFormatError, CheckpointNotFoundError):
+        if is_url(path):
+            latest = latest_checkpoint(path, storage_options=storage_options)
+        else:
+            latest = latest_checkpoint(path) if Path(path).is_dir() else None
         if latest is None:
             raise
-    return open(latest)
+    return open(latest, storage_options=storage_options)
 
 
 def list_variables(
