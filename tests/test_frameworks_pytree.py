@@ -94,6 +94,17 @@ def test_a_leaf_that_does_not_fit_names_its_key_and_nothing_is_loaded(tmp_path: 
         cv.load(path, like=like)
 
 
+def test_a_like_key_the_checkpoint_lacks_is_a_key_error_too(tmp_path: Path) -> None:
+    """API.md section 10: missing keys are KeyErrors (as cv.load(keys=...) and
+    Saver.restore raise); a like= tree's key was only a CheckpointMismatchError."""
+    path = cv.save(tmp_path / "t.h5", {"w": np.ones(2), "step": 3})
+    for like in ({"w": np.zeros(2), "b": np.zeros(1)}, {"w": np.zeros(2), "epoch": 0}):
+        with pytest.raises(KeyError) as err:
+            cv.load(path, like=like)
+        assert isinstance(err.value, cv.CheckpointMismatchError)
+        assert "has no value for" in str(err.value) and not str(err.value).startswith('"')
+
+
 def test_flat_dicts_save_as_before_and_bad_leaves_are_named(tmp_path: Path) -> None:
     path = cv.save(tmp_path / "flat.h5", {"a/b": np.ones(2), "c": np.zeros(1)},
                    metadata={"run": 1})
