@@ -334,6 +334,22 @@ def test_a_ragged_value_is_a_ckpt_error_naming_the_variable() -> None:
     np.testing.assert_array_equal(v.numpy(), [[1, 2], [3, 4]])
 
 
+def test_ufunc_at_writes_through_the_variable() -> None:
+    """np.add.at(v, ...) wrote into the variable's buffer through its read-only view (NumPy's
+    ufunc.at ignores the flag): no version change, no constraint, no dtype lock. It now
+    writes as assign does."""
+    v = cv.Variable([1.0, 2.0, 3.0], name="at", constraint=lambda x: np.minimum(x, 10.0))
+    before = v._writes
+    np.add.at(v, [0, 0, 2], [1.0, 20.0, 1.0])
+    np.testing.assert_array_equal(v.numpy(), [10.0, 2.0, 4.0])  # the constraint ran
+    assert v._writes > before  # a write, as incremental checkpoints see it
+    ints = cv.Variable([1, 2], name="ints")
+    with pytest.raises(DTypeLockError, match="add.at"):
+        np.add.at(ints, [0], 0.5)  # NumPy alone would truncate it away
+    np.subtract.at(ints, [1], 2)
+    np.testing.assert_array_equal(ints.numpy(), [1, 0])
+
+
 def test_failed_writes_leave_value_unchanged() -> None:
     def bad_constraint(x):
         if x.sum() > 100:

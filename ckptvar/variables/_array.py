@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .._dtypes import dtype_name
+from .._dtypes import check_value_castable, dtype_name
 from ..device import Device, cupy_or_none, is_device_array, to_host
 from ..errors import DeviceError, DTypeLockError
 from ._shapes import Shape, VariableArgumentError
@@ -214,6 +214,18 @@ class ArrayBehaviour:
 
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
         args = tuple(operand(x) for x in inputs)
+        target = inputs[0]
+        if method == "at" and isinstance(target, ArrayBehaviour):
+            # ufunc.at writes into its first operand in place, and NumPy lets it write
+            # through a read-only view: it goes through assign (dtype lock, constraint,
+            # the version an incremental checkpoint reads), on a copy of the value
+            for value in args[2:]:  # ufunc.at would truncate 0.5 into an int variable
+                check_value_castable(value, target._dtype, what=(
+                    f"a value given to {ufunc.__name__}.at(variable {target._name!r})"))
+            new = target.numpy()
+            ufunc.at(new, *args[1:], **kwargs)
+            target.assign(new)
+            return None
         out = kwargs.pop("out", None)
         if out is not None and any(isinstance(o, ArrayBehaviour) for o in out):
             # Writing into a variable goes through assign, with its locks.
