@@ -350,6 +350,19 @@ def test_ufunc_at_writes_through_the_variable() -> None:
     np.testing.assert_array_equal(ints.numpy(), [1, 0])
 
 
+def test_a_ufunc_into_a_variable_with_where_keeps_the_other_elements() -> None:
+    """np.add(v, 1, out=v, where=mask) set the elements the mask leaves out to whatever
+    uninitialized memory held ([2, 0] for [1, 2]), with NumPy's warning about it."""
+    v = cv.Variable([1.0, 2.0, 3.0], name="masked")
+    np.add(v, 1, out=v, where=np.array([True, False, True]))
+    np.testing.assert_array_equal(v.numpy(), [2.0, 2.0, 4.0])
+    other = np.zeros(2, np.float32)
+    w = cv.Variable([0.0, 0.0], name="frac")
+    np.modf(np.array([1.5, 2.25], np.float32), out=(w, other), where=[False, True])
+    np.testing.assert_array_equal(w.numpy(), [0.0, 0.25])
+    np.testing.assert_array_equal(other, [0.0, 2.0])
+
+
 def test_failed_writes_leave_value_unchanged() -> None:
     def bad_constraint(x):
         if x.sum() > 100:

@@ -228,10 +228,15 @@ class ArrayBehaviour:
             return None
         out = kwargs.pop("out", None)
         if out is not None and any(isinstance(o, ArrayBehaviour) for o in out):
-            # Writing into a variable goes through assign, with its locks.
+            # Writing into a variable goes through assign, with its locks. where= picks
+            # the elements written; the others keep the value out= held
+            where = kwargs.pop("where", True) if method == "__call__" else True
             result = getattr(ufunc, method)(*args, **kwargs)
             results = result if isinstance(result, tuple) else (result,)
-            for target, res in zip(out, results, strict=False):
+            for target, computed in zip(out, results, strict=False):
+                res = computed
+                if where is not True and target is not None:
+                    res = np.where(where, computed, operand(target))
                 if isinstance(target, ArrayBehaviour):
                     target.assign(res)
                 elif target is not None:
