@@ -363,6 +363,25 @@ def test_a_ufunc_into_a_variable_with_where_keeps_the_other_elements() -> None:
     np.testing.assert_array_equal(other, [0.0, 2.0])
 
 
+def test_numpy_functions_with_out_write_through_the_variable() -> None:
+    """np.clip(v, 0, 1, out=v) raised NumPy's 'output array is read-only' (ufuncs with
+    out=v wrote; functions such as clip, cumsum, around did not). They now write as assign
+    does: the constraint runs, a dtype the variable cannot take is a DTypeLockError."""
+    v = cv.Variable([-1.0, 2.0], name="clipped", constraint=lambda x: np.maximum(x, -0.5))
+    before = v._writes
+    assert np.clip(v, -2.0, 1.5, out=v) is v
+    np.testing.assert_array_equal(v.numpy(), [-0.5, 1.5])
+    assert v._writes > before
+    np.cumsum(np.ones(2, np.float32), out=v)
+    np.testing.assert_array_equal(v.numpy(), [1.0, 2.0])
+    ints = cv.Variable([1, 2], name="ints")
+    with pytest.raises(DTypeLockError, match="clip.*'ints'"):
+        np.clip(ints, 0, 1.5, out=ints)
+    with pytest.raises(ShapeLockError, match="'ints'"):
+        np.clip(np.ones(3, np.int32), 0, 1, out=ints)
+    np.testing.assert_array_equal(ints.numpy(), [1, 2])
+
+
 def test_failed_writes_leave_value_unchanged() -> None:
     def bad_constraint(x):
         if x.sum() > 100:

@@ -26,7 +26,7 @@ import numpy as np
 
 from .._dtypes import check_value_castable, dtype_name
 from ..device import Device, cupy_or_none, is_device_array, to_host
-from ..errors import DeviceError, DTypeLockError
+from ..errors import CkptError, DeviceError, DTypeLockError, ShapeLockError
 from ._shapes import Shape, VariableArgumentError
 
 __all__ = [
@@ -261,6 +261,13 @@ class ArrayBehaviour:
                 return {k: unwrap(v) for k, v in x.items()}
             return x
 
+        out = kwargs.get("out")
+        targets = out if isinstance(out, tuple) else (out,)
+        if any(isinstance(t, ArrayBehaviour) for t in targets):
+            _write_out(func, targets, lambda given: func(
+                *unwrap(args), **unwrap({**kwargs, "out": given if isinstance(out, tuple)
+                                         else given[0]})))
+            return out
         result = func(*unwrap(args), **unwrap(kwargs))
         return _detach(result, buffers)
 
@@ -374,6 +381,27 @@ def write_into(buf: Any, arr: Any, dev: Device) -> None:
             buf.set(arr)
         else:
             buf[...] = cupy.asarray(arr)
+
+
+def _write_out(func: Any, targets: tuple[Any, ...], call: Callable[[tuple[Any, ...]], Any],
+               ) -> None:
+    """``np.clip(v, 0, 1, out=v)``: ``call`` writes into a copy of each variable's value,
+    then each is assigned (a variable's own buffer is never written past its locks)."""
+    copies = tuple(t._materialize().copy() if isinstance(t, ArrayBehaviour) else t
+                   for t in targets)
+    names = ", ".join(repr(t._name) for t in targets if isinstance(t, ArrayBehaviour))
+    what = f"Cannot write the result of {func.__name__}() into variable {names}"
+    try:
+        call(copies)
+    except CkptError:
+        raise
+    except TypeError as exc:  # a dtype the variable cannot take
+        raise DTypeLockError(f"{what}: {exc}") from None
+    except ValueError as exc:  # a shape that does not fit
+        raise ShapeLockError(f"{what}: {exc}") from None
+    for target, copy in zip(targets, copies, strict=True):
+        if isinstance(target, ArrayBehaviour):
+            target.assign(copy)
 
 
 def _detach(result: Any, buffers: list[Any]) -> Any:
