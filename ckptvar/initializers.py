@@ -416,7 +416,17 @@ def is_initializer(obj: Any) -> bool:
 
 
 def call_initializer(init: Any, shape: Shape, dtype: np.dtype) -> Any:
-    """Run ``init`` (an initializer, factory or class) for ``shape`` and ``dtype``."""
+    """Run ``init`` (an initializer, factory or class) for ``shape`` and ``dtype``.
+
+    A factory passed bare is its default-configured initializer (``constant``: zeros, as a
+    bare ``tf.constant_initializer`` is in TensorFlow 1), never called with the shape as
+    its first parameter.
+
+    >>> call_initializer(constant, (2,), np.dtype("float32"))
+    array([0., 0.], dtype=float32)
+    """
     if isinstance(init, type):
         init = init()
+    elif isinstance(init, _Factory):
+        init = init._cls()
     return init(tuple(shape), dtype)

@@ -182,3 +182,18 @@ def test_an_initializer_that_cannot_fill_a_variable_is_a_ckpt_error_naming_it() 
             c.numpy()
     with pytest.raises(DTypeLockError):
         cv.initializers.he_normal()((2, 2), "int32")
+
+
+def test_a_bare_constant_is_zeros_as_in_tensorflow_1() -> None:
+    """initializer=cv.initializers.constant (not called) raised TypeError
+    'Constant.__init__() takes from 1 to 2 positional arguments but 3 were given' at the
+    first read (get_variable: '... unexpected keyword argument 'dtype''); a bare factory is
+    now its default initializer, as a bare tf.constant_initializer is."""
+    with cv.Graph().as_default():
+        got = cv.get_variable("c", shape=(2,), initializer=cv.initializers.constant)
+        made = cv.Variable(cv.initializers.constant, shape=(2,), dtype="int32", name="m")
+        added = cv.Module(name="mod").add_variable("k", (1,), initializer=cv.initializers.constant)
+        assert got.numpy().tolist() == [0.0, 0.0] and made.numpy().tolist() == [0, 0]
+        assert added.numpy().tolist() == [0.0]
+        seeded = cv.get_variable("s", shape=(), initializer=cv.initializers.random_normal)
+        assert seeded.numpy().shape == ()

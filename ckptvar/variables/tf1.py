@@ -286,6 +286,8 @@ def bind_initializer(initializer: Any, shape: tuple[int, ...], dtype: np.dtype,
     init = initializer() if isinstance(initializer, type) else initializer
     kwargs: dict[str, Any] = {"dtype": dtype}
     own = isinstance(init, _init.Initializer) or getattr(init, "__module__", "") == _init.__name__
+    if own:  # a bare factory too (constant: zeros)
+        return FreshValue(lambda: _init.call_initializer(init, tuple(shape), dtype))
     if not own:
         if _accepts(init, "partition_info"):
             kwargs["partition_info"] = partition_info
