@@ -330,6 +330,18 @@ def _check_reuse(found: Variable | PartitionedVariable, full: str, shape: Any,
         )
 
 
+def _check_partitions_reused(found: PartitionedVariable, full: str,
+                             partitioner: Callable[..., Sequence[int]]) -> None:
+    """A partitioner given on reuse must cut the variable as it is cut (TensorFlow 1's
+    'Trying to reuse partitioned variable ..., but specified partitions ...')."""
+    asked = tuple(int(p) for p in partitioner(shape=found.shape, dtype=found.dtype))
+    if asked != found.partitions:
+        raise VariableScopeError(
+            f"Trying to reuse partitioned variable {full!r}, but specified partitions "
+            f"{list(asked)} and found partitions {list(found.partitions)}."
+        )
+
+
 def get_variable(
     name: str,
     shape: Any = None,
@@ -379,6 +391,8 @@ def get_variable(
                 "reuse=True or reuse=AUTO_REUSE in variable_scope?"
             )
         _check_reuse(found, full, shape, req_dtype, partitioner is not None)
+        if partitioner is not None and isinstance(found, PartitionedVariable):
+            _check_partitions_reused(found, full, partitioner)
         return found
     if reuse is True:
         raise VariableScopeError(
