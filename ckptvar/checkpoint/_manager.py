@@ -254,8 +254,9 @@ class CheckpointManager:
     work, crash leftovers are left alone, and :meth:`save` raises ``CkptError``.
     """
 
-    #: a preemption save runs: it saves even at the step saved last (``_numbers``)
-    _preempting: bool = False
+    #: saves even at the step saved last (``_numbers``): a preemption save, and a local
+    #: tier per node, whose steps the tiered manager's collective decides on
+    _always_save: bool = False
 
     def __init__(  # noqa: PLR0917 - TensorFlow's CheckpointManager argument list (API.md)
         self,
@@ -931,7 +932,7 @@ class CheckpointManager:
         elif self._step_counter is not None and checkpoint_number is None:
             step = self._current_step(None)
         if (self.checkpoint_interval is not None and checkpoint_number is None
-                and not self._preempting and step is not None and step == self._last_step()):
+                and not self._always_save and step is not None and step == self._last_step()):
             return None  # TensorFlow's: the step counter's step is saved once, even with
             # check_interval=False (an explicit number saved already is refused instead)
         number = checkpoint_number
@@ -994,11 +995,11 @@ class CheckpointManager:
             path = self._latest_numbered(int(checkpoint_number))
             if path is not None:
                 return path
-        self._preempting = True  # the current state, even at the step saved last
+        self._always_save = True  # the current state, even at the step saved last
         try:
             return self.save(checkpoint_number, check_interval=False, timeout=timeout)
         finally:
-            self._preempting = False
+            self._always_save = False
 
     def _latest_numbered(self, number: int) -> str | None:
         """The path of the latest step when it is step ``number``, else ``None``."""
@@ -1269,13 +1270,16 @@ class CheckpointManager:
             return None  # per-node tiers: the interval, decided the same everywhere
         if self.async_save:  # the last save is done (waited above): prune before the next
             self._prune_local()
-        self._persist_next = self._local_tier._preempting = persist
+        self._persist_next = persist
+        # per-node tiers: every node's tier saves what the collective decided (a node that
+        # lost its tier must not skip a step the others save)
+        self._local_tier._always_save = persist or self._nodes is not None
         try:
             path = self._local_tier.save(checkpoint_number,
                                          check_interval and self._nodes is None,
                                          timeout=timeout)
         finally:
-            self._persist_next = self._local_tier._preempting = False
+            self._persist_next = self._local_tier._always_save = False
         if path is None:
             return None
         number = self._number(Path(path).name)
