@@ -18,6 +18,8 @@ naturally catch, so ``except ValueError`` keeps working::
     ├── DestinationIsDirectoryError(CkptError, IsADirectoryError)  a save onto a directory not ours
     ├── DestinationExistsError(CkptError, FileExistsError)  a file in the way of a directory save
     ├── MissingKeyError(CkptError, KeyError)               a key that is not in a checkpoint
+    │   └── MissingValueError(CheckpointMismatchError, MissingKeyError)  a like= tree's key
+    │                                                      the checkpoint lacks
     ├── ShardLayoutError(CkptError, ValueError)            shards that overlap, leave a gap,
     │                                                      disagree across processes, or a
     │                                                      restore box no stored slice covers
@@ -42,6 +44,7 @@ __all__ = [
     "DistributedError",
     "DistributedTimeoutError",
     "MissingKeyError",
+    "MissingValueError",
     "RestoreAssertionError",
     "ShapeLockError",
     "ShardLayoutError",
@@ -108,6 +111,11 @@ class MissingKeyError(CkptError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message; keep it readable
         return str(self.args[0]) if self.args else ""
+
+
+class MissingValueError(CheckpointMismatchError, MissingKeyError):
+    """A value asked for (a ``like=`` tree's key) is not in the checkpoint: a mismatch
+    between the tree and the file, and a missing key (``except KeyError`` catches it)."""
 
 
 class ShardLayoutError(CkptError, ValueError):

@@ -30,7 +30,7 @@ import numpy as np
 
 from ._dims import as_dims
 from ._dtypes import as_dtype, check_value_castable, dtype_name, kind_of
-from .errors import DTypeLockError
+from .errors import DTypeLockError, ShapeLockError
 
 __all__ = [
     "Constant",
@@ -45,6 +45,7 @@ __all__ = [
     "TruncatedNormal",
     "VarianceScaling",
     "Zeros",
+    "as_initializer",
     "call_initializer",
     "check_produces",
     "compute_fans",
@@ -171,7 +172,7 @@ class Constant(Initializer):
         try:
             return np.broadcast_to(value, shape).astype(dtype)
         except ValueError:
-            raise ValueError(
+            raise ShapeLockError(
                 f"constant({self.value!r}) has shape {value.shape}, which does not fit shape "
                 f"{shape}."
             ) from None
@@ -346,7 +347,8 @@ class Orthogonal(Initializer):
 
     def _generate(self, shape: Shape, dtype: np.dtype) -> np.ndarray:
         if len(shape) < 2:
-            raise ValueError(f"orthogonal needs a shape of at least 2 dimensions, got {shape}.")
+            raise ShapeLockError(
+                f"orthogonal needs a shape of at least 2 dimensions, got {shape}.")
         rows, cols = math.prod(shape[:-1]), shape[-1]
         flat = (max(rows, cols), min(rows, cols))
         a = _rng(self.seed).standard_normal(flat)
@@ -480,7 +482,27 @@ def returns_new_arrays(obj: Any) -> bool:
 
 
 def call_initializer(init: Any, shape: Shape, dtype: np.dtype) -> Any:
-    """Run ``init`` (an initializer, factory or class) for ``shape`` and ``dtype``."""
+    """Run ``init`` (an initializer, factory or class) for ``shape`` and ``dtype``.
+
+    A factory passed bare is its default-configured initializer (``constant``: zeros, as a
+    bare ``tf.constant_initializer`` is in TensorFlow 1), never called with the shape as
+    its first parameter.
+
+    >>> call_initializer(constant, (2,), np.dtype("float32"))
+    array([0., 0.], dtype=float32)
+    """
+    return as_initializer(init)(tuple(shape), dtype)
+
+
+def as_initializer(init: Any) -> Any:
+    """``init`` ready to call: a class instantiated, a factory passed bare made with its
+    defaults (``constant``: zeros); anything else as it is.
+
+    >>> as_initializer(constant)((2,), "int32"), as_initializer(len) is len
+    (array([0, 0], dtype=int32), True)
+    """
     if isinstance(init, type):
-        init = init()
-    return init(tuple(shape), dtype)
+        return init()
+    if isinstance(init, _Factory):
+        return init._cls()
+    return init

@@ -27,12 +27,13 @@ from . import _frameworks
 from ._staging import fill_device, to_writable, upload
 from .checkpoint import (
     is_plain,
+    latest_checkpoint,
     load_tree,
     save_tree,
     write_values,
 )
 from .device import resolve, supports_dtype, xp_for
-from .errors import DeviceError
+from .errors import CheckpointNotFoundError, DeviceError, UnsupportedFormatError
 from .locations import is_url
 from .storage import backend_for, open_remote_reader, paused_gc, remote_format, save_remote
 from .storage.base import Reader, SupportsRuns
@@ -59,11 +60,30 @@ def open(
     return backend_for(p, format).open_reader(p)
 
 
+def _open_file_or_latest(path: PathLike, storage_options: Options) -> Reader:
+    """``open(path)``; a directory (or an object-store prefix) that is no checkpoint but
+    holds some (a manager's, a ``Saver``'s) stands for its latest checkpoint, as
+    TensorFlow's ``ckpt_dir_or_file``."""
+    try:
+        return open(path, storage_options=storage_options)
+    except (UnsupportedFormatError, CheckpointNotFoundError):
+        if is_url(path):
+            latest = latest_checkpoint(path, storage_options=storage_options)
+        else:
+            latest = latest_checkpoint(path) if Path(path).is_dir() else None
+        if latest is None:
+            raise
+    return open(latest, storage_options=storage_options)
+
+
 def list_variables(
     path: PathLike, *, storage_options: Options = None
 ) -> list[tuple[str, tuple[int, ...], np.dtype]]:
-    """``[(key, shape, dtype), ...]`` of every value stored at ``path``, in file order."""
-    with open(path, storage_options=storage_options) as reader:
+    """``[(key, shape, dtype), ...]`` of every value stored at ``path``, in file order.
+
+    ``path`` may also be a directory of checkpoints: its latest (``cv.latest_checkpoint``).
+    """
+    with _open_file_or_latest(path, storage_options) as reader:
         out = []
         for key in reader.keys():  # noqa: SIM118 - a Reader is no dict
             info = reader.info(key)
@@ -74,8 +94,9 @@ def list_variables(
 def load_variable(
     path: PathLike, key: str, *, verify: bool = True, storage_options: Options = None
 ) -> np.ndarray:
-    """One stored value as a NumPy array (checksum verified unless ``verify=False``)."""
-    with open(path, storage_options=storage_options) as reader:
+    """One stored value as a NumPy array (checksum verified unless ``verify=False``);
+    ``path`` may be a directory of checkpoints, as for :func:`list_variables`."""
+    with _open_file_or_latest(path, storage_options) as reader:
         return reader.read(key, verify=verify)
 
 

@@ -330,6 +330,25 @@ def test_restore_none_is_a_no_op_status(fresh_graph: cv.Graph) -> None:
         status.assert_consumed()
 
 
+def test_assert_nontrivial_match_as_in_tensorflow(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    """TensorFlow code calls status.assert_nontrivial_match() after a restore: it raised
+    AttributeError. It passes when some value besides the save counter went to an object
+    (one created later too), and raises RestoreAssertionError otherwise."""
+    path = cv.Checkpoint(w=cv.Variable([1.0, 2.0], name="w")).save(tmp_path / "c")
+    cv.Checkpoint(w=cv.Variable([0.0, 0.0], name="w2")).restore(path).assert_nontrivial_match()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the unused value: said, then asserted
+        wrong = cv.Checkpoint(other=cv.Variable([0.0, 0.0], name="o")).restore(path)
+        with pytest.raises(cv.RestoreAssertionError, match="nothing but the save counter"):
+            wrong.assert_nontrivial_match()
+    later = cv.Checkpoint()
+    status = later.restore(path)
+    later.w = cv.Variable([0.0, 0.0], name="w3")
+    assert status.assert_nontrivial_match() is status
+    with pytest.raises(cv.RestoreAssertionError, match="None"):
+        cv.Checkpoint().restore(None).assert_nontrivial_match()
+
+
 # -- restore as initialization ------------------------------------------------------------
 
 

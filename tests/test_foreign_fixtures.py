@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -150,3 +151,25 @@ def test_files_are_closed_by_the_reader() -> None:
                 gc.collect()
                 time.sleep(0.02)
         assert open_fixtures() == before
+
+
+def test_latest_checkpoint_reads_tensorflows_checkpoint_file(tmp_path: Path) -> None:
+    """A TensorFlow training directory (its ``checkpoint`` state file naming the prefix):
+    cv.latest_checkpoint returned None, as for an empty directory, so restoring or
+    listing 'the latest' of it found nothing (tf.train.latest_checkpoint returns the
+    prefix)."""
+    run = tmp_path / "tf_run"
+    shutil.copytree(ROOT / "tf2_object", run)
+    assert cv.latest_checkpoint(run) is None  # no state file: nothing is guessed
+    (run / "checkpoint").write_text('model_checkpoint_path: "ckpt-1"\n'
+                                    'all_model_checkpoint_paths: "ckpt-1"\n')
+    assert cv.latest_checkpoint(run) == str(run / "ckpt-1")
+    assert cv.list_variables(run) == cv.list_variables(run / "ckpt-1")
+    absolute = tmp_path / "absolute"
+    absolute.mkdir()
+    (absolute / "checkpoint").write_text(f'model_checkpoint_path: "{run / "ckpt-1"}"\n')
+    assert cv.latest_checkpoint(absolute) == str(run / "ckpt-1")
+    (run / "checkpoint").write_text('model_checkpoint_path: "ckpt-9"\n')  # gone
+    assert cv.latest_checkpoint(run) is None
+    mine = cv.Checkpoint(w=cv.Variable([1.0], name="w")).save(run / "mine")
+    assert cv.latest_checkpoint(run) == mine  # a ckptvar checkpoint comes first

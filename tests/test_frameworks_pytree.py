@@ -94,6 +94,17 @@ def test_a_leaf_that_does_not_fit_names_its_key_and_nothing_is_loaded(tmp_path: 
         cv.load(path, like=like)
 
 
+def test_a_like_key_the_checkpoint_lacks_is_a_key_error_too(tmp_path: Path) -> None:
+    """API.md section 10: missing keys are KeyErrors (as cv.load(keys=...) and
+    Saver.restore raise); a like= tree's key was only a CheckpointMismatchError."""
+    path = cv.save(tmp_path / "t.h5", {"w": np.ones(2), "step": 3})
+    for like in ({"w": np.zeros(2), "b": np.zeros(1)}, {"w": np.zeros(2), "epoch": 0}):
+        with pytest.raises(KeyError) as err:
+            cv.load(path, like=like)
+        assert isinstance(err.value, cv.CheckpointMismatchError)
+        assert "has no value for" in str(err.value) and not str(err.value).startswith('"')
+
+
 def test_flat_dicts_save_as_before_and_bad_leaves_are_named(tmp_path: Path) -> None:
     path = cv.save(tmp_path / "flat.h5", {"a/b": np.ones(2), "c": np.zeros(1)},
                    metadata={"run": 1})
@@ -197,3 +208,17 @@ def test_a_python_int_beyond_64_bits_is_refused_naming_where(tmp_path: Path, suf
         cv.save(path, {"w": np.ones(2)}, metadata={"run": [1, -2**63 - 1]})
     assert not list(tmp_path.iterdir())
     cv.save(path, {"w": np.ones(2)}, metadata={"edges": [2**64 - 1, -2**63]})  # the range
+
+
+def test_a_bare_array_and_an_empty_key_load_back_with_like(tmp_path: Path) -> None:
+    """cv.save(path, array) stores the array under the empty key (a leaf at the root), as
+    cv.save keeps any key: cv.load(path, like=array) raised VariableArgumentError 'A variable
+    name is a non-empty string, not '''."""
+    bare = cv.save(tmp_path / "bare.h5", np.arange(3.0))
+    assert cv.list_variables(bare) == [("", (3,), np.dtype("float64"))]
+    assert cv.load(bare, like=np.zeros(3)).tolist() == [0.0, 1.0, 2.0]
+    keyed = cv.save(tmp_path / "keyed.zarr", {"": np.ones(2, np.float32), "b": np.zeros(1)})
+    back = cv.load(keyed, like={"": np.zeros(2, np.float32), "b": np.ones(1)})
+    assert back[""].tolist() == [1.0, 1.0] and back["b"].tolist() == [0.0]
+    with pytest.raises(cv.CheckpointMismatchError, match=r"expected shape \(4,\)"):
+        cv.load(bare, like=np.zeros(4))

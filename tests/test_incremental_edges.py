@@ -99,3 +99,16 @@ def test_a_holder_deleted_by_hand_is_not_referred_to(
     with cv.open(after) as reader:
         assert "frozen" in reader.shared()
     assert np.array_equal(cv.load(after)["frozen"], frozen.numpy())
+
+
+def test_a_value_changed_by_ufunc_at_is_written_again(tmp_path: Path) -> None:
+    """np.add.at(v, ...) changed the value without a write the variable knew of, so the next
+    incremental step referred to the old bytes: the checkpoint held [0, 0, 0, 0] while the
+    variable held [0, 5, 0, 0]."""
+    v = cv.Variable(np.zeros(4, np.float32), name="v")
+    manager = cv.CheckpointManager(cv.Checkpoint(v=v), tmp_path, incremental=True)
+    manager.save()
+    np.add.at(v, [1], 5.0)
+    step = manager.save()
+    manager.wait_until_finished()
+    assert cv.load(step)["v"].tolist() == [0.0, 5.0, 0.0, 0.0]

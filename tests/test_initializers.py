@@ -10,6 +10,7 @@ import pytest
 
 import ckptvar as cv
 from ckptvar import initializers as I
+from ckptvar.errors import DTypeLockError, ShapeLockError
 from ckptvar.initializers import compute_fans
 
 pytestmark = pytest.mark.usefixtures("fresh_graph")
@@ -229,3 +230,36 @@ def test_an_initializer_that_cannot_make_the_dtype_is_refused_at_creation(make) 
                        r": \w+ cannot produce dtype"):
         make()
     assert cv.global_variables() == []
+
+
+def test_an_initializer_that_cannot_fill_a_variable_is_a_ckpt_error_naming_it() -> None:
+    """API.md section 10: a float-only initializer asked for int32 raised a plain TypeError,
+    orthogonal given a vector and constant a value of another shape a plain ValueError,
+    at the variable's first read and without its name."""
+    with cv.Graph().as_default():
+        k = cv.Variable(cv.initializers.glorot_uniform, shape=(2, 2), dtype="int32", name="k")
+        with pytest.raises(DTypeLockError, match="Cannot initialize variable 'k': GlorotUniform"):
+            k.numpy()
+        o = cv.get_variable("o", shape=(3,), initializer=cv.initializers.orthogonal)
+        with pytest.raises(ShapeLockError, match="variable 'o': orthogonal needs"):
+            o.numpy()
+        c = cv.get_variable("c", shape=(3,), initializer=cv.initializers.constant([1.0, 2.0]))
+        with pytest.raises(ShapeLockError, match="variable 'c'"):
+            c.numpy()
+    with pytest.raises(DTypeLockError):
+        cv.initializers.he_normal()((2, 2), "int32")
+
+
+def test_a_bare_constant_is_zeros_as_in_tensorflow_1() -> None:
+    """initializer=cv.initializers.constant (not called) raised TypeError
+    'Constant.__init__() takes from 1 to 2 positional arguments but 3 were given' at the
+    first read (get_variable: '... unexpected keyword argument 'dtype''); a bare factory is
+    now its default initializer, as a bare tf.constant_initializer is."""
+    with cv.Graph().as_default():
+        got = cv.get_variable("c", shape=(2,), initializer=cv.initializers.constant)
+        made = cv.Variable(cv.initializers.constant, shape=(2,), dtype="int32", name="m")
+        added = cv.Module(name="mod").add_variable("k", (1,), initializer=cv.initializers.constant)
+        assert got.numpy().tolist() == [0.0, 0.0] and made.numpy().tolist() == [0, 0]
+        assert added.numpy().tolist() == [0.0]
+        seeded = cv.get_variable("s", shape=(), initializer=cv.initializers.random_normal)
+        assert seeded.numpy().shape == ()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
-from ckptvar.errors import MissingKeyError
+from ckptvar.errors import DTypeLockError, MissingKeyError
 
 
 @pytest.fixture(params=["h5", "zarr"])
@@ -144,3 +144,33 @@ def test_a_write_error_names_the_users_path(tmp_path: Path, name: str,
         msg = str(info.value)
         assert ".partial" not in msg and str(blocker / "sub" / name) in msg, msg
     assert blocker.read_text() == "not a directory"
+
+
+def test_list_and_load_variable_take_a_directory_of_checkpoints(tmp_path: Path,
+                                                                fmt: str) -> None:
+    """As TensorFlow's tf.train.list_variables/load_variable(ckpt_dir_or_file): a
+    directory of checkpoints stands for its latest one."""
+    v = cv.Variable([1.0, 2.0], name="v")
+    manager = cv.CheckpointManager(cv.Checkpoint(v=v), tmp_path / "run", format=fmt)
+    manager.save()
+    v.assign([3.0, 4.0])
+    manager.save()
+    assert cv.list_variables(tmp_path / "run") == cv.list_variables(manager.latest_checkpoint)
+    assert cv.load_variable(str(tmp_path / "run"), "v").tolist() == [3.0, 4.0]
+    with cv.Graph().as_default():
+        w = cv.Variable([5.0], name="w")
+        cv.Saver([w]).save(tmp_path / "by_name" / "model", global_step=7)
+    assert cv.load_variable(tmp_path / "by_name", "w").tolist() == [5.0]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(cv.UnsupportedFormatError, match="is a directory, not a checkpoint"):
+        cv.list_variables(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("value", [np.array([None, 1]), np.array(["x"])])
+def test_a_value_of_no_checkpoint_dtype_is_a_ckpt_error_naming_its_key(tmp_path: Path, fmt: str,
+                                                                      value: np.ndarray) -> None:
+    """It was a plain TypeError 'Unsupported dtype object; ...' that named no key."""
+    with pytest.raises(DTypeLockError, match="Cannot store 'model/w'") as err:
+        cv.save(tmp_path / f"c.{fmt}", {"ok": np.ones(2), "model/w": value})
+    assert isinstance(err.value, TypeError)
+    assert not (tmp_path / f"c.{fmt}").exists()

@@ -122,6 +122,40 @@ def test_restore_or_initialize(tmp_path: Path, fmt: str, fresh_graph: cv.Graph) 
     assert calls == [1]
 
 
+def test_a_forced_save_skips_only_the_step_saved_already(tmp_path: Path,
+                                                         fresh_graph: cv.Graph) -> None:
+    """check_interval=False saves whatever the interval, but not the step counter's step
+    twice (TensorFlow's manager: 'unless a checkpoint has already been saved for the
+    current step')."""
+    ckpt, _ = _ckpt()
+    step = cv.Variable(5, dtype="int64", name="step")
+    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=None, step_counter=step,
+                                   checkpoint_interval=10)
+    assert _names([manager.save()]) == ["ckpt-1.h5"]
+    assert manager.save(check_interval=False) is None  # step 5 again: nothing written
+    step.assign(7)
+    assert _names([manager.save(check_interval=False)]) == ["ckpt-2.h5"]  # inside the interval
+    assert manager.save(check_interval=False) is None
+    assert _names(manager.checkpoints) == ["ckpt-1.h5", "ckpt-2.h5"]
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-1.h5", "ckpt-2.h5"]
+
+
+def test_a_save_the_interval_skips_logs_nothing_about_its_number(
+        tmp_path: Path, fresh_graph: cv.Graph, caplog: pytest.LogCaptureFixture) -> None:
+    step = cv.Variable(10, dtype="int64", name="step")
+    first = cv.CheckpointManager(_ckpt()[0], tmp_path, step_counter=step, checkpoint_interval=5)
+    assert first.save() is not None
+    step.assign(12)  # a new run that did not restore: its save counter is behind
+    again = cv.CheckpointManager(_ckpt()[0], tmp_path, step_counter=step, checkpoint_interval=5)
+    with caplog.at_level("WARNING", logger="ckptvar"):
+        assert again.save() is None  # 12 < 10 + 5: nothing saved, nothing to say
+    assert caplog.records == []
+    step.assign(15)
+    with caplog.at_level("WARNING", logger="ckptvar"):
+        assert _names([again.save()]) == ["ckpt-2.h5"]  # past the committed step 1
+    assert "continues past the newest committed step" in caplog.text
+
+
 def test_checkpoint_interval(tmp_path: Path, fresh_graph: cv.Graph) -> None:
     ckpt, _ = _ckpt()
     step = cv.Variable(0, dtype="int64", name="step")
@@ -133,7 +167,7 @@ def test_checkpoint_interval(tmp_path: Path, fresh_graph: cv.Graph) -> None:
         step.assign(s)
         saved.append(manager.save() is not None)
     assert saved == [True, False, True, False, True, False, True]
-    assert manager.save(check_interval=False) is not None  # forced
+    assert manager.save(check_interval=False) is None  # step 30 is saved already
     assert manager.save(checkpoint_number=31) is None  # 31 < 30 + 10
     assert manager.save(checkpoint_number=40) is not None
     no_counter = cv.CheckpointManager(
@@ -141,6 +175,7 @@ def test_checkpoint_interval(tmp_path: Path, fresh_graph: cv.Graph) -> None:
     )
     with pytest.raises(ValueError, match="step_counter"):
         no_counter.save()
+    assert no_counter.save(check_interval=False) is not None  # no step needed then
 
 
 def test_keep_checkpoint_every_n_hours(tmp_path: Path, fresh_graph: cv.Graph) -> None:

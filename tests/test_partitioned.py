@@ -284,3 +284,18 @@ def test_report_uninitialized_variables_takes_a_partitioned_variable() -> None:
     assert cv.report_uninitialized_variables([table, plain]) == ["e/t/part_0", "e/t/part_1"]
     next(iter(table)).initialize()
     assert cv.report_uninitialized_variables([table]) == ["e/t/part_1"]
+
+
+def test_reusing_a_partitioned_variable_with_other_partitions_is_refused() -> None:
+    """As TensorFlow 1 ('Trying to reuse partitioned variable ..., but specified partitions
+    ...'): get_variable with reuse and another partitioner returned the variable as cut
+    before, silently ignoring the partitions asked for."""
+    with cv.Graph().as_default():
+        with cv.variable_scope("emb", partitioner=cv.fixed_size_partitioner(2)):
+            table = cv.get_variable("table", shape=(4, 2))
+        with cv.variable_scope("emb", reuse=True, partitioner=cv.fixed_size_partitioner(2)):
+            assert cv.get_variable("table", shape=(4, 2)) is table
+        for other in (cv.fixed_size_partitioner(4), cv.fixed_size_partitioner(2, axis=1)):
+            with cv.variable_scope("emb", reuse=True, partitioner=other), pytest.raises(
+                    ValueError, match=r"specified partitions \[.*\] and found partitions \[2, 1\]"):
+                cv.get_variable("table", shape=(4, 2))

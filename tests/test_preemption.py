@@ -218,6 +218,34 @@ def test_a_python_handler_runs_after_the_save(tmp_path: Path) -> None:
     assert again.w.numpy().tolist() == [5.0, 5.0, 5.0]
 
 
+@pytest.mark.parametrize("tiers", [False, True])
+def test_a_preemption_save_at_the_step_saved_last_saves_the_current_state(
+        tmp_path: Path, tiers: bool) -> None:
+    """A forced save skips the step counter's step saved already; a preemption save does
+    not: the state may have changed since, and the process is about to end."""
+    calls: list[int] = []
+    w = cv.Variable(np.zeros(3), name="w")
+    step = cv.Variable(4, dtype="int64", name="step")
+    mgr = cv.CheckpointManager(cv.Checkpoint(w=w), tmp_path / "p", step_counter=step,
+                               checkpoint_interval=10,
+                               local_directory=tmp_path / "l" if tiers else None)
+    previous = signal.signal(signal.SIGUSR1, lambda signum, _frame: calls.append(signum))
+    try:
+        mgr.save_on_signal(signal.SIGUSR1)
+        first = mgr.save()
+        assert first is not None and mgr.save(check_interval=False) is None
+        w.assign(np.full(3, 2.0))
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)
+        assert mgr.reached_preemption()  # step 4 still, saved again with the new state
+        assert calls == [signal.SIGUSR1]
+        mgr.wait_until_finished()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert len(mgr.checkpoints) == 2 and mgr.latest_checkpoint != first
+    assert cv.load(mgr.latest_checkpoint)["w"].tolist() == [2.0, 2.0, 2.0]
+
+
 @pytest.mark.parametrize(("async_save", "tiers"), [(False, False), (True, False), (False, True),
                                                   (True, True)])
 def test_a_signal_during_the_save_of_a_step_then_its_boundary_ends_the_job(

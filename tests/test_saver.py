@@ -85,6 +85,20 @@ def test_max_to_keep(tmp_path: Path, fmt: str, fresh_graph: cv.Graph) -> None:
     assert len(keep_all.last_checkpoints) == 3
 
 
+def test_recover_last_checkpoints_after_a_restart(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    """TensorFlow's Saver.recover_last_checkpoints: a new saver takes the files an earlier
+    run wrote as its own, so that max_to_keep prunes them too (it had no such method, and
+    a restarted run's old files were never pruned)."""
+    v = cv.Variable(0, name="v")
+    first = [cv.Saver([v]).save(tmp_path / "m", global_step=i) for i in range(3)]
+    again = cv.Saver([v], max_to_keep=2)
+    again.recover_last_checkpoints([*first, str(tmp_path / "m-9.h5")])  # m-9: gone
+    assert again.last_checkpoints == first
+    newer = again.save(tmp_path / "m", global_step=3)
+    assert again.last_checkpoints == [first[2], newer]
+    assert sorted(p.name for p in tmp_path.glob("m-*.h5")) == ["m-2.h5", "m-3.h5"]
+
+
 def test_nothing_to_save(tmp_path: Path, fresh_graph: cv.Graph) -> None:
     with pytest.raises(ValueError, match="no variables"):
         cv.Saver().save(tmp_path / "empty")

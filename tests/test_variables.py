@@ -311,6 +311,78 @@ def test_dtype_lock_same_kind() -> None:
     np.testing.assert_array_equal(i.numpy(), [1, 2])
 
 
+@pytest.mark.parametrize("value", ["abc", [None], {"a": 1}, object(), np.array(["a"]),
+                                   np.array([None])])
+def test_a_value_that_is_no_array_is_a_ckpt_error_naming_the_variable(value: object) -> None:
+    """API.md section 10: it was a plain TypeError ('Cannot convert str ...') without the name."""
+    with pytest.raises(DTypeLockError, match="variable 'odd'") as err:
+        cv.Variable(value, name="odd")
+    assert isinstance(err.value, cv.CkptError) and isinstance(err.value, TypeError)
+    with pytest.raises(DTypeLockError, match="'odd_get'"):
+        cv.get_variable("odd_get", initializer=value)
+
+
+def test_a_ragged_value_is_a_ckpt_error_naming_the_variable() -> None:
+    """It was NumPy's ValueError ('setting an array element with a sequence') alone."""
+    for ragged in ([[1, 2], [3]], [[1.0], [2.0, 3.0]]):
+        with pytest.raises(cv.CkptError, match="initial value of variable 'rag'") as err:
+            cv.Variable(ragged, name="rag")
+        assert isinstance(err.value, ValueError)
+    v = cv.Variable([[1, 2], [3, 4]], name="square")
+    for write in (v.assign, v.assign_add, v.assign_sub, v[0].assign):
+        with pytest.raises(ShapeLockError, match="variable 'square'"):
+            write([[1], [2, 3]])
+    np.testing.assert_array_equal(v.numpy(), [[1, 2], [3, 4]])
+
+
+def test_ufunc_at_writes_through_the_variable() -> None:
+    """np.add.at(v, ...) wrote into the variable's buffer through its read-only view (NumPy's
+    ufunc.at ignores the flag): no version change, no constraint, no dtype lock. It now
+    writes as assign does."""
+    v = cv.Variable([1.0, 2.0, 3.0], name="at", constraint=lambda x: np.minimum(x, 10.0))
+    before = v._writes
+    np.add.at(v, [0, 0, 2], [1.0, 20.0, 1.0])
+    np.testing.assert_array_equal(v.numpy(), [10.0, 2.0, 4.0])  # the constraint ran
+    assert v._writes > before  # a write, as incremental checkpoints see it
+    ints = cv.Variable([1, 2], name="ints")
+    with pytest.raises(DTypeLockError, match="add.at"):
+        np.add.at(ints, [0], 0.5)  # NumPy alone would truncate it away
+    np.subtract.at(ints, [1], 2)
+    np.testing.assert_array_equal(ints.numpy(), [1, 0])
+
+
+def test_a_ufunc_into_a_variable_with_where_keeps_the_other_elements() -> None:
+    """np.add(v, 1, out=v, where=mask) set the elements the mask leaves out to whatever
+    uninitialized memory held ([2, 0] for [1, 2]), with NumPy's warning about it."""
+    v = cv.Variable([1.0, 2.0, 3.0], name="masked")
+    np.add(v, 1, out=v, where=np.array([True, False, True]))
+    np.testing.assert_array_equal(v.numpy(), [2.0, 2.0, 4.0])
+    other = np.zeros(2, np.float32)
+    w = cv.Variable([0.0, 0.0], name="frac")
+    np.modf(np.array([1.5, 2.25], np.float32), out=(w, other), where=[False, True])
+    np.testing.assert_array_equal(w.numpy(), [0.0, 0.25])
+    np.testing.assert_array_equal(other, [0.0, 2.0])
+
+
+def test_numpy_functions_with_out_write_through_the_variable() -> None:
+    """np.clip(v, 0, 1, out=v) raised NumPy's 'output array is read-only' (ufuncs with
+    out=v wrote; functions such as clip, cumsum, around did not). They now write as assign
+    does: the constraint runs, a dtype the variable cannot take is a DTypeLockError."""
+    v = cv.Variable([-1.0, 2.0], name="clipped", constraint=lambda x: np.maximum(x, -0.5))
+    before = v._writes
+    assert np.clip(v, -2.0, 1.5, out=v) is v
+    np.testing.assert_array_equal(v.numpy(), [-0.5, 1.5])
+    assert v._writes > before
+    np.cumsum(np.ones(2, np.float32), out=v)
+    np.testing.assert_array_equal(v.numpy(), [1.0, 2.0])
+    ints = cv.Variable([1, 2], name="ints")
+    with pytest.raises(DTypeLockError, match="clip.*'ints'"):
+        np.clip(ints, 0, 1.5, out=ints)
+    with pytest.raises(ShapeLockError, match="'ints'"):
+        np.clip(np.ones(3, np.int32), 0, 1, out=ints)
+    np.testing.assert_array_equal(ints.numpy(), [1, 2])
+
+
 def test_failed_writes_leave_value_unchanged() -> None:
     def bad_constraint(x):
         if x.sum() > 100:

@@ -26,7 +26,7 @@ import numpy as np
 from .._dtypes import can_cast_same_kind, dtype_name
 from .._staging import fill_device_rows, fillable, upload
 from ..distributed import Box, Coordinator
-from ..errors import CheckpointMismatchError
+from ..errors import CheckpointMismatchError, MissingValueError
 from ..locations import is_url
 from ..storage import ShardedReader
 from ..variables import Variable, device_value, host_buffer
@@ -301,7 +301,7 @@ def collective_restore(
             meta = reader.metadata()
             missing = [k for k, _ in pairs if k not in reader and k not in optional]
             if missing:
-                raise CheckpointMismatchError(
+                raise MissingValueError(
                     f"{str(path)!r} has no value for {', '.join(map(repr, missing))}."
                 )
             present = restore_pairs((k, v) for k, v in pairs if k in reader)

@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import CheckpointMismatchError
+from ..errors import MissingValueError
 from ..storage import paused_gc
 from ..variables import PartitionedVariable, Variable
 from ._collective_restore import Staged, restore_pairs, stage_reads
@@ -82,6 +82,6 @@ class CollectiveRestoreState(RestoreState):
                     and not self._own_counter(node, root)):
                 missing.append(f"{node.key!r} (variable {obj.name!r})")
         if missing:
-            raise CheckpointMismatchError(
+            raise MissingValueError(
                 f"{str(self.path)!r} has no value for {', '.join(dict.fromkeys(missing))}."
             )

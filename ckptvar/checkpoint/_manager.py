@@ -254,6 +254,10 @@ class CheckpointManager:
     work, crash leftovers are left alone, and :meth:`save` raises ``CkptError``.
     """
 
+    #: saves even at the step saved last (``_numbers``): a preemption save, and a local
+    #: tier per node, whose steps the tiered manager's collective decides on
+    _always_save: bool = False
+
     def __init__(  # noqa: PLR0917 - TensorFlow's CheckpointManager argument list (API.md)
         self,
         checkpoint: Checkpoint,
@@ -845,8 +849,9 @@ class CheckpointManager:
         ``N`` is ``checkpoint_number`` if given, else the checkpoint's save counter after
         incrementing. With ``checkpoint_interval`` set (and ``check_interval``), returns
         ``None`` without saving when fewer steps than the interval passed since the last
-        checkpoint. With ``async_save`` the path is returned before it is durable; it is
-        listed once it is. After a signal of :meth:`save_on_signal`, this save is the
+        checkpoint; without ``check_interval`` too, when the step counter's step is the
+        one saved last (TensorFlow's). With ``async_save`` the path is returned before it
+        is durable; it is listed once it is. After a signal of :meth:`save_on_signal`, this save is the
         preemption save (whatever the interval), then the signal is re-delivered.
         With a local tier, the step is saved there and, every
         ``persistent_every`` steps, copied to ``directory`` in the background.
@@ -916,21 +921,29 @@ class CheckpointManager:
 
     def _numbers(self, checkpoint_number: int | None, check_interval: bool
                  ) -> tuple[int, int] | None:
-        """``(N of the file name, step)`` of the next save; ``None``: the interval says skip."""
-        counter = self._checkpoint.save_counter
-        number = checkpoint_number
-        if number is None:
-            number = self._next_number(int(counter.numpy()) + 1)
-        step = int(number)
+        """``(N of the file name, step)`` of the next save; ``None``: the interval says skip
+        (decided before ``N``, so that a skipped save says nothing about its number)."""
+        step: int | None = None
         if self.checkpoint_interval is not None and check_interval:
             step = self._current_step(checkpoint_number)
-            entries = self._section["checkpoints"]
-            last = entries[-1].get("step") if entries else None
+            last = self._last_step()
             if last is not None and step < last + self.checkpoint_interval:
                 return None
         elif self._step_counter is not None and checkpoint_number is None:
             step = self._current_step(None)
-        return int(number), step
+        if (self.checkpoint_interval is not None and checkpoint_number is None
+                and not self._always_save and step is not None and step == self._last_step()):
+            return None  # TensorFlow's: the step counter's step is saved once, even with
+            # check_interval=False (an explicit number saved already is refused instead)
+        number = checkpoint_number
+        if number is None:
+            number = self._next_number(int(self._checkpoint.save_counter.numpy()) + 1)
+        return int(number), int(number) if step is None else step
+
+    def _last_step(self) -> int | None:
+        """The step of the checkpoint saved last (``None``: none, or not known)."""
+        entries = self._section["checkpoints"]
+        return entries[-1].get("step") if entries else None
 
     def save_on_signal(self, *signals: int) -> None:
         """On any of ``signals`` (default ``SIGTERM``), save at the next step boundary.
@@ -982,7 +995,11 @@ class CheckpointManager:
             path = self._latest_numbered(int(checkpoint_number))
             if path is not None:
                 return path
-        return self.save(checkpoint_number, check_interval=False, timeout=timeout)
+        self._always_save = True  # the current state, even at the step saved last
+        try:
+            return self.save(checkpoint_number, check_interval=False, timeout=timeout)
+        finally:
+            self._always_save = False
 
     def _latest_numbered(self, number: int) -> str | None:
         """The path of the latest step when it is step ``number``, else ``None``."""
@@ -1254,12 +1271,15 @@ class CheckpointManager:
         if self.async_save:  # the last save is done (waited above): prune before the next
             self._prune_local()
         self._persist_next = persist
+        # per-node tiers: every node's tier saves what the collective decided (a node that
+        # lost its tier must not skip a step the others save)
+        self._local_tier._always_save = persist or self._nodes is not None
         try:
             path = self._local_tier.save(checkpoint_number,
                                          check_interval and self._nodes is None,
                                          timeout=timeout)
         finally:
-            self._persist_next = False
+            self._persist_next = self._local_tier._always_save = False
         if path is None:
             return None
         number = self._number(Path(path).name)

@@ -312,6 +312,10 @@ class RestoreState:
         keys += [f"{k} (Python state)" for k in self.states if k not in self.consumed_states]
         return keys
 
+    def consumed(self) -> list[str]:
+        """Stored values (keys and Python states) objects have taken so far."""
+        return [*self.consumed_keys, *(f"{k} (Python state)" for k in self.consumed_states)]
+
     def _own_counter(self, node: Node, root: Any) -> bool:
         """The root's ``save_counter`` while the file holds none (not expected, like TF's read)."""
         return not self.has_save_counter and node.parent is root and node.name == "save_counter"

@@ -37,7 +37,7 @@ import numpy as np
 from .._frameworks import framework_of, from_numpy, to_numpy
 from .._staging import staged, to_writable
 from ..distributed import Coordinator, from_env
-from ..errors import CheckpointMismatchError, CkptError
+from ..errors import CheckpointMismatchError, CkptError, MissingValueError
 from ..graph import Graph
 from ..storage import is_chunked
 from ..variables import FreshValue, Shard, Variable, device_value
@@ -455,9 +455,10 @@ def _lazy(graph: Graph, key: str, shape: tuple[int, ...], dtype: np.dtype,
     def unset() -> np.ndarray:
         raise CkptError(f"{key!r} was not restored")
 
-    with graph.as_default():
+    with graph.as_default():  # the key names it, save the empty key of a bare leaf
         return Variable(FreshValue(unset), shape=shape, dtype=dtype, device="CPU:0",
-                        collections=[], trainable=False, name=key, lazy=True, shard=shard)
+                        collections=[], trainable=False, name=key or "value", lazy=True,
+                        shard=shard)
 
 
 def leaf_target(graph: Graph, key: str, like: Any) -> tuple[Variable, Any]:
@@ -585,7 +586,7 @@ def _python_values(path: Any, leaves: Mapping[str, Any], arrays: Mapping[str, An
             out[k] = _number_from(reader, k, leaves[k], path)
     missing = [k for k in leaves if k not in arrays and k not in out]
     if missing:
-        raise CheckpointMismatchError(
+        raise MissingValueError(
             f"{str(path)!r} has no value for {', '.join(map(repr, missing))} (Python values "
             "of the tree); nothing was loaded.")
     return out
@@ -622,7 +623,7 @@ def _restore_here(path: Any, pairs: list[tuple[str, Variable]], verify: bool, ca
                     f"{str(path)!r}, but the like tree has an array there; nothing was "
                     "loaded.")
         if missing:
-            raise CheckpointMismatchError(
+            raise MissingValueError(
                 f"{str(path)!r} has no value for {', '.join(map(repr, missing))}; nothing "
                 "was loaded.")
         infos = {k: reader.info(k) for k, _ in pairs}

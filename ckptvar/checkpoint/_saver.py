@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError
 from ..graph import global_variables
+from ..locations import is_url
 from ..storage import paused_gc
 from ..variables import PartitionedVariable, Variable
 from ._apply import stored_infos
@@ -70,6 +71,34 @@ class Saver:
     def last_checkpoints(self) -> list[str]:
         """Files this saver wrote that it still keeps, oldest first."""
         return list(self._last)
+
+    def recover_last_checkpoints(
+        self, checkpoint_paths: Sequence[str | os.PathLike[str]]
+    ) -> None:
+        """Take ``checkpoint_paths`` (oldest first) as the files this saver wrote, as
+        TensorFlow's ``Saver.recover_last_checkpoints`` does after a restart: they become
+        :attr:`last_checkpoints`, and ``max_to_keep`` prunes them with the next saves.
+
+        A local path that does not exist is left out (another process may have deleted
+        it); a file's modification time counts as its save time for
+        ``keep_checkpoint_every_n_hours``. Object-store URLs are taken as given.
+        """
+        last: list[str] = []
+        saved_at: dict[str, float] = {}
+        for given in checkpoint_paths:
+            path = os.fspath(given)
+            if is_url(path):
+                when = time.time()
+            else:
+                try:
+                    when = os.stat(path).st_mtime
+                except FileNotFoundError:
+                    continue
+            if path in saved_at:
+                last.remove(path)
+            last.append(path)
+            saved_at[path] = when
+        self._last, self._saved_at = last, saved_at
 
     def _mapping(self) -> dict[str, Variable | Logical]:
         var_list = self._var_list

@@ -169,6 +169,9 @@ def latest_checkpoint(
 ) -> str | None:
     """The checkpoint saved last in ``directory``, or ``None`` (:func:`save_order`).
 
+    A directory with no ckptvar checkpoint but TensorFlow's ``checkpoint`` file gives
+    the TensorFlow prefix that file names, as ``tf.train.latest_checkpoint`` does.
+
     At an object-store URL: the numbered committed step saved last (only steps with a
     commit marker count; ``locations.committed_in_save_order``), as a URL ``str``.
     """
@@ -201,6 +204,36 @@ def latest_checkpoint(
     for name in reversed(save_order(directory, recorded, found)):
         if name in recorded or is_own_checkpoint(directory / name):
             return os.fspath(directory / name)
+    return tensorflow_latest(directory)
+
+
+#: The state file TensorFlow's savers keep in a checkpoint directory (a text proto).
+TF_STATE_FILE = "checkpoint"
+
+
+def tensorflow_latest(directory: Path) -> str | None:
+    """The prefix TensorFlow's ``checkpoint`` file names as ``model_checkpoint_path``
+    (``tf.train.latest_checkpoint``), when its ``.index`` exists; else ``None``.
+
+    >>> tensorflow_latest(Path("no/such/directory")) is None
+    True
+    """
+    try:
+        text = (directory / TF_STATE_FILE).read_text(encoding="utf-8", errors="replace")
+    except (OSError, ValueError):
+        return None
+    for line in text.splitlines():
+        field, _, value = line.strip().partition(":")
+        if field.strip() != "model_checkpoint_path":
+            continue
+        try:
+            prefix = json.loads(value.strip())  # a quoted string, escaped as JSON escapes
+        except ValueError:
+            return None
+        if not isinstance(prefix, str) or not prefix:
+            return None
+        path = Path(prefix) if os.path.isabs(prefix) else directory / prefix
+        return os.fspath(path) if exists(Path(os.fspath(path) + ".index")) else None
     return None
 
 

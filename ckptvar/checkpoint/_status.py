@@ -32,6 +32,8 @@ class Accounting(Protocol):
 
     def unmatched_objects(self) -> list[str]: ...
 
+    def consumed(self) -> list[str]: ...
+
 
 def listing(items: list[str], limit: int = 50) -> str:
     """``a, b, c, ... (N more)``: at most ``limit`` items, then a count."""
@@ -111,6 +113,18 @@ class RestoreStatus:
             raise RestoreAssertionError(
                 f"Restore from {str(state.path)!r}: objects with no value in the checkpoint: "
                 f"{listing(unmatched)}."
+            )
+        return self
+
+    def assert_nontrivial_match(self) -> RestoreStatus:
+        """Some stored value other than the save counter went to an object (TensorFlow's:
+        not only the root matched); values taken by objects created later count too."""
+        state = self._require_state()
+        if not [key for key in state.consumed() if key != "save_counter"]:
+            raise RestoreAssertionError(
+                f"Restore from {str(state.path)!r} matched nothing but the save counter: no "
+                "stored value went to an object (are the checkpoint's object paths or the "
+                "variable names those of this program?)."
             )
         return self
 

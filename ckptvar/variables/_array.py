@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from .._dtypes import dtype_name
+from .._dtypes import check_value_castable, dtype_name
 from ..device import Device, cupy_or_none, is_device_array, to_host
-from ..errors import DeviceError, DTypeLockError
+from ..errors import CkptError, DeviceError, DTypeLockError, ShapeLockError
 from ._shapes import Shape, VariableArgumentError
 
 __all__ = [
@@ -218,15 +218,30 @@ class ArrayBehaviour:
 
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
         args = tuple(operand(x) for x in inputs)
+        target = inputs[0]
+        if method == "at" and isinstance(target, ArrayBehaviour):
+            # ufunc.at writes into its first operand in place, and NumPy lets it write
+            # through a read-only view: it goes through assign (dtype lock, constraint,
+            # the version an incremental checkpoint reads), on a copy of the value
+            for value in args[2:]:  # ufunc.at would truncate 0.5 into an int variable
+                check_value_castable(value, target._dtype, what=(
+                    f"a value given to {ufunc.__name__}.at(variable {target._name!r})"))
+            with target._lock:  # read, compute and write as one step
+                new = target.numpy()
+                ufunc.at(new, *args[1:], **kwargs)
+                target.assign(new)
+            return None
         out = kwargs.pop("out", None)
         if out is not None and any(isinstance(o, ArrayBehaviour) for o in out):
             # Writing into a variable goes through assign, with its locks, each held from
             # the read to the write (np.add(v, 1, out=v) loses no other thread's write).
+            # where= picks the elements written; the others keep the value out= held.
+            where = kwargs.pop("where", True) if method == "__call__" else True
             with contextlib.ExitStack() as held:
                 for target in sorted({id(o): o for o in out if isinstance(o, ArrayBehaviour)}
                                      .values(), key=id):
                     held.enter_context(target._lock)
-                return _ufunc_into(getattr(ufunc, method), args, tuple(out), kwargs)
+                return _ufunc_into(getattr(ufunc, method), args, tuple(out), kwargs, where)
         if out is not None:
             kwargs["out"] = out
         return getattr(ufunc, method)(*args, **kwargs)
@@ -245,6 +260,13 @@ class ArrayBehaviour:
                 return {k: unwrap(v) for k, v in x.items()}
             return x
 
+        out = kwargs.get("out")
+        targets = out if isinstance(out, tuple) else (out,)
+        if any(isinstance(t, ArrayBehaviour) for t in targets):
+            _write_out(func, targets, lambda given: func(
+                *unwrap(args), **unwrap({**kwargs, "out": given if isinstance(out, tuple)
+                                         else given[0]})))
+            return out
         result = func(*unwrap(args), **unwrap(kwargs))
         return _detach(result, buffers)
 
@@ -338,11 +360,15 @@ class ArrayBehaviour:
 
 
 def _ufunc_into(call: Callable[..., Any], args: tuple[Any, ...], out: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> Any:
-    """Run a ufunc call, then write each result into its ``out`` (a variable: by assign)."""
+                kwargs: dict[str, Any], where: Any = True) -> Any:
+    """Run a ufunc call, then write each result into its ``out`` (a variable: by assign);
+    ``where`` (the ufunc's own) picks the elements written, the others keep their value."""
     result = call(*args, **kwargs)
     results = result if isinstance(result, tuple) else (result,)
-    for target, res in zip(out, results, strict=False):
+    for target, computed in zip(out, results, strict=False):
+        res = computed
+        if where is not True and target is not None:
+            res = np.where(where, computed, operand(target))
         if isinstance(target, ArrayBehaviour):
             target.assign(res)
         elif target is not None:
@@ -372,6 +398,27 @@ def write_into(buf: Any, arr: Any, dev: Device) -> None:
             buf.set(arr)
         else:
             buf[...] = cupy.asarray(arr)
+
+
+def _write_out(func: Any, targets: tuple[Any, ...], call: Callable[[tuple[Any, ...]], Any],
+               ) -> None:
+    """``np.clip(v, 0, 1, out=v)``: ``call`` writes into a copy of each variable's value,
+    then each is assigned (a variable's own buffer is never written past its locks)."""
+    copies = tuple(t._materialize().copy() if isinstance(t, ArrayBehaviour) else t
+                   for t in targets)
+    names = ", ".join(repr(t._name) for t in targets if isinstance(t, ArrayBehaviour))
+    what = f"Cannot write the result of {func.__name__}() into variable {names}"
+    try:
+        call(copies)
+    except CkptError:
+        raise
+    except TypeError as exc:  # a dtype the variable cannot take
+        raise DTypeLockError(f"{what}: {exc}") from None
+    except ValueError as exc:  # a shape that does not fit
+        raise ShapeLockError(f"{what}: {exc}") from None
+    for target, copy in zip(targets, copies, strict=True):
+        if isinstance(target, ArrayBehaviour):
+            target.assign(copy)
 
 
 def _detach(result: Any, buffers: list[Any]) -> Any:

@@ -37,7 +37,7 @@ from .. import initializers as _init
 from .._dtypes import as_dtype, check_castable, check_value_castable, dtype_name, infer_dtype
 from .._frameworks import framework_of, to_numpy
 from ..device import is_device_array, log_placement, placement_for, to_device, to_host
-from ..errors import CkptError, ShapeLockError, UninitializedVariableError
+from ..errors import CkptError, DTypeLockError, ShapeLockError, UninitializedVariableError
 from ..graph import Graph, GraphKeys, get_default_graph
 from ._array import ArrayBehaviour, write_into
 from ._hooks import deferring, next_uid, run_creation_hooks
@@ -300,7 +300,12 @@ class Variable(WriteBehaviour, ArrayBehaviour):
                     "global_variables_initializer(), assign a value or restore a checkpoint "
                     "before reading it."
                 )
-            value = self._adopt(state.source(), owned=state.owned)
+            try:
+                produced = state.source()
+            except (DTypeLockError, ShapeLockError) as exc:  # an initializer refused the
+                raise type(exc)(  # variable's dtype or shape: said with its name
+                    f"Cannot initialize variable {self._name!r}: {exc}") from None
+            value = self._adopt(produced, owned=state.owned)
             self._state = Ready(value)
             self._wrote()
             return value
@@ -570,10 +575,21 @@ def _initial_value(initial_value: Any, dtype: Any, req_shape: Shape, shape: Any,
             fn = initial_value
             return _Initial(as_dtype(dtype), None, lambda: _host_view(fn(), name), False)
         value = _host_view(initial_value(), name)
-        dt = as_dtype(dtype) if dtype is not None else infer_dtype(value)
+        dt = as_dtype(dtype) if dtype is not None else _inferred(value, name)
         return _Initial(dt, _convert_initial(value, dt, name), None, False)
-    dt = as_dtype(dtype) if dtype is not None else infer_dtype(initial_value)
+    dt = as_dtype(dtype) if dtype is not None else _inferred(initial_value, name)
     return _Initial(dt, _convert_initial(initial_value, dt, name), None, False)
+
+
+def _inferred(value: Any, name: str | None) -> np.dtype:
+    """The dtype TensorFlow infers for ``value``; a value that is no array of a supported
+    dtype (a string, an object) is a ``DTypeLockError`` naming the variable."""
+    try:
+        return infer_dtype(value)
+    except TypeError as exc:
+        raise DTypeLockError(
+            f"Cannot create variable {name or 'Variable'!r} from its initial value: {exc}"
+        ) from None
 
 
 def _host_view(value: Any, name: str | None) -> Any:

@@ -284,7 +284,7 @@ def bind_initializer(initializer: Any, shape: tuple[int, ...], dtype: np.dtype,
     A class is instantiated first; the call is ``initializer(shape, dtype=dtype)``, plus
     ``partition_info=`` when the initializer accepts it (as TF1 does).
     """
-    init = initializer() if isinstance(initializer, type) else initializer
+    init = _init.as_initializer(initializer)  # (a factory passed bare: its default)
     kwargs: dict[str, Any] = {"dtype": dtype}
     own = isinstance(init, _init.Initializer) or getattr(init, "__module__", "") == _init.__name__
     if own:
@@ -304,6 +304,20 @@ def bind_initializer(initializer: Any, shape: tuple[int, ...], dtype: np.dtype,
         except ValueError:  # no signature to check (a builtin): call it and see
             pass
     return FreshValue(lambda: init(tuple(shape), **kwargs), owned=_init.returns_new_arrays(init))
+
+
+def _reused(found: Variable | PartitionedVariable, full: str, reuse: Any, shape: Any,
+            dtype: Any, partitioner: Any) -> Variable | PartitionedVariable:
+    """``found`` again, as ``get_variable`` returns it under ``reuse``, once it fits."""
+    if reuse is not True and reuse is not AUTO_REUSE:
+        raise VariableScopeError(
+            f"Variable {full!r} already exists, disallowed. Did you mean to set "
+            "reuse=True or reuse=AUTO_REUSE in variable_scope?"
+        )
+    _check_reuse(found, full, shape, dtype, partitioner is not None)
+    if partitioner is not None and isinstance(found, PartitionedVariable):
+        _check_partitions_reused(found, full, partitioner)
+    return found
 
 
 def _check_reuse(found: Variable | PartitionedVariable, full: str, shape: Any,
@@ -329,6 +343,18 @@ def _check_reuse(found: Variable | PartitionedVariable, full: str, shape: Any,
         raise VariableScopeError(
             f"Trying to share variable {full!r}, but specified dtype "
             f"{dtype_name(as_dtype(dtype))} and found dtype {dtype_name(found.dtype)}."
+        )
+
+
+def _check_partitions_reused(found: PartitionedVariable, full: str,
+                             partitioner: Callable[..., Sequence[int]]) -> None:
+    """A partitioner given on reuse must cut the variable as it is cut (TensorFlow 1's
+    'Trying to reuse partitioned variable ..., but specified partitions ...')."""
+    asked = tuple(int(p) for p in partitioner(shape=found.shape, dtype=found.dtype))
+    if asked != found.partitions:
+        raise VariableScopeError(
+            f"Trying to reuse partitioned variable {full!r}, but specified partitions "
+            f"{list(asked)} and found partitions {list(found.partitions)}."
         )
 
 
@@ -382,13 +408,7 @@ def get_variable(
     with state.creating:
         found = state.stored(full)
         if found is not None:
-            if reuse is not True and reuse is not AUTO_REUSE:
-                raise VariableScopeError(
-                    f"Variable {full!r} already exists, disallowed. Did you mean to set "
-                    "reuse=True or reuse=AUTO_REUSE in variable_scope?"
-                )
-            _check_reuse(found, full, shape, req_dtype, partitioner is not None)
-            return found
+            return _reused(found, full, reuse, shape, req_dtype, partitioner)
         if reuse is True:
             raise VariableScopeError(
                 f"Variable {full!r} does not exist, or was not created with get_variable(). Did "

@@ -56,6 +56,23 @@ def test_round_trip_through_the_public_functions(s3: S3Bucket, ext: str) -> None
             np.testing.assert_array_equal(outs[k], v)
 
 
+def test_list_and_load_variable_take_a_prefix_of_checkpoints(s3: S3Bucket) -> None:
+    """As for a local directory (tf.train.list_variables(ckpt_dir_or_file)): the prefix of a
+    manager's steps stands for its latest; it raised CheckpointNotFoundError."""
+    opts = s3.storage_options
+    v = cv.Variable([1.0, 2.0], name="v")
+    manager = cv.CheckpointManager(cv.Checkpoint(v=v), f"{s3.url}/run", storage_options=opts)
+    manager.save()
+    v.assign([3.0, 4.0])
+    manager.save()
+    run = f"{s3.url}/run"
+    assert cv.list_variables(run, storage_options=opts) == cv.list_variables(
+        manager.latest_checkpoint, storage_options=opts)
+    assert cv.load_variable(run, "v", storage_options=opts).tolist() == [3.0, 4.0]
+    with pytest.raises(cv.CheckpointNotFoundError):
+        cv.list_variables(f"{s3.url}/nothing", storage_options=opts)
+
+
 def test_zarr_on_s3_is_plain_zarr(s3: S3Bucket) -> None:
     zarr = pytest.importorskip("zarr")
     arrays = _arrays(1)

@@ -24,6 +24,7 @@ import crc32c as _crc32c
 import numpy as np
 
 from ..._dtypes import SUPPORTED_DTYPES, as_dtype, dtype_to_str
+from ...errors import DTypeLockError
 from .. import checksum as _checksum
 from .. import rawio as _rawio
 from .._plain import check_plain
@@ -320,7 +321,12 @@ class ContainerWriter(Writer):
             chunked: Any = array  # a Chunked value given where a host array is declared
             self._add_chunked(key, chunked, attrs)
             return
-        arr, name = _prepare(array)
+        try:
+            arr, name = _prepare(array)
+        except DTypeLockError:
+            raise
+        except TypeError as exc:  # an object or string array: no dtype a checkpoint holds
+            raise DTypeLockError(f"Cannot store {key!r}: {exc}") from None
         self._items[key] = ValueWrite(key, arr, name, arr.shape, dict(attrs) if attrs else {},
                                      arr.nbytes)
 
