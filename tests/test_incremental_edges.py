@@ -99,3 +99,34 @@ def test_a_holder_deleted_by_hand_is_not_referred_to(
     with cv.open(after) as reader:
         assert "frozen" in reader.shared()
     assert np.array_equal(cv.load(after)["frozen"], frozen.numpy())
+
+
+def test_a_zarr_value_linked_only_outside_the_steps_is_not_listed_as_shared(
+        tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    """With ``max_to_keep=1`` the only other name of an unchanged Zarr value's chunk file
+    is the pruned step set aside for the next save (a temporary), and a backup made with
+    ``cp -al`` holds more: no other step shares it, so ``shared()`` and ``ckpt inspect``
+    do not list it (they listed it, with no step)."""
+    frozen = cv.Variable(np.random.default_rng(0).random(300_000, dtype=np.float32),
+                         name="frozen")
+    head = cv.Variable(np.zeros(3, np.float32), name="head")
+    manager = cv.CheckpointManager(cv.Checkpoint(frozen=frozen, head=head), tmp_path / "run",
+                                   format="zarr", max_to_keep=1, incremental=True)
+    for _ in range(3):
+        head.assign_add(1.0)
+        step = manager.save()
+    manager.wait_until_finished()
+    assert [p.name for p in (tmp_path / "run").iterdir() if p.name.endswith(".zarr")] == [
+        Path(step).name]
+    subprocess.run(["cp", "-al", str(tmp_path / "run"), str(tmp_path / "backup")], check=True)
+    with cv.open(step) as reader:
+        assert reader.shared() == {}
+    done = _ckpt("inspect", step)
+    assert done.returncode == 0, done.stderr
+    assert "shared with other steps" not in done.stdout
+    head.assign_add(1.0)  # a step beside it shares the value: listed, with that step
+    again = cv.CheckpointManager(cv.Checkpoint(frozen=frozen, head=head), tmp_path / "run",
+                                 format="zarr", max_to_keep=2, incremental=True)
+    later = again.save()
+    with cv.open(later) as reader:
+        assert reader.shared() == {"frozen": [Path(step).name]}

@@ -470,6 +470,19 @@ def _doc(doc: dict[str, Any]) -> bytes:
 _INLINE_DIRS = 4
 
 
+def _sharing(siblings: list[Path], rel: str, ident: tuple[int, int]) -> list[str]:
+    """The names of the ``siblings`` whose file ``rel`` is the file ``ident`` (device, inode)."""
+    out = []
+    for other in siblings:
+        try:
+            st = os.stat(other / rel, follow_symlinks=False)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == ident:
+            out.append(other.name)
+    return out
+
+
 class _Tree:
     """The directories and files of a Zarr checkpoint being written under ``root``."""
 
@@ -910,7 +923,8 @@ class ZarrReader(ContainerReader, SupportsShared):
 
     def shared(self) -> dict[str, list[str]]:
         """The values whose chunk file other checkpoints beside this one share (hard links
-        of an incremental step): key -> those checkpoints' names."""
+        of an incremental step): key -> those checkpoints' names (a value whose files'
+        other names are elsewhere only is not listed)."""
         out: dict[str, list[str]] = {}
         linked = []
         for key in self.keys():
@@ -926,15 +940,11 @@ class ZarrReader(ContainerReader, SupportsShared):
         here = Path(self.path)
         siblings = sorted(p for p in here.parent.glob("*.zarr")
                           if p.name != here.name and not p.name.startswith("."))
-        for key, rel, ident in linked:
-            names = out.setdefault(key, [])
-            for other in siblings:
-                try:
-                    st = os.stat(other / rel, follow_symlinks=False)
-                except OSError:
-                    continue
-                if (st.st_dev, st.st_ino) == ident and other.name not in names:
-                    names.append(other.name)  # a value in chunks: any chunk shared
+        for key, rel, ident in linked:  # another name elsewhere (a temporary, a backup
+            names = out.get(key, [])  # made with cp -al) is no step: not listed
+            names += [n for n in _sharing(siblings, rel, ident) if n not in names]
+            if names:  # a value in chunks: any chunk shared
+                out[key] = names
         return out
 
     @staticmethod
