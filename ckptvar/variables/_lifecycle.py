@@ -222,10 +222,7 @@ class WriteBehaviour:
         return self._scatter(indices, updates, np.subtract, "scatter_sub")
 
     def _scatter(self, indices: Any, updates: Any, op: Any, verb: str) -> Any:
-        idx = np.asarray(to_host(operand(indices)))
-        if idx.dtype.kind not in "iu":
-            raise TypeError(f"{verb} on variable {self._name!r}: indices must be integers, "
-                            f"got {idx.dtype}.")
+        idx = _row_indices(indices, f"{verb} on variable {self._name!r}")
         arr = self._convert(updates, f"the updates of {verb} on variable {self._name!r}")
         with self._lock:
             buf = self._materialize()
@@ -274,3 +271,14 @@ class WriteBehaviour:
 def convert_value(var: WriteBehaviour, value: Any, what: str) -> Any:
     """``value`` as an array of ``var``'s dtype (host, or device on a GPU); same_kind checked."""
     return var._convert(value, what)
+
+
+def _row_indices(indices: Any, what: str) -> np.ndarray:
+    """A scatter's ``indices`` as an integer array (``[]``, NumPy's float64 when empty:
+    no row); ``TypeError`` naming ``what`` for any other non-integer dtype."""
+    idx = np.asarray(to_host(operand(indices)))
+    if not idx.size and idx.dtype.kind == "f" and isinstance(indices, list | tuple):
+        idx = idx.astype(np.int64)
+    if idx.dtype.kind not in "iu":
+        raise TypeError(f"{what}: indices must be integers, got {idx.dtype}.")
+    return idx
