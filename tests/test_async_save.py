@@ -127,6 +127,35 @@ def test_a_save_in_flight_when_the_interpreter_exits_is_finished(tmp_path: Path)
     assert cv.latest_checkpoint(tmp_path) == str(tmp_path / "ck-1.h5")
 
 
+
+def test_a_first_background_save_interrupted_as_its_writer_starts_hangs_nothing(
+        tmp_path: Path) -> None:
+    """Ctrl-C (a KeyboardInterrupt) that lands as the process's first background save
+    starts its writer thread: that save raises it and is not written, and the next
+    background saves are written and waited for (they were queued for a thread that
+    never ran: every ``wait()`` hung for good)."""
+    proc = _run_script(
+        "import sys, threading, numpy as np, ckptvar as cv\n"
+        "c = cv.Checkpoint(v=cv.Variable(np.arange(1000, dtype='float32'), name='v'))\n"
+        "start = threading.Thread.start\n"
+        "def interrupted(thread):\n"
+        "    if thread.name == 'ckptvar-save':\n"
+        "        raise KeyboardInterrupt\n"
+        "    start(thread)\n"
+        "threading.Thread.start = interrupted\n"
+        "try:\n"
+        "    c.save(sys.argv[1], blocking=False)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted')\n"
+        "threading.Thread.start = start\n"
+        "c.v.assign(np.ones(1000, dtype='float32'))\n"
+        "print(c.save(sys.argv[1], blocking=False).wait())\n"
+        "c.wait()\n",
+        tmp_path / "ck",
+    )
+    assert proc.stdout.splitlines() == ["interrupted", str(tmp_path / "ck-1.h5")]
+    assert np.array_equal(cv.load(tmp_path / "ck-1.h5")["v"], np.ones(1000, np.float32))
+
 def test_a_background_save_asked_for_at_exit_is_written_or_refused_never_lost(
         tmp_path: Path) -> None:
     """A save started by an ``atexit`` handler, after the exit wait for saves in flight

@@ -137,6 +137,36 @@ def test_a_failed_background_deletion_is_logged_and_the_next_save_works(
         np.testing.assert_array_equal(cv.load(str(path))["v"], np.ones(1000, np.float32))
 
 
+
+def test_a_save_interrupted_as_its_deletion_starts_leaves_the_manager_working(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (a KeyboardInterrupt) that lands as a save starts freeing its pruned step,
+    before that thread started: the user's next saves and ``wait_until_finished()``
+    work (every one raised RuntimeError 'cannot join thread before it is started'), and
+    the pruned step's temporary is reclaimed."""
+    start = threading.Thread.start
+
+    def interrupted(thread: threading.Thread) -> None:
+        if thread.name == "ckptvar-delete":
+            raise KeyboardInterrupt
+        start(thread)
+
+    with cv.Graph().as_default():
+        v = cv.Variable(np.zeros(1000, np.float32), name="v")
+        mgr = cv.CheckpointManager(cv.Checkpoint(v=v), tmp_path, max_to_keep=1)
+        mgr.save()
+        monkeypatch.setattr(threading.Thread, "start", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            mgr.save()  # committed, then interrupted in its prune
+        monkeypatch.undo()
+        mgr.wait_until_finished()
+        v.assign(np.ones(1000, np.float32))
+        path = mgr.save()
+        mgr.wait_until_finished()
+        assert _temporaries(tmp_path) == []
+        assert _finals(tmp_path) == ["ckpt-3.h5"]
+        np.testing.assert_array_equal(cv.load(str(path))["v"], np.ones(1000, np.float32))
+
 _KILLED = textwrap.dedent(
     """
     import sys, threading

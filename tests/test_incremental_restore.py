@@ -747,3 +747,27 @@ def test_a_restore_that_failed_by_a_mismatch_or_later_succeeded_is_not_held_agai
     step = manager.save()
     assert _added(step) < SMALL, _added(step)
     _check(step, ckpt)
+
+
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_a_restore_by_a_relative_path_means_the_directory_it_was_made_in(
+        tmp_path: Path, fresh_graph: cv.Graph, fmt: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step restored by a path relative to the working directory, which changes before
+    the save: the step restored is the one of the directory the restore was made in (here
+    another run's step of the same name), not the manager's, so the save shares none of
+    the manager's step's bytes: it saved the manager's value in place of the one the
+    variable held."""
+    suffix = f".{fmt}"
+    for run, value in (("mine", 1.0), ("other", 2.0)):
+        frozen = cv.Variable(np.full(300_000, value, np.float32), name="frozen")
+        cv.CheckpointManager(cv.Checkpoint(frozen=frozen), tmp_path / run, format=fmt,
+                             incremental=True).save()
+    frozen = cv.Variable(np.zeros(300_000, np.float32), name="frozen")
+    ckpt = cv.Checkpoint(frozen=frozen)
+    manager = cv.CheckpointManager(ckpt, tmp_path / "mine", format=fmt, incremental=True)
+    monkeypatch.chdir(tmp_path / "other")
+    ckpt.restore(f"ckpt-1{suffix}")  # the other run's step
+    monkeypatch.chdir(tmp_path / "mine")  # the manager's own step has that name too
+    step = manager.save()
+    assert np.array_equal(cv.load(step)["frozen"], np.full(300_000, 2.0, np.float32))

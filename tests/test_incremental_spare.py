@@ -9,6 +9,8 @@ gone (reclaimed by ``gc``, another manager) only makes the next save write as us
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -190,3 +192,46 @@ def test_a_delta_step_lists_each_base_array_once_and_reads_no_base_record(
             assert kept.deltas == got.record.deltas
         finally:
             got.close()
+
+
+def test_gc_counts_the_bytes_it_frees_not_the_spares_hard_links(tmp_path: Path) -> None:
+    """``ckpt gc`` on a directory holding the spare reports the bytes its removal frees:
+    the spare's array files are hard links of kept steps (removing them frees nothing),
+    so what it counts is the spare's own few files (its documents), not the table."""
+    table = cv.Variable(np.random.default_rng(2).random((8192, 64), dtype=np.float32),
+                        name="table")  # 2 MiB, unchanged: every step links its file
+    ckpt = cv.Checkpoint(table=table, step=cv.Variable(0.0, name="step"))
+    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=1, format="zarr",
+                                   incremental=True)
+    for _ in range(3):
+        ckpt.step.assign_add(1.0)
+        manager.save()
+    manager.wait_until_finished()
+    (spare,) = _spares(tmp_path)
+    own = sum(f.stat().st_size for f in spare.rglob("*")
+              if f.is_file() and f.stat().st_nlink == 1)
+    assert own < 64 << 10
+    (left,) = [x for x in cv.checkpoint.gc(tmp_path, dry_run=True)
+               if Path(x.path).parent == tmp_path]
+    assert Path(left.path) == spare
+    assert left.nbytes == own
+    done = subprocess.run([sys.executable, "-m", "ckptvar", "gc", os.fspath(tmp_path)],
+                          capture_output=True, text=True, check=True)
+    assert f"{spare}  {own} bytes" in done.stdout
+    assert not spare.exists()
+    assert np.array_equal(cv.load(manager.latest_checkpoint)["table"], table.numpy())
+
+
+def test_gc_counts_a_file_linked_twice_inside_a_temporary_once(tmp_path: Path) -> None:
+    """A temporary whose file has a second name inside the temporary itself frees that
+    file's bytes when removed: counted once."""
+    temp = tmp_path / ".ckpt-3.zarr.0123456789abcdef0123456789abcdef.partial"
+    (temp / "a").mkdir(parents=True)
+    (temp / "a" / "c").write_bytes(b"x" * 1000)
+    os.link(temp / "a" / "c", temp / "a" / "d")
+    kept = tmp_path / "kept.bin"
+    kept.write_bytes(b"y" * 500)
+    os.link(kept, temp / "e")  # a name outside: removing the temporary frees nothing
+    (left,) = [x for x in cv.checkpoint.gc(tmp_path) if Path(x.path).parent == tmp_path]
+    assert left.nbytes == 1000
+    assert kept.read_bytes() == b"y" * 500

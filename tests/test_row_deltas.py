@@ -336,6 +336,25 @@ def test_a_write_of_no_row_leaves_a_variable_unchanged(tmp_path: Path, fresh_gra
         assert np.array_equal(r["table"].read(), table.numpy())
 
 
+def test_a_scatter_of_an_empty_list_of_rows_writes_no_row(tmp_path: Path,
+                                                          fresh_graph: cv.Graph) -> None:
+    """The rows a process owns, gathered as a Python list (``[r for r in batch if
+    mine(r)]``), may be none: ``scatter_*([], ...)`` writes no row (it raised TypeError
+    'indices must be integers, got float64', NumPy's dtype of an empty list), and the
+    table stays known unchanged."""
+    ckpt, table = _model()
+    manager = cv.CheckpointManager(ckpt, tmp_path / "run", max_to_keep=3, incremental=True)
+    manager.save()
+    before = table.numpy()
+    for scatter in (table.scatter_update, table.scatter_add, table.scatter_sub):
+        scatter([], np.empty((0, WIDTH), np.float32))
+        scatter([[]], np.empty((1, 0, WIDTH), np.float32))
+    assert np.array_equal(table.numpy(), before)
+    with pytest.raises(TypeError, match="indices must be integers"):
+        table.scatter_update([0.5], np.zeros((1, WIDTH), np.float32))
+    shared = Path(manager.save())
+    assert _added(shared) < 64 << 10  # the table's bytes are the first step's
+
 @pytest.mark.parametrize("fmt", ["h5", "zarr"])
 def test_a_partitioned_variable_is_a_row_delta_of_its_parts_rows(
         tmp_path: Path, fresh_graph: cv.Graph, fmt: str) -> None:

@@ -146,14 +146,15 @@ def submit(fn: Callable[[], str], path: str) -> SaveHandle:
     with _lock:  # (the exit wait takes its list under it: a save is either in it or here)
         here = _exiting[0]
         if not here:
-            _outstanding[:] = [h for h in _outstanding if not _succeeded(h)]
-            _outstanding.append(handle)
             jobs = _writer[0]
             if jobs is None:  # the first background save of this process (or a fork's child)
-                jobs = _writer[0] = queue.SimpleQueue()
+                jobs = queue.SimpleQueue()
                 threading.Thread(target=_write_jobs, args=(jobs,), name="ckptvar-save",
                                  daemon=True).start()
-            jobs.put((future, fn))
+                _writer[0] = jobs  # once its thread runs: an interrupted start (Ctrl-C)
+            jobs.put((future, fn))  # leaves no queue nobody reads, no handle with no job
+            _outstanding[:] = [h for h in _outstanding if not _succeeded(h)]
+            _outstanding.append(handle)
     if here:  # after the exit wait: a job queued now might never run
         try:
             future.set_result(fn())

@@ -20,7 +20,7 @@ from ..variables import PartitionedVariable, Variable
 from . import _async
 from ._collective import collective_write, needs_collective, rank_variables
 from ._collective_state import CollectiveRestoreState
-from ._files import native_backend, write_file
+from ._files import checkpoint_location, native_backend, write_file
 from ._frameworks import (
     StateDictTrackable,
     SupportsStateDict,
@@ -458,7 +458,7 @@ class Checkpoint(Trackable):
 
     def last_restore(self) -> Restored | None:
         """What the last successful restore set (a new object for each restore; values
-        restored on create are added as they are)."""
+        restored on create are added as they are; its ``path`` is absolute)."""
         return self._cv_restored
 
     def failed_restores(self) -> frozenset[str]:
@@ -531,7 +531,7 @@ class Checkpoint(Trackable):
             with paused_gc():
                 state = RestoreState(path, root=self, verify=verify, cast=cast,
                                      storage_options=storage_options)
-                state.restored = Restored(path, tracking=self._cv_noting)
+                state.restored = Restored(_noted_path(path), tracking=self._cv_noting)
                 if state.has_save_counter:
                     self.save_counter  # noqa: B018 - exists before matching: restored too
                 adapters = begin_restores(self, state.states, state.infos, state.path)
@@ -559,7 +559,7 @@ class Checkpoint(Trackable):
                 state = CollectiveRestoreState(path, coordinator=coord, root=self, verify=verify,
                                                cast=cast, timeout=timeout,
                                                storage_options=storage_options)
-                state.restored = Restored(path, tracking=self._cv_noting)
+                state.restored = Restored(_noted_path(path), tracking=self._cv_noting)
                 if state.has_save_counter:
                     self.save_counter  # noqa: B018 - exists before matching: restored too
                 adapters = begin_restores(self, state.states, state.infos, state.path)
@@ -587,3 +587,10 @@ class Checkpoint(Trackable):
     def __repr__(self) -> str:
         names = ", ".join(n for n in trackable_children(self) if n != _COUNTER)
         return f"<cv.Checkpoint ({names})>"
+
+
+def _noted_path(path: str | os.PathLike[str]) -> str:
+    """The restored step's path as a restore notes it: a local path made absolute (the
+    working directory may change before the save that takes the note), a URL as it is."""
+    where = checkpoint_location(path)
+    return where if isinstance(where, str) else os.path.abspath(where)

@@ -123,7 +123,10 @@ class BackgroundDeletes:
             thread, names = self._thread, self._names
         if thread is None:
             return True
-        thread.join(WAIT_S if timeout is None else timeout)
+        # a thread whose start was interrupted (a KeyboardInterrupt in submit) frees
+        # nothing: its temporaries are reclaimed as any leftover
+        with contextlib.suppress(RuntimeError):
+            thread.join(WAIT_S if timeout is None else timeout)
         if thread.is_alive():
             logger.warning(
                 "Still freeing pruned steps (%s) after %.0f s; going on without waiting "

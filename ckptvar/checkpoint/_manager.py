@@ -55,6 +55,7 @@ from ..locations import (
     temporary_sibling,
 )
 from ..storage import (
+    BaseFileLost,
     is_own_checkpoint,
     is_partial,
     known_formats,
@@ -350,6 +351,9 @@ class CheckpointManager:
         self._incremental = None if options is None else Incremental(options.limits())
         #: the checkpoint's last restore, once this manager's memory took it (:meth:`_learn`)
         self._taught: Restored | None = None
+        #: steps of this directory found to have lost a file an incremental save took
+        #: bytes from (name -> what was lost): never built on (:meth:`_note_lost`)
+        self._lost: dict[str, str] = {}
         if self._incremental is not None:
             checkpoint.note_restores()  # the next save learns what a restore set (one
             # made before this manager too: its variables' rows are tracked from now)
@@ -798,7 +802,7 @@ class CheckpointManager:
     def _sync(self) -> None:
         """Wait for this manager's background save, then read the record (every process:
         the committed steps, through the state file's cache where there is one)."""
-        self._checkpoint.wait()
+        self._wait_checkpoint()
         if self._location is not None:  # the commit markers are the state
             self._section["checkpoints"] = self._remote_list()
             return
@@ -890,10 +894,20 @@ class CheckpointManager:
             return result
         self._refuse_foreign(number)
         self._refuse_committed(number)
+        try:
+            return self._save_local(number, step, timeout)
+        except BaseFileLost as exc:  # a file of the base deleted by hand: written whole,
+            if not self._note_lost(exc) or self.async_save:  # once (a background
+                raise  # save's error is the user's to see: its next save is whole)
+        return self._save_local(number, step, timeout)
+
+    def _save_local(self, number: int, step: int, timeout: float | None) -> str:
+        """Write step ``number`` into this (local) directory (the save counter's ``step``)."""
         prefix = self.directory / self.checkpoint_name
         incremental = None if self._incremental is None else self._incremental_base(number)
 
         def on_commit(path: str, step: int = step) -> None:
+            self._lost.clear()  # the latest step is another now
             self._record(path, step)
 
         saving = open_saving_lock(self.directory)  # shared: "a save is in flight here"
@@ -1082,6 +1096,9 @@ class CheckpointManager:
                            "which no longer exist(s) (deleted by hand?).", number, base.name,
                            ", ".join(gone))
             base = None
+        if base is not None and base.name in self._lost:
+            logger.warning("Step %d is written whole: %s", number, self._lost[base.name])
+            base = None
         base = self._base_or_whole(number, base)
         if os.path.lexists(self.directory / name) and held(
                 self.directory, self._steps_on_disk(exclude=[name]), [name]):
@@ -1091,6 +1108,26 @@ class CheckpointManager:
             )
         spare = self._take_spare() if base is not None and self._uses_spare() else None
         return functools.partial(self._incremental.start, base, spare=spare)
+
+    def _note_lost(self, exc: BaseFileLost) -> bool:
+        """A save (of one process) found a file gone from the step it built on (``exc``):
+        when that step is one of this directory's, the next save does not build on it
+        (written whole); says whether so."""
+        if self.coordinator is not None:  # many processes: rank 0 picks the base; a
+            return False  # save that failed on one fails on all, nothing retried alone
+        name = self._own_step(exc.base)
+        if name is not None:
+            self._lost[name] = str(exc)
+        return name is not None
+
+    def _wait_checkpoint(self) -> None:
+        """Wait for the checkpoint's background save; one that failed on a file gone from
+        its base makes the next save write every value (:meth:`_note_lost`)."""
+        try:
+            self._checkpoint.wait()
+        except BaseFileLost as exc:
+            self._note_lost(exc)
+            raise
 
     def _save_remote(self, number: int, step: int, timeout: float | None) -> str:
         options: SaveOptions = {"format": self.format, "blocking": not self.async_save,
@@ -1265,7 +1302,7 @@ class CheckpointManager:
             self._agree_persisted(timeout)
         else:
             self._raise_persist_error()
-        self._checkpoint.wait()  # the persistent tier's list is kept by its copies
+        self._local_tier._wait_checkpoint()  # the persistent tier's list is kept by its copies
         if not self._agree_number(checkpoint_number, check_interval, timeout):
             return None  # per-node tiers: the interval, decided the same everywhere
         if self.async_save:  # the last save is done (waited above): prune before the next
@@ -1534,7 +1571,7 @@ class CheckpointManager:
                 self._local_tier._deletes.wait(timeout)
 
     def _wait_for_saves(self, timeout: float | None) -> None:
-        self._checkpoint.wait()
+        self._wait_checkpoint()
         if self._nodes is not None:  # every process waits for its part of each copy
             for future in list(self._persisting.values()):
                 futures_wait([future])

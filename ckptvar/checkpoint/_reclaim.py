@@ -105,7 +105,7 @@ def gc(
     is removed: temporaries (while nothing saves into the directory), staging
     directories of dead processes, claims of dead writers and objects below steps
     no save can commit any more. A save in flight is never touched. Returns what was
-    removed (with ``dry_run``: what would be), each with its size in bytes.
+    removed (with ``dry_run``: what would be), each with the bytes removing it frees.
 
     >>> import pathlib, tempfile
     >>> scratch = tempfile.TemporaryDirectory()

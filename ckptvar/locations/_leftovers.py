@@ -32,7 +32,8 @@ __all__ = ["Leftover", "remove_local", "staging_leftovers", "temporaries", "unco
 
 @dataclass(frozen=True)
 class Leftover:
-    """One thing a dead save left: where it is, how many bytes, and what it is."""
+    """One thing a dead save left: where it is, the bytes removing it frees, and what it
+    is."""
 
     path: str
     nbytes: int
@@ -40,18 +41,23 @@ class Leftover:
 
 
 def _size(path: Path) -> int:
-    """Bytes below ``path`` (a file, or a tree; links not followed)."""
+    """The bytes removing ``path`` (a file, or a tree; links not followed) frees: a file
+    counts once, and only when every name it has is below ``path`` (a hard link of a
+    kept step's file frees nothing, e.g. in an incremental Zarr step set aside)."""
     try:
         if not path.is_dir() or path.is_symlink():
-            return path.lstat().st_size
+            st = path.lstat()
+            return st.st_size if st.st_nlink <= 1 else 0
     except FileNotFoundError:
         return 0
-    total = 0
+    names: dict[tuple[int, int], list[int]] = {}  # inode -> [names here, links, size]
     for root, _, files in os.walk(path):
         for name in files:
             with contextlib.suppress(FileNotFoundError):
-                total += os.lstat(os.path.join(root, name)).st_size
-    return total
+                st = os.lstat(os.path.join(root, name))
+                seen = names.setdefault((st.st_dev, st.st_ino), [0, st.st_nlink, st.st_size])
+                seen[0] += 1
+    return sum(size for here, links, size in names.values() if here >= links)
 
 
 def temporaries(directory: Path, prefixes: tuple[str, ...] = ("",),

@@ -11,8 +11,9 @@ crash-safe file helpers (``partial_path``, ``is_partial``, ``remove_path``,
 ``INDEX_FILE``, ``rank_file``, ``box_key``, ``pack_index``, ``grid_layout``, and
 ``RemoteStep``: the object-store side of a multi-process save), and for incremental
 steps ``external_files`` (the files an HDF5 step's values are in), ``GridReuse``
-(what a process's global Zarr chunks take from the base step) and ``DeltaLimits``
-(the row delta rule's limits, which a save hands its writers).
+(what a process's global Zarr chunks take from the base step), ``DeltaLimits``
+(the row delta rule's limits, which a save hands its writers) and ``BaseFileLost``
+(a file of the base step gone: the step is not built on it).
 
 >>> from ckptvar.storage import known_formats
 >>> "h5" in known_formats() and "zarr" in known_formats()
@@ -22,6 +23,7 @@ True
 from __future__ import annotations
 
 from ._container.delta import DeltaLimits
+from ._container.reuse import BaseFileLost
 from ._gc import paused_gc
 from .atomic import fsync_dir, fsync_path, is_partial, partial_path, remove_path
 from .base import (
@@ -74,6 +76,7 @@ __all__ = [
     "INDEX_FILE",
     "ArrayInfo",
     "Backend",
+    "BaseFileLost",
     "Chunked",
     "DeltaLimits",
     "GridReuse",

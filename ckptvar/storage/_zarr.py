@@ -65,7 +65,7 @@ from ._container import (
 )
 from ._container.blocks import BLOCK_SIZE, block_crcs, join_blocks
 from ._container.delta import DeltaWrite, Patches, in_base, read_patches
-from ._container.reuse import Held, KeptRecords
+from ._container.reuse import BaseFileLost, Held, KeptRecords
 from ._container.source import Patched, Pieces
 from ._record import ARRAY, Delta, Entry, Extent, Record, decode
 from ._zarr_files import (
@@ -470,6 +470,19 @@ def _doc(doc: dict[str, Any]) -> bytes:
 _INLINE_DIRS = 4
 
 
+def _sharing(siblings: list[Path], rel: str, ident: tuple[int, int]) -> list[str]:
+    """The names of the ``siblings`` whose file ``rel`` is the file ``ident`` (device, inode)."""
+    out = []
+    for other in siblings:
+        try:
+            st = os.stat(other / rel, follow_symlinks=False)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == ident:
+            out.append(other.name)
+    return out
+
+
 class _Tree:
     """The directories and files of a Zarr checkpoint being written under ``root``."""
 
@@ -587,6 +600,10 @@ class _Tree:
             return
         try:
             os.link(source, path, follow_symlinks=False)
+        except FileNotFoundError:
+            if self.base is None or os.path.lexists(source):
+                raise
+            raise BaseFileLost(os.fspath(self.base), _rel(source, self.base)) from None
         except OSError as exc:
             if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP,
                                  errno.EOPNOTSUPP):
@@ -699,7 +716,7 @@ class _Tree:
         if it.delta is not None:
             assert self.base is not None
             self._docless.add(d)
-            self._write_delta(it.delta, self.base, len(it.shape))
+            self._write_delta(it.delta, self.base, tuple(it.shape))
         elif rows is not None:
             self._write_pieces(it, d, rows, held.get(it.key, {}))
         elif it.held is not None and it.nbytes:
@@ -709,18 +726,24 @@ class _Tree:
         elif raw and it.nbytes:
             self.write(d / chunk_key(len(it.shape)), it.view)
 
-    def _write_delta(self, delta: DeltaWrite, base: Path, ndim: int) -> None:
+    def _write_delta(self, delta: DeltaWrite, base: Path, shape: tuple[int, ...]) -> None:
         """A delta's arrays: the base's whole copy and earlier patches linked from the
         base step ``base`` (every file of each array directory; listed for a server-side
-        copy: the document and the one chunk, ``ndim`` the value's), its own patch
-        written."""
+        copy: the document and the one chunk; ``shape`` the value's), its own patch
+        written. A file of the base gone from it (deleted by hand) is :class:`BaseFileLost`:
+        the step would lack it."""
         for j, (src, dst) in enumerate(delta.links):
             if dst in self.kept:  # the spare's: these very files already (recycle)
                 continue
             d = self.array_dir(dst)
             listed = self._listed.get(src)  # listed by _recycle_delta this save
-            files = (["zarr.json", chunk_key(ndim if j == 0 else 1)] if self.deferred is not None
-                     else listed if listed is not None else sorted(os.listdir(base / src)))
+            files = (["zarr.json", chunk_key(len(shape) if j == 0 else 1)]
+                     if self.deferred is not None
+                     else listed if listed is not None else _listing(base, src))
+            if self.deferred is None:  # a file gone from the base: not a step without it
+                for f in _delta_files(delta, j, shape):
+                    if f not in files:
+                        raise BaseFileLost(os.fspath(base), f"{src}/{f}")
             for f in files:
                 self.link(os.fspath(base / src / f), d / f)
         if not delta.rows.size:  # unchanged: the base's delta as it is
@@ -818,6 +841,31 @@ class _Compare:
     directory: Path
 
 
+def _rel(path: str, base: Path) -> str:
+    """``path`` relative to ``base`` (as a checkpoint names its files)."""
+    return Path(os.path.relpath(path, base)).as_posix()
+
+
+def _listing(base: Path, src: str) -> list[str]:
+    """The names in the base's array directory ``src`` (:class:`BaseFileLost` if gone)."""
+    try:
+        return sorted(os.listdir(base / src))
+    except FileNotFoundError:
+        raise BaseFileLost(os.fspath(base), src) from None
+
+
+def _delta_files(delta: DeltaWrite, j: int, shape: tuple[int, ...]) -> list[str]:
+    """The files the ``j``-th array a row delta links must hold: its document and its
+    chunks (the base's whole copy, ``j == 0``: one chunk, or one per ``delta.pieces``
+    rows; a patch: one)."""
+    if j:
+        return ["zarr.json", chunk_key(1)]
+    if delta.pieces is None:
+        return ["zarr.json", chunk_key(len(shape))]
+    return ["zarr.json", *(piece_key(len(shape), i)
+                           for i in range(-(-shape[0] // delta.pieces)))]
+
+
 def _same_files(d: Path, src: Path, names: list[str],
                 there: dict[str, int | None] | None = None) -> bool:
     """Whether directory ``d`` holds exactly ``names``, each the same regular file (inode)
@@ -910,7 +958,8 @@ class ZarrReader(ContainerReader, SupportsShared):
 
     def shared(self) -> dict[str, list[str]]:
         """The values whose chunk file other checkpoints beside this one share (hard links
-        of an incremental step): key -> those checkpoints' names."""
+        of an incremental step): key -> those checkpoints' names (a value whose files'
+        other names are elsewhere only is not listed)."""
         out: dict[str, list[str]] = {}
         linked = []
         for key in self.keys():
@@ -926,15 +975,11 @@ class ZarrReader(ContainerReader, SupportsShared):
         here = Path(self.path)
         siblings = sorted(p for p in here.parent.glob("*.zarr")
                           if p.name != here.name and not p.name.startswith("."))
-        for key, rel, ident in linked:
-            names = out.setdefault(key, [])
-            for other in siblings:
-                try:
-                    st = os.stat(other / rel, follow_symlinks=False)
-                except OSError:
-                    continue
-                if (st.st_dev, st.st_ino) == ident and other.name not in names:
-                    names.append(other.name)  # a value in chunks: any chunk shared
+        for key, rel, ident in linked:  # another name elsewhere (a temporary, a backup
+            names = out.get(key, [])  # made with cp -al) is no step: not listed
+            names += [n for n in _sharing(siblings, rel, ident) if n not in names]
+            if names:  # a value in chunks: any chunk shared
+                out[key] = names
         return out
 
     @staticmethod

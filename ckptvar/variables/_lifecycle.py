@@ -258,10 +258,7 @@ class WriteBehaviour:
     def _scatter(self, indices: Any, updates: Any, op: Any, verb: str) -> Any:
         if op is not None:
             self._no_arithmetic_on_bool(verb)
-        idx = np.asarray(to_host(operand(indices)))
-        if idx.dtype.kind not in "iu":
-            raise TypeError(f"{verb} on variable {self._name!r}: indices must be integers, "
-                            f"got {idx.dtype}.")
+        idx = _row_indices(indices, f"{verb} on variable {self._name!r}")
         arr = self._convert(updates, f"the updates of {verb} on variable {self._name!r}")
         with self._lock:
             buf = self._materialize()
@@ -322,3 +319,14 @@ def host_array(value: Any, dtype: np.dtype, what: str, *, copy: bool = False) ->
 def convert_value(var: WriteBehaviour, value: Any, what: str) -> Any:
     """``value`` as an array of ``var``'s dtype (host, or device on a GPU); same_kind checked."""
     return var._convert(value, what)
+
+
+def _row_indices(indices: Any, what: str) -> np.ndarray:
+    """A scatter's ``indices`` as an integer array (``[]``, NumPy's float64 when empty:
+    no row); ``TypeError`` naming ``what`` for any other non-integer dtype."""
+    idx = np.asarray(to_host(operand(indices)))
+    if not idx.size and idx.dtype.kind == "f" and isinstance(indices, list | tuple):
+        idx = idx.astype(np.int64)
+    if idx.dtype.kind not in "iu":
+        raise TypeError(f"{what}: indices must be integers, got {idx.dtype}.")
+    return idx

@@ -29,9 +29,10 @@ from typing import Any
 
 import numpy as np
 
+from ...errors import CorruptCheckpointError
 from .._record import ARRAY, BLOCK_SIZE, Entry, Record
 
-__all__ = ["Held", "Kept", "KeptRecords", "PatchRows", "match"]
+__all__ = ["BaseFileLost", "Held", "Kept", "KeptRecords", "PatchRows", "match"]
 
 #: key -> the rows (sorted, unique, read-only int64) each patch of the value's row delta
 #: holds, in the order of its record's patches.
@@ -106,6 +107,20 @@ class KeptRecords:
     def clear(self) -> None:
         with self._lock:
             self._kept.clear()
+
+
+class BaseFileLost(CorruptCheckpointError):
+    """A file of the base that an incremental step takes bytes from is gone (deleted by
+    hand from a committed step): the step cannot be built on it. ``base``: its path.
+
+    >>> str(BaseFileLost("runs/ckpt-3.zarr", "frozen/c.0"))  # doctest: +ELLIPSIS
+    "Checkpoint 'runs/ckpt-3.zarr', the step this save builds on, has lost 'frozen/c.0'..."
+    """
+
+    def __init__(self, base: str, rel: str) -> None:
+        super().__init__(f"Checkpoint {base!r}, the step this save builds on, has lost "
+                         f"{rel!r} (deleted by hand?): nothing of it can be taken.")
+        self.base = base
 
 
 @dataclass(frozen=True, slots=True)
