@@ -237,9 +237,8 @@ def test_an_initializer_that_cannot_fill_a_variable_is_a_ckpt_error_naming_it() 
     orthogonal given a vector and constant a value of another shape a plain ValueError,
     at the variable's first read and without its name."""
     with cv.Graph().as_default():
-        k = cv.Variable(cv.initializers.glorot_uniform, shape=(2, 2), dtype="int32", name="k")
-        with pytest.raises(DTypeLockError, match="Cannot initialize variable 'k': GlorotUniform"):
-            k.numpy()
+        with pytest.raises(DTypeLockError, match="variable 'k': GlorotUniform cannot produce"):
+            cv.Variable(cv.initializers.glorot_uniform, shape=(2, 2), dtype="int32", name="k")
         o = cv.get_variable("o", shape=(3,), initializer=cv.initializers.orthogonal)
         with pytest.raises(ShapeLockError, match="variable 'o': orthogonal needs"):
             o.numpy()

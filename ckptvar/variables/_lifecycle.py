@@ -25,7 +25,7 @@ import numpy as np
 from .._dtypes import check_value_castable
 from .._frameworks import framework_of, to_numpy
 from ..device import Device, is_device_array, to_host
-from ..errors import DTypeLockError, ShapeLockError
+from ..errors import CkptError, DTypeLockError, ShapeLockError
 from ._array import match_backend, operand, write_into
 from ._rows import RowLog, rows_of, unique_rows
 from ._shapes import Shape, compatible, shape_str
@@ -123,7 +123,6 @@ class WriteBehaviour:
             else:
                 check_value_castable(value, self._dtype, what=what)
                 return value.astype(self._dtype, copy=False)
-        check_value_castable(value, self._dtype, what=what)
         return host_array(value, self._dtype, what)
 
     def _shape_error(self, shape: tuple[int, ...], target: Shape, what: str = "") -> ShapeLockError:
@@ -301,14 +300,16 @@ class WriteBehaviour:
 
 
 def host_array(value: Any, dtype: np.dtype, what: str, *, copy: bool = False) -> np.ndarray:
-    """``value`` as a NumPy array of ``dtype`` (a C-ordered copy with ``copy``);
-    :class:`ShapeLockError` naming ``what`` for a ragged nested list."""
+    """``value`` as a NumPy array of ``dtype`` (a C-ordered copy with ``copy``), checked
+    as every write is (``same_kind``); :class:`ShapeLockError` naming ``what`` for a ragged
+    nested list."""
     try:
+        check_value_castable(value, dtype, what=what)
         if copy:
             return np.array(value, dtype=dtype, copy=True, order="C")
         return np.asarray(value, dtype=dtype)
     except ValueError as exc:
-        if "inhomogeneous" not in str(exc):
+        if isinstance(exc, CkptError) or "inhomogeneous" not in str(exc):
             raise
         raise ShapeLockError(
             f"Cannot convert {what}: its nested lists are not rectangular (rows of "

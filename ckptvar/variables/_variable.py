@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import initializers as _init
-from .._dtypes import as_dtype, check_castable, check_value_castable, dtype_name, infer_dtype
+from .._dtypes import as_dtype, check_castable, dtype_name, infer_dtype
 from .._frameworks import framework_of, to_numpy
 from ..device import is_device_array, log_placement, placement_for, to_device, to_host
 from ..errors import CkptError, DTypeLockError, ShapeLockError, UninitializedVariableError
@@ -603,7 +603,6 @@ def _convert_initial(value: Any, dt: np.dtype, name: str | None) -> np.ndarray:
     """A fresh host array of ``dt`` holding ``value`` (never sharing its memory)."""
     what = f"the initial value of variable {name or 'Variable'!r}"
     src = to_host(value) if is_device_array(value) else value
-    check_value_castable(src, dt, what=what)
     return host_array(src, dt, what, copy=True)
 
 
