@@ -140,8 +140,12 @@ def test_incremental_options_rule_each_processs_file(tmp_path: Path, fmt: str) -
     # step 4, carries its two over)
     assert boxes[4] == each(1, 1, 2)
     assert boxes[5] == each(0, 0, 0)  # whole_every=4: the fifth save since the first
-    assert r0["shared"]["1"] == [] and r0["shared"]["5"] == []
-    assert r0["shared"]["2"] == files
+    assert r0["shared"]["1"] == {} and r0["shared"]["5"] == {}
+    assert list(r0["shared"]["2"]) == files
+    if fmt == "zarr":  # each process's file names the same process's file of the step
+        # whose patch it links (a Zarr step names the step, an HDF5 one its file)
+        assert r0["shared"]["3"] == {f: {f"table/.box/{r}": ["ckpt-2.zarr"]}
+                                     for r, f in enumerate(files)}
     assert r0["listed"] == [f"ckpt-4.{fmt}", f"ckpt-5.{fmt}"]
     for r in got.values():
         assert r["restored"] == {f"ckpt-4.{fmt}": True, f"ckpt-5.{fmt}": True}

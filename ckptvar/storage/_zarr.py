@@ -470,16 +470,17 @@ def _doc(doc: dict[str, Any]) -> bytes:
 _INLINE_DIRS = 4
 
 
-def _sharing(siblings: list[Path], rel: str, ident: tuple[int, int]) -> list[str]:
-    """The names of the ``siblings`` whose file ``rel`` is the file ``ident`` (device, inode)."""
+def _sharing(siblings: list[tuple[str, Path]], rel: str, ident: tuple[int, int]) -> list[str]:
+    """The names of the ``siblings`` (name, checkpoint) whose file ``rel`` is the file
+    ``ident`` (device, inode)."""
     out = []
-    for other in siblings:
+    for name, other in siblings:
         try:
             st = os.stat(other / rel, follow_symlinks=False)
         except OSError:
             continue
         if (st.st_dev, st.st_ino) == ident:
-            out.append(other.name)
+            out.append(name)
     return out
 
 
@@ -973,8 +974,12 @@ class ZarrReader(ContainerReader, SupportsShared):
         if not linked:
             return out
         here = Path(self.path)
-        siblings = sorted(p for p in here.parent.glob("*.zarr")
-                          if p.name != here.name and not p.name.startswith("."))
+        siblings = [(p.name, p) for p in sorted(here.parent.glob("*.zarr"))
+                    if p.name != here.name and not p.name.startswith(".")]
+        if here.name.startswith("rank-"):  # one process's file of a multi-process step:
+            step = here.parent  # the same process's file of the steps beside it
+            siblings += [(p.name, p / here.name) for p in sorted(step.parent.glob("*.zarr"))
+                         if p.name != step.name and not p.name.startswith(".")]
         for key, rel, ident in linked:  # another name elsewhere (a temporary, a backup
             names = out.get(key, [])  # made with cp -al) is no step: not listed
             names += [n for n in _sharing(siblings, rel, ident) if n not in names]

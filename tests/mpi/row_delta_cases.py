@@ -156,16 +156,18 @@ def delta_keys(step: Path) -> dict[str, dict[str, int]]:
     return out
 
 
-def refers(step: Path) -> list[str]:
-    """The process files of ``step`` whose values refer to another step's bytes."""
+def refers(step: Path) -> dict[str, dict[str, list[str]]]:
+    """The process files of ``step`` whose values refer to another step's bytes: file ->
+    the values shared whole (their holders), or ``{}`` where only row deltas refer."""
     import ckptvar as cv
 
-    out = []
+    out = {}
     for f in sorted(step.glob("rank-*")):
         with cv.open(f) as r:
             assert isinstance(r, cv.storage.SupportsShared)
-            if r.shared():
-                out.append(f.name)
+            shared = r.shared()
+            if shared or r.deltas():
+                out[f.name] = shared
     return out
 
 
