@@ -45,3 +45,22 @@ def test_ckpt_verify_of_a_stalled_read_is_an_error_not_damage(
     assert res.returncode == 2, res.stdout + res.stderr
     assert "DAMAGED" not in res.stdout, res.stdout
     assert res.stderr.startswith("ckpt: error: GET range ") and url in res.stderr, res.stderr
+
+
+def test_a_ranged_read_whose_body_stalls_says_it_timed_out(
+    s3: S3Bucket, proxy: FaultProxy
+) -> None:
+    """A partial read (a ranged GET) whose response sends its headers and the start of its
+    body, then nothing: it said only that the response 'was cut off 3 times', as if the
+    server had closed it; now the error says each try timed out, and after which setting."""
+    w = np.arange(1 << 18, dtype=np.float64)  # 2 MiB
+    url = cv.save(f"{s3.url}/run/ckpt-1.h5", {"w": w}, storage_options=s3.storage_options)
+    reader = cv.open(url, storage_options={**s3.storage_options, "endpoint": proxy.endpoint,
+                                           "timeout": "0.3s", "max_retries": 0})
+    proxy.stall_responses(rb"^GET \S+\.data ", 64 * 1024)
+    with reader, pytest.raises(cv.CkptError) as err:
+        reader["w"][1000:200_000]
+    assert proxy.stalls
+    text = str(err.value)
+    assert text.startswith(f"GET range {s3.url}/run/ckpt-1.h5.") and ".data" in text, text
+    assert "timed out" in text and "timeout" in text and "0.3s" in text, text
