@@ -8,6 +8,8 @@ in step 2, rank 1's ``vote`` of ``STAGE`` stops: it writes ``$RESULT_DIR/stalled
 sleeps until the others have reported (``$RESULT_DIR/released``), then ends without a
 word to its peers (``os._exit``), as a stopped process would. The other ranks report what
 their save raised and what the location holds afterwards (``coordinator_cases.report``).
+With ``$STALL_RESUME`` set, rank 1 instead goes on once the others reported (as a process
+stopped and continued would), and every rank then saves again (case ``STAGE-retry``).
 """
 
 from __future__ import annotations
@@ -49,8 +51,10 @@ def main(stage: str, where: str) -> None:
                 deadline = time.monotonic() + 120
                 while not (results / "released").exists() and time.monotonic() < deadline:
                     time.sleep(0.05)
-                report(coord, stalled=tag)
-                os._exit(0)
+                if not os.environ.get("STALL_RESUME"):
+                    report(coord, stalled=tag)
+                    os._exit(0)
+                coord.vote = real  # type: ignore[method-assign]
             real(outcome, tag=tag, timeout=timeout)
 
         coord.vote = vote  # type: ignore[method-assign]
@@ -69,10 +73,21 @@ def main(stage: str, where: str) -> None:
             loaded = float(cv.load(latest, storage_options=opts)["w"].mean())
         except Exception as exc:  # noqa: BLE001 - reported
             loaded = f"{type(exc).__name__}: {exc}"
+    if os.environ.get("STALL_RESUME") and rank == 1:
+        out["stalled"] = (results / "stalled").read_text(encoding="utf-8")
     report(coord, first=first, second=second, latest=latest, loaded=loaded,
            manager_latest=mgr.latest_checkpoint, **out)
     if rank == 0:
         (results / "released").touch()
+    if os.environ.get("STALL_RESUME"):  # every rank goes on: the next save commits
+        CURRENT["case"] = f"{stage}-retry"
+        try:
+            again: str | None = mgr.save()
+            fields: dict[str, object] = {"error": None}
+        except Exception as exc:  # noqa: BLE001 - reported
+            again, fields = None, error_fields(exc)
+        report(coord, again=again, latest=cv.latest_checkpoint(where, storage_options=opts),
+               manager_latest=mgr.latest_checkpoint, **fields)
 
 
 if __name__ == "__main__":
