@@ -285,12 +285,12 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
         clock.lap("vote")
         # commit: rank 0 (per node: each node's first rank) writes the index and makes
         # the step visible
-        failure = _commit(target, coord, tag, timeout, on_commit,
-                          lambda: _index(target, fmt, suffix, plan, values, meta, coord.size,
-                                         grid),
-                          lambda: _node_indexes(target, fmt, suffix, plan, values, meta,
-                                                coord.size))
-        coord.vote(failure, tag=f"{tag}:commit", timeout=timeout)
+        failure, final = _commit(target, coord, tag, timeout, on_commit,
+                                 lambda: _index(target, fmt, suffix, plan, values, meta,
+                                                coord.size, grid),
+                                 lambda: _node_indexes(target, fmt, suffix, plan, values, meta,
+                                                       coord.size))
+        _last_vote(coord, failure, final, tag=f"{tag}:commit", timeout=timeout)
         clock.lap("commit")
         if incremental is not None:
             incremental.committed(path)
@@ -311,10 +311,12 @@ def _commit(  # noqa: PLR0917
     on_commit: Callable[[str], None] | None,
     index: Callable[[], bytes],
     node_indexes: Callable[[], list[bytes]],
-) -> BaseException | None:
+) -> tuple[BaseException | None, str | None]:
     """The commit step: rank 0 builds the index (per node: every node's, sent to each
-    node's first rank), the committing ranks store it; returns this rank's failure."""
+    node's first rank), the committing ranks store it; returns this rank's failure and
+    what it committed (``None``: nothing)."""
     failure: BaseException | None = None
+    final: str | None = None
     mine: Any = None
     if coord.is_primary:
         try:
@@ -333,7 +335,21 @@ def _commit(  # noqa: PLR0917
                 on_commit(final)
         except BaseException as exc:  # noqa: BLE001 - reported through the vote
             failure = exc
-    return failure
+    return failure, final
+
+
+def _last_vote(coord: Coordinator, failure: BaseException | None, final: str | None, *,
+               tag: str, timeout: float | None) -> None:
+    """The vote after the commit. Where it fails (a process stopped in it) after this rank
+    committed ``final``, the error says that the step is committed and whole."""
+    try:
+        coord.vote(failure, tag=tag, timeout=timeout)
+    except BaseException as exc:
+        if final is not None:
+            exc.add_note(f"{final} was committed before this last vote (every process's "
+                         "write had passed the vote before it): it is whole, and it is the "
+                         "latest step")
+        raise
 
 
 def _directory(path: str) -> str | None:

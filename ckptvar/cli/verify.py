@@ -26,7 +26,7 @@ Every damaged value is named, a truncated file included. --filter/--exclude
 (globs, repeatable) verify only some keys; a selection matching nothing is an
 error (exit 2).
 
-exit status: 0 all values intact (or readable, where not checksummed), 1 damage found, 2 missing or unreadable input.
+exit status: 0 all values intact (or readable, where not checksummed), 1 damage found, 2 missing or unreadable input (an object store that does not answer included: never called damage).
 
 examples:
   ckpt verify runs/ckpt-3.h5
@@ -49,8 +49,18 @@ def _info(reader: cv.storage.Reader, key: str) -> cv.storage.ArrayInfo | None:
     """``reader.info(key)``, or None when what describes it (a shard's header) is damaged."""
     try:
         return reader.info(key)
-    except (cv.CorruptCheckpointError, OSError):
+    except (cv.CorruptCheckpointError, OSError) as exc:
+        if _unreached(exc):
+            raise
         return None
+
+
+def _unreached(exc: BaseException) -> bool:
+    """Whether a failed read says nothing of the bytes: the store did not answer (ckptvar's
+    ``OSError``, a timeout among them), unlike damage or a missing file. It ends the
+    command as an error (exit 2), never as damage."""
+    return (isinstance(exc, cv.CkptError) and isinstance(exc, OSError)
+            and not isinstance(exc, FileNotFoundError))
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
@@ -76,6 +86,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             try:
                 damaged += [(str(k), str(reason)) for k, reason in reader.verify_all()]
             except (cv.CorruptCheckpointError, OSError) as exc:  # damage beyond one value
+                if _unreached(exc):
+                    raise
                 damaged.append(("<checkpoint>", one_line(exc)))
         else:
             with bar:
@@ -83,6 +95,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                     try:
                         reader.verify(key)
                     except (cv.CorruptCheckpointError, OSError) as exc:
+                        if _unreached(exc):
+                            raise
                         damaged.append((key, one_line(exc)))
                     info = infos[key]
                     bar.update(info.nbytes if info is not None else 0, key)

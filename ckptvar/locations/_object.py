@@ -362,6 +362,7 @@ class ObjectStoreLocation(Location):
     def _fetch(self, key: str, path: str, cur: _Cursor) -> None:
         """One request's bytes, streamed through ``cur``; a body cut off mid-stream is
         asked for again from where it stopped. An error of the sink ends the request."""
+        last: Exception | None = None
         for attempt in range(_STREAM_ATTEMPTS):
             try:
                 whole = cur.whole is not None and cur.pos == 0
@@ -384,17 +385,28 @@ class ObjectStoreLocation(Location):
                 raise exc.__cause__ from None  # type: ignore[misc]
             except CkptError:
                 raise
-            except Exception:  # noqa: BLE001 - a body cut mid-stream: resume from `pos`
+            except Exception as exc:  # noqa: BLE001 - a body cut mid-stream: resume from `pos`
+                last = exc
                 if attempt == _STREAM_ATTEMPTS - 1:
                     raise StorageError(
                         f"GET range {self.join(key)}: the response was cut off "
-                        f"{_STREAM_ATTEMPTS} times (bytes {cur.start}..{cur.end})"
+                        f"{_STREAM_ATTEMPTS} times (bytes {cur.start}..{cur.end}){self._why(last)}"
                     ) from None
         if cur.pos != cur.end:
             raise CorruptCheckpointError(
                 f"{self.join(key)}: bytes {cur.start}..{cur.end} asked for, "
                 f"{cur.pos - cur.start} returned (the object ends at {cur.pos})"
             )
+
+    def _why(self, exc: BaseException) -> str:
+        """What a cut-off response's last error says, where it says more than "cut off": the
+        server stopped sending, and the request ran past its ``timeout``."""
+        text = str(exc)
+        if "TimedOut" in text or "kind: Timeout" in text:
+            timeout = _split_options(self.storage_options, self.scheme)[1]["timeout"]
+            return (f"; the server stopped sending and each try timed out (storage_options "
+                    f"timeout: {timeout})")
+        return f"; last: {_first_line(exc)}"
 
     # --- writes ---------------------------------------------------------------------------
     def put(

@@ -59,7 +59,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError, UnsupportedFormatError
+from ..errors import CkptError, CorruptCheckpointError, UnsupportedFormatError
 
 __all__ = [
     "ArrayInfo",
@@ -219,7 +219,10 @@ class Reader(Mapping[str, LazyArray], contextlib.AbstractContextManager["Reader"
 
 
 def verify_each(reader: Reader, keys: Iterable[str]) -> list[tuple[str, str]]:
-    """Check each key with ``reader.verify``; ``[(key, reason), ...]`` for each damaged one."""
+    """Check each key with ``reader.verify``; ``[(key, reason), ...]`` for each damaged one.
+
+    A read that could not ask (:func:`unreached`: the store did not answer) is raised: it
+    says nothing of the bytes."""
     bad: list[tuple[str, str]] = []
     for key in keys:
         try:
@@ -227,8 +230,23 @@ def verify_each(reader: Reader, keys: Iterable[str]) -> list[tuple[str, str]]:
         except CorruptCheckpointError as exc:
             bad.append((key, str(exc)))
         except OSError as exc:
+            if unreached(exc):
+                raise
             bad.append((key, f"cannot be read: {exc}"))
     return bad
+
+
+def unreached(exc: BaseException) -> bool:
+    """Whether a failed read says nothing of the stored bytes: ckptvar's ``OSError`` of a
+    store that did not answer in time or at all (``StorageError``, a timeout), unlike
+    damage, a missing file or the file system's own error.
+
+    >>> from ckptvar.locations import StorageError
+    >>> unreached(StorageError("GET s3://b/k failed after retries")), unreached(OSError(5, "EIO"))
+    (True, False)
+    """
+    return (isinstance(exc, CkptError) and isinstance(exc, OSError)
+            and not isinstance(exc, FileNotFoundError))
 
 
 @runtime_checkable

@@ -82,6 +82,11 @@ class FaultProxy:
     expression ``pattern`` is dropped (every such request, until ``heal()``).
     ``delay_requests(pattern, s)``: a request whose bytes match the regular expression
     ``pattern`` (say ``rb"^PUT \\S+\\.commit "``) is held ``s`` seconds before it goes on.
+    ``stall_requests(pattern)``: such a request never reaches the server, and its connection
+    stays open and silent, until ``heal()``.
+    ``stall_responses(pattern, after)``: the response to such a request passes its first
+    ``after`` bytes (its headers and the start of its body), then the connection stays open
+    and silent, until ``heal()``.
     """
 
     def __init__(self, upstream: str) -> None:
@@ -102,6 +107,13 @@ class FaultProxy:
         self._once = False
         self._delay: tuple[bytes, float] | None = None
         self._drop: bytes | None = None
+        self._stall_up: bytes | None = None
+        self._stall_down: tuple[bytes, int] | None = None
+        #: Set while nothing stalls; ``heal()`` and ``close()`` set it, releasing the stalls.
+        self._flowing = threading.Event()
+        self._flowing.set()
+        #: Requests and responses held so far.
+        self.stalls = 0
         self.drops = 0
         self.broken = False
         self._stop = threading.Event()
@@ -125,11 +137,24 @@ class FaultProxy:
         with self._lock:
             self._drop = pattern
 
+    def stall_requests(self, pattern: bytes) -> None:
+        with self._lock:
+            self._stall_up = pattern
+            self._flowing.clear()
+
+    def stall_responses(self, pattern: bytes, after: int) -> None:
+        with self._lock:
+            self._stall_down = (pattern, after)
+            self._flowing.clear()
+
     def heal(self) -> None:
         with self._lock:
             self._budget, self.broken, self._drop = None, False, None
+            self._stall_up = self._stall_down = None
+            self._flowing.set()
 
     def close(self) -> None:
+        self._flowing.set()
         self._stop.set()
         self._thread.join(5)
         self._sock.close()
@@ -164,10 +189,19 @@ class FaultProxy:
             with self._lock:
                 self.connections += 1
                 self._conns += [client, server]
+            # The response budget of this connection: bytes the server may still send before
+            # the response stalls (None: no stall armed).
+            budget: list[int | None] = [None]
             for src, dst, up in ((client, server, True), (server, client, False)):
-                threading.Thread(target=self._pump, args=(src, dst, up), daemon=True).start()
+                threading.Thread(target=self._pump, args=(src, dst, up, budget),
+                                 daemon=True).start()
 
-    def _pump(self, src: Any, dst: Any, up: bool) -> None:
+    def _hold(self) -> None:
+        with self._lock:
+            self.stalls += 1
+        self._flowing.wait()
+
+    def _pump(self, src: Any, dst: Any, up: bool, budget: list[int | None]) -> None:
         try:
             while data := src.recv(1 << 16):
                 drop = False
@@ -192,6 +226,19 @@ class FaultProxy:
                 delay = self._delay
                 if up and delay is not None and re.search(delay[0], data, re.MULTILINE):
                     time.sleep(delay[1])
+                stall_up, stall_down = self._stall_up, self._stall_down
+                if up and stall_up is not None and re.search(stall_up, data, re.MULTILINE):
+                    self._hold()
+                    break
+                if up and stall_down is not None and re.search(stall_down[0], data, re.MULTILINE):
+                    budget[0] = stall_down[1]
+                left = budget[0]
+                if not up and left is not None and self._stall_down is not None:
+                    if len(data) > left:
+                        dst.sendall(data[:left])
+                        self._hold()
+                        break
+                    budget[0] = left - len(data)
                 dst.sendall(data)
         except OSError:
             pass

@@ -208,3 +208,31 @@ def test_a_multiprocess_save_that_lost_the_network_does_not_block_its_retry(
         assert got["netdrop"][rank]["ok"], got["netdrop"][rank]
     got_w = cv.load(f"{s3.url}/nd/ckpt-1.h5", storage_options=s3.storage_options)["w"]
     np.testing.assert_array_equal(got_w, _expected("w"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["write", "commit"])
+def test_a_rank_stopped_in_a_vote_of_a_save_to_s3_leaves_no_half_step(
+    s3: S3Bucket, stage: str
+) -> None:
+    """Rank 1 stops in a vote of step 2 (tests/mpi/stall_cases.py): the others raise the
+    coordinator's timeout naming the stage; before the commit nothing of step 2 is left
+    (the claim released too), after it step 2 is committed whole, its claim released."""
+    url = f"{s3.url}/run"
+    cases = str(Path(CASES).parent / "stall_cases.py")
+    proc, got, _ = run_mpi(3, cases, stage, url, timeout=90,
+                           env={"S3_OPTIONS": json.dumps(s3.storage_options),
+                                "STALL_TIMEOUT": "3"})
+    results = got.get(stage, {})
+    assert sorted(results) == [0, 1, 2], proc.stdout + proc.stderr
+    for rank in (0, 2):
+        r = results[rank]
+        assert r["error"] == "DistributedTimeoutError", r
+        assert f"vote:save:{url}/ckpt-2.h5:{stage}'" in r["message"] and r["ranks"] == [1]
+    step2 = [k for k in _keys(s3, "run") if k.startswith("run/ckpt-2")]
+    if stage == "commit":
+        assert results[0]["latest"] == f"{url}/ckpt-2.h5" and results[0]["loaded"] == 2.0
+        assert "run/ckpt-2.h5.commit" in step2 and not [k for k in step2 if "claim" in k], step2
+    else:
+        assert results[0]["latest"] == f"{url}/ckpt-1.h5" and results[0]["loaded"] == 1.0
+        assert step2 == [], step2

@@ -1,0 +1,94 @@
+"""A rank that stops inside one vote of a multi-process save, run on every rank:
+``mpiexec -n N python -m mpi4py stall_cases.py STAGE WHERE`` (``STAGE``: ``prepare``,
+``write`` or ``commit``; ``WHERE``: a shared directory, or an s3:// URL with
+``$S3_OPTIONS``).
+
+Every rank saves step 1, then step 2 with the coordinator's timeout ``$STALL_TIMEOUT``;
+in step 2, rank 1's ``vote`` of ``STAGE`` stops: it writes ``$RESULT_DIR/stalled`` and
+sleeps until the others have reported (``$RESULT_DIR/released``), then ends without a
+word to its peers (``os._exit``), as a stopped process would. The other ranks report what
+their save raised and what the location holds afterwards (``coordinator_cases.report``).
+With ``$STALL_RESUME`` set, rank 1 instead goes on once the others reported (as a process
+stopped and continued would), and every rank then saves again (case ``STAGE-retry``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from coordinator_cases import CURRENT, error_fields, report
+
+import ckptvar as cv
+from ckptvar.distributed import from_env
+
+ROWS = 4
+
+
+def main(stage: str, where: str) -> None:
+    coord = from_env(timeout=float(os.environ.get("STALL_TIMEOUT", "3")))
+    CURRENT["case"] = stage
+    results = Path(os.environ["RESULT_DIR"])
+    opts = json.loads(os.environ["S3_OPTIONS"]) if "://" in where else None
+    rank, size = coord.rank, coord.size
+    w = cv.Variable(np.full((ROWS, 8), 1.0), name="w",
+                    shard=cv.Shard(full_shape=(ROWS * size, 8), offset=(rank * ROWS, 0)))
+    mgr = cv.CheckpointManager(cv.Checkpoint(w=w), where, max_to_keep=3, coordinator=coord,
+                               storage_options=opts)
+    first = mgr.save()
+    w.assign(np.full((ROWS, 8), 2.0))
+    if rank == 1:
+        real = coord.vote
+
+        def vote(outcome: Any, *, tag: str, timeout: float | None = None) -> None:
+            if tag.endswith(f":{stage}"):
+                (results / "stalled").write_text(tag, encoding="utf-8")
+                deadline = time.monotonic() + 120
+                while not (results / "released").exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if not os.environ.get("STALL_RESUME"):
+                    report(coord, stalled=tag)
+                    os._exit(0)
+                coord.vote = real  # type: ignore[method-assign]
+            real(outcome, tag=tag, timeout=timeout)
+
+        coord.vote = vote  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    try:
+        second: str | None = mgr.save()
+        out: dict[str, object] = {"error": None}
+    except Exception as exc:  # noqa: BLE001 - reported
+        second, out = None, error_fields(exc)
+        out["notes"] = "\n".join(getattr(exc, "__notes__", []))
+    out["seconds"] = time.monotonic() - t0
+    latest = cv.latest_checkpoint(where, storage_options=opts)
+    loaded = None
+    if latest is not None:
+        try:
+            loaded = float(cv.load(latest, storage_options=opts)["w"].mean())
+        except Exception as exc:  # noqa: BLE001 - reported
+            loaded = f"{type(exc).__name__}: {exc}"
+    if os.environ.get("STALL_RESUME") and rank == 1:
+        out["stalled"] = (results / "stalled").read_text(encoding="utf-8")
+    report(coord, first=first, second=second, latest=latest, loaded=loaded,
+           manager_latest=mgr.latest_checkpoint, **out)
+    if rank == 0:
+        (results / "released").touch()
+    if os.environ.get("STALL_RESUME"):  # every rank goes on: the next save commits
+        CURRENT["case"] = f"{stage}-retry"
+        try:
+            again: str | None = mgr.save()
+            fields: dict[str, object] = {"error": None}
+        except Exception as exc:  # noqa: BLE001 - reported
+            again, fields = None, error_fields(exc)
+        report(coord, again=again, latest=cv.latest_checkpoint(where, storage_options=opts),
+               manager_latest=mgr.latest_checkpoint, **fields)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
