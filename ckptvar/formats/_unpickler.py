@@ -135,6 +135,9 @@ TORCH_DTYPES: dict[str, np.dtype | None] = {
     "bool": _E("bool"),
     "float8_e4m3fn": _E(ml_dtypes.float8_e4m3fn),
     "float8_e5m2": _E(ml_dtypes.float8_e5m2),
+    "float8_e4m3fnuz": _E(ml_dtypes.float8_e4m3fnuz),
+    "float8_e5m2fnuz": _E(ml_dtypes.float8_e5m2fnuz),
+    "float8_e8m0fnu": _E(ml_dtypes.float8_e8m0fnu),
     # Named so a pickle mentioning them is understood; tensors of these dtypes are refused.
     "complex32": None,
     "chalf": None,
@@ -142,8 +145,6 @@ TORCH_DTYPES: dict[str, np.dtype | None] = {
     "qint8": None,
     "qint32": None,
     "quint4x2": None,
-    "float8_e4m3fnuz": None,
-    "float8_e5m2fnuz": None,
 }
 
 _STORAGE_TYPES: dict[str, np.dtype] = {

@@ -1,0 +1,83 @@
+"""Conversions between formats, as a matrix: every dtype, every kind of name, every pair.
+
+Each source is written by the library that owns its format where it is installed
+(``torch.save``, ``safetensors.numpy.save_file``, ``np.savez``), else by ``cv.save``;
+the fixtures in ``fixtures/`` stand for TensorFlow, Keras, Orbax and DCP. Each output
+is read back by ckptvar and, where installed, by the owning library. A value must come
+back bit-exact, under its name; a dtype or a name the destination cannot hold must be
+refused, naming the value, before anything is written.
+
+The default suite converts one small source per format to every writable format; the
+full dtype-by-name-by-pair matrix is ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ckptvar as cv
+from ckptvar.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "fixtures"
+
+#: writable format -> the name of an output in that format
+OUTPUTS = {
+    "h5": "out.h5",
+    "zarr": "out.zarr",
+    "safetensors": "out.safetensors",
+    "hf-safetensors": "out_hf",
+    "npz": "out.npz",
+}
+
+#: dtypes each writable format refuses (every other supported dtype must round-trip)
+REFUSED: dict[str, set[str]] = {
+    "h5": set(),
+    "zarr": set(),
+    "npz": set(),
+    "safetensors": {"complex128", "float8_e4m3", "float8_e3m4", "float8_e4m3b11fnuz",
+                    "int1", "int2", "int4", "uint1", "uint2", "uint4", "complex32",
+                    "bcomplex32"},
+}
+REFUSED["hf-safetensors"] = REFUSED["safetensors"]
+
+
+def bits(a: Any) -> tuple[str, tuple[int, ...], bytes]:
+    """A value's dtype name, shape and C-order little-endian bytes: equal means bit-exact."""
+    a = np.asarray(a)
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return a.dtype.name, a.shape, np.ascontiguousarray(a).tobytes()
+
+
+def convert(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
+    """``ckpt convert ARGS`` in this process: (status, stdout, stderr)."""
+    code = main(["convert", "-q", *map(str, args)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _torch() -> Any:
+    return pytest.importorskip("torch", reason="the test extra installs the CPU torch wheel")
+
+
+def test_torch_float8_fnuz_and_e8m0_tensors_read_bit_exact(tmp_path: Path) -> None:
+    torch = _torch()
+    names = ["float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"]
+    sd = {n: torch.linspace(0.25, 4, 6).reshape(2, 3).to(getattr(torch, n)) for n in names}
+    sd["plain"] = torch.ones(2)
+    torch.save(sd, tmp_path / "f8.pt")
+    loaded = cv.load(tmp_path / "f8.pt")
+    for n in names:
+        want = sd[n].view(torch.uint8).numpy().view(getattr(ml_dtypes, n))
+        assert bits(loaded[n]) == bits(want), n
