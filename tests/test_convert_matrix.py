@@ -81,3 +81,20 @@ def test_torch_float8_fnuz_and_e8m0_tensors_read_bit_exact(tmp_path: Path) -> No
     for n in names:
         want = sd[n].view(torch.uint8).numpy().view(getattr(ml_dtypes, n))
         assert bits(loaded[n]) == bits(want), n
+
+
+def test_an_npz_key_too_long_for_a_zip_member_is_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    longest = "k" * (0xFFFF - len(".npy"))
+    cv.save(tmp_path / "ok.npz", {longest: np.arange(3)})
+    with np.load(tmp_path / "ok.npz") as data:
+        assert list(data) == [longest]
+    too_long = longest + "k"
+    with pytest.raises(ValueError, match="more than a zip archive holds"):
+        cv.save(tmp_path / "bad.npz", {too_long: np.arange(3)})
+    cv.save(tmp_path / "src.h5", {too_long: np.arange(3)})
+    code, _, err = convert(capsys, tmp_path / "src.h5", tmp_path / "out.npz")
+    assert code == 2 and err.startswith("ckpt: error: Invalid npz key")
+    assert len(err) < 400
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.npz", "ok.npz", "src.h5"][1:]

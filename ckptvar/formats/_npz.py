@@ -296,6 +296,10 @@ def _write_pieces(out: Any, value: Any) -> None:
         raise ValueError(f"A chunked value of {value.nbytes} bytes gave {pos} bytes.")
 
 
+#: The longest member name a zip header holds (its length is a 16-bit field), in bytes.
+_MAX_MEMBER_NAME = 0xFFFF
+
+
 class NpzWriter(CollectingWriter):
     """Writes an uncompressed ``.npz`` atomically, streaming each array's buffer."""
 
@@ -308,6 +312,12 @@ class NpzWriter(CollectingWriter):
                 f"Invalid npz key {key!r}: its member name would point outside the archive "
                 "(absolute, a drive letter, '..' or a backslash); rename it "
                 "(ckpt convert --rename).")
+        member = len((key + ".npy").encode("utf-8"))
+        if member > _MAX_MEMBER_NAME:  # a zip header holds a name's length in 16 bits
+            raise ValueError(
+                f"Invalid npz key {key[:40]!r}... ({len(key)} characters): its member name "
+                f"would be {member} bytes, more than a zip archive holds ({_MAX_MEMBER_NAME}); "
+                "rename it (ckpt convert --rename).")
         if not is_chunked(array):  # a Chunked value's pieces are streamed at commit
             array = np.asarray(array)
         dt = little_endian(np.dtype(array.dtype))
