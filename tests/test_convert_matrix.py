@@ -98,3 +98,22 @@ def test_an_npz_key_too_long_for_a_zip_member_is_refused_by_name(
     assert code == 2 and err.startswith("ckpt: error: Invalid npz key")
     assert len(err) < 400
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.npz", "ok.npz", "src.h5"][1:]
+
+
+def test_an_empty_key_converts_where_the_output_holds_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cv.save(tmp_path / "src.h5", {"": np.arange(3.0), "w": np.ones(2)})
+    code, out, err = convert(capsys, tmp_path / "src.h5", tmp_path / "out.zarr")
+    assert code == 0, err
+    assert bits(cv.load(tmp_path / "out.zarr")[""]) == bits(np.arange(3.0))
+    # safetensors has no empty name: the writer says so, and --rename gives it one
+    code, _, err = convert(capsys, tmp_path / "src.h5", tmp_path / "out.safetensors")
+    assert code == 2 and "Invalid safetensors key ''" in err, err
+    assert not (tmp_path / "out.safetensors").exists()
+    code, _, err = convert(capsys, tmp_path / "src.h5", tmp_path / "out.safetensors",
+                           "--rename", "^$=empty")
+    assert code == 0, err
+    assert sorted(cv.load(tmp_path / "out.safetensors")) == ["empty", "w"]
+    code, _, err = convert(capsys, tmp_path / "src.h5", tmp_path / "x.h5", "--rename", "^w$=")
+    assert code == 2 and "--rename maps 'w' to an empty key" in err, err

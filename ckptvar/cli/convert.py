@@ -408,7 +408,7 @@ def _rename(key: str, renames: list[tuple[re.Pattern[str], str]]) -> str:
             new = pattern.sub(repl, new)
         except re.error as exc:  # a bad group reference in TO, e.g. \2 with one group
             raise UsageError(f"--rename {pattern.pattern}={repl}: {exc}") from None
-    if not new:
+    if not new and new != key:  # an empty key SRC holds is kept: the output may take it
         raise UsageError(f"--rename maps {key!r} to an empty key")
     return new
 
