@@ -117,3 +117,19 @@ def test_an_empty_key_converts_where_the_output_holds_it(
     assert sorted(cv.load(tmp_path / "out.safetensors")) == ["empty", "w"]
     code, _, err = convert(capsys, tmp_path / "src.h5", tmp_path / "x.h5", "--rename", "^w$=")
     assert code == 2 and "--rename maps 'w' to an empty key" in err, err
+
+
+def test_dcp_float8_tensors_read_bit_exact(tmp_path: Path) -> None:
+    torch = _torch()
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    names = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+             "float8_e8m0fnu"]
+    state = {n: torch.linspace(0.25, 4, 6).reshape(2, 3).to(getattr(torch, n)) for n in names}
+    state["t"] = torch.arange(6.0).reshape(2, 3).t()
+    with pytest.warns(UserWarning):  # torch: "assuming the intent is to save in a single process"
+        dcp.save(state, checkpoint_id=tmp_path / "dcp")
+    loaded = cv.load(tmp_path / "dcp")
+    for n in names:
+        want = state[n].view(torch.uint8).numpy().view(getattr(ml_dtypes, n))
+        assert bits(loaded[n]) == bits(want), n
+    assert bits(loaded["t"]) == bits(state["t"].contiguous().numpy())
