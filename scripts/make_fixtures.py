@@ -676,6 +676,35 @@ def make_orbax_more(manifest: dict[str, Any]) -> None:
             rec(f"orbax/{name}", ckptr.restore((out / name).absolute()))
 
 
+def make_orbax_names(manifest: dict[str, Any]) -> None:
+    """A per-array Zarr step whose pytree has a key holding ``/`` beside the same path
+    nested (``{"a/b": ..., "a": {"b": ...}}``: Orbax keeps both, in ``a/b/`` and ``a.b/``)
+    and the other names of ``TRICKY_NAMES`` a file system takes."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    producer = f"orbax-checkpoint {importlib.metadata.version('orbax-checkpoint')}"
+    out = ROOT / "orbax" / "names_step"
+    shutil.rmtree(out, ignore_errors=True)
+    tree: dict[str, Any] = {"a/b": np.full(2, 1, np.float32), "a": {"b": np.full(2, 2, np.float32)}}
+    tree["n"] = {name: np.full(2, i, np.float32)
+                 for i, name in enumerate(TRICKY_NAMES) if "/" not in name and len(name) < 100}
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False)
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save(out.absolute(), args=ocp.args.PyTreeSave(tree))
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+        restored = ckptr.restore(out.absolute())
+    tensors = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]:
+        key = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+        arr = np.asarray(leaf)
+        if key in tensors:  # two pytree paths, one key: the manifest keeps the one nested
+            continue
+        tensors[key] = _entry(str(arr.dtype), arr.shape, arr)
+    manifest["files"]["orbax/names_step"] = {"format": "orbax", "producer": producer,
+                                             "tensors": tensors}
+
+
 # --------------------------------------------------------------------------- HF sharded
 
 
@@ -725,6 +754,7 @@ def main() -> int:
         ("torch", make_dcp),
         ("orbax", make_orbax),
         ("orbax", make_orbax_more),
+        ("orbax", make_orbax_names),
         ("transformers", make_hf_sharded),
     ]
     only = set(sys.argv[1:])

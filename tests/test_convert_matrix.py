@@ -133,3 +133,19 @@ def test_dcp_float8_tensors_read_bit_exact(tmp_path: Path) -> None:
         want = state[n].view(torch.uint8).numpy().view(getattr(ml_dtypes, n))
         assert bits(loaded[n]) == bits(want), n
     assert bits(loaded["t"]) == bits(state["t"].contiguous().numpy())
+
+
+def test_orbax_paths_that_join_to_one_key_are_never_silently_merged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Orbax keeps {"a/b": [1, 1], "a": {"b": [2, 2]}} apart (a/b/ and a.b/); both join to a/b
+    step = FIXTURES / "orbax" / "names_step"
+    with cv.open(step) as reader:
+        assert bits(reader.read("a/b")) == bits(np.full(2, 2, np.float32))
+        (other, why), = reader.skipped.items()
+        assert "('a/b',)" in other and "joins with '/' to the key 'a/b'" in why
+    code, _, err = convert(capsys, step, tmp_path / "out.h5")
+    assert code == 2 and "('a/b',)" in err and "--skip-unreadable" in err, err
+    assert not (tmp_path / "out.h5").exists()
+    code, out, err = convert(capsys, step, tmp_path / "out.h5", "--skip-unreadable")
+    assert code == 0 and "Left out 1 unreadable value" in out, (out, err)

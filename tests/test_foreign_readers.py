@@ -134,6 +134,10 @@ class TestOrbaxRunStep10(ReaderTests):
     fixture, fmt = "orbax/run/10", "orbax"
 
 
+class TestOrbaxNames(ReaderTests):
+    fixture, fmt = "orbax/names_step", "orbax"
+
+
 class TestOrbaxZarr3(ReaderTests):
     fixture, fmt = "orbax/zarr3_step", "orbax"
 
