@@ -149,3 +149,24 @@ def test_orbax_paths_that_join_to_one_key_are_never_silently_merged(
     assert not (tmp_path / "out.h5").exists()
     code, out, err = convert(capsys, step, tmp_path / "out.h5", "--skip-unreadable")
     assert code == 0 and "Left out 1 unreadable value" in out, (out, err)
+
+
+def test_legacy_keras_weights_named_alike_in_two_layers_are_never_silently_merged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    h5py = pytest.importorskip("h5py")
+    path = tmp_path / "legacy.h5"
+    with h5py.File(path, "w") as f:  # tf.keras 2's save_weights layout; two sub-models'
+        f.attrs["layer_names"] = np.array([b"encoder", b"decoder"])  # layers share names
+        for i, layer in enumerate(("encoder", "decoder")):
+            g = f.create_group(layer)
+            g.attrs["weight_names"] = np.array([b"dense/kernel:0"])
+            g["dense/kernel:0"] = np.full((2, 2), i, np.float32)
+    with cv.open(path) as reader:
+        assert list(reader) == ["dense/kernel:0"]
+        assert bits(reader.read("dense/kernel:0")) == bits(np.zeros((2, 2), np.float32))
+        assert reader.skipped == {"dense/kernel:0 (decoder)": "a second weight named "
+                                  "'dense/kernel:0' of layer 'decoder': the first is read under "
+                                  "the name"}
+    code, _, err = convert(capsys, path, tmp_path / "out.safetensors")
+    assert code == 2 and "(decoder)" in err and "--skip-unreadable" in err, err
