@@ -170,3 +170,20 @@ def test_legacy_keras_weights_named_alike_in_two_layers_are_never_silently_merge
                                   "the name"}
     code, _, err = convert(capsys, path, tmp_path / "out.safetensors")
     assert code == 2 and "(decoder)" in err and "--skip-unreadable" in err, err
+
+
+def test_sub_byte_values_a_packed_format_cannot_end_on_a_byte_are_named_before_reading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    f6, f4 = ml_dtypes.float6_e2m3fn, ml_dtypes.float4_e2m1fn
+    cv.save(tmp_path / "src.h5", {"six": np.zeros(6, f6), "eight": np.zeros(8, f6),
+                                  "three": np.zeros(3, f4), "wide": np.ones(3)})
+    code, _, err = convert(capsys, tmp_path / "src.h5", tmp_path / "out.safetensors")
+    assert code == 2, err
+    assert ("safetensors cannot store 2 values at their element count: 'six' (float6_e2m3fn, "
+            "6 elements); 'three' (float4_e2m1fn, 3 elements)") in err
+    assert not (tmp_path / "out.safetensors").exists()
+    code, _, err = convert(capsys, tmp_path / "src.h5", tmp_path / "out.safetensors",
+                           "--exclude", "six", "--exclude", "three")
+    assert code == 0, err
+    assert sorted(cv.load(tmp_path / "out.safetensors")) == ["eight", "wide"]

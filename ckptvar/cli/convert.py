@@ -75,8 +75,8 @@ it matches any --filter (or none is given) and no --exclude. A selection that
 matches nothing is an error. Values SRC holds that are not numbers (string or
 compound HDF5 datasets, TF string tensors) make the conversion fail, naming
 them, unless --skip-unreadable (then it says how many it left out). A dtype the
-output format cannot store fails before anything is written, naming every such
-key. --rename FROM=TO applies re.sub(FROM, TO, key) to every key; give it
+output format cannot store (or a packed sub-byte value whose count cannot end
+on a byte) fails before anything is written, naming every such key. --rename FROM=TO applies re.sub(FROM, TO, key) to every key; give it
 several times to apply several substitutions in order (the first '=' splits
 FROM from TO). A progress bar (in bytes, moving within large values) appears on
 stderr for large conversions when stderr is a terminal, or always with
@@ -422,31 +422,62 @@ def _parse_size(text: str) -> int:
     return int(float(m[1]) * units[m[2].upper()])
 
 
-def _unwritable(dst: Path, fmt: str | None, dtypes: set[np.dtype]) -> dict[np.dtype, str]:
-    """The dtypes the output format refuses, each with the writer's reason.
+def _unwritable(dst: Path, fmt: str | None,
+                kinds: set[tuple[np.dtype, int]]) -> dict[tuple[np.dtype, int], str]:
+    """The ``(dtype, count)`` the output format refuses, each with the writer's reason.
 
-    Asked of the format itself: an empty value of each dtype is saved to a scratch
-    directory through ``cv.save``, so the answer is the writer's own.
+    Asked of the format itself: a value of each dtype, of ``count`` zeros, is saved to a
+    scratch directory through ``cv.save``, so the answer is the writer's own.
     """
-    refused: dict[np.dtype, str] = {}
+    refused: dict[tuple[np.dtype, int], str] = {}
     with tempfile.TemporaryDirectory(prefix="ckpt-probe-") as tmp:
-        for i, dtype in enumerate(sorted(dtypes, key=str)):
+        for i, (dtype, count) in enumerate(sorted(kinds, key=str)):
             probe = Path(tmp) / f"probe{i}{dst.suffix}"
             try:
-                cv.save(probe, {"x": np.zeros((0,), dtype)}, format=fmt, durable=False)
+                cv.save(probe, {"x": np.zeros((count,), dtype)}, format=fmt, durable=False)
             except (cv.UnsupportedFormatError, TypeError) as exc:
-                refused[dtype] = one_line(exc)
+                refused[dtype, count] = one_line(exc)
             except (cv.CkptError, ValueError, OSError):
                 pass  # not about the dtype: the real conversion reports it
     return refused
 
 
-def _refuse_dtypes(dst: Path, args: argparse.Namespace, out_dtypes: dict[str, np.dtype]) -> None:
-    """Stop before anything is written when the output format cannot store some dtype."""
-    refused = _unwritable(dst, args.format, set(out_dtypes.values()))
-    if refused:
-        fmt = args.format or (dst.suffix.lstrip(".") or "the output format")
-        raise _dtype_error(fmt, {k: d for k, d in out_dtypes.items() if d in refused})
+def _probe_count(dtype: np.dtype, count: int) -> int:
+    """The element count that tells whether a format takes ``count`` values of ``dtype``:
+    0, but for a sub-byte type (a format may pack it, needing whole bytes: safetensors'
+    F4 and F6) the count modulo 8, which keeps what byte boundaries depend on."""
+    for info in (ml_dtypes.finfo, ml_dtypes.iinfo):
+        try:
+            bits = int(info(dtype).bits)
+        except (ValueError, TypeError):
+            continue
+        return count % 8 if bits < 8 else 0
+    return 0
+
+
+def _refuse_dtypes(dst: Path, args: argparse.Namespace, out_dtypes: dict[str, np.dtype],
+                   counts: dict[str, int]) -> None:
+    """Stop before anything is written when the output format cannot store some dtype, or
+    some value of a packed sub-byte type at its element count."""
+    kind = {k: (d, _probe_count(d, counts[k])) for k, d in out_dtypes.items()}
+    refused = _unwritable(dst, args.format, set(kind.values()) | {(d, 0) for d in out_dtypes.values()})
+    if not refused:
+        return
+    fmt = args.format or (dst.suffix.lstrip(".") or "the output format")
+    bad = {k: d for k, d in out_dtypes.items() if (d, 0) in refused}
+    if bad:
+        raise _dtype_error(fmt, bad)
+    keys = [k for k in out_dtypes if kind[k] in refused]
+    shown = "; ".join(f"{k!r} ({out_dtypes[k].name}, {counts[k]} elements)" for k in keys[:10])
+    more = f"; and {len(keys) - 10} more" if len(keys) > 10 else ""
+    raise UsageError(
+        f"{fmt} cannot store {len(keys)} value{'s' if len(keys) != 1 else ''} at "
+        f"{'their' if len(keys) != 1 else 'its'} element count: {shown}{more} (it packs "
+        "sub-byte values, and each value must end at a byte boundary); leave "
+        f"{'them' if len(keys) != 1 else 'it'} out "
+        f"with {' '.join(f'--exclude {shlex.quote(k)}' for k in keys[:3])}"
+        f"{' ...' if len(keys) > 3 else ''}"
+    )
 
 
 def _dtype_error(fmt: str, bad: dict[str, np.dtype]) -> UsageError:
@@ -486,6 +517,7 @@ class _Plan:
     keys: dict[str, str] = field(default_factory=dict)
     attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
     dtypes: dict[str, np.dtype] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)  # source key -> elements
     total: int = 0
     largest: int = 0
     spool_size: int = 0
@@ -517,6 +549,7 @@ def _make_plan(reader: Any, keys: list[str], args: argparse.Namespace) -> _Plan:
         if args.dtype is not None and is_floating(dtype):
             dtype = args.dtype
         plan.dtypes[key] = dtype
+        plan.counts[key] = math.prod(info.shape)
         nbytes = math.prod(info.shape) * dtype.itemsize
         plan.total += nbytes
         plan.spool_size += (nbytes + 63) & -64
@@ -609,7 +642,7 @@ def _convert(
     total, largest, spool_size = p.total, p.largest, p.spool_size
     if not plan:
         raise UsageError(f"nothing to convert: {str(src)!r} has no value left to convert")
-    _refuse_dtypes(dst, args, out_dtypes)
+    _refuse_dtypes(dst, args, out_dtypes, p.counts)
     show = (
         args.progress
         if args.progress is not None
