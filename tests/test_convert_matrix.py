@@ -83,6 +83,17 @@ def test_torch_float8_fnuz_and_e8m0_tensors_read_bit_exact(tmp_path: Path) -> No
         assert bits(loaded[n]) == bits(want), n
 
 
+def test_torch_complex32_tensors_read_bit_exact(tmp_path: Path) -> None:
+    torch = _torch()
+    pytest.importorskip("ml_dtypes", minversion="0.5")  # ml_dtypes.complex32
+    with pytest.warns(UserWarning, match="ComplexHalf"):  # torch: "support is experimental"
+        half = torch.tensor([1 + 2j, -0.5 + 3j, 0j], dtype=torch.complex64).to(torch.chalf)
+    torch.save({"z": half, "w": torch.ones(2)}, tmp_path / "c32.pt")
+    z = cv.load(tmp_path / "c32.pt")["z"]
+    assert z.dtype == np.dtype(ml_dtypes.complex32)
+    assert bits(z) == bits(half.view(torch.float16).numpy().view(np.uint8).view(z.dtype))
+
+
 def test_an_npz_key_too_long_for_a_zip_member_is_refused_by_name(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

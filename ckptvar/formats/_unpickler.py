@@ -138,9 +138,10 @@ TORCH_DTYPES: dict[str, np.dtype | None] = {
     "float8_e4m3fnuz": _E(ml_dtypes.float8_e4m3fnuz),
     "float8_e5m2fnuz": _E(ml_dtypes.float8_e5m2fnuz),
     "float8_e8m0fnu": _E(ml_dtypes.float8_e8m0fnu),
+    # two float16 halves, as ml_dtypes' complex32 (ml_dtypes 0.5 and later)
+    "complex32": _E(ml_dtypes.complex32) if hasattr(ml_dtypes, "complex32") else None,
+    "chalf": _E(ml_dtypes.complex32) if hasattr(ml_dtypes, "complex32") else None,
     # Named so a pickle mentioning them is understood; tensors of these dtypes are refused.
-    "complex32": None,
-    "chalf": None,
     "quint8": None,
     "qint8": None,
     "qint32": None,
