@@ -7,16 +7,16 @@ is read back by ckptvar and, where installed, by the owning library. A value mus
 back bit-exact, under its name; a dtype or a name the destination cannot hold must be
 refused, naming the value, before anything is written.
 
-The default suite converts one small source per format to every writable format; the
-full dtype-by-name-by-pair matrix is ``slow``.
+The default suite converts every source to one writable format (each format taken by
+a few) and ckptvar's HDF5 to every one; the rest of the source-by-destination product
+is ``slow``. Every conversion carries every dtype, layout and kind of name its source
+can hold.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
-import zipfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
+from ckptvar._dtypes import SUPPORTED_DTYPES
 from ckptvar.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,7 +116,7 @@ def test_an_empty_key_converts_where_the_output_holds_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     cv.save(tmp_path / "src.h5", {"": np.arange(3.0), "w": np.ones(2)})
-    code, out, err = convert(capsys, tmp_path / "src.h5", tmp_path / "out.zarr")
+    code, _, err = convert(capsys, tmp_path / "src.h5", tmp_path / "out.zarr")
     assert code == 0, err
     assert bits(cv.load(tmp_path / "out.zarr")[""]) == bits(np.arange(3.0))
     # safetensors has no empty name: the writer says so, and --rename gives it one
@@ -181,6 +182,233 @@ def test_legacy_keras_weights_named_alike_in_two_layers_are_never_silently_merge
                                   "the name"}
     code, _, err = convert(capsys, path, tmp_path / "out.safetensors")
     assert code == 2 and "(decoder)" in err and "--skip-unreadable" in err, err
+
+
+# --------------------------------------------------------------------------- the matrix
+
+_SUB_BYTE = {"int1", "int2", "int4", "uint1", "uint2", "uint4",
+             "float4_e2m1fn", "float6_e2m3fn", "float6_e3m2fn"}
+
+
+def dtype_values() -> dict[str, np.ndarray]:
+    """A (2, 3) value of every dtype a checkpoint may hold, from random bits (NaN
+    payloads, negative zeros and subnormals included: they must come back as bits)."""
+    rng = np.random.default_rng(7)
+    out: dict[str, np.ndarray] = {}
+    for name, dtype in sorted(SUPPORTED_DTYPES.items()):
+        if name in _SUB_BYTE:  # only the low bits are the value's
+            # eight of them: a format that packs them (safetensors F4, F6) ends on a byte
+            small = [0, 1, 0, 1, 1, 0, 1, 1] if name.startswith(("int", "uint")) else [
+                0, 0.5, 1, 1.5, -2, 3, -0.5, 1]
+            out[f"dtype/{name}"] = np.array(small).astype(dtype).reshape(2, 4)
+            continue
+        if dtype == np.bool_:
+            value = rng.integers(0, 2, size=6).astype(bool)
+        else:
+            value = rng.integers(0, 256, size=6 * dtype.itemsize, dtype=np.uint8).view(dtype)
+        out[f"dtype/{name}"] = value.reshape(2, 3)
+    return out
+
+
+def layout_values() -> dict[str, np.ndarray]:
+    """0-d, empty, non-contiguous, Fortran-order and big-endian values."""
+    base = np.arange(24, dtype=np.float32).reshape(4, 6)
+    return {
+        "layout/zero_d": np.array(2.5, np.float64),
+        "layout/empty": np.zeros((0, 3), np.float32),
+        "layout/empty_int": np.zeros((2, 0), np.int64),
+        "layout/strided": base[::2, 1::3],
+        "layout/fortran": np.asfortranarray(base.astype(np.int16)),
+        "layout/big_endian": np.arange(6, dtype=">f8").reshape(2, 3),
+        "layout/big_endian_int": np.arange(4, dtype=">u4"),
+        "layout/big_endian_complex": (np.arange(3) + 1j).astype(">c8"),
+    }
+
+
+#: Names other formats escape, collide on or refuse (the escaping of ckptvar's own
+#: containers, zip member names, safetensors' JSON header, TF object keys).
+NAMES = ("nested/a/b/c", "dots.in.name", "with space", "\u00fcn\u00ef\u00e7\u00f8d\u00e9",
+         "0leading_digit", "tensor:0", "L" * 300, "_leading_underscore", ".leading_dot",
+         "percent%41", "Case", "case", "zarr.json", "a%2Fb")
+
+
+def name_values() -> dict[str, np.ndarray]:
+    return {f"name/{n}": np.full(2, i, np.float32) for i, n in enumerate(NAMES)}
+
+
+def all_values() -> dict[str, np.ndarray]:
+    return {**dtype_values(), **layout_values(), **name_values()}
+
+
+def refused_by(fmt: str, values: dict[str, np.ndarray]) -> set[str]:
+    return {k for k, v in values.items() if v.dtype.newbyteorder("=").name in REFUSED[fmt]}
+
+
+METADATA = {"step": 7, "run": "matrix", "nested": {"lr": [0.1, 0.01]}}
+
+
+def _own(fmt: str) -> Callable[[Path, dict[str, np.ndarray]], Path]:
+    def write(tmp: Path, values: dict[str, np.ndarray]) -> Path:
+        path = tmp / f"src_{fmt}{'' if fmt == 'hf-safetensors' else '.' + fmt}"
+        keep = {k: v for k, v in values.items() if k not in refused_by(fmt, values)}
+        cv.save(path, keep, format=fmt, metadata=METADATA)
+        return path
+    return write
+
+
+def _torch_source(tmp: Path, values: dict[str, np.ndarray]) -> Path:
+    torch = _torch()
+    sd = {}
+    with warnings.catch_warnings():  # torch: "ComplexHalf support is experimental"
+        warnings.simplefilter("ignore", UserWarning)
+        sd = _torch_tensors(torch, values)
+    path = tmp / "src.pt"
+    torch.save(sd, path)
+    return path
+
+
+def _torch_tensors(torch: Any, values: dict[str, np.ndarray]) -> dict[str, Any]:
+    sd = {}
+    for k, v in values.items():
+        name = v.dtype.newbyteorder("=").name
+        dt = getattr(torch, name, None) if name != "bool" else torch.bool
+        if not isinstance(dt, torch.dtype) or name in _SUB_BYTE or name == "float8_e4m3":
+            continue  # torch has no such dtype (or holds it packed)
+        raw = np.ascontiguousarray(v.astype(v.dtype.newbyteorder("=")))
+        if _plain(raw.dtype):
+            sd[k] = torch.from_numpy(raw.copy())
+        else:  # ml_dtypes: through the bits
+            flat = torch.from_numpy(raw.reshape(-1).view(np.uint8).copy())
+            sd[k] = flat.view(dt).reshape(raw.shape)
+    sd["layout/strided_view"] = torch.arange(24.0).reshape(4, 6)[::2, 1::3]  # a view, saved as one
+    sd["layout/transposed"] = torch.arange(6.0).reshape(2, 3).t()
+    return sd
+
+
+def _safetensors_source(tmp: Path, values: dict[str, np.ndarray]) -> Path:
+    st = pytest.importorskip("safetensors.numpy")
+    keep = {k: np.ascontiguousarray(v.astype(v.dtype.newbyteorder("=")))
+            for k, v in values.items()
+            if v.dtype.newbyteorder("=").name in ("bool", "uint8", "int8", "int16", "uint16",
+                                                   "int32", "uint32", "int64", "uint64",
+                                                   "float16", "float32", "float64", "bfloat16",
+                                                   "complex64")}
+    path = tmp / "lib.safetensors"
+    st.save_file(keep, str(path), metadata={"format": "pt", "note": "by safetensors"})
+    return path
+
+
+def _numpy_source(tmp: Path, values: dict[str, np.ndarray]) -> Path:
+    keep = {k: v for k, v in values.items() if _plain(v.dtype)}  # what .npy spells
+    path = tmp / "numpy.npz"
+    np.savez(path, **keep)  # type: ignore[arg-type]
+    return path
+
+
+def _fixture(rel: str) -> Callable[[Path, dict[str, np.ndarray]], Path]:
+    def source(tmp: Path, values: dict[str, np.ndarray]) -> Path:
+        return FIXTURES / rel
+    return source
+
+
+SOURCES: dict[str, Callable[[Path, dict[str, np.ndarray]], Path]] = {
+    "h5": _own("h5"),
+    "zarr": _own("zarr"),
+    "safetensors": _own("safetensors"),
+    "hf-safetensors": _own("hf-safetensors"),
+    "npz": _own("npz"),
+    "torch": _torch_source,
+    "safetensors-lib": _safetensors_source,
+    "numpy-npz": _numpy_source,
+    "tf2-object": _fixture("tf2_object/ckpt-1"),
+    "tf2-names": _fixture("tf2_names/ckpt-1"),
+    "tf-dtypes": _fixture("tf2_names/dtypes"),
+    "tf1-partitioned": _fixture("tf1_saver/model.ckpt"),
+    "keras": _fixture("keras/tiny.keras"),
+    "keras-legacy": _fixture("keras/tiny_legacy.h5"),
+    "orbax-ocdbt": _fixture("orbax/ocdbt_run/5"),
+    "orbax-names": _fixture("orbax/names_step"),
+    "dcp": _fixture("dcp/two_ranks"),
+    "hf-model": _fixture("hf_sharded"),
+}
+
+#: The default suite: every source to one destination (each destination taken by a few),
+#: and ckptvar's HDF5 to every destination; the rest of the product is ``slow``.
+_DESTS = list(OUTPUTS)
+FAST = {(src, _DESTS[i % len(_DESTS)]) for i, src in enumerate(SOURCES)}
+FAST |= {("h5", dst) for dst in _DESTS}
+PAIRS = [pytest.param(src, dst, id=f"{src}->{dst}",
+                      marks=() if (src, dst) in FAST else pytest.mark.slow)
+         for src in SOURCES for dst in _DESTS]
+
+
+def _check_pair(tmp: Path, capsys: pytest.CaptureFixture[str], src_kind: str, dst_fmt: str,
+                values: dict[str, np.ndarray]) -> None:
+    src = SOURCES[src_kind](tmp, values)
+    with cv.open(src) as reader:
+        want = {k: reader.read(k) for k in reader}
+        src_meta = reader.metadata()
+        unreadable = dict(reader.skipped)
+    dst = tmp / OUTPUTS[dst_fmt]
+    refused = refused_by(dst_fmt, want)
+    extra = ["--skip-unreadable"] if unreadable else []
+    if refused:  # refused before anything is written, naming the values
+        code, _, err = convert(capsys, src, dst, "--format", dst_fmt, *extra)
+        assert code == 2 and f"cannot store the dtype of {len(refused)} value" in err, err
+        assert all(repr(k)[:60] in err for k in sorted(refused)[:10]), err
+        assert not dst.exists()
+        extra += [a for k in sorted(refused) for a in ("--exclude", k)]
+    code, out, err = convert(capsys, src, dst, "--format", dst_fmt, *extra)
+    assert code == 0, err
+    if unreadable:
+        assert f"Left out {len(unreadable)} unreadable value" in out, out
+    got = cv.load(dst)
+    expected = {k: v for k, v in want.items() if k not in refused}
+    assert sorted(got) == sorted(expected)  # every name kept, none added
+    for key, value in expected.items():
+        assert bits(got[key]) == bits(value), key
+    with cv.open(dst) as written:
+        meta = written.metadata()
+    for key, value in src_meta.items():  # metadata kept (tuples become lists)
+        assert json.loads(json.dumps(meta.get(key))) == json.loads(json.dumps(value)), key
+    _read_with_owner(dst_fmt, dst, expected)
+
+
+_PLAIN = {np.dtype(n) for n in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
+                                  "uint32", "uint64", "float16", "float32", "float64",
+                                  "complex64", "complex128")}
+
+
+def _plain(dtype: np.dtype) -> bool:
+    """A dtype NumPy itself spells (other tools hand ml_dtypes values back as their bits)."""
+    return dtype.newbyteorder("=") in _PLAIN
+
+
+def _read_with_owner(fmt: str, dst: Path, expected: dict[str, np.ndarray]) -> None:
+    """The output read by the library that owns its format, where installed."""
+    if fmt == "npz":
+        with np.load(dst) as data:
+            for key, value in expected.items():
+                if _plain(value.dtype):
+                    assert bits(data[key]) == bits(value), key
+    elif fmt in ("safetensors", "hf-safetensors"):
+        st = pytest.importorskip("safetensors")
+        files = [dst] if fmt == "safetensors" else sorted(dst.glob("*.safetensors"))
+        found: set[str] = set()
+        for file in files:
+            with st.safe_open(str(file), framework="numpy") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    found.add(key)
+                    value = expected[key]
+                    if _plain(value.dtype):
+                        assert bits(f.get_tensor(key)) == bits(value), key
+        assert found == set(expected)
+
+
+@pytest.mark.parametrize(("src_kind", "dst_fmt"), PAIRS)
+def test_convert_matrix(tmp_path: Path, capsys: pytest.CaptureFixture[str], src_kind: str,
+                        dst_fmt: str) -> None:
+    _check_pair(tmp_path, capsys, src_kind, dst_fmt, all_values())
 
 
 def test_sub_byte_values_a_packed_format_cannot_end_on_a_byte_are_named_before_reading(
