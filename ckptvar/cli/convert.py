@@ -446,13 +446,18 @@ def _probe_count(dtype: np.dtype, count: int) -> int:
     """The element count that tells whether a format takes ``count`` values of ``dtype``:
     0, but for a sub-byte type (a format may pack it, needing whole bytes: safetensors'
     F4 and F6) the count modulo 8, which keeps what byte boundaries depend on."""
+    return count % 8 if _sub_byte(dtype) else 0
+
+
+@functools.cache
+def _sub_byte(dtype: np.dtype) -> bool:
+    """Whether ``dtype``'s values have fewer than 8 bits (ml_dtypes' int4, float4, ...)."""
     for info in (ml_dtypes.finfo, ml_dtypes.iinfo):
         try:
-            bits = int(info(dtype).bits)
+            return int(info(dtype).bits) < 8
         except (ValueError, TypeError):
             continue
-        return count % 8 if bits < 8 else 0
-    return 0
+    return False
 
 
 def _refuse_dtypes(dst: Path, args: argparse.Namespace, out_dtypes: dict[str, np.dtype],
