@@ -426,3 +426,30 @@ def test_sub_byte_values_a_packed_format_cannot_end_on_a_byte_are_named_before_r
                            "--exclude", "six", "--exclude", "three")
     assert code == 0, err
     assert sorted(cv.load(tmp_path / "out.safetensors")) == ["eight", "wide"]
+
+
+def test_a_conversion_never_replaces_its_own_source(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "hf"
+    cv.save(model, {"w": np.arange(3.0), "v": np.ones(2)}, format="hf-safetensors",
+            max_shard_size=30)
+    shard = sorted(model.glob("model-*.safetensors"))[0]
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    # one shard into its own model folder, --force: the folder (and the other shard) would go
+    code, _, err = convert(capsys, shard, model, "--format", "hf-safetensors", "--force")
+    assert code == 2 and "lies inside" in err and "delete its own source" in err, err
+    # a model folder onto one of its own files
+    code, _, err = convert(capsys, model, model / "model.safetensors.index.json",
+                           "--format", "safetensors", "--force")
+    assert code == 2 and "is part of the source" in err, err
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+    single = tmp_path / "one"
+    cv.save(single, {"w": np.arange(3.0)}, format="hf-safetensors")
+    code, _, err = convert(capsys, single, single / "model.safetensors", "--force",
+                           "--dtype", "float16")
+    assert code == 2 and "is part of the source" in err, err
+    assert cv.load(single)["w"].dtype == np.float64
+    # a new file inside a source folder replaces nothing: allowed
+    code, _, err = convert(capsys, model, model / "copy.h5")
+    assert code == 0, err
