@@ -95,6 +95,21 @@ def test_torch_complex32_tensors_read_bit_exact(tmp_path: Path) -> None:
     assert bits(z) == bits(half.view(torch.float16).numpy().view(np.uint8).view(z.dtype))
 
 
+def test_torch_paths_that_join_to_one_key_keep_the_file_readable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch = _torch()
+    torch.save({"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}, "c": torch.ones(1)},
+               tmp_path / "two.pt")
+    with cv.open(tmp_path / "two.pt") as reader:
+        assert sorted(reader) == ["a.b", "c"]
+        assert bits(reader.read("a.b")) == bits(np.ones(2, np.float32))
+        assert reader.skipped == {"a.b ('a', 'b')": "its path ('a', 'b') joins with '.' to "
+                                  "the key 'a.b' of another tensor, which is read under it"}
+    code, _, err = convert(capsys, tmp_path / "two.pt", tmp_path / "out.h5")
+    assert code == 2 and "('a', 'b')" in err and "--skip-unreadable" in err, err
+
+
 def test_an_npz_key_too_long_for_a_zip_member_is_refused_by_name(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -269,20 +269,23 @@ def _flatten(
     meta: dict[str, Any] = {}
     skipped: dict[str, str] = {}
 
-    def walk(prefix: str, value: Any, depth: int) -> None:
+    def walk(prefix: str, value: Any, depth: int, parts: tuple[Any, ...] = ()) -> None:
         if depth > _MAX_DEPTH:
             raise CorruptCheckpointError(f"{str(path)!r} nests containers too deeply.")
         if isinstance(value, TensorRef):
             key = prefix or "tensor"
-            if key in tensors:
-                raise CorruptCheckpointError(f"Two tensors flatten to the key {key!r} in {path}.")
+            if key in tensors:  # {"a.b": x, "a": {"b": y}}: both join to a.b
+                skipped[f"{key} {parts!r}"] = (
+                    f"its path {parts!r} joins with '.' to the key {key!r} of another "
+                    "tensor, which is read under it")
+                return
             tensors[key] = value
         elif isinstance(value, dict):
             for k, v in value.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v, depth + 1)
+                walk(f"{prefix}.{k}" if prefix else str(k), v, depth + 1, (*parts, k))
         elif isinstance(value, list | tuple):
             for i, v in enumerate(value):
-                walk(f"{prefix}.{i}" if prefix else str(i), v, depth + 1)
+                walk(f"{prefix}.{i}" if prefix else str(i), v, depth + 1, (*parts, i))
         elif isinstance(value, bool | int | float | str) or value is None:
             meta[prefix or "value"] = value
         else:
