@@ -468,3 +468,22 @@ def test_a_conversion_never_replaces_its_own_source(
     # a new file inside a source folder replaces nothing: allowed
     code, _, err = convert(capsys, model, model / "copy.h5")
     assert code == 0, err
+
+
+def test_metadata_the_output_cannot_store_is_refused_before_reading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch = _torch()
+    torch.save({"w": torch.ones(2), "seed": -(2**64), "epoch": 3}, tmp_path / "m.pt")
+    for out in ("out.h5", "out.zarr"):
+        code, _, err = convert(capsys, tmp_path / "m.pt", tmp_path / out)
+        assert code == 2, err
+        assert err.startswith(f"ckpt: error: Cannot store metadata in {str(tmp_path / out)!r}")
+        assert "-18446744073709551616 at 'seed'" in err and "--no-metadata" in err, err
+        assert "ckpt-probe" not in err
+        code, _, err = convert(capsys, tmp_path / "m.pt", tmp_path / out, "--no-metadata")
+        assert code == 0, err
+    for out in ("out.safetensors", "out.npz"):  # JSON holds any integer
+        code, _, err = convert(capsys, tmp_path / "m.pt", tmp_path / out)
+        assert code == 0, err
+        assert cv.open(tmp_path / out).metadata()["seed"] == -(2**64)

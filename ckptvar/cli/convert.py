@@ -442,6 +442,25 @@ def _unwritable(dst: Path, fmt: str | None,
     return refused
 
 
+def _refuse_metadata(dst: Path, fmt: str | None, metadata: dict[str, Any]) -> None:
+    """Stop before anything is read when the output format cannot store SRC's metadata
+    (an integer beyond 64 bits in a msgpack root record): it is saved once, beside an
+    empty value, to a scratch directory, so the answer is the writer's own."""
+    if not metadata:
+        return
+    with tempfile.TemporaryDirectory(prefix="ckpt-probe-") as tmp:
+        probe = Path(tmp) / f"metadata{dst.suffix}"
+        try:
+            cv.save(probe, {"x": np.zeros((0,), np.uint8)}, format=fmt, metadata=metadata,
+                    durable=False)
+        except TypeError as exc:
+            said = one_line(exc).replace(repr(str(probe)), repr(str(dst)))
+            raise UsageError(f"{said.rstrip('.')}; pass --no-metadata to leave SRC's metadata "
+                             "out") from None
+        except (cv.CkptError, ValueError, OSError):
+            pass  # not about the metadata: the real conversion reports it
+
+
 def _probe_count(dtype: np.dtype, count: int) -> int:
     """The element count that tells whether a format takes ``count`` values of ``dtype``:
     0, but for a sub-byte type (a format may pack it, needing whole bytes: safetensors'
@@ -673,6 +692,7 @@ def _convert(
     tupled = _tuples_as_lists(metadata)
     options.update(_pack_option(out_format, args))
     added_format = _hf_format(dst, args, metadata)
+    _refuse_metadata(dst, args.format, metadata)
     window = args.window if args.window is not None else max(DEFAULT_WINDOW, 2 * largest)
     created = [] if remote_dst else _make_parents(dst)
     if remote_dst:
