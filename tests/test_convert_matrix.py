@@ -110,6 +110,22 @@ def test_torch_paths_that_join_to_one_key_keep_the_file_readable(
     assert code == 2 and "('a', 'b')" in err and "--skip-unreadable" in err, err
 
 
+def test_a_torch_tensor_of_a_dtype_ckptvar_cannot_hold_leaves_the_rest_readable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch = _torch()
+    packed = torch.arange(6, dtype=torch.uint8).reshape(2, 3).view(torch.float4_e2m1fn_x2)
+    torch.save({"packed": packed, "w": torch.ones(2)}, tmp_path / "f4.pt")
+    with cv.open(tmp_path / "f4.pt") as reader:
+        assert list(reader) == ["w"]
+        assert reader.skipped == {"packed": "a torch.float4_e2m1fn_x2 tensor, a dtype ckptvar "
+                                  "cannot hold"}
+    code, _, err = convert(capsys, tmp_path / "f4.pt", tmp_path / "out.h5")
+    assert code == 2 and "'packed': a torch.float4_e2m1fn_x2 tensor" in err, err
+    code, out, err = convert(capsys, tmp_path / "f4.pt", tmp_path / "out.h5", "--skip-unreadable")
+    assert code == 0 and "Left out 1 unreadable value" in out, err
+
+
 def test_an_npz_key_too_long_for_a_zip_member_is_refused_by_name(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -30,7 +30,14 @@ import numpy as np
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
 from ._common import MAX_HEADER_BYTES, EntryReader, FileArray, FileHandle, check_shape, covers_whole
-from ._unpickler import StorageRef, TensorRef, TorchDtype, expanded_size, safe_load
+from ._unpickler import (
+    StorageRef,
+    TensorRef,
+    TorchDtype,
+    UnsupportedTensor,
+    expanded_size,
+    safe_load,
+)
 from ._zip import ZIP_ERRORS, ZipArchive, check_member_size, read_member_range, zip_crc_check
 
 __all__ = ["TorchBackend"]
@@ -289,13 +296,19 @@ def _flatten(
         elif isinstance(value, bool | int | float | str) or value is None:
             meta[prefix or "value"] = value
         else:
-            what = f"torch.{value.name}" if isinstance(value, TorchDtype) else type(value).__name__
-            skipped[prefix or "value"] = (
-                f"a {what} object, neither a tensor nor a plain number or string"
-            )
+            skipped[prefix or "value"] = _unreadable(value)
 
     walk("", obj, 0)
     return tensors, meta, skipped
+
+
+def _unreadable(value: Any) -> str:
+    """Why a leaf of the pickle is not read: a tensor of a dtype ckptvar cannot hold, or
+    an object that is neither a tensor nor a plain value."""
+    if isinstance(value, UnsupportedTensor):
+        return value.reason()
+    what = f"torch.{value.name}" if isinstance(value, TorchDtype) else type(value).__name__
+    return f"a {what} object, neither a tensor nor a plain number or string"
 
 
 def _storage_elems(ref: TensorRef) -> int:

@@ -38,6 +38,7 @@ __all__ = [
     "StorageType",
     "TensorRef",
     "TorchDtype",
+    "UnsupportedTensor",
     "expanded_size",
 ]
 
@@ -90,6 +91,17 @@ class TensorRef(_Sealed):
     dtype: np.dtype
     requires_grad: bool = False
     is_parameter: bool = False
+
+
+@dataclass(frozen=True)
+class UnsupportedTensor(_Sealed):
+    """A tensor of a torch dtype NumPy and ml_dtypes cannot hold (``torch.quint8``,
+    ``torch.float4_e2m1fn_x2``): named, so the file's other values still read."""
+
+    dtype: str
+
+    def reason(self) -> str:
+        return f"a torch.{self.dtype} tensor, a dtype ckptvar cannot hold"
 
 
 class _Callable(_Sealed):
@@ -146,6 +158,14 @@ TORCH_DTYPES: dict[str, np.dtype | None] = {
     "qint8": None,
     "qint32": None,
     "quint4x2": None,
+    "quint2x4": None,
+    "float4_e2m1fn_x2": None,  # two values a byte, the last dimension halved
+    "bits1x8": None,
+    "bits2x4": None,
+    "bits4x2": None,
+    "bits8": None,
+    "bits16": None,
+    **{f"{sign}int{n}": None for sign in ("", "u") for n in range(1, 8)},
 }
 
 _STORAGE_TYPES: dict[str, np.dtype] = {
@@ -197,7 +217,7 @@ def _rebuild_tensor_v2(
     requires_grad: Any = False,
     backward_hooks: Any = None,
     metadata: Any = None,
-) -> TensorRef:
+) -> TensorRef | UnsupportedTensor:
     return _make_tensor(storage, storage_offset, size, stride, requires_grad, None)
 
 
@@ -210,17 +230,17 @@ def _rebuild_tensor_v3(
     backward_hooks: Any,
     dtype: Any,
     metadata: Any = None,
-) -> TensorRef:
+) -> TensorRef | UnsupportedTensor:
     return _make_tensor(storage, storage_offset, size, stride, requires_grad, dtype)
 
 
-def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any) -> TensorRef:
+def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any) -> TensorRef | UnsupportedTensor:
     return _make_tensor(storage, storage_offset, size, stride, False, None)
 
 
 def _make_tensor(
     storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, dtype: Any
-) -> TensorRef:
+) -> TensorRef | UnsupportedTensor:
     if not isinstance(storage, StorageRef):
         raise CorruptCheckpointError(f"A tensor refers to {type(storage).__name__}, not a storage.")
     if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
@@ -237,7 +257,7 @@ def _make_tensor(
         np_dtype = storage.dtype
     elif isinstance(dtype, TorchDtype):
         if dtype.np_dtype is None:
-            raise CorruptCheckpointError(f"Tensors of dtype torch.{dtype.name} are not supported.")
+            return UnsupportedTensor(dtype.name)
         np_dtype = dtype.np_dtype
     else:
         raise CorruptCheckpointError(f"Tensor dtype {dtype!r} is not a torch dtype.")
