@@ -503,3 +503,15 @@ def test_metadata_the_output_cannot_store_is_refused_before_reading(
         code, _, err = convert(capsys, tmp_path / "m.pt", tmp_path / out)
         assert code == 0, err
         assert cv.open(tmp_path / out).metadata()["seed"] == -(2**64)
+
+
+@pytest.mark.parametrize("fmt", list(OUTPUTS))
+def test_a_destination_name_up_to_255_bytes_is_written(tmp_path: Path, fmt: str) -> None:
+    # the temporary beside DST adds 42 bytes to its name: it is cut, never DST's own
+    name = "\u00e9" * 100 + "x" * (255 - 200 - len(".out")) + ".out"
+    assert len(name.encode()) == 255
+    values = {"w": np.arange(3.0)}
+    written = cv.save(tmp_path / name, values, format=fmt)
+    assert written.name == name
+    assert bits(cv.load(written)["w"]) == bits(values["w"])
+    assert [p.name for p in tmp_path.iterdir()] == [name]
