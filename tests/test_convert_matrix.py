@@ -515,3 +515,14 @@ def test_a_destination_name_up_to_255_bytes_is_written(tmp_path: Path, fmt: str)
     assert written.name == name
     assert bits(cv.load(written)["w"]) == bits(values["w"])
     assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
+def test_a_streamed_conversion_to_a_long_name_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cv.save(tmp_path / "src.h5", {"w": np.arange(40_000.0)})
+    dst = tmp_path / ("x" * 245 + ".h5")
+    code, _, err = convert(capsys, tmp_path / "src.h5", dst, "--window", "64K")
+    assert code == 0, err
+    assert bits(cv.load(dst)["w"]) == bits(np.arange(40_000.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([dst.name, "src.h5"])

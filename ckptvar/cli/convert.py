@@ -1003,7 +1003,13 @@ def _spool(dst: Path, nbytes: int, window: int, *, local: bool = True) -> Iterat
         yield None
         return
     where = dst.absolute().parent if local else None  # a URL: the temporary directory
-    fd, name = tempfile.mkstemp(prefix=f".{dst.name}.spool-", dir=where)
+    # the scratch file's name within 255 bytes (mkstemp adds 8 characters), however long DST's
+    stem = dst.name.encode("utf-8", "surrogateescape")[:255 - 16].decode("utf-8", "ignore")
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{stem}.spool-", dir=where)
+    except OSError as exc:  # named after DST: the scratch file is the conversion's own
+        raise UsageError(f"cannot write {str(dst)!r}: the scratch file a streamed conversion "
+                         f"makes beside it: {exc.strerror or one_line(exc)}") from None
     stop = threading.Event()
     trimmer: threading.Thread | None = None
     spool: _Spool | None = None
