@@ -526,3 +526,15 @@ def test_a_streamed_conversion_to_a_long_name_is_written(
     assert code == 0, err
     assert bits(cv.load(dst)["w"]) == bits(np.arange(40_000.0))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([dst.name, "src.h5"])
+
+
+def test_a_folder_that_cannot_be_made_is_said_once_and_leaves_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cv.save(tmp_path / "src.h5", {"w": np.arange(3.0)})
+    dst = tmp_path / "made" / ("d" * 300) / "out.h5"  # a folder name over 255 bytes
+    code, _, err = convert(capsys, tmp_path / "src.h5", dst)
+    assert code == 2, err
+    assert err.startswith(f"ckpt: error: cannot create the folder {str(dst.parent)!r}")
+    assert err.rstrip().endswith("File name too long") and "[Errno" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.h5"]  # 'made' taken back

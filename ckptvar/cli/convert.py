@@ -807,8 +807,12 @@ def _make_parents(dst: Path) -> list[Path]:
         except FileExistsError:
             pass
         except OSError as exc:
-            raise OSError(
-                exc.errno, f"cannot create the folder {str(d)!r} for {str(dst)!r}: {exc.strerror}"
+            for made in reversed(missing[: missing.index(d)]):  # leave nothing half-made
+                with contextlib.suppress(OSError):
+                    made.rmdir()
+            raise UsageError(
+                f"cannot create the folder {str(d)!r} for {str(dst)!r}: "
+                f"{exc.strerror or one_line(exc)}"
             ) from None
     return missing
 
