@@ -538,3 +538,21 @@ def test_a_folder_that_cannot_be_made_is_said_once_and_leaves_nothing(
     assert err.startswith(f"ckpt: error: cannot create the folder {str(dst.parent)!r}")
     assert err.rstrip().endswith("File name too long") and "[Errno" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src.h5"]  # 'made' taken back
+
+
+def test_a_name_the_output_reserves_is_refused_saying_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cv.save(tmp_path / "src.h5", {"__metadata__": np.ones(2), "__ckptvar__": np.ones(2)})
+    code, _, err = convert(capsys, tmp_path / "src.h5", tmp_path / "out.safetensors",
+                           "--exclude", "__ckptvar__")
+    assert code == 2 and "'__metadata__': __metadata__ names the header's metadata" in err, err
+    assert "--rename" in err
+    code, _, err = convert(capsys, tmp_path / "src.h5", tmp_path / "out.npz",
+                           "--exclude", "__metadata__")
+    assert code == 2 and "'__ckptvar__': __ckptvar__ names ckptvar's own member" in err, err
+    code, _, err = convert(capsys, tmp_path / "src.h5", tmp_path / "out.npz",
+                           "--rename", "^__ckptvar__$=ckptvar")
+    assert code == 0, err
+    assert sorted(cv.load(tmp_path / "out.npz")) == ["__metadata__", "ckptvar"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.npz", "src.h5"]

@@ -305,7 +305,9 @@ class NpzWriter(CollectingWriter):
 
     def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
         if not isinstance(key, str) or not key or key == _SIDECAR[:-5] or "\x00" in key:
-            raise ValueError(f"Invalid npz key {key!r}.")
+            why = (f": {_SIDECAR[:-5]} names ckptvar's own member" if key == _SIDECAR[:-5]
+                   else ": a member name is a non-empty string without NUL")
+            raise ValueError(f"Invalid npz key {key!r}{why}; rename it (ckpt convert --rename).")
         check_key_utf8(key, "npz")
         if unsafe_name(key + ".npy"):  # the reader refuses such a member: never written
             raise ValueError(
