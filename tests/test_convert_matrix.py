@@ -556,3 +556,30 @@ def test_a_name_the_output_reserves_is_refused_saying_why(
     assert code == 0, err
     assert sorted(cv.load(tmp_path / "out.npz")) == ["__metadata__", "ckptvar"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.npz", "src.h5"]
+
+
+@pytest.mark.parametrize("fmt", list(OUTPUTS))
+def test_an_existing_destination_is_kept_without_force_and_replaced_whole_with_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fmt: str
+) -> None:
+    cv.save(tmp_path / "src.h5", {"w": np.arange(3.0)})
+    dst = tmp_path / OUTPUTS[fmt]
+    cv.save(dst, {"old": np.ones(2), "other": np.zeros(1)}, format=fmt)
+
+    def snapshot() -> dict[str, bytes]:
+        files = [dst] if dst.is_file() else sorted(p for p in dst.rglob("*") if p.is_file())
+        return {str(p): p.read_bytes() for p in files}
+
+    before = snapshot()
+    code, _, err = convert(capsys, tmp_path / "src.h5", dst, "--format", fmt)
+    assert code == 2 and "pass --force to replace it" in err, err
+    assert snapshot() == before
+    code, _, err = convert(capsys, tmp_path / "src.h5", dst, "--format", fmt, "--force")
+    assert code == 0, err
+    assert sorted(cv.load(dst)) == ["w"]  # replaced whole: nothing of the old one is left
+    # a link to the source is the source: never replaced, even with --force
+    link = tmp_path / f"link{dst.suffix}"
+    link.symlink_to(tmp_path / "src.h5")
+    code, _, err = convert(capsys, tmp_path / "src.h5", link, "--format", fmt, "--force")
+    assert code == 2 and "same path" in err, err
+    assert sorted(cv.load(tmp_path / "src.h5")) == ["w"]
