@@ -16,6 +16,7 @@ can hold.
 from __future__ import annotations
 
 import json
+import shlex
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -583,3 +584,16 @@ def test_an_existing_destination_is_kept_without_force_and_replaced_whole_with_i
     code, _, err = convert(capsys, tmp_path / "src.h5", link, "--format", fmt, "--force")
     assert code == 2 and "same path" in err, err
     assert sorted(cv.load(tmp_path / "src.h5")) == ["w"]
+
+
+def test_the_exclude_options_an_error_suggests_leave_out_exactly_those_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    z = np.arange(2, dtype=np.complex128)
+    cv.save(tmp_path / "src.h5", {"layers[0]/z": z, "layers0/z": z, "w*": z, "ok": np.ones(1)})
+    code, _, err = convert(capsys, tmp_path / "src.h5", tmp_path / "out.safetensors")
+    assert code == 2, err
+    suggested = shlex.split(err.split("leave them out with ")[1])
+    code, _, err = convert(capsys, tmp_path / "src.h5", tmp_path / "out.safetensors", *suggested)
+    assert code == 0, err
+    assert sorted(cv.load(tmp_path / "out.safetensors")) == ["ok"]

@@ -499,16 +499,26 @@ def _refuse_dtypes(dst: Path, args: argparse.Namespace, out_dtypes: dict[str, np
         f"{'their' if len(keys) != 1 else 'its'} element count: {shown}{more} (it packs "
         "sub-byte values, and each value must end at a byte boundary); leave "
         f"{'them' if len(keys) != 1 else 'it'} out "
-        f"with {' '.join(f'--exclude {shlex.quote(k)}' for k in keys[:3])}"
+        f"with {' '.join(_exclude_option(k) for k in keys[:3])}"
         f"{' ...' if len(keys) > 3 else ''}"
     )
+
+
+def _exclude_option(key: str) -> str:
+    """``--exclude GLOB`` that leaves out exactly ``key``, quoted for a shell: the glob's
+    own characters in the key (``*``, ``?``, ``[``) are matched literally (``[[]``).
+
+    >>> _exclude_option("layers[0]/w*")
+    "--exclude 'layers[[]0]/w[*]'"
+    """
+    return "--exclude " + shlex.quote(re.sub(r"([*?[])", r"[\1]", key))
 
 
 def _dtype_error(fmt: str, bad: dict[str, np.dtype]) -> UsageError:
     keys = list(bad)
     shown = ", ".join(f"{k!r} ({bad[k].name})" for k in keys[:10])
     more = f" and {len(keys) - 10} more" if len(keys) > 10 else ""
-    hint = " ".join(f"--exclude {shlex.quote(k)}" for k in keys[:3])
+    hint = " ".join(_exclude_option(k) for k in keys[:3])
     text = (
         f"{fmt} cannot store the dtype of {len(keys)} value{'s' if len(keys) != 1 else ''}: "
         f"{shown}{more}; leave {'them' if len(keys) != 1 else 'it'} out with {hint}{' ...' if len(keys) > 3 else ''}"
