@@ -16,7 +16,12 @@ can hold.
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import signal
+import subprocess
+import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -597,3 +602,37 @@ def test_the_exclude_options_an_error_suggests_leave_out_exactly_those_values(
     code, _, err = convert(capsys, tmp_path / "src.h5", tmp_path / "out.safetensors", *suggested)
     assert code == 0, err
     assert sorted(cv.load(tmp_path / "out.safetensors")) == ["ok"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", list(OUTPUTS))
+def test_an_interrupted_conversion_leaves_nothing_half_written(tmp_path: Path, fmt: str) -> None:
+    """Ctrl-C while the output is being written: DST is whole or absent, nothing else, and
+    the command ends (a worker thread a pool was starting made it wait forever, now and
+    then: three tries each)."""
+    values = {f"w{i}": np.full(2_000_000, i, np.float32) for i in range(16)}
+    cv.save(tmp_path / "src.h5", values)
+    for attempt in range(3):
+        out = tmp_path / f"out{attempt}"
+        out.mkdir()
+        dst = out / OUTPUTS[fmt]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ckptvar", "convert", str(tmp_path / "src.h5"), str(dst),
+             "--format", fmt, "--window", "16M"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+        deadline = time.monotonic() + 60
+        while not any(out.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)  # the scratch file or the temporary: writing has begun
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise AssertionError(f"try {attempt}: ckpt convert did not end after Ctrl-C") from None
+        if proc.returncode == 0:  # it finished first: the output is whole
+            assert sorted(cv.load(dst)) == sorted(values)
+        else:
+            assert proc.returncode == 130 and err.endswith("ckpt: error: interrupted\n"), err
+            assert list(out.iterdir()) == []
