@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -636,3 +637,29 @@ def test_an_interrupted_conversion_leaves_nothing_half_written(tmp_path: Path, f
         else:
             assert proc.returncode == 130 and err.endswith("ckpt: error: interrupted\n"), err
             assert list(out.iterdir()) == []
+
+
+def test_a_file_of_a_multi_file_source_is_never_replaced_by_its_conversion(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "hf"
+    cv.save(model, {"w": np.arange(3.0), "v": np.ones(2)}, format="hf-safetensors",
+            max_shard_size=30)
+    index = model / "model.safetensors.index.json"
+    shard = sorted(model.glob("model-*.safetensors"))[-1]
+    before = shard.read_bytes()
+    code, _, err = convert(capsys, index, shard, "--force")  # SRC named by its index
+    assert code == 2 and "is part of the source" in err, err
+    assert shard.read_bytes() == before
+    tf = tmp_path / "tf"
+    tf.mkdir()
+    for name in ("ckpt-1.index", "ckpt-1.data-00000-of-00001"):
+        shutil.copy(FIXTURES / "tf2_object" / name, tf / name)
+    data = tf / "ckpt-1.data-00000-of-00001"
+    before = data.read_bytes()
+    for src in ("ckpt-1", "ckpt-1.index"):
+        code, _, err = convert(capsys, tf / src, data, "--format", "npz", "--force")
+        assert code == 2 and "is part of the source" in err, err
+    assert data.read_bytes() == before
+    code, _, err = convert(capsys, tf / "ckpt-1", tf / "ckpt-1.h5")  # a new sibling: fine
+    assert code == 0, err

@@ -540,22 +540,29 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         raise UsageError(f"source and destination are the same path {str(src)!r}")
     if (dst.exists() or dst.is_symlink()) and not args.force:
         raise UsageError(f"{str(dst)!r} exists; pass --force to replace it")
-    _refuse_replacing_src(src, dst)
     with open_checkpoint(src) as reader:
+        _refuse_replacing_src(src, dst, reader.format)
         return _convert(reader, src, dst, args, out)
 
 
-def _refuse_replacing_src(src: Path, dst: Path) -> None:
+def _refuse_replacing_src(src: Path, dst: Path, fmt: str) -> None:
     """An existing DST that holds SRC (a model folder around one of its shards), or that
-    is a file of a SRC folder (its one ``model.safetensors``), would be replaced with
-    SRC's files in it: the conversion would destroy its own source."""
+    is one of SRC's files (a folder's ``model.safetensors``, a shard beside the index
+    SRC names, a TensorFlow prefix's data file), would be replaced with SRC's files in
+    it: the conversion would destroy its own source."""
     if not (dst.exists() or dst.is_symlink()):
         return
     s, d = src.resolve(), dst.resolve()
     if s.is_relative_to(d):
         raise UsageError(f"{str(src)!r} lies inside {str(dst)!r}, which --force would replace: "
                          "the conversion would delete its own source; choose another DST")
-    if d.is_relative_to(s):
+    if fmt == "hf-safetensors" and s.is_file():  # its index: the shards lie beside it
+        s = s.parent
+    prefix = re.sub(r"\.(index|data-\d+-of-\d+)$", "", s.name)
+    tf_file = fmt == "tf" and d.parent == s.parent and (
+        d.name == f"{prefix}.index" or re.fullmatch(re.escape(prefix) + r"\.data-\d+-of-\d+",
+                                                     d.name) is not None)
+    if d.is_relative_to(s) or tf_file:
         raise UsageError(f"{str(dst)!r} is part of the source {str(src)!r}: --force would "
                          "replace it with the conversion of itself; choose a DST outside it")
 
