@@ -161,6 +161,53 @@ def make_tf_sharded(manifest: dict[str, Any]) -> None:
         junk.unlink()
 
 
+#: Value names that other formats escape, collide on or refuse (the conversion matrix,
+#: tests/test_convert_matrix.py): dots, spaces, Unicode, a leading digit, ``:0``, a slash
+#: and TF's own escape sequences inside a name, one longer than 255 bytes.
+TRICKY_NAMES = ("a.b", "with space", "\u00fcn\u00ef", "0lead", "x:0", "a/b", "..S", "L" * 300)
+
+
+def make_tf_names(manifest: dict[str, Any]) -> None:
+    """A TF2 checkpoint of the names in ``TRICKY_NAMES`` (TensorFlow escapes ``.`` as
+    ``..`` and ``/`` as ``.S`` in object keys), uint32/64 and a string; and a bundle of
+    every ml_dtypes type TensorFlow names (float8 variants, int4/uint4, int2/uint2,
+    float4)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+
+    out = ROOT / "tf2_names"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    exp = tf.dtypes.experimental
+    module = tf.Module(name="m")
+    module.d = {name: tf.Variable(np.full(2, i, np.float32)) for i, name in enumerate(TRICKY_NAMES)}
+    module.u32 = tf.Variable(np.array([1, 2**32 - 1], np.uint32))
+    module.u64 = tf.Variable(np.array([1, 2**64 - 1], np.uint64))
+    module.f8 = tf.Variable(np.array([0.5, -2.0]).astype(exp.float8_e4m3fn.as_numpy_dtype))
+    module.i4 = tf.Variable(np.array([1, -8]).astype(exp.int4.as_numpy_dtype))
+    module.text = tf.Variable("not a number")
+    prefix = tf.train.Checkpoint(m=module).write(str(out / "ckpt-1"))
+    _record_tf(manifest, "tf2_names/ckpt-1", prefix, f"tensorflow {tf.__version__}")
+    # Every type tf.dtypes.experimental names, by SaveV2 itself (TensorFlow's CPU kernels
+    # make no variable of the fnuz float8 types); built from NumPy arrays of TensorFlow's
+    # own numpy types (its CPU Cast lacks some).
+    names, tensors = [], []
+    floats = np.array([0.5, 1.5, -2.0, 0.0], np.float32)
+    ints = {"int4": [1, -2, 7, -8], "uint4": [1, 2, 15, 0], "int2": [1, -2, 0, -1],
+            "uint2": [1, 2, 3, 0]}
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                 "float8_e4m3b11fnuz", "float4_e2m1fn", *ints):
+        np_type = getattr(exp, name).as_numpy_dtype
+        values = np.array(ints[name]) if name in ints else floats
+        names.append(f"dtypes/{name}")
+        tensors.append(tf.constant(values.astype(np_type)))
+    tf.raw_ops.SaveV2(prefix=str(out / "dtypes"), tensor_names=names,
+                      shape_and_slices=[""] * len(names), tensors=tensors)
+    _record_tf(manifest, "tf2_names/dtypes", str(out / "dtypes"), f"tensorflow {tf.__version__}")
+    for junk in out.glob("checkpoint"):
+        junk.unlink()
+
+
 def _record_tf(manifest: dict[str, Any], rel: str, prefix: str, producer: str) -> None:
     import tensorflow as tf
 
@@ -629,6 +676,35 @@ def make_orbax_more(manifest: dict[str, Any]) -> None:
             rec(f"orbax/{name}", ckptr.restore((out / name).absolute()))
 
 
+def make_orbax_names(manifest: dict[str, Any]) -> None:
+    """A per-array Zarr step whose pytree has a key holding ``/`` beside the same path
+    nested (``{"a/b": ..., "a": {"b": ...}}``: Orbax keeps both, in ``a/b/`` and ``a.b/``)
+    and the other names of ``TRICKY_NAMES`` a file system takes."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    producer = f"orbax-checkpoint {importlib.metadata.version('orbax-checkpoint')}"
+    out = ROOT / "orbax" / "names_step"
+    shutil.rmtree(out, ignore_errors=True)
+    tree: dict[str, Any] = {"a/b": np.full(2, 1, np.float32), "a": {"b": np.full(2, 2, np.float32)}}
+    tree["n"] = {name: np.full(2, i, np.float32)
+                 for i, name in enumerate(TRICKY_NAMES) if "/" not in name and len(name) < 100}
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False)
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save(out.absolute(), args=ocp.args.PyTreeSave(tree))
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+        restored = ckptr.restore(out.absolute())
+    tensors = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]:
+        key = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+        arr = np.asarray(leaf)
+        if key in tensors:  # two pytree paths, one key: the manifest keeps the one nested
+            continue
+        tensors[key] = _entry(str(arr.dtype), arr.shape, arr)
+    manifest["files"]["orbax/names_step"] = {"format": "orbax", "producer": producer,
+                                             "tensors": tensors}
+
+
 # --------------------------------------------------------------------------- HF sharded
 
 
@@ -670,6 +746,7 @@ def main() -> int:
     sections = [
         ("tensorflow", make_tf),
         ("tensorflow", make_tf_sharded),
+        ("tensorflow", make_tf_names),
         ("keras", make_keras),
         ("safetensors", make_safetensors),
         ("numpy", make_npz),
@@ -677,6 +754,7 @@ def main() -> int:
         ("torch", make_dcp),
         ("orbax", make_orbax),
         ("orbax", make_orbax_more),
+        ("orbax", make_orbax_names),
         ("transformers", make_hf_sharded),
     ]
     only = set(sys.argv[1:])

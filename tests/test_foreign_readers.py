@@ -42,6 +42,22 @@ class TestTFSharded(ReaderTests):
     fixture, fmt = "tf2_sharded/ckpt", "tf"
 
 
+class TestTFNames(ReaderTests):
+    fixture, fmt = "tf2_names/ckpt-1", "tf"
+
+    def damaged(self, tmp: Path) -> tuple[Path, str | None]:
+        # the object graph (a string, after the values) is most of the data file: cutting
+        # it in half leaves every value whole, so cut into the values
+        prefix = self.source(tmp)
+        data = tmp / "ckpt-1.data-00000-of-00001"
+        data.write_bytes(data.read_bytes()[:16])
+        return prefix, None
+
+
+class TestTFExperimentalDtypes(ReaderTests):
+    fixture, fmt = "tf2_names/dtypes", "tf"
+
+
 class TestTorchZip(ReaderTests):
     fixture, fmt, checksummed = "torch/state_dict.pt", "torch", True
 
@@ -116,6 +132,10 @@ class TestOrbaxRunStep2(ReaderTests):
 
 class TestOrbaxRunStep10(ReaderTests):
     fixture, fmt = "orbax/run/10", "orbax"
+
+
+class TestOrbaxNames(ReaderTests):
+    fixture, fmt = "orbax/names_step", "orbax"
 
 
 class TestOrbaxZarr3(ReaderTests):

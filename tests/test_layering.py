@@ -264,6 +264,9 @@ FOREIGN_PRIVATE = {
     "pickle._Unpickler",
     # torch.distributed's store of the default process group (no public accessor)
     "dist.distributed_c10d._get_default_store",
+    # the ckpt command ending at once on Ctrl-C (a documented os function: exit without
+    # waiting for a thread pool's worker CPython never tells to stop)
+    "os._exit",
 }
 
 

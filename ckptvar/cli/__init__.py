@@ -21,6 +21,7 @@ ckpt (ckptvar) ...
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -111,9 +112,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MemoryError as exc:  # numpy's says how much it could not allocate
         sys.stderr.write(f"ckpt: error: not enough memory: {one_line(exc) or 'out of memory'}\n")
     except KeyboardInterrupt:
-        sys.stderr.write("ckpt: error: interrupted\n")
-        return 130
+        return _interrupted(command=argv is None)
     return EXIT_USAGE
+
+
+def _interrupted(*, command: bool) -> int:
+    """Ctrl-C: said, and exit status 130; the ``ckpt`` command itself (``command``), its
+    work cleaned up by then, ends at once (:func:`_exit_now`)."""
+    sys.stderr.write("ckpt: error: interrupted\n")
+    if command:
+        _exit_now(130)
+    return 130
+
+
+def _exit_now(code: int) -> None:
+    """End the process at once with ``code``, its output flushed.
+
+    Ctrl-C can land while a thread pool is starting a worker, after the thread started
+    and before CPython registers it to be told to stop at exit: the interpreter's exit
+    would then wait for that idle worker forever (``ckpt convert`` hung after saying
+    "interrupted"). Every context of the command has closed by then (temporaries and
+    scratch files are gone), so nothing is left for the exit to do.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _broken_pipe() -> int:

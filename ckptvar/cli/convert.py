@@ -75,8 +75,8 @@ it matches any --filter (or none is given) and no --exclude. A selection that
 matches nothing is an error. Values SRC holds that are not numbers (string or
 compound HDF5 datasets, TF string tensors) make the conversion fail, naming
 them, unless --skip-unreadable (then it says how many it left out). A dtype the
-output format cannot store fails before anything is written, naming every such
-key. --rename FROM=TO applies re.sub(FROM, TO, key) to every key; give it
+output format cannot store (or a packed sub-byte value whose count cannot end
+on a byte) fails before anything is written, naming every such key. --rename FROM=TO applies re.sub(FROM, TO, key) to every key; give it
 several times to apply several substitutions in order (the first '=' splits
 FROM from TO). A progress bar (in bytes, moving within large values) appears on
 stderr for large conversions when stderr is a terminal, or always with
@@ -408,7 +408,7 @@ def _rename(key: str, renames: list[tuple[re.Pattern[str], str]]) -> str:
             new = pattern.sub(repl, new)
         except re.error as exc:  # a bad group reference in TO, e.g. \2 with one group
             raise UsageError(f"--rename {pattern.pattern}={repl}: {exc}") from None
-    if not new:
+    if not new and new != key:  # an empty key SRC holds is kept: the output may take it
         raise UsageError(f"--rename maps {key!r} to an empty key")
     return new
 
@@ -422,38 +422,103 @@ def _parse_size(text: str) -> int:
     return int(float(m[1]) * units[m[2].upper()])
 
 
-def _unwritable(dst: Path, fmt: str | None, dtypes: set[np.dtype]) -> dict[np.dtype, str]:
-    """The dtypes the output format refuses, each with the writer's reason.
+def _unwritable(dst: Path, fmt: str | None,
+                kinds: set[tuple[np.dtype, int]]) -> dict[tuple[np.dtype, int], str]:
+    """The ``(dtype, count)`` the output format refuses, each with the writer's reason.
 
-    Asked of the format itself: an empty value of each dtype is saved to a scratch
-    directory through ``cv.save``, so the answer is the writer's own.
+    Asked of the format itself: a value of each dtype, of ``count`` zeros, is saved to a
+    scratch directory through ``cv.save``, so the answer is the writer's own.
     """
-    refused: dict[np.dtype, str] = {}
+    refused: dict[tuple[np.dtype, int], str] = {}
     with tempfile.TemporaryDirectory(prefix="ckpt-probe-") as tmp:
-        for i, dtype in enumerate(sorted(dtypes, key=str)):
+        for i, (dtype, count) in enumerate(sorted(kinds, key=str)):
             probe = Path(tmp) / f"probe{i}{dst.suffix}"
             try:
-                cv.save(probe, {"x": np.zeros((0,), dtype)}, format=fmt, durable=False)
+                cv.save(probe, {"x": np.zeros((count,), dtype)}, format=fmt, durable=False)
             except (cv.UnsupportedFormatError, TypeError) as exc:
-                refused[dtype] = one_line(exc)
+                refused[dtype, count] = one_line(exc)
             except (cv.CkptError, ValueError, OSError):
                 pass  # not about the dtype: the real conversion reports it
     return refused
 
 
-def _refuse_dtypes(dst: Path, args: argparse.Namespace, out_dtypes: dict[str, np.dtype]) -> None:
-    """Stop before anything is written when the output format cannot store some dtype."""
-    refused = _unwritable(dst, args.format, set(out_dtypes.values()))
-    if refused:
-        fmt = args.format or (dst.suffix.lstrip(".") or "the output format")
-        raise _dtype_error(fmt, {k: d for k, d in out_dtypes.items() if d in refused})
+def _refuse_metadata(dst: Path, fmt: str | None, metadata: dict[str, Any]) -> None:
+    """Stop before anything is read when the output format cannot store SRC's metadata
+    (an integer beyond 64 bits in a msgpack root record): it is saved once, beside an
+    empty value, to a scratch directory, so the answer is the writer's own."""
+    if not metadata:
+        return
+    with tempfile.TemporaryDirectory(prefix="ckpt-probe-") as tmp:
+        probe = Path(tmp) / f"metadata{dst.suffix}"
+        try:
+            cv.save(probe, {"x": np.zeros((0,), np.uint8)}, format=fmt, metadata=metadata,
+                    durable=False)
+        except TypeError as exc:
+            said = one_line(exc).replace(repr(str(probe)), repr(str(dst)))
+            raise UsageError(f"{said.rstrip('.')}; pass --no-metadata to leave SRC's metadata "
+                             "out") from None
+        except (cv.CkptError, ValueError, OSError):
+            pass  # not about the metadata: the real conversion reports it
+
+
+def _probe_count(dtype: np.dtype, count: int) -> int:
+    """The element count that tells whether a format takes ``count`` values of ``dtype``:
+    0, but for a sub-byte type (a format may pack it, needing whole bytes: safetensors'
+    F4 and F6) the count modulo 8, which keeps what byte boundaries depend on."""
+    return count % 8 if _sub_byte(dtype) else 0
+
+
+@functools.cache
+def _sub_byte(dtype: np.dtype) -> bool:
+    """Whether ``dtype``'s values have fewer than 8 bits (ml_dtypes' int4, float4, ...)."""
+    for info in (ml_dtypes.finfo, ml_dtypes.iinfo):
+        try:
+            return int(info(dtype).bits) < 8
+        except (ValueError, TypeError):
+            continue
+    return False
+
+
+def _refuse_dtypes(dst: Path, args: argparse.Namespace, out_dtypes: dict[str, np.dtype],
+                   counts: dict[str, int]) -> None:
+    """Stop before anything is written when the output format cannot store some dtype, or
+    some value of a packed sub-byte type at its element count."""
+    kind = {k: (d, _probe_count(d, counts[k])) for k, d in out_dtypes.items()}
+    refused = _unwritable(dst, args.format, set(kind.values()) | {(d, 0) for d in out_dtypes.values()})
+    if not refused:
+        return
+    fmt = args.format or (dst.suffix.lstrip(".") or "the output format")
+    bad = {k: d for k, d in out_dtypes.items() if (d, 0) in refused}
+    if bad:
+        raise _dtype_error(fmt, bad)
+    keys = [k for k in out_dtypes if kind[k] in refused]
+    shown = "; ".join(f"{k!r} ({out_dtypes[k].name}, {counts[k]} elements)" for k in keys[:10])
+    more = f"; and {len(keys) - 10} more" if len(keys) > 10 else ""
+    raise UsageError(
+        f"{fmt} cannot store {len(keys)} value{'s' if len(keys) != 1 else ''} at "
+        f"{'their' if len(keys) != 1 else 'its'} element count: {shown}{more} (it packs "
+        "sub-byte values, and each value must end at a byte boundary); leave "
+        f"{'them' if len(keys) != 1 else 'it'} out "
+        f"with {' '.join(_exclude_option(k) for k in keys[:3])}"
+        f"{' ...' if len(keys) > 3 else ''}"
+    )
+
+
+def _exclude_option(key: str) -> str:
+    """``--exclude GLOB`` that leaves out exactly ``key``, quoted for a shell: the glob's
+    own characters in the key (``*``, ``?``, ``[``) are matched literally (``[[]``).
+
+    >>> _exclude_option("layers[0]/w*")
+    "--exclude 'layers[[]0]/w[*]'"
+    """
+    return "--exclude " + shlex.quote(re.sub(r"([*?[])", r"[\1]", key))
 
 
 def _dtype_error(fmt: str, bad: dict[str, np.dtype]) -> UsageError:
     keys = list(bad)
     shown = ", ".join(f"{k!r} ({bad[k].name})" for k in keys[:10])
     more = f" and {len(keys) - 10} more" if len(keys) > 10 else ""
-    hint = " ".join(f"--exclude {shlex.quote(k)}" for k in keys[:3])
+    hint = " ".join(_exclude_option(k) for k in keys[:3])
     text = (
         f"{fmt} cannot store the dtype of {len(keys)} value{'s' if len(keys) != 1 else ''}: "
         f"{shown}{more}; leave {'them' if len(keys) != 1 else 'it'} out with {hint}{' ...' if len(keys) > 3 else ''}"
@@ -476,7 +541,30 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     if (dst.exists() or dst.is_symlink()) and not args.force:
         raise UsageError(f"{str(dst)!r} exists; pass --force to replace it")
     with open_checkpoint(src) as reader:
+        _refuse_replacing_src(src, dst, reader.format)
         return _convert(reader, src, dst, args, out)
+
+
+def _refuse_replacing_src(src: Path, dst: Path, fmt: str) -> None:
+    """An existing DST that holds SRC (a model folder around one of its shards), or that
+    is one of SRC's files (a folder's ``model.safetensors``, a shard beside the index
+    SRC names, a TensorFlow prefix's data file), would be replaced with SRC's files in
+    it: the conversion would destroy its own source."""
+    if not (dst.exists() or dst.is_symlink()):
+        return
+    s, d = src.resolve(), dst.resolve()
+    if s.is_relative_to(d):
+        raise UsageError(f"{str(src)!r} lies inside {str(dst)!r}, which --force would replace: "
+                         "the conversion would delete its own source; choose another DST")
+    if fmt == "hf-safetensors" and s.is_file():  # its index: the shards lie beside it
+        s = s.parent
+    prefix = re.sub(r"\.(index|data-\d+-of-\d+)$", "", s.name)
+    tf_file = fmt == "tf" and d.parent == s.parent and (
+        d.name == f"{prefix}.index" or re.fullmatch(re.escape(prefix) + r"\.data-\d+-of-\d+",
+                                                     d.name) is not None)
+    if d.is_relative_to(s) or tf_file:
+        raise UsageError(f"{str(dst)!r} is part of the source {str(src)!r}: --force would "
+                         "replace it with the conversion of itself; choose a DST outside it")
 
 
 @dataclass
@@ -486,6 +574,7 @@ class _Plan:
     keys: dict[str, str] = field(default_factory=dict)
     attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
     dtypes: dict[str, np.dtype] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)  # source key -> elements
     total: int = 0
     largest: int = 0
     spool_size: int = 0
@@ -517,6 +606,7 @@ def _make_plan(reader: Any, keys: list[str], args: argparse.Namespace) -> _Plan:
         if args.dtype is not None and is_floating(dtype):
             dtype = args.dtype
         plan.dtypes[key] = dtype
+        plan.counts[key] = math.prod(info.shape)
         nbytes = math.prod(info.shape) * dtype.itemsize
         plan.total += nbytes
         plan.spool_size += (nbytes + 63) & -64
@@ -609,7 +699,7 @@ def _convert(
     total, largest, spool_size = p.total, p.largest, p.spool_size
     if not plan:
         raise UsageError(f"nothing to convert: {str(src)!r} has no value left to convert")
-    _refuse_dtypes(dst, args, out_dtypes)
+    _refuse_dtypes(dst, args, out_dtypes, p.counts)
     show = (
         args.progress
         if args.progress is not None
@@ -619,6 +709,7 @@ def _convert(
     tupled = _tuples_as_lists(metadata)
     options.update(_pack_option(out_format, args))
     added_format = _hf_format(dst, args, metadata)
+    _refuse_metadata(dst, args.format, metadata)
     window = args.window if args.window is not None else max(DEFAULT_WINDOW, 2 * largest)
     created = [] if remote_dst else _make_parents(dst)
     if remote_dst:
@@ -733,8 +824,12 @@ def _make_parents(dst: Path) -> list[Path]:
         except FileExistsError:
             pass
         except OSError as exc:
-            raise OSError(
-                exc.errno, f"cannot create the folder {str(d)!r} for {str(dst)!r}: {exc.strerror}"
+            for made in reversed(missing[: missing.index(d)]):  # leave nothing half-made
+                with contextlib.suppress(OSError):
+                    made.rmdir()
+            raise UsageError(
+                f"cannot create the folder {str(d)!r} for {str(dst)!r}: "
+                f"{exc.strerror or one_line(exc)}"
             ) from None
     return missing
 
@@ -929,7 +1024,13 @@ def _spool(dst: Path, nbytes: int, window: int, *, local: bool = True) -> Iterat
         yield None
         return
     where = dst.absolute().parent if local else None  # a URL: the temporary directory
-    fd, name = tempfile.mkstemp(prefix=f".{dst.name}.spool-", dir=where)
+    # the scratch file's name within 255 bytes (mkstemp adds 8 characters), however long DST's
+    stem = dst.name.encode("utf-8", "surrogateescape")[:255 - 16].decode("utf-8", "ignore")
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{stem}.spool-", dir=where)
+    except OSError as exc:  # named after DST: the scratch file is the conversion's own
+        raise UsageError(f"cannot write {str(dst)!r}: the scratch file a streamed conversion "
+                         f"makes beside it: {exc.strerror or one_line(exc)}") from None
     stop = threading.Event()
     trimmer: threading.Thread | None = None
     spool: _Spool | None = None

@@ -180,14 +180,16 @@ def _chunk_array(raw: bytes, chunk: _Chunk, dtype: np.dtype, what: str) -> np.nd
         raise CorruptCheckpointError(
             f"{what}: its tensor reaches element {last} of a {elems}-element storage."
         )
-    base = np.frombuffer(data, dtype=dtype, count=elems)
+    # strided as opaque items of the dtype's width: NumPy cannot rebuild an ml_dtypes
+    # float8 from its array interface ('<f1' not understood)
+    base = np.frombuffer(data, dtype=np.dtype((np.void, dtype.itemsize)), count=elems)
     view = np.lib.stride_tricks.as_strided(
         base[ref.offset :],
         shape=ref.shape,
         strides=tuple(s * dtype.itemsize for s in ref.stride),
         writeable=False,
     )
-    return np.array(view, copy=True)
+    return np.array(view, copy=True).view(dtype)
 
 
 class DcpArray(BoxArray):

@@ -281,6 +281,12 @@ def _collect(
     arrays: dict[str, LazyArray] = {}
     skipped: dict[str, str] = {}
     for key, obj, extra in items:
+        if key in arrays or key in skipped:  # legacy Keras: two layers name a weight alike
+            layer = extra.get("layer")
+            where = f" of layer {layer!r}" if layer is not None else ""
+            skipped[f"{key} ({layer or 'again'})"] = (
+                f"a second weight named {key!r}{where}: the first is read under the name")
+            continue
         if isinstance(obj, h5py.SoftLink):
             skipped[key] = f"a soft link to {obj.path!r} (links are not followed)"
             continue

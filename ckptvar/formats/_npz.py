@@ -296,18 +296,30 @@ def _write_pieces(out: Any, value: Any) -> None:
         raise ValueError(f"A chunked value of {value.nbytes} bytes gave {pos} bytes.")
 
 
+#: The longest member name a zip header holds (its length is a 16-bit field), in bytes.
+_MAX_MEMBER_NAME = 0xFFFF
+
+
 class NpzWriter(CollectingWriter):
     """Writes an uncompressed ``.npz`` atomically, streaming each array's buffer."""
 
     def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
         if not isinstance(key, str) or not key or key == _SIDECAR[:-5] or "\x00" in key:
-            raise ValueError(f"Invalid npz key {key!r}.")
+            why = (f": {_SIDECAR[:-5]} names ckptvar's own member" if key == _SIDECAR[:-5]
+                   else ": a member name is a non-empty string without NUL")
+            raise ValueError(f"Invalid npz key {key!r}{why}; rename it (ckpt convert --rename).")
         check_key_utf8(key, "npz")
         if unsafe_name(key + ".npy"):  # the reader refuses such a member: never written
             raise ValueError(
                 f"Invalid npz key {key!r}: its member name would point outside the archive "
                 "(absolute, a drive letter, '..' or a backslash); rename it "
                 "(ckpt convert --rename).")
+        member = len((key + ".npy").encode("utf-8"))
+        if member > _MAX_MEMBER_NAME:  # a zip header holds a name's length in 16 bits
+            raise ValueError(
+                f"Invalid npz key {key[:40]!r}... ({len(key)} characters): its member name "
+                f"would be {member} bytes, more than a zip archive holds ({_MAX_MEMBER_NAME}); "
+                "rename it (ckpt convert --rename).")
         if not is_chunked(array):  # a Chunked value's pieces are streamed at commit
             array = np.asarray(array)
         dt = little_endian(np.dtype(array.dtype))

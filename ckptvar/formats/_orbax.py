@@ -510,6 +510,11 @@ def _item_arrays(
         if not name or ".." in name.split("/") or name.startswith("/") or "\\" in name:
             raise CorruptCheckpointError(f"{where}: the parameter name {name!r} is refused.")
         key = prefix + "/".join(parts)
+        if key in arrays or key in skipped:  # {"a/b": x, "a": {"b": y}}: both join to a/b
+            skipped[f"{key} {tuple(parts)!r}"] = (
+                f"its pytree path {tuple(parts)!r} joins with '/' to the key {key!r} of "
+                "another value, which is read under it")
+            continue
         value = entry.get("value_metadata") or {}
         kind = value.get("value_type") if isinstance(value, dict) else None
         if isinstance(value, dict) and value.get("skip_deserialize"):

@@ -348,7 +348,10 @@ class SafetensorsWriter(_common.CollectingWriter):
 
     def add(self, key: str, array: np.ndarray, attrs: Mapping[str, Any] | None = None) -> None:
         if not isinstance(key, str) or key == _METADATA or not key:
-            raise ValueError(f"Invalid safetensors key {key!r}.")
+            why = (f": {_METADATA} names the header's metadata" if key == _METADATA
+                   else ": a safetensors name is a non-empty string")
+            raise ValueError(f"Invalid safetensors key {key!r}{why}; rename it "
+                             "(ckpt convert --rename).")
         _common.check_key_utf8(key, "safetensors")
         if not is_chunked(array) or np.dtype(array.dtype) in _BITS_OF:
             array = np.asarray(as_host(array))  # packed sub-byte values: made whole

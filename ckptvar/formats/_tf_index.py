@@ -47,16 +47,20 @@ TF_DTYPES: dict[int, np.dtype] = {
     23: np.dtype("uint64"),
     24: np.dtype(ml_dtypes.float8_e5m2),
     25: np.dtype(ml_dtypes.float8_e4m3fn),
+    # the ml_dtypes types TensorFlow names (one byte per element, as tf.experimental holds them)
+    26: np.dtype(ml_dtypes.float8_e4m3fnuz),
+    27: np.dtype(ml_dtypes.float8_e4m3b11fnuz),
+    28: np.dtype(ml_dtypes.float8_e5m2fnuz),
+    29: np.dtype(ml_dtypes.int4),
+    30: np.dtype(ml_dtypes.uint4),
+    31: np.dtype(ml_dtypes.int2),
+    32: np.dtype(ml_dtypes.uint2),
+    33: np.dtype(ml_dtypes.float4_e2m1fn),
 }
 TF_DTYPE_NAMES = {
     7: "string",
     20: "resource",
     21: "variant",
-    26: "float8_e4m3fnuz",
-    27: "float8_e4m3b11fnuz",
-    28: "float8_e5m2fnuz",
-    29: "int4",
-    30: "uint4",
 }
 
 

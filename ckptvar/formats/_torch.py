@@ -30,7 +30,14 @@ import numpy as np
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
 from ._common import MAX_HEADER_BYTES, EntryReader, FileArray, FileHandle, check_shape, covers_whole
-from ._unpickler import StorageRef, TensorRef, TorchDtype, expanded_size, safe_load
+from ._unpickler import (
+    StorageRef,
+    TensorRef,
+    TorchDtype,
+    UnsupportedTensor,
+    expanded_size,
+    safe_load,
+)
 from ._zip import ZIP_ERRORS, ZipArchive, check_member_size, read_member_range, zip_crc_check
 
 __all__ = ["TorchBackend"]
@@ -269,30 +276,39 @@ def _flatten(
     meta: dict[str, Any] = {}
     skipped: dict[str, str] = {}
 
-    def walk(prefix: str, value: Any, depth: int) -> None:
+    def walk(prefix: str, value: Any, depth: int, parts: tuple[Any, ...] = ()) -> None:
         if depth > _MAX_DEPTH:
             raise CorruptCheckpointError(f"{str(path)!r} nests containers too deeply.")
         if isinstance(value, TensorRef):
             key = prefix or "tensor"
-            if key in tensors:
-                raise CorruptCheckpointError(f"Two tensors flatten to the key {key!r} in {path}.")
+            if key in tensors:  # {"a.b": x, "a": {"b": y}}: both join to a.b
+                skipped[f"{key} {parts!r}"] = (
+                    f"its path {parts!r} joins with '.' to the key {key!r} of another "
+                    "tensor, which is read under it")
+                return
             tensors[key] = value
         elif isinstance(value, dict):
             for k, v in value.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v, depth + 1)
+                walk(f"{prefix}.{k}" if prefix else str(k), v, depth + 1, (*parts, k))
         elif isinstance(value, list | tuple):
             for i, v in enumerate(value):
-                walk(f"{prefix}.{i}" if prefix else str(i), v, depth + 1)
+                walk(f"{prefix}.{i}" if prefix else str(i), v, depth + 1, (*parts, i))
         elif isinstance(value, bool | int | float | str) or value is None:
             meta[prefix or "value"] = value
         else:
-            what = f"torch.{value.name}" if isinstance(value, TorchDtype) else type(value).__name__
-            skipped[prefix or "value"] = (
-                f"a {what} object, neither a tensor nor a plain number or string"
-            )
+            skipped[prefix or "value"] = _unreadable(value)
 
     walk("", obj, 0)
     return tensors, meta, skipped
+
+
+def _unreadable(value: Any) -> str:
+    """Why a leaf of the pickle is not read: a tensor of a dtype ckptvar cannot hold, or
+    an object that is neither a tensor nor a plain value."""
+    if isinstance(value, UnsupportedTensor):
+        return value.reason()
+    what = f"torch.{value.name}" if isinstance(value, TorchDtype) else type(value).__name__
+    return f"a {what} object, neither a tensor nor a plain number or string"
 
 
 def _storage_elems(ref: TensorRef) -> int:

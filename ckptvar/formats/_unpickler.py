@@ -38,6 +38,7 @@ __all__ = [
     "StorageType",
     "TensorRef",
     "TorchDtype",
+    "UnsupportedTensor",
     "expanded_size",
 ]
 
@@ -92,6 +93,17 @@ class TensorRef(_Sealed):
     is_parameter: bool = False
 
 
+@dataclass(frozen=True)
+class UnsupportedTensor(_Sealed):
+    """A tensor of a torch dtype NumPy and ml_dtypes cannot hold (``torch.quint8``,
+    ``torch.float4_e2m1fn_x2``): named, so the file's other values still read."""
+
+    dtype: str
+
+    def reason(self) -> str:
+        return f"a torch.{self.dtype} tensor, a dtype ckptvar cannot hold"
+
+
 class _Callable(_Sealed):
     """An allowed function, wrapped so the pickle cannot set attributes on it."""
 
@@ -135,15 +147,25 @@ TORCH_DTYPES: dict[str, np.dtype | None] = {
     "bool": _E("bool"),
     "float8_e4m3fn": _E(ml_dtypes.float8_e4m3fn),
     "float8_e5m2": _E(ml_dtypes.float8_e5m2),
+    "float8_e4m3fnuz": _E(ml_dtypes.float8_e4m3fnuz),
+    "float8_e5m2fnuz": _E(ml_dtypes.float8_e5m2fnuz),
+    "float8_e8m0fnu": _E(ml_dtypes.float8_e8m0fnu),
+    # two float16 halves, as ml_dtypes' complex32 (ml_dtypes 0.5 and later)
+    "complex32": _E(ml_dtypes.complex32) if hasattr(ml_dtypes, "complex32") else None,
+    "chalf": _E(ml_dtypes.complex32) if hasattr(ml_dtypes, "complex32") else None,
     # Named so a pickle mentioning them is understood; tensors of these dtypes are refused.
-    "complex32": None,
-    "chalf": None,
     "quint8": None,
     "qint8": None,
     "qint32": None,
     "quint4x2": None,
-    "float8_e4m3fnuz": None,
-    "float8_e5m2fnuz": None,
+    "quint2x4": None,
+    "float4_e2m1fn_x2": None,  # two values a byte, the last dimension halved
+    "bits1x8": None,
+    "bits2x4": None,
+    "bits4x2": None,
+    "bits8": None,
+    "bits16": None,
+    **{f"{sign}int{n}": None for sign in ("", "u") for n in range(1, 8)},
 }
 
 _STORAGE_TYPES: dict[str, np.dtype] = {
@@ -195,7 +217,7 @@ def _rebuild_tensor_v2(
     requires_grad: Any = False,
     backward_hooks: Any = None,
     metadata: Any = None,
-) -> TensorRef:
+) -> TensorRef | UnsupportedTensor:
     return _make_tensor(storage, storage_offset, size, stride, requires_grad, None)
 
 
@@ -208,17 +230,17 @@ def _rebuild_tensor_v3(
     backward_hooks: Any,
     dtype: Any,
     metadata: Any = None,
-) -> TensorRef:
+) -> TensorRef | UnsupportedTensor:
     return _make_tensor(storage, storage_offset, size, stride, requires_grad, dtype)
 
 
-def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any) -> TensorRef:
+def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any) -> TensorRef | UnsupportedTensor:
     return _make_tensor(storage, storage_offset, size, stride, False, None)
 
 
 def _make_tensor(
     storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, dtype: Any
-) -> TensorRef:
+) -> TensorRef | UnsupportedTensor:
     if not isinstance(storage, StorageRef):
         raise CorruptCheckpointError(f"A tensor refers to {type(storage).__name__}, not a storage.")
     if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
@@ -235,7 +257,7 @@ def _make_tensor(
         np_dtype = storage.dtype
     elif isinstance(dtype, TorchDtype):
         if dtype.np_dtype is None:
-            raise CorruptCheckpointError(f"Tensors of dtype torch.{dtype.name} are not supported.")
+            return UnsupportedTensor(dtype.name)
         np_dtype = dtype.np_dtype
     else:
         raise CorruptCheckpointError(f"Tensor dtype {dtype!r} is not a torch dtype.")

@@ -107,9 +107,25 @@ def step_number(key: str) -> int | None:
     return parsed.step if parsed is not None else None
 
 
+#: The longest file name common file systems take (ext4, XFS, APFS, NTFS: 255 bytes).
+NAME_MAX = 255
+#: ``.`` + ``.<32 hex>.partial``: what a temporary's name adds to its final name.
+_PARTIAL_EXTRA = len(".") + len(".") + 32 + len(".partial")
+
+
 def partial_path(final: Path) -> Path:
-    """A fresh temporary sibling of ``final`` (not created)."""
-    return final.with_name(f".{final.name}.{uuid.uuid4().hex}.partial")
+    """A fresh temporary sibling of ``final`` (not created). A final name too long to
+    carry whole (over 213 bytes) is cut, so the temporary stays a legal name: the random
+    part keeps it unique, and the grammar (:func:`is_partial`) holds.
+
+    >>> len(partial_path(Path("x" * 250 + ".h5")).name.encode())
+    255
+    """
+    name = final.name
+    room = NAME_MAX - _PARTIAL_EXTRA
+    if len(name.encode("utf-8", "surrogateescape")) > room:
+        name = name.encode("utf-8", "surrogateescape")[:room].decode("utf-8", "ignore")
+    return final.with_name(f".{name}.{uuid.uuid4().hex}.partial")
 
 
 def is_partial(name: str | os.PathLike[str]) -> bool:
