@@ -1,6 +1,8 @@
-"""Registered JAX pytree nodes (a flax ``TrainState``, an ``nnx.State``, an equinox Module,
-a class given to ``jax.tree_util.register_dataclass``): whether a value is one, and its
-children named by their key paths, as Orbax names them (attribute, dict key, index).
+"""Registered JAX pytree nodes: whether a value is one, and its children's names.
+
+A node is a flax ``TrainState``, an ``nnx.State``, an equinox Module, a class given to
+``jax.tree_util.register_dataclass``; its children are named by their key paths, as Orbax
+names them (attribute, dict key, index).
 
 JAX is asked only once something imported it: before that, nothing can be registered
 with it, and nothing here imports it.
