@@ -159,6 +159,8 @@ class RemoteZarrReader(ZarrReader):
         zarr = zarr_api()
         rel = entry.loc.path or ""
         names = [o.key for o in self._loc.list(self._obj(rel))]
+        if entry.nbytes and all(n.endswith("/zarr.json") for n in names):
+            raise self.corrupt(key, f"has lost its chunk objects under {rel!r}")
         start = len(self._prefix) + 1 if self._prefix else 0
         tasks: list[Callable[[], bytes]] = [functools.partial(self._loc.read, n) for n in names]
         blobs = _rawio.wait_all(_rawio.start_all(tasks))

@@ -200,3 +200,15 @@ def test_a_compressed_zarr_value_whose_chunk_is_garbage_is_damage(s3: S3Bucket) 
         assert [k for k, _ in reader.verify_all()] == ["w"]
         with pytest.raises(cv.CorruptCheckpointError, match="'w' cannot be decoded"):
             reader["w"][...]
+
+
+def test_a_compressed_zarr_value_whose_chunks_are_gone_says_so(s3: S3Bucket) -> None:
+    """Its chunk objects deleted: the read said only that the value fails its checksum
+    (zarr-python fills a missing chunk); now it says the chunk objects are lost."""
+    url = cv.save(f"{s3.url}/run/ckpt-1.zarr", {"w": np.arange(1 << 14, dtype=np.float64)},
+                  compression="zstd", storage_options=s3.storage_options)
+    run = s3.location("run")
+    run.delete([o.key for o in run.list("ckpt-1.zarr/w") if not o.key.endswith("zarr.json")])
+    with cv.open(url, storage_options=s3.storage_options) as reader, pytest.raises(
+            cv.CorruptCheckpointError, match="'w' has lost its chunk objects under 'w'"):
+        reader["w"][...]
