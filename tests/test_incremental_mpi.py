@@ -99,6 +99,33 @@ def test_incremental_steps_of_three_processes(tmp_path: Path, fmt: str) -> None:
         assert np.array_equal(got[key], want), key
 
 
+@pytest.mark.slow
+def test_a_file_deleted_from_the_latest_step_of_three_processes_is_not_built_on(
+        tmp_path: Path) -> None:
+    """A file deleted by hand from the latest multi-process Zarr step (an interrupted
+    ``rm -r``): a chunk of a box in process 1's own file made every later save fail (process
+    1 raised BaseFileLost on the file it linked, the others a DistributedError); now
+    process 1 writes its own file of the next step whole and says so (a lost chunk of a
+    global array is written again by its writer), the step loads, and the step after it
+    refers to it again."""
+    d = tmp_path / "run"
+    got = _run(3, "lost", d, "zarr")
+    for r in got.values():
+        assert r["saved"] == ["ckpt-3.zarr", "ckpt-4.zarr"], r
+        assert r["restored"] == {"ckpt-3.zarr": True, "ckpt-4.zarr": True}, r
+    assert got[0]["said"] == got[2]["said"] == []
+    (said,) = got[1]["said"]
+    assert said.startswith("Step ckpt-3.zarr: process 1's file rank-00001.zarr is written "
+                           "whole: "), said
+    assert "ckpt-2.zarr" in said and "uneven/%2Ebox/1/c.0.0" in said, said
+    for step in (3, 4):
+        loaded = cv.load(d / f"ckpt-{step}.zarr")
+        for key, want in cases.expected(step).items():
+            assert np.array_equal(loaded[key], want), (step, key)
+    box = "rank-00001.zarr/uneven/%2Ebox/1/c.0.0"  # written at 3, linked at 4
+    assert (d / "ckpt-3.zarr" / box).stat().st_ino == (d / "ckpt-4.zarr" / box).stat().st_ino
+
+
 def _check_h5_holder(d: Path, kept: list[Path], listed: str) -> None:
     """The base holds bytes the kept steps refer to (``uneven``, never written again):
     pruned from the list, kept on disk until no kept step refers to it; so does step 5

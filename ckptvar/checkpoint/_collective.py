@@ -58,6 +58,7 @@ from ..errors import CkptError
 from ..locations import is_url
 from ..storage import (
     INDEX_FILE,
+    BaseFileLost,
     GridReuse,
     as_host,
     box_key,
@@ -275,7 +276,8 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
         try:
             target.begin()
             _write_mine(target, grid, mine, values, boxed, coord.rank, suffix,
-                        None if incremental is None else incremental.on(base))
+                        None if incremental is None else incremental.on(base),
+                        step=path.rstrip("/").rpartition("/")[2])
             if target.nodes is not None:
                 _write_replicas(target, target.nodes, plan, values, coord.rank, suffix)
         except BaseException as exc:  # noqa: BLE001 - reported through the vote
@@ -427,10 +429,14 @@ def _write_mine(  # noqa: PLR0917
     rank: int,
     suffix: str,
     incremental: IncrementalSave | None = None,
+    *,
+    step: str = "",
 ) -> None:
     """The write step on one rank: its chunks of global arrays, then its own file
     (with ``incremental``, referring to its base's bytes where they are unchanged, and
-    storing a changed variable whose written rows are known as a row delta)."""
+    storing a changed variable whose written rows are known as a row delta). A file
+    gone from the base's file of this rank (deleted by hand) makes this rank's file of
+    ``step`` (its name) written whole, logged."""
     base = None if incremental is None or incremental.base is None else os.fspath(
         incremental.base)
     if grid is not None:  # a local step directory
@@ -453,9 +459,17 @@ def _write_mine(  # noqa: PLR0917
     if base is not None and incremental is not None:  # the values are read: ask the rows
         known = stored_known(incremental.known, mine)
         rows = stored_rows(incremental.changed_rows(), mine)
-    target.write_rank(rank_file(rank, suffix), fill, base=base, known=known, rows=rows,
-                      pieces=incremental is not None,
-                      limits=None if incremental is None else incremental.limits)
+    name = rank_file(rank, suffix)
+    limits = None if incremental is None else incremental.limits
+    try:
+        target.write_rank(name, fill, base=base, known=known, rows=rows,
+                          pieces=incremental is not None, limits=limits)
+    except BaseFileLost as exc:  # only this rank's file: the others' bases are whole
+        if base is None:
+            raise
+        logger.warning("Step %s: process %d's file %s is written whole: %s", step, rank,
+                       name, exc)
+        target.write_rank(name, fill, pieces=True, limits=limits)
 
 
 def _replicas(nodes: Nodes, plan: SavePlan, node: int) -> dict[str, int]:

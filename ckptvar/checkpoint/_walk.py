@@ -145,6 +145,7 @@ def walk(root: Any, root_key: str = "") -> list[Node]:
     add = nodes.append
     while queue:
         key, obj = queue.popleft()
+        _arrays_left_out(obj, key)
         for name, child in child_items(obj, key):
             leaf = type(child) is Variable  # the common case, without the isinstance calls
             if not leaf:
@@ -173,6 +174,52 @@ def walk(root: Any, root_key: str = "") -> list[Node]:
             add(Node(child_key, child, obj, name))
             queue.append((child_key, child))
     return nodes
+
+
+def _names_its_state(cls: type) -> bool:
+    """Whether trackable class ``cls`` says itself what it saves (it overrides
+    ``trackable_children`` or ``python_state``, or their private spellings): its
+    attributes are taken at its word."""
+    return any(getattr(cls, hook) is not getattr(Trackable, hook)
+               for hook in ("trackable_children", "python_state", "_trackable_children",
+                            "_python_state"))
+
+
+#: ``(class, attribute, value type)`` of each attribute :func:`_arrays_left_out` named
+_said: set[tuple[type, str, type]] = set()
+
+
+def _arrays_left_out(obj: Any, key: str) -> None:
+    """Where ``obj`` is a trackable (a ``cv.Module`` or another one tracking what it is
+    given), say that each of its public attributes holding an array, which a checkpoint
+    does not track, is not saved (once per class, attribute and type of value).
+    Attributes named with a leading underscore and anything but arrays stay quiet."""
+    if not isinstance(obj, Trackable):
+        return
+    attrs = getattr(obj, "__dict__", None)
+    if not attrs or _names_its_state(type(obj)):
+        return
+    children: dict[str, Any] | None = None
+    for name, value in attrs.items():
+        if name[:1] != "_" and not _is_node(value) and is_array(value):
+            said = (type(obj), name, type(value))
+            if said in _said:
+                continue
+            if children is None:
+                children = trackable_children(obj)
+            if name in children:  # saved under its name (a checkpoint's pytree)
+                continue
+            _said.add(said)
+            what = f"{type(value).__module__}.{type(value).__qualname__}"
+            warnings.warn(
+                f"{_join(key, name)!r} is a {what} held by the attribute {name!r} of "
+                f"{type(obj).__qualname__}: a checkpoint saves variables and trackable "
+                "objects, so it is not saved (nor restored). To keep it, hold it in a "
+                f"cv.Variable (self.{name} = cv.Variable(...)); to say it is not state, "
+                "name it with a leading underscore (docs/checkpoints.md).",
+                UserWarning,
+                stacklevel=4,
+            )
 
 
 def _left_out(key: str, value: Any) -> None:

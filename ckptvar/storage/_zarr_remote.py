@@ -152,10 +152,22 @@ class RemoteZarrReader(ZarrReader):
         return self._packed_rf, 0
 
     def _read_other(self, key: str, entry: Entry) -> np.ndarray:
+        """A value stored as a Zarr array of its own (compressed, say): its objects fetched
+        through the location, so a store that does not answer is a ``StorageError`` or a
+        timeout naming the request, then decoded by zarr-python from memory, where any
+        failure is damage."""
         zarr = zarr_api()
         rel = entry.loc.path or ""
+        names = [o.key for o in self._loc.list(self._obj(rel))]
+        if entry.nbytes and all(n.endswith("/zarr.json") for n in names):
+            raise self.corrupt(key, f"has lost its chunk objects under {rel!r}")
+        start = len(self._prefix) + 1 if self._prefix else 0
+        tasks: list[Callable[[], bytes]] = [functools.partial(self._loc.read, n) for n in names]
+        blobs = _rawio.wait_all(_rawio.start_all(tasks))
+        proto = zarr.core.buffer.default_buffer_prototype()
+        objects = {n[start:]: proto.buffer.from_bytes(b) for n, b in zip(names, blobs, strict=True)}
         try:
-            store = zarr.storage.ObjectStore(self._loc.zarr_store(self._prefix), read_only=True)
+            store = zarr.storage.MemoryStore(objects, read_only=True)
             data = np.asarray(zarr.open_array(store=store, path=rel, mode="r")[...])
         except Exception as exc:  # noqa: BLE001 - any decoding failure is damage
             raise self.corrupt(key, f"cannot be decoded ({type(exc).__name__}: {exc})") from None

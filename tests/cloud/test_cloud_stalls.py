@@ -163,3 +163,52 @@ def test_ckpt_against_a_stalled_server_ends_with_an_error(
     assert res.stderr.startswith("ckpt: error: ") and f"{s3.url}/" in res.stderr, res.stderr
     assert "failed after retries" in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert not (tmp_path / "out.h5").exists()
+
+
+def test_a_compressed_zarr_value_whose_read_stalls_is_a_storage_error_not_damage(
+    s3: S3Bucket, proxy: FaultProxy
+) -> None:
+    """A value stored as a Zarr array of its own (a compressed step), read through
+    zarr-python: a read the server never answered said 'value 'w' cannot be decoded
+    (GenericError: ...)', a CorruptCheckpointError calling an intact checkpoint damaged;
+    now the read (and a verify) raises the storage error naming the GET and the object."""
+    w = np.arange(1 << 14, dtype=np.float64)
+    url = cv.save(f"{s3.url}/run/ckpt-1.zarr", {"w": w}, compression="zstd",
+                  storage_options=s3.storage_options)
+    reader = cv.open(url, storage_options=_quick(s3, proxy))
+    with reader:
+        proxy.stall_requests(rb"^GET \S+/w/c")
+        for read in (lambda: reader["w"][...], reader.verify_all):
+            with pytest.raises(cv.CkptError) as err:
+                read()
+            assert not isinstance(err.value, cv.CorruptCheckpointError), err.value
+            assert isinstance(err.value, OSError), err.value
+            assert str(err.value).startswith(f"GET {url}/w/c"), err.value
+        assert proxy.stalls, "nothing stalled"
+        proxy.heal()
+        np.testing.assert_array_equal(reader["w"][...], w)
+
+
+def test_a_compressed_zarr_value_whose_chunk_is_garbage_is_damage(s3: S3Bucket) -> None:
+    url = cv.save(f"{s3.url}/run/ckpt-1.zarr", {"w": np.arange(1 << 14, dtype=np.float64)},
+                  compression="zstd", storage_options=s3.storage_options)
+    run = s3.location("run")
+    for obj in run.list("ckpt-1.zarr/w"):
+        if not obj.key.endswith("zarr.json"):
+            run.put(obj.key, b"not zstd")
+    with cv.open(url, storage_options=s3.storage_options) as reader:
+        assert [k for k, _ in reader.verify_all()] == ["w"]
+        with pytest.raises(cv.CorruptCheckpointError, match="'w' cannot be decoded"):
+            reader["w"][...]
+
+
+def test_a_compressed_zarr_value_whose_chunks_are_gone_says_so(s3: S3Bucket) -> None:
+    """Its chunk objects deleted: the read said only that the value fails its checksum
+    (zarr-python fills a missing chunk); now it says the chunk objects are lost."""
+    url = cv.save(f"{s3.url}/run/ckpt-1.zarr", {"w": np.arange(1 << 14, dtype=np.float64)},
+                  compression="zstd", storage_options=s3.storage_options)
+    run = s3.location("run")
+    run.delete([o.key for o in run.list("ckpt-1.zarr/w") if not o.key.endswith("zarr.json")])
+    with cv.open(url, storage_options=s3.storage_options) as reader, pytest.raises(
+            cv.CorruptCheckpointError, match="'w' has lost its chunk objects under 'w'"):
+        reader["w"][...]

@@ -14,6 +14,10 @@ appends one JSON line per mode to ``$RESULT_DIR/rank<r>.jsonl``.
 - ``restore`` (any number): every listed step is restored into this many processes'
   shards and compared with :func:`expected`; then one incremental save with this
   layout (written whole: the layout differs from the base's) is checked.
+- ``lost`` (3 processes, Zarr): steps 1-2 are saved; then files are deleted by hand from
+  step 2 (rank 1: a chunk of its box of ``uneven`` in its own file, rank 0: a chunk of the
+  global array ``frozen``); steps 3 and 4 are saved, and restored. Each rank reports the
+  steps saved, what it logged of files written whole, and the restores.
 - ``step`` (``DIR`` an ``s3://`` URL, ``$S3_OPTIONS`` its storage options, a 4th
   argument ``N``): a fresh job sets the values of step ``N`` and saves one incremental
   step (``max_to_keep=1``); a new manager knows no versions: values are compared by
@@ -149,6 +153,30 @@ def fail_once(mgr: Any, made: dict[str, Any], coord: Any, root: Path) -> dict[st
     return fields
 
 
+#: ``lost``: the file each rank deletes from step 2 (a rank missing here deletes nothing).
+LOST = {0: "frozen/c.0.0", 1: "rank-00001.zarr/uneven/%2Ebox/1/c.0.0"}
+
+
+def lost_files(mgr: Any, made: dict[str, Any], coord: Any, root: Path,
+               said: list[str]) -> dict[str, Any]:
+    """The ``lost`` mode (see the module docstring)."""
+    rank, size = coord.rank, coord.size
+    for step in (1, 2):
+        set_step(made, step, rank, size, first=step == 1)
+        mgr.save()
+    coord.barrier(tag="saved", timeout=60)
+    if rank in LOST:
+        (root / "ckpt-2.zarr" / LOST[rank]).unlink()
+    coord.barrier(tag="deleted", timeout=60)
+    del said[:]
+    saved = []
+    for step in (3, 4):
+        set_step(made, step, rank, size)
+        saved.append(Path(mgr.save()).name)
+    return {"saved": saved, "said": [m for m in said if "written whole" in m],
+            "restored": restore_all(mgr, mgr.checkpoint, made, coord)}
+
+
 def main(mode: str, root: Path, fmt: str) -> None:
     import ckptvar as cv
 
@@ -166,7 +194,9 @@ def main(mode: str, root: Path, fmt: str) -> None:
     ckpt, made = model(rank, size)
     mgr = cv.CheckpointManager(ckpt, root, max_to_keep=2, format=fmt, incremental=True,
                                coordinator=coord)
-    if mode == "save":
+    if mode == "lost":
+        fields.update(lost_files(mgr, made, coord, root, said))
+    elif mode == "save":
         sizes = {}
         for step in range(1, 6):
             set_step(made, step, rank, size, first=step == 1)
