@@ -199,8 +199,9 @@ def _cycles(directory: Path, fmt: str, n: int) -> None:
     grown = _rss() - rss
     assert min(kept) < 128 << 10, f"{kept} bytes kept by each {traced // 2} cycles"
     assert grown < 16 << 20, f"RSS grew by {grown} bytes over {n - warm} cycles"
-    assert _fds() == fds, f"file descriptors grew from {fds} to {_fds()}"
-    assert threading.active_count() == threads
+    assert _fds() <= fds, f"file descriptors grew from {fds} to {_fds()}"
+    # no thread left behind (one started before by another test may end meanwhile)
+    assert threading.active_count() <= threads, f"threads grew from {threads}"
     left = sorted(os.listdir(directory))
     assert not [e for e in left if is_partial(e)], left
     assert sorted(e for e in left if not e.startswith(".")) == sorted(
