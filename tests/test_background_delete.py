@@ -191,8 +191,8 @@ _KILLED = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize(("fmt", "incremental"), [("h5", False), ("zarr", False),
-                                                  ("zarr", True)])
+@pytest.mark.parametrize(("fmt", "incremental"), [
+    ("h5", False), ("zarr", False), pytest.param("zarr", True, marks=pytest.mark.slow)])
 def test_a_process_killed_with_a_pending_deletion_leaves_only_temporaries(
         tmp_path: Path, fmt: str, incremental: bool) -> None:
     directory = tmp_path / "run"
@@ -249,8 +249,9 @@ _EXITS = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize(("fmt", "async_save"), [("h5", False), ("zarr", False),
-                                                 ("zarr", True)])
+@pytest.mark.parametrize(("fmt", "async_save"), [
+    ("h5", False), pytest.param("zarr", False, marks=pytest.mark.slow),
+    pytest.param("zarr", True, marks=pytest.mark.slow)])
 def test_the_interpreter_exit_waits_for_a_pending_deletion(
         tmp_path: Path, fmt: str, async_save: bool) -> None:
     directory = tmp_path / "run"

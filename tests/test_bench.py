@@ -73,6 +73,7 @@ def test_quick_run_reports_raw_and_ckptvar(tmp_path: Path) -> None:
     assert set(result["meta"]["skipped"]) <= {"ckptvar-h5", "raw"}  # only the chosen ones
 
 
+@pytest.mark.slow  # a long run: the default suite keeps a shorter one of the same kind
 def test_quick_run_of_the_count_open_and_framework_rows(tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="the framework rows save torch tensors (test extra)")
     pytest.importorskip("safetensors", reason="safetensors is the peer of these rows")
@@ -103,6 +104,7 @@ def test_quick_run_of_the_count_open_and_framework_rows(tmp_path: Path) -> None:
     assert not (ROOT / "data").exists()  # the scratch files went to --dir, not the repo
 
 
+@pytest.mark.slow  # a long run: the default suite keeps a shorter one of the same kind
 def test_quick_run_of_every_public_path_per_value(tmp_path: Path) -> None:
     # the Saver, Checkpoint and cv.save/cv.load rows exist so the per-value cost cannot slip
     result = run_bench(tmp_path, "--only", "paths", "--subjects",
@@ -147,6 +149,7 @@ def test_quick_run_of_every_workload_and_installed_peer(tmp_path: Path) -> None:
     assert "GPU loading:" in md
 
 
+@pytest.mark.slow  # a long run: the default suite keeps a shorter one of the same kind
 def test_spawn_mode_runs_each_measurement_in_a_new_interpreter(tmp_path: Path) -> None:
     result = run_bench(tmp_path, "--spawn", "--only", "big", "--subjects", "raw",
                        "--ops", "save,load_warm")
@@ -236,6 +239,7 @@ def test_a_server_that_cannot_start_reports_why(tmp_path: Path) -> None:
     assert not runner.servers
 
 
+@pytest.mark.slow  # a long run: the default suite keeps a shorter one of the same kind
 def test_the_convert_workload_reports_every_row(tmp_path: Path) -> None:
     """``python -m benchmarks.convert --quick --json --repeat 2 --formats ...``: raw floor,
     and for each output format ``save(load())``, streamed and in-memory rows with their
@@ -287,6 +291,7 @@ def test_the_incremental_workload_reports_every_row(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # a long run: the default suite keeps a shorter one of the same kind
 def test_the_incremental_workload_takes_the_managers_options(tmp_path: Path) -> None:
     """``--max-patched-rows`` (and the other ``IncrementalOptions``) reach the incremental
     manager: with no share of rows the table is written whole at every step, by default

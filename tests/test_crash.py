@@ -407,7 +407,7 @@ def test_restart_after_kills_of_three_processes(tmp_path: Path) -> None:
     _check(restart_harness(where, "h5", processes=3, kills=1, seed=11, work=tmp_path), 1)
 
 
-@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+@pytest.mark.parametrize("fmt", ["h5", pytest.param("zarr", marks=pytest.mark.slow)])
 @needs_mpi
 def test_restart_after_kills_of_three_processes_saving_incremental_steps(
         tmp_path: Path, fmt: str) -> None:
@@ -435,6 +435,7 @@ def test_restart_after_100_kills_of_one_process(tmp_path: Path, fmt: str) -> Non
                            window=0.5), 100)
 
 
+@pytest.mark.slow  # a long run: the default suite keeps a shorter one of the same kind
 @needs_mpi
 def test_restart_after_kills_of_four_processes_with_per_node_tiers(tmp_path: Path) -> None:
     """4 processes as 2 nodes, each its own local directory, every step persisted: kills

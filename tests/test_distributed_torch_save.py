@@ -32,7 +32,7 @@ def _run(n: int, *args: str) -> dict[str, dict[int, dict[str, Any]]]:
     return got
 
 
-@pytest.mark.parametrize(("n", "m"), [(3, 2), (2, 3)])
+@pytest.mark.parametrize(("n", "m"), [(3, 2), pytest.param(2, 3, marks=pytest.mark.slow)])
 def test_save_on_n_torch_processes_restore_on_m(tmp_path: Path, n: int, m: int) -> None:
     saved = _run(n, "save", str(tmp_path))
     for suffix in (".h5", ".zarr"):

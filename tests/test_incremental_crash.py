@@ -176,7 +176,7 @@ def _op(step: int, touch: list[str], kill: float | None = None,
     return {"step": step, "touch": touch, "kill": kill, "rows": rows}
 
 
-@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+@pytest.mark.parametrize("fmt", ["h5", pytest.param("zarr", marks=pytest.mark.slow)])
 def test_kill_during_incremental_save_and_prune(tmp_path: Path, fmt: str) -> None:
     ops = [
         _op(1, []), _op(2, ["head"]), _op(3, ["head", "s0"], kill=0.0),
@@ -186,7 +186,7 @@ def test_kill_during_incremental_save_and_prune(tmp_path: Path, fmt: str) -> Non
     assert out["kept"][-1] == f"ckpt-7.{fmt}"
 
 
-@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+@pytest.mark.parametrize("fmt", ["h5", pytest.param("zarr", marks=pytest.mark.slow)])
 def test_kill_during_row_delta_saves(tmp_path: Path, fmt: str) -> None:
     """Steps whose table is a row delta, saves killed between them, then ``ckpt gc``."""
     ops = [

@@ -39,7 +39,7 @@ def _run(n: int, mode: str, d: Path, fmt: str) -> dict[int, dict[str, Any]]:
     return got[mode]
 
 
-@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+@pytest.mark.parametrize("fmt", ["h5", pytest.param("zarr", marks=pytest.mark.slow)])
 def test_incremental_steps_of_three_processes(tmp_path: Path, fmt: str) -> None:
     d = tmp_path / "run"
     saved = _run(3, "save", d, fmt)

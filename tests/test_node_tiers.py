@@ -62,6 +62,7 @@ def check_save_lose_restore(tmp: Path, persistent: str, fmt: str,
         assert r["exact"] and r["counter"] == 5, r  # step 14 was the 5th save
 
 
+@pytest.mark.slow  # a long run: the default suite keeps a shorter one of the same kind
 def test_restore_takes_the_newest_step_complete_on_every_node(tmp_path: Path) -> None:
     node_case(tmp_path, "save")
     # a job restarted on 2 processes (one node): the local steps hold only node 0's
@@ -155,6 +156,7 @@ def test_a_signal_during_the_save_of_a_step_then_its_boundary_ends_the_job(
         assert r["persistent"] == ["ckpt-2.h5", "ckpt-3.h5"], r
 
 
+@pytest.mark.slow  # a long run: the default suite keeps a shorter one of the same kind
 def test_per_node_local_tiers_with_background_saves(tmp_path: Path) -> None:
     """``async_save=True``: the local saves run in the background too; same outcome."""
     check_save_lose_restore(tmp_path, str(tmp_path / "persistent"), "h5", {"ASYNC": "1"})

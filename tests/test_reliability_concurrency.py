@@ -145,6 +145,7 @@ def _rss() -> int:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd (Linux)")
+@pytest.mark.parametrize("fmt", ["h5", pytest.param("zarr", marks=pytest.mark.slow)])
 def test_a_thousand_save_restore_cycles_leak_nothing(fresh_graph: cv.Graph, fmt: str,
                                                      tmp_path: Path) -> None:
     base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path

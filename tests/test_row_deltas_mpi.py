@@ -54,7 +54,7 @@ def _patches(n: int, step: int) -> list[int]:
 
 
 @pytest.mark.parametrize("n, other", [(3, 2), pytest.param(2, 3, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+@pytest.mark.parametrize("fmt", ["h5", pytest.param("zarr", marks=pytest.mark.slow)])
 def test_row_deltas_of_several_processes(tmp_path: Path, fmt: str, n: int, other: int) -> None:
     d = tmp_path / "run"
     saved = _run(n, "save", d, fmt)
@@ -235,7 +235,7 @@ def _damage(step: Path, fmt: str) -> tuple[Path, str]:
 
 
 @pytest.mark.parametrize("mode", ["restart", "restart_first"])
-@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+@pytest.mark.parametrize("fmt", ["h5", pytest.param("zarr", marks=pytest.mark.slow)])
 def test_a_restarted_job_of_several_processes_saves_row_deltas(tmp_path: Path,
                                                                fmt: str, mode: str) -> None:
     """A job of 2 processes saves steps 1-3 and ends; a new job (new processes) restores

@@ -43,7 +43,8 @@ def saved() -> Iterator[Path]:
         yield Path(d)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, pytest.param(3, marks=pytest.mark.slow),
+                               pytest.param(4, marks=pytest.mark.slow)])
 def test_restore_every_n_on_m(saved: Path, m: int) -> None:
     got = _run(m, "restore", str(saved), "1", "2", "3", "4")
     for n in (1, 2, 3, 4):

@@ -200,6 +200,7 @@ def test_three_processes_share_an_incremental_local_tier(tmp_path: Path) -> None
         assert r["values"] == [4.0], r
 
 
+@pytest.mark.slow  # a long run: the default suite keeps a shorter one of the same kind
 def test_three_processes_with_background_saves_into_a_shared_local_tier(tmp_path: Path) -> None:
     """``async_save=True``: the collective local saves run in the background; rank 0's
     copy of a step starts once that step is committed; the same steps as blocking."""

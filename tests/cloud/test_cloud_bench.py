@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # a long run: the default suite keeps a shorter one of the same kind
 def test_cloud_workload_reports_every_figure() -> None:
     pytest.importorskip("moto.server", reason="needs moto[server] (test extra)")
     out = subprocess.run(

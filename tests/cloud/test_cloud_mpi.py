@@ -112,6 +112,7 @@ def test_a_failing_rank_commits_nothing_on_s3(s3: S3Bucket) -> None:
                           _expected("w"))
 
 
+@pytest.mark.slow  # a long run: the default suite keeps a shorter one of the same kind
 def test_manager_saver_and_background_saves_of_three_processes_on_s3(s3: S3Bucket) -> None:
     got = _run(s3, 3, "manager", s3.url)
     for case in ("manager", "manager_restore", "saver", "background"):

@@ -258,6 +258,7 @@ def test_a_local_tier_persisted_to_s3_restores_on_a_new_machine(
     assert not [o.key for o in s3.location("run").list() if o.key.endswith(CLAIM_SUFFIX)]
 
 
+@pytest.mark.slow  # a long run: the default suite keeps a shorter one of the same kind
 def test_restart_after_kills_of_tiered_saves_persisting_to_s3(s3: S3Bucket, tmp_path: Path) -> None:
     """Kills land in local saves and in the background uploads of their persistent copies."""
     from test_crash import restart_harness
@@ -319,7 +320,7 @@ def test_a_killed_writer_not_yet_reaped_is_gone(s3: S3Bucket) -> None:
 
 
 @pytest.mark.skipif(_mpi_skip_reason() is not None, reason=_mpi_skip_reason() or "")
-@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+@pytest.mark.parametrize("fmt", ["h5", pytest.param("zarr", marks=pytest.mark.slow)])
 def test_three_processes_with_a_shared_local_tier_persist_to_s3(
     s3: S3Bucket, tmp_path: Path, fmt: str
 ) -> None:
@@ -343,6 +344,7 @@ def test_three_processes_with_a_shared_local_tier_persist_to_s3(
         assert r["values"] == [4.0], r
 
 
+@pytest.mark.slow  # a long run: the default suite keeps a shorter one of the same kind
 @pytest.mark.skipif(_mpi_skip_reason() is not None, reason=_mpi_skip_reason() or "")
 @pytest.mark.parametrize("fmt", ["h5", pytest.param("zarr", marks=pytest.mark.slow)])
 def test_per_node_local_tiers_persist_to_s3_and_restore_after_losing_a_node(

@@ -28,6 +28,10 @@ from ckptvar.locations import list_committed_steps
 from ._s3 import FaultProxy, S3Bucket, mpi_case, own_bucket
 
 needs_mpi = pytest.mark.skipif(_mpi_skip_reason() is not None, reason=_mpi_skip_reason() or "")
+#: Three processes on a local S3 server for every test (the server and the jobs take ~20 s):
+#: the default suite keeps row deltas on S3 (test_cloud_row_deltas) and of several local
+#: processes (test_row_deltas_mpi); these run with -m slow.
+pytestmark = pytest.mark.slow
 
 MPI = Path(__file__).parent.parent / "mpi"
 CASES = str(MPI / "row_delta_s3_cases.py")
