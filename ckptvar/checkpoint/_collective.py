@@ -295,7 +295,8 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
                                                 coord.size, grid),
                                  lambda: _node_indexes(target, fmt, suffix, plan, values, meta,
                                                        coord.size))
-        _last_vote(coord, failure, final, tag=f"{tag}:commit", timeout=timeout)
+        _last_vote(coord, failure, final, target, tag=f"{tag}:commit",
+                   timeout=timeout)
         clock.lap("commit")
         if incremental is not None:
             incremental.committed(path)
@@ -360,13 +361,17 @@ def _commit(  # noqa: PLR0917
     return failure, final
 
 
-def _last_vote(coord: Coordinator, failure: BaseException | None, final: str | None, *,
-               tag: str, timeout: float | None) -> None:
+def _last_vote(coord: Coordinator, failure: BaseException | None, final: str | None,
+               target: Target, *, tag: str, timeout: float | None) -> None:
     """The vote after the commit. Where it fails (a process stopped in it) after this rank
-    committed ``final``, the error says that the step is committed and whole."""
+    committed ``final``, or after rank 0 did (a shared directory shows it), the error says
+    that the step is committed and whole."""
     try:
         coord.vote(failure, tag=tag, timeout=timeout)
     except BaseException as exc:
+        if final is None and failure is None:
+            with contextlib.suppress(OSError):
+                final = target.committed()
         if final is not None:
             exc.add_note(f"{final} was committed before this last vote (every process's "
                          "write had passed the vote before it): it is whole, and it is the "

@@ -7,7 +7,7 @@ torch_launch.py N STAGE WHERE``.
 Every rank saves step 1, then step 2 with the coordinator's timeout ``$STALL_TIMEOUT``;
 in step 2, rank 1's (``$STALL_RANK``'s) ``vote`` (``$STALL_CALL``, e.g. ``broadcast``) of
 ``STAGE`` stops: it writes ``$RESULT_DIR/stalled`` and sleeps until the others have
-reported (``$RESULT_DIR/released``), then ends without a word to its peers
+reported (each its ``$RESULT_DIR/released-<rank>``), then ends without a word to its peers
 (``os._exit``), as a stopped process would. The other ranks report what their save
 raised and what the location holds afterwards (``coordinator_cases.report``). With
 ``$STALL_RESUME`` set, the stopped rank instead goes on once the others reported (as a
@@ -64,7 +64,8 @@ def main(args: list[str]) -> None:
             if tag.endswith(f":{stage}"):
                 (results / "stalled").write_text(tag, encoding="utf-8")
                 deadline = time.monotonic() + 120
-                while not (results / "released").exists() and time.monotonic() < deadline:
+                others = [results / f"released-{r}" for r in range(size) if r != late]
+                while not all(p.exists() for p in others) and time.monotonic() < deadline:
                     time.sleep(0.05)
                 if not os.environ.get("STALL_RESUME"):
                     report(coord, stalled=tag)
@@ -93,8 +94,8 @@ def main(args: list[str]) -> None:
         out["stalled"] = (results / "stalled").read_text(encoding="utf-8")
     report(coord, first=first, second=second, latest=latest, loaded=loaded,
            manager_latest=mgr.latest_checkpoint, **out)
-    if rank == (0 if late != 0 else size - 1):
-        (results / "released").touch()
+    if rank != late:
+        (results / f"released-{rank}").touch()
     if os.environ.get("STALL_RESUME"):  # every rank goes on: the next save commits
         CURRENT["case"] = f"{stage}-retry"
         try:
