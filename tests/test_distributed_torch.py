@@ -104,8 +104,10 @@ def test_torch_coordinator_collectives_vote_timeout_and_planning(torch_run: Any)
         assert r["is_timeout"] and r["ranks"] == [2]
         assert "nothing arrived from rank 2" in r["message"]
         assert TIMEOUT <= r["elapsed"] < TIMEOUT + 2.0
+    late = got["slow"][2]  # it found every part sent, and the others' notice: it fails too
+    assert late["is_timeout"] and late["ranks"] == [2] and "gave up on it" in late["message"]
     for r in got["slow"].values():
-        assert r["vote"]["error"] == "DistributedError" and r["vote"]["ranks"] == [0, 1]
+        assert r["vote"]["error"] == "DistributedError" and r["vote"]["ranks"] == [0, 1, 2]
 
 
 def test_torch_rank_killed_with_sigkill_survivors_raise_at_once(torch_run: Any) -> None:

@@ -15,6 +15,11 @@ The save protocol (every step bounded by the coordinator's timeout):
 5. commit: rank 0 writes the global index, fsyncs, renames the directory into place
    and records it; a last vote tells every rank the outcome.
 
+A rank that times out in a vote tells the others it gave up on it; a rank stopped past
+that timeout that then completes the vote finds the notice and raises the same
+``DistributedTimeoutError`` (so it never commits, nor goes on alone to the next step),
+and rank 0 looks once more just before it commits.
+
 On per-node local disks (:class:`~._collective_targets.NodeLocalTarget`, a tiered
 manager's local tier) every node's first rank does what rank 0 does for its node's
 directory; a replicated value is also written once per node that holds it (into its
@@ -261,8 +266,8 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
     # prepare: rank 0 makes the step ready (a temporary directory, or a claim on the URL)
     grid = _grid(plan, fmt, suffix, coord.size) if target.grids else None
     token, base, failure = _prepare(coord, path, target, fmt, plan, values, grid, incremental)
-    shared, base, where = coord.broadcast([token, base, _directory(path)],
-                                          tag=f"{tag}:prepare", timeout=timeout)
+    shared, base, where = _announce(coord, target, [token, base, _directory(path)],
+                                    tag=f"{tag}:prepare", timeout=timeout)
     if target.nodes is None:  # (per-node local directories differ by design)
         failure = failure or _elsewhere(path, where, coord.rank)
     leads = target.leads(coord.rank)
@@ -292,7 +297,8 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
                                                 coord.size, grid),
                                  lambda: _node_indexes(target, fmt, suffix, plan, values, meta,
                                                        coord.size))
-        _last_vote(coord, failure, final, tag=f"{tag}:commit", timeout=timeout)
+        _last_vote(coord, failure, final, target, tag=f"{tag}:commit",
+                   timeout=timeout)
         clock.lap("commit")
         if incremental is not None:
             incremental.committed(path)
@@ -303,6 +309,20 @@ def collective_write(  # noqa: PLR0917 - the protocol, step by step
     last_timings.clear()
     last_timings.update(clock.laps)
     return path if is_url(path) else os.fspath(Path(path))
+
+
+def _announce(coord: Coordinator, target: Target, prepared: list[Any], *, tag: str,
+              timeout: float | None) -> list[Any]:
+    """Rank 0's ``prepared`` ``[token, base, directory]`` on every rank. Where rank 0 came
+    late (the others gave up on this broadcast), it removes the step it made ready."""
+    try:
+        got: list[Any] = coord.broadcast(prepared, tag=tag, timeout=timeout)
+    except BaseException:
+        if prepared[0] is not None:
+            target.attach(prepared[0])
+            target.abort()
+        raise
+    return got
 
 
 def _commit(  # noqa: PLR0917
@@ -331,6 +351,9 @@ def _commit(  # noqa: PLR0917
             target.persistent_index = mine[0]
             mine = mine[1][target.nodes.node_of(coord.rank)]
     if target.leads(coord.rank) and mine is not None:
+        # a process that gave up on the write vote just as this one passed it: raise as
+        # it did (the step is aborted, never committed); checked last, before the commit
+        coord.raise_if_given_up()
         try:
             final = target.commit(mine)
             if on_commit is not None:
@@ -340,13 +363,17 @@ def _commit(  # noqa: PLR0917
     return failure, final
 
 
-def _last_vote(coord: Coordinator, failure: BaseException | None, final: str | None, *,
-               tag: str, timeout: float | None) -> None:
+def _last_vote(coord: Coordinator, failure: BaseException | None, final: str | None,
+               target: Target, *, tag: str, timeout: float | None) -> None:
     """The vote after the commit. Where it fails (a process stopped in it) after this rank
-    committed ``final``, the error says that the step is committed and whole."""
+    committed ``final``, or after rank 0 did (a shared directory shows it), the error says
+    that the step is committed and whole."""
     try:
         coord.vote(failure, tag=tag, timeout=timeout)
     except BaseException as exc:
+        if final is None and failure is None:
+            with contextlib.suppress(OSError):
+                final = target.committed()
         if final is not None:
             exc.add_note(f"{final} was committed before this last vote (every process's "
                          "write had passed the vote before it): it is whole, and it is the "

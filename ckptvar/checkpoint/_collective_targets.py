@@ -150,6 +150,11 @@ class Target:
     def abort(self) -> None:
         """Rank 0, on failure after :meth:`prepare`: remove what the save wrote."""
 
+    def committed(self) -> str | None:
+        """Any rank, after a failed last vote: the step's path if it stands committed
+        (``None``: it is not, or this rank cannot tell)."""
+        return None
+
     def begin(self) -> None:
         """Every rank, before it writes (its failure is voted on)."""
 
@@ -253,6 +258,10 @@ class LocalTarget(Target):
         tmp, self._tmp = self._tmp, None
         if tmp is not None and tmp.exists():
             remove_path(tmp)
+
+    def committed(self) -> str | None:
+        # prepare() refused a step already there: if it is there now, this save renamed it
+        return os.fspath(self.final) if os.path.lexists(self.final) else None
 
 
 class RemoteTarget(Target):

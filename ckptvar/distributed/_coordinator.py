@@ -103,6 +103,14 @@ class Coordinator(ABC):
         call it (the first call may be collective); later calls return the same object.
         """
 
+    def raise_if_given_up(self) -> None:  # noqa: B027 - one process: no one gives up
+        """Raise the :class:`~ckptvar.errors.DistributedTimeoutError` of the last collective
+        this process received in, if another process has since posted that it gave up on it.
+
+        Every collective checks this once as it completes; a process about to make a
+        step visible (the commit) checks again, for a notice posted just after.
+        """
+
     def close(self) -> None:  # noqa: B027 - an optional hook: nothing to release by default
         """Release what this coordinator holds (it does not end the engine)."""
 
@@ -159,14 +167,104 @@ class Coordinator(ABC):
         return f"<{type(self).__name__} rank {self.rank} of {self.size}>"
 
 
+#: What each part of a collective carries: when its sender sent it (``time.time()``) and
+#: the sender's timeout, so a receiver knows when the sender gives up.
+Stamp = tuple[float, float]
+#: Seconds at most a process that completed a collective looks for a notice it may be
+#: about to get (:meth:`RankedCoordinator._gave_up`).
+NOTICE_WAIT = 1.0
+
+
+def stamp(timeout: float) -> Stamp:
+    """The stamp of a part sent now by a process that waits ``timeout`` seconds."""
+    return time.time(), timeout
+
+
+def _skew(timeout: float) -> float:
+    """How far apart two processes' clocks (and the moment a timeout is seen) may be."""
+    return min(0.5, timeout / 4)
+
+
+#: A "gave up on collective N" notice: (rank that gave up, kind, tag, its timeout, the
+#: ranks it still waited for).
+Notice = tuple[int, str, str, float, tuple[int, ...]]
+
+
 class RankedCoordinator(Coordinator):
     """A coordinator whose ``rank`` and ``size`` are fixed when it is made.
 
-    Subclasses set ``self._rank`` and ``self._size`` in ``__init__``.
+    Subclasses set ``self._rank`` and ``self._size`` in ``__init__``, and say how a
+    process that timed out in collective ``seq`` posts its notice (:meth:`_post_gave_up`)
+    and how a process that completed it finds one (:meth:`_notice`): a process stopped
+    past the others' timeout that then continues finds every part already sent, and
+    would pass the collective the others failed; the notice makes it fail too.
     """
 
     _rank: int
     _size: int
+    #: The last collective this process received in (what :meth:`raise_if_given_up` checks).
+    _received = 0
+    #: Seconds a notice posted may take to be seen by a peer that looks for it.
+    _DELIVERY = 0.0
+    #: When (``time.monotonic()``) this process's last collective ended.
+    _done_at = 0.0
+
+    def _post_gave_up(self, seq: int, notice: Notice) -> None:
+        """Tell every peer this process gave up on collective ``seq`` (never raises)."""
+
+    def _notice(self, seq: int) -> Notice | None:
+        """A peer's notice that it gave up on collective ``seq``, if one was posted."""
+        return None
+
+    def _gave_up(self, seq: int, stamps: Sequence[Stamp], timeout: float) -> None:
+        """Called as collective ``seq`` (this process's ``timeout``) completes, with the
+        stamps of the parts this process received in it: raise if a peer gave up on it.
+
+        One look for a notice. Only where a sender's deadline (its stamp) has passed, or
+        nearly (:func:`_skew`), may its notice still be on its way: then look again
+        until that deadline is safely past and a notice posted then has had
+        :attr:`_DELIVERY` seconds to arrive (at most :data:`NOTICE_WAIT` seconds in all);
+        it comes, or the sender had this process's part in time. A process that received
+        nothing (a broadcast's root) counts from when its previous collective ended,
+        when the others could start waiting for it.
+        """
+        if self._size == 1:
+            return
+        wall, now = time.time(), time.monotonic()
+        late = [sent + limit + _skew(limit) - wall for sent, limit in stamps
+                if wall >= sent + limit - _skew(limit)]
+        if not stamps and self._done_at and now - self._done_at >= timeout - _skew(timeout):
+            late.append(self._done_at + timeout + _skew(timeout) - now)
+        if stamps:
+            self._received = seq
+        self._done_at = now
+        notice = self._notice(seq)
+        if notice is None and late:
+            wait = Deadline(min(max(0.0, *late) + self._DELIVERY, NOTICE_WAIT))
+            while notice is None and not wait.expired():
+                wait.pause()
+                notice = self._notice(seq)
+        if notice is not None:
+            raise self._given_up(notice)
+
+    def raise_if_given_up(self) -> None:
+        if self._received:
+            notice = self._notice(self._received)
+            if notice is not None:
+                raise self._given_up(notice)
+
+    def _given_up(self, notice: Notice) -> DistributedTimeoutError:
+        """The error of a process that completed a collective another gave up on."""
+        rank, kind, tag, seconds, missing = notice
+        return DistributedTimeoutError(
+            f"{kind}(tag={tag!r}) timed out on rank {rank} after {seconds:g} s (nothing had "
+            f"arrived from {_rank_list(missing)}): rank {rank} gave up on it, so it fails on "
+            f"rank {self._rank} too, as on every process",
+            collective=kind,
+            tag=tag,
+            timeout=seconds,
+            ranks=tuple(missing),
+        )
 
     @property
     def rank(self) -> int:
@@ -187,9 +285,11 @@ class RankedCoordinator(Coordinator):
             )
 
     def _timed_out(
-        self, kind: str, tag: str, seconds: float, missing: Sequence[int]
+        self, kind: str, tag: str, seconds: float, missing: Sequence[int], seq: int
     ) -> DistributedTimeoutError:
-        """The error for a collective whose ``missing`` ranks sent nothing in ``seconds``."""
+        """The error for collective ``seq`` whose ``missing`` ranks sent nothing in
+        ``seconds``; the peers are told this process gave up on it first."""
+        self._post_gave_up(seq, (self._rank, kind, tag, seconds, tuple(missing)))
         return DistributedTimeoutError(
             f"{kind}(tag={tag!r}) timed out after {seconds:g} s on rank "
             f"{self._rank}: nothing arrived from " + _rank_list(missing),

@@ -113,7 +113,7 @@ class JaxCoordinator(KeyValueCoordinator):
                             f"{kind}(tag={tag!r}) on rank {self._rank}: the jax "
                             f"coordination service failed: {exc}"
                         ) from exc
-                    raise self._timed_out(kind, tag, deadline.timeout, missing) from None
+                    raise self._timed_out(kind, tag, deadline.timeout, missing, self._seq) from None
         return got
 
     def _blocking_get(self, key: str, wait_ms: int) -> bytes:

@@ -13,7 +13,9 @@ killed outright posts nothing: each coordinator also sets ``<prefix>/alive/<rank
 to where it runs (the kernel's boot id, its pid namespace, its pid); a waiting
 process on the same machine and pid namespace sees that the process is gone (or a
 zombie) and raises at once. On another machine it raises at its timeout, unless
-the launcher ends it first (docs/distributed.md).
+the launcher ends it first (docs/distributed.md). A process that times out in
+collective N sets ``<prefix>/gaveup/<N>``; a process that completes it (it came late)
+finds the key and raises too (:class:`.RankedCoordinator`).
 Subclasses say how bytes are set, read, waited for and deleted, and how the
 background twin is made.
 """
@@ -32,7 +34,7 @@ from concurrent.futures import Future
 from typing import Any, Self
 
 from ..errors import DistributedTimeoutError
-from ._coordinator import DEFAULT_TIMEOUT, Deadline, RankedCoordinator
+from ._coordinator import DEFAULT_TIMEOUT, Deadline, Notice, RankedCoordinator, Stamp, stamp
 from ._failure import peer_failed, watch
 
 __all__ = ["KeyValueCoordinator", "process_gone", "where_am_i"]
@@ -216,6 +218,25 @@ class KeyValueCoordinator(RankedCoordinator):
     def _down_key(self, rank: int) -> str:
         return f"{self._prefix}/down/{rank}"
 
+    def _gave_up_key(self, seq: int) -> str:
+        return f"{self._prefix}/gaveup/{seq}"
+
+    def _post_gave_up(self, seq: int, notice: Notice) -> None:
+        """Set ``<prefix>/gaveup/<seq>`` (the first process that gives up sets it)."""
+        with contextlib.suppress(Exception):  # the store may not answer: a late peer then
+            self._set(self._gave_up_key(seq), pickle.dumps(notice, protocol=5))  # waits
+
+    def _notice(self, seq: int) -> Notice | None:
+        """One look at ``<prefix>/gaveup/<seq>``."""
+        try:
+            data = self._try_get(self._gave_up_key(seq))
+        except (RuntimeError, OSError):  # a store that is gone: the next collective says so
+            return None
+        if data is None:
+            return None
+        notice: Notice = pickle.loads(data)
+        return notice
+
     def _alive_key(self, rank: int) -> str:
         return f"{self._prefix}/alive/{rank}"
 
@@ -283,20 +304,24 @@ class KeyValueCoordinator(RankedCoordinator):
             seq = self._seq
             if send:
                 key = self._key(seq, self._rank)
-                self._set(key, pickle.dumps((kind, tag, obj), protocol=5))
+                self._set(key, pickle.dumps((kind, tag, obj, stamp(deadline.timeout)),
+                                            protocol=5))
                 self._mine.append(key)
             wanted = {r: self._key(seq, r) for r in recv_from if not (r == self._rank and send)}
             raw = self._fetch(kind, tag, wanted, deadline) if wanted else {}
             got: dict[int, Any] = {}
+            stamps: list[Stamp] = []
             for r in recv_from:
                 if r == self._rank and send:
                     got[r] = obj
                     continue
-                s_kind, s_tag, payload = pickle.loads(raw[r])
+                s_kind, s_tag, payload, s_stamp = pickle.loads(raw[r])
                 self._check_step(r, s_kind, s_tag, kind, tag)
                 got[r] = payload
+                stamps.append(s_stamp)
             if kind != "broadcast":
                 self._forget_before(seq)
+            self._gave_up(seq, stamps, deadline.timeout)
             return got
 
     def _forget_before(self, seq: int) -> None:

@@ -10,17 +10,20 @@ is discarded, and processes that call different collectives raise at once.
 
 A process that ends (an uncaught exception, an exit: see :mod:`._failure`) sends
 each peer one message on a second tag; a peer polling for that process's part of
-a later collective sees it and raises at once, naming it.
+a later collective sees it and raises at once, naming it. A process that times out
+sends each peer a "gave up on collective N" notice on a third tag; a peer that completes
+collective N (it came late) finds it and raises too (:class:`.RankedCoordinator`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DistributedError, DistributedTimeoutError
-from ._coordinator import DEFAULT_TIMEOUT, Deadline, RankedCoordinator
+from ._coordinator import DEFAULT_TIMEOUT, Deadline, Notice, RankedCoordinator, Stamp, stamp
 from ._failure import forget, peer_failed, watch
 
 if TYPE_CHECKING:
@@ -32,6 +35,8 @@ __all__ = ["MPICoordinator"]
 _MPI_TAG = 0x6376
 #: The tag of "this process is ending" messages (see :meth:`MPICoordinator.post_failure`).
 _FAIL_TAG = 0x6377
+#: The tag of "this process gave up on collective N" notices (see :meth:`_post_gave_up`).
+_GAVE_UP_TAG = 0x6378
 #: How long an ending process waits for its "ending" messages to leave.
 _POST_WAIT = 1.0
 
@@ -53,6 +58,9 @@ class MPICoordinator(RankedCoordinator):
     mix with the application's. :meth:`background` duplicates it again.
     """
 
+    #: A message already sent may need a few polls (MPI progress) to be seen.
+    _DELIVERY = 0.25
+
     def __init__(
         self,
         comm: MPI.Comm | None = None,
@@ -67,13 +75,14 @@ class MPICoordinator(RankedCoordinator):
         self._rank = int(self._comm.Get_rank())
         self._size = int(self._comm.Get_size())
         self._seq = 0
-        self._early: dict[tuple[int, int], tuple[str, str, Any]] = {}
+        self._early: dict[tuple[int, int], tuple[str, str, Any, Stamp]] = {}
         self._sends: list[Any] = []
         self._lock = threading.Lock()
         self._background: MPICoordinator | None = None
         self._closed = False
         self._mpi = mpi
         self._down: dict[int, tuple[int, str]] = {}
+        self._notices: dict[int, Notice] = {}
         watch(self)
 
     @property
@@ -125,6 +134,32 @@ class MPICoordinator(RankedCoordinator):
         while not all(r.Test() for r in requests) and time.monotonic() < end:
             time.sleep(1e-3)
 
+    def _post_gave_up(self, seq: int, notice: Notice) -> None:
+        """Send every peer ``notice`` on its own tag, and see it leave (a message MPI has
+        not pushed yet would wait for this process's next MPI call, and a late peer
+        would not find it): at most :data:`_POST_WAIT` seconds, for a peer that cannot
+        take it in (a small message is buffered, even by a stopped process)."""
+        with contextlib.suppress(Exception):
+            requests = [self._comm.isend((seq, notice), dest=r, tag=_GAVE_UP_TAG)
+                        for r in range(self._size) if r != self._rank]
+            self._sends.extend(requests)
+            end = time.monotonic() + _POST_WAIT
+            while not all(r.Test() for r in requests) and time.monotonic() < end:
+                time.sleep(1e-4)
+
+    def _notice(self, seq: int) -> Notice | None:
+        """A peer's notice for collective ``seq``: one ``improbe`` when none has arrived."""
+        while True:
+            msg = self._comm.improbe(source=self._mpi.ANY_SOURCE, tag=_GAVE_UP_TAG)
+            if msg is None:
+                break
+            s_seq, notice = msg.recv()
+            self._notices.setdefault(int(s_seq), notice)
+        # (collectives before the last one received in are done with)
+        for old in [s for s in self._notices if s < min(seq, self._received)]:
+            del self._notices[old]
+        return self._notices.get(seq)
+
     def _peer_failed(self, kind: str, tag: str, seq: int, missing: list[int]) -> None:
         """Raise if a rank in ``missing`` posted that it ended before collective ``seq``."""
         while True:
@@ -160,11 +195,12 @@ class MPICoordinator(RankedCoordinator):
         with self._lock:
             self._seq += 1
             seq = self._seq
-            message = (seq, kind, tag, obj)
+            message = (seq, kind, tag, obj, stamp(deadline.timeout))
             self._sends = [r for r in self._sends if not r.Test()]
             for dest in send_to:
                 self._sends.append(self._comm.isend(message, dest=dest, tag=_MPI_TAG))
             got: dict[int, Any] = {}
+            stamps: list[Stamp] = []
             missing = list(recv_from)
             while missing:
                 progressed = False
@@ -172,23 +208,25 @@ class MPICoordinator(RankedCoordinator):
                     found = self._take(src, seq)
                     if found is None:
                         continue
-                    s_kind, s_tag, payload = found
+                    s_kind, s_tag, payload, s_stamp = found
                     self._check_step(src, s_kind, s_tag, kind, tag)
                     got[src] = payload
+                    stamps.append(s_stamp)
                     missing.remove(src)
                     progressed = True
                 if not missing:
                     break
                 self._peer_failed(kind, tag, seq, missing)
                 if deadline.expired():
-                    raise self._timed_out(kind, tag, deadline.timeout, sorted(missing))
+                    raise self._timed_out(kind, tag, deadline.timeout, sorted(missing), seq)
                 if progressed:
                     deadline.reset_backoff()
                 else:
                     deadline.pause()
+            self._gave_up(seq, stamps, deadline.timeout)
             return got
 
-    def _take(self, src: int, seq: int) -> tuple[str, str, Any] | None:
+    def _take(self, src: int, seq: int) -> tuple[str, str, Any, Stamp] | None:
         """The message of step ``seq`` from ``src`` if it has arrived; drops stale ones."""
         early = self._early.pop((src, seq), None)
         if early is not None:
@@ -197,11 +235,11 @@ class MPICoordinator(RankedCoordinator):
             msg = self._comm.improbe(source=src, tag=_MPI_TAG)
             if msg is None:
                 return None
-            s_seq, s_kind, s_tag, payload = msg.recv()
+            s_seq, s_kind, s_tag, payload, s_stamp = msg.recv()
             if s_seq == seq:
-                return s_kind, s_tag, payload
+                return s_kind, s_tag, payload, s_stamp
             if s_seq > seq:  # the sender is ahead of us (we timed out less quickly)
-                self._early[(src, s_seq)] = (s_kind, s_tag, payload)
+                self._early[(src, s_seq)] = (s_kind, s_tag, payload, s_stamp)
                 return None
             # s_seq < seq: a late message of a collective that already timed out here
 

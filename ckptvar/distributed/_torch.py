@@ -125,7 +125,7 @@ class TorchCoordinator(KeyValueCoordinator):
                 missing = self._missing(wanted)
                 if not missing:
                     return
-                raise self._timed_out(kind, tag, deadline.timeout, missing)
+                raise self._timed_out(kind, tag, deadline.timeout, missing, self._seq)
             if time.monotonic() >= look:
                 self._check_down(kind, tag, self._missing(wanted))
                 look = time.monotonic() + _DOWN_EVERY
