@@ -37,7 +37,7 @@ nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.c
     > "$OUT/nvidia-smi.csv" 2>&1
 df -h "$OUT" >> "$OUT/nvidia-smi.csv" 2>&1
 echo "== 1. pytest -m gpu"
-timeout 220 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -W ignore::DeprecationWarning \
+timeout 220 "$PYTHON" -m pytest -q -n 0 -m gpu -p no:cacheprovider -W ignore::DeprecationWarning \
     tests/test_device.py tests/test_io.py tests/test_checkpoint.py tests/test_frameworks.py \
     tests/test_staging.py 2>&1 | tee "$OUT/pytest-gpu.txt" | tail -25 || status=1
 echo "== 2. GPU saves and loads (benchmarks/gpu_save.py)"

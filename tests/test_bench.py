@@ -46,6 +46,7 @@ def assert_measured(rows: dict, workload: str, op: str, subject: str) -> dict:
     return row
 
 
+@pytest.mark.slow  # a long run: the default suite keeps a shorter one of the same kind
 def test_quick_run_reports_raw_and_ckptvar(tmp_path: Path) -> None:
     result = run_bench(tmp_path, "--only", "big,small,lazy", "--subjects", "raw,ckptvar-h5")
     rows = rows_by(result)

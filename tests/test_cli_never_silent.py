@@ -37,6 +37,7 @@ def ckpt(*args: object, code: str = "pass") -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # a long run: the default suite keeps a shorter one of the same kind
 def test_filter_and_exclude_are_unions_in_every_subcommand(tmp_path: Path) -> None:
     out = tmp_path / "x.safetensors"
     with cv.open(TF) as reader:

@@ -97,7 +97,8 @@ def test_missing_and_damaged_slice_files_name_variable_and_file(saved: Path, tmp
         cv.load(copy)
 
 
-@pytest.mark.parametrize("kind", ["raise", "slow", "bgraise"])
+@pytest.mark.parametrize("kind", [  # a slow rank: test_distributed_mpi's default test
+    "raise", pytest.param("slow", marks=pytest.mark.slow), "bgraise"])
 def test_a_failing_rank_fails_every_rank_and_commits_nothing(tmp_path: Path, kind: str) -> None:
     got = _run(3, "fault", str(tmp_path), kind, timeout=60)
     results = got["fault"]
