@@ -103,6 +103,15 @@ def _own_number(name: str, prefix: str, suffix: str) -> int:
     return parsed.step if parsed is not None else -1
 
 
+def _step_time(path: str) -> float:
+    """A committed step's time: its file's (or directory's) modification time, what a
+    state file rebuilt from the directory sees too (now, if it cannot be read)."""
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return time.time()
+
+
 #: The largest step number: the save counter is an int64, and the next save adds one.
 _MAX_NUMBER = 2**63 - 2
 
@@ -468,7 +477,9 @@ class CheckpointManager:
         manager just committed,
         which the caller lists itself (not opened to be told it is a checkpoint).
         """
-        section = state["sections"].get(self.checkpoint_name) or self._empty_section()
+        section = state["sections"].get(self.checkpoint_name)
+        rebuilt = section is None  # the state file lost (or never written for this name)
+        section = section or self._empty_section()
         for name in ("checkpoints", "preserved", "pending_delete"):
             section[name] = [e for e in section.get(name, []) if self._own(e)]
         on_disk = self._committed_on_disk()
@@ -494,7 +505,40 @@ class CheckpointManager:
             entries = {e["path"]: e for e in section["checkpoints"]} | unknown
             section["checkpoints"] = [entries[name] for name in save_order(
                 self.directory, [e["path"] for e in section["checkpoints"]], unknown)]
+            if rebuilt:  # no step known kept: the hours rule starts at the oldest found
+                section["last_preserved_time"] = 0.0
+        self._keep_for_hours(section)
         return section
+
+    def _keep_for_hours(self, section: dict[str, Any],
+                        leaving: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """``keep_checkpoint_every_n_hours`` (TensorFlow's rule): each step leaving the
+        window, oldest saved first, is kept (moved to ``preserved``: unlisted, never
+        deleted) if that many hours passed between the step kept last and its time (its
+        file's modification time); returns the others (to prune).
+
+        Without ``leaving``: the listed steps beyond ``max_to_keep`` (a state file rebuilt
+        from the directory, a lower ``max_to_keep``), those not kept staying listed for
+        the next save to prune. The rule depends only on the steps' times and order, so a
+        state file rebuilt from the directory keeps the steps it kept."""
+        hours = self.keep_checkpoint_every_n_hours
+        listed = section["checkpoints"]
+        if leaving is None:
+            if hours is None or self.max_to_keep is None or len(listed) <= self.max_to_keep:
+                return []
+            excess = len(listed) - self.max_to_keep
+            section["checkpoints"] = self._keep_for_hours(section, listed[:excess]) + \
+                listed[excess:]
+            return []
+        doomed = []
+        for old in leaving:
+            if hours is not None and old["time"] - section["last_preserved_time"] >= (
+                    hours * 3600):
+                section["last_preserved_time"] = old["time"]
+                section["preserved"].append(old)
+            else:
+                doomed.append(old)
+        return doomed
 
     def _committed_on_disk(self) -> list[tuple[str, int, bool]]:
         """``(name, number, is a symbolic link)`` of every file or directory of this
@@ -768,7 +812,7 @@ class CheckpointManager:
         ``keep_checkpoint_every_n_hours`` (docs/checkpoints.md, "CheckpointManager").
         """
         name = Path(path).name
-        now = time.time()
+        now = _step_time(path)
         with locked(self.directory):
             state = read_state(self.directory, repair=True)
             section = self._recover(state, mine=name)
@@ -776,17 +820,10 @@ class CheckpointManager:
             section["checkpoints"] = [e for e in section["checkpoints"] if e["path"] != name]
             section["checkpoints"].append({"path": name, "step": int(step), "time": now})
             doomed = []
-            if self.max_to_keep is not None:
-                while len(section["checkpoints"]) > self.max_to_keep:
-                    old = section["checkpoints"].pop(0)
-                    hours = self.keep_checkpoint_every_n_hours
-                    if hours is not None and old["time"] - section["last_preserved_time"] >= (
-                        hours * 3600
-                    ):
-                        section["last_preserved_time"] = old["time"]
-                        section["preserved"].append(old)
-                    else:
-                        doomed.append(old)
+            if self.max_to_keep is not None and len(section["checkpoints"]) > self.max_to_keep:
+                excess = len(section["checkpoints"]) - self.max_to_keep
+                doomed = self._keep_for_hours(section, section["checkpoints"][:excess])
+                section["checkpoints"] = section["checkpoints"][excess:]
             section["pending_delete"], unheld = self._split_held(
                 section.get("pending_delete", []) + doomed)
             self._section = section
