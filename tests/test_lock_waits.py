@@ -92,3 +92,29 @@ def test_a_stopped_clean_up_of_the_directory_does_not_block_a_save_forever(
             cv.save(tmp_path / "one", {"v": np.arange(3.0)})
         assert f"process {holder.pid}" in str(info.value)
     assert not list(tmp_path.iterdir())
+
+
+def test_lock_timeout_is_the_managers_to_choose(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    """The wait for a held lock was a constant 300 s, the same for every manager (a job
+    that would rather fail fast, or wait out a long clean-up, could not say). Now
+    ``lock_timeout=`` sets it, and its error names the directory, the holder and the
+    time waited."""
+    import socket
+    import time
+
+    first = _manager(tmp_path)
+    first.save()
+    with _stopped_holder(tmp_path / ".checkpoint_state.lock") as holder:
+        started = time.monotonic()
+        with pytest.raises(cv.CkptError) as info:
+            cv.CheckpointManager(cv.Checkpoint(v=cv.Variable(np.arange(3.0))), tmp_path,
+                                 lock_timeout=0.3)
+        assert time.monotonic() - started < 30
+        assert isinstance(info.value, TimeoutError)
+        message = str(info.value)
+        assert str(tmp_path) in message and ".checkpoint_state.lock" in message
+        assert f"process {holder.pid} on host {socket.gethostname()}" in message
+        assert "0.3 s" in message and "lock_timeout" in message
+    for bad in (0, -1.0, float("nan"), "soon"):
+        with pytest.raises((ValueError, TypeError), match="lock_timeout"):
+            cv.CheckpointManager(first.checkpoint, tmp_path, lock_timeout=bad)  # type: ignore[arg-type]

@@ -41,12 +41,14 @@ from ..errors import (
 from ..locations import (
     Location,
     StorageError,
+    checked_lock_timeout,
     clean_uncommitted,
     committed_in_save_order,
     fsync_all,
     fsync_path,
     is_committed,
     is_url,
+    lock_timeout,
     open_location,
     prune,
     publish,
@@ -141,9 +143,10 @@ def _step_number(checkpoint_number: Any) -> int | None:
 
 def _check_arguments(
     checkpoint: Any, max_to_keep: int | None, checkpoint_name: str, format: str,
-    keep_hours: float | None = None,
-) -> None:
-    """Raise on a manager argument that can never work (before anything is touched)."""
+    keep_hours: float | None = None, *, lock_timeout: float | None = None,
+) -> float | None:
+    """Raise on a manager argument that can never work (before anything is touched);
+    returns ``lock_timeout``, checked."""
     if not isinstance(checkpoint, Checkpoint):
         raise TypeError(f"CheckpointManager needs a cv.Checkpoint, got {checkpoint!r}.")
     if max_to_keep is not None and max_to_keep < 1:
@@ -166,6 +169,7 @@ def _check_arguments(
         raise UnsupportedFormatError(
             f"CheckpointManager writes {' or '.join(NATIVE_FORMATS)}, not {format!r}."
         )
+    return checked_lock_timeout(lock_timeout)
 
 
 _P = ParamSpec("_P")
@@ -180,7 +184,7 @@ def _one_at_a_time(save: Callable[Concatenate[CheckpointManager, _P], str | None
     @functools.wraps(save)
     def one_at_a_time(self: CheckpointManager, /, *args: _P.args,
                       **kwargs: _P.kwargs) -> str | None:
-        with self._save_lock:
+        with self._save_lock, self._locks():
             return save(self, *args, **kwargs)
 
     return one_at_a_time
@@ -259,6 +263,12 @@ class CheckpointManager:
     node or persisted); :meth:`wait_until_finished` is then a collective
     (docs/checkpoints.md, "Tiers").
 
+    ``lock_timeout`` (keyword-only): how long (seconds, above 0; ``math.inf``: forever)
+    this manager waits for a lock on its directory (the state file's, a save's, a
+    clean-up's) that another process holds, in its saves, background ones included,
+    and its listings; past it a ``CkptError`` (also a ``TimeoutError``) names the lock
+    file, its holder where known, and the time waited. ``None``: 300 s.
+
     A read-only directory can be opened (``read_only`` is then True):
     :attr:`checkpoints`, :attr:`latest_checkpoint` and :meth:`restore_or_initialize`
     work, crash leftovers are left alone, and :meth:`save` raises ``CkptError``.
@@ -289,9 +299,12 @@ class CheckpointManager:
         local_directory: str | os.PathLike[str] | None = None,
         local_max_to_keep: int | None = None,
         persistent_every: int = 1,
+        lock_timeout: float | None = None,
     ) -> None:
-        _check_arguments(checkpoint, max_to_keep, checkpoint_name, format,
-                         keep_checkpoint_every_n_hours)
+        #: seconds a lock on the directory is waited for (``None``: 300 s, the default)
+        self.lock_timeout = _check_arguments(checkpoint, max_to_keep, checkpoint_name,
+                                             format, keep_checkpoint_every_n_hours,
+                                             lock_timeout=lock_timeout)
         #: frees the pruned steps' bytes in the background (:meth:`_delete`)
         self._deletes = BackgroundDeletes()
         self._init_incremental(incremental, checkpoint)
@@ -352,6 +365,11 @@ class CheckpointManager:
             return
         self._init_local(Path(directory), primary)
 
+    def _locks(self) -> contextlib.AbstractContextManager[None]:
+        """The block's waits for a lock last at most ``lock_timeout`` (this thread's, and
+        those of the background saves it submits)."""
+        return lock_timeout(self.lock_timeout)
+
     def _init_incremental(self, incremental: bool | IncrementalOptions,
                           checkpoint: Checkpoint) -> None:
         #: ``incremental=``: what the user chose (None: not incremental)
@@ -376,7 +394,7 @@ class CheckpointManager:
     def _init_local(self, directory: Path, primary: bool = True) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.read_only = not writable(directory)
-        with locked(directory, shared=self.read_only):
+        with self._locks(), locked(directory, shared=self.read_only):
             state = read_state(directory, repair=not self.read_only)
             self._section = self._recover(state)
             if not self.read_only and primary:  # recovery writes; read-only: left as is
@@ -813,7 +831,7 @@ class CheckpointManager:
         """
         name = Path(path).name
         now = _step_time(path)
-        with locked(self.directory):
+        with self._locks(), locked(self.directory):
             state = read_state(self.directory, repair=True)
             section = self._recover(state, mine=name)
             preserved = len(section["preserved"])
@@ -846,7 +864,7 @@ class CheckpointManager:
         if not self.directory.is_dir():  # removed under this manager: no step is left
             self._section = self._empty_section()
             return
-        with locked(self.directory, shared=True):
+        with self._locks(), locked(self.directory, shared=True):
             self._section = self._recover(read_state(self.directory))
 
     @property
@@ -1019,9 +1037,10 @@ class CheckpointManager:
         signum = self._on_signal.due(self.coordinator, timeout)
         if signum is None:
             return False
-        self._on_signal.save_then_redeliver(
-            signum, lambda: self._preemption_save(checkpoint_number, timeout),
-            self._finish_preemption)
+        with self._locks():
+            self._on_signal.save_then_redeliver(
+                signum, lambda: self._preemption_save(checkpoint_number, timeout),
+                self._finish_preemption)
         return True
 
     def _preemption_save(self, checkpoint_number: int | None,
@@ -1280,7 +1299,7 @@ class CheckpointManager:
             checkpoint_name=self.checkpoint_name, step_counter=step_counter,
             checkpoint_interval=checkpoint_interval, format=self.format,
             async_save=self.async_save, coordinator=self.coordinator,
-            incremental=self._incremental_options or False,
+            incremental=self._incremental_options or False, lock_timeout=self.lock_timeout,
         )
         #: the local save of a preemption: persisted whatever ``persistent_every`` says
         self._persist_next = False
@@ -1428,6 +1447,10 @@ class CheckpointManager:
         ``number`` (background thread), record it and prune by ``max_to_keep``.
         ``pending``: the local tier's background save of that step, waited for first
         (a step it did not commit is not copied: its save reports its error)."""
+        with self._locks():  # (a pool's thread: the context is not the saver's)
+            self._persist_step(number, local, pending)
+
+    def _persist_step(self, number: int, local: str, pending: Any) -> None:
         if pending is not None:
             written = threading.Event()
             pending.add_done_callback(lambda _h: written.set())
@@ -1533,12 +1556,12 @@ class CheckpointManager:
 
     def _read_record(self) -> None:
         """Read this directory's committed steps (not waiting for a background save)."""
-        with locked(self.directory, shared=True):
+        with self._locks(), locked(self.directory, shared=True):
             self._section = self._recover(read_state(self.directory))
 
     def _drop(self, name: str) -> None:
         """Delete this manager's step ``name`` (local directory), state first."""
-        with locked(self.directory):
+        with self._locks(), locked(self.directory):
             state = read_state(self.directory, repair=True)
             section = self._recover(state)
             doomed = [e for e in section["checkpoints"] if e["path"] == name]
