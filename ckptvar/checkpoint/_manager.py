@@ -675,9 +675,11 @@ class CheckpointManager:
         self._checkpoint.save_counter.assign(after - 1)
         return after
 
-    def _count_if_committed(self, number: int) -> None:
-        """After a save that raised: if its step got committed all the same (an error after
-        the rename or the marker), the save counter counts it, so the next save goes on."""
+    def _count_if_committed(self, number: int) -> bool:
+        """After a save that raised (in the background too): if its step got committed all
+        the same (an error after the rename or the marker), the save counter counts it,
+        so the next save goes on; says whether so."""
+        done = False
         with contextlib.suppress(OSError, CkptError):
             name = step_name(self.checkpoint_name, number, self._suffix)
             done = (is_committed(self._location, name) if self._location is not None
@@ -685,6 +687,7 @@ class CheckpointManager:
             if done:
                 counter = self._checkpoint.save_counter
                 counter.assign(max(int(counter.numpy()), number))
+        return done
 
     def _refuse_committed(self, number: int) -> None:
         """Raise ``CheckpointExistsError`` if step ``number`` is committed already.
@@ -896,7 +899,7 @@ class CheckpointManager:
         return int(value)
 
     @_one_at_a_time
-    def save(  # noqa: C901 - the save steps in order (sync, write, state, prune)
+    def save(
         self,
         checkpoint_number: int | None = None,
         check_interval: bool = True,
@@ -939,11 +942,7 @@ class CheckpointManager:
         number, step = numbers
         if self._location is not None:
             self._refuse_committed(number)
-            try:
-                result = str(self._save_remote(number, step, timeout))
-            except BaseException:
-                self._count_if_committed(number)
-                raise
+            result = str(self._save_remote(number, step, timeout))
             if self.coordinator is not None and not self.async_save:
                 self._sync()
             return result
@@ -972,11 +971,12 @@ class CheckpointManager:
                                     "coordinator": self.coordinator, "timeout": timeout,
                                     "pack_threshold": self.pack_threshold}
             with self._deletes.deferred():  # its prune's freeing starts as it returns
-                result = self._checkpoint.save_step(prefix, options, number=number,
-                                                    on_commit=on_commit, incremental=incremental)
+                result = self._checkpoint.save_step(
+                    prefix, options, number=number, on_commit=on_commit,
+                    incremental=incremental,
+                    committed_after_all=functools.partial(self._count_if_committed, number))
         except BaseException:
             os.close(saving)
-            self._count_if_committed(number)
             raise
         if isinstance(result, str):
             os.close(saving)
@@ -1197,6 +1197,7 @@ class CheckpointManager:
             on_commit=lambda _path: self._record_remote(step),
             incremental=(None if self._incremental is None
                          else functools.partial(self._remote_base, number)),
+            committed_after_all=functools.partial(self._count_if_committed, number),
         )
         return str(result) if isinstance(result, str) else str(result.path)
 
