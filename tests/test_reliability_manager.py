@@ -490,7 +490,7 @@ def test_steps_kept_by_the_hours_rule_survive_a_lost_state_file(tmp_path: Path,
     first = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=1,
                                  keep_checkpoint_every_n_hours=1e-9)
     for _ in range(3):
-        time.sleep(0.002)
+        time.sleep(0.02)  # file times: a clock tick (a few ms) apart
         first.save()
     first.wait_until_finished()
     assert _steps_on_disk(tmp_path) == [1, 2, 3]
@@ -504,7 +504,7 @@ def test_steps_kept_by_the_hours_rule_survive_a_lost_state_file(tmp_path: Path,
                                      keep_checkpoint_every_n_hours=1e-9)
     assert [Path(p).name for p in again.checkpoints] == ["ckpt-3.h5"]  # 1, 2: kept, unlisted
     for _ in range(2):
-        time.sleep(0.002)
+        time.sleep(0.02)  # file times: a clock tick (a few ms) apart
         again.save()
     again.wait_until_finished()
     assert _steps_on_disk(tmp_path) == [1, 2, 3, 4, 5]

@@ -20,6 +20,7 @@ import operator
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -112,6 +113,20 @@ def _step_time(path: str) -> float:
         return os.stat(path).st_mtime
     except OSError:
         return time.time()
+
+
+#: Linux's ``CLOCK_REALTIME_COARSE`` (Python names no constant for it): the clock file
+#: times are taken from (or a finer one), so a file written later is never older.
+_COARSE_CLOCK = 5
+
+
+def _file_clock_now() -> float:
+    """Now, as a file written now would be dated: never after a later step's time (the
+    wall clock may be a clock tick ahead of file times)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            return time.clock_gettime(_COARSE_CLOCK)
+    return time.time()
 
 
 #: The largest step number: the save counter is an int64, and the next save adds one.
@@ -340,7 +355,7 @@ class CheckpointManager:
         self.restore_status: RestoreStatus | None = None
         self.skipped: list[tuple[str, str]] = []
         self._section: dict[str, Any] = {}
-        self._created = time.time()
+        self._created = _file_clock_now()  # the hours rule's start (steps: file times)
         reclaim_staging()  # this host's staging directories of dead saves
         self._on_signal = SignalSave()
         if save_on_signal:
