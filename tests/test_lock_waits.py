@@ -148,3 +148,12 @@ def test_a_failed_save_does_not_use_up_its_step_number(
     assert [os.path.basename(p) for p in manager.checkpoints] == ["ckpt-1.h5", "ckpt-2.h5"]
     assert cv.load(path)["save_counter"] == 2
     np.testing.assert_array_equal(cv.load(path)["v"], np.full(3, 2.0))
+
+
+def test_a_held_directory_lock_is_named_as_the_directory(
+        tmp_path: Path, short_wait: float, fresh_graph: cv.Graph) -> None:
+    """The directory's own lock (a save's temporary, a clean-up) was named as a lock
+    file "in" the directory's parent; it is the directory's."""
+    with _stopped_holder(tmp_path, "dir"), pytest.raises(TimeoutError) as info:
+        cv.save(tmp_path / "one", {"v": np.arange(3.0)})
+    assert f"The lock on the directory {str(tmp_path)!r} was not free" in str(info.value)

@@ -90,12 +90,13 @@ def wait_for_lock(fd: int, how: int, what: str) -> None:
             by = (f" (held by process {', '.join(map(str, holder))} on host "
                   f"{socket.gethostname()})" if holder else " (its holder is not known "
                   "here: another host's, or a file system that does not say)")
+            where = (f"on the directory {what!r}" if os.path.isdir(what) else
+                     f"{what!r} (in {os.path.dirname(what.rstrip('/')) or '.'!r})")
             raise LockTimeoutError(
-                f"The lock {what!r} (in {os.path.dirname(what.rstrip('/')) or '.'!r}) "
-                f"was not free after {timeout:g} s{by}: another process holds it and does "
-                "not go on (stopped or hung?); end or continue that process and try "
-                "again, or wait longer (CheckpointManager(..., lock_timeout=seconds); "
-                f"the default is {LOCK_TIMEOUT:g} s).")
+                f"The lock {where} was not free after {timeout:g} s{by}: another process "
+                "holds it and does not go on (stopped or hung?); end or continue that "
+                "process and try again, or wait longer (CheckpointManager(..., "
+                f"lock_timeout=seconds); the default is {LOCK_TIMEOUT:g} s).")
         time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
         pause = min(pause * 2, 0.05)
 
