@@ -121,15 +121,15 @@ def test_a_torch_tensor_of_a_dtype_ckptvar_cannot_hold_leaves_the_rest_readable(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     torch = _torch()
-    packed = torch.arange(6, dtype=torch.uint8).reshape(2, 3).view(torch.float4_e2m1fn_x2)
-    torch.save({"packed": packed, "w": torch.ones(2)}, tmp_path / "f4.pt")
-    with cv.open(tmp_path / "f4.pt") as reader:
+    packed = torch.arange(6, dtype=torch.uint8).reshape(2, 3).view(torch.bits8)
+    torch.save({"packed": packed, "w": torch.ones(2)}, tmp_path / "b8.pt")
+    with cv.open(tmp_path / "b8.pt") as reader:
         assert list(reader) == ["w"]
-        assert reader.skipped == {"packed": "a torch.float4_e2m1fn_x2 tensor, a dtype ckptvar "
+        assert reader.skipped == {"packed": "a torch.bits8 tensor, a dtype ckptvar "
                                   "cannot hold"}
-    code, _, err = convert(capsys, tmp_path / "f4.pt", tmp_path / "out.h5")
-    assert code == 2 and "'packed': a torch.float4_e2m1fn_x2 tensor" in err, err
-    code, out, err = convert(capsys, tmp_path / "f4.pt", tmp_path / "out.h5", "--skip-unreadable")
+    code, _, err = convert(capsys, tmp_path / "b8.pt", tmp_path / "out.h5")
+    assert code == 2 and "'packed': a torch.bits8 tensor" in err, err
+    code, out, err = convert(capsys, tmp_path / "b8.pt", tmp_path / "out.h5", "--skip-unreadable")
     assert code == 0 and "Left out 1 unreadable value" in out, err
 
 

@@ -424,3 +424,31 @@ def test_a_small_pickle_cannot_expand_to_a_million_entries(tmp_path: Path) -> No
     pkl = pickle.dumps({"a": _shared_dag(20)}, protocol=2)
     with pytest.raises(CorruptCheckpointError, match="shared by reference"):
         cv.open(_zip_pt(tmp_path / "dag20.pt", pkl))
+
+
+def test_a_float4_e2m1fn_x2_tensor_is_read_unpacked(tmp_path: Path) -> None:
+    """A ``torch.float4_e2m1fn_x2`` tensor (two FP4 values a byte) was skipped as a dtype
+    ckptvar cannot hold. It now reads as ``ml_dtypes.float4_e2m1fn``, one value a byte,
+    the last dimension doubled, the first of each pair from the low nibble (as torch's
+    own ONNX exporter unpacks it: 0x71 is 0.5 then 6.0), and its attrs say so."""
+    import ml_dtypes
+
+    torch = pytest.importorskip("torch")
+    raw = torch.tensor([[0x71, 0x02], [0xF3, 0x54], [0x10, 0x0F]], dtype=torch.uint8)
+    packed = raw.view(torch.float4_e2m1fn_x2)
+    torch.save({"p": packed, "view": packed[1:], "w": torch.ones(2)}, tmp_path / "f4.pt")
+    f4 = np.dtype(ml_dtypes.float4_e2m1fn)
+    whole = np.array([[0.5, 6, 1, 0], [1.5, -6, 2, 3], [0, 0.5, -6, 0]], f4)
+    with cv.open(tmp_path / "f4.pt") as reader:
+        assert sorted(reader) == ["p", "view", "w"] and dict(reader.skipped) == {}
+        info = reader.info("p")
+        assert (info.dtype, info.shape) == (f4, (3, 4))
+        assert info.attrs["torch_dtype"] == "float4_e2m1fn_x2"
+        assert "low nibble" in info.attrs["unpacked"]
+        for key, expected in (("p", whole), ("view", whole[1:])):
+            got = reader[key].read()
+            assert got.dtype == f4 and got.view(np.uint8).tolist() == (
+                expected.view(np.uint8).tolist())
+            assert reader[key][-1].view(np.uint8).tolist() == expected[-1].view(np.uint8).tolist()
+    loaded = cv.load(tmp_path / "f4.pt")
+    assert loaded["p"].view(np.uint8).tolist() == whole.view(np.uint8).tolist()

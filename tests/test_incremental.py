@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -404,6 +405,7 @@ def test_a_newly_preserved_step_makes_the_state_durable(tmp_path: Path,
     ckpt, _, _ = _model()
     manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=1,
                                    keep_checkpoint_every_n_hours=1e-9, incremental=True)
+    time.sleep(0.02)  # a step's time is its file's: a clock tick (a few ms) after the start
     manager.save()
     synced = _fsynced(monkeypatch)
     manager.save()  # step 1 leaves the window: preserved

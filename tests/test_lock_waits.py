@@ -92,3 +92,68 @@ def test_a_stopped_clean_up_of_the_directory_does_not_block_a_save_forever(
             cv.save(tmp_path / "one", {"v": np.arange(3.0)})
         assert f"process {holder.pid}" in str(info.value)
     assert not list(tmp_path.iterdir())
+
+
+def test_lock_timeout_is_the_managers_to_choose(tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    """The wait for a held lock was a constant 300 s, the same for every manager (a job
+    that would rather fail fast, or wait out a long clean-up, could not say). Now
+    ``lock_timeout=`` sets it, and its error names the directory, the holder and the
+    time waited."""
+    import socket
+    import time
+
+    first = _manager(tmp_path)
+    first.save()
+    with _stopped_holder(tmp_path / ".checkpoint_state.lock") as holder:
+        started = time.monotonic()
+        with pytest.raises(cv.CkptError) as info:
+            cv.CheckpointManager(cv.Checkpoint(v=cv.Variable(np.arange(3.0))), tmp_path,
+                                 lock_timeout=0.3)
+        assert time.monotonic() - started < 30
+        assert isinstance(info.value, TimeoutError)
+        message = str(info.value)
+        assert str(tmp_path) in message and ".checkpoint_state.lock" in message
+        assert f"process {holder.pid} on host {socket.gethostname()}" in message
+        assert "0.3 s" in message and "lock_timeout" in message
+    for bad in (0, -1.0, float("nan"), "soon"):
+        with pytest.raises((ValueError, TypeError), match="lock_timeout"):
+            cv.CheckpointManager(first.checkpoint, tmp_path, lock_timeout=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_save_does_not_use_up_its_step_number(
+        tmp_path: Path, fresh_graph: cv.Graph, async_save: bool) -> None:
+    """A background save that failed (here: the directory locked by a stopped clean-up)
+    used up its number: the next save was step 3, leaving a gap at 2, where a failed
+    blocking save left the counter as it was. Now neither does (docs/reliability.md: a
+    failed save leaves the save counter unchanged), the error says which step was not
+    saved, and nothing lists it."""
+    v = cv.Variable(np.arange(3.0))
+    manager = cv.CheckpointManager(cv.Checkpoint(v=v), tmp_path, max_to_keep=3,
+                                   async_save=async_save, lock_timeout=0.3)
+    manager.save()
+    manager.wait_until_finished()
+    v.assign(np.full(3, 2.0))
+    with _stopped_holder(tmp_path, "dir"), pytest.raises(TimeoutError) as info:
+        manager.save()  # a background save returns its path first: its error comes next
+        manager.wait_until_finished()
+    assert any("Step 2" in note and "not saved" in note
+               for note in getattr(info.value, "__notes__", [])), info.value
+    assert [os.path.basename(p) for p in manager.checkpoints] == ["ckpt-1.h5"]
+    assert os.path.basename(cv.latest_checkpoint(tmp_path) or "") == "ckpt-1.h5"
+    assert int(manager.checkpoint.save_counter.numpy()) == 1
+    path = manager.save()
+    manager.wait_until_finished()
+    assert os.path.basename(path or "") == "ckpt-2.h5"
+    assert [os.path.basename(p) for p in manager.checkpoints] == ["ckpt-1.h5", "ckpt-2.h5"]
+    assert cv.load(path)["save_counter"] == 2
+    np.testing.assert_array_equal(cv.load(path)["v"], np.full(3, 2.0))
+
+
+def test_a_held_directory_lock_is_named_as_the_directory(
+        tmp_path: Path, short_wait: float, fresh_graph: cv.Graph) -> None:
+    """The directory's own lock (a save's temporary, a clean-up) was named as a lock
+    file "in" the directory's parent; it is the directory's."""
+    with _stopped_holder(tmp_path, "dir"), pytest.raises(TimeoutError) as info:
+        cv.save(tmp_path / "one", {"v": np.arange(3.0)})
+    assert f"The lock on the directory {str(tmp_path)!r} was not free" in str(info.value)

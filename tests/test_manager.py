@@ -183,7 +183,10 @@ def test_keep_checkpoint_every_n_hours(tmp_path: Path, fresh_graph: cv.Graph) ->
     manager = cv.CheckpointManager(
         ckpt, tmp_path, max_to_keep=1, keep_checkpoint_every_n_hours=1e-9
     )
-    paths = [manager.save() for _ in range(3)]
+    paths = []
+    for _ in range(3):
+        time.sleep(0.02)  # a step's time is its file's: a clock tick (a few ms) apart
+        paths.append(manager.save())
     assert manager.checkpoints == paths[-1:]
     assert all(Path(p).exists() for p in paths)  # preserved: unlisted, never deleted
 
@@ -361,7 +364,7 @@ def test_hours_rule_preserves_the_oldest_saved_step(tmp_path: Path, fresh_graph:
     manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=1,
                                    keep_checkpoint_every_n_hours=1e-9)
     for number in (100, 500, 200):
-        time.sleep(0.002)
+        time.sleep(0.02)  # file times: a clock tick (a few ms) apart
         manager.save(checkpoint_number=number)
     assert _names(manager.checkpoints) == ["ckpt-200.h5"]
     state = json.loads((tmp_path / STATE_FILE).read_text())

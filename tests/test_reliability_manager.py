@@ -474,3 +474,60 @@ def test_keep_checkpoint_every_n_hours_of_0_is_off(tmp_path: Path) -> None:
     mgr.wait_until_finished()
     assert mgr.keep_checkpoint_every_n_hours is None
     assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-3.h5"]
+
+
+def _steps_on_disk(directory: Path) -> list[int]:
+    return sorted(int(m.group(1)) for p in directory.iterdir() if (m := FINAL.match(p.name)))
+
+
+@pytest.mark.parametrize("lost", ["deleted", "damaged"])
+def test_steps_kept_by_the_hours_rule_survive_a_lost_state_file(tmp_path: Path,
+                                                               lost: str) -> None:
+    """Only the state file said which steps ``keep_checkpoint_every_n_hours`` kept: once
+    it was deleted or damaged, a new manager listed them again and its next save pruned
+    them. Now the rule is applied again to the steps' times: they stay kept, unlisted."""
+    ckpt = cv.Checkpoint(v=cv.Variable(np.zeros(3)))
+    first = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=1,
+                                 keep_checkpoint_every_n_hours=1e-9)
+    for _ in range(3):
+        time.sleep(0.02)  # file times: a clock tick (a few ms) apart
+        first.save()
+    first.wait_until_finished()
+    assert _steps_on_disk(tmp_path) == [1, 2, 3]
+    if lost == "deleted":
+        (tmp_path / "checkpoint_state.json").unlink()
+    else:
+        (tmp_path / "checkpoint_state.json").write_text("{not json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore" if lost == "damaged" else "error")
+        again = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=1,
+                                     keep_checkpoint_every_n_hours=1e-9)
+    assert [Path(p).name for p in again.checkpoints] == ["ckpt-3.h5"]  # 1, 2: kept, unlisted
+    for _ in range(2):
+        time.sleep(0.02)  # file times: a clock tick (a few ms) apart
+        again.save()
+    again.wait_until_finished()
+    assert _steps_on_disk(tmp_path) == [1, 2, 3, 4, 5]
+    assert [Path(p).name for p in again.checkpoints] == ["ckpt-5.h5"]
+
+
+def test_a_rebuilt_manager_keeps_by_the_hours_rule_what_the_first_kept(tmp_path: Path) -> None:
+    """After the state file is lost, the hours rule is applied to the steps in save order
+    with their files' times, from the oldest step found (kept): the steps it keeps are
+    those a manager that never lost its state keeps, and the others are pruned."""
+    ckpt = cv.Checkpoint(v=cv.Variable(np.zeros(3)))
+    first = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=None)
+    for _ in range(5):
+        first.save()
+    first.wait_until_finished()
+    start = time.time() - 10 * 3600
+    for number, hours in zip(range(1, 6), (0.0, 0.5, 1.1, 1.5, 2.3), strict=True):
+        os.utime(tmp_path / f"ckpt-{number}.h5", (start + hours * 3600,) * 2)
+    (tmp_path / "checkpoint_state.json").unlink()
+    again = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=1, keep_checkpoint_every_n_hours=1)
+    # 1 (the oldest found) and 3 (1.1 h after it) are kept: no longer listed
+    assert [Path(p).name for p in again.checkpoints] == ["ckpt-2.h5", "ckpt-4.h5", "ckpt-5.h5"]
+    again.save()
+    again.wait_until_finished()
+    assert _steps_on_disk(tmp_path) == [1, 3, 5, 6]  # 5: 1.2 h after 3; 2 and 4 pruned
+    assert [Path(p).name for p in again.checkpoints] == ["ckpt-6.h5"]

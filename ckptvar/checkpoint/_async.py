@@ -11,6 +11,7 @@ collected is logged at exit.
 from __future__ import annotations
 
 import atexit
+import contextvars
 import logging
 import os
 import queue
@@ -139,10 +140,19 @@ class SaveHandle:
         return f"<SaveHandle {self.path!r} {state}>"
 
 
+def _in_context(fn: Callable[[], str], context: contextvars.Context) -> Callable[[], str]:
+    def job() -> str:
+        return context.run(fn)
+
+    return job
+
+
 def submit(fn: Callable[[], str], path: str) -> SaveHandle:
     """Run ``fn`` (which writes and returns the final path) in the writer thread."""
     future = _Outcome()
     handle = SaveHandle(future, path)
+    fn = _in_context(fn, contextvars.copy_context())  # the caller's (a manager's
+    # lock_timeout) goes with the save into the writer thread
     with _lock:  # (the exit wait takes its list under it: a save is either in it or here)
         here = _exiting[0]
         if not here:

@@ -7,6 +7,7 @@ are matched, checked and applied is ``_object_restore``'s and ``_apply``'s.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import warnings
@@ -44,6 +45,61 @@ __all__ = ["Checkpoint", "SaveOptions"]
 
 
 _COUNTER = "save_counter"
+
+
+class _Attempt:
+    """A numbered save (``save_step``): whether its step got committed, and what its
+    failure does (a blocking one's in the caller, a background one's in the writer
+    thread, before anyone waiting for it goes on): the save counter gets its number
+    back, so the next save takes it (no gap), and the error says which step was not
+    saved. ``committed_after_all`` (a manager's) says whether the step is committed
+    despite the error (then counted: it is never written again)."""
+
+    __slots__ = ("committed", "committed_after_all", "count", "counter", "number", "path")
+
+    def __init__(self, counter: Variable, count: int, number: int, path: str,
+                 committed_after_all: Callable[[], bool] | None) -> None:
+        self.counter, self.count, self.number, self.path = counter, count, number, path
+        self.committed_after_all = committed_after_all
+        self.committed = False
+
+    def on_commit(self, then: Callable[[str], None] | None) -> Callable[[str], None]:
+        """``then`` (a save's ``on_commit``), noting first that the step is committed."""
+
+        def committed(final: str) -> None:
+            self.committed = True
+            if then is not None:
+                then(final)
+
+        return committed
+
+    def failed(self, exc: BaseException) -> None:
+        if int(self.counter.numpy()) == self.count:  # (unless changed since: a restore)
+            self.counter.assign(self.count - 1)
+        if self.committed_after_all is not None and self.committed_after_all():
+            exc.add_note(f"Step {self.number} ({self.path}) is committed; the error came "
+                         "after it (the next save is numbered after it).")
+            return
+        what = ("was written, but its save failed after" if self.committed else
+                "was not saved: nothing is committed under its name")
+        exc.add_note(f"Step {self.number} ({self.path}) {what}; the save counter is back "
+                     f"at {self.count - 1}, so the next save takes its number.")
+
+
+def _reporting(job: Callable[[], str], attempt: _Attempt | None) -> Callable[[], str]:
+    """``job`` (a background save) telling ``attempt`` of its failure."""
+    if attempt is None:
+        return job
+
+    @functools.wraps(job)
+    def run() -> str:
+        try:
+            return job()
+        except BaseException as exc:
+            attempt.failed(exc)
+            raise
+
+    return run
 
 
 class SaveOptions(TypedDict, total=False):
@@ -260,6 +316,7 @@ class Checkpoint(Trackable):
         number: int | None = None,
         on_commit: Callable[[str], None] | None = None,
         incremental: Callable[[Mapping[str, Any]], IncrementalSave] | None = None,
+        committed_after_all: Callable[[], bool] | None = None,
     ) -> Any:
         """:meth:`save` for an owner of step numbers (``cv.CheckpointManager``).
 
@@ -267,18 +324,24 @@ class Checkpoint(Trackable):
         given ``number`` (default: the counter), then calls ``on_commit(path)`` once
         the file is durable instead of recording it as the latest checkpoint. The
         options are checked :class:`SaveOptions`. Returns what :meth:`save` returns.
+        A save that fails (in the background too, before its error is raised) gives
+        its number back to the save counter, unless ``committed_after_all()`` says
+        the step got committed all the same (and counts it).
         """
         with self._cv_lock:  # another thread's save of this checkpoint waits its turn
             self.wait()  # one save in flight per checkpoint; surfaces a background error
             base, fmt, suffix = split_format(prefix, options.get("format"))
             counter = self.save_counter
             counter.assign_add(1)
-            n = int(counter.numpy()) if number is None else int(number)
+            count = int(counter.numpy())
+            n = count if number is None else int(number)
+            attempt = _Attempt(counter, count, n, step_name(base, n, suffix),
+                               committed_after_all)
             try:
-                return self._write(step_name(base, n, suffix), fmt, options, on_commit,
-                                   incremental)
-            except BaseException:
-                counter.assign_sub(1)
+                return self._write(attempt.path, fmt, options, attempt.on_commit(on_commit),
+                                   incremental, attempt=attempt)
+            except BaseException as exc:
+                attempt.failed(exc)
                 raise
 
     def write(self, path: str | os.PathLike[str], **options: Unpack[SaveOptions]) -> Any:
@@ -305,9 +368,12 @@ class Checkpoint(Trackable):
         options: SaveOptions,
         on_commit: Callable[[str], None] | None,
         incremental: Callable[[Mapping[str, Any]], IncrementalSave] | None = None,
+        *,
+        attempt: _Attempt | None = None,
     ) -> Any:
         """Write ``path``; ``incremental(variables)`` (a manager's) gives the step to build
-        on, called before any value is read."""
+        on, called before any value is read. ``attempt``: a numbered save's, told when
+        its step is committed and, in the background, of its failure."""
         blocking = options.get("blocking", True)
         coordinator: Any = options.get("coordinator")
         timeout = options.get("timeout")
@@ -350,7 +416,7 @@ class Checkpoint(Trackable):
 
             if blocking:
                 return run_collective()
-            handle = _async.submit(run_collective, path)
+            handle = _async.submit(_reporting(run_collective, attempt), path)
             self._cv_handles.append(handle)
             return handle
 
@@ -376,7 +442,7 @@ class Checkpoint(Trackable):
 
         if blocking:
             return run()
-        handle = _async.submit(run, path)
+        handle = _async.submit(_reporting(run, attempt), path)
         self._cv_handles.append(handle)
         return handle
 

@@ -20,6 +20,7 @@ import operator
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -41,12 +42,14 @@ from ..errors import (
 from ..locations import (
     Location,
     StorageError,
+    checked_lock_timeout,
     clean_uncommitted,
     committed_in_save_order,
     fsync_all,
     fsync_path,
     is_committed,
     is_url,
+    lock_timeout,
     open_location,
     prune,
     publish,
@@ -103,6 +106,29 @@ def _own_number(name: str, prefix: str, suffix: str) -> int:
     return parsed.step if parsed is not None else -1
 
 
+def _step_time(path: str) -> float:
+    """A committed step's time: its file's (or directory's) modification time, what a
+    state file rebuilt from the directory sees too (now, if it cannot be read)."""
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return time.time()
+
+
+#: Linux's ``CLOCK_REALTIME_COARSE`` (Python names no constant for it): the clock file
+#: times are taken from (or a finer one), so a file written later is never older.
+_COARSE_CLOCK = 5
+
+
+def _file_clock_now() -> float:
+    """Now, as a file written now would be dated: never after a later step's time (the
+    wall clock may be a clock tick ahead of file times)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            return time.clock_gettime(_COARSE_CLOCK)
+    return time.time()
+
+
 #: The largest step number: the save counter is an int64, and the next save adds one.
 _MAX_NUMBER = 2**63 - 2
 
@@ -132,9 +158,10 @@ def _step_number(checkpoint_number: Any) -> int | None:
 
 def _check_arguments(
     checkpoint: Any, max_to_keep: int | None, checkpoint_name: str, format: str,
-    keep_hours: float | None = None,
-) -> None:
-    """Raise on a manager argument that can never work (before anything is touched)."""
+    keep_hours: float | None = None, *, lock_timeout: float | None = None,
+) -> float | None:
+    """Raise on a manager argument that can never work (before anything is touched);
+    returns ``lock_timeout``, checked."""
     if not isinstance(checkpoint, Checkpoint):
         raise TypeError(f"CheckpointManager needs a cv.Checkpoint, got {checkpoint!r}.")
     if max_to_keep is not None and max_to_keep < 1:
@@ -157,6 +184,7 @@ def _check_arguments(
         raise UnsupportedFormatError(
             f"CheckpointManager writes {' or '.join(NATIVE_FORMATS)}, not {format!r}."
         )
+    return checked_lock_timeout(lock_timeout)
 
 
 _P = ParamSpec("_P")
@@ -171,7 +199,7 @@ def _one_at_a_time(save: Callable[Concatenate[CheckpointManager, _P], str | None
     @functools.wraps(save)
     def one_at_a_time(self: CheckpointManager, /, *args: _P.args,
                       **kwargs: _P.kwargs) -> str | None:
-        with self._save_lock:
+        with self._save_lock, self._locks():
             return save(self, *args, **kwargs)
 
     return one_at_a_time
@@ -250,6 +278,12 @@ class CheckpointManager:
     node or persisted); :meth:`wait_until_finished` is then a collective
     (docs/checkpoints.md, "Tiers").
 
+    ``lock_timeout`` (keyword-only): how long (seconds, above 0; ``math.inf``: forever)
+    this manager waits for a lock on its directory (the state file's, a save's, a
+    clean-up's) that another process holds, in its saves, background ones included,
+    and its listings; past it a ``CkptError`` (also a ``TimeoutError``) names the lock
+    file, its holder where known, and the time waited. ``None``: 300 s.
+
     A read-only directory can be opened (``read_only`` is then True):
     :attr:`checkpoints`, :attr:`latest_checkpoint` and :meth:`restore_or_initialize`
     work, crash leftovers are left alone, and :meth:`save` raises ``CkptError``.
@@ -280,9 +314,12 @@ class CheckpointManager:
         local_directory: str | os.PathLike[str] | None = None,
         local_max_to_keep: int | None = None,
         persistent_every: int = 1,
+        lock_timeout: float | None = None,
     ) -> None:
-        _check_arguments(checkpoint, max_to_keep, checkpoint_name, format,
-                         keep_checkpoint_every_n_hours)
+        #: seconds a lock on the directory is waited for (``None``: 300 s, the default)
+        self.lock_timeout = _check_arguments(checkpoint, max_to_keep, checkpoint_name,
+                                             format, keep_checkpoint_every_n_hours,
+                                             lock_timeout=lock_timeout)
         #: frees the pruned steps' bytes in the background (:meth:`_delete`)
         self._deletes = BackgroundDeletes()
         self._init_incremental(incremental, checkpoint)
@@ -318,7 +355,7 @@ class CheckpointManager:
         self.restore_status: RestoreStatus | None = None
         self.skipped: list[tuple[str, str]] = []
         self._section: dict[str, Any] = {}
-        self._created = time.time()
+        self._created = _file_clock_now()  # the hours rule's start (steps: file times)
         reclaim_staging()  # this host's staging directories of dead saves
         self._on_signal = SignalSave()
         if save_on_signal:
@@ -342,6 +379,11 @@ class CheckpointManager:
                 clean_uncommitted(self._location, older_than_latest=True)
             return
         self._init_local(Path(directory), primary)
+
+    def _locks(self) -> contextlib.AbstractContextManager[None]:
+        """The block's waits for a lock last at most ``lock_timeout`` (this thread's, and
+        those of the background saves it submits)."""
+        return lock_timeout(self.lock_timeout)
 
     def _init_incremental(self, incremental: bool | IncrementalOptions,
                           checkpoint: Checkpoint) -> None:
@@ -367,7 +409,7 @@ class CheckpointManager:
     def _init_local(self, directory: Path, primary: bool = True) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.read_only = not writable(directory)
-        with locked(directory, shared=self.read_only):
+        with self._locks(), locked(directory, shared=self.read_only):
             state = read_state(directory, repair=not self.read_only)
             self._section = self._recover(state)
             if not self.read_only and primary:  # recovery writes; read-only: left as is
@@ -468,7 +510,9 @@ class CheckpointManager:
         manager just committed,
         which the caller lists itself (not opened to be told it is a checkpoint).
         """
-        section = state["sections"].get(self.checkpoint_name) or self._empty_section()
+        section = state["sections"].get(self.checkpoint_name)
+        rebuilt = section is None  # the state file lost (or never written for this name)
+        section = section or self._empty_section()
         for name in ("checkpoints", "preserved", "pending_delete"):
             section[name] = [e for e in section.get(name, []) if self._own(e)]
         on_disk = self._committed_on_disk()
@@ -494,7 +538,40 @@ class CheckpointManager:
             entries = {e["path"]: e for e in section["checkpoints"]} | unknown
             section["checkpoints"] = [entries[name] for name in save_order(
                 self.directory, [e["path"] for e in section["checkpoints"]], unknown)]
+            if rebuilt:  # no step known kept: the hours rule starts at the oldest found
+                section["last_preserved_time"] = 0.0
+        self._keep_for_hours(section)
         return section
+
+    def _keep_for_hours(self, section: dict[str, Any],
+                        leaving: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """``keep_checkpoint_every_n_hours`` (TensorFlow's rule): each step leaving the
+        window, oldest saved first, is kept (moved to ``preserved``: unlisted, never
+        deleted) if that many hours passed between the step kept last and its time (its
+        file's modification time); returns the others (to prune).
+
+        Without ``leaving``: the listed steps beyond ``max_to_keep`` (a state file rebuilt
+        from the directory, a lower ``max_to_keep``), those not kept staying listed for
+        the next save to prune. The rule depends only on the steps' times and order, so a
+        state file rebuilt from the directory keeps the steps it kept."""
+        hours = self.keep_checkpoint_every_n_hours
+        listed = section["checkpoints"]
+        if leaving is None:
+            if hours is None or self.max_to_keep is None or len(listed) <= self.max_to_keep:
+                return []
+            excess = len(listed) - self.max_to_keep
+            section["checkpoints"] = self._keep_for_hours(section, listed[:excess]) + \
+                listed[excess:]
+            return []
+        doomed = []
+        for old in leaving:
+            if hours is not None and old["time"] - section["last_preserved_time"] >= (
+                    hours * 3600):
+                section["last_preserved_time"] = old["time"]
+                section["preserved"].append(old)
+            else:
+                doomed.append(old)
+        return doomed
 
     def _committed_on_disk(self) -> list[tuple[str, int, bool]]:
         """``(name, number, is a symbolic link)`` of every file or directory of this
@@ -613,9 +690,11 @@ class CheckpointManager:
         self._checkpoint.save_counter.assign(after - 1)
         return after
 
-    def _count_if_committed(self, number: int) -> None:
-        """After a save that raised: if its step got committed all the same (an error after
-        the rename or the marker), the save counter counts it, so the next save goes on."""
+    def _count_if_committed(self, number: int) -> bool:
+        """After a save that raised (in the background too): if its step got committed all
+        the same (an error after the rename or the marker), the save counter counts it,
+        so the next save goes on; says whether so."""
+        done = False
         with contextlib.suppress(OSError, CkptError):
             name = step_name(self.checkpoint_name, number, self._suffix)
             done = (is_committed(self._location, name) if self._location is not None
@@ -623,6 +702,7 @@ class CheckpointManager:
             if done:
                 counter = self._checkpoint.save_counter
                 counter.assign(max(int(counter.numpy()), number))
+        return done
 
     def _refuse_committed(self, number: int) -> None:
         """Raise ``CheckpointExistsError`` if step ``number`` is committed already.
@@ -768,25 +848,18 @@ class CheckpointManager:
         ``keep_checkpoint_every_n_hours`` (docs/checkpoints.md, "CheckpointManager").
         """
         name = Path(path).name
-        now = time.time()
-        with locked(self.directory):
+        now = _step_time(path)
+        with self._locks(), locked(self.directory):
             state = read_state(self.directory, repair=True)
             section = self._recover(state, mine=name)
             preserved = len(section["preserved"])
             section["checkpoints"] = [e for e in section["checkpoints"] if e["path"] != name]
             section["checkpoints"].append({"path": name, "step": int(step), "time": now})
             doomed = []
-            if self.max_to_keep is not None:
-                while len(section["checkpoints"]) > self.max_to_keep:
-                    old = section["checkpoints"].pop(0)
-                    hours = self.keep_checkpoint_every_n_hours
-                    if hours is not None and old["time"] - section["last_preserved_time"] >= (
-                        hours * 3600
-                    ):
-                        section["last_preserved_time"] = old["time"]
-                        section["preserved"].append(old)
-                    else:
-                        doomed.append(old)
+            if self.max_to_keep is not None and len(section["checkpoints"]) > self.max_to_keep:
+                excess = len(section["checkpoints"]) - self.max_to_keep
+                doomed = self._keep_for_hours(section, section["checkpoints"][:excess])
+                section["checkpoints"] = section["checkpoints"][excess:]
             section["pending_delete"], unheld = self._split_held(
                 section.get("pending_delete", []) + doomed)
             self._section = section
@@ -809,7 +882,7 @@ class CheckpointManager:
         if not self.directory.is_dir():  # removed under this manager: no step is left
             self._section = self._empty_section()
             return
-        with locked(self.directory, shared=True):
+        with self._locks(), locked(self.directory, shared=True):
             self._section = self._recover(read_state(self.directory))
 
     @property
@@ -841,7 +914,7 @@ class CheckpointManager:
         return int(value)
 
     @_one_at_a_time
-    def save(  # noqa: C901 - the save steps in order (sync, write, state, prune)
+    def save(
         self,
         checkpoint_number: int | None = None,
         check_interval: bool = True,
@@ -884,11 +957,7 @@ class CheckpointManager:
         number, step = numbers
         if self._location is not None:
             self._refuse_committed(number)
-            try:
-                result = str(self._save_remote(number, step, timeout))
-            except BaseException:
-                self._count_if_committed(number)
-                raise
+            result = str(self._save_remote(number, step, timeout))
             if self.coordinator is not None and not self.async_save:
                 self._sync()
             return result
@@ -917,11 +986,12 @@ class CheckpointManager:
                                     "coordinator": self.coordinator, "timeout": timeout,
                                     "pack_threshold": self.pack_threshold}
             with self._deletes.deferred():  # its prune's freeing starts as it returns
-                result = self._checkpoint.save_step(prefix, options, number=number,
-                                                    on_commit=on_commit, incremental=incremental)
+                result = self._checkpoint.save_step(
+                    prefix, options, number=number, on_commit=on_commit,
+                    incremental=incremental,
+                    committed_after_all=functools.partial(self._count_if_committed, number))
         except BaseException:
             os.close(saving)
-            self._count_if_committed(number)
             raise
         if isinstance(result, str):
             os.close(saving)
@@ -982,9 +1052,10 @@ class CheckpointManager:
         signum = self._on_signal.due(self.coordinator, timeout)
         if signum is None:
             return False
-        self._on_signal.save_then_redeliver(
-            signum, lambda: self._preemption_save(checkpoint_number, timeout),
-            self._finish_preemption)
+        with self._locks():
+            self._on_signal.save_then_redeliver(
+                signum, lambda: self._preemption_save(checkpoint_number, timeout),
+                self._finish_preemption)
         return True
 
     def _preemption_save(self, checkpoint_number: int | None,
@@ -1141,6 +1212,7 @@ class CheckpointManager:
             on_commit=lambda _path: self._record_remote(step),
             incremental=(None if self._incremental is None
                          else functools.partial(self._remote_base, number)),
+            committed_after_all=functools.partial(self._count_if_committed, number),
         )
         return str(result) if isinstance(result, str) else str(result.path)
 
@@ -1243,7 +1315,7 @@ class CheckpointManager:
             checkpoint_name=self.checkpoint_name, step_counter=step_counter,
             checkpoint_interval=checkpoint_interval, format=self.format,
             async_save=self.async_save, coordinator=self.coordinator,
-            incremental=self._incremental_options or False,
+            incremental=self._incremental_options or False, lock_timeout=self.lock_timeout,
         )
         #: the local save of a preemption: persisted whatever ``persistent_every`` says
         self._persist_next = False
@@ -1391,6 +1463,10 @@ class CheckpointManager:
         ``number`` (background thread), record it and prune by ``max_to_keep``.
         ``pending``: the local tier's background save of that step, waited for first
         (a step it did not commit is not copied: its save reports its error)."""
+        with self._locks():  # (a pool's thread: the context is not the saver's)
+            self._persist_step(number, local, pending)
+
+    def _persist_step(self, number: int, local: str, pending: Any) -> None:
         if pending is not None:
             written = threading.Event()
             pending.add_done_callback(lambda _h: written.set())
@@ -1496,12 +1572,12 @@ class CheckpointManager:
 
     def _read_record(self) -> None:
         """Read this directory's committed steps (not waiting for a background save)."""
-        with locked(self.directory, shared=True):
+        with self._locks(), locked(self.directory, shared=True):
             self._section = self._recover(read_state(self.directory))
 
     def _drop(self, name: str) -> None:
         """Delete this manager's step ``name`` (local directory), state first."""
-        with locked(self.directory):
+        with self._locks(), locked(self.directory):
             state = read_state(self.directory, repair=True)
             section = self._recover(state)
             doomed = [e for e in section["checkpoints"] if e["path"] == name]

@@ -126,7 +126,7 @@ def _rebuild_state(directory: Path, why: str, *, repair: bool) -> dict[str, Any]
             continue
         section = sections.setdefault(
             parsed.prefix, {"checkpoints": [], "preserved": [], "pending_delete": [],
-                            "last_preserved_time": time.time()}
+                            "last_preserved_time": 0.0}  # the hours rule: from the oldest
         )
         mtime = entry.stat(follow_symlinks=False).st_mtime
         section["checkpoints"].append({"path": entry.name, "step": parsed.step,

@@ -31,6 +31,7 @@ from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
 from ._common import MAX_HEADER_BYTES, EntryReader, FileArray, FileHandle, check_shape, covers_whole
 from ._unpickler import (
+    PACKED_TORCH_DTYPES,
     StorageRef,
     TensorRef,
     TorchDtype,
@@ -416,8 +417,50 @@ def _arrays(
         stored = ref.dtype
         if order == "big" and stored.itemsize > 1 and stored.kind in "biufc":
             stored = stored.newbyteorder(">")
-        arrays[key] = TorchArray(_info(key, ref), ref, sources[ref.storage.key], stored)
+        array = TorchArray(_info(key, ref), ref, sources[ref.storage.key], stored)
+        arrays[key] = array if ref.packed is None else PairsArray(array, ref.packed)
     return arrays
+
+
+class PairsArray(LazyArray):
+    """A tensor of a packed torch dtype (``float4_e2m1fn_x2``: two values a byte) read as
+    its unpacked values: the bytes (a :class:`TorchArray`, which checks them) split into
+    the low nibble, then the high one, the last dimension doubled (a 0-d tensor's two
+    values are a vector of 2). Slicing reads the whole tensor."""
+
+    def __init__(self, packed: TorchArray, torch_dtype: str) -> None:
+        self._packed = packed
+        info = packed.info
+        shape = (*info.shape[:-1], info.shape[-1] * 2) if info.shape else (2,)
+        attrs = dict(info.attrs or {})
+        attrs["torch_dtype"] = torch_dtype
+        attrs["unpacked"] = (
+            f"torch.{torch_dtype} of shape {list(info.shape)}, two values a byte: read as "
+            f"{PACKED_TORCH_DTYPES[torch_dtype].name}, one a byte, the low nibble first, the "
+            "last dimension doubled")
+        self.info = dataclasses.replace(info, dtype=PACKED_TORCH_DTYPES[torch_dtype],
+                                        shape=shape, attrs=attrs)
+
+    def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
+        if out is not None and (out.shape != self.info.shape or out.dtype != self.info.dtype):
+            raise ValueError(f"out for {self.info.key!r} must have shape {self.info.shape} "
+                             f"and dtype {self.info.dtype}.")
+        raw = self._packed.read(verify=verify)
+        codes = np.empty((*raw.shape, 2), np.uint8)
+        codes[..., 0] = raw & 0x0F
+        codes[..., 1] = raw >> 4
+        values = codes.reshape(self.info.shape).view(self.info.dtype)
+        if out is None:
+            return values
+        out[...] = values
+        return out
+
+    def verify(self) -> None:
+        self._packed.verify()
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        result = self.read()[index]
+        return np.array(result, copy=True) if isinstance(result, np.ndarray) else result
 
 
 def _open_legacy(path: Path) -> Reader:

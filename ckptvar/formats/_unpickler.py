@@ -31,6 +31,7 @@ from ..errors import CorruptCheckpointError
 
 __all__ = [
     "DCP_GLOBALS",
+    "PACKED_TORCH_DTYPES",
     "TORCH_DTYPES",
     "DcpRecord",
     "RestrictedUnpickler",
@@ -91,12 +92,15 @@ class TensorRef(_Sealed):
     dtype: np.dtype
     requires_grad: bool = False
     is_parameter: bool = False
+    #: a packed torch dtype (``"float4_e2m1fn_x2"``): ``dtype`` is then its byte
+    #: (uint8), each holding two values (:data:`PACKED_TORCH_DTYPES`)
+    packed: str | None = None
 
 
 @dataclass(frozen=True)
 class UnsupportedTensor(_Sealed):
     """A tensor of a torch dtype NumPy and ml_dtypes cannot hold (``torch.quint8``,
-    ``torch.float4_e2m1fn_x2``): named, so the file's other values still read."""
+    ``torch.bits8``): named, so the file's other values still read."""
 
     dtype: str
 
@@ -159,7 +163,7 @@ TORCH_DTYPES: dict[str, np.dtype | None] = {
     "qint32": None,
     "quint4x2": None,
     "quint2x4": None,
-    "float4_e2m1fn_x2": None,  # two values a byte, the last dimension halved
+    "float4_e2m1fn_x2": None,  # two values a byte: PACKED_TORCH_DTYPES
     "bits1x8": None,
     "bits2x4": None,
     "bits4x2": None,
@@ -167,6 +171,11 @@ TORCH_DTYPES: dict[str, np.dtype | None] = {
     "bits16": None,
     **{f"{sign}int{n}": None for sign in ("", "u") for n in range(1, 8)},
 }
+
+#: Torch dtypes of two values a byte, the last dimension halved: read as a byte tensor
+#: (``TensorRef.packed``), each byte then unpacked into two values of this dtype, the
+#: first from the low nibble (torch's order: its ONNX exporter unpacks 0x71 as 0.5, 6.0).
+PACKED_TORCH_DTYPES: dict[str, np.dtype] = {"float4_e2m1fn_x2": _E(ml_dtypes.float4_e2m1fn)}
 
 _STORAGE_TYPES: dict[str, np.dtype] = {
     "FloatStorage": _E("float32"),
@@ -256,6 +265,9 @@ def _make_tensor(
     if dtype is None:
         np_dtype = storage.dtype
     elif isinstance(dtype, TorchDtype):
+        if dtype.name in PACKED_TORCH_DTYPES:
+            return TensorRef(storage, offset, shape, strides, _E("uint8"),
+                             bool(requires_grad), packed=dtype.name)
         if dtype.np_dtype is None:
             return UnsupportedTensor(dtype.name)
         np_dtype = dtype.np_dtype

@@ -47,7 +47,7 @@ from ._commit import (
 )
 from ._leftovers import Leftover, remove_local, staging_leftovers, temporaries, uncommitted
 from ._local import LocalLocation
-from ._lockwait import wait_for_lock
+from ._lockwait import LOCK_TIMEOUT, checked_lock_timeout, lock_timeout, wait_for_lock
 from ._names import (
     STAGING_PREFIX,
     StepName,
@@ -81,6 +81,7 @@ __all__ = [
     "CLOUD_SCHEMES",
     "DEFAULT_CONCURRENCY",
     "DEFAULT_PART_SIZE",
+    "LOCK_TIMEOUT",
     "MARKER_SUFFIX",
     "STAGING_PREFIX",
     "Binding",
@@ -99,6 +100,7 @@ __all__ = [
     "StepName",
     "StorageError",
     "check_destination",
+    "checked_lock_timeout",
     "claim",
     "clean_uncommitted",
     "commit",
@@ -111,6 +113,7 @@ __all__ = [
     "is_url",
     "latest_committed_step",
     "list_committed_steps",
+    "lock_timeout",
     "marker_key",
     "no_writer_in",
     "open_location",
