@@ -1,0 +1,84 @@
+"""Malicious checkpoints made with the real libraries: code that a file would run is never
+run, nothing outside the checkpoint is read, and declared sizes are refused before they
+are allocated; each refusal is a ckptvar error naming what and where (the CLI: a non-zero
+exit and one line, no traceback)."""
+
+from __future__ import annotations
+
+import bz2
+import json
+import os
+import pickle
+import shutil
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ckpt_runs import ckpt
+
+import ckptvar as cv
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+ORBAX_ZARR = FIXTURES / "orbax" / "zarr_step"
+
+
+class _Payload:
+    """Unpickled, it would create ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _edit_zarray(folder: Path, name: str, **changes: object) -> None:
+    path = folder / name / ".zarray"
+    meta = json.loads(path.read_text())
+    meta.update(changes)
+    path.write_text(json.dumps(meta))
+
+
+def _one_line_error(run: object) -> None:
+    out = getattr(run, "stdout", "") + getattr(run, "stderr", "")
+    assert getattr(run, "returncode", 0) != 0, out
+    assert "Traceback" not in out, out
+
+
+# -- Orbax per-array Zarr: the compressor is data, never a codec looked up by name ---------
+
+
+def test_orbax_chunk_compressed_as_a_pickle_is_never_unpickled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # numcodecs' "pickle" codec unpickles a chunk; numcodecs refuses it only unless the
+    # environment allows it, and ckptvar must not depend on that.
+    import numcodecs.pickles
+
+    monkeypatch.setattr(numcodecs.pickles, "ALLOW_UNSAFE_PICKLE_DECODE", True)
+    marker = tmp_path / "ran"
+    folder = tmp_path / "step"
+    shutil.copytree(ORBAX_ZARR, folder)
+    _edit_zarray(folder, "params.dense.bias", compressor={"id": "pickle"})
+    (folder / "params.dense.bias" / "0").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(cv.UnsupportedFormatError,
+                       match=r"params\.dense\.bias.*compressor 'pickle' is not read"):
+        cv.load(folder)
+    assert not marker.exists()
+    with cv.open(folder) as reader:  # the other values still read
+        np.testing.assert_array_equal(reader.read("opt_state/mu"), np.ones(3))
+
+
+def test_orbax_bz2_chunk_bomb_is_stopped_at_its_cell(tmp_path: Path) -> None:
+    folder = tmp_path / "step"
+    shutil.copytree(ORBAX_ZARR, folder)
+    _edit_zarray(folder, "params.big", compressor={"id": "bz2", "level": 9})
+    # 64 streams of 1 MiB of zeros: a few KiB that bz2.decompress would make 64 MiB.
+    (folder / "params.big" / "0.0").write_bytes(bz2.compress(bytes(1 << 20)) * 64)
+    tracemalloc.start()
+    try:
+        with pytest.raises(cv.CorruptCheckpointError, match=r"params\.big/0\.0.*holds 2401 bytes"):
+            cv.load(folder)
+        assert tracemalloc.get_traced_memory()[1] < 8 << 20
+    finally:
+        tracemalloc.stop()
