@@ -82,3 +82,80 @@ def test_orbax_bz2_chunk_bomb_is_stopped_at_its_cell(tmp_path: Path) -> None:
         assert tracemalloc.get_traced_memory()[1] < 8 << 20
     finally:
         tracemalloc.stop()
+
+
+# -- symbolic links inside a checkpoint directory never lead out of it ---------------------
+
+
+def _move_out(path: Path, outside: Path) -> None:
+    """``path`` becomes a symbolic link to ``outside``, where its file or folder now is."""
+    shutil.move(path, outside)
+    path.symlink_to(outside)
+
+
+def _dcp(tmp_path: Path, what: str) -> Path:
+    folder = tmp_path / "dcp"
+    shutil.copytree(FIXTURES / "dcp" / "single", folder)
+    _move_out(folder / what, tmp_path / "elsewhere")
+    return folder
+
+
+def _hf(tmp_path: Path, what: str) -> Path:
+    folder = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "hf_sharded", folder)
+    _move_out(folder / what, tmp_path / "elsewhere")
+    return folder
+
+
+def _orbax(tmp_path: Path, what: str) -> Path:
+    folder = tmp_path / "orbax"
+    shutil.copytree(ORBAX_ZARR, folder)
+    _move_out(folder / what, tmp_path / "elsewhere")
+    return folder
+
+
+LINKS_OUT = {
+    "dcp data file": (_dcp, "__0_0.distcp"),
+    "dcp metadata": (_dcp, ".metadata"),
+    "hf shard": (_hf, "model-00002-of-00002.safetensors"),
+    "orbax chunk": (_orbax, "params.dense.bias/0"),
+    "orbax array folder": (_orbax, "params.dense.bias"),
+    "orbax metadata": (_orbax, "_METADATA"),
+}
+
+
+@pytest.mark.parametrize("case", LINKS_OUT)
+def test_a_symbolic_link_out_of_a_checkpoint_is_refused(case: str, tmp_path: Path) -> None:
+    make, what = LINKS_OUT[case]
+    folder = make(tmp_path, what)
+    pattern = rf"{what.split('/')[-1]}'? is a symbolic link to '{tmp_path / 'elsewhere'}.*outside"
+    with pytest.raises(cv.CorruptCheckpointError, match=pattern):
+        cv.load(folder)
+
+
+def test_cli_refuses_a_link_out_in_one_line(tmp_path: Path) -> None:
+    folder = _dcp(tmp_path, "__0_0.distcp")
+    run = ckpt("convert", folder, tmp_path / "out.safetensors")
+    _one_line_error(run)
+    assert "symbolic link" in run.stderr and len(run.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_links_that_stay_inside_and_the_hub_cache_are_read(tmp_path: Path) -> None:
+    # A link to another file of the same checkpoint stays inside it.
+    folder = tmp_path / "orbax"
+    shutil.copytree(ORBAX_ZARR, folder)
+    chunk = folder / "params.dense.bias" / "0"
+    shutil.move(chunk, folder / "params.dense.bias" / "real")
+    chunk.symlink_to("real")
+    np.testing.assert_array_equal(cv.load(folder)["params/dense/bias"],
+                                  cv.load(ORBAX_ZARR)["params/dense/bias"])
+    # The Hugging Face hub keeps each file of a snapshot as a link into the repo's blobs/.
+    repo = tmp_path / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for i, f in enumerate(sorted((FIXTURES / "hf_sharded").iterdir())):
+        shutil.copy(f, repo / "blobs" / f"blob{i}")
+        (snapshot / f.name).symlink_to(Path("..", "..", "blobs", f"blob{i}"))
+    assert sorted(cv.load(snapshot)) == sorted(cv.load(FIXTURES / "hf_sharded"))

@@ -44,6 +44,7 @@ from ._common import (
     EntryReader,
     FileHandle,
     check_shape,
+    inside,
     overlap_problem,
 )
 from ._safetensors import SafetensorsBackend
@@ -317,6 +318,7 @@ def _storage_map(meta: DcpRecord, folder: Path, where: str) -> dict[tuple[str, A
             )
         file = folder / name
         if file not in sizes:
+            inside(folder, file, f"{where} names the data file {name!r}:")
             try:
                 sizes[file] = file.stat().st_size
             except OSError:
@@ -366,7 +368,7 @@ def _bytes_entry(file: Path, start: int, length: int, key: str) -> tuple[Any, in
 
 
 def _read_metadata(folder: Path) -> DcpRecord:
-    meta_file = folder / METADATA_NAME
+    meta_file = inside(folder, folder / METADATA_NAME, "The DCP metadata")
     where = repr(str(meta_file))
     fh = FileHandle(meta_file)
     try:

@@ -47,7 +47,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
-from ._common import BoxArray, EntryReader, check_shape, not_regular
+from ._common import BoxArray, EntryReader, check_shape, inside, not_regular
 
 __all__ = ["OrbaxBackend"]
 
@@ -79,10 +79,14 @@ def _json(raw: bytes | None, what: str) -> Any:
         raise CorruptCheckpointError(f"{what} is not valid JSON: {exc}.") from None
 
 
-def _dir_fetch(folder: Path) -> Fetch:
+def _dir_fetch(folder: Path, step: Path) -> Fetch:
+    """Reads the files of ``folder``, an item of the Orbax step ``step`` (or the step
+    itself); a symbolic link out of the step is refused."""
+
     def fetch(key: str, limit: int) -> bytes | None:
         path = folder / key
         try:
+            inside(step, path, "The Orbax file")
             st = path.stat()
             if not stat.S_ISREG(st.st_mode):
                 raise CorruptCheckpointError(f"{str(path)!r} {not_regular(st.st_mode)}.")
@@ -514,18 +518,18 @@ def _items(step: Path) -> list[tuple[str, Path]]:
 
 
 def _item_arrays(
-    prefix: str, folder: Path, arrays: dict[str, LazyArray], skipped: dict[str, str]
+    prefix: str, folder: Path, step: Path, arrays: dict[str, LazyArray], skipped: dict[str, str]
 ) -> None:
     where = repr(str(folder))
     meta = _json(
-        _dir_fetch(folder)(ITEM_METADATA, MAX_JSON_BYTES), f"{str(folder / ITEM_METADATA)!r}"
+        _dir_fetch(folder, step)(ITEM_METADATA, MAX_JSON_BYTES), f"{str(folder / ITEM_METADATA)!r}"
     )
     tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
     if not isinstance(tree, dict):
         raise CorruptCheckpointError(f"{str(folder / ITEM_METADATA)!r} has no tree_metadata.")
     array_type = ZarrV3Array if meta.get("use_zarr3") else ZarrV2Array
     ocdbt = (folder / "manifest.ocdbt").is_file() or bool(meta.get("use_ocdbt"))
-    fetch = _ocdbt_fetch(folder) if ocdbt else _dir_fetch(folder)
+    fetch = _ocdbt_fetch(folder) if ocdbt else _dir_fetch(folder, step)
     for entry in tree.values():
         if not isinstance(entry, dict) or not isinstance(entry.get("key_metadata"), list):
             raise CorruptCheckpointError(f"{where}: a tree_metadata entry has no key_metadata.")
@@ -597,9 +601,9 @@ def _open(path: Path) -> Reader:
     arrays: dict[str, LazyArray] = {}
     skipped: dict[str, str] = {}
     for prefix, folder in _items(step):
-        _item_arrays(prefix, folder, arrays, skipped)
+        _item_arrays(prefix, folder, step, arrays, skipped)
     metadata: dict[str, Any] = {}
-    raw = _dir_fetch(step)(CHECKPOINT_METADATA, MAX_JSON_BYTES)
+    raw = _dir_fetch(step, step)(CHECKPOINT_METADATA, MAX_JSON_BYTES)
     if raw is not None:
         top = _json(raw, repr(str(step / CHECKPOINT_METADATA)))
         if isinstance(top, dict):
