@@ -159,3 +159,32 @@ def test_links_that_stay_inside_and_the_hub_cache_are_read(tmp_path: Path) -> No
         shutil.copy(f, repo / "blobs" / f"blob{i}")
         (snapshot / f.name).symlink_to(Path("..", "..", "blobs", f"blob{i}"))
     assert sorted(cv.load(snapshot)) == sorted(cv.load(FIXTURES / "hf_sharded"))
+
+
+# -- ckptvar's own incremental HDF5 steps: holders are the steps beside, never links -------
+
+
+def _two_process_file_steps(run: Path) -> tuple[Path, Path]:
+    """Two steps of the multi-process layout (one process), the second's unchanged value
+    ``a`` held by the first (``../ckpt-1.h5/rank-00000.h5``)."""
+    rows = 16
+    a = cv.Variable(np.arange(rows * 4, dtype="f4").reshape(rows, 4), name="a",
+                    shard=cv.Shard(full_shape=(rows, 4), offset=(0, 0)))
+    b = cv.Variable(np.ones((rows, 4), "f4"), name="b",
+                    shard=cv.Shard(full_shape=(rows, 4), offset=(0, 0)))
+    manager = cv.CheckpointManager(cv.Checkpoint(a=a, b=b), run, format="h5", incremental=True,
+                                   coordinator=cv.distributed.SingleProcessCoordinator())
+    first = Path(manager.save())
+    b.assign(np.zeros((rows, 4), "f4"))
+    return first, Path(manager.save())
+
+
+def test_an_incremental_step_does_not_read_a_base_step_linked_from_elsewhere(
+        tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    first, second = _two_process_file_steps(tmp_path / "run")
+    _move_out(first, tmp_path / "elsewhere")
+    with pytest.raises(cv.CorruptCheckpointError,
+                       match=r"'a'.*'\.\./ckpt-1\.h5/rank-00000\.h5'.*symbolic link"):
+        cv.load(second)
+    _one_line_error(ckpt("convert", second, tmp_path / "out.h5"))
+    assert not (tmp_path / "out.h5").exists()
