@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from ckpt_runs import ckpt
+from ckpt_runs import ckpt_processes as ckpt_many
 
 import ckptvar as cv
 
@@ -188,3 +189,49 @@ def test_an_incremental_step_does_not_read_a_base_step_linked_from_elsewhere(
         cv.load(second)
     _one_line_error(ckpt("convert", second, tmp_path / "out.h5"))
     assert not (tmp_path / "out.h5").exists()
+
+
+# -- never wait forever: a named pipe or a device where a file is expected -----------------
+
+
+def _pipe_or_zero(path: Path, kind: str) -> None:
+    """``path`` becomes a named pipe (no writer: a plain open waits forever) or a link to
+    ``/dev/zero`` (a plain read never ends)."""
+    if path.exists():
+        path.unlink()
+    if kind == "pipe":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+
+
+@pytest.mark.parametrize("kind", ["pipe", "zero"])
+def test_a_pipe_or_device_for_a_foreign_index_is_refused_at_once(tmp_path: Path,
+                                                                 kind: str) -> None:
+    dcp = tmp_path / "dcp"
+    shutil.copytree(FIXTURES / "dcp" / "single", dcp)
+    _pipe_or_zero(dcp / ".metadata", kind)
+    tf = tmp_path / "tf"
+    shutil.copytree(FIXTURES / "tf2_object", tf)
+    _pipe_or_zero(tf / "ckpt-1.index", kind)
+    for path in (dcp, tf / "ckpt-1"):  # each call would block without a bound
+        with pytest.raises(cv.CkptError):
+            cv.load(path)
+    if kind == "pipe":
+        for run in ckpt_many(("inspect", dcp), ("inspect", tf / "ckpt-1")):
+            _one_line_error(run)
+
+
+@pytest.mark.parametrize("kind", ["pipe", "zero"])
+def test_a_pipe_or_device_for_the_state_file_is_damage(tmp_path: Path, kind: str) -> None:
+    run = tmp_path / "run"
+    manager = cv.CheckpointManager(cv.Checkpoint(v=cv.Variable(np.zeros(3, "f4"))), run,
+                                   format="h5")
+    manager.save()
+    last = manager.save()
+    _pipe_or_zero(run / "checkpoint_state.json", kind)
+    with pytest.warns(UserWarning, match="checkpoint_state.json.*not a regular file"):
+        assert cv.latest_checkpoint(run) == last
+    if kind == "pipe":
+        listing = ckpt("ls", run)
+        assert listing.returncode == 0 and "ckpt-2.h5" in listing.stdout, listing

@@ -466,6 +466,8 @@ class DcpBackend(Backend, name="dcp", suffixes=()):
         path = Path(path)
         meta = path if path.name == METADATA_NAME else path / METADATA_NAME
         try:
+            if not meta.is_file():  # a named pipe: opening it would wait for a writer
+                return False
             with open(meta, "rb") as f:
                 return f.read(1) == b"\x80"
         except OSError:
