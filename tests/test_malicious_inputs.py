@@ -10,7 +10,9 @@ import json
 import os
 import pickle
 import shutil
+import threading
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -235,3 +237,36 @@ def test_a_pipe_or_device_for_the_state_file_is_damage(tmp_path: Path, kind: str
     if kind == "pipe":
         listing = ckpt("ls", run)
         assert listing.returncode == 0 and "ckpt-2.h5" in listing.stdout, listing
+
+
+def _within(seconds: float, call: Callable[[], object]) -> object:
+    """``call()``'s result, failing the test if it has not returned after ``seconds`` (a
+    daemon thread: a call blocked for good does not keep the test process alive)."""
+    box: list[object] = []
+
+    def run() -> None:
+        try:
+            box.append(call())
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box.append(exc)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert box, f"still blocked after {seconds} s"
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
+def test_an_incremental_save_over_a_base_whose_step_index_is_a_pipe(
+        tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    run = tmp_path / "run"
+    first, second = _two_process_file_steps(run)
+    _pipe_or_zero(second / "ckptvar-index.msgpack", "pipe")
+    a = cv.Variable(np.full((16, 4), 7, "f4"), name="a",
+                    shard=cv.Shard(full_shape=(16, 4), offset=(0, 0)))
+    manager = cv.CheckpointManager(cv.Checkpoint(a=a), run, format="h5", incremental=True,
+                                   coordinator=cv.distributed.SingleProcessCoordinator())
+    third = Path(str(_within(20, manager.save)))  # the base is unusable: every value written
+    np.testing.assert_array_equal(cv.load(third)["a"], np.full((16, 4), 7, "f4"))
