@@ -270,3 +270,13 @@ def test_an_incremental_save_over_a_base_whose_step_index_is_a_pipe(
                                    coordinator=cv.distributed.SingleProcessCoordinator())
     third = Path(str(_within(20, manager.save)))  # the base is unusable: every value written
     np.testing.assert_array_equal(cv.load(third)["a"], np.full((16, 4), 7, "f4"))
+
+
+def test_a_directory_named_like_an_hdf5_file_is_a_ckptvar_error(tmp_path: Path) -> None:
+    folder = tmp_path / "model.h5"  # not a multi-process step: no step index in it
+    folder.mkdir()
+    (folder / "rank-00000.h5").write_bytes(b"")
+    with pytest.raises(cv.UnsupportedFormatError, match=r"model\.h5' is a directory"):
+        cv.load(folder)
+    with pytest.raises(cv.UnsupportedFormatError, match=r"model\.h5' is a directory"):
+        cv.Checkpoint(v=cv.Variable(np.zeros(2))).restore(folder)

@@ -620,6 +620,11 @@ class H5Reader(ContainerReader, SupportsShared):
         else:
             fd = source
         try:
+            if source is None and stat.S_ISDIR(os.fstat(fd).st_mode):  # type: ignore[arg-type]
+                raise UnsupportedFormatError(
+                    f"{str(path)!r} is a directory, not an HDF5 file (nor a multi-process "
+                    "step: it holds no complete step index)."
+                )
             size = os.fstat(fd).st_size if source is None else source.size  # type: ignore[arg-type]
             record = _load_record(fd, size, path)
         except BaseException:
