@@ -280,3 +280,17 @@ def test_a_directory_named_like_an_hdf5_file_is_a_ckptvar_error(tmp_path: Path) 
         cv.load(folder)
     with pytest.raises(cv.UnsupportedFormatError, match=r"model\.h5' is a directory"):
         cv.Checkpoint(v=cv.Variable(np.zeros(2))).restore(folder)
+
+
+def test_verify_names_the_values_it_did_not_check(tmp_path: Path) -> None:
+    # An object array (a pickle inside the .npz) is never read, so never verified: the
+    # verdict says so instead of "OK: 1 value verified" alone.
+    path = tmp_path / "mixed.npz"
+    marker = tmp_path / "ran"
+    np.savez(path, a=np.array([_Payload(marker)], dtype=object), b=np.ones(3))
+    run = ckpt("verify", path)
+    assert run.returncode == 0, run
+    assert "SKIPPED  a: dtype '|O' refused" in run.stdout, run.stdout
+    assert run.stdout.strip().splitlines()[-1] == (
+        "OK: 1 value verified; 1 skipped (not read, so not verified)")
+    assert not marker.exists()
