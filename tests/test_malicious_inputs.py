@@ -294,3 +294,22 @@ def test_verify_names_the_values_it_did_not_check(tmp_path: Path) -> None:
     assert run.stdout.strip().splitlines()[-1] == (
         "OK: 1 value verified; 1 skipped (not read, so not verified)")
     assert not marker.exists()
+
+
+def test_a_dcp_chunk_declaring_more_than_its_stored_bytes_is_refused(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    folder = tmp_path / "dcp"
+    shutil.copytree(FIXTURES / "dcp" / "single", folder)
+    meta = pickle.loads((folder / ".metadata").read_bytes())  # our own fixture: trusted
+    entry = meta.state_dict_metadata["model.0.weight"]
+    entry.size = entry.chunks[0].sizes = torch.Size([2**20, 2**20])  # 4 TiB from 48 bytes
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    cv.load(FIXTURES / "dcp" / "single")  # the reader's modules imported: not measured
+    tracemalloc.start()
+    try:
+        with pytest.raises(cv.CorruptCheckpointError,
+                           match=r"'model\.0\.weight' at \[0, 0\] declares .* bytes are stored"):
+            cv.load(folder)
+        assert tracemalloc.get_traced_memory()[1] < 8 << 20
+    finally:
+        tracemalloc.stop()

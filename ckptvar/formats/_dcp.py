@@ -385,8 +385,11 @@ def _read_metadata(folder: Path) -> DcpRecord:
 
 
 def _chunks(
-    key: str, raw_chunks: list[Any], places: dict[tuple[str, Any], tuple[Path, int, int]], where: str
+    key: str, raw_chunks: list[Any], places: dict[tuple[str, Any], tuple[Path, int, int]],
+    where: str, itemsize: int,
 ) -> list[_Chunk]:
+    """The chunks of ``key``, each placed in its file; a chunk declaring more bytes than
+    are stored for it is refused before anything is allocated."""
     chunks = []
     for raw in raw_chunks:
         c = _record(raw, "ChunkStorageMetadata", where)
@@ -396,6 +399,12 @@ def _chunks(
         if place is None:
             raise CorruptCheckpointError(
                 f"{where}: the chunk of {key!r} at {list(offsets)} has no stored bytes."
+            )
+        nbytes = math.prod(sizes) * itemsize
+        if nbytes > place[2]:
+            raise CorruptCheckpointError(
+                f"{where}: the chunk of {key!r} at {list(offsets)} declares {list(sizes)} "
+                f"({nbytes} bytes), but {place[2]} bytes are stored for it."
             )
         chunks.append(_Chunk(offsets, sizes, *place))
     return chunks
@@ -451,7 +460,7 @@ def _open(path: Path) -> Reader:
         except UnsupportedFormatError as exc:
             skipped[key] = str(exc)
             continue
-        chunks = _chunks(key, raw_chunks, places, where)
+        chunks = _chunks(key, raw_chunks, places, where, dtype.itemsize)
         _check_tiling(key, shape, chunks, where)
         info = ArrayInfo(key=key, dtype=dtype, shape=shape, attrs={"name": key})
         arrays[key] = DcpArray(info, chunks, files)
