@@ -297,13 +297,14 @@ def test_verify_names_the_values_it_did_not_check(tmp_path: Path) -> None:
 
 
 def test_a_dcp_chunk_declaring_more_than_its_stored_bytes_is_refused(tmp_path: Path) -> None:
-    torch = pytest.importorskip("torch")
     folder = tmp_path / "dcp"
     shutil.copytree(FIXTURES / "dcp" / "single", folder)
-    meta = pickle.loads((folder / ".metadata").read_bytes())  # our own fixture: trusted
-    entry = meta.state_dict_metadata["model.0.weight"]
-    entry.size = entry.chunks[0].sizes = torch.Size([2**20, 2**20])  # 4 TiB from 48 bytes
-    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    # torch's pickle of the (3, 4) sizes (the tensors' and their chunks') made 2^20 x 2^20:
+    # 4 TiB declared over 48 stored bytes
+    raw = (folder / ".metadata").read_bytes()
+    three_by_four, huge = b"K\x03K\x04\x86", b"J\x00\x00\x10\x00J\x00\x00\x10\x00\x86"
+    assert three_by_four in raw
+    (folder / ".metadata").write_bytes(raw.replace(three_by_four, huge))
     cv.load(FIXTURES / "dcp" / "single")  # the reader's modules imported: not measured
     tracemalloc.start()
     try:
