@@ -262,7 +262,7 @@ def _within(seconds: float, call: Callable[[], object]) -> object:
 def test_an_incremental_save_over_a_base_whose_step_index_is_a_pipe(
         tmp_path: Path, fresh_graph: cv.Graph) -> None:
     run = tmp_path / "run"
-    first, second = _two_process_file_steps(run)
+    _, second = _two_process_file_steps(run)
     _pipe_or_zero(second / "ckptvar-index.msgpack", "pipe")
     a = cv.Variable(np.full((16, 4), 7, "f4"), name="a",
                     shard=cv.Shard(full_shape=(16, 4), offset=(0, 0)))
