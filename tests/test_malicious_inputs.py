@@ -162,6 +162,12 @@ def test_links_that_stay_inside_and_the_hub_cache_are_read(tmp_path: Path) -> No
         shutil.copy(f, repo / "blobs" / f"blob{i}")
         (snapshot / f.name).symlink_to(Path("..", "..", "blobs", f"blob{i}"))
     assert sorted(cv.load(snapshot)) == sorted(cv.load(FIXTURES / "hf_sharded"))
+    # ... and older huggingface_hub made a local_dir download of links to the same blobs.
+    local = tmp_path / "local_dir"
+    local.mkdir()
+    for f in snapshot.iterdir():
+        (local / f.name).symlink_to(f.resolve())
+    assert sorted(cv.load(local)) == sorted(cv.load(FIXTURES / "hf_sharded"))
 
 
 # -- ckptvar's own incremental HDF5 steps: holders are the steps beside, never links -------

@@ -464,14 +464,17 @@ def inside(root: Path, path: Path, what: str, *, hub: bool = False) -> Path:
     ``root`` once its symbolic links are followed; a link leading out of it is refused,
     naming the link and its target (nothing outside a checkpoint is read).
 
-    ``hub``: also take a link of a Hugging Face hub cache, ``<repo>/snapshots/<rev>/<file>``
-    to ``<repo>/blobs/<blob>``, which is how the hub keeps every downloaded file.
+    ``hub``: also take a link into a Hugging Face hub cache's blobs,
+    ``models--<org>--<name>/blobs/<blob>``: the hub keeps every downloaded file there, a
+    snapshot's files (and a ``local_dir`` download's, with older ``huggingface_hub``)
+    being links to them.
     """
     top = root.resolve()
 
     def stays(real: Path) -> bool:
         return real == top or top in real.parents or (
-            hub and top.parent.name == "snapshots" and real.parent == top.parent.parent / "blobs")
+            hub and real.parent.name == "blobs"
+            and real.parent.parent.name.startswith(("models--", "datasets--", "spaces--")))
 
     if stays(path.resolve()):
         return path
