@@ -321,7 +321,7 @@ def test_a_holder_is_never_reached_through_a_symlink(tmp_path: Path,
     p2 = manager.save()
     os.rename(tmp_path / "ckpt-1.h5", tmp_path / "elsewhere.h5")
     os.symlink(tmp_path / "elsewhere.h5", tmp_path / "ckpt-1.h5")
-    with pytest.raises(cv.CorruptCheckpointError, match="cannot be read"):
+    with pytest.raises(cv.CorruptCheckpointError, match="through a symbolic link"):
         cv.load(p2)
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import msgpack
 
 from ..storage import INDEX_FILE
+from ..storage.rawio import NotRegularFile, read_regular
 
 __all__ = ["check_base", "read_sums", "stored_known", "stored_rows"]
 
@@ -45,10 +46,10 @@ def _decode(raw: bytes) -> dict[str, Any]:
 
 
 def _index(base: Path) -> dict[str, Any]:
-    where = base / INDEX_FILE
-    if where.stat().st_size > _MAX_INDEX:
-        raise ValueError("its index is larger than 1 GiB")
-    return _decode(where.read_bytes())
+    try:  # a named pipe or device there: refused at once (a ValueError), never waited on
+        return _decode(read_regular(base / INDEX_FILE, _MAX_INDEX))
+    except NotRegularFile as exc:
+        raise ValueError(f"its index cannot be read: {exc}") from None
 
 
 def check_base(base: str | None, index: Callable[[str], bytes], fmt: str, size: int,

@@ -44,6 +44,7 @@ from ..storage import (
     partial_path,
     remove_path,
 )
+from ..storage.rawio import read_regular
 from ._files import make_parents, native_backend
 
 __all__ = [
@@ -217,10 +218,7 @@ class LocalTarget(Target):
                     pack_threshold=self.pack_threshold, **extra)
 
     def base_index(self, base: str) -> bytes:
-        where = Path(base) / INDEX_FILE
-        if where.stat().st_size > 1 << 30:
-            raise ValueError(f"{str(where)!r} is larger than 1 GiB")
-        return where.read_bytes()
+        return read_regular(Path(base) / INDEX_FILE, 1 << 30)  # never waits on a pipe
 
     def put_file(self, name: str, src: Path) -> None:
         dst = self.where / name

@@ -32,6 +32,7 @@ from ..locations import (
     write_atomically,
 )
 from ..storage import is_own_checkpoint, is_partial
+from ..storage.rawio import NotRegularFile, read_regular
 from ._steps import parse_step_name
 
 __all__ = [
@@ -50,6 +51,8 @@ __all__ = [
 STATE_FILE = "checkpoint_state.json"
 LOCK_FILE = ".checkpoint_state.lock"
 STATE_VERSION = 1
+#: The largest state file read (a few hundred bytes a step).
+MAX_STATE_BYTES = 256 << 20
 
 
 def writable(directory: Path) -> bool:
@@ -93,10 +96,15 @@ def read_state(directory: Path, *, repair: bool = False) -> dict[str, Any]:
     as ``checkpoint_state.json.damaged-<time>`` and the rebuilt state written in its place.
     """
     path = directory / STATE_FILE
-    try:
-        raw = path.read_bytes()
+    try:  # a named pipe or a device there is damage too: never waited on or read forever
+        raw = read_regular(path, MAX_STATE_BYTES)
     except FileNotFoundError:
         return {"version": STATE_VERSION, "sections": {}, "latest": None}
+    except NotRegularFile as exc:
+        state = _rebuild_state(directory, str(exc), repair=repair)
+        if repair:
+            write_state(directory, state)
+        return state
     try:
         state = json.loads(raw)
         if not isinstance(state, dict) or not isinstance(state.get("sections"), dict):
@@ -219,7 +227,7 @@ def tensorflow_latest(directory: Path) -> str | None:
     True
     """
     try:
-        text = (directory / TF_STATE_FILE).read_text(encoding="utf-8", errors="replace")
+        text = read_regular(directory / TF_STATE_FILE, 1 << 20).decode("utf-8", "replace")
     except (OSError, ValueError):
         return None
     for line in text.splitlines():

@@ -15,6 +15,7 @@ from ._common import (
     open_checkpoint,
     progress_for,
     select,
+    selected,
 )
 from ._output import escape, one_line
 
@@ -22,7 +23,9 @@ EPILOG = """\
 Reads every value and checks it against its stored checksum. Formats without
 checksums (.safetensors, PyTorch DCP, Orbax) are read and checked for structure,
 and the result says "READABLE ... not checksummed" instead of "OK".
-Every damaged value is named, a truncated file included. --filter/--exclude
+Every damaged value is named, a truncated file included; a value the reader
+cannot read as numbers (an object array, a string tensor) is listed as SKIPPED
+and counted in the verdict, never called verified. --filter/--exclude
 (globs, repeatable) verify only some keys; a selection matching nothing is an
 error (exit 2).
 
@@ -102,30 +105,36 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                     bar.update(info.nbytes if info is not None else 0, key)
         unchecked = sum(1 for i in infos.values() if i is not None and not i.checked)
         fmt = reader.format
-    return _report(path, fmt, (len(keys), unchecked), damaged, out)
+        skipped = {k: v for k, v in reader.skipped.items() if selected(k, args)}
+    for key, reason in sorted(skipped.items()):  # never read, so never verified: said
+        print(f"SKIPPED  {escape(key)}: {escape(one_line(reason))}", file=out)
+    return _report(path, fmt, (len(keys), unchecked, len(skipped)), damaged, out)
 
 
 def _report(
-    path: str, fmt: str, counts: tuple[int, int], damaged: list[tuple[str, str]], out: TextIO
+    path: str, fmt: str, counts: tuple[int, int, int], damaged: list[tuple[str, str]],
+    out: TextIO,
 ) -> int:
     """Print the verdict: each damaged value, or READABLE (nothing checksummed), or OK.
 
-    ``counts`` is (values checked, values without a stored checksum)."""
-    n, unchecked = counts
+    ``counts`` is (values checked, values without a stored checksum, values skipped:
+    the reader cannot read them as numbers, so nothing of them was verified)."""
+    n, unchecked, skipped = counts
+    also = f"; {skipped} skipped (not read, so not verified)" if skipped else ""
     if damaged:
         for key, reason in damaged:
             print(f"DAMAGED  {escape(key)}: {escape(one_line(reason))}", file=out)
-        print(f"FAILED: {len(damaged)} of {n} values damaged in {escape(path)}", file=out)
+        print(f"FAILED: {len(damaged)} of {n} values damaged in {escape(path)}{also}", file=out)
         return EXIT_MISMATCH
     if n and unchecked == n:
         print(
             f"READABLE: {n} value{'s' if n != 1 else ''} read and checked for structure; not "
-            f"checksummed ({escape(fmt)} stores no checksums to verify them against)",
+            f"checksummed ({escape(fmt)} stores no checksums to verify them against){also}",
             file=out,
         )
         return EXIT_OK
     note = ""
     if unchecked:
         note = f" ({unchecked} without a stored checksum: read and checked for structure only)"
-    print(f"OK: {n} value{'s' if n != 1 else ''} verified{note}", file=out)
+    print(f"OK: {n} value{'s' if n != 1 else ''} verified{note}{also}", file=out)
     return EXIT_OK

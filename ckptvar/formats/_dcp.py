@@ -44,6 +44,7 @@ from ._common import (
     EntryReader,
     FileHandle,
     check_shape,
+    inside,
     overlap_problem,
 )
 from ._safetensors import SafetensorsBackend
@@ -317,6 +318,7 @@ def _storage_map(meta: DcpRecord, folder: Path, where: str) -> dict[tuple[str, A
             )
         file = folder / name
         if file not in sizes:
+            inside(folder, file, f"{where} names the data file {name!r}:")
             try:
                 sizes[file] = file.stat().st_size
             except OSError:
@@ -366,7 +368,7 @@ def _bytes_entry(file: Path, start: int, length: int, key: str) -> tuple[Any, in
 
 
 def _read_metadata(folder: Path) -> DcpRecord:
-    meta_file = folder / METADATA_NAME
+    meta_file = inside(folder, folder / METADATA_NAME, "The DCP metadata")
     where = repr(str(meta_file))
     fh = FileHandle(meta_file)
     try:
@@ -383,8 +385,11 @@ def _read_metadata(folder: Path) -> DcpRecord:
 
 
 def _chunks(
-    key: str, raw_chunks: list[Any], places: dict[tuple[str, Any], tuple[Path, int, int]], where: str
+    key: str, raw_chunks: list[Any], places: dict[tuple[str, Any], tuple[Path, int, int]],
+    where: str, itemsize: int,
 ) -> list[_Chunk]:
+    """The chunks of ``key``, each placed in its file; a chunk declaring more bytes than
+    are stored for it is refused before anything is allocated."""
     chunks = []
     for raw in raw_chunks:
         c = _record(raw, "ChunkStorageMetadata", where)
@@ -394,6 +399,12 @@ def _chunks(
         if place is None:
             raise CorruptCheckpointError(
                 f"{where}: the chunk of {key!r} at {list(offsets)} has no stored bytes."
+            )
+        nbytes = math.prod(sizes) * itemsize
+        if nbytes > place[2]:
+            raise CorruptCheckpointError(
+                f"{where}: the chunk of {key!r} at {list(offsets)} declares {list(sizes)} "
+                f"({nbytes} bytes), but {place[2]} bytes are stored for it."
             )
         chunks.append(_Chunk(offsets, sizes, *place))
     return chunks
@@ -449,7 +460,7 @@ def _open(path: Path) -> Reader:
         except UnsupportedFormatError as exc:
             skipped[key] = str(exc)
             continue
-        chunks = _chunks(key, raw_chunks, places, where)
+        chunks = _chunks(key, raw_chunks, places, where, dtype.itemsize)
         _check_tiling(key, shape, chunks, where)
         info = ArrayInfo(key=key, dtype=dtype, shape=shape, attrs={"name": key})
         arrays[key] = DcpArray(info, chunks, files)
@@ -464,6 +475,8 @@ class DcpBackend(Backend, name="dcp", suffixes=()):
         path = Path(path)
         meta = path if path.name == METADATA_NAME else path / METADATA_NAME
         try:
+            if not meta.is_file():  # a named pipe: opening it would wait for a writer
+                return False
             with open(meta, "rb") as f:
                 return f.read(1) == b"\x80"
         except OSError:

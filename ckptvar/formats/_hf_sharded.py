@@ -33,6 +33,7 @@ import numpy as np
 from ..errors import CorruptCheckpointError, MissingKeyError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader, Writer, verify_each
 from ..storage.chunked import is_chunked
+from ._common import inside
 from ._json import unique_keys
 from ._safetensors import SafetensorsBackend, SafetensorsWriter, stored_nbytes
 
@@ -275,6 +276,7 @@ def _open(path: Path) -> Reader:
             raise CorruptCheckpointError(
                 f"{str(path)!r} holds no {INDEX_NAME} (nor a single {SINGLE_NAME})."
             )
+        inside(path, single, "The file", hub=True)
         with SafetensorsBackend.open_reader(single) as one:
             keys = list(one.keys())
         return HFShardedReader(path, {k: single for k in keys}, {})
@@ -282,6 +284,7 @@ def _open(path: Path) -> Reader:
     folder = index.parent
     shards = {name: folder / name for name in dict.fromkeys(weight_map.values())}
     for name, shard in shards.items():
+        inside(folder, shard, f"The shard {name!r} of the index {str(index)!r},", hub=True)
         if not shard.is_file():
             raise CorruptCheckpointError(
                 f"The index {str(index)!r} names the shard {name!r}, which is missing."

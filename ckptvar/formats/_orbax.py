@@ -20,7 +20,8 @@ checked against its CRC-32C), ``zstd``/``gzip``/``crc32c``.
 
 Either way ckptvar parses each ``.zarray`` itself (shape, chunks, dtype
 ``bfloat16`` included, ``order``, compressor) and decompresses only the chunks
-a read needs, with ``numcodecs`` (installed with zarr). Keys are the pytree's
+a read needs (a compressor from a fixed list, never one looked up by name:
+numcodecs' registry holds codecs that unpickle). Keys are the pytree's
 paths joined by ``/`` (``params/dense/kernel``); with several items, each key
 starts with its item's name. Every declared size is checked before anything is
 allocated, and a chunk whose decoded size is not its grid cell's is refused.
@@ -29,8 +30,10 @@ Orbax stores no checksums: values are reported as unchecked.
 
 from __future__ import annotations
 
+import bz2
 import itertools
 import json
+import lzma
 import math
 import re
 import stat
@@ -44,7 +47,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
-from ._common import BoxArray, EntryReader, check_shape, not_regular
+from ._common import BoxArray, EntryReader, check_shape, inside, not_regular
 
 __all__ = ["OrbaxBackend"]
 
@@ -56,6 +59,11 @@ MAX_CHUNKS = 1 << 20
 _ARRAY_TYPES = ("np.ndarray", "jax.Array", "scalar")
 _EXTRA = "pip install 'ckptvar[orbax]'"
 _STEP_NAME = re.compile(r"(?:.+_)?(\d+)")
+#: The Zarr v2 compressors read: what tensorstore writes for Orbax (zstd by default,
+#: zlib, gzip, bz2, blosc) and numcodecs' lz4 and lzma. Streams are inflated here to at
+#: most a chunk's size; the others decode into a buffer of that size.
+_STREAMS = ("zlib", "gzip", "bz2", "lzma")
+_V2_COMPRESSORS = frozenset({*_STREAMS, "zstd", "blosc", "lz4"})
 
 Fetch = Callable[[str, int], bytes | None]  # (key, most bytes expected) -> bytes, None: absent
 
@@ -71,10 +79,14 @@ def _json(raw: bytes | None, what: str) -> Any:
         raise CorruptCheckpointError(f"{what} is not valid JSON: {exc}.") from None
 
 
-def _dir_fetch(folder: Path) -> Fetch:
+def _dir_fetch(folder: Path, step: Path) -> Fetch:
+    """Reads the files of ``folder``, an item of the Orbax step ``step`` (or the step
+    itself); a symbolic link out of the step is refused."""
+
     def fetch(key: str, limit: int) -> bytes | None:
         path = folder / key
         try:
+            inside(step, path, "The Orbax file")
             st = path.stat()
             if not stat.S_ISREG(st.st_mode):
                 raise CorruptCheckpointError(f"{str(path)!r} {not_regular(st.st_mode)}.")
@@ -140,11 +152,17 @@ def _dtype(name: Any, what: str) -> np.dtype:
     return dt
 
 
-def _inflate(raw: bytes, nbytes: int, *, gzip: bool, what: str) -> bytes:
-    """A zlib/gzip stream decompressed to at most ``nbytes + 1`` bytes (a bomb stops there)."""
+def _inflate(raw: bytes, nbytes: int, *, kind: str, what: str) -> bytes:
+    """A zlib, gzip, bz2 or lzma stream decompressed to at most ``nbytes + 1`` bytes (a
+    bomb stops there)."""
     try:
-        out = zlib.decompressobj(31 if gzip else 15).decompress(raw, nbytes + 1)
-    except zlib.error as exc:
+        if kind in ("zlib", "gzip"):
+            out = zlib.decompressobj(31 if kind == "gzip" else 15).decompress(raw, nbytes + 1)
+        elif kind == "bz2":
+            out = bz2.BZ2Decompressor().decompress(raw, nbytes + 1)
+        else:
+            out = lzma.LZMADecompressor().decompress(raw, nbytes + 1)
+    except (zlib.error, OSError, EOFError, lzma.LZMAError) as exc:
         raise CorruptCheckpointError(f"{what} cannot be decompressed: {exc}") from None
     return out
 
@@ -181,15 +199,29 @@ class ZarrV2Array(BoxArray):
         self.info = ArrayInfo(key=key, dtype=dtype, shape=shape, attrs={"name": key})
 
     def _decoder(self) -> Any:
-        if self._codec is None and self._codec_config is not None:
-            import numcodecs
+        """The compressor's numcodecs codec (zstd, blosc, lz4: each decodes into a buffer of
+        the cell's size), None for none or a stream inflated here; any other compressor is
+        refused by name, never looked up (numcodecs' registry holds codecs that unpickle,
+        and plugins)."""
+        config = self._codec_config
+        if config is None or self._codec is not None:
+            return self._codec
+        name = config.get("id") if isinstance(config, dict) else None
+        if name not in _V2_COMPRESSORS:
+            raise UnsupportedFormatError(
+                f"{self._what}: the Zarr compressor {str(name)[:80]!r} is not read (ckptvar "
+                f"reads {', '.join(sorted(_V2_COMPRESSORS))})."
+            )
+        if name in _STREAMS:
+            return None
+        import numcodecs
 
-            try:
-                self._codec = numcodecs.get_codec(dict(self._codec_config))
-            except (ValueError, TypeError, KeyError) as exc:
-                raise UnsupportedFormatError(
-                    f"{self._what}: compressor {self._codec_config!r} is not known: {exc}"
-                ) from None
+        try:
+            self._codec = numcodecs.get_codec(dict(config))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise UnsupportedFormatError(
+                f"{self._what}: compressor {config!r} is not known: {exc}"
+            ) from None
         return self._codec
 
     def _filled(self) -> np.ndarray:
@@ -213,8 +245,8 @@ class ZarrV2Array(BoxArray):
             return self._filled()
         codec = self._decoder()
         config = self._codec_config if isinstance(self._codec_config, dict) else {}
-        if config.get("id") in ("zlib", "gzip"):  # inflated at most to the cell's size
-            raw = _inflate(raw, nbytes, gzip=config.get("id") == "gzip", what=f"{self._what}: chunk {key!r}")
+        if config.get("id") in _STREAMS:  # inflated at most to the cell's size
+            raw = _inflate(raw, nbytes, kind=config["id"], what=f"{self._what}: chunk {key!r}")
         elif codec is not None:
             try:
                 out = np.empty(nbytes, np.uint8)
@@ -322,7 +354,7 @@ def _undo(raw: bytes, codecs: list[tuple[str, dict[str, Any]]], nbytes: int, wha
                 raise CorruptCheckpointError(f"{what} fails its CRC-32C.")
             raw = raw[:-4]
         elif name == "gzip":
-            raw = _inflate(raw, nbytes, gzip=True, what=what)
+            raw = _inflate(raw, nbytes, kind="gzip", what=what)
         else:  # zstd
             import numcodecs
 
@@ -486,18 +518,18 @@ def _items(step: Path) -> list[tuple[str, Path]]:
 
 
 def _item_arrays(
-    prefix: str, folder: Path, arrays: dict[str, LazyArray], skipped: dict[str, str]
+    prefix: str, folder: Path, step: Path, arrays: dict[str, LazyArray], skipped: dict[str, str]
 ) -> None:
     where = repr(str(folder))
     meta = _json(
-        _dir_fetch(folder)(ITEM_METADATA, MAX_JSON_BYTES), f"{str(folder / ITEM_METADATA)!r}"
+        _dir_fetch(folder, step)(ITEM_METADATA, MAX_JSON_BYTES), f"{str(folder / ITEM_METADATA)!r}"
     )
     tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
     if not isinstance(tree, dict):
         raise CorruptCheckpointError(f"{str(folder / ITEM_METADATA)!r} has no tree_metadata.")
     array_type = ZarrV3Array if meta.get("use_zarr3") else ZarrV2Array
     ocdbt = (folder / "manifest.ocdbt").is_file() or bool(meta.get("use_ocdbt"))
-    fetch = _ocdbt_fetch(folder) if ocdbt else _dir_fetch(folder)
+    fetch = _ocdbt_fetch(folder) if ocdbt else _dir_fetch(folder, step)
     for entry in tree.values():
         if not isinstance(entry, dict) or not isinstance(entry.get("key_metadata"), list):
             raise CorruptCheckpointError(f"{where}: a tree_metadata entry has no key_metadata.")
@@ -569,9 +601,9 @@ def _open(path: Path) -> Reader:
     arrays: dict[str, LazyArray] = {}
     skipped: dict[str, str] = {}
     for prefix, folder in _items(step):
-        _item_arrays(prefix, folder, arrays, skipped)
+        _item_arrays(prefix, folder, step, arrays, skipped)
     metadata: dict[str, Any] = {}
-    raw = _dir_fetch(step)(CHECKPOINT_METADATA, MAX_JSON_BYTES)
+    raw = _dir_fetch(step, step)(CHECKPOINT_METADATA, MAX_JSON_BYTES)
     if raw is not None:
         top = _json(raw, repr(str(step / CHECKPOINT_METADATA)))
         if isinstance(top, dict):

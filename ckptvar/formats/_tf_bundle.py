@@ -342,6 +342,8 @@ class TFBackend(Backend, name="tf", suffixes=(".index",)):
         prefix = _prefix_of(Path(path))
         index = Path(prefix + ".index")
         try:
+            if not index.is_file():  # a named pipe: opening it would wait for a writer
+                return False
             with open(index, "rb") as f:
                 f.seek(0, 2)
                 if f.tell() < 48:

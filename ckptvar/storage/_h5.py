@@ -24,6 +24,7 @@ that recognises it (Keras, generic HDF5), and this backend refuses it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import importlib
 import logging
@@ -570,6 +571,31 @@ def _load_record(fd: int | RemoteFile, size: int, path: Any) -> Record:
     return record
 
 
+class _Linked(Exception):
+    """A holder named by a record is a symbolic link, or inside one."""
+
+
+def _open_beside(here: Path, name: str) -> int:
+    """A descriptor of the holder ``name`` (a sibling file, or ``../<step>/<file>``) beside
+    the directory ``here``, opened without following a symbolic link to the step or the
+    file (``here`` is the caller's own path and may be one)."""
+    cloexec = getattr(os, "O_CLOEXEC", 0)
+    folder, file, nofollow = here, name, 0
+    if name.startswith("../"):
+        step, file = name[3:].split("/")
+        folder, nofollow = here / ".." / step, os.O_NOFOLLOW
+    try:
+        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | nofollow | cloexec)
+        try:
+            return os.open(file, os.O_RDONLY | os.O_NOFOLLOW | cloexec, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and os.path.islink(folder)):
+            raise _Linked from None
+        raise
+
+
 class H5Reader(ContainerReader, SupportsShared):
     """Reads a ckptvar ``.h5`` file with ``pread`` only (libhdf5 is never called).
 
@@ -594,6 +620,11 @@ class H5Reader(ContainerReader, SupportsShared):
         else:
             fd = source
         try:
+            if source is None and stat.S_ISDIR(os.fstat(fd).st_mode):  # type: ignore[arg-type]
+                raise UnsupportedFormatError(
+                    f"{str(path)!r} is a directory, not an HDF5 file (nor a multi-process "
+                    "step: it holds no complete step index)."
+                )
             size = os.fstat(fd).st_size if source is None else source.size  # type: ignore[arg-type]
             record = _load_record(fd, size, path)
         except BaseException:
@@ -690,9 +721,14 @@ class H5Reader(ContainerReader, SupportsShared):
         if fd is None and self.remote:
             fd = self._remote_holder(key, name)
         if fd is None:
-            where = Path(self.path).parent / name
             try:
-                fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+                fd = _open_beside(Path(self.path).parent, name)
+            except _Linked:
+                raise CorruptCheckpointError(
+                    f"Checkpoint {str(self.path)!r}: the bytes of {key!r} are in {name!r} "
+                    "beside it (an incremental step), which is reached through a symbolic "
+                    "link; refused (a step's values are read only from the steps beside it)."
+                ) from None
             except FileNotFoundError:
                 raise CorruptCheckpointError(
                     f"Checkpoint {str(self.path)!r}: the bytes of {key!r} are in {name!r} "

@@ -19,6 +19,7 @@ from typing import Any
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ._zarr_files import O_DIR, raise_if_deleted
 from .base import Reader
+from .rawio import NotRegularFile, read_regular
 from .registry import backend_for
 
 __all__ = ["LocalStepFiles", "RemoteStepFiles", "StepFiles"]
@@ -78,10 +79,10 @@ class LocalStepFiles(StepFiles):
 
     def read_index(self, name: str) -> bytes:
         where = self.path / name
-        try:
-            if where.stat().st_size > MAX_INDEX:
-                raise CorruptCheckpointError(f"{str(where)!r} is larger than 1 GiB.")
-            return where.read_bytes()
+        try:  # a named pipe or device there: refused at once, never waited on
+            return read_regular(where, MAX_INDEX)
+        except NotRegularFile as exc:
+            raise CorruptCheckpointError(f"{exc}.") from None
         except FileNotFoundError:
             raise CorruptCheckpointError(
                 f"{self.display!r} has no {name}: it is not a complete multi-process checkpoint."

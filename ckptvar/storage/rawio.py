@@ -25,6 +25,7 @@ import ctypes
 import errno
 import itertools
 import os
+import stat
 import sys
 import threading
 import time
@@ -43,6 +44,7 @@ __all__ = [
     "IOV_MAX",
     "IO_THREADS",
     "DirectStats",
+    "NotRegularFile",
     "aligned_empty",
     "byte_view",
     "cached",
@@ -58,6 +60,7 @@ __all__ = [
     "pwrite_flushing",
     "pwrite_pieces",
     "pwritev_all",
+    "read_regular",
     "run_here",
     "snapshot",
     "snapshot_pieces",
@@ -606,6 +609,39 @@ def pread_into(fd: int, buf: memoryview, offset: int) -> int:
             break
         done += got
     return done
+
+
+class NotRegularFile(ValueError):
+    """A named pipe, device, socket or directory where a file is read, or a file over its
+    limit."""
+
+
+def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The bytes of the regular file at ``path``, at most ``limit`` of them.
+
+    Opened without blocking, so a named pipe there is refused at once instead of waiting
+    for a writer, and a device (``/dev/zero`` reads forever) is refused before a read:
+    both, and a file over ``limit`` bytes, raise :class:`NotRegularFile` (a
+    ``ValueError``); ``FileNotFoundError`` and other ``OSError`` pass through.
+
+    >>> read_regular("/dev/zero", 10)
+    Traceback (most recent call last):
+    ckptvar.storage.rawio.NotRegularFile: '/dev/zero' is a device, not a regular file
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a named pipe" if stat.S_ISFIFO(st.st_mode) else "a directory"
+                    if stat.S_ISDIR(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                    else "a device")
+            raise NotRegularFile(f"{os.fspath(path)!r} is {kind}, not a regular file")
+        if st.st_size > limit:
+            raise NotRegularFile(f"{os.fspath(path)!r} is {st.st_size} bytes (at most {limit} "
+                                 "are read)")
+        return pread_exact(fd, 0, st.st_size, what="file", path=path)
+    finally:
+        os.close(fd)
 
 
 def pread_exact(fd: int, offset: int, size: int, *, what: str, path: Any) -> bytes:
