@@ -885,7 +885,12 @@ class CheckpointManager:
         if self._location is not None:
             self._refuse_committed(number)
             try:
-                result = str(self._save_remote(number, step, timeout))
+                try:
+                    result = str(self._save_remote(number, step, timeout))
+                except BaseFileLost as exc:  # an object of the base deleted by hand:
+                    if not self._note_lost(exc) or self.async_save:  # written whole,
+                        raise  # once (nothing of the failed attempt is left)
+                    result = str(self._save_remote(number, step, timeout))
             except BaseException:
                 self._count_if_committed(number)
                 raise
@@ -1138,11 +1143,16 @@ class CheckpointManager:
             self._full(self.checkpoint_name),
             options,
             number=number,
-            on_commit=lambda _path: self._record_remote(step),
+            on_commit=lambda _path: self._committed_remote(step),
             incremental=(None if self._incremental is None
                          else functools.partial(self._remote_base, number)),
         )
         return str(result) if isinstance(result, str) else str(result.path)
+
+    def _committed_remote(self, step: int) -> None:
+        """A step at the URL committed: what was lost of an older one is moot; prune."""
+        self._lost.clear()  # the latest step is another now
+        self._record_remote(step)
 
     def _remote_base(self, number: int, variables: Mapping[str, Any]) -> Any:
         """An incremental save of step ``number`` on an object store: its base is the
@@ -1152,6 +1162,9 @@ class CheckpointManager:
         self._learn()
         entries = self._section["checkpoints"]
         base = self._full(entries[-1]["path"]) if entries else None
+        if base is not None and (lost := self._lost.get(entries[-1]["path"])):
+            logger.warning("Step %d is written whole: %s", number, lost)
+            base = None
         return self._incremental.start(self._base_or_whole(number, base), variables)
 
     def _base_or_whole(self, number: int, base: _B | None) -> _B | None:
