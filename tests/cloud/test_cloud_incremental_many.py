@@ -111,8 +111,9 @@ def test_incremental_steps_go_on_across_world_sizes(s3: S3Bucket, fmt: str) -> N
                                            strict=True):
         said = ranks[0]["said"]
         assert any(f"ckpt-{step}.{fmt}: writing every value: the earlier step "
-                   f"ckpt-{step - 1}.{fmt} was written by {before} process" in m
-                   and f"this one by {now}" in m for m in said), said
+                   f"ckpt-{step - 1}.{fmt} was written by {before} "
+                   f"{'process' if before == 1 else 'processes'}, this one by {now}" in m
+                   for m in said), said
     deltas = {int(k): v for job in jobs for k, v in job[0]["deltas"].items()}
     assert deltas == {1: [], 2: ["table"], 3: ["table"], 4: [], 5: ["table"], 6: ["table"],
                       7: [], 8: [], 9: ["table"]}, deltas  # each process's box a patch
