@@ -147,11 +147,12 @@ def _gc(url: str, s3: S3Bucket) -> str:
     ("write", "h5"), ("write", "zarr"), ("write0", "h5"), ("prune", "h5"), ("prune", "zarr")])
 def test_a_process_killed_in_an_incremental_save_or_its_pruning(
         s3: S3Bucket, when: str, fmt: str) -> None:
-    """Three gloo processes save steps 1-3 incrementally; in step 4 one is killed
-    (``SIGKILL``): process 1 once its object is uploaded, process 0 (the store's host) as
-    it writes, or process 0 while it prunes after the commit (a marker deleted, the
-    objects not). The others raise DistributedError at once; nothing of step 4 is committed
-    half (before the commit: nothing; in the pruning: step 4 whole, and said); ``ckpt gc``
+    """Three gloo processes save steps incrementally; in step 4 one is killed
+    (``SIGKILL``): process 1 once its object is uploaded, or process 0 (the store's host)
+    as it writes; or in step 5 process 0 while it prunes after the commit (a marker
+    deleted, the objects not). The others raise DistributedError at once; nothing is
+    committed half (before the commit: nothing; in the pruning: step 5 whole, and said,
+    the step pruned no longer committed, the steps kept ones refer to kept); ``ckpt gc``
     removes what is left and no byte a committed step needs; a restarted job of 3
     processes restores the latest step and goes on incrementally."""
     from test_distributed_torch import launch
@@ -162,17 +163,18 @@ def test_a_process_killed_in_an_incremental_save_or_its_pruning(
         "S3_OPTIONS": json.dumps(s3.storage_options)})
     output = proc.stdout[-3000:] + proc.stderr[-3000:]
     killed = 0 if when in ("write0", "prune") else 1
+    step = 5 if when == "prune" else 4
     ranks = got.get(when, {})
     assert sorted(ranks) == sorted({0, 1, 2} - {killed}), output
     for rank, r in ranks.items():
         assert r.get("error") == "DistributedError", (rank, r, output)
-        assert f"save:{url}/ckpt-4.{fmt}:" in r["message"], r
+        assert f"save:{url}/ckpt-{step}.{fmt}:" in r["message"], r
         assert "rank 1 was killed" in r["message"] or "c10d store failed" in r["message"], r
         if when == "prune":  # rank 0 died after the commit: the step is whole, and said
-            assert f"{url}/ckpt-4.{fmt} was committed" in r["notes"], r
+            assert f"{url}/ckpt-{step}.{fmt} was committed" in r["notes"], r
     loc = s3.location("killed")
     names = list_committed_steps(loc)
-    latest = 4 if when == "prune" else 3
+    latest = step if when == "prune" else step - 1
     assert f"ckpt-{latest}.{fmt}" in names and f"ckpt-{latest + 1}.{fmt}" not in names, names
     said = _gc(url, s3)
     assert list_committed_steps(loc) == names, said  # gc removes no committed step

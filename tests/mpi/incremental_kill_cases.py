@@ -4,12 +4,12 @@ torch.distributed (gloo) processes.
 Run through torch_launch.py with ``CASES_MODULE=incremental_kill_cases``:
 ``torch_launch.py 3 WHEN WHERE FORMAT``; ``WHERE`` a directory or an ``s3://`` URL
 (``$S3_OPTIONS``). The model and the values of each step are
-tests/mpi/incremental_resize_cases.py's. An incremental manager (``max_to_keep=2``) saves
-steps 1-3; then, in the save of step 4:
+tests/mpi/incremental_resize_cases.py's. An incremental manager (``max_to_keep=2``,
+``whole_every=3``) saves steps 1-3; then, in the save of step 4 (``prune``: 5):
 
 - ``write``: process 1 is killed once its file of step 4 is written (on an object store:
   uploaded), before the vote;
-- ``prune``: process 0 is killed while it prunes after committing step 4 (on an object
+- ``prune``: process 0 is killed while it prunes after committing step 5 (on an object
   store: the oldest step's commit marker deleted, its objects not yet).
 
 Each surviving process reports what it raised (type, message, seconds since the kill)
@@ -30,6 +30,13 @@ from typing import Any
 from incremental_resize_cases import apply, committed, model
 
 import ckptvar as cv
+
+
+def killed_in(when: str) -> int:
+    """The step whose save a process is killed in: 4, or 5 for ``prune`` (steps 1 and 4
+    are whole, ``whole_every=3``: step 5 is the first whose prune deletes a step; until
+    then every older step is held, its row patches read by the kept ones)."""
+    return 5 if when == "prune" else 4
 
 
 def _kill_after(target: Any, name: str, stamp: Path) -> None:
@@ -97,17 +104,19 @@ def main(cases: list[str]) -> None:
     result = Path(os.environ["RESULT_DIR"])
     stamp = result / "killed-at"
     ckpt, made = model(rank, size)
-    mgr = cv.CheckpointManager(ckpt, where, max_to_keep=2, format=fmt, incremental=True,
-                               coordinator=coord, storage_options=opts)
-    for step in (1, 2, 3):
+    mgr = cv.CheckpointManager(ckpt, where, max_to_keep=2, format=fmt, coordinator=coord,
+                               incremental=cv.IncrementalOptions(whole_every=3),
+                               storage_options=opts)
+    last = killed_in(when)
+    for step in range(1, last):
         apply(made, step, rank, size)
         mgr.save(checkpoint_number=step)
     coord.barrier(tag="saved", timeout=20)
     _arm(when, rank, opts is None, stamp)
-    apply(made, 4, rank, size)
+    apply(made, last, rank, size)
     fields: dict[str, Any] = {"rank": rank, "case": when}
     try:
-        fields["saved"] = mgr.save(checkpoint_number=4)
+        fields["saved"] = mgr.save(checkpoint_number=last)
     except Exception as exc:  # noqa: BLE001 - reported
         fields["error"] = type(exc).__name__
         fields["message"] = str(exc)
