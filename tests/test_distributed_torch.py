@@ -191,3 +191,58 @@ def test_a_stopped_store_host_times_out_each_collective(tmp_path: Path) -> None:
         assert float(seconds) < 5, line
         assert f"{call}(tag='step 3')" in message and "store" in message, line
     assert float(lines[2].split()[1]) < 3, lines
+
+
+_KILLED_STORE = '''
+import subprocess, sys
+from datetime import timedelta
+import torch.distributed as dist
+from ckptvar.distributed import TorchCoordinator
+from ckptvar.errors import DistributedError
+
+SERVER = """
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=60),
+                      wait_for_workers=False)
+print(store.port, flush=True)
+sys.stdin.readline()
+"""
+server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+try:
+    port = int(server.stdout.readline())
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=60))
+    coord = TorchCoordinator(store=store, rank=1, size=2, timeout=5.0)
+finally:
+    server.kill()
+    server.wait()
+for call in ("allgather", "barrier", "broadcast"):
+    try:
+        getattr(coord, call)(*(() if call == "barrier" else (1,)), tag="step 4", timeout=5.0)
+    except DistributedError as exc:
+        print(f"{call} {type(exc).__name__} {exc}", flush=True)
+    except BaseException as exc:
+        print(f"{call} RAW {type(exc).__name__} {exc}", flush=True)
+'''
+
+
+@pytest.mark.slow  # a torch import in two processes
+def test_a_killed_store_host_is_a_distributed_error_in_each_collective() -> None:
+    """The process that hosts the TCPStore (rank 0) was killed (``SIGKILL``) before another
+    rank's collective began (a rank killed in an incremental save while the others still
+    wrote): the collective raised torch's own ``DistNetworkError: Connection reset by
+    peer`` from its first store call; it is a ``DistributedError`` naming the collective
+    and the store, as when the store fails while a collective waits."""
+    env = {k: v for k, v in os.environ.items() if k not in MPI_ENV_VARS}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_STORE], capture_output=True,
+                          text=True, timeout=120, env=env, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split()[:2] for line in lines] == [
+        ["allgather", "DistributedError"], ["barrier", "DistributedError"],
+        ["broadcast", "DistributedError"]], lines
+    for line in lines:
+        call = line.split()[0]
+        assert f"{call}(tag='step 4') on rank 1: the c10d store failed: " in line, line

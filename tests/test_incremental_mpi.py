@@ -159,3 +159,38 @@ def _check_zarr_links(d: Path, kept: list[Path]) -> None:
     assert (kept[0] / "frozen/c.1.0").stat().st_nlink == 2  # written at 5, linked at 6, 7
     group = zarr.open_group(kept[1], mode="r")  # plain zarr-python sees the value
     assert np.array_equal(group["frozen"][:], cases.expected(7)["frozen"])
+
+
+RESIZE = Path(__file__).parent / "mpi" / "incremental_resize_cases.py"
+
+
+@pytest.mark.slow  # four mpiexec jobs
+@pytest.mark.parametrize("fmt", ["h5", "zarr"])
+def test_incremental_steps_go_on_across_world_sizes(tmp_path: Path, fmt: str) -> None:
+    """Steps saved by 2 processes, then by 3, 1 and 2 again in one directory, each job
+    restoring the latest step (tests/mpi/incremental_resize_cases.py: row deltas of uneven
+    boxes, a value changed on one process only, one with no rows on the last process):
+    each new world size's first step is written whole (logged), every step on disk,
+    listed or held, loads in one process after each save and restores on the job's."""
+    d = tmp_path / "run"
+    deltas: dict[int, list[str]] = {}
+    for n, first, last in [(2, 1, 3), (3, 4, 6), (1, 7, 7), (2, 8, 9)]:
+        proc, got, _ = run_mpi(n, str(RESIZE), "run", str(d), fmt, str(first), str(last),
+                               timeout=150)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        ranks = got["run"]
+        assert sorted(ranks) == list(range(n)), proc.stdout + proc.stderr
+        for rank, r in ranks.items():
+            assert r["restored_ok"] and r["wrong"] == {}, (n, rank, r)
+            assert all(v is True for v in r["restores"].values()), (n, rank, r["restores"])
+        if first > 1:
+            assert any(f"ckpt-{first}.{fmt}: writing every value" in m
+                       for m in ranks[0]["said"]), ranks[0]["said"]
+        deltas.update({int(k): v for k, v in ranks[0]["deltas"].items()})
+    # the table's boxes are patches of the same process's box, but for the first step of a
+    # world size (and, in Zarr, where 2 processes' boxes form a grid: a global array)
+    patched = {2, 3, 5, 6, 9} if fmt == "h5" else {5, 6}
+    assert deltas == {s: ["table"] if s in patched else [] for s in range(1, 10)}, deltas
+    assert ranks[0]["listed"] == [f"ckpt-8.{fmt}", f"ckpt-9.{fmt}"]
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith("ckpt-")) == [
+        f"ckpt-8.{fmt}", f"ckpt-9.{fmt}"]  # nothing of the other layouts is held any more

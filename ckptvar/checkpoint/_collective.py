@@ -366,13 +366,13 @@ def _commit(  # noqa: PLR0917
 def _last_vote(coord: Coordinator, failure: BaseException | None, final: str | None,
                target: Target, *, tag: str, timeout: float | None) -> None:
     """The vote after the commit. Where it fails (a process stopped in it) after this rank
-    committed ``final``, or after rank 0 did (a shared directory shows it), the error says
-    that the step is committed and whole."""
+    committed ``final``, or after rank 0 did (a shared directory or the step's commit
+    marker shows it), the error says that the step is committed and whole."""
     try:
         coord.vote(failure, tag=tag, timeout=timeout)
     except BaseException as exc:
         if final is None and failure is None:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, CkptError):  # (a store that does not answer)
                 final = target.committed()
         if final is not None:
             exc.add_note(f"{final} was committed before this last vote (every process's "

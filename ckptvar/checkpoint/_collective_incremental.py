@@ -71,8 +71,9 @@ def check_base(base: str | None, index: Callable[[str], bytes], fmt: str, size: 
     if doc.get("container") != fmt:
         return f"the earlier step {name} is {doc.get('container')!r}, not {fmt!r}"
     if doc.get("processes") != size:
-        return (f"the earlier step {name} was written by {doc.get('processes')} "
-                f"processes, this one by {size}")
+        was = doc.get("processes")
+        return (f"the earlier step {name} was written by {was} "
+                f"process{'' if was == 1 else 'es'}, this one by {size}")
     return _layout_differs(doc["variables"], new, name)
 
 

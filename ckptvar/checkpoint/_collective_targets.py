@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointExistsError
-from ..locations import publish, split_url, staging_directory
+from ..locations import is_committed, publish, split_url, staging_directory
 from ..storage import (
     INDEX_FILE,
     DeltaLimits,
@@ -318,6 +318,10 @@ class RemoteTarget(Target):
 
     def abort(self) -> None:
         self.step.abort()
+
+    def committed(self) -> str | None:
+        # the claim kept every other writer off the step: a marker there is this save's
+        return self.step.url if is_committed(self.step.parent, self.step.name) else None
 
 
 class NodeLocalTarget(LocalTarget):

@@ -957,7 +957,7 @@ class CheckpointManager:
         number, step = numbers
         if self._location is not None:
             self._refuse_committed(number)
-            result = str(self._save_remote(number, step, timeout))
+            result = self._save_remote_once_more(number, step, timeout)
             if self.coordinator is not None and not self.async_save:
                 self._sync()
             return result
@@ -1200,6 +1200,16 @@ class CheckpointManager:
             self._note_lost(exc)
             raise
 
+    def _save_remote_once_more(self, number: int, step: int, timeout: float | None) -> str:
+        """:meth:`_save_remote`, again with every value written whole when an object of
+        the base was deleted by hand (nothing of the failed attempt is left)."""
+        try:
+            return self._save_remote(number, step, timeout)
+        except BaseFileLost as exc:
+            if not self._note_lost(exc) or self.async_save:
+                raise
+        return self._save_remote(number, step, timeout)
+
     def _save_remote(self, number: int, step: int, timeout: float | None) -> str:
         options: SaveOptions = {"format": self.format, "blocking": not self.async_save,
                                 "storage_options": self._storage_options,
@@ -1209,12 +1219,17 @@ class CheckpointManager:
             self._full(self.checkpoint_name),
             options,
             number=number,
-            on_commit=lambda _path: self._record_remote(step),
+            on_commit=lambda _path: self._committed_remote(step),
             incremental=(None if self._incremental is None
                          else functools.partial(self._remote_base, number)),
             committed_after_all=functools.partial(self._count_if_committed, number),
         )
         return str(result) if isinstance(result, str) else str(result.path)
+
+    def _committed_remote(self, step: int) -> None:
+        """A step at the URL committed: what was lost of an older one is moot; prune."""
+        self._lost.clear()  # the latest step is another now
+        self._record_remote(step)
 
     def _remote_base(self, number: int, variables: Mapping[str, Any]) -> Any:
         """An incremental save of step ``number`` on an object store: its base is the
@@ -1224,6 +1239,9 @@ class CheckpointManager:
         self._learn()
         entries = self._section["checkpoints"]
         base = self._full(entries[-1]["path"]) if entries else None
+        if base is not None and (lost := self._lost.get(entries[-1]["path"])):
+            logger.warning("Step %d is written whole: %s", number, lost)
+            base = None
         return self._incremental.start(self._base_or_whole(number, base), variables)
 
     def _base_or_whole(self, number: int, base: _B | None) -> _B | None:

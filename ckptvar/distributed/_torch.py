@@ -82,7 +82,18 @@ class TorchCoordinator(KeyValueCoordinator):
         )
 
     def _set(self, key: str, data: bytes) -> None:
-        self._call(lambda: self._store.set(key, data))
+        try:
+            self._call(lambda: self._store.set(key, data))
+        except DistributedTimeoutError:
+            raise
+        except (RuntimeError, OSError) as exc:  # a store that is gone (its host killed)
+            raise self._store_failed(exc) from exc
+
+    def _store_failed(self, exc: BaseException) -> DistributedError:
+        """The error of a store call of the current collective that failed with ``exc``."""
+        kind, tag = (getattr(self._op, "now", None) or ("store", ""))[:2]
+        return DistributedError(
+            f"{kind}(tag={tag!r}) on rank {self._rank}: the c10d store failed: {exc}")
 
     def _check(self, keys: list[str]) -> bool:
         return bool(self._call(lambda: self._store.check(keys)))
@@ -98,7 +109,12 @@ class TorchCoordinator(KeyValueCoordinator):
         self, kind: str, tag: str, wanted: dict[int, str], deadline: Deadline
     ) -> dict[int, bytes]:
         self._wait(kind, tag, wanted, deadline)
-        return {r: self._get(key) for r, key in wanted.items()}
+        try:
+            return {r: self._get(key) for r, key in wanted.items()}
+        except DistributedTimeoutError:
+            raise
+        except (RuntimeError, OSError) as exc:  # the store went since the keys were seen
+            raise self._store_failed(exc) from exc
 
     def _get(self, key: str) -> bytes:
         return bytes(self._call(lambda: self._store.get(key)))
@@ -118,9 +134,7 @@ class TorchCoordinator(KeyValueCoordinator):
             except DistributedTimeoutError:
                 raise
             except (RuntimeError, OSError) as exc:  # a store that is gone or broken
-                raise DistributedError(
-                    f"{kind}(tag={tag!r}) on rank {self._rank}: the c10d store failed: {exc}"
-                ) from exc
+                raise self._store_failed(exc) from exc
             if deadline.expired():
                 missing = self._missing(wanted)
                 if not missing:

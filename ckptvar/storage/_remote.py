@@ -65,7 +65,7 @@ from ._h5 import (
 )
 from ._record import holder_step
 from ._sharded import INDEX_FILE, ShardedReader
-from ._sharded_remote import index_binding, is_sharded_record, open_sharded_remote
+from ._sharded_remote import index_binding, is_sharded_record, lost_copy, open_sharded_remote
 from ._zarr_files import RECORD_PATH, chunk_key
 from ._zarr_remote import RemoteZarrReader
 from .base import Reader
@@ -225,7 +225,9 @@ def record_checksum(local: Path) -> str:
 def _upload_claimed(parent: Any, local: Path, name: str,
                     copies: list[tuple[str, str]] | None = None) -> None:
     """Upload a directory at the step's own key under a create-only claim ``<step>.claim``:
-    of two writers racing for the step, the second stops before writing any byte."""
+    of two writers racing for the step, the second stops before writing any byte. A
+    server-side copy (``copies``) whose source is gone from the base is
+    :class:`BaseFileLost`, nothing of the step left."""
     held = claim(parent, name)
     try:
         refuse_committed(parent, name)
@@ -236,8 +238,15 @@ def _upload_claimed(parent: Any, local: Path, name: str,
             held.check()
             commit(parent, name, index_binding(index_bytes), index=f"{name}/{INDEX_FILE}")
             return
-        upload_step(parent, local, name, index_checksum=record_checksum(local),
-                    before_commit=held.check, copies=copies or ())
+        try:
+            upload_step(parent, local, name, index_checksum=record_checksum(local),
+                        before_commit=held.check, copies=copies or ())
+        except CheckpointNotFoundError as exc:
+            lost = lost_copy(exc, parent, copies or ())
+            if lost is None:
+                raise
+            parent.delete_prefix(f"{name}/")  # the step is written again whole
+            raise lost from None
     finally:
         held.release()
 

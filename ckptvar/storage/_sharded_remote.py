@@ -30,10 +30,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..locations import (
     Binding,
     Claim,
@@ -48,6 +49,7 @@ from ..locations import (
     upload_tree,
 )
 from . import checksum as _checksum
+from ._container.reuse import BaseFileLost
 from ._container.source import RemoteFile
 from ._h5 import H5Reader, write_stand_in
 from ._sharded import INDEX_FILE, ShardedReader
@@ -56,7 +58,8 @@ from ._zarr import RECORD_PATH, chunk_key
 from ._zarr_remote import RemoteZarrReader
 from .base import Reader
 
-__all__ = ["INDEX_CHECKSUM", "RemoteStep", "is_sharded_record", "open_sharded_remote"]
+__all__ = ["INDEX_CHECKSUM", "RemoteStep", "is_sharded_record", "lost_copy",
+           "open_sharded_remote"]
 
 logger = logging.getLogger("ckptvar")
 
@@ -72,6 +75,20 @@ def index_binding(index: bytes) -> str:
 def is_sharded_record(record: CommitRecord) -> bool:
     """Whether a commit marker commits a multi-process step (its index is the step's)."""
     return record.index == f"{record.data}/{INDEX_FILE}"
+
+
+def lost_copy(exc: CheckpointNotFoundError, parent: Location,
+              copies: Sequence[tuple[str, str]]) -> BaseFileLost | None:
+    """What an upload's ``exc`` means when it names the source of one of ``copies``
+    (``(key below parent, path)``, server-side copies from an incremental step's base):
+    that object is gone from the base (deleted by hand), a :class:`BaseFileLost` naming
+    the base step and the object; ``None`` for any other missing object."""
+    said = str(exc)
+    for src, _ in copies:
+        if said.startswith(f"{parent.join(src)}: "):
+            base, _, rel = src.partition("/")
+            return BaseFileLost(parent.join(base), rel)
+    return None
 
 
 class RemoteStep:
@@ -96,10 +113,18 @@ class RemoteStep:
                copies: list[tuple[str, str]] | None = None) -> None:
         """Upload one process's local checkpoint (a file or a Zarr directory) as ``name``;
         ``copies``: ``(key below the step's parent, path below name)`` objects of a Zarr
-        directory taken by server-side copy (an incremental step)."""
+        directory taken by server-side copy (an incremental step). A copy's source gone
+        from the base is :class:`BaseFileLost`, what was uploaded of ``name`` removed."""
         key = f"{self.name}/{name}"
         if local.is_dir():
-            upload_tree(self.parent, local, key, copies=copies or ())
+            try:
+                upload_tree(self.parent, local, key, copies=copies or ())
+            except CheckpointNotFoundError as exc:
+                lost = lost_copy(exc, self.parent, copies or ())
+                if lost is None:
+                    raise
+                self.parent.delete_prefix(f"{key}/")  # written again whole, by the caller
+                raise lost from None
         else:
             self.parent.upload_file(os.fspath(local), key)
 

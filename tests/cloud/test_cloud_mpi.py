@@ -218,7 +218,8 @@ def test_a_rank_stopped_in_a_vote_of_a_save_to_s3_leaves_no_half_step(
 ) -> None:
     """Rank 1 stops in a vote of step 2 (tests/mpi/stall_cases.py): the others raise the
     coordinator's timeout naming the stage; before the commit nothing of step 2 is left
-    (the claim released too), after it step 2 is committed whole, its claim released."""
+    (the claim released too), after it step 2 is committed whole, its claim released,
+    and the errors of rank 0 and of rank 2 (which reads the marker) say so."""
     url = f"{s3.url}/run"
     cases = str(Path(CASES).parent / "stall_cases.py")
     proc, got, _ = run_mpi(3, cases, stage, url, timeout=90,
@@ -234,6 +235,8 @@ def test_a_rank_stopped_in_a_vote_of_a_save_to_s3_leaves_no_half_step(
     if stage == "commit":
         assert results[0]["latest"] == f"{url}/ckpt-2.h5" and results[0]["loaded"] == 2.0
         assert "run/ckpt-2.h5.commit" in step2 and not [k for k in step2 if "claim" in k], step2
+        for rank in (0, 2):  # every rank that sees the marker says the step is whole
+            assert f"{url}/ckpt-2.h5 was committed" in results[rank]["notes"], results[rank]
     else:
         assert results[0]["latest"] == f"{url}/ckpt-1.h5" and results[0]["loaded"] == 1.0
         assert step2 == [], step2
