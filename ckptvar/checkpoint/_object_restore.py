@@ -39,7 +39,7 @@ from ._frameworks import RestoredWhole, end_restores
 from ._incremental import Restored
 from ._keys import escape_segment, unescape_segment
 from ._logical import BoxReader, Logical, apply_targets, as_target, read_boxes
-from ._serialize import decode_state, read_graph
+from ._serialize import decode_state, read_graph, read_namedtuples, with_namedtuples
 from ._status import warn_unused
 from ._walk import Node, walk
 
@@ -95,6 +95,8 @@ class RestoreState:
         meta = reader.metadata()
         self.has_save_counter = isinstance(meta, dict) and "save_counter" in meta
         self.alias_to_key, self.states, self.tuples = read_graph(meta, self.path)
+        #: the namedtuples of each Python state (given their types by the restoring object)
+        self.namedtuples = read_namedtuples(meta)
         self.alias_to_key = {a: k for a, k in self.alias_to_key.items() if k in self.infos}
         children: dict[str, set[str]] = {}
         # most keys share their parent: their last segments first, then each distinct
@@ -252,7 +254,10 @@ class RestoreState:
 
     def _settle(self, m: Any, decoded: list[tuple[str, Any, Any]]) -> None:
         """After the values went in: Python states, what was consumed, the deferrals."""
-        for _key, trackable, state in decoded:
+        for key, trackable, stored in decoded:
+            # a namedtuple takes its type from the object's own state
+            state = stored if key not in self.tuples else with_namedtuples(
+                stored, _own_state(trackable), self.namedtuples.get(key), key)
             restore_python_state(trackable, state)
         if self.restored is not None:
             self.restored.note(self._exact(m.variables))
@@ -340,6 +345,15 @@ class RestoreState:
             ):
                 out.append(f"{node.key} (Python state of {type(obj).__name__})")
         return list(dict.fromkeys(out))
+
+
+def _own_state(obj: Trackable) -> Any:
+    """``python_state(obj)`` before the restore, where the types of its namedtuples come
+    from; ``None`` when it has none to give (it raises: it is not set up yet)."""
+    try:
+        return python_state(obj)
+    except Exception:  # noqa: BLE001 - then no type is given, and the restore says so
+        return None
 
 
 def _open_reader(path: Any, storage_options: Mapping[str, Any] | None) -> Reader:
