@@ -57,6 +57,7 @@ __all__ = [
     "defer_restore",
     "python_state",
     "restore_python_state",
+    "stand_ins",
     "trackable_children",
 ]
 
@@ -213,3 +214,14 @@ def restore_python_state(obj: Trackable, state: Any) -> None:
 def defer_restore(obj: Trackable, name: str, handler: DeferredHandler) -> None:
     """Leave ``handler`` on ``obj`` for its child ``name``, once attached, through its class."""
     type(obj).defer_restore(obj, name, handler)
+
+
+def stand_ins(obj: Trackable) -> dict[str, Any]:
+    """The objects that stand for ``obj``'s children and attributes of other libraries (a
+    torch module, a JAX pytree) in a checkpoint, by name: kept on ``obj`` so that every
+    save and restore meets the same ones (the checkpoint layer makes and reads them)."""
+    held: dict[str, Any] | None = obj.__dict__.get("_cv_stand_ins")
+    if held is None:
+        held = {}
+        object.__setattr__(obj, "_cv_stand_ins", held)
+    return held

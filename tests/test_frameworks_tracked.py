@@ -43,3 +43,140 @@ def test_tied_weights_stay_tied_on_a_meta_restore(tmp_path: Path) -> None:
     with torch.no_grad():
         lazy.embed.weight[0, 0] = 42.0
     assert lazy.lm_head.weight[0, 0].item() == 42.0
+
+
+class Net(cv.Module):
+    """A cv.Module holding torch objects as attributes, beside a variable of its own."""
+
+    def __init__(self, seed: int = 0, device: str = "cpu") -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        with torch.device(device):
+            self.backbone = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+                                                torch.nn.Linear(8, 1))
+        self.opt = torch.optim.AdamW(self.backbone.parameters(), lr=1e-2)
+        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=2, gamma=0.5)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+        self.steps = cv.Variable(0, dtype="int64", trainable=False)
+
+    def step(self) -> float:
+        x = torch.linspace(-1, 1, 32).reshape(8, 4)
+        self.opt.zero_grad()
+        loss = ((self.backbone(x) - x[:, :1]) ** 2).mean()
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.sched.step()
+        self.steps.assign_add(1)
+        return float(loss.item())
+
+
+def test_torch_objects_held_by_a_module_are_saved_and_restored(tmp_path: Path) -> None:
+    net = Net()
+    for _ in range(3):
+        net.step()
+    path = cv.Checkpoint(net=net).save(tmp_path / "ckpt")
+    keys = [k for k, _, _ in cv.list_variables(path)]
+    # the keys a checkpoint's own arguments get, under the attribute's name
+    direct = cv.Checkpoint(backbone=net.backbone, opt=net.opt).write(tmp_path / "d.h5")
+    assert {f"net/{k}" for k, _, _ in cv.list_variables(direct)} <= set(keys)
+    assert "net/backbone/0.weight" in keys and "net/opt/state/0/exp_avg" in keys
+    expected = [net.step() for _ in range(2)]
+
+    fresh = Net(seed=1)
+    assert fresh.variables == (fresh.steps,)  # torch's tensors are no cv variables
+    cv.Checkpoint(net=fresh).restore(path).assert_consumed()
+    assert int(fresh.steps.numpy()) == 3 and fresh.sched.last_epoch == 3
+    assert fresh.scaler.state_dict() == Net().scaler.state_dict() | {"scale": 2.0 ** 11,
+                                                                      "_growth_tracker": 1}
+    assert [fresh.step() for _ in range(2)] == expected  # bit for bit
+
+
+def test_a_torch_object_tracked_or_attached_later_is_restored(tmp_path: Path) -> None:
+    net = Net()
+    net.step()
+    holder = cv.Trackable()
+    holder.track("model", net.backbone)  # a trackable's tracked child
+    path = cv.Checkpoint(net=net, holder=holder).save(tmp_path / "ckpt")
+    assert "holder/model/0.weight" in [k for k, _, _ in cv.list_variables(path)]
+
+    class Late(cv.Module):
+        pass
+
+    late, other = Late(), cv.Trackable()
+    status = cv.Checkpoint(net=late, holder=other).restore(path)
+    assert "backbone" in late.deferred_names() and other.deferred_names() == ["model"]
+    late.backbone = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+                                        torch.nn.Linear(8, 1))
+    late.opt = torch.optim.AdamW(late.backbone.parameters(), lr=1.0)
+    other.track("model", model := torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)))
+    for a, b, c in zip(late.backbone.parameters(), net.backbone.parameters(),
+                       model.parameters(), strict=True):
+        assert torch.equal(a, b) and torch.equal(c, b)
+    assert late.opt.param_groups[0]["lr"] == 1e-2  # the stored hyper-parameters
+    assert torch.equal(late.opt.state_dict()["state"][0]["exp_avg"],
+                       net.opt.state_dict()["state"][0]["exp_avg"])
+    status.assert_existing_objects_matched()
+
+
+def test_a_module_on_the_meta_device_held_by_a_module_takes_its_storage(tmp_path: Path) -> None:
+    net = Net()
+    path = cv.Checkpoint(net=net).save(tmp_path / "ckpt")
+    lazy = Net(device="meta")
+    cv.Checkpoint(net=lazy).restore(path).assert_consumed()
+    for a, b in zip(lazy.backbone.parameters(), net.backbone.parameters(), strict=True):
+        assert not a.is_meta and torch.equal(a, b)
+
+
+def test_a_trackable_attribute_holding_a_torch_module_is_said(tmp_path: Path) -> None:
+    class Holder(cv.Trackable):
+        def __init__(self) -> None:
+            self.model = torch.nn.Linear(2, 2)
+            self._private = torch.nn.Linear(2, 2)  # not state: quiet
+
+    with pytest.warns(UserWarning, match=r"'h/model' is a torch.nn.modules.linear.Linear held "
+                                         r"by the attribute 'model' of .*Holder.*not saved.*"
+                                         r"self.track\('model', self.model\)"):
+        path = cv.Checkpoint(h=Holder()).save(tmp_path / "ckpt")
+    assert [k for k, _, _ in cv.list_variables(path)] == ["save_counter"]
+
+
+def test_a_jax_pytree_node_held_by_a_module_is_saved_and_restored(tmp_path: Path) -> None:
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    from dataclasses import dataclass
+
+    @dataclass
+    class State:
+        step: Any
+        params: Any
+        note: str = "static"
+
+    jax.tree_util.register_dataclass(State, data_fields=["step", "params"],
+                                     meta_fields=["note"])
+
+    class Model(cv.Module):
+        def __init__(self, scale: float) -> None:
+            super().__init__()
+            self.state = State(jnp.int32(7), {"w": jnp.full((2, 3), scale), "b": jnp.ones(3)})
+
+    model = Model(0.5)
+    path = cv.Checkpoint(model=model).save(tmp_path / "ckpt")
+    keys = [k for k, _, _ in cv.list_variables(path)]
+    assert keys == ["save_counter", "model/state/step", "model/state/params/w",
+                    "model/state/params/b"]
+    model.state = State(model.state.step + 1, model.state.params)  # the next state: saved
+    assert cv.load(cv.Checkpoint(model=model).save(tmp_path / "next"),
+                   )["model/state/step"] == 8
+
+    fresh = Model(0.0)
+    like = fresh.state
+    cv.Checkpoint(model=fresh).restore(path).assert_consumed()
+    assert type(fresh.state) is State and fresh.state is not like
+    assert int(fresh.state.step) == 7 and fresh.state.note == "static"
+    assert isinstance(fresh.state.params["w"], jax.Array)
+    np.testing.assert_array_equal(np.asarray(fresh.state.params["w"]), np.full((2, 3), 0.5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cv.Checkpoint(model=fresh).restore(path).assert_consumed()  # again: nothing said

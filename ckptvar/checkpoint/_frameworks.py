@@ -40,6 +40,7 @@ from ..graph import Graph
 from ..trackable import SupportsStateDict, Trackable
 from ..variables import FreshValue, Shard, Variable, set_device_value, shares_memory
 from ._serialize import decode_state, encode_state
+from ._walk import walk
 
 __all__ = [
     "FrameworkStateError",
@@ -481,8 +482,9 @@ class RestoredWhole(Trackable):
     failed one (:func:`begin_restores`, :func:`end_restores`)."""
 
     #: whether an object attached after the restore (that restore's deferred values) is
-    #: restored whole as well (a pytree: its new tree is built then), not value by value
-    restored_on_attach: ClassVar[bool] = False
+    #: restored whole as well (a pytree: its new tree is built then; a state-dict object:
+    #: its ``load_state_dict`` takes the stored state), not value by value
+    restored_on_attach: ClassVar[bool] = True
 
     def begin_restore(self, key: str, stored: Any, infos: Any) -> None:
         """Get ready: ``stored`` is the decoded Python state (``None``: none stored),
@@ -820,21 +822,28 @@ def _new_tensor(torch: Any, t: Any, path: tuple[Any, ...], info: Any,
     return torch.empty(shape, dtype=dtype)
 
 
-def begin_restores(root: Trackable, states: Any, infos: Any, path: Any) -> list[RestoredWhole]:
-    """Put the objects ``root`` tracks that are restored whole (state-dict objects,
-    pytrees) in restore mode (see ``begin_restore``)."""
+def begin_restores(root: Trackable, states: Any, infos: Any, path: Any
+                   ) -> tuple[list[Any], list[RestoredWhole]]:
+    """The walk of ``root`` for a restore, and the objects in it restored whole
+    (state-dict objects, pytrees: ``root``'s own, and those its modules and trackables
+    hold), each put in restore mode (see ``begin_restore``) before its children are met."""
+    nodes = walk(root, stop=RestoredWhole)
     out: list[RestoredWhole] = []
+    below: list[Any] = []
     try:
-        for name, obj in root.trackable_children().items():
-            if isinstance(obj, RestoredWhole):
-                blob = states.get(name)
-                stored = None if blob is None else decode_state(blob, name, path)
+        # (a plain variable is no such object: no call for each)
+        for node in [n for n in nodes if type(n.obj) is not Variable]:
+            obj = node.obj
+            if isinstance(obj, RestoredWhole) and node.first:
+                blob = states.get(node.key)
+                stored = None if blob is None else decode_state(blob, node.key, path)
                 out.append(obj)  # (ended below if its own begin raises)
-                obj.begin_restore(name, stored, infos)
+                obj.begin_restore(node.key, stored, infos)
+                below += walk(obj, node.key)[1:]  # its children, in restore mode now
     except BaseException:
         end_restores(out, ok=False)  # none left restoring: its next save would be stale
         raise
-    return out
+    return nodes + below, out
 
 
 def end_restores(adapters: list[RestoredWhole], *, ok: bool,

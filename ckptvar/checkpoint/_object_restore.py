@@ -31,7 +31,6 @@ from ..trackable import (
     defer_restore,
     python_state,
     restore_python_state,
-    trackable_children,
 )
 from ..variables import PartitionedVariable, Variable, unsharded
 from ._apply import stored_infos
@@ -41,7 +40,7 @@ from ._keys import escape_segment, unescape_segment
 from ._logical import BoxReader, Logical, apply_targets, as_target, read_boxes
 from ._serialize import decode_state, read_graph, read_namedtuples, with_namedtuples
 from ._status import warn_unused
-from ._walk import Node, walk
+from ._walk import Node, child_items, is_framework_object, walk
 
 __all__ = ["Deferred", "RestoreState"]
 
@@ -214,7 +213,7 @@ class RestoreState:
                     present = {
                         n if type(n) is str and n and "%" not in n and "/" not in n
                         else escape_segment(n)
-                        for n in trackable_children(obj)
+                        for n, _ in child_items(obj, node.key)
                     }
                     for seg in sorted(wanted - present):
                         m.deferrals.append((obj, unescape_segment(seg), node.key))
@@ -279,11 +278,13 @@ class RestoreState:
         infos = self.infos
         return [(k, t) for k, t, _ in matched if np.dtype(infos[k].dtype) == np.dtype(t.dtype)]
 
-    def on_attach(self, parent_key: str, name: str, child: Any) -> None:
+    def on_attach(self, parent_key: str, name: str, child: Any, parent: Any = None) -> None:
         with self.lock:
             self.pending -= 1
             seg = escape_segment(name)
             key = f"{parent_key}/{seg}" if parent_key else seg
+            if parent is not None and is_framework_object(child):  # as the walk meets it
+                child = dict(child_items(parent, parent_key)).get(name, child)
             whole = child if isinstance(child, RestoredWhole) and child.restored_on_attach \
                 else None
             try:
@@ -406,4 +407,4 @@ class Deferred:
         self.parent_key = parent_key
 
     def __call__(self, parent: Trackable, name: str, child: Any) -> None:
-        self.state.on_attach(self.parent_key, name, child)
+        self.state.on_attach(self.parent_key, name, child, parent)
