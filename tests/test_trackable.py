@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import random
+import re
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -342,3 +343,23 @@ def test_a_tuple_as_a_map_key_of_python_state_is_refused(
 def test_damaged_tuple_places_are_a_corrupt_checkpoint(paths: Any) -> None:
     with pytest.raises(cv.CorruptCheckpointError, match=r"'h' in 'f\.h5'"):
         decode_state(msgpack.packb([1, 2]), "h", "f.h5", paths)
+
+
+def test_a_child_that_is_no_variable_nor_trackable_is_said(
+    tmp_path: Path, fresh_graph: cv.Graph
+) -> None:
+    """A value a trackable names as its child (``track``, ``trackable_children``) that a
+    checkpoint cannot save (an array, a number) was left out of the save without a word."""
+
+    class Named(cv.Trackable):
+        def trackable_children(self) -> dict[str, Any]:
+            return {"v": cv.Variable([1.0], name="v"), "lr": 0.1}
+
+    box = cv.Trackable()
+    box.track("mask", np.ones(3))
+    with pytest.warns(UserWarning) as said:
+        path = cv.Checkpoint(box=box, named=Named()).save(tmp_path / "ckpt")
+    text = "\n".join(str(w.message) for w in said)
+    assert "'box/mask' is a numpy.ndarray, a child of Trackable" in text
+    assert re.search(r"'named/lr' is a builtins.float, a child of \S*Named: .*not saved", text)
+    assert [k for k, _, _ in cv.list_variables(path)] == ["save_counter", "named/v"]

@@ -286,21 +286,31 @@ def _arrays_left_out(obj: Any, key: str) -> None:
 
 
 def _left_out(container: Any, at: str, name: str, value: Any) -> None:
-    """Say that the array, state-dict object or JAX pytree node ``value`` (in a list,
-    tuple or dict ``container`` at ``at``, under ``name``) is not saved (once per key and
-    type: Python's warning registry); nothing for any other value, or for a trackable's
-    child (a trackable's attributes are :func:`_arrays_left_out`'s)."""
-    if isinstance(container, Trackable) or not (
-            is_array(value) or isinstance(value, SupportsStateDict) or is_tree_node(value)):
+    """Say that ``value``, under ``name`` in ``container`` (at ``at``), is not saved (once
+    per key and type: Python's warning registry): any child a trackable names that is
+    neither a variable, a trackable nor a container (``track("mask", array)``); in a list,
+    tuple or dict, an array, state-dict object or JAX pytree node (other values there,
+    numbers and strings, are a module's configuration: quiet)."""
+    what = f"{type(value).__module__}.{type(value).__qualname__}"
+    if isinstance(container, Trackable):
+        warnings.warn(
+            f"{_join(at, name)!r} is a {what}, a child of {type(container).__qualname__}: a "
+            "checkpoint saves variables, trackable objects and containers of them, so it is "
+            "not saved (nor restored). Hold an array in a cv.Variable, and a number or "
+            "string in the trackable's python_state() (docs/checkpoints.md).",
+            UserWarning,
+            stacklevel=4,
+        )
         return
-    key = _join(at, name)
-    how = ("Pass it as the checkpoint's own argument, cv.Checkpoint(name=...)"
+    if not (is_array(value) or isinstance(value, SupportsStateDict) or is_tree_node(value)):
+        return
+    how = ("Pass it as the checkpoint's own argument, cv.Checkpoint(name=...), or hold it "
+           "as a module's attribute"
            if isinstance(value, SupportsStateDict) or is_tree_node(value) else
            "Hold it in a cv.Variable, or save a pytree of arrays with cv.save(path, tree)")
     warnings.warn(
-        f"{key!r} is a {type(value).__module__}.{type(value).__qualname__} in a container: "
-        "a checkpoint saves variables and trackable objects, so it is not saved (nor "
-        f"restored). {how} (docs/frameworks.md).",
+        f"{_join(at, name)!r} is a {what} in a container: a checkpoint saves variables and "
+        f"trackable objects, so it is not saved (nor restored). {how} (docs/frameworks.md).",
         UserWarning,
         stacklevel=4,
     )
