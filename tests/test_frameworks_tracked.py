@@ -180,3 +180,24 @@ def test_a_jax_pytree_node_held_by_a_module_is_saved_and_restored(tmp_path: Path
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cv.Checkpoint(model=fresh).restore(path).assert_consumed()  # again: nothing said
+
+
+def test_a_like_tree_holding_one_tensor_at_two_keys_gets_one_tensor(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = TiedLM()
+    cv.save(tmp_path / "sd.h5", dict(model.state_dict()))
+    with torch.device("meta"):
+        lazy = TiedLM()
+    like = lazy.state_dict(keep_vars=True)  # the tied parameter: one object at both keys
+    back = cv.load(tmp_path / "sd.h5", like=like)
+    assert back["lm_head.weight"] is back["embed.weight"]
+    lazy.load_state_dict(back, assign=True)
+    assert lazy.lm_head.weight.data_ptr() == lazy.embed.weight.data_ptr()
+    assert torch.equal(lazy.embed.weight, model.embed.weight)
+    # stored values that differ are never merged: each key keeps its own, and it is said
+    untied = dict(model.state_dict())
+    untied["lm_head.weight"] = untied["lm_head.weight"] + 1
+    cv.save(tmp_path / "untied.h5", untied)
+    with pytest.warns(UserWarning, match=r"'lm_head.weight' and 'embed.weight', but .* differ"):
+        back = cv.load(tmp_path / "untied.h5", like=like)
+    assert torch.equal(back["lm_head.weight"], back["embed.weight"] + 1)
