@@ -201,3 +201,25 @@ def test_a_like_tree_holding_one_tensor_at_two_keys_gets_one_tensor(tmp_path: Pa
     with pytest.warns(UserWarning, match=r"'lm_head.weight' and 'embed.weight', but .* differ"):
         back = cv.load(tmp_path / "untied.h5", like=like)
     assert torch.equal(back["lm_head.weight"], back["embed.weight"] + 1)
+
+
+class Small(cv.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(2, 3)
+
+
+def test_a_saved_module_holding_torch_objects_copies_and_pickles(tmp_path: Path) -> None:
+    import copy
+    import pickle
+
+    small = Small()
+    cv.Checkpoint(m=small).save(tmp_path / "a")  # its stand-ins are kept beside it
+    for twin in (copy.deepcopy(small), pickle.loads(pickle.dumps(small))):
+        assert twin.body is not small.body
+        with torch.no_grad():
+            twin.body.weight.fill_(3.0)
+        path = cv.Checkpoint(m=twin).write(tmp_path / f"{id(twin)}.h5")
+        assert (cv.load(path)["m/body/weight"] == 3.0).all()  # the twin's own values
+    assert not (cv.load(cv.Checkpoint(m=small).write(tmp_path / "b.h5"))["m/body/weight"]
+                == 3.0).all()
