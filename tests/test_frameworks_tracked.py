@@ -180,6 +180,16 @@ def test_a_jax_pytree_node_held_by_a_module_is_saved_and_restored(tmp_path: Path
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cv.Checkpoint(model=fresh).restore(path).assert_consumed()  # again: nothing said
+    # set after the restore, on a module or by track(): restored as it is set
+    late, box = cv.Module(name="late"), cv.Trackable()
+    box.track("tree", State(jnp.int32(3), {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}))
+    box_path = cv.Checkpoint(model=model, box=box).write(tmp_path / "box.h5")
+    late_box = cv.Trackable()
+    status = cv.Checkpoint(model=late, box=late_box).restore(box_path)
+    late.state = State(jnp.int32(0), {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3)})
+    late_box.track("tree", State(jnp.int32(0), {"w": jnp.zeros((2, 3)), "b": jnp.zeros(3)}))
+    assert int(late.state.step) == 8 and int(late_box.trackable_children()["tree"].step) == 3
+    status.assert_consumed()
 
 
 def test_a_like_tree_holding_one_tensor_at_two_keys_gets_one_tensor(tmp_path: Path) -> None:
