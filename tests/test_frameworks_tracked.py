@@ -141,6 +141,16 @@ def test_a_trackable_attribute_holding_a_torch_module_is_said(tmp_path: Path) ->
         path = cv.Checkpoint(h=Holder()).save(tmp_path / "ckpt")
     assert [k for k, _, _ in cv.list_variables(path)] == ["save_counter"]
 
+    class Tracking(Holder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.track("net", self.model)  # tracked under another name: saved, quiet
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path = cv.Checkpoint(h=Tracking()).save(tmp_path / "tracking")
+    assert "h/net/weight" in [k for k, _, _ in cv.list_variables(path)]
+
 
 def test_a_jax_pytree_node_held_by_a_module_is_saved_and_restored(tmp_path: Path) -> None:
     jax = pytest.importorskip("jax")

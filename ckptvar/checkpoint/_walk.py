@@ -259,7 +259,7 @@ def _arrays_left_out(obj: Any, key: str) -> None:
                 continue
             if children is None:
                 children = trackable_children(obj)
-            if name in children:  # saved under its name (a checkpoint's pytree)
+            if _tracked(children, name, value, array):
                 continue
             _said.add(said)
             what = f"{type(value).__module__}.{type(value).__qualname__}"
@@ -283,6 +283,13 @@ def _arrays_left_out(obj: Any, key: str) -> None:
                 UserWarning,
                 stacklevel=4,
             )
+
+
+def _tracked(children: dict[str, Any], name: str, value: Any, array: bool) -> bool:
+    """Whether the attribute ``name`` holding ``value`` is saved all the same: a child of
+    its name (a checkpoint's pytree), or, for an object of another library, a child of
+    another name."""
+    return name in children or (not array and any(c is value for c in children.values()))
 
 
 def _left_out(container: Any, at: str, name: str, value: Any) -> None:
