@@ -2,7 +2,9 @@
 
 Owns automatic tracking on attribute assignment (variables, partitioned variables —
 saved as one logical variable, their parts listed in ``variables`` — trackables and
-lists/tuples/dicts of them, nested, in assignment order), the ``variables`` /
+lists/tuples/dicts of them, nested, in assignment order; another library's object held
+by a public attribute, a torch module or a JAX pytree, is met by the checkpoint walk,
+which saves it as a checkpoint's own argument), the ``variables`` /
 ``trainable_variables`` / ``non_trainable_variables`` / ``submodules`` views (depth
 first, deterministic, without duplicates), the default snake_case name, the
 module's name scope and :meth:`Module.add_variable`, which honours a pending
@@ -31,7 +33,7 @@ import numpy as np
 from . import initializers as _initializers
 from ._dtypes import as_dtype, kind_of
 from .graph import name_scope as _name_scope
-from .trackable import Trackable, trackable_children
+from .trackable import Trackable, stand_ins, trackable_children
 from .variables import PartitionedVariable, Variable
 
 __all__ = ["Module", "iter_tracked"]
@@ -43,6 +45,9 @@ _CAMEL_2 = re.compile(r"([a-z0-9])([A-Z])")
 def _snake_case(name: str) -> str:
     """``MLPModel`` -> ``mlp_model``, ``Dense`` -> ``dense``, ``ResNet50`` -> ``res_net50``."""
     return _CAMEL_2.sub(r"\1_\2", _CAMEL_1.sub(r"\1_\2", name)).lower()
+
+
+_PLAIN = (type(None), bool, int, float, str, bytes)
 
 
 def _is_tracked_value(value: Any) -> bool:
@@ -140,12 +145,17 @@ class Module(Trackable):
             return
         if _is_tracked_value(value):
             self._track(name, value)
-        else:
-            self._untrack(name)
+            return
+        self._untrack(name)
+        if not isinstance(value, _PLAIN) and name in self.__dict__.get(self._CV_DEFERRED, ()):
+            # another library's object (a torch module, a JAX pytree) a restore waits for:
+            # the checkpoint gives it its stored state now
+            self._child_attached(name, value)
 
     def __delattr__(self, name: str) -> None:
         object.__delattr__(self, name)
         self._untrack(name)
+        stand_ins(self).pop(name, None)
 
     # -- names ------------------------------------------------------------------------
     @property

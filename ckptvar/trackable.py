@@ -48,6 +48,7 @@ remain as aliases.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -57,6 +58,7 @@ __all__ = [
     "defer_restore",
     "python_state",
     "restore_python_state",
+    "stand_ins",
     "trackable_children",
 ]
 
@@ -213,3 +215,21 @@ def restore_python_state(obj: Trackable, state: Any) -> None:
 def defer_restore(obj: Trackable, name: str, handler: DeferredHandler) -> None:
     """Leave ``handler`` on ``obj`` for its child ``name``, once attached, through its class."""
     type(obj).defer_restore(obj, name, handler)
+
+
+#: ``id(holder) -> {name: stand-in}`` (:func:`stand_ins`), dropped when the holder goes
+_STAND_INS: dict[int, dict[str, Any]] = {}
+
+
+def stand_ins(obj: Trackable) -> dict[str, Any]:
+    """The objects that stand for ``obj``'s children and attributes of other libraries (a
+    torch module, a JAX pytree) in a checkpoint, by name: kept for ``obj`` so that every
+    save and restore meets the same ones (the checkpoint layer makes and reads them).
+
+    They are kept beside ``obj``, never in it: a copy or a pickle of ``obj`` holds none
+    (its own are made at its first save), and they go when ``obj`` goes."""
+    held = _STAND_INS.get(id(obj))
+    if held is None:
+        held = _STAND_INS[id(obj)] = {}
+        weakref.finalize(obj, _STAND_INS.pop, id(obj), None)
+    return held

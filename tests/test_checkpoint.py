@@ -506,21 +506,21 @@ def test_gpu_variables_round_trip_and_restore_as_init(
 def test_a_restore_without_a_coordinator_walks_the_object_graph_once(
     tmp_path, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]
-    from ckptvar.checkpoint import _checkpoint, _walk
+    from ckptvar.checkpoint import _checkpoint, _frameworks, _walk
 
     walks: list[int] = []
     real = _walk.walk
 
     def counting(root, *args, **kwargs):  # type: ignore[no-untyped-def]
-        walks.append(1)
+        walks.append(root is ck)  # (an object restored whole: its own children, once)
         return real(root, *args, **kwargs)
 
     ck = cv.Checkpoint(a=cv.Variable(np.arange(3.0), name="a"))
     path = ck.write(tmp_path / "c.h5")
-    monkeypatch.setattr(_checkpoint, "walk", counting)
+    monkeypatch.setattr(_frameworks, "walk", counting)
     monkeypatch.setattr(_checkpoint, "gather", lambda *a, **k: pytest.fail("gathered"))
     ck.restore(path).assert_consumed()
-    assert len(walks) == 1
+    assert walks == [True]
 
 
 def test_dict_keys_one_int_one_str_naming_the_same_value_are_refused(

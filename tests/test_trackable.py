@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import collections
 import random
+import re
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -283,17 +285,50 @@ def test_tuples_in_python_state_come_back_as_tuples(
     path = cv.Checkpoint(h=Holder(state), top=Holder((1, [2, (3,)]))).save(
         tmp_path / "ckpt", format=fmt)
     h, top = Holder(), Holder()
-    cv.Checkpoint(h=h, top=top).restore(path).assert_consumed()
+    with pytest.warns(UserWarning, match=r"'h' held namedtuples that come back as plain "
+                                         r"tuples: p \(.*point\)"):
+        cv.Checkpoint(h=h, top=top).restore(path).assert_consumed()
     assert h.state == {"pair": (1, 2), "nested": [(3, (4, [5, (6,)])), []], 7: ((),),
                        "p": (8, 9), "list": [1, 2]}
     assert type(h.state["nested"]) is list and type(h.state["nested"][0][1][1]) is list
-    assert type(h.state["p"]) is tuple  # a namedtuple's field names are not stored
+    assert type(h.state["p"]) is tuple  # nothing here gives it its type: said
     assert type(h.state["list"]) is list
     assert top.state == (1, [2, (3,)]) and type(top.state[1]) is list
     # a plain reader still sees arrays: the state is plain msgpack, the tuples listed beside
     with cv.open(path) as reader:
         graph = reader.metadata()["object_graph"]
     assert msgpack.unpackb(graph["python_state"]["h"], strict_map_key=False)["pair"] == [1, 2]
+
+
+class Point(NamedTuple):
+    x: int
+    y: Any
+
+
+class Other(NamedTuple):
+    a: int
+    b: Any
+
+
+def test_namedtuples_in_python_state_take_their_type_from_the_restoring_object(
+    tmp_path: Path, fresh_graph: cv.Graph
+) -> None:
+    state = {"p": Point(1, Point(2, "z")), "ps": [Point(3, None)], "t": (4, 5)}
+    path = cv.Checkpoint(h=Holder(state), top=Holder(Point(6, [7]))).save(tmp_path / "ckpt")
+    like = {"p": Point(0, Point(0, "")), "ps": [Point(0, 0)], "t": (0, 0)}
+    h, top = Holder(like), Holder(Point(0, []))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every namedtuple has its type here: nothing said
+        cv.Checkpoint(h=h, top=top).restore(path).assert_consumed()
+    assert h.state == state and type(h.state["p"]) is Point and type(h.state["p"].y) is Point
+    assert type(h.state["ps"][0]) is Point and type(h.state["t"]) is tuple
+    assert type(top.state) is Point and top.state == Point(6, [7])
+    # the type is the restoring object's, never one a file names (fields matched by count)
+    other = Holder({"p": Other(0, Other(0, "")), "ps": [None], "t": (0, 0)})
+    with pytest.warns(UserWarning, match=r"'h' held namedtuples .*: ps/0 \(.*Point\)\."):
+        cv.Checkpoint(h=other).restore(path).expect_partial()
+    assert type(other.state["p"]) is Other and type(other.state["p"].b) is Other
+    assert type(other.state["ps"][0]) is tuple and other.state["ps"][0] == (3, None)
 
 
 def test_a_tuple_as_a_map_key_of_python_state_is_refused(
@@ -308,3 +343,23 @@ def test_a_tuple_as_a_map_key_of_python_state_is_refused(
 def test_damaged_tuple_places_are_a_corrupt_checkpoint(paths: Any) -> None:
     with pytest.raises(cv.CorruptCheckpointError, match=r"'h' in 'f\.h5'"):
         decode_state(msgpack.packb([1, 2]), "h", "f.h5", paths)
+
+
+def test_a_child_that_is_no_variable_nor_trackable_is_said(
+    tmp_path: Path, fresh_graph: cv.Graph
+) -> None:
+    """A value a trackable names as its child (``track``, ``trackable_children``) that a
+    checkpoint cannot save (an array, a number) was left out of the save without a word."""
+
+    class Named(cv.Trackable):
+        def trackable_children(self) -> dict[str, Any]:
+            return {"v": cv.Variable([1.0], name="v"), "lr": 0.1}
+
+    box = cv.Trackable()
+    box.track("mask", np.ones(3))
+    with pytest.warns(UserWarning) as said:
+        path = cv.Checkpoint(box=box, named=Named()).save(tmp_path / "ckpt")
+    text = "\n".join(str(w.message) for w in said)
+    assert "'box/mask' is a numpy.ndarray, a child of Trackable" in text
+    assert re.search(r"'named/lr' is a builtins.float, a child of \S*Named: .*not saved", text)
+    assert [k for k, _, _ in cv.list_variables(path)] == ["save_counter", "named/v"]

@@ -18,7 +18,7 @@ from ..errors import CheckpointMismatchError
 from ..storage import paused_gc
 from ..trackable import Trackable, trackable_children
 from ..variables import PartitionedVariable, Variable
-from . import _async
+from . import _async, _held  # noqa: F401 - _held: the walk's stand-ins, set on import
 from ._collective import collective_write, needs_collective, rank_variables
 from ._collective_state import CollectiveRestoreState
 from ._files import checkpoint_location, native_backend, write_file
@@ -39,7 +39,7 @@ from ._state import record_latest
 from ._status import RestoreStatus
 from ._steps import split_format, step_name
 from ._tree_state import TreeTrackable, is_tree_node
-from ._walk import is_array, untracked, walk
+from ._walk import is_array, untracked
 
 __all__ = ["Checkpoint", "SaveOptions"]
 
@@ -600,10 +600,10 @@ class Checkpoint(Trackable):
                 state.restored = Restored(_noted_path(path), tracking=self._cv_noting)
                 if state.has_save_counter:
                     self.save_counter  # noqa: B018 - exists before matching: restored too
-                adapters = begin_restores(self, state.states, state.infos, state.path)
+                nodes, adapters = begin_restores(self, state.states, state.infos, state.path)
                 ok = False
                 try:
-                    state.restore_nodes(walk(self))
+                    state.restore_nodes(nodes)
                     ok = True
                 finally:
                     state.release_reader()
@@ -620,6 +620,7 @@ class Checkpoint(Trackable):
         state: CollectiveRestoreState | None = None
         failure: BaseException | None = None
         adapters: list[Any] = []
+        nodes: list[Any] = []
         try:
             with paused_gc():
                 state = CollectiveRestoreState(path, coordinator=coord, root=self, verify=verify,
@@ -628,7 +629,7 @@ class Checkpoint(Trackable):
                 state.restored = Restored(_noted_path(path), tracking=self._cv_noting)
                 if state.has_save_counter:
                     self.save_counter  # noqa: B018 - exists before matching: restored too
-                adapters = begin_restores(self, state.states, state.infos, state.path)
+                nodes, adapters = begin_restores(self, state.states, state.infos, state.path)
         except BaseException as exc:  # noqa: BLE001 - reported through the vote
             failure = exc
         try:
@@ -640,7 +641,7 @@ class Checkpoint(Trackable):
         assert state is not None
         ok = False
         try:
-            state.restore_nodes(walk(self))
+            state.restore_nodes(nodes)
             ok = True
         finally:
             state.release_reader()

@@ -40,6 +40,7 @@ from ..graph import Graph
 from ..trackable import SupportsStateDict, Trackable
 from ..variables import FreshValue, Shard, Variable, set_device_value, shares_memory
 from ._serialize import decode_state, encode_state
+from ._walk import walk
 
 __all__ = [
     "FrameworkStateError",
@@ -470,6 +471,8 @@ class _Restoring:
         #: True when ``load_state_dict`` must run (new tensors, or Python state to take)
         self.fresh = fresh
         self.assign = False
+        #: the paths of tied tensors, each with the tensor it shares (:func:`_ties`)
+        self.ties: dict[tuple[Any, ...], Any] = {}
 
 
 class RestoredWhole(Trackable):
@@ -479,8 +482,9 @@ class RestoredWhole(Trackable):
     failed one (:func:`begin_restores`, :func:`end_restores`)."""
 
     #: whether an object attached after the restore (that restore's deferred values) is
-    #: restored whole as well (a pytree: its new tree is built then), not value by value
-    restored_on_attach: ClassVar[bool] = False
+    #: restored whole as well (a pytree: its new tree is built then; a state-dict object:
+    #: its ``load_state_dict`` takes the stored state), not value by value
+    restored_on_attach: ClassVar[bool] = True
 
     def begin_restore(self, key: str, stored: Any, infos: Any) -> None:
         """Get ready: ``stored`` is the decoded Python state (``None``: none stored),
@@ -651,7 +655,8 @@ class StateDictTrackable(RestoredWhole):
         tensors: dict[tuple[Any, ...], Any] = {}
         variables: dict[tuple[Any, ...], Variable] = {}
         assign = False
-        params = _params_by_index(self.obj, torch)
+        new = _NewTensors(self._graph, torch, _params_by_index(self.obj, torch), _ties(
+            self.obj) if any(t.device.type == "meta" for t in current.values()) else {})
         for path in paths:
             t = current.get(path)
             full = f"{key}/" + "/".join(map(str, path))
@@ -664,12 +669,9 @@ class StateDictTrackable(RestoredWhole):
                 assign = assign or t.device.type == "meta"
             if info is None or torch is None:  # not stored: the status reports it
                 continue
-            t_new = _new_tensor(torch, t, path, info, params)
-            var = tensor_variable(self._graph, "/".join(map(str, path)), t_new, saving=False)
-            if var is None:
-                raise FrameworkStateError(f"Cannot restore {full!r}: no host memory for it.")
-            tensors[path], variables[path] = t_new, var
+            tensors[path], variables[path] = new.made(t, path, info, full)
             fresh = True
+        new.tie(tensors, variables)
         for path, t in current.items():  # tensors the checkpoint lacks: reported unmatched
             if path not in variables:
                 var = self._var(path, t, saving=False)
@@ -678,6 +680,7 @@ class StateDictTrackable(RestoredWhole):
                     tensors[path] = t
         self._restoring = _Restoring(enc, tensors, variables, fresh)
         self._restoring.assign = assign
+        self._restoring.ties = new.ties
 
     def finish_restore(self, carry: Callable[[Variable, Variable], None] | None = None) -> None:
         """After a successful restore: ``load_state_dict`` when new tensors or state came.
@@ -689,11 +692,11 @@ class StateDictTrackable(RestoredWhole):
         if r is None or not r.fresh:
             return
         enc = self._state if self._state is not None else r.enc
-        sd = _decode(enc, r.tensors)
         if r.assign:
+            sd = _decode(enc, _tied_parameters(r.tensors, r.ties))
             self.obj.load_state_dict(sd, assign=True)  # type: ignore[call-arg]
         else:
-            self.obj.load_state_dict(sd)
+            self.obj.load_state_dict(_decode(enc, r.tensors))
         # the variables stay the object's: its tensors are the ones they fill (a later
         # walk, the status's included, meets them again)
         for path, t in _tensors(self.obj.state_dict()):
@@ -726,6 +729,71 @@ def _has_values(enc: Any) -> bool:
     return any(_has_values(v) for v in enc.get("t", enc.get("l", [])))
 
 
+class _NewTensors:
+    """The new tensors a restore makes for stored values (the variable over each one's
+    memory). Tied tensors (an output head's weight that is the embedding's) without
+    storage get one new tensor for all their paths, so that they stay one tensor."""
+
+    def __init__(self, graph: Graph, torch: Any, params: list[Any],
+                 ties: dict[tuple[Any, ...], Any]) -> None:
+        self.graph, self.torch, self.params, self.ties = graph, torch, params, ties
+        self._tied: dict[int, tuple[Any, Variable]] = {}  # by id of the tied tensor
+
+    def made(self, t: Any, path: tuple[Any, ...], info: Any, full: str
+             ) -> tuple[Any, Variable]:
+        """A new tensor for the stored value ``full`` (at ``path``; ``t``: the current
+        tensor there, if any) and its variable; a tied path's tie's, once made."""
+        tied = self.ties.get(path)
+        if tied is not None and id(tied) in self._tied:
+            return self._tied[id(tied)]
+        t_new = _new_tensor(self.torch, t, path, info, self.params)
+        var = tensor_variable(self.graph, "/".join(map(str, path)), t_new, saving=False)
+        if var is None:
+            raise FrameworkStateError(f"Cannot restore {full!r}: no host memory for it.")
+        if tied is not None:
+            self._tied[id(tied)] = t_new, var
+        return t_new, var
+
+    def tie(self, tensors: dict[tuple[Any, ...], Any],
+            variables: dict[tuple[Any, ...], Variable]) -> None:
+        """Give each tied path the checkpoint lacks its tie's new tensor."""
+        for path, tied in self.ties.items():
+            if path not in tensors and id(tied) in self._tied:
+                tensors[path], variables[path] = self._tied[id(tied)]
+
+
+def _ties(obj: Any) -> dict[tuple[Any, ...], Any]:
+    """The state-dict paths of ``obj``'s tensors that are one tensor under several keys
+    (tied weights: ``lm_head.weight is embed.weight``), each with that tensor (a module's
+    parameter as it is, ``keep_vars``); paths of tensors held once are left out."""
+    by_tensor: dict[int, list[tuple[tuple[Any, ...], Any]]] = {}
+    for path, t in _tensors(_state_dict(obj)):
+        by_tensor.setdefault(id(t), []).append((path, t))
+    return {path: t for group in by_tensor.values() if len(group) > 1 for path, t in group}
+
+
+def _tied_parameters(tensors: dict[tuple[Any, ...], Any], ties: dict[tuple[Any, ...], Any]
+                     ) -> dict[tuple[Any, ...], Any]:
+    """``tensors``, each restored tensor of tied parameters made one ``nn.Parameter``
+    given at each of its paths: ``load_state_dict(assign=True)`` then sets that very
+    parameter on every module that shared it (it would wrap each path's tensor in a
+    parameter of its own, the same memory but no longer the same parameter)."""
+    if not ties:
+        return tensors
+    torch = sys.modules["torch"]
+    out = dict(tensors)
+    made: dict[int, Any] = {}
+    for path, tied in ties.items():
+        t = tensors.get(path)
+        if t is None or not isinstance(tied, torch.nn.Parameter):
+            continue
+        param = made.get(id(t))
+        if param is None:
+            param = made[id(t)] = torch.nn.Parameter(t, requires_grad=tied.requires_grad)
+        out[path] = param
+    return out
+
+
 def _params_by_index(obj: Any, torch: Any) -> list[Any]:
     """An optimizer's parameters in ``state_dict`` order (its ``state`` keys); else []."""
     groups = getattr(obj, "param_groups", None) if torch is not None else None
@@ -754,21 +822,28 @@ def _new_tensor(torch: Any, t: Any, path: tuple[Any, ...], info: Any,
     return torch.empty(shape, dtype=dtype)
 
 
-def begin_restores(root: Trackable, states: Any, infos: Any, path: Any) -> list[RestoredWhole]:
-    """Put the objects ``root`` tracks that are restored whole (state-dict objects,
-    pytrees) in restore mode (see ``begin_restore``)."""
+def begin_restores(root: Trackable, states: Any, infos: Any, path: Any
+                   ) -> tuple[list[Any], list[RestoredWhole]]:
+    """The walk of ``root`` for a restore, and the objects in it restored whole
+    (state-dict objects, pytrees: ``root``'s own, and those its modules and trackables
+    hold), each put in restore mode (see ``begin_restore``) before its children are met."""
+    nodes = walk(root, stop=RestoredWhole)
     out: list[RestoredWhole] = []
+    below: list[Any] = []
     try:
-        for name, obj in root.trackable_children().items():
-            if isinstance(obj, RestoredWhole):
-                blob = states.get(name)
-                stored = None if blob is None else decode_state(blob, name, path)
+        # (a plain variable is no such object: no call for each)
+        for node in [n for n in nodes if type(n.obj) is not Variable]:
+            obj = node.obj
+            if isinstance(obj, RestoredWhole) and node.first:
+                blob = states.get(node.key)
+                stored = None if blob is None else decode_state(blob, node.key, path)
                 out.append(obj)  # (ended below if its own begin raises)
-                obj.begin_restore(name, stored, infos)
+                obj.begin_restore(node.key, stored, infos)
+                below += walk(obj, node.key)[1:]  # its children, in restore mode now
     except BaseException:
         end_restores(out, ok=False)  # none left restoring: its next save would be stale
         raise
-    return out
+    return nodes + below, out
 
 
 def end_restores(adapters: list[RestoredWhole], *, ok: bool,

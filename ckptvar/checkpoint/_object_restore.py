@@ -31,7 +31,6 @@ from ..trackable import (
     defer_restore,
     python_state,
     restore_python_state,
-    trackable_children,
 )
 from ..variables import PartitionedVariable, Variable, unsharded
 from ._apply import stored_infos
@@ -39,9 +38,9 @@ from ._frameworks import RestoredWhole, end_restores
 from ._incremental import Restored
 from ._keys import escape_segment, unescape_segment
 from ._logical import BoxReader, Logical, apply_targets, as_target, read_boxes
-from ._serialize import decode_state, read_graph
+from ._serialize import decode_state, read_graph, read_namedtuples, with_namedtuples
 from ._status import warn_unused
-from ._walk import Node, walk
+from ._walk import Node, child_items, is_framework_object, walk
 
 __all__ = ["Deferred", "RestoreState"]
 
@@ -95,6 +94,8 @@ class RestoreState:
         meta = reader.metadata()
         self.has_save_counter = isinstance(meta, dict) and "save_counter" in meta
         self.alias_to_key, self.states, self.tuples = read_graph(meta, self.path)
+        #: the namedtuples of each Python state (given their types by the restoring object)
+        self.namedtuples = read_namedtuples(meta)
         self.alias_to_key = {a: k for a, k in self.alias_to_key.items() if k in self.infos}
         children: dict[str, set[str]] = {}
         # most keys share their parent: their last segments first, then each distinct
@@ -212,7 +213,7 @@ class RestoreState:
                     present = {
                         n if type(n) is str and n and "%" not in n and "/" not in n
                         else escape_segment(n)
-                        for n in trackable_children(obj)
+                        for n, _ in child_items(obj, node.key)
                     }
                     for seg in sorted(wanted - present):
                         m.deferrals.append((obj, unescape_segment(seg), node.key))
@@ -252,7 +253,10 @@ class RestoreState:
 
     def _settle(self, m: Any, decoded: list[tuple[str, Any, Any]]) -> None:
         """After the values went in: Python states, what was consumed, the deferrals."""
-        for _key, trackable, state in decoded:
+        for key, trackable, stored in decoded:
+            # a namedtuple takes its type from the object's own state
+            state = stored if key not in self.tuples else with_namedtuples(
+                stored, _own_state(trackable), self.namedtuples.get(key), key)
             restore_python_state(trackable, state)
         if self.restored is not None:
             self.restored.note(self._exact(m.variables))
@@ -274,11 +278,13 @@ class RestoreState:
         infos = self.infos
         return [(k, t) for k, t, _ in matched if np.dtype(infos[k].dtype) == np.dtype(t.dtype)]
 
-    def on_attach(self, parent_key: str, name: str, child: Any) -> None:
+    def on_attach(self, parent_key: str, name: str, child: Any, parent: Any = None) -> None:
         with self.lock:
             self.pending -= 1
             seg = escape_segment(name)
             key = f"{parent_key}/{seg}" if parent_key else seg
+            if parent is not None and is_framework_object(child):  # as the walk meets it
+                child = dict(child_items(parent, parent_key)).get(name, child)
             whole = child if isinstance(child, RestoredWhole) and child.restored_on_attach \
                 else None
             try:
@@ -342,6 +348,15 @@ class RestoreState:
         return list(dict.fromkeys(out))
 
 
+def _own_state(obj: Trackable) -> Any:
+    """``python_state(obj)`` before the restore, where the types of its namedtuples come
+    from; ``None`` when it has none to give (it raises: it is not set up yet)."""
+    try:
+        return python_state(obj)
+    except Exception:  # noqa: BLE001 - then no type is given, and the restore says so
+        return None
+
+
 def _open_reader(path: Any, storage_options: Mapping[str, Any] | None) -> Reader:
     if isinstance(path, Path):
         return backend_for(path).open_reader(path)
@@ -392,4 +407,4 @@ class Deferred:
         self.parent_key = parent_key
 
     def __call__(self, parent: Trackable, name: str, child: Any) -> None:
-        self.state.on_attach(self.parent_key, name, child)
+        self.state.on_attach(self.parent_key, name, child, parent)

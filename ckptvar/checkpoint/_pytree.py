@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -675,7 +676,26 @@ def load_tree(  # noqa: PLR0917
                          timeout=timeout)
         collective_restore(path, pairs, coordinator, timeout=timeout, verify=verify,
                            cast=cast, storage_options=storage_options)
-    for key, var in pairs:
-        values[key] = leaf_result(var, hows[key])
+    _results(pairs, hows, arrays, values)
     wrap_keys(values, keys)
     return rebuild(like, values)
+
+
+def _results(pairs: list[tuple[str, Variable]], hows: dict[str, tuple[Any, ...]],
+             arrays: dict[str, Any], values: dict[str, Any]) -> None:
+    """Each loaded leaf's result into ``values``. A like tree holding one array object at
+    several keys (tied weights: ``model.state_dict(keep_vars=True)``) gets one result for
+    them, where their stored values are equal; where they differ, each key keeps its own,
+    and a ``UserWarning`` says so."""
+    first: dict[int, tuple[str, Variable]] = {}
+    for key, var in pairs:
+        tie = first.setdefault(id(arrays[key]), (key, var))
+        if tie[0] != key and hows[key][0] != "dtensor":
+            if np.array_equal(np.asarray(var.value()), np.asarray(tie[1].value())):
+                values[key] = values[tie[0]]
+                continue
+            warnings.warn(
+                f"The like tree holds one array at {key!r} and {tie[0]!r}, but their stored "
+                "values differ: each is given its own (they are no longer one array).",
+                UserWarning, stacklevel=4)
+        values[key] = leaf_result(var, hows[key])

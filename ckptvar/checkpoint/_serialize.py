@@ -15,6 +15,7 @@ import math
 import operator
 import sys
 import threading
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,9 @@ __all__ = [
     "host_arrays",
     "metadata",
     "read_graph",
+    "read_namedtuples",
     "tuple_paths",
+    "with_namedtuples",
 ]
 
 #: Version of the object-graph record this module writes under ``metadata["object_graph"]``.
@@ -56,20 +59,25 @@ class SaveContents:
     python_state: dict[str, bytes] = field(default_factory=dict)
     #: the places of the tuples in each Python state that holds some (``encode_state``)
     tuples: dict[str, list[list[Any]]] = field(default_factory=dict)
+    #: the place and type name of each namedtuple among them (``[path, "mod.Name"]``)
+    namedtuples: dict[str, list[list[Any]]] = field(default_factory=dict)
 
 
 _PACKERS = threading.local()  # one msgpack packer a thread, kept (see encode_state)
 _KEPT_PACKER = 1 << 20
 
 
-def encode_state(state: Any, key: str, tuples: dict[str, list[list[Any]]] | None = None
-                 ) -> bytes:
+def encode_state(state: Any, key: str, tuples: dict[str, list[list[Any]]] | None = None,
+                 namedtuples: dict[str, list[list[Any]]] | None = None) -> bytes:
     """msgpack-encode a trackable's Python state; ``TypeError`` naming ``key`` if it can't.
 
     msgpack stores a tuple as an array (a list to its readers): the place of each tuple
     in ``state`` goes into ``tuples[key]`` (a list of paths, innermost first; none: no
     entry), for :func:`decode_state` to make it a tuple again. A tuple as a map key
-    cannot come back at all and is refused.
+    cannot come back at all and is refused. A namedtuple is stored as its values; its
+    place and type name go into ``namedtuples[key]`` (``[path, "module.QualName"]``), so
+    that a restore gives it its type from the restoring object (:func:`with_namedtuples`)
+    or says that it cannot: a type is never made from a name read from a file.
 
     Each thread keeps its packer (``msgpack.packb`` makes one, and its buffer, at every
     call: a background save encodes each object's state in its blocking part); one that
@@ -85,9 +93,12 @@ def encode_state(state: Any, key: str, tuples: dict[str, list[list[Any]]] | None
         try:
             packed: bytes = packer.pack(state)
         except _HasTuple:
-            paths = tuple_paths(state, key)
+            named: list[list[Any]] = []
+            paths = tuple_paths(state, key, named)
             if tuples is not None:
                 tuples[key] = paths
+            if named and namedtuples is not None:
+                namedtuples[key] = named
             out: bytes = msgpack.packb(state, use_bin_type=True)  # (a tuple: an array)
             return out
         if len(packed) > _KEPT_PACKER:
@@ -124,9 +135,11 @@ def _exact(obj: Any) -> Any:
     raise TypeError(f"can not serialize {type(obj).__name__!r} object")
 
 
-def tuple_paths(state: Any, key: str) -> list[list[Any]]:
+def tuple_paths(state: Any, key: str, named: list[list[Any]] | None = None
+                ) -> list[list[Any]]:
     """The place of each tuple in ``state`` (map keys and list indexes from the top),
-    innermost first; ``TypeError`` naming ``key`` for a tuple used as a map key."""
+    innermost first; ``TypeError`` naming ``key`` for a tuple used as a map key. Each
+    namedtuple's ``[place, "module.QualName"]`` is appended to ``named``."""
     out: list[list[Any]] = []
 
     def visit(value: Any, path: list[Any]) -> None:
@@ -142,9 +155,64 @@ def tuple_paths(state: Any, key: str) -> list[list[Any]]:
                 visit(v, [*path, i])
             if isinstance(value, tuple):
                 out.append(path)
+                if named is not None and _is_namedtuple(value):
+                    named.append([path, _type_name(value)])
 
     visit(state, [])
     return out
+
+
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and isinstance(getattr(type(value), "_fields", None), tuple)
+
+
+def _type_name(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def with_namedtuples(state: Any, like: Any, named: Any, key: str) -> Any:
+    """``state`` (decoded) with each tuple that is a namedtuple in ``like`` (the restoring
+    object's own ``python_state()``, at the same place, with as many fields) made one of
+    that type; ``named`` (the stored ``[path, type name]`` of the saved namedtuples) says
+    which came back as plain tuples for want of such a type: a ``UserWarning`` names them
+    and ``key``. No type is ever made from a name read from a file.
+
+    >>> from collections import namedtuple
+    >>> P = namedtuple("P", "x y")
+    >>> with_namedtuples({"p": (1, 2), "q": [3]}, {"p": P(0, 0)}, [[["p"], "m.P"]], "k")
+    {'p': P(x=1, y=2), 'q': [3]}
+    """
+    given: set[tuple[Any, ...]] = set()
+
+    def visit(value: Any, like: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(value, dict):
+            inner = like if isinstance(like, dict) else {}
+            return {k: visit(v, inner.get(k) if _hashable(k) else None, (*path, k))
+                    for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            seq = like if isinstance(like, list | tuple) and len(like) == len(value) else ()
+            items = [visit(v, seq[i] if seq else None, (*path, i)) for i, v in enumerate(value)]
+            if isinstance(value, tuple) and _is_namedtuple(like) and len(like) == len(value):
+                given.add(path)
+                return type(like)(*items)
+            return tuple(items) if isinstance(value, tuple) else items
+        return value
+
+    out = visit(state, like, ())
+    lost = [f"{'/'.join(map(str, p)) or '<the state itself>'} ({name})" for p, name in named or ()
+            if isinstance(p, list) and tuple(p) not in given]
+    if lost:
+        warnings.warn(
+            f"The Python state of {key!r} held namedtuples that come back as plain tuples: "
+            f"{', '.join(lost)}. A restore gives a tuple its namedtuple type only where the "
+            "restoring object's python_state() holds a namedtuple of as many fields at that "
+            "place (a type named by a file is never imported or made).",
+            UserWarning, stacklevel=6)
+    return out
+
+
+def _hashable(key: Any) -> bool:
+    return key is None or isinstance(key, bool | int | float | str | bytes)
 
 
 def _place(path: list[Any]) -> str:
@@ -228,7 +296,8 @@ def gather(root: Any, *, targets: bool = True) -> SaveContents:
         elif isinstance(obj, Trackable) and node.first and node.parent is not None:
             state = python_state(obj)
             if state is not None:
-                plan.python_state[node.key] = encode_state(state, node.key, plan.tuples)
+                plan.python_state[node.key] = encode_state(state, node.key, plan.tuples,
+                                                           plan.namedtuples)
     return plan
 
 
@@ -484,6 +553,8 @@ def metadata(plan: SaveContents, *, save_counter: int | None, user: Any = None) 
     }
     if plan.tuples:  # (only then: a record without tuples is the same as before)
         meta["object_graph"]["tuples"] = {k: list(v) for k, v in plan.tuples.items()}
+    if plan.namedtuples:
+        meta["object_graph"]["namedtuples"] = {k: list(v) for k, v in plan.namedtuples.items()}
     if save_counter is not None:
         meta["save_counter"] = int(save_counter)
     if user is not None:
@@ -518,3 +589,11 @@ def read_graph(meta: Any, path: Any,
         raise CorruptCheckpointError(
             f"The Python-state tuples of {str(path)!r} are not a map of keys to paths.")
     return alias_to_key, dict(states), dict(tuples)
+
+
+def read_namedtuples(meta: Any) -> dict[str, Any]:
+    """``key -> [[path, type name], ...]``: the namedtuples of each stored Python state
+    (empty if none; a malformed record is ignored: it only says what was a namedtuple)."""
+    graph = meta.get("object_graph") if isinstance(meta, dict) else None
+    named = graph.get("namedtuples") if isinstance(graph, dict) else None
+    return dict(named) if isinstance(named, dict) else {}

@@ -13,7 +13,7 @@ leaves with their sharding), and the checkpoint's attribute becomes that tree.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -102,6 +102,9 @@ class TreeTrackable(RestoredWhole):
         #: paths of Python numbers a restore read from 0-d arrays: saved as such again
         #: (the stored layout stays as first written), of the dtype they had
         self._numbers: dict[str, np.dtype] = {}
+        #: ``given(old, new)`` after a restore built the new tree (its holder's attribute
+        #: takes it); ``None``: the holder takes it itself (a ``cv.Checkpoint``)
+        self.given: Callable[[Any, Any], None] | None = None
 
     # -- saving ---------------------------------------------------------------------------
     def _leaves(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -229,11 +232,13 @@ class TreeTrackable(RestoredWhole):
             else:
                 values[k] = leaf_result(var, r.hows[k])
         wrap_keys(values, r.keys)
-        self.tree = rebuild(self.tree, values)
+        old, self.tree = self.tree, rebuild(self.tree, values)
         # the next walk (the status's, the next save's) meets the restored variables: each
         # leaf is its variable's own buffer (NumPy; torch over it) or immutable (JAX)
         self._cache = {k: (values[k], var) for k, var in r.variables.items()}
         self._numbers = {k: np.dtype(r.variables[k].dtype) for k in r.numbers}
+        if self.given is not None:
+            self.given(old, self.tree)
 
     def abort_restore(self) -> None:
         """After a failed restore: the tree stays as it was."""

@@ -6,22 +6,29 @@ a value reachable by several paths is first met by its shortest one. A
 trackable and container is expanded once (cycles are fine); a variable met again
 by another path is recorded as an alias of its first key (shared variables are
 stored once and restored into every path).
+
+Another library's object that a trackable holds (a torch module, optimizer or LR
+scheduler, an object with ``state_dict()``; a registered JAX pytree node), as a child or,
+for a ``cv.Module``, as a public attribute, is met as the trackable that stands for it
+(made by the function :func:`set_stand_in` was given: ``_held``'s), under its name.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..module import Module
 from ..trackable import SupportsStateDict, Trackable, trackable_children
 from ..variables import PartitionedVariable, Variable
 from ._keys import escape_segment
 from ._tree_nodes import is_tree_node
 
-__all__ = ["Node", "child_items", "is_array", "untracked", "walk"]
+__all__ = ["Node", "child_items", "is_array", "is_framework_object", "set_stand_in",
+           "untracked", "walk"]
 
 
 @dataclass(slots=True)
@@ -58,7 +65,7 @@ def child_items(obj: Any, key: str = "") -> Iterable[tuple[str, Any]]:
                 f"{type(obj).__name__}.trackable_children() must return a dict, "
                 f"got {type(children).__name__} (at {key or '<root>'!r})."
             )
-        return children.items()
+        return _with_stand_ins(obj, children).items()
     if isinstance(obj, list | tuple):
         return [(str(i), child) for i, child in enumerate(obj)]
     if isinstance(obj, dict):
@@ -86,6 +93,45 @@ def child_items(obj: Any, key: str = "") -> Iterable[tuple[str, Any]]:
 
 
 _STR = frozenset({str})
+
+#: ``make(holder, name, value)``: the trackable standing for another library's object
+#: ``value`` that trackable ``holder`` holds under ``name`` (:func:`set_stand_in`)
+_STAND_IN: list[Callable[[Trackable, str, Any], Trackable]] = []
+
+
+def set_stand_in(make: Callable[[Trackable, str, Any], Trackable]) -> None:
+    """Make the walk meet each object of another library a trackable holds as
+    ``make(holder, name, value)`` (set once, by the checkpoint package)."""
+    _STAND_IN[:] = [make]
+
+
+def is_framework_object(value: Any) -> bool:
+    """Whether ``value`` is another library's object a checkpoint saves whole: one with
+    ``state_dict()``/``load_state_dict()`` (a torch module, optimizer, LR scheduler,
+    GradScaler) or a registered JAX pytree node (not a trackable, container or array)."""
+    if isinstance(value, _NODE_TYPES) or value is None or isinstance(value, _PLAIN):
+        return False
+    return isinstance(value, SupportsStateDict) or (not is_array(value) and is_tree_node(value))
+
+
+_PLAIN = (bool, int, float, str, bytes)
+
+
+def _with_stand_ins(obj: Trackable, children: dict[str, Any]) -> dict[str, Any]:
+    """``children`` with each object of another library the trackable whose stand-in
+    it is, and, for a ``cv.Module`` that does not say itself what it saves, each public
+    attribute holding one that is not a child added (by its attribute name)."""
+    out: dict[str, Any] | None = None
+    for name, child in children.items():
+        if type(child) is not Variable and is_framework_object(child) and _STAND_IN:
+            out = dict(children) if out is None else out
+            out[name] = _STAND_IN[0](obj, name, child)
+    if isinstance(obj, Module) and _STAND_IN and not _names_its_state(type(obj)):
+        for name, value in list(obj.__dict__.items()):
+            if name[:1] != "_" and name not in children and is_framework_object(value):
+                out = dict(children) if out is None else out
+                out[name] = _STAND_IN[0](obj, name, value)
+    return children if out is None else out
 
 
 _NODE_TYPES = (Variable, PartitionedVariable, Trackable, list, tuple, dict)
@@ -137,8 +183,10 @@ def untracked(container: list[Any] | tuple[Any, ...] | dict[Any, Any], key: str
     return out
 
 
-def walk(root: Any, root_key: str = "") -> list[Node]:
-    """Every variable, trackable and container reachable from ``root`` (root first)."""
+def walk(root: Any, root_key: str = "", stop: type | None = None) -> list[Node]:
+    """Every variable, trackable and container reachable from ``root`` (root first);
+    the children of an object of class ``stop`` are not walked."""
+    stops = () if stop is None else stop
     nodes: list[Node] = [Node(root_key, root, None, None)]
     seen: set[int] = {id(root)}
     queue: deque[tuple[str, Any]] = deque([(root_key, root)])
@@ -150,10 +198,7 @@ def walk(root: Any, root_key: str = "") -> list[Node]:
             leaf = type(child) is Variable  # the common case, without the isinstance calls
             if not leaf:
                 if not isinstance(child, _NODE_TYPES):
-                    if not isinstance(obj, Trackable) and (
-                            is_array(child) or isinstance(child, SupportsStateDict)
-                            or is_tree_node(child)):
-                        _left_out(_join(key, name), child)
+                    _left_out(obj, key, name, child)
                     continue
                 leaf = isinstance(child, Variable | PartitionedVariable)
             if type(name) is str and name and key and "%" not in name and "/" not in name:
@@ -172,7 +217,8 @@ def walk(root: Any, root_key: str = "") -> list[Node]:
                 continue
             seen.add(ident)
             add(Node(child_key, child, obj, name))
-            queue.append((child_key, child))
+            if not isinstance(child, stops):
+                queue.append((child_key, child))
     return nodes
 
 
@@ -192,25 +238,42 @@ _said: set[tuple[type, str, type]] = set()
 def _arrays_left_out(obj: Any, key: str) -> None:
     """Where ``obj`` is a trackable (a ``cv.Module`` or another one tracking what it is
     given), say that each of its public attributes holding an array, which a checkpoint
-    does not track, is not saved (once per class, attribute and type of value).
-    Attributes named with a leading underscore and anything but arrays stay quiet."""
+    does not track, is not saved (once per class, attribute and type of value); and, for a
+    trackable other than a module (which tracks them), each holding another library's
+    object (a torch module, a JAX pytree) it does not track. Attributes named with a
+    leading underscore and anything else stay quiet."""
     if not isinstance(obj, Trackable):
         return
     attrs = getattr(obj, "__dict__", None)
     if not attrs or _names_its_state(type(obj)):
         return
     children: dict[str, Any] | None = None
+    module = isinstance(obj, Module)
     for name, value in attrs.items():
-        if name[:1] != "_" and not _is_node(value) and is_array(value):
+        if name[:1] == "_" or _is_node(value):
+            continue
+        array = is_array(value)
+        if array or (not module and is_framework_object(value)):
             said = (type(obj), name, type(value))
             if said in _said:
                 continue
             if children is None:
                 children = trackable_children(obj)
-            if name in children:  # saved under its name (a checkpoint's pytree)
+            if _tracked(children, name, value, array):
                 continue
             _said.add(said)
             what = f"{type(value).__module__}.{type(value).__qualname__}"
+            if not array:
+                warnings.warn(
+                    f"{_join(key, name)!r} is a {what} held by the attribute {name!r} of "
+                    f"{type(obj).__qualname__}: a trackable saves what it tracks, so it is "
+                    f"not saved (nor restored). To keep it, track it (self.track({name!r}, "
+                    f"self.{name}); a cv.Module tracks such attributes itself); to say it "
+                    "is not state, name it with a leading underscore (docs/frameworks.md).",
+                    UserWarning,
+                    stacklevel=4,
+                )
+                continue
             warnings.warn(
                 f"{_join(key, name)!r} is a {what} held by the attribute {name!r} of "
                 f"{type(obj).__qualname__}: a checkpoint saves variables and trackable "
@@ -222,16 +285,39 @@ def _arrays_left_out(obj: Any, key: str) -> None:
             )
 
 
-def _left_out(key: str, value: Any) -> None:
-    """Say that the array, state-dict object or JAX pytree node at ``key`` (in a list,
-    tuple or dict) is not saved (once per key and type: Python's warning registry)."""
-    how = ("Pass it as the checkpoint's own argument, cv.Checkpoint(name=...)"
+def _tracked(children: dict[str, Any], name: str, value: Any, array: bool) -> bool:
+    """Whether the attribute ``name`` holding ``value`` is saved all the same: a child of
+    its name (a checkpoint's pytree), or, for an object of another library, a child of
+    another name."""
+    return name in children or (not array and any(c is value for c in children.values()))
+
+
+def _left_out(container: Any, at: str, name: str, value: Any) -> None:
+    """Say that ``value``, under ``name`` in ``container`` (at ``at``), is not saved (once
+    per key and type: Python's warning registry): any child a trackable names that is
+    neither a variable, a trackable nor a container (``track("mask", array)``); in a list,
+    tuple or dict, an array, state-dict object or JAX pytree node (other values there,
+    numbers and strings, are a module's configuration: quiet)."""
+    what = f"{type(value).__module__}.{type(value).__qualname__}"
+    if isinstance(container, Trackable):
+        warnings.warn(
+            f"{_join(at, name)!r} is a {what}, a child of {type(container).__qualname__}: a "
+            "checkpoint saves variables, trackable objects and containers of them, so it is "
+            "not saved (nor restored). Hold an array in a cv.Variable, and a number or "
+            "string in the trackable's python_state() (docs/checkpoints.md).",
+            UserWarning,
+            stacklevel=4,
+        )
+        return
+    if not (is_array(value) or isinstance(value, SupportsStateDict) or is_tree_node(value)):
+        return
+    how = ("Pass it as the checkpoint's own argument, cv.Checkpoint(name=...), or hold it "
+           "as a module's attribute"
            if isinstance(value, SupportsStateDict) or is_tree_node(value) else
            "Hold it in a cv.Variable, or save a pytree of arrays with cv.save(path, tree)")
     warnings.warn(
-        f"{key!r} is a {type(value).__module__}.{type(value).__qualname__} in a container: "
-        "a checkpoint saves variables and trackable objects, so it is not saved (nor "
-        f"restored). {how} (docs/frameworks.md).",
+        f"{_join(at, name)!r} is a {what} in a container: a checkpoint saves variables and "
+        f"trackable objects, so it is not saved (nor restored). {how} (docs/frameworks.md).",
         UserWarning,
         stacklevel=4,
     )
