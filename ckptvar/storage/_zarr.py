@@ -1214,7 +1214,7 @@ class ZarrReader(ContainerReader, SupportsShared):
             raise self.corrupt(
                 key, f"is stored as {data.dtype}{data.shape}, the record says {sdt}{entry.shape}"
             )
-        out = np.ascontiguousarray(data).view(entry.np_dtype)
+        out = np.asarray(data, order="C").view(entry.np_dtype)  # 0-d stays 0-d
         self._compare(key, entry, _checksum.value_checksum(key, entry.dtype, entry.shape, out))
         return out
 
