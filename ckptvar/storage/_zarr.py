@@ -1064,7 +1064,12 @@ class ZarrReader(ContainerReader, SupportsShared):
 
     def corrupt(self, key: str, what: str) -> CorruptCheckpointError:
         """The error saying value ``key`` ``what``; a row delta's says where its base is
-        when its assembled bytes fail a checksum (:func:`.delta.in_base`)."""
+        when its assembled bytes fail a checksum (:func:`.delta.in_base`). A step that is
+        no longer at its path (pruned; a local manager may have set it aside and written its
+        next step into it) raises ``CheckpointNotFoundError`` instead: its files' bytes are
+        another step's now, not damage."""
+        if not self._closed:
+            raise_if_deleted(self._root_fd, self.path)
         d = self._record.deltas.get(key) if self._record.deltas else None
         return super().corrupt(key, what if d is None else in_base(what, d, Path(self.path).name))
 
