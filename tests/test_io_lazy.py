@@ -3,12 +3,46 @@ readers used after close or pickled, and a reader of a step a manager prunes."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import ckptvar as cv
+from ckptvar.storage import _zarr
+
+MiB = 1 << 20
+
+#: Run in a subprocess: the peak RSS (MiB) that ``cv.open(path)["w"]`` + ``key`` adds. Linux
+#: keeps ``ru_maxrss`` across ``fork`` and ``exec`` (a child starts at its parent's RSS), so
+#: the peak is the process's own ``VmHWM``, reset first (``/proc/self/clear_refs``).
+PEAK = """
+import json, sys, numpy as np, zarr, zarr.codecs, zarr.storage, ckptvar as cv
+def kib(field):
+    return next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith(field))
+path, key, opts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]) or None
+with cv.open(path, storage_options=opts) as reader:
+    lazy = reader["w"]
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak starts again from here
+    base = kib("VmRSS:")
+    got = eval("lazy" + key)
+print(json.dumps([(kib("VmHWM:") - base) / 1024, got.tolist() if got.size < 10 else None]))
+"""
+
+
+def peak_mib(path: str | Path, key: str, storage_options: dict[str, object] | None = None
+             ) -> tuple[float, object]:
+    """The peak RSS a lazy read ``key`` of value ``w`` adds in a fresh process, and the
+    read's value when it is small."""
+    out = subprocess.run([sys.executable, "-c", PEAK, str(path), key,
+                          json.dumps(storage_options)],
+                         capture_output=True, text=True, check=True, timeout=600)
+    mib, got = json.loads(out.stdout)
+    return float(mib), got
 
 
 def test_a_compressed_zero_d_value_loads_zero_d(tmp_path: Path) -> None:
@@ -52,3 +86,66 @@ def test_a_zarr_step_pruned_and_reused_under_a_reader_is_not_found_never_damaged
                         assert "was deleted while it was being read" in str(exc)
                     else:  # the right bytes, or none
                         assert np.array_equal(got, expect[key][want])
+
+
+def test_a_compressed_zarr_value_is_stored_in_chunks_of_rows_and_sliced_across_them(
+    tmp_path: Path
+) -> None:
+    w = np.arange(3 * MiB, dtype=np.float32).reshape(-1, 256)  # 12 MiB: 3 chunks of 4 MiB
+    p = cv.save(tmp_path / "c.zarr", {"w": w}, compression="zstd")
+    assert sorted(f.name for f in (Path(p) / "w").iterdir()) == [
+        "c.0.0", "c.1.0", "c.2.0", "zarr.json"]
+    with cv.open(p) as reader:
+        lazy = reader["w"]
+        for key in (np.s_[0], np.s_[4095:4097], np.s_[-1], np.s_[:-4:-1],
+                    np.s_[8191:4095:-7, ::3], np.s_[5, 7], np.s_[..., 7], np.s_[100:12000]):
+            np.testing.assert_array_equal(lazy[key], w[key])
+        np.testing.assert_array_equal(lazy.read(), w)
+    np.testing.assert_array_equal(cv.load(p)["w"], w)
+
+
+def test_a_slice_of_a_compressed_value_checks_every_chunk(tmp_path: Path) -> None:
+    """The checksum covers the whole value: damage or loss in the last chunk is found by a
+    slice of the first row, named as such."""
+    w = np.arange(3 * MiB, dtype=np.float32).reshape(-1, 256)
+    p = Path(cv.save(tmp_path / "c.zarr", {"w": w}, compression="zstd"))
+    other = cv.save(tmp_path / "o.zarr", {"w": w + 1}, compression="zstd")
+    (p / "w" / "c.2.0").write_bytes((Path(other) / "w" / "c.2.0").read_bytes())
+    with cv.open(p) as reader, pytest.raises(cv.CorruptCheckpointError,
+                                             match="'w' fails its checksum"):
+        reader["w"][0]
+    (p / "w" / "c.2.0").unlink()
+    with cv.open(p) as reader, pytest.raises(cv.CorruptCheckpointError,
+                                             match=r"'w' has lost its chunk file 'c\.2\.0'"):
+        reader["w"][0]
+
+
+def test_a_lazy_row_of_a_compressed_value_holds_one_chunk(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-row slice decoded the whole value, two or three copies of it at once (187 MiB
+    for 64 MiB); it holds about a chunk now (here 256 KiB; the 1 GiB forms, in chunks of
+    4 MiB: the ``slow`` test below)."""
+    monkeypatch.setattr(_zarr, "COMPRESSED_CHUNK", 256 << 10)
+    w = np.arange(8 * MiB, dtype=np.float32).reshape(-1, 256)  # 32 MiB, quick to compress
+    p = cv.save(tmp_path / "c.zarr", {"w": w}, compression="zstd")
+    mib, got = peak_mib(p, "[7, :3]")
+    assert got == w[7, :3].tolist()
+    assert mib < 8, f"a one-row slice of a 32 MiB value added {mib:.0f} MiB"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt, compression", [("h5", None), ("zarr", None), ("zarr", "zstd"),
+                                              ("zarr", "blosc")])  # gzip: as these, 9 minutes
+def test_a_lazy_row_of_a_gib_value_holds_little_memory(tmp_path: Path, fmt: str,
+                                                       compression: str | None) -> None:
+    w = np.random.default_rng(0).standard_normal((256 * 1024, 1024), dtype=np.float32)  # 1 GiB
+    opts = {} if compression is None else {"compression": compression}
+    p = cv.save(tmp_path / f"c.{fmt}", {"w": w}, **opts)
+    want = w[-1, :3].tolist()
+    del w
+    for key in ("[5]", "[-1:]", "[100:200]"):
+        mib, _ = peak_mib(p, key)
+        assert mib < 64, f"{key} of a 1 GiB value added {mib:.0f} MiB"
+    assert peak_mib(p, "[-1, :3]")[1] == want
+    mib, _ = peak_mib(p, ".read()")
+    assert mib < 1024 + 64, f"a whole read of a 1 GiB value added {mib:.0f} MiB"
