@@ -149,3 +149,24 @@ def test_a_lazy_row_of_a_gib_value_holds_little_memory(tmp_path: Path, fmt: str,
     assert peak_mib(p, "[-1, :3]")[1] == want
     mib, _ = peak_mib(p, ".read()")
     assert mib < 1024 + 64, f"a whole read of a 1 GiB value added {mib:.0f} MiB"
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_an_index_with_an_ellipsis_fixing_every_axis_gives_a_0d_array(
+    tmp_path: Path, compression: str | None
+) -> None:
+    """NumPy gives ``a[..., 1]`` of a 1-D array as a 0-d array, ``a[1]`` as a scalar; a lazy
+    slice of a value read by runs gave a scalar for both."""
+    a = np.arange(300_000, dtype=np.float32)  # over 1 MiB: read by runs, not whole
+    b = a.reshape(500, 600)
+    p = cv.save(tmp_path / "c.zarr", {"a": a, "b": b}, compression=compression)
+    with cv.open(p) as reader:
+        for key, full in (("a", a), ("b", b)):
+            for index in (np.s_[..., 1], np.s_[1, ...], np.s_[1, ..., 2], np.s_[1, 2],
+                          np.s_[..., 1, 2], np.s_[3]):
+                if index != np.s_[3] and len([i for i in index if i is not Ellipsis]) \
+                        > full.ndim:
+                    continue
+                got, want = reader[key][index], full[index]
+                assert type(got) is type(want), (key, index)
+                np.testing.assert_array_equal(got, want)

@@ -120,8 +120,9 @@ def element_span(
             raise IndexError(f"index {i} is out of bounds for axis {ax} with size {shape[ax]}")
         base += (i % shape[ax]) * strides[ax]
         ax += 1
-    if ax == len(shape):  # every axis fixed: one element
-        return ElementSpan(base, 1, (), ())
+    if ax == len(shape):  # every axis fixed: one element (a 0-d array with ``...``)
+        ell = any(i is Ellipsis for i in (index if isinstance(index, tuple) else (index,)))
+        return ElementSpan(base, 1, (), (Ellipsis,) if ell else ())
     rest = idx[ax:]
     tail = shape[ax + 1 :]
     if not rest:  # leading integers only: the whole block they fix
