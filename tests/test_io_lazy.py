@@ -170,3 +170,29 @@ def test_an_index_with_an_ellipsis_fixing_every_axis_gives_a_0d_array(
                 got, want = reader[key][index], full[index]
                 assert type(got) is type(want), (key, index)
                 np.testing.assert_array_equal(got, want)
+
+
+def test_a_reader_or_lazy_value_refuses_pickling_saying_what_to_do(tmp_path: Path,
+                                                                    fmt: str) -> None:
+    """Pickling one (to send it to another process) failed with "cannot pickle
+    '_thread.lock' object", naming neither the reader nor a way out."""
+    import pickle
+    p = cv.save(tmp_path / f"c.{fmt}", {"w": np.arange(3.0)})
+    with cv.open(p) as reader:
+        for obj in (reader, reader["w"]):
+            with pytest.raises(TypeError, match=r"cannot pickle .*checkpoint reader") as err:
+                pickle.dumps(obj)
+            assert "cv.open(path)" in str(err.value)
+
+
+def test_a_reader_closed_or_left_refuses_reads_and_keeps_answering_metadata(
+    tmp_path: Path, fmt: str
+) -> None:
+    p = cv.save(tmp_path / f"c.{fmt}", {"w": np.arange(6.0).reshape(2, 3)})
+    with cv.open(p) as reader:
+        lazy = reader["w"]
+    for read in (lambda: lazy[0], lazy.read, lambda: np.asarray(lazy),
+                 lambda: reader.read("w")):
+        with pytest.raises(ValueError, match="is closed"):
+            read()
+    assert lazy.shape == (2, 3) and reader.info("w").shape == (2, 3)
