@@ -131,6 +131,9 @@ def test_a_lazy_row_of_a_compressed_value_holds_one_chunk(tmp_path: Path,
     mib, got = peak_mib(p, "[7, :3]")
     assert got == w[7, :3].tolist()
     assert mib < 8, f"a one-row slice of a 32 MiB value added {mib:.0f} MiB"
+    mib, got = peak_mib(p, "[[9, 7], :2]")  # rows picked by an array: their run only
+    assert got == w[[9, 7], :2].tolist()
+    assert mib < 8, f"two rows of a 32 MiB value added {mib:.0f} MiB"
 
 
 @pytest.mark.slow
@@ -196,3 +199,35 @@ def test_a_reader_closed_or_left_refuses_reads_and_keeps_answering_metadata(
         with pytest.raises(ValueError, match="is closed"):
             read()
     assert lazy.shape == (2, 3) and reader.info("w").shape == (2, 3)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_every_index_form_on_a_value_read_by_runs_matches_numpy(
+    tmp_path: Path, compression: str | None
+) -> None:
+    """Results equal ``full[index]`` exactly (type, dtype, shape, bytes), or NumPy's error."""
+    rng = np.random.default_rng(0)
+    full = rng.standard_normal((700, 5, 100)).astype(np.float32)  # 1.4 MiB: read by runs
+    p = cv.save(tmp_path / "c.zarr", {"w": full}, compression=compression)
+    mask0 = rng.random(700) > 0.5
+    keys = [np.s_[::-1], np.s_[500:100:-3], np.s_[..., 0], np.s_[None], np.s_[:, None, 1],
+            np.s_[-1], np.s_[-700], np.s_[1:10_000], np.s_[10_000:], np.s_[[0, 2, -1]],
+            np.s_[[5, 5, 4]], np.s_[np.array([[1, 2], [3, 4]])], np.s_[mask0],
+            np.s_[mask0, 2], np.s_[[3, 9], 1:3, ::-7], np.s_[[3, 9], [1, 2]],
+            np.s_[[3, 9], ..., None], np.s_[np.uint8(3)], np.s_[np.array([], np.intp)],
+            np.s_[[700]], np.s_[[-701, 0]], np.s_[700], np.s_[0, 5], np.s_[2:2],
+            np.s_[1, 2, 3], np.s_[..., 1, 2, 3], np.s_[:, [4, 0]], np.s_[[True, False]],
+            np.s_[1.0], np.s_[0, 0, 0, 0], np.s_[::0]]
+    with cv.open(p) as reader:
+        lazy = reader["w"]
+        for key in keys:
+            try:
+                want = full[key]
+            except (IndexError, TypeError, ValueError) as exc:
+                with pytest.raises(type(exc)):
+                    lazy[key]
+                continue
+            got = lazy[key]
+            assert type(got) is type(want), key
+            assert (np.shape(got), got.dtype) == (want.shape, want.dtype), key
+            assert np.asarray(got).tobytes() == np.asarray(want).tobytes(), key

@@ -30,7 +30,7 @@ from .. import rawio as _rawio
 from .._record import ARRAY, PACKED, Entry, Record, RowValues, ValueRows
 from .._record_index import IndexedValues
 from ..base import ArrayInfo, LazyArray, Reader, verify_each
-from ..slicing import element_span
+from ..slicing import element_span, leading_rows
 from . import access, bulk, delta
 from . import source as _src
 from .blocks import SpanError, blocks_agree, hash_range, read_span, stream_units
@@ -505,6 +505,10 @@ class ContainerLazyArray(LazyArray):
             whole = self.read()[index]
             return whole
         span = element_span(index, e.shape, name=repr(self._key))
+        if span is None:  # advanced indexing or 0-d: rows picked by an array, their run
+            picked = leading_rows(index, e.shape)
+            if picked is not None:
+                return self[picked[0]:picked[1]][picked[2]]  # type: ignore[no-any-return]
         if span is None or span.count == e.size:  # advanced indexing, 0-d, or all of it
             whole = self.read()[index]
             return whole
