@@ -231,3 +231,43 @@ def test_every_index_form_on_a_value_read_by_runs_matches_numpy(
             assert type(got) is type(want), key
             assert (np.shape(got), got.dtype) == (want.shape, want.dtype), key
             assert np.asarray(got).tobytes() == np.asarray(want).tobytes(), key
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_many_threads_slice_one_reader(tmp_path: Path, compression: str | None) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+    rng = np.random.default_rng(0)
+    vals = {f"v{i}": rng.standard_normal((600 + i, 500)).astype(np.float32) for i in range(3)}
+    vals["small"] = np.arange(100, dtype=np.int64)
+    p = cv.save(tmp_path / "c.zarr", vals, compression=compression)
+    with cv.open(p) as reader:
+        def work(seed: int) -> int:
+            r = np.random.default_rng(seed)
+            bad = 0
+            for _ in range(10):
+                key = list(vals)[int(r.integers(len(vals)))]
+                a = int(r.integers(len(vals[key])))
+                b = int(r.integers(a, len(vals[key]) + 1))
+                if r.random() < 0.1:
+                    bad += not np.array_equal(reader[key].read(), vals[key])
+                else:
+                    bad += not np.array_equal(reader[key][a:b], vals[key][a:b])
+            return bad
+        with ThreadPoolExecutor(8) as pool:
+            assert sum(pool.map(work, range(16))) == 0
+
+
+def test_a_reader_opened_before_fork_reads_in_both_processes(tmp_path: Path, fmt: str) -> None:
+    import os
+    w = np.random.default_rng(0).random((2048, 256), dtype=np.float32)
+    p = cv.save(tmp_path / f"c.{fmt}", {"w": w, "s": np.arange(5.0)})
+    with cv.open(p) as reader:
+        reader["w"][3]
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports by its exit status
+            ok = np.array_equal(reader["w"][5:9], w[5:9]) and np.array_equal(
+                reader["s"].read(), np.arange(5.0))
+            os._exit(0 if ok else 3)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        np.testing.assert_array_equal(reader["w"].read(), w)
