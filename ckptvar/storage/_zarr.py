@@ -418,7 +418,7 @@ class ZarrWriter(ContainerWriter):
             if it.shape else (),
             dtype=sdt,
             compressors=[codec],
-            fill_value=fill_value(sdt),
+            fill_value=0j if sdt.kind == "c" else fill_value(sdt),  # (JSON: [0.0, 0.0])
             attributes=scalar_attrs(it),
             overwrite=False,
         )
