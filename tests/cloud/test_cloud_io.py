@@ -235,3 +235,29 @@ def test_a_lazy_row_of_a_compressed_zarr_value_fetches_its_chunks_a_few_at_a_tim
     with cv.open(url, storage_options=s3.storage_options) as reader, pytest.raises(
             cv.CorruptCheckpointError, match=r"'w' has lost its chunk object .*w/c\.100\.0"):
         reader["w"][0]
+
+
+@pytest.mark.parametrize("ext", ["h5", "zarr"])
+def test_restore_on_create_takes_an_incremental_step_at_a_url(s3: S3Bucket, ext: str) -> None:
+    """restore_on_create had no storage_options: a step on a store that needs them (an
+    endpoint, keys) could not initialize variables by name; it takes them as restore does."""
+    opts = s3.storage_options
+    with cv.Graph().as_default():
+        table = cv.Variable(np.arange(64 * 32, dtype=np.float32).reshape(64, 32), name="table")
+        head = cv.Variable(np.zeros(10, np.float32), name="head")
+        mgr = cv.CheckpointManager(cv.Checkpoint(table=table, head=head), f"{s3.url}/run",
+                                   max_to_keep=1, incremental=True, format=ext,
+                                   storage_options=opts)
+        mgr.save()
+        head.assign_add(1.0)
+        last = mgr.save()  # the table's bytes are the first step's
+    with cv.Graph().as_default(), cv.restore_on_create(last, storage_options=opts) as status:
+        t2 = cv.get_variable("table", shape=(64, 32), initializer=cv.initializers.ones)
+        h2 = cv.get_variable("head", shape=(10,))
+        status.assert_consumed()
+        np.testing.assert_array_equal(t2.numpy(), table.numpy())
+        np.testing.assert_array_equal(h2.numpy(), np.ones(10, np.float32))
+    with cv.Graph().as_default(), pytest.raises(
+            cv.CheckpointMismatchError, match=r"'table'.*\(64, 33\).*\(64, 32\)"
+    ), cv.restore_on_create(last, storage_options=opts):
+        cv.get_variable("table", shape=(64, 33), initializer=cv.initializers.ones)
