@@ -174,3 +174,14 @@ def test_a_value_of_no_checkpoint_dtype_is_a_ckpt_error_naming_its_key(tmp_path:
         cv.save(tmp_path / f"c.{fmt}", {"ok": np.ones(2), "model/w": value})
     assert isinstance(err.value, TypeError)
     assert not (tmp_path / f"c.{fmt}").exists()
+
+
+@pytest.mark.parametrize("dtype", ["complex64", "complex128"])
+def test_a_complex_value_saves_compressed(tmp_path: Path, dtype: str) -> None:
+    """cv.save(..., compression=) of a complex value raised zarr-python's TypeError
+    'Cannot convert object [0.0, 0.0] ... to a scalar' (its fill value in JSON form)."""
+    z = (np.arange(12) + 1j * np.arange(12)).astype(dtype).reshape(3, 4)
+    p = cv.save(tmp_path / "c.zarr", {"z": z}, compression="zstd")
+    back = cv.load(p)["z"]
+    assert back.dtype == z.dtype
+    np.testing.assert_array_equal(back, z)

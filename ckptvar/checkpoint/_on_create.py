@@ -14,7 +14,7 @@ import functools
 import os
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ def restore_on_create(  # noqa: C901, PLR0915 - the context manager's whole life
     cast: bool = False,
     coordinator: Any = None,
     timeout: float | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Iterator[RestoreStatus]:
     """Variables created inside the block whose name is stored in ``path`` take that value.
 
@@ -67,14 +68,15 @@ def restore_on_create(  # noqa: C901, PLR0915 - the context manager's whole life
     group of parts, once their boxes are known) is a collective step in which every
     process reads only its own box and votes; if any process cannot restore it, every
     process raises ``DistributedError`` and no variable takes a stored value.
-    ``timeout`` bounds each step.
+    ``timeout`` bounds each step. ``path`` may be an object-store URL (a committed step),
+    with ``storage_options`` for its client, as for ``Checkpoint.restore``.
     """
     if coordinator is not None and coordinator.size > 1:
         with _collective(path, verify=verify, cast=cast, coord=coordinator,
-                         timeout=timeout) as status:
+                         timeout=timeout, storage_options=storage_options) as status:
             yield status
         return
-    state = RestoreState(path, verify=verify, cast=cast)
+    state = RestoreState(path, verify=verify, cast=cast, storage_options=storage_options)
     by_name: dict[str, str] = {}
     for key, info in state.infos.items():
         name = info.attrs.get("name")
@@ -176,14 +178,15 @@ def _check_part_fits(state: RestoreState, key: str, var: Variable) -> None:
 
 @contextlib.contextmanager
 def _collective(
-    path: str | Path, *, verify: bool, cast: bool, coord: Any, timeout: float | None
+    path: str | Path, *, verify: bool, cast: bool, coord: Any, timeout: float | None,
+    storage_options: Mapping[str, Any] | None,
 ) -> Iterator[RestoreStatus]:
     """``restore_on_create`` on every rank of ``coord``: each restore step is voted on."""
     name = os.path.basename(os.fspath(path))
     state: RestoreState | None = None
     failure: BaseException | None = None
     try:
-        state = RestoreState(path, verify=verify, cast=cast)
+        state = RestoreState(path, verify=verify, cast=cast, storage_options=storage_options)
     except BaseException as exc:  # noqa: BLE001 - reported through the vote
         failure = exc
     coord.vote(failure, tag=f"restore_on_create:{name}:open", timeout=timeout)

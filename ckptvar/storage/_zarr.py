@@ -11,9 +11,10 @@ the checksum thread hashes it. Small values share the single chunk of the 1-D
 is, how long it is and its CRC-32C.
 
 Compression is opt-in (``compression="zstd" | "gzip" | "blosc"``) and then uses
-zarr-python's own codecs for the values stored as arrays (one chunk each; a value that
-comes a piece at a time, a staged GPU tensor, in chunks of about 4 MiB along its first
-axis, each compressed as its pieces arrive). With ``piece_bytes`` (an
+zarr-python's own codecs for the values stored as arrays, in chunks of about 4 MiB
+along the first axis (whole rows; a staged GPU tensor's compressed as its pieces
+arrive), so a read holds one chunk at a time and a lazy slice decodes them in turn
+(:mod:`._zarr_chunks`). With ``piece_bytes`` (an
 incremental manager's local steps) a value larger than that is stored as several chunks
 along its first axis instead of one (format 1.4, docs/FORMAT.md "Pieces"), so that a
 step shares its unchanged chunks with the base step by hard link.
@@ -68,6 +69,7 @@ from ._container.delta import DeltaWrite, Patches, in_base, read_patches
 from ._container.reuse import BaseFileLost, Held, KeptRecords
 from ._container.source import Patched, Pieces
 from ._record import ARRAY, Delta, Entry, Extent, Record, decode
+from ._zarr_chunks import ChunkMismatch, decode_rows, in_row_chunks
 from ._zarr_files import (
     GROUP_DOC,
     O_DIR,
@@ -101,8 +103,8 @@ _CODECS = ("zstd", "gzip", "blosc")
 #: between opens of their values (a 1 GiB base in 4 MiB chunks: 256).
 _HOLD_BASES = 256
 
-#: About the size of a chunk of a compressed value that comes a piece at a time (a GPU
-#: tensor staged through the pinned buffer): whole rows, compressed as they arrive.
+#: About the size of a chunk of a compressed value (whole rows): what a read or a lazy
+#: slice holds decoded at once; a staged GPU tensor's are compressed as they arrive.
 COMPRESSED_CHUNK = 4 << 20
 
 #: The largest object one server-side copy takes (S3 ``CopyObject``): a larger reused chunk
@@ -416,7 +418,7 @@ class ZarrWriter(ContainerWriter):
             if it.shape else (),
             dtype=sdt,
             compressors=[codec],
-            fill_value=fill_value(sdt),
+            fill_value=0j if sdt.kind == "c" else fill_value(sdt),  # (JSON: [0.0, 0.0])
             attributes=scalar_attrs(it),
             overwrite=False,
         )
@@ -427,10 +429,9 @@ class ZarrWriter(ContainerWriter):
 
     @staticmethod
     def _compressed_rows(it: ValueWrite) -> int:
-        """Rows per chunk of a compressed value: all of them, except for a value that
-        comes a piece at a time (a staged GPU tensor), whose chunks hold about
-        :data:`COMPRESSED_CHUNK` bytes (whole rows), so only one is on the host at once."""
-        if it.source is None or len(it.shape) == 0 or not it.nbytes:
+        """Rows per chunk of a compressed value: about :data:`COMPRESSED_CHUNK` bytes of
+        whole rows (at least one row; a 0-d or empty value: one chunk)."""
+        if len(it.shape) == 0 or not it.nbytes:
             return max(1, it.shape[0]) if it.shape else 1
         row = it.nbytes // it.shape[0]
         return max(1, min(it.shape[0], COMPRESSED_CHUNK // row))
@@ -1064,7 +1065,12 @@ class ZarrReader(ContainerReader, SupportsShared):
 
     def corrupt(self, key: str, what: str) -> CorruptCheckpointError:
         """The error saying value ``key`` ``what``; a row delta's says where its base is
-        when its assembled bytes fail a checksum (:func:`.delta.in_base`)."""
+        when its assembled bytes fail a checksum (:func:`.delta.in_base`). A step that is
+        no longer at its path (pruned; a local manager may have set it aside and written its
+        next step into it) raises ``CheckpointNotFoundError`` instead: its files' bytes are
+        another step's now, not damage."""
+        if not self._closed:
+            raise_if_deleted(self._root_fd, self.path)
         d = self._record.deltas.get(key) if self._record.deltas else None
         return super().corrupt(key, what if d is None else in_base(what, d, Path(self.path).name))
 
@@ -1189,8 +1195,15 @@ class ZarrReader(ContainerReader, SupportsShared):
         return self._packed_fd, 0
 
     def _read_other(self, key: str, entry: Entry) -> np.ndarray:
-        zarr = zarr_api()
+        return self._other_rows(key, entry, None)
 
+    def _read_other_rows(self, key: str, entry: Entry, lo: int, hi: int) -> np.ndarray:
+        return self._other_rows(key, entry, (lo, hi))
+
+    def _other_rows(self, key: str, entry: Entry, rows: tuple[int, int] | None) -> np.ndarray:
+        """A value stored by zarr-python's codecs (compressed): all of it, or ``rows``,
+        decoded a chunk at a time (:func:`._zarr_chunks.decode_rows`)."""
+        zarr = zarr_api()
         rel = entry.loc.path or ""
         if entry.nbytes:
             fd = open_in(self._root_fd, rel, directory=True)
@@ -1199,13 +1212,45 @@ class ZarrReader(ContainerReader, SupportsShared):
                 os.close(open_in(self._root_fd, f"{rel}/{chunk_key(len(entry.shape))}"))
             except OSError:
                 raise self.corrupt(key, f"has lost its chunk file under {rel!r}") from None
+        store = zarr.storage.LocalStore(self.path, read_only=True)
+        arr = self._decode(key, lambda: zarr.open_array(store=store, path=rel, mode="r"))
+
+        def rows_of(i: int, a: int, b: int) -> np.ndarray:
+            try:
+                os.stat(f"{rel}/{piece_key(len(entry.shape), i)}", dir_fd=self._root_fd)
+            except OSError:
+                raise self.corrupt(key, f"has lost its chunk file {piece_key(len(entry.shape), i)!r}"
+                                        f" under {rel!r}") from None
+            return np.asarray(self._decode(key, lambda: arr[a:b]))
+
+        return self._decoded(key, entry, arr, rows, rows_of)
+
+    def _decode(self, key: str, how: Callable[[], Any]) -> Any:
+        """``how()`` (zarr-python opening or decoding); any failure is damage."""
         try:
-            store = zarr.storage.LocalStore(self.path, read_only=True)
-            arr = zarr.open_array(store=store, path=rel, mode="r")
-            data = np.asarray(arr[...])
+            return how()
         except Exception as exc:  # noqa: BLE001 - any decoding failure is damage
             raise self.corrupt(key, f"cannot be decoded ({type(exc).__name__}: {exc})") from None
-        return self._checked_value(key, entry, data)
+
+    def _decoded(self, key: str, entry: Entry, arr: Any, rows: tuple[int, int] | None,
+                 rows_of: Callable[[int, int, int], np.ndarray]) -> np.ndarray:
+        """``rows`` of zarr-python array ``arr`` (None: all), checked against ``entry``:
+        chunk by chunk when it is chunked by rows, else decoded whole."""
+        sdt = storage_dtype(entry.dtype)
+        shape = tuple(arr.shape)
+        chunks = tuple(getattr(arr.metadata.chunk_grid, "chunk_shape", ()) or ())
+        if shape != entry.shape or not entry.nbytes or not in_row_chunks(shape, chunks):
+            data = self._checked_value(key, entry, np.asarray(self._decode(key, lambda: arr[...])))
+            return data if rows is None else data[rows[0]:rows[1]]
+        lo, hi = rows if rows is not None else (0, shape[0])
+        try:
+            out, value = decode_rows(
+                shape, sdt, chunks[0], rows=(lo, hi), rows_of=rows_of,
+                seed=_checksum.header_crc(key, entry.dtype, entry.shape))
+        except ChunkMismatch as exc:
+            raise self.corrupt(key, f"is stored otherwise than its record says: {exc}") from None
+        self._compare(key, entry, value)
+        return out.view(entry.np_dtype)
 
     def _checked_value(self, key: str, entry: Entry, data: np.ndarray) -> np.ndarray:
         """``data`` decoded from Zarr, checked against ``entry`` and viewed as its dtype."""
@@ -1214,7 +1259,7 @@ class ZarrReader(ContainerReader, SupportsShared):
             raise self.corrupt(
                 key, f"is stored as {data.dtype}{data.shape}, the record says {sdt}{entry.shape}"
             )
-        out = np.ascontiguousarray(data).view(entry.np_dtype)
+        out = np.asarray(data, order="C").view(entry.np_dtype)  # 0-d stays 0-d
         self._compare(key, entry, _checksum.value_checksum(key, entry.dtype, entry.shape, out))
         return out
 

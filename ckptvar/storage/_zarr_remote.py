@@ -24,9 +24,13 @@ from ._container.delta import decode_patch, fold, in_base
 from ._container.source import Patched, RemoteFile
 from ._record import PACKED, Entry, Record, decode
 from ._zarr import RECORD_PATH, ZarrReader, chunk_key, zarr_api
-from ._zarr_files import root_record_ref
+from ._zarr_chunks import in_row_chunks
+from ._zarr_files import piece_key, root_record_ref
 
 __all__ = ["RemoteZarrReader"]
+
+#: Chunk objects of a compressed value fetched at once (about 4 MiB each).
+_FETCH_AHEAD = 8
 
 
 class RemoteZarrReader(ZarrReader):
@@ -151,27 +155,71 @@ class RemoteZarrReader(ZarrReader):
             )
         return self._packed_rf, 0
 
-    def _read_other(self, key: str, entry: Entry) -> np.ndarray:
-        """A value stored as a Zarr array of its own (compressed, say): its objects fetched
-        through the location, so a store that does not answer is a ``StorageError`` or a
-        timeout naming the request, then decoded by zarr-python from memory, where any
-        failure is damage."""
+    def _other_rows(self, key: str, entry: Entry, rows: tuple[int, int] | None) -> np.ndarray:
+        """A value stored as a Zarr array of its own (compressed, say), all of it or
+        ``rows``: its objects fetched through the location, so a store that does not
+        answer is a ``StorageError`` or a timeout naming the request, then decoded by
+        zarr-python from memory, where any failure is damage. A value in chunks of rows
+        is fetched and decoded a few chunks at a time (:func:`._zarr_chunks.decode_rows`)."""
         zarr = zarr_api()
         rel = entry.loc.path or ""
         names = [o.key for o in self._loc.list(self._obj(rel))]
         if entry.nbytes and all(n.endswith("/zarr.json") for n in names):
             raise self.corrupt(key, f"has lost its chunk objects under {rel!r}")
         start = len(self._prefix) + 1 if self._prefix else 0
-        tasks: list[Callable[[], bytes]] = [functools.partial(self._loc.read, n) for n in names]
-        blobs = _rawio.wait_all(_rawio.start_all(tasks))
         proto = zarr.core.buffer.default_buffer_prototype()
-        objects = {n[start:]: proto.buffer.from_bytes(b) for n, b in zip(names, blobs, strict=True)}
-        try:
+        meta = self._obj(f"{rel}/zarr.json")
+
+        def fetch(objs: list[str]) -> dict[str, Any]:
+            tasks: list[Callable[[], bytes]] = [functools.partial(self._loc.read, n) for n in objs]
+            blobs = _rawio.wait_all(_rawio.start_all(tasks))
+            return {n[start:]: proto.buffer.from_bytes(b) for n, b in zip(objs, blobs, strict=True)}
+
+        def array(objects: dict[str, Any]) -> Any:
             store = zarr.storage.MemoryStore(objects, read_only=True)
-            data = np.asarray(zarr.open_array(store=store, path=rel, mode="r")[...])
-        except Exception as exc:  # noqa: BLE001 - any decoding failure is damage
-            raise self.corrupt(key, f"cannot be decoded ({type(exc).__name__}: {exc})") from None
-        return self._checked_value(key, entry, data)
+            return zarr.open_array(store=store, path=rel, mode="r")
+
+        doc = fetch([meta]) if meta in names else {}
+        arr = self._decode(key, lambda: array(doc)) if doc else None
+        chunks = () if arr is None else tuple(
+            getattr(arr.metadata.chunk_grid, "chunk_shape", ()) or ())
+        if arr is None or not in_row_chunks(tuple(arr.shape), chunks) or not entry.nbytes:
+            objects = fetch(names)  # decoded whole
+            data = np.asarray(self._decode(key, lambda: array(objects)[...]))
+            data = self._checked_value(key, entry, data)
+            return data if rows is None else data[rows[0]:rows[1]]
+        rows_of = self._chunk_window(key, entry, rel, chunks[0], held=set(names),
+                                     fetch=lambda objs: {**doc, **fetch(objs)}, array=array)
+        return self._decoded(key, entry, arr, rows, rows_of)
+
+    def _chunk_window(self, key: str, entry: Entry, rel: str, chunk_rows: int, *,
+                      held: set[str], fetch: Callable[[list[str]], dict[str, Any]],
+                      array: Callable[[dict[str, Any]], Any]
+                      ) -> Callable[[int, int, int], np.ndarray]:
+        """``rows_of`` for :func:`._zarr_chunks.decode_rows`: chunk ``i`` decoded from its
+        object, fetched with the next few (:data:`_FETCH_AHEAD`) and dropped once used.
+        ``fetch(objects)`` gives a store's objects (the array's ``zarr.json`` among them)."""
+        start = len(self._prefix) + 1 if self._prefix else 0
+        window: dict[int, str] = {}
+        objects: dict[str, Any] = {}
+
+        def rows_of(i: int, a: int, b: int) -> np.ndarray:
+            if i not in window:  # the next few chunks fetched together
+                want = {j: self._obj(f"{rel}/{piece_key(len(entry.shape), j)}")
+                        for j in range(i, i + _FETCH_AHEAD) if j * chunk_rows < entry.shape[0]}
+                lost = [n for n in want.values() if n not in held]
+                if lost:
+                    raise self.corrupt(key, f"has lost its chunk object {self._loc.join(lost[0])}")
+                objects.clear()
+                objects.update(fetch(list(want.values())))
+                window.clear()
+                window.update(want)
+            one = window.pop(i)[start:]
+            store = {n: v for n, v in objects.items() if n == one or n.endswith("zarr.json")}
+            objects.pop(one)
+            return np.asarray(self._decode(key, lambda: array(store)[a:b]))
+
+        return rows_of
 
     def corrupt(self, key: str, what: str) -> CorruptCheckpointError:
         e = self._values.get(key)

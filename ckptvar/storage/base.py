@@ -114,6 +114,11 @@ class ArrayInfo:
         return self.size * self.dtype.itemsize
 
 
+#: Why a reader or its lazy values cannot be pickled, and what to do instead.
+_NO_PICKLE = ("it holds open files of this process; send the path and call cv.open(path) "
+              "in the other process")
+
+
 class LazyArray(abc.ABC):
     """A stored value that is read only when sliced (``lazy[0:10]``) or read whole."""
 
@@ -159,6 +164,10 @@ class LazyArray(abc.ABC):
     def __repr__(self) -> str:
         return f"<LazyArray {self.info.key!r} shape={self.info.shape} dtype={self.info.dtype}>"
 
+    def __reduce__(self) -> Any:
+        raise TypeError(f"cannot pickle a lazy value ({self.info.key!r}) of a checkpoint "
+                        f"reader: {_NO_PICKLE}")
+
 
 class Reader(Mapping[str, LazyArray], contextlib.AbstractContextManager["Reader"], abc.ABC):
     """A read-only view of one checkpoint. Use as a context manager or call ``close()``.
@@ -195,6 +204,10 @@ class Reader(Mapping[str, LazyArray], contextlib.AbstractContextManager["Reader"
     def metadata(self) -> dict[str, Any]:
         """The metadata dict given to :meth:`Writer.set_metadata` (empty if none)."""
         return {}
+
+    def __reduce__(self) -> Any:
+        raise TypeError(f"cannot pickle a checkpoint reader of {str(self.path)!r}: "
+                        f"{_NO_PICKLE}")
 
     def read(self, key: str, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
         """Read one whole value, into ``out`` when given (same shape and dtype)."""

@@ -48,6 +48,7 @@ __all__ = [
     "c_strides",
     "element_span",
     "expand_index",
+    "leading_rows",
     "run_start",
     "span_bounds",
 ]
@@ -120,8 +121,9 @@ def element_span(
             raise IndexError(f"index {i} is out of bounds for axis {ax} with size {shape[ax]}")
         base += (i % shape[ax]) * strides[ax]
         ax += 1
-    if ax == len(shape):  # every axis fixed: one element
-        return ElementSpan(base, 1, (), ())
+    if ax == len(shape):  # every axis fixed: one element (a 0-d array with ``...``)
+        ell = any(i is Ellipsis for i in (index if isinstance(index, tuple) else (index,)))
+        return ElementSpan(base, 1, (), (Ellipsis,) if ell else ())
     rest = idx[ax:]
     tail = shape[ax + 1 :]
     if not rest:  # leading integers only: the whole block they fix
@@ -134,6 +136,36 @@ def element_span(
     first = slice(rng[0] - lo, stop if stop >= 0 else None, rng.step)
     return ElementSpan(base + lo * strides[ax], (hi - lo) * strides[ax], (hi - lo, *tail),
                        (first, *rest[1:]))
+
+
+def leading_rows(index: Any, shape: tuple[int, ...]) -> tuple[int, int, tuple[Any, ...]] | None:
+    """For an index whose first item picks rows by an integer array (or a 1-D boolean mask
+    of the first axis): ``(lo, hi, sub)`` such that ``full[index]`` equals
+    ``full[lo:hi][sub]``; ``None`` for any other index or when the rows span them all.
+
+    Raises ``IndexError`` for a row out of bounds, as NumPy does.
+
+    >>> leading_rows(([7, 3, -1], slice(None, 2)), (10, 4))
+    (3, 10, (array([4, 0, 6]), slice(None, 2, None)))
+    """
+    idx = index if isinstance(index, tuple) else (index,)
+    if not shape or not idx or not isinstance(idx[0], list | np.ndarray):
+        return None
+    rows = np.asarray(idx[0])
+    if rows.dtype == np.bool_ and rows.shape == shape[:1]:
+        rows = np.flatnonzero(rows)
+    if rows.dtype.kind not in "iu" or not rows.size:
+        return None
+    n = shape[0]
+    low, high = int(rows.min()), int(rows.max())
+    for bad in (low, high):
+        if not -n <= bad < n:
+            raise IndexError(f"index {bad} is out of bounds for axis 0 with size {n}")
+    rows = np.where(rows < 0, rows + n, rows)
+    lo, hi = int(rows.min()), int(rows.max()) + 1
+    if lo == 0 and hi == n:
+        return None
+    return lo, hi, (rows - lo, *idx[1:])
 
 
 def c_strides(shape: tuple[int, ...], itemsize: int = 1) -> tuple[int, ...]:

@@ -30,7 +30,7 @@ from .. import rawio as _rawio
 from .._record import ARRAY, PACKED, Entry, Record, RowValues, ValueRows
 from .._record_index import IndexedValues
 from ..base import ArrayInfo, LazyArray, Reader, verify_each
-from ..slicing import element_span
+from ..slicing import element_span, leading_rows
 from . import access, bulk, delta
 from . import source as _src
 from .blocks import SpanError, blocks_agree, hash_range, read_span, stream_units
@@ -79,6 +79,11 @@ class ContainerReader(
 
     def _read_other(self, key: str, entry: Entry) -> np.ndarray:
         raise self.corrupt(key, f"has an unknown location {entry.loc!r}")
+
+    def _read_other_rows(self, key: str, entry: Entry, lo: int, hi: int) -> np.ndarray:
+        """Rows ``[lo, hi)`` of a value :meth:`_read_other` reads, verified (a backend
+        that can decodes only a part at a time)."""
+        return self._read_other(key, entry)[lo:hi]
 
     def source(self, key: str, entry: Entry) -> Source:
         """Where an ``array`` or ``packed`` value's bytes are."""
@@ -495,13 +500,25 @@ class ContainerLazyArray(LazyArray):
     def __getitem__(self, index: Any) -> np.ndarray:
         e = self._reader.entry(self._key)
         whole: np.ndarray
-        if e.loc.kind not in (ARRAY, PACKED) or (
-                e.blocks is None and e.nbytes <= _SLICE_WHOLE_BELOW):
+        other = e.loc.kind not in (ARRAY, PACKED)
+        if not other and e.blocks is None and e.nbytes <= _SLICE_WHOLE_BELOW:
             whole = self.read()[index]
             return whole
         span = element_span(index, e.shape, name=repr(self._key))
+        if span is None:  # advanced indexing or 0-d: rows picked by an array, their run
+            picked = leading_rows(index, e.shape)
+            if picked is not None:
+                return self[picked[0]:picked[1]][picked[2]]  # type: ignore[no-any-return]
         if span is None or span.count == e.size:  # advanced indexing, 0-d, or all of it
             whole = self.read()[index]
             return whole
-        block = self._reader._read_elements(self._key, e, span.start, span.count)
+        if other:  # stored by codecs (compressed): the rows that hold the run
+            self._reader.check_open()
+            row = e.size // e.shape[0]
+            lo, hi = span.start // row, -(-(span.start + span.count) // row)
+            rows = self._reader._read_other_rows(self._key, e, lo, hi).reshape(-1)
+            first = span.start - lo * row
+            block = rows[first:first + span.count]
+        else:
+            block = self._reader._read_elements(self._key, e, span.start, span.count)
         return block.reshape(span.shape)[span.index]  # type: ignore[no-any-return]
