@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from .._dtypes import dtype_name
 from .._frameworks import framework_of, from_numpy, to_numpy
 from .._staging import staged, to_writable
 from ..distributed import Coordinator, from_env
@@ -632,6 +633,32 @@ def _restore_here(path: Any, pairs: list[tuple[str, Variable]], verify: bool, ca
                       cast=cast)
 
 
+def _refuse_narrowed(path: Any, arrays: Mapping[str, Any]) -> None:
+    """``CheckpointMismatchError`` naming every JAX ``like=`` leaf (a ShapeDtypeStruct)
+    whose dtype JAX cannot hold now (a 64-bit one with ``jax_enable_x64`` off): its
+    jax.Array would come back narrowed (float64 values as float32), with nothing said."""
+    narrowed = []
+    for key, value in arrays.items():
+        if framework_of(value) != "jax":
+            continue
+        import jax  # noqa: PLC0415 - a jax value is here
+
+        try:
+            want = np.dtype(value.dtype)
+        except TypeError:  # a typed PRNG key: its key data is loaded
+            continue
+        held = np.dtype(jax.dtypes.canonicalize_dtype(want))
+        if held != want:
+            narrowed.append(f"{key!r} ({dtype_name(want)} -> {dtype_name(held)})")
+    if narrowed:
+        raise CheckpointMismatchError(
+            f"Cannot load {str(path)!r}: JAX runs without 64-bit types (jax_enable_x64 is "
+            f"off), so these like= leaves would come back narrowed: {', '.join(narrowed)}; "
+            "nothing was loaded. Turn them on (jax.config.update('jax_enable_x64', True)) "
+            "or give 32-bit like= leaves and cast=True."
+        )
+
+
 def load_tree(  # noqa: PLR0917
     path: str | os.PathLike[str], like: Any, coordinator: Coordinator | None,
     timeout: float | None, verify: bool, cast: bool,
@@ -658,6 +685,7 @@ def load_tree(  # noqa: PLR0917
     failure: BaseException | None = None
     values: dict[str, Any] = {}
     try:
+        _refuse_narrowed(path, arrays)
         for key, value in arrays.items():
             var, how = leaf_target(graph, key, value)
             pairs.append((key, var))
