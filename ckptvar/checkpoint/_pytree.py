@@ -474,6 +474,13 @@ def leaf_target(graph: Graph, key: str, like: Any) -> tuple[Variable, Any]:
         return var, ("dtensor", like)
     shape, dtype = _like_shape_dtype(like)
     sharding = getattr(like, "sharding", None) if framework_of(like) == "jax" else None
+    if sharding is not None:
+        try:  # before anything is read: a sharding that cannot split this shape
+            sharding.shard_shape(shape)
+        except ValueError as exc:
+            raise CheckpointMismatchError(
+                f"Cannot load {key!r} into its like= sharding: it cannot hold shape "
+                f"{shape} ({exc}); nothing was loaded.") from exc
     if sharding is not None and not sharding.is_fully_addressable:
         offset, ext = _jax_target_box(like)
         return _lazy(graph, key, ext, dtype, Shard(shape, offset)), ("jax", like, offset)
