@@ -74,6 +74,15 @@ except TypeError as exc:
     refused = str(exc)
 refused = refused if not os.path.exists(os.path.join(d, "nd.h5")) else "written"
 
+# a like= sharding that cannot split its shape (4 rows over 8 devices): named by its key
+# before anything is read
+try:
+    cv.load(path, like={**like, "r": jax.ShapeDtypeStruct(
+        (4, 40), w.dtype, sharding=NamedSharding(src, P(("x", "y"))))})
+    indivisible = ""
+except Exception as exc:
+    indivisible = f"{type(exc).__name__}: {exc}"
+
 # the host memory a save allocates: a fraction of the value, not a copy of it
 big = jax.device_put(np.ones((2048, 1024), np.float32), NamedSharding(src, P("x", "y")))
 tracemalloc.start()
@@ -89,7 +98,8 @@ print(json.dumps({
     "empty": [[e[0], list(e[1])] if isinstance(e, tuple) else e for e in empty_kept],
     "count_on_mesh": [int(on_mesh), list(on_mesh.shape), len(on_mesh.sharding.device_set)],
     "stored": stored, "boxes": boxes,
-    "zarr": zarr_ok, "refused": refused, "peak": peak, "nbytes": big.nbytes}))
+    "zarr": zarr_ok, "refused": refused, "indivisible": indivisible, "peak": peak,
+    "nbytes": big.nbytes}))
 '''
 
 
@@ -111,6 +121,9 @@ def test_a_multi_device_jax_array_is_saved_shard_by_shard(tmp_path: Path) -> Non
     assert got["empty"] == [["e", [0, 4]], [0, 4], True]
     assert got["zarr"] == [True, True, True]  # global array, and read back onto 4 x 2
     assert "writer options" in got["refused"] and "nd.h5" in got["refused"], got["refused"]
+    # a like= sharding that cannot split its shape is named by its key, before any read
+    assert got["indivisible"].startswith("CheckpointMismatchError: "), got["indivisible"]
+    assert "'r'" in got["indivisible"] and "(4, 40)" in got["indivisible"], got["indivisible"]
     # one logical value each (its full shape), stored as its distinct boxes once each
     assert got["stored"] == {"w": [64, 40], "b": [8, 40], "r": [4, 40]}
     assert got["boxes"] == {"w": 8, "b": 4, "r": 1, "count": 1}

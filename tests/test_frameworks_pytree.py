@@ -130,6 +130,27 @@ def test_jax_arrays_come_back_with_the_target_sharding(tmp_path: Path) -> None:
     assert np.asarray(out["w"]).tolist() == [[0, 1, 2], [3, 4, 5]]
 
 
+def test_a_64_bit_jax_like_without_x64_is_refused_not_narrowed(tmp_path: Path) -> None:
+    """A ShapeDtypeStruct may say float64 while JAX runs without 64-bit types: the result
+    used to be a float32 jax.Array (the values narrowed, nothing said); it is an error
+    naming the key and the way out, and cast=True with a 32-bit like converts."""
+    if jax.config.jax_enable_x64:
+        pytest.skip("JAX runs with 64-bit types here")
+    path = cv.save(tmp_path / "j.h5", {"w": np.arange(3.0) / 3, "z": np.ones(2, np.complex128)})
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    for kw in ({}, {"sharding": sharding}):
+        like = {"w": jax.ShapeDtypeStruct((3,), np.float64, **kw),
+                "z": jax.ShapeDtypeStruct((2,), np.complex128, **kw)}
+        with pytest.raises(cv.CheckpointMismatchError,
+                           match=r"jax_enable_x64.*'w' \(float64 -> float32\), 'z' "
+                                 r"\(complex128 -> complex64\)"):
+            cv.load(path, like=like)
+    like = {"w": jax.ShapeDtypeStruct((3,), np.float32), "z": np.zeros(2, np.complex128)}
+    with pytest.warns(UserWarning, match=r"'w' \(float64 -> float32\)"):
+        out = cv.load(path, like=like, cast=True)
+    assert out["w"].dtype == np.float32 and float(out["w"][1]) == np.float32(1 / 3)
+
+
 @pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
 def test_typed_prng_keys_are_saved_as_their_key_data(tmp_path: Path, impl: str) -> None:
     # a typed key (jax.random.key) is a jax.Array with no NumPy dtype: its key data is

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from .._dtypes import dtype_name
 from .._frameworks import framework_of, from_numpy, to_numpy
 from .._staging import staged, to_writable
 from ..distributed import Coordinator, from_env
@@ -474,6 +475,13 @@ def leaf_target(graph: Graph, key: str, like: Any) -> tuple[Variable, Any]:
         return var, ("dtensor", like)
     shape, dtype = _like_shape_dtype(like)
     sharding = getattr(like, "sharding", None) if framework_of(like) == "jax" else None
+    if sharding is not None:
+        try:  # before anything is read: a sharding that cannot split this shape
+            sharding.shard_shape(shape)
+        except ValueError as exc:
+            raise CheckpointMismatchError(
+                f"Cannot load {key!r} into its like= sharding: it cannot hold shape "
+                f"{shape} ({exc}); nothing was loaded.") from exc
     if sharding is not None and not sharding.is_fully_addressable:
         offset, ext = _jax_target_box(like)
         return _lazy(graph, key, ext, dtype, Shard(shape, offset)), ("jax", like, offset)
@@ -633,6 +641,32 @@ def _restore_here(path: Any, pairs: list[tuple[str, Variable]], verify: bool, ca
                       cast=cast)
 
 
+def _refuse_narrowed(path: Any, arrays: Mapping[str, Any]) -> None:
+    """``CheckpointMismatchError`` naming every JAX ``like=`` leaf (a ShapeDtypeStruct)
+    whose dtype JAX cannot hold now (a 64-bit one with ``jax_enable_x64`` off): its
+    jax.Array would come back narrowed (float64 values as float32), with nothing said."""
+    narrowed = []
+    for key, value in arrays.items():
+        if framework_of(value) != "jax":
+            continue
+        import jax  # noqa: PLC0415 - a jax value is here
+
+        try:
+            want = np.dtype(value.dtype)
+        except TypeError:  # a typed PRNG key: its key data is loaded
+            continue
+        held = np.dtype(jax.dtypes.canonicalize_dtype(want))
+        if held != want:
+            narrowed.append(f"{key!r} ({dtype_name(want)} -> {dtype_name(held)})")
+    if narrowed:
+        raise CheckpointMismatchError(
+            f"Cannot load {str(path)!r}: JAX runs without 64-bit types (jax_enable_x64 is "
+            f"off), so these like= leaves would come back narrowed: {', '.join(narrowed)}; "
+            "nothing was loaded. Turn them on (jax.config.update('jax_enable_x64', True)) "
+            "or give 32-bit like= leaves and cast=True."
+        )
+
+
 def load_tree(  # noqa: PLR0917
     path: str | os.PathLike[str], like: Any, coordinator: Coordinator | None,
     timeout: float | None, verify: bool, cast: bool,
@@ -659,6 +693,7 @@ def load_tree(  # noqa: PLR0917
     failure: BaseException | None = None
     values: dict[str, Any] = {}
     try:
+        _refuse_narrowed(path, arrays)
         for key, value in arrays.items():
             var, how = leaf_target(graph, key, value)
             pairs.append((key, var))

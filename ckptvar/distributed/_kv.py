@@ -309,6 +309,8 @@ class KeyValueCoordinator(RankedCoordinator):
                 self._mine.append(key)
             wanted = {r: self._key(seq, r) for r in recv_from if not (r == self._rank and send)}
             raw = self._fetch(kind, tag, wanted, deadline) if wanted else {}
+            if wanted:
+                self._have_read(seq, kind)
             got: dict[int, Any] = {}
             stamps: list[Stamp] = []
             for r in recv_from:
@@ -322,7 +324,16 @@ class KeyValueCoordinator(RankedCoordinator):
             if kind != "broadcast":
                 self._forget_before(seq)
             self._gave_up(seq, stamps, deadline.timeout)
+            self._await_reads(seq, kind, recv_from, deadline)
             return got
+
+    def _have_read(self, seq: int, kind: str) -> None:
+        """Hook: this rank has read every part of collective ``seq`` it needs."""
+
+    def _await_reads(self, seq: int, kind: str, recv_from: Sequence[int],
+                     deadline: Deadline) -> None:
+        """Hook: the end of collective ``seq`` on this rank (a process that hosts the
+        store waits here until the others have read their parts)."""
 
     def _forget_before(self, seq: int) -> None:
         """Delete this rank's keys of earlier steps: everyone has read them by now."""

@@ -16,12 +16,17 @@ A store call itself can block for good: when the process that hosts a TCPStore
 store's own timeout does not end it). So every store call runs on the coordinator's
 own (daemon) thread and is waited for only until the collective's deadline: past it
 the collective raises ``DistributedTimeoutError`` saying that the store did not answer.
+
+The store lives in rank 0's process (``tcp://``, ``env://``): rank 0 returns from a
+collective only once the other ranks have read their parts (:meth:`_await_reads`), so
+its exit right after the last one does not cut their reads off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import DistributedError, DistributedTimeoutError
@@ -32,6 +37,10 @@ __all__ = ["TorchCoordinator"]
 
 #: Seconds between two looks for a rank that posted its end, while a collective waits.
 _DOWN_EVERY = 0.1
+#: The rank whose process hosts the store, and the seconds at most it waits at the end
+#: of a collective for the other ranks to have read their parts (:meth:`_await_reads`).
+_HOST = 0
+_READS_WAIT = 5.0
 def _dist() -> Any:
     try:
         import torch.distributed as dist
@@ -74,6 +83,7 @@ class TorchCoordinator(KeyValueCoordinator):
             raise ValueError(f"rank {rank} is not in 0..{size - 1}")
         super().__init__(rank=rank, size=size, timeout=timeout, prefix=prefix)
         self._store = store
+        self._reads: list[str] = []  # this rank's read keys that rank 0 may still look for
         self._announce()
 
     def _twin(self, prefix: str) -> TorchCoordinator:
@@ -144,6 +154,59 @@ class TorchCoordinator(KeyValueCoordinator):
                 self._check_down(kind, tag, self._missing(wanted))
                 look = time.monotonic() + _DOWN_EVERY
             deadline.pause()
+
+    def _have_read(self, seq: int, kind: str) -> None:
+        """Tell the store's host (rank 0) that this rank has read its parts of collective
+        ``seq``. An allgather or barrier has its parts only once rank 0 finished every
+        earlier collective, and so saw this rank's earlier keys: they are deleted."""
+        if self._rank == _HOST:
+            return
+        if kind != "broadcast":
+            for key in self._reads:
+                self._delete(key)
+            self._reads = []
+        key = self._read_key(seq, self._rank)
+        with contextlib.suppress(Exception):  # rank 0 then waits at most _READS_WAIT
+            self._set(key, b"")
+            self._reads.append(key)
+
+    def _await_reads(self, seq: int, kind: str, recv_from: Sequence[int],
+                     deadline: Deadline) -> None:
+        """On rank 0, which hosts the TCPStore that ``init_process_group`` makes
+        (``tcp://``, ``env://``): wait until every other rank has read its parts of
+        collective ``seq``, so that rank 0 may exit as soon as its last collective
+        returns without cutting the others' reads off (they would raise "the c10d store
+        failed" on a step that succeeded). A rank that posted its end or was killed is
+        not waited for, nor any once one gave up on the collective (a late rank 0), and
+        none longer than :data:`_READS_WAIT` seconds: this wait never fails the
+        collective."""
+        if self._rank != _HOST:
+            return
+        keys = {r: self._read_key(seq, r) for r in range(self._size)
+                if r != self._rank and (kind != "broadcast" or r not in recv_from)}
+        end = min(deadline.end, time.monotonic() + _READS_WAIT)
+        look = time.monotonic() + _DOWN_EVERY
+        deadline.reset_backoff()
+        try:
+            while keys and not self._check(list(keys.values())):
+                if time.monotonic() >= end:
+                    return
+                if time.monotonic() >= look:  # who is missing, and did it end or give up?
+                    if self._notice(seq) is not None:
+                        return
+                    keys = {r: k for r, k in keys.items()
+                            if not self._check([k]) and not self._ended(r)}
+                    look = time.monotonic() + _DOWN_EVERY
+                deadline.pause()
+        except Exception:  # noqa: BLE001 - the store is this process's: nothing to wait for
+            return
+
+    def _read_key(self, seq: int, rank: int) -> str:
+        return f"{self._prefix}/read/{seq}/{rank}"
+
+    def _ended(self, rank: int) -> bool:
+        """Whether ``rank`` posted its end or was killed (one look)."""
+        return self._try_get(self._down_key(rank)) is not None or self._killed(rank)
 
     def _missing(self, wanted: dict[int, str]) -> list[int]:
         missing = []
