@@ -28,6 +28,7 @@ from ._frameworks import (
     autograd_off,
     begin_restores,
     end_restores,
+    is_generator,
     trackable_for,
 )
 from ._incremental import IncrementalSave, Restored
@@ -195,7 +196,7 @@ class Checkpoint(Trackable):
         if name == _COUNTER:
             raise ValueError(f"{_COUNTER!r} is reserved: it is the checkpoint's own save counter.")
         if not isinstance(value, Variable | PartitionedVariable | Trackable | list | tuple | dict
-                          | SupportsStateDict):
+                          | SupportsStateDict) and not is_generator(value):
             if is_tree_node(value):  # a flax TrainState, an nnx.State, an equinox Module
                 object.__setattr__(self, name, value)
                 held = trackable_children(self).get(name)
@@ -207,8 +208,8 @@ class Checkpoint(Trackable):
                 return
             raise TypeError(
                 f"Checkpoint({name}=...) needs a Variable, a trackable object, an object "
-                "with state_dict()/load_state_dict(), a registered JAX pytree node or a "
-                f"list/tuple/dict of them, got {type(value).__name__}."
+                "with state_dict()/load_state_dict(), a torch.Generator, a registered JAX "
+                f"pytree node or a list/tuple/dict of them, got {type(value).__name__}."
             )
         if isinstance(value, list | tuple | dict):
             _check_contents(name, value)
