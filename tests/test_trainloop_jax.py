@@ -122,3 +122,30 @@ def test_restored_leaves_keep_the_like_trees_placement(tmp_path: Path) -> None:
     again.restore(tmp_path / "ckpt-1.h5").assert_consumed()
     assert not any(leaf.committed for leaf in jax.tree.leaves(again.state)
                    if isinstance(leaf, jax.Array))
+
+
+def test_a_plain_dict_of_jax_arrays_is_a_checkpoints_tree(tmp_path: Path) -> None:
+    # a JAX loop without flax keeps its state in a dict (optax states are tuples)
+    s, _ = train(init(), 3)
+    state = {"params": s.params, "opt_state": s.opt_state, "key": s.key, "step": 3}
+    ckpt = cv.Checkpoint(state=state)
+    mgr = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=2)
+    mgr.save()
+    names = {k for k, _, _ in cv.list_variables(mgr.latest_checkpoint)}
+    assert {"state/params/dense/kernel", "state/opt_state/1/0/mu/out/bias",
+            "state/key"} <= names
+
+    fresh = init(seed=5)
+    again = cv.Checkpoint(state={"params": fresh.params, "opt_state": fresh.opt_state,
+                                 "key": fresh.key, "step": 0})
+    mgr = cv.CheckpointManager(again, tmp_path, max_to_keep=2)
+    assert mgr.restore_or_initialize() is not None
+    mgr.restore_status.assert_consumed()
+    back = again.state
+    assert type(back) is dict and back["step"] == 3
+    assert type(back["opt_state"]) is type(s.opt_state)
+    assert same(back["params"], s.params) and same(back["opt_state"], s.opt_state)
+    assert bool((jax.random.key_data(back["key"]) == jax.random.key_data(s.key)).all())
+    # NumPy arrays, which a user expects filled in place, still go in cv.Variables
+    with pytest.raises(TypeError, match="holds arrays"):
+        cv.Checkpoint(state={"w": np.zeros(3)})
