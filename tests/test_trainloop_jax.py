@@ -149,3 +149,16 @@ def test_a_plain_dict_of_jax_arrays_is_a_checkpoints_tree(tmp_path: Path) -> Non
     # NumPy arrays, which a user expects filled in place, still go in cv.Variables
     with pytest.raises(TypeError, match="holds arrays"):
         cv.Checkpoint(state={"w": np.zeros(3)})
+
+
+@pytest.mark.slow
+def test_a_run_sharded_over_8_devices_resumes_onto_another_mesh(tmp_path: Path) -> None:
+    case = Path(__file__).parent / "mpi" / "jax_trainloop_case.py"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, str(case), str(tmp_path)], capture_output=True,
+                          text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    checks = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert checks["devices"] == 8 and checks["restored"] == "ckpt-2.h5" and checks["step"] == 8
+    assert checks["same_bits"] and checks["sharding"] and checks["losses"]
