@@ -163,3 +163,26 @@ def test_a_torch_generator_is_checkpointed_with_its_state(tmp_path: Path) -> Non
         cv.Checkpoint(rng=gen3, w=cv.Variable([1.0, 2.0, 3.0], name="w")).restore(
             tmp_path / "other-1.h5")
     assert torch.equal(gen3.get_state(), before)
+
+
+@pytest.mark.slow
+def test_a_run_killed_during_a_background_save_resumes_bit_for_bit(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    job = Path(__file__).parent / "mpi" / "torch_trainloop_job.py"
+
+    def run(kill_at: int) -> tuple[int, list[float], int]:
+        proc = subprocess.run([sys.executable, str(job), str(tmp_path), "17", str(kill_at)],
+                              capture_output=True, text=True, timeout=300, check=False)
+        lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert lines, proc.stderr[-3000:]
+        return lines[0]["start"], [x["loss"] for x in lines[1:]], proc.returncode
+
+    expected = _train(_build("lambda"), 17, 4)
+    start, first, code = run(12)  # SIGKILL just after the save of step 12 returned
+    assert (start, code) == (0, -9) and first == expected[:12]
+    start, rest, code = run(0)
+    assert code == 0 and start in (8, 12)  # step 12 committed before the kill, or not
+    assert rest == expected[start:]
