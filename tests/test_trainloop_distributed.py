@@ -16,6 +16,9 @@ from typing import Any
 import pytest
 from test_distributed_torch import launch, pytestmark  # noqa: F401 - skips without torch
 
+from ckptvar.distributed import VariableLayout, check_replicas, plan_save
+from ckptvar.errors import ShardLayoutError
+
 torch = pytest.importorskip("torch")
 
 STEPS, STOP = 8, 5  # saved at 2 and 4, stopped after 5
@@ -61,3 +64,13 @@ def test_a_run_saved_on_2_processes_resumes_on_another_count(
     assert resumed["start"] == 4  # the latest step: 4, the loss of step 5 is drawn again
     assert first["losses"][:4] + resumed["losses"] == losses
     assert resumed["params"] == params
+
+
+def test_replicas_that_differ_say_how_to_keep_a_state_of_each_process() -> None:
+    # a generator seeded per process (rank-dependent augmentation) under a coordinator
+    layouts = [{"rng/state": VariableLayout((5056,), "u1")} for _ in range(2)]
+    plan = plan_save(layouts)
+    with pytest.raises(ShardLayoutError, match=r"'rng/state' .* replicas differ: checksum 1 "
+                       r"on rank 0; checksum 2 on rank 1\. .*seeded per process.*"
+                       r"cv\.Shard\(full_shape=\(processes, \.\.\.\), offset=\(rank, \.\.\.\)\)"):
+        check_replicas(plan, [{"rng/state": 1}, {"rng/state": 2}])
