@@ -1,6 +1,7 @@
 """A torch training loop on gloo processes (FSDP2, AdamW, an LR scheduler, the global
 RNG) checkpointed by a CheckpointManager on 2 processes, stopped, and resumed on 1 and on
-4: the losses and final parameters are those of one uninterrupted process, bit for bit.
+4: the losses and final parameters are those of one uninterrupted process, bit for bit
+(``-m slow``; the default run checks what a collective save says of per-process state).
 
 The ranks are forked by tests/mpi/torch_launch.py; the rank code is
 tests/mpi/trainloop_cases.py."""
@@ -52,7 +53,8 @@ def stopped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, A
     return d, _run(2, d, STOP)
 
 
-@pytest.mark.parametrize("n", [1, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow  # 3 launches of gloo processes: over 30 s on 2 cores
+@pytest.mark.parametrize("n", [1, 4])
 def test_a_run_saved_on_2_processes_resumes_on_another_count(
         stopped: tuple[Path, dict[str, Any]], n: int, tmp_path: Path) -> None:
     d, first = stopped
