@@ -151,9 +151,15 @@ def test_a_torch_generator_is_checkpointed_with_its_state(tmp_path: Path) -> Non
 
     gen2 = torch.Generator().manual_seed(99)
     torch.manual_seed(99)
-    cv.Checkpoint(rng=gen2, global_rng=torch.default_generator).restore(path).assert_consumed()
+    again = cv.Checkpoint(rng=gen2, global_rng=torch.default_generator)
+    status = again.restore(path)
     assert torch.equal(torch.randn(4, generator=gen2), expected)
     assert torch.equal(torch.rand(3), expected_global)
+    status.assert_consumed()  # the generators drew since: still the objects restored
+    path = again.save(tmp_path / "ckpt")  # their state now, not the restored one
+    gen2.manual_seed(99)
+    again.restore(path).assert_consumed()
+    assert torch.equal(gen2.get_state(), gen.get_state())
 
     # all or nothing: a value that does not fit leaves the generator as it was
     cv.Checkpoint(rng=gen, w=cv.Variable([1.0, 2.0], name="w")).save(tmp_path / "other")

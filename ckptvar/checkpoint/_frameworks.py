@@ -808,9 +808,10 @@ class GeneratorState:
     """A ``torch.Generator`` seen as an object with ``state_dict()``: ``{"state": the
     generator's state (a uint8 tensor), "device": its device}``.
 
-    ``get_state()`` makes a new tensor at each call; the one given last is given again
-    while it equals the generator's state, so a restore's variable over it (filled in
-    place, then ``set_state``) is the one the next walk meets, as a module's tensors are.
+    ``get_state()`` makes a new tensor at each call; the state is copied into one kept
+    tensor instead, so its variable (filled in place by a restore, then ``set_state``) is
+    the one every later walk meets, however far the generator drew since, as a module's
+    tensors are.
     """
 
     def __init__(self, generator: Any) -> None:
@@ -819,11 +820,12 @@ class GeneratorState:
 
     def state_dict(self) -> dict[str, Any]:
         state = self.generator.get_state()
-        last = self._state
-        if last is not None and last.shape == state.shape and bool((last == state).all()):
-            state = last
-        self._state = state
-        return {"state": state, "device": str(self.generator.device)}
+        kept = self._state
+        if kept is not None and kept.shape == state.shape:
+            kept.copy_(state)
+        else:
+            self._state = kept = state
+        return {"state": kept, "device": str(self.generator.device)}
 
     def load_state_dict(self, state_dict: Any) -> None:
         self.generator.set_state(state_dict["state"])
