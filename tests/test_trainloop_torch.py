@@ -192,3 +192,22 @@ def test_a_run_killed_during_a_background_save_resumes_bit_for_bit(tmp_path: Pat
     start, rest, code = run(0)
     assert code == 0 and start in (8, 12)  # step 12 committed before the kill, or not
     assert rest == expected[start:]
+
+
+def test_objects_attached_after_the_restore_take_their_whole_state(tmp_path: Path) -> None:
+    # ckpt.restore(path) first, the objects built later (restore as initialization)
+    parts = _build("lambda")
+    _train(parts, 6, 100)
+    path = _checkpoint(parts).save(tmp_path / "ckpt")
+    expected = _train(parts, 4, 100)
+
+    again = _build("lambda")
+    ckpt = cv.Checkpoint()
+    status = ckpt.restore(path)
+    for name, obj in [("model", again["model"]), ("optimizer", again["opt"]),
+                      ("scheduler", again["sched"]), ("scaler", again["scaler"]),
+                      ("progress", again["progress"]), ("rng", torch.default_generator)]:
+        setattr(ckpt, name, obj)
+    assert len(again["opt"].state) == 4 and again["sched"].last_epoch == 6
+    status.assert_consumed()
+    assert _train(again, 4, 100) == expected

@@ -509,6 +509,11 @@ class StateDictTrackable(RestoredWhole):
     rest of the state dict.
     """
 
+    #: attached after a restore (``ckpt.restore(path)``, then ``ckpt.optimizer = opt``),
+    #: it is restored whole then too: its new tensors and Python state through
+    #: ``load_state_dict``, as in a restore it was there for
+    restored_on_attach = True
+
     def __init__(self, obj: SupportsStateDict) -> None:
         self.obj = obj
         self._graph = Graph()
