@@ -29,6 +29,7 @@ from ._frameworks import (
     autograd_off,
     begin_restores,
     end_restores,
+    is_generator,
     trackable_for,
 )
 from ._incremental import IncrementalSave, Restored
@@ -38,7 +39,7 @@ from ._serialize import SaveContents, SnapshotBuffer, gather, host_arrays, metad
 from ._state import record_latest
 from ._status import RestoreStatus
 from ._steps import split_format, step_name
-from ._tree_state import TreeTrackable, is_tree_node
+from ._tree_state import TreeTrackable, is_jax_tree, is_tree_node
 from ._walk import is_array, untracked
 
 __all__ = ["Checkpoint", "SaveOptions"]
@@ -250,9 +251,11 @@ class Checkpoint(Trackable):
             return
         if name == _COUNTER:
             raise ValueError(f"{_COUNTER!r} is reserved: it is the checkpoint's own save counter.")
-        if not isinstance(value, Variable | PartitionedVariable | Trackable | list | tuple | dict
-                          | SupportsStateDict):
-            if is_tree_node(value):  # a flax TrainState, an nnx.State, an equinox Module
+        jax_tree = is_jax_tree(value)  # a dict/list/tuple of JAX arrays (optax states)
+        if jax_tree or (not isinstance(value, Variable | PartitionedVariable | Trackable | list
+                                       | tuple | dict | SupportsStateDict)
+                        and not is_generator(value)):
+            if jax_tree or is_tree_node(value):  # a TrainState, an nnx.State, an eqx Module
                 object.__setattr__(self, name, value)
                 held = trackable_children(self).get(name)
                 if isinstance(held, TreeTrackable):  # the next state of a training loop:
@@ -263,8 +266,8 @@ class Checkpoint(Trackable):
                 return
             raise TypeError(
                 f"Checkpoint({name}=...) needs a Variable, a trackable object, an object "
-                "with state_dict()/load_state_dict(), a registered JAX pytree node or a "
-                f"list/tuple/dict of them, got {type(value).__name__}."
+                "with state_dict()/load_state_dict(), a torch.Generator, a registered JAX "
+                f"pytree node or a list/tuple/dict of them, got {type(value).__name__}."
             )
         if isinstance(value, list | tuple | dict):
             _check_contents(name, value)

@@ -18,6 +18,10 @@ or that the host cannot fill in place (non-contiguous CPU tensors) are read into
 tensors, and the object's ``load_state_dict`` takes them, and the Python state, once
 every value was read and checked.
 
+A ``torch.Generator`` (``torch.default_generator``: the global RNG's) is such an object
+too: its state (``get_state()``, uint8) under ``<name>/state``, its device as Python
+state, and ``set_state`` of the stored state once every value was read and checked.
+
 A ``DTensor`` (``Shard(dim)``/``Replicate`` placements, any mesh) is a variable holding
 its local box of the logical value (a :class:`~ckptvar.Shard`); of replicas of one box,
 only the process at coordinate 0 of the replicating mesh axes saves it.
@@ -54,6 +58,7 @@ __all__ = [
     "dtensor_box",
     "end_restores",
     "is_dtensor",
+    "is_generator",
     "tensor_variable",
     "trackable_for",
 ]
@@ -868,8 +873,44 @@ def end_restores(adapters: list[RestoredWhole], *, ok: bool,
         raise first
 
 
+def is_generator(value: Any) -> bool:
+    """A ``torch.Generator`` (torch asked only once imported: a generator needs it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Generator)
+
+
+class GeneratorState:
+    """A ``torch.Generator`` seen as an object with ``state_dict()``: ``{"state": the
+    generator's state (a uint8 tensor), "device": its device}``.
+
+    ``get_state()`` makes a new tensor at each call; the state is copied into one kept
+    tensor instead, so its variable (filled in place by a restore, then ``set_state``) is
+    the one every later walk meets, however far the generator drew since, as a module's
+    tensors are.
+    """
+
+    def __init__(self, generator: Any) -> None:
+        self.generator = generator
+        self._state: Any = None
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.generator.get_state()
+        kept = self._state
+        if kept is not None and kept.shape == state.shape:
+            kept.copy_(state)
+        else:
+            self._state = kept = state
+        return {"state": kept, "device": str(self.generator.device)}
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        self.generator.set_state(state_dict["state"])
+
+
 def trackable_for(value: Any) -> Any:
-    """``value`` as something a checkpoint tracks: a state-dict object gets its wrapper."""
+    """``value`` as something a checkpoint tracks: a state-dict object, or a
+    ``torch.Generator``, gets its wrapper."""
     if isinstance(value, SupportsStateDict) and not isinstance(value, Trackable):
         return StateDictTrackable(value)
+    if is_generator(value):
+        return StateDictTrackable(GeneratorState(value))
     return value

@@ -535,6 +535,10 @@ def leaf_result(var: Variable, how: tuple[Any, ...]) -> Any:  # noqa: PLR0911 - 
         if sharding is not None:
             import jax  # noqa: PLC0415
 
+            if getattr(like, "committed", True) is False:
+                # placed by default (``jnp.zeros``, ``jax.random.key``): so is the result,
+                # or a jitted step given it with arrays on other devices refuses it
+                return jax.device_put(host)
             return jax.device_put(host, sharding)
         return from_numpy(host, "jax")
     if fw == "cupy":

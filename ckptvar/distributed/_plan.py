@@ -219,7 +219,11 @@ def check_replicas(plan: SavePlan, checksums: Sequence[Mapping[str, object]]) ->
         if len(groups) > 1:
             detail = "; ".join(f"checksum {c!r} on {_ranks(rs)}" for c, rs in groups.items())
             raise ShardLayoutError(
-                f"variable {key!r} is replicated (no shard) but its replicas differ: {detail}"
+                f"variable {key!r} is replicated (no shard) but its replicas differ: {detail}. "
+                "A value every process holds alike is stored once; one that is each "
+                "process's own (an RNG state seeded per process) needs a box of its own: "
+                "cv.Variable(value, shard=cv.Shard(full_shape=(processes, ...), "
+                "offset=(rank, ...)))"
             )
 
 
