@@ -38,6 +38,7 @@ from ._common import (
     add_command,
     set_storage_options,
 )
+from ._lazy import load_now
 from ._output import escape, one_line
 
 __all__ = ["Stats", "build_parser", "escape", "iter_blocks", "main"]
@@ -93,13 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         reconfigure = getattr(stream, "reconfigure", None)
         if callable(reconfigure):
             reconfigure(errors="backslashreplace")
-    parser = build_parser()
-    try:
-        args, extra = parser.parse_known_args(argv)
-        if extra:  # reported by the subcommand's parser, so the hint names its --help
-            args._subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    except SystemExit as exc:  # --help, --version, or a usage error already reported
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    args = _parse(argv)
+    if isinstance(args, int):
+        return args
     try:
         set_storage_options(args.storage_option)
         return int(args.func(args, sys.stdout))
@@ -114,6 +111,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return _interrupted(command=argv is None)
     return EXIT_USAGE
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace | int:
+    """The arguments, or the exit status when there is nothing to run (``--help``, a
+    usage error said, Ctrl-C: parsing may load the storage registry, convert's --format)."""
+    try:
+        args, extra = build_parser().parse_known_args(argv)
+        if extra:  # reported by the subcommand's parser, so the hint names its --help
+            args._subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        load_now()
+    except SystemExit as exc:  # --help, --version, or a usage error already reported
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    except KeyboardInterrupt:
+        return _interrupted(command=argv is None)
+    return args
 
 
 def _interrupted(*, command: bool) -> int:

@@ -37,7 +37,7 @@ from ._common import (
     selected,
     storage_options,
 )
-from ._lazy import lazy_module
+from ._lazy import lazy_module, load_now
 from ._output import escape, one_line
 from ._progress import Progress, human_size
 
@@ -183,6 +183,7 @@ class _WritableFormats:
     (so a format registered later appears, and ``ckpt --help`` reads no registry)."""
 
     def _names(self) -> list[str]:
+        load_now()  # before the registry's own imports: a Ctrl-C raises as it should
         names: list[str] = cv.storage.writable_formats()
         return names
 

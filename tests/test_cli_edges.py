@@ -1,0 +1,81 @@
+"""The ``ckpt`` command at its edges, run as real processes: Ctrl-C at any moment,
+``--json`` that always parses, paths that look like options, every subcommand taking a
+manager's directory as its latest checkpoint, a stderr that is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ckptvar as cv
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: A ``sitecustomize`` that sends this process a real SIGINT the first time the module
+#: named by ``CKPT_INTERRUPT_AT`` is imported: Ctrl-C at a known moment of the start-up.
+_SITE = """\
+import importlib.abc, os, signal, sys
+
+class _Interrupt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ.get("CKPT_INTERRUPT_AT"):
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, _Interrupt())
+"""
+
+
+def ckpt(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m ckptvar ARGS`` in a fresh interpreter, with SIGINT's default action."""
+    return subprocess.run(
+        [sys.executable, "-m", "ckptvar", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        check=False,
+    )
+
+
+def one_error(proc: subprocess.CompletedProcess[str], code: int = 2) -> str:
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ckpt: error: "), proc.stderr
+    return lines[0].removeprefix("ckpt: error: ")
+
+
+@pytest.mark.parametrize(
+    ("module", "extra"),
+    [
+        ("ckptvar.cli", ()),  # the command's own modules, at start-up
+        ("ckptvar.storage", ("--format", "hf-safetensors")),  # parsing: --format's choices
+        ("numpy._core.multiarray", ()),  # NumPy's first import swallows KeyboardInterrupt
+    ],
+)
+def test_ctrl_c_while_starting_or_importing_exits_130_without_a_traceback(
+    tmp_path: Path, module: str, extra: tuple[str, ...]
+) -> None:
+    (tmp_path / "sitecustomize.py").write_text(_SITE)
+    src = cv.save(tmp_path / "src.h5", {"w": np.ones(3, np.float32)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptvar", "convert", src, tmp_path / "out", *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}",
+             "CKPT_INTERRUPT_AT": module},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        check=False,
+    )
+    assert one_error(proc, 130) == "interrupted"
+    assert {p.name for p in tmp_path.iterdir()} <= {"sitecustomize.py", "__pycache__", "src.h5"}
