@@ -5,6 +5,7 @@ manager's directory as its latest checkpoint, a stderr that is gone.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -79,3 +80,12 @@ def test_ctrl_c_while_starting_or_importing_exits_130_without_a_traceback(
     )
     assert one_error(proc, 130) == "interrupted"
     assert {p.name for p in tmp_path.iterdir()} <= {"sitecustomize.py", "__pycache__", "src.h5"}
+
+
+def test_show_json_of_several_keys_is_one_json_list(tmp_path: Path) -> None:
+    src = cv.save(tmp_path / "m.h5", {"w": np.arange(6.0).reshape(2, 3), "n": np.array(7)})
+    proc = ckpt("show", src, "w[1]", "n", "--json")
+    assert proc.returncode == 0, proc.stderr
+    docs = json.loads(proc.stdout)  # one JSON text, not two objects one after the other
+    assert [(d["key"], d["index"], d["value"]) for d in docs] == [
+        ("w", "[1]", [3.0, 4.0, 5.0]), ("n", None, 7)]
