@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import ckptvar as cv
+from ckptvar.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,3 +90,28 @@ def test_show_json_of_several_keys_is_one_json_list(tmp_path: Path) -> None:
     docs = json.loads(proc.stdout)  # one JSON text, not two objects one after the other
     assert [(d["key"], d["index"], d["value"]) for d in docs] == [
         ("w", "[1]", [3.0, 4.0, 5.0]), ("n", None, 7)]
+
+
+def test_every_command_takes_a_manager_directory_as_its_latest_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = tmp_path / "runs"
+    step = cv.Variable(np.zeros(3, np.float32), name="w")
+    manager = cv.CheckpointManager(cv.Checkpoint(w=step), runs, max_to_keep=2)
+    for n in (1, 2):
+        step.assign(np.full(3, n, np.float32))
+        manager.save(checkpoint_number=n)
+    latest = runs / "ckpt-2.h5"
+    said = f"ckpt: reading {latest}, the latest checkpoint of {str(runs)!r}\n"
+    proc = ckpt("verify", runs)  # as `ckpt inspect runs` does: it said "is a directory"
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "OK: 2 values verified\n", said)
+    assert main(["show", str(runs), "w", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["value"] == [2.0, 2.0, 2.0] and err == said
+    assert main(["diff", str(runs), str(latest)]) == 0
+    assert capsys.readouterr().err == said
+    assert main(["convert", str(runs), str(tmp_path / "out.npz")]) == 0
+    assert capsys.readouterr().err == said
+    assert np.load(tmp_path / "out.npz")["w"].tolist() == [2.0, 2.0, 2.0]
+    assert main(["verify", str(tmp_path)]) == 2  # no manager's directory: the error says so
+    assert "is a directory, not a checkpoint" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from typing import Any, NoReturn, Protocol, TextIO
 
 import ckptvar as cv
 
-from ._output import one_line
+from ._output import escape, one_line
 from ._progress import Progress
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "add_selection",
     "add_storage_option",
     "is_url",
+    "latest_or_path",
     "open_checkpoint",
     "progress_for",
     "resolve_latest",
@@ -165,6 +166,16 @@ def resolve_latest(path: str | Path) -> tuple[str | Path, str | None]:
     if latest is None:
         return path, None  # open_checkpoint explains
     return latest, f"the latest checkpoint of {str(path)!r}"
+
+
+def latest_or_path(path: str | Path) -> str | Path:
+    """:func:`resolve_latest`'s path, saying on stderr which checkpoint a manager's
+    directory stands for (``show``, ``convert``, ``diff`` and ``verify``; ``inspect``
+    says it in its output)."""
+    resolved, note = resolve_latest(path)
+    if note is not None:
+        sys.stderr.write(f"ckpt: reading {escape(str(resolved))}, {escape(note)}\n")
+    return resolved
 
 
 def add_quiet(p: argparse.ArgumentParser) -> None:

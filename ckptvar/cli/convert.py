@@ -32,6 +32,7 @@ from ._common import (
     UsageError,
     add_selection,
     is_url,
+    latest_or_path,
     open_checkpoint,
     select,
     selected,
@@ -530,6 +531,7 @@ def _dtype_error(fmt: str, bad: dict[str, np.dtype]) -> UsageError:
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
+    args.src = latest_or_path(args.src)
     if is_url(args.src) or is_url(args.dst):
         # An object store: read by ranged GETs, written as a committed step (streamed up).
         if args.src == args.dst:

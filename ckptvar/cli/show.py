@@ -10,7 +10,7 @@ import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
 from ._blocks import is_floating
-from ._common import EXIT_OK, UsageError, open_checkpoint
+from ._common import EXIT_OK, UsageError, latest_or_path, open_checkpoint
 from ._lazy import lazy_module
 from ._output import escape, json_text, plain, shape_str
 
@@ -43,7 +43,9 @@ DESCRIPTION = "Print the values of KEY (or KEY[slice]) of a checkpoint, reading 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``ckpt show``."""
-    p.add_argument("path", metavar="PATH", help="the checkpoint")
+    p.add_argument(
+        "path", metavar="PATH", help="the checkpoint, or a manager's directory (its latest)"
+    )
     p.add_argument("keys", metavar="KEY[SLICE]", nargs="+", help="a key, optionally sliced")
     p.add_argument(
         "--precision",
@@ -59,7 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="summarise with '...' beyond N elements (NumPy's default: 1000; 0: never)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object (a list of them for several keys)")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object (a list for several keys)"
+    )
 
 
 _INT = re.compile(r"[+-]?\d+")
@@ -109,6 +113,7 @@ def _split(spec: str, keys: Any) -> tuple[str, tuple[Any, ...] | None, str]:
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
     threshold = sys.maxsize if args.threshold == 0 else args.threshold
+    args.path = latest_or_path(args.path)
     with open_checkpoint(args.path) as reader:
         # Every key and slice is checked before anything prints; then one value at a time.
         picked = []

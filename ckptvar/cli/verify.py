@@ -12,6 +12,7 @@ from ._common import (
     EXIT_OK,
     add_quiet,
     add_selection,
+    latest_or_path,
     open_checkpoint,
     progress_for,
     select,
@@ -40,7 +41,10 @@ DESCRIPTION = "Check every value of a checkpoint against its stored checksum."
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``ckpt verify``."""
-    p.add_argument("path", metavar="PATH", help="the checkpoint to verify")
+    p.add_argument(
+        "path", metavar="PATH",
+        help="the checkpoint to verify, or a manager's directory (its latest checkpoint)",
+    )
     add_selection(p)
     add_quiet(p)
 
@@ -64,7 +68,7 @@ def _unreached(exc: BaseException) -> bool:
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
-    path = args.path
+    path = str(latest_or_path(args.path))
     try:
         reader = open_checkpoint(path)
     except cv.CorruptCheckpointError as exc:
