@@ -115,3 +115,17 @@ def test_every_command_takes_a_manager_directory_as_its_latest_checkpoint(
     assert np.load(tmp_path / "out.npz")["w"].tolist() == [2.0, 2.0, 2.0]
     assert main(["verify", str(tmp_path)]) == 2  # no manager's directory: the error says so
     assert "is a directory, not a checkpoint" in capsys.readouterr().err
+
+
+def test_a_path_that_starts_with_a_dash_gets_a_hint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    cv.save("-w.h5", {"w": np.ones(2)})
+    assert main(["verify", "-w.h5"]) == 2  # argparse takes it for an option
+    assert capsys.readouterr().err == (
+        "ckpt: error: the following arguments are required: PATH ('-w.h5' is taken for an "
+        "option: put -- before a path that starts with '-')\n")
+    assert main(["verify", "--", "-w.h5"]) == 0
+    assert main(["verify", "-w"]) == 2  # no such file: the usual hint
+    assert capsys.readouterr().err.endswith("(see 'ckpt verify --help')\n")

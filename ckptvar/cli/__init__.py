@@ -116,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace | int:
     """The arguments, or the exit status when there is nothing to run (``--help``, a
     usage error said, Ctrl-C: parsing may load the storage registry, convert's --format)."""
+    Parser.argv = sys.argv[1:] if argv is None else argv
     try:
         args, extra = build_parser().parse_known_args(argv)
         if extra:  # reported by the subcommand's parser, so the hint names its --help

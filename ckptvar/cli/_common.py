@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import os
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, Protocol, TextIO
 
@@ -51,10 +52,22 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with a one-line error: ``ckpt: error: <what> (see 'ckpt SUB --help')``."""
+    """argparse with a one-line error: ``ckpt: error: <what> (see 'ckpt SUB --help')``.
+
+    ``argv`` is what is being parsed: an existing file named like an option (``-x.h5``)
+    is taken for one by argparse, and the error says how to name it (``--`` before it).
+    """
+
+    argv: Sequence[str] = ()
 
     def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"ckpt: error: {one_line(message)} (see '{self.prog} --help')\n")
+        hint = f"see '{self.prog} --help'"
+        args = list(Parser.argv)
+        dashed = [a for a in args[: args.index("--") if "--" in args else len(args)]
+                  if a.startswith("-") and a != "-" and os.path.lexists(a)]
+        if dashed:
+            hint = f"{dashed[0]!r} is taken for an option: put -- before a path that starts with '-'"
+        sys.stderr.write(f"ckpt: error: {one_line(message)} ({hint})\n")
         raise SystemExit(EXIT_USAGE)
 
 
