@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,20 @@ def test_a_path_that_starts_with_a_dash_gets_a_hint(
     assert main(["verify", "--", "-w.h5"]) == 0
     assert main(["verify", "-w"]) == 2  # no such file: the usual hint
     assert capsys.readouterr().err.endswith("(see 'ckpt verify --help')\n")
+
+
+def test_an_object_store_that_never_answers_times_out_and_says_so(tmp_path: Path) -> None:
+    with socket.socket() as server:  # accepts connections, never answers a request
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
+        proc = ckpt(
+            "inspect", "s3://bucket/run/ckpt-1.h5",
+            "--storage-option", f"endpoint={endpoint}", "--storage-option", "allow_http=true",
+            "--storage-option", "timeout=500ms", "--storage-option", "max_retries=0",
+            env={"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_REGION": "r"},
+        )
+    message = one_error(proc)  # within the timeout, not hanging
+    assert message.startswith("GET s3://bucket/run/ckpt-1.h5.commit failed")
+    assert message.endswith("the server did not answer within the request's timeout "
+                            "(storage_options timeout: 500ms)")

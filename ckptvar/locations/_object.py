@@ -184,6 +184,7 @@ class ObjectStoreLocation(Location):
                 raise StorageError(self._no_bucket(op, key)) from None
             raise StorageError(
                 f"{op} {self.join(key)} failed after retries: {_first_line(exc)}"
+                + self._timed_out(exc, "; the server did not answer within the request's timeout")
             ) from exc
 
     def check_bucket(self) -> None:
@@ -401,12 +402,17 @@ class ObjectStoreLocation(Location):
     def _why(self, exc: BaseException) -> str:
         """What a cut-off response's last error says, where it says more than "cut off": the
         server stopped sending, and the request ran past its ``timeout``."""
+        said = self._timed_out(exc, "; the server stopped sending and each try timed out")
+        return said or f"; last: {_first_line(exc)}"
+
+    def _timed_out(self, exc: BaseException, what: str) -> str:
+        """``what``, naming the ``timeout`` setting, when ``exc`` is a request that ran past
+        it (obstore says so only below its first line); else nothing."""
         text = str(exc)
         if "TimedOut" in text or "kind: Timeout" in text:
             timeout = _split_options(self.storage_options, self.scheme)[1]["timeout"]
-            return (f"; the server stopped sending and each try timed out (storage_options "
-                    f"timeout: {timeout})")
-        return f"; last: {_first_line(exc)}"
+            return f"{what} (storage_options timeout: {timeout})"
+        return ""
 
     # --- writes ---------------------------------------------------------------------------
     def put(
