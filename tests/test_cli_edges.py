@@ -5,12 +5,14 @@ manager's directory as its latest checkpoint, a stderr that is gone.
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -37,14 +39,18 @@ sys.meta_path.insert(0, _Interrupt())
 """
 
 
-def ckpt(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m ckptvar ARGS`` in a fresh interpreter, with SIGINT's default action."""
+def ckpt(
+    *args: object, env: dict[str, str] | None = None, unset: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """``python -m ckptvar ARGS`` in a fresh interpreter, with SIGINT's default action, the
+    variables ``env`` set and those named in ``unset`` removed."""
+    environ = {k: v for k, v in os.environ.items() if k not in unset}
     return subprocess.run(
         [sys.executable, "-m", "ckptvar", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        env={**environ, "PYTHONPATH": str(ROOT), **(env or {})},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         check=False,
     )
@@ -147,3 +153,36 @@ def test_an_object_store_that_never_answers_times_out_and_says_so(tmp_path: Path
     assert message.startswith("GET s3://bucket/run/ckpt-1.h5.commit failed")
     assert message.endswith("the server did not answer within the request's timeout "
                             "(storage_options timeout: 500ms)")
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    """An instance metadata service that refuses every request (as off EC2)."""
+
+    def do_PUT(self) -> None:
+        self.send_response(403)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    do_GET = do_PUT
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_an_object_store_read_without_credentials_says_how_to_give_them() -> None:
+    imds = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    threading.Thread(target=imds.serve_forever, daemon=True).start()
+    try:
+        proc = ckpt(
+            "ls", "s3://bucket/run", "--storage-option", "endpoint=http://127.0.0.1:1",
+            "--storage-option", "allow_http=true", "--storage-option",
+            f"metadata_endpoint=http://127.0.0.1:{imds.server_address[1]}",
+            unset=tuple(k for k in os.environ if k.startswith("AWS_") and k != "AWS_CA_BUNDLE"),
+        )
+    finally:
+        imds.shutdown()
+        imds.server_close()
+    assert one_error(proc).endswith(
+        "no credentials were found (the client asked the EC2 instance metadata service): give "
+        "access_key_id and secret_access_key in storage_options, or set AWS_ACCESS_KEY_ID and "
+        "AWS_SECRET_ACCESS_KEY")

@@ -185,6 +185,7 @@ class ObjectStoreLocation(Location):
             raise StorageError(
                 f"{op} {self.join(key)} failed after retries: {_first_line(exc)}"
                 + self._timed_out(exc, "; the server did not answer within the request's timeout")
+                + _no_credentials(exc)
             ) from exc
 
     def check_bucket(self) -> None:
@@ -521,6 +522,17 @@ def _says_no_bucket(exc: BaseException) -> bool:
     """Whether an error's message says its bucket does not exist (:data:`_NO_BUCKET`)."""
     text = str(exc)
     return any(sign in text for sign in _NO_BUCKET)
+
+
+def _no_credentials(exc: BaseException) -> str:
+    """What to do, when the S3 client found no credentials and asked the EC2 instance
+    metadata service for some, in vain (off EC2: refused, or no route); else nothing."""
+    text = _first_line(exc)
+    if "/latest/api/token" in text or "/latest/meta-data/" in text:
+        return ("; no credentials were found (the client asked the EC2 instance metadata "
+                "service): give access_key_id and secret_access_key in storage_options, or "
+                "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+    return ""
 
 
 def _first_line(exc: BaseException) -> str:
