@@ -5,9 +5,12 @@ manager's directory as its latest checkpoint, a stderr that is gone.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
+import pty
+import re
 import signal
 import socket
 import subprocess
@@ -186,3 +189,24 @@ def test_an_object_store_read_without_credentials_says_how_to_give_them() -> Non
         "no credentials were found (the client asked the EC2 instance metadata service): give "
         "access_key_id and secret_access_key in storage_options, or set AWS_ACCESS_KEY_ID and "
         "AWS_SECRET_ACCESS_KEY")
+
+
+@pytest.mark.slow  # a value of 1 GiB, written and verified
+def test_verify_moves_the_bar_within_a_large_value(tmp_path: Path) -> None:
+    src = cv.save(tmp_path / "one.h5", {"w": np.ones(1 << 27, np.float64)})  # 1 GiB
+    code = ("import sys, ckptvar.cli._common as c; c.PROGRESS_DELAY = 0; "
+            "from ckptvar.cli import main; sys.exit(main(sys.argv[1:]))")
+    leader, follower = pty.openpty()  # stderr is a terminal: the bar is drawn
+    with subprocess.Popen([sys.executable, "-c", code, "verify", str(src)],
+                          stdout=subprocess.PIPE, stderr=follower,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}) as proc:
+        os.close(follower)
+        drawn = b""
+        with contextlib.suppress(OSError):  # EIO once the command has ended
+            while chunk := os.read(leader, 1 << 16):
+                drawn += chunk
+        assert proc.wait(timeout=300) == 0
+        assert proc.stdout is not None and proc.stdout.read() == b"OK: 1 value verified\n"
+    os.close(leader)
+    within = [int(m) for m in re.findall(rb"\] +(\d+)% [^\r]*\(0 values\) w", drawn)]
+    assert any(0 < p < 100 for p in within), drawn[-300:]

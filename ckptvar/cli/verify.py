@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import threading
 from typing import TextIO
 
 import ckptvar as cv
@@ -18,6 +19,7 @@ from ._common import (
     select,
 )
 from ._output import escape, one_line
+from ._progress import Progress
 
 EPILOG = """\
 Reads every value and checks it against its stored checksum. Formats without
@@ -96,17 +98,67 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         else:
             with bar:
                 for key in keys:
+                    info = infos[key]
                     try:
-                        reader.verify(key)
+                        _verify(reader, key, info.nbytes if info is not None else 0, bar)
                     except (cv.CorruptCheckpointError, OSError) as exc:
                         if _unreached(exc):
                             raise
                         damaged.append((key, one_line(exc)))
-                    info = infos[key]
-                    bar.update(info.nbytes if info is not None else 0, key)
         unchecked = sum(1 for i in infos.values() if i is not None and not i.checked)
         fmt = reader.format
     return _report(path, fmt, (len(keys), unchecked), damaged, out)
+
+
+#: A value of more than this many bytes moves the bar while it is verified.
+WATCHED_BYTES = 64 << 20
+
+
+def _verify(reader: cv.storage.Reader, key: str, nbytes: int, bar: Progress) -> None:
+    """``reader.verify(key)``, the bar counting ``nbytes`` for it.
+
+    A large value is verified on a thread of its own while the bar follows the bytes the
+    process reads (``rchar`` of ``/proc/self/io``, at most the value's size): a
+    multi-gigabyte value moves the bar as it is read, rather than leaving it still
+    for the minutes its check takes (where that count is unknown, the bar moves at the end).
+    """
+    if not bar.enabled or nbytes <= WATCHED_BYTES or _bytes_read() is None:
+        reader.verify(key)
+        bar.update(nbytes, key)
+        return
+    failed: list[BaseException] = []
+    done = threading.Event()
+
+    def work() -> None:
+        try:
+            reader.verify(key)
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the command's thread
+            failed.append(exc)
+        finally:
+            done.set()
+
+    base, counted = _bytes_read() or 0, 0
+    threading.Thread(target=work, name="ckpt-verify", daemon=True).start()
+    while not done.wait(0.1):
+        now = min((_bytes_read() or 0) - base, nbytes - 1)
+        if now > counted:
+            bar.update(now - counted, key, values=0)
+            counted = now
+    if failed:
+        raise failed[0]
+    bar.update(nbytes - counted, key)
+
+
+def _bytes_read() -> int | None:
+    """The bytes this process has read by system calls (``rchar``), or None."""
+    try:
+        with open("/proc/self/io", "rb") as f:
+            for line in f:
+                if line.startswith(b"rchar:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def _report(
