@@ -210,3 +210,17 @@ def test_verify_moves_the_bar_within_a_large_value(tmp_path: Path) -> None:
     os.close(leader)
     within = [int(m) for m in re.findall(rb"\] +(\d+)% [^\r]*\(0 values\) w", drawn)]
     assert any(0 < p < 100 for p in within), drawn[-300:]
+
+
+def test_help_imports_no_framework() -> None:
+    """``ckpt --help`` (and convert's, which lists the registry's formats) loads no
+    PyTorch, JAX or TensorFlow: they take seconds to import, and no help needs them."""
+    for args in (("--help",), ("convert", "--help")):
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ckptvar", *args],
+                              capture_output=True, text=True, timeout=120, check=False,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 0 and "usage: ckpt" in proc.stdout, proc.stderr[-2000:]
+        imported = {line.rsplit("|", 1)[-1].strip().split(".")[0]
+                    for line in proc.stderr.splitlines() if line.startswith("import time:")}
+        assert "ckptvar" in imported
+        assert not imported & {"torch", "jax", "jaxlib", "tensorflow", "cupy", "mpi4py"}, args
