@@ -224,3 +224,13 @@ def test_help_imports_no_framework() -> None:
                     for line in proc.stderr.splitlines() if line.startswith("import time:")}
         assert "ckptvar" in imported
         assert not imported & {"torch", "jax", "jaxlib", "tensorflow", "cupy", "mpi4py"}, args
+
+
+def test_ls_of_a_checkpoint_folder_says_what_it_is(capsys: pytest.CaptureFixture[str]) -> None:
+    run = ROOT / "fixtures" / "orbax" / "run"  # an Orbax run: steps 2 and 10, no manager's
+    assert main(["ls", str(run)]) == 0
+    assert capsys.readouterr().out == (
+        f"No checkpoints in {run}\n"
+        f"{run} is itself a checkpoint (orbax): 'ckpt inspect {run}' reads it\n")
+    assert main(["ls", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoint_format"] == "orbax"
