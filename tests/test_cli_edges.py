@@ -234,3 +234,13 @@ def test_ls_of_a_checkpoint_folder_says_what_it_is(capsys: pytest.CaptureFixture
         f"{run} is itself a checkpoint (orbax): 'ckpt inspect {run}' reads it\n")
     assert main(["ls", str(run), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["checkpoint_format"] == "orbax"
+
+
+def test_an_error_with_stderr_closed_still_exits_2(tmp_path: Path) -> None:
+    """``ckpt verify x 2>&-``: the message has nowhere to go, the status still tells."""
+    for args in (("verify", tmp_path / "missing.h5"), ("verify",)):
+        proc = subprocess.run([sys.executable, "-m", "ckptvar", *map(str, args)],
+                              stdout=subprocess.PIPE, timeout=120, check=False,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              preexec_fn=lambda: os.close(2))
+        assert (proc.returncode, proc.stdout) == (2, b""), args

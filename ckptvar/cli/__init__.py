@@ -36,6 +36,7 @@ from ._common import (
     Parser,
     UsageError,
     add_command,
+    say,
     set_storage_options,
 )
 from ._lazy import load_now
@@ -101,13 +102,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         set_storage_options(args.storage_option)
         return int(args.func(args, sys.stdout))
     except UsageError as exc:
-        sys.stderr.write(f"ckpt: error: {one_line(exc)}\n")
+        say(f"ckpt: error: {one_line(exc)}")
     except (cv.CkptError, OSError, ValueError, KeyError, TypeError) as exc:
         if isinstance(exc, BrokenPipeError):
             return _broken_pipe()
-        sys.stderr.write(f"ckpt: error: {one_line(exc)}\n")
+        say(f"ckpt: error: {one_line(exc)}")
     except MemoryError as exc:  # numpy's says how much it could not allocate
-        sys.stderr.write(f"ckpt: error: not enough memory: {one_line(exc) or 'out of memory'}\n")
+        say(f"ckpt: error: not enough memory: {one_line(exc) or 'out of memory'}")
     except KeyboardInterrupt:
         return _interrupted(command=argv is None)
     return EXIT_USAGE
@@ -132,7 +133,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace | int:
 def _interrupted(*, command: bool) -> int:
     """Ctrl-C: said, and exit status 130; the ``ckpt`` command itself (``command``), its
     work cleaned up by then, ends at once (:func:`_exit_now`)."""
-    sys.stderr.write("ckpt: error: interrupted\n")
+    say("ckpt: error: interrupted")
     if command:
         _exit_now(130)
     return 130

@@ -34,6 +34,7 @@ __all__ = [
     "open_checkpoint",
     "progress_for",
     "resolve_latest",
+    "say",
     "select",
     "set_storage_options",
     "storage_options",
@@ -49,6 +50,16 @@ PROGRESS_DELAY = 1.0
 
 class UsageError(Exception):
     """Bad usage found after parsing (exit 2)."""
+
+
+def say(line: str) -> None:
+    """Write ``line`` (and a newline) on stderr; a stderr that is gone (closed, a reader
+    that went away) takes nothing, and the exit status still tells."""
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):  # None when closed at start; EPIPE
+        pass
 
 
 class Parser(argparse.ArgumentParser):
@@ -67,7 +78,7 @@ class Parser(argparse.ArgumentParser):
                   if a.startswith("-") and a != "-" and os.path.lexists(a)]
         if dashed:
             hint = f"{dashed[0]!r} is taken for an option: put -- before a path that starts with '-'"
-        sys.stderr.write(f"ckpt: error: {one_line(message)} ({hint})\n")
+        say(f"ckpt: error: {one_line(message)} ({hint})")
         raise SystemExit(EXIT_USAGE)
 
 
@@ -187,7 +198,7 @@ def latest_or_path(path: str | Path) -> str | Path:
     says it in its output)."""
     resolved, note = resolve_latest(path)
     if note is not None:
-        sys.stderr.write(f"ckpt: reading {escape(str(resolved))}, {escape(note)}\n")
+        say(f"ckpt: reading {escape(str(resolved))}, {escape(note)}")
     return resolved
 
 
