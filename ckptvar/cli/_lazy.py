@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 from types import FrameType, ModuleType
+from typing import Any
 
 __all__ = ["lazy_module", "load_now"]
 
@@ -58,6 +59,9 @@ class _Whole(importlib.abc.Loader):
 
     def __init__(self, loader: importlib.abc.Loader) -> None:
         self.loader = loader
+
+    def __getattr__(self, name: str) -> Any:  # the rest of the loader's interface
+        return getattr(self.loader, name)  # (get_resource_reader, get_data, is_package, ...)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self.loader.create_module(spec)
