@@ -56,7 +56,11 @@ _COMMANDS: dict[str, Command] = {
 
 _MAIN_EPILOG = """\
 exit status: 0 success, 1 a difference or damaged value found, 2 bad usage or
-unreadable input (one line on stderr, 'ckpt: error: ...').
+unreadable input (an object store that does not answer included; one line on stderr,
+'ckpt: error: ...'), 130 interrupted (Ctrl-C).
+
+A manager's directory stands for its latest checkpoint in inspect, show, convert,
+diff and verify; a path that starts with '-' needs '--' before it.
 
 examples:
   ckpt inspect runs/ckpt-3.h5
