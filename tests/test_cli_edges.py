@@ -244,3 +244,16 @@ def test_an_error_with_stderr_closed_still_exits_2(tmp_path: Path) -> None:
                               env={**os.environ, "PYTHONPATH": str(ROOT)},
                               preexec_fn=lambda: os.close(2))
         assert (proc.returncode, proc.stdout) == (2, b""), args
+
+
+def test_verify_json_names_each_damaged_value(tmp_path: Path) -> None:
+    src = cv.save(tmp_path / "m.h5", {"w": np.full(64, 1234.5678), "n": np.arange(3)})
+    data = bytearray(src.read_bytes())
+    data[data.find(np.full(64, 1234.5678).tobytes()) + 9] ^= 1  # one bit of w
+    src.write_bytes(data)
+    proc = ckpt("verify", src, "--json")
+    assert proc.returncode == 1, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert {k: doc[k] for k in ("path", "format", "status", "values", "unchecked")} == {
+        "path": str(src), "format": "h5", "status": "damaged", "values": 2, "unchecked": 0}
+    assert [d["key"] for d in doc["damaged"]] == ["w"] and "checksum" in doc["damaged"][0]["reason"]

@@ -18,7 +18,7 @@ from ._common import (
     progress_for,
     select,
 )
-from ._output import escape, one_line
+from ._output import dump_json, escape, one_line
 from ._progress import Progress
 
 EPILOG = """\
@@ -27,12 +27,15 @@ checksums (.safetensors, PyTorch DCP, Orbax) are read and checked for structure,
 and the result says "READABLE ... not checksummed" instead of "OK".
 Every damaged value is named, a truncated file included. --filter/--exclude
 (globs, repeatable) verify only some keys; a selection matching nothing is an
-error (exit 2).
+error (exit 2). --json prints {"path", "format", "status", "values", "unchecked",
+"damaged": [{"key", "reason"}, ...]} (status: ok, readable where nothing is
+checksummed, or damaged), with the same exit status.
 
 exit status: 0 all values intact (or readable, where not checksummed), 1 damage found, 2 missing or unreadable input (an object store that does not answer included: never called damage).
 
 examples:
   ckpt verify runs/ckpt-3.h5
+  ckpt verify runs/ --json
   ckpt verify model.pt --filter 'encoder.*' --exclude '*.num_batches_tracked'
 """
 
@@ -48,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the checkpoint to verify, or a manager's directory (its latest checkpoint)",
     )
     add_selection(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object for scripts")
     add_quiet(p)
 
 
@@ -74,6 +78,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     try:
         reader = open_checkpoint(path)
     except cv.CorruptCheckpointError as exc:
+        if args.json:  # as for a value: the file is named in place of a key
+            return _report_json(path, None, (0, 0), [(path, one_line(exc))], out)
         print(f"DAMAGED  {escape(path)}: {one_line(exc)}", file=out)
         print(f"FAILED: {escape(path)} cannot be read", file=out)
         return EXIT_MISMATCH
@@ -107,7 +113,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                         damaged.append((key, one_line(exc)))
         unchecked = sum(1 for i in infos.values() if i is not None and not i.checked)
         fmt = reader.format
-    return _report(path, fmt, (len(keys), unchecked), damaged, out)
+    report = _report_json if args.json else _report
+    return report(path, fmt, (len(keys), unchecked), damaged, out)
 
 
 #: A value of more than this many bytes moves the bar while it is verified.
@@ -161,8 +168,21 @@ def _bytes_read() -> int | None:
     return None
 
 
+def _report_json(
+    path: str, fmt: str | None, counts: tuple[int, int], damaged: list[tuple[str, str]],
+    out: TextIO,
+) -> int:
+    """The verdict as one JSON object (``status``: ok, readable or damaged)."""
+    n, unchecked = counts
+    status = "damaged" if damaged else ("readable" if n and unchecked == n else "ok")
+    dump_json({"path": path, "format": fmt, "status": status, "values": n,
+               "unchecked": unchecked,
+               "damaged": [{"key": k, "reason": one_line(r)} for k, r in damaged]}, out)
+    return EXIT_MISMATCH if damaged else EXIT_OK
+
+
 def _report(
-    path: str, fmt: str, counts: tuple[int, int], damaged: list[tuple[str, str]], out: TextIO
+    path: str, fmt: str | None, counts: tuple[int, int], damaged: list[tuple[str, str]], out: TextIO
 ) -> int:
     """Print the verdict: each damaged value, or READABLE (nothing checksummed), or OK.
 
