@@ -36,8 +36,10 @@ from ._common import (
     Parser,
     UsageError,
     add_command,
+    say,
     set_storage_options,
 )
+from ._lazy import load_now
 from ._output import escape, one_line
 
 __all__ = ["Stats", "build_parser", "escape", "iter_blocks", "main"]
@@ -54,7 +56,11 @@ _COMMANDS: dict[str, Command] = {
 
 _MAIN_EPILOG = """\
 exit status: 0 success, 1 a difference or damaged value found, 2 bad usage or
-unreadable input (one line on stderr, 'ckpt: error: ...').
+unreadable input (an object store that does not answer included; one line on stderr,
+'ckpt: error: ...'), 130 interrupted (Ctrl-C).
+
+A manager's directory stands for its latest checkpoint in inspect, show, convert,
+diff and verify; a path that starts with '-' needs '--' before it.
 
 examples:
   ckpt inspect runs/ckpt-3.h5
@@ -93,33 +99,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         reconfigure = getattr(stream, "reconfigure", None)
         if callable(reconfigure):
             reconfigure(errors="backslashreplace")
-    parser = build_parser()
-    try:
-        args, extra = parser.parse_known_args(argv)
-        if extra:  # reported by the subcommand's parser, so the hint names its --help
-            args._subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    except SystemExit as exc:  # --help, --version, or a usage error already reported
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    args = _parse(argv)
+    if isinstance(args, int):
+        return args
     try:
         set_storage_options(args.storage_option)
         return int(args.func(args, sys.stdout))
     except UsageError as exc:
-        sys.stderr.write(f"ckpt: error: {one_line(exc)}\n")
+        say(f"ckpt: error: {one_line(exc)}")
     except (cv.CkptError, OSError, ValueError, KeyError, TypeError) as exc:
         if isinstance(exc, BrokenPipeError):
             return _broken_pipe()
-        sys.stderr.write(f"ckpt: error: {one_line(exc)}\n")
+        say(f"ckpt: error: {one_line(exc)}")
     except MemoryError as exc:  # numpy's says how much it could not allocate
-        sys.stderr.write(f"ckpt: error: not enough memory: {one_line(exc) or 'out of memory'}\n")
+        say(f"ckpt: error: not enough memory: {one_line(exc) or 'out of memory'}")
     except KeyboardInterrupt:
         return _interrupted(command=argv is None)
     return EXIT_USAGE
 
 
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace | int:
+    """The arguments, or the exit status when there is nothing to run (``--help``, a
+    usage error said, Ctrl-C: parsing may load the storage registry, convert's --format)."""
+    Parser.argv = sys.argv[1:] if argv is None else argv
+    try:
+        args, extra = build_parser().parse_known_args(argv)
+        if extra:  # reported by the subcommand's parser, so the hint names its --help
+            args._subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        load_now()
+    except SystemExit as exc:  # --help, --version, or a usage error already reported
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    except KeyboardInterrupt:
+        return _interrupted(command=argv is None)
+    return args
+
+
 def _interrupted(*, command: bool) -> int:
     """Ctrl-C: said, and exit status 130; the ``ckpt`` command itself (``command``), its
     work cleaned up by then, ends at once (:func:`_exit_now`)."""
-    sys.stderr.write("ckpt: error: interrupted\n")
+    say("ckpt: error: interrupted")
     if command:
         _exit_now(130)
     return 130

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import os
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, Protocol, TextIO
 
 import ckptvar as cv
 
-from ._output import one_line
+from ._output import escape, one_line
 from ._progress import Progress
 
 __all__ = [
@@ -29,9 +30,11 @@ __all__ = [
     "add_selection",
     "add_storage_option",
     "is_url",
+    "latest_or_path",
     "open_checkpoint",
     "progress_for",
     "resolve_latest",
+    "say",
     "select",
     "set_storage_options",
     "storage_options",
@@ -49,11 +52,33 @@ class UsageError(Exception):
     """Bad usage found after parsing (exit 2)."""
 
 
+def say(line: str) -> None:
+    """Write ``line`` (and a newline) on stderr; a stderr that is gone (closed, a reader
+    that went away) takes nothing, and the exit status still tells."""
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):  # None when closed at start; EPIPE
+        pass
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse with a one-line error: ``ckpt: error: <what> (see 'ckpt SUB --help')``."""
+    """argparse with a one-line error: ``ckpt: error: <what> (see 'ckpt SUB --help')``.
+
+    ``argv`` is what is being parsed: an existing file named like an option (``-x.h5``)
+    is taken for one by argparse, and the error says how to name it (``--`` before it).
+    """
+
+    argv: Sequence[str] = ()
 
     def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"ckpt: error: {one_line(message)} (see '{self.prog} --help')\n")
+        hint = f"see '{self.prog} --help'"
+        args = list(Parser.argv)
+        dashed = [a for a in args[: args.index("--") if "--" in args else len(args)]
+                  if a.startswith("-") and a != "-" and os.path.lexists(a)]
+        if dashed:
+            hint = f"{dashed[0]!r} is taken for an option: put -- before a path that starts with '-'"
+        say(f"ckpt: error: {one_line(message)} ({hint})")
         raise SystemExit(EXIT_USAGE)
 
 
@@ -165,6 +190,16 @@ def resolve_latest(path: str | Path) -> tuple[str | Path, str | None]:
     if latest is None:
         return path, None  # open_checkpoint explains
     return latest, f"the latest checkpoint of {str(path)!r}"
+
+
+def latest_or_path(path: str | Path) -> str | Path:
+    """:func:`resolve_latest`'s path, saying on stderr which checkpoint a manager's
+    directory stands for (``show``, ``convert``, ``diff`` and ``verify``; ``inspect``
+    says it in its output)."""
+    resolved, note = resolve_latest(path)
+    if note is not None:
+        say(f"ckpt: reading {escape(str(resolved))}, {escape(note)}")
+    return resolved
 
 
 def add_quiet(p: argparse.ArgumentParser) -> None:

@@ -32,12 +32,13 @@ from ._common import (
     UsageError,
     add_selection,
     is_url,
+    latest_or_path,
     open_checkpoint,
     select,
     selected,
     storage_options,
 )
-from ._lazy import lazy_module
+from ._lazy import lazy_module, load_now
 from ._output import escape, one_line
 from ._progress import Progress, human_size
 
@@ -183,6 +184,7 @@ class _WritableFormats:
     (so a format registered later appears, and ``ckpt --help`` reads no registry)."""
 
     def _names(self) -> list[str]:
+        load_now()  # before the registry's own imports: a Ctrl-C raises as it should
         names: list[str] = cv.storage.writable_formats()
         return names
 
@@ -529,6 +531,7 @@ def _dtype_error(fmt: str, bad: dict[str, np.dtype]) -> UsageError:
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
+    args.src = latest_or_path(args.src)
     if is_url(args.src) or is_url(args.dst):
         # An object store: read by ranged GETs, written as a committed step (streamed up).
         if args.src == args.dst:

@@ -14,6 +14,7 @@ from ._common import (
     add_quiet,
     add_selection,
     describe_selection,
+    latest_or_path,
     open_checkpoint,
     progress_for,
     selected,
@@ -206,6 +207,7 @@ def _rows_of(r: dict[str, Any]) -> list[list[str]]:
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
+    args.a, args.b = latest_or_path(args.a), latest_or_path(args.b)
     with open_checkpoint(args.a) as ra, open_checkpoint(args.b) as rb:
         keys_a = [k for k in ra if selected(k, args)]
         keys_b = [k for k in rb if selected(k, args)]

@@ -25,7 +25,9 @@ commit time and stored size. An HDF5 step whose bytes incremental steps refer to
 ckpt-5.h5"; in --json: "referred_by"), on disk and at a URL; the manager keeps it
 while they do. A file or directory named like a step that ckptvar did not write
 (your own ckpt-3.h5) is not listed, as the manager does not list it, and is named
-on a last line ("not_checkpoints" in --json).
+on a last line ("not_checkpoints" in --json). A folder that is a checkpoint
+itself (an Orbax run, a DCP or Hugging Face folder) is named as such, with its
+format ("checkpoint_format" in --json; null otherwise): 'ckpt inspect' reads it.
 
 example:
   ckpt ls runs/
@@ -173,7 +175,17 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         if p.name in holders:
             rows[-1]["referred_by"] = holders[p.name]
     return _print(args, out, directory, rows, str(latest_path) if latest_path else None,
-                  foreign=[str(p) for p in foreign])
+                  foreign=[str(p) for p in foreign], itself=None if rows else _format_of(directory))
+
+
+def _format_of(directory: Path) -> str | None:
+    """The format of ``directory`` when it is a checkpoint itself (an Orbax run, a DCP or
+    Hugging Face folder), which ``ckpt inspect`` reads; else None."""
+    try:
+        with cv.open(directory) as reader:
+            return str(reader.format)
+    except (cv.CkptError, OSError, ValueError):
+        return None
 
 
 def _print(
@@ -184,6 +196,7 @@ def _print(
     latest: str | None,
     *,
     foreign: list[str] | None = None,
+    itself: str | None = None,
 ) -> int:
     foreign = foreign or []
     if args.json:
@@ -193,12 +206,16 @@ def _print(
                 "latest": latest,
                 "checkpoints": rows,
                 "not_checkpoints": foreign,
+                "checkpoint_format": itself,
             },
             out,
         )
         return EXIT_OK
     if not rows:
         print(f"No checkpoints in {escape(directory)}", file=out)
+        if itself is not None:
+            print(f"{escape(directory)} is itself a checkpoint ({escape(itself)}): "
+                  f"'ckpt inspect {escape(directory)}' reads it", file=out)
         _print_foreign(foreign, out)
         return EXIT_OK
     rows_out = [["STEP", "SAVED", "SIZE", "CHECKPOINT", ""]]

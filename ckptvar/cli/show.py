@@ -10,9 +10,9 @@ import sys
 from typing import TYPE_CHECKING, Any, TextIO
 
 from ._blocks import is_floating
-from ._common import EXIT_OK, UsageError, open_checkpoint
+from ._common import EXIT_OK, UsageError, latest_or_path, open_checkpoint
 from ._lazy import lazy_module
-from ._output import dump_json, escape, json_text, plain, shape_str
+from ._output import escape, json_text, plain, shape_str
 
 if TYPE_CHECKING:
     import numpy as np
@@ -27,7 +27,8 @@ huge embedding costs a row. A key that itself ends in brackets is taken as a
 key first. Values print with NumPy's print options: --precision digits after
 the point, --threshold elements before the output is summarised with '...'
 (--threshold 0 never summarises). --json prints {"path", "key", "index",
-"dtype", "shape", "value"} with NaN and Inf as the strings "nan", "inf".
+"dtype", "shape", "value"} with NaN and Inf as the strings "nan", "inf"; several
+keys print a JSON list of such objects, one per key, in order.
 
 examples:
   ckpt show runs/ckpt-3.h5 model/dense/kernel
@@ -42,7 +43,9 @@ DESCRIPTION = "Print the values of KEY (or KEY[slice]) of a checkpoint, reading 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``ckpt show``."""
-    p.add_argument("path", metavar="PATH", help="the checkpoint")
+    p.add_argument(
+        "path", metavar="PATH", help="the checkpoint, or a manager's directory (its latest)"
+    )
     p.add_argument("keys", metavar="KEY[SLICE]", nargs="+", help="a key, optionally sliced")
     p.add_argument(
         "--precision",
@@ -58,7 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="summarise with '...' beyond N elements (NumPy's default: 1000; 0: never)",
     )
-    p.add_argument("--json", action="store_true", help="print JSON (one object per key)")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object (a list for several keys)"
+    )
 
 
 _INT = re.compile(r"[+-]?\d+")
@@ -108,6 +113,7 @@ def _split(spec: str, keys: Any) -> tuple[str, tuple[Any, ...] | None, str]:
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
     threshold = sys.maxsize if args.threshold == 0 else args.threshold
+    args.path = latest_or_path(args.path)
     with open_checkpoint(args.path) as reader:
         # Every key and slice is checked before anything prints; then one value at a time.
         picked = []
@@ -123,16 +129,22 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                     f"{escape(spec)}: {exc} (the value's shape is {shape_str(info.shape)})"
                 ) from None
             picked.append((spec, key, index, text, info))
-        for spec, key, index, text, info in picked:
+        # --json: one object, or a list of them for several keys (one JSON text either way)
+        level = int(args.json and len(picked) > 1)
+        if level:
+            out.write("[\n")
+        for n, (spec, key, index, text, info) in enumerate(picked):
+            if args.json:
+                out.write(",\n" * bool(n) + "  " * level)
             if args.json and _streamed(info.dtype, info.shape, index):
-                _stream_json(args.path, key, index, text, reader[key], out=out)
+                _stream_json(args.path, key, index, text, reader[key], out=out, level=level)
                 continue
             value = _read(reader, spec, key, index, info)
             if args.json:
                 doc = _json_doc(
                     args.path, key, text, value.dtype, value.shape, shown=_json_value(value)
                 )
-                dump_json(doc, out)
+                out.write(json_text(doc, level))
                 continue
             what = f" of {shape_str(info.shape)}" if text else ""
             print(
@@ -144,6 +156,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                          if is_floating(value.dtype) and value.dtype.kind == "V" else value)
             with np.printoptions(precision=args.precision, threshold=threshold):
                 print(np.array2string(printable, separator=", "), file=out)
+        if args.json:
+            out.write("\n]\n" if level else "\n")
     return EXIT_OK
 
 
@@ -238,16 +252,17 @@ class _Selection:
 
 
 def _stream_json(
-    path: Any, key: str, index: Any, text: str, lazy: Any, *, out: TextIO
+    path: Any, key: str, index: Any, text: str, lazy: Any, *, out: TextIO, level: int = 0
 ) -> None:
-    """``dump_json``'s output for the value, written piece by piece."""
+    """``json_text``'s text of the value's object at ``level``, written piece by piece."""
     sel = _Selection.of(lazy, index)
     shape = sel.shape
-    head = json_text(_json_doc(path, key, text, lazy.dtype, shape, shown=0))
-    assert head.endswith('"value": 0\n}')
-    out.write(head[: -len("0\n}")])
-    _write_nested(sel, 1, out)
-    out.write("\n}\n")
+    head = json_text(_json_doc(path, key, text, lazy.dtype, shape, shown=0), level)
+    end = "0\n" + "  " * level + "}"
+    assert head.endswith('"value": ' + end)
+    out.write(head[: -len(end)])
+    _write_nested(sel, level + 1, out)
+    out.write(end[1:])
 
 
 def _write_nested(sel: _Selection, level: int, out: TextIO) -> None:

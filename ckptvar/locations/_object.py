@@ -184,6 +184,8 @@ class ObjectStoreLocation(Location):
                 raise StorageError(self._no_bucket(op, key)) from None
             raise StorageError(
                 f"{op} {self.join(key)} failed after retries: {_first_line(exc)}"
+                + self._timed_out(exc, "; the server did not answer within the request's timeout")
+                + _no_credentials(exc)
             ) from exc
 
     def check_bucket(self) -> None:
@@ -401,12 +403,17 @@ class ObjectStoreLocation(Location):
     def _why(self, exc: BaseException) -> str:
         """What a cut-off response's last error says, where it says more than "cut off": the
         server stopped sending, and the request ran past its ``timeout``."""
+        said = self._timed_out(exc, "; the server stopped sending and each try timed out")
+        return said or f"; last: {_first_line(exc)}"
+
+    def _timed_out(self, exc: BaseException, what: str) -> str:
+        """``what``, naming the ``timeout`` setting, when ``exc`` is a request that ran past
+        it (obstore says so only below its first line); else nothing."""
         text = str(exc)
         if "TimedOut" in text or "kind: Timeout" in text:
             timeout = _split_options(self.storage_options, self.scheme)[1]["timeout"]
-            return (f"; the server stopped sending and each try timed out (storage_options "
-                    f"timeout: {timeout})")
-        return f"; last: {_first_line(exc)}"
+            return f"{what} (storage_options timeout: {timeout})"
+        return ""
 
     # --- writes ---------------------------------------------------------------------------
     def put(
@@ -515,6 +522,17 @@ def _says_no_bucket(exc: BaseException) -> bool:
     """Whether an error's message says its bucket does not exist (:data:`_NO_BUCKET`)."""
     text = str(exc)
     return any(sign in text for sign in _NO_BUCKET)
+
+
+def _no_credentials(exc: BaseException) -> str:
+    """What to do, when the S3 client found no credentials and asked the EC2 instance
+    metadata service for some, in vain (off EC2: refused, or no route); else nothing."""
+    text = _first_line(exc)
+    if "/latest/api/token" in text or "/latest/meta-data/" in text:
+        return ("; no credentials were found (the client asked the EC2 instance metadata "
+                "service): give access_key_id and secret_access_key in storage_options, or "
+                "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
+    return ""
 
 
 def _first_line(exc: BaseException) -> str:
