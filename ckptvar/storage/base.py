@@ -182,11 +182,15 @@ class Reader(Mapping[str, LazyArray], contextlib.AbstractContextManager["Reader"
     ``skipped`` is ``{key: reason}`` for the user values present in the file that the
     reader cannot return as arrays (string tensors, compound HDF5 datasets); empty
     for a format that stores only arrays. A reader that skips values sets its own.
+    ``changed`` is ``{key: how}`` for the values it returns in another dtype or shape
+    than the file stores them (a packed torch ``float4_e2m1fn_x2`` tensor unpacked);
+    empty for most formats.
     """
 
     path: Path
     format: str
     skipped: Mapping[str, str] = MappingProxyType({})
+    changed: Mapping[str, str] = MappingProxyType({})
 
     @abc.abstractmethod
     def keys(self) -> Any:  # KeysView[str], in file order
