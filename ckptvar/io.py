@@ -158,12 +158,34 @@ def load(
             dev = None
     with open(path, storage_options=storage_options) as reader:
         wanted = list(reader.keys()) if keys is None else list(keys)
-        if keys is None and reader.skipped:
-            _warn_skipped(path, reader.skipped)
+        _say_not_as_stored(path, reader, wanted, whole=keys is None)
         if dev is None:
             with paused_gc():
                 return dict(reader.read_many(wanted, verify=verify))
         return _load_to_gpu(reader, wanted, dev, verify)
+
+
+def _say_not_as_stored(path: PathLike, reader: Reader, wanted: list[str], *,
+                       whole: bool) -> None:
+    """Warn of the values a load leaves out (``whole``: every key asked for) and of those
+    of ``wanted`` it gives in another dtype or shape than stored."""
+    if whole and reader.skipped:
+        _warn_skipped(path, reader.skipped)
+    changed = {k: reader.changed[k] for k in wanted if k in reader.changed}
+    if changed:
+        _warn_changed(path, changed)
+
+
+def _warn_changed(path: PathLike, changed: Mapping[str, str]) -> None:
+    """Never silent: say once which values a load gives in another form than stored."""
+    shown = "; ".join(f"{k!r} ({how.rstrip('.')})" for k, how in list(changed.items())[:10])
+    more = f"; and {len(changed) - 10} more" if len(changed) > 10 else ""
+    warnings.warn(
+        f"cv.load({str(path)!r}) gives {len(changed)} value(s) in another dtype or shape "
+        f"than the file stores: {shown}{more}.",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _warn_skipped(path: PathLike, skipped: Mapping[str, str]) -> None:
@@ -174,7 +196,7 @@ def _warn_skipped(path: PathLike, skipped: Mapping[str, str]) -> None:
         f"cv.load({str(path)!r}) leaves out {len(skipped)} value(s) that cannot be read as "
         f"numeric arrays: {shown}{more}.",
         UserWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
 
 

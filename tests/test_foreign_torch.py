@@ -450,5 +450,31 @@ def test_a_float4_e2m1fn_x2_tensor_is_read_unpacked(tmp_path: Path) -> None:
             assert got.dtype == f4 and got.view(np.uint8).tolist() == (
                 expected.view(np.uint8).tolist())
             assert reader[key][-1].view(np.uint8).tolist() == expected[-1].view(np.uint8).tolist()
-    loaded = cv.load(tmp_path / "f4.pt")
+    with pytest.warns(UserWarning, match="another dtype or shape"):
+        loaded = cv.load(tmp_path / "f4.pt")
     assert loaded["p"].view(np.uint8).tolist() == whole.view(np.uint8).tolist()
+
+
+def test_a_float4_e2m1fn_x2_tensor_unpacked_is_said_by_load_and_convert(tmp_path: Path) -> None:
+    """``ckpt convert`` and ``cv.load`` of a ``torch.float4_e2m1fn_x2`` tensor gave it
+    unpacked (another dtype, the last dimension doubled) and said nothing; both say it,
+    naming the value and the shape the file holds, as they name the values left out."""
+    from ckpt_runs import ckpt_processes
+
+    torch = pytest.importorskip("torch")
+    raw = torch.tensor([[0x71, 0x02], [0xF3, 0x54]], dtype=torch.uint8)
+    src = tmp_path / "f4.pt"
+    torch.save({"p": raw.view(torch.float4_e2m1fn_x2), "w": torch.ones(2)}, src)
+    with cv.open(src) as reader:
+        assert list(reader.changed) == ["p"] and "[2, 2]" in reader.changed["p"]
+    with pytest.warns(UserWarning, match=r"gives 1 value.* another dtype or shape") as caught:
+        loaded = cv.load(src)
+    [said] = [str(w.message) for w in caught]
+    assert "'p' (torch.float4_e2m1fn_x2 of shape [2, 2]" in said and "'w'" not in said
+    assert loaded["p"].shape == (2, 4)
+    proc, only_w = ckpt_processes(("convert", src, tmp_path / "f4.safetensors"),
+                                  ("convert", src, tmp_path / "w.safetensors", "--filter", "w"))
+    assert proc.returncode == 0, proc.stderr
+    assert "Unpacked 1 value" in proc.stdout and "'p'" in proc.stdout, proc.stdout
+    assert "float4_e2m1fn_x2 of shape [2, 2]" in proc.stdout, proc.stdout
+    assert only_w.returncode == 0 and "Unpacked" not in only_w.stdout, only_w.stdout

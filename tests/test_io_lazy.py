@@ -188,6 +188,24 @@ def test_a_reader_or_lazy_value_refuses_pickling_saying_what_to_do(tmp_path: Pat
             assert "cv.open(path)" in str(err.value)
 
 
+def test_a_lazy_value_as_an_array_follows_numpy_copy_keyword(tmp_path: Path, fmt: str) -> None:
+    """``np.asarray(lazy, copy=False)`` returned the read array: NumPy 2 asks it to raise
+    when a copy cannot be avoided, and a lazy value is always read into a new array."""
+    w = np.arange(6.0).reshape(2, 3)
+    p = cv.save(tmp_path / f"c.{fmt}", {"w": w})
+    with cv.open(p) as reader:
+        lazy = reader["w"]
+        with pytest.raises(ValueError, match="copy=False"):
+            np.asarray(lazy, copy=False)
+        with pytest.raises(ValueError, match="copy=False"):
+            lazy.__array__(np.float32, copy=False)
+        for copy in (None, True):
+            got = np.asarray(lazy, copy=copy)
+            assert got.dtype == w.dtype
+            np.testing.assert_array_equal(got, w)
+        assert np.asarray(lazy, dtype=np.float32, copy=True).dtype == np.float32
+
+
 def test_a_reader_closed_or_left_refuses_reads_and_keeps_answering_metadata(
     tmp_path: Path, fmt: str
 ) -> None:

@@ -343,6 +343,31 @@ def test_a_fresh_manager_places_an_unrecorded_step_by_its_time(
     assert _names(again.checkpoints) == ["ckpt-100.h5", "ckpt-500.h5", "ckpt-200.h5"]
 
 
+def test_a_stale_state_file_is_written_again_when_a_manager_opens(
+        tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    """A state file that lists a step deleted by hand and misses one committed after it
+    was written: the manager opening the directory recovered both in memory but left the
+    file stale until its next save (its "changed?" check compared the recovered section
+    with itself); it writes the recovered state at open."""
+    ckpt, _ = _ckpt()
+    manager = cv.CheckpointManager(ckpt, tmp_path, max_to_keep=5)
+    manager.save()
+    manager.save()
+    before = (tmp_path / STATE_FILE).read_bytes()
+    manager.save()
+    (tmp_path / STATE_FILE).write_bytes(before)  # the state write of step 3 never happened
+    (tmp_path / "ckpt-1.h5").unlink()  # and step 1 deleted by hand
+    again = cv.CheckpointManager(_ckpt()[0], tmp_path, max_to_keep=5)
+    assert _names(again.checkpoints) == ["ckpt-2.h5", "ckpt-3.h5"]
+    state = json.loads((tmp_path / STATE_FILE).read_text())
+    assert [e["path"] for e in state["sections"]["ckpt"]["checkpoints"]] == [
+        "ckpt-2.h5", "ckpt-3.h5"]
+    assert state["latest"] == "ckpt-3.h5"
+    written = (tmp_path / STATE_FILE).stat().st_mtime_ns
+    cv.CheckpointManager(_ckpt()[0], tmp_path, max_to_keep=5)  # nothing to recover now
+    assert (tmp_path / STATE_FILE).stat().st_mtime_ns == written
+
+
 def test_a_copied_directory_keeps_its_latest(tmp_path: Path, fresh_graph: cv.Graph) -> None:
     """A copy of the directory (cp -r, a download) gives the files new times in any order:
     the steps the state file lists keep its order, so the latest is still the last saved."""

@@ -301,7 +301,9 @@ class RemoteTarget(Target):
                 # row deltas on the same rank's object in the base step; a merge reads the
                 # base's patches from the store
                 extra.update(rows=rows, limits=limits, base_reader=functools.partial(
-                    self.step.base_reader, base_name, name))
+                    self.step.base_reader, base_name, name), names=(
+                    self.step.parent.join(f"{self.step.name}/{name}"),
+                    self.step.parent.join(f"{base_name}/{name}")))
             _write_file(local, self.fmt, fill, durable=False,  # durable once uploaded
                         pack_threshold=self.pack_threshold, **extra)
             self.step.upload(local, name,

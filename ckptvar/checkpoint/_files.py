@@ -165,6 +165,8 @@ def write_file(
         # a delta's merge reads the base's patches from the store (docs/FORMAT.md)
         base_reader = None if base is None else functools.partial(
             open_remote_reader, os.fspath(base), fmt, storage_options)
+        # the log names the step and its base by their URLs, not the staging copies
+        names = None if base is None else (os.fspath(path), os.fspath(base))
         if base is not None and fmt == "zarr":
             return save_remote_incremental(
                 os.fspath(path), os.fspath(base),
@@ -172,7 +174,7 @@ def write_file(
                     Path(tmp), native_backend(tmp, fmt), arrays, meta, durable=True,
                     pack_threshold=pack_threshold, base=record, known=known or {},
                     copies=listed, rows=rows or None, base_reader=base_reader,
-                    limits=limits),
+                    limits=limits, names=names),
                 storage_options,
             )
         if base is not None and fmt == "h5":
@@ -181,7 +183,8 @@ def write_file(
                 lambda tmp, copy: write_values(
                     Path(tmp), native_backend(tmp, fmt), arrays, meta, durable=True,
                     pack_threshold=pack_threshold, base=copy, known=known or {},
-                    rows=rows or None, base_reader=base_reader, limits=limits),
+                    rows=rows or None, base_reader=base_reader, limits=limits,
+                    names=names),
                 storage_options,
             )
         return str(save_remote(

@@ -14,6 +14,7 @@ its file is deleted, so every listed checkpoint is complete.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import operator
@@ -411,11 +412,13 @@ class CheckpointManager:
         self.read_only = not writable(directory)
         with self._locks(), locked(directory, shared=self.read_only):
             state = read_state(directory, repair=not self.read_only)
+            # the file's section as read: recovery edits the state's section in place
+            stored = copy.deepcopy(state["sections"].get(self.checkpoint_name))
             self._section = self._recover(state)
             if not self.read_only and primary:  # recovery writes; read-only: left as is
                 self._clean_temporaries()
-                self._finish_deletions(state)
-                if state["sections"].get(self.checkpoint_name) != self._section:
+                stored_now = self._finish_deletions(state)
+                if not stored_now and stored != self._section:  # under the directory's lock
                     self._store(state)  # the cache now says what the directory holds
 
     def _make_again(self) -> None:
@@ -722,16 +725,18 @@ class CheckpointManager:
                 "save under another checkpoint_number, or prune it first."
             )
 
-    def _finish_deletions(self, state: dict[str, Any]) -> None:
+    def _finish_deletions(self, state: dict[str, Any]) -> bool:
+        """Delete the pending steps no step refers to now; whether the state was stored."""
         pending = self._section.get("pending_delete", [])
         if not pending:
-            return
+            return False
         still, unheld = self._split_held(pending)
         self._delete(unheld)
         if still == pending:  # all held, as before: nothing to record
-            return
+            return False
         self._section["pending_delete"] = still
         self._store(state)
+        return True
 
     def _split_held(self, pending: list[dict[str, Any]]
                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

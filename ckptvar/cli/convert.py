@@ -756,7 +756,21 @@ def _convert(
     )
     _say_lost(values.lost, reader, plan, args.dtype)
     _say_notes(out, added_format, tupled, skipped)
+    _say_changed(out, reader, plan)
     return EXIT_OK
+
+
+def _say_changed(out: TextIO, reader: Any, plan: dict[str, str]) -> None:
+    """Name the values written in another dtype or shape than the source stores them
+    (``reader.changed``: a packed torch ``float4_e2m1fn_x2`` tensor unpacked)."""
+    changed = [(key, reader.changed[src]) for key, src in plan.items() if src in reader.changed]
+    if not changed:
+        return
+    shown = "; ".join(f"{k!r}: {how.rstrip('.')}" for k, how in changed[:5])
+    more = f"; and {len(changed) - 5} more" if len(changed) > 5 else ""
+    print(f"Unpacked {len(changed)} value{'s' if len(changed) != 1 else ''} stored in a "
+          f"packed dtype (written in another dtype and shape): {escape(shown + more)}",
+          file=out)
 
 
 def _say_notes(out: TextIO, added_format: bool, tupled: list[str],

@@ -389,6 +389,7 @@ class EntryReader(Reader):
         bookkeeping: Mapping[str, str] | None = None,
         metadata: Mapping[str, Any] | None = None,
         on_close: Callable[[], None] | None = None,
+        changed: Mapping[str, str] | None = None,
     ) -> None:
         self.path = path
         self.format = format
@@ -399,6 +400,8 @@ class EntryReader(Reader):
         #: Entries the format keeps for itself (TensorFlow's object graph): ``{key: what}``;
         #: never user values, so never in ``skipped``.
         self.bookkeeping: dict[str, str] = dict(bookkeeping or {})
+        #: Values returned in another dtype or shape than stored: ``{key: how}``.
+        self.changed: dict[str, str] = dict(changed or {})
         self._metadata = dict(metadata or {})
         self._on_close = on_close
 

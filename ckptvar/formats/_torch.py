@@ -22,6 +22,7 @@ import dataclasses
 import io
 import struct
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -404,7 +405,8 @@ def _open_zip(path: Path) -> Reader:
         raise
 
     return EntryReader(
-        path, "torch", arrays, skipped=skipped, metadata=meta, on_close=archive.close
+        path, "torch", arrays, skipped=skipped, metadata=meta, on_close=archive.close,
+        changed=_unpacked(arrays)
     )
 
 
@@ -420,6 +422,12 @@ def _arrays(
         array = TorchArray(_info(key, ref), ref, sources[ref.storage.key], stored)
         arrays[key] = array if ref.packed is None else PairsArray(array, ref.packed)
     return arrays
+
+
+def _unpacked(arrays: Mapping[str, LazyArray]) -> dict[str, str]:
+    """The reader's ``changed``: ``{key: how}`` of the tensors of a packed dtype."""
+    return {key: str(a.info.attrs["unpacked"]) for key, a in arrays.items()
+            if isinstance(a, PairsArray)}
 
 
 class PairsArray(LazyArray):
@@ -513,7 +521,8 @@ def _open_legacy(path: Path) -> Reader:
     except BaseException:
         fh.close()
         raise
-    return EntryReader(path, "torch", arrays, skipped=skipped, metadata=meta, on_close=fh.close)
+    return EntryReader(path, "torch", arrays, skipped=skipped, metadata=meta, on_close=fh.close,
+                       changed=_unpacked(arrays))
 
 
 class TorchBackend(Backend, name="torch", suffixes=(".pt", ".pth", ".bin")):

@@ -157,9 +157,16 @@ class LazyArray(abc.ABC):
     def read(self, *, out: np.ndarray | None = None, verify: bool = True) -> np.ndarray:
         """Read the whole value (into ``out`` when given), verifying its checksum."""
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        """The value read (NumPy's array protocol). A read always makes a new array, so
+        ``copy=False`` (NumPy 2: never copy) raises ``ValueError``."""
+        if copy is False:
+            raise ValueError(
+                f"np.asarray(..., copy=False) of lazy value {self.info.key!r}: a read "
+                "always makes a new array; pass copy=None or call .read()."
+            )
         arr = self.read()
-        return arr if dtype is None else arr.astype(dtype)
+        return arr if dtype is None else arr.astype(dtype, copy=False)
 
     def __repr__(self) -> str:
         return f"<LazyArray {self.info.key!r} shape={self.info.shape} dtype={self.info.dtype}>"
@@ -175,11 +182,15 @@ class Reader(Mapping[str, LazyArray], contextlib.AbstractContextManager["Reader"
     ``skipped`` is ``{key: reason}`` for the user values present in the file that the
     reader cannot return as arrays (string tensors, compound HDF5 datasets); empty
     for a format that stores only arrays. A reader that skips values sets its own.
+    ``changed`` is ``{key: how}`` for the values it returns in another dtype or shape
+    than the file stores them (a packed torch ``float4_e2m1fn_x2`` tensor unpacked);
+    empty for most formats.
     """
 
     path: Path
     format: str
     skipped: Mapping[str, str] = MappingProxyType({})
+    changed: Mapping[str, str] = MappingProxyType({})
 
     @abc.abstractmethod
     def keys(self) -> Any:  # KeysView[str], in file order

@@ -9,6 +9,7 @@ the base is a ``CorruptCheckpointError`` naming it, with nothing restored."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -321,3 +322,42 @@ def test_a_delta_without_its_bases_checksums_is_checked_assembled(
     with cv.open(step, storage_options=so) as reader:
         [(key, _)] = reader.verify_all()
         assert key == "table"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_merge_that_cannot_read_the_base_patches_names_the_steps_urls(
+        s3: S3Bucket, fmt: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A restarted manager's merge reads the base's patches from the store; when they are
+    damaged the table is written whole and the log said so naming local staging paths
+    (``/tmp/ckptvar-upload-.../ckpt-3.zarr``); it names the steps' URLs."""
+    so = s3.storage_options
+    run = f"{s3.url}/run"
+    ckpt, table = _table()
+    one = cv.IncrementalOptions(max_patches=1)
+    manager = _manager(ckpt, run, fmt, so, keep=None, incremental=one)
+    manager.save()
+    table.scatter_add(TOUCHED, np.ones((3, COLS), np.float32))
+    step = manager.save()
+    with cv.open(step, storage_options=so) as reader:
+        d = reader.record.deltas["table"]
+    again, fresh = _table()
+    restarted = _manager(again, run, fmt, so, keep=None, incremental=one)
+    assert restarted.restore_or_initialize() == step
+    loc = s3.location("run")  # the base's patch damaged after the restore
+    if fmt == "zarr":
+        _flip(loc, "ckpt-2.zarr/table/patch-0/c.0", 8 * 3 + 5)
+    else:
+        [data] = [o.key for o in loc.list()
+                  if o.key.startswith("ckpt-2.h5.") and o.key.endswith(".data")]
+        _flip(loc, data, d.patches[0][2] + 30)
+    fresh.scatter_update(np.array([1]), np.full((1, COLS), 3.0, np.float32))
+    with caplog.at_level(logging.WARNING, logger="ckptvar"):
+        step = restarted.save()
+    said = [r.getMessage() for r in caplog.records if "row patches" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    assert said[0].startswith(f"Incremental save of {run}/ckpt-3.{fmt}: cannot read the "
+                              f"row patches of 'table' in {run}/ckpt-2.{fmt} "), said
+    assert "ckptvar-upload-" not in said[0].partition(" (")[0], said
+    with cv.open(step, storage_options=so) as reader:
+        assert "table" not in reader.deltas()
+    assert np.array_equal(cv.load(step, storage_options=so)["table"], fresh.numpy())

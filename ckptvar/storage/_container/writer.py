@@ -258,6 +258,7 @@ class ContainerWriter(Writer):
         rows: Mapping[str, np.ndarray] | None = None,
         base_reader: Callable[[], Any] | None = None,
         limits: DeltaLimits | None = None,
+        names: tuple[str, str] | None = None,
     ) -> None:
         """``base``: a committed checkpoint of this container whose bytes the new one may
         refer to instead of writing them again (an incremental save; ``known``: key -> True
@@ -267,9 +268,12 @@ class ContainerWriter(Writer):
         may be stored as a row delta, docs/FORMAT.md "Row deltas"; ``base_reader()``: a
         reader of the base where ``base`` is a local stand-in of a step on an object
         store, holding only its record; ``limits``: the row delta rule's, default
-        :class:`.delta.DeltaLimits`)."""
+        :class:`.delta.DeltaLimits`; ``names``: how the log names this checkpoint and its
+        base, default their paths: a step on an object store is written through a local
+        staging copy, and its log names the step's and the base's URLs)."""
         self.path = Path(path)
         self.base = None if base is None else Path(base)
+        self._names = names
         self.known: Mapping[str, bool] = known or {}
         self.rows: Mapping[str, np.ndarray] = rows or {}
         self._base_reader = base_reader
@@ -419,7 +423,7 @@ class ContainerWriter(Writer):
             found = self._open_base(base)
         except (OSError, ValueError) as exc:  # CkptError subclasses ValueError or OSError
             logger.warning("Incremental save of %s: cannot read the base %s (%s); writing "
-                           "every value.", self.path, base, exc)
+                           "every value.", *self._shown(base), exc)
             return
         if found is None:
             return
@@ -541,9 +545,14 @@ class ContainerWriter(Writer):
             finally:
                 reader.close()
         except (OSError, ValueError) as exc:  # CkptError subclasses ValueError or OSError
+            shown, base_shown = self._shown(self.base)
             logger.warning("Incremental save of %s: cannot read the row patches of %r in "
-                           "%s (%s); writing it whole.", self.path, key, self.base, exc)
+                           "%s (%s); writing it whole.", shown, key, base_shown, exc)
             return None
+
+    def _shown(self, base: Path) -> tuple[str, str]:
+        """How the log names this checkpoint and its ``base`` (``names``, else the paths)."""
+        return self._names or (str(self.path), str(base))
 
     def _open_base_reader(self, base: Path) -> Any:
         """This container's reader of ``base`` (its ``delta_rows``); only a backend that
