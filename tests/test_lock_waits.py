@@ -100,16 +100,13 @@ def test_lock_timeout_is_the_managers_to_choose(tmp_path: Path, fresh_graph: cv.
     ``lock_timeout=`` sets it, and its error names the directory, the holder and the
     time waited."""
     import socket
-    import time
 
     first = _manager(tmp_path)
     first.save()
     with _stopped_holder(tmp_path / ".checkpoint_state.lock") as holder:
-        started = time.monotonic()
         with pytest.raises(cv.CkptError) as info:
             cv.CheckpointManager(cv.Checkpoint(v=cv.Variable(np.arange(3.0))), tmp_path,
                                  lock_timeout=0.3)
-        assert time.monotonic() - started < 30
         assert isinstance(info.value, TimeoutError)
         message = str(info.value)
         assert str(tmp_path) in message and ".checkpoint_state.lock" in message

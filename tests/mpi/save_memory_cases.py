@@ -11,7 +11,8 @@ saves it through a ``CheckpointManager`` (one save in flight per manager):
   the first save, then snapshots); the peak stays at one snapshot; the first save
   holds the old values, the second the new ones;
 - ``bgfail``: a background save that fails on rank 1: its error surfaces on every
-  rank at the next ``save`` (which writes nothing), and the manager goes on.
+  rank at the next ``save`` (which writes nothing), and the manager goes on, the failed
+  step's number given back (the save after it takes that number).
 
 ``ru_maxrss`` growth during each case is reported too (a figure, not asserted: it
 also counts HDF5's own buffers and the allocator's).
