@@ -320,3 +320,12 @@ def test_a_dcp_chunk_declaring_more_than_its_stored_bytes_is_refused(tmp_path: P
         assert tracemalloc.get_traced_memory()[1] < 8 << 20
     finally:
         tracemalloc.stop()
+
+
+@pytest.mark.parametrize("kind", ["pipe", "zero"])
+def test_a_pipe_or_device_at_a_file_url_is_refused_at_once(tmp_path: Path, kind: str) -> None:
+    url = f"file://{tmp_path}/model.h5"
+    cv.save(url, {"a": np.arange(4.0)})
+    _pipe_or_zero(tmp_path / "model.h5.commit", kind)  # the commit marker, read whole
+    with pytest.raises(cv.CkptError, match=r"model\.h5\.commit.*not a regular file"):
+        _within(10, lambda: cv.load(url))
