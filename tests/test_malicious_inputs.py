@@ -329,3 +329,16 @@ def test_a_pipe_or_device_at_a_file_url_is_refused_at_once(tmp_path: Path, kind:
     _pipe_or_zero(tmp_path / "model.h5.commit", kind)  # the commit marker, read whole
     with pytest.raises(cv.CkptError, match=r"model\.h5\.commit.*not a regular file"):
         _within(10, lambda: cv.load(url))
+
+
+def test_an_orbax_run_step_linked_from_elsewhere_is_refused(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURES / "orbax" / "run", run)  # steps 2 and 10
+    shutil.move(run / "10", tmp_path / "elsewhere")
+    (run / "11").symlink_to(tmp_path / "elsewhere")  # the latest step, another run's
+    with pytest.raises(cv.CorruptCheckpointError,
+                       match=rf"'{run / '11'}' is a symbolic link to '{tmp_path / 'elsewhere'}'"):
+        cv.load(run)
+    (run / "11").unlink()
+    (run / "11").symlink_to("2")  # a link that stays inside the run reads
+    assert float(cv.load(run)["w"][0, 0]) == 2.0

@@ -597,7 +597,7 @@ def _open(path: Path) -> Reader:
             )
         latest = max(found)
         run_note = {"orbax.latest_step": latest, "orbax.steps": sorted(found)}
-        step = found[latest]
+        step = inside(step, found[latest], "The Orbax step")  # never another run's step
     arrays: dict[str, LazyArray] = {}
     skipped: dict[str, str] = {}
     for prefix, folder in _items(step):
