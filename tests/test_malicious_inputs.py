@@ -199,6 +199,27 @@ def test_an_incremental_step_does_not_read_a_base_step_linked_from_elsewhere(
     assert not (tmp_path / "out.h5").exists()
 
 
+
+def test_a_step_index_or_zarr_root_linked_from_elsewhere_is_refused(
+        tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    _, step = _two_process_file_steps(tmp_path / "run")
+    _move_out(step / "ckptvar-index.msgpack", tmp_path / "elsewhere")
+    with pytest.raises(cv.CorruptCheckpointError, match=(
+            rf"ckptvar-index\.msgpack' is a symbolic link to '{tmp_path / 'elsewhere'}'")):
+        cv.load(step)
+    (step / "ckptvar-index.msgpack").unlink()
+    shutil.copy(tmp_path / "elsewhere", step / "index-copy")
+    (step / "ckptvar-index.msgpack").symlink_to("index-copy")  # inside the step: read
+    assert sorted(cv.load(step)) == ["a", "b", "save_counter"]
+    # ckptvar's own Zarr follows no link at all, its root zarr.json's included
+    zarr = tmp_path / "model.zarr"
+    cv.save(zarr, {"a": np.arange(4.0)})
+    _move_out(zarr / "zarr.json", tmp_path / "elsewhere.json")
+    with pytest.raises(cv.CorruptCheckpointError, match=(
+            rf"zarr\.json' is a symbolic link to '{tmp_path / 'elsewhere.json'}'")):
+        cv.load(zarr)
+
+
 # -- never wait forever: a named pipe or a device where a file is expected -----------------
 
 

@@ -4,8 +4,7 @@ Owns: :class:`Entry` (where one value's bytes are), :class:`FileArray` (a lazy
 array over a contiguous byte range of a file, reading only the rows a slice
 needs), :class:`EntryReader` (a ``Reader`` over a dict of lazy arrays with key
 aliases), byte order, the size limits every parser applies before
-allocating anything, and :func:`inside` (a file of a checkpoint directory that a
-symbolic link does not take out of it).
+allocating anything.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ __all__ = [
     "check_key_utf8",
     "check_shape",
     "covers_whole",
-    "inside",
     "little_endian",
     "not_regular",
     "overlap_problem",
@@ -457,36 +455,6 @@ class EntryReader(Reader):
 def _sample(arrays: Mapping[str, Any]) -> str:
     names = list(arrays)[:5]
     return ", e.g. " + ", ".join(repr(n) for n in names) if names else ""
-
-
-def inside(root: Path, path: Path, what: str, *, hub: bool = False) -> Path:
-    """``path``, a file of the checkpoint directory ``root``, when it is still inside
-    ``root`` once its symbolic links are followed; a link leading out of it is refused,
-    naming the link and its target (nothing outside a checkpoint is read).
-
-    ``hub``: also take a link into a Hugging Face hub cache's blobs,
-    ``models--<org>--<name>/blobs/<blob>``: the hub keeps every downloaded file there, a
-    snapshot's files (and a ``local_dir`` download's, with older ``huggingface_hub``)
-    being links to them.
-    """
-    top = root.resolve()
-
-    def stays(real: Path) -> bool:
-        return real == top or top in real.parents or (
-            hub and real.parent.name == "blobs"
-            and real.parent.parent.name.startswith(("models--", "datasets--", "spaces--")))
-
-    if stays(path.resolve()):
-        return path
-    link = root
-    for part in path.relative_to(root).parts:  # the first link that leads out
-        link = link / part
-        if link.is_symlink() and not stays(link.resolve()):
-            break
-    raise CorruptCheckpointError(
-        f"{what} {str(link)!r} is a symbolic link to {str(link.resolve())!r}, outside the "
-        f"checkpoint {str(root)!r}; refused (ckptvar reads nothing outside a checkpoint)."
-    )
 
 
 def not_regular(mode: int) -> str:

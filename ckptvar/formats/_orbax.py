@@ -47,7 +47,8 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
-from ._common import BoxArray, EntryReader, check_shape, inside, not_regular
+from ..storage.links import inside
+from ._common import BoxArray, EntryReader, check_shape, not_regular
 
 __all__ = ["OrbaxBackend"]
 

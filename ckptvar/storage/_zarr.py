@@ -1307,6 +1307,12 @@ class ZarrBackend(
     def open_reader(cls, path: Path) -> ZarrReader:
         path = Path(path)
         if path.is_dir() and not cls.sniff(path):
+            root = path / "zarr.json"
+            if root.is_symlink():  # read through no link, even one that stays inside
+                raise CorruptCheckpointError(
+                    f"The root zarr.json {str(root)!r} is a symbolic link to "
+                    f"{str(root.resolve())!r}; ckptvar's Zarr reads no file through a link."
+                )
             if (path / RECORD_PATH).is_dir():
                 raise CorruptCheckpointError(
                     f"Checkpoint {str(path)!r} holds a ckptvar record ({RECORD_PATH}) but its "
