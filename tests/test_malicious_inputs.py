@@ -363,3 +363,18 @@ def test_an_orbax_run_step_linked_from_elsewhere_is_refused(tmp_path: Path) -> N
     (run / "11").unlink()
     (run / "11").symlink_to("2")  # a link that stays inside the run reads
     assert float(cv.load(run)["w"][0, 0]) == 2.0
+
+
+def test_an_orbax_array_of_fill_value_larger_than_memory_is_refused(tmp_path: Path) -> None:
+    # Orbax writes no chunk equal to the fill value: 512 GiB declared over no bytes at all.
+    folder = tmp_path / "step"
+    shutil.copytree(ORBAX_ZARR, folder)
+    shape = [1 << 18, 1 << 19]
+    _edit_zarray(folder, "params.big", shape=shape, chunks=shape, fill_value=0.0)
+    (folder / "params.big" / "0.0").unlink()
+    with pytest.raises(cv.CkptError, match=(
+            r"'params/big' \(shape \(262144, 524288\) float32, 549755813888 bytes\).*"
+            r"memory.*cv\.open")):
+        cv.load(folder)
+    with cv.open(folder) as reader:  # sliced, it reads
+        np.testing.assert_array_equal(reader["params/big"][:2, :3], np.zeros((2, 3), "f4"))

@@ -228,7 +228,8 @@ class ZarrV2Array(BoxArray):
     def _filled(self) -> np.ndarray:
         """A chunk the store left out: every element the declared fill value."""
         try:
-            return np.full(self._chunks, self._fill, dtype=self.info.dtype)
+            # one element seen as the whole chunk: a chunk of 2^30 elements costs nothing
+            return np.broadcast_to(np.array(self._fill, dtype=self.info.dtype), self._chunks)
         except (TypeError, ValueError, OverflowError):
             raise CorruptCheckpointError(
                 f"{self._what}: fill value {self._fill!r} does not fit {self.info.dtype}."
