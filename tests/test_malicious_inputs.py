@@ -378,3 +378,12 @@ def test_an_orbax_array_of_fill_value_larger_than_memory_is_refused(tmp_path: Pa
         cv.load(folder)
     with cv.open(folder) as reader:  # sliced, it reads
         np.testing.assert_array_equal(reader["params/big"][:2, :3], np.zeros((2, 3), "f4"))
+
+
+@pytest.mark.parametrize("what", ["zarr.json", "a/c.0"])
+def test_a_pipe_in_a_zarr_checkpoint_is_refused_at_once(tmp_path: Path, what: str) -> None:
+    path = tmp_path / "model.zarr"
+    cv.save(path, {"a": np.arange(4.0)})
+    _pipe_or_zero(path / what, "pipe")
+    with pytest.raises(cv.CkptError):
+        _within(10, lambda: cv.load(path))
