@@ -387,3 +387,20 @@ def test_a_pipe_in_a_zarr_checkpoint_is_refused_at_once(tmp_path: Path, what: st
     _pipe_or_zero(path / what, "pipe")
     with pytest.raises(cv.CkptError):
         _within(10, lambda: cv.load(path))
+
+
+def test_an_incremental_save_over_a_base_whose_step_index_links_out(
+        tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    run = tmp_path / "run"
+    _, second = _two_process_file_steps(run)
+    _move_out(second / "ckptvar-index.msgpack", tmp_path / "elsewhere")
+    a = cv.Variable(np.full((16, 4), 7, "f4"), name="a",
+                    shard=cv.Shard(full_shape=(16, 4), offset=(0, 0)))
+    b = cv.Variable(np.zeros((16, 4), "f4"), name="b",  # as in the base: would be held there
+                    shard=cv.Shard(full_shape=(16, 4), offset=(0, 0)))
+    manager = cv.CheckpointManager(cv.Checkpoint(a=a, b=b), run, format="h5", incremental=True,
+                                   coordinator=cv.distributed.SingleProcessCoordinator())
+    third = Path(str(manager.save()))  # the base's index is not read: every value written
+    shutil.rmtree(second)
+    loaded = cv.load(third)
+    np.testing.assert_array_equal(loaded["b"], np.zeros((16, 4), "f4"))
