@@ -10,6 +10,8 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 import threading
 import tracemalloc
 from collections.abc import Callable
@@ -404,3 +406,29 @@ def test_an_incremental_save_over_a_base_whose_step_index_links_out(
     shutil.rmtree(second)
     loaded = cv.load(third)
     np.testing.assert_array_equal(loaded["b"], np.zeros((16, 4), "f4"))
+
+
+def test_an_allocation_that_fails_is_a_ckptvar_error(tmp_path: Path) -> None:
+    # 2 GiB of fill value, under the machine's memory, over this process's address space
+    folder = tmp_path / "step"
+    shutil.copytree(ORBAX_ZARR, folder)
+    _edit_zarray(folder, "params.big", shape=[1 << 14, 1 << 15], chunks=[1 << 14, 1 << 15],
+                 fill_value=0.0)
+    (folder / "params.big" / "0.0").unlink()
+    script = (
+        "import resource, sys\n"
+        "import ckptvar as cv\n"
+        "cv.load(sys.argv[1], keys=['mask'])  # readers imported before the limit\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_AS)\n"
+        "used = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (used + (1 << 30), hard))\n"
+        "try:\n"
+        "    cv.load(sys.argv[1])\n"
+        "except cv.CkptError as exc:\n"
+        "    print(exc)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert run.returncode == 0, run.stderr
+    assert "'params/big' (shape (16384, 32768) float32, 2147483648 bytes) could not be " \
+           "allocated (out of memory)" in run.stdout, run.stdout
