@@ -387,7 +387,8 @@ def test_a_pipe_in_a_zarr_checkpoint_is_refused_at_once(tmp_path: Path, what: st
     path = tmp_path / "model.zarr"
     cv.save(path, {"a": np.arange(4.0)})
     _pipe_or_zero(path / what, "pipe")
-    with pytest.raises(cv.CkptError):
+    with pytest.raises(cv.CkptError, match="zarr.json is not a regular file" if what ==
+                       "zarr.json" else r"'a' has a chunk of 0 bytes"):
         _within(10, lambda: cv.load(path))
 
 

@@ -188,7 +188,7 @@ def read_root_meta(root_fd: int, path: Any) -> dict[str, Any] | None:
         raise CorruptCheckpointError(f"{str(path)!r}: cannot open zarr.json ({exc}).") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CorruptCheckpointError(f"{str(path)!r}: its root zarr.json is not a regular "
+            raise CorruptCheckpointError(f"{str(path)!r}: the root zarr.json is not a regular "
                                          "file (a named pipe or device?).")
         data = _rawio.pread_exact(fd, 0, min(os.fstat(fd).st_size, _MAX_JSON + 1),
                                   what="The root zarr.json", path=path)
