@@ -10,6 +10,8 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 import threading
 import tracemalloc
 from collections.abc import Callable
@@ -199,6 +201,27 @@ def test_an_incremental_step_does_not_read_a_base_step_linked_from_elsewhere(
     assert not (tmp_path / "out.h5").exists()
 
 
+
+def test_a_step_index_or_zarr_root_linked_from_elsewhere_is_refused(
+        tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    _, step = _two_process_file_steps(tmp_path / "run")
+    _move_out(step / "ckptvar-index.msgpack", tmp_path / "elsewhere")
+    with pytest.raises(cv.CorruptCheckpointError, match=(
+            rf"ckptvar-index\.msgpack' is a symbolic link to '{tmp_path / 'elsewhere'}'")):
+        cv.load(step)
+    (step / "ckptvar-index.msgpack").unlink()
+    shutil.copy(tmp_path / "elsewhere", step / "index-copy")
+    (step / "ckptvar-index.msgpack").symlink_to("index-copy")  # inside the step: read
+    assert sorted(cv.load(step)) == ["a", "b", "save_counter"]
+    # ckptvar's own Zarr follows no link at all, its root zarr.json's included
+    zarr = tmp_path / "model.zarr"
+    cv.save(zarr, {"a": np.arange(4.0)})
+    _move_out(zarr / "zarr.json", tmp_path / "elsewhere.json")
+    with pytest.raises(cv.CorruptCheckpointError, match=(
+            rf"zarr\.json' is a symbolic link to '{tmp_path / 'elsewhere.json'}'")):
+        cv.load(zarr)
+
+
 # -- never wait forever: a named pipe or a device where a file is expected -----------------
 
 
@@ -320,3 +343,93 @@ def test_a_dcp_chunk_declaring_more_than_its_stored_bytes_is_refused(tmp_path: P
         assert tracemalloc.get_traced_memory()[1] < 8 << 20
     finally:
         tracemalloc.stop()
+
+
+@pytest.mark.parametrize("kind", ["pipe", "zero"])
+def test_a_pipe_or_device_at_a_file_url_is_refused_at_once(tmp_path: Path, kind: str) -> None:
+    url = f"file://{tmp_path}/model.h5"
+    cv.save(url, {"a": np.arange(4.0)})
+    _pipe_or_zero(tmp_path / "model.h5.commit", kind)  # the commit marker, read whole
+    with pytest.raises(cv.CkptError, match=r"model\.h5\.commit.*not a regular file"):
+        _within(10, lambda: cv.load(url))
+
+
+def test_an_orbax_run_step_linked_from_elsewhere_is_refused(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURES / "orbax" / "run", run)  # steps 2 and 10
+    shutil.move(run / "10", tmp_path / "elsewhere")
+    (run / "11").symlink_to(tmp_path / "elsewhere")  # the latest step, another run's
+    with pytest.raises(cv.CorruptCheckpointError,
+                       match=rf"'{run / '11'}' is a symbolic link to '{tmp_path / 'elsewhere'}'"):
+        cv.load(run)
+    (run / "11").unlink()
+    (run / "11").symlink_to("2")  # a link that stays inside the run reads
+    assert float(cv.load(run)["w"][0, 0]) == 2.0
+
+
+def test_an_orbax_array_of_fill_value_larger_than_memory_is_refused(tmp_path: Path) -> None:
+    # Orbax writes no chunk equal to the fill value: 512 GiB declared over no bytes at all.
+    folder = tmp_path / "step"
+    shutil.copytree(ORBAX_ZARR, folder)
+    shape = [1 << 18, 1 << 19]
+    _edit_zarray(folder, "params.big", shape=shape, chunks=shape, fill_value=0.0)
+    (folder / "params.big" / "0.0").unlink()
+    with pytest.raises(cv.CkptError, match=(
+            r"'params/big' \(shape \(262144, 524288\) float32, 549755813888 bytes\).*"
+            r"memory.*cv\.open")):
+        cv.load(folder)
+    with cv.open(folder) as reader:  # sliced, it reads
+        np.testing.assert_array_equal(reader["params/big"][:2, :3], np.zeros((2, 3), "f4"))
+
+
+@pytest.mark.parametrize("what", ["zarr.json", "a/c.0"])
+def test_a_pipe_in_a_zarr_checkpoint_is_refused_at_once(tmp_path: Path, what: str) -> None:
+    path = tmp_path / "model.zarr"
+    cv.save(path, {"a": np.arange(4.0)})
+    _pipe_or_zero(path / what, "pipe")
+    with pytest.raises(cv.CkptError, match="zarr.json is not a regular file" if what ==
+                       "zarr.json" else r"'a' has a chunk of 0 bytes"):
+        _within(10, lambda: cv.load(path))
+
+
+def test_an_incremental_save_over_a_base_whose_step_index_links_out(
+        tmp_path: Path, fresh_graph: cv.Graph) -> None:
+    run = tmp_path / "run"
+    _, second = _two_process_file_steps(run)
+    _move_out(second / "ckptvar-index.msgpack", tmp_path / "elsewhere")
+    a = cv.Variable(np.full((16, 4), 7, "f4"), name="a",
+                    shard=cv.Shard(full_shape=(16, 4), offset=(0, 0)))
+    b = cv.Variable(np.zeros((16, 4), "f4"), name="b",  # as in the base: would be held there
+                    shard=cv.Shard(full_shape=(16, 4), offset=(0, 0)))
+    manager = cv.CheckpointManager(cv.Checkpoint(a=a, b=b), run, format="h5", incremental=True,
+                                   coordinator=cv.distributed.SingleProcessCoordinator())
+    third = Path(str(manager.save()))  # the base's index is not read: every value written
+    shutil.rmtree(second)
+    loaded = cv.load(third)
+    np.testing.assert_array_equal(loaded["b"], np.zeros((16, 4), "f4"))
+
+
+def test_an_allocation_that_fails_is_a_ckptvar_error(tmp_path: Path) -> None:
+    # 2 GiB of fill value, under the machine's memory, over this process's address space
+    folder = tmp_path / "step"
+    shutil.copytree(ORBAX_ZARR, folder)
+    _edit_zarray(folder, "params.big", shape=[1 << 14, 1 << 15], chunks=[1 << 14, 1 << 15],
+                 fill_value=0.0)
+    (folder / "params.big" / "0.0").unlink()
+    script = (
+        "import resource, sys\n"
+        "import ckptvar as cv\n"
+        "cv.load(sys.argv[1], keys=['mask'])  # readers imported before the limit\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_AS)\n"
+        "used = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (used + (1 << 30), hard))\n"
+        "try:\n"
+        "    cv.load(sys.argv[1])\n"
+        "except cv.CkptError as exc:\n"
+        "    print(exc)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert run.returncode == 0, run.stderr
+    assert "'params/big' (shape (16384, 32768) float32, 2147483648 bytes) could not be " \
+           "allocated (out of memory)" in run.stdout, run.stdout

@@ -28,6 +28,7 @@ from typing import Any
 import msgpack
 
 from ..storage import INDEX_FILE
+from ..storage.links import inside
 from ..storage.rawio import NotRegularFile, read_regular
 
 __all__ = ["check_base", "read_sums", "stored_known", "stored_rows"]
@@ -47,7 +48,8 @@ def _decode(raw: bytes) -> dict[str, Any]:
 
 def _index(base: Path) -> dict[str, Any]:
     try:  # a named pipe or device there: refused at once (a ValueError), never waited on
-        return _decode(read_regular(base / INDEX_FILE, _MAX_INDEX))
+        return _decode(read_regular(inside(base, base / INDEX_FILE, "The step index"),
+                                    _MAX_INDEX))
     except NotRegularFile as exc:
         raise ValueError(f"its index cannot be read: {exc}") from None
 

@@ -44,6 +44,7 @@ from ..storage import (
     partial_path,
     remove_path,
 )
+from ..storage.links import inside
 from ..storage.rawio import read_regular
 from ._files import make_parents, native_backend
 
@@ -218,7 +219,9 @@ class LocalTarget(Target):
                     pack_threshold=self.pack_threshold, **extra)
 
     def base_index(self, base: str) -> bytes:
-        return read_regular(Path(base) / INDEX_FILE, 1 << 30)  # never waits on a pipe
+        # never waits on a pipe, nor reads an index from outside the step
+        return read_regular(inside(Path(base), Path(base) / INDEX_FILE, "The step index"),
+                            1 << 30)
 
     def put_file(self, name: str, src: Path) -> None:
         dst = self.where / name

@@ -4,8 +4,7 @@ Owns: :class:`Entry` (where one value's bytes are), :class:`FileArray` (a lazy
 array over a contiguous byte range of a file, reading only the rows a slice
 needs), :class:`EntryReader` (a ``Reader`` over a dict of lazy arrays with key
 aliases), byte order, the size limits every parser applies before
-allocating anything, and :func:`inside` (a file of a checkpoint directory that a
-symbolic link does not take out of it).
+allocating anything, and :func:`new_value`, where a value read by parts is allocated.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import numpy as np
 
 from ..errors import (
     CheckpointNotFoundError,
+    CkptError,
     CorruptCheckpointError,
     MissingKeyError,
     UnsupportedFormatError,
@@ -40,8 +40,8 @@ __all__ = [
     "check_key_utf8",
     "check_shape",
     "covers_whole",
-    "inside",
     "little_endian",
+    "new_value",
     "not_regular",
     "overlap_problem",
     "shift_index",
@@ -295,6 +295,45 @@ class FileArray(LazyArray):
         return np.array(result, copy=True) if isinstance(result, np.ndarray) else result
 
 
+def _memory() -> int:
+    """This machine's physical memory and swap, in bytes (0 where it cannot be told)."""
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+    swap = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/meminfo", encoding="ascii") as f:
+            line = next((x for x in f if x.startswith("SwapTotal:")), "SwapTotal: 0 kB")
+        swap = int(line.split()[1]) * 1024
+    return int(physical) + swap
+
+
+def new_value(info: ArrayInfo, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """An empty buffer for the value ``info`` (or for a box of ``shape`` of it): where a
+    value assembled from parts (fill values, chunks) is allocated, before any is read.
+
+    More bytes than this machine's memory and swap are refused up front, and an
+    allocation that fails is a :class:`CkptError` too, naming the key, its shape and
+    dtype and the bytes asked for, never NumPy's bare ``MemoryError``.
+    """
+    whole = shape is None
+    shape = info.shape if shape is None else shape
+    nbytes = math.prod(shape) * info.dtype.itemsize
+    what = (f"{'' if whole else 'A slice ' + str(shape) + ' of '}{info.key!r} (shape "
+            f"{info.shape} {info.dtype}, {nbytes} bytes{'' if whole else ' for the slice'})")
+    advice = (f"; read it a slice at a time instead: with cv.open(path) as reader: "
+              f"reader[{info.key!r}][i:j]")
+    memory = _memory()
+    if memory and nbytes > memory:
+        raise CkptError(f"{what} is larger than this machine's memory and swap ({memory} "
+                        f"bytes): not allocated{advice}.")
+    try:
+        return np.empty(shape, info.dtype)
+    except MemoryError:
+        raise CkptError(f"{what} could not be allocated (out of memory){advice}.") from None
+
+
 class BoxArray(LazyArray):
     """A lazy value assembled box by box: a read or a slice fills only the box it needs.
 
@@ -311,7 +350,7 @@ class BoxArray(LazyArray):
             raise ValueError(
                 f"out for {self.info.key!r} must have shape {shape} and dtype {self.info.dtype}."
             )
-        result = out if out is not None else np.empty(shape, self.info.dtype)
+        result = out if out is not None else new_value(self.info)
         if self.info.size:
             self.fill(result, (0,) * len(shape), shape)
         return result
@@ -322,7 +361,7 @@ class BoxArray(LazyArray):
         if lo is None or hi is None:
             result = self.read()[index]
         else:  # only the pieces the index's bounding box meets
-            box = np.empty(tuple(h - x for x, h in zip(lo, hi, strict=True)), self.info.dtype)
+            box = new_value(self.info, tuple(h - x for x, h in zip(lo, hi, strict=True)))
             if box.size:
                 self.fill(box, lo, hi)
             result = box[shift_index(index if isinstance(index, tuple) else (index,), lo, shape)]
@@ -460,36 +499,6 @@ class EntryReader(Reader):
 def _sample(arrays: Mapping[str, Any]) -> str:
     names = list(arrays)[:5]
     return ", e.g. " + ", ".join(repr(n) for n in names) if names else ""
-
-
-def inside(root: Path, path: Path, what: str, *, hub: bool = False) -> Path:
-    """``path``, a file of the checkpoint directory ``root``, when it is still inside
-    ``root`` once its symbolic links are followed; a link leading out of it is refused,
-    naming the link and its target (nothing outside a checkpoint is read).
-
-    ``hub``: also take a link into a Hugging Face hub cache's blobs,
-    ``models--<org>--<name>/blobs/<blob>``: the hub keeps every downloaded file there, a
-    snapshot's files (and a ``local_dir`` download's, with older ``huggingface_hub``)
-    being links to them.
-    """
-    top = root.resolve()
-
-    def stays(real: Path) -> bool:
-        return real == top or top in real.parents or (
-            hub and real.parent.name == "blobs"
-            and real.parent.parent.name.startswith(("models--", "datasets--", "spaces--")))
-
-    if stays(path.resolve()):
-        return path
-    link = root
-    for part in path.relative_to(root).parts:  # the first link that leads out
-        link = link / part
-        if link.is_symlink() and not stays(link.resolve()):
-            break
-    raise CorruptCheckpointError(
-        f"{what} {str(link)!r} is a symbolic link to {str(link.resolve())!r}, outside the "
-        f"checkpoint {str(root)!r}; refused (ckptvar reads nothing outside a checkpoint)."
-    )
 
 
 def not_regular(mode: int) -> str:

@@ -38,13 +38,13 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, Reader
+from ..storage.links import inside
 from ._common import (
     MAX_HEADER_BYTES,
     BoxArray,
     EntryReader,
     FileHandle,
     check_shape,
-    inside,
     overlap_problem,
 )
 from ._safetensors import SafetensorsBackend

@@ -33,7 +33,7 @@ import numpy as np
 from ..errors import CorruptCheckpointError, MissingKeyError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader, Writer, verify_each
 from ..storage.chunked import is_chunked
-from ._common import inside
+from ..storage.links import inside
 from ._json import unique_keys
 from ._safetensors import SafetensorsBackend, SafetensorsWriter, stored_nbytes
 

@@ -47,7 +47,8 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 from ..storage.base import ArrayInfo, Backend, LazyArray, Reader
-from ._common import BoxArray, EntryReader, check_shape, inside, not_regular
+from ..storage.links import inside
+from ._common import BoxArray, EntryReader, check_shape, not_regular
 
 __all__ = ["OrbaxBackend"]
 
@@ -227,7 +228,8 @@ class ZarrV2Array(BoxArray):
     def _filled(self) -> np.ndarray:
         """A chunk the store left out: every element the declared fill value."""
         try:
-            return np.full(self._chunks, self._fill, dtype=self.info.dtype)
+            # one element seen as the whole chunk: a chunk of 2^30 elements costs nothing
+            return np.broadcast_to(np.array(self._fill, dtype=self.info.dtype), self._chunks)
         except (TypeError, ValueError, OverflowError):
             raise CorruptCheckpointError(
                 f"{self._what}: fill value {self._fill!r} does not fit {self.info.dtype}."
@@ -597,7 +599,7 @@ def _open(path: Path) -> Reader:
             )
         latest = max(found)
         run_note = {"orbax.latest_step": latest, "orbax.steps": sorted(found)}
-        step = found[latest]
+        step = inside(step, found[latest], "The Orbax step")  # never another run's step
     arrays: dict[str, LazyArray] = {}
     skipped: dict[str, str] = {}
     for prefix, folder in _items(step):

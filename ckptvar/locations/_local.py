@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import os
 import shutil
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -82,8 +83,12 @@ class LocalLocation(Location):
         return dirs, objs
 
     def read(self, key: str) -> bytes:
-        try:
-            return self._path(key).read_bytes()
+        from ..storage.rawio import NotRegularFile, read_regular  # noqa: PLC0415 - a cycle
+
+        try:  # a named pipe or device there: refused at once, never waited on or read forever
+            return read_regular(self._path(key), sys.maxsize)
+        except NotRegularFile as exc:
+            raise CorruptCheckpointError(f"{self.join(key)}: {exc}.") from None
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"{self.join(key)}: no such file") from None
 

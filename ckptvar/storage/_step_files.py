@@ -19,6 +19,7 @@ from typing import Any
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ._zarr_files import O_DIR, raise_if_deleted
 from .base import Reader
+from .links import inside
 from .rawio import NotRegularFile, read_regular
 from .registry import backend_for
 
@@ -78,7 +79,7 @@ class LocalStepFiles(StepFiles):
         return str(self.path / name)
 
     def read_index(self, name: str) -> bytes:
-        where = self.path / name
+        where = inside(self.path, self.path / name, "The step index")
         try:  # a named pipe or device there: refused at once, never waited on
             return read_regular(where, MAX_INDEX)
         except NotRegularFile as exc:

@@ -1307,7 +1307,14 @@ class ZarrBackend(
     def open_reader(cls, path: Path) -> ZarrReader:
         path = Path(path)
         if path.is_dir() and not cls.sniff(path):
+            root = path / "zarr.json"
+            if root.is_symlink():  # read through no link, even one that stays inside
+                raise CorruptCheckpointError(
+                    f"The root zarr.json {str(root)!r} is a symbolic link to "
+                    f"{str(root.resolve())!r}; ckptvar's Zarr reads no file through a link."
+                )
             if (path / RECORD_PATH).is_dir():
+                _root_meta_problem(path)  # its reason, when it has one
                 raise CorruptCheckpointError(
                     f"Checkpoint {str(path)!r} holds a ckptvar record ({RECORD_PATH}) but its "
                     "root zarr.json is damaged or missing; the checkpoint is damaged."
@@ -1319,6 +1326,19 @@ class ZarrBackend(
                 "root zarr.json), and no registered reader recognises it."
             )
         return ZarrReader(path)
+
+
+def _root_meta_problem(path: Path) -> None:
+    """Raise why the root ``zarr.json`` of ``path`` cannot be read (a pipe, bad JSON, ...),
+    if that is what kept it from being recognised."""
+    try:
+        fd = os.open(path, O_DIR)
+    except OSError:
+        return
+    try:
+        read_root_meta(fd, path)
+    finally:
+        os.close(fd)
 
 
 register_backend(ZarrBackend)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ _MAX_JSON = 1 << 20
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_CLOEXEC
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 
 def chunk_key(ndim: int) -> str:
@@ -156,7 +158,8 @@ def open_in(root_fd: int, rel: str, *, directory: bool = False) -> int:
     try:
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
-            flags = O_DIR if (not last or directory) else os.O_RDONLY | _O_CLOEXEC
+            # a file opened without blocking: a named pipe there never waits for a writer
+            flags = O_DIR if (not last or directory) else os.O_RDONLY | _O_CLOEXEC | _O_NONBLOCK
             nxt = os.open(part, flags | _O_NOFOLLOW, dir_fd=cur)
             if cur != root_fd:
                 os.close(cur)
@@ -184,6 +187,9 @@ def read_root_meta(root_fd: int, path: Any) -> dict[str, Any] | None:
     except OSError as exc:
         raise CorruptCheckpointError(f"{str(path)!r}: cannot open zarr.json ({exc}).") from None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptCheckpointError(f"{str(path)!r}: the root zarr.json is not a regular "
+                                         "file (a named pipe or device?).")
         data = _rawio.pread_exact(fd, 0, min(os.fstat(fd).st_size, _MAX_JSON + 1),
                                   what="The root zarr.json", path=path)
     finally:
