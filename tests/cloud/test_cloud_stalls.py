@@ -70,8 +70,10 @@ def test_a_ranged_read_whose_body_stalls_says_it_timed_out(
 
 
 def _quick(s3: S3Bucket, proxy: FaultProxy) -> dict[str, object]:
-    return {**s3.storage_options, "endpoint": proxy.endpoint, "timeout": "0.3s",
-            "connect_timeout": "0.3s", "max_retries": 0, "retry_timeout": 1}
+    # 1 s: the calls before the stalled one must not time out on a loaded machine (at
+    # 0.3 s one did, under a load of 15 on 2 cores, and the stalled call was never made)
+    return {**s3.storage_options, "endpoint": proxy.endpoint, "timeout": "1s",
+            "connect_timeout": "1s", "max_retries": 0, "retry_timeout": 2}
 
 
 #: Each kind of object-store call, held by the proxy: (request pattern, operation named).
