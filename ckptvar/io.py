@@ -176,13 +176,17 @@ def _say_not_as_stored(path: PathLike, reader: Reader, wanted: list[str], *,
         _warn_changed(path, changed)
 
 
+def _ten(said: Mapping[str, str]) -> str:
+    """The first ten ``key (reason)`` of ``said``, and how many more."""
+    shown = "; ".join(f"{k!r} ({why.rstrip('.')})" for k, why in list(said.items())[:10])
+    return shown + (f"; and {len(said) - 10} more" if len(said) > 10 else "")
+
+
 def _warn_changed(path: PathLike, changed: Mapping[str, str]) -> None:
     """Never silent: say once which values a load gives in another form than stored."""
-    shown = "; ".join(f"{k!r} ({how.rstrip('.')})" for k, how in list(changed.items())[:10])
-    more = f"; and {len(changed) - 10} more" if len(changed) > 10 else ""
     warnings.warn(
         f"cv.load({str(path)!r}) gives {len(changed)} value(s) in another dtype or shape "
-        f"than the file stores: {shown}{more}.",
+        f"than the file stores: {_ten(changed)}.",
         UserWarning,
         stacklevel=4,
     )
@@ -190,11 +194,9 @@ def _warn_changed(path: PathLike, changed: Mapping[str, str]) -> None:
 
 def _warn_skipped(path: PathLike, skipped: Mapping[str, str]) -> None:
     """Never silent: say once which stored values a load leaves out, and why."""
-    shown = "; ".join(f"{k!r} ({why.rstrip('.')})" for k, why in list(skipped.items())[:10])
-    more = f"; and {len(skipped) - 10} more" if len(skipped) > 10 else ""
     warnings.warn(
         f"cv.load({str(path)!r}) leaves out {len(skipped)} value(s) that cannot be read as "
-        f"numeric arrays: {shown}{more}.",
+        f"numeric arrays: {_ten(skipped)}.",
         UserWarning,
         stacklevel=4,
     )
