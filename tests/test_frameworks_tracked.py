@@ -202,6 +202,33 @@ def test_a_jax_pytree_node_held_by_a_module_is_saved_and_restored(tmp_path: Path
     status.assert_consumed()
 
 
+def test_a_dict_of_jax_arrays_held_by_a_module_is_saved_and_restored(tmp_path: Path) -> None:
+    """A module's ``self.params = {"w": jnp...}`` (an optax state beside it) was left
+    out with a warning per array, though ``cv.Checkpoint(params=...)`` takes such a tree
+    whole: now a module's attribute holding one is saved and restored as that tree."""
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    optax = pytest.importorskip("optax")
+
+    class Model(cv.Module):
+        def __init__(self, scale: float) -> None:
+            super().__init__()
+            self.params = {"w": jnp.full((2, 3), scale), "b": jnp.ones(3)}
+            self.opt_state = optax.adam(1e-2).init(self.params)
+
+    model = Model(0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path = cv.Checkpoint(model=model).save(tmp_path / "ckpt")
+    keys = {k for k, _, _ in cv.list_variables(path)}
+    assert {"model/params/w", "model/params/b", "model/opt_state/0/mu/w"} <= keys
+    fresh = Model(0.0)
+    cv.Checkpoint(model=fresh).restore(path).assert_consumed()
+    assert isinstance(fresh.params["w"], jax.Array)
+    np.testing.assert_array_equal(np.asarray(fresh.params["w"]), np.full((2, 3), 0.5))
+    assert type(fresh.opt_state) is type(model.opt_state)
+
+
 def test_a_like_tree_holding_one_tensor_at_two_keys_gets_one_tensor(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = TiedLM()

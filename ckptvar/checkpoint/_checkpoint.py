@@ -39,8 +39,8 @@ from ._serialize import SaveContents, SnapshotBuffer, gather, host_arrays, metad
 from ._state import record_latest
 from ._status import RestoreStatus
 from ._steps import split_format, step_name
-from ._tree_state import TreeTrackable, is_jax_tree, is_tree_node
-from ._walk import is_array, untracked
+from ._tree_state import TreeTrackable, is_tree_node
+from ._walk import is_array, is_jax_tree, untracked
 
 __all__ = ["Checkpoint", "SaveOptions"]
 

@@ -38,36 +38,7 @@ from ._pytree import (
     wrap_keys,
 )
 
-__all__ = ["TreeTrackable", "is_jax_tree", "is_tree_node"]
-
-_PLAIN = (bool, int, float, str, bytes)
-
-
-def is_jax_tree(value: Any) -> bool:
-    """Whether a dict, list or tuple is a JAX pytree a checkpoint takes whole, as it takes
-    a registered node (``{"params": params, "opt_state": optax_state}``): its leaves are
-    JAX arrays (one at least; typed keys and ``jax.ShapeDtypeStruct``s too), registered
-    JAX nodes and Python values, nothing a checkpoint tracks (a variable, a module).
-    JAX arrays are immutable, so such a tree, like a node, is restored as a new tree; a
-    container of NumPy or torch arrays, which a user expects filled in place, is not one.
-    """
-    if not isinstance(value, list | tuple | dict):
-        return False
-    found = False
-    todo: list[Any] = [value]
-    while todo:
-        obj = todo.pop()
-        if isinstance(obj, dict):
-            todo.extend(obj.values())
-        elif isinstance(obj, list | tuple):
-            todo.extend(obj)
-        elif obj is None or isinstance(obj, _PLAIN):
-            continue
-        elif (framework_of(obj) == "jax" and is_array(obj)) or is_tree_node(obj):
-            found = True
-        else:
-            return False
-    return found
+__all__ = ["TreeTrackable", "is_tree_node"]
 
 
 #: the Python types a stored 0-d array may load into (a train state's ``step``), by kind

@@ -21,13 +21,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from .._frameworks import framework_of
 from ..module import Module
 from ..trackable import SupportsStateDict, Trackable, trackable_children
 from ..variables import PartitionedVariable, Variable
 from ._keys import escape_segment
 from ._tree_nodes import is_tree_node
 
-__all__ = ["Node", "child_items", "is_array", "is_framework_object", "set_stand_in",
+__all__ = ["Node", "child_items", "is_array", "is_framework_object", "is_jax_tree", "set_stand_in",
            "untracked", "walk"]
 
 
@@ -117,13 +118,41 @@ def is_framework_object(value: Any) -> bool:
 _PLAIN = (bool, int, float, str, bytes)
 
 
+def is_jax_tree(value: Any) -> bool:
+    """Whether a dict, list or tuple is a JAX pytree a checkpoint takes whole, as it takes
+    a registered node (``{"params": params, "opt_state": optax_state}``): its leaves are
+    JAX arrays (one at least; typed keys and ``jax.ShapeDtypeStruct``s too), registered
+    JAX nodes and Python values, nothing a checkpoint tracks (a variable, a module).
+    JAX arrays are immutable, so such a tree, like a node, is restored as a new tree; a
+    container of NumPy or torch arrays, which a user expects filled in place, is not one.
+    """
+    if not isinstance(value, list | tuple | dict):
+        return False
+    found = False
+    todo: list[Any] = [value]
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, list | tuple):
+            todo.extend(obj)
+        elif obj is None or isinstance(obj, _PLAIN):
+            continue
+        elif (framework_of(obj) == "jax" and is_array(obj)) or is_tree_node(obj):
+            found = True
+        else:
+            return False
+    return found
+
+
 def _with_stand_ins(obj: Trackable, children: dict[str, Any]) -> dict[str, Any]:
     """``children`` with each object of another library the trackable whose stand-in
     it is, and, for a ``cv.Module`` that does not say itself what it saves, each public
     attribute holding one that is not a child added (by its attribute name)."""
     out: dict[str, Any] | None = None
     for name, child in children.items():
-        if type(child) is not Variable and is_framework_object(child) and _STAND_IN:
+        if type(child) is not Variable and _STAND_IN and (is_framework_object(child)
+                                                          or is_jax_tree(child)):
             out = dict(children) if out is None else out
             out[name] = _STAND_IN[0](obj, name, child)
     if isinstance(obj, Module) and _STAND_IN and not _names_its_state(type(obj)):
