@@ -264,3 +264,53 @@ def test_the_interpreter_exit_waits_for_a_pending_deletion(
         assert res.stdout.strip() == "1"  # pending when the script ended
     assert _temporaries(directory) == []  # freed before the process ended
     assert _finals(directory) == [f"ckpt-2.{fmt}"]
+
+
+_ENDS_WITH_WORK_PENDING = textwrap.dedent(
+    """
+    import gc, sys, threading, time
+    import numpy as np
+    import ckptvar as cv
+    from ckptvar.checkpoint import _manager
+
+    # the last prune's deletion starts its work once the main thread ended (as a slow
+    # disk makes it do): while the interpreter shuts its thread pools down
+    real, last = _manager.cut_down, [False]
+    def late(path):
+        while last[0] and threading.main_thread().is_alive():
+            time.sleep(0.005)
+        return real(path)
+    _manager.cut_down = late
+    ending = sys.argv[2]
+    vs = {f"v{j}": cv.Variable(np.zeros(64, np.float32), name=f"v{j}") for j in range(4)}
+    mgr = cv.CheckpointManager(cv.Checkpoint(**vs), sys.argv[1], max_to_keep=1,
+                               format="zarr", async_save=True, incremental=True)
+    for step in range(3):
+        if step == 2:
+            mgr.wait_until_finished()
+            last[0] = True
+        vs["v0"].assign(np.full(64, step, np.float32))
+        mgr.save()  # the last one still in flight when the script ends
+    if ending == "dropped":
+        del mgr
+        gc.collect()
+    """
+)
+
+
+@pytest.mark.parametrize("ending", ["ends", "dropped"])
+def test_a_script_ending_with_a_save_and_a_deletion_pending_exits_cleanly(
+        tmp_path: Path, ending: str) -> None:
+    directory = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-c", _ENDS_WITH_WORK_PENDING, str(directory),
+                          ending], capture_output=True, text=True, timeout=60, check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == ""
+    assert _finals(directory) == ["ckpt-3.zarr"]  # the save in flight at exit committed
+    v0 = cv.Variable(np.zeros(64, np.float32), name="v0")
+    mgr = cv.CheckpointManager(cv.Checkpoint(v0=v0), str(directory), max_to_keep=1,
+                               format="zarr")
+    assert mgr.checkpoints == [str(directory / "ckpt-3.zarr")]
+    assert _temporaries(directory) == []  # what the pruned steps left is gone
+    mgr.restore_or_initialize()
+    np.testing.assert_array_equal(v0.numpy(), np.full(64, 2, np.float32))

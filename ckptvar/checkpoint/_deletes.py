@@ -17,7 +17,6 @@ import atexit
 import contextlib
 import logging
 import os
-import shutil
 import threading
 import time
 import weakref
@@ -39,10 +38,7 @@ def free(paths: Iterable[Path]) -> None:
     """Remove these temporaries of pruned steps; one that stays is said in the log."""
     for path in paths:
         try:
-            try:
-                remove_path(path)
-            except RuntimeError:  # at the interpreter's exit: its thread pool is shut down
-                _remove_here(path)
+            remove_path(path)
         except OSError as exc:
             logger.error("Could not free the pruned step %s: %s (a temporary: the next "
                          "manager on this directory or `ckpt gc` removes it).", path, exc)
@@ -50,15 +46,6 @@ def free(paths: Iterable[Path]) -> None:
         if os.path.lexists(path):
             logger.error("Could not free all of the pruned step %s (a temporary: the next "
                          "manager on this directory or `ckpt gc` removes it).", path)
-
-
-def _remove_here(path: Path) -> None:
-    """:func:`remove_path` on this thread alone."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
 
 
 class BackgroundDeletes:

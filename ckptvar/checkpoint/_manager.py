@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -70,7 +71,7 @@ from ..variables import Variable
 from . import _async
 from ._checkpoint import Checkpoint, SaveOptions
 from ._collective_targets import Nodes, register_nodes
-from ._deletes import BackgroundDeletes, free
+from ._deletes import WAIT_S, BackgroundDeletes, free
 from ._files import NATIVE_FORMATS, cut_down, retire
 from ._incremental import Incremental, Restored, held, missing_references
 from ._incremental_options import IncrementalOptions, incremental_options
@@ -1349,6 +1350,7 @@ class CheckpointManager:
             lambda n: self._persist_next or n % self.persistent_every == 0
             or (own is not None and own(n)))
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptvar-persist")
+        _TIERED.add(self)  # its copies in flight are waited for at exit
         #: steps whose persistent copy this process saw committed (per-node tiers)
         self._done_persists: set[int] = set()
 
@@ -1619,6 +1621,21 @@ class CheckpointManager:
                 del self._persisting[number]
                 raise future.exception()  # type: ignore[misc]
 
+    def _finish_persists(self, timeout: float) -> None:
+        """At exit: wait for the persistent copies in flight (at most ``timeout``
+        seconds); one that failed, or still runs, is said in the log (nobody else
+        waits for it now)."""
+        pending = list(self._persisting.items())
+        futures_wait([f for _, f in pending], timeout=timeout)
+        for number, future in pending:
+            if not future.done():
+                logger.error("Still copying step %d to %s at exit after %.0f s; not "
+                             "waiting (the copy may be missing there).", number,
+                             self._full(""), timeout)
+            elif future.exception() is not None:
+                logger.error("Copying step %d to %s failed and nobody waited for it: %r",
+                             number, self._full(""), future.exception())
+
     def _primary(self) -> bool:
         return self.coordinator is None or self.coordinator.is_primary
 
@@ -1697,6 +1714,25 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"<cv.CheckpointManager {os.fspath(self.directory)!r} name={self.checkpoint_name!r}>"
+
+
+#: the tiered managers alive, whose persistent copies in flight the exit waits for
+_TIERED: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+def _finish_persists_at_exit() -> None:
+    """Let every tiered manager's persistent copies in flight finish (at most
+    :data:`WAIT_S` in all), while the thread pools they use still take work."""
+    deadline = time.monotonic() + WAIT_S
+    for manager in list(_TIERED):
+        manager._finish_persists(max(0.0, deadline - time.monotonic()))
+
+
+# The interpreter's thread-pool shutdown (concurrent.futures' exit hook, imported above)
+# runs before ``atexit`` handlers and makes every pool refuse new work, which would fail
+# a copy still queued (its upload's threads); hooks registered here run in reverse
+# order, so this one runs before it.
+threading._register_atexit(_finish_persists_at_exit)  # type: ignore[attr-defined]
 
 
 class _NodeLocalTier(CheckpointManager):

@@ -258,6 +258,39 @@ def test_a_local_tier_persisted_to_s3_restores_on_a_new_machine(
     assert not [o.key for o in s3.location("run").list() if o.key.endswith(CLAIM_SUFFIX)]
 
 
+_ENDS_PERSISTING = """
+import json, sys
+import numpy as np
+import ckptvar as cv
+run, local, opts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+v = cv.Variable(np.zeros((32, 8), np.float32), name="v")
+mgr = cv.CheckpointManager(cv.Checkpoint(v=v), run, max_to_keep=1, format="zarr",
+                           storage_options=opts, local_directory=local,
+                           local_max_to_keep=1, async_save=True)
+v.assign(np.full((32, 8), 2.0, np.float32))
+mgr.save(2)  # ends the script with its copy to the object store queued
+"""
+
+
+def test_a_script_ending_with_a_copy_to_s3_queued_persists_it(
+    s3: S3Bucket, tmp_path: Path
+) -> None:
+    run = f"{s3.url}/run"
+    res = subprocess.run([sys.executable, "-c", _ENDS_PERSISTING, run,
+                          str(tmp_path / "local"), json.dumps(s3.storage_options)],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == ""
+    assert list_committed_steps(s3.location("run")) == ["ckpt-2.zarr"]
+    shutil.rmtree(tmp_path / "local")  # a new machine
+    ckpt, v = _model(-1.0)
+    again = cv.CheckpointManager(ckpt, run, max_to_keep=1, format="zarr",
+                                 storage_options=s3.storage_options,
+                                 local_directory=tmp_path / "local", local_max_to_keep=1)
+    assert again.restore_or_initialize() == f"{run}/ckpt-2.zarr"
+    np.testing.assert_array_equal(v.numpy(), np.full((32, 8), 2.0, np.float32))
+
+
 @pytest.mark.slow  # a long run: the default suite keeps a shorter one of the same kind
 def test_restart_after_kills_of_tiered_saves_persisting_to_s3(s3: S3Bucket, tmp_path: Path) -> None:
     """Kills land in local saves and in the background uploads of their persistent copies."""
