@@ -156,6 +156,31 @@ def test_a_save_the_interval_skips_logs_nothing_about_its_number(
     assert "continues past the newest committed step" in caplog.text
 
 
+@pytest.mark.parametrize(("saved", "opened"), [("zarr", "h5"), ("h5", "zarr")])
+def test_a_manager_of_another_format_names_the_steps_it_does_not_list(
+        tmp_path: Path, saved: str, opened: str, fresh_graph: cv.Graph) -> None:
+    """A run saved as Zarr, restarted by a manager left at the default format (h5),
+    listed nothing, so restore_or_initialize started from scratch without a word and the
+    run's next save was ckpt-1.h5 beside ckpt-2.zarr. Now the manager says which steps
+    of its name it does not list, and how to continue them."""
+    v = cv.Variable(np.ones(3), name="v")
+    first = cv.CheckpointManager(cv.Checkpoint(v=v), tmp_path, format=saved)
+    first.save()
+    first.save()
+    again = cv.Variable(np.zeros(3), name="v")
+    with pytest.warns(UserWarning, match=rf"ckpt-2\.{saved}.*format='{saved}'"):
+        restarted = cv.CheckpointManager(cv.Checkpoint(v=again), tmp_path, format=opened)
+    assert restarted.checkpoints == []
+    with pytest.warns(UserWarning, match=f"format='{saved}'"):  # each manager says it
+        cv.CheckpointManager(cv.Checkpoint(v=again), tmp_path, format=opened)
+    import warnings  # noqa: PLC0415
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # its own format's steps there too: quiet
+        cv.CheckpointManager(cv.Checkpoint(v=again), tmp_path, format=saved)
+        restarted.save()
+        cv.CheckpointManager(cv.Checkpoint(v=again), tmp_path, format=opened)
+
+
 def test_checkpoint_interval(tmp_path: Path, fresh_graph: cv.Graph) -> None:
     ckpt, _ = _ckpt()
     step = cv.Variable(0, dtype="int64", name="step")

@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -421,6 +422,30 @@ class CheckpointManager:
                 stored_now = self._finish_deletions(state)
                 if not stored_now and stored != self._section:  # under the directory's lock
                     self._store(state)  # the cache now says what the directory holds
+        if not self._section.get("checkpoints"):
+            self._say_other_formats(directory)
+
+    def _say_other_formats(self, directory: Path) -> None:
+        """This manager lists none of its steps: say which steps of its name, in another
+        format, are there (a run saved as Zarr restarted by a manager left at h5 would
+        otherwise start from scratch without a word)."""
+        others = {fmt: known_formats()[fmt] for fmt in NATIVE_FORMATS if fmt != self.format}
+        found: dict[str, list[tuple[int, str]]] = {}
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(directory):
+                for fmt, suffixes in others.items():
+                    parsed = parse_step_name(entry.name, prefix=self.checkpoint_name,
+                                             suffixes=suffixes)
+                    if parsed is not None:
+                        found.setdefault(fmt, []).append((parsed.step, entry.name))
+        for fmt, steps in found.items():
+            newest = max(steps)[1]
+            warnings.warn(
+                f"{os.fspath(directory)!r} holds {len(steps)} {fmt} step(s) named "
+                f"{self.checkpoint_name!r} (the newest {newest!r}) and no {self.format} "
+                f"step: this manager (format={self.format!r}) does not list, restore or "
+                f"prune them. To continue that run, pass format={fmt!r}.",
+                UserWarning, stacklevel=4)
 
     def _make_again(self) -> None:
         """The directory was removed under this manager (a scratch purge, a clean-up by
