@@ -77,8 +77,9 @@ def _unreached(exc: BaseException) -> bool:
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
-    path = str(latest_or_path(args.path))
-    try:
+    path = str(args.path)
+    try:  # a manager's directory's latest step is opened to be found: damage there too
+        path = str(latest_or_path(args.path))
         reader = open_checkpoint(path)
     except cv.CorruptCheckpointError as exc:
         if args.json:  # as for a value: the file is named in place of a key

@@ -548,8 +548,36 @@ def _read_exact(fd: int | RemoteFile, offset: int, n: int, *, what: str, path: A
     return bytes(buf)
 
 
+#: Where the HDF5 superblock's fields start, by its version: v0 and v1 (after the B-tree
+#: parameters; v1 has four more bytes), v2 and v3 (after the flags). The end-of-file
+#: address is the third address (after the base and one more).
+_SUPERBLOCK_ADDRESSES = {0: 24, 1: 28, 2: 12, 3: 12}
+
+
+def _check_end(fd: int, size: int, path: Any) -> None:
+    """Refuse a local file shorter than its HDF5 superblock (after the user block) says:
+    truncated behind the values and the record, which h5py refuses too. One small read;
+    a file without a superblock there (a sparse stand-in of a remote base) is left be."""
+    head = os.pread(fd, 96, USERBLOCK_SIZE)
+    at = _SUPERBLOCK_ADDRESSES.get(head[8]) if head[:8] == _HDF5_SIGNATURE else None
+    if at is None:
+        return
+    width = head[13] if head[8] < 2 else head[9]  # the size of an address
+    raw = head[at + 2 * width : at + 3 * width]
+    if width not in (2, 4, 8) or len(raw) != width:
+        return
+    stored = int.from_bytes(raw, "little")
+    if size < stored < (1 << (8 * width)) - 1:  # all ones: an undefined address
+        raise CorruptCheckpointError(
+            f"Checkpoint {str(path)!r} is truncated: it should be {stored} bytes long (its "
+            f"HDF5 superblock says so) but is {size}; the checkpoint is damaged."
+        )
+
+
 def _load_record(fd: int | RemoteFile, size: int, path: Any) -> Record:
     major, minor, off, n, rcrc = read_userblock(fd, path)
+    if isinstance(fd, int):
+        _check_end(fd, size, path)
     if major > FORMAT_VERSION[0]:
         raise UnsupportedFormatError(
             f"Checkpoint {str(path)!r} has format version {major}.{minor}, newer than "
@@ -739,6 +767,11 @@ class H5Reader(ContainerReader, SupportsShared):
                     f"Checkpoint {str(self.path)!r}: the bytes of {key!r} are in {name!r} "
                     f"beside it (an incremental step), which cannot be read ({exc.strerror})."
                 ) from None
+            try:
+                _check_end(fd, os.fstat(fd).st_size, Path(self.path).parent / name)
+            except BaseException:
+                os.close(fd)
+                raise
             self._holders[name] = fd
         size = fd.size if isinstance(fd, RemoteFile) else os.fstat(fd).st_size
         # a value with no bytes (no rows) has no storage: HDF5 gives it no address
