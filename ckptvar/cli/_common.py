@@ -173,13 +173,14 @@ def resolve_latest(path: str | Path) -> tuple[str | Path, str | None]:
 
     Returns the path to open and, for a directory, a note saying which one was taken.
     """
+    named_as_one = str(path).rstrip("/").lower().endswith((".h5", ".hdf5", ".zarr"))
     if is_url(path):
-        if str(path).rstrip("/").lower().endswith((".h5", ".hdf5", ".zarr")):
+        if named_as_one:
             return path, None
         url = cv.latest_checkpoint(str(path), storage_options=storage_options())
         return (path, None) if url is None else (url, f"the latest checkpoint of {str(path)!r}")
     p = Path(path)
-    if not p.is_dir():
+    if not p.is_dir() or named_as_one:  # a step of many processes is a directory too
         return path, None
     try:
         with cv.open(p):
