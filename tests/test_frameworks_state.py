@@ -6,7 +6,7 @@ that never stopped."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -268,6 +268,11 @@ def test_a_background_snapshot_is_the_state_at_the_call_with_reused_variables(
     assert o2.param_groups[0]["lr"] == 1e-2
 
 
+class _Pair(NamedTuple):
+    lo: Any
+    hi: Any
+
+
 class _Plain:
     """An object whose state dict is whatever the test sets, beside two tensors."""
 
@@ -288,6 +293,7 @@ class _Plain:
     ({"x": 1}, {"x": True}),  # 1 == True: another type
     ({"x": 1}, {"x": 1.0}),
     ({"x": (1, 2)}, {"x": [1, 2]}),  # a tuple became a list
+    ({"x": _Pair(1, 2)}, {"x": (1, 2)}),  # a namedtuple became an equal plain tuple
     ({"x": [1, 2]}, {"x": [1, 2, 3]}),  # a list grew in place (the same list object)
     ({1: "k"}, {"1": "k"}),  # an int key became a str key
     ({"x": 1, "y": 2}, {"y": 2, "x": 1}),  # the same items in another order
@@ -640,3 +646,24 @@ def test_a_restore_without_python_state_never_takes_an_earlier_restores(tmp_path
     tensors = cv.save(tmp_path / "b.h5", {"s/t": np.full((3, 2), 5, np.float32)})
     ckpt.restore(tensors).expect_partial()
     assert obj.sd["v"] == 2 and obj.sd["t"].tolist() == [[5, 5]] * 3
+
+
+def test_namedtuples_of_a_state_dict_come_back_as_the_live_state_dict_has_them(
+        tmp_path: Path) -> None:
+    """A namedtuple in a state dict's Python state came back as a plain tuple without a
+    word; now it takes its type from the restoring object's current state_dict() at that
+    place, and where that has none, a warning names the place."""
+    src = _Plain()
+    src.extra = {"hp": {"range": _Pair(0.5, (1, 2)), "n": 3}, "pairs": [_Pair(1, 2)]}
+    path = cv.Checkpoint(obj=src).save(tmp_path / "ckpt")
+    dst = _Plain()
+    dst.extra = {"hp": {"range": _Pair(0.0, (0, 0))}, "pairs": [_Pair(0, 0)]}
+    cv.Checkpoint(obj=dst).restore(path).assert_consumed()
+    assert dst.loaded["hp"] == {"range": _Pair(0.5, (1, 2)), "n": 3}
+    assert type(dst.loaded["hp"]["range"]) is _Pair and type(dst.loaded["pairs"][0]) is _Pair
+    assert type(dst.loaded["hp"]["range"].hi) is tuple
+    other = _Plain()
+    other.extra = {}  # no namedtuple at those places: plain tuples, and said
+    with pytest.warns(UserWarning, match=r"'obj'.*hp/range \(.*_Pair\).*pairs/0.*state_dict"):
+        cv.Checkpoint(obj=other).restore(path).assert_consumed()
+    assert type(other.loaded["hp"]["range"]) is tuple and other.loaded["pairs"] == [(1, 2)]

@@ -299,3 +299,15 @@ def test_reusing_a_partitioned_variable_with_other_partitions_is_refused() -> No
             with cv.variable_scope("emb", reuse=True, partitioner=other), pytest.raises(
                     ValueError, match=r"specified partitions \[.*\] and found partitions \[2, 1\]"):
                 cv.get_variable("table", shape=(4, 2))
+
+
+def test_asarray_copy_false_of_a_partitioned_variable_raises() -> None:
+    """``np.asarray(pv, copy=False)`` returned the concatenated new array: NumPy 2 asks a
+    value that cannot avoid a copy to raise ValueError, as a lazy value does."""
+    pv = cv.get_variable("w", shape=(4, 3), partitioner=cv.fixed_size_partitioner(2))
+    with pytest.raises(ValueError, match=r"copy=False.*'w'"):
+        np.asarray(pv, copy=False)
+    with pytest.raises(ValueError, match="copy=False"):
+        pv.__array__(np.float64, copy=False)
+    assert np.asarray(pv).shape == (4, 3)  # copy=None: the full value, as before
+    assert np.asarray(pv, dtype=np.float64, copy=True).dtype == np.float64

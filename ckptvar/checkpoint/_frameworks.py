@@ -10,7 +10,8 @@ writes into it in place).
 Keys are the state dict's paths under the object's name: ``model/fc.weight``,
 ``optimizer/state/0/exp_avg``. Values that are not tensors (step counts,
 hyper-parameters, ``param_groups``, ``None``) are the object's Python state, kept with
-their Python types (tuples stay tuples, int keys stay ints). A restore is the
+their Python types (tuples stay tuples, int keys stay ints; a namedtuple takes its type
+from the object's state dict before the restore, or is warned of). A restore is the
 checkpoint's usual all-or-nothing restore into the tensors that exist (in place, CUDA
 ones through the pinned staging buffer); tensors that are stored but do not exist yet (a
 fresh optimizer's ``exp_avg``), that have no storage (a module on the ``meta`` device)
@@ -43,7 +44,7 @@ from ..errors import CkptError
 from ..graph import Graph
 from ..trackable import SupportsStateDict, Trackable
 from ..variables import FreshValue, Shard, Variable, set_device_value, shares_memory
-from ._serialize import decode_state, encode_state
+from ._serialize import decode_state, encode_state, is_namedtuple, type_name, with_namedtuples
 from ._walk import walk
 
 __all__ = [
@@ -218,7 +219,10 @@ def _encode(value: Any, where: str) -> Any:
             items.append([k, _encode(v, f"{where}/{k}")])
         return {"d": items}
     if isinstance(value, tuple):
-        return {"t": [_encode(v, f"{where}/{i}") for i, v in enumerate(value)]}
+        out: dict[str, Any] = {"t": [_encode(v, f"{where}/{i}") for i, v in enumerate(value)]}
+        if is_namedtuple(value):
+            out["n"] = type_name(value)  # a record only: the restoring object gives the type
+        return out
     if isinstance(value, list):
         return {"l": [_encode(v, f"{where}/{i}") for i, v in enumerate(value)]}
     if value is None or isinstance(value, bool | int | float | str | bytes):
@@ -265,8 +269,11 @@ def _split(sd: Any) -> tuple[Any, list[tuple[Any, ...]], list[Any]]:
             return {"d": items}
         if isinstance(value, list | tuple):
             tag = "t" if isinstance(value, tuple) else "l"
-            return {tag: [{"v": v} if type(v) in scalars else enc(v, (*path, i))
-                          for i, v in enumerate(value)]}
+            out: dict[str, Any] = {tag: [{"v": v} if type(v) in scalars
+                                         else enc(v, (*path, i)) for i, v in enumerate(value)]}
+            if type(value) is not tuple and is_namedtuple(value):
+                out["n"] = type_name(value)
+            return out
         if value is None or isinstance(value, bool | int | float | str | bytes):
             return {"v": value}
         return leaf(value)
@@ -314,8 +321,8 @@ def _signature(sd: Any) -> tuple[list[Any] | None, list[Any]]:
             add(_DICT)
             add(len(value))
             return all(type(k) in keys and (add(k) or walk(v)) for k, v in value.items())
-        if isinstance(value, list | tuple):
-            add(_TUPLE if isinstance(value, tuple) else _LIST)
+        if isinstance(value, list | tuple):  # a namedtuple: its type (``_encode`` names it)
+            add(_LIST if isinstance(value, list) else _TUPLE if kind is tuple else kind)
             add(len(value))
             return all(map(walk, value))
         return False
@@ -345,6 +352,38 @@ def _decode(enc: Any, tensors: dict[tuple[Any, ...], Any], prefix: tuple[Any, ..
     if "l" in enc:
         return [_decode(v, tensors, (*prefix, i)) for i, v in enumerate(enc["l"])]
     return enc["v"]
+
+
+def _named(enc: Any, prefix: tuple[Any, ...] = ()) -> Iterator[list[Any]]:
+    """``[path, type name]`` of every namedtuple an encoded structure records."""
+    if enc == _TENSOR or "v" in enc:
+        return
+    if "d" in enc:
+        for k, v in enc["d"]:
+            yield from _named(v, (*prefix, k))
+        return
+    for i, v in enumerate(enc.get("t", enc.get("l", []))):
+        yield from _named(v, (*prefix, i))
+    if isinstance(enc.get("n"), str):
+        yield [list(prefix), enc["n"]]
+
+
+def _has_namedtuple(sd: Any) -> bool:
+    if isinstance(sd, dict):
+        return any(map(_has_namedtuple, sd.values()))
+    if isinstance(sd, list | tuple):
+        return is_namedtuple(sd) or any(map(_has_namedtuple, sd))
+    return False
+
+
+def _typed(sd: Any, enc: Any, like: Any, key: str) -> Any:
+    """``sd`` (decoded: tuples plain) with the namedtuples of ``like`` (the object's
+    state dict before the restore) at the same places, as a trackable's Python state
+    takes them (``with_namedtuples``: a stored namedtuple left plain is warned of)."""
+    named = list(_named(enc))
+    if not named and not _has_namedtuple(like):
+        return sd
+    return with_namedtuples(sd, like, named, key, holder="state_dict()", stacklevel=7)
 
 
 def _tensors(sd: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
@@ -478,6 +517,10 @@ class _Restoring:
         self.assign = False
         #: the paths of tied tensors, each with the tensor it shares (:func:`_ties`)
         self.ties: dict[tuple[Any, ...], Any] = {}
+        #: the checkpoint key and the object's state dict before the restore (the types
+        #: of the namedtuples ``load_state_dict`` gets: :func:`_typed`)
+        self.key = ""
+        self.like: Any = None
 
 
 class RestoredWhole(Trackable):
@@ -686,6 +729,7 @@ class StateDictTrackable(RestoredWhole):
         self._restoring = _Restoring(enc, tensors, variables, fresh)
         self._restoring.assign = assign
         self._restoring.ties = new.ties
+        self._restoring.key, self._restoring.like = key, sd
 
     def finish_restore(self, carry: Callable[[Variable, Variable], None] | None = None) -> None:
         """After a successful restore: ``load_state_dict`` when new tensors or state came.
@@ -698,10 +742,10 @@ class StateDictTrackable(RestoredWhole):
             return
         enc = self._state if self._state is not None else r.enc
         if r.assign:
-            sd = _decode(enc, _tied_parameters(r.tensors, r.ties))
+            sd = _typed(_decode(enc, _tied_parameters(r.tensors, r.ties)), enc, r.like, r.key)
             self.obj.load_state_dict(sd, assign=True)  # type: ignore[call-arg]
         else:
-            self.obj.load_state_dict(_decode(enc, r.tensors))
+            self.obj.load_state_dict(_typed(_decode(enc, r.tensors), enc, r.like, r.key))
         # the variables stay the object's: its tensors are the ones they fill (a later
         # walk, the status's included, meets them again)
         for path, t in _tensors(self.obj.state_dict()):

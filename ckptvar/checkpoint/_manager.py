@@ -26,7 +26,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
@@ -375,13 +375,19 @@ class CheckpointManager:
         if local_directory is not None:
             self._init_tiers(local_directory, step_counter, checkpoint_interval)
         if self._location is not None:
-            self.read_only = False
-            self._section = self._empty_section()
-            self._section["checkpoints"] = self._remote_list()
-            if primary:
-                clean_uncommitted(self._location, older_than_latest=True)
+            self._init_remote(self._location, primary)
             return
         self._init_local(Path(directory), primary)
+
+    def _init_remote(self, location: Location, primary: bool) -> None:
+        self.read_only = False
+        self._section = self._empty_section()
+        committed = committed_in_save_order(location, known=self._marker_times)
+        self._section["checkpoints"] = self._remote_list(committed=committed)
+        if not self._section["checkpoints"]:  # the same listing: no request more
+            self._say_other_formats(location.url, committed, stacklevel=4)
+        if primary:
+            clean_uncommitted(location, older_than_latest=True)
 
     def _locks(self) -> contextlib.AbstractContextManager[None]:
         """The block's waits for a lock last at most ``lock_timeout`` (this thread's, and
@@ -423,29 +429,30 @@ class CheckpointManager:
                 if not stored_now and stored != self._section:  # under the directory's lock
                     self._store(state)  # the cache now says what the directory holds
         if not self._section.get("checkpoints"):
-            self._say_other_formats(directory)
+            names: list[str] = []
+            with contextlib.suppress(OSError):
+                names = [entry.name for entry in os.scandir(directory)]
+            self._say_other_formats(os.fspath(directory), names, stacklevel=4)
 
-    def _say_other_formats(self, directory: Path) -> None:
-        """This manager lists none of its steps: say which steps of its name, in another
-        format, are there (a run saved as Zarr restarted by a manager left at h5 would
-        otherwise start from scratch without a word)."""
+    def _say_other_formats(self, where: str, names: Iterable[str], *, stacklevel: int) -> None:
+        """This manager lists none of its steps: say which of ``names`` (the entries of
+        ``where``) are steps of its name in another format (a run saved as Zarr restarted
+        by a manager left at h5 would otherwise start from scratch without a word)."""
         others = {fmt: known_formats()[fmt] for fmt in NATIVE_FORMATS if fmt != self.format}
         found: dict[str, list[tuple[int, str]]] = {}
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(directory):
-                for fmt, suffixes in others.items():
-                    parsed = parse_step_name(entry.name, prefix=self.checkpoint_name,
-                                             suffixes=suffixes)
-                    if parsed is not None:
-                        found.setdefault(fmt, []).append((parsed.step, entry.name))
+        for name in names:
+            for fmt, suffixes in others.items():
+                parsed = parse_step_name(name, prefix=self.checkpoint_name, suffixes=suffixes)
+                if parsed is not None:
+                    found.setdefault(fmt, []).append((parsed.step, name))
         for fmt, steps in found.items():
             newest = max(steps)[1]
             warnings.warn(
-                f"{os.fspath(directory)!r} holds {len(steps)} {fmt} step(s) named "
+                f"{where!r} holds {len(steps)} {fmt} step(s) named "
                 f"{self.checkpoint_name!r} (the newest {newest!r}) and no {self.format} "
                 f"step: this manager (format={self.format!r}) does not list, restore or "
                 f"prune them. To continue that run, pass format={fmt!r}.",
-                UserWarning, stacklevel=4)
+                UserWarning, stacklevel=stacklevel)
 
     def _make_again(self) -> None:
         """The directory was removed under this manager (a scratch purge, a clean-up by
@@ -455,7 +462,8 @@ class CheckpointManager:
         self.directory.mkdir(parents=True, exist_ok=True)
 
     # -- an object store: the commit markers are the state ------------------------------
-    def _remote_list(self, *, every: bool = False) -> list[dict[str, Any]]:
+    def _remote_list(self, *, every: bool = False,
+                     committed: list[str] | None = None) -> list[dict[str, Any]]:
         """This manager's committed steps in save order, oldest first (one listing
         request, and a read of each marker not read before;
         ``locations.committed_in_save_order``).
@@ -463,10 +471,13 @@ class CheckpointManager:
         An incremental HDF5 manager lists only the newest ``max_to_keep`` (unless
         ``every``): an older step still committed is held, kept because a listed step
         reads values from its object (docs/checkpoints.md, "Incremental checkpoints").
+        ``committed``: that listing, made already by the caller.
         """
         assert self._location is not None
+        if committed is None:
+            committed = committed_in_save_order(self._location, known=self._marker_times)
         entries: list[dict[str, Any]] = []
-        for key in committed_in_save_order(self._location, known=self._marker_times):
+        for key in committed:
             parsed = parse_step_name(key, prefix=self.checkpoint_name, suffixes=(self._suffix,))
             if parsed is not None:
                 entries.append({"path": key, "step": parsed.step})

@@ -39,10 +39,12 @@ __all__ = [
     "encode_state",
     "gather",
     "host_arrays",
+    "is_namedtuple",
     "metadata",
     "read_graph",
     "read_namedtuples",
     "tuple_paths",
+    "type_name",
     "with_namedtuples",
 ]
 
@@ -155,27 +157,31 @@ def tuple_paths(state: Any, key: str, named: list[list[Any]] | None = None
                 visit(v, [*path, i])
             if isinstance(value, tuple):
                 out.append(path)
-                if named is not None and _is_namedtuple(value):
-                    named.append([path, _type_name(value)])
+                if named is not None and is_namedtuple(value):
+                    named.append([path, type_name(value)])
 
     visit(state, [])
     return out
 
 
-def _is_namedtuple(value: Any) -> bool:
+def is_namedtuple(value: Any) -> bool:
+    """Whether ``value`` is a namedtuple (a tuple whose type has ``_fields``)."""
     return isinstance(value, tuple) and isinstance(getattr(type(value), "_fields", None), tuple)
 
 
-def _type_name(value: Any) -> str:
+def type_name(value: Any) -> str:
+    """``"module.QualName"`` of ``value``'s type (what a record of a namedtuple says)."""
     return f"{type(value).__module__}.{type(value).__qualname__}"
 
 
-def with_namedtuples(state: Any, like: Any, named: Any, key: str) -> Any:
+def with_namedtuples(state: Any, like: Any, named: Any, key: str, *,
+                     holder: str = "python_state()", stacklevel: int = 6) -> Any:
     """``state`` (decoded) with each tuple that is a namedtuple in ``like`` (the restoring
-    object's own ``python_state()``, at the same place, with as many fields) made one of
-    that type; ``named`` (the stored ``[path, type name]`` of the saved namedtuples) says
-    which came back as plain tuples for want of such a type: a ``UserWarning`` names them
-    and ``key``. No type is ever made from a name read from a file.
+    object's own ``python_state()``, or what ``holder`` names, at the same place, with as
+    many fields) made one of that type; ``named`` (the stored ``[path, type name]`` of
+    the saved namedtuples) says which came back as plain tuples for want of such a type:
+    a ``UserWarning`` names them and ``key``. No type is ever made from a name read from
+    a file.
 
     >>> from collections import namedtuple
     >>> P = namedtuple("P", "x y")
@@ -192,7 +198,7 @@ def with_namedtuples(state: Any, like: Any, named: Any, key: str) -> Any:
         if isinstance(value, list | tuple):
             seq = like if isinstance(like, list | tuple) and len(like) == len(value) else ()
             items = [visit(v, seq[i] if seq else None, (*path, i)) for i, v in enumerate(value)]
-            if isinstance(value, tuple) and _is_namedtuple(like) and len(like) == len(value):
+            if isinstance(value, tuple) and is_namedtuple(like) and len(like) == len(value):
                 given.add(path)
                 return type(like)(*items)
             return tuple(items) if isinstance(value, tuple) else items
@@ -205,9 +211,9 @@ def with_namedtuples(state: Any, like: Any, named: Any, key: str) -> Any:
         warnings.warn(
             f"The Python state of {key!r} held namedtuples that come back as plain tuples: "
             f"{', '.join(lost)}. A restore gives a tuple its namedtuple type only where the "
-            "restoring object's python_state() holds a namedtuple of as many fields at that "
+            f"restoring object's {holder} holds a namedtuple of as many fields at that "
             "place (a type named by a file is never imported or made).",
-            UserWarning, stacklevel=6)
+            UserWarning, stacklevel=stacklevel)
     return out
 
 

@@ -122,6 +122,14 @@ class PartitionedVariable:
     read_value = numpy
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        """The full value (NumPy's array protocol). Its parts are always concatenated into
+        a new array, so ``copy=False`` (NumPy 2: never copy) raises ``ValueError``."""
+        if copy is False:
+            raise ValueError(
+                f"np.asarray(..., copy=False) of partitioned variable {self._name!r}: its "
+                "parts are always concatenated into a new array; pass copy=None or call "
+                ".numpy()."
+            )
         full = self.numpy()
         return full if dtype is None else full.astype(dtype, copy=False)
 

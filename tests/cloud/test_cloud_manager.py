@@ -4,6 +4,7 @@ two writers racing for one step (local S3 server)."""
 from __future__ import annotations
 
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -170,3 +171,26 @@ def test_background_save_to_a_url(s3: S3Bucket) -> None:
     assert list_committed_steps(s3.location("run")) == ["ckpt-2.h5"]
     assert first.endswith("ckpt-1.h5")
     np.testing.assert_array_equal(cv.load(second, storage_options=opts)["v"], v.numpy())
+
+
+@pytest.mark.parametrize(("saved", "opened"), [("zarr", "h5"), ("h5", "zarr")])
+def test_a_manager_on_a_url_names_the_steps_of_another_format(
+        s3: S3Bucket, saved: str, opened: str) -> None:
+    """A run saved as Zarr on s3://, restarted by a manager left at h5, listed nothing and
+    started from scratch without a word; now it says which steps it does not list, from
+    the same listing."""
+    opts = s3.storage_options
+    run = f"{s3.url}/run"
+    ckpt, _ = _model(1.0)
+    first = cv.CheckpointManager(ckpt, run, format=saved, storage_options=opts)
+    first.save()
+    first.save()
+    with pytest.warns(UserWarning, match=rf"ckpt-2\.{saved}.*format='{saved}'") as said:
+        restarted = cv.CheckpointManager(_model()[0], run, format=opened, storage_options=opts)
+    assert said[0].filename == __file__  # the line that made the manager
+    assert restarted.checkpoints == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # its own format's steps there too: quiet
+        cv.CheckpointManager(_model()[0], run, format=saved, storage_options=opts)
+        restarted.save()
+        cv.CheckpointManager(_model()[0], run, format=opened, storage_options=opts)
