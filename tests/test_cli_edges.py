@@ -256,3 +256,37 @@ def test_verify_json_names_each_damaged_value(tmp_path: Path) -> None:
     assert {k: doc[k] for k in ("path", "format", "status", "values", "unchecked")} == {
         "path": str(src), "format": "h5", "status": "damaged", "values": 2, "unchecked": 0}
     assert [d["key"] for d in doc["damaged"]] == ["w"] and "checksum" in doc["damaged"][0]["reason"]
+
+
+def test_gc_json_says_what_it_removed_and_what_a_step_keeps(
+        tmp_path: Path, fresh_graph: cv.Graph, capsys: pytest.CaptureFixture[str]) -> None:
+    """``ckpt gc --json``: one JSON object on stdout (what it removed or, with --dry-run,
+    would remove, the bytes freed, and the steps kept because a later step refers to
+    their bytes); nothing else on stdout."""
+    rng = np.random.default_rng(0)
+    frozen = cv.Variable(rng.random(20_000, dtype=np.float32), name="frozen")
+    head = cv.Variable(np.zeros(20_000, np.float32), name="head")
+    run = tmp_path / "run"
+    manager = cv.CheckpointManager(cv.Checkpoint(frozen=frozen, head=head), run,
+                                   max_to_keep=1, incremental=True)
+    manager.save()
+    head.assign_add(1)
+    manager.save()
+    manager.wait_until_finished()
+    leftover = run / ".ckpt-3.h5.0123456789abcdef0123456789abcdef.partial"
+    leftover.write_bytes(b"x" * 10)
+    for dry in (True, False):
+        if dry:  # the command itself: stdout is the JSON object alone
+            proc = ckpt("gc", run, "--json", "--dry-run")
+            assert proc.returncode == 0, proc.stderr
+            got = json.loads(proc.stdout)
+        else:
+            assert main(["gc", str(run), "--json"]) == 0
+            got = json.loads(capsys.readouterr().out)
+        mine = [r for r in got["removed"] if r["path"].startswith(str(run))]
+        assert mine == [{"path": str(leftover), "what": "temporary", "bytes": 10}], got
+        assert got["dry_run"] is dry and got["path"] == str(run)
+        assert got["bytes_freed"] == sum(r["bytes"] for r in got["removed"])
+        assert got["kept"] == [{"path": str(run / "ckpt-1.h5"),
+                                "referred_by": ["ckpt-2.h5"]}], got
+        assert leftover.exists() is dry
