@@ -290,3 +290,23 @@ def test_gc_json_says_what_it_removed_and_what_a_step_keeps(
         assert got["kept"] == [{"path": str(run / "ckpt-1.h5"),
                                 "referred_by": ["ckpt-2.h5"]}], got
         assert leftover.exists() is dry
+
+
+def test_every_subcommand_takes_quiet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``-q``/``--quiet`` means the same in every subcommand: no progress bar, no note on
+    stderr (which checkpoint a manager's directory stands for); errors still said."""
+    run = tmp_path / "run"
+    cv.CheckpointManager(cv.Checkpoint(w=cv.Variable(np.arange(4.0), name="w")), run).save()
+    step = str(run / "ckpt-1.h5")
+    proc = ckpt("show", run, "w", "--quiet")  # the command itself: nothing on stderr
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+    assert "0." in proc.stdout
+    assert main(["show", str(run), "w"]) == 0
+    assert "ckpt: reading" in capsys.readouterr().err
+    for args in (["inspect", str(run)], ["show", str(run), "w"], ["verify", str(run)],
+                 ["diff", str(run), step], ["ls", str(run)], ["gc", str(run)],
+                 ["convert", str(run), str(tmp_path / "w.npz")]):
+        assert main([*args, "-q"]) == 0, (args, capsys.readouterr())
+        assert capsys.readouterr().err == "", args
+    assert main(["show", str(tmp_path / "none.h5"), "w", "-q"]) == 2
+    assert capsys.readouterr().err.startswith("ckpt: error: ")

@@ -176,7 +176,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="show a progress bar on stderr (default: for large conversions on a terminal)",
     )
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (--no-progress)")
 
 
 class _WritableFormats:
