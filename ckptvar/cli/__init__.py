@@ -37,6 +37,7 @@ from ._common import (
     UsageError,
     add_command,
     say,
+    set_quiet,
     set_storage_options,
 )
 from ._lazy import load_now
@@ -103,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(args, int):
         return args
     try:
+        set_quiet(args.quiet)
         set_storage_options(args.storage_option)
         return int(args.func(args, sys.stdout))
     except UsageError as exc:

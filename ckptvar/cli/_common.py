@@ -31,11 +31,13 @@ __all__ = [
     "add_storage_option",
     "is_url",
     "latest_or_path",
+    "note",
     "open_checkpoint",
     "progress_for",
     "resolve_latest",
     "say",
     "select",
+    "set_quiet",
     "set_storage_options",
     "storage_options",
 ]
@@ -60,6 +62,24 @@ def say(line: str) -> None:
         sys.stderr.flush()
     except (AttributeError, OSError, ValueError):  # None when closed at start; EPIPE
         pass
+
+
+class _Quiet:
+    """Whether ``-q``/``--quiet`` was given: notes on stderr are left out."""
+
+    on = False
+
+
+def set_quiet(quiet: bool) -> None:
+    """``-q``/``--quiet`` for this command: :func:`note` says nothing."""
+    _Quiet.on = quiet
+
+
+def note(line: str) -> None:
+    """An informational line on stderr (:func:`say`), left out under ``--quiet``;
+    warnings and errors use :func:`say` and are always written."""
+    if not _Quiet.on:
+        say(line)
 
 
 class Parser(argparse.ArgumentParser):
@@ -113,6 +133,7 @@ def add_command(sub: Any, name: str, command: Command) -> argparse.ArgumentParse
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     command.add_arguments(parser)
+    add_quiet(parser)
     add_storage_option(parser)
     parser.set_defaults(func=command.run)
     return parser
@@ -197,19 +218,19 @@ def latest_or_path(path: str | Path) -> str | Path:
     """:func:`resolve_latest`'s path, saying on stderr which checkpoint a manager's
     directory stands for (``show``, ``convert``, ``diff`` and ``verify``; ``inspect``
     says it in its output)."""
-    resolved, note = resolve_latest(path)
-    if note is not None:
-        say(f"ckpt: reading {escape(str(resolved))}, {escape(note)}")
+    resolved, why = resolve_latest(path)
+    if why is not None:
+        note(f"ckpt: reading {escape(str(resolved))}, {escape(why)}")
     return resolved
 
 
 def add_quiet(p: argparse.ArgumentParser) -> None:
+    """``-q``/``--quiet``, the same in every subcommand (:func:`add_command` adds it)."""
     p.add_argument(
         "-q",
         "--quiet",
         action="store_true",
-        help="no progress bar (one appears on stderr, when it is a terminal, for work "
-        "that takes more than a second)",
+        help="no progress bar and no notes on stderr (warnings and errors are still said)",
     )
 
 

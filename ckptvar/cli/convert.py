@@ -176,23 +176,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="show a progress bar on stderr (default: for large conversions on a terminal)",
     )
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (--no-progress)")
+
+
+#: The writable formats the registry holds once loaded, named here so that the help
+#: lists them without loading it (h5py, zarr and every format module: most of a second);
+#: a test checks them against ``cv.storage.writable_formats()``.
+WRITABLE_FORMATS = ("h5", "zarr", "safetensors", "hf-safetensors", "npz")
 
 
 class _WritableFormats:
-    """The ``--format`` choices: the registry's writable formats, asked only when used
-    (so a format registered later appears, and ``ckpt --help`` reads no registry)."""
+    """The ``--format`` choices: the registry's writable formats, asked only when a
+    ``--format`` is given (so a format registered later is taken). Listed (the help, an
+    invalid choice) as :data:`WRITABLE_FORMATS` until then, the registry's once asked."""
+
+    def __init__(self) -> None:
+        self._asked: list[str] | None = None
 
     def _names(self) -> list[str]:
-        load_now()  # before the registry's own imports: a Ctrl-C raises as it should
-        names: list[str] = cv.storage.writable_formats()
-        return names
+        if self._asked is None:
+            load_now()  # before the registry's own imports: a Ctrl-C raises as it should
+            self._asked = list(cv.storage.writable_formats())
+        return self._asked
 
     def __contains__(self, name: object) -> bool:
         return name in self._names()
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._names())
+        return iter(self._asked if self._asked is not None else WRITABLE_FORMATS)
 
 
 _FLOAT_TARGETS = ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2")

@@ -11,7 +11,6 @@ from ._common import (
     EXIT_MISMATCH,
     EXIT_OK,
     UsageError,
-    add_quiet,
     add_selection,
     describe_selection,
     latest_or_path,
@@ -73,7 +72,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_selection(p)
     p.add_argument("--json", action="store_true", help="print one JSON object for scripts")
-    add_quiet(p)
 
 
 def _non_negative(text: str) -> float:

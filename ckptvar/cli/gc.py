@@ -8,7 +8,8 @@ from typing import TextIO
 import ckptvar as cv
 
 from ._common import EXIT_OK, storage_options
-from ._output import escape
+from ._output import dump_json, escape
+from .ls import held_steps
 
 EPILOG = """\
 Removes what saves that died (killed, preempted, out of disk) left behind:
@@ -20,11 +21,17 @@ commit any more. A save in flight and every committed checkpoint are left alone.
 A CheckpointManager's next save does the same. Incomplete multipart uploads
 cannot be listed by the client: see docs/cloud.md for the bucket lifecycle rule.
 
+--json prints one object: {"path", "dry_run", "removed": [{"path", "what",
+"bytes"}, ...] (with --dry-run: what would be removed), "bytes_freed", "kept":
+[{"path", "referred_by"}, ...]} ("kept": steps left because later incremental steps
+refer to their bytes).
+
 exit status: 0 done (or nothing to do), 2 missing or unreadable input.
 
 examples:
   ckpt gc runs/
   ckpt gc s3://bucket/run --dry-run
+  ckpt gc runs/ --dry-run --json
 """
 
 HELP = "remove what dead saves left (temporaries, staging files, claims, uncommitted objects)"
@@ -36,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", metavar="DIR|URL", help="the checkpoint directory or URL")
     p.add_argument("--dry-run", action="store_true",
                    help="only list what would be removed")
+    p.add_argument("--json", action="store_true", help="print one JSON object for scripts")
 
 
 def _size(n: int) -> str:
@@ -50,10 +58,16 @@ def _size(n: int) -> str:
 def run(args: argparse.Namespace, out: TextIO) -> int:
     found = cv.checkpoint.gc(args.path, dry_run=args.dry_run,
                              storage_options=storage_options())
+    total = sum(left.nbytes for left in found)
+    if args.json:
+        dump_json({"path": args.path, "dry_run": args.dry_run,
+                   "removed": [{"path": left.path, "what": left.what, "bytes": left.nbytes}
+                               for left in found],
+                   "bytes_freed": total, "kept": held_steps(args.path)}, out)
+        return EXIT_OK
     verb = "would remove" if args.dry_run else "removed"
     for left in found:
         print(f"{verb}  {left.what}  {escape(left.path)}  {left.nbytes} bytes", file=out)
-    total = sum(left.nbytes for left in found)
     print(f"{verb} {len(found)} leftover{'s' if len(found) != 1 else ''}, "
           f"{total} bytes ({_size(total)})", file=out)
     return EXIT_OK

@@ -12,7 +12,6 @@ import ckptvar as cv
 from ._blocks import Stats, value_blocks
 from ._common import (
     EXIT_OK,
-    add_quiet,
     add_selection,
     open_checkpoint,
     progress_for,
@@ -104,7 +103,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="natural",
         help="list keys in natural order (vars/2 before vars/10; the default) or as stored",
     )
-    add_quiet(p)
 
 
 def _record(reader: Any, key: str, *, with_attrs: bool = False) -> dict[str, Any]:

@@ -243,6 +243,20 @@ def _print_foreign(foreign: list[str], out: TextIO) -> None:
         print(f"not listed, named like a step but not a ckptvar checkpoint: {names}", file=out)
 
 
+def held_steps(path: str) -> list[dict[str, Any]]:
+    """The steps at ``path`` (a manager's directory or URL) whose bytes later incremental
+    steps refer to, so the manager keeps them: ``[{"path", "referred_by"}, ...]``."""
+    steps: list[Path] | list[str]
+    if is_url(path):
+        steps = [u for u, _, _ in _committed_steps(path)]
+        holders = _referred_by(steps, storage_options())
+    else:
+        steps = _manager_checkpoints(Path(path))[0]
+        holders = _referred_by(steps)
+    names = [(str(s), str(s).rstrip("/").rsplit("/", 1)[-1]) for s in steps]
+    return [{"path": s, "referred_by": holders[n]} for s, n in names if n in holders]
+
+
 def _referred_by(paths: list[Path] | list[str],
                  options: dict[str, Any] | None = None) -> dict[str, list[str]]:
     """The incremental HDF5 steps' references (local paths or step URLs): holder step

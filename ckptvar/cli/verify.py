@@ -11,7 +11,6 @@ import ckptvar as cv
 from ._common import (
     EXIT_MISMATCH,
     EXIT_OK,
-    add_quiet,
     add_selection,
     latest_or_path,
     open_checkpoint,
@@ -55,7 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_selection(p)
     p.add_argument("--json", action="store_true", help="print one JSON object for scripts")
-    add_quiet(p)
 
 
 def _info(reader: cv.storage.Reader, key: str) -> cv.storage.ArrayInfo | None:
