@@ -169,37 +169,17 @@ def _say_not_as_stored(path: PathLike, reader: Reader, wanted: list[str], *,
                        whole: bool) -> None:
     """Warn of the values a load leaves out (``whole``: every key asked for) and of those
     of ``wanted`` it gives in another dtype or shape than stored."""
+    said = []
     if whole and reader.skipped:
-        _warn_skipped(path, reader.skipped)
+        said.append(("leaves out", "that cannot be read as numeric arrays", reader.skipped))
     changed = {k: reader.changed[k] for k in wanted if k in reader.changed}
     if changed:
-        _warn_changed(path, changed)
-
-
-def _ten(said: Mapping[str, str]) -> str:
-    """The first ten ``key (reason)`` of ``said``, and how many more."""
-    shown = "; ".join(f"{k!r} ({why.rstrip('.')})" for k, why in list(said.items())[:10])
-    return shown + (f"; and {len(said) - 10} more" if len(said) > 10 else "")
-
-
-def _warn_changed(path: PathLike, changed: Mapping[str, str]) -> None:
-    """Never silent: say once which values a load gives in another form than stored."""
-    warnings.warn(
-        f"cv.load({str(path)!r}) gives {len(changed)} value(s) in another dtype or shape "
-        f"than the file stores: {_ten(changed)}.",
-        UserWarning,
-        stacklevel=4,
-    )
-
-
-def _warn_skipped(path: PathLike, skipped: Mapping[str, str]) -> None:
-    """Never silent: say once which stored values a load leaves out, and why."""
-    warnings.warn(
-        f"cv.load({str(path)!r}) leaves out {len(skipped)} value(s) that cannot be read as "
-        f"numeric arrays: {_ten(skipped)}.",
-        UserWarning,
-        stacklevel=4,
-    )
+        said.append(("gives", "in another dtype or shape than the file stores", changed))
+    for does, which, values in said:  # never silent: each said once, the first ten named
+        shown = "; ".join(f"{k!r} ({why.rstrip('.')})" for k, why in list(values.items())[:10])
+        more = f"; and {len(values) - 10} more" if len(values) > 10 else ""
+        warnings.warn(f"cv.load({str(path)!r}) {does} {len(values)} value(s) {which}: "
+                      f"{shown}{more}.", UserWarning, stacklevel=3)
 
 
 def _load_to_gpu(reader: Reader, keys: list[str], dev: Any, verify: bool) -> dict[str, Any]:

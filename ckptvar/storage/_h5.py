@@ -648,12 +648,16 @@ class H5Reader(ContainerReader, SupportsShared):
         else:
             fd = source
         try:
-            if source is None and stat.S_ISDIR(os.fstat(fd).st_mode):  # type: ignore[arg-type]
-                raise UnsupportedFormatError(
-                    f"{str(path)!r} is a directory, not an HDF5 file (nor a multi-process "
-                    "step: it holds no complete step index)."
-                )
-            size = os.fstat(fd).st_size if source is None else source.size  # type: ignore[arg-type]
+            if source is None:
+                st = os.fstat(fd)  # type: ignore[arg-type]
+                if stat.S_ISDIR(st.st_mode):
+                    raise UnsupportedFormatError(
+                        f"{str(path)!r} is a directory, not an HDF5 file (nor a "
+                        "multi-process step: it holds no complete step index)."
+                    )
+                size = st.st_size
+            else:
+                size = source.size
             record = _load_record(fd, size, path)
         except BaseException:
             _src.close(fd)
@@ -768,12 +772,14 @@ class H5Reader(ContainerReader, SupportsShared):
                     f"beside it (an incremental step), which cannot be read ({exc.strerror})."
                 ) from None
             try:
-                _check_end(fd, os.fstat(fd).st_size, Path(self.path).parent / name)
+                size = os.fstat(fd).st_size
+                _check_end(fd, size, Path(self.path).parent / name)
             except BaseException:
                 os.close(fd)
                 raise
             self._holders[name] = fd
-        size = fd.size if isinstance(fd, RemoteFile) else os.fstat(fd).st_size
+        else:
+            size = fd.size if isinstance(fd, RemoteFile) else os.fstat(fd).st_size
         # a value with no bytes (no rows) has no storage: HDF5 gives it no address
         if nbytes and (offset < USERBLOCK_SIZE or offset + nbytes > size):
             raise CorruptCheckpointError(
