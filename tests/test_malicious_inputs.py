@@ -322,6 +322,9 @@ def test_verify_names_the_values_it_did_not_check(tmp_path: Path) -> None:
     assert "SKIPPED  a: dtype '|O' refused" in run.stdout, run.stdout
     assert run.stdout.strip().splitlines()[-1] == (
         "OK: 1 value verified; 1 skipped (not read, so not verified)")
+    as_json = json.loads(ckpt("verify", path, "--json").stdout)
+    assert as_json["status"] == "ok" and as_json["values"] == 1
+    assert [s["key"] for s in as_json["skipped"]] == ["a"]
     assert not marker.exists()
 
 

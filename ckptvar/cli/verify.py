@@ -30,8 +30,8 @@ cannot read as numbers (an object array, a string tensor) is listed as SKIPPED
 and counted in the verdict, never called verified. --filter/--exclude
 (globs, repeatable) verify only some keys; a selection matching nothing is an
 error (exit 2). --json prints {"path", "format", "status", "values", "unchecked",
-"damaged": [{"key", "reason"}, ...]} (status: ok, readable where nothing is
-checksummed, or damaged), with the same exit status.
+"damaged": [{"key", "reason"}, ...], "skipped": [{"key", "reason"}, ...]} (status:
+ok, readable where nothing is checksummed, or damaged), with the same exit status.
 
 exit status: 0 all values intact (or readable, where not checksummed), 1 damage found, 2 missing or unreadable input (an object store that does not answer included: never called damage).
 
