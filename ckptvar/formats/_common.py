@@ -10,6 +10,7 @@ allocating anything, and :func:`new_value`, where a value read by parts is alloc
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import stat
@@ -295,8 +296,10 @@ class FileArray(LazyArray):
         return np.array(result, copy=True) if isinstance(result, np.ndarray) else result
 
 
+@functools.cache
 def _memory() -> int:
-    """This machine's physical memory and swap, in bytes (0 where it cannot be told)."""
+    """This machine's physical memory and swap, in bytes (0 where it cannot be told; read
+    once: a value assembled from parts asks for each box)."""
     try:
         physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
